@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# Idempotent setup: Vulkan loader + lavapipe + validation layers (Debian), then .venv with vktrain[test].
+# Quiet when there is nothing to do.
+set -euo pipefail
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$root"
+
+debs=(libvulkan1 mesa-vulkan-drivers vulkan-validationlayers)
+missing=()
+for p in "${debs[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+if [ ${#missing[@]} -gt 0 ]; then
+  if [ "$(id -u)" -ne 0 ]; then
+    echo "setup: missing Debian packages: ${missing[*]}" >&2
+    echo "setup: run as root, or install them yourself: sudo apt-get install -y ${missing[*]}" >&2
+    exit 1
+  fi
+  echo "setup: installing ${missing[*]} (Vulkan loader, lavapipe CPU driver, validation layers)"
+  export DEBIAN_FRONTEND=noninteractive
+  apt-get update -qq >/dev/null
+  apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null 2>&1 ||
+    { echo "setup: apt-get install ${missing[*]} failed" >&2; exit 1; }
+fi
+
+py="${PYTHON:-python3}"
+if [ ! -x .venv/bin/python ]; then
+  echo "setup: creating .venv"
+  "$py" -m venv .venv
+fi
+# Reinstall only when the project metadata changed since the last successful install.
+stamp=.venv/.vktrain-installed
+want="$(sha256sum pyproject.toml | cut -d' ' -f1)"
+if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
+  echo "setup: installing vktrain and its dependencies into .venv (torch 2.13.0 CPU, executorch 1.5.1)"
+  log=.venv/pip-install.log
+  if ! { .venv/bin/python -m pip install -q --upgrade pip && .venv/bin/python -m pip install -q -e ".[test]"; } >"$log" 2>&1; then
+    grep -v "is ignored: it is neither a file nor a directory" "$log" | tail -40 >&2
+    echo "setup: pip install failed (full log: $log)" >&2
+    exit 1
+  fi
+  echo "$want" > "$stamp"
+fi

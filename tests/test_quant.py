@@ -1,0 +1,135 @@
+"""vktrain.quant against the spec's test vectors (w4x8.md) and independent float64 formulas."""
+import numpy as np
+import pytest
+
+from vktrain import quant
+
+
+def spec_q(N, K):
+    """The spec's test pattern q[n, k] = ((3n + 5k) mod 16) - 8."""
+    n = np.arange(N)[:, None]
+    k = np.arange(K)[None, :]
+    return ((3 * n + 5 * k) % 16) - 8
+
+
+def words(*hex_words):
+    return [int(w, 16) for w in hex_words]
+
+
+SPEC_VECTORS = [
+    # (N, K, flat row 0, {(k4, n8): 4 words})
+    (8, 8, "50 fa 94 3e", {
+        (0, 0): words("2fda8530", "8530eb96", "eb9641fc", "41fca752"),
+        (1, 0): words("631ec974", "c9742fda", "2fda8530", "8530eb96"),
+    }),
+    (12, 4, "50 fa 88 88", {
+        (0, 0): words("2fda8530", "8530eb96", "eb9641fc", "41fca752"),
+        (0, 1): words("a7520db8", "0db8631e", "88888888", "88888888"),
+        (1, 0): words("88888888", "88888888", "88888888", "88888888"),
+        (1, 1): words("88888888", "88888888", "88888888", "88888888"),
+    }),
+    (16, 24, "50 fa 94 3e d8 72 1c b6 50 fa 94 3e", {
+        (0, 0): words("2fda8530", "8530eb96", "eb9641fc", "41fca752"),
+        (0, 1): words("a7520db8", "0db8631e", "631ec974", "c9742fda"),
+        (5, 1): words("eb9641fc", "41fca752", "a7520db8", "0db8631e"),
+    }),
+]
+
+
+@pytest.mark.parametrize("N,K,row0,blocks", SPEC_VECTORS)
+def test_spec_vectors(N, K, row0, blocks):
+    flat = quant.pack_flat(spec_q(N, K))
+    assert flat[0].tobytes() == bytes.fromhex(row0.replace(" ", ""))
+    packed = quant.pack_w4x8(flat, K)
+    N8 = (N // 4 + 1) // 2
+    assert packed.shape == (quant.w4x8_num_words(N, K),)
+    for (k4, n8), expected in blocks.items():
+        block = 4 * (k4 * N8 + n8)
+        assert [int(w) for w in packed[block:block + 4]] == expected, (k4, n8)
+
+
+@pytest.mark.parametrize("N,K", [(4, 4), (8, 8), (12, 4), (12, 20), (16, 24), (20, 36), (64, 128)])
+def test_round_trips_and_decode_formula(N, K):
+    rng = np.random.default_rng(N * 1000 + K)
+    q = rng.integers(-8, 8, size=(N, K))
+    flat = quant.pack_flat(q)
+    assert flat.shape == (N, quant.padded_k(K) // 2)
+    np.testing.assert_array_equal(quant.unpack_flat(flat, K), q)
+    packed = quant.pack_w4x8(flat, K)
+    np.testing.assert_array_equal(quant.unpack_w4x8(packed, N, K), flat)
+    # Padding nibbles (k >= K) are code 8 in both layouts.
+    if quant.padded_k(K) != K:
+        codes_hi = flat[:, -1] >> 4
+        assert (codes_hi == 8).all()
+    gs = 4
+    scales = rng.uniform(0.5, 2.0, size=(K // gs, N)).astype(np.float32)
+    deq = quant.dequantize(flat, scales, gs)
+    for n, k in [(0, 0), (N - 1, K - 1), (N // 2, K // 3), (N - 1, 0), (1 % N, K - 1)]:
+        assert quant.decode_w4x8_element(packed, scales, n, k, N, gs) == deq[n, k]
+        # float64 product is exact for a 4-bit code; one rounding to float32 must give the kernel value
+        assert deq[n, k] == np.float32(np.float64(q[n, k]) * np.float64(scales[k // gs, n]))
+
+
+def test_w4x8_rows_past_n_hold_code_8():
+    N, K = 12, 16  # N4 = 3 is odd: the upper half of the last block column is padding
+    packed = quant.pack_w4x8(quant.pack_flat(np.zeros((N, K), dtype=np.int64) - 8), K)
+    blocks = packed.reshape(K // 4, 2, 4)
+    assert (blocks[:, 1, 2:] == 0x88888888).all()
+    assert (blocks[:, 1, :2] == 0).all()  # real rows hold code 0 (q = -8)
+
+
+def test_quantize_matches_float64_rule():
+    rng = np.random.default_rng(0)
+    N, K, gs = 12, 64, 16
+    w = rng.standard_normal((N, K)).astype(np.float32)
+    w[3, 16:32] = 0.0  # a zero group -> zero scale -> code 8
+    flat, scales = quant.quantize(w, gs)
+    assert scales.shape == (K // gs, N) and scales.dtype == np.float32
+    w64 = w.astype(np.float64).reshape(N, K // gs, gs)
+    s64 = np.abs(w64).max(axis=2) / 7.0
+    np.testing.assert_allclose(scales, s64.T, rtol=1e-6)
+    q = quant.unpack_flat(flat, K).reshape(N, K // gs, gs)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        expected = np.clip(np.rint(w64 / s64.astype(np.float32)[..., None]), -8, 7)
+    expected = np.where(s64[..., None] == 0, 0, expected)
+    np.testing.assert_array_equal(q, expected)
+    assert scales[1, 3] == 0 and (q[3, 1] == 0).all()
+    # Error bound of the symmetric grid: half a step per element.
+    err = np.abs(quant.dequantize(flat, scales, gs) - w).reshape(N, K // gs, gs)
+    assert (err <= scales.T[..., None] / 2 + 1e-6).all()
+
+
+def test_requant_rounds_half_to_even_and_clamps():
+    scales = np.ones((1, 4), dtype=np.float32)
+    latent = np.array([[0.5, 1.5, 2.5, -0.5], [-1.5, 7.5, -8.5, 100.0],
+                       [6.5, -7.5, 3.49, -3.51], [0, 0, 0, 0]], dtype=np.float32)
+    q = quant.requant(latent, scales, 4)
+    np.testing.assert_array_equal(q, [[0, 2, 2, 0], [-2, 7, -8, 7], [6, -8, 3, -4], [0, 0, 0, 0]])
+
+
+def test_requant_of_dequantized_returns_the_same_codes():
+    rng = np.random.default_rng(1)
+    N, K, gs = 20, 40, 8
+    flat, scales = quant.quantize(rng.standard_normal((N, K)), gs)
+    q_again = quant.requant(quant.dequantize(flat, scales, gs), scales, gs)
+    np.testing.assert_array_equal(quant.pack_flat(q_again), flat)
+
+
+@pytest.mark.parametrize("N,K,gs,match", [
+    (6, 8, 4, "N=6"), (8, 6, 2, "group_size=2"), (8, 12, 8, "K=12 must be a multiple of group_size=8"),
+    (8, 10, 5, "group_size=5"),
+])
+def test_bad_shapes_are_refused_with_reason(N, K, gs, match):
+    with pytest.raises(ValueError, match=match):
+        quant.quantize(np.zeros((N, K), dtype=np.float32), gs)
+
+
+def test_bad_layout_inputs_are_refused():
+    with pytest.raises(ValueError, match="uint8"):
+        quant.unpack_flat(np.zeros((4, 4), dtype=np.int32), 8)
+    with pytest.raises(ValueError, match=r"\[-8, 7\]"):
+        quant.pack_flat(np.full((4, 8), 8))
+    with pytest.raises(ValueError, match="words"):
+        quant.unpack_w4x8(np.zeros(3, dtype=np.uint32), 8, 8)
+    with pytest.raises(ValueError, match="scales shape"):
+        quant.dequantize(np.zeros((8, 4), dtype=np.uint8), np.zeros((3, 8), dtype=np.float32), 4, K=8)
