@@ -1,0 +1,68 @@
+"""vktrain's training ops (torch.library namespace `vktrain`). Importing this package registers them all.
+
+Schemas (docs/CONTRACTS.md; each also has an `.out` overload for ExecuTorch):
+    linear_q4gsw(Tensor x, Tensor weights, Tensor scales, int group_size, Tensor? bias=None) -> Tensor
+    linear_q4gsw_backward(Tensor d_out, Tensor weights, Tensor scales, int group_size) -> Tensor
+    linear_dW(Tensor d_out, Tensor x) -> Tensor
+    q4gsw_requant(Tensor latent, Tensor scales, int group_size) -> Tensor
+    fused_ce(Tensor logits, Tensor labels, Tensor n_valid) -> (Tensor loss, Tensor dlogits)
+    adamw(Tensor param, Tensor exp_avg, Tensor exp_avg_sq, Tensor grad, Tensor hparams, Tensor step)
+        -> (Tensor, Tensor, Tensor)
+
+The functions below are thin wrappers over torch.ops.vktrain.<op>, so they trace and export as the op.
+"""
+from __future__ import annotations
+
+import torch
+
+from . import cross_entropy, linear, optimizer  # noqa: F401  (registers the ops)
+from ._library import NAMESPACE
+from .linear import dequantize_q4gsw, quantize_q4gsw
+
+OP_NAMES = ("linear_q4gsw", "linear_q4gsw_backward", "linear_dW", "q4gsw_requant", "fused_ce", "adamw")
+
+
+def linear_q4gsw(x: torch.Tensor, weights: torch.Tensor, scales: torch.Tensor, group_size: int,
+                 bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x[..., K] @ deq(W).T (+ bias) -> [..., N]; differentiable in x and bias."""
+    return torch.ops.vktrain.linear_q4gsw(x, weights, scales, group_size, bias)
+
+
+def linear_q4gsw_backward(d_out: torch.Tensor, weights: torch.Tensor, scales: torch.Tensor,
+                          group_size: int) -> torch.Tensor:
+    """d_out[..., N] @ deq(W) -> d_x [..., K]."""
+    return torch.ops.vktrain.linear_q4gsw_backward(d_out, weights, scales, group_size)
+
+
+def linear_dW(d_out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """d_out.reshape(-1, N).T @ x.reshape(-1, K) -> dense dW [N, K]."""
+    return torch.ops.vktrain.linear_dW(d_out, x)
+
+
+def q4gsw_requant(latent: torch.Tensor, scales: torch.Tensor, group_size: int) -> torch.Tensor:
+    """Re-quantize a float latent [N, K] on fixed scales [G, N] -> flat uint8 weights [N, Kp/2]."""
+    return torch.ops.vktrain.q4gsw_requant(latent, scales, group_size)
+
+
+def fused_ce(logits: torch.Tensor, labels: torch.Tensor,
+             n_valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(loss [], dlogits [R, V]) of cross-entropy summed over rows with label >= 0, divided by n_valid."""
+    return torch.ops.vktrain.fused_ce(logits, labels, n_valid)
+
+
+def adamw(param: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, grad: torch.Tensor,
+          hparams: torch.Tensor, step: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One AdamW update; returns new (param, exp_avg, exp_avg_sq) and leaves the inputs untouched."""
+    return torch.ops.vktrain.adamw(param, exp_avg, exp_avg_sq, grad, hparams, step)
+
+
+def adamw_hparams(lr: float, beta1: float = 0.9, beta2: float = 0.999, eps: float = 1e-8,
+                  weight_decay: float = 1e-2) -> torch.Tensor:
+    """The float32 [5] hparams tensor adamw takes (defaults are torch.optim.AdamW's)."""
+    return torch.tensor([lr, beta1, beta2, eps, weight_decay], dtype=torch.float32)
+
+
+__all__ = [
+    "NAMESPACE", "OP_NAMES", "adamw", "adamw_hparams", "dequantize_q4gsw", "fused_ce", "linear_dW",
+    "linear_q4gsw", "linear_q4gsw_backward", "q4gsw_requant", "quantize_q4gsw",
+]

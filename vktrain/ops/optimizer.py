@@ -1,0 +1,113 @@
+"""adamw: one torch.optim.AdamW update (amsgrad=False, maximize=False), functional.
+
+    p  = p * (1 - lr * wd)                       decoupled weight decay, applied first
+    m  = b1 * m + (1 - b1) * g
+    v  = b2 * v + (1 - b2) * g * g
+    p  = p - lr / (1 - b1^t) * m / (sqrt(v) / sqrt(1 - b2^t) + eps)
+
+hparams = float32 [lr, b1, b2, eps, wd] and step = float32 t (after increment, 1 on the first update)
+are runtime tensors, so a learning-rate schedule needs no re-export. Scalar factors are formed in float64
+from those float32 values, as torch.optim.AdamW forms them from Python floats; the elementwise update
+follows AdamW's order of operations in the parameter's dtype.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ._library import check_out_like, define_op_pair, write_out
+from ._validation import FLOAT_DTYPES, check_dtype, check_ndim
+
+HPARAM_NAMES = ("lr", "beta1", "beta2", "eps", "weight_decay")
+
+
+def _check_adamw(param, exp_avg, exp_avg_sq, grad, hparams, step):
+    check_dtype(param, "param", FLOAT_DTYPES)
+    for name, tensor in (("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq), ("grad", grad)):
+        if tensor.dtype != param.dtype or tensor.shape != param.shape:
+            raise ValueError(
+                f"{name} must match param ({param.dtype} {tuple(param.shape)}), "
+                f"got {tensor.dtype} {tuple(tensor.shape)}")
+    check_dtype(hparams, "hparams", (torch.float32,))
+    check_dtype(step, "step", (torch.float32,))
+    if tuple(hparams.shape) != (5,):
+        raise ValueError(f"hparams must have shape [5] = [{', '.join(HPARAM_NAMES)}], got {tuple(hparams.shape)}")
+    check_ndim(step, "step", 0, "[] (a float32 scalar: the step number t after increment, 1 on the first update)")
+
+
+def _read_hparams(hparams, step):
+    lr, beta1, beta2, eps, weight_decay = (float(v) for v in hparams.tolist())
+    t = float(step)
+    problems = []
+    if not (math.isfinite(lr) and lr >= 0):
+        problems.append(f"lr={lr} must be finite and >= 0")
+    for name, beta in (("beta1", beta1), ("beta2", beta2)):
+        if not 0 <= beta < 1:
+            problems.append(f"{name}={beta} must lie in [0, 1)")
+    if not (math.isfinite(eps) and eps >= 0):
+        problems.append(f"eps={eps} must be finite and >= 0")
+    if not (math.isfinite(weight_decay) and weight_decay >= 0):
+        problems.append(f"weight_decay={weight_decay} must be finite and >= 0")
+    if not (math.isfinite(t) and t >= 1 and t == int(t)):
+        problems.append(f"step={t} must be a whole number >= 1 (t after increment; bias corrections are 1 - beta^t)")
+    if problems:
+        raise ValueError("invalid adamw hyper-parameters: " + "; ".join(problems))
+    return lr, beta1, beta2, eps, weight_decay, t
+
+
+def _adamw_cpu(param, exp_avg, exp_avg_sq, grad, hparams, step):
+    _check_adamw(param, exp_avg, exp_avg_sq, grad, hparams, step)
+    lr, beta1, beta2, eps, weight_decay, t = _read_hparams(hparams, step)
+    new_param = param * (1 - lr * weight_decay)
+    new_exp_avg = exp_avg * beta1 + grad * (1 - beta1)
+    new_exp_avg_sq = exp_avg_sq * beta2 + grad * grad * (1 - beta2)
+    bias_correction1 = 1 - beta1 ** t
+    bias_correction2_sqrt = math.sqrt(1 - beta2 ** t)
+    step_size = lr / bias_correction1
+    denom = new_exp_avg_sq.sqrt() / bias_correction2_sqrt + eps
+    new_param = new_param - step_size * (new_exp_avg / denom)
+    return new_param, new_exp_avg, new_exp_avg_sq
+
+
+def _adamw_fake(param, exp_avg, exp_avg_sq, grad, hparams, step):
+    _check_adamw(param, exp_avg, exp_avg_sq, grad, hparams, step)
+    return torch.empty_like(param), torch.empty_like(param), torch.empty_like(param)
+
+
+_OUT_NAMES = ("param_out", "exp_avg_out", "exp_avg_sq_out")
+
+
+def _adamw_out_cpu(param, exp_avg, exp_avg_sq, grad, hparams, step, *, param_out, exp_avg_out, exp_avg_sq_out):
+    # Results are computed before any out tensor is written, so out may alias the inputs (in-place update).
+    results = _adamw_cpu(param, exp_avg, exp_avg_sq, grad, hparams, step)
+    outs = (param_out, exp_avg_out, exp_avg_sq_out)
+    return tuple(write_out(out, result, name) for out, result, name in zip(outs, results, _OUT_NAMES))
+
+
+def _adamw_out_fake(param, exp_avg, exp_avg_sq, grad, hparams, step, *, param_out, exp_avg_out, exp_avg_sq_out):
+    results = _adamw_fake(param, exp_avg, exp_avg_sq, grad, hparams, step)
+    outs = (param_out, exp_avg_out, exp_avg_sq_out)
+    return tuple(check_out_like(out, result, name) for out, result, name in zip(outs, results, _OUT_NAMES))
+
+
+define_op_pair(
+    "adamw(Tensor param, Tensor exp_avg, Tensor exp_avg_sq, Tensor grad, Tensor hparams, Tensor step) "
+    "-> (Tensor, Tensor, Tensor)",
+    "adamw.out(Tensor param, Tensor exp_avg, Tensor exp_avg_sq, Tensor grad, Tensor hparams, Tensor step, *, "
+    "Tensor(a!) param_out, Tensor(b!) exp_avg_out, Tensor(c!) exp_avg_sq_out) -> (Tensor(a!), Tensor(b!), Tensor(c!))",
+    _adamw_cpu, _adamw_out_cpu, _adamw_fake, _adamw_out_fake,
+)
+
+
+def _adamw_setup_context(ctx, inputs, output):
+    # An optimizer step is not part of the differentiated computation: called on a Parameter (which
+    # requires grad) it must return plain tensors, not extend the autograd graph through the update.
+    ctx.mark_non_differentiable(*output)
+
+
+def _adamw_autograd_backward(ctx, *grads):
+    raise RuntimeError("vktrain::adamw is an optimizer update and has no gradient")
+
+
+torch.library.register_autograd("vktrain::adamw", _adamw_autograd_backward, setup_context=_adamw_setup_context)
