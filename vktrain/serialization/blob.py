@@ -1,0 +1,474 @@
+"""The vktrain delegate blob: a fixed header, the graph flatbuffer, then the constant segment area.
+
+Byte layout (all integers little-endian; every region starts at a multiple of 16 bytes):
+
+    offset  size  field
+    0       4     magic              b"VKTB"
+    4       4     header_size        uint32, 48 for format version 1
+    8       4     format_version     uint32, 1
+    12      4     flags              uint32, 0 (reserved)
+    16      8     flatbuffer_offset  uint64, >= header_size, multiple of 16
+    24      8     flatbuffer_size    uint64, bytes of the flatbuffer (schema.fbs, identifier "VKT1")
+    32      8     segment_offset     uint64, >= flatbuffer end, multiple of 16
+    40      8     segment_size       uint64, bytes of the segment area (a multiple of 16)
+    then zero padding, the flatbuffer, zero padding, the segment area.
+
+The segment area holds constant data outside the flatbuffer, so weights never pass through a
+flatbuffer (whose offsets are 32-bit). Each `ConstantData(offset, length)` record of the flatbuffer
+points at a 16-byte-aligned range, offset relative to segment_offset. Constants with identical bytes are
+stored once: several constant ids may then point at the same range.
+
+`deserialize_blob` bounds-checks every header field and every constant record, validates the graph
+(every id it references exists, constant sizes match their tensors) and returns constants as zero-copy
+memoryviews into the given buffer; `read_blob` does the same over an mmap of a file.
+"""
+from __future__ import annotations
+
+import hashlib
+import io
+import mmap
+import struct
+from dataclasses import dataclass
+from typing import BinaryIO, ClassVar, Iterator
+
+import flatbuffers
+import numpy as np
+
+from vktrain.serialization import graph as g
+from vktrain.serialization.generated.vkt_blob import Bool as FbBool
+from vktrain.serialization.generated.vkt_blob import BoolList as FbBoolList
+from vktrain.serialization.generated.vkt_blob import ConstantData as FbConstantData
+from vktrain.serialization.generated.vkt_blob import Double as FbDouble
+from vktrain.serialization.generated.vkt_blob import DoubleList as FbDoubleList
+from vktrain.serialization.generated.vkt_blob import Int as FbInt
+from vktrain.serialization.generated.vkt_blob import IntList as FbIntList
+from vktrain.serialization.generated.vkt_blob import MemoryObject as FbMemoryObject
+from vktrain.serialization.generated.vkt_blob import MetadataEntry as FbMetadataEntry
+from vktrain.serialization.generated.vkt_blob import MutableState as FbMutableState
+from vktrain.serialization.generated.vkt_blob import Null as FbNull
+from vktrain.serialization.generated.vkt_blob import OpCall as FbOpCall
+from vktrain.serialization.generated.vkt_blob import String as FbString
+from vktrain.serialization.generated.vkt_blob import Tensor as FbTensor
+from vktrain.serialization.generated.vkt_blob import Value as FbValue
+from vktrain.serialization.generated.vkt_blob import ValueList as FbValueList
+from vktrain.serialization.generated.vkt_blob import VkGraph as FbVkGraph
+from vktrain.serialization.generated.vkt_blob.ValueKind import ValueKind
+
+ALIGNMENT = 16
+FLATBUFFER_IDENTIFIER = b"VKT1"
+
+
+class BlobFormatError(ValueError):
+    """The bytes are not a valid vktrain delegate blob; the message names the bad field."""
+
+
+def _align(n: int) -> int:
+    return (n + ALIGNMENT - 1) // ALIGNMENT * ALIGNMENT
+
+
+@dataclass(frozen=True)
+class BlobHeader:
+    flatbuffer_offset: int
+    flatbuffer_size: int
+    segment_offset: int
+    segment_size: int
+    format_version: int = 1
+
+    MAGIC: ClassVar[bytes] = b"VKTB"
+    FORMAT_VERSION: ClassVar[int] = 1
+    STRUCT: ClassVar[struct.Struct] = struct.Struct("<4sIIIQQQQ")
+    SIZE: ClassVar[int] = STRUCT.size  # 48
+
+    def to_bytes(self) -> bytes:
+        return self.STRUCT.pack(self.MAGIC, self.SIZE, self.format_version, 0, self.flatbuffer_offset,
+                                self.flatbuffer_size, self.segment_offset, self.segment_size)
+
+    @classmethod
+    def parse(cls, data: memoryview) -> "BlobHeader":
+        """Read and bounds-check the header of a blob of len(data) bytes."""
+        total = len(data)
+        if total < cls.SIZE:
+            raise BlobFormatError(f"blob is {total} bytes, shorter than the {cls.SIZE}-byte header (truncated?)")
+        magic, header_size, version, flags, fb_offset, fb_size, seg_offset, seg_size = cls.STRUCT.unpack_from(data, 0)
+        if magic != cls.MAGIC:
+            raise BlobFormatError(f"blob magic is {bytes(magic)!r}, expected {cls.MAGIC!r} "
+                                  "(not a vktrain delegate blob)")
+        if version != cls.FORMAT_VERSION:
+            raise BlobFormatError(f"blob format version is {version}; this vktrain reads version {cls.FORMAT_VERSION}")
+        if header_size != cls.SIZE:
+            raise BlobFormatError(f"header_size field is {header_size}, expected {cls.SIZE} "
+                                  f"for format version {version}")
+        if flags != 0:
+            raise BlobFormatError(f"header flags are {flags:#x}; no flags are defined, expected 0")
+        if fb_offset < cls.SIZE or fb_offset % ALIGNMENT:
+            raise BlobFormatError(f"flatbuffer_offset {fb_offset} must be >= {cls.SIZE} and a multiple of {ALIGNMENT}")
+        if fb_size < 8:  # root offset + file identifier
+            raise BlobFormatError(f"flatbuffer_size {fb_size} is too small for a flatbuffer (>= 8 bytes)")
+        if fb_offset + fb_size > total:
+            raise BlobFormatError(f"flatbuffer [{fb_offset}, {fb_offset + fb_size}) extends past the end of the "
+                                  f"{total}-byte blob (truncated?)")
+        if seg_offset < fb_offset + fb_size or seg_offset % ALIGNMENT:
+            raise BlobFormatError(f"segment_offset {seg_offset} must be >= the flatbuffer end {fb_offset + fb_size} "
+                                  f"and a multiple of {ALIGNMENT}")
+        if seg_offset + seg_size > total:
+            raise BlobFormatError(f"segment area [{seg_offset}, {seg_offset + seg_size}) extends past the end of the "
+                                  f"{total}-byte blob (truncated?)")
+        return cls(fb_offset, fb_size, seg_offset, seg_size, version)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Writing
+# ---------------------------------------------------------------------------------------------------
+
+@dataclass
+class _Layout:
+    """Everything needed to emit a blob: header, flatbuffer and the unique segments in file order."""
+
+    header: BlobHeader
+    flatbuffer: bytes
+    segments: list[tuple[int, memoryview]]  # (offset in the segment area, bytes), ascending offsets
+
+    @property
+    def total_size(self) -> int:
+        return self.header.segment_offset + self.header.segment_size
+
+
+def _plan_segments(constants: list) -> tuple[list[tuple[int, int]], list[tuple[int, memoryview]], int]:
+    """Place constants in the segment area, storing identical bytes once.
+
+    Returns the (offset, length) record of each constant id, the unique segments to write, and the
+    size of the segment area.
+    """
+    records: list[tuple[int, int]] = []
+    segments: list[tuple[int, memoryview]] = []
+    by_digest: dict[tuple[int, bytes], list[int]] = {}  # (length, sha256) -> indices into `segments`
+    end = 0
+    for data in constants:
+        view = g.constant_bytes(data)
+        key = (view.nbytes, hashlib.sha256(view).digest())
+        match = None
+        for index in by_digest.get(key, ()):
+            # Confirm byte equality: dedup must never depend on a hash alone.
+            if np.array_equal(np.frombuffer(segments[index][1], np.uint8), np.frombuffer(view, np.uint8)):
+                match = segments[index][0]
+                break
+        if match is None:
+            match = end
+            by_digest.setdefault(key, []).append(len(segments))
+            segments.append((end, view))
+            end = _align(end + view.nbytes)
+        records.append((match, view.nbytes))
+    return records, segments, end
+
+
+def _int_vector(builder: flatbuffers.Builder, items, dtype) -> int:
+    return builder.CreateNumpyVector(np.asarray(items, dtype=dtype).reshape(-1))
+
+
+def _table_vector(builder: flatbuffers.Builder, offsets: list[int]) -> int:
+    builder.StartVector(4, len(offsets), 4)
+    for offset in reversed(offsets):
+        builder.PrependUOffsetTRelative(offset)
+    return builder.EndVector()
+
+
+def _build_value(builder: flatbuffers.Builder, value) -> int:
+    """Build one `Value` table (the union wrapper) and return its offset."""
+    if isinstance(value, g.TensorValue):
+        name = builder.CreateString(value.name) if value.name else None
+        shape = _int_vector(builder, value.shape, np.int64)
+        FbTensor.Start(builder)
+        FbTensor.AddDtype(builder, int(value.dtype))
+        FbTensor.AddShape(builder, shape)
+        FbTensor.AddLayout(builder, int(value.layout))
+        FbTensor.AddConstantId(builder, value.constant_id)
+        FbTensor.AddMemObjId(builder, value.mem_obj_id)
+        if name is not None:
+            FbTensor.AddName(builder, name)
+        kind, payload = ValueKind.Tensor, FbTensor.End(builder)
+    elif isinstance(value, g.NullValue):
+        FbNull.Start(builder)
+        kind, payload = ValueKind.Null, FbNull.End(builder)
+    elif isinstance(value, g.IntValue):
+        FbInt.Start(builder)
+        FbInt.AddValue(builder, int(value.value))
+        kind, payload = ValueKind.Int, FbInt.End(builder)
+    elif isinstance(value, g.DoubleValue):
+        FbDouble.Start(builder)
+        FbDouble.AddValue(builder, float(value.value))
+        kind, payload = ValueKind.Double, FbDouble.End(builder)
+    elif isinstance(value, g.BoolValue):
+        FbBool.Start(builder)
+        FbBool.AddValue(builder, bool(value.value))
+        kind, payload = ValueKind.Bool, FbBool.End(builder)
+    elif isinstance(value, g.StringValue):
+        text = builder.CreateString(value.value)
+        FbString.Start(builder)
+        FbString.AddValue(builder, text)
+        kind, payload = ValueKind.String, FbString.End(builder)
+    elif isinstance(value, g.IntListValue):
+        items = _int_vector(builder, value.items, np.int64)
+        FbIntList.Start(builder)
+        FbIntList.AddItems(builder, items)
+        kind, payload = ValueKind.IntList, FbIntList.End(builder)
+    elif isinstance(value, g.DoubleListValue):
+        items = _int_vector(builder, value.items, np.float64)
+        FbDoubleList.Start(builder)
+        FbDoubleList.AddItems(builder, items)
+        kind, payload = ValueKind.DoubleList, FbDoubleList.End(builder)
+    elif isinstance(value, g.BoolListValue):
+        items = _int_vector(builder, value.items, np.bool_)
+        FbBoolList.Start(builder)
+        FbBoolList.AddItems(builder, items)
+        kind, payload = ValueKind.BoolList, FbBoolList.End(builder)
+    elif isinstance(value, g.ValueListValue):
+        items = _int_vector(builder, value.items, np.int32)
+        FbValueList.Start(builder)
+        FbValueList.AddItems(builder, items)
+        kind, payload = ValueKind.ValueList, FbValueList.End(builder)
+    else:  # validate() refuses this earlier; kept so a new value type cannot be silently dropped
+        raise g.GraphError(f"cannot serialise value of type {type(value).__name__}")
+    FbValue.Start(builder)
+    FbValue.AddValueType(builder, kind)
+    FbValue.AddValue(builder, payload)
+    return FbValue.End(builder)
+
+
+def _build_flatbuffer(graph: g.VkGraph, constant_records: list[tuple[int, int]]) -> bytes:
+    builder = flatbuffers.Builder(4096)
+    values = [_build_value(builder, value) for value in graph.values]
+
+    ops = []
+    for op in graph.ops:
+        name = builder.CreateSharedString(op.name)
+        args = _int_vector(builder, op.args, np.int32)
+        outputs = _int_vector(builder, op.outputs, np.int32)
+        FbOpCall.Start(builder)
+        FbOpCall.AddName(builder, name)
+        FbOpCall.AddArgs(builder, args)
+        FbOpCall.AddOutputs(builder, outputs)
+        ops.append(FbOpCall.End(builder))
+
+    states = []
+    for state in graph.mutable_state:
+        FbMutableState.Start(builder)
+        FbMutableState.AddStateId(builder, state.state_id)
+        FbMutableState.AddUpdateId(builder, state.update_id)
+        FbMutableState.AddInitialConstantId(builder, state.initial_constant_id)
+        states.append(FbMutableState.End(builder))
+
+    constants = []
+    for offset, length in constant_records:
+        FbConstantData.Start(builder)
+        FbConstantData.AddOffset(builder, offset)
+        FbConstantData.AddLength(builder, length)
+        constants.append(FbConstantData.End(builder))
+
+    memory_objects = []
+    for mem in graph.memory_objects:
+        FbMemoryObject.Start(builder)
+        FbMemoryObject.AddId(builder, mem.id)
+        FbMemoryObject.AddSizeBytes(builder, mem.size_bytes)
+        memory_objects.append(FbMemoryObject.End(builder))
+
+    metadata = []
+    for key in sorted(graph.metadata):  # sorted: the same graph always gives the same bytes
+        key_offset = builder.CreateString(key)
+        value_offset = builder.CreateString(graph.metadata[key])
+        FbMetadataEntry.Start(builder)
+        FbMetadataEntry.AddKey(builder, key_offset)
+        FbMetadataEntry.AddValue(builder, value_offset)
+        metadata.append(FbMetadataEntry.End(builder))
+
+    # A flatbuffer table cannot be open while vectors are built, so build all of them first.
+    vectors = {
+        "values": _table_vector(builder, values),
+        "chain": _table_vector(builder, ops),
+        "input_ids": _int_vector(builder, graph.inputs, np.int32),
+        "output_ids": _int_vector(builder, graph.outputs, np.int32),
+        "mutable_state": _table_vector(builder, states),
+        "constants": _table_vector(builder, constants),
+        "memory_objects": _table_vector(builder, memory_objects),
+        "metadata": _table_vector(builder, metadata),
+    }
+    FbVkGraph.Start(builder)
+    FbVkGraph.AddValues(builder, vectors["values"])
+    FbVkGraph.AddChain(builder, vectors["chain"])
+    FbVkGraph.AddInputIds(builder, vectors["input_ids"])
+    FbVkGraph.AddOutputIds(builder, vectors["output_ids"])
+    FbVkGraph.AddMutableState(builder, vectors["mutable_state"])
+    FbVkGraph.AddConstants(builder, vectors["constants"])
+    FbVkGraph.AddMemoryObjects(builder, vectors["memory_objects"])
+    FbVkGraph.AddMetadata(builder, vectors["metadata"])
+    builder.Finish(FbVkGraph.End(builder), file_identifier=FLATBUFFER_IDENTIFIER)
+    return bytes(builder.Output())
+
+
+def _plan_blob(graph: g.VkGraph) -> _Layout:
+    if not isinstance(graph, g.VkGraph):
+        raise TypeError(f"expected a VkGraph, got {type(graph).__name__}")
+    graph.validate()
+    records, segments, segment_size = _plan_segments(graph.constants)
+    flatbuffer = _build_flatbuffer(graph, records)
+    flatbuffer_offset = _align(BlobHeader.SIZE)
+    segment_offset = _align(flatbuffer_offset + len(flatbuffer))
+    header = BlobHeader(flatbuffer_offset, len(flatbuffer), segment_offset, segment_size)
+    return _Layout(header, flatbuffer, segments)
+
+
+def _chunks(layout: _Layout) -> Iterator[tuple[int, memoryview | bytes]]:
+    """(absolute offset, bytes) of every non-padding piece of the blob, in ascending order."""
+    yield 0, layout.header.to_bytes()
+    yield layout.header.flatbuffer_offset, layout.flatbuffer
+    for offset, data in layout.segments:
+        yield layout.header.segment_offset + offset, data
+
+
+def serialize_blob(graph: g.VkGraph) -> bytes:
+    """The blob bytes of `graph` (validated first: an inconsistent graph raises GraphError)."""
+    out = io.BytesIO()
+    write_blob(graph, out)
+    return out.getvalue()  # hands over BytesIO's buffer without another copy
+
+
+def write_blob(graph: g.VkGraph, fileobj: BinaryIO) -> int:
+    """Stream the blob of `graph` to a binary file object without assembling it in memory.
+
+    Returns the number of bytes written. Each constant is written straight from its own buffer.
+    """
+    layout = _plan_blob(graph)
+    position = 0
+    for offset, data in _chunks(layout):
+        if offset > position:
+            fileobj.write(bytes(offset - position))
+        fileobj.write(data)
+        position = offset + len(data)
+    if layout.total_size > position:
+        fileobj.write(bytes(layout.total_size - position))
+    return layout.total_size
+
+
+# ---------------------------------------------------------------------------------------------------
+# Reading
+# ---------------------------------------------------------------------------------------------------
+
+def _vector(table, field: str) -> tuple:
+    """A scalar vector field as a tuple of Python numbers ([] when absent)."""
+    if getattr(table, f"{field}Length")() == 0:
+        return ()
+    return tuple(getattr(table, f"{field}AsNumpy")().tolist())
+
+
+def _text(raw) -> str:
+    return "" if raw is None else bytes(raw).decode("utf-8")
+
+
+def _read_value(fb_value, value_id: int):
+    kind = fb_value.ValueType()
+    table = fb_value.Value()
+    if table is None:
+        raise BlobFormatError(f"value {value_id} has no payload (union type {kind})")
+
+    def as_(module, cls_name):
+        obj = getattr(module, cls_name)()
+        obj.Init(table.Bytes, table.Pos)
+        return obj
+
+    if kind == ValueKind.Tensor:
+        t = as_(FbTensor, "Tensor")
+        try:
+            return g.TensorValue(t.Dtype(), _vector(t, "Shape"), t.Layout(), t.ConstantId(), t.MemObjId(),
+                                 _text(t.Name()))
+        except g.GraphError as exc:
+            raise BlobFormatError(f"value {value_id}: {exc}") from None
+    if kind == ValueKind.Null:
+        return g.NullValue()
+    if kind == ValueKind.Int:
+        return g.IntValue(as_(FbInt, "Int").Value())
+    if kind == ValueKind.Double:
+        return g.DoubleValue(as_(FbDouble, "Double").Value())
+    if kind == ValueKind.Bool:
+        return g.BoolValue(bool(as_(FbBool, "Bool").Value()))
+    if kind == ValueKind.String:
+        return g.StringValue(_text(as_(FbString, "String").Value()))
+    if kind == ValueKind.IntList:
+        return g.IntListValue(_vector(as_(FbIntList, "IntList"), "Items"))
+    if kind == ValueKind.DoubleList:
+        return g.DoubleListValue(_vector(as_(FbDoubleList, "DoubleList"), "Items"))
+    if kind == ValueKind.BoolList:
+        return g.BoolListValue(_vector(as_(FbBoolList, "BoolList"), "Items"))
+    if kind == ValueKind.ValueList:
+        return g.ValueListValue(_vector(as_(FbValueList, "ValueList"), "Items"))
+    raise BlobFormatError(f"value {value_id} has unknown union type {kind} (blob from a newer vktrain?)")
+
+
+def _read_graph(flatbuffer: memoryview, segment_area: memoryview) -> g.VkGraph:
+    root = FbVkGraph.VkGraph.GetRootAs(flatbuffer, 0)
+    graph = g.VkGraph()
+    graph.values = [_read_value(root.Values(i), i) for i in range(root.ValuesLength())]
+    for i in range(root.ChainLength()):
+        op = root.Chain(i)
+        graph.ops.append(g.OpCall(_text(op.Name()), _vector(op, "Args"), _vector(op, "Outputs")))
+    graph.inputs = list(_vector(root, "InputIds"))
+    graph.outputs = list(_vector(root, "OutputIds"))
+    for i in range(root.MutableStateLength()):
+        state = root.MutableState(i)
+        graph.mutable_state.append(g.MutableState(state.StateId(), state.UpdateId(), state.InitialConstantId()))
+    for i in range(root.ConstantsLength()):
+        record = root.Constants(i)
+        offset, length = record.Offset(), record.Length()
+        if offset % ALIGNMENT:
+            raise BlobFormatError(f"constant {i} offset {offset} is not a multiple of {ALIGNMENT}")
+        if offset + length > len(segment_area):
+            raise BlobFormatError(f"constant {i} [{offset}, {offset + length}) extends past the "
+                                  f"{len(segment_area)}-byte segment area")
+        graph.constants.append(segment_area[offset:offset + length])
+    for i in range(root.MemoryObjectsLength()):
+        mem = root.MemoryObjects(i)
+        graph.memory_objects.append(g.MemoryObject(mem.Id(), mem.SizeBytes()))
+    for i in range(root.MetadataLength()):
+        entry = root.Metadata(i)
+        key = _text(entry.Key())
+        if key in graph.metadata:
+            raise BlobFormatError(f"metadata key {key!r} appears twice")
+        graph.metadata[key] = _text(entry.Value())
+    return graph
+
+
+def deserialize_blob(data: bytes | bytearray | memoryview | mmap.mmap) -> g.VkGraph:
+    """Parse a blob. Constants come back as memoryviews into `data` (no copy): keep `data` alive."""
+    try:
+        view = memoryview(data)
+    except TypeError:
+        raise TypeError(f"expected bytes-like blob data, got {type(data).__name__}") from None
+    if view.ndim != 1 or view.itemsize != 1:
+        view = view.cast("B")
+    header = BlobHeader.parse(view)
+    flatbuffer = view[header.flatbuffer_offset:header.flatbuffer_offset + header.flatbuffer_size]
+    identifier = bytes(flatbuffer[4:8])
+    if identifier != FLATBUFFER_IDENTIFIER:
+        raise BlobFormatError(f"flatbuffer file identifier is {identifier!r}, expected {FLATBUFFER_IDENTIFIER!r} "
+                              "(graph written with an incompatible schema version)")
+    segment_area = view[header.segment_offset:header.segment_offset + header.segment_size]
+    try:
+        graph = _read_graph(flatbuffer, segment_area)
+    except BlobFormatError:
+        raise
+    except (struct.error, IndexError, ValueError, TypeError, UnicodeDecodeError, OverflowError) as exc:
+        # The Python flatbuffers runtime has no verifier: a corrupt table surfaces as one of these.
+        raise BlobFormatError(f"graph flatbuffer is corrupt ({type(exc).__name__}: {exc})") from None
+    try:
+        graph.validate()
+    except g.GraphError as exc:
+        raise BlobFormatError(f"blob holds an inconsistent graph: {exc}") from None
+    return graph
+
+
+def read_blob(path) -> g.VkGraph:
+    """Parse a blob file through a read-only mmap; constants are views into the mapping (no copy)."""
+    with open(path, "rb") as f:
+        try:
+            mapping = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        except ValueError:  # mmap refuses empty files
+            raise BlobFormatError(f"{path}: file is empty, not a vktrain delegate blob") from None
+    return deserialize_blob(mapping)
