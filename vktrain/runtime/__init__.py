@@ -1,0 +1,84 @@
+"""vktrain's Vulkan runtime core (numpy + the `vulkan` cffi binding + flatbuffers; never torch/executorch).
+
+API summary
+-----------
+    from vktrain.runtime import Device, Buffer, Dispatch, BufferBinding, Program, pack_push, ceil_div
+
+    with Device() as dev:                          # env VKTRAIN_DEVICE=<index|name part>, VKTRAIN_VALIDATION=1
+        x = Buffer.from_array(dev, np.arange(n, dtype=np.float32), name="x")
+        y = Buffer(dev, 4 * n, name="y")           # bytes; y.write(array, offset=0); y.read(np.float32, shape)
+        d = Dispatch("test_axpy",                  # shader name; variants: "name@DEFINE+N=4"
+                     groups=ceil_div(n, 64),       # int or (x, y, z)
+                     bindings=[BufferBinding("x"), BufferBinding("y", offset=0, size=None)],
+                     push_constants=pack_push(n, 2.0),      # kernel bytes (uint n; float alpha)
+                     spec_constants={3: 1.0}, local_size=(64, 1, 1))
+        prog = Program(dev, [d], {"x": x, "y": y}, timing=True)   # records once
+        prog.replay()                              # submit + wait on a fence; write new inputs, replay again
+        prog.timings()                             # [seconds per Dispatch] or None without timestamps
+        result = y.read(np.float32)
+
+Device: `name`, `device_type`, `limits` (DeviceLimits), `features` (enabled optional features, e.g.
+"shaderInt8", "storageBuffer8BitAccess", "shaderFloat16", "shaderInt64", "shaderFloat64"),
+`unified_memory`, `timestamps_supported`, `subgroup_size`, `subgroup_operations` (VkSubgroupFeatureFlags
+usable in compute), `validation_messages` / `take_validation_messages()`, `pipelines` (PipelineCache),
+`close()`. Everything created from a Device is freed by its close().
+
+Buffer(device, nbytes, name=, staging=None): one allocation per buffer; direct mapped access on unified
+memory, staging copies otherwise. `write(array|bytes, offset)`, `read(dtype, shape, offset)`, `zero()`,
+`destroy()`, `.size` (nbytes padded to 4), `.nbytes`.
+
+Dispatch / BufferBinding / pack_push / split_groups / plan_barriers live in `schedule.py` (pure data,
+no device needed); see its docstring for the conventions: bindings = shader's set-0 bindings in order,
+push constants must match the shader's block, split dispatches for shaders whose push block starts with
+VKTRAIN_PUSH_HEADER (common.glsl), spec ids 0-2 = local size when `local_size` is given. Barriers are
+inserted only between dependent dispatches (by buffer byte ranges and read/write access, taken from
+the shader's readonly/writeonly qualifiers unless BufferBinding.access says otherwise).
+
+Program(device, dispatches, buffers, timing=False, max_group_count=None): `replay()` (= `submit()` +
+`wait()`), `timings()`, `barriers`, `recorded_dispatch_count`, `destroy()`. `run_dispatches(...)` runs a
+list once.
+
+Shaders: `vktrain/runtime_shaders/*.comp`, compiled by `python -m vktrain.runtime_shaders.build` into
+the git-ignored `vktrain/runtime_shaders/spirv/` cache (ship it to machines without a compiler; list
+the variants a source needs in its `// vktrain-variants:` line so the build includes them).
+
+Errors (errors.py): VulkanError (call, result, result_name) for any failing Vulkan call;
+VulkanUnavailableError (no loader/device; says what to install); DeviceSelectionError;
+ValidationLayerMissingError; BufferUsageError; BindingRangeError (maxStorageBufferRange, alignment);
+ScheduleError (a Dispatch that does not fit its shader or the device); ShaderNotFoundError /
+ShaderBuildError (from vktrain.runtime_shaders).
+"""
+from vktrain.runtime_shaders.build import ShaderBuildError, ShaderNotFoundError
+
+from .commands import Program, run_dispatches
+from .device import Device, DeviceLimits, PhysicalDeviceInfo, ValidationMessage, select_physical_device
+from .errors import (
+    BindingRangeError,
+    BufferUsageError,
+    DeviceSelectionError,
+    RuntimeErrorBase,
+    ScheduleError,
+    ValidationLayerMissingError,
+    VulkanError,
+    VulkanUnavailableError,
+)
+from .memory import Buffer, find_memory_type
+from .schedule import (
+    PUSH_HEADER_BYTES,
+    BufferBinding,
+    Dispatch,
+    ResolvedAccess,
+    ceil_div,
+    pack_push,
+    plan_barriers,
+    split_groups,
+)
+
+__all__ = [
+    "BindingRangeError", "Buffer", "BufferBinding", "BufferUsageError", "Device", "DeviceLimits",
+    "DeviceSelectionError", "Dispatch", "PUSH_HEADER_BYTES", "PhysicalDeviceInfo", "Program",
+    "ResolvedAccess", "RuntimeErrorBase", "ScheduleError", "ShaderBuildError", "ShaderNotFoundError",
+    "ValidationLayerMissingError", "ValidationMessage", "VulkanError", "VulkanUnavailableError", "ceil_div",
+    "find_memory_type", "pack_push", "plan_barriers", "run_dispatches", "select_physical_device",
+    "split_groups",
+]

