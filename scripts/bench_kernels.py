@@ -1,0 +1,486 @@
+#!/usr/bin/env python
+"""Benchmark vktrain's Vulkan kernels against the same computation in PyTorch on the same machine.
+
+For every kernel and shape: GPU time from Vulkan timestamps (median over replays of one recorded
+Program), the achieved GB/s (minimum traffic: every input read once, every output written once) and
+GFLOP/s (GEMM-shaped kernels: 2*M*N*K), then PyTorch doing the same work (CUDA when available: timed
+with CUDA events, fp32 with TF32 off; CPU otherwise, wall clock), the ratio torch_time / vk_time
+(> 1: Vulkan faster) and the relative error ||vk - torch|| / ||torch|| as a sanity check.
+
+    python scripts/bench_kernels.py                 # realistic shapes (Llama-3.2-1B: K=2048, group 32)
+    python scripts/bench_kernels.py --quick         # small shapes (runs on lavapipe in under a minute)
+    python scripts/bench_kernels.py --out bench.json --kernels linear_q4gsw,fused_ce --replays 20
+
+Kernels come from the registry (vktrain.runtime.kernels); families that are not importable are
+reported as skipped. Needs numpy, torch and the `vulkan` binding; never imports executorch.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import math
+import platform
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from vktrain import quant  # noqa: E402
+from vktrain.runtime import Buffer, Device, Program  # noqa: E402
+from vktrain.runtime.kernels import KERNELS  # noqa: E402
+
+# Families registered by modules that kernels/__init__ may not import yet; imported here if present.
+_FAMILY_MODULES = ("linear", "cross_entropy", "optimizer", "requant")
+
+H200_FP32_TFLOPS = 51.0  # the lead's target reference (non-tensor fp32)
+H200_HBM_TBPS = 4.2
+
+
+@dataclass
+class Case:
+    """One benchmark: how to build the Vulkan work and the PyTorch equivalent."""
+
+    kernel: str
+    shape: dict[str, int]
+    nbytes: int  # minimum traffic
+    flops: int | None
+    # setup(device, limits) -> (dispatches, {key: Buffer}, read_result() -> np.ndarray)
+    setup_vk: Callable[..., tuple[list, dict, Callable[[], np.ndarray]]]
+    # setup(torch, device) -> (run() -> tensor, result_as_numpy(tensor) -> np.ndarray)
+    setup_torch: Callable[..., tuple[Callable[[], Any], Callable[[Any], np.ndarray]]]
+    notes: dict[str, Any] = field(default_factory=dict)
+
+
+# ----------------------------------------------------------------------------------- torch helpers
+def torch_dequantize(torch, flat, scales, group_size: int, K: int):
+    """deq(W) [N, K] fp32 from flat uint8 [N, Kp/2] and scales [G, N], on flat's device."""
+    N = flat.shape[0]
+    codes = torch.stack((flat & 0xF, flat >> 4), dim=-1).reshape(N, -1)[:, :K]
+    return (codes.to(torch.float32) - 8.0) * scales.t().repeat_interleave(group_size, dim=1)
+
+
+def _rel_err(actual: np.ndarray, expected: np.ndarray) -> float:
+    actual = np.asarray(actual, dtype=np.float64).reshape(-1)
+    expected = np.asarray(expected, dtype=np.float64).reshape(-1)
+    denom = np.linalg.norm(expected)
+    diff = np.linalg.norm(actual - expected)
+    return float(diff / denom) if denom > 0 else float(diff)
+
+
+# ----------------------------------------------------------------------------------- linear family
+def _linear_cases(quick: bool, rng) -> list[Case]:
+    from vktrain.runtime.kernels.linear import prepack_weights
+
+    if quick:
+        K, group_size, Ns, Ms = 256, 32, (256, 512), (1, 64)
+    else:
+        K, group_size, Ns, Ms = 2048, 32, (2048, 8192), (1, 128, 512, 2048)
+    cases = []
+    for N in Ns:
+        W = rng.standard_normal((N, K)).astype(np.float32) * 0.02
+        flat, scales = quant.quantize(W, group_size)
+        words = prepack_weights(flat, K)
+        w_bytes = flat.nbytes + scales.nbytes
+        for M in Ms:
+            x = rng.standard_normal((M, K)).astype(np.float32)
+            d_out = rng.standard_normal((M, N)).astype(np.float32)
+            shape = dict(M=M, N=N, K=K, group_size=group_size)
+            cases.append(_linear_forward_case(shape, x, flat, scales, words, w_bytes))
+            cases.append(_linear_backward_case(shape, d_out, flat, scales, words, w_bytes))
+            cases.append(_linear_dw_case(shape, d_out, x))
+    return cases
+
+
+def _linear_setup(plan_name: str, plan_kwargs: dict, arrays: dict[str, np.ndarray], out_shape):
+    """Vulkan setup of a linear-family case. `overrides` (tiles, split_k) come from --sweep; the
+    default plan gets a split-K scratch buffer whenever it would use one."""
+    from vktrain.runtime.kernels.linear import plan_scratch_nbytes, split_k_scratch_nbytes
+
+    def setup(device, limits, **overrides):
+        buffers = {key: Buffer.from_array(device, a, name=key) for key, a in arrays.items()}
+        buffers["out"] = Buffer(device, 4 * int(np.prod(out_shape)), name="out")
+        kwargs = dict(plan_kwargs, shared_memory_bytes=limits.max_compute_shared_memory_size, **overrides)
+        M, N, K = kwargs["M"], kwargs["N"], kwargs["K"]
+        if "split_k" in overrides:
+            rows, cols = {"linear_q4gsw": (M, N), "linear_q4gsw_backward": (M, K), "linear_dW": (N, K)}[plan_name]
+            scratch = split_k_scratch_nbytes(rows, cols, overrides["split_k"])
+        else:
+            scratch = plan_scratch_nbytes(plan_name, M=M, N=N, K=K)
+        if scratch:
+            buffers["scratch"] = Buffer(device, scratch, name="scratch")
+            kwargs["scratch"] = "scratch"
+        dispatches = KERNELS[plan_name](**kwargs)
+        return dispatches, buffers, lambda: buffers["out"].read(np.float32, out_shape)
+    return setup
+
+
+def _linear_sweep(plan_name: str, shape: dict[str, int]) -> list[dict[str, Any]]:
+    """Alternative configurations --sweep times for a linear case (the default runs anyway)."""
+    from vktrain.runtime.kernels.linear import GEMV_MAX_ROWS, GemmTiles, GemvTiles, default_split_k
+
+    M, N, K = shape["M"], shape["N"], shape["K"]
+    if plan_name != "linear_dW" and M <= GEMV_MAX_ROWS:
+        pairs = ([(1, 64), (1, 128), (1, 256), (2, 64), (2, 128), (4, 32), (4, 64), (8, 32)]
+                 if plan_name == "linear_q4gsw" else [(32, 8), (32, 2), (64, 4), (64, 1), (128, 2), (128, 1), (256, 1)])
+        return [dict(tiles=GemvTiles(x, y, M)) for x, y in pairs]
+    rows, cols, red = {"linear_q4gsw": (M, N, K), "linear_q4gsw_backward": (M, K, N), "linear_dW": (N, K, M)}[plan_name]
+    configs = []
+    for tiles in (GemmTiles(16, 16, 16), GemmTiles(16, 16, 8), GemmTiles(16, 16, 32), GemmTiles(16, 8, 16),
+                  GemmTiles(8, 16, 16), GemmTiles(8, 8, 16)):
+        splits = {1, default_split_k(rows, cols, red, tiles)}
+        configs += [dict(tiles=tiles, split_k=split) for split in sorted(splits)]
+    return configs
+
+
+def _linear_forward_case(shape, x, flat, scales, words, w_bytes) -> Case:
+    M, N, K, gs = shape["M"], shape["N"], shape["K"], shape["group_size"]
+
+    def setup_torch(torch, dev):
+        x_t = torch.from_numpy(x).to(dev)
+        flat_t, scales_t = torch.from_numpy(flat).to(dev), torch.from_numpy(scales).to(dev)
+        return (lambda: x_t @ torch_dequantize(torch, flat_t, scales_t, gs, K).t()), (lambda y: y.cpu().numpy())
+
+    return Case("linear_q4gsw", shape, x.nbytes + w_bytes + 4 * M * N, 2 * M * N * K,
+                _linear_setup("linear_q4gsw", dict(M=M, N=N, K=K, group_size=gs, out="out", x="x", weights="w",
+                                                   scales="s"), {"x": x, "w": words, "s": scales}, (M, N)),
+                setup_torch)
+
+
+def _linear_backward_case(shape, d_out, flat, scales, words, w_bytes) -> Case:
+    M, N, K, gs = shape["M"], shape["N"], shape["K"], shape["group_size"]
+
+    def setup_torch(torch, dev):
+        d_t = torch.from_numpy(d_out).to(dev)
+        flat_t, scales_t = torch.from_numpy(flat).to(dev), torch.from_numpy(scales).to(dev)
+        return (lambda: d_t @ torch_dequantize(torch, flat_t, scales_t, gs, K)), (lambda y: y.cpu().numpy())
+
+    return Case("linear_q4gsw_backward", shape, d_out.nbytes + w_bytes + 4 * M * K, 2 * M * N * K,
+                _linear_setup("linear_q4gsw_backward", dict(M=M, N=N, K=K, group_size=gs, out="out", d_out="d",
+                                                            weights="w", scales="s"),
+                              {"d": d_out, "w": words, "s": scales}, (M, K)),
+                setup_torch)
+
+
+def _linear_dw_case(shape, d_out, x) -> Case:
+    M, N, K = shape["M"], shape["N"], shape["K"]
+
+    def setup_torch(torch, dev):
+        d_t, x_t = torch.from_numpy(d_out).to(dev), torch.from_numpy(x).to(dev)
+        return (lambda: d_t.t() @ x_t), (lambda y: y.cpu().numpy())
+
+    return Case("linear_dW", dict(M=M, N=N, K=K), d_out.nbytes + x.nbytes + 4 * N * K, 2 * M * N * K,
+                _linear_setup("linear_dW", dict(M=M, N=N, K=K, out="out", d_out="d", x="x"), {"d": d_out, "x": x},
+                              (N, K)),
+                setup_torch)
+
+
+# ----------------------------------------------------------------------------------- other families
+def _fused_ce_cases(quick: bool, rng) -> list[Case]:
+    from vktrain.runtime.kernels.cross_entropy import fused_ce_scratch_nbytes
+
+    V = 1000 if quick else 128256
+    cases = []
+    for R in ((16,) if quick else (512, 2048)):
+        logits = (rng.standard_normal((R, V)) * 3).astype(np.float32)
+        labels = rng.integers(0, V, size=R).astype(np.int32)
+        labels[::7] = -100  # some ignored rows, as padding produces
+        n_valid = np.array(np.count_nonzero(labels >= 0), dtype=np.float32)
+
+        def setup_vk(device, limits, R=R, V=V, logits=logits, labels=labels, n_valid=n_valid):
+            buffers = {"logits": Buffer.from_array(device, logits), "labels": Buffer.from_array(device, labels),
+                       "n_valid": Buffer.from_array(device, n_valid), "loss": Buffer(device, 4),
+                       "out": Buffer(device, logits.nbytes), "row_loss": Buffer(device, fused_ce_scratch_nbytes(R))}
+            dispatches = KERNELS["fused_ce"](R=R, V=V, logits="logits", labels="labels", n_valid="n_valid",
+                                             loss="loss", dlogits="out", row_loss="row_loss")
+            return dispatches, buffers, lambda: buffers["out"].read(np.float32, (R, V))
+
+        def setup_torch(torch, dev, logits=logits, labels=labels, n_valid=n_valid):
+            lg = torch.from_numpy(logits).to(dev)
+            lb = torch.from_numpy(labels).to(dev).long()
+            nv = torch.from_numpy(n_valid).to(dev)
+            valid = lb >= 0
+            safe = lb.clamp(min=0)
+            rows = torch.arange(lg.shape[0], device=dev)
+
+            def run():
+                lse = torch.logsumexp(lg, dim=1)
+                loss = ((lse - lg[rows, safe]) * valid).sum() / nv
+                grad = torch.softmax(lg, dim=1)
+                grad[rows, safe] -= 1.0
+                grad *= (valid.to(lg.dtype) / nv)[:, None]
+                return loss, grad
+
+            return run, (lambda out: out[1].cpu().numpy())
+
+        cases.append(Case("fused_ce", dict(R=R, V=V), 2 * logits.nbytes + labels.nbytes, None, setup_vk,
+                          setup_torch))
+    return cases
+
+
+def _adamw_cases(quick: bool, rng) -> list[Case]:
+    cases = []
+    hparams = np.array([1e-3, 0.9, 0.999, 1e-8, 0.01], dtype=np.float32)
+    for numel in ((4099,) if quick else (1 << 20, 1 << 24)):
+        param = rng.standard_normal(numel).astype(np.float32)
+        grad = rng.standard_normal(numel).astype(np.float32)
+
+        def setup_vk(device, limits, numel=numel, param=param, grad=grad):
+            buffers = {"out": Buffer.from_array(device, param), "m": Buffer.from_array(device, np.zeros_like(param)),
+                       "v": Buffer.from_array(device, np.zeros_like(param)), "g": Buffer.from_array(device, grad),
+                       "h": Buffer.from_array(device, hparams),
+                       "t": Buffer.from_array(device, np.array(1.0, dtype=np.float32))}
+            dispatches = KERNELS["adamw"](numel=numel, param="out", exp_avg="m", exp_avg_sq="v", grad="g",
+                                          hparams="h", step="t")
+            return dispatches, buffers, lambda: buffers["out"].read(np.float32, (numel,))
+
+        def setup_torch(torch, dev, param=param, grad=grad):
+            p = torch.nn.Parameter(torch.from_numpy(param.copy()).to(dev))
+            p.grad = torch.from_numpy(grad).to(dev)
+            fused = dev.type == "cuda"
+            opt = torch.optim.AdamW([p], lr=float(hparams[0]), betas=(float(hparams[1]), float(hparams[2])),
+                                    eps=float(hparams[3]), weight_decay=float(hparams[4]), fused=fused or None)
+
+            def run():
+                opt.step()
+                return p
+
+            return run, (lambda t: t.detach().cpu().numpy())
+
+        # Both sides take their first step from the same state before timing, so the first results
+        # are compared (the timed repeats keep stepping; their values are not compared).
+        cases.append(Case("adamw", dict(numel=numel), 7 * 4 * numel, None, setup_vk, setup_torch,
+                          notes={"compare": "first step only"}))
+    return cases
+
+
+def _requant_cases(quick: bool, rng) -> list[Case]:
+    K, group_size = (256, 32) if quick else (2048, 32)
+    cases = []
+    for N in ((256,) if quick else (2048, 8192)):
+        latent = (rng.standard_normal((N, K)) * 0.02).astype(np.float32)
+        _, scales = quant.quantize(latent, group_size)
+        words = quant.w4x8_num_words(N, K)
+
+        def setup_vk(device, limits, N=N, latent=latent, scales=scales, words=words):
+            buffers = {"latent": Buffer.from_array(device, latent), "s": Buffer.from_array(device, scales),
+                       "out": Buffer(device, 4 * words)}
+            dispatches = KERNELS["q4gsw_requant"](N=N, K=K, group_size=group_size, out="out", latent="latent",
+                                                  scales="s")
+            # Compare codes in the flat layout (the kernel writes W_4X8 words).
+            return dispatches, buffers, lambda: quant.unpack_w4x8(buffers["out"].read(np.uint32, (words,)), N, K)
+
+        def setup_torch(torch, dev, N=N, latent=latent, scales=scales):
+            lat = torch.from_numpy(latent).to(dev)
+            s = torch.from_numpy(scales).to(dev).t().repeat_interleave(group_size, dim=1)
+
+            def run():
+                q = torch.where(s == 0, torch.zeros_like(lat), torch.round(lat / s)).clamp(-8, 7)
+                codes = (q + 8).to(torch.uint8)
+                pad = quant.padded_k(K) - K
+                if pad:
+                    codes = torch.cat([codes, torch.full((N, pad), 8, dtype=torch.uint8, device=dev)], dim=1)
+                return codes[:, 0::2] | (codes[:, 1::2] << 4)
+
+            return run, (lambda t: t.cpu().numpy())
+
+        nbytes = latent.nbytes + scales.nbytes + 4 * words
+        cases.append(Case("q4gsw_requant", dict(N=N, K=K, group_size=group_size), nbytes, None, setup_vk,
+                          setup_torch, notes={"compare": "codes (fraction of mismatching bytes)"}))
+    return cases
+
+
+_CASE_BUILDERS = {
+    "linear_q4gsw": _linear_cases, "linear_q4gsw_backward": _linear_cases, "linear_dW": _linear_cases,
+    "fused_ce": _fused_ce_cases, "adamw": _adamw_cases, "q4gsw_requant": _requant_cases,
+}
+
+
+# ----------------------------------------------------------------------------------- timing
+def time_vulkan(device, case: Case, replays: int, warmup: int, **overrides) -> dict[str, Any]:
+    dispatches, buffers, read_result = case.setup_vk(device, device.limits, **overrides)
+    try:
+        with Program(device, dispatches, buffers, timing=True) as program:
+            program.replay()
+            first_result = read_result()
+            for _ in range(warmup):
+                program.replay()
+            samples, source = [], "timestamps"
+            for _ in range(replays):
+                start = time.perf_counter()
+                program.replay()
+                wall = time.perf_counter() - start
+                timings = program.timings()
+                if timings is None:
+                    source = "wall clock (no timestamps on this queue)"
+                    samples.append(wall)
+                else:
+                    samples.append(sum(timings))
+        return {"vk_s": statistics.median(samples), "vk_timing": source,
+                "shaders": [d.shader for d in dispatches],
+                "spec_constants": [dict(d.spec_constants) for d in dispatches],
+                "local_size": [d.local_size for d in dispatches],
+                "groups": [d.groups for d in dispatches], "result": first_result}
+    finally:
+        for buffer in buffers.values():
+            buffer.destroy()
+
+
+def time_torch(torch, dev, case: Case, replays: int, warmup: int) -> dict[str, Any]:
+    run, to_numpy = case.setup_torch(torch, dev)
+    first_result = np.array(to_numpy(run()), copy=True)  # a CPU tensor's numpy view would change with later runs
+    for _ in range(warmup):
+        run()
+    samples = []
+    if dev.type == "cuda":
+        torch.cuda.synchronize()
+        for _ in range(replays):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            run()
+            end.record()
+            end.synchronize()
+            samples.append(start.elapsed_time(end) * 1e-3)
+    else:
+        for _ in range(replays):
+            start = time.perf_counter()
+            run()
+            samples.append(time.perf_counter() - start)
+    return {"torch_s": statistics.median(samples), "result": first_result}
+
+
+def _compare(case: Case, vk_result: np.ndarray, torch_result: np.ndarray) -> float:
+    if case.kernel == "q4gsw_requant":
+        return float(np.mean(vk_result != torch_result))
+    return _rel_err(vk_result, torch_result)
+
+
+def _fmt(value: float | None, digits: int = 1) -> str:
+    return "-" if value is None or (isinstance(value, float) and math.isnan(value)) else f"{value:.{digits}f}"
+
+
+def _print_record(record: dict[str, Any], prefix: str = "") -> None:
+    shape = " ".join(f"{k}={v}" for k, v in record["shape"].items())
+    config = "" if record.get("config") == "default" else f"  {record['config']}"
+    print(f"{prefix + record['kernel']:22s} {shape:38s} {record['vk_ms']:9.4f} {record['vk_gbps']:8.1f} "
+          f"{_fmt(record['vk_gflops']):>9s} {_fmt(record.get('torch_ms'), 4):>9s} "
+          f"{_fmt(record.get('torch_over_vk'), 2):>8s} {record.get('error_vs_torch', float('nan')):8.1e}"
+          f"  {','.join(record['shaders'])}{config}", flush=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="small shapes (lavapipe, CI)")
+    parser.add_argument("--out", type=Path, help="write the results as JSON here")
+    parser.add_argument("--kernels", default="", help="comma-separated kernel names (default: all)")
+    parser.add_argument("--replays", type=int, default=10, help="timed replays per case (median)")
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--torch-device", default=None, help="cuda or cpu (default: cuda when available)")
+    parser.add_argument("--no-torch", action="store_true", help="skip the PyTorch comparison")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--sweep", action="store_true",
+                        help="also time alternative tilings / split-K of the linear kernels (for tuning)")
+    args = parser.parse_args(argv)
+
+    for module in _FAMILY_MODULES:
+        try:
+            importlib.import_module(f"vktrain.runtime.kernels.{module}")
+        except ImportError as exc:
+            print(f"note: kernel family {module!r} not importable ({exc}); its kernels are skipped")
+    wanted = [k for k in args.kernels.split(",") if k] or list(_CASE_BUILDERS)
+    unknown = [k for k in wanted if k not in _CASE_BUILDERS]
+    if unknown:
+        parser.error(f"unknown kernels {unknown}; known: {sorted(_CASE_BUILDERS)}")
+
+    torch = None
+    torch_dev = None
+    if not args.no_torch:
+        import torch  # noqa: F811  (optional dependency, imported only when comparing)
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False
+        torch_dev = torch.device(args.torch_device or ("cuda" if torch.cuda.is_available() else "cpu"))
+
+    rng = np.random.default_rng(args.seed)
+    results: list[dict[str, Any]] = []
+    skipped: list[str] = []
+    built_builders: dict[Callable, list[Case]] = {}
+    with Device(validation=False) as device:
+        meta = {"vk_device": device.name, "vk_device_type": device.device_type,
+                "torch_device": None if torch_dev is None else str(torch_dev),
+                "torch": None if torch is None else torch.__version__,
+                "host": platform.node(), "quick": args.quick, "replays": args.replays,
+                "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+        if torch_dev is not None and torch_dev.type == "cuda":
+            meta["torch_device_name"] = torch.cuda.get_device_name(torch_dev)
+        print(f"Vulkan: {device.name} ({device.device_type}); PyTorch: {meta['torch_device']}")
+        header = (f"{'kernel':22s} {'shape':38s} {'vk ms':>9s} {'GB/s':>8s} {'GFLOP/s':>9s} "
+                  f"{'torch ms':>9s} {'torch/vk':>8s} {'err':>8s}  shaders")
+        print(header)
+        for kernel in wanted:
+            if kernel not in KERNELS:
+                skipped.append(kernel)
+                print(f"{kernel:22s} skipped: no plan function registered")
+                continue
+            builder = _CASE_BUILDERS[kernel]
+            if builder not in built_builders:
+                built_builders[builder] = builder(args.quick, rng)
+            for case in (c for c in built_builders[builder] if c.kernel == kernel):
+                try:
+                    vk = time_vulkan(device, case, args.replays, args.warmup)
+                except Exception as exc:  # e.g. out of device memory: report it and go on
+                    error = f"{type(exc).__name__}: {exc}"
+                    results.append({"kernel": case.kernel, "shape": case.shape, "error": error})
+                    print(f"{case.kernel:22s} {case.shape}: FAILED {type(exc).__name__}: {exc}", flush=True)
+                    continue
+                record: dict[str, Any] = {
+                    "kernel": case.kernel, "shape": case.shape, "bytes": case.nbytes, "flops": case.flops,
+                    "config": "default",
+                    "vk_ms": vk["vk_s"] * 1e3, "vk_timing": vk["vk_timing"], "shaders": vk["shaders"],
+                    "local_size": vk["local_size"], "groups": vk["groups"], "spec_constants": vk["spec_constants"],
+                    "vk_gbps": case.nbytes / vk["vk_s"] / 1e9,
+                    "vk_gflops": None if case.flops is None else case.flops / vk["vk_s"] / 1e9, **case.notes}
+                if torch is not None:
+                    ref = time_torch(torch, torch_dev, case, args.replays, args.warmup)
+                    record.update(torch_ms=ref["torch_s"] * 1e3, torch_over_vk=ref["torch_s"] / vk["vk_s"],
+                                  torch_gbps=case.nbytes / ref["torch_s"] / 1e9,
+                                  error_vs_torch=_compare(case, vk["result"], ref["result"]))
+                    if torch_dev.type == "cuda":
+                        torch.cuda.empty_cache()
+                results.append(record)
+                _print_record(record)
+                if args.sweep and case.kernel.startswith("linear"):
+                    for overrides in _linear_sweep(case.kernel, case.shape):
+                        try:
+                            alt = time_vulkan(device, case, args.replays, args.warmup, **overrides)
+                        except Exception as exc:  # a configuration the device refuses: report, go on
+                            print(f"  sweep {overrides}: failed: {exc}")
+                            continue
+                        variant = {k: v for k, v in record.items() if k not in ("torch_over_vk", "error_vs_torch")}
+                        variant.update(
+                            config={k: (v.__dict__ if hasattr(v, "__dict__") else v) for k, v in overrides.items()},
+                            vk_ms=alt["vk_s"] * 1e3, shaders=alt["shaders"], local_size=alt["local_size"],
+                            groups=alt["groups"], spec_constants=alt["spec_constants"],
+                            vk_gbps=case.nbytes / alt["vk_s"] / 1e9,
+                            vk_gflops=None if case.flops is None else case.flops / alt["vk_s"] / 1e9)
+                        if torch is not None:
+                            variant.update(torch_over_vk=record["torch_ms"] / variant["vk_ms"],
+                                           error_vs_torch=_compare(case, alt["result"], ref["result"]))
+                        results.append(variant)
+                        _print_record(variant, prefix="  sweep ")
+    summary = {"meta": meta, "results": results, "skipped": skipped,
+               "targets": {"gemm_fp32_tflops_ref": H200_FP32_TFLOPS, "hbm_tbps_ref": H200_HBM_TBPS}}
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(summary, indent=1, default=str))
+        print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
