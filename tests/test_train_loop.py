@@ -1,0 +1,801 @@
+"""The on-device training loop: data, LR schedule, atomic files, checkpoints/resume, NaN stop, JSON log,
+PEFT adapters, the `vktrain train` CLI glue (with a numpy fake runner), and one end-to-end run of an
+exported .pte on Vulkan."""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import struct
+
+import numpy as np
+import pytest
+import safetensors.numpy
+
+from vktrain.runtime import adapters as adapters_mod
+from vktrain.runtime import checkpoint as ckpt
+from vktrain.runtime.data import (
+    DataError,
+    TokenBatcher,
+    check_vocab,
+    default_dataset_path,
+    epoch_order,
+    load_tokens,
+)
+from vktrain.runtime.lr_schedule import LRSchedule
+from vktrain.runtime.train_loop import (
+    AdamWConfig,
+    NonFiniteLossError,
+    TrainState,
+    add_train_arguments,
+    describe_program,
+    run_train,
+    train,
+)
+
+# ------------------------------------------------------------------------------------------------
+# A numpy fake of TrainingRunner: a real (tiny) LoRA model with real AdamW, so the state that a
+# checkpoint must carry (adapters, both moments, the step counter) changes every step and every loss
+# depends on all of it and on the batch.
+# ------------------------------------------------------------------------------------------------
+
+FAKE_VOCAB, FAKE_DIM, FAKE_RANK = 32, 12, 3
+
+
+class FakeRunner:
+    """logits = E[tokens] @ A.T @ B.T (E a fixed embedding, A [r, D], B [V, r] trained by AdamW)."""
+
+    def __init__(self, batch_shape=(2, 6), *, nan_at_call=None, crash_at_call=None, state_seed=0):
+        # The frozen embedding is the "program" (always the same); state_seed varies the initial state.
+        self.batch_shape = batch_shape
+        self.vocab_size = FAKE_VOCAB
+        self.embedding = np.random.default_rng(1234).standard_normal((FAKE_VOCAB, FAKE_DIM)).astype(np.float32)
+        rng = np.random.default_rng(state_seed)
+        self.state = {
+            "optimizer.step": np.zeros((), np.float32),
+            "model.proj.lora_A": (0.3 * rng.standard_normal((FAKE_RANK, FAKE_DIM))).astype(np.float32),
+            "model.proj.lora_B": np.zeros((FAKE_VOCAB, FAKE_RANK), np.float32),
+        }
+        for name in ("model.proj.lora_A", "model.proj.lora_B"):
+            suffix = name.removeprefix("model.")
+            self.state["optimizer.exp_avg." + suffix] = np.zeros_like(self.state[name])
+            self.state["optimizer.exp_avg_sq." + suffix] = np.zeros_like(self.state[name])
+        self.calls = []  # (tokens, labels, hparams) of every step
+        self.nan_at_call, self.crash_at_call = nan_at_call, crash_at_call
+        self.closed = False
+
+    # StepRunner -----------------------------------------------------------------------------
+    @property
+    def state_names(self):
+        return list(self.state)
+
+    def read_state(self, name):
+        return self.state[name].copy()
+
+    def write_state(self, name, array):
+        array = np.asarray(array)
+        assert array.shape == self.state[name].shape and array.dtype == self.state[name].dtype
+        self.state[name] = array.copy()
+
+    def step(self, tokens, labels, hparams):
+        assert tokens.shape == labels.shape == self.batch_shape and tokens.dtype == labels.dtype == np.int64
+        assert hparams.dtype == np.float32 and hparams.shape == (5,)
+        self.calls.append((tokens.copy(), labels.copy(), hparams.copy()))
+        if self.crash_at_call == len(self.calls):
+            raise self.crash_exception(len(self.calls))
+        lr, beta1, beta2, eps, weight_decay = (float(v) for v in hparams)
+        a, b = self.state["model.proj.lora_A"], self.state["model.proj.lora_B"]
+        x = self.embedding[tokens.reshape(-1)]  # [R, D]
+        h = x @ a.T  # [R, r]
+        logits = h @ b.T  # [R, V]
+        shifted = logits - logits.max(axis=1, keepdims=True)
+        log_probs = shifted - np.log(np.exp(shifted).sum(axis=1, keepdims=True))
+        rows = np.arange(labels.size)
+        loss = float(-log_probs[rows, labels.reshape(-1)].mean())
+        d_logits = np.exp(log_probs)
+        d_logits[rows, labels.reshape(-1)] -= 1.0
+        d_logits /= labels.size
+        grads = {"model.proj.lora_B": (d_logits.T @ h).astype(np.float32),
+                 "model.proj.lora_A": ((d_logits @ b).T @ x).astype(np.float32)}
+        t = float(self.state["optimizer.step"]) + 1.0
+        self.state["optimizer.step"] = np.float32(t).reshape(())
+        for name, grad in grads.items():
+            suffix = name.removeprefix("model.")
+            m = beta1 * self.state["optimizer.exp_avg." + suffix] + (1 - beta1) * grad
+            v = beta2 * self.state["optimizer.exp_avg_sq." + suffix] + (1 - beta2) * grad * grad
+            param = self.state[name] * (1 - lr * weight_decay)
+            param = param - lr * (m / (1 - beta1 ** t)) / (np.sqrt(v / (1 - beta2 ** t)) + eps)
+            self.state[name] = param.astype(np.float32)
+            self.state["optimizer.exp_avg." + suffix] = m.astype(np.float32)
+            self.state["optimizer.exp_avg_sq." + suffix] = v.astype(np.float32)
+        if self.nan_at_call == len(self.calls):
+            return float("nan")
+        return loss
+
+    # TrainingRunner's context-manager surface, for run_train ----------------------------------
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.closed = True
+
+
+class _SimulatedCrash(Exception):
+    pass
+
+
+FakeRunner.crash_exception = _SimulatedCrash  # what crash_at_call raises
+
+
+def _stream(n=2000, vocab=FAKE_VOCAB, seed=1):
+    """A learnable token stream: mostly next = (3 * current + 1) % vocab, sometimes a random token."""
+    rng = np.random.default_rng(seed)
+    stream = np.empty(n, np.int64)
+    stream[0] = 0
+    noise = rng.integers(0, vocab, n)
+    for i in range(1, n):
+        stream[i] = noise[i] if noise[i] % 8 == 0 else (3 * stream[i - 1] + 1) % vocab
+    return stream
+
+
+# ------------------------------------------------------------------------------------------------
+# Data
+# ------------------------------------------------------------------------------------------------
+
+def test_text_file_is_byte_level_utf8(tmp_path):
+    path = tmp_path / "corpus.txt"
+    text = "Hé!\n"
+    path.write_bytes(text.encode("utf-8"))
+    tokens = load_tokens(path)
+    assert tokens.dtype == np.uint8  # stored compactly; batches are int64
+    assert tokens.tolist() == [0x48, 0xC3, 0xA9, 0x21, 0x0A]  # é is two UTF-8 bytes, each a token
+    tokens_b, labels_b = TokenBatcher(tokens, 1, 4, shuffle=False).batch(0)
+    assert tokens_b.dtype == labels_b.dtype == np.int64
+    assert tokens_b.tolist() == [[0x48, 0xC3, 0xA9, 0x21]] and labels_b.tolist() == [[0xC3, 0xA9, 0x21, 0x0A]]
+
+
+def test_npy_and_token_text_files(tmp_path):
+    ids = np.array([5, 0, 31, 7, 7], dtype=np.uint16)
+    np.save(tmp_path / "ids.npy", ids)
+    assert load_tokens(tmp_path / "ids.npy").tolist() == ids.tolist()
+    (tmp_path / "ids.tokens.txt").write_text("5 0\n31\t7  7\n")
+    assert load_tokens(tmp_path / "ids.tokens.txt").tolist() == ids.tolist()
+    # A plain .txt is text, not ids: "5" is byte 0x35.
+    (tmp_path / "ids.txt").write_text("5 0")
+    assert load_tokens(tmp_path / "ids.txt").tolist() == [0x35, 0x20, 0x30]
+
+
+@pytest.mark.parametrize("make, message", [
+    (lambda p: np.save(p / "x.npy", np.ones(8, np.float32)), "integer array"),
+    (lambda p: np.save(p / "x.npy", np.ones((2, 4), np.int64)), "1-D array"),
+    (lambda p: (p / "x.tokens.txt").write_text("1 2 three 4"), "word 2 is 'three'"),
+])
+def test_bad_token_files_are_refused(tmp_path, make, message):
+    make(tmp_path)
+    (path,) = [p for p in tmp_path.iterdir()]
+    with pytest.raises(DataError, match=message):
+        load_tokens(path)
+    with pytest.raises(DataError, match="does not exist"):
+        load_tokens(tmp_path / "missing.bin")
+
+
+def test_vocab_check_names_the_first_bad_token():
+    tokens = np.array([1, 2, 40, 3, 99], np.int64)
+    with pytest.raises(DataError, match=r"token id 40 at position 2 .*\[0, 32\).*2 such token"):
+        check_vocab(tokens, 32, "f.npy")
+    check_vocab(tokens, 100)
+    with pytest.raises(DataError, match="token id -1 at position 0"):
+        check_vocab(np.array([-1, 0]), 8)
+
+
+def test_batches_are_next_token_windows_of_the_stream():
+    stream = _stream(500)
+    batcher = TokenBatcher(stream, batch_size=3, seq_len=7, seed=4)
+    assert batcher.n_windows == (500 - 1) // 7
+    for position in (0, 1, 5, 40):
+        tokens, labels = batcher.batch(position)
+        assert tokens.shape == labels.shape == (3, 7) and tokens.dtype == labels.dtype == np.int64
+        for row, window in enumerate(batcher.window_indices(position)):
+            start = window * 7
+            np.testing.assert_array_equal(tokens[row], stream[start:start + 7])
+            np.testing.assert_array_equal(labels[row], stream[start + 1:start + 8])
+        assert (labels >= 0).all()  # no ignored labels: every window carries S + 1 tokens
+
+
+def test_each_epoch_visits_every_window_once_in_a_seeded_order():
+    batcher = TokenBatcher(_stream(3 * 5 * 8 + 1), batch_size=3, seq_len=5, seed=11)
+    n = batcher.n_windows  # 24 windows = 8 batches per epoch
+    assert n == 24
+    visited = np.concatenate([batcher.window_indices(p) for p in range(16)])
+    first, second = visited[:n], visited[n:]
+    assert sorted(first) == list(range(n)) and sorted(second) == list(range(n))
+    assert first.tolist() != second.tolist()  # a new order each epoch
+    assert first.tolist() != list(range(n))  # shuffled
+    other_seed = TokenBatcher(batcher.tokens, 3, 5, seed=12)
+    assert other_seed.window_indices(0).tolist() != batcher.window_indices(0).tolist()
+    in_order = TokenBatcher(batcher.tokens, 3, 5, shuffle=False)
+    assert np.concatenate([in_order.window_indices(p) for p in range(9)]).tolist() == list(range(24)) + [0, 1, 2]
+    np.testing.assert_array_equal(epoch_order(24, 11, 0), first)
+
+
+def test_fingerprint_depends_on_tokens_and_batching_not_on_storage_dtype():
+    tokens = _stream(300)
+    reference = TokenBatcher(tokens, 2, 5).fingerprint
+    assert TokenBatcher(tokens.astype(np.uint8), 2, 5).fingerprint == reference
+    changed = tokens.copy()
+    changed[-1] += 1
+    assert TokenBatcher(changed, 2, 5).fingerprint != reference
+    assert TokenBatcher(tokens, 2, 6).fingerprint != reference
+    assert TokenBatcher(tokens, 2, 5, shuffle=False).fingerprint != reference
+
+
+def test_the_runtime_side_never_imports_torch():
+    import subprocess
+    import sys
+
+    code = ("import sys, vktrain.runtime.train_loop, vktrain.runtime.data, vktrain.runtime.checkpoint, "
+            "vktrain.runtime.adapters, vktrain.runtime.lr_schedule, vktrain.data; "
+            "bad = [m for m in ('torch', 'executorch') if m in sys.modules]; assert not bad, bad")
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_batch_is_a_pure_function_of_the_position():
+    tokens = _stream(1000)
+    reference = TokenBatcher(tokens, 2, 9, seed=3)
+    sequential = [b for _, b in zip(range(70), reference.batches())]  # crosses several epochs
+    resumed = TokenBatcher(tokens, 2, 9, seed=3)
+    for position in (69, 3, 55, 0, 31):  # any order, fresh object: same batches
+        np.testing.assert_array_equal(resumed.batch(position)[0], sequential[position][0])
+        np.testing.assert_array_equal(resumed.batch(position)[1], sequential[position][1])
+    continued = resumed.batches(start=40)
+    for position in range(40, 45):
+        np.testing.assert_array_equal(next(continued)[0], sequential[position][0])
+
+
+def test_too_short_data_is_refused_with_the_needed_length():
+    TokenBatcher(_stream(4 * 10 + 1), batch_size=4, seq_len=10)  # exactly enough
+    with pytest.raises(DataError, match=r"40 tokens make 3 window\(s\).*at least 41 tokens"):
+        TokenBatcher(_stream(40), batch_size=4, seq_len=10, source="tiny.npy")
+    with pytest.raises(DataError, match="too short"):
+        TokenBatcher(np.zeros(0, np.int64), 1, 1)
+
+
+def test_default_corpus_is_shipped_and_reproducible():
+    from vktrain.data.generate_corpus import generate
+
+    path = default_dataset_path()
+    data = path.read_bytes()
+    assert data == generate().encode("ascii")  # the shipped file is the generator's output
+    assert 200_000 < len(data) < 1_000_000
+    tokens = load_tokens(path)
+    check_vocab(tokens, 128)  # ASCII
+    assert len(np.unique(tokens)) > 40  # real text, not a degenerate stream
+
+
+# ------------------------------------------------------------------------------------------------
+# LR schedule
+# ------------------------------------------------------------------------------------------------
+
+def _reference_lr(kind, base, total, warmup, floor_ratio, t):
+    """The documented formula, written out independently in float64."""
+    if warmup and t <= warmup:
+        return base * t / warmup
+    if kind == "constant":
+        return base
+    progress = min(1.0, (t - warmup) / (total - warmup))
+    floor = base * floor_ratio
+    return floor + (base - floor) * (1 + math.cos(math.pi * progress)) / 2
+
+
+@pytest.mark.parametrize("kind, total, warmup, ratio", [
+    ("cosine", 100, 10, 0.0), ("cosine", 37, 0, 0.1), ("cosine", 5, 4, 0.5), ("constant", 50, 7, 0.0),
+    ("constant", 10, 0, 0.0)])
+def test_schedule_matches_the_float64_formula(kind, total, warmup, ratio):
+    schedule = LRSchedule(kind, 3e-3, total, warmup, ratio)
+    for t in range(1, total + 6):  # also past the end (held at the floor)
+        assert schedule.lr(t) == pytest.approx(_reference_lr(kind, 3e-3, total, warmup, ratio, t), rel=1e-12, abs=1e-18)
+    if warmup:
+        assert schedule.lr(warmup) == pytest.approx(3e-3)
+        assert all(schedule.lr(t) < schedule.lr(t + 1) for t in range(1, warmup))
+    if kind == "cosine":
+        assert schedule.lr(total) == pytest.approx(3e-3 * ratio, abs=1e-15)
+        assert all(schedule.lr(t) >= schedule.lr(t + 1) for t in range(warmup + 1, total))
+
+
+@pytest.mark.parametrize("args, message", [
+    (("linear", 1e-3, 10), "one of"), (("cosine", 0.0, 10), "positive"), (("cosine", 1e-3, 0), "steps"),
+    (("cosine", 1e-3, 10, 10), "shorter than the run"), (("cosine", 1e-3, 10, -1), "warmup"),
+    (("cosine", 1e-3, 10, 0, 1.5), r"\[0, 1\]")])
+def test_schedule_refuses_bad_settings(args, message):
+    with pytest.raises(ValueError, match=message):
+        LRSchedule(*args)
+    with pytest.raises(ValueError, match="numbered from 1"):
+        LRSchedule("constant", 1e-3, 10).lr(0)
+
+
+# ------------------------------------------------------------------------------------------------
+# Atomic writes and checkpoints
+# ------------------------------------------------------------------------------------------------
+
+def test_a_failure_mid_write_leaves_the_old_file_intact(tmp_path):
+    path = tmp_path / "state.bin"
+    ckpt.atomic_write_bytes(path, b"old contents")
+
+    def half_then_fail(file):
+        file.write(b"new, but only ha")
+        raise OSError("disk full (simulated)")
+
+    with pytest.raises(OSError, match="simulated"):
+        ckpt.atomic_write(path, half_then_fail)
+    assert path.read_bytes() == b"old contents"
+    assert os.listdir(tmp_path) == ["state.bin"]  # no temporary file left behind
+
+
+def test_a_failed_rename_leaves_the_old_file_intact(tmp_path, monkeypatch):
+    path = tmp_path / "log.json"
+    ckpt.atomic_write_json(path, [1])
+
+    def failing_replace(src, dst):
+        raise OSError("rename failed (simulated)")
+
+    monkeypatch.setattr(ckpt.os, "replace", failing_replace)
+    with pytest.raises(OSError, match="simulated"):
+        ckpt.atomic_write_json(path, [1, 2])
+    assert json.loads(path.read_text()) == [1]
+    assert os.listdir(tmp_path) == ["log.json"]
+
+
+def test_atomic_files_get_ordinary_permissions(tmp_path):
+    path = tmp_path / "f"
+    ckpt.atomic_write_bytes(path, b"x")
+    umask = os.umask(0)
+    os.umask(umask)
+    assert path.stat().st_mode & 0o777 == 0o666 & ~umask
+    with pytest.raises(ValueError, match="NaN|nan|Out of range"):
+        ckpt.atomic_write_json(tmp_path / "g.json", [float("nan")])  # NaN is not JSON
+
+
+def _sample_checkpoint(runner, step=3, program="p" * 64):
+    runner.state["optimizer.step"] = np.float32(step).reshape(())
+    return ckpt.Checkpoint(step=step, data_position=step + 2, program_sha256=program, data_sha256="d" * 64,
+                           data_seed=9, tensors=ckpt.capture_state(runner),
+                           records=[{"step": 1, "loss": 2.5, "lr": 1e-3}], config={"lr": 1e-3})
+
+
+def test_checkpoint_round_trip_and_restore(tmp_path):
+    runner = FakeRunner()
+    runner.step(*TokenBatcher(_stream(), 2, 6).batch(0), AdamWConfig().hparams(1e-2))  # non-trivial state
+    saved = _sample_checkpoint(runner, step=1)
+    path = tmp_path / "run.ckpt"
+    ckpt.save_checkpoint(path, saved)
+    loaded = ckpt.load_checkpoint(path)
+    assert (loaded.step, loaded.data_position, loaded.program_sha256, loaded.data_sha256, loaded.data_seed) == \
+           (1, 3, "p" * 64, "d" * 64, 9)
+    assert loaded.records == saved.records and loaded.config == saved.config
+    assert sorted(loaded.tensors) == sorted(saved.tensors)
+    for name, array in saved.tensors.items():
+        assert loaded.tensors[name].shape == array.shape and loaded.tensors[name].dtype == array.dtype
+        np.testing.assert_array_equal(loaded.tensors[name], array)
+    assert loaded.tensors["optimizer.step"].shape == ()
+
+    fresh = FakeRunner(state_seed=5)
+    ckpt.restore_state(fresh, loaded, "p" * 64)
+    for name in runner.state_names:
+        np.testing.assert_array_equal(fresh.read_state(name), runner.read_state(name))
+
+
+def test_restore_refuses_checkpoints_of_other_programs(tmp_path):
+    runner = FakeRunner()
+    saved = _sample_checkpoint(runner)
+    before = {name: runner.read_state(name) for name in runner.state_names}
+    with pytest.raises(ckpt.CheckpointError, match="different program"):
+        ckpt.restore_state(runner, saved, "q" * 64)
+    wrong_names = ckpt.Checkpoint(**{**saved.__dict__, "tensors": {**saved.tensors, "model.extra.lora_A": np.zeros(2)}})
+    with pytest.raises(ckpt.CheckpointError, match=r"unknown \['model.extra.lora_A'\]"):
+        ckpt.restore_state(runner, wrong_names, "p" * 64)
+    wrong_shape = dict(saved.tensors)
+    wrong_shape["model.proj.lora_A"] = np.zeros((FAKE_RANK + 1, FAKE_DIM), np.float32)
+    with pytest.raises(ckpt.CheckpointError, match=r"lora_A.*float32\[4, 12\] in the checkpoint.*float32\[3, 12\]"):
+        ckpt.restore_state(runner, ckpt.Checkpoint(**{**saved.__dict__, "tensors": wrong_shape}), "p" * 64)
+    inconsistent = ckpt.Checkpoint(**{**saved.__dict__, "step": 7})
+    with pytest.raises(ckpt.CheckpointError, match="step counter is 3 but the checkpoint records step 7"):
+        ckpt.restore_state(runner, inconsistent, "p" * 64)
+    for name, array in before.items():  # nothing was written by the refused restores
+        np.testing.assert_array_equal(runner.read_state(name), array)
+
+
+def test_unreadable_checkpoints_are_refused(tmp_path):
+    good = tmp_path / "good.ckpt"
+    ckpt.save_checkpoint(good, _sample_checkpoint(FakeRunner()))
+    truncated = tmp_path / "truncated.ckpt"
+    truncated.write_bytes(good.read_bytes()[:100])
+    with pytest.raises(ckpt.CheckpointError, match="not a readable safetensors"):
+        ckpt.load_checkpoint(truncated)
+    foreign = tmp_path / "foreign.safetensors"
+    foreign.write_bytes(safetensors.numpy.save({"w": np.zeros(3, np.float32)}, metadata={"format": "pt"}))
+    with pytest.raises(ckpt.CheckpointError, match="not a vktrain checkpoint"):
+        ckpt.load_checkpoint(foreign)
+    with pytest.raises(ckpt.CheckpointError, match="does not exist"):
+        ckpt.load_checkpoint(tmp_path / "nope.ckpt")
+
+
+# ------------------------------------------------------------------------------------------------
+# The loop
+# ------------------------------------------------------------------------------------------------
+
+OPTIMIZER = AdamWConfig(beta1=0.8, beta2=0.99, eps=1e-7, weight_decay=0.01)
+
+
+def _batcher(runner):
+    return TokenBatcher(_stream(), *runner.batch_shape, seed=7)
+
+
+def test_hparams_are_fed_per_step_and_records_are_exact(tmp_path):
+    runner = FakeRunner()
+    schedule = LRSchedule("cosine", 5e-2, 12, warmup_steps=3, min_lr_ratio=0.1)
+    batches = _batcher(runner)
+    log = tmp_path / "log.json"
+    state = train(runner, batches, 12, schedule, OPTIMIZER, json_path=log, progress=False)
+    assert (state.step, state.data_position) == (12, 12)
+    for step, (tokens, labels, hparams) in enumerate(runner.calls, 1):
+        expected = np.array([schedule.lr(step), 0.8, 0.99, 1e-7, 0.01], np.float32)
+        np.testing.assert_array_equal(hparams, expected)
+        np.testing.assert_array_equal(tokens, batches.batch(step - 1)[0])
+        np.testing.assert_array_equal(labels, batches.batch(step - 1)[1])
+    records = json.loads(log.read_text())
+    assert records == state.records
+    assert [r["step"] for r in records] == list(range(1, 13))
+    assert all(set(r) == {"step", "loss", "lr"} and isinstance(r["step"], int) and isinstance(r["loss"], float)
+               for r in records)
+    assert [r["lr"] for r in records] == [schedule.lr(t) for t in range(1, 13)]
+    # The recorded losses are the runner's: replaying the batches on a fresh fake gives the same numbers.
+    replay = FakeRunner()
+    expected_losses = [replay.step(t, l, h) for t, l, h in runner.calls]
+    assert [r["loss"] for r in records] == expected_losses
+    assert records[-1]["loss"] < records[0]["loss"]  # the fake model learns
+
+
+def test_resume_from_step_10_reproduces_steps_11_to_20_exactly(tmp_path):
+    schedule = LRSchedule("cosine", 5e-2, 20, warmup_steps=4)
+    uninterrupted = FakeRunner()
+    full_log = tmp_path / "full.json"
+    full = train(uninterrupted, _batcher(uninterrupted), 20, schedule, OPTIMIZER, json_path=full_log,
+                 checkpoint_every=5, checkpoint_path=tmp_path / "full.ckpt", program_sha256="a" * 64, progress=False)
+
+    # The same run, crashing during step 13: the checkpoint of step 10 is the last one written.
+    crashing = FakeRunner(crash_at_call=13)
+    path, log = tmp_path / "run.ckpt", tmp_path / "run.json"
+    with pytest.raises(_SimulatedCrash):
+        train(crashing, _batcher(crashing), 20, schedule, OPTIMIZER, checkpoint_every=5, checkpoint_path=path,
+              json_path=log, program_sha256="a" * 64, progress=False)
+    assert [r["step"] for r in json.loads(log.read_text())] == list(range(1, 13))  # steps that completed
+    checkpoint = ckpt.load_checkpoint(path)
+    assert (checkpoint.step, checkpoint.data_position) == (10, 10)
+
+    resumed_runner = FakeRunner(state_seed=99)  # other initial state: everything must come from the checkpoint
+    ckpt.restore_state(resumed_runner, checkpoint, "a" * 64)
+    resumed = train(resumed_runner, _batcher(resumed_runner), 20, schedule, OPTIMIZER,
+                    state=TrainState.from_checkpoint(checkpoint, path), checkpoint_every=5, checkpoint_path=path,
+                    json_path=log, program_sha256="a" * 64, progress=False)
+    assert len(resumed_runner.calls) == 10  # steps 11..20 only
+    assert resumed.records == full.records  # steps 1-10 restored, 11-20 recomputed: identical losses and lr
+    assert log.read_bytes() == full_log.read_bytes()
+    for name in uninterrupted.state_names:
+        np.testing.assert_array_equal(resumed_runner.read_state(name), uninterrupted.read_state(name))
+    final, reference = ckpt.load_checkpoint(path), ckpt.load_checkpoint(tmp_path / "full.ckpt")
+    assert final.step == reference.step == 20 and final.records == reference.records
+    for name, array in reference.tensors.items():
+        np.testing.assert_array_equal(final.tensors[name], array)
+
+
+def _reference_state_after(steps, schedule):
+    reference = FakeRunner()
+    train(reference, _batcher(reference), steps, schedule, progress=False)
+    return {name: reference.read_state(name) for name in reference.state_names}
+
+
+def test_non_finite_loss_rolls_back_and_checkpoints_the_last_good_step(tmp_path):
+    schedule = LRSchedule("constant", 1e-2, 20)
+    runner = FakeRunner(nan_at_call=8)
+    path, log = tmp_path / "run.ckpt", tmp_path / "log.json"
+    with pytest.raises(NonFiniteLossError, match=r"loss became nan at step 8 .*rolled back to step 7.*"
+                                                 r"last good checkpoint is .*run.ckpt \(step 7\)") as info:
+        train(runner, _batcher(runner), 20, schedule, checkpoint_every=5, checkpoint_path=path, json_path=log,
+              progress=False)
+    assert info.value.step == 8 and math.isnan(info.value.loss) and info.value.rolled_back
+    assert len(runner.calls) == 8  # stopped at once
+    after_7 = _reference_state_after(7, schedule)
+    good = ckpt.load_checkpoint(path)
+    assert (good.step, good.data_position) == (7, 7) and [r["step"] for r in good.records] == list(range(1, 8))
+    for name, array in after_7.items():
+        np.testing.assert_array_equal(good.tensors[name], array)
+        np.testing.assert_array_equal(runner.read_state(name), array)  # the runner itself was rolled back
+    assert [r["step"] for r in json.loads(log.read_text())] == list(range(1, 8))  # finite steps only
+
+
+def test_non_finite_loss_with_a_large_state_keeps_the_last_periodic_checkpoint(tmp_path):
+    schedule = LRSchedule("constant", 1e-2, 20)
+    runner = FakeRunner(nan_at_call=8)
+    path = tmp_path / "run.ckpt"
+    with pytest.raises(NonFiniteLossError, match=r"at step 8 .*corrupted and was not saved.*run.ckpt \(step 5\)"):
+        train(runner, _batcher(runner), 20, schedule, checkpoint_every=5, checkpoint_path=path, progress=False,
+              last_good_state_limit=0)  # every state counts as "large": no per-step host copy
+    good = ckpt.load_checkpoint(path)
+    assert good.step == 5
+    for name, array in _reference_state_after(5, schedule).items():
+        np.testing.assert_array_equal(good.tensors[name], array)
+
+    no_checkpoint = FakeRunner(nan_at_call=2)
+    with pytest.raises(NonFiniteLossError, match="at step 2 .*no checkpoint holds this run"):
+        train(no_checkpoint, _batcher(no_checkpoint), 5, schedule, progress=False)
+
+
+def test_train_refuses_inconsistent_arguments(tmp_path):
+    runner = FakeRunner()
+    schedule = LRSchedule("constant", 1e-2, 10)
+    with pytest.raises(ValueError, match="needs a checkpoint path"):
+        train(runner, _batcher(runner), 10, schedule, checkpoint_every=2, progress=False)
+    with pytest.raises(ValueError, match="already at step 12"):
+        train(runner, _batcher(runner), 10, schedule, state=TrainState(step=12, data_position=12), progress=False)
+    with pytest.raises(ValueError, match="beta1"):
+        AdamWConfig(beta1=1.0)
+
+
+def test_describe_program_reads_the_delegate_graph():
+    from vktrain.serialization import graph as vk
+
+    class GraphRunner:
+        def __init__(self):
+            self.graph = vk.VkGraph()
+            g = self.graph
+            g.values = [vk.TensorValue(vk.DType.INT64, (4, 16), name="token_ids"),
+                        vk.TensorValue(vk.DType.FLOAT32, (64, 100), name="logits"),
+                        vk.TensorValue(vk.DType.INT64, (64,), name="labels")]
+            g.inputs = [0]
+            g.ops = [vk.OpCall("vktrain.fused_ce.default", (1, 2), ())]
+            g.metadata = {"lora_alpha": "8"}
+
+    info = describe_program(GraphRunner())
+    assert (info.batch_size, info.seq_len, info.vocab_size) == (4, 16, 100)
+    assert info.metadata["lora_alpha"] == "8"
+    assert describe_program(FakeRunner(batch_shape=(3, 5))).vocab_size == FAKE_VOCAB
+    with pytest.raises(ValueError, match="cannot tell the program's batch shape"):
+        describe_program(object())
+
+
+# ------------------------------------------------------------------------------------------------
+# Adapters
+# ------------------------------------------------------------------------------------------------
+
+def test_adapters_are_saved_with_peft_names_and_config(tmp_path):
+    from vktrain.lora.inject import peft_name as torch_side_peft_name
+
+    rng = np.random.default_rng(0)
+    state = {
+        "model.layers.0.lora_A": rng.standard_normal((4, 32)).astype(np.float32),
+        "model.layers.0.lora_B": rng.standard_normal((64, 4)).astype(np.float32),
+        "model.head.lora_A": rng.standard_normal((8, 64)).astype(np.float32),
+        "model.head.lora_B": rng.standard_normal((256, 8)).astype(np.float32),
+        "model.layers.1.lora_A": rng.standard_normal((4, 64)).astype(np.float32),
+        "model.layers.1.lora_B": rng.standard_normal((64, 4)).astype(np.float32),
+        "optimizer.exp_avg.head.lora_A": np.zeros((8, 64), np.float32),
+        "optimizer.step": np.zeros((), np.float32),
+    }
+    adapters = adapters_mod.adapters_from_state(state)
+    assert sorted(adapters) == ["head", "layers.0", "layers.1"]
+    out = tmp_path / "adapter"
+    adapters_mod.save_adapters(out, adapters, lora_alpha=16, base_model="mlp-lora")
+    assert sorted(os.listdir(out)) == ["adapter_config.json", "adapter_model.safetensors"]
+
+    raw = (out / "adapter_model.safetensors").read_bytes()
+    header = json.loads(raw[8:8 + struct.unpack("<Q", raw[:8])[0]])
+    assert header.pop("__metadata__") == {"format": "pt"}
+    expected_names = {torch_side_peft_name(f"{m}.{p}") for m in adapters for p in ("lora_A", "lora_B")}
+    assert set(header) == expected_names
+    assert "base_model.model.layers.0.lora_A.weight" in header
+    tensors = safetensors.numpy.load(raw)
+    np.testing.assert_array_equal(tensors["base_model.model.head.lora_B.weight"], state["model.head.lora_B"])
+
+    config = json.loads((out / "adapter_config.json").read_text())
+    assert config["peft_type"] == "LORA" and config["task_type"] == "CAUSAL_LM"
+    assert config["r"] == 4 and config["lora_alpha"] == 16.0
+    assert config["rank_pattern"] == {"head": 8}  # PEFT's way of stating a layer's different rank
+    assert config["target_modules"] == ["head", "layers.0", "layers.1"]
+    assert config["base_model_name_or_path"] == "mlp-lora"
+
+    loaded = adapters_mod.load_adapters(out)
+    assert sorted(loaded) == sorted(adapters)
+    for module, (a, b) in adapters.items():
+        np.testing.assert_array_equal(loaded[module][0], a)
+        np.testing.assert_array_equal(loaded[module][1], b)
+    assert adapters_mod.load_adapter_config(out) == config
+
+
+def test_bad_adapters_are_refused(tmp_path):
+    with pytest.raises(adapters_mod.AdapterError, match=r"module 'l' has \['lora_A'\] but no \['lora_B'\]"):
+        adapters_mod.adapters_from_state({"model.l.lora_A": np.zeros((2, 4), np.float32)})
+    with pytest.raises(adapters_mod.AdapterError, match="same r"):
+        adapters_mod.adapters_from_state({"model.l.lora_A": np.zeros((2, 4), np.float32),
+                                          "model.l.lora_B": np.zeros((4, 3), np.float32)})
+    with pytest.raises(adapters_mod.AdapterError, match="no LoRA tensors"):
+        adapters_mod.adapters_from_state({"optimizer.step": np.zeros(())})
+    out = tmp_path / "a"
+    out.mkdir()
+    (out / "adapter_model.safetensors").write_bytes(safetensors.numpy.save({"l.weight": np.zeros((2, 2), np.float32)}))
+    with pytest.raises(adapters_mod.AdapterError, match=r"'l.weight' is not named base_model.model.<module>"):
+        adapters_mod.load_adapters(out)
+    with pytest.raises(adapters_mod.AdapterError, match="lora_alpha must be a positive number"):
+        adapters_mod.save_adapters(out, {"l": (np.zeros((2, 4)), np.zeros((4, 2)))}, lora_alpha=0)
+
+
+# ------------------------------------------------------------------------------------------------
+# CLI glue (TrainingRunner replaced by the fake)
+# ------------------------------------------------------------------------------------------------
+
+def _parse(*argv):
+    parser = argparse.ArgumentParser(prog="vktrain train")
+    add_train_arguments(parser)
+    return parser.parse_args([str(a) for a in argv])
+
+
+@pytest.fixture
+def fake_program(tmp_path, monkeypatch):
+    """A .pte path whose 'program' is a FakeRunner; returns (pte path, data path, list of runners made)."""
+    from vktrain.runtime import runner as runner_mod
+
+    made = []
+
+    def from_pte(path, device=None, **options):
+        fake = FakeRunner(**made_options)
+        made.append(fake)
+        return fake
+
+    made_options: dict = {}
+    monkeypatch.setattr(runner_mod.TrainingRunner, "from_pte", staticmethod(from_pte))
+    pte = tmp_path / "step.pte"
+    pte.write_bytes(b"a stand-in program")
+    data = tmp_path / "ids.npy"
+    np.save(data, _stream())
+    return pte, data, made, made_options
+
+
+def test_cli_trains_resumes_and_writes_adapters(tmp_path, fake_program, capsys):
+    pte, data, made, _ = fake_program
+    common = ["--data", data, "--lr", "0.05", "--warmup", "2", "--schedule", "cosine", "--weight-decay", "0.01",
+              "--no-progress"]
+    assert run_train(_parse(pte, "--steps", 12, *common, "--json", tmp_path / "full.json")) == 0
+    assert run_train(_parse(pte, "--steps", 6, *common, "--checkpoint", tmp_path / "c6")) == 0
+    capsys.readouterr()
+    # A shorter run has another cosine schedule: resuming it to step 12 warns that it will not match.
+    assert run_train(_parse(pte, "--steps", 12, *common, "--resume", tmp_path / "c6",
+                            "--json", tmp_path / "resumed.json", "--out-adapters", tmp_path / "ad",
+                            "--lora-alpha", "8")) == 0
+    out, err = capsys.readouterr()
+    assert "warning: resuming with settings that differ" in err and "schedule.total_steps: 6 -> 12" in err
+    assert len(made[-1].calls) == 6
+    assert "trained steps 7..12" in out
+    resumed = json.loads((tmp_path / "resumed.json").read_text())
+    assert [r["step"] for r in resumed] == list(range(1, 13))
+    loaded = adapters_mod.load_adapters(tmp_path / "ad")
+    np.testing.assert_array_equal(loaded["proj"][1], made[-1].read_state("model.proj.lora_B"))
+    assert adapters_mod.load_adapter_config(tmp_path / "ad")["lora_alpha"] == 8.0
+    assert ckpt.load_checkpoint(tmp_path / "c6").step == 12  # --resume alone: checkpoints go back to that file
+
+
+def test_cli_resume_of_an_interrupted_constant_run_matches(tmp_path, fake_program, capsys):
+    pte, data, made, options = fake_program
+    common = ["--data", data, "--lr", "0.05", "--schedule", "constant", "--no-progress"]
+    assert run_train(_parse(pte, "--steps", 10, *common, "--json", tmp_path / "full.json")) == 0
+    assert run_train(_parse(pte, "--steps", 4, *common, "--checkpoint", tmp_path / "c")) == 0
+    capsys.readouterr()
+    assert run_train(_parse(pte, "--steps", 10, *common, "--resume", tmp_path / "c",
+                            "--json", tmp_path / "resumed.json")) == 0
+    assert "warning" not in capsys.readouterr().err  # a constant schedule's length is no difference
+    assert (tmp_path / "resumed.json").read_bytes() == (tmp_path / "full.json").read_bytes()
+
+
+def test_cli_errors_are_clear(tmp_path, fake_program, capsys, monkeypatch):
+    pte, data, made, options = fake_program
+
+    def error_of(*argv):
+        code = run_train(_parse(*argv, "--no-progress"))
+        return code, capsys.readouterr().err
+
+    code, err = error_of(tmp_path / "missing.pte", "--steps", 3)
+    assert code == 2 and "missing.pte does not exist" in err
+    code, err = error_of(pte, "--steps", 3, "--checkpoint-every", 2)
+    assert code == 2 and "--checkpoint-every needs --checkpoint PATH" in err
+    code, err = error_of(pte, "--steps", 3, "--data", data, "--json", tmp_path / "no" / "log.json")
+    assert code == 2 and "--json" in err and "does not exist" in err and not made  # refused before loading
+    code, err = error_of(pte, "--steps", 3, "--data", data, "--out-adapters", tmp_path / "ad")
+    assert code == 2 and "pass --lora-alpha" in err
+    code, err = error_of(pte, "--steps", 3)  # the default corpus is bytes 0..255; the fake's vocab is 32
+    assert code == 2 and "outside the model's vocabulary [0, 32)" in err
+    short = tmp_path / "short.tokens.txt"
+    short.write_text("1 2 3")
+    code, err = error_of(pte, "--steps", 3, "--data", short)
+    assert code == 2 and "too short for one batch" in err
+    code, err = error_of(pte, "--steps", 3, "--data", data, "--warmup", 3)
+    assert code == 2 and "warmup" in err
+
+    assert run_train(_parse(pte, "--steps", 4, "--data", data, "--checkpoint", tmp_path / "c", "--no-progress")) == 0
+    other_pte = tmp_path / "other.pte"
+    other_pte.write_bytes(b"another program")
+    code, err = error_of(other_pte, "--steps", 6, "--data", data, "--resume", tmp_path / "c")
+    assert code == 2 and "different program" in err
+    other_data = tmp_path / "other.npy"
+    np.save(other_data, _stream(seed=2))
+    code, err = error_of(pte, "--steps", 6, "--data", other_data, "--resume", tmp_path / "c")
+    assert code == 2 and "other data" in err
+    code, err = error_of(pte, "--steps", 6, "--data", data, "--resume", tmp_path / "c", "--seed", 5)
+    assert code == 2 and "--seed 5 differs from the checkpoint's data seed 0" in err
+
+    options["nan_at_call"] = 3
+    code, err = error_of(pte, "--steps", 6, "--data", data)
+    assert code == 1 and "loss became nan at step 3" in err
+
+    options.clear()
+    options["crash_at_call"] = 6
+    monkeypatch.setattr(FakeRunner, "crash_exception", KeyboardInterrupt)  # Ctrl-C during step 6
+    code, err = error_of(pte, "--steps", 9, "--data", data, "--checkpoint-every", 2, "--checkpoint", tmp_path / "k")
+    assert code == 130 and "interrupted after step 5; the last checkpoint is" in err and "(step 4)" in err
+
+
+# ------------------------------------------------------------------------------------------------
+# End to end: an exported mlp-lora training step on Vulkan
+# ------------------------------------------------------------------------------------------------
+
+E2E_BATCH, E2E_SEQ = 2, 16
+
+
+@pytest.fixture(scope="module")
+def mlp_step_program(tmp_path_factory):
+    torch = pytest.importorskip("torch")
+    from vktrain.export import export_training_step, lower_to_pte
+    from vktrain.lora import LoRAConfig, apply_lora
+    from vktrain.models import build_model
+
+    model = build_model("mlp-lora", dim=32, hidden=64, n_layers=1)
+    apply_lora(model, LoRAConfig(rank=4, alpha=8.0, targets="*", group_size=32, seed=0))
+    path = tmp_path_factory.mktemp("e2e") / "step.pte"
+    path.write_bytes(lower_to_pte(export_training_step(model, (E2E_BATCH, E2E_SEQ))))
+    return path, model, torch
+
+
+def test_end_to_end_train_resume_and_adapters_on_vulkan(vk_device, mlp_step_program, tmp_path):
+    path, model, torch = mlp_step_program
+    common = [path, "--lr", "1e-2", "--schedule", "constant", "--warmup", "2", "--no-progress"]
+
+    def run(*extra):
+        return run_train(_parse(*common, *extra), device=vk_device)
+
+    assert run("--steps", 16, "--json", tmp_path / "full.json", "--out-adapters", tmp_path / "ad",
+               "--lora-alpha", "8", "--checkpoint", tmp_path / "full.ckpt") == 0
+    assert run("--steps", 8, "--checkpoint-every", 4, "--checkpoint", tmp_path / "c") == 0
+    assert run("--steps", 16, "--resume", tmp_path / "c", "--json", tmp_path / "resumed.json") == 0
+
+    records = json.loads((tmp_path / "full.json").read_text())
+    losses = [r["loss"] for r in records]
+    assert len(records) == 16 and all(math.isfinite(x) for x in losses)
+    assert np.mean(losses[-4:]) < losses[0] - 0.5  # the default corpus is learnable; the adapters train
+    assert (tmp_path / "resumed.json").read_bytes() == (tmp_path / "full.json").read_bytes()  # bitwise resume
+    resumed, full = ckpt.load_checkpoint(tmp_path / "c"), ckpt.load_checkpoint(tmp_path / "full.ckpt")
+    for name, array in full.tensors.items():
+        np.testing.assert_array_equal(resumed.tensors[name], array)
+
+    # Step 1's loss is the exported model's loss on batch 0 of the default corpus (eager PyTorch):
+    # the batcher feeds the program what the model expects (next-token labels, all valid).
+    tokens, labels = TokenBatcher(load_tokens(default_dataset_path()), E2E_BATCH, E2E_SEQ, seed=0).batch(0)
+    with torch.no_grad():
+        eager = model.loss(torch.from_numpy(tokens), torch.from_numpy(labels), torch.tensor(float(labels.size)))
+    assert losses[0] == pytest.approx(float(eager), rel=1e-4)
+
+    adapters = adapters_mod.load_adapters(tmp_path / "ad")
+    assert sorted(adapters) == ["head", "layers.0"]
+    for module, (a, b) in adapters.items():
+        np.testing.assert_array_equal(a, full.tensors[f"model.{module}.lora_A"])
+        np.testing.assert_array_equal(b, full.tensors[f"model.{module}.lora_B"])
+        assert a.shape[0] == b.shape[1] == 4
+    config = adapters_mod.load_adapter_config(tmp_path / "ad")
+    assert (config["r"], config["lora_alpha"]) == (4, 8.0)
