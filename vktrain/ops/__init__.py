@@ -9,17 +9,29 @@ Schemas (docs/CONTRACTS.md; each also has an `.out` overload for ExecuTorch):
     adamw(Tensor param, Tensor exp_avg, Tensor exp_avg_sq, Tensor grad, Tensor hparams, Tensor step)
         -> (Tensor, Tensor, Tensor)
 
+Transformer ops (Llama family, vktrain/ops/transformer.py; listed in TRANSFORMER_OP_NAMES):
+    rms_norm(Tensor x, Tensor weight, float eps) -> (Tensor y, Tensor rstd)
+    rms_norm_backward(Tensor d_y, Tensor x, Tensor weight, Tensor rstd) -> Tensor
+    rope(Tensor x, Tensor cos, Tensor sin) -> Tensor
+    causal_attention(Tensor q, Tensor k, Tensor v, float scale) -> (Tensor out, Tensor lse)
+    causal_attention_backward(Tensor d_out, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, float scale)
+        -> (Tensor d_q, Tensor d_k, Tensor d_v)
+    swiglu(Tensor gate, Tensor up) -> Tensor
+    swiglu_backward(Tensor d_h, Tensor gate, Tensor up) -> (Tensor d_gate, Tensor d_up)
+
 The functions below are thin wrappers over torch.ops.vktrain.<op>, so they trace and export as the op.
 """
 from __future__ import annotations
 
 import torch
 
-from . import cross_entropy, linear, optimizer  # noqa: F401  (registers the ops)
+from . import cross_entropy, linear, optimizer, transformer  # noqa: F401  (registers the ops)
 from ._library import NAMESPACE
 from .linear import dequantize_q4gsw, quantize_q4gsw
 
 OP_NAMES = ("linear_q4gsw", "linear_q4gsw_backward", "linear_dW", "q4gsw_requant", "fused_ce", "adamw")
+TRANSFORMER_OP_NAMES = ("rms_norm", "rms_norm_backward", "rope", "causal_attention", "causal_attention_backward",
+                        "swiglu", "swiglu_backward")
 
 
 def linear_q4gsw(x: torch.Tensor, weights: torch.Tensor, scales: torch.Tensor, group_size: int,
@@ -62,7 +74,50 @@ def adamw_hparams(lr: float, beta1: float = 0.9, beta2: float = 0.999, eps: floa
     return torch.tensor([lr, beta1, beta2, eps, weight_decay], dtype=torch.float32)
 
 
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(y, rstd [..., 1]) with rstd = 1/sqrt(mean(x^2, last dim) + eps), y = x * rstd * weight;
+    differentiable in x only (the weight must not require grad)."""
+    return torch.ops.vktrain.rms_norm(x, weight, eps)
+
+
+def rms_norm_backward(d_y: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
+                      rstd: torch.Tensor) -> torch.Tensor:
+    """d_x of rms_norm, from its saved rstd."""
+    return torch.ops.vktrain.rms_norm_backward(d_y, x, weight, rstd)
+
+
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding of x [B, S, H, D] with tables cos/sin [S, D/2], pairing (i, i + D/2) ("rotate half")."""
+    return torch.ops.vktrain.rope(x, cos, sin)
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                     scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out [B, S, Hq, D], lse [B, Hq, S]) of causal softmax(scale * q k^T) v; k/v [B, S, Hkv, D] (GQA)."""
+    return torch.ops.vktrain.causal_attention(q, k, v, scale)
+
+
+def causal_attention_backward(d_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                              out: torch.Tensor, lse: torch.Tensor,
+                              scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(d_q, d_k, d_v) of causal_attention, rebuilding the probabilities from lse (flash-attention style)."""
+    return torch.ops.vktrain.causal_attention_backward(d_out, q, k, v, out, lse, scale)
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up."""
+    return torch.ops.vktrain.swiglu(gate, up)
+
+
+def swiglu_backward(d_h: torch.Tensor, gate: torch.Tensor,
+                    up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(d_gate, d_up) of swiglu."""
+    return torch.ops.vktrain.swiglu_backward(d_h, gate, up)
+
+
 __all__ = [
-    "NAMESPACE", "OP_NAMES", "adamw", "adamw_hparams", "dequantize_q4gsw", "fused_ce", "linear_dW",
-    "linear_q4gsw", "linear_q4gsw_backward", "q4gsw_requant", "quantize_q4gsw",
+    "NAMESPACE", "OP_NAMES", "TRANSFORMER_OP_NAMES", "adamw", "adamw_hparams", "dequantize_q4gsw", "fused_ce",
+    "linear_dW", "linear_q4gsw", "linear_q4gsw_backward", "q4gsw_requant", "quantize_q4gsw",
+    "causal_attention", "causal_attention_backward", "rms_norm", "rms_norm_backward", "rope", "swiglu",
+    "swiglu_backward",
 ]
