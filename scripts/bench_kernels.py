@@ -37,7 +37,7 @@ from vktrain.runtime import Buffer, Device, Program  # noqa: E402
 from vktrain.runtime.kernels import KERNELS  # noqa: E402
 
 # Families registered by modules that kernels/__init__ may not import yet; imported here if present.
-_FAMILY_MODULES = ("linear", "cross_entropy", "optimizer", "requant")
+_FAMILY_MODULES = ("linear", "cross_entropy", "optimizer", "requant", "attention")
 
 H200_FP32_TFLOPS = 51.0  # the lead's target reference (non-tensor fp32)
 H200_HBM_TBPS = 4.2
@@ -296,9 +296,84 @@ def _requant_cases(quick: bool, rng) -> list[Case]:
     return cases
 
 
+def _attention_cases(quick: bool, rng) -> list[Case]:
+    """Causal GQA attention [B, S, H, D] (Llama-3.2-1B: Hq=32, Hkv=8, D=64). FLOPs count the causal
+    half of the matmuls: 2 for the forward (q k^T, P v), 5 for the backward (the algorithm's, not the
+    recomputation the deterministic kernels add)."""
+    from vktrain.runtime import run_dispatches
+    from vktrain.runtime.kernels.attention import causal_attention_backward_scratch_nbytes
+
+    B, Hq, Hkv, D = (1, 4, 2, 64) if quick else (1, 32, 8, 64)
+    cases = []
+    for S in ((64,) if quick else (512, 2048)):
+        q = rng.standard_normal((B, S, Hq, D)).astype(np.float32)
+        k = rng.standard_normal((B, S, Hkv, D)).astype(np.float32)
+        v = rng.standard_normal((B, S, Hkv, D)).astype(np.float32)
+        d_out = rng.standard_normal((B, S, Hq, D)).astype(np.float32)
+        scale = 1.0 / math.sqrt(D)
+        dims = dict(B=B, S=S, Hq=Hq, Hkv=Hkv, D=D)
+        shape = dict(B=B, S=S, Hq=Hq, Hkv=Hkv, D=D)
+        causal_mnk = B * Hq * S * S * D  # one causal [S, S] x [S, D] matmul: S*S*D/2 MACs = S*S*D flops
+
+        def forward_plan(limits, dims=dims, scale=scale):
+            return KERNELS["causal_attention"](**dims, q="q", k="k", v="v", out="out", lse="lse", scale=scale,
+                                               shared_memory_bytes=limits.max_compute_shared_memory_size)
+
+        def setup_forward(device, limits, q=q, k=k, v=v, S=S, forward_plan=forward_plan):
+            buffers = {"q": Buffer.from_array(device, q), "k": Buffer.from_array(device, k),
+                       "v": Buffer.from_array(device, v), "out": Buffer(device, q.nbytes),
+                       "lse": Buffer(device, 4 * B * Hq * S)}
+            return forward_plan(limits), buffers, lambda: buffers["out"].read(np.float32, q.shape)
+
+        def setup_backward(device, limits, q=q, k=k, v=v, d_out=d_out, S=S, dims=dims, scale=scale,
+                           forward_plan=forward_plan):
+            buffers = {"q": Buffer.from_array(device, q), "k": Buffer.from_array(device, k),
+                       "v": Buffer.from_array(device, v), "d_out": Buffer.from_array(device, d_out),
+                       "out": Buffer(device, q.nbytes), "lse": Buffer(device, 4 * B * Hq * S),
+                       "d_q": Buffer(device, q.nbytes), "d_k": Buffer(device, k.nbytes),
+                       "d_v": Buffer(device, v.nbytes),
+                       "delta": Buffer(device, causal_attention_backward_scratch_nbytes(B, S, Hq))}
+            run_dispatches(device, forward_plan(limits), buffers)  # out and lse, outside the timing
+            dispatches = KERNELS["causal_attention_backward"](
+                **dims, d_out="d_out", q="q", k="k", v="v", out="out", lse="lse", d_q="d_q", d_k="d_k", d_v="d_v",
+                delta="delta", scale=scale, shared_memory_bytes=limits.max_compute_shared_memory_size)
+
+            def read():
+                return np.concatenate([buffers[name].read(np.float32, a.shape).ravel()
+                                       for name, a in (("d_q", q), ("d_k", k), ("d_v", v))])
+            return dispatches, buffers, read
+
+        def torch_inputs(torch, dev, q=q, k=k, v=v, requires_grad=False):
+            # SDPA wants [B, H, S, D]; enable_gqa maps query head h to kv head h // (Hq / Hkv) as vktrain does.
+            return [torch.from_numpy(a).to(dev).transpose(1, 2).contiguous().requires_grad_(requires_grad)
+                    for a in (q, k, v)]
+
+        def setup_torch_forward(torch, dev, torch_inputs=torch_inputs, scale=scale):
+            tq, tk, tv = torch_inputs(torch, dev)
+            run = lambda: torch.nn.functional.scaled_dot_product_attention(  # noqa: E731
+                tq, tk, tv, is_causal=True, scale=scale, enable_gqa=True)
+            return run, (lambda out: out.transpose(1, 2).cpu().numpy())
+
+        def setup_torch_backward(torch, dev, torch_inputs=torch_inputs, d_out=d_out, scale=scale):
+            leaves = torch_inputs(torch, dev, requires_grad=True)
+            out = torch.nn.functional.scaled_dot_product_attention(*leaves, is_causal=True, scale=scale,
+                                                                   enable_gqa=True)
+            grad = torch.from_numpy(d_out).to(dev).transpose(1, 2)
+            run = lambda: torch.autograd.grad(out, leaves, grad, retain_graph=True)  # noqa: E731
+            return run, (lambda grads: np.concatenate([g.transpose(1, 2).cpu().numpy().ravel() for g in grads]))
+
+        io_fwd = q.nbytes + k.nbytes + v.nbytes + q.nbytes + 4 * B * Hq * S
+        io_bwd = 3 * q.nbytes + 2 * (k.nbytes + v.nbytes) + q.nbytes + 4 * B * Hq * S
+        cases.append(Case("causal_attention", shape, io_fwd, 2 * causal_mnk, setup_forward, setup_torch_forward))
+        cases.append(Case("causal_attention_backward", shape, io_bwd, 5 * causal_mnk, setup_backward,
+                          setup_torch_backward))
+    return cases
+
+
 _CASE_BUILDERS = {
     "linear_q4gsw": _linear_cases, "linear_q4gsw_backward": _linear_cases, "linear_dW": _linear_cases,
     "fused_ce": _fused_ce_cases, "adamw": _adamw_cases, "q4gsw_requant": _requant_cases,
+    "causal_attention": _attention_cases, "causal_attention_backward": _attention_cases,
 }
 
 
