@@ -1,0 +1,232 @@
+"""The op registry (accept/refuse with reasons) and the VktrainPartitioner on real programs."""
+from __future__ import annotations
+
+import operator
+
+import pytest
+import torch
+from executorch.exir.dialects._ops import ops as exir_ops
+from torch import nn
+
+import vktrain.ops  # noqa: F401
+from vktrain.export import to_edge_lowered
+from vktrain.partitioner import BACKEND_ID, VktrainPartitioner, check_node, get_op_features, op_key, supported_ops
+from vktrain.partitioner.op_registry import W4X8
+from vktrain.quant import padded_k, quantize
+
+F32 = torch.float32
+
+
+def _node(target, *args, out, **kwargs):
+    """A call_function node whose tensor arguments are placeholders carrying `meta['val']`."""
+    graph = torch.fx.Graph()
+    fx_args = []
+    for i, value in enumerate(args):
+        if isinstance(value, torch.Tensor):
+            placeholder = graph.placeholder(f"arg{i}")
+            placeholder.meta["val"] = value
+            fx_args.append(placeholder)
+        else:
+            fx_args.append(value)
+    node = graph.create_node("call_function", target, tuple(fx_args), kwargs, name="node")
+    node.meta["val"] = out
+    return node
+
+
+def _q4(N: int, K: int, group_size: int, x_shape=None, weights_shape=None):
+    """linear_q4gsw node for raw shapes (no quantizer involved, so refused shapes can be built)."""
+    weights = torch.empty(weights_shape or (N, padded_k(K) // 2), dtype=torch.uint8)
+    scales = torch.empty(K // group_size if group_size else 1, N)
+    x = torch.empty(x_shape or (2, 3, K))
+    return _node(torch.ops.vktrain.linear_q4gsw.default, x, weights, scales, group_size, None,
+                 out=torch.empty(*x.shape[:-1], N))
+
+
+def test_op_keys():
+    assert op_key(torch.ops.aten.mm.default) == "aten.mm.default"
+    assert op_key(exir_ops.edge.aten.mm.default) == "aten.mm.default"
+    assert op_key(torch.ops.vktrain.linear_q4gsw.default) == "vktrain.linear_q4gsw.default"
+    assert op_key(operator.getitem) == "getitem"
+    for key in ("vktrain.linear_q4gsw.default", "vktrain.linear_q4gsw_backward.default", "vktrain.fused_ce.default",
+                "vktrain.adamw.default", "aten.embedding.default", "aten.mm.default", "aten.view_copy.default",
+                "aten.permute_copy.default", "aten.le.Scalar", "aten.where.self", "aten.relu.default",
+                "aten.gelu.default", "aten.sigmoid.default", "aten.sum.dim_IntList", "aten.scalar_tensor.default"):
+        assert key in supported_ops(), key
+
+
+def test_q4gsw_weights_are_prepacked():
+    assert get_op_features("vktrain.linear_q4gsw.default").prepacked_args() == {1: W4X8}
+    assert get_op_features("vktrain.linear_q4gsw_backward.default").prepacked_args() == {1: W4X8}
+    assert get_op_features("aten.mm.default").prepacked_args() == {}
+
+
+def test_linear_q4gsw_accepts_valid_shapes():
+    assert check_node(_q4(N=16, K=64, group_size=32)) is None
+    assert check_node(_q4(N=12, K=12, group_size=12)) is None  # K = 12 -> Kp = 16, flat [N, 8]
+
+
+@pytest.mark.parametrize("node, fragments", [
+    (lambda: _q4(N=18, K=64, group_size=32), ["N=18 (out features) must be a multiple of 4"]),
+    (lambda: _q4(N=16, K=6, group_size=6), ["group_size=6 must be a positive multiple of 4",
+                                            "K=6 (in features) must be a multiple of 4"]),
+    (lambda: _q4(N=16, K=64, group_size=32, weights_shape=(16, 16)),
+     ["weights shape [16, 16] does not match", "expected flat [N, Kp/2] = [16, 32]"]),
+    (lambda: _q4(N=16, K=64, group_size=32, x_shape=(2, 60)), ["last dim of the activation [2, 60] must be K=64"]),
+])
+def test_linear_q4gsw_refusals_name_the_problem(node, fragments):
+    reason = check_node(node())
+    assert reason is not None and reason.startswith("vktrain.linear_q4gsw.default")
+    for fragment in fragments:
+        assert fragment in reason
+
+
+def test_group_size_must_divide_k():
+    # scales [G, N] imply K = G * group_size; a weights buffer for another K is refused.
+    node = _q4(N=8, K=48, group_size=32, weights_shape=(8, 24))
+    assert "does not match scales" in check_node(node)
+
+
+def test_unsupported_dtypes_are_refused():
+    reason = check_node(_node(torch.ops.aten.mm.default, torch.empty(4, 4, dtype=torch.float64),
+                              torch.empty(4, 4, dtype=torch.float64), out=torch.empty(4, 4, dtype=torch.float64)))
+    assert reason == ("aten.mm.default ('node'): argument 'self' has unsupported dtype torch.float64, "
+                      "expected one of {float32}")
+    reason = check_node(_node(torch.ops.aten.embedding.default, torch.empty(8, 4), torch.empty(3, dtype=torch.float32),
+                              out=torch.empty(3, 4)))
+    assert "argument 'indices' has unsupported dtype torch.float32" in reason and "int64" in reason
+    reason = check_node(_node(torch.ops.aten.relu.default, torch.empty(3, dtype=torch.float16),
+                              out=torch.empty(3, dtype=torch.float16)))
+    assert "unsupported dtype torch.float16" in reason
+
+
+def test_fused_ce_and_adamw_shape_rules():
+    ok = _node(torch.ops.vktrain.fused_ce.default, torch.empty(6, 256), torch.empty(6, dtype=torch.int64),
+               torch.empty(()), out=(torch.empty(()), torch.empty(6, 256)))
+    assert check_node(ok) is None
+    bad = _node(torch.ops.vktrain.fused_ce.default, torch.empty(6, 256), torch.empty(5, dtype=torch.int64),
+                torch.empty(()), out=(torch.empty(()), torch.empty(6, 256)))
+    assert "expected logits [R, V], labels [R], n_valid []" in check_node(bad)
+    p = torch.empty(4, 8)
+    bad_adamw = _node(torch.ops.vktrain.adamw.default, p, p, p, torch.empty(8, 4), torch.empty(5), torch.empty(()),
+                      out=(p, p, p))
+    assert "grad shape [8, 4] != param shape [4, 8]" in check_node(bad_adamw)
+
+
+def test_tensor_where_a_number_or_nothing_is_expected_is_refused():
+    x = torch.empty(2, 32)
+    weights, scales = torch.empty(8, 16, dtype=torch.uint8), torch.empty(1, 8)
+    node = _node(torch.ops.vktrain.linear_q4gsw.default, x, weights, scales, torch.empty((), dtype=torch.int64),
+                 out=torch.empty(2, 8))
+    assert "argument 'group_size' must be a Python number, got the tensor 'arg3'" in check_node(node)
+    node = _node(torch.ops.aten.relu.default, torch.empty(3), torch.empty(3), out=torch.empty(3))
+    assert "unexpected tensor argument 1" in check_node(node)
+
+
+def test_unsupported_op_is_refused():
+    reason = check_node(_node(torch.ops.aten.cumsum.default, torch.empty(4), 0, out=torch.empty(4)))
+    assert reason == ("aten.cumsum.default ('node'): operator is not supported by the vktrain Vulkan backend "
+                      "(no OpFeatures registered)")
+
+
+def test_scalar_operands_are_accepted_where_the_schema_allows():
+    assert check_node(_node(torch.ops.aten.mul.Tensor, torch.empty(3), 2.0, out=torch.empty(3))) is None
+    reason = check_node(_node(torch.ops.aten.mm.default, torch.empty(3, 3), 2.0, out=torch.empty(3, 3)))
+    assert "argument 'mat2' is float 2.0, expected a tensor" in reason
+
+
+# ---------------------------------------------------------------------------------------------------
+# partitioner on real programs
+
+
+class _CumsumInTheMiddle(nn.Module):
+    def forward(self, x):
+        return torch.relu(torch.cumsum(torch.relu(x) * 2.0, dim=0))
+
+
+def test_refused_node_stays_outside_with_its_reason():
+    program = torch.export.export(_CumsumInTheMiddle(), (torch.randn(4, 8),))
+    partitioner = VktrainPartitioner()
+    edge = to_edge_lowered(program, partitioner)
+    assert [(r.op, r.node) for r in partitioner.refusals] == [("aten.cumsum.default", "aten_cumsum_default")]
+    assert "no OpFeatures registered" in partitioner.refusals[0].reason
+    assert partitioner.num_partitions == 2
+    top = edge.exported_program().graph_module
+    delegates = [n for n in top.graph.nodes if n.op == "get_attr" and n.name.startswith("lowered_module")]
+    assert len(delegates) == 2
+    assert all(getattr(top, n.target).backend_id == BACKEND_ID for n in delegates)
+    outside = [op_key(n.target) for n in top.graph.nodes if n.op == "call_function"
+               and "executorch_call_delegate" not in str(n.target) and n.target is not operator.getitem]
+    assert outside == ["aten.cumsum.default"]
+
+
+def test_blocklist_keeps_an_op_out():
+    program = torch.export.export(_CumsumInTheMiddle(), (torch.randn(4, 8),))
+    partitioner = VktrainPartitioner(operator_blocklist=["aten.relu.default"])
+    to_edge_lowered(program, partitioner)
+    refused = sorted(r.op for r in partitioner.refusals)
+    assert refused == ["aten.cumsum.default", "aten.relu.default", "aten.relu.default"]
+    assert all("blocklist" in r.reason for r in partitioner.refusals if r.op == "aten.relu.default")
+
+
+class _ComputedWeights(nn.Module):
+    """linear_q4gsw whose weights are a runtime input: cannot be prepacked, so it is refused."""
+
+    def __init__(self):
+        super().__init__()
+        weights, scales = quantize(torch.randn(8, 32).numpy(), 32)
+        self.register_buffer("scales", torch.from_numpy(scales))
+        self.weights = torch.from_numpy(weights)
+
+    def forward(self, x, weights):
+        return torch.ops.vktrain.linear_q4gsw(x, weights, self.scales, 32)
+
+
+def test_prepacked_argument_must_be_constant():
+    module = _ComputedWeights()
+    program = torch.export.export(module, (torch.randn(2, 32), module.weights))
+    partitioner = VktrainPartitioner()
+    to_edge_lowered(program, partitioner)
+    assert len(partitioner.refusals) == 1
+    reason = partitioner.refusals[0].reason
+    assert "argument 'weights' must be a constant" in reason and "Q4GSW_W4X8" in reason
+
+
+def _delegated_op_names(edge) -> list[str]:
+    top = edge.exported_program().graph_module
+    names = []
+    for node in top.graph.nodes:
+        if node.op == "get_attr" and node.name.startswith("lowered_module"):
+            lowered = getattr(top, node.target).original_module
+            names += [op_key(n.target) for n in lowered.graph.nodes if n.op == "call_function"]
+    return names
+
+
+def test_preserved_ops_stay_whole_unless_the_partitioner_refuses_them():
+    program = torch.export.export(nn.Sequential(nn.Linear(8, 8), nn.SiLU()), (torch.randn(2, 8),))
+    partitioner = VktrainPartitioner()
+    names = _delegated_op_names(to_edge_lowered(program, partitioner))
+    assert "aten.silu.default" in names and "aten.sigmoid.default" not in names
+    # Blocklisted: silu decomposes into core ops (sigmoid * x) that the delegate takes instead.
+    partitioner = VktrainPartitioner(operator_blocklist=["aten.silu.default"])
+    names = _delegated_op_names(to_edge_lowered(program, partitioner))
+    assert "aten.silu.default" not in names and "aten.sigmoid.default" in names
+    assert partitioner.refusals == []
+
+
+def test_transformer_op_records():
+    e = torch.empty
+    ok = _node(torch.ops.vktrain.rope.default, e(1, 6, 2, 8), e(6, 4), e(6, 4), out=e(1, 6, 2, 8))
+    assert check_node(ok) is None
+    bad = _node(torch.ops.vktrain.rope.default, e(1, 6, 2, 8), e(6, 8), e(6, 8), out=e(1, 6, 2, 8))
+    assert "cos = sin = [S, D/2]" in check_node(bad)
+    # Grouped-query attention: Hq must be a multiple of Hkv.
+    ok = _node(torch.ops.vktrain.causal_attention.default, e(1, 6, 4, 8), e(1, 6, 2, 8), e(1, 6, 2, 8), 0.35,
+               out=(e(1, 6, 4, 8), e(1, 4, 6)))
+    assert check_node(ok) is None
+    bad = _node(torch.ops.vktrain.causal_attention.default, e(1, 6, 3, 8), e(1, 6, 2, 8), e(1, 6, 2, 8), 0.35,
+                out=(e(1, 6, 3, 8), e(1, 3, 6)))
+    assert "Hq % Hkv == 0" in check_node(bad)
+    bad = _node(torch.ops.vktrain.rms_norm.default, e(2, 6, 8), e(6), 1e-5, out=(e(2, 6, 8), e(2, 6, 1)))
+    assert "weight [6] must be [D] for x [2, 6, 8]" in check_node(bad)
+    bad = _node(torch.ops.vktrain.swiglu_backward.default, e(2, 8), e(2, 8), e(2, 4), out=(e(2, 8), e(2, 8)))
+    assert "up shape [2, 4] must equal d_h shape [2, 8]" in check_node(bad)

@@ -1,0 +1,174 @@
+"""vktrain command line. Subcommands: `export` (model -> .pte) and `inspect` (.pte -> report).
+
+    vktrain export --model mlp-lora --lora-rank 8 --targets '*' --batch 4 --seq 64 --out step.pte
+    vktrain inspect step.pte [--json]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+PROGRAMS = ("train-step", "forward", "forward-base")
+
+
+def _parse_model_args(items: list[str]) -> dict:
+    """KEY=VALUE strings -> config overrides; values parse as JSON when they can (ints, floats, bools)."""
+    overrides = {}
+    for item in items:
+        key, sep, raw = item.partition("=")
+        if not sep or not key:
+            raise SystemExit(f"vktrain: --model-arg expects KEY=VALUE, got {item!r}")
+        try:
+            overrides[key] = json.loads(raw)
+        except json.JSONDecodeError:
+            overrides[key] = raw
+    return overrides
+
+
+def atomic_write(path: Path, data: bytes) -> None:
+    """Write to a temporary file in the destination directory, then rename: readers never see a partial file."""
+    path = Path(path)
+    directory = path.parent if str(path.parent) else Path(".")
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=directory)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    import warnings
+
+    from vktrain.lora import LoRAConfig, apply_lora
+    from vktrain.models import build_model
+
+    model = build_model(args.model, **_parse_model_args(args.model_arg))
+    config = LoRAConfig(rank=args.lora_rank, alpha=args.lora_alpha, targets=args.targets, group_size=args.group_size)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        report = apply_lora(model, config)
+    for warning in caught:
+        print(f"warning: {warning.message}", file=sys.stderr)
+
+    # executorch is imported only once the model and adapters are known to be valid (it is slow to import).
+    from vktrain.export import export_forward, export_training_step, lower_to_pte
+    from vktrain.partitioner import VktrainPartitioner
+
+    batch_shape = (args.batch, args.seq)
+    if args.program == "train-step":
+        program = export_training_step(model, batch_shape)
+    else:
+        program = export_forward(model, batch_shape, with_adapters=args.program == "forward")
+    partitioner = VktrainPartitioner()
+    pte = lower_to_pte(program, partitioner)
+    atomic_write(Path(args.out), pte)
+    print(f"wrote {args.out}: {len(pte)} bytes, {args.program} of {args.model} "
+          f"(LoRA on {len(report.replaced)} layer(s): {', '.join(report.replaced)}; "
+          f"{partitioner.num_partitions} delegate(s), {len(partitioner.refusals)} refused node(s))")
+    for refusal in partitioner.refusals:
+        print(f"refused: {refusal.reason}", file=sys.stderr)
+    return 0
+
+
+def _format_bytes(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n} B" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+def format_report(path: str, report: dict) -> str:
+    lines = [f"{path}: {report['pte_bytes']} bytes",
+             f"instructions: {report['delegate_calls']} delegate call(s), {report['kernel_calls']} kernel call(s)",
+             f"operator table: {', '.join(report['operators']) if report['operators'] else '(empty)'}"]
+    for i, d in enumerate(report["delegates"]):
+        lines.append(f"delegate {i}: {d['backend_id']}, payload {_format_bytes(d['payload_bytes'])}")
+        if "ops" not in d:
+            continue
+        c, m = d["constants"], d["memory"]
+        lines.append(f"  ops: {d['ops']}")
+        for name, count in d["op_histogram"].items():
+            lines.append(f"    {count:5d}  {name}")
+        lines.append(f"  constants: {c['count']}, {_format_bytes(c['bytes'])} "
+                     f"({_format_bytes(c['deduplicated_bytes'])} deduplicated); layouts {c['tensor_layouts']}")
+        lines.append(f"  planned GPU memory: {_format_bytes(m['planned_bytes'])} in {m['memory_objects']} object(s) "
+                     f"(unplanned {_format_bytes(m['unplanned_bytes'])}); state {_format_bytes(m['state_bytes'])}")
+        lines.append("  inputs: " + ", ".join(f"{t['name']} {t['dtype']}{t['shape']}" for t in d["inputs"]))
+        lines.append("  outputs: " + ", ".join(f"{t['name']} {t['dtype']}{t['shape']}" for t in d["outputs"]))
+        lines.append(f"  mutable state: {len(d['mutable_state'])} tensor(s)")
+        for s in d["mutable_state"]:
+            lines.append(f"    {s['name']} {s['dtype']}{s['shape']} (initial: {s['initial']})")
+    lines.append(f"refused nodes: {len(report['refusals'])}")
+    for r in report["refusals"]:
+        lines.append(f"  {r['node']}: {r['reason']}")
+    return "\n".join(lines)
+
+
+def cmd_inspect(args: argparse.Namespace) -> int:
+    try:
+        data = Path(args.file).read_bytes()
+    except OSError as e:
+        print(f"vktrain inspect: cannot read {args.file}: {e.strerror}", file=sys.stderr)
+        return 2
+    from vktrain.export.pte import summarize_pte
+
+    report = summarize_pte(data)
+    print(json.dumps(report, indent=2) if args.json else format_report(args.file, report))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="vktrain", description="LoRA training through a frozen q4gsw base on Vulkan")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    export = sub.add_parser("export", help="export a model's training step (or forward) to a .pte")
+    export.add_argument("--model", required=True, help="built-in model name (e.g. mlp-lora)")
+    export.add_argument("--model-arg", action="append", default=[], metavar="KEY=VALUE",
+                        help="override a model config field (repeatable), e.g. --model-arg dim=32")
+    export.add_argument("--program", choices=PROGRAMS, default="train-step",
+                        help="train-step (forward+backward+AdamW), forward (logits with adapters), "
+                             "forward-base (logits of the q4gsw base alone)")
+    export.add_argument("--lora-rank", type=int, default=8)
+    export.add_argument("--lora-alpha", type=float, default=16.0)
+    export.add_argument("--targets", default="*", help="module-name glob(s), comma-separated; 're:' prefix for a regex")
+    export.add_argument("--group-size", type=int, default=32)
+    export.add_argument("--batch", type=int, default=4)
+    export.add_argument("--seq", type=int, default=64)
+    export.add_argument("--out", required=True, help="output .pte path (written atomically)")
+    export.set_defaults(run=cmd_export)
+
+    inspect = sub.add_parser("inspect", help="describe a .pte: delegates, ops, constants, memory, state, refusals")
+    inspect.add_argument("file")
+    inspect.add_argument("--json", action="store_true", help="print the report as JSON")
+    inspect.set_defaults(run=cmd_inspect)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.run(args)
+    except ValueError as e:  # bad model / LoRA / shape configuration: a clear message, not a traceback
+        print(f"vktrain {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    except RuntimeError as e:
+        from vktrain.export.lower import LoweringError  # only lowering errors get the short form
+        if not isinstance(e, LoweringError):
+            raise
+        print(f"vktrain {args.command}: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,20 @@
+"""AOT export: one LoRA training step or the inference forward as an ExportedProgram, and lowering to .pte."""
+from .inference import export_forward
+from .lower import LoweringError, lower_to_pte, to_edge_lowered
+from .training import (
+    EXP_AVG_PREFIX,
+    EXP_AVG_SQ_PREFIX,
+    HPARAM_NAMES,
+    MODEL_PREFIX,
+    STEP_BUFFER,
+    TrainingStepModule,
+    example_training_inputs,
+    export_training_step,
+    training_state_names,
+)
+
+__all__ = [
+    "LoweringError", "EXP_AVG_PREFIX", "EXP_AVG_SQ_PREFIX", "HPARAM_NAMES", "MODEL_PREFIX", "STEP_BUFFER", "TrainingStepModule",
+    "example_training_inputs", "export_forward", "export_training_step", "lower_to_pte", "to_edge_lowered",
+    "training_state_names",
+]

@@ -1,0 +1,39 @@
+"""Export the inference forward (token ids -> logits), with or without the LoRA adapters."""
+from __future__ import annotations
+
+import copy
+
+import torch
+from torch import nn
+from torch.export import ExportedProgram
+
+from vktrain.lora import lora_modules
+
+
+class _ForwardModule(nn.Module):
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, token_ids: torch.Tensor) -> torch.Tensor:
+        return self.model(token_ids)
+
+
+def export_forward(model: nn.Module, batch_shape: tuple[int, int], with_adapters: bool = True) -> ExportedProgram:
+    """Program `token_ids int64 [B, S] -> logits float32 [B, S, V]`; all weights are frozen constants.
+
+    with_adapters=False exports the q4gsw base alone (every LoRAQ4Linear's adapter disabled)."""
+    try:
+        batch_size, seq_len = (int(d) for d in batch_shape)
+    except (TypeError, ValueError):
+        raise ValueError(f"batch_shape must be (batch_size, seq_len), got {batch_shape!r}") from None
+    if batch_size <= 0 or seq_len <= 0:
+        raise ValueError(f"batch_shape must be positive (batch_size, seq_len), got {batch_shape!r}")
+    model = copy.deepcopy(model).eval()
+    for param in model.parameters():
+        param.requires_grad_(False)
+    for adapter in lora_modules(model).values():
+        adapter.adapter_enabled = with_adapters
+    token_ids = torch.zeros((batch_size, seq_len), dtype=torch.int64)
+    with torch.no_grad():
+        return torch.export.export(_ForwardModule(model), (token_ids,)).run_decompositions({})

@@ -1,0 +1,109 @@
+"""Read back a .pte: its delegates (with their vktrain blobs), operator table and instructions, and a
+JSON-ready summary for `vktrain inspect`."""
+from __future__ import annotations
+
+import collections
+import hashlib
+import json
+from dataclasses import dataclass, field
+
+from executorch.exir._serialize._program import deserialize_pte_binary
+from executorch.exir.schema import DataLocation, DelegateCall, KernelCall
+
+from vktrain.backend.preprocess import METADATA_REFUSALS, METADATA_STATE_BYTES, METADATA_UNPLANNED_MEMORY_BYTES
+from vktrain.partitioner import BACKEND_ID
+from vktrain.serialization import deserialize_blob
+from vktrain.serialization import graph as vk
+
+
+@dataclass
+class PteDelegate:
+    backend_id: str
+    payload: bytes
+    compile_specs: dict[str, bytes] = field(default_factory=dict)
+
+
+@dataclass
+class PteContents:
+    delegates: list[PteDelegate]
+    operators: list[str]        # the program's kernel operator table (ops left outside any delegate)
+    delegate_calls: int
+    kernel_calls: int
+
+
+def read_pte(data: bytes) -> PteContents:
+    pte = deserialize_pte_binary(data)  # moves segment data back inline
+    program = pte.program
+    if len(program.execution_plan) != 1:
+        raise ValueError(f"expected a .pte with one method, found {len(program.execution_plan)}")
+    plan = program.execution_plan[0]
+    delegates = []
+    for delegate in plan.delegates:
+        if delegate.processed.location != DataLocation.INLINE:
+            raise ValueError(f"delegate {delegate.id}: payload location {delegate.processed.location} not readable")
+        payload = bytes(program.backend_delegate_data[delegate.processed.index].data)
+        specs = {spec.key: bytes(spec.value) for spec in delegate.compile_specs}
+        delegates.append(PteDelegate(delegate.id, payload, specs))
+    operators = [f"{op.name}.{op.overload}" if op.overload else op.name for op in plan.operators]
+    kinds = collections.Counter(type(instr.instr_args).__name__ for chain in plan.chains for instr in chain.instructions)
+    return PteContents(delegates, operators, kinds[DelegateCall.__name__], kinds[KernelCall.__name__])
+
+
+def _tensor_summary(graph: vk.VkGraph, value_id: int) -> dict:
+    t = graph.tensor(value_id)
+    return {"name": t.name, "dtype": t.dtype.name.lower(), "shape": list(t.shape), "bytes": t.nbytes}
+
+
+def summarize_blob(graph: vk.VkGraph) -> dict:
+    """Op histogram, constants, memory plan, mutable state, I/O and refusals of one vktrain blob."""
+    constant_views = [vk.constant_bytes(c) for c in graph.constants]
+    unique = {hashlib.sha256(view).digest(): view.nbytes for view in constant_views}
+    state = []
+    for s in graph.mutable_state:
+        entry = _tensor_summary(graph, s.state_id)
+        entry["initial"] = "zeros" if s.initial_constant_id < 0 else f"constant {s.initial_constant_id}"
+        state.append(entry)
+    layouts = collections.Counter(v.layout.name for v in graph.values
+                                  if isinstance(v, vk.TensorValue) and v.constant_id >= 0)
+    meta = graph.metadata
+    return {
+        "ops": len(graph.ops),
+        "op_histogram": dict(collections.Counter(op.name for op in graph.ops).most_common()),
+        "constants": {
+            "count": len(graph.constants),
+            "bytes": sum(v.nbytes for v in constant_views),
+            "deduplicated_bytes": sum(unique.values()),
+            "tensor_layouts": dict(layouts),
+        },
+        "memory": {
+            "planned_bytes": int(meta.get(vk.METADATA_PLANNED_MEMORY_BYTES, sum(m.size_bytes for m in graph.memory_objects))),
+            "unplanned_bytes": int(meta.get(METADATA_UNPLANNED_MEMORY_BYTES, 0)),
+            "memory_objects": len(graph.memory_objects),
+            "state_bytes": int(meta.get(METADATA_STATE_BYTES, 0)),
+        },
+        "mutable_state": state,
+        "inputs": [_tensor_summary(graph, i) for i in graph.inputs],
+        "outputs": [_tensor_summary(graph, i) for i in graph.outputs],
+        "refusals": json.loads(meta.get(METADATA_REFUSALS, "[]")),
+        "metadata": {k: v for k, v in meta.items() if k != METADATA_REFUSALS},
+    }
+
+
+def summarize_pte(data: bytes) -> dict:
+    contents = read_pte(data)
+    delegates = []
+    for delegate in contents.delegates:
+        entry = {"backend_id": delegate.backend_id, "payload_bytes": len(delegate.payload)}
+        if delegate.backend_id == BACKEND_ID:
+            entry.update(summarize_blob(deserialize_blob(delegate.payload)))
+        delegates.append(entry)
+    refusals = [r for d in delegates for r in d.get("refusals", [])]
+    unique_refusals = list({(r["node"], r["reason"]): r for r in refusals}.values())
+    return {
+        "pte_bytes": len(data),
+        "delegate_calls": contents.delegate_calls,
+        "kernel_calls": contents.kernel_calls,
+        "operators": contents.operators,
+        "delegates": delegates,
+        "refusals": unique_refusals,
+    }

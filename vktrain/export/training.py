@@ -1,0 +1,234 @@
+"""Export ONE LoRA training step (forward, backward, AdamW) as a single ExportedProgram.
+
+Program signature (every value a runtime input; nothing about the optimizer is baked into the graph):
+    inputs   token_ids int64 [B, S], labels int64 [B, S] (< 0 = ignored), hparams float32 [5] =
+             [lr, beta1, beta2, eps, weight_decay], n_valid float32 [] (the loss divisor: the number of
+             labels >= 0 in the batch, or in the whole accumulated batch; the caller computes it, which
+             keeps integer reductions out of the GPU graph and lets gradient accumulation pick its divisor)
+    output   loss float32 []
+    state    (mutable buffers, updated in place every step)
+             model.<layer>.lora_A / lora_B                  the adapters
+             optimizer.exp_avg.<layer>.lora_A / ...        AdamW first moments
+             optimizer.exp_avg_sq.<layer>.lora_A / ...     AdamW second moments
+             optimizer.step                                 float32 [], t after the update (1 on the first)
+    constants (frozen buffers) model.<path> for everything else (q4gsw weights/scales, embedding, ...)
+
+Route: torch.export the loss -> the joint graph (loss + gradient of every trainable parameter, as
+torch.export.experimental._export_forward_backward builds it, but keeping PRESERVED_OPS whole) -> a
+TrainingStepModule holds all tensors as buffers, calls the joint graph, increments the step, applies
+vktrain.adamw per LoRA tensor and copies the results back -> torch.export again. (autograd.grad inside a
+traced forward does not export; this route does.)
+"""
+from __future__ import annotations
+
+import copy
+
+import torch
+from torch import nn
+from torch.export import ExportedProgram
+from torch._decomp import core_aten_decompositions
+from torch.export.exported_program import _decompose_exported_program
+from torch.export.graph_signature import InputKind, OutputKind
+
+import vktrain.ops  # noqa: F401  (registers torch.ops.vktrain.*)
+from vktrain.lora import lora_parameter_names
+from vktrain.partitioner.op_registry import PRESERVED_OPS
+
+HPARAM_NAMES = ("lr", "beta1", "beta2", "eps", "weight_decay")
+MODEL_PREFIX = "model."
+EXP_AVG_PREFIX = "optimizer.exp_avg."
+EXP_AVG_SQ_PREFIX = "optimizer.exp_avg_sq."
+STEP_BUFFER = "optimizer.step"
+
+
+class _LossModule(nn.Module):
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, token_ids: torch.Tensor, labels: torch.Tensor, n_valid: torch.Tensor) -> tuple[torch.Tensor]:
+        return (self.model.loss(token_ids, labels, n_valid),)
+
+
+def example_training_inputs(batch_size: int, seq_len: int, vocab_size: int = 256,
+                            seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(token_ids, labels, hparams, n_valid) of the shapes and dtypes the step program takes."""
+    if batch_size <= 0 or seq_len <= 0:
+        raise ValueError(f"batch size and sequence length must be positive, got batch={batch_size}, seq={seq_len}")
+    gen = torch.Generator().manual_seed(seed)
+    token_ids = torch.randint(0, vocab_size, (batch_size, seq_len), generator=gen, dtype=torch.int64)
+    labels = torch.randint(0, vocab_size, (batch_size, seq_len), generator=gen, dtype=torch.int64)
+    hparams = vktrain.ops.adamw_hparams(1e-3)
+    n_valid = (labels >= 0).sum().to(torch.float32)
+    return token_ids, labels, hparams, n_valid
+
+
+def _set_buffer(root: nn.Module, dotted: str, tensor: torch.Tensor, persistent: bool = True) -> None:
+    """Register a buffer at a dotted path, creating empty container modules on the way."""
+    *parents, leaf = dotted.split(".")
+    module = root
+    for name in parents:
+        if not hasattr(module, name):
+            module.add_module(name, nn.Module())
+        module = getattr(module, name)
+    module.register_buffer(leaf, tensor, persistent=persistent)
+
+
+def joint_forward_backward(loss_program: ExportedProgram) -> ExportedProgram:
+    """The joint graph of a loss program: outputs the loss, then the gradient of every trainable parameter.
+
+    What torch.export.experimental._export_forward_backward does, except that PRESERVED_OPS (activation
+    backwards the runtime fuses) are not decomposed."""
+    table = core_aten_decompositions()
+    for op in PRESERVED_OPS:
+        table.pop(op, None)
+    return _decompose_exported_program(loss_program, cia_to_decomp={}, python_decomp_table=table,
+                                       joint_loss_index=0, decompose_custom_triton_ops=False)
+
+
+_IDENTITY_OPS = (torch.ops.aten.alias.default, torch.ops.aten.detach.default)
+
+
+def simplify_joint_graph(gm: torch.fx.GraphModule) -> None:
+    """Drop artifacts of the joint graph that would otherwise become GPU ops: identities (`aten.alias`,
+    `aten.detach`) and the loss seed `full_like(loss, 1) * g` (a multiplication by one)."""
+    graph = gm.graph
+    for node in list(graph.nodes):
+        if node.op == "call_function" and node.target in _IDENTITY_OPS:
+            node.replace_all_uses_with(node.args[0])
+            graph.erase_node(node)
+    for node in list(graph.nodes):
+        if node.op != "call_function" or node.target is not torch.ops.aten.mul.Tensor:
+            continue
+        for seed, other in (node.args, node.args[::-1]):
+            if (isinstance(seed, torch.fx.Node) and isinstance(other, torch.fx.Node)
+                    and seed.target is torch.ops.aten.full_like.default and seed.args[1] == 1
+                    and other.meta["val"].shape == node.meta["val"].shape
+                    and other.meta["val"].dtype == node.meta["val"].dtype):
+                node.replace_all_uses_with(other)
+                graph.erase_node(node)
+                break
+    graph.eliminate_dead_code()
+    gm.recompile()
+
+
+class TrainingStepModule(nn.Module):
+    """forward(token_ids, labels, hparams, n_valid) -> loss; one AdamW step on every LoRA tensor."""
+
+    def __init__(self, joint: ExportedProgram, model: nn.Module) -> None:
+        super().__init__()
+        self.joint = copy.deepcopy(joint.graph_module)
+        simplify_joint_graph(self.joint)
+        signature = joint.graph_signature
+        tensors = dict(model.named_parameters())
+        tensors.update(model.named_buffers())
+
+        # Joint-graph inputs in placeholder order: state/constants first, then the user inputs.
+        self._joint_state: list[str] = []
+        n_user_inputs = 0
+        for spec in signature.input_specs:
+            if spec.kind in (InputKind.PARAMETER, InputKind.BUFFER):
+                # _LossModule holds the model as `model`, so targets already read "model.<path>".
+                path = spec.target.removeprefix(MODEL_PREFIX)
+                _set_buffer(self, MODEL_PREFIX + path, tensors[path].detach().clone())
+                self._joint_state.append(MODEL_PREFIX + path)
+            elif spec.kind == InputKind.CONSTANT_TENSOR:
+                buffer_name = "constants." + spec.target.replace(".", "_")
+                _set_buffer(self, buffer_name, joint.constants[spec.target].detach().clone(), persistent=False)
+                self._joint_state.append(buffer_name)
+            elif spec.kind == InputKind.USER_INPUT:
+                n_user_inputs += 1
+            else:
+                raise NotImplementedError(f"joint graph input of kind {spec.kind} ({spec.target}) is not handled")
+        if n_user_inputs != 3:
+            raise AssertionError(f"the loss takes (token_ids, labels, n_valid), the joint graph has {n_user_inputs} inputs")
+
+        # Output positions of the loss and of each gradient.
+        self._loss_index = None
+        grad_index: dict[str, int] = {}
+        for i, spec in enumerate(signature.output_specs):
+            if spec.kind == OutputKind.GRADIENT_TO_PARAMETER:
+                grad_index[spec.target.removeprefix(MODEL_PREFIX)] = i
+            elif spec.kind in (OutputKind.LOSS_OUTPUT, OutputKind.USER_OUTPUT) and self._loss_index is None:
+                self._loss_index = i
+        trainable = lora_parameter_names(model)
+        missing = [p for p in trainable if p not in grad_index]
+        extra = sorted(set(grad_index) - set(trainable))
+        if missing or extra:
+            raise ValueError(f"the joint graph's gradients do not match the LoRA tensors: missing {missing}, "
+                             f"unexpected (trainable but not LoRA) {extra}; freeze non-LoRA parameters")
+        self.trainable: list[str] = trainable
+        self._grad_index = grad_index
+        for path in trainable:
+            zeros = torch.zeros_like(tensors[path], dtype=torch.float32)
+            _set_buffer(self, EXP_AVG_PREFIX + path, zeros.clone())
+            _set_buffer(self, EXP_AVG_SQ_PREFIX + path, zeros.clone())
+        _set_buffer(self, STEP_BUFFER, torch.zeros((), dtype=torch.float32))
+
+    def forward(self, token_ids: torch.Tensor, labels: torch.Tensor, hparams: torch.Tensor,
+                n_valid: torch.Tensor) -> torch.Tensor:
+        state = [self.get_buffer(name) for name in self._joint_state]
+        outputs = self.joint(*state, token_ids, labels, n_valid)
+        step_buffer = self.get_buffer(STEP_BUFFER)
+        step = step_buffer + 1.0
+        step_buffer.copy_(step)
+        for path in self.trainable:
+            param = self.get_buffer(MODEL_PREFIX + path)
+            exp_avg = self.get_buffer(EXP_AVG_PREFIX + path)
+            exp_avg_sq = self.get_buffer(EXP_AVG_SQ_PREFIX + path)
+            new_param, new_exp_avg, new_exp_avg_sq = torch.ops.vktrain.adamw(
+                param, exp_avg, exp_avg_sq, outputs[self._grad_index[path]], hparams, step)
+            param.copy_(new_param)
+            exp_avg.copy_(new_exp_avg)
+            exp_avg_sq.copy_(new_exp_avg_sq)
+        return outputs[self._loss_index]
+
+
+def _check_batch_shape(batch_shape) -> tuple[int, int]:
+    try:
+        batch_size, seq_len = (int(d) for d in batch_shape)
+    except (TypeError, ValueError):
+        raise ValueError(f"batch_shape must be (batch_size, seq_len), got {batch_shape!r}") from None
+    if batch_size <= 0 or seq_len <= 0:
+        raise ValueError(f"batch_shape must be positive (batch_size, seq_len), got {batch_shape!r}")
+    return batch_size, seq_len
+
+
+def export_training_step(model: nn.Module, batch_shape: tuple[int, int]) -> ExportedProgram:
+    """Export one training step of `model` (with LoRA adapters inserted) for token batches of `batch_shape`.
+
+    The model is not modified (it is deep-copied). See the module docstring for the program's signature.
+    """
+    batch_size, seq_len = _check_batch_shape(batch_shape)
+    if not lora_parameter_names(model):
+        raise ValueError("the model has no LoRA adapters: call vktrain.lora.apply_lora first (nothing to train)")
+    model = copy.deepcopy(model)
+    for name, param in model.named_parameters():
+        param.requires_grad_(name.endswith((".lora_A", ".lora_B")))
+    vocab_size = getattr(model, "vocab_size", 256)
+    token_ids, labels, hparams, n_valid = example_training_inputs(batch_size, seq_len, vocab_size)
+
+    loss_program = torch.export.export(_LossModule(model), (token_ids, labels, n_valid))
+    joint = joint_forward_backward(loss_program)
+    step_module = TrainingStepModule(joint, model)
+    program = torch.export.export(step_module, (token_ids, labels, hparams, n_valid))
+    # Functionalize (buffer.copy_ -> BUFFER_MUTATION outputs) with no further decomposition.
+    return program.run_decompositions({})
+
+
+def training_state_names(program: ExportedProgram) -> dict[str, list[str]]:
+    """The program's mutable state by role: {'lora': [...], 'exp_avg': [...], 'exp_avg_sq': [...], 'step': [...]}."""
+    mutated = set(program.graph_signature.buffers_to_mutate.values())
+    roles: dict[str, list[str]] = {"lora": [], "exp_avg": [], "exp_avg_sq": [], "step": []}
+    for name in program.graph_signature.buffers:
+        if name not in mutated:
+            continue
+        if name == STEP_BUFFER:
+            roles["step"].append(name)
+        elif name.startswith(EXP_AVG_SQ_PREFIX):
+            roles["exp_avg_sq"].append(name)
+        elif name.startswith(EXP_AVG_PREFIX):
+            roles["exp_avg"].append(name)
+        else:
+            roles["lora"].append(name)
+    return roles

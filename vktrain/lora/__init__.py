@@ -1,0 +1,18 @@
+"""LoRA adapters over a frozen q4gsw base."""
+from .inject import (
+    PEFT_PREFIX,
+    LoRAConfig,
+    LoRAInsertionError,
+    LoRAReport,
+    apply_lora,
+    lora_modules,
+    lora_parameter_names,
+    lora_state_dict,
+    peft_name,
+)
+from .layers import LoRAQ4Linear
+
+__all__ = [
+    "PEFT_PREFIX", "LoRAConfig", "LoRAInsertionError", "LoRAReport", "LoRAQ4Linear", "apply_lora",
+    "lora_modules", "lora_parameter_names", "lora_state_dict", "peft_name",
+]

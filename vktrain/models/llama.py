@@ -1,0 +1,370 @@
+"""The Llama family (Llama 2/3 architecture) on vktrain's fused ops.
+
+token embedding -> n_layers x [x + o(attn(rope(q), rope(k), v)) over rms_norm(x); x + down(swiglu(gate, up))
+over rms_norm(x)] -> rms_norm -> lm_head, with grouped-query causal attention. Modules carry Hugging Face's
+names (`model.embed_tokens`, `model.layers.N.self_attn.q_proj`, `model.layers.N.mlp.gate_proj`,
+`model.norm`, `lm_head`), so a HF checkpoint loads key for key and LoRA targets and adapter files use HF's
+paths. q/k/v/o/gate/up/down/lm_head are plain nn.Linear layers: vktrain.lora.apply_lora swaps them for a
+q4gsw base + adapter. Norm weights are frozen parameters (rms_norm has no weight gradient).
+
+Presets: `tiny-llama` (byte vocabulary, ~0.1M parameters, for tests and smoke runs) and `llama-3.2-1b`
+(the shapes of meta-llama/Llama-3.2-1B, including its "llama3" rope frequency scaling).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields, replace
+from functools import partial
+from typing import Any, Mapping
+
+import numpy as np
+import torch
+from torch import nn
+
+import vktrain.ops  # noqa: F401  (registers torch.ops.vktrain.*)
+from vktrain.lora.layers import LoRAQ4Linear
+
+from .registry import register_model
+
+# HF's initializer_range: weights start as N(0, 0.02).
+_INIT_STD = 0.02
+
+
+@dataclass(frozen=True)
+class Llama3RopeScaling:
+    """Llama 3.1+'s rope frequency scaling (HF rope_type "llama3"): long wavelengths are stretched by
+    `factor`, short ones kept, the band between blended smoothly."""
+    factor: float = 32.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+    def __post_init__(self) -> None:
+        if not self.factor >= 1:
+            raise ValueError(f"Llama3RopeScaling.factor must be >= 1, got {self.factor}")
+        if not 0 < self.low_freq_factor < self.high_freq_factor:
+            raise ValueError(
+                f"Llama3RopeScaling needs 0 < low_freq_factor < high_freq_factor, got "
+                f"{self.low_freq_factor} and {self.high_freq_factor}")
+        if self.original_max_position_embeddings <= 0:
+            raise ValueError(f"Llama3RopeScaling.original_max_position_embeddings must be positive, "
+                             f"got {self.original_max_position_embeddings}")
+
+
+@dataclass(frozen=True)
+class LlamaConfig:
+    vocab_size: int = 256  # bytes
+    dim: int = 64
+    n_layers: int = 2
+    n_heads: int = 4
+    n_kv_heads: int = 2
+    # 192 rather than ~8/3 * dim = 176: a multiple of 32 and 64, so down_proj (K = hidden) takes a
+    # q4gsw LoRA base at the usual group sizes.
+    hidden: int = 192
+    norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: Llama3RopeScaling | None = None
+    max_seq_len: int = 512  # length of the rope tables; longer sequences are refused
+    tie_embeddings: bool = True
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if isinstance(self.rope_scaling, Mapping):  # e.g. JSON from the command line
+            object.__setattr__(self, "rope_scaling", Llama3RopeScaling(**self.rope_scaling))
+        for name in ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "hidden", "max_seq_len"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(f"LlamaConfig.{name} must be a positive integer, got {value!r}")
+        if self.dim % self.n_heads != 0:
+            raise ValueError(f"LlamaConfig.dim={self.dim} must be a multiple of n_heads={self.n_heads}")
+        if self.n_heads % self.n_kv_heads != 0:
+            raise ValueError(f"LlamaConfig.n_heads={self.n_heads} must be a multiple of n_kv_heads="
+                             f"{self.n_kv_heads} (each kv head serves a group of query heads)")
+        if self.head_dim % 2 != 0:
+            raise ValueError(f"the head dim dim / n_heads = {self.head_dim} must be even for rotary embeddings")
+        if not (self.norm_eps >= 0 and math.isfinite(self.norm_eps)):
+            raise ValueError(f"LlamaConfig.norm_eps must be finite and >= 0, got {self.norm_eps}")
+        if not (self.rope_theta > 1 and math.isfinite(self.rope_theta)):
+            raise ValueError(f"LlamaConfig.rope_theta must be finite and > 1, got {self.rope_theta}")
+        if self.rope_scaling is not None and not isinstance(self.rope_scaling, Llama3RopeScaling):
+            raise TypeError(f"LlamaConfig.rope_scaling must be a Llama3RopeScaling or None, "
+                            f"got {type(self.rope_scaling).__name__}")
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+    @classmethod
+    def from_hf_config(cls, hf_config: Mapping[str, Any], **overrides) -> "LlamaConfig":
+        """A LlamaConfig from a Hugging Face `config.json` dict (model_type "llama"); keyword overrides win."""
+        try:
+            values = dict(
+                vocab_size=hf_config["vocab_size"], dim=hf_config["hidden_size"],
+                n_layers=hf_config["num_hidden_layers"], n_heads=hf_config["num_attention_heads"],
+                n_kv_heads=hf_config.get("num_key_value_heads") or hf_config["num_attention_heads"],
+                hidden=hf_config["intermediate_size"], norm_eps=hf_config.get("rms_norm_eps", 1e-6),
+                rope_theta=float(hf_config.get("rope_theta", 10000.0)),
+                tie_embeddings=bool(hf_config.get("tie_word_embeddings", False)))
+        except KeyError as e:
+            raise ValueError(f"Hugging Face Llama config lacks required key {e.args[0]!r}") from None
+        head_dim = hf_config.get("head_dim")
+        if head_dim is not None and head_dim * values["n_heads"] != values["dim"]:
+            raise ValueError(f"head_dim={head_dim} * num_attention_heads={values['n_heads']} != hidden_size="
+                             f"{values['dim']}: decoupled head dims are not supported")
+        for flag in ("attention_bias", "mlp_bias"):
+            if hf_config.get(flag):
+                raise ValueError(f"Hugging Face config sets {flag}=true: biased Llama projections are not supported")
+        scaling = hf_config.get("rope_scaling")
+        if scaling is not None:
+            rope_type = scaling.get("rope_type", scaling.get("type"))
+            if rope_type == "llama3":
+                values["rope_scaling"] = Llama3RopeScaling(
+                    factor=float(scaling["factor"]), low_freq_factor=float(scaling["low_freq_factor"]),
+                    high_freq_factor=float(scaling["high_freq_factor"]),
+                    original_max_position_embeddings=int(scaling["original_max_position_embeddings"]))
+            elif rope_type != "default":
+                raise ValueError(f"rope scaling type {rope_type!r} is not supported (only 'llama3' and 'default')")
+        values.update(overrides)
+        return cls(**values)
+
+
+PRESETS: dict[str, LlamaConfig] = {
+    "tiny-llama": LlamaConfig(),
+    "llama-3.2-1b": LlamaConfig(
+        vocab_size=128256, dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, hidden=8192, norm_eps=1e-5,
+        rope_theta=500000.0, rope_scaling=Llama3RopeScaling(), max_seq_len=2048, tie_embeddings=True),
+}
+
+
+def rope_inverse_frequencies(config: LlamaConfig) -> np.ndarray:
+    """theta^(-2i/D) for i < D/2 in float64, with Llama 3's scaling applied when configured."""
+    head_dim = config.head_dim
+    inv_freq = config.rope_theta ** (-np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+    scaling = config.rope_scaling
+    if scaling is None:
+        return inv_freq
+    wavelength = 2 * math.pi / inv_freq
+    old_context = scaling.original_max_position_embeddings
+    low_freq_wavelength = old_context / scaling.low_freq_factor
+    high_freq_wavelength = old_context / scaling.high_freq_factor
+    scaled = np.where(wavelength > low_freq_wavelength, inv_freq / scaling.factor, inv_freq)
+    smooth = (old_context / wavelength - scaling.low_freq_factor) / (scaling.high_freq_factor - scaling.low_freq_factor)
+    blended = (1 - smooth) * scaled / scaling.factor + smooth * scaled
+    medium = (wavelength >= high_freq_wavelength) & (wavelength <= low_freq_wavelength)
+    return np.where(medium, blended, scaled)
+
+
+def rope_tables(config: LlamaConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin float32 [max_seq_len, D/2] of the angles position * inv_freq (formed in float64)."""
+    angles = np.arange(config.max_seq_len, dtype=np.float64)[:, None] * rope_inverse_frequencies(config)[None, :]
+    return (torch.from_numpy(np.cos(angles).astype(np.float32)),
+            torch.from_numpy(np.sin(angles).astype(np.float32)))
+
+
+class LlamaRMSNorm(nn.Module):
+    """y = x / sqrt(mean(x^2) + eps) * weight, through vktrain.rms_norm; the weight is frozen."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y, _ = torch.ops.vktrain.rms_norm(x, self.weight, self.eps)
+        return y
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = config.n_heads, config.n_kv_heads, config.head_dim
+        self.scale = 1.0 / math.sqrt(config.head_dim)
+        self.q_proj = nn.Linear(config.dim, config.n_heads * config.head_dim, bias=False)
+        self.k_proj = nn.Linear(config.dim, config.n_kv_heads * config.head_dim, bias=False)
+        self.v_proj = nn.Linear(config.dim, config.n_kv_heads * config.head_dim, bias=False)
+        self.o_proj = nn.Linear(config.n_heads * config.head_dim, config.dim, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        batch, seq_len, _ = x.shape
+        # [B, S, H, D] straight from the projections: the fused ops take this layout, no permutes.
+        q = self.q_proj(x).view(batch, seq_len, self.n_heads, self.head_dim)
+        k = self.k_proj(x).view(batch, seq_len, self.n_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(batch, seq_len, self.n_kv_heads, self.head_dim)
+        q = torch.ops.vktrain.rope(q, cos, sin)
+        k = torch.ops.vktrain.rope(k, cos, sin)
+        out, _ = torch.ops.vktrain.causal_attention(q, k, v, self.scale)
+        return self.o_proj(out.reshape(batch, seq_len, self.n_heads * self.head_dim))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(config.dim, config.hidden, bias=False)
+        self.up_proj = nn.Linear(config.dim, config.hidden, bias=False)
+        self.down_proj = nn.Linear(config.hidden, config.dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(torch.ops.vktrain.swiglu(self.gate_proj(x), self.up_proj(x)))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__()
+        self.input_layernorm = LlamaRMSNorm(config.dim, config.norm_eps)
+        self.self_attn = LlamaAttention(config)
+        self.post_attention_layernorm = LlamaRMSNorm(config.dim, config.norm_eps)
+        self.mlp = LlamaMLP(config)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaBackbone(nn.Module):
+    """HF's `LlamaModel`: embeddings, decoder layers and the final norm (no head)."""
+
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.dim)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config) for _ in range(config.n_layers))
+        self.norm = LlamaRMSNorm(config.dim, config.norm_eps)
+
+
+class LlamaForCausalLM(nn.Module):
+    """forward(token_ids [B, S] int64) -> logits [B, S, V]; loss(token_ids, labels, n_valid) -> loss []."""
+
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.vocab_size = config.vocab_size
+        self.model = LlamaBackbone(config)
+        self.lm_head = nn.Linear(config.dim, config.vocab_size, bias=False)
+        if config.tie_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        cos, sin = rope_tables(config)
+        # Functions of the config, not state: non-persistent, so checkpoints hold HF's keys only.
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+        self._init_weights(torch.Generator().manual_seed(config.seed))
+
+    @torch.no_grad()
+    def _init_weights(self, generator: torch.Generator) -> None:
+        for module in self.modules():
+            if isinstance(module, (nn.Linear, nn.Embedding)) and module.weight.device.type != "meta":
+                module.weight.normal_(0.0, _INIT_STD, generator=generator)
+
+    def _check_token_ids(self, token_ids: torch.Tensor) -> None:
+        if not isinstance(token_ids, torch.Tensor) or token_ids.dtype not in (torch.int64, torch.int32):
+            got = token_ids.dtype if isinstance(token_ids, torch.Tensor) else type(token_ids).__name__
+            raise TypeError(f"token_ids must be an int64 (or int32) tensor [B, S], got {got}")
+        if token_ids.dim() != 2:
+            raise ValueError(f"token_ids must be 2-D [B, S] (batch, sequence), got shape {tuple(token_ids.shape)}")
+        if token_ids.shape[1] > self.config.max_seq_len:
+            raise ValueError(f"sequence length {token_ids.shape[1]} exceeds max_seq_len={self.config.max_seq_len} "
+                             f"(the rope tables' length); build the model with a larger max_seq_len")
+
+    def hidden_states(self, token_ids: torch.Tensor) -> torch.Tensor:
+        """The final-norm output [B, S, dim] (the lm_head's input)."""
+        self._check_token_ids(token_ids)
+        seq_len = token_ids.shape[1]
+        cos, sin = self.rope_cos[:seq_len], self.rope_sin[:seq_len]
+        h = self.model.embed_tokens(token_ids)
+        for layer in self.model.layers:
+            h = layer(h, cos, sin)
+        return self.model.norm(h)
+
+    def forward(self, token_ids: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.hidden_states(token_ids))
+
+    def loss(self, token_ids: torch.Tensor, labels: torch.Tensor, n_valid: torch.Tensor) -> torch.Tensor:
+        """Cross-entropy summed over labels >= 0 and divided by the runtime input n_valid (float32 []).
+        labels[b, s] is the target for position s (the caller shifts them)."""
+        logits = self.forward(token_ids)
+        loss, _ = torch.ops.vktrain.fused_ce(logits.reshape(-1, self.vocab_size), labels.reshape(-1), n_valid)
+        return loss
+
+
+# ---- Hugging Face checkpoints ---------------------------------------------------------------------------
+
+# Keys some HF checkpoints carry that are recomputed here rather than loaded.
+_DERIVED_KEY_SUFFIXES = (".rotary_emb.inv_freq",)
+
+
+def _describe_keys(keys: list[str], limit: int = 8) -> str:
+    shown = ", ".join(keys[:limit])
+    return f"{shown}, ... ({len(keys)} in all)" if len(keys) > limit else shown
+
+
+def load_hf_state_dict(model: LlamaForCausalLM, state_dict: Mapping[str, torch.Tensor]) -> None:
+    """Copy a Hugging Face Llama state dict (`model.embed_tokens.weight`, `model.layers.N.self_attn.q_proj.weight`,
+    ..., `model.norm.weight`, `lm_head.weight`) into `model`, in place, converting to float32.
+
+    For a tied model `lm_head.weight` may be absent (HF omits it) or must equal `model.embed_tokens.weight`.
+    Missing, unexpected or mis-shaped keys raise ValueError listing them all; nothing is copied then.
+    Call before vktrain.lora.apply_lora (the adapters replace the float projection weights).
+    """
+    if not isinstance(model, LlamaForCausalLM):
+        raise TypeError(f"model must be a LlamaForCausalLM, got {type(model).__name__}")
+    adapted = [name for name, module in model.named_modules() if isinstance(module, LoRAQ4Linear)]
+    if adapted:
+        raise ValueError(f"load Hugging Face weights before vktrain.lora.apply_lora: {_describe_keys(adapted)} "
+                         f"already hold quantized bases with adapters")
+    targets = model.state_dict(keep_vars=True)  # persistent entries: exactly HF's key names
+    provided = {k: v for k, v in state_dict.items() if not k.endswith(_DERIVED_KEY_SUFFIXES)}
+    tied = model.config.tie_embeddings
+    if tied:
+        targets.pop("lm_head.weight")
+        head = provided.pop("lm_head.weight", None)
+        embed = provided.get("model.embed_tokens.weight")
+        if head is not None and embed is not None and not torch.equal(head, embed):
+            raise ValueError("the model ties lm_head to model.embed_tokens (tie_embeddings=True) but the checkpoint's "
+                             "lm_head.weight differs from its model.embed_tokens.weight; build the model with "
+                             "tie_embeddings=False")
+
+    problems = []
+    missing = sorted(set(targets) - set(provided))
+    unexpected = sorted(set(provided) - set(targets))
+    if missing:
+        problems.append(f"missing keys: {_describe_keys(missing)}")
+    if unexpected:
+        problems.append(f"unexpected keys: {_describe_keys(unexpected)}")
+    mis_shaped = [f"{k}: checkpoint {list(provided[k].shape)}, model expects {list(targets[k].shape)}"
+                  for k in sorted(set(targets) & set(provided)) if tuple(provided[k].shape) != tuple(targets[k].shape)]
+    if mis_shaped:
+        problems.append("mis-shaped keys: " + "; ".join(mis_shaped))
+    not_float = [f"{k} ({provided[k].dtype})" for k in sorted(set(targets) & set(provided))
+                 if not provided[k].is_floating_point()]
+    if not_float:
+        problems.append("non-floating-point tensors: " + ", ".join(not_float))
+    if problems:
+        raise ValueError(f"Hugging Face state dict does not fit this Llama ({_config_summary(model.config)}): "
+                         + "; ".join(problems))
+
+    with torch.no_grad():
+        for key, target in targets.items():
+            target.copy_(provided[key].to(device=target.device, dtype=target.dtype))
+
+
+def _config_summary(config: LlamaConfig) -> str:
+    return (f"vocab {config.vocab_size}, dim {config.dim}, {config.n_layers} layers, {config.n_heads} heads / "
+            f"{config.n_kv_heads} kv heads, hidden {config.hidden}, tied={config.tie_embeddings}")
+
+
+# ---- registry -------------------------------------------------------------------------------------------
+
+def build_llama(preset: str = "tiny-llama", **overrides) -> LlamaForCausalLM:
+    """A randomly initialised Llama from a preset with config fields overridden by keyword."""
+    if preset not in PRESETS:
+        raise ValueError(f"unknown Llama preset {preset!r}; presets: {sorted(PRESETS)}")
+    known = {f.name for f in fields(LlamaConfig)}
+    unknown = sorted(set(overrides) - known)
+    if unknown:
+        raise ValueError(f"unknown {preset} config field(s) {unknown}; known fields: {sorted(known)}")
+    return LlamaForCausalLM(replace(PRESETS[preset], **overrides))
+
+
+for _preset in PRESETS:
+    register_model(_preset)(partial(build_llama, _preset))
+
+__all__ = ["Llama3RopeScaling", "LlamaConfig", "LlamaForCausalLM", "PRESETS", "build_llama", "load_hf_state_dict",
+           "rope_inverse_frequencies", "rope_tables"]
