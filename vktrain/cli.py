@@ -1,16 +1,21 @@
-"""vktrain command line. Subcommands: `export` (model -> .pte) and `inspect` (.pte -> report).
+"""vktrain command line.
 
-    vktrain export --model mlp-lora --lora-rank 8 --targets '*' --batch 4 --seq 64 --out step.pte
+    vktrain export --model tiny-llama --lora-rank 8 --targets '*' --batch 4 --seq 64 --out step.pte
     vktrain inspect step.pte [--json]
+    vktrain train step.pte --steps 100 [--data FILE --lr 1e-3 --schedule cosine --warmup 10 ...]
+    vktrain bench kernels|step [benchmark args]
+
+`export` and `inspect` run on the host (torch + executorch); `train` is the on-device runner and
+imports neither.
 """
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
-import tempfile
 from pathlib import Path
+
+from vktrain.runtime.checkpoint import atomic_write_bytes  # torch-free; the one atomic writer
 
 PROGRAMS = ("train-step", "forward", "forward-base")
 
@@ -27,23 +32,6 @@ def _parse_model_args(items: list[str]) -> dict:
         except json.JSONDecodeError:
             overrides[key] = raw
     return overrides
-
-
-def atomic_write(path: Path, data: bytes) -> None:
-    """Write to a temporary file in the destination directory, then rename: readers never see a partial file."""
-    path = Path(path)
-    directory = path.parent if str(path.parent) else Path(".")
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=directory)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
 
 
 def cmd_export(args: argparse.Namespace) -> int:
@@ -71,7 +59,7 @@ def cmd_export(args: argparse.Namespace) -> int:
         program = export_forward(model, batch_shape, with_adapters=args.program == "forward")
     partitioner = VktrainPartitioner()
     pte = lower_to_pte(program, partitioner)
-    atomic_write(Path(args.out), pte)
+    atomic_write_bytes(Path(args.out), pte)
     print(f"wrote {args.out}: {len(pte)} bytes, {args.program} of {args.model} "
           f"(LoRA on {len(report.replaced)} layer(s): {', '.join(report.replaced)}; "
           f"{partitioner.num_partitions} delegate(s), {len(partitioner.refusals)} refused node(s))")
@@ -152,7 +140,37 @@ def build_parser() -> argparse.ArgumentParser:
     inspect.add_argument("file")
     inspect.add_argument("--json", action="store_true", help="print the report as JSON")
     inspect.set_defaults(run=cmd_inspect)
+
+    from vktrain.runtime.train_loop import add_train_arguments, run_train  # torch-free
+
+    train = sub.add_parser("train", help="train the LoRA adapters of a training-step .pte on the Vulkan device")
+    add_train_arguments(train)
+    train.set_defaults(run=run_train)
+
+    bench = sub.add_parser("bench", help="run a benchmark script (kernels: per-kernel GPU times; step: training steps)")
+    bench.add_argument("which", choices=sorted(BENCHMARKS))
+    bench.add_argument("bench_args", nargs=argparse.REMAINDER, help="arguments passed to the benchmark script")
+    bench.set_defaults(run=cmd_bench)
     return parser
+
+
+BENCHMARKS = {"kernels": "bench_kernels.py", "step": "bench_step.py"}
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    """The benchmarks live in scripts/ of the checkout (they compare against PyTorch and are not part of the runtime)."""
+    import runpy
+
+    script = Path(__file__).resolve().parent.parent / "scripts" / BENCHMARKS[args.which]
+    if not script.is_file():
+        print(f"vktrain bench: {script} not found (benchmarks need a source checkout of vktrain)", file=sys.stderr)
+        return 2
+    sys.argv = [str(script), *args.bench_args]
+    try:
+        runpy.run_path(str(script), run_name="__main__")
+    except SystemExit as e:
+        return e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -194,7 +194,7 @@ def _run_config(schedule: LRSchedule, optimizer: AdamWConfig, batches: TokenBatc
 def train(runner: StepRunner, batches: TokenBatcher, steps: int, schedule: LRSchedule,
           optimizer: AdamWConfig = AdamWConfig(), *, state: Optional[TrainState] = None,
           checkpoint_every: int = 0, checkpoint_path: Optional[PathLike] = None, program_sha256: str = "",
-          json_path: Optional[PathLike] = None, progress: bool = True,
+          json_path: Optional[PathLike] = None, progress: bool = True, log_every: int = 0,
           last_good_state_limit: int = LAST_GOOD_STATE_LIMIT) -> TrainState:
     """Run steps state.step + 1 .. `steps` (see the module docstring). Returns the final TrainState.
 
@@ -244,6 +244,8 @@ def train(runner: StepRunner, batches: TokenBatcher, steps: int, schedule: LRSch
             state.records.append({"step": step, "loss": loss, "lr": lr})
             bar.set_postfix(loss=f"{loss:.4f}", lr=f"{lr:.3g}", refresh=False)
             bar.update(1)
+            if log_every and (step % log_every == 0 or step == steps):
+                tqdm.write(f"step {step:6d}  loss {loss:.6f}  lr {lr:.4g}", file=sys.stdout)
             if checkpoint_every and step % checkpoint_every == 0:
                 write_checkpoint()
                 write_json()
@@ -291,6 +293,9 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     parser.add_argument("--seed", type=int, help="data shuffling seed (default 0; a resumed run keeps its checkpoint's)")
     parser.add_argument("--no-shuffle", action="store_true", help="read windows in file order")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.add_argument("--plot", metavar="FILE.png", help="write the loss curve of the whole run as a PNG")
+    parser.add_argument("--log-every", type=int, default=1, metavar="N",
+                        help="print step, loss and lr every N steps (default 1; 0: only the summary)")
     return parser
 
 
@@ -379,7 +384,8 @@ def _run_train(args: argparse.Namespace, device) -> int:
         try:
             train(runner, batches, args.steps, schedule, optimizer, state=state,  # updates `state` in place
                   checkpoint_every=args.checkpoint_every, checkpoint_path=checkpoint_path,
-                  program_sha256=program_sha256, json_path=args.json, progress=not args.no_progress)
+                  program_sha256=program_sha256, json_path=args.json, progress=not args.no_progress,
+                      log_every=args.log_every)
         except KeyboardInterrupt:
             where = (f"the last checkpoint is {state.last_checkpoint[0]} (step {state.last_checkpoint[1]})"
                      if state.last_checkpoint else "no checkpoint was written")
@@ -390,12 +396,17 @@ def _run_train(args: argparse.Namespace, device) -> int:
             lora_state = {name: runner.read_state(name) for name in runner.state_names if name.endswith(LORA_SUFFIXES)}
             save_adapters(args.out_adapters, adapters_from_state(lora_state), alpha, base_model)
 
+    if args.plot and state.records:
+        from .plot import plot_losses
+
+        plot_losses(state.records, args.plot, title=f"vktrain train {Path(program_path).name}")
     new_records = state.records[start:]
     summary = f"trained steps {start + 1}..{state.step}" if new_records else f"nothing to train (already at step {state.step})"
     if new_records:
         summary += f": loss {new_records[0]['loss']:.4f} -> {new_records[-1]['loss']:.4f}"
     print(summary)
-    for label, value in (("checkpoint", checkpoint_path), ("records", args.json), ("adapters", args.out_adapters)):
+    for label, value in (("checkpoint", checkpoint_path), ("records", args.json), ("adapters", args.out_adapters),
+                         ("loss plot", args.plot)):
         if value:
             print(f"{label}: {value}")
     return 0
