@@ -5,6 +5,7 @@ from .inject import (
     LoRAInsertionError,
     LoRAReport,
     apply_lora,
+    load_adapters,
     lora_modules,
     lora_parameter_names,
     lora_state_dict,
@@ -13,6 +14,6 @@ from .inject import (
 from .layers import LoRAQ4Linear
 
 __all__ = [
-    "PEFT_PREFIX", "LoRAConfig", "LoRAInsertionError", "LoRAReport", "LoRAQ4Linear", "apply_lora",
+    "PEFT_PREFIX", "LoRAConfig", "LoRAInsertionError", "LoRAReport", "LoRAQ4Linear", "apply_lora", "load_adapters",
     "lora_modules", "lora_parameter_names", "lora_state_dict", "peft_name",
 ]

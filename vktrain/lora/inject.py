@@ -16,9 +16,11 @@ from torch import nn
 
 from vktrain.quant import check_q4gsw_shapes
 
+from vktrain.runtime import adapters as peft_files  # torch-free PEFT naming and files: one implementation
+from vktrain.runtime.adapters import PEFT_PREFIX
+
 from .layers import LoRAQ4Linear
 
-PEFT_PREFIX = "base_model.model."
 
 
 @dataclass(frozen=True)
@@ -122,10 +124,34 @@ def peft_name(parameter_path: str) -> str:
     layer, _, which = parameter_path.rpartition(".")
     if which not in ("lora_A", "lora_B") or not layer:
         raise ValueError(f"expected a LoRA parameter path '<layer>.lora_A' or '<layer>.lora_B', got {parameter_path!r}")
-    return f"{PEFT_PREFIX}{layer}.{which}.weight"
+    return peft_files.peft_name(layer, which)
 
 
 def lora_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     """PEFT-named LoRA tensors (detached copies), ready for safetensors."""
     return {peft_name(name): model.get_parameter(name).detach().clone().contiguous()
             for name in lora_parameter_names(model)}
+
+
+def load_adapters(model: nn.Module, directory) -> list[str]:
+    """Load PEFT-format adapters (as `vktrain train --out-adapters` writes them) into a LoRA model.
+
+    Every adapted module of the file must be a LoRA layer of `model` with matching shapes, and every LoRA
+    layer of `model` must be in the file: a partial load would silently train or evaluate something else.
+    Returns the module paths loaded."""
+    adapters = peft_files.load_adapters(directory)
+    layers = lora_modules(model)
+    unknown = sorted(set(adapters) - set(layers))
+    missing = sorted(set(layers) - set(adapters))
+    if unknown or missing:
+        raise ValueError(f"adapters in {directory} do not match the model's LoRA layers: "
+                         f"not in the model {unknown}, not in the file {missing}")
+    with torch.no_grad():
+        for path, (lora_a, lora_b) in adapters.items():
+            layer = layers[path]
+            for name, array in (("lora_A", lora_a), ("lora_B", lora_b)):
+                param = getattr(layer, name)
+                if tuple(array.shape) != tuple(param.shape):
+                    raise ValueError(f"{path}.{name}: file has shape {list(array.shape)}, model expects {list(param.shape)}")
+                param.copy_(torch.from_numpy(array.astype("float32", copy=False)))
+    return sorted(adapters)

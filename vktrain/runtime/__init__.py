@@ -48,31 +48,37 @@ ValidationLayerMissingError; BufferUsageError; BindingRangeError (maxStorageBuff
 ScheduleError (a Dispatch that does not fit its shader or the device); ShaderNotFoundError /
 ShaderBuildError (from vktrain.runtime_shaders).
 """
-from vktrain.runtime_shaders.build import ShaderBuildError, ShaderNotFoundError
+import importlib
 
-from .commands import Program, run_dispatches
-from .device import Device, DeviceLimits, PhysicalDeviceInfo, ValidationMessage, select_physical_device
-from .errors import (
-    BindingRangeError,
-    BufferUsageError,
-    DeviceSelectionError,
-    RuntimeErrorBase,
-    ScheduleError,
-    ValidationLayerMissingError,
-    VulkanError,
-    VulkanUnavailableError,
-)
-from .memory import Buffer, find_memory_type
-from .schedule import (
-    PUSH_HEADER_BYTES,
-    BufferBinding,
-    Dispatch,
-    ResolvedAccess,
-    ceil_div,
-    pack_push,
-    plan_barriers,
-    split_groups,
-)
+# Lazy exports (PEP 562): `import vktrain.runtime.adapters` (or .pte, .data, ...) must not load the Vulkan
+# loader, so host-side code can use the torch-free file formats on a machine without Vulkan.
+_EXPORTS = {
+    "ShaderBuildError": "vktrain.runtime_shaders.build", "ShaderNotFoundError": "vktrain.runtime_shaders.build",
+    "Program": ".commands", "run_dispatches": ".commands",
+    "Device": ".device", "DeviceLimits": ".device", "PhysicalDeviceInfo": ".device",
+    "ValidationMessage": ".device", "select_physical_device": ".device",
+    "BindingRangeError": ".errors", "BufferUsageError": ".errors", "DeviceSelectionError": ".errors",
+    "RuntimeErrorBase": ".errors", "ScheduleError": ".errors", "ValidationLayerMissingError": ".errors",
+    "VulkanError": ".errors", "VulkanUnavailableError": ".errors",
+    "Buffer": ".memory", "find_memory_type": ".memory",
+    "PUSH_HEADER_BYTES": ".schedule", "BufferBinding": ".schedule", "Dispatch": ".schedule",
+    "ResolvedAccess": ".schedule", "ceil_div": ".schedule", "pack_push": ".schedule",
+    "plan_barriers": ".schedule", "split_groups": ".schedule",
+}
+
+
+def __getattr__(name: str):
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'vktrain.runtime' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module, __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_EXPORTS))
+
 
 __all__ = [
     "BindingRangeError", "Buffer", "BufferBinding", "BufferUsageError", "Device", "DeviceLimits",
