@@ -49,9 +49,56 @@ def test_op_keys():
     assert op_key(operator.getitem) == "getitem"
     for key in ("vktrain.linear_q4gsw.default", "vktrain.linear_q4gsw_backward.default", "vktrain.fused_ce.default",
                 "vktrain.adamw.default", "aten.embedding.default", "aten.mm.default", "aten.view_copy.default",
-                "aten.permute_copy.default", "aten.le.Scalar", "aten.where.self", "aten.relu.default",
-                "aten.gelu.default", "aten.sigmoid.default", "aten.sum.dim_IntList", "aten.scalar_tensor.default"):
+                "aten.permute_copy.default", "aten.relu.default", "aten.gelu.default", "aten.sigmoid.default",
+                "aten.sum.dim_IntList", "aten.scalar_tensor.default", "vktrain.rms_norm.default",
+                "vktrain.causal_attention_backward.default", "vktrain.swiglu_backward.default"):
         assert key in supported_ops(), key
+
+
+def test_registry_accepts_only_ops_the_runtime_executes():
+    """Every op the partitioner may delegate has a lowering and a kernel in the runtime (getitem is no
+    graph op: preprocess resolves it), so a delegate never fails at load with "unsupported op"."""
+    from vktrain.runtime import op_lowering
+
+    registered = set(supported_ops()) - {"getitem"}
+    assert registered, "the registry is empty"
+    missing = sorted(registered - set(op_lowering.supported_ops()))
+    assert missing == [], f"registered in the partitioner but not executable by the runtime: {missing}"
+
+
+def test_registering_an_op_without_a_runtime_kernel_fails():
+    from vktrain.partitioner import register_op
+    from vktrain.partitioner.op_registry import OpFeatures
+
+    with pytest.raises(ValueError, match=r"op aten.cumsum.default cannot be registered: the vktrain runtime has no "
+                                         r"lowering or kernel for it"):
+        register_op("aten.cumsum.default")(lambda key: OpFeatures(key))
+    assert get_op_features("aten.cumsum.default") is None
+
+
+@pytest.mark.parametrize("op, args, out", [
+    (torch.ops.aten.le.Scalar, (torch.empty(3), 0.0), torch.empty(3, dtype=torch.bool)),
+    (torch.ops.aten.where.self, (torch.empty(3, dtype=torch.bool), torch.empty(3), torch.empty(3)), torch.empty(3)),
+])
+def test_ops_without_a_gpu_kernel_are_refused(op, args, out):
+    # Only the fused ReLU backward (threshold_backward, kept whole) exists on the GPU, not its pieces.
+    reason = check_node(_node(op, *args, out=out))
+    assert reason is not None and "no OpFeatures registered" in reason
+
+
+def test_copies_of_bool_or_uint8_tensors_are_refused():
+    # The copy kernels move 32-bit words; a bool / uint8 tensor would be garbled.
+    reason = check_node(_node(torch.ops.aten.view_copy.default, torch.empty(4, dtype=torch.bool), [2, 2],
+                              out=torch.empty(2, 2, dtype=torch.bool)))
+    assert "argument 'self' has unsupported dtype torch.bool" in reason
+    assert check_node(_node(torch.ops.aten.view_copy.default, torch.empty(4, dtype=torch.int64), [2, 2],
+                            out=torch.empty(2, 2, dtype=torch.int64))) is None
+
+
+def test_backend_id_is_shared_with_the_torch_free_runner():
+    from vktrain.runtime import backend_id, runner
+
+    assert BACKEND_ID == backend_id.BACKEND_ID == runner.BACKEND_ID == "VktrainVulkanBackend"
 
 
 def test_q4gsw_weights_are_prepacked():
@@ -230,3 +277,17 @@ def test_transformer_op_records():
     assert "weight [6] must be [D] for x [2, 6, 8]" in check_node(bad)
     bad = _node(torch.ops.vktrain.swiglu_backward.default, e(2, 8), e(2, 8), e(2, 4), out=(e(2, 8), e(2, 8)))
     assert "up shape [2, 4] must equal d_h shape [2, 8]" in check_node(bad)
+
+
+def test_runtime_argument_names_follow_the_torch_schemas():
+    """The blob passes every schema argument positionally (preprocess); the runtime's lowering table names
+    them. Both must list the same arguments in the same order, for every op the runtime executes."""
+    import executorch.exir.passes.dim_order_ops_registry  # noqa: F401  (registers dim_order_ops)
+
+    from vktrain.runtime.op_lowering import OP_LOWERINGS
+
+    for key, lowering in OP_LOWERINGS.items():
+        namespace, name, overload = key.split(".")
+        schema = getattr(getattr(getattr(torch.ops, namespace), name), overload)._schema
+        expected = tuple(argument.name for argument in schema.arguments if not argument.is_out)
+        assert lowering.arg_names == expected, f"{key}: runtime names {lowering.arg_names}, torch schema {expected}"

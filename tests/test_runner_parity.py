@@ -214,3 +214,32 @@ def test_example_inputs_match_the_step_signature(vk_device, step_program):
     with TrainingRunner.from_pte(step_program[0], vk_device) as runner:
         loss = runner.step(token_ids.numpy(), labels.numpy(), hparams.numpy(), float(n_valid))
     assert np.isfinite(loss) and loss > 0
+
+
+@pytest.mark.parametrize("activation, fused_op, absent_op", [
+    ("gelu", "aten.gelu_backward.default", "aten.erf.default"),
+    # SiLU's backward arrives decomposed: 1 - sigmoid is sub(full_like(empty_permuted), sigmoid), which
+    # the runtime turns into one rsub (the empty tensor costs no GPU work).
+    ("silu", "aten.silu.default", "aten.where.self"),
+])
+def test_other_activations_train_like_eager(vk_device, tmp_path, activation, fused_op, absent_op):
+    """GELU's backward stays one fused op (no aten.erf reaches the GPU); the step follows eager."""
+    from vktrain.serialization import deserialize_blob
+
+    model = build_model("mlp-lora", dim=16, hidden=32, vocab_size=VOCAB, n_layers=1, activation=activation)
+    apply_lora(model, LoRAConfig(rank=2, alpha=4.0, targets="*", group_size=16, seed=1))
+    path = tmp_path / f"{activation}_step.pte"
+    path.write_bytes(lower_to_pte(export_training_step(model, (BATCH, SEQ))))
+    plan = PteFile.load(path).execution_plan()
+    assert list(plan.operators) == []
+    names = [op.name for op in deserialize_blob(bytes(plan.delegates[0].data)).ops]
+    assert fused_op in names and absent_op not in names
+    ref_losses, ref_state, _ = _eager_training(model)
+    with TrainingRunner.from_pte(path, vk_device) as runner:
+        losses = _vulkan_training(runner)
+        lora = runner.lora_state()
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-4)
+    assert np.mean(losses[-5:]) < np.mean(losses[:5]) - 0.05
+    for name, expected in ref_state.items():
+        np.testing.assert_allclose(lora["model." + name], expected, rtol=1e-4, atol=1e-4 * np.abs(expected).max(),
+                                   err_msg=name)

@@ -120,8 +120,10 @@ class TrainingStepModule(nn.Module):
         self.joint = copy.deepcopy(joint.graph_module)
         simplify_joint_graph(self.joint)
         signature = joint.graph_signature
-        tensors = dict(model.named_parameters())
-        tensors.update(model.named_buffers())
+        # remove_duplicate=False: a tied weight (lm_head.weight is model.embed_tokens.weight) is listed
+        # under every name, since the joint graph's signature may name it by either.
+        tensors = dict(model.named_parameters(remove_duplicate=False))
+        tensors.update(model.named_buffers(remove_duplicate=False))
 
         # Joint-graph inputs in placeholder order: state/constants first, then the user inputs.
         self._joint_state: list[str] = []

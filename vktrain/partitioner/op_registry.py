@@ -8,6 +8,11 @@ delegate blob's op chain, so the runtime dispatches on it.
 `OpFeatures.check(node, program)` returns None when the node can be lowered, else the refusal reason:
 unsupported dtype of an argument or output, symbolic shapes, a shape the kernel cannot take (q4gsw:
 N % 4, K % 4, group_size % 4, K % group_size), or a prepacked argument that is not a constant.
+
+The registry accepts only what the runtime can execute: `register_op` refuses a key that
+`vktrain.runtime.op_lowering.supported_ops()` lacks, so the partitioner never delegates an op the GPU
+cannot run (an unregistered op is refused with its reason and stays outside the delegate). The dtypes
+the records accept are the kernels' (float32 math, int32/int64 indices; 32-bit words for copies).
 """
 from __future__ import annotations
 
@@ -20,12 +25,15 @@ from torch.export import ExportedProgram
 from torch.fx import Node
 
 from vktrain.quant import check_q4gsw_shapes, padded_k
+from vktrain.runtime.op_lowering import supported_ops as runtime_supported_ops
 
 FLOAT = frozenset({torch.float32})
 INDEX = frozenset({torch.int64, torch.int32})
 BOOL = frozenset({torch.bool})
 UINT8 = frozenset({torch.uint8})
 ANY = FLOAT | INDEX | BOOL | UINT8
+# What the runtime's copy and fill kernels move: 32-bit words (int64 lives on the GPU as int32).
+WORDS = FLOAT | INDEX
 
 # Ops kept whole instead of being decomposed into core ATen (by the joint-graph export and by to_edge):
 # the runtime runs each as one fused kernel, where the decomposition would cost several passes.
@@ -123,14 +131,24 @@ class OpFeatures:
 
 
 _REGISTRY: dict[str, OpFeatures] = {}
+# Not a graph op: preprocess resolves a getitem to one of its producer's outputs.
+GETITEM = "getitem"
+_RUNTIME_OPS = frozenset(runtime_supported_ops())
 
 
 def register_op(*keys: str) -> Callable[[Callable[[str], OpFeatures]], Callable[[str], OpFeatures]]:
-    """Register the OpFeatures built by the decorated function `(key) -> OpFeatures` under each key."""
+    """Register the OpFeatures built by the decorated function `(key) -> OpFeatures` under each key.
+
+    Raises ValueError for a key the runtime cannot execute (no lowering or no kernel in
+    vktrain.runtime.op_lowering), so the partitioner and the runtime cannot drift apart."""
     def decorate(build: Callable[[str], OpFeatures]) -> Callable[[str], OpFeatures]:
         for key in keys:
             if key in _REGISTRY:
                 raise ValueError(f"op {key} is registered twice")
+            if key != GETITEM and key not in _RUNTIME_OPS:
+                raise ValueError(f"op {key} cannot be registered: the vktrain runtime has no lowering or kernel for "
+                                 f"it (vktrain.runtime.op_lowering.supported_ops()), so a delegate holding it "
+                                 f"would fail at load")
             features = build(key)
             if features.key != key:
                 raise ValueError(f"OpFeatures for {key} carries the key {features.key}")
@@ -142,7 +160,7 @@ def register_op(*keys: str) -> Callable[[Callable[[str], OpFeatures]], Callable[
 def op_key(target) -> str:
     """The registry key of a call_function target: 'aten.mm.default', 'vktrain.adamw.default', 'getitem'."""
     if target is operator.getitem:
-        return "getitem"
+        return GETITEM
     op = target if isinstance(target, torch._ops.OpOverload) else getattr(target, "_op", target)  # edge wraps aten
     if isinstance(op, torch._ops.OpOverload):
         return f"{op.namespace}.{op._opname}.{op._overloadname}"
@@ -457,13 +475,13 @@ def _linear(key: str) -> OpFeatures:
                       FLOAT, _matrix_check(key, (1,), 2))
 
 
-# Shape-only ops: any element type the runtime stores; the runtime implements them as copies or aliases.
+# Shape-only ops: the runtime implements them as copies of 32-bit words, or as aliases.
 @register_op("aten.view_copy.default", "aten.permute_copy.default", "aten.expand_copy.default",
-             "aten.squeeze_copy.dims", "aten.unsqueeze_copy.default", "aten.t_copy.default",
-             "aten.transpose_copy.int", "aten.alias_copy.default", "aten.clone.default",
-             "aten.slice_copy.Tensor", "aten.select_copy.int")
+             "aten.squeeze_copy.dims", "aten.squeeze_copy.dim", "aten.squeeze_copy.default",
+             "aten.unsqueeze_copy.default", "aten.t_copy.default", "aten.transpose_copy.int",
+             "aten.alias_copy.default", "aten.clone.default", "aten.slice_copy.Tensor", "aten.select_copy.int")
 def _shape_op(key: str) -> OpFeatures:
-    return OpFeatures(key, (TensorArg("self", ANY),), ANY)
+    return OpFeatures(key, (TensorArg("self", WORDS),), WORDS)
 
 
 @register_op("dim_order_ops._to_dim_order_copy.default", "aten._to_copy.default")
@@ -476,7 +494,7 @@ def _to_copy(key: str) -> OpFeatures:
         if dim_order is not None and list(dim_order) != list(range(len(dim_order))):
             return f"{key} ('{node.name}'): dim_order {list(dim_order)} is not supported (contiguous only)"
         return None
-    return OpFeatures(key, (TensorArg("self", FLOAT | INDEX | BOOL),), FLOAT | INDEX | BOOL, shapes)
+    return OpFeatures(key, (TensorArg("self", WORDS),), WORDS, shapes)
 
 
 @register_op("aten.add.Tensor", "aten.sub.Tensor", "aten.mul.Tensor", "aten.div.Tensor",
@@ -533,18 +551,6 @@ def _baddbmm(key: str) -> OpFeatures:
                       _matrix_check(key, (1, 2), 3))
 
 
-@register_op("aten.le.Scalar", "aten.lt.Scalar", "aten.ge.Scalar", "aten.gt.Scalar", "aten.eq.Scalar",
-             "aten.ne.Scalar")
-def _compare_scalar(key: str) -> OpFeatures:
-    return OpFeatures(key, (TensorArg("self", FLOAT | INDEX), scalar_arg("other")), BOOL)
-
-
-@register_op("aten.where.self")
-def _where(key: str) -> OpFeatures:
-    return OpFeatures(key, (TensorArg("condition", BOOL), TensorArg("self", FLOAT, scalar_ok=True),
-                            TensorArg("other", FLOAT, scalar_ok=True)), FLOAT)
-
-
 @register_op("aten.sum.dim_IntList", "aten.sum.default", "aten.mean.dim", "aten.amax.default")
 def _reduce(key: str) -> OpFeatures:
     def shapes(node: Node) -> str | None:
@@ -554,29 +560,33 @@ def _reduce(key: str) -> OpFeatures:
     return OpFeatures(key, (TensorArg("self", FLOAT),), FLOAT, shapes)
 
 
-# Creation ops: their tensor argument (if any) only provides the shape.
+# Creation ops: their tensor argument (if any) only provides the shape (and the default dtype).
 @register_op("aten.full_like.default", "aten.zeros_like.default", "aten.ones_like.default")
 def _full_like(key: str) -> OpFeatures:
-    return OpFeatures(key, (TensorArg("self", ANY),), FLOAT | INDEX | BOOL)
+    return OpFeatures(key, (TensorArg("self", WORDS),), WORDS)
 
 
-@register_op("aten.full.default", "aten.scalar_tensor.default", "aten.empty.memory_format")
+@register_op("aten.full.default", "aten.scalar_tensor.default")
 def _full(key: str) -> OpFeatures:
-    return OpFeatures(key, (), FLOAT | INDEX | BOOL)
+    return OpFeatures(key, (), WORDS)
 
 
-@register_op("aten.empty_permuted.default")
-def _empty_permuted(key: str) -> OpFeatures:
-    # Appears in decomposed activation backwards (silu) as the shape source of a full_like.
+# Uninitialised tensors (no GPU work): decomposed activation backwards (SiLU) shape a full_like after one.
+@register_op("aten.empty.memory_format", "aten.empty_permuted.default")
+def _empty(key: str) -> OpFeatures:
     def contiguous_only(node: Node) -> str | None:
-        layout = list(node.args[1]) if len(node.args) > 1 else list(node.kwargs.get("physical_layout", []))
-        if layout != list(range(len(layout))):
-            return f"{key} ('{node.name}'): physical_layout {layout} is not supported (contiguous only)"
+        if key == "aten.empty_permuted.default":
+            layout = node.args[1] if len(node.args) > 1 else node.kwargs.get("physical_layout")
+            if layout is None or list(layout) != list(range(len(layout))):
+                return f"{key} ('{node.name}'): physical_layout {layout} is not supported (contiguous only)"
+        elif node.kwargs.get("memory_format") not in (None, torch.contiguous_format, torch.preserve_format):
+            return f"{key} ('{node.name}'): memory_format {node.kwargs['memory_format']} is not supported " \
+                   f"(contiguous only)"
         return None
-    return OpFeatures(key, (), FLOAT | INDEX | BOOL, contiguous_only)
+    return OpFeatures(key, (), WORDS, contiguous_only)
 
 
-@register_op("getitem")
+@register_op(GETITEM)
 def _getitem(key: str) -> OpFeatures:
     def producer_supported(node: Node) -> str | None:
         source = node.args[0]

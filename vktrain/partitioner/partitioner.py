@@ -21,9 +21,10 @@ from torch.export import ExportedProgram
 from torch.fx.passes.infra.partitioner import CapabilityBasedPartitioner
 from torch.fx.passes.operator_support import OperatorSupportBase
 
+from vktrain.runtime.backend_id import BACKEND_ID
+
 from .op_registry import PRESERVED_OPS, check_node, op_key
 
-BACKEND_ID = "VktrainVulkanBackend"
 REFUSALS_SPEC_KEY = "vktrain_refusals"
 
 

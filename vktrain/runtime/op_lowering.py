@@ -8,8 +8,13 @@ family's plan call:
 * aten ops use the shared convention of the aten families (kernels/layout.py): every schema argument
   under its schema name, tensors as a buffer binding plus `<name>_shape` / `<name>_dtype`, the output
   as `out`. The table only needs each op's schema argument names (`ATEN_SCHEMA_ARGS`).
-* vktrain ops (linear_q4gsw, linear_q4gsw_backward, linear_dW, fused_ce, adamw, q4gsw_requant) have
-  shape-explicit plan functions; a small adapter per op derives M / N / K / R / V from the shapes.
+* vktrain ops (linear_q4gsw, linear_q4gsw_backward, linear_dW, fused_ce, adamw, q4gsw_requant, and the
+  transformer ops rms_norm, rope, causal_attention, swiglu with their backwards) have shape-explicit
+  plan functions; a small adapter per op derives M / N / K / R / V (or B / S / H / D) from the shapes,
+  checks them, allocates op-owned scratch (fused_ce's row losses, attention backward's `delta`) and
+  passes the device's limits (shared memory, workgroup invocations; `OpContext.limits`) to the plans
+  that size tiles or workgroups by them.
+* aten.empty / empty_permuted need no GPU work: their contents are undefined (`kernel=None`).
 * transposes (permute_copy, t_copy, transpose_copy) and aten.mm read strided views: a transpose the
   executor leaves lazy costs nothing, and mm reads it in place through the GEMM's operand strides.
 
@@ -30,7 +35,7 @@ from typing import Any, Callable, Optional, Sequence
 from vktrain.serialization import graph as vk
 
 # Importing the kernels package imports every family, so KERNELS is complete.
-from .kernels import KERNELS, cross_entropy, layout, matmul
+from .kernels import KERNELS, attention, cross_entropy, layout, matmul, norm
 from .schedule import BufferBinding, Dispatch
 
 
@@ -91,6 +96,9 @@ class OpContext:
     label: str
     # Allocates a scratch buffer owned by this op: (nbytes, purpose) -> binding.
     scratch: Callable[[int, str], BufferBinding]
+    # The device's DeviceLimits (vktrain.runtime.device), for kernels that size workgroups or shared
+    # memory tiles by them; None: the Vulkan-guaranteed minimums the kernels default to.
+    limits: Optional[Any] = None
 
     def fail(self, message: str) -> GraphLoweringError:
         return GraphLoweringError(f"op {self.index} ({self.op.name}): {message}")
@@ -107,13 +115,34 @@ class OpContext:
             raise self.fail(f"argument {position} ({name}) must be an int, got {value!r}")
         return value
 
+    def real(self, position: int, name: str) -> float:
+        value = self.args[position]
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise self.fail(f"argument {position} ({name}) must be a number, got {value!r}")
+        return float(value)
+
+    @property
+    def shared_memory_bytes(self) -> int:
+        """Shared memory a workgroup may use on this device."""
+        if self.limits is None:
+            return attention.DEFAULT_SHARED_MEMORY_BYTES
+        return int(self.limits.max_compute_shared_memory_size)
+
+    @property
+    def max_workgroup_size(self) -> int:
+        """Invocations a workgroup may have on this device (1-D workgroups)."""
+        if self.limits is None:
+            return attention.DEFAULT_MAX_WORKGROUP_SIZE
+        return min(int(self.limits.max_compute_work_group_invocations),
+                   int(self.limits.max_compute_work_group_size[0]))
+
 
 @dataclass(frozen=True)
 class OpLowering:
-    """How one graph op becomes dispatches: `kernel` is the registry key it needs, `arg_names` the
-    schema's argument names in blob order, `num_outputs` the outputs it produces."""
+    """How one graph op becomes dispatches: `kernel` is the registry key it needs (None: it needs no
+    kernel), `arg_names` the schema's argument names in blob order, `num_outputs` the outputs it produces."""
 
-    kernel: str
+    kernel: Optional[str]
     arg_names: tuple[str, ...]
     lower: Callable[[OpContext], list[Dispatch]]
     num_outputs: int = 1
@@ -135,6 +164,9 @@ ATEN_SCHEMA_ARGS: dict[str, tuple[str, ...]] = {
     "aten.expand_copy.default": ("self", "size", "implicit"),
     "aten.unsqueeze_copy.default": ("self", "dim"),
     "aten.squeeze_copy.dims": ("self", "dim"),
+    "aten.squeeze_copy.dim": ("self", "dim"),
+    "aten.squeeze_copy.default": ("self",),
+    "aten.alias_copy.default": ("self",),
     "aten.slice_copy.Tensor": ("self", "dim", "start", "end", "step"),
     "aten.select_copy.int": ("self", "dim", "index"),
     "aten.cat.default": ("tensors", "dim"),
@@ -146,7 +178,13 @@ ATEN_SCHEMA_ARGS: dict[str, tuple[str, ...]] = {
     "aten.rsqrt.default": ("self",),
     "aten.sqrt.default": ("self",),
     "aten.gelu.default": ("self", "approximate"),
+    "aten.tanh.default": ("self",),
+    "aten.erf.default": ("self",),
+    "aten.log.default": ("self",),
+    "aten.reciprocal.default": ("self",),
+    "aten.abs.default": ("self",),
     "aten.pow.Tensor_Scalar": ("self", "exponent"),
+    "aten.pow.Tensor_Tensor": ("self", "exponent"),
     "aten.mul.Scalar": ("self", "other"),
     "aten.add.Scalar": ("self", "other", "alpha"),
     "aten.sub.Scalar": ("self", "other", "alpha"),
@@ -160,18 +198,31 @@ ATEN_SCHEMA_ARGS: dict[str, tuple[str, ...]] = {
     "aten.minimum.default": ("self", "other"),
     "aten.silu_backward.default": ("grad_output", "self"),
     "aten.sigmoid_backward.default": ("grad_output", "output"),
+    "aten.tanh_backward.default": ("grad_output", "output"),
     "aten.threshold_backward.default": ("grad_output", "self", "threshold"),
     "aten.gelu_backward.default": ("grad_output", "self", "approximate"),
     "aten.sum.dim_IntList": ("self", "dim", "keepdim", "dtype"),
     "aten.sum.default": ("self", "dtype"),
     "aten.mean.dim": ("self", "dim", "keepdim", "dtype"),
+    "aten.amax.default": ("self", "dim", "keepdim"),
     "aten.mm.default": ("self", "mat2"),
     "aten.bmm.default": ("self", "mat2"),
     "aten.addmm.default": ("self", "mat1", "mat2", "beta", "alpha"),
+    "aten.linear.default": ("input", "weight", "bias"),
     "aten.baddbmm.default": ("self", "batch1", "batch2", "beta", "alpha"),
     "aten.embedding.default": ("weight", "indices", "padding_idx", "scale_grad_by_freq", "sparse"),
     "aten.embedding_dense_backward.default": ("grad_output", "indices", "num_weights", "padding_idx",
                                               "scale_grad_by_freq"),
+    # Fills: the tensor argument of the *_like ops only gives the shape (and default dtype).
+    "aten.full.default": ("size", "fill_value", "dtype", "layout", "device", "pin_memory"),
+    "aten.full_like.default": ("self", "fill_value", "dtype", "layout", "device", "pin_memory", "memory_format"),
+    "aten.zeros_like.default": ("self", "dtype", "layout", "device", "pin_memory", "memory_format"),
+    "aten.ones_like.default": ("self", "dtype", "layout", "device", "pin_memory", "memory_format"),
+    "aten.scalar_tensor.default": ("s", "dtype", "layout", "device", "pin_memory"),
+    # ExecuTorch's edge dialect spells dtype conversions this way (a dim order instead of a memory
+    # format); only the contiguous dim order exists on the GPU.
+    "dim_order_ops._to_dim_order_copy.default": ("self", "dtype", "layout", "device", "pin_memory", "non_blocking",
+                                                 "dim_order"),
 }
 
 
@@ -350,6 +401,176 @@ def _lower_q4gsw_requant(ctx: OpContext) -> list[Dispatch]:
                  latent=latent.binding, scales=scales.binding)
 
 
+# ------------------------------------------------------------------------------------------------
+# Transformer ops (CONTRACTS.md "Transformer ops"): activations [B, S, H, D], fp32, contiguous
+# ------------------------------------------------------------------------------------------------
+
+def _check_output_shape(ctx: OpContext, position: int, expected: tuple[int, ...]) -> None:
+    output = ctx.outputs[position]
+    if output.shape != tuple(expected):
+        raise ctx.fail(f"output {position} has shape {list(output.shape)}, expected {list(expected)}")
+    _check_float(ctx, output, f"output {position}")
+
+
+def _norm_workgroup_size(ctx: OpContext) -> int:
+    """rms_norm's default workgroup, lowered to the largest power of two the device allows."""
+    size = norm.DEFAULT_WORKGROUP_SIZE
+    while size > ctx.max_workgroup_size:
+        size //= 2
+    return size
+
+
+def _norm_rows(ctx: OpContext, x: TensorArg, weight: TensorArg) -> tuple[int, int]:
+    """(rows, dim) of x [..., dim] normalised over its last dim with weight [dim]."""
+    _check_float(ctx, x, "x")
+    _check_float(ctx, weight, "weight")
+    if not x.shape or weight.shape != x.shape[-1:]:
+        raise ctx.fail(f"weight must be [D] for x [..., D], got weight {list(weight.shape)} and x {list(x.shape)}")
+    return x.numel // x.shape[-1], x.shape[-1]
+
+
+def _lower_rms_norm(ctx: OpContext) -> list[Dispatch]:
+    x, weight = ctx.tensor(0, "x"), ctx.tensor(1, "weight")
+    eps = ctx.real(2, "eps")
+    rows, dim = _norm_rows(ctx, x, weight)
+    _check_output_shape(ctx, 0, x.shape)
+    _check_output_shape(ctx, 1, x.shape[:-1] + (1,))
+    y, rstd = ctx.outputs
+    return _call(ctx, "rms_norm", rows=rows, dim=dim, x=x.binding, weight=weight.binding, y=y.binding,
+                 rstd=rstd.binding, eps=eps, workgroup_size=_norm_workgroup_size(ctx))
+
+
+def _lower_rms_norm_backward(ctx: OpContext) -> list[Dispatch]:
+    d_y, x, weight, rstd = (ctx.tensor(i, name) for i, name in enumerate(("d_y", "x", "weight", "rstd")))
+    rows, dim = _norm_rows(ctx, x, weight)
+    _check_float(ctx, d_y, "d_y")
+    _check_float(ctx, rstd, "rstd")
+    if d_y.shape != x.shape or rstd.shape != x.shape[:-1] + (1,):
+        raise ctx.fail(f"expected d_y = x [..., D] and rstd [..., 1], got d_y {list(d_y.shape)}, x {list(x.shape)}, "
+                       f"rstd {list(rstd.shape)}")
+    _check_output_shape(ctx, 0, x.shape)
+    return _call(ctx, "rms_norm_backward", rows=rows, dim=dim, d_y=d_y.binding, x=x.binding, weight=weight.binding,
+                 rstd=rstd.binding, d_x=ctx.outputs[0].binding, workgroup_size=_norm_workgroup_size(ctx))
+
+
+def _lower_rope(ctx: OpContext) -> list[Dispatch]:
+    x, cos, sin = ctx.tensor(0, "x"), ctx.tensor(1, "cos"), ctx.tensor(2, "sin")
+    for tensor, name in ((x, "x"), (cos, "cos"), (sin, "sin")):
+        _check_float(ctx, tensor, name)
+    if len(x.shape) != 4:
+        raise ctx.fail(f"x must be 4-D [B, S, H, D], got shape {list(x.shape)}")
+    batch, seq, heads, head_dim = x.shape
+    if cos.shape != (seq, head_dim // 2) or sin.shape != cos.shape:
+        raise ctx.fail(f"cos and sin must be [S, D/2] = {[seq, head_dim // 2]} for x {list(x.shape)}, got "
+                       f"{list(cos.shape)} and {list(sin.shape)}")
+    _check_output_shape(ctx, 0, x.shape)
+    return _call(ctx, "rope", B=batch, S=seq, H=heads, D=head_dim, x=x.binding, cos=cos.binding, sin=sin.binding,
+                 out=ctx.outputs[0].binding)
+
+
+def _attention_dims(ctx: OpContext, q: TensorArg, k: TensorArg, v: TensorArg) -> tuple[int, int, int, int, int]:
+    """(B, S, Hq, Hkv, D) of q [B, S, Hq, D] and k = v [B, S, Hkv, D]."""
+    for tensor, name in ((q, "q"), (k, "k"), (v, "v")):
+        _check_float(ctx, tensor, name)
+        if len(tensor.shape) != 4:
+            raise ctx.fail(f"{name} must be 4-D [B, S, H, D], got shape {list(tensor.shape)}")
+    batch, seq, q_heads, head_dim = q.shape
+    kv_heads = k.shape[2]
+    if k.shape != v.shape or (k.shape[0], k.shape[1], k.shape[3]) != (batch, seq, head_dim):
+        raise ctx.fail(f"k and v must be [B, S, Hkv, D] = [{batch}, {seq}, Hkv, {head_dim}] for q {list(q.shape)}, "
+                       f"got {list(k.shape)} and {list(v.shape)}")
+    return batch, seq, q_heads, kv_heads, head_dim
+
+
+def _lower_causal_attention(ctx: OpContext) -> list[Dispatch]:
+    q, k, v = ctx.tensor(0, "q"), ctx.tensor(1, "k"), ctx.tensor(2, "v")
+    scale = ctx.real(3, "scale")
+    batch, seq, q_heads, kv_heads, head_dim = _attention_dims(ctx, q, k, v)
+    _check_output_shape(ctx, 0, q.shape)
+    _check_output_shape(ctx, 1, (batch, q_heads, seq))
+    out, lse = ctx.outputs
+    return _call(ctx, "causal_attention", B=batch, S=seq, Hq=q_heads, Hkv=kv_heads, D=head_dim, q=q.binding,
+                 k=k.binding, v=v.binding, out=out.binding, lse=lse.binding, scale=scale,
+                 shared_memory_bytes=ctx.shared_memory_bytes, max_workgroup_size=ctx.max_workgroup_size)
+
+
+def _lower_causal_attention_backward(ctx: OpContext) -> list[Dispatch]:
+    names = ("d_out", "q", "k", "v", "out", "lse")
+    d_out, q, k, v, out, lse = (ctx.tensor(i, name) for i, name in enumerate(names))
+    scale = ctx.real(6, "scale")
+    batch, seq, q_heads, kv_heads, head_dim = _attention_dims(ctx, q, k, v)
+    for tensor, name in ((d_out, "d_out"), (out, "out"), (lse, "lse")):
+        _check_float(ctx, tensor, name)
+    if d_out.shape != q.shape or out.shape != q.shape or lse.shape != (batch, q_heads, seq):
+        raise ctx.fail(f"expected d_out = out = q {list(q.shape)} and lse {[batch, q_heads, seq]}, got "
+                       f"{list(d_out.shape)}, {list(out.shape)}, {list(lse.shape)}")
+    _check_output_shape(ctx, 0, q.shape)
+    _check_output_shape(ctx, 1, k.shape)
+    _check_output_shape(ctx, 2, v.shape)
+    try:
+        delta_nbytes = attention.causal_attention_backward_scratch_nbytes(batch, seq, q_heads)
+    except ValueError as exc:
+        raise ctx.fail(f"the causal_attention_backward kernel refused it: {exc}") from exc
+    delta = ctx.scratch(delta_nbytes, "delta")
+    d_q, d_k, d_v = ctx.outputs
+    return _call(ctx, "causal_attention_backward", B=batch, S=seq, Hq=q_heads, Hkv=kv_heads, D=head_dim,
+                 d_out=d_out.binding, q=q.binding, k=k.binding, v=v.binding, out=out.binding, lse=lse.binding,
+                 d_q=d_q.binding, d_k=d_k.binding, d_v=d_v.binding, delta=delta, scale=scale,
+                 shared_memory_bytes=ctx.shared_memory_bytes, max_workgroup_size=ctx.max_workgroup_size)
+
+
+def _same_shape_floats(ctx: OpContext, names: Sequence[str]) -> list[TensorArg]:
+    tensors = [ctx.tensor(i, name) for i, name in enumerate(names)]
+    for tensor, name in zip(tensors, names):
+        _check_float(ctx, tensor, name)
+        if tensor.shape != tensors[0].shape:
+            raise ctx.fail(f"{name} has shape {list(tensor.shape)}, {names[0]} has {list(tensors[0].shape)}")
+    for position in range(len(ctx.outputs)):
+        _check_output_shape(ctx, position, tensors[0].shape)
+    return tensors
+
+
+def _lower_swiglu(ctx: OpContext) -> list[Dispatch]:
+    gate, up = _same_shape_floats(ctx, ("gate", "up"))
+    if gate.numel == 0:
+        return []
+    return _call(ctx, "swiglu", numel=gate.numel, gate=gate.binding, up=up.binding, out=ctx.outputs[0].binding)
+
+
+def _lower_swiglu_backward(ctx: OpContext) -> list[Dispatch]:
+    d_h, gate, up = _same_shape_floats(ctx, ("d_h", "gate", "up"))
+    if d_h.numel == 0:
+        return []
+    d_gate, d_up = ctx.outputs
+    return _call(ctx, "swiglu_backward", numel=d_h.numel, d_h=d_h.binding, gate=gate.binding, up=up.binding,
+                 d_gate=d_gate.binding, d_up=d_up.binding)
+
+
+# ------------------------------------------------------------------------------------------------
+# Uninitialised tensors: no GPU work
+# ------------------------------------------------------------------------------------------------
+
+def _lower_empty(ctx: OpContext) -> list[Dispatch]:
+    """aten.empty / empty_permuted: the output's buffer already exists and its contents are undefined by
+    definition, so nothing runs (decomposed SiLU backwards build a `full_like` shaped after one). Only the
+    contiguous physical layout exists on the GPU."""
+    if ctx.op.name == EMPTY_PERMUTED:
+        layout_order = ctx.args[1]
+        if layout_order is None or tuple(layout_order) != tuple(range(len(ctx.outputs[0].shape))):
+            raise ctx.fail(f"physical_layout {layout_order} is not the contiguous order; only contiguous tensors "
+                           f"live on the GPU")
+    else:
+        memory_format = ctx.args[-1]
+        if memory_format not in (None, "contiguous_format", "preserve_format"):
+            raise ctx.fail(f"memory_format {memory_format!r} is not supported; only contiguous tensors live on "
+                           f"the GPU")
+    return []
+
+
+EMPTY_PERMUTED = "aten.empty_permuted.default"
+EMPTY = "aten.empty.memory_format"
+
+
 def copy_words(out: BufferBinding, source: BufferBinding, nbytes: int, *, label: str) -> list[Dispatch]:
     """A flat copy of `nbytes` (a multiple of 4) from `source` to `out`; copy.comp moves 32-bit words,
     so one kernel copies every 4-byte dtype."""
@@ -419,23 +640,11 @@ def _lower_mm(ctx: OpContext) -> list[Dispatch]:
         raise ctx.fail(f"the matmul kernel refused it: {exc}") from exc
 
 
-# ExecuTorch's edge dialect spells dtype conversions as dim_order_ops._to_dim_order_copy (a dim order
-# instead of a memory format); on contiguous tensors it is aten._to_copy.
 TO_DIM_ORDER_COPY = "dim_order_ops._to_dim_order_copy.default"
-_TO_DIM_ORDER_COPY_ARGS = ("self", "dtype", "layout", "device", "pin_memory", "non_blocking", "dim_order")
 
 
 def _contiguous_dim_order(dim_order: Any, rank: int) -> bool:
     return dim_order is None or tuple(dim_order) == tuple(range(rank))
-
-
-def _lower_to_dim_order_copy(ctx: OpContext) -> list[Dispatch]:
-    source = ctx.tensor(0, "self")
-    dtype, dim_order = ctx.args[1], ctx.args[6]
-    if not _contiguous_dim_order(dim_order, len(source.shape)):
-        raise ctx.fail(f"dim_order {dim_order} is not contiguous; only contiguous tensors live on the GPU")
-    return _call(ctx, "aten._to_copy.default", out=ctx.outputs[0].binding, self=source.binding,
-                 self_shape=source.shape, self_dtype=source.dtype, dtype=dtype)
 
 
 _VKTRAIN_LOWERINGS = {
@@ -450,26 +659,44 @@ _VKTRAIN_LOWERINGS = {
         "adamw", ("param", "exp_avg", "exp_avg_sq", "grad", "hparams", "step"), _lower_adamw, num_outputs=3),
     "vktrain.q4gsw_requant.default": OpLowering("q4gsw_requant", ("latent", "scales", "group_size"),
                                                 _lower_q4gsw_requant),
+    "vktrain.rms_norm.default": OpLowering("rms_norm", ("x", "weight", "eps"), _lower_rms_norm, num_outputs=2),
+    "vktrain.rms_norm_backward.default": OpLowering("rms_norm_backward", ("d_y", "x", "weight", "rstd"),
+                                                    _lower_rms_norm_backward),
+    "vktrain.rope.default": OpLowering("rope", ("x", "cos", "sin"), _lower_rope),
+    "vktrain.causal_attention.default": OpLowering("causal_attention", ("q", "k", "v", "scale"),
+                                                   _lower_causal_attention, num_outputs=2),
+    "vktrain.causal_attention_backward.default": OpLowering(
+        "causal_attention_backward", ("d_out", "q", "k", "v", "out", "lse", "scale"),
+        _lower_causal_attention_backward, num_outputs=3),
+    "vktrain.swiglu.default": OpLowering("swiglu", ("gate", "up"), _lower_swiglu),
+    "vktrain.swiglu_backward.default": OpLowering("swiglu_backward", ("d_h", "gate", "up"), _lower_swiglu_backward,
+                                                  num_outputs=2),
 }
 
 OP_LOWERINGS: dict[str, OpLowering] = {
     **{key: OpLowering(key, names, _aten_lowering(key)) for key, names in ATEN_SCHEMA_ARGS.items()},
     **{key: OpLowering(key, ATEN_SCHEMA_ARGS[key], _lower_transpose) for key in _TRANSPOSE_OPS},
     "aten.mm.default": OpLowering("aten.mm.default", ATEN_SCHEMA_ARGS["aten.mm.default"], _lower_mm),
-    TO_DIM_ORDER_COPY: OpLowering("aten._to_copy.default", _TO_DIM_ORDER_COPY_ARGS, _lower_to_dim_order_copy),
+    EMPTY: OpLowering(None, ("size", "dtype", "layout", "device", "pin_memory", "memory_format"), _lower_empty),
+    EMPTY_PERMUTED: OpLowering(None, ("size", "physical_layout", "dtype", "layout", "device", "pin_memory"),
+                               _lower_empty),
     **_VKTRAIN_LOWERINGS,
 }
 
 
+def _executable(lowering: OpLowering) -> bool:
+    return lowering.kernel is None or lowering.kernel in KERNELS
+
+
 def supported_ops() -> list[str]:
-    """Graph op names this runtime can execute (a lowering exists and its kernel is registered)."""
-    return sorted(name for name, lowering in OP_LOWERINGS.items() if lowering.kernel in KERNELS)
+    """Graph op names this runtime can execute (a lowering exists and the kernel it needs is registered)."""
+    return sorted(name for name, lowering in OP_LOWERINGS.items() if _executable(lowering))
 
 
 def lowering_for(op: vk.OpCall, index: int) -> OpLowering:
     """The lowering of `op`, or GraphLoweringError("unsupported op <name>") naming what exists."""
     lowering = OP_LOWERINGS.get(op.name)
-    if lowering is None or lowering.kernel not in KERNELS:
+    if lowering is None or not _executable(lowering):
         raise GraphLoweringError(f"unsupported op {op.name} (op {index}): no Vulkan kernel implements it; "
                                  f"supported ops: {', '.join(supported_ops())}")
     if len(op.args) != len(lowering.arg_names):
@@ -487,7 +714,8 @@ def lowering_for(op: vk.OpCall, index: int) -> OpLowering:
 # ------------------------------------------------------------------------------------------------
 
 _SHAPE_ONLY_VIEWS = frozenset({
-    "aten.view_copy.default", "aten.unsqueeze_copy.default", "aten.squeeze_copy.dims",
+    "aten.view_copy.default", "aten.unsqueeze_copy.default", "aten.squeeze_copy.dims", "aten.squeeze_copy.dim",
+    "aten.squeeze_copy.default", "aten.alias_copy.default",
 })
 _GPU_DTYPE = {"int64": "int32"}  # int64 graph tensors are int32 on the GPU
 

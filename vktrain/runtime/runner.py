@@ -25,6 +25,7 @@ import numpy as np
 
 from vktrain.serialization import deserialize_blob
 
+from .backend_id import BACKEND_ID
 from .errors import RuntimeErrorBase
 from .executor import ExecutorInputError, GraphExecutor
 from .pte import (
@@ -43,9 +44,6 @@ from .pte import (
 )
 from .pte_schema.executorch_flatbuffer.ScalarType import ScalarType
 
-# The id vktrain's backend registers with ExecuTorch (vktrain.partitioner.BACKEND_ID; not imported
-# because that module needs torch).
-BACKEND_ID = "VktrainVulkanBackend"
 # Names of the exported step's inputs (vktrain.export.training).
 TOKEN_IDS, LABELS, HPARAMS, N_VALID = "token_ids", "labels", "hparams", "n_valid"
 STEP_INPUTS = (TOKEN_IDS, LABELS, HPARAMS, N_VALID)
