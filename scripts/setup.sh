@@ -5,7 +5,12 @@ set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
 
+py="${PYTHON:-python3}"
 debs=(libvulkan1 mesa-vulkan-drivers vulkan-validationlayers)
+# Debian's own python3 ships venv's pip bootstrap separately (python3-venv); pyenv/python.org builds have it.
+if [ ! -x .venv/bin/python ] && ! "$py" -c "import ensurepip, venv" >/dev/null 2>&1; then
+  debs+=("python3-venv")
+fi
 missing=()
 for p in "${debs[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
@@ -23,7 +28,6 @@ if [ ${#missing[@]} -gt 0 ]; then
     { echo "setup: apt-get install ${missing[*]} failed" >&2; exit 1; }
 fi
 
-py="${PYTHON:-python3}"
 if [ ! -x .venv/bin/python ]; then
   echo "setup: creating .venv"
   "$py" -m venv .venv
