@@ -10,6 +10,20 @@ Constants: parameters, frozen buffers and lifted constants read by the delegate.
 registry marks for prepacking (q4gsw weights) is stored as Q4GSW_W4X8 (vktrain.quant.pack_w4x8);
 everything else as PLAIN. Identical bytes are stored once by the blob writer.
 
+Synthetic constants (BENCHMARK ONLY): with the compile spec `synthetic_constants_spec(min_bytes)`,
+constants of at least `min_bytes` (as stored) whose role is known become `vk.SyntheticConstant` records
+generated at load, so a 1B-parameter step travels as megabytes: prepacked q4gsw weights -> random bits
+(any code is valid), `*.scales` -> fill SYNTHETIC_SCALE, 2-D float `*.weight` (embeddings, unquantized
+heads) -> normal(0, 0.02), 1-D float `*.weight` (norm weights) -> fill 1.0. Constants of any other role
+(rope tables, biases, lifted constants) and mutable-state initial values stay real: their values steer
+the computation. The skipped data is never read (so it may even be uninitialised memory). Metadata key
+"synthetic_constants" records what was replaced and what stayed real.
+
+Extra metadata: a compile spec `metadata_spec(key, value)` (key "metadata.<key>") stores string `value`
+under `key` in the blob's metadata, e.g. the configuration a benchmark exported, for the tools that
+read the blob later (vktrain inspect, scripts/bench_step.py run). It may not replace a key this backend
+writes.
+
 Mutable state: each mutated buffer is a non-constant tensor with a MutableState(state, update,
 initial constant); an all-zero initial value (AdamW moments, step, lora_B) stores no constant and starts
 zero-filled.
@@ -19,8 +33,10 @@ get their own allocations. Metadata records planned and unplanned bytes and the 
 """
 from __future__ import annotations
 
+import hashlib
 import json
-from typing import Any, Sequence, final
+import math
+from typing import Any, Iterable, Sequence, final
 
 import numpy as np
 import torch
@@ -32,7 +48,7 @@ from torch.fx import Node
 
 from vktrain.partitioner.op_registry import W4X8, get_op_features, op_key
 from vktrain.partitioner.partitioner import BACKEND_ID, refusals_from_compile_specs
-from vktrain.quant import pack_w4x8
+from vktrain.quant import pack_w4x8, w4x8_num_words
 from vktrain.serialization import blob
 from vktrain.serialization import graph as vk
 
@@ -43,6 +59,17 @@ METADATA_BACKEND = "backend"
 METADATA_UNPLANNED_MEMORY_BYTES = "unplanned_memory_bytes"
 METADATA_STATE_BYTES = "state_bytes"
 METADATA_REFUSALS = "refusals"
+METADATA_SYNTHETIC_CONSTANTS = "synthetic_constants"
+
+# Compile specs of the benchmark-only synthetic constants (see the module docstring).
+SYNTHETIC_MIN_BYTES_SPEC_KEY = "synthetic_constants_min_bytes"
+SYNTHETIC_SEED_SPEC_KEY = "synthetic_constants_seed"
+METADATA_SPEC_PREFIX = "metadata."
+# Weights start as N(0, 0.02) (Hugging Face's initializer_range); a q4gsw weight whose codes are uniform
+# on 0..15 has q = code - 8 with std sqrt((16^2 - 1) / 12), so this scale gives dequantized weights
+# that same std and keeps a deep synthetic model's activations in a realistic range.
+SYNTHETIC_WEIGHT_STD = 0.02
+SYNTHETIC_SCALE = SYNTHETIC_WEIGHT_STD / math.sqrt((16**2 - 1) / 12)
 
 _TORCH_TO_DTYPE = {
     torch.float32: vk.DType.FLOAT32, torch.float16: vk.DType.FLOAT16, torch.int32: vk.DType.INT32,
@@ -62,9 +89,90 @@ def _numpy(tensor: torch.Tensor) -> np.ndarray:
     return tensor.detach().cpu().contiguous().numpy()
 
 
+def synthetic_constants_spec(min_bytes: int, seed: int = 0) -> list[CompileSpec]:
+    """Compile specs making preprocess emit synthetic constants (benchmarks only; see the module docstring).
+
+    Pass them to VktrainPartitioner(compile_specs=...). `seed` varies the generated data."""
+    if isinstance(min_bytes, bool) or not isinstance(min_bytes, int) or min_bytes < 0:
+        raise ValueError(f"synthetic constants: min_bytes must be an integer >= 0, got {min_bytes!r}")
+    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+        raise ValueError(f"synthetic constants: seed must be an integer >= 0, got {seed!r}")
+    return [CompileSpec(SYNTHETIC_MIN_BYTES_SPEC_KEY, str(min_bytes).encode()),
+            CompileSpec(SYNTHETIC_SEED_SPEC_KEY, str(seed).encode())]
+
+
+def metadata_spec(key: str, value: str) -> CompileSpec:
+    """A compile spec storing `value` under metadata `key` in the blob (see the module docstring)."""
+    if not isinstance(key, str) or not key or not isinstance(value, str):
+        raise ValueError(f"blob metadata needs a non-empty str key and a str value, "
+                         f"got {key!r}: {type(value).__name__}")
+    return CompileSpec(METADATA_SPEC_PREFIX + key, value.encode("utf-8"))
+
+
+def _metadata_from_specs(compile_specs: Iterable[CompileSpec]) -> dict[str, str]:
+    return {spec.key[len(METADATA_SPEC_PREFIX):]: bytes(spec.value).decode("utf-8")
+            for spec in compile_specs if spec.key.startswith(METADATA_SPEC_PREFIX)}
+
+
+def _int_spec(compile_specs: Iterable[CompileSpec], key: str) -> int | None:
+    for spec in compile_specs:
+        if spec.key == key:
+            text = bytes(spec.value).decode("ascii", errors="replace")
+            if not text.isdigit():
+                raise ValueError(f"compile spec {key!r} must be a non-negative decimal integer, got {text!r}")
+            return int(text)
+    return None
+
+
+class _SyntheticPolicy:
+    """Which constants become synthetic, and how (see the module docstring)."""
+
+    def __init__(self, min_bytes: int, seed: int) -> None:
+        self.min_bytes = min_bytes
+        self.seed = seed
+        self.replaced: dict[str, int] = {}  # name -> bytes
+        self.kept_real: dict[str, int] = {}  # name -> bytes (big enough, role unknown)
+
+    def _seed_for(self, name: str, layout: str) -> int:
+        digest = hashlib.sha256(f"{self.seed}/{name}/{layout}".encode()).digest()
+        return int.from_bytes(digest[:8], "little")
+
+    def q4gsw_weights(self, name: str, n: int, k: int) -> vk.SyntheticConstant | None:
+        words = w4x8_num_words(n, k)
+        if 4 * words < self.min_bytes:
+            return None
+        self.replaced[name] = 4 * words
+        return vk.SyntheticConstant(vk.SyntheticKind.RANDOM_BITS, self._seed_for(name, W4X8), vk.DType.UINT32,
+                                    (words,), layout=vk.Layout.Q4GSW_W4X8, q4gsw_shape=(n, k))
+
+    def plain(self, name: str, tensor: torch.Tensor) -> vk.SyntheticConstant | None:
+        dtype, shape = vk_dtype(tensor.dtype), tuple(int(d) for d in tensor.shape)
+        nbytes = math.prod(shape) * dtype.itemsize
+        if nbytes < self.min_bytes:
+            return None
+        seed = self._seed_for(name, "PLAIN")
+        record = None
+        if tensor.is_floating_point() and name.endswith(".scales"):
+            record = vk.SyntheticConstant(vk.SyntheticKind.FILL, seed, dtype, shape, value=SYNTHETIC_SCALE)
+        elif tensor.is_floating_point() and name.endswith(".weight") and len(shape) == 1:
+            record = vk.SyntheticConstant(vk.SyntheticKind.FILL, seed, dtype, shape, value=1.0)  # norm weights
+        elif tensor.is_floating_point() and name.endswith(".weight") and len(shape) == 2:
+            record = vk.SyntheticConstant(vk.SyntheticKind.NORMAL, seed, dtype, shape, std=SYNTHETIC_WEIGHT_STD)
+        if record is None:
+            self.kept_real[name] = nbytes
+        else:
+            self.replaced[name] = nbytes
+        return record
+
+    def summary(self) -> str:
+        return json.dumps({"min_bytes": self.min_bytes, "seed": self.seed, "count": len(self.replaced),
+                           "bytes": sum(self.replaced.values()), "kept_real": self.kept_real})
+
+
 class _GraphBuilder:
-    def __init__(self, program: ExportedProgram) -> None:
+    def __init__(self, program: ExportedProgram, synthetic: _SyntheticPolicy | None = None) -> None:
         self.program = program
+        self.synthetic = synthetic
         self.signature = program.graph_signature
         self.graph = vk.VkGraph()
         self.node_values: dict[Node, int | tuple[int, ...]] = {}
@@ -111,14 +219,18 @@ class _GraphBuilder:
         if key in self.constant_values:
             return self.constant_values[key]
         fqn, data = self._tensor_data(node)
-        array = _numpy(data)
-        if layout == W4X8:
-            array = pack_w4x8(array, k)
-            value_id = self.graph.add_constant_tensor(array, vk.Layout.Q4GSW_W4X8, fqn)
-        elif layout is None:
-            value_id = self.graph.add_constant_tensor(array, vk.Layout.PLAIN, fqn)
-        else:
+        if layout not in (None, W4X8):
             raise ValueError(f"unknown prepack layout {layout!r} for constant {fqn}")
+        synthetic = None
+        if self.synthetic is not None:
+            synthetic = (self.synthetic.q4gsw_weights(fqn, int(data.shape[0]), k) if layout == W4X8
+                         else self.synthetic.plain(fqn, data))
+        if synthetic is not None:
+            value_id = self.graph.add_synthetic_tensor(synthetic, fqn)  # the data itself is never read
+        elif layout == W4X8:
+            value_id = self.graph.add_constant_tensor(pack_w4x8(_numpy(data), k), vk.Layout.Q4GSW_W4X8, fqn)
+        else:
+            value_id = self.graph.add_constant_tensor(_numpy(data), vk.Layout.PLAIN, fqn)
         self.constant_values[key] = value_id
         return value_id
 
@@ -273,14 +385,26 @@ class _GraphBuilder:
             METADATA_UNPLANNED_MEMORY_BYTES: str(unplanned),
             METADATA_STATE_BYTES: str(state_bytes),
         })
+        if self.synthetic is not None:
+            self.graph.metadata[METADATA_SYNTHETIC_CONSTANTS] = self.synthetic.summary()
         return self.graph
 
 
 def build_vk_graph(program: ExportedProgram, compile_specs: Sequence[CompileSpec] = ()) -> vk.VkGraph:
     """The VkGraph of one partitioned (delegated) edge program."""
-    graph = _GraphBuilder(program).build()
+    min_bytes = _int_spec(compile_specs, SYNTHETIC_MIN_BYTES_SPEC_KEY)
+    synthetic = None
+    if min_bytes is not None:
+        synthetic = _SyntheticPolicy(min_bytes, _int_spec(compile_specs, SYNTHETIC_SEED_SPEC_KEY) or 0)
+    graph = _GraphBuilder(program, synthetic).build()
     refusals = refusals_from_compile_specs(compile_specs)
     graph.metadata[METADATA_REFUSALS] = json.dumps([r.__dict__ for r in refusals])
+    extra = _metadata_from_specs(compile_specs)
+    clashes = sorted(set(extra) & set(graph.metadata))
+    if clashes:
+        raise ValueError(f"metadata compile spec(s) {clashes} would replace metadata the backend writes "
+                         f"({sorted(graph.metadata)}); choose other keys")
+    graph.metadata.update(extra)
     graph.validate()
     return graph
 

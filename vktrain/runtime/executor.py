@@ -4,7 +4,8 @@ Load time (everything that can fail fails here, never at step time):
   1. pattern rewrites (op_lowering.fuse_patterns) and the op-lowering lookup: an op without a kernel
      is a GraphLoweringError "unsupported op <name>";
   2. storage: one Buffer per planned memory object (its tensors bind it at offset 0 with their own
-     size), one per constant (uploaded once; W_4X8 weights stay packed), one per input, per mutable
+     size), one per constant (uploaded once; W_4X8 weights stay packed; a synthetic constant, benchmark
+     blobs only, is generated here from its seed, then uploaded the same way), one per input, per mutable
      state tensor and per unplanned intermediate. Storage decisions that save copies:
        * aliasing: a view op that moves no bytes (view_copy / squeeze / unsqueeze of a contiguous
          tensor, int64 <-> int32 _to_copy) binds its output to its input's storage, when the longer
@@ -410,11 +411,16 @@ class GraphExecutor:
 
     def _upload_constants(self) -> None:
         uploaded = set()
+        self.synthetic_constant_bytes = 0  # bytes generated at load (vk.SyntheticConstant), for reports
         for value_id, placement in self._tensors.items():
             tensor = self.graph.values[value_id]
             if tensor.constant_id < 0 or placement.key in uploaded:
                 continue
+            # A synthetic constant is generated here (numpy, deterministic by its seed); the array is
+            # dropped right after its upload, so at most one big constant is in host memory at a time.
             array = self.graph.constant_array(value_id)
+            if self.graph.is_synthetic(tensor.constant_id):
+                self.synthetic_constant_bytes += array.nbytes
             what = f"constant {tensor.name or value_id}"
             try:
                 data = _to_gpu_array(array, tensor.dtype, what)
@@ -461,7 +467,7 @@ class GraphExecutor:
                 raise GraphLoweringError(f"op {index} ({op.name}) would read a transposed view it cannot handle "
                                          f"(executor bug: transposes are only left lazy for view-accepting readers)")
             outputs = [self._tensor_arg(out) for out in op.outputs]
-            context = OpContext(index, op, args, outputs, label, self._scratch(index))
+            context = OpContext(index, op, args, outputs, label, self._scratch(index), self.device.limits)
             dispatches += lowering.lower(context)
         for state in self._state_copies:
             name = self.graph.tensor(state.state_id).name or f"state{state.state_id}"
@@ -545,7 +551,7 @@ class GraphExecutor:
         tensor = self.graph.tensor(state.state_id)
         if state.initial_constant_id < 0:
             return np.zeros(tensor.shape, tensor.dtype.numpy_dtype)
-        data = vk.constant_bytes(self.graph.constants[state.initial_constant_id])
+        data = vk.constant_bytes(self.graph.constants[state.initial_constant_id])  # generates a synthetic one
         return np.frombuffer(data, tensor.dtype.numpy_dtype, tensor.numel).reshape(tensor.shape).copy()
 
     def reset_state(self) -> None:

@@ -1,6 +1,6 @@
 """The vktrain delegate blob: graph dataclasses (graph.py), schema.fbs, and the blob container (blob.py).
 
-Imports flatbuffers and numpy only. Names are exported lazily so that the code generator
+Imports flatbuffers, numpy and vktrain.quant (numpy) only. Names are exported lazily so that the code generator
 (`python -m vktrain.serialization.generate`) still runs when the generated code is missing or stale.
 """
 from __future__ import annotations
@@ -10,7 +10,8 @@ import importlib
 _EXPORTS = {
     "graph": ("DType", "Layout", "GraphError", "VkGraph", "OpCall", "MutableState", "MemoryObject",
               "TensorValue", "NullValue", "IntValue", "DoubleValue", "BoolValue", "StringValue",
-              "IntListValue", "DoubleListValue", "BoolListValue", "ValueListValue", "Value"),
+              "IntListValue", "DoubleListValue", "BoolListValue", "ValueListValue", "Value",
+              "SyntheticConstant", "SyntheticKind"),
     "blob": ("BlobFormatError", "BlobHeader", "serialize_blob", "deserialize_blob", "write_blob", "read_blob"),
 }
 _MODULE_OF = {name: module for module, names in _EXPORTS.items() for name in names}

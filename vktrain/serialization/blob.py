@@ -4,8 +4,8 @@ Byte layout (all integers little-endian; every region starts at a multiple of 16
 
     offset  size  field
     0       4     magic              b"VKTB"
-    4       4     header_size        uint32, 48 for format version 1
-    8       4     format_version     uint32, 1
+    4       4     header_size        uint32, 48 (format versions 1 and 2)
+    8       4     format_version     uint32, 1, or 2 when the graph holds synthetic constants
     12      4     flags              uint32, 0 (reserved)
     16      8     flatbuffer_offset  uint64, >= header_size, multiple of 16
     24      8     flatbuffer_size    uint64, bytes of the flatbuffer (schema.fbs, identifier "VKT1")
@@ -17,6 +17,12 @@ The segment area holds constant data outside the flatbuffer, so weights never pa
 flatbuffer (whose offsets are 32-bit). Each `ConstantData(offset, length)` record of the flatbuffer
 points at a 16-byte-aligned range, offset relative to segment_offset. Constants with identical bytes are
 stored once: several constant ids may then point at the same range.
+
+Format version 2 (benchmark blobs) adds synthetic constants: a `ConstantData` record whose `synthetic`
+table describes data generated at load (graph.SyntheticConstant), with offset = length = 0 and nothing
+in the segment area. A reader of version 1 would ignore that table and misread the graph, so such blobs
+say version 2, which version-1 readers refuse by name. Every other blob is still written as version 1
+(readable by older vktrain), and a reader refuses either version when it disagrees with the content.
 
 `deserialize_blob` bounds-checks every header field and every constant record, validates the graph
 (every id it references exists, constant sizes match their tensors) and returns constants as zero-copy
@@ -48,6 +54,7 @@ from vktrain.serialization.generated.vkt_blob import MutableState as FbMutableSt
 from vktrain.serialization.generated.vkt_blob import Null as FbNull
 from vktrain.serialization.generated.vkt_blob import OpCall as FbOpCall
 from vktrain.serialization.generated.vkt_blob import String as FbString
+from vktrain.serialization.generated.vkt_blob import SyntheticConstant as FbSyntheticConstant
 from vktrain.serialization.generated.vkt_blob import Tensor as FbTensor
 from vktrain.serialization.generated.vkt_blob import Value as FbValue
 from vktrain.serialization.generated.vkt_blob import ValueList as FbValueList
@@ -75,7 +82,9 @@ class BlobHeader:
     format_version: int = 1
 
     MAGIC: ClassVar[bytes] = b"VKTB"
-    FORMAT_VERSION: ClassVar[int] = 1
+    FORMAT_VERSION: ClassVar[int] = 2  # the newest version this vktrain reads and writes
+    PLAIN_VERSION: ClassVar[int] = 1  # blobs without synthetic constants
+    SYNTHETIC_VERSION: ClassVar[int] = 2  # blobs with at least one synthetic constant
     STRUCT: ClassVar[struct.Struct] = struct.Struct("<4sIIIQQQQ")
     SIZE: ClassVar[int] = STRUCT.size  # 48
 
@@ -93,8 +102,9 @@ class BlobHeader:
         if magic != cls.MAGIC:
             raise BlobFormatError(f"blob magic is {bytes(magic)!r}, expected {cls.MAGIC!r} "
                                   "(not a vktrain delegate blob)")
-        if version != cls.FORMAT_VERSION:
-            raise BlobFormatError(f"blob format version is {version}; this vktrain reads version {cls.FORMAT_VERSION}")
+        if not 1 <= version <= cls.FORMAT_VERSION:
+            raise BlobFormatError(f"blob format version is {version}; this vktrain reads versions 1 to "
+                                  f"{cls.FORMAT_VERSION} (blob from a newer vktrain?)")
         if header_size != cls.SIZE:
             raise BlobFormatError(f"header_size field is {header_size}, expected {cls.SIZE} "
                                   f"for format version {version}")
@@ -136,14 +146,17 @@ class _Layout:
 def _plan_segments(constants: list) -> tuple[list[tuple[int, int]], list[tuple[int, memoryview]], int]:
     """Place constants in the segment area, storing identical bytes once.
 
-    Returns the (offset, length) record of each constant id, the unique segments to write, and the
-    size of the segment area.
+    Returns the (offset, length) record of each constant id ((0, 0) for a synthetic constant, which has
+    no bytes), the unique segments to write, and the size of the segment area.
     """
     records: list[tuple[int, int]] = []
     segments: list[tuple[int, memoryview]] = []
     by_digest: dict[tuple[int, bytes], list[int]] = {}  # (length, sha256) -> indices into `segments`
     end = 0
     for data in constants:
+        if isinstance(data, g.SyntheticConstant):
+            records.append((0, 0))
+            continue
         view = g.constant_bytes(data)
         key = (view.nbytes, hashlib.sha256(view).digest())
         match = None
@@ -234,6 +247,22 @@ def _build_value(builder: flatbuffers.Builder, value) -> int:
     return FbValue.End(builder)
 
 
+def _build_synthetic(builder: flatbuffers.Builder, synthetic: g.SyntheticConstant) -> int:
+    shape = _int_vector(builder, synthetic.shape, np.int64)
+    q4gsw_shape = _int_vector(builder, synthetic.q4gsw_shape, np.int64) if synthetic.q4gsw_shape else None
+    FbSyntheticConstant.Start(builder)
+    FbSyntheticConstant.AddKind(builder, int(synthetic.kind))
+    FbSyntheticConstant.AddSeed(builder, int(synthetic.seed))
+    FbSyntheticConstant.AddDtype(builder, int(synthetic.dtype))
+    FbSyntheticConstant.AddShape(builder, shape)
+    FbSyntheticConstant.AddStd(builder, synthetic.std)
+    FbSyntheticConstant.AddValue(builder, synthetic.value)
+    FbSyntheticConstant.AddLayout(builder, int(synthetic.layout))
+    if q4gsw_shape is not None:
+        FbSyntheticConstant.AddQ4gswShape(builder, q4gsw_shape)
+    return FbSyntheticConstant.End(builder)
+
+
 def _build_flatbuffer(graph: g.VkGraph, constant_records: list[tuple[int, int]]) -> bytes:
     builder = flatbuffers.Builder(4096)
     values = [_build_value(builder, value) for value in graph.values]
@@ -258,10 +287,13 @@ def _build_flatbuffer(graph: g.VkGraph, constant_records: list[tuple[int, int]])
         states.append(FbMutableState.End(builder))
 
     constants = []
-    for offset, length in constant_records:
+    for (offset, length), data in zip(constant_records, graph.constants):
+        synthetic = _build_synthetic(builder, data) if isinstance(data, g.SyntheticConstant) else None
         FbConstantData.Start(builder)
         FbConstantData.AddOffset(builder, offset)
         FbConstantData.AddLength(builder, length)
+        if synthetic is not None:
+            FbConstantData.AddSynthetic(builder, synthetic)
         constants.append(FbConstantData.End(builder))
 
     memory_objects = []
@@ -312,7 +344,8 @@ def _plan_blob(graph: g.VkGraph) -> _Layout:
     flatbuffer = _build_flatbuffer(graph, records)
     flatbuffer_offset = _align(BlobHeader.SIZE)
     segment_offset = _align(flatbuffer_offset + len(flatbuffer))
-    header = BlobHeader(flatbuffer_offset, len(flatbuffer), segment_offset, segment_size)
+    version = BlobHeader.SYNTHETIC_VERSION if graph.synthetic_constant_ids else BlobHeader.PLAIN_VERSION
+    header = BlobHeader(flatbuffer_offset, len(flatbuffer), segment_offset, segment_size, version)
     return _Layout(header, flatbuffer, segments)
 
 
@@ -402,6 +435,14 @@ def _read_value(fb_value, value_id: int):
     raise BlobFormatError(f"value {value_id} has unknown union type {kind} (blob from a newer vktrain?)")
 
 
+def _read_synthetic(table, constant_id: int) -> g.SyntheticConstant:
+    try:
+        return g.SyntheticConstant(table.Kind(), table.Seed(), table.Dtype(), _vector(table, "Shape"), table.Std(),
+                                   table.Value(), table.Layout(), _vector(table, "Q4gswShape"))
+    except g.GraphError as exc:
+        raise BlobFormatError(f"constant {constant_id}: {exc}") from None
+
+
 def _read_graph(flatbuffer: memoryview, segment_area: memoryview) -> g.VkGraph:
     root = FbVkGraph.VkGraph.GetRootAs(flatbuffer, 0)
     graph = g.VkGraph()
@@ -417,6 +458,13 @@ def _read_graph(flatbuffer: memoryview, segment_area: memoryview) -> g.VkGraph:
     for i in range(root.ConstantsLength()):
         record = root.Constants(i)
         offset, length = record.Offset(), record.Length()
+        synthetic = record.Synthetic()
+        if synthetic is not None:
+            if offset or length:
+                raise BlobFormatError(f"constant {i} is synthetic but also has segment bytes "
+                                      f"(offset {offset}, length {length}; expected 0, 0)")
+            graph.constants.append(_read_synthetic(synthetic, i))
+            continue
         if offset % ALIGNMENT:
             raise BlobFormatError(f"constant {i} offset {offset} is not a multiple of {ALIGNMENT}")
         if offset + length > len(segment_area):
@@ -457,6 +505,14 @@ def deserialize_blob(data: bytes | bytearray | memoryview | mmap.mmap) -> g.VkGr
     except (struct.error, IndexError, ValueError, TypeError, UnicodeDecodeError, OverflowError) as exc:
         # The Python flatbuffers runtime has no verifier: a corrupt table surfaces as one of these.
         raise BlobFormatError(f"graph flatbuffer is corrupt ({type(exc).__name__}: {exc})") from None
+    synthetic = graph.synthetic_constant_ids
+    if synthetic and header.format_version < BlobHeader.SYNTHETIC_VERSION:
+        raise BlobFormatError(f"blob format version {header.format_version} cannot hold synthetic constants, but "
+                              f"constants {synthetic[:5]} are synthetic (expected version "
+                              f"{BlobHeader.SYNTHETIC_VERSION})")
+    if not synthetic and header.format_version == BlobHeader.SYNTHETIC_VERSION:
+        raise BlobFormatError(f"blob format version {header.format_version} is written only for graphs with "
+                              f"synthetic constants, and this one has none (header corrupt?)")
     try:
         graph.validate()
     except g.GraphError as exc:

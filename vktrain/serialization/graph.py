@@ -4,6 +4,10 @@ The backend builds a `VkGraph`; `blob.serialize_blob` writes it, `blob.deseriali
 and the runtime executes it. Value ids, constant ids and memory object ids are indices/ids exactly as
 stored in the blob. `VkGraph.validate()` checks every cross reference, so a malformed graph is refused
 when it is written (and when it is read), not when a GPU kernel reads garbage.
+
+A constant is either bytes (stored in the blob) or, for benchmarks only, a `SyntheticConstant`: a
+recipe (random bits / normal / fill, seed, dtype, shape) that `materialize()` turns into the same array
+on every reader, so a 1B-parameter graph travels as megabytes. Synthetic data is not a model.
 """
 from __future__ import annotations
 
@@ -13,6 +17,8 @@ from dataclasses import dataclass, field
 from typing import Union
 
 import numpy as np
+
+from vktrain import quant
 
 # Well-known metadata keys (metadata is free-form string -> string; these are the ones vktrain writes).
 METADATA_SOURCE_MODEL = "source_model"
@@ -198,13 +204,172 @@ class MemoryObject:
     size_bytes: int
 
 
+class SyntheticKind(enum.IntEnum):
+    """How a synthetic constant is generated; values equal schema.fbs `SyntheticKind`."""
+
+    RANDOM_BITS = 0
+    NORMAL = 1
+    FILL = 2
+
+
+# Integer dtypes whose every bit pattern is a valid value (so random bits are meaningful data).
+_RANDOM_BITS_DTYPES = (DType.UINT8, DType.UINT32, DType.INT8, DType.INT32)
+_FLOAT_DTYPES = (DType.FLOAT32, DType.FLOAT16)
+_UINT64_MAX = 2**64 - 1
+
+
+@dataclass(frozen=True)
+class SyntheticConstant:
+    """BENCHMARK ONLY: a constant generated when it is loaded instead of stored in the blob.
+
+    The recipe, exact so that every reader builds the same bytes from the same record:
+      rng = numpy.random.default_rng(seed)   (PCG64)
+      RANDOM_BITS: rng.bytes(nbytes), read as `dtype` (little-endian) in `shape`; for a q4gsw layout
+                   (`layout` Q4GSW_FLAT / Q4GSW_W4X8 with `q4gsw_shape` = logical weight [N, K]) the
+                   padding codes (n >= N, k >= K) are then reset to 8 through vktrain.quant, since
+                   shared/spec/w4x8.md requires them to decode to zero;
+      NORMAL:      rng.standard_normal(numel, dtype=float32) * float32(std), cast to `dtype`;
+      FILL:        every element equals `value` (no RNG).
+    """
+
+    kind: SyntheticKind
+    seed: int
+    dtype: DType
+    shape: tuple[int, ...]
+    std: float = 0.0  # NORMAL
+    value: float = 0.0  # FILL
+    layout: Layout = Layout.PLAIN  # RANDOM_BITS over q4gsw codes: the stored layout
+    q4gsw_shape: tuple[int, ...] = ()  # ... and the logical weight [N, K]
+
+    def __post_init__(self):
+        try:
+            object.__setattr__(self, "kind", SyntheticKind(self.kind))
+            object.__setattr__(self, "dtype", DType(self.dtype))
+            object.__setattr__(self, "layout", Layout(self.layout))
+        except ValueError as exc:
+            raise GraphError(f"synthetic constant: {exc}; expected one of {[m.name for m in SyntheticKind]} / "
+                             f"{[m.name for m in DType]} / {[m.name for m in Layout]}") from None
+        object.__setattr__(self, "shape", tuple(int(d) for d in self.shape))
+        object.__setattr__(self, "q4gsw_shape", tuple(int(d) for d in self.q4gsw_shape))
+        object.__setattr__(self, "std", float(self.std))
+        object.__setattr__(self, "value", float(self.value))
+        self._check()
+
+    def _check(self) -> None:
+        what = f"synthetic {self.kind.name} constant {self.dtype.name}{list(self.shape)}"
+        if not (isinstance(self.seed, (int, np.integer)) and 0 <= self.seed <= _UINT64_MAX):
+            raise GraphError(f"{what}: seed {self.seed!r} must be an integer in [0, 2**64)")
+        if any(d < 0 for d in self.shape):
+            raise GraphError(f"{what}: negative dimension in shape")
+        if self.kind == SyntheticKind.RANDOM_BITS and self.dtype not in _RANDOM_BITS_DTYPES:
+            raise GraphError(f"{what}: random bits need an integer dtype whose every bit pattern is valid, one of "
+                             f"{[d.name for d in _RANDOM_BITS_DTYPES]}")
+        if self.kind == SyntheticKind.NORMAL:
+            if self.dtype not in _FLOAT_DTYPES:
+                raise GraphError(f"{what}: a normal distribution needs a float dtype, one of "
+                                 f"{[d.name for d in _FLOAT_DTYPES]}")
+            if not (math.isfinite(self.std) and self.std >= 0):
+                raise GraphError(f"{what}: std {self.std} must be finite and >= 0")
+        if self.kind == SyntheticKind.FILL:
+            self._check_fill_value(what)
+        if self.layout != Layout.PLAIN:
+            if self.kind != SyntheticKind.RANDOM_BITS:
+                raise GraphError(f"{what}: layout {self.layout.name} is only meaningful for RANDOM_BITS q4gsw codes")
+            self._check_q4gsw(what)
+        elif self.q4gsw_shape:
+            raise GraphError(f"{what}: q4gsw_shape {list(self.q4gsw_shape)} given but layout is PLAIN")
+
+    def _check_fill_value(self, what: str) -> None:
+        value = self.value
+        if not math.isfinite(value):
+            raise GraphError(f"{what}: fill value {value} must be finite")
+        if self.dtype in _FLOAT_DTYPES:
+            if abs(value) > float(np.finfo(self.dtype.numpy_dtype).max):
+                raise GraphError(f"{what}: fill value {value} overflows {self.dtype.name}")
+            return
+        if self.dtype == DType.BOOL:
+            allowed = value in (0.0, 1.0)
+            bounds = "0 or 1"
+        else:
+            info = np.iinfo(self.dtype.numpy_dtype)
+            allowed = value.is_integer() and info.min <= value <= info.max
+            bounds = f"an integer in [{info.min}, {info.max}]"
+        if not allowed:
+            raise GraphError(f"{what}: fill value {value} is not representable; expected {bounds}")
+
+    def _check_q4gsw(self, what: str) -> None:
+        if len(self.q4gsw_shape) != 2 or min(self.q4gsw_shape) <= 0:
+            raise GraphError(f"{what}: layout {self.layout.name} needs q4gsw_shape = the logical weight [N, K] "
+                             f"(positive), got {list(self.q4gsw_shape)}")
+        N, K = self.q4gsw_shape
+        if self.layout == Layout.Q4GSW_FLAT:
+            expected = (DType.UINT8, (N, quant.padded_k(K) // 2))
+        else:
+            try:
+                expected = (DType.UINT32, (quant.w4x8_num_words(N, K),))
+            except ValueError as exc:
+                raise GraphError(f"{what}: {exc}") from None
+        if (self.dtype, self.shape) != expected:
+            raise GraphError(f"{what}: a {self.layout.name} weight [N={N}, K={K}] is stored as "
+                             f"{expected[0].name}{list(expected[1])}")
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.dtype.itemsize
+
+    def materialize(self) -> np.ndarray:
+        """The generated array (a new one on every call): `dtype`, `shape`, C-contiguous."""
+        dtype = self.dtype.numpy_dtype
+        if self.kind == SyntheticKind.FILL:
+            return np.full(self.shape, self.value, dtype=dtype)
+        rng = np.random.default_rng(self.seed)
+        if self.kind == SyntheticKind.NORMAL:
+            data = rng.standard_normal(self.numel, dtype=np.float32)
+            data *= np.float32(self.std)
+            return data.astype(dtype, copy=False).reshape(self.shape)
+        data = np.frombuffer(rng.bytes(self.nbytes), dtype=dtype).reshape(self.shape)
+        if self.layout != Layout.PLAIN and self._has_q4gsw_padding():
+            data = self._reset_q4gsw_padding(data)
+        return data
+
+    def _has_q4gsw_padding(self) -> bool:
+        N, K = self.q4gsw_shape
+        if quant.padded_k(K) != K:
+            return True
+        # W_4X8 blocks cover 8 rows: rows N..8*ceil(N/8) are padding.
+        return self.layout == Layout.Q4GSW_W4X8 and N % 8 != 0
+
+    def _reset_q4gsw_padding(self, data: np.ndarray) -> np.ndarray:
+        """Random codes with every padding code set to 8, through vktrain.quant's own layouts: unpacking
+        drops the padding, packing writes it back as code 8."""
+        N, K = self.q4gsw_shape
+        flat = quant.unpack_w4x8(data, N, K) if self.layout == Layout.Q4GSW_W4X8 else data
+        flat = quant.pack_flat(quant.unpack_flat(flat, K))
+        return quant.pack_w4x8(flat, K) if self.layout == Layout.Q4GSW_W4X8 else flat
+
+
 # Anything exposing its bytes through the buffer protocol; numpy arrays must be C-contiguous or they
-# are copied once when serialised.
-ConstantData = Union[bytes, bytearray, memoryview, np.ndarray]
+# are copied once when serialised. A SyntheticConstant is generated instead of stored.
+ConstantData = Union[bytes, bytearray, memoryview, np.ndarray, SyntheticConstant]
+
+
+def constant_nbytes(data: ConstantData) -> int:
+    """Size of one constant in bytes, without generating a synthetic one."""
+    if isinstance(data, SyntheticConstant):
+        return data.nbytes
+    return constant_bytes(data).nbytes
 
 
 def constant_bytes(data: ConstantData) -> memoryview:
-    """A flat byte view of one constant (no copy unless a numpy array is not C-contiguous)."""
+    """A flat byte view of one constant (no copy unless a numpy array is not C-contiguous).
+
+    A SyntheticConstant is generated here (a new buffer on every call; the costly path for big ones)."""
+    if isinstance(data, SyntheticConstant):
+        data = data.materialize()
     if isinstance(data, np.ndarray):
         if data.dtype.byteorder == ">":
             raise GraphError(f"constant has big-endian dtype {data.dtype}; the blob is little-endian")
@@ -215,7 +380,8 @@ def constant_bytes(data: ConstantData) -> memoryview:
         if not view.c_contiguous:
             raise GraphError("constant memoryview is not contiguous")
         return view.cast("B") if view.format != "B" or view.ndim != 1 else view
-    raise GraphError(f"constant of type {type(data).__name__} is not bytes, bytearray, memoryview or numpy array")
+    raise GraphError(f"constant of type {type(data).__name__} is not bytes, bytearray, memoryview, numpy array "
+                     f"or SyntheticConstant")
 
 
 @dataclass
@@ -240,8 +406,10 @@ class VkGraph:
         return len(self.values) - 1
 
     def add_constant(self, data: ConstantData) -> int:
-        """Append constant data; return its constant id. (Identical bytes are stored once in the blob.)"""
-        constant_bytes(data)  # refuse unusable data now, not at serialisation
+        """Append constant data (or a SyntheticConstant); return its constant id. (Identical bytes are
+        stored once in the blob.)"""
+        if not isinstance(data, SyntheticConstant):
+            constant_bytes(data)  # refuse unusable data now, not at serialisation
         self.constants.append(data)
         return len(self.constants) - 1
 
@@ -252,7 +420,22 @@ class VkGraph:
         constant_id = self.add_constant(array)
         return self.add_value(TensorValue(dtype, array.shape, layout, constant_id, -1, name))
 
+    def add_synthetic_tensor(self, synthetic: SyntheticConstant, name: str = "") -> int:
+        """Add a synthetic constant as a tensor value (dtype, shape and layout from the record); return the
+        value id."""
+        if not isinstance(synthetic, SyntheticConstant):
+            raise GraphError(f"expected a SyntheticConstant, got {type(synthetic).__name__}")
+        constant_id = self.add_constant(synthetic)
+        return self.add_value(TensorValue(synthetic.dtype, synthetic.shape, synthetic.layout, constant_id, -1, name))
+
     # -- reading --------------------------------------------------------------------------------
+    def is_synthetic(self, constant_id: int) -> bool:
+        return isinstance(self.constants[constant_id], SyntheticConstant)
+
+    @property
+    def synthetic_constant_ids(self) -> list[int]:
+        return [i for i, c in enumerate(self.constants) if isinstance(c, SyntheticConstant)]
+
     def tensor(self, value_id: int) -> TensorValue:
         value = self._value(value_id, "value id")
         if not isinstance(value, TensorValue):
@@ -260,11 +443,16 @@ class VkGraph:
         return value
 
     def constant_array(self, value_id: int) -> np.ndarray:
-        """The constant data of tensor `value_id` as a numpy array of its dtype and shape (a view, no copy)."""
+        """The constant data of tensor `value_id` as a numpy array of its dtype and shape (a view, no copy;
+        a synthetic constant is generated: a new array on every call)."""
         tensor = self.tensor(value_id)
         if tensor.constant_id < 0:
             raise GraphError(f"tensor value {value_id} ({tensor.name or 'unnamed'}) is not a constant")
-        data = constant_bytes(self.constants[tensor.constant_id])
+        constant = self.constants[tensor.constant_id]
+        if isinstance(constant, SyntheticConstant):
+            _check_synthetic_reader(constant, tensor.dtype, tensor.shape, f"tensor value {value_id}")
+            return constant.materialize()
+        data = constant_bytes(constant)
         return np.frombuffer(data, dtype=tensor.dtype.numpy_dtype, count=tensor.numel).reshape(tensor.shape)
 
     def _value(self, value_id: int, what: str):
@@ -285,7 +473,10 @@ class VkGraph:
                 raise GraphError(f"memory object {mem.id} has negative size {mem.size_bytes}")
             memory_sizes[mem.id] = mem.size_bytes
 
-        constant_sizes = [constant_bytes(c).nbytes for c in self.constants]
+        for index, constant in enumerate(self.constants):
+            if isinstance(constant, SyntheticConstant):
+                constant._check()  # also catches records built with object.__setattr__ / replace()
+        constant_sizes = [constant_nbytes(c) for c in self.constants]
         for value_id, value in enumerate(self.values):
             where = f"value {value_id}"
             if not isinstance(value, VALUE_TYPES):
@@ -327,6 +518,9 @@ class VkGraph:
                 if not 0 <= state.initial_constant_id < len(self.constants):
                     raise GraphError(f"{where}: initial_constant_id {state.initial_constant_id} is out of range "
                                      f"({len(self.constants)} constants)")
+                initial = self.constants[state.initial_constant_id]
+                if isinstance(initial, SyntheticConstant):
+                    _check_synthetic_reader(initial, target.dtype, target.shape, where)
                 size = constant_sizes[state.initial_constant_id]
                 if size != target.nbytes:
                     raise GraphError(f"{where}: initial constant {state.initial_constant_id} has {size} bytes, "
@@ -357,6 +551,9 @@ class VkGraph:
             if not 0 <= tensor.constant_id < len(constant_sizes):
                 raise GraphError(f"{where} has constant_id {tensor.constant_id}, out of range "
                                  f"({len(constant_sizes)} constants)")
+            constant = self.constants[tensor.constant_id]
+            if isinstance(constant, SyntheticConstant):
+                _check_synthetic_reader(constant, tensor.dtype, tensor.shape, f"{where} ({tensor.name or 'unnamed'})")
             size = constant_sizes[tensor.constant_id]
             if size != tensor.nbytes:
                 raise GraphError(f"{where} ({tensor.name or 'unnamed'}): constant {tensor.constant_id} "
@@ -368,3 +565,10 @@ class VkGraph:
             if tensor.nbytes > memory_sizes[tensor.mem_obj_id]:
                 raise GraphError(f"{where} needs {tensor.nbytes} bytes but memory object {tensor.mem_obj_id} "
                                  f"has {memory_sizes[tensor.mem_obj_id]}")
+
+
+def _check_synthetic_reader(constant: SyntheticConstant, dtype: DType, shape: tuple[int, ...], where: str) -> None:
+    """A synthetic constant is generated for one dtype and shape; a tensor may not reinterpret it."""
+    if (constant.dtype, constant.shape) != (dtype, tuple(shape)):
+        raise GraphError(f"{where} is {dtype.name}{list(shape)} but reads a synthetic constant generated as "
+                         f"{constant.dtype.name}{list(constant.shape)}; they must match exactly")

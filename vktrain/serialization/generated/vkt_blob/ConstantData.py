@@ -5,6 +5,8 @@
 import flatbuffers
 from flatbuffers.compat import import_numpy
 from typing import Any
+from typing import Optional
+from vktrain.serialization.generated.vkt_blob.SyntheticConstant import SyntheticConstant
 np = import_numpy()
 
 class ConstantData(object):
@@ -43,8 +45,18 @@ class ConstantData(object):
             return self._tab.Get(flatbuffers.number_types.Uint64Flags, o + self._tab.Pos)
         return 0
 
+    # ConstantData
+    def Synthetic(self) -> Optional[SyntheticConstant]:
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(8))
+        if o != 0:
+            x = self._tab.Indirect(o + self._tab.Pos)
+            obj = SyntheticConstant()
+            obj.Init(self._tab.Bytes, x)
+            return obj
+        return None
+
 def ConstantDataStart(builder: flatbuffers.Builder):
-    builder.StartObject(2)
+    builder.StartObject(3)
 
 def Start(builder: flatbuffers.Builder):
     ConstantDataStart(builder)
@@ -60,6 +72,12 @@ def ConstantDataAddLength(builder: flatbuffers.Builder, length: int):
 
 def AddLength(builder: flatbuffers.Builder, length: int):
     ConstantDataAddLength(builder, length)
+
+def ConstantDataAddSynthetic(builder: flatbuffers.Builder, synthetic: int):
+    builder.PrependUOffsetTRelativeSlot(2, flatbuffers.number_types.UOffsetTFlags.py_type(synthetic), 0)
+
+def AddSynthetic(builder: flatbuffers.Builder, synthetic: int):
+    ConstantDataAddSynthetic(builder, synthetic)
 
 def ConstantDataEnd(builder: flatbuffers.Builder) -> int:
     return builder.EndObject()

@@ -1,0 +1,741 @@
+#!/usr/bin/env python
+"""Benchmark one LoRA training step at Llama-3.2-1B shapes: vktrain on Vulkan vs PyTorch eager (CUDA).
+
+    python scripts/bench_step.py export                      # here (needs executorch): bench/step_1x128.pte,
+                                                             #   bench/step_4x512.pte
+    python scripts/bench_step.py run bench/step_*.pte --out step.json   # on the GPU machine (no executorch)
+    python scripts/bench_step.py --quick                     # tiny-llama shapes, export + run (lavapipe, CI)
+
+export: builds Llama-3.2-1B (hidden 2048, 16 layers, 32/8 heads, MLP 8192, vocab 128256, tied
+embeddings) with q4gsw bases (group 32) and LoRA rank 16 on q/k/v/o/gate/up/down, exports the whole
+training step (forward, fused CE, backward, AdamW) for each batch x seq and lowers it with SYNTHETIC
+constants (vktrain.backend.synthetic_constants_spec): the weights, scales and embedding are generated
+from seeds when the .pte is loaded, so a 1B step travels as a few MiB. The numbers measure speed, not a
+trained model. The base weights are random codes from the start (no fp32 weights are built and
+quantized): the graph, shapes and dtypes are exactly those of build_llama + apply_lora. Each .pte must
+stay under 64 MiB (what travels to the GPU machine); the 1B ones are ~21 MiB (the LoRA init is real).
+
+run: loads each .pte with TrainingRunner, warms up, times steps (wall clock per step, tokens/s, GPU
+timestamps aggregated by op kind), reports device memory (the executor's buffers and the blob's planned
+memory), then the same step in PyTorch eager: a Llama written here with standard ops (q4gsw bases
+dequantized on the GPU every step from the same packed codes and scales, LoRA adapters, RMSNorm, rope,
+SDPA with GQA by repeat_interleave, SwiGLU, F.cross_entropy), fp32 with TF32 off, fused AdamW on the
+LoRA tensors, timed with CUDA events. Both sides start from the same weights (the synthetic constants,
+the exported LoRA init), take the same batches and hyper-parameters, so their losses must agree: the
+report gives the largest relative loss difference. Needs numpy, vulkan, flatbuffers; torch and
+matplotlib are optional (no baseline / no plot without them). `run --load-only` only loads each .pte
+(generates the constants, builds every pipeline, records the step): with no shader compiler around, it
+proves the prebuilt SPIR-V cache holds every shader the step needs.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO_ROOT))
+
+from vktrain import quant  # noqa: E402
+
+FULL_PRESET, QUICK_PRESET = "llama-3.2-1b", "tiny-llama"
+FULL_SHAPES, QUICK_SHAPES = ((1, 128), (4, 512)), ((1, 16), (2, 32))
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+LORA_RANK, LORA_ALPHA, GROUP_SIZE = 16, 32.0, 32
+# Constants at least this big (as stored) become synthetic. Full: every weight, scale and the embedding
+# (the smallest scales are 128 KiB); norm weights (8 KiB), rope tables and the LoRA init stay real.
+# Quick: low enough that norm weights and scales of tiny-llama take the synthetic path too.
+FULL_SYNTHETIC_MIN_BYTES, QUICK_SYNTHETIC_MIN_BYTES = 64 * 1024, 256
+PTE_LIMIT_BYTES = 64 * 1024 * 1024  # what travels to the GPU machine
+BENCH_CONFIG_KEY = "bench_config"  # blob metadata: the JSON of BenchConfig
+HPARAMS = (1e-3, 0.9, 0.999, 1e-8, 0.0)  # lr, beta1, beta2, eps, weight_decay (both sides)
+# A CPU baseline of a model this big would take minutes per step: only on explicit request.
+CPU_BASELINE_MAX_PARAMS = 100_000_000
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    """What was exported; stored in the blob metadata so `run` needs nothing but the .pte."""
+
+    preset: str
+    model: dict  # LlamaConfig fields (rope_scaling as a dict or None)
+    batch: int
+    seq: int
+    lora_rank: int
+    lora_alpha: float
+    lora_targets: list
+    group_size: int
+    synthetic_min_bytes: int
+
+    @property
+    def tokens(self) -> int:
+        return self.batch * self.seq
+
+    @property
+    def label(self) -> str:
+        return f"{self.batch}x{self.seq}"
+
+
+def parse_shapes(text: str) -> list[tuple[int, int]]:
+    """"1x128,4x512" -> [(1, 128), (4, 512)]."""
+    shapes = []
+    for item in text.split(","):
+        batch, sep, seq = item.strip().partition("x")
+        if not (sep and batch.isdigit() and seq.isdigit() and int(batch) > 0 and int(seq) > 0):
+            raise argparse.ArgumentTypeError(f"shape {item!r} is not BATCHxSEQ with positive integers (e.g. 4x512)")
+        shapes.append((int(batch), int(seq)))
+    return shapes
+
+
+# ===================================================================================================
+# export (torch + executorch, on the build machine)
+# ===================================================================================================
+
+def random_flat_codes(n: int, k: int, rng: np.random.Generator) -> np.ndarray:
+    """Uniformly random q4gsw codes in the flat layout uint8 [N, Kp/2], padding codes 8 (vktrain.quant)."""
+    flat = rng.integers(0, 256, size=(n, quant.padded_k(k) // 2), dtype=np.uint8)
+    if quant.padded_k(k) != k:  # columns k >= K are padding and must hold code 8
+        flat = quant.pack_flat(quant.unpack_flat(flat, k))
+    return flat
+
+
+def build_bench_model(preset: str, seed: int = 0, **overrides):
+    """A Llama of `preset` with LoRA on LORA_TARGETS over random q4gsw bases, built cheaply.
+
+    The module tree, names, shapes and dtypes equal build_llama(preset) + apply_lora(LoRAConfig(
+    rank=LORA_RANK, alpha=LORA_ALPHA, targets=LORA_TARGETS, group_size=GROUP_SIZE)). The float weights
+    are never built: the model is created on the meta device, each target linear becomes a LoRAQ4Linear
+    over random codes with scales SYNTHETIC_SCALE (what the synthetic constants generate anyway), and
+    the remaining parameters are materialised: 1-D (norm weights) as ones, others as N(0, 0.02).
+    """
+    import torch
+    from torch import nn
+
+    from vktrain.backend.preprocess import SYNTHETIC_SCALE, SYNTHETIC_WEIGHT_STD
+    from vktrain.lora import LoRAQ4Linear
+    from vktrain.models.llama import PRESETS, LlamaForCausalLM
+
+    if preset not in PRESETS:
+        raise ValueError(f"unknown Llama preset {preset!r}; presets: {sorted(PRESETS)}")
+    config = replace(PRESETS[preset], **overrides)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config)
+    rng = np.random.default_rng(seed)
+    lora_generator = torch.Generator().manual_seed(seed)
+    for path, module in list(model.named_modules()):
+        if not (isinstance(module, nn.Linear) and path.rpartition(".")[2] in LORA_TARGETS):
+            continue
+        n, k = module.out_features, module.in_features
+        quant.check_q4gsw_shapes(n, k, GROUP_SIZE)
+        weights = torch.from_numpy(random_flat_codes(n, k, rng))
+        scales = torch.full((k // GROUP_SIZE, n), SYNTHETIC_SCALE, dtype=torch.float32)
+        adapter = LoRAQ4Linear(k, n, weights, scales, GROUP_SIZE, LORA_RANK, LORA_ALPHA, generator=lora_generator)
+        parent, _, child = path.rpartition(".")
+        setattr(model.get_submodule(parent), child, adapter)
+
+    weight_generator = torch.Generator().manual_seed(seed + 1)
+    materialised: dict[int, nn.Parameter] = {}  # id of the meta parameter -> its replacement (keeps ties)
+    for module in model.modules():
+        for name, param in list(module.named_parameters(recurse=False)):
+            if param.device.type != "meta":
+                continue
+            if id(param) not in materialised:
+                data = torch.empty(param.shape, dtype=param.dtype)
+                if data.dim() == 1:
+                    data.fill_(1.0)
+                else:
+                    data.normal_(0.0, SYNTHETIC_WEIGHT_STD, generator=weight_generator)
+                materialised[id(param)] = nn.Parameter(data, requires_grad=False)
+            setattr(module, name, materialised[id(param)])
+    leftovers = [name for name, t in list(model.named_parameters()) + list(model.named_buffers())
+                 if t.device.type == "meta"]
+    if leftovers:
+        raise RuntimeError(f"build_bench_model left tensors on the meta device: {leftovers}")
+    for name, param in model.named_parameters():
+        param.requires_grad_(name.endswith((".lora_A", ".lora_B")))
+    return model
+
+
+def drop_unused_constant_inputs(program) -> list[str]:
+    """Remove parameter / buffer / constant inputs that no node reads (and nothing mutates) from an
+    ExportedProgram, in place; return their names.
+
+    Why: the exported step lists a tied weight under both of its names (model.embed_tokens.weight and
+    lm_head.weight) and reads only one, and ExecuTorch serialises the unread one into the .pte as a
+    top-level constant: 1 GB of the 1B model's embedding in a file that must stay under 64 MiB.
+    """
+    from torch.export.graph_signature import InputKind
+
+    signature = program.graph_signature
+    mutated = set(signature.buffers_to_mutate.values())
+    removed = []
+    for node in list(program.graph.nodes):
+        if node.op != "placeholder" or node.users:
+            continue
+        spec = next(s for s in signature.input_specs if s.arg.name == node.name)
+        if spec.kind not in (InputKind.PARAMETER, InputKind.BUFFER, InputKind.CONSTANT_TENSOR) or \
+                spec.target in mutated:
+            continue
+        program.graph.erase_node(node)
+        signature.input_specs.remove(spec)
+        program.state_dict.pop(spec.target, None)
+        program.constants.pop(spec.target, None)
+        removed.append(spec.target)
+    if removed:
+        program.graph_module.recompile()
+    return removed
+
+
+def export_configs(preset: str, shapes: list[tuple[int, int]], out_dir: Path, min_bytes: int,
+                   prefix: str = "step", **overrides) -> list[dict[str, Any]]:
+    """Export and lower one training step per (batch, seq); write <out_dir>/<prefix>_<B>x<S>.pte."""
+    from tqdm import tqdm
+
+    from vktrain.backend import metadata_spec, synthetic_constants_spec
+    from vktrain.export import export_training_step, lower_to_pte
+    from vktrain.partitioner import VktrainPartitioner
+    from vktrain.runtime.pte import PteFile
+    from vktrain.serialization import deserialize_blob
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    written = []
+    with tqdm(total=1 + 2 * len(shapes), desc="export", unit="stage") as progress:
+        progress.set_postfix_str(f"building {preset}")
+        start = time.perf_counter()
+        model = build_bench_model(preset, **overrides)
+        build_s = time.perf_counter() - start
+        progress.update()
+        model_fields = {k: (asdict(v) if hasattr(v, "__dataclass_fields__") else v)
+                        for k, v in asdict(model.config).items()}
+        for batch, seq in shapes:
+            config = BenchConfig(preset, model_fields, batch, seq, LORA_RANK, LORA_ALPHA, list(LORA_TARGETS),
+                                 GROUP_SIZE, min_bytes)
+            progress.set_postfix_str(f"{config.label}: torch.export")
+            start = time.perf_counter()
+            program = export_training_step(model, (batch, seq))
+            dropped = drop_unused_constant_inputs(program)
+            export_s = time.perf_counter() - start
+            progress.update()
+            progress.set_postfix_str(f"{config.label}: lowering")
+            start = time.perf_counter()
+            specs = synthetic_constants_spec(min_bytes) + [metadata_spec(BENCH_CONFIG_KEY, json.dumps(asdict(config)))]
+            data = lower_to_pte(program, VktrainPartitioner(compile_specs=specs))
+            lower_s = time.perf_counter() - start
+            del program
+            path = out_dir / f"{prefix}_{config.label}.pte"
+            path.write_bytes(data)
+            progress.update()
+            graph = deserialize_blob(PteFile.load(path).execution_plan("forward").delegates[0].data)
+            synthetic = json.loads(graph.metadata.get("synthetic_constants", "{}"))
+            written.append({"path": str(path), "config": config.label, "pte_bytes": len(data),
+                            "dropped_unused_inputs": dropped,
+                            "build_model_s": build_s, "export_s": export_s, "lower_s": lower_s,
+                            "ops": len(graph.ops), "synthetic_constants": synthetic.get("count", 0),
+                            "synthetic_bytes": synthetic.get("bytes", 0),
+                            "kept_real": synthetic.get("kept_real", {})})
+    for entry in written:
+        size_mib = entry["pte_bytes"] / 2**20
+        print(f"wrote {entry['path']}: {size_mib:.1f} MiB, {entry['ops']} ops, {entry['synthetic_constants']} "
+              f"synthetic constants ({entry['synthetic_bytes'] / 2**30:.2f} GiB generated at load); "
+              f"export {entry['export_s']:.0f} s, lower {entry['lower_s']:.0f} s (model built in "
+              f"{entry['build_model_s']:.0f} s)")
+        if entry["pte_bytes"] > PTE_LIMIT_BYTES:
+            print(f"WARNING: {entry['path']} is {size_mib:.1f} MiB, over the {PTE_LIMIT_BYTES / 2**20:.0f} MiB "
+                  f"that travel to the GPU machine; lower --min-bytes", file=sys.stderr)
+    return written
+
+
+# ===================================================================================================
+# run (GPU machine: numpy + vulkan; torch optional)
+# ===================================================================================================
+
+def make_batch(config: BenchConfig, vocab: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    token_ids = rng.integers(0, vocab, size=(config.batch, config.seq), dtype=np.int64)
+    labels = rng.integers(0, vocab, size=(config.batch, config.seq), dtype=np.int64)
+    return token_ids, labels
+
+
+def op_kind(label: str) -> str:
+    """Dispatch label -> the op it belongs to: "12:vktrain.adamw.default.vec4" -> "vktrain.adamw.default"
+    (an op's dispatches carry a suffix after the op name), "state_update:<name>" -> "state_update"."""
+    head, _, rest = label.partition(":")
+    return ".".join(rest.split(".")[:3]) if head.isdigit() else head
+
+
+def _top(totals: dict[str, list[float]], steps: int, limit: int) -> list[dict[str, Any]]:
+    """The `limit` most expensive entries of `totals` (name -> seconds of every timed dispatch), each as
+    {name, dispatches per step, mean ms per step, share of the GPU time}, most expensive first."""
+    grand = sum(sum(v) for v in totals.values()) or 1.0
+    rows = [{"name": name, "dispatches": len(times) // steps, "ms": 1e3 * sum(times) / steps,
+             "share": sum(times) / grand} for name, times in totals.items()]
+    return sorted(rows, key=lambda r: -r["ms"])[:limit]
+
+
+def time_vulkan(runner, config: BenchConfig, batches, warmup: int, steps: int, top: int) -> dict[str, Any]:
+    """Warm up, then time `steps` steps: wall clock per step and GPU timestamps by op kind and shader."""
+    hparams = np.array(HPARAMS, dtype=np.float32)
+    losses, wall = [], []
+    by_op: dict[str, list[float]] = {}
+    by_shader: dict[str, list[float]] = {}
+    gpu_step_s = []
+    shaders = [d.shader for d in runner.executor.dispatches]
+    for index in range(warmup + steps):
+        token_ids, labels = batches[index % len(batches)]
+        start = time.perf_counter()
+        losses.append(runner.step(token_ids, labels, hparams))
+        elapsed = time.perf_counter() - start
+        if index < warmup:
+            continue
+        wall.append(elapsed)
+        timings = runner.timings()
+        if timings is None:
+            continue
+        gpu_step_s.append(sum(seconds for _, seconds in timings))
+        for (label, seconds), shader in zip(timings, shaders):
+            by_op.setdefault(op_kind(label), []).append(seconds)
+            by_shader.setdefault(shader, []).append(seconds)
+    median_s = statistics.median(wall)
+    return {
+        "ms_per_step": 1e3 * median_s, "ms_per_step_mean": 1e3 * statistics.fmean(wall),
+        "ms_per_step_min": 1e3 * min(wall), "tokens_per_s": config.tokens / median_s,
+        "gpu_ms_per_step": 1e3 * statistics.median(gpu_step_s) if gpu_step_s else None,
+        "timing": "GPU timestamps" if gpu_step_s else "wall clock only (no timestamps on this queue)",
+        "dispatches_per_step": len(shaders),
+        "top_ops": _top(by_op, steps, top) if by_op else [],
+        "top_shaders": _top(by_shader, steps, top) if by_shader else [],
+        "losses": losses,
+    }
+
+
+def baseline_arrays(graph, executor, config: BenchConfig) -> dict[str, np.ndarray]:
+    """The host arrays the eager baseline starts from, read from the blob: flat q4gsw codes (unpacked from
+    the W_4X8 constants with vktrain.quant), scales, embedding, norms, rope tables, LoRA init."""
+    constants = {}
+    for value_id, value in enumerate(graph.values):
+        if getattr(value, "constant_id", -1) >= 0 and value.name:
+            constants.setdefault(value.name, value_id)
+    model = config.model
+    arrays: dict[str, np.ndarray] = {}
+    missing = []
+
+    def constant(name: str) -> np.ndarray | None:
+        if name not in constants:
+            missing.append(name)
+            return None
+        return graph.constant_array(constants[name])
+
+    embed_name = next((n for n in ("model.model.embed_tokens.weight", "model.lm_head.weight") if n in constants),
+                      "model.model.embed_tokens.weight")
+    arrays["embed"] = constant(embed_name)
+    if not model["tie_embeddings"]:
+        arrays["lm_head"] = constant("model.lm_head.weight")
+    arrays["norm"] = constant("model.model.norm.weight")
+    arrays["rope_cos"], arrays["rope_sin"] = constant("model.rope_cos"), constant("model.rope_sin")
+    for layer in range(model["n_layers"]):
+        prefix = f"model.model.layers.{layer}"
+        arrays[f"{layer}.input_norm"] = constant(f"{prefix}.input_layernorm.weight")
+        arrays[f"{layer}.post_norm"] = constant(f"{prefix}.post_attention_layernorm.weight")
+        for target in config.lora_targets:
+            part = "self_attn" if target.endswith(("q_proj", "k_proj", "v_proj", "o_proj")) else "mlp"
+            path = f"{prefix}.{part}.{target}"
+            scales = constant(f"{path}.scales")
+            words = constant(f"{path}.weights")
+            if scales is None or words is None:
+                continue
+            n, k = scales.shape[1], scales.shape[0] * config.group_size
+            arrays[f"{layer}.{target}.weights"] = quant.unpack_w4x8(words, n, k)
+            arrays[f"{layer}.{target}.scales"] = np.array(scales)
+            arrays[f"{layer}.{target}.lora_A"] = executor.initial_state(f"{path}.lora_A")
+            arrays[f"{layer}.{target}.lora_B"] = executor.initial_state(f"{path}.lora_B")
+    if missing:
+        raise KeyError(f"the blob lacks constants the eager baseline needs: {missing[:6]}"
+                       + (f" and {len(missing) - 6} more" if len(missing) > 6 else ""))
+    return arrays
+
+
+def torch_dequantize(torch, flat, scales, group_size: int):
+    """deq(W) [N, K] float32 on flat's device, from flat codes uint8 [N, Kp/2] (even k in the low nibble,
+    w4x8.md) and scales [G, N]: the per-step work of the eager baseline."""
+    n, k = flat.shape[0], scales.shape[0] * group_size
+    codes = torch.stack((flat & 0xF, flat >> 4), dim=-1).reshape(n, -1)[:, :k]
+    return (codes.to(torch.float32) - 8.0) * scales.t().repeat_interleave(group_size, dim=1)
+
+
+class EagerLlamaLoRA:
+    """The same training step in plain PyTorch (see the module docstring); weights from baseline_arrays."""
+
+    def __init__(self, torch, device, config: BenchConfig, arrays: dict[str, np.ndarray]):
+        self.torch, self.F = torch, torch.nn.functional
+        self.device, self.config = device, config
+        m = config.model
+        self.n_layers, self.n_heads, self.n_kv_heads = m["n_layers"], m["n_heads"], m["n_kv_heads"]
+        self.head_dim = m["dim"] // m["n_heads"]
+        self.eps = m["norm_eps"]
+        self.scaling = config.lora_alpha / config.lora_rank
+
+        def on_device(array, requires_grad=False):
+            # A copy: on the CPU, from_numpy(...).to(device) would share the (cached) host array, and the
+            # optimizer would then train it in place.
+            tensor = torch.tensor(np.ascontiguousarray(array), device=device)
+            return tensor.requires_grad_(requires_grad)
+
+        self.embed = on_device(arrays["embed"])
+        self.lm_head = on_device(arrays["lm_head"]) if "lm_head" in arrays else self.embed
+        self.norm = on_device(arrays["norm"])
+        self.rope_cos, self.rope_sin = on_device(arrays["rope_cos"]), on_device(arrays["rope_sin"])
+        self.layers = []
+        self.lora_params = []
+        for layer in range(self.n_layers):
+            entry = {"input_norm": on_device(arrays[f"{layer}.input_norm"]),
+                     "post_norm": on_device(arrays[f"{layer}.post_norm"])}
+            for target in config.lora_targets:
+                lora_a = on_device(arrays[f"{layer}.{target}.lora_A"], requires_grad=True)
+                lora_b = on_device(arrays[f"{layer}.{target}.lora_B"], requires_grad=True)
+                self.lora_params += [lora_a, lora_b]
+                entry[target] = (on_device(arrays[f"{layer}.{target}.weights"]),
+                                 on_device(arrays[f"{layer}.{target}.scales"]), lora_a, lora_b)
+            self.layers.append(entry)
+        lr, beta1, beta2, eps, weight_decay = HPARAMS
+        fused = {"fused": True} if device.type == "cuda" else {}
+        self.optimizer = torch.optim.AdamW(self.lora_params, lr=lr, betas=(beta1, beta2), eps=eps,
+                                           weight_decay=weight_decay, **fused)
+
+    def lora_linear(self, x, params):
+        flat, scales, lora_a, lora_b = params
+        base = self.F.linear(x, torch_dequantize(self.torch, flat, scales, self.config.group_size))
+        return base + self.F.linear(self.F.linear(x, lora_a) * self.scaling, lora_b)
+
+    def rms_norm(self, x, weight):
+        return x * self.torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * weight
+
+    def rope(self, x, cos, sin):
+        half = x.shape[-1] // 2
+        x1, x2 = x[..., :half], x[..., half:]
+        return self.torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+    def loss(self, token_ids, labels, n_valid):
+        torch, F = self.torch, self.F
+        batch, seq = token_ids.shape
+        cos, sin = self.rope_cos[:seq, None, :], self.rope_sin[:seq, None, :]  # [S, 1, D/2] over heads
+        h = F.embedding(token_ids, self.embed)
+        groups = self.n_heads // self.n_kv_heads
+        for layer in self.layers:
+            x = self.rms_norm(h, layer["input_norm"])
+            q = self.lora_linear(x, layer["q_proj"]).view(batch, seq, self.n_heads, self.head_dim)
+            k = self.lora_linear(x, layer["k_proj"]).view(batch, seq, self.n_kv_heads, self.head_dim)
+            v = self.lora_linear(x, layer["v_proj"]).view(batch, seq, self.n_kv_heads, self.head_dim)
+            q, k = self.rope(q, cos, sin), self.rope(k, cos, sin)
+            q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [B, H, S, D]
+            k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+            attn = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=1.0 / math.sqrt(self.head_dim))
+            attn = attn.transpose(1, 2).reshape(batch, seq, self.n_heads * self.head_dim)
+            h = h + self.lora_linear(attn, layer["o_proj"])
+            x = self.rms_norm(h, layer["post_norm"])
+            gate, up = self.lora_linear(x, layer["gate_proj"]), self.lora_linear(x, layer["up_proj"])
+            h = h + self.lora_linear(F.silu(gate) * up, layer["down_proj"])
+        logits = F.linear(self.rms_norm(h, self.norm), self.lm_head)
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), reduction="sum") / n_valid
+
+    def step(self, token_ids, labels, n_valid):
+        self.optimizer.zero_grad(set_to_none=True)
+        loss = self.loss(token_ids, labels, n_valid)
+        loss.backward()
+        self.optimizer.step()
+        return loss.detach()
+
+
+def time_torch(torch, device, config: BenchConfig, arrays, batches, warmup: int, steps: int) -> dict[str, Any]:
+    cuda = device.type == "cuda"
+    if cuda:
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+    model = EagerLlamaLoRA(torch, device, config, arrays)
+    on_device = [(torch.from_numpy(t).to(device), torch.from_numpy(l).to(device),
+                  torch.tensor(float(np.count_nonzero(l >= 0)), device=device)) for t, l in batches]
+    losses, samples = [], []
+    for index in range(warmup + steps):
+        inputs = on_device[index % len(on_device)]
+        if cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            losses.append(model.step(*inputs))
+            end.record()
+            end.synchronize()
+            elapsed = start.elapsed_time(end) * 1e-3
+        else:
+            begin = time.perf_counter()
+            losses.append(model.step(*inputs))
+            elapsed = time.perf_counter() - begin
+        if index >= warmup:
+            samples.append(elapsed)
+    median_s = statistics.median(samples)
+    result = {"ms_per_step": 1e3 * median_s, "ms_per_step_mean": 1e3 * statistics.fmean(samples),
+              "ms_per_step_min": 1e3 * min(samples), "tokens_per_s": config.tokens / median_s,
+              "timing": "CUDA events" if cuda else "wall clock", "losses": [float(l) for l in losses]}
+    if cuda:
+        result["peak_memory_bytes"] = int(torch.cuda.max_memory_allocated(device))
+    del model
+    return result
+
+
+def _load_torch(requested: str | None):
+    """(torch module, device, None), or (None, None, why there is no baseline)."""
+    try:
+        import torch
+    except ImportError:
+        return None, None, "torch is not installed"
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    if requested == "cuda" and not torch.cuda.is_available():
+        return None, None, "--torch-device cuda but CUDA is not available"
+    return torch, torch.device(requested or ("cuda" if torch.cuda.is_available() else "cpu")), None
+
+
+def _parameter_count(config: BenchConfig) -> int:
+    m = config.model
+    head = m["dim"] // m["n_heads"]
+    attention = m["dim"] * head * (2 * m["n_heads"] + 2 * m["n_kv_heads"])
+    mlp = 3 * m["dim"] * m["hidden"]
+    embeddings = m["vocab_size"] * m["dim"] * (1 if m["tie_embeddings"] else 2)
+    return m["n_layers"] * (attention + mlp) + embeddings
+
+
+def _baseline_key(graph, config: BenchConfig) -> str:
+    """Steps exported from one model share their constants (same names, seeds and LoRA init): the eager
+    baseline's arrays are then built once (unpacking 1B codes takes a while)."""
+    from vktrain.serialization import SyntheticConstant
+
+    records = [repr(c) for c in graph.constants if isinstance(c, SyntheticConstant)]
+    return json.dumps([config.preset, config.model, config.lora_rank, config.lora_alpha, config.lora_targets,
+                       config.group_size, records])
+
+
+def run_one(path: Path, device, args, torch, torch_device, torch_note: str | None,
+            baseline_cache: dict[str, dict[str, np.ndarray]]) -> dict[str, Any]:
+    from vktrain.runtime.runner import TrainingRunner
+
+    start = time.perf_counter()
+    runner = TrainingRunner.from_pte(path, device)
+    load_s = time.perf_counter() - start
+    graph = runner.graph
+    try:
+        if BENCH_CONFIG_KEY not in graph.metadata:
+            raise SystemExit(f"{path}: the blob has no {BENCH_CONFIG_KEY!r} metadata; export it with "
+                             f"scripts/bench_step.py export")
+        config = BenchConfig(**json.loads(graph.metadata[BENCH_CONFIG_KEY]))
+        buffers = runner.executor.buffer_bytes
+        record: dict[str, Any] = {
+            "pte": str(path), "config": config.label, "batch": config.batch, "seq": config.seq,
+            "tokens_per_step": config.tokens, "preset": config.preset, "load_s": load_s,
+            "graph_ops": len(graph.ops),
+            "synthetic_constants": json.loads(graph.metadata.get("synthetic_constants", "{}")),
+            "synthetic_constant_bytes": runner.executor.synthetic_constant_bytes,
+            "vk_memory": {
+                "device_buffers_bytes": sum(buffers.values()),
+                "planned_bytes": int(graph.metadata.get("planned_memory_bytes", 0)),
+                "unplanned_bytes": int(graph.metadata.get("unplanned_memory_bytes", 0)),
+                "state_bytes": int(graph.metadata.get("state_bytes", 0)),
+                "buffers": len(buffers),
+            },
+        }
+        vocab = runner.vocab_size
+        batches = [make_batch(config, vocab, seed) for seed in range(args.batches)]
+        print(f"{path.name}: {config.preset} {config.label}, loaded in {load_s:.1f} s "
+              f"({record['synthetic_constant_bytes'] / 2**30:.2f} GiB generated), "
+              f"{len(runner.executor.dispatches)} dispatches per step", flush=True)
+        record["shaders"] = sorted({d.shader for d in runner.executor.dispatches})
+        if args.load_only:
+            return record
+        record["vk"] = time_vulkan(runner, config, batches, args.warmup, args.steps, args.top)
+        arrays = None
+        if torch is not None:
+            if torch_device.type == "cpu" and args.torch_device != "cpu" and \
+                    _parameter_count(config) > CPU_BASELINE_MAX_PARAMS:
+                torch_note = (f"no CUDA; a CPU baseline of {_parameter_count(config) / 1e9:.1f}B parameters is "
+                              f"skipped (pass --torch-device cpu to force it)")
+            else:
+                key = _baseline_key(graph, config)
+                if key not in baseline_cache:
+                    baseline_cache.clear()  # one model's arrays at a time
+                    baseline_cache[key] = baseline_arrays(graph, runner.executor, config)
+                arrays = baseline_cache[key]
+    finally:
+        runner.close()  # frees the Vulkan buffers before the baseline allocates its own
+
+    if arrays is not None:
+        record["torch"] = time_torch(torch, torch_device, config, arrays, batches, args.warmup, args.steps)
+        del arrays
+        vk_losses, torch_losses = record["vk"]["losses"], record["torch"]["losses"]
+        record["torch_over_vk"] = record["torch"]["ms_per_step"] / record["vk"]["ms_per_step"]
+        record["max_rel_loss_diff"] = max(abs(a - b) / max(abs(b), 1e-12) for a, b in zip(vk_losses, torch_losses))
+    else:
+        record["torch_skipped"] = torch_note or "no baseline"
+    return record
+
+
+def _mib(nbytes: float | None) -> str:
+    return "-" if nbytes is None else f"{nbytes / 2**20:,.0f}"
+
+
+def _fmt(value: float | None, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def print_report(records: list[dict[str, Any]], top: int) -> None:
+    print()
+    print(f"{'config':>8s} {'vk ms':>9s} {'vk tok/s':>10s} {'torch ms':>9s} {'torch tok/s':>11s} {'torch/vk':>8s} "
+          f"{'vk MiB':>8s} {'planned':>8s} {'torch MiB':>9s} {'loss rel diff':>13s}")
+    for r in records:
+        vk, ref = r.get("vk", {}), r.get("torch", {})
+        print(f"{r['config']:>8s} {_fmt(vk.get('ms_per_step'), '9.2f')} {_fmt(vk.get('tokens_per_s'), '10,.0f')} "
+              f"{_fmt(ref.get('ms_per_step'), '9.2f')} {_fmt(ref.get('tokens_per_s'), '11,.0f')} "
+              f"{_fmt(r.get('torch_over_vk'), '8.2f')} {_mib(r['vk_memory']['device_buffers_bytes']):>8s} "
+              f"{_mib(r['vk_memory']['planned_bytes']):>8s} {_mib(ref.get('peak_memory_bytes')):>9s} "
+              f"{_fmt(r.get('max_rel_loss_diff'), '13.1e')}")
+        if "torch_skipped" in r:
+            print(f"{'':>8s} (no PyTorch baseline: {r['torch_skipped']})")
+    for r in records:
+        ops = r.get("vk", {}).get("top_ops")
+        if not ops:
+            continue
+        print(f"\n{r['config']}: top {min(top, len(ops))} op kinds by GPU time (mean per step; "
+              f"GPU total {r['vk']['gpu_ms_per_step']:.2f} ms, wall {r['vk']['ms_per_step']:.2f} ms)")
+        for op in ops:
+            print(f"  {op['name']:48s} {op['dispatches']:5d} x {op['ms']:9.3f} ms {100 * op['share']:5.1f} %")
+
+
+def plot(records: list[dict[str, Any]], meta: dict[str, Any], path: Path) -> str:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return "matplotlib is not installed: no plot"
+    labels = [r["config"] for r in records]
+    x = np.arange(len(labels))
+    width = 0.38
+    fig, ax = plt.subplots(figsize=(1.8 + 1.6 * len(labels), 3.6))
+    vk = [r.get("vk", {}).get("ms_per_step", np.nan) for r in records]
+    ref = [r.get("torch", {}).get("ms_per_step", np.nan) for r in records]
+    ax.bar(x - width / 2, vk, width, label="vktrain (Vulkan)")
+    ax.bar(x + width / 2, ref, width, label="PyTorch eager")
+    ax.set_xticks(x, [f"{label}\n(batch x seq)" for label in labels])
+    ax.set_ylabel("ms / training step")
+    torch_name = meta.get("torch_device_name") or meta.get("torch_device") or "no baseline"
+    ax.set_title(f"LoRA training step, {records[0]['preset']}\nVulkan: {meta['vk_device']}; PyTorch: {torch_name}",
+                 fontsize=9)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return f"wrote {path}"
+
+
+def run_command(args) -> int:
+    from vktrain.runtime import Device
+
+    torch, torch_device, torch_note = None, None, "--no-torch"
+    if not args.no_torch:
+        torch, torch_device, torch_note = _load_torch(args.torch_device)
+    records = []
+    baseline_cache: dict[str, dict[str, np.ndarray]] = {}
+    with Device(validation=False) as device:
+        meta = {"vk_device": device.name, "vk_device_type": device.device_type,
+                "torch": None if torch is None else torch.__version__,
+                "torch_device": None if torch_device is None else str(torch_device),
+                "host": platform.node(), "python": platform.python_version(), "warmup": args.warmup,
+                "steps": args.steps, "hparams": list(HPARAMS),
+                "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                "note": "synthetic constants: weights are random, results measure speed only"}
+        if torch_device is not None and torch_device.type == "cuda":
+            meta["torch_device_name"] = torch.cuda.get_device_name(torch_device)
+        print(f"Vulkan: {device.name} ({device.device_type}); PyTorch: "
+              f"{meta.get('torch_device_name', meta['torch_device']) or torch_note}", flush=True)
+        for path in args.pte:
+            records.append(run_one(Path(path), device, args, torch, torch_device, torch_note, baseline_cache))
+    if not args.load_only:
+        print_report(records, args.top)
+    summary = {"meta": meta, "results": records}
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(summary, indent=1))
+        print(f"wrote {args.out}")
+        if not args.load_only and not args.no_plot:
+            print(plot(records, meta, args.out.with_suffix(".png")))
+    return 0
+
+
+# ===================================================================================================
+# command line
+# ===================================================================================================
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true",
+                        help="without a command: export tiny-llama steps to --out-dir and run them (lavapipe, CI)")
+    parser.add_argument("--out-dir", type=Path, default=None, help="with --quick: where the .pte files go "
+                        "(default: a temporary folder)")
+    commands = parser.add_subparsers(dest="command")
+
+    export = commands.add_parser("export", help="export and lower the training steps (needs executorch)")
+    export.add_argument("--quick", action="store_true", help=f"{QUICK_PRESET} shapes {QUICK_SHAPES}")
+    export.add_argument("--shapes", type=parse_shapes, default=None, help="BATCHxSEQ list, e.g. 1x128,4x512")
+    export.add_argument("--out-dir", type=Path, default=REPO_ROOT / "bench")
+    export.add_argument("--min-bytes", type=int, default=None,
+                        help="constants of at least this many bytes become synthetic (default: "
+                             f"{FULL_SYNTHETIC_MIN_BYTES}, quick {QUICK_SYNTHETIC_MIN_BYTES})")
+    export.add_argument("--out", type=Path, default=None, help="also write what was exported as JSON")
+
+    run = commands.add_parser("run", help="time the exported steps on Vulkan and in PyTorch eager")
+    run.add_argument("pte", nargs="+", help=".pte files written by `export`")
+    run.add_argument("--steps", type=int, default=10, help="timed steps (median reported)")
+    run.add_argument("--warmup", type=int, default=3)
+    run.add_argument("--batches", type=int, default=2, help="distinct random batches, cycled")
+    run.add_argument("--top", type=int, default=15, help="op kinds listed")
+    run.add_argument("--out", type=Path, default=None, help="JSON results (and a .png plot next to it)")
+    run.add_argument("--torch-device", choices=("cuda", "cpu"), default=None,
+                     help="baseline device (default: cuda when available, else cpu for small models)")
+    run.add_argument("--no-torch", action="store_true", help="skip the PyTorch baseline")
+    run.add_argument("--no-plot", action="store_true")
+    run.add_argument("--load-only", action="store_true",
+                     help="only load each .pte (generate constants, build pipelines, record): checks that "
+                          "every shader the step needs is available, without running it")
+    args = parser.parse_args(argv)
+
+    if args.command is None:
+        if not args.quick:
+            parser.error("give a command (export or run), or --quick for a small export + run")
+        with tempfile.TemporaryDirectory(prefix="vktrain-bench-step-") as scratch:
+            out_dir = args.out_dir or Path(scratch)
+            written = export_configs(QUICK_PRESET, list(QUICK_SHAPES), out_dir, QUICK_SYNTHETIC_MIN_BYTES,
+                                     prefix="step_quick")
+            return main(["run", *[w["path"] for w in written], "--steps", "3", "--warmup", "1",
+                         "--out", str(out_dir / "step_quick.json")])
+    if args.command == "export":
+        quick = args.quick
+        written = export_configs(QUICK_PRESET if quick else FULL_PRESET,
+                                 args.shapes or list(QUICK_SHAPES if quick else FULL_SHAPES), args.out_dir,
+                                 args.min_bytes if args.min_bytes is not None else
+                                 (QUICK_SYNTHETIC_MIN_BYTES if quick else FULL_SYNTHETIC_MIN_BYTES),
+                                 prefix="step_quick" if quick else "step")
+        if args.out:
+            args.out.write_text(json.dumps(written, indent=1))
+        return 0
+    if args.steps <= 0 or args.warmup < 0 or args.batches <= 0:
+        parser.error("--steps and --batches must be positive, --warmup >= 0")
+    return run_command(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,121 @@
+"""scripts/bench_step.py: the quick export + run end to end in a subprocess (lavapipe, CPU PyTorch
+baseline), and the pieces the full-size run relies on but cannot exercise here: the cheaply built
+benchmark model has exactly the structure of build_llama + apply_lora, the eager baseline's per-step
+dequantization equals vktrain.quant's, and shapes parse or are refused by name.
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from vktrain import quant
+
+SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "bench_step.py"
+
+
+@pytest.fixture(scope="module")
+def bench():
+    spec = importlib.util.spec_from_file_location("bench_step", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses resolve the module's annotations through sys.modules
+    try:
+        spec.loader.exec_module(module)
+        yield module
+    finally:
+        sys.modules.pop(spec.name, None)
+
+
+def test_quick_export_and_run_end_to_end(tmp_path):
+    from vktrain.runtime.pte import PteFile, Tensor
+    from vktrain.runtime_shaders.build import all_shader_names
+
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    result = subprocess.run([sys.executable, str(SCRIPT), "--quick", "--out-dir", str(tmp_path)], env=env,
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    summary = json.loads((tmp_path / "step_quick.json").read_text())
+    records = summary["results"]
+    assert [r["config"] for r in records] == ["1x16", "2x32"]
+    assert summary["meta"]["vk_device"] and summary["meta"]["torch_device"] == "cpu"
+    declared = set(all_shader_names())  # what the prebuilt SPIR-V cache holds
+    for record in records:
+        pte = PteFile.load(record["pte"])
+        assert pte.buffer.nbytes < 1 << 20
+        # Nothing but the delegate's inputs outside it: no weight was left as a top-level constant.
+        plan = pte.execution_plan("forward")
+        assert not [v for v in plan.values if isinstance(v, Tensor) and v.is_constant]
+        vk, ref = record["vk"], record["torch"]
+        assert vk["ms_per_step"] > 0 and vk["tokens_per_s"] == pytest.approx(
+            record["tokens_per_step"] / vk["ms_per_step"] * 1e3)
+        assert record["synthetic_constant_bytes"] > 0
+        # Same synthetic weights, LoRA init, batches and hyper-parameters: the losses of every step agree.
+        assert len(vk["losses"]) == len(ref["losses"]) == 4
+        assert record["max_rel_loss_diff"] < 1e-5
+        assert abs(vk["losses"][0] - np.log(256)) < 0.5  # random weights: near-uniform predictions
+        assert record["torch_over_vk"] == pytest.approx(ref["ms_per_step"] / vk["ms_per_step"])
+        ops = vk["top_ops"]
+        assert ops and ops == sorted(ops, key=lambda o: -o["ms"])
+        assert sum(o["share"] for o in ops) <= 1 + 1e-9
+        assert "aten.mm.default" in {o["name"] for o in ops}  # the LoRA / lm_head matmuls dominate tiny shapes
+        memory = record["vk_memory"]
+        assert memory["device_buffers_bytes"] >= memory["planned_bytes"] > 0
+        assert set(record["shaders"]) <= declared, set(record["shaders"]) - declared
+    assert (tmp_path / "step_quick.png").stat().st_size > 0
+    assert result.stdout.count("op kinds by GPU time") == 2
+
+
+def test_bench_model_has_the_structure_of_build_llama_with_apply_lora(bench):
+    from vktrain.lora import LoRAConfig, apply_lora
+    from vktrain.models.llama import build_llama
+
+    reference = build_llama("tiny-llama")
+    apply_lora(reference, LoRAConfig(rank=bench.LORA_RANK, alpha=bench.LORA_ALPHA, targets=[
+        f"*.{t}" for t in bench.LORA_TARGETS], group_size=bench.GROUP_SIZE, seed=0))
+    fast = bench.build_bench_model("tiny-llama")
+
+    def describe(model):
+        tensors = {name: (tuple(t.shape), t.dtype, t.requires_grad)
+                   for name, t in model.named_parameters(remove_duplicate=False)}
+        tensors.update({name: (tuple(t.shape), t.dtype) for name, t in model.named_buffers(remove_duplicate=False)})
+        modules = {name: (type(m).__name__, getattr(m, "scaling", None), getattr(m, "group_size", None))
+                   for name, m in model.named_modules()}
+        return tensors, modules
+
+    assert describe(fast) == describe(reference)
+    assert fast.lm_head.weight is fast.model.embed_tokens.weight  # tied like the preset
+    assert torch.equal(fast.model.norm.weight, torch.ones(64))
+    np.testing.assert_array_equal(fast.rope_cos.numpy(), reference.rope_cos.numpy())
+
+
+def test_random_flat_codes_keep_padding(bench):
+    rng = np.random.default_rng(0)
+    flat = bench.random_flat_codes(8, 20, rng)  # Kp = 24
+    codes = np.stack([flat & 0xF, flat >> 4], axis=-1).reshape(8, -1)
+    assert np.all(codes[:, 20:] == quant.CODE_ZERO) and len(np.unique(codes[:, :20])) == 16
+
+
+@pytest.mark.parametrize("n, k, group_size", [(16, 64, 32), (8, 20, 4)])
+def test_eager_dequantization_matches_vktrain_quant(bench, n, k, group_size):
+    rng = np.random.default_rng(1)
+    flat, scales = quant.quantize(rng.standard_normal((n, k)).astype(np.float32), group_size)
+    got = bench.torch_dequantize(torch, torch.from_numpy(flat), torch.from_numpy(scales), group_size)
+    np.testing.assert_array_equal(got.numpy(), quant.dequantize(flat, scales, group_size, k))
+
+
+def test_shapes_parse_or_are_refused(bench):
+    import argparse
+
+    assert bench.parse_shapes("1x128, 4x512") == [(1, 128), (4, 512)]
+    for bad in ("4*512", "0x8", "x8", "4x"):
+        with pytest.raises(argparse.ArgumentTypeError, match="BATCHxSEQ"):
+            bench.parse_shapes(bad)
+    assert bench.op_kind("12:vktrain.adamw.default.vec4") == "vktrain.adamw.default"
+    assert bench.op_kind("state_update:model.x.lora_A") == "state_update"
