@@ -166,36 +166,6 @@ def build_bench_model(preset: str, seed: int = 0, **overrides):
     return model
 
 
-def drop_unused_constant_inputs(program) -> list[str]:
-    """Remove parameter / buffer / constant inputs that no node reads (and nothing mutates) from an
-    ExportedProgram, in place; return their names.
-
-    Why: the exported step lists a tied weight under both of its names (model.embed_tokens.weight and
-    lm_head.weight) and reads only one, and ExecuTorch serialises the unread one into the .pte as a
-    top-level constant: 1 GB of the 1B model's embedding in a file that must stay under 64 MiB.
-    """
-    from torch.export.graph_signature import InputKind
-
-    signature = program.graph_signature
-    mutated = set(signature.buffers_to_mutate.values())
-    removed = []
-    for node in list(program.graph.nodes):
-        if node.op != "placeholder" or node.users:
-            continue
-        spec = next(s for s in signature.input_specs if s.arg.name == node.name)
-        if spec.kind not in (InputKind.PARAMETER, InputKind.BUFFER, InputKind.CONSTANT_TENSOR) or \
-                spec.target in mutated:
-            continue
-        program.graph.erase_node(node)
-        signature.input_specs.remove(spec)
-        program.state_dict.pop(spec.target, None)
-        program.constants.pop(spec.target, None)
-        removed.append(spec.target)
-    if removed:
-        program.graph_module.recompile()
-    return removed
-
-
 def export_configs(preset: str, shapes: list[tuple[int, int]], out_dir: Path, min_bytes: int,
                    prefix: str = "step", **overrides) -> list[dict[str, Any]]:
     """Export and lower one training step per (batch, seq); write <out_dir>/<prefix>_<B>x<S>.pte."""
@@ -223,7 +193,6 @@ def export_configs(preset: str, shapes: list[tuple[int, int]], out_dir: Path, mi
             progress.set_postfix_str(f"{config.label}: torch.export")
             start = time.perf_counter()
             program = export_training_step(model, (batch, seq))
-            dropped = drop_unused_constant_inputs(program)
             export_s = time.perf_counter() - start
             progress.update()
             progress.set_postfix_str(f"{config.label}: lowering")
@@ -238,7 +207,6 @@ def export_configs(preset: str, shapes: list[tuple[int, int]], out_dir: Path, mi
             graph = deserialize_blob(PteFile.load(path).execution_plan("forward").delegates[0].data)
             synthetic = json.loads(graph.metadata.get("synthetic_constants", "{}"))
             written.append({"path": str(path), "config": config.label, "pte_bytes": len(data),
-                            "dropped_unused_inputs": dropped,
                             "build_model_s": build_s, "export_s": export_s, "lower_s": lower_s,
                             "ops": len(graph.ops), "synthetic_constants": synthetic.get("count", 0),
                             "synthetic_bytes": synthetic.get("bytes", 0),

@@ -212,3 +212,26 @@ def test_cli_errors(tmp_path):
     assert not (tmp_path / "x.pte").exists()
     result = _cli("inspect", str(tmp_path / "missing.pte"), check=False)
     assert result.returncode == 2 and "cannot read" in result.stderr
+
+
+def test_tied_weight_is_not_carried_twice_into_the_program():
+    """A tied LM head left without LoRA is listed under two names; the unread copy must not stay an input
+    (ExecuTorch would serialise it into the .pte as a second full-size constant)."""
+    from torch.export.graph_signature import InputKind
+
+    from vktrain.export import export_training_step
+    from vktrain.lora import LoRAConfig, apply_lora
+    from vktrain.models import build_model
+
+    model = build_model("tiny-llama")
+    apply_lora(model, LoRAConfig(rank=4, alpha=8.0, targets="*_proj", group_size=32, seed=0))
+    program = export_training_step(model, (1, 8))
+    weight_kinds = (InputKind.PARAMETER, InputKind.BUFFER, InputKind.CONSTANT_TENSOR)
+    placeholders = {n.name: n for n in program.graph.nodes if n.op == "placeholder"}
+    unread = [s.target for s in program.graph_signature.input_specs
+              if s.kind in weight_kinds and not placeholders[s.arg.name].users]
+    assert unread == []
+    embedding = model.model.embed_tokens.weight
+    same_storage = [name for name, t in program.state_dict.items()
+                    if t.shape == embedding.shape and torch.equal(t, embedding.detach())]
+    assert len(same_storage) == 1, same_storage

@@ -215,7 +215,37 @@ def export_training_step(model: nn.Module, batch_shape: tuple[int, int]) -> Expo
     step_module = TrainingStepModule(joint, model)
     program = torch.export.export(step_module, (token_ids, labels, hparams, n_valid))
     # Functionalize (buffer.copy_ -> BUFFER_MUTATION outputs) with no further decomposition.
-    return program.run_decompositions({})
+    program = program.run_decompositions({})
+    drop_unused_constant_inputs(program)
+    return program
+
+
+def drop_unused_constant_inputs(program: ExportedProgram) -> list[str]:
+    """Remove parameter / buffer / constant inputs that no node reads (and nothing mutates) from an
+    ExportedProgram, in place; return their names.
+
+    Why: the exported step lists a tied weight under both of its names (model.embed_tokens.weight and
+    lm_head.weight) and reads only one, and ExecuTorch serialises the unread one into the .pte as a
+    top-level constant: 1 GB of the 1B model's embedding in a file that must stay under 64 MiB.
+    """
+    signature = program.graph_signature
+    mutated = set(signature.buffers_to_mutate.values())
+    removed = []
+    for node in list(program.graph.nodes):
+        if node.op != "placeholder" or node.users:
+            continue
+        spec = next(s for s in signature.input_specs if s.arg.name == node.name)
+        if spec.kind not in (InputKind.PARAMETER, InputKind.BUFFER, InputKind.CONSTANT_TENSOR) or \
+                spec.target in mutated:
+            continue
+        program.graph.erase_node(node)
+        signature.input_specs.remove(spec)
+        program.state_dict.pop(spec.target, None)
+        program.constants.pop(spec.target, None)
+        removed.append(spec.target)
+    if removed:
+        program.graph_module.recompile()
+    return removed
 
 
 def training_state_names(program: ExportedProgram) -> dict[str, list[str]]:
