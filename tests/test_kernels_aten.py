@@ -9,7 +9,9 @@ Tolerances:
   <= 9 * 2^-24 = 5.4e-7 of sum(|x|) in the worst case, whatever the length (a naive running sum of
   4096 terms already errs by ~4e-5, see the compensated-summation test).
 * GEMM: norm-relative 1e-4 (||C - C_ref|| / ||C_ref||): the fp32 error of a K-term dot product grows
-  like sqrt(K) * 2^-24 for random data, ~2e-6 for the K <= 300 used here.
+  like sqrt(K) * 2^-24 for random data, ~2e-6 for the K <= 1024 used here. Split-K adds each
+  slice's fp32 partial in slice order (a few more roundings, same bound) and must be bitwise
+  reproducible run to run.
 Copies, permutes, embedding lookups are exact; embedding backward is compared to float64 and checked
 bitwise reproducible.
 """
@@ -34,7 +36,19 @@ from vktrain.runtime.kernels.layout import (
     is_alias_view,
     plan_strided_copy,
 )
-from vktrain.runtime.kernels.matmul import plan_gemm
+from vktrain.runtime.kernels.matmul import (
+    MAX_SPLIT_K,
+    MIN_SPLIT_SLICE,
+    TARGET_THREADS,
+    default_gemm_tile,
+    default_split_k,
+    gemm_scratch_nbytes,
+    plan_gemm,
+    slice_length,
+    split_k_scratch_nbytes,
+)
+from vktrain.runtime.op_lowering import TensorArg
+from vktrain.runtime.schedule import ceil_div
 from vktrain.runtime.kernels.reduction import (
     STRATEGY_GROUP_PER_OUTPUT,
     STRATEGY_SPEC_ID,
@@ -703,6 +717,215 @@ def test_baddbmm_and_split_batch_grid(vk_device, rng):
     dispatches = get_kernel("aten.baddbmm.default")(out="out", **kwargs)
     got = _run(vk_device, dispatches, {"a": a, "b": b, "bias": bias}, (5, 9, 10), max_group_count=2)
     _assert_norm_close(got, torch.baddbmm(_f64(bias), _f64(a), _f64(b), beta=2.0))
+
+
+# ----------------------------------------------------------------------------------------- GEMM split-K
+def _run_gemm(device, dispatches, arrays: dict[str, np.ndarray], out_shape, scratch_nbytes: int = 0, **options):
+    """_run with a NaN-filled "scratch" buffer: every partial the reduction reads must have been written."""
+    arrays = dict(arrays)
+    if scratch_nbytes:
+        arrays["scratch"] = np.full(scratch_nbytes // 4, np.nan, np.float32)
+    return _run(device, dispatches, arrays, out_shape, **options)
+
+
+def _split_of(dispatches) -> int:
+    """Slices of a planned GEMM: 1 when unsplit, else the count the reduction adds."""
+    if len(dispatches) == 1:
+        return 1
+    gemm, reduce = dispatches
+    assert reduce.shader == "linear_splitk_reduce" and gemm.bindings[0].buffer == "scratch"
+    assert reduce.bindings[1].buffer == "scratch" and reduce.bindings[0].buffer == "out"
+    return int.from_bytes(reduce.push_constants[8:12], "little")
+
+
+# The LoRA products (rank 16), scaled down for lavapipe: (name, M, K, N, A stored transposed, B stored
+# transposed). Transposed operands are read in place through swapped strides, as the executor does.
+LORA_CASES = [
+    ("x_at", 64, 1024, 16, False, True),     # x [T, K] @ A^T [K, r]: A stored [r, K]
+    ("dy_b", 48, 700, 16, False, False),     # dY [T, N] @ B [N, r]; K not a multiple of 16
+    ("d_b", 80, 768, 16, True, False),       # dY^T [N, T] @ h [T, r]: dY stored [T, N]
+    ("d_a", 16, 1024, 96, True, False),      # (dY B)^T [r, T] @ x [T, K]: (dY B) stored [T, r]
+]
+
+
+@pytest.mark.parametrize("name, M, K, N, a_transposed, b_transposed", LORA_CASES, ids=[c[0] for c in LORA_CASES])
+def test_split_k_skinny_lora_products_match_torch(vk_device, rng, name, M, K, N, a_transposed, b_transposed):
+    a_stored = rng.standard_normal((K, M) if a_transposed else (M, K)).astype(np.float32)
+    b_stored = rng.standard_normal((N, K) if b_transposed else (K, N)).astype(np.float32)
+    a_view = StridedView.contiguous(a_stored.shape)
+    b_view = StridedView.contiguous(b_stored.shape)
+    a_view = a_view.transpose(0, 1) if a_transposed else a_view
+    b_view = b_view.transpose(0, 1) if b_transposed else b_view
+    nbytes = gemm_scratch_nbytes(1, M, N, K)
+    dispatches = plan_gemm("out", "a", a_view, "b", b_view, scratch="scratch")
+    split = _split_of(dispatches)
+    assert split == default_split_k(1, M, N, K) > 1
+    assert nbytes == split_k_scratch_nbytes(1, M, N, split) == 4 * split * M * N
+    assert "TILE_M=" in dispatches[0].shader, "a skinny output takes a 16-wide tile"
+    got = _run_gemm(vk_device, dispatches, {"a": a_stored, "b": b_stored}, (M, N), nbytes)
+    a_ref = _f64(a_stored).T if a_transposed else _f64(a_stored)
+    b_ref = _f64(b_stored).T if b_transposed else _f64(b_stored)
+    _assert_norm_close(got, a_ref @ b_ref)
+    # Fixed-order reduction: bitwise reproducible, also when the runtime cuts the grid differently.
+    again = _run_gemm(vk_device, dispatches, {"a": a_stored, "b": b_stored}, (M, N), nbytes, max_group_count=3)
+    assert got.tobytes() == again.tobytes(), "two runs must be bitwise identical"
+
+
+@pytest.mark.parametrize("N", [37, 36], ids=["scalar_stores", "vec4_stores"])
+@pytest.mark.parametrize("tile", [(64, 64), (64, 16), (16, 64)])
+def test_every_tile_matches_torch_with_strided_operands_and_partial_tiles(vk_device, rng, tile, N):
+    a_stored = rng.standard_normal((2, 45, 70)).astype(np.float32)  # holds A^T per batch: [B, K, M]
+    b = rng.standard_normal((45, N)).astype(np.float32)             # broadcast over the batch
+    bias = rng.standard_normal((70, 1)).astype(np.float32)
+    a_view = StridedView.contiguous(a_stored.shape).transpose(1, 2)  # [2, 70, 45]
+    dispatches = plan_gemm("out", "a", a_view, "b", StridedView.contiguous(b.shape), tile=tile, alpha=1.5,
+                           bias="bias", bias_view=StridedView.contiguous(bias.shape), beta=-1.0)
+    assert len(dispatches) == 1 and dispatches[0].groups == (ceil_div(N, tile[1]), ceil_div(70, tile[0]), 2)
+    assert dispatches[0].shader.endswith("+VEC4_C") == (N % 4 == 0)
+    got = _run(vk_device, dispatches, {"a": a_stored, "b": b, "bias": bias}, (2, 70, N))
+    _assert_norm_close(got, 1.5 * _f64(a_stored).transpose(1, 2) @ _f64(b) - _f64(bias))
+
+
+@pytest.mark.parametrize("bias_shape", [(16,), (40, 1), (40, 16)])
+def test_split_k_addmm_adds_the_bias_once_and_an_empty_slice_adds_zero(vk_device, rng, bias_shape):
+    M, K, N, split = 40, 40, 16, 4  # slices of 16: [0, 16), [16, 32), [32, 40) and an empty [48, 40)
+    assert split * slice_length(K, split) >= K + 16
+    a = rng.standard_normal((M, K)).astype(np.float32)
+    b = rng.standard_normal((K, N)).astype(np.float32)
+    bias = rng.standard_normal(bias_shape).astype(np.float32)
+    kwargs = {"self": "bias", "self_shape": bias.shape, "mat1": "a", "mat1_shape": a.shape, "mat2": "b",
+              "mat2_shape": b.shape, "beta": 0.5, "alpha": -2.0}
+    dispatches = get_kernel("aten.addmm.default")(out="out", scratch="scratch", **kwargs)
+    assert _split_of(dispatches) == 1, "K=40 is too short for the default plan to split"
+    dispatches = plan_gemm("out", "a", StridedView.contiguous(a.shape), "b", StridedView.contiguous(b.shape),
+                           bias="bias", bias_view=StridedView.contiguous(bias.shape), alpha=-2.0, beta=0.5,
+                           scratch="scratch", split_k=split)
+    assert _split_of(dispatches) == split
+    got = _run_gemm(vk_device, dispatches, {"a": a, "b": b, "bias": bias}, (M, N),
+                    split_k_scratch_nbytes(1, M, N, split))
+    _assert_norm_close(got, torch.addmm(_f64(bias), _f64(a), _f64(b), beta=0.5, alpha=-2.0))
+
+
+def test_split_k_of_an_empty_reduction_is_beta_times_bias(vk_device, rng):
+    bias = rng.standard_normal((12,)).astype(np.float32)
+    dispatches = plan_gemm("out", "a", StridedView.contiguous((8, 0)), "b", StridedView.contiguous((0, 12)),
+                           bias="bias", bias_view=StridedView.contiguous(bias.shape), beta=3.0,
+                           scratch="scratch", split_k=3)
+    got = _run_gemm(vk_device, dispatches, {"a": np.zeros(1, np.float32), "b": np.zeros(1, np.float32),
+                                            "bias": bias}, (8, 12), split_k_scratch_nbytes(1, 8, 12, 3))
+    np.testing.assert_array_equal(got, np.broadcast_to(np.float32(3.0) * bias, (8, 12)))
+    assert plan_gemm("out", "a", StridedView.contiguous((0, 64)), "b", StridedView.contiguous((64, 16)),
+                     scratch="scratch", split_k=4) == []
+
+
+def test_split_k_bmm_with_a_grid_cut_along_z(vk_device, rng):
+    """z = slice * batch + b: with max_group_count=4 the runtime records the 15 z-groups in chunks."""
+    a = rng.standard_normal((3, 20, 640)).astype(np.float32)
+    b = rng.standard_normal((3, 640, 12)).astype(np.float32)
+    nbytes = gemm_scratch_nbytes(3, 20, 12, 640)
+    dispatches = get_kernel("aten.bmm.default")(out="out", self="a", self_shape=a.shape, mat2="b",
+                                                mat2_shape=b.shape, scratch="scratch")
+    split = _split_of(dispatches)
+    assert split == 5 and dispatches[0].groups == (1, 1, split * 3)
+    got = _run_gemm(vk_device, dispatches, {"a": a, "b": b}, (3, 20, 12), nbytes, max_group_count=4)
+    _assert_norm_close(got, torch.bmm(_f64(a), _f64(b)))
+    again = _run_gemm(vk_device, dispatches, {"a": a, "b": b}, (3, 20, 12), nbytes)
+    assert got.tobytes() == again.tobytes()
+
+
+def _lora_workgroups(M, K, N, split_allowed):
+    tile = default_gemm_tile(M, N)
+    split = default_split_k(1, M, N, K) if split_allowed else 1
+    return ceil_div(M, tile[0]) * ceil_div(N, tile[1]) * split, tile, split
+
+
+@pytest.mark.parametrize("T, K, N", [(2048, 2048, 2048), (2048, 2048, 8192), (128, 2048, 2048)])
+def test_split_k_plans_enough_workgroups_for_the_llama_lora_shapes(T, K, N):
+    """Host-side planning at real sizes (no device): every skinny LoRA product takes a 16-wide tile and
+    splits until TARGET_THREADS threads run or a cap (MAX_SPLIT_K, slices >= MIN_SPLIT_SLICE) stops
+    it, with no empty slice; at 2048 tokens that is >= 512 workgroups (4 per SM of a 132-SM GPU,
+    32 before). The output-large ones (reduction r = 16) never split."""
+    r = 16
+    skinny = {"x @ A^T": (T, K, r), "dY @ B": (T, N, r), "dY^T @ h": (N, T, r), "(dY B)^T @ x": (r, T, K)}
+    for name, (m, k, n) in skinny.items():
+        workgroups, tile, split = _lora_workgroups(m, k, n, True)
+        assert 16 in tile, name
+        assert 1 <= split <= MAX_SPLIT_K and (split == 1 or slice_length(k, split) >= MIN_SPLIT_SLICE), name
+        assert split * slice_length(k, split) - k < slice_length(k, split), f"{name}: an empty slice"
+        # Enough threads for a large GPU, unless a cap on the slice count stopped the split.
+        threads = workgroups * (tile[0] // 4) * (tile[1] // 4)
+        assert threads >= TARGET_THREADS or split in (MAX_SPLIT_K, max(1, k // MIN_SPLIT_SLICE)), name
+        if T >= 2048:
+            assert workgroups >= 512, (name, workgroups)
+    for m, k, n in ((T, r, N), (T, r, K)):  # h @ B^T, (dY B) @ A
+        assert default_split_k(1, m, n, k) == 1 and default_gemm_tile(m, n) == (64, 64)
+        assert gemm_scratch_nbytes(1, m, n, k) == 0
+
+
+def test_split_k_is_not_planned_where_it_cannot_help_or_apply():
+    assert default_split_k(1, 4096, 4096, 4096) == 1          # enough tiles already
+    assert default_split_k(1, 64, 16, 200) == 1               # reduction shorter than 2 slices
+    assert default_split_k(1, 63, 15, 4096) == 1              # 945 outputs: the vec4 reduction needs 4k
+    assert default_split_k(1, 64, 16, 4096) == MAX_SPLIT_K
+    a, b = StridedView.contiguous((64, 4096)), StridedView.contiguous((4096, 16))
+    assert len(plan_gemm("out", "a", a, "b", b)) == 1, "no scratch: no split"
+    with pytest.raises(KernelArgumentError, match=r"split_k=4 needs a scratch buffer of .* = 16384 bytes"):
+        plan_gemm("out", "a", a, "b", b, split_k=4)
+    with pytest.raises(KernelArgumentError, match=r"multiple of 4 elements"):
+        plan_gemm("out", "a", StridedView.contiguous((3, 64)), "b", StridedView.contiguous((64, 3)),
+                  scratch="s", split_k=2)
+    with pytest.raises(KernelArgumentError, match=r"tile must be one of"):
+        plan_gemm("out", "a", a, "b", b, tile=(32, 32))
+    with pytest.raises(KernelArgumentError, match=r"split_k must be an int >= 1, got 0"):
+        plan_gemm("out", "a", a, "b", b, scratch="s", split_k=0)
+
+
+def _lowering_context(op_name: str, args: list, out_shape, scratch_log: list):
+    from vktrain.runtime.op_lowering import OpContext
+    from vktrain.runtime.schedule import BufferBinding
+    from vktrain.serialization import graph as vk
+
+    def scratch(nbytes, purpose):
+        scratch_log.append((nbytes, purpose))
+        return BufferBinding(f"scratch.{purpose}", 0, nbytes)
+
+    out = TensorArg(99, BufferBinding("out", 0, 4 * math.prod(out_shape)), tuple(out_shape), "float32")
+    op = vk.OpCall(op_name, tuple(range(len(args))), (99,))
+    return OpContext(0, op, args, [out], f"0:{op_name}", scratch)
+
+
+def _tensor_arg(value_id, key, shape, view=None):
+    from vktrain.runtime.schedule import BufferBinding
+    return TensorArg(value_id, BufferBinding(key, 0, 4 * math.prod(shape)), tuple(shape), "float32", view=view)
+
+
+def test_executor_lowerings_allocate_split_k_scratch_only_when_splitting():
+    from vktrain.runtime.op_lowering import OP_LOWERINGS
+
+    log: list = []
+    # mm of a lazily transposed A (the executor's view of t_copy(A)): x [64, 1024] @ A^T [1024, 16].
+    a_t = StridedView.contiguous((16, 1024)).transpose(0, 1)
+    args = [_tensor_arg(0, "x", (64, 1024)), _tensor_arg(1, "lora_a", (1024, 16), view=a_t)]
+    dispatches = OP_LOWERINGS["aten.mm.default"].lower(_lowering_context("aten.mm.default", args, (64, 16), log))
+    assert log == [(gemm_scratch_nbytes(1, 64, 16, 1024), "split_k")]
+    assert [d.shader for d in dispatches] == ["matmul@HAS_BIAS=0+TILE_M=64+TILE_N=16+VEC4_C", "linear_splitk_reduce"]
+    assert dispatches[0].bindings[0].buffer == "scratch.split_k" and dispatches[1].bindings[0].buffer == "out"
+
+    log.clear()
+    args = [_tensor_arg(0, "a", (2, 20, 640)), _tensor_arg(1, "b", (2, 640, 12))]
+    dispatches = OP_LOWERINGS["aten.bmm.default"].lower(_lowering_context("aten.bmm.default", args, (2, 20, 12), log))
+    assert log == [(gemm_scratch_nbytes(2, 20, 12, 640), "split_k")] and len(dispatches) == 2
+
+    log.clear()
+    args = [_tensor_arg(0, "bias", (16,)), _tensor_arg(1, "a", (64, 2048)), _tensor_arg(2, "b", (2048, 16)), 1.0, 1.0]
+    dispatches = OP_LOWERINGS["aten.addmm.default"].lower(_lowering_context("aten.addmm.default", args, (64, 16), log))
+    assert log == [(gemm_scratch_nbytes(1, 64, 16, 2048), "split_k")]
+    assert dispatches[0].shader == "matmul@HAS_BIAS=1+TILE_M=64+TILE_N=16+VEC4_C" and len(dispatches) == 2
+
+    log.clear()  # a large output over a short reduction: no split, no scratch
+    args = [_tensor_arg(0, "h", (256, 16)), _tensor_arg(1, "b_t", (16, 512))]
+    dispatches = OP_LOWERINGS["aten.mm.default"].lower(_lowering_context("aten.mm.default", args, (256, 512), log))
+    assert log == [] and [d.shader for d in dispatches] == ["matmul@HAS_BIAS=0+VEC4_C"]
 
 
 # ----------------------------------------------------------------------------------------- embedding

@@ -58,6 +58,10 @@ class ExecutorInputError(ValueError):
     """An input or state array does not match what the graph expects (shape, dtype, range)."""
 
 
+def _align(nbytes: int, alignment: int) -> int:
+    return (nbytes + alignment - 1) // alignment * alignment
+
+
 def _round4(nbytes: int) -> int:
     return max(4, -(-nbytes // 4) * 4)
 
@@ -447,17 +451,27 @@ class GraphExecutor:
             return [self._tensor_arg(item) for item in value.items]
         return decode_scalar(value)
 
+    SCRATCH_KEY = "scratch"
+    SCRATCH_ALIGN = 256  # >= minStorageBufferOffsetAlignment of every Vulkan device (the spec caps it at 256)
+
     def _scratch(self, index: int):
+        """Op-owned scratch lives in ONE buffer shared by all ops: an op's scratch is dead once its own
+        dispatches are done, and the dependency barriers order the next op's reuse of the same bytes.
+        Within one op, each purpose gets its own aligned range."""
+        purposes: dict[str, BufferBinding] = {}
+
         def allocate(nbytes: int, purpose: str) -> BufferBinding:
-            key = f"scratch{index}.{purpose}"
-            if key in self._buffers:
+            if purpose in purposes:
                 raise GraphLoweringError(f"op {index} asked twice for scratch buffer {purpose!r}")
-            self._buffers[key] = Buffer(self.device, _round4(nbytes), name=key, staging=self._staging)
-            return BufferBinding(key, 0, _round4(nbytes))
+            offset = sum(_align(b.size, self.SCRATCH_ALIGN) for b in purposes.values())
+            purposes[purpose] = BufferBinding(self.SCRATCH_KEY, offset, _round4(nbytes))
+            self._scratch_bytes = max(self._scratch_bytes, offset + _round4(nbytes))
+            return purposes[purpose]
         return allocate
 
     def _plan_dispatches(self) -> list[Dispatch]:
         dispatches: list[Dispatch] = []
+        self._scratch_bytes = 0
         for index, (op, lowering) in enumerate(zip(self.ops, self._lowerings)):
             if index in self.aliased_ops:
                 continue  # the output is its input's bytes: nothing to move
@@ -469,6 +483,9 @@ class GraphExecutor:
             outputs = [self._tensor_arg(out) for out in op.outputs]
             context = OpContext(index, op, args, outputs, label, self._scratch(index), self.device.limits)
             dispatches += lowering.lower(context)
+        if self._scratch_bytes:
+            self._buffers[self.SCRATCH_KEY] = Buffer(self.device, self._scratch_bytes, name=self.SCRATCH_KEY,
+                                                     staging=self._staging)
         for state in self._state_copies:
             name = self.graph.tensor(state.state_id).name or f"state{state.state_id}"
             dispatches += copy_words(self._binding(state.state_id), self._binding(state.update_id),

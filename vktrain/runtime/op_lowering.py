@@ -17,6 +17,8 @@ family's plan call:
 * aten.empty / empty_permuted need no GPU work: their contents are undefined (`kernel=None`).
 * transposes (permute_copy, t_copy, transpose_copy) and aten.mm read strided views: a transpose the
   executor leaves lazy costs nothing, and mm reads it in place through the GEMM's operand strides.
+  mm / bmm / addmm allocate a split-K scratch when the GEMM plan would split (skinny output, long
+  reduction: kernels/matmul.py `gemm_scratch_nbytes`), and nothing otherwise.
 
 The executor (executor.py) owns storage: it hands each lowering `TensorArg`s whose bindings already
 point at the right buffer, so aliasing and in-place decisions never leak into this table.
@@ -35,7 +37,7 @@ from typing import Any, Callable, Optional, Sequence
 from vktrain.serialization import graph as vk
 
 # Importing the kernels package imports every family, so KERNELS is complete.
-from .kernels import KERNELS, attention, cross_entropy, layout, matmul, norm
+from .kernels import KERNELS, attention, cross_entropy, layout, linear, matmul, norm
 from .schedule import BufferBinding, Dispatch
 
 
@@ -294,6 +296,16 @@ def _call(ctx: OpContext, kernel: str, **kwargs: Any) -> list[Dispatch]:
         raise ctx.fail(f"the {kernel} kernel refused it: {exc}") from exc
 
 
+def _split_k_args(ctx: OpContext, kernel: str, m: int, n: int, k: int) -> dict:
+    """Scratch for the linear family's deterministic split-K (used when the output has too few tiles to
+    fill the GPU, e.g. M = 128 tokens), and the device's shared memory for the tile choice."""
+    nbytes = linear.plan_scratch_nbytes(kernel, M=m, N=n, K=k)
+    extra = {"shared_memory_bytes": ctx.shared_memory_bytes}
+    if nbytes:
+        extra["scratch"] = ctx.scratch(nbytes, "split_k")
+    return extra
+
+
 def _lower_linear_q4gsw(ctx: OpContext) -> list[Dispatch]:
     x, weights, scales = ctx.tensor(0, "x"), ctx.tensor(1, "weights"), ctx.tensor(2, "scales")
     group_size = ctx.integer(3, "group_size")
@@ -311,7 +323,7 @@ def _lower_linear_q4gsw(ctx: OpContext) -> list[Dispatch]:
         raise ctx.fail(f"output has shape {list(ctx.outputs[0].shape)}, expected {list(expected)}")
     return _call(ctx, "linear_q4gsw", M=m, N=n, K=k, group_size=group_size, out=ctx.outputs[0].binding,
                  x=x.binding, weights=weights.binding, scales=scales.binding,
-                 bias=None if bias is None else bias.binding)
+                 bias=None if bias is None else bias.binding, **_split_k_args(ctx, "linear_q4gsw", m, n, k))
 
 
 def _lower_linear_q4gsw_backward(ctx: OpContext) -> list[Dispatch]:
@@ -325,7 +337,8 @@ def _lower_linear_q4gsw_backward(ctx: OpContext) -> list[Dispatch]:
     if ctx.outputs[0].shape != expected:
         raise ctx.fail(f"output has shape {list(ctx.outputs[0].shape)}, expected {list(expected)}")
     return _call(ctx, "linear_q4gsw_backward", M=m, N=n, K=k, group_size=group_size,
-                 out=ctx.outputs[0].binding, d_out=d_out.binding, weights=weights.binding, scales=scales.binding)
+                 out=ctx.outputs[0].binding, d_out=d_out.binding, weights=weights.binding, scales=scales.binding,
+                 **_split_k_args(ctx, "linear_q4gsw_backward", m, n, k))
 
 
 def _lower_linear_dw(ctx: OpContext) -> list[Dispatch]:
@@ -340,7 +353,8 @@ def _lower_linear_dw(ctx: OpContext) -> list[Dispatch]:
         raise ctx.fail(f"d_out {list(d_out.shape)} and x {list(x.shape)} have different row counts")
     if ctx.outputs[0].shape != (n, k):
         raise ctx.fail(f"output has shape {list(ctx.outputs[0].shape)}, expected {[n, k]}")
-    return _call(ctx, "linear_dW", M=m, N=n, K=k, out=ctx.outputs[0].binding, d_out=d_out.binding, x=x.binding)
+    return _call(ctx, "linear_dW", M=m, N=n, K=k, out=ctx.outputs[0].binding, d_out=d_out.binding, x=x.binding,
+                 **_split_k_args(ctx, "linear_dW", m, n, k))
 
 
 def _lower_fused_ce(ctx: OpContext) -> list[Dispatch]:
@@ -625,19 +639,50 @@ def _lower_transpose(ctx: OpContext) -> list[Dispatch]:
         raise ctx.fail(f"the copy kernel refused it: {exc}") from exc
 
 
+def _split_k_scratch(ctx: OpContext, batch: int, m: int, n: int, k: int) -> BufferBinding | None:
+    """The split-K scratch the default GEMM plan of [batch, m, k] @ [batch, k, n] uses, or None when
+    it would not split (kernels/matmul.py: skinny outputs over long reductions)."""
+    nbytes = matmul.gemm_scratch_nbytes(batch, m, n, k)
+    return ctx.scratch(nbytes, "split_k") if nbytes else None
+
+
+def _float_matrices(ctx: OpContext, positions: Sequence[tuple[int, str]], rank: int) -> list[TensorArg]:
+    tensors = [ctx.tensor(position, name) for position, name in positions]
+    for tensor, (_, name) in zip(tensors, positions):
+        _check_float(ctx, tensor, name)
+        if len(tensor.shape) != rank:
+            raise ctx.fail(f"{name} must be {rank}-D, got shape {list(tensor.shape)}")
+    return tensors
+
+
 def _lower_mm(ctx: OpContext) -> list[Dispatch]:
     """aten.mm through the GEMM's strided operands: a lazily transposed input costs nothing."""
-    a, b = ctx.tensor(0, "self"), ctx.tensor(1, "mat2")
-    for tensor, name in ((a, "self"), (b, "mat2")):
-        _check_float(ctx, tensor, name)
-        if len(tensor.shape) != 2:
-            raise ctx.fail(f"{name} must be 2-D, got shape {list(tensor.shape)}")
+    a, b = _float_matrices(ctx, ((0, "self"), (1, "mat2")), 2)
     if ctx.outputs[0].shape != (a.shape[0], b.shape[1]):
         raise ctx.fail(f"output has shape {list(ctx.outputs[0].shape)}, expected {[a.shape[0], b.shape[1]]}")
     try:
-        return matmul.plan_gemm(ctx.outputs[0].binding, a.binding, a.strided, b.binding, b.strided, label=ctx.label)
+        scratch = _split_k_scratch(ctx, 1, a.shape[0], b.shape[1], a.shape[1])
+        return matmul.plan_gemm(ctx.outputs[0].binding, a.binding, a.strided, b.binding, b.strided,
+                                scratch=scratch, label=ctx.label)
     except (ValueError, TypeError) as exc:
         raise ctx.fail(f"the matmul kernel refused it: {exc}") from exc
+
+
+def _lower_bmm(ctx: OpContext) -> list[Dispatch]:
+    a, b = _float_matrices(ctx, ((0, "self"), (1, "mat2")), 3)
+    scratch = _split_k_scratch(ctx, a.shape[0], a.shape[1], b.shape[2], a.shape[2])
+    return _call(ctx, "aten.bmm.default", self=a.binding, self_shape=a.shape, self_dtype=a.dtype, mat2=b.binding,
+                 mat2_shape=b.shape, mat2_dtype=b.dtype, out=ctx.outputs[0].binding, scratch=scratch)
+
+
+def _lower_addmm(ctx: OpContext) -> list[Dispatch]:
+    bias = ctx.tensor(0, "self")
+    a, b = _float_matrices(ctx, ((1, "mat1"), (2, "mat2")), 2)
+    scratch = _split_k_scratch(ctx, 1, a.shape[0], b.shape[1], a.shape[1])
+    return _call(ctx, "aten.addmm.default", self=bias.binding, self_shape=bias.shape, self_dtype=bias.dtype,
+                 mat1=a.binding, mat1_shape=a.shape, mat1_dtype=a.dtype, mat2=b.binding, mat2_shape=b.shape,
+                 mat2_dtype=b.dtype, beta=ctx.args[3], alpha=ctx.args[4], out=ctx.outputs[0].binding,
+                 scratch=scratch)
 
 
 TO_DIM_ORDER_COPY = "dim_order_ops._to_dim_order_copy.default"
@@ -677,6 +722,8 @@ OP_LOWERINGS: dict[str, OpLowering] = {
     **{key: OpLowering(key, names, _aten_lowering(key)) for key, names in ATEN_SCHEMA_ARGS.items()},
     **{key: OpLowering(key, ATEN_SCHEMA_ARGS[key], _lower_transpose) for key in _TRANSPOSE_OPS},
     "aten.mm.default": OpLowering("aten.mm.default", ATEN_SCHEMA_ARGS["aten.mm.default"], _lower_mm),
+    "aten.bmm.default": OpLowering("aten.bmm.default", ATEN_SCHEMA_ARGS["aten.bmm.default"], _lower_bmm),
+    "aten.addmm.default": OpLowering("aten.addmm.default", ATEN_SCHEMA_ARGS["aten.addmm.default"], _lower_addmm),
     EMPTY: OpLowering(None, ("size", "dtype", "layout", "device", "pin_memory", "memory_format"), _lower_empty),
     EMPTY_PERMUTED: OpLowering(None, ("size", "physical_layout", "dtype", "layout", "device", "pin_memory"),
                                _lower_empty),

@@ -7,19 +7,29 @@
 // so transposed operands (t_copy / permute folded into the GEMM), broadcast batches (stride 0) and
 // addmm's broadcast bias need no copy. C is contiguous [batch, M, N].
 //
-// Tiling: a workgroup of 16 x 16 threads computes a 64 x 64 tile of C; each thread owns a 4 x 4
-// micro-tile at rows ty + 16 i and columns tx + 16 j (so shared-memory reads are conflict-free and
-// global stores coalesce). K advances in steps of 16 through shared memory. Partial tiles at the M,
-// N and K edges load zeros and skip the stores.
+// Tiling: a workgroup of (TILE_M / 4) x (TILE_N / 4) threads computes a TILE_M x TILE_N tile of C;
+// each thread owns a 4 x 4 micro-tile at rows ty + THREADS_M i and columns tx + THREADS_N j (so
+// shared-memory reads are conflict-free and global stores coalesce). K advances in steps of 16
+// through shared memory. Partial tiles at the M, N and K edges load zeros and skip the stores.
+// Tiles: 64 x 64 (default), 64 x 16 and 16 x 64 for outputs with a dimension <= 16 (a LoRA rank),
+// which would leave 3/4 of a 64-wide tile idle.
+//
+// Split-K: group z = slice * batch + b. Slice s reduces k in [s * k_slice, min(K, (s + 1) * k_slice))
+// and writes its partial result to C + (s * batch + b) * M * N, so with several slices C is a
+// [slices, batch, M, N] scratch buffer that a second dispatch (linear_splitk_reduce.comp) sums in
+// slice order: deterministic, no atomics. Only slice 0 adds the bias. Unsplit: one slice, k_slice >= K.
 //
 // Every loop but the one over K is unrolled: lavapipe ends an invocation after 65535 loop trips, so
-// K may reach 16 * 65535 there.
+// k_slice may reach 16 * 65535 there.
 //
-// Variants (#define): HAS_BIAS=0 (mm, bmm) or HAS_BIAS=1 (addmm / baddbmm).
+// Variants (#define): HAS_BIAS=0 (mm, bmm) or HAS_BIAS=1 (addmm / baddbmm); TILE_M / TILE_N (64 when
+// not defined); VEC4_C (only for N % 4 == 0): each thread owns 4 adjacent columns instead of columns
+// THREADS_N apart, reads them from shared memory as one vec4 and stores each micro-tile row as one
+// vec4, 4x fewer memory instructions for the output-bound shapes (h[T, 16] @ B^T[16, N]).
 // Specialization constants: A_M_FASTEST (id 3) / B_K_FASTEST (id 4) pick the order in which a
 // workgroup walks a tile while loading it, so that neighbouring threads read neighbouring addresses
 // whichever of the operand's two strides is 1.
-// vktrain-variants: HAS_BIAS=0, HAS_BIAS=1
+// vktrain-variants: HAS_BIAS=0, HAS_BIAS=1, HAS_BIAS=0+TILE_M=64+TILE_N=16, HAS_BIAS=1+TILE_M=64+TILE_N=16, HAS_BIAS=0+TILE_M=16+TILE_N=64, HAS_BIAS=1+TILE_M=16+TILE_N=64, HAS_BIAS=0+VEC4_C, HAS_BIAS=1+VEC4_C, HAS_BIAS=0+TILE_M=64+TILE_N=16+VEC4_C, HAS_BIAS=1+TILE_M=64+TILE_N=16+VEC4_C, HAS_BIAS=0+TILE_M=16+TILE_N=64+VEC4_C, HAS_BIAS=1+TILE_M=16+TILE_N=64+VEC4_C
 #extension GL_GOOGLE_include_directive : require
 #extension GL_EXT_control_flow_attributes : require
 #include "common.glsl"
@@ -27,22 +37,35 @@
 #ifndef HAS_BIAS
 #define HAS_BIAS 0
 #endif
+#ifndef TILE_M
 #define TILE_M 64
+#endif
+#ifndef TILE_N
 #define TILE_N 64
+#endif
 #define TILE_K 16
-#define THREADS_M 16
-#define THREADS_N 16
-#define MICRO_M 4   // TILE_M / THREADS_M
-#define MICRO_N 4   // TILE_N / THREADS_N
+#define MICRO_M 4
+#define MICRO_N 4  // VEC4_C relies on it
+#define THREADS_M (TILE_M / MICRO_M)
+#define THREADS_N (TILE_N / MICRO_N)
 #define THREADS (THREADS_M * THREADS_N)
-#define LOADS_PER_THREAD 4u  // TILE_M * TILE_K / THREADS (= TILE_N * TILE_K / THREADS)
+// Elements of each operand tile every thread loads per K step (exact: TILE_K = 16 = MICRO_M * MICRO_N).
+#define A_LOADS_PER_THREAD (TILE_M * TILE_K / THREADS)
+#define B_LOADS_PER_THREAD (TILE_N * TILE_K / THREADS)
+#if (TILE_M % MICRO_M) != 0 || (TILE_N % MICRO_N) != 0 || (TILE_M * TILE_K) % THREADS != 0 || (TILE_N * TILE_K) % THREADS != 0
+#error "TILE_M and TILE_N must be multiples of 4 whose thread count divides their tile loads"
+#endif
 
 layout(local_size_x = THREADS_N, local_size_y = THREADS_M) in;
 
 layout(constant_id = 3) const bool A_M_FASTEST = false;
 layout(constant_id = 4) const bool B_K_FASTEST = false;
 
+#ifdef VEC4_C
+layout(std430, set = 0, binding = 0) writeonly buffer CBuffer { vec4 c_data[]; };
+#else
 layout(std430, set = 0, binding = 0) writeonly buffer CBuffer { float c_data[]; };
+#endif
 layout(std430, set = 0, binding = 1) readonly buffer ABuffer { float a_data[]; };
 layout(std430, set = 0, binding = 2) readonly buffer BBuffer { float b_data[]; };
 #if HAS_BIAS
@@ -68,19 +91,31 @@ layout(push_constant, std430) uniform Params {
     uint bias_n_stride;
     float alpha;
     float beta;
+    uint batch;    // batches per slice: group z = slice * batch + b
+    uint k_slice;  // reduction length of one slice (a multiple of TILE_K, or >= K when unsplit)
 } params;
 
 // +1 column of padding: in k-fastest load order, 16 neighbouring threads store one tile column
 // (stride TILE_M + 1 words apart), which without padding would all hit the same bank.
 shared float a_tile[TILE_K][TILE_M + 1];
+#ifdef VEC4_C
+// Rows padded by one vec4: k-fastest loads then store 16 neighbouring k 68 words apart (2-way conflict).
+shared vec4 b_tile[TILE_K][TILE_N / 4 + 1];
+#define B_TILE(kk, nn) b_tile[kk][(nn) / 4u][(nn) % 4u]
+#else
 shared float b_tile[TILE_K][TILE_N + 1];
+#define B_TILE(kk, nn) b_tile[kk][nn]
+#endif
 
 void main() {
     uint tx = gl_LocalInvocationID.x;
     uint ty = gl_LocalInvocationID.y;
     uint tid = ty * THREADS_N + tx;
     uvec3 group = VKTRAIN_GLOBAL_GROUP_ID(params);
-    uint batch = group.z;
+    uint slice = group.z / params.batch;
+    uint batch = group.z % params.batch;
+    uint k_begin = slice * params.k_slice;
+    uint k_end = min(params.K, k_begin + min(params.k_slice, params.K));  // min: no uint overflow
     uint tile_m0 = group.y * TILE_M;
     uint tile_n0 = group.x * TILE_N;
 
@@ -94,24 +129,23 @@ void main() {
         }
     }
 
-    for (uint k0 = 0u; k0 < params.K; k0 += TILE_K) {
-        // Each thread loads (TILE_M * TILE_K) / THREADS = 4 elements of A and 4 of B.
-        [[unroll]] for (uint load = 0u; load < LOADS_PER_THREAD; ++load) {
+    for (uint k0 = k_begin; k0 < k_end; k0 += TILE_K) {
+        [[unroll]] for (uint load = 0u; load < A_LOADS_PER_THREAD; ++load) {
             uint e = tid + load * THREADS;
             uint mm = A_M_FASTEST ? e % TILE_M : e / TILE_K;
             uint kk = A_M_FASTEST ? e / TILE_M : e % TILE_K;
             uint m = tile_m0 + mm;
             uint k = k0 + kk;
-            a_tile[kk][mm] = (m < params.M && k < params.K)
+            a_tile[kk][mm] = (m < params.M && k < k_end)
                 ? a_data[a_base + m * params.a_m_stride + k * params.a_k_stride] : 0.0;
         }
-        [[unroll]] for (uint load = 0u; load < LOADS_PER_THREAD; ++load) {
+        [[unroll]] for (uint load = 0u; load < B_LOADS_PER_THREAD; ++load) {
             uint e = tid + load * THREADS;
             uint nn = B_K_FASTEST ? e / TILE_K : e % TILE_N;
             uint kk = B_K_FASTEST ? e % TILE_K : e / TILE_N;
             uint n = tile_n0 + nn;
             uint k = k0 + kk;
-            b_tile[kk][nn] = (n < params.N && k < params.K)
+            B_TILE(kk, nn) = (n < params.N && k < k_end)
                 ? b_data[b_base + k * params.b_k_stride + n * params.b_n_stride] : 0.0;
         }
         barrier();
@@ -122,9 +156,16 @@ void main() {
             [[unroll]] for (uint i = 0u; i < MICRO_M; ++i) {
                 a_frag[i] = a_tile[kk][ty + i * THREADS_M];
             }
+#ifdef VEC4_C
+            vec4 b_vec = b_tile[kk][tx];
+            [[unroll]] for (uint j = 0u; j < MICRO_N; ++j) {
+                b_frag[j] = b_vec[j];
+            }
+#else
             [[unroll]] for (uint j = 0u; j < MICRO_N; ++j) {
                 b_frag[j] = b_tile[kk][tx + j * THREADS_N];
             }
+#endif
             [[unroll]] for (uint i = 0u; i < MICRO_M; ++i) {
                 [[unroll]] for (uint j = 0u; j < MICRO_N; ++j) {
                     acc[i][j] += a_frag[i] * b_frag[j];
@@ -134,12 +175,29 @@ void main() {
         barrier();
     }
 
-    uint c_base = batch * params.M * params.N;
+    uint c_base = group.z * params.M * params.N;
     [[unroll]] for (uint i = 0u; i < MICRO_M; ++i) {
         uint m = tile_m0 + ty + i * THREADS_M;
         if (m >= params.M) {
             continue;
         }
+#ifdef VEC4_C
+        // N % 4 == 0: the 4 columns are all inside the output or all outside, and 16-byte aligned.
+        uint n0 = tile_n0 + tx * MICRO_N;
+        if (n0 >= params.N) {
+            continue;
+        }
+        vec4 row = params.alpha * vec4(acc[i][0], acc[i][1], acc[i][2], acc[i][3]);
+#if HAS_BIAS
+        if (params.beta != 0.0 && slice == 0u) {
+            [[unroll]] for (uint j = 0u; j < MICRO_N; ++j) {
+                row[j] += params.beta * bias_data[params.bias_offset + batch * params.bias_batch_stride +
+                                                  m * params.bias_m_stride + (n0 + j) * params.bias_n_stride];
+            }
+        }
+#endif
+        c_data[(c_base + m * params.N + n0) / 4u] = row;
+#else
         [[unroll]] for (uint j = 0u; j < MICRO_N; ++j) {
             uint n = tile_n0 + tx + j * THREADS_N;
             if (n >= params.N) {
@@ -147,13 +205,15 @@ void main() {
             }
             float value = params.alpha * acc[i][j];
 #if HAS_BIAS
-            // beta == 0 ignores the bias entirely (even NaN/inf in it), as torch.addmm does.
-            if (params.beta != 0.0) {
+            // beta == 0 ignores the bias entirely (even NaN/inf in it), as torch.addmm does. Only
+            // slice 0 adds it, so the split-K reduction adds it once.
+            if (params.beta != 0.0 && slice == 0u) {
                 value += params.beta * bias_data[params.bias_offset + batch * params.bias_batch_stride +
                                                  m * params.bias_m_stride + n * params.bias_n_stride];
             }
 #endif
             c_data[c_base + m * params.N + n] = value;
         }
+#endif
     }
 }
