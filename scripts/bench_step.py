@@ -50,6 +50,7 @@ from vktrain import quant  # noqa: E402
 
 FULL_PRESET, QUICK_PRESET = "llama-3.2-1b", "tiny-llama"
 FULL_SHAPES, QUICK_SHAPES = ((1, 128), (4, 512)), ((1, 16), (2, 32))
+QUICK_OVERRIDES = dict(dim=64, n_layers=2, hidden=192)  # a smaller tiny-llama: quick mode runs in CI on lavapipe
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 LORA_RANK, LORA_ALPHA, GROUP_SIZE = 16, 32.0, 32
 # Constants at least this big (as stored) become synthetic. Full: every weight, scale and the embedding
@@ -393,7 +394,7 @@ class EagerLlamaLoRA:
         return self.torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 
     def loss(self, token_ids, labels, n_valid):
-        torch, F = self.torch, self.F
+        F = self.F
         batch, seq = token_ids.shape
         cos, sin = self.rope_cos[:seq, None, :], self.rope_sin[:seq, None, :]  # [S, 1, D/2] over heads
         h = F.embedding(token_ids, self.embed)
@@ -687,7 +688,7 @@ def main(argv: list[str] | None = None) -> int:
         with tempfile.TemporaryDirectory(prefix="vktrain-bench-step-") as scratch:
             out_dir = args.out_dir or Path(scratch)
             written = export_configs(QUICK_PRESET, list(QUICK_SHAPES), out_dir, QUICK_SYNTHETIC_MIN_BYTES,
-                                     prefix="step_quick")
+                                     prefix="step_quick", **QUICK_OVERRIDES)
             return main(["run", *[w["path"] for w in written], "--steps", "3", "--warmup", "1",
                          "--out", str(out_dir / "step_quick.json")])
     if args.command == "export":
@@ -696,7 +697,7 @@ def main(argv: list[str] | None = None) -> int:
                                  args.shapes or list(QUICK_SHAPES if quick else FULL_SHAPES), args.out_dir,
                                  args.min_bytes if args.min_bytes is not None else
                                  (QUICK_SYNTHETIC_MIN_BYTES if quick else FULL_SYNTHETIC_MIN_BYTES),
-                                 prefix="step_quick" if quick else "step")
+                                 prefix="step_quick" if quick else "step", **(QUICK_OVERRIDES if quick else {}))
         if args.out:
             args.out.write_text(json.dumps(written, indent=1))
         return 0

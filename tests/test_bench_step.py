@@ -91,7 +91,7 @@ def test_bench_model_has_the_structure_of_build_llama_with_apply_lora(bench):
 
     assert describe(fast) == describe(reference)
     assert fast.lm_head.weight is fast.model.embed_tokens.weight  # tied like the preset
-    assert torch.equal(fast.model.norm.weight, torch.ones(64))
+    assert torch.equal(fast.model.norm.weight, torch.ones(fast.config.dim))
     np.testing.assert_array_equal(fast.rope_cos.numpy(), reference.rope_cos.numpy())
 
 

@@ -222,7 +222,7 @@ def test_registry_builds_presets_with_overrides():
     model = build_model("tiny-llama")
     assert isinstance(model, LlamaForCausalLM) and model.config == PRESETS["tiny-llama"]
     assert model.vocab_size == 256 and model.lm_head.weight is model.model.embed_tokens.weight
-    assert set(model.state_dict()) == hf_key_names(2, tied=False)  # state_dict lists the tied head too
+    assert set(model.state_dict()) == hf_key_names(model.config.n_layers, tied=False)  # state_dict lists the tied head too
     # The rope tables are buffers, not state: nothing beyond HF's names is saved.
     assert {name for name, _ in model.named_buffers()} == {"rope_cos", "rope_sin"}
     assert model.rope_cos.shape == (model.config.max_seq_len, model.config.head_dim // 2)
@@ -328,10 +328,12 @@ def _state_with(model, change):
      r"missing keys: .*\(9 in all\)"),
 ])
 def test_load_hf_state_dict_refuses_mismatched_checkpoints_and_changes_nothing(change, message):
-    model = build_model("tiny-llama", seed=11)
+    # The messages above name the shapes of this configuration.
+    dims = dict(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, hidden=192)
+    model = build_model("tiny-llama", seed=11, **dims)
     before = copy.deepcopy(model.state_dict())
     with pytest.raises(ValueError, match=message):
-        load_hf_state_dict(model, _state_with(build_model("tiny-llama", seed=12), change))
+        load_hf_state_dict(model, _state_with(build_model("tiny-llama", seed=12, **dims), change))
     torch.testing.assert_close(model.state_dict(), before, rtol=0, atol=0)
 
 

@@ -129,7 +129,8 @@ class LlamaConfig:
 
 
 PRESETS: dict[str, LlamaConfig] = {
-    "tiny-llama": LlamaConfig(),
+    # ~0.8M parameters: 4 layers, dim 128, 4 query / 2 kv heads of 32, SwiGLU 384, byte vocabulary, tied head.
+    "tiny-llama": LlamaConfig(dim=128, n_layers=4, n_heads=4, n_kv_heads=2, hidden=384),
     "llama-3.2-1b": LlamaConfig(
         vocab_size=128256, dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, hidden=8192, norm_eps=1e-5,
         rope_theta=500000.0, rope_scaling=Llama3RopeScaling(), max_seq_len=2048, tie_embeddings=True),
