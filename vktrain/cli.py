@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -177,6 +178,9 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.run(args)
+    except BrokenPipeError:  # the reader went away (`vktrain inspect x.pte | head`): not an error
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
     except ValueError as e:  # bad model / LoRA / shape configuration: a clear message, not a traceback
         print(f"vktrain {args.command}: error: {e}", file=sys.stderr)
         return 2
