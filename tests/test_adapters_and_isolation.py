@@ -12,11 +12,12 @@ import numpy as np
 import pytest
 import torch
 
-from vktrain.export import export_training_step, lower_to_pte
 from vktrain.lora import LoRAConfig, apply_lora, load_adapters, lora_modules
 from vktrain.models import build_model
 from vktrain.runtime.adapters import adapters_from_state, save_adapters
 from vktrain.runtime.runner import TrainingRunner
+
+from _helpers import assert_import_loads_none, export_mlp_lora_training_step
 
 BATCH, SEQ, VOCAB = 2, 8, 64
 HPARAMS = np.array([2e-2, 0.9, 0.999, 1e-8, 0.0], np.float32)
@@ -24,11 +25,8 @@ HPARAMS = np.array([2e-2, 0.9, 0.999, 1e-8, 0.0], np.float32)
 
 @pytest.fixture(scope="module")
 def exported(tmp_path_factory):
-    model = build_model("mlp-lora", dim=32, hidden=64, vocab_size=VOCAB, n_layers=2, activation="relu")
-    apply_lora(model, LoRAConfig(rank=4, alpha=8.0, targets="*", group_size=32, seed=0))
     path = tmp_path_factory.mktemp("pte") / "step.pte"
-    path.write_bytes(lower_to_pte(export_training_step(model, (BATCH, SEQ))))
-    return path, model
+    return path, export_mlp_lora_training_step(path, (BATCH, SEQ), VOCAB)
 
 
 def _batch(seed):
@@ -102,7 +100,5 @@ def test_runner_runs_a_pte_where_torch_and_executorch_cannot_be_imported(exporte
 
 def test_host_side_file_formats_do_not_load_the_vulkan_loader():
     """vktrain.lora reads PEFT files through vktrain.runtime.adapters: that must not need a Vulkan driver."""
-    code = ("import sys, vktrain.lora, vktrain.runtime.adapters, vktrain.runtime.pte; "
-            "loaded = [m for m in ('vulkan', 'vktrain.runtime.device') if m in sys.modules]; "
-            "assert not loaded, loaded")
-    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+    assert_import_loads_none(["vktrain.lora", "vktrain.runtime.adapters", "vktrain.runtime.pte"],
+                             forbidden=["vulkan", "vktrain.runtime.device"], timeout=120)

@@ -14,7 +14,6 @@ backward's scratch and refuse malformed ops with a message naming the problem.
 from __future__ import annotations
 
 import argparse
-import copy
 import itertools
 import json
 import re
@@ -25,7 +24,7 @@ import pytest
 import torch
 
 from vktrain.export import export_training_step, lower_to_pte
-from vktrain.lora import LoRAConfig, apply_lora, lora_parameter_names
+from vktrain.lora import LoRAConfig, apply_lora
 from vktrain.models import build_model
 from vktrain.runtime.kernels import attention, norm
 from vktrain.runtime.op_lowering import GraphLoweringError, OpContext, TensorArg, lowering_for
@@ -35,6 +34,8 @@ from vktrain.runtime.schedule import BufferBinding
 from vktrain.runtime.train_loop import add_train_arguments, run_train
 from vktrain.serialization import deserialize_blob
 from vktrain.serialization import graph as vk
+
+from _helpers import eager_lora_adamw_training, runner_losses
 
 BATCH, SEQ = 2, 16
 STEPS = 20
@@ -68,30 +69,6 @@ def _batches(count: int):
         yield token_ids, labels
 
 
-def _eager_training(model):
-    """Per-step losses and the final LoRA tensors and AdamW first moments of the eager reference."""
-    model = copy.deepcopy(model)
-    names = lora_parameter_names(model)
-    params = dict(model.named_parameters())
-    for name, param in params.items():
-        param.requires_grad_(name in names)
-    optimizer = torch.optim.AdamW([params[n] for n in names], lr=LR, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY)
-    losses = []
-    for token_ids, labels in _batches(STEPS):
-        optimizer.zero_grad()
-        loss = model.loss(token_ids, labels, (labels >= 0).sum().to(torch.float32))
-        loss.backward()
-        optimizer.step()
-        losses.append(loss.item())
-    state = {name: params[name].detach().numpy().copy() for name in names}
-    exp_avg = {name: optimizer.state[params[name]]["exp_avg"].numpy().copy() for name in names}
-    return losses, state, exp_avg
-
-
-def _vulkan_training(runner: TrainingRunner) -> list[float]:
-    return [runner.step(token_ids.numpy(), labels.numpy(), HPARAMS) for token_ids, labels in _batches(STEPS)]
-
-
 def test_training_step_is_one_delegate_with_every_transformer_op(llama_program):
     path, model = llama_program
     plan = PteFile.load(path).execution_plan()
@@ -119,10 +96,11 @@ def test_tied_embedding_is_stored_once(llama_program):
 
 def test_twenty_steps_match_eager_pytorch_and_replay_bitwise(vk_device, llama_program):
     path, model = llama_program
-    ref_losses, ref_state, ref_exp_avg = _eager_training(model)
+    ref_losses, ref_state, ref_exp_avg = eager_lora_adamw_training(
+        model, _batches(STEPS), lr=LR, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY)
     with TrainingRunner.from_pte(path, vk_device) as runner:
         assert runner.batch_shape == (BATCH, SEQ) and runner.vocab_size == 256
-        losses = _vulkan_training(runner)
+        losses = runner_losses(runner, _batches(STEPS), HPARAMS)
         lora = runner.lora_state()
         exp_avg = {name: runner.read_state("optimizer.exp_avg." + name) for name in ref_state}
         final_state = runner.state_dict()
@@ -138,7 +116,7 @@ def test_twenty_steps_match_eager_pytorch_and_replay_bitwise(vk_device, llama_pr
 
     # A second runner (fresh buffers, recorded again) reproduces every bit.
     with TrainingRunner.from_pte(path, vk_device) as second:
-        assert _vulkan_training(second) == losses
+        assert runner_losses(second, _batches(STEPS), HPARAMS) == losses
         second_state = second.state_dict()
     assert second_state.keys() == final_state.keys()
     for name in final_state:

@@ -8,18 +8,18 @@ at load, and instructions outside the delegate run on the CPU.
 """
 from __future__ import annotations
 
-import copy
-
 import numpy as np
 import pytest
 import torch
 
 from vktrain.export import example_training_inputs, export_training_step, lower_to_pte
-from vktrain.lora import LoRAConfig, apply_lora, lora_parameter_names
+from vktrain.lora import LoRAConfig, apply_lora
 from vktrain.models import build_model
 from vktrain.runtime.executor import ExecutorInputError
 from vktrain.runtime.pte import PteFile
 from vktrain.runtime.runner import ProgramInterpreter, TrainingRunner, UnsupportedProgramError
+
+from _helpers import eager_lora_adamw_training, export_mlp_lora_training_step, runner_losses
 
 BATCH, SEQ, VOCAB = 2, 8, 64
 STEPS = 20
@@ -30,11 +30,8 @@ HPARAMS = np.array([LR, *BETAS, EPS, WEIGHT_DECAY], np.float32)
 @pytest.fixture(scope="module")
 def step_program(tmp_path_factory):
     """(path of the exported .pte, the LoRA model it was exported from)."""
-    model = build_model("mlp-lora", dim=32, hidden=64, vocab_size=VOCAB, n_layers=2, activation="relu")
-    apply_lora(model, LoRAConfig(rank=4, alpha=8.0, targets="*", group_size=32, seed=0))
     path = tmp_path_factory.mktemp("pte") / "mlp_lora_step.pte"
-    path.write_bytes(lower_to_pte(export_training_step(model, (BATCH, SEQ))))
-    return path, model
+    return path, export_mlp_lora_training_step(path, (BATCH, SEQ), VOCAB)
 
 
 def _batches(count: int):
@@ -46,38 +43,14 @@ def _batches(count: int):
         yield token_ids, labels
 
 
-def _eager_training(model):
-    """Per-step losses and final parameters / AdamW state of the eager reference."""
-    model = copy.deepcopy(model)
-    names = lora_parameter_names(model)
-    params = dict(model.named_parameters())
-    for name, param in params.items():
-        param.requires_grad_(name in names)
-    optimizer = torch.optim.AdamW([params[n] for n in names], lr=LR, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY)
-    losses = []
-    for token_ids, labels in _batches(STEPS):
-        n_valid = (labels >= 0).sum().to(torch.float32)
-        optimizer.zero_grad()
-        loss = model.loss(token_ids, labels, n_valid)
-        loss.backward()
-        optimizer.step()
-        losses.append(loss.item())
-    state = {name: params[name].detach().numpy().copy() for name in names}
-    exp_avg = {name: optimizer.state[params[name]]["exp_avg"].numpy().copy() for name in names}
-    return losses, state, exp_avg
-
-
-def _vulkan_training(runner: TrainingRunner) -> list[float]:
-    return [runner.step(token_ids.numpy(), labels.numpy(), HPARAMS) for token_ids, labels in _batches(STEPS)]
-
-
 def test_twenty_steps_match_eager_pytorch(vk_device, step_program):
     path, model = step_program
-    ref_losses, ref_state, ref_exp_avg = _eager_training(model)
+    ref_losses, ref_state, ref_exp_avg = eager_lora_adamw_training(
+        model, _batches(STEPS), lr=LR, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY)
     with TrainingRunner.from_pte(path, vk_device) as runner:
         assert runner.input_names == ["token_ids", "labels", "hparams", "n_valid"]
         assert runner.batch_shape == (BATCH, SEQ) and runner.vocab_size == VOCAB
-        losses = _vulkan_training(runner)
+        losses = runner_losses(runner, _batches(STEPS), HPARAMS)
         np.testing.assert_allclose(losses, ref_losses, rtol=1e-4)
         assert np.mean(losses[-5:]) < np.mean(losses[:5]) - 0.05  # it trains
         lora = runner.lora_state()
@@ -96,13 +69,13 @@ def test_two_runs_are_bitwise_identical_and_checkpoints_restore(vk_device, step_
     path = step_program[0]
     with TrainingRunner.from_pte(path, vk_device) as first:
         initial = first.state_dict()
-        losses_first = _vulkan_training(first)
+        losses_first = runner_losses(first, _batches(STEPS), HPARAMS)
         final_first = first.state_dict()
         # Restoring the initial checkpoint into the same runner reproduces the run exactly.
         first.load_state_dict(initial)
-        assert _vulkan_training(first) == losses_first
+        assert runner_losses(first, _batches(STEPS), HPARAMS) == losses_first
     with TrainingRunner.from_pte(path, vk_device) as second:
-        losses_second = _vulkan_training(second)
+        losses_second = runner_losses(second, _batches(STEPS), HPARAMS)
         final_second = second.state_dict()
     assert losses_first == losses_second
     assert final_first.keys() == final_second.keys()
@@ -234,9 +207,10 @@ def test_other_activations_train_like_eager(vk_device, tmp_path, activation, fus
     assert list(plan.operators) == []
     names = [op.name for op in deserialize_blob(bytes(plan.delegates[0].data)).ops]
     assert fused_op in names and absent_op not in names
-    ref_losses, ref_state, _ = _eager_training(model)
+    ref_losses, ref_state, _ = eager_lora_adamw_training(
+        model, _batches(STEPS), lr=LR, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY)
     with TrainingRunner.from_pte(path, vk_device) as runner:
-        losses = _vulkan_training(runner)
+        losses = runner_losses(runner, _batches(STEPS), HPARAMS)
         lora = runner.lora_state()
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-4)
     assert np.mean(losses[-5:]) < np.mean(losses[:5]) - 0.05

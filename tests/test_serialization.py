@@ -8,8 +8,6 @@ from __future__ import annotations
 import io
 import shutil
 import struct
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -26,6 +24,8 @@ from vktrain.serialization.graph import (
     IntValue, Layout, MemoryObject, MutableState, NullValue, OpCall, StringValue, TensorValue, ValueListValue,
     VkGraph,
 )
+
+from _helpers import assert_import_loads_none
 
 HEADER = struct.Struct("<4sIIIQQQQ")  # the documented header, restated independently of blob.py
 
@@ -120,10 +120,9 @@ def test_generated_code_is_up_to_date_with_the_schemas():
 
 
 def test_serialization_and_runtime_never_import_torch_or_executorch():
-    code = ("import sys, vktrain.serialization.blob, vktrain.serialization.graph, vktrain.serialization.generate; "
-            "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'executorch')); "
-            "assert not bad, bad")
-    subprocess.run([sys.executable, "-c", code], check=True)
+    assert_import_loads_none(
+        ["vktrain.serialization.blob", "vktrain.serialization.graph", "vktrain.serialization.generate"],
+        forbidden=["torch", "executorch"])
 
 
 # --- round trip ----------------------------------------------------------------------------------

@@ -9,6 +9,8 @@ from torch.export import ExportedProgram
 
 from vktrain.lora import lora_modules
 
+from .training import check_batch_shape
+
 
 class _ForwardModule(nn.Module):
     def __init__(self, model: nn.Module) -> None:
@@ -23,12 +25,7 @@ def export_forward(model: nn.Module, batch_shape: tuple[int, int], with_adapters
     """Program `token_ids int64 [B, S] -> logits float32 [B, S, V]`; all weights are frozen constants.
 
     with_adapters=False exports the q4gsw base alone (every LoRAQ4Linear's adapter disabled)."""
-    try:
-        batch_size, seq_len = (int(d) for d in batch_shape)
-    except (TypeError, ValueError):
-        raise ValueError(f"batch_shape must be (batch_size, seq_len), got {batch_shape!r}") from None
-    if batch_size <= 0 or seq_len <= 0:
-        raise ValueError(f"batch_shape must be positive (batch_size, seq_len), got {batch_shape!r}")
+    batch_size, seq_len = check_batch_shape(batch_shape)
     model = copy.deepcopy(model).eval()
     for param in model.parameters():
         param.requires_grad_(False)

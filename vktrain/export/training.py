@@ -186,7 +186,8 @@ class TrainingStepModule(nn.Module):
         return outputs[self._loss_index]
 
 
-def _check_batch_shape(batch_shape) -> tuple[int, int]:
+def check_batch_shape(batch_shape) -> tuple[int, int]:
+    """(batch_size, seq_len) of an export's token batch, both positive; ValueError naming the problem."""
     try:
         batch_size, seq_len = (int(d) for d in batch_shape)
     except (TypeError, ValueError):
@@ -201,7 +202,7 @@ def export_training_step(model: nn.Module, batch_shape: tuple[int, int]) -> Expo
 
     The model is not modified (it is deep-copied). See the module docstring for the program's signature.
     """
-    batch_size, seq_len = _check_batch_shape(batch_shape)
+    batch_size, seq_len = check_batch_shape(batch_shape)
     if not lora_parameter_names(model):
         raise ValueError("the model has no LoRA adapters: call vktrain.lora.apply_lora first (nothing to train)")
     model = copy.deepcopy(model)

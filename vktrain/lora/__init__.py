@@ -1,6 +1,7 @@
 """LoRA adapters over a frozen q4gsw base."""
+from vktrain.runtime.adapters import PEFT_PREFIX
+
 from .inject import (
-    PEFT_PREFIX,
     LoRAConfig,
     LoRAInsertionError,
     LoRAReport,

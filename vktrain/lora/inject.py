@@ -17,7 +17,6 @@ from torch import nn
 from vktrain.quant import check_q4gsw_shapes
 
 from vktrain.runtime import adapters as peft_files  # torch-free PEFT naming and files: one implementation
-from vktrain.runtime.adapters import PEFT_PREFIX
 
 from .layers import LoRAQ4Linear
 

@@ -24,7 +24,7 @@ import struct
 from typing import Any, Callable, Hashable, Mapping, Sequence
 
 from .errors import BindingRangeError, ScheduleError, vk_call
-from .memory import Buffer
+from .memory import Buffer, record_memory_barrier
 from .schedule import (
     LOCAL_SIZE_SPEC_IDS,
     PUSH_HEADER_BYTES,
@@ -35,13 +35,6 @@ from .schedule import (
 )
 
 DEFAULT_TIMEOUT_S = 600.0
-
-
-def _barrier(vk, cb, src_stage: int, src_access: int, dst_stage: int, dst_access: int) -> None:
-    barrier = vk.VkMemoryBarrier(sType=vk.VK_STRUCTURE_TYPE_MEMORY_BARRIER, srcAccessMask=src_access,
-                                 dstAccessMask=dst_access)
-    barriers = [barrier]
-    vk.vkCmdPipelineBarrier(cb, src_stage, dst_stage, 0, 1, barriers, 0, None, 0, None)
 
 
 def _begin(vk, cb) -> None:
@@ -301,21 +294,21 @@ class Program:
         if self._query_pool is not None:
             vk.vkCmdResetQueryPool(cb, self._query_pool, 0, len(planned) + 1)
         # Host writes (Buffer.write), staging copies and an earlier replay must be visible to this one.
-        _barrier(vk, cb,
-                 vk.VK_PIPELINE_STAGE_HOST_BIT | vk.VK_PIPELINE_STAGE_TRANSFER_BIT
-                 | vk.VK_PIPELINE_STAGE_COMPUTE_SHADER_BIT,
-                 vk.VK_ACCESS_HOST_WRITE_BIT | vk.VK_ACCESS_TRANSFER_WRITE_BIT | vk.VK_ACCESS_SHADER_WRITE_BIT,
-                 vk.VK_PIPELINE_STAGE_COMPUTE_SHADER_BIT,
-                 vk.VK_ACCESS_SHADER_READ_BIT | vk.VK_ACCESS_SHADER_WRITE_BIT)
+        record_memory_barrier(
+            vk, cb,
+            vk.VK_PIPELINE_STAGE_HOST_BIT | vk.VK_PIPELINE_STAGE_TRANSFER_BIT | vk.VK_PIPELINE_STAGE_COMPUTE_SHADER_BIT,
+            vk.VK_ACCESS_HOST_WRITE_BIT | vk.VK_ACCESS_TRANSFER_WRITE_BIT | vk.VK_ACCESS_SHADER_WRITE_BIT,
+            vk.VK_PIPELINE_STAGE_COMPUTE_SHADER_BIT,
+            vk.VK_ACCESS_SHADER_READ_BIT | vk.VK_ACCESS_SHADER_WRITE_BIT)
         if self._query_pool is not None:
             vk.vkCmdWriteTimestamp(cb, vk.VK_PIPELINE_STAGE_BOTTOM_OF_PIPE_BIT, self._query_pool, 0)
         bound_pipeline = None
         for index, (plan, barrier) in enumerate(zip(planned, self.barriers)):
             if barrier:
-                _barrier(vk, cb, vk.VK_PIPELINE_STAGE_COMPUTE_SHADER_BIT,
-                         vk.VK_ACCESS_SHADER_READ_BIT | vk.VK_ACCESS_SHADER_WRITE_BIT,
-                         vk.VK_PIPELINE_STAGE_COMPUTE_SHADER_BIT,
-                         vk.VK_ACCESS_SHADER_READ_BIT | vk.VK_ACCESS_SHADER_WRITE_BIT)
+                record_memory_barrier(vk, cb, vk.VK_PIPELINE_STAGE_COMPUTE_SHADER_BIT,
+                                      vk.VK_ACCESS_SHADER_READ_BIT | vk.VK_ACCESS_SHADER_WRITE_BIT,
+                                      vk.VK_PIPELINE_STAGE_COMPUTE_SHADER_BIT,
+                                      vk.VK_ACCESS_SHADER_READ_BIT | vk.VK_ACCESS_SHADER_WRITE_BIT)
             pipeline = plan.pipeline
             if pipeline is not bound_pipeline:
                 vk.vkCmdBindPipeline(cb, vk.VK_PIPELINE_BIND_POINT_COMPUTE, pipeline.handle)
@@ -333,9 +326,12 @@ class Program:
             if self._query_pool is not None:
                 vk.vkCmdWriteTimestamp(cb, vk.VK_PIPELINE_STAGE_BOTTOM_OF_PIPE_BIT, self._query_pool, index + 1)
         # Results must be visible to the host (mapped reads) and to transfers (staging downloads).
-        _barrier(vk, cb, vk.VK_PIPELINE_STAGE_COMPUTE_SHADER_BIT, vk.VK_ACCESS_SHADER_WRITE_BIT,
-                 vk.VK_PIPELINE_STAGE_HOST_BIT | vk.VK_PIPELINE_STAGE_TRANSFER_BIT,
-                 vk.VK_ACCESS_HOST_READ_BIT | vk.VK_ACCESS_TRANSFER_READ_BIT | vk.VK_ACCESS_TRANSFER_WRITE_BIT)
+        record_memory_barrier(
+            vk, cb,
+            vk.VK_PIPELINE_STAGE_COMPUTE_SHADER_BIT,
+            vk.VK_ACCESS_SHADER_WRITE_BIT,
+            vk.VK_PIPELINE_STAGE_HOST_BIT | vk.VK_PIPELINE_STAGE_TRANSFER_BIT,
+            vk.VK_ACCESS_HOST_READ_BIT | vk.VK_ACCESS_TRANSFER_READ_BIT | vk.VK_ACCESS_TRANSFER_WRITE_BIT)
         vk_call("vkEndCommandBuffer", vk.vkEndCommandBuffer, cb)
         self._fence = _create_fence(device)
 

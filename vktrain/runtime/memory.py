@@ -251,13 +251,19 @@ class Buffer:
         vk = self.device.vk
 
         def record(cb):
-            _barrier(vk, cb, vk.VK_PIPELINE_STAGE_COMPUTE_SHADER_BIT | vk.VK_PIPELINE_STAGE_TRANSFER_BIT,
-                     vk.VK_ACCESS_SHADER_READ_BIT | vk.VK_ACCESS_SHADER_WRITE_BIT | vk.VK_ACCESS_TRANSFER_WRITE_BIT,
-                     vk.VK_PIPELINE_STAGE_TRANSFER_BIT, vk.VK_ACCESS_TRANSFER_WRITE_BIT)
+            record_memory_barrier(
+                vk, cb,
+                vk.VK_PIPELINE_STAGE_COMPUTE_SHADER_BIT | vk.VK_PIPELINE_STAGE_TRANSFER_BIT,
+                vk.VK_ACCESS_SHADER_READ_BIT | vk.VK_ACCESS_SHADER_WRITE_BIT | vk.VK_ACCESS_TRANSFER_WRITE_BIT,
+                vk.VK_PIPELINE_STAGE_TRANSFER_BIT,
+                vk.VK_ACCESS_TRANSFER_WRITE_BIT)
             vk.vkCmdFillBuffer(cb, self._raw.handle, 0, self.size, 0)
-            _barrier(vk, cb, vk.VK_PIPELINE_STAGE_TRANSFER_BIT, vk.VK_ACCESS_TRANSFER_WRITE_BIT,
-                     vk.VK_PIPELINE_STAGE_COMPUTE_SHADER_BIT | vk.VK_PIPELINE_STAGE_HOST_BIT,
-                     vk.VK_ACCESS_SHADER_READ_BIT | vk.VK_ACCESS_SHADER_WRITE_BIT | vk.VK_ACCESS_HOST_READ_BIT)
+            record_memory_barrier(
+                vk, cb,
+                vk.VK_PIPELINE_STAGE_TRANSFER_BIT,
+                vk.VK_ACCESS_TRANSFER_WRITE_BIT,
+                vk.VK_PIPELINE_STAGE_COMPUTE_SHADER_BIT | vk.VK_PIPELINE_STAGE_HOST_BIT,
+                vk.VK_ACCESS_SHADER_READ_BIT | vk.VK_ACCESS_SHADER_WRITE_BIT | vk.VK_ACCESS_HOST_READ_BIT)
 
         self.device.one_shot(record)
 
@@ -274,22 +280,25 @@ class Buffer:
         return f"Buffer({self.name!r}, {self.nbytes} bytes, {path}{state})"
 
 
-def _barrier(vk, cb, src_stage: int, src_access: int, dst_stage: int, dst_access: int) -> None:
+def record_memory_barrier(vk, cb, src_stage: int, src_access: int, dst_stage: int, dst_access: int) -> None:
+    """Record a global memory barrier (src stage/access -> dst stage/access) into command buffer `cb`."""
     barrier = vk.VkMemoryBarrier(sType=vk.VK_STRUCTURE_TYPE_MEMORY_BARRIER, srcAccessMask=src_access,
                                  dstAccessMask=dst_access)
-    barriers = [barrier]
-    vk.vkCmdPipelineBarrier(cb, src_stage, dst_stage, 0, 1, barriers, 0, None, 0, None)
+    vk.vkCmdPipelineBarrier(cb, src_stage, dst_stage, 0, 1, [barrier], 0, None, 0, None)
 
 
 def _record_copy(vk, cb, src, src_offset: int, dst, dst_offset: int, nbytes: int) -> None:
     # Earlier device work on either buffer must finish before the copy; the copy's result must be
     # visible to later shaders and to the host.
-    _barrier(vk, cb, vk.VK_PIPELINE_STAGE_COMPUTE_SHADER_BIT | vk.VK_PIPELINE_STAGE_TRANSFER_BIT,
-             vk.VK_ACCESS_SHADER_READ_BIT | vk.VK_ACCESS_SHADER_WRITE_BIT | vk.VK_ACCESS_TRANSFER_WRITE_BIT,
-             vk.VK_PIPELINE_STAGE_TRANSFER_BIT, vk.VK_ACCESS_TRANSFER_READ_BIT | vk.VK_ACCESS_TRANSFER_WRITE_BIT)
+    record_memory_barrier(
+        vk, cb,
+        vk.VK_PIPELINE_STAGE_COMPUTE_SHADER_BIT | vk.VK_PIPELINE_STAGE_TRANSFER_BIT,
+        vk.VK_ACCESS_SHADER_READ_BIT | vk.VK_ACCESS_SHADER_WRITE_BIT | vk.VK_ACCESS_TRANSFER_WRITE_BIT,
+        vk.VK_PIPELINE_STAGE_TRANSFER_BIT,
+        vk.VK_ACCESS_TRANSFER_READ_BIT | vk.VK_ACCESS_TRANSFER_WRITE_BIT)
     region = vk.VkBufferCopy(srcOffset=src_offset, dstOffset=dst_offset, size=nbytes)
     regions = [region]
     vk.vkCmdCopyBuffer(cb, src, dst, 1, regions)
-    _barrier(vk, cb, vk.VK_PIPELINE_STAGE_TRANSFER_BIT, vk.VK_ACCESS_TRANSFER_WRITE_BIT,
-             vk.VK_PIPELINE_STAGE_COMPUTE_SHADER_BIT | vk.VK_PIPELINE_STAGE_HOST_BIT,
-             vk.VK_ACCESS_SHADER_READ_BIT | vk.VK_ACCESS_SHADER_WRITE_BIT | vk.VK_ACCESS_HOST_READ_BIT)
+    record_memory_barrier(vk, cb, vk.VK_PIPELINE_STAGE_TRANSFER_BIT, vk.VK_ACCESS_TRANSFER_WRITE_BIT,
+                          vk.VK_PIPELINE_STAGE_COMPUTE_SHADER_BIT | vk.VK_PIPELINE_STAGE_HOST_BIT,
+                          vk.VK_ACCESS_SHADER_READ_BIT | vk.VK_ACCESS_SHADER_WRITE_BIT | vk.VK_ACCESS_HOST_READ_BIT)

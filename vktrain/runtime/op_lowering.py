@@ -826,6 +826,13 @@ def _scalar_zero(graph: vk.VkGraph, value_id: int, producers: dict[int, vk.OpCal
     return isinstance(fill, (vk.IntValue, vk.DoubleValue)) and float(fill.value) == 0.0
 
 
+def _same_shape_fp32_tensors(graph: vk.VkGraph, *value_ids: int) -> bool:
+    """Whether every value is an fp32 tensor of one shape (the fusions below only rewrite such ops)."""
+    values = [graph.values[i] for i in value_ids]
+    return (all(isinstance(v, vk.TensorValue) and v.dtype == vk.DType.FLOAT32 for v in values)
+            and len({v.shape for v in values}) == 1)
+
+
 def _threshold_backward(graph: vk.VkGraph, op: vk.OpCall, producers: dict[int, vk.OpCall]) -> vk.OpCall | None:
     """where(le(x, t), 0, grad) -> threshold_backward(grad, x, t) (ReLU's backward; same shapes only)."""
     if op.name != "aten.where.self" or len(op.args) != 3 or len(op.outputs) != 1:
@@ -838,10 +845,7 @@ def _threshold_backward(graph: vk.VkGraph, op: vk.OpCall, producers: dict[int, v
     threshold = graph.values[threshold_id]
     if not isinstance(threshold, (vk.IntValue, vk.DoubleValue)) or not _scalar_zero(graph, then_value, producers):
         return None
-    x, grad, out = graph.values[x_id], graph.values[else_value], graph.values[op.outputs[0]]
-    if not all(isinstance(v, vk.TensorValue) for v in (x, grad, out)):
-        return None
-    if not (x.shape == grad.shape == out.shape and x.dtype == grad.dtype == out.dtype == vk.DType.FLOAT32):
+    if not _same_shape_fp32_tensors(graph, x_id, else_value, op.outputs[0]):
         return None
     return vk.OpCall(THRESHOLD_BACKWARD, (else_value, x_id, threshold_id), op.outputs)
 
@@ -860,10 +864,7 @@ def _rsub_of_full(graph: vk.VkGraph, op: vk.OpCall, producers: dict[int, vk.OpCa
         return None
     if not (isinstance(dtype, vk.NullValue) or (isinstance(dtype, vk.StringValue) and dtype.value == "float32")):
         return None
-    y, filled, out = graph.values[y_id], graph.values[full_id], graph.values[op.outputs[0]]
-    if not all(isinstance(v, vk.TensorValue) for v in (y, filled, out)):
-        return None
-    if not (y.shape == filled.shape == out.shape and y.dtype == filled.dtype == out.dtype == vk.DType.FLOAT32):
+    if not _same_shape_fp32_tensors(graph, y_id, full_id, op.outputs[0]):
         return None
     return vk.OpCall("aten.rsub.Scalar", (y_id, full.args[1], alpha_id), op.outputs)
 

@@ -50,6 +50,7 @@ from vktrain.runtime.pte_schema.executorch_flatbuffer.ScalarType import ScalarTy
 from vktrain.runtime.pte_schema.executorch_flatbuffer.String import String as FbString
 from vktrain.runtime.pte_schema.executorch_flatbuffer.Tensor import Tensor as FbTensor
 from vktrain.runtime.pte_schema.executorch_flatbuffer.TensorList import TensorList as FbTensorList
+from vktrain.serialization.flatbuffer_reading import scalar_vector, union_as
 
 PROGRAM_IDENTIFIER = b"ET12"
 EXTENDED_HEADER_MAGIC = b"eh00"
@@ -270,12 +271,6 @@ class ExecutionPlan:
 # Reading helpers
 # ---------------------------------------------------------------------------------------------------
 
-def _vector(table, field_name: str) -> tuple:
-    if getattr(table, f"{field_name}Length")() == 0:
-        return ()
-    return tuple(getattr(table, f"{field_name}AsNumpy")().tolist())
-
-
 def _bytes_vector(table, field_name: str) -> memoryview:
     """A [ubyte] vector as a zero-copy memoryview into the file."""
     if getattr(table, f"{field_name}Length")() == 0:
@@ -285,12 +280,6 @@ def _bytes_vector(table, field_name: str) -> memoryview:
 
 def _text(raw) -> Optional[str]:
     return None if raw is None else bytes(raw).decode("utf-8")
-
-
-def _union_as(holder, cls):
-    obj = cls()
-    obj.Init(holder.Bytes, holder.Pos)
-    return obj
 
 
 def _check_index(index: int, count: int, what: str) -> None:
@@ -468,7 +457,7 @@ class PteFile:
             sub = program.MutableDataSegments(i)
             segment_index = sub.SegmentIndex()
             _check_index(segment_index, len(self.segments), f"mutable_data_segments[{i}] segment index")
-            offsets = _vector(sub, "Offsets")
+            offsets = scalar_vector(sub, "Offsets")
             limit = self.segments[segment_index].size
             for j, offset in enumerate(offsets):
                 if offset > limit:
@@ -508,7 +497,7 @@ class PteFile:
         """Resolve each constant buffer: constant_segment (current files) or constant_buffer (legacy)."""
         self._constants: list[memoryview] = []
         sub = program.ConstantSegment()
-        offsets = _vector(sub, "Offsets") if sub is not None else ()
+        offsets = scalar_vector(sub, "Offsets") if sub is not None else ()
         legacy_count = program.ConstantBufferLength()
         if offsets and legacy_count:
             raise PteFormatError("the program has both constant_segment offsets and a legacy constant_buffer")
@@ -541,7 +530,7 @@ class PteFile:
                           for i in range(fb_plan.DelegatesLength()))
         chains = tuple(self._parse_chain(fb_plan.Chains(i), f"{where} chain {i}", len(values), len(operators),
                                          len(delegates)) for i in range(fb_plan.ChainsLength()))
-        inputs, outputs = _vector(fb_plan, "Inputs"), _vector(fb_plan, "Outputs")
+        inputs, outputs = scalar_vector(fb_plan, "Inputs"), scalar_vector(fb_plan, "Outputs")
         for kind, ids in (("input", inputs), ("output", outputs)):
             for value_index in ids:
                 _check_index(value_index, len(values), f"{where} {kind} value index")
@@ -555,7 +544,7 @@ class PteFile:
         if meta is not None:
             container_meta = (_text(meta.EncodedInpStr()) or "", _text(meta.EncodedOutStr()) or "")
         return ExecutionPlan(name, values, inputs, outputs, chains, tuple(operators), delegates,
-                             _vector(fb_plan, "NonConstBufferSizes"), container_meta)
+                             scalar_vector(fb_plan, "NonConstBufferSizes"), container_meta)
 
     def _parse_value(self, fb_value, where: str):
         kind = fb_value.ValType()
@@ -565,25 +554,25 @@ class PteFile:
         if holder is None:
             raise PteFormatError(f"{where} has union type {kind} but no payload")
         if kind == KernelTypes.Tensor:
-            return self._parse_tensor(_union_as(holder, FbTensor))
+            return self._parse_tensor(union_as(holder, FbTensor))
         if kind == KernelTypes.Int:
-            return Int(_union_as(holder, FbInt).IntVal())
+            return Int(union_as(holder, FbInt).IntVal())
         if kind == KernelTypes.Bool:
-            return Bool(bool(_union_as(holder, FbBool).BoolVal()))
+            return Bool(bool(union_as(holder, FbBool).BoolVal()))
         if kind == KernelTypes.Double:
-            return Double(_union_as(holder, FbDouble).DoubleVal())
+            return Double(union_as(holder, FbDouble).DoubleVal())
         if kind == KernelTypes.String:
-            return String(_text(_union_as(holder, FbString).StringVal()) or "")
+            return String(_text(union_as(holder, FbString).StringVal()) or "")
         if kind == KernelTypes.IntList:
-            return IntList(_vector(_union_as(holder, FbIntList), "Items"))
+            return IntList(scalar_vector(union_as(holder, FbIntList), "Items"))
         if kind == KernelTypes.DoubleList:
-            return DoubleList(_vector(_union_as(holder, FbDoubleList), "Items"))
+            return DoubleList(scalar_vector(union_as(holder, FbDoubleList), "Items"))
         if kind == KernelTypes.BoolList:
-            return BoolList(tuple(bool(b) for b in _vector(_union_as(holder, FbBoolList), "Items")))
+            return BoolList(tuple(bool(b) for b in scalar_vector(union_as(holder, FbBoolList), "Items")))
         if kind == KernelTypes.TensorList:
-            return TensorList(_vector(_union_as(holder, FbTensorList), "Items"))
+            return TensorList(scalar_vector(union_as(holder, FbTensorList), "Items"))
         if kind == KernelTypes.OptionalTensorList:
-            return OptionalTensorList(_vector(_union_as(holder, FbOptionalTensorList), "Items"))
+            return OptionalTensorList(scalar_vector(union_as(holder, FbOptionalTensorList), "Items"))
         raise PteFormatError(f"{where} has unknown value type {kind}")
 
     def _parse_tensor(self, t) -> Tensor:
@@ -593,7 +582,7 @@ class PteFile:
         extra = t.ExtraTensorInfo()
         extra_info = None if extra is None else ExtraTensorInfo(
             extra.MutableDataSegmentsIdx(), _text(extra.FullyQualifiedName()), extra.Location())
-        return Tensor(t.ScalarType(), t.StorageOffset(), _vector(t, "Sizes"), _vector(t, "DimOrder"),
+        return Tensor(t.ScalarType(), t.StorageOffset(), scalar_vector(t, "Sizes"), scalar_vector(t, "DimOrder"),
                       bool(t.RequiresGrad()), t.DataBufferIdx(), allocation, t.Layout(), t.ShapeDynamism(), extra_info)
 
     def _parse_delegate(self, fb_delegate, where: str) -> Delegate:
@@ -624,34 +613,34 @@ class PteFile:
             if holder is None:
                 raise PteFormatError(f"{at} has no arguments (type {kind})")
             if kind == InstructionArguments.KernelCall:
-                call = _union_as(holder, FbKernelCall)
-                instruction = KernelCall(call.OpIndex(), _vector(call, "Args"))
+                call = union_as(holder, FbKernelCall)
+                instruction = KernelCall(call.OpIndex(), scalar_vector(call, "Args"))
                 _check_index(instruction.op_index, num_operators, f"{at} operator index")
                 value_ids = instruction.args
             elif kind == InstructionArguments.DelegateCall:
-                call = _union_as(holder, FbDelegateCall)
-                instruction = DelegateCall(call.DelegateIndex(), _vector(call, "Args"))
+                call = union_as(holder, FbDelegateCall)
+                instruction = DelegateCall(call.DelegateIndex(), scalar_vector(call, "Args"))
                 _check_index(instruction.delegate_index, num_delegates, f"{at} delegate index")
                 value_ids = instruction.args
             elif kind == InstructionArguments.MoveCall:
-                call = _union_as(holder, FbMoveCall)
+                call = union_as(holder, FbMoveCall)
                 instruction = MoveCall(call.MoveFrom(), call.MoveTo())
                 value_ids = (instruction.move_from, instruction.move_to)
             elif kind == InstructionArguments.JumpFalseCall:
-                call = _union_as(holder, FbJumpFalseCall)
+                call = union_as(holder, FbJumpFalseCall)
                 instruction = JumpFalseCall(call.CondValueIndex(), call.DestinationInstruction())
                 _check_index(instruction.destination_instruction, fb_chain.InstructionsLength(),
                              f"{at} jump destination")
                 value_ids = (instruction.cond_value_index,)
             elif kind == InstructionArguments.FreeCall:
-                instruction = FreeCall(_union_as(holder, FbFreeCall).ValueIndex())
+                instruction = FreeCall(union_as(holder, FbFreeCall).ValueIndex())
                 value_ids = (instruction.value_index,)
             else:
                 raise PteFormatError(f"{at} has unknown instruction type {kind}")
             for value_index in value_ids:
                 _check_index(value_index, num_values, f"{at} value index")
             instructions.append(instruction)
-        inputs, outputs = _vector(fb_chain, "Inputs"), _vector(fb_chain, "Outputs")
+        inputs, outputs = scalar_vector(fb_chain, "Inputs"), scalar_vector(fb_chain, "Outputs")
         for value_index in inputs + outputs:
             _check_index(value_index, num_values, f"{where} input/output value index")
         return Chain(inputs, outputs, tuple(instructions))

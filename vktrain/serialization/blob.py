@@ -59,6 +59,7 @@ from vktrain.serialization.generated.vkt_blob import Tensor as FbTensor
 from vktrain.serialization.generated.vkt_blob import Value as FbValue
 from vktrain.serialization.generated.vkt_blob import ValueList as FbValueList
 from vktrain.serialization.generated.vkt_blob import VkGraph as FbVkGraph
+from vktrain.serialization.flatbuffer_reading import scalar_vector, union_as
 from vktrain.serialization.generated.vkt_blob.ValueKind import ValueKind
 
 ALIGNMENT = 16
@@ -174,8 +175,18 @@ def _plan_segments(constants: list) -> tuple[list[tuple[int, int]], list[tuple[i
     return records, segments, end
 
 
-def _int_vector(builder: flatbuffers.Builder, items, dtype) -> int:
+def _numpy_vector(builder: flatbuffers.Builder, items, dtype) -> int:
     return builder.CreateNumpyVector(np.asarray(items, dtype=dtype).reshape(-1))
+
+
+# The list values, written and read the same way: graph type -> (flatbuffer element dtype, generated
+# module (the builder functions), its table class (the reader), union kind).
+_LIST_VALUES = {
+    g.IntListValue: (np.int64, FbIntList, FbIntList.IntList, ValueKind.IntList),
+    g.DoubleListValue: (np.float64, FbDoubleList, FbDoubleList.DoubleList, ValueKind.DoubleList),
+    g.BoolListValue: (np.bool_, FbBoolList, FbBoolList.BoolList, ValueKind.BoolList),
+    g.ValueListValue: (np.int32, FbValueList, FbValueList.ValueList, ValueKind.ValueList),
+}
 
 
 def _table_vector(builder: flatbuffers.Builder, offsets: list[int]) -> int:
@@ -189,7 +200,7 @@ def _build_value(builder: flatbuffers.Builder, value) -> int:
     """Build one `Value` table (the union wrapper) and return its offset."""
     if isinstance(value, g.TensorValue):
         name = builder.CreateString(value.name) if value.name else None
-        shape = _int_vector(builder, value.shape, np.int64)
+        shape = _numpy_vector(builder, value.shape, np.int64)
         FbTensor.Start(builder)
         FbTensor.AddDtype(builder, int(value.dtype))
         FbTensor.AddShape(builder, shape)
@@ -219,26 +230,12 @@ def _build_value(builder: flatbuffers.Builder, value) -> int:
         FbString.Start(builder)
         FbString.AddValue(builder, text)
         kind, payload = ValueKind.String, FbString.End(builder)
-    elif isinstance(value, g.IntListValue):
-        items = _int_vector(builder, value.items, np.int64)
-        FbIntList.Start(builder)
-        FbIntList.AddItems(builder, items)
-        kind, payload = ValueKind.IntList, FbIntList.End(builder)
-    elif isinstance(value, g.DoubleListValue):
-        items = _int_vector(builder, value.items, np.float64)
-        FbDoubleList.Start(builder)
-        FbDoubleList.AddItems(builder, items)
-        kind, payload = ValueKind.DoubleList, FbDoubleList.End(builder)
-    elif isinstance(value, g.BoolListValue):
-        items = _int_vector(builder, value.items, np.bool_)
-        FbBoolList.Start(builder)
-        FbBoolList.AddItems(builder, items)
-        kind, payload = ValueKind.BoolList, FbBoolList.End(builder)
-    elif isinstance(value, g.ValueListValue):
-        items = _int_vector(builder, value.items, np.int32)
-        FbValueList.Start(builder)
-        FbValueList.AddItems(builder, items)
-        kind, payload = ValueKind.ValueList, FbValueList.End(builder)
+    elif type(value) in _LIST_VALUES:
+        dtype, module, _, kind = _LIST_VALUES[type(value)]
+        items = _numpy_vector(builder, value.items, dtype)
+        module.Start(builder)
+        module.AddItems(builder, items)
+        payload = module.End(builder)
     else:  # validate() refuses this earlier; kept so a new value type cannot be silently dropped
         raise g.GraphError(f"cannot serialise value of type {type(value).__name__}")
     FbValue.Start(builder)
@@ -248,8 +245,8 @@ def _build_value(builder: flatbuffers.Builder, value) -> int:
 
 
 def _build_synthetic(builder: flatbuffers.Builder, synthetic: g.SyntheticConstant) -> int:
-    shape = _int_vector(builder, synthetic.shape, np.int64)
-    q4gsw_shape = _int_vector(builder, synthetic.q4gsw_shape, np.int64) if synthetic.q4gsw_shape else None
+    shape = _numpy_vector(builder, synthetic.shape, np.int64)
+    q4gsw_shape = _numpy_vector(builder, synthetic.q4gsw_shape, np.int64) if synthetic.q4gsw_shape else None
     FbSyntheticConstant.Start(builder)
     FbSyntheticConstant.AddKind(builder, int(synthetic.kind))
     FbSyntheticConstant.AddSeed(builder, int(synthetic.seed))
@@ -270,8 +267,8 @@ def _build_flatbuffer(graph: g.VkGraph, constant_records: list[tuple[int, int]])
     ops = []
     for op in graph.ops:
         name = builder.CreateSharedString(op.name)
-        args = _int_vector(builder, op.args, np.int32)
-        outputs = _int_vector(builder, op.outputs, np.int32)
+        args = _numpy_vector(builder, op.args, np.int32)
+        outputs = _numpy_vector(builder, op.outputs, np.int32)
         FbOpCall.Start(builder)
         FbOpCall.AddName(builder, name)
         FbOpCall.AddArgs(builder, args)
@@ -316,8 +313,8 @@ def _build_flatbuffer(graph: g.VkGraph, constant_records: list[tuple[int, int]])
     vectors = {
         "values": _table_vector(builder, values),
         "chain": _table_vector(builder, ops),
-        "input_ids": _int_vector(builder, graph.inputs, np.int32),
-        "output_ids": _int_vector(builder, graph.outputs, np.int32),
+        "input_ids": _numpy_vector(builder, graph.inputs, np.int32),
+        "output_ids": _numpy_vector(builder, graph.outputs, np.int32),
         "mutable_state": _table_vector(builder, states),
         "constants": _table_vector(builder, constants),
         "memory_objects": _table_vector(builder, memory_objects),
@@ -385,13 +382,6 @@ def write_blob(graph: g.VkGraph, fileobj: BinaryIO) -> int:
 # Reading
 # ---------------------------------------------------------------------------------------------------
 
-def _vector(table, field: str) -> tuple:
-    """A scalar vector field as a tuple of Python numbers ([] when absent)."""
-    if getattr(table, f"{field}Length")() == 0:
-        return ()
-    return tuple(getattr(table, f"{field}AsNumpy")().tolist())
-
-
 def _text(raw) -> str:
     return "" if raw is None else bytes(raw).decode("utf-8")
 
@@ -401,44 +391,33 @@ def _read_value(fb_value, value_id: int):
     table = fb_value.Value()
     if table is None:
         raise BlobFormatError(f"value {value_id} has no payload (union type {kind})")
-
-    def as_(module, cls_name):
-        obj = getattr(module, cls_name)()
-        obj.Init(table.Bytes, table.Pos)
-        return obj
-
     if kind == ValueKind.Tensor:
-        t = as_(FbTensor, "Tensor")
+        t = union_as(table, FbTensor.Tensor)
         try:
-            return g.TensorValue(t.Dtype(), _vector(t, "Shape"), t.Layout(), t.ConstantId(), t.MemObjId(),
+            return g.TensorValue(t.Dtype(), scalar_vector(t, "Shape"), t.Layout(), t.ConstantId(), t.MemObjId(),
                                  _text(t.Name()))
         except g.GraphError as exc:
             raise BlobFormatError(f"value {value_id}: {exc}") from None
     if kind == ValueKind.Null:
         return g.NullValue()
     if kind == ValueKind.Int:
-        return g.IntValue(as_(FbInt, "Int").Value())
+        return g.IntValue(union_as(table, FbInt.Int).Value())
     if kind == ValueKind.Double:
-        return g.DoubleValue(as_(FbDouble, "Double").Value())
+        return g.DoubleValue(union_as(table, FbDouble.Double).Value())
     if kind == ValueKind.Bool:
-        return g.BoolValue(bool(as_(FbBool, "Bool").Value()))
+        return g.BoolValue(bool(union_as(table, FbBool.Bool).Value()))
     if kind == ValueKind.String:
-        return g.StringValue(_text(as_(FbString, "String").Value()))
-    if kind == ValueKind.IntList:
-        return g.IntListValue(_vector(as_(FbIntList, "IntList"), "Items"))
-    if kind == ValueKind.DoubleList:
-        return g.DoubleListValue(_vector(as_(FbDoubleList, "DoubleList"), "Items"))
-    if kind == ValueKind.BoolList:
-        return g.BoolListValue(_vector(as_(FbBoolList, "BoolList"), "Items"))
-    if kind == ValueKind.ValueList:
-        return g.ValueListValue(_vector(as_(FbValueList, "ValueList"), "Items"))
+        return g.StringValue(_text(union_as(table, FbString.String).Value()))
+    for value_type, (_, _, table_class, list_kind) in _LIST_VALUES.items():
+        if kind == list_kind:
+            return value_type(scalar_vector(union_as(table, table_class), "Items"))
     raise BlobFormatError(f"value {value_id} has unknown union type {kind} (blob from a newer vktrain?)")
 
 
 def _read_synthetic(table, constant_id: int) -> g.SyntheticConstant:
     try:
-        return g.SyntheticConstant(table.Kind(), table.Seed(), table.Dtype(), _vector(table, "Shape"), table.Std(),
-                                   table.Value(), table.Layout(), _vector(table, "Q4gswShape"))
+        return g.SyntheticConstant(table.Kind(), table.Seed(), table.Dtype(), scalar_vector(table, "Shape"),
+                                   table.Std(), table.Value(), table.Layout(), scalar_vector(table, "Q4gswShape"))
     except g.GraphError as exc:
         raise BlobFormatError(f"constant {constant_id}: {exc}") from None
 
@@ -449,9 +428,9 @@ def _read_graph(flatbuffer: memoryview, segment_area: memoryview) -> g.VkGraph:
     graph.values = [_read_value(root.Values(i), i) for i in range(root.ValuesLength())]
     for i in range(root.ChainLength()):
         op = root.Chain(i)
-        graph.ops.append(g.OpCall(_text(op.Name()), _vector(op, "Args"), _vector(op, "Outputs")))
-    graph.inputs = list(_vector(root, "InputIds"))
-    graph.outputs = list(_vector(root, "OutputIds"))
+        graph.ops.append(g.OpCall(_text(op.Name()), scalar_vector(op, "Args"), scalar_vector(op, "Outputs")))
+    graph.inputs = list(scalar_vector(root, "InputIds"))
+    graph.outputs = list(scalar_vector(root, "OutputIds"))
     for i in range(root.MutableStateLength()):
         state = root.MutableState(i)
         graph.mutable_state.append(g.MutableState(state.StateId(), state.UpdateId(), state.InitialConstantId()))

@@ -29,6 +29,12 @@ class GraphError(ValueError):
     """A VkGraph is inconsistent (dangling id, wrong constant size, bad layout...)."""
 
 
+def _store_as_tuple(record, field_name: str, element_type) -> None:
+    """Store a frozen record's sequence field as a tuple of `element_type`, so that equality does not
+    depend on list vs tuple or numpy scalars."""
+    object.__setattr__(record, field_name, tuple(element_type(i) for i in getattr(record, field_name)))
+
+
 class DType(enum.IntEnum):
     """Element type of a tensor's stored bytes; values equal schema.fbs `DataType`."""
 
@@ -98,7 +104,7 @@ class TensorValue:
         except ValueError as exc:
             raise GraphError(f"tensor {self.name or 'unnamed'}: {exc}; expected one of "
                              f"{[m.name for m in DType]} / {[m.name for m in Layout]}") from None
-        object.__setattr__(self, "shape", tuple(int(d) for d in self.shape))
+        _store_as_tuple(self, "shape", int)
 
     @property
     def numel(self) -> int:
@@ -139,7 +145,7 @@ class IntListValue:
     items: tuple[int, ...]
 
     def __post_init__(self):
-        object.__setattr__(self, "items", tuple(int(i) for i in self.items))
+        _store_as_tuple(self, "items", int)
 
 
 @dataclass(frozen=True)
@@ -147,7 +153,7 @@ class DoubleListValue:
     items: tuple[float, ...]
 
     def __post_init__(self):
-        object.__setattr__(self, "items", tuple(float(i) for i in self.items))
+        _store_as_tuple(self, "items", float)
 
 
 @dataclass(frozen=True)
@@ -155,7 +161,7 @@ class BoolListValue:
     items: tuple[bool, ...]
 
     def __post_init__(self):
-        object.__setattr__(self, "items", tuple(bool(i) for i in self.items))
+        _store_as_tuple(self, "items", bool)
 
 
 @dataclass(frozen=True)
@@ -165,7 +171,7 @@ class ValueListValue:
     items: tuple[int, ...]
 
     def __post_init__(self):
-        object.__setattr__(self, "items", tuple(int(i) for i in self.items))
+        _store_as_tuple(self, "items", int)
 
 
 Value = Union[NullValue, IntValue, DoubleValue, BoolValue, StringValue, TensorValue, IntListValue,
@@ -183,8 +189,8 @@ class OpCall:
     outputs: tuple[int, ...]
 
     def __post_init__(self):
-        object.__setattr__(self, "args", tuple(int(i) for i in self.args))
-        object.__setattr__(self, "outputs", tuple(int(i) for i in self.outputs))
+        _store_as_tuple(self, "args", int)
+        _store_as_tuple(self, "outputs", int)
 
 
 @dataclass(frozen=True)
@@ -249,8 +255,8 @@ class SyntheticConstant:
         except ValueError as exc:
             raise GraphError(f"synthetic constant: {exc}; expected one of {[m.name for m in SyntheticKind]} / "
                              f"{[m.name for m in DType]} / {[m.name for m in Layout]}") from None
-        object.__setattr__(self, "shape", tuple(int(d) for d in self.shape))
-        object.__setattr__(self, "q4gsw_shape", tuple(int(d) for d in self.q4gsw_shape))
+        _store_as_tuple(self, "shape", int)
+        _store_as_tuple(self, "q4gsw_shape", int)
         object.__setattr__(self, "std", float(self.std))
         object.__setattr__(self, "value", float(self.value))
         self._check()

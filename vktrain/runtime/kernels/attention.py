@@ -42,7 +42,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..schedule import Dispatch, ceil_div, pack_push
-from .layout import MAX_ELEMENTS, KernelArgumentError, binding
+from .layout import MAX_ELEMENTS, KernelArgumentError, binding, check_positive_ints
 from .registry import register_kernel
 
 SUPPORTED_HEAD_DIMS = (16, 32, 64, 128)
@@ -163,9 +163,7 @@ def default_tiles(kernel: str, D: int, *, S: int | None = None, heads_times_batc
 
 
 def _check_problem(op: str, B: int, S: int, Hq: int, Hkv: int, D: int, scale: Any) -> None:
-    for name, value in (("B", B), ("S", S), ("Hq", Hq), ("Hkv", Hkv), ("D", D)):
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise KernelArgumentError(f"{op}: {name} must be an int >= 1, got {value!r}")
+    check_positive_ints(op, B=B, S=S, Hq=Hq, Hkv=Hkv, D=D)
     if D not in SUPPORTED_HEAD_DIMS:
         raise KernelArgumentError(
             f"{op}: head dim D={D} is not supported; the kernels support D in {SUPPORTED_HEAD_DIMS}")
@@ -200,9 +198,7 @@ def _spec(D: int, tiles: AttentionTiles) -> dict[int, int]:
 
 def causal_attention_backward_scratch_nbytes(B: int, S: int, Hq: int) -> int:
     """Bytes of the `delta` scratch buffer the backward needs: fp32 [B, Hq, S]."""
-    for name, value in (("B", B), ("S", S), ("Hq", Hq)):
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise KernelArgumentError(f"causal_attention_backward: {name} must be an int >= 1, got {value!r}")
+    check_positive_ints("causal_attention_backward", B=B, S=S, Hq=Hq)
     return 4 * B * Hq * S
 
 

@@ -22,33 +22,26 @@ from __future__ import annotations
 from typing import Any
 
 from ..schedule import Dispatch, pack_push
-from .layout import KernelArgumentError, binding
+from .layout import (
+    MAX_ELEMENTS,
+    KernelArgumentError,
+    binding,
+    check_positive_ints,
+    check_power_of_two_workgroup,
+    shader_variant,
+    use_vec4,
+)
 from .registry import register_kernel
 
 # A power of two (the reductions halve it); 256 threads stream a row while keeping a few hundred rows
 # in flight on a large GPU. Vulkan guarantees only 128 invocations per workgroup: pass 128 there.
 DEFAULT_WORKGROUP_SIZE = 256
-# Row and element indices are uint32 in the shaders.
-_MAX_INDEX = 2**32 - 1
 
 
 def fused_ce_scratch_nbytes(R: int) -> int:
     """Bytes of the `row_loss` scratch buffer fused_ce needs for R rows (one float32 per row)."""
-    _check_positive_int("R", R)
+    check_positive_ints("fused_ce", R=R)
     return 4 * R
-
-
-def _check_positive_int(name: str, value: Any) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise KernelArgumentError(f"fused_ce: {name} must be an int >= 1, got {value!r}")
-
-
-def _check_workgroup_size(workgroup_size: Any) -> None:
-    if (not isinstance(workgroup_size, int) or isinstance(workgroup_size, bool) or workgroup_size < 1
-            or workgroup_size & (workgroup_size - 1)):
-        raise KernelArgumentError(
-            f"fused_ce: workgroup_size must be a power of two (the shared-memory reductions halve it), "
-            f"got {workgroup_size!r}")
 
 
 @register_kernel("fused_ce")
@@ -66,19 +59,14 @@ def plan_fused_ce(*, R: int, V: int, logits: Any, labels: Any, n_valid: Any, los
       row_loss fp32 [R] scratch (`fused_ce_scratch_nbytes(R)` bytes), overwritten
     `vec4` picks the vec4 kernel; by default it is used whenever V % 4 == 0 (the only case it supports).
     """
-    _check_positive_int("R", R)
-    _check_positive_int("V", V)
-    _check_workgroup_size(workgroup_size)
-    if R * V > _MAX_INDEX:
+    check_positive_ints("fused_ce", R=R, V=V)
+    check_power_of_two_workgroup("fused_ce", workgroup_size)
+    if R * V > MAX_ELEMENTS:  # row and element indices are uint32 in the shaders
         raise KernelArgumentError(
             f"fused_ce: logits [R={R}, V={V}] has {R * V} elements; the kernel indexes with 32 bits "
-            f"(at most {_MAX_INDEX}): split the rows over several calls")
-    if vec4 is None:
-        vec4 = V % 4 == 0
-    elif vec4 and V % 4:
-        raise KernelArgumentError(f"fused_ce: the vec4 kernel needs V % 4 == 0 (16-byte aligned rows), got V={V}")
+            f"(at most {MAX_ELEMENTS}): split the rows over several calls")
+    vec4 = use_vec4("fused_ce", vec4, V, "V", why="16-byte aligned rows")
     in_place = dlogits == logits
-    variant = "+".join(name for name, used in (("VEC4", vec4), ("IN_PLACE", in_place)) if used)
     if in_place:
         bindings = (binding(logits, "rw"), binding(labels, "r"), binding(n_valid, "r"), binding(row_loss, "w"))
     else:
@@ -86,7 +74,7 @@ def plan_fused_ce(*, R: int, V: int, logits: Any, labels: Any, n_valid: Any, los
                     binding(row_loss, "w"))
     local_size = (workgroup_size, 1, 1)
     rows = Dispatch(
-        "fused_ce" + (f"@{variant}" if variant else ""), groups=(R, 1, 1), bindings=bindings,
+        shader_variant("fused_ce", VEC4=vec4, IN_PLACE=in_place), groups=(R, 1, 1), bindings=bindings,
         push_constants=pack_push(R, V), local_size=local_size, label=f"{label}.rows")
     total = Dispatch(
         "fused_ce_sum", groups=(1, 1, 1),

@@ -49,6 +49,41 @@ class KernelArgumentError(ValueError):
     """A kernel was asked for something it does not support (dtype, rank, shape, argument value)."""
 
 
+def check_positive_ints(op: str, **values: Any) -> None:
+    """Each of `values` (a plan's sizes and launch parameters) must be a Python int >= 1; bool is refused."""
+    for name, value in values.items():
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise KernelArgumentError(f"{op}: {name} must be an int >= 1, got {value!r}")
+
+
+def check_power_of_two_workgroup(op: str, workgroup_size: Any) -> None:
+    """Kernels that reduce in shared memory halve their workgroup at each tree level."""
+    if (not isinstance(workgroup_size, int) or isinstance(workgroup_size, bool) or workgroup_size < 1
+            or workgroup_size & (workgroup_size - 1)):
+        raise KernelArgumentError(
+            f"{op}: workgroup_size must be a power of two (the shared-memory reduction halves it), "
+            f"got {workgroup_size!r}")
+
+
+def use_vec4(op: str, vec4: bool | None, length: int, length_name: str, why: str = "") -> bool:
+    """Whether a plan takes its kernel's @VEC4 variant: by default whenever `length` (the extent the
+    kernel moves in vec4s) is a multiple of 4, the only case that variant serves. `why` explains the
+    requirement in the error."""
+    if vec4 is None:
+        return length % 4 == 0
+    if vec4 and length % 4:
+        reason = f" ({why})" if why else ""
+        raise KernelArgumentError(
+            f"{op}: the vec4 kernel needs {length_name} % 4 == 0{reason}, got {length_name}={length}")
+    return bool(vec4)
+
+
+def shader_variant(shader: str, **defines: bool) -> str:
+    """The name of `shader` built with the defines that are set, in the given order: "rms_norm@VEC4+BACKWARD"."""
+    used = [name for name, is_set in defines.items() if is_set]
+    return shader + ("@" + "+".join(used) if used else "")
+
+
 def _as_int_tuple(values: Sequence[int], what: str) -> tuple[int, ...]:
     try:
         result = tuple(int(v) for v in values)

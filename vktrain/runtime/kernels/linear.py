@@ -33,7 +33,7 @@ import numpy as np
 from vktrain.quant import check_q4gsw_shapes, pack_w4x8, padded_k, w4x8_num_words
 
 from ..schedule import Dispatch, ceil_div, pack_push
-from .layout import KernelArgumentError, binding
+from .layout import MAX_ELEMENTS, KernelArgumentError, binding, shader_variant
 from .registry import register_kernel
 
 # M up to GEMV_MAX_M takes the GEMV kernels, each workgroup serving up to GEMV_MAX_ROWS rows (one pass
@@ -53,9 +53,6 @@ MIN_SPLIT_SLICE = 256
 MAX_SPLIT_K = 32
 
 REDUCE_WORKGROUP_SIZE = 256
-
-# The shaders index elements with uint32.
-_MAX_INDEX = 2**32 - 1
 
 
 @dataclass(frozen=True)
@@ -144,9 +141,9 @@ def _check_q4gsw(op: str, M: int, N: int, K: int, group_size: int) -> None:
 
 def _check_index_range(op: str, M: int, N: int, K: int) -> None:
     largest = max(M * N, M * K, N * K, padded_k(K) * N // 8)
-    if largest > _MAX_INDEX:
+    if largest > MAX_ELEMENTS:
         raise KernelArgumentError(f"{op}: shape M={M}, N={N}, K={K} has a tensor of {largest} elements; the "
-                                  f"linear kernels index with 32 bits (at most {_MAX_INDEX})")
+                                  f"linear kernels index with 32 bits (at most {MAX_ELEMENTS})")
 
 
 def _check_shared(op: str, tiles: GemmTiles | GemvTiles, shared_memory_bytes: int) -> None:
@@ -248,7 +245,7 @@ def _gemm_plan(op: str, shader: str, rows: int, cols: int, red: int, *, out: Any
         raise KernelArgumentError(
             f"{op}: split_k={split_k} needs a scratch buffer of split_k_scratch_nbytes({rows}, {cols}, "
             f"{split_k}) = {split_k_scratch_nbytes(rows, cols, split_k)} bytes")
-    if split_k * rows * cols > _MAX_INDEX:
+    if split_k * rows * cols > MAX_ELEMENTS:
         raise KernelArgumentError(f"{op}: split_k={split_k} scratch of {split_k * rows * cols} elements "
                                   f"exceeds 32-bit indexing; use a smaller split_k")
     groups = (ceil_div(cols, tiles.bn), ceil_div(rows, tiles.bm), split_k)
@@ -256,18 +253,27 @@ def _gemm_plan(op: str, shader: str, rows: int, cols: int, red: int, *, out: Any
     spec = {3: tiles.bk, 4: split_k}
     if split_k == 1:
         bindings = [binding(out, "w"), *inputs] + ([binding(bias, "r")] if bias is not None else [])
-        name = shader + ("@HAS_BIAS" if bias is not None else "")
+        name = shader_variant(shader, HAS_BIAS=bias is not None)
         return [Dispatch(name, groups=groups, bindings=bindings, push_constants=push, spec_constants=spec,
                          local_size=local, label=label)]
     gemm = Dispatch(shader, groups=groups, bindings=[binding(scratch, "w"), *inputs], push_constants=push,
                     spec_constants=spec, local_size=local, label=f"{label}.split{split_k}")
-    count4 = rows * cols // 4
-    reduce_bindings = [binding(out, "w"), binding(scratch, "r")] + ([binding(bias, "r")] if bias is not None else [])
-    reduce = Dispatch("linear_splitk_reduce" + ("@HAS_BIAS" if bias is not None else ""),
-                      groups=(ceil_div(count4, REDUCE_WORKGROUP_SIZE), 1, 1), bindings=reduce_bindings,
-                      push_constants=pack_push(count4, cols // 4, split_k),
-                      local_size=(REDUCE_WORKGROUP_SIZE, 1, 1), label=f"{label}.reduce")
+    reduce = plan_splitk_reduce(out=out, scratch=scratch, count4=rows * cols // 4, row_vec4s=cols // 4,
+                                split_k=split_k, bias=bias, label=f"{label}.reduce")
     return [gemm, reduce]
+
+
+def plan_splitk_reduce(*, out: Any, scratch: Any, count4: int, row_vec4s: int, split_k: int, bias: Any = None,
+                       label: str) -> Dispatch:
+    """The second pass of a split-K GEMM (linear_splitk_reduce.comp, shared by the linear family and
+    aten mm/bmm/addmm): out[e] = sum of scratch[s, e] over s = 0 .. split_k-1 in index order
+    (+ bias[e % row_vec4s]), over the `count4` vec4s of the output. `row_vec4s` is the vec4s of one
+    output row, the bias length / 4 (only read with a bias; must be >= 1)."""
+    bindings = [binding(out, "w"), binding(scratch, "r")] + ([binding(bias, "r")] if bias is not None else [])
+    return Dispatch(shader_variant("linear_splitk_reduce", HAS_BIAS=bias is not None),
+                    groups=(ceil_div(count4, REDUCE_WORKGROUP_SIZE), 1, 1), bindings=bindings,
+                    push_constants=pack_push(count4, row_vec4s, split_k),
+                    local_size=(REDUCE_WORKGROUP_SIZE, 1, 1), label=label)
 
 
 def _check_gemv_args(op: str, tiles: GemvTiles, split_k: int | None, shared_memory_bytes: int) -> None:
@@ -300,7 +306,7 @@ def plan_linear_q4gsw(*, M: int, N: int, K: int, group_size: int, out: Any, x: A
     if isinstance(tiles, GemvTiles):
         _check_gemv_args(op, tiles, split_k, shared_memory_bytes)
         bindings = [binding(out, "w"), *inputs] + ([binding(bias, "r")] if bias is not None else [])
-        return [Dispatch("linear_q4gsw_gemv" + ("@HAS_BIAS" if bias is not None else ""),
+        return [Dispatch(shader_variant("linear_q4gsw_gemv", HAS_BIAS=bias is not None),
                          groups=(ceil_div(ceil_div(N // 4, 2), tiles.wg_x), ceil_div(M, tiles.rows), 1),
                          bindings=bindings, push_constants=pack_push(M, N, K),
                          spec_constants={3: tiles.rows, 4: group_size},

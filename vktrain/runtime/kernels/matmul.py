@@ -37,7 +37,8 @@ from .layout import (
     check_shape,
     check_view_fits,
 )
-from .linear import REDUCE_WORKGROUP_SIZE
+from .linear import plan_splitk_reduce
+from .linear import split_k_scratch_nbytes as linear_split_k_scratch_nbytes
 from .registry import register_kernel
 
 TILE_K = 16
@@ -110,8 +111,9 @@ def default_split_k(batch: int, M: int, N: int, K: int, tile: tuple[int, int] | 
 
 
 def split_k_scratch_nbytes(batch: int, M: int, N: int, split_k: int) -> int:
-    """Bytes of scratch a GEMM with output [batch, M, N] needs for `split_k` slices (0 when unsplit)."""
-    return 0 if split_k <= 1 else 4 * split_k * batch * M * N
+    """Bytes of scratch a GEMM with output [batch, M, N] needs for `split_k` slices (0 when unsplit):
+    the partials are laid out as for the linear family's GEMMs, whose reduce pass this plan shares."""
+    return linear_split_k_scratch_nbytes(batch * M, N, split_k)
 
 
 def gemm_scratch_nbytes(batch: int, M: int, N: int, K: int) -> int:
@@ -225,11 +227,9 @@ def plan_gemm(out: Any, a: Any, a_view: StridedView, b: Any, b_view: StridedView
                     label=label if split_k == 1 else f"{label}.split{split_k}")
     if split_k == 1:
         return [gemm]
-    count4 = batch * M * N // 4
-    reduce = Dispatch("linear_splitk_reduce", groups=(ceil_div(count4, REDUCE_WORKGROUP_SIZE), 1, 1),
-                      bindings=(binding(out, "w"), binding(scratch, "r")),
-                      push_constants=pack_push(count4, max(1, N // 4), split_k),
-                      local_size=(REDUCE_WORKGROUP_SIZE, 1, 1), label=f"{label}.reduce")
+    # Slice 0 of the GEMM already added the bias, so the reduce has none (and never reads row_vec4s).
+    reduce = plan_splitk_reduce(out=out, scratch=scratch, count4=batch * M * N // 4, row_vec4s=max(1, N // 4),
+                                split_k=split_k, label=f"{label}.reduce")
     return [gemm, reduce]
 
 

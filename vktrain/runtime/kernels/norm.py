@@ -16,7 +16,15 @@ from __future__ import annotations
 from typing import Any
 
 from ..schedule import Dispatch, pack_push
-from .layout import MAX_ELEMENTS, KernelArgumentError, binding
+from .layout import (
+    MAX_ELEMENTS,
+    KernelArgumentError,
+    binding,
+    check_positive_ints,
+    check_power_of_two_workgroup,
+    shader_variant,
+    use_vec4,
+)
 from .registry import register_kernel
 
 # A power of two (the tree halves it); 256 threads stream a 2048-wide Llama row in 2 vec4 loads each.
@@ -24,33 +32,19 @@ from .registry import register_kernel
 DEFAULT_WORKGROUP_SIZE = 256
 
 
-def _check_positive_int(op: str, name: str, value: Any) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise KernelArgumentError(f"{op}: {name} must be an int >= 1, got {value!r}")
-
-
 def _shader(op: str, dim: int, vec4: bool | None, backward: bool) -> str:
     """The rms_norm.comp variant: vec4 by default whenever dim % 4 == 0."""
-    if vec4 is None:
-        vec4 = dim % 4 == 0
-    elif vec4 and dim % 4:
-        raise KernelArgumentError(f"{op}: the vec4 kernel needs dim % 4 == 0 (16-byte aligned rows), got dim={dim}")
-    defines = [name for name, used in (("VEC4", vec4), ("BACKWARD", backward)) if used]
-    return "rms_norm" + ("@" + "+".join(defines) if defines else "")
+    vec4 = use_vec4(op, vec4, dim, "dim", why="16-byte aligned rows")
+    return shader_variant("rms_norm", VEC4=vec4, BACKWARD=backward)
 
 
 def _check_common(op: str, rows: int, dim: int, workgroup_size: int) -> None:
-    _check_positive_int(op, "rows", rows)
-    _check_positive_int(op, "dim", dim)
+    check_positive_ints(op, rows=rows, dim=dim)
     if rows * dim > MAX_ELEMENTS:
         raise KernelArgumentError(
             f"{op}: x [rows={rows}, dim={dim}] has {rows * dim} elements; the kernel indexes with 32 bits "
             f"(at most {MAX_ELEMENTS}): split the rows over several calls")
-    if (not isinstance(workgroup_size, int) or isinstance(workgroup_size, bool) or workgroup_size < 1
-            or workgroup_size & (workgroup_size - 1)):
-        raise KernelArgumentError(
-            f"{op}: workgroup_size must be a power of two (the shared-memory reduction halves it), "
-            f"got {workgroup_size!r}")
+    check_power_of_two_workgroup(op, workgroup_size)
 
 
 @register_kernel("rms_norm")

@@ -23,7 +23,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..schedule import Dispatch, ceil_div, pack_push
-from .layout import KernelArgumentError, binding
+from .layout import KernelArgumentError, binding, check_positive_ints
 from .registry import register_kernel
 
 DEFAULT_WORKGROUP_SIZE = 128  # Vulkan guarantees at least 128 invocations per workgroup
@@ -48,15 +48,12 @@ def plan_adamw(*, numel: int, param: Any, exp_avg: Any, exp_avg_sq: Any, grad: A
       hparams                     fp32 [5] = [lr, beta1, beta2, eps, weight_decay]
       step                        fp32 scalar t (1 on the first update)
     """
-    if not isinstance(numel, int) or isinstance(numel, bool) or numel < 1:
-        raise KernelArgumentError(f"adamw: numel must be an int >= 1, got {numel!r}")
+    check_positive_ints("adamw", numel=numel)
     if numel > _MAX_ELEMENTS:
         raise KernelArgumentError(
             f"adamw: {numel} elements exceed the kernel's limit of {_MAX_ELEMENTS} (32-bit indexing); "
             f"split the parameter")
-    for name, value in (("workgroup_size", workgroup_size), ("max_groups", max_groups)):
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise KernelArgumentError(f"adamw: {name} must be an int >= 1, got {value!r}")
+    check_positive_ints("adamw", workgroup_size=workgroup_size, max_groups=max_groups)
     bindings = (binding(param, "rw"), binding(exp_avg, "rw"), binding(exp_avg_sq, "rw"), binding(grad, "r"),
                 binding(hparams, "r"), binding(step, "r"))
     local_size = (workgroup_size, 1, 1)

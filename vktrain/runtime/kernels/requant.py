@@ -19,12 +19,10 @@ from typing import Any
 from vktrain.quant import check_q4gsw_shapes, w4x8_num_words
 
 from ..schedule import BufferBinding, Dispatch, ceil_div, pack_push
-from .layout import KernelArgumentError, binding
+from .layout import MAX_ELEMENTS, KernelArgumentError, binding, check_positive_ints
 from .registry import register_kernel
 
 DEFAULT_WORKGROUP_SIZE = 128  # Vulkan guarantees at least 128 invocations per workgroup
-# The shader indexes latent elements and output words with uint32.
-_MAX_INDEX = 2**32 - 1
 
 
 def requant_output_nbytes(N: int, K: int) -> int:
@@ -43,9 +41,7 @@ def plan_q4gsw_requant(*, N: int, K: int, group_size: int, out: Any, latent: Any
       latent  fp32 [N, K], contiguous
       scales  fp32 [G, N], G = K // group_size
     """
-    for name, value in (("N", N), ("K", K), ("group_size", group_size), ("workgroup_size", workgroup_size)):
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise KernelArgumentError(f"q4gsw_requant: {name} must be an int >= 1, got {value!r}")
+    check_positive_ints("q4gsw_requant", N=N, K=K, group_size=group_size, workgroup_size=workgroup_size)
     try:
         check_q4gsw_shapes(N, K, group_size)
     except ValueError as exc:
@@ -57,10 +53,10 @@ def plan_q4gsw_requant(*, N: int, K: int, group_size: int, out: Any, latent: Any
         raise KernelArgumentError(
             f"q4gsw_requant: out binds {out.size} bytes but the W_4X8 words of an [N={N}, K={K}] weight take "
             f"{4 * words} (requant_output_nbytes); the flat uint8 [N, Kp/2] size is too small when N % 8 == 4")
-    if max(N * K, words) > _MAX_INDEX:
+    if max(N * K, words) > MAX_ELEMENTS:  # the shader indexes latent elements and output words with uint32
         raise KernelArgumentError(
             f"q4gsw_requant: weight [N={N}, K={K}] exceeds the kernel's 32-bit indexing "
-            f"(at most {_MAX_INDEX} elements)")
+            f"(at most {MAX_ELEMENTS} elements)")
     return [Dispatch(
         "q4gsw_requant", groups=(ceil_div(words, workgroup_size), 1, 1),
         bindings=(binding(latent, "r"), binding(scales, "r"), binding(out, "w")),

@@ -14,7 +14,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..schedule import Dispatch, ceil_div, pack_push
-from .layout import MAX_ELEMENTS, KernelArgumentError, binding
+from .layout import MAX_ELEMENTS, KernelArgumentError, binding, check_positive_ints
 from .registry import register_kernel
 
 DEFAULT_WORKGROUP_SIZE = 64
@@ -29,9 +29,7 @@ def plan_rope(*, B: int, S: int, H: int, D: int, x: Any, cos: Any, sin: Any, out
 
     Buffers: x fp32 [B, S, H, D] contiguous; cos, sin fp32 [S, D/2]; out fp32 [B, S, H, D] (written).
     """
-    for name, value in (("B", B), ("S", S), ("H", H), ("D", D), ("workgroup_size", workgroup_size)):
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise KernelArgumentError(f"rope: {name} must be an int >= 1, got {value!r}")
+    check_positive_ints("rope", B=B, S=S, H=H, D=D, workgroup_size=workgroup_size)
     if D % 8:
         raise KernelArgumentError(
             f"rope: head dim D={D} is not supported; the kernel needs D % 8 == 0 (vec4 halves of D/2)")

@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..schedule import Dispatch, ceil_div, pack_push
-from .layout import MAX_ELEMENTS, KernelArgumentError, binding
+from .layout import MAX_ELEMENTS, KernelArgumentError, binding, check_positive_ints, shader_variant, use_vec4
 from .registry import register_kernel
 
 DEFAULT_WORKGROUP_SIZE = 128
@@ -20,19 +20,12 @@ DEFAULT_WORKGROUP_SIZE = 128
 def _variant(op: str, numel: int, workgroup_size: int, vec4: bool | None, backward: bool
              ) -> tuple[str, int]:
     """(shader name, VALUE count) for `numel` elements."""
-    for name, value in (("numel", numel), ("workgroup_size", workgroup_size)):
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise KernelArgumentError(f"{op}: {name} must be an int >= 1, got {value!r}")
+    check_positive_ints(op, numel=numel, workgroup_size=workgroup_size)
     if numel > MAX_ELEMENTS:
         raise KernelArgumentError(f"{op}: {numel} elements exceed the kernel's 32-bit indexing "
                                   f"(at most {MAX_ELEMENTS}); split the tensor")
-    if vec4 is None:
-        vec4 = numel % 4 == 0
-    elif vec4 and numel % 4:
-        raise KernelArgumentError(f"{op}: the vec4 kernel needs numel % 4 == 0, got numel={numel}")
-    defines = [name for name, used in (("VEC4", vec4), ("BACKWARD", backward)) if used]
-    shader = "swiglu" + ("@" + "+".join(defines) if defines else "")
-    return shader, numel // 4 if vec4 else numel
+    vec4 = use_vec4(op, vec4, numel, "numel")
+    return shader_variant("swiglu", VEC4=vec4, BACKWARD=backward), numel // 4 if vec4 else numel
 
 
 @register_kernel("swiglu")
