@@ -161,15 +161,21 @@ def _prev_pow2(value: int) -> int:
     return 1 << max(0, value.bit_length() - 1)
 
 
-def default_gemm_tiles(rows: int, cols: int, can_split: bool = False) -> GemmTiles:
+# Reduction step per op: the H200 sweep (bench/results/kernels_h200_sweep.json) found bk = 8 faster for the
+# forward 4-bit GEMM at every M >= 128 (6-10% at M >= 512); d_x and dW showed no consistent winner.
+DEFAULT_BK = {"linear_q4gsw": 8}
+
+
+def default_gemm_tiles(rows: int, cols: int, can_split: bool = False, op: str = "") -> GemmTiles:
     """128 x 128 tiles (8 x 8 outputs per thread). Without split-K, an output of few such tiles takes
     64-wide tiles along its short side instead, for more workgroups."""
-    full = GemmTiles(16, 16, 16)
+    bk = DEFAULT_BK.get(op, 16)
+    full = GemmTiles(16, 16, bk)
     if can_split or ceil_div(rows, full.bm) * ceil_div(cols, full.bn) >= TARGET_WORKGROUPS // 2:
         return full
     if rows <= cols:
-        return GemmTiles(16, 8, 16)  # 64 x 128
-    return GemmTiles(8, 16, 16)  # 128 x 64
+        return GemmTiles(16, 8, bk)  # 64 x 128
+    return GemmTiles(8, 16, bk)  # 128 x 64
 
 
 def default_split_k(rows: int, cols: int, reduction: int, tiles: GemmTiles) -> int:
@@ -233,7 +239,7 @@ def _gemm_plan(op: str, shader: str, rows: int, cols: int, red: int, *, out: Any
                shared_memory_bytes: int, label: str) -> list[Dispatch]:
     """Dispatches of one tiled GEMM (C [rows, cols], reduction `red`), split-K when asked or allowed."""
     if tiles is None:
-        tiles = default_gemm_tiles(rows, cols, can_split=scratch is not None and split_k != 1)
+        tiles = default_gemm_tiles(rows, cols, can_split=scratch is not None and split_k != 1, op=op)
     if not isinstance(tiles, GemmTiles):
         raise KernelArgumentError(f"{op}: tiles must be GemmTiles or GemvTiles, got {tiles!r}")
     _check_shared(op, tiles, shared_memory_bytes)
