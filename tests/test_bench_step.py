@@ -66,7 +66,9 @@ def test_quick_export_and_run_end_to_end(tmp_path):
         assert sum(o["share"] for o in ops) <= 1 + 1e-9
         assert "aten.mm.default" in {o["name"] for o in ops}  # the LoRA / lm_head matmuls dominate tiny shapes
         memory = record["vk_memory"]
-        assert memory["device_buffers_bytes"] >= memory["planned_bytes"] > 0
+        # Device buffers hold at least the resident training state; the plan may overstate what is
+        # allocated (tensors planned into memory objects can end up as views).
+        assert memory["device_buffers_bytes"] >= memory["state_bytes"] > 0 and memory["planned_bytes"] > 0
         assert set(record["shaders"]) <= declared, set(record["shaders"]) - declared
     assert (tmp_path / "step_quick.png").stat().st_size > 0
     assert result.stdout.count("op kinds by GPU time") == 2

@@ -391,6 +391,39 @@ def test_transposes_are_views_where_readers_allow(vk_device):
     np.testing.assert_allclose(r2, np.maximum(y_ref.T, 0), rtol=1e-5, atol=1e-6)
 
 
+def test_memory_objects_are_sized_by_the_tensors_left_in_them_after_views(vk_device):
+    """lm_head's pattern: t = weight.T [mem0, planned 512 B]; logits = x @ t [mem1]; r = relu(logits)
+    [mem0, 192 B, t is dead]; flat = view(r) [mem2]. t becomes a view of the constant's bytes and flat an
+    alias of r, so mem0 needs only r's bytes and mem2 holds nothing at all."""
+    vocab, dim, rows = 16, 8, 3
+    g = vk.VkGraph()
+    x = _tensor(g, F32, (rows, dim), "x")
+    g.inputs = [x]
+    weight_array = np.random.default_rng(11).standard_normal((vocab, dim)).astype(np.float32)
+    weight = g.add_constant_tensor(weight_array, name="lm_head.weight")
+    g.memory_objects = [vk.MemoryObject(0, 4 * vocab * dim), vk.MemoryObject(1, 4 * rows * vocab),
+                        vk.MemoryObject(2, 4 * rows * vocab)]
+    t = _tensor(g, F32, (dim, vocab), "t", mem=0)
+    logits = _tensor(g, F32, (rows, vocab), "logits", mem=1)
+    r = _tensor(g, F32, (rows, vocab), "r", mem=0)
+    flat = _tensor(g, F32, (rows * vocab,), "flat", mem=2)
+    g.ops = [vk.OpCall("aten.permute_copy.default", (weight, g.add_value(vk.IntListValue((1, 0)))), (t,)),
+             vk.OpCall("aten.mm.default", (x, t), (logits,)),
+             vk.OpCall("aten.relu.default", (logits,), (r,)),
+             vk.OpCall("aten.view_copy.default", (r, g.add_value(vk.IntListValue((-1,)))), (flat,))]
+    g.outputs = [flat]
+    x_array = np.random.default_rng(12).standard_normal((rows, dim)).astype(np.float32)
+    with GraphExecutor(vk_device, g) as executor:
+        assert executor.aliased_ops == {0, 3}
+        assert executor.storage_of(t) == executor.storage_of(weight)
+        assert executor.storage_of(r) == executor.storage_of(flat) == "mem0"
+        planned = {key: size for key, size in executor.buffer_bytes.items() if key.startswith("mem")}
+        assert planned == {"mem0": 4 * rows * vocab, "mem1": 4 * rows * vocab}
+        (result,) = executor.run(x_array)
+    expected = np.maximum(x_array.astype(np.float64) @ weight_array.astype(np.float64).T, 0).reshape(-1)
+    np.testing.assert_allclose(result, expected, rtol=1e-5, atol=1e-6)
+
+
 def test_rewrite_lengthening_a_lifetime_repairs_the_memory_plan(vk_device):
     """The planner let neg's output reuse relu's memory object once `le` had read it; after the rewrite
     threshold_backward still reads the relu output then, so neg's output must move to its own buffer."""

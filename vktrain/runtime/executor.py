@@ -3,10 +3,12 @@
 Load time (everything that can fail fails here, never at step time):
   1. pattern rewrites (op_lowering.fuse_patterns) and the op-lowering lookup: an op without a kernel
      is a GraphLoweringError "unsupported op <name>";
-  2. storage: one Buffer per planned memory object (its tensors bind it at offset 0 with their own
-     size), one per constant (uploaded once; W_4X8 weights stay packed; a synthetic constant, benchmark
-     blobs only, is generated here from its seed, then uploaded the same way), one per input, per mutable
-     state tensor and per unplanned intermediate. Storage decisions that save copies:
+  2. storage: one Buffer per planned memory object that still holds a tensor once the decisions below
+     are made, sized by the largest of those tensors, not by the plan (its tensors bind it at offset 0
+     with their own size; a big planned tensor that became a view must not keep its object big), one
+     per constant (uploaded once; W_4X8 weights stay packed; a synthetic constant, benchmark blobs only,
+     is generated here from its seed, then uploaded the same way), one per input, per mutable state
+     tensor and per unplanned intermediate. Storage decisions that save copies:
        * aliasing: a view op that moves no bytes (view_copy / squeeze / unsqueeze of a contiguous
          tensor, int64 <-> int32 _to_copy) binds its output to its input's storage, when the longer
          lifetime collides with no other tensor planned into that memory object (or else the input can
@@ -399,13 +401,12 @@ class GraphExecutor:
                                          f"of the step; return its update instead")
 
     def _allocate_buffers(self) -> None:
+        """One buffer per storage key, sized by the tensors actually placed there. A memory object's
+        planned size is not used: it counts occupants that became views of other storage (a transposed
+        weight) or moved out, and its int64 tensors at 8 bytes; an object left with no occupant gets none."""
         sizes: dict[str, int] = {}
         for tensor in self._tensors.values():
             sizes[tensor.key] = max(sizes.get(tensor.key, 0), tensor.nbytes)
-        for memory in self.graph.memory_objects:
-            key = f"mem{memory.id}"
-            if key in sizes:
-                sizes[key] = max(sizes[key], memory.size_bytes)
         for key, nbytes in sorted(sizes.items()):
             self._buffers[key] = Buffer(self.device, _round4(nbytes), name=key, staging=self._staging)
 
