@@ -35,7 +35,7 @@ from vktrain.runtime.train_loop import add_train_arguments, run_train
 from vktrain.serialization import deserialize_blob
 from vktrain.serialization import graph as vk
 
-from _helpers import eager_lora_adamw_training, runner_losses
+from _helpers import assert_training_matches_reference, eager_float64_and_float32_training, runner_losses
 
 BATCH, SEQ = 2, 16
 STEPS = 20
@@ -96,23 +96,20 @@ def test_tied_embedding_is_stored_once(llama_program):
 
 def test_twenty_steps_match_eager_pytorch_and_replay_bitwise(vk_device, llama_program):
     path, model = llama_program
-    ref_losses, ref_state, ref_exp_avg = eager_lora_adamw_training(
-        model, _batches(STEPS), lr=LR, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY)
+    reference = eager_float64_and_float32_training(model, _batches(STEPS), lr=LR, betas=BETAS, eps=EPS,
+                                                   weight_decay=WEIGHT_DECAY)
+    initial = {"model." + name: param.detach().numpy() for name, param in model.named_parameters()}
     with TrainingRunner.from_pte(path, vk_device) as runner:
         assert runner.batch_shape == (BATCH, SEQ) and runner.vocab_size == 256
         losses = runner_losses(runner, _batches(STEPS), HPARAMS)
         lora = runner.lora_state()
-        exp_avg = {name: runner.read_state("optimizer.exp_avg." + name) for name in ref_state}
+        exp_avg = {name: runner.read_state("optimizer.exp_avg." + name) for name in reference.state}
         final_state = runner.state_dict()
         assert runner.read_state("optimizer.step") == np.float32(STEPS)
-    np.testing.assert_allclose(losses, ref_losses, rtol=1e-4)
     assert np.mean(losses[-5:]) < np.mean(losses[:5]) - 0.05  # it trains
-    assert sorted(lora) == sorted("model." + name for name in ref_state)
-    for name, expected in ref_state.items():
-        np.testing.assert_allclose(lora["model." + name], expected, rtol=1e-4, atol=1e-4 * np.abs(expected).max(),
-                                   err_msg=name)
-        np.testing.assert_allclose(exp_avg[name], ref_exp_avg[name], rtol=1e-4,
-                                   atol=1e-4 * np.abs(ref_exp_avg[name]).max(), err_msg=name)
+    assert sorted(lora) == sorted("model." + name for name in reference.state)
+    assert_training_matches_reference(losses, {n: lora["model." + n] for n in reference.state}, exp_avg,
+                                      reference, {n: initial["model." + n] for n in reference.state})
 
     # A second runner (fresh buffers, recorded again) reproduces every bit.
     with TrainingRunner.from_pte(path, vk_device) as second:
