@@ -11,7 +11,7 @@ with CUDA events, fp32 with TF32 off; CPU otherwise, wall clock), the ratio torc
     python scripts/bench_kernels.py --quick         # small shapes (runs on lavapipe in under a minute)
     python scripts/bench_kernels.py --out bench.json --kernels linear_q4gsw,fused_ce --replays 20
 
-Kernels come from the registry (vktrain.runtime.kernels); families that are not importable are
+Kernels come from the registry (vktrain.runtime.delegate.kernels); families that are not importable are
 reported as skipped. Needs numpy, torch and the `vulkan` binding; never imports executorch.
 """
 from __future__ import annotations
@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from vktrain import quant  # noqa: E402
 from vktrain.runtime import Buffer, Device, Program  # noqa: E402
-from vktrain.runtime.kernels import KERNELS  # noqa: E402
+from vktrain.runtime.delegate.kernels import KERNELS  # noqa: E402
 
 # Families registered by modules that kernels/__init__ may not import yet; imported here if present.
 _FAMILY_MODULES = ("linear", "cross_entropy", "optimizer", "requant", "attention")
@@ -76,7 +76,7 @@ def _rel_err(actual: np.ndarray, expected: np.ndarray) -> float:
 
 # ----------------------------------------------------------------------------------- linear family
 def _linear_cases(quick: bool, rng) -> list[Case]:
-    from vktrain.runtime.kernels.linear import prepack_weights
+    from vktrain.runtime.delegate.kernels.linear import prepack_weights
 
     if quick:
         K, group_size, Ns, Ms = 256, 32, (256, 512), (1, 64)
@@ -101,7 +101,7 @@ def _linear_cases(quick: bool, rng) -> list[Case]:
 def _linear_setup(plan_name: str, plan_kwargs: dict, arrays: dict[str, np.ndarray], out_shape):
     """Vulkan setup of a linear-family case. `overrides` (tiles, split_k) come from --sweep; the
     default plan gets a split-K scratch buffer whenever it would use one."""
-    from vktrain.runtime.kernels.linear import plan_scratch_nbytes, split_k_scratch_nbytes
+    from vktrain.runtime.delegate.kernels.linear import plan_scratch_nbytes, split_k_scratch_nbytes
 
     def setup(device, limits, **overrides):
         buffers = {key: Buffer.from_array(device, a, name=key) for key, a in arrays.items()}
@@ -123,7 +123,7 @@ def _linear_setup(plan_name: str, plan_kwargs: dict, arrays: dict[str, np.ndarra
 
 def _linear_sweep(plan_name: str, shape: dict[str, int]) -> list[dict[str, Any]]:
     """Alternative configurations --sweep times for a linear case (the default runs anyway)."""
-    from vktrain.runtime.kernels.linear import GEMV_MAX_ROWS, GemmTiles, GemvTiles, default_split_k
+    from vktrain.runtime.delegate.kernels.linear import GEMV_MAX_ROWS, GemmTiles, GemvTiles, default_split_k
 
     M, N, K = shape["M"], shape["N"], shape["K"]
     if plan_name != "linear_dW" and M <= GEMV_MAX_ROWS:
@@ -183,7 +183,7 @@ def _linear_dw_case(shape, d_out, x) -> Case:
 
 # ----------------------------------------------------------------------------------- other families
 def _fused_ce_cases(quick: bool, rng) -> list[Case]:
-    from vktrain.runtime.kernels.cross_entropy import fused_ce_scratch_nbytes
+    from vktrain.runtime.delegate.kernels.cross_entropy import fused_ce_scratch_nbytes
 
     V = 1000 if quick else 128256
     cases = []
@@ -301,7 +301,7 @@ def _attention_cases(quick: bool, rng) -> list[Case]:
     half of the matmuls: 2 for the forward (q k^T, P v), 5 for the backward (the algorithm's, not the
     recomputation the deterministic kernels add)."""
     from vktrain.runtime import run_dispatches
-    from vktrain.runtime.kernels.attention import causal_attention_backward_scratch_nbytes
+    from vktrain.runtime.delegate.kernels.attention import causal_attention_backward_scratch_nbytes
 
     B, Hq, Hkv, D = (1, 4, 2, 64) if quick else (1, 32, 8, 64)
     cases = []
@@ -465,7 +465,7 @@ def main(argv: list[str] | None = None) -> int:
 
     for module in _FAMILY_MODULES:
         try:
-            importlib.import_module(f"vktrain.runtime.kernels.{module}")
+            importlib.import_module(f"vktrain.runtime.delegate.kernels.{module}")
         except ImportError as exc:
             print(f"note: kernel family {module!r} not importable ({exc}); its kernels are skipped")
     wanted = [k for k in args.kernels.split(",") if k] or list(_CASE_BUILDERS)

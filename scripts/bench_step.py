@@ -175,7 +175,7 @@ def export_configs(preset: str, shapes: list[tuple[int, int]], out_dir: Path, mi
     from vktrain.backend import metadata_spec, synthetic_constants_spec
     from vktrain.export import export_training_step, lower_to_pte
     from vktrain.partitioner import VktrainPartitioner
-    from vktrain.runtime.pte import PteFile
+    from vktrain.runtime.program.pte import PteFile
     from vktrain.serialization import deserialize_blob
 
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -492,7 +492,7 @@ def _baseline_key(graph, config: BenchConfig) -> str:
 
 def run_one(path: Path, device, args, torch, torch_device, torch_note: str | None,
             baseline_cache: dict[str, dict[str, np.ndarray]]) -> dict[str, Any]:
-    from vktrain.runtime.runner import TrainingRunner
+    from vktrain.runtime.program.runner import TrainingRunner
 
     start = time.perf_counter()
     runner = TrainingRunner.from_pte(path, device)

@@ -14,8 +14,8 @@ import torch
 
 from vktrain.lora import LoRAConfig, apply_lora, load_adapters, lora_modules
 from vktrain.models import build_model
-from vktrain.runtime.adapters import adapters_from_state, save_adapters
-from vktrain.runtime.runner import TrainingRunner
+from vktrain.train.adapters import adapters_from_state, save_adapters
+from vktrain.runtime.program.runner import TrainingRunner
 
 from _helpers import assert_import_loads_none, export_mlp_lora_training_step
 
@@ -83,7 +83,7 @@ def test_runner_runs_a_pte_where_torch_and_executorch_cannot_be_imported(exporte
                     raise ImportError("blocked import of " + name)
         sys.meta_path.insert(0, Block())
         import numpy as np
-        from vktrain.runtime.runner import TrainingRunner
+        from vktrain.runtime.program.runner import TrainingRunner
         tokens = np.array({tokens.tolist()}); labels = np.array({labels.tolist()})
         hparams = np.array({HPARAMS.tolist()}, np.float32)
         with TrainingRunner.from_pte({str(path)!r}) as runner:
@@ -99,6 +99,6 @@ def test_runner_runs_a_pte_where_torch_and_executorch_cannot_be_imported(exporte
 
 
 def test_host_side_file_formats_do_not_load_the_vulkan_loader():
-    """vktrain.lora reads PEFT files through vktrain.runtime.adapters: that must not need a Vulkan driver."""
-    assert_import_loads_none(["vktrain.lora", "vktrain.runtime.adapters", "vktrain.runtime.pte"],
-                             forbidden=["vulkan", "vktrain.runtime.device"], timeout=120)
+    """vktrain.lora reads PEFT files through vktrain.train.adapters: that must not need a Vulkan driver."""
+    assert_import_loads_none(["vktrain.lora", "vktrain.train.adapters", "vktrain.runtime.program.pte"],
+                             forbidden=["vulkan", "vktrain.runtime.vk.device"], timeout=120)

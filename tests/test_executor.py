@@ -13,8 +13,8 @@ import torch
 
 import vktrain.ops  # noqa: F401  (registers torch.ops.vktrain.*)
 from vktrain.quant import pack_w4x8, quantize
-from vktrain.runtime.executor import ExecutorInputError, GraphExecutor
-from vktrain.runtime.op_lowering import THRESHOLD_BACKWARD, GraphLoweringError, fuse_patterns
+from vktrain.runtime.delegate.executor import ExecutorInputError, GraphExecutor
+from vktrain.runtime.delegate.op_lowering import THRESHOLD_BACKWARD, GraphLoweringError, fuse_patterns
 from vktrain.serialization import graph as vk
 
 F32, I64 = vk.DType.FLOAT32, vk.DType.INT64

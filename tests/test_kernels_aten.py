@@ -25,10 +25,10 @@ import pytest
 import torch
 
 from vktrain.runtime import Buffer, run_dispatches
-from vktrain.runtime.kernels import get_kernel
-from vktrain.runtime.kernels.elementwise import plan_binary, plan_unary
-from vktrain.runtime.kernels.embedding import plan_embedding_dense_backward
-from vktrain.runtime.kernels.layout import (
+from vktrain.runtime.delegate.kernels import get_kernel
+from vktrain.runtime.delegate.kernels.elementwise import plan_binary, plan_unary
+from vktrain.runtime.delegate.kernels.embedding import plan_embedding_dense_backward
+from vktrain.runtime.delegate.kernels.layout import (
     KernelArgumentError,
     StridedView,
     broadcast_shapes,
@@ -36,7 +36,7 @@ from vktrain.runtime.kernels.layout import (
     is_alias_view,
     plan_strided_copy,
 )
-from vktrain.runtime.kernels.matmul import (
+from vktrain.runtime.delegate.kernels.matmul import (
     MAX_SPLIT_K,
     MIN_SPLIT_SLICE,
     TARGET_THREADS,
@@ -47,9 +47,9 @@ from vktrain.runtime.kernels.matmul import (
     slice_length,
     split_k_scratch_nbytes,
 )
-from vktrain.runtime.op_lowering import TensorArg
-from vktrain.runtime.schedule import ceil_div
-from vktrain.runtime.kernels.reduction import (
+from vktrain.runtime.delegate.op_lowering import TensorArg
+from vktrain.runtime.vk.schedule import ceil_div
+from vktrain.runtime.delegate.kernels.reduction import (
     STRATEGY_GROUP_PER_OUTPUT,
     STRATEGY_SPEC_ID,
     STRATEGY_THREAD_PER_OUTPUT,
@@ -160,7 +160,7 @@ PARTITIONER_EXTRA_OPS = [
 
 
 def test_every_generic_op_of_a_training_step_has_a_plan():
-    from vktrain.runtime.kernels import KERNELS
+    from vktrain.runtime.delegate.kernels import KERNELS
     assert [op for op in TRAINING_STEP_OPS + PARTITIONER_EXTRA_OPS if op not in KERNELS] == []
 
 
@@ -881,8 +881,8 @@ def test_split_k_is_not_planned_where_it_cannot_help_or_apply():
 
 
 def _lowering_context(op_name: str, args: list, out_shape, scratch_log: list):
-    from vktrain.runtime.op_lowering import OpContext
-    from vktrain.runtime.schedule import BufferBinding
+    from vktrain.runtime.delegate.op_lowering import OpContext
+    from vktrain.runtime.vk.schedule import BufferBinding
     from vktrain.serialization import graph as vk
 
     def scratch(nbytes, purpose):
@@ -895,12 +895,12 @@ def _lowering_context(op_name: str, args: list, out_shape, scratch_log: list):
 
 
 def _tensor_arg(value_id, key, shape, view=None):
-    from vktrain.runtime.schedule import BufferBinding
+    from vktrain.runtime.vk.schedule import BufferBinding
     return TensorArg(value_id, BufferBinding(key, 0, 4 * math.prod(shape)), tuple(shape), "float32", view=view)
 
 
 def test_executor_lowerings_allocate_split_k_scratch_only_when_splitting():
-    from vktrain.runtime.op_lowering import OP_LOWERINGS
+    from vktrain.runtime.delegate.op_lowering import OP_LOWERINGS
 
     log: list = []
     # mm of a lazily transposed A (the executor's view of t_copy(A)): x [64, 1024] @ A^T [1024, 16].

@@ -1,4 +1,4 @@
-"""GPU kernels of the linear family (vktrain/runtime/kernels/linear.py) on the Vulkan device.
+"""GPU kernels of the linear family (vktrain/runtime/delegate/kernels/linear.py) on the Vulkan device.
 
 Each kernel is checked against two references: the op library's CPU definition
 (torch.ops.vktrain.*, fp32) and an independent float64 formula through vktrain.quant.dequantize.
@@ -25,8 +25,8 @@ torch = pytest.importorskip("torch")
 import vktrain.ops  # noqa: E402,F401  (registers torch.ops.vktrain.*)
 from vktrain.quant import dequantize, pack_flat, quantize  # noqa: E402
 from vktrain.runtime import Buffer, Program  # noqa: E402
-from vktrain.runtime.kernels import KERNELS, get_kernel, register_kernel  # noqa: E402
-from vktrain.runtime.kernels.linear import (  # noqa: E402
+from vktrain.runtime.delegate.kernels import KERNELS, get_kernel, register_kernel  # noqa: E402
+from vktrain.runtime.delegate.kernels.linear import (  # noqa: E402
     GEMV_MAX_M,
     GEMV_MAX_ROWS,
     MIN_SPLIT_SLICE,

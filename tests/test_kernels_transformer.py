@@ -31,10 +31,10 @@ import torch
 
 import vktrain.ops  # noqa: F401  (registers torch.ops.vktrain)
 from vktrain.runtime import Buffer, Program
-from vktrain.runtime.kernels import attention, norm, rotary, swiglu
-from vktrain.runtime.kernels.attention import AttentionTiles
-from vktrain.runtime.kernels.layout import KernelArgumentError
-from vktrain.runtime.kernels.registry import KERNELS
+from vktrain.runtime.delegate.kernels import attention, norm, rotary, swiglu
+from vktrain.runtime.delegate.kernels.attention import AttentionTiles
+from vktrain.runtime.delegate.kernels.layout import KernelArgumentError
+from vktrain.runtime.delegate.kernels.registry import KERNELS
 
 OPS = torch.ops.vktrain
 

@@ -26,12 +26,12 @@ import torch
 from vktrain.export import export_training_step, lower_to_pte
 from vktrain.lora import LoRAConfig, apply_lora
 from vktrain.models import build_model
-from vktrain.runtime.kernels import attention, norm
-from vktrain.runtime.op_lowering import GraphLoweringError, OpContext, TensorArg, lowering_for
-from vktrain.runtime.pte import PteFile
-from vktrain.runtime.runner import TrainingRunner
-from vktrain.runtime.schedule import BufferBinding
-from vktrain.runtime.train_loop import add_train_arguments, run_train
+from vktrain.runtime.delegate.kernels import attention, norm
+from vktrain.runtime.delegate.op_lowering import GraphLoweringError, OpContext, TensorArg, lowering_for
+from vktrain.runtime.program.pte import PteFile
+from vktrain.runtime.program.runner import TrainingRunner
+from vktrain.runtime.vk.schedule import BufferBinding
+from vktrain.train.train_loop import add_train_arguments, run_train
 from vktrain.serialization import deserialize_blob
 from vktrain.serialization import graph as vk
 

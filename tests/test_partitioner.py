@@ -58,7 +58,7 @@ def test_op_keys():
 def test_registry_accepts_only_ops_the_runtime_executes():
     """Every op the partitioner may delegate has a lowering and a kernel in the runtime (getitem is no
     graph op: preprocess resolves it), so a delegate never fails at load with "unsupported op"."""
-    from vktrain.runtime import op_lowering
+    from vktrain.runtime.delegate import op_lowering
 
     registered = set(supported_ops()) - {"getitem"}
     assert registered, "the registry is empty"
@@ -96,9 +96,10 @@ def test_copies_of_bool_or_uint8_tensors_are_refused():
 
 
 def test_backend_id_is_shared_with_the_torch_free_runner():
-    from vktrain.runtime import backend_id, runner
+    from vktrain import contract
+    from vktrain.runtime.program import runner
 
-    assert BACKEND_ID == backend_id.BACKEND_ID == runner.BACKEND_ID == "VktrainVulkanBackend"
+    assert BACKEND_ID == contract.BACKEND_ID == runner.BACKEND_ID == "VktrainVulkanBackend"
 
 
 def test_q4gsw_weights_are_prepacked():
@@ -284,7 +285,7 @@ def test_runtime_argument_names_follow_the_torch_schemas():
     them. Both must list the same arguments in the same order, for every op the runtime executes."""
     import executorch.exir.passes.dim_order_ops_registry  # noqa: F401  (registers dim_order_ops)
 
-    from vktrain.runtime.op_lowering import OP_LOWERINGS
+    from vktrain.runtime.delegate.op_lowering import OP_LOWERINGS
 
     for key, lowering in OP_LOWERINGS.items():
         namespace, name, overload = key.split(".")

@@ -15,9 +15,9 @@ import torch
 from vktrain.export import example_training_inputs, export_training_step, lower_to_pte
 from vktrain.lora import LoRAConfig, apply_lora
 from vktrain.models import build_model
-from vktrain.runtime.executor import ExecutorInputError
-from vktrain.runtime.pte import PteFile
-from vktrain.runtime.runner import ProgramInterpreter, TrainingRunner, UnsupportedProgramError
+from vktrain.runtime.delegate.executor import ExecutorInputError
+from vktrain.runtime.program.pte import PteFile
+from vktrain.runtime.program.runner import ProgramInterpreter, TrainingRunner, UnsupportedProgramError
 
 from _helpers import (assert_training_matches_reference, eager_float64_and_float32_training,
                       export_mlp_lora_training_step, runner_losses)
@@ -119,7 +119,7 @@ def test_exported_forward_runs_through_interpreter_and_executor(vk_device):
     """The inference program (gelu, biases, non-zero adapters) through ProgramInterpreter + GraphExecutor
     matches the eager model: the executor is not specific to training graphs."""
     from vktrain.export import export_forward
-    from vktrain.runtime.executor import GraphExecutor
+    from vktrain.runtime.delegate.executor import GraphExecutor
     from vktrain.serialization import deserialize_blob
 
     model = build_model("mlp-lora", dim=32, hidden=64, vocab_size=VOCAB, activation="gelu", bias=True)

@@ -37,7 +37,7 @@ from vktrain.runtime import (
     select_physical_device,
     split_groups,
 )
-from vktrain.runtime.errors import vk_call
+from vktrain.runtime.vk.errors import vk_call
 
 ROOT = Path(__file__).resolve().parents[1]
 LOCAL = 64

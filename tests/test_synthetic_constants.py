@@ -214,7 +214,7 @@ def test_header_version_must_agree_with_the_content():
 # ------------------------------------------------------------------------------------------------
 
 def test_executor_generates_and_uploads_synthetic_constants(vk_device):
-    from vktrain.runtime.executor import GraphExecutor
+    from vktrain.runtime.delegate.executor import GraphExecutor
 
     m, n, k, group, vocab = 5, 24, 64, 32, 50
     graph = vk.VkGraph()
@@ -269,7 +269,7 @@ def mlp_step_graphs():
     from vktrain.lora import LoRAConfig, apply_lora
     from vktrain.models import build_model
     from vktrain.partitioner import VktrainPartitioner
-    from vktrain.runtime.pte import PteFile
+    from vktrain.runtime.program.pte import PteFile
 
     model = build_model("mlp-lora", dim=32, hidden=64, vocab_size=64, n_layers=2)
     apply_lora(model, LoRAConfig(rank=4, alpha=8.0, targets="layers.*", group_size=32, seed=0))
@@ -333,7 +333,7 @@ def test_preprocess_metadata_spec_and_bad_specs():
 
 
 def test_training_step_with_synthetic_constants_runs(vk_device, mlp_step_graphs, tmp_path):
-    from vktrain.runtime.runner import TrainingRunner
+    from vktrain.runtime.program.runner import TrainingRunner
 
     _, synthetic, data = mlp_step_graphs
     path = tmp_path / "synthetic_step.pte"

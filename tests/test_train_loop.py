@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 import safetensors.numpy
 
-from vktrain.runtime import adapters as adapters_mod
-from vktrain.runtime import checkpoint as ckpt
-from vktrain.runtime.data import (
+from vktrain.train import adapters as adapters_mod
+from vktrain.train import checkpoint as ckpt
+from vktrain.train.data import (
     DataError,
     TokenBatcher,
     check_vocab,
@@ -23,8 +23,8 @@ from vktrain.runtime.data import (
     epoch_order,
     load_tokens,
 )
-from vktrain.runtime.lr_schedule import LRSchedule
-from vktrain.runtime.train_loop import (
+from vktrain.train.lr_schedule import LRSchedule
+from vktrain.train.train_loop import (
     AdamWConfig,
     NonFiniteLossError,
     TrainState,
@@ -234,8 +234,8 @@ def test_fingerprint_depends_on_tokens_and_batching_not_on_storage_dtype():
 
 def test_the_runtime_side_never_imports_torch():
     assert_import_loads_none(
-        ["vktrain.runtime.train_loop", "vktrain.runtime.data", "vktrain.runtime.checkpoint", "vktrain.runtime.adapters",
-         "vktrain.runtime.lr_schedule", "vktrain.data"],
+        ["vktrain.train.train_loop", "vktrain.train.data", "vktrain.train.checkpoint", "vktrain.train.adapters",
+         "vktrain.train.lr_schedule", "vktrain.data"],
         forbidden=["torch", "executorch"])
 
 
@@ -641,7 +641,7 @@ def _parse(*argv):
 @pytest.fixture
 def fake_program(tmp_path, monkeypatch):
     """A .pte path whose 'program' is a FakeRunner; returns (pte path, data path, list of runners made)."""
-    from vktrain.runtime import runner as runner_mod
+    from vktrain.runtime.program import runner as runner_mod
 
     made = []
 

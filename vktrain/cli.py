@@ -16,7 +16,7 @@ import os
 import sys
 from pathlib import Path
 
-from vktrain.runtime.checkpoint import atomic_write_bytes  # torch-free; the one atomic writer
+from vktrain.train.checkpoint import atomic_write_bytes  # torch-free; the one atomic writer
 
 PROGRAMS = ("train-step", "forward", "forward-base")
 
@@ -142,7 +142,7 @@ def build_parser() -> argparse.ArgumentParser:
     inspect.add_argument("--json", action="store_true", help="print the report as JSON")
     inspect.set_defaults(run=cmd_inspect)
 
-    from vktrain.runtime.train_loop import add_train_arguments, run_train  # torch-free
+    from vktrain.train.train_loop import add_train_arguments, run_train  # torch-free
 
     train = sub.add_parser("train", help="train the LoRA adapters of a training-step .pte on the Vulkan device")
     add_train_arguments(train)

@@ -1,5 +1,5 @@
 """LoRA adapters over a frozen q4gsw base."""
-from vktrain.runtime.adapters import PEFT_PREFIX
+from vktrain.train.adapters import PEFT_PREFIX
 
 from .inject import (
     LoRAConfig,

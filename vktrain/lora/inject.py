@@ -16,7 +16,7 @@ from torch import nn
 
 from vktrain.quant import check_q4gsw_shapes
 
-from vktrain.runtime import adapters as peft_files  # torch-free PEFT naming and files: one implementation
+from vktrain.train import adapters as peft_files  # torch-free PEFT naming and files: one implementation
 
 from .layers import LoRAQ4Linear
 

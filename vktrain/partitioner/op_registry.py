@@ -10,7 +10,7 @@ unsupported dtype of an argument or output, symbolic shapes, a shape the kernel 
 N % 4, K % 4, group_size % 4, K % group_size), or a prepacked argument that is not a constant.
 
 The registry accepts only what the runtime can execute: `register_op` refuses a key that
-`vktrain.runtime.op_lowering.supported_ops()` lacks, so the partitioner never delegates an op the GPU
+`vktrain.runtime.delegate.op_lowering.supported_ops()` lacks, so the partitioner never delegates an op the GPU
 cannot run (an unregistered op is refused with its reason and stays outside the delegate). The dtypes
 the records accept are the kernels' (float32 math, int32/int64 indices; 32-bit words for copies).
 """
@@ -25,7 +25,7 @@ from torch.export import ExportedProgram
 from torch.fx import Node
 
 from vktrain.quant import check_q4gsw_shapes, padded_k
-from vktrain.runtime.op_lowering import supported_ops as runtime_supported_ops
+from vktrain.runtime.delegate.op_lowering import supported_ops as runtime_supported_ops
 
 FLOAT = frozenset({torch.float32})
 INDEX = frozenset({torch.int64, torch.int32})
@@ -140,14 +140,14 @@ def register_op(*keys: str) -> Callable[[Callable[[str], OpFeatures]], Callable[
     """Register the OpFeatures built by the decorated function `(key) -> OpFeatures` under each key.
 
     Raises ValueError for a key the runtime cannot execute (no lowering or no kernel in
-    vktrain.runtime.op_lowering), so the partitioner and the runtime cannot drift apart."""
+    vktrain.runtime.delegate.op_lowering), so the partitioner and the runtime cannot drift apart."""
     def decorate(build: Callable[[str], OpFeatures]) -> Callable[[str], OpFeatures]:
         for key in keys:
             if key in _REGISTRY:
                 raise ValueError(f"op {key} is registered twice")
             if key != GETITEM and key not in _RUNTIME_OPS:
                 raise ValueError(f"op {key} cannot be registered: the vktrain runtime has no lowering or kernel for "
-                                 f"it (vktrain.runtime.op_lowering.supported_ops()), so a delegate holding it "
+                                 f"it (vktrain.runtime.delegate.op_lowering.supported_ops()), so a delegate holding it "
                                  f"would fail at load")
             features = build(key)
             if features.key != key:

@@ -21,7 +21,7 @@ from torch.export import ExportedProgram
 from torch.fx.passes.infra.partitioner import CapabilityBasedPartitioner
 from torch.fx.passes.operator_support import OperatorSupportBase
 
-from vktrain.runtime.backend_id import BACKEND_ID
+from vktrain.contract import BACKEND_ID
 
 from .op_registry import PRESERVED_OPS, check_node, op_key
 

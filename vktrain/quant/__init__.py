@@ -1,7 +1,7 @@
 """q4gsw quantization and weight layouts (numpy): the one source of truth.
 
 Shaders, the serializer, the op library's CPU references and the tests all follow the functions here;
-nothing else re-implements a layout. Spec: shared/spec/w4x8.md.
+nothing else re-implements a layout. Spec: docs/spec/w4x8.md.
 """
 from .q4gsw import (
     CODE_ZERO,

@@ -50,20 +50,20 @@ ShaderBuildError (from vktrain.runtime_shaders).
 """
 import importlib
 
-# Lazy exports (PEP 562): `import vktrain.runtime.adapters` (or .pte, .data, ...) must not load the Vulkan
+# Lazy exports (PEP 562): `import vktrain.train.adapters` (or .pte, .data, ...) must not load the Vulkan
 # loader, so host-side code can use the torch-free file formats on a machine without Vulkan.
 _EXPORTS = {
     "ShaderBuildError": "vktrain.runtime_shaders.build", "ShaderNotFoundError": "vktrain.runtime_shaders.build",
-    "Program": ".commands", "run_dispatches": ".commands",
-    "Device": ".device", "DeviceLimits": ".device", "PhysicalDeviceInfo": ".device",
-    "ValidationMessage": ".device", "select_physical_device": ".device",
-    "BindingRangeError": ".errors", "BufferUsageError": ".errors", "DeviceSelectionError": ".errors",
-    "RuntimeErrorBase": ".errors", "ScheduleError": ".errors", "ValidationLayerMissingError": ".errors",
-    "VulkanError": ".errors", "VulkanUnavailableError": ".errors",
-    "Buffer": ".memory", "find_memory_type": ".memory",
-    "PUSH_HEADER_BYTES": ".schedule", "BufferBinding": ".schedule", "Dispatch": ".schedule",
-    "ResolvedAccess": ".schedule", "ceil_div": ".schedule", "pack_push": ".schedule",
-    "plan_barriers": ".schedule", "split_groups": ".schedule",
+    "Program": ".vk.commands", "run_dispatches": ".vk.commands",
+    "Device": ".vk.device", "DeviceLimits": ".vk.device", "PhysicalDeviceInfo": ".vk.device",
+    "ValidationMessage": ".vk.device", "select_physical_device": ".vk.device",
+    "BindingRangeError": ".vk.errors", "BufferUsageError": ".vk.errors", "DeviceSelectionError": ".vk.errors",
+    "RuntimeErrorBase": ".vk.errors", "ScheduleError": ".vk.errors", "ValidationLayerMissingError": ".vk.errors",
+    "VulkanError": ".vk.errors", "VulkanUnavailableError": ".vk.errors",
+    "Buffer": ".vk.memory", "find_memory_type": ".vk.memory",
+    "PUSH_HEADER_BYTES": ".vk.schedule", "BufferBinding": ".vk.schedule", "Dispatch": ".vk.schedule",
+    "ResolvedAccess": ".vk.schedule", "ceil_div": ".vk.schedule", "pack_push": ".vk.schedule",
+    "plan_barriers": ".vk.schedule", "split_groups": ".vk.schedule",
 }
 
 

@@ -1,6 +1,6 @@
 #version 450
 // One AdamW step, in place over the resident optimizer state (host module:
-// vktrain/runtime/kernels/optimizer.py). torch.optim.AdamW's update:
+// vktrain/runtime/delegate/kernels/optimizer.py). torch.optim.AdamW's update:
 //   p *= 1 - lr * wd
 //   m  = b1 * m + (1 - b1) * g
 //   v  = b2 * v + (1 - b2) * g * g

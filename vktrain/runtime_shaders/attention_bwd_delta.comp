@@ -1,5 +1,5 @@
 #version 450
-// Causal attention backward, pre-pass (host module: vktrain/runtime/kernels/attention.py):
+// Causal attention backward, pre-pass (host module: vktrain/runtime/delegate/kernels/attention.py):
 //   delta[b, h, i] = sum_d d_out[b, i, h, d] * out[b, i, h, d]      [B, Hq, S]
 // the row term of the softmax gradient, dS = P * (dP - delta), that attention_bwd.comp needs for every
 // query row of every tile it visits. One thread per (batch, position, head) row, reading the row's

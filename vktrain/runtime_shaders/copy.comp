@@ -1,5 +1,5 @@
 #version 450
-// Generic strided copy (host module: vktrain/runtime/kernels/layout.py).
+// Generic strided copy (host module: vktrain/runtime/delegate/kernels/layout.py).
 //
 // out[out_offset + sum_d i_d * out_strides[d]] = convert(in[in_offset + sum_d i_d * in_strides[d]])
 // over the index space `sizes` (innermost dim first). One kernel materialises permute / transpose /

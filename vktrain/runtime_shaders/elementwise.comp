@@ -1,6 +1,6 @@
 #version 450
 // Elementwise unary and binary fp32 ops with N-d broadcasting (host module:
-// vktrain/runtime/kernels/elementwise.py).
+// vktrain/runtime/delegate/kernels/elementwise.py).
 //
 // Variants (#define): ARITY=1 (out = f(a)) or ARITY=2 (out = f(a, b)).
 // The op is a specialization constant (OP, id 3), so one SPIR-V per arity serves every op and the

@@ -1,6 +1,6 @@
 #version 450
 // Embedding lookup and its deterministic dense backward (host module:
-// vktrain/runtime/kernels/embedding.py). Indices are int32 on the GPU (the runner converts int64).
+// vktrain/runtime/delegate/kernels/embedding.py). Indices are int32 on the GPU (the runner converts int64).
 //
 // Variants (#define):
 //   BACKWARD=0: out[i, c] = weight[indices[i], c] for i < num_indices, c < dim. An index outside

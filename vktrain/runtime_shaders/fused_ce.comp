@@ -1,5 +1,5 @@
 #version 450
-// fused_ce, pass 1 of 2 (host module: vktrain/runtime/kernels/cross_entropy.py). One workgroup per row
+// fused_ce, pass 1 of 2 (host module: vktrain/runtime/delegate/kernels/cross_entropy.py). One workgroup per row
 // of logits [R, V]:
 //   row_loss[r] = (logsumexp(row) - row[label]) / n_valid      (0 when the row is ignored)
 //   dlogits[r]  = (softmax(row) - onehot(label)) / n_valid      (all 0 when the row is ignored)

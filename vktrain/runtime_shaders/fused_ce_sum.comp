@@ -1,5 +1,5 @@
 #version 450
-// fused_ce, pass 2 of 2 (host module: vktrain/runtime/kernels/cross_entropy.py): loss = the sum of the
+// fused_ce, pass 2 of 2 (host module: vktrain/runtime/delegate/kernels/cross_entropy.py): loss = the sum of the
 // R per-row losses, by one workgroup. Each thread adds a strided slice in order, then a shared-memory
 // tree adds the partials: the order depends only on R and the workgroup size, so every run gives the
 // same bits (no float atomics).

@@ -6,7 +6,7 @@
 //   LINEAR_MODE_FWD: y[M, N]  = x[M, K] @ deq(W).T    i = m, j = n, r = k    (+ bias[n])
 //   LINEAR_MODE_BWD: dx[M, K] = d_out[M, N] @ deq(W)  i = m, j = k, r = n
 //   LINEAR_MODE_DW:  dW[N, K] = d_out[M, N].T @ x     i = n, j = k, r = m
-// W is the W_4X8 prepacked buffer (shared/spec/w4x8.md), dequantized once per workgroup tile into
+// W is the W_4X8 prepacked buffer (docs/spec/w4x8.md), dequantized once per workgroup tile into
 // shared memory with scales [G, N].
 //
 // Tiling: a workgroup of THREADS_X * THREADS_Y threads owns a BM x BN tile of C, BM = 8 * THREADS_Y,

@@ -1,7 +1,7 @@
 #version 450
-// Straight-through re-quantization (host module: vktrain/runtime/kernels/requant.py) of a latent
+// Straight-through re-quantization (host module: vktrain/runtime/delegate/kernels/requant.py) of a latent
 // weight [N, K] with fixed group scales [G, N], written directly in the W_4X8 layout
-// (shared/spec/w4x8.md) that linear_q4gsw reads in the next step:
+// (docs/spec/w4x8.md) that linear_q4gsw reads in the next step:
 //   q = clamp(roundEven(latent[n, k] / scales[k / gs, n]), -8, 7), code = q + 8
 //   zero scale -> code 8; padding rows n >= N (N % 8 == 4) and padding k >= K (K % 8 == 4) -> code 8.
 // The op library's CPU reference returns the same codes in the flat uint8 layout

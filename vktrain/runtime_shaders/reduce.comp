@@ -1,5 +1,5 @@
 #version 450
-// Strided fp32 sum / max reduction (host module: vktrain/runtime/kernels/reduction.py).
+// Strided fp32 sum / max reduction (host module: vktrain/runtime/delegate/kernels/reduction.py).
 //
 // out[o] = scale * sum_r in[in_offset + kept(o) + reduced(r)]      (REDUCE_OP 0, id 4)
 // out[o] = max_r in[in_offset + kept(o) + reduced(r)]              (REDUCE_OP 1; NaN propagates)

@@ -1,5 +1,5 @@
 #version 450
-// RMSNorm over the last dim (host module: vktrain/runtime/kernels/norm.py); x viewed as [rows, dim].
+// RMSNorm over the last dim (host module: vktrain/runtime/delegate/kernels/norm.py); x viewed as [rows, dim].
 //   forward:  rstd = 1 / sqrt(mean(x^2) + eps)  [rows];  y = x * rstd * weight
 //   BACKWARD: d_x = rstd * (weight * d_y) - x * rstd^3 * mean(x * weight * d_y)
 // One workgroup per row: threads stride over the row (coalesced), then a shared-memory tree adds the

@@ -1,5 +1,5 @@
 #version 450
-// Rotary position embedding, Llama/HF "rotate half" pairing (host module: vktrain/runtime/kernels/rotary.py):
+// Rotary position embedding, Llama/HF "rotate half" pairing (host module: vktrain/runtime/delegate/kernels/rotary.py):
 //   x [B, S, H, D], cos/sin [S, D/2]; for i < D/2, with x1 = x[i], x2 = x[i + D/2]:
 //   out[i] = x1 * cos - x2 * sin,   out[i + D/2] = x2 * cos + x1 * sin
 // NEGATE_SIN (spec constant 3) uses -sin: the backward, rope(d_y, cos, -sin), the inverse rotation,

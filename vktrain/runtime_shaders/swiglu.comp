@@ -1,5 +1,5 @@
 #version 450
-// SwiGLU, elementwise (host module: vktrain/runtime/kernels/swiglu.py), with sig = sigmoid(gate):
+// SwiGLU, elementwise (host module: vktrain/runtime/delegate/kernels/swiglu.py), with sig = sigmoid(gate):
 //   forward:  h = silu(gate) * up = gate * sig * up
 //   BACKWARD: d_gate = d_h * up * sig * (1 + gate * (1 - sig)),  d_up = d_h * gate * sig
 // sigmoid from e = exp(-|g|) <= 1: 1 / (1 + e) for g >= 0, e / (1 + e) for g < 0. exp never overflows

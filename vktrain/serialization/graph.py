@@ -75,7 +75,7 @@ class Layout(enum.IntEnum):
     """How a tensor's stored bytes are arranged; values equal schema.fbs `TensorLayout`.
 
     dtype and shape always describe the stored buffer; the layout says how to interpret it
-    (shared/spec/w4x8.md): Q4GSW_FLAT is uint8 [N, Kp/2], Q4GSW_W4X8 is uint32 [K4 * N8 * 4].
+    (docs/spec/w4x8.md): Q4GSW_FLAT is uint8 [N, Kp/2], Q4GSW_W4X8 is uint32 [K4 * N8 * 4].
     """
 
     PLAIN = 0
@@ -233,7 +233,7 @@ class SyntheticConstant:
       RANDOM_BITS: rng.bytes(nbytes), read as `dtype` (little-endian) in `shape`; for a q4gsw layout
                    (`layout` Q4GSW_FLAT / Q4GSW_W4X8 with `q4gsw_shape` = logical weight [N, K]) the
                    padding codes (n >= N, k >= K) are then reset to 8 through vktrain.quant, since
-                   shared/spec/w4x8.md requires them to decode to zero;
+                   docs/spec/w4x8.md requires them to decode to zero;
       NORMAL:      rng.standard_normal(numel, dtype=float32) * float32(std), cast to `dtype`;
       FILL:        every element equals `value` (no RNG).
     """

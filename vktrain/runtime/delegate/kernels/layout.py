@@ -1,0 +1,702 @@
+"""Views, permutes and copies: strided tensor views and the one generic strided-copy kernel.
+
+A `StridedView` says how a kernel reads a tensor that lives in a buffer: sizes, element strides and an
+element offset. permute / transpose / expand / slice / select / unsqueeze / squeeze are pure metadata
+on a view (no GPU work); a kernel either reads the view in place (elementwise, reduction and GEMM
+kernels take input strides) or `plan_strided_copy` materialises it into a contiguous tensor with
+`copy.comp`. The elementwise, reduction and matmul families import their stride helpers from here.
+
+Dtypes on the GPU: fp32 and int32 (32-bit words; the runner converts int64 index tensors to int32
+before upload). A copy moves raw words, so one kernel serves both; `_to_copy` also converts between
+the two (int32 -> fp32, fp32 -> int32 truncating toward zero).
+
+`view_copy` (and `reshape`) of a contiguous tensor is an alias: `is_alias_view` says so and its plan is
+a plain 1-D copy for runners that keep every value in its own buffer.
+
+Calling convention of every aten plan function (here and in elementwise / reduction / matmul /
+embedding): keyword arguments only; each tensor argument of the aten schema is passed under its schema
+name as a buffer key (or Buffer / BufferBinding) together with `<name>_shape` and optionally
+`<name>_dtype` (default "float32"; a tensor-list argument `tensors` has `tensors_shapes`); scalar and
+list arguments keep their schema names; the output buffer is `out`, always contiguous; `label` names
+the dispatches. A plan is pure (no device access), so a partitioner can call it with placeholder
+buffer keys: a KernelArgumentError is the reason the op cannot be lowered.
+"""
+from __future__ import annotations
+
+import math
+import numbers
+import struct
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+from vktrain.runtime.vk.schedule import BufferBinding, Dispatch, ceil_div, pack_push
+from vktrain.runtime.delegate.kernels.registry import register_kernel
+
+# copy.comp / elementwise.comp: MAX_RANK and WORKGROUP_SIZE.
+MAX_STRIDED_RANK = 6
+WORKGROUP_SIZE = 64
+# Element indices and offsets travel as uint32 push constants.
+MAX_ELEMENTS = 2**32 - 1
+
+# copy.comp CONVERT specialization constant (id 3).
+COPY_CONVERT_SPEC_ID = 3
+CONVERT_NONE = 0
+CONVERT_INT32_TO_FP32 = 1
+CONVERT_FP32_TO_INT32 = 2
+
+
+class KernelArgumentError(ValueError):
+    """A kernel was asked for something it does not support (dtype, rank, shape, argument value)."""
+
+
+def check_positive_ints(op: str, **values: Any) -> None:
+    """Each of `values` (a plan's sizes and launch parameters) must be a Python int >= 1; bool is refused."""
+    for name, value in values.items():
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise KernelArgumentError(f"{op}: {name} must be an int >= 1, got {value!r}")
+
+
+def check_power_of_two_workgroup(op: str, workgroup_size: Any) -> None:
+    """Kernels that reduce in shared memory halve their workgroup at each tree level."""
+    if (not isinstance(workgroup_size, int) or isinstance(workgroup_size, bool) or workgroup_size < 1
+            or workgroup_size & (workgroup_size - 1)):
+        raise KernelArgumentError(
+            f"{op}: workgroup_size must be a power of two (the shared-memory reduction halves it), "
+            f"got {workgroup_size!r}")
+
+
+def use_vec4(op: str, vec4: bool | None, length: int, length_name: str, why: str = "") -> bool:
+    """Whether a plan takes its kernel's @VEC4 variant: by default whenever `length` (the extent the
+    kernel moves in vec4s) is a multiple of 4, the only case that variant serves. `why` explains the
+    requirement in the error."""
+    if vec4 is None:
+        return length % 4 == 0
+    if vec4 and length % 4:
+        reason = f" ({why})" if why else ""
+        raise KernelArgumentError(
+            f"{op}: the vec4 kernel needs {length_name} % 4 == 0{reason}, got {length_name}={length}")
+    return bool(vec4)
+
+
+def shader_variant(shader: str, **defines: bool) -> str:
+    """The name of `shader` built with the defines that are set, in the given order: "rms_norm@VEC4+BACKWARD"."""
+    used = [name for name, is_set in defines.items() if is_set]
+    return shader + ("@" + "+".join(used) if used else "")
+
+
+def _as_int_tuple(values: Sequence[int], what: str) -> tuple[int, ...]:
+    try:
+        result = tuple(int(v) for v in values)
+    except (TypeError, ValueError):
+        raise KernelArgumentError(f"{what} must be a sequence of ints, got {values!r}") from None
+    for v, original in zip(result, values):
+        if v != original:
+            raise KernelArgumentError(f"{what} must be a sequence of ints, got {values!r}")
+    return result
+
+
+def check_shape(shape: Sequence[int], what: str) -> tuple[int, ...]:
+    """`shape` as a tuple of non-negative ints, or a KernelArgumentError naming `what`."""
+    result = _as_int_tuple(shape, f"{what} shape")
+    if any(d < 0 for d in result):
+        raise KernelArgumentError(f"{what} shape {result} has a negative size")
+    if math.prod(result) > MAX_ELEMENTS:
+        raise KernelArgumentError(
+            f"{what} shape {result} has {math.prod(result)} elements; at most {MAX_ELEMENTS} are supported")
+    return result
+
+
+def check_dtype(dtype: Any, what: str, allowed: Sequence[str] = ("float32",)) -> str:
+    """Normalise a dtype name ("float32", numpy dtype, torch-style "torch.float32") and check it."""
+    name = str(getattr(dtype, "name", dtype)).replace("torch.", "")
+    if name not in allowed:
+        raise KernelArgumentError(f"{what} has dtype {name}; this kernel supports {', '.join(allowed)}")
+    return name
+
+
+def contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:
+    """Row-major element strides of `shape` (the last dim has stride 1)."""
+    strides = []
+    running = 1
+    for size in reversed(shape):
+        strides.append(running)
+        running *= max(size, 1)
+    return tuple(reversed(strides))
+
+
+def normalize_dim(dim: int, rank: int, what: str) -> int:
+    """`dim` in [-rank, rank) as a non-negative index (rank 0 accepts -1 and 0 like torch)."""
+    bound = max(rank, 1)
+    if not isinstance(dim, int) or isinstance(dim, bool) or not -bound <= dim < bound:
+        raise KernelArgumentError(f"{what}: dim {dim!r} is out of range for a tensor of rank {rank}")
+    return dim % bound
+
+
+def broadcast_shapes(*shapes: Sequence[int]) -> tuple[int, ...]:
+    """numpy/torch broadcasting of `shapes`; KernelArgumentError naming the clashing sizes."""
+    rank = max((len(s) for s in shapes), default=0)
+    result = []
+    for axis in range(rank):
+        size = 1
+        for shape in shapes:
+            index = len(shape) - rank + axis
+            if index < 0:
+                continue
+            dim = shape[index]
+            if dim != 1:
+                if size not in (1, dim):
+                    raise KernelArgumentError(
+                        f"shapes {[tuple(s) for s in shapes]} do not broadcast: size {size} vs {dim} "
+                        f"at dim {axis - rank}")
+                size = dim
+        result.append(size)
+    return tuple(result)
+
+
+@dataclass(frozen=True)
+class StridedView:
+    """A tensor as a kernel reads it from a buffer: `sizes`, element `strides`, element `offset`.
+
+    Strides may be 0 (expanded dims). View ops return new views and never move data.
+    """
+
+    sizes: tuple[int, ...]
+    strides: tuple[int, ...]
+    offset: int = 0
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "sizes", check_shape(self.sizes, "view"))
+        object.__setattr__(self, "strides", _as_int_tuple(self.strides, "view strides"))
+        if len(self.sizes) != len(self.strides):
+            raise KernelArgumentError(f"view sizes {self.sizes} and strides {self.strides} differ in rank")
+        if any(s < 0 for s in self.strides) or self.offset < 0:
+            raise KernelArgumentError(
+                f"view strides {self.strides} and offset {self.offset} must be non-negative")
+
+    @classmethod
+    def contiguous(cls, shape: Sequence[int], offset: int = 0) -> "StridedView":
+        shape = check_shape(shape, "tensor")
+        return cls(shape, contiguous_strides(shape), offset)
+
+    @property
+    def rank(self) -> int:
+        return len(self.sizes)
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.sizes)
+
+    @property
+    def is_contiguous(self) -> bool:
+        """Row-major dense (size-1 dims may have any stride)."""
+        expected = 1
+        for size, stride in zip(reversed(self.sizes), reversed(self.strides)):
+            if size != 1 and stride != expected:
+                return False
+            expected *= size
+        return True
+
+    def extent(self) -> int:
+        """Elements of the buffer the view can touch, counted from element 0 (0 for an empty view)."""
+        if self.numel == 0:
+            return 0
+        return self.offset + sum((size - 1) * stride for size, stride in zip(self.sizes, self.strides)) + 1
+
+    def permute(self, dims: Sequence[int]) -> "StridedView":
+        dims = [normalize_dim(d, self.rank, "permute") for d in _as_int_tuple(dims, "permute dims")]
+        if sorted(dims) != list(range(self.rank)):
+            raise KernelArgumentError(f"permute dims {dims} are not a permutation of range({self.rank})")
+        return StridedView(tuple(self.sizes[d] for d in dims), tuple(self.strides[d] for d in dims), self.offset)
+
+    def transpose(self, dim0: int, dim1: int) -> "StridedView":
+        order = list(range(self.rank))
+        a = normalize_dim(dim0, self.rank, "transpose")
+        b = normalize_dim(dim1, self.rank, "transpose")
+        if self.rank == 0:
+            return self
+        order[a], order[b] = order[b], order[a]
+        return self.permute(order)
+
+    def expand(self, sizes: Sequence[int]) -> "StridedView":
+        """torch.expand: -1 keeps a size; new leading dims and size-1 dims broadcast with stride 0."""
+        sizes = _as_int_tuple(sizes, "expand sizes")
+        if len(sizes) < self.rank:
+            raise KernelArgumentError(
+                f"expand to {sizes}: the target has fewer dims than the tensor's {self.sizes}")
+        lead = len(sizes) - self.rank
+        new_sizes, new_strides = [], []
+        for axis, target in enumerate(sizes):
+            if axis < lead:
+                if target < 0:
+                    raise KernelArgumentError(f"expand to {sizes}: -1 is not allowed for a new leading dim")
+                new_sizes.append(target)
+                new_strides.append(0)
+                continue
+            size, stride = self.sizes[axis - lead], self.strides[axis - lead]
+            if target == -1 or target == size:
+                new_sizes.append(size)
+                new_strides.append(stride)
+            elif size == 1 and target >= 0:
+                new_sizes.append(target)
+                new_strides.append(0)
+            else:
+                raise KernelArgumentError(
+                    f"expand of {self.sizes} to {sizes}: size {size} at dim {axis - lead} is not 1 "
+                    f"and differs from {target}")
+        return StridedView(tuple(new_sizes), tuple(new_strides), self.offset)
+
+    def broadcast_to(self, shape: Sequence[int]) -> "StridedView":
+        return self.expand(shape)
+
+    def slice(self, dim: int, start: int | None, end: int | None, step: int = 1) -> "StridedView":
+        """torch slicing along `dim` (start/end clamped like Python slices; step >= 1)."""
+        d = normalize_dim(dim, self.rank, "slice")
+        if step < 1:
+            raise KernelArgumentError(f"slice step must be >= 1, got {step}")
+        begin, stop, _ = slice(start, end, step).indices(self.sizes[d])
+        length = max(0, ceil_div(stop - begin, step))
+        sizes = list(self.sizes)
+        strides = list(self.strides)
+        sizes[d] = length
+        offset = self.offset + (begin * strides[d] if length else 0)
+        strides[d] *= step
+        return StridedView(tuple(sizes), tuple(strides), offset)
+
+    def select(self, dim: int, index: int) -> "StridedView":
+        d = normalize_dim(dim, self.rank, "select")
+        size = self.sizes[d]
+        if not -size <= index < size:
+            raise KernelArgumentError(f"select index {index} is out of range for dim {d} of size {size}")
+        index %= size
+        return StridedView(self.sizes[:d] + self.sizes[d + 1:], self.strides[:d] + self.strides[d + 1:],
+                           self.offset + index * self.strides[d])
+
+    def unsqueeze(self, dim: int) -> "StridedView":
+        d = normalize_dim(dim, self.rank + 1, "unsqueeze")
+        return StridedView(self.sizes[:d] + (1,) + self.sizes[d:], self.strides[:d] + (0,) + self.strides[d:],
+                           self.offset)
+
+    def squeeze(self, dims: Sequence[int] | None = None) -> "StridedView":
+        """Drop the size-1 dims among `dims` (all size-1 dims when None), like torch.squeeze."""
+        if dims is None:
+            drop = {d for d, size in enumerate(self.sizes) if size == 1}
+        else:
+            drop = {normalize_dim(d, self.rank, "squeeze") for d in _as_int_tuple(dims, "squeeze dims")}
+            drop = {d for d in drop if self.sizes[d] == 1}
+        keep = [d for d in range(self.rank) if d not in drop]
+        return StridedView(tuple(self.sizes[d] for d in keep), tuple(self.strides[d] for d in keep), self.offset)
+
+    def reshape_contiguous(self, shape: Sequence[int]) -> "StridedView":
+        """A view of the same elements with `shape` (one -1 allowed); the view must be contiguous."""
+        shape = infer_reshape(self.sizes, shape)
+        if not self.is_contiguous:
+            raise KernelArgumentError(
+                f"reshape of a non-contiguous view (sizes {self.sizes}, strides {self.strides}) needs a copy first")
+        return StridedView.contiguous(shape, self.offset)
+
+
+def infer_reshape(sizes: Sequence[int], shape: Sequence[int]) -> tuple[int, ...]:
+    """`shape` with its single -1 resolved so that it has as many elements as `sizes`."""
+    shape = _as_int_tuple(shape, "view shape")
+    numel = math.prod(sizes)
+    unknown = [i for i, d in enumerate(shape) if d == -1]
+    if len(unknown) > 1 or any(d < -1 for d in shape):
+        raise KernelArgumentError(f"view shape {shape}: at most one -1 and no other negative size")
+    if unknown:
+        known = math.prod(d for d in shape if d != -1)
+        if known == 0 or numel % known:
+            raise KernelArgumentError(f"view shape {shape} is invalid for a tensor of {numel} elements")
+        shape = tuple(numel // known if d == -1 else d for d in shape)
+    if math.prod(shape) != numel:
+        raise KernelArgumentError(
+            f"view shape {shape} has {math.prod(shape)} elements but the tensor {tuple(sizes)} has {numel}")
+    return shape
+
+
+def coalesce_dims(sizes: Sequence[int], *stride_lists: Sequence[int]
+                  ) -> tuple[tuple[int, ...], tuple[tuple[int, ...], ...]]:
+    """Merge dims so that an index space walks every operand the same way with fewer dims.
+
+    Size-1 dims are dropped; neighbouring dims (outer d, inner d+1) merge when every operand has
+    stride[d] == stride[d+1] * size[d+1]. Returns (sizes, strides per operand), outermost first.
+    Kernels decompose flat indices dim by dim, so fewer dims is fewer integer divisions per element.
+    """
+    merged_sizes: list[int] = []
+    merged_strides: list[list[int]] = [[] for _ in stride_lists]
+    for axis, size in enumerate(sizes):
+        if size == 1:
+            continue
+        if merged_sizes and all(strides_out[-1] == strides[axis] * size
+                                for strides_out, strides in zip(merged_strides, stride_lists)):
+            merged_sizes[-1] *= size
+            for strides_out, strides in zip(merged_strides, stride_lists):
+                strides_out[-1] = strides[axis]
+            continue
+        merged_sizes.append(size)
+        for strides_out, strides in zip(merged_strides, stride_lists):
+            strides_out.append(strides[axis])
+    return tuple(merged_sizes), tuple(tuple(s) for s in merged_strides)
+
+
+def padded_innermost_first(values: Sequence[int], length: int, fill: int) -> list[int]:
+    """Kernels store dims innermost first in fixed-length push-constant arrays."""
+    reversed_values = list(reversed(values))
+    return reversed_values + [fill] * (length - len(reversed_values))
+
+
+def check_view_fits(view: StridedView, buffer_elements: int | None, what: str) -> None:
+    if view.extent() > MAX_ELEMENTS:
+        raise KernelArgumentError(f"{what} reaches element {view.extent()}; offsets are 32-bit")
+    if buffer_elements is not None and view.extent() > buffer_elements:
+        raise KernelArgumentError(
+            f"{what} (sizes {view.sizes}, strides {view.strides}, offset {view.offset}) reaches element "
+            f"{view.extent() - 1} but its buffer holds {buffer_elements} elements")
+
+
+def elementwise_groups(numel: int) -> int:
+    """Work groups for one thread per element; the runtime splits grids over the device limit."""
+    return ceil_div(numel, WORKGROUP_SIZE)
+
+
+def plan_strided_copy(out: Any, source: Any, source_view: StridedView, *,
+                      out_view: StridedView | None = None, convert: int = CONVERT_NONE,
+                      label: str = "strided_copy") -> list[Dispatch]:
+    """Dispatches copying `source_view` of buffer `source` into `out_view` of buffer `out`.
+
+    `out_view` defaults to a contiguous tensor of the source's sizes at offset 0; any strided region
+    of a larger output works too (cat, slice_scatter), as long as it does not overlap itself.
+    `out`/`source` are buffer keys or BufferBindings. An empty view plans no dispatch.
+    """
+    if convert not in (CONVERT_NONE, CONVERT_INT32_TO_FP32, CONVERT_FP32_TO_INT32):
+        raise KernelArgumentError(f"{label}: unknown conversion {convert!r}")
+    out_view = StridedView.contiguous(source_view.sizes) if out_view is None else out_view
+    if out_view.sizes != source_view.sizes:
+        raise KernelArgumentError(
+            f"{label}: output region sizes {out_view.sizes} differ from the source's {source_view.sizes}")
+    if any(stride == 0 and size > 1 for size, stride in zip(out_view.sizes, out_view.strides)):
+        raise KernelArgumentError(f"{label}: the output region {out_view} writes an element more than once")
+    for view, what in ((source_view, f"{label} source"), (out_view, f"{label} output")):
+        check_view_fits(view, None, what)
+    if source_view.numel == 0:
+        return []
+    sizes, (in_strides, out_strides) = coalesce_dims(source_view.sizes, source_view.strides, out_view.strides)
+    if len(sizes) > MAX_STRIDED_RANK:
+        raise KernelArgumentError(
+            f"{label}: the copy of sizes {source_view.sizes} needs {len(sizes)} dims after merging "
+            f"contiguous ones; copy.comp supports at most {MAX_STRIDED_RANK}")
+    push = pack_push(
+        source_view.numel, len(sizes), source_view.offset, out_view.offset,
+        *padded_innermost_first(sizes, MAX_STRIDED_RANK, 1),
+        *padded_innermost_first(in_strides, MAX_STRIDED_RANK, 0),
+        *padded_innermost_first(out_strides, MAX_STRIDED_RANK, 0))
+    return [Dispatch(
+        "copy", elementwise_groups(source_view.numel),
+        bindings=(binding(out, "w"), binding(source, "r")),
+        push_constants=push, spec_constants={COPY_CONVERT_SPEC_ID: convert}, label=label)]
+
+
+def fill_word(value: Any, dtype: str, what: str) -> int:
+    """The 32-bit word a GPU tensor of `dtype` ("float32", "int32", "int64") holds for `value`."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise KernelArgumentError(f"{what}: fill value must be a real number, got {value!r}")
+    if dtype == "float32":
+        try:
+            return struct.unpack("<I", struct.pack("<f", float(value)))[0]
+        except OverflowError:
+            raise KernelArgumentError(f"{what}: fill value {value!r} overflows float32") from None
+    if float(value) != int(value) or not -(2**31) <= int(value) < 2**31:
+        raise KernelArgumentError(
+            f"{what}: fill value {value!r} is not an integer that fits int32 ({dtype} is int32 on the GPU)")
+    return int(value) & 0xFFFFFFFF
+
+
+def plan_fill(out: Any, numel: int, word: int, *, label: str = "fill") -> list[Dispatch]:
+    """Dispatches writing the 32-bit `word` (see fill_word) into elements [0, numel) of `out`."""
+    if not isinstance(numel, int) or not 0 <= numel <= MAX_ELEMENTS:
+        raise KernelArgumentError(f"{label}: numel must be an int in [0, {MAX_ELEMENTS}], got {numel!r}")
+    if numel == 0:
+        return []
+    return [Dispatch("copy@FILL", elementwise_groups(numel), bindings=(binding(out, "w"),),
+                     push_constants=pack_push(numel, word), label=label)]
+
+
+def binding(buffer: Any, access: str) -> BufferBinding:
+    """A buffer key (or an existing BufferBinding) with the access this kernel performs."""
+    if isinstance(buffer, BufferBinding):
+        return BufferBinding(buffer.buffer, buffer.offset, buffer.size, access)
+    return BufferBinding(buffer, access=access)
+
+
+
+
+# ------------------------------------------------------------------------------------------------
+# aten ops (calling convention: see the module docstring). Copies accept fp32 and int32 / int64
+# (int64 graph tensors are int32 on the GPU).
+
+def _copy_source(shape: Sequence[int], dtype: Any, what: str) -> tuple[StridedView, str]:
+    name = check_dtype(dtype, what, ("float32", "int32", "int64"))
+    return StridedView.contiguous(check_shape(shape, what)), name
+
+
+def _check_memory_format(memory_format: Any, what: str) -> None:
+    # Compared by name: this module must not import torch (str(torch.preserve_format) is
+    # "torch.preserve_format").
+    if memory_format is not None and str(memory_format).replace("torch.", "") not in (
+            "contiguous_format", "preserve_format"):
+        raise KernelArgumentError(f"{what}: memory_format={memory_format!r} is not supported "
+                                  f"(only contiguous tensors live on the GPU)")
+
+
+def is_alias_view(self_shape: Sequence[int], size: Sequence[int]) -> bool:
+    """Whether view_copy(self, size) may alias its input instead of copying: always True, since every
+    GPU tensor is contiguous (same bytes, new shape). Raises KernelArgumentError if `size` is invalid."""
+    infer_reshape(check_shape(self_shape, "view_copy self"), size)
+    return True
+
+
+@register_kernel("aten.view_copy.default")
+def plan_view_copy(*, out: Any, self: Any, self_shape: Sequence[int], size: Sequence[int],
+                   self_dtype: Any = "float32", label: str = "aten.view_copy.default") -> list[Dispatch]:
+    """aten.view_copy: same elements, new shape (one -1 allowed). The bytes do not change, so this plan
+    is a flat copy; a runner that aliases buffers skips it (see `is_alias_view`)."""
+    view, _ = _copy_source(self_shape, self_dtype, "aten.view_copy self")
+    infer_reshape(view.sizes, size)
+    return plan_strided_copy(out, self, StridedView.contiguous((view.numel,)), label=label)
+
+
+@register_kernel("aten.clone.default")
+def plan_clone(*, out: Any, self: Any, self_shape: Sequence[int], memory_format: Any = None,
+               self_dtype: Any = "float32", label: str = "aten.clone.default") -> list[Dispatch]:
+    """aten.clone: a contiguous copy (memory_format must be None / contiguous / preserve)."""
+    _check_memory_format(memory_format, "aten.clone")
+    view, _ = _copy_source(self_shape, self_dtype, "aten.clone self")
+    return plan_strided_copy(out, self, StridedView.contiguous((view.numel,)), label=label)
+
+
+# _to_copy conversions between the GPU dtypes (int64 graph tensors are int32 on the GPU).
+_TO_COPY_CONVERSIONS = {
+    ("float32", "float32"): CONVERT_NONE,
+    ("int32", "int32"): CONVERT_NONE,
+    ("int64", "int64"): CONVERT_NONE,
+    ("int32", "int64"): CONVERT_NONE,
+    ("int64", "int32"): CONVERT_NONE,
+    ("int32", "float32"): CONVERT_INT32_TO_FP32,
+    ("int64", "float32"): CONVERT_INT32_TO_FP32,
+    ("float32", "int32"): CONVERT_FP32_TO_INT32,
+    ("float32", "int64"): CONVERT_FP32_TO_INT32,
+}
+
+
+@register_kernel("aten._to_copy.default")
+def plan_to_copy(*, out: Any, self: Any, self_shape: Sequence[int], dtype: Any = None,
+                 self_dtype: Any = "float32", memory_format: Any = None, label: str = "aten._to_copy.default",
+                 **ignored_options: Any) -> list[Dispatch]:
+    """aten._to_copy: a copy, converting between float32 and int32/int64 (int -> float rounds to
+    nearest, float -> int truncates toward zero). layout / device / pin_memory / non_blocking are
+    accepted and ignored (everything is a dense GPU buffer)."""
+    view, source = _copy_source(self_shape, self_dtype, "aten._to_copy self")
+    target = source if dtype is None else check_dtype(dtype, "aten._to_copy dtype", ("float32", "int32", "int64"))
+    _check_memory_format(memory_format, "aten._to_copy")
+    return plan_strided_copy(out, self, StridedView.contiguous((view.numel,)),
+                             convert=_TO_COPY_CONVERSIONS[(source, target)], label=label)
+
+
+@register_kernel("aten.alias_copy.default")
+def plan_alias_copy(*, out: Any, self: Any, self_shape: Sequence[int], self_dtype: Any = "float32",
+                    label: str = "aten.alias_copy.default") -> list[Dispatch]:
+    """aten.alias_copy: the same tensor (a flat copy; a runner may alias it instead)."""
+    view, _ = _copy_source(self_shape, self_dtype, "aten.alias_copy self")
+    return plan_strided_copy(out, self, StridedView.contiguous((view.numel,)), label=label)
+
+
+@register_kernel("dim_order_ops._to_dim_order_copy.default")
+def plan_to_dim_order_copy(*, out: Any, self: Any, self_shape: Sequence[int], dtype: Any = None,
+                           dim_order: Sequence[int] | None = None, self_dtype: Any = "float32",
+                           label: str = "dim_order_ops._to_dim_order_copy.default",
+                           **ignored_options: Any) -> list[Dispatch]:
+    """ExecuTorch's _to_dim_order_copy: _to_copy whose memory format is a dim order; only the
+    contiguous order (None or 0..rank-1) exists on the GPU."""
+    rank = len(check_shape(self_shape, "_to_dim_order_copy self"))
+    if dim_order is not None and tuple(dim_order) != tuple(range(rank)):
+        raise KernelArgumentError(
+            f"_to_dim_order_copy: dim_order {list(dim_order)} is not contiguous (0..{rank - 1}); only "
+            f"contiguous tensors live on the GPU")
+    return plan_to_copy(out=out, self=self, self_shape=self_shape, dtype=dtype, self_dtype=self_dtype, label=label)
+
+
+@register_kernel("aten.permute_copy.default")
+def plan_permute_copy(*, out: Any, self: Any, self_shape: Sequence[int], dims: Sequence[int],
+                      self_dtype: Any = "float32", label: str = "aten.permute_copy.default") -> list[Dispatch]:
+    """aten.permute_copy: out = self.permute(dims), materialised contiguously."""
+    view, _ = _copy_source(self_shape, self_dtype, "aten.permute_copy self")
+    return plan_strided_copy(out, self, view.permute(dims), label=label)
+
+
+@register_kernel("aten.t_copy.default")
+def plan_t_copy(*, out: Any, self: Any, self_shape: Sequence[int], self_dtype: Any = "float32",
+                label: str = "aten.t_copy.default") -> list[Dispatch]:
+    """aten.t_copy: transpose of a tensor of rank <= 2 (rank 0 and 1 are copies)."""
+    view, _ = _copy_source(self_shape, self_dtype, "aten.t_copy self")
+    if view.rank > 2:
+        raise KernelArgumentError(f"aten.t_copy expects a tensor of rank <= 2, got shape {view.sizes}")
+    return plan_strided_copy(out, self, view.transpose(0, 1) if view.rank == 2 else view, label=label)
+
+
+@register_kernel("aten.transpose_copy.int")
+def plan_transpose_copy(*, out: Any, self: Any, self_shape: Sequence[int], dim0: int, dim1: int,
+                        self_dtype: Any = "float32", label: str = "aten.transpose_copy.int") -> list[Dispatch]:
+    """aten.transpose_copy: out = self.transpose(dim0, dim1), materialised contiguously."""
+    view, _ = _copy_source(self_shape, self_dtype, "aten.transpose_copy self")
+    return plan_strided_copy(out, self, view.transpose(dim0, dim1), label=label)
+
+
+@register_kernel("aten.expand_copy.default")
+def plan_expand_copy(*, out: Any, self: Any, self_shape: Sequence[int], size: Sequence[int], implicit: bool = False,
+                     self_dtype: Any = "float32", label: str = "aten.expand_copy.default") -> list[Dispatch]:
+    """aten.expand_copy: broadcast to `size` (-1 keeps a dim), materialised contiguously."""
+    view, _ = _copy_source(self_shape, self_dtype, "aten.expand_copy self")
+    return plan_strided_copy(out, self, view.expand(size), label=label)
+
+
+@register_kernel("aten.unsqueeze_copy.default")
+def plan_unsqueeze_copy(*, out: Any, self: Any, self_shape: Sequence[int], dim: int, self_dtype: Any = "float32",
+                        label: str = "aten.unsqueeze_copy.default") -> list[Dispatch]:
+    """aten.unsqueeze_copy: same bytes with a size-1 dim inserted (a flat copy)."""
+    view, _ = _copy_source(self_shape, self_dtype, "aten.unsqueeze_copy self")
+    view.unsqueeze(dim)  # validates dim
+    return plan_strided_copy(out, self, StridedView.contiguous((view.numel,)), label=label)
+
+
+@register_kernel("aten.squeeze_copy.dims")
+def plan_squeeze_copy_dims(*, out: Any, self: Any, self_shape: Sequence[int], dim: Sequence[int],
+                           self_dtype: Any = "float32", label: str = "aten.squeeze_copy.dims") -> list[Dispatch]:
+    """aten.squeeze_copy.dims: same bytes without the listed size-1 dims (a flat copy)."""
+    view, _ = _copy_source(self_shape, self_dtype, "aten.squeeze_copy self")
+    view.squeeze(dim)  # validates dims
+    return plan_strided_copy(out, self, StridedView.contiguous((view.numel,)), label=label)
+
+
+@register_kernel("aten.squeeze_copy.dim")
+def plan_squeeze_copy_dim(*, out: Any, self: Any, self_shape: Sequence[int], dim: int,
+                          self_dtype: Any = "float32", label: str = "aten.squeeze_copy.dim") -> list[Dispatch]:
+    """aten.squeeze_copy.dim: same bytes without `dim` if it has size 1 (a flat copy)."""
+    return plan_squeeze_copy_dims(out=out, self=self, self_shape=self_shape, dim=[dim], self_dtype=self_dtype,
+                                  label=label)
+
+
+@register_kernel("aten.squeeze_copy.default")
+def plan_squeeze_copy(*, out: Any, self: Any, self_shape: Sequence[int], self_dtype: Any = "float32",
+                      label: str = "aten.squeeze_copy.default") -> list[Dispatch]:
+    """aten.squeeze_copy: same bytes without any size-1 dim (a flat copy)."""
+    view, _ = _copy_source(self_shape, self_dtype, "aten.squeeze_copy self")
+    return plan_strided_copy(out, self, StridedView.contiguous((view.numel,)), label=label)
+
+
+@register_kernel("aten.slice_copy.Tensor")
+def plan_slice_copy(*, out: Any, self: Any, self_shape: Sequence[int], dim: int = 0, start: int | None = None,
+                    end: int | None = None, step: int = 1, self_dtype: Any = "float32",
+                    label: str = "aten.slice_copy.Tensor") -> list[Dispatch]:
+    """aten.slice_copy: self[..., start:end:step, ...] along `dim` (bounds clamped like Python)."""
+    view, _ = _copy_source(self_shape, self_dtype, "aten.slice_copy self")
+    return plan_strided_copy(out, self, view.slice(dim, start, end, step), label=label)
+
+
+@register_kernel("aten.select_copy.int")
+def plan_select_copy(*, out: Any, self: Any, self_shape: Sequence[int], dim: int, index: int,
+                     self_dtype: Any = "float32", label: str = "aten.select_copy.int") -> list[Dispatch]:
+    """aten.select_copy: self.select(dim, index) (negative index counts from the end)."""
+    view, _ = _copy_source(self_shape, self_dtype, "aten.select_copy self")
+    return plan_strided_copy(out, self, view.select(dim, index), label=label)
+
+
+@register_kernel("aten.cat.default")
+def plan_cat(*, out: Any, tensors: Sequence[Any], tensors_shapes: Sequence[Sequence[int]], dim: int = 0,
+             tensors_dtype: Any = "float32", label: str = "aten.cat.default") -> list[Dispatch]:
+    """aten.cat: one strided copy per input into its slab of the output along `dim`.
+
+    `tensors` are the input buffers and `tensors_shapes` their shapes (same rank, equal sizes off
+    `dim`); like torch, 1-D empty inputs are skipped whatever the rank of the others.
+    """
+    if len(tensors) != len(tensors_shapes) or not tensors:
+        raise KernelArgumentError(
+            f"aten.cat: {len(tensors)} tensors but {len(tensors_shapes)} shapes (need the same number, >= 1)")
+    check_dtype(tensors_dtype, "aten.cat tensors", ("float32", "int32", "int64"))
+    shapes = [check_shape(s, f"aten.cat tensors[{i}]") for i, s in enumerate(tensors_shapes)]
+    used = [(t, s) for t, s in zip(tensors, shapes) if s != (0,)]
+    if not used:
+        return []
+    rank = len(used[0][1])
+    d = normalize_dim(dim, rank, "aten.cat")
+    for _, shape in used:
+        if len(shape) != rank or any(a != b for axis, (a, b) in enumerate(zip(shape, used[0][1])) if axis != d):
+            raise KernelArgumentError(
+                f"aten.cat along dim {d}: shapes {[s for _, s in used]} differ off the concatenated dim")
+    out_shape = list(used[0][1])
+    out_shape[d] = sum(shape[d] for _, shape in used)
+    out_full = StridedView.contiguous(out_shape)
+    dispatches: list[Dispatch] = []
+    start = 0
+    for index, (tensor, shape) in enumerate(used):
+        region = out_full.slice(d, start, start + shape[d])
+        dispatches += plan_strided_copy(out, tensor, StridedView.contiguous(shape), out_view=region,
+                                        label=f"{label}[{index}]")
+        start += shape[d]
+    return dispatches
+
+
+# Fills. The result dtype is `dtype` when given, else the tensor's (the *_like ops) or, for full /
+# scalar_tensor, float32 for a float fill and int64 for an integral one (torch's inference).
+FILL_DTYPES = ("float32", "int32", "int64")
+
+
+def _fill_dtype(dtype: Any, default: str, what: str) -> str:
+    return check_dtype(default if dtype is None else dtype, what, FILL_DTYPES)
+
+
+def _inferred_dtype(value: Any) -> str:
+    return "int64" if isinstance(value, numbers.Integral) and not isinstance(value, bool) else "float32"
+
+
+@register_kernel("aten.full.default")
+def plan_full(*, out: Any, size: Sequence[int], fill_value: Any, dtype: Any = None, label: str = "aten.full.default",
+              **ignored_options: Any) -> list[Dispatch]:
+    """aten.full: a new tensor of `size` filled with `fill_value` (layout / device / pin_memory ignored)."""
+    name = _fill_dtype(dtype, _inferred_dtype(fill_value), "aten.full dtype")
+    numel = math.prod(check_shape(size, "aten.full size"))
+    return plan_fill(out, numel, fill_word(fill_value, name, "aten.full"), label=label)
+
+
+@register_kernel("aten.scalar_tensor.default")
+def plan_scalar_tensor(*, out: Any, s: Any, dtype: Any = None, label: str = "aten.scalar_tensor.default",
+                       **ignored_options: Any) -> list[Dispatch]:
+    """aten.scalar_tensor: a 0-d tensor holding `s` (float32 unless dtype says otherwise, like torch)."""
+    name = _fill_dtype(dtype, "float32", "aten.scalar_tensor dtype")
+    return plan_fill(out, 1, fill_word(s, name, "aten.scalar_tensor"), label=label)
+
+
+def _like_plan(key: str, fill: Any, doc: str):
+    def plan(*, out: Any, self: Any, self_shape: Sequence[int], dtype: Any = None, self_dtype: Any = "float32",
+             memory_format: Any = None, label: str = key, **ignored_options: Any) -> list[Dispatch]:
+        _check_memory_format(memory_format, key)
+        name = _fill_dtype(dtype, check_dtype(self_dtype, f"{key} self", FILL_DTYPES), f"{key} dtype")
+        numel = math.prod(check_shape(self_shape, f"{key} self"))
+        return plan_fill(out, numel, fill_word(fill, name, key), label=label)
+
+    plan.__name__ = plan.__qualname__ = "plan_" + key.split(".")[1]
+    plan.__doc__ = f"{key}: {doc} (self is only read for its shape; layout / device / pin_memory ignored)"
+    return register_kernel(key)(plan)
+
+
+plan_zeros_like = _like_plan("aten.zeros_like.default", 0, "a tensor of self's shape filled with 0")
+plan_ones_like = _like_plan("aten.ones_like.default", 1, "a tensor of self's shape filled with 1")
+
+
+@register_kernel("aten.full_like.default")
+def plan_full_like(*, out: Any, self: Any, self_shape: Sequence[int], fill_value: Any, dtype: Any = None,
+                   self_dtype: Any = "float32", memory_format: Any = None, label: str = "aten.full_like.default",
+                   **ignored_options: Any) -> list[Dispatch]:
+    """aten.full_like: a tensor of self's shape (and dtype, unless given) filled with fill_value."""
+    _check_memory_format(memory_format, "aten.full_like")
+    name = _fill_dtype(dtype, check_dtype(self_dtype, "aten.full_like self", FILL_DTYPES), "aten.full_like dtype")
+    numel = math.prod(check_shape(self_shape, "aten.full_like self"))
+    return plan_fill(out, numel, fill_word(fill_value, name, "aten.full_like"), label=label)

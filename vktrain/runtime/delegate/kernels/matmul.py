@@ -1,0 +1,335 @@
+"""Dense fp32 GEMM for mm / bmm / addmm / baddbmm (matmul.comp), transposes expressed as strides.
+
+`plan_gemm` computes C[b] = alpha * A[b] @ B[b] (+ beta * bias[b]) for views A [batch, M, K] and
+B [batch, K, N] with any element strides (a transposed operand is a view whose last two strides are
+swapped: t_copy / permute_copy feeding a mm need not be materialised) and a bias view broadcast to
+[batch, M, N] (addmm's bias [N] or [M, N] reads in place with stride 0). C is contiguous.
+
+Tiling: 64 x 64 output tiles (256 threads), or 64 x 16 / 16 x 64 (64 threads) when the output's
+N / M is <= 16 (the LoRA products of rank 16: a 64-wide tile would leave 3/4 of its threads idle);
+4 x 4 outputs per thread, K steps of 16, partial tiles at the edges masked. When N % 4 == 0 a
+thread's 4 columns are adjacent and each of its output rows is one vec4 store (the VEC4_C variant).
+A grid over the device limit (batch > 65535, huge M) is split by the runtime.
+
+Split-K. A skinny output (few tiles) over a long reduction (x[T, K] @ A^T[K, 16], the LoRA
+gradients reducing over tokens) would leave most of a large GPU idle while a few workgroups loop
+over K. Given a `scratch` buffer (`gemm_scratch_nbytes` bytes), the plan cuts K into slices of at
+least MIN_SPLIT_SLICE so that about TARGET_THREADS threads run, writes each slice's partial product
+into scratch [slices, batch, M, N], and adds the slices in a fixed order with a second dispatch
+(linear_splitk_reduce.comp, shared with the linear family): bitwise reproducible, no atomics. Only
+slice 0 adds the bias. Without scratch the plan never splits.
+
+Accuracy: fp32 products accumulated in fp32 in k order within a slice; relative error ~ K * eps in
+the worst case, ~ sqrt(K) * eps typically (tests: norm-relative 1e-4 against float64).
+"""
+from __future__ import annotations
+
+import numbers
+from typing import Any, Sequence
+
+from vktrain.runtime.vk.schedule import Dispatch, ceil_div, pack_push
+from vktrain.runtime.delegate.kernels.layout import (
+    MAX_ELEMENTS,
+    KernelArgumentError,
+    StridedView,
+    binding,
+    check_dtype,
+    check_shape,
+    check_view_fits,
+)
+from vktrain.runtime.delegate.kernels.linear import plan_splitk_reduce
+from vktrain.runtime.delegate.kernels.linear import split_k_scratch_nbytes as linear_split_k_scratch_nbytes
+from vktrain.runtime.delegate.kernels.registry import register_kernel
+
+TILE_K = 16
+MICRO_TILE = 4  # outputs per thread along M and along N
+# (TILE_M, TILE_N) the shader is built for (matmul.comp's vktrain-variants).
+GEMM_TILES = ((64, 64), (64, 16), (16, 64))
+SKINNY_DIM = 16  # an output dim up to this takes the 16-wide tile along it
+A_M_FASTEST_SPEC_ID = 3
+B_K_FASTEST_SPEC_ID = 4
+
+# Split-K targets: threads for a large GPU (512 workgroups of 256 = ~4 per SM of a 132-SM H200; the
+# 64-thread skinny tiles get 4x as many workgroups); slices no shorter than MIN_SPLIT_SLICE (8 K
+# steps, so the partial tile written and re-read costs <= ~20% of the operand traffic) and at most
+# MAX_SPLIT_K of them (the reduction reads every slice's partial).
+TARGET_THREADS = 512 * 256
+MIN_SPLIT_SLICE = 128
+MAX_SPLIT_K = 32
+
+
+def _as_batched(view: StridedView, what: str) -> StridedView:
+    if view.rank == 2:
+        return view.unsqueeze(0)
+    if view.rank == 3:
+        return view
+    raise KernelArgumentError(f"{what} must have rank 2 or 3 (got sizes {view.sizes})")
+
+
+def default_gemm_tile(M: int, N: int) -> tuple[int, int]:
+    """(TILE_M, TILE_N): 16 along an output dim <= SKINNY_DIM (the narrower one if both are), else 64 x 64."""
+    if N <= SKINNY_DIM and (M > SKINNY_DIM or N <= M):
+        return (64, 16)
+    if M <= SKINNY_DIM:
+        return (16, 64)
+    return (64, 64)
+
+
+def _check_tile(tile: Any, label: str) -> tuple[int, int]:
+    if not isinstance(tile, (tuple, list)) or tuple(tile) not in GEMM_TILES:
+        raise KernelArgumentError(f"{label}: tile must be one of {list(GEMM_TILES)} (TILE_M, TILE_N), got {tile!r}")
+    return tuple(tile)
+
+
+def _tile_threads(tile: tuple[int, int]) -> int:
+    return (tile[0] // MICRO_TILE) * (tile[1] // MICRO_TILE)
+
+
+def slice_length(K: int, split_k: int) -> int:
+    """Reduction length of each of `split_k` slices: ceil(K / split_k) rounded up to whole K steps."""
+    return ceil_div(ceil_div(K, split_k), TILE_K) * TILE_K
+
+
+def default_split_k(batch: int, M: int, N: int, K: int, tile: tuple[int, int] | None = None) -> int:
+    """Slices the default plan cuts K into when it has scratch (1: no split).
+
+    Splits only outputs of fewer than TARGET_THREADS threads, with slices >= MIN_SPLIT_SLICE, at most
+    MAX_SPLIT_K, and outputs of a multiple of 4 elements (the reduction adds vec4s). The count is
+    trimmed so that no slice is empty.
+    """
+    tile = default_gemm_tile(M, N) if tile is None else tile
+    outputs = batch * M * N
+    if outputs == 0 or outputs % 4:
+        return 1
+    threads = batch * ceil_div(M, tile[0]) * ceil_div(N, tile[1]) * _tile_threads(tile)
+    if threads >= TARGET_THREADS:
+        return 1
+    split_k = min(ceil_div(TARGET_THREADS, threads), K // MIN_SPLIT_SLICE, MAX_SPLIT_K)
+    if split_k <= 1:
+        return 1
+    return ceil_div(K, slice_length(K, split_k))
+
+
+def split_k_scratch_nbytes(batch: int, M: int, N: int, split_k: int) -> int:
+    """Bytes of scratch a GEMM with output [batch, M, N] needs for `split_k` slices (0 when unsplit):
+    the partials are laid out as for the linear family's GEMMs, whose reduce pass this plan shares."""
+    return linear_split_k_scratch_nbytes(batch * M, N, split_k)
+
+
+def gemm_scratch_nbytes(batch: int, M: int, N: int, K: int) -> int:
+    """Bytes of scratch the default plan of a [batch, M, K] @ [batch, K, N] GEMM uses when given one
+    (0: it would not split, pass no scratch)."""
+    for name, value in (("batch", batch), ("M", M), ("N", N), ("K", K)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise KernelArgumentError(f"gemm_scratch_nbytes: {name} must be an int >= 0, got {value!r}")
+    return split_k_scratch_nbytes(batch, M, N, default_split_k(batch, M, N, K))
+
+
+def gemm_shader_name(tile: tuple[int, int], has_bias: bool, vec4_rows: bool) -> str:
+    """The matmul.comp variant: `vec4_rows` (N % 4 == 0, so every output row starts 16-byte aligned)
+    gives each thread 4 adjacent columns, stored as one vec4."""
+    name = f"matmul@HAS_BIAS={int(has_bias)}"
+    if tile != (64, 64):
+        name += f"+TILE_M={tile[0]}+TILE_N={tile[1]}"
+    return name + ("+VEC4_C" if vec4_rows else "")
+
+
+def _check_split_k(split_k: Any, label: str) -> int:
+    if isinstance(split_k, bool) or not isinstance(split_k, int) or split_k < 1:
+        raise KernelArgumentError(f"{label}: split_k must be an int >= 1, got {split_k!r}")
+    return split_k
+
+
+def plan_gemm(out: Any, a: Any, a_view: StridedView, b: Any, b_view: StridedView, *,
+              bias: Any = None, bias_view: StridedView | None = None, alpha: float = 1.0, beta: float = 1.0,
+              scratch: Any = None, split_k: int | None = None, tile: tuple[int, int] | None = None,
+              label: str = "gemm") -> list[Dispatch]:
+    """out [batch, M, N] (or [M, N] when both operands are 2-D) = alpha * A @ B (+ beta * bias).
+
+    Operand views have rank 2 ([M, K] / [K, N]) or 3 ([batch, M, K] / [batch, K, N]); a 2-D operand
+    or a batch of 1 broadcasts over the other's batch. The bias view must broadcast to the output.
+    `scratch` (>= gemm_scratch_nbytes bytes, or split_k_scratch_nbytes for an explicit `split_k`)
+    lets the plan split K (module docstring); `split_k` forces the number of slices (slices past K
+    are empty and contribute zeros); `tile` forces one of GEMM_TILES.
+    """
+    A = _as_batched(a_view, f"{label}: A")
+    B = _as_batched(b_view, f"{label}: B")
+    batch_a, M, K = A.sizes
+    batch_b, K_b, N = B.sizes
+    if K != K_b:
+        raise KernelArgumentError(
+            f"{label}: inner dims differ: A {a_view.sizes} has K={K} but B {b_view.sizes} has K={K_b}")
+    if batch_a != batch_b and 1 not in (batch_a, batch_b):
+        raise KernelArgumentError(f"{label}: batch sizes {batch_a} and {batch_b} differ")
+    batch = max(batch_a, batch_b)
+    A = A.expand((batch, M, K))
+    B = B.expand((batch, K, N))
+    check_view_fits(A, None, f"{label}: A")
+    check_view_fits(B, None, f"{label}: B")
+    if batch * M * N > MAX_ELEMENTS:
+        raise KernelArgumentError(
+            f"{label}: the output [{batch}, {M}, {N}] has more than {MAX_ELEMENTS} elements (32-bit indices)")
+    tile = default_gemm_tile(M, N) if tile is None else _check_tile(tile, label)
+    if split_k is None:
+        split_k = default_split_k(batch, M, N, K, tile) if scratch is not None else 1
+    split_k = _check_split_k(split_k, label)
+    if batch * M * N == 0:
+        return []
+    has_bias = bias is not None
+    if has_bias != (bias_view is not None):
+        raise KernelArgumentError(f"{label}: give both bias and bias_view, or neither")
+    if has_bias:
+        if bias_view.rank > 3:
+            raise KernelArgumentError(f"{label}: bias must have rank <= 3, got sizes {bias_view.sizes}")
+        try:
+            bias_full = bias_view.expand((batch, M, N))
+        except KernelArgumentError:
+            raise KernelArgumentError(
+                f"{label}: bias of sizes {bias_view.sizes} does not broadcast to the output "
+                f"[{batch}, {M}, {N}]") from None
+        check_view_fits(bias_full, None, f"{label}: bias")
+        bias_strides, bias_offset = bias_full.strides, bias_full.offset
+    else:
+        bias_strides, bias_offset = (0, 0, 0), 0
+    if split_k > 1:
+        if scratch is None:
+            raise KernelArgumentError(
+                f"{label}: split_k={split_k} needs a scratch buffer of split_k_scratch_nbytes({batch}, {M}, {N}, "
+                f"{split_k}) = {split_k_scratch_nbytes(batch, M, N, split_k)} bytes")
+        if (batch * M * N) % 4:
+            raise KernelArgumentError(
+                f"{label}: split_k={split_k} needs an output of a multiple of 4 elements (the reduction adds "
+                f"vec4s), got [{batch}, {M}, {N}]")
+        if split_k * batch * M * N > MAX_ELEMENTS or split_k * slice_length(K, split_k) > MAX_ELEMENTS:
+            raise KernelArgumentError(f"{label}: split_k={split_k} over [{batch}, {M}, {N}] with K={K} exceeds "
+                                      f"32-bit indexing; use a smaller split_k")
+    k_slice = slice_length(K, split_k) if split_k > 1 else K
+
+    push = pack_push(
+        M, N, K,
+        A.offset, A.strides[0], A.strides[1], A.strides[2],
+        B.offset, B.strides[0], B.strides[1], B.strides[2],
+        bias_offset, *bias_strides,
+        float(alpha), float(beta),
+        batch, k_slice)
+    spec = {
+        # Walk the tile along whichever dim is contiguous in memory so loads coalesce.
+        A_M_FASTEST_SPEC_ID: bool(A.strides[1] == 1 and A.strides[2] != 1),
+        B_K_FASTEST_SPEC_ID: bool(B.strides[1] == 1 and B.strides[2] != 1),
+    }
+    target = out if split_k == 1 else scratch
+    bindings = [binding(target, "w"), binding(a, "r"), binding(b, "r")]
+    if has_bias:
+        bindings.append(binding(bias, "r"))
+    shader = gemm_shader_name(tile, has_bias, vec4_rows=N % 4 == 0)
+    groups = (ceil_div(N, tile[1]), ceil_div(M, tile[0]), split_k * batch)
+    gemm = Dispatch(shader, groups, bindings=tuple(bindings), push_constants=push, spec_constants=spec,
+                    label=label if split_k == 1 else f"{label}.split{split_k}")
+    if split_k == 1:
+        return [gemm]
+    # Slice 0 of the GEMM already added the bias, so the reduce has none (and never reads row_vec4s).
+    reduce = plan_splitk_reduce(out=out, scratch=scratch, count4=batch * M * N // 4, row_vec4s=max(1, N // 4),
+                                split_k=split_k, label=f"{label}.reduce")
+    return [gemm, reduce]
+
+
+# aten ops (calling convention: see layout.py). Inputs fp32 contiguous; out fp32 contiguous.
+
+def _matrix(shape: Sequence[int], dtype: Any, rank: int, what: str) -> StridedView:
+    check_dtype(dtype, what)
+    shape = check_shape(shape, what)
+    if len(shape) != rank:
+        raise KernelArgumentError(f"{what} must have rank {rank}, got shape {shape}")
+    return StridedView.contiguous(shape)
+
+
+def _number(value: Any, what: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise KernelArgumentError(f"{what} must be a real number, got {value!r}")
+    return float(value)
+
+
+@register_kernel("aten.mm.default")
+def plan_mm(*, out: Any, self: Any, self_shape: Sequence[int], mat2: Any, mat2_shape: Sequence[int],
+            self_dtype: Any = "float32", mat2_dtype: Any = "float32", scratch: Any = None,
+            label: str = "aten.mm.default") -> list[Dispatch]:
+    """aten.mm: out [M, N] = self [M, K] @ mat2 [K, N]. `scratch` (gemm_scratch_nbytes(1, M, N, K)
+    bytes) enables split-K."""
+    a = _matrix(self_shape, self_dtype, 2, "aten.mm self")
+    b = _matrix(mat2_shape, mat2_dtype, 2, "aten.mm mat2")
+    return plan_gemm(out, self, a, mat2, b, scratch=scratch, label=label)
+
+
+@register_kernel("aten.bmm.default")
+def plan_bmm(*, out: Any, self: Any, self_shape: Sequence[int], mat2: Any, mat2_shape: Sequence[int],
+             self_dtype: Any = "float32", mat2_dtype: Any = "float32", scratch: Any = None,
+             label: str = "aten.bmm.default") -> list[Dispatch]:
+    """aten.bmm: out [B, M, N] = self [B, M, K] @ mat2 [B, K, N] (equal batch sizes, like torch).
+    `scratch` (gemm_scratch_nbytes(B, M, N, K) bytes) enables split-K."""
+    a = _matrix(self_shape, self_dtype, 3, "aten.bmm self")
+    b = _matrix(mat2_shape, mat2_dtype, 3, "aten.bmm mat2")
+    if a.sizes[0] != b.sizes[0]:
+        raise KernelArgumentError(f"aten.bmm: batch sizes differ: self {a.sizes} vs mat2 {b.sizes}")
+    return plan_gemm(out, self, a, mat2, b, scratch=scratch, label=label)
+
+
+@register_kernel("aten.addmm.default")
+def plan_addmm(*, out: Any, self: Any, self_shape: Sequence[int], mat1: Any, mat1_shape: Sequence[int],
+               mat2: Any, mat2_shape: Sequence[int], beta: float = 1, alpha: float = 1,
+               self_dtype: Any = "float32", mat1_dtype: Any = "float32", mat2_dtype: Any = "float32",
+               scratch: Any = None, label: str = "aten.addmm.default") -> list[Dispatch]:
+    """aten.addmm: out [M, N] = beta * self + alpha * mat1 [M, K] @ mat2 [K, N]; self broadcasts to
+    [M, N] ([N], [1, N], [M, 1], scalar...). beta == 0 ignores self entirely (NaN included).
+    `scratch` (gemm_scratch_nbytes(1, M, N, K) bytes) enables split-K."""
+    check_dtype(self_dtype, "aten.addmm self")
+    bias = StridedView.contiguous(check_shape(self_shape, "aten.addmm self"))
+    if bias.rank > 2:
+        raise KernelArgumentError(f"aten.addmm: self must have rank <= 2, got shape {bias.sizes}")
+    a = _matrix(mat1_shape, mat1_dtype, 2, "aten.addmm mat1")
+    b = _matrix(mat2_shape, mat2_dtype, 2, "aten.addmm mat2")
+    return plan_gemm(out, mat1, a, mat2, b, bias=self, bias_view=bias, alpha=_number(alpha, "aten.addmm alpha"),
+                     beta=_number(beta, "aten.addmm beta"), scratch=scratch, label=label)
+
+
+@register_kernel("aten.baddbmm.default")
+def plan_baddbmm(*, out: Any, self: Any, self_shape: Sequence[int], batch1: Any, batch1_shape: Sequence[int],
+                 batch2: Any, batch2_shape: Sequence[int], beta: float = 1, alpha: float = 1,
+                 self_dtype: Any = "float32", batch1_dtype: Any = "float32", batch2_dtype: Any = "float32",
+                 label: str = "aten.baddbmm.default") -> list[Dispatch]:
+    """aten.baddbmm: out [B, M, N] = beta * self + alpha * batch1 @ batch2; self broadcasts."""
+    check_dtype(self_dtype, "aten.baddbmm self")
+    bias = StridedView.contiguous(check_shape(self_shape, "aten.baddbmm self"))
+    a = _matrix(batch1_shape, batch1_dtype, 3, "aten.baddbmm batch1")
+    b = _matrix(batch2_shape, batch2_dtype, 3, "aten.baddbmm batch2")
+    if a.sizes[0] != b.sizes[0]:
+        raise KernelArgumentError(f"aten.baddbmm: batch sizes differ: batch1 {a.sizes} vs batch2 {b.sizes}")
+    return plan_gemm(out, batch1, a, batch2, b, bias=self, bias_view=bias,
+                     alpha=_number(alpha, "aten.baddbmm alpha"), beta=_number(beta, "aten.baddbmm beta"),
+                     label=label)
+
+
+@register_kernel("aten.linear.default")
+def plan_linear(*, out: Any, input: Any, input_shape: Sequence[int], weight: Any, weight_shape: Sequence[int],
+                bias: Any = None, bias_shape: Sequence[int] | None = None, input_dtype: Any = "float32",
+                weight_dtype: Any = "float32", bias_dtype: Any = "float32",
+                label: str = "aten.linear.default") -> list[Dispatch]:
+    """aten.linear: out [..., N] = input [..., K] @ weight[N, K].T (+ bias [N]). The transpose is a
+    stride swap read in place, never materialised."""
+    check_dtype(input_dtype, "aten.linear input")
+    input_shape = check_shape(input_shape, "aten.linear input")
+    if not input_shape:
+        raise KernelArgumentError("aten.linear: input must have at least one dim")
+    w = _matrix(weight_shape, weight_dtype, 2, "aten.linear weight")
+    n, k = w.sizes
+    if input_shape[-1] != k:
+        raise KernelArgumentError(
+            f"aten.linear: input {input_shape} has last dim {input_shape[-1]} but weight {w.sizes} has K={k}")
+    rows = StridedView.contiguous(input_shape).numel // k if k else 0
+    a = StridedView.contiguous((rows, k))
+    if bias is None:
+        return plan_gemm(out, input, a, weight, w.transpose(0, 1), label=label)
+    check_dtype(bias_dtype, "aten.linear bias")
+    bias_view = StridedView.contiguous(check_shape(bias_shape if bias_shape is not None else (), "aten.linear bias"))
+    if bias_view.sizes != (n,):
+        raise KernelArgumentError(f"aten.linear: bias must have shape ({n},), got {bias_view.sizes}")
+    return plan_gemm(out, input, a, weight, w.transpose(0, 1), bias=bias, bias_view=bias_view, label=label)

@@ -1,0 +1,53 @@
+"""The SwiGLU family: swiglu and swiglu_backward (the Llama MLP's gate), elementwise.
+
+Semantics (docs/CONTRACTS.md), sig = sigmoid(gate):
+    h      = silu(gate) * up = gate * sig * up
+    d_gate = d_h * up * sig * (1 + gate * (1 - sig))        d_up = d_h * gate * sig
+One dispatch each (vktrain/runtime_shaders/swiglu.comp): vec4 elements when numel % 4 == 0 (`@VEC4`),
+single floats otherwise. Outputs must not overlap the inputs.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from vktrain.runtime.vk.schedule import Dispatch, ceil_div, pack_push
+from vktrain.runtime.delegate.kernels.layout import MAX_ELEMENTS, KernelArgumentError, binding, check_positive_ints, shader_variant, use_vec4
+from vktrain.runtime.delegate.kernels.registry import register_kernel
+
+DEFAULT_WORKGROUP_SIZE = 128
+
+
+def _variant(op: str, numel: int, workgroup_size: int, vec4: bool | None, backward: bool
+             ) -> tuple[str, int]:
+    """(shader name, VALUE count) for `numel` elements."""
+    check_positive_ints(op, numel=numel, workgroup_size=workgroup_size)
+    if numel > MAX_ELEMENTS:
+        raise KernelArgumentError(f"{op}: {numel} elements exceed the kernel's 32-bit indexing "
+                                  f"(at most {MAX_ELEMENTS}); split the tensor")
+    vec4 = use_vec4(op, vec4, numel, "numel")
+    return shader_variant("swiglu", VEC4=vec4, BACKWARD=backward), numel // 4 if vec4 else numel
+
+
+@register_kernel("swiglu")
+def plan_swiglu(*, numel: int, gate: Any, up: Any, out: Any, vec4: bool | None = None,
+                workgroup_size: int = DEFAULT_WORKGROUP_SIZE, label: str = "swiglu") -> list[Dispatch]:
+    """Dispatches computing out = silu(gate) * up over `numel` contiguous fp32 elements.
+
+    `vec4` picks the vec4 kernel; by default it is used whenever numel % 4 == 0 (the only case it serves).
+    """
+    shader, count = _variant("swiglu", numel, workgroup_size, vec4, backward=False)
+    return [Dispatch(shader, groups=(ceil_div(count, workgroup_size), 1, 1),
+                     bindings=(binding(gate, "r"), binding(up, "r"), binding(out, "w")),
+                     push_constants=pack_push(count), local_size=(workgroup_size, 1, 1), label=label)]
+
+
+@register_kernel("swiglu_backward")
+def plan_swiglu_backward(*, numel: int, d_h: Any, gate: Any, up: Any, d_gate: Any, d_up: Any,
+                         vec4: bool | None = None, workgroup_size: int = DEFAULT_WORKGROUP_SIZE,
+                         label: str = "swiglu_backward") -> list[Dispatch]:
+    """Dispatches computing (d_gate, d_up) = swiglu_backward(d_h, gate, up) over `numel` elements."""
+    shader, count = _variant("swiglu_backward", numel, workgroup_size, vec4, backward=True)
+    return [Dispatch(shader, groups=(ceil_div(count, workgroup_size), 1, 1),
+                     bindings=(binding(d_h, "r"), binding(gate, "r"), binding(up, "r"), binding(d_gate, "w"),
+                               binding(d_up, "w")),
+                     push_constants=pack_push(count), local_size=(workgroup_size, 1, 1), label=label)]

@@ -1,0 +1,646 @@
+"""Read an ExecuTorch .pte file without executorch (flatbuffers + numpy only).
+
+File layout (as written by executorch.exir._serialize._program.serialize_pte_binary):
+
+    offset 0   uint32 root table offset of the Program flatbuffer
+    offset 4   4-char file identifier, "ET12" for the schema vendored in vktrain/runtime/program/pte_schema
+    offset 8   optional extended header (present when the file has segments), little-endian:
+                 4s "eh00" magic, uint32 header length (>= 24), uint64 program_size (flatbuffer bytes
+                 including this header), uint64 segment_base_offset, [uint64 segment_data_size if the
+                 length is >= 32]
+    then the rest of the Program flatbuffer, padding, and the segment data from segment_base_offset.
+
+Program.segments are (offset, size) relative to segment_base_offset. Delegate payloads live inline
+(Program.backend_delegate_data) or in a segment; constant tensors in Program.constant_segment (one
+segment, one offset per data_buffer_idx) or, in old files, in Program.constant_buffer.
+
+Everything is parsed eagerly on load and every offset, size and index is bounds-checked: a truncated or
+corrupt file raises PteFormatError naming what is wrong. Byte payloads (delegate blobs, constants,
+segments, named data) are zero-copy memoryviews into the file's read-only mmap.
+"""
+from __future__ import annotations
+
+import math
+import mmap
+import os
+import struct
+from dataclasses import dataclass, field
+from typing import Optional, Union
+
+from vktrain.runtime.vk.errors import RuntimeErrorBase
+from vktrain.runtime.program.pte_schema.executorch_flatbuffer import Program as FbProgram
+from vktrain.runtime.program.pte_schema.executorch_flatbuffer.Bool import Bool as FbBool
+from vktrain.runtime.program.pte_schema.executorch_flatbuffer.BoolList import BoolList as FbBoolList
+from vktrain.runtime.program.pte_schema.executorch_flatbuffer.DataLocation import DataLocation
+from vktrain.runtime.program.pte_schema.executorch_flatbuffer.DelegateCall import DelegateCall as FbDelegateCall
+from vktrain.runtime.program.pte_schema.executorch_flatbuffer.Double import Double as FbDouble
+from vktrain.runtime.program.pte_schema.executorch_flatbuffer.DoubleList import DoubleList as FbDoubleList
+from vktrain.runtime.program.pte_schema.executorch_flatbuffer.FreeCall import FreeCall as FbFreeCall
+from vktrain.runtime.program.pte_schema.executorch_flatbuffer.InstructionArguments import InstructionArguments
+from vktrain.runtime.program.pte_schema.executorch_flatbuffer.Int import Int as FbInt
+from vktrain.runtime.program.pte_schema.executorch_flatbuffer.IntList import IntList as FbIntList
+from vktrain.runtime.program.pte_schema.executorch_flatbuffer.JumpFalseCall import JumpFalseCall as FbJumpFalseCall
+from vktrain.runtime.program.pte_schema.executorch_flatbuffer.KernelCall import KernelCall as FbKernelCall
+from vktrain.runtime.program.pte_schema.executorch_flatbuffer.KernelTypes import KernelTypes
+from vktrain.runtime.program.pte_schema.executorch_flatbuffer.MoveCall import MoveCall as FbMoveCall
+from vktrain.runtime.program.pte_schema.executorch_flatbuffer.OptionalTensorList import (
+    OptionalTensorList as FbOptionalTensorList,
+)
+from vktrain.runtime.program.pte_schema.executorch_flatbuffer.ScalarType import ScalarType
+from vktrain.runtime.program.pte_schema.executorch_flatbuffer.String import String as FbString
+from vktrain.runtime.program.pte_schema.executorch_flatbuffer.Tensor import Tensor as FbTensor
+from vktrain.runtime.program.pte_schema.executorch_flatbuffer.TensorList import TensorList as FbTensorList
+from vktrain.serialization.flatbuffer_reading import scalar_vector, union_as
+
+PROGRAM_IDENTIFIER = b"ET12"
+EXTENDED_HEADER_MAGIC = b"eh00"
+_EXTENDED_HEADER_OFFSET = 8
+_EXTENDED_HEADER_MIN_LENGTH = 24  # magic, length, program_size, segment_base_offset
+_EXTENDED_HEADER_FULL_LENGTH = 32  # + segment_data_size
+
+# Bytes per element of each ScalarType (executorch/runtime/core/portable_type/scalar_type.h).
+_ELEMENT_SIZE = {
+    ScalarType.BYTE: 1, ScalarType.CHAR: 1, ScalarType.SHORT: 2, ScalarType.INT: 4, ScalarType.LONG: 8,
+    ScalarType.HALF: 2, ScalarType.FLOAT: 4, ScalarType.DOUBLE: 8, ScalarType.BOOL: 1, ScalarType.QINT8: 1,
+    ScalarType.QUINT8: 1, ScalarType.QINT32: 4, ScalarType.BFLOAT16: 2, ScalarType.QUINT4X2: 1,
+    ScalarType.QUINT2X4: 1, ScalarType.BITS16: 2, ScalarType.FLOAT8E5M2: 1, ScalarType.FLOAT8E4M3FN: 1,
+    ScalarType.FLOAT8E5M2FNUZ: 1, ScalarType.FLOAT8E4M3FNUZ: 1, ScalarType.UINT16: 2, ScalarType.UINT32: 4,
+    ScalarType.UINT64: 8,
+}
+_SCALAR_TYPE_NAMES = {value: name for name, value in vars(ScalarType).items() if not name.startswith("_")}
+
+
+class PteFormatError(RuntimeErrorBase, ValueError):
+    """The file is not a readable .pte: truncated, corrupt, or of an unsupported schema version."""
+
+
+# ---------------------------------------------------------------------------------------------------
+# Parsed program objects (names follow program.fbs)
+# ---------------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class PteHeader:
+    file_identifier: bytes
+    has_extended_header: bool
+    program_size: int  # bytes of the Program flatbuffer (the whole file when there is no extended header)
+    segment_base_offset: int  # 0 when there are no segments
+    segment_data_size: int  # 0 when absent
+
+
+@dataclass(frozen=True)
+class AllocationDetails:
+    memory_id: int
+    memory_offset: int  # the 64-bit offset (low | high << 32)
+
+
+@dataclass(frozen=True)
+class ExtraTensorInfo:
+    mutable_data_segments_idx: int
+    fully_qualified_name: Optional[str]
+    location: int  # TensorDataLocation: 0 SEGMENT, 1 EXTERNAL
+
+
+@dataclass(frozen=True)
+class Tensor:
+    scalar_type: int
+    storage_offset: int
+    sizes: tuple[int, ...]
+    dim_order: tuple[int, ...]
+    requires_grad: bool
+    data_buffer_idx: int
+    allocation_info: Optional[AllocationDetails]
+    layout: int
+    shape_dynamism: int
+    extra_tensor_info: Optional[ExtraTensorInfo]
+
+    @property
+    def scalar_type_name(self) -> str:
+        return _SCALAR_TYPE_NAMES.get(self.scalar_type, f"UNKNOWN({self.scalar_type})")
+
+    @property
+    def nbytes(self) -> int:
+        size = _ELEMENT_SIZE.get(self.scalar_type)
+        if size is None:
+            raise PteFormatError(f"tensor has scalar type {self.scalar_type_name} of unknown element size")
+        if any(d < 0 for d in self.sizes):
+            raise PteFormatError(f"tensor has a negative dimension in sizes {list(self.sizes)}")
+        return math.prod(self.sizes) * size
+
+    @property
+    def is_constant(self) -> bool:
+        return self.data_buffer_idx > 0 and self.allocation_info is None
+
+
+@dataclass(frozen=True)
+class Null:
+    pass
+
+
+@dataclass(frozen=True)
+class Int:
+    int_val: int
+
+
+@dataclass(frozen=True)
+class Bool:
+    bool_val: bool
+
+
+@dataclass(frozen=True)
+class Double:
+    double_val: float
+
+
+@dataclass(frozen=True)
+class String:
+    string_val: str
+
+
+@dataclass(frozen=True)
+class IntList:
+    items: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class DoubleList:
+    items: tuple[float, ...]
+
+
+@dataclass(frozen=True)
+class BoolList:
+    items: tuple[bool, ...]
+
+
+@dataclass(frozen=True)
+class TensorList:
+    items: tuple[int, ...]  # value indices
+
+
+@dataclass(frozen=True)
+class OptionalTensorList:
+    items: tuple[int, ...]  # value indices, -1 = None
+
+
+EValue = Union[Null, Int, Bool, Double, String, Tensor, IntList, DoubleList, BoolList, TensorList,
+               OptionalTensorList]
+
+
+@dataclass(frozen=True)
+class Operator:
+    name: str  # e.g. "aten::add"
+    overload: str  # e.g. "out"
+
+    @property
+    def qualified_name(self) -> str:
+        return f"{self.name}.{self.overload}" if self.overload else self.name
+
+
+@dataclass(frozen=True)
+class KernelCall:
+    op_index: int
+    args: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class DelegateCall:
+    delegate_index: int
+    args: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class MoveCall:
+    move_from: int
+    move_to: int
+
+
+@dataclass(frozen=True)
+class JumpFalseCall:
+    cond_value_index: int
+    destination_instruction: int
+
+
+@dataclass(frozen=True)
+class FreeCall:
+    value_index: int
+
+
+Instruction = Union[KernelCall, DelegateCall, MoveCall, JumpFalseCall, FreeCall]
+
+
+@dataclass(frozen=True)
+class Chain:
+    inputs: tuple[int, ...]
+    outputs: tuple[int, ...]
+    instructions: tuple  # tuple[Instruction, ...]
+
+
+@dataclass(frozen=True)
+class Delegate:
+    id: str  # backend id, e.g. "VulkanBackend"
+    location: int  # DataLocation: 0 INLINE (Program.backend_delegate_data), 1 SEGMENT (Program.segments)
+    index: int  # index into the list `location` names
+    data: memoryview = field(repr=False)  # the processed blob, zero-copy
+    compile_specs: tuple[tuple[str, bytes], ...]
+
+
+@dataclass(frozen=True)
+class DataSegment:
+    offset: int  # relative to the segment base offset
+    size: int
+
+
+@dataclass(frozen=True)
+class ExecutionPlan:
+    name: str
+    values: tuple  # tuple[EValue, ...]
+    inputs: tuple[int, ...]
+    outputs: tuple[int, ...]
+    chains: tuple  # tuple[Chain, ...]
+    operators: tuple  # tuple[Operator, ...]
+    delegates: tuple  # tuple[Delegate, ...]
+    non_const_buffer_sizes: tuple[int, ...]
+    container_meta: Optional[tuple[str, str]]  # (encoded_inp_str, encoded_out_str)
+
+    @property
+    def instructions(self) -> list:
+        """All instructions of all chains, in order (programs have one chain today)."""
+        return [instruction for chain in self.chains for instruction in chain.instructions]
+
+
+# ---------------------------------------------------------------------------------------------------
+# Reading helpers
+# ---------------------------------------------------------------------------------------------------
+
+def _bytes_vector(table, field_name: str) -> memoryview:
+    """A [ubyte] vector as a zero-copy memoryview into the file."""
+    if getattr(table, f"{field_name}Length")() == 0:
+        return memoryview(b"")
+    return memoryview(getattr(table, f"{field_name}AsNumpy")())
+
+
+def _text(raw) -> Optional[str]:
+    return None if raw is None else bytes(raw).decode("utf-8")
+
+
+def _check_index(index: int, count: int, what: str) -> None:
+    if not 0 <= index < count:
+        raise PteFormatError(f"{what} {index} is out of range (0..{count - 1})" if count else
+                             f"{what} {index} refers to an empty list")
+
+
+def _read_header(view: memoryview) -> PteHeader:
+    size = len(view)
+    if size < 8:
+        raise PteFormatError(f"file is {size} bytes, too short for a .pte (>= 8 bytes: root offset + identifier)")
+    identifier = bytes(view[4:8])
+    if identifier != PROGRAM_IDENTIFIER:
+        if identifier[:2] == b"ET":
+            raise PteFormatError(f".pte schema identifier is {identifier!r}; "
+                                 f"this reader supports {PROGRAM_IDENTIFIER!r} "
+                                 "(regenerate vktrain/runtime/program/pte_schema for the other executorch version)")
+        raise PteFormatError(f"file identifier is {identifier!r}, expected {PROGRAM_IDENTIFIER!r} (not a .pte file)")
+    start = _EXTENDED_HEADER_OFFSET
+    if size < start + _EXTENDED_HEADER_MIN_LENGTH or bytes(view[start:start + 4]) != EXTENDED_HEADER_MAGIC:
+        return PteHeader(identifier, False, size, 0, 0)
+    length, program_size, segment_base = struct.unpack_from("<IQQ", view, start + 4)
+    if length < _EXTENDED_HEADER_MIN_LENGTH:
+        raise PteFormatError(f"extended header length {length} < {_EXTENDED_HEADER_MIN_LENGTH}")
+    if size < start + length:
+        raise PteFormatError(f"file ({size} bytes) ends inside the {length}-byte extended header (truncated)")
+    segment_data_size = 0
+    if length >= _EXTENDED_HEADER_FULL_LENGTH:
+        (segment_data_size,) = struct.unpack_from("<Q", view, start + 24)
+    if program_size < start + length or program_size > size:
+        raise PteFormatError(f"extended header program_size {program_size} is outside [{start + length}, {size}] "
+                             f"(file is {size} bytes: truncated?)")
+    if segment_base:
+        if segment_base < program_size:
+            raise PteFormatError(f"segment_base_offset {segment_base} lies inside the program "
+                                 f"(program_size {program_size})")
+        if segment_base + segment_data_size > size:
+            raise PteFormatError(f"segment data [{segment_base}, {segment_base + segment_data_size}) extends past the "
+                                 f"end of the {size}-byte file (truncated)")
+    elif segment_data_size:
+        raise PteFormatError(f"segment_data_size {segment_data_size} with segment_base_offset 0")
+    return PteHeader(identifier, True, program_size, segment_base, segment_data_size)
+
+
+# ---------------------------------------------------------------------------------------------------
+# PteFile
+# ---------------------------------------------------------------------------------------------------
+
+class PteFile:
+    """A parsed .pte. Build with `PteFile.load(path)` (mmap) or `PteFile.from_bytes(data)`.
+
+    Attributes: `header` (PteHeader), `program_version`, `execution_plans` (list[ExecutionPlan]),
+    `segments` (list[DataSegment]), `backend_delegate_data` (inline delegate payloads),
+    `mutable_data_segments` (list of (segment index, offsets)), `named_data` (key -> bytes view).
+    Queries: `execution_plan(name)`, `delegates`, `operators`, `segment_data(i)`, `constant_data(i)`,
+    `tensor_data(tensor)`.
+    """
+
+    def __init__(self, data, *, source: str = "<bytes>", _mapping: Optional[mmap.mmap] = None):
+        self.source = source
+        self._mapping = _mapping  # keeps the mmap alive as long as views into it exist
+        view = memoryview(data)
+        if view.ndim != 1 or view.itemsize != 1:
+            view = view.cast("B")
+        self._view = view
+        self.header = _read_header(view)
+        program_view = view[:self.header.program_size]
+        try:
+            self._parse_program(program_view)
+        except PteFormatError as exc:
+            raise PteFormatError(f"{source}: {exc}") from None
+        except (struct.error, IndexError, ValueError, TypeError, UnicodeDecodeError, OverflowError) as exc:
+            # The Python flatbuffers runtime has no verifier: a corrupt or cut table surfaces as one of these.
+            raise PteFormatError(f"{source}: Program flatbuffer is corrupt or truncated "
+                                 f"({type(exc).__name__}: {exc})") from None
+
+    @classmethod
+    def load(cls, path: Union[str, os.PathLike]) -> "PteFile":
+        with open(path, "rb") as f:
+            try:
+                mapping = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+            except ValueError:  # mmap refuses empty files
+                raise PteFormatError(f"{path}: file is empty, not a .pte") from None
+        return cls(mapping, source=str(path), _mapping=mapping)
+
+    @classmethod
+    def from_bytes(cls, data) -> "PteFile":
+        return cls(data)
+
+    # -- public queries -------------------------------------------------------------------------
+    @property
+    def buffer(self) -> memoryview:
+        """The whole file's bytes (the mmap when loaded from a path)."""
+        return self._view
+
+    @property
+    def method_names(self) -> list[str]:
+        return [plan.name for plan in self.execution_plans]
+
+    def execution_plan(self, name: str = "forward") -> ExecutionPlan:
+        for plan in self.execution_plans:
+            if plan.name == name:
+                return plan
+        raise KeyError(f"{self.source} has no execution plan {name!r}; it has {self.method_names}")
+
+    @property
+    def delegates(self) -> list[Delegate]:
+        """Delegates of every execution plan, in plan order."""
+        return [delegate for plan in self.execution_plans for delegate in plan.delegates]
+
+    @property
+    def operators(self) -> list[Operator]:
+        """Operators of every execution plan, in plan order."""
+        return [operator for plan in self.execution_plans for operator in plan.operators]
+
+    def segment_data(self, index: int) -> memoryview:
+        _check_index(index, len(self.segments), "segment index")
+        segment = self.segments[index]
+        start = self.header.segment_base_offset + segment.offset
+        return self._view[start:start + segment.size]
+
+    def constant_data(self, data_buffer_idx: int) -> memoryview:
+        """Bytes of constant buffer `data_buffer_idx`, up to the next constant's start (may include padding)."""
+        _check_index(data_buffer_idx, len(self._constants), "constant data_buffer_idx")
+        return self._constants[data_buffer_idx]
+
+    def tensor_data(self, tensor: Tensor) -> Optional[memoryview]:
+        """The serialized bytes of `tensor` (exactly tensor.nbytes), or None when it has none.
+
+        Constants come from the constant segment (or legacy constant_buffer); mutable tensors with an
+        initial value from Program.mutable_data_segments.
+        """
+        if tensor.data_buffer_idx == 0:
+            return None
+        extra = tensor.extra_tensor_info
+        if extra is not None and extra.location == 1:  # TensorDataLocation.EXTERNAL
+            raise PteFormatError(f"tensor {extra.fully_qualified_name!r} has external data (a .ptd file), "
+                                 "not in this .pte")
+        if tensor.allocation_info is None:
+            data = self.constant_data(tensor.data_buffer_idx)
+            what = f"constant {tensor.data_buffer_idx}"
+        else:
+            table = extra.mutable_data_segments_idx if extra is not None else 0
+            _check_index(table, len(self.mutable_data_segments), "mutable_data_segments index")
+            segment_index, offsets = self.mutable_data_segments[table]
+            _check_index(tensor.data_buffer_idx, len(offsets), "mutable data_buffer_idx")
+            segment = self.segment_data(segment_index)
+            data = segment[offsets[tensor.data_buffer_idx]:]
+            what = f"mutable data {tensor.data_buffer_idx}"
+        if tensor.nbytes > len(data):
+            raise PteFormatError(f"{what} has {len(data)} bytes, tensor {tensor.scalar_type_name}{list(tensor.sizes)} "
+                                 f"needs {tensor.nbytes}")
+        return data[:tensor.nbytes]
+
+    # -- parsing --------------------------------------------------------------------------------
+    def _parse_program(self, program_view: memoryview) -> None:
+        program = FbProgram.Program.GetRootAs(program_view, 0)
+        self.program_version = program.Version()
+
+        self.segments = []
+        for i in range(program.SegmentsLength()):
+            fb_segment = program.Segments(i)
+            segment = DataSegment(fb_segment.Offset(), fb_segment.Size())
+            self._check_segment(i, segment)
+            self.segments.append(segment)
+
+        self.backend_delegate_data = [
+            _bytes_vector(program.BackendDelegateData(i), "Data") for i in range(program.BackendDelegateDataLength())
+        ]
+        self._parse_constants(program)
+
+        self.mutable_data_segments = []
+        for i in range(program.MutableDataSegmentsLength()):
+            sub = program.MutableDataSegments(i)
+            segment_index = sub.SegmentIndex()
+            _check_index(segment_index, len(self.segments), f"mutable_data_segments[{i}] segment index")
+            offsets = scalar_vector(sub, "Offsets")
+            limit = self.segments[segment_index].size
+            for j, offset in enumerate(offsets):
+                if offset > limit:
+                    raise PteFormatError(f"mutable_data_segments[{i}] offset {j} = {offset} lies past its "
+                                         f"{limit}-byte segment")
+            self.mutable_data_segments.append((segment_index, offsets))
+
+        self.named_data = {}
+        for i in range(program.NamedDataLength()):
+            entry = program.NamedData(i)
+            key = _text(entry.Key())
+            if key in self.named_data:
+                raise PteFormatError(f"named data key {key!r} appears twice")
+            self.named_data[key] = self.segment_data(entry.SegmentIndex())
+
+        self.execution_plans = [self._parse_plan(program.ExecutionPlan(i), i)
+                                for i in range(program.ExecutionPlanLength())]
+        names = self.method_names
+        if len(set(names)) != len(names):
+            raise PteFormatError(f"execution plan names are not unique: {names}")
+
+    def _check_segment(self, index: int, segment: DataSegment) -> None:
+        if segment.size == 0:
+            return  # executorch writes an empty constant segment even when the file has no segment data
+        if not self.header.segment_base_offset:
+            raise PteFormatError(f"segment {index} has {segment.size} bytes but the file has no extended "
+                                 "header giving the segment base offset")
+        end = self.header.segment_base_offset + segment.offset + segment.size
+        if end > len(self._view):
+            raise PteFormatError(f"segment {index} (offset {segment.offset}, size {segment.size}) ends at byte {end}, "
+                                 f"past the end of the {len(self._view)}-byte file (truncated)")
+        if self.header.segment_data_size and segment.offset + segment.size > self.header.segment_data_size:
+            raise PteFormatError(f"segment {index} (offset {segment.offset}, size {segment.size}) extends past "
+                                 f"segment_data_size {self.header.segment_data_size}")
+
+    def _parse_constants(self, program) -> None:
+        """Resolve each constant buffer: constant_segment (current files) or constant_buffer (legacy)."""
+        self._constants: list[memoryview] = []
+        sub = program.ConstantSegment()
+        offsets = scalar_vector(sub, "Offsets") if sub is not None else ()
+        legacy_count = program.ConstantBufferLength()
+        if offsets and legacy_count:
+            raise PteFormatError("the program has both constant_segment offsets and a legacy constant_buffer")
+        if legacy_count:
+            self._constants = [_bytes_vector(program.ConstantBuffer(i), "Storage") for i in range(legacy_count)]
+            return
+        if not offsets:
+            return
+        segment_index = sub.SegmentIndex()
+        _check_index(segment_index, len(self.segments), "constant_segment segment index")
+        base = self.segment_data(segment_index)
+        for i, offset in enumerate(offsets):
+            # Like executorch, a constant extends to the next one's start (or the segment end).
+            end = offsets[i + 1] if i + 1 < len(offsets) else len(base)
+            if not offset <= end <= len(base):
+                raise PteFormatError(f"constant_segment offset {i} spans [{offset}, {end}), outside the "
+                                     f"{len(base)}-byte constant segment {segment_index} or not ascending")
+            self._constants.append(base[offset:end])
+
+    def _parse_plan(self, fb_plan, plan_index: int) -> ExecutionPlan:
+        name = _text(fb_plan.Name()) or ""
+        where = f"execution plan {name or plan_index!r}"
+        values = tuple(self._parse_value(fb_plan.Values(i), f"{where} value {i}")
+                       for i in range(fb_plan.ValuesLength()))
+        operators = []
+        for i in range(fb_plan.OperatorsLength()):
+            op = fb_plan.Operators(i)
+            operators.append(Operator(_text(op.Name()) or "", _text(op.Overload()) or ""))
+        delegates = tuple(self._parse_delegate(fb_plan.Delegates(i), f"{where} delegate {i}")
+                          for i in range(fb_plan.DelegatesLength()))
+        chains = tuple(self._parse_chain(fb_plan.Chains(i), f"{where} chain {i}", len(values), len(operators),
+                                         len(delegates)) for i in range(fb_plan.ChainsLength()))
+        inputs, outputs = scalar_vector(fb_plan, "Inputs"), scalar_vector(fb_plan, "Outputs")
+        for kind, ids in (("input", inputs), ("output", outputs)):
+            for value_index in ids:
+                _check_index(value_index, len(values), f"{where} {kind} value index")
+        for i, value in enumerate(values):
+            if isinstance(value, (TensorList, OptionalTensorList)):
+                for item in value.items:
+                    if not (isinstance(value, OptionalTensorList) and item == -1):
+                        _check_index(item, len(values), f"{where} value {i} list item")
+        meta = fb_plan.ContainerMetaType()
+        container_meta = None
+        if meta is not None:
+            container_meta = (_text(meta.EncodedInpStr()) or "", _text(meta.EncodedOutStr()) or "")
+        return ExecutionPlan(name, values, inputs, outputs, chains, tuple(operators), delegates,
+                             scalar_vector(fb_plan, "NonConstBufferSizes"), container_meta)
+
+    def _parse_value(self, fb_value, where: str):
+        kind = fb_value.ValType()
+        holder = fb_value.Val()
+        if kind == KernelTypes.Null or kind == KernelTypes.NONE:
+            return Null()
+        if holder is None:
+            raise PteFormatError(f"{where} has union type {kind} but no payload")
+        if kind == KernelTypes.Tensor:
+            return self._parse_tensor(union_as(holder, FbTensor))
+        if kind == KernelTypes.Int:
+            return Int(union_as(holder, FbInt).IntVal())
+        if kind == KernelTypes.Bool:
+            return Bool(bool(union_as(holder, FbBool).BoolVal()))
+        if kind == KernelTypes.Double:
+            return Double(union_as(holder, FbDouble).DoubleVal())
+        if kind == KernelTypes.String:
+            return String(_text(union_as(holder, FbString).StringVal()) or "")
+        if kind == KernelTypes.IntList:
+            return IntList(scalar_vector(union_as(holder, FbIntList), "Items"))
+        if kind == KernelTypes.DoubleList:
+            return DoubleList(scalar_vector(union_as(holder, FbDoubleList), "Items"))
+        if kind == KernelTypes.BoolList:
+            return BoolList(tuple(bool(b) for b in scalar_vector(union_as(holder, FbBoolList), "Items")))
+        if kind == KernelTypes.TensorList:
+            return TensorList(scalar_vector(union_as(holder, FbTensorList), "Items"))
+        if kind == KernelTypes.OptionalTensorList:
+            return OptionalTensorList(scalar_vector(union_as(holder, FbOptionalTensorList), "Items"))
+        raise PteFormatError(f"{where} has unknown value type {kind}")
+
+    def _parse_tensor(self, t) -> Tensor:
+        alloc = t.AllocationInfo()
+        allocation = None if alloc is None else AllocationDetails(
+            alloc.MemoryId(), alloc.MemoryOffsetLow() | (alloc.MemoryOffsetHigh() << 32))
+        extra = t.ExtraTensorInfo()
+        extra_info = None if extra is None else ExtraTensorInfo(
+            extra.MutableDataSegmentsIdx(), _text(extra.FullyQualifiedName()), extra.Location())
+        return Tensor(t.ScalarType(), t.StorageOffset(), scalar_vector(t, "Sizes"), scalar_vector(t, "DimOrder"),
+                      bool(t.RequiresGrad()), t.DataBufferIdx(), allocation, t.Layout(), t.ShapeDynamism(), extra_info)
+
+    def _parse_delegate(self, fb_delegate, where: str) -> Delegate:
+        processed = fb_delegate.Processed()
+        if processed is None:
+            raise PteFormatError(f"{where} has no processed data reference")
+        location, index = processed.Location(), processed.Index()
+        if location == DataLocation.INLINE:
+            _check_index(index, len(self.backend_delegate_data), f"{where} inline data index")
+            data = self.backend_delegate_data[index]
+        elif location == DataLocation.SEGMENT:
+            _check_index(index, len(self.segments), f"{where} segment index")
+            data = self.segment_data(index)
+        else:
+            raise PteFormatError(f"{where} has unknown data location {location}")
+        specs = []
+        for i in range(fb_delegate.CompileSpecsLength()):
+            spec = fb_delegate.CompileSpecs(i)
+            specs.append((_text(spec.Key()) or "", bytes(_bytes_vector(spec, "Value"))))
+        return Delegate(_text(fb_delegate.Id()) or "", location, index, data, tuple(specs))
+
+    def _parse_chain(self, fb_chain, where: str, num_values: int, num_operators: int, num_delegates: int) -> Chain:
+        instructions = []
+        for i in range(fb_chain.InstructionsLength()):
+            holder_table = fb_chain.Instructions(i)
+            kind, holder = holder_table.InstrArgsType(), holder_table.InstrArgs()
+            at = f"{where} instruction {i}"
+            if holder is None:
+                raise PteFormatError(f"{at} has no arguments (type {kind})")
+            if kind == InstructionArguments.KernelCall:
+                call = union_as(holder, FbKernelCall)
+                instruction = KernelCall(call.OpIndex(), scalar_vector(call, "Args"))
+                _check_index(instruction.op_index, num_operators, f"{at} operator index")
+                value_ids = instruction.args
+            elif kind == InstructionArguments.DelegateCall:
+                call = union_as(holder, FbDelegateCall)
+                instruction = DelegateCall(call.DelegateIndex(), scalar_vector(call, "Args"))
+                _check_index(instruction.delegate_index, num_delegates, f"{at} delegate index")
+                value_ids = instruction.args
+            elif kind == InstructionArguments.MoveCall:
+                call = union_as(holder, FbMoveCall)
+                instruction = MoveCall(call.MoveFrom(), call.MoveTo())
+                value_ids = (instruction.move_from, instruction.move_to)
+            elif kind == InstructionArguments.JumpFalseCall:
+                call = union_as(holder, FbJumpFalseCall)
+                instruction = JumpFalseCall(call.CondValueIndex(), call.DestinationInstruction())
+                _check_index(instruction.destination_instruction, fb_chain.InstructionsLength(),
+                             f"{at} jump destination")
+                value_ids = (instruction.cond_value_index,)
+            elif kind == InstructionArguments.FreeCall:
+                instruction = FreeCall(union_as(holder, FbFreeCall).ValueIndex())
+                value_ids = (instruction.value_index,)
+            else:
+                raise PteFormatError(f"{at} has unknown instruction type {kind}")
+            for value_index in value_ids:
+                _check_index(value_index, num_values, f"{at} value index")
+            instructions.append(instruction)
+        inputs, outputs = scalar_vector(fb_chain, "Inputs"), scalar_vector(fb_chain, "Outputs")
+        for value_index in inputs + outputs:
+            _check_index(value_index, num_values, f"{where} input/output value index")
+        return Chain(inputs, outputs, tuple(instructions))

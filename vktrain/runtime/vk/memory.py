@@ -1,0 +1,304 @@
+"""Storage buffers: memory-type choice by property flags, direct host access or staging copies.
+
+Allocation strategy: one VkDeviceMemory per Buffer (no sub-allocation). A training graph holds a few
+hundred long-lived tensors, far below maxMemoryAllocationCount (>= 4096 everywhere), and per-buffer
+allocations keep ownership and teardown trivial; the count is checked so exceeding it is a clear error.
+
+Two access paths, chosen per buffer:
+* direct: on a unified device (lavapipe, integrated GPUs, resizable BAR) the buffer lives in
+  DEVICE_LOCAL | HOST_VISIBLE | HOST_COHERENT memory, stays mapped, and write/read are memcpys.
+* staging: otherwise the buffer is DEVICE_LOCAL only, and write/read go through a temporary
+  HOST_VISIBLE | HOST_COHERENT staging buffer and a vkCmdCopyBuffer (synchronous).
+`Buffer(..., staging=True)` forces the staging path (tests use it to cover it on unified devices).
+
+Buffer sizes are padded to a multiple of 4 bytes (`Buffer.size`) so shaders may read 32-bit words
+over byte tensors; `Buffer.nbytes` is the size asked for.
+"""
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import numpy as np
+
+from vktrain.runtime.vk.errors import BufferUsageError, vk_call
+
+_WORD = 4
+
+
+def find_memory_type(type_flags: Sequence[int], type_bits: int, required: int, preferred: int = 0) -> int | None:
+    """Index of the memory type to use, or None.
+
+    `type_flags[i]` are the property flags of memory type i, `type_bits` the types allowed by the
+    resource's requirements. Among allowed types having all `required` flags, the one with the most
+    `preferred` flags wins; ties go to the lower index (drivers list faster types first).
+    """
+    best: int | None = None
+    best_score = -1
+    for index, flags in enumerate(type_flags):
+        if not type_bits & (1 << index) or flags & required != required:
+            continue
+        score = bin(flags & preferred).count("1")
+        if score > best_score:
+            best, best_score = index, score
+    return best
+
+
+def _memory_type_flags(device) -> list[int]:
+    mp = device.memory_properties
+    return [int(mp.memoryTypes[i].propertyFlags) for i in range(mp.memoryTypeCount)]
+
+
+class _RawBuffer:
+    """A VkBuffer bound to its own VkDeviceMemory (internal; Buffer and staging copies use it)."""
+
+    def __init__(self, device, size: int, usage: int, required: int, preferred: int, what: str):
+        vk = device.vk
+        self.device = device
+        self.size = size
+        self.handle = None
+        self.memory = None
+        self.mapped = None
+        if device.allocation_count >= device.limits.max_memory_allocation_count:
+            raise BufferUsageError(
+                f"cannot allocate {what}: the device allows {device.limits.max_memory_allocation_count} "
+                f"memory allocations and vktrain allocates one per buffer; free buffers first")
+        buffer_info = vk.VkBufferCreateInfo(
+            sType=vk.VK_STRUCTURE_TYPE_BUFFER_CREATE_INFO, size=size, usage=usage,
+            sharingMode=vk.VK_SHARING_MODE_EXCLUSIVE)
+        self.handle = vk_call("vkCreateBuffer", vk.vkCreateBuffer, device.handle, buffer_info, None,
+                              detail=f"{what}, {size} bytes")
+        try:
+            requirements = vk.vkGetBufferMemoryRequirements(device.handle, self.handle)
+            flags = _memory_type_flags(device)
+            type_index = find_memory_type(flags, requirements.memoryTypeBits, required, preferred)
+            if type_index is None:
+                raise BufferUsageError(
+                    f"no memory type for {what} has the property flags {required:#x} "
+                    f"(available types: {[hex(f) for f in flags]})")
+            self.memory_flags = flags[type_index]
+            alloc_info = vk.VkMemoryAllocateInfo(
+                sType=vk.VK_STRUCTURE_TYPE_MEMORY_ALLOCATE_INFO, allocationSize=requirements.size,
+                memoryTypeIndex=type_index)
+            self.memory = vk_call("vkAllocateMemory", vk.vkAllocateMemory, device.handle, alloc_info, None,
+                                  detail=f"{what}, {requirements.size} bytes, memory type {type_index}")
+            device.allocation_count += 1
+            vk_call("vkBindBufferMemory", vk.vkBindBufferMemory, device.handle, self.handle, self.memory, 0)
+            if self.memory_flags & vk.VK_MEMORY_PROPERTY_HOST_VISIBLE_BIT:
+                # Persistently mapped; the size is explicit (VK_WHOLE_SIZE overflows in the binding).
+                self.mapped = vk_call("vkMapMemory", vk.vkMapMemory, device.handle, self.memory, 0, size, 0)
+        except BaseException:
+            self.destroy()
+            raise
+
+    @property
+    def host_visible(self) -> bool:
+        return self.mapped is not None
+
+    def write_bytes(self, data: np.ndarray, offset: int) -> None:
+        view = np.frombuffer(self.mapped, dtype=np.uint8, count=data.nbytes, offset=offset)
+        view[:] = data.reshape(-1).view(np.uint8)
+        del view  # no numpy view may outlive the mapping
+
+    def read_bytes(self, nbytes: int, offset: int) -> np.ndarray:
+        view = np.frombuffer(self.mapped, dtype=np.uint8, count=nbytes, offset=offset)
+        out = view.copy()
+        del view
+        return out
+
+    def destroy(self) -> None:
+        vk = self.device.vk
+        device = self.device._device
+        if device is None:
+            return
+        if self.mapped is not None:
+            self.mapped = None
+            vk.vkUnmapMemory(device, self.memory)
+        if self.handle is not None:
+            vk.vkDestroyBuffer(device, self.handle, None)
+            self.handle = None
+        if self.memory is not None:
+            vk.vkFreeMemory(device, self.memory, None)
+            self.memory = None
+            self.device.allocation_count -= 1
+
+
+def _as_bytes_array(data: Any) -> np.ndarray:
+    if isinstance(data, (bytes, bytearray, memoryview)):
+        return np.frombuffer(bytes(data), dtype=np.uint8)
+    array = np.asarray(data)
+    if array.dtype == object:
+        raise BufferUsageError("cannot upload an object array; pass a numeric numpy array or bytes")
+    return np.ascontiguousarray(array)
+
+
+class Buffer:
+    """A storage buffer of `nbytes` bytes on `device` (see the module docstring for the paths).
+
+    `write(array, offset)` uploads; `read(dtype, shape, offset)` downloads a copy. Offsets are bytes.
+    """
+
+    def __init__(self, device, nbytes: int, *, name: str = "", staging: bool | None = None):
+        if not isinstance(nbytes, (int, np.integer)) or nbytes <= 0:
+            raise BufferUsageError(f"buffer size must be a positive number of bytes, got {nbytes!r}")
+        vk = device.vk
+        self.device = device
+        self.name = name or f"buffer{id(self):x}"
+        self.nbytes = int(nbytes)
+        self.size = -(-self.nbytes // _WORD) * _WORD
+        self._raw = None
+        usage = (vk.VK_BUFFER_USAGE_STORAGE_BUFFER_BIT | vk.VK_BUFFER_USAGE_TRANSFER_SRC_BIT
+                 | vk.VK_BUFFER_USAGE_TRANSFER_DST_BIT)
+        direct = (vk.VK_MEMORY_PROPERTY_HOST_VISIBLE_BIT | vk.VK_MEMORY_PROPERTY_HOST_COHERENT_BIT)
+        if staging is None:
+            staging = not device.unified_memory
+        if staging:
+            required, preferred = vk.VK_MEMORY_PROPERTY_DEVICE_LOCAL_BIT, 0
+        else:
+            required, preferred = direct, vk.VK_MEMORY_PROPERTY_DEVICE_LOCAL_BIT
+        what = f"buffer {self.name!r}"
+        self._raw = _RawBuffer(device, self.size, usage, required, preferred, what)
+        # Even a staging buffer may land in host-visible memory (unified devices); forced staging
+        # still copies, so the copy path is what gets exercised.
+        self.staging = bool(staging)
+        device._register(self)
+
+    @classmethod
+    def from_array(cls, device, array: Any, *, name: str = "", staging: bool | None = None) -> "Buffer":
+        data = _as_bytes_array(array)
+        buffer = cls(device, max(data.nbytes, 1), name=name, staging=staging)
+        if data.nbytes:
+            buffer.write(data)
+        return buffer
+
+    # --------------------------------------------------------------------------------- access
+    @property
+    def handle(self):
+        self._check_alive()
+        return self._raw.handle
+
+    @property
+    def alive(self) -> bool:
+        return self._raw is not None and self._raw.handle is not None
+
+    def _check_alive(self) -> None:
+        if not self.alive:
+            raise BufferUsageError(f"buffer {self.name!r} was destroyed")
+
+    def _check_range(self, what: str, offset: int, nbytes: int) -> None:
+        if not isinstance(offset, (int, np.integer)) or offset < 0:
+            raise BufferUsageError(f"{what} {self.name!r}: offset must be a non-negative int, got {offset!r}")
+        if offset + nbytes > self.size:
+            raise BufferUsageError(
+                f"{what} {self.name!r}: {nbytes} bytes at offset {offset} run past the buffer's "
+                f"{self.size} bytes")
+
+    def write(self, data: Any, offset: int = 0) -> None:
+        """Copy `data` (numpy array of any dtype, or bytes) into the buffer at byte `offset`."""
+        self._check_alive()
+        array = _as_bytes_array(data)
+        self._check_range("write to", offset, array.nbytes)
+        if array.nbytes == 0:
+            return
+        if not self.staging:
+            self._raw.write_bytes(array, offset)
+            return
+        vk = self.device.vk
+        staging = _RawBuffer(self.device, array.nbytes, vk.VK_BUFFER_USAGE_TRANSFER_SRC_BIT,
+                             vk.VK_MEMORY_PROPERTY_HOST_VISIBLE_BIT | vk.VK_MEMORY_PROPERTY_HOST_COHERENT_BIT,
+                             0, f"staging upload for {self.name!r}")
+        try:
+            staging.write_bytes(array, 0)
+            self.device.one_shot(lambda cb: _record_copy(vk, cb, staging.handle, 0, self._raw.handle,
+                                                         offset, array.nbytes))
+        finally:
+            staging.destroy()
+
+    def read(self, dtype: Any = np.uint8, shape: Any = None, offset: int = 0) -> np.ndarray:
+        """Return a copy of the buffer contents from byte `offset` as `dtype`, reshaped to `shape`.
+
+        Without `shape`, reads as many whole elements as fit between `offset` and `nbytes`.
+        """
+        self._check_alive()
+        dtype = np.dtype(dtype)
+        if shape is None:
+            shape = (max(self.nbytes - offset, 0) // dtype.itemsize,)
+        shape = (shape,) if isinstance(shape, (int, np.integer)) else tuple(shape)
+        if any(not isinstance(d, (int, np.integer)) or d < 0 for d in shape):
+            raise BufferUsageError(f"read from {self.name!r}: shape must be non-negative ints, got {shape!r}")
+        nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        self._check_range("read from", offset, nbytes)
+        if nbytes == 0:
+            return np.zeros(shape, dtype)
+        if not self.staging:
+            raw = self._raw.read_bytes(nbytes, offset)
+        else:
+            vk = self.device.vk
+            staging = _RawBuffer(
+                self.device, nbytes, vk.VK_BUFFER_USAGE_TRANSFER_DST_BIT,
+                vk.VK_MEMORY_PROPERTY_HOST_VISIBLE_BIT | vk.VK_MEMORY_PROPERTY_HOST_COHERENT_BIT,
+                vk.VK_MEMORY_PROPERTY_HOST_CACHED_BIT, f"staging download for {self.name!r}")
+            try:
+                self.device.one_shot(lambda cb: _record_copy(vk, cb, self._raw.handle, offset, staging.handle,
+                                                             0, nbytes))
+                raw = staging.read_bytes(nbytes, 0)
+            finally:
+                staging.destroy()
+        return raw.view(dtype).reshape(shape)
+
+    def zero(self) -> None:
+        """Fill the whole buffer with zero bytes on the device."""
+        self._check_alive()
+        vk = self.device.vk
+
+        def record(cb):
+            record_memory_barrier(
+                vk, cb,
+                vk.VK_PIPELINE_STAGE_COMPUTE_SHADER_BIT | vk.VK_PIPELINE_STAGE_TRANSFER_BIT,
+                vk.VK_ACCESS_SHADER_READ_BIT | vk.VK_ACCESS_SHADER_WRITE_BIT | vk.VK_ACCESS_TRANSFER_WRITE_BIT,
+                vk.VK_PIPELINE_STAGE_TRANSFER_BIT,
+                vk.VK_ACCESS_TRANSFER_WRITE_BIT)
+            vk.vkCmdFillBuffer(cb, self._raw.handle, 0, self.size, 0)
+            record_memory_barrier(
+                vk, cb,
+                vk.VK_PIPELINE_STAGE_TRANSFER_BIT,
+                vk.VK_ACCESS_TRANSFER_WRITE_BIT,
+                vk.VK_PIPELINE_STAGE_COMPUTE_SHADER_BIT | vk.VK_PIPELINE_STAGE_HOST_BIT,
+                vk.VK_ACCESS_SHADER_READ_BIT | vk.VK_ACCESS_SHADER_WRITE_BIT | vk.VK_ACCESS_HOST_READ_BIT)
+
+        self.device.one_shot(record)
+
+    def destroy(self) -> None:
+        """Free the buffer now (idempotent). Device.close() frees any buffer still alive."""
+        if self._raw is not None:
+            self._raw.destroy()
+            self._raw = None
+        self.device._unregister(self)
+
+    def __repr__(self) -> str:
+        path = "staging" if self.staging else "direct"
+        state = "" if self.alive else ", destroyed"
+        return f"Buffer({self.name!r}, {self.nbytes} bytes, {path}{state})"
+
+
+def record_memory_barrier(vk, cb, src_stage: int, src_access: int, dst_stage: int, dst_access: int) -> None:
+    """Record a global memory barrier (src stage/access -> dst stage/access) into command buffer `cb`."""
+    barrier = vk.VkMemoryBarrier(sType=vk.VK_STRUCTURE_TYPE_MEMORY_BARRIER, srcAccessMask=src_access,
+                                 dstAccessMask=dst_access)
+    vk.vkCmdPipelineBarrier(cb, src_stage, dst_stage, 0, 1, [barrier], 0, None, 0, None)
+
+
+def _record_copy(vk, cb, src, src_offset: int, dst, dst_offset: int, nbytes: int) -> None:
+    # Earlier device work on either buffer must finish before the copy; the copy's result must be
+    # visible to later shaders and to the host.
+    record_memory_barrier(
+        vk, cb,
+        vk.VK_PIPELINE_STAGE_COMPUTE_SHADER_BIT | vk.VK_PIPELINE_STAGE_TRANSFER_BIT,
+        vk.VK_ACCESS_SHADER_READ_BIT | vk.VK_ACCESS_SHADER_WRITE_BIT | vk.VK_ACCESS_TRANSFER_WRITE_BIT,
+        vk.VK_PIPELINE_STAGE_TRANSFER_BIT,
+        vk.VK_ACCESS_TRANSFER_READ_BIT | vk.VK_ACCESS_TRANSFER_WRITE_BIT)
+    region = vk.VkBufferCopy(srcOffset=src_offset, dstOffset=dst_offset, size=nbytes)
+    regions = [region]
+    vk.vkCmdCopyBuffer(cb, src, dst, 1, regions)
+    record_memory_barrier(vk, cb, vk.VK_PIPELINE_STAGE_TRANSFER_BIT, vk.VK_ACCESS_TRANSFER_WRITE_BIT,
+                          vk.VK_PIPELINE_STAGE_COMPUTE_SHADER_BIT | vk.VK_PIPELINE_STAGE_HOST_BIT,
+                          vk.VK_ACCESS_SHADER_READ_BIT | vk.VK_ACCESS_SHADER_WRITE_BIT | vk.VK_ACCESS_HOST_READ_BIT)

@@ -1,0 +1,178 @@
+"""Compute pipelines from SPIR-V by shader name, cached per (shader, specialization, push size).
+
+The descriptor-set layout of a pipeline is the shader's own (reflected) list of storage buffers in set
+0, so a Dispatch must bind exactly those; the push-constant range is exactly the bytes pushed. Shader
+modules, set layouts and pipeline layouts are shared between pipelines that agree on them.
+"""
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+from typing import Any
+
+from vktrain.runtime_shaders import ShaderInterface, load_spirv, reflect_spirv
+
+from vktrain.runtime.vk.errors import ScheduleError, vk_call
+from vktrain.runtime.vk.schedule import SpecValue
+
+_SPEC_FORMATS = {"uint": "<I", "int": "<i", "bool": "<I", "float": "<f"}
+
+
+def pack_specialization(shader: str, interface: ShaderInterface, values: tuple[tuple[int, SpecValue], ...]
+                        ) -> bytes:
+    """32-bit words of `values` in the order given, each packed as the type the shader declares."""
+    out = bytearray()
+    for spec_id, value in values:
+        kind = interface.spec_types.get(spec_id)
+        if kind is None:
+            known = ", ".join(f"{i}: {t}" for i, t in sorted(interface.spec_types.items())) or "none"
+            raise ScheduleError(
+                f"shader {shader!r} has no specialization constant with id {spec_id} (it declares {known})")
+        if kind == "float":
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise ScheduleError(f"shader {shader!r}: spec constant {spec_id} is float, got {value!r}")
+            out += struct.pack("<f", float(value))
+        elif kind in ("uint", "int", "bool"):
+            if isinstance(value, float):
+                raise ScheduleError(
+                    f"shader {shader!r}: spec constant {spec_id} is {kind}, got the float {value!r}")
+            value = int(value)
+            if kind == "bool":
+                value = 1 if value else 0
+            elif kind == "uint" and not 0 <= value < 2**32:
+                raise ScheduleError(f"shader {shader!r}: spec constant {spec_id} is uint, got {value}")
+            elif kind == "int" and not -(2**31) <= value < 2**31:
+                raise ScheduleError(f"shader {shader!r}: spec constant {spec_id} is int, got {value}")
+            out += struct.pack(_SPEC_FORMATS[kind], value)
+        else:
+            raise ScheduleError(
+                f"shader {shader!r}: spec constant {spec_id} has a type vktrain cannot specialize "
+                f"(only 32-bit int/uint/float and bool)")
+    return bytes(out)
+
+
+@dataclass(eq=False)
+class Pipeline:
+    """A compute pipeline plus the layout objects a recording needs (owned by the PipelineCache)."""
+
+    shader: str
+    interface: ShaderInterface
+    handle: Any
+    layout: Any
+    set_layout: Any
+    push_size: int
+
+
+class PipelineCache:
+    """Creates and owns shader modules, layouts and pipelines of one Device."""
+
+    def __init__(self, device):
+        self.device = device
+        self._modules: dict[str, tuple[Any, ShaderInterface]] = {}
+        self._set_layouts: dict[tuple[int, ...], Any] = {}
+        self._pipeline_layouts: dict[tuple[tuple[int, ...], int], Any] = {}
+        self._pipelines: dict[tuple[str, tuple, int], Pipeline] = {}
+
+    def shader(self, name: str) -> tuple[Any, ShaderInterface]:
+        """(VkShaderModule, reflected interface) of shader `name`, loading its SPIR-V once."""
+        if name not in self._modules:
+            vk = self.device.vk
+            code = load_spirv(name)
+            interface = reflect_spirv(code)
+            not_set0 = [b for b in interface.bindings if b.set != 0]
+            if not_set0:
+                raise ScheduleError(f"shader {name!r} uses descriptor set {not_set0[0].set}; vktrain shaders "
+                                    f"bind every buffer in set 0")
+            uniform = [b.binding for b in interface.bindings if b.kind != "storage"]
+            if uniform:
+                raise ScheduleError(f"shader {name!r} declares uniform blocks at bindings {uniform}; vktrain binds "
+                                    f"storage buffers only (declare them as `buffer`, or use push constants)")
+            module_info = vk.VkShaderModuleCreateInfo(
+                sType=vk.VK_STRUCTURE_TYPE_SHADER_MODULE_CREATE_INFO, codeSize=len(code), pCode=code)
+            module = vk_call("vkCreateShaderModule", vk.vkCreateShaderModule, self.device.handle, module_info,
+                             None, detail=f"shader {name!r}")
+            self._modules[name] = (module, interface)
+        return self._modules[name]
+
+    def interface(self, name: str) -> ShaderInterface:
+        return self.shader(name)[1]
+
+    def _set_layout(self, bindings: tuple[int, ...]):
+        if bindings not in self._set_layouts:
+            vk = self.device.vk
+            entries = [vk.VkDescriptorSetLayoutBinding(
+                binding=b, descriptorType=vk.VK_DESCRIPTOR_TYPE_STORAGE_BUFFER, descriptorCount=1,
+                stageFlags=vk.VK_SHADER_STAGE_COMPUTE_BIT) for b in bindings]
+            info = vk.VkDescriptorSetLayoutCreateInfo(
+                sType=vk.VK_STRUCTURE_TYPE_DESCRIPTOR_SET_LAYOUT_CREATE_INFO, bindingCount=len(entries),
+                pBindings=entries or None)
+            self._set_layouts[bindings] = vk_call("vkCreateDescriptorSetLayout", vk.vkCreateDescriptorSetLayout,
+                                                  self.device.handle, info, None)
+        return self._set_layouts[bindings]
+
+    def _pipeline_layout(self, bindings: tuple[int, ...], push_size: int):
+        key = (bindings, push_size)
+        if key not in self._pipeline_layouts:
+            vk = self.device.vk
+            set_layouts = [self._set_layout(bindings)]
+            ranges = [vk.VkPushConstantRange(stageFlags=vk.VK_SHADER_STAGE_COMPUTE_BIT, offset=0, size=push_size)]
+            info = vk.VkPipelineLayoutCreateInfo(
+                sType=vk.VK_STRUCTURE_TYPE_PIPELINE_LAYOUT_CREATE_INFO, setLayoutCount=1, pSetLayouts=set_layouts,
+                pushConstantRangeCount=1 if push_size else 0, pPushConstantRanges=ranges if push_size else None)
+            self._pipeline_layouts[key] = vk_call("vkCreatePipelineLayout", vk.vkCreatePipelineLayout,
+                                                  self.device.handle, info, None)
+        return self._pipeline_layouts[key]
+
+    def get(self, shader: str, specialization: tuple[tuple[int, SpecValue], ...], push_size: int) -> Pipeline:
+        """The pipeline of `shader` with these (id, value) specialization constants and push bytes."""
+        key = (shader, tuple(specialization), push_size)
+        if key in self._pipelines:
+            return self._pipelines[key]
+        vk = self.device.vk
+        limit = self.device.limits.max_push_constants_size
+        if push_size > limit:
+            raise ScheduleError(f"shader {shader!r}: {push_size} push-constant bytes exceed the device's "
+                                f"maxPushConstantsSize of {limit}")
+        module, interface = self.shader(shader)
+        bindings = interface.binding_numbers
+        layout = self._pipeline_layout(bindings, push_size)
+        data = pack_specialization(shader, interface, specialization)
+        entries = [vk.VkSpecializationMapEntry(constantID=spec_id, offset=4 * i, size=4)
+                   for i, (spec_id, _) in enumerate(specialization)]
+        spec_data = vk.ffi.new("char[]", data) if data else None
+        spec_info = vk.VkSpecializationInfo(
+            mapEntryCount=len(entries), pMapEntries=entries or None, dataSize=len(data), pData=spec_data)
+        stage = vk.VkPipelineShaderStageCreateInfo(
+            sType=vk.VK_STRUCTURE_TYPE_PIPELINE_SHADER_STAGE_CREATE_INFO, stage=vk.VK_SHADER_STAGE_COMPUTE_BIT,
+            module=module, pName="main", pSpecializationInfo=spec_info if entries else None)
+        create_info = vk.VkComputePipelineCreateInfo(
+            sType=vk.VK_STRUCTURE_TYPE_COMPUTE_PIPELINE_CREATE_INFO, stage=stage, layout=layout,
+            basePipelineIndex=-1)
+        create_infos = [create_info]
+        handles = vk_call("vkCreateComputePipelines", vk.vkCreateComputePipelines, self.device.handle,
+                          None, 1, create_infos, None, detail=f"shader {shader!r}")
+        handle = handles[0]
+        pipeline = Pipeline(shader, interface, handle, layout, self._set_layout(bindings), push_size)
+        self._pipelines[key] = pipeline
+        return pipeline
+
+    def __len__(self) -> int:
+        return len(self._pipelines)
+
+    def destroy(self) -> None:
+        vk = self.device.vk
+        device = self.device._device
+        if device is None:
+            return
+        for pipeline in self._pipelines.values():
+            vk.vkDestroyPipeline(device, pipeline.handle, None)
+        for layout in self._pipeline_layouts.values():
+            vk.vkDestroyPipelineLayout(device, layout, None)
+        for set_layout in self._set_layouts.values():
+            vk.vkDestroyDescriptorSetLayout(device, set_layout, None)
+        for module, _ in self._modules.values():
+            vk.vkDestroyShaderModule(device, module, None)
+        self._pipelines.clear()
+        self._pipeline_layouts.clear()
+        self._set_layouts.clear()
+        self._modules.clear()

@@ -1,0 +1,166 @@
+"""LoRA adapters on disk in PEFT's format (numpy + safetensors, no torch).
+
+An adapter directory holds
+  adapter_model.safetensors   base_model.model.<module path>.lora_A.weight  float32 [r, in_features]
+                              base_model.model.<module path>.lora_B.weight  float32 [out_features, r]
+                              (header metadata {"format": "pt"}, which transformers/PEFT expect)
+  adapter_config.json         PEFT LoraConfig fields: peft_type "LORA", task_type "CAUSAL_LM", r, lora_alpha,
+                              target_modules, base_model_name_or_path, ... (rank_pattern when ranks differ)
+The training program's state names them `model.<module path>.lora_A` / `.lora_B`
+(vktrain.export.training); `adapters_from_state` maps one to the other. Both files are written atomically.
+vktrain's layer computes base(x) + (alpha / r) * B(A(x)), PEFT's LoRA with the same r and lora_alpha.
+"""
+from __future__ import annotations
+
+import collections
+import json
+import os
+from pathlib import Path
+from typing import Mapping, Optional, Union
+
+import numpy as np
+import safetensors
+import safetensors.numpy
+
+from vktrain.train.checkpoint import atomic_write_bytes, atomic_write_json
+
+PathLike = Union[str, os.PathLike]
+
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+ADAPTER_CONFIG = "adapter_config.json"
+PEFT_PREFIX = "base_model.model."
+STATE_PREFIX = "model."  # the exporter's prefix of model tensors (vktrain.export.training.MODEL_PREFIX)
+_LORA_PARTS = ("lora_A", "lora_B")
+LORA_SUFFIXES = tuple("." + part for part in _LORA_PARTS)  # state names of adapter tensors end so
+
+
+class AdapterError(ValueError):
+    """Adapter tensors or files that do not form valid LoRA adapters."""
+
+
+def peft_name(module_path: str, part: str) -> str:
+    """('layers.0', 'lora_A') -> 'base_model.model.layers.0.lora_A.weight'."""
+    if part not in _LORA_PARTS:
+        raise ValueError(f"LoRA part must be one of {_LORA_PARTS}, got {part!r}")
+    return f"{PEFT_PREFIX}{module_path}.{part}.weight"
+
+
+def _check_pair(module: str, lora_a: np.ndarray, lora_b: np.ndarray) -> None:
+    if lora_a.ndim != 2 or lora_b.ndim != 2:
+        raise AdapterError(f"{module}: lora_A and lora_B must be 2-D, got {list(lora_a.shape)} and {list(lora_b.shape)}")
+    if lora_a.shape[0] != lora_b.shape[1]:
+        raise AdapterError(f"{module}: lora_A is [r, in] and lora_B is [out, r] with the same r; got "
+                           f"{list(lora_a.shape)} and {list(lora_b.shape)}")
+
+
+def adapters_from_state(state: Mapping[str, np.ndarray]) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """{module path: (A, B)} from a training program's state (`model.<path>.lora_A` / `.lora_B`); other
+    state (optimizer moments, step) is ignored. Every adapted module must have both tensors."""
+    parts: dict[str, dict[str, np.ndarray]] = collections.defaultdict(dict)
+    for name, array in state.items():
+        if not name.startswith(STATE_PREFIX):
+            continue
+        module, _, part = name[len(STATE_PREFIX):].rpartition(".")
+        if part in _LORA_PARTS and module:
+            parts[module][part] = np.asarray(array)
+    adapters = {}
+    for module, pair in parts.items():
+        missing = [p for p in _LORA_PARTS if p not in pair]
+        if missing:
+            raise AdapterError(f"module {module!r} has {sorted(pair)} but no {missing} in the program's state")
+        _check_pair(module, pair["lora_A"], pair["lora_B"])
+        adapters[module] = (pair["lora_A"], pair["lora_B"])
+    if not adapters:
+        raise AdapterError(f"no LoRA tensors ({STATE_PREFIX}<module>.lora_A / .lora_B) in the state: "
+                           f"{sorted(state)[:8]}")
+    return adapters
+
+
+def adapter_config(adapters: Mapping[str, tuple[np.ndarray, np.ndarray]], lora_alpha: float,
+                   base_model: Optional[str] = None) -> dict:
+    """PEFT LoraConfig fields describing `adapters` (rank from the tensors; the most common rank is r,
+    modules of another rank go to rank_pattern, as PEFT does)."""
+    if not (isinstance(lora_alpha, (int, float)) and np.isfinite(lora_alpha) and lora_alpha > 0):
+        raise AdapterError(f"lora_alpha must be a positive number, got {lora_alpha!r}")
+    ranks = {module: int(a.shape[0]) for module, (a, _) in adapters.items()}
+    rank = collections.Counter(ranks.values()).most_common(1)[0][0]
+    return {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "base_model_name_or_path": base_model,
+        "r": rank,
+        "lora_alpha": float(lora_alpha),
+        "target_modules": sorted(adapters),
+        "rank_pattern": {module: r for module, r in sorted(ranks.items()) if r != rank},
+        "alpha_pattern": {},
+        "lora_dropout": 0.0,
+        "bias": "none",
+        "fan_in_fan_out": False,
+        "use_rslora": False,
+        "modules_to_save": None,
+        "inference_mode": True,
+    }
+
+
+def save_adapters(directory: PathLike, adapters: Mapping[str, tuple[np.ndarray, np.ndarray]], lora_alpha: float,
+                  base_model: Optional[str] = None) -> Path:
+    """Write adapter_model.safetensors and adapter_config.json into `directory` (created if needed)."""
+    directory = Path(directory)
+    if not adapters:
+        raise AdapterError("no adapters to save")
+    tensors = {}
+    for module, (lora_a, lora_b) in adapters.items():
+        lora_a, lora_b = np.asarray(lora_a), np.asarray(lora_b)
+        _check_pair(module, lora_a, lora_b)
+        tensors[peft_name(module, "lora_A")] = np.ascontiguousarray(lora_a, dtype=np.float32)
+        tensors[peft_name(module, "lora_B")] = np.ascontiguousarray(lora_b, dtype=np.float32)
+    config = adapter_config(adapters, lora_alpha, base_model)
+    directory.mkdir(parents=True, exist_ok=True)
+    atomic_write_bytes(directory / ADAPTER_WEIGHTS, safetensors.numpy.save(tensors, metadata={"format": "pt"}))
+    atomic_write_json(directory / ADAPTER_CONFIG, config)
+    return directory
+
+
+def load_adapter_config(directory: PathLike) -> dict:
+    path = Path(directory) / ADAPTER_CONFIG
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise AdapterError(f"{path} does not exist: not an adapter directory") from None
+    except json.JSONDecodeError as exc:
+        raise AdapterError(f"{path} is not valid JSON: {exc}") from None
+    if config.get("peft_type") != "LORA":
+        raise AdapterError(f"{path}: peft_type is {config.get('peft_type')!r}, expected 'LORA'")
+    return config
+
+
+def load_adapters(directory: PathLike) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """{module path: (A [r, in], B [out, r])} from an adapter directory written by `save_adapters` (or PEFT)."""
+    path = Path(directory) / ADAPTER_WEIGHTS
+    if not path.is_file():
+        raise AdapterError(f"{path} does not exist: not an adapter directory")
+    try:
+        tensors = safetensors.numpy.load(path.read_bytes())
+    except Exception as exc:  # safetensors' own error types for a corrupt file
+        raise AdapterError(f"{path} is not a readable safetensors file: {exc}") from None
+    parts: dict[str, dict[str, np.ndarray]] = collections.defaultdict(dict)
+    for name, array in tensors.items():
+        stem = name[len(PEFT_PREFIX):] if name.startswith(PEFT_PREFIX) else None
+        if stem is None or not stem.endswith(".weight"):
+            raise AdapterError(f"{path}: tensor {name!r} is not named {PEFT_PREFIX}<module>.lora_A|lora_B.weight")
+        module, _, part = stem[:-len(".weight")].rpartition(".")
+        if part not in _LORA_PARTS or not module:
+            raise AdapterError(f"{path}: tensor {name!r} is not named {PEFT_PREFIX}<module>.lora_A|lora_B.weight")
+        parts[module][part] = array
+    adapters = {}
+    for module, pair in sorted(parts.items()):
+        missing = [p for p in _LORA_PARTS if p not in pair]
+        if missing:
+            raise AdapterError(f"{path}: module {module!r} has no {missing}")
+        _check_pair(module, pair["lora_A"], pair["lora_B"])
+        adapters[module] = (pair["lora_A"], pair["lora_B"])
+    return adapters
+
+
+__all__ = ["ADAPTER_CONFIG", "ADAPTER_WEIGHTS", "AdapterError", "LORA_SUFFIXES", "PEFT_PREFIX", "adapter_config",
+           "adapters_from_state", "load_adapter_config", "load_adapters", "peft_name", "save_adapters"]
