@@ -11,13 +11,14 @@ import vktrain.backend  # noqa: F401  (registers VktrainVulkanBackend with Execu
 from vktrain.partitioner import VktrainPartitioner
 
 from .pte import read_pte
+from vktrain.errors import VktrainError
 
 # Buffer-name patterns whose initial contents must survive when left outside the delegate
 # (by default ExecuTorch leaves mutable buffers uninitialised). Covers all training state.
 _STATE_PATTERNS = ["model.", "optimizer."]
 
 
-class LoweringError(RuntimeError):
+class LoweringError(VktrainError, RuntimeError):
     """Lowering lost part of the program's meaning (e.g. a mutable state update)."""
 
 

@@ -19,6 +19,7 @@ from vktrain.quant import check_q4gsw_shapes
 from vktrain.train import adapters as peft_files  # torch-free PEFT naming and files: one implementation
 
 from .layers import LoRAQ4Linear
+from vktrain.errors import VktrainError
 
 
 
@@ -55,7 +56,7 @@ def _matches(path: str, patterns: list[str]) -> bool:
     return False
 
 
-class LoRAInsertionError(ValueError):
+class LoRAInsertionError(VktrainError, ValueError):
     """The model would have nothing to train."""
 
 

@@ -28,6 +28,7 @@ import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from vktrain.errors import VktrainError
 
 SHADER_DIR = Path(__file__).resolve().parent
 SPIRV_DIR = SHADER_DIR / "spirv"
@@ -41,11 +42,11 @@ _INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"', re.MULTILINE)
 _VARIANTS = re.compile(r"^\s*//\s*vktrain-variants:(.*)$", re.MULTILINE)
 
 
-class ShaderBuildError(RuntimeError):
+class ShaderBuildError(VktrainError, RuntimeError):
     """The GLSL compiler or spirv-val rejected a shader; the message carries their output."""
 
 
-class ShaderNotFoundError(FileNotFoundError):
+class ShaderNotFoundError(VktrainError, FileNotFoundError):
     """No source or no up-to-date SPIR-V for a shader name, and nothing here can build it."""
 
 

@@ -61,12 +61,13 @@ from vktrain.serialization.generated.vkt_blob import ValueList as FbValueList
 from vktrain.serialization.generated.vkt_blob import VkGraph as FbVkGraph
 from vktrain.serialization.flatbuffer_reading import scalar_vector, union_as
 from vktrain.serialization.generated.vkt_blob.ValueKind import ValueKind
+from vktrain.errors import VktrainError
 
 ALIGNMENT = 16
 FLATBUFFER_IDENTIFIER = b"VKT1"
 
 
-class BlobFormatError(ValueError):
+class BlobFormatError(VktrainError, ValueError):
     """The bytes are not a valid vktrain delegate blob; the message names the bad field."""
 
 

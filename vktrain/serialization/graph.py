@@ -19,13 +19,14 @@ from typing import Union
 import numpy as np
 
 from vktrain import quant
+from vktrain.errors import VktrainError
 
 # Well-known metadata keys (metadata is free-form string -> string; these are the ones vktrain writes).
 METADATA_SOURCE_MODEL = "source_model"
 METADATA_PLANNED_MEMORY_BYTES = "planned_memory_bytes"
 
 
-class GraphError(ValueError):
+class GraphError(VktrainError, ValueError):
     """A VkGraph is inconsistent (dangling id, wrong constant size, bad layout...)."""
 
 

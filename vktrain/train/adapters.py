@@ -23,6 +23,7 @@ import safetensors
 import safetensors.numpy
 
 from vktrain.train.checkpoint import atomic_write_bytes, atomic_write_json
+from vktrain.errors import VktrainError
 
 PathLike = Union[str, os.PathLike]
 
@@ -34,7 +35,7 @@ _LORA_PARTS = ("lora_A", "lora_B")
 LORA_SUFFIXES = tuple("." + part for part in _LORA_PARTS)  # state names of adapter tensors end so
 
 
-class AdapterError(ValueError):
+class AdapterError(VktrainError, ValueError):
     """Adapter tensors or files that do not form valid LoRA adapters."""
 
 

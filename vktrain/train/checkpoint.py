@@ -30,6 +30,7 @@ from typing import Any, BinaryIO, Callable, Mapping, Protocol, Union
 import numpy as np
 import safetensors
 import safetensors.numpy
+from vktrain.errors import VktrainError
 
 PathLike = Union[str, os.PathLike]
 
@@ -39,7 +40,7 @@ CHECKPOINT_VERSION = "1"
 OPTIMIZER_STEP_STATE = "optimizer.step"
 
 
-class CheckpointError(ValueError):
+class CheckpointError(VktrainError, ValueError):
     """A checkpoint file is unreadable, malformed, or does not belong to this program / data."""
 
 

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Iterator, Union
 
 import numpy as np
+from vktrain.errors import VktrainError
 
 PathLike = Union[str, os.PathLike]
 
@@ -37,7 +38,7 @@ TOKEN_TEXT_SUFFIX = ".tokens.txt"
 _CHUNK = 1 << 24  # tokens per chunk when scanning or hashing a whole stream
 
 
-class DataError(ValueError):
+class DataError(VktrainError, ValueError):
     """A data file cannot be used: unreadable, wrong type, too short, or token ids outside the vocabulary."""
 
 

@@ -53,6 +53,7 @@ from vktrain.train.checkpoint import (
 )
 from vktrain.train.data import DataError, TokenBatcher, check_vocab, default_dataset_path, load_tokens
 from vktrain.train.lr_schedule import SCHEDULES, LRSchedule
+from vktrain.errors import VktrainError
 
 PathLike = Union[str, os.PathLike]
 
@@ -80,7 +81,7 @@ class StepRunner(Protocol):
     def write_state(self, name: str, array: Any) -> None: ...
 
 
-class NonFiniteLossError(RuntimeError):
+class NonFiniteLossError(VktrainError, RuntimeError):
     """The loss of a step was NaN or infinite; training stopped."""
 
     def __init__(self, step: int, loss: float, lr: float, last_checkpoint: Optional[tuple[str, int]] = None,

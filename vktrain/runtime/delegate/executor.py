@@ -51,12 +51,13 @@ from vktrain.runtime.delegate.op_lowering import (
 from vktrain.runtime.delegate.kernels.layout import StridedView
 from vktrain.runtime.delegate.kernels.requant import requant_output_nbytes
 from vktrain.runtime.vk.schedule import BufferBinding, Dispatch
+from vktrain.errors import VktrainError
 
 _INT32_MIN, _INT32_MAX = -(2**31), 2**31 - 1
 _REQUANT = "vktrain.q4gsw_requant.default"
 
 
-class ExecutorInputError(ValueError):
+class ExecutorInputError(VktrainError, ValueError):
     """An input or state array does not match what the graph expects (shape, dtype, range)."""
 
 

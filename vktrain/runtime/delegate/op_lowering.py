@@ -39,13 +39,14 @@ from vktrain.serialization import graph as vk
 # Importing the kernels package imports every family, so KERNELS is complete.
 from vktrain.runtime.delegate.kernels import KERNELS, attention, cross_entropy, layout, linear, matmul, norm
 from vktrain.runtime.vk.schedule import BufferBinding, Dispatch
+from vktrain.errors import VktrainError
 
 
 # adamw's hparams tensor: [lr, beta1, beta2, eps, weight_decay] (CONTRACTS.md).
 ADAMW_HPARAMS = 5
 
 
-class GraphLoweringError(ValueError):
+class GraphLoweringError(VktrainError, ValueError):
     """A graph op cannot be lowered: unknown op, wrong arity, or arguments no kernel accepts."""
 
 

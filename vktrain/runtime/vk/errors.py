@@ -8,6 +8,7 @@ missing loader must become an error that says what to install, not an OSError fr
 from __future__ import annotations
 
 from typing import Any, Callable
+from vktrain.errors import VktrainError
 
 INSTALL_HINT = (
     "install a Vulkan loader and a driver (Debian/Ubuntu: `apt-get install libvulkan1 mesa-vulkan-drivers`; "
@@ -15,7 +16,7 @@ INSTALL_HINT = (
 )
 
 
-class RuntimeErrorBase(RuntimeError):
+class RuntimeErrorBase(VktrainError, RuntimeError):
     """Base of every error raised by vktrain.runtime."""
 
 

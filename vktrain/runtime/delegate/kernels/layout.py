@@ -31,6 +31,7 @@ from typing import Any, Sequence
 
 from vktrain.runtime.vk.schedule import BufferBinding, Dispatch, ceil_div, pack_push
 from vktrain.runtime.delegate.kernels.registry import register_kernel
+from vktrain.errors import VktrainError
 
 # copy.comp / elementwise.comp: MAX_RANK and WORKGROUP_SIZE.
 MAX_STRIDED_RANK = 6
@@ -45,7 +46,7 @@ CONVERT_INT32_TO_FP32 = 1
 CONVERT_FP32_TO_INT32 = 2
 
 
-class KernelArgumentError(ValueError):
+class KernelArgumentError(VktrainError, ValueError):
     """A kernel was asked for something it does not support (dtype, rank, shape, argument value)."""
 
 
