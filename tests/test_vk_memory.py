@@ -178,6 +178,7 @@ def test_buffers_share_blocks_as_predicted_and_keep_their_own_bytes(small_block_
         buffer.destroy()
     after = device.memory_stats()
     assert (after.allocations, after.bytes_in_use, after.buffers) == (1, 0, 0)  # one empty block kept
+    assert (after.peak_allocations, after.peak_bytes_reserved) == (stats.allocations, stats.bytes_reserved)
 
 
 def test_staging_buffers_share_blocks_and_round_trip(small_block_device):

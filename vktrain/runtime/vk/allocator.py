@@ -120,10 +120,13 @@ class MemoryStats:
     bytes_reserved: int
     bytes_in_use: int
     buffers: int
+    peak_allocations: int  # the most allocations / reserved bytes live at once since the device opened
+    peak_bytes_reserved: int
 
     def describe(self) -> str:
         return (f"{self.allocations} device-memory allocations, {format_bytes(self.bytes_reserved)} reserved, "
-                f"{format_bytes(self.bytes_in_use)} in use by {self.buffers} buffers")
+                f"{format_bytes(self.bytes_in_use)} in use by {self.buffers} buffers (peak {self.peak_allocations} "
+                f"allocations, {format_bytes(self.peak_bytes_reserved)})")
 
 
 class BlockAllocator:

@@ -78,6 +78,8 @@ class DeviceMemory:
         self.device = device
         self.block_bytes = block_bytes
         self._allocators: dict[int, BlockAllocator] = {}
+        self._peak_allocations = 0
+        self._peak_bytes_reserved = 0
 
     @property
     def allocation_count(self) -> int:
@@ -102,17 +104,23 @@ class DeviceMemory:
                                        lambda size, for_what: self._create_block(size, type_index, for_what),
                                        self._destroy_block)
             self._allocators[type_index] = allocator
-        return allocator.allocate(nbytes, alignment, what)
+        allocation = allocator.allocate(nbytes, alignment, what)
+        self._peak_allocations = max(self._peak_allocations, self.allocation_count)
+        self._peak_bytes_reserved = max(self._peak_bytes_reserved, self._bytes_reserved())
+        return allocation
 
     def free(self, allocation: Allocation, type_index: int) -> None:
         self._allocators[type_index].free(allocation)
 
+    def _bytes_reserved(self) -> int:
+        return sum(a.bytes_reserved for a in self._allocators.values())
+
     def stats(self) -> MemoryStats:
         allocators = list(self._allocators.values())
-        return MemoryStats(allocations=self.allocation_count,
-                           bytes_reserved=sum(a.bytes_reserved for a in allocators),
+        return MemoryStats(allocations=self.allocation_count, bytes_reserved=self._bytes_reserved(),
                            bytes_in_use=sum(a.bytes_in_use for a in allocators),
-                           buffers=sum(a.live_allocations for a in allocators))
+                           buffers=sum(a.live_allocations for a in allocators),
+                           peak_allocations=self._peak_allocations, peak_bytes_reserved=self._peak_bytes_reserved)
 
     def _create_block(self, size: int, type_index: int, what: str) -> _BlockMemory:
         device = self.device
@@ -132,7 +140,7 @@ class DeviceMemory:
         except VulkanError as exc:
             if exc.result not in (vk.VK_ERROR_OUT_OF_DEVICE_MEMORY, vk.VK_ERROR_OUT_OF_HOST_MEMORY):
                 raise
-            reserved = self.stats().bytes_reserved
+            reserved = self._bytes_reserved()
             raise DeviceMemoryError(
                 what, size, f"vkAllocateMemory failed with {exc.result_name} (memory type {type_index}, heap "
                 f"{heap} of {format_bytes(heap_bytes)}, {format_bytes(reserved)} already reserved by vktrain)",
