@@ -9,12 +9,24 @@ driver is asked, with errors naming the buffer, the bytes and the limit.
 from __future__ import annotations
 
 import dataclasses
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
 
 import numpy as np
 import pytest
 
 from vktrain.errors import VktrainError
-from vktrain.runtime import Buffer, Device, ValidationLayerMissingError, VulkanError
+from vktrain.runtime import (
+    Buffer,
+    Device,
+    Dispatch,
+    ValidationLayerMissingError,
+    VulkanError,
+    pack_push,
+    run_dispatches,
+)
 from vktrain.runtime.vk.allocator import (
     BlockAllocator,
     BlockPolicy,
@@ -291,3 +303,39 @@ def test_robust_buffer_access_is_enabled_with_validation_only(vk_device):
     assert ("robustBufferAccess" in vk_device.features) is supported
     with Device(validation=False) as plain:
         assert "robustBufferAccess" not in plain.features
+
+
+def test_a_dispatch_past_its_binding_leaves_the_neighbouring_buffer_intact(vk_device):
+    # y and its neighbour share a block; the kernel is told n = 4 * len(y). robustBufferAccess
+    # (enabled with validation) discards the out-of-range writes; the binding range is y's own size.
+    # lavapipe bounds-checks every access anyway, so on it this guards the binding ranges only.
+    x = Buffer.from_array(vk_device, np.ones(256, np.float32), name="x")
+    y = Buffer.from_array(vk_device, np.zeros(64, np.float32), name="y")
+    neighbour = Buffer.from_array(vk_device, np.full(64, 7.0, np.float32), name="neighbour")
+    try:
+        assert y._raw.allocation.block is neighbour._raw.allocation.block
+        dispatch = Dispatch("test_axpy", 4, ["x", "y"], pack_push(256, 2.0), local_size=(64, 1, 1))
+        run_dispatches(vk_device, [dispatch], {"x": x, "y": y})
+        np.testing.assert_array_equal(y.read(np.float32), np.full(64, 2.0, np.float32))
+        np.testing.assert_array_equal(neighbour.read(np.float32), np.full(64, 7.0, np.float32))
+    finally:
+        for buffer in (x, y, neighbour):
+            buffer.destroy()
+
+
+def test_allocation_counts_are_available_without_vulkan():
+    # `vktrain inspect` reports the count on machines without a Vulkan loader.
+    root = Path(__file__).resolve().parents[1]
+    script = textwrap.dedent("""
+        import sys
+        class Block:
+            def find_spec(self, name, path=None, target=None):
+                if name == "vulkan":
+                    raise ImportError("blocked import of vulkan")
+        sys.meta_path.insert(0, Block())
+        from vktrain.runtime import BlockPolicy, count_block_allocations
+        print(count_block_allocations([3 << 20] * 10, BlockPolicy(block_bytes=8 << 20)))
+    """)
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=root, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "5"  # two 3 MiB buffers per 8 MiB block
