@@ -131,6 +131,7 @@ def test_count_rounds_sizes_to_the_alignment():
 
 
 def test_regular_blocks_never_exceed_the_device_limits():
+    assert BlockPolicy(block_bytes=256 * MiB, heap_bytes=1024 * MiB).regular_block_bytes == 128 * MiB  # heap / 8
     policy = BlockPolicy(block_bytes=256 * MiB, max_allocation_bytes=64 * MiB, heap_bytes=1024 * MiB)
     assert policy.regular_block_bytes == 64 * MiB
     assert count_block_allocations([40 * MiB] * 3, policy) == 3  # 40 MiB x 1 per 64 MiB block

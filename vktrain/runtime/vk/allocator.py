@@ -4,8 +4,8 @@ Why: one VkDeviceMemory per buffer runs into maxMemoryAllocationCount (4096 on m
 model has a few thousand tensors, and every allocation costs a driver round trip.
 
 Policy (per memory type): a request goes first-fit into an existing block; failing that, a new block
-of `block_bytes` is made, or a dedicated block of exactly the request's size when the request is
-larger. When a block's last buffer is freed the block is released, except one empty regular block
+of `block_bytes` (at most an eighth of the heap) is made, or a dedicated block of exactly the request's
+size when the request is larger. When a block's last buffer is freed the block is released, except one empty regular block
 kept for reuse (staging copies are made and freed on every upload on a discrete GPU). Offsets are
 aligned to max(`alignment`, the resource's own VkMemoryRequirements alignment).
 
@@ -48,8 +48,13 @@ class BlockPolicy:
 
     @property
     def regular_block_bytes(self) -> int:
-        """The size of a shared block: `block_bytes`, but never above either limit."""
-        limits = [self.block_bytes] + [v for v in (self.max_allocation_bytes, self.heap_bytes) if v is not None]
+        """The size of a shared block: `block_bytes`, at most maxMemoryAllocationSize and an eighth of
+        the heap (as VMA does: on a small heap one block must not take a large share of it)."""
+        limits = [self.block_bytes]
+        if self.max_allocation_bytes is not None:
+            limits.append(self.max_allocation_bytes)
+        if self.heap_bytes is not None:
+            limits.append(max(self.heap_bytes // 8, 1))
         return min(limits)
 
     def check_request(self, nbytes: int, what: str) -> None:

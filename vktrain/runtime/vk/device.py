@@ -33,7 +33,7 @@ from vktrain.runtime.vk.errors import (
     load_vulkan,
     vk_call,
 )
-from vktrain.runtime.vk.memory import DeviceMemory, buffer_memory_flags, find_memory_type
+from vktrain.runtime.vk.memory import DeviceMemory, buffer_memory_flags, find_memory_type, memory_type_flags
 
 VALIDATION_LAYER = "VK_LAYER_KHRONOS_validation"
 DEVICE_ENV = "VKTRAIN_DEVICE"
@@ -454,8 +454,7 @@ class Device:
         heaps = tuple(MemoryHeap(i, int(mp.memoryHeaps[i].size),
                                  bool(mp.memoryHeaps[i].flags & vk.VK_MEMORY_HEAP_DEVICE_LOCAL_BIT))
                       for i in range(mp.memoryHeapCount))
-        flags = [int(mp.memoryTypes[i].propertyFlags) for i in range(mp.memoryTypeCount)]
-        type_index = find_memory_type(flags, ~0, *buffer_memory_flags(vk, not self.unified_memory))
+        type_index = find_memory_type(memory_type_flags(self), ~0, *buffer_memory_flags(vk, not self.unified_memory))
         if type_index is None:
             raise VulkanUnavailableError(f"{self.info.describe()} has no memory type usable for storage buffers")
         heap = heaps[mp.memoryTypes[type_index].heapIndex]

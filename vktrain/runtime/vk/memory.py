@@ -55,7 +55,8 @@ def find_memory_type(type_flags: Sequence[int], type_bits: int, required: int, p
     return best
 
 
-def _memory_type_flags(device) -> list[int]:
+def memory_type_flags(device) -> list[int]:
+    """The property flags of each of the device's memory types, by index."""
     mp = device.memory_properties
     return [int(mp.memoryTypes[i].propertyFlags) for i in range(mp.memoryTypeCount)]
 
@@ -180,7 +181,7 @@ class _RawBuffer:
         self.allocation: Allocation | None = None
         self.type_index = -1
         self._mapped = None
-        flags = _memory_type_flags(device)
+        flags = memory_type_flags(device)
         # Refuse what no memory could hold before the driver is asked (vkCreateBuffer itself may fail
         # or be flagged by validation for absurd sizes).
         likely_type = find_memory_type(flags, ~0, required, preferred)
@@ -198,7 +199,6 @@ class _RawBuffer:
                 raise BufferUsageError(
                     f"no memory type for {what} has the property flags {required:#x} "
                     f"(available types: {[hex(f) for f in flags]})")
-            self.memory_flags = flags[type_index]
             self.allocation = device.memory.allocate(int(requirements.size), int(requirements.alignment),
                                                      type_index, what)
             self.type_index = type_index
@@ -209,10 +209,6 @@ class _RawBuffer:
         except BaseException:
             self.destroy()
             raise
-
-    @property
-    def host_visible(self) -> bool:
-        return self._mapped is not None
 
     def write_bytes(self, data: np.ndarray, offset: int) -> None:
         view = np.frombuffer(self._mapped, dtype=np.uint8, count=data.nbytes, offset=self.allocation.offset + offset)
