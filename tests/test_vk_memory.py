@@ -151,6 +151,8 @@ def test_bad_policies_and_sizes_are_refused():
         BlockPolicy(block_bytes=0)
     with pytest.raises(BufferUsageError, match="allocation size must be positive"):
         count_block_allocations([16, 0])
+    with pytest.raises(BufferUsageError, match="memory_block_bytes must be a positive number of bytes, got -1"):
+        Device(validation=False, memory_block_bytes=-1)
 
 
 # ------------------------------------------------------------------------------ on the device

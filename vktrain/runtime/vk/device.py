@@ -198,7 +198,6 @@ class Device:
         self.vk = vk = load_vulkan()
         self._closed = False
         self._children: dict[int, Any] = {}
-        self.memory = DeviceMemory(self, memory_block_bytes)
         self._instance = None
         self._device = None
         self._messenger = None
@@ -207,6 +206,7 @@ class Device:
         self._pipelines = None
         self._collector = _ValidationCollector()
         self._collector_handle = vk.ffi.new_handle(self._collector)
+        self.memory = DeviceMemory(self, memory_block_bytes)
         if validation is None:
             validation = _env_flag(VALIDATION_ENV)
         if selector is None:

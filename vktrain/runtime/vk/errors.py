@@ -53,7 +53,7 @@ class BufferUsageError(RuntimeErrorBase, ValueError):
     """A buffer operation was asked for something the buffer cannot do (size, dtype, range)."""
 
 
-class DeviceMemoryError(RuntimeErrorBase, MemoryError):
+class DeviceMemoryError(RuntimeErrorBase):
     """Device memory for a buffer cannot be had: the request is above a device limit
     (maxMemoryAllocationSize, the heap size, maxMemoryAllocationCount) or the driver ran out.
 

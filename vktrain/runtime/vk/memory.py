@@ -76,6 +76,8 @@ class DeviceMemory:
     """
 
     def __init__(self, device, block_bytes: int = DEFAULT_BLOCK_BYTES):
+        if not isinstance(block_bytes, (int, np.integer)) or block_bytes <= 0:
+            raise BufferUsageError(f"memory_block_bytes must be a positive number of bytes, got {block_bytes!r}")
         self.device = device
         self.block_bytes = block_bytes
         self._allocators: dict[int, BlockAllocator] = {}
