@@ -220,6 +220,22 @@ def test_allocation_count_limit_applies_to_blocks_not_buffers(small_block_device
     second.destroy()
 
 
+def test_more_buffers_than_a_driver_allows_allocations(small_block_device, monkeypatch):
+    # The issue: one VkDeviceMemory per buffer stops at maxMemoryAllocationCount (4096 on many drivers).
+    device = small_block_device
+    monkeypatch.setattr(device, "limits", dataclasses.replace(device.limits, max_memory_allocation_count=4096))
+    buffers = [Buffer(device, 64, name=f"t{i}") for i in range(4097)]
+    try:
+        assert device.memory_stats().buffers == 4097
+        policy = device.memory.policy(buffers[0]._raw.type_index)
+        assert device.allocation_count == count_block_allocations([64] * 4097, policy) <= 4
+        buffers[-1].write(np.arange(16, dtype=np.int32))
+        np.testing.assert_array_equal(buffers[-1].read(np.int32), np.arange(16, dtype=np.int32))
+    finally:
+        for buffer in buffers:
+            buffer.destroy()
+
+
 def test_request_above_max_allocation_size_is_refused_before_allocating(small_block_device):
     device = small_block_device
     limit = device.limits.max_memory_allocation_size
@@ -274,7 +290,8 @@ def test_a_request_that_fits_alone_survives_a_failing_block_allocation(small_blo
     monkeypatch.setattr(vk, "vkAllocateMemory", _failing_allocate_memory(vk, vk.vkAllocateMemory, MiB // 2))
     buffer = Buffer.from_array(device, np.arange(16384, dtype=np.float32), name="fallback")
     np.testing.assert_array_equal(buffer.read(np.float32), np.arange(16384, dtype=np.float32))
-    assert device.memory_stats().bytes_reserved == align_up(buffer.size, device.memory.policy(0).alignment)
+    policy = device.memory.policy(buffer._raw.type_index)
+    assert device.memory_stats().bytes_reserved == align_up(buffer.size, policy.alignment)
     buffer.destroy()
     assert device.memory_stats().allocations == 0  # a dedicated block is released with its buffer
 
