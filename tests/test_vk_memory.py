@@ -283,6 +283,21 @@ def test_driver_out_of_memory_is_a_clear_error(small_block_device, monkeypatch):
     assert device.memory_stats().allocations == 0
 
 
+def test_out_of_memory_at_buffer_creation_is_a_clear_error(small_block_device, monkeypatch):
+    device = small_block_device
+    vk = device.vk
+
+    def create_buffer(*args):
+        raise vk.exception_codes[vk.VK_ERROR_OUT_OF_HOST_MEMORY]()
+
+    monkeypatch.setattr(vk, "vkCreateBuffer", create_buffer)
+    with pytest.raises(DeviceMemoryError, match=r"'kv-cache': 4096 bytes \(4.00 KiB\) asked for, but vkCreateBuffer "
+                                                r"failed with VK_ERROR_OUT_OF_HOST_MEMORY") as info:
+        Buffer(device, 4096, name="kv-cache")
+    assert isinstance(info.value.__cause__, VulkanError)
+    assert device.memory_stats().allocations == 0
+
+
 def test_a_request_that_fits_alone_survives_a_failing_block_allocation(small_block_device, monkeypatch):
     device = small_block_device
     vk = device.vk

@@ -61,6 +61,11 @@ def memory_type_flags(device) -> list[int]:
     return [int(mp.memoryTypes[i].propertyFlags) for i in range(mp.memoryTypeCount)]
 
 
+def _out_of_memory_results(vk) -> tuple[int, int]:
+    """The VkResults that mean memory ran out (the driver's own bookkeeping may live in host memory)."""
+    return vk.VK_ERROR_OUT_OF_DEVICE_MEMORY, vk.VK_ERROR_OUT_OF_HOST_MEMORY
+
+
 @dataclass(frozen=True)
 class _BlockMemory:
     """What backs one allocator block: the VkDeviceMemory, and its mapping if host-visible."""
@@ -141,7 +146,7 @@ class DeviceMemory:
             memory = vk_call("vkAllocateMemory", vk.vkAllocateMemory, device.handle, alloc_info, None,
                              detail=f"{what}, {size} bytes, memory type {type_index}")
         except VulkanError as exc:
-            if exc.result not in (vk.VK_ERROR_OUT_OF_DEVICE_MEMORY, vk.VK_ERROR_OUT_OF_HOST_MEMORY):
+            if exc.result not in _out_of_memory_results(vk):
                 raise
             reserved = self._bytes_reserved()
             raise DeviceMemoryError(
@@ -192,8 +197,13 @@ class _RawBuffer:
         buffer_info = vk.VkBufferCreateInfo(
             sType=vk.VK_STRUCTURE_TYPE_BUFFER_CREATE_INFO, size=size, usage=usage,
             sharingMode=vk.VK_SHARING_MODE_EXCLUSIVE)
-        self.handle = vk_call("vkCreateBuffer", vk.vkCreateBuffer, device.handle, buffer_info, None,
-                              detail=f"{what}, {size} bytes")
+        try:
+            self.handle = vk_call("vkCreateBuffer", vk.vkCreateBuffer, device.handle, buffer_info, None,
+                                  detail=f"{what}, {size} bytes")
+        except VulkanError as exc:
+            if exc.result not in _out_of_memory_results(vk):
+                raise
+            raise DeviceMemoryError(what, size, f"vkCreateBuffer failed with {exc.result_name}") from exc
         try:
             requirements = vk.vkGetBufferMemoryRequirements(device.handle, self.handle)
             type_index = find_memory_type(flags, requirements.memoryTypeBits, required, preferred)
