@@ -326,6 +326,19 @@ def test_memory_budget_reports_heaps_and_the_buffer_cap(vk_device):
         probe.destroy()
 
 
+def test_memory_budget_refuses_buffers_the_device_cannot_hold(vk_device):
+    budget = vk_device.memory_budget()
+    half = budget.max_buffer_bytes // 2
+    budget.check_buffers({"weights": half, "activations": 4096}, "model.pte")  # fits: no error
+    with pytest.raises(DeviceMemoryError, match=r"model.pte: buffer 'logits'.*largest buffer this device can hold"):
+        budget.check_buffers({"weights": 64, "logits": budget.max_buffer_bytes + 1}, "model.pte")
+    parts = -(-budget.buffer_heap_bytes // half) + 1  # each buffer allowed, together above the heap
+    sizes = {f"part{i}": half for i in range(parts)}
+    with pytest.raises(DeviceMemoryError, match=rf"model.pte: {parts} device buffers: {parts * half} bytes") as info:
+        budget.check_buffers(sizes, "model.pte")
+    assert info.value.limit_bytes == budget.buffer_heap_bytes
+
+
 # ------------------------------------------------------------------------------ features
 def _supports_robust_buffer_access(device) -> bool:
     return bool(device.vk.vkGetPhysicalDeviceFeatures(device.physical_device).robustBufferAccess)

@@ -22,7 +22,8 @@ Device: `name`, `device_type`, `limits` (DeviceLimits), `features` (enabled opti
 `unified_memory`, `timestamps_supported`, `subgroup_size`, `subgroup_operations` (VkSubgroupFeatureFlags
 usable in compute), `validation_messages` / `take_validation_messages()`, `pipelines` (PipelineCache),
 `memory_stats()` (MemoryStats: allocations, bytes reserved / in use), `memory_budget()` (MemoryBudget: heaps,
-largest buffer), `close()`. Everything created from a Device is freed by its close().
+largest buffer, `check_buffers(name -> bytes, what)` for load-time checks), `close()`. Everything created
+from a Device is freed by its close().
 
 Buffer(device, nbytes, name=, staging=None): sub-allocated from a few large device-memory blocks
 (vk/allocator.py; `count_block_allocations` predicts the count without a device); direct mapped access

@@ -21,15 +21,17 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 from vktrain.runtime.vk.allocator import DEFAULT_BLOCK_BYTES, MemoryStats
 from vktrain.runtime.vk.errors import (
     INSTALL_HINT,
+    DeviceMemoryError,
     DeviceSelectionError,
     ValidationLayerMissingError,
     VulkanError,
     VulkanUnavailableError,
+    format_bytes,
     load_vulkan,
     vk_call,
 )
@@ -151,6 +153,24 @@ class MemoryBudget:
     buffer_heap_index: int
     buffer_heap_bytes: int
     max_buffer_bytes: int
+
+    def check_buffers(self, buffer_bytes: Mapping[str, int], what: str) -> None:
+        """Refuse device buffers (name -> bytes) that cannot fit this device, before any is allocated.
+
+        `what` names their source (e.g. the file) in the DeviceMemoryError.
+        """
+        for name, nbytes in buffer_bytes.items():
+            if nbytes > self.max_buffer_bytes:
+                raise DeviceMemoryError(
+                    f"{what}: buffer {name!r}", nbytes,
+                    f"the largest buffer this device can hold is {format_bytes(self.max_buffer_bytes)}",
+                    self.max_buffer_bytes)
+        total = sum(buffer_bytes.values())
+        if total > self.buffer_heap_bytes:
+            raise DeviceMemoryError(
+                f"{what}: {len(buffer_bytes)} device buffers", total,
+                f"the device memory heap {self.buffer_heap_index} holds {format_bytes(self.buffer_heap_bytes)}",
+                self.buffer_heap_bytes)
 
 
 @dataclass
