@@ -18,7 +18,8 @@ API summary
         result = y.read(np.float32)
 
 Device: `name`, `device_type`, `limits` (DeviceLimits), `features` (enabled optional features, e.g.
-"shaderInt8", "storageBuffer8BitAccess", "shaderFloat16", "shaderInt64", "shaderFloat64"),
+"shaderInt8", "storageBuffer8BitAccess", "shaderFloat16", "shaderInt64", "shaderFloat64";
+"robustBufferAccess" with validation),
 `unified_memory`, `timestamps_supported`, `subgroup_size`, `subgroup_operations` (VkSubgroupFeatureFlags
 usable in compute), `validation_messages` / `take_validation_messages()`, `pipelines` (PipelineCache),
 `memory_stats()` (MemoryStats: allocations, bytes reserved / in use), `memory_budget()` (MemoryBudget: heaps,
