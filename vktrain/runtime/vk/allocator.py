@@ -15,7 +15,7 @@ allocations a file's buffers will take without a device; memory.py backs the blo
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Mapping
 
 from vktrain.runtime.vk.errors import BufferUsageError, DeviceMemoryError, format_bytes
 
@@ -132,6 +132,47 @@ class MemoryStats:
         return (f"{self.allocations} device-memory allocations, {format_bytes(self.bytes_reserved)} reserved, "
                 f"{format_bytes(self.bytes_in_use)} in use by {self.buffers} buffers (peak {self.peak_allocations} "
                 f"allocations, {format_bytes(self.peak_bytes_reserved)})")
+
+
+@dataclass(frozen=True)
+class MemoryHeap:
+    index: int
+    size: int
+    device_local: bool
+
+
+@dataclass(frozen=True)
+class MemoryBudget:
+    """What a load-time check may compare a file's memory needs against.
+
+    `buffer_heap_bytes`: the size of the heap storage Buffers are placed in (all of a file's device
+    buffers together must fit); `max_buffer_bytes`: the largest single Buffer, min(maxMemoryAllocationSize,
+    that heap's size). Heap sizes are totals, shared with other processes, so a request that fits can
+    still fail at allocation time (as DeviceMemoryError).
+    """
+
+    heaps: tuple[MemoryHeap, ...]
+    buffer_heap_index: int
+    buffer_heap_bytes: int
+    max_buffer_bytes: int
+
+    def check_buffers(self, buffer_bytes: Mapping[str, int], what: str) -> None:
+        """Refuse device buffers (name -> bytes) that cannot fit this device, before any is allocated.
+
+        `what` names their source (e.g. the file) in the DeviceMemoryError.
+        """
+        for name, nbytes in buffer_bytes.items():
+            if nbytes > self.max_buffer_bytes:
+                raise DeviceMemoryError(
+                    f"{what}: buffer {name!r}", nbytes,
+                    f"the largest buffer this device can hold is {format_bytes(self.max_buffer_bytes)}",
+                    self.max_buffer_bytes)
+        total = sum(buffer_bytes.values())
+        if total > self.buffer_heap_bytes:
+            raise DeviceMemoryError(
+                f"{what}: {len(buffer_bytes)} device buffers", total,
+                f"the device memory heap {self.buffer_heap_index} holds {format_bytes(self.buffer_heap_bytes)}",
+                self.buffer_heap_bytes)
 
 
 class BlockAllocator:

@@ -21,17 +21,15 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Sequence
 
-from vktrain.runtime.vk.allocator import DEFAULT_BLOCK_BYTES, MemoryStats
+from vktrain.runtime.vk.allocator import DEFAULT_BLOCK_BYTES, MemoryBudget, MemoryHeap, MemoryStats
 from vktrain.runtime.vk.errors import (
     INSTALL_HINT,
-    DeviceMemoryError,
     DeviceSelectionError,
     ValidationLayerMissingError,
     VulkanError,
     VulkanUnavailableError,
-    format_bytes,
     load_vulkan,
     vk_call,
 )
@@ -130,47 +128,6 @@ class DeviceLimits:
     buffer_image_granularity: int
     non_coherent_atom_size: int
     timestamp_period_ns: float
-
-
-@dataclass(frozen=True)
-class MemoryHeap:
-    index: int
-    size: int
-    device_local: bool
-
-
-@dataclass(frozen=True)
-class MemoryBudget:
-    """What a load-time check may compare a file's memory needs against.
-
-    `buffer_heap_bytes`: the size of the heap storage Buffers are placed in (all of a file's device
-    buffers together must fit); `max_buffer_bytes`: the largest single Buffer, min(maxMemoryAllocationSize,
-    that heap's size). Heap sizes are totals, shared with other processes, so a request that fits can
-    still fail at allocation time (as DeviceMemoryError).
-    """
-
-    heaps: tuple[MemoryHeap, ...]
-    buffer_heap_index: int
-    buffer_heap_bytes: int
-    max_buffer_bytes: int
-
-    def check_buffers(self, buffer_bytes: Mapping[str, int], what: str) -> None:
-        """Refuse device buffers (name -> bytes) that cannot fit this device, before any is allocated.
-
-        `what` names their source (e.g. the file) in the DeviceMemoryError.
-        """
-        for name, nbytes in buffer_bytes.items():
-            if nbytes > self.max_buffer_bytes:
-                raise DeviceMemoryError(
-                    f"{what}: buffer {name!r}", nbytes,
-                    f"the largest buffer this device can hold is {format_bytes(self.max_buffer_bytes)}",
-                    self.max_buffer_bytes)
-        total = sum(buffer_bytes.values())
-        if total > self.buffer_heap_bytes:
-            raise DeviceMemoryError(
-                f"{what}: {len(buffer_bytes)} device buffers", total,
-                f"the device memory heap {self.buffer_heap_index} holds {format_bytes(self.buffer_heap_bytes)}",
-                self.buffer_heap_bytes)
 
 
 @dataclass
