@@ -262,6 +262,10 @@ def test_split_groups_tiles_the_grid_once():
         covered[ox:ox + cx, oy:oy + cy] += 1
     assert (covered == 1).all()
     assert split_groups((4, 1, 1), (65535, 65535, 65535)) == [((0, 0, 0), (4, 1, 1))]
+    assert len(split_groups((2**32 - 1, 1, 1), (65535, 65535, 65535))) == 65537  # ceil((2^32 - 1) / 65535)
+    # A corrupt grid is refused before its 4e9 chunks are built (the list alone would exhaust memory).
+    with pytest.raises(ScheduleError, match=r"would be split into 4295098369 dispatches"):
+        split_groups((2**32 - 1, 2**32 - 1, 1), (65535, 65535, 65535))
 
 
 def test_split_dispatch_computes_every_element_once(vk_device, buffers):
@@ -363,6 +367,10 @@ def test_dispatch_normalizes_and_is_hashable():
         BufferBinding("a", access="write")
     with pytest.raises(ScheduleError, match="1 to 3 axes"):
         Dispatch("k", (1, 1, 1, 1))
+    assert Dispatch("k", (1, 2**32 - 1)).groups == (1, 2**32 - 1, 1)
+    # Beyond 32 bits the group-offset header cannot be packed (it raised struct.error at recording).
+    with pytest.raises(ScheduleError, match=r"group count 4294967296 .* 32-bit work-group index"):
+        Dispatch("k", (1, 2**32))
 
 
 def test_pack_push_matches_glsl_scalar_layout():
