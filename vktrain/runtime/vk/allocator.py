@@ -4,13 +4,15 @@ Why: one VkDeviceMemory per buffer runs into maxMemoryAllocationCount (4096 on m
 model has a few thousand tensors, and every allocation costs a driver round trip.
 
 Policy (per memory type): a request goes first-fit into an existing block; failing that, a new block
-of `block_bytes` (at most an eighth of the heap) is made, or a dedicated block of exactly the request's
-size when the request is larger. When a block's last buffer is freed the block is released, except one empty regular block
-kept for reuse (staging copies are made and freed on every upload on a discrete GPU). Offsets are
-aligned to max(`alignment`, the resource's own VkMemoryRequirements alignment).
+of `block_bytes` (at most maxMemoryAllocationSize and an eighth of the heap) is made, or a dedicated
+block of exactly the request's size when the request is larger. When a block's last buffer is freed
+the block is released, except one empty regular block kept for reuse (staging copies are made and
+freed on every upload on a discrete GPU). Offsets and sizes are aligned to max(`alignment`, the
+resource's own VkMemoryRequirements alignment).
 
 This module does not import Vulkan, so `count_block_allocations` can tell `vktrain inspect` how many
-allocations a file's buffers will take without a device; memory.py backs the blocks with VkDeviceMemory.
+allocations a file's buffers will take, and `MemoryBudget.check_buffers` can refuse a file, without a
+device; memory.py backs the blocks with VkDeviceMemory.
 """
 from __future__ import annotations
 

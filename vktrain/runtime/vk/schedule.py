@@ -208,7 +208,9 @@ def split_groups(groups: Sequence[int], max_counts: Sequence[int]
         raise ScheduleError(f"split_groups wants 3 axes, got groups={groups!r} max_counts={max_counts!r}")
     if any(m < 1 for m in max_counts):
         raise ScheduleError(f"max group counts must be >= 1, got {max_counts!r}")
-    pieces = ceil_div(groups[0], max_counts[0]) * ceil_div(groups[1], max_counts[1]) * ceil_div(groups[2], max_counts[2])
+    pieces = 1
+    for count, limit in zip(groups, max_counts):
+        pieces *= ceil_div(count, limit)
     if pieces > MAX_SPLIT_DISPATCHES:
         # Refused before the chunk list is built: a grid from a corrupt file could need billions.
         raise ScheduleError(f"{tuple(groups)} work groups would be split into {pieces} dispatches (per-axis limit "
