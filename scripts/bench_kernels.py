@@ -24,7 +24,7 @@ import platform
 import statistics
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
@@ -548,6 +548,8 @@ def main(argv: list[str] | None = None) -> int:
                                            error_vs_torch=_compare(case, alt["result"], ref["result"]))
                         results.append(variant)
                         _print_record(variant, prefix="  sweep ")
+        meta["vk_memory"] = asdict(device.memory_stats())
+        print(f"device memory: {device.memory_stats().describe()}")
     summary = {"meta": meta, "results": results, "skipped": skipped,
                "targets": {"gemm_fp32_tflops_ref": H200_FP32_TFLOPS, "hbm_tbps_ref": H200_HBM_TBPS}}
     if args.out:

@@ -516,13 +516,14 @@ def run_one(path: Path, device, args, torch, torch_device, torch_note: str | Non
                 "unplanned_bytes": int(graph.metadata.get("unplanned_memory_bytes", 0)),
                 "state_bytes": int(graph.metadata.get("state_bytes", 0)),
                 "buffers": len(buffers),
+                "device_memory": asdict(device.memory_stats()),
             },
         }
         vocab = runner.vocab_size
         batches = [make_batch(config, vocab, seed) for seed in range(args.batches)]
         print(f"{path.name}: {config.preset} {config.label}, loaded in {load_s:.1f} s "
               f"({record['synthetic_constant_bytes'] / 2**30:.2f} GiB generated), "
-              f"{len(runner.executor.dispatches)} dispatches per step", flush=True)
+              f"{len(runner.executor.dispatches)} dispatches per step; {device.memory_stats().describe()}", flush=True)
         record["shaders"] = sorted({d.shader for d in runner.executor.dispatches})
         if args.load_only:
             return record

@@ -69,6 +69,10 @@ def test_quick_export_and_run_end_to_end(tmp_path):
         # Device buffers hold at least the resident training state; the plan may overstate what is
         # allocated (tensors planned into memory objects can end up as views).
         assert memory["device_buffers_bytes"] >= memory["state_bytes"] > 0 and memory["planned_bytes"] > 0
+        # Buffers are sub-allocated: far fewer device-memory allocations than buffers, all of them in use.
+        device_memory = memory["device_memory"]
+        assert 1 <= device_memory["allocations"] < memory["buffers"]
+        assert device_memory["bytes_in_use"] >= memory["device_buffers_bytes"]
         assert set(record["shaders"]) <= declared, set(record["shaders"]) - declared
     assert (tmp_path / "step_quick.png").stat().st_size > 0
     assert result.stdout.count("op kinds by GPU time") == 2

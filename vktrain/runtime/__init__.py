@@ -18,13 +18,17 @@ API summary
         result = y.read(np.float32)
 
 Device: `name`, `device_type`, `limits` (DeviceLimits), `features` (enabled optional features, e.g.
-"shaderInt8", "storageBuffer8BitAccess", "shaderFloat16", "shaderInt64", "shaderFloat64"),
+"shaderInt8", "storageBuffer8BitAccess", "shaderFloat16", "shaderInt64", "shaderFloat64";
+"robustBufferAccess" with validation),
 `unified_memory`, `timestamps_supported`, `subgroup_size`, `subgroup_operations` (VkSubgroupFeatureFlags
 usable in compute), `validation_messages` / `take_validation_messages()`, `pipelines` (PipelineCache),
-`close()`. Everything created from a Device is freed by its close().
+`memory_stats()` (MemoryStats: allocations, bytes reserved / in use), `memory_budget()` (MemoryBudget: heaps,
+largest buffer, `check_buffers(name -> bytes, what)` for load-time checks), `close()`. Everything created
+from a Device is freed by its close().
 
-Buffer(device, nbytes, name=, staging=None): one allocation per buffer; direct mapped access on unified
-memory, staging copies otherwise. `write(array|bytes, offset)`, `read(dtype, shape, offset)`, `zero()`,
+Buffer(device, nbytes, name=, staging=None): sub-allocated from a few large device-memory blocks
+(vk/allocator.py; `count_block_allocations` predicts the count without a device); direct mapped access
+on unified memory, staging copies otherwise. `write(array|bytes, offset)`, `read(dtype, shape, offset)`, `zero()`,
 `destroy()`, `.size` (nbytes padded to 4), `.nbytes`.
 
 Dispatch / BufferBinding / pack_push / split_groups / plan_barriers live in `schedule.py` (pure data,
@@ -44,7 +48,9 @@ the variants a source needs in its `// vktrain-variants:` line so the build incl
 
 Errors (errors.py): VulkanError (call, result, result_name) for any failing Vulkan call;
 VulkanUnavailableError (no loader/device; says what to install); DeviceSelectionError;
-ValidationLayerMissingError; BufferUsageError; BindingRangeError (maxStorageBufferRange, alignment);
+ValidationLayerMissingError; BufferUsageError; DeviceMemoryError (a buffer above maxMemoryAllocationSize,
+the heap or maxMemoryAllocationCount, or the driver out of memory: names buffer, bytes and limit);
+BindingRangeError (maxStorageBufferRange, alignment);
 ScheduleError (a Dispatch that does not fit its shader or the device); ShaderNotFoundError /
 ShaderBuildError (from vktrain.runtime_shaders).
 """
@@ -57,6 +63,9 @@ _EXPORTS = {
     "Program": ".vk.commands", "run_dispatches": ".vk.commands",
     "Device": ".vk.device", "DeviceLimits": ".vk.device", "PhysicalDeviceInfo": ".vk.device",
     "ValidationMessage": ".vk.device", "select_physical_device": ".vk.device",
+    "BlockPolicy": ".vk.allocator", "MemoryBudget": ".vk.allocator", "MemoryHeap": ".vk.allocator",
+    "MemoryStats": ".vk.allocator", "count_block_allocations": ".vk.allocator",
+    "DeviceMemoryError": ".vk.errors",
     "BindingRangeError": ".vk.errors", "BufferUsageError": ".vk.errors", "DeviceSelectionError": ".vk.errors",
     "RuntimeErrorBase": ".vk.errors", "ScheduleError": ".vk.errors", "ValidationLayerMissingError": ".vk.errors",
     "VulkanError": ".vk.errors", "VulkanUnavailableError": ".vk.errors",
@@ -81,7 +90,8 @@ def __dir__():
 
 
 __all__ = [
-    "BindingRangeError", "Buffer", "BufferBinding", "BufferUsageError", "Device", "DeviceLimits",
+    "BindingRangeError", "BlockPolicy", "Buffer", "BufferBinding", "BufferUsageError", "Device", "DeviceLimits",
+    "DeviceMemoryError", "MemoryBudget", "MemoryHeap", "MemoryStats", "count_block_allocations",
     "DeviceSelectionError", "Dispatch", "PUSH_HEADER_BYTES", "PhysicalDeviceInfo", "Program",
     "ResolvedAccess", "RuntimeErrorBase", "ScheduleError", "ShaderBuildError", "ShaderNotFoundError",
     "ValidationLayerMissingError", "ValidationMessage", "VulkanError", "VulkanUnavailableError", "ceil_div",

@@ -7,7 +7,12 @@ error listing what exists.
 
 Validation: `VKTRAIN_VALIDATION=1` (or `Device(validation=True)`) enables VK_LAYER_KHRONOS_validation
 and a debug-utils messenger; warnings and errors are collected in `Device.validation_messages` so tests
-can fail on them (tests/conftest.py does).
+can fail on them (tests/conftest.py does). Validation runs also enable robustBufferAccess where the
+device has it, so a dispatch that indexes past its binding cannot corrupt a neighbouring buffer of
+the same memory block (`Device.features` lists it when enabled).
+
+Memory: buffers are sub-allocated from a few large blocks (memory.py); `memory_stats()` reports
+allocations and bytes, `memory_budget()` the heaps and the largest buffer the device can hold.
 
 Lifetime: every Buffer, Program and pipeline created from a Device registers with it; `Device.close()`
 destroys whatever is still alive, then the device and instance, so teardown is leak-free in any order.
@@ -18,6 +23,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
+from vktrain.runtime.vk.allocator import DEFAULT_BLOCK_BYTES, MemoryBudget, MemoryHeap, MemoryStats
 from vktrain.runtime.vk.errors import (
     INSTALL_HINT,
     DeviceSelectionError,
@@ -27,6 +33,7 @@ from vktrain.runtime.vk.errors import (
     load_vulkan,
     vk_call,
 )
+from vktrain.runtime.vk.memory import DeviceMemory, buffer_memory_flags, find_memory_type, memory_type_flags
 
 VALIDATION_LAYER = "VK_LAYER_KHRONOS_validation"
 DEVICE_ENV = "VKTRAIN_DEVICE"
@@ -43,6 +50,9 @@ _OPTIONAL_FEATURES_10 = ("shaderInt64", "shaderInt16", "shaderFloat64")
 _OPTIONAL_FEATURES_11 = ("storageBuffer16BitAccess", "uniformAndStorageBuffer16BitAccess")
 _OPTIONAL_FEATURES_12 = ("storageBuffer8BitAccess", "uniformAndStorageBuffer8BitAccess",
                          "shaderFloat16", "shaderInt8", "bufferDeviceAddress", "scalarBlockLayout")
+# Enabled only with validation: bounds-checked buffer access makes out-of-range indexing harmless
+# (and may cost speed, so normal runs leave it off).
+_VALIDATION_FEATURES_10 = ("robustBufferAccess",)
 
 
 @dataclass(frozen=True)
@@ -114,6 +124,8 @@ class DeviceLimits:
     max_bound_descriptor_sets: int
     max_per_stage_descriptor_storage_buffers: int
     max_memory_allocation_count: int
+    max_memory_allocation_size: int  # VkPhysicalDeviceMaintenance3Properties (core in 1.1)
+    buffer_image_granularity: int
     non_coherent_atom_size: int
     timestamp_period_ns: float
 
@@ -154,15 +166,15 @@ class Device:
 
     `selector`: index or name substring of the physical device (default: env VKTRAIN_DEVICE, else the
     best by type). `validation`: enable the Khronos validation layer (default: env VKTRAIN_VALIDATION).
+    `memory_block_bytes`: the size of the shared device-memory blocks buffers are placed in.
     Use as a context manager or call `close()`.
     """
 
     def __init__(self, selector: str | int | None = None, *, validation: bool | None = None,
-                 app_name: str = "vktrain"):
+                 app_name: str = "vktrain", memory_block_bytes: int = DEFAULT_BLOCK_BYTES):
         self.vk = vk = load_vulkan()
         self._closed = False
         self._children: dict[int, Any] = {}
-        self.allocation_count = 0  # live VkDeviceMemory allocations (memory.py keeps it)
         self._instance = None
         self._device = None
         self._messenger = None
@@ -171,6 +183,7 @@ class Device:
         self._pipelines = None
         self._collector = _ValidationCollector()
         self._collector_handle = vk.ffi.new_handle(self._collector)
+        self.memory = DeviceMemory(self, memory_block_bytes)
         if validation is None:
             validation = _env_flag(VALIDATION_ENV)
         if selector is None:
@@ -266,8 +279,15 @@ class Device:
                 f"vktrain needs 1.1 or newer")
         self.api_version = min(self.info.api_version, self.instance_api_version)
 
-        props = vk.vkGetPhysicalDeviceProperties(self.physical_device)
-        lim = props.limits
+        # Every struct of the chain stays in a local until the call returns (cffi frees early).
+        maintenance3 = vk.VkPhysicalDeviceMaintenance3Properties(
+            sType=vk.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_MAINTENANCE_3_PROPERTIES)
+        subgroup = vk.VkPhysicalDeviceSubgroupProperties(
+            sType=vk.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_SUBGROUP_PROPERTIES, pNext=maintenance3)
+        properties2 = vk.VkPhysicalDeviceProperties2(sType=vk.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_PROPERTIES_2,
+                                                     pNext=subgroup)
+        vk.vkGetPhysicalDeviceProperties2(self.physical_device, properties2)
+        lim = properties2.properties.limits
         self.limits = DeviceLimits(
             max_storage_buffer_range=int(lim.maxStorageBufferRange),
             min_storage_buffer_offset_alignment=int(lim.minStorageBufferOffsetAlignment),
@@ -279,14 +299,12 @@ class Device:
             max_bound_descriptor_sets=int(lim.maxBoundDescriptorSets),
             max_per_stage_descriptor_storage_buffers=int(lim.maxPerStageDescriptorStorageBuffers),
             max_memory_allocation_count=int(lim.maxMemoryAllocationCount),
+            max_memory_allocation_size=int(maintenance3.maxMemoryAllocationSize),
+            buffer_image_granularity=int(lim.bufferImageGranularity),
             non_coherent_atom_size=int(lim.nonCoherentAtomSize),
             timestamp_period_ns=float(lim.timestampPeriod),
         )
         self.memory_properties = vk.vkGetPhysicalDeviceMemoryProperties(self.physical_device)
-        subgroup = vk.VkPhysicalDeviceSubgroupProperties(sType=vk.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_SUBGROUP_PROPERTIES)
-        properties2 = vk.VkPhysicalDeviceProperties2(sType=vk.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_PROPERTIES_2,
-                                                     pNext=subgroup)
-        vk.vkGetPhysicalDeviceProperties2(self.physical_device, properties2)
         # Kernels may size reductions by these: the subgroup width, and the VkSubgroupFeatureFlags
         # usable in compute shaders (0 when the compute stage has no subgroup operations).
         self.subgroup_size = int(subgroup.subgroupSize)
@@ -327,6 +345,8 @@ class Device:
         enabled: set[str] = set()
         groups = [(supported2.features, want2.features, _OPTIONAL_FEATURES_10),
                   (supported11, want11, _OPTIONAL_FEATURES_11), (supported12, want12, _OPTIONAL_FEATURES_12)]
+        if self.validation_enabled:
+            groups.append((supported2.features, want2.features, _VALIDATION_FEATURES_10))
         for supported, wanted, names in groups:
             if supported is None:
                 continue
@@ -396,6 +416,29 @@ class Device:
                    for i in range(mp.memoryTypeCount))
 
     @property
+    def allocation_count(self) -> int:
+        """Live VkDeviceMemory allocations (memory blocks, not buffers)."""
+        return self.memory.allocation_count
+
+    def memory_stats(self) -> MemoryStats:
+        """Allocations, bytes reserved from the driver and bytes in use by live buffers."""
+        return self.memory.stats()
+
+    def memory_budget(self) -> MemoryBudget:
+        """The heaps, and what storage Buffers (on this device's default access path) may use."""
+        vk = self.vk
+        mp = self.memory_properties
+        heaps = tuple(MemoryHeap(i, int(mp.memoryHeaps[i].size),
+                                 bool(mp.memoryHeaps[i].flags & vk.VK_MEMORY_HEAP_DEVICE_LOCAL_BIT))
+                      for i in range(mp.memoryHeapCount))
+        type_index = find_memory_type(memory_type_flags(self), ~0, *buffer_memory_flags(vk, not self.unified_memory))
+        if type_index is None:
+            raise VulkanUnavailableError(f"{self.info.describe()} has no memory type usable for storage buffers")
+        heap = heaps[mp.memoryTypes[type_index].heapIndex]
+        return MemoryBudget(heaps=heaps, buffer_heap_index=heap.index, buffer_heap_bytes=heap.size,
+                            max_buffer_bytes=min(heap.size, self.limits.max_memory_allocation_size))
+
+    @property
     def validation_messages(self) -> list[ValidationMessage]:
         """Validation warnings/errors collected so far (empty when validation is off)."""
         return self._collector.messages
@@ -461,6 +504,7 @@ class Device:
                 finally:
                     for child in list(self._children.values()):
                         child.destroy()
+                    self.memory.destroy()
                     if self._pipelines is not None:
                         self._pipelines.destroy()
                         self._pipelines = None

@@ -53,6 +53,30 @@ class BufferUsageError(RuntimeErrorBase, ValueError):
     """A buffer operation was asked for something the buffer cannot do (size, dtype, range)."""
 
 
+class DeviceMemoryError(RuntimeErrorBase):
+    """Device memory for a buffer cannot be had: the request is above a device limit
+    (maxMemoryAllocationSize, the heap size, maxMemoryAllocationCount) or the driver ran out.
+
+    `what` names the buffer, `requested_bytes` is what was asked for, `limit` says which limit it ran
+    into and `limit_bytes` is that limit in bytes (None for a count); a driver failure chains its VulkanError.
+    """
+
+    def __init__(self, what: str, requested_bytes: int, limit: str, limit_bytes: int | None = None):
+        self.what = what
+        self.requested_bytes = requested_bytes
+        self.limit = limit
+        self.limit_bytes = limit_bytes
+        super().__init__(f"cannot allocate {what}: {format_bytes(requested_bytes)} asked for, but {limit}")
+
+
+def format_bytes(nbytes: int) -> str:
+    """`nbytes` exactly, with a binary-unit approximation for reading (e.g. "2147483648 bytes (2.00 GiB)")."""
+    for unit, shift in (("TiB", 40), ("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if nbytes >= 1 << shift:
+            return f"{nbytes} bytes ({nbytes / (1 << shift):.2f} {unit})"
+    return f"{nbytes} bytes"
+
+
 class BindingRangeError(RuntimeErrorBase, ValueError):
     """A storage-buffer binding exceeds a device limit (maxStorageBufferRange, offset alignment)."""
 

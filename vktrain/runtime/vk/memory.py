@@ -1,12 +1,15 @@
-"""Storage buffers: memory-type choice by property flags, direct host access or staging copies.
+"""Storage buffers: memory-type choice by property flags, sub-allocation, direct host access or staging.
 
-Allocation strategy: one VkDeviceMemory per Buffer (no sub-allocation). A training graph holds a few
-hundred long-lived tensors, far below maxMemoryAllocationCount (>= 4096 everywhere), and per-buffer
-allocations keep ownership and teardown trivial; the count is checked so exceeding it is a clear error.
+Allocation strategy: every Buffer is its own VkBuffer, bound at an offset inside one of a few large
+VkDeviceMemory blocks per memory type (`DeviceMemory`, policy and bookkeeping in allocator.py), so a
+model with thousands of tensors stays far below maxMemoryAllocationCount. Host-visible blocks are
+mapped once, for their lifetime; a buffer's host access is a window of its block's mapping. Requests
+above maxMemoryAllocationSize or the heap, and driver out-of-memory, raise DeviceMemoryError naming
+the buffer, the bytes asked for and the limit.
 
 Two access paths, chosen per buffer:
 * direct: on a unified device (lavapipe, integrated GPUs, resizable BAR) the buffer lives in
-  DEVICE_LOCAL | HOST_VISIBLE | HOST_COHERENT memory, stays mapped, and write/read are memcpys.
+  DEVICE_LOCAL | HOST_VISIBLE | HOST_COHERENT memory and write/read are memcpys through the mapping.
 * staging: otherwise the buffer is DEVICE_LOCAL only, and write/read go through a temporary
   HOST_VISIBLE | HOST_COHERENT staging buffer and a vkCmdCopyBuffer (synchronous).
 `Buffer(..., staging=True)` forces the staging path (tests use it to cover it on unified devices).
@@ -16,11 +19,20 @@ over byte tensors; `Buffer.nbytes` is the size asked for.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Sequence
 
 import numpy as np
 
-from vktrain.runtime.vk.errors import BufferUsageError, vk_call
+from vktrain.runtime.vk.allocator import (
+    DEFAULT_ALIGNMENT,
+    DEFAULT_BLOCK_BYTES,
+    Allocation,
+    BlockAllocator,
+    BlockPolicy,
+    MemoryStats,
+)
+from vktrain.runtime.vk.errors import BufferUsageError, DeviceMemoryError, VulkanError, format_bytes, vk_call
 
 _WORD = 4
 
@@ -43,64 +55,180 @@ def find_memory_type(type_flags: Sequence[int], type_bits: int, required: int, p
     return best
 
 
-def _memory_type_flags(device) -> list[int]:
+def memory_type_flags(device) -> list[int]:
+    """The property flags of each of the device's memory types, by index."""
     mp = device.memory_properties
     return [int(mp.memoryTypes[i].propertyFlags) for i in range(mp.memoryTypeCount)]
 
 
+def _out_of_memory_results(vk) -> tuple[int, int]:
+    """The VkResults that mean memory ran out (the driver's own bookkeeping may live in host memory)."""
+    return vk.VK_ERROR_OUT_OF_DEVICE_MEMORY, vk.VK_ERROR_OUT_OF_HOST_MEMORY
+
+
+@dataclass(frozen=True)
+class _BlockMemory:
+    """What backs one allocator block: the VkDeviceMemory, and its mapping if host-visible."""
+
+    memory: Any
+    mapped: Any | None
+
+
+class DeviceMemory:
+    """The memory blocks of one device: a BlockAllocator per memory type, blocks made of VkDeviceMemory.
+
+    `block_bytes` sizes the shared blocks (allocator.py: larger requests get a block of their own).
+    """
+
+    def __init__(self, device, block_bytes: int = DEFAULT_BLOCK_BYTES):
+        if not isinstance(block_bytes, (int, np.integer)) or block_bytes <= 0:
+            raise BufferUsageError(f"memory_block_bytes must be a positive number of bytes, got {block_bytes!r}")
+        self.device = device
+        self.block_bytes = block_bytes
+        self._allocators: dict[int, BlockAllocator] = {}
+        self._peak_allocations = 0
+        self._peak_bytes_reserved = 0
+
+    @property
+    def allocation_count(self) -> int:
+        """Live VkDeviceMemory allocations, all memory types together."""
+        return sum(len(a.blocks) for a in self._allocators.values())
+
+    def policy(self, type_index: int) -> BlockPolicy:
+        """The block policy of memory type `type_index` (its heap size and the device's limits)."""
+        device = self.device
+        heap = device.memory_properties.memoryTypes[type_index].heapIndex
+        limits = device.limits
+        return BlockPolicy(block_bytes=self.block_bytes,
+                           alignment=max(DEFAULT_ALIGNMENT, limits.min_storage_buffer_offset_alignment,
+                                         limits.buffer_image_granularity),
+                           max_allocation_bytes=limits.max_memory_allocation_size,
+                           heap_bytes=int(device.memory_properties.memoryHeaps[heap].size))
+
+    def allocate(self, nbytes: int, alignment: int, type_index: int, what: str) -> Allocation:
+        allocator = self._allocators.get(type_index)
+        if allocator is None:
+            allocator = BlockAllocator(self.policy(type_index),
+                                       lambda size, for_what: self._create_block(size, type_index, for_what),
+                                       self._destroy_block)
+            self._allocators[type_index] = allocator
+        allocation = allocator.allocate(nbytes, alignment, what)
+        self._peak_allocations = max(self._peak_allocations, self.allocation_count)
+        self._peak_bytes_reserved = max(self._peak_bytes_reserved, self._bytes_reserved())
+        return allocation
+
+    def free(self, allocation: Allocation, type_index: int) -> None:
+        self._allocators[type_index].free(allocation)
+
+    def _bytes_reserved(self) -> int:
+        return sum(a.bytes_reserved for a in self._allocators.values())
+
+    def stats(self) -> MemoryStats:
+        allocators = list(self._allocators.values())
+        return MemoryStats(allocations=self.allocation_count, bytes_reserved=self._bytes_reserved(),
+                           bytes_in_use=sum(a.bytes_in_use for a in allocators),
+                           buffers=sum(a.live_allocations for a in allocators),
+                           peak_allocations=self._peak_allocations, peak_bytes_reserved=self._peak_bytes_reserved)
+
+    def _create_block(self, size: int, type_index: int, what: str) -> _BlockMemory:
+        device = self.device
+        vk = device.vk
+        count_limit = device.limits.max_memory_allocation_count
+        if self.allocation_count >= count_limit:
+            raise DeviceMemoryError(
+                what, size, f"a new device-memory block is needed and the device's maxMemoryAllocationCount "
+                f"({count_limit}) allocations are all in use; free buffers first")
+        heap = device.memory_properties.memoryTypes[type_index].heapIndex
+        heap_bytes = int(device.memory_properties.memoryHeaps[heap].size)
+        alloc_info = vk.VkMemoryAllocateInfo(
+            sType=vk.VK_STRUCTURE_TYPE_MEMORY_ALLOCATE_INFO, allocationSize=size, memoryTypeIndex=type_index)
+        try:
+            memory = vk_call("vkAllocateMemory", vk.vkAllocateMemory, device.handle, alloc_info, None,
+                             detail=f"{what}, {size} bytes, memory type {type_index}")
+        except VulkanError as exc:
+            if exc.result not in _out_of_memory_results(vk):
+                raise
+            reserved = self._bytes_reserved()
+            raise DeviceMemoryError(
+                what, size, f"vkAllocateMemory failed with {exc.result_name} (memory type {type_index}, heap "
+                f"{heap} of {format_bytes(heap_bytes)}, {format_bytes(reserved)} already reserved by vktrain)",
+                heap_bytes) from exc
+        mapped = None
+        try:
+            if device.memory_properties.memoryTypes[type_index].propertyFlags & vk.VK_MEMORY_PROPERTY_HOST_VISIBLE_BIT:
+                # One persistent map per block; the size is explicit (VK_WHOLE_SIZE overflows in the binding).
+                mapped = vk_call("vkMapMemory", vk.vkMapMemory, device.handle, memory, 0, size, 0)
+        except BaseException:
+            vk.vkFreeMemory(device.handle, memory, None)
+            raise
+        return _BlockMemory(memory, mapped)
+
+    def _destroy_block(self, block: _BlockMemory) -> None:
+        vk = self.device.vk
+        handle = self.device._device
+        if block.mapped is not None:
+            vk.vkUnmapMemory(handle, block.memory)
+        vk.vkFreeMemory(handle, block.memory, None)
+
+    def destroy(self) -> None:
+        """Free every block (Device.close, after every buffer is destroyed)."""
+        for allocator in self._allocators.values():
+            allocator.destroy()
+        self._allocators.clear()
+
+
 class _RawBuffer:
-    """A VkBuffer bound to its own VkDeviceMemory (internal; Buffer and staging copies use it)."""
+    """A VkBuffer bound to a sub-range of a device-memory block (internal; Buffer and staging copies use it)."""
 
     def __init__(self, device, size: int, usage: int, required: int, preferred: int, what: str):
         vk = device.vk
         self.device = device
         self.size = size
         self.handle = None
-        self.memory = None
-        self.mapped = None
-        if device.allocation_count >= device.limits.max_memory_allocation_count:
-            raise BufferUsageError(
-                f"cannot allocate {what}: the device allows {device.limits.max_memory_allocation_count} "
-                f"memory allocations and vktrain allocates one per buffer; free buffers first")
+        self.allocation: Allocation | None = None
+        self.type_index = -1
+        self._mapped = None
+        flags = memory_type_flags(device)
+        # Refuse what no memory could hold before the driver is asked (vkCreateBuffer itself may fail
+        # or be flagged by validation for absurd sizes).
+        likely_type = find_memory_type(flags, ~0, required, preferred)
+        if likely_type is not None:
+            device.memory.policy(likely_type).check_request(size, what)
         buffer_info = vk.VkBufferCreateInfo(
             sType=vk.VK_STRUCTURE_TYPE_BUFFER_CREATE_INFO, size=size, usage=usage,
             sharingMode=vk.VK_SHARING_MODE_EXCLUSIVE)
-        self.handle = vk_call("vkCreateBuffer", vk.vkCreateBuffer, device.handle, buffer_info, None,
-                              detail=f"{what}, {size} bytes")
+        try:
+            self.handle = vk_call("vkCreateBuffer", vk.vkCreateBuffer, device.handle, buffer_info, None,
+                                  detail=f"{what}, {size} bytes")
+        except VulkanError as exc:
+            if exc.result not in _out_of_memory_results(vk):
+                raise
+            raise DeviceMemoryError(what, size, f"vkCreateBuffer failed with {exc.result_name}") from exc
         try:
             requirements = vk.vkGetBufferMemoryRequirements(device.handle, self.handle)
-            flags = _memory_type_flags(device)
             type_index = find_memory_type(flags, requirements.memoryTypeBits, required, preferred)
             if type_index is None:
                 raise BufferUsageError(
                     f"no memory type for {what} has the property flags {required:#x} "
                     f"(available types: {[hex(f) for f in flags]})")
-            self.memory_flags = flags[type_index]
-            alloc_info = vk.VkMemoryAllocateInfo(
-                sType=vk.VK_STRUCTURE_TYPE_MEMORY_ALLOCATE_INFO, allocationSize=requirements.size,
-                memoryTypeIndex=type_index)
-            self.memory = vk_call("vkAllocateMemory", vk.vkAllocateMemory, device.handle, alloc_info, None,
-                                  detail=f"{what}, {requirements.size} bytes, memory type {type_index}")
-            device.allocation_count += 1
-            vk_call("vkBindBufferMemory", vk.vkBindBufferMemory, device.handle, self.handle, self.memory, 0)
-            if self.memory_flags & vk.VK_MEMORY_PROPERTY_HOST_VISIBLE_BIT:
-                # Persistently mapped; the size is explicit (VK_WHOLE_SIZE overflows in the binding).
-                self.mapped = vk_call("vkMapMemory", vk.vkMapMemory, device.handle, self.memory, 0, size, 0)
+            self.allocation = device.memory.allocate(int(requirements.size), int(requirements.alignment),
+                                                     type_index, what)
+            self.type_index = type_index
+            block = self.allocation.block.handle
+            vk_call("vkBindBufferMemory", vk.vkBindBufferMemory, device.handle, self.handle, block.memory,
+                    self.allocation.offset)
+            self._mapped = block.mapped
         except BaseException:
             self.destroy()
             raise
 
-    @property
-    def host_visible(self) -> bool:
-        return self.mapped is not None
-
     def write_bytes(self, data: np.ndarray, offset: int) -> None:
-        view = np.frombuffer(self.mapped, dtype=np.uint8, count=data.nbytes, offset=offset)
+        view = np.frombuffer(self._mapped, dtype=np.uint8, count=data.nbytes, offset=self.allocation.offset + offset)
         view[:] = data.reshape(-1).view(np.uint8)
         del view  # no numpy view may outlive the mapping
 
     def read_bytes(self, nbytes: int, offset: int) -> np.ndarray:
-        view = np.frombuffer(self.mapped, dtype=np.uint8, count=nbytes, offset=offset)
+        view = np.frombuffer(self._mapped, dtype=np.uint8, count=nbytes, offset=self.allocation.offset + offset)
         out = view.copy()
         del view
         return out
@@ -109,17 +237,22 @@ class _RawBuffer:
         vk = self.device.vk
         device = self.device._device
         if device is None:
-            return
-        if self.mapped is not None:
-            self.mapped = None
-            vk.vkUnmapMemory(device, self.memory)
+            return  # the device is closed: it freed the memory blocks
+        self._mapped = None
         if self.handle is not None:
             vk.vkDestroyBuffer(device, self.handle, None)
             self.handle = None
-        if self.memory is not None:
-            vk.vkFreeMemory(device, self.memory, None)
-            self.memory = None
-            self.device.allocation_count -= 1
+        if self.allocation is not None:
+            self.device.memory.free(self.allocation, self.type_index)
+            self.allocation = None
+
+
+def buffer_memory_flags(vk, staging: bool) -> tuple[int, int]:
+    """(required, preferred) memory property flags of a Buffer on the staging or the direct path."""
+    if staging:
+        return vk.VK_MEMORY_PROPERTY_DEVICE_LOCAL_BIT, 0
+    return (vk.VK_MEMORY_PROPERTY_HOST_VISIBLE_BIT | vk.VK_MEMORY_PROPERTY_HOST_COHERENT_BIT,
+            vk.VK_MEMORY_PROPERTY_DEVICE_LOCAL_BIT)
 
 
 def _as_bytes_array(data: Any) -> np.ndarray:
@@ -148,13 +281,9 @@ class Buffer:
         self._raw = None
         usage = (vk.VK_BUFFER_USAGE_STORAGE_BUFFER_BIT | vk.VK_BUFFER_USAGE_TRANSFER_SRC_BIT
                  | vk.VK_BUFFER_USAGE_TRANSFER_DST_BIT)
-        direct = (vk.VK_MEMORY_PROPERTY_HOST_VISIBLE_BIT | vk.VK_MEMORY_PROPERTY_HOST_COHERENT_BIT)
         if staging is None:
             staging = not device.unified_memory
-        if staging:
-            required, preferred = vk.VK_MEMORY_PROPERTY_DEVICE_LOCAL_BIT, 0
-        else:
-            required, preferred = direct, vk.VK_MEMORY_PROPERTY_DEVICE_LOCAL_BIT
+        required, preferred = buffer_memory_flags(vk, staging)
         what = f"buffer {self.name!r}"
         self._raw = _RawBuffer(device, self.size, usage, required, preferred, what)
         # Even a staging buffer may land in host-visible memory (unified devices); forced staging

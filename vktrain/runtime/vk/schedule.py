@@ -69,6 +69,10 @@ class BufferBinding:
         return self.access is None or "w" in self.access
 
 
+_MAX_GROUPS_PER_AXIS = 2**32 - 1
+MAX_SPLIT_DISPATCHES = 1 << 20  # recorded dispatches one oversized Dispatch may be split into
+
+
 def _normalize_groups(groups: Any) -> tuple[int, int, int]:
     if isinstance(groups, int):
         groups = (groups,)
@@ -81,6 +85,10 @@ def _normalize_groups(groups: Any) -> tuple[int, int, int]:
     for count in counts:
         if not isinstance(count, int) or isinstance(count, bool) or count < 1:
             raise ScheduleError(f"every group count must be an int >= 1, got {groups!r}")
+        if count > _MAX_GROUPS_PER_AXIS:
+            # Shaders compute work-group (and group-offset header) indices in 32-bit uints.
+            raise ScheduleError(f"group count {count} of {groups!r} does not fit the 32-bit work-group index "
+                                f"(at most {_MAX_GROUPS_PER_AXIS} per axis)")
     return tuple(counts) + (1,) * (3 - len(counts))  # type: ignore[return-value]
 
 
@@ -200,6 +208,13 @@ def split_groups(groups: Sequence[int], max_counts: Sequence[int]
         raise ScheduleError(f"split_groups wants 3 axes, got groups={groups!r} max_counts={max_counts!r}")
     if any(m < 1 for m in max_counts):
         raise ScheduleError(f"max group counts must be >= 1, got {max_counts!r}")
+    pieces = 1
+    for count, limit in zip(groups, max_counts):
+        pieces *= ceil_div(count, limit)
+    if pieces > MAX_SPLIT_DISPATCHES:
+        # Refused before the chunk list is built: a grid from a corrupt file could need billions.
+        raise ScheduleError(f"{tuple(groups)} work groups would be split into {pieces} dispatches (per-axis limit "
+                            f"{tuple(max_counts)}); at most {MAX_SPLIT_DISPATCHES} are recorded for one Dispatch")
     per_axis = []
     for count, limit in zip(groups, max_counts):
         per_axis.append([(start, min(limit, count - start)) for start in range(0, count, limit)])
