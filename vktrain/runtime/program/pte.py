@@ -384,7 +384,7 @@ class PteFile:
         for plan in self.execution_plans:
             if plan.name == name:
                 return plan
-        raise KeyError(f"{self.source} has no execution plan {name!r}; it has {self.method_names}")
+        raise PteFormatError(f"{self.source} has no execution plan {name!r}; it has {self.method_names}")
 
     @property
     def delegates(self) -> list[Delegate]:
