@@ -41,16 +41,22 @@ class _DropMessages(logging.Filter):
         return not self.pattern.match(record.getMessage())
 
 
+# The lines torch/torchao/executorch print on every import and export although nothing is wrong:
+# torchao's optional CUDA/CUTLASS extensions (`_C_*.so`) that a CPU install cannot load, and torch pytree
+# deprecation notices about how torchao and executorch register their types.
+_IMPORT_NOISE = {
+    "torchao": _DropMessages(r"Failed to load \S*torchao/_C\S*\.so: "),
+    "torch.utils._pytree": _DropMessages(r"<enum '\w+'> is an Enum subclass and is now natively supported by "
+                                         r"torch.compile"),
+}
+_IMPORT_NOISE_WARNING = r"`isinstance\(treespec, LeafSpec\)` is deprecated"
+
+
 def _silence_known_import_noise() -> None:
-    """Silence exactly the lines torch/torchao/executorch print on every import and export although
-    nothing is wrong: torchao's optional CUDA/CUTLASS extensions (`_C_*.so`) that a CPU install cannot
-    load, and torch pytree deprecation notices about how executorch and torchao register their types.
-    Everything else they log or warn still shows."""
-    logging.getLogger("torchao").addFilter(_DropMessages(r"Failed to load \S*torchao/_C\S*\.so: "))
-    logging.getLogger("torch.utils._pytree").addFilter(
-        _DropMessages(r"<enum '\w+'> is an Enum subclass and is now natively supported by torch.compile"))
-    warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated",
-                            category=FutureWarning)
+    """Silence exactly `_IMPORT_NOISE` (idempotent); everything else those libraries log or warn still shows."""
+    for logger, drop in _IMPORT_NOISE.items():
+        logging.getLogger(logger).addFilter(drop)  # adding the same filter twice keeps one
+    warnings.filterwarnings("ignore", message=_IMPORT_NOISE_WARNING, category=FutureWarning)
 
 
 def _parse_model_args(items: list[str]) -> dict:

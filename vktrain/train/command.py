@@ -94,7 +94,7 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
 # Checks before the run
 # ------------------------------------------------------------------------------------------------
 
-def _check_writable_directory(flag: str, directory: Path) -> None:
+def _check_writable_directory(flag: str, given: str, directory: Path) -> None:
     """Create `directory` (and its parents) if needed and prove a file can be created in it."""
     try:
         directory.mkdir(parents=True, exist_ok=True)
@@ -102,7 +102,7 @@ def _check_writable_directory(flag: str, directory: Path) -> None:
         os.close(fd)
         os.unlink(probe)
     except OSError as exc:
-        raise TrainConfigError(f"{flag} {directory}: cannot write there ({exc.strerror or exc})") from None
+        raise TrainConfigError(f"{flag} {given}: cannot write there ({directory}: {exc.strerror or exc})") from None
 
 
 def prepare_output_file(flag: str, path: str) -> None:
@@ -110,7 +110,7 @@ def prepare_output_file(flag: str, path: str) -> None:
     target = Path(path)
     if target.is_dir():
         raise TrainConfigError(f"{flag} {path} is a directory; expected a file name")
-    _check_writable_directory(flag, target.absolute().parent)
+    _check_writable_directory(flag, path, target.absolute().parent)
     remove_stale_temp_files(target)
 
 
@@ -118,7 +118,7 @@ def prepare_output_directory(flag: str, path: str) -> None:
     target = Path(path)
     if target.exists() and not target.is_dir():
         raise TrainConfigError(f"{flag} {path} is a file; expected a directory (it will hold the adapter files)")
-    _check_writable_directory(flag, target)
+    _check_writable_directory(flag, path, target)
 
 
 def check_arguments(args: argparse.Namespace) -> tuple[LRSchedule, AdamWConfig]:

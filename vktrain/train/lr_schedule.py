@@ -37,7 +37,7 @@ class LRSchedule:
         lr32 = np.float32(self.base_lr)  # what the program receives
         if not (np.isfinite(lr32) and lr32 > 0):
             raise ScheduleError(f"the learning rate must be a positive finite float32, got {self.base_lr!r} "
-                                f"(float32: {lr32!r})")
+                                f"(float32: {float(lr32)!r})")
         if self.total_steps <= 0:
             raise ScheduleError(f"the number of steps must be positive, got {self.total_steps}")
         if self.warmup_steps < 0:
