@@ -444,6 +444,63 @@ def test_unreadable_checkpoints_are_refused(tmp_path):
         ckpt.load_checkpoint(tmp_path / "nope.ckpt")
 
 
+def test_a_corrupt_or_inconsistent_checkpoint_is_refused(tmp_path):
+    path = tmp_path / "run.ckpt"
+    runner = FakeRunner()
+    saved = _sample_checkpoint(runner)
+    ckpt.save_checkpoint(path, saved)
+    raw = bytearray(path.read_bytes())
+    raw[-1] ^= 0x01  # the last bit of the last tensor's data
+    path.write_bytes(bytes(raw))
+    with pytest.raises(ckpt.CheckpointError, match=r"run.ckpt: tensor '.*' does not match its checksum"):
+        ckpt.load_checkpoint(path)
+    fields = saved.__dict__
+    with pytest.raises(ckpt.CheckpointError, match=r"data_position 1000000000000 does not match step 3 .*expected 4"):
+        ckpt.Checkpoint(**{**fields, "data_position": 10**12})
+    with pytest.raises(ckpt.CheckpointError, match="record 1 must be a dict with step 2"):
+        ckpt.Checkpoint(**{**fields, "records": [saved.records[0], saved.records[2], saved.records[1]]})
+    with pytest.raises(ckpt.CheckpointError, match="'loss' must be a finite number, got nan"):
+        ckpt.Checkpoint(**{**fields, "records": [{**saved.records[0], "loss": float("nan")}, *saved.records[1:]]})
+    nan_state = {**saved.tensors, "model.proj.lora_B": np.full_like(saved.tensors["model.proj.lora_B"], np.inf)}
+    with pytest.raises(ckpt.CheckpointError, match=r"\['model.proj.lora_B'\] hold NaN or infinity"):
+        ckpt.Checkpoint(**{**fields, "tensors": nan_state})
+    old_version = tmp_path / "v1.ckpt"
+    old_version.write_bytes(safetensors.numpy.save(saved.tensors, metadata={"format": "vktrain-checkpoint",
+                                                                            "version": "1"}))
+    with pytest.raises(ckpt.CheckpointError, match="checkpoint version '1'; this vktrain reads version '2'"):
+        ckpt.load_checkpoint(old_version)
+
+
+def test_the_last_k_checkpoints_are_kept_step_named(tmp_path):
+    schedule = LRSchedule("constant", 1e-2, 10)
+    runner = FakeRunner()
+    path = tmp_path / "run.ckpt"
+    train(runner, _batcher(runner), 10, schedule, checkpoint_every=2, checkpoint_path=path, keep_checkpoints=3,
+          progress=False)
+    assert sorted(os.listdir(tmp_path)) == ["run.ckpt", "run.step6.ckpt", "run.step8.ckpt"]
+    assert ckpt.CheckpointSeries(path, 3).kept() == [(str(path), 10), (str(tmp_path / "run.step8.ckpt"), 8),
+                                                     (str(tmp_path / "run.step6.ckpt"), 6)]
+    for name, step in (("run.ckpt", 10), ("run.step8.ckpt", 8), ("run.step6.ckpt", 6)):
+        kept = ckpt.load_checkpoint(tmp_path / name)
+        assert (kept.step, kept.data_position) == (step, step)
+        _assert_state_equals(kept.tensors, _reference_state_after(step, schedule))
+
+
+def test_temp_files_left_by_a_kill_during_a_write_are_removed(tmp_path):
+    path = tmp_path / "run.ckpt"
+    stale = [tmp_path / ".run.ckpt.k2j3h4.tmp", tmp_path / ".run.step40.ckpt.x8y7.tmp",
+             tmp_path / ".run.step40.ckpt.link.tmp"]
+    unrelated = [tmp_path / ".other.ckpt.abc.tmp", tmp_path / "run.ckpt.tmp", tmp_path / ".run.ckpt.notes"]
+    for file in stale + unrelated:
+        file.write_bytes(b"half a checkpoint")
+    runner = FakeRunner()
+    train(runner, _batcher(runner), 2, LRSchedule("constant", 1e-2, 2), checkpoint_path=path, progress=False)
+    assert sorted(os.listdir(tmp_path)) == sorted(["run.ckpt"] + [file.name for file in unrelated])
+    log_stale = tmp_path / ".log.json.abc.tmp"
+    log_stale.write_bytes(b"[")
+    assert ckpt.remove_stale_temp_files(tmp_path / "log.json") == [log_stale] and not log_stale.exists()
+
+
 # ------------------------------------------------------------------------------------------------
 # The loop
 # ------------------------------------------------------------------------------------------------
@@ -606,7 +663,7 @@ def test_without_host_copies_a_non_finite_state_is_never_written(tmp_path):
     assert ckpt.load_checkpoint(path).step == 5
 
     no_checkpoint = FakeRunner(nan_at_call=2)
-    with pytest.raises(NonFiniteLossError, match="at step 2 .*no checkpoint holds the run"):
+    with pytest.raises(NonFiniteLossError, match="at step 2 .*no kept checkpoint is from before that"):
         train(no_checkpoint, _batcher(no_checkpoint), 5, schedule, progress=False)
     with pytest.raises(ValueError, match="skipping non-finite batches needs a host copy"):
         train(FakeRunner(), _batcher(no_checkpoint), 5, schedule, on_nonfinite="skip", last_good_state_limit=0,
@@ -882,6 +939,16 @@ def mlp_step_program(tmp_path_factory):
     path = tmp_path_factory.mktemp("e2e") / "step.pte"
     path.write_bytes(lower_to_pte(export_training_step(model, (E2E_BATCH, E2E_SEQ))))
     return path, model, torch
+
+
+def test_the_cli_trains_a_real_program_with_validation_on_and_reports_nothing(mlp_step_program, tmp_path, capsys,
+                                                                             monkeypatch):
+    path, _, _ = mlp_step_program
+    monkeypatch.setenv("VKTRAIN_VALIDATION", "1")  # the runner's own device, with the validation layer
+    code = cli.main(["train", str(path), "--steps", "3", "--no-progress", "--json", str(tmp_path / "log.json")])
+    err = capsys.readouterr().err
+    assert code == 0 and "vulkan validation" not in err and "error" not in err
+    assert [r["step"] for r in json.loads((tmp_path / "log.json").read_text())] == [1, 2, 3]
 
 
 def test_end_to_end_train_resume_and_adapters_on_vulkan(vk_device, mlp_step_program, tmp_path):

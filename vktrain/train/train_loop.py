@@ -120,7 +120,8 @@ class NonFiniteLossError(VktrainError, RuntimeError):
                 what += f", and on the {skipped} batches after it (the state, not the data, gives it)"
             what += "; training stopped " + (f"(the state that gives it was made by step {step - 1}'s update)"
                                              if step > 1 else "(the program's initial state gives it)")
-        where = ("; no checkpoint holds the run before that (use --checkpoint PATH --checkpoint-every K)"
+        where = ("; no kept checkpoint is from before that (checkpoint with --checkpoint PATH --checkpoint-every K "
+                 "--keep-checkpoints 2 or more)"
                  if resume_from is None else
                  f"; the last good checkpoint is {resume_from[0]} (step {resume_from[1]}): resume from it with a "
                  f"smaller --lr or more --warmup")
