@@ -144,7 +144,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     try:
         data = Path(args.file).read_bytes()
     except OSError as e:
-        print(f"vktrain inspect: cannot read {args.file}: {e.strerror}", file=sys.stderr)
+        print(f"vktrain inspect: error: cannot read {args.file}: {e.strerror}", file=sys.stderr)
         return 2
     from vktrain.export.pte import summarize_pte
 

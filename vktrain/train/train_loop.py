@@ -117,7 +117,7 @@ class NonFiniteLossError(VktrainError, RuntimeError):
         else:
             what = f"the loss became {loss} at step {step} (lr {lr:.6g})"
             if skipped:
-                what += f", and on the {skipped} batches after it (the state, not the data, gives it)"
+                what += f" on {skipped + 1} batches in a row ({skipped} skipped: the state, not the data, gives it)"
             what += "; training stopped " + (f"(the state that gives it was made by step {step - 1}'s update)"
                                              if step > 1 else "(the program's initial state gives it)")
         where = ("; no kept checkpoint is from before that (checkpoint with --checkpoint PATH --checkpoint-every K "
@@ -244,6 +244,8 @@ def train(runner: StepRunner, batches: TokenBatcher, steps: int, schedule: LRSch
 
     `state` continues a run (TrainState.from_checkpoint after `restore_state`) and is updated in place;
     None starts at step 0. `program_sha256` identifies the .pte in checkpoints (sha256_file of it).
+    `keep_checkpoints`: how many checkpoints of the run stay on disk (CheckpointSeries); `on_nonfinite`:
+    "stop" or "skip" (module docstring).
     """
     state = TrainState() if state is None else state
     if steps < state.step:
@@ -350,4 +352,5 @@ def train(runner: StepRunner, batches: TokenBatcher, steps: int, schedule: LRSch
 
 
 __all__ = ["AdamWConfig", "LAST_GOOD_STATE_LIMIT", "MAX_CONSECUTIVE_SKIPS", "MAX_STEPS", "NonFiniteLossError",
-           "ON_NONFINITE", "ProgramInfo", "StepRunner", "TrainConfigError", "TrainState", "describe_program", "run_config", "train"]
+           "ON_NONFINITE", "ProgramInfo", "StepRunner", "TrainConfigError", "TrainState", "describe_program",
+           "run_config", "train"]
