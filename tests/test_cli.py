@@ -271,13 +271,18 @@ def test_silencing_drops_exactly_the_known_import_noise(caplog):
     assert [str(w.message) for w in caught] == ["a real deprecation"]
 
 
-def test_inspect_of_an_exported_program_prints_nothing_on_stderr(tmp_path):
+def test_export_and_inspect_print_nothing_on_stderr(tmp_path):
     pytest.importorskip("torch")
-    from _helpers import export_mlp_lora_training_step
-
     path = tmp_path / "step.pte"
-    export_mlp_lora_training_step(path, (BATCH, SEQ), VOCAB)
-    result = subprocess.run([sys.executable, "-m", "vktrain.cli", "inspect", str(path)], capture_output=True,
-                            text=True, timeout=300, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    assert result.returncode == 0 and result.stderr == ""
-    assert f"{path}: " in result.stdout and "delegate 0: VktrainVulkanBackend" in result.stdout
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+    def run(*argv):
+        return subprocess.run([sys.executable, "-m", "vktrain.cli", *argv], capture_output=True, text=True,
+                              timeout=300, cwd=root)
+
+    exported = run("export", "--model", "mlp-lora", "--model-arg", "dim=32", "--model-arg", "hidden=64",
+                   "--model-arg", "n_layers=1", "--lora-rank", "4", "--batch", "2", "--seq", "8", "--out", str(path))
+    assert exported.returncode == 0 and exported.stderr == "" and exported.stdout.startswith(f"wrote {path}")
+    inspected = run("inspect", str(path))
+    assert inspected.returncode == 0 and inspected.stderr == ""
+    assert f"{path}: " in inspected.stdout and "delegate 0: VktrainVulkanBackend" in inspected.stdout

@@ -337,7 +337,7 @@ def test_a_failure_mid_write_leaves_the_old_file_intact(tmp_path):
         file.write(b"new, but only ha")
         raise OSError("disk full (simulated)")
 
-    with pytest.raises(OSError, match="simulated"):
+    with pytest.raises(ckpt.OutputWriteError, match=f"cannot write {path}: disk full \\(simulated\\)"):
         ckpt.atomic_write(path, half_then_fail)
     assert path.read_bytes() == b"old contents"
     assert os.listdir(tmp_path) == ["state.bin"]  # no temporary file left behind

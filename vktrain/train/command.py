@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Optional
 
 from vktrain.errors import VktrainError
-from vktrain.train.adapters import LORA_SUFFIXES, adapters_from_state, save_adapters
+from vktrain.train.adapters import ADAPTER_CONFIG, ADAPTER_WEIGHTS, LORA_SUFFIXES, adapters_from_state, save_adapters
 from vktrain.train.checkpoint import (
     CheckpointError,
     load_checkpoint,
@@ -114,11 +114,14 @@ def prepare_output_file(flag: str, path: str) -> None:
     remove_stale_temp_files(target)
 
 
-def prepare_output_directory(flag: str, path: str) -> None:
+def prepare_adapter_directory(flag: str, path: str) -> None:
+    """The adapter directory: not a file; created and writable; stale temp files of its files removed."""
     target = Path(path)
     if target.exists() and not target.is_dir():
         raise TrainConfigError(f"{flag} {path} is a file; expected a directory (it will hold the adapter files)")
     _check_writable_directory(flag, path, target)
+    for name in (ADAPTER_WEIGHTS, ADAPTER_CONFIG):
+        remove_stale_temp_files(target / name)
 
 
 def check_arguments(args: argparse.Namespace) -> tuple[LRSchedule, AdamWConfig]:
@@ -196,7 +199,7 @@ def run_train(args: argparse.Namespace, device=None) -> int:
         if target:
             prepare_output_file(flag, target)
     if args.out_adapters:
-        prepare_output_directory("--out-adapters", args.out_adapters)
+        prepare_adapter_directory("--out-adapters", args.out_adapters)
     resume = load_checkpoint(args.resume) if args.resume else None
     if resume is not None and args.seed is not None and args.seed != resume.data_seed:
         raise TrainConfigError(f"--seed {args.seed} differs from the checkpoint's data seed {resume.data_seed}: the "
@@ -281,5 +284,5 @@ def _train_loaded(args, runner, schedule, optimizer, resume, seed, data_path, to
     return state, start
 
 
-__all__ = ["ValidationErrorsReported", "add_train_arguments", "check_arguments", "prepare_output_directory",
+__all__ = ["ValidationErrorsReported", "add_train_arguments", "check_arguments", "prepare_adapter_directory",
            "prepare_output_file", "print_validation_messages", "run_train"]
