@@ -246,8 +246,8 @@ def test_fingerprint_depends_on_tokens_and_batching_not_on_storage_dtype():
 
 def test_the_runtime_side_never_imports_torch():
     assert_import_loads_none(
-        ["vktrain.train.train_loop", "vktrain.train.data", "vktrain.train.checkpoint", "vktrain.train.adapters",
-         "vktrain.train.lr_schedule", "vktrain.data"],
+        ["vktrain.train.train_loop", "vktrain.train.command", "vktrain.train.data", "vktrain.train.checkpoint",
+         "vktrain.train.adapters", "vktrain.train.lr_schedule", "vktrain.data", "vktrain.cli"],
         forbidden=["torch", "executorch"])
 
 
