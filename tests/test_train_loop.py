@@ -486,6 +486,16 @@ def test_the_last_k_checkpoints_are_kept_step_named(tmp_path):
         _assert_state_equals(kept.tensors, _reference_state_after(step, schedule))
 
 
+def test_a_checkpoint_path_holding_something_else_is_refused_before_the_first_step(tmp_path):
+    path = tmp_path / "notes.txt"
+    path.write_text("my notes, not a checkpoint")
+    runner = FakeRunner()
+    with pytest.raises(ckpt.CheckpointError, match="notes.txt is not a readable safetensors checkpoint"):
+        train(runner, _batcher(runner), 4, LRSchedule("constant", 1e-2, 4), checkpoint_every=2,
+              checkpoint_path=path, progress=False)
+    assert not runner.calls and path.read_text() == "my notes, not a checkpoint"
+
+
 def test_temp_files_left_by_a_kill_during_a_write_are_removed(tmp_path):
     path = tmp_path / "run.ckpt"
     stale = [tmp_path / ".run.ckpt.k2j3h4.tmp", tmp_path / ".run.step40.ckpt.x8y7.tmp",

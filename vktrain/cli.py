@@ -7,6 +7,10 @@
 
 `export` and `inspect` run on the host (torch + executorch); `train` is the on-device runner and
 imports neither.
+
+Exit codes: 0 done; 1 the training loss diverged; 2 bad input or an environmental failure (no device,
+out of memory, disk full), printed as one line `vktrain <cmd>: error: <message>`; 70 an internal error
+(one line; VKTRAIN_TRACEBACK=1 shows the traceback); 130 interrupted (Ctrl-C).
 """
 from __future__ import annotations
 

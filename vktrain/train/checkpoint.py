@@ -289,13 +289,27 @@ def _verify_checksums(tensors: Mapping[str, np.ndarray], checksums: Any, path: P
             raise CheckpointError(f"{path}: tensor {name!r} does not match its checksum (the file is corrupt)")
 
 
-def read_checkpoint_step(path: PathLike) -> int:
-    """The step a checkpoint file records, from its header alone (no tensor is read)."""
+def _read_metadata(path: PathLike) -> dict[str, str]:
     try:
         with safetensors.safe_open(str(path), framework="numpy") as file:
-            metadata = file.metadata() or {}
-    except Exception as exc:  # safetensors' own error types for a corrupt header
+            return file.metadata() or {}
+    except Exception as exc:  # safetensors' own error types for a truncated/corrupt header
         raise CheckpointError(f"{path} is not a readable safetensors checkpoint: {exc}") from None
+
+
+def _check_format(metadata: Mapping[str, str], path: PathLike) -> None:
+    if metadata.get("format") != CHECKPOINT_FORMAT:
+        raise CheckpointError(f"{path} is not a vktrain checkpoint (metadata format={metadata.get('format')!r}, "
+                              f"expected {CHECKPOINT_FORMAT!r})")
+    if metadata.get("version") != CHECKPOINT_VERSION:
+        raise CheckpointError(f"{path}: checkpoint version {metadata.get('version')!r}; this vktrain reads "
+                              f"version {CHECKPOINT_VERSION!r}")
+
+
+def read_checkpoint_step(path: PathLike) -> int:
+    """The step a checkpoint file records, from its header alone (no tensor is read)."""
+    metadata = _read_metadata(path)
+    _check_format(metadata, path)
     return _metadata_int(metadata, "step", path)
 
 
@@ -305,18 +319,13 @@ def load_checkpoint(path: PathLike) -> Checkpoint:
     path = Path(path)
     if not path.is_file():
         raise CheckpointError(f"checkpoint {path} does not exist (or is not a file)")
+    metadata = _read_metadata(path)
+    _check_format(metadata, path)
     try:
         with safetensors.safe_open(str(path), framework="numpy") as file:
-            metadata = file.metadata() or {}
             tensors = {name: file.get_tensor(name) for name in file.keys()}
-    except Exception as exc:  # safetensors raises its own error types for a truncated/corrupt header
+    except Exception as exc:  # safetensors raises its own error types for truncated tensor data
         raise CheckpointError(f"{path} is not a readable safetensors checkpoint: {exc}") from None
-    if metadata.get("format") != CHECKPOINT_FORMAT:
-        raise CheckpointError(f"{path} is not a vktrain checkpoint (metadata format={metadata.get('format')!r}, "
-                              f"expected {CHECKPOINT_FORMAT!r})")
-    if metadata.get("version") != CHECKPOINT_VERSION:
-        raise CheckpointError(f"{path}: checkpoint version {metadata.get('version')!r}; this vktrain reads "
-                              f"version {CHECKPOINT_VERSION!r}")
     for key in ("program_sha256", "data_sha256"):
         if key not in metadata:
             raise CheckpointError(f"{path}: checkpoint metadata has no {key!r}")

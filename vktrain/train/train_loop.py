@@ -261,6 +261,8 @@ def train(runner: StepRunner, batches: TokenBatcher, steps: int, schedule: LRSch
         raise TrainConfigError(f"on_nonfinite must be one of {ON_NONFINITE}, got {on_nonfinite!r}")
     optimizer.check_lr(schedule.base_lr)
     series = CheckpointSeries(checkpoint_path, keep_checkpoints) if checkpoint_path is not None else None
+    if series is not None:
+        series.kept()  # every file it would replace or rotate is a checkpoint: refused now, not at step N
     config = run_config(schedule, optimizer, batches)
     data_sha256 = batches.fingerprint if series is not None else ""
     state_bytes = sum(np.asarray(runner.read_state(name)).nbytes for name in runner.state_names)
