@@ -104,6 +104,11 @@ def test_an_8_byte_file_is_a_clean_error_in_train_and_inspect(tmp_path, capsys):
     assert code == 2 and err == "vktrain inspect: error: expected a .pte with one method, found 0 ([])\n"
 
 
+def test_a_malformed_model_arg_is_a_clean_error(tmp_path, capsys):
+    code, _, err = run_cli(capsys, "export", "--model", "mlp-lora", "--model-arg", "dim", "--out", tmp_path / "x.pte")
+    assert code == 2 and err == "vktrain export: error: --model-arg expects KEY=VALUE, got 'dim'\n"
+
+
 def test_an_internal_error_is_one_line_that_says_how_to_get_the_traceback(program, capsys, monkeypatch):
     pte, data, made, behaviour = program
 

@@ -34,6 +34,10 @@ EXIT_OK, EXIT_DIVERGED, EXIT_BAD_INPUT, EXIT_INTERNAL, EXIT_INTERRUPTED = 0, 1, 
 TRACEBACK_ENV = "VKTRAIN_TRACEBACK"  # set to 1: an internal error shows its traceback
 
 
+class UsageError(VktrainError, ValueError):
+    """A command-line argument that cannot be parsed (beyond what argparse checks)."""
+
+
 class _DropMessages(logging.Filter):
     """Drops the log records whose message matches `pattern` (re.match), and nothing else."""
 
@@ -69,7 +73,7 @@ def _parse_model_args(items: list[str]) -> dict:
     for item in items:
         key, sep, raw = item.partition("=")
         if not sep or not key:
-            raise SystemExit(f"vktrain: --model-arg expects KEY=VALUE, got {item!r}")
+            raise UsageError(f"--model-arg expects KEY=VALUE, got {item!r}")
         try:
             overrides[key] = json.loads(raw)
         except json.JSONDecodeError:
