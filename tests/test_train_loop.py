@@ -7,6 +7,7 @@ import argparse
 import json
 import math
 import os
+import re
 import struct
 
 import numpy as np
@@ -880,6 +881,23 @@ def test_cli_resume_of_an_interrupted_constant_run_matches(tmp_path, fake_progra
     assert "warning" not in capsys.readouterr().err  # a constant schedule's length is no difference
     resumed, full = (json.loads((tmp_path / name).read_text()) for name in ("resumed.json", "full.json"))
     assert _without_seconds(resumed) == _without_seconds(full)
+
+
+def test_cli_divergence_names_a_checkpoint_that_a_smaller_lr_resumes_past(tmp_path, fake_program, capsys):
+    pte, data, made, options = fake_program
+    options["overflow_above"] = 2.0  # lr 0.5 grows max|lora_B| past it within a few steps
+    path = tmp_path / "run.ckpt"
+    common = [pte, "--data", data, "--schedule", "constant", "--no-progress", "--checkpoint", path]
+    code = cli.main([str(a) for a in ["train", *common, "--steps", 12, "--lr", 0.5, "--checkpoint-every", 3]])
+    err = capsys.readouterr().err
+    found = re.search(r"loss became inf at step (\d+) .*last good checkpoint is (\S+) \(step (\d+)\)", err)
+    assert code == cli.EXIT_DIVERGED and found, err
+    bad_step, kept, kept_step = int(found[1]), found[2], int(found[3])
+    assert kept_step == bad_step - 2 and kept == str(tmp_path / f"run.step{kept_step}.ckpt")
+    code = cli.main([str(a) for a in ["train", *common, "--steps", 12, "--lr", 0.01, "--resume", kept]])
+    captured = capsys.readouterr()
+    assert code == 0 and f"trained steps {kept_step + 1}..12" in captured.out, captured.err
+    assert ckpt.load_checkpoint(path).step == 12
 
 
 def test_cli_errors_are_clear(tmp_path, fake_program, capsys, monkeypatch):
