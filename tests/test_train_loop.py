@@ -423,7 +423,8 @@ def test_restore_refuses_checkpoints_of_other_programs(tmp_path):
     wrong_shape["model.proj.lora_A"] = np.zeros((FAKE_RANK + 1, FAKE_DIM), np.float32)
     with pytest.raises(ckpt.CheckpointError, match=r"lora_A.*float32\[4, 12\] in the checkpoint.*float32\[3, 12\]"):
         ckpt.restore_state(runner, ckpt.Checkpoint(**{**saved.__dict__, "tensors": wrong_shape}), "p" * 64)
-    inconsistent = ckpt.Checkpoint(**{**saved.__dict__, "step": 7, "data_position": 8, "records": _sample_records(7, 2)})
+    inconsistent = ckpt.Checkpoint(**{**saved.__dict__, "step": 7, "data_position": 8,
+                                      "records": _sample_records(7, 2)})
     with pytest.raises(ckpt.CheckpointError, match="step counter is 3 but the checkpoint records step 7"):
         ckpt.restore_state(runner, inconsistent, "p" * 64)
     for name, array in before.items():  # nothing was written by the refused restores

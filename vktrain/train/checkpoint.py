@@ -191,7 +191,8 @@ def _check_records(records: Any, step: int, where: str) -> None:
     for index, record in enumerate(records):
         expected_step = index + 1
         if not isinstance(record, dict) or record.get("step") != expected_step:
-            raise CheckpointError(f"{where}: record {index} must be a dict with step {expected_step}, got {record!r:.120}")
+            raise CheckpointError(f"{where}: record {index} must be a dict with step {expected_step}, "
+                                  f"got {record!r:.120}")
         for key in ("loss", "lr") + (("seconds",) if "seconds" in record else ()):
             value = record.get(key)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):

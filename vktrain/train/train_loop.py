@@ -138,7 +138,8 @@ class AdamWConfig:
     weight_decay: float = 0.0
 
     def __post_init__(self) -> None:
-        as_float32 = {name: float(np.float32(getattr(self, name))) for name in ("beta1", "beta2", "eps", "weight_decay")}
+        names = ("beta1", "beta2", "eps", "weight_decay")
+        as_float32 = {name: float(np.float32(getattr(self, name))) for name in names}
         for name in ("beta1", "beta2"):
             if not 0.0 <= as_float32[name] < 1.0:
                 raise TrainConfigError(f"AdamW {name} must lie in [0, 1) in float32, got {getattr(self, name)!r}"
