@@ -496,6 +496,11 @@ def test_a_checkpoint_path_holding_something_else_is_refused_before_the_first_st
         train(runner, _batcher(runner), 4, LRSchedule("constant", 1e-2, 4), checkpoint_every=2,
               checkpoint_path=path, progress=False)
     assert not runner.calls and path.read_text() == "my notes, not a checkpoint"
+    older = tmp_path / "v1.ckpt"  # a checkpoint of an older vktrain is a checkpoint: replaced as usual
+    older.write_bytes(safetensors.numpy.save({"w": np.zeros(2, np.float32)},
+                                             metadata={"format": "vktrain-checkpoint", "version": "1", "step": "3"}))
+    train(runner, _batcher(runner), 4, LRSchedule("constant", 1e-2, 4), checkpoint_path=older, progress=False)
+    assert ckpt.load_checkpoint(older).step == 4
 
 
 def test_temp_files_left_by_a_kill_during_a_write_are_removed(tmp_path):

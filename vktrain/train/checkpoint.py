@@ -298,19 +298,19 @@ def _read_metadata(path: PathLike) -> dict[str, str]:
         raise CheckpointError(f"{path} is not a readable safetensors checkpoint: {exc}") from None
 
 
-def _check_format(metadata: Mapping[str, str], path: PathLike) -> None:
+def _check_format(metadata: Mapping[str, str], path: PathLike, *, any_version: bool = False) -> None:
     if metadata.get("format") != CHECKPOINT_FORMAT:
         raise CheckpointError(f"{path} is not a vktrain checkpoint (metadata format={metadata.get('format')!r}, "
                               f"expected {CHECKPOINT_FORMAT!r})")
-    if metadata.get("version") != CHECKPOINT_VERSION:
+    if not any_version and metadata.get("version") != CHECKPOINT_VERSION:
         raise CheckpointError(f"{path}: checkpoint version {metadata.get('version')!r}; this vktrain reads "
                               f"version {CHECKPOINT_VERSION!r}")
 
 
 def read_checkpoint_step(path: PathLike) -> int:
-    """The step a checkpoint file records, from its header alone (no tensor is read)."""
+    """The step a vktrain checkpoint file of any version records, from its header alone (no tensor is read)."""
     metadata = _read_metadata(path)
-    _check_format(metadata, path)
+    _check_format(metadata, path, any_version=True)
     return _metadata_int(metadata, "step", path)
 
 
