@@ -186,7 +186,8 @@ def run_train(args: argparse.Namespace, device=None) -> int:
     """`vktrain train`: 0 on success, 130 when interrupted (Ctrl-C, after saying what was kept; re-raised
     before the loop started). Bad input and divergence raise (a VktrainError; NonFiniteLossError for a
     diverged loss): vktrain.cli turns them into one line and an exit code. `device`: a vktrain.runtime
-    Device to run on (None: the runner opens the default one)."""
+    Device to run on, whose validation messages stay with it (None: the runner opens the default one,
+    and its validation messages are printed here)."""
     from vktrain.runtime.program.runner import TrainingRunner  # opens Vulkan: imported only when a run starts
 
     program_path = Path(args.program)
@@ -210,14 +211,15 @@ def run_train(args: argparse.Namespace, device=None) -> int:
     program_sha256 = sha256_file(program_path)
 
     runner = TrainingRunner.from_pte(program_path, device)
+    own_device = getattr(runner, "device", None) if device is None else None  # a caller's device: its messages
     try:
         with runner:
             state, start = _train_loaded(args, runner, schedule, optimizer, resume, seed, data_path, tokens,
                                          program_sha256, checkpoint_path)
     except BaseException:
-        print_validation_messages(getattr(runner, "device", None))  # shown, but the error in flight wins
+        print_validation_messages(own_device)  # shown, but the error in flight wins
         raise
-    errors = print_validation_messages(getattr(runner, "device", None))
+    errors = print_validation_messages(own_device)
     if errors:
         raise ValidationErrorsReported(f"the Vulkan validation layer reported {errors} error(s) (printed above); "
                                        f"the run's results are not trustworthy")

@@ -10,8 +10,8 @@
 Per step t (1-based): lr = schedule.lr(t); hparams = [lr, beta1, beta2, eps, weight_decay] (float32 [5],
 a runtime input of the program: changing them never needs a re-export); batch = batches.batch(position);
 loss = runner.step(tokens, labels, hparams); record {"step": t, "loss": loss, "lr": lr, "seconds": s} (lr
-as the schedule computes it, in float64; the program receives it rounded to float32; s the step's wall
-time, host copies included).
+as the schedule computes it, in float64; the program receives it rounded to float32; s the wall time of
+runner.step, i.e. of the program's run).
 
 `steps` is the step number to reach, not a count to add: resuming a checkpoint of step 10 with steps=20
 runs steps 11..20, reading the same batches with the same learning rates as an uninterrupted run, so
