@@ -4,6 +4,7 @@ exported .pte on Vulkan."""
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import math
 import os
@@ -637,6 +638,26 @@ def test_a_non_finite_loss_keeps_the_state_before_the_update_that_caused_it(tmp_
         resume(path, small)
 
 
+def test_a_full_disk_at_divergence_names_an_older_checkpoint(tmp_path, monkeypatch, capsys):
+    def no_space(fd):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    class DiskFillsAtStep7(FakeRunner):
+        def step(self, tokens, labels, hparams):
+            if len(self.calls) == 6:
+                monkeypatch.setattr(ckpt.os, "fsync", no_space)
+            return super().step(tokens, labels, hparams)
+
+    runner = DiskFillsAtStep7(overflow_above=2.0)  # as above: step 7's loss overflows, step 5 is to be kept
+    path = tmp_path / "run.ckpt"
+    with pytest.raises(NonFiniteLossError, match=r"at step 7 .*last good checkpoint is .*run\.step3\.ckpt \(step 3\)"):
+        train(runner, _batcher(runner), 12, LRSchedule("constant", 0.5, 12), checkpoint_every=3, checkpoint_path=path,
+              keep_checkpoints=3, progress=False)
+    assert (f"the state of step 5 was not kept: cannot write {tmp_path / 'run.step5.ckpt'}: No space left on device"
+            in capsys.readouterr().err)
+    assert sorted(os.listdir(tmp_path)) == ["run.ckpt", "run.step3.ckpt"]  # nothing half-written
+
+
 def test_a_finite_loss_whose_update_leaves_nan_keeps_the_state_before_that_step(tmp_path):
     schedule = LRSchedule("constant", 1e-2, 20)
 
@@ -719,9 +740,10 @@ def test_skip_drops_bad_batches_and_trains_as_if_they_were_not_there(tmp_path):
     assert (resumed.step, resumed.data_position) == (12, 14)
 
     always_bad = FakeRunner(overflow_above=0.0)  # the state overflows on every batch: skipping cannot help
-    with pytest.raises(NonFiniteLossError, match=r"loss became inf at step 2 \(lr 0.01\) on 9 batches in a row \(8 skipped"):
+    with pytest.raises(NonFiniteLossError,
+                       match=r"loss became inf at step 2 \(lr 0.01\) on 9 batches in a row \(8 skipped"):
         train(always_bad, batches, 12, schedule, on_nonfinite="skip", progress=False)
-    assert len(always_bad.calls) == 2 + 8
+    assert len(always_bad.calls) == 1 + 9  # step 1, then step 2 on 9 batches
 
 
 def test_train_refuses_inconsistent_arguments(tmp_path):

@@ -59,6 +59,7 @@ from vktrain.errors import VktrainError
 from vktrain.train.checkpoint import (
     Checkpoint,
     CheckpointSeries,
+    OutputWriteError,
     atomic_write_json,
     capture_state,
     non_finite_tensors,
@@ -289,8 +290,12 @@ def train(runner: StepRunner, batches: TokenBatcher, steps: int, schedule: LRSch
         if exact:
             return exact[0]
         if tensors is not None:
-            save_checkpoint(series.step_path(step), make_checkpoint(step, tensors))
-            return str(series.step_path(step)), step
+            target = series.step_path(step)
+            try:
+                save_checkpoint(target, make_checkpoint(step, tensors))
+                return str(target), step
+            except OutputWriteError as exc:  # a full disk must not hide the divergence: name an older one
+                tqdm.write(f"vktrain train: warning: the state of step {step} was not kept: {exc}", file=sys.stderr)
         earlier = [entry for entry in kept if entry[1] < step]
         return earlier[0] if earlier else None
 
