@@ -31,7 +31,7 @@ from vktrain.runtime.delegate.op_lowering import GraphLoweringError, OpContext, 
 from vktrain.runtime.program.pte import PteFile
 from vktrain.runtime.program.runner import TrainingRunner
 from vktrain.runtime.vk.schedule import BufferBinding
-from vktrain.train.train_loop import add_train_arguments, run_train
+from vktrain.train.command import add_train_arguments, run_train
 from vktrain.serialization import deserialize_blob
 from vktrain.serialization import graph as vk
 

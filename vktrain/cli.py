@@ -7,18 +7,64 @@
 
 `export` and `inspect` run on the host (torch + executorch); `train` is the on-device runner and
 imports neither.
+
+Exit codes: 0 done; 1 the training loss diverged; 2 bad input or an environmental failure (no device,
+out of memory, disk full), printed as one line `vktrain <cmd>: error: <message>`; 70 an internal error
+(one line; VKTRAIN_TRACEBACK=1 shows the traceback); 130 interrupted (Ctrl-C).
 """
 from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
+import re
 import sys
+import warnings
 from pathlib import Path
 
+from vktrain.errors import VktrainError
 from vktrain.train.checkpoint import atomic_write_bytes  # torch-free; the one atomic writer
+from vktrain.train.train_loop import NonFiniteLossError
 
 PROGRAMS = ("train-step", "forward", "forward-base")
+
+# How a command ends. EXIT_BAD_INPUT covers environmental failures too (no device, out of memory, disk full).
+EXIT_OK, EXIT_DIVERGED, EXIT_BAD_INPUT, EXIT_INTERNAL, EXIT_INTERRUPTED = 0, 1, 2, 70, 130
+TRACEBACK_ENV = "VKTRAIN_TRACEBACK"  # set to 1: an internal error shows its traceback
+
+
+class UsageError(VktrainError, ValueError):
+    """A command-line argument that cannot be parsed (beyond what argparse checks)."""
+
+
+class _DropMessages(logging.Filter):
+    """Drops the log records whose message matches `pattern` (re.match), and nothing else."""
+
+    def __init__(self, pattern: str) -> None:
+        super().__init__()
+        self.pattern = re.compile(pattern)
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not self.pattern.match(record.getMessage())
+
+
+# The lines torch/torchao/executorch print on every import and export although nothing is wrong:
+# torchao's optional CUDA/CUTLASS extensions (`_C_*.so`) that a CPU install cannot load, and torch pytree
+# deprecation notices about how torchao and executorch register their types.
+_IMPORT_NOISE = {
+    "torchao": _DropMessages(r"Failed to load \S*torchao/_C\S*\.so: "),
+    "torch.utils._pytree": _DropMessages(r"<enum '\w+'> is an Enum subclass and is now natively supported by "
+                                         r"torch.compile"),
+}
+_IMPORT_NOISE_WARNING = r"`isinstance\(treespec, LeafSpec\)` is deprecated"
+
+
+def _silence_known_import_noise() -> None:
+    """Silence exactly `_IMPORT_NOISE` (idempotent); everything else those libraries log or warn still shows."""
+    for logger, drop in _IMPORT_NOISE.items():
+        logging.getLogger(logger).addFilter(drop)  # adding the same filter twice keeps one
+    warnings.filterwarnings("ignore", message=_IMPORT_NOISE_WARNING, category=FutureWarning)
 
 
 def _parse_model_args(items: list[str]) -> dict:
@@ -27,7 +73,7 @@ def _parse_model_args(items: list[str]) -> dict:
     for item in items:
         key, sep, raw = item.partition("=")
         if not sep or not key:
-            raise SystemExit(f"vktrain: --model-arg expects KEY=VALUE, got {item!r}")
+            raise UsageError(f"--model-arg expects KEY=VALUE, got {item!r}")
         try:
             overrides[key] = json.loads(raw)
         except json.JSONDecodeError:
@@ -36,8 +82,6 @@ def _parse_model_args(items: list[str]) -> dict:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    import warnings
-
     from vktrain.lora import LoRAConfig, apply_lora
     from vktrain.models import build_model
 
@@ -108,7 +152,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     try:
         data = Path(args.file).read_bytes()
     except OSError as e:
-        print(f"vktrain inspect: cannot read {args.file}: {e.strerror}", file=sys.stderr)
+        print(f"vktrain inspect: error: cannot read {args.file}: {e.strerror}", file=sys.stderr)
         return 2
     from vktrain.export.pte import summarize_pte
 
@@ -142,7 +186,7 @@ def build_parser() -> argparse.ArgumentParser:
     inspect.add_argument("--json", action="store_true", help="print the report as JSON")
     inspect.set_defaults(run=cmd_inspect)
 
-    from vktrain.train.train_loop import add_train_arguments, run_train  # torch-free
+    from vktrain.train.command import add_train_arguments, run_train  # torch-free
 
     train = sub.add_parser("train", help="train the LoRA adapters of a training-step .pte on the Vulkan device")
     add_train_arguments(train)
@@ -175,21 +219,47 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run one command; every way it can end is an exit code (see EXIT_*), never a traceback for bad
+    input or an environmental failure."""
+    _silence_known_import_noise()
     args = build_parser().parse_args(argv)
+    prefix = f"vktrain {args.command}"
     try:
         return args.run(args)
     except BrokenPipeError:  # the reader went away (`vktrain inspect x.pte | head`): not an error
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        return 0
-    except ValueError as e:  # bad model / LoRA / shape configuration: a clear message, not a traceback
-        print(f"vktrain {args.command}: error: {e}", file=sys.stderr)
-        return 2
-    except RuntimeError as e:
-        from vktrain.export.lower import LoweringError  # only lowering errors get the short form
-        if not isinstance(e, LoweringError):
-            raise
-        print(f"vktrain {args.command}: error: {e}", file=sys.stderr)
-        return 2
+        return EXIT_OK
+    except KeyboardInterrupt:  # Ctrl-C: whoever was interrupted already said what was kept
+        return EXIT_INTERRUPTED
+    except NonFiniteLossError as exc:
+        print(f"{prefix}: error: {exc}", file=sys.stderr)
+        return EXIT_DIVERGED
+    except VktrainError as exc:
+        print(f"{prefix}: error: {exc}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    except MemoryError:
+        print(f"{prefix}: error: out of host memory", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    except OSError as exc:  # an environmental failure that was not wrapped where it happened
+        where = f" ({exc.filename})" if exc.filename else ""
+        print(f"{prefix}: error: {exc.strerror or exc}{where}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    except ValueError as exc:
+        if args.command != "export":  # the model configurations of `export` still raise plain ValueError
+            return _internal_error(prefix, exc)
+        print(f"{prefix}: error: {exc}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    except Exception as exc:
+        return _internal_error(prefix, exc)
+
+
+def _internal_error(prefix: str, exc: Exception) -> int:
+    """A bug in vktrain: one line naming it, and how to see where it happened."""
+    if os.environ.get(TRACEBACK_ENV, "").strip() not in ("", "0"):
+        raise exc
+    print(f"{prefix}: internal error: {type(exc).__name__}: {exc} (a bug in vktrain; run with {TRACEBACK_ENV}=1 "
+          f"for the traceback)", file=sys.stderr)
+    return EXIT_INTERNAL
 
 
 if __name__ == "__main__":

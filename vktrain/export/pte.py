@@ -12,6 +12,7 @@ from executorch.exir.schema import DataLocation, DelegateCall, KernelCall
 
 from vktrain.backend.preprocess import METADATA_REFUSALS, METADATA_STATE_BYTES, METADATA_UNPLANNED_MEMORY_BYTES
 from vktrain.partitioner import BACKEND_ID
+from vktrain.runtime.program.pte import PteFile, PteFormatError
 from vktrain.serialization import deserialize_blob
 from vktrain.serialization import graph as vk
 
@@ -32,10 +33,11 @@ class PteContents:
 
 
 def read_pte(data: bytes) -> PteContents:
+    methods = PteFile.from_bytes(data).method_names  # the torch-free reader checks the file first
+    if len(methods) != 1:
+        raise PteFormatError(f"expected a .pte with one method, found {len(methods)} ({methods})")
     pte = deserialize_pte_binary(data)  # moves segment data back inline
     program = pte.program
-    if len(program.execution_plan) != 1:
-        raise ValueError(f"expected a .pte with one method, found {len(program.execution_plan)}")
     plan = program.execution_plan[0]
     delegates = []
     for delegate in plan.delegates:

@@ -102,7 +102,7 @@ def load_tokens(path: PathLike) -> np.ndarray:
 def check_vocab(tokens: np.ndarray, vocab_size: int, source: str = "data") -> None:
     """Refuse token ids outside [0, vocab_size), naming the first offending position and value."""
     if vocab_size <= 0:
-        raise ValueError(f"vocab_size must be positive, got {vocab_size}")
+        raise DataError(f"vocab_size must be positive, got {vocab_size}")
     first, count = None, 0
     for start in range(0, tokens.size, _CHUNK):  # chunks: no full-size temporaries for a large corpus
         chunk = tokens[start:start + _CHUNK]
@@ -144,12 +144,12 @@ class TokenBatcher:
     def __init__(self, tokens: np.ndarray, batch_size: int, seq_len: int, *, seed: int = 0, shuffle: bool = True,
                  source: str = "data") -> None:
         if batch_size <= 0 or seq_len <= 0:
-            raise ValueError(f"batch size and sequence length must be positive, got {batch_size} x {seq_len}")
+            raise DataError(f"batch size and sequence length must be positive, got {batch_size} x {seq_len}")
         tokens = np.asarray(tokens)
         if tokens.ndim != 1 or tokens.dtype.kind not in "iu":
             raise DataError(f"{source}: tokens must be a 1-D integer array, got {tokens.dtype}{list(tokens.shape)}")
         if not 0 <= seed < 2**32:
-            raise ValueError(f"the data seed must be in [0, 2**32), got {seed}")
+            raise DataError(f"the data seed must be in [0, 2**32), got {seed}")
         self.tokens = tokens  # kept in its own dtype (a memory map stays one); batches are int64
         self.batch_size = batch_size
         self.seq_len = seq_len
@@ -187,7 +187,7 @@ class TokenBatcher:
     def window_indices(self, position: int) -> np.ndarray:
         """The windows batch `position` is made of, as indices into the stream's windows."""
         if position < 0:
-            raise ValueError(f"data position must be >= 0, got {position}")
+            raise DataError(f"data position must be >= 0, got {position}")
         indices = np.empty(self.batch_size, dtype=np.int64)
         for row in range(self.batch_size):
             epoch, within = divmod(position * self.batch_size + row, self.n_windows)

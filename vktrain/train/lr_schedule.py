@@ -12,7 +12,15 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass
 
+import numpy as np
+
+from vktrain.errors import VktrainError
+
 SCHEDULES = ("constant", "cosine")
+
+
+class ScheduleError(VktrainError, ValueError):
+    """Learning-rate schedule settings that cannot work."""
 
 
 @dataclass(frozen=True)
@@ -25,23 +33,25 @@ class LRSchedule:
 
     def __post_init__(self) -> None:
         if self.kind not in SCHEDULES:
-            raise ValueError(f"LR schedule must be one of {SCHEDULES}, got {self.kind!r}")
-        if not (math.isfinite(self.base_lr) and self.base_lr > 0):
-            raise ValueError(f"the learning rate must be a positive finite number, got {self.base_lr}")
+            raise ScheduleError(f"LR schedule must be one of {SCHEDULES}, got {self.kind!r}")
+        lr32 = np.float32(self.base_lr)  # what the program receives
+        if not (np.isfinite(lr32) and lr32 > 0):
+            raise ScheduleError(f"the learning rate must be a positive finite float32, got {self.base_lr!r} "
+                                f"(float32: {float(lr32)!r})")
         if self.total_steps <= 0:
-            raise ValueError(f"the number of steps must be positive, got {self.total_steps}")
+            raise ScheduleError(f"the number of steps must be positive, got {self.total_steps}")
         if self.warmup_steps < 0:
-            raise ValueError(f"warmup steps must be >= 0, got {self.warmup_steps}")
+            raise ScheduleError(f"warmup steps must be >= 0, got {self.warmup_steps}")
         if self.kind == "cosine" and self.warmup_steps >= self.total_steps:
-            raise ValueError(f"cosine schedule: warmup ({self.warmup_steps} steps) must be shorter than the run "
+            raise ScheduleError(f"cosine schedule: warmup ({self.warmup_steps} steps) must be shorter than the run "
                              f"({self.total_steps} steps), or there is nothing to decay")
         if not 0.0 <= self.min_lr_ratio <= 1.0:
-            raise ValueError(f"min LR ratio must lie in [0, 1], got {self.min_lr_ratio}")
+            raise ScheduleError(f"min LR ratio must lie in [0, 1], got {self.min_lr_ratio}")
 
     def lr(self, step: int) -> float:
         """The learning rate of step `step` (1-based)."""
         if step < 1:
-            raise ValueError(f"steps are numbered from 1, got {step}")
+            raise ScheduleError(f"steps are numbered from 1, got {step}")
         if step <= self.warmup_steps:
             return self.base_lr * step / self.warmup_steps
         if self.kind == "constant":
@@ -57,4 +67,4 @@ class LRSchedule:
         return asdict(self)
 
 
-__all__ = ["LRSchedule", "SCHEDULES"]
+__all__ = ["LRSchedule", "SCHEDULES", "ScheduleError"]

@@ -74,6 +74,12 @@ class PteFormatError(RuntimeErrorBase, ValueError):
     """The file is not a readable .pte: truncated, corrupt, or of an unsupported schema version."""
 
 
+class MissingMethodError(PteFormatError, KeyError):
+    """The program has no execution plan of the asked name (a KeyError, as a lookup by name)."""
+
+    __str__ = Exception.__str__  # the message as written, not KeyError's repr of it
+
+
 # ---------------------------------------------------------------------------------------------------
 # Parsed program objects (names follow program.fbs)
 # ---------------------------------------------------------------------------------------------------
@@ -384,7 +390,7 @@ class PteFile:
         for plan in self.execution_plans:
             if plan.name == name:
                 return plan
-        raise KeyError(f"{self.source} has no execution plan {name!r}; it has {self.method_names}")
+        raise MissingMethodError(f"{self.source} has no execution plan {name!r}; it has {self.method_names}")
 
     @property
     def delegates(self) -> list[Delegate]:

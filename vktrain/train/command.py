@@ -1,0 +1,290 @@
+"""`vktrain train`: arguments, their checks before anything runs, and the run itself (torch-free).
+
+Everything that can be checked before the first step is: argument ranges as the program receives them
+(float32), every output path (parents created, writable, of the right kind), the checkpoint to resume
+(read and verified in full), the data and the program. A run never trains for minutes to fail on a flag.
+With VKTRAIN_VALIDATION=1 the Vulkan validation layer's messages are printed when the run ends, and a
+run that produced validation errors fails.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import math
+import os
+import sys
+import tempfile
+from pathlib import Path
+from typing import Optional
+
+from vktrain.errors import VktrainError
+from vktrain.train.adapters import ADAPTER_CONFIG, ADAPTER_WEIGHTS, LORA_SUFFIXES, adapters_from_state, save_adapters
+from vktrain.train.checkpoint import (
+    CheckpointError,
+    load_checkpoint,
+    remove_stale_temp_files,
+    restore_state,
+    sha256_file,
+)
+from vktrain.train.data import TokenBatcher, check_vocab, default_dataset_path, load_tokens
+from vktrain.train.lr_schedule import SCHEDULES, LRSchedule
+from vktrain.train.train_loop import (
+    MAX_STEPS,
+    METADATA_LORA_ALPHA,
+    METADATA_SOURCE_MODEL,
+    ON_NONFINITE,
+    AdamWConfig,
+    TrainConfigError,
+    TrainState,
+    run_config,
+    describe_program,
+    train,
+)
+
+class ValidationErrorsReported(VktrainError):
+    """The Vulkan validation layer reported errors during the run (they were printed)."""
+
+
+def add_train_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """The `vktrain train` arguments (the subcommand's parser; run it with `run_train`)."""
+    parser.add_argument("program", metavar="FILE.pte", help="training-step program (vktrain export --program train-step)")
+    parser.add_argument("--data", metavar="FILE",
+                        help="token data: byte-level text (any file; each byte is a token 0..255), a .npy 1-D "
+                             "integer array, or whitespace-separated ids in *.tokens.txt (default: the built-in corpus)")
+    parser.add_argument("--steps", type=int, required=True, metavar="N",
+                        help=f"train up to step N (a resumed run continues from its checkpoint's step; N <= {MAX_STEPS})")
+    parser.add_argument("--lr", type=float, default=1e-3, help="peak learning rate (default 1e-3)")
+    parser.add_argument("--schedule", choices=SCHEDULES, default="cosine",
+                        help="learning-rate schedule after warmup (default cosine)")
+    parser.add_argument("--warmup", type=int, default=0, metavar="W", help="linear warmup steps (default 0)")
+    parser.add_argument("--min-lr-ratio", type=float, default=0.0,
+                        help="cosine floor as a fraction of --lr (default 0)")
+    parser.add_argument("--beta1", type=float, default=0.9)
+    parser.add_argument("--beta2", type=float, default=0.999)
+    parser.add_argument("--eps", type=float, default=1e-8)
+    parser.add_argument("--weight-decay", type=float, default=0.0)
+    parser.add_argument("--checkpoint-every", type=int, default=0, metavar="K",
+                        help="write a checkpoint every K steps (and after the last step)")
+    parser.add_argument("--checkpoint", metavar="PATH",
+                        help="checkpoint file (safetensors), written atomically; default with --resume: that file")
+    parser.add_argument("--keep-checkpoints", type=int, default=1, metavar="K",
+                        help="keep the last K checkpoints: PATH is the newest, the K-1 before it stay as "
+                             "PATH's name with .step<N> before the suffix (default 1)")
+    parser.add_argument("--on-nonfinite", choices=ON_NONFINITE, default="stop",
+                        help="a NaN/inf loss or state: stop, keeping the last good checkpoint (default), or skip "
+                             "the batch and retry the step on the next one")
+    parser.add_argument("--resume", metavar="CHECKPOINT", help="continue from a checkpoint of this same .pte")
+    parser.add_argument("--json", metavar="FILE",
+                        help="write the per-step records [{step, loss, lr, seconds}, ...] as JSON")
+    parser.add_argument("--out-adapters", metavar="DIR",
+                        help="write the trained adapters in PEFT format (adapter_model.safetensors + adapter_config.json)")
+    parser.add_argument("--lora-alpha", type=float,
+                        help="LoRA alpha for adapter_config.json (needed with --out-adapters when the .pte does not record it)")
+    parser.add_argument("--base-model", help="base_model_name_or_path for adapter_config.json")
+    parser.add_argument("--seed", type=int, help="data shuffling seed (default 0; a resumed run keeps its checkpoint's)")
+    parser.add_argument("--no-shuffle", action="store_true", help="read windows in file order")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.add_argument("--plot", metavar="FILE.png", help="write the loss curve of the whole run as a PNG")
+    parser.add_argument("--log-every", type=int, default=1, metavar="N",
+                        help="print step, loss and lr every N steps (default 1; 0: only the summary)")
+    return parser
+
+
+# ------------------------------------------------------------------------------------------------
+# Checks before the run
+# ------------------------------------------------------------------------------------------------
+
+def _check_writable_directory(flag: str, given: str, directory: Path) -> None:
+    """Create `directory` (and its parents) if needed and prove a file can be created in it."""
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        fd, probe = tempfile.mkstemp(prefix=".vktrain-write-probe.", dir=directory)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as exc:
+        raise TrainConfigError(f"{flag} {given}: cannot write there ({directory}: {exc.strerror or exc})") from None
+
+
+def prepare_output_file(flag: str, path: str) -> None:
+    """An output file: not a directory; its directory created and writable; stale temp files removed."""
+    target = Path(path)
+    if target.is_dir():
+        raise TrainConfigError(f"{flag} {path} is a directory; expected a file name")
+    _check_writable_directory(flag, path, target.absolute().parent)
+    remove_stale_temp_files(target)
+
+
+def prepare_adapter_directory(flag: str, path: str) -> None:
+    """The adapter directory: not a file; created and writable; stale temp files of its files removed."""
+    target = Path(path)
+    if target.exists() and not target.is_dir():
+        raise TrainConfigError(f"{flag} {path} is a file; expected a directory (it will hold the adapter files)")
+    _check_writable_directory(flag, path, target)
+    for name in (ADAPTER_WEIGHTS, ADAPTER_CONFIG):
+        remove_stale_temp_files(target / name)
+
+
+def check_arguments(args: argparse.Namespace) -> tuple[LRSchedule, AdamWConfig]:
+    """Every argument in range as the run will use it; the schedule and optimizer settings."""
+    for flag, value, low in (("--steps", args.steps, 1), ("--warmup", args.warmup, 0),
+                             ("--checkpoint-every", args.checkpoint_every, 0), ("--log-every", args.log_every, 0),
+                             ("--keep-checkpoints", args.keep_checkpoints, 1)):
+        if value < low:
+            raise TrainConfigError(f"{flag} must be >= {low}, got {value}")
+    if args.steps > MAX_STEPS:
+        raise TrainConfigError(f"--steps {args.steps}: at most {MAX_STEPS} (AdamW's step counter is float32)")
+    if args.seed is not None and not 0 <= args.seed < 2**32:
+        raise TrainConfigError(f"--seed must lie in [0, 2**32), got {args.seed}")
+    if args.lora_alpha is not None and not (math.isfinite(args.lora_alpha) and args.lora_alpha > 0):
+        raise TrainConfigError(f"--lora-alpha must be a positive number, got {args.lora_alpha}")
+    if args.checkpoint_every and not (args.checkpoint or args.resume):
+        raise TrainConfigError("--checkpoint-every needs --checkpoint PATH (where to write them)")
+    if args.keep_checkpoints > 1 and not (args.checkpoint or args.resume):
+        raise TrainConfigError("--keep-checkpoints needs --checkpoint PATH (where to write them)")
+    if args.plot and importlib.util.find_spec("matplotlib") is None:
+        raise TrainConfigError("--plot needs matplotlib (pip install matplotlib)")
+    schedule = LRSchedule(args.schedule, args.lr, args.steps, args.warmup, args.min_lr_ratio)
+    optimizer = AdamWConfig(args.beta1, args.beta2, args.eps, args.weight_decay)
+    optimizer.check_lr(args.lr)
+    return schedule, optimizer
+
+
+def _config_differences(saved: dict, current: dict, prefix: str = "") -> list[str]:
+    differences = []
+    for key in sorted(set(saved) | set(current)):
+        old, new = saved.get(key), current.get(key)
+        if isinstance(old, dict) and isinstance(new, dict):
+            differences += _config_differences(old, new, f"{prefix}{key}.")
+        elif old != new:
+            differences.append(f"{prefix}{key}: {old!r} -> {new!r}")
+    return differences
+
+
+def _resolve_alpha(args: argparse.Namespace, metadata: dict) -> Optional[float]:
+    if args.lora_alpha is not None:
+        return args.lora_alpha
+    if METADATA_LORA_ALPHA in metadata:
+        return float(metadata[METADATA_LORA_ALPHA])
+    return None
+
+
+# ------------------------------------------------------------------------------------------------
+# The run
+# ------------------------------------------------------------------------------------------------
+
+def print_validation_messages(device) -> int:
+    """Print what the Vulkan validation layer reported on `device` (nothing when it is off, i.e. without
+    VKTRAIN_VALIDATION=1); returns how many of the messages are errors."""
+    take = getattr(device, "take_validation_messages", None)
+    messages = take() if take is not None else []
+    for message in messages:
+        print(f"vktrain train: vulkan validation: {message}", file=sys.stderr)
+    return sum(1 for message in messages if message.severity == "error")
+
+
+def run_train(args: argparse.Namespace, device=None) -> int:
+    """`vktrain train`: 0 on success, 130 when interrupted (Ctrl-C, after saying what was kept; re-raised
+    before the loop started). Bad input and divergence raise (a VktrainError; NonFiniteLossError for a
+    diverged loss): vktrain.cli turns them into one line and an exit code. `device`: a vktrain.runtime
+    Device to run on, whose validation messages stay with it (None: the runner opens the default one,
+    and its validation messages are printed here)."""
+    from vktrain.runtime.program.runner import TrainingRunner  # opens Vulkan: imported only when a run starts
+
+    program_path = Path(args.program)
+    if not program_path.is_file():
+        raise TrainConfigError(f"program {program_path} does not exist (or is not a file)")
+    schedule, optimizer = check_arguments(args)
+    checkpoint_path = args.checkpoint or args.resume
+    # Found now, not when the first checkpoint is due after minutes of training.
+    for flag, target in (("--checkpoint", checkpoint_path), ("--json", args.json), ("--plot", args.plot)):
+        if target:
+            prepare_output_file(flag, target)
+    if args.out_adapters:
+        prepare_adapter_directory("--out-adapters", args.out_adapters)
+    resume = load_checkpoint(args.resume) if args.resume else None
+    if resume is not None and args.seed is not None and args.seed != resume.data_seed:
+        raise TrainConfigError(f"--seed {args.seed} differs from the checkpoint's data seed {resume.data_seed}: the "
+                               f"resumed run would read other batches; drop --seed to keep the checkpoint's")
+    seed = resume.data_seed if resume is not None else (0 if args.seed is None else args.seed)
+    data_path = Path(args.data) if args.data else default_dataset_path()
+    tokens = load_tokens(data_path)
+    program_sha256 = sha256_file(program_path)
+
+    runner = TrainingRunner.from_pte(program_path, device)
+    own_device = getattr(runner, "device", None) if device is None else None  # a caller's device: its messages
+    try:
+        with runner:
+            state, start = _train_loaded(args, runner, schedule, optimizer, resume, seed, data_path, tokens,
+                                         program_sha256, checkpoint_path)
+    except BaseException:
+        print_validation_messages(own_device)  # shown, but the error in flight wins
+        raise
+    errors = print_validation_messages(own_device)
+    if errors:
+        raise ValidationErrorsReported(f"the Vulkan validation layer reported {errors} error(s) (printed above); "
+                                       f"the run's results are not trustworthy")
+    if state is None:
+        return 130
+    if args.plot and state.records:
+        from vktrain.train.plot import plot_losses
+
+        plot_losses(state.records, args.plot, title=f"vktrain train {program_path.name}")
+    new_records = state.records[start:]
+    summary = f"trained steps {start + 1}..{state.step}" if new_records else f"nothing to train (already at step {state.step})"
+    if new_records:
+        summary += f": loss {new_records[0]['loss']:.4f} -> {new_records[-1]['loss']:.4f}"
+    print(summary)
+    for label, value in (("checkpoint", checkpoint_path), ("records", args.json), ("adapters", args.out_adapters),
+                         ("loss plot", args.plot)):
+        if value:
+            print(f"{label}: {value}")
+    return 0
+
+
+def _train_loaded(args, runner, schedule, optimizer, resume, seed, data_path, tokens, program_sha256,
+                  checkpoint_path) -> tuple[Optional[TrainState], int]:
+    """The run once the program is loaded: (final state, first step's index), state None when interrupted."""
+    info = describe_program(runner)
+    alpha = _resolve_alpha(args, info.metadata)
+    if args.out_adapters and alpha is None:
+        raise TrainConfigError("--out-adapters: the .pte does not record the LoRA alpha it was exported with; pass "
+                               "--lora-alpha (the value given to vktrain export --lora-alpha, default 16)")
+    check_vocab(tokens, info.vocab_size, str(data_path))
+    batches = TokenBatcher(tokens, info.batch_size, info.seq_len, seed=seed, shuffle=not args.no_shuffle,
+                           source=str(data_path))
+    state = TrainState()
+    if resume is not None:
+        if resume.data_sha256 != batches.fingerprint:
+            raise CheckpointError(f"{args.resume} was trained on other data or batching (data fingerprint "
+                                  f"{resume.data_sha256[:16]}..., {data_path} gives {batches.fingerprint[:16]}...); "
+                                  f"resume with the same --data and --no-shuffle setting")
+        restore_state(runner, resume, program_sha256, args.resume)
+        state = TrainState.from_checkpoint(resume, args.resume)
+        differences = _config_differences(resume.config, run_config(schedule, optimizer, batches))
+        if differences:
+            print(f"vktrain train: warning: resuming with settings that differ from the checkpoint's run "
+                  f"({'; '.join(differences)}): steps after {resume.step} will not match an uninterrupted run",
+                  file=sys.stderr)
+    start = state.step
+    print(f"{args.program}: batch {info.batch_size} x {info.seq_len}, vocabulary {info.vocab_size}; {data_path}: "
+          f"{tokens.size} tokens, {batches.batches_per_epoch:.1f} batches per epoch; steps {start + 1}..{args.steps}",
+          file=sys.stderr)
+    try:
+        train(runner, batches, args.steps, schedule, optimizer, state=state,  # updates `state` in place
+              checkpoint_every=args.checkpoint_every, checkpoint_path=checkpoint_path,
+              keep_checkpoints=args.keep_checkpoints, program_sha256=program_sha256, json_path=args.json,
+              progress=not args.no_progress, log_every=args.log_every, on_nonfinite=args.on_nonfinite)
+    except KeyboardInterrupt:
+        where = (f"the last checkpoint is {state.last_checkpoint[0]} (step {state.last_checkpoint[1]})"
+                 if state.last_checkpoint else "no checkpoint was written")
+        print(f"vktrain train: interrupted after step {state.step}; {where}", file=sys.stderr)
+        return None, start
+    if args.out_adapters:
+        base_model = args.base_model or info.metadata.get(METADATA_SOURCE_MODEL)
+        lora_state = {name: runner.read_state(name) for name in runner.state_names if name.endswith(LORA_SUFFIXES)}
+        save_adapters(args.out_adapters, adapters_from_state(lora_state), alpha, base_model)
+    return state, start
+
+
+__all__ = ["ValidationErrorsReported", "add_train_arguments", "check_arguments", "prepare_adapter_directory",
+           "prepare_output_file", "print_validation_messages", "run_train"]
