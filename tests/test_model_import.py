@@ -417,3 +417,39 @@ def test_gguf_errors_name_file_and_field(tmp_path):
     junk.write_bytes(b"not a gguf file at all")
     with pytest.raises(ValueError, match="junk.gguf: not a readable GGUF file"):
         load(junk)
+
+
+def test_imported_gguf_forward_on_the_vulkan_device_matches_eager(vk_device, tmp_path):
+    """The exported forward of a GGUF import on the device: Q4_0 bases carry negative scales (Q4_0 maps
+    the largest-magnitude weight to c = 0 with d = max / -8), and so do "mse"-rule bases; the kernels
+    only multiply by the scale, so the device must match the eager model."""
+    from vktrain.export import export_forward, lower_to_pte
+    from vktrain.runtime.executor import GraphExecutor
+    from vktrain.runtime.pte import PteFile
+    from vktrain.runtime.runner import ProgramInterpreter
+    from vktrain.serialization import deserialize_blob
+
+    hf = _hf_model(rope_parameters=ROPE_THETA_1E5, tie_word_embeddings=True, num_hidden_layers=1)
+    path = tmp_path / "model.gguf"
+    _write_gguf(path, hf)
+    model = load(path, max_seq_len=SEQ).model
+    apply_lora(model, LoRAConfig(rank=2, group_size=32, scale_rule="mse", seed=0))
+    q_scales = model.model.layers[0].self_attn.q_proj.scales
+    up_scales = model.model.layers[0].mlp.up_proj.scales  # Q4_1 in the file: re-quantized by the mse rule
+    assert (q_scales < 0).any() and (q_scales > 0).any() and (up_scales < 0).any()
+    generator = torch.Generator().manual_seed(3)
+    with torch.no_grad():  # B = 0 would hide the adapters
+        for name, param in model.named_parameters():
+            if name.endswith("lora_B"):
+                param.copy_(0.05 * torch.randn(param.shape, generator=generator))
+    ids = _tokens()
+    pte = PteFile.from_bytes(lower_to_pte(export_forward(model, tuple(ids.shape))))
+    plan = pte.execution_plan()
+    graph = deserialize_blob(bytes(plan.delegates[0].data))
+    with GraphExecutor(vk_device, graph) as executor:
+        interpreter = ProgramInterpreter(pte, plan, lambda index, args: executor.run(*args[:len(graph.inputs)]))
+        (logits,) = interpreter.run([ids.numpy()])
+    with torch.no_grad():
+        expected = model(ids).numpy()
+    # Both float32, different summation orders: the bound the runner's forward parity test uses.
+    np.testing.assert_allclose(logits, expected, rtol=1e-4, atol=1e-5 * np.abs(expected).max())
