@@ -271,19 +271,17 @@ def _tensor_type(hf_key: str) -> Q:
     return Q.Q4_0
 
 
-def _write_gguf(path, hf, arch="llama", rope_factors=None, drop_keys=()):
+def _write_gguf(path, hf, arch="llama", rope_factors=None, drop_keys=(), omit=(), changed=None):
     cfg = hf.config
     writer = gguf.GGUFWriter(str(path), arch)
-    writer.add_context_length(cfg.max_position_embeddings)
-    writer.add_embedding_length(cfg.hidden_size)
-    writer.add_block_count(cfg.num_hidden_layers)
-    writer.add_feed_forward_length(cfg.intermediate_size)
-    writer.add_head_count(cfg.num_attention_heads)
-    writer.add_head_count_kv(cfg.num_key_value_heads)
-    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    writer.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
-    writer.add_rope_dimension_count(cfg.hidden_size // cfg.num_attention_heads)
-    writer.add_vocab_size(cfg.vocab_size)
+    hparams = dict(context_length=cfg.max_position_embeddings, embedding_length=cfg.hidden_size,
+                   block_count=cfg.num_hidden_layers, feed_forward_length=cfg.intermediate_size,
+                   head_count=cfg.num_attention_heads, head_count_kv=cfg.num_key_value_heads,
+                   layer_norm_rms_eps=cfg.rms_norm_eps, rope_freq_base=cfg.rope_parameters["rope_theta"],
+                   rope_dimension_count=cfg.hidden_size // cfg.num_attention_heads, vocab_size=cfg.vocab_size)
+    for key, value in {**hparams, **(changed or {})}.items():
+        if key not in omit:
+            getattr(writer, f"add_{key}")(value)  # writes "<arch>.<key>" as llama.cpp's converter does
     writer.add_tokenizer_model("gpt2")
     writer.add_token_list([f"tok{i}" for i in range(cfg.vocab_size)])
     writer.add_bos_token_id(1)
@@ -412,6 +410,14 @@ def test_gguf_errors_name_file_and_field(tmp_path):
     path = tmp_path / "partial.gguf"
     _write_gguf(path, hf, drop_keys=("model.layers.1.mlp.gate_proj.weight",))
     with pytest.raises(ValueError, match=r"partial.gguf: .*missing keys: model.layers.1.mlp.gate_proj.weight"):
+        load(path)
+    path = tmp_path / "no_blocks.gguf"
+    _write_gguf(path, hf, omit=("block_count",))
+    with pytest.raises(ValueError, match=r"no_blocks.gguf: metadata lacks required field 'llama.block_count'"):
+        load(path)
+    path = tmp_path / "wrong_ffn.gguf"
+    _write_gguf(path, hf, changed={"feed_forward_length": 2 * HIDDEN})
+    with pytest.raises(ValueError, match=r"wrong_ffn.gguf: .*mis-shaped keys: model.layers.0.mlp.down_proj.weight"):
         load(path)
     junk = tmp_path / "junk.gguf"
     junk.write_bytes(b"not a gguf file at all")
