@@ -175,7 +175,8 @@ def test_cli_export_of_a_hf_directory_prints_what_it_adapted(tmp_path):
                              "forward", "--lora-rank", "2", "--batch", "1", "--seq", "8", "--out", str(out)],
                             capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
-    assert f"loaded {tmp_path}: hf LlamaForCausalLM" in result.stdout
+    assert f"loaded {tmp_path}: hf LlamaForCausalLM: vocab {VOCAB}, dim {DIM}, 1 layers" in result.stdout
+    assert "rope theta 100000 (no scaling)" in result.stdout
     assert "adapting 7 layer(s)" in result.stdout and "model.layers.0.mlp.down_proj" in result.stdout
     assert "not adapted (output head; name it in --targets to adapt it): lm_head" in result.stdout
     assert out.stat().st_size > 0

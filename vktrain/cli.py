@@ -48,7 +48,7 @@ def cmd_export(args: argparse.Namespace) -> int:
     else:
         loaded = load(args.model, **overrides)
         model = loaded.model
-        print(f"loaded {args.model}: {loaded.format} {loaded.architecture}, {loaded.config}")
+        print(f"loaded {args.model}: {loaded.describe()}")
     config = LoRAConfig(rank=args.lora_rank, alpha=args.lora_alpha, targets=args.targets, group_size=args.group_size,
                         scale_rule=args.scale_rule)
     with warnings.catch_warnings(record=True) as caught:

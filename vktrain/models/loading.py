@@ -52,6 +52,17 @@ class LoadedModel:
     tokenizer: TokenizerInfo
     metadata: Mapping[str, Any]  # config.json, or the GGUF's scalar metadata
 
+    def describe(self) -> str:
+        """One line: what was read, including the rope settings (a wrong theta changes nothing visible)."""
+        c = self.config
+        rope = (f"llama3 scaling x{c.rope_scaling.factor:g}" if c.rope_scaling else
+                "llama.cpp rope_freqs" if c.rope_freq_factors else "no scaling")
+        exact = sum(hasattr(m, PREQUANTIZED_ATTR) for m in self.model.modules())
+        return (f"{self.format} {self.architecture}: vocab {c.vocab_size}, dim {c.dim}, {c.n_layers} layers, "
+                f"{c.n_heads}/{c.n_kv_heads} heads, hidden {c.hidden}, rope theta {c.rope_theta:g} ({rope}), "
+                f"max_seq_len {c.max_seq_len}, tied head {c.tie_embeddings}"
+                + (f", {exact} linear(s) with exact Q4_0 codes" if exact else ""))
+
 
 def load(path, **overrides) -> LoadedModel:
     """Load a Hugging Face model directory or a .gguf file (module docstring)."""
