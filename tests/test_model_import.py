@@ -37,14 +37,18 @@ def _reinit(module: torch.nn.Module, seed: int) -> None:
         for name, p in module.named_parameters():
             if name.endswith("norm.weight"):
                 p.copy_(0.5 + torch.rand(p.shape, generator=g))
+            elif name.endswith("bias"):  # HF starts biases at 0, which would hide a mishandled one
+                p.copy_(0.5 * torch.randn(p.shape, generator=g))
             elif p.dim() == 2:
                 fan_in = p.shape[1] if "embed" not in name else 1
                 p.copy_(torch.randn(p.shape, generator=g) / math.sqrt(fan_in))
 
 
 def _hf_model(model_type="llama", seed=0, **kwargs):
-    config_cls = {"llama": transformers.LlamaConfig, "mistral": transformers.MistralConfig}[model_type]
-    model_cls = {"llama": transformers.LlamaForCausalLM, "mistral": transformers.MistralForCausalLM}[model_type]
+    config_cls = {"llama": transformers.LlamaConfig, "mistral": transformers.MistralConfig,
+                  "qwen2": transformers.Qwen2Config}[model_type]
+    model_cls = {"llama": transformers.LlamaForCausalLM, "mistral": transformers.MistralForCausalLM,
+                 "qwen2": transformers.Qwen2ForCausalLM}[model_type]
     defaults = dict(vocab_size=VOCAB, hidden_size=DIM, intermediate_size=HIDDEN, num_hidden_layers=LAYERS,
                     num_attention_heads=HEADS, num_key_value_heads=2, max_position_embeddings=64, rms_norm_eps=1e-5,
                     attn_implementation="eager")
@@ -78,6 +82,7 @@ HF_CASES = {
     "llama3-scaling-untied-sharded": dict(rope_parameters=LLAMA3_ROPE, tie_word_embeddings=False),
     "mistral-gqa-window": dict(model_type="mistral", num_key_value_heads=1, sliding_window=48,
                                rope_parameters=ROPE_THETA_1E5, tie_word_embeddings=False),
+    "qwen2-qkv-bias-tied": dict(model_type="qwen2", rope_parameters=ROPE_THETA_1E5, tie_word_embeddings=True),
 }
 
 
@@ -195,10 +200,11 @@ def test_hf_directory_errors_name_file_and_field(tmp_path):
     state = load_file(str(weights))
 
     config = json.loads((tmp_path / "config.json").read_text())
-    (tmp_path / "config.json").write_text(json.dumps({**config, "model_type": "qwen2",
-                                                      "architectures": ["Qwen2ForCausalLM"]}))
-    with pytest.raises(ValueError, match=r"config.json: model_type 'qwen2' .* is not supported; supported: "
-                                         r"llama \(LlamaForCausalLM\), mistral \(MistralForCausalLM\)"):
+    (tmp_path / "config.json").write_text(json.dumps({**config, "model_type": "qwen3",
+                                                      "architectures": ["Qwen3ForCausalLM"]}))
+    with pytest.raises(ValueError, match=r"config.json: model_type 'qwen3' .* is not supported; supported: "
+                                         r"llama \(LlamaForCausalLM\), mistral \(MistralForCausalLM\), "
+                                         r"qwen2 \(Qwen2ForCausalLM\)"):
         load(tmp_path)
     (tmp_path / "config.json").write_text(json.dumps({**config, "intermediate_size": 2 * HIDDEN}))
     with pytest.raises(ValueError, match=r"mis-shaped keys: model.layers.0.mlp.down_proj.weight: checkpoint "
@@ -256,12 +262,13 @@ def _gguf_name(hf_key: str) -> str:
     if hf_key in top:
         return top[hf_key]
     _, _, layer, rest = hf_key.split(".", 3)
-    return f"blk.{layer}.{_GGUF_LAYER[rest.removesuffix('.weight')]}.weight"
+    module, _, kind = rest.rpartition(".")
+    return f"blk.{layer}.{_GGUF_LAYER[module]}.{kind}"
 
 
 def _tensor_type(hf_key: str) -> Q:
     """A mix of types: Q4_0 for most projections, others for the rest (each read by gguf's dequantizer)."""
-    if hf_key.endswith("norm.weight"):
+    if hf_key.endswith(("norm.weight", ".bias")):
         return Q.F32
     if "v_proj" in hf_key:
         return Q.F16
@@ -292,9 +299,9 @@ def _write_gguf(path, hf, arch="llama", rope_factors=None, drop_keys=(), omit=()
         if key in drop_keys or (key == "lm_head.weight" and cfg.tie_word_embeddings):
             continue
         w = value.detach().to(torch.float32).numpy()
-        if key.endswith("q_proj.weight"):
+        if arch == "llama" and key.endswith("q_proj.weight"):  # llama.cpp's LlamaModel permutes; Qwen2Model not
             w = _llama_cpp_permute(w, cfg.num_attention_heads, cfg.num_attention_heads)
-        elif key.endswith("k_proj.weight"):
+        elif arch == "llama" and key.endswith("k_proj.weight"):
             w = _llama_cpp_permute(w, cfg.num_attention_heads, cfg.num_key_value_heads)
         qtype = _tensor_type(key)
         if qtype in (Q.F32, Q.F16):
@@ -332,6 +339,7 @@ def _hf_reference_on_gguf_values(hf):
 GGUF_CASES = {
     "tied-theta1e5": dict(rope_parameters=ROPE_THETA_1E5, tie_word_embeddings=True),
     "llama3-rope-freqs-untied": dict(rope_parameters=LLAMA3_ROPE, tie_word_embeddings=False),
+    "qwen2-qkv-bias": dict(model_type="qwen2", rope_parameters=ROPE_THETA_1E5, tie_word_embeddings=True),
 }
 
 
@@ -344,9 +352,10 @@ def test_gguf_import_equals_transformers_forward(tmp_path, case):
         factors = _llama_cpp_rope_factors(p["rope_theta"], DIM // HEADS, p["factor"], p["low_freq_factor"],
                                           p["high_freq_factor"], p["original_max_position_embeddings"])
     path = tmp_path / "model.gguf"
-    _write_gguf(path, hf, rope_factors=factors)
+    arch = GGUF_CASES[case].get("model_type", "llama")
+    _write_gguf(path, hf, arch=arch, rope_factors=factors)
     loaded = load(path)
-    assert loaded.format == "gguf" and loaded.architecture == "llama"
+    assert loaded.format == "gguf" and loaded.architecture == arch
     assert (loaded.config.n_kv_heads, loaded.config.rope_theta) == (2, hf.config.rope_parameters["rope_theta"])
     assert loaded.config.tie_embeddings == hf.config.tie_word_embeddings
     ids = _tokens()
@@ -404,9 +413,10 @@ def test_gguf_q4_0_weights_become_the_q4gsw_base_bit_for_bit(tmp_path):
 
 def test_gguf_errors_name_file_and_field(tmp_path):
     hf = _hf_model(rope_parameters=ROPE_THETA_1E5, tie_word_embeddings=True)
-    path = tmp_path / "qwen.gguf"
-    _write_gguf(path, hf, arch="qwen2")
-    with pytest.raises(ValueError, match=r"qwen.gguf: general.architecture 'qwen2' is not supported; supported: llama"):
+    path = tmp_path / "qwen3.gguf"
+    _write_gguf(path, hf, arch="qwen3")
+    with pytest.raises(ValueError, match=r"qwen3.gguf: general.architecture 'qwen3' is not supported; supported: "
+                                         r"llama, qwen2"):
         load(path)
     path = tmp_path / "partial.gguf"
     _write_gguf(path, hf, drop_keys=("model.layers.1.mlp.gate_proj.weight",))
@@ -426,19 +436,20 @@ def test_gguf_errors_name_file_and_field(tmp_path):
         load(junk)
 
 
-def test_imported_gguf_forward_on_the_vulkan_device_matches_eager(vk_device, tmp_path):
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_imported_gguf_forward_on_the_vulkan_device_matches_eager(vk_device, tmp_path, arch):
     """The exported forward of a GGUF import on the device: Q4_0 bases carry negative scales (Q4_0 maps
     the largest-magnitude weight to c = 0 with d = max / -8), and so do "mse"-rule bases; the kernels
-    only multiply by the scale, so the device must match the eager model."""
+    only multiply by the scale, so the device must match the eager model. qwen2: with q/k/v biases."""
     from vktrain.export import export_forward, lower_to_pte
     from vktrain.runtime.executor import GraphExecutor
     from vktrain.runtime.pte import PteFile
     from vktrain.runtime.runner import ProgramInterpreter
     from vktrain.serialization import deserialize_blob
 
-    hf = _hf_model(rope_parameters=ROPE_THETA_1E5, tie_word_embeddings=True, num_hidden_layers=1)
+    hf = _hf_model(arch, rope_parameters=ROPE_THETA_1E5, tie_word_embeddings=True, num_hidden_layers=1)
     path = tmp_path / "model.gguf"
-    _write_gguf(path, hf)
+    _write_gguf(path, hf, arch=arch)
     model = load(path, max_seq_len=SEQ).model
     apply_lora(model, LoRAConfig(rank=2, group_size=32, scale_rule="mse", seed=0))
     q_scales = model.model.layers[0].self_attn.q_proj.scales

@@ -4,8 +4,9 @@
   rope scaling from the `rope_freqs.weight` tensor (llama.cpp's per-frequency divisors, how a Llama 3
   GGUF stores its "llama3" scaling) into LlamaConfig.rope_freq_factors; other scaling is refused.
 - Every tensor type gguf.quants.dequantize handles is dequantized to float32.
-- llama.cpp's convert script permutes the rows of attn_q / attn_k (its rope pairs dims i and i + D/2 ...
-  as adjacent rows; HF pairs i and i + D/2 within each head); the permutation is undone here.
+- llama.cpp's convert script permutes the rows of a llama model's attn_q / attn_k (its rope rotates
+  adjacent pairs of rows; HF's rotates dims i and i + D/2 of each head); the permutation is undone here.
+  (qwen2 files are written unpermuted, with q/k/v biases.)
 - Q4_0 (symmetric, one float16 scale per 32 weights, w = (c - 8) * d) is exactly q4gsw at group size 32:
   code c and scale d are taken as they are (d may be negative: Q4_0 puts the group's largest-magnitude
   weight on c = 0, and q4gsw decodes q * s whatever the sign). The linear weight holds the exact
@@ -25,7 +26,10 @@ from vktrain.quant import pack_flat
 from .llama import LlamaConfig
 from .loading import LoadedModel, TokenizerInfo, build_loaded_model, check_overrides, context_max_seq_len
 
-GGUF_ARCHITECTURES = ("llama",)  # general.architecture values imported (Llama 2/3.x, SmolLM2, TinyLlama, Mistral)
+# general.architecture values imported: llama (Llama 2/3.x, SmolLM2, TinyLlama, Mistral) and qwen2 (q/k/v
+# biases; its converter does not permute q/k: llama.cpp runs it with NeoX-style rope, HF's pairing).
+GGUF_ARCHITECTURES = ("llama", "qwen2")
+_PERMUTED_QK = ("llama",)
 Q4_0_GROUP = 32
 
 # GGUF tensor name -> HF name; "{i}" is the layer index.
@@ -36,7 +40,8 @@ _LAYER_NAMES = {
     "attn_k.weight": "self_attn.k_proj.weight", "attn_v.weight": "self_attn.v_proj.weight",
     "attn_output.weight": "self_attn.o_proj.weight", "ffn_norm.weight": "post_attention_layernorm.weight",
     "ffn_gate.weight": "mlp.gate_proj.weight", "ffn_up.weight": "mlp.up_proj.weight",
-    "ffn_down.weight": "mlp.down_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight", "attn_q.bias": "self_attn.q_proj.bias",
+    "attn_k.bias": "self_attn.k_proj.bias", "attn_v.bias": "self_attn.v_proj.bias",
 }
 _ROPE_FREQS = "rope_freqs.weight"
 
@@ -104,7 +109,8 @@ def _config(metadata: dict, tensors: dict, where: str, overrides: dict) -> Llama
                   n_kv_heads=int(get("attention.head_count_kv", n_heads)),
                   hidden=int(get("feed_forward_length", required=True)),
                   norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-5)),
-                  rope_theta=float(get("rope.freq_base", 10000.0)), tie_embeddings="output.weight" not in tensors)
+                  rope_theta=float(get("rope.freq_base", 10000.0)), tie_embeddings="output.weight" not in tensors,
+                  qkv_bias=arch == "qwen2")
     head_dim = values["dim"] // n_heads
     for key in ("rope.dimension_count", "attention.key_length", "attention.value_length"):
         if get(key) is not None and int(get(key)) != head_dim:
@@ -171,13 +177,14 @@ def load_gguf(path, **overrides) -> LoadedModel:
         if hf is None:
             unknown.append(name)
             continue
-        heads = (config.n_heads if hf.endswith("q_proj.weight") else
-                 config.n_kv_heads if hf.endswith("k_proj.weight") else None)
+        permuted = metadata["general.architecture"] in _PERMUTED_QK
+        heads = (config.n_heads if permuted and hf.endswith(("q_proj.weight", "q_proj.bias")) else
+                 config.n_kv_heads if permuted and hf.endswith(("k_proj.weight", "k_proj.bias")) else None)
         values = _dequantize(tensor, where)
         if heads is not None:
-            if values.ndim != 2 or values.shape[0] != heads * config.head_dim:
+            if values.shape[0] != heads * config.head_dim:
                 raise ValueError(f"{where}: tensor {name!r} has shape {list(values.shape)}, expected "
-                                 f"[{heads * config.head_dim}, {config.dim}]")
+                                 f"{heads * config.head_dim} rows ({heads} heads of {config.head_dim})")
             values = unpermute_rows(values, heads)
         if tensor.tensor_type == gguf.GGMLQuantizationType.Q4_0 and values.ndim == 2:
             n, k = values.shape

@@ -5,7 +5,8 @@ over rms_norm(x)] -> rms_norm -> lm_head, with grouped-query causal attention. M
 names (`model.embed_tokens`, `model.layers.N.self_attn.q_proj`, `model.layers.N.mlp.gate_proj`,
 `model.norm`, `lm_head`), so a HF checkpoint loads key for key and LoRA targets and adapter files use HF's
 paths. q/k/v/o/gate/up/down/lm_head are plain nn.Linear layers: vktrain.lora.apply_lora swaps them for a
-q4gsw base + adapter. Norm weights are frozen parameters (rms_norm has no weight gradient).
+q4gsw base + adapter. Norm weights are frozen parameters (rms_norm has no weight gradient). With
+qkv_bias the q/k/v projections carry (frozen) biases: Qwen2, otherwise the same network.
 
 Presets: `tiny-llama` (byte vocabulary, ~0.1M parameters, for tests and smoke runs) and `llama-3.2-1b`
 (the shapes of meta-llama/Llama-3.2-1B, including its "llama3" rope frequency scaling).
@@ -69,6 +70,7 @@ class LlamaConfig:
     rope_freq_factors: tuple[float, ...] | None = None
     max_seq_len: int = 512  # length of the rope tables; longer sequences are refused
     tie_embeddings: bool = True
+    qkv_bias: bool = False  # biases on q/k/v (Qwen2)
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -107,8 +109,8 @@ class LlamaConfig:
 
     @classmethod
     def from_hf_config(cls, hf_config: Mapping[str, Any], **overrides) -> "LlamaConfig":
-        """A LlamaConfig from a Hugging Face `config.json` dict (model_type "llama" or "mistral"); keyword
-        overrides win. Rope theta and scaling are read from transformers 5's `rope_parameters` as well as from
+        """A LlamaConfig from a Hugging Face `config.json` dict (model_type "llama", "mistral" or "qwen2", whose
+        q/k/v always carry biases); keyword overrides win. Rope theta and scaling are read from transformers 5's `rope_parameters` as well as from
         the older top-level `rope_theta` / `rope_scaling` (see hf_rope)."""
         try:
             values = dict(
@@ -116,7 +118,8 @@ class LlamaConfig:
                 n_layers=hf_config["num_hidden_layers"], n_heads=hf_config["num_attention_heads"],
                 n_kv_heads=hf_config.get("num_key_value_heads") or hf_config["num_attention_heads"],
                 hidden=hf_config["intermediate_size"], norm_eps=hf_config.get("rms_norm_eps", 1e-6),
-                tie_embeddings=bool(hf_config.get("tie_word_embeddings", False)))
+                tie_embeddings=bool(hf_config.get("tie_word_embeddings", False)),
+                qkv_bias=hf_config.get("model_type") == "qwen2")
         except KeyError as e:
             raise ValueError(f"Hugging Face Llama config lacks required key {e.args[0]!r}") from None
         values["rope_theta"], values["rope_scaling"] = hf_rope(hf_config)
@@ -224,9 +227,9 @@ class LlamaAttention(nn.Module):
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = config.n_heads, config.n_kv_heads, config.head_dim
         self.scale = 1.0 / math.sqrt(config.head_dim)
-        self.q_proj = nn.Linear(config.dim, config.n_heads * config.head_dim, bias=False)
-        self.k_proj = nn.Linear(config.dim, config.n_kv_heads * config.head_dim, bias=False)
-        self.v_proj = nn.Linear(config.dim, config.n_kv_heads * config.head_dim, bias=False)
+        self.q_proj = nn.Linear(config.dim, config.n_heads * config.head_dim, bias=config.qkv_bias)
+        self.k_proj = nn.Linear(config.dim, config.n_kv_heads * config.head_dim, bias=config.qkv_bias)
+        self.v_proj = nn.Linear(config.dim, config.n_kv_heads * config.head_dim, bias=config.qkv_bias)
         self.o_proj = nn.Linear(config.n_heads * config.head_dim, config.dim, bias=False)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -297,6 +300,8 @@ class LlamaForCausalLM(nn.Module):
         for module in self.modules():
             if isinstance(module, (nn.Linear, nn.Embedding)) and module.weight.device.type != "meta":
                 module.weight.normal_(0.0, _INIT_STD, generator=generator)
+                if getattr(module, "bias", None) is not None:
+                    module.bias.zero_()  # HF's init; and reproducible (nn.Linear's uses the global RNG)
 
     def _check_token_ids(self, token_ids: torch.Tensor) -> None:
         if not isinstance(token_ids, torch.Tensor) or token_ids.dtype not in (torch.int64, torch.int32):
