@@ -46,9 +46,9 @@ def _reinit(module: torch.nn.Module, seed: int) -> None:
 
 def _hf_model(model_type="llama", seed=0, **kwargs):
     config_cls = {"llama": transformers.LlamaConfig, "mistral": transformers.MistralConfig,
-                  "qwen2": transformers.Qwen2Config}[model_type]
+                  "qwen2": transformers.Qwen2Config, "qwen3": transformers.Qwen3Config}[model_type]
     model_cls = {"llama": transformers.LlamaForCausalLM, "mistral": transformers.MistralForCausalLM,
-                 "qwen2": transformers.Qwen2ForCausalLM}[model_type]
+                 "qwen2": transformers.Qwen2ForCausalLM, "qwen3": transformers.Qwen3ForCausalLM}[model_type]
     defaults = dict(vocab_size=VOCAB, hidden_size=DIM, intermediate_size=HIDDEN, num_hidden_layers=LAYERS,
                     num_attention_heads=HEADS, num_key_value_heads=2, max_position_embeddings=64, rms_norm_eps=1e-5,
                     attn_implementation="eager")
@@ -83,6 +83,8 @@ HF_CASES = {
     "mistral-gqa-window": dict(model_type="mistral", num_key_value_heads=1, sliding_window=48,
                                rope_parameters=ROPE_THETA_1E5, tie_word_embeddings=False),
     "qwen2-qkv-bias-tied": dict(model_type="qwen2", rope_parameters=ROPE_THETA_1E5, tie_word_embeddings=True),
+    "qwen3-qk-norm-head32": dict(model_type="qwen3", head_dim=32, rope_parameters=ROPE_THETA_1E5,
+                                 tie_word_embeddings=True),
 }
 
 
@@ -200,11 +202,11 @@ def test_hf_directory_errors_name_file_and_field(tmp_path):
     state = load_file(str(weights))
 
     config = json.loads((tmp_path / "config.json").read_text())
-    (tmp_path / "config.json").write_text(json.dumps({**config, "model_type": "qwen3",
-                                                      "architectures": ["Qwen3ForCausalLM"]}))
-    with pytest.raises(ValueError, match=r"config.json: model_type 'qwen3' .* is not supported; supported: "
+    (tmp_path / "config.json").write_text(json.dumps({**config, "model_type": "gemma",
+                                                      "architectures": ["GemmaForCausalLM"]}))
+    with pytest.raises(ValueError, match=r"config.json: model_type 'gemma' .* is not supported; supported: "
                                          r"llama \(LlamaForCausalLM\), mistral \(MistralForCausalLM\), "
-                                         r"qwen2 \(Qwen2ForCausalLM\)"):
+                                         r"qwen2 \(Qwen2ForCausalLM\), qwen3 \(Qwen3ForCausalLM\)"):
         load(tmp_path)
     (tmp_path / "config.json").write_text(json.dumps({**config, "intermediate_size": 2 * HIDDEN}))
     with pytest.raises(ValueError, match=r"mis-shaped keys: model.layers.0.mlp.down_proj.weight: checkpoint "
@@ -252,7 +254,8 @@ def _llama_cpp_rope_factors(theta, dim, factor, low_freq_factor, high_freq_facto
 
 _GGUF_LAYER = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
                "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
-               "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm"}
+               "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
+               "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm"}
 Q = gguf.GGMLQuantizationType
 
 
@@ -281,12 +284,14 @@ def _tensor_type(hf_key: str) -> Q:
 
 def _write_gguf(path, hf, arch="llama", rope_factors=None, drop_keys=(), omit=(), changed=None):
     cfg = hf.config
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads  # Qwen2Config has none
     writer = gguf.GGUFWriter(str(path), arch)
     hparams = dict(context_length=cfg.max_position_embeddings, embedding_length=cfg.hidden_size,
                    block_count=cfg.num_hidden_layers, feed_forward_length=cfg.intermediate_size,
                    head_count=cfg.num_attention_heads, head_count_kv=cfg.num_key_value_heads,
                    layer_norm_rms_eps=cfg.rms_norm_eps, rope_freq_base=cfg.rope_parameters["rope_theta"],
-                   rope_dimension_count=cfg.hidden_size // cfg.num_attention_heads, vocab_size=cfg.vocab_size)
+                   rope_dimension_count=head_dim, key_length=head_dim, value_length=head_dim,
+                   vocab_size=cfg.vocab_size)
     for key, value in {**hparams, **(changed or {})}.items():
         if key not in omit:
             getattr(writer, f"add_{key}")(value)  # writes "<arch>.<key>" as llama.cpp's converter does
@@ -340,6 +345,8 @@ GGUF_CASES = {
     "tied-theta1e5": dict(rope_parameters=ROPE_THETA_1E5, tie_word_embeddings=True),
     "llama3-rope-freqs-untied": dict(rope_parameters=LLAMA3_ROPE, tie_word_embeddings=False),
     "qwen2-qkv-bias": dict(model_type="qwen2", rope_parameters=ROPE_THETA_1E5, tie_word_embeddings=True),
+    "qwen3-qk-norm-head32": dict(model_type="qwen3", head_dim=32, rope_parameters=ROPE_THETA_1E5,
+                                 tie_word_embeddings=True),
 }
 
 
@@ -413,10 +420,10 @@ def test_gguf_q4_0_weights_become_the_q4gsw_base_bit_for_bit(tmp_path):
 
 def test_gguf_errors_name_file_and_field(tmp_path):
     hf = _hf_model(rope_parameters=ROPE_THETA_1E5, tie_word_embeddings=True)
-    path = tmp_path / "qwen3.gguf"
-    _write_gguf(path, hf, arch="qwen3")
-    with pytest.raises(ValueError, match=r"qwen3.gguf: general.architecture 'qwen3' is not supported; supported: "
-                                         r"llama, qwen2"):
+    path = tmp_path / "gemma.gguf"
+    _write_gguf(path, hf, arch="gemma")
+    with pytest.raises(ValueError, match=r"gemma.gguf: general.architecture 'gemma' is not supported; supported: "
+                                         r"llama, qwen2, qwen3"):
         load(path)
     path = tmp_path / "partial.gguf"
     _write_gguf(path, hf, drop_keys=("model.layers.1.mlp.gate_proj.weight",))
@@ -436,18 +443,20 @@ def test_gguf_errors_name_file_and_field(tmp_path):
         load(junk)
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
 def test_imported_gguf_forward_on_the_vulkan_device_matches_eager(vk_device, tmp_path, arch):
     """The exported forward of a GGUF import on the device: Q4_0 bases carry negative scales (Q4_0 maps
     the largest-magnitude weight to c = 0 with d = max / -8), and so do "mse"-rule bases; the kernels
-    only multiply by the scale, so the device must match the eager model. qwen2: with q/k/v biases."""
+    only multiply by the scale, so the device must match the eager model. qwen2: with q/k/v biases;
+    qwen3: q/k norms over [B, S, H, D] and a head width of 32 (not dim / heads = 16)."""
     from vktrain.export import export_forward, lower_to_pte
     from vktrain.runtime.executor import GraphExecutor
     from vktrain.runtime.pte import PteFile
     from vktrain.runtime.runner import ProgramInterpreter
     from vktrain.serialization import deserialize_blob
 
-    hf = _hf_model(arch, rope_parameters=ROPE_THETA_1E5, tie_word_embeddings=True, num_hidden_layers=1)
+    extra = {"head_dim": 32} if arch == "qwen3" else {}
+    hf = _hf_model(arch, rope_parameters=ROPE_THETA_1E5, tie_word_embeddings=True, num_hidden_layers=1, **extra)
     path = tmp_path / "model.gguf"
     _write_gguf(path, hf, arch=arch)
     model = load(path, max_seq_len=SEQ).model

@@ -6,7 +6,7 @@
 - Every tensor type gguf.quants.dequantize handles is dequantized to float32.
 - llama.cpp's convert script permutes the rows of a llama model's attn_q / attn_k (its rope rotates
   adjacent pairs of rows; HF's rotates dims i and i + D/2 of each head); the permutation is undone here.
-  (qwen2 files are written unpermuted, with q/k/v biases.)
+  (qwen2 / qwen3 files are written unpermuted.)
 - Q4_0 (symmetric, one float16 scale per 32 weights, w = (c - 8) * d) is exactly q4gsw at group size 32:
   code c and scale d are taken as they are (d may be negative: Q4_0 puts the group's largest-magnitude
   weight on c = 0, and q4gsw decodes q * s whatever the sign). The linear weight holds the exact
@@ -26,9 +26,10 @@ from vktrain.quant import pack_flat
 from .llama import LlamaConfig
 from .loading import LoadedModel, TokenizerInfo, build_loaded_model, check_overrides, context_max_seq_len
 
-# general.architecture values imported: llama (Llama 2/3.x, SmolLM2, TinyLlama, Mistral) and qwen2 (q/k/v
-# biases; its converter does not permute q/k: llama.cpp runs it with NeoX-style rope, HF's pairing).
-GGUF_ARCHITECTURES = ("llama", "qwen2")
+# general.architecture values imported: llama (Llama 2/3.x, SmolLM2, TinyLlama, Mistral), qwen2 (q/k/v
+# biases) and qwen3 (q/k norms, own head width); llama.cpp runs the Qwens with NeoX-style rope (HF's
+# pairing), so their converter does not permute q/k.
+GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3")
 _PERMUTED_QK = ("llama",)
 Q4_0_GROUP = 32
 
@@ -42,6 +43,7 @@ _LAYER_NAMES = {
     "ffn_gate.weight": "mlp.gate_proj.weight", "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight", "attn_q.bias": "self_attn.q_proj.bias",
     "attn_k.bias": "self_attn.k_proj.bias", "attn_v.bias": "self_attn.v_proj.bias",
+    "attn_q_norm.weight": "self_attn.q_norm.weight", "attn_k_norm.weight": "self_attn.k_norm.weight",
 }
 _ROPE_FREQS = "rope_freqs.weight"
 
@@ -110,12 +112,14 @@ def _config(metadata: dict, tensors: dict, where: str, overrides: dict) -> Llama
                   hidden=int(get("feed_forward_length", required=True)),
                   norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-5)),
                   rope_theta=float(get("rope.freq_base", 10000.0)), tie_embeddings="output.weight" not in tensors,
-                  qkv_bias=arch == "qwen2")
-    head_dim = values["dim"] // n_heads
-    for key in ("rope.dimension_count", "attention.key_length", "attention.value_length"):
+                  qkv_bias=arch == "qwen2", qk_norm=arch == "qwen3")
+    head_dim = int(get("attention.key_length", values["dim"] // n_heads))
+    if head_dim * n_heads != values["dim"]:
+        values["attn_head_dim"] = head_dim
+    for key in ("rope.dimension_count", "attention.value_length"):
         if get(key) is not None and int(get(key)) != head_dim:
-            raise ValueError(f"{where}: {arch}.{key}={get(key)} but embedding_length / head_count = {head_dim}: "
-                             f"partial rotary or decoupled head dims are not supported")
+            raise ValueError(f"{where}: {arch}.{key}={get(key)} but the head width is {head_dim}: partial rotary "
+                             f"or differing key / value widths are not supported")
     if _ROPE_FREQS in tensors:
         values["rope_freq_factors"] = tuple(float(f) for f in _dequantize(tensors[_ROPE_FREQS], where).reshape(-1))
     overrides = context_max_seq_len(get("context_length"), overrides, where)

@@ -5,8 +5,9 @@ over rms_norm(x)] -> rms_norm -> lm_head, with grouped-query causal attention. M
 names (`model.embed_tokens`, `model.layers.N.self_attn.q_proj`, `model.layers.N.mlp.gate_proj`,
 `model.norm`, `lm_head`), so a HF checkpoint loads key for key and LoRA targets and adapter files use HF's
 paths. q/k/v/o/gate/up/down/lm_head are plain nn.Linear layers: vktrain.lora.apply_lora swaps them for a
-q4gsw base + adapter. Norm weights are frozen parameters (rms_norm has no weight gradient). With
-qkv_bias the q/k/v projections carry (frozen) biases: Qwen2, otherwise the same network.
+q4gsw base + adapter. Norm weights are frozen parameters (rms_norm has no weight gradient). Variants of
+the same network: qkv_bias (q/k/v biases: Qwen2); qk_norm (an RMSNorm over each head of q and k before
+rope: Qwen3) with attn_head_dim (a head width other than dim / n_heads, as Qwen3 has).
 
 Presets: `tiny-llama` (byte vocabulary, ~0.1M parameters, for tests and smoke runs) and `llama-3.2-1b`
 (the shapes of meta-llama/Llama-3.2-1B, including its "llama3" rope frequency scaling).
@@ -71,6 +72,8 @@ class LlamaConfig:
     max_seq_len: int = 512  # length of the rope tables; longer sequences are refused
     tie_embeddings: bool = True
     qkv_bias: bool = False  # biases on q/k/v (Qwen2)
+    qk_norm: bool = False  # RMSNorm of each q and k head before rope (Qwen3)
+    attn_head_dim: int | None = None  # head width when it is not dim / n_heads (Qwen3)
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -80,7 +83,10 @@ class LlamaConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(f"LlamaConfig.{name} must be a positive integer, got {value!r}")
-        if self.dim % self.n_heads != 0:
+        if self.attn_head_dim is not None and (isinstance(self.attn_head_dim, bool) or
+                                               not isinstance(self.attn_head_dim, int) or self.attn_head_dim <= 0):
+            raise ValueError(f"LlamaConfig.attn_head_dim must be a positive integer or None, got {self.attn_head_dim!r}")
+        if self.attn_head_dim is None and self.dim % self.n_heads != 0:
             raise ValueError(f"LlamaConfig.dim={self.dim} must be a multiple of n_heads={self.n_heads}")
         if self.n_heads % self.n_kv_heads != 0:
             raise ValueError(f"LlamaConfig.n_heads={self.n_heads} must be a multiple of n_kv_heads="
@@ -105,12 +111,12 @@ class LlamaConfig:
 
     @property
     def head_dim(self) -> int:
-        return self.dim // self.n_heads
+        return self.attn_head_dim if self.attn_head_dim is not None else self.dim // self.n_heads
 
     @classmethod
     def from_hf_config(cls, hf_config: Mapping[str, Any], **overrides) -> "LlamaConfig":
-        """A LlamaConfig from a Hugging Face `config.json` dict (model_type "llama", "mistral" or "qwen2", whose
-        q/k/v always carry biases); keyword overrides win. Rope theta and scaling are read from transformers 5's `rope_parameters` as well as from
+        """A LlamaConfig from a Hugging Face `config.json` dict (model_type "llama", "mistral", "qwen2" (whose
+        q/k/v always carry biases) or "qwen3" (q/k norms, its own head_dim)); keyword overrides win. Rope theta and scaling are read from transformers 5's `rope_parameters` as well as from
         the older top-level `rope_theta` / `rope_scaling` (see hf_rope)."""
         try:
             values = dict(
@@ -119,14 +125,13 @@ class LlamaConfig:
                 n_kv_heads=hf_config.get("num_key_value_heads") or hf_config["num_attention_heads"],
                 hidden=hf_config["intermediate_size"], norm_eps=hf_config.get("rms_norm_eps", 1e-6),
                 tie_embeddings=bool(hf_config.get("tie_word_embeddings", False)),
-                qkv_bias=hf_config.get("model_type") == "qwen2")
+                qkv_bias=hf_config.get("model_type") == "qwen2", qk_norm=hf_config.get("model_type") == "qwen3")
         except KeyError as e:
             raise ValueError(f"Hugging Face Llama config lacks required key {e.args[0]!r}") from None
         values["rope_theta"], values["rope_scaling"] = hf_rope(hf_config)
         head_dim = hf_config.get("head_dim")
         if head_dim is not None and head_dim * values["n_heads"] != values["dim"]:
-            raise ValueError(f"head_dim={head_dim} * num_attention_heads={values['n_heads']} != hidden_size="
-                             f"{values['dim']}: decoupled head dims are not supported")
+            values["attn_head_dim"] = int(head_dim)
         for flag in ("attention_bias", "mlp_bias"):
             if hf_config.get(flag):
                 raise ValueError(f"Hugging Face config sets {flag}=true: biased Llama projections are not supported")
@@ -231,6 +236,9 @@ class LlamaAttention(nn.Module):
         self.k_proj = nn.Linear(config.dim, config.n_kv_heads * config.head_dim, bias=config.qkv_bias)
         self.v_proj = nn.Linear(config.dim, config.n_kv_heads * config.head_dim, bias=config.qkv_bias)
         self.o_proj = nn.Linear(config.n_heads * config.head_dim, config.dim, bias=False)
+        if config.qk_norm:  # HF's Qwen3 names
+            self.q_norm = LlamaRMSNorm(config.head_dim, config.norm_eps)
+            self.k_norm = LlamaRMSNorm(config.head_dim, config.norm_eps)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         batch, seq_len, _ = x.shape
@@ -238,6 +246,8 @@ class LlamaAttention(nn.Module):
         q = self.q_proj(x).view(batch, seq_len, self.n_heads, self.head_dim)
         k = self.k_proj(x).view(batch, seq_len, self.n_kv_heads, self.head_dim)
         v = self.v_proj(x).view(batch, seq_len, self.n_kv_heads, self.head_dim)
+        if hasattr(self, "q_norm"):
+            q, k = self.q_norm(q), self.k_norm(k)
         q = torch.ops.vktrain.rope(q, cos, sin)
         k = torch.ops.vktrain.rope(k, cos, sin)
         out, _ = torch.ops.vktrain.causal_attention(q, k, v, self.scale)

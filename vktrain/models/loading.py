@@ -24,7 +24,8 @@ from vktrain.lora.layers import PREQUANTIZED_ATTR, Q4GSWWeight
 from .llama import LlamaConfig, LlamaForCausalLM, load_hf_state_dict
 
 # Hugging Face model_type -> architecture class; all load into LlamaForCausalLM (same weights and math).
-HF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+HF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                    "qwen3": "Qwen3ForCausalLM"}
 # Rope tables are built for min(context length, this) positions unless max_seq_len is given: a 128k
 # context would otherwise put 2 x 64 MiB of tables into every exported program.
 DEFAULT_MAX_SEQ_LEN = 2048
@@ -188,7 +189,7 @@ def load_hf_directory(directory, **overrides) -> LoadedModel:
         raise ValueError(f"{config_path}: model_type {model_type!r} / architectures {architectures} is not supported; "
                          f"supported: {supported}")
     context = hf_config.get("max_position_embeddings")
-    windowed = model_type == "mistral" or (model_type == "qwen2" and hf_config.get("use_sliding_window"))
+    windowed = model_type == "mistral" or (model_type in ("qwen2", "qwen3") and hf_config.get("use_sliding_window"))
     window = hf_config.get("sliding_window") if windowed else None
     if window:  # attention is plain causal while sequences fit the window: cap them there
         context = min(context or window, window)
