@@ -1,5 +1,9 @@
 """vktrain.models.load(PATH): a pretrained Llama-family model from a Hugging Face directory or a GGUF file.
 
+Architectures: Llama 2/3.x (SmolLM2, TinyLlama, ...), Mistral (GQA; sequences capped at the sliding
+window, within which its attention is plain causal), Qwen2 (q/k/v biases) and Qwen3 (q/k norms): all the
+same LlamaForCausalLM with config switches. Anything else is refused, naming what is supported.
+
     loaded = vktrain.models.load("SmolLM2-135M-Instruct/")      # config.json + *.safetensors
     loaded = vktrain.models.load("smollm2-135m-instruct.gguf")  # metadata + tensors (see gguf_import)
     apply_lora(loaded.model, LoRAConfig(...))                   # then export / train as with a preset
