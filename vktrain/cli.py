@@ -1,6 +1,6 @@
 """vktrain command line.
 
-    vktrain export --model tiny-llama --lora-rank 8 --targets '*' --batch 4 --seq 64 --out step.pte
+    vktrain export --model tiny-llama|HF_DIR|FILE.gguf --lora-rank 8 --batch 4 --seq 64 --out step.pte
     vktrain inspect step.pte [--json]
     vktrain train step.pte --steps 100 [--data FILE --lr 1e-3 --schedule cosine --warmup 10 ...]
     vktrain bench kernels|step [benchmark args]
@@ -24,6 +24,7 @@ import warnings
 from pathlib import Path
 
 from vktrain.errors import VktrainError
+from vktrain.quant.q4gsw import SCALE_RULES  # numpy only
 from vktrain.train.checkpoint import atomic_write_bytes  # torch-free; the one atomic writer
 from vktrain.train.train_loop import NonFiniteLossError
 
@@ -83,15 +84,26 @@ def _parse_model_args(items: list[str]) -> dict:
 
 def cmd_export(args: argparse.Namespace) -> int:
     from vktrain.lora import LoRAConfig, apply_lora
-    from vktrain.models import build_model
+    from vktrain.models import available_models, build_model, load
 
-    model = build_model(args.model, **_parse_model_args(args.model_arg))
-    config = LoRAConfig(rank=args.lora_rank, alpha=args.lora_alpha, targets=args.targets, group_size=args.group_size)
+    overrides = _parse_model_args(args.model_arg)
+    if args.model in available_models() or not Path(args.model).exists():  # unknown names are refused there
+        model = build_model(args.model, **overrides)
+    else:
+        loaded = load(args.model, **overrides)
+        model = loaded.model
+        print(f"loaded {args.model}: {loaded.describe()}")
+    config = LoRAConfig(rank=args.lora_rank, alpha=args.lora_alpha, targets=args.targets, group_size=args.group_size,
+                        scale_rule=args.scale_rule)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         report = apply_lora(model, config)
     for warning in caught:
         print(f"warning: {warning.message}", file=sys.stderr)
+    print(f"adapting {len(report.replaced)} layer(s) with LoRA rank {config.rank}, alpha {config.alpha:g} over a "
+          f"q4gsw base ({config.scale_rule} scales): {', '.join(report.replaced)}")
+    if report.excluded_heads:
+        print(f"not adapted (output head; name it in --targets to adapt it): {', '.join(report.excluded_heads)}")
 
     # executorch is imported only once the model and adapters are known to be valid (it is slow to import).
     from vktrain.export import export_forward, export_training_step, lower_to_pte
@@ -166,7 +178,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     export = sub.add_parser("export", help="export a model's training step (or forward) to a .pte")
-    export.add_argument("--model", required=True, help="built-in model name (e.g. mlp-lora)")
+    export.add_argument("--model", required=True,
+                        help="built-in model name (e.g. tiny-llama), a Hugging Face model directory or a .gguf file")
     export.add_argument("--model-arg", action="append", default=[], metavar="KEY=VALUE",
                         help="override a model config field (repeatable), e.g. --model-arg dim=32")
     export.add_argument("--program", choices=PROGRAMS, default="train-step",
@@ -174,7 +187,12 @@ def build_parser() -> argparse.ArgumentParser:
                              "forward-base (logits of the q4gsw base alone)")
     export.add_argument("--lora-rank", type=int, default=8)
     export.add_argument("--lora-alpha", type=float, default=16.0)
-    export.add_argument("--targets", default="*", help="module-name glob(s), comma-separated; 're:' prefix for a regex")
+    export.add_argument("--targets", default="all-linear",
+                        help="module-name glob(s), comma-separated; 're:' prefix for a regex; 'all-linear' (default): "
+                             "every linear layer but the output head")
+    export.add_argument("--scale-rule", choices=SCALE_RULES, default="mse",
+                        help="q4gsw scale rule for the frozen base: mse (default: per-group least squared error) or "
+                             "absmax (absmax/7); GGUF Q4_0 weights keep their own codes and scales")
     export.add_argument("--group-size", type=int, default=32)
     export.add_argument("--batch", type=int, default=4)
     export.add_argument("--seq", type=int, default=64)

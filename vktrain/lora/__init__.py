@@ -2,6 +2,7 @@
 from vktrain.train.adapters import PEFT_PREFIX
 
 from .inject import (
+    ALL_LINEAR,
     LoRAConfig,
     LoRAInsertionError,
     LoRAReport,
@@ -10,11 +11,13 @@ from .inject import (
     lora_modules,
     lora_parameter_names,
     lora_state_dict,
+    output_head_paths,
     peft_name,
 )
-from .layers import LoRAQ4Linear
+from .layers import PREQUANTIZED_ATTR, LoRAQ4Linear, Q4GSWWeight
 
 __all__ = [
-    "PEFT_PREFIX", "LoRAConfig", "LoRAInsertionError", "LoRAReport", "LoRAQ4Linear", "apply_lora", "load_adapters",
-    "lora_modules", "lora_parameter_names", "lora_state_dict", "peft_name",
+    "ALL_LINEAR", "PEFT_PREFIX", "PREQUANTIZED_ATTR", "LoRAConfig", "LoRAInsertionError", "LoRAReport", "LoRAQ4Linear",
+    "Q4GSWWeight", "apply_lora", "load_adapters", "lora_modules", "lora_parameter_names", "lora_state_dict",
+    "output_head_paths", "peft_name",
 ]

@@ -3,10 +3,17 @@
 y = linear_q4gsw(x, W, s, group_size, bias) + scaling * (x @ lora_A.T) @ lora_B.T, scaling = alpha / rank.
 The base weight is quantized once with vktrain.quant (the one source of truth for the layout) and kept as
 buffers: it is never trained, and as buffers it lowers into the delegate as a constant.
+
+Weights that arrive already in q4gsw form (a GGUF Q4_0 tensor: symmetric, one scale per 32 weights) are
+not re-quantized: the importer attaches a Q4GSWWeight to the float nn.Linear as the attribute
+PREQUANTIZED_ATTR (its weight holding the exact dequantized values), and from_linear takes those codes
+and scales as they are when the group size matches and the float weight still equals their dequantization.
 """
 from __future__ import annotations
 
 import math
+import warnings
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -15,6 +22,35 @@ from torch import nn
 import vktrain.ops  # noqa: F401  (registers torch.ops.vktrain.*)
 
 from vktrain.quant import check_q4gsw_shapes, dequantize, quantize
+
+
+PREQUANTIZED_ATTR = "q4gsw_prequantized"
+
+
+@dataclass(frozen=True)
+class Q4GSWWeight:
+    """A weight given in q4gsw form: flat uint8 [N, Kp/2] and float32 scales [G, N] (vktrain.quant layouts)."""
+    flat: np.ndarray
+    scales: np.ndarray
+    group_size: int
+
+
+def _prequantized_base(linear: nn.Linear, weight: np.ndarray, group_size: int) -> Q4GSWWeight | None:
+    """The linear's attached Q4GSWWeight when it can be used as the base unchanged, else None (with a warning
+    when one is attached but cannot be used: the float weight is quantized instead)."""
+    given = getattr(linear, PREQUANTIZED_ATTR, None)
+    if given is None:
+        return None
+    if given.group_size != group_size:
+        warnings.warn(f"LoRA: the layer's weight came as q4gsw codes at group size {given.group_size}; "
+                      f"re-quantizing it at group size {group_size} (lossy)", stacklevel=3)
+        return None
+    deq = dequantize(given.flat, given.scales, given.group_size, weight.shape[1])
+    if not np.array_equal(deq, weight):
+        warnings.warn("LoRA: the layer's weight was changed after its q4gsw codes were attached; quantizing the "
+                      "current float weight instead", stacklevel=3)
+        return None
+    return given
 
 
 class LoRAQ4Linear(nn.Module):
@@ -64,10 +100,12 @@ class LoRAQ4Linear(nn.Module):
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, rank: int, alpha: float, group_size: int,
-                    generator: torch.Generator | None = None) -> "LoRAQ4Linear":
-        """Quantize `linear.weight` to q4gsw (vktrain.quant.quantize) and wrap it with a fresh adapter."""
+                    generator: torch.Generator | None = None, scale_rule: str = "absmax") -> "LoRAQ4Linear":
+        """Quantize `linear.weight` to q4gsw (vktrain.quant.quantize with `scale_rule`) and wrap it with
+        a fresh adapter; a Q4GSWWeight attached as PREQUANTIZED_ATTR (module docstring) is used as it is instead."""
         weight = linear.weight.detach().to(torch.float32).cpu().numpy()
-        flat, scales = quantize(weight, group_size)
+        given = _prequantized_base(linear, weight, group_size)
+        flat, scales = (given.flat, given.scales) if given is not None else quantize(weight, group_size, scale_rule)
         bias = None if linear.bias is None else linear.bias.detach()
         return cls(linear.in_features, linear.out_features, torch.from_numpy(flat), torch.from_numpy(scales),
                    group_size, rank, alpha, bias, generator)

@@ -5,7 +5,9 @@ over rms_norm(x)] -> rms_norm -> lm_head, with grouped-query causal attention. M
 names (`model.embed_tokens`, `model.layers.N.self_attn.q_proj`, `model.layers.N.mlp.gate_proj`,
 `model.norm`, `lm_head`), so a HF checkpoint loads key for key and LoRA targets and adapter files use HF's
 paths. q/k/v/o/gate/up/down/lm_head are plain nn.Linear layers: vktrain.lora.apply_lora swaps them for a
-q4gsw base + adapter. Norm weights are frozen parameters (rms_norm has no weight gradient).
+q4gsw base + adapter. Norm weights are frozen parameters (rms_norm has no weight gradient). Variants of
+the same network: qkv_bias (q/k/v biases: Qwen2); qk_norm (an RMSNorm over each head of q and k before
+rope: Qwen3) with attn_head_dim (a head width other than dim / n_heads, as Qwen3 has).
 
 Presets: `tiny-llama` (byte vocabulary, ~0.1M parameters, for tests and smoke runs) and `llama-3.2-1b`
 (the shapes of meta-llama/Llama-3.2-1B, including its "llama3" rope frequency scaling).
@@ -64,8 +66,14 @@ class LlamaConfig:
     norm_eps: float = 1e-5
     rope_theta: float = 10000.0
     rope_scaling: Llama3RopeScaling | None = None
+    # llama.cpp's form of rope scaling (the GGUF tensor rope_freqs.weight): inv_freq[i] / factors[i],
+    # D/2 values. Exclusive with rope_scaling (a Llama 3 GGUF stores its scaling only this way).
+    rope_freq_factors: tuple[float, ...] | None = None
     max_seq_len: int = 512  # length of the rope tables; longer sequences are refused
     tie_embeddings: bool = True
+    qkv_bias: bool = False  # biases on q/k/v (Qwen2)
+    qk_norm: bool = False  # RMSNorm of each q and k head before rope (Qwen3)
+    attn_head_dim: int | None = None  # head width when it is not dim / n_heads (Qwen3)
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -75,7 +83,10 @@ class LlamaConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(f"LlamaConfig.{name} must be a positive integer, got {value!r}")
-        if self.dim % self.n_heads != 0:
+        if self.attn_head_dim is not None and (isinstance(self.attn_head_dim, bool) or
+                                               not isinstance(self.attn_head_dim, int) or self.attn_head_dim <= 0):
+            raise ValueError(f"LlamaConfig.attn_head_dim must be a positive integer or None, got {self.attn_head_dim!r}")
+        if self.attn_head_dim is None and self.dim % self.n_heads != 0:
             raise ValueError(f"LlamaConfig.dim={self.dim} must be a multiple of n_heads={self.n_heads}")
         if self.n_heads % self.n_kv_heads != 0:
             raise ValueError(f"LlamaConfig.n_heads={self.n_heads} must be a multiple of n_kv_heads="
@@ -89,43 +100,82 @@ class LlamaConfig:
         if self.rope_scaling is not None and not isinstance(self.rope_scaling, Llama3RopeScaling):
             raise TypeError(f"LlamaConfig.rope_scaling must be a Llama3RopeScaling or None, "
                             f"got {type(self.rope_scaling).__name__}")
+        if self.rope_freq_factors is not None:
+            factors = tuple(float(f) for f in self.rope_freq_factors)
+            object.__setattr__(self, "rope_freq_factors", factors)
+            if len(factors) != self.head_dim // 2 or not all(f > 0 and math.isfinite(f) for f in factors):
+                raise ValueError(f"LlamaConfig.rope_freq_factors must be head_dim / 2 = {self.head_dim // 2} finite "
+                                 f"positive values, got {len(factors)}")
+            if self.rope_scaling is not None:
+                raise ValueError("LlamaConfig: give rope_scaling or rope_freq_factors, not both")
 
     @property
     def head_dim(self) -> int:
-        return self.dim // self.n_heads
+        return self.attn_head_dim if self.attn_head_dim is not None else self.dim // self.n_heads
 
     @classmethod
     def from_hf_config(cls, hf_config: Mapping[str, Any], **overrides) -> "LlamaConfig":
-        """A LlamaConfig from a Hugging Face `config.json` dict (model_type "llama"); keyword overrides win."""
+        """A LlamaConfig from a Hugging Face `config.json` dict (model_type "llama", "mistral", "qwen2" (whose
+        q/k/v always carry biases) or "qwen3" (q/k norms, its own head_dim)); keyword overrides win. Rope theta and scaling are read from transformers 5's `rope_parameters` as well as from
+        the older top-level `rope_theta` / `rope_scaling` (see hf_rope)."""
         try:
             values = dict(
                 vocab_size=hf_config["vocab_size"], dim=hf_config["hidden_size"],
                 n_layers=hf_config["num_hidden_layers"], n_heads=hf_config["num_attention_heads"],
                 n_kv_heads=hf_config.get("num_key_value_heads") or hf_config["num_attention_heads"],
                 hidden=hf_config["intermediate_size"], norm_eps=hf_config.get("rms_norm_eps", 1e-6),
-                rope_theta=float(hf_config.get("rope_theta", 10000.0)),
-                tie_embeddings=bool(hf_config.get("tie_word_embeddings", False)))
+                tie_embeddings=bool(hf_config.get("tie_word_embeddings", False)),
+                qkv_bias=hf_config.get("model_type") == "qwen2", qk_norm=hf_config.get("model_type") == "qwen3")
         except KeyError as e:
             raise ValueError(f"Hugging Face Llama config lacks required key {e.args[0]!r}") from None
+        values["rope_theta"], values["rope_scaling"] = hf_rope(hf_config)
         head_dim = hf_config.get("head_dim")
         if head_dim is not None and head_dim * values["n_heads"] != values["dim"]:
-            raise ValueError(f"head_dim={head_dim} * num_attention_heads={values['n_heads']} != hidden_size="
-                             f"{values['dim']}: decoupled head dims are not supported")
+            values["attn_head_dim"] = int(head_dim)
         for flag in ("attention_bias", "mlp_bias"):
             if hf_config.get(flag):
                 raise ValueError(f"Hugging Face config sets {flag}=true: biased Llama projections are not supported")
-        scaling = hf_config.get("rope_scaling")
-        if scaling is not None:
-            rope_type = scaling.get("rope_type", scaling.get("type"))
-            if rope_type == "llama3":
-                values["rope_scaling"] = Llama3RopeScaling(
-                    factor=float(scaling["factor"]), low_freq_factor=float(scaling["low_freq_factor"]),
-                    high_freq_factor=float(scaling["high_freq_factor"]),
-                    original_max_position_embeddings=int(scaling["original_max_position_embeddings"]))
-            elif rope_type != "default":
-                raise ValueError(f"rope scaling type {rope_type!r} is not supported (only 'llama3' and 'default')")
+        act = hf_config.get("hidden_act", "silu")
+        if act != "silu":
+            raise ValueError(f"Hugging Face config sets hidden_act={act!r}: only 'silu' (SwiGLU) is supported")
         values.update(overrides)
         return cls(**values)
+
+
+ROPE_TYPES = ("default", "llama3")  # HF rope_type values this model implements
+
+
+def hf_rope(hf_config: Mapping[str, Any]) -> tuple[float, Llama3RopeScaling | None]:
+    """(rope_theta, rope_scaling) from a HF config dict.
+
+    transformers 5 writes `rope_parameters: {rope_type, rope_theta, factor, ...}`; transformers 4 writes
+    `rope_theta` at the top level and the scaling in `rope_scaling` (`rope_type` or the older `type`).
+    Either form is read; a rope type other than ROPE_TYPES, or a partial rotary factor, is refused rather
+    than silently computing other frequencies."""
+    params = hf_config.get("rope_parameters")
+    if params is not None:
+        if not isinstance(params, Mapping) or not ({"rope_type", "type", "rope_theta"} & set(params)):
+            raise ValueError(f"config.json: rope_parameters must be one dict with rope_type / rope_theta "
+                             f"(per-layer-type rope parameters are not supported), got {params!r}")
+        theta, scaling = params.get("rope_theta", hf_config.get("rope_theta", 10000.0)), params
+    else:
+        theta, scaling = hf_config.get("rope_theta", 10000.0), hf_config.get("rope_scaling") or {}
+    rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+    if float(scaling.get("partial_rotary_factor", 1.0)) != 1.0:
+        raise ValueError(f"config.json: partial_rotary_factor={scaling['partial_rotary_factor']} is not supported "
+                         f"(rope over the whole head only)")
+    if rope_type == "default":
+        return float(theta), None
+    if rope_type != "llama3":
+        raise ValueError(f"config.json: rope scaling type {rope_type!r} is not supported; supported rope types: "
+                         f"{', '.join(repr(t) for t in ROPE_TYPES)}")
+    try:
+        return float(theta), Llama3RopeScaling(
+            factor=float(scaling["factor"]), low_freq_factor=float(scaling["low_freq_factor"]),
+            high_freq_factor=float(scaling["high_freq_factor"]),
+            original_max_position_embeddings=int(scaling["original_max_position_embeddings"]))
+    except KeyError as e:
+        raise ValueError(f"config.json: llama3 rope scaling lacks required key {e.args[0]!r}") from None
 
 
 PRESETS: dict[str, LlamaConfig] = {
@@ -141,6 +191,8 @@ def rope_inverse_frequencies(config: LlamaConfig) -> np.ndarray:
     """theta^(-2i/D) for i < D/2 in float64, with Llama 3's scaling applied when configured."""
     head_dim = config.head_dim
     inv_freq = config.rope_theta ** (-np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+    if config.rope_freq_factors is not None:
+        return inv_freq / np.asarray(config.rope_freq_factors, dtype=np.float64)
     scaling = config.rope_scaling
     if scaling is None:
         return inv_freq
@@ -180,10 +232,13 @@ class LlamaAttention(nn.Module):
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = config.n_heads, config.n_kv_heads, config.head_dim
         self.scale = 1.0 / math.sqrt(config.head_dim)
-        self.q_proj = nn.Linear(config.dim, config.n_heads * config.head_dim, bias=False)
-        self.k_proj = nn.Linear(config.dim, config.n_kv_heads * config.head_dim, bias=False)
-        self.v_proj = nn.Linear(config.dim, config.n_kv_heads * config.head_dim, bias=False)
+        self.q_proj = nn.Linear(config.dim, config.n_heads * config.head_dim, bias=config.qkv_bias)
+        self.k_proj = nn.Linear(config.dim, config.n_kv_heads * config.head_dim, bias=config.qkv_bias)
+        self.v_proj = nn.Linear(config.dim, config.n_kv_heads * config.head_dim, bias=config.qkv_bias)
         self.o_proj = nn.Linear(config.n_heads * config.head_dim, config.dim, bias=False)
+        if config.qk_norm:  # HF's Qwen3 names
+            self.q_norm = LlamaRMSNorm(config.head_dim, config.norm_eps)
+            self.k_norm = LlamaRMSNorm(config.head_dim, config.norm_eps)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         batch, seq_len, _ = x.shape
@@ -191,6 +246,8 @@ class LlamaAttention(nn.Module):
         q = self.q_proj(x).view(batch, seq_len, self.n_heads, self.head_dim)
         k = self.k_proj(x).view(batch, seq_len, self.n_kv_heads, self.head_dim)
         v = self.v_proj(x).view(batch, seq_len, self.n_kv_heads, self.head_dim)
+        if hasattr(self, "q_norm"):
+            q, k = self.q_norm(q), self.k_norm(k)
         q = torch.ops.vktrain.rope(q, cos, sin)
         k = torch.ops.vktrain.rope(k, cos, sin)
         out, _ = torch.ops.vktrain.causal_attention(q, k, v, self.scale)
@@ -253,6 +310,8 @@ class LlamaForCausalLM(nn.Module):
         for module in self.modules():
             if isinstance(module, (nn.Linear, nn.Embedding)) and module.weight.device.type != "meta":
                 module.weight.normal_(0.0, _INIT_STD, generator=generator)
+                if getattr(module, "bias", None) is not None:
+                    module.bias.zero_()  # HF's init; and reproducible (nn.Linear's uses the global RNG)
 
     def _check_token_ids(self, token_ids: torch.Tensor) -> None:
         if not isinstance(token_ids, torch.Tensor) or token_ids.dtype not in (torch.int64, torch.int32):
@@ -276,6 +335,10 @@ class LlamaForCausalLM(nn.Module):
 
     def forward(self, token_ids: torch.Tensor) -> torch.Tensor:
         return self.lm_head(self.hidden_states(token_ids))
+
+    def get_output_embeddings(self) -> nn.Module:
+        """The output head (transformers' name for it): LoRA's default "all-linear" targets leave it out."""
+        return self.lm_head
 
     def loss(self, token_ids: torch.Tensor, labels: torch.Tensor, n_valid: torch.Tensor) -> torch.Tensor:
         """Cross-entropy summed over labels >= 0 and divided by the runtime input n_valid (float32 []).
@@ -367,5 +430,5 @@ def build_llama(preset: str = "tiny-llama", **overrides) -> LlamaForCausalLM:
 for _preset in PRESETS:
     register_model(_preset)(partial(build_llama, _preset))
 
-__all__ = ["Llama3RopeScaling", "LlamaConfig", "LlamaForCausalLM", "PRESETS", "build_llama", "load_hf_state_dict",
-           "rope_inverse_frequencies", "rope_tables"]
+__all__ = ["Llama3RopeScaling", "LlamaConfig", "LlamaForCausalLM", "PRESETS", "ROPE_TYPES", "build_llama", "hf_rope",
+           "load_hf_state_dict", "rope_inverse_frequencies", "rope_tables"]

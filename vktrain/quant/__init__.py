@@ -7,6 +7,7 @@ from .q4gsw import (
     CODE_ZERO,
     QMAX,
     QMIN,
+    SCALE_RULES,
     check_q4gsw_shapes,
     dequantize,
     num_groups,
@@ -19,7 +20,7 @@ from .q4gsw import (
 from .w4x8 import decode_w4x8_element, pack_w4x8, unpack_w4x8, w4x8_num_words
 
 __all__ = [
-    "CODE_ZERO", "QMAX", "QMIN", "check_q4gsw_shapes", "dequantize", "num_groups", "pack_flat",
+    "CODE_ZERO", "QMAX", "QMIN", "SCALE_RULES", "check_q4gsw_shapes", "dequantize", "num_groups", "pack_flat",
     "padded_k", "quantize", "requant", "unpack_flat", "decode_w4x8_element", "pack_w4x8",
     "unpack_w4x8", "w4x8_num_words",
 ]
