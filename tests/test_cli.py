@@ -287,7 +287,7 @@ def test_export_and_inspect_print_nothing_on_stderr(tmp_path):
 
     exported = run("export", "--model", "mlp-lora", "--model-arg", "dim=32", "--model-arg", "hidden=64",
                    "--model-arg", "n_layers=1", "--lora-rank", "4", "--batch", "2", "--seq", "8", "--out", str(path))
-    assert exported.returncode == 0 and exported.stderr == "" and exported.stdout.startswith(f"wrote {path}")
+    assert exported.returncode == 0 and exported.stderr == "" and exported.stdout.splitlines()[-1].startswith(f"wrote {path}")
     inspected = run("inspect", str(path))
     assert inspected.returncode == 0 and inspected.stderr == ""
     assert f"{path}: " in inspected.stdout and "delegate 0: VktrainVulkanBackend" in inspected.stdout

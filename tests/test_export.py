@@ -18,6 +18,8 @@ from vktrain.models import build_model
 from vktrain.ops import adamw_hparams
 from vktrain.partitioner import VktrainPartitioner
 
+from _helpers import DELTA_REL_FROB, relative_frobenius_error
+
 BATCH = (2, 8)
 
 
@@ -80,6 +82,7 @@ def test_exported_step_matches_eager_adamw_for_three_steps(step_program, model):
     program_module = copy.deepcopy(step_program).module()
     eager = copy.deepcopy(model)
     params = [eager.get_parameter(p) for p in lora_parameter_names(eager)]
+    initial_lora = {p: eager.get_parameter(p).detach().numpy().copy() for p in lora_parameter_names(eager)}
     optimizer = torch.optim.AdamW(params, lr=lr, betas=betas, eps=eps, weight_decay=wd)
 
     for ids, labels, n_valid in _batches(3):
@@ -91,14 +94,15 @@ def test_exported_step_matches_eager_adamw_for_three_steps(step_program, model):
         torch.testing.assert_close(loss, eager_loss.detach(), rtol=1e-5, atol=1e-6)
 
     assert program_module.get_buffer(STEP_BUFFER).item() == 3.0
+    # Per tensor, in relative Frobenius norm (elementwise AdamW state is ill-conditioned: see _helpers).
     for path in lora_parameter_names(eager):
-        torch.testing.assert_close(program_module.get_buffer(f"model.{path}"), eager.get_parameter(path).detach(),
-                                   rtol=1e-5, atol=1e-6)
+        initial = initial_lora[path]
+        delta = program_module.get_buffer(f"model.{path}").numpy() - initial
+        assert relative_frobenius_error(delta, eager.get_parameter(path).detach().numpy() - initial) <= DELTA_REL_FROB
         state = optimizer.state[eager.get_parameter(path)]
-        torch.testing.assert_close(program_module.get_buffer(f"optimizer.exp_avg.{path}"), state["exp_avg"],
-                                   rtol=1e-5, atol=1e-7)
-        torch.testing.assert_close(program_module.get_buffer(f"optimizer.exp_avg_sq.{path}"), state["exp_avg_sq"],
-                                   rtol=1e-5, atol=1e-9)
+        for moment in ("exp_avg", "exp_avg_sq"):
+            actual = program_module.get_buffer(f"optimizer.{moment}.{path}").numpy()
+            assert relative_frobenius_error(actual, state[moment].numpy()) <= DELTA_REL_FROB, (path, moment)
     # The step really trained: the adapters moved away from the initial ones.
     assert not torch.allclose(program_module.get_buffer("model.head.lora_A"), model.head.lora_A)
 

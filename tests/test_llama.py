@@ -19,6 +19,8 @@ from vktrain.models.llama import (PRESETS, Llama3RopeScaling, LlamaConfig, Llama
                                   rope_inverse_frequencies, rope_tables)
 from vktrain.ops import adamw_hparams
 
+from _helpers import DELTA_REL_FROB, relative_frobenius_error
+
 # Untied head, multi-query attention (4 query heads on 1 kv head) and llama3 rope scaling whose three
 # bands (kept, blended, stretched) all occur for head_dim 8: wavelengths 2*pi*10^{0,1,2,3} around 16..64.
 SMALL_UNTIED = dict(vocab_size=40, dim=32, n_layers=2, n_heads=4, n_kv_heads=1, hidden=48, max_seq_len=16,
@@ -421,6 +423,7 @@ def test_tiny_llama_training_step_exports_and_matches_eager_adamw():
     program = export_training_step(model, (2, 10)).module()
     eager = copy.deepcopy(model)
     params = [eager.get_parameter(p) for p in lora_parameter_names(eager)]
+    initial_lora = {p: eager.get_parameter(p).detach().numpy().copy() for p in lora_parameter_names(eager)}
     lr, betas, eps, wd = 1e-2, (0.9, 0.99), 1e-8, 0.05
     optimizer = torch.optim.AdamW(params, lr=lr, betas=betas, eps=eps, weight_decay=wd)
     for seed in (20, 21):
@@ -432,6 +435,8 @@ def test_tiny_llama_training_step_exports_and_matches_eager_adamw():
         optimizer.step()
         torch.testing.assert_close(loss, eager_loss.detach(), rtol=1e-5, atol=1e-6)
     assert program.get_buffer(STEP_BUFFER).item() == 2.0
+    # Per tensor, in relative Frobenius norm (elementwise AdamW state is ill-conditioned: see _helpers).
     for path in lora_parameter_names(eager):
-        torch.testing.assert_close(program.get_buffer(f"model.{path}"), eager.get_parameter(path).detach(),
-                                   rtol=1e-5, atol=1e-6, msg=path)
+        initial = initial_lora[path]
+        delta = program.get_buffer(f"model.{path}").numpy() - initial
+        assert relative_frobenius_error(delta, eager.get_parameter(path).detach().numpy() - initial) <= DELTA_REL_FROB, path
