@@ -374,8 +374,8 @@ def _lower_fused_ce(ctx: OpContext) -> list[Dispatch]:
 
 
 def _lower_adamw(ctx: OpContext) -> list[Dispatch]:
-    """The GPU kernel updates (param, exp_avg, exp_avg_sq) in place. Where the executor bound an output
-    to its input's storage (state updated in place) the kernel runs on it directly; otherwise the input
+    """The GPU kernel updates (param, exp_avg, exp_avg_sq) in place. Where the blob stores an output in
+    its input's storage (the backend's in-place pass) the kernel runs on it directly; otherwise the input
     is first copied into the output, which the kernel then updates."""
     names = ("param", "exp_avg", "exp_avg_sq")
     sources = [ctx.tensor(i, name) for i, name in enumerate(names)]
