@@ -574,3 +574,26 @@ def test_int64_stored_as_int64_is_refused_at_load(vk_device):
     g.ops = [vk.OpCall("aten.clone.default", (ids, g.add_value(vk.NullValue())), (flat,))]
     with pytest.raises(GraphLoweringError, match=r"value 0 \(ids\) is stored as int64; the GPU kernels hold int64"):
         GraphExecutor(vk_device, g)
+
+
+def test_the_executor_binds_recorded_offsets_inside_a_memory_object(vk_device):
+    """Storage is whatever the blob records: two tensors alive at once in ONE memory object, at byte
+    offsets 0 and 256 (a placement the planner does not make today, so only the record can cause it)."""
+    g = vk.VkGraph()
+    x = _tensor(g, F32, (4, 6), "x")
+    g.inputs = [x]
+    g.memory_objects = [vk.MemoryObject(0, 256 + 96)]
+    a = g.add_value(vk.TensorValue(F32, (4, 6), mem_obj_id=0, mem_offset=0, name="a"))
+    b = g.add_value(vk.TensorValue(F32, (4, 6), mem_obj_id=0, mem_offset=256, name="b"))
+    y = _tensor(g, F32, (4, 6), "y")
+    g.ops = [vk.OpCall("aten.exp.default", (x,), (a,)),
+             vk.OpCall("aten.neg.default", (x,), (b,)),
+             vk.OpCall("aten.mul.Tensor", (a, b), (y,))]
+    g.outputs = [y]
+    x_in = np.random.default_rng(13).standard_normal((4, 6)).astype(np.float32)
+    with GraphExecutor(vk_device, g) as executor:
+        assert executor.buffer_bytes["mem0"] == 256 + 96
+        assert executor.storage_of(a) == executor.storage_of(b) == "mem0"
+        (result,) = executor.run(x_in)
+    x64 = x_in.astype(np.float64)
+    np.testing.assert_allclose(result, -np.exp(x64) * x64, rtol=1e-6, atol=1e-7)
