@@ -2,8 +2,8 @@
 
 The blob's op chain is the list of the edge ops, in graph order, named by their registry key
 (`aten.mm.default`, `vktrain.adamw.default`, ...), after the fusion pass; views/reshapes are ops too
-(the view pass records which produce views, the rest copy). Arguments are passed positionally in schema order, defaults filled in, so
-the runtime never needs keyword handling. Non-tensor arguments become Int/Double/Bool/String/list
+(the view pass records which produce views, the rest copy). Arguments are passed positionally in
+schema order, defaults filled in, so the runtime never needs keyword handling. Non-tensor arguments become Int/Double/Bool/String/list
 values; dtype, device, layout and memory_format arguments become strings (e.g. "float32").
 
 Constants: parameters, frozen buffers and lifted constants read by the delegate. An argument the op

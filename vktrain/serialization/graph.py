@@ -17,7 +17,8 @@ from typing import Union
 
 import numpy as np
 
-from vktrain.serialization.synthetic import SyntheticConstant, SyntheticKind, check_synthetic_reader
+# SyntheticKind and the tensor types are re-exported: `graph.X` names the one definition.
+from vktrain.serialization.synthetic import SyntheticConstant, SyntheticKind, check_synthetic_reader  # noqa: F401
 from vktrain.serialization.tensor_types import LAYOUT_STORAGE, DType, GraphError, Layout, store_as_tuple
 
 # Well-known metadata keys (metadata is free-form string -> string; these are the ones vktrain writes).
