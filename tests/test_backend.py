@@ -18,6 +18,7 @@ from vktrain.partitioner import supported_ops
 from vktrain.ops import adamw_hparams
 from vktrain.quant import dequantize, pack_w4x8, unpack_w4x8
 from vktrain.serialization import Layout, ValueListValue, deserialize_blob
+from vktrain.serialization import graph as vk
 
 BATCH = (2, 8)
 GROUP_SIZE = 32
@@ -195,30 +196,42 @@ def test_mutable_state_holds_adapters_moments_and_step(step_graph, model):
 
 
 def test_memory_plan_is_valid_and_saves_memory(step_graph, step_pte):
-    """Recompute every planned tensor's lifetime from the op chain, independently of the planner."""
+    """Recompute the lifetime of every planned storage (an op output with storage of its own, together with
+    the views and in-place outputs using it) from the op chain, independently of the planner."""
     n_ops = len(step_graph.ops)
+
+    def root(value_id):
+        tensor = step_graph.tensor(value_id)
+        return tensor.storage_of if tensor.storage_of >= 0 else value_id
+
     first, last = {}, {}
     for index, op in enumerate(step_graph.ops):
         for out in op.outputs:
-            first[out] = last[out] = index
+            first.setdefault(root(out), index)
+            last[root(out)] = max(last.get(root(out), index), index)
         args = list(op.args)
         for arg in op.args:
             if isinstance(step_graph.values[arg], ValueListValue):
                 args += list(step_graph.values[arg].items)
         for arg in args:
-            if arg in last:
-                last[arg] = max(last[arg], index)
+            if isinstance(step_graph.values[arg], vk.TensorValue) and root(arg) in last:
+                last[root(arg)] = max(last[root(arg)], index)
     for value_id in list(step_graph.outputs) + [s.update_id for s in step_graph.mutable_state]:
-        last[value_id] = n_ops  # read after the chain ends
-    planned = {v: step_graph.tensor(v) for v in first}
-    assert all(t.mem_obj_id >= 0 for t in planned.values())
+        last[root(value_id)] = n_ops  # read after the chain ends
+    produced = {out for op in step_graph.ops for out in op.outputs}
+    planned = {v: step_graph.tensor(v) for v in first if v in produced}  # not inputs, constants, state
+    assert all(t.mem_obj_id >= 0 and t.storage_of == -1 for t in planned.values())
+    for op in step_graph.ops:  # a tensor using planned storage records the same memory object
+        for out in op.outputs:
+            if root(out) in planned:
+                assert step_graph.tensor(out).mem_obj_id == planned[root(out)].mem_obj_id
     sizes = {m.id: m.size_bytes for m in step_graph.memory_objects}
     for a, b in itertools.combinations(planned, 2):
         if planned[a].mem_obj_id == planned[b].mem_obj_id:
             assert not (first[a] <= last[b] and first[b] <= last[a]), (planned[a].name, planned[b].name)
     for t in planned.values():
-        assert t.nbytes <= sizes[t.mem_obj_id]
-    total = sum(t.nbytes for t in planned.values())
+        assert t.mem_offset + t.stored_nbytes <= sizes[t.mem_obj_id]
+    total = sum(-(-t.stored_nbytes // 4) * 4 for t in planned.values())  # whole 32-bit words each
     planned_bytes = sum(sizes.values())
     assert planned_bytes < 0.6 * total  # the multi-layer step reuses most of its activation memory
     memory = summarize_pte(step_pte)["delegates"][0]["memory"]

@@ -216,3 +216,16 @@ def test_other_activations_train_like_eager(vk_device, tmp_path, activation, fus
     assert np.mean(losses[-5:]) < np.mean(losses[:5]) - 0.05
     assert_training_matches_reference(losses, {n: lora["model." + n] for n in reference.state}, exp_avg,
                                       reference, {n: initial[n] for n in reference.state})
+
+
+def test_inspect_planned_memory_is_what_the_executor_allocates(vk_device, step_program):
+    """`vktrain inspect`'s planned GPU memory (the blob's memory objects) is exactly what the executor
+    allocates for them: the backend planned the final storage, the executor re-sizes nothing."""
+    from vktrain.export.pte import summarize_pte
+
+    path = step_program[0]
+    (delegate,) = summarize_pte(path.read_bytes())["delegates"]
+    with TrainingRunner.from_pte(path, vk_device) as runner:
+        allocated = {key: size for key, size in runner.executor.buffer_bytes.items() if key.startswith("mem")}
+    assert len(allocated) == delegate["memory"]["memory_objects"] > 0
+    assert sum(allocated.values()) == delegate["memory"]["planned_bytes"]

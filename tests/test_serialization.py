@@ -62,7 +62,15 @@ def _rich_graph() -> tuple[VkGraph, dict]:
     ids["x"] = graph.add_value(TensorValue(DType.FLOAT32, (2, K), mem_obj_id=0, name="x"))
     ids["y"] = graph.add_value(TensorValue(DType.FLOAT32, (2, N), mem_obj_id=7))
     ids["lora_a"] = graph.add_value(TensorValue(DType.FLOAT32, (4, K), name="lora_A"))
-    ids["lora_a_new"] = graph.add_value(TensorValue(DType.FLOAT32, (4, K)))
+    ids["lora_a_new"] = graph.add_value(TensorValue(DType.FLOAT32, (4, K), storage_of=ids["lora_a"]))  # in place
+    # The storage records the backend's passes write: a strided view at an element offset, a reshape
+    # view of a planned tensor, and int64 stored as int32 at a byte offset inside a memory object.
+    ids["x_t"] = graph.add_value(TensorValue(DType.FLOAT32, (K, 2), storage_of=ids["x"], is_view=True,
+                                             view_strides=(1, K), view_offset=0))
+    ids["y_flat"] = graph.add_value(TensorValue(DType.FLOAT32, (2 * N,), mem_obj_id=7, storage_of=ids["y"],
+                                                is_view=True))
+    ids["index"] = graph.add_value(TensorValue(DType.INT64, (3,), mem_obj_id=0, mem_offset=8,
+                                               stored_dtype=DType.INT32))
     lora_init = graph.add_constant(lora_a)
     ids["gs"] = graph.add_value(IntValue(gs))
     ids["big_int"] = graph.add_value(IntValue(-(2 ** 62)))
@@ -339,6 +347,21 @@ def test_random_flatbuffer_corruption_raises_only_blob_format_error():
     (lambda g, r: g.values.__setitem__(r["y"], TensorValue(DType.FLOAT32, (2, 8), mem_obj_id=3)),
      "mem_obj_id 3"),
     (lambda g, r: g.memory_objects.append(MemoryObject(7, 16)), "unique"),
+    (lambda g, r: g.values.__setitem__(r["index"], TensorValue(DType.INT64, (3,), mem_obj_id=0, mem_offset=190,
+                                                               stored_dtype=DType.INT32)),
+     r"occupies bytes \[190, 202\) of memory object 0, which has 192"),
+    (lambda g, r: g.values.__setitem__(r["y"], TensorValue(DType.FLOAT32, (2, 8), storage_of=r["gs"])),
+     "which must be a tensor with storage of its own"),
+    (lambda g, r: g.values.__setitem__(r["y"], TensorValue(DType.FLOAT32, (2, 8), storage_of=r["y_flat"])),
+     "which must be a tensor with storage of its own"),
+    (lambda g, r: g.values.__setitem__(r["y"], TensorValue(DType.FLOAT32, (2, 8), is_view=True)),
+     "is a view but has no storage_of"),
+    (lambda g, r: g.values.__setitem__(r["x_t"], TensorValue(DType.FLOAT32, (r["K"], 2), storage_of=r["x"],
+                                                             is_view=True, view_strides=(1,))),
+     r"view strides \[1\]: strides belong to a view and need one per dim"),
+    (lambda g, r: g.values.__setitem__(r["x_t"], TensorValue(DType.INT64, (r["K"], 2), storage_of=r["x"],
+                                                             is_view=True)),
+     "must have the same stored bytes"),
     (lambda g, r: g.mutable_state.append(MutableState(r["x"], r["y"])), "update value"),
     (lambda g, r: g.mutable_state.append(MutableState(r["gs"], r["gs"])), "expected TensorValue"),
     (lambda g, r: g.mutable_state.__setitem__(0, MutableState(r["lora_a"], r["lora_a_new"], 3)),

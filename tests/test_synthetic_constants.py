@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 from vktrain import quant
+from vktrain.backend.passes import compile_graph
 from vktrain.serialization import BlobFormatError, deserialize_blob, serialize_blob
 from vktrain.serialization import graph as vk
 from vktrain.serialization.graph import GraphError, SyntheticConstant, SyntheticKind
@@ -237,6 +238,7 @@ def test_executor_generates_and_uploads_synthetic_constants(vk_device):
                                                       graph.add_value(vk.BoolValue(False)),
                                                       graph.add_value(vk.BoolValue(False))), (rows,))]
     graph.outputs = [y, rows]
+    compile_graph(graph)  # the backend's passes: the int64 ids are stored as int32
     graph = deserialize_blob(serialize_blob(graph))  # what a runtime reads from a .pte
 
     rng = np.random.default_rng(0)

@@ -7,7 +7,11 @@ each into the smallest existing object whose tensors are all dead during its int
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+
+from vktrain.serialization import graph as vk
+
+from .lifetimes import analyze_uses
 
 
 @dataclass(frozen=True)
@@ -29,6 +33,7 @@ class LiveInterval:
 class MemoryPlan:
     assignment: dict[int, int]   # value id -> memory object id
     object_sizes: list[int]      # memory object id -> bytes
+    tensor_bytes: int = 0        # what the planned tensors would take with an allocation each
 
     @property
     def planned_bytes(self) -> int:
@@ -57,4 +62,47 @@ def plan_memory(intervals: list[LiveInterval]) -> MemoryPlan:
             best = len(sizes) - 1
         residents[best].append(tensor)
         assignment[tensor.value_id] = best
-    return MemoryPlan(assignment, sizes)
+    return MemoryPlan(assignment, sizes, sum(t.nbytes for t in intervals))
+
+
+def _round4(nbytes: int) -> int:
+    """Buffer bytes of a tensor: GPU kernels move 32-bit words, so storage is a whole number of them."""
+    return max(4, -(-nbytes // 4) * 4)
+
+
+def plan_graph_memory(graph: vk.VkGraph) -> MemoryPlan:
+    """Place every op output with storage of its own into memory objects (after the passes: sizes are the
+    stored bytes, lifetimes span every tensor sharing that storage, views and in-place outputs included),
+    and record it in `graph`: each such tensor, and each tensor using its storage, gets the object's id at
+    offset 0; every other tensor (inputs, constants, state and what uses their storage) gets none.
+    Refuses a tensor that is read but that nothing provides."""
+    uses = analyze_uses(graph)
+    provided = set(graph.inputs) | {s.state_id for s in graph.mutable_state} | set(uses.producer)
+    sharing: dict[int, list[int]] = {}
+    for value_id in uses.readers:
+        tensor = graph.values[value_id]
+        if not isinstance(tensor, vk.TensorValue):
+            continue
+        if tensor.constant_id < 0 and value_id not in provided:
+            raise vk.GraphError(f"value {value_id} ({tensor.name or 'unnamed'}) is read but nothing writes it: not an "
+                                f"input, constant, mutable state or op output")
+    for value_id in set(uses.producer) | set(uses.readers):
+        tensor = graph.values[value_id]
+        if isinstance(tensor, vk.TensorValue) and tensor.storage_of >= 0:
+            sharing.setdefault(tensor.storage_of, []).append(value_id)
+    intervals = []
+    for value_id in sorted(uses.producer):
+        tensor = graph.tensor(value_id)
+        if tensor.storage_of >= 0:
+            continue
+        spans = [uses.lifetime(v) for v in [value_id] + sharing.get(value_id, [])]
+        intervals.append(LiveInterval(value_id, _round4(tensor.stored_nbytes), min(s[0] for s in spans),
+                                      max(s[1] for s in spans)))
+    plan = plan_memory(intervals)
+    object_of = {**plan.assignment, **{member: plan.assignment[root] for root, members in sharing.items()
+                                        if root in plan.assignment for member in members}}
+    for value_id, value in enumerate(graph.values):
+        if isinstance(value, vk.TensorValue):
+            graph.values[value_id] = replace(value, mem_obj_id=object_of.get(value_id, -1), mem_offset=0)
+    graph.memory_objects = [vk.MemoryObject(i, size) for i, size in enumerate(plan.object_sizes)]
+    return plan

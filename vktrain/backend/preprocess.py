@@ -1,9 +1,9 @@
 """VktrainVulkanBackend.preprocess: a partitioned edge program -> the delegate blob (vktrain.serialization).
 
-The blob's op chain is a faithful list of the edge ops, in graph order, named by their registry key
-(`aten.mm.default`, `vktrain.adamw.default`, ...); views/reshapes are ops too (the runtime implements
-them as copies or aliases). Arguments are passed positionally in schema order, defaults filled in, so
-the runtime never needs keyword handling. Non-tensor arguments become Int/Double/Bool/String/list
+The blob's op chain is the list of the edge ops, in graph order, named by their registry key
+(`aten.mm.default`, `vktrain.adamw.default`, ...), after the fusion pass; views/reshapes are ops too
+(the view pass records which produce views, the rest copy). Arguments are passed positionally in
+schema order, defaults filled in, so the runtime never needs keyword handling. Non-tensor arguments become Int/Double/Bool/String/list
 values; dtype, device, layout and memory_format arguments become strings (e.g. "float32").
 
 Constants: parameters, frozen buffers and lifted constants read by the delegate. An argument the op
@@ -28,8 +28,12 @@ Mutable state: each mutated buffer is a non-constant tensor with a MutableState(
 initial constant); an all-zero initial value (AdamW moments, step, lora_B) stores no constant and starts
 zero-filled.
 
-Memory: every intermediate tensor is planned (backend/memory_planning.py); inputs, state and constants
-get their own allocations. Metadata records planned and unplanned bytes and the partitioner's refusals.
+Storage: once the graph is built, the passes of backend/passes (fusion, int64 -> int32 storage,
+prepacked-layout typing, views, in-place optimizer updates) make every storage decision and ONE memory
+planning (backend/memory_planning.py) places every op output with storage of its own; inputs, state and
+constants get their own allocations. The blob records the result per tensor. Metadata records planned
+bytes (the memory objects' total: what the executor allocates for them), the bytes those tensors would
+take unplanned, and the partitioner's refusals.
 """
 from __future__ import annotations
 
@@ -52,7 +56,7 @@ from vktrain.quant import pack_w4x8, w4x8_num_words
 from vktrain.serialization import blob
 from vktrain.serialization import graph as vk
 
-from .memory_planning import LiveInterval, plan_memory
+from .passes import compile_graph
 
 # Metadata keys this backend writes (besides vk.METADATA_PLANNED_MEMORY_BYTES).
 METADATA_BACKEND = "backend"
@@ -179,8 +183,6 @@ class _GraphBuilder:
         self.constant_values: dict[tuple[Node, str], int] = {}  # (placeholder, layout) -> value id
         self.constant_nodes: set[Node] = set()
         self.state_nodes: dict[str, Node] = {}  # buffer FQN -> placeholder
-        self.intermediates: dict[int, int] = {}  # value id -> index of the op that writes it
-        self.last_use: dict[int, int] = {}
 
     # -- placeholders ---------------------------------------------------------------------------
     def _tensor_data(self, node: Node) -> tuple[str, torch.Tensor]:
@@ -241,18 +243,14 @@ class _GraphBuilder:
         return self.graph.add_value(vk.TensorValue(vk_dtype(fake.dtype), shape, name=name))
 
     # -- arguments ------------------------------------------------------------------------------
-    def _use(self, value_id: int, op_index: int) -> int:
-        self.last_use[value_id] = max(self.last_use.get(value_id, op_index), op_index)
-        return value_id
-
-    def _arg_value(self, arg: Any, op_index: int) -> int:
+    def _arg_value(self, arg: Any) -> int:
         if isinstance(arg, Node):
             if arg in self.constant_nodes:
-                return self._use(self._constant(arg), op_index)
+                return self._constant(arg)
             value = self.node_values.get(arg)
             if not isinstance(value, int):
                 raise ValueError(f"argument '{arg.name}' has no single tensor value (got {value!r})")
-            return self._use(value, op_index)
+            return value
         if arg is None:
             return self.graph.add_value(vk.NullValue())
         if isinstance(arg, bool):
@@ -274,7 +272,7 @@ class _GraphBuilder:
                 return self.graph.add_value(vk.IntListValue(tuple(arg)))
             if all(isinstance(a, (int, float)) and not isinstance(a, bool) for a in arg):
                 return self.graph.add_value(vk.DoubleListValue(tuple(arg)))
-            return self.graph.add_value(vk.ValueListValue(tuple(self._arg_value(a, op_index) for a in arg)))
+            return self.graph.add_value(vk.ValueListValue(tuple(self._arg_value(a) for a in arg)))
         raise ValueError(f"argument {arg!r} of type {type(arg).__name__} cannot be stored in a vktrain blob")
 
     @staticmethod
@@ -303,7 +301,6 @@ class _GraphBuilder:
             source, index = node.args
             self.node_values[node] = self.node_values[source][index]
             return
-        op_index = len(self.graph.ops)
         arguments = self._schema_args(node)
         features = get_op_features(key)
         prepacked = features.prepacked_args() if features is not None else {}
@@ -313,9 +310,9 @@ class _GraphBuilder:
                 if value not in self.constant_nodes:
                     raise ValueError(f"{key} ('{node.name}'): argument '{name}' must be a constant to be prepacked "
                                      f"as {prepacked[i]}")
-                arg_ids.append(self._use(self._constant(value, prepacked[i], self._q4gsw_k(arguments)), op_index))
+                arg_ids.append(self._constant(value, prepacked[i], self._q4gsw_k(arguments)))
             else:
-                arg_ids.append(self._arg_value(value, op_index))
+                arg_ids.append(self._arg_value(value))
         fake = node.meta["val"]
         if isinstance(fake, (tuple, list)):
             outputs = tuple(self._new_tensor(f, f"{node.name}[{i}]") for i, f in enumerate(fake))
@@ -323,8 +320,6 @@ class _GraphBuilder:
         else:
             outputs = (self._new_tensor(fake, node.name),)
             self.node_values[node] = outputs[0]
-        for value_id in outputs:
-            self.intermediates[value_id] = op_index
         self.graph.ops.append(vk.OpCall(key, tuple(arg_ids), outputs))
 
     @staticmethod
@@ -339,9 +334,8 @@ class _GraphBuilder:
         specs = self.signature.output_specs
         if len(results) != len(specs):
             raise ValueError(f"output node has {len(results)} values, the signature lists {len(specs)}")
-        end = len(self.graph.ops)
         for result, spec in zip(results, specs):
-            value_id = self._arg_value(result, end)
+            value_id = self._arg_value(result)
             if spec.kind == OutputKind.BUFFER_MUTATION:
                 state_node = self.state_nodes[spec.target]
                 _, initial = self._tensor_data(state_node)
@@ -354,20 +348,6 @@ class _GraphBuilder:
             else:
                 raise ValueError(f"delegate output of kind {spec.kind} ({spec.target}) is not supported")
 
-    # -- memory ---------------------------------------------------------------------------------
-    def _plan_memory(self) -> tuple[int, int]:
-        intervals = []
-        for value_id, first in self.intermediates.items():
-            tensor = self.graph.values[value_id]
-            intervals.append(LiveInterval(value_id, tensor.nbytes, first, self.last_use.get(value_id, first)))
-        plan = plan_memory(intervals)
-        for value_id, object_id in plan.assignment.items():
-            tensor = self.graph.values[value_id]
-            self.graph.values[value_id] = vk.TensorValue(tensor.dtype, tensor.shape, tensor.layout,
-                                                         tensor.constant_id, object_id, tensor.name)
-        self.graph.memory_objects = [vk.MemoryObject(i, size) for i, size in enumerate(plan.object_sizes)]
-        return plan.planned_bytes, sum(t.nbytes for t in intervals)
-
     def build(self) -> vk.VkGraph:
         self._add_placeholders()
         for node in self.program.graph.nodes:
@@ -377,12 +357,12 @@ class _GraphBuilder:
                 self._add_outputs(node)
             elif node.op != "placeholder":
                 raise ValueError(f"node '{node.name}' of kind {node.op} cannot be lowered")
-        planned, unplanned = self._plan_memory()
+        plan = compile_graph(self.graph)
         state_bytes = sum(self.graph.values[s.state_id].nbytes for s in self.graph.mutable_state)
         self.graph.metadata.update({
             METADATA_BACKEND: BACKEND_ID,
-            vk.METADATA_PLANNED_MEMORY_BYTES: str(planned),
-            METADATA_UNPLANNED_MEMORY_BYTES: str(unplanned),
+            vk.METADATA_PLANNED_MEMORY_BYTES: str(plan.planned_bytes),
+            METADATA_UNPLANNED_MEMORY_BYTES: str(plan.tensor_bytes),
             METADATA_STATE_BYTES: str(state_bytes),
         })
         if self.synthetic is not None:

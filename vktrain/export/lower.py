@@ -7,7 +7,7 @@ from executorch.exir import EdgeCompileConfig, ExecutorchBackendConfig, to_edge_
 from executorch.exir.passes.init_mutable_pass import InitializedMutableBufferPass
 from torch.export import ExportedProgram
 
-import vktrain.backend  # noqa: F401  (registers VktrainVulkanBackend with ExecuTorch)
+import vktrain.backend.preprocess  # noqa: F401  (registers VktrainVulkanBackend with ExecuTorch)
 from vktrain.partitioner import VktrainPartitioner
 
 from .pte import read_pte

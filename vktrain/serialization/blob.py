@@ -202,6 +202,7 @@ def _build_value(builder: flatbuffers.Builder, value) -> int:
     if isinstance(value, g.TensorValue):
         name = builder.CreateString(value.name) if value.name else None
         shape = _numpy_vector(builder, value.shape, np.int64)
+        view_strides = _numpy_vector(builder, value.view_strides, np.int64) if value.view_strides else None
         FbTensor.Start(builder)
         FbTensor.AddDtype(builder, int(value.dtype))
         FbTensor.AddShape(builder, shape)
@@ -210,6 +211,14 @@ def _build_value(builder: flatbuffers.Builder, value) -> int:
         FbTensor.AddMemObjId(builder, value.mem_obj_id)
         if name is not None:
             FbTensor.AddName(builder, name)
+        FbTensor.AddMemOffset(builder, value.mem_offset)
+        FbTensor.AddStorageOf(builder, value.storage_of)
+        FbTensor.AddIsView(builder, value.is_view)
+        if view_strides is not None:
+            FbTensor.AddViewStrides(builder, view_strides)
+        FbTensor.AddViewOffset(builder, value.view_offset)
+        if value.stored_dtype is not None:
+            FbTensor.AddStoredDtype(builder, int(value.stored_dtype))
         kind, payload = ValueKind.Tensor, FbTensor.End(builder)
     elif isinstance(value, g.NullValue):
         FbNull.Start(builder)
@@ -396,7 +405,10 @@ def _read_value(fb_value, value_id: int):
         t = union_as(table, FbTensor.Tensor)
         try:
             return g.TensorValue(t.Dtype(), scalar_vector(t, "Shape"), t.Layout(), t.ConstantId(), t.MemObjId(),
-                                 _text(t.Name()))
+                                 _text(t.Name()), mem_offset=t.MemOffset(), storage_of=t.StorageOf(),
+                                 is_view=bool(t.IsView()),
+                                 view_strides=scalar_vector(t, "ViewStrides"), view_offset=t.ViewOffset(),
+                                 stored_dtype=t.StoredDtype())
         except g.GraphError as exc:
             raise BlobFormatError(f"value {value_id}: {exc}") from None
     if kind == ValueKind.Null:

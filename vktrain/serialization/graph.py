@@ -5,87 +5,25 @@ and the runtime executes it. Value ids, constant ids and memory object ids are i
 stored in the blob. `VkGraph.validate()` checks every cross reference, so a malformed graph is refused
 when it is written (and when it is read), not when a GPU kernel reads garbage.
 
-A constant is either bytes (stored in the blob) or, for benchmarks only, a `SyntheticConstant`: a
-recipe (random bits / normal / fill, seed, dtype, shape) that `materialize()` turns into the same array
-on every reader, so a 1B-parameter graph travels as megabytes. Synthetic data is not a model.
+A constant is either bytes (stored in the blob) or, for benchmarks only, a `SyntheticConstant`
+(synthetic.py). Element types and layouts live in tensor_types.py; both are re-exported here, so
+`graph.DType`, `graph.SyntheticConstant`, ... name the one definition.
 """
 from __future__ import annotations
 
-import enum
 import math
 from dataclasses import dataclass, field
 from typing import Union
 
 import numpy as np
 
-from vktrain import quant
-from vktrain.errors import VktrainError
+# SyntheticKind and the tensor types are re-exported: `graph.X` names the one definition.
+from vktrain.serialization.synthetic import SyntheticConstant, SyntheticKind, check_synthetic_reader  # noqa: F401
+from vktrain.serialization.tensor_types import LAYOUT_STORAGE, DType, GraphError, Layout, store_as_tuple
 
 # Well-known metadata keys (metadata is free-form string -> string; these are the ones vktrain writes).
 METADATA_SOURCE_MODEL = "source_model"
 METADATA_PLANNED_MEMORY_BYTES = "planned_memory_bytes"
-
-
-class GraphError(VktrainError, ValueError):
-    """A VkGraph is inconsistent (dangling id, wrong constant size, bad layout...)."""
-
-
-def _store_as_tuple(record, field_name: str, element_type) -> None:
-    """Store a frozen record's sequence field as a tuple of `element_type`, so that equality does not
-    depend on list vs tuple or numpy scalars."""
-    object.__setattr__(record, field_name, tuple(element_type(i) for i in getattr(record, field_name)))
-
-
-class DType(enum.IntEnum):
-    """Element type of a tensor's stored bytes; values equal schema.fbs `DataType`."""
-
-    FLOAT32 = 0
-    FLOAT16 = 1
-    INT32 = 2
-    INT64 = 3
-    UINT8 = 4
-    UINT32 = 5
-    BOOL = 6
-    INT8 = 7
-
-    @property
-    def numpy_dtype(self) -> np.dtype:
-        return np.dtype(_NUMPY_DTYPES[self]).newbyteorder("<")
-
-    @property
-    def itemsize(self) -> int:
-        return self.numpy_dtype.itemsize
-
-    @classmethod
-    def from_numpy(cls, dtype) -> "DType":
-        dtype = np.dtype(dtype)
-        for member, name in _NUMPY_DTYPES.items():
-            if dtype == np.dtype(name) and dtype.byteorder in ("=", "<", "|"):
-                return member
-        supported = ", ".join(str(np.dtype(name)) for name in _NUMPY_DTYPES.values())
-        raise GraphError(f"numpy dtype {dtype} has no vktrain DType; supported (little-endian): {supported}")
-
-
-_NUMPY_DTYPES = {
-    DType.FLOAT32: "float32", DType.FLOAT16: "float16", DType.INT32: "int32", DType.INT64: "int64",
-    DType.UINT8: "uint8", DType.UINT32: "uint32", DType.BOOL: "bool", DType.INT8: "int8",
-}
-
-
-class Layout(enum.IntEnum):
-    """How a tensor's stored bytes are arranged; values equal schema.fbs `TensorLayout`.
-
-    dtype and shape always describe the stored buffer; the layout says how to interpret it
-    (docs/spec/w4x8.md): Q4GSW_FLAT is uint8 [N, Kp/2], Q4GSW_W4X8 is uint32 [K4 * N8 * 4].
-    """
-
-    PLAIN = 0
-    Q4GSW_FLAT = 1
-    Q4GSW_W4X8 = 2
-
-
-# The dtype and rank a packed layout's stored buffer must have.
-_LAYOUT_STORAGE = {Layout.Q4GSW_FLAT: (DType.UINT8, 2), Layout.Q4GSW_W4X8: (DType.UINT32, 1)}
 
 
 @dataclass(frozen=True)
@@ -96,16 +34,26 @@ class TensorValue:
     constant_id: int = -1  # index into VkGraph.constants; -1 = not a constant
     mem_obj_id: int = -1  # id of a VkGraph.memory_objects entry; -1 = own allocation
     name: str = ""  # optional, for diagnostics
+    # The final storage (decided by vktrain/backend/passes, see schema.fbs `Tensor`):
+    mem_offset: int = 0  # byte offset inside memory object `mem_obj_id`
+    storage_of: int = -1  # value id whose storage this tensor uses (a view or an in-place output); -1 = own
+    is_view: bool = False  # no op writes it: its bytes are `storage_of`'s, read through the view below
+    view_strides: tuple[int, ...] = ()  # element strides of the view; () = contiguous
+    view_offset: int = 0  # element offset of that view
+    stored_dtype: DType | None = None  # element type of the stored bytes; None = `dtype`
 
     def __post_init__(self):
         # Normalise so that equality does not depend on list vs tuple or numpy ints.
         try:
             object.__setattr__(self, "dtype", DType(self.dtype))
             object.__setattr__(self, "layout", Layout(self.layout))
+            if self.stored_dtype is not None:
+                object.__setattr__(self, "stored_dtype", DType(self.stored_dtype))
         except ValueError as exc:
             raise GraphError(f"tensor {self.name or 'unnamed'}: {exc}; expected one of "
                              f"{[m.name for m in DType]} / {[m.name for m in Layout]}") from None
-        _store_as_tuple(self, "shape", int)
+        store_as_tuple(self, "shape", int)
+        store_as_tuple(self, "view_strides", int)
 
     @property
     def numel(self) -> int:
@@ -114,6 +62,15 @@ class TensorValue:
     @property
     def nbytes(self) -> int:
         return self.numel * self.dtype.itemsize
+
+    @property
+    def storage_dtype(self) -> DType:
+        """The element type of the bytes as stored (on the GPU)."""
+        return self.dtype if self.stored_dtype is None else self.stored_dtype
+
+    @property
+    def stored_nbytes(self) -> int:
+        return self.numel * self.storage_dtype.itemsize
 
 
 @dataclass(frozen=True)
@@ -146,7 +103,7 @@ class IntListValue:
     items: tuple[int, ...]
 
     def __post_init__(self):
-        _store_as_tuple(self, "items", int)
+        store_as_tuple(self, "items", int)
 
 
 @dataclass(frozen=True)
@@ -154,7 +111,7 @@ class DoubleListValue:
     items: tuple[float, ...]
 
     def __post_init__(self):
-        _store_as_tuple(self, "items", float)
+        store_as_tuple(self, "items", float)
 
 
 @dataclass(frozen=True)
@@ -162,7 +119,7 @@ class BoolListValue:
     items: tuple[bool, ...]
 
     def __post_init__(self):
-        _store_as_tuple(self, "items", bool)
+        store_as_tuple(self, "items", bool)
 
 
 @dataclass(frozen=True)
@@ -172,7 +129,7 @@ class ValueListValue:
     items: tuple[int, ...]
 
     def __post_init__(self):
-        _store_as_tuple(self, "items", int)
+        store_as_tuple(self, "items", int)
 
 
 Value = Union[NullValue, IntValue, DoubleValue, BoolValue, StringValue, TensorValue, IntListValue,
@@ -190,8 +147,8 @@ class OpCall:
     outputs: tuple[int, ...]
 
     def __post_init__(self):
-        _store_as_tuple(self, "args", int)
-        _store_as_tuple(self, "outputs", int)
+        store_as_tuple(self, "args", int)
+        store_as_tuple(self, "outputs", int)
 
 
 @dataclass(frozen=True)
@@ -209,154 +166,6 @@ class MemoryObject:
 
     id: int
     size_bytes: int
-
-
-class SyntheticKind(enum.IntEnum):
-    """How a synthetic constant is generated; values equal schema.fbs `SyntheticKind`."""
-
-    RANDOM_BITS = 0
-    NORMAL = 1
-    FILL = 2
-
-
-# Integer dtypes whose every bit pattern is a valid value (so random bits are meaningful data).
-_RANDOM_BITS_DTYPES = (DType.UINT8, DType.UINT32, DType.INT8, DType.INT32)
-_FLOAT_DTYPES = (DType.FLOAT32, DType.FLOAT16)
-_UINT64_MAX = 2**64 - 1
-
-
-@dataclass(frozen=True)
-class SyntheticConstant:
-    """BENCHMARK ONLY: a constant generated when it is loaded instead of stored in the blob.
-
-    The recipe, exact so that every reader builds the same bytes from the same record:
-      rng = numpy.random.default_rng(seed)   (PCG64)
-      RANDOM_BITS: rng.bytes(nbytes), read as `dtype` (little-endian) in `shape`; for a q4gsw layout
-                   (`layout` Q4GSW_FLAT / Q4GSW_W4X8 with `q4gsw_shape` = logical weight [N, K]) the
-                   padding codes (n >= N, k >= K) are then reset to 8 through vktrain.quant, since
-                   docs/spec/w4x8.md requires them to decode to zero;
-      NORMAL:      rng.standard_normal(numel, dtype=float32) * float32(std), cast to `dtype`;
-      FILL:        every element equals `value` (no RNG).
-    """
-
-    kind: SyntheticKind
-    seed: int
-    dtype: DType
-    shape: tuple[int, ...]
-    std: float = 0.0  # NORMAL
-    value: float = 0.0  # FILL
-    layout: Layout = Layout.PLAIN  # RANDOM_BITS over q4gsw codes: the stored layout
-    q4gsw_shape: tuple[int, ...] = ()  # ... and the logical weight [N, K]
-
-    def __post_init__(self):
-        try:
-            object.__setattr__(self, "kind", SyntheticKind(self.kind))
-            object.__setattr__(self, "dtype", DType(self.dtype))
-            object.__setattr__(self, "layout", Layout(self.layout))
-        except ValueError as exc:
-            raise GraphError(f"synthetic constant: {exc}; expected one of {[m.name for m in SyntheticKind]} / "
-                             f"{[m.name for m in DType]} / {[m.name for m in Layout]}") from None
-        _store_as_tuple(self, "shape", int)
-        _store_as_tuple(self, "q4gsw_shape", int)
-        object.__setattr__(self, "std", float(self.std))
-        object.__setattr__(self, "value", float(self.value))
-        self._check()
-
-    def _check(self) -> None:
-        what = f"synthetic {self.kind.name} constant {self.dtype.name}{list(self.shape)}"
-        if not (isinstance(self.seed, (int, np.integer)) and 0 <= self.seed <= _UINT64_MAX):
-            raise GraphError(f"{what}: seed {self.seed!r} must be an integer in [0, 2**64)")
-        if any(d < 0 for d in self.shape):
-            raise GraphError(f"{what}: negative dimension in shape")
-        if self.kind == SyntheticKind.RANDOM_BITS and self.dtype not in _RANDOM_BITS_DTYPES:
-            raise GraphError(f"{what}: random bits need an integer dtype whose every bit pattern is valid, one of "
-                             f"{[d.name for d in _RANDOM_BITS_DTYPES]}")
-        if self.kind == SyntheticKind.NORMAL:
-            if self.dtype not in _FLOAT_DTYPES:
-                raise GraphError(f"{what}: a normal distribution needs a float dtype, one of "
-                                 f"{[d.name for d in _FLOAT_DTYPES]}")
-            if not (math.isfinite(self.std) and self.std >= 0):
-                raise GraphError(f"{what}: std {self.std} must be finite and >= 0")
-        if self.kind == SyntheticKind.FILL:
-            self._check_fill_value(what)
-        if self.layout != Layout.PLAIN:
-            if self.kind != SyntheticKind.RANDOM_BITS:
-                raise GraphError(f"{what}: layout {self.layout.name} is only meaningful for RANDOM_BITS q4gsw codes")
-            self._check_q4gsw(what)
-        elif self.q4gsw_shape:
-            raise GraphError(f"{what}: q4gsw_shape {list(self.q4gsw_shape)} given but layout is PLAIN")
-
-    def _check_fill_value(self, what: str) -> None:
-        value = self.value
-        if not math.isfinite(value):
-            raise GraphError(f"{what}: fill value {value} must be finite")
-        if self.dtype in _FLOAT_DTYPES:
-            if abs(value) > float(np.finfo(self.dtype.numpy_dtype).max):
-                raise GraphError(f"{what}: fill value {value} overflows {self.dtype.name}")
-            return
-        if self.dtype == DType.BOOL:
-            allowed = value in (0.0, 1.0)
-            bounds = "0 or 1"
-        else:
-            info = np.iinfo(self.dtype.numpy_dtype)
-            allowed = value.is_integer() and info.min <= value <= info.max
-            bounds = f"an integer in [{info.min}, {info.max}]"
-        if not allowed:
-            raise GraphError(f"{what}: fill value {value} is not representable; expected {bounds}")
-
-    def _check_q4gsw(self, what: str) -> None:
-        if len(self.q4gsw_shape) != 2 or min(self.q4gsw_shape) <= 0:
-            raise GraphError(f"{what}: layout {self.layout.name} needs q4gsw_shape = the logical weight [N, K] "
-                             f"(positive), got {list(self.q4gsw_shape)}")
-        N, K = self.q4gsw_shape
-        if self.layout == Layout.Q4GSW_FLAT:
-            expected = (DType.UINT8, (N, quant.padded_k(K) // 2))
-        else:
-            try:
-                expected = (DType.UINT32, (quant.w4x8_num_words(N, K),))
-            except ValueError as exc:
-                raise GraphError(f"{what}: {exc}") from None
-        if (self.dtype, self.shape) != expected:
-            raise GraphError(f"{what}: a {self.layout.name} weight [N={N}, K={K}] is stored as "
-                             f"{expected[0].name}{list(expected[1])}")
-
-    @property
-    def numel(self) -> int:
-        return math.prod(self.shape)
-
-    @property
-    def nbytes(self) -> int:
-        return self.numel * self.dtype.itemsize
-
-    def materialize(self) -> np.ndarray:
-        """The generated array (a new one on every call): `dtype`, `shape`, C-contiguous."""
-        dtype = self.dtype.numpy_dtype
-        if self.kind == SyntheticKind.FILL:
-            return np.full(self.shape, self.value, dtype=dtype)
-        rng = np.random.default_rng(self.seed)
-        if self.kind == SyntheticKind.NORMAL:
-            data = rng.standard_normal(self.numel, dtype=np.float32)
-            data *= np.float32(self.std)
-            return data.astype(dtype, copy=False).reshape(self.shape)
-        data = np.frombuffer(rng.bytes(self.nbytes), dtype=dtype).reshape(self.shape)
-        if self.layout != Layout.PLAIN and self._has_q4gsw_padding():
-            data = self._reset_q4gsw_padding(data)
-        return data
-
-    def _has_q4gsw_padding(self) -> bool:
-        N, K = self.q4gsw_shape
-        if quant.padded_k(K) != K:
-            return True
-        # W_4X8 blocks cover 8 rows: rows N..8*ceil(N/8) are padding.
-        return self.layout == Layout.Q4GSW_W4X8 and N % 8 != 0
-
-    def _reset_q4gsw_padding(self, data: np.ndarray) -> np.ndarray:
-        """Random codes with every padding code set to 8, through vktrain.quant's own layouts: unpacking
-        drops the padding, packing writes it back as code 8."""
-        N, K = self.q4gsw_shape
-        flat = quant.unpack_w4x8(data, N, K) if self.layout == Layout.Q4GSW_W4X8 else data
-        flat = quant.pack_flat(quant.unpack_flat(flat, K))
-        return quant.pack_w4x8(flat, K) if self.layout == Layout.Q4GSW_W4X8 else flat
 
 
 # Anything exposing its bytes through the buffer protocol; numpy arrays must be C-contiguous or they
@@ -457,7 +266,7 @@ class VkGraph:
             raise GraphError(f"tensor value {value_id} ({tensor.name or 'unnamed'}) is not a constant")
         constant = self.constants[tensor.constant_id]
         if isinstance(constant, SyntheticConstant):
-            _check_synthetic_reader(constant, tensor.dtype, tensor.shape, f"tensor value {value_id}")
+            check_synthetic_reader(constant, tensor.dtype, tensor.shape, f"tensor value {value_id}")
             return constant.materialize()
         data = constant_bytes(constant)
         return np.frombuffer(data, dtype=tensor.dtype.numpy_dtype, count=tensor.numel).reshape(tensor.shape)
@@ -527,7 +336,7 @@ class VkGraph:
                                      f"({len(self.constants)} constants)")
                 initial = self.constants[state.initial_constant_id]
                 if isinstance(initial, SyntheticConstant):
-                    _check_synthetic_reader(initial, target.dtype, target.shape, where)
+                    check_synthetic_reader(initial, target.dtype, target.shape, where)
                 size = constant_sizes[state.initial_constant_id]
                 if size != target.nbytes:
                     raise GraphError(f"{where}: initial constant {state.initial_constant_id} has {size} bytes, "
@@ -547,7 +356,7 @@ class VkGraph:
                          memory_sizes: dict[int, int]) -> None:
         if any(d < 0 for d in tensor.shape):
             raise GraphError(f"{where} has negative dimension in shape {list(tensor.shape)}")
-        storage = _LAYOUT_STORAGE.get(tensor.layout)
+        storage = LAYOUT_STORAGE.get(tensor.layout)
         if storage is not None:
             dtype, rank = storage
             if tensor.dtype != dtype or len(tensor.shape) != rank:
@@ -560,7 +369,7 @@ class VkGraph:
                                  f"({len(constant_sizes)} constants)")
             constant = self.constants[tensor.constant_id]
             if isinstance(constant, SyntheticConstant):
-                _check_synthetic_reader(constant, tensor.dtype, tensor.shape, f"{where} ({tensor.name or 'unnamed'})")
+                check_synthetic_reader(constant, tensor.dtype, tensor.shape, f"{where} ({tensor.name or 'unnamed'})")
             size = constant_sizes[tensor.constant_id]
             if size != tensor.nbytes:
                 raise GraphError(f"{where} ({tensor.name or 'unnamed'}): constant {tensor.constant_id} "
@@ -569,13 +378,21 @@ class VkGraph:
         if tensor.mem_obj_id != -1:
             if tensor.mem_obj_id not in memory_sizes:
                 raise GraphError(f"{where} has mem_obj_id {tensor.mem_obj_id}, which no memory object has")
-            if tensor.nbytes > memory_sizes[tensor.mem_obj_id]:
-                raise GraphError(f"{where} needs {tensor.nbytes} bytes but memory object {tensor.mem_obj_id} "
-                                 f"has {memory_sizes[tensor.mem_obj_id]}")
-
-
-def _check_synthetic_reader(constant: SyntheticConstant, dtype: DType, shape: tuple[int, ...], where: str) -> None:
-    """A synthetic constant is generated for one dtype and shape; a tensor may not reinterpret it."""
-    if (constant.dtype, constant.shape) != (dtype, tuple(shape)):
-        raise GraphError(f"{where} is {dtype.name}{list(shape)} but reads a synthetic constant generated as "
-                         f"{constant.dtype.name}{list(constant.shape)}; they must match exactly")
+            end = tensor.mem_offset + tensor.stored_nbytes
+            if tensor.mem_offset < 0 or end > memory_sizes[tensor.mem_obj_id]:
+                raise GraphError(f"{where} occupies bytes [{tensor.mem_offset}, {end}) of memory object "
+                                 f"{tensor.mem_obj_id}, which has {memory_sizes[tensor.mem_obj_id]}")
+        if tensor.storage_of != -1:
+            source = self._value(tensor.storage_of, f"{where} storage_of")
+            if not isinstance(source, TensorValue) or source.storage_of != -1:
+                raise GraphError(f"{where} uses the storage of value {tensor.storage_of}, which must be a tensor with "
+                                 f"storage of its own")
+            if source.stored_nbytes != tensor.stored_nbytes or source.storage_dtype != tensor.storage_dtype:
+                raise GraphError(f"{where} ({tensor.storage_dtype.name}, {tensor.stored_nbytes} bytes) cannot use the "
+                                 f"storage of value {tensor.storage_of} ({source.storage_dtype.name}, "
+                                 f"{source.stored_nbytes} bytes): it must have the same stored bytes")
+        elif tensor.is_view:
+            raise GraphError(f"{where} is a view but has no storage_of")
+        if tensor.view_strides and (not tensor.is_view or len(tensor.view_strides) != len(tensor.shape)):
+            raise GraphError(f"{where} has view strides {list(tensor.view_strides)}: strides belong to a view and "
+                             f"need one per dim of shape {list(tensor.shape)}")

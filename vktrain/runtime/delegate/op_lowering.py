@@ -16,17 +16,13 @@ family's plan call:
   that size tiles or workgroups by them.
 * aten.empty / empty_permuted need no GPU work: their contents are undefined (`kernel=None`).
 * transposes (permute_copy, t_copy, transpose_copy) and aten.mm read strided views: a transpose the
-  executor leaves lazy costs nothing, and mm reads it in place through the GEMM's operand strides.
+  backend made a view (vktrain/backend/passes/views.py) costs nothing, and mm reads it in place
+  through the GEMM's operand strides.
   mm / bmm / addmm allocate a split-K scratch when the GEMM plan would split (skinny output, long
   reduction: kernels/matmul.py `gemm_scratch_nbytes`), and nothing otherwise.
 
-The executor (executor.py) owns storage: it hands each lowering `TensorArg`s whose bindings already
-point at the right buffer, so aliasing and in-place decisions never leak into this table.
-
-Graph rewrites (`fuse_patterns`): the ReLU backward arrives as `where(le(x, t), 0, grad)` (bool mask,
-scalar tensor, select), for which no kernel exists; it is exactly `threshold_backward(grad, x, t)`
-(except for NaN inputs: le(NaN) is False so `where` passes grad, threshold_backward zeroes it), which
-the elementwise family implements in one pass.
+The executor (executor.py) hands each lowering `TensorArg`s whose bindings and views are the storage
+the backend recorded in the blob, so view and in-place decisions never leak into this table.
 """
 from __future__ import annotations
 
@@ -58,11 +54,11 @@ class GraphLoweringError(VktrainError, ValueError):
 class TensorArg:
     """A tensor value as a kernel binds it: `binding` covers exactly the value's bytes on the GPU.
 
-    `dtype` is the graph dtype name ("float32", "int64", ...); int64 tensors live on the GPU as int32
-    (the executor converts them on upload) and the aten families accept "int64" meaning exactly that.
-    `layout` is the graph layout (q4gsw weights are W_4X8 words on the GPU). `view` is set only for a
-    lazily transposed tensor (a permutation of another tensor's bytes, never materialised); only the
-    ops in VIEW_ACCEPTING_OPS ever receive one.
+    `dtype` is the graph dtype name ("float32", "int64", ...); int64 tensors are stored as int32 (the
+    blob records it; the executor converts them on upload) and the aten families accept "int64" meaning
+    exactly that. `layout` is the graph layout (q4gsw weights are W_4X8 words on the GPU). `view` is the
+    strided view the blob records for a lazily transposed tensor (a permutation of another tensor's
+    bytes, never materialised); the backend only leaves those for ops that read strided operands.
     """
 
     value_id: int
@@ -378,8 +374,8 @@ def _lower_fused_ce(ctx: OpContext) -> list[Dispatch]:
 
 
 def _lower_adamw(ctx: OpContext) -> list[Dispatch]:
-    """The GPU kernel updates (param, exp_avg, exp_avg_sq) in place. Where the executor bound an output
-    to its input's storage (state updated in place) the kernel runs on it directly; otherwise the input
+    """The GPU kernel updates (param, exp_avg, exp_avg_sq) in place. Where the blob stores an output in
+    its input's storage (the backend's in-place pass) the kernel runs on it directly; otherwise the input
     is first copied into the output, which the kernel then updates."""
     names = ("param", "exp_avg", "exp_avg_sq")
     sources = [ctx.tensor(i, name) for i, name in enumerate(names)]
@@ -599,9 +595,6 @@ def copy_words(out: BufferBinding, source: BufferBinding, nbytes: int, *, label:
 # ------------------------------------------------------------------------------------------------
 
 _TRANSPOSE_OPS = ("aten.permute_copy.default", "aten.t_copy.default", "aten.transpose_copy.int")
-# Ops whose lowering reads any StridedView of its tensor inputs (TensorArg.view): the executor leaves a
-# transpose unmaterialised when every reader of its output is one of these.
-VIEW_ACCEPTING_OPS = frozenset(_TRANSPOSE_OPS + ("aten.mm.default",))
 
 
 def transposed_view(name: str, params: Sequence[Any], source_view: layout.StridedView) -> layout.StridedView:
@@ -617,16 +610,6 @@ def transposed_view(name: str, params: Sequence[Any], source_view: layout.Stride
     if name == "aten.transpose_copy.int":
         return source_view.transpose(params[0], params[1])
     raise GraphLoweringError(f"{name} is not a transpose op")
-
-
-def transpose_source(op: vk.OpCall, graph: vk.VkGraph) -> int | None:
-    """The input value id of a transpose op on a plain tensor (the executor may make it a view)."""
-    if op.name not in _TRANSPOSE_OPS or len(op.outputs) != 1 or not op.args:
-        return None
-    source = graph.values[op.args[0]]
-    if not isinstance(source, vk.TensorValue) or source.layout != vk.Layout.PLAIN:
-        return None
-    return op.args[0]
 
 
 def _lower_transpose(ctx: OpContext) -> list[Dispatch]:
@@ -684,13 +667,6 @@ def _lower_addmm(ctx: OpContext) -> list[Dispatch]:
                  mat1=a.binding, mat1_shape=a.shape, mat1_dtype=a.dtype, mat2=b.binding, mat2_shape=b.shape,
                  mat2_dtype=b.dtype, beta=ctx.args[3], alpha=ctx.args[4], out=ctx.outputs[0].binding,
                  scratch=scratch)
-
-
-TO_DIM_ORDER_COPY = "dim_order_ops._to_dim_order_copy.default"
-
-
-def _contiguous_dim_order(dim_order: Any, rank: int) -> bool:
-    return dim_order is None or tuple(dim_order) == tuple(range(rank))
 
 
 _VKTRAIN_LOWERINGS = {
@@ -755,150 +731,6 @@ def lowering_for(op: vk.OpCall, index: int) -> OpLowering:
         raise GraphLoweringError(f"op {index} ({op.name}) has {len(op.outputs)} outputs, expected "
                                  f"{lowering.num_outputs}")
     return lowering
-
-
-# ------------------------------------------------------------------------------------------------
-# Aliasing: ops whose output has exactly its input's bytes on the GPU
-# ------------------------------------------------------------------------------------------------
-
-_SHAPE_ONLY_VIEWS = frozenset({
-    "aten.view_copy.default", "aten.unsqueeze_copy.default", "aten.squeeze_copy.dims", "aten.squeeze_copy.dim",
-    "aten.squeeze_copy.default", "aten.alias_copy.default",
-})
-_GPU_DTYPE = {"int64": "int32"}  # int64 graph tensors are int32 on the GPU
-
-
-def gpu_dtype_name(dtype: vk.DType) -> str:
-    name = dtype.numpy_dtype.name
-    return _GPU_DTYPE.get(name, name)
-
-
-def alias_source(graph: vk.VkGraph, op: vk.OpCall) -> int | None:
-    """The value id whose bytes `op`'s output is, when the op moves no data on the GPU; else None.
-
-    view_copy / unsqueeze_copy / squeeze_copy of a contiguous tensor keep its bytes (all graph tensors
-    are contiguous); _to_copy / _to_dim_order_copy between dtypes with the same GPU representation
-    (int64 <-> int32, or no change) too.
-    """
-    if len(op.outputs) != 1 or not op.args:
-        return None
-    source = graph.values[op.args[0]]
-    out = graph.values[op.outputs[0]]
-    if not isinstance(source, vk.TensorValue) or not isinstance(out, vk.TensorValue):
-        return None
-    if source.layout != vk.Layout.PLAIN or out.layout != vk.Layout.PLAIN or source.numel != out.numel:
-        return None
-    if op.name in _SHAPE_ONLY_VIEWS and source.dtype == out.dtype:
-        return op.args[0]
-    if gpu_dtype_name(source.dtype) != gpu_dtype_name(out.dtype):
-        return None
-    if op.name == "aten._to_copy.default":
-        memory_format = graph.values[op.args[-1]]
-        if isinstance(memory_format, vk.NullValue) or (
-                isinstance(memory_format, vk.StringValue)
-                and memory_format.value in ("preserve_format", "contiguous_format")):
-            return op.args[0]
-    if op.name == TO_DIM_ORDER_COPY:
-        dim_order = graph.values[op.args[-1]]
-        if isinstance(dim_order, vk.NullValue) or (
-                isinstance(dim_order, vk.IntListValue) and _contiguous_dim_order(dim_order.items, len(source.shape))):
-            return op.args[0]
-    return None
-
-
-# ------------------------------------------------------------------------------------------------
-# Pattern rewrites
-# ------------------------------------------------------------------------------------------------
-
-THRESHOLD_BACKWARD = "aten.threshold_backward.default"
-
-
-def _scalar_zero(graph: vk.VkGraph, value_id: int, producers: dict[int, vk.OpCall]) -> bool:
-    """Whether `value_id` is the scalar 0: aten.scalar_tensor(0) or a constant 0-d / 1-element zero."""
-    value = graph.values[value_id]
-    if not isinstance(value, vk.TensorValue) or value.numel != 1:
-        return False
-    if value.constant_id >= 0:
-        return float(graph.constant_array(value_id).reshape(-1)[0]) == 0.0
-    producer = producers.get(value_id)
-    if producer is None or producer.name != "aten.scalar_tensor.default" or not producer.args:
-        return False
-    fill = graph.values[producer.args[0]]
-    return isinstance(fill, (vk.IntValue, vk.DoubleValue)) and float(fill.value) == 0.0
-
-
-def _same_shape_fp32_tensors(graph: vk.VkGraph, *value_ids: int) -> bool:
-    """Whether every value is an fp32 tensor of one shape (the fusions below only rewrite such ops)."""
-    values = [graph.values[i] for i in value_ids]
-    return (all(isinstance(v, vk.TensorValue) and v.dtype == vk.DType.FLOAT32 for v in values)
-            and len({v.shape for v in values}) == 1)
-
-
-def _threshold_backward(graph: vk.VkGraph, op: vk.OpCall, producers: dict[int, vk.OpCall]) -> vk.OpCall | None:
-    """where(le(x, t), 0, grad) -> threshold_backward(grad, x, t) (ReLU's backward; same shapes only)."""
-    if op.name != "aten.where.self" or len(op.args) != 3 or len(op.outputs) != 1:
-        return None
-    condition, then_value, else_value = op.args
-    compare = producers.get(condition)
-    if compare is None or compare.name != "aten.le.Scalar" or len(compare.args) != 2:
-        return None
-    x_id, threshold_id = compare.args
-    threshold = graph.values[threshold_id]
-    if not isinstance(threshold, (vk.IntValue, vk.DoubleValue)) or not _scalar_zero(graph, then_value, producers):
-        return None
-    if not _same_shape_fp32_tensors(graph, x_id, else_value, op.outputs[0]):
-        return None
-    return vk.OpCall(THRESHOLD_BACKWARD, (else_value, x_id, threshold_id), op.outputs)
-
-
-def _rsub_of_full(graph: vk.VkGraph, op: vk.OpCall, producers: dict[int, vk.OpCall]) -> vk.OpCall | None:
-    """sub(full_like(t, c), y, alpha) -> rsub.Scalar(y, c, alpha) = c - alpha * y (SiLU's backward builds
-    `1 - sigmoid` this way; a fill kernel would only materialise a constant). Same shapes only."""
-    if op.name != "aten.sub.Tensor" or len(op.args) != 3 or len(op.outputs) != 1:
-        return None
-    full_id, y_id, alpha_id = op.args
-    full = producers.get(full_id)
-    if full is None or full.name != "aten.full_like.default" or len(full.args) != 7:
-        return None
-    fill, dtype = graph.values[full.args[1]], graph.values[full.args[2]]
-    if not isinstance(fill, (vk.IntValue, vk.DoubleValue)):
-        return None
-    if not (isinstance(dtype, vk.NullValue) or (isinstance(dtype, vk.StringValue) and dtype.value == "float32")):
-        return None
-    if not _same_shape_fp32_tensors(graph, y_id, full_id, op.outputs[0]):
-        return None
-    return vk.OpCall("aten.rsub.Scalar", (y_id, full.args[1], alpha_id), op.outputs)
-
-
-_REWRITES = (_threshold_backward, _rsub_of_full)
-
-
-def fuse_patterns(graph: vk.VkGraph) -> list[vk.OpCall]:
-    """The graph's ops after the pattern rewrites, minus ops left with no reader.
-
-    Rewrites: `where(le(x, t), 0, grad)` -> `threshold_backward(grad, x, t)` and
-    `sub(full_like(t, c), y)` -> `rsub.Scalar(y, c)`. The mask, scalar, fill (and the `empty` tensor a
-    fill was shaped after) then have no reader and are dropped; ops whose outputs are still read stay
-    (and fail as unsupported if they have no kernel). Every other op is kept as is.
-    """
-    producers = {out: op for op in graph.ops for out in op.outputs}
-    ops = []
-    for op in graph.ops:
-        for rewrite in _REWRITES:
-            replacement = rewrite(graph, op, producers)
-            if replacement is not None:
-                op = replacement
-                break
-        ops.append(op)
-    # The graph is functional, so an op none of whose outputs is read can go; repeat until nothing
-    # changes, since dropping an op can leave its inputs' producers unread too.
-    kept_reads = set(graph.outputs) | {s.update_id for s in graph.mutable_state}
-    while True:
-        read = kept_reads | {arg for op in ops for arg in op.args}
-        live = [op for op in ops if any(out in read for out in op.outputs)]
-        if len(live) == len(ops):
-            return ops
-        ops = live
 
 
 def decode_scalar(value: vk.Value) -> Any:

@@ -92,8 +92,70 @@ class Tensor(object):
             return self._tab.String(o + self._tab.Pos)
         return None
 
+    # Tensor
+    def MemOffset(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(16))
+        if o != 0:
+            return self._tab.Get(flatbuffers.number_types.Uint64Flags, o + self._tab.Pos)
+        return 0
+
+    # Tensor
+    def StorageOf(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(18))
+        if o != 0:
+            return self._tab.Get(flatbuffers.number_types.Int32Flags, o + self._tab.Pos)
+        return -1
+
+    # Tensor
+    def IsView(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(20))
+        if o != 0:
+            return bool(self._tab.Get(flatbuffers.number_types.BoolFlags, o + self._tab.Pos))
+        return False
+
+    # Tensor
+    def ViewStrides(self, j: int):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(22))
+        if o != 0:
+            a = self._tab.Vector(o)
+            return self._tab.Get(flatbuffers.number_types.Int64Flags, a + flatbuffers.number_types.UOffsetTFlags.py_type(j * 8))
+        return 0
+
+    # Tensor
+    def ViewStridesAsNumpy(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(22))
+        if o != 0:
+            return self._tab.GetVectorAsNumpy(flatbuffers.number_types.Int64Flags, o)
+        return 0
+
+    # Tensor
+    def ViewStridesLength(self) -> int:
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(22))
+        if o != 0:
+            return self._tab.VectorLen(o)
+        return 0
+
+    # Tensor
+    def ViewStridesIsNone(self) -> bool:
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(22))
+        return o == 0
+
+    # Tensor
+    def ViewOffset(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(24))
+        if o != 0:
+            return self._tab.Get(flatbuffers.number_types.Int64Flags, o + self._tab.Pos)
+        return 0
+
+    # Tensor
+    def StoredDtype(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(26))
+        if o != 0:
+            return self._tab.Get(flatbuffers.number_types.Uint8Flags, o + self._tab.Pos)
+        return None
+
 def TensorStart(builder: flatbuffers.Builder):
-    builder.StartObject(6)
+    builder.StartObject(12)
 
 def Start(builder: flatbuffers.Builder):
     TensorStart(builder)
@@ -139,6 +201,48 @@ def TensorAddName(builder: flatbuffers.Builder, name: int):
 
 def AddName(builder: flatbuffers.Builder, name: int):
     TensorAddName(builder, name)
+
+def TensorAddMemOffset(builder: flatbuffers.Builder, memOffset: int):
+    builder.PrependUint64Slot(6, memOffset, 0)
+
+def AddMemOffset(builder: flatbuffers.Builder, memOffset: int):
+    TensorAddMemOffset(builder, memOffset)
+
+def TensorAddStorageOf(builder: flatbuffers.Builder, storageOf: int):
+    builder.PrependInt32Slot(7, storageOf, -1)
+
+def AddStorageOf(builder: flatbuffers.Builder, storageOf: int):
+    TensorAddStorageOf(builder, storageOf)
+
+def TensorAddIsView(builder: flatbuffers.Builder, isView: bool):
+    builder.PrependBoolSlot(8, isView, 0)
+
+def AddIsView(builder: flatbuffers.Builder, isView: bool):
+    TensorAddIsView(builder, isView)
+
+def TensorAddViewStrides(builder: flatbuffers.Builder, viewStrides: int):
+    builder.PrependUOffsetTRelativeSlot(9, flatbuffers.number_types.UOffsetTFlags.py_type(viewStrides), 0)
+
+def AddViewStrides(builder: flatbuffers.Builder, viewStrides: int):
+    TensorAddViewStrides(builder, viewStrides)
+
+def TensorStartViewStridesVector(builder, numElems: int) -> int:
+    return builder.StartVector(8, numElems, 8)
+
+def StartViewStridesVector(builder, numElems: int) -> int:
+    return TensorStartViewStridesVector(builder, numElems)
+
+def TensorAddViewOffset(builder: flatbuffers.Builder, viewOffset: int):
+    builder.PrependInt64Slot(10, viewOffset, 0)
+
+def AddViewOffset(builder: flatbuffers.Builder, viewOffset: int):
+    TensorAddViewOffset(builder, viewOffset)
+
+def TensorAddStoredDtype(builder: flatbuffers.Builder, storedDtype: int):
+    builder.PrependUint8Slot(11, storedDtype, None)
+
+def AddStoredDtype(builder: flatbuffers.Builder, storedDtype: int):
+    TensorAddStoredDtype(builder, storedDtype)
 
 def TensorEnd(builder: flatbuffers.Builder) -> int:
     return builder.EndObject()

@@ -1,0 +1,41 @@
+"""The backend's graph passes: torch-free rewrites of the in-memory VkGraph that make every storage
+decision ahead of time, in this order (`PASSES`), before the one memory planning (`compile_graph`):
+
+1. fusion.fuse_patterns: op patterns no kernel implements become one op that a kernel does
+   (where(le) -> threshold_backward, sub(full_like) -> rsub); ops left unread are dropped. First, so
+   every later pass and the lifetimes see the final op chain.
+2. storage_dtype.downcast_int64_storage: int64 tensors are stored as int32. Before the view decisions,
+   which compare stored dtypes (int64 <-> int32 copies become views).
+3. prepacked_layout.type_prepacked_outputs: q4gsw_requant outputs are typed as the W_4X8 words they hold.
+   Before memory planning, which sizes them.
+4. views.decide_views: byte-preserving ops and lazy transposes produce views of their source's storage.
+5. in_place.update_state_in_place: adamw outputs use their state's storage when nothing reads the old
+   value later (needs the views: a view of the state is such a reader).
+
+Then memory_planning.plan_graph_memory places every tensor with storage of its own into memory
+objects by the lifetime of everything sharing that storage. The result is recorded per tensor in the
+blob (schema.fbs `Tensor`: mem_obj_id, mem_offset, storage_of, is_view, view_strides, view_offset,
+stored_dtype); the runtime executes those records and decides nothing.
+"""
+from __future__ import annotations
+
+from vktrain.serialization import graph as vk
+
+from ..memory_planning import MemoryPlan, plan_graph_memory
+from .fusion import fuse_patterns
+from .in_place import update_state_in_place
+from .prepacked_layout import type_prepacked_outputs
+from .storage_dtype import downcast_int64_storage
+from .views import decide_views
+
+PASSES = (fuse_patterns, downcast_int64_storage, type_prepacked_outputs, decide_views, update_state_in_place)
+
+
+def compile_graph(graph: vk.VkGraph) -> MemoryPlan:
+    """Run PASSES over `graph` (in place), then plan its memory; returns the plan it recorded."""
+    for graph_pass in PASSES:
+        graph_pass(graph)
+    return plan_graph_memory(graph)
+
+
+__all__ = ["PASSES", "compile_graph"]
