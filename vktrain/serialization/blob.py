@@ -463,15 +463,12 @@ def _read_synthetic(table, constant_id: int) -> g.SyntheticConstant:
         raise BlobFormatError(f"constant {constant_id}: {exc}") from None
 
 
-# (offset, length, crc32) of a constant's record; None for a synthetic constant.
-_ConstantRecord = Optional[tuple[int, int, int]]
-
-
-def _read_graph(flatbuffer: memoryview, segment_area: memoryview) -> tuple[g.VkGraph, list[_ConstantRecord]]:
-    """The graph, and the record of each constant id."""
+def _read_graph(flatbuffer: memoryview, segment_area: memoryview, verify_constants: bool) -> g.VkGraph:
+    """The graph; with `verify_constants`, each constant's crc32 is checked as soon as its record is read,
+    before the rest of the graph is parsed."""
     root = FbVkGraph.VkGraph.GetRootAs(flatbuffer, 0)
     graph = g.VkGraph()
-    records: list[_ConstantRecord] = []
+    graph.constants = _read_constants(root, segment_area, verify_constants)
     graph.values = [_read_value(root.Values(i), i) for i in range(root.ValuesLength())]
     for i in range(root.ChainLength()):
         op = root.Chain(i)
@@ -481,24 +478,6 @@ def _read_graph(flatbuffer: memoryview, segment_area: memoryview) -> tuple[g.VkG
     for i in range(root.MutableStateLength()):
         state = root.MutableState(i)
         graph.mutable_state.append(g.MutableState(state.StateId(), state.UpdateId(), state.InitialConstantId()))
-    for i in range(root.ConstantsLength()):
-        record = root.Constants(i)
-        offset, length = record.Offset(), record.Length()
-        synthetic = record.Synthetic()
-        if synthetic is not None:
-            if offset or length:
-                raise BlobFormatError(f"constant {i} is synthetic but also has segment bytes "
-                                      f"(offset {offset}, length {length}; expected 0, 0)")
-            graph.constants.append(_read_synthetic(synthetic, i))
-            records.append(None)
-            continue
-        if offset % ALIGNMENT:
-            raise BlobFormatError(f"constant {i} offset {offset} is not a multiple of {ALIGNMENT}")
-        if offset + length > len(segment_area):
-            raise BlobFormatError(f"constant {i} [{offset}, {offset + length}) extends past the "
-                                  f"{len(segment_area)}-byte segment area")
-        graph.constants.append(segment_area[offset:offset + length])
-        records.append((offset, length, record.Crc32()))
     for i in range(root.MemoryObjectsLength()):
         mem = root.MemoryObjects(i)
         graph.memory_objects.append(g.MemoryObject(mem.Id(), mem.SizeBytes()))
@@ -508,7 +487,49 @@ def _read_graph(flatbuffer: memoryview, segment_area: memoryview) -> tuple[g.VkG
         if key in graph.metadata:
             raise BlobFormatError(f"metadata key {key!r} appears twice")
         graph.metadata[key] = _text(entry.Value())
-    return graph, records
+    return graph
+
+
+def _read_constants(root, segment_area: memoryview, verify: bool) -> list:
+    constants = []
+    hashed: dict[tuple[int, int], int] = {}  # deduplicated constants share a range: hash it once
+    for i in range(root.ConstantsLength()):
+        record = root.Constants(i)
+        offset, length = record.Offset(), record.Length()
+        synthetic = record.Synthetic()
+        if synthetic is not None:
+            if offset or length:
+                raise BlobFormatError(f"constant {i} is synthetic but also has segment bytes "
+                                      f"(offset {offset}, length {length}; expected 0, 0)")
+            constants.append(_read_synthetic(synthetic, i))
+            continue
+        if offset % ALIGNMENT:
+            raise BlobFormatError(f"constant {i} offset {offset} is not a multiple of {ALIGNMENT}")
+        if offset + length > len(segment_area):
+            raise BlobFormatError(f"constant {i} [{offset}, {offset + length}) extends past the "
+                                  f"{len(segment_area)}-byte segment area")
+        data = segment_area[offset:offset + length]
+        if verify:
+            actual = hashed.get((offset, length))
+            if actual is None:
+                actual = hashed[offset, length] = zlib.crc32(data)
+            if actual != record.Crc32():
+                raise BlobFormatError(f"constant {i} (read by {_constant_reader(root, i)}): crc32 of its {length} bytes "
+                                      f"is {actual:#010x}, its record says {record.Crc32():#010x} (the constant data "
+                                      "was modified or corrupted)")
+        constants.append(data)
+    return constants
+
+
+def _constant_reader(root, constant_id: int) -> str:
+    """The first tensor value reading `constant_id`, for an error message."""
+    for value_id in range(root.ValuesLength()):
+        fb_value = root.Values(value_id)
+        if fb_value.ValueType() == ValueKind.Tensor:
+            tensor = union_as(fb_value.Value(), FbTensor.Tensor)
+            if tensor.ConstantId() == constant_id:
+                return f"tensor value {value_id} ({_text(tensor.Name()) or 'unnamed'})"
+    return "no tensor: a state's initial value, or unused"
 
 
 def _verify_graph_checksum(header: BlobHeader, flatbuffer: memoryview) -> None:
@@ -519,26 +540,6 @@ def _verify_graph_checksum(header: BlobHeader, flatbuffer: memoryview) -> None:
         raise BlobFormatError(f"graph checksum mismatch: header graph_crc32 is {header.graph_crc32:#010x}, the header "
                               f"fields and the {len(flatbuffer)}-byte graph flatbuffer give {actual:#010x} "
                               "(the graph was modified or corrupted)")
-
-
-def _verify_constant_checksums(graph: g.VkGraph, records: list[_ConstantRecord]) -> None:
-    readers = {}
-    for value_id, value in enumerate(graph.values):
-        if isinstance(value, g.TensorValue) and value.constant_id >= 0:
-            readers.setdefault(value.constant_id, f"tensor value {value_id} ({value.name or 'unnamed'})")
-    hashed: dict[tuple[int, int], int] = {}  # deduplicated constants share a range: hash it once
-    for constant_id, (data, record) in enumerate(zip(graph.constants, records)):
-        if record is None:
-            continue
-        offset, length, expected = record
-        actual = hashed.get((offset, length))
-        if actual is None:
-            actual = hashed[offset, length] = zlib.crc32(data)
-        if actual != expected:
-            reader = readers.get(constant_id, "no tensor; a state's initial value or unused")
-            raise BlobFormatError(f"constant {constant_id} (read by {reader}): crc32 of its {data.nbytes} bytes is "
-                                  f"{actual:#010x}, its record says {expected:#010x} (the constant data was "
-                                  "modified or corrupted)")
 
 
 def deserialize_blob(data: bytes | bytearray | memoryview | mmap.mmap, *, verify_constants: bool = True) -> g.VkGraph:
@@ -561,7 +562,7 @@ def deserialize_blob(data: bytes | bytearray | memoryview | mmap.mmap, *, verify
                               "(graph written with an incompatible schema version)")
     segment_area = view[header.segment_offset:header.segment_offset + header.segment_size]
     try:
-        graph, records = _read_graph(flatbuffer, segment_area)
+        graph = _read_graph(flatbuffer, segment_area, verify_constants and header.graph_crc32 is not None)
     except BlobFormatError:
         raise
     except (struct.error, IndexError, ValueError, TypeError, UnicodeDecodeError, OverflowError) as exc:
@@ -579,8 +580,6 @@ def deserialize_blob(data: bytes | bytearray | memoryview | mmap.mmap, *, verify
         graph.validate()
     except g.GraphError as exc:
         raise BlobFormatError(f"blob holds an inconsistent graph: {exc}") from None
-    if verify_constants and header.graph_crc32 is not None:
-        _verify_constant_checksums(graph, records)
     return graph
 
 

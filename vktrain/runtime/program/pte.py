@@ -27,6 +27,8 @@ import struct
 from dataclasses import dataclass, field
 from typing import Optional, Union
 
+import numpy as np
+
 from vktrain.runtime.vk.errors import RuntimeErrorBase
 from vktrain.runtime.program.pte_schema.executorch_flatbuffer import Program as FbProgram
 from vktrain.runtime.program.pte_schema.executorch_flatbuffer.Bool import Bool as FbBool
@@ -68,10 +70,23 @@ _ELEMENT_SIZE = {
     ScalarType.UINT64: 8,
 }
 _SCALAR_TYPE_NAMES = {value: name for name, value in vars(ScalarType).items() if not name.startswith("_")}
+# The ScalarTypes vktrain's runtime reads, as numpy dtypes.
+NUMPY_SCALAR_TYPES = {
+    ScalarType.BYTE: np.uint8, ScalarType.CHAR: np.int8, ScalarType.SHORT: np.int16, ScalarType.INT: np.int32,
+    ScalarType.LONG: np.int64, ScalarType.HALF: np.float16, ScalarType.FLOAT: np.float32,
+    ScalarType.DOUBLE: np.float64, ScalarType.BOOL: np.bool_, ScalarType.UINT32: np.uint32,
+}
 
 
 class PteFormatError(RuntimeErrorBase, ValueError):
     """The file is not a readable .pte: truncated, corrupt, or of an unsupported schema version."""
+
+
+class MissingMethodError(PteFormatError, KeyError):
+    """The .pte has no execution plan of the requested name."""
+
+    def __str__(self) -> str:  # KeyError would show the message in quotes
+        return str(self.args[0])
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -346,10 +361,9 @@ class PteFile:
         if view.ndim != 1 or view.itemsize != 1:
             view = view.cast("B")
         self._view = view
-        self.header = _read_header(view)
-        program_view = view[:self.header.program_size]
         try:
-            self._parse_program(program_view)
+            self.header = _read_header(view)
+            self._parse_program(view[:self.header.program_size])
         except PteFormatError as exc:
             raise PteFormatError(f"{source}: {exc}") from None
         except (struct.error, IndexError, ValueError, TypeError, UnicodeDecodeError, OverflowError) as exc:
@@ -367,8 +381,8 @@ class PteFile:
         return cls(mapping, source=str(path), _mapping=mapping)
 
     @classmethod
-    def from_bytes(cls, data) -> "PteFile":
-        return cls(data)
+    def from_bytes(cls, data, source: str = "<bytes>") -> "PteFile":
+        return cls(data, source=source)
 
     # -- public queries -------------------------------------------------------------------------
     @property
@@ -384,7 +398,7 @@ class PteFile:
         for plan in self.execution_plans:
             if plan.name == name:
                 return plan
-        raise KeyError(f"{self.source} has no execution plan {name!r}; it has {self.method_names}")
+        raise MissingMethodError(f"{self.source} has no execution plan {name!r}; it has {self.method_names}")
 
     @property
     def delegates(self) -> list[Delegate]:
