@@ -181,9 +181,9 @@ def check_planned_storage_disjoint(pte: PteFile, plan: ExecutionPlan) -> None:
         for (first, first_index), (second, second_index) in zip(placed, placed[1:]):
             if first[0] == second[0] and second[1] < first[2]:
                 raise _refuse(pte, check_planned_storage_disjoint,
-                              f"plan {plan.name!r}: {what} uses values {first_index} and {second_index}, whose bytes "
-                              f"[{first[1]}, {first[2]}) and [{second[1]}, {second[2]}) of arena {first[0]} overlap; "
-                              "tensors live at the same time need disjoint memory")
+                              f"plan {plan.name!r}: values {first_index} and {second_index}, both used by {what}, "
+                              f"have overlapping bytes [{first[1]}, {first[2]}) and [{second[1]}, {second[2]}) in arena "
+                              f"{first[0]}; tensors live at the same time need disjoint memory")
 
 
 def check_constant_tensors(pte: PteFile, plan: ExecutionPlan) -> None:
