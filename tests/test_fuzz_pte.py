@@ -49,6 +49,12 @@ def _scalar_position(table, slot: int) -> int:
     return table._tab.Pos + table._tab.Offset(slot)
 
 
+def _vtable_entry_position(table, slot: int) -> int:
+    """Where the table's vtable stores the offset of field `slot` (0 there = the field is absent)."""
+    position = table._tab.Pos
+    return position - struct.unpack_from("<i", table._tab.Bytes, position)[0] + slot
+
+
 def _plan(data: bytes):
     return FbProgram.GetRootAs(data, 0).ExecutionPlan(0)
 
@@ -219,6 +225,17 @@ def test_two_live_tensors_sharing_bytes_are_refused(exported):
                                                 r"have overlapping bytes \[0, 128\) and \[0, 128\) in arena 1") as caught:
         fuzz.load(edited)
     assert caught.value.check == "check_planned_storage_disjoint"
+
+
+def test_a_plan_input_left_out_of_the_memory_plan_is_refused(exported):
+    _, data = exported
+    labels = PteFile.from_bytes(data).execution_plan().inputs[1]
+    edited = _edit(data, _vtable_entry_position(_plan_tensor(data, labels), 16), "<H", 0)  # drop allocation_info
+    with pytest.raises(VerificationError, match=rf"value {labels} \(LONG\[2, 8\]\) has neither allocation_info nor "
+                                                r"data \(data_buffer_idx 0\); only the output of executorch_prim::"
+                                                r"et_view.default may") as caught:
+        fuzz.load(edited)
+    assert caught.value.check == "check_storageless_tensors"
 
 
 def test_delegate_arguments_are_checked_against_the_graph_inputs(exported):

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from typing import Callable, Iterator, Optional
 
 from vktrain.errors import VktrainError
-from vktrain.runtime.program.pte import PteFile, PteFormatError, Tensor
+from vktrain.runtime.program.pte import KernelCall, PteFile, PteFormatError, Tensor
 from vktrain.runtime.program.runner import VerifiedTrainingProgram, verify_training_program
 from vktrain.runtime.program.verify import VerificationError
 from vktrain.serialization import BlobFormatError, BlobHeader
@@ -87,7 +87,7 @@ def _aliasing(plan) -> frozenset:
 
 def program_meaning(pte: PteFile, program: VerifiedTrainingProgram) -> dict:
     """Everything the interpreter and the executor read: the plan's values (tensor records and constant
-    bytes, scalars), inputs, outputs, instructions and the operators they name; the delegate graph and its
+    bytes, scalars), inputs, outputs, instructions and the operators they call; the delegate graph and its
     constant bytes. Left out, because nothing at run time reads them: requires_grad, chain-level I/O
     lists, container metadata, compile specs, the program version, the declared arena sizes (only
     whether they suffice matters, and verify.check_arenas checks that) and where in its arena a tensor
@@ -97,7 +97,8 @@ def program_meaning(pte: PteFile, program: VerifiedTrainingProgram) -> dict:
         "plan values": tuple(_tensor_meaning(pte, v) if isinstance(v, Tensor) else v for v in plan.values),
         "plan aliasing": _aliasing(plan),
         "plan inputs": plan.inputs, "plan outputs": plan.outputs, "plan instructions": tuple(plan.instructions),
-        "plan operators": plan.operators, "input names": tuple(program.input_names),
+        "plan operators called": tuple(plan.operators[i.op_index] for i in plan.instructions if isinstance(i, KernelCall)),
+        "input names": tuple(program.input_names),
         "graph values": tuple(graph.values), "graph ops": tuple(graph.ops), "graph inputs": tuple(graph.inputs),
         "graph outputs": tuple(graph.outputs), "graph mutable state": tuple(graph.mutable_state),
         "graph memory objects": tuple(graph.memory_objects), "graph metadata": dict(graph.metadata),

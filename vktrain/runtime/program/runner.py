@@ -47,6 +47,7 @@ from vktrain.runtime.program.pte import (
 )
 from vktrain.runtime.program.verify import (
     UnsupportedProgramError,
+    VerificationError,
     check_device_memory,
     device_memory_bytes,
     load_delegate_graph,
@@ -123,6 +124,19 @@ def check_instructions_supported(pte: PteFile, plan: ExecutionPlan, has_delegate
                                           f"(instruction {index} of plan {plan.name!r}): control flow is not supported")
 
 
+def check_storageless_tensors(pte: PteFile, plan: ExecutionPlan) -> None:
+    """A tensor with neither planned memory nor data is bound when it is computed; only an et_view output
+    is (a view of its input). Any other would be a plan input or result the memory plan forgot."""
+    views = {instruction.args[2] for instruction in plan.instructions if isinstance(instruction, KernelCall)
+             and plan.operators[instruction.op_index].qualified_name == _ET_VIEW and len(instruction.args) >= 3}
+    for index, value in enumerate(plan.values):
+        if (isinstance(value, Tensor) and value.allocation_info is None and value.data_buffer_idx == 0
+                and index not in views):
+            raise VerificationError(f"{pte.source}: plan {plan.name!r} value {index} ({value.scalar_type_name}"
+                                    f"{list(value.sizes)}) has neither allocation_info nor data (data_buffer_idx 0); "
+                                    f"only the output of {_ET_VIEW} may", check_storageless_tensors.__name__)
+
+
 class ProgramInterpreter:
     """Executes one execution plan: arenas for planned tensors, numpy for KernelCalls, `delegate` for the
     DelegateCall(s). `delegate(index, args) -> outputs` runs delegate `index`; `args` are the call's
@@ -137,6 +151,7 @@ class ProgramInterpreter:
         self.plan = plan
         self._delegate = delegate
         check_instructions_supported(pte, plan, delegate is not None)
+        check_storageless_tensors(pte, plan)
         arena_needs = verify_plan(pte, plan, host_memory_limit)
         self._arenas = [bytearray(size) for size in arena_needs]
         self._initial_values = [self._materialize(index, value) for index, value in enumerate(plan.values)]
@@ -232,6 +247,7 @@ def verify_training_program(pte: PteFile, method: str = "forward", *, verify_con
     the device's memory is checked once the device is open (check_device_memory)."""
     plan = pte.execution_plan(method)
     check_instructions_supported(pte, plan, has_delegate=True)
+    check_storageless_tensors(pte, plan)
     verify_plan(pte, plan, host_memory_limit)
     if len(plan.outputs) != 1:
         raise UnsupportedProgramError(f"{pte.source}: a training step returns the loss only; plan {method!r} "
@@ -381,4 +397,4 @@ class TrainingRunner:
 
 
 __all__ = ["BACKEND_ID", "CPU_KERNELS", "ProgramInterpreter", "TrainingRunner", "UnsupportedProgramError",
-           "VerifiedTrainingProgram", "check_instructions_supported", "plan_input_names", "verify_training_program"]
+           "VerifiedTrainingProgram", "check_instructions_supported", "check_storageless_tensors", "plan_input_names", "verify_training_program"]

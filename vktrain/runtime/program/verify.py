@@ -24,6 +24,7 @@ import numpy as np
 from vktrain.contract import BACKEND_ID
 from vktrain.runtime.program.pte import (
     NUMPY_SCALAR_TYPES,
+    SCALAR_TYPE_NAMES,
     DelegateCall,
     ExecutionPlan,
     KernelCall,
@@ -84,13 +85,6 @@ def device_memory_bytes(device) -> int:
     return int(max(heaps)) if heaps else host_memory_bytes()
 
 
-def _nbytes(pte: PteFile, tensor: Tensor, where: str) -> int:
-    try:
-        return tensor.nbytes
-    except PteFormatError as exc:
-        raise _refuse(pte, check_tensor_records, f"{where}: {exc}") from None
-
-
 # ---------------------------------------------------------------------------------------------------
 # The execution plan
 # ---------------------------------------------------------------------------------------------------
@@ -105,7 +99,7 @@ def check_tensor_records(pte: PteFile, plan: ExecutionPlan) -> None:
         where = f"plan {plan.name!r} value {index} ({value.scalar_type_name}{list(value.sizes)})"
         if value.scalar_type not in NUMPY_SCALAR_TYPES:
             raise _refuse(pte, check_tensor_records, f"{where}: scalar type {value.scalar_type_name} is not "
-                          f"supported; expected one of {sorted(NUMPY_SCALAR_TYPES)}")
+                          f"supported; expected one of {sorted(SCALAR_TYPE_NAMES[t] for t in NUMPY_SCALAR_TYPES)}")
         if any(d < 0 for d in value.sizes):
             raise _refuse(pte, check_tensor_records, f"{where}: sizes {list(value.sizes)} has a negative dimension")
         if sorted(value.dim_order) != list(range(len(value.sizes))):
@@ -124,7 +118,8 @@ def check_tensor_records(pte: PteFile, plan: ExecutionPlan) -> None:
 
 def arena_needs(pte: PteFile, plan: ExecutionPlan) -> list[int]:
     """Bytes each arena must have: the end of the last tensor placed in it. Refuses a tensor placed in a
-    memory id the plan does not have, or past the end the file declares for its arena."""
+    memory id the plan does not have, misaligned, or past the end the file declares for its arena.
+    (After check_tensor_records: every tensor's nbytes is defined.)"""
     declared = plan.non_const_buffer_sizes
     needs = [0] * len(declared)
     for index, value in enumerate(plan.values):
@@ -139,7 +134,7 @@ def arena_needs(pte: PteFile, plan: ExecutionPlan) -> list[int]:
         if memory.memory_offset % element_size:
             raise _refuse(pte, check_arenas, f"{where}: allocation_info memory offset {memory.memory_offset} is not a "
                           f"multiple of its {element_size}-byte element size")
-        end = memory.memory_offset + _nbytes(pte, value, where)
+        end = memory.memory_offset + value.nbytes
         if end > declared[memory.memory_id]:
             raise _refuse(pte, check_arenas, f"{where}: bytes [{memory.memory_offset}, {end}) lie past the end of "
                           f"arena {memory.memory_id}, whose non_const_buffer_sizes entry is {declared[memory.memory_id]}")
@@ -230,7 +225,10 @@ def check_delegate_io(pte: PteFile, plan: ExecutionPlan, call: DelegateCall, gra
         raise _refuse(pte, check_delegate_io, f"plan {plan.name!r}: the delegate call passes {len(call.args)} values, "
                       f"its graph has {len(graph.inputs)} inputs and {len(graph.outputs)} outputs")
     for arg, (kind, position, value_id) in zip(call.args, expected):
-        want = graph.tensor(value_id)
+        want = graph.values[value_id]
+        if not isinstance(want, g.TensorValue):
+            raise _refuse(pte, check_delegate_io, f"plan {plan.name!r}: delegate graph {kind} {position} is value "
+                          f"{value_id}, a {type(want).__name__}; graph inputs and outputs must be tensors")
         want_text = f"{want.dtype.name}{list(want.shape)}"
         have = plan.values[arg]
         where = f"plan {plan.name!r}: delegate {kind} {position} ({want.name or 'unnamed'}) is plan value {arg}"
