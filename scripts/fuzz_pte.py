@@ -17,6 +17,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections import Counter
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -59,6 +60,10 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{args.count} mutants of {path} ({len(original)} bytes), seed {args.seed}, in {elapsed:.1f} s "
           f"({args.count / elapsed:.0f}/s)\n")
     print(fuzz.format_table(table))
+    if resigned_changes:
+        print("\nre-signed graphs that load with another meaning, by what differs:")
+        for detail, count in Counter(o.detail for o in resigned_changes).most_common():
+            print(f"  {count:>6}  {detail}")
     for title, outcomes in (("BUGS", bugs), ("re-signed graphs that load with another meaning", resigned_changes)):
         if outcomes:
             print(f"\n{title} ({len(outcomes)}; first {min(args.show, len(outcomes))}):")

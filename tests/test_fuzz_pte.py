@@ -19,7 +19,7 @@ from vktrain.runtime.program.pte import MissingMethodError, PteFile, PteFormatEr
 from vktrain.runtime.program.pte_schema.executorch_flatbuffer.Program import Program as FbProgram
 from vktrain.runtime.program.pte_schema.executorch_flatbuffer.Tensor import Tensor as FbPteTensor
 from vktrain.runtime.program.runner import ProgramInterpreter, TrainingRunner, verify_training_program
-from vktrain.runtime.program.verify import VerificationError, check_device_memory
+from vktrain.runtime.program.verify import VerificationError, check_device_memory, check_op_shapes
 from vktrain.serialization import BlobFormatError
 from vktrain.serialization.flatbuffer_reading import union_as
 from vktrain.serialization.generated.vkt_blob.Tensor import Tensor as FbBlobTensor
@@ -263,6 +263,33 @@ def test_device_memory_asked_for_by_the_graph_is_capped(exported):
     largest = max(m.size_bytes for m in program.graph.memory_objects)
     with pytest.raises(VerificationError, match=rf"memory object \d+ asks for {largest} bytes"):
         check_device_memory(pte, program.graph, largest - 1)
+
+
+def test_the_op_shape_hook_compares_inferred_outputs_with_the_declared_ones(exported):
+    """check_op_shapes is where the torch-free op definitions plug in; here with a stand-in rule that
+    knows one op (its declared outputs, or those with one dimension changed)."""
+    _, data = exported
+    pte, program = fuzz.load(data)
+    graph = program.graph
+    index, op = next((i, op) for i, op in enumerate(graph.ops) if graph.tensor(op.outputs[0]).shape)
+    declared = [(graph.tensor(o).dtype, tuple(graph.tensor(o).shape)) for o in op.outputs]
+
+    def infer(wrong):
+        def rule(name, args, graph_):
+            assert graph_ is graph
+            if name != op.name or list(args) != [graph.values[a] for a in op.args]:
+                return None
+            dtype, shape = declared[0]
+            return [(dtype, shape[:-1] + (shape[-1] + 1,))] + declared[1:] if wrong else declared
+        return rule
+
+    check_op_shapes(pte, graph, None)
+    check_op_shapes(pte, graph, infer(wrong=False))
+    dtype, shape = declared[0]
+    with pytest.raises(VerificationError, match=rf"delegate op {index} \({op.name}\) declares outputs "
+                                                rf"{dtype.name}\[{', '.join(map(str, shape))}\].*; its inputs give "
+                                                rf"{dtype.name}\[{', '.join(map(str, shape[:-1] + (shape[-1] + 1,)))}\]"):
+        check_op_shapes(pte, graph, infer(wrong=True))
 
 
 def test_an_eight_byte_file_and_a_missing_method_are_clean_errors(tmp_path, exported):
