@@ -251,6 +251,16 @@ def test_delegate_arguments_are_checked_against_the_graph_inputs(exported):
         fuzz.load(as_float)
 
 
+def test_a_plan_output_other_than_the_loss_is_refused(exported):
+    _, data = exported
+    plan = PteFile.from_bytes(data).execution_plan()
+    hparams = plan.inputs[2]  # FLOAT[5]
+    edited = _edit(data, _vector_position(_plan(data), 12, 0, 4), "<i", hparams)  # ExecutionPlan.outputs[0]
+    with pytest.raises(VerificationError, match=rf"output is value {hparams} \(FLOAT\[5\]\); expected the loss, a "
+                                                rf"FLOAT\[\] the delegate returns \(one of values \[{plan.outputs[0]}\]\)"):
+        fuzz.load(edited)
+
+
 def test_device_memory_asked_for_by_the_graph_is_capped(exported):
     _, data = exported
     pte, program = fuzz.load(data)

@@ -71,7 +71,7 @@ from vktrain.serialization.generated.vkt_blob import Tensor as FbTensor
 from vktrain.serialization.generated.vkt_blob import Value as FbValue
 from vktrain.serialization.generated.vkt_blob import ValueList as FbValueList
 from vktrain.serialization.generated.vkt_blob import VkGraph as FbVkGraph
-from vktrain.serialization.flatbuffer_reading import scalar_vector, union_as
+from vktrain.serialization.flatbuffer_reading import CORRUPTION_ERRORS, reading, scalar_vector, union_as
 from vktrain.serialization.generated.vkt_blob.ValueKind import ValueKind
 from vktrain.errors import VktrainError
 
@@ -469,24 +469,31 @@ def _read_graph(flatbuffer: memoryview, segment_area: memoryview, verify_constan
     root = FbVkGraph.VkGraph.GetRootAs(flatbuffer, 0)
     graph = g.VkGraph()
     graph.constants = _read_constants(root, segment_area, verify_constants)
-    graph.values = [_read_value(root.Values(i), i) for i in range(root.ValuesLength())]
+    for i in range(root.ValuesLength()):
+        with reading(f"VkGraph.values[{i}]", BlobFormatError):
+            graph.values.append(_read_value(root.Values(i), i))
     for i in range(root.ChainLength()):
-        op = root.Chain(i)
-        graph.ops.append(g.OpCall(_text(op.Name()), scalar_vector(op, "Args"), scalar_vector(op, "Outputs")))
-    graph.inputs = list(scalar_vector(root, "InputIds"))
-    graph.outputs = list(scalar_vector(root, "OutputIds"))
+        with reading(f"VkGraph.chain[{i}]", BlobFormatError):
+            op = root.Chain(i)
+            graph.ops.append(g.OpCall(_text(op.Name()), scalar_vector(op, "Args"), scalar_vector(op, "Outputs")))
+    with reading("VkGraph.input_ids / output_ids", BlobFormatError):
+        graph.inputs = list(scalar_vector(root, "InputIds"))
+        graph.outputs = list(scalar_vector(root, "OutputIds"))
     for i in range(root.MutableStateLength()):
-        state = root.MutableState(i)
-        graph.mutable_state.append(g.MutableState(state.StateId(), state.UpdateId(), state.InitialConstantId()))
+        with reading(f"VkGraph.mutable_state[{i}]", BlobFormatError):
+            state = root.MutableState(i)
+            graph.mutable_state.append(g.MutableState(state.StateId(), state.UpdateId(), state.InitialConstantId()))
     for i in range(root.MemoryObjectsLength()):
-        mem = root.MemoryObjects(i)
-        graph.memory_objects.append(g.MemoryObject(mem.Id(), mem.SizeBytes()))
+        with reading(f"VkGraph.memory_objects[{i}]", BlobFormatError):
+            mem = root.MemoryObjects(i)
+            graph.memory_objects.append(g.MemoryObject(mem.Id(), mem.SizeBytes()))
     for i in range(root.MetadataLength()):
-        entry = root.Metadata(i)
-        key = _text(entry.Key())
-        if key in graph.metadata:
-            raise BlobFormatError(f"metadata key {key!r} appears twice")
-        graph.metadata[key] = _text(entry.Value())
+        with reading(f"VkGraph.metadata[{i}]", BlobFormatError):
+            entry = root.Metadata(i)
+            key = _text(entry.Key())
+            if key in graph.metadata:
+                raise BlobFormatError(f"metadata key {key!r} appears twice")
+            graph.metadata[key] = _text(entry.Value())
     return graph
 
 
@@ -494,14 +501,16 @@ def _read_constants(root, segment_area: memoryview, verify: bool) -> list:
     constants = []
     hashed: dict[tuple[int, int], int] = {}  # deduplicated constants share a range: hash it once
     for i in range(root.ConstantsLength()):
-        record = root.Constants(i)
-        offset, length = record.Offset(), record.Length()
-        synthetic = record.Synthetic()
+        with reading(f"VkGraph.constants[{i}]", BlobFormatError):
+            record = root.Constants(i)
+            offset, length, crc32 = record.Offset(), record.Length(), record.Crc32()
+            synthetic = record.Synthetic()
         if synthetic is not None:
             if offset or length:
                 raise BlobFormatError(f"constant {i} is synthetic but also has segment bytes "
                                       f"(offset {offset}, length {length}; expected 0, 0)")
-            constants.append(_read_synthetic(synthetic, i))
+            with reading(f"VkGraph.constants[{i}].synthetic", BlobFormatError):
+                constants.append(_read_synthetic(synthetic, i))
             continue
         if offset % ALIGNMENT:
             raise BlobFormatError(f"constant {i} offset {offset} is not a multiple of {ALIGNMENT}")
@@ -513,9 +522,9 @@ def _read_constants(root, segment_area: memoryview, verify: bool) -> list:
             actual = hashed.get((offset, length))
             if actual is None:
                 actual = hashed[offset, length] = zlib.crc32(data)
-            if actual != record.Crc32():
+            if actual != crc32:
                 raise BlobFormatError(f"constant {i} (read by {_constant_reader(root, i)}): crc32 of its {length} bytes "
-                                      f"is {actual:#010x}, its record says {record.Crc32():#010x} (the constant data "
+                                      f"is {actual:#010x}, its record says {crc32:#010x} (the constant data "
                                       "was modified or corrupted)")
         constants.append(data)
     return constants
@@ -565,9 +574,8 @@ def deserialize_blob(data: bytes | bytearray | memoryview | mmap.mmap, *, verify
         graph = _read_graph(flatbuffer, segment_area, verify_constants and header.graph_crc32 is not None)
     except BlobFormatError:
         raise
-    except (struct.error, IndexError, ValueError, TypeError, UnicodeDecodeError, OverflowError) as exc:
-        # The Python flatbuffers runtime has no verifier: a corrupt table surfaces as one of these.
-        raise BlobFormatError(f"graph flatbuffer is corrupt ({type(exc).__name__}: {exc})") from None
+    except CORRUPTION_ERRORS as exc:  # outside every field: the root table itself
+        raise BlobFormatError(f"graph flatbuffer is corrupt at its root table ({type(exc).__name__}: {exc})") from None
     synthetic = graph.synthetic_constant_ids
     if synthetic and header.format_version < BlobHeader.SYNTHETIC_VERSION:
         raise BlobFormatError(f"blob format version {header.format_version} cannot hold synthetic constants, but "

@@ -47,7 +47,7 @@ from vktrain.runtime.program.pte_schema.executorch_flatbuffer.OptionalTensorList
 from vktrain.runtime.program.pte_schema.executorch_flatbuffer.String import String as FbString
 from vktrain.runtime.program.pte_schema.executorch_flatbuffer.Tensor import Tensor as FbTensor
 from vktrain.runtime.program.pte_schema.executorch_flatbuffer.TensorList import TensorList as FbTensorList
-from vktrain.serialization.flatbuffer_reading import scalar_vector, union_as
+from vktrain.serialization.flatbuffer_reading import CORRUPTION_ERRORS, reading, scalar_vector, union_as
 from vktrain.runtime.program.pte_objects import (  # noqa: F401  (re-exported: the reader's public types)
     PteFormatError,
     MissingMethodError,
@@ -171,9 +171,8 @@ class PteFile:
             self._parse_program(view[:self.header.program_size])
         except PteFormatError as exc:
             raise PteFormatError(f"{source}: {exc}") from None
-        except (struct.error, IndexError, ValueError, TypeError, UnicodeDecodeError, OverflowError) as exc:
-            # The Python flatbuffers runtime has no verifier: a corrupt or cut table surfaces as one of these.
-            raise PteFormatError(f"{source}: Program flatbuffer is corrupt or truncated "
+        except CORRUPTION_ERRORS as exc:  # outside every field reading() names: the root table itself
+            raise PteFormatError(f"{source}: Program flatbuffer is corrupt or truncated at its root table "
                                  f"({type(exc).__name__}: {exc})") from None
 
     @classmethod
@@ -261,22 +260,25 @@ class PteFile:
 
         self.segments = []
         for i in range(program.SegmentsLength()):
-            fb_segment = program.Segments(i)
-            segment = DataSegment(fb_segment.Offset(), fb_segment.Size())
+            with reading(f"Program.segments[{i}]", PteFormatError):
+                fb_segment = program.Segments(i)
+                segment = DataSegment(fb_segment.Offset(), fb_segment.Size())
             self._check_segment(i, segment)
             self.segments.append(segment)
 
-        self.backend_delegate_data = [
-            _bytes_vector(program.BackendDelegateData(i), "Data") for i in range(program.BackendDelegateDataLength())
-        ]
-        self._parse_constants(program)
+        self.backend_delegate_data = []
+        for i in range(program.BackendDelegateDataLength()):
+            with reading(f"Program.backend_delegate_data[{i}]", PteFormatError):
+                self.backend_delegate_data.append(_bytes_vector(program.BackendDelegateData(i), "Data"))
+        with reading("Program.constant_segment / constant_buffer", PteFormatError):
+            self._parse_constants(program)
 
         self.mutable_data_segments = []
         for i in range(program.MutableDataSegmentsLength()):
-            sub = program.MutableDataSegments(i)
-            segment_index = sub.SegmentIndex()
+            with reading(f"Program.mutable_data_segments[{i}]", PteFormatError):
+                sub = program.MutableDataSegments(i)
+                segment_index, offsets = sub.SegmentIndex(), scalar_vector(sub, "Offsets")
             _check_index(segment_index, len(self.segments), f"mutable_data_segments[{i}] segment index")
-            offsets = scalar_vector(sub, "Offsets")
             limit = self.segments[segment_index].size
             for j, offset in enumerate(offsets):
                 if offset > limit:
@@ -286,14 +288,17 @@ class PteFile:
 
         self.named_data = {}
         for i in range(program.NamedDataLength()):
-            entry = program.NamedData(i)
-            key = _text(entry.Key())
+            with reading(f"Program.named_data[{i}]", PteFormatError):
+                entry = program.NamedData(i)
+                key, segment_index = _text(entry.Key()), entry.SegmentIndex()
             if key in self.named_data:
                 raise PteFormatError(f"named data key {key!r} appears twice")
-            self.named_data[key] = self.segment_data(entry.SegmentIndex())
+            self.named_data[key] = self.segment_data(segment_index)
 
-        self.execution_plans = [self._parse_plan(program.ExecutionPlan(i), i)
-                                for i in range(program.ExecutionPlanLength())]
+        self.execution_plans = []
+        for i in range(program.ExecutionPlanLength()):
+            with reading(f"Program.execution_plan[{i}]", PteFormatError):
+                self.execution_plans.append(self._parse_plan(program.ExecutionPlan(i), i))
         names = self.method_names
         if len(set(names)) != len(names):
             raise PteFormatError(f"execution plan names are not unique: {names}")
@@ -339,17 +344,29 @@ class PteFile:
     def _parse_plan(self, fb_plan, plan_index: int) -> ExecutionPlan:
         name = _text(fb_plan.Name()) or ""
         where = f"execution plan {name or plan_index!r}"
-        values = tuple(self._parse_value(fb_plan.Values(i), f"{where} value {i}")
-                       for i in range(fb_plan.ValuesLength()))
+        values = []
+        for i in range(fb_plan.ValuesLength()):
+            with reading(f"{where} value {i}", PteFormatError):
+                values.append(self._parse_value(fb_plan.Values(i), f"{where} value {i}"))
+        values = tuple(values)
         operators = []
         for i in range(fb_plan.OperatorsLength()):
-            op = fb_plan.Operators(i)
-            operators.append(Operator(_text(op.Name()) or "", _text(op.Overload()) or ""))
-        delegates = tuple(self._parse_delegate(fb_plan.Delegates(i), f"{where} delegate {i}")
-                          for i in range(fb_plan.DelegatesLength()))
-        chains = tuple(self._parse_chain(fb_plan.Chains(i), f"{where} chain {i}", len(values), len(operators),
-                                         len(delegates)) for i in range(fb_plan.ChainsLength()))
-        inputs, outputs = scalar_vector(fb_plan, "Inputs"), scalar_vector(fb_plan, "Outputs")
+            with reading(f"{where} operator {i}", PteFormatError):
+                op = fb_plan.Operators(i)
+                operators.append(Operator(_text(op.Name()) or "", _text(op.Overload()) or ""))
+        delegates = []
+        for i in range(fb_plan.DelegatesLength()):
+            with reading(f"{where} delegate {i}", PteFormatError):
+                delegates.append(self._parse_delegate(fb_plan.Delegates(i), f"{where} delegate {i}"))
+        delegates = tuple(delegates)
+        chains = []
+        for i in range(fb_plan.ChainsLength()):
+            with reading(f"{where} chain {i}", PteFormatError):
+                chains.append(self._parse_chain(fb_plan.Chains(i), f"{where} chain {i}", len(values), len(operators),
+                                                len(delegates)))
+        chains = tuple(chains)
+        with reading(f"{where} inputs / outputs", PteFormatError):
+            inputs, outputs = scalar_vector(fb_plan, "Inputs"), scalar_vector(fb_plan, "Outputs")
         for kind, ids in (("input", inputs), ("output", outputs)):
             for value_index in ids:
                 _check_index(value_index, len(values), f"{where} {kind} value index")
@@ -358,12 +375,14 @@ class PteFile:
                 for item in value.items:
                     if not (isinstance(value, OptionalTensorList) and item == -1):
                         _check_index(item, len(values), f"{where} value {i} list item")
-        meta = fb_plan.ContainerMetaType()
-        container_meta = None
-        if meta is not None:
-            container_meta = (_text(meta.EncodedInpStr()) or "", _text(meta.EncodedOutStr()) or "")
-        return ExecutionPlan(name, values, inputs, outputs, chains, tuple(operators), delegates,
-                             scalar_vector(fb_plan, "NonConstBufferSizes"), container_meta)
+        with reading(f"{where} container_meta_type / non_const_buffer_sizes", PteFormatError):
+            meta = fb_plan.ContainerMetaType()
+            container_meta = None
+            if meta is not None:
+                container_meta = (_text(meta.EncodedInpStr()) or "", _text(meta.EncodedOutStr()) or "")
+            arena_sizes = scalar_vector(fb_plan, "NonConstBufferSizes")
+        return ExecutionPlan(name, values, inputs, outputs, chains, tuple(operators), delegates, arena_sizes,
+                             container_meta)
 
     def _parse_value(self, fb_value, where: str):
         kind = fb_value.ValType()

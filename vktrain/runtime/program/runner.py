@@ -249,11 +249,26 @@ def verify_training_program(pte: PteFile, method: str = "forward", *, verify_con
     check_instructions_supported(pte, plan, has_delegate=True)
     check_storageless_tensors(pte, plan)
     verify_plan(pte, plan, host_memory_limit)
-    if len(plan.outputs) != 1:
-        raise UnsupportedProgramError(f"{pte.source}: a training step returns the loss only; plan {method!r} "
-                                      f"has {len(plan.outputs)} outputs")
     call, graph = load_delegate_graph(pte, plan, verify_constants=verify_constants)
+    check_loss_output(pte, plan, call, graph)
     return VerifiedTrainingProgram(plan, graph, plan_input_names(pte, plan, call, graph))
+
+
+def check_loss_output(pte: PteFile, plan: ExecutionPlan, call: DelegateCall, graph: g.VkGraph) -> None:
+    """A training step returns one value, the loss: a float32 [] the delegate computes."""
+    if len(plan.outputs) != 1:
+        raise UnsupportedProgramError(f"{pte.source}: a training step returns the loss only; plan {plan.name!r} "
+                                      f"has {len(plan.outputs)} outputs")
+    (output,) = plan.outputs
+    delegate_outputs = call.args[len(graph.inputs):]
+    value = plan.values[output]
+    is_float_scalar = (isinstance(value, Tensor) and value.sizes == ()
+                       and NUMPY_SCALAR_TYPES.get(value.scalar_type) is np.float32)
+    if output not in delegate_outputs or not is_float_scalar:
+        found = f"{value.scalar_type_name}{list(value.sizes)}" if isinstance(value, Tensor) else type(value).__name__
+        raise VerificationError(f"{pte.source}: plan {plan.name!r} output is value {output} ({found}); expected the "
+                                f"loss, a FLOAT[] the delegate returns (one of values {list(delegate_outputs)})",
+                                check_loss_output.__name__)
 
 
 def plan_input_names(pte: PteFile, plan: ExecutionPlan, call: DelegateCall, graph: g.VkGraph) -> list[str]:
@@ -397,4 +412,4 @@ class TrainingRunner:
 
 
 __all__ = ["BACKEND_ID", "CPU_KERNELS", "ProgramInterpreter", "TrainingRunner", "UnsupportedProgramError",
-           "VerifiedTrainingProgram", "check_instructions_supported", "check_storageless_tensors", "plan_input_names", "verify_training_program"]
+           "VerifiedTrainingProgram", "check_instructions_supported", "check_loss_output", "check_storageless_tensors", "plan_input_names", "verify_training_program"]
