@@ -251,6 +251,15 @@ def test_delegate_arguments_are_checked_against_the_graph_inputs(exported):
         fuzz.load(as_float)
 
 
+def test_a_non_contiguous_dim_order_is_refused_at_verification(exported):
+    _, data = exported
+    dim_order = _vector_position(_plan_tensor(data, 0), 10, 0, 1)  # Tensor.dim_order: [ubyte]
+    edited = bytearray(data)
+    edited[dim_order:dim_order + 2] = bytes([1, 0])
+    with pytest.raises(VerificationError, match=r"value 0 \(LONG\[2, 8\]\): dim_order is \[1, 0\], expected \[0, 1\]"):
+        fuzz.load(bytes(edited))
+
+
 def test_a_plan_output_other_than_the_loss_is_refused(exported):
     _, data = exported
     plan = PteFile.from_bytes(data).execution_plan()

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from typing import Callable, Iterator, Optional
 
 from vktrain.errors import VktrainError
-from vktrain.runtime.program.pte import KernelCall, PteFile, PteFormatError, Tensor
+from vktrain.runtime.program.pte import DelegateCall, KernelCall, PteFile, PteFormatError, Tensor
 from vktrain.runtime.program.runner import VerifiedTrainingProgram, verify_training_program
 from vktrain.runtime.program.verify import VerificationError
 from vktrain.serialization import BlobFormatError, BlobHeader
@@ -85,6 +85,14 @@ def _aliasing(plan) -> frozenset:
                      if a < b and memory_a == memory_b and start_a < end_b and start_b < end_a)
 
 
+def _resolve_inputs(instruction, input_names: dict[int, str]):
+    """A call's arguments with each plan input replaced by its name: the runner binds inputs by name, so
+    which plan input position holds token_ids does not change what the program computes."""
+    if not isinstance(instruction, (KernelCall, DelegateCall)):
+        return instruction
+    return type(instruction), tuple(input_names.get(arg, arg) for arg in instruction.args)
+
+
 def program_meaning(pte: PteFile, program: VerifiedTrainingProgram) -> dict:
     """Everything the interpreter and the executor read: the plan's values (tensor records and constant
     bytes, scalars), inputs, outputs, instructions and the operators they call; the delegate graph and its
@@ -93,12 +101,13 @@ def program_meaning(pte: PteFile, program: VerifiedTrainingProgram) -> dict:
     whether they suffice matters, and verify.check_arenas checks that) and where in its arena a tensor
     lies (only which tensors share bytes matters: `_aliasing`)."""
     plan, graph = program.plan, program.graph
+    input_names = dict(zip(plan.inputs, program.input_names))
     return {
         "plan values": tuple(_tensor_meaning(pte, v) if isinstance(v, Tensor) else v for v in plan.values),
         "plan aliasing": _aliasing(plan),
-        "plan inputs": plan.inputs, "plan outputs": plan.outputs, "plan instructions": tuple(plan.instructions),
+        "plan inputs": plan.inputs, "plan outputs": plan.outputs,
+        "plan instructions": tuple(_resolve_inputs(instruction, input_names) for instruction in plan.instructions),
         "plan operators called": tuple(plan.operators[i.op_index] for i in plan.instructions if isinstance(i, KernelCall)),
-        "input names": tuple(program.input_names),
         "graph values": tuple(graph.values), "graph ops": tuple(graph.ops), "graph inputs": tuple(graph.inputs),
         "graph outputs": tuple(graph.outputs), "graph mutable state": tuple(graph.mutable_state),
         "graph memory objects": tuple(graph.memory_objects), "graph metadata": dict(graph.metadata),

@@ -158,10 +158,7 @@ class ProgramInterpreter:
 
     def _materialize(self, index: int, value: Any) -> Any:
         if isinstance(value, Tensor):
-            dtype = NUMPY_SCALAR_TYPES[value.scalar_type]  # verify_plan refused the others
-            if tuple(value.dim_order) != tuple(range(len(value.sizes))):
-                raise UnsupportedProgramError(f"{self.pte.source}: value {index} has dim order {value.dim_order}; "
-                                              "only contiguous tensors are supported")
+            dtype = NUMPY_SCALAR_TYPES[value.scalar_type]  # verify_plan refused other dtypes, dim orders
             count = math.prod(value.sizes)
             if value.allocation_info is not None:
                 memory = value.allocation_info

@@ -90,8 +90,8 @@ def device_memory_bytes(device) -> int:
 # ---------------------------------------------------------------------------------------------------
 
 def check_tensor_records(pte: PteFile, plan: ExecutionPlan) -> None:
-    """Every tensor value is one the interpreter reads as written: a known dtype, non-negative sizes, a
-    dim order that is a permutation, no storage offset, static shape, strided layout, and a planned
+    """Every tensor value is one the interpreter reads as written: a known dtype, non-negative sizes, the
+    contiguous dim order, no storage offset, static shape, strided layout, and a planned
     tensor has no initial data (the interpreter would not load it)."""
     for index, value in enumerate(plan.values):
         if not isinstance(value, Tensor):
@@ -102,9 +102,9 @@ def check_tensor_records(pte: PteFile, plan: ExecutionPlan) -> None:
                           f"supported; expected one of {sorted(SCALAR_TYPE_NAMES[t] for t in NUMPY_SCALAR_TYPES)}")
         if any(d < 0 for d in value.sizes):
             raise _refuse(pte, check_tensor_records, f"{where}: sizes {list(value.sizes)} has a negative dimension")
-        if sorted(value.dim_order) != list(range(len(value.sizes))):
-            raise _refuse(pte, check_tensor_records, f"{where}: dim_order {list(value.dim_order)} is not a "
-                          f"permutation of 0..{len(value.sizes) - 1}")
+        if tuple(value.dim_order) != tuple(range(len(value.sizes))):
+            raise _refuse(pte, check_tensor_records, f"{where}: dim_order is {list(value.dim_order)}, expected "
+                          f"{list(range(len(value.sizes)))} (only contiguous tensors are supported)")
         for field, found, expected in (("storage_offset", value.storage_offset, 0),
                                        ("shape_dynamism", value.shape_dynamism, _STATIC_SHAPE),
                                        ("layout", value.layout, _STRIDED_LAYOUT)):
