@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 
+from vktrain.errors import VktrainError
 from vktrain.runtime.program import pte
 
 executorch = pytest.importorskip("executorch")
@@ -254,6 +255,24 @@ def test_truncated_files_raise_pte_format_error(pte_files, tmp_path):
     empty.write_bytes(b"")
     with pytest.raises(pte.PteFormatError, match="empty"):
         pte.PteFile.load(empty)
+
+
+def test_every_refusal_names_the_file(pte_files, tmp_path):
+    data = pte_files["delegate_segment"][0].read_bytes()
+    for name, contents in (("header.pte", data[:36]),  # inside the 32-byte extended header
+                           ("identifier.pte", data[:4] + b"ET99" + data[8:]),
+                           ("program.pte", data[:pte.PteFile.from_bytes(data).header.program_size - 1])):
+        path = tmp_path / name
+        path.write_bytes(contents)
+        with pytest.raises(pte.PteFormatError, match=f"^{path}: "):
+            pte.PteFile.load(path)
+
+
+def test_a_missing_method_is_a_clean_error_and_still_a_key_error(pte_files):
+    ours = pte.PteFile.load(pte_files["portable"][0])
+    with pytest.raises(pte.MissingMethodError, match=r"has no execution plan 'backward'; it has \['forward'\]") as caught:
+        ours.execution_plan("backward")
+    assert isinstance(caught.value, VktrainError) and isinstance(caught.value, KeyError)
 
 
 def test_wrong_identifier_is_refused(pte_files):

@@ -8,6 +8,7 @@ from __future__ import annotations
 import io
 import shutil
 import struct
+import zlib
 
 import numpy as np
 import pytest
@@ -27,7 +28,9 @@ from vktrain.serialization.graph import (
 
 from _helpers import assert_import_loads_none
 
-HEADER = struct.Struct("<4sIIIQQQQ")  # the documented header, restated independently of blob.py
+# The documented header, restated independently of blob.py: the fields, then (CHECKSUMS flag) graph_crc32.
+HEADER = struct.Struct("<4sIIIQQQQ")
+GRAPH_CRC32 = struct.Struct("<I")
 
 
 def _raw_header(blob: bytes) -> dict:
@@ -36,10 +39,29 @@ def _raw_header(blob: bytes) -> dict:
                 seg_off=seg_off, seg_size=seg_size)
 
 
+def _graph_crc32(blob: bytes) -> int:
+    """CRC-32 of the header fields and the flatbuffer, as documented."""
+    h = _raw_header(blob)
+    return zlib.crc32(blob[h["fb_off"]:h["fb_off"] + h["fb_size"]], zlib.crc32(blob[:HEADER.size]))
+
+
+def _resign(blob: bytes) -> bytes:
+    """`blob` with its graph_crc32 recomputed: lets a test reach the checks behind the checksum."""
+    blob = bytearray(blob)
+    GRAPH_CRC32.pack_into(blob, HEADER.size, _graph_crc32(bytes(blob)))
+    return bytes(blob)
+
+
 def _constant_records(blob: bytes) -> list[tuple[int, int]]:
     h = _raw_header(blob)
     root = FbVkGraph.GetRootAs(blob[h["fb_off"]:h["fb_off"] + h["fb_size"]], 0)
     return [(root.Constants(i).Offset(), root.Constants(i).Length()) for i in range(root.ConstantsLength())]
+
+
+def _constant_crc32_records(blob: bytes) -> list[int]:
+    h = _raw_header(blob)
+    root = FbVkGraph.GetRootAs(blob[h["fb_off"]:h["fb_off"] + h["fb_size"]], 0)
+    return [root.Constants(i).Crc32() for i in range(root.ConstantsLength())]
 
 
 def _rich_graph() -> tuple[VkGraph, dict]:
@@ -178,22 +200,24 @@ def test_header_fields_and_16_byte_alignment():
     graph, _ = _rich_graph()
     blob = serialize_blob(graph)
     h = _raw_header(blob)
-    assert (h["magic"], h["size"], h["version"], h["flags"]) == (b"VKTB", 48, 1, 0)
-    assert h["fb_off"] >= 48 and h["fb_off"] % 16 == 0
+    assert (h["magic"], h["size"], h["version"], h["flags"]) == (b"VKTB", 56, 1, 1)
+    assert GRAPH_CRC32.unpack_from(blob, 48)[0] == _graph_crc32(blob)
+    assert h["fb_off"] >= 56 and h["fb_off"] % 16 == 0
     assert h["seg_off"] >= h["fb_off"] + h["fb_size"] and h["seg_off"] % 16 == 0
     assert h["seg_off"] + h["seg_size"] == len(blob)
     assert blob[h["fb_off"] + 4:h["fb_off"] + 8] == b"VKT1"  # flatbuffer file identifier
     covered = np.zeros(h["seg_size"], bool)
-    for (offset, length), data in zip(_constant_records(blob), graph.constants):
+    for (offset, length), crc32, data in zip(_constant_records(blob), _constant_crc32_records(blob), graph.constants):
         assert offset % 16 == 0
         assert (h["seg_off"] + offset) % 16 == 0
         start = h["seg_off"] + offset
         assert blob[start:start + length] == np.ascontiguousarray(data).tobytes()
+        assert crc32 == zlib.crc32(np.ascontiguousarray(data).tobytes())
         covered[offset:offset + length] = True
     # Everything in the segment area that is not constant data is zero padding.
     segment = np.frombuffer(blob, np.uint8, h["seg_size"], h["seg_off"])
     assert not segment[~covered].any()
-    assert not np.frombuffer(blob, np.uint8, h["fb_off"] - 48, 48).any()
+    assert not np.frombuffer(blob, np.uint8, h["fb_off"] - 52, 52).any()
 
 
 def test_weights_live_outside_the_flatbuffer():
@@ -265,16 +289,19 @@ def test_read_blob_refuses_an_empty_file(tmp_path):
 # --- bad input -----------------------------------------------------------------------------------
 
 def _patch_header(blob: bytes, **fields) -> bytes:
+    """`blob` with header fields replaced and the graph checksum re-signed (so the field check speaks)."""
     h = _raw_header(blob)
     h.update(fields)
-    return HEADER.pack(*h.values()) + blob[HEADER.size:]
+    patched = HEADER.pack(*h.values()) + blob[HEADER.size:]
+    return _resign(patched) if len(patched) >= HEADER.size + GRAPH_CRC32.size else patched
 
 
 @pytest.mark.parametrize("fields, message", [
     (dict(magic=b"VKTX"), "magic"),
     (dict(version=2), "version"),
     (dict(size=64), "header_size"),
-    (dict(flags=1), "flags"),
+    (dict(size=48), "header_size"),  # a checksummed blob may not pass for one written before checksums
+    (dict(flags=3), "flags"),
     (dict(fb_off=8), "flatbuffer_offset"),
     (dict(fb_off=56), "flatbuffer_offset"),
     (dict(fb_size=4), "flatbuffer_size"),
@@ -309,7 +336,7 @@ def test_wrong_flatbuffer_identifier_is_refused():
     fb_off = _raw_header(bytes(blob))["fb_off"]
     blob[fb_off + 4:fb_off + 8] = b"VKT9"
     with pytest.raises(BlobFormatError, match="identifier"):
-        deserialize_blob(bytes(blob))
+        deserialize_blob(_resign(bytes(blob)))
 
 
 def test_random_flatbuffer_corruption_raises_only_blob_format_error():
@@ -325,12 +352,56 @@ def test_random_flatbuffer_corruption_raises_only_blob_format_error():
         position = int(rng.integers(h["fb_off"] + 8, h["fb_off"] + h["fb_size"]))
         corrupt[position] ^= int(rng.integers(1, 256))
         try:
-            parsed = deserialize_blob(bytes(corrupt))
+            # Re-signed: the graph checksum alone would refuse every one of them before parsing.
+            parsed = deserialize_blob(_resign(bytes(corrupt)))
         except BlobFormatError:
             refused += 1
         else:
             parsed.validate()
     assert refused > 0
+
+
+# --- integrity -----------------------------------------------------------------------------------
+
+def test_any_edit_of_the_header_fields_or_the_graph_is_refused_by_the_graph_checksum():
+    graph, _ = _rich_graph()
+    blob = serialize_blob(graph)
+    h = _raw_header(blob)
+    # Header fields that pass their own bounds checks, and every byte of the flatbuffer past its identifier.
+    edits = [("segment_size", 40, (h["seg_size"] - 16).to_bytes(8, "little"))]
+    edits += [(f"flatbuffer byte {p}", p, bytes([blob[p] ^ 0x10])) for p in range(h["fb_off"] + 8, h["fb_off"] + h["fb_size"])]
+    for what, position, replacement in edits:
+        corrupt = blob[:position] + replacement + blob[position + len(replacement):]
+        with pytest.raises(BlobFormatError, match="graph checksum mismatch") as caught:
+            deserialize_blob(corrupt)
+        assert f"{h['fb_size']}-byte graph flatbuffer" in str(caught.value), what
+
+
+def test_a_changed_constant_byte_is_refused_naming_the_constant_unless_verification_is_off():
+    graph, ref = _rich_graph()
+    blob = serialize_blob(graph)
+    h = _raw_header(blob)
+    constant_id = graph.tensor(ref["scales"]).constant_id
+    offset, length = _constant_records(blob)[constant_id]
+    corrupt = bytearray(blob)
+    corrupt[h["seg_off"] + offset + length - 1] ^= 0x01  # one bit of the last scale
+    with pytest.raises(BlobFormatError, match=rf"constant {constant_id} \(read by tensor value {ref['scales']} "
+                                              rf"\(layer0.scales\)\): crc32 of its {length} bytes"):
+        deserialize_blob(bytes(corrupt))
+    unchecked = deserialize_blob(bytes(corrupt), verify_constants=False)
+    assert not np.array_equal(unchecked.constant_array(ref["scales"]), ref["scales_array"])  # what the check catches
+
+
+def test_blobs_written_before_checksums_existed_are_still_read():
+    graph, ref = _rich_graph()
+    blob = serialize_blob(graph)
+    h = _raw_header(blob)
+    legacy = bytearray(_patch_header(blob, size=48, flags=0))  # the old header; its flatbuffer is at fb_off
+    legacy[48:52] = bytes(4)
+    parsed = deserialize_blob(bytes(legacy))
+    _assert_graphs_equal(parsed, graph)
+    np.testing.assert_array_equal(parsed.constant_array(ref["scales"]), ref["scales_array"])
+    assert h["fb_off"] >= 48
 
 
 @pytest.mark.parametrize("mutate, message", [

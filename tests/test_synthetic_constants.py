@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import struct
+import zlib
 
 import numpy as np
 import pytest
@@ -173,9 +174,13 @@ def _header(blob: bytes) -> list:
 
 
 def _with_version(blob: bytes, version: int) -> bytes:
+    """`blob` with another format version, its graph checksum (blob.py) recomputed so the version check speaks."""
     fields = _header(blob)
     fields[2] = version
-    return HEADER.pack(*fields) + blob[HEADER.size:]
+    patched = HEADER.pack(*fields) + blob[HEADER.size:]
+    fb_offset, fb_size = fields[4], fields[5]
+    graph_crc32 = zlib.crc32(patched[fb_offset:fb_offset + fb_size], zlib.crc32(patched[:HEADER.size]))
+    return patched[:HEADER.size] + struct.pack("<I", graph_crc32) + patched[HEADER.size + 4:]
 
 
 def test_blob_round_trip_keeps_records_and_stores_no_synthetic_bytes():

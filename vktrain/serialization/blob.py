@@ -4,14 +4,24 @@ Byte layout (all integers little-endian; every region starts at a multiple of 16
 
     offset  size  field
     0       4     magic              b"VKTB"
-    4       4     header_size        uint32, 48 (format versions 1 and 2)
+    4       4     header_size        uint32, 56 with the CHECKSUMS flag, else 48
     8       4     format_version     uint32, 1, or 2 when the graph holds synthetic constants
-    12      4     flags              uint32, 0 (reserved)
+    12      4     flags              uint32, bit 0 CHECKSUMS (every blob this vktrain writes); no other bits
     16      8     flatbuffer_offset  uint64, >= header_size, multiple of 16
     24      8     flatbuffer_size    uint64, bytes of the flatbuffer (schema.fbs, identifier "VKT1")
     32      8     segment_offset     uint64, >= flatbuffer end, multiple of 16
     40      8     segment_size       uint64, bytes of the segment area (a multiple of 16)
+    48      4     graph_crc32        uint32, CHECKSUMS only: CRC-32 of bytes [0, 48) and of the flatbuffer
+    52      4     (zero)
     then zero padding, the flatbuffer, zero padding, the segment area.
+
+Integrity (CHECKSUMS flag): graph_crc32 covers the header fields and the whole graph flatbuffer
+(every shape, dtype, op wiring, scalar and constant record), and each `ConstantData.crc32` covers its
+constant's bytes. CRC-32 detects every error burst of up to 32 bits and any other random corruption
+with probability 1 - 2^-32; it is not a defence against deliberate tampering. The reader always checks
+the graph (cheap) and checks constants unless asked not to (`verify_constants=False`: gigabytes of
+weights take a while to hash). Blobs written before the flag existed (flags 0) are still read, without
+either check; vktrain versions from before the flag refuse the new blobs ("header flags are 0x1").
 
 The segment area holds constant data outside the flatbuffer, so weights never pass through a
 flatbuffer (whose offsets are 32-bit). Each `ConstantData(offset, length)` record of the flatbuffer
@@ -34,8 +44,10 @@ import hashlib
 import io
 import mmap
 import struct
+import zlib
+import dataclasses
 from dataclasses import dataclass
-from typing import BinaryIO, ClassVar, Iterator
+from typing import BinaryIO, ClassVar, Iterator, Optional
 
 import flatbuffers
 import numpy as np
@@ -59,7 +71,7 @@ from vktrain.serialization.generated.vkt_blob import Tensor as FbTensor
 from vktrain.serialization.generated.vkt_blob import Value as FbValue
 from vktrain.serialization.generated.vkt_blob import ValueList as FbValueList
 from vktrain.serialization.generated.vkt_blob import VkGraph as FbVkGraph
-from vktrain.serialization.flatbuffer_reading import scalar_vector, union_as
+from vktrain.serialization.flatbuffer_reading import CORRUPTION_ERRORS, reading, scalar_vector, union_as
 from vktrain.serialization.generated.vkt_blob.ValueKind import ValueKind
 from vktrain.errors import VktrainError
 
@@ -82,17 +94,32 @@ class BlobHeader:
     segment_offset: int
     segment_size: int
     format_version: int = 1
+    graph_crc32: Optional[int] = None  # None: a blob without the CHECKSUMS flag (written before it existed)
 
     MAGIC: ClassVar[bytes] = b"VKTB"
     FORMAT_VERSION: ClassVar[int] = 2  # the newest version this vktrain reads and writes
     PLAIN_VERSION: ClassVar[int] = 1  # blobs without synthetic constants
     SYNTHETIC_VERSION: ClassVar[int] = 2  # blobs with at least one synthetic constant
+    FLAG_CHECKSUMS: ClassVar[int] = 1
     STRUCT: ClassVar[struct.Struct] = struct.Struct("<4sIIIQQQQ")
-    SIZE: ClassVar[int] = STRUCT.size  # 48
+    SIZE: ClassVar[int] = STRUCT.size  # 48: the fields graph_crc32 covers
+    CHECKSUM_STRUCT: ClassVar[struct.Struct] = struct.Struct("<I4x")
+    CHECKSUMMED_SIZE: ClassVar[int] = SIZE + CHECKSUM_STRUCT.size  # 56
+
+    @property
+    def size(self) -> int:
+        return self.SIZE if self.graph_crc32 is None else self.CHECKSUMMED_SIZE
+
+    def fields_bytes(self) -> bytes:
+        """Bytes [0, 48): the header fields, which graph_crc32 covers together with the flatbuffer."""
+        flags = 0 if self.graph_crc32 is None else self.FLAG_CHECKSUMS
+        return self.STRUCT.pack(self.MAGIC, self.size, self.format_version, flags, self.flatbuffer_offset,
+                                self.flatbuffer_size, self.segment_offset, self.segment_size)
 
     def to_bytes(self) -> bytes:
-        return self.STRUCT.pack(self.MAGIC, self.SIZE, self.format_version, 0, self.flatbuffer_offset,
-                                self.flatbuffer_size, self.segment_offset, self.segment_size)
+        if self.graph_crc32 is None:
+            return self.fields_bytes()
+        return self.fields_bytes() + self.CHECKSUM_STRUCT.pack(self.graph_crc32)
 
     @classmethod
     def parse(cls, data: memoryview) -> "BlobHeader":
@@ -107,13 +134,20 @@ class BlobHeader:
         if not 1 <= version <= cls.FORMAT_VERSION:
             raise BlobFormatError(f"blob format version is {version}; this vktrain reads versions 1 to "
                                   f"{cls.FORMAT_VERSION} (blob from a newer vktrain?)")
-        if header_size != cls.SIZE:
-            raise BlobFormatError(f"header_size field is {header_size}, expected {cls.SIZE} "
-                                  f"for format version {version}")
-        if flags != 0:
-            raise BlobFormatError(f"header flags are {flags:#x}; no flags are defined, expected 0")
-        if fb_offset < cls.SIZE or fb_offset % ALIGNMENT:
-            raise BlobFormatError(f"flatbuffer_offset {fb_offset} must be >= {cls.SIZE} and a multiple of {ALIGNMENT}")
+        if flags & ~cls.FLAG_CHECKSUMS:
+            raise BlobFormatError(f"header flags are {flags:#x}; the only flag defined is CHECKSUMS "
+                                  f"({cls.FLAG_CHECKSUMS:#x}) (blob from a newer vktrain?)")
+        checksummed = bool(flags & cls.FLAG_CHECKSUMS)
+        expected_size = cls.CHECKSUMMED_SIZE if checksummed else cls.SIZE
+        if header_size != expected_size:
+            raise BlobFormatError(f"header_size field is {header_size}, expected {expected_size} with header flags "
+                                  f"{flags:#x}")
+        if total < header_size:
+            raise BlobFormatError(f"blob is {total} bytes, shorter than its {header_size}-byte header (truncated?)")
+        graph_crc32 = cls.CHECKSUM_STRUCT.unpack_from(data, cls.SIZE)[0] if checksummed else None
+        if fb_offset < header_size or fb_offset % ALIGNMENT:
+            raise BlobFormatError(f"flatbuffer_offset {fb_offset} must be >= the header size {header_size} and a "
+                                  f"multiple of {ALIGNMENT}")
         if fb_size < 8:  # root offset + file identifier
             raise BlobFormatError(f"flatbuffer_size {fb_size} is too small for a flatbuffer (>= 8 bytes)")
         if fb_offset + fb_size > total:
@@ -125,7 +159,7 @@ class BlobHeader:
         if seg_offset + seg_size > total:
             raise BlobFormatError(f"segment area [{seg_offset}, {seg_offset + seg_size}) extends past the end of the "
                                   f"{total}-byte blob (truncated?)")
-        return cls(fb_offset, fb_size, seg_offset, seg_size, version)
+        return cls(fb_offset, fb_size, seg_offset, seg_size, version, graph_crc32)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -145,19 +179,19 @@ class _Layout:
         return self.header.segment_offset + self.header.segment_size
 
 
-def _plan_segments(constants: list) -> tuple[list[tuple[int, int]], list[tuple[int, memoryview]], int]:
+def _plan_segments(constants: list) -> tuple[list[tuple[int, int, int]], list[tuple[int, memoryview]], int]:
     """Place constants in the segment area, storing identical bytes once.
 
-    Returns the (offset, length) record of each constant id ((0, 0) for a synthetic constant, which has
-    no bytes), the unique segments to write, and the size of the segment area.
+    Returns the (offset, length, crc32) record of each constant id ((0, 0, 0) for a synthetic constant,
+    which has no bytes), the unique segments to write, and the size of the segment area.
     """
-    records: list[tuple[int, int]] = []
+    records: list[tuple[int, int, int]] = []
     segments: list[tuple[int, memoryview]] = []
     by_digest: dict[tuple[int, bytes], list[int]] = {}  # (length, sha256) -> indices into `segments`
     end = 0
     for data in constants:
         if isinstance(data, g.SyntheticConstant):
-            records.append((0, 0))
+            records.append((0, 0, 0))
             continue
         view = g.constant_bytes(data)
         key = (view.nbytes, hashlib.sha256(view).digest())
@@ -172,7 +206,7 @@ def _plan_segments(constants: list) -> tuple[list[tuple[int, int]], list[tuple[i
             by_digest.setdefault(key, []).append(len(segments))
             segments.append((end, view))
             end = _align(end + view.nbytes)
-        records.append((match, view.nbytes))
+        records.append((match, view.nbytes, zlib.crc32(view)))
     return records, segments, end
 
 
@@ -270,7 +304,7 @@ def _build_synthetic(builder: flatbuffers.Builder, synthetic: g.SyntheticConstan
     return FbSyntheticConstant.End(builder)
 
 
-def _build_flatbuffer(graph: g.VkGraph, constant_records: list[tuple[int, int]]) -> bytes:
+def _build_flatbuffer(graph: g.VkGraph, constant_records: list[tuple[int, int, int]]) -> bytes:
     builder = flatbuffers.Builder(4096)
     values = [_build_value(builder, value) for value in graph.values]
 
@@ -294,11 +328,12 @@ def _build_flatbuffer(graph: g.VkGraph, constant_records: list[tuple[int, int]])
         states.append(FbMutableState.End(builder))
 
     constants = []
-    for (offset, length), data in zip(constant_records, graph.constants):
+    for (offset, length, crc32), data in zip(constant_records, graph.constants):
         synthetic = _build_synthetic(builder, data) if isinstance(data, g.SyntheticConstant) else None
         FbConstantData.Start(builder)
         FbConstantData.AddOffset(builder, offset)
         FbConstantData.AddLength(builder, length)
+        FbConstantData.AddCrc32(builder, crc32)
         if synthetic is not None:
             FbConstantData.AddSynthetic(builder, synthetic)
         constants.append(FbConstantData.End(builder))
@@ -349,11 +384,16 @@ def _plan_blob(graph: g.VkGraph) -> _Layout:
     graph.validate()
     records, segments, segment_size = _plan_segments(graph.constants)
     flatbuffer = _build_flatbuffer(graph, records)
-    flatbuffer_offset = _align(BlobHeader.SIZE)
+    flatbuffer_offset = _align(BlobHeader.CHECKSUMMED_SIZE)
     segment_offset = _align(flatbuffer_offset + len(flatbuffer))
     version = BlobHeader.SYNTHETIC_VERSION if graph.synthetic_constant_ids else BlobHeader.PLAIN_VERSION
-    header = BlobHeader(flatbuffer_offset, len(flatbuffer), segment_offset, segment_size, version)
+    fields = BlobHeader(flatbuffer_offset, len(flatbuffer), segment_offset, segment_size, version, graph_crc32=0)
+    header = dataclasses.replace(fields, graph_crc32=_graph_crc32(fields, flatbuffer))
     return _Layout(header, flatbuffer, segments)
+
+
+def _graph_crc32(header: BlobHeader, flatbuffer) -> int:
+    return zlib.crc32(flatbuffer, zlib.crc32(header.fields_bytes()))
 
 
 def _chunks(layout: _Layout) -> Iterator[tuple[int, memoryview | bytes]]:
@@ -435,48 +475,99 @@ def _read_synthetic(table, constant_id: int) -> g.SyntheticConstant:
         raise BlobFormatError(f"constant {constant_id}: {exc}") from None
 
 
-def _read_graph(flatbuffer: memoryview, segment_area: memoryview) -> g.VkGraph:
+def _read_graph(flatbuffer: memoryview, segment_area: memoryview, verify_constants: bool) -> g.VkGraph:
+    """The graph; with `verify_constants`, each constant's crc32 is checked as soon as its record is read,
+    before the rest of the graph is parsed."""
     root = FbVkGraph.VkGraph.GetRootAs(flatbuffer, 0)
     graph = g.VkGraph()
-    graph.values = [_read_value(root.Values(i), i) for i in range(root.ValuesLength())]
+    graph.constants = _read_constants(root, segment_area, verify_constants)
+    for i in range(root.ValuesLength()):
+        with reading(f"VkGraph.values[{i}]", BlobFormatError):
+            graph.values.append(_read_value(root.Values(i), i))
     for i in range(root.ChainLength()):
-        op = root.Chain(i)
-        graph.ops.append(g.OpCall(_text(op.Name()), scalar_vector(op, "Args"), scalar_vector(op, "Outputs")))
-    graph.inputs = list(scalar_vector(root, "InputIds"))
-    graph.outputs = list(scalar_vector(root, "OutputIds"))
+        with reading(f"VkGraph.chain[{i}]", BlobFormatError):
+            op = root.Chain(i)
+            graph.ops.append(g.OpCall(_text(op.Name()), scalar_vector(op, "Args"), scalar_vector(op, "Outputs")))
+    with reading("VkGraph.input_ids / output_ids", BlobFormatError):
+        graph.inputs = list(scalar_vector(root, "InputIds"))
+        graph.outputs = list(scalar_vector(root, "OutputIds"))
     for i in range(root.MutableStateLength()):
-        state = root.MutableState(i)
-        graph.mutable_state.append(g.MutableState(state.StateId(), state.UpdateId(), state.InitialConstantId()))
+        with reading(f"VkGraph.mutable_state[{i}]", BlobFormatError):
+            state = root.MutableState(i)
+            graph.mutable_state.append(g.MutableState(state.StateId(), state.UpdateId(), state.InitialConstantId()))
+    for i in range(root.MemoryObjectsLength()):
+        with reading(f"VkGraph.memory_objects[{i}]", BlobFormatError):
+            mem = root.MemoryObjects(i)
+            graph.memory_objects.append(g.MemoryObject(mem.Id(), mem.SizeBytes()))
+    for i in range(root.MetadataLength()):
+        with reading(f"VkGraph.metadata[{i}]", BlobFormatError):
+            entry = root.Metadata(i)
+            key = _text(entry.Key())
+            if key in graph.metadata:
+                raise BlobFormatError(f"metadata key {key!r} appears twice")
+            graph.metadata[key] = _text(entry.Value())
+    return graph
+
+
+def _read_constants(root, segment_area: memoryview, verify: bool) -> list:
+    constants = []
+    hashed: dict[tuple[int, int], int] = {}  # deduplicated constants share a range: hash it once
     for i in range(root.ConstantsLength()):
-        record = root.Constants(i)
-        offset, length = record.Offset(), record.Length()
-        synthetic = record.Synthetic()
+        with reading(f"VkGraph.constants[{i}]", BlobFormatError):
+            record = root.Constants(i)
+            offset, length, crc32 = record.Offset(), record.Length(), record.Crc32()
+            synthetic = record.Synthetic()
         if synthetic is not None:
             if offset or length:
                 raise BlobFormatError(f"constant {i} is synthetic but also has segment bytes "
                                       f"(offset {offset}, length {length}; expected 0, 0)")
-            graph.constants.append(_read_synthetic(synthetic, i))
+            with reading(f"VkGraph.constants[{i}].synthetic", BlobFormatError):
+                constants.append(_read_synthetic(synthetic, i))
             continue
         if offset % ALIGNMENT:
             raise BlobFormatError(f"constant {i} offset {offset} is not a multiple of {ALIGNMENT}")
         if offset + length > len(segment_area):
             raise BlobFormatError(f"constant {i} [{offset}, {offset + length}) extends past the "
                                   f"{len(segment_area)}-byte segment area")
-        graph.constants.append(segment_area[offset:offset + length])
-    for i in range(root.MemoryObjectsLength()):
-        mem = root.MemoryObjects(i)
-        graph.memory_objects.append(g.MemoryObject(mem.Id(), mem.SizeBytes()))
-    for i in range(root.MetadataLength()):
-        entry = root.Metadata(i)
-        key = _text(entry.Key())
-        if key in graph.metadata:
-            raise BlobFormatError(f"metadata key {key!r} appears twice")
-        graph.metadata[key] = _text(entry.Value())
-    return graph
+        data = segment_area[offset:offset + length]
+        if verify:
+            actual = hashed.get((offset, length))
+            if actual is None:
+                actual = hashed[offset, length] = zlib.crc32(data)
+            if actual != crc32:
+                raise BlobFormatError(f"constant {i} (read by {_constant_reader(root, i)}): crc32 of its {length} bytes "
+                                      f"is {actual:#010x}, its record says {crc32:#010x} (the constant data "
+                                      "was modified or corrupted)")
+        constants.append(data)
+    return constants
 
 
-def deserialize_blob(data: bytes | bytearray | memoryview | mmap.mmap) -> g.VkGraph:
-    """Parse a blob. Constants come back as memoryviews into `data` (no copy): keep `data` alive."""
+def _constant_reader(root, constant_id: int) -> str:
+    """The first tensor value reading `constant_id`, for an error message."""
+    for value_id in range(root.ValuesLength()):
+        fb_value = root.Values(value_id)
+        if fb_value.ValueType() == ValueKind.Tensor:
+            tensor = union_as(fb_value.Value(), FbTensor.Tensor)
+            if tensor.ConstantId() == constant_id:
+                return f"tensor value {value_id} ({_text(tensor.Name()) or 'unnamed'})"
+    return "no tensor: a state's initial value, or unused"
+
+
+def _verify_graph_checksum(header: BlobHeader, flatbuffer: memoryview) -> None:
+    if header.graph_crc32 is None:
+        return
+    actual = _graph_crc32(header, flatbuffer)
+    if actual != header.graph_crc32:
+        raise BlobFormatError(f"graph checksum mismatch: header graph_crc32 is {header.graph_crc32:#010x}, the header "
+                              f"fields and the {len(flatbuffer)}-byte graph flatbuffer give {actual:#010x} "
+                              "(the graph was modified or corrupted)")
+
+
+def deserialize_blob(data: bytes | bytearray | memoryview | mmap.mmap, *, verify_constants: bool = True) -> g.VkGraph:
+    """Parse a blob. Constants come back as memoryviews into `data` (no copy): keep `data` alive.
+
+    The graph checksum is always verified (when the blob has one); `verify_constants=False` skips
+    hashing the constant bytes."""
     try:
         view = memoryview(data)
     except TypeError:
@@ -485,18 +576,18 @@ def deserialize_blob(data: bytes | bytearray | memoryview | mmap.mmap) -> g.VkGr
         view = view.cast("B")
     header = BlobHeader.parse(view)
     flatbuffer = view[header.flatbuffer_offset:header.flatbuffer_offset + header.flatbuffer_size]
+    _verify_graph_checksum(header, flatbuffer)
     identifier = bytes(flatbuffer[4:8])
     if identifier != FLATBUFFER_IDENTIFIER:
         raise BlobFormatError(f"flatbuffer file identifier is {identifier!r}, expected {FLATBUFFER_IDENTIFIER!r} "
                               "(graph written with an incompatible schema version)")
     segment_area = view[header.segment_offset:header.segment_offset + header.segment_size]
     try:
-        graph = _read_graph(flatbuffer, segment_area)
+        graph = _read_graph(flatbuffer, segment_area, verify_constants and header.graph_crc32 is not None)
     except BlobFormatError:
         raise
-    except (struct.error, IndexError, ValueError, TypeError, UnicodeDecodeError, OverflowError) as exc:
-        # The Python flatbuffers runtime has no verifier: a corrupt table surfaces as one of these.
-        raise BlobFormatError(f"graph flatbuffer is corrupt ({type(exc).__name__}: {exc})") from None
+    except CORRUPTION_ERRORS as exc:  # outside every field: the root table itself
+        raise BlobFormatError(f"graph flatbuffer is corrupt at its root table ({type(exc).__name__}: {exc})") from None
     synthetic = graph.synthetic_constant_ids
     if synthetic and header.format_version < BlobHeader.SYNTHETIC_VERSION:
         raise BlobFormatError(f"blob format version {header.format_version} cannot hold synthetic constants, but "
@@ -512,11 +603,14 @@ def deserialize_blob(data: bytes | bytearray | memoryview | mmap.mmap) -> g.VkGr
     return graph
 
 
-def read_blob(path) -> g.VkGraph:
+def read_blob(path, *, verify_constants: bool = True) -> g.VkGraph:
     """Parse a blob file through a read-only mmap; constants are views into the mapping (no copy)."""
     with open(path, "rb") as f:
         try:
             mapping = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
         except ValueError:  # mmap refuses empty files
             raise BlobFormatError(f"{path}: file is empty, not a vktrain delegate blob") from None
-    return deserialize_blob(mapping)
+    try:
+        return deserialize_blob(mapping, verify_constants=verify_constants)
+    except BlobFormatError as exc:
+        raise BlobFormatError(f"{path}: {exc}") from None

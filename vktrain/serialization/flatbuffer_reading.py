@@ -2,6 +2,27 @@
 .pte reader (vktrain.runtime.program.pte). flatbuffers only."""
 from __future__ import annotations
 
+import struct
+from contextlib import contextmanager
+from typing import Iterator
+
+from vktrain.errors import VktrainError
+
+# What the Python flatbuffers runtime raises on a corrupt or cut buffer: it has no verifier, so a bad
+# offset or length surfaces as one of these wherever it is followed.
+CORRUPTION_ERRORS = (struct.error, IndexError, ValueError, TypeError, UnicodeDecodeError, OverflowError)
+
+
+@contextmanager
+def reading(field: str, error: type[VktrainError]) -> Iterator[None]:
+    """Raise `error` naming `field` when reading it hits a corrupt buffer (errors of the family pass)."""
+    try:
+        yield
+    except VktrainError:
+        raise
+    except CORRUPTION_ERRORS as exc:
+        raise error(f"flatbuffer is corrupt at {field} ({type(exc).__name__}: {exc})") from None
+
 
 def scalar_vector(table, field_name: str) -> tuple:
     """A scalar vector field of a generated table as a tuple of Python numbers (() when absent)."""

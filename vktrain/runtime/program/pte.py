@@ -16,18 +16,16 @@ segment, one offset per data_buffer_idx) or, in old files, in Program.constant_b
 
 Everything is parsed eagerly on load and every offset, size and index is bounds-checked: a truncated or
 corrupt file raises PteFormatError naming what is wrong. Byte payloads (delegate blobs, constants,
-segments, named data) are zero-copy memoryviews into the file's read-only mmap.
+segments, named data) are zero-copy memoryviews into the file's read-only mmap. The parsed objects and
+the error classes live in vktrain/runtime/program/pte_objects.py and are importable from here.
 """
 from __future__ import annotations
 
-import math
 import mmap
 import os
 import struct
-from dataclasses import dataclass, field
 from typing import Optional, Union
 
-from vktrain.runtime.vk.errors import RuntimeErrorBase
 from vktrain.runtime.program.pte_schema.executorch_flatbuffer import Program as FbProgram
 from vktrain.runtime.program.pte_schema.executorch_flatbuffer.Bool import Bool as FbBool
 from vktrain.runtime.program.pte_schema.executorch_flatbuffer.BoolList import BoolList as FbBoolList
@@ -46,232 +44,48 @@ from vktrain.runtime.program.pte_schema.executorch_flatbuffer.MoveCall import Mo
 from vktrain.runtime.program.pte_schema.executorch_flatbuffer.OptionalTensorList import (
     OptionalTensorList as FbOptionalTensorList,
 )
-from vktrain.runtime.program.pte_schema.executorch_flatbuffer.ScalarType import ScalarType
 from vktrain.runtime.program.pte_schema.executorch_flatbuffer.String import String as FbString
 from vktrain.runtime.program.pte_schema.executorch_flatbuffer.Tensor import Tensor as FbTensor
 from vktrain.runtime.program.pte_schema.executorch_flatbuffer.TensorList import TensorList as FbTensorList
-from vktrain.serialization.flatbuffer_reading import scalar_vector, union_as
+from vktrain.serialization.flatbuffer_reading import CORRUPTION_ERRORS, reading, scalar_vector, union_as
+from vktrain.runtime.program.pte_objects import (  # noqa: F401  (re-exported: the reader's public types)
+    PteFormatError,
+    MissingMethodError,
+    NUMPY_SCALAR_TYPES,
+    SCALAR_TYPE_NAMES,
+    PteHeader,
+    AllocationDetails,
+    ExtraTensorInfo,
+    Tensor,
+    Null,
+    Int,
+    Bool,
+    Double,
+    String,
+    IntList,
+    DoubleList,
+    BoolList,
+    TensorList,
+    OptionalTensorList,
+    EValue,
+    Operator,
+    KernelCall,
+    DelegateCall,
+    MoveCall,
+    JumpFalseCall,
+    FreeCall,
+    Instruction,
+    Chain,
+    Delegate,
+    DataSegment,
+    ExecutionPlan,
+)
 
 PROGRAM_IDENTIFIER = b"ET12"
 EXTENDED_HEADER_MAGIC = b"eh00"
 _EXTENDED_HEADER_OFFSET = 8
 _EXTENDED_HEADER_MIN_LENGTH = 24  # magic, length, program_size, segment_base_offset
 _EXTENDED_HEADER_FULL_LENGTH = 32  # + segment_data_size
-
-# Bytes per element of each ScalarType (executorch/runtime/core/portable_type/scalar_type.h).
-_ELEMENT_SIZE = {
-    ScalarType.BYTE: 1, ScalarType.CHAR: 1, ScalarType.SHORT: 2, ScalarType.INT: 4, ScalarType.LONG: 8,
-    ScalarType.HALF: 2, ScalarType.FLOAT: 4, ScalarType.DOUBLE: 8, ScalarType.BOOL: 1, ScalarType.QINT8: 1,
-    ScalarType.QUINT8: 1, ScalarType.QINT32: 4, ScalarType.BFLOAT16: 2, ScalarType.QUINT4X2: 1,
-    ScalarType.QUINT2X4: 1, ScalarType.BITS16: 2, ScalarType.FLOAT8E5M2: 1, ScalarType.FLOAT8E4M3FN: 1,
-    ScalarType.FLOAT8E5M2FNUZ: 1, ScalarType.FLOAT8E4M3FNUZ: 1, ScalarType.UINT16: 2, ScalarType.UINT32: 4,
-    ScalarType.UINT64: 8,
-}
-_SCALAR_TYPE_NAMES = {value: name for name, value in vars(ScalarType).items() if not name.startswith("_")}
-
-
-class PteFormatError(RuntimeErrorBase, ValueError):
-    """The file is not a readable .pte: truncated, corrupt, or of an unsupported schema version."""
-
-
-class MissingMethodError(PteFormatError, KeyError):
-    """The program has no execution plan of the asked name (a KeyError, as a lookup by name)."""
-
-    __str__ = Exception.__str__  # the message as written, not KeyError's repr of it
-
-
-# ---------------------------------------------------------------------------------------------------
-# Parsed program objects (names follow program.fbs)
-# ---------------------------------------------------------------------------------------------------
-
-@dataclass(frozen=True)
-class PteHeader:
-    file_identifier: bytes
-    has_extended_header: bool
-    program_size: int  # bytes of the Program flatbuffer (the whole file when there is no extended header)
-    segment_base_offset: int  # 0 when there are no segments
-    segment_data_size: int  # 0 when absent
-
-
-@dataclass(frozen=True)
-class AllocationDetails:
-    memory_id: int
-    memory_offset: int  # the 64-bit offset (low | high << 32)
-
-
-@dataclass(frozen=True)
-class ExtraTensorInfo:
-    mutable_data_segments_idx: int
-    fully_qualified_name: Optional[str]
-    location: int  # TensorDataLocation: 0 SEGMENT, 1 EXTERNAL
-
-
-@dataclass(frozen=True)
-class Tensor:
-    scalar_type: int
-    storage_offset: int
-    sizes: tuple[int, ...]
-    dim_order: tuple[int, ...]
-    requires_grad: bool
-    data_buffer_idx: int
-    allocation_info: Optional[AllocationDetails]
-    layout: int
-    shape_dynamism: int
-    extra_tensor_info: Optional[ExtraTensorInfo]
-
-    @property
-    def scalar_type_name(self) -> str:
-        return _SCALAR_TYPE_NAMES.get(self.scalar_type, f"UNKNOWN({self.scalar_type})")
-
-    @property
-    def nbytes(self) -> int:
-        size = _ELEMENT_SIZE.get(self.scalar_type)
-        if size is None:
-            raise PteFormatError(f"tensor has scalar type {self.scalar_type_name} of unknown element size")
-        if any(d < 0 for d in self.sizes):
-            raise PteFormatError(f"tensor has a negative dimension in sizes {list(self.sizes)}")
-        return math.prod(self.sizes) * size
-
-    @property
-    def is_constant(self) -> bool:
-        return self.data_buffer_idx > 0 and self.allocation_info is None
-
-
-@dataclass(frozen=True)
-class Null:
-    pass
-
-
-@dataclass(frozen=True)
-class Int:
-    int_val: int
-
-
-@dataclass(frozen=True)
-class Bool:
-    bool_val: bool
-
-
-@dataclass(frozen=True)
-class Double:
-    double_val: float
-
-
-@dataclass(frozen=True)
-class String:
-    string_val: str
-
-
-@dataclass(frozen=True)
-class IntList:
-    items: tuple[int, ...]
-
-
-@dataclass(frozen=True)
-class DoubleList:
-    items: tuple[float, ...]
-
-
-@dataclass(frozen=True)
-class BoolList:
-    items: tuple[bool, ...]
-
-
-@dataclass(frozen=True)
-class TensorList:
-    items: tuple[int, ...]  # value indices
-
-
-@dataclass(frozen=True)
-class OptionalTensorList:
-    items: tuple[int, ...]  # value indices, -1 = None
-
-
-EValue = Union[Null, Int, Bool, Double, String, Tensor, IntList, DoubleList, BoolList, TensorList,
-               OptionalTensorList]
-
-
-@dataclass(frozen=True)
-class Operator:
-    name: str  # e.g. "aten::add"
-    overload: str  # e.g. "out"
-
-    @property
-    def qualified_name(self) -> str:
-        return f"{self.name}.{self.overload}" if self.overload else self.name
-
-
-@dataclass(frozen=True)
-class KernelCall:
-    op_index: int
-    args: tuple[int, ...]
-
-
-@dataclass(frozen=True)
-class DelegateCall:
-    delegate_index: int
-    args: tuple[int, ...]
-
-
-@dataclass(frozen=True)
-class MoveCall:
-    move_from: int
-    move_to: int
-
-
-@dataclass(frozen=True)
-class JumpFalseCall:
-    cond_value_index: int
-    destination_instruction: int
-
-
-@dataclass(frozen=True)
-class FreeCall:
-    value_index: int
-
-
-Instruction = Union[KernelCall, DelegateCall, MoveCall, JumpFalseCall, FreeCall]
-
-
-@dataclass(frozen=True)
-class Chain:
-    inputs: tuple[int, ...]
-    outputs: tuple[int, ...]
-    instructions: tuple  # tuple[Instruction, ...]
-
-
-@dataclass(frozen=True)
-class Delegate:
-    id: str  # backend id, e.g. "VulkanBackend"
-    location: int  # DataLocation: 0 INLINE (Program.backend_delegate_data), 1 SEGMENT (Program.segments)
-    index: int  # index into the list `location` names
-    data: memoryview = field(repr=False)  # the processed blob, zero-copy
-    compile_specs: tuple[tuple[str, bytes], ...]
-
-
-@dataclass(frozen=True)
-class DataSegment:
-    offset: int  # relative to the segment base offset
-    size: int
-
-
-@dataclass(frozen=True)
-class ExecutionPlan:
-    name: str
-    values: tuple  # tuple[EValue, ...]
-    inputs: tuple[int, ...]
-    outputs: tuple[int, ...]
-    chains: tuple  # tuple[Chain, ...]
-    operators: tuple  # tuple[Operator, ...]
-    delegates: tuple  # tuple[Delegate, ...]
-    non_const_buffer_sizes: tuple[int, ...]
-    container_meta: Optional[tuple[str, str]]  # (encoded_inp_str, encoded_out_str)
-
-    @property
-    def instructions(self) -> list:
-        """All instructions of all chains, in order (programs have one chain today)."""
-        return [instruction for chain in self.chains for instruction in chain.instructions]
-
 
 # ---------------------------------------------------------------------------------------------------
 # Reading helpers
@@ -352,15 +166,13 @@ class PteFile:
         if view.ndim != 1 or view.itemsize != 1:
             view = view.cast("B")
         self._view = view
-        self.header = _read_header(view)
-        program_view = view[:self.header.program_size]
         try:
-            self._parse_program(program_view)
+            self.header = _read_header(view)
+            self._parse_program(view[:self.header.program_size])
         except PteFormatError as exc:
             raise PteFormatError(f"{source}: {exc}") from None
-        except (struct.error, IndexError, ValueError, TypeError, UnicodeDecodeError, OverflowError) as exc:
-            # The Python flatbuffers runtime has no verifier: a corrupt or cut table surfaces as one of these.
-            raise PteFormatError(f"{source}: Program flatbuffer is corrupt or truncated "
+        except CORRUPTION_ERRORS as exc:  # outside every field reading() names: the root table itself
+            raise PteFormatError(f"{source}: Program flatbuffer is corrupt or truncated at its root table "
                                  f"({type(exc).__name__}: {exc})") from None
 
     @classmethod
@@ -373,8 +185,8 @@ class PteFile:
         return cls(mapping, source=str(path), _mapping=mapping)
 
     @classmethod
-    def from_bytes(cls, data) -> "PteFile":
-        return cls(data)
+    def from_bytes(cls, data, source: str = "<bytes>") -> "PteFile":
+        return cls(data, source=source)
 
     # -- public queries -------------------------------------------------------------------------
     @property
@@ -448,22 +260,25 @@ class PteFile:
 
         self.segments = []
         for i in range(program.SegmentsLength()):
-            fb_segment = program.Segments(i)
-            segment = DataSegment(fb_segment.Offset(), fb_segment.Size())
+            with reading(f"Program.segments[{i}]", PteFormatError):
+                fb_segment = program.Segments(i)
+                segment = DataSegment(fb_segment.Offset(), fb_segment.Size())
             self._check_segment(i, segment)
             self.segments.append(segment)
 
-        self.backend_delegate_data = [
-            _bytes_vector(program.BackendDelegateData(i), "Data") for i in range(program.BackendDelegateDataLength())
-        ]
-        self._parse_constants(program)
+        self.backend_delegate_data = []
+        for i in range(program.BackendDelegateDataLength()):
+            with reading(f"Program.backend_delegate_data[{i}]", PteFormatError):
+                self.backend_delegate_data.append(_bytes_vector(program.BackendDelegateData(i), "Data"))
+        with reading("Program.constant_segment / constant_buffer", PteFormatError):
+            self._parse_constants(program)
 
         self.mutable_data_segments = []
         for i in range(program.MutableDataSegmentsLength()):
-            sub = program.MutableDataSegments(i)
-            segment_index = sub.SegmentIndex()
+            with reading(f"Program.mutable_data_segments[{i}]", PteFormatError):
+                sub = program.MutableDataSegments(i)
+                segment_index, offsets = sub.SegmentIndex(), scalar_vector(sub, "Offsets")
             _check_index(segment_index, len(self.segments), f"mutable_data_segments[{i}] segment index")
-            offsets = scalar_vector(sub, "Offsets")
             limit = self.segments[segment_index].size
             for j, offset in enumerate(offsets):
                 if offset > limit:
@@ -473,14 +288,17 @@ class PteFile:
 
         self.named_data = {}
         for i in range(program.NamedDataLength()):
-            entry = program.NamedData(i)
-            key = _text(entry.Key())
+            with reading(f"Program.named_data[{i}]", PteFormatError):
+                entry = program.NamedData(i)
+                key, segment_index = _text(entry.Key()), entry.SegmentIndex()
             if key in self.named_data:
                 raise PteFormatError(f"named data key {key!r} appears twice")
-            self.named_data[key] = self.segment_data(entry.SegmentIndex())
+            self.named_data[key] = self.segment_data(segment_index)
 
-        self.execution_plans = [self._parse_plan(program.ExecutionPlan(i), i)
-                                for i in range(program.ExecutionPlanLength())]
+        self.execution_plans = []
+        for i in range(program.ExecutionPlanLength()):
+            with reading(f"Program.execution_plan[{i}]", PteFormatError):
+                self.execution_plans.append(self._parse_plan(program.ExecutionPlan(i), i))
         names = self.method_names
         if len(set(names)) != len(names):
             raise PteFormatError(f"execution plan names are not unique: {names}")
@@ -526,17 +344,29 @@ class PteFile:
     def _parse_plan(self, fb_plan, plan_index: int) -> ExecutionPlan:
         name = _text(fb_plan.Name()) or ""
         where = f"execution plan {name or plan_index!r}"
-        values = tuple(self._parse_value(fb_plan.Values(i), f"{where} value {i}")
-                       for i in range(fb_plan.ValuesLength()))
+        values = []
+        for i in range(fb_plan.ValuesLength()):
+            with reading(f"{where} value {i}", PteFormatError):
+                values.append(self._parse_value(fb_plan.Values(i), f"{where} value {i}"))
+        values = tuple(values)
         operators = []
         for i in range(fb_plan.OperatorsLength()):
-            op = fb_plan.Operators(i)
-            operators.append(Operator(_text(op.Name()) or "", _text(op.Overload()) or ""))
-        delegates = tuple(self._parse_delegate(fb_plan.Delegates(i), f"{where} delegate {i}")
-                          for i in range(fb_plan.DelegatesLength()))
-        chains = tuple(self._parse_chain(fb_plan.Chains(i), f"{where} chain {i}", len(values), len(operators),
-                                         len(delegates)) for i in range(fb_plan.ChainsLength()))
-        inputs, outputs = scalar_vector(fb_plan, "Inputs"), scalar_vector(fb_plan, "Outputs")
+            with reading(f"{where} operator {i}", PteFormatError):
+                op = fb_plan.Operators(i)
+                operators.append(Operator(_text(op.Name()) or "", _text(op.Overload()) or ""))
+        delegates = []
+        for i in range(fb_plan.DelegatesLength()):
+            with reading(f"{where} delegate {i}", PteFormatError):
+                delegates.append(self._parse_delegate(fb_plan.Delegates(i), f"{where} delegate {i}"))
+        delegates = tuple(delegates)
+        chains = []
+        for i in range(fb_plan.ChainsLength()):
+            with reading(f"{where} chain {i}", PteFormatError):
+                chains.append(self._parse_chain(fb_plan.Chains(i), f"{where} chain {i}", len(values), len(operators),
+                                                len(delegates)))
+        chains = tuple(chains)
+        with reading(f"{where} inputs / outputs", PteFormatError):
+            inputs, outputs = scalar_vector(fb_plan, "Inputs"), scalar_vector(fb_plan, "Outputs")
         for kind, ids in (("input", inputs), ("output", outputs)):
             for value_index in ids:
                 _check_index(value_index, len(values), f"{where} {kind} value index")
@@ -545,12 +375,14 @@ class PteFile:
                 for item in value.items:
                     if not (isinstance(value, OptionalTensorList) and item == -1):
                         _check_index(item, len(values), f"{where} value {i} list item")
-        meta = fb_plan.ContainerMetaType()
-        container_meta = None
-        if meta is not None:
-            container_meta = (_text(meta.EncodedInpStr()) or "", _text(meta.EncodedOutStr()) or "")
-        return ExecutionPlan(name, values, inputs, outputs, chains, tuple(operators), delegates,
-                             scalar_vector(fb_plan, "NonConstBufferSizes"), container_meta)
+        with reading(f"{where} container_meta_type / non_const_buffer_sizes", PteFormatError):
+            meta = fb_plan.ContainerMetaType()
+            container_meta = None
+            if meta is not None:
+                container_meta = (_text(meta.EncodedInpStr()) or "", _text(meta.EncodedOutStr()) or "")
+            arena_sizes = scalar_vector(fb_plan, "NonConstBufferSizes")
+        return ExecutionPlan(name, values, inputs, outputs, chains, tuple(operators), delegates, arena_sizes,
+                             container_meta)
 
     def _parse_value(self, fb_value, where: str):
         kind = fb_value.ValType()

@@ -12,6 +12,10 @@ the delegate run in numpy. Only the instructions the built-in models can leave o
 are implemented (`CPU_KERNELS`: dtype / dim-order copies, clones, views); a program with any other
 instruction is refused at load with "unsupported instruction <op>".
 
+Loading verifies everything first (vktrain/runtime/program/verify.py, `verify_training_program`): the
+plan's tensors and arenas, the delegate blob's integrity and its I/O against the plan, and what the
+graph will allocate against the device's memory, before the arenas or any device buffer exist.
+
 `n_valid` (the loss divisor, float32 []) is an input of the exported step; `step()` computes it as the
 number of labels >= 0 unless given, so a caller accumulating gradients can pass its own.
 """
@@ -19,16 +23,15 @@ from __future__ import annotations
 
 import math
 import os
+from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Optional, Union
 
 import numpy as np
 
-from vktrain.serialization import deserialize_blob
-
 from vktrain.contract import BACKEND_ID
-from vktrain.runtime.vk.errors import RuntimeErrorBase
 from vktrain.runtime.delegate.executor import ExecutorInputError, GraphExecutor
 from vktrain.runtime.program.pte import (
+    NUMPY_SCALAR_TYPES,
     Bool,
     DelegateCall,
     Double,
@@ -42,23 +45,21 @@ from vktrain.runtime.program.pte import (
     PteFile,
     Tensor,
 )
-from vktrain.runtime.program.pte_schema.executorch_flatbuffer.ScalarType import ScalarType
+from vktrain.runtime.program.verify import (
+    UnsupportedProgramError,
+    VerificationError,
+    check_device_memory,
+    device_memory_bytes,
+    load_delegate_graph,
+    verify_plan,
+)
+from vktrain.serialization import graph as g
 
 # Names of the exported step's inputs (vktrain.export.training).
 TOKEN_IDS, LABELS, HPARAMS, N_VALID = "token_ids", "labels", "hparams", "n_valid"
 STEP_INPUTS = (TOKEN_IDS, LABELS, HPARAMS, N_VALID)
 LORA_SUFFIXES = (".lora_A", ".lora_B")
 MODEL_PREFIX = "model."  # model parameters / buffers; optimizer state is under "optimizer."
-
-_NUMPY_SCALAR_TYPES = {
-    ScalarType.BYTE: np.uint8, ScalarType.CHAR: np.int8, ScalarType.SHORT: np.int16, ScalarType.INT: np.int32,
-    ScalarType.LONG: np.int64, ScalarType.HALF: np.float16, ScalarType.FLOAT: np.float32,
-    ScalarType.DOUBLE: np.float64, ScalarType.BOOL: np.bool_,
-}
-
-
-class UnsupportedProgramError(RuntimeErrorBase, ValueError):
-    """The .pte holds something this runner cannot execute (instruction, delegate count, input names)."""
 
 
 # ------------------------------------------------------------------------------------------------
@@ -104,46 +105,63 @@ def _kind(dtype: np.dtype) -> str:
     return "int" if dtype.kind in "iu" else dtype.kind
 
 
+def check_instructions_supported(pte: PteFile, plan: ExecutionPlan, has_delegate: bool) -> None:
+    """Every instruction is one this interpreter runs (CPU_KERNELS, et_view, a DelegateCall when a delegate
+    runner is given, moves and frees)."""
+    for index, instruction in enumerate(plan.instructions):
+        if isinstance(instruction, KernelCall):
+            name = plan.operators[instruction.op_index].qualified_name
+            if name not in CPU_KERNELS and name != _ET_VIEW:
+                raise UnsupportedProgramError(
+                    f"{pte.source}: unsupported instruction {name} (instruction {index} of plan {plan.name!r}): vktrain "
+                    f"runs only the vktrain delegate and these CPU ops: {', '.join(sorted(CPU_KERNELS) + [_ET_VIEW])}")
+        elif isinstance(instruction, DelegateCall):
+            if not has_delegate:
+                raise UnsupportedProgramError(f"{pte.source}: instruction {index} calls delegate "
+                                              f"{instruction.delegate_index}, but no delegate runner was given")
+        elif not isinstance(instruction, (MoveCall, FreeCall)):
+            raise UnsupportedProgramError(f"{pte.source}: unsupported instruction {type(instruction).__name__} "
+                                          f"(instruction {index} of plan {plan.name!r}): control flow is not supported")
+
+
+def check_storageless_tensors(pte: PteFile, plan: ExecutionPlan) -> None:
+    """A tensor with neither planned memory nor data is bound when it is computed; only an et_view output
+    is (a view of its input). Any other would be a plan input or result the memory plan forgot."""
+    views = {instruction.args[2] for instruction in plan.instructions if isinstance(instruction, KernelCall)
+             and plan.operators[instruction.op_index].qualified_name == _ET_VIEW and len(instruction.args) >= 3}
+    for index, value in enumerate(plan.values):
+        if (isinstance(value, Tensor) and value.allocation_info is None and value.data_buffer_idx == 0
+                and index not in views):
+            raise VerificationError(f"{pte.source}: plan {plan.name!r} value {index} ({value.scalar_type_name}"
+                                    f"{list(value.sizes)}) has neither allocation_info nor data (data_buffer_idx 0); "
+                                    f"only the output of {_ET_VIEW} may", check_storageless_tensors.__name__)
+
+
 class ProgramInterpreter:
     """Executes one execution plan: arenas for planned tensors, numpy for KernelCalls, `delegate` for the
     DelegateCall(s). `delegate(index, args) -> outputs` runs delegate `index`; `args` are the call's
-    values (inputs, then the output tensors it fills) and its results land in the last len(outputs)."""
+    values (inputs, then the output tensors it fills) and its results land in the last len(outputs).
+    The plan is verified first; each arena is allocated with what its tensors need, capped by
+    `host_memory_limit` (default: this machine's RAM)."""
 
     def __init__(self, pte: PteFile, plan: ExecutionPlan,
-                 delegate: Optional[Callable[[int, list[Any]], list[np.ndarray]]] = None):
+                 delegate: Optional[Callable[[int, list[Any]], list[np.ndarray]]] = None, *,
+                 host_memory_limit: Optional[int] = None):
         self.pte = pte
         self.plan = plan
         self._delegate = delegate
-        for index, instruction in enumerate(plan.instructions):
-            if isinstance(instruction, KernelCall):
-                name = plan.operators[instruction.op_index].qualified_name
-                if name not in CPU_KERNELS and name != _ET_VIEW:
-                    raise UnsupportedProgramError(
-                        f"unsupported instruction {name} (instruction {index} of plan {plan.name!r}): vktrain runs "
-                        f"only the vktrain delegate and these CPU ops: {', '.join(sorted(CPU_KERNELS) + [_ET_VIEW])}")
-            elif isinstance(instruction, DelegateCall):
-                if delegate is None:
-                    raise UnsupportedProgramError(f"instruction {index} calls delegate {instruction.delegate_index}, "
-                                                  f"but no delegate runner was given")
-            elif not isinstance(instruction, (MoveCall, FreeCall)):
-                raise UnsupportedProgramError(f"unsupported instruction {type(instruction).__name__} (instruction "
-                                              f"{index} of plan {plan.name!r}): control flow is not supported")
-        self._arenas = [bytearray(int(size)) for size in plan.non_const_buffer_sizes]
+        check_instructions_supported(pte, plan, delegate is not None)
+        check_storageless_tensors(pte, plan)
+        arena_needs = verify_plan(pte, plan, host_memory_limit)
+        self._arenas = [bytearray(size) for size in arena_needs]
         self._initial_values = [self._materialize(index, value) for index, value in enumerate(plan.values)]
 
     def _materialize(self, index: int, value: Any) -> Any:
         if isinstance(value, Tensor):
-            dtype = _NUMPY_SCALAR_TYPES.get(value.scalar_type)
-            if dtype is None:
-                raise UnsupportedProgramError(f"value {index} has scalar type {value.scalar_type_name}, not supported on the CPU")
-            if tuple(value.dim_order) != tuple(range(len(value.sizes))):
-                raise UnsupportedProgramError(f"value {index} has dim order {value.dim_order}; only contiguous tensors")
+            dtype = NUMPY_SCALAR_TYPES[value.scalar_type]  # verify_plan refused other dtypes, dim orders
             count = math.prod(value.sizes)
             if value.allocation_info is not None:
                 memory = value.allocation_info
-                if not 0 <= memory.memory_id < len(self._arenas):
-                    raise UnsupportedProgramError(f"value {index} is planned into memory {memory.memory_id}, the plan "
-                                                  f"has {len(self._arenas)} arenas")
                 return np.frombuffer(self._arenas[memory.memory_id], dtype, count,
                                      memory.memory_offset).reshape(value.sizes)
             data = self.pte.tensor_data(value)
@@ -164,7 +182,7 @@ class ProgramInterpreter:
             for item in value.items:
                 boxed = self.plan.values[item] if 0 <= item < len(self.plan.values) else None
                 if not isinstance(boxed, Int):
-                    raise UnsupportedProgramError(f"value {index}: int list item {item} is not an Int value")
+                    raise UnsupportedProgramError(f"{self.pte.source}: value {index}: int list item {item} is not an Int value")
                 items.append(boxed.int_val)
             return tuple(items)
         return value
@@ -212,32 +230,80 @@ class ProgramInterpreter:
                 for index in plan.outputs]
 
 
-class TrainingRunner:
-    """One exported LoRA training step (see the module docstring). Build with `from_pte`."""
+@dataclass(frozen=True)
+class VerifiedTrainingProgram:
+    """A training step whose .pte passed every host-side check (nothing allocated yet)."""
+    plan: ExecutionPlan
+    graph: g.VkGraph  # the vktrain delegate's graph
+    input_names: list[str]  # STEP_INPUTS name of each plan input
 
-    def __init__(self, pte: PteFile, device=None, *, method: str = "forward", timing: bool = True):
+
+def verify_training_program(pte: PteFile, method: str = "forward", *, verify_constants: bool = True,
+                            host_memory_limit: Optional[int] = None) -> VerifiedTrainingProgram:
+    """Every check a training step's .pte must pass before the runner allocates anything (see verify.py);
+    the device's memory is checked once the device is open (check_device_memory)."""
+    plan = pte.execution_plan(method)
+    check_instructions_supported(pte, plan, has_delegate=True)
+    check_storageless_tensors(pte, plan)
+    verify_plan(pte, plan, host_memory_limit)
+    call, graph = load_delegate_graph(pte, plan, verify_constants=verify_constants)
+    check_loss_output(pte, plan, call, graph)
+    return VerifiedTrainingProgram(plan, graph, plan_input_names(pte, plan, call, graph))
+
+
+def check_loss_output(pte: PteFile, plan: ExecutionPlan, call: DelegateCall, graph: g.VkGraph) -> None:
+    """A training step returns one value, the loss: a float32 [] the delegate computes."""
+    if len(plan.outputs) != 1:
+        raise UnsupportedProgramError(f"{pte.source}: a training step returns the loss only; plan {plan.name!r} "
+                                      f"has {len(plan.outputs)} outputs")
+    (output,) = plan.outputs
+    delegate_outputs = call.args[len(graph.inputs):]
+    value = plan.values[output]
+    is_float_scalar = (isinstance(value, Tensor) and value.sizes == ()
+                       and NUMPY_SCALAR_TYPES.get(value.scalar_type) is np.float32)
+    if output not in delegate_outputs or not is_float_scalar:
+        found = f"{value.scalar_type_name}{list(value.sizes)}" if isinstance(value, Tensor) else type(value).__name__
+        raise VerificationError(f"{pte.source}: plan {plan.name!r} output is value {output} ({found}); expected the "
+                                f"loss, a FLOAT[] the delegate returns (one of values {list(delegate_outputs)})",
+                                check_loss_output.__name__)
+
+
+def plan_input_names(pte: PteFile, plan: ExecutionPlan, call: DelegateCall, graph: g.VkGraph) -> list[str]:
+    """Name of each plan input: the delegate graph input it feeds (through the DelegateCall args)."""
+    graph_inputs = {value: graph.tensor(graph.inputs[i]).name for i, value in enumerate(call.args[:len(graph.inputs)])}
+    names = []
+    for position, value in enumerate(plan.inputs):
+        name = graph_inputs.get(value)
+        if name not in STEP_INPUTS:
+            raise UnsupportedProgramError(
+                f"{pte.source}: plan input {position} (value {value}) "
+                + (f"feeds delegate input {name!r}" if name else "does not feed the delegate directly")
+                + f"; a training step takes {', '.join(STEP_INPUTS)}")
+        if name in names:
+            raise UnsupportedProgramError(f"{pte.source}: plan inputs {names.index(name)} and {position} both feed "
+                                          f"delegate input {name!r}")
+        names.append(name)
+    missing = [n for n in (TOKEN_IDS, LABELS, HPARAMS) if n not in names]
+    if missing:
+        raise UnsupportedProgramError(f"{pte.source}: the program has no input(s) {missing}; is it a training step?")
+    return names
+
+
+class TrainingRunner:
+    """One exported LoRA training step (see the module docstring). Build with `from_pte`.
+
+    `verify_constants=False` skips hashing the delegate's constants at load (the graph checksum and every
+    other check still run); the memory limits default to this machine's RAM and the device's largest
+    memory heap."""
+
+    def __init__(self, pte: PteFile, device=None, *, method: str = "forward", timing: bool = True,
+                 verify_constants: bool = True, host_memory_limit: Optional[int] = None,
+                 device_memory_limit: Optional[int] = None):
         self.pte = pte
-        self.plan = pte.execution_plan(method)
-        # Every instruction is checked (unsupported ones refused) before anything else, GPU work included.
-        self._interpreter = ProgramInterpreter(pte, self.plan, self._run_delegate)
-        delegates = self.plan.delegates
-        if len(delegates) != 1 or delegates[0].id != BACKEND_ID:
-            raise UnsupportedProgramError(
-                f"{pte.source}: expected exactly one {BACKEND_ID} delegate in plan {method!r}, found "
-                f"{[d.id for d in delegates] or 'none'} (was the program lowered with VktrainPartitioner?)")
-        calls = [i for i in self.plan.instructions if isinstance(i, DelegateCall)]
-        if len(calls) != 1:
-            raise UnsupportedProgramError(f"{pte.source}: the delegate is called {len(calls)} times; expected once")
-        if len(self.plan.outputs) != 1:
-            raise UnsupportedProgramError(f"{pte.source}: a training step returns the loss only; plan {method!r} "
-                                          f"has {len(self.plan.outputs)} outputs")
-        self.graph = deserialize_blob(bytes(delegates[0].data))
-        n_in, n_out = len(self.graph.inputs), len(self.graph.outputs)
-        if len(calls[0].args) != n_in + n_out:
-            raise UnsupportedProgramError(
-                f"{pte.source}: the delegate call passes {len(calls[0].args)} values, its graph has {n_in} inputs "
-                f"and {n_out} outputs")
-        self._input_names = self._plan_input_names(calls[0])
+        program = verify_training_program(pte, method, verify_constants=verify_constants,
+                                          host_memory_limit=host_memory_limit)
+        self.plan, self.graph, self._input_names = program.plan, program.graph, program.input_names
+        self._interpreter = ProgramInterpreter(pte, self.plan, self._run_delegate, host_memory_limit=host_memory_limit)
 
         self._owns_device = device is None
         if device is None:
@@ -245,6 +311,8 @@ class TrainingRunner:
             device = Device()
         self.device = device
         try:
+            check_device_memory(pte, self.graph, device_memory_bytes(device) if device_memory_limit is None
+                                else device_memory_limit)
             self.executor = GraphExecutor(device, self.graph, timing=timing)
         except BaseException:
             if self._owns_device:
@@ -255,24 +323,6 @@ class TrainingRunner:
     def from_pte(cls, path: Union[str, os.PathLike], device=None, **options: Any) -> "TrainingRunner":
         """PteFile -> the single vktrain delegate -> its blob -> VkGraph -> GraphExecutor."""
         return cls(PteFile.load(path), device, **options)
-
-    def _plan_input_names(self, call: DelegateCall) -> list[str]:
-        """Name of each plan input: the delegate graph input it feeds (through the DelegateCall args)."""
-        graph_inputs = {value: self.graph.tensor(self.graph.inputs[i]).name
-                        for i, value in enumerate(call.args[:len(self.graph.inputs)])}
-        names = []
-        for position, value in enumerate(self.plan.inputs):
-            name = graph_inputs.get(value)
-            if name not in STEP_INPUTS:
-                raise UnsupportedProgramError(
-                    f"{self.pte.source}: plan input {position} (value {value}) "
-                    + (f"feeds delegate input {name!r}" if name else "does not feed the delegate directly")
-                    + f"; a training step takes {', '.join(STEP_INPUTS)}")
-            names.append(name)
-        missing = [n for n in (TOKEN_IDS, LABELS, HPARAMS) if n not in names]
-        if missing:
-            raise UnsupportedProgramError(f"{self.pte.source}: the program has no input(s) {missing}; is it a training step?")
-        return names
 
     @property
     def batch_shape(self) -> tuple[int, ...]:
@@ -358,4 +408,5 @@ class TrainingRunner:
         self.close()
 
 
-__all__ = ["BACKEND_ID", "CPU_KERNELS", "ProgramInterpreter", "TrainingRunner", "UnsupportedProgramError"]
+__all__ = ["BACKEND_ID", "CPU_KERNELS", "ProgramInterpreter", "TrainingRunner", "UnsupportedProgramError",
+           "VerifiedTrainingProgram", "check_instructions_supported", "check_loss_output", "check_storageless_tensors", "plan_input_names", "verify_training_program"]

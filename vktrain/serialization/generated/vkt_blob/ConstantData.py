@@ -55,8 +55,15 @@ class ConstantData(object):
             return obj
         return None
 
+    # ConstantData
+    def Crc32(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(10))
+        if o != 0:
+            return self._tab.Get(flatbuffers.number_types.Uint32Flags, o + self._tab.Pos)
+        return 0
+
 def ConstantDataStart(builder: flatbuffers.Builder):
-    builder.StartObject(3)
+    builder.StartObject(4)
 
 def Start(builder: flatbuffers.Builder):
     ConstantDataStart(builder)
@@ -78,6 +85,12 @@ def ConstantDataAddSynthetic(builder: flatbuffers.Builder, synthetic: int):
 
 def AddSynthetic(builder: flatbuffers.Builder, synthetic: int):
     ConstantDataAddSynthetic(builder, synthetic)
+
+def ConstantDataAddCrc32(builder: flatbuffers.Builder, crc32: int):
+    builder.PrependUint32Slot(3, crc32, 0)
+
+def AddCrc32(builder: flatbuffers.Builder, crc32: int):
+    ConstantDataAddCrc32(builder, crc32)
 
 def ConstantDataEnd(builder: flatbuffers.Builder) -> int:
     return builder.EndObject()

@@ -1,0 +1,301 @@
+"""Load-time verification of a .pte program and its vktrain delegate, run before anything is allocated.
+
+The loaders (ProgramInterpreter, TrainingRunner, the fuzzer in vktrain/runtime/program/fuzz.py) call
+the steps below; each `check_*` function checks one fact and raises `VerificationError` (a
+PteFormatError, so a VktrainError) naming the file, the field, what was found and what was expected:
+
+    verify_plan(pte, plan, limits)              host side: tensor records, arenas, aliasing
+    load_delegate_graph(pte, plan, ...)         the one vktrain delegate: its blob (integrity, format),
+                                                its call's arguments against the graph's I/O, op shapes
+    check_device_memory(pte, graph, limit)      once the device is known: what the graph will allocate
+
+What the .pte itself says is never trusted for sizes: an arena is allocated with what its tensors
+need (and refused when the file declares less), and every size is capped by what the machine has.
+The delegate blob carries its own checksums (vktrain/serialization/blob.py); the .pte plan around it has
+none (ExecuTorch's format), so its consistency is what these checks establish.
+"""
+from __future__ import annotations
+
+import os
+from typing import Callable, Optional, Sequence
+
+import numpy as np
+
+from vktrain.contract import BACKEND_ID
+from vktrain.runtime.program.pte import (
+    NUMPY_SCALAR_TYPES,
+    SCALAR_TYPE_NAMES,
+    DelegateCall,
+    ExecutionPlan,
+    KernelCall,
+    PteFile,
+    PteFormatError,
+    Tensor,
+)
+from vktrain.runtime.vk.errors import RuntimeErrorBase
+from vktrain.serialization import BlobFormatError, deserialize_blob
+from vktrain.serialization import graph as g
+
+# ExecuTorch enums the interpreter supports (executorch/schema/program.fbs): TensorShapeDynamism.STATIC
+# and Layout.Strided; anything else would be read as if it were these.
+_STATIC_SHAPE = 0
+_STRIDED_LAYOUT = 0
+
+
+class VerificationError(PteFormatError):
+    """The program is inconsistent (or asks for more memory than the machine has). `check` names the
+    check that refused it (one of the check_* functions of this module)."""
+
+    def __init__(self, message: str, check: str):
+        super().__init__(message)
+        self.check = check
+
+
+class UnsupportedProgramError(RuntimeErrorBase, ValueError):
+    """The .pte holds something this runner cannot execute (instruction, delegate count, input names)."""
+
+
+def _refuse(pte: PteFile, check: Callable, message: str) -> VerificationError:
+    return VerificationError(f"{pte.source}: {message}", check.__name__)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Memory limits
+# ---------------------------------------------------------------------------------------------------
+
+def host_memory_bytes() -> int:
+    """Physical RAM of this machine (os.sysconf); the cap on the interpreter's host arenas."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):  # not POSIX: no cap better than "what 64 bits address"
+        return 1 << 48
+
+
+_VK_MEMORY_HEAP_DEVICE_LOCAL_BIT = 0x1
+
+
+def device_memory_bytes(device) -> int:
+    """The largest device-local memory heap of `device` (a vktrain.runtime.vk Device): no single program
+    can use more. Falls back to the host's RAM when the device reports no heaps."""
+    properties = getattr(device, "memory_properties", None)
+    heaps = []
+    if properties is not None:
+        heaps = [properties.memoryHeaps[i].size for i in range(properties.memoryHeapCount)
+                 if properties.memoryHeaps[i].flags & _VK_MEMORY_HEAP_DEVICE_LOCAL_BIT]
+    return int(max(heaps)) if heaps else host_memory_bytes()
+
+
+# ---------------------------------------------------------------------------------------------------
+# The execution plan
+# ---------------------------------------------------------------------------------------------------
+
+def check_tensor_records(pte: PteFile, plan: ExecutionPlan) -> None:
+    """Every tensor value is one the interpreter reads as written: a known dtype, non-negative sizes, the
+    contiguous dim order, no storage offset, static shape, strided layout, and a planned
+    tensor has no initial data (the interpreter would not load it)."""
+    for index, value in enumerate(plan.values):
+        if not isinstance(value, Tensor):
+            continue
+        where = f"plan {plan.name!r} value {index} ({value.scalar_type_name}{list(value.sizes)})"
+        if value.scalar_type not in NUMPY_SCALAR_TYPES:
+            raise _refuse(pte, check_tensor_records, f"{where}: scalar type {value.scalar_type_name} is not "
+                          f"supported; expected one of {sorted(SCALAR_TYPE_NAMES[t] for t in NUMPY_SCALAR_TYPES)}")
+        if any(d < 0 for d in value.sizes):
+            raise _refuse(pte, check_tensor_records, f"{where}: sizes {list(value.sizes)} has a negative dimension")
+        if tuple(value.dim_order) != tuple(range(len(value.sizes))):
+            raise _refuse(pte, check_tensor_records, f"{where}: dim_order is {list(value.dim_order)}, expected "
+                          f"{list(range(len(value.sizes)))} (only contiguous tensors are supported)")
+        for field, found, expected in (("storage_offset", value.storage_offset, 0),
+                                       ("shape_dynamism", value.shape_dynamism, _STATIC_SHAPE),
+                                       ("layout", value.layout, _STRIDED_LAYOUT)):
+            if found != expected:
+                raise _refuse(pte, check_tensor_records, f"{where}: {field} is {found}, expected {expected} "
+                              "(the only value the interpreter supports)")
+        if value.allocation_info is not None and value.data_buffer_idx != 0:
+            raise _refuse(pte, check_tensor_records, f"{where}: a planned tensor with initial data "
+                          f"(data_buffer_idx {value.data_buffer_idx}); the interpreter supports none")
+
+
+def arena_needs(pte: PteFile, plan: ExecutionPlan) -> list[int]:
+    """Bytes each arena must have: the end of the last tensor placed in it. Refuses a tensor placed in a
+    memory id the plan does not have, misaligned, or past the end the file declares for its arena.
+    (After check_tensor_records: every tensor's nbytes is defined.)"""
+    declared = plan.non_const_buffer_sizes
+    needs = [0] * len(declared)
+    for index, value in enumerate(plan.values):
+        if not isinstance(value, Tensor) or value.allocation_info is None:
+            continue
+        memory = value.allocation_info
+        where = f"plan {plan.name!r} value {index} ({value.scalar_type_name}{list(value.sizes)})"
+        if not 0 <= memory.memory_id < len(declared):
+            raise _refuse(pte, check_arenas, f"{where}: allocation_info.memory_id is {memory.memory_id}, expected "
+                          f"0..{len(declared) - 1} (non_const_buffer_sizes has {len(declared)} entries)")
+        element_size = np.dtype(NUMPY_SCALAR_TYPES[value.scalar_type]).itemsize
+        if memory.memory_offset % element_size:
+            raise _refuse(pte, check_arenas, f"{where}: allocation_info memory offset {memory.memory_offset} is not a "
+                          f"multiple of its {element_size}-byte element size")
+        end = memory.memory_offset + value.nbytes
+        if end > declared[memory.memory_id]:
+            raise _refuse(pte, check_arenas, f"{where}: bytes [{memory.memory_offset}, {end}) lie past the end of "
+                          f"arena {memory.memory_id}, whose non_const_buffer_sizes entry is {declared[memory.memory_id]}")
+        needs[memory.memory_id] = max(needs[memory.memory_id], end)
+    return needs
+
+
+def check_arenas(pte: PteFile, plan: ExecutionPlan, host_limit: int) -> list[int]:
+    """Every planned tensor lies inside its arena, and the arenas fit in the host's memory. Returns what
+    each arena needs (what the interpreter allocates, whatever larger size the file declares)."""
+    needs = arena_needs(pte, plan)
+    declared_total = sum(plan.non_const_buffer_sizes)
+    if declared_total > host_limit:
+        raise _refuse(pte, check_arenas, f"plan {plan.name!r} non_const_buffer_sizes ask for {declared_total} bytes "
+                      f"of host memory ({list(plan.non_const_buffer_sizes)}); this machine has {host_limit}")
+    return needs
+
+
+def _storage(plan: ExecutionPlan, value_index: int) -> Optional[tuple[int, int, int]]:
+    """(memory id, start, end) of a planned, non-empty tensor value; None otherwise."""
+    value = plan.values[value_index]
+    if not isinstance(value, Tensor) or value.allocation_info is None or value.nbytes == 0:
+        return None
+    memory = value.allocation_info
+    return memory.memory_id, memory.memory_offset, memory.memory_offset + value.nbytes
+
+
+def check_planned_storage_disjoint(pte: PteFile, plan: ExecutionPlan) -> None:
+    """The tensors one instruction reads and writes are all live while it runs, so a valid memory plan
+    gives them disjoint bytes; the same holds for the plan's inputs, written before the first instruction.
+    (Necessary, not sufficient for programs of many instructions: lifetimes across instructions are not
+    re-derived here. A training step is one DelegateCall over all its tensors, where it is exact.)"""
+    groups = [("the plan inputs", plan.inputs)]
+    groups += [(f"instruction {i}", instruction.args) for i, instruction in enumerate(plan.instructions)
+               if isinstance(instruction, (KernelCall, DelegateCall))]
+    for what, value_ids in groups:
+        placed = sorted((storage, value_index) for value_index in set(value_ids)
+                        if (storage := _storage(plan, value_index)) is not None)
+        for (first, first_index), (second, second_index) in zip(placed, placed[1:]):
+            if first[0] == second[0] and second[1] < first[2]:
+                raise _refuse(pte, check_planned_storage_disjoint,
+                              f"plan {plan.name!r}: values {first_index} and {second_index}, both used by {what}, "
+                              f"have overlapping bytes [{first[1]}, {first[2]}) and [{second[1]}, {second[2]}) in arena "
+                              f"{first[0]}; tensors live at the same time need disjoint memory")
+
+
+def check_constant_tensors(pte: PteFile, plan: ExecutionPlan) -> None:
+    """Every constant tensor of the plan has its bytes in the file."""
+    for index, value in enumerate(plan.values):
+        if isinstance(value, Tensor) and value.allocation_info is None and value.data_buffer_idx != 0:
+            try:
+                pte.tensor_data(value)
+            except PteFormatError as exc:
+                raise _refuse(pte, check_constant_tensors, f"plan {plan.name!r} value {index}: {exc}") from None
+
+
+def verify_plan(pte: PteFile, plan: ExecutionPlan, host_limit: Optional[int] = None) -> list[int]:
+    """All host-side checks of one execution plan; returns the bytes each arena needs."""
+    check_tensor_records(pte, plan)
+    needs = check_arenas(pte, plan, host_memory_bytes() if host_limit is None else host_limit)
+    check_planned_storage_disjoint(pte, plan)
+    check_constant_tensors(pte, plan)
+    return needs
+
+
+# ---------------------------------------------------------------------------------------------------
+# The delegate
+# ---------------------------------------------------------------------------------------------------
+
+def check_single_delegate_call(pte: PteFile, plan: ExecutionPlan) -> DelegateCall:
+    """The plan has one delegate, vktrain's, called exactly once; returns the call."""
+    if len(plan.delegates) != 1 or plan.delegates[0].id != BACKEND_ID:
+        raise UnsupportedProgramError(
+            f"{pte.source}: expected exactly one {BACKEND_ID} delegate in plan {plan.name!r}, found "
+            f"{[d.id for d in plan.delegates] or 'none'} (was the program lowered with VktrainPartitioner?)")
+    calls = [i for i in plan.instructions if isinstance(i, DelegateCall)]
+    if len(calls) != 1:
+        raise UnsupportedProgramError(f"{pte.source}: the delegate is called {len(calls)} times; expected once")
+    return calls[0]
+
+
+def check_delegate_io(pte: PteFile, plan: ExecutionPlan, call: DelegateCall, graph: g.VkGraph) -> None:
+    """The call passes the graph's inputs, then its outputs: as many values, each a tensor of the dtype
+    and shape the graph declares."""
+    expected = [("input", i, value_id) for i, value_id in enumerate(graph.inputs)]
+    expected += [("output", i, value_id) for i, value_id in enumerate(graph.outputs)]
+    if len(call.args) != len(expected):
+        raise _refuse(pte, check_delegate_io, f"plan {plan.name!r}: the delegate call passes {len(call.args)} values, "
+                      f"its graph has {len(graph.inputs)} inputs and {len(graph.outputs)} outputs")
+    for arg, (kind, position, value_id) in zip(call.args, expected):
+        want = graph.values[value_id]
+        if not isinstance(want, g.TensorValue):
+            raise _refuse(pte, check_delegate_io, f"plan {plan.name!r}: delegate graph {kind} {position} is value "
+                          f"{value_id}, a {type(want).__name__}; graph inputs and outputs must be tensors")
+        want_text = f"{want.dtype.name}{list(want.shape)}"
+        have = plan.values[arg]
+        where = f"plan {plan.name!r}: delegate {kind} {position} ({want.name or 'unnamed'}) is plan value {arg}"
+        if not isinstance(have, Tensor):
+            raise _refuse(pte, check_delegate_io, f"{where}, a {type(have).__name__}; expected a tensor {want_text}")
+        have_dtype = NUMPY_SCALAR_TYPES.get(have.scalar_type)
+        if have_dtype != want.dtype.numpy_dtype or tuple(have.sizes) != tuple(want.shape):
+            raise _refuse(pte, check_delegate_io, f"{where}, {have.scalar_type_name}{list(have.sizes)}; "
+                          f"the delegate graph declares {want_text}")
+
+
+# What an op's outputs must be, given its inputs: op name, argument values, graph -> one (dtype, shape)
+# per output, or None when the rules do not know the op. Provided by the torch-free op definitions.
+OpShapeInference = Callable[[str, Sequence[g.Value], g.VkGraph], Optional[Sequence[tuple[g.DType, tuple[int, ...]]]]]
+
+
+def check_op_shapes(pte: PteFile, graph: g.VkGraph, infer: Optional[OpShapeInference]) -> None:
+    """Each op's output dtypes and shapes, re-inferred from its inputs, equal what the blob declares.
+    The hook for the op definitions (`infer`); without them (None) nothing is re-inferred here and the
+    blob's graph checksum is what guards the declared shapes."""
+    if infer is None:
+        return
+    for index, op in enumerate(graph.ops):
+        inferred = infer(op.name, [graph.values[a] for a in op.args], graph)
+        if inferred is None:
+            continue
+        declared = [(graph.tensor(o).dtype, tuple(graph.tensor(o).shape)) for o in op.outputs]
+        inferred = [(dtype, tuple(shape)) for dtype, shape in inferred]
+        if inferred != declared:
+            show = lambda pairs: ", ".join(f"{d.name}{list(s)}" for d, s in pairs)  # noqa: E731
+            raise _refuse(pte, check_op_shapes, f"delegate op {index} ({op.name}) declares outputs "
+                          f"{show(declared)}; its inputs give {show(inferred)}")
+
+
+def load_delegate_graph(pte: PteFile, plan: ExecutionPlan, *, verify_constants: bool = True,
+                        infer_op_shapes: Optional[OpShapeInference] = None) -> tuple[DelegateCall, g.VkGraph]:
+    """The vktrain delegate's call and graph, verified: blob integrity and format, I/O, op shapes."""
+    call = check_single_delegate_call(pte, plan)
+    delegate = plan.delegates[call.delegate_index]
+    try:
+        graph = deserialize_blob(delegate.data, verify_constants=verify_constants)
+    except BlobFormatError as exc:
+        raise BlobFormatError(f"{pte.source}: plan {plan.name!r} delegate {call.delegate_index} blob: {exc}") from None
+    check_delegate_io(pte, plan, call, graph)
+    check_op_shapes(pte, graph, infer_op_shapes)
+    return call, graph
+
+
+def check_device_memory(pte: PteFile, graph: g.VkGraph, limit: int) -> None:
+    """What the graph's buffers ask for fits the device: each memory object and each tensor with its own
+    buffer, and all of them together (an upper bound: the executor may alias some tensors as views)."""
+    requests = [(f"memory object {mem.id}", mem.size_bytes) for mem in graph.memory_objects]
+    requests += [(f"tensor value {i} ({v.name or 'unnamed'}, {v.dtype.name}{list(v.shape)})", v.nbytes)
+                 for i, v in enumerate(graph.values) if isinstance(v, g.TensorValue) and v.mem_obj_id == -1]
+    for what, nbytes in requests:
+        if nbytes > limit:
+            raise _refuse(pte, check_device_memory, f"delegate {what} asks for {nbytes} bytes of device memory; "
+                          f"the device's largest memory heap has {limit}")
+    total = sum(nbytes for _, nbytes in requests)
+    if total > limit:
+        raise _refuse(pte, check_device_memory, f"the delegate's buffers ask for {total} bytes of device memory in "
+                      f"all; the device's largest memory heap has {limit}")
+
+
+__all__ = [
+    "OpShapeInference", "UnsupportedProgramError", "VerificationError", "arena_needs", "check_arenas",
+    "check_constant_tensors", "check_delegate_io", "check_device_memory", "check_op_shapes",
+    "check_planned_storage_disjoint", "check_single_delegate_call", "check_tensor_records",
+    "device_memory_bytes", "host_memory_bytes", "load_delegate_graph", "verify_plan",
+]
