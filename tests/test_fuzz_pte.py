@@ -115,16 +115,20 @@ def test_the_fuzzer_is_reproducible_from_its_seed(exported):
 
 
 def test_the_meaning_comparison_sees_a_changed_program(exported):
-    """Guards the fuzz test's own oracle: a re-signed edit of one tensor shape loads and is reported as
-    changed (it is what per-op shape re-inference, verify.check_op_shapes, is for)."""
+    """Guards the fuzz test's own oracle: a re-signed edit of one scalar argument (the embedding's
+    padding_idx, -1 -> -2: structurally valid, so nothing but its meaning changes) loads and is reported
+    as changed (such edits are what per-op re-inference, verify.check_op_shapes, is for)."""
+    from vktrain.serialization.generated.vkt_blob.Int import Int as FbInt
+
     _, data = exported
     graph = _blob_graph(data)
-    outputs = [union_as(graph.Values(graph.Chain(i).Outputs(0)).Value(), FbBlobTensor) for i in range(graph.ChainLength())]
-    tensor = next(t for t in outputs if t.ShapeLength() == 2 and t.MemObjId() >= 0)  # an intermediate
-    edited = bytearray(_edit(data, _vector_position(tensor, 6, 1, 8), "<q", 0))  # [R, C] -> [R, 0]
+    integers = [union_as(graph.Values(i).Value(), FbInt) for i in range(graph.ValuesLength())
+                if graph.Values(i).ValueType() == ValueKind.Int]
+    scalar = next(value for value in integers if value.Value() == -1)
+    edited = bytearray(_edit(data, _scalar_position(scalar, 4), "<q", -2))
     fuzz._resign_blob(edited, fuzz.file_regions(data))
     pte, program = fuzz.load(data)
-    outcome = fuzz.run_one(fuzz.Mutant(bytes(edited), fuzz.RESIGNED, "blob graph", "shape edit"),
+    outcome = fuzz.run_one(fuzz.Mutant(bytes(edited), fuzz.RESIGNED, "blob graph", "scalar edit"),
                            fuzz.program_meaning(pte, program))
     assert outcome.label == fuzz.ACCEPTED_CHANGED and "graph values" in outcome.detail
 
