@@ -59,6 +59,10 @@ class Return:
     name: str | None = None
     alias: str | None = None
 
+    def render(self) -> str:
+        written = self.type if self.alias is None else f"{self.type}({self.alias})"
+        return written if self.name is None else f"{written} {self.name}"
+
 
 @dataclass(frozen=True)
 class Schema:
@@ -83,6 +87,19 @@ class Schema:
             if arg.name == name:
                 return arg
         raise SchemaError(f"{self.key} has no argument {name!r}; its arguments: {', '.join(self.arg_names)}")
+
+    def render(self) -> str:
+        """The schema string (without the namespace), as torch.library.define takes it."""
+        pieces, kwarg_only = [], False
+        for arg in self.arguments:
+            if arg.kwarg_only and not kwarg_only:
+                pieces.append("*")
+                kwarg_only = True
+            pieces.append(arg.render())
+        returns = [r.render() for r in self.returns]
+        returned = returns[0] if len(returns) == 1 and self.returns[0].name is None else f"({', '.join(returns)})"
+        overload = "" if self.overload == "default" else f".{self.overload}"
+        return f"{self.name}{overload}({', '.join(pieces)}) -> {returned}"
 
     @classmethod
     def parse(cls, namespace: str, text: str) -> "Schema":

@@ -44,6 +44,16 @@ def _q4gsw_weights(call: Call) -> tuple[int, int, int]:
     return n, k, group_size
 
 
+def q4gsw_weight_dims(weights: TensorMeta, scales: TensorMeta, group_size: int) -> tuple[int, int]:
+    """(N, K) of a flat q4gsw weight and its scales (dtypes included); raises Refusal."""
+    call = Call("q4gsw", {"weights": weights, "scales": scales, "group_size": group_size})
+    for name, dtype in (("weights", "uint8"), ("scales", "float32")):
+        if call.tensor(name).dtype != dtype:
+            raise DtypeRefusal(f"{name} must have dtype {dtype}, got {call.tensor(name).dtype}")
+    n, k, _ = _q4gsw_weights(call)
+    return n, k
+
+
 def _linear_q4gsw(call: Call) -> tuple[TensorMeta, ...]:
     n, k, _ = _q4gsw_weights(call)
     x = last_dim(call, "x", k, "K = in features = G * group_size")
@@ -222,7 +232,7 @@ VKTRAIN_OPS = (
     _define("fused_ce(Tensor logits, Tensor labels, Tensor n_valid) -> (Tensor loss, Tensor dlogits)", _fused_ce,
             logits=FLOAT, labels=INDEX, n_valid=_F32),
     _define("adamw(Tensor param, Tensor exp_avg, Tensor exp_avg_sq, Tensor grad, Tensor hparams, Tensor step) "
-            "-> (Tensor, Tensor, Tensor)", _adamw, param=FLOAT, hparams=_F32, step=_F32),
+            "-> (Tensor param, Tensor exp_avg, Tensor exp_avg_sq)", _adamw, param=FLOAT, hparams=_F32, step=_F32),
     _define("rms_norm(Tensor x, Tensor weight, float eps) -> (Tensor y, Tensor rstd)", _rms_norm,
             x=FLOAT, weight=FLOAT),
     _define("rms_norm_backward(Tensor d_y, Tensor x, Tensor weight, Tensor rstd) -> Tensor", _rms_norm_backward,
@@ -238,4 +248,4 @@ VKTRAIN_OPS = (
             gate=FLOAT, up=FLOAT, d_h=FLOAT),
 )
 
-__all__ = ["FLOAT", "INDEX", "NAMESPACE", "VKTRAIN_OPS"]
+__all__ = ["FLOAT", "INDEX", "NAMESPACE", "VKTRAIN_OPS", "q4gsw_weight_dims"]
