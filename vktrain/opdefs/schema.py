@@ -47,6 +47,20 @@ class Argument:
     def is_tensor_list(self) -> bool:
         return self.base_type == "Tensor" and self.is_list
 
+    @property
+    def default_value(self):
+        """The default as a Python value (None, bool, int, float, str, tuple of numbers); None if required."""
+        text = self.default
+        if text is None or text == "None":
+            return None
+        if text in ("True", "False"):
+            return text == "True"
+        if text.startswith("[") and text.endswith("]"):
+            return tuple(_number(item.strip()) for item in text[1:-1].split(",") if item.strip())
+        if text[0] in "'\"":
+            return text[1:-1]
+        return _number(text)
+
     def render(self) -> str:
         written = self.type if self.alias is None else f"{self.base_type}({self.alias}){self.type[len(self.base_type):]}"
         text = f"{written} {self.name}"
@@ -58,6 +72,20 @@ class Return:
     type: str
     name: str | None = None
     alias: str | None = None
+
+    @property
+    def default_value(self):
+        """The default as a Python value (None, bool, int, float, str, tuple of numbers); None if required."""
+        text = self.default
+        if text is None or text == "None":
+            return None
+        if text in ("True", "False"):
+            return text == "True"
+        if text.startswith("[") and text.endswith("]"):
+            return tuple(_number(item.strip()) for item in text[1:-1].split(",") if item.strip())
+        if text[0] in "'\"":
+            return text[1:-1]
+        return _number(text)
 
     def render(self) -> str:
         written = self.type if self.alias is None else f"{self.type}({self.alias})"
@@ -146,6 +174,13 @@ def _parse_returns(text: str, schema: str) -> tuple[Return, ...]:
         type_, alias = _parse_type(parts[0], schema)
         returns.append(Return(type_, parts[1] if len(parts) > 1 else None, alias))
     return tuple(returns)
+
+
+def _number(text: str) -> int | float:
+    try:
+        return int(text)
+    except ValueError:
+        return float(text)
 
 
 def _split_top_level(text: str) -> list[str]:

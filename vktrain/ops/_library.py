@@ -23,9 +23,6 @@ NAMESPACE = "vktrain"
 # FRAGMENT rather than DEF: other modules may add overloads to the same namespace later.
 _LIB = torch.library.Library(NAMESPACE, "FRAGMENT")
 
-_DEFAULTS = {"None": None, "True": True, "False": False}
-
-
 def torch_dtype(name: str) -> torch.dtype:
     """torch's dtype of a vktrain dtype name (the names are torch's without the `torch.` prefix)."""
     dtype = getattr(torch, name, None)
@@ -67,7 +64,7 @@ def out_schema(schema: Schema) -> Schema:
 def _bind(definition: OpDef, args: tuple):
     """Call of `definition` from the dispatcher's positional args (it drops trailing defaulted ones)."""
     arguments = definition.schema.arguments
-    missing = tuple(_DEFAULTS[a.default] for a in arguments[len(args):])
+    missing = tuple(a.default_value for a in arguments[len(args):])
     return definition.bind(tuple(tensor_meta(a) for a in args) + missing)
 
 
