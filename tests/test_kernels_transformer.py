@@ -85,13 +85,13 @@ def assert_finite_and_shaped(actual, expected, what):
 
 
 def test_plans_are_registered():
-    assert KERNELS["rms_norm"] is norm.plan_rms_norm
-    assert KERNELS["rms_norm_backward"] is norm.plan_rms_norm_backward
-    assert KERNELS["rope"] is rotary.plan_rope
-    assert KERNELS["causal_attention"] is attention.plan_causal_attention
-    assert KERNELS["causal_attention_backward"] is attention.plan_causal_attention_backward
-    assert KERNELS["swiglu"] is swiglu.plan_swiglu
-    assert KERNELS["swiglu_backward"] is swiglu.plan_swiglu_backward
+    assert KERNELS["vktrain.rms_norm.default"] is norm.plan_rms_norm
+    assert KERNELS["vktrain.rms_norm_backward.default"] is norm.plan_rms_norm_backward
+    assert KERNELS["vktrain.rope.default"] is rotary.plan_rope
+    assert KERNELS["vktrain.causal_attention.default"] is attention.plan_causal_attention
+    assert KERNELS["vktrain.causal_attention_backward.default"] is attention.plan_causal_attention_backward
+    assert KERNELS["vktrain.swiglu.default"] is swiglu.plan_swiglu
+    assert KERNELS["vktrain.swiglu_backward.default"] is swiglu.plan_swiglu_backward
 
 
 # ---- rms_norm ------------------------------------------------------------------------------------

@@ -40,6 +40,8 @@ from typing import Any, Optional, Protocol, Union
 import numpy as np
 from tqdm import tqdm
 
+from vktrain.contract import ADAMW_DEFAULTS, hparams_values
+
 from vktrain.train.adapters import LORA_SUFFIXES, AdapterError, adapters_from_state, save_adapters
 from vktrain.train.checkpoint import (
     Checkpoint,
@@ -103,10 +105,10 @@ class NonFiniteLossError(VktrainError, RuntimeError):
 
 @dataclass(frozen=True)
 class AdamWConfig:
-    beta1: float = 0.9
-    beta2: float = 0.999
-    eps: float = 1e-8
-    weight_decay: float = 0.0
+    beta1: float = ADAMW_DEFAULTS["beta1"]
+    beta2: float = ADAMW_DEFAULTS["beta2"]
+    eps: float = ADAMW_DEFAULTS["eps"]
+    weight_decay: float = ADAMW_DEFAULTS["weight_decay"]
 
     def __post_init__(self) -> None:
         for name in ("beta1", "beta2"):
@@ -120,7 +122,7 @@ class AdamWConfig:
 
     def hparams(self, lr: float) -> np.ndarray:
         """The program's hparams input: float32 [5] = [lr, beta1, beta2, eps, weight_decay]."""
-        return np.array([lr, self.beta1, self.beta2, self.eps, self.weight_decay], dtype=np.float32)
+        return np.array(hparams_values(lr, self.beta1, self.beta2, self.eps, self.weight_decay), dtype=np.float32)
 
 
 @dataclass
@@ -276,10 +278,11 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     parser.add_argument("--warmup", type=int, default=0, metavar="W", help="linear warmup steps (default 0)")
     parser.add_argument("--min-lr-ratio", type=float, default=0.0,
                         help="cosine floor as a fraction of --lr (default 0)")
-    parser.add_argument("--beta1", type=float, default=0.9)
-    parser.add_argument("--beta2", type=float, default=0.999)
-    parser.add_argument("--eps", type=float, default=1e-8)
-    parser.add_argument("--weight-decay", type=float, default=0.0)
+    parser.add_argument("--beta1", type=float, default=ADAMW_DEFAULTS["beta1"])
+    parser.add_argument("--beta2", type=float, default=ADAMW_DEFAULTS["beta2"])
+    parser.add_argument("--eps", type=float, default=ADAMW_DEFAULTS["eps"])
+    parser.add_argument("--weight-decay", type=float, default=ADAMW_DEFAULTS["weight_decay"],
+                        help=f"AdamW decoupled weight decay (default {ADAMW_DEFAULTS['weight_decay']}, torch.optim.AdamW's)")
     parser.add_argument("--checkpoint-every", type=int, default=0, metavar="K",
                         help="write a checkpoint every K steps (and after the last step)")
     parser.add_argument("--checkpoint", metavar="PATH",

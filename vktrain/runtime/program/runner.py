@@ -25,7 +25,7 @@ import numpy as np
 
 from vktrain.serialization import deserialize_blob
 
-from vktrain.contract import BACKEND_ID
+from vktrain.contract import BACKEND_ID, HPARAMS, LABELS, MODEL_PREFIX, N_VALID, STEP_INPUTS, TOKEN_IDS
 from vktrain.runtime.vk.errors import RuntimeErrorBase
 from vktrain.runtime.delegate.executor import ExecutorInputError, GraphExecutor
 from vktrain.runtime.program.pte import (
@@ -44,11 +44,7 @@ from vktrain.runtime.program.pte import (
 )
 from vktrain.runtime.program.pte_schema.executorch_flatbuffer.ScalarType import ScalarType
 
-# Names of the exported step's inputs (vktrain.export.training).
-TOKEN_IDS, LABELS, HPARAMS, N_VALID = "token_ids", "labels", "hparams", "n_valid"
-STEP_INPUTS = (TOKEN_IDS, LABELS, HPARAMS, N_VALID)
 LORA_SUFFIXES = (".lora_A", ".lora_B")
-MODEL_PREFIX = "model."  # model parameters / buffers; optimizer state is under "optimizer."
 
 _NUMPY_SCALAR_TYPES = {
     ScalarType.BYTE: np.uint8, ScalarType.CHAR: np.int8, ScalarType.SHORT: np.int16, ScalarType.INT: np.int32,

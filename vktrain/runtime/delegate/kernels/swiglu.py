@@ -28,7 +28,7 @@ def _variant(op: str, numel: int, workgroup_size: int, vec4: bool | None, backwa
     return shader_variant("swiglu", VEC4=vec4, BACKWARD=backward), numel // 4 if vec4 else numel
 
 
-@register_kernel("swiglu")
+@register_kernel("vktrain.swiglu.default")
 def plan_swiglu(*, numel: int, gate: Any, up: Any, out: Any, vec4: bool | None = None,
                 workgroup_size: int = DEFAULT_WORKGROUP_SIZE, label: str = "swiglu") -> list[Dispatch]:
     """Dispatches computing out = silu(gate) * up over `numel` contiguous fp32 elements.
@@ -41,7 +41,7 @@ def plan_swiglu(*, numel: int, gate: Any, up: Any, out: Any, vec4: bool | None =
                      push_constants=pack_push(count), local_size=(workgroup_size, 1, 1), label=label)]
 
 
-@register_kernel("swiglu_backward")
+@register_kernel("vktrain.swiglu_backward.default")
 def plan_swiglu_backward(*, numel: int, d_h: Any, gate: Any, up: Any, d_gate: Any, d_up: Any,
                          vec4: bool | None = None, workgroup_size: int = DEFAULT_WORKGROUP_SIZE,
                          label: str = "swiglu_backward") -> list[Dispatch]:
