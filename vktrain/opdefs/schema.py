@@ -110,6 +110,15 @@ class Schema:
         """Every argument name in schema order (keyword-only ones included): the blob's argument order."""
         return tuple(a.name for a in self.arguments)
 
+    @property
+    def output_names(self) -> tuple[str, ...]:
+        """The outputs' names: the returns' own, or `out` for a single unnamed one (aten's convention)."""
+        if len(self.returns) == 1 and self.returns[0].name is None:
+            return ("out",)
+        if any(r.name is None for r in self.returns):
+            raise SchemaError(f"{self.key}: name every return of a multi-output op")
+        return tuple(r.name for r in self.returns)
+
     def argument(self, name: str) -> Argument:
         for arg in self.arguments:
             if arg.name == name:

@@ -46,11 +46,8 @@ def tensor_meta(value):
 
 def out_argument_names(schema: Schema) -> tuple[str, ...]:
     """The `.out` overload's out tensors: `<return name>_out`, or `out` for one unnamed return."""
-    if len(schema.returns) == 1 and schema.returns[0].name is None:
-        return ("out",)
-    if any(r.name is None for r in schema.returns):
-        raise AssertionError(f"{schema.key}: name every return of a multi-output op (its out tensors are named after them)")
-    return tuple(f"{r.name}_out" for r in schema.returns)
+    names = schema.output_names
+    return names if names == ("out",) else tuple(f"{name}_out" for name in names)
 
 
 def out_schema(schema: Schema) -> Schema:

@@ -30,6 +30,7 @@ from torch.export import ExportedProgram
 from torch.fx import Node
 
 from vktrain.opdefs import OpDef, Refusal, TensorMeta, op_def
+from vktrain.opdefs.vktrain_ops import VKTRAIN_OPS
 from vktrain.ops._library import dtype_name, torch_dtype
 from vktrain.runtime.delegate.op_lowering import supported_ops as runtime_supported_ops
 
@@ -295,12 +296,10 @@ def _q4gsw_requant(key: str) -> OpFeatures:
     return features_from_definition(key, output_dtypes=UINT8)
 
 
-@register_op("vktrain.linear_dW.default", "vktrain.fused_ce.default", "vktrain.adamw.default",
-             "vktrain.rms_norm.default", "vktrain.rms_norm_backward.default", "vktrain.rope.default",
-             "vktrain.causal_attention.default", "vktrain.causal_attention_backward.default",
-             "vktrain.swiglu.default", "vktrain.swiglu_backward.default")
-def _vktrain_float_op(key: str) -> OpFeatures:
-    return features_from_definition(key)
+# Every other vktrain op: its definition says it all (kernel dtypes, no prepacked constants). One whose
+# kernel the runtime does not have yet stays unregistered, so the partitioner leaves it outside the delegate.
+register_op(*(op.key for op in VKTRAIN_OPS if op.key not in _REGISTRY and op.key in _RUNTIME_OPS))(
+    features_from_definition)
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -8,12 +8,12 @@ family's plan call:
 Every op's argument names, order and outputs are its definition's (vktrain/opdefs; aten schemas
 generated from torch), and kernels are registered under the op's key (`vktrain.rms_norm.default`).
 
-* aten ops use the shared convention of the aten families (kernels/layout.py): every schema argument
-  under its schema name, tensors as a buffer binding plus `<name>_shape` / `<name>_dtype`, the output
-  as `out`.
+* By default an op uses the shared keyword convention (`_keyword_lowering`; the aten families of
+  kernels/layout.py, swiglu): every schema argument under its schema name, tensors as a buffer binding
+  plus `<name>_shape` / `<name>_dtype`, the outputs under their names (`out` for a single unnamed one).
 * vktrain ops (linear_q4gsw, linear_q4gsw_backward, linear_dW, fused_ce, adamw, q4gsw_requant, and the
-  transformer ops rms_norm, rope, causal_attention, swiglu with their backwards) have shape-explicit
-  plan functions. Each call is first checked by the op definition's shape function (the same rule
+  transformer ops rms_norm, rope, causal_attention with their backwards) have shape-explicit plan
+  functions. Each call is first checked by the op definition's shape function (the same rule
   the partitioner and the torch fake kernels apply) and its outputs compared with what it returns;
   a small adapter per op then derives M / N / K / R / V (or B / S / H / D) from the shapes, allocates
   op-owned scratch (fused_ce's row losses, attention backward's `delta`) and passes the device's
@@ -174,10 +174,16 @@ class OpLowering:
 # aten ops: the shared keyword convention
 # ------------------------------------------------------------------------------------------------
 
-def _aten_lowering(key: str) -> Callable[[OpContext], list[Dispatch]]:
-    names = op_def(key).schema.arg_names
+def _keyword_lowering(key: str) -> Callable[[OpContext], list[Dispatch]]:
+    """The shared keyword convention: the plan registered under `key` gets every schema argument under
+    its name (tensors as binding + `<name>_shape` + `<name>_dtype`, tensor lists as bindings +
+    `<name>_shapes` + `<name>_dtype`) and every output binding under its output name (`out` for a single
+    unnamed one), after the op definition's checks."""
+    schema = op_def(key).schema
+    names, output_names = schema.arg_names, schema.output_names
 
     def lower(ctx: OpContext) -> list[Dispatch]:
+        _check_definition(ctx)
         kwargs: dict[str, Any] = {}
         for name, value in zip(names, ctx.args):
             if isinstance(value, TensorArg):
@@ -195,7 +201,7 @@ def _aten_lowering(key: str) -> Callable[[OpContext], list[Dispatch]]:
                 kwargs[f"{name}_dtype"] = dtypes.pop()
             else:
                 kwargs[name] = value
-        kwargs["out"] = ctx.outputs[0].binding
+        kwargs.update((name, output.binding) for name, output in zip(output_names, ctx.outputs))
         try:
             return KERNELS[key](label=ctx.label, **kwargs)
         except (ValueError, TypeError) as exc:
@@ -419,24 +425,6 @@ def _lower_causal_attention_backward(ctx: OpContext) -> list[Dispatch]:
                  max_workgroup_size=ctx.max_workgroup_size)
 
 
-def _lower_swiglu(ctx: OpContext) -> list[Dispatch]:
-    _check_definition(ctx)
-    gate, up = ctx.tensor(0, "gate"), ctx.tensor(1, "up")
-    if gate.numel == 0:
-        return []
-    return _call(ctx, numel=gate.numel, gate=gate.binding, up=up.binding, out=ctx.outputs[0].binding)
-
-
-def _lower_swiglu_backward(ctx: OpContext) -> list[Dispatch]:
-    _check_definition(ctx)
-    d_h, gate, up = (ctx.tensor(i, name) for i, name in enumerate(("d_h", "gate", "up")))
-    if d_h.numel == 0:
-        return []
-    d_gate, d_up = ctx.outputs
-    return _call(ctx, numel=d_h.numel, d_h=d_h.binding, gate=gate.binding, up=up.binding,
-                 d_gate=d_gate.binding, d_up=d_up.binding)
-
-
 # ------------------------------------------------------------------------------------------------
 # Uninitialised tensors: no GPU work
 # ------------------------------------------------------------------------------------------------
@@ -568,6 +556,7 @@ def _contiguous_dim_order(dim_order: Any, rank: int) -> bool:
     return dim_order is None or tuple(dim_order) == tuple(range(rank))
 
 
+# vktrain ops whose plans take derived sizes (M / N / K, B / S / H / D) instead of the keyword convention.
 _VKTRAIN_LOWERINGS = {
     "vktrain.linear_q4gsw.default": _lower_linear_q4gsw,
     "vktrain.linear_q4gsw_backward.default": _lower_linear_q4gsw_backward,
@@ -580,21 +569,18 @@ _VKTRAIN_LOWERINGS = {
     "vktrain.rope.default": _lower_rope,
     "vktrain.causal_attention.default": _lower_causal_attention,
     "vktrain.causal_attention_backward.default": _lower_causal_attention_backward,
-    "vktrain.swiglu.default": _lower_swiglu,
-    "vktrain.swiglu_backward.default": _lower_swiglu_backward,
 }
-# aten ops whose lowering is not the shared keyword convention.
-_ATEN_LOWERINGS = {
+# Ops whose lowering is not the shared keyword convention (every other defined op uses it).
+_CUSTOM_LOWERINGS = {
+    **_VKTRAIN_LOWERINGS,
     **{key: _lower_transpose for key in _TRANSPOSE_OPS},
     "aten.mm.default": _lower_mm, "aten.bmm.default": _lower_bmm, "aten.addmm.default": _lower_addmm,
 }
 
 OP_LOWERINGS: dict[str, OpLowering] = {
-    **{key: OpLowering(key, _ATEN_LOWERINGS.get(key) or _aten_lowering(key))
-       for key in OP_DEFS if not key.startswith("vktrain.") and key not in (EMPTY, EMPTY_PERMUTED)},
+    **{key: OpLowering(key, _CUSTOM_LOWERINGS.get(key) or _keyword_lowering(key)) for key in OP_DEFS},
     EMPTY: OpLowering(EMPTY, _lower_empty, needs_kernel=False),
     EMPTY_PERMUTED: OpLowering(EMPTY_PERMUTED, _lower_empty, needs_kernel=False),
-    **{key: OpLowering(key, lower) for key, lower in _VKTRAIN_LOWERINGS.items()},
 }
 
 
