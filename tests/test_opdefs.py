@@ -10,6 +10,7 @@ import torch
 
 import vktrain.ops  # noqa: F401  (registers torch.ops.vktrain.*)
 from vktrain import opdefs
+from vktrain.errors import VktrainError
 from vktrain.opdefs import TensorMeta, generate, infer_outputs, op_def
 from vktrain.opdefs.schema import Schema, SchemaError
 
@@ -101,3 +102,24 @@ def test_verifier_entry_point_returns_outputs():
                          {"latent": TensorMeta((8, 12), "float32"), "scales": TensorMeta((3, 8), "float32"),
                           "group_size": 4}) == (TensorMeta((8, 8), "uint8"),)
     assert infer_outputs("aten.relu.default", [TensorMeta((2,), "float32")]) is None  # no rule: the graph's stand
+
+
+def test_one_dtype_table_for_every_layer():
+    """names <-> numpy <-> blob DataType <-> bytes, and the layers that used to keep their own copies."""
+    import numpy as np
+
+    from vktrain.opdefs.dtypes import DTYPES, dtype_info
+    from vktrain.ops._library import torch_dtype
+    from vktrain.runtime.delegate.op_lowering import KERNEL_DTYPES
+    from vktrain.serialization import graph as vk
+    from vktrain.serialization.generated.vkt_blob.DataType import DataType
+
+    assert {d.blob_code for d in DTYPES} == {v for k, v in vars(DataType).items() if not k.startswith("_")}
+    for info in DTYPES:
+        member = vk.DType(info.blob_code)
+        assert member.numpy_dtype == info.numpy and member.itemsize == info.itemsize == np.dtype(info.name).itemsize
+        assert torch_dtype(info.name).itemsize == info.itemsize
+    assert dtype_info("int64").blob_code == DataType.INT64 and dtype_info("int64").itemsize == 8
+    assert KERNEL_DTYPES <= {d.name for d in DTYPES}
+    with pytest.raises(VktrainError, match="dtype 'float64' is not one vktrain stores"):
+        dtype_info("float64")

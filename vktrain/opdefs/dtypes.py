@@ -1,6 +1,8 @@
 """The one dtype table: name <-> numpy dtype <-> blob DataType code (schema.fbs) <-> bytes per element.
 
-Torch-free; torch's mapping is derived from the names next to the op library (vktrain/ops/_library.py).
+The names are numpy's (and torch's without `torch.`); the blob codes are read from the flatc-generated
+`DataType` (schema.fbs is their one definition). Torch-free; torch's mapping is derived from the names
+next to the op library (vktrain/ops/_library.py `torch_dtype`).
 """
 from __future__ import annotations
 
@@ -9,23 +11,31 @@ from dataclasses import dataclass
 import numpy as np
 
 from vktrain.errors import VktrainError
+from vktrain.serialization.generated.vkt_blob.DataType import DataType
 
 
 @dataclass(frozen=True)
 class DTypeInfo:
-    name: str        # the name every layer uses ("float32"); equals numpy's and torch's (torch.<name>)
-    blob_code: int   # schema.fbs `DataType` value
-    itemsize: int    # bytes per element as stored in the blob
+    name: str  # the name every layer uses ("float32"); equals numpy's and torch's (torch.<name>)
+
+    @property
+    def blob_code(self) -> int:
+        """schema.fbs `DataType` value."""
+        return getattr(DataType, self.name.upper())
 
     @property
     def numpy(self) -> np.dtype:
         return np.dtype(self.name).newbyteorder("<")
 
+    @property
+    def itemsize(self) -> int:
+        """Bytes per element as stored in the blob."""
+        return self.numpy.itemsize
 
-DTYPES = (
-    DTypeInfo("float32", 0, 4), DTypeInfo("float16", 1, 2), DTypeInfo("int32", 2, 4), DTypeInfo("int64", 3, 8),
-    DTypeInfo("uint8", 4, 1), DTypeInfo("uint32", 5, 4), DTypeInfo("bool", 6, 1), DTypeInfo("int8", 7, 1),
-)
+
+# Every DataType of the blob schema.
+_CODES = {name: code for name, code in vars(DataType).items() if not name.startswith("_")}
+DTYPES = tuple(DTypeInfo(name.lower()) for name in sorted(_CODES, key=_CODES.get))
 _BY_NAME = {d.name: d for d in DTYPES}
 
 

@@ -19,6 +19,7 @@ from typing import Union
 import numpy as np
 
 from vktrain import quant
+from vktrain.opdefs.dtypes import DTYPES
 from vktrain.errors import VktrainError
 
 # Well-known metadata keys (metadata is free-form string -> string; these are the ones vktrain writes).
@@ -66,10 +67,7 @@ class DType(enum.IntEnum):
         raise GraphError(f"numpy dtype {dtype} has no vktrain DType; supported (little-endian): {supported}")
 
 
-_NUMPY_DTYPES = {
-    DType.FLOAT32: "float32", DType.FLOAT16: "float16", DType.INT32: "int32", DType.INT64: "int64",
-    DType.UINT8: "uint8", DType.UINT32: "uint32", DType.BOOL: "bool", DType.INT8: "int8",
-}
+_NUMPY_DTYPES = {DType(d.blob_code): d.name for d in DTYPES}  # vktrain/opdefs/dtypes.py: the one table
 
 
 class Layout(enum.IntEnum):
