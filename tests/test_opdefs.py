@@ -66,10 +66,13 @@ def test_shape_functions_agree_with_the_cpu_references():
     from test_ops import example_calls as linear_calls
     from test_ops_transformer import example_calls as transformer_calls
 
+    from vktrain.opdefs.vktrain_ops import VKTRAIN_OPS
+
     calls = {**linear_calls(), **transformer_calls()}
-    for name in vktrain.ops.OP_NAMES + vktrain.ops.TRANSFORMER_OP_NAMES:
+    for definition in VKTRAIN_OPS:
+        name, schema = definition.schema.name, definition.schema
+        assert name in calls, f"{definition.key} has no example call in test_ops / test_ops_transformer"
         args = calls[name]
-        schema = op_def(f"vktrain.{name}.default").schema
         args = tuple(args) + tuple(None for _ in schema.arguments[len(args):])  # defaults the call left out
         eager = getattr(torch.ops.vktrain, name)(*args)
         eager = eager if isinstance(eager, tuple) else (eager,)
