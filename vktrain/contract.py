@@ -33,5 +33,17 @@ EXP_AVG_SQ_PREFIX = "optimizer.exp_avg_sq."
 STEP_STATE = "optimizer.step"                    # float32 [] t, the number of updates done
 STATE_PREFIXES = (MODEL_PREFIX, "optimizer.")    # every state name starts with one of these
 
-__all__ = ["ADAMW_DEFAULTS", "BACKEND_ID", "EXP_AVG_PREFIX", "EXP_AVG_SQ_PREFIX", "HPARAMS", "HPARAM_NAMES", "LABELS",
-           "MODEL_PREFIX", "N_VALID", "STATE_PREFIXES", "STEP_INPUTS", "STEP_STATE", "TOKEN_IDS", "hparams_values"]
+# ---- delegate-blob metadata (free-form string -> string): the keys vktrain writes ----------------------
+METADATA_SOURCE_MODEL = "source_model"
+METADATA_BACKEND = "backend"
+METADATA_PLANNED_MEMORY_BYTES = "planned_memory_bytes"
+METADATA_UNPLANNED_MEMORY_BYTES = "unplanned_memory_bytes"
+METADATA_STATE_BYTES = "state_bytes"                  # bytes of the mutable training state
+METADATA_REFUSALS = "refusals"                        # JSON list of the partitioner's refusals
+METADATA_SYNTHETIC_CONSTANTS = "synthetic_constants"  # benchmark blobs only
+
+__all__ = ["ADAMW_DEFAULTS", "BACKEND_ID", "EXP_AVG_PREFIX", "EXP_AVG_SQ_PREFIX", "HPARAMS", "HPARAM_NAMES",
+           "LABELS", "METADATA_BACKEND", "METADATA_PLANNED_MEMORY_BYTES", "METADATA_REFUSALS",
+           "METADATA_SOURCE_MODEL", "METADATA_STATE_BYTES", "METADATA_SYNTHETIC_CONSTANTS",
+           "METADATA_UNPLANNED_MEMORY_BYTES", "MODEL_PREFIX", "N_VALID", "STATE_PREFIXES", "STEP_INPUTS",
+           "STEP_STATE", "TOKEN_IDS", "hparams_values"]

@@ -2,7 +2,7 @@
 ONE shape function that checks a call and returns its outputs' shapes and dtypes, or refuses it.
 
 Shape functions see a `Call`: tensors as `TensorMeta(shape, dtype name)`, everything else as the Python
-value (int, float, bool, str, tuple, None). They raise `Refusal` (via `call.refuse` or the helpers) with a
+value (int, float, bool, str, tuple, None). They raise `Refusal` (directly or through the helpers below) with a
 message naming the argument, what was found and what was expected. Torch-free: the torch op library
 (fake kernels), the partitioner, the runtime's lowerings and a load-time verifier all call them.
 """
@@ -39,9 +39,6 @@ class Call:
     """One call of an op: its arguments by schema name."""
     key: str
     args: Mapping[str, Any]
-
-    def refuse(self, message: str) -> Refusal:
-        return Refusal(message)
 
     def tensor(self, name: str) -> TensorMeta:
         value = self.args[name]

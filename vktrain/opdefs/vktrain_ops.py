@@ -19,7 +19,7 @@ FLOAT = ("float32", "float64")
 INDEX = ("int64", "int32")
 
 
-def _q4gsw_shapes(call: Call, n: int, k: int, group_size: int) -> None:
+def _q4gsw_shapes(n: int, k: int, group_size: int) -> None:
     try:
         check_q4gsw_shapes(n, k, group_size)
     except ValueError as exc:
@@ -35,7 +35,7 @@ def _q4gsw_weights(call: Call) -> tuple[int, int, int]:
     if num_groups == 0:
         raise Refusal(f"scales must have at least one group (shape [G, N] with G >= 1), got {scales.shape}")
     k = num_groups * group_size
-    _q4gsw_shapes(call, n, k, group_size)
+    _q4gsw_shapes(n, k, group_size)
     expected = (n, padded_k(k) // 2)
     if weights.shape != expected:
         raise Refusal(
@@ -87,7 +87,7 @@ def _q4gsw_requant(call: Call) -> tuple[TensorMeta, ...]:
     scales = rank(call, "scales", 2, "[G, N] (one scale per group and output feature)")
     group_size = call.integer("group_size")
     n, k = latent.shape
-    _q4gsw_shapes(call, n, k, group_size)
+    _q4gsw_shapes(n, k, group_size)
     expected_scales = (k // group_size, n)
     if scales.shape != expected_scales:
         raise Refusal(f"scales must have shape [G, N] = {list(expected_scales)} for latent [N, K] = [{n}, {k}] and "

@@ -22,9 +22,7 @@ from vktrain import quant
 from vktrain.opdefs.dtypes import DTYPES
 from vktrain.errors import VktrainError
 
-# Well-known metadata keys (metadata is free-form string -> string; these are the ones vktrain writes).
-METADATA_SOURCE_MODEL = "source_model"
-METADATA_PLANNED_MEMORY_BYTES = "planned_memory_bytes"
+from vktrain.contract import METADATA_PLANNED_MEMORY_BYTES, METADATA_SOURCE_MODEL  # noqa: F401  (re-exported)
 
 
 class GraphError(VktrainError, ValueError):
