@@ -116,7 +116,7 @@ def _linear_setup(plan_name: str, plan_kwargs: dict, arrays: dict[str, np.ndarra
         if scratch:
             buffers["scratch"] = Buffer(device, scratch, name="scratch")
             kwargs["scratch"] = "scratch"
-        dispatches = KERNELS[plan_name](**kwargs)
+        dispatches = KERNELS[f"vktrain.{plan_name}.default"](**kwargs)
         return dispatches, buffers, lambda: buffers["out"].read(np.float32, out_shape)
     return setup
 
@@ -197,7 +197,7 @@ def _fused_ce_cases(quick: bool, rng) -> list[Case]:
             buffers = {"logits": Buffer.from_array(device, logits), "labels": Buffer.from_array(device, labels),
                        "n_valid": Buffer.from_array(device, n_valid), "loss": Buffer(device, 4),
                        "out": Buffer(device, logits.nbytes), "row_loss": Buffer(device, fused_ce_scratch_nbytes(R))}
-            dispatches = KERNELS["fused_ce"](R=R, V=V, logits="logits", labels="labels", n_valid="n_valid",
+            dispatches = KERNELS["vktrain.fused_ce.default"](R=R, V=V, logits="logits", labels="labels", n_valid="n_valid",
                                              loss="loss", dlogits="out", row_loss="row_loss")
             return dispatches, buffers, lambda: buffers["out"].read(np.float32, (R, V))
 
@@ -236,7 +236,7 @@ def _adamw_cases(quick: bool, rng) -> list[Case]:
                        "v": Buffer.from_array(device, np.zeros_like(param)), "g": Buffer.from_array(device, grad),
                        "h": Buffer.from_array(device, hparams),
                        "t": Buffer.from_array(device, np.array(1.0, dtype=np.float32))}
-            dispatches = KERNELS["adamw"](numel=numel, param="out", exp_avg="m", exp_avg_sq="v", grad="g",
+            dispatches = KERNELS["vktrain.adamw.default"](numel=numel, param="out", exp_avg="m", exp_avg_sq="v", grad="g",
                                           hparams="h", step="t")
             return dispatches, buffers, lambda: buffers["out"].read(np.float32, (numel,))
 
@@ -271,7 +271,7 @@ def _requant_cases(quick: bool, rng) -> list[Case]:
         def setup_vk(device, limits, N=N, latent=latent, scales=scales, words=words):
             buffers = {"latent": Buffer.from_array(device, latent), "s": Buffer.from_array(device, scales),
                        "out": Buffer(device, 4 * words)}
-            dispatches = KERNELS["q4gsw_requant"](N=N, K=K, group_size=group_size, out="out", latent="latent",
+            dispatches = KERNELS["vktrain.q4gsw_requant.default"](N=N, K=K, group_size=group_size, out="out", latent="latent",
                                                   scales="s")
             # Compare codes in the flat layout (the kernel writes W_4X8 words).
             return dispatches, buffers, lambda: quant.unpack_w4x8(buffers["out"].read(np.uint32, (words,)), N, K)
@@ -316,7 +316,7 @@ def _attention_cases(quick: bool, rng) -> list[Case]:
         causal_mnk = B * Hq * S * S * D  # one causal [S, S] x [S, D] matmul: S*S*D/2 MACs = S*S*D flops
 
         def forward_plan(limits, dims=dims, scale=scale):
-            return KERNELS["causal_attention"](**dims, q="q", k="k", v="v", out="out", lse="lse", scale=scale,
+            return KERNELS["vktrain.causal_attention.default"](**dims, q="q", k="k", v="v", out="out", lse="lse", scale=scale,
                                                shared_memory_bytes=limits.max_compute_shared_memory_size)
 
         def setup_forward(device, limits, q=q, k=k, v=v, S=S, forward_plan=forward_plan):
@@ -334,7 +334,7 @@ def _attention_cases(quick: bool, rng) -> list[Case]:
                        "d_v": Buffer(device, v.nbytes),
                        "delta": Buffer(device, causal_attention_backward_scratch_nbytes(B, S, Hq))}
             run_dispatches(device, forward_plan(limits), buffers)  # out and lse, outside the timing
-            dispatches = KERNELS["causal_attention_backward"](
+            dispatches = KERNELS["vktrain.causal_attention_backward.default"](
                 **dims, d_out="d_out", q="q", k="k", v="v", out="out", lse="lse", d_q="d_q", d_k="d_k", d_v="d_v",
                 delta="delta", scale=scale, shared_memory_bytes=limits.max_compute_shared_memory_size)
 
@@ -498,7 +498,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"{'torch ms':>9s} {'torch/vk':>8s} {'err':>8s}  shaders")
         print(header)
         for kernel in wanted:
-            if kernel not in KERNELS:
+            if (kernel if "." in kernel else f"vktrain.{kernel}.default") not in KERNELS:  # KERNELS keys are op keys
                 skipped.append(kernel)
                 print(f"{kernel:22s} skipped: no plan function registered")
                 continue

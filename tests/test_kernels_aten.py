@@ -26,6 +26,7 @@ import torch
 
 from vktrain.runtime import Buffer, run_dispatches
 from vktrain.runtime.delegate.kernels import get_kernel
+from vktrain.runtime.delegate.kernels.copies import is_alias_view
 from vktrain.runtime.delegate.kernels.elementwise import plan_binary, plan_unary
 from vktrain.runtime.delegate.kernels.embedding import plan_embedding_dense_backward
 from vktrain.runtime.delegate.kernels.layout import (
@@ -33,7 +34,6 @@ from vktrain.runtime.delegate.kernels.layout import (
     StridedView,
     broadcast_shapes,
     coalesce_dims,
-    is_alias_view,
     plan_strided_copy,
 )
 from vktrain.runtime.delegate.kernels.matmul import (

@@ -76,9 +76,9 @@ def assert_close_rel(actual, expected, rtol, what):
 
 
 def test_plans_are_registered():
-    assert KERNELS["fused_ce"] is cross_entropy.plan_fused_ce
-    assert KERNELS["adamw"] is optimizer.plan_adamw
-    assert KERNELS["q4gsw_requant"] is requant.plan_q4gsw_requant
+    assert KERNELS["vktrain.fused_ce.default"] is cross_entropy.plan_fused_ce
+    assert KERNELS["vktrain.adamw.default"] is optimizer.plan_adamw
+    assert KERNELS["vktrain.q4gsw_requant.default"] is requant.plan_q4gsw_requant
 
 
 # ---- fused_ce ------------------------------------------------------------------------------------

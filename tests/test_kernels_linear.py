@@ -345,15 +345,17 @@ def test_split_k_needs_scratch_and_a_gemm():
 
 # ----------------------------------------------------------------------------------- plans
 def test_registry_holds_the_linear_plans():
-    assert KERNELS["linear_q4gsw"] is plan_linear_q4gsw
-    assert KERNELS["linear_q4gsw_backward"] is plan_linear_q4gsw_backward
-    assert KERNELS["linear_dW"] is plan_linear_dw
-    assert get_kernel("linear_dW") is plan_linear_dw
+    assert KERNELS["vktrain.linear_q4gsw.default"] is plan_linear_q4gsw
+    assert KERNELS["vktrain.linear_q4gsw_backward.default"] is plan_linear_q4gsw_backward
+    assert KERNELS["vktrain.linear_dW.default"] is plan_linear_dw
+    assert get_kernel("vktrain.linear_dW.default") is plan_linear_dw
     with pytest.raises(KeyError, match="no kernel registered for op 'no_such_op'"):
         get_kernel("no_such_op")
     with pytest.raises(ValueError, match="already registered"):
+        register_kernel("vktrain.linear_dW.default")(lambda **kwargs: [])
+    with pytest.raises(ValueError, match="must be an op key '<namespace>.<name>.<overload>', got 'linear_dW'"):
         register_kernel("linear_dW")(lambda **kwargs: [])
-    assert KERNELS["linear_dW"] is plan_linear_dw
+    assert KERNELS["vktrain.linear_dW.default"] is plan_linear_dw
 
 
 def test_plan_covers_the_output_and_picks_the_path():

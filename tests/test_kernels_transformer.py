@@ -85,13 +85,13 @@ def assert_finite_and_shaped(actual, expected, what):
 
 
 def test_plans_are_registered():
-    assert KERNELS["rms_norm"] is norm.plan_rms_norm
-    assert KERNELS["rms_norm_backward"] is norm.plan_rms_norm_backward
-    assert KERNELS["rope"] is rotary.plan_rope
-    assert KERNELS["causal_attention"] is attention.plan_causal_attention
-    assert KERNELS["causal_attention_backward"] is attention.plan_causal_attention_backward
-    assert KERNELS["swiglu"] is swiglu.plan_swiglu
-    assert KERNELS["swiglu_backward"] is swiglu.plan_swiglu_backward
+    assert KERNELS["vktrain.rms_norm.default"] is norm.plan_rms_norm
+    assert KERNELS["vktrain.rms_norm_backward.default"] is norm.plan_rms_norm_backward
+    assert KERNELS["vktrain.rope.default"] is rotary.plan_rope
+    assert KERNELS["vktrain.causal_attention.default"] is attention.plan_causal_attention
+    assert KERNELS["vktrain.causal_attention_backward.default"] is attention.plan_causal_attention_backward
+    assert KERNELS["vktrain.swiglu.default"] is swiglu.plan_swiglu
+    assert KERNELS["vktrain.swiglu_backward.default"] is swiglu.plan_swiglu_backward
 
 
 # ---- rms_norm ------------------------------------------------------------------------------------
@@ -252,9 +252,9 @@ def test_swiglu_forward_and_backward(vk_device, shape, vec4):
     up = rng.standard_normal(shape).astype(np.float32)
     d_h = rng.standard_normal(shape).astype(np.float32)
     numel = gate.size
-    plan = (swiglu.plan_swiglu(numel=numel, gate="gate", up="up", out="h", vec4=vec4)
-            + swiglu.plan_swiglu_backward(numel=numel, d_h="d_h", gate="gate", up="up", d_gate="d_gate",
-                                          d_up="d_up", vec4=vec4))
+    plan = (swiglu.plan_swiglu(gate="gate", gate_shape=shape, up="up", up_shape=shape, out="h", vec4=vec4)
+            + swiglu.plan_swiglu_backward(d_h="d_h", d_h_shape=shape, gate="gate", gate_shape=shape, up="up",
+                                          up_shape=shape, d_gate="d_gate", d_up="d_up", vec4=vec4))
     assert plan[0].shader == ("swiglu@VEC4" if (vec4 is None and numel % 4 == 0) else "swiglu")
     got = run_plan(vk_device, plan, {"gate": gate, "up": up, "d_h": d_h},
                    {"h": shape, "d_gate": shape, "d_up": shape})
@@ -278,16 +278,20 @@ def test_swiglu_forward_and_backward(vk_device, shape, vec4):
 def test_swiglu_split_dispatch(vk_device):
     rng = np.random.default_rng(3)
     gate, up = rng.standard_normal((2, 2, 1, 1000)).astype(np.float32)  # 500 vec4s: 4 groups, split by 1
-    plan = swiglu.plan_swiglu(numel=2000, gate="gate", up="up", out="h")
+    plan = swiglu.plan_swiglu(gate="gate", gate_shape=gate.shape, up="up", up_shape=up.shape, out="h")
     got = run_plan(vk_device, plan, {"gate": gate, "up": up}, {"h": gate.shape}, max_group_count=1)
     assert max_rel_error(got["h"], OPS.swiglu(f64(gate), f64(up))) <= 1e-5
 
 
-def test_swiglu_plan_refuses_vec4_on_ragged_sizes():
+def test_swiglu_plan_refuses_what_it_cannot_run():
     with pytest.raises(KernelArgumentError, match=r"numel % 4 == 0, got numel=7"):
-        swiglu.plan_swiglu(numel=7, gate="g", up="u", out="h", vec4=True)
-    with pytest.raises(KernelArgumentError, match="numel must be an int >= 1"):
-        swiglu.plan_swiglu_backward(numel=0, d_h="d", gate="g", up="u", d_gate="a", d_up="b")
+        swiglu.plan_swiglu(gate="g", gate_shape=(7,), up="u", up_shape=(7,), out="h", vec4=True)
+    with pytest.raises(KernelArgumentError, match=r"every operand must have the shape of d_h \[2, 4\], got \{'up': \[2, 5\]\}"):
+        swiglu.plan_swiglu_backward(d_h="d", d_h_shape=(2, 4), gate="g", gate_shape=(2, 4), up="u", up_shape=(2, 5),
+                                    d_gate="a", d_up="b")
+    with pytest.raises(KernelArgumentError, match="swiglu up has dtype float64; this kernel supports float32"):
+        swiglu.plan_swiglu(gate="g", gate_shape=(4,), up="u", up_shape=(4,), up_dtype="float64", out="h")
+    assert swiglu.plan_swiglu(gate="g", gate_shape=(0, 3), up="u", up_shape=(0, 3), out="h") == []
 
 
 # ---- causal attention ----------------------------------------------------------------------------

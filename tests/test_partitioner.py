@@ -118,8 +118,8 @@ def test_linear_q4gsw_accepts_valid_shapes():
     (lambda: _q4(N=16, K=6, group_size=6), ["group_size=6 must be a positive multiple of 4",
                                             "K=6 (in features) must be a multiple of 4"]),
     (lambda: _q4(N=16, K=64, group_size=32, weights_shape=(16, 16)),
-     ["weights shape [16, 16] does not match", "expected flat [N, Kp/2] = [16, 32]"]),
-    (lambda: _q4(N=16, K=64, group_size=32, x_shape=(2, 60)), ["last dim of the activation [2, 60] must be K=64"]),
+     ["weights shape (16, 16) does not match", "expected flat uint8 [N, Kp/2] = [16, 32]"]),
+    (lambda: _q4(N=16, K=64, group_size=32, x_shape=(2, 60)), ["x must have shape [..., 64] (last dim = K = in features = G * group_size), got (2, 60)"]),
 ])
 def test_linear_q4gsw_refusals_name_the_problem(node, fragments):
     reason = check_node(node())
@@ -153,11 +153,11 @@ def test_fused_ce_and_adamw_shape_rules():
     assert check_node(ok) is None
     bad = _node(torch.ops.vktrain.fused_ce.default, torch.empty(6, 256), torch.empty(5, dtype=torch.int64),
                 torch.empty(()), out=(torch.empty(()), torch.empty(6, 256)))
-    assert "expected logits [R, V], labels [R], n_valid []" in check_node(bad)
+    assert "labels must have shape [R] = [6] to match logits (6, 256), got (5,)" in check_node(bad)
     p = torch.empty(4, 8)
     bad_adamw = _node(torch.ops.vktrain.adamw.default, p, p, p, torch.empty(8, 4), torch.empty(5), torch.empty(()),
                       out=(p, p, p))
-    assert "grad shape [8, 4] != param shape [4, 8]" in check_node(bad_adamw)
+    assert "grad must match param (float32 (4, 8)), got float32 (8, 4)" in check_node(bad_adamw)
 
 
 def test_tensor_where_a_number_or_nothing_is_expected_is_refused():
@@ -266,18 +266,18 @@ def test_transformer_op_records():
     ok = _node(torch.ops.vktrain.rope.default, e(1, 6, 2, 8), e(6, 4), e(6, 4), out=e(1, 6, 2, 8))
     assert check_node(ok) is None
     bad = _node(torch.ops.vktrain.rope.default, e(1, 6, 2, 8), e(6, 8), e(6, 8), out=e(1, 6, 2, 8))
-    assert "cos = sin = [S, D/2]" in check_node(bad)
+    assert "cos must have shape [S, D/2] = [6, 4] for x [B, S, H, D] = [1, 6, 2, 8], got (6, 8)" in check_node(bad)
     # Grouped-query attention: Hq must be a multiple of Hkv.
     ok = _node(torch.ops.vktrain.causal_attention.default, e(1, 6, 4, 8), e(1, 6, 2, 8), e(1, 6, 2, 8), 0.35,
                out=(e(1, 6, 4, 8), e(1, 4, 6)))
     assert check_node(ok) is None
     bad = _node(torch.ops.vktrain.causal_attention.default, e(1, 6, 3, 8), e(1, 6, 2, 8), e(1, 6, 2, 8), 0.35,
                 out=(e(1, 6, 3, 8), e(1, 3, 6)))
-    assert "Hq % Hkv == 0" in check_node(bad)
+    assert "got Hq=3 (q (1, 6, 3, 8)) and Hkv=2 (k (1, 6, 2, 8))" in check_node(bad)
     bad = _node(torch.ops.vktrain.rms_norm.default, e(2, 6, 8), e(6), 1e-5, out=(e(2, 6, 8), e(2, 6, 1)))
-    assert "weight [6] must be [D] for x [2, 6, 8]" in check_node(bad)
+    assert "weight must have shape [D] = [8] to match x (2, 6, 8), got (6,)" in check_node(bad)
     bad = _node(torch.ops.vktrain.swiglu_backward.default, e(2, 8), e(2, 8), e(2, 4), out=(e(2, 8), e(2, 8)))
-    assert "up shape [2, 4] must equal d_h shape [2, 8]" in check_node(bad)
+    assert "up must have the shape of gate (2, 8), got (2, 4)" in check_node(bad)
 
 
 def test_runtime_argument_names_follow_the_torch_schemas():

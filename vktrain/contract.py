@@ -3,7 +3,47 @@ training application (numpy + Vulkan only): names and layouts both sides must ag
 
 Torch-free on purpose: this is the one module both sides import for these facts.
 """
+from __future__ import annotations
+
 # The id the vktrain backend registers with ExecuTorch and records in every .pte's delegate.
 BACKEND_ID = "VktrainVulkanBackend"
 
-__all__ = ["BACKEND_ID"]
+# ---- the training-step program (vktrain.export.training) --------------------------------------------
+# Its inputs, in order: token_ids int64 [B, S], labels int64 [B, S] (< 0 = ignored), hparams float32
+# [len(HPARAM_NAMES)], n_valid float32 [] (the loss divisor).
+TOKEN_IDS, LABELS, HPARAMS, N_VALID = "token_ids", "labels", "hparams", "n_valid"
+STEP_INPUTS = (TOKEN_IDS, LABELS, HPARAMS, N_VALID)
+
+# The hparams tensor adamw reads, in this order; the defaults are torch.optim.AdamW's.
+HPARAM_NAMES = ("lr", "beta1", "beta2", "eps", "weight_decay")
+ADAMW_DEFAULTS = {"beta1": 0.9, "beta2": 0.999, "eps": 1e-8, "weight_decay": 1e-2}
+
+
+def hparams_values(lr: float, beta1: float = ADAMW_DEFAULTS["beta1"], beta2: float = ADAMW_DEFAULTS["beta2"],
+                   eps: float = ADAMW_DEFAULTS["eps"],
+                   weight_decay: float = ADAMW_DEFAULTS["weight_decay"]) -> tuple[float, ...]:
+    """The hparams tensor's values in HPARAM_NAMES order (callers make the float32 array / tensor)."""
+    return lr, beta1, beta2, eps, weight_decay
+
+
+# ---- state names: the program's mutable buffers and parameters --------------------------------------
+MODEL_PREFIX = "model."                          # model parameters / buffers
+EXP_AVG_PREFIX = "optimizer.exp_avg."            # + the parameter's name under the model
+EXP_AVG_SQ_PREFIX = "optimizer.exp_avg_sq."
+STEP_STATE = "optimizer.step"                    # float32 [] t, the number of updates done
+STATE_PREFIXES = (MODEL_PREFIX, "optimizer.")    # every state name starts with one of these
+
+# ---- delegate-blob metadata (free-form string -> string): the keys vktrain writes ----------------------
+METADATA_SOURCE_MODEL = "source_model"
+METADATA_BACKEND = "backend"
+METADATA_PLANNED_MEMORY_BYTES = "planned_memory_bytes"
+METADATA_UNPLANNED_MEMORY_BYTES = "unplanned_memory_bytes"
+METADATA_STATE_BYTES = "state_bytes"                  # bytes of the mutable training state
+METADATA_REFUSALS = "refusals"                        # JSON list of the partitioner's refusals
+METADATA_SYNTHETIC_CONSTANTS = "synthetic_constants"  # benchmark blobs only
+
+__all__ = ["ADAMW_DEFAULTS", "BACKEND_ID", "EXP_AVG_PREFIX", "EXP_AVG_SQ_PREFIX", "HPARAMS", "HPARAM_NAMES",
+           "LABELS", "METADATA_BACKEND", "METADATA_PLANNED_MEMORY_BYTES", "METADATA_REFUSALS",
+           "METADATA_SOURCE_MODEL", "METADATA_STATE_BYTES", "METADATA_SYNTHETIC_CONSTANTS",
+           "METADATA_UNPLANNED_MEMORY_BYTES", "MODEL_PREFIX", "N_VALID", "STATE_PREFIXES", "STEP_INPUTS",
+           "STEP_STATE", "TOKEN_IDS", "hparams_values"]

@@ -58,12 +58,8 @@ from vktrain.serialization import graph as vk
 
 from .passes import compile_graph
 
-# Metadata keys this backend writes (besides vk.METADATA_PLANNED_MEMORY_BYTES).
-METADATA_BACKEND = "backend"
-METADATA_UNPLANNED_MEMORY_BYTES = "unplanned_memory_bytes"
-METADATA_STATE_BYTES = "state_bytes"
-METADATA_REFUSALS = "refusals"
-METADATA_SYNTHETIC_CONSTANTS = "synthetic_constants"
+from vktrain.contract import (METADATA_BACKEND, METADATA_REFUSALS, METADATA_STATE_BYTES,  # noqa: E402 (keys it writes)
+                              METADATA_SYNTHETIC_CONSTANTS, METADATA_UNPLANNED_MEMORY_BYTES)
 
 # Compile specs of the benchmark-only synthetic constants (see the module docstring).
 SYNTHETIC_MIN_BYTES_SPEC_KEY = "synthetic_constants_min_bytes"

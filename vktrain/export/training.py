@@ -31,14 +31,9 @@ from torch.export.exported_program import _decompose_exported_program
 from torch.export.graph_signature import InputKind, OutputKind
 
 import vktrain.ops  # noqa: F401  (registers torch.ops.vktrain.*)
+from vktrain.contract import EXP_AVG_PREFIX, EXP_AVG_SQ_PREFIX, HPARAM_NAMES, MODEL_PREFIX, STEP_STATE as STEP_BUFFER
 from vktrain.lora import lora_parameter_names
 from vktrain.partitioner.op_registry import PRESERVED_OPS
-
-HPARAM_NAMES = ("lr", "beta1", "beta2", "eps", "weight_decay")
-MODEL_PREFIX = "model."
-EXP_AVG_PREFIX = "optimizer.exp_avg."
-EXP_AVG_SQ_PREFIX = "optimizer.exp_avg_sq."
-STEP_BUFFER = "optimizer.step"
 
 
 class _LossModule(nn.Module):

@@ -7,7 +7,10 @@ Schemas (docs/CONTRACTS.md; each also has an `.out` overload for ExecuTorch):
     q4gsw_requant(Tensor latent, Tensor scales, int group_size) -> Tensor
     fused_ce(Tensor logits, Tensor labels, Tensor n_valid) -> (Tensor loss, Tensor dlogits)
     adamw(Tensor param, Tensor exp_avg, Tensor exp_avg_sq, Tensor grad, Tensor hparams, Tensor step)
-        -> (Tensor, Tensor, Tensor)
+        -> (Tensor param, Tensor exp_avg, Tensor exp_avg_sq)
+
+The schemas, argument dtypes and shape rules are the torch-free op definitions (vktrain/opdefs); this
+package registers each from its definition plus a CPU reference (vktrain/ops/_library.py `define_op`).
 
 Transformer ops (Llama family, vktrain/ops/transformer.py; listed in TRANSFORMER_OP_NAMES):
     rms_norm(Tensor x, Tensor weight, float eps) -> (Tensor y, Tensor rstd)
@@ -24,6 +27,8 @@ The functions below are thin wrappers over torch.ops.vktrain.<op>, so they trace
 from __future__ import annotations
 
 import torch
+
+from vktrain import contract
 
 from . import cross_entropy, linear, optimizer, transformer  # noqa: F401  (registers the ops)
 from ._library import NAMESPACE
@@ -68,10 +73,14 @@ def adamw(param: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, 
     return torch.ops.vktrain.adamw(param, exp_avg, exp_avg_sq, grad, hparams, step)
 
 
-def adamw_hparams(lr: float, beta1: float = 0.9, beta2: float = 0.999, eps: float = 1e-8,
-                  weight_decay: float = 1e-2) -> torch.Tensor:
-    """The float32 [5] hparams tensor adamw takes (defaults are torch.optim.AdamW's)."""
-    return torch.tensor([lr, beta1, beta2, eps, weight_decay], dtype=torch.float32)
+_DEFAULTS = contract.ADAMW_DEFAULTS
+
+
+def adamw_hparams(lr: float, beta1: float = _DEFAULTS["beta1"], beta2: float = _DEFAULTS["beta2"],
+                  eps: float = _DEFAULTS["eps"], weight_decay: float = _DEFAULTS["weight_decay"]) -> torch.Tensor:
+    """The float32 hparams tensor adamw takes (vktrain.contract.HPARAM_NAMES; defaults are
+    torch.optim.AdamW's, contract.ADAMW_DEFAULTS)."""
+    return torch.tensor(contract.hparams_values(lr, beta1, beta2, eps, weight_decay), dtype=torch.float32)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:

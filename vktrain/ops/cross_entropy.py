@@ -11,24 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from ._library import check_out_like, define_op_pair, write_out
-from ._validation import FLOAT_DTYPES, LABEL_DTYPES, check_dtype, check_ndim
-
-
-def _check_fused_ce(logits, labels, n_valid):
-    check_dtype(logits, "logits", FLOAT_DTYPES)
-    check_dtype(labels, "labels", LABEL_DTYPES)
-    check_dtype(n_valid, "n_valid", (torch.float32,))
-    check_ndim(logits, "logits", 2, "[R, V] (rows, vocabulary)")
-    check_ndim(labels, "labels", 1, "[R] (one class index per row, < 0 = ignored)")
-    check_ndim(n_valid, "n_valid", 0, "[] (a float32 scalar tensor: the loss divisor)")
-    rows, vocab = logits.shape
-    if vocab < 1:
-        raise ValueError(f"logits must have at least one class (V >= 1), got shape {tuple(logits.shape)}")
-    if labels.shape[0] != rows:
-        raise ValueError(f"labels must have shape [R] = [{rows}] to match logits {tuple(logits.shape)}, "
-                         f"got {tuple(labels.shape)}")
-    return rows, vocab
+from ._library import define_op
 
 
 def _check_fused_ce_values(labels, n_valid, vocab):
@@ -42,7 +25,7 @@ def _check_fused_ce_values(labels, n_valid, vocab):
 
 
 def _fused_ce_cpu(logits, labels, n_valid):
-    _, vocab = _check_fused_ce(logits, labels, n_valid)
+    vocab = logits.shape[1]
     _check_fused_ce_values(labels, n_valid, vocab)
     valid = labels >= 0
     # Ignored rows gather class 0 and are masked afterwards, so any negative label is accepted.
@@ -60,27 +43,7 @@ def _fused_ce_cpu(logits, labels, n_valid):
     return loss, dlogits
 
 
-def _fused_ce_fake(logits, labels, n_valid):
-    _check_fused_ce(logits, labels, n_valid)
-    return logits.new_empty(()), torch.empty_like(logits)
-
-
-def _fused_ce_out_cpu(logits, labels, n_valid, *, loss_out, dlogits_out):
-    loss, dlogits = _fused_ce_cpu(logits, labels, n_valid)
-    return write_out(loss_out, loss, "loss_out"), write_out(dlogits_out, dlogits, "dlogits_out")
-
-
-def _fused_ce_out_fake(logits, labels, n_valid, *, loss_out, dlogits_out):
-    loss, dlogits = _fused_ce_fake(logits, labels, n_valid)
-    return check_out_like(loss_out, loss, "loss_out"), check_out_like(dlogits_out, dlogits, "dlogits_out")
-
-
-define_op_pair(
-    "fused_ce(Tensor logits, Tensor labels, Tensor n_valid) -> (Tensor loss, Tensor dlogits)",
-    "fused_ce.out(Tensor logits, Tensor labels, Tensor n_valid, *, Tensor(a!) loss_out, "
-    "Tensor(b!) dlogits_out) -> (Tensor(a!), Tensor(b!))",
-    _fused_ce_cpu, _fused_ce_out_cpu, _fused_ce_fake, _fused_ce_out_fake,
-)
+define_op("fused_ce", _fused_ce_cpu)
 
 
 def _fused_ce_setup_context(ctx, inputs, output):

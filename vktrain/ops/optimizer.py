@@ -16,28 +16,13 @@ import math
 
 import torch
 
-from ._library import check_out_like, define_op_pair, write_out
-from ._validation import FLOAT_DTYPES, check_dtype, check_ndim
+from vktrain.contract import HPARAM_NAMES
 
-HPARAM_NAMES = ("lr", "beta1", "beta2", "eps", "weight_decay")
-
-
-def _check_adamw(param, exp_avg, exp_avg_sq, grad, hparams, step):
-    check_dtype(param, "param", FLOAT_DTYPES)
-    for name, tensor in (("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq), ("grad", grad)):
-        if tensor.dtype != param.dtype or tensor.shape != param.shape:
-            raise ValueError(
-                f"{name} must match param ({param.dtype} {tuple(param.shape)}), "
-                f"got {tensor.dtype} {tuple(tensor.shape)}")
-    check_dtype(hparams, "hparams", (torch.float32,))
-    check_dtype(step, "step", (torch.float32,))
-    if tuple(hparams.shape) != (5,):
-        raise ValueError(f"hparams must have shape [5] = [{', '.join(HPARAM_NAMES)}], got {tuple(hparams.shape)}")
-    check_ndim(step, "step", 0, "[] (a float32 scalar: the step number t after increment, 1 on the first update)")
+from ._library import define_op
 
 
 def _read_hparams(hparams, step):
-    lr, beta1, beta2, eps, weight_decay = (float(v) for v in hparams.tolist())
+    lr, beta1, beta2, eps, weight_decay = (float(v) for v in hparams.tolist())  # HPARAM_NAMES order
     t = float(step)
     problems = []
     if not (math.isfinite(lr) and lr >= 0):
@@ -57,7 +42,6 @@ def _read_hparams(hparams, step):
 
 
 def _adamw_cpu(param, exp_avg, exp_avg_sq, grad, hparams, step):
-    _check_adamw(param, exp_avg, exp_avg_sq, grad, hparams, step)
     lr, beta1, beta2, eps, weight_decay, t = _read_hparams(hparams, step)
     new_param = param * (1 - lr * weight_decay)
     new_exp_avg = exp_avg * beta1 + grad * (1 - beta1)
@@ -70,34 +54,7 @@ def _adamw_cpu(param, exp_avg, exp_avg_sq, grad, hparams, step):
     return new_param, new_exp_avg, new_exp_avg_sq
 
 
-def _adamw_fake(param, exp_avg, exp_avg_sq, grad, hparams, step):
-    _check_adamw(param, exp_avg, exp_avg_sq, grad, hparams, step)
-    return torch.empty_like(param), torch.empty_like(param), torch.empty_like(param)
-
-
-_OUT_NAMES = ("param_out", "exp_avg_out", "exp_avg_sq_out")
-
-
-def _adamw_out_cpu(param, exp_avg, exp_avg_sq, grad, hparams, step, *, param_out, exp_avg_out, exp_avg_sq_out):
-    # Results are computed before any out tensor is written, so out may alias the inputs (in-place update).
-    results = _adamw_cpu(param, exp_avg, exp_avg_sq, grad, hparams, step)
-    outs = (param_out, exp_avg_out, exp_avg_sq_out)
-    return tuple(write_out(out, result, name) for out, result, name in zip(outs, results, _OUT_NAMES))
-
-
-def _adamw_out_fake(param, exp_avg, exp_avg_sq, grad, hparams, step, *, param_out, exp_avg_out, exp_avg_sq_out):
-    results = _adamw_fake(param, exp_avg, exp_avg_sq, grad, hparams, step)
-    outs = (param_out, exp_avg_out, exp_avg_sq_out)
-    return tuple(check_out_like(out, result, name) for out, result, name in zip(outs, results, _OUT_NAMES))
-
-
-define_op_pair(
-    "adamw(Tensor param, Tensor exp_avg, Tensor exp_avg_sq, Tensor grad, Tensor hparams, Tensor step) "
-    "-> (Tensor, Tensor, Tensor)",
-    "adamw.out(Tensor param, Tensor exp_avg, Tensor exp_avg_sq, Tensor grad, Tensor hparams, Tensor step, *, "
-    "Tensor(a!) param_out, Tensor(b!) exp_avg_out, Tensor(c!) exp_avg_sq_out) -> (Tensor(a!), Tensor(b!), Tensor(c!))",
-    _adamw_cpu, _adamw_out_cpu, _adamw_fake, _adamw_out_fake,
-)
+define_op("adamw", _adamw_cpu)
 
 
 def _adamw_setup_context(ctx, inputs, output):

@@ -16,6 +16,7 @@
 // vktrain-variants: -, VEC4
 #extension GL_GOOGLE_include_directive : require
 #include "common.glsl"
+#include "codes.glsl"
 
 #ifdef VEC4
 #define VALUE vec4
@@ -29,7 +30,7 @@ layout(std430, set = 0, binding = 0) buffer Param { VALUE param[]; };
 layout(std430, set = 0, binding = 1) buffer ExpAvg { VALUE exp_avg[]; };
 layout(std430, set = 0, binding = 2) buffer ExpAvgSq { VALUE exp_avg_sq[]; };
 layout(std430, set = 0, binding = 3) readonly buffer Grad { VALUE grad[]; };
-layout(std430, set = 0, binding = 4) readonly buffer HParams { float hparams[5]; };  // lr, b1, b2, eps, wd
+layout(std430, set = 0, binding = 4) readonly buffer HParams { float hparams[HPARAM_COUNT]; };  // codes.glsl: contract.HPARAM_NAMES
 layout(std430, set = 0, binding = 5) readonly buffer Step { float step; };          // t, whole number >= 1
 
 layout(push_constant, std430) uniform Push {
@@ -88,16 +89,16 @@ void main() {
   // The host writes a whole number; rounding guards against a value a hair below it.
   const uint t = uint(round(step));
   if (lid == 0) {
-    const float lr = hparams[0];
-    s_decay = 1.0 - lr * hparams[4];
-    s_step_size = lr / one_minus_pow(hparams[1], t);
+    const float lr = hparams[HPARAM_LR];
+    s_decay = 1.0 - lr * hparams[HPARAM_WEIGHT_DECAY];
+    s_step_size = lr / one_minus_pow(hparams[HPARAM_BETA1], t);
   }
-  if (lid == gl_WorkGroupSize.x - 1) s_bc2_sqrt = sqrt(one_minus_pow(hparams[2], t));
+  if (lid == gl_WorkGroupSize.x - 1) s_bc2_sqrt = sqrt(one_minus_pow(hparams[HPARAM_BETA2], t));
   barrier();  // reached by every thread: the bounds checks come after it
 
-  const float b1 = hparams[1];
-  const float b2 = hparams[2];
-  const float eps = hparams[3];
+  const float b1 = hparams[HPARAM_BETA1];
+  const float b2 = hparams[HPARAM_BETA2];
+  const float eps = hparams[HPARAM_EPS];
   const float decay = s_decay;
   const float step_size = s_step_size;
   const float bc2_sqrt = s_bc2_sqrt;

@@ -14,6 +14,7 @@
 #extension GL_GOOGLE_include_directive : require
 #extension GL_EXT_control_flow_attributes : require
 #include "common.glsl"
+#include "codes.glsl"
 
 #ifndef ARITY
 #define ARITY 2
@@ -23,7 +24,7 @@
 
 layout(local_size_x = WORKGROUP_SIZE) in;
 
-// Op codes: keep in sync with UNARY_OPS / BINARY_OPS in elementwise.py.
+// Op codes: EW_UNARY_* / EW_BINARY_* of codes.glsl, generated from UNARY_OPS / BINARY_OPS in elementwise.py.
 layout(constant_id = 3) const uint OP = 0;
 
 layout(std430, set = 0, binding = 0) writeonly buffer OutBuffer { float out_data[]; };
@@ -192,47 +193,47 @@ float gelu_tanh_grad(float x) {
 #if ARITY == 1
 float apply(float a) {
     switch (OP) {
-        case 0u: return a + params.scalar0;            // add.Scalar (host folds alpha * other)
-        case 1u: return a * params.scalar0;            // mul.Scalar
-        case 2u: return -a;                            // neg
-        case 3u: return a > 0.0 ? a : (isnan(a) ? a : 0.0);   // relu (propagates NaN like torch)
-        case 4u: return 0.5 * a * erfc_scaled(-a);  // gelu, approximate="none"
-        case 5u: return gelu_tanh(a);                  // gelu, approximate="tanh"
-        case 6u: return a / (1.0 + exp_accurate(-a));  // silu
-        case 7u: return sigmoid(a);                    // sigmoid
-        case 8u: return exp_accurate(a);               // exp
-        case 9u: return inversesqrt(a);                // rsqrt
-        case 10u: return pow_real(a, params.scalar0);  // pow.Tensor_Scalar
-        case 11u: return sqrt(a);                      // sqrt
-        case 13u: return params.scalar0 - params.scalar1 * a;  // rsub.Scalar(other=s0, alpha=s1)
-        case 14u: return a / params.scalar0;           // div.Scalar
-        case 15u: return tanh_accurate(a);             // tanh
-        case 16u: return erf_accurate(a);              // erf
-        case 17u: return log_accurate(a);              // log
-        case 18u: return 1.0 / a;                      // reciprocal
-        case 19u: return abs(a);                       // abs
+        case EW_UNARY_ADD_SCALAR: return a + params.scalar0;            // add.Scalar (host folds alpha * other)
+        case EW_UNARY_MUL_SCALAR: return a * params.scalar0;            // mul.Scalar
+        case EW_UNARY_NEG: return -a;                            // neg
+        case EW_UNARY_RELU: return a > 0.0 ? a : (isnan(a) ? a : 0.0);   // relu (propagates NaN like torch)
+        case EW_UNARY_GELU: return 0.5 * a * erfc_scaled(-a);  // gelu, approximate="none"
+        case EW_UNARY_GELU_TANH: return gelu_tanh(a);                  // gelu, approximate="tanh"
+        case EW_UNARY_SILU: return a / (1.0 + exp_accurate(-a));  // silu
+        case EW_UNARY_SIGMOID: return sigmoid(a);                    // sigmoid
+        case EW_UNARY_EXP: return exp_accurate(a);               // exp
+        case EW_UNARY_RSQRT: return inversesqrt(a);                // rsqrt
+        case EW_UNARY_POW_SCALAR: return pow_real(a, params.scalar0);  // pow.Tensor_Scalar
+        case EW_UNARY_SQRT: return sqrt(a);                      // sqrt
+        case EW_UNARY_RSUB_SCALAR: return params.scalar0 - params.scalar1 * a;  // rsub.Scalar(other=s0, alpha=s1)
+        case EW_UNARY_DIV_SCALAR: return a / params.scalar0;           // div.Scalar
+        case EW_UNARY_TANH: return tanh_accurate(a);             // tanh
+        case EW_UNARY_ERF: return erf_accurate(a);              // erf
+        case EW_UNARY_LOG: return log_accurate(a);              // log
+        case EW_UNARY_RECIPROCAL: return 1.0 / a;                      // reciprocal
+        case EW_UNARY_ABS: return abs(a);                       // abs
         default: return uintBitsToFloat(0x7fc00000u);
     }
 }
 #else
 float apply(float a, float b) {
     switch (OP) {
-        case 0u: return a + params.scalar0 * b;        // add.Tensor (scalar0 = alpha)
-        case 1u: return a - params.scalar0 * b;        // sub.Tensor (scalar0 = alpha)
-        case 2u: return a * b;                         // mul.Tensor
-        case 3u: return a / b;                         // div.Tensor (true division)
-        case 4u: return b <= params.scalar0 ? 0.0 : a; // threshold_backward(grad=a, self=b, threshold)
-        case 5u: return a * gelu_erf_grad(b);          // gelu_backward(grad=a, self=b), "none"
-        case 6u: return a * gelu_tanh_grad(b);         // gelu_backward(grad=a, self=b), "tanh"
-        case 7u: {                                     // silu_backward(grad=a, self=b)
+        case EW_BINARY_ADD: return a + params.scalar0 * b;        // add.Tensor (scalar0 = alpha)
+        case EW_BINARY_SUB: return a - params.scalar0 * b;        // sub.Tensor (scalar0 = alpha)
+        case EW_BINARY_MUL: return a * b;                         // mul.Tensor
+        case EW_BINARY_DIV: return a / b;                         // div.Tensor (true division)
+        case EW_BINARY_THRESHOLD_BACKWARD: return b <= params.scalar0 ? 0.0 : a; // threshold_backward(grad=a, self=b, threshold)
+        case EW_BINARY_GELU_BACKWARD: return a * gelu_erf_grad(b);          // gelu_backward(grad=a, self=b), "none"
+        case EW_BINARY_GELU_TANH_BACKWARD: return a * gelu_tanh_grad(b);         // gelu_backward(grad=a, self=b), "tanh"
+        case EW_BINARY_SILU_BACKWARD: {                                     // silu_backward(grad=a, self=b)
             float s = sigmoid(b);
             return a * s * (1.0 + b * (1.0 - s));
         }
-        case 8u: return a * b * (1.0 - b);             // sigmoid_backward(grad=a, output=b)
-        case 9u: return max(a, b);                     // maximum (NaN handled below)
-        case 10u: return min(a, b);                    // minimum
-        case 11u: return a * (1.0 - b * b);            // tanh_backward(grad=a, output=b)
-        case 12u: return pow_real(a, b);               // pow.Tensor_Tensor
+        case EW_BINARY_SIGMOID_BACKWARD: return a * b * (1.0 - b);             // sigmoid_backward(grad=a, output=b)
+        case EW_BINARY_MAXIMUM: return max(a, b);                     // maximum (NaN handled below)
+        case EW_BINARY_MINIMUM: return min(a, b);                    // minimum
+        case EW_BINARY_TANH_BACKWARD: return a * (1.0 - b * b);            // tanh_backward(grad=a, output=b)
+        case EW_BINARY_POW: return pow_real(a, b);               // pow.Tensor_Tensor
         default: return uintBitsToFloat(0x7fc00000u);
     }
 }
@@ -266,7 +267,7 @@ void main() {
     float a = a_data[a_index];
     float b = b_data[b_index];
     float result = apply(a, b);
-    if ((OP == 9u || OP == 10u) && (isnan(a) || isnan(b))) {
+    if ((OP == EW_BINARY_MAXIMUM || OP == EW_BINARY_MINIMUM) && (isnan(a) || isnan(b))) {
         result = uintBitsToFloat(0x7fc00000u);  // torch.maximum / minimum propagate NaN
     }
     out_data[index] = result;

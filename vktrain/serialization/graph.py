@@ -21,9 +21,7 @@ import numpy as np
 from vktrain.serialization.synthetic import SyntheticConstant, SyntheticKind, check_synthetic_reader  # noqa: F401
 from vktrain.serialization.tensor_types import LAYOUT_STORAGE, DType, GraphError, Layout, store_as_tuple
 
-# Well-known metadata keys (metadata is free-form string -> string; these are the ones vktrain writes).
-METADATA_SOURCE_MODEL = "source_model"
-METADATA_PLANNED_MEMORY_BYTES = "planned_memory_bytes"
+from vktrain.contract import METADATA_PLANNED_MEMORY_BYTES, METADATA_SOURCE_MODEL  # noqa: F401  (re-exported)
 
 
 @dataclass(frozen=True)

@@ -7,6 +7,7 @@ import enum
 import numpy as np
 
 from vktrain.errors import VktrainError
+from vktrain.opdefs.dtypes import DTYPES
 
 
 class GraphError(VktrainError, ValueError):
@@ -49,10 +50,7 @@ class DType(enum.IntEnum):
         raise GraphError(f"numpy dtype {dtype} has no vktrain DType; supported (little-endian): {supported}")
 
 
-_NUMPY_DTYPES = {
-    DType.FLOAT32: "float32", DType.FLOAT16: "float16", DType.INT32: "int32", DType.INT64: "int64",
-    DType.UINT8: "uint8", DType.UINT32: "uint32", DType.BOOL: "bool", DType.INT8: "int8",
-}
+_NUMPY_DTYPES = {DType(d.blob_code): d.name for d in DTYPES}  # vktrain/opdefs/dtypes.py: the one table
 
 
 class Layout(enum.IntEnum):

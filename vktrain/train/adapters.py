@@ -22,6 +22,7 @@ import numpy as np
 import safetensors
 import safetensors.numpy
 
+from vktrain.contract import MODEL_PREFIX as STATE_PREFIX  # the exporter's prefix of model tensors
 from vktrain.train.checkpoint import atomic_write_bytes, atomic_write_json
 from vktrain.errors import VktrainError
 
@@ -30,7 +31,6 @@ PathLike = Union[str, os.PathLike]
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 ADAPTER_CONFIG = "adapter_config.json"
 PEFT_PREFIX = "base_model.model."
-STATE_PREFIX = "model."  # the exporter's prefix of model tensors (vktrain.export.training.MODEL_PREFIX)
 _LORA_PARTS = ("lora_A", "lora_B")
 LORA_SUFFIXES = tuple("." + part for part in _LORA_PARTS)  # state names of adapter tensors end so
 

@@ -38,14 +38,13 @@ from typing import Any, BinaryIO, Callable, Mapping, Protocol, Union
 import numpy as np
 import safetensors
 import safetensors.numpy
+from vktrain.contract import STEP_STATE as OPTIMIZER_STEP_STATE  # the optimizer's step counter
 from vktrain.errors import VktrainError
 
 PathLike = Union[str, os.PathLike]
 
 CHECKPOINT_FORMAT = "vktrain-checkpoint"
 CHECKPOINT_VERSION = "2"  # 2: per-tensor checksums, consistency checked
-# State the exporter names for the optimizer's step counter (vktrain.export.training.STEP_BUFFER).
-OPTIMIZER_STEP_STATE = "optimizer.step"
 
 
 class CheckpointError(VktrainError, ValueError):

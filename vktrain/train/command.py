@@ -17,6 +17,7 @@ import tempfile
 from pathlib import Path
 from typing import Optional
 
+from vktrain.contract import ADAMW_DEFAULTS
 from vktrain.errors import VktrainError
 from vktrain.train.adapters import ADAPTER_CONFIG, ADAPTER_WEIGHTS, LORA_SUFFIXES, adapters_from_state, save_adapters
 from vktrain.train.checkpoint import (
@@ -59,10 +60,11 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     parser.add_argument("--warmup", type=int, default=0, metavar="W", help="linear warmup steps (default 0)")
     parser.add_argument("--min-lr-ratio", type=float, default=0.0,
                         help="cosine floor as a fraction of --lr (default 0)")
-    parser.add_argument("--beta1", type=float, default=0.9)
-    parser.add_argument("--beta2", type=float, default=0.999)
-    parser.add_argument("--eps", type=float, default=1e-8)
-    parser.add_argument("--weight-decay", type=float, default=0.0)
+    parser.add_argument("--beta1", type=float, default=ADAMW_DEFAULTS["beta1"])
+    parser.add_argument("--beta2", type=float, default=ADAMW_DEFAULTS["beta2"])
+    parser.add_argument("--eps", type=float, default=ADAMW_DEFAULTS["eps"])
+    parser.add_argument("--weight-decay", type=float, default=ADAMW_DEFAULTS["weight_decay"],
+                        help=f"AdamW decoupled weight decay (default {ADAMW_DEFAULTS['weight_decay']}, torch.optim.AdamW's)")
     parser.add_argument("--checkpoint-every", type=int, default=0, metavar="K",
                         help="write a checkpoint every K steps (and after the last step)")
     parser.add_argument("--checkpoint", metavar="PATH",

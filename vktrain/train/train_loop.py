@@ -55,6 +55,7 @@ from typing import Any, Optional, Protocol, Union
 import numpy as np
 from tqdm import tqdm
 
+from vktrain.contract import ADAMW_DEFAULTS, hparams_values
 from vktrain.errors import VktrainError
 from vktrain.train.checkpoint import (
     Checkpoint,
@@ -133,10 +134,10 @@ class NonFiniteLossError(VktrainError, RuntimeError):
 class AdamWConfig:
     """AdamW's hyper-parameters, checked as the program receives them: rounded to float32."""
 
-    beta1: float = 0.9
-    beta2: float = 0.999
-    eps: float = 1e-8
-    weight_decay: float = 0.0
+    beta1: float = ADAMW_DEFAULTS["beta1"]
+    beta2: float = ADAMW_DEFAULTS["beta2"]
+    eps: float = ADAMW_DEFAULTS["eps"]
+    weight_decay: float = ADAMW_DEFAULTS["weight_decay"]
 
     def __post_init__(self) -> None:
         names = ("beta1", "beta2", "eps", "weight_decay")
@@ -160,7 +161,7 @@ class AdamWConfig:
 
     def hparams(self, lr: float) -> np.ndarray:
         """The program's hparams input: float32 [5] = [lr, beta1, beta2, eps, weight_decay]."""
-        return np.array([lr, self.beta1, self.beta2, self.eps, self.weight_decay], dtype=np.float32)
+        return np.array(hparams_values(lr, self.beta1, self.beta2, self.eps, self.weight_decay), dtype=np.float32)
 
 
 @dataclass

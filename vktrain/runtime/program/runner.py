@@ -28,7 +28,7 @@ from typing import Any, Callable, Mapping, Optional, Union
 
 import numpy as np
 
-from vktrain.contract import BACKEND_ID
+from vktrain.contract import BACKEND_ID, HPARAMS, LABELS, MODEL_PREFIX, N_VALID, STEP_INPUTS, TOKEN_IDS
 from vktrain.runtime.delegate.executor import ExecutorInputError, GraphExecutor
 from vktrain.runtime.program.pte import (
     NUMPY_SCALAR_TYPES,
@@ -55,11 +55,7 @@ from vktrain.runtime.program.verify import (
 )
 from vktrain.serialization import graph as g
 
-# Names of the exported step's inputs (vktrain.export.training).
-TOKEN_IDS, LABELS, HPARAMS, N_VALID = "token_ids", "labels", "hparams", "n_valid"
-STEP_INPUTS = (TOKEN_IDS, LABELS, HPARAMS, N_VALID)
 LORA_SUFFIXES = (".lora_A", ".lora_B")
-MODEL_PREFIX = "model."  # model parameters / buffers; optimizer state is under "optimizer."
 
 
 # ------------------------------------------------------------------------------------------------

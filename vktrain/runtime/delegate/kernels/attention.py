@@ -202,7 +202,7 @@ def causal_attention_backward_scratch_nbytes(B: int, S: int, Hq: int) -> int:
     return 4 * B * Hq * S
 
 
-@register_kernel("causal_attention")
+@register_kernel("vktrain.causal_attention.default")
 def plan_causal_attention(*, B: int, S: int, Hq: int, Hkv: int, D: int, q: Any, k: Any, v: Any, out: Any,
                           lse: Any, scale: float, tiles: AttentionTiles | None = None,
                           shared_memory_bytes: int = DEFAULT_SHARED_MEMORY_BYTES,
@@ -226,7 +226,7 @@ def plan_causal_attention(*, B: int, S: int, Hq: int, Hkv: int, D: int, q: Any, 
         local_size=(tiles.workgroup_size, 1, 1), label=label)]
 
 
-@register_kernel("causal_attention_backward")
+@register_kernel("vktrain.causal_attention_backward.default")
 def plan_causal_attention_backward(*, B: int, S: int, Hq: int, Hkv: int, D: int, d_out: Any, q: Any, k: Any,
                                    v: Any, out: Any, lse: Any, d_q: Any, d_k: Any, d_v: Any, delta: Any,
                                    scale: float, dq_tiles: AttentionTiles | None = None,

@@ -44,7 +44,7 @@ def fused_ce_scratch_nbytes(R: int) -> int:
     return 4 * R
 
 
-@register_kernel("fused_ce")
+@register_kernel("vktrain.fused_ce.default")
 def plan_fused_ce(*, R: int, V: int, logits: Any, labels: Any, n_valid: Any, loss: Any, dlogits: Any,
                   row_loss: Any, workgroup_size: int = DEFAULT_WORKGROUP_SIZE, vec4: bool | None = None,
                   label: str = "fused_ce") -> list[Dispatch]:

@@ -39,7 +39,8 @@ from vktrain.runtime.delegate.kernels.registry import register_kernel
 
 OP_SPEC_ID = 3
 
-# Keep in sync with apply() in elementwise.comp.
+# The shader reads these codes from runtime_shaders/codes.glsl, generated from this table
+# (python -m vktrain.runtime.delegate.kernels.shader_codes; a test fails when it is stale).
 UNARY_OPS = {
     "add_scalar": 0,    # a + s0
     "mul_scalar": 1,    # a * s0

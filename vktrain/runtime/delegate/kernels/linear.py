@@ -289,7 +289,7 @@ def _check_gemv_args(op: str, tiles: GemvTiles, split_k: int | None, shared_memo
 
 
 # ----------------------------------------------------------------------------------- plans
-@register_kernel("linear_q4gsw")
+@register_kernel("vktrain.linear_q4gsw.default")
 def plan_linear_q4gsw(*, M: int, N: int, K: int, group_size: int, out: Any, x: Any, weights: Any,
                       scales: Any, bias: Any = None, tiles: GemmTiles | GemvTiles | None = None,
                       split_k: int | None = None, scratch: Any = None,
@@ -321,7 +321,7 @@ def plan_linear_q4gsw(*, M: int, N: int, K: int, group_size: int, out: Any, x: A
                       split_k=split_k, scratch=scratch, shared_memory_bytes=shared_memory_bytes, label=label)
 
 
-@register_kernel("linear_q4gsw_backward")
+@register_kernel("vktrain.linear_q4gsw_backward.default")
 def plan_linear_q4gsw_backward(*, M: int, N: int, K: int, group_size: int, out: Any, d_out: Any,
                                weights: Any, scales: Any, tiles: GemmTiles | GemvTiles | None = None,
                                split_k: int | None = None, scratch: Any = None,
@@ -351,7 +351,7 @@ def plan_linear_q4gsw_backward(*, M: int, N: int, K: int, group_size: int, out: 
                       label=label)
 
 
-@register_kernel("linear_dW")
+@register_kernel("vktrain.linear_dW.default")
 def plan_linear_dw(*, M: int, N: int, K: int, out: Any, d_out: Any, x: Any, tiles: GemmTiles | None = None,
                    split_k: int | None = None, scratch: Any = None,
                    shared_memory_bytes: int = DEFAULT_SHARED_MEMORY_BYTES,

@@ -47,7 +47,7 @@ def _check_common(op: str, rows: int, dim: int, workgroup_size: int) -> None:
     check_power_of_two_workgroup(op, workgroup_size)
 
 
-@register_kernel("rms_norm")
+@register_kernel("vktrain.rms_norm.default")
 def plan_rms_norm(*, rows: int, dim: int, x: Any, weight: Any, y: Any, rstd: Any, eps: float,
                   vec4: bool | None = None, workgroup_size: int = DEFAULT_WORKGROUP_SIZE,
                   label: str = "rms_norm") -> list[Dispatch]:
@@ -67,7 +67,7 @@ def plan_rms_norm(*, rows: int, dim: int, x: Any, weight: Any, y: Any, rstd: Any
         push_constants=pack_push(rows, dim, float(eps)), local_size=(workgroup_size, 1, 1), label=label)]
 
 
-@register_kernel("rms_norm_backward")
+@register_kernel("vktrain.rms_norm_backward.default")
 def plan_rms_norm_backward(*, rows: int, dim: int, d_y: Any, x: Any, weight: Any, rstd: Any, d_x: Any,
                            vec4: bool | None = None, workgroup_size: int = DEFAULT_WORKGROUP_SIZE,
                            label: str = "rms_norm_backward") -> list[Dispatch]:

@@ -30,13 +30,12 @@ DEFAULT_WORKGROUP_SIZE = 128  # Vulkan guarantees at least 128 invocations per w
 # Enough workgroups to fill a large GPU a few times over (an H200 keeps ~2000 of 128 threads resident);
 # beyond that, threads loop.
 DEFAULT_MAX_GROUPS = 4096
-HPARAMS_COUNT = 5  # hparams = [lr, beta1, beta2, eps, weight_decay]
 # The shader indexes elements with uint32; keeping numel <= 2^31 leaves room for index + stride, so the
 # strided loop can never wrap around.
 _MAX_ELEMENTS = 2**31
 
 
-@register_kernel("adamw")
+@register_kernel("vktrain.adamw.default")
 def plan_adamw(*, numel: int, param: Any, exp_avg: Any, exp_avg_sq: Any, grad: Any, hparams: Any, step: Any,
                workgroup_size: int = DEFAULT_WORKGROUP_SIZE, max_groups: int = DEFAULT_MAX_GROUPS,
                label: str = "adamw") -> list[Dispatch]:

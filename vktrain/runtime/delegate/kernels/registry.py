@@ -1,7 +1,8 @@
-"""The kernel registry: op name -> plan function.
+"""The kernel registry: op key -> plan function.
 
 A kernel family module (`vktrain/runtime/delegate/kernels/<family>.py`) decorates each plan function with
-`@register_kernel("op_name")`. A plan function turns shapes (and buffer handles) into a list of
+`@register_kernel("<namespace>.<name>.<overload>")`, the op's key in every registry (op definitions,
+partitioner, lowerings, the blob's op names). A plan function turns shapes (and buffer handles) into a list of
 `Dispatch` records (vktrain/runtime/vk/schedule.py): data, not recorded commands.
 """
 from __future__ import annotations
@@ -12,9 +13,9 @@ KERNELS: dict[str, Callable] = {}
 
 
 def register_kernel(op_name: str) -> Callable[[Callable], Callable]:
-    """Register `fn` as the plan function of `op_name` (e.g. "linear_q4gsw"); one plan per op."""
-    if not op_name or not isinstance(op_name, str):
-        raise ValueError(f"op_name must be a non-empty string, got {op_name!r}")
+    """Register `fn` as the plan function of `op_name` (e.g. "vktrain.linear_q4gsw.default"); one plan per op."""
+    if not isinstance(op_name, str) or len(op_name.split(".")) != 3 or not all(op_name.split(".")):
+        raise ValueError(f"op_name must be an op key '<namespace>.<name>.<overload>', got {op_name!r}")
 
     def decorate(fn: Callable) -> Callable:
         existing = KERNELS.get(op_name)

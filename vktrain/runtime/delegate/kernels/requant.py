@@ -30,7 +30,7 @@ def requant_output_nbytes(N: int, K: int) -> int:
     return 4 * w4x8_num_words(N, K)
 
 
-@register_kernel("q4gsw_requant")
+@register_kernel("vktrain.q4gsw_requant.default")
 def plan_q4gsw_requant(*, N: int, K: int, group_size: int, out: Any, latent: Any, scales: Any,
                        workgroup_size: int = DEFAULT_WORKGROUP_SIZE,
                        label: str = "q4gsw_requant") -> list[Dispatch]:

@@ -21,7 +21,7 @@ DEFAULT_WORKGROUP_SIZE = 64
 NEGATE_SIN_SPEC_ID = 3
 
 
-@register_kernel("rope")
+@register_kernel("vktrain.rope.default")
 def plan_rope(*, B: int, S: int, H: int, D: int, x: Any, cos: Any, sin: Any, out: Any,
               negate_sin: bool = False, workgroup_size: int = DEFAULT_WORKGROUP_SIZE,
               label: str = "rope") -> list[Dispatch]:
