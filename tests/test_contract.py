@@ -22,7 +22,8 @@ def test_every_hparams_builder_uses_the_contract_defaults():
     """The op library, the train loop's optimizer config and its CLI flags agree (the train loop used to
     default weight decay to 0.0 while the op library defaulted to 1e-2)."""
     from vktrain.ops import adamw_hparams
-    from vktrain.train.train_loop import AdamWConfig, add_train_arguments
+    from vktrain.train.command import add_train_arguments
+    from vktrain.train.train_loop import AdamWConfig
 
     expected = np.array(contract.hparams_values(3e-4), np.float32)
     assert len(expected) == len(contract.HPARAM_NAMES)
