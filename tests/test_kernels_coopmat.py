@@ -1,8 +1,10 @@
 """Tensor-core GEMMs (vktrain/runtime/delegate/kernels/coopmat.py) and the cooperative-matrix query.
 
-The plan and capability checks run everywhere; the GPU checks run only on a device whose
-cooperative-matrix properties list 16x16x16 fp16 x fp16 + fp32 (lavapipe has none: they skip with the
-reason, and the fp32 SIMT kernels stay the tested path there). They ran on the NVIDIA H200.
+The plan and capability checks run everywhere. The GEMM checks run in two modes: "coopmat", on a
+device whose cooperative-matrix properties list 16x16x16 fp16 x fp16 + fp32 (lavapipe has none: those
+skip with the reason), and "emulated", the same shaders with the cooperative-matrix operations done by
+plain arithmetic (COOPMAT_EMULATE), which runs on lavapipe and covers the staging, W_4X8 decoding,
+tiling, fragment offsets and edge stores everywhere the tests run.
 
 Tolerance (derived, element by element, against a float64 reference). Each output is
 sum_k a_k b_k. The kernels round a_k and b_k to fp16 (round to nearest: relative error <= u = 2^-11
@@ -112,16 +114,26 @@ def test_device_reports_cooperative_matrices_exactly_when_it_has_the_extension(v
         assert shape.m > 0 and shape.n > 0 and shape.k > 0 and "unknown" not in shape.describe()
 
 
-@pytest.fixture
-def coopmat_device(vk_device):
-    if not coopmat_supported(vk_device.cooperative_matrix_properties):
-        listed = ", ".join(s.describe() for s in vk_device.cooperative_matrix_properties) or "none"
-        pytest.skip(f"{vk_device.name} has no 16x16x16 fp16 x fp16 + fp32 cooperative matrices at subgroup "
-                    f"scope (VK_KHR_cooperative_matrix; it lists: {listed})")
-    if vk_device.subgroup_size != 32:
-        pytest.skip(f"{vk_device.name} has subgroup size {vk_device.subgroup_size}; the precompiled coopmat "
-                    f"variants assume 32")
-    return vk_device
+SUBGROUP_BASIC_BIT = 0x1  # VK_SUBGROUP_FEATURE_BASIC_BIT
+
+
+def _gemm_backend(device, mode: str) -> dict:
+    """Plan arguments for `mode` on `device`, or a skip with the reason: "coopmat" needs the tensor
+    cores (and the precompiled subgroup size 32); "emulated" (the same shaders with the matrix
+    operations done by plain arithmetic, COOPMAT_EMULATE) needs fp16 arithmetic and basic subgroup
+    operations, which lavapipe has."""
+    if mode == "coopmat":
+        if not coopmat_supported(device.cooperative_matrix_properties):
+            listed = ", ".join(s.describe() for s in device.cooperative_matrix_properties) or "none"
+            pytest.skip(f"{device.name} has no 16x16x16 fp16 x fp16 + fp32 cooperative matrices at subgroup "
+                        f"scope (VK_KHR_cooperative_matrix; it lists: {listed})")
+        if device.subgroup_size != 32:
+            pytest.skip(f"{device.name} has subgroup size {device.subgroup_size}; the precompiled coopmat "
+                        f"variants assume 32")
+        return dict(emulate=False)
+    if "shaderFloat16" not in device.features or not device.subgroup_operations & SUBGROUP_BASIC_BIT:
+        pytest.skip(f"{device.name} lacks shaderFloat16 or basic subgroup operations in compute shaders")
+    return dict(emulate=True, subgroup_size=device.subgroup_size)
 
 
 def _run(device, dispatches, inputs, out_shape):
@@ -155,58 +167,80 @@ def _assert_fp16_gemm_close(actual, a64, b64, label):
     print(f"{label}: max |err| / (2^-11 * S) = {np.max(error / (FP16_UNIT_ROUNDOFF * magnitude + 1e-300)):.3f}")
 
 
+# Tensor cores: the Llama-sized reduction K = 2048 and edges in every dimension. Emulated (lavapipe,
+# slow): small shapes that still cover partial tiles in M and N, several K steps and a K tail.
 GEMM_SHAPES = [(1, 4, 32), (37, 132, 96), (128, 256, 2048), (300, 520, 160), (513, 2048, 64)]
+EMULATED_SHAPES = [(1, 4, 32), (37, 132, 96), (70, 260, 64)]
+# Emulated, each variant costs lavapipe ~20 s of shader compilation (cached on disk after): two variants
+# cover both tile heights and both staging orders.
+EMULATED_VARIANTS = [dict(tile_m=64, prefetch=False), dict(tile_m=128, prefetch=True)]
 
 
-@pytest.mark.parametrize("variant", VARIANTS, ids=lambda v: f"bm{v['tile_m']}{'-prefetch' if v['prefetch'] else ''}")
-@pytest.mark.parametrize("M, N, K", GEMM_SHAPES)
-def test_linear_q4gsw_matches_float64_within_the_fp16_bound(coopmat_device, M, N, K, variant):
+def _cases(extra_shapes=()):
+    def variant_id(v):
+        return f"bm{v['tile_m']}{'-prefetch' if v['prefetch'] else ''}"
+    cases = []
+    for mode, shapes, variants in (("coopmat", GEMM_SHAPES, VARIANTS), ("emulated", EMULATED_SHAPES, EMULATED_VARIANTS)):
+        for M, N, K in list(shapes) + list(extra_shapes):
+            cases += [pytest.param(mode, v, M, N, K, id=f"{mode}-{M}x{N}x{K}-{variant_id(v)}") for v in variants]
+    return cases
+
+
+@pytest.mark.parametrize("mode, variant, M, N, K", _cases())
+def test_linear_q4gsw_matches_float64_within_the_fp16_bound(vk_device, mode, M, N, K, variant):
+    backend = _gemm_backend(vk_device, mode)
     rng = np.random.default_rng(M * 7 + N + K)
     group_size = 32
     flat, scales = quantize(rng.standard_normal((N, K)).astype(np.float32), group_size)
     scales[rng.integers(0, scales.shape[0]), :] = 0.0  # a zero group must decode to zeros
     x = rng.standard_normal((M, K)).astype(np.float32)
     dispatches = plan_coopmat_linear_q4gsw(M=M, N=N, K=K, group_size=group_size, out="out", x="x",
-                                           weights="w", scales="s", **variant)
-    actual = _run(coopmat_device, dispatches, {"x": x, "w": prepack_weights(flat, K), "s": scales}, (M, N))
+                                           weights="w", scales="s", **variant, **backend)
+    actual = _run(vk_device, dispatches, {"x": x, "w": prepack_weights(flat, K), "s": scales}, (M, N))
     deq = dequantize(flat, scales, group_size).astype(np.float64)
-    _assert_fp16_gemm_close(actual, x.astype(np.float64), deq.T, f"coopmat_linear_q4gsw {M}x{N}x{K} {variant}")
+    _assert_fp16_gemm_close(actual, x.astype(np.float64), deq.T,
+                            f"coopmat_linear_q4gsw {mode} {M}x{N}x{K} {variant}")
 
 
-def test_linear_q4gsw_decodes_every_weight_to_its_fp16_value(coopmat_device):
+@pytest.mark.parametrize("mode", ["coopmat", "emulated"])
+def test_linear_q4gsw_decodes_every_weight_to_its_fp16_value(vk_device, mode):
     """x = identity: y[k, n] = fp16(deq[n, k]) exactly (products with 1 and sums with 0 are exact), so
     the W_4X8 decode of every (n, k) is checked on its own, not through a sum."""
+    backend = _gemm_backend(vk_device, mode)
     N, K, group_size = 132, 64, 32  # N4 = 33: the last block column has rows past N (code 8, zero scale)
     rng = np.random.default_rng(3)
     flat, scales = quantize(rng.standard_normal((N, K)).astype(np.float32), group_size)
     dispatches = plan_coopmat_linear_q4gsw(M=K, N=N, K=K, group_size=group_size, out="out", x="x", weights="w",
-                                           scales="s")
-    actual = _run(coopmat_device, dispatches, {"x": np.eye(K, dtype=np.float32), "w": prepack_weights(flat, K),
-                                               "s": scales}, (K, N))
+                                           scales="s", **backend)
+    actual = _run(vk_device, dispatches, {"x": np.eye(K, dtype=np.float32), "w": prepack_weights(flat, K),
+                                          "s": scales}, (K, N))
     expected = dequantize(flat, scales, group_size).T.astype(np.float16).astype(np.float64)
     np.testing.assert_array_equal(actual, expected)
 
 
 @pytest.mark.parametrize("b_transposed", [False, True], ids=["b", "b_transposed"])
-@pytest.mark.parametrize("variant", VARIANTS, ids=lambda v: f"bm{v['tile_m']}{'-prefetch' if v['prefetch'] else ''}")
-@pytest.mark.parametrize("M, N, K", GEMM_SHAPES + [(64, 16, 4)])
-def test_mm_matches_float64_within_the_fp16_bound(coopmat_device, M, N, K, variant, b_transposed):
+@pytest.mark.parametrize("mode, variant, M, N, K", _cases(extra_shapes=[(64, 16, 4)]))
+def test_mm_matches_float64_within_the_fp16_bound(vk_device, mode, M, N, K, variant, b_transposed):
+    backend = _gemm_backend(vk_device, mode)
     rng = np.random.default_rng(M + 3 * N + 5 * K)
     a = rng.standard_normal((M, K)).astype(np.float32)
     b = (rng.standard_normal((K, N)) * 0.1).astype(np.float32)
     stored_b = np.ascontiguousarray(b.T) if b_transposed else b
-    dispatches = plan_coopmat_mm(M=M, N=N, K=K, out="out", a="a", b="b", b_transposed=b_transposed, **variant)
-    actual = _run(coopmat_device, dispatches, {"a": a, "b": stored_b}, (M, N))
+    dispatches = plan_coopmat_mm(M=M, N=N, K=K, out="out", a="a", b="b", b_transposed=b_transposed, **variant,
+                                 **backend)
+    actual = _run(vk_device, dispatches, {"a": a, "b": stored_b}, (M, N))
     _assert_fp16_gemm_close(actual, a.astype(np.float64), b.astype(np.float64),
-                            f"coopmat_mm {M}x{N}x{K} b_transposed={b_transposed} {variant}")
+                            f"coopmat_mm {mode} {M}x{N}x{K} b_transposed={b_transposed} {variant}")
 
 
-def test_mm_rounds_inputs_to_fp16_not_keeping_fp32(coopmat_device):
+@pytest.mark.parametrize("mode", ["coopmat", "emulated"])
+def test_mm_rounds_inputs_to_fp16_not_keeping_fp32(vk_device, mode):
     """A check that the kernel is what it claims: 1 + 2^-13 is 1 in fp16, so [1 + 2^-13] @ [1] gives
     exactly 1 (an fp32 or TF32 kernel would keep the 2^-13)."""
+    backend = _gemm_backend(vk_device, mode)
     a = np.full((16, 16), 1.0 + 2.0 ** -13, dtype=np.float32)
     b = np.zeros((16, 16), dtype=np.float32)
     b[0, :] = 1.0
-    actual = _run(coopmat_device, plan_coopmat_mm(M=16, N=16, K=16, out="out", a="a", b="b"), {"a": a, "b": b},
-                  (16, 16))
+    actual = _run(vk_device, plan_coopmat_mm(M=16, N=16, K=16, out="out", a="a", b="b", **backend),
+                  {"a": a, "b": b}, (16, 16))
     np.testing.assert_array_equal(actual, np.ones((16, 16)))

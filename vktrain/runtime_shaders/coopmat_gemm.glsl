@@ -17,10 +17,17 @@
 // carry a 16-byte skew (found best by the probe: fewer bank conflicts in the matrix loads). The
 // output is stored straight from the accumulators where a 16 x 16 block lies inside C, and through
 // a per-subgroup shared block with bounds checks at the edges.
+//
+// COOPMAT_EMULATE replaces the cooperative-matrix operations (load, multiply-add, store) by plain
+// shared-memory arithmetic with the same semantics, so a device without the extension (lavapipe in
+// CI) runs everything else of this file: staging, W_4X8 decoding, tiling, fragment offsets and the
+// edge stores. It is a test path, not a fast one.
 
 #extension GL_EXT_shader_explicit_arithmetic_types_float16 : require
+#ifndef COOPMAT_EMULATE
 #extension GL_KHR_memory_scope_semantics : require
 #extension GL_KHR_cooperative_matrix : require
+#endif
 #extension GL_KHR_shader_subgroup_basic : require
 #extension GL_EXT_control_flow_attributes : require
 #extension GL_GOOGLE_include_directive : require
@@ -80,6 +87,82 @@ shared f16vec4 b_tile[BN * K_STRIDE4];  // [n][k]: B read as a column-major K x 
 #endif
 // Edge blocks of C go through here (one 16 x 16 block per subgroup), then to memory with bounds checks.
 shared float edge_block[4 * TILE * TILE];
+
+// ---- Fragment operations. Offsets and strides are in f16vec4 units of the shared arrays (what
+// coopMatLoad takes for an array of vectors); B is row-major [k][n] or column-major [n][k] in b_tile.
+#if defined(COOPMAT_B_ROW_MAJOR)
+#define B_LAYOUT gl_CooperativeMatrixLayoutRowMajor
+#define B_COLUMN_MAJOR false
+#else
+#define B_LAYOUT gl_CooperativeMatrixLayoutColumnMajor
+#define B_COLUMN_MAJOR true
+#endif
+
+#ifndef COOPMAT_EMULATE
+#define FragA coopmat<float16_t, gl_ScopeSubgroup, TILE, TILE, gl_MatrixUseA>
+#define FragB coopmat<float16_t, gl_ScopeSubgroup, TILE, TILE, gl_MatrixUseB>
+#define Acc coopmat<float, gl_ScopeSubgroup, TILE, TILE, gl_MatrixUseAccumulator>
+#define ACC_ZERO Acc(0.0)
+#define LOAD_A(frag, offset4, stride4) coopMatLoad(frag, a_tile, offset4, stride4, gl_CooperativeMatrixLayoutRowMajor)
+#define LOAD_B(frag, offset4, stride4) coopMatLoad(frag, b_tile, offset4, stride4, B_LAYOUT)
+#define MUL_ADD(acc, a, b) acc = coopMatMulAdd(a, b, acc)
+#define STORE_OUT(acc, offset, stride) coopMatStore(acc, c_out, offset, stride, gl_CooperativeMatrixLayoutRowMajor)
+#define STORE_EDGE(acc, offset) coopMatStore(acc, edge_block, offset, TILE, gl_CooperativeMatrixLayoutRowMajor)
+#else
+// An operand fragment is where it lies in shared memory; lane l of a subgroup holds the accumulator
+// elements e = l + i * SUBGROUP_SIZE (row e / 16, column e % 16).
+struct FragRef { uint offset4; uint stride4; };
+#define ACC_PER_LANE (TILE * TILE / SUBGROUP_SIZE)
+struct EmulatedAcc { float v[ACC_PER_LANE]; };
+#define FragA FragRef
+#define FragB FragRef
+#define Acc EmulatedAcc
+
+EmulatedAcc emulated_zero() {
+    EmulatedAcc acc;
+    [[unroll]] for (uint i = 0u; i < ACC_PER_LANE; ++i) acc.v[i] = 0.0;
+    return acc;
+}
+
+float a_at(FragRef f, uint row, uint col) {
+    const uint h = 4u * f.offset4 + row * 4u * f.stride4 + col;
+    return float(a_tile[h / 4u][h % 4u]);
+}
+
+float b_at(FragRef f, uint k, uint n) {
+    const uint h = 4u * f.offset4 + (B_COLUMN_MAJOR ? n * 4u * f.stride4 + k : k * 4u * f.stride4 + n);
+    return float(b_tile[h / 4u][h % 4u]);
+}
+
+// Unrolled over the accumulator elements (static indices: lavapipe makes a dynamically indexed private
+// array very slow), not over k (keeps the code small).
+void emulated_mul_add(inout EmulatedAcc acc, FragRef a, FragRef b) {
+    [[unroll]] for (uint i = 0u; i < ACC_PER_LANE; ++i) {
+        const uint e = gl_SubgroupInvocationID + i * SUBGROUP_SIZE;
+        float sum = 0.0;
+        [[dont_unroll]] for (uint k = 0u; k < TILE; ++k) sum += a_at(a, e / TILE, k) * b_at(b, k, e % TILE);
+        acc.v[i] += sum;
+    }
+}
+
+void emulated_store_out(EmulatedAcc acc, uint offset, uint stride) {
+    [[unroll]] for (uint i = 0u; i < ACC_PER_LANE; ++i) {
+        const uint e = gl_SubgroupInvocationID + i * SUBGROUP_SIZE;
+        c_out[offset + (e / TILE) * stride + e % TILE] = acc.v[i];
+    }
+}
+
+void emulated_store_edge(EmulatedAcc acc, uint offset) {
+    [[unroll]] for (uint i = 0u; i < ACC_PER_LANE; ++i) edge_block[offset + gl_SubgroupInvocationID + i * SUBGROUP_SIZE] = acc.v[i];
+}
+
+#define ACC_ZERO emulated_zero()
+#define LOAD_A(frag, offset4, stride4) frag = FragRef(offset4, stride4)
+#define LOAD_B(frag, offset4, stride4) frag = FragRef(offset4, stride4)
+#define MUL_ADD(acc, a, b) emulated_mul_add(acc, a, b)
+#define STORE_OUT(acc, offset, stride) emulated_store_out(acc, offset, stride)
+#define STORE_EDGE(acc, offset) emulated_store_edge(acc, offset)
+#endif
 
 // ---- A: fp32 [M, K] row-major; BK/4 consecutive threads read the BK contiguous floats of one row.
 vec4 a_stage[A_PER_THREAD];
@@ -189,11 +272,9 @@ void main() {
     const uint sg = gl_SubgroupID;
     const uint sg_m = sg / 2u, sg_n = sg % 2u;
 
-    coopmat<float, gl_ScopeSubgroup, TILE, TILE, gl_MatrixUseAccumulator> acc[FRAG_M][FRAG_N];
+    Acc acc[FRAG_M][FRAG_N];
     [[unroll]] for (uint i = 0u; i < FRAG_M; ++i) {
-        [[unroll]] for (uint j = 0u; j < FRAG_N; ++j) {
-            acc[i][j] = coopmat<float, gl_ScopeSubgroup, TILE, TILE, gl_MatrixUseAccumulator>(0.0);
-        }
+        [[unroll]] for (uint j = 0u; j < FRAG_N; ++j) acc[i][j] = ACC_ZERO;
     }
 
 #ifdef PREFETCH
@@ -215,23 +296,18 @@ void main() {
         }
 #endif
         [[unroll]] for (uint kk = 0u; kk < BK; kk += TILE) {
-            coopmat<float16_t, gl_ScopeSubgroup, TILE, TILE, gl_MatrixUseA> a_frag[FRAG_M];
+            FragA a_frag[FRAG_M];
             [[unroll]] for (uint i = 0u; i < FRAG_M; ++i) {
-                coopMatLoad(a_frag[i], a_tile, (sg_m * WM + i * TILE) * K_STRIDE4 + kk / 4u, K_STRIDE4,
-                            gl_CooperativeMatrixLayoutRowMajor);
+                LOAD_A(a_frag[i], (sg_m * WM + i * TILE) * K_STRIDE4 + kk / 4u, K_STRIDE4);
             }
             [[unroll]] for (uint j = 0u; j < FRAG_N; ++j) {
-                coopmat<float16_t, gl_ScopeSubgroup, TILE, TILE, gl_MatrixUseB> b_frag;
+                FragB b_frag;
 #if defined(COOPMAT_B_ROW_MAJOR)
-                coopMatLoad(b_frag, b_tile, kk * N_STRIDE4 + (sg_n * WN + j * TILE) / 4u, N_STRIDE4,
-                            gl_CooperativeMatrixLayoutRowMajor);
+                LOAD_B(b_frag, kk * N_STRIDE4 + (sg_n * WN + j * TILE) / 4u, N_STRIDE4);
 #else
-                coopMatLoad(b_frag, b_tile, (sg_n * WN + j * TILE) * K_STRIDE4 + kk / 4u, K_STRIDE4,
-                            gl_CooperativeMatrixLayoutColumnMajor);
+                LOAD_B(b_frag, (sg_n * WN + j * TILE) * K_STRIDE4 + kk / 4u, K_STRIDE4);
 #endif
-                [[unroll]] for (uint i = 0u; i < FRAG_M; ++i) {
-                    acc[i][j] = coopMatMulAdd(a_frag[i], b_frag, acc[i][j]);
-                }
+                [[unroll]] for (uint i = 0u; i < FRAG_M; ++i) MUL_ADD(acc[i][j], a_frag[i], b_frag);
             }
         }
         barrier();
@@ -243,10 +319,10 @@ void main() {
             const uint row0 = m0 + sg_m * WM + i * TILE, col0 = n0 + sg_n * WN + j * TILE;
             if (row0 >= pc.M || col0 >= pc.N) continue;  // uniform over the subgroup
             if (row0 + TILE <= pc.M && col0 + TILE <= pc.N) {
-                coopMatStore(acc[i][j], c_out, row0 * pc.N + col0, pc.N, gl_CooperativeMatrixLayoutRowMajor);
+                STORE_OUT(acc[i][j], row0 * pc.N + col0, pc.N);
                 continue;
             }
-            coopMatStore(acc[i][j], edge_block, sg * TILE * TILE, TILE, gl_CooperativeMatrixLayoutRowMajor);
+            STORE_EDGE(acc[i][j], sg * TILE * TILE);
             subgroupMemoryBarrierShared();
             subgroupBarrier();
             for (uint e = lane; e < TILE * TILE; e += SUBGROUP_SIZE) {

@@ -70,10 +70,11 @@ def _check_range(op: str, M: int, N: int, K: int) -> None:
                                   f"coopmat kernels index with 32 bits (at most {MAX_ELEMENTS})")
 
 
-def _variant(shader: str, *, b_transposed: bool, tile_m: int, prefetch: bool, subgroup_size: int) -> str:
+def _variant(shader: str, *, b_transposed: bool, tile_m: int, prefetch: bool, emulate: bool,
+             subgroup_size: int) -> str:
     """Shader name with its defines in the order the sources' `vktrain-variants:` lines use."""
     defines = (["B_TRANSPOSED"] if b_transposed else []) + (["BM=64"] if tile_m == 64 else []) \
-        + (["PREFETCH"] if prefetch else []) \
+        + (["PREFETCH"] if prefetch else []) + (["COOPMAT_EMULATE"] if emulate else []) \
         + ([f"SUBGROUP_SIZE={subgroup_size}"] if subgroup_size != DEFAULT_SUBGROUP_SIZE else [])
     return shader + ("@" + "+".join(defines) if defines else "")
 
@@ -92,13 +93,14 @@ def _tiling(op: str, M: int, N: int, tile_m: int | None, subgroup_size: int) -> 
 @register_kernel("coopmat_linear_q4gsw")
 def plan_coopmat_linear_q4gsw(*, M: int, N: int, K: int, group_size: int, out: Any, x: Any, weights: Any,
                               scales: Any, tile_m: int | None = None, prefetch: bool = False,
-                              subgroup_size: int = DEFAULT_SUBGROUP_SIZE,
+                              emulate: bool = False, subgroup_size: int = DEFAULT_SUBGROUP_SIZE,
                               label: str = "coopmat_linear_q4gsw") -> list[Dispatch]:
     """y[M, N] = x[M, K] @ deq(W).T on tensor cores (fp16 inputs, fp32 accumulation).
 
     Buffers: out fp32 [M, N]; x fp32 [M, K]; weights W_4X8 uint32 (kernels.linear.prepack_weights);
     scales fp32 [G, N]. `tile_m` (128 or 64) and `prefetch` pick the shader variant; `subgroup_size`
-    must be the device's (Device.subgroup_size).
+    must be the device's (Device.subgroup_size). `emulate` runs the same kernel with the
+    cooperative-matrix operations done by plain arithmetic (any device; for tests, see the shader).
     """
     op = "coopmat_linear_q4gsw"
     _check_positive(op, M=M, N=N, K=K, group_size=group_size)
@@ -109,7 +111,7 @@ def plan_coopmat_linear_q4gsw(*, M: int, N: int, K: int, group_size: int, out: A
     _check_range(op, M, N, K)
     tile_m = _tiling(op, M, N, tile_m, subgroup_size)
     shader = _variant("coopmat_linear_q4gsw", b_transposed=False, tile_m=tile_m, prefetch=prefetch,
-                      subgroup_size=subgroup_size)
+                      emulate=emulate, subgroup_size=subgroup_size)
     return [Dispatch(shader, groups=(ceil_div(N, TILE_N), ceil_div(M, tile_m), 1),
                      bindings=[binding(out, "w"), binding(x, "r"), binding(weights, "r"), binding(scales, "r")],
                      push_constants=pack_push(M, N, K, group_size), label=label)]
@@ -117,7 +119,8 @@ def plan_coopmat_linear_q4gsw(*, M: int, N: int, K: int, group_size: int, out: A
 
 @register_kernel("coopmat_mm")
 def plan_coopmat_mm(*, M: int, N: int, K: int, out: Any, a: Any, b: Any, b_transposed: bool = False,
-                    tile_m: int | None = None, prefetch: bool = False, subgroup_size: int = DEFAULT_SUBGROUP_SIZE,
+                    tile_m: int | None = None, prefetch: bool = False, emulate: bool = False,
+                    subgroup_size: int = DEFAULT_SUBGROUP_SIZE,
                     label: str = "coopmat_mm") -> list[Dispatch]:
     """C[M, N] = A[M, K] @ B[K, N] on tensor cores (fp32 in memory, fp16 inputs, fp32 accumulation).
 
@@ -125,7 +128,7 @@ def plan_coopmat_mm(*, M: int, N: int, K: int, out: Any, a: Any, b: Any, b_trans
     fp32 [N, K] row-major (C = A @ B^T: a linear layer's weight, the tied LM head). K must be a
     multiple of 4 (rows are read as vec4) and so must N (the accumulators are stored with a row
     stride of N floats, which cooperative-matrix stores want 16-byte aligned). `tile_m`, `prefetch`,
-    `subgroup_size` as in plan_coopmat_linear_q4gsw.
+    `emulate`, `subgroup_size` as in plan_coopmat_linear_q4gsw.
     """
     op = "coopmat_mm"
     _check_positive(op, M=M, N=N, K=K)
@@ -133,7 +136,7 @@ def plan_coopmat_mm(*, M: int, N: int, K: int, out: Any, a: Any, b: Any, b_trans
     _check_range(op, M, N, K)
     tile_m = _tiling(op, M, N, tile_m, subgroup_size)
     shader = _variant("coopmat_mm", b_transposed=bool(b_transposed), tile_m=tile_m, prefetch=prefetch,
-                      subgroup_size=subgroup_size)
+                      emulate=emulate, subgroup_size=subgroup_size)
     return [Dispatch(shader, groups=(ceil_div(N, TILE_N), ceil_div(M, tile_m), 1),
                      bindings=[binding(out, "w"), binding(a, "r"), binding(b, "r")],
                      push_constants=pack_push(M, N, K, 0), label=label)]
