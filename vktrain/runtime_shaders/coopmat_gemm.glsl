@@ -184,8 +184,11 @@ void commit_a(uint tid) {
 }
 
 #if defined(COOPMAT_B_Q4GSW)
-// ---- B: one W_4X8 block (8 rows x 4 k) per item; consecutive threads read consecutive blocks of
-// one k4 row. Outside the matrix the block is code 8 with zero scales: it decodes to 0.
+// ---- B: one W_4X8 block (8 rows x 4 k) per item, k4 fastest across threads: 8 consecutive threads
+// write the 8 consecutive k4 of a row's tile (64 contiguous bytes of shared memory), and their global
+// reads pair up with the next 8 threads' (block n8 + 1) into whole 32-byte sectors. (With n8 fastest
+// every thread of a warp stored to the same bank: rows 8 apart are 8 x 80 bytes, a multiple of 128.)
+// Outside the matrix the block is code 8 with zero scales: it decodes to 0.
 uvec4 b_stage_block[B_PER_THREAD];
 vec4 b_stage_scale_lo[B_PER_THREAD];  // scales of rows 8n8 .. 8n8+3
 vec4 b_stage_scale_hi[B_PER_THREAD];  // rows 8n8+4 .. 8n8+7 (zero where N ends inside the block)
@@ -194,7 +197,7 @@ void fetch_b(uint n0, uint k0, uint tid) {
     const uint N8 = (pc.N / 4u + 1u) / 2u;
     [[unroll]] for (uint s = 0u; s < B_PER_THREAD; ++s) {
         const uint v = tid + s * NUM_THREADS;
-        const uint k4 = k0 / 4u + v / (BN / 8u), n8 = n0 / 8u + v % (BN / 8u);
+        const uint k4 = k0 / 4u + v % (BK / 4u), n8 = n0 / 8u + v / (BK / 4u);
         b_stage_block[s] = uvec4(0x88888888u);
         b_stage_scale_lo[s] = vec4(0.0);
         b_stage_scale_hi[s] = vec4(0.0);
@@ -211,7 +214,7 @@ void commit_b(uint tid) {
     [[unroll]] for (uint s = 0u; s < B_PER_THREAD; ++s) {
         const uint v = tid + s * NUM_THREADS;
         if (v >= B_ITEMS) continue;
-        const uint k4l = v / (BN / 8u), n8l = v % (BN / 8u);
+        const uint k4l = v % (BK / 4u), n8l = v / (BK / 4u);
         const float row_scale[8] = float[8](
             b_stage_scale_lo[s].x, b_stage_scale_lo[s].y, b_stage_scale_lo[s].z, b_stage_scale_lo[s].w,
             b_stage_scale_hi[s].x, b_stage_scale_hi[s].y, b_stage_scale_hi[s].z, b_stage_scale_hi[s].w);
