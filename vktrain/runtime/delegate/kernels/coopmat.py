@@ -35,8 +35,7 @@ TILE_N = 128
 TILE_M_CHOICES = (128, 64)
 DEFAULT_SUBGROUP_SIZE = 32  # the shaders' default SUBGROUP_SIZE define (NVIDIA; AMD RDNA may need 64)
 # 128-row tiles when they give at least this many workgroups (about 2 per SM of a 132-SM H200), else 64:
-# the faster tile at all 12 Llama-3.2-1B shapes measured for coopmat_mm and at 10 of 12 for the q4
-# kernel (M = 1024, N = 2048 prefers 128 rows there; bench/results/coopmat_h200.json).
+# the faster tile for both kernels at all 12 Llama-3.2-1B shapes of bench/results/coopmat_h200.json.
 TARGET_WORKGROUPS = 256
 
 
@@ -94,15 +93,15 @@ def _tiling(op: str, M: int, N: int, tile_m: int | None, subgroup_size: int) -> 
 
 @register_kernel("coopmat_linear_q4gsw")
 def plan_coopmat_linear_q4gsw(*, M: int, N: int, K: int, group_size: int, out: Any, x: Any, weights: Any,
-                              scales: Any, tile_m: int | None = None, prefetch: bool = True,
+                              scales: Any, tile_m: int | None = None, prefetch: bool | None = None,
                               emulate: bool = False, subgroup_size: int = DEFAULT_SUBGROUP_SIZE,
                               label: str = "coopmat_linear_q4gsw") -> list[Dispatch]:
     """y[M, N] = x[M, K] @ deq(W).T on tensor cores (fp16 inputs, fp32 accumulation).
 
     Buffers: out fp32 [M, N]; x fp32 [M, K]; weights W_4X8 uint32 (kernels.linear.prepack_weights);
-    scales fp32 [G, N]. `tile_m` (128 or 64) and `prefetch` pick the shader variant (prefetch by
-    default: the fastest q4 variant at every M >= 1024 on the H200, bench/results/coopmat_h200.json,
-    while it slows coopmat_mm, whose default is off); `subgroup_size`
+    scales fp32 [G, N]. `tile_m` (128 or 64) and `prefetch` pick the shader variant; by default
+    prefetch is on exactly with 64-row tiles (the fastest q4 variant at all 12 shapes of
+    bench/results/coopmat_h200.json; coopmat_mm is fastest without it everywhere); `subgroup_size`
     must be the device's (Device.subgroup_size). `emulate` runs the same kernel with the
     cooperative-matrix operations done by plain arithmetic (any device; for tests, see the shader).
     """
@@ -114,6 +113,8 @@ def plan_coopmat_linear_q4gsw(*, M: int, N: int, K: int, group_size: int, out: A
         raise KernelArgumentError(f"{op}: {exc}") from None
     _check_range(op, M, N, K)
     tile_m = _tiling(op, M, N, tile_m, subgroup_size)
+    if prefetch is None:
+        prefetch = tile_m == 64
     shader = _variant("coopmat_linear_q4gsw", b_transposed=False, tile_m=tile_m, prefetch=prefetch,
                       emulate=emulate, subgroup_size=subgroup_size)
     return [Dispatch(shader, groups=(ceil_div(N, TILE_N), ceil_div(M, tile_m), 1),
