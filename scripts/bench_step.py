@@ -7,7 +7,8 @@
     python scripts/bench_step.py --quick                     # tiny-llama shapes, export + run (lavapipe, CI)
 
 export: builds Llama-3.2-1B (hidden 2048, 16 layers, 32/8 heads, MLP 8192, vocab 128256, tied
-embeddings) with q4gsw bases (group 32) and LoRA rank 16 on q/k/v/o/gate/up/down, exports the whole
+embeddings; or, with --model smollm2-135m, SmolLM2-135M's shapes: hidden 576, 30 layers, 9/3 heads,
+MLP 1536, vocab 49152, tied) with q4gsw bases (group 32) and LoRA rank 16 on q/k/v/o/gate/up/down, exports the whole
 training step (forward, fused CE, backward, AdamW) for each batch x seq and lowers it with SYNTHETIC
 constants (vktrain.backend.synthetic_constants_spec): the weights, scales and embedding are generated
 from seeds when the .pte is loaded, so a 1B step travels as a few MiB. The numbers measure speed, not a
@@ -19,10 +20,14 @@ run: loads each .pte with TrainingRunner, warms up, times steps (wall clock per 
 timestamps aggregated by op kind), reports device memory (the executor's buffers and the blob's planned
 memory), then the same step in PyTorch eager: a Llama written here with standard ops (q4gsw bases
 dequantized on the GPU every step from the same packed codes and scales, LoRA adapters, RMSNorm, rope,
-SDPA with GQA by repeat_interleave, SwiGLU, F.cross_entropy), fp32 with TF32 off, fused AdamW on the
-LoRA tensors, timed with CUDA events. Both sides start from the same weights (the synthetic constants,
-the exported LoRA init), take the same batches and hyper-parameters, so their losses must agree: the
-report gives the largest relative loss difference. Needs numpy, vulkan, flatbuffers; torch and
+SDPA with GQA by repeat_interleave, SwiGLU, F.cross_entropy), fused AdamW on the LoRA tensors, timed
+with CUDA events, in each of the precisions a user of the GPU would pick (`--torch-variants`, written
+under `torch_variants`): fp32 with TF32 off (`fp32`, also written as `torch`), TF32 matmuls (`tf32`),
+bf16 autocast (`bf16`) and bf16 autocast with the loss compiled by torch.compile (`bf16_compile`; its
+compilation happens in the warm-up steps and is reported as `first_step_s`). Both sides start from the
+same weights (the synthetic constants, the exported LoRA init), take the same batches and
+hyper-parameters, so their losses must agree: the report gives the largest relative loss difference
+of fp32 (and of each variant, which for bf16 measures bf16's own drift). Needs numpy, vulkan, flatbuffers; torch and
 matplotlib are optional (no baseline / no plot without them). `run --load-only` only loads each .pte
 (generates the constants, builds every pipeline, records the step): with no shader compiler around, it
 proves the prebuilt SPIR-V cache holds every shader the step needs.
@@ -50,6 +55,17 @@ from vktrain import quant  # noqa: E402
 
 FULL_PRESET, QUICK_PRESET = "llama-3.2-1b", "tiny-llama"
 FULL_SHAPES, QUICK_SHAPES = ((1, 128), (4, 512)), ((1, 16), (2, 32))
+# Benchmark models that are a Llama preset with other shapes: name -> (preset, LlamaConfig overrides,
+# default batch x seq shapes). SmolLM2-135M's config.json: hidden 576, 30 layers, 9 heads / 3 kv heads,
+# intermediate 1536, vocab 49152, rope_theta 100000 (no scaling), rms eps 1e-5, tied embeddings.
+DERIVED_MODELS = {
+    "smollm2-135m": ("llama-3.2-1b", dict(vocab_size=49152, dim=576, n_layers=30, n_heads=9, n_kv_heads=3,
+                                          hidden=1536, rope_theta=100000.0, rope_scaling=None),
+                     ((1, 512), (4, 512))),
+}
+# PyTorch baselines (--torch-variants): name -> (TF32 matmuls, bf16 autocast, torch.compile of the loss).
+TORCH_VARIANTS = {"fp32": (False, False, False), "tf32": (True, False, False), "bf16": (False, True, False),
+                  "bf16_compile": (False, True, True)}
 QUICK_OVERRIDES = dict(dim=64, n_layers=2, hidden=192)  # a smaller tiny-llama: quick mode runs in CI on lavapipe
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 LORA_RANK, LORA_ALPHA, GROUP_SIZE = 16, 32.0, 32
@@ -126,9 +142,10 @@ def build_bench_model(preset: str, seed: int = 0, **overrides):
     from vktrain.lora import LoRAQ4Linear
     from vktrain.models.llama import PRESETS, LlamaForCausalLM
 
-    if preset not in PRESETS:
-        raise ValueError(f"unknown Llama preset {preset!r}; presets: {sorted(PRESETS)}")
-    config = replace(PRESETS[preset], **overrides)
+    base, derived_overrides, _ = DERIVED_MODELS.get(preset, (preset, {}, ()))
+    if base not in PRESETS:
+        raise ValueError(f"unknown Llama preset {preset!r}; presets: {sorted(PRESETS) + sorted(DERIVED_MODELS)}")
+    config = replace(PRESETS[base], **{**derived_overrides, **overrides})
     with torch.device("meta"):
         model = LlamaForCausalLM(config)
     rng = np.random.default_rng(seed)
@@ -344,9 +361,13 @@ def torch_dequantize(torch, flat, scales, group_size: int):
 class EagerLlamaLoRA:
     """The same training step in plain PyTorch (see the module docstring); weights from baseline_arrays."""
 
-    def __init__(self, torch, device, config: BenchConfig, arrays: dict[str, np.ndarray]):
+    def __init__(self, torch, device, config: BenchConfig, arrays: dict[str, np.ndarray], *,
+                 autocast_bf16: bool = False, compile_loss: bool = False):
         self.torch, self.F = torch, torch.nn.functional
         self.device, self.config = device, config
+        self.autocast_bf16 = autocast_bf16
+        # Only the loss is compiled: the optimizer step is already one fused kernel per tensor group.
+        self.loss_fn = torch.compile(self.loss) if compile_loss else self.loss
         m = config.model
         self.n_layers, self.n_heads, self.n_kv_heads = m["n_layers"], m["n_heads"], m["n_kv_heads"]
         self.head_dim = m["dim"] // m["n_heads"]
@@ -418,23 +439,42 @@ class EagerLlamaLoRA:
 
     def step(self, token_ids, labels, n_valid):
         self.optimizer.zero_grad(set_to_none=True)
-        loss = self.loss(token_ids, labels, n_valid)
+        with self.torch.autocast(self.device.type, dtype=self.torch.bfloat16, enabled=self.autocast_bf16):
+            loss = self.loss_fn(token_ids, labels, n_valid)
         loss.backward()
         self.optimizer.step()
         return loss.detach()
 
 
-def time_torch(torch, device, config: BenchConfig, arrays, batches, warmup: int, steps: int) -> dict[str, Any]:
+def time_torch(torch, device, config: BenchConfig, arrays, batches, warmup: int, steps: int,
+               variant: str = "fp32") -> dict[str, Any]:
+    """Time the eager step in one of TORCH_VARIANTS (TF32 flags are restored to off afterwards)."""
+    tf32, autocast_bf16, compile_loss = TORCH_VARIANTS[variant]
     cuda = device.type == "cuda"
     if cuda:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
-    model = EagerLlamaLoRA(torch, device, config, arrays)
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = tf32
+    try:
+        result = _time_torch_steps(torch, device, config, EagerLlamaLoRA(
+            torch, device, config, arrays, autocast_bf16=autocast_bf16, compile_loss=compile_loss),
+            batches, warmup, steps)
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    result["variant"] = variant
+    if cuda:
+        result["peak_memory_bytes"] = int(torch.cuda.max_memory_allocated(device))
+    return result
+
+
+def _time_torch_steps(torch, device, config: BenchConfig, model, batches, warmup: int, steps: int) -> dict[str, Any]:
+    cuda = device.type == "cuda"
     on_device = [(torch.from_numpy(t).to(device), torch.from_numpy(l).to(device),
                   torch.tensor(float(np.count_nonzero(l >= 0)), device=device)) for t, l in batches]
-    losses, samples = [], []
+    losses, samples, first_step_s = [], [], None
     for index in range(warmup + steps):
         inputs = on_device[index % len(on_device)]
+        wall_start = time.perf_counter()
         if cuda:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
@@ -446,16 +486,15 @@ def time_torch(torch, device, config: BenchConfig, arrays, batches, warmup: int,
             begin = time.perf_counter()
             losses.append(model.step(*inputs))
             elapsed = time.perf_counter() - begin
+        if index == 0:
+            first_step_s = time.perf_counter() - wall_start  # includes torch.compile's compilation
         if index >= warmup:
             samples.append(elapsed)
     median_s = statistics.median(samples)
-    result = {"ms_per_step": 1e3 * median_s, "ms_per_step_mean": 1e3 * statistics.fmean(samples),
-              "ms_per_step_min": 1e3 * min(samples), "tokens_per_s": config.tokens / median_s,
-              "timing": "CUDA events" if cuda else "wall clock", "losses": [float(l) for l in losses]}
-    if cuda:
-        result["peak_memory_bytes"] = int(torch.cuda.max_memory_allocated(device))
-    del model
-    return result
+    return {"ms_per_step": 1e3 * median_s, "ms_per_step_mean": 1e3 * statistics.fmean(samples),
+            "ms_per_step_min": 1e3 * min(samples), "tokens_per_s": config.tokens / median_s,
+            "first_step_s": first_step_s, "timing": "CUDA events" if cuda else "wall clock",
+            "losses": [float(l) for l in losses]}
 
 
 def _load_torch(requested: str | None):
@@ -544,11 +583,24 @@ def run_one(path: Path, device, args, torch, torch_device, torch_note: str | Non
         runner.close()  # frees the Vulkan buffers before the baseline allocates its own
 
     if arrays is not None:
-        record["torch"] = time_torch(torch, torch_device, config, arrays, batches, args.warmup, args.steps)
+        variants = record["torch_variants"] = {}
+        vk_losses = record["vk"]["losses"]
+        for variant in args.torch_variants:
+            try:
+                result = time_torch(torch, torch_device, config, arrays, batches, args.warmup, args.steps, variant)
+            except Exception as exc:  # e.g. torch.compile without a working toolchain: keep the other variants
+                variants[variant] = {"error": f"{type(exc).__name__}: {str(exc)[:2000]}"}
+                print(f"PyTorch {variant} failed: {variants[variant]['error'][:300]}", flush=True)
+                continue
+            variants[variant] = result
+            result["over_vk"] = result["ms_per_step"] / record["vk"]["ms_per_step"]
+            result["max_rel_loss_diff"] = max(abs(a - b) / max(abs(b), 1e-12)
+                                              for a, b in zip(vk_losses, result["losses"]))
         del arrays
-        vk_losses, torch_losses = record["vk"]["losses"], record["torch"]["losses"]
-        record["torch_over_vk"] = record["torch"]["ms_per_step"] / record["vk"]["ms_per_step"]
-        record["max_rel_loss_diff"] = max(abs(a - b) / max(abs(b), 1e-12) for a, b in zip(vk_losses, torch_losses))
+        if "ms_per_step" in variants.get("fp32", {}):  # the reference the losses must match
+            record["torch"] = variants["fp32"]
+            record["torch_over_vk"] = variants["fp32"]["over_vk"]
+            record["max_rel_loss_diff"] = variants["fp32"]["max_rel_loss_diff"]
     else:
         record["torch_skipped"] = torch_note or "no baseline"
     return record
@@ -575,6 +627,14 @@ def print_report(records: list[dict[str, Any]], top: int) -> None:
               f"{_fmt(r.get('max_rel_loss_diff'), '13.1e')}")
         if "torch_skipped" in r:
             print(f"{'':>8s} (no PyTorch baseline: {r['torch_skipped']})")
+    if any(r.get("torch_variants") for r in records):
+        names = list(TORCH_VARIANTS)
+        print(f"\n{'ms/step':>8s} {'vk':>9s} " + " ".join(f"{n:>13s}" for n in names) + "   (PyTorch ms, x of vk)")
+        for r in records:
+            variants = r.get("torch_variants", {})
+            cells = [f"{variants[n]['ms_per_step']:7.2f} {variants[n]['over_vk']:4.2f}x"
+                     if "ms_per_step" in variants.get(n, {}) else f"{'-':>13s}" for n in names]
+            print(f"{r['config']:>8s} {_fmt(r.get('vk', {}).get('ms_per_step'), '9.2f')} " + " ".join(cells))
     for r in records:
         ops = r.get("vk", {}).get("top_ops")
         if not ops:
@@ -656,10 +716,14 @@ def main(argv: list[str] | None = None) -> int:
                         help="without a command: export tiny-llama steps to --out-dir and run them (lavapipe, CI)")
     parser.add_argument("--out-dir", type=Path, default=None, help="with --quick: where the .pte files go "
                         "(default: a temporary folder)")
+    parser.add_argument("--torch-variants", type=parse_torch_variants, default=None,
+                        help="with --quick: the PyTorch baselines (see `run --help`)")
     commands = parser.add_subparsers(dest="command")
 
     export = commands.add_parser("export", help="export and lower the training steps (needs executorch)")
     export.add_argument("--quick", action="store_true", help=f"{QUICK_PRESET} shapes {QUICK_SHAPES}")
+    export.add_argument("--model", choices=(FULL_PRESET, *DERIVED_MODELS), default=FULL_PRESET,
+                        help="the shapes exported (default Llama-3.2-1B; smollm2-135m: SmolLM2-135M's)")
     export.add_argument("--shapes", type=parse_shapes, default=None, help="BATCHxSEQ list, e.g. 1x128,4x512")
     export.add_argument("--out-dir", type=Path, default=REPO_ROOT / "bench")
     export.add_argument("--min-bytes", type=int, default=None,
@@ -677,6 +741,9 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--torch-device", choices=("cuda", "cpu"), default=None,
                      help="baseline device (default: cuda when available, else cpu for small models)")
     run.add_argument("--no-torch", action="store_true", help="skip the PyTorch baseline")
+    run.add_argument("--torch-variants", type=parse_torch_variants, default=None,
+                     help=f"comma-separated PyTorch baselines out of {','.join(TORCH_VARIANTS)} (default: all "
+                          f"on CUDA; fp32 on the CPU, where TF32 does not exist and compilation is slow)")
     run.add_argument("--no-plot", action="store_true")
     run.add_argument("--load-only", action="store_true",
                      help="only load each .pte (generate constants, build pipelines, record): checks that "
@@ -690,21 +757,45 @@ def main(argv: list[str] | None = None) -> int:
             out_dir = args.out_dir or Path(scratch)
             written = export_configs(QUICK_PRESET, list(QUICK_SHAPES), out_dir, QUICK_SYNTHETIC_MIN_BYTES,
                                      prefix="step_quick", **QUICK_OVERRIDES)
+            variants = ["--torch-variants", ",".join(args.torch_variants)] if args.torch_variants else []
             return main(["run", *[w["path"] for w in written], "--steps", "3", "--warmup", "1",
-                         "--out", str(out_dir / "step_quick.json")])
+                         "--out", str(out_dir / "step_quick.json"), *variants])
     if args.command == "export":
         quick = args.quick
-        written = export_configs(QUICK_PRESET if quick else FULL_PRESET,
-                                 args.shapes or list(QUICK_SHAPES if quick else FULL_SHAPES), args.out_dir,
+        model = QUICK_PRESET if quick else args.model
+        default_shapes = QUICK_SHAPES if quick else DERIVED_MODELS.get(model, (None, None, FULL_SHAPES))[2]
+        prefix = "step_quick" if quick else ("step" if model == FULL_PRESET else f"step_{model}")
+        written = export_configs(model, args.shapes or list(default_shapes), args.out_dir,
                                  args.min_bytes if args.min_bytes is not None else
                                  (QUICK_SYNTHETIC_MIN_BYTES if quick else FULL_SYNTHETIC_MIN_BYTES),
-                                 prefix="step_quick" if quick else "step", **(QUICK_OVERRIDES if quick else {}))
+                                 prefix=prefix, **(QUICK_OVERRIDES if quick else {}))
         if args.out:
             args.out.write_text(json.dumps(written, indent=1))
         return 0
     if args.steps <= 0 or args.warmup < 0 or args.batches <= 0:
         parser.error("--steps and --batches must be positive, --warmup >= 0")
+    if args.torch_variants is None:
+        cuda = not args.no_torch and args.torch_device != "cpu" and _cuda_available()
+        args.torch_variants = list(TORCH_VARIANTS) if cuda else ["fp32"]
     return run_command(args)
+
+
+def parse_torch_variants(text: str) -> list[str]:
+    """"fp32,bf16" -> ["fp32", "bf16"]; names outside TORCH_VARIANTS are refused by name."""
+    names = [name.strip() for name in text.split(",") if name.strip()]
+    unknown = [name for name in names if name not in TORCH_VARIANTS]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(f"--torch-variants {text!r}: unknown {unknown or 'empty list'}; choose "
+                                         f"from {','.join(TORCH_VARIANTS)}")
+    return names
+
+
+def _cuda_available() -> bool:
+    try:
+        import torch
+    except ImportError:
+        return False
+    return torch.cuda.is_available()
 
 
 if __name__ == "__main__":

@@ -38,8 +38,8 @@ def test_quick_export_and_run_end_to_end(tmp_path):
     from vktrain.runtime_shaders.build import all_shader_names
 
     env = dict(os.environ, PYTHONUNBUFFERED="1")
-    result = subprocess.run([sys.executable, str(SCRIPT), "--quick", "--out-dir", str(tmp_path)], env=env,
-                            capture_output=True, text=True, timeout=600)
+    result = subprocess.run([sys.executable, str(SCRIPT), "--quick", "--out-dir", str(tmp_path),
+                             "--torch-variants", "fp32,bf16"], env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     summary = json.loads((tmp_path / "step_quick.json").read_text())
     records = summary["results"]
@@ -61,6 +61,16 @@ def test_quick_export_and_run_end_to_end(tmp_path):
         assert record["max_rel_loss_diff"] < 1e-5
         assert abs(vk["losses"][0] - np.log(256)) < 0.5  # random weights: near-uniform predictions
         assert record["torch_over_vk"] == pytest.approx(ref["ms_per_step"] / vk["ms_per_step"])
+        # Every requested PyTorch precision is timed in the same run; fp32 is the one the losses match.
+        variants = record["torch_variants"]
+        assert list(variants) == ["fp32", "bf16"]
+        assert variants["fp32"]["ms_per_step"] == ref["ms_per_step"]
+        bf16 = variants["bf16"]
+        assert bf16["variant"] == "bf16" and bf16["ms_per_step"] > 0 and len(bf16["losses"]) == 4
+        assert bf16["over_vk"] == pytest.approx(bf16["ms_per_step"] / vk["ms_per_step"])
+        # bf16 autocast computes differently (8-bit significands), so its losses differ from fp32's but
+        # stay near them: the drift is reported, not zero.
+        assert 0 < bf16["max_rel_loss_diff"] < 0.1
         ops = vk["top_ops"]
         assert ops and ops == sorted(ops, key=lambda o: -o["ms"])
         assert sum(o["share"] for o in ops) <= 1 + 1e-9
@@ -76,6 +86,7 @@ def test_quick_export_and_run_end_to_end(tmp_path):
         assert set(record["shaders"]) <= declared, set(record["shaders"]) - declared
     assert (tmp_path / "step_quick.png").stat().st_size > 0
     assert result.stdout.count("op kinds by GPU time") == 2
+    assert "(PyTorch ms, x of vk)" in result.stdout
 
 
 def test_bench_model_has_the_structure_of_build_llama_with_apply_lora(bench):
@@ -125,3 +136,30 @@ def test_shapes_parse_or_are_refused(bench):
             bench.parse_shapes(bad)
     assert bench.op_kind("12:vktrain.adamw.default.vec4") == "vktrain.adamw.default"
     assert bench.op_kind("state_update:model.x.lora_A") == "state_update"
+
+
+def test_torch_variants_parse_or_are_refused(bench):
+    import argparse
+
+    assert bench.parse_torch_variants("fp32, bf16_compile") == ["fp32", "bf16_compile"]
+    assert set(bench.TORCH_VARIANTS) == {"fp32", "tf32", "bf16", "bf16_compile"}
+    for bad in ("fp16", "", "fp32,bf17"):
+        with pytest.raises(argparse.ArgumentTypeError, match="--torch-variants"):
+            bench.parse_torch_variants(bad)
+
+
+def test_smollm2_shapes_match_its_hugging_face_config(bench):
+    """The derived benchmark model resolves to the LlamaConfig that from_hf_config builds from SmolLM2-135M's
+    config.json values (the ones the shapes depend on)."""
+    from dataclasses import replace
+
+    from vktrain.models.llama import LlamaConfig, PRESETS
+
+    hf = {"vocab_size": 49152, "hidden_size": 576, "num_hidden_layers": 30, "num_attention_heads": 9,
+          "num_key_value_heads": 3, "intermediate_size": 1536, "rms_norm_eps": 1e-5, "rope_theta": 100000.0,
+          "tie_word_embeddings": True, "head_dim": 64}
+    base, overrides, shapes = bench.DERIVED_MODELS["smollm2-135m"]
+    derived = replace(PRESETS[base], **overrides)
+    expected = LlamaConfig.from_hf_config(hf, max_seq_len=derived.max_seq_len)
+    assert derived == expected
+    assert shapes == ((1, 512), (4, 512))

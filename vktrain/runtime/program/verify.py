@@ -246,25 +246,62 @@ OpShapeInference = Callable[[str, Sequence[g.Value], g.VkGraph], Optional[Sequen
 
 
 def check_op_shapes(pte: PteFile, graph: g.VkGraph, infer: Optional[OpShapeInference]) -> None:
-    """Each op's output dtypes and shapes, re-inferred from its inputs, equal what the blob declares.
-    The hook for the op definitions (`infer`); without them (None) nothing is re-inferred here and the
-    blob's graph checksum is what guards the declared shapes."""
+    """Each op's output dtypes and shapes, re-inferred from its inputs, equal what the blob declares
+    (outputs stored prepacked, e.g. q4gsw_requant's W_4X8 words, are not the op's logical tensor and are
+    not compared); `infer` may also return the reason an op cannot run. None: nothing is re-inferred."""
     if infer is None:
         return
     for index, op in enumerate(graph.ops):
         inferred = infer(op.name, [graph.values[a] for a in op.args], graph)
         if inferred is None:
             continue
-        declared = [(graph.tensor(o).dtype, tuple(graph.tensor(o).shape)) for o in op.outputs]
+        if isinstance(inferred, str):
+            raise _refuse(pte, check_op_shapes, f"delegate op {index} ({op.name}): {inferred}")
+        outputs = [graph.tensor(o) for o in op.outputs]
         inferred = [(dtype, tuple(shape)) for dtype, shape in inferred]
-        if inferred != declared:
-            show = lambda pairs: ", ".join(f"{d.name}{list(s)}" for d, s in pairs)  # noqa: E731
+        if len(inferred) != len(outputs):
+            raise _refuse(pte, check_op_shapes, f"delegate op {index} ({op.name}) has {len(outputs)} outputs; "
+                          f"its definition gives {len(inferred)}")
+        pairs = [pair for pair, tensor in zip(inferred, outputs) if tensor.layout == g.Layout.PLAIN]
+        declared = [(t.dtype, tuple(t.shape)) for t in outputs if t.layout == g.Layout.PLAIN]
+        if pairs != declared:
+            show = lambda items: ", ".join(f"{d.name}{list(s)}" for d, s in items)  # noqa: E731
             raise _refuse(pte, check_op_shapes, f"delegate op {index} ({op.name}) declares outputs "
-                          f"{show(declared)}; its inputs give {show(inferred)}")
+                          f"{show(declared)}; its inputs give {show(pairs)}")
+
+
+def infer_from_op_definitions(name: str, args: Sequence[g.Value], graph: g.VkGraph):
+    """The OpShapeInference of the torch-free op definitions (vktrain.opdefs): the reason for an op the
+    runtime has no kernel for; None for ops without a shape rule and for calls with prepacked tensors
+    (the q4gsw weights are checked against their definition where the kernel is planned, which knows
+    the W_4X8 word count); else the outputs the definition infers."""
+    from vktrain.opdefs import OP_DEFS, TensorMeta, infer_outputs
+    from vktrain.runtime.delegate.op_lowering import decode_scalar, supported_ops
+
+    if name not in supported_ops():
+        return "vktrain's runtime has no kernel for this op"
+    if name not in OP_DEFS:
+        return None
+
+    def meta(value: g.Value):
+        if isinstance(value, g.TensorValue):
+            return TensorMeta(tuple(value.shape), value.dtype.numpy_dtype.name) if value.layout == g.Layout.PLAIN else None
+        if isinstance(value, g.ValueListValue):
+            items = [meta(graph.values[i]) for i in value.items]
+            return None if any(item is None for item in items) else items
+        return decode_scalar(value)
+
+    metas = [meta(value) for value in args]
+    if any(m is None and isinstance(v, (g.TensorValue, g.ValueListValue)) for m, v in zip(metas, args)):
+        return None
+    inferred = infer_outputs(name, metas)
+    if inferred is None or isinstance(inferred, str):
+        return inferred
+    return [(g.DType.from_numpy(m.dtype), tuple(m.shape)) for m in inferred]
 
 
 def load_delegate_graph(pte: PteFile, plan: ExecutionPlan, *, verify_constants: bool = True,
-                        infer_op_shapes: Optional[OpShapeInference] = None) -> tuple[DelegateCall, g.VkGraph]:
+                        infer_op_shapes: Optional[OpShapeInference] = infer_from_op_definitions) -> tuple[DelegateCall, g.VkGraph]:
     """The vktrain delegate's call and graph, verified: blob integrity and format, I/O, op shapes."""
     call = check_single_delegate_call(pte, plan)
     delegate = plan.delegates[call.delegate_index]

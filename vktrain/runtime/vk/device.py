@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 from vktrain.runtime.vk.allocator import DEFAULT_BLOCK_BYTES, MemoryBudget, MemoryHeap, MemoryStats
+from vktrain.runtime.vk.coopmat import query_cooperative_matrix
 from vktrain.runtime.vk.errors import (
     INSTALL_HINT,
     DeviceSelectionError,
@@ -49,7 +50,8 @@ _TYPE_RANK = {2: 4, 1: 3, 3: 2, 4: 1, 0: 0}
 _OPTIONAL_FEATURES_10 = ("shaderInt64", "shaderInt16", "shaderFloat64")
 _OPTIONAL_FEATURES_11 = ("storageBuffer16BitAccess", "uniformAndStorageBuffer16BitAccess")
 _OPTIONAL_FEATURES_12 = ("storageBuffer8BitAccess", "uniformAndStorageBuffer8BitAccess",
-                         "shaderFloat16", "shaderInt8", "bufferDeviceAddress", "scalarBlockLayout")
+                         "shaderFloat16", "shaderInt8", "bufferDeviceAddress", "scalarBlockLayout",
+                         "vulkanMemoryModel", "vulkanMemoryModelDeviceScope")  # cooperative-matrix shaders use it
 # Enabled only with validation: bounds-checked buffer access makes out-of-range indexing harmless
 # (and may cost speed, so normal runs leave it off).
 _VALIDATION_FEATURES_10 = ("robustBufferAccess",)
@@ -355,6 +357,15 @@ class Device:
                     setattr(wanted, name, 1)
                     enabled.add(name)
         self.features = frozenset(enabled)
+        # VK_KHR_cooperative_matrix where present (its shaders also need fp16 and the Vulkan memory
+        # model); the supported shapes stay in cooperative_matrix_properties (empty: none).
+        coopmat = query_cooperative_matrix(vk, self._instance, self.physical_device, self.api_version)
+        if coopmat is not None and {"shaderFloat16", "vulkanMemoryModel"} <= enabled:
+            want12.pNext = vk.ffi.addressof(coopmat.feature_struct)
+        else:
+            coopmat = None
+        extensions = [coopmat.extension] if coopmat is not None else []
+        self.cooperative_matrix_properties = coopmat.properties if coopmat is not None else ()
 
         priorities = [1.0]
         queue_info = vk.VkDeviceQueueCreateInfo(
@@ -363,7 +374,8 @@ class Device:
         queue_infos = [queue_info]
         device_info = vk.VkDeviceCreateInfo(
             sType=vk.VK_STRUCTURE_TYPE_DEVICE_CREATE_INFO, pNext=want2, queueCreateInfoCount=1,
-            pQueueCreateInfos=queue_infos, enabledExtensionCount=0, pEnabledFeatures=None)
+            pQueueCreateInfos=queue_infos, enabledExtensionCount=len(extensions),
+            ppEnabledExtensionNames=extensions or None, pEnabledFeatures=None)
         self._device = vk_call("vkCreateDevice", vk.vkCreateDevice, self.physical_device, device_info, None)
         self.queue = vk.vkGetDeviceQueue(self._device, self.queue_family_index, 0)
 

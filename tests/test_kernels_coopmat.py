@@ -1,0 +1,246 @@
+"""Tensor-core GEMMs (vktrain/runtime/delegate/kernels/coopmat.py) and the cooperative-matrix query.
+
+The plan and capability checks run everywhere. The GEMM checks run in two modes: "coopmat", on a
+device whose cooperative-matrix properties list 16x16x16 fp16 x fp16 + fp32 (lavapipe has none: those
+skip with the reason), and "emulated", the same shaders with the cooperative-matrix operations done by
+plain arithmetic (COOPMAT_EMULATE), which runs on lavapipe and covers the staging, W_4X8 decoding,
+tiling, fragment offsets and edge stores everywhere the tests run.
+
+Tolerance (derived, element by element, against a float64 reference). Each output is
+sum_k a_k b_k. The kernels round a_k and b_k to fp16 (round to nearest: relative error <= u = 2^-11
+each; for the 4-bit base b_k = fp16(fl32(q * scale)), whose fp32 product adds <= 2^-24), multiply
+exactly (11-bit x 11-bit significands fit fp32) and sum in fp32. So
+    |c - sum a_k b_k| <= ((2u + u^2 + 2^-24) + gamma) * S,   S = sum_k |a_k b_k|,
+with gamma = (K + 16) * 2^-23 for the fp32 accumulation in any order (2^-23: tensor cores may
+truncate rather than round their sums; +16 for the 16-wide products inside each MMA), plus an
+absolute 2^-25 * sum_k (|a_k| + |b_k|) for inputs that fall into fp16's subnormal range (spacing
+2^-24). For K = 2048 that is ~1.2e-3 * S, while a wrong layout or index moves an output by a whole
+term |a_k b_k| ~ S / sqrt(K) or more, so the check can fail. Outputs start as NaN: an element no
+workgroup writes cannot pass.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from vktrain.quant import dequantize, quantize
+from vktrain.runtime import Buffer, Program
+from vktrain.runtime.delegate.kernels.coopmat import (
+    TILE_N,
+    coopmat_supported,
+    default_tile_m,
+    plan_coopmat_linear_q4gsw,
+    plan_coopmat_mm,
+)
+from vktrain.runtime.delegate.kernels.layout import KernelArgumentError
+from vktrain.runtime.delegate.kernels.linear import prepack_weights
+from vktrain.runtime.vk.coopmat import EXTENSION_NAME, CooperativeMatrixShape, device_extensions, supports_shape
+from vktrain.runtime_shaders.build import all_shader_names
+
+FP16_UNIT_ROUNDOFF = 2.0 ** -11
+FP32_TRUNCATION = 2.0 ** -23
+FP16_SUBNORMAL_HALF_SPACING = 2.0 ** -25
+VARIANTS = [dict(tile_m=128, prefetch=False), dict(tile_m=64, prefetch=False),
+            dict(tile_m=128, prefetch=True), dict(tile_m=64, prefetch=True)]
+
+
+def _shape(m=16, n=16, k=16, a="float16", b="float16", c="float32", r="float32", scope="subgroup"):
+    return CooperativeMatrixShape(m, n, k, a, b, c, r, False, scope)
+
+
+# ----------------------------------------------------------------------------------- no device needed
+def test_supports_shape_needs_the_exact_shape_types_and_subgroup_scope():
+    assert coopmat_supported((_shape(k=8), _shape()))
+    for other in (_shape(k=8), _shape(c="float16", r="float16"), _shape(a="bfloat16", b="bfloat16"),
+                  _shape(scope="workgroup"), _shape(a="int8", b="int8", c="int32", r="int32")):
+        assert not coopmat_supported((other,)), other
+    assert not coopmat_supported(())
+    assert supports_shape((_shape(a="bfloat16", b="bfloat16"),), m=16, n=16, k=16, input_type="bfloat16")
+
+
+@pytest.mark.parametrize("b_transposed", [False, True])
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_plans_name_prebuilt_variants_and_cover_the_output(b_transposed, variant):
+    declared = set(all_shader_names())
+    M, N, K = 300, 260, 64
+    (mm,) = plan_coopmat_mm(M=M, N=N, K=K, out="c", a="a", b="b", b_transposed=b_transposed, **variant)
+    (linear,) = plan_coopmat_linear_q4gsw(M=M, N=N, K=K, group_size=32, out="y", x="x", weights="w",
+                                          scales="s", **variant)
+    for dispatch in (mm, linear):
+        assert dispatch.shader in declared, dispatch.shader
+        assert dispatch.groups == (-(-N // TILE_N), -(-M // variant["tile_m"]), 1)
+        assert dispatch.local_size is None  # the shaders fix 4 subgroups of SUBGROUP_SIZE
+    assert ("B_TRANSPOSED" in mm.shader) == b_transposed
+    assert [b.access for b in linear.bindings] == ["w", "r", "r", "r"]
+
+
+def test_other_subgroup_sizes_name_a_variant_built_on_demand():
+    (dispatch,) = plan_coopmat_mm(M=64, N=64, K=64, out="c", a="a", b="b", subgroup_size=64)
+    assert dispatch.shader.endswith("SUBGROUP_SIZE=64")
+    with pytest.raises(KernelArgumentError, match="subgroup_size"):
+        plan_coopmat_mm(M=64, N=64, K=64, out="c", a="a", b="b", subgroup_size=48)
+
+
+def test_default_tile_m_takes_64_rows_when_128_would_underfill():
+    assert default_tile_m(4096, 8192) == 128
+    assert default_tile_m(512, 2048) == 64  # 4 x 16 tiles of 128 rows: far fewer than the GPU's SMs x 2
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(M=0, N=16, K=16), "M must be an int >= 1"),
+    (dict(M=16, N=18, K=16), "N=18 must be a multiple of 4"),
+    (dict(M=16, N=16, K=14), "K=14 must be a multiple of 4"),
+    (dict(M=16, N=16, K=16, tile_m=32), "tile_m must be one of"),
+    (dict(M=2**17, N=2**16, K=16), "32 bits"),
+])
+def test_mm_refuses_bad_arguments_by_name(kwargs, match):
+    with pytest.raises(KernelArgumentError, match=match):
+        plan_coopmat_mm(out="c", a="a", b="b", **kwargs)
+
+
+def test_linear_refuses_bad_q4gsw_shapes_by_name():
+    with pytest.raises(KernelArgumentError, match="coopmat_linear_q4gsw"):
+        plan_coopmat_linear_q4gsw(M=4, N=16, K=40, group_size=32, out="y", x="x", weights="w", scales="s")
+
+
+# ----------------------------------------------------------------------------------- device
+def test_device_reports_cooperative_matrices_exactly_when_it_has_the_extension(vk_device):
+    properties = vk_device.cooperative_matrix_properties
+    assert isinstance(properties, tuple)
+    offered = EXTENSION_NAME in device_extensions(vk_device.vk, vk_device.physical_device)
+    usable = {"shaderFloat16", "vulkanMemoryModel"} <= vk_device.features
+    assert bool(properties) == (offered and usable), (offered, usable, properties)
+    for shape in properties:
+        assert shape.m > 0 and shape.n > 0 and shape.k > 0 and "unknown" not in shape.describe()
+
+
+SUBGROUP_BASIC_BIT = 0x1  # VK_SUBGROUP_FEATURE_BASIC_BIT
+
+
+def _gemm_backend(device, mode: str) -> dict:
+    """Plan arguments for `mode` on `device`, or a skip with the reason: "coopmat" needs the tensor
+    cores (and the precompiled subgroup size 32); "emulated" (the same shaders with the matrix
+    operations done by plain arithmetic, COOPMAT_EMULATE) needs fp16 arithmetic and basic subgroup
+    operations, which lavapipe has."""
+    if mode == "coopmat":
+        if not coopmat_supported(device.cooperative_matrix_properties):
+            listed = ", ".join(s.describe() for s in device.cooperative_matrix_properties) or "none"
+            pytest.skip(f"{device.name} has no 16x16x16 fp16 x fp16 + fp32 cooperative matrices at subgroup "
+                        f"scope (VK_KHR_cooperative_matrix; it lists: {listed})")
+        if device.subgroup_size != 32:
+            pytest.skip(f"{device.name} has subgroup size {device.subgroup_size}; the precompiled coopmat "
+                        f"variants assume 32")
+        return dict(emulate=False)
+    if "shaderFloat16" not in device.features or not device.subgroup_operations & SUBGROUP_BASIC_BIT:
+        pytest.skip(f"{device.name} lacks shaderFloat16 or basic subgroup operations in compute shaders")
+    return dict(emulate=True, subgroup_size=device.subgroup_size)
+
+
+def _run(device, dispatches, inputs, out_shape):
+    buffers = {key: Buffer.from_array(device, np.ascontiguousarray(a), name=key) for key, a in inputs.items()}
+    buffers["out"] = Buffer.from_array(device, np.full(out_shape, np.nan, dtype=np.float32), name="out")
+    try:
+        with Program(device, dispatches, buffers) as program:
+            program.replay()
+        return buffers["out"].read(np.float32, out_shape).astype(np.float64)
+    finally:
+        for buffer in buffers.values():
+            buffer.destroy()
+
+
+def _assert_fp16_gemm_close(actual, a64, b64, label):
+    """The module docstring's bound, with a64 [M, K] and b64 [K, N] the exact operands."""
+    K = a64.shape[1]
+    expected = a64 @ b64
+    assert actual.shape == expected.shape, label
+    assert np.isfinite(actual).all(), f"{label}: {np.count_nonzero(~np.isfinite(actual))} outputs not written / not finite"
+    magnitude = np.abs(a64) @ np.abs(b64)
+    relative = 2 * FP16_UNIT_ROUNDOFF + FP16_UNIT_ROUNDOFF ** 2 + 2.0 ** -24 + (K + 16) * FP32_TRUNCATION
+    absolute = FP16_SUBNORMAL_HALF_SPACING * (np.abs(a64).sum(1, keepdims=True) + np.abs(b64).sum(0, keepdims=True))
+    error = np.abs(actual - expected)
+    bound = relative * magnitude + absolute
+    worst = np.unravel_index(np.argmax(error - bound), error.shape)
+    assert (error <= bound).all(), (
+        f"{label}: {np.count_nonzero(error > bound)} of {error.size} outputs outside the fp16-input bound; worst "
+        f"{worst}: got {actual[worst]!r}, expected {expected[worst]!r}, |err| {error[worst]:.3e} > {bound[worst]:.3e}")
+    # How tight the bound is (reported with -s): the observed error as a multiple of u * S.
+    print(f"{label}: max |err| / (2^-11 * S) = {np.max(error / (FP16_UNIT_ROUNDOFF * magnitude + 1e-300)):.3f}")
+
+
+# Tensor cores: the Llama-sized reduction K = 2048 and edges in every dimension. Emulated (lavapipe,
+# slow): small shapes that still cover partial tiles in M and N, several K steps and a K tail.
+GEMM_SHAPES = [(1, 4, 32), (37, 132, 96), (128, 256, 2048), (300, 520, 160), (513, 2048, 64)]
+EMULATED_SHAPES = [(1, 4, 32), (37, 132, 96), (70, 260, 64)]
+# Emulated, each variant costs lavapipe ~20 s of shader compilation (cached on disk after): two variants
+# cover both tile heights and both staging orders.
+EMULATED_VARIANTS = [dict(tile_m=64, prefetch=False), dict(tile_m=128, prefetch=True)]
+
+
+def _cases(extra_shapes=()):
+    def variant_id(v):
+        return f"bm{v['tile_m']}{'-prefetch' if v['prefetch'] else ''}"
+    cases = []
+    for mode, shapes, variants in (("coopmat", GEMM_SHAPES, VARIANTS), ("emulated", EMULATED_SHAPES, EMULATED_VARIANTS)):
+        for M, N, K in list(shapes) + list(extra_shapes):
+            cases += [pytest.param(mode, v, M, N, K, id=f"{mode}-{M}x{N}x{K}-{variant_id(v)}") for v in variants]
+    return cases
+
+
+@pytest.mark.parametrize("mode, variant, M, N, K", _cases())
+def test_linear_q4gsw_matches_float64_within_the_fp16_bound(vk_device, mode, M, N, K, variant):
+    backend = _gemm_backend(vk_device, mode)
+    rng = np.random.default_rng(M * 7 + N + K)
+    group_size = 32
+    flat, scales = quantize(rng.standard_normal((N, K)).astype(np.float32), group_size)
+    scales[rng.integers(0, scales.shape[0]), :] = 0.0  # a zero group must decode to zeros
+    x = rng.standard_normal((M, K)).astype(np.float32)
+    dispatches = plan_coopmat_linear_q4gsw(M=M, N=N, K=K, group_size=group_size, out="out", x="x",
+                                           weights="w", scales="s", **variant, **backend)
+    actual = _run(vk_device, dispatches, {"x": x, "w": prepack_weights(flat, K), "s": scales}, (M, N))
+    deq = dequantize(flat, scales, group_size).astype(np.float64)
+    _assert_fp16_gemm_close(actual, x.astype(np.float64), deq.T,
+                            f"coopmat_linear_q4gsw {mode} {M}x{N}x{K} {variant}")
+
+
+@pytest.mark.parametrize("mode", ["coopmat", "emulated"])
+def test_linear_q4gsw_decodes_every_weight_to_its_fp16_value(vk_device, mode):
+    """x = identity: y[k, n] = fp16(deq[n, k]) exactly (products with 1 and sums with 0 are exact), so
+    the W_4X8 decode of every (n, k) is checked on its own, not through a sum."""
+    backend = _gemm_backend(vk_device, mode)
+    N, K, group_size = 132, 64, 32  # N4 = 33: the last block column has rows past N (code 8, zero scale)
+    rng = np.random.default_rng(3)
+    flat, scales = quantize(rng.standard_normal((N, K)).astype(np.float32), group_size)
+    dispatches = plan_coopmat_linear_q4gsw(M=K, N=N, K=K, group_size=group_size, out="out", x="x", weights="w",
+                                           scales="s", **backend)
+    actual = _run(vk_device, dispatches, {"x": np.eye(K, dtype=np.float32), "w": prepack_weights(flat, K),
+                                          "s": scales}, (K, N))
+    expected = dequantize(flat, scales, group_size).T.astype(np.float16).astype(np.float64)
+    np.testing.assert_array_equal(actual, expected)
+
+
+@pytest.mark.parametrize("b_transposed", [False, True], ids=["b", "b_transposed"])
+@pytest.mark.parametrize("mode, variant, M, N, K", _cases(extra_shapes=[(64, 16, 4)]))
+def test_mm_matches_float64_within_the_fp16_bound(vk_device, mode, M, N, K, variant, b_transposed):
+    backend = _gemm_backend(vk_device, mode)
+    rng = np.random.default_rng(M + 3 * N + 5 * K)
+    a = rng.standard_normal((M, K)).astype(np.float32)
+    b = (rng.standard_normal((K, N)) * 0.1).astype(np.float32)
+    stored_b = np.ascontiguousarray(b.T) if b_transposed else b
+    dispatches = plan_coopmat_mm(M=M, N=N, K=K, out="out", a="a", b="b", b_transposed=b_transposed, **variant,
+                                 **backend)
+    actual = _run(vk_device, dispatches, {"a": a, "b": stored_b}, (M, N))
+    _assert_fp16_gemm_close(actual, a.astype(np.float64), b.astype(np.float64),
+                            f"coopmat_mm {mode} {M}x{N}x{K} b_transposed={b_transposed} {variant}")
+
+
+@pytest.mark.parametrize("mode", ["coopmat", "emulated"])
+def test_mm_rounds_inputs_to_fp16_not_keeping_fp32(vk_device, mode):
+    """A check that the kernel is what it claims: 1 + 2^-13 is 1 in fp16, so [1 + 2^-13] @ [1] gives
+    exactly 1 (an fp32 or TF32 kernel would keep the 2^-13)."""
+    backend = _gemm_backend(vk_device, mode)
+    a = np.full((16, 16), 1.0 + 2.0 ** -13, dtype=np.float32)
+    b = np.zeros((16, 16), dtype=np.float32)
+    b[0, :] = 1.0
+    actual = _run(vk_device, plan_coopmat_mm(M=16, N=16, K=16, out="out", a="a", b="b", **backend),
+                  {"a": a, "b": b}, (16, 16))
+    np.testing.assert_array_equal(actual, np.ones((16, 16)))

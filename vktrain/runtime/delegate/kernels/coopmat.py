@@ -1,0 +1,147 @@
+"""Tensor-core GEMMs through VK_KHR_cooperative_matrix: plan functions for the coopmat kernels.
+
+fp16 inputs, fp32 accumulation, fp32 in memory: activations (and dense B operands) are rounded to
+fp16 while they are staged in shared memory; the 4-bit base is dequantized from its W_4X8 words
+(docs/spec/w4x8.md) straight into fp16 tiles. Each output element is therefore
+sum_k fp16(a_k) * fp16(b_k) accumulated in fp32, not the fp32 result of the SIMT kernels: callers
+choose these kernels where that precision is acceptable (tests/test_kernels_coopmat.py states the
+bound). Shaders: vktrain/runtime_shaders/coopmat_{linear_q4gsw,mm}.comp, body coopmat_gemm.glsl.
+
+Kernels (registered under their own names; nothing routes graph ops to them yet):
+  coopmat_linear_q4gsw   y[M, N] = x[M, K] @ deq(W).T
+  coopmat_mm             C[M, N] = A[M, K] @ B[K, N], or A @ B^T with B^T given as [N, K] (b_transposed)
+
+They need a device whose `cooperative_matrix_properties` list 16x16x16 fp16 x fp16 + fp32 at subgroup
+scope (`coopmat_supported`). Tiling: 4 subgroups per workgroup, a BN = 128 wide tile and BM = 128 or 64
+rows (`tile_m`; default: 64 when 128-row tiles would leave the GPU short of workgroups). Push
+constants (after the runtime's group-offset header): M, N, K, group_size (0 for mm).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from vktrain.quant import check_q4gsw_shapes
+from vktrain.runtime.delegate.kernels.layout import MAX_ELEMENTS, KernelArgumentError, binding
+from vktrain.runtime.delegate.kernels.registry import register_kernel
+from vktrain.runtime.vk.coopmat import CooperativeMatrixShape, supports_shape
+from vktrain.runtime.vk.schedule import Dispatch, ceil_div, pack_push
+
+# The cooperative-matrix shape and types the shaders are written for.
+FRAGMENT = (16, 16, 16)
+INPUT_TYPE, ACCUMULATOR_TYPE = "float16", "float32"
+TILE_N = 128
+TILE_M_CHOICES = (128, 64)
+DEFAULT_SUBGROUP_SIZE = 32  # the shaders' default SUBGROUP_SIZE define (NVIDIA; AMD RDNA may need 64)
+# 128-row tiles when they give at least this many workgroups (about 2 per SM of a 132-SM H200), else 64:
+# the faster tile for both kernels at all 12 Llama-3.2-1B shapes of bench/results/coopmat_h200.json.
+TARGET_WORKGROUPS = 256
+
+
+def coopmat_supported(properties: tuple[CooperativeMatrixShape, ...]) -> bool:
+    """Whether a device with these cooperative-matrix properties (Device.cooperative_matrix_properties)
+    can run the coopmat kernels."""
+    m, n, k = FRAGMENT
+    return supports_shape(properties, m=m, n=n, k=k, input_type=INPUT_TYPE, accumulator_type=ACCUMULATOR_TYPE)
+
+
+def default_tile_m(M: int, N: int) -> int:
+    """128-row tiles when the output has enough of them to fill a large GPU, else 64-row tiles."""
+    return 128 if ceil_div(M, 128) * ceil_div(N, TILE_N) >= TARGET_WORKGROUPS else 64
+
+
+def _check_positive(op: str, **dims: Any) -> None:
+    for name, value in dims.items():
+        if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 1:
+            raise KernelArgumentError(f"{op}: {name} must be an int >= 1, got {value!r}")
+
+
+def _check_multiple_of_4(op: str, **dims: int) -> None:
+    problems = [f"{name}={value}" for name, value in dims.items() if value % 4]
+    if problems:
+        raise KernelArgumentError(f"{op}: {', '.join(problems)} must be a multiple of 4 (vec4 rows, 16-byte "
+                                  f"aligned matrix stores)")
+
+
+def _check_range(op: str, M: int, N: int, K: int) -> None:
+    largest = max(M * N, M * K, N * K)
+    if largest > MAX_ELEMENTS:
+        raise KernelArgumentError(f"{op}: shape M={M}, N={N}, K={K} has a tensor of {largest} elements; the "
+                                  f"coopmat kernels index with 32 bits (at most {MAX_ELEMENTS})")
+
+
+def _variant(shader: str, *, b_transposed: bool, tile_m: int, prefetch: bool, emulate: bool,
+             subgroup_size: int) -> str:
+    """Shader name with its defines in the order the sources' `vktrain-variants:` lines use."""
+    defines = (["B_TRANSPOSED"] if b_transposed else []) + (["BM=64"] if tile_m == 64 else []) \
+        + (["PREFETCH"] if prefetch else []) + (["COOPMAT_EMULATE"] if emulate else []) \
+        + ([f"SUBGROUP_SIZE={subgroup_size}"] if subgroup_size != DEFAULT_SUBGROUP_SIZE else [])
+    return shader + ("@" + "+".join(defines) if defines else "")
+
+
+def _tiling(op: str, M: int, N: int, tile_m: int | None, subgroup_size: int) -> int:
+    if tile_m is None:
+        tile_m = default_tile_m(M, N)
+    if tile_m not in TILE_M_CHOICES:
+        raise KernelArgumentError(f"{op}: tile_m must be one of {TILE_M_CHOICES}, got {tile_m!r}")
+    if not isinstance(subgroup_size, int) or subgroup_size < 8 or subgroup_size & (subgroup_size - 1):
+        raise KernelArgumentError(f"{op}: subgroup_size must be a power of two >= 8 (the device's subgroup "
+                                  f"size), got {subgroup_size!r}")
+    return tile_m
+
+
+@register_kernel("coopmat_linear_q4gsw")
+def plan_coopmat_linear_q4gsw(*, M: int, N: int, K: int, group_size: int, out: Any, x: Any, weights: Any,
+                              scales: Any, tile_m: int | None = None, prefetch: bool | None = None,
+                              emulate: bool = False, subgroup_size: int = DEFAULT_SUBGROUP_SIZE,
+                              label: str = "coopmat_linear_q4gsw") -> list[Dispatch]:
+    """y[M, N] = x[M, K] @ deq(W).T on tensor cores (fp16 inputs, fp32 accumulation).
+
+    Buffers: out fp32 [M, N]; x fp32 [M, K]; weights W_4X8 uint32 (kernels.linear.prepack_weights);
+    scales fp32 [G, N]. `tile_m` (128 or 64) and `prefetch` pick the shader variant; by default
+    prefetch is on exactly with 64-row tiles (the fastest q4 variant at all 12 shapes of
+    bench/results/coopmat_h200.json; coopmat_mm is fastest without it everywhere); `subgroup_size`
+    must be the device's (Device.subgroup_size). `emulate` runs the same kernel with the
+    cooperative-matrix operations done by plain arithmetic (any device; for tests, see the shader).
+    """
+    op = "coopmat_linear_q4gsw"
+    _check_positive(op, M=M, N=N, K=K, group_size=group_size)
+    try:
+        check_q4gsw_shapes(N, K, group_size)
+    except ValueError as exc:
+        raise KernelArgumentError(f"{op}: {exc}") from None
+    _check_range(op, M, N, K)
+    tile_m = _tiling(op, M, N, tile_m, subgroup_size)
+    if prefetch is None:
+        prefetch = tile_m == 64
+    shader = _variant("coopmat_linear_q4gsw", b_transposed=False, tile_m=tile_m, prefetch=prefetch,
+                      emulate=emulate, subgroup_size=subgroup_size)
+    return [Dispatch(shader, groups=(ceil_div(N, TILE_N), ceil_div(M, tile_m), 1),
+                     bindings=[binding(out, "w"), binding(x, "r"), binding(weights, "r"), binding(scales, "r")],
+                     push_constants=pack_push(M, N, K, group_size), label=label)]
+
+
+@register_kernel("coopmat_mm")
+def plan_coopmat_mm(*, M: int, N: int, K: int, out: Any, a: Any, b: Any, b_transposed: bool = False,
+                    tile_m: int | None = None, prefetch: bool = False, emulate: bool = False,
+                    subgroup_size: int = DEFAULT_SUBGROUP_SIZE,
+                    label: str = "coopmat_mm") -> list[Dispatch]:
+    """C[M, N] = A[M, K] @ B[K, N] on tensor cores (fp32 in memory, fp16 inputs, fp32 accumulation).
+
+    Buffers: out fp32 [M, N]; a fp32 [M, K] row-major; b fp32 [K, N] row-major, or with b_transposed
+    fp32 [N, K] row-major (C = A @ B^T: a linear layer's weight, the tied LM head). K must be a
+    multiple of 4 (rows are read as vec4) and so must N (the accumulators are stored with a row
+    stride of N floats, which cooperative-matrix stores want 16-byte aligned). `tile_m`, `prefetch`,
+    `emulate`, `subgroup_size` as in plan_coopmat_linear_q4gsw.
+    """
+    op = "coopmat_mm"
+    _check_positive(op, M=M, N=N, K=K)
+    _check_multiple_of_4(op, K=K, N=N)
+    _check_range(op, M, N, K)
+    tile_m = _tiling(op, M, N, tile_m, subgroup_size)
+    shader = _variant("coopmat_mm", b_transposed=bool(b_transposed), tile_m=tile_m, prefetch=prefetch,
+                      emulate=emulate, subgroup_size=subgroup_size)
+    return [Dispatch(shader, groups=(ceil_div(N, TILE_N), ceil_div(M, tile_m), 1),
+                     bindings=[binding(out, "w"), binding(a, "r"), binding(b, "r")],
+                     push_constants=pack_push(M, N, K, 0), label=label)]
