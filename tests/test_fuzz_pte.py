@@ -288,6 +288,36 @@ def test_device_memory_asked_for_by_the_graph_is_capped(exported):
         check_device_memory(pte, program.graph, largest - 1)
 
 
+def test_the_loaders_re_infer_every_op_from_the_op_definitions(exported):
+    """load_delegate_graph's default rule is the torch-free op definitions: the exported graph passes
+    it; the same graph with one op's declared output shape changed (what a re-signed or buggy writer
+    produces) is refused naming the op and both shapes; an op the runtime has no kernel for is refused."""
+    import dataclasses
+
+    import inspect
+
+    from vktrain.runtime.program.verify import infer_from_op_definitions, load_delegate_graph
+
+    default = inspect.signature(load_delegate_graph).parameters["infer_op_shapes"].default
+    assert default is infer_from_op_definitions
+    _, data = exported
+    pte, program = fuzz.load(data)
+    graph = program.graph
+    check_op_shapes(pte, graph, infer_from_op_definitions)
+    index, op = next((i, op) for i, op in enumerate(graph.ops) if op.name == "aten.mm.default")
+    output = graph.tensor(op.outputs[0])
+    wrong = dataclasses.replace(output, shape=output.shape[:-1] + (output.shape[-1] + 1,))
+    values = list(graph.values)
+    values[op.outputs[0]] = wrong
+    with pytest.raises(VerificationError, match=rf"delegate op {index} \(aten.mm.default\) declares outputs "
+                                                rf"FLOAT32\[.*\]; its inputs give FLOAT32\[.*\]"):
+        check_op_shapes(pte, dataclasses.replace(graph, values=tuple(values)), infer_from_op_definitions)
+    ops = list(graph.ops)
+    ops[index] = dataclasses.replace(op, name="aten.no_such_op.default")
+    with pytest.raises(VerificationError, match=r"aten.no_such_op.default\): vktrain's runtime has no kernel"):
+        check_op_shapes(pte, dataclasses.replace(graph, ops=tuple(ops)), infer_from_op_definitions)
+
+
 def test_the_op_shape_hook_compares_inferred_outputs_with_the_declared_ones(exported):
     """check_op_shapes is where the torch-free op definitions plug in; here with a stand-in rule that
     knows one op (its declared outputs, or those with one dimension changed)."""

@@ -7,7 +7,8 @@ sum_k fp16(a_k) * fp16(b_k) accumulated in fp32, not the fp32 result of the SIMT
 choose these kernels where that precision is acceptable (tests/test_kernels_coopmat.py states the
 bound). Shaders: vktrain/runtime_shaders/coopmat_{linear_q4gsw,mm}.comp, body coopmat_gemm.glsl.
 
-Kernels (registered under their own names; nothing routes graph ops to them yet):
+Kernels (alternative plans of vktrain.linear_q4gsw.default and aten.mm.default, so not in the
+one-plan-per-op registry; nothing routes graph ops to them yet, the lowering will choose them by device):
   coopmat_linear_q4gsw   y[M, N] = x[M, K] @ deq(W).T
   coopmat_mm             C[M, N] = A[M, K] @ B[K, N], or A @ B^T with B^T given as [N, K] (b_transposed)
 
@@ -24,7 +25,6 @@ import numpy as np
 
 from vktrain.quant import check_q4gsw_shapes
 from vktrain.runtime.delegate.kernels.layout import MAX_ELEMENTS, KernelArgumentError, binding
-from vktrain.runtime.delegate.kernels.registry import register_kernel
 from vktrain.runtime.vk.coopmat import CooperativeMatrixShape, supports_shape
 from vktrain.runtime.vk.schedule import Dispatch, ceil_div, pack_push
 
@@ -91,7 +91,6 @@ def _tiling(op: str, M: int, N: int, tile_m: int | None, subgroup_size: int) -> 
     return tile_m
 
 
-@register_kernel("coopmat_linear_q4gsw")
 def plan_coopmat_linear_q4gsw(*, M: int, N: int, K: int, group_size: int, out: Any, x: Any, weights: Any,
                               scales: Any, tile_m: int | None = None, prefetch: bool | None = None,
                               emulate: bool = False, subgroup_size: int = DEFAULT_SUBGROUP_SIZE,
@@ -122,7 +121,6 @@ def plan_coopmat_linear_q4gsw(*, M: int, N: int, K: int, group_size: int, out: A
                      push_constants=pack_push(M, N, K, group_size), label=label)]
 
 
-@register_kernel("coopmat_mm")
 def plan_coopmat_mm(*, M: int, N: int, K: int, out: Any, a: Any, b: Any, b_transposed: bool = False,
                     tile_m: int | None = None, prefetch: bool = False, emulate: bool = False,
                     subgroup_size: int = DEFAULT_SUBGROUP_SIZE,
