@@ -291,3 +291,16 @@ def test_export_and_inspect_print_nothing_on_stderr(tmp_path):
     inspected = run("inspect", str(path))
     assert inspected.returncode == 0 and inspected.stderr == ""
     assert f"{path}: " in inspected.stdout and "delegate 0: VktrainVulkanBackend" in inspected.stdout
+
+
+def test_text_is_refused_for_a_vocabulary_other_than_bytes(program, capsys, tmp_path):
+    """Byte-level text with a 49152-token model would train on byte ids without any error (issue 9's
+    trap): refused, naming the file, the vocabulary and what to pass instead."""
+    pte, _, made, _ = program
+    assert VOCAB != 256
+    text = tmp_path / "notes.txt"
+    text.write_text("some text for a model with its own tokenizer\n" * 20)
+    code, _, err = run_cli(capsys, "train", pte, "--steps", 1, "--data", text, "--no-progress")
+    assert code == 2 and err.startswith(f"vktrain train: error: {text} would be read as byte-level text")
+    assert f"vocabulary has {VOCAB} tokens" in err and ".npy" in err
+    assert all(runner.steps == 0 for runner in made)  # refused before any step

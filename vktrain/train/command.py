@@ -27,7 +27,7 @@ from vktrain.train.checkpoint import (
     restore_state,
     sha256_file,
 )
-from vktrain.train.data import TokenBatcher, check_vocab, default_dataset_path, load_tokens
+from vktrain.train.data import TokenBatcher, check_byte_level_fits, check_vocab, default_dataset_path, load_tokens
 from vktrain.train.lr_schedule import SCHEDULES, LRSchedule
 from vktrain.train.train_loop import (
     MAX_STEPS,
@@ -251,6 +251,7 @@ def _train_loaded(args, runner, schedule, optimizer, resume, seed, data_path, to
     if args.out_adapters and alpha is None:
         raise TrainConfigError("--out-adapters: the .pte does not record the LoRA alpha it was exported with; pass "
                                "--lora-alpha (the value given to vktrain export --lora-alpha, default 16)")
+    check_byte_level_fits(data_path, info.vocab_size)
     check_vocab(tokens, info.vocab_size, str(data_path))
     batches = TokenBatcher(tokens, info.batch_size, info.seq_len, seed=seed, shuffle=not args.no_shuffle,
                            source=str(data_path))

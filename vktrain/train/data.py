@@ -84,6 +84,23 @@ def _load_token_text(path: Path) -> np.ndarray:
         raise DataError(f"{path}: a token id does not fit in int64") from None
 
 
+def is_byte_level(path: PathLike) -> bool:
+    """Whether `load_tokens` reads this file as byte-level text (every byte one token 0..255)."""
+    name = Path(path).name.lower()
+    return not (name.endswith(".npy") or name.endswith(TOKEN_TEXT_SUFFIX))
+
+
+def check_byte_level_fits(path: PathLike, vocab_size: int) -> None:
+    """Byte-level text means token = byte, which is only the model's own tokenization when the vocabulary
+    is the 256 bytes: for any other vocabulary (a pretrained model's 32000 or 49152 tokens) the ids would
+    all be valid and train silently on nonsense, so it is refused."""
+    if is_byte_level(path) and vocab_size != BYTE_VOCAB_SIZE:
+        raise DataError(f"{path} would be read as byte-level text (token id = byte, 0..255), but this program's "
+                        f"vocabulary has {vocab_size} tokens, not the {BYTE_VOCAB_SIZE} bytes: tokenize the text "
+                        f"with the model's tokenizer and pass the ids as a 1-D .npy array or a "
+                        f"*{TOKEN_TEXT_SUFFIX} file")
+
+
 def load_tokens(path: PathLike) -> np.ndarray:
     """The token stream of a data file as an integer array [N] (see the module docstring for the formats)."""
     path = Path(path)
@@ -208,5 +225,5 @@ class TokenBatcher:
             position += 1
 
 
-__all__ = ["BYTE_VOCAB_SIZE", "DataError", "TOKEN_TEXT_SUFFIX", "TokenBatcher", "check_vocab",
-           "default_dataset_path", "epoch_order", "load_tokens"]
+__all__ = ["BYTE_VOCAB_SIZE", "DataError", "TOKEN_TEXT_SUFFIX", "TokenBatcher", "check_byte_level_fits",
+           "check_vocab", "default_dataset_path", "epoch_order", "is_byte_level", "load_tokens"]
