@@ -944,8 +944,12 @@ def test_cli_errors_are_clear(tmp_path, fake_program, capsys, monkeypatch):
     assert code == 2 and "--json" in err and "cannot write there" in err and not made  # refused before loading
     code, err = error_of(pte, "--steps", 3, "--data", data, "--out-adapters", tmp_path / "ad")
     assert code == 2 and "pass --lora-alpha" in err
-    code, err = error_of(pte, "--steps", 3)  # the default corpus is bytes 0..255; the fake's vocab is 32
-    assert code == 2 and "outside the model's vocabulary [0, 32)" in err
+    code, err = error_of(pte, "--steps", 3)  # the default corpus is byte-level text; the fake's vocab is 32
+    assert code == 2 and "would be read as byte-level text" in err and "vocabulary has 32 tokens" in err
+    too_large = tmp_path / "large.tokens.txt"
+    too_large.write_text(" ".join(["1"] * 50 + ["40"] + ["2"] * 50))
+    code, err = error_of(pte, "--steps", 3, "--data", too_large)
+    assert code == 2 and "token id 40 at position 50 is outside the model's vocabulary [0, 32)" in err
     short = tmp_path / "short.tokens.txt"
     short.write_text("1 2 3")
     code, err = error_of(pte, "--steps", 3, "--data", short)
