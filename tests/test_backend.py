@@ -11,7 +11,7 @@ import torch
 
 from vktrain.backend import LiveInterval, plan_memory
 from vktrain.export import export_forward, export_training_step, lower_to_pte
-from vktrain.export.pte import read_pte, summarize_pte
+from vktrain.runtime.program.summary import read_pte, summarize_pte
 from vktrain.lora import LoRAConfig, apply_lora, lora_modules
 from vktrain.models import build_model
 from vktrain.partitioner import supported_ops

@@ -292,6 +292,20 @@ def test_export_and_inspect_print_nothing_on_stderr(tmp_path):
     assert inspected.returncode == 0 and inspected.stderr == ""
     assert f"{path}: " in inspected.stdout and "delegate 0: VktrainVulkanBackend" in inspected.stdout
 
+    # inspect needs neither torch nor executorch (one torch-free .pte reader): the same report with both
+    # unimportable.
+    blocked = ("import sys, importlib.abc\n"
+               "class Block(importlib.abc.MetaPathFinder):\n"
+               "    def find_spec(self, name, path=None, target=None):\n"
+               "        if name.split('.')[0] in ('torch', 'executorch', 'torchao'):\n"
+               "            raise ImportError(f'{name} is blocked')\n"
+               "sys.meta_path.insert(0, Block())\n"
+               "from vktrain import cli\n"
+               f"sys.exit(cli.main(['inspect', {str(path)!r}]))\n")
+    torch_free = subprocess.run([sys.executable, "-c", blocked], capture_output=True, text=True, timeout=120, cwd=root)
+    assert torch_free.returncode == 0 and torch_free.stderr == "", torch_free.stderr
+    assert torch_free.stdout == inspected.stdout
+
 
 def test_text_is_refused_for_a_vocabulary_other_than_bytes(program, capsys, tmp_path):
     """Byte-level text with a 49152-token model would train on byte ids without any error (issue 9's

@@ -12,7 +12,7 @@ from torch.export.graph_signature import InputKind
 
 from vktrain.export import (HPARAM_NAMES, LoweringError, STEP_BUFFER, example_training_inputs, export_forward, export_training_step,
                             lower_to_pte, training_state_names)
-from vktrain.export.pte import read_pte, summarize_pte
+from vktrain.runtime.program.summary import read_pte, summarize_pte
 from vktrain.lora import LoRAConfig, apply_lora, lora_parameter_names
 from vktrain.models import build_model
 from vktrain.ops import adamw_hparams

@@ -221,11 +221,17 @@ def test_other_activations_train_like_eager(vk_device, tmp_path, activation, fus
 def test_inspect_planned_memory_is_what_the_executor_allocates(vk_device, step_program):
     """`vktrain inspect`'s planned GPU memory (the blob's memory objects) is exactly what the executor
     allocates for them: the backend planned the final storage, the executor re-sizes nothing."""
-    from vktrain.export.pte import summarize_pte
+    from vktrain.runtime.program.summary import summarize_pte
 
     path = step_program[0]
     (delegate,) = summarize_pte(path.read_bytes())["delegates"]
     with TrainingRunner.from_pte(path, vk_device) as runner:
-        allocated = {key: size for key, size in runner.executor.buffer_bytes.items() if key.startswith("mem")}
+        buffers = dict(runner.executor.buffer_bytes)
+    allocated = {key: size for key, size in buffers.items() if key.startswith("mem")}
     assert len(allocated) == delegate["memory"]["memory_objects"] > 0
     assert sum(allocated.values()) == delegate["memory"]["planned_bytes"]
+    # The device-memory allocations inspect reports are what the executor's buffers take when sub-allocated
+    # (vktrain.runtime.vk.allocator): a few blocks, not one allocation per buffer.
+    from vktrain.runtime import count_block_allocations
+
+    assert delegate["memory"]["device_allocations"] == count_block_allocations(buffers.values()) < len(buffers)

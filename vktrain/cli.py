@@ -148,7 +148,8 @@ def format_report(path: str, report: dict) -> str:
         lines.append(f"  constants: {c['count']}, {_format_bytes(c['bytes'])} "
                      f"({_format_bytes(c['deduplicated_bytes'])} deduplicated); layouts {c['tensor_layouts']}")
         lines.append(f"  planned GPU memory: {_format_bytes(m['planned_bytes'])} in {m['memory_objects']} object(s) "
-                     f"(unplanned {_format_bytes(m['unplanned_bytes'])}); state {_format_bytes(m['state_bytes'])}")
+                     f"(unplanned {_format_bytes(m['unplanned_bytes'])}); state {_format_bytes(m['state_bytes'])}; "
+                     f"{m['device_allocations']} device-memory allocation(s)")
         lines.append("  inputs: " + ", ".join(f"{t['name']} {t['dtype']}{t['shape']}" for t in d["inputs"]))
         lines.append("  outputs: " + ", ".join(f"{t['name']} {t['dtype']}{t['shape']}" for t in d["outputs"]))
         lines.append(f"  mutable state: {len(d['mutable_state'])} tensor(s)")
@@ -166,7 +167,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     except OSError as e:
         print(f"vktrain inspect: error: cannot read {args.file}: {e.strerror}", file=sys.stderr)
         return 2
-    from vktrain.export.pte import summarize_pte
+    from vktrain.runtime.program.summary import summarize_pte
 
     report = summarize_pte(data)
     print(json.dumps(report, indent=2) if args.json else format_report(args.file, report))

@@ -10,7 +10,7 @@ from torch.export import ExportedProgram
 import vktrain.backend.preprocess  # noqa: F401  (registers VktrainVulkanBackend with ExecuTorch)
 from vktrain.partitioner import VktrainPartitioner
 
-from .pte import read_pte
+from vktrain.runtime.program.summary import read_pte
 from vktrain.errors import VktrainError
 
 # Buffer-name patterns whose initial contents must survive when left outside the delegate

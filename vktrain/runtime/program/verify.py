@@ -314,12 +314,22 @@ def load_delegate_graph(pte: PteFile, plan: ExecutionPlan, *, verify_constants: 
     return call, graph
 
 
+def device_buffer_requests(graph: g.VkGraph) -> list[tuple[str, int]]:
+    """(what, bytes) of each device buffer the graph asks for: every memory object, and every tensor with
+    storage of its own outside them (inputs, constants, state; not views or in-place outputs, which use
+    another tensor's storage). An upper bound of what the executor allocates (tensors it finds identical
+    share a buffer)."""
+    requests = [(f"memory object {mem.id}", mem.size_bytes) for mem in graph.memory_objects]
+    requests += [(f"tensor value {i} ({v.name or 'unnamed'}, {v.dtype.name}{list(v.shape)})", v.nbytes)
+                 for i, v in enumerate(graph.values)
+                 if isinstance(v, g.TensorValue) and v.mem_obj_id == -1 and v.storage_of == -1]
+    return requests
+
+
 def check_device_memory(pte: PteFile, graph: g.VkGraph, limit: int) -> None:
     """What the graph's buffers ask for fits the device: each memory object and each tensor with its own
     buffer, and all of them together (an upper bound: the executor may alias some tensors as views)."""
-    requests = [(f"memory object {mem.id}", mem.size_bytes) for mem in graph.memory_objects]
-    requests += [(f"tensor value {i} ({v.name or 'unnamed'}, {v.dtype.name}{list(v.shape)})", v.nbytes)
-                 for i, v in enumerate(graph.values) if isinstance(v, g.TensorValue) and v.mem_obj_id == -1]
+    requests = device_buffer_requests(graph)
     for what, nbytes in requests:
         if nbytes > limit:
             raise _refuse(pte, check_device_memory, f"delegate {what} asks for {nbytes} bytes of device memory; "
@@ -334,5 +344,5 @@ __all__ = [
     "OpShapeInference", "UnsupportedProgramError", "VerificationError", "arena_needs", "check_arenas",
     "check_constant_tensors", "check_delegate_io", "check_device_memory", "check_op_shapes",
     "check_planned_storage_disjoint", "check_single_delegate_call", "check_tensor_records",
-    "device_memory_bytes", "host_memory_bytes", "load_delegate_graph", "verify_plan",
+    "device_buffer_requests", "device_memory_bytes", "host_memory_bytes", "load_delegate_graph", "verify_plan",
 ]

@@ -1,5 +1,9 @@
-"""Read back a .pte: its delegates (with their vktrain blobs), operator table and instructions, and a
-JSON-ready summary for `vktrain inspect`."""
+"""What `vktrain inspect` reports about a .pte, read with the torch-free reader (runtime/program/pte.py):
+the program's instructions and operators, and for the vktrain delegate its op histogram, constants,
+memory plan (and how many device-memory allocations it takes), state, I/O and the partitioner's refusals.
+Torch- and executorch-free, like the rest of the runtime: `vktrain inspect` runs on a machine with
+neither. The export's own check (vktrain.export.lower) reads its .pte through `read_pte` too.
+"""
 from __future__ import annotations
 
 import collections
@@ -7,12 +11,11 @@ import hashlib
 import json
 from dataclasses import dataclass, field
 
-from executorch.exir._serialize._program import deserialize_pte_binary
-from executorch.exir.schema import DataLocation, DelegateCall, KernelCall
-
-from vktrain.backend.preprocess import METADATA_REFUSALS, METADATA_STATE_BYTES, METADATA_UNPLANNED_MEMORY_BYTES
-from vktrain.partitioner import BACKEND_ID
+from vktrain.contract import BACKEND_ID, METADATA_REFUSALS, METADATA_STATE_BYTES, METADATA_UNPLANNED_MEMORY_BYTES
 from vktrain.runtime.program.pte import PteFile, PteFormatError
+from vktrain.runtime.program.pte_objects import DelegateCall, KernelCall
+from vktrain.runtime.program.verify import device_buffer_requests
+from vktrain.runtime.vk.allocator import count_block_allocations
 from vktrain.serialization import deserialize_blob
 from vktrain.serialization import graph as vk
 
@@ -33,21 +36,15 @@ class PteContents:
 
 
 def read_pte(data: bytes) -> PteContents:
-    methods = PteFile.from_bytes(data).method_names  # the torch-free reader checks the file first
+    """The delegates, operator table and instruction counts of a one-method .pte."""
+    pte = PteFile.from_bytes(data)
+    methods = pte.method_names
     if len(methods) != 1:
         raise PteFormatError(f"expected a .pte with one method, found {len(methods)} ({methods})")
-    pte = deserialize_pte_binary(data)  # moves segment data back inline
-    program = pte.program
-    plan = program.execution_plan[0]
-    delegates = []
-    for delegate in plan.delegates:
-        if delegate.processed.location != DataLocation.INLINE:
-            raise ValueError(f"delegate {delegate.id}: payload location {delegate.processed.location} not readable")
-        payload = bytes(program.backend_delegate_data[delegate.processed.index].data)
-        specs = {spec.key: bytes(spec.value) for spec in delegate.compile_specs}
-        delegates.append(PteDelegate(delegate.id, payload, specs))
+    plan = pte.execution_plan(methods[0])
+    delegates = [PteDelegate(d.id, bytes(d.data), dict(d.compile_specs)) for d in plan.delegates]
     operators = [f"{op.name}.{op.overload}" if op.overload else op.name for op in plan.operators]
-    kinds = collections.Counter(type(instr.instr_args).__name__ for chain in plan.chains for instr in chain.instructions)
+    kinds = collections.Counter(type(instruction).__name__ for instruction in plan.instructions)
     return PteContents(delegates, operators, kinds[DelegateCall.__name__], kinds[KernelCall.__name__])
 
 
@@ -86,6 +83,8 @@ def summarize_blob(graph: vk.VkGraph) -> dict:
             "planned_bytes": int(meta.get(vk.METADATA_PLANNED_MEMORY_BYTES, sum(m.size_bytes for m in graph.memory_objects))),
             "unplanned_bytes": int(meta.get(METADATA_UNPLANNED_MEMORY_BYTES, 0)),
             "memory_objects": len(graph.memory_objects),
+            # Sub-allocated from large blocks (vktrain.runtime.vk.allocator), as the executor's buffers are.
+            "device_allocations": count_block_allocations(n for _, n in device_buffer_requests(graph)),
             "state_bytes": int(meta.get(METADATA_STATE_BYTES, 0)),
         },
         "mutable_state": state,
