@@ -185,7 +185,8 @@ def test_cli_export_and_inspect(tmp_path):
     result = _cli("export", "--model", "mlp-lora", "--model-arg", "dim=32", "--model-arg", "hidden=32",
                   "--model-arg", "n_layers=1", "--lora-rank", "2", "--group-size", "16", "--targets", "layers.*",
                   "--batch", "1", "--seq", "4", "--out", str(out))
-    assert "LoRA on 1 layer(s): layers.0" in result.stdout
+    assert "adapting 1 layer(s) with LoRA rank 2" in result.stdout and result.stdout.splitlines()[0].endswith(": layers.0")
+    assert "(LoRA on 1 layer(s), listed above; 1 delegate(s), 0 refused node(s))" in result.stdout
     assert out.exists() and [p.name for p in tmp_path.iterdir()] == ["step.pte"]  # no temp file left behind
 
     report = json.loads(_cli("inspect", str(out), "--json").stdout)

@@ -118,7 +118,7 @@ def cmd_export(args: argparse.Namespace) -> int:
     pte = lower_to_pte(program, partitioner)
     atomic_write_bytes(Path(args.out), pte)
     print(f"wrote {args.out}: {len(pte)} bytes, {args.program} of {args.model} "
-          f"(LoRA on {len(report.replaced)} layer(s): {', '.join(report.replaced)}; "
+          f"(LoRA on {len(report.replaced)} layer(s), listed above; "
           f"{partitioner.num_partitions} delegate(s), {len(partitioner.refusals)} refused node(s))")
     for refusal in partitioner.refusals:
         print(f"refused: {refusal.reason}", file=sys.stderr)
