@@ -1,6 +1,7 @@
 """The vktrain delegate blob: a fixed header, the graph flatbuffer, then the constant segment area.
 
-Byte layout (all integers little-endian; every region starts at a multiple of 16 bytes):
+Byte layout (all integers little-endian; every region starts at a multiple of 16 bytes; the header's
+parsing and bounds checks live in blob_header.py):
 
     offset  size  field
     0       4     magic              b"VKTB"
@@ -43,11 +44,10 @@ from __future__ import annotations
 import hashlib
 import io
 import mmap
-import struct
 import zlib
 import dataclasses
 from dataclasses import dataclass
-from typing import BinaryIO, ClassVar, Iterator, Optional
+from typing import BinaryIO, Iterator
 
 import flatbuffers
 import numpy as np
@@ -73,93 +73,9 @@ from vktrain.serialization.generated.vkt_blob import ValueList as FbValueList
 from vktrain.serialization.generated.vkt_blob import VkGraph as FbVkGraph
 from vktrain.serialization.flatbuffer_reading import CORRUPTION_ERRORS, reading, scalar_vector, union_as
 from vktrain.serialization.generated.vkt_blob.ValueKind import ValueKind
-from vktrain.errors import VktrainError
 
-ALIGNMENT = 16
-FLATBUFFER_IDENTIFIER = b"VKT1"
-
-
-class BlobFormatError(VktrainError, ValueError):
-    """The bytes are not a valid vktrain delegate blob; the message names the bad field."""
-
-
-def _align(n: int) -> int:
-    return (n + ALIGNMENT - 1) // ALIGNMENT * ALIGNMENT
-
-
-@dataclass(frozen=True)
-class BlobHeader:
-    flatbuffer_offset: int
-    flatbuffer_size: int
-    segment_offset: int
-    segment_size: int
-    format_version: int = 1
-    graph_crc32: Optional[int] = None  # None: a blob without the CHECKSUMS flag (written before it existed)
-
-    MAGIC: ClassVar[bytes] = b"VKTB"
-    FORMAT_VERSION: ClassVar[int] = 2  # the newest version this vktrain reads and writes
-    PLAIN_VERSION: ClassVar[int] = 1  # blobs without synthetic constants
-    SYNTHETIC_VERSION: ClassVar[int] = 2  # blobs with at least one synthetic constant
-    FLAG_CHECKSUMS: ClassVar[int] = 1
-    STRUCT: ClassVar[struct.Struct] = struct.Struct("<4sIIIQQQQ")
-    SIZE: ClassVar[int] = STRUCT.size  # 48: the fields graph_crc32 covers
-    CHECKSUM_STRUCT: ClassVar[struct.Struct] = struct.Struct("<I4x")
-    CHECKSUMMED_SIZE: ClassVar[int] = SIZE + CHECKSUM_STRUCT.size  # 56
-
-    @property
-    def size(self) -> int:
-        return self.SIZE if self.graph_crc32 is None else self.CHECKSUMMED_SIZE
-
-    def fields_bytes(self) -> bytes:
-        """Bytes [0, 48): the header fields, which graph_crc32 covers together with the flatbuffer."""
-        flags = 0 if self.graph_crc32 is None else self.FLAG_CHECKSUMS
-        return self.STRUCT.pack(self.MAGIC, self.size, self.format_version, flags, self.flatbuffer_offset,
-                                self.flatbuffer_size, self.segment_offset, self.segment_size)
-
-    def to_bytes(self) -> bytes:
-        if self.graph_crc32 is None:
-            return self.fields_bytes()
-        return self.fields_bytes() + self.CHECKSUM_STRUCT.pack(self.graph_crc32)
-
-    @classmethod
-    def parse(cls, data: memoryview) -> "BlobHeader":
-        """Read and bounds-check the header of a blob of len(data) bytes."""
-        total = len(data)
-        if total < cls.SIZE:
-            raise BlobFormatError(f"blob is {total} bytes, shorter than the {cls.SIZE}-byte header (truncated?)")
-        magic, header_size, version, flags, fb_offset, fb_size, seg_offset, seg_size = cls.STRUCT.unpack_from(data, 0)
-        if magic != cls.MAGIC:
-            raise BlobFormatError(f"blob magic is {bytes(magic)!r}, expected {cls.MAGIC!r} "
-                                  "(not a vktrain delegate blob)")
-        if not 1 <= version <= cls.FORMAT_VERSION:
-            raise BlobFormatError(f"blob format version is {version}; this vktrain reads versions 1 to "
-                                  f"{cls.FORMAT_VERSION} (blob from a newer vktrain?)")
-        if flags & ~cls.FLAG_CHECKSUMS:
-            raise BlobFormatError(f"header flags are {flags:#x}; the only flag defined is CHECKSUMS "
-                                  f"({cls.FLAG_CHECKSUMS:#x}) (blob from a newer vktrain?)")
-        checksummed = bool(flags & cls.FLAG_CHECKSUMS)
-        expected_size = cls.CHECKSUMMED_SIZE if checksummed else cls.SIZE
-        if header_size != expected_size:
-            raise BlobFormatError(f"header_size field is {header_size}, expected {expected_size} with header flags "
-                                  f"{flags:#x}")
-        if total < header_size:
-            raise BlobFormatError(f"blob is {total} bytes, shorter than its {header_size}-byte header (truncated?)")
-        graph_crc32 = cls.CHECKSUM_STRUCT.unpack_from(data, cls.SIZE)[0] if checksummed else None
-        if fb_offset < header_size or fb_offset % ALIGNMENT:
-            raise BlobFormatError(f"flatbuffer_offset {fb_offset} must be >= the header size {header_size} and a "
-                                  f"multiple of {ALIGNMENT}")
-        if fb_size < 8:  # root offset + file identifier
-            raise BlobFormatError(f"flatbuffer_size {fb_size} is too small for a flatbuffer (>= 8 bytes)")
-        if fb_offset + fb_size > total:
-            raise BlobFormatError(f"flatbuffer [{fb_offset}, {fb_offset + fb_size}) extends past the end of the "
-                                  f"{total}-byte blob (truncated?)")
-        if seg_offset < fb_offset + fb_size or seg_offset % ALIGNMENT:
-            raise BlobFormatError(f"segment_offset {seg_offset} must be >= the flatbuffer end {fb_offset + fb_size} "
-                                  f"and a multiple of {ALIGNMENT}")
-        if seg_offset + seg_size > total:
-            raise BlobFormatError(f"segment area [{seg_offset}, {seg_offset + seg_size}) extends past the end of the "
-                                  f"{total}-byte blob (truncated?)")
-        return cls(fb_offset, fb_size, seg_offset, seg_size, version, graph_crc32)
+from vktrain.serialization.blob_header import (  # noqa: F401  (re-exported: blob.X names them)
+    ALIGNMENT, FLATBUFFER_IDENTIFIER, BlobFormatError, BlobHeader, _align)
 
 
 # ---------------------------------------------------------------------------------------------------
