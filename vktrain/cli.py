@@ -68,6 +68,25 @@ def _silence_known_import_noise() -> None:
     warnings.filterwarnings("ignore", message=_IMPORT_NOISE_WARNING, category=FutureWarning)
 
 
+def summarize_layer_paths(paths: list[str]) -> str:
+    """Layer paths grouped by their pattern over numbered blocks, in first-seen order:
+    ['m.layers.0.q', 'm.layers.1.q', 'head'] -> 'm.layers.{0..1}.q, head' (the numbers listed when not a range)."""
+    groups: dict[str, list[int]] = {}
+    for path in paths:
+        match = re.fullmatch(r"(.*?\.)(\d+)(\..*)", path)
+        key = f"{match[1]}{{}}{match[3]}" if match else path
+        groups.setdefault(key, []).append(int(match[2]) if match else -1)
+    parts = []
+    for key, numbers in groups.items():
+        if len(numbers) == 1:
+            parts.append(key if numbers == [-1] else key.replace("{}", str(numbers[0])))
+        elif numbers == list(range(numbers[0], numbers[-1] + 1)) and len(numbers) > 1:
+            parts.append(key.replace("{}", f"{{{numbers[0]}..{numbers[-1]}}}"))
+        else:
+            parts.append(key.replace("{}", "{" + ",".join(map(str, numbers)) + "}"))
+    return ", ".join(parts)
+
+
 def _parse_model_args(items: list[str]) -> dict:
     """KEY=VALUE strings -> config overrides; values parse as JSON when they can (ints, floats, bools)."""
     overrides = {}
@@ -101,7 +120,7 @@ def cmd_export(args: argparse.Namespace) -> int:
     for warning in caught:
         print(f"warning: {warning.message}", file=sys.stderr)
     print(f"adapting {len(report.replaced)} layer(s) with LoRA rank {config.rank}, alpha {config.alpha:g} over a "
-          f"q4gsw base ({config.scale_rule} scales): {', '.join(report.replaced)}")
+          f"q4gsw base ({config.scale_rule} scales): {summarize_layer_paths(report.replaced)}")
     if report.excluded_heads:
         print(f"not adapted (output head; name it in --targets to adapt it): {', '.join(report.excluded_heads)}")
 
