@@ -100,12 +100,15 @@ class LoRAQ4Linear(nn.Module):
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, rank: int, alpha: float, group_size: int,
-                    generator: torch.Generator | None = None, scale_rule: str = "absmax") -> "LoRAQ4Linear":
+                    generator: torch.Generator | None = None, scale_rule: str = "absmax",
+                    importance: np.ndarray | None = None) -> "LoRAQ4Linear":
         """Quantize `linear.weight` to q4gsw (vktrain.quant.quantize with `scale_rule`) and wrap it with
-        a fresh adapter; a Q4GSWWeight attached as PREQUANTIZED_ATTR (module docstring) is used as it is instead."""
+        a fresh adapter; a Q4GSWWeight attached as PREQUANTIZED_ATTR (module docstring) is used as it is instead.
+        `importance` [in_features]: calibration weights of the "mse" rule (vktrain.quant.quantize)."""
         weight = linear.weight.detach().to(torch.float32).cpu().numpy()
         given = _prequantized_base(linear, weight, group_size)
-        flat, scales = (given.flat, given.scales) if given is not None else quantize(weight, group_size, scale_rule)
+        flat, scales = ((given.flat, given.scales) if given is not None
+                        else quantize(weight, group_size, scale_rule, importance))
         bias = None if linear.bias is None else linear.bias.detach()
         return cls(linear.in_features, linear.out_features, torch.from_numpy(flat), torch.from_numpy(scales),
                    group_size, rank, alpha, bias, generator)

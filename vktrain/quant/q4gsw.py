@@ -71,36 +71,55 @@ _MSE_DIVISORS = np.linspace(7.0, 9.0, 9, dtype=np.float32)  # x_m -> q = -d (mod
 _MSE_CHUNK = 1 << 15  # groups per step of the search: bounds its temporaries to ~40 MB
 
 
-def _group_sse(x: np.ndarray, s: np.ndarray) -> np.ndarray:
-    """Sum of squared errors of groups x [M, gs] under candidate scales s [M, C] (codes by requant's rule)."""
+def _group_sse(x: np.ndarray, s: np.ndarray, a: np.ndarray) -> np.ndarray:
+    """Weighted sum of squared errors of groups x [M, gs] under candidate scales s [M, C] (codes by
+    requant's rule), each element's error weighted by a [M, gs]."""
     with np.errstate(divide="ignore", invalid="ignore"):
         q = np.clip(np.rint(x[:, None, :] / s[:, :, None]), QMIN, QMAX)
     q = np.where(s[:, :, None] == 0, 0.0, q)
-    return np.square(x[:, None, :] - q * s[:, :, None]).sum(axis=2)
+    return (np.square(x[:, None, :] - q * s[:, :, None]) * a[:, None, :]).sum(axis=2)
 
 
-def _pick(x: np.ndarray, candidates: np.ndarray) -> np.ndarray:
-    return candidates[np.arange(len(x)), _group_sse(x, candidates).argmin(axis=1)]
+def _pick(x: np.ndarray, a: np.ndarray, candidates: np.ndarray) -> np.ndarray:
+    return candidates[np.arange(len(x)), _group_sse(x, candidates, a).argmin(axis=1)]
 
 
-def _mse_scales(groups: np.ndarray) -> np.ndarray:
-    """The "mse" rule's scale for each group of groups [M, gs] -> [M] float32."""
+def _mse_scales(groups: np.ndarray, weights: np.ndarray) -> np.ndarray:
+    """The "mse" rule's scale for each group of groups [M, gs], errors weighted by weights [M, gs] -> [M]."""
     out = np.empty(len(groups), dtype=np.float32)
     for start in range(0, len(groups), _MSE_CHUNK):
-        x = groups[start:start + _MSE_CHUNK]
+        x, a = groups[start:start + _MSE_CHUNK], weights[start:start + _MSE_CHUNK]
         x_m = x[np.arange(len(x)), np.abs(x).argmax(axis=1)]
-        best = _pick(x, -x_m[:, None] / _MSE_DIVISORS[None, :])
+        best = _pick(x, a, -x_m[:, None] / _MSE_DIVISORS[None, :])
         with np.errstate(divide="ignore", invalid="ignore"):
             q = np.where(best[:, None] == 0, 0.0, np.clip(np.rint(x / best[:, None]), QMIN, QMAX))
-            refit = (x * q).sum(axis=1) / (q * q).sum(axis=1)
+            refit = (a * x * q).sum(axis=1) / (a * q * q).sum(axis=1)
         refit = np.where(np.isfinite(refit), refit, best).astype(np.float32)
-        out[start:start + len(x)] = _pick(x, np.stack([best, refit], axis=1))
+        out[start:start + len(x)] = _pick(x, a, np.stack([best, refit], axis=1))
     return out
 
 
-def quantize(weight: np.ndarray, group_size: int, rule: str = "absmax") -> tuple[np.ndarray, np.ndarray]:
+def check_importance(importance: np.ndarray | None, K: int) -> np.ndarray | None:
+    """importance: None, or the mean squared input activation of each of the K input columns
+    (float [K], finite, >= 0) -> float32 [K]."""
+    if importance is None:
+        return None
+    importance = np.asarray(importance, dtype=np.float32)
+    if importance.shape != (K,):
+        raise ValueError(f"importance must have one value per input column, shape ({K},), got {importance.shape}")
+    if not np.all(np.isfinite(importance)) or importance.min() < 0:
+        raise ValueError("importance values must be finite and >= 0 (mean squared input activations)")
+    return importance
+
+
+def quantize(weight: np.ndarray, group_size: int, rule: str = "absmax",
+             importance: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
     """Quantize a float weight [N, K] -> (flat uint8 [N, Kp/2], scales float32 [G, N]) by scale rule `rule`
-    (SCALE_RULES, module docstring)."""
+    (SCALE_RULES, module docstring). With `importance` [K] (the mean squared input activation per input
+    column, from calibration data), the "mse" rule minimises the output-weighted error
+    sum_k importance[k] * (w[n, k] - deq[n, k])^2 instead, as llama.cpp's imatrix quantization does: the
+    squared error a linear's output gets from group n's weights is sum_k E[x_k^2] err_k^2 when the errors
+    are uncorrelated across k."""
     weight = np.asarray(weight, dtype=np.float32)
     if weight.ndim != 2:
         raise ValueError(f"weight must be 2-D [N, K], got shape {weight.shape}")
@@ -108,12 +127,20 @@ def quantize(weight: np.ndarray, group_size: int, rule: str = "absmax") -> tuple
         raise ValueError(f"unknown q4gsw scale rule {rule!r}; rules: {', '.join(SCALE_RULES)}")
     N, K = weight.shape
     check_q4gsw_shapes(N, K, group_size)
+    importance = check_importance(importance, K)
+    if importance is not None and rule != "mse":
+        raise ValueError(f"importance weights apply to the 'mse' scale rule only, got rule {rule!r}")
     G = K // group_size
     groups = weight.reshape(N, G, group_size)
     if rule == "absmax":
         per_group = np.abs(groups).max(axis=2) / QMAX  # [N, G]
     else:
-        per_group = _mse_scales(groups.reshape(N * G, group_size)).reshape(N, G)
+        if importance is None:
+            a = np.ones(K, np.float32)
+        else:  # a column of zero importance keeps a tiny weight: ties fall to the plain squared error
+            a = importance + np.float32(1e-6) * max(float(importance.mean()), float(np.finfo(np.float32).tiny))
+        weights = np.broadcast_to(a.reshape(1, G, group_size), groups.shape).reshape(N * G, group_size)
+        per_group = _mse_scales(groups.reshape(N * G, group_size), weights).reshape(N, G)
     s = per_group.T.astype(np.float32).copy()  # [G, N]
     return pack_flat(requant(weight, s, group_size)), s
 
