@@ -212,14 +212,13 @@ def run_train(args: argparse.Namespace, device=None) -> int:
                                f"resumed run would read other batches; drop --seed to keep the checkpoint's")
     seed = resume.data_seed if resume is not None else (0 if args.seed is None else args.seed)
     data_path = Path(args.data) if args.data else default_dataset_path()
-    tokenizer = program_tokenizer(program_path)
     program_sha256 = sha256_file(program_path)
 
     runner = TrainingRunner.from_pte(program_path, device)
     own_device = getattr(runner, "device", None) if device is None else None  # a caller's device: its messages
     try:
         with runner:
-            state, start = _train_loaded(args, runner, schedule, optimizer, resume, seed, data_path, tokenizer,
+            state, start = _train_loaded(args, runner, schedule, optimizer, resume, seed, data_path,
                                          program_sha256, checkpoint_path)
     except BaseException:
         print_validation_messages(own_device)  # shown, but the error in flight wins
@@ -246,7 +245,7 @@ def run_train(args: argparse.Namespace, device=None) -> int:
     return 0
 
 
-def _train_loaded(args, runner, schedule, optimizer, resume, seed, data_path, tokenizer, program_sha256,
+def _train_loaded(args, runner, schedule, optimizer, resume, seed, data_path, program_sha256,
                   checkpoint_path) -> tuple[Optional[TrainState], int]:
     """The run once the program is loaded: (final state, first step's index), state None when interrupted."""
     info = describe_program(runner)
@@ -254,7 +253,7 @@ def _train_loaded(args, runner, schedule, optimizer, resume, seed, data_path, to
     if args.out_adapters and alpha is None:
         raise TrainConfigError("--out-adapters: the .pte does not record the LoRA alpha it was exported with; pass "
                                "--lora-alpha (the value given to vktrain export --lora-alpha, default 16)")
-    data = load_data(data_path, info.vocab_size, tokenizer)
+    data = load_data(data_path, info.vocab_size, program_tokenizer(runner, args.program))
     batches = TokenBatcher(data.tokens, info.batch_size, info.seq_len, seed=seed, shuffle=not args.no_shuffle,
                            source=str(data_path), labels=data.labels)
     state = TrainState()

@@ -285,11 +285,11 @@ class ModelTokenizer:
         return cls(backend, special, template, source=source)
 
 
-def program_tokenizer(path) -> Optional[ModelTokenizer]:
-    """The tokenizer a .pte carries (None when it carries none); reads only the file's named data."""
-    from vktrain.runtime.program.pte import PteFile
-
-    return ModelTokenizer.from_named_data(PteFile.load(path).named_data, str(path))
+def program_tokenizer(runner: Any, source: str) -> Optional[ModelTokenizer]:
+    """The tokenizer a loaded program's .pte carries (`runner.pte`, a PteFile), None when it carries none or
+    the runner has no parsed .pte (as a runner with no `graph` gets its facts elsewhere in describe_program)."""
+    named_data = getattr(getattr(runner, "pte", None), "named_data", None) or {}
+    return ModelTokenizer.from_named_data(named_data, source)
 
 
 def _jinja2():
