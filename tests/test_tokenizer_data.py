@@ -139,10 +139,8 @@ def _hf_tokenizer_dir(tmp_path, bpe: Tokenizer, add_bos: bool):
 
 @pytest.mark.parametrize("add_bos", [False, True])
 def test_hf_tokenizer_json_encodes_as_transformers(tmp_path, bpe, add_bos):
-    from vktrain.models.loading import _hf_tokenizer
-
     reference = _hf_tokenizer_dir(tmp_path, bpe, add_bos)
-    ours = _hf_tokenizer(tmp_path, {}).build()
+    ours = _ours_from_directory(tmp_path)
     _assert_same_tokenizer(ours, reference)
     assert (ours.encode("Hello")[0] == 0) == add_bos
 
@@ -166,9 +164,14 @@ def test_text_documents_are_packed_with_eos(tmp_path, bpe):
 
 
 def _named(directory) -> dict:
-    from vktrain.models.loading import _hf_tokenizer
+    """The named data export would write for the tokenizer saved in `directory`."""
+    return _ours_from_directory(directory).to_named_data()
 
-    return _hf_tokenizer(directory, {}).build().to_named_data()
+
+def _ours_from_directory(directory) -> ModelTokenizer:
+    from vktrain.models.loading import hf_tokenizer_info
+
+    return hf_tokenizer_info(directory, {}).build()
 
 
 def test_chat_rows_train_only_assistant_tokens(tmp_path, bpe):
@@ -208,15 +211,17 @@ def test_chat_rows_train_only_assistant_tokens(tmp_path, bpe):
 def test_bad_rows_and_missing_tokenizer_are_refused(tmp_path, bpe):
     ours = ModelTokenizer.from_gguf_metadata(*_tiny_gguf_vocab(tmp_path, bpe))
     rows = tmp_path / "bad.jsonl"
-    for line, message in ((json.dumps({"msgs": []}), r'bad.jsonl:1: expected \{"text": string\}'),
-                          ("{not json", "bad.jsonl:1: not a JSON object"),
-                          (json.dumps({"messages": [{"content": "x"}]}), r'messages\[0\] must be an object with a string "role"'),
-                          (json.dumps({"messages": [{"role": "user", "content": "x"}]}), "has no assistant message")):
+    cases = ((json.dumps({"msgs": []}), r'bad.jsonl:1: expected \{"text": string\}'),
+             ("{not json", "bad.jsonl:1: not a JSON object"),
+             (json.dumps({"messages": [{"content": "x"}]}), r'messages\[0\] must be an object with a string "role"'),
+             (json.dumps({"messages": [{"role": "user", "content": "x"}]}), "has no assistant message"))
+    for line, message in cases:
         rows.write_text(line, encoding="utf-8")
         with pytest.raises(DataError, match=message):
             load_data(rows, 400, ours)
     rows.write_text(json.dumps({"text": "x"}), encoding="utf-8")
-    with pytest.raises(DataError, match="JSONL data is tokenized with the model's tokenizer, but this program carries none"):
+    with pytest.raises(DataError, match="JSONL data is tokenized with the model's tokenizer, but this program "
+                                        "carries none"):
         load_data(rows, 256, None)
     no_template = ModelTokenizer(ours.backend, ours.special_tokens, None, source="step.pte")
     rows.write_text(json.dumps({"messages": CHAT}), encoding="utf-8")
@@ -225,7 +230,8 @@ def test_bad_rows_and_missing_tokenizer_are_refused(tmp_path, bpe):
     with pytest.raises(TokenizerError, match="named data 'vktrain.tokenizer_config.json' is missing"):
         ModelTokenizer.from_named_data({NAMED_DATA_TOKENIZER_JSON: ours.backend.to_str().encode()}, "step.pte")
     with pytest.raises(TokenizerError, match="'vktrain.tokenizer.json' is not a tokenizers file"):
-        ModelTokenizer.from_named_data({NAMED_DATA_TOKENIZER_JSON: b"{", NAMED_DATA_TOKENIZER_CONFIG: b"{}"}, "step.pte")
+        ModelTokenizer.from_named_data({NAMED_DATA_TOKENIZER_JSON: b"{", NAMED_DATA_TOKENIZER_CONFIG: b"{}"},
+                                       "step.pte")
 
 
 def _tiny_gguf_vocab(tmp_path, bpe) -> tuple[dict, str]:
@@ -236,6 +242,8 @@ def _tiny_gguf_vocab(tmp_path, bpe) -> tuple[dict, str]:
 
 def test_pte_exported_from_a_hf_directory_carries_its_tokenizer_and_trains_on_text(tmp_path, bpe, vk_device, capsys):
     """export (HF directory with a tokenizer) -> .pte named data -> `vktrain train --data chat.jsonl`."""
+    import argparse
+
     import torch
 
     from vktrain.export import export_training_step, lower_to_pte
@@ -261,8 +269,6 @@ def test_pte_exported_from_a_hf_directory_carries_its_tokenizer_and_trains_on_te
     assert {key: bytes(carried[key]) for key in named} == named  # one copy each, as written
     rows = tmp_path / "chat.jsonl"
     rows.write_text("\n".join(json.dumps({"messages": CHAT}) for _ in range(6)), encoding="utf-8")
-    import argparse
-
     args = add_train_arguments(argparse.ArgumentParser()).parse_args(
         [str(pte_path), "--data", str(rows), "--steps", "2", "--no-progress", "--json", str(tmp_path / "log.json")])
     assert run_train(args, device=vk_device) == 0

@@ -179,7 +179,8 @@ def _read_state_dict(directory: Path) -> dict[str, torch.Tensor]:
     return state
 
 
-def _hf_tokenizer(directory: Path, hf_config: Mapping[str, Any]) -> TokenizerInfo:
+def hf_tokenizer_info(directory: Path, hf_config: Mapping[str, Any]) -> TokenizerInfo:
+    """What a Hugging Face directory holds of its tokenizer (`hf_config`: config.json, for the special ids)."""
     tokenizer_json = directory / "tokenizer.json"
     config_path = directory / "tokenizer_config.json"
     tok_config = _read_json(config_path) if config_path.is_file() else {}
@@ -221,7 +222,8 @@ def load_hf_directory(directory, **overrides) -> LoadedModel:
     state = _read_state_dict(directory)
     model = build_loaded_model(config, state, str(directory))
     return LoadedModel(model=model, config=config, path=directory, format="hf", architecture=architectures[0],
-                       tokenizer=_hf_tokenizer(directory, hf_config), metadata=hf_config)
+                       tokenizer=hf_tokenizer_info(directory, hf_config), metadata=hf_config)
 
 
-__all__ = ["DEFAULT_MAX_SEQ_LEN", "HF_ARCHITECTURES", "LoadedModel", "TokenizerInfo", "load", "load_hf_directory"]
+__all__ = ["DEFAULT_MAX_SEQ_LEN", "HF_ARCHITECTURES", "LoadedModel", "TokenizerInfo", "hf_tokenizer_info", "load",
+           "load_hf_directory"]

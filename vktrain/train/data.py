@@ -303,8 +303,8 @@ class TokenBatcher:
         if labels is not None:
             labels = np.asarray(labels)
             if labels.shape != tokens.shape or labels.dtype.kind not in "iu":
-                raise DataError(f"{source}: labels must be an integer array shaped like the tokens {list(tokens.shape)}, "
-                                f"got {labels.dtype}{list(labels.shape)}")
+                raise DataError(f"{source}: labels must be an integer array shaped like the tokens "
+                                f"{list(tokens.shape)}, got {labels.dtype}{list(labels.shape)}")
         if not 0 <= seed < 2**32:
             raise DataError(f"the data seed must be in [0, 2**32), got {seed}")
         self.tokens = tokens  # kept in its own dtype (a memory map stays one); batches are int64

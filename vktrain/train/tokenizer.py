@@ -98,6 +98,31 @@ def _add_missing_special_tokens(backend, special_tokens: Mapping[str, str]) -> N
         backend.add_tokens([AddedToken(token, special=True) for token in missing])
 
 
+def _byte_level_bpe(tokens: list[str], merges: list[str], pre: Optional[str], source: str):
+    """A byte-level BPE over a GGUF vocabulary, as transformers' GPT2Tokenizer (with the split of `pre`)."""
+    tk = _tokenizers()
+    spelling = _bytes_to_unicode()
+    alphabet = set(spelling.values())
+    # A token the file spells in plain text (not the byte alphabet) is looked up by its bytes' spelling.
+    spelled = {token if set(token) <= alphabet else "".join(spelling[b] for b in token.encode("utf-8")): index
+               for index, token in enumerate(tokens)}
+    try:
+        pairs = [tuple(merge.split(" ")) for merge in merges]
+        backend = tk.Tokenizer(tk.models.BPE(vocab=spelled, merges=pairs, dropout=None, continuing_subword_prefix="",
+                                             end_of_word_suffix="", fuse_unk=False))
+    except Exception as exc:  # tokenizers raises bare Exceptions
+        raise TokenizerError(f"{source}: tokenizer.ggml.tokens / merges do not make a BPE model ({exc})") from None
+    split = GGUF_PRE_TOKENIZER_SPLITS.get(pre)
+    if split is None:
+        backend.pre_tokenizer = tk.pre_tokenizers.ByteLevel(add_prefix_space=False)
+    else:
+        backend.pre_tokenizer = tk.pre_tokenizers.Sequence([
+            tk.pre_tokenizers.Split(tk.Regex(split), behavior="isolated"),
+            tk.pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    backend.decoder = tk.decoders.ByteLevel()
+    return backend
+
+
 @dataclass
 class ModelTokenizer:
     """A `tokenizers.Tokenizer` with the model's special tokens and chat template.
@@ -202,7 +227,8 @@ class ModelTokenizer:
         kind = vocab.get("model")
         if kind not in SUPPORTED_GGUF_VOCABS:
             raise TokenizerError(f"{source}: tokenizer.ggml.model {kind!r} is not supported; supported: "
-                                 f"{', '.join(SUPPORTED_GGUF_VOCABS)} (byte-level BPE, as Llama 3, SmolLM2 and Qwen use)")
+                                 f"{', '.join(SUPPORTED_GGUF_VOCABS)} (byte-level BPE, as Llama 3, SmolLM2 and Qwen "
+                                 f"use)")
         tokens, merges = vocab.get("tokens"), vocab.get("merges")
         if not isinstance(tokens, list) or not tokens:
             raise TokenizerError(f"{source}: tokenizer.ggml.tokens is missing or empty")
@@ -210,24 +236,9 @@ class ModelTokenizer:
             raise TokenizerError(f"{source}: tokenizer.ggml.merges is missing (a gpt2 vocabulary lists its merges)")
         types = vocab.get("token_type") or []
         tk = _tokenizers()
+        backend = _byte_level_bpe(tokens, merges, vocab.get("pre"), source)
         alphabet = set(_bytes_to_unicode().values())
-        spelling = _bytes_to_unicode()
-        spelled = {token if set(token) <= alphabet else "".join(spelling[b] for b in token.encode("utf-8")): index
-                   for index, token in enumerate(tokens)}
-        try:
-            pairs = [tuple(merge.split(" ")) for merge in merges]
-            backend = tk.Tokenizer(tk.models.BPE(vocab=spelled, merges=pairs, dropout=None, continuing_subword_prefix="",
-                                                 end_of_word_suffix="", fuse_unk=False))
-        except Exception as exc:
-            raise TokenizerError(f"{source}: tokenizer.ggml.tokens / merges do not make a BPE model ({exc})") from None
-        split = GGUF_PRE_TOKENIZER_SPLITS.get(vocab.get("pre"))
-        if split is None:
-            backend.pre_tokenizer = tk.pre_tokenizers.ByteLevel(add_prefix_space=False)
-        else:
-            backend.pre_tokenizer = tk.pre_tokenizers.Sequence([
-                tk.pre_tokenizers.Split(tk.Regex(split), behavior="isolated"),
-                tk.pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
-        backend.decoder = tk.decoders.ByteLevel()
+        # A control token spelled outside the byte alphabet is a llama.cpp mislabel transformers skips.
         control = [tk.AddedToken(token, normalized=False, special=True) for token, kind_ in zip(tokens, types)
                    if kind_ == _GGUF_CONTROL and set(token) <= alphabet]
         if control:
