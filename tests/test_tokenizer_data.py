@@ -123,8 +123,54 @@ def test_gguf_vocabulary_tokenizer_encodes_as_transformers(tmp_path, bpe, pre, a
     assert (again.chat_template, again.special_tokens) == (ours.chat_template, ours.special_tokens)
 
 
-def test_sentencepiece_gguf_vocabulary_is_refused_naming_what_is_supported():
-    with pytest.raises(TokenizerError, match=r"x.gguf: tokenizer.ggml.model 'llama' is not supported; supported: gpt2"):
+def _write_sentencepiece_gguf(path, add_bos) -> None:
+    """A SentencePiece-style ("llama") GGUF vocabulary: <unk> <s> </s>, the 256 byte tokens, then pieces
+    of a BPE trained with "▁" for spaces, scored best first (as llama.cpp writes Llama 2's)."""
+    tokenizer = Tokenizer(models.BPE(byte_fallback=True))
+    tokenizer.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first")
+    tokenizer.train_from_iterator(CORPUS, trainers.BpeTrainer(vocab_size=200, show_progress=False))
+    vocab = tokenizer.get_vocab()
+    pieces = sorted(vocab, key=vocab.get)
+    tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)] + pieces
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_tokenizer_model("llama")
+    writer.add_token_list(tokens)
+    writer.add_token_types([2, 3, 3] + [6] * 256 + [1] * len(pieces))
+    writer.add_token_scores([0.0] * 259 + [-float(i) for i in range(len(pieces))])
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    writer.add_unk_token_id(0)
+    if add_bos is not None:
+        writer.add_add_bos_token(add_bos)
+    writer.add_chat_template("{{ bos_token }}{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}"
+                             "{{ eos_token }}{% endfor %}")
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+@pytest.mark.parametrize("add_bos", [None, False])  # None: the file says nothing, and BOS is added
+def test_sentencepiece_gguf_vocabulary_tokenizer_encodes_as_transformers(tmp_path, add_bos):
+    path = tmp_path / "sp.gguf"
+    _write_sentencepiece_gguf(path, add_bos)
+    vocab, template = _gguf_vocab(path)
+    ours = ModelTokenizer.from_gguf_metadata(vocab, template, source=str(path))
+    reference = transformers.AutoTokenizer.from_pretrained(tmp_path, gguf_file=path.name)
+    for text in TEXTS + CORPUS[:6] + ["hello  world", " x", "a\nb"]:
+        assert ours.encode(text) == reference(text)["input_ids"], text
+        ids = reference(text)["input_ids"]
+        assert ours.decode(ids, skip_special_tokens=True) == reference.decode(ids, skip_special_tokens=True)
+    assert (ours.encode("hi")[0] == 1) == (add_bos is None)
+    chat = [{"role": "user", "content": "hi there"}, {"role": "assistant", "content": "the fox"}]
+    assert ours.encode_chat(chat)[0] == _hf_chat_ids(reference, chat)
+
+
+def test_other_gguf_vocabularies_are_refused_naming_what_is_supported():
+    with pytest.raises(TokenizerError, match=r"x.gguf: tokenizer.ggml.model 't5' is not supported; supported: "
+                                             r"gpt2, llama"):
+        ModelTokenizer.from_gguf_metadata({"model": "t5", "tokens": ["<unk>"]}, source="x.gguf")
+    with pytest.raises(TokenizerError, match="needs tokenizer.ggml.scores"):
         ModelTokenizer.from_gguf_metadata({"model": "llama", "tokens": ["<unk>"]}, source="x.gguf")
 
 

@@ -5,9 +5,9 @@ Sources, each built to encode exactly as transformers' tokenizer loaded from the
 - a Hugging Face directory: tokenizer.json (+ tokenizer_config.json: special tokens, add_bos_token /
   add_eos_token, chat_template; or chat_template.jinja) - `ModelTokenizer.from_hf_files`;
 - a GGUF file's vocabulary: tokenizer.ggml.model "gpt2" (byte-level BPE: tokens, merges, token types,
-  special token ids, add_bos/add_eos flags, the pre-tokenizer name) and tokenizer.chat_template -
-  `ModelTokenizer.from_gguf_metadata`. SentencePiece ("llama") vocabularies are refused, naming what is
-  supported;
+  special token ids, add_bos/add_eos flags, the pre-tokenizer name) or "llama" (SentencePiece BPE: merges
+  from the scores, byte fallback, BOS added unless the file says otherwise) and tokenizer.chat_template -
+  `ModelTokenizer.from_gguf_metadata`. Other vocabularies are refused, naming what is supported;
 - a .pte: the two named-data entries export wrote (`ModelTokenizer.to_named_data` / `from_named_data`;
   keys in vktrain.contract), so a program carries what its data needs.
 
@@ -32,7 +32,7 @@ from vktrain.contract import NAMED_DATA_TOKENIZER_CONFIG, NAMED_DATA_TOKENIZER_J
 from vktrain.errors import VktrainError
 
 IGNORED_LABEL = -100  # the label of a token that is not trained on (the fused CE ignores labels < 0)
-SUPPORTED_GGUF_VOCABS = ("gpt2",)
+SUPPORTED_GGUF_VOCABS = ("gpt2", "llama")  # byte-level BPE; SentencePiece BPE (Llama 2, TinyLlama, Mistral)
 SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "pad_token")
 _GGUF_CONTROL, _GGUF_USER_DEFINED = 3, 4  # llama.cpp's token types
 
@@ -120,6 +120,40 @@ def _byte_level_bpe(tokens: list[str], merges: list[str], pre: Optional[str], so
             tk.pre_tokenizers.Split(tk.Regex(split), behavior="isolated"),
             tk.pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
     backend.decoder = tk.decoders.ByteLevel()
+    return backend
+
+
+def _generate_merges(vocab: Mapping[str, int], scores: Mapping[str, float]) -> list[tuple[str, str]]:
+    """The merges a SentencePiece vocabulary implies, best score first (transformers' generate_merges)."""
+    merges = []
+    for piece, score in scores.items():
+        local = [(piece[:i], piece[i:], score) for i in range(1, len(piece))
+                 if piece[:i] in vocab and piece[i:] in vocab]
+        merges += sorted(local, key=lambda m: (vocab[m[0]], vocab[m[1]]))
+    merges.sort(key=lambda m: (m[2], len(m[0]), len(m[1])), reverse=True)
+    return [(left, right) for left, right, _ in merges]
+
+
+def _sentencepiece_bpe(tokens: list[str], scores: Optional[list], merges: Optional[list], source: str):
+    """A SentencePiece BPE over a GGUF vocabulary, as transformers' LlamaTokenizer (byte fallback, "▁" for
+    spaces prepended to the first word)."""
+    tk = _tokenizers()
+    vocab = {token: index for index, token in enumerate(tokens)}
+    if merges is not None:
+        pairs = [tuple(merge.split(" ")) for merge in merges]
+    elif isinstance(scores, list) and len(scores) == len(tokens):
+        pairs = _generate_merges(vocab, dict(zip(tokens, scores)))
+    else:
+        raise TokenizerError(f"{source}: a llama (SentencePiece) vocabulary needs tokenizer.ggml.scores, one per "
+                             f"token, or tokenizer.ggml.merges")
+    try:
+        backend = tk.Tokenizer(tk.models.BPE(vocab=vocab, merges=pairs, fuse_unk=True, byte_fallback=True,
+                                             dropout=None))
+    except Exception as exc:  # tokenizers raises bare Exceptions
+        raise TokenizerError(f"{source}: tokenizer.ggml.tokens / scores do not make a BPE model ({exc})") from None
+    backend.pre_tokenizer = tk.pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="first", split=False)
+    backend.decoder = tk.decoders.Sequence([tk.decoders.Replace("\u2581", " "), tk.decoders.ByteFallback(),
+                                            tk.decoders.Fuse(), tk.decoders.Strip(content=" ", left=1)])
     return backend
 
 
@@ -232,15 +266,19 @@ class ModelTokenizer:
         tokens, merges = vocab.get("tokens"), vocab.get("merges")
         if not isinstance(tokens, list) or not tokens:
             raise TokenizerError(f"{source}: tokenizer.ggml.tokens is missing or empty")
-        if not isinstance(merges, list):
-            raise TokenizerError(f"{source}: tokenizer.ggml.merges is missing (a gpt2 vocabulary lists its merges)")
         types = vocab.get("token_type") or []
         tk = _tokenizers()
-        backend = _byte_level_bpe(tokens, merges, vocab.get("pre"), source)
-        alphabet = set(_bytes_to_unicode().values())
+        if kind == "gpt2":
+            if not isinstance(merges, list):
+                raise TokenizerError(f"{source}: tokenizer.ggml.merges is missing (a gpt2 vocabulary lists its merges)")
+            backend = _byte_level_bpe(tokens, merges, vocab.get("pre"), source)
+            alphabet = set(_bytes_to_unicode().values())
+        else:
+            backend = _sentencepiece_bpe(tokens, vocab.get("scores"), merges, source)
+            alphabet = None
         # A control token spelled outside the byte alphabet is a llama.cpp mislabel transformers skips.
         control = [tk.AddedToken(token, normalized=False, special=True) for token, kind_ in zip(tokens, types)
-                   if kind_ == _GGUF_CONTROL and set(token) <= alphabet]
+                   if kind_ == _GGUF_CONTROL and (alphabet is None or set(token) <= alphabet)]
         if control:
             backend.add_special_tokens(control)
         known = backend.get_vocab(with_added_tokens=True)
@@ -259,7 +297,9 @@ class ModelTokenizer:
                 special[name] = tokens[int(index)]
         _add_missing_special_tokens(backend, special)
         backend.post_processor = _bos_eos_post_processor(backend, special.get("bos_token"), special.get("eos_token"),
-                                                         bool(vocab.get("add_bos_token", False)),
+                                                         # llama.cpp adds BOS to a SentencePiece vocabulary
+                                                         # that does not say otherwise
+                                                         bool(vocab.get("add_bos_token", kind == "llama")),
                                                          bool(vocab.get("add_eos_token", False)))
         return cls(backend, special, chat_template, source=source)
 
