@@ -94,6 +94,7 @@ def cmd_export(args: argparse.Namespace) -> int:
     else:
         loaded = load(args.model, **overrides)
         model = loaded.model
+        print(f"loaded {args.model}: {loaded.describe()}")
         try:
             tokenizer = loaded.tokenizer.build()
         except TokenizerError as e:  # the model still trains, on token ids
@@ -101,7 +102,6 @@ def cmd_export(args: argparse.Namespace) -> int:
         if tokenizer is not None:
             print(f"tokenizer: {tokenizer.vocab_size} tokens, {'a' if tokenizer.chat_template else 'no'} chat "
                   f"template (carried in the .pte, for `vktrain train --data` text and chat JSONL)")
-        print(f"loaded {args.model}: {loaded.describe()}")
     config = LoRAConfig(rank=args.lora_rank, alpha=args.lora_alpha, targets=args.targets, group_size=args.group_size,
                         scale_rule=args.scale_rule)
     with warnings.catch_warnings(record=True) as caught:

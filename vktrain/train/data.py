@@ -49,7 +49,7 @@ PathLike = Union[str, os.PathLike]
 BYTE_VOCAB_SIZE = 256
 TOKEN_TEXT_SUFFIX = ".tokens.txt"
 JSONL_SUFFIX = ".jsonl"
-IGNORED_LABEL = -100  # a label the fused cross-entropy ignores (< 0); vktrain.train.tokenizer's too
+IGNORED_LABEL = -100  # the label of a token that is no target (the fused cross-entropy ignores labels < 0)
 _CHUNK = 1 << 24  # tokens per chunk when scanning or hashing a whole stream
 
 

@@ -31,7 +31,6 @@ from typing import Any, Mapping, Optional, Sequence
 from vktrain.contract import NAMED_DATA_TOKENIZER_CONFIG, NAMED_DATA_TOKENIZER_JSON
 from vktrain.errors import VktrainError
 
-IGNORED_LABEL = -100  # the label of a token that is not trained on (the fused CE ignores labels < 0)
 SUPPORTED_GGUF_VOCABS = ("gpt2", "llama")  # byte-level BPE; SentencePiece BPE (Llama 2, TinyLlama, Mistral)
 SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "pad_token")
 _GGUF_CONTROL, _GGUF_USER_DEFINED = 3, 4  # llama.cpp's token types
@@ -388,5 +387,5 @@ def _compiled_template(template: str):
         raise TokenizerError(f"the chat template is not valid jinja2 ({exc})") from None
 
 
-__all__ = ["GGUF_PRE_TOKENIZER_SPLITS", "IGNORED_LABEL", "ModelTokenizer", "SPECIAL_TOKEN_NAMES",
+__all__ = ["GGUF_PRE_TOKENIZER_SPLITS", "ModelTokenizer", "SPECIAL_TOKEN_NAMES",
            "SUPPORTED_GGUF_VOCABS", "TokenizerError", "program_tokenizer"]
