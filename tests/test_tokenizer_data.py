@@ -45,8 +45,9 @@ def bpe() -> Tokenizer:
     return tokenizer
 
 
-def _write_gguf(path, bpe: Tokenizer, pre: str, add_bos: bool) -> None:
-    """A GGUF holding `bpe` as llama.cpp's converter writes a gpt2 vocabulary (and no tensors)."""
+def _write_gguf(path, bpe: Tokenizer, pre: str, add_bos: bool, with_tensors: bool = False) -> None:
+    """A GGUF holding `bpe` as llama.cpp's converter writes a gpt2 vocabulary (with_tensors: and the
+    float32 tensors of a one-layer model of width 32, tied head, so vktrain.models.load reads it)."""
     vocab = bpe.get_vocab(with_added_tokens=True)
     tokens = sorted(vocab, key=vocab.get)
     assert [vocab[t] for t in tokens] == list(range(len(tokens)))
@@ -66,6 +67,14 @@ def _write_gguf(path, bpe: Tokenizer, pre: str, add_bos: bool) -> None:
     writer.add_eos_token_id(2)
     writer.add_add_bos_token(add_bos)
     writer.add_chat_template(CHAT_TEMPLATE)
+    if with_tensors:
+        rng = np.random.default_rng(0)
+        shapes = {"token_embd.weight": (len(tokens), 32), "output_norm.weight": (32,), "blk.0.attn_norm.weight": (32,),
+                  "blk.0.ffn_norm.weight": (32,), "blk.0.ffn_gate.weight": (64, 32), "blk.0.ffn_up.weight": (64, 32),
+                  "blk.0.ffn_down.weight": (32, 64),
+                  **{f"blk.0.attn_{name}.weight": (32, 32) for name in ("q", "k", "v", "output")}}
+        for name, shape in shapes.items():
+            writer.add_tensor(name, rng.standard_normal(shape).astype(np.float32))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -121,6 +130,18 @@ def test_gguf_vocabulary_tokenizer_encodes_as_transformers(tmp_path, bpe, pre, a
     again = ModelTokenizer.from_named_data(ours.to_named_data(), "step.pte")
     assert [again.encode(t) for t in TEXTS] == [ours.encode(t) for t in TEXTS]
     assert (again.chat_template, again.special_tokens) == (ours.chat_template, ours.special_tokens)
+
+
+def test_models_load_of_a_gguf_builds_the_tokenizer_export_embeds(tmp_path, bpe):
+    from vktrain.models import load
+
+    path = tmp_path / "model.gguf"
+    _write_gguf(path, bpe, "smollm", False, with_tensors=True)
+    built = load(path).tokenizer.build()
+    direct = ModelTokenizer.from_gguf_metadata(*_gguf_vocab(path))
+    assert built.source == str(path)
+    assert built.to_named_data() == direct.to_named_data()
+    assert [built.encode(t) for t in TEXTS] == [direct.encode(t) for t in TEXTS]
 
 
 def _write_sentencepiece_gguf(path, add_bos) -> None:
