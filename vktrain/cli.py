@@ -104,14 +104,23 @@ def _parse_model_args(items: list[str]) -> dict:
 def cmd_export(args: argparse.Namespace) -> int:
     from vktrain.lora import LoRAConfig, apply_lora
     from vktrain.models import available_models, build_model, load
+    from vktrain.train.tokenizer import TokenizerError
 
     overrides = _parse_model_args(args.model_arg)
+    tokenizer = None  # a pretrained model's, embedded in the .pte for `vktrain train`
     if args.model in available_models() or not Path(args.model).exists():  # unknown names are refused there
         model = build_model(args.model, **overrides)
     else:
         loaded = load(args.model, **overrides)
         model = loaded.model
         print(f"loaded {args.model}: {loaded.describe()}")
+        try:
+            tokenizer = loaded.tokenizer.build()
+        except TokenizerError as e:  # the model still trains, on token ids
+            print(f"warning: the .pte will carry no tokenizer: {e}", file=sys.stderr)
+        if tokenizer is not None:
+            print(f"tokenizer: {tokenizer.vocab_size} tokens, {'a' if tokenizer.chat_template else 'no'} chat "
+                  f"template (carried in the .pte, for `vktrain train --data` text and chat JSONL)")
     config = LoRAConfig(rank=args.lora_rank, alpha=args.lora_alpha, targets=args.targets, group_size=args.group_size,
                         scale_rule=args.scale_rule)
     with warnings.catch_warnings(record=True) as caught:
@@ -134,7 +143,7 @@ def cmd_export(args: argparse.Namespace) -> int:
     else:
         program = export_forward(model, batch_shape, with_adapters=args.program == "forward")
     partitioner = VktrainPartitioner()
-    pte = lower_to_pte(program, partitioner)
+    pte = lower_to_pte(program, partitioner, named_data=tokenizer.to_named_data() if tokenizer else None)
     atomic_write_bytes(Path(args.out), pte)
     print(f"wrote {args.out}: {len(pte)} bytes, {args.program} of {args.model} "
           f"(LoRA on {len(report.replaced)} layer(s), listed above; "

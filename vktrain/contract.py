@@ -42,8 +42,16 @@ METADATA_STATE_BYTES = "state_bytes"                  # bytes of the mutable tra
 METADATA_REFUSALS = "refusals"                        # JSON list of the partitioner's refusals
 METADATA_SYNTHETIC_CONSTANTS = "synthetic_constants"  # benchmark blobs only
 
+# ---- .pte named data (ExecuTorch Program.named_data: key -> one data segment, stored once) ------------
+# The model's tokenizer (a `tokenizers` tokenizer.json, post-processor final) and, as JSON,
+# {"special_tokens": {bos_token, eos_token, ...: token string}, "chat_template": string or null}:
+# written by export for pretrained models, read by `vktrain train` (vktrain.train.tokenizer).
+NAMED_DATA_TOKENIZER_JSON = "vktrain.tokenizer.json"
+NAMED_DATA_TOKENIZER_CONFIG = "vktrain.tokenizer_config.json"
+
 __all__ = ["ADAMW_DEFAULTS", "BACKEND_ID", "EXP_AVG_PREFIX", "EXP_AVG_SQ_PREFIX", "HPARAMS", "HPARAM_NAMES",
            "LABELS", "METADATA_BACKEND", "METADATA_PLANNED_MEMORY_BYTES", "METADATA_REFUSALS",
            "METADATA_SOURCE_MODEL", "METADATA_STATE_BYTES", "METADATA_SYNTHETIC_CONSTANTS",
-           "METADATA_UNPLANNED_MEMORY_BYTES", "MODEL_PREFIX", "N_VALID", "STATE_PREFIXES", "STEP_INPUTS",
+           "METADATA_UNPLANNED_MEMORY_BYTES", "MODEL_PREFIX", "NAMED_DATA_TOKENIZER_CONFIG",
+           "NAMED_DATA_TOKENIZER_JSON", "N_VALID", "STATE_PREFIXES", "STEP_INPUTS",
            "STEP_STATE", "TOKEN_IDS", "hparams_values"]

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import copy
+from typing import Mapping, Optional
 
 from executorch.exir import EdgeCompileConfig, ExecutorchBackendConfig, to_edge_transform_and_lower
 from executorch.exir.passes.init_mutable_pass import InitializedMutableBufferPass
@@ -70,8 +71,11 @@ def to_edge_lowered(program: ExportedProgram, partitioner: VktrainPartitioner | 
     return edge
 
 
-def lower_to_pte(program: ExportedProgram, partitioner: VktrainPartitioner | None = None) -> bytes:
+def lower_to_pte(program: ExportedProgram, partitioner: VktrainPartitioner | None = None,
+                 named_data: Optional[Mapping[str, bytes]] = None) -> bytes:
     """Partition, preprocess into the vktrain delegate, and serialize the whole program as .pte bytes.
+    `named_data` (key -> bytes, e.g. the model's tokenizer: keys in vktrain.contract) goes into the
+    Program's named data, one segment each, stored once.
 
     Raises LoweringError when a delegate would silently vanish: ExecuTorch removes a delegate call whose
     outputs are unused, even when the delegate updates state (e.g. an optimizer partition split off from
@@ -80,6 +84,8 @@ def lower_to_pte(program: ExportedProgram, partitioner: VktrainPartitioner | Non
     edge = to_edge_lowered(program, partitioner)
     graph = edge.exported_program().graph
     n_delegates = sum(1 for n in graph.nodes if n.op == "call_function" and "executorch_call_delegate" in str(n.target))
+    for key, data in (named_data or {}).items():
+        edge._named_data_store.add_named_data(key, bytes(data))  # executorch has no public setter (1.5)
     buffer = edge.to_executorch(ExecutorchBackendConfig(passes=[InitializedMutableBufferPass(_STATE_PATTERNS)])).buffer
     emitted = read_pte(buffer).delegate_calls
     if emitted != n_delegates:

@@ -150,11 +150,11 @@ def _hf_name(name: str, n_layers: int) -> str | None:
     return None
 
 
-def _tokenizer(metadata: dict) -> TokenizerInfo:
+def _tokenizer(metadata: dict, where: str) -> TokenizerInfo:
     vocab = {k.removeprefix("tokenizer.ggml."): v for k, v in metadata.items() if k.startswith("tokenizer.ggml.")}
     return TokenizerInfo(source="gguf", chat_template=metadata.get("tokenizer.chat_template"),
                          bos_token_id=vocab.get("bos_token_id"), eos_token_id=vocab.get("eos_token_id"),
-                         gguf_vocab=vocab)
+                         gguf_vocab=vocab, where=where)
 
 
 def load_gguf(path, **overrides) -> LoadedModel:
@@ -204,7 +204,8 @@ def load_gguf(path, **overrides) -> LoadedModel:
     model = build_loaded_model(config, state, where, prequantized)
     scalars = {k: v for k, v in metadata.items() if not isinstance(v, list)}
     return LoadedModel(model=model, config=config, path=path, format="gguf",
-                       architecture=metadata["general.architecture"], tokenizer=_tokenizer(metadata), metadata=scalars)
+                       architecture=metadata["general.architecture"], tokenizer=_tokenizer(metadata, where),
+                       metadata=scalars)
 
 
 __all__ = ["GGUF_ARCHITECTURES", "load_gguf", "q4_0_to_q4gsw", "read_metadata", "unpermute_rows"]

@@ -10,7 +10,8 @@ same LlamaForCausalLM with config switches. Anything else is refused, naming wha
 
 Returns a LoadedModel: the LlamaForCausalLM with the checkpoint's float weights (GGUF Q4_0 linear weights
 also carry their exact q4gsw codes for apply_lora, see vktrain.lora.layers), the LlamaConfig read, and
-what the checkpoint says about its tokenizer and chat template (TokenizerInfo: carried, not yet used).
+what the checkpoint says about its tokenizer and chat template (TokenizerInfo; `.build()` makes the
+runtime's vktrain.train.tokenizer.ModelTokenizer of it, which export embeds in the .pte).
 Keyword overrides replace LlamaConfig fields (e.g. max_seq_len). Anything missing, unknown or mis-shaped
 is a ValueError naming the file, the field and what was expected.
 """
@@ -45,6 +46,20 @@ class TokenizerInfo:
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
     gguf_vocab: Mapping[str, Any] = field(default_factory=dict)  # GGUF: tokenizer.ggml.* (model, tokens, merges, ...)
+    where: str = ""  # the file or directory it came from, for messages
+
+    def build(self):
+        """The tokenizer as vktrain.train.tokenizer.ModelTokenizer (encodes as transformers' tokenizer from the
+        same files), or None for a Hugging Face directory without tokenizer.json."""
+        from vktrain.train.tokenizer import ModelTokenizer
+
+        if self.source == "gguf":
+            return ModelTokenizer.from_gguf_metadata(self.gguf_vocab, self.chat_template, source=self.where)
+        if self.tokenizer_json is None:
+            return None
+        eos = self.eos_token_id[0] if isinstance(self.eos_token_id, list) and self.eos_token_id else self.eos_token_id
+        return ModelTokenizer.from_hf_files(self.tokenizer_json, self.tokenizer_config, self.chat_template,
+                                            eos_token_id=eos if isinstance(eos, int) else None)
 
 
 @dataclass
@@ -164,7 +179,8 @@ def _read_state_dict(directory: Path) -> dict[str, torch.Tensor]:
     return state
 
 
-def _hf_tokenizer(directory: Path, hf_config: Mapping[str, Any]) -> TokenizerInfo:
+def hf_tokenizer_info(directory: Path, hf_config: Mapping[str, Any]) -> TokenizerInfo:
+    """What a Hugging Face directory holds of its tokenizer (`hf_config`: config.json, for the special ids)."""
     tokenizer_json = directory / "tokenizer.json"
     config_path = directory / "tokenizer_config.json"
     tok_config = _read_json(config_path) if config_path.is_file() else {}
@@ -174,7 +190,8 @@ def _hf_tokenizer(directory: Path, hf_config: Mapping[str, Any]) -> TokenizerInf
         template = template_file.read_text(encoding="utf-8")
     return TokenizerInfo(source="hf", tokenizer_json=tokenizer_json if tokenizer_json.is_file() else None,
                          tokenizer_config=tok_config, chat_template=template,
-                         bos_token_id=hf_config.get("bos_token_id"), eos_token_id=hf_config.get("eos_token_id"))
+                         bos_token_id=hf_config.get("bos_token_id"), eos_token_id=hf_config.get("eos_token_id"),
+                         where=str(directory))
 
 
 def load_hf_directory(directory, **overrides) -> LoadedModel:
@@ -205,7 +222,8 @@ def load_hf_directory(directory, **overrides) -> LoadedModel:
     state = _read_state_dict(directory)
     model = build_loaded_model(config, state, str(directory))
     return LoadedModel(model=model, config=config, path=directory, format="hf", architecture=architectures[0],
-                       tokenizer=_hf_tokenizer(directory, hf_config), metadata=hf_config)
+                       tokenizer=hf_tokenizer_info(directory, hf_config), metadata=hf_config)
 
 
-__all__ = ["DEFAULT_MAX_SEQ_LEN", "HF_ARCHITECTURES", "LoadedModel", "TokenizerInfo", "load", "load_hf_directory"]
+__all__ = ["DEFAULT_MAX_SEQ_LEN", "HF_ARCHITECTURES", "LoadedModel", "TokenizerInfo", "hf_tokenizer_info", "load",
+           "load_hf_directory"]

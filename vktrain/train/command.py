@@ -27,8 +27,9 @@ from vktrain.train.checkpoint import (
     restore_state,
     sha256_file,
 )
-from vktrain.train.data import TokenBatcher, check_byte_level_fits, check_vocab, default_dataset_path, load_tokens
+from vktrain.train.data import TokenBatcher, default_dataset_path, load_data
 from vktrain.train.lr_schedule import SCHEDULES, LRSchedule
+from vktrain.train.tokenizer import program_tokenizer
 from vktrain.train.train_loop import (
     MAX_STEPS,
     METADATA_LORA_ALPHA,
@@ -50,8 +51,10 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     """The `vktrain train` arguments (the subcommand's parser; run it with `run_train`)."""
     parser.add_argument("program", metavar="FILE.pte", help="training-step program (vktrain export --program train-step)")
     parser.add_argument("--data", metavar="FILE",
-                        help="token data: byte-level text (any file; each byte is a token 0..255), a .npy 1-D "
-                             "integer array, or whitespace-separated ids in *.tokens.txt (default: the built-in corpus)")
+                        help="training data: text (one document), *.jsonl rows {\"text\"} or chat {\"messages\"} "
+                             "(only assistant turns train), tokenized with the tokenizer the .pte carries (without "
+                             "one: byte-level text, vocabulary 256 only); or token ids: a .npy 1-D integer array, "
+                             "whitespace-separated ids in *.tokens.txt (default: the built-in corpus)")
     parser.add_argument("--steps", type=int, required=True, metavar="N",
                         help=f"train up to step N (a resumed run continues from its checkpoint's step; N <= {MAX_STEPS})")
     parser.add_argument("--lr", type=float, default=1e-3, help="peak learning rate (default 1e-3)")
@@ -209,14 +212,13 @@ def run_train(args: argparse.Namespace, device=None) -> int:
                                f"resumed run would read other batches; drop --seed to keep the checkpoint's")
     seed = resume.data_seed if resume is not None else (0 if args.seed is None else args.seed)
     data_path = Path(args.data) if args.data else default_dataset_path()
-    tokens = load_tokens(data_path)
     program_sha256 = sha256_file(program_path)
 
     runner = TrainingRunner.from_pte(program_path, device)
     own_device = getattr(runner, "device", None) if device is None else None  # a caller's device: its messages
     try:
         with runner:
-            state, start = _train_loaded(args, runner, schedule, optimizer, resume, seed, data_path, tokens,
+            state, start = _train_loaded(args, runner, schedule, optimizer, resume, seed, data_path,
                                          program_sha256, checkpoint_path)
     except BaseException:
         print_validation_messages(own_device)  # shown, but the error in flight wins
@@ -243,7 +245,7 @@ def run_train(args: argparse.Namespace, device=None) -> int:
     return 0
 
 
-def _train_loaded(args, runner, schedule, optimizer, resume, seed, data_path, tokens, program_sha256,
+def _train_loaded(args, runner, schedule, optimizer, resume, seed, data_path, program_sha256,
                   checkpoint_path) -> tuple[Optional[TrainState], int]:
     """The run once the program is loaded: (final state, first step's index), state None when interrupted."""
     info = describe_program(runner)
@@ -251,10 +253,9 @@ def _train_loaded(args, runner, schedule, optimizer, resume, seed, data_path, to
     if args.out_adapters and alpha is None:
         raise TrainConfigError("--out-adapters: the .pte does not record the LoRA alpha it was exported with; pass "
                                "--lora-alpha (the value given to vktrain export --lora-alpha, default 16)")
-    check_byte_level_fits(data_path, info.vocab_size)
-    check_vocab(tokens, info.vocab_size, str(data_path))
-    batches = TokenBatcher(tokens, info.batch_size, info.seq_len, seed=seed, shuffle=not args.no_shuffle,
-                           source=str(data_path))
+    data = load_data(data_path, info.vocab_size, program_tokenizer(runner, args.program))
+    batches = TokenBatcher(data.tokens, info.batch_size, info.seq_len, seed=seed, shuffle=not args.no_shuffle,
+                           source=str(data_path), labels=data.labels)
     state = TrainState()
     if resume is not None:
         if resume.data_sha256 != batches.fingerprint:
@@ -270,7 +271,8 @@ def _train_loaded(args, runner, schedule, optimizer, resume, seed, data_path, to
                   file=sys.stderr)
     start = state.step
     print(f"{args.program}: batch {info.batch_size} x {info.seq_len}, vocabulary {info.vocab_size}; {data_path}: "
-          f"{tokens.size} tokens, {batches.batches_per_epoch:.1f} batches per epoch; steps {start + 1}..{args.steps}",
+          f"{data.tokens.size} tokens ({data.trained_tokens} trained), {batches.batches_per_epoch:.1f} batches per "
+          f"epoch; steps {start + 1}..{args.steps}",
           file=sys.stderr)
     try:
         train(runner, batches, args.steps, schedule, optimizer, state=state,  # updates `state` in place

@@ -1,18 +1,26 @@
-"""Training data: token files and a deterministic, position-addressed batcher.
+"""Training data: token files, text and chat data tokenized with the model's tokenizer, and a
+deterministic, position-addressed batcher.
 
-Token files (`load_tokens`), chosen by name; the stream keeps its file's integer dtype (uint8 for
-text, the array's dtype for .npy, memory-mapped) so a large corpus costs no int64 copy; batches are int64:
-  *.npy          a 1-D integer array of token ids (any integer dtype)
+Data files (`load_data`), chosen by name:
+  *.npy          a 1-D integer array of token ids (any integer dtype; memory-mapped, kept in its dtype)
   *.tokens.txt   token ids as whitespace-separated decimal integers
-  anything else  byte-level text: every byte of the file is one token id in 0..255 (a UTF-8 text file
-                 gives its UTF-8 bytes, so non-ASCII characters become several tokens). No decoding and
-                 no normalisation: the file's bytes are the stream.
+  *.jsonl        one JSON object per line, tokenized with the model's tokenizer (vktrain.train.tokenizer):
+                 {"text": "..."} a document; {"messages": [{"role", "content"}, ...]} a conversation,
+                 rendered with the model's chat template, where only the assistant turns are trained
+                 (every other token's label is -100)
+  anything else  text (UTF-8): with a tokenizer, the whole file is one document; without one, byte-level
+                 (every byte one token 0..255), which is only accepted for a vocabulary of 256 bytes
+Documents are tokenized as the tokenizer encodes a text (with its own BOS, where it adds one) and each is
+followed by the EOS token; conversations follow one another as the template renders them (it delimits
+them itself). Everything is packed into one stream, labels alongside: `TrainingData.labels` is None when
+every token is a target, else the parallel stream holding each token's id or -100.
 
 Batches (`TokenBatcher`): the stream is cut into windows of S + 1 tokens starting every S tokens
 (window w covers tokens [w*S, w*S + S]; consecutive windows share one boundary token), so there are
 W = (len - 1) // S windows and a tail shorter than a window is never used. A window gives one row:
     tokens[b] = window[:S]        labels[b] = window[1:]      (the next token at every position)
-so every label is a real target; none is ignored (-100 is never produced).
+so every label is a real target, or with a label stream its label at that position (windows whose
+every label is -100 train nothing and are left out).
 
 Batch p (p = 0, 1, 2, ..., the "data position") takes windows p*B .. p*B + B - 1 of an endless
 sequence of epochs; each epoch visits all W windows once, in an order that depends only on (seed, epoch)
@@ -24,17 +32,24 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import json
 import os
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator, Union
+from typing import TYPE_CHECKING, Iterator, Optional, Union
 
 import numpy as np
 from vktrain.errors import VktrainError
+
+if TYPE_CHECKING:
+    from vktrain.train.tokenizer import ModelTokenizer
 
 PathLike = Union[str, os.PathLike]
 
 BYTE_VOCAB_SIZE = 256
 TOKEN_TEXT_SUFFIX = ".tokens.txt"
+JSONL_SUFFIX = ".jsonl"
+IGNORED_LABEL = -100  # the label of a token that is no target (the fused cross-entropy ignores labels < 0)
 _CHUNK = 1 << 24  # tokens per chunk when scanning or hashing a whole stream
 
 
@@ -84,25 +99,37 @@ def _load_token_text(path: Path) -> np.ndarray:
         raise DataError(f"{path}: a token id does not fit in int64") from None
 
 
-def is_byte_level(path: PathLike) -> bool:
-    """Whether `load_tokens` reads this file as byte-level text (every byte one token 0..255)."""
+def is_token_file(path: PathLike) -> bool:
+    """Whether the file holds token ids (.npy, *.tokens.txt) rather than text to tokenize."""
     name = Path(path).name.lower()
-    return not (name.endswith(".npy") or name.endswith(TOKEN_TEXT_SUFFIX))
+    return name.endswith(".npy") or name.endswith(TOKEN_TEXT_SUFFIX)
 
 
-def check_byte_level_fits(path: PathLike, vocab_size: int) -> None:
-    """Byte-level text means token = byte, which is only the model's own tokenization when the vocabulary
-    is the 256 bytes: for any other vocabulary (a pretrained model's 32000 or 49152 tokens) the ids would
-    all be valid and train silently on nonsense, so it is refused."""
-    if is_byte_level(path) and vocab_size != BYTE_VOCAB_SIZE:
-        raise DataError(f"{path} would be read as byte-level text (token id = byte, 0..255), but this program's "
-                        f"vocabulary has {vocab_size} tokens, not the {BYTE_VOCAB_SIZE} bytes: tokenize the text "
-                        f"with the model's tokenizer and pass the ids as a 1-D .npy array or a "
+def is_byte_level(path: PathLike, tokenizer: Optional["ModelTokenizer"] = None) -> bool:
+    """Whether `load_data` reads this file as byte-level text (every byte one token 0..255)."""
+    return tokenizer is None and not is_token_file(path) and not Path(path).name.lower().endswith(JSONL_SUFFIX)
+
+
+def check_byte_level_fits(path: PathLike, vocab_size: int, tokenizer: Optional["ModelTokenizer"] = None) -> None:
+    """Text with no tokenizer is read byte-level (token = byte), which is only the model's own tokenization
+    when the vocabulary is the 256 bytes: for any other vocabulary (a pretrained model's 32000 or 49152
+    tokens) the ids would all be valid and train silently on nonsense, so it is refused; JSONL always
+    needs the tokenizer."""
+    if tokenizer is not None or is_token_file(path):
+        return
+    if Path(path).name.lower().endswith(JSONL_SUFFIX):
+        raise DataError(f"{path}: JSONL data is tokenized with the model's tokenizer, but this program carries "
+                        f"none (export it from a Hugging Face directory or a GGUF file, which carry theirs)")
+    if vocab_size != BYTE_VOCAB_SIZE:
+        raise DataError(f"{path} would be read as byte-level text (token id = byte, 0..255), but this program "
+                        f"carries no tokenizer and its vocabulary has {vocab_size} tokens, not the "
+                        f"{BYTE_VOCAB_SIZE} bytes: export the program from the model's Hugging Face directory or "
+                        f"GGUF file (it then carries the tokenizer), or pass token ids as a 1-D .npy array or a "
                         f"*{TOKEN_TEXT_SUFFIX} file")
 
 
 def load_tokens(path: PathLike) -> np.ndarray:
-    """The token stream of a data file as an integer array [N] (see the module docstring for the formats)."""
+    """The token stream of a token file or of byte-level text, as an integer array [N] (module docstring)."""
     path = Path(path)
     if not path.is_file():
         raise DataError(f"data file {path} does not exist (or is not a file)")
@@ -114,6 +141,111 @@ def load_tokens(path: PathLike) -> np.ndarray:
     else:
         tokens = np.fromfile(path, dtype=np.uint8)
     return tokens
+
+
+@dataclass(frozen=True)
+class TrainingData:
+    """A packed token stream [N] and, when some tokens are not targets, its label stream [N] (id or -100)."""
+    tokens: np.ndarray
+    labels: Optional[np.ndarray] = None
+
+    @property
+    def trained_tokens(self) -> int:
+        return self.tokens.size if self.labels is None else int(np.count_nonzero(self.labels >= 0))
+
+
+class _Packer:
+    """Documents and conversations appended to one token stream with their labels."""
+
+    def __init__(self, tokenizer: "ModelTokenizer", source: str) -> None:
+        self.tokenizer, self.source = tokenizer, source
+        self.tokens: list[int] = []
+        self.labels: list[int] = []
+        self.masked = False
+
+    def document(self, text: str, where: str) -> None:
+        eos = self.tokenizer.eos_token_id
+        if eos is None:
+            raise DataError(f"{where}: the tokenizer ({self.tokenizer.source}) has no EOS token to end documents with")
+        ids = self.tokenizer.encode(text)
+        if not ids or ids[-1] != eos:  # a tokenizer that adds EOS itself (add_eos_token) gets no second one
+            ids.append(eos)
+        self.tokens += ids
+        self.labels += ids
+
+    def conversation(self, messages: list, where: str) -> None:
+        from vktrain.train.tokenizer import TokenizerError
+
+        try:
+            ids, trained = self.tokenizer.encode_chat(messages)
+        except TokenizerError as exc:
+            raise DataError(f"{where}: {exc}") from None
+        if not any(trained):
+            raise DataError(f"{where}: the conversation has no assistant message (nothing would be trained)")
+        self.tokens += ids
+        self.labels += [i if t else IGNORED_LABEL for i, t in zip(ids, trained)]
+        self.masked = True
+
+    def result(self) -> TrainingData:
+        if not self.tokens:
+            raise DataError(f"{self.source}: no documents or conversations in the file")
+        tokens = np.array(self.tokens, dtype=np.int64)
+        return TrainingData(tokens, np.array(self.labels, dtype=np.int64) if self.masked else None)
+
+
+def _check_messages(messages, where: str) -> list:
+    if not isinstance(messages, list) or not messages:
+        raise DataError(f'{where}: "messages" must be a non-empty list of {{"role", "content"}} objects, got '
+                        f"{str(messages)[:80]}")
+    for i, message in enumerate(messages):
+        if not (isinstance(message, dict) and isinstance(message.get("role"), str) and "content" in message):
+            raise DataError(f'{where}: messages[{i}] must be an object with a string "role" and a "content", got '
+                            f"{str(message)[:80]}")
+    return messages
+
+
+def _read_text(path: Path) -> str:
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise DataError(f"{path}: text data must be UTF-8 ({exc})") from None
+
+
+def _load_jsonl(path: Path, packer: _Packer) -> None:
+    for number, line in enumerate(_read_text(path).splitlines(), start=1):
+        if not line.strip():
+            continue
+        where = f"{path}:{number}"
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise DataError(f"{where}: not a JSON object ({exc})") from None
+        if isinstance(row, dict) and isinstance(row.get("text"), str):
+            packer.document(row["text"], where)
+        elif isinstance(row, dict) and "messages" in row:
+            packer.conversation(_check_messages(row["messages"], where), where)
+        else:
+            raise DataError(f'{where}: expected {{"text": string}} or {{"messages": [...]}}, got {line.strip()[:80]}')
+
+
+def load_data(path: PathLike, vocab_size: int, tokenizer: Optional["ModelTokenizer"] = None) -> TrainingData:
+    """The training data of a file (module docstring): tokenized with `tokenizer` when it is text, checked
+    against the vocabulary (ids in [0, vocab_size); text without a tokenizer only for 256 tokens)."""
+    path = Path(path)
+    if not path.is_file():
+        raise DataError(f"data file {path} does not exist (or is not a file)")
+    check_byte_level_fits(path, vocab_size, tokenizer)
+    if tokenizer is None or is_token_file(path):
+        data = TrainingData(load_tokens(path))
+    else:
+        packer = _Packer(tokenizer, str(path))
+        if path.name.lower().endswith(JSONL_SUFFIX):
+            _load_jsonl(path, packer)
+        else:
+            packer.document(_read_text(path), str(path))
+        data = packer.result()
+    check_vocab(data.tokens, vocab_size, str(path))
+    return data
 
 
 def check_vocab(tokens: np.ndarray, vocab_size: int, source: str = "data") -> None:
@@ -156,28 +288,43 @@ def epoch_order(n_windows: int, seed: int, epoch: int) -> np.ndarray:
 
 
 class TokenBatcher:
-    """Deterministic (tokens, labels) int64 [B, S] batches addressed by position (module docstring)."""
+    """Deterministic (tokens, labels) int64 [B, S] batches addressed by position (module docstring).
+
+    `labels`: None (every next token is a target) or a stream as long as `tokens` holding each token's
+    label (its id, or -100 where it is not a target); a window whose labels are all -100 is left out."""
 
     def __init__(self, tokens: np.ndarray, batch_size: int, seq_len: int, *, seed: int = 0, shuffle: bool = True,
-                 source: str = "data") -> None:
+                 source: str = "data", labels: Optional[np.ndarray] = None) -> None:
         if batch_size <= 0 or seq_len <= 0:
             raise DataError(f"batch size and sequence length must be positive, got {batch_size} x {seq_len}")
         tokens = np.asarray(tokens)
         if tokens.ndim != 1 or tokens.dtype.kind not in "iu":
             raise DataError(f"{source}: tokens must be a 1-D integer array, got {tokens.dtype}{list(tokens.shape)}")
+        if labels is not None:
+            labels = np.asarray(labels)
+            if labels.shape != tokens.shape or labels.dtype.kind not in "iu":
+                raise DataError(f"{source}: labels must be an integer array shaped like the tokens "
+                                f"{list(tokens.shape)}, got {labels.dtype}{list(labels.shape)}")
         if not 0 <= seed < 2**32:
             raise DataError(f"the data seed must be in [0, 2**32), got {seed}")
         self.tokens = tokens  # kept in its own dtype (a memory map stays one); batches are int64
+        self.labels = labels
         self.batch_size = batch_size
         self.seq_len = seq_len
         self.seed = seed
         self.shuffle = shuffle
         self.source = source
-        self.n_windows = (self.tokens.size - 1) // seq_len if self.tokens.size else 0
+        windows = (self.tokens.size - 1) // seq_len if self.tokens.size else 0
+        self._windows = np.arange(windows)  # the stream's windows that train something, in file order
+        if labels is not None and windows:
+            targets = labels[1:windows * seq_len + 1].reshape(windows, seq_len)
+            self._windows = np.flatnonzero((targets >= 0).any(axis=1))
+        self.n_windows = self._windows.size
         if self.n_windows < batch_size:
+            trained = "" if labels is None else f" with a target (of {windows})"
             raise DataError(
                 f"{source} is too short for one batch: {self.tokens.size} tokens make {self.n_windows} window(s) of "
-                f"{seq_len} + 1 tokens, a batch of {batch_size} x {seq_len} needs {batch_size} windows "
+                f"{seq_len} + 1 tokens{trained}, a batch of {batch_size} x {seq_len} needs {batch_size} windows "
                 f"(at least {batch_size * seq_len + 1} tokens)")
         self._order_cache: tuple[int, np.ndarray] | None = None
 
@@ -192,6 +339,10 @@ class TokenBatcher:
         digest.update(f"vktrain-batcher:B={self.batch_size}:S={self.seq_len}:shuffle={int(self.shuffle)}:".encode())
         for start in range(0, self.tokens.size, _CHUNK):  # as int64, so the storage dtype does not matter
             digest.update(self.tokens[start:start + _CHUNK].astype("<i8").tobytes())
+        if self.labels is not None:  # a stream with no label stream keeps the fingerprint it always had
+            digest.update(b":labels:")
+            for start in range(0, self.labels.size, _CHUNK):
+                digest.update(self.labels[start:start + _CHUNK].astype("<i8").tobytes())
         return digest.hexdigest()
 
     def _order(self, epoch: int) -> np.ndarray:
@@ -208,14 +359,16 @@ class TokenBatcher:
         indices = np.empty(self.batch_size, dtype=np.int64)
         for row in range(self.batch_size):
             epoch, within = divmod(position * self.batch_size + row, self.n_windows)
-            indices[row] = self._order(epoch)[within]
+            indices[row] = self._windows[self._order(epoch)[within]]
         return indices
 
     def batch(self, position: int) -> tuple[np.ndarray, np.ndarray]:
         """(tokens, labels), both int64 [B, S], of batch number `position` (0-based)."""
         starts = self.window_indices(position) * self.seq_len
-        rows = self.tokens[starts[:, None] + np.arange(self.seq_len + 1)[None, :]].astype(np.int64)
-        return np.ascontiguousarray(rows[:, :-1]), np.ascontiguousarray(rows[:, 1:])
+        positions = starts[:, None] + np.arange(self.seq_len + 1)[None, :]
+        rows = self.tokens[positions].astype(np.int64)
+        labels = rows if self.labels is None else self.labels[positions].astype(np.int64)
+        return np.ascontiguousarray(rows[:, :-1]), np.ascontiguousarray(labels[:, 1:])
 
     def batches(self, start: int = 0) -> Iterator[tuple[np.ndarray, np.ndarray]]:
         """Batches start, start + 1, ... (endless)."""
@@ -225,5 +378,6 @@ class TokenBatcher:
             position += 1
 
 
-__all__ = ["BYTE_VOCAB_SIZE", "DataError", "TOKEN_TEXT_SUFFIX", "TokenBatcher", "check_byte_level_fits",
-           "check_vocab", "default_dataset_path", "epoch_order", "is_byte_level", "load_tokens"]
+__all__ = ["BYTE_VOCAB_SIZE", "DataError", "IGNORED_LABEL", "JSONL_SUFFIX", "TOKEN_TEXT_SUFFIX", "TokenBatcher",
+           "TrainingData", "check_byte_level_fits", "check_vocab", "default_dataset_path", "epoch_order",
+           "is_byte_level", "is_token_file", "load_data", "load_tokens"]
