@@ -85,8 +85,11 @@ class LoadedModel:
 
 
 def load(path, **overrides) -> LoadedModel:
-    """Load a Hugging Face model directory or a .gguf file (module docstring)."""
-    path = Path(path)
+    """Load a Hugging Face model directory, a .gguf file, or a bundled checkpoint by name
+    (vktrain.models.bundled, e.g. "smollm2-135m-instruct") (module docstring)."""
+    from .bundled import bundled_checkpoint
+
+    path = bundled_checkpoint(str(path)) or Path(path)
     if path.is_dir():
         return load_hf_directory(path, **overrides)
     if path.is_file():
