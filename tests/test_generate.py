@@ -124,3 +124,173 @@ def test_positions_outside_the_cache_are_refused():
         OPS.kv_cache_update(cache, new, torch.tensor([1, 1]))
     with pytest.raises(CachePositionError, match=r"positions in \[-1, -1\]"):
         OPS.cached_attention(torch.zeros(1, 1, 1, 8), cache, cache, torch.tensor([-1]), 1.0)
+
+
+def test_decode_op_shape_functions_agree_with_the_cpu_references():
+    from vktrain.opdefs import TensorMeta, infer_outputs
+    from vktrain.opdefs.decode_ops import DECODE_OPS
+
+    gen = torch.Generator().manual_seed(0)
+    cache = torch.randn(2, 9, 2, 8, generator=gen)
+    calls = {"kv_cache_update": (cache, torch.randn(2, 3, 2, 8, generator=gen), torch.tensor([0, 4, 8])),
+             "cached_attention": (torch.randn(2, 3, 6, 8, generator=gen), cache, cache, torch.tensor([0, 4, 8]), 0.5)}
+    meta = lambda t: TensorMeta(tuple(t.shape), str(t.dtype).removeprefix("torch.")) if isinstance(t, torch.Tensor) else t
+    for definition in DECODE_OPS:
+        name = definition.schema.name
+        eager = getattr(OPS, name)(*calls[name])
+        assert infer_outputs(definition.key, [meta(a) for a in calls[name]]) == (meta(eager),), name
+    assert "input_pos must have one position per row of q (L = 3)" in infer_outputs(
+        "vktrain.cached_attention.default", [meta(a) for a in calls["cached_attention"][:3]]
+        + [TensorMeta((2,), "int64"), 0.5])
+
+
+# ---- the generation program, end to end ----------------------------------------------------------
+# One tiny Llama made with transformers, with LoRA adapters in PEFT format; `vktrain generate` exports
+# its program once (into a program cache) and every test below runs that program.
+
+VOCAB, CACHE_LENGTH, PREFILL_LENGTH, NEW_TOKENS = 320, 32, 8, 6
+PROMPTS = ([1, 2, 3], [7, 300, 12, 45, 45, 99, 3, 18, 250, 4, 61], [42])  # the second takes two prefill chunks
+
+
+def _cli(*args, timeout=900):
+    import subprocess
+    import sys
+
+    result = subprocess.run([sys.executable, "-m", "vktrain.cli", "generate", *args], capture_output=True, text=True,
+                            timeout=timeout)
+    return result
+
+
+@pytest.fixture(scope="module")
+def generation(tmp_path_factory):
+    import json
+
+    import transformers
+
+    from vktrain.lora import LoRAConfig, apply_lora, load_adapters, lora_modules
+    from vktrain.models import load
+    from vktrain.train.adapters import save_adapters
+
+    root = tmp_path_factory.mktemp("generation")
+    torch.manual_seed(0)
+    # initializer_range 0.2 (HF's default is 0.02): peaked logits, so greedy choices are not near-ties.
+    config = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                      rms_norm_eps=1e-5, tie_word_embeddings=True, initializer_range=0.2)
+    hf = transformers.LlamaForCausalLM(config).eval()
+    hf.save_pretrained(root / "hf")
+
+    # Adapters: vktrain's LoRA layers with a non-zero B, written as PEFT files.
+    model = load(root / "hf").model
+    apply_lora(model, LoRAConfig(rank=4, alpha=8.0, group_size=32, scale_rule="mse", seed=1))
+    gen = torch.Generator().manual_seed(2)
+    adapters = {}
+    for path, layer in lora_modules(model).items():
+        with torch.no_grad():
+            layer.lora_B.normal_(0.0, 0.1, generator=gen)
+        adapters[path] = (layer.lora_A.detach().numpy(), layer.lora_B.detach().numpy())
+    save_adapters(root / "adapters", adapters, lora_alpha=8.0, base_model="tiny-hf-llama")
+
+    # The same model as `vktrain generate` builds it (default group size 32, mse scales).
+    model = load(root / "hf").model
+    apply_lora(model, LoRAConfig(rank=4, alpha=8.0, targets=",".join(adapters), group_size=32, scale_rule="mse"))
+    load_adapters(model, root / "adapters")
+
+    common = ["--model", str(root / "hf"), "--adapters", str(root / "adapters"), "--max-new-tokens", str(NEW_TOKENS),
+              "--prefill-length", str(PREFILL_LENGTH), "--cache-length", str(CACHE_LENGTH),
+              "--program-cache", str(root / "programs")]
+    first = _cli(*common, "--prompt-ids", ",".join(map(str, PROMPTS[0])), "--json", str(root / "first.json"))
+    assert first.returncode == 0, first.stderr
+    second = _cli(*common, "--prompt-ids", ",".join(map(str, PROMPTS[1])), "--json", str(root / "second.json"))
+    assert second.returncode == 0, second.stderr
+    (pte,) = (root / "programs").glob("*.pte")
+    runs = [(first, json.loads((root / "first.json").read_text())),
+            (second, json.loads((root / "second.json").read_text()))]
+    return dict(root=root, hf=hf, model=model, pte=pte, runs=runs)
+
+
+def _hf_reference(generation):
+    """transformers' LlamaForCausalLM on vktrain's dequantized q4gsw weights, with the adapters loaded by PEFT."""
+    import copy
+
+    import peft
+
+    from vktrain.lora import lora_modules
+
+    hf = copy.deepcopy(generation["hf"])
+    with torch.no_grad():
+        for path, layer in lora_modules(generation["model"]).items():
+            hf.get_submodule(path).weight.copy_(layer.dequantized_weight())
+    return peft.PeftModel.from_pretrained(hf, str(generation["root"] / "adapters")).eval()
+
+
+def _float64_logits(model, token_ids):
+    import copy
+
+    from _helpers import _cast_floating
+
+    model = copy.deepcopy(model)
+    _cast_floating(model, torch.float64)
+    with torch.no_grad():
+        return model(torch.tensor([token_ids])).numpy()[0]
+
+
+def test_generate_command_equals_transformers_greedy_generation(generation):
+    reference = _hf_reference(generation)
+    (first, first_json), (second, second_json) = generation["runs"]
+    assert "program cached" in first.stdout and "program from the cache" in second.stdout
+    assert "tokens/s" in first.stdout
+    for prompt, record in ((PROMPTS[0], first_json), (PROMPTS[1], second_json)):
+        with torch.no_grad():
+            expected = reference.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                                          do_sample=False, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,
+                                          pad_token_id=0)[0, len(prompt):].tolist()
+        assert record["prompt_tokens"] == prompt
+        assert record["tokens"] == expected
+        assert record["tokens_per_s"] > 0 and record["text"] is None  # no tokenizer in this checkpoint
+
+
+def test_runner_greedy_equals_transformers_and_logits_equal_the_full_sequence(generation, vk_device):
+    from vktrain.generate.runner import GenerationRunner
+    from vktrain.generate.sampling import Sampler
+
+    reference = _hf_reference(generation)
+    with GenerationRunner.from_pte(generation["pte"], vk_device) as runner:
+        assert (runner.cache_length, runner.prefill_length, runner.vocab_size) == (CACHE_LENGTH, PREFILL_LENGTH, VOCAB)
+        for prompt in PROMPTS:
+            result = runner.generate(prompt, NEW_TOKENS, Sampler())
+            with torch.no_grad():
+                expected = reference.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                                              do_sample=False, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,
+                                              pad_token_id=0)[0, len(prompt):].tolist()
+            assert result.tokens == expected, prompt
+            # Logits of every position: prefill (all prompt rows) then one decode per new token fed back, against
+            # the float64 eager forward of the whole sequence. fp32 dot products of length K <= 128 err by about
+            # sqrt(K) * 6e-8 ~ 1e-6 relative each, a few such per layer over 2 layers and the head: ~1e-6 of the
+            # largest logit (measured 1e-7 .. 3e-7); 2e-5 leaves a margin without hiding a wrong position or row.
+            sequence = prompt + result.tokens
+            exact = _float64_logits(generation["model"], sequence)
+            scale = np.abs(exact).max()
+            got = [*runner.prefill(prompt)]
+            got += [runner.decode(token, len(prompt) + i) for i, token in enumerate(result.tokens[:-1])]
+            errors = np.abs(np.stack(got) - exact[:len(sequence) - 1]).max(axis=1) / scale
+            assert errors.max() <= 2e-5, errors
+
+
+def test_positions_past_the_cache_are_refused(generation, vk_device):
+    from vktrain.generate.runner import GenerationRunner
+    from vktrain.generate.sampling import Sampler
+
+    with GenerationRunner.from_pte(generation["pte"], vk_device) as runner:
+        with pytest.raises(CachePositionError, match=r"30 prompt tokens \+ 3 new tokens need 33 cache positions; "
+                                                     r"the program's KV cache has 32"):
+            runner.generate([1] * 30, 3, Sampler())
+        with pytest.raises(CachePositionError, match=r"the decode position holds positions in \[32, 32\]"):
+            runner.decode(1, CACHE_LENGTH)
+        with pytest.raises(CachePositionError, match="a prompt of 32 tokens leaves no position"):
+            runner.prefill([1] * CACHE_LENGTH)
+    result = _cli("--model", str(generation["root"] / "hf"), "--prompt-ids", "1,2", "--max-new-tokens", "100",
+                  "--cache-length", str(CACHE_LENGTH), "--program-cache", str(generation["root"] / "programs"),
+                  "--adapters", str(generation["root"] / "adapters"), "--prefill-length", str(PREFILL_LENGTH))
+    assert result.returncode == 2
+    assert "vktrain generate: error: 2 prompt tokens + 100 new tokens need 102 cache positions" in result.stderr
