@@ -144,6 +144,49 @@ def test_decode_op_shape_functions_agree_with_the_cpu_references():
         + [TensorMeta((2,), "int64"), 0.5])
 
 
+# ---- sampling (host, numpy) ----------------------------------------------------------------------
+
+def test_greedy_takes_the_lowest_id_of_tied_maxima():
+    from vktrain.generate.sampling import Sampler
+
+    assert Sampler()(np.array([0.5, 2.0, -1.0, 2.0], np.float32)) == 1
+
+
+def test_sampling_draws_from_the_tempered_top_p_nucleus():
+    from vktrain.generate.sampling import Sampler
+
+    logits = np.array([1.0, 3.0, 0.0, 2.5, -1.0])
+    temperature, top_p, draws = 0.7, 0.9, 20000
+    probs = np.exp(logits / temperature) / np.exp(logits / temperature).sum()
+    order = np.argsort(-probs)
+    nucleus = order[:np.argmax(np.cumsum(probs[order]) >= top_p) + 1]  # smallest prefix reaching top_p
+    expected = np.zeros_like(probs)
+    expected[nucleus] = probs[nucleus] / probs[nucleus].sum()
+    sampler = Sampler(temperature, top_p, seed=5)
+    counts = np.bincount([sampler(logits) for _ in range(draws)], minlength=logits.size)
+    assert set(np.flatnonzero(counts)) == set(nucleus.tolist())
+    # Binomial standard deviation sqrt(p (1 - p) / n) <= 0.0036 here: 5 sigma.
+    assert np.abs(counts / draws - expected).max() <= 5 * math.sqrt(0.25 / draws)
+    same_seed = [Sampler(temperature, top_p, seed=5) for _ in range(2)]
+    runs = [[sampler(logits) for _ in range(50)] for sampler in same_seed]
+    assert runs[0] == runs[1]  # the seed fixes the draws
+
+
+def test_sampling_settings_are_checked():
+    from vktrain.generate.sampling import Sampler, SamplingError
+
+    with pytest.raises(SamplingError, match="temperature must be finite and >= 0"):
+        Sampler(temperature=-1.0)
+    with pytest.raises(SamplingError, match=r"top_p must be in \(0, 1\], got 0"):
+        Sampler(temperature=1.0, top_p=0.0)
+
+
+def test_the_generation_runner_imports_neither_torch_nor_executorch():
+    from _helpers import assert_import_loads_none
+
+    assert_import_loads_none(["vktrain.generate.runner", "vktrain.generate.sampling"], ["torch", "executorch"])
+
+
 # ---- the generation program, end to end ----------------------------------------------------------
 # One tiny Llama made with transformers, with LoRA adapters in PEFT format; `vktrain generate` exports
 # its program once (into a program cache) and every test below runs that program.
@@ -254,7 +297,12 @@ def test_runner_greedy_equals_transformers_and_logits_equal_the_full_sequence(ge
     from vktrain.generate.runner import GenerationRunner
     from vktrain.generate.sampling import Sampler
 
+    import copy
+
+    from vktrain.lora import lora_modules
+
     reference = _hf_reference(generation)
+    generated = []
     with GenerationRunner.from_pte(generation["pte"], vk_device) as runner:
         assert (runner.cache_length, runner.prefill_length, runner.vocab_size) == (CACHE_LENGTH, PREFILL_LENGTH, VOCAB)
         for prompt in PROMPTS:
@@ -275,6 +323,15 @@ def test_runner_greedy_equals_transformers_and_logits_equal_the_full_sequence(ge
             got += [runner.decode(token, len(prompt) + i) for i, token in enumerate(result.tokens[:-1])]
             errors = np.abs(np.stack(got) - exact[:len(sequence) - 1]).max(axis=1) / scale
             assert errors.max() <= 2e-5, errors
+            generated.append(result.tokens)
+    # The check has teeth: the outputs vary, and without its adapters the model's logits are far off.
+    assert len({t for tokens in generated for t in tokens}) > 2
+    without_adapters = copy.deepcopy(generation["model"])
+    for layer in lora_modules(without_adapters).values():
+        layer.adapter_enabled = False
+    sequence = PROMPTS[1]
+    exact = _float64_logits(generation["model"], sequence)
+    assert np.abs(_float64_logits(without_adapters, sequence) - exact).max() > 1e-2 * np.abs(exact).max()
 
 
 def test_positions_past_the_cache_are_refused(generation, vk_device):
