@@ -181,6 +181,51 @@ def test_sampling_settings_are_checked():
         Sampler(temperature=1.0, top_p=0.0)
 
 
+# ---- prompt text (host) --------------------------------------------------------------------------
+
+CHAT_TEMPLATE = ("{{ bos_token }}{% for m in messages %}{{ m['role'] }} : {{ m['content'] }} {% endfor %}"
+                 "{% if add_generation_prompt %}assistant :{% endif %}")
+
+
+def test_prompt_text_and_chat_match_transformers_tokenization(tmp_path):
+    import transformers
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+
+    from vktrain.generate.text import chat_prompt, codec_for
+    from vktrain.models.loading import TokenizerInfo
+
+    vocab = {"<s>": 0, "</s>": 1, "[UNK]": 2, "hello": 3, "world": 4, "user": 5, ":": 6, "assistant": 7}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer.add_special_tokens(["<s>", "</s>"])
+    tokenizer.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 0)])
+    tokenizer.save(str(tmp_path / "tokenizer.json"))
+    info = TokenizerInfo(source="hf", tokenizer_json=tmp_path / "tokenizer.json",
+                         tokenizer_config={"bos_token": "<s>", "eos_token": "</s>"}, chat_template=CHAT_TEMPLATE,
+                         eos_token_id=1)
+    codec = codec_for(info, len(vocab))
+    reference = transformers.PreTrainedTokenizerFast(tokenizer_file=str(tmp_path / "tokenizer.json"), bos_token="<s>",
+                                                     eos_token="</s>")
+    reference.chat_template = CHAT_TEMPLATE
+    assert codec.encode("hello world", True) == reference("hello world").input_ids == [0, 3, 4]
+    messages = [{"role": "user", "content": "hello world"}]
+    expected = reference.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    expected = expected["input_ids"] if isinstance(expected, dict) or hasattr(expected, "keys") else expected
+    assert codec.encode(chat_prompt(codec, "hello world"), False) == list(expected)
+    assert codec.decode([3, 4, 1]) == "hello world" and codec.stop_ids == (1,)
+
+
+def test_byte_vocabularies_read_bytes_and_others_need_a_tokenizer():
+    from vktrain.generate.text import TokenizerError, chat_prompt, codec_for
+
+    codec = codec_for(None, 256)
+    assert codec.encode("hé", True) == [104, 195, 169] and codec.decode([104, 195, 169]) == "hé"
+    with pytest.raises(TokenizerError, match="--chat needs the model's chat template"):
+        chat_prompt(codec, "hi")
+    with pytest.raises(TokenizerError, match="no tokenizer.json.*--prompt-ids"):
+        codec_for(None, 1000)
+
+
 def test_the_generation_runner_imports_neither_torch_nor_executorch():
     from _helpers import assert_import_loads_none
 
