@@ -350,6 +350,17 @@ def test_runner_greedy_equals_transformers_and_logits_equal_the_full_sequence(ge
     generated = []
     with GenerationRunner.from_pte(generation["pte"], vk_device) as runner:
         assert (runner.cache_length, runner.prefill_length, runner.vocab_size) == (CACHE_LENGTH, PREFILL_LENGTH, VOCAB)
+        # One device copy of the weights and of the caches: every constant and state of decode lives in a buffer
+        # that prefill uses too (decode reading prefill's cache is what the token comparison below checks).
+        executors = runner.prefill_method.executor, runner.decode_method.executor
+        keys = [{executor.storage_of(v) for op in executor.ops for v in op.args
+                 if getattr(executor.graph.values[v], "constant_id", -1) >= 0} for executor in executors]
+        states = [{executor.storage_of(s.state_id) for s in executor.graph.mutable_state} for executor in executors]
+        assert keys[1] <= keys[0] and states[0] == states[1] and len(states[0]) == 4
+        assert all(key.startswith("shared.") for key in keys[0] | states[0])
+        marker = np.full(executors[1].read_state(runner.cache_names[0]).shape, 7.0, np.float32)
+        executors[1].write_state(runner.cache_names[0], marker)  # generate() overwrites every row it reads
+        np.testing.assert_array_equal(executors[0].read_state(runner.cache_names[0]), marker)
         for prompt in PROMPTS:
             result = runner.generate(prompt, NEW_TOKENS, Sampler())
             with torch.no_grad():

@@ -3,10 +3,11 @@
     with GenerationRunner.from_pte("gen.pte") as runner:
         result = runner.generate(prompt_ids, max_new_tokens=32, sampler=Sampler(), stop_ids={eos})
 
-Each method is verified like a training step (verify.py) and gets its own executor. The KV caches are
-the state of both; prefill fills them in its executor, and they are handed to the decode executor once
-per prompt (read_state / write_state), since two executors do not share device buffers yet. Positions
-are checked against the cache before anything runs (a kernel cannot refuse them).
+Each method is verified like a training step (verify.py) and gets its own executor; the two share their
+device buffers through one SharedStorage: the weights (constants with the same bytes) are on the device
+once, and the KV caches (state with the same names) are one set of buffers, so what prefill writes the
+decode step reads. Positions are checked against the cache before anything runs (a kernel cannot
+refuse them).
 """
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ import numpy as np
 
 from vktrain.errors import VktrainError
 from vktrain.opdefs.decode_ops import CachePositionError, check_cache_positions
-from vktrain.runtime.delegate.executor import GraphExecutor
+from vktrain.runtime.delegate.executor import GraphExecutor, SharedStorage
 from vktrain.runtime.program.pte import PteFile
 from vktrain.runtime.program.runner import ProgramInterpreter
 from vktrain.runtime.program.verify import (
@@ -51,7 +52,7 @@ class GenerationResult:
 class _Method:
     """One method of the program: its plan interpreted on the host, its delegate on `device`."""
 
-    def __init__(self, pte: PteFile, name: str, device, verify_constants: bool):
+    def __init__(self, pte: PteFile, name: str, device, shared: SharedStorage, verify_constants: bool):
         if name not in pte.method_names:
             raise UnsupportedProgramError(f"{pte.source}: no method {name!r} (methods: {pte.method_names}); "
                                           f"a generation program has {PREFILL!r} and {DECODE!r}")
@@ -66,7 +67,7 @@ class _Method:
                                           f"{TOKEN_IDS} and {INPUT_POS} and returns the logits")
         self.interpreter = ProgramInterpreter(pte, self.plan, self._run_delegate)
         check_device_memory(pte, self.graph, device_memory_bytes(device))
-        self.executor = GraphExecutor(device, self.graph, timing=False)
+        self.executor = GraphExecutor(device, self.graph, timing=False, shared=shared)
         self.rows = int(self.plan.values[self.plan.inputs[self.input_names.index(TOKEN_IDS)]].sizes[1])
 
     def _run_delegate(self, index: int, args: list) -> list[np.ndarray]:
@@ -88,9 +89,10 @@ class GenerationRunner:
             device = Device()
         self.device = device
         self._methods: list[_Method] = []
+        self._shared = SharedStorage()
         try:
-            self.prefill_method = self._add(_Method(pte, PREFILL, device, verify_constants))
-            self.decode_method = self._add(_Method(pte, DECODE, device, verify_constants))
+            self.prefill_method = self._add(_Method(pte, PREFILL, device, self._shared, verify_constants))
+            self.decode_method = self._add(_Method(pte, DECODE, device, self._shared, verify_constants))
             self.cache_names = [n for n in self.decode_method.executor.state_names if n.startswith(KV_CACHE_PREFIX)]
             if not self.cache_names or self.prefill_method.executor.state_names != self.decode_method.executor.state_names:
                 raise UnsupportedProgramError(f"{pte.source}: prefill and decode must share their KV-cache state "
@@ -132,8 +134,6 @@ class GenerationRunner:
             positions = np.minimum(np.arange(start, start + rows, dtype=np.int64), self.cache_length - 1)
             padded = np.concatenate([chunk, np.zeros(rows - len(chunk), np.int64)])
             logits.append(self.prefill_method(padded, positions)[0, :len(chunk)])
-        for name in self.cache_names:
-            self.decode_method.executor.write_state(name, self.prefill_method.executor.read_state(name))
         return np.concatenate(logits)
 
     def decode(self, token_id: int, position: int) -> np.ndarray:
@@ -176,6 +176,7 @@ class GenerationRunner:
         for method in self._methods:
             method.executor.close()
         self._methods = []
+        self._shared.close()
         if self._owns_device:
             self.device.close()
 
