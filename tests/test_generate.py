@@ -226,6 +226,22 @@ def test_byte_vocabularies_read_bytes_and_others_need_a_tokenizer():
         codec_for(None, 1000)
 
 
+def test_the_program_cache_key_follows_what_the_program_depends_on(tmp_path):
+    import argparse
+
+    from vktrain.generate.command import program_key
+
+    (tmp_path / "adapter_model.safetensors").write_bytes(b"A")
+    args = dict(model_arg=[], cache_length=32, prefill_length=8, group_size=32, scale_rule="mse",
+                adapters=str(tmp_path))
+    key = program_key(argparse.Namespace(**args), "tiny-llama")
+    assert program_key(argparse.Namespace(**args), "tiny-llama") == key
+    assert program_key(argparse.Namespace(**{**args, "cache_length": 64}), "tiny-llama") != key
+    assert program_key(argparse.Namespace(**args), "mlp-lora") != key
+    (tmp_path / "adapter_model.safetensors").write_bytes(b"B")
+    assert program_key(argparse.Namespace(**args), "tiny-llama") != key
+
+
 def test_the_generation_runner_imports_neither_torch_nor_executorch():
     from _helpers import assert_import_loads_none
 

@@ -20,7 +20,8 @@ from vktrain.errors import VktrainError
 from vktrain.quant.q4gsw import SCALE_RULES
 
 # Sources whose change changes the lowered program (the cache key hashes them).
-_PROGRAM_SOURCES = ("export", "backend", "partitioner", "serialization", "opdefs", "ops", "lora", "models", "quant")
+_PROGRAM_SOURCES = ("export", "backend", "partitioner", "serialization", "opdefs", "ops", "lora", "models", "quant",
+                    "runtime/delegate")  # the partitioner accepts the ops the runtime has kernels for
 
 
 class GenerateUsageError(VktrainError, ValueError):
