@@ -3,6 +3,7 @@
     vktrain export --model tiny-llama|HF_DIR|FILE.gguf --lora-rank 8 --batch 4 --seq 64 --out step.pte
     vktrain inspect step.pte [--json]
     vktrain train step.pte --steps 100 [--data FILE --lr 1e-3 --schedule cosine --warmup 10 ...]
+    vktrain generate --model PATH [--adapters DIR] --prompt TEXT [--chat] [--max-new-tokens N] [--json FILE]
     vktrain bench kernels|step [benchmark args]
 
 `export` and `inspect` run on the host (torch + executorch); `train` is the on-device runner and
@@ -239,6 +240,12 @@ def build_parser() -> argparse.ArgumentParser:
     add_train_arguments(train)
     train.set_defaults(run=run_train)
 
+    from vktrain.generate.command import add_generate_arguments, run_generate
+
+    generate = sub.add_parser("generate", help="generate text with a model (and adapters) on the Vulkan device")
+    add_generate_arguments(generate)
+    generate.set_defaults(run=run_generate)
+
     bench = sub.add_parser("bench", help="run a benchmark script (kernels: per-kernel GPU times; step: training steps)")
     bench.add_argument("which", choices=sorted(BENCHMARKS))
     bench.add_argument("bench_args", nargs=argparse.REMAINDER, help="arguments passed to the benchmark script")
@@ -292,7 +299,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{prefix}: error: {exc.strerror or exc}{where}", file=sys.stderr)
         return EXIT_BAD_INPUT
     except ValueError as exc:
-        if args.command != "export":  # the model configurations of `export` still raise plain ValueError
+        if args.command not in ("export", "generate"):  # model configurations still raise plain ValueError
             return _internal_error(prefix, exc)
         print(f"{prefix}: error: {exc}", file=sys.stderr)
         return EXIT_BAD_INPUT

@@ -30,6 +30,7 @@ from torch.export import ExportedProgram
 from torch.fx import Node
 
 from vktrain.opdefs import OpDef, Refusal, TensorMeta, op_def
+from vktrain.opdefs.decode_ops import DECODE_OPS
 from vktrain.opdefs.vktrain_ops import VKTRAIN_OPS
 from vktrain.ops._library import dtype_name, torch_dtype
 from vktrain.runtime.delegate.op_lowering import supported_ops as runtime_supported_ops
@@ -298,7 +299,7 @@ def _q4gsw_requant(key: str) -> OpFeatures:
 
 # Every other vktrain op: its definition says it all (kernel dtypes, no prepacked constants). One whose
 # kernel the runtime does not have yet stays unregistered, so the partitioner leaves it outside the delegate.
-register_op(*(op.key for op in VKTRAIN_OPS if op.key not in _REGISTRY and op.key in _RUNTIME_OPS))(
+register_op(*(op.key for op in VKTRAIN_OPS + DECODE_OPS if op.key not in _REGISTRY and op.key in _RUNTIME_OPS))(
     features_from_definition)
 
 

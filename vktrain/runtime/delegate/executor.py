@@ -20,7 +20,8 @@ back to their graph dtype).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+import hashlib
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -92,6 +93,21 @@ class _Tensor:
     view: StridedView | None  # a strided view of the buffer's tensor; None = contiguous
 
 
+@dataclass
+class SharedStorage:
+    """Device buffers that several GraphExecutors on one device share (the methods of one program, e.g.
+    generation's prefill and decode): constants by content (digest, dtype, layout), so weights are on the
+    device once, and mutable state by name, so one method's state updates are the other's state. The
+    first executor to need a buffer allocates it (and uploads / initialises it); the owner of the
+    SharedStorage destroys the buffers with close(), after the executors."""
+    buffers: dict[str, Buffer] = field(default_factory=dict)
+
+    def close(self) -> None:
+        for buffer in self.buffers.values():
+            buffer.destroy()
+        self.buffers.clear()
+
+
 class GraphExecutor:
     """Runs one VkGraph on `device`. See the module docstring for what happens at load and per call.
 
@@ -102,9 +118,12 @@ class GraphExecutor:
     discrete GPU takes; tests use it on unified devices).
     """
 
-    def __init__(self, device, graph: vk.VkGraph, *, timing: bool = True, staging: bool | None = None):
+    def __init__(self, device, graph: vk.VkGraph, *, timing: bool = True, staging: bool | None = None,
+                 shared: SharedStorage | None = None):
         graph.validate()
         self.device = device
+        self._shared = shared
+        self._adopted: set[str] = set()  # keys of buffers another executor allocated in `shared`
         self._staging = staging  # Buffer's access path: None = direct on unified memory, else staging
         self.graph = graph
         self.ops: list[vk.OpCall] = graph.ops
@@ -117,7 +136,9 @@ class GraphExecutor:
             self._place_tensors()
             self._allocate_buffers()
             self._upload_constants()
-            self.reset_state()
+            for name, state in self._state_by_name.items():
+                if self._tensors[state.state_id].key not in self._adopted:  # shared state keeps its contents
+                    self._write_state(name, self.initial_state(name))
             self.dispatches: list[Dispatch] = self._plan_dispatches()
             self.program = Program(device, self.dispatches, self._buffers, timing=timing)
         except BaseException:
@@ -217,9 +238,14 @@ class GraphExecutor:
             if identity not in constant_keys:
                 taken = any(other[0] == tensor.constant_id for other in constant_keys)
                 constant_keys[identity] = f"constant{tensor.constant_id}" + (f".{value_id}" if taken else "")
+                if self._shared is not None and not self.graph.is_synthetic(tensor.constant_id) and not taken:
+                    digest = hashlib.sha256(vk.constant_bytes(self.graph.constants[tensor.constant_id])).hexdigest()
+                    constant_keys[identity] = (f"shared.constant.{digest}.{tensor.dtype.name}.{tensor.storage_dtype.name}."
+                                                f"{tensor.layout.name}")
             return constant_keys[identity]
         if value_id in self._states:
-            return f"state{value_id}"  # persists across steps: never shared
+            # Persists across steps: never shared within a graph; by name across the graphs of `shared`.
+            return f"shared.state.{tensor.name}" if self._shared is not None and tensor.name else f"state{value_id}"
         if tensor.mem_obj_id >= 0:
             return f"mem{tensor.mem_obj_id}"
         return f"value{value_id}"
@@ -249,9 +275,20 @@ class GraphExecutor:
             if not tensor.key.startswith("mem"):
                 sizes[tensor.key] = max(sizes.get(tensor.key, 0), tensor.offset + tensor.nbytes)
         used = {tensor.key for tensor in self._tensors.values()}
+        shared = self._shared.buffers if self._shared is not None else {}
         for key, nbytes in sorted(sizes.items()):
-            if key in used:
-                self._buffers[key] = Buffer(self.device, nbytes, name=key, staging=self._staging)
+            if key not in used:
+                continue
+            if key in shared:
+                if shared[key].size < nbytes:
+                    raise GraphLoweringError(f"shared buffer {key} holds {shared[key].size} bytes, this graph needs "
+                                             f"{nbytes} (the graphs sharing it disagree on its shape)")
+                self._buffers[key] = shared[key]
+                self._adopted.add(key)
+                continue
+            self._buffers[key] = Buffer(self.device, nbytes, name=key, staging=self._staging)
+            if key.startswith("shared."):
+                shared[key] = self._buffers[key]
 
     def _binding(self, value_id: int) -> BufferBinding:
         tensor = self._tensors[value_id]
@@ -262,7 +299,7 @@ class GraphExecutor:
         self.synthetic_constant_bytes = 0  # bytes generated at load (vk.SyntheticConstant), for reports
         for value_id, placement in self._tensors.items():
             tensor = self.graph.values[value_id]
-            if tensor.constant_id < 0 or placement.key in uploaded:
+            if tensor.constant_id < 0 or placement.key in uploaded or placement.key in self._adopted:
                 continue
             # A synthetic constant is generated here (numpy, deterministic by its seed); the array is
             # dropped right after its upload, so at most one big constant is in host memory at a time.
@@ -439,8 +476,10 @@ class GraphExecutor:
         if self.program is not None:
             self.program.destroy()
             self.program = None
+        shared = self._shared.buffers.values() if self._shared is not None else ()
         for buffer in self._buffers.values():
-            buffer.destroy()
+            if not any(buffer is other for other in shared):  # SharedStorage.close() frees those
+                buffer.destroy()
         self._buffers.clear()
 
     def __enter__(self) -> "GraphExecutor":
@@ -450,4 +489,4 @@ class GraphExecutor:
         self.close()
 
 
-__all__ = ["ExecutorInputError", "GraphExecutor", "GraphLoweringError"]
+__all__ = ["ExecutorInputError", "GraphExecutor", "GraphLoweringError", "SharedStorage"]

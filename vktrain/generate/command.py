@@ -1,0 +1,173 @@
+"""`vktrain generate`: export the model's prefill + decode program on the host (torch), run it on the
+Vulkan device with the torch-free GenerationRunner, print the text and tokens/s.
+
+The base is q4gsw as in training (same --group-size / --scale-rule defaults as `vktrain export`); with
+--adapters the PEFT adapters run as LoRA layers over it (not merged: merging would re-quantize the base).
+--program-cache DIR keeps the lowered program as DIR/<key>.pte, the key a SHA-256 of everything the
+program depends on (model files' names, sizes and modification times, the adapter files' bytes, the
+export options, the vktrain sources that shape the program), so a second run skips the export.
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import sys
+import warnings
+from pathlib import Path
+
+from vktrain.errors import VktrainError
+from vktrain.quant.q4gsw import SCALE_RULES
+
+# Sources whose change changes the lowered program (the cache key hashes them).
+_PROGRAM_SOURCES = ("export", "backend", "partitioner", "serialization", "opdefs", "ops", "lora", "models", "quant",
+                    "runtime/delegate")  # the partitioner accepts the ops the runtime has kernels for
+
+
+class GenerateUsageError(VktrainError, ValueError):
+    """Arguments of `vktrain generate` that do not fit together."""
+
+
+def add_generate_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", required=True, help="built-in model name, a Hugging Face model directory or a .gguf")
+    parser.add_argument("--model-arg", action="append", default=[], metavar="KEY=VALUE",
+                        help="override a model config field (repeatable)")
+    parser.add_argument("--adapters", help="PEFT adapter directory (as `vktrain train --out-adapters` writes it)")
+    prompt = parser.add_mutually_exclusive_group(required=True)
+    prompt.add_argument("--prompt", help="prompt text (tokenized with the model's tokenizer)")
+    prompt.add_argument("--prompt-ids", help="prompt as comma-separated token ids")
+    parser.add_argument("--chat", action="store_true", help="render the prompt as a user turn of the chat template")
+    parser.add_argument("--max-new-tokens", type=int, default=32)
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 (default): greedy")
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--seed", type=int, default=0, help="sampling seed")
+    parser.add_argument("--cache-length", type=int, default=None,
+                        help="KV-cache positions (default: min(max_seq_len, 512))")
+    parser.add_argument("--prefill-length", type=int, default=32, help="prompt tokens per prefill call")
+    parser.add_argument("--group-size", type=int, default=32)
+    parser.add_argument("--scale-rule", choices=SCALE_RULES, default="mse")
+    parser.add_argument("--program-cache", help="directory keeping lowered programs by a hash of their inputs")
+    parser.add_argument("--json", help="write {prompt_tokens, tokens, text, tokens_per_s} to this file")
+
+
+def _prompt_ids(args, codec) -> list[int]:
+    if args.prompt_ids is not None:
+        if args.chat:
+            raise GenerateUsageError("--chat renders text; it cannot be used with --prompt-ids")
+        try:
+            return [int(t) for t in args.prompt_ids.replace(",", " ").split()]
+        except ValueError:
+            raise GenerateUsageError(f"--prompt-ids expects comma-separated integers, got {args.prompt_ids!r}") from None
+    if args.chat:
+        from vktrain.generate.text import chat_prompt
+
+        return codec.encode(chat_prompt(codec, args.prompt), False)
+    return codec.encode(args.prompt, True)
+
+
+def _files_fingerprint(path: Path) -> list:
+    files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
+    return [[str(p.resolve()), p.stat().st_size, p.stat().st_mtime_ns] for p in files]
+
+
+def program_key(args, model_fingerprint) -> str:
+    digest = hashlib.sha256()
+    options = {k: getattr(args, k) for k in ("model_arg", "cache_length", "prefill_length", "group_size", "scale_rule")}
+    digest.update(json.dumps([model_fingerprint, options], sort_keys=True).encode())
+    if args.adapters:
+        for path in sorted(Path(args.adapters).iterdir()):
+            if path.is_file():
+                digest.update(path.name.encode() + path.read_bytes())
+    package = Path(__file__).resolve().parent.parent
+    for sub in _PROGRAM_SOURCES:
+        for path in sorted((package / sub).rglob("*.py")):
+            digest.update(path.read_bytes())
+    return digest.hexdigest()[:32]
+
+
+def _build_model(args):
+    """(LlamaForCausalLM with q4gsw bases and, with --adapters, the loaded adapters; tokenizer info; fingerprint)."""
+    from vktrain.cli import _parse_model_args
+    from vktrain.lora import LoRAConfig, apply_lora, load_adapters
+    from vktrain.models import available_models, build_model, load
+    from vktrain.train.adapters import load_adapter_config
+
+    overrides = _parse_model_args(args.model_arg)
+    if args.model in available_models() or not Path(args.model).exists():
+        model, tokenizer, fingerprint = build_model(args.model, **overrides), None, args.model
+    else:
+        loaded = load(args.model, **overrides)
+        print(f"loaded {args.model}: {loaded.describe()}")
+        model, tokenizer, fingerprint = loaded.model, loaded.tokenizer, _files_fingerprint(Path(args.model))
+    if args.adapters:
+        config = load_adapter_config(args.adapters)
+        if config.get("rank_pattern") or config.get("alpha_pattern"):
+            raise GenerateUsageError(f"{args.adapters}: adapters with per-module ranks or alphas (rank_pattern / "
+                                     f"alpha_pattern) are not supported")
+        lora = LoRAConfig(rank=int(config["r"]), alpha=float(config["lora_alpha"]),
+                          targets=",".join(config["target_modules"]), group_size=args.group_size,
+                          scale_rule=args.scale_rule)
+    else:  # the q4gsw base alone: every linear but the head, adapters disabled at export
+        lora = LoRAConfig(rank=1, group_size=args.group_size, scale_rule=args.scale_rule)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        apply_lora(model, lora)
+    for warning in caught:
+        print(f"warning: {warning.message}", file=sys.stderr)
+    if args.adapters:
+        loaded_layers = load_adapters(model, args.adapters)
+        print(f"adapters from {args.adapters}: {len(loaded_layers)} layer(s), rank {lora.rank}, alpha {lora.alpha:g}")
+    return model, tokenizer, fingerprint
+
+
+def _program(args, model, fingerprint) -> bytes:
+    cache_length = args.cache_length or min(model.config.max_seq_len, 512)
+    args.cache_length = cache_length
+    cached = None
+    if args.program_cache:
+        cached = Path(args.program_cache) / f"{program_key(args, fingerprint)}.pte"
+        if cached.is_file():
+            print(f"program from the cache: {cached}")
+            return cached.read_bytes()
+    from vktrain.export.decode import export_generation, lower_generation
+
+    pte = lower_generation(export_generation(model, min(args.prefill_length, cache_length), cache_length,
+                                             with_adapters=bool(args.adapters)))
+    if cached is not None:
+        from vktrain.train.checkpoint import atomic_write_bytes
+
+        cached.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_bytes(cached, pte)
+        print(f"program cached: {cached}")
+    return pte
+
+
+def run_generate(args: argparse.Namespace) -> int:
+    from vktrain.generate.runner import GenerationRunner
+    from vktrain.generate.sampling import Sampler
+    from vktrain.generate.text import TokenizerError, codec_for
+    from vktrain.runtime.program.pte import PteFile
+
+    sampler = Sampler(args.temperature, args.top_p, args.seed)  # settings refused before the slow export
+    model, tokenizer, fingerprint = _build_model(args)
+    try:
+        codec = codec_for(tokenizer, model.config.vocab_size)
+    except TokenizerError:
+        if args.prompt_ids is None:
+            raise
+        codec = None
+    prompt = _prompt_ids(args, codec)
+    pte = PteFile.from_bytes(_program(args, model, fingerprint), source=f"the generation program of {args.model}")
+    with GenerationRunner(pte) as runner:
+        result = runner.generate(prompt, args.max_new_tokens, sampler, codec.stop_ids if codec else ())
+    text = codec.decode(result.tokens) if codec else None
+    print(text if text is not None else " ".join(map(str, result.tokens)))
+    print(f"{len(result.tokens)} token(s) in {result.prefill_seconds + result.decode_seconds:.2f} s: "
+          f"{result.tokens_per_s:.2f} tokens/s (prefill of {len(prompt)} token(s) {result.prefill_seconds:.2f} s)")
+    if args.json:
+        from vktrain.train.checkpoint import atomic_write_bytes
+
+        record = {"prompt_tokens": result.prompt_tokens, "tokens": result.tokens, "text": text,
+                  "tokens_per_s": result.tokens_per_s}
+        atomic_write_bytes(Path(args.json), json.dumps(record, indent=2).encode())
+    return 0
