@@ -222,7 +222,7 @@ def test_byte_vocabularies_read_bytes_and_others_need_a_tokenizer():
     assert codec.encode("hé", True) == [104, 195, 169] and codec.decode([104, 195, 169]) == "hé"
     with pytest.raises(TokenizerError, match="--chat needs the model's chat template"):
         chat_prompt(codec, "hi")
-    with pytest.raises(TokenizerError, match="no tokenizer.json.*--prompt-ids"):
+    with pytest.raises(TokenizerError, match="no tokenizer.json or GGUF vocabulary.*--prompt-ids"):
         codec_for(None, 1000)
 
 

@@ -104,16 +104,12 @@ def _parse_model_args(items: list[str]) -> dict:
 
 def cmd_export(args: argparse.Namespace) -> int:
     from vktrain.lora import LoRAConfig, apply_lora
-    from vktrain.models import available_models, build_model, load
+    from vktrain.models import open_model
     from vktrain.train.tokenizer import TokenizerError
 
-    overrides = _parse_model_args(args.model_arg)
     tokenizer = None  # a pretrained model's, embedded in the .pte for `vktrain train`
-    if args.model in available_models() or not Path(args.model).exists():  # unknown names are refused there
-        model = build_model(args.model, **overrides)
-    else:
-        loaded = load(args.model, **overrides)
-        model = loaded.model
+    model, loaded = open_model(args.model, **_parse_model_args(args.model_arg))
+    if loaded is not None:
         print(f"loaded {args.model}: {loaded.describe()}")
         try:
             tokenizer = loaded.tokenizer.build()

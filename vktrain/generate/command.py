@@ -89,16 +89,15 @@ def _build_model(args):
     """(LlamaForCausalLM with q4gsw bases and, with --adapters, the loaded adapters; tokenizer info; fingerprint)."""
     from vktrain.cli import _parse_model_args
     from vktrain.lora import LoRAConfig, apply_lora, load_adapters
-    from vktrain.models import available_models, build_model, load
+    from vktrain.models import open_model
     from vktrain.train.adapters import load_adapter_config
 
-    overrides = _parse_model_args(args.model_arg)
-    if args.model in available_models() or not Path(args.model).exists():
-        model, tokenizer, fingerprint = build_model(args.model, **overrides), None, args.model
+    model, loaded = open_model(args.model, **_parse_model_args(args.model_arg))
+    if loaded is None:
+        tokenizer, fingerprint = None, args.model
     else:
-        loaded = load(args.model, **overrides)
         print(f"loaded {args.model}: {loaded.describe()}")
-        model, tokenizer, fingerprint = loaded.model, loaded.tokenizer, _files_fingerprint(Path(args.model))
+        tokenizer, fingerprint = loaded.tokenizer, _files_fingerprint(loaded.path)
     if args.adapters:
         config = load_adapter_config(args.adapters)
         if config.get("rank_pattern") or config.get("alpha_pattern"):

@@ -2,9 +2,9 @@
 pretrained Hugging Face directories and GGUF files (vktrain.models.loading)."""
 from . import mlp as _mlp  # noqa: F401  (registers "mlp-lora")
 from . import llama as _llama  # noqa: F401  (registers "tiny-llama", "llama-3.2-1b")
-from .loading import LoadedModel, TokenizerInfo, load
+from .loading import LoadedModel, TokenizerInfo, load, open_model
 from .mlp import MLPConfig, MLPLanguageModel
 from .registry import available_models, build_model, register_model
 
 __all__ = ["LoadedModel", "MLPConfig", "MLPLanguageModel", "TokenizerInfo", "available_models", "build_model", "load",
-           "register_model"]
+           "open_model", "register_model"]

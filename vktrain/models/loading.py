@@ -100,6 +100,22 @@ def load(path, **overrides) -> LoadedModel:
                      f"and *.safetensors, or a .gguf file)")
 
 
+def open_model(spec: str, **overrides) -> tuple[torch.nn.Module, LoadedModel | None]:
+    """What `--model SPEC` names: a built-in preset (-> (model, None)), or a pretrained checkpoint, i.e. a
+    bundled name, a Hugging Face directory or a .gguf file (-> (loaded.model, loaded)). Anything else is
+    refused, naming the presets, the bundled names and the path forms."""
+    from .bundled import BUNDLED_CHECKPOINTS
+    from .registry import available_models, build_model
+
+    if spec in available_models():
+        return build_model(spec, **overrides), None
+    if spec in BUNDLED_CHECKPOINTS or Path(spec).exists():
+        loaded = load(spec, **overrides)
+        return loaded.model, loaded
+    raise ValueError(f"unknown model {spec!r}: not a built-in model ({', '.join(available_models())}), a bundled "
+                     f"checkpoint ({', '.join(BUNDLED_CHECKPOINTS)}), a Hugging Face directory or a .gguf file")
+
+
 def context_max_seq_len(context: int | None, overrides: Mapping[str, Any], where: str) -> dict[str, Any]:
     """overrides with max_seq_len defaulted to min(context, DEFAULT_MAX_SEQ_LEN); a longer one is refused."""
     out = dict(overrides)
