@@ -3,10 +3,11 @@
     vktrain export --model tiny-llama|HF_DIR|FILE.gguf --lora-rank 8 --batch 4 --seq 64 --out step.pte
     vktrain inspect step.pte [--json]
     vktrain train step.pte --steps 100 [--data FILE --lr 1e-3 --schedule cosine --warmup 10 ...]
+    vktrain merge step.pte --adapters DIR|--checkpoint CK --out MERGED_DIR
     vktrain bench kernels|step [benchmark args]
 
 `export` and `inspect` run on the host (torch + executorch); `train` is the on-device runner and
-imports neither.
+imports neither, nor does `merge`.
 
 Exit codes: 0 done; 1 the training loss diverged; 2 bad input or an environmental failure (no device,
 out of memory, disk full), printed as one line `vktrain <cmd>: error: <message>`; 70 an internal error
@@ -87,6 +88,7 @@ def cmd_export(args: argparse.Namespace) -> int:
     from vktrain.models import available_models, build_model, load
 
     overrides = _parse_model_args(args.model_arg)
+    loaded = None
     if args.model in available_models() or not Path(args.model).exists():  # unknown names are refused there
         model = build_model(args.model, **overrides)
     else:
@@ -107,6 +109,7 @@ def cmd_export(args: argparse.Namespace) -> int:
 
     # executorch is imported only once the model and adapters are known to be valid (it is slow to import).
     from vktrain.export import export_forward, export_training_step, lower_to_pte
+    from vktrain.export.training import adapter_metadata_specs
     from vktrain.partitioner import VktrainPartitioner
 
     batch_shape = (args.batch, args.seq)
@@ -114,7 +117,7 @@ def cmd_export(args: argparse.Namespace) -> int:
         program = export_training_step(model, batch_shape)
     else:
         program = export_forward(model, batch_shape, with_adapters=args.program == "forward")
-    partitioner = VktrainPartitioner()
+    partitioner = VktrainPartitioner(compile_specs=adapter_metadata_specs(model, args.model, loaded))
     pte = lower_to_pte(program, partitioner)
     atomic_write_bytes(Path(args.out), pte)
     print(f"wrote {args.out}: {len(pte)} bytes, {args.program} of {args.model} "
@@ -210,6 +213,12 @@ def build_parser() -> argparse.ArgumentParser:
     train = sub.add_parser("train", help="train the LoRA adapters of a training-step .pte on the Vulkan device")
     add_train_arguments(train)
     train.set_defaults(run=run_train)
+
+    from vktrain.train.merge import add_merge_arguments, run_merge  # torch-free
+
+    merge = sub.add_parser("merge", help="write a training program's base with its adapters merged in as a HF model dir")
+    add_merge_arguments(merge)
+    merge.set_defaults(run=run_merge)
 
     bench = sub.add_parser("bench", help="run a benchmark script (kernels: per-kernel GPU times; step: training steps)")
     bench.add_argument("which", choices=sorted(BENCHMARKS))
