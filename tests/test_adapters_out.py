@@ -4,6 +4,7 @@ adapters), transformers' own loading (merged models). One tiny Hugging Face llam
 transformers, exported from the command line, and trained a few steps on the Vulkan device (lavapipe)."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 
@@ -21,9 +22,10 @@ from vktrain.models import load
 from vktrain.models.gguf_import import unpermute_rows
 from vktrain.quant import dequantize, quantize
 from vktrain.train.adapters import AdapterError, ProgramAdapters, load_adapter_config, load_adapters
+from vktrain.train.checkpoint import load_checkpoint, save_checkpoint
 from vktrain.train.gguf_adapter import check_gguf_adapter_program, gguf_tensor_name
 from vktrain.train.lr_schedule import LRSchedule
-from vktrain.train.merge import MergeError, merged_state_dict
+from vktrain.train.merge import MergeError, hf_config, merged_state_dict
 
 VOCAB, DIM, HIDDEN, LAYERS, HEADS, KV_HEADS = 96, 64, 128, 2, 4, 2
 RANK, ALPHA, GROUP = 4, 8.0, 32
@@ -181,18 +183,27 @@ def test_merged_directory_loads_in_transformers_with_vktrains_logits(trained):
     assert (got - expected).abs().max().item() <= RTOL * scale
     # The same merge from the run's checkpoint (adapters + alpha from the program): the same weights.
     from_checkpoint, _ = merged_state_dict(pte, checkpoint=root / "ck.safetensors")
-    from_adapters, _ = merged_state_dict(pte, adapters_dir=root / "adapters")
+    from_adapters, recorded = merged_state_dict(pte, adapters_dir=root / "adapters")
     assert sorted(from_checkpoint) == sorted(from_adapters)
     for name, array in from_adapters.items():
         np.testing.assert_array_equal(from_checkpoint[name], array)
+    # Without the source directory, config.json is built from the recorded model config: the same model.
+    rebuilt = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        **hf_config(recorded.model_config, recorded.family), attn_implementation="eager")).eval()
+    missing, unexpected = rebuilt.load_state_dict({k: torch.from_numpy(v) for k, v in from_adapters.items()},
+                                                  strict=False)
+    assert unexpected == [] and missing in ([], ["lm_head.weight"])  # the tied head is the embedding
+    with torch.no_grad():
+        assert (rebuilt(ids).logits - expected).abs().max().item() <= RTOL * scale
 
 
 def test_merge_refuses_a_checkpoint_of_another_program(trained, tmp_path):
     root, _, pte = trained
-    other = tmp_path / "other.pte"
-    other.write_bytes(pte.read_bytes() + b"\0")
-    with pytest.raises(Exception):  # a .pte with trailing bytes may or may not load; the sha never matches
-        merged_state_dict(other, checkpoint=root / "ck.safetensors")
+    saved = load_checkpoint(root / "ck.safetensors")
+    other = tmp_path / "other.safetensors"
+    save_checkpoint(other, dataclasses.replace(saved, program_sha256="0" * 64))
+    with pytest.raises(MergeError, match="checkpoint of another program"):
+        merged_state_dict(pte, checkpoint=other)
     with pytest.raises(MergeError, match="one of the two"):
         merged_state_dict(pte, adapters_dir=root / "adapters", checkpoint=root / "ck.safetensors")
 

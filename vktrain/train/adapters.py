@@ -8,6 +8,8 @@ An adapter directory holds
                               target_modules, base_model_name_or_path, ... (rank_pattern when ranks differ)
 The training program's state names them `model.<module path>.lora_A` / `.lora_B`
 (vktrain.export.training); `adapters_from_state` maps one to the other. Both files are written atomically.
+What adapter_config.json says beyond the tensors (lora_alpha, target_modules, base_model_name_or_path) the
+exporter records in the program's metadata; `ProgramAdapters.from_metadata` reads it back.
 vktrain's layer computes base(x) + (alpha / r) * B(A(x)), PEFT's LoRA with the same r and lora_alpha.
 """
 from __future__ import annotations
