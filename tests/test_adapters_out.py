@@ -15,6 +15,8 @@ import torch
 import transformers
 from tokenizers import Tokenizer, models
 
+from _helpers import assert_import_loads_none
+
 from vktrain import cli
 from vktrain.contract import METADATA_LORA_ALPHA, METADATA_LORA_TARGET_MODULES
 from vktrain.lora import LoRAConfig, apply_lora, load_adapters as load_adapters_into
@@ -149,6 +151,7 @@ def test_gguf_adapter_reads_back_and_applies_to_the_permuted_base(trained):
     assert fields["general.architecture"] == "llama" and fields["general.type"] == "adapter"
     assert fields["adapter.type"] == "lora" and fields["adapter.lora.alpha"] == pytest.approx(ALPHA)
     tensors = {t.name: np.array(t.data) for t in reader.tensors}
+    dims = {t.name: [int(d) for d in t.shape] for t in reader.tensors}  # GGUF's ne order (contiguous dim first)
     kinds = ["attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down"]
     assert set(tensors) == {f"blk.{i}.{k}.weight.lora_{p}" for i in range(LAYERS) for k in kinds for p in "ab"}
 
@@ -158,7 +161,9 @@ def test_gguf_adapter_reads_back_and_applies_to_the_permuted_base(trained):
     for module, (a, b) in adapters.items():
         name = gguf_tensor_name(module, tie_embeddings=True)
         lora_a, lora_b = tensors[name + ".lora_a"], tensors[name + ".lora_b"]
-        assert lora_a.shape == a.shape and lora_b.shape == b.shape  # [r, in], [out, r]; GGUF ne reversed
+        assert lora_a.shape == a.shape and lora_b.shape == b.shape  # numpy [r, in], [out, r]
+        # What llama.cpp's loader checks against the base weight's ne = [in, out]: a.ne = [in, r], b.ne = [r, out].
+        assert dims[name + ".lora_a"] == [a.shape[1], RANK] and dims[name + ".lora_b"] == [RANK, b.shape[0]]
         w = hf_weights[module + ".weight"].double().numpy()
         merged_hf = w + ALPHA / RANK * (b.astype(np.float64) @ a)
         leaf = module.rpartition(".")[2]
@@ -234,3 +239,14 @@ def test_gguf_adapter_refusals_name_what_is_missing():
         check_gguf_adapter_program(ProgramAdapters(family="llama", model_config=config, layers=["lm_head"]), "x.pte")
     with pytest.raises(AdapterError, match="no llama.cpp tensor name"):
         check_gguf_adapter_program(ProgramAdapters(family="llama", model_config=config, layers=["model.foo"]), "x.pte")
+
+
+def test_merge_refuses_rope_factors_a_hf_config_cannot_express():
+    config = {"rope_freq_factors": [1.0, 2.0], "dim": DIM, "n_heads": HEADS}
+    with pytest.raises(MergeError, match="rope_freqs"):
+        hf_config(config, "llama")
+
+
+def test_adapter_writers_and_merge_import_no_torch():
+    assert_import_loads_none(["vktrain.train.gguf_adapter", "vktrain.train.merge", "vktrain.train.command"],
+                             ["torch", "executorch"])

@@ -216,7 +216,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     from vktrain.train.merge import add_merge_arguments, run_merge  # torch-free
 
-    merge = sub.add_parser("merge", help="write a training program's base with its adapters merged in as a HF model dir")
+    merge = sub.add_parser("merge", help="write a training program's base with its adapters merged in, as a "
+                                         "Hugging Face model directory")
     add_merge_arguments(merge)
     merge.set_defaults(run=run_merge)
 

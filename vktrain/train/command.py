@@ -19,8 +19,8 @@ from typing import Optional
 
 from vktrain.contract import ADAMW_DEFAULTS
 from vktrain.errors import VktrainError
-from vktrain.train.adapters import (ADAPTER_CONFIG, ADAPTER_WEIGHTS, LORA_SUFFIXES, ProgramAdapters, adapters_from_state,
-                                    save_adapters)
+from vktrain.train.adapters import (ADAPTER_CONFIG, ADAPTER_WEIGHTS, LORA_SUFFIXES, ProgramAdapters,
+                                    adapters_from_state, save_adapters)
 from vktrain.train.gguf_adapter import check_gguf_adapter_program, save_gguf_adapter
 from vktrain.train.checkpoint import (
     CheckpointError,
@@ -250,8 +250,9 @@ def _train_loaded(args, runner, schedule, optimizer, resume, seed, data_path, to
     alpha = _resolve_alpha(args, recorded)
     wants_adapters = args.out_adapters or args.out_gguf_adapter
     if wants_adapters and alpha is None:
-        raise TrainConfigError("--out-adapters / --out-gguf-adapter: the .pte does not record the LoRA alpha it was exported with; pass "
-                               "--lora-alpha (the value given to vktrain export --lora-alpha, default 16)")
+        raise TrainConfigError("--out-adapters / --out-gguf-adapter: the .pte does not record the LoRA alpha it "
+                               "was exported with; pass --lora-alpha (the value given to vktrain export "
+                               "--lora-alpha, default 16)")
     if args.out_gguf_adapter:
         check_gguf_adapter_program(recorded, args.program)
     check_byte_level_fits(data_path, info.vocab_size)

@@ -57,7 +57,8 @@ def _program_constants(program: Path):
     for value_id, value in enumerate(graph.values):
         if getattr(value, "constant_id", -1) >= 0 and value.name.startswith(MODEL_PREFIX):
             if graph.is_synthetic(value.constant_id):
-                raise MergeError(f"{program}: constant {value.name} is synthetic (a benchmark program holds no weights)")
+                raise MergeError(f"{program}: constant {value.name} is synthetic "
+                                 f"(a benchmark program holds no weights)")
             constants[value.name[len(MODEL_PREFIX):]] = value_id
     return graph, constants
 
@@ -70,7 +71,8 @@ def _adapters(program: Path, recorded: ProgramAdapters, adapters_dir: Optional[P
     if adapters_dir is not None:
         alpha = load_adapter_config(adapters_dir).get("lora_alpha")
         if not isinstance(alpha, (int, float)) or not alpha > 0:
-            raise MergeError(f"{Path(adapters_dir) / ADAPTER_CONFIG}: lora_alpha is {alpha!r}, expected a positive number")
+            raise MergeError(f"{Path(adapters_dir) / ADAPTER_CONFIG}: lora_alpha is {alpha!r}, "
+                             f"expected a positive number")
         return load_adapters(adapters_dir), float(alpha)
     saved = load_checkpoint(checkpoint)
     if saved.program_sha256 != sha256_file(program):
@@ -101,8 +103,8 @@ def merged_state_dict(program: PathLike, adapters_dir: Optional[PathLike] = None
         rank, k = lora_a.shape
         n = scales.shape[1]
         if lora_b.shape != (n, rank) or k % scales.shape[0]:
-            raise MergeError(f"adapters of {module}: A {list(lora_a.shape)}, B {list(lora_b.shape)} do not fit its base "
-                             f"of {n} outputs with scales {list(scales.shape)}")
+            raise MergeError(f"adapters of {module}: A {list(lora_a.shape)}, B {list(lora_b.shape)} do not fit its "
+                             f"base of {n} outputs with scales {list(scales.shape)}")
         flat = unpack_w4x8(np.asarray(graph.constant_array(constants[names[0]])), n, k)
         base = dequantize(flat, scales, k // scales.shape[0], k).astype(np.float64)
         delta = (alpha / rank) * (lora_b.astype(np.float64) @ lora_a.astype(np.float64))
@@ -196,7 +198,8 @@ def add_merge_arguments(parser):
     parser.add_argument("program", metavar="STEP.pte", help="the training-step program the adapters were trained with")
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--adapters", metavar="DIR", help="PEFT adapter directory (vktrain train --out-adapters)")
-    source.add_argument("--checkpoint", metavar="FILE", help="a checkpoint of this program (vktrain train --checkpoint)")
+    source.add_argument("--checkpoint", metavar="FILE",
+                        help="a checkpoint of this program (vktrain train --checkpoint)")
     parser.add_argument("--out", required=True, metavar="DIR",
                         help="Hugging Face model directory to write (config.json, model.safetensors, tokenizer files)")
     return parser
