@@ -145,7 +145,12 @@ def _llama_cpp_permute(w: np.ndarray, n_heads: int) -> np.ndarray:
 
 
 def test_gguf_adapter_reads_back_and_applies_to_the_permuted_base(trained):
-    root, hf_dir, _ = trained
+    root, hf_dir, pte = trained
+    # `vktrain adapters convert` from the run's last checkpoint writes the same file as `train --out-gguf-adapter`.
+    converted = root / "converted.gguf"
+    assert cli.main(["adapters", "convert", str(pte), "--checkpoint", str(root / "ck.safetensors"),
+                     "--out", str(converted)]) == 0
+    assert converted.read_bytes() == (root / "adapter.gguf").read_bytes()
     reader = gguf.GGUFReader(str(root / "adapter.gguf"))
     fields = {name: f.contents() for name, f in reader.fields.items()}
     assert fields["general.architecture"] == "llama" and fields["general.type"] == "adapter"
@@ -207,9 +212,9 @@ def test_merge_refuses_a_checkpoint_of_another_program(trained, tmp_path):
     saved = load_checkpoint(root / "ck.safetensors")
     other = tmp_path / "other.safetensors"
     save_checkpoint(other, dataclasses.replace(saved, program_sha256="0" * 64))
-    with pytest.raises(MergeError, match="checkpoint of another program"):
+    with pytest.raises(AdapterError, match="checkpoint of another program"):
         merged_state_dict(pte, checkpoint=other)
-    with pytest.raises(MergeError, match="one of the two"):
+    with pytest.raises(AdapterError, match="one of the two"):
         merged_state_dict(pte, adapters_dir=root / "adapters", checkpoint=root / "ck.safetensors")
 
 

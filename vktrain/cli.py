@@ -4,6 +4,7 @@
     vktrain inspect step.pte [--json]
     vktrain train step.pte --steps 100 [--data FILE --lr 1e-3 --schedule cosine --warmup 10 ...]
     vktrain merge step.pte --adapters DIR|--checkpoint CK --out MERGED_DIR
+    vktrain adapters convert step.pte --adapters DIR|--checkpoint CK --out adapter.gguf
     vktrain bench kernels|step [benchmark args]
 
 `export` and `inspect` run on the host (torch + executorch); `train` is the on-device runner and
@@ -220,6 +221,14 @@ def build_parser() -> argparse.ArgumentParser:
                                          "Hugging Face model directory")
     add_merge_arguments(merge)
     merge.set_defaults(run=run_merge)
+
+    from vktrain.train.gguf_adapter import add_convert_arguments, run_convert  # torch-free
+
+    adapters = sub.add_parser("adapters", help="convert trained adapters (convert: to a llama.cpp LoRA GGUF)")
+    convert = adapters.add_subparsers(dest="action", required=True).add_parser(
+        "convert", help="write a program's adapters (directory or checkpoint) as a llama.cpp LoRA GGUF")
+    add_convert_arguments(convert)
+    convert.set_defaults(run=run_convert)
 
     bench = sub.add_parser("bench", help="run a benchmark script (kernels: per-kernel GPU times; step: training steps)")
     bench.add_argument("which", choices=sorted(BENCHMARKS))

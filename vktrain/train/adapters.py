@@ -30,7 +30,7 @@ from vktrain.contract import (METADATA_BASE_MODEL, METADATA_LORA_ALPHA, METADATA
                               METADATA_LORA_TARGET_MODULES, METADATA_MODEL_CONFIG, METADATA_MODEL_FAMILY,
                               METADATA_SOURCE_MODEL)
 from vktrain.contract import MODEL_PREFIX as STATE_PREFIX  # the exporter's prefix of model tensors
-from vktrain.train.checkpoint import atomic_write_bytes, atomic_write_json
+from vktrain.train.checkpoint import atomic_write_bytes, atomic_write_json, load_checkpoint, sha256_file
 from vktrain.errors import VktrainError
 
 PathLike = Union[str, os.PathLike]
@@ -220,5 +220,49 @@ def load_adapters(directory: PathLike) -> dict[str, tuple[np.ndarray, np.ndarray
     return adapters
 
 
+def read_program_graph(program: PathLike):
+    """The delegate graph (vktrain.serialization.graph.VkGraph) of a training-step .pte, read and verified
+    torch-free; its `metadata` is what ProgramAdapters.from_metadata reads."""
+    from vktrain.runtime.program.pte import PteFile
+    from vktrain.runtime.program.runner import verify_training_program
+
+    if not Path(program).is_file():
+        raise AdapterError(f"program {program} does not exist (or is not a file)")
+    return verify_training_program(PteFile.load(program)).graph
+
+
+def load_program_adapters(program: PathLike, recorded: ProgramAdapters, adapters_dir: Optional[PathLike] = None,
+                          checkpoint: Optional[PathLike] = None) -> tuple[dict, float]:
+    """(adapters {module: (A, B)}, lora_alpha) of a program, from an adapter directory (alpha from its
+    adapter_config.json) or from a checkpoint of that same program (alpha as the program records it)."""
+    if (adapters_dir is None) == (checkpoint is None):
+        raise AdapterError("give the adapters as an adapter directory or a checkpoint (one of the two)")
+    if adapters_dir is not None:
+        alpha = load_adapter_config(adapters_dir).get("lora_alpha")
+        if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not alpha > 0:
+            raise AdapterError(f"{Path(adapters_dir) / ADAPTER_CONFIG}: lora_alpha is {alpha!r}, "
+                               f"expected a positive number")
+        adapters = load_adapters(adapters_dir)
+    else:
+        saved = load_checkpoint(checkpoint)
+        if saved.program_sha256 != sha256_file(program):
+            raise AdapterError(f"{checkpoint} is a checkpoint of another program than {program} (sha256 differs)")
+        if recorded.lora_alpha is None:
+            raise AdapterError(f"{program} does not record its LoRA alpha; give an adapter directory instead")
+        adapters, alpha = adapters_from_state(saved.tensors), recorded.lora_alpha
+    recorded.check_layers(adapters, str(program))
+    return adapters, float(alpha)
+
+
+def add_program_adapter_arguments(parser) -> None:
+    """A command's `STEP.pte` and `--adapters DIR | --checkpoint FILE` arguments (load_program_adapters)."""
+    parser.add_argument("program", metavar="STEP.pte", help="the training-step program the adapters were trained with")
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--adapters", metavar="DIR", help="PEFT adapter directory (vktrain train --out-adapters)")
+    source.add_argument("--checkpoint", metavar="FILE",
+                        help="a checkpoint of this program (vktrain train --checkpoint)")
+
+
 __all__ = ["ADAPTER_CONFIG", "ADAPTER_WEIGHTS", "AdapterError", "LORA_SUFFIXES", "PEFT_PREFIX", "ProgramAdapters",
-           "adapter_config", "adapters_from_state", "load_adapter_config", "load_adapters", "peft_name", "save_adapters"]
+           "adapter_config", "adapters_from_state", "add_program_adapter_arguments", "load_adapter_config",
+           "load_adapters", "load_program_adapters", "peft_name", "read_program_graph", "save_adapters"]

@@ -20,7 +20,8 @@ from typing import Mapping, Union
 
 import numpy as np
 
-from vktrain.train.adapters import AdapterError, ProgramAdapters
+from vktrain.train.adapters import (AdapterError, ProgramAdapters, add_program_adapter_arguments, load_program_adapters,
+                                    read_program_graph)
 from vktrain.train.checkpoint import atomic_write_bytes
 
 PathLike = Union[str, os.PathLike]
@@ -125,5 +126,23 @@ def save_gguf_adapter(path: PathLike, adapters: Mapping[str, tuple[np.ndarray, n
     return path
 
 
-__all__ = ["GGUF_FAMILIES", "GGUF_LAYER_LINEARS", "PERMUTED_QK_FAMILIES", "check_gguf_adapter_program",
-           "gguf_adapter_tensors", "gguf_tensor_name", "permute_rows", "save_gguf_adapter"]
+def add_convert_arguments(parser):
+    """`vktrain adapters convert` (run it with `run_convert`)."""
+    add_program_adapter_arguments(parser)
+    parser.add_argument("--out", required=True, metavar="FILE.gguf", help="the llama.cpp LoRA GGUF to write")
+    return parser
+
+
+def run_convert(args) -> int:
+    """`vktrain adapters convert`: a program's adapters (directory or checkpoint) as a llama.cpp LoRA GGUF."""
+    recorded = ProgramAdapters.from_metadata(read_program_graph(args.program).metadata, args.program)
+    check_gguf_adapter_program(recorded, args.program)
+    adapters, alpha = load_program_adapters(args.program, recorded, args.adapters, args.checkpoint)
+    save_gguf_adapter(args.out, adapters, alpha, recorded, args.program)
+    print(f"wrote {args.out}: {len(adapters)} adapted layer(s), lora_alpha {alpha:g} (llama.cpp: --lora {args.out})")
+    return 0
+
+
+__all__ = ["GGUF_FAMILIES", "GGUF_LAYER_LINEARS", "PERMUTED_QK_FAMILIES", "add_convert_arguments",
+           "check_gguf_adapter_program", "gguf_adapter_tensors", "gguf_tensor_name", "permute_rows", "run_convert",
+           "save_gguf_adapter"]

@@ -28,9 +28,9 @@ import safetensors.numpy
 from vktrain.contract import MODEL_PREFIX
 from vktrain.errors import VktrainError
 from vktrain.quant import dequantize, unpack_w4x8
-from vktrain.train.adapters import (ADAPTER_CONFIG, ProgramAdapters, adapters_from_state, load_adapter_config,
-                                    load_adapters)
-from vktrain.train.checkpoint import atomic_write_bytes, atomic_write_json, load_checkpoint, sha256_file
+from vktrain.train.adapters import (ProgramAdapters, add_program_adapter_arguments, load_program_adapters,
+                                    read_program_graph)
+from vktrain.train.checkpoint import atomic_write_bytes, atomic_write_json
 
 PathLike = Union[str, os.PathLike]
 
@@ -49,10 +49,7 @@ class MergeError(VktrainError, ValueError):
 
 def _program_constants(program: Path):
     """(graph, {name under the model: value id}) of the program's delegate constants."""
-    from vktrain.runtime.program.pte import PteFile
-    from vktrain.runtime.program.runner import verify_training_program
-
-    graph = verify_training_program(PteFile.load(program)).graph
+    graph = read_program_graph(program)
     constants = {}
     for value_id, value in enumerate(graph.values):
         if getattr(value, "constant_id", -1) >= 0 and value.name.startswith(MODEL_PREFIX):
@@ -61,25 +58,6 @@ def _program_constants(program: Path):
                                  f"(a benchmark program holds no weights)")
             constants[value.name[len(MODEL_PREFIX):]] = value_id
     return graph, constants
-
-
-def _adapters(program: Path, recorded: ProgramAdapters, adapters_dir: Optional[PathLike],
-              checkpoint: Optional[PathLike]) -> tuple[dict, float]:
-    """(adapters {module: (A, B)}, lora_alpha) from an adapter directory or a checkpoint of this program."""
-    if (adapters_dir is None) == (checkpoint is None):
-        raise MergeError("give the adapters as an adapter directory or a checkpoint (one of the two)")
-    if adapters_dir is not None:
-        alpha = load_adapter_config(adapters_dir).get("lora_alpha")
-        if not isinstance(alpha, (int, float)) or not alpha > 0:
-            raise MergeError(f"{Path(adapters_dir) / ADAPTER_CONFIG}: lora_alpha is {alpha!r}, "
-                             f"expected a positive number")
-        return load_adapters(adapters_dir), float(alpha)
-    saved = load_checkpoint(checkpoint)
-    if saved.program_sha256 != sha256_file(program):
-        raise MergeError(f"{checkpoint} is a checkpoint of another program than {program} (sha256 differs)")
-    if recorded.lora_alpha is None:
-        raise MergeError(f"{program} does not record its LoRA alpha; merge from an adapter directory instead")
-    return adapters_from_state(saved.tensors), recorded.lora_alpha
 
 
 def merged_state_dict(program: PathLike, adapters_dir: Optional[PathLike] = None,
@@ -91,8 +69,7 @@ def merged_state_dict(program: PathLike, adapters_dir: Optional[PathLike] = None
     if recorded.model_config is None or recorded.family not in HF_ARCHITECTURES:
         raise MergeError(f"{program}: merging needs a Llama-family program whose export recorded its model family and "
                          f"config (found family {recorded.family!r}); re-export it with this vktrain")
-    adapters, alpha = _adapters(program, recorded, adapters_dir, checkpoint)
-    recorded.check_layers(adapters, str(program))
+    adapters, alpha = load_program_adapters(program, recorded, adapters_dir, checkpoint)
     state: dict[str, np.ndarray] = {}
     for module, (lora_a, lora_b) in adapters.items():
         names = (module + _Q4_WEIGHTS, module + _Q4_SCALES)
@@ -195,11 +172,7 @@ def merge_to_hf_directory(program: PathLike, out_dir: PathLike, adapters_dir: Op
 
 def add_merge_arguments(parser):
     """The `vktrain merge` arguments (the subcommand's parser; run it with `run_merge`)."""
-    parser.add_argument("program", metavar="STEP.pte", help="the training-step program the adapters were trained with")
-    source = parser.add_mutually_exclusive_group(required=True)
-    source.add_argument("--adapters", metavar="DIR", help="PEFT adapter directory (vktrain train --out-adapters)")
-    source.add_argument("--checkpoint", metavar="FILE",
-                        help="a checkpoint of this program (vktrain train --checkpoint)")
+    add_program_adapter_arguments(parser)
     parser.add_argument("--out", required=True, metavar="DIR",
                         help="Hugging Face model directory to write (config.json, model.safetensors, tokenizer files)")
     return parser
@@ -207,8 +180,6 @@ def add_merge_arguments(parser):
 
 def run_merge(args) -> int:
     """`vktrain merge`: 0 on success; bad input raises a VktrainError (the CLI's one-line error)."""
-    if not Path(args.program).is_file():
-        raise MergeError(f"program {args.program} does not exist (or is not a file)")
     out = merge_to_hf_directory(args.program, args.out, adapters_dir=args.adapters, checkpoint=args.checkpoint)
     print(f"wrote {out}: {args.program}'s dequantized q4gsw base with the adapters of "
           f"{args.adapters or args.checkpoint} merged in (float32)")
