@@ -255,3 +255,21 @@ def test_merge_refuses_rope_factors_a_hf_config_cannot_express():
 def test_adapter_writers_and_merge_import_no_torch():
     assert_import_loads_none(["vktrain.train.gguf_adapter", "vktrain.train.merge", "vktrain.train.command"],
                              ["torch", "executorch"])
+
+
+@pytest.mark.parametrize("targets, expected", [
+    ("all-linear", LINEARS),  # every layer's linears: PEFT's leaf names pick exactly those
+    ("model.layers.0.*", [f"model.layers.0.{p}" for p in ("mlp.down_proj", "mlp.gate_proj", "mlp.up_proj",
+                                                          "self_attn.k_proj", "self_attn.o_proj", "self_attn.q_proj",
+                                                          "self_attn.v_proj")])])
+def test_target_modules_are_leaf_names_only_when_those_pick_exactly_the_adapted_layers(targets, expected):
+    from vktrain.export.training import adapter_metadata
+    from vktrain.models import build_model
+
+    model = build_model("tiny-llama")
+    apply_lora(model, LoRAConfig(rank=RANK, alpha=ALPHA, targets=targets, group_size=GROUP))
+    metadata = adapter_metadata(model, "tiny-llama")
+    recorded = ProgramAdapters.from_metadata(metadata, "tiny-llama")
+    assert recorded.target_modules == expected and recorded.family == "llama"
+    assert (recorded.rank, recorded.lora_alpha, recorded.base_model) == (RANK, ALPHA, "tiny-llama")
+    assert recorded.model_config["n_layers"] == model.config.n_layers
