@@ -296,7 +296,7 @@ def _reference_lr(kind, base, total, warmup, floor_ratio, t):
         return base * t / warmup
     if kind == "constant":
         return base
-    progress = min(1.0, (t - warmup) / (total - warmup))
+    progress = min(1.0, (t - warmup) / (total + 1 - warmup))  # the floor comes after the last step
     floor = base * floor_ratio
     return floor + (base - floor) * (1 + math.cos(math.pi * progress)) / 2
 
@@ -312,7 +312,8 @@ def test_schedule_matches_the_float64_formula(kind, total, warmup, ratio):
         assert schedule.lr(warmup) == pytest.approx(3e-3)
         assert all(schedule.lr(t) < schedule.lr(t + 1) for t in range(1, warmup))
     if kind == "cosine":
-        assert schedule.lr(total) == pytest.approx(3e-3 * ratio, abs=1e-15)
+        assert schedule.lr(total) > 3e-3 * ratio  # the last step still trains
+        assert schedule.lr(total + 1) == pytest.approx(3e-3 * ratio, abs=1e-15)
         assert all(schedule.lr(t) >= schedule.lr(t + 1) for t in range(warmup + 1, total))
 
 

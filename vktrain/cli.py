@@ -4,10 +4,12 @@
     vktrain inspect step.pte [--json]
     vktrain train step.pte --steps 100 [--data FILE --lr 1e-3 --schedule cosine --warmup 10 ...]
     vktrain generate --model PATH [--adapters DIR] --prompt TEXT [--chat] [--max-new-tokens N] [--json FILE]
+    vktrain merge step.pte --adapters DIR|--checkpoint CK --out MERGED_DIR
+    vktrain adapters convert step.pte --adapters DIR|--checkpoint CK --out adapter.gguf
     vktrain bench kernels|step [benchmark args]
 
 `export` and `inspect` run on the host (torch + executorch); `train` is the on-device runner and
-imports neither.
+imports neither, nor does `merge`.
 
 Exit codes: 0 done; 1 the training loss diverged; 2 bad input or an environmental failure (no device,
 out of memory, disk full), printed as one line `vktrain <cmd>: error: <message>`; 70 an internal error
@@ -132,6 +134,7 @@ def cmd_export(args: argparse.Namespace) -> int:
 
     # executorch is imported only once the model and adapters are known to be valid (it is slow to import).
     from vktrain.export import export_forward, export_training_step, lower_to_pte
+    from vktrain.export.training import adapter_metadata_specs
     from vktrain.partitioner import VktrainPartitioner
 
     batch_shape = (args.batch, args.seq)
@@ -139,7 +142,7 @@ def cmd_export(args: argparse.Namespace) -> int:
         program = export_training_step(model, batch_shape)
     else:
         program = export_forward(model, batch_shape, with_adapters=args.program == "forward")
-    partitioner = VktrainPartitioner()
+    partitioner = VktrainPartitioner(compile_specs=adapter_metadata_specs(model, args.model, loaded))
     pte = lower_to_pte(program, partitioner, named_data=tokenizer.to_named_data() if tokenizer else None)
     atomic_write_bytes(Path(args.out), pte)
     print(f"wrote {args.out}: {len(pte)} bytes, {args.program} of {args.model} "
@@ -241,6 +244,21 @@ def build_parser() -> argparse.ArgumentParser:
     generate = sub.add_parser("generate", help="generate text with a model (and adapters) on the Vulkan device")
     add_generate_arguments(generate)
     generate.set_defaults(run=run_generate)
+
+    from vktrain.train.merge import add_merge_arguments, run_merge  # torch-free
+
+    merge = sub.add_parser("merge", help="write a training program's base with its adapters merged in, as a "
+                                         "Hugging Face model directory")
+    add_merge_arguments(merge)
+    merge.set_defaults(run=run_merge)
+
+    from vktrain.train.gguf_adapter import add_convert_arguments, run_convert  # torch-free
+
+    adapters = sub.add_parser("adapters", help="convert trained adapters (convert: to a llama.cpp LoRA GGUF)")
+    convert = adapters.add_subparsers(dest="action", required=True).add_parser(
+        "convert", help="write a program's adapters (directory or checkpoint) as a llama.cpp LoRA GGUF")
+    add_convert_arguments(convert)
+    convert.set_defaults(run=run_convert)
 
     bench = sub.add_parser("bench", help="run a benchmark script (kernels: per-kernel GPU times; step: training steps)")
     bench.add_argument("which", choices=sorted(BENCHMARKS))

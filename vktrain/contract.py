@@ -41,6 +41,19 @@ METADATA_UNPLANNED_MEMORY_BYTES = "unplanned_memory_bytes"
 METADATA_STATE_BYTES = "state_bytes"                  # bytes of the mutable training state
 METADATA_REFUSALS = "refusals"                        # JSON list of the partitioner's refusals
 METADATA_SYNTHETIC_CONSTANTS = "synthetic_constants"  # benchmark blobs only
+# What adapters and merged models need, written at export (vktrain.export.training.adapter_metadata) and read
+# by `vktrain train --out-adapters` / `--out-gguf-adapter` and `vktrain merge` (JSON where not a plain string):
+# METADATA_SOURCE_MODEL above is what `export --model` was given (a preset name or a path).
+METADATA_BASE_MODEL = "base_model_name_or_path"     # PEFT's adapter_config.json field: an HF id or a path
+METADATA_LORA_RANK = "lora_r"                       # decimal
+METADATA_LORA_ALPHA = "lora_alpha"                  # decimal float
+METADATA_LORA_TARGET_MODULES = "lora_target_modules"  # JSON list: PEFT's target_modules
+METADATA_LORA_LAYERS = "lora_layers"                # JSON list: module paths of every adapted layer
+METADATA_MODEL_FAMILY = "model_family"              # llama.cpp's general.architecture ("llama", "qwen2", ...)
+METADATA_MODEL_CONFIG = "model_config"              # JSON: the model's config fields (LlamaConfig's)
+ADAPTER_METADATA_KEYS = (METADATA_SOURCE_MODEL, METADATA_BASE_MODEL, METADATA_LORA_RANK, METADATA_LORA_ALPHA,
+                         METADATA_LORA_TARGET_MODULES, METADATA_LORA_LAYERS, METADATA_MODEL_FAMILY,
+                         METADATA_MODEL_CONFIG)
 
 # ---- .pte named data (ExecuTorch Program.named_data: key -> one data segment, stored once) ------------
 # The model's tokenizer (a `tokenizers` tokenizer.json, post-processor final) and, as JSON,
@@ -49,9 +62,10 @@ METADATA_SYNTHETIC_CONSTANTS = "synthetic_constants"  # benchmark blobs only
 NAMED_DATA_TOKENIZER_JSON = "vktrain.tokenizer.json"
 NAMED_DATA_TOKENIZER_CONFIG = "vktrain.tokenizer_config.json"
 
-__all__ = ["ADAMW_DEFAULTS", "BACKEND_ID", "EXP_AVG_PREFIX", "EXP_AVG_SQ_PREFIX", "HPARAMS", "HPARAM_NAMES",
-           "LABELS", "METADATA_BACKEND", "METADATA_PLANNED_MEMORY_BYTES", "METADATA_REFUSALS",
-           "METADATA_SOURCE_MODEL", "METADATA_STATE_BYTES", "METADATA_SYNTHETIC_CONSTANTS",
-           "METADATA_UNPLANNED_MEMORY_BYTES", "MODEL_PREFIX", "NAMED_DATA_TOKENIZER_CONFIG",
-           "NAMED_DATA_TOKENIZER_JSON", "N_VALID", "STATE_PREFIXES", "STEP_INPUTS",
+__all__ = ["ADAMW_DEFAULTS", "ADAPTER_METADATA_KEYS", "BACKEND_ID", "EXP_AVG_PREFIX", "EXP_AVG_SQ_PREFIX", "HPARAMS",
+           "HPARAM_NAMES", "LABELS", "METADATA_BACKEND", "METADATA_BASE_MODEL", "METADATA_LORA_ALPHA",
+           "METADATA_LORA_LAYERS", "METADATA_LORA_RANK", "METADATA_LORA_TARGET_MODULES", "METADATA_MODEL_CONFIG",
+           "METADATA_MODEL_FAMILY", "METADATA_PLANNED_MEMORY_BYTES", "METADATA_REFUSALS", "METADATA_SOURCE_MODEL",
+           "METADATA_STATE_BYTES", "METADATA_SYNTHETIC_CONSTANTS", "METADATA_UNPLANNED_MEMORY_BYTES", "MODEL_PREFIX",
+           "NAMED_DATA_TOKENIZER_CONFIG", "NAMED_DATA_TOKENIZER_JSON", "N_VALID", "STATE_PREFIXES", "STEP_INPUTS",
            "STEP_STATE", "TOKEN_IDS", "hparams_values"]

@@ -22,6 +22,11 @@ traced forward does not export; this route does.)
 from __future__ import annotations
 
 import copy
+import dataclasses
+import json
+from collections import Counter
+from pathlib import Path
+from typing import Any, Optional
 
 import torch
 from torch import nn
@@ -31,8 +36,11 @@ from torch.export.exported_program import _decompose_exported_program
 from torch.export.graph_signature import InputKind, OutputKind
 
 import vktrain.ops  # noqa: F401  (registers torch.ops.vktrain.*)
-from vktrain.contract import EXP_AVG_PREFIX, EXP_AVG_SQ_PREFIX, HPARAM_NAMES, MODEL_PREFIX, STEP_STATE as STEP_BUFFER
-from vktrain.lora import lora_parameter_names
+from vktrain.contract import (EXP_AVG_PREFIX, EXP_AVG_SQ_PREFIX, HPARAM_NAMES, METADATA_BASE_MODEL, METADATA_LORA_ALPHA,
+                              METADATA_LORA_LAYERS, METADATA_LORA_RANK, METADATA_LORA_TARGET_MODULES,
+                              METADATA_MODEL_CONFIG, METADATA_MODEL_FAMILY, METADATA_SOURCE_MODEL, MODEL_PREFIX,
+                              STEP_STATE as STEP_BUFFER)
+from vktrain.lora import LoRAQ4Linear, lora_modules, lora_parameter_names
 from vktrain.partitioner.op_registry import PRESERVED_OPS
 
 
@@ -260,3 +268,71 @@ def training_state_names(program: ExportedProgram) -> dict[str, list[str]]:
         else:
             roles["lora"].append(name)
     return roles
+
+
+# ---- what adapters and merged models need, recorded in the blob's metadata (keys: vktrain.contract) -----------
+
+def _model_family(model: nn.Module) -> Optional[str]:
+    """llama.cpp's general.architecture for a LlamaForCausalLM (its config switches tell the variant)."""
+    config = getattr(model, "config", None)
+    if not hasattr(config, "qk_norm"):
+        return None
+    return "qwen3" if config.qk_norm else "qwen2" if config.qkv_bias else "llama"
+
+
+def peft_target_modules(model: nn.Module, adapted: list[str]) -> list[str]:
+    """PEFT's target_modules for the adapted layers: their leaf names (`q_proj`, ...) when those pick exactly
+    the adapted layers among the model's linears (PEFT matches a name against the end of each module path),
+    else the full module paths."""
+    linears = [name for name, module in model.named_modules() if isinstance(module, (nn.Linear, LoRAQ4Linear))]
+    leaves = sorted({path.rpartition(".")[2] for path in adapted})
+    picked = [path for path in linears if path.rpartition(".")[2] in leaves]
+    return leaves if sorted(picked) == sorted(adapted) else sorted(adapted)
+
+
+def _base_model_name(source: str, loaded: Any) -> str:
+    """base_model_name_or_path: the HF directory (absolute), the HF repository a GGUF names as its source,
+    else the GGUF file or preset name as given."""
+    if loaded is None:
+        return source
+    if loaded.format == "hf":
+        return str(Path(loaded.path).absolute())
+    repository = loaded.metadata.get("general.source.huggingface.repository")
+    return repository if isinstance(repository, str) and repository else str(Path(loaded.path).absolute())
+
+
+def adapter_metadata(model: nn.Module, source: str, loaded: Any = None) -> dict[str, str]:
+    """The blob metadata describing `model`'s adapters and what they adapt (vktrain.contract's
+    ADAPTER_METADATA_KEYS): `source` is what the model was made from (a preset name or a path), `loaded`
+    the vktrain.models.LoadedModel when it was loaded from a checkpoint. Rank and alpha are the layers'
+    own; layers of differing rank or alpha are refused (one r and lora_alpha describe them all)."""
+    layers = lora_modules(model)
+    if not layers:
+        raise ValueError("the model has no LoRA adapters: call vktrain.lora.apply_lora first")
+    settings = Counter((layer.rank, layer.alpha) for layer in layers.values())
+    if len(settings) > 1:
+        raise ValueError(f"LoRA layers differ in (rank, alpha): {dict(settings)}; the adapter files record one of each")
+    (rank, alpha), = settings
+    adapted = list(layers)
+    metadata = {
+        METADATA_SOURCE_MODEL: str(source),
+        METADATA_BASE_MODEL: _base_model_name(str(source), loaded),
+        METADATA_LORA_RANK: str(rank),
+        METADATA_LORA_ALPHA: repr(float(alpha)),
+        METADATA_LORA_TARGET_MODULES: json.dumps(peft_target_modules(model, adapted)),
+        METADATA_LORA_LAYERS: json.dumps(adapted),
+    }
+    family = _model_family(model)
+    if family is not None:
+        metadata[METADATA_MODEL_FAMILY] = family
+    config = getattr(model, "config", None)
+    if dataclasses.is_dataclass(config):
+        metadata[METADATA_MODEL_CONFIG] = json.dumps(dataclasses.asdict(config))
+    return metadata
+
+
+def adapter_metadata_specs(model: nn.Module, source: str, loaded: Any = None) -> list:
+    """adapter_metadata as compile specs for VktrainPartitioner(compile_specs=...)."""
+    from vktrain.backend.preprocess import metadata_spec
+
+    return [metadata_spec(key, value) for key, value in adapter_metadata(model, source, loaded).items()]

@@ -8,22 +8,29 @@ An adapter directory holds
                               target_modules, base_model_name_or_path, ... (rank_pattern when ranks differ)
 The training program's state names them `model.<module path>.lora_A` / `.lora_B`
 (vktrain.export.training); `adapters_from_state` maps one to the other. Both files are written atomically.
+What adapter_config.json says beyond the tensors (lora_alpha, target_modules, base_model_name_or_path) the
+exporter records in the program's metadata; `ProgramAdapters.from_metadata` reads it back.
 vktrain's layer computes base(x) + (alpha / r) * B(A(x)), PEFT's LoRA with the same r and lora_alpha.
 """
 from __future__ import annotations
 
 import collections
 import json
+import math
 import os
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Mapping, Optional, Union
+from typing import Any, Mapping, Optional, Sequence, Union
 
 import numpy as np
 import safetensors
 import safetensors.numpy
 
+from vktrain.contract import (METADATA_BASE_MODEL, METADATA_LORA_ALPHA, METADATA_LORA_LAYERS, METADATA_LORA_RANK,
+                              METADATA_LORA_TARGET_MODULES, METADATA_MODEL_CONFIG, METADATA_MODEL_FAMILY,
+                              METADATA_SOURCE_MODEL)
 from vktrain.contract import MODEL_PREFIX as STATE_PREFIX  # the exporter's prefix of model tensors
-from vktrain.train.checkpoint import atomic_write_bytes, atomic_write_json
+from vktrain.train.checkpoint import atomic_write_bytes, atomic_write_json, load_checkpoint, sha256_file
 from vktrain.errors import VktrainError
 
 PathLike = Union[str, os.PathLike]
@@ -77,10 +84,60 @@ def adapters_from_state(state: Mapping[str, np.ndarray]) -> dict[str, tuple[np.n
     return adapters
 
 
+@dataclass(frozen=True)
+class ProgramAdapters:
+    """What a program's metadata records about its adapters (vktrain.contract's ADAPTER_METADATA_KEYS,
+    written at export); None for what it does not record (a .pte of an older vktrain)."""
+
+    source_model: Optional[str] = None
+    base_model: Optional[str] = None
+    rank: Optional[int] = None
+    lora_alpha: Optional[float] = None
+    target_modules: Optional[list[str]] = None
+    layers: Optional[list[str]] = None
+    family: Optional[str] = None
+    model_config: Optional[dict] = None
+
+    @classmethod
+    def from_metadata(cls, metadata: Mapping[str, str], where: str) -> "ProgramAdapters":
+        """Parse the recorded fields; a malformed one is an AdapterError naming `where` and the key."""
+        def parsed(key: str, parse, check, expected: str):
+            if key not in metadata:
+                return None
+            try:
+                value = parse(metadata[key])
+            except (TypeError, ValueError):
+                value = None
+            if value is None or not check(value):
+                raise AdapterError(f"{where}: metadata {key!r} is {metadata[key]!r}; expected {expected}")
+            return value
+
+        def is_names(value: Any) -> bool:
+            return isinstance(value, list) and bool(value) and all(isinstance(v, str) and v for v in value)
+
+        return cls(
+            source_model=metadata.get(METADATA_SOURCE_MODEL),
+            base_model=metadata.get(METADATA_BASE_MODEL),
+            rank=parsed(METADATA_LORA_RANK, int, lambda v: v > 0, "a positive integer"),
+            lora_alpha=parsed(METADATA_LORA_ALPHA, float, lambda v: math.isfinite(v) and v > 0, "a positive number"),
+            target_modules=parsed(METADATA_LORA_TARGET_MODULES, json.loads, is_names, "a JSON list of module names"),
+            layers=parsed(METADATA_LORA_LAYERS, json.loads, is_names, "a JSON list of module paths"),
+            family=metadata.get(METADATA_MODEL_FAMILY),
+            model_config=parsed(METADATA_MODEL_CONFIG, json.loads, lambda v: isinstance(v, dict), "a JSON object"),
+        )
+
+    def check_layers(self, adapters: Mapping[str, Any], where: str) -> None:
+        """The adapters found in a program's state are the layers its export recorded (when it recorded them)."""
+        if self.layers is not None and sorted(self.layers) != sorted(adapters):
+            raise AdapterError(f"{where}: the state holds adapters of {sorted(adapters)}, the metadata records the "
+                               f"adapted layers {sorted(self.layers)}")
+
+
 def adapter_config(adapters: Mapping[str, tuple[np.ndarray, np.ndarray]], lora_alpha: float,
-                   base_model: Optional[str] = None) -> dict:
+                   base_model: Optional[str] = None, target_modules: Optional[Sequence[str]] = None) -> dict:
     """PEFT LoraConfig fields describing `adapters` (rank from the tensors; the most common rank is r,
-    modules of another rank go to rank_pattern, as PEFT does)."""
+    modules of another rank go to rank_pattern, as PEFT does). target_modules defaults to the module
+    paths (PEFT matches a full path as well as a leaf name)."""
     if not (isinstance(lora_alpha, (int, float)) and np.isfinite(lora_alpha) and lora_alpha > 0):
         raise AdapterError(f"lora_alpha must be a positive number, got {lora_alpha!r}")
     ranks = {module: int(a.shape[0]) for module, (a, _) in adapters.items()}
@@ -91,7 +148,7 @@ def adapter_config(adapters: Mapping[str, tuple[np.ndarray, np.ndarray]], lora_a
         "base_model_name_or_path": base_model,
         "r": rank,
         "lora_alpha": float(lora_alpha),
-        "target_modules": sorted(adapters),
+        "target_modules": sorted(adapters) if target_modules is None else sorted(target_modules),
         "rank_pattern": {module: r for module, r in sorted(ranks.items()) if r != rank},
         "alpha_pattern": {},
         "lora_dropout": 0.0,
@@ -104,7 +161,7 @@ def adapter_config(adapters: Mapping[str, tuple[np.ndarray, np.ndarray]], lora_a
 
 
 def save_adapters(directory: PathLike, adapters: Mapping[str, tuple[np.ndarray, np.ndarray]], lora_alpha: float,
-                  base_model: Optional[str] = None) -> Path:
+                  base_model: Optional[str] = None, target_modules: Optional[Sequence[str]] = None) -> Path:
     """Write adapter_model.safetensors and adapter_config.json into `directory` (created if needed)."""
     directory = Path(directory)
     if not adapters:
@@ -115,7 +172,7 @@ def save_adapters(directory: PathLike, adapters: Mapping[str, tuple[np.ndarray, 
         _check_pair(module, lora_a, lora_b)
         tensors[peft_name(module, "lora_A")] = np.ascontiguousarray(lora_a, dtype=np.float32)
         tensors[peft_name(module, "lora_B")] = np.ascontiguousarray(lora_b, dtype=np.float32)
-    config = adapter_config(adapters, lora_alpha, base_model)
+    config = adapter_config(adapters, lora_alpha, base_model, target_modules)
     directory.mkdir(parents=True, exist_ok=True)
     atomic_write_bytes(directory / ADAPTER_WEIGHTS, safetensors.numpy.save(tensors, metadata={"format": "pt"}))
     atomic_write_json(directory / ADAPTER_CONFIG, config)
@@ -163,5 +220,49 @@ def load_adapters(directory: PathLike) -> dict[str, tuple[np.ndarray, np.ndarray
     return adapters
 
 
-__all__ = ["ADAPTER_CONFIG", "ADAPTER_WEIGHTS", "AdapterError", "LORA_SUFFIXES", "PEFT_PREFIX", "adapter_config",
-           "adapters_from_state", "load_adapter_config", "load_adapters", "peft_name", "save_adapters"]
+def read_program_graph(program: PathLike):
+    """The delegate graph (vktrain.serialization.graph.VkGraph) of a training-step .pte, read and verified
+    torch-free; its `metadata` is what ProgramAdapters.from_metadata reads."""
+    from vktrain.runtime.program.pte import PteFile
+    from vktrain.runtime.program.runner import verify_training_program
+
+    if not Path(program).is_file():
+        raise AdapterError(f"program {program} does not exist (or is not a file)")
+    return verify_training_program(PteFile.load(program)).graph
+
+
+def load_program_adapters(program: PathLike, recorded: ProgramAdapters, adapters_dir: Optional[PathLike] = None,
+                          checkpoint: Optional[PathLike] = None) -> tuple[dict, float]:
+    """(adapters {module: (A, B)}, lora_alpha) of a program, from an adapter directory (alpha from its
+    adapter_config.json) or from a checkpoint of that same program (alpha as the program records it)."""
+    if (adapters_dir is None) == (checkpoint is None):
+        raise AdapterError("give the adapters as an adapter directory or a checkpoint (one of the two)")
+    if adapters_dir is not None:
+        alpha = load_adapter_config(adapters_dir).get("lora_alpha")
+        if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not alpha > 0:
+            raise AdapterError(f"{Path(adapters_dir) / ADAPTER_CONFIG}: lora_alpha is {alpha!r}, "
+                               f"expected a positive number")
+        adapters = load_adapters(adapters_dir)
+    else:
+        saved = load_checkpoint(checkpoint)
+        if saved.program_sha256 != sha256_file(program):
+            raise AdapterError(f"{checkpoint} is a checkpoint of another program than {program} (sha256 differs)")
+        if recorded.lora_alpha is None:
+            raise AdapterError(f"{program} does not record its LoRA alpha; give an adapter directory instead")
+        adapters, alpha = adapters_from_state(saved.tensors), recorded.lora_alpha
+    recorded.check_layers(adapters, str(program))
+    return adapters, float(alpha)
+
+
+def add_program_adapter_arguments(parser) -> None:
+    """A command's `STEP.pte` and `--adapters DIR | --checkpoint FILE` arguments (load_program_adapters)."""
+    parser.add_argument("program", metavar="STEP.pte", help="the training-step program the adapters were trained with")
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--adapters", metavar="DIR", help="PEFT adapter directory (vktrain train --out-adapters)")
+    source.add_argument("--checkpoint", metavar="FILE",
+                        help="a checkpoint of this program (vktrain train --checkpoint)")
+
+
+__all__ = ["ADAPTER_CONFIG", "ADAPTER_WEIGHTS", "AdapterError", "LORA_SUFFIXES", "PEFT_PREFIX", "ProgramAdapters",
+           "adapter_config", "adapters_from_state", "add_program_adapter_arguments", "load_adapter_config",
+           "load_adapters", "load_program_adapters", "peft_name", "read_program_graph", "save_adapters"]

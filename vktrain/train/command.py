@@ -19,7 +19,9 @@ from typing import Optional
 
 from vktrain.contract import ADAMW_DEFAULTS
 from vktrain.errors import VktrainError
-from vktrain.train.adapters import ADAPTER_CONFIG, ADAPTER_WEIGHTS, LORA_SUFFIXES, adapters_from_state, save_adapters
+from vktrain.train.adapters import (ADAPTER_CONFIG, ADAPTER_WEIGHTS, LORA_SUFFIXES, ProgramAdapters,
+                                    adapters_from_state, save_adapters)
+from vktrain.train.gguf_adapter import check_gguf_adapter_program, save_gguf_adapter
 from vktrain.train.checkpoint import (
     CheckpointError,
     load_checkpoint,
@@ -32,8 +34,6 @@ from vktrain.train.lr_schedule import SCHEDULES, LRSchedule
 from vktrain.train.tokenizer import program_tokenizer
 from vktrain.train.train_loop import (
     MAX_STEPS,
-    METADATA_LORA_ALPHA,
-    METADATA_SOURCE_MODEL,
     ON_NONFINITE,
     AdamWConfig,
     TrainConfigError,
@@ -83,6 +83,8 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
                         help="write the per-step records [{step, loss, lr, seconds}, ...] as JSON")
     parser.add_argument("--out-adapters", metavar="DIR",
                         help="write the trained adapters in PEFT format (adapter_model.safetensors + adapter_config.json)")
+    parser.add_argument("--out-gguf-adapter", metavar="FILE.gguf",
+                        help="write the trained adapters as a llama.cpp LoRA GGUF (llama-cli --lora FILE.gguf)")
     parser.add_argument("--lora-alpha", type=float,
                         help="LoRA alpha for adapter_config.json (needed with --out-adapters when the .pte does not record it)")
     parser.add_argument("--base-model", help="base_model_name_or_path for adapter_config.json")
@@ -165,12 +167,8 @@ def _config_differences(saved: dict, current: dict, prefix: str = "") -> list[st
     return differences
 
 
-def _resolve_alpha(args: argparse.Namespace, metadata: dict) -> Optional[float]:
-    if args.lora_alpha is not None:
-        return args.lora_alpha
-    if METADATA_LORA_ALPHA in metadata:
-        return float(metadata[METADATA_LORA_ALPHA])
-    return None
+def _resolve_alpha(args: argparse.Namespace, recorded: ProgramAdapters) -> Optional[float]:
+    return args.lora_alpha if args.lora_alpha is not None else recorded.lora_alpha
 
 
 # ------------------------------------------------------------------------------------------------
@@ -201,7 +199,8 @@ def run_train(args: argparse.Namespace, device=None) -> int:
     schedule, optimizer = check_arguments(args)
     checkpoint_path = args.checkpoint or args.resume
     # Found now, not when the first checkpoint is due after minutes of training.
-    for flag, target in (("--checkpoint", checkpoint_path), ("--json", args.json), ("--plot", args.plot)):
+    for flag, target in (("--checkpoint", checkpoint_path), ("--json", args.json), ("--plot", args.plot),
+                         ("--out-gguf-adapter", args.out_gguf_adapter)):
         if target:
             prepare_output_file(flag, target)
     if args.out_adapters:
@@ -239,7 +238,7 @@ def run_train(args: argparse.Namespace, device=None) -> int:
         summary += f": loss {new_records[0]['loss']:.4f} -> {new_records[-1]['loss']:.4f}"
     print(summary)
     for label, value in (("checkpoint", checkpoint_path), ("records", args.json), ("adapters", args.out_adapters),
-                         ("loss plot", args.plot)):
+                         ("GGUF adapter", args.out_gguf_adapter), ("loss plot", args.plot)):
         if value:
             print(f"{label}: {value}")
     return 0
@@ -249,10 +248,15 @@ def _train_loaded(args, runner, schedule, optimizer, resume, seed, data_path, pr
                   checkpoint_path) -> tuple[Optional[TrainState], int]:
     """The run once the program is loaded: (final state, first step's index), state None when interrupted."""
     info = describe_program(runner)
-    alpha = _resolve_alpha(args, info.metadata)
-    if args.out_adapters and alpha is None:
-        raise TrainConfigError("--out-adapters: the .pte does not record the LoRA alpha it was exported with; pass "
-                               "--lora-alpha (the value given to vktrain export --lora-alpha, default 16)")
+    recorded = ProgramAdapters.from_metadata(info.metadata, args.program)
+    alpha = _resolve_alpha(args, recorded)
+    wants_adapters = args.out_adapters or args.out_gguf_adapter
+    if wants_adapters and alpha is None:
+        raise TrainConfigError("--out-adapters / --out-gguf-adapter: the .pte does not record the LoRA alpha it "
+                               "was exported with; pass --lora-alpha (the value given to vktrain export "
+                               "--lora-alpha, default 16)")
+    if args.out_gguf_adapter:
+        check_gguf_adapter_program(recorded, args.program)
     data = load_data(data_path, info.vocab_size, program_tokenizer(runner, args.program))
     batches = TokenBatcher(data.tokens, info.batch_size, info.seq_len, seed=seed, shuffle=not args.no_shuffle,
                            source=str(data_path), labels=data.labels)
@@ -284,10 +288,15 @@ def _train_loaded(args, runner, schedule, optimizer, resume, seed, data_path, pr
                  if state.last_checkpoint else "no checkpoint was written")
         print(f"vktrain train: interrupted after step {state.step}; {where}", file=sys.stderr)
         return None, start
-    if args.out_adapters:
-        base_model = args.base_model or info.metadata.get(METADATA_SOURCE_MODEL)
+    if wants_adapters:
         lora_state = {name: runner.read_state(name) for name in runner.state_names if name.endswith(LORA_SUFFIXES)}
-        save_adapters(args.out_adapters, adapters_from_state(lora_state), alpha, base_model)
+        adapters = adapters_from_state(lora_state)
+        recorded.check_layers(adapters, args.program)
+    if args.out_adapters:
+        base_model = args.base_model or recorded.base_model or recorded.source_model
+        save_adapters(args.out_adapters, adapters, alpha, base_model, recorded.target_modules)
+    if args.out_gguf_adapter:
+        save_gguf_adapter(args.out_gguf_adapter, adapters, alpha, recorded, args.program)
     return state, start
 
 

@@ -4,8 +4,10 @@ Steps are numbered t = 1, 2, ..., total_steps (t is the step being taken, like A
 W = warmup_steps, peak = base_lr and floor = base_lr * min_lr_ratio:
   warmup (t <= W)     lr = peak * t / W                 (linear; reaches the peak at t = W)
   constant (t > W)    lr = peak
-  cosine (t > W)      lr = floor + (peak - floor) * (1 + cos(pi * p)) / 2,   p = min(1, (t - W) / (T - W))
-                      (peak just after warmup, exactly the floor at t = T, held there for t > T)
+  cosine (t > W)      lr = floor + (peak - floor) * (1 + cos(pi * p)) / 2,   p = min(1, (t - W) / (T + 1 - W))
+                      (continuing from the peak at t = W; the floor is reached at t = T + 1, after the
+                      last step, so the last step still trains (with floor 0 it would train nothing);
+                      held there for t > T)
 """
 from __future__ import annotations
 
@@ -57,7 +59,7 @@ class LRSchedule:
         if self.kind == "constant":
             return self.base_lr
         floor = self.base_lr * self.min_lr_ratio
-        progress = min(1.0, (step - self.warmup_steps) / (self.total_steps - self.warmup_steps))
+        progress = min(1.0, (step - self.warmup_steps) / (self.total_steps + 1 - self.warmup_steps))
         return floor + (self.base_lr - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
     def __call__(self, step: int) -> float:

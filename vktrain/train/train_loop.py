@@ -81,9 +81,6 @@ MAX_CONSECUTIVE_SKIPS = 8
 # AdamW's step counter is float32 state: integers above 2**24 are not all representable.
 MAX_STEPS = 2**24
 
-# Delegate-graph metadata keys the loop reads when present (the exporter may record them; see run_train).
-METADATA_LORA_ALPHA = "lora_alpha"
-METADATA_SOURCE_MODEL = "source_model"
 _FUSED_CE = "vktrain.fused_ce.default"
 _EMBEDDING = "aten.embedding.default"
 

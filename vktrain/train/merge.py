@@ -1,0 +1,190 @@
+"""`vktrain merge`: a training program's base with its LoRA adapters folded in, as a Hugging Face model
+directory (numpy + safetensors; no torch).
+
+    merge_to_hf_directory("step.pte", "merged/", adapters_dir="adapters/")     # or checkpoint="ck.safetensors"
+
+What is merged. The base is the one the adapters were trained through: the program's own constants, i.e.
+the dequantized q4gsw weights of every adapted linear (vktrain.quant's layouts) and the float weights of
+everything else (embedding, norms, biases, unadapted linears). Each adapted weight becomes
+deq(W) + (alpha / r) * B @ A (float64 product, stored float32), so the merged model computes what vktrain's
+LoRA model computes, up to float32 rounding. (Merging into the float source weights instead would give a
+model the adapters were never trained with.) Everything is written float32.
+
+The directory holds model.safetensors (HF names), config.json (the source checkpoint's, when the program
+was exported from a Hugging Face directory that is still there; otherwise built from the recorded model
+config), and the source's tokenizer and generation files when it has them.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Mapping, Optional, Union
+
+import numpy as np
+import safetensors.numpy
+
+from vktrain.contract import MODEL_PREFIX
+from vktrain.errors import VktrainError
+from vktrain.quant import dequantize, unpack_w4x8
+from vktrain.train.adapters import (ProgramAdapters, add_program_adapter_arguments, load_program_adapters,
+                                    read_program_graph)
+from vktrain.train.checkpoint import atomic_write_bytes, atomic_write_json
+
+PathLike = Union[str, os.PathLike]
+
+MERGED_WEIGHTS = "model.safetensors"
+# Files copied from a Hugging Face source directory when present.
+SOURCE_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
+                "chat_template.jinja", "generation_config.json")
+HF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+_Q4_WEIGHTS, _Q4_SCALES = ".weights", ".scales"  # LoRAQ4Linear's buffers (vktrain.lora.layers)
+_SKIPPED = ("rope_cos", "rope_sin")  # functions of the config, rebuilt by transformers
+
+
+class MergeError(VktrainError, ValueError):
+    """A program, adapters or output that cannot make a merged model."""
+
+
+def _program_constants(program: Path):
+    """(graph, {name under the model: value id}) of the program's delegate constants."""
+    graph = read_program_graph(program)
+    constants = {}
+    for value_id, value in enumerate(graph.values):
+        if getattr(value, "constant_id", -1) >= 0 and value.name.startswith(MODEL_PREFIX):
+            if graph.is_synthetic(value.constant_id):
+                raise MergeError(f"{program}: constant {value.name} is synthetic "
+                                 f"(a benchmark program holds no weights)")
+            constants[value.name[len(MODEL_PREFIX):]] = value_id
+    return graph, constants
+
+
+def merged_state_dict(program: PathLike, adapters_dir: Optional[PathLike] = None,
+                      checkpoint: Optional[PathLike] = None) -> tuple[dict[str, np.ndarray], ProgramAdapters]:
+    """({HF tensor name: float32 array}, the program's recorded adapter facts) of the merged model."""
+    program = Path(program)
+    graph, constants = _program_constants(program)
+    recorded = ProgramAdapters.from_metadata(graph.metadata, str(program))
+    if recorded.model_config is None or recorded.family not in HF_ARCHITECTURES:
+        raise MergeError(f"{program}: merging needs a Llama-family program whose export recorded its model family and "
+                         f"config (found family {recorded.family!r}); re-export it with this vktrain")
+    adapters, alpha = load_program_adapters(program, recorded, adapters_dir, checkpoint)
+    state: dict[str, np.ndarray] = {}
+    for module, (lora_a, lora_b) in adapters.items():
+        names = (module + _Q4_WEIGHTS, module + _Q4_SCALES)
+        if not all(name in constants for name in names):
+            raise MergeError(f"{program}: adapted layer {module!r} has no q4gsw base ({names[0]}, {names[1]}) among "
+                             f"the program's constants")
+        scales = np.asarray(graph.constant_array(constants[names[1]]), dtype=np.float32)
+        rank, k = lora_a.shape
+        n = scales.shape[1]
+        if lora_b.shape != (n, rank) or k % scales.shape[0]:
+            raise MergeError(f"adapters of {module}: A {list(lora_a.shape)}, B {list(lora_b.shape)} do not fit its "
+                             f"base of {n} outputs with scales {list(scales.shape)}")
+        flat = unpack_w4x8(np.asarray(graph.constant_array(constants[names[0]])), n, k)
+        base = dequantize(flat, scales, k // scales.shape[0], k).astype(np.float64)
+        delta = (alpha / rank) * (lora_b.astype(np.float64) @ lora_a.astype(np.float64))
+        state[module + ".weight"] = (base + delta).astype(np.float32)
+    adapted = {module + suffix for module in adapters for suffix in (_Q4_WEIGHTS, _Q4_SCALES)}
+    tied = bool(recorded.model_config.get("tie_embeddings"))
+    for name, value_id in constants.items():
+        if name in adapted or name in _SKIPPED:
+            continue
+        if tied and name == "lm_head.weight":  # the tied weight may be listed under the head's name
+            name = "model.embed_tokens.weight"
+        state[name] = np.array(graph.constant_array(value_id), dtype=np.float32)
+    _check_complete(state, recorded.model_config, str(program))
+    return state, recorded
+
+
+def _expected_names(config: Mapping) -> set[str]:
+    per_layer = ["input_layernorm.weight", "post_attention_layernorm.weight", "mlp.gate_proj.weight",
+                 "mlp.up_proj.weight", "mlp.down_proj.weight"]
+    per_layer += [f"self_attn.{p}_proj.weight" for p in "qkvo"]
+    if config.get("qkv_bias"):
+        per_layer += [f"self_attn.{p}_proj.bias" for p in "qkv"]
+    if config.get("qk_norm"):
+        per_layer += ["self_attn.q_norm.weight", "self_attn.k_norm.weight"]
+    names = {f"model.layers.{i}.{suffix}" for i in range(int(config["n_layers"])) for suffix in per_layer}
+    names |= {"model.embed_tokens.weight", "model.norm.weight"}
+    if not config.get("tie_embeddings"):
+        names.add("lm_head.weight")
+    return names
+
+
+def _check_complete(state: Mapping[str, np.ndarray], config: Mapping, where: str) -> None:
+    expected = _expected_names(config)
+    missing, unknown = sorted(expected - set(state)), sorted(set(state) - expected)
+    if missing or unknown:
+        raise MergeError(f"{where}: the program's weights do not form the recorded model: missing {missing[:8]}, "
+                         f"unexpected {unknown[:8]}")
+
+
+def hf_config(config: Mapping, family: str) -> dict:
+    """A transformers config.json for a recorded LlamaConfig (vktrain.models.llama) of `family`."""
+    if config.get("rope_freq_factors") is not None:
+        raise MergeError("the model's rope scaling came as llama.cpp rope_freqs factors, which a Hugging Face "
+                         "config.json cannot express; merge a program exported from a Hugging Face directory")
+    head_dim = config.get("attn_head_dim") or config["dim"] // config["n_heads"]
+    rope = {"rope_type": "default", "rope_theta": config["rope_theta"]}
+    if config.get("rope_scaling"):
+        rope = {"rope_type": "llama3", "rope_theta": config["rope_theta"], **config["rope_scaling"]}
+    return {
+        "architectures": [HF_ARCHITECTURES[family]], "model_type": family, "vocab_size": config["vocab_size"],
+        "hidden_size": config["dim"], "intermediate_size": config["hidden"], "num_hidden_layers": config["n_layers"],
+        "num_attention_heads": config["n_heads"], "num_key_value_heads": config["n_kv_heads"], "head_dim": head_dim,
+        "hidden_act": "silu", "rms_norm_eps": config["norm_eps"], "max_position_embeddings": config["max_seq_len"],
+        "tie_word_embeddings": bool(config["tie_embeddings"]), "rope_parameters": rope,
+        "attention_bias": False, "mlp_bias": False, "dtype": "float32",
+    }
+
+
+def _source_directory(recorded: ProgramAdapters) -> Optional[Path]:
+    for candidate in (recorded.base_model, recorded.source_model):
+        if candidate and (Path(candidate) / "config.json").is_file():
+            return Path(candidate)
+    return None
+
+
+def merge_to_hf_directory(program: PathLike, out_dir: PathLike, adapters_dir: Optional[PathLike] = None,
+                          checkpoint: Optional[PathLike] = None) -> Path:
+    """Write the merged model (module docstring) into `out_dir` (created if needed); returns it."""
+    state, recorded = merged_state_dict(program, adapters_dir, checkpoint)
+    out = Path(out_dir)
+    if out.exists() and not out.is_dir():
+        raise MergeError(f"--out {out} is a file; expected a directory (it will hold the merged model)")
+    out.mkdir(parents=True, exist_ok=True)
+    source = _source_directory(recorded)
+    if source is not None:
+        config = json.loads((source / "config.json").read_text(encoding="utf-8"))
+        config.pop("torch_dtype", None)
+        config["dtype"] = "float32"
+    else:
+        config = hf_config(recorded.model_config, recorded.family)
+    atomic_write_bytes(out / MERGED_WEIGHTS, safetensors.numpy.save(state, metadata={"format": "pt"}))
+    atomic_write_json(out / "config.json", config)
+    for name in SOURCE_FILES if source is not None else ():
+        if (source / name).is_file():
+            shutil.copyfile(source / name, out / name)
+    return out
+
+
+def add_merge_arguments(parser):
+    """The `vktrain merge` arguments (the subcommand's parser; run it with `run_merge`)."""
+    add_program_adapter_arguments(parser)
+    parser.add_argument("--out", required=True, metavar="DIR",
+                        help="Hugging Face model directory to write (config.json, model.safetensors, tokenizer files)")
+    return parser
+
+
+def run_merge(args) -> int:
+    """`vktrain merge`: 0 on success; bad input raises a VktrainError (the CLI's one-line error)."""
+    out = merge_to_hf_directory(args.program, args.out, adapters_dir=args.adapters, checkpoint=args.checkpoint)
+    print(f"wrote {out}: {args.program}'s dequantized q4gsw base with the adapters of "
+          f"{args.adapters or args.checkpoint} merged in (float32)")
+    return 0
+
+
+__all__ = ["MERGED_WEIGHTS", "MergeError", "SOURCE_FILES", "add_merge_arguments", "hf_config", "merge_to_hf_directory",
+           "merged_state_dict", "run_merge"]
