@@ -41,9 +41,18 @@ METADATA_UNPLANNED_MEMORY_BYTES = "unplanned_memory_bytes"
 METADATA_STATE_BYTES = "state_bytes"                  # bytes of the mutable training state
 METADATA_REFUSALS = "refusals"                        # JSON list of the partitioner's refusals
 METADATA_SYNTHETIC_CONSTANTS = "synthetic_constants"  # benchmark blobs only
+METADATA_GEMM_PRECISIONS = "gemm_precisions"          # JSON list of the PRECISIONS the program allows
+
+# ---- GEMM precision policies (docs/PRECISION.md): the blob lists those it allows, the runtime picks one
+# by device. fp32: every GEMM on the fp32 kernels (the parity reference; the default everywhere).
+# fp16-tc: the 4-bit base GEMMs on tensor cores (VK_KHR_cooperative_matrix), fp16 inputs, fp32 accumulation.
+PRECISION_FP32 = "fp32"
+PRECISION_FP16_TC = "fp16-tc"
+PRECISIONS = (PRECISION_FP32, PRECISION_FP16_TC)
 
 __all__ = ["ADAMW_DEFAULTS", "BACKEND_ID", "EXP_AVG_PREFIX", "EXP_AVG_SQ_PREFIX", "HPARAMS", "HPARAM_NAMES",
-           "LABELS", "METADATA_BACKEND", "METADATA_PLANNED_MEMORY_BYTES", "METADATA_REFUSALS",
+           "LABELS", "METADATA_BACKEND", "METADATA_GEMM_PRECISIONS", "METADATA_PLANNED_MEMORY_BYTES", "METADATA_REFUSALS",
            "METADATA_SOURCE_MODEL", "METADATA_STATE_BYTES", "METADATA_SYNTHETIC_CONSTANTS",
-           "METADATA_UNPLANNED_MEMORY_BYTES", "MODEL_PREFIX", "N_VALID", "STATE_PREFIXES", "STEP_INPUTS",
+           "METADATA_UNPLANNED_MEMORY_BYTES", "MODEL_PREFIX", "N_VALID", "PRECISIONS", "PRECISION_FP16_TC",
+           "PRECISION_FP32", "STATE_PREFIXES", "STEP_INPUTS",
            "STEP_STATE", "TOKEN_IDS", "hparams_values"]

@@ -26,6 +26,11 @@ generated from torch), and kernels are registered under the op's key (`vktrain.r
   mm / bmm / addmm allocate a split-K scratch when the GEMM plan would split (skinny output, long
   reduction: kernels/matmul.py `gemm_scratch_nbytes`), and nothing otherwise.
 
+* GEMM precision: `OpContext.gemm` is the program's GemmRoute (kernels/coopmat.py, chosen at load by the
+  executor from the precision policy and the device). Where it gives the tensor cores, linear_q4gsw
+  without bias takes coopmat_linear_q4gsw (fp16 inputs, fp32 accumulation); everything else keeps its
+  fp32 kernel.
+
 The executor (executor.py) hands each lowering `TensorArg`s whose bindings and views are the storage
 the backend recorded in the blob, so view and in-place decisions never leak into this table.
 """
@@ -41,6 +46,7 @@ from vktrain.serialization import graph as vk
 
 # Importing the kernels package imports every family, so KERNELS is complete.
 from vktrain.runtime.delegate.kernels import KERNELS, attention, cross_entropy, layout, linear, matmul, norm
+from vktrain.runtime.delegate.kernels.coopmat import FP32_ROUTE, GemmRoute, plan_coopmat_linear_q4gsw
 from vktrain.runtime.vk.schedule import BufferBinding, Dispatch
 from vktrain.errors import VktrainError
 
@@ -106,6 +112,8 @@ class OpContext:
     # The device's DeviceLimits (vktrain.runtime.vk.device), for kernels that size workgroups or shared
     # memory tiles by them; None: the Vulkan-guaranteed minimums the kernels default to.
     limits: Optional[Any] = None
+    # Which kernels the GEMM-family ops take on this device (kernels/coopmat.py; chosen once at load).
+    gemm: GemmRoute = FP32_ROUTE
 
     def fail(self, message: str) -> GraphLoweringError:
         return GraphLoweringError(f"op {self.index} ({self.op.name}): {message}")
@@ -288,6 +296,14 @@ def _lower_linear_q4gsw(ctx: OpContext) -> list[Dispatch]:
     group_size, bias = ctx.args[3], ctx.args[4]
     n, k = _q4gsw_dims(scales, group_size)
     m = x.numel // k
+    if bias is None and ctx.gemm.takes_tensor_cores(m, n):  # the coopmat kernel has no bias epilogue
+        try:
+            return plan_coopmat_linear_q4gsw(M=m, N=n, K=k, group_size=group_size, out=ctx.outputs[0].binding,
+                                             x=x.binding, weights=weights.binding, scales=scales.binding,
+                                             emulate=ctx.gemm.emulate, subgroup_size=ctx.gemm.subgroup_size,
+                                             label=ctx.label)
+        except ValueError as exc:
+            raise ctx.fail(f"the coopmat_linear_q4gsw kernel refused it: {exc}") from exc
     return _call(ctx, M=m, N=n, K=k, group_size=group_size, out=ctx.outputs[0].binding,
                  x=x.binding, weights=weights.binding, scales=scales.binding,
                  bias=None if bias is None else bias.binding, **_split_k_args(ctx, "linear_q4gsw", m, n, k))

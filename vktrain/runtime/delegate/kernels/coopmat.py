@@ -8,7 +8,7 @@ choose these kernels where that precision is acceptable (tests/test_kernels_coop
 bound). Shaders: vktrain/runtime_shaders/coopmat_{linear_q4gsw,mm}.comp, body coopmat_gemm.glsl.
 
 Kernels (alternative plans of vktrain.linear_q4gsw.default and aten.mm.default, so not in the
-one-plan-per-op registry; nothing routes graph ops to them yet, the lowering will choose them by device):
+one-plan-per-op registry; the op lowering takes them where this program's GemmRoute says so):
   coopmat_linear_q4gsw   y[M, N] = x[M, K] @ deq(W).T
   coopmat_mm             C[M, N] = A[M, K] @ B[K, N], or A @ B^T with B^T given as [N, K] (b_transposed)
 
@@ -16,27 +16,118 @@ They need a device whose `cooperative_matrix_properties` list 16x16x16 fp16 x fp
 scope (`coopmat_supported`). Tiling: 4 subgroups per workgroup, a BN = 128 wide tile and BM = 128 or 64
 rows (`tile_m`; default: 64 when 128-row tiles would leave the GPU short of workgroups). Push
 constants (after the runtime's group-offset header): M, N, K, group_size (0 for mm).
+
+Selection (docs/PRECISION.md): the program's blob lists the GEMM precision policies it allows
+(`allowed_precisions`, metadata `gemm_precisions`); at load `select_gemm_route` picks, from the policy the
+user asked for and the device's cooperative-matrix properties, the GemmRoute the executor hands every op
+lowering.
 """
 from __future__ import annotations
 
-from typing import Any
+import json
+from dataclasses import dataclass
+from typing import Any, Mapping
 
 import numpy as np
 
+from vktrain.contract import METADATA_GEMM_PRECISIONS, PRECISION_FP16_TC, PRECISION_FP32, PRECISIONS
+from vktrain.errors import VktrainError
 from vktrain.quant import check_q4gsw_shapes
 from vktrain.runtime.delegate.kernels.layout import MAX_ELEMENTS, KernelArgumentError, binding
-from vktrain.runtime.vk.coopmat import CooperativeMatrixShape, supports_shape
+from vktrain.runtime.vk.coopmat import EXTENSION_NAME, CooperativeMatrixShape, supports_shape
 from vktrain.runtime.vk.schedule import Dispatch, ceil_div, pack_push
 
 # The cooperative-matrix shape and types the shaders are written for.
 FRAGMENT = (16, 16, 16)
 INPUT_TYPE, ACCUMULATOR_TYPE = "float16", "float32"
+EXTENSION_HINT = f"{EXTENSION_NAME} 16x16x16 {INPUT_TYPE}*{INPUT_TYPE}+{ACCUMULATOR_TYPE}"
 TILE_N = 128
 TILE_M_CHOICES = (128, 64)
 DEFAULT_SUBGROUP_SIZE = 32  # the shaders' default SUBGROUP_SIZE define (NVIDIA; AMD RDNA may need 64)
 # 128-row tiles when they give at least this many workgroups (about 2 per SM of a 132-SM H200), else 64:
 # the faster tile for both kernels at all 12 Llama-3.2-1B shapes of bench/results/coopmat_h200.json.
 TARGET_WORKGROUPS = 256
+# A GEMM takes the tensor cores when its output has at least this many 64-row tiles (about one per SM of
+# a 132-SM H200): each workgroup then takes about as long as at M = 512 (0.058 ms for K = 2048 in
+# bench/results/coopmat_h200.json), while the SIMT kernels split K over the SMs at small M (0.043 ms at
+# M = 128, N = 2048: 32 coopmat workgroups would be slower).
+MIN_WORKGROUPS = 128
+SUBGROUP_BASIC_BIT = 0x1  # VK_SUBGROUP_FEATURE_BASIC_BIT: what the emulated variant needs besides fp16
+
+
+class PrecisionPolicyError(VktrainError, ValueError):
+    """A GEMM precision policy the runtime does not know, the program does not allow, or cannot run."""
+
+
+def allowed_precisions(metadata: Mapping[str, str], source: str = "the program") -> tuple[str, ...]:
+    """The GEMM precision policies a blob allows (its metadata `gemm_precisions`, a JSON list). Blobs
+    written before the policy existed do not record it: they allow fp32 only."""
+    text = metadata.get(METADATA_GEMM_PRECISIONS)
+    if text is None:
+        return (PRECISION_FP32,)
+    try:
+        listed = json.loads(text)
+    except json.JSONDecodeError:
+        listed = None
+    if not isinstance(listed, list) or not listed or not all(p in PRECISIONS for p in listed):
+        raise PrecisionPolicyError(f"{source}: blob metadata {METADATA_GEMM_PRECISIONS!r} is {text!r}; expected a "
+                                   f"non-empty JSON list of {', '.join(PRECISIONS)}")
+    return tuple(listed)
+
+
+@dataclass(frozen=True)
+class GemmRoute:
+    """Which kernels a program's GEMMs run on this device, chosen once at load (`select_gemm_route`).
+
+    `tensor_cores`: the 4-bit base forward GEMMs take coopmat_linear_q4gsw where `takes_tensor_cores`;
+    `emulate` runs its COOPMAT_EMULATE variant (the test path on devices without tensor cores);
+    `reason` says why, for the reports (train's startup line)."""
+
+    precision: str
+    tensor_cores: bool
+    reason: str
+    emulate: bool = False
+    subgroup_size: int = DEFAULT_SUBGROUP_SIZE
+    min_workgroups: int = MIN_WORKGROUPS
+
+    def takes_tensor_cores(self, M: int, N: int) -> bool:
+        """Whether an M x N output goes to the coopmat kernels (enough tiles to pay, see MIN_WORKGROUPS)."""
+        return self.tensor_cores and ceil_div(M, 64) * ceil_div(N, TILE_N) >= self.min_workgroups
+
+    def describe(self) -> str:
+        kernels = "tensor cores (fp16 inputs, fp32 accumulation)" if self.tensor_cores else "fp32 kernels"
+        return f"GEMM precision {self.precision}: {kernels}; {self.reason}"
+
+
+FP32_ROUTE = GemmRoute(PRECISION_FP32, False, "the fp32 policy")
+
+
+def select_gemm_route(precision: str, allowed: tuple[str, ...], device: Any, *,
+                      emulate: bool = False) -> GemmRoute:
+    """The GemmRoute for the policy `precision` on `device` (a vktrain Device), for a program allowing
+    `allowed`. fp16-tc takes the tensor cores where the device has the coopmat kernels' shape and types
+    and falls back to the fp32 kernels (saying so) elsewhere. `emulate` (tests) pretends it has them and
+    runs the emulated shaders, on every GEMM the route covers whatever its size."""
+    if precision not in PRECISIONS:
+        raise PrecisionPolicyError(f"unknown GEMM precision {precision!r}; choose one of {', '.join(PRECISIONS)}")
+    if precision not in allowed:
+        raise PrecisionPolicyError(f"the program allows GEMM precision {', '.join(allowed)} (blob metadata "
+                                   f"{METADATA_GEMM_PRECISIONS!r}), not {precision!r}")
+    if precision == PRECISION_FP32:
+        return FP32_ROUTE
+    assert precision == PRECISION_FP16_TC
+    if emulate:
+        if "shaderFloat16" not in device.features or not device.subgroup_operations & SUBGROUP_BASIC_BIT:
+            raise PrecisionPolicyError(f"{device.name} cannot run the emulated coopmat kernels: they need "
+                                       f"shaderFloat16 and basic subgroup operations")
+        return GemmRoute(precision, True, f"emulated on {device.name} (test path, no tensor cores used)",
+                         emulate=True, subgroup_size=device.subgroup_size, min_workgroups=1)
+    if not coopmat_supported(device.cooperative_matrix_properties):
+        m, n, k = FRAGMENT
+        return GemmRoute(precision, False, f"{device.name} lists no {m}x{n}x{k} {INPUT_TYPE} x {INPUT_TYPE} + "
+                                           f"{ACCUMULATOR_TYPE} cooperative matrices ({EXTENSION_HINT}), so the "
+                                           f"fp32 kernels run")
+    return GemmRoute(precision, True, f"{device.name} has {EXTENSION_HINT}", subgroup_size=device.subgroup_size)
 
 
 def coopmat_supported(properties: tuple[CooperativeMatrixShape, ...]) -> bool:
