@@ -28,8 +28,8 @@ generated from torch), and kernels are registered under the op's key (`vktrain.r
 
 * GEMM precision: `OpContext.gemm` is the program's GemmRoute (kernels/coopmat.py, chosen at load by the
   executor from the precision policy and the device). Where it gives the tensor cores, linear_q4gsw
-  without bias takes coopmat_linear_q4gsw (fp16 inputs, fp32 accumulation); everything else keeps its
-  fp32 kernel.
+  without bias takes coopmat_linear_q4gsw and linear_q4gsw_backward coopmat_linear_q4gsw_backward (fp16
+  inputs, fp32 accumulation; d_out scaled per tensor); everything else keeps its fp32 kernel.
 
 The executor (executor.py) hands each lowering `TensorArg`s whose bindings and views are the storage
 the backend recorded in the blob, so view and in-place decisions never leak into this table.
@@ -46,7 +46,8 @@ from vktrain.serialization import graph as vk
 
 # Importing the kernels package imports every family, so KERNELS is complete.
 from vktrain.runtime.delegate.kernels import KERNELS, attention, cross_entropy, layout, linear, matmul, norm
-from vktrain.runtime.delegate.kernels.coopmat import FP32_ROUTE, GemmRoute, plan_coopmat_linear_q4gsw
+from vktrain.runtime.delegate.kernels import coopmat
+from vktrain.runtime.delegate.kernels.coopmat import FP32_ROUTE, GemmRoute
 from vktrain.runtime.vk.schedule import BufferBinding, Dispatch
 from vktrain.errors import VktrainError
 
@@ -298,7 +299,7 @@ def _lower_linear_q4gsw(ctx: OpContext) -> list[Dispatch]:
     m = x.numel // k
     if bias is None and ctx.gemm.takes_tensor_cores(m, n):  # the coopmat kernel has no bias epilogue
         try:
-            return plan_coopmat_linear_q4gsw(M=m, N=n, K=k, group_size=group_size, out=ctx.outputs[0].binding,
+            return coopmat.plan_coopmat_linear_q4gsw(M=m, N=n, K=k, group_size=group_size, out=ctx.outputs[0].binding,
                                              x=x.binding, weights=weights.binding, scales=scales.binding,
                                              emulate=ctx.gemm.emulate, subgroup_size=ctx.gemm.subgroup_size,
                                              label=ctx.label)
@@ -315,6 +316,15 @@ def _lower_linear_q4gsw_backward(ctx: OpContext) -> list[Dispatch]:
     group_size = ctx.args[3]
     n, k = _q4gsw_dims(scales, group_size)
     m = d_out.numel // n
+    if ctx.gemm.takes_tensor_cores(m, k):
+        try:
+            return coopmat.plan_coopmat_linear_q4gsw_backward(
+                M=m, N=n, K=k, group_size=group_size, out=ctx.outputs[0].binding, d_out=d_out.binding,
+                weights=weights.binding, scales=scales.binding,
+                absmax=ctx.scratch(coopmat.ABSMAX_SCRATCH_BYTES, "absmax"), emulate=ctx.gemm.emulate,
+                subgroup_size=ctx.gemm.subgroup_size, label=ctx.label)
+        except ValueError as exc:
+            raise ctx.fail(f"the coopmat_linear_q4gsw_backward kernel refused it: {exc}") from exc
     return _call(ctx, M=m, N=n, K=k, group_size=group_size,
                  out=ctx.outputs[0].binding, d_out=d_out.binding, weights=weights.binding, scales=scales.binding,
                  **_split_k_args(ctx, "linear_q4gsw_backward", m, n, k))

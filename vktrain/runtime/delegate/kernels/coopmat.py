@@ -11,6 +11,8 @@ Kernels (alternative plans of vktrain.linear_q4gsw.default and aten.mm.default, 
 one-plan-per-op registry; the op lowering takes them where this program's GemmRoute says so):
   coopmat_linear_q4gsw   y[M, N] = x[M, K] @ deq(W).T
   coopmat_mm             C[M, N] = A[M, K] @ B[K, N], or A @ B^T with B^T given as [N, K] (b_transposed)
+  coopmat_linear_q4gsw_backward   d_x[M, K] = d_out[M, N] @ deq(W), d_out scaled per tensor by a power of
+                         two before its fp16 rounding (max |d_out| from coopmat_absmax, the first dispatches)
 
 They need a device whose `cooperative_matrix_properties` list 16x16x16 fp16 x fp16 + fp32 at subgroup
 scope (`coopmat_supported`). Tiling: 4 subgroups per workgroup, a BN = 128 wide tile and BM = 128 or 64
@@ -33,7 +35,7 @@ import numpy as np
 from vktrain.contract import METADATA_GEMM_PRECISIONS, PRECISION_FP16_TC, PRECISION_FP32, PRECISIONS
 from vktrain.errors import VktrainError
 from vktrain.quant import check_q4gsw_shapes
-from vktrain.runtime.delegate.kernels.layout import MAX_ELEMENTS, KernelArgumentError, binding
+from vktrain.runtime.delegate.kernels.layout import MAX_ELEMENTS, KernelArgumentError, binding, plan_fill
 from vktrain.runtime.vk.coopmat import EXTENSION_NAME, CooperativeMatrixShape, supports_shape
 from vktrain.runtime.vk.schedule import Dispatch, ceil_div, pack_push
 
@@ -163,9 +165,10 @@ def _check_range(op: str, M: int, N: int, K: int) -> None:
 
 
 def _variant(shader: str, *, b_transposed: bool, tile_m: int, prefetch: bool, emulate: bool,
-             subgroup_size: int) -> str:
+             subgroup_size: int, a_scale: bool = False) -> str:
     """Shader name with its defines in the order the sources' `vktrain-variants:` lines use."""
-    defines = (["B_TRANSPOSED"] if b_transposed else []) + (["BM=64"] if tile_m == 64 else []) \
+    defines = (["A_SCALE"] if a_scale else []) + (["B_TRANSPOSED"] if b_transposed else []) \
+        + (["BM=64"] if tile_m == 64 else []) \
         + (["PREFETCH"] if prefetch else []) + (["COOPMAT_EMULATE"] if emulate else []) \
         + ([f"SUBGROUP_SIZE={subgroup_size}"] if subgroup_size != DEFAULT_SUBGROUP_SIZE else [])
     return shader + ("@" + "+".join(defines) if defines else "")
@@ -234,3 +237,41 @@ def plan_coopmat_mm(*, M: int, N: int, K: int, out: Any, a: Any, b: Any, b_trans
     return [Dispatch(shader, groups=(ceil_div(N, TILE_N), ceil_div(M, tile_m), 1),
                      bindings=[binding(out, "w"), binding(a, "r"), binding(b, "r")],
                      push_constants=pack_push(M, N, K, 0), label=label)]
+
+
+ABSMAX_SCRATCH_BYTES = 4  # the float bits of max |d_out| (coopmat_absmax.comp)
+_ABSMAX_VECS_PER_GROUP = 256 * 4  # coopmat_absmax.comp: WORKGROUP_SIZE x VECS_PER_THREAD vec4
+
+
+def plan_coopmat_linear_q4gsw_backward(*, M: int, N: int, K: int, group_size: int, out: Any, d_out: Any,
+                                       weights: Any, scales: Any, absmax: Any, tile_m: int | None = None,
+                                       prefetch: bool | None = None, emulate: bool = False,
+                                       subgroup_size: int = DEFAULT_SUBGROUP_SIZE,
+                                       label: str = "coopmat_linear_q4gsw_backward") -> list[Dispatch]:
+    """d_x[M, K] = d_out[M, N] @ deq(W) on tensor cores (fp16 inputs, fp32 accumulation).
+
+    d_out is a gradient, whose values follow the loss divisor down to fp16's subnormals: it is scaled by
+    the power of two that puts max |d_out| in [2^14, 2^15) before its fp16 rounding (and the result back,
+    both exact). Dispatches: zero `absmax` (ABSMAX_SCRATCH_BYTES of scratch), its max |d_out|, the GEMM.
+    Buffers as plan_coopmat_linear_q4gsw's (out fp32 [M, K], d_out fp32 [M, N]); tiles along K.
+    """
+    op = "coopmat_linear_q4gsw_backward"
+    _check_positive(op, M=M, N=N, K=K, group_size=group_size)
+    try:
+        check_q4gsw_shapes(N, K, group_size)
+    except ValueError as exc:
+        raise KernelArgumentError(f"{op}: {exc}") from None
+    _check_range(op, M, N, K)
+    tile_m = _tiling(op, M, K, tile_m, subgroup_size)
+    if prefetch is None:
+        prefetch = tile_m == 64
+    shader = _variant(op, b_transposed=False, tile_m=tile_m, prefetch=prefetch, emulate=emulate,
+                      subgroup_size=subgroup_size, a_scale=True)
+    return plan_fill(absmax, 1, 0, label=f"{label}.absmax_zero") + [
+        Dispatch("coopmat_absmax", groups=(ceil_div(M * N // 4, _ABSMAX_VECS_PER_GROUP), 1, 1),
+                 bindings=[binding(absmax, "rw"), binding(d_out, "r")], push_constants=pack_push(M * N),
+                 label=f"{label}.absmax"),
+        Dispatch(shader, groups=(ceil_div(K, TILE_N), ceil_div(M, tile_m), 1),
+                 bindings=[binding(out, "w"), binding(d_out, "r"), binding(weights, "r"), binding(scales, "r"),
+                           binding(absmax, "r")],
+                 push_constants=pack_push(M, K, N, group_size), label=label)]
