@@ -21,6 +21,7 @@ parity tolerance (LOSS_RTOL) added on top. A wrong weight, row or tile moves the
 from __future__ import annotations
 
 import argparse
+import json
 import copy
 from types import SimpleNamespace
 
@@ -227,3 +228,13 @@ def test_train_takes_the_precision_flag_and_reports_the_choice(vk_device, step_p
     startup = [line for line in capsys.readouterr().err.splitlines() if "GEMM precision" in line]
     expected = "tensor cores" if coopmat_supported(vk_device.cooperative_matrix_properties) else "fp32 kernels"
     assert len(startup) == 1 and "GEMM precision fp16-tc" in startup[0] and expected in startup[0], startup
+
+
+def test_inspect_reports_the_precisions_the_program_allows(step_program, capsys):
+    from vktrain import cli
+
+    assert cli.main(["inspect", str(step_program[0])]) == 0
+    assert "GEMM precisions allowed: fp32, fp16-tc" in capsys.readouterr().out
+    assert cli.main(["inspect", "--json", str(step_program[0])]) == 0
+    (delegate,) = json.loads(capsys.readouterr().out)["delegates"]
+    assert delegate["gemm_precisions"] == list(PRECISIONS)

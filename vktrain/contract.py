@@ -45,7 +45,8 @@ METADATA_GEMM_PRECISIONS = "gemm_precisions"          # JSON list of the PRECISI
 
 # ---- GEMM precision policies (docs/PRECISION.md): the blob lists those it allows, the runtime picks one
 # by device. fp32: every GEMM on the fp32 kernels (the parity reference; the default everywhere).
-# fp16-tc: the 4-bit base GEMMs on tensor cores (VK_KHR_cooperative_matrix), fp16 inputs, fp32 accumulation.
+# fp16-tc: the 4-bit base GEMMs (forward, d_x) on tensor cores (VK_KHR_cooperative_matrix), fp16 inputs,
+# fp32 accumulation.
 PRECISION_FP32 = "fp32"
 PRECISION_FP16_TC = "fp16-tc"
 PRECISIONS = (PRECISION_FP32, PRECISION_FP16_TC)

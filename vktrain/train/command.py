@@ -85,7 +85,7 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     parser.add_argument("--base-model", help="base_model_name_or_path for adapter_config.json")
     parser.add_argument("--precision", choices=PRECISIONS, default=PRECISION_FP32,
                         help="GEMM precision policy (docs/PRECISION.md): fp32 (default) or fp16-tc, the 4-bit base "
-                             "GEMMs on tensor cores where the device has them (fp16 inputs, fp32 accumulation)")
+                             "GEMMs (forward, d_x) on tensor cores where the device has them (fp16 inputs, fp32 accumulation)")
     parser.add_argument("--seed", type=int, help="data shuffling seed (default 0; a resumed run keeps its checkpoint's)")
     parser.add_argument("--no-shuffle", action="store_true", help="read windows in file order")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")

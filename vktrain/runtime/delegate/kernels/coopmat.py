@@ -5,9 +5,10 @@ fp16 while they are staged in shared memory; the 4-bit base is dequantized from 
 (docs/spec/w4x8.md) straight into fp16 tiles. Each output element is therefore
 sum_k fp16(a_k) * fp16(b_k) accumulated in fp32, not the fp32 result of the SIMT kernels: callers
 choose these kernels where that precision is acceptable (tests/test_kernels_coopmat.py states the
-bound). Shaders: vktrain/runtime_shaders/coopmat_{linear_q4gsw,mm}.comp, body coopmat_gemm.glsl.
+bound). Shaders: vktrain/runtime_shaders/coopmat_{linear_q4gsw,linear_q4gsw_backward,mm,absmax}.comp,
+body coopmat_gemm.glsl.
 
-Kernels (alternative plans of vktrain.linear_q4gsw.default and aten.mm.default, so not in the
+Kernels (alternative plans of vktrain.linear_q4gsw(_backward).default and aten.mm.default, so not in the
 one-plan-per-op registry; the op lowering takes them where this program's GemmRoute says so):
   coopmat_linear_q4gsw   y[M, N] = x[M, K] @ deq(W).T
   coopmat_mm             C[M, N] = A[M, K] @ B[K, N], or A @ B^T with B^T given as [N, K] (b_transposed)
@@ -81,7 +82,7 @@ def allowed_precisions(metadata: Mapping[str, str], source: str = "the program")
 class GemmRoute:
     """Which kernels a program's GEMMs run on this device, chosen once at load (`select_gemm_route`).
 
-    `tensor_cores`: the 4-bit base forward GEMMs take coopmat_linear_q4gsw where `takes_tensor_cores`;
+    `tensor_cores`: the 4-bit base GEMMs (forward, d_x) take the coopmat kernels where `takes_tensor_cores`;
     `emulate` runs its COOPMAT_EMULATE variant (the test path on devices without tensor cores);
     `reason` says why, for the reports (train's startup line)."""
 
@@ -95,6 +96,11 @@ class GemmRoute:
     def takes_tensor_cores(self, M: int, N: int) -> bool:
         """Whether an M x N output goes to the coopmat kernels (enough tiles to pay, see MIN_WORKGROUPS)."""
         return self.tensor_cores and ceil_div(M, 64) * ceil_div(N, TILE_N) >= self.min_workgroups
+
+    @property
+    def plan_options(self) -> dict:
+        """The coopmat plans' device arguments on this route."""
+        return dict(emulate=self.emulate, subgroup_size=self.subgroup_size)
 
     def describe(self) -> str:
         kernels = "tensor cores (fp16 inputs, fp32 accumulation)" if self.tensor_cores else "fp32 kernels"
