@@ -31,6 +31,8 @@ import pytest
 from vktrain.quant import dequantize, quantize
 from vktrain.runtime import Buffer, Program
 from vktrain.runtime.delegate.kernels.coopmat import (
+    EMULATED_MAX_TILE_REDUCTION,
+    SUBGROUP_BASIC_BIT,
     TILE_N,
     coopmat_supported,
     default_tile_m,
@@ -120,8 +122,6 @@ def test_device_reports_cooperative_matrices_exactly_when_it_has_the_extension(v
         assert shape.m > 0 and shape.n > 0 and shape.k > 0 and "unknown" not in shape.describe()
 
 
-SUBGROUP_BASIC_BIT = 0x1  # VK_SUBGROUP_FEATURE_BASIC_BIT
-
 
 def _gemm_backend(device, mode: str) -> dict:
     """Plan arguments for `mode` on `device`, or a skip with the reason: "coopmat" needs the tensor
@@ -182,11 +182,9 @@ EMULATED_SHAPES = [(1, 4, 32), (37, 132, 96), (70, 260, 64)]
 EMULATED_VARIANTS = [dict(tile_m=64, prefetch=False), dict(tile_m=128, prefetch=True)]
 
 
-# Known limit of the emulated variants (found in phase 2, cause not found yet): on lavapipe (subgroup size
-# 8) they give wrong outputs (NaN past each subgroup's first accumulator) once BM x K' >= 16384, K' the
-# reduction (BM = 128: K' >= 128; BM = 64: K' >= 256), coopmat_mm as well; the tensor-core variants
-# pass at K = 2048 on the H200. So every emulated shape stays below that. The d_x kernel's reduction
-# is N: its emulated shapes reduce over at most 196 with 64-row tiles.
+# The emulated variants' known limit (kernels/coopmat.py EMULATED_MAX_TILE_REDUCTION: BM = 128 needs a
+# reduction < 128, BM = 64 < 256; their plans refuse beyond). The d_x kernel's reduction is N: its
+# emulated shapes reduce over at most 196, with 64-row tiles.
 EMULATED_BACKWARD_SHAPES = [(1, 4, 32), (37, 132, 96), (70, 196, 160)]
 EMULATED_64_ROW_VARIANTS = [dict(tile_m=64, prefetch=False), dict(tile_m=64, prefetch=True)]
 
@@ -311,3 +309,32 @@ def test_backward_plan_clears_then_measures_then_multiplies():
     assert gemm.shader in set(all_shader_names()) and gemm.shader.startswith("coopmat_linear_q4gsw_backward@A_SCALE")
     assert gemm.groups == (8192 // TILE_N, 512 // default_tile_m(512, 8192), 1)
     assert [b.buffer for b in gemm.bindings] == ["dx", "g", "w", "s", "m"]
+
+
+@pytest.mark.parametrize("mode", ["coopmat", "emulated"])
+@pytest.mark.parametrize("bad", [np.nan, np.inf], ids=["nan", "inf"])
+def test_linear_q4gsw_backward_propagates_a_non_finite_gradient(vk_device, mode, bad):
+    """A NaN or inf in d_out must reach d_x (the training loop's divergence check sees it downstream),
+    not be scaled into finite values: its row is not finite, the other rows stay exact to the bound."""
+    backend = _gemm_backend(vk_device, mode)
+    rng = np.random.default_rng(2)
+    flat, scales = quantize(rng.standard_normal((64, 64)).astype(np.float32), 32)
+    d_out = rng.standard_normal((16, 64)).astype(np.float32)
+    d_out[3, 5] = bad
+    actual = _run_linear_backward(vk_device, backend, d_out, flat, scales, 32)
+    assert not np.isfinite(actual[3]).any()
+    rest = np.delete(np.arange(16), 3)
+    _assert_fp16_gemm_close(actual[rest], d_out[rest].astype(np.float64),
+                            dequantize(flat, scales, 32).astype(np.float64), f"backward {mode} with {bad} in row 3")
+
+
+def test_emulated_plans_refuse_the_shapes_their_known_limit_covers():
+    for tile_m, reduction in ((128, 128), (64, 256)):
+        assert tile_m * reduction == EMULATED_MAX_TILE_REDUCTION
+        with pytest.raises(KernelArgumentError, match="known to be wrong"):
+            plan_coopmat_mm(M=64, N=64, K=reduction, out="c", a="a", b="b", tile_m=tile_m, emulate=True)
+        plan_coopmat_mm(M=64, N=64, K=reduction - 32, out="c", a="a", b="b", tile_m=tile_m, emulate=True)
+        plan_coopmat_mm(M=64, N=64, K=reduction, out="c", a="a", b="b", tile_m=tile_m)  # tensor cores: fine
+    with pytest.raises(KernelArgumentError, match="reduction of 256"):
+        plan_coopmat_linear_q4gsw_backward(M=16, N=256, K=64, group_size=32, out="d", d_out="g", weights="w",
+                                           scales="s", absmax="m", emulate=True)

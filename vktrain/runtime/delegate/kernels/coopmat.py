@@ -56,6 +56,10 @@ TARGET_WORKGROUPS = 256
 # M = 128, N = 2048: 32 coopmat workgroups would be slower).
 MIN_WORKGROUPS = 128
 SUBGROUP_BASIC_BIT = 0x1  # VK_SUBGROUP_FEATURE_BASIC_BIT: what the emulated variant needs besides fp16
+# The emulated variants give wrong outputs on lavapipe (NaN past each subgroup's first accumulator) once
+# tile rows x the reduction (rounded up to the 32-wide steps) reach this; cause not found (phase 2: the
+# tensor-core variants pass at K = 2048 on the H200). Their plans refuse such shapes rather than mislead.
+EMULATED_MAX_TILE_REDUCTION = 16384
 
 
 class PrecisionPolicyError(VktrainError, ValueError):
@@ -95,7 +99,7 @@ class GemmRoute:
 
     def takes_tensor_cores(self, M: int, N: int) -> bool:
         """Whether an M x N output goes to the coopmat kernels (enough tiles to pay, see MIN_WORKGROUPS)."""
-        return self.tensor_cores and ceil_div(M, 64) * ceil_div(N, TILE_N) >= self.min_workgroups
+        return self.tensor_cores and ceil_div(M, min(TILE_M_CHOICES)) * ceil_div(N, TILE_N) >= self.min_workgroups
 
     @property
     def plan_options(self) -> dict:
@@ -180,7 +184,8 @@ def _variant(shader: str, *, b_transposed: bool, tile_m: int, prefetch: bool, em
     return shader + ("@" + "+".join(defines) if defines else "")
 
 
-def _tiling(op: str, M: int, N: int, tile_m: int | None, subgroup_size: int) -> int:
+def _tiling(op: str, M: int, N: int, tile_m: int | None, subgroup_size: int, *, emulate: bool,
+            reduction: int) -> int:
     if tile_m is None:
         tile_m = default_tile_m(M, N)
     if tile_m not in TILE_M_CHOICES:
@@ -188,6 +193,10 @@ def _tiling(op: str, M: int, N: int, tile_m: int | None, subgroup_size: int) -> 
     if not isinstance(subgroup_size, int) or subgroup_size < 8 or subgroup_size & (subgroup_size - 1):
         raise KernelArgumentError(f"{op}: subgroup_size must be a power of two >= 8 (the device's subgroup "
                                   f"size), got {subgroup_size!r}")
+    if emulate and tile_m * ceil_div(reduction, 32) * 32 >= EMULATED_MAX_TILE_REDUCTION:
+        raise KernelArgumentError(f"{op}: the emulated variant is known to be wrong for {tile_m}-row tiles over a "
+                                  f"reduction of {reduction} (tile rows x reduction >= {EMULATED_MAX_TILE_REDUCTION}); "
+                                  f"use 64-row tiles or a shorter reduction")
     return tile_m
 
 
@@ -211,7 +220,7 @@ def plan_coopmat_linear_q4gsw(*, M: int, N: int, K: int, group_size: int, out: A
     except ValueError as exc:
         raise KernelArgumentError(f"{op}: {exc}") from None
     _check_range(op, M, N, K)
-    tile_m = _tiling(op, M, N, tile_m, subgroup_size)
+    tile_m = _tiling(op, M, N, tile_m, subgroup_size, emulate=emulate, reduction=K)
     if prefetch is None:
         prefetch = tile_m == 64
     shader = _variant("coopmat_linear_q4gsw", b_transposed=False, tile_m=tile_m, prefetch=prefetch,
@@ -237,7 +246,7 @@ def plan_coopmat_mm(*, M: int, N: int, K: int, out: Any, a: Any, b: Any, b_trans
     _check_positive(op, M=M, N=N, K=K)
     _check_multiple_of_4(op, K=K, N=N)
     _check_range(op, M, N, K)
-    tile_m = _tiling(op, M, N, tile_m, subgroup_size)
+    tile_m = _tiling(op, M, N, tile_m, subgroup_size, emulate=emulate, reduction=K)
     shader = _variant("coopmat_mm", b_transposed=bool(b_transposed), tile_m=tile_m, prefetch=prefetch,
                       emulate=emulate, subgroup_size=subgroup_size)
     return [Dispatch(shader, groups=(ceil_div(N, TILE_N), ceil_div(M, tile_m), 1),
@@ -268,7 +277,7 @@ def plan_coopmat_linear_q4gsw_backward(*, M: int, N: int, K: int, group_size: in
     except ValueError as exc:
         raise KernelArgumentError(f"{op}: {exc}") from None
     _check_range(op, M, N, K)
-    tile_m = _tiling(op, M, K, tile_m, subgroup_size)
+    tile_m = _tiling(op, M, K, tile_m, subgroup_size, emulate=emulate, reduction=N)
     if prefetch is None:
         prefetch = tile_m == 64
     shader = _variant(op, b_transposed=False, tile_m=tile_m, prefetch=prefetch, emulate=emulate,
