@@ -52,6 +52,7 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))
 
 from vktrain import quant  # noqa: E402
+from vktrain.contract import PRECISION_FP32, PRECISIONS  # noqa: E402
 
 FULL_PRESET, QUICK_PRESET = "llama-3.2-1b", "tiny-llama"
 FULL_SHAPES, QUICK_SHAPES = ((1, 128), (4, 512)), ((1, 16), (2, 32))
@@ -534,7 +535,7 @@ def run_one(path: Path, device, args, torch, torch_device, torch_note: str | Non
     from vktrain.runtime.program.runner import TrainingRunner
 
     start = time.perf_counter()
-    runner = TrainingRunner.from_pte(path, device)
+    runner = TrainingRunner.from_pte(path, device, precision=args.precision)
     load_s = time.perf_counter() - start
     graph = runner.graph
     try:
@@ -546,7 +547,7 @@ def run_one(path: Path, device, args, torch, torch_device, torch_note: str | Non
         record: dict[str, Any] = {
             "pte": str(path), "config": config.label, "batch": config.batch, "seq": config.seq,
             "tokens_per_step": config.tokens, "preset": config.preset, "load_s": load_s,
-            "graph_ops": len(graph.ops),
+            "graph_ops": len(graph.ops), "precision": args.precision, "gemm_route": runner.gemm_report(),
             "synthetic_constants": json.loads(graph.metadata.get("synthetic_constants", "{}")),
             "synthetic_constant_bytes": runner.executor.synthetic_constant_bytes,
             "vk_memory": {
@@ -562,7 +563,8 @@ def run_one(path: Path, device, args, torch, torch_device, torch_note: str | Non
         batches = [make_batch(config, vocab, seed) for seed in range(args.batches)]
         print(f"{path.name}: {config.preset} {config.label}, loaded in {load_s:.1f} s "
               f"({record['synthetic_constant_bytes'] / 2**30:.2f} GiB generated), "
-              f"{len(runner.executor.dispatches)} dispatches per step; {device.memory_stats().describe()}", flush=True)
+              f"{len(runner.executor.dispatches)} dispatches per step; {device.memory_stats().describe()}\n"
+              f"  {record['gemm_route']}", flush=True)
         record["shaders"] = sorted({d.shader for d in runner.executor.dispatches})
         if args.load_only:
             return record
@@ -744,6 +746,9 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--torch-variants", type=parse_torch_variants, default=None,
                      help=f"comma-separated PyTorch baselines out of {','.join(TORCH_VARIANTS)} (default: all "
                           f"on CUDA; fp32 on the CPU, where TF32 does not exist and compilation is slow)")
+    run.add_argument("--precision", choices=PRECISIONS, default=PRECISION_FP32,
+                     help="vktrain's GEMM precision policy (docs/PRECISION.md); fp16-tc: tensor cores where the "
+                          "device has them")
     run.add_argument("--no-plot", action="store_true")
     run.add_argument("--load-only", action="store_true",
                      help="only load each .pte (generate constants, build pipelines, record): checks that "

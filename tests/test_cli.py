@@ -50,6 +50,9 @@ class TinyRunner:
         self.state["model.w.lora_A"] = self.state["model.w.lora_A"] * np.float32(1 - hparams[0])
         return loss
 
+    def gemm_report(self):
+        return "GEMM precision fp32: numpy"
+
     def __enter__(self):
         return self
 

@@ -17,6 +17,11 @@ absolute 2^-25 * sum_k (|a_k| + |b_k|) for inputs that fall into fp16's subnorma
 2^-24). For K = 2048 that is ~1.2e-3 * S, while a wrong layout or index moves an output by a whole
 term |a_k b_k| ~ S / sqrt(K) or more, so the check can fail. Outputs start as NaN: an element no
 workgroup writes cannot pass.
+
+The base's d_x kernel scales d_out by 2^e before rounding it (e puts max |d_out| in [2^14, 2^15)) and
+the result by 2^-e, both exact: its output times 2^e obeys the same bound with A = d_out * 2^e. So
+gradients of 1e-7 (fp16 subnormals, ~50% rounding error unscaled) must come out with fp16's full
+11 bits, which the bound checks.
 """
 from __future__ import annotations
 
@@ -26,10 +31,13 @@ import pytest
 from vktrain.quant import dequantize, quantize
 from vktrain.runtime import Buffer, Program
 from vktrain.runtime.delegate.kernels.coopmat import (
+    EMULATED_MAX_TILE_REDUCTION,
+    SUBGROUP_BASIC_BIT,
     TILE_N,
     coopmat_supported,
     default_tile_m,
     plan_coopmat_linear_q4gsw,
+    plan_coopmat_linear_q4gsw_backward,
     plan_coopmat_mm,
 )
 from vktrain.runtime.delegate.kernels.layout import KernelArgumentError
@@ -114,8 +122,6 @@ def test_device_reports_cooperative_matrices_exactly_when_it_has_the_extension(v
         assert shape.m > 0 and shape.n > 0 and shape.k > 0 and "unknown" not in shape.describe()
 
 
-SUBGROUP_BASIC_BIT = 0x1  # VK_SUBGROUP_FEATURE_BASIC_BIT
-
 
 def _gemm_backend(device, mode: str) -> dict:
     """Plan arguments for `mode` on `device`, or a skip with the reason: "coopmat" needs the tensor
@@ -176,11 +182,18 @@ EMULATED_SHAPES = [(1, 4, 32), (37, 132, 96), (70, 260, 64)]
 EMULATED_VARIANTS = [dict(tile_m=64, prefetch=False), dict(tile_m=128, prefetch=True)]
 
 
-def _cases(extra_shapes=()):
+# The emulated variants' known limit (kernels/coopmat.py EMULATED_MAX_TILE_REDUCTION: BM = 128 needs a
+# reduction < 128, BM = 64 < 256; their plans refuse beyond). The d_x kernel's reduction is N: its
+# emulated shapes reduce over at most 196, with 64-row tiles.
+EMULATED_BACKWARD_SHAPES = [(1, 4, 32), (37, 132, 96), (70, 196, 160)]
+EMULATED_64_ROW_VARIANTS = [dict(tile_m=64, prefetch=False), dict(tile_m=64, prefetch=True)]
+
+
+def _cases(extra_shapes=(), emulated_variants=EMULATED_VARIANTS, emulated_shapes=EMULATED_SHAPES):
     def variant_id(v):
         return f"bm{v['tile_m']}{'-prefetch' if v['prefetch'] else ''}"
     cases = []
-    for mode, shapes, variants in (("coopmat", GEMM_SHAPES, VARIANTS), ("emulated", EMULATED_SHAPES, EMULATED_VARIANTS)):
+    for mode, shapes, variants in (("coopmat", GEMM_SHAPES, VARIANTS), ("emulated", emulated_shapes, emulated_variants)):
         for M, N, K in list(shapes) + list(extra_shapes):
             cases += [pytest.param(mode, v, M, N, K, id=f"{mode}-{M}x{N}x{K}-{variant_id(v)}") for v in variants]
     return cases
@@ -244,3 +257,84 @@ def test_mm_rounds_inputs_to_fp16_not_keeping_fp32(vk_device, mode):
     actual = _run(vk_device, plan_coopmat_mm(M=16, N=16, K=16, out="out", a="a", b="b", **backend),
                   {"a": a, "b": b}, (16, 16))
     np.testing.assert_array_equal(actual, np.ones((16, 16)))
+
+
+def _d_out_exponent(d_out: np.ndarray) -> int:
+    """The e of the d_x kernel's 2^e scale: max |d_out| * 2^e in [2^14, 2^15) (0 for all zeros)."""
+    largest = float(np.abs(d_out).max())
+    return 0 if largest == 0.0 else 14 - int(np.floor(np.log2(largest)))
+
+
+def _run_linear_backward(device, backend, d_out, flat, scales, group_size, **variant):
+    M, N = d_out.shape
+    K = scales.shape[0] * group_size
+    dispatches = plan_coopmat_linear_q4gsw_backward(M=M, N=N, K=K, group_size=group_size, out="out", d_out="d_out",
+                                                    weights="w", scales="s", absmax="absmax", **variant, **backend)
+    return _run(device, dispatches, {"d_out": d_out, "w": prepack_weights(flat, K), "s": scales,
+                                     "absmax": np.full(1, 0x7F7F7F7F, np.uint32)}, (M, K))
+
+
+@pytest.mark.parametrize("gradient_scale", [1.0, 1e-7], ids=["unit", "tiny"])
+@pytest.mark.parametrize("mode, variant, M, N, K", _cases(emulated_variants=EMULATED_64_ROW_VARIANTS,
+                                                        emulated_shapes=EMULATED_BACKWARD_SHAPES))
+def test_linear_q4gsw_backward_matches_float64_within_the_scaled_fp16_bound(vk_device, mode, M, N, K, variant,
+                                                                             gradient_scale):
+    """d_x = d_out @ deq(W) (here N is the reduction, K the output width); the absmax scratch starts
+    as garbage, which the plan's first dispatch must clear."""
+    backend = _gemm_backend(vk_device, mode)
+    rng = np.random.default_rng(M * 5 + 3 * N + K)
+    group_size = 32
+    flat, scales = quantize(rng.standard_normal((N, K)).astype(np.float32), group_size)
+    d_out = (rng.standard_normal((M, N)) * gradient_scale).astype(np.float32)
+    actual = _run_linear_backward(vk_device, backend, d_out, flat, scales, group_size, **variant)
+    scale = 2.0 ** _d_out_exponent(d_out)
+    deq = dequantize(flat, scales, group_size).astype(np.float64)
+    _assert_fp16_gemm_close(actual * scale, d_out.astype(np.float64) * scale, deq,
+                            f"coopmat_linear_q4gsw_backward {mode} {M}x{N}x{K} {variant} x{gradient_scale}")
+
+
+@pytest.mark.parametrize("mode", ["coopmat", "emulated"])
+def test_linear_q4gsw_backward_of_a_zero_gradient_is_zero(vk_device, mode):
+    backend = _gemm_backend(vk_device, mode)
+    flat, scales = quantize(np.random.default_rng(1).standard_normal((64, 64)).astype(np.float32), 32)
+    actual = _run_linear_backward(vk_device, backend, np.zeros((16, 64), np.float32), flat, scales, 32)
+    np.testing.assert_array_equal(actual, np.zeros((16, 64)))
+
+
+def test_backward_plan_clears_then_measures_then_multiplies():
+    fill, absmax, gemm = plan_coopmat_linear_q4gsw_backward(M=512, N=2048, K=8192, group_size=32, out="dx",
+                                                            d_out="g", weights="w", scales="s", absmax="m")
+    assert fill.shader == "copy@FILL" and [b.buffer for b in fill.bindings] == ["m"]
+    assert absmax.shader == "coopmat_absmax" and absmax.groups == (512 * 2048 // 4 // 1024, 1, 1)
+    assert gemm.shader in set(all_shader_names()) and gemm.shader.startswith("coopmat_linear_q4gsw_backward@A_SCALE")
+    assert gemm.groups == (8192 // TILE_N, 512 // default_tile_m(512, 8192), 1)
+    assert [b.buffer for b in gemm.bindings] == ["dx", "g", "w", "s", "m"]
+
+
+@pytest.mark.parametrize("mode", ["coopmat", "emulated"])
+@pytest.mark.parametrize("bad", [np.nan, np.inf], ids=["nan", "inf"])
+def test_linear_q4gsw_backward_propagates_a_non_finite_gradient(vk_device, mode, bad):
+    """A NaN or inf in d_out must reach d_x (the training loop's divergence check sees it downstream),
+    not be scaled into finite values: its row is not finite, the other rows stay exact to the bound."""
+    backend = _gemm_backend(vk_device, mode)
+    rng = np.random.default_rng(2)
+    flat, scales = quantize(rng.standard_normal((64, 64)).astype(np.float32), 32)
+    d_out = rng.standard_normal((16, 64)).astype(np.float32)
+    d_out[3, 5] = bad
+    actual = _run_linear_backward(vk_device, backend, d_out, flat, scales, 32)
+    assert not np.isfinite(actual[3]).any()
+    rest = np.delete(np.arange(16), 3)
+    _assert_fp16_gemm_close(actual[rest], d_out[rest].astype(np.float64),
+                            dequantize(flat, scales, 32).astype(np.float64), f"backward {mode} with {bad} in row 3")
+
+
+def test_emulated_plans_refuse_the_shapes_their_known_limit_covers():
+    for tile_m, reduction in ((128, 128), (64, 256)):
+        assert tile_m * reduction == EMULATED_MAX_TILE_REDUCTION
+        with pytest.raises(KernelArgumentError, match="known to be wrong"):
+            plan_coopmat_mm(M=64, N=64, K=reduction, out="c", a="a", b="b", tile_m=tile_m, emulate=True)
+        plan_coopmat_mm(M=64, N=64, K=reduction - 32, out="c", a="a", b="b", tile_m=tile_m, emulate=True)
+        plan_coopmat_mm(M=64, N=64, K=reduction, out="c", a="a", b="b", tile_m=tile_m)  # tensor cores: fine
+    with pytest.raises(KernelArgumentError, match="reduction of 256"):
+        plan_coopmat_linear_q4gsw_backward(M=16, N=256, K=64, group_size=32, out="d", d_out="g", weights="w",
+                                           scales="s", absmax="m", emulate=True)

@@ -129,7 +129,10 @@ class FakeRunner:
             self.state["optimizer.exp_avg_sq." + suffix] = v.astype(np.float32)
         return loss
 
-    # TrainingRunner's context-manager surface, for run_train ----------------------------------
+    # TrainingRunner's surface for run_train ----------------------------------------------------
+    def gemm_report(self):
+        return "GEMM precision fp32: numpy"
+
     def __enter__(self):
         return self
 

@@ -180,6 +180,8 @@ def format_report(path: str, report: dict) -> str:
                      f"{m['device_allocations']} device-memory allocation(s)")
         lines.append("  inputs: " + ", ".join(f"{t['name']} {t['dtype']}{t['shape']}" for t in d["inputs"]))
         lines.append("  outputs: " + ", ".join(f"{t['name']} {t['dtype']}{t['shape']}" for t in d["outputs"]))
+        lines.append(f"  GEMM precisions allowed: {', '.join(d['gemm_precisions'])} (vktrain train --precision; "
+                     f"the kernels are chosen by device at load)")
         lines.append(f"  mutable state: {len(d['mutable_state'])} tensor(s)")
         for s in d["mutable_state"]:
             lines.append(f"    {s['name']} {s['dtype']}{s['shape']} (initial: {s['initial']})")

@@ -58,8 +58,9 @@ from vktrain.serialization import graph as vk
 
 from .passes import compile_graph
 
-from vktrain.contract import (METADATA_BACKEND, METADATA_REFUSALS, METADATA_STATE_BYTES,  # noqa: E402 (keys it writes)
-                              METADATA_SYNTHETIC_CONSTANTS, METADATA_UNPLANNED_MEMORY_BYTES)
+from vktrain.contract import (METADATA_BACKEND, METADATA_GEMM_PRECISIONS, METADATA_REFUSALS,  # noqa: E402 (keys it writes)
+                              METADATA_STATE_BYTES, METADATA_SYNTHETIC_CONSTANTS, METADATA_UNPLANNED_MEMORY_BYTES,
+                              PRECISIONS)
 
 # Compile specs of the benchmark-only synthetic constants (see the module docstring).
 SYNTHETIC_MIN_BYTES_SPEC_KEY = "synthetic_constants_min_bytes"
@@ -360,6 +361,8 @@ class _GraphBuilder:
             vk.METADATA_PLANNED_MEMORY_BYTES: str(plan.planned_bytes),
             METADATA_UNPLANNED_MEMORY_BYTES: str(plan.tensor_bytes),
             METADATA_STATE_BYTES: str(state_bytes),
+            # The program allows every GEMM precision policy; the runtime picks one by device (docs/PRECISION.md).
+            METADATA_GEMM_PRECISIONS: json.dumps(list(PRECISIONS)),
         })
         if self.synthetic is not None:
             self.graph.metadata[METADATA_SYNTHETIC_CONSTANTS] = self.synthetic.summary()

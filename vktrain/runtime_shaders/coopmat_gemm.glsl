@@ -1,6 +1,12 @@
 // Tensor-core GEMM body (VK_KHR_cooperative_matrix): C[M, N] = A[M, K] @ B[K, N] with fp16 inputs and
-// fp32 accumulation, included by coopmat_linear_q4gsw.comp and coopmat_mm.comp, each of which defines
-// how the B tile is staged (COOPMAT_B_Q4GSW, COOPMAT_B_ROW_MAJOR or COOPMAT_B_TRANSPOSED) first.
+// fp32 accumulation, included by coopmat_linear_q4gsw.comp, coopmat_linear_q4gsw_backward.comp and
+// coopmat_mm.comp, each of which defines how the B tile is staged first: COOPMAT_B_Q4GSW (B = deq(W).T),
+// COOPMAT_B_Q4GSW_T (B = deq(W), the base's d_x), COOPMAT_B_ROW_MAJOR or COOPMAT_B_TRANSPOSED.
+//
+// A_SCALE: A is multiplied by the power of two 2^e that puts its largest magnitude (binding 4, the
+// float bits of max |A| from coopmat_absmax.comp) in [2^14, 2^15) before the fp16 rounding, and the
+// accumulators by 2^-e before they are stored: both exact, so the result is that of A with fp16's full
+// precision wherever |a| > max|A| * 2^-29 (gradients, whose scale follows the loss divisor).
 //
 // A (fp32 in memory, row-major) and B are rounded to fp16 while they are staged in shared memory: no
 // separate cast pass, no fp16 copy of the activations (the H200 probe of shared/device/NOTES.md).
@@ -71,16 +77,25 @@ layout(set = 0, binding = 1) readonly restrict buffer ABuf { vec4 a_in[]; };
 layout(set = 0, binding = 2) readonly restrict buffer WBuf { uvec4 w4x8[]; };
 layout(set = 0, binding = 3) readonly restrict buffer SBuf { vec4 scales[]; };  // [G, N], N % 4 == 0
 #define B_ITEMS ((BK / 4) * (BN / 8))  // W_4X8 blocks per step
+#elif defined(COOPMAT_B_Q4GSW_T)
+// The same W_4X8 blocks (see above) of W [N_w, K_w], where the GEMM's reduction runs along N_w = pc.K and
+// its output columns along K_w = pc.N: block (k4, n8) is 8 reduction rows x 4 output columns of B.
+layout(set = 0, binding = 2) readonly restrict buffer WBuf { uvec4 w4x8[]; };
+layout(set = 0, binding = 3) readonly restrict buffer SBuf { vec4 scales[]; };  // [G, N_w], N_w % 4 == 0
+#define B_ITEMS ((BN / 4) * (BK / 8))  // W_4X8 blocks per step
 #elif defined(COOPMAT_B_ROW_MAJOR) || defined(COOPMAT_B_TRANSPOSED)
 layout(set = 0, binding = 2) readonly restrict buffer BBuf { vec4 b_in[]; };
 #define B_ITEMS (BK * BN / 4)          // vec4 of B per step
 #else
-#error "define COOPMAT_B_Q4GSW, COOPMAT_B_ROW_MAJOR or COOPMAT_B_TRANSPOSED before including coopmat_gemm.glsl"
+#error "define COOPMAT_B_Q4GSW, COOPMAT_B_Q4GSW_T, COOPMAT_B_ROW_MAJOR or COOPMAT_B_TRANSPOSED before including coopmat_gemm.glsl"
+#endif
+#ifdef A_SCALE
+layout(set = 0, binding = 4) readonly restrict buffer AbsMaxBuf { uint a_absmax_bits; };
 #endif
 #define B_PER_THREAD ((B_ITEMS + NUM_THREADS - 1) / NUM_THREADS)
 
 shared f16vec4 a_tile[BM * K_STRIDE4];  // [m][k]
-#if defined(COOPMAT_B_ROW_MAJOR)
+#if defined(COOPMAT_B_ROW_MAJOR) || defined(COOPMAT_B_Q4GSW_T)
 shared f16vec4 b_tile[BK * N_STRIDE4];  // [k][n]
 #else
 shared f16vec4 b_tile[BN * K_STRIDE4];  // [n][k]: B read as a column-major K x N matrix
@@ -90,7 +105,7 @@ shared float edge_block[4 * TILE * TILE];
 
 // ---- Fragment operations. Offsets and strides are in f16vec4 units of the shared arrays (what
 // coopMatLoad takes for an array of vectors); B is row-major [k][n] or column-major [n][k] in b_tile.
-#if defined(COOPMAT_B_ROW_MAJOR)
+#if defined(COOPMAT_B_ROW_MAJOR) || defined(COOPMAT_B_Q4GSW_T)
 #define B_LAYOUT gl_CooperativeMatrixLayoutRowMajor
 #define B_COLUMN_MAJOR false
 #else
@@ -106,6 +121,7 @@ shared float edge_block[4 * TILE * TILE];
 #define LOAD_A(frag, offset4, stride4) coopMatLoad(frag, a_tile, offset4, stride4, gl_CooperativeMatrixLayoutRowMajor)
 #define LOAD_B(frag, offset4, stride4) coopMatLoad(frag, b_tile, offset4, stride4, B_LAYOUT)
 #define MUL_ADD(acc, a, b) acc = coopMatMulAdd(a, b, acc)
+#define SCALE_ACC(acc, factor) acc = acc * (factor)
 #define STORE_OUT(acc, offset, stride) coopMatStore(acc, c_out, offset, stride, gl_CooperativeMatrixLayoutRowMajor)
 #define STORE_EDGE(acc, offset) coopMatStore(acc, edge_block, offset, TILE, gl_CooperativeMatrixLayoutRowMajor)
 #else
@@ -160,12 +176,25 @@ void emulated_store_edge(EmulatedAcc acc, uint offset) {
 #define LOAD_A(frag, offset4, stride4) frag = FragRef(offset4, stride4)
 #define LOAD_B(frag, offset4, stride4) frag = FragRef(offset4, stride4)
 #define MUL_ADD(acc, a, b) emulated_mul_add(acc, a, b)
+#define SCALE_ACC(acc, factor) [[unroll]] for (uint i_ = 0u; i_ < ACC_PER_LANE; ++i_) acc.v[i_] *= (factor)
 #define STORE_OUT(acc, offset, stride) emulated_store_out(acc, offset, stride)
 #define STORE_EDGE(acc, offset) emulated_store_edge(acc, offset)
 #endif
 
 // ---- A: fp32 [M, K] row-major; BK/4 consecutive threads read the BK contiguous floats of one row.
 vec4 a_stage[A_PER_THREAD];
+float a_scale = 1.0;  // 2^e with A_SCALE (set in main), else 1
+
+#ifdef A_SCALE
+// The exponent e of 2^e = a_scale: max |A| * 2^e in [2^14, 2^15); 0 for an all-zero or non-finite A
+// (no scale: zeros stay zeros, inf and NaN propagate). Clamped so that 2^e and 2^-e are normal fp32.
+int a_scale_exponent() {
+    const uint bits = a_absmax_bits;
+    if (bits == 0u || bits >= 0x7f800000u) return 0;
+    const int exponent = int(bits >> 23) - 127;  // floor(log2(max |A|)); -127 for fp32 subnormals
+    return clamp(14 - exponent, -120, 120);
+}
+#endif
 
 void fetch_a(uint m0, uint k0, uint tid) {
     [[unroll]] for (uint s = 0u; s < A_PER_THREAD; ++s) {
@@ -179,7 +208,7 @@ void fetch_a(uint m0, uint k0, uint tid) {
 void commit_a(uint tid) {
     [[unroll]] for (uint s = 0u; s < A_PER_THREAD; ++s) {
         const uint v = tid + s * NUM_THREADS;
-        if (v < A_VECS) a_tile[(v / (BK / 4u)) * K_STRIDE4 + v % (BK / 4u)] = f16vec4(a_stage[s]);
+        if (v < A_VECS) a_tile[(v / (BK / 4u)) * K_STRIDE4 + v % (BK / 4u)] = f16vec4(a_stage[s] * a_scale);
     }
 }
 
@@ -225,6 +254,50 @@ void commit_b(uint tid) {
             const uint row = 8u * n8l + 2u * j;
             b_tile[row * K_STRIDE4 + k4l] = f16vec4(low * row_scale[2u * j]);
             b_tile[(row + 1u) * K_STRIDE4 + k4l] = f16vec4(high * row_scale[2u * j + 1u]);
+        }
+    }
+}
+#elif defined(COOPMAT_B_Q4GSW_T)
+// ---- B = deq(W): one W_4X8 block (8 reduction rows n x 4 output columns k) per item, k4 fastest across
+// threads: the 8-byte shared stores of consecutive threads are consecutive in each row of b_tile. The
+// scales and the code-8 padding are those of the forward kernel above.
+uvec4 b_stage_block[B_PER_THREAD];
+vec4 b_stage_scale_lo[B_PER_THREAD];
+vec4 b_stage_scale_hi[B_PER_THREAD];
+
+void fetch_b(uint n0, uint k0, uint tid) {
+    const uint weight_rows = pc.K, weight_cols = pc.N;
+    const uint N8 = (weight_rows / 4u + 1u) / 2u;
+    [[unroll]] for (uint s = 0u; s < B_PER_THREAD; ++s) {
+        const uint v = tid + s * NUM_THREADS;
+        const uint k4 = n0 / 4u + v % (BN / 4u), n8 = k0 / 8u + v / (BN / 4u);
+        b_stage_block[s] = uvec4(0x88888888u);
+        b_stage_scale_lo[s] = vec4(0.0);
+        b_stage_scale_hi[s] = vec4(0.0);
+        if (v < B_ITEMS && 4u * k4 < weight_cols && n8 < N8) {
+            b_stage_block[s] = w4x8[k4 * N8 + n8];
+            const uint s4 = ((4u * k4) / pc.group_size * weight_rows + 8u * n8) / 4u;
+            b_stage_scale_lo[s] = scales[s4];
+            if (8u * n8 + 4u < weight_rows) b_stage_scale_hi[s] = scales[s4 + 1u];
+        }
+    }
+}
+
+void commit_b(uint tid) {
+    [[unroll]] for (uint s = 0u; s < B_PER_THREAD; ++s) {
+        const uint v = tid + s * NUM_THREADS;
+        if (v >= B_ITEMS) continue;
+        const uint k4l = v % (BN / 4u), n8l = v / (BN / 4u);
+        const float row_scale[8] = float[8](
+            b_stage_scale_lo[s].x, b_stage_scale_lo[s].y, b_stage_scale_lo[s].z, b_stage_scale_lo[s].w,
+            b_stage_scale_hi[s].x, b_stage_scale_hi[s].y, b_stage_scale_hi[s].z, b_stage_scale_hi[s].w);
+        [[unroll]] for (uint j = 0u; j < 4u; ++j) {
+            const uint word = b_stage_block[s][j];
+            const vec4 low = vec4((uvec4(word) >> uvec4(0u, 8u, 16u, 24u)) & 0xFu) - 8.0;   // row 8n8 + 2j
+            const vec4 high = vec4((uvec4(word) >> uvec4(4u, 12u, 20u, 28u)) & 0xFu) - 8.0;  // row 8n8 + 2j + 1
+            const uint row = 8u * n8l + 2u * j;
+            b_tile[row * N_STRIDE4 + k4l] = f16vec4(low * row_scale[2u * j]);
+            b_tile[(row + 1u) * N_STRIDE4 + k4l] = f16vec4(high * row_scale[2u * j + 1u]);
         }
     }
 }
@@ -274,6 +347,10 @@ void main() {
     const uint m0 = group.y * BM, n0 = group.x * BN;
     const uint sg = gl_SubgroupID;
     const uint sg_m = sg / 2u, sg_n = sg % 2u;
+#ifdef A_SCALE
+    const int exponent = a_scale_exponent();
+    a_scale = ldexp(1.0, exponent);
+#endif
 
     Acc acc[FRAG_M][FRAG_N];
     [[unroll]] for (uint i = 0u; i < FRAG_M; ++i) {
@@ -305,7 +382,7 @@ void main() {
             }
             [[unroll]] for (uint j = 0u; j < FRAG_N; ++j) {
                 FragB b_frag;
-#if defined(COOPMAT_B_ROW_MAJOR)
+#if defined(COOPMAT_B_ROW_MAJOR) || defined(COOPMAT_B_Q4GSW_T)
                 LOAD_B(b_frag, kk * N_STRIDE4 + (sg_n * WN + j * TILE) / 4u, N_STRIDE4);
 #else
                 LOAD_B(b_frag, (sg_n * WN + j * TILE) * K_STRIDE4 + kk / 4u, K_STRIDE4);
@@ -317,6 +394,12 @@ void main() {
     }
 
     const uint lane = gl_SubgroupInvocationID;
+#ifdef A_SCALE
+    const float inverse_scale = ldexp(1.0, -exponent);
+    [[unroll]] for (uint i = 0u; i < FRAG_M; ++i) {
+        [[unroll]] for (uint j = 0u; j < FRAG_N; ++j) { SCALE_ACC(acc[i][j], inverse_scale); }
+    }
+#endif
     [[unroll]] for (uint i = 0u; i < FRAG_M; ++i) {
         [[unroll]] for (uint j = 0u; j < FRAG_N; ++j) {
             const uint row0 = m0 + sg_m * WM + i * TILE, col0 = n0 + sg_n * WN + j * TILE;

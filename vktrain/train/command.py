@@ -17,7 +17,7 @@ import tempfile
 from pathlib import Path
 from typing import Optional
 
-from vktrain.contract import ADAMW_DEFAULTS
+from vktrain.contract import ADAMW_DEFAULTS, PRECISION_FP32, PRECISIONS
 from vktrain.errors import VktrainError
 from vktrain.train.adapters import (ADAPTER_CONFIG, ADAPTER_WEIGHTS, LORA_SUFFIXES, ProgramAdapters,
                                     adapters_from_state, save_adapters)
@@ -88,6 +88,9 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     parser.add_argument("--lora-alpha", type=float,
                         help="LoRA alpha for adapter_config.json (needed with --out-adapters when the .pte does not record it)")
     parser.add_argument("--base-model", help="base_model_name_or_path for adapter_config.json")
+    parser.add_argument("--precision", choices=PRECISIONS, default=PRECISION_FP32,
+                        help="GEMM precision policy (docs/PRECISION.md): fp32 (default) or fp16-tc, the 4-bit base "
+                             "GEMMs (forward, d_x) on tensor cores where the device has them (fp16 inputs, fp32 accumulation)")
     parser.add_argument("--seed", type=int, help="data shuffling seed (default 0; a resumed run keeps its checkpoint's)")
     parser.add_argument("--no-shuffle", action="store_true", help="read windows in file order")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -213,7 +216,7 @@ def run_train(args: argparse.Namespace, device=None) -> int:
     data_path = Path(args.data) if args.data else default_dataset_path()
     program_sha256 = sha256_file(program_path)
 
-    runner = TrainingRunner.from_pte(program_path, device)
+    runner = TrainingRunner.from_pte(program_path, device, precision=args.precision)
     own_device = getattr(runner, "device", None) if device is None else None  # a caller's device: its messages
     try:
         with runner:
@@ -278,6 +281,7 @@ def _train_loaded(args, runner, schedule, optimizer, resume, seed, data_path, pr
           f"{data.tokens.size} tokens ({data.trained_tokens} trained), {batches.batches_per_epoch:.1f} batches per "
           f"epoch; steps {start + 1}..{args.steps}",
           file=sys.stderr)
+    print(f"{args.program}: {runner.gemm_report()}", file=sys.stderr)
     try:
         train(runner, batches, args.steps, schedule, optimizer, state=state,  # updates `state` in place
               checkpoint_every=args.checkpoint_every, checkpoint_path=checkpoint_path,

@@ -17,6 +17,10 @@ Load time (everything that can fail fails here, never at step time):
 Per call: write the inputs (converted to their stored dtype: int64 -> int32 with a range check; index
 inputs checked against the embedding / logits they index), replay, read the outputs only (converted
 back to their graph dtype).
+
+GEMM precision (docs/PRECISION.md): the one device decision. The blob lists the precision policies the
+program allows; `precision` picks one, and the executor selects the GemmRoute (kernels/coopmat.py) its
+op lowerings follow on this device; `gemm_report()` says what was chosen.
 """
 from __future__ import annotations
 
@@ -38,11 +42,17 @@ from vktrain.runtime.delegate.op_lowering import (
     decode_scalar,
     lowering_for,
 )
+from vktrain.runtime.delegate.kernels.coopmat import allowed_precisions, select_gemm_route
 from vktrain.runtime.delegate.kernels.layout import StridedView
+from vktrain.contract import PRECISION_FP32
 from vktrain.runtime.vk.schedule import BufferBinding, Dispatch
 from vktrain.errors import VktrainError
 
 _INT32_MIN, _INT32_MAX = -(2**31), 2**31 - 1
+TENSOR_CORE_SHADER_PREFIX = "coopmat_"
+# The ops whose products a GEMM kernel computes (those a GemmRoute may move to the tensor cores).
+GEMM_OPS = frozenset({"vktrain.linear_q4gsw.default", "vktrain.linear_q4gsw_backward.default",
+                      "vktrain.linear_dW.default", "aten.mm.default", "aten.bmm.default", "aten.addmm.default"})
 
 
 class ExecutorInputError(VktrainError, ValueError):
@@ -115,15 +125,20 @@ class GraphExecutor:
     `read_state(name)` / `write_state(name, array)` / `reset_state()` access the mutable state by the
     names the exporter recorded (parameter / buffer FQNs); `timings()` gives (label, seconds) per
     dispatch of the last call. `staging=True` forces staging copies for every host access (the path a
-    discrete GPU takes; tests use it on unified devices).
+    discrete GPU takes; tests use it on unified devices). `precision` is the GEMM precision policy
+    (vktrain.contract.PRECISIONS); `emulate_tensor_cores` (tests) runs fp16-tc's coopmat kernels
+    emulated on a device without tensor cores.
     """
 
     def __init__(self, device, graph: vk.VkGraph, *, timing: bool = True, staging: bool | None = None,
-                 shared: SharedStorage | None = None):
+                 shared: SharedStorage | None = None, precision: str = PRECISION_FP32,
+                 emulate_tensor_cores: bool = False):
         graph.validate()
         self.device = device
         self._shared = shared
         self._adopted: set[str] = set()  # keys of buffers another executor allocated in `shared`
+        self.gemm_route = select_gemm_route(precision, allowed_precisions(graph.metadata), device,
+                                            emulate=emulate_tensor_cores)
         self._staging = staging  # Buffer's access path: None = direct on unified memory, else staging
         self.graph = graph
         self.ops: list[vk.OpCall] = graph.ops
@@ -351,6 +366,7 @@ class GraphExecutor:
 
     def _plan_dispatches(self) -> list[Dispatch]:
         dispatches: list[Dispatch] = []
+        self.tensor_core_ops: list[str] = []  # labels of the ops lowered to the coopmat kernels
         self._scratch_bytes = 0
         for index, (op, lowering) in enumerate(zip(self.ops, self._lowerings)):
             if op.outputs and all(self.graph.tensor(out).is_view for out in op.outputs):
@@ -358,8 +374,12 @@ class GraphExecutor:
             label = f"{index}:{op.name}"
             args = [self._decode(arg, index, op) for arg in op.args]
             outputs = [self._tensor_arg(out) for out in op.outputs]
-            context = OpContext(index, op, args, outputs, label, self._scratch(index), self.device.limits)
-            dispatches += lowering.lower(context)
+            context = OpContext(index, op, args, outputs, label, self._scratch(index), self.device.limits,
+                                self.gemm_route)
+            planned = lowering.lower(context)
+            if any(d.shader.startswith(TENSOR_CORE_SHADER_PREFIX) for d in planned):
+                self.tensor_core_ops.append(label)
+            dispatches += planned
         if self._scratch_bytes:
             self._buffers[self.SCRATCH_KEY] = Buffer(self.device, self._scratch_bytes, name=self.SCRATCH_KEY,
                                                      staging=self._staging)
@@ -460,6 +480,11 @@ class GraphExecutor:
     def storage_of(self, value_id: int) -> str:
         """The buffer key value `value_id` lives in ("mem3", "state0", "constant2", "value17", ...)."""
         return self._tensors[value_id].key
+
+    def gemm_report(self) -> str:
+        """The GEMM precision chosen at load and how many ops took the tensor cores (train's startup line)."""
+        gemms = sum(op.name in GEMM_OPS for op in self.ops)
+        return f"{self.gemm_route.describe()}; {len(self.tensor_core_ops)} of {gemms} GEMM ops on tensor cores"
 
     @property
     def buffer_bytes(self) -> dict[str, int]:

@@ -26,6 +26,9 @@ generated from torch), and kernels are registered under the op's key (`vktrain.r
   mm / bmm / addmm allocate a split-K scratch when the GEMM plan would split (skinny output, long
   reduction: kernels/matmul.py `gemm_scratch_nbytes`), and nothing otherwise.
 
+* `OpContext.gemm`, the GemmRoute chosen at load (kernels/coopmat.py), may send linear_q4gsw (without
+  bias) and linear_q4gsw_backward to their tensor-core kernels; every other op keeps its fp32 kernel.
+
 The executor (executor.py) hands each lowering `TensorArg`s whose bindings and views are the storage
 the backend recorded in the blob, so view and in-place decisions never leak into this table.
 """
@@ -40,7 +43,7 @@ from vktrain.quant import padded_k, w4x8_num_words
 from vktrain.serialization import graph as vk
 
 # Importing the kernels package imports every family, so KERNELS is complete.
-from vktrain.runtime.delegate.kernels import KERNELS, attention, cross_entropy, layout, linear, matmul, norm
+from vktrain.runtime.delegate.kernels import KERNELS, attention, coopmat, cross_entropy, layout, linear, matmul, norm
 from vktrain.runtime.vk.schedule import BufferBinding, Dispatch
 from vktrain.errors import VktrainError
 
@@ -106,6 +109,7 @@ class OpContext:
     # The device's DeviceLimits (vktrain.runtime.vk.device), for kernels that size workgroups or shared
     # memory tiles by them; None: the Vulkan-guaranteed minimums the kernels default to.
     limits: Optional[Any] = None
+    gemm: coopmat.GemmRoute = coopmat.FP32_ROUTE  # the GEMM kernels chosen at load for this device (kernels/coopmat.py)
 
     def fail(self, message: str) -> GraphLoweringError:
         return GraphLoweringError(f"op {self.index} ({self.op.name}): {message}")
@@ -264,12 +268,13 @@ def _q4gsw_dims(scales: TensorArg, group_size: int) -> tuple[int, int]:
     return n, groups * group_size
 
 
-def _call(ctx: OpContext, **kwargs: Any) -> list[Dispatch]:
-    """The plan of the kernel registered under the op's key."""
+def _call(ctx: OpContext, plan: Optional[Callable[..., list[Dispatch]]] = None, **kwargs: Any) -> list[Dispatch]:
+    """`plan`, by default the kernel registered under the op's key."""
+    name = ctx.op.name if plan is None else plan.__name__
     try:
-        return KERNELS[ctx.op.name](label=ctx.label, **kwargs)
+        return (plan or KERNELS[ctx.op.name])(label=ctx.label, **kwargs)
     except (ValueError, TypeError) as exc:
-        raise ctx.fail(f"the {ctx.op.name} kernel refused it: {exc}") from exc
+        raise ctx.fail(f"the {name} kernel refused it: {exc}") from exc
 
 
 def _split_k_args(ctx: OpContext, plan: str, m: int, n: int, k: int) -> dict:
@@ -288,9 +293,12 @@ def _lower_linear_q4gsw(ctx: OpContext) -> list[Dispatch]:
     group_size, bias = ctx.args[3], ctx.args[4]
     n, k = _q4gsw_dims(scales, group_size)
     m = x.numel // k
-    return _call(ctx, M=m, N=n, K=k, group_size=group_size, out=ctx.outputs[0].binding,
-                 x=x.binding, weights=weights.binding, scales=scales.binding,
-                 bias=None if bias is None else bias.binding, **_split_k_args(ctx, "linear_q4gsw", m, n, k))
+    gemm = dict(M=m, N=n, K=k, group_size=group_size, out=ctx.outputs[0].binding, x=x.binding,
+                weights=weights.binding, scales=scales.binding)
+    if bias is None and ctx.gemm.takes_tensor_cores(m, n):  # the coopmat kernel has no bias epilogue
+        return _call(ctx, coopmat.plan_coopmat_linear_q4gsw, **gemm, **ctx.gemm.plan_options)
+    return _call(ctx, **gemm, bias=None if bias is None else bias.binding,
+                 **_split_k_args(ctx, "linear_q4gsw", m, n, k))
 
 
 def _lower_linear_q4gsw_backward(ctx: OpContext) -> list[Dispatch]:
@@ -299,9 +307,12 @@ def _lower_linear_q4gsw_backward(ctx: OpContext) -> list[Dispatch]:
     group_size = ctx.args[3]
     n, k = _q4gsw_dims(scales, group_size)
     m = d_out.numel // n
-    return _call(ctx, M=m, N=n, K=k, group_size=group_size,
-                 out=ctx.outputs[0].binding, d_out=d_out.binding, weights=weights.binding, scales=scales.binding,
-                 **_split_k_args(ctx, "linear_q4gsw_backward", m, n, k))
+    gemm = dict(M=m, N=n, K=k, group_size=group_size, out=ctx.outputs[0].binding, d_out=d_out.binding,
+                weights=weights.binding, scales=scales.binding)
+    if ctx.gemm.takes_tensor_cores(m, k):
+        return _call(ctx, coopmat.plan_coopmat_linear_q4gsw_backward, **gemm, **ctx.gemm.plan_options,
+                     absmax=ctx.scratch(coopmat.ABSMAX_SCRATCH_BYTES, "absmax"))
+    return _call(ctx, **gemm, **_split_k_args(ctx, "linear_q4gsw_backward", m, n, k))
 
 
 def _lower_linear_dw(ctx: OpContext) -> list[Dispatch]:

@@ -28,8 +28,10 @@ from typing import Any, Callable, Mapping, Optional, Union
 
 import numpy as np
 
-from vktrain.contract import BACKEND_ID, HPARAMS, LABELS, MODEL_PREFIX, N_VALID, STEP_INPUTS, TOKEN_IDS
+from vktrain.contract import (BACKEND_ID, HPARAMS, LABELS, MODEL_PREFIX, N_VALID, PRECISION_FP32, STEP_INPUTS,
+                              TOKEN_IDS)
 from vktrain.runtime.delegate.executor import ExecutorInputError, GraphExecutor
+from vktrain.runtime.delegate.kernels.coopmat import PrecisionPolicyError
 from vktrain.runtime.program.pte import (
     NUMPY_SCALAR_TYPES,
     Bool,
@@ -290,11 +292,13 @@ class TrainingRunner:
 
     `verify_constants=False` skips hashing the delegate's constants at load (the graph checksum and every
     other check still run); the memory limits default to this machine's RAM and the device's largest
-    memory heap."""
+    memory heap. `precision` is the GEMM precision policy (docs/PRECISION.md; `emulate_tensor_cores`:
+    GraphExecutor's test path)."""
 
     def __init__(self, pte: PteFile, device=None, *, method: str = "forward", timing: bool = True,
                  verify_constants: bool = True, host_memory_limit: Optional[int] = None,
-                 device_memory_limit: Optional[int] = None):
+                 device_memory_limit: Optional[int] = None, precision: str = PRECISION_FP32,
+                 emulate_tensor_cores: bool = False):
         self.pte = pte
         program = verify_training_program(pte, method, verify_constants=verify_constants,
                                           host_memory_limit=host_memory_limit)
@@ -309,7 +313,11 @@ class TrainingRunner:
         try:
             check_device_memory(pte, self.graph, device_memory_bytes(device) if device_memory_limit is None
                                 else device_memory_limit)
-            self.executor = GraphExecutor(device, self.graph, timing=timing)
+            try:
+                self.executor = GraphExecutor(device, self.graph, timing=timing, precision=precision,
+                                              emulate_tensor_cores=emulate_tensor_cores)
+            except PrecisionPolicyError as exc:
+                raise PrecisionPolicyError(f"{pte.source}: {exc}") from None
         except BaseException:
             if self._owns_device:
                 device.close()
@@ -390,6 +398,10 @@ class TrainingRunner:
 
     def timings(self) -> list[tuple[str, float]] | None:
         return self.executor.timings()
+
+    def gemm_report(self) -> str:
+        """The GEMM precision chosen at load for this device (GraphExecutor.gemm_report)."""
+        return self.executor.gemm_report()
 
     # ------------------------------------------------------------------------------ lifetime
     def close(self) -> None:

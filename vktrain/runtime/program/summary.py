@@ -12,6 +12,7 @@ import json
 from dataclasses import dataclass, field
 
 from vktrain.contract import BACKEND_ID, METADATA_REFUSALS, METADATA_STATE_BYTES, METADATA_UNPLANNED_MEMORY_BYTES
+from vktrain.runtime.delegate.kernels.coopmat import allowed_precisions
 from vktrain.runtime.program.pte import PteFile, PteFormatError
 from vktrain.runtime.program.pte_objects import DelegateCall, KernelCall
 from vktrain.runtime.program.verify import device_buffer_requests
@@ -91,6 +92,7 @@ def summarize_blob(graph: vk.VkGraph) -> dict:
         "inputs": [_tensor_summary(graph, i) for i in graph.inputs],
         "outputs": [_tensor_summary(graph, i) for i in graph.outputs],
         "refusals": json.loads(meta.get(METADATA_REFUSALS, "[]")),
+        "gemm_precisions": list(allowed_precisions(meta)),  # docs/PRECISION.md; the device picks at load
         "metadata": {k: v for k, v in meta.items() if k != METADATA_REFUSALS},
     }
 

@@ -5,38 +5,141 @@ fp16 while they are staged in shared memory; the 4-bit base is dequantized from 
 (docs/spec/w4x8.md) straight into fp16 tiles. Each output element is therefore
 sum_k fp16(a_k) * fp16(b_k) accumulated in fp32, not the fp32 result of the SIMT kernels: callers
 choose these kernels where that precision is acceptable (tests/test_kernels_coopmat.py states the
-bound). Shaders: vktrain/runtime_shaders/coopmat_{linear_q4gsw,mm}.comp, body coopmat_gemm.glsl.
+bound). Shaders: vktrain/runtime_shaders/coopmat_{linear_q4gsw,linear_q4gsw_backward,mm,absmax}.comp,
+body coopmat_gemm.glsl.
 
-Kernels (alternative plans of vktrain.linear_q4gsw.default and aten.mm.default, so not in the
-one-plan-per-op registry; nothing routes graph ops to them yet, the lowering will choose them by device):
+Kernels (alternative plans of vktrain.linear_q4gsw(_backward).default and aten.mm.default, so not in the
+one-plan-per-op registry; the op lowering takes them where this program's GemmRoute says so):
   coopmat_linear_q4gsw   y[M, N] = x[M, K] @ deq(W).T
   coopmat_mm             C[M, N] = A[M, K] @ B[K, N], or A @ B^T with B^T given as [N, K] (b_transposed)
+  coopmat_linear_q4gsw_backward   d_x[M, K] = d_out[M, N] @ deq(W), d_out scaled per tensor by a power of
+                         two before its fp16 rounding (max |d_out| from coopmat_absmax, the first dispatches)
 
 They need a device whose `cooperative_matrix_properties` list 16x16x16 fp16 x fp16 + fp32 at subgroup
 scope (`coopmat_supported`). Tiling: 4 subgroups per workgroup, a BN = 128 wide tile and BM = 128 or 64
 rows (`tile_m`; default: 64 when 128-row tiles would leave the GPU short of workgroups). Push
 constants (after the runtime's group-offset header): M, N, K, group_size (0 for mm).
+
+Selection (docs/PRECISION.md): the program's blob lists the GEMM precision policies it allows
+(`allowed_precisions`, metadata `gemm_precisions`); at load `select_gemm_route` picks, from the policy the
+user asked for and the device's cooperative-matrix properties, the GemmRoute the executor hands every op
+lowering.
 """
 from __future__ import annotations
 
-from typing import Any
+import json
+from dataclasses import dataclass
+from typing import Any, Mapping
 
 import numpy as np
 
+from vktrain.contract import METADATA_GEMM_PRECISIONS, PRECISION_FP16_TC, PRECISION_FP32, PRECISIONS
+from vktrain.errors import VktrainError
 from vktrain.quant import check_q4gsw_shapes
-from vktrain.runtime.delegate.kernels.layout import MAX_ELEMENTS, KernelArgumentError, binding
-from vktrain.runtime.vk.coopmat import CooperativeMatrixShape, supports_shape
+from vktrain.runtime.delegate.kernels.layout import MAX_ELEMENTS, KernelArgumentError, binding, plan_fill
+from vktrain.runtime.vk.coopmat import EXTENSION_NAME, CooperativeMatrixShape, supports_shape
 from vktrain.runtime.vk.schedule import Dispatch, ceil_div, pack_push
 
 # The cooperative-matrix shape and types the shaders are written for.
 FRAGMENT = (16, 16, 16)
 INPUT_TYPE, ACCUMULATOR_TYPE = "float16", "float32"
+EXTENSION_HINT = f"{EXTENSION_NAME} 16x16x16 {INPUT_TYPE}*{INPUT_TYPE}+{ACCUMULATOR_TYPE}"
 TILE_N = 128
 TILE_M_CHOICES = (128, 64)
 DEFAULT_SUBGROUP_SIZE = 32  # the shaders' default SUBGROUP_SIZE define (NVIDIA; AMD RDNA may need 64)
 # 128-row tiles when they give at least this many workgroups (about 2 per SM of a 132-SM H200), else 64:
 # the faster tile for both kernels at all 12 Llama-3.2-1B shapes of bench/results/coopmat_h200.json.
 TARGET_WORKGROUPS = 256
+# A GEMM takes the tensor cores when its output has at least this many 64-row tiles (about one per SM of
+# a 132-SM H200): each workgroup then takes about as long as at M = 512 (0.058 ms for K = 2048 in
+# bench/results/coopmat_h200.json), while the SIMT kernels split K over the SMs at small M (0.043 ms at
+# M = 128, N = 2048: 32 coopmat workgroups would be slower).
+MIN_WORKGROUPS = 128
+SUBGROUP_BASIC_BIT = 0x1  # VK_SUBGROUP_FEATURE_BASIC_BIT: what the emulated variant needs besides fp16
+# The emulated variants give wrong outputs on lavapipe (NaN past each subgroup's first accumulator) once
+# tile rows x the reduction (rounded up to the 32-wide steps) reach this; cause not found (phase 2: the
+# tensor-core variants pass at K = 2048 on the H200). Their plans refuse such shapes rather than mislead.
+EMULATED_MAX_TILE_REDUCTION = 16384
+
+
+class PrecisionPolicyError(VktrainError, ValueError):
+    """A GEMM precision policy the runtime does not know, the program does not allow, or cannot run."""
+
+
+def allowed_precisions(metadata: Mapping[str, str], source: str = "the program") -> tuple[str, ...]:
+    """The GEMM precision policies a blob allows (its metadata `gemm_precisions`, a JSON list). Blobs
+    written before the policy existed do not record it: they allow fp32 only."""
+    text = metadata.get(METADATA_GEMM_PRECISIONS)
+    if text is None:
+        return (PRECISION_FP32,)
+    try:
+        listed = json.loads(text)
+    except json.JSONDecodeError:
+        listed = None
+    if not isinstance(listed, list) or not listed or not all(p in PRECISIONS for p in listed):
+        raise PrecisionPolicyError(f"{source}: blob metadata {METADATA_GEMM_PRECISIONS!r} is {text!r}; expected a "
+                                   f"non-empty JSON list of {', '.join(PRECISIONS)}")
+    return tuple(listed)
+
+
+@dataclass(frozen=True)
+class GemmRoute:
+    """Which kernels a program's GEMMs run on this device, chosen once at load (`select_gemm_route`).
+
+    `tensor_cores`: the 4-bit base GEMMs (forward, d_x) take the coopmat kernels where `takes_tensor_cores`;
+    `emulate` runs its COOPMAT_EMULATE variant (the test path on devices without tensor cores);
+    `reason` says why, for the reports (train's startup line)."""
+
+    precision: str
+    tensor_cores: bool
+    reason: str
+    emulate: bool = False
+    subgroup_size: int = DEFAULT_SUBGROUP_SIZE
+    min_workgroups: int = MIN_WORKGROUPS
+
+    def takes_tensor_cores(self, M: int, N: int) -> bool:
+        """Whether an M x N output goes to the coopmat kernels (enough tiles to pay, see MIN_WORKGROUPS)."""
+        return self.tensor_cores and ceil_div(M, min(TILE_M_CHOICES)) * ceil_div(N, TILE_N) >= self.min_workgroups
+
+    @property
+    def plan_options(self) -> dict:
+        """The coopmat plans' device arguments on this route."""
+        return dict(emulate=self.emulate, subgroup_size=self.subgroup_size)
+
+    def describe(self) -> str:
+        kernels = "tensor cores (fp16 inputs, fp32 accumulation)" if self.tensor_cores else "fp32 kernels"
+        return f"GEMM precision {self.precision}: {kernels}; {self.reason}"
+
+
+FP32_ROUTE = GemmRoute(PRECISION_FP32, False, "the fp32 policy")
+
+
+def select_gemm_route(precision: str, allowed: tuple[str, ...], device: Any, *,
+                      emulate: bool = False) -> GemmRoute:
+    """The GemmRoute for the policy `precision` on `device` (a vktrain Device), for a program allowing
+    `allowed`. fp16-tc takes the tensor cores where the device has the coopmat kernels' shape and types
+    and falls back to the fp32 kernels (saying so) elsewhere. `emulate` (tests) pretends it has them and
+    runs the emulated shaders, on every GEMM the route covers whatever its size."""
+    if precision not in PRECISIONS:
+        raise PrecisionPolicyError(f"unknown GEMM precision {precision!r}; choose one of {', '.join(PRECISIONS)}")
+    if precision not in allowed:
+        raise PrecisionPolicyError(f"the program allows GEMM precision {', '.join(allowed)} (blob metadata "
+                                   f"{METADATA_GEMM_PRECISIONS!r}), not {precision!r}")
+    if precision == PRECISION_FP32:
+        return FP32_ROUTE
+    assert precision == PRECISION_FP16_TC
+    if emulate:
+        if "shaderFloat16" not in device.features or not device.subgroup_operations & SUBGROUP_BASIC_BIT:
+            raise PrecisionPolicyError(f"{device.name} cannot run the emulated coopmat kernels: they need "
+                                       f"shaderFloat16 and basic subgroup operations")
+        return GemmRoute(precision, True, f"emulated on {device.name} (test path, no tensor cores used)",
+                         emulate=True, subgroup_size=device.subgroup_size, min_workgroups=1)
+    if not coopmat_supported(device.cooperative_matrix_properties):
+        m, n, k = FRAGMENT
+        return GemmRoute(precision, False, f"{device.name} lists no {m}x{n}x{k} {INPUT_TYPE} x {INPUT_TYPE} + "
+                                           f"{ACCUMULATOR_TYPE} cooperative matrices ({EXTENSION_HINT}), so the "
+                                           f"fp32 kernels run")
+    return GemmRoute(precision, True, f"{device.name} has {EXTENSION_HINT}", subgroup_size=device.subgroup_size)
 
 
 def coopmat_supported(properties: tuple[CooperativeMatrixShape, ...]) -> bool:
@@ -72,15 +175,17 @@ def _check_range(op: str, M: int, N: int, K: int) -> None:
 
 
 def _variant(shader: str, *, b_transposed: bool, tile_m: int, prefetch: bool, emulate: bool,
-             subgroup_size: int) -> str:
+             subgroup_size: int, a_scale: bool = False) -> str:
     """Shader name with its defines in the order the sources' `vktrain-variants:` lines use."""
-    defines = (["B_TRANSPOSED"] if b_transposed else []) + (["BM=64"] if tile_m == 64 else []) \
+    defines = (["A_SCALE"] if a_scale else []) + (["B_TRANSPOSED"] if b_transposed else []) \
+        + (["BM=64"] if tile_m == 64 else []) \
         + (["PREFETCH"] if prefetch else []) + (["COOPMAT_EMULATE"] if emulate else []) \
         + ([f"SUBGROUP_SIZE={subgroup_size}"] if subgroup_size != DEFAULT_SUBGROUP_SIZE else [])
     return shader + ("@" + "+".join(defines) if defines else "")
 
 
-def _tiling(op: str, M: int, N: int, tile_m: int | None, subgroup_size: int) -> int:
+def _tiling(op: str, M: int, N: int, tile_m: int | None, subgroup_size: int, *, emulate: bool,
+            reduction: int) -> int:
     if tile_m is None:
         tile_m = default_tile_m(M, N)
     if tile_m not in TILE_M_CHOICES:
@@ -88,6 +193,10 @@ def _tiling(op: str, M: int, N: int, tile_m: int | None, subgroup_size: int) -> 
     if not isinstance(subgroup_size, int) or subgroup_size < 8 or subgroup_size & (subgroup_size - 1):
         raise KernelArgumentError(f"{op}: subgroup_size must be a power of two >= 8 (the device's subgroup "
                                   f"size), got {subgroup_size!r}")
+    if emulate and tile_m * ceil_div(reduction, 32) * 32 >= EMULATED_MAX_TILE_REDUCTION:
+        raise KernelArgumentError(f"{op}: the emulated variant is known to be wrong for {tile_m}-row tiles over a "
+                                  f"reduction of {reduction} (tile rows x reduction >= {EMULATED_MAX_TILE_REDUCTION}); "
+                                  f"use 64-row tiles or a shorter reduction")
     return tile_m
 
 
@@ -111,7 +220,7 @@ def plan_coopmat_linear_q4gsw(*, M: int, N: int, K: int, group_size: int, out: A
     except ValueError as exc:
         raise KernelArgumentError(f"{op}: {exc}") from None
     _check_range(op, M, N, K)
-    tile_m = _tiling(op, M, N, tile_m, subgroup_size)
+    tile_m = _tiling(op, M, N, tile_m, subgroup_size, emulate=emulate, reduction=K)
     if prefetch is None:
         prefetch = tile_m == 64
     shader = _variant("coopmat_linear_q4gsw", b_transposed=False, tile_m=tile_m, prefetch=prefetch,
@@ -137,9 +246,47 @@ def plan_coopmat_mm(*, M: int, N: int, K: int, out: Any, a: Any, b: Any, b_trans
     _check_positive(op, M=M, N=N, K=K)
     _check_multiple_of_4(op, K=K, N=N)
     _check_range(op, M, N, K)
-    tile_m = _tiling(op, M, N, tile_m, subgroup_size)
+    tile_m = _tiling(op, M, N, tile_m, subgroup_size, emulate=emulate, reduction=K)
     shader = _variant("coopmat_mm", b_transposed=bool(b_transposed), tile_m=tile_m, prefetch=prefetch,
                       emulate=emulate, subgroup_size=subgroup_size)
     return [Dispatch(shader, groups=(ceil_div(N, TILE_N), ceil_div(M, tile_m), 1),
                      bindings=[binding(out, "w"), binding(a, "r"), binding(b, "r")],
                      push_constants=pack_push(M, N, K, 0), label=label)]
+
+
+ABSMAX_SCRATCH_BYTES = 4  # the float bits of max |d_out| (coopmat_absmax.comp)
+_ABSMAX_VECS_PER_GROUP = 256 * 4  # coopmat_absmax.comp: WORKGROUP_SIZE x VECS_PER_THREAD vec4
+
+
+def plan_coopmat_linear_q4gsw_backward(*, M: int, N: int, K: int, group_size: int, out: Any, d_out: Any,
+                                       weights: Any, scales: Any, absmax: Any, tile_m: int | None = None,
+                                       prefetch: bool | None = None, emulate: bool = False,
+                                       subgroup_size: int = DEFAULT_SUBGROUP_SIZE,
+                                       label: str = "coopmat_linear_q4gsw_backward") -> list[Dispatch]:
+    """d_x[M, K] = d_out[M, N] @ deq(W) on tensor cores (fp16 inputs, fp32 accumulation).
+
+    d_out is a gradient, whose values follow the loss divisor down to fp16's subnormals: it is scaled by
+    the power of two that puts max |d_out| in [2^14, 2^15) before its fp16 rounding (and the result back,
+    both exact). Dispatches: zero `absmax` (ABSMAX_SCRATCH_BYTES of scratch), its max |d_out|, the GEMM.
+    Buffers as plan_coopmat_linear_q4gsw's (out fp32 [M, K], d_out fp32 [M, N]); tiles along K.
+    """
+    op = "coopmat_linear_q4gsw_backward"
+    _check_positive(op, M=M, N=N, K=K, group_size=group_size)
+    try:
+        check_q4gsw_shapes(N, K, group_size)
+    except ValueError as exc:
+        raise KernelArgumentError(f"{op}: {exc}") from None
+    _check_range(op, M, N, K)
+    tile_m = _tiling(op, M, K, tile_m, subgroup_size, emulate=emulate, reduction=N)
+    if prefetch is None:
+        prefetch = tile_m == 64
+    shader = _variant(op, b_transposed=False, tile_m=tile_m, prefetch=prefetch, emulate=emulate,
+                      subgroup_size=subgroup_size, a_scale=True)
+    return plan_fill(absmax, 1, 0, label=f"{label}.absmax_zero") + [
+        Dispatch("coopmat_absmax", groups=(ceil_div(M * N // 4, _ABSMAX_VECS_PER_GROUP), 1, 1),
+                 bindings=[binding(absmax, "rw"), binding(d_out, "r")], push_constants=pack_push(M * N),
+                 label=f"{label}.absmax"),
+        Dispatch(shader, groups=(ceil_div(K, TILE_N), ceil_div(M, tile_m), 1),
+                 bindings=[binding(out, "w"), binding(d_out, "r"), binding(weights, "r"), binding(scales, "r"),
+                           binding(absmax, "r")],
+                 push_constants=pack_push(M, K, N, group_size), label=label)]

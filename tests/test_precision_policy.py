@@ -1,0 +1,240 @@
+"""GEMM precision policies (docs/PRECISION.md): what a blob allows, the route chosen at load, and the
+training step each one runs.
+
+On lavapipe (no tensor cores) the fp16-tc routing is tested through the executor's forced-capability
+path: `emulate_tensor_cores=True` selects the coopmat kernels as on a device that has them, and runs
+their COOPMAT_EMULATE variant (the same shaders with the cooperative-matrix operations done by plain
+arithmetic and the same rounding: fp16 inputs, fp32 sums).
+
+Tolerance of the fp16-tc step-1 loss against the float64 eager reference (derived, first order). The
+route changes only the 4-bit base products y = x @ deq(W).T; each output element of one of them moves by
+at most eps_e = ((2u + u^2 + 2^-24) + (K + 16) 2^-23) * S_e + 2^-25 (sum_k |x_k| + sum_k |w_k|), with
+u = 2^-11 the fp16 unit roundoff and S_e = sum_k |x_k w_k| (tests/test_kernels_coopmat.py derives this
+bound; for these K <= 64 the fp32-sum term is far below the fp16 input rounding). To first order the
+loss then moves by at most sum over every base GEMM output e of |dL/dy_e| * eps_e (the gradients taken
+in float64 by autograd on the reference itself), which is the bound: it assumes every rounding error
+pushes the loss the same way, so the measured error sits well inside it (printed with -s). Terms of
+second order are ~(2u)^2 relative and, with the fp32 arithmetic of everything else, fit in the fp32
+parity tolerance (LOSS_RTOL) added on top. A wrong weight, row or tile moves the loss by a whole term
+(~1e-1 here), two orders above the bound.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import copy
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+from vktrain.contract import METADATA_GEMM_PRECISIONS, PRECISION_FP16_TC, PRECISION_FP32, PRECISIONS
+from vktrain.lora.layers import LoRAQ4Linear
+from vktrain.runtime.delegate.executor import GraphExecutor
+from vktrain.runtime.delegate.kernels.coopmat import (
+    MIN_WORKGROUPS,
+    GemmRoute,
+    PrecisionPolicyError,
+    allowed_precisions,
+    coopmat_supported,
+    select_gemm_route,
+)
+from vktrain.runtime.program.runner import TrainingRunner
+from vktrain.runtime.vk.coopmat import CooperativeMatrixShape
+from vktrain.train.command import add_train_arguments, run_train
+
+from _helpers import LOSS_RTOL, _cast_floating, export_mlp_lora_training_step
+
+BATCH, SEQ, VOCAB = 2, 8, 64
+HPARAMS = np.array([1e-2, 0.9, 0.999, 1e-8, 0.01], np.float32)
+FP16_UNIT_ROUNDOFF = 2.0 ** -11
+FP32_TRUNCATION = 2.0 ** -23
+FP16_SUBNORMAL_HALF_SPACING = 2.0 ** -25
+TENSOR_CORES = CooperativeMatrixShape(16, 16, 16, "float16", "float16", "float32", "float32", False, "subgroup")
+
+
+def _device(properties=(), features=frozenset({"shaderFloat16"}), subgroup_operations=0x1, subgroup_size=32):
+    """What select_gemm_route reads of a vktrain Device."""
+    return SimpleNamespace(name="test-gpu", cooperative_matrix_properties=tuple(properties), features=features,
+                           subgroup_operations=subgroup_operations, subgroup_size=subgroup_size)
+
+
+# ----------------------------------------------------------------------------------- no device needed
+def test_a_blob_allows_what_its_metadata_lists_and_an_older_blob_fp32_only():
+    assert allowed_precisions({METADATA_GEMM_PRECISIONS: '["fp32", "fp16-tc"]'}) == PRECISIONS
+    assert allowed_precisions({}) == (PRECISION_FP32,)
+    for bad in ('"fp32"', "[]", '["fp32", "bf16"]', "not json"):
+        with pytest.raises(PrecisionPolicyError, match=f"step.pte: blob metadata '{METADATA_GEMM_PRECISIONS}'"):
+            allowed_precisions({METADATA_GEMM_PRECISIONS: bad}, "step.pte")
+
+
+def test_fp32_keeps_the_fp32_kernels_even_on_a_device_with_tensor_cores():
+    route = select_gemm_route(PRECISION_FP32, PRECISIONS, _device([TENSOR_CORES]))
+    assert not route.tensor_cores and not route.takes_tensor_cores(4096, 4096)
+
+
+def test_fp16_tc_takes_the_tensor_cores_where_the_device_lists_the_kernels_shape():
+    route = select_gemm_route(PRECISION_FP16_TC, PRECISIONS, _device([TENSOR_CORES], subgroup_size=64))
+    assert route.tensor_cores and not route.emulate and route.subgroup_size == 64
+    assert "VK_KHR_cooperative_matrix" in route.describe()
+
+
+@pytest.mark.parametrize("listed", [(), (CooperativeMatrixShape(16, 16, 16, "bfloat16", "bfloat16", "float32",
+                                                                "float32", False, "subgroup"),)])
+def test_fp16_tc_falls_back_to_fp32_kernels_and_says_why(listed):
+    route = select_gemm_route(PRECISION_FP16_TC, PRECISIONS, _device(listed))
+    assert not route.tensor_cores and not route.takes_tensor_cores(4096, 4096)
+    assert "test-gpu lists no 16x16x16 float16 x float16 + float32" in route.describe()
+
+
+def test_a_policy_the_blob_does_not_allow_or_nobody_knows_is_refused_by_name():
+    with pytest.raises(PrecisionPolicyError, match=f"allows GEMM precision fp32 .*{METADATA_GEMM_PRECISIONS}.*fp16-tc"):
+        select_gemm_route(PRECISION_FP16_TC, (PRECISION_FP32,), _device([TENSOR_CORES]))
+    with pytest.raises(PrecisionPolicyError, match="unknown GEMM precision 'fp16'"):
+        select_gemm_route("fp16", PRECISIONS, _device([TENSOR_CORES]))
+
+
+def test_emulation_needs_fp16_arithmetic_and_subgroups():
+    assert select_gemm_route(PRECISION_FP16_TC, PRECISIONS, _device(), emulate=True).emulate
+    with pytest.raises(PrecisionPolicyError, match="shaderFloat16"):
+        select_gemm_route(PRECISION_FP16_TC, PRECISIONS, _device(features=frozenset()), emulate=True)
+
+
+def test_small_outputs_stay_on_the_split_k_simt_kernels():
+    route = GemmRoute(PRECISION_FP16_TC, True, "test")
+    # 64-row x 128-column tiles: M = 128 tokens gives 2 rows of tiles, so N = 2048 has 32 tiles, 8192 has 128.
+    assert MIN_WORKGROUPS == 128
+    assert not route.takes_tensor_cores(128, 2048) and route.takes_tensor_cores(128, 8192)
+    assert route.takes_tensor_cores(512, 2048) and not route.takes_tensor_cores(512, 1920)
+
+
+# ----------------------------------------------------------------------------------- the training step
+@pytest.fixture(scope="module")
+def step_program(tmp_path_factory):
+    path = tmp_path_factory.mktemp("pte") / "mlp_lora_step.pte"
+    return path, export_mlp_lora_training_step(path, (BATCH, SEQ), VOCAB)
+
+
+def _batch():
+    generator = torch.Generator().manual_seed(99)
+    token_ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=generator)
+    labels = (5 * token_ids + 2) % VOCAB
+    labels[0, :2] = -1
+    return token_ids, labels
+
+
+def _first_loss(runner) -> float:
+    token_ids, labels = _batch()
+    return runner.step(token_ids.numpy(), labels.numpy(), HPARAMS)
+
+
+BASE_GEMMS = ("vktrain.linear_q4gsw.default", "vktrain.linear_q4gsw_backward.default")
+
+
+def _base_gemm_ops(runner) -> list[str]:
+    """Labels of the 4-bit base GEMMs (forward and d_x), the ops fp16-tc routes."""
+    return [f"{i}:{op.name}" for i, op in enumerate(runner.executor.ops) if op.name in BASE_GEMMS]
+
+
+def _float64_loss_and_fp16_bound(model) -> tuple[float, float]:
+    """The float64 eager step-1 loss, and the first-order bound of the module docstring on how far
+    rounding every base GEMM's inputs to fp16 moves it."""
+    model = copy.deepcopy(model)
+    _cast_floating(model, torch.float64)
+    records = []
+
+    def record(module, inputs, output):
+        output.retain_grad()
+        records.append((module, inputs[0].detach(), output))
+
+    hooks = [m.register_forward_hook(record) for m in model.modules() if isinstance(m, LoRAQ4Linear)]
+    token_ids, labels = _batch()
+    loss = model.loss(token_ids, labels, (labels >= 0).sum().to(torch.float32))
+    loss.backward()
+    for hook in hooks:
+        hook.remove()
+    assert len(records) == 3, "mlp-lora has two layers and the head, each a LoRA q4gsw linear"
+    bound = 0.0
+    for module, x, output in records:
+        x = x.reshape(-1, module.in_features)
+        w = module.dequantized_weight().to(torch.float64)
+        K = module.in_features
+        relative = 2 * FP16_UNIT_ROUNDOFF + FP16_UNIT_ROUNDOFF ** 2 + 2.0 ** -24 + (K + 16) * FP32_TRUNCATION
+        per_output = relative * (x.abs() @ w.abs().T) + FP16_SUBNORMAL_HALF_SPACING * (
+            x.abs().sum(1, keepdim=True) + w.abs().sum(1)[None, :])
+        # d loss / d base output = d loss / d module output: the module adds the LoRA branch to it.
+        bound += float((output.grad.reshape(-1, module.out_features).abs() * per_output).sum())
+    return float(loss.detach()), bound
+
+
+def test_fp16_tc_routes_every_base_gemm_and_step_one_matches_float64_within_the_derived_bound(
+        vk_device, step_program):
+    path, model = step_program
+    with TrainingRunner.from_pte(path, vk_device) as fp32_runner:
+        assert fp32_runner.executor.tensor_core_ops == []
+        assert not any("coopmat" in d.shader for d in fp32_runner.executor.dispatches)
+        fp32_loss = _first_loss(fp32_runner)
+    with TrainingRunner.from_pte(path, vk_device, precision=PRECISION_FP16_TC, emulate_tensor_cores=True) as runner:
+        base_ops = _base_gemm_ops(runner)
+        # Three forward GEMMs; d_x of the head and the second layer (the first layer's input is the frozen
+        # embedding's output, which needs no gradient).
+        assert len(base_ops) == 5 and runner.executor.tensor_core_ops == base_ops
+        gemm_shaders = {d.shader for d in runner.executor.dispatches
+                        if d.name in base_ops and d.shader.startswith("coopmat_linear_q4gsw")}
+        assert len(gemm_shaders) == 2 and all("COOPMAT_EMULATE" in s for s in gemm_shaders), gemm_shaders
+        assert "5 of" in runner.gemm_report() and "emulated" in runner.gemm_report()
+        tc_loss = _first_loss(runner)
+    reference, bound = _float64_loss_and_fp16_bound(model)
+    tolerance = bound + LOSS_RTOL * abs(reference)
+    error = abs(tc_loss - reference)
+    print(f"fp16-tc step-1 loss {tc_loss!r} vs float64 {reference!r}: |err| {error:.2e}, first-order bound "
+          f"{bound:.2e} (fp32 route: |err| {abs(fp32_loss - reference):.2e})")
+    assert error <= tolerance, f"fp16-tc loss {tc_loss} is {error:.3e} from float64 {reference}, bound {tolerance:.3e}"
+    assert bound < 1e-2 * abs(reference)  # the bound says something: far below a wrong product's ~1e-1
+    assert abs(fp32_loss - reference) <= LOSS_RTOL * abs(reference)
+    assert tc_loss != fp32_loss  # the step really ran the fp16-input kernels
+
+
+def test_fp16_tc_without_tensor_cores_runs_the_fp32_kernels_bit_for_bit(vk_device, step_program):
+    if coopmat_supported(vk_device.cooperative_matrix_properties):
+        pytest.skip(f"{vk_device.name} has cooperative matrices: the fallback is not taken")
+    path = step_program[0]
+    with TrainingRunner.from_pte(path, vk_device) as fp32_runner:
+        fp32_loss = _first_loss(fp32_runner)
+    with TrainingRunner.from_pte(path, vk_device, precision=PRECISION_FP16_TC) as runner:
+        assert runner.executor.tensor_core_ops == []
+        assert "fp32 kernels" in runner.gemm_report() and "lists no 16x16x16" in runner.gemm_report()
+        assert _first_loss(runner) == fp32_loss
+
+
+def test_a_program_not_allowing_the_policy_is_refused_at_load_by_field(vk_device, step_program):
+    with TrainingRunner.from_pte(step_program[0], vk_device) as runner:
+        graph = copy.copy(runner.graph)
+    graph.metadata = {k: v for k, v in graph.metadata.items() if k != METADATA_GEMM_PRECISIONS}
+    with pytest.raises(PrecisionPolicyError, match=f"allows GEMM precision fp32 \\(blob metadata "
+                                                   f"'{METADATA_GEMM_PRECISIONS}'\\), not 'fp16-tc'"):
+        GraphExecutor(vk_device, graph, precision=PRECISION_FP16_TC)
+
+
+def test_train_takes_the_precision_flag_and_reports_the_choice(vk_device, step_program, tmp_path, capsys):
+    data = tmp_path / "ids.npy"
+    np.save(data, np.arange(400) % VOCAB)
+    parser = add_train_arguments(argparse.ArgumentParser())
+    assert parser.parse_args([str(step_program[0]), "--steps", "1"]).precision == PRECISION_FP32
+    args = parser.parse_args([str(step_program[0]), "--steps", "1", "--data", str(data), "--no-progress",
+                              "--precision", PRECISION_FP16_TC])
+    assert run_train(args, vk_device) == 0
+    startup = [line for line in capsys.readouterr().err.splitlines() if "GEMM precision" in line]
+    expected = "tensor cores" if coopmat_supported(vk_device.cooperative_matrix_properties) else "fp32 kernels"
+    assert len(startup) == 1 and "GEMM precision fp16-tc" in startup[0] and expected in startup[0], startup
+
+
+def test_inspect_reports_the_precisions_the_program_allows(step_program, capsys):
+    from vktrain import cli
+
+    assert cli.main(["inspect", str(step_program[0])]) == 0
+    assert "GEMM precisions allowed: fp32, fp16-tc" in capsys.readouterr().out
+    assert cli.main(["inspect", "--json", str(step_program[0])]) == 0
+    (delegate,) = json.loads(capsys.readouterr().out)["delegates"]
+    assert delegate["gemm_precisions"] == list(PRECISIONS)
