@@ -14,6 +14,11 @@ BACKEND_ID = "VktrainVulkanBackend"
 TOKEN_IDS, LABELS, HPARAMS, N_VALID = "token_ids", "labels", "hparams", "n_valid"
 STEP_INPUTS = (TOKEN_IDS, LABELS, HPARAMS, N_VALID)
 
+# The .pte's methods: the training step (ExecuTorch's name for a single program) and the eval method
+# exported with it (vktrain.export.eval), which takes token_ids, labels and n_valid and returns the loss.
+TRAIN_METHOD, EVAL_METHOD = "forward", "eval"
+EVAL_INPUTS = (TOKEN_IDS, LABELS, N_VALID)
+
 # The hparams tensor adamw reads, in this order; the defaults are torch.optim.AdamW's.
 HPARAM_NAMES = ("lr", "beta1", "beta2", "eps", "weight_decay")
 ADAMW_DEFAULTS = {"beta1": 0.9, "beta2": 0.999, "eps": 1e-8, "weight_decay": 1e-2}
@@ -42,8 +47,8 @@ METADATA_STATE_BYTES = "state_bytes"                  # bytes of the mutable tra
 METADATA_REFUSALS = "refusals"                        # JSON list of the partitioner's refusals
 METADATA_SYNTHETIC_CONSTANTS = "synthetic_constants"  # benchmark blobs only
 
-__all__ = ["ADAMW_DEFAULTS", "BACKEND_ID", "EXP_AVG_PREFIX", "EXP_AVG_SQ_PREFIX", "HPARAMS", "HPARAM_NAMES",
+__all__ = ["ADAMW_DEFAULTS", "BACKEND_ID", "EVAL_INPUTS", "EVAL_METHOD", "EXP_AVG_PREFIX", "EXP_AVG_SQ_PREFIX", "HPARAMS", "HPARAM_NAMES",
            "LABELS", "METADATA_BACKEND", "METADATA_PLANNED_MEMORY_BYTES", "METADATA_REFUSALS",
            "METADATA_SOURCE_MODEL", "METADATA_STATE_BYTES", "METADATA_SYNTHETIC_CONSTANTS",
            "METADATA_UNPLANNED_MEMORY_BYTES", "MODEL_PREFIX", "N_VALID", "STATE_PREFIXES", "STEP_INPUTS",
-           "STEP_STATE", "TOKEN_IDS", "hparams_values"]
+           "STEP_STATE", "TOKEN_IDS", "TRAIN_METHOD", "hparams_values"]

@@ -83,6 +83,17 @@ def _to_stored_array(array: np.ndarray, tensor: vk.TensorValue, what: str) -> np
 
 
 @dataclass(frozen=True)
+class SharedTensor:
+    """A tensor another executor of the same program owns (its buffer and byte offset, and its record), for
+    this executor to bind instead of storage of its own: how a .pte's eval method reads the training
+    step's LoRA state without a copy."""
+
+    buffer: Buffer
+    offset: int
+    tensor: vk.TensorValue
+
+
+@dataclass(frozen=True)
 class _Tensor:
     """Where one tensor value lives: the buffer key, the binding's offset and bytes, how it is read."""
 
@@ -100,12 +111,19 @@ class GraphExecutor:
     names the exporter recorded (parameter / buffer FQNs); `timings()` gives (label, seconds) per
     dispatch of the last call. `staging=True` forces staging copies for every host access (the path a
     discrete GPU takes; tests use it on unified devices).
+
+    `shared` (name -> SharedTensor, e.g. another executor's `shared_state()`): a constant or state tensor
+    of this graph with one of these names binds that buffer (same shape and stored dtype, checked) instead
+    of storage of its own; this executor never uploads, resets or frees it.
     """
 
-    def __init__(self, device, graph: vk.VkGraph, *, timing: bool = True, staging: bool | None = None):
+    def __init__(self, device, graph: vk.VkGraph, *, timing: bool = True, staging: bool | None = None,
+                 shared: dict[str, SharedTensor] | None = None):
         graph.validate()
         self.device = device
         self._staging = staging  # Buffer's access path: None = direct on unified memory, else staging
+        self._shared = dict(shared or {})
+        self._borrowed: set[str] = set()  # buffer keys of shared tensors: another executor owns them
         self.graph = graph
         self.ops: list[vk.OpCall] = graph.ops
         self._lowerings = [lowering_for(op, index) for index, op in enumerate(self.ops)]
@@ -207,9 +225,25 @@ class GraphExecutor:
                  and graph.values[v].storage_of >= 0}
         return sorted(v for v in used if isinstance(graph.values[v], vk.TensorValue))
 
+    def _shared_key(self, value_id: int) -> str | None:
+        """The buffer key of a constant or state tensor bound to a SharedTensor, checked; else None."""
+        tensor = self.graph.values[value_id]
+        if tensor.name not in self._shared or (tensor.constant_id < 0 and value_id not in self._states):
+            return None
+        owner = self._shared[tensor.name].tensor
+        if (owner.shape, owner.storage_dtype, owner.layout) != (tensor.shape, tensor.storage_dtype, tensor.layout):
+            raise GraphLoweringError(
+                f"tensor {tensor.name!r} is {tensor.storage_dtype.name}{list(tensor.shape)} ({tensor.layout.name}) "
+                f"here but {owner.storage_dtype.name}{list(owner.shape)} ({owner.layout.name}) in the executor "
+                f"sharing it; both must be the same tensor of one program")
+        return f"shared:{tensor.name}"
+
     def _own_key(self, value_id: int, constant_keys: dict[tuple[int, vk.DType, vk.Layout], str]) -> str:
         """The buffer key of a tensor with storage of its own."""
         tensor = self.graph.values[value_id]
+        shared = self._shared_key(value_id)
+        if shared is not None:
+            return shared
         if tensor.constant_id >= 0:
             # Values reading the same constant bytes share one upload (unless they read it as another
             # dtype or layout, which the backend does not do today).
@@ -239,8 +273,9 @@ class GraphExecutor:
             view = None
             if tensor.view_strides:
                 view = StridedView(tensor.shape, tensor.view_strides, tensor.view_offset)
-            self._tensors[value_id] = _Tensor(self._own_key(root, constant_keys), tensor.mem_offset,
-                                              _round4(tensor.stored_nbytes), view)
+            key = self._own_key(root, constant_keys)
+            offset = self._shared[self.graph.values[root].name].offset if key.startswith("shared:") else tensor.mem_offset
+            self._tensors[value_id] = _Tensor(key, offset, _round4(tensor.stored_nbytes), view)
 
     def _allocate_buffers(self) -> None:
         """One buffer per storage key: a memory object's planned size, else the largest tensor bound to it."""
@@ -249,8 +284,11 @@ class GraphExecutor:
             if not tensor.key.startswith("mem"):
                 sizes[tensor.key] = max(sizes.get(tensor.key, 0), tensor.offset + tensor.nbytes)
         used = {tensor.key for tensor in self._tensors.values()}
+        for key in sorted(k for k in used if k.startswith("shared:")):
+            self._buffers[key] = self._shared[key.removeprefix("shared:")].buffer
+            self._borrowed.add(key)
         for key, nbytes in sorted(sizes.items()):
-            if key in used:
+            if key in used and key not in self._borrowed:
                 self._buffers[key] = Buffer(self.device, nbytes, name=key, staging=self._staging)
 
     def _binding(self, value_id: int) -> BufferBinding:
@@ -262,7 +300,7 @@ class GraphExecutor:
         self.synthetic_constant_bytes = 0  # bytes generated at load (vk.SyntheticConstant), for reports
         for value_id, placement in self._tensors.items():
             tensor = self.graph.values[value_id]
-            if tensor.constant_id < 0 or placement.key in uploaded:
+            if tensor.constant_id < 0 or placement.key in uploaded or placement.key in self._borrowed:
                 continue
             # A synthetic constant is generated here (numpy, deterministic by its seed); the array is
             # dropped right after its upload, so at most one big constant is in host memory at a time.
@@ -415,9 +453,17 @@ class GraphExecutor:
         return np.frombuffer(data, tensor.dtype.numpy_dtype, tensor.numel).reshape(tensor.shape).copy()
 
     def reset_state(self) -> None:
-        """Every mutable state tensor back to its initial value."""
-        for name in self._state_by_name:
-            self._write_state(name, self.initial_state(name))
+        """Every mutable state tensor this executor owns back to its initial value."""
+        for name, state in self._state_by_name.items():
+            if self._tensors[state.state_id].key not in self._borrowed:
+                self._write_state(name, self.initial_state(name))
+
+    def shared_state(self) -> dict[str, SharedTensor]:
+        """Every mutable state tensor by name, for another executor of the same program to bind (`shared`)."""
+        self._check_open()
+        return {name: SharedTensor(self._buffers[self._tensors[state.state_id].key],
+                                   self._tensors[state.state_id].offset, self.graph.tensor(state.state_id))
+                for name, state in self._state_by_name.items()}
 
     # ------------------------------------------------------------------------------ introspection
     def storage_of(self, value_id: int) -> str:
@@ -439,8 +485,9 @@ class GraphExecutor:
         if self.program is not None:
             self.program.destroy()
             self.program = None
-        for buffer in self._buffers.values():
-            buffer.destroy()
+        for key, buffer in self._buffers.items():
+            if key not in self._borrowed:
+                buffer.destroy()
         self._buffers.clear()
 
     def __enter__(self) -> "GraphExecutor":
@@ -450,4 +497,4 @@ class GraphExecutor:
         self.close()
 
 
-__all__ = ["ExecutorInputError", "GraphExecutor", "GraphLoweringError"]
+__all__ = ["ExecutorInputError", "GraphExecutor", "GraphLoweringError", "SharedTensor"]
