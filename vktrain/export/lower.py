@@ -7,7 +7,7 @@ from executorch.exir import EdgeCompileConfig, ExecutorchBackendConfig, to_edge_
 from executorch.exir.passes.init_mutable_pass import InitializedMutableBufferPass
 from torch.export import ExportedProgram
 
-import vktrain.backend.preprocess  # noqa: F401  (registers VktrainVulkanBackend with ExecuTorch)
+from vktrain.backend.preprocess import NAMED_DATA_MIN_BYTES_SPEC_KEY, named_data_spec  # (registers the backend)
 from vktrain.partitioner import VktrainPartitioner
 
 from vktrain.runtime.program.pte import DelegateCall, PteFile
@@ -53,12 +53,18 @@ def to_edge_lowered(program: ExportedProgram, partitioner: VktrainPartitioner | 
 
 def _partitioners_for(programs: dict[str, ExportedProgram],
                       partitioners: dict[str, VktrainPartitioner] | None) -> dict[str, VktrainPartitioner]:
-    """One partitioner per method (a partitioner's refusals are those of the last program it partitioned)."""
+    """One partitioner per method (a partitioner's refusals are those of the last program it partitioned).
+    With several methods, each passes named_data_spec() to preprocess: their shared constants are stored once."""
     partitioners = dict(partitioners or {})
     unknown = sorted(set(partitioners) - set(programs))
     if unknown:
         raise ValueError(f"partitioners given for method(s) {unknown} that are not among {sorted(programs)}")
-    return {name: partitioners.get(name) or VktrainPartitioner() for name in programs}
+    chosen = {name: partitioners.get(name) or VktrainPartitioner() for name in programs}
+    if len(programs) > 1:
+        for partitioner in chosen.values():
+            if not any(spec.key == NAMED_DATA_MIN_BYTES_SPEC_KEY for spec in partitioner.compile_specs):
+                partitioner.compile_specs.append(named_data_spec())
+    return chosen
 
 
 def to_edge_lowered_methods(programs: dict[str, ExportedProgram],
