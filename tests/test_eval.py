@@ -165,6 +165,11 @@ def test_two_methods_store_the_frozen_base_once(one_method_pte, two_method_pte):
     pte = PteFile.from_bytes(two)
     assert sorted(pte.method_names) == [EVAL_METHOD, TRAIN_METHOD]
     assert sum(v.nbytes for v in pte.named_data.values()) > 0.6 * constants
+    with TrainingRunner.from_pte(two_method_pte) as runner:  # and once on the device
+        runner.evaluate(*next(eval_batches(HELD_OUT, *BATCH)))
+        own_constants = {k: n for k, n in runner._eval.executor.buffer_bytes.items() if k.startswith("constant")}
+    embedding_bytes = VOCAB * 64 * 4
+    assert sum(own_constants.values()) < 0.1 * embedding_bytes, own_constants  # the base is bound, not uploaded
 
 
 def test_a_program_without_an_eval_method_is_refused_by_name(one_method_pte, tmp_path):
@@ -195,3 +200,26 @@ def test_named_constants_need_the_named_data_they_name():
     corrupt[0] ^= 1
     with pytest.raises(BlobFormatError, match="crc32"):
         deserialize_blob(blob, named_data={key: memoryview(bytes(corrupt))})
+
+
+def test_train_records_the_held_out_loss_of_the_adapters_it_writes(two_method_pte, tmp_path, capsys):
+    from vktrain import cli
+
+    train_data, held_out = tmp_path / "train.npy", tmp_path / "held_out.npy"
+    np.save(train_data, np.random.default_rng(3).integers(0, VOCAB, 200))
+    np.save(held_out, HELD_OUT)
+    records = tmp_path / "records.json"
+    code = cli.main(["train", str(two_method_pte), "--steps", "3", "--data", str(train_data), "--eval-data",
+                     str(held_out), "--eval-every", "2", "--json", str(records), "--no-progress",
+                     "--out-adapters", str(tmp_path / "adapters"), "--lora-alpha", str(LORA_ALPHA)])
+    assert code == 0, capsys.readouterr().err
+    steps = json.loads(records.read_text())
+    assert ["eval_loss" in record for record in steps] == [False, True, True]  # step 2, and the last step
+    with TrainingRunner.from_pte(two_method_pte) as fresh:
+        before = evaluate_tokens(fresh, HELD_OUT)["loss"]
+        load_adapter_state(fresh, adapter_state(tmp_path / "adapters", list(fresh.lora_state()), LORA_ALPHA))
+        assert evaluate_tokens(fresh, HELD_OUT)["loss"] == steps[-1]["eval_loss"]
+    assert f"eval before training: loss {before:.6f}" in capsys.readouterr().out
+
+    code = cli.main(["train", str(two_method_pte), "--steps", "1", "--eval-every", "2"])
+    assert code == 2 and "--eval-every needs --eval-data" in capsys.readouterr().err

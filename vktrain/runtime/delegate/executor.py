@@ -458,6 +458,19 @@ class GraphExecutor:
             if self._tensors[state.state_id].key not in self._borrowed:
                 self._write_state(name, self.initial_state(name))
 
+    def shared_constants(self) -> dict[str, SharedTensor]:
+        """Named constant tensors this executor uploaded, by name, for another executor of the same program
+        to bind (`shared`) where its constant holds the same bytes (a name read in two layouts is left out)."""
+        self._check_open()
+        found: dict[str, list[int]] = {}
+        for value_id, placement in self._tensors.items():
+            tensor = self.graph.values[value_id]
+            if tensor.constant_id >= 0 and tensor.name and tensor.storage_of < 0 and placement.key not in self._borrowed:
+                found.setdefault(tensor.name, []).append(value_id)
+        return {name: SharedTensor(self._buffers[self._tensors[ids[0]].key], self._tensors[ids[0]].offset,
+                                   self.graph.tensor(ids[0]))
+                for name, ids in found.items() if len(ids) == 1}
+
     def shared_state(self) -> dict[str, SharedTensor]:
         """Every mutable state tensor by name, for another executor of the same program to bind (`shared`)."""
         self._check_open()
@@ -472,8 +485,8 @@ class GraphExecutor:
 
     @property
     def buffer_bytes(self) -> dict[str, int]:
-        """Bytes of every buffer this executor allocated, by key."""
-        return {key: buffer.size for key, buffer in self._buffers.items()}
+        """Bytes of every buffer this executor allocated, by key (not those it binds from another: `shared`)."""
+        return {key: buffer.size for key, buffer in self._buffers.items() if key not in self._borrowed}
 
     # ------------------------------------------------------------------------------ lifetime
     def _check_open(self) -> None:

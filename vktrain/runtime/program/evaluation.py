@@ -3,7 +3,8 @@
 The eval method's delegate names its LoRA tensors as the training step names its state
 (`model.<layer>.lora_A` / `.lora_B`); loading binds them to the training step executor's state buffers
 (GraphExecutor `shared`), so eval reads the adapters as trained or as loaded into the training state,
-and never touches the optimizer state. Every other tensor of the eval graph is its own.
+and never touches the optimizer state. Its constants that the training step holds byte for byte under
+the same name (the frozen base) bind the training executor's buffers too: one copy on the device.
 
     method = EvalMethod(pte, training_executor)     # what TrainingRunner.evaluate builds on first use
     loss_sum, count = method.loss_sum(token_ids, labels)
@@ -15,7 +16,7 @@ from typing import Any, Optional
 import numpy as np
 
 from vktrain.contract import EVAL_INPUTS, EVAL_METHOD, LABELS, MODEL_PREFIX, N_VALID, TOKEN_IDS
-from vktrain.runtime.delegate.executor import ExecutorInputError, GraphExecutor
+from vktrain.runtime.delegate.executor import ExecutorInputError, GraphExecutor, SharedTensor
 from vktrain.runtime.program.pte import PteFile
 from vktrain.runtime.program.runner import (
     ProgramInterpreter,
@@ -56,13 +57,31 @@ class EvalMethod:
                 f"{sorted(lora - reads)}: it was not exported with this training step")
         check_device_memory(pte, self.graph, device_memory_bytes(training.device) if device_memory_limit is None
                             else device_memory_limit)
-        self.executor = GraphExecutor(training.device, self.graph, timing=timing,
-                                      shared={name: state[name] for name in lora})
+        shared = {name: state[name] for name in lora}
+        shared.update(self._same_constants(training))
+        self.executor = GraphExecutor(training.device, self.graph, timing=timing, shared=shared)
         try:
             self._interpreter = ProgramInterpreter(pte, plan, self._run_delegate, host_memory_limit=host_memory_limit)
         except BaseException:
             self.executor.close()
             raise
+
+    def _same_constants(self, training: GraphExecutor) -> dict[str, SharedTensor]:
+        """The training executor's constants this graph holds byte for byte under the same name (the frozen
+        base): bound, not uploaded a second time."""
+        theirs = training.shared_constants()
+        same = {}
+        for value_id, value in enumerate(self.graph.values):
+            if not (isinstance(value, g.TensorValue) and value.constant_id >= 0 and value.name in theirs):
+                continue
+            owner = theirs[value.name]
+            if (owner.tensor.shape, owner.tensor.dtype, owner.tensor.layout) != (value.shape, value.dtype, value.layout):
+                continue
+            mine = np.frombuffer(g.constant_bytes(self.graph.constants[value.constant_id]), np.uint8)
+            other = np.frombuffer(g.constant_bytes(training.graph.constants[owner.tensor.constant_id]), np.uint8)
+            if np.array_equal(mine, other):
+                same[value.name] = owner
+        return same
 
     def _run_delegate(self, index: int, args: list) -> list[np.ndarray]:
         return self.executor.run(*args[:len(self.graph.inputs)])
