@@ -35,6 +35,10 @@ in the segment area. A reader of version 1 would ignore that table and misread t
 say version 2, which version-1 readers refuse by name. Every other blob is still written as version 1
 (readable by older vktrain), and a reader refuses either version when it disagrees with the content.
 
+Named constants (header flag NAMED_DATA): `serialize_blob(graph, named_constants(graph, min_bytes))`
+leaves those constants' bytes to the .pte's named data (one copy for every method of the .pte); their
+record carries `named_key`, and `deserialize_blob(..., named_data=...)` resolves and checksums them.
+
 `deserialize_blob` bounds-checks every header field and every constant record, validates the graph
 (every id it references exists, constant sizes match their tensors) and returns constants as zero-copy
 memoryviews into the given buffer; `read_blob` does the same over an mmap of a file.
