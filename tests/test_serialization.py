@@ -301,7 +301,7 @@ def _patch_header(blob: bytes, **fields) -> bytes:
     (dict(version=2), "version"),
     (dict(size=64), "header_size"),
     (dict(size=48), "header_size"),  # a checksummed blob may not pass for one written before checksums
-    (dict(flags=3), "flags"),
+    (dict(flags=5), "flags"),
     (dict(fb_off=8), "flatbuffer_offset"),
     (dict(fb_off=56), "flatbuffer_offset"),
     (dict(fb_size=4), "flatbuffer_size"),

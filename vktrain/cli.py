@@ -3,13 +3,15 @@
     vktrain export --model tiny-llama|HF_DIR|FILE.gguf --lora-rank 8 --batch 4 --seq 64 --out step.pte
     vktrain inspect step.pte [--json]
     vktrain train step.pte --steps 100 [--data FILE --lr 1e-3 --schedule cosine --warmup 10 ...]
+    vktrain eval step.pte --data FILE [--adapters DIR|CHECKPOINT] [--json FILE]
     vktrain generate --model PATH [--adapters DIR] --prompt TEXT [--chat] [--max-new-tokens N] [--json FILE]
     vktrain merge step.pte --adapters DIR|--checkpoint CK --out MERGED_DIR
     vktrain adapters convert step.pte --adapters DIR|--checkpoint CK --out adapter.gguf
     vktrain bench kernels|step [benchmark args]
 
-`export` and `inspect` run on the host (torch + executorch); `train` is the on-device runner and
-imports neither, nor does `merge`.
+`export` and `inspect` run on the host (torch + executorch); `train` and `eval` are the on-device runner
+and import neither, nor do `merge` and `adapters convert`; `generate` exports on the host, then runs on the
+device.
 
 Exit codes: 0 done; 1 the training loss diverged; 2 bad input or an environmental failure (no device,
 out of memory, disk full), printed as one line `vktrain <cmd>: error: <message>`; 70 an internal error
@@ -133,19 +135,22 @@ def cmd_export(args: argparse.Namespace) -> int:
         print(f"not adapted (output head; name it in --targets to adapt it): {', '.join(report.excluded_heads)}")
 
     # executorch is imported only once the model and adapters are known to be valid (it is slow to import).
-    from vktrain.export import export_forward, export_training_step, lower_to_pte
+    from vktrain.contract import EVAL_METHOD, TRAIN_METHOD
+    from vktrain.export import export_eval_step, export_forward, export_training_step, lower_methods_to_pte
     from vktrain.export.training import adapter_metadata_specs
     from vktrain.partitioner import VktrainPartitioner
 
     batch_shape = (args.batch, args.seq)
-    if args.program == "train-step":
-        program = export_training_step(model, batch_shape)
+    if args.program == "train-step":  # with its eval method (`vktrain eval`), sharing the frozen base
+        methods = {TRAIN_METHOD: export_training_step(model, batch_shape), EVAL_METHOD: export_eval_step(model, batch_shape)}
     else:
-        program = export_forward(model, batch_shape, with_adapters=args.program == "forward")
+        methods = {TRAIN_METHOD: export_forward(model, batch_shape, with_adapters=args.program == "forward")}
     partitioner = VktrainPartitioner(compile_specs=adapter_metadata_specs(model, args.model, loaded))
-    pte = lower_to_pte(program, partitioner, named_data=tokenizer.to_named_data() if tokenizer else None)
+    pte = lower_methods_to_pte(methods, {TRAIN_METHOD: partitioner},
+                               named_data=tokenizer.to_named_data() if tokenizer else None)
     atomic_write_bytes(Path(args.out), pte)
-    print(f"wrote {args.out}: {len(pte)} bytes, {args.program} of {args.model} "
+    print(f"wrote {args.out}: {len(pte)} bytes, {' and '.join(methods)} ({args.program}"
+          f"{' and eval' if EVAL_METHOD in methods else ''}) of {args.model} "
           f"(LoRA on {len(report.replaced)} layer(s), listed above; "
           f"{partitioner.num_partitions} delegate(s), {len(partitioner.refusals)} refused node(s))")
     for refusal in partitioner.refusals:
@@ -162,8 +167,18 @@ def _format_bytes(n: int) -> str:
 
 
 def format_report(path: str, report: dict) -> str:
-    lines = [f"{path}: {report['pte_bytes']} bytes",
-             f"instructions: {report['delegate_calls']} delegate call(s), {report['kernel_calls']} kernel call(s)",
+    lines = [f"{path}: {report['pte_bytes']} bytes"]
+    if report.get("named_data_bytes"):
+        lines.append(f"named data (constants shared by the methods): {_format_bytes(report['named_data_bytes'])}")
+    lines += _format_method(report)
+    for name, method in report.get("other_methods", {}).items():
+        lines.append(f"method {name!r}:")
+        lines += ["  " + line for line in _format_method(method)]
+    return "\n".join(lines)
+
+
+def _format_method(report: dict) -> list[str]:
+    lines = [f"instructions: {report['delegate_calls']} delegate call(s), {report['kernel_calls']} kernel call(s)",
              f"operator table: {', '.join(report['operators']) if report['operators'] else '(empty)'}"]
     for i, d in enumerate(report["delegates"]):
         lines.append(f"delegate {i}: {d['backend_id']}, payload {_format_bytes(d['payload_bytes'])}")
@@ -188,7 +203,7 @@ def format_report(path: str, report: dict) -> str:
     lines.append(f"refused nodes: {len(report['refusals'])}")
     for r in report["refusals"]:
         lines.append(f"  {r['node']}: {r['reason']}")
-    return "\n".join(lines)
+    return lines
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
@@ -240,6 +255,12 @@ def build_parser() -> argparse.ArgumentParser:
     train = sub.add_parser("train", help="train the LoRA adapters of a training-step .pte on the Vulkan device")
     add_train_arguments(train)
     train.set_defaults(run=run_train)
+
+    from vktrain.train.eval_command import add_eval_arguments, run_eval  # torch-free
+
+    evaluate = sub.add_parser("eval", help="mean loss and perplexity on held-out data, by a .pte's eval method")
+    add_eval_arguments(evaluate)
+    evaluate.set_defaults(run=run_eval)
 
     from vktrain.generate.command import add_generate_arguments, run_generate
 

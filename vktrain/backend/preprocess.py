@@ -19,6 +19,11 @@ heads) -> normal(0, 0.02), 1-D float `*.weight` (norm weights) -> fill 1.0. Cons
 the computation. The skipped data is never read (so it may even be uninitialised memory). Metadata key
 "synthetic_constants" records what was replaced and what stayed real.
 
+Named data: with the compile spec `named_data_spec(min_bytes)`, constants of at least `min_bytes` go
+to ExecuTorch's NamedDataStore (PreprocessResult.data_store_output) under their content's sha256, and
+the blob refers to them by key: the methods of one .pte share one copy (the training step and its eval
+method read the same frozen base). The runtime resolves the keys against the .pte's named data.
+
 Extra metadata: a compile spec `metadata_spec(key, value)` (key "metadata.<key>") stores string `value`
 under `key` in the blob's metadata, e.g. the configuration a benchmark exported, for the tools that
 read the blob later (vktrain inspect, scripts/bench_step.py run). It may not replace a key this backend
@@ -46,6 +51,7 @@ import numpy as np
 import torch
 from executorch.exir.backend.backend_details import BackendDetails, PreprocessResult
 from executorch.exir.backend.compile_spec_schema import CompileSpec
+from executorch.exir._serialize._named_data_store import NamedDataStore
 from torch.export import ExportedProgram
 from torch.export.graph_signature import OutputKind
 from torch.fx import Node
@@ -62,6 +68,9 @@ from vktrain.contract import (METADATA_BACKEND, METADATA_GEMM_PRECISIONS, METADA
                               METADATA_STATE_BYTES, METADATA_SYNTHETIC_CONSTANTS, METADATA_UNPLANNED_MEMORY_BYTES,
                               PRECISIONS)
 
+# Compile spec: constants of at least this many bytes go to ExecuTorch's named data, keyed by content, so
+# the methods of one .pte (training step and eval) store the frozen base once (see named_data_spec).
+NAMED_DATA_MIN_BYTES_SPEC_KEY = "named_data_min_bytes"
 # Compile specs of the benchmark-only synthetic constants (see the module docstring).
 SYNTHETIC_MIN_BYTES_SPEC_KEY = "synthetic_constants_min_bytes"
 SYNTHETIC_SEED_SPEC_KEY = "synthetic_constants_seed"
@@ -100,6 +109,15 @@ def synthetic_constants_spec(min_bytes: int, seed: int = 0) -> list[CompileSpec]
         raise ValueError(f"synthetic constants: seed must be an integer >= 0, got {seed!r}")
     return [CompileSpec(SYNTHETIC_MIN_BYTES_SPEC_KEY, str(min_bytes).encode()),
             CompileSpec(SYNTHETIC_SEED_SPEC_KEY, str(seed).encode())]
+
+
+def named_data_spec(min_bytes: int = 1024) -> CompileSpec:
+    """A compile spec making preprocess leave every stored constant of at least `min_bytes` to the .pte's
+    named data (key: the content's sha256), where all methods of the .pte share it; the blob refers to it
+    by key (vktrain/serialization/blob.py, header flag NAMED_DATA). Smaller constants stay in the blob."""
+    if isinstance(min_bytes, bool) or not isinstance(min_bytes, int) or min_bytes < 1:
+        raise ValueError(f"named data: min_bytes must be an integer >= 1, got {min_bytes!r}")
+    return CompileSpec(NAMED_DATA_MIN_BYTES_SPEC_KEY, str(min_bytes).encode())
 
 
 def metadata_spec(key: str, value: str) -> CompileSpec:
@@ -394,7 +412,16 @@ class VktrainVulkanBackend(BackendDetails):
 
     @staticmethod
     def preprocess(edge_program: ExportedProgram, compile_specs: list[CompileSpec]) -> PreprocessResult:
-        return PreprocessResult(processed_bytes=blob.serialize_blob(build_vk_graph(edge_program, compile_specs)))
+        graph = build_vk_graph(edge_program, compile_specs)
+        min_bytes = _int_spec(compile_specs, NAMED_DATA_MIN_BYTES_SPEC_KEY)
+        if min_bytes is None:
+            return PreprocessResult(processed_bytes=blob.serialize_blob(graph))
+        named = blob.named_constants(graph, min_bytes)
+        store = NamedDataStore()
+        for key, data in named.values():
+            store.add_named_data(key, bytes(data), alignment=blob.ALIGNMENT)
+        return PreprocessResult(processed_bytes=blob.serialize_blob(graph, named),
+                                data_store_output=store.get_named_data_store_output())
 
 
 assert VktrainVulkanBackend.__name__ == BACKEND_ID

@@ -1,6 +1,7 @@
 """AOT export: one LoRA training step or the inference forward as an ExportedProgram, and lowering to .pte."""
+from .eval import export_eval_step
 from .inference import export_forward
-from .lower import LoweringError, lower_to_pte, to_edge_lowered
+from .lower import LoweringError, lower_methods_to_pte, lower_to_pte, to_edge_lowered, to_edge_lowered_methods
 from .training import (
     EXP_AVG_PREFIX,
     EXP_AVG_SQ_PREFIX,
@@ -15,6 +16,7 @@ from .training import (
 
 __all__ = [
     "LoweringError", "EXP_AVG_PREFIX", "EXP_AVG_SQ_PREFIX", "HPARAM_NAMES", "MODEL_PREFIX", "STEP_BUFFER", "TrainingStepModule",
-    "example_training_inputs", "export_forward", "export_training_step", "lower_to_pte", "to_edge_lowered",
+    "example_training_inputs", "export_eval_step", "export_forward", "export_training_step", "lower_methods_to_pte",
+    "lower_to_pte", "to_edge_lowered", "to_edge_lowered_methods",
     "training_state_names",
 ]

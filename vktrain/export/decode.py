@@ -114,23 +114,19 @@ def export_generation(model: nn.Module, prefill_length: int, cache_length: int,
 
 
 def lower_generation(programs: dict[str, ExportedProgram]) -> bytes:
-    """The .pte bytes of both methods, each one vktrain delegate (refused ops make it a LoweringError)."""
-    from executorch.exir import EdgeCompileConfig, ExecutorchBackendConfig, to_edge_transform_and_lower
-
-    import vktrain.backend.preprocess  # noqa: F401  (registers the backend with ExecuTorch)
-    from vktrain.export.lower import LoweringError, _refusal_summary
+    """The .pte bytes of both methods, each one vktrain delegate (refused ops make it a LoweringError); the
+    weights both read are stored once (lower_methods_to_pte's named data)."""
+    from vktrain.export.lower import LoweringError, _refusal_summary, lower_methods_to_pte
     from vktrain.partitioner import VktrainPartitioner
     from vktrain.runtime.program.pte import PteFile
     from vktrain.runtime.program.verify import check_single_delegate_call
 
-    partitioner = VktrainPartitioner()
-    edge = to_edge_transform_and_lower({name: copy.deepcopy(p) for name, p in programs.items()},
-                                       partitioner=[partitioner],
-                                       compile_config=EdgeCompileConfig(_check_ir_validity=False))
-    if partitioner.refusals:
-        raise LoweringError(f"the generation program would leave ops outside the vktrain delegate: "
-                            f"{_refusal_summary(partitioner)}")
-    pte = edge.to_executorch(ExecutorchBackendConfig()).buffer
+    partitioners = {name: VktrainPartitioner() for name in programs}
+    pte = lower_methods_to_pte(programs, partitioners)
+    refused = {name: p for name, p in partitioners.items() if p.refusals}
+    if refused:
+        raise LoweringError("the generation program would leave ops outside the vktrain delegate: " + "; ".join(
+            f"method {name!r}: {_refusal_summary(p)}" for name, p in refused.items()))
     written = PteFile.from_bytes(pte, source="the lowered generation program")
     for method in programs:
         check_single_delegate_call(written, written.execution_plan(method))

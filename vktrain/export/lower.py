@@ -8,10 +8,11 @@ from executorch.exir import EdgeCompileConfig, ExecutorchBackendConfig, to_edge_
 from executorch.exir.passes.init_mutable_pass import InitializedMutableBufferPass
 from torch.export import ExportedProgram
 
-import vktrain.backend.preprocess  # noqa: F401  (registers VktrainVulkanBackend with ExecuTorch)
+from vktrain.backend.preprocess import NAMED_DATA_MIN_BYTES_SPEC_KEY, named_data_spec  # (registers the backend)
 from vktrain.partitioner import VktrainPartitioner
 
-from vktrain.runtime.program.summary import read_pte
+from vktrain.runtime.program.pte import DelegateCall, PteFile
+from vktrain.contract import TRAIN_METHOD
 from vktrain.errors import VktrainError
 
 # Buffer-name patterns whose initial contents must survive when left outside the delegate
@@ -45,15 +46,38 @@ def _delegated_mutations(edge_program: ExportedProgram) -> set[str]:
 
 
 def to_edge_lowered(program: ExportedProgram, partitioner: VktrainPartitioner | None = None):
-    """The EdgeProgramManager after partitioning + preprocess. The program is deep-copied first, since
-    lowering rewrites it in place. Raises LoweringError if a mutated buffer of `program` is updated
-    neither by a delegate nor by the remaining top-level program."""
+    """The EdgeProgramManager of one program (method "forward") after partitioning + preprocess; see
+    to_edge_lowered_methods."""
     partitioner = partitioner if partitioner is not None else VktrainPartitioner()
-    expected = set(program.graph_signature.buffers_to_mutate.values())
+    return to_edge_lowered_methods({TRAIN_METHOD: program}, {TRAIN_METHOD: partitioner})
+
+
+def _partitioners_for(programs: dict[str, ExportedProgram],
+                      partitioners: dict[str, VktrainPartitioner] | None) -> dict[str, VktrainPartitioner]:
+    """One partitioner per method (a partitioner's refusals are those of the last program it partitioned).
+    With several methods, each passes named_data_spec() to preprocess: their shared constants are stored once."""
+    partitioners = dict(partitioners or {})
+    unknown = sorted(set(partitioners) - set(programs))
+    if unknown:
+        raise ValueError(f"partitioners given for method(s) {unknown} that are not among {sorted(programs)}")
+    chosen = {name: partitioners.get(name) or VktrainPartitioner() for name in programs}
+    if len(programs) > 1:
+        for partitioner in chosen.values():
+            if not any(spec.key == NAMED_DATA_MIN_BYTES_SPEC_KEY for spec in partitioner.compile_specs):
+                partitioner.compile_specs.append(named_data_spec())
+    return chosen
+
+
+def to_edge_lowered_methods(programs: dict[str, ExportedProgram],
+                            partitioners: dict[str, VktrainPartitioner] | None = None):
+    """The EdgeProgramManager of several methods (name -> program) after partitioning + preprocess. The
+    programs are deep-copied first, since lowering rewrites them in place. Raises LoweringError if a
+    mutated buffer of a program is updated neither by a delegate nor by the remaining top-level program."""
+    partitioners = _partitioners_for(programs, partitioners)
     try:
         edge = to_edge_transform_and_lower(
-            copy.deepcopy(program),
-            partitioner=[partitioner],
+            {name: copy.deepcopy(program) for name, program in programs.items()},
+            partitioner={name: [partitioner] for name, partitioner in partitioners.items()},
             # vktrain's custom ops are not core ATen; their schemas are still checked by the edge dialect.
             compile_config=EdgeCompileConfig(_check_ir_validity=False),
         )
@@ -61,35 +85,57 @@ def to_edge_lowered(program: ExportedProgram, partitioner: VktrainPartitioner | 
         # ExecuTorch's own errors here (typically state split across partitions) do not say which
         # refusal caused them; add that.
         raise LoweringError(f"executorch failed to lower the partitioned program ({e}); "
-                            f"{_refusal_summary(partitioner)}") from e
-    lowered = edge.exported_program()
-    kept = set(lowered.graph_signature.buffers_to_mutate.values()) | _delegated_mutations(lowered)
-    lost = sorted(expected - kept)
-    if lost:
-        raise LoweringError(f"lowering dropped the update of {len(lost)} mutable buffer(s): {lost}; "
-                            f"{_refusal_summary(partitioner)}")
+                            f"{_refusal_summaries(partitioners)}") from e
+    for name, program in programs.items():
+        expected = set(program.graph_signature.buffers_to_mutate.values())
+        lowered = edge.exported_program(name)
+        kept = set(lowered.graph_signature.buffers_to_mutate.values()) | _delegated_mutations(lowered)
+        lost = sorted(expected - kept)
+        if lost:
+            raise LoweringError(f"lowering dropped the update of {len(lost)} mutable buffer(s) of method {name!r}: "
+                                f"{lost}; {_refusal_summary(partitioners[name])}")
     return edge
+
+
+def _refusal_summaries(partitioners: dict[str, VktrainPartitioner]) -> str:
+    if len(partitioners) == 1:
+        return _refusal_summary(next(iter(partitioners.values())))
+    return "; ".join(f"method {name!r}: {_refusal_summary(p)}" for name, p in partitioners.items())
+
+
+def _count_delegate_calls(graph) -> int:
+    return sum(1 for n in graph.nodes if n.op == "call_function" and "executorch_call_delegate" in str(n.target))
 
 
 def lower_to_pte(program: ExportedProgram, partitioner: VktrainPartitioner | None = None,
                  named_data: Optional[Mapping[str, bytes]] = None) -> bytes:
-    """Partition, preprocess into the vktrain delegate, and serialize the whole program as .pte bytes.
-    `named_data` (key -> bytes, e.g. the model's tokenizer: keys in vktrain.contract) goes into the
-    Program's named data, one segment each, stored once.
+    """Partition, preprocess into the vktrain delegate, and serialize the whole program (method "forward")
+    as .pte bytes; see lower_methods_to_pte."""
+    partitioner = partitioner if partitioner is not None else VktrainPartitioner()
+    return lower_methods_to_pte({TRAIN_METHOD: program}, {TRAIN_METHOD: partitioner}, named_data)
+
+
+def lower_methods_to_pte(programs: dict[str, ExportedProgram],
+                         partitioners: dict[str, VktrainPartitioner] | None = None,
+                         named_data: Optional[Mapping[str, bytes]] = None) -> bytes:
+    """Partition, preprocess into the vktrain delegate, and serialize several methods (name -> program) as
+    ONE .pte. Constants the methods share are stored once (the backend puts them in ExecuTorch's named
+    data, keyed by content; see vktrain/backend/preprocess.py). `named_data` (key -> bytes, e.g. the
+    model's tokenizer: keys in vktrain.contract) goes into the Program's named data too, one segment each.
 
     Raises LoweringError when a delegate would silently vanish: ExecuTorch removes a delegate call whose
     outputs are unused, even when the delegate updates state (e.g. an optimizer partition split off from
     the loss because a node in between was refused)."""
-    partitioner = partitioner if partitioner is not None else VktrainPartitioner()
-    edge = to_edge_lowered(program, partitioner)
-    graph = edge.exported_program().graph
-    n_delegates = sum(1 for n in graph.nodes if n.op == "call_function" and "executorch_call_delegate" in str(n.target))
+    partitioners = _partitioners_for(programs, partitioners)
+    edge = to_edge_lowered_methods(programs, partitioners)
+    n_delegates = sum(_count_delegate_calls(edge.exported_program(name).graph) for name in programs)
     for key, data in (named_data or {}).items():
         edge._named_data_store.add_named_data(key, bytes(data))  # executorch has no public setter (1.5)
     buffer = edge.to_executorch(ExecutorchBackendConfig(passes=[InitializedMutableBufferPass(_STATE_PATTERNS)])).buffer
-    emitted = read_pte(buffer).delegate_calls
+    emitted = sum(isinstance(instruction, DelegateCall) for plan in PteFile.from_bytes(buffer).execution_plans
+                  for instruction in plan.instructions)
     if emitted != n_delegates:
         raise LoweringError(f"{n_delegates - emitted} of {n_delegates} delegate(s) were dropped from the program "
                             f"(their outputs are unused, so their state updates would be lost); "
-                            f"{_refusal_summary(partitioner)}")
+                            f"{_refusal_summaries(partitioners)}")
     return buffer

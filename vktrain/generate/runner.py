@@ -4,9 +4,9 @@
         result = runner.generate(prompt_ids, max_new_tokens=32, sampler=Sampler(), stop_ids={eos})
 
 Each method is verified like a training step (verify.py) and gets its own executor; the two share their
-device buffers through one SharedStorage: the weights (constants with the same bytes) are on the device
-once, and the KV caches (state with the same names) are one set of buffers, so what prefill writes the
-decode step reads. Positions are checked against the cache before anything runs (a kernel cannot
+device buffers (GraphExecutor's `shared`): decode binds prefill's weights (the constants it holds byte for
+byte under the same names), so they are on the device once, and prefill's KV caches (state by name), so
+what prefill writes the decode step reads. Positions are checked against the cache before anything runs (a kernel cannot
 refuse them).
 """
 from __future__ import annotations
@@ -20,7 +20,7 @@ import numpy as np
 
 from vktrain.errors import VktrainError
 from vktrain.opdefs.decode_ops import CachePositionError, check_cache_positions
-from vktrain.runtime.delegate.executor import GraphExecutor, SharedStorage
+from vktrain.runtime.delegate.executor import GraphExecutor, SharedTensor
 from vktrain.runtime.program.pte import PteFile
 from vktrain.runtime.program.runner import ProgramInterpreter
 from vktrain.runtime.program.verify import (
@@ -52,7 +52,8 @@ class GenerationResult:
 class _Method:
     """One method of the program: its plan interpreted on the host, its delegate on `device`."""
 
-    def __init__(self, pte: PteFile, name: str, device, shared: SharedStorage, verify_constants: bool):
+    def __init__(self, pte: PteFile, name: str, device, verify_constants: bool,
+                 shares_with: Optional["_Method"] = None):
         if name not in pte.method_names:
             raise UnsupportedProgramError(f"{pte.source}: no method {name!r} (methods: {pte.method_names}); "
                                           f"a generation program has {PREFILL!r} and {DECODE!r}")
@@ -67,6 +68,10 @@ class _Method:
                                           f"{TOKEN_IDS} and {INPUT_POS} and returns the logits")
         self.interpreter = ProgramInterpreter(pte, self.plan, self._run_delegate)
         check_device_memory(pte, self.graph, device_memory_bytes(device))
+        shared: dict[str, SharedTensor] = {}
+        if shares_with is not None:
+            shared.update(shares_with.executor.constants_matching(self.graph))
+            shared.update(shares_with.executor.shared_state())
         self.executor = GraphExecutor(device, self.graph, timing=False, shared=shared)
         self.rows = int(self.plan.values[self.plan.inputs[self.input_names.index(TOKEN_IDS)]].sizes[1])
 
@@ -89,10 +94,10 @@ class GenerationRunner:
             device = Device()
         self.device = device
         self._methods: list[_Method] = []
-        self._shared = SharedStorage()
         try:
-            self.prefill_method = self._add(_Method(pte, PREFILL, device, self._shared, verify_constants))
-            self.decode_method = self._add(_Method(pte, DECODE, device, self._shared, verify_constants))
+            self.prefill_method = self._add(_Method(pte, PREFILL, device, verify_constants))
+            self.decode_method = self._add(_Method(pte, DECODE, device, verify_constants,
+                                                   shares_with=self.prefill_method))
             self.cache_names = [n for n in self.decode_method.executor.state_names if n.startswith(KV_CACHE_PREFIX)]
             if not self.cache_names or self.prefill_method.executor.state_names != self.decode_method.executor.state_names:
                 raise UnsupportedProgramError(f"{pte.source}: prefill and decode must share their KV-cache state "
@@ -173,10 +178,9 @@ class GenerationRunner:
 
     # ------------------------------------------------------------------------------ lifetime
     def close(self) -> None:
-        for method in self._methods:
+        for method in reversed(self._methods):  # decode borrows prefill's buffers: it goes first
             method.executor.close()
         self._methods = []
-        self._shared.close()
         if self._owns_device:
             self.device.close()
 

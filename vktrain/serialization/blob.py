@@ -7,7 +7,7 @@ parsing and bounds checks live in blob_header.py):
     0       4     magic              b"VKTB"
     4       4     header_size        uint32, 56 with the CHECKSUMS flag, else 48
     8       4     format_version     uint32, 1, or 2 when the graph holds synthetic constants
-    12      4     flags              uint32, bit 0 CHECKSUMS (every blob this vktrain writes); no other bits
+    12      4     flags              uint32, bit 0 CHECKSUMS (every blob this vktrain writes), bit 1 NAMED_DATA
     16      8     flatbuffer_offset  uint64, >= header_size, multiple of 16
     24      8     flatbuffer_size    uint64, bytes of the flatbuffer (schema.fbs, identifier "VKT1")
     32      8     segment_offset     uint64, >= flatbuffer end, multiple of 16
@@ -35,6 +35,10 @@ in the segment area. A reader of version 1 would ignore that table and misread t
 say version 2, which version-1 readers refuse by name. Every other blob is still written as version 1
 (readable by older vktrain), and a reader refuses either version when it disagrees with the content.
 
+Named constants (header flag NAMED_DATA): `serialize_blob(graph, named_constants(graph, min_bytes))`
+leaves those constants' bytes to the .pte's named data (one copy for every method of the .pte); their
+record carries `named_key`, and `deserialize_blob(..., named_data=...)` resolves and checksums them.
+
 `deserialize_blob` bounds-checks every header field and every constant record, validates the graph
 (every id it references exists, constant sizes match their tensors) and returns constants as zero-copy
 memoryviews into the given buffer; `read_blob` does the same over an mmap of a file.
@@ -47,7 +51,7 @@ import mmap
 import zlib
 import dataclasses
 from dataclasses import dataclass
-from typing import BinaryIO, Iterator
+from typing import BinaryIO, Iterator, Mapping
 
 import flatbuffers
 import numpy as np
@@ -95,21 +99,43 @@ class _Layout:
         return self.header.segment_offset + self.header.segment_size
 
 
-def _plan_segments(constants: list) -> tuple[list[tuple[int, int, int]], list[tuple[int, memoryview]], int]:
-    """Place constants in the segment area, storing identical bytes once.
+NAMED_KEY_PREFIX = "vktrain.sha256."
 
-    Returns the (offset, length, crc32) record of each constant id ((0, 0, 0) for a synthetic constant,
-    which has no bytes), the unique segments to write, and the size of the segment area.
+
+def named_constants(graph: g.VkGraph, min_bytes: int) -> dict[int, tuple[str, memoryview]]:
+    """Constant id -> (named-data key, bytes) of every stored constant of at least `min_bytes`: what a
+    blob written with `serialize_blob(graph, named=...)` leaves to the .pte's named data. The key names
+    the content (sha256), so every method of a .pte that holds the same bytes refers to one copy."""
+    named = {}
+    for constant_id, data in enumerate(graph.constants):
+        if isinstance(data, g.SyntheticConstant):
+            continue
+        view = g.constant_bytes(data)
+        if view.nbytes >= min_bytes:
+            named[constant_id] = (NAMED_KEY_PREFIX + hashlib.sha256(view).hexdigest(), view)
+    return named
+
+
+def _plan_segments(constants: list, named: dict[int, tuple[str, memoryview]]
+                   ) -> tuple[list[tuple[int, int, int, str | None]], list[tuple[int, memoryview]], int]:
+    """Place constants in the segment area, storing identical bytes once; those in `named` stay outside.
+
+    Returns the (offset, length, crc32, named key) record of each constant id ((0, 0, 0, None) for a
+    synthetic constant, which has no bytes; offset 0 and the key for a named one), the unique segments to
+    write, and the size of the segment area.
     """
-    records: list[tuple[int, int, int]] = []
+    records: list[tuple[int, int, int, str | None]] = []
     segments: list[tuple[int, memoryview]] = []
     by_digest: dict[tuple[int, bytes], list[int]] = {}  # (length, sha256) -> indices into `segments`
     end = 0
-    for data in constants:
+    for constant_id, data in enumerate(constants):
         if isinstance(data, g.SyntheticConstant):
-            records.append((0, 0, 0))
+            records.append((0, 0, 0, None))
             continue
         view = g.constant_bytes(data)
+        if constant_id in named:
+            records.append((0, view.nbytes, zlib.crc32(view), named[constant_id][0]))
+            continue
         key = (view.nbytes, hashlib.sha256(view).digest())
         match = None
         for index in by_digest.get(key, ()):
@@ -122,7 +148,7 @@ def _plan_segments(constants: list) -> tuple[list[tuple[int, int, int]], list[tu
             by_digest.setdefault(key, []).append(len(segments))
             segments.append((end, view))
             end = _align(end + view.nbytes)
-        records.append((match, view.nbytes, zlib.crc32(view)))
+        records.append((match, view.nbytes, zlib.crc32(view), None))
     return records, segments, end
 
 
@@ -220,7 +246,7 @@ def _build_synthetic(builder: flatbuffers.Builder, synthetic: g.SyntheticConstan
     return FbSyntheticConstant.End(builder)
 
 
-def _build_flatbuffer(graph: g.VkGraph, constant_records: list[tuple[int, int, int]]) -> bytes:
+def _build_flatbuffer(graph: g.VkGraph, constant_records: list[tuple[int, int, int, str | None]]) -> bytes:
     builder = flatbuffers.Builder(4096)
     values = [_build_value(builder, value) for value in graph.values]
 
@@ -244,14 +270,17 @@ def _build_flatbuffer(graph: g.VkGraph, constant_records: list[tuple[int, int, i
         states.append(FbMutableState.End(builder))
 
     constants = []
-    for (offset, length, crc32), data in zip(constant_records, graph.constants):
+    for (offset, length, crc32, named_key), data in zip(constant_records, graph.constants):
         synthetic = _build_synthetic(builder, data) if isinstance(data, g.SyntheticConstant) else None
+        key = builder.CreateString(named_key) if named_key is not None else None
         FbConstantData.Start(builder)
         FbConstantData.AddOffset(builder, offset)
         FbConstantData.AddLength(builder, length)
         FbConstantData.AddCrc32(builder, crc32)
         if synthetic is not None:
             FbConstantData.AddSynthetic(builder, synthetic)
+        if key is not None:
+            FbConstantData.AddNamedKey(builder, key)
         constants.append(FbConstantData.End(builder))
 
     memory_objects = []
@@ -294,16 +323,17 @@ def _build_flatbuffer(graph: g.VkGraph, constant_records: list[tuple[int, int, i
     return bytes(builder.Output())
 
 
-def _plan_blob(graph: g.VkGraph) -> _Layout:
+def _plan_blob(graph: g.VkGraph, named: dict[int, tuple[str, memoryview]]) -> _Layout:
     if not isinstance(graph, g.VkGraph):
         raise TypeError(f"expected a VkGraph, got {type(graph).__name__}")
     graph.validate()
-    records, segments, segment_size = _plan_segments(graph.constants)
+    records, segments, segment_size = _plan_segments(graph.constants, named)
     flatbuffer = _build_flatbuffer(graph, records)
     flatbuffer_offset = _align(BlobHeader.CHECKSUMMED_SIZE)
     segment_offset = _align(flatbuffer_offset + len(flatbuffer))
     version = BlobHeader.SYNTHETIC_VERSION if graph.synthetic_constant_ids else BlobHeader.PLAIN_VERSION
-    fields = BlobHeader(flatbuffer_offset, len(flatbuffer), segment_offset, segment_size, version, graph_crc32=0)
+    fields = BlobHeader(flatbuffer_offset, len(flatbuffer), segment_offset, segment_size, version, graph_crc32=0,
+                        named_data=bool(named))
     header = dataclasses.replace(fields, graph_crc32=_graph_crc32(fields, flatbuffer))
     return _Layout(header, flatbuffer, segments)
 
@@ -320,19 +350,20 @@ def _chunks(layout: _Layout) -> Iterator[tuple[int, memoryview | bytes]]:
         yield layout.header.segment_offset + offset, data
 
 
-def serialize_blob(graph: g.VkGraph) -> bytes:
-    """The blob bytes of `graph` (validated first: an inconsistent graph raises GraphError)."""
+def serialize_blob(graph: g.VkGraph, named: dict[int, tuple[str, memoryview]] | None = None) -> bytes:
+    """The blob bytes of `graph` (validated first: an inconsistent graph raises GraphError); the constants in
+    `named` (named_constants()) are left to the .pte's named data, referred to by key."""
     out = io.BytesIO()
-    write_blob(graph, out)
+    write_blob(graph, out, named)
     return out.getvalue()  # hands over BytesIO's buffer without another copy
 
 
-def write_blob(graph: g.VkGraph, fileobj: BinaryIO) -> int:
+def write_blob(graph: g.VkGraph, fileobj: BinaryIO, named: dict[int, tuple[str, memoryview]] | None = None) -> int:
     """Stream the blob of `graph` to a binary file object without assembling it in memory.
 
     Returns the number of bytes written. Each constant is written straight from its own buffer.
     """
-    layout = _plan_blob(graph)
+    layout = _plan_blob(graph, named or {})
     position = 0
     for offset, data in _chunks(layout):
         if offset > position:
@@ -391,12 +422,13 @@ def _read_synthetic(table, constant_id: int) -> g.SyntheticConstant:
         raise BlobFormatError(f"constant {constant_id}: {exc}") from None
 
 
-def _read_graph(flatbuffer: memoryview, segment_area: memoryview, verify_constants: bool) -> g.VkGraph:
+def _read_graph(flatbuffer: memoryview, segment_area: memoryview, verify_constants: bool,
+                named_data: Mapping[str, memoryview] | None) -> g.VkGraph:
     """The graph; with `verify_constants`, each constant's crc32 is checked as soon as its record is read,
     before the rest of the graph is parsed."""
     root = FbVkGraph.VkGraph.GetRootAs(flatbuffer, 0)
     graph = g.VkGraph()
-    graph.constants = _read_constants(root, segment_area, verify_constants)
+    graph.constants = _read_constants(root, segment_area, verify_constants, named_data)
     for i in range(root.ValuesLength()):
         with reading(f"VkGraph.values[{i}]", BlobFormatError):
             graph.values.append(_read_value(root.Values(i), i))
@@ -425,14 +457,14 @@ def _read_graph(flatbuffer: memoryview, segment_area: memoryview, verify_constan
     return graph
 
 
-def _read_constants(root, segment_area: memoryview, verify: bool) -> list:
+def _read_constants(root, segment_area: memoryview, verify: bool, named_data: Mapping[str, memoryview] | None) -> list:
     constants = []
     hashed: dict[tuple[int, int], int] = {}  # deduplicated constants share a range: hash it once
     for i in range(root.ConstantsLength()):
         with reading(f"VkGraph.constants[{i}]", BlobFormatError):
             record = root.Constants(i)
             offset, length, crc32 = record.Offset(), record.Length(), record.Crc32()
-            synthetic = record.Synthetic()
+            synthetic, named_key = record.Synthetic(), _text(record.NamedKey())
         if synthetic is not None:
             if offset or length:
                 raise BlobFormatError(f"constant {i} is synthetic but also has segment bytes "
@@ -440,14 +472,17 @@ def _read_constants(root, segment_area: memoryview, verify: bool) -> list:
             with reading(f"VkGraph.constants[{i}].synthetic", BlobFormatError):
                 constants.append(_read_synthetic(synthetic, i))
             continue
-        if offset % ALIGNMENT:
-            raise BlobFormatError(f"constant {i} offset {offset} is not a multiple of {ALIGNMENT}")
-        if offset + length > len(segment_area):
-            raise BlobFormatError(f"constant {i} [{offset}, {offset + length}) extends past the "
-                                  f"{len(segment_area)}-byte segment area")
-        data = segment_area[offset:offset + length]
+        if named_key:
+            data = _named_constant(i, named_key, offset, length, named_data)
+        else:
+            if offset % ALIGNMENT:
+                raise BlobFormatError(f"constant {i} offset {offset} is not a multiple of {ALIGNMENT}")
+            if offset + length > len(segment_area):
+                raise BlobFormatError(f"constant {i} [{offset}, {offset + length}) extends past the "
+                                      f"{len(segment_area)}-byte segment area")
+            data = segment_area[offset:offset + length]
         if verify:
-            actual = hashed.get((offset, length))
+            actual = zlib.crc32(data) if named_key else hashed.get((offset, length))
             if actual is None:
                 actual = hashed[offset, length] = zlib.crc32(data)
             if actual != crc32:
@@ -456,6 +491,25 @@ def _read_constants(root, segment_area: memoryview, verify: bool) -> list:
                                       "was modified or corrupted)")
         constants.append(data)
     return constants
+
+
+def _named_constant(constant_id: int, key: str, offset: int, length: int,
+                    named_data: Mapping[str, memoryview] | None) -> memoryview:
+    """The bytes of a constant kept in the .pte's named data (schema.fbs ConstantData.named_key)."""
+    if named_data is None:
+        raise BlobFormatError(f"constant {constant_id} lives in the .pte's named data (key {key!r}), but no named "
+                              f"data was given: read the blob with the .pte around it")
+    if offset:
+        raise BlobFormatError(f"constant {constant_id} is named data {key!r} but has segment offset {offset} "
+                              f"(expected 0)")
+    if key not in named_data:
+        raise BlobFormatError(f"constant {constant_id} names data {key!r}, which the .pte does not hold "
+                              f"({len(named_data)} named data entries)")
+    data = memoryview(named_data[key]).cast("B")
+    if data.nbytes < length:
+        raise BlobFormatError(f"constant {constant_id}: named data {key!r} has {data.nbytes} bytes, its record "
+                              f"says {length}")
+    return data[:length]
 
 
 def _constant_reader(root, constant_id: int) -> str:
@@ -479,11 +533,13 @@ def _verify_graph_checksum(header: BlobHeader, flatbuffer: memoryview) -> None:
                               "(the graph was modified or corrupted)")
 
 
-def deserialize_blob(data: bytes | bytearray | memoryview | mmap.mmap, *, verify_constants: bool = True) -> g.VkGraph:
+def deserialize_blob(data: bytes | bytearray | memoryview | mmap.mmap, *, verify_constants: bool = True,
+                     named_data: Mapping[str, memoryview] | None = None) -> g.VkGraph:
     """Parse a blob. Constants come back as memoryviews into `data` (no copy): keep `data` alive.
 
     The graph checksum is always verified (when the blob has one); `verify_constants=False` skips
-    hashing the constant bytes."""
+    hashing the constant bytes. `named_data` (key -> bytes: the .pte's named data) holds the constants
+    the blob refers to by key (header flag NAMED_DATA); their views point into it."""
     try:
         view = memoryview(data)
     except TypeError:
@@ -499,7 +555,7 @@ def deserialize_blob(data: bytes | bytearray | memoryview | mmap.mmap, *, verify
                               "(graph written with an incompatible schema version)")
     segment_area = view[header.segment_offset:header.segment_offset + header.segment_size]
     try:
-        graph = _read_graph(flatbuffer, segment_area, verify_constants and header.graph_crc32 is not None)
+        graph = _read_graph(flatbuffer, segment_area, verify_constants and header.graph_crc32 is not None, named_data)
     except BlobFormatError:
         raise
     except CORRUPTION_ERRORS as exc:  # outside every field: the root table itself

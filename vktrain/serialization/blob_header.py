@@ -7,7 +7,8 @@ Byte layout (all integers little-endian; every region starts at a multiple of 16
     0       4     magic              b"VKTB"
     4       4     header_size        uint32, 56 with the CHECKSUMS flag, else 48
     8       4     format_version     uint32, 1, or 2 when the graph holds synthetic constants
-    12      4     flags              uint32, bit 0 CHECKSUMS (every blob this vktrain writes); no other bits
+    12      4     flags              uint32, bit 0 CHECKSUMS (every blob this vktrain writes), bit 1 NAMED_DATA
+                                       (constants in the .pte's named data); no other bits
     16      8     flatbuffer_offset  uint64, >= header_size, multiple of 16
     24      8     flatbuffer_size    uint64, bytes of the flatbuffer (schema.fbs, identifier "VKT1")
     32      8     segment_offset     uint64, >= flatbuffer end, multiple of 16
@@ -45,12 +46,14 @@ class BlobHeader:
     segment_size: int
     format_version: int = 1
     graph_crc32: Optional[int] = None  # None: a blob without the CHECKSUMS flag (written before it existed)
+    named_data: bool = False  # the NAMED_DATA flag: some constants live in the .pte's named data
 
     MAGIC: ClassVar[bytes] = b"VKTB"
     FORMAT_VERSION: ClassVar[int] = 2  # the newest version this vktrain reads and writes
     PLAIN_VERSION: ClassVar[int] = 1  # blobs without synthetic constants
     SYNTHETIC_VERSION: ClassVar[int] = 2  # blobs with at least one synthetic constant
     FLAG_CHECKSUMS: ClassVar[int] = 1
+    FLAG_NAMED_DATA: ClassVar[int] = 2
     STRUCT: ClassVar[struct.Struct] = struct.Struct("<4sIIIQQQQ")
     SIZE: ClassVar[int] = STRUCT.size  # 48: the fields graph_crc32 covers
     CHECKSUM_STRUCT: ClassVar[struct.Struct] = struct.Struct("<I4x")
@@ -62,7 +65,7 @@ class BlobHeader:
 
     def fields_bytes(self) -> bytes:
         """Bytes [0, 48): the header fields, which graph_crc32 covers together with the flatbuffer."""
-        flags = 0 if self.graph_crc32 is None else self.FLAG_CHECKSUMS
+        flags = (0 if self.graph_crc32 is None else self.FLAG_CHECKSUMS) | (self.FLAG_NAMED_DATA if self.named_data else 0)
         return self.STRUCT.pack(self.MAGIC, self.size, self.format_version, flags, self.flatbuffer_offset,
                                 self.flatbuffer_size, self.segment_offset, self.segment_size)
 
@@ -84,9 +87,10 @@ class BlobHeader:
         if not 1 <= version <= cls.FORMAT_VERSION:
             raise BlobFormatError(f"blob format version is {version}; this vktrain reads versions 1 to "
                                   f"{cls.FORMAT_VERSION} (blob from a newer vktrain?)")
-        if flags & ~cls.FLAG_CHECKSUMS:
-            raise BlobFormatError(f"header flags are {flags:#x}; the only flag defined is CHECKSUMS "
-                                  f"({cls.FLAG_CHECKSUMS:#x}) (blob from a newer vktrain?)")
+        if flags & ~(cls.FLAG_CHECKSUMS | cls.FLAG_NAMED_DATA):
+            raise BlobFormatError(f"header flags are {flags:#x}; the flags defined are CHECKSUMS "
+                                  f"({cls.FLAG_CHECKSUMS:#x}) and NAMED_DATA ({cls.FLAG_NAMED_DATA:#x}) "
+                                  f"(blob from a newer vktrain?)")
         checksummed = bool(flags & cls.FLAG_CHECKSUMS)
         expected_size = cls.CHECKSUMMED_SIZE if checksummed else cls.SIZE
         if header_size != expected_size:
@@ -109,4 +113,4 @@ class BlobHeader:
         if seg_offset + seg_size > total:
             raise BlobFormatError(f"segment area [{seg_offset}, {seg_offset + seg_size}) extends past the end of the "
                                   f"{total}-byte blob (truncated?)")
-        return cls(fb_offset, fb_size, seg_offset, seg_size, version, graph_crc32)
+        return cls(fb_offset, fb_size, seg_offset, seg_size, version, graph_crc32, bool(flags & cls.FLAG_NAMED_DATA))

@@ -17,6 +17,8 @@ import tempfile
 from pathlib import Path
 from typing import Optional
 
+from tqdm import tqdm
+
 from vktrain.contract import ADAMW_DEFAULTS, PRECISION_FP32, PRECISIONS
 from vktrain.errors import VktrainError
 from vktrain.train.adapters import (ADAPTER_CONFIG, ADAPTER_WEIGHTS, LORA_SUFFIXES, ProgramAdapters,
@@ -95,6 +97,11 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     parser.add_argument("--no-shuffle", action="store_true", help="read windows in file order")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.add_argument("--plot", metavar="FILE.png", help="write the loss curve of the whole run as a PNG")
+    parser.add_argument("--eval-data", metavar="FILE",
+                        help="held-out token data: its loss (the .pte's eval method) is printed before training, "
+                             "every --eval-every steps and after the last step, and recorded as eval_loss in --json")
+    parser.add_argument("--eval-every", type=int, default=0, metavar="N",
+                        help="with --eval-data: evaluate every N steps (default 0: only before and after training)")
     parser.add_argument("--log-every", type=int, default=1, metavar="N",
                         help="print step, loss and lr every N steps (default 1; 0: only the summary)")
     return parser
@@ -138,7 +145,7 @@ def check_arguments(args: argparse.Namespace) -> tuple[LRSchedule, AdamWConfig]:
     """Every argument in range as the run will use it; the schedule and optimizer settings."""
     for flag, value, low in (("--steps", args.steps, 1), ("--warmup", args.warmup, 0),
                              ("--checkpoint-every", args.checkpoint_every, 0), ("--log-every", args.log_every, 0),
-                             ("--keep-checkpoints", args.keep_checkpoints, 1)):
+                             ("--keep-checkpoints", args.keep_checkpoints, 1), ("--eval-every", args.eval_every, 0)):
         if value < low:
             raise TrainConfigError(f"{flag} must be >= {low}, got {value}")
     if args.steps > MAX_STEPS:
@@ -151,6 +158,8 @@ def check_arguments(args: argparse.Namespace) -> tuple[LRSchedule, AdamWConfig]:
         raise TrainConfigError("--checkpoint-every needs --checkpoint PATH (where to write them)")
     if args.keep_checkpoints > 1 and not (args.checkpoint or args.resume):
         raise TrainConfigError("--keep-checkpoints needs --checkpoint PATH (where to write them)")
+    if args.eval_every and not args.eval_data:
+        raise TrainConfigError("--eval-every needs --eval-data FILE (the held-out data)")
     if args.plot and importlib.util.find_spec("matplotlib") is None:
         raise TrainConfigError("--plot needs matplotlib (pip install matplotlib)")
     schedule = LRSchedule(args.schedule, args.lr, args.steps, args.warmup, args.min_lr_ratio)
@@ -247,6 +256,25 @@ def run_train(args: argparse.Namespace, device=None) -> int:
     return 0
 
 
+def _held_out_evaluation(args, runner, info):
+    """`train`'s after_step for --eval-data (None without it): the held-out loss at the --eval-every steps
+    and the last one. Evaluates once right away, so a program without an eval method fails before training."""
+    if args.eval_data is None:
+        return None
+    from vktrain.train.eval_command import evaluate_data
+
+    held_out = load_data(args.eval_data, info.vocab_size, program_tokenizer(runner, args.program))
+    print(f"eval before training: loss {evaluate_data(runner, held_out)['loss']:.6f} ({args.eval_data})")
+
+    def after_step(step: int) -> dict:
+        if not ((args.eval_every and step % args.eval_every == 0) or step == args.steps):
+            return {}
+        loss = evaluate_data(runner, held_out)["loss"]
+        tqdm.write(f"step {step:6d}  eval loss {loss:.6f}", file=sys.stdout)
+        return {"eval_loss": loss}
+    return after_step
+
+
 def _train_loaded(args, runner, schedule, optimizer, resume, seed, data_path, program_sha256,
                   checkpoint_path) -> tuple[Optional[TrainState], int]:
     """The run once the program is loaded: (final state, first step's index), state None when interrupted."""
@@ -277,6 +305,7 @@ def _train_loaded(args, runner, schedule, optimizer, resume, seed, data_path, pr
                   f"({'; '.join(differences)}): steps after {resume.step} will not match an uninterrupted run",
                   file=sys.stderr)
     start = state.step
+    after_step = _held_out_evaluation(args, runner, info)
     print(f"{args.program}: batch {info.batch_size} x {info.seq_len}, vocabulary {info.vocab_size}; {data_path}: "
           f"{data.tokens.size} tokens ({data.trained_tokens} trained), {batches.batches_per_epoch:.1f} batches per "
           f"epoch; steps {start + 1}..{args.steps}",
@@ -286,7 +315,8 @@ def _train_loaded(args, runner, schedule, optimizer, resume, seed, data_path, pr
         train(runner, batches, args.steps, schedule, optimizer, state=state,  # updates `state` in place
               checkpoint_every=args.checkpoint_every, checkpoint_path=checkpoint_path,
               keep_checkpoints=args.keep_checkpoints, program_sha256=program_sha256, json_path=args.json,
-              progress=not args.no_progress, log_every=args.log_every, on_nonfinite=args.on_nonfinite)
+              progress=not args.no_progress, log_every=args.log_every, on_nonfinite=args.on_nonfinite,
+              after_step=after_step)
     except KeyboardInterrupt:
         where = (f"the last checkpoint is {state.last_checkpoint[0]} (step {state.last_checkpoint[1]})"
                  if state.last_checkpoint else "no checkpoint was written")

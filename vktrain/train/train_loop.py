@@ -50,7 +50,7 @@ import os
 import sys
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Any, Optional, Protocol, Union
+from typing import Any, Callable, Optional, Protocol, Union
 
 import numpy as np
 from tqdm import tqdm
@@ -239,13 +239,15 @@ def train(runner: StepRunner, batches: TokenBatcher, steps: int, schedule: LRSch
           checkpoint_every: int = 0, checkpoint_path: Optional[PathLike] = None, keep_checkpoints: int = 1,
           program_sha256: str = "", json_path: Optional[PathLike] = None, progress: bool = True,
           log_every: int = 0, on_nonfinite: str = "stop",
-          last_good_state_limit: int = LAST_GOOD_STATE_LIMIT) -> TrainState:
+          last_good_state_limit: int = LAST_GOOD_STATE_LIMIT,
+          after_step: Optional[Callable[[int], dict]] = None) -> TrainState:
     """Run steps state.step + 1 .. `steps` (see the module docstring). Returns the final TrainState.
 
     `state` continues a run (TrainState.from_checkpoint after `restore_state`) and is updated in place;
     None starts at step 0. `program_sha256` identifies the .pte in checkpoints (sha256_file of it).
     `keep_checkpoints`: how many checkpoints of the run stay on disk (CheckpointSeries); `on_nonfinite`:
-    "stop" or "skip" (module docstring).
+    "stop" or "skip" (module docstring). `after_step(step)` runs after each completed step; what it
+    returns (e.g. {"eval_loss": ...}) joins that step's record.
     """
     state = TrainState() if state is None else state
     if steps < state.step:
@@ -341,6 +343,8 @@ def train(runner: StepRunner, batches: TokenBatcher, steps: int, schedule: LRSch
                 record["skipped"], skipped = skipped, []
             state.step, state.data_position = step, state.data_position + 1
             state.records.append(record)
+            if after_step is not None:
+                record.update(after_step(step))
             bar.set_postfix(loss=f"{loss:.4f}", lr=f"{lr:.3g}", refresh=False)
             bar.update(1)
             if log_every and (step % log_every == 0 or step == steps):

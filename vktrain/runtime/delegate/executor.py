@@ -24,8 +24,7 @@ op lowerings follow on this device; `gemm_report()` says what was chosen.
 """
 from __future__ import annotations
 
-import hashlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -94,6 +93,17 @@ def _to_stored_array(array: np.ndarray, tensor: vk.TensorValue, what: str) -> np
 
 
 @dataclass(frozen=True)
+class SharedTensor:
+    """A tensor another executor of the same program owns (its buffer and byte offset, and its record), for
+    this executor to bind instead of storage of its own: how a .pte's eval method reads the training
+    step's LoRA state without a copy."""
+
+    buffer: Buffer
+    offset: int
+    tensor: vk.TensorValue
+
+
+@dataclass(frozen=True)
 class _Tensor:
     """Where one tensor value lives: the buffer key, the binding's offset and bytes, how it is read."""
 
@@ -101,21 +111,6 @@ class _Tensor:
     offset: int
     nbytes: int
     view: StridedView | None  # a strided view of the buffer's tensor; None = contiguous
-
-
-@dataclass
-class SharedStorage:
-    """Device buffers that several GraphExecutors on one device share (the methods of one program, e.g.
-    generation's prefill and decode): constants by content (digest, dtype, layout), so weights are on the
-    device once, and mutable state by name, so one method's state updates are the other's state. The
-    first executor to need a buffer allocates it (and uploads / initialises it); the owner of the
-    SharedStorage destroys the buffers with close(), after the executors."""
-    buffers: dict[str, Buffer] = field(default_factory=dict)
-
-    def close(self) -> None:
-        for buffer in self.buffers.values():
-            buffer.destroy()
-        self.buffers.clear()
 
 
 class GraphExecutor:
@@ -128,18 +123,24 @@ class GraphExecutor:
     discrete GPU takes; tests use it on unified devices). `precision` is the GEMM precision policy
     (vktrain.contract.PRECISIONS); `emulate_tensor_cores` (tests) runs fp16-tc's coopmat kernels
     emulated on a device without tensor cores.
+
+    `shared` (name -> SharedTensor, e.g. another executor's `shared_state()`): a constant or state tensor
+    of this graph with one of these names binds that buffer (same shape and stored dtype, checked) instead
+    of storage of its own; this executor never uploads, resets or frees it. That is how the methods of
+    one program share their weights and state on the device (eval reads the training step's adapters;
+    generation's decode reads prefill's KV caches).
     """
 
     def __init__(self, device, graph: vk.VkGraph, *, timing: bool = True, staging: bool | None = None,
-                 shared: SharedStorage | None = None, precision: str = PRECISION_FP32,
+                 shared: dict[str, SharedTensor] | None = None, precision: str = PRECISION_FP32,
                  emulate_tensor_cores: bool = False):
         graph.validate()
         self.device = device
-        self._shared = shared
-        self._adopted: set[str] = set()  # keys of buffers another executor allocated in `shared`
         self.gemm_route = select_gemm_route(precision, allowed_precisions(graph.metadata), device,
                                             emulate=emulate_tensor_cores)
         self._staging = staging  # Buffer's access path: None = direct on unified memory, else staging
+        self._shared = dict(shared or {})
+        self._borrowed: set[str] = set()  # buffer keys of shared tensors: another executor owns them
         self.graph = graph
         self.ops: list[vk.OpCall] = graph.ops
         self._lowerings = [lowering_for(op, index) for index, op in enumerate(self.ops)]
@@ -151,9 +152,7 @@ class GraphExecutor:
             self._place_tensors()
             self._allocate_buffers()
             self._upload_constants()
-            for name, state in self._state_by_name.items():
-                if self._tensors[state.state_id].key not in self._adopted:  # shared state keeps its contents
-                    self._write_state(name, self.initial_state(name))
+            self.reset_state()  # of the state it owns: shared state keeps its contents
             self.dispatches: list[Dispatch] = self._plan_dispatches()
             self.program = Program(device, self.dispatches, self._buffers, timing=timing)
         except BaseException:
@@ -243,9 +242,25 @@ class GraphExecutor:
                  and graph.values[v].storage_of >= 0}
         return sorted(v for v in used if isinstance(graph.values[v], vk.TensorValue))
 
+    def _shared_key(self, value_id: int) -> str | None:
+        """The buffer key of a constant or state tensor bound to a SharedTensor, checked; else None."""
+        tensor = self.graph.values[value_id]
+        if tensor.name not in self._shared or (tensor.constant_id < 0 and value_id not in self._states):
+            return None
+        owner = self._shared[tensor.name].tensor
+        if (owner.shape, owner.storage_dtype, owner.layout) != (tensor.shape, tensor.storage_dtype, tensor.layout):
+            raise GraphLoweringError(
+                f"tensor {tensor.name!r} is {tensor.storage_dtype.name}{list(tensor.shape)} ({tensor.layout.name}) "
+                f"here but {owner.storage_dtype.name}{list(owner.shape)} ({owner.layout.name}) in the executor "
+                f"sharing it; both must be the same tensor of one program")
+        return f"shared:{tensor.name}"
+
     def _own_key(self, value_id: int, constant_keys: dict[tuple[int, vk.DType, vk.Layout], str]) -> str:
         """The buffer key of a tensor with storage of its own."""
         tensor = self.graph.values[value_id]
+        shared = self._shared_key(value_id)
+        if shared is not None:
+            return shared
         if tensor.constant_id >= 0:
             # Values reading the same constant bytes share one upload (unless they read it as another
             # dtype or layout, which the backend does not do today).
@@ -253,14 +268,9 @@ class GraphExecutor:
             if identity not in constant_keys:
                 taken = any(other[0] == tensor.constant_id for other in constant_keys)
                 constant_keys[identity] = f"constant{tensor.constant_id}" + (f".{value_id}" if taken else "")
-                if self._shared is not None and not self.graph.is_synthetic(tensor.constant_id) and not taken:
-                    digest = hashlib.sha256(vk.constant_bytes(self.graph.constants[tensor.constant_id])).hexdigest()
-                    constant_keys[identity] = (f"shared.constant.{digest}.{tensor.dtype.name}.{tensor.storage_dtype.name}."
-                                                f"{tensor.layout.name}")
             return constant_keys[identity]
         if value_id in self._states:
-            # Persists across steps: never shared within a graph; by name across the graphs of `shared`.
-            return f"shared.state.{tensor.name}" if self._shared is not None and tensor.name else f"state{value_id}"
+            return f"state{value_id}"  # persists across steps: never shared within a graph
         if tensor.mem_obj_id >= 0:
             return f"mem{tensor.mem_obj_id}"
         return f"value{value_id}"
@@ -280,8 +290,9 @@ class GraphExecutor:
             view = None
             if tensor.view_strides:
                 view = StridedView(tensor.shape, tensor.view_strides, tensor.view_offset)
-            self._tensors[value_id] = _Tensor(self._own_key(root, constant_keys), tensor.mem_offset,
-                                              _round4(tensor.stored_nbytes), view)
+            key = self._own_key(root, constant_keys)
+            offset = self._shared[self.graph.values[root].name].offset if key.startswith("shared:") else tensor.mem_offset
+            self._tensors[value_id] = _Tensor(key, offset, _round4(tensor.stored_nbytes), view)
 
     def _allocate_buffers(self) -> None:
         """One buffer per storage key: a memory object's planned size, else the largest tensor bound to it."""
@@ -290,20 +301,12 @@ class GraphExecutor:
             if not tensor.key.startswith("mem"):
                 sizes[tensor.key] = max(sizes.get(tensor.key, 0), tensor.offset + tensor.nbytes)
         used = {tensor.key for tensor in self._tensors.values()}
-        shared = self._shared.buffers if self._shared is not None else {}
+        for key in sorted(k for k in used if k.startswith("shared:")):
+            self._buffers[key] = self._shared[key.removeprefix("shared:")].buffer
+            self._borrowed.add(key)
         for key, nbytes in sorted(sizes.items()):
-            if key not in used:
-                continue
-            if key in shared:
-                if shared[key].size < nbytes:
-                    raise GraphLoweringError(f"shared buffer {key} holds {shared[key].size} bytes, this graph needs "
-                                             f"{nbytes} (the graphs sharing it disagree on its shape)")
-                self._buffers[key] = shared[key]
-                self._adopted.add(key)
-                continue
-            self._buffers[key] = Buffer(self.device, nbytes, name=key, staging=self._staging)
-            if key.startswith("shared."):
-                shared[key] = self._buffers[key]
+            if key in used and key not in self._borrowed:
+                self._buffers[key] = Buffer(self.device, nbytes, name=key, staging=self._staging)
 
     def _binding(self, value_id: int) -> BufferBinding:
         tensor = self._tensors[value_id]
@@ -314,7 +317,7 @@ class GraphExecutor:
         self.synthetic_constant_bytes = 0  # bytes generated at load (vk.SyntheticConstant), for reports
         for value_id, placement in self._tensors.items():
             tensor = self.graph.values[value_id]
-            if tensor.constant_id < 0 or placement.key in uploaded or placement.key in self._adopted:
+            if tensor.constant_id < 0 or placement.key in uploaded or placement.key in self._borrowed:
                 continue
             # A synthetic constant is generated here (numpy, deterministic by its seed); the array is
             # dropped right after its upload, so at most one big constant is in host memory at a time.
@@ -472,9 +475,48 @@ class GraphExecutor:
         return np.frombuffer(data, tensor.dtype.numpy_dtype, tensor.numel).reshape(tensor.shape).copy()
 
     def reset_state(self) -> None:
-        """Every mutable state tensor back to its initial value."""
-        for name in self._state_by_name:
-            self._write_state(name, self.initial_state(name))
+        """Every mutable state tensor this executor owns back to its initial value."""
+        for name, state in self._state_by_name.items():
+            if self._tensors[state.state_id].key not in self._borrowed:
+                self._write_state(name, self.initial_state(name))
+
+    def shared_constants(self) -> dict[str, SharedTensor]:
+        """Named constant tensors this executor uploaded, by name, for another executor of the same program
+        to bind (`shared`) where its constant holds the same bytes (a name read in two layouts is left out)."""
+        self._check_open()
+        found: dict[str, list[int]] = {}
+        for value_id, placement in self._tensors.items():
+            tensor = self.graph.values[value_id]
+            if tensor.constant_id >= 0 and tensor.name and tensor.storage_of < 0 and placement.key not in self._borrowed:
+                found.setdefault(tensor.name, []).append(value_id)
+        return {name: SharedTensor(self._buffers[self._tensors[ids[0]].key], self._tensors[ids[0]].offset,
+                                   self.graph.tensor(ids[0]))
+                for name, ids in found.items() if len(ids) == 1}
+
+    def constants_matching(self, graph: vk.VkGraph) -> dict[str, SharedTensor]:
+        """This executor's named constants that `graph` (another method of the same program) holds byte for
+        byte under the same name, shape, dtype and layout: for that graph's executor to bind (`shared`)
+        rather than upload a second copy (the frozen base of eval, prefill and decode)."""
+        theirs = self.shared_constants()
+        same = {}
+        for value in graph.values:
+            if not (isinstance(value, vk.TensorValue) and value.constant_id >= 0 and value.name in theirs):
+                continue
+            owner = theirs[value.name]
+            if (owner.tensor.shape, owner.tensor.dtype, owner.tensor.layout) != (value.shape, value.dtype, value.layout):
+                continue
+            mine = np.frombuffer(vk.constant_bytes(graph.constants[value.constant_id]), np.uint8)
+            other = np.frombuffer(vk.constant_bytes(self.graph.constants[owner.tensor.constant_id]), np.uint8)
+            if np.array_equal(mine, other):
+                same[value.name] = owner
+        return same
+
+    def shared_state(self) -> dict[str, SharedTensor]:
+        """Every mutable state tensor by name, for another executor of the same program to bind (`shared`)."""
+        self._check_open()
+        return {name: SharedTensor(self._buffers[self._tensors[state.state_id].key],
+                                   self._tensors[state.state_id].offset, self.graph.tensor(state.state_id))
+                for name, state in self._state_by_name.items()}
 
     # ------------------------------------------------------------------------------ introspection
     def storage_of(self, value_id: int) -> str:
@@ -488,8 +530,8 @@ class GraphExecutor:
 
     @property
     def buffer_bytes(self) -> dict[str, int]:
-        """Bytes of every buffer this executor allocated, by key."""
-        return {key: buffer.size for key, buffer in self._buffers.items()}
+        """Bytes of every buffer this executor allocated, by key (not those it binds from another: `shared`)."""
+        return {key: buffer.size for key, buffer in self._buffers.items() if key not in self._borrowed}
 
     # ------------------------------------------------------------------------------ lifetime
     def _check_open(self) -> None:
@@ -501,9 +543,8 @@ class GraphExecutor:
         if self.program is not None:
             self.program.destroy()
             self.program = None
-        shared = self._shared.buffers.values() if self._shared is not None else ()
-        for buffer in self._buffers.values():
-            if not any(buffer is other for other in shared):  # SharedStorage.close() frees those
+        for key, buffer in self._buffers.items():
+            if key not in self._borrowed:
                 buffer.destroy()
         self._buffers.clear()
 
@@ -514,4 +555,4 @@ class GraphExecutor:
         self.close()
 
 
-__all__ = ["ExecutorInputError", "GraphExecutor", "GraphLoweringError", "SharedStorage"]
+__all__ = ["ExecutorInputError", "GraphExecutor", "GraphLoweringError", "SharedTensor"]

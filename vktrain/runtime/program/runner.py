@@ -266,24 +266,27 @@ def check_loss_output(pte: PteFile, plan: ExecutionPlan, call: DelegateCall, gra
                                 check_loss_output.__name__)
 
 
-def plan_input_names(pte: PteFile, plan: ExecutionPlan, call: DelegateCall, graph: g.VkGraph) -> list[str]:
-    """Name of each plan input: the delegate graph input it feeds (through the DelegateCall args)."""
+def plan_input_names(pte: PteFile, plan: ExecutionPlan, call: DelegateCall, graph: g.VkGraph, *,
+                     accepted: tuple[str, ...] = STEP_INPUTS,
+                     required: tuple[str, ...] = (TOKEN_IDS, LABELS, HPARAMS), what: str = "a training step") -> list[str]:
+    """Name of each plan input: the delegate graph input it feeds (through the DelegateCall args); every
+    one in `accepted`, all of `required` present."""
     graph_inputs = {value: graph.tensor(graph.inputs[i]).name for i, value in enumerate(call.args[:len(graph.inputs)])}
     names = []
     for position, value in enumerate(plan.inputs):
         name = graph_inputs.get(value)
-        if name not in STEP_INPUTS:
+        if name not in accepted:
             raise UnsupportedProgramError(
-                f"{pte.source}: plan input {position} (value {value}) "
+                f"{pte.source}: plan {plan.name!r} input {position} (value {value}) "
                 + (f"feeds delegate input {name!r}" if name else "does not feed the delegate directly")
-                + f"; a training step takes {', '.join(STEP_INPUTS)}")
+                + f"; {what} takes {', '.join(accepted)}")
         if name in names:
             raise UnsupportedProgramError(f"{pte.source}: plan inputs {names.index(name)} and {position} both feed "
                                           f"delegate input {name!r}")
         names.append(name)
-    missing = [n for n in (TOKEN_IDS, LABELS, HPARAMS) if n not in names]
+    missing = [n for n in required if n not in names]
     if missing:
-        raise UnsupportedProgramError(f"{pte.source}: the program has no input(s) {missing}; is it a training step?")
+        raise UnsupportedProgramError(f"{pte.source}: plan {plan.name!r} has no input(s) {missing}; is it {what}?")
     return names
 
 
@@ -304,6 +307,9 @@ class TrainingRunner:
                                           host_memory_limit=host_memory_limit)
         self.plan, self.graph, self._input_names = program.plan, program.graph, program.input_names
         self._interpreter = ProgramInterpreter(pte, self.plan, self._run_delegate, host_memory_limit=host_memory_limit)
+        self._eval = None  # the eval method, loaded by the first evaluate()
+        self._eval_options = dict(verify_constants=verify_constants, host_memory_limit=host_memory_limit,
+                                  device_memory_limit=device_memory_limit)
 
         self._owns_device = device is None
         if device is None:
@@ -367,6 +373,15 @@ class TrainingRunner:
         (loss,) = self._interpreter.run([by_name[name] for name in self._input_names])
         return float(np.asarray(loss).reshape(()))
 
+    def evaluate(self, token_ids: Any, labels: Any) -> tuple[float, int]:
+        """(loss summed over the labels >= 0, their count) of one batch, by the .pte's eval method on the
+        current adapters; no state changes. The eval method is loaded on first use (EvalMethod)."""
+        if self._eval is None:
+            from vktrain.runtime.program.evaluation import EvalMethod
+
+            self._eval = EvalMethod(self.pte, self.executor, **self._eval_options)
+        return self._eval.loss_sum(token_ids, labels)
+
     # ------------------------------------------------------------------------------ state
     @property
     def state_names(self) -> list[str]:
@@ -405,6 +420,8 @@ class TrainingRunner:
 
     # ------------------------------------------------------------------------------ lifetime
     def close(self) -> None:
+        if self._eval is not None:
+            self._eval.close()  # it borrows the training executor's state buffers: close it first
         self.executor.close()
         if self._owns_device:
             self.device.close()

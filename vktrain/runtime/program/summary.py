@@ -11,7 +11,8 @@ import hashlib
 import json
 from dataclasses import dataclass, field
 
-from vktrain.contract import BACKEND_ID, METADATA_REFUSALS, METADATA_STATE_BYTES, METADATA_UNPLANNED_MEMORY_BYTES
+from vktrain.contract import (BACKEND_ID, METADATA_REFUSALS, METADATA_STATE_BYTES, METADATA_UNPLANNED_MEMORY_BYTES,
+                              TRAIN_METHOD)
 from vktrain.runtime.delegate.kernels.coopmat import allowed_precisions
 from vktrain.runtime.program.pte import PteFile, PteFormatError
 from vktrain.runtime.program.pte_objects import DelegateCall, KernelCall
@@ -36,13 +37,24 @@ class PteContents:
     kernel_calls: int
 
 
-def read_pte(data: bytes) -> PteContents:
-    """The delegates, operator table and instruction counts of a one-method .pte."""
-    pte = PteFile.from_bytes(data)
+def _main_method(pte: PteFile) -> str:
+    """The method a report is about: the only one, else the training step."""
     methods = pte.method_names
-    if len(methods) != 1:
-        raise PteFormatError(f"expected a .pte with one method, found {len(methods)} ({methods})")
-    plan = pte.execution_plan(methods[0])
+    if len(methods) == 1:
+        return methods[0]
+    if TRAIN_METHOD not in methods:
+        raise PteFormatError(f"expected a .pte with one method or a {TRAIN_METHOD!r} method, found {len(methods)} "
+                             f"({methods})")
+    return TRAIN_METHOD
+
+
+def read_pte(data: bytes, method: str | None = None) -> PteContents:
+    """The delegates, operator table and instruction counts of one method of a .pte (default: the only
+    method, else the training step's)."""
+    pte = PteFile.from_bytes(data)
+    if method is None and not pte.method_names:
+        raise PteFormatError("expected a .pte with one method, found 0 ([])")
+    plan = pte.execution_plan(method or _main_method(pte))
     delegates = [PteDelegate(d.id, bytes(d.data), dict(d.compile_specs)) for d in plan.delegates]
     operators = [f"{op.name}.{op.overload}" if op.overload else op.name for op in plan.operators]
     kinds = collections.Counter(type(instruction).__name__ for instruction in plan.instructions)
@@ -97,21 +109,34 @@ def summarize_blob(graph: vk.VkGraph) -> dict:
     }
 
 
-def summarize_pte(data: bytes) -> dict:
-    contents = read_pte(data)
+def _summarize_method(data: bytes, method: str | None, named_data) -> dict:
+    contents = read_pte(data, method)
     delegates = []
     for delegate in contents.delegates:
         entry = {"backend_id": delegate.backend_id, "payload_bytes": len(delegate.payload)}
         if delegate.backend_id == BACKEND_ID:
-            entry.update(summarize_blob(deserialize_blob(delegate.payload)))
+            entry.update(summarize_blob(deserialize_blob(delegate.payload, named_data=named_data)))
         delegates.append(entry)
     refusals = [r for d in delegates for r in d.get("refusals", [])]
     unique_refusals = list({(r["node"], r["reason"]): r for r in refusals}.values())
     return {
-        "pte_bytes": len(data),
         "delegate_calls": contents.delegate_calls,
         "kernel_calls": contents.kernel_calls,
         "operators": contents.operators,
         "delegates": delegates,
         "refusals": unique_refusals,
     }
+
+
+def summarize_pte(data: bytes) -> dict:
+    """The report of the .pte's main method (the only one, else the training step), and under
+    "other_methods" the same report of each other method (the eval method of a training step). Constants
+    in the .pte's named data (shared by its methods) count in every method that reads them."""
+    pte = PteFile.from_bytes(data)
+    main = _main_method(pte) if pte.method_names else None
+    report = {"pte_bytes": len(data), **_summarize_method(data, main, pte.named_data),
+              "named_data_bytes": sum(view.nbytes for view in pte.named_data.values())}
+    others = [name for name in pte.method_names if name != main]
+    if others:
+        report["other_methods"] = {name: _summarize_method(data, name, pte.named_data) for name in others}
+    return report

@@ -306,7 +306,7 @@ def load_delegate_graph(pte: PteFile, plan: ExecutionPlan, *, verify_constants: 
     call = check_single_delegate_call(pte, plan)
     delegate = plan.delegates[call.delegate_index]
     try:
-        graph = deserialize_blob(delegate.data, verify_constants=verify_constants)
+        graph = deserialize_blob(delegate.data, verify_constants=verify_constants, named_data=pte.named_data)
     except BlobFormatError as exc:
         raise BlobFormatError(f"{pte.source}: plan {plan.name!r} delegate {call.delegate_index} blob: {exc}") from None
     check_delegate_io(pte, plan, call, graph)

@@ -62,8 +62,15 @@ class ConstantData(object):
             return self._tab.Get(flatbuffers.number_types.Uint32Flags, o + self._tab.Pos)
         return 0
 
+    # ConstantData
+    def NamedKey(self) -> Optional[str]:
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(12))
+        if o != 0:
+            return self._tab.String(o + self._tab.Pos)
+        return None
+
 def ConstantDataStart(builder: flatbuffers.Builder):
-    builder.StartObject(4)
+    builder.StartObject(5)
 
 def Start(builder: flatbuffers.Builder):
     ConstantDataStart(builder)
@@ -91,6 +98,12 @@ def ConstantDataAddCrc32(builder: flatbuffers.Builder, crc32: int):
 
 def AddCrc32(builder: flatbuffers.Builder, crc32: int):
     ConstantDataAddCrc32(builder, crc32)
+
+def ConstantDataAddNamedKey(builder: flatbuffers.Builder, namedKey: int):
+    builder.PrependUOffsetTRelativeSlot(4, flatbuffers.number_types.UOffsetTFlags.py_type(namedKey), 0)
+
+def AddNamedKey(builder: flatbuffers.Builder, namedKey: int):
+    ConstantDataAddNamedKey(builder, namedKey)
 
 def ConstantDataEnd(builder: flatbuffers.Builder) -> int:
     return builder.EndObject()

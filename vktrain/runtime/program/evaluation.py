@@ -1,0 +1,83 @@
+"""The eval method of a training-step .pte (vktrain.export.eval): the step's loss without the update.
+
+The eval method's delegate names its LoRA tensors as the training step names its state
+(`model.<layer>.lora_A` / `.lora_B`); loading binds them to the training step executor's state buffers
+(GraphExecutor `shared`), so eval reads the adapters as trained or as loaded into the training state,
+and never touches the optimizer state. Its constants that the training step holds byte for byte under
+the same name (the frozen base) bind the training executor's buffers too: one copy on the device.
+
+    method = EvalMethod(pte, training_executor)     # what TrainingRunner.evaluate builds on first use
+    loss_sum, count = method.loss_sum(token_ids, labels)
+"""
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import numpy as np
+
+from vktrain.contract import EVAL_INPUTS, EVAL_METHOD, LABELS, MODEL_PREFIX, N_VALID, TOKEN_IDS
+from vktrain.runtime.delegate.executor import ExecutorInputError, GraphExecutor, SharedTensor
+from vktrain.runtime.program.pte import PteFile
+from vktrain.runtime.program.runner import (
+    ProgramInterpreter,
+    UnsupportedProgramError,
+    check_instructions_supported,
+    check_loss_output,
+    check_storageless_tensors,
+    plan_input_names,
+)
+from vktrain.runtime.program.verify import check_device_memory, device_memory_bytes, load_delegate_graph, verify_plan
+from vktrain.serialization import graph as g
+
+
+class EvalMethod:
+    """The .pte's eval method on the device of `training` (the training step's GraphExecutor), bound to
+    its state. Verified like the training step before anything is allocated."""
+
+    def __init__(self, pte: PteFile, training: GraphExecutor, *, timing: bool = False, verify_constants: bool = True,
+                 host_memory_limit: Optional[int] = None, device_memory_limit: Optional[int] = None):
+        if EVAL_METHOD not in pte.method_names:
+            raise UnsupportedProgramError(
+                f"{pte.source} has no {EVAL_METHOD!r} method (it has {pte.method_names}); re-export the training "
+                f"step with this vktrain, which writes the eval method next to it")
+        plan = pte.execution_plan(EVAL_METHOD)
+        check_instructions_supported(pte, plan, has_delegate=True)
+        check_storageless_tensors(pte, plan)
+        verify_plan(pte, plan, host_memory_limit)
+        call, self.graph = load_delegate_graph(pte, plan, verify_constants=verify_constants)
+        check_loss_output(pte, plan, call, self.graph)
+        self._input_names = plan_input_names(pte, plan, call, self.graph, accepted=EVAL_INPUTS, required=EVAL_INPUTS,
+                                             what="an eval method")
+        state = training.shared_state()
+        lora = {name for name in state if name.startswith(MODEL_PREFIX)}
+        reads = {value.name for value in self.graph.values if isinstance(value, g.TensorValue) and value.constant_id >= 0}
+        if not lora <= reads:
+            raise UnsupportedProgramError(
+                f"{pte.source}: the {EVAL_METHOD!r} method does not read the training step's state "
+                f"{sorted(lora - reads)}: it was not exported with this training step")
+        check_device_memory(pte, self.graph, device_memory_bytes(training.device) if device_memory_limit is None
+                            else device_memory_limit)
+        shared = {name: state[name] for name in lora}
+        shared.update(training.constants_matching(self.graph))  # the frozen base: on the device once
+        self.executor = GraphExecutor(training.device, self.graph, timing=timing, shared=shared)
+        try:
+            self._interpreter = ProgramInterpreter(pte, plan, self._run_delegate, host_memory_limit=host_memory_limit)
+        except BaseException:
+            self.executor.close()
+            raise
+
+    def _run_delegate(self, index: int, args: list) -> list[np.ndarray]:
+        return self.executor.run(*args[:len(self.graph.inputs)])
+
+    def loss_sum(self, token_ids: Any, labels: Any) -> tuple[float, int]:
+        """(cross-entropy summed over the labels >= 0, how many there are) of one batch of the exported
+        shape. The method divides by its n_valid input; it gets 1, so the sum comes back."""
+        labels = np.asarray(labels)
+        if labels.dtype.kind not in "iu":
+            raise ExecutorInputError(f"labels must be integers, got {labels.dtype}")
+        by_name = {TOKEN_IDS: np.asarray(token_ids), LABELS: labels, N_VALID: np.float32(1.0)}
+        (loss,) = self._interpreter.run([by_name[name] for name in self._input_names])
+        return float(np.asarray(loss).reshape(())), int(np.count_nonzero(labels >= 0))
+
+    def close(self) -> None:
+        self.executor.close()

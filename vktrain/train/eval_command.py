@@ -1,0 +1,139 @@
+"""`vktrain eval STEP.pte --data FILE [--adapters DIR|CHECKPOINT] [--json FILE]` (torch-free): mean loss
+and perplexity on held-out data, by the eval method exported with the training step.
+
+Held-out batches (`eval_batches`) cover every next-token target of the stream exactly once: rows of S
+targets start every S tokens (row r predicts tokens r*S + 1 .. r*S + S from the S before), the last row
+takes what is left, and rows of the last batch that the data does not fill are padding. Padding is label
+-100 (ignored): the loss is the cross-entropy summed over every real target divided by their number,
+`tokens` in the report. No optimizer state is read or written; the adapters are the .pte's initial ones,
+or those of `--adapters` (a PEFT directory written by `vktrain train --out-adapters`, or a vktrain
+checkpoint .safetensors), written into the training state the eval method reads.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+from pathlib import Path
+from typing import Iterator, Mapping
+
+import numpy as np
+
+from vktrain.contract import METADATA_LORA_ALPHA, MODEL_PREFIX
+from vktrain.train.adapters import ADAPTER_CONFIG, AdapterError, load_adapter_config, load_adapters
+from vktrain.train.checkpoint import atomic_write_json, load_checkpoint
+from vktrain.train.data import IGNORED_LABEL, DataError, TrainingData, load_data
+from vktrain.train.tokenizer import program_tokenizer
+from vktrain.train.train_loop import TrainConfigError, describe_program
+
+
+
+def add_eval_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    parser.add_argument("program", metavar="STEP.pte", help="training-step program with its eval method (vktrain export)")
+    parser.add_argument("--data", required=True, metavar="FILE",
+                        help="held-out token data, in any format `vktrain train --data` reads")
+    parser.add_argument("--adapters", metavar="DIR|CHECKPOINT",
+                        help="adapters to evaluate: a PEFT directory (vktrain train --out-adapters) or a vktrain "
+                             "checkpoint .safetensors (default: the adapters the .pte was exported with)")
+    parser.add_argument("--json", metavar="FILE", help='write {"loss", "perplexity", "tokens"} as JSON')
+    return parser
+
+
+def eval_batches(tokens: np.ndarray, batch_size: int, seq_len: int,
+                 label_stream: np.ndarray | None = None) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+    """(token_ids, labels) int64 [B, S] covering every target of `tokens` once (module docstring).
+    `label_stream` (as TrainingData.labels: each token's label as a target, -100 where it is none, e.g. a
+    chat's prompt tokens) replaces the next tokens as labels."""
+    n_targets = tokens.size - 1
+    if n_targets < 1:
+        raise DataError(f"held-out data needs at least 2 tokens (one target), got {tokens.size}")
+    targets = tokens if label_stream is None else label_stream
+    n_rows = -(-n_targets // seq_len)
+    for first in range(0, n_rows, batch_size):
+        token_ids = np.zeros((batch_size, seq_len), np.int64)
+        labels = np.full((batch_size, seq_len), IGNORED_LABEL, np.int64)
+        for row, start in enumerate(range(first * seq_len, min(n_rows, first + batch_size) * seq_len, seq_len)):
+            length = min(seq_len, n_targets - start)
+            token_ids[row, :length] = tokens[start:start + length]
+            labels[row, :length] = targets[start + 1:start + 1 + length]
+        yield token_ids, labels
+
+
+def evaluate_data(runner, data: TrainingData) -> dict:
+    """{"loss", "perplexity", "tokens"} of `runner`'s current adapters on `data` (its token stream, and its
+    labels when some tokens are no targets): the mean over every target, `tokens` of them."""
+    batch_size, seq_len = runner.batch_shape
+    total, count = 0.0, 0
+    for token_ids, labels in eval_batches(data.tokens, batch_size, seq_len, data.labels):
+        if not (labels >= 0).any():
+            continue  # nothing to count (e.g. a batch of prompt tokens only)
+        loss_sum, n = runner.evaluate(token_ids, labels)
+        total += loss_sum  # float64 accumulation of the per-batch float32 sums
+        count += n
+    if count == 0:
+        raise DataError("the held-out data has no target token (every label is ignored)")
+    loss = total / count
+    if not math.isfinite(loss):
+        raise TrainConfigError(f"the eval loss is {loss} (not finite): the adapters or the data are broken")
+    return {"loss": loss, "perplexity": math.exp(min(loss, 700.0)), "tokens": count}
+
+
+def adapter_state(path: Path, lora_names: list[str], program_alpha: float | None) -> dict[str, np.ndarray]:
+    """The LoRA state (`model.<module>.lora_A` / `.lora_B`) of a PEFT directory or a vktrain checkpoint,
+    exactly the program's adapters (same modules; shapes are checked when written)."""
+    if path.is_dir():
+        config = load_adapter_config(path)
+        alpha = config.get("lora_alpha")
+        if program_alpha is not None and alpha is not None and float(alpha) != program_alpha:
+            raise AdapterError(f"{path / ADAPTER_CONFIG}: lora_alpha is {alpha}, the program was exported with "
+                               f"{program_alpha:g}; its scaling alpha/r is part of the program")
+        state = {}
+        for module, (lora_a, lora_b) in load_adapters(path).items():
+            state[f"{MODEL_PREFIX}{module}.lora_A"], state[f"{MODEL_PREFIX}{module}.lora_B"] = lora_a, lora_b
+    elif path.is_file():
+        state = {name: array for name, array in load_checkpoint(path).tensors.items() if name in lora_names}
+    else:
+        raise AdapterError(f"--adapters {path} does not exist (expected a PEFT directory or a checkpoint file)")
+    missing, unknown = sorted(set(lora_names) - set(state)), sorted(set(state) - set(lora_names))
+    if missing or unknown:
+        raise AdapterError(f"--adapters {path} does not match the program's adapters: missing {missing[:4]}, "
+                           f"not in the program {unknown[:4]}")
+    return state
+
+
+def load_adapter_state(runner, state: Mapping[str, np.ndarray]) -> None:
+    for name, array in state.items():
+        runner.write_state(name, array)
+
+
+def run_eval(args: argparse.Namespace, device=None) -> int:
+    """`vktrain eval`: prints the loss, perplexity and token count (and writes them with --json)."""
+    from vktrain.runtime.program.runner import TrainingRunner  # opens Vulkan: imported only when a run starts
+    from vktrain.train.command import ValidationErrorsReported, prepare_output_file, print_validation_messages
+
+    program_path, data_path = Path(args.program), Path(args.data)
+    if not program_path.is_file():
+        raise TrainConfigError(f"program {program_path} does not exist (or is not a file)")
+    if args.json:
+        prepare_output_file("--json", args.json)
+    runner = TrainingRunner.from_pte(program_path, device)
+    own_device = runner.device if device is None else None  # a caller's device keeps its messages
+    try:
+        with runner:
+            info = describe_program(runner)
+            data = load_data(data_path, info.vocab_size, program_tokenizer(runner, args.program))
+            if args.adapters:
+                alpha = info.metadata.get(METADATA_LORA_ALPHA)
+                lora_names = list(runner.lora_state())
+                load_adapter_state(runner, adapter_state(Path(args.adapters), lora_names,
+                                                         None if alpha is None else float(alpha)))
+            result = evaluate_data(runner, data)
+    finally:
+        errors = print_validation_messages(own_device)
+    if errors:
+        raise ValidationErrorsReported(f"the Vulkan validation layer reported {errors} error(s) (printed above)")
+    print(f"eval {data_path}: loss {result['loss']:.6f}, perplexity {result['perplexity']:.4f} over "
+          f"{result['tokens']} tokens")
+    if args.json:
+        atomic_write_json(args.json, result)
+        print(f"results: {args.json}")
+    return 0
