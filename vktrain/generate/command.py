@@ -17,7 +17,7 @@ import warnings
 from pathlib import Path
 
 from vktrain.errors import VktrainError
-from vktrain.quant.q4gsw import SCALE_RULES
+from vktrain.cli import add_quantization_arguments
 
 # Sources whose change changes the lowered program (the cache key hashes them).
 _PROGRAM_SOURCES = ("export", "backend", "partitioner", "serialization", "opdefs", "ops", "lora", "models", "quant",
@@ -44,8 +44,7 @@ def add_generate_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cache-length", type=int, default=None,
                         help="KV-cache positions (default: min(max_seq_len, 512))")
     parser.add_argument("--prefill-length", type=int, default=32, help="prompt tokens per prefill call")
-    parser.add_argument("--group-size", type=int, default=32)
-    parser.add_argument("--scale-rule", choices=SCALE_RULES, default="mse")
+    add_quantization_arguments(parser)  # the same flags and defaults as `vktrain export`: the same base
     parser.add_argument("--program-cache", help="directory keeping lowered programs by a hash of their inputs")
     parser.add_argument("--json", help="write {prompt_tokens, tokens, text, tokens_per_s} to this file")
 
@@ -72,7 +71,8 @@ def _files_fingerprint(path: Path) -> list:
 
 def program_key(args, model_fingerprint) -> str:
     digest = hashlib.sha256()
-    options = {k: getattr(args, k) for k in ("model_arg", "cache_length", "prefill_length", "group_size", "scale_rule")}
+    options = {k: getattr(args, k) for k in ("model_arg", "cache_length", "prefill_length", "group_size", "scale_rule",
+                                             "calibration_data", "calibration_tokens")}
     digest.update(json.dumps([model_fingerprint, options], sort_keys=True).encode())
     if args.adapters:
         for path in sorted(Path(args.adapters).iterdir()):
@@ -85,9 +85,21 @@ def program_key(args, model_fingerprint) -> str:
     return digest.hexdigest()[:32]
 
 
+def _model_tokenizer(loaded):
+    """The ModelTokenizer of a loaded checkpoint, None for a preset or a checkpoint whose vocabulary cannot be built."""
+    from vktrain.train.tokenizer import TokenizerError
+
+    if loaded is None:
+        return None
+    try:
+        return loaded.tokenizer.build()
+    except TokenizerError:
+        return None
+
+
 def _build_model(args):
     """(LlamaForCausalLM with q4gsw bases and, with --adapters, the loaded adapters; tokenizer info; fingerprint)."""
-    from vktrain.cli import _parse_model_args
+    from vktrain.cli import _parse_model_args, quantization_importance
     from vktrain.lora import LoRAConfig, apply_lora, load_adapters
     from vktrain.models import open_model
     from vktrain.train.adapters import load_adapter_config
@@ -108,9 +120,11 @@ def _build_model(args):
                           scale_rule=args.scale_rule)
     else:  # the q4gsw base alone: every linear but the head, adapters disabled at export
         lora = LoRAConfig(rank=1, group_size=args.group_size, scale_rule=args.scale_rule)
+    importance, calibration = quantization_importance(args, model, _model_tokenizer(loaded))
+    print(f"q4gsw base: {args.scale_rule} scales, {calibration}")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        apply_lora(model, lora)
+        apply_lora(model, lora, importance)
     for warning in caught:
         print(f"warning: {warning.message}", file=sys.stderr)
     if args.adapters:

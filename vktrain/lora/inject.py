@@ -15,7 +15,9 @@ import fnmatch
 import re
 import warnings
 from dataclasses import dataclass, field
+from typing import Mapping
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -82,8 +84,12 @@ class LoRAInsertionError(VktrainError, ValueError):
     """The model would have nothing to train."""
 
 
-def apply_lora(model: nn.Module, config: LoRAConfig) -> LoRAReport:
+def apply_lora(model: nn.Module, config: LoRAConfig,
+               importance: Mapping[str, np.ndarray] | None = None) -> LoRAReport:
     """Replace each nn.Linear whose path matches `config.targets` with a LoRAQ4Linear, in place.
+
+    `importance` (module path -> mean squared input activation per input column, from
+    vktrain.lora.calibration.input_importance) weights the "mse" scale search of those layers.
 
     Every parameter of the model is frozen first; only the inserted lora_A / lora_B train. Layers whose
     shape the q4gsw op refuses (N % 4, K % 4, K % group_size) stay as they are, with one warning each.
@@ -130,7 +136,8 @@ def apply_lora(model: nn.Module, config: LoRAConfig) -> LoRAReport:
             warnings.warn(f"LoRA: leaving layer '{path}' as a plain nn.Linear: {reason}", stacklevel=2)
             continue
         adapter = LoRAQ4Linear.from_linear(linear, config.rank, config.alpha, config.group_size, generator,
-                                           scale_rule=config.scale_rule)
+                                           scale_rule=config.scale_rule,
+                                           importance=None if importance is None else importance.get(path))
         parent_path, _, child = path.rpartition(".")
         parent = model.get_submodule(parent_path) if parent_path else model
         setattr(parent, child, adapter)
