@@ -109,7 +109,7 @@ def _plan_segments(constants: list) -> tuple[list[tuple[int, int, int]], list[tu
         if isinstance(data, g.SyntheticConstant):
             records.append((0, 0, 0))
             continue
-        view = g.constant_bytes(data)
+        view = data.stored_bytes if isinstance(data, g.NarrowConstant) else g.constant_bytes(data)
         key = (view.nbytes, hashlib.sha256(view).digest())
         match = None
         for index in by_digest.get(key, ()):
@@ -252,6 +252,8 @@ def _build_flatbuffer(graph: g.VkGraph, constant_records: list[tuple[int, int, i
         FbConstantData.AddCrc32(builder, crc32)
         if synthetic is not None:
             FbConstantData.AddSynthetic(builder, synthetic)
+        if isinstance(data, g.NarrowConstant):
+            FbConstantData.AddStoredDtype(builder, int(data.stored_dtype))
         constants.append(FbConstantData.End(builder))
 
     memory_objects = []
@@ -433,6 +435,7 @@ def _read_constants(root, segment_area: memoryview, verify: bool) -> list:
             record = root.Constants(i)
             offset, length, crc32 = record.Offset(), record.Length(), record.Crc32()
             synthetic = record.Synthetic()
+            stored_dtype = record.StoredDtype()
         if synthetic is not None:
             if offset or length:
                 raise BlobFormatError(f"constant {i} is synthetic but also has segment bytes "
@@ -454,6 +457,11 @@ def _read_constants(root, segment_area: memoryview, verify: bool) -> list:
                 raise BlobFormatError(f"constant {i} (read by {_constant_reader(root, i)}): crc32 of its {length} bytes "
                                       f"is {actual:#010x}, its record says {crc32:#010x} (the constant data "
                                       "was modified or corrupted)")
+        if stored_dtype is not None:
+            if synthetic is not None or stored_dtype not in [int(d) for d in g.NARROW_DTYPES]:
+                raise BlobFormatError(f"constant {i} has stored_dtype {stored_dtype}; expected one of "
+                                      f"{[f'{d.name} ({int(d)})' for d in g.NARROW_DTYPES]} on a constant with bytes")
+            data = g.NarrowConstant(data, g.DType(stored_dtype))
         constants.append(data)
     return constants
 

@@ -62,8 +62,15 @@ class ConstantData(object):
             return self._tab.Get(flatbuffers.number_types.Uint32Flags, o + self._tab.Pos)
         return 0
 
+    # ConstantData
+    def StoredDtype(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(12))
+        if o != 0:
+            return self._tab.Get(flatbuffers.number_types.Uint8Flags, o + self._tab.Pos)
+        return None
+
 def ConstantDataStart(builder: flatbuffers.Builder):
-    builder.StartObject(4)
+    builder.StartObject(5)
 
 def Start(builder: flatbuffers.Builder):
     ConstantDataStart(builder)
@@ -91,6 +98,12 @@ def ConstantDataAddCrc32(builder: flatbuffers.Builder, crc32: int):
 
 def AddCrc32(builder: flatbuffers.Builder, crc32: int):
     ConstantDataAddCrc32(builder, crc32)
+
+def ConstantDataAddStoredDtype(builder: flatbuffers.Builder, storedDtype: int):
+    builder.PrependUint8Slot(4, storedDtype, None)
+
+def AddStoredDtype(builder: flatbuffers.Builder, storedDtype: int):
+    ConstantDataAddStoredDtype(builder, storedDtype)
 
 def ConstantDataEnd(builder: flatbuffers.Builder) -> int:
     return builder.EndObject()
