@@ -60,6 +60,35 @@ def test_random_plans_are_valid():
         assert plan.planned_bytes <= sum(t.nbytes for t in intervals)
 
 
+def _greedy_plan_by_scanning(intervals):
+    """The planning rule written the obvious way (scan every resident): largest first, into the smallest
+    existing object (lowest id on ties) none of whose residents overlaps it, else a new object."""
+    residents, sizes, assignment = [], [], {}
+    for t in sorted(intervals, key=lambda t: (-t.nbytes, t.first, t.value_id)):
+        free = [i for i, held in enumerate(residents) if not any(t.overlaps(o) for o in held)]
+        best = min(free, key=lambda i: (sizes[i], i)) if free else None
+        if best is None:
+            residents.append([])
+            sizes.append(t.nbytes)
+            best = len(sizes) - 1
+        residents[best].append(t)
+        assignment[t.value_id] = best
+    return assignment, sizes
+
+
+def test_plans_equal_the_scanning_rule_exactly():
+    # The planner checks only an object's two neighbouring residents; it must place exactly as a full scan.
+    rng = random.Random(1)
+    for _ in range(40):
+        intervals = []
+        for value_id in range(rng.randint(1, 200)):
+            first = rng.randint(0, 300)
+            intervals.append(LiveInterval(value_id, rng.choice([4, 64, 256, 1024, 4096]), first,
+                                          first + rng.choice([0, 1, 2, 5, 20, 100])))
+        plan = plan_memory(intervals)
+        assert (plan.assignment, plan.object_sizes) == _greedy_plan_by_scanning(intervals)
+
+
 # ---------------------------------------------------------------------------------------------------
 # a whole training step
 

@@ -7,6 +7,7 @@ each into the smallest existing object whose tensors are all dead during its int
 """
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass, replace
 
 from vktrain.serialization import graph as vk
@@ -41,26 +42,37 @@ class MemoryPlan:
 
 
 def plan_memory(intervals: list[LiveInterval]) -> MemoryPlan:
-    """Assign every interval's tensor to a memory object; object sizes are the largest tensor each holds."""
+    """Assign every interval's tensor to a memory object; object sizes are the largest tensor each holds.
+
+    An object's residents never overlap each other, so each object keeps them sorted by `first` (their
+    `last`s are then sorted too) and a candidate is checked against its two neighbours only: O(log n)
+    per object instead of a scan of every resident, which made a 30-layer model's step quadratic."""
     order = sorted(intervals, key=lambda t: (-t.nbytes, t.first, t.value_id))
-    residents: list[list[LiveInterval]] = []
+    firsts: list[list[int]] = []  # per object: its residents' `first`, ascending
+    lasts: list[list[int]] = []   # per object: the same residents' `last`, in the same order
     sizes: list[int] = []
     assignment: dict[int, int] = {}
     for tensor in order:
         if tensor.value_id in assignment:
             raise ValueError(f"value {tensor.value_id} has more than one live interval")
         best = None
-        for object_id, held in enumerate(residents):
-            if any(tensor.overlaps(other) for other in held):
-                continue
-            # Objects are created largest-first, so every candidate already fits; take the smallest.
-            if best is None or sizes[object_id] < sizes[best]:
-                best = object_id
+        for object_id, size in enumerate(sizes):
+            if best is not None and size >= sizes[best]:
+                continue  # not smaller than the best free object so far
+            at = bisect.bisect_left(firsts[object_id], tensor.first)
+            if at > 0 and lasts[object_id][at - 1] >= tensor.first:
+                continue  # the resident starting before it is still live when it starts
+            if at < len(firsts[object_id]) and firsts[object_id][at] <= tensor.last:
+                continue  # a resident starts while it is live
+            best = object_id
         if best is None:
-            residents.append([])
+            firsts.append([])
+            lasts.append([])
             sizes.append(tensor.nbytes)
             best = len(sizes) - 1
-        residents[best].append(tensor)
+        at = bisect.bisect_left(firsts[best], tensor.first)
+        firsts[best].insert(at, tensor.first)
+        lasts[best].insert(at, tensor.last)
         assignment[tensor.value_id] = best
     return MemoryPlan(assignment, sizes, sum(t.nbytes for t in intervals))
 

@@ -193,6 +193,10 @@ class _GraphBuilder:
         self.program = program
         self.synthetic = synthetic
         self.signature = program.graph_signature
+        # The signature's maps are properties rebuilt from every input spec on each access: read them once.
+        self.buffer_of = dict(self.signature.inputs_to_buffers)  # placeholder name -> buffer FQN
+        self.constant_of = {**self.signature.inputs_to_parameters, **self.buffer_of,
+                            **self.signature.inputs_to_lifted_tensor_constants}  # placeholder name -> FQN
         self.graph = vk.VkGraph()
         self.node_values: dict[Node, int | tuple[int, ...]] = {}
         self.constant_values: dict[tuple[Node, str], int] = {}  # (placeholder, layout) -> value id
@@ -201,9 +205,7 @@ class _GraphBuilder:
 
     # -- placeholders ---------------------------------------------------------------------------
     def _tensor_data(self, node: Node) -> tuple[str, torch.Tensor]:
-        sig = self.signature
-        name = (sig.inputs_to_parameters.get(node.name) or sig.inputs_to_buffers.get(node.name)
-                or sig.inputs_to_lifted_tensor_constants.get(node.name))
+        name = self.constant_of.get(node.name)
         if name in self.program.state_dict:
             return name, self.program.state_dict[name]
         if name in self.program.constants:
@@ -220,13 +222,12 @@ class _GraphBuilder:
                 value_id = self._new_tensor(node.meta["val"], node.name)
                 self.graph.inputs.append(value_id)
                 self.node_values[node] = value_id
-            elif self.signature.inputs_to_buffers.get(node.name) in mutated:
-                fqn = self.signature.inputs_to_buffers[node.name]
+            elif self.buffer_of.get(node.name) in mutated:
+                fqn = self.buffer_of[node.name]
                 value_id = self._new_tensor(node.meta["val"], fqn)
                 self.node_values[node] = value_id
                 self.state_nodes[fqn] = node
-            elif (node.name in self.signature.inputs_to_parameters or node.name in self.signature.inputs_to_buffers
-                  or node.name in self.signature.inputs_to_lifted_tensor_constants):
+            elif node.name in self.constant_of:
                 self.constant_nodes.add(node)  # values created on first use, in the layout that use needs
             else:
                 raise ValueError(f"placeholder '{node.name}' is neither a user input, a constant nor mutable state")

@@ -110,7 +110,7 @@ def named_constants(graph: g.VkGraph, min_bytes: int) -> dict[int, tuple[str, me
     for constant_id, data in enumerate(graph.constants):
         if isinstance(data, g.SyntheticConstant):
             continue
-        view = g.constant_bytes(data)
+        view = g.stored_bytes(data)
         if view.nbytes >= min_bytes:
             named[constant_id] = (NAMED_KEY_PREFIX + hashlib.sha256(view).hexdigest(), view)
     return named
@@ -132,7 +132,7 @@ def _plan_segments(constants: list, named: dict[int, tuple[str, memoryview]]
         if isinstance(data, g.SyntheticConstant):
             records.append((0, 0, 0, None))
             continue
-        view = g.constant_bytes(data)
+        view = g.stored_bytes(data)
         if constant_id in named:
             records.append((0, view.nbytes, zlib.crc32(view), named[constant_id][0]))
             continue
@@ -281,6 +281,8 @@ def _build_flatbuffer(graph: g.VkGraph, constant_records: list[tuple[int, int, i
             FbConstantData.AddSynthetic(builder, synthetic)
         if key is not None:
             FbConstantData.AddNamedKey(builder, key)
+        if isinstance(data, g.NarrowConstant):
+            FbConstantData.AddStoredDtype(builder, int(data.stored_dtype))
         constants.append(FbConstantData.End(builder))
 
     memory_objects = []
@@ -465,6 +467,7 @@ def _read_constants(root, segment_area: memoryview, verify: bool, named_data: Ma
             record = root.Constants(i)
             offset, length, crc32 = record.Offset(), record.Length(), record.Crc32()
             synthetic, named_key = record.Synthetic(), _text(record.NamedKey())
+            stored_dtype = record.StoredDtype()
         if synthetic is not None:
             if offset or length:
                 raise BlobFormatError(f"constant {i} is synthetic but also has segment bytes "
@@ -489,6 +492,11 @@ def _read_constants(root, segment_area: memoryview, verify: bool, named_data: Ma
                 raise BlobFormatError(f"constant {i} (read by {_constant_reader(root, i)}): crc32 of its {length} bytes "
                                       f"is {actual:#010x}, its record says {crc32:#010x} (the constant data "
                                       "was modified or corrupted)")
+        if stored_dtype is not None:
+            if synthetic is not None or stored_dtype not in [int(d) for d in g.NARROW_DTYPES]:
+                raise BlobFormatError(f"constant {i} has stored_dtype {stored_dtype}; expected one of "
+                                      f"{[f'{d.name} ({int(d)})' for d in g.NARROW_DTYPES]} on a constant with bytes")
+            data = g.NarrowConstant(data, g.DType(stored_dtype))
         constants.append(data)
     return constants
 

@@ -19,6 +19,7 @@ import numpy as np
 
 # SyntheticKind and the tensor types are re-exported: `graph.X` names the one definition.
 from vktrain.serialization.synthetic import SyntheticConstant, SyntheticKind, check_synthetic_reader  # noqa: F401
+from vktrain.serialization.narrow_constant import NARROW_DTYPES, NarrowConstant, narrow_losslessly  # noqa: F401
 from vktrain.serialization.tensor_types import LAYOUT_STORAGE, DType, GraphError, Layout, store_as_tuple
 
 from vktrain.contract import METADATA_PLANNED_MEMORY_BYTES, METADATA_SOURCE_MODEL  # noqa: F401  (re-exported)
@@ -167,23 +168,34 @@ class MemoryObject:
 
 
 # Anything exposing its bytes through the buffer protocol; numpy arrays must be C-contiguous or they
-# are copied once when serialised. A SyntheticConstant is generated instead of stored.
-ConstantData = Union[bytes, bytearray, memoryview, np.ndarray, SyntheticConstant]
+# are copied once when serialised. A SyntheticConstant is generated instead of stored; a NarrowConstant
+# is stored in 2-byte elements and read as the float32 array it widens to.
+ConstantData = Union[bytes, bytearray, memoryview, np.ndarray, SyntheticConstant, NarrowConstant]
 
 
 def constant_nbytes(data: ConstantData) -> int:
-    """Size of one constant in bytes, without generating a synthetic one."""
-    if isinstance(data, SyntheticConstant):
+    """Size of one constant in bytes as its tensors read it, without generating a synthetic one or
+    widening a narrow one."""
+    if isinstance(data, (SyntheticConstant, NarrowConstant)):
         return data.nbytes
     return constant_bytes(data).nbytes
+
+
+def stored_bytes(data: ConstantData) -> memoryview:
+    """The bytes of one constant as the blob stores them: a NarrowConstant's narrow elements, any other
+    constant's own bytes (constant_bytes)."""
+    return data.stored_bytes if isinstance(data, NarrowConstant) else constant_bytes(data)
 
 
 def constant_bytes(data: ConstantData) -> memoryview:
     """A flat byte view of one constant (no copy unless a numpy array is not C-contiguous).
 
-    A SyntheticConstant is generated here (a new buffer on every call; the costly path for big ones)."""
+    A SyntheticConstant is generated here, a NarrowConstant widened (a new buffer on every call; the
+    costly path for big ones)."""
     if isinstance(data, SyntheticConstant):
         data = data.materialize()
+    elif isinstance(data, NarrowConstant):
+        data = data.widen()
     if isinstance(data, np.ndarray):
         if data.dtype.byteorder == ">":
             raise GraphError(f"constant has big-endian dtype {data.dtype}; the blob is little-endian")
@@ -194,8 +206,8 @@ def constant_bytes(data: ConstantData) -> memoryview:
         if not view.c_contiguous:
             raise GraphError("constant memoryview is not contiguous")
         return view.cast("B") if view.format != "B" or view.ndim != 1 else view
-    raise GraphError(f"constant of type {type(data).__name__} is not bytes, bytearray, memoryview, numpy array "
-                     f"or SyntheticConstant")
+    raise GraphError(f"constant of type {type(data).__name__} is not bytes, bytearray, memoryview, numpy array, "
+                     f"SyntheticConstant or NarrowConstant")
 
 
 @dataclass
@@ -222,7 +234,7 @@ class VkGraph:
     def add_constant(self, data: ConstantData) -> int:
         """Append constant data (or a SyntheticConstant); return its constant id. (Identical bytes are
         stored once in the blob.)"""
-        if not isinstance(data, SyntheticConstant):
+        if not isinstance(data, (SyntheticConstant, NarrowConstant)):
             constant_bytes(data)  # refuse unusable data now, not at serialisation
         self.constants.append(data)
         return len(self.constants) - 1
@@ -335,6 +347,8 @@ class VkGraph:
                 initial = self.constants[state.initial_constant_id]
                 if isinstance(initial, SyntheticConstant):
                     check_synthetic_reader(initial, target.dtype, target.shape, where)
+                if isinstance(initial, NarrowConstant):
+                    _check_narrow_reader(target.dtype, target.layout, where)
                 size = constant_sizes[state.initial_constant_id]
                 if size != target.nbytes:
                     raise GraphError(f"{where}: initial constant {state.initial_constant_id} has {size} bytes, "
@@ -368,6 +382,8 @@ class VkGraph:
             constant = self.constants[tensor.constant_id]
             if isinstance(constant, SyntheticConstant):
                 check_synthetic_reader(constant, tensor.dtype, tensor.shape, f"{where} ({tensor.name or 'unnamed'})")
+            if isinstance(constant, NarrowConstant):
+                _check_narrow_reader(tensor.dtype, tensor.layout, f"{where} ({tensor.name or 'unnamed'})")
             size = constant_sizes[tensor.constant_id]
             if size != tensor.nbytes:
                 raise GraphError(f"{where} ({tensor.name or 'unnamed'}): constant {tensor.constant_id} "
@@ -394,3 +410,9 @@ class VkGraph:
         if tensor.view_strides and (not tensor.is_view or len(tensor.view_strides) != len(tensor.shape)):
             raise GraphError(f"{where} has view strides {list(tensor.view_strides)}: strides belong to a view and "
                              f"need one per dim of shape {list(tensor.shape)}")
+
+
+def _check_narrow_reader(dtype: DType, layout: Layout, where: str) -> None:
+    if (dtype, layout) != (DType.FLOAT32, Layout.PLAIN):
+        raise GraphError(f"{where} is {dtype.name} ({layout.name}) but reads a narrow constant (stored as "
+                         f"float16/bfloat16), which only PLAIN FLOAT32 tensors may read")

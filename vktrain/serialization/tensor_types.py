@@ -31,10 +31,11 @@ class DType(enum.IntEnum):
     UINT32 = 5
     BOOL = 6
     INT8 = 7
+    BFLOAT16 = 8  # stored constants only (narrow_constant.py); numpy has none: handled as uint16 bits
 
     @property
     def numpy_dtype(self) -> np.dtype:
-        return np.dtype(_NUMPY_DTYPES[self]).newbyteorder("<")
+        return np.dtype(_NUMPY_DTYPES.get(self) or _BIT_CONTAINERS[self]).newbyteorder("<")
 
     @property
     def itemsize(self) -> int:
@@ -50,7 +51,10 @@ class DType(enum.IntEnum):
         raise GraphError(f"numpy dtype {dtype} has no vktrain DType; supported (little-endian): {supported}")
 
 
-_NUMPY_DTYPES = {DType(d.blob_code): d.name for d in DTYPES}  # vktrain/opdefs/dtypes.py: the one table
+# vktrain/opdefs/dtypes.py: the one table (bfloat16 has no numpy dtype: its bits are held as uint16,
+# and no numpy array is ever taken for a bfloat16 tensor).
+_NUMPY_DTYPES = {DType(d.blob_code): d.name for d in DTYPES if d.name != "bfloat16"}
+_BIT_CONTAINERS = {DType.BFLOAT16: "uint16"}
 
 
 class Layout(enum.IntEnum):

@@ -11,6 +11,9 @@ decision ahead of time, in this order (`PASSES`), before the one memory planning
 4. views.decide_views: byte-preserving ops and lazy transposes produce views of their source's storage.
 5. in_place.update_state_in_place: adamw outputs use their state's storage when nothing reads the old
    value later (needs the views: a view of the state is such a reader).
+6. constant_storage.narrow_float_constants: float32 constants whose values are all exactly bfloat16 /
+   float16 are stored in the blob as those (ConstantData.stored_dtype), widened bit for bit when read.
+   It changes no tensor, only how constant bytes travel in the file.
 
 Then memory_planning.plan_graph_memory places every tensor with storage of its own into memory
 objects by the lifetime of everything sharing that storage. The result is recorded per tensor in the
@@ -22,13 +25,15 @@ from __future__ import annotations
 from vktrain.serialization import graph as vk
 
 from ..memory_planning import MemoryPlan, plan_graph_memory
+from .constant_storage import narrow_float_constants
 from .fusion import fuse_patterns
 from .in_place import update_state_in_place
 from .prepacked_layout import type_prepacked_outputs
 from .storage_dtype import downcast_int64_storage
 from .views import decide_views
 
-PASSES = (fuse_patterns, downcast_int64_storage, type_prepacked_outputs, decide_views, update_state_in_place)
+PASSES = (fuse_patterns, downcast_int64_storage, type_prepacked_outputs, decide_views, update_state_in_place,
+          narrow_float_constants)
 
 
 def compile_graph(graph: vk.VkGraph) -> MemoryPlan:

@@ -505,8 +505,10 @@ class GraphExecutor:
             owner = theirs[value.name]
             if (owner.tensor.shape, owner.tensor.dtype, owner.tensor.layout) != (value.shape, value.dtype, value.layout):
                 continue
-            mine = np.frombuffer(vk.constant_bytes(graph.constants[value.constant_id]), np.uint8)
-            other = np.frombuffer(vk.constant_bytes(self.graph.constants[owner.tensor.constant_id]), np.uint8)
+            if owner.tensor.storage_dtype != value.storage_dtype:
+                continue
+            mine = np.frombuffer(vk.stored_bytes(graph.constants[value.constant_id]), np.uint8)
+            other = np.frombuffer(vk.stored_bytes(self.graph.constants[owner.tensor.constant_id]), np.uint8)
             if np.array_equal(mine, other):
                 same[value.name] = owner
         return same

@@ -69,8 +69,15 @@ class ConstantData(object):
             return self._tab.String(o + self._tab.Pos)
         return None
 
+    # ConstantData
+    def StoredDtype(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(14))
+        if o != 0:
+            return self._tab.Get(flatbuffers.number_types.Uint8Flags, o + self._tab.Pos)
+        return None
+
 def ConstantDataStart(builder: flatbuffers.Builder):
-    builder.StartObject(5)
+    builder.StartObject(6)
 
 def Start(builder: flatbuffers.Builder):
     ConstantDataStart(builder)
@@ -104,6 +111,12 @@ def ConstantDataAddNamedKey(builder: flatbuffers.Builder, namedKey: int):
 
 def AddNamedKey(builder: flatbuffers.Builder, namedKey: int):
     ConstantDataAddNamedKey(builder, namedKey)
+
+def ConstantDataAddStoredDtype(builder: flatbuffers.Builder, storedDtype: int):
+    builder.PrependUint8Slot(5, storedDtype, None)
+
+def AddStoredDtype(builder: flatbuffers.Builder, storedDtype: int):
+    ConstantDataAddStoredDtype(builder, storedDtype)
 
 def ConstantDataEnd(builder: flatbuffers.Builder) -> int:
     return builder.EndObject()

@@ -11,3 +11,4 @@ class DataType(object):
     UINT32 = 5
     BOOL = 6
     INT8 = 7
+    BFLOAT16 = 8
