@@ -111,7 +111,9 @@ def program_meaning(pte: PteFile, program: VerifiedTrainingProgram) -> dict:
         "graph values": tuple(graph.values), "graph ops": tuple(graph.ops), "graph inputs": tuple(graph.inputs),
         "graph outputs": tuple(graph.outputs), "graph mutable state": tuple(graph.mutable_state),
         "graph memory objects": tuple(graph.memory_objects), "graph metadata": dict(graph.metadata),
-        "graph constants": tuple(c if isinstance(c, g.SyntheticConstant) else bytes(c) for c in graph.constants),
+        "graph constants": tuple(c if isinstance(c, g.SyntheticConstant)
+                                 else (getattr(c, "stored_dtype", None), bytes(g.stored_bytes(c)))
+                                 for c in graph.constants),
     }
 
 
