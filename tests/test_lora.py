@@ -227,3 +227,17 @@ def test_calibration_importance_weights_the_base_by_what_its_inputs_carry():
         deq = copy_[1].dequantized_weight().double()
         errors[name] = float((x @ (deq - model[1].weight.detach().double()).T).square().mean())
     assert errors["imatrix"] < 0.8 * errors["plain"], errors
+
+
+def test_peft_target_modules_select_the_layers_peft_selects():
+    """adapter_config.json's target_modules (short names, as vktrain train writes them, or a regex
+    string) pick the same layers through vktrain's patterns as PEFT's own matching."""
+    from vktrain.models import build_model
+    from vktrain.train.adapters import peft_target_patterns
+
+    for target_modules, expected in ((["q_proj", "down_proj"], ("self_attn.q_proj", "mlp.down_proj")),
+                                     (r".*\.v_proj", ("self_attn.v_proj",))):
+        model = build_model("tiny-llama")
+        report = apply_lora(model, LoRAConfig(rank=2, targets=tuple(peft_target_patterns(target_modules))))
+        layers = model.config.n_layers
+        assert sorted(report.replaced) == sorted(f"model.layers.{i}.{name}" for i in range(layers) for name in expected)

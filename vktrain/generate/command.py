@@ -102,7 +102,7 @@ def _build_model(args):
     from vktrain.cli import _parse_model_args, quantization_importance
     from vktrain.lora import LoRAConfig, apply_lora, load_adapters
     from vktrain.models import open_model
-    from vktrain.train.adapters import load_adapter_config
+    from vktrain.train.adapters import load_adapter_config, peft_target_patterns
 
     model, loaded = open_model(args.model, **_parse_model_args(args.model_arg))
     if loaded is None:
@@ -116,7 +116,7 @@ def _build_model(args):
             raise GenerateUsageError(f"{args.adapters}: adapters with per-module ranks or alphas (rank_pattern / "
                                      f"alpha_pattern) are not supported")
         lora = LoRAConfig(rank=int(config["r"]), alpha=float(config["lora_alpha"]),
-                          targets=",".join(config["target_modules"]), group_size=args.group_size,
+                          targets=tuple(peft_target_patterns(config["target_modules"])), group_size=args.group_size,
                           scale_rule=args.scale_rule)
     else:  # the q4gsw base alone: every linear but the head, adapters disabled at export
         lora = LoRAConfig(rank=1, group_size=args.group_size, scale_rule=args.scale_rule)

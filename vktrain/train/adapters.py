@@ -133,6 +133,17 @@ class ProgramAdapters:
                                f"adapted layers {sorted(self.layers)}")
 
 
+def peft_target_patterns(target_modules) -> list[str]:
+    """PEFT's target_modules as vktrain.lora target patterns: a string is a regular expression matched
+    against the whole module path; a list names modules whose path is a name or ends with "." + name."""
+    if isinstance(target_modules, str):
+        return [target_modules if target_modules == "all-linear" else "re:" + target_modules]
+    patterns = []
+    for name in target_modules:
+        patterns += [name, "*." + name]
+    return patterns
+
+
 def adapter_config(adapters: Mapping[str, tuple[np.ndarray, np.ndarray]], lora_alpha: float,
                    base_model: Optional[str] = None, target_modules: Optional[Sequence[str]] = None) -> dict:
     """PEFT LoraConfig fields describing `adapters` (rank from the tensors; the most common rank is r,
