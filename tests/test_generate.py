@@ -233,10 +233,11 @@ def test_the_program_cache_key_follows_what_the_program_depends_on(tmp_path):
 
     (tmp_path / "adapter_model.safetensors").write_bytes(b"A")
     args = dict(model_arg=[], cache_length=32, prefill_length=8, group_size=32, scale_rule="mse",
-                adapters=str(tmp_path))
+                calibration_data="auto", calibration_tokens=1024, adapters=str(tmp_path))
     key = program_key(argparse.Namespace(**args), "tiny-llama")
     assert program_key(argparse.Namespace(**args), "tiny-llama") == key
     assert program_key(argparse.Namespace(**{**args, "cache_length": 64}), "tiny-llama") != key
+    assert program_key(argparse.Namespace(**{**args, "calibration_data": "none"}), "tiny-llama") != key
     assert program_key(argparse.Namespace(**args), "mlp-lora") != key
     (tmp_path / "adapter_model.safetensors").write_bytes(b"B")
     assert program_key(argparse.Namespace(**args), "tiny-llama") != key
@@ -369,11 +370,14 @@ def test_runner_greedy_equals_transformers_and_logits_equal_the_full_sequence(ge
         # One device copy of the weights and of the caches: every constant and state of decode lives in a buffer
         # that prefill uses too (decode reading prefill's cache is what the token comparison below checks).
         executors = runner.prefill_method.executor, runner.decode_method.executor
-        keys = [{executor.storage_of(v) for op in executor.ops for v in op.args
-                 if getattr(executor.graph.values[v], "constant_id", -1) >= 0} for executor in executors]
-        states = [{executor.storage_of(s.state_id) for s in executor.graph.mutable_state} for executor in executors]
-        assert keys[1] <= keys[0] and states[0] == states[1] and len(states[0]) == 4
-        assert all(key.startswith("shared.") for key in keys[0] | states[0])
+        decode = executors[1]
+        weights = {decode.storage_of(v) for op in decode.ops for v in op.args
+                   if getattr(decode.graph.values[v], "constant_id", -1) >= 0
+                   and decode.graph.values[v].storage_of < 0 and decode.graph.values[v].name.startswith("model.")}
+        states = {decode.storage_of(s.state_id) for s in decode.graph.mutable_state}
+        assert len(states) == 4 and all(key.startswith("shared:") for key in states)  # prefill's caches
+        assert weights and all(key.startswith("shared:") for key in weights)  # prefill's weights
+        assert not any(key.startswith("state") for key in decode.buffer_bytes)  # decode allocates no cache
         marker = np.full(executors[1].read_state(runner.cache_names[0]).shape, 7.0, np.float32)
         executors[1].write_state(runner.cache_names[0], marker)  # generate() overwrites every row it reads
         np.testing.assert_array_equal(executors[0].read_state(runner.cache_names[0]), marker)
