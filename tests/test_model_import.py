@@ -185,7 +185,7 @@ def test_cli_export_of_a_hf_directory_prints_what_it_adapted(tmp_path):
     assert f"loaded {tmp_path}: hf LlamaForCausalLM: vocab {VOCAB}, dim {DIM}, 1 layers" in result.stdout
     assert "rope theta 100000 (no scaling)" in result.stdout
     assert "adapting 7 layer(s)" in result.stdout and "model.layers.0.mlp.down_proj" in result.stdout
-    assert "q4gsw base (mse scales)" in result.stdout  # the export default
+    assert "q4gsw base (mse scales, no calibration)" in result.stdout  # the export default (no tokenizer here)
     assert "not adapted (output head; name it in --targets to adapt it): lm_head" in result.stdout
     assert out.stat().st_size > 0
 

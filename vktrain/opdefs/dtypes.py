@@ -14,6 +14,11 @@ from vktrain.errors import VktrainError
 from vktrain.serialization.generated.vkt_blob.DataType import DataType
 
 
+# Dtypes numpy has no type for: their elements are held as these unsigned integers of the same width (a
+# bfloat16 is the upper half of a float32's bits; only stored constants use it, serialization/narrow_constant.py).
+BIT_CONTAINERS = {"bfloat16": "uint16"}
+
+
 @dataclass(frozen=True)
 class DTypeInfo:
     name: str  # the name every layer uses ("float32"); equals numpy's and torch's (torch.<name>)
@@ -25,7 +30,8 @@ class DTypeInfo:
 
     @property
     def numpy(self) -> np.dtype:
-        return np.dtype(self.name).newbyteorder("<")
+        """numpy's dtype of the elements (for bfloat16: the uint16 holding its bits, BIT_CONTAINERS)."""
+        return np.dtype(BIT_CONTAINERS.get(self.name, self.name)).newbyteorder("<")
 
     @property
     def itemsize(self) -> int:
@@ -46,4 +52,4 @@ def dtype_info(name: str) -> DTypeInfo:
     return info
 
 
-__all__ = ["DTYPES", "DTypeInfo", "dtype_info"]
+__all__ = ["BIT_CONTAINERS", "DTYPES", "DTypeInfo", "dtype_info"]

@@ -7,7 +7,7 @@ import enum
 import numpy as np
 
 from vktrain.errors import VktrainError
-from vktrain.opdefs.dtypes import DTYPES
+from vktrain.opdefs.dtypes import BIT_CONTAINERS, DTYPES
 
 
 class GraphError(VktrainError, ValueError):
@@ -35,7 +35,7 @@ class DType(enum.IntEnum):
 
     @property
     def numpy_dtype(self) -> np.dtype:
-        return np.dtype(_NUMPY_DTYPES.get(self) or _BIT_CONTAINERS[self]).newbyteorder("<")
+        return _DTYPE_INFO[self].numpy
 
     @property
     def itemsize(self) -> int:
@@ -51,10 +51,10 @@ class DType(enum.IntEnum):
         raise GraphError(f"numpy dtype {dtype} has no vktrain DType; supported (little-endian): {supported}")
 
 
-# vktrain/opdefs/dtypes.py: the one table (bfloat16 has no numpy dtype: its bits are held as uint16,
-# and no numpy array is ever taken for a bfloat16 tensor).
-_NUMPY_DTYPES = {DType(d.blob_code): d.name for d in DTYPES if d.name != "bfloat16"}
-_BIT_CONTAINERS = {DType.BFLOAT16: "uint16"}
+# vktrain/opdefs/dtypes.py: the one table. A dtype held in a bit container (bfloat16) has no numpy dtype
+# of its own, so no numpy array maps back to it.
+_DTYPE_INFO = {DType(d.blob_code): d for d in DTYPES}
+_NUMPY_DTYPES = {DType(d.blob_code): d.name for d in DTYPES if d.name not in BIT_CONTAINERS}
 
 
 class Layout(enum.IntEnum):
