@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Union
+from typing import Any, Union
 
 import numpy as np
 
@@ -416,3 +416,14 @@ def _check_narrow_reader(dtype: DType, layout: Layout, where: str) -> None:
     if (dtype, layout) != (DType.FLOAT32, Layout.PLAIN):
         raise GraphError(f"{where} is {dtype.name} ({layout.name}) but reads a narrow constant (stored as "
                          f"float16/bfloat16), which only PLAIN FLOAT32 tensors may read")
+
+
+def decode_scalar(value: Value) -> Any:
+    """A non-tensor graph value as the Python value a plan function or pass takes."""
+    if isinstance(value, NullValue):
+        return None
+    if isinstance(value, (IntValue, DoubleValue, BoolValue, StringValue)):
+        return value.value
+    if isinstance(value, (IntListValue, DoubleListValue, BoolListValue)):
+        return tuple(value.items)
+    raise GraphError(f"value of type {type(value).__name__} is not a scalar argument")

@@ -18,7 +18,8 @@ from __future__ import annotations
 from dataclasses import replace
 
 from vktrain.runtime.delegate.kernels.layout import StridedView
-from vktrain.runtime.delegate.op_lowering import decode_scalar, transposed_view
+from vktrain.runtime.delegate.op_lowering import transposed_view
+from vktrain.serialization.graph import decode_scalar
 from vktrain.serialization import graph as vk
 
 from ..lifetimes import GraphUses, analyze_uses, storage_root

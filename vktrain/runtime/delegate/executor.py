@@ -38,7 +38,6 @@ from vktrain.runtime.delegate.op_lowering import (
     OpContext,
     TensorArg,
     copy_words,
-    decode_scalar,
     lowering_for,
 )
 from vktrain.runtime.delegate.kernels.coopmat import allowed_precisions, select_gemm_route
@@ -347,7 +346,7 @@ class GraphExecutor:
             if not all(isinstance(item, vk.TensorValue) for item in items):
                 raise GraphLoweringError(f"op {index} ({op.name}): value list {value_id} mixes tensors and scalars")
             return [self._tensor_arg(item) for item in value.items]
-        return decode_scalar(value)
+        return vk.decode_scalar(value)
 
     SCRATCH_KEY = "scratch"
     SCRATCH_ALIGN = 256  # >= minStorageBufferOffsetAlignment of every Vulkan device (the spec caps it at 256)

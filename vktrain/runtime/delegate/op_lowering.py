@@ -596,13 +596,3 @@ def lowering_for(op: vk.OpCall, index: int) -> OpLowering:
     return lowering
 
 
-def decode_scalar(value: vk.Value) -> Any:
-    """A non-tensor graph value as the Python value a plan function takes."""
-    if isinstance(value, vk.NullValue):
-        return None
-    if isinstance(value, (vk.IntValue, vk.DoubleValue, vk.BoolValue, vk.StringValue)):
-        return value.value
-    if isinstance(value, (vk.IntListValue, vk.DoubleListValue, vk.BoolListValue)):
-        return tuple(value.items)
-    raise GraphLoweringError(f"value of type {type(value).__name__} is not a scalar argument")
-

@@ -276,7 +276,8 @@ def infer_from_op_definitions(name: str, args: Sequence[g.Value], graph: g.VkGra
     (the q4gsw weights are checked against their definition where the kernel is planned, which knows
     the W_4X8 word count); else the outputs the definition infers."""
     from vktrain.opdefs import OP_DEFS, TensorMeta, infer_outputs
-    from vktrain.runtime.delegate.op_lowering import decode_scalar, supported_ops
+    from vktrain.runtime.delegate.op_lowering import supported_ops
+    from vktrain.serialization.graph import decode_scalar
 
     if name not in supported_ops():
         return "vktrain's runtime has no kernel for this op"
