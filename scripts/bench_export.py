@@ -82,7 +82,7 @@ def export_and_lower(model_path: Path, batch: int, seq: int, timer: StageTimer) 
 
         import vktrain.backend.preprocess as preprocess
         from vktrain.backend import passes
-        from vktrain.export import lower as lower_module, training
+        from vktrain.export import lower as lower_module, training, whole_program
         from vktrain.lora import LoRAConfig, apply_lora
         from vktrain.models import load
         from vktrain.partitioner import VktrainPartitioner
@@ -90,12 +90,16 @@ def export_and_lower(model_path: Path, batch: int, seq: int, timer: StageTimer) 
 
     timer.wrap(torch.export, "export", "torch.export (loss, then step)", "export_training_step")
     timer.wrap(training, "joint_forward_backward", "joint graph", "export_training_step")
-    # Called by export_training_step and again by to_edge: counted apart, each call a retrace of the program.
+    timer.wrap(training, "training_step_program", "step graph (AdamW, state updates)", "export_training_step")
+    # Each call a retrace of the program; the whole-program route below makes none.
     timer.wrap(torch.export.ExportedProgram, "run_decompositions", "run_decompositions (every call)")
+    # The whole-program route (every node supported): preprocess on the exported program, no to_edge.
+    timer.wrap(whole_program, "lower_whole", "whole-program delegate (preprocess + outer program)", "lowering")
+    # The standard route (a node refused): to_edge, partition, preprocess per partition.
     timer.wrap(exir_program, "_gen_edge_manager_for_partitioners", "to_edge", "lowering")
     timer.wrap(VktrainPartitioner, "partition", "partition", "to_backend")
     timer.wrap(exir_program.EdgeProgramManager, "to_backend", "to_backend (partition + preprocess)", "lowering")
-    timer.wrap(preprocess.VktrainVulkanBackend, "preprocess", "preprocess", "to_backend")
+    timer.wrap(preprocess.VktrainVulkanBackend, "preprocess", "preprocess", None)
     timer.wrap(preprocess, "pack_w4x8", "W_4X8 prepacking", "preprocess")
     timer.wrap(preprocess, "compile_graph", "passes + memory planning", "preprocess")
     timer.wrap(passes, "narrow_float_constants", "constant narrowing", "passes + memory planning")

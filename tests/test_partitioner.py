@@ -55,6 +55,24 @@ def test_op_keys():
         assert key in supported_ops(), key
 
 
+def test_aten_view_ops_are_keyed_by_their_functional_copy():
+    """A program lowered whole (no to_edge) still holds ATen views: each is read as its _copy form, which
+    must exist, be registered, and take the same arguments (the blob passes them positionally)."""
+    from vktrain.partitioner.op_registry import _VIEW_OP_COPY_KEYS
+
+    def overload(key):
+        namespace, name, overload_name = key.split(".")
+        return getattr(getattr(getattr(torch.ops, namespace), name), overload_name)
+
+    assert op_key(torch.ops.aten.view.default) == "aten.view_copy.default"
+    assert op_key(torch.ops.aten.permute.default) == "aten.permute_copy.default"
+    for view, copy in _VIEW_OP_COPY_KEYS.items():
+        assert copy in supported_ops(), copy
+        view_args = [(a.name, str(a.type)) for a in overload(view)._schema.arguments]
+        copy_args = [(a.name, str(a.type)) for a in overload(copy)._schema.arguments if not a.is_out]
+        assert view_args == copy_args, (view, copy)
+
+
 def test_registry_accepts_only_ops_the_runtime_executes():
     """Every op the partitioner may delegate has a lowering and a kernel in the runtime (getitem is no
     graph op: preprocess resolves it), so a delegate never fails at load with "unsupported op"."""

@@ -12,6 +12,7 @@ from vktrain.backend.preprocess import NAMED_DATA_MIN_BYTES_SPEC_KEY, named_data
 from vktrain.partitioner import VktrainPartitioner
 
 from vktrain.runtime.program.pte import DelegateCall, PteFile
+from .whole_program import whole_program_manager
 from vktrain.contract import TRAIN_METHOD
 from vktrain.errors import VktrainError
 
@@ -127,7 +128,8 @@ def lower_methods_to_pte(programs: dict[str, ExportedProgram],
     outputs are unused, even when the delegate updates state (e.g. an optimizer partition split off from
     the loss because a node in between was refused)."""
     partitioners = _partitioners_for(programs, partitioners)
-    edge = to_edge_lowered_methods(programs, partitioners)
+    # Programs the registry takes whole skip to_edge (minutes for a 30-layer step); see whole_program.py.
+    edge = whole_program_manager(programs, partitioners) or to_edge_lowered_methods(programs, partitioners)
     n_delegates = sum(_count_delegate_calls(edge.exported_program(name).graph) for name in programs)
     for key, data in (named_data or {}).items():
         edge._named_data_store.add_named_data(key, bytes(data))  # executorch has no public setter (1.5)

@@ -14,10 +14,11 @@ Program signature (every value a runtime input; nothing about the optimizer is b
     constants (frozen buffers) model.<path> for everything else (q4gsw weights/scales, embedding, ...)
 
 Route: torch.export the loss -> the joint graph (loss + gradient of every trainable parameter, as
-torch.export.experimental._export_forward_backward builds it, but keeping PRESERVED_OPS whole) -> a
-TrainingStepModule holds all tensors as buffers, calls the joint graph, increments the step, applies
-vktrain.adamw per LoRA tensor and copies the results back -> torch.export again. (autograd.grad inside a
-traced forward does not export; this route does.)
+torch.export.experimental._export_forward_backward builds it, but keeping PRESERVED_OPS whole) -> the
+step program, written into the joint graph by vktrain/export/step_graph.py (vktrain.adamw per LoRA
+tensor, the state updates as buffer mutations) instead of a second torch.export of a module calling the
+joint graph, which cost minutes for a 30-layer model. (autograd.grad inside a traced forward does not
+export; this route does.)
 """
 from __future__ import annotations
 
@@ -33,15 +34,17 @@ from torch import nn
 from torch.export import ExportedProgram
 from torch._decomp import core_aten_decompositions
 from torch.export.exported_program import _decompose_exported_program
-from torch.export.graph_signature import InputKind, OutputKind
+from torch.export.graph_signature import InputKind
 
 import vktrain.ops  # noqa: F401  (registers torch.ops.vktrain.*)
-from vktrain.contract import (EXP_AVG_PREFIX, EXP_AVG_SQ_PREFIX, HPARAM_NAMES, METADATA_BASE_MODEL, METADATA_LORA_ALPHA,
+from vktrain.contract import (EXP_AVG_PREFIX, EXP_AVG_SQ_PREFIX, METADATA_BASE_MODEL, METADATA_LORA_ALPHA,
                               METADATA_LORA_LAYERS, METADATA_LORA_RANK, METADATA_LORA_TARGET_MODULES,
-                              METADATA_MODEL_CONFIG, METADATA_MODEL_FAMILY, METADATA_SOURCE_MODEL, MODEL_PREFIX,
+                              METADATA_MODEL_CONFIG, METADATA_MODEL_FAMILY, METADATA_SOURCE_MODEL,
                               STEP_STATE as STEP_BUFFER)
 from vktrain.lora import LoRAQ4Linear, lora_modules, lora_parameter_names
 from vktrain.partitioner.op_registry import PRESERVED_OPS
+
+from .step_graph import training_step_program
 
 
 class _LossModule(nn.Module):
@@ -66,17 +69,6 @@ def example_training_inputs(batch_size: int, seq_len: int, vocab_size: int = 256
     return token_ids, labels, hparams, n_valid
 
 
-def _set_buffer(root: nn.Module, dotted: str, tensor: torch.Tensor, persistent: bool = True) -> None:
-    """Register a buffer at a dotted path, creating empty container modules on the way."""
-    *parents, leaf = dotted.split(".")
-    module = root
-    for name in parents:
-        if not hasattr(module, name):
-            module.add_module(name, nn.Module())
-        module = getattr(module, name)
-    module.register_buffer(leaf, tensor, persistent=persistent)
-
-
 def joint_forward_backward(loss_program: ExportedProgram) -> ExportedProgram:
     """The joint graph of a loss program: outputs the loss, then the gradient of every trainable parameter.
 
@@ -87,106 +79,6 @@ def joint_forward_backward(loss_program: ExportedProgram) -> ExportedProgram:
         table.pop(op, None)
     return _decompose_exported_program(loss_program, cia_to_decomp={}, python_decomp_table=table,
                                        joint_loss_index=0, decompose_custom_triton_ops=False)
-
-
-_IDENTITY_OPS = (torch.ops.aten.alias.default, torch.ops.aten.detach.default)
-
-
-def simplify_joint_graph(gm: torch.fx.GraphModule) -> None:
-    """Drop artifacts of the joint graph that would otherwise become GPU ops: identities (`aten.alias`,
-    `aten.detach`) and the loss seed `full_like(loss, 1) * g` (a multiplication by one)."""
-    graph = gm.graph
-    for node in list(graph.nodes):
-        if node.op == "call_function" and node.target in _IDENTITY_OPS:
-            node.replace_all_uses_with(node.args[0])
-            graph.erase_node(node)
-    for node in list(graph.nodes):
-        if node.op != "call_function" or node.target is not torch.ops.aten.mul.Tensor:
-            continue
-        for seed, other in (node.args, node.args[::-1]):
-            if (isinstance(seed, torch.fx.Node) and isinstance(other, torch.fx.Node)
-                    and seed.target is torch.ops.aten.full_like.default and seed.args[1] == 1
-                    and other.meta["val"].shape == node.meta["val"].shape
-                    and other.meta["val"].dtype == node.meta["val"].dtype):
-                node.replace_all_uses_with(other)
-                graph.erase_node(node)
-                break
-    graph.eliminate_dead_code()
-    gm.recompile()
-
-
-class TrainingStepModule(nn.Module):
-    """forward(token_ids, labels, hparams, n_valid) -> loss; one AdamW step on every LoRA tensor."""
-
-    def __init__(self, joint: ExportedProgram, model: nn.Module) -> None:
-        super().__init__()
-        self.joint = copy.deepcopy(joint.graph_module)
-        simplify_joint_graph(self.joint)
-        signature = joint.graph_signature
-        # remove_duplicate=False: a tied weight (lm_head.weight is model.embed_tokens.weight) is listed
-        # under every name, since the joint graph's signature may name it by either.
-        tensors = dict(model.named_parameters(remove_duplicate=False))
-        tensors.update(model.named_buffers(remove_duplicate=False))
-
-        # Joint-graph inputs in placeholder order: state/constants first, then the user inputs.
-        self._joint_state: list[str] = []
-        n_user_inputs = 0
-        for spec in signature.input_specs:
-            if spec.kind in (InputKind.PARAMETER, InputKind.BUFFER):
-                # _LossModule holds the model as `model`, so targets already read "model.<path>".
-                path = spec.target.removeprefix(MODEL_PREFIX)
-                _set_buffer(self, MODEL_PREFIX + path, tensors[path].detach().clone())
-                self._joint_state.append(MODEL_PREFIX + path)
-            elif spec.kind == InputKind.CONSTANT_TENSOR:
-                buffer_name = "constants." + spec.target.replace(".", "_")
-                _set_buffer(self, buffer_name, joint.constants[spec.target].detach().clone(), persistent=False)
-                self._joint_state.append(buffer_name)
-            elif spec.kind == InputKind.USER_INPUT:
-                n_user_inputs += 1
-            else:
-                raise NotImplementedError(f"joint graph input of kind {spec.kind} ({spec.target}) is not handled")
-        if n_user_inputs != 3:
-            raise AssertionError(f"the loss takes (token_ids, labels, n_valid), the joint graph has {n_user_inputs} inputs")
-
-        # Output positions of the loss and of each gradient.
-        self._loss_index = None
-        grad_index: dict[str, int] = {}
-        for i, spec in enumerate(signature.output_specs):
-            if spec.kind == OutputKind.GRADIENT_TO_PARAMETER:
-                grad_index[spec.target.removeprefix(MODEL_PREFIX)] = i
-            elif spec.kind in (OutputKind.LOSS_OUTPUT, OutputKind.USER_OUTPUT) and self._loss_index is None:
-                self._loss_index = i
-        trainable = lora_parameter_names(model)
-        missing = [p for p in trainable if p not in grad_index]
-        extra = sorted(set(grad_index) - set(trainable))
-        if missing or extra:
-            raise ValueError(f"the joint graph's gradients do not match the LoRA tensors: missing {missing}, "
-                             f"unexpected (trainable but not LoRA) {extra}; freeze non-LoRA parameters")
-        self.trainable: list[str] = trainable
-        self._grad_index = grad_index
-        for path in trainable:
-            zeros = torch.zeros_like(tensors[path], dtype=torch.float32)
-            _set_buffer(self, EXP_AVG_PREFIX + path, zeros.clone())
-            _set_buffer(self, EXP_AVG_SQ_PREFIX + path, zeros.clone())
-        _set_buffer(self, STEP_BUFFER, torch.zeros((), dtype=torch.float32))
-
-    def forward(self, token_ids: torch.Tensor, labels: torch.Tensor, hparams: torch.Tensor,
-                n_valid: torch.Tensor) -> torch.Tensor:
-        state = [self.get_buffer(name) for name in self._joint_state]
-        outputs = self.joint(*state, token_ids, labels, n_valid)
-        step_buffer = self.get_buffer(STEP_BUFFER)
-        step = step_buffer + 1.0
-        step_buffer.copy_(step)
-        for path in self.trainable:
-            param = self.get_buffer(MODEL_PREFIX + path)
-            exp_avg = self.get_buffer(EXP_AVG_PREFIX + path)
-            exp_avg_sq = self.get_buffer(EXP_AVG_SQ_PREFIX + path)
-            new_param, new_exp_avg, new_exp_avg_sq = torch.ops.vktrain.adamw(
-                param, exp_avg, exp_avg_sq, outputs[self._grad_index[path]], hparams, step)
-            param.copy_(new_param)
-            exp_avg.copy_(new_exp_avg)
-            exp_avg_sq.copy_(new_exp_avg_sq)
-        return outputs[self._loss_index]
 
 
 def check_batch_shape(batch_shape) -> tuple[int, int]:
@@ -216,10 +108,7 @@ def export_training_step(model: nn.Module, batch_shape: tuple[int, int]) -> Expo
 
     loss_program = torch.export.export(_LossModule(model), (token_ids, labels, n_valid))
     joint = joint_forward_backward(loss_program)
-    step_module = TrainingStepModule(joint, model)
-    program = torch.export.export(step_module, (token_ids, labels, hparams, n_valid))
-    # Functionalize (buffer.copy_ -> BUFFER_MUTATION outputs) with no further decomposition.
-    program = program.run_decompositions({})
+    program = training_step_program(joint, lora_parameter_names(model))
     drop_unused_constant_inputs(program)
     return program
 

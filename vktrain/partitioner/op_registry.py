@@ -165,13 +165,35 @@ def register_op(*keys: str) -> Callable[[Callable[[str], OpFeatures]], Callable[
     return decorate
 
 
+# ATen view ops by the key of their functional `_copy` form, the one the edge dialect writes and the only
+# one the registry, the blob and the runtime know. In a functional program (what torch.export gives:
+# nothing writes through a view) both compute the same; the backend's view pass decides which become views.
+# A program lowered whole, without to_edge (vktrain/export/whole_program.py), still holds the ATen views.
+_VIEW_OP_COPY_KEYS = {
+    "aten.alias.default": "aten.alias_copy.default",
+    "aten.expand.default": "aten.expand_copy.default",
+    "aten.permute.default": "aten.permute_copy.default",
+    "aten.select.int": "aten.select_copy.int",
+    "aten.slice.Tensor": "aten.slice_copy.Tensor",
+    "aten.squeeze.default": "aten.squeeze_copy.default",
+    "aten.squeeze.dim": "aten.squeeze_copy.dim",
+    "aten.squeeze.dims": "aten.squeeze_copy.dims",
+    "aten.t.default": "aten.t_copy.default",
+    "aten.transpose.int": "aten.transpose_copy.int",
+    "aten.unsqueeze.default": "aten.unsqueeze_copy.default",
+    "aten.view.default": "aten.view_copy.default",
+}
+
+
 def op_key(target) -> str:
-    """The registry key of a call_function target: 'aten.mm.default', 'vktrain.adamw.default', 'getitem'."""
+    """The registry key of a call_function target: 'aten.mm.default', 'vktrain.adamw.default', 'getitem'
+    (an ATen view op by its `_copy` form: 'aten.view.default' -> 'aten.view_copy.default')."""
     if target is operator.getitem:
         return GETITEM
     op = target if isinstance(target, torch._ops.OpOverload) else getattr(target, "_op", target)  # edge wraps aten
     if isinstance(op, torch._ops.OpOverload):
-        return f"{op.namespace}.{op._opname}.{op._overloadname}"
+        key = f"{op.namespace}.{op._opname}.{op._overloadname}"
+        return _VIEW_OP_COPY_KEYS.get(key, key)
     return getattr(target, "__name__", str(target))
 
 

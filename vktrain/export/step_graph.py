@@ -1,0 +1,185 @@
+"""The training-step program, built from the joint graph by editing it (no second torch.export).
+
+The joint graph (loss + the gradient of every LoRA tensor) is already functional core ATen. The step
+adds, per LoRA tensor, one vktrain.adamw over (param, exp_avg, exp_avg_sq, grad, hparams, step + 1) and
+returns the updated state as buffer mutations. Writing those few hundred nodes into the joint graph
+directly gives the program a second torch.export (plus its functionalisation) would trace, in
+milliseconds instead of minutes for a 30-layer model: the new nodes' metadata comes from running their
+ops on the joint graph's fake tensors. The signature follows vktrain/export/training.py's docstring:
+
+    inputs   state buffers in this order: model.<path> (every tensor the joint graph reads, in its order;
+             lifted constants as constants.<name>, non-persistent), optimizer.step,
+             optimizer.exp_avg.<lora path>..., optimizer.exp_avg_sq.<lora path>...; then the user inputs
+             token_ids, labels, hparams, n_valid
+    outputs  the buffer mutations (LoRA tensors in state order, step, exp_avg..., exp_avg_sq...), then
+             the loss
+"""
+from __future__ import annotations
+
+import operator
+
+import torch
+import torch.utils._pytree as pytree
+from torch._guards import detect_fake_mode
+from torch.export import ExportedProgram
+from torch.export.exported_program import ModuleCallEntry, ModuleCallSignature
+from torch.export.graph_signature import (ExportGraphSignature, InputKind, InputSpec, OutputKind, OutputSpec,
+                                          TensorArgument)
+
+from vktrain.contract import EXP_AVG_PREFIX, EXP_AVG_SQ_PREFIX, HPARAM_NAMES, MODEL_PREFIX, STEP_STATE
+
+USER_INPUTS = ("token_ids", "labels", "hparams", "n_valid")
+_JOINT_USER_INPUTS = ("token_ids", "labels", "n_valid")  # the loss module's forward arguments
+
+_IDENTITY_OPS = (torch.ops.aten.alias.default, torch.ops.aten.detach.default)
+
+
+def simplify_joint_graph(graph: torch.fx.Graph) -> None:
+    """Drop artifacts of the joint graph that would otherwise become GPU ops: identities (`aten.alias`,
+    `aten.detach`) and the loss seed `full_like(loss, 1) * g` (a multiplication by one)."""
+    for node in list(graph.nodes):
+        if node.op == "call_function" and node.target in _IDENTITY_OPS:
+            node.replace_all_uses_with(node.args[0])
+            graph.erase_node(node)
+    for node in list(graph.nodes):
+        if node.op != "call_function" or node.target is not torch.ops.aten.mul.Tensor:
+            continue
+        for seed, other in (node.args, node.args[::-1]):
+            if (isinstance(seed, torch.fx.Node) and isinstance(other, torch.fx.Node)
+                    and seed.target is torch.ops.aten.full_like.default and seed.args[1] == 1
+                    and other.meta["val"].shape == node.meta["val"].shape
+                    and other.meta["val"].dtype == node.meta["val"].dtype):
+                node.replace_all_uses_with(other)
+                graph.erase_node(node)
+                break
+    graph.eliminate_dead_code()
+
+
+class _StepBuilder:
+    """Edits the joint program's graph in place into the step's; `build` returns the step program."""
+
+    def __init__(self, joint: ExportedProgram, trainable: list[str]) -> None:
+        self.joint = joint
+        self.trainable = trainable
+        self.graph = joint.graph_module.graph
+        self.placeholders = [node for node in self.graph.nodes if node.op == "placeholder"]
+        self.fake_mode = detect_fake_mode([node.meta["val"] for node in self.placeholders])
+        self.state_specs: list[InputSpec] = []
+        self.state_dict: dict[str, torch.Tensor] = {}
+        self.constants: dict[str, torch.Tensor] = {}
+        self.node_of: dict[str, torch.fx.Node] = {}  # state FQN -> placeholder
+
+    def _fake(self, make):
+        # Below autograd: the fake inputs need no gradient, and the custom ops' autograd wrappers would
+        # cost milliseconds per call.
+        with self.fake_mode, torch._C._AutoDispatchBelowADInplaceOrView():
+            return make()
+
+    def _joint_state(self) -> list[torch.fx.Node]:
+        """The joint graph's parameters, buffers and lifted constants, renamed as the step's state; returns
+        the user-input placeholders (token_ids, labels, n_valid)."""
+        user_inputs = []
+        for node, spec in zip(self.placeholders, self.joint.graph_signature.input_specs):
+            if spec.kind in (InputKind.PARAMETER, InputKind.BUFFER):
+                # _LossModule holds the model as `model`, so targets already read "model.<path>".
+                source = self.joint.state_dict[spec.target] if spec.target in self.joint.state_dict \
+                    else self.joint.constants[spec.target]
+                self._add_state(node, spec.target, source.detach(), persistent=True)
+            elif spec.kind == InputKind.CONSTANT_TENSOR:
+                self._add_state(node, "constants." + spec.target.replace(".", "_"),
+                                self.joint.constants[spec.target].detach(), persistent=False)
+            elif spec.kind == InputKind.USER_INPUT:
+                user_inputs.append(node)
+            else:
+                raise NotImplementedError(f"joint graph input of kind {spec.kind} ({spec.target}) is not handled")
+        names = tuple(node.name for node in user_inputs)
+        if names != _JOINT_USER_INPUTS:
+            raise AssertionError(f"the loss takes {_JOINT_USER_INPUTS}, the joint graph's user inputs are {names}")
+        return user_inputs
+
+    def _add_state(self, node: torch.fx.Node, fqn: str, tensor: torch.Tensor, persistent: bool) -> None:
+        self.state_specs.append(InputSpec(InputKind.BUFFER, TensorArgument(node.name), fqn, persistent))
+        (self.state_dict if persistent else self.constants)[fqn] = tensor
+        self.node_of[fqn] = node
+
+    def _new_state(self, fqn: str, before: torch.fx.Node, like: torch.Tensor) -> None:
+        with self.graph.inserting_before(before):
+            node = self.graph.placeholder("b_" + fqn.replace(".", "_").lower())
+        node.meta["val"] = self._fake(lambda: torch.empty_like(like))
+        self._add_state(node, fqn, torch.zeros_like(like), persistent=True)
+
+    def _call(self, target, args: tuple) -> torch.fx.Node:
+        node = self.graph.call_function(target, args)
+        fake_args = pytree.tree_map_only(torch.fx.Node, lambda n: n.meta["val"], args)
+        node.meta["val"] = self._fake(lambda: target(*fake_args))
+        return node
+
+    def _gradients(self) -> tuple[torch.fx.Node, dict[str, torch.fx.Node]]:
+        output = self.graph.output_node()
+        loss, grads = None, {}
+        for value, spec in zip(output.args[0], self.joint.graph_signature.output_specs):
+            if spec.kind == OutputKind.GRADIENT_TO_PARAMETER:
+                grads[spec.target.removeprefix(MODEL_PREFIX)] = value
+            elif spec.kind in (OutputKind.LOSS_OUTPUT, OutputKind.USER_OUTPUT) and loss is None:
+                loss = value
+        missing = [p for p in self.trainable if p not in grads]
+        extra = sorted(set(grads) - set(self.trainable))
+        if missing or extra:
+            raise ValueError(f"the joint graph's gradients do not match the LoRA tensors: missing {missing}, "
+                             f"unexpected (trainable but not LoRA) {extra}; freeze non-LoRA parameters")
+        return loss, grads
+
+    def build(self) -> ExportedProgram:
+        token_ids, labels, n_valid = self._joint_state()
+        loss, grads = self._gradients()
+        model_state = list(self.state_specs)
+        self._new_state(STEP_STATE, token_ids, torch.zeros((), dtype=torch.float32))
+        for prefix in (EXP_AVG_PREFIX, EXP_AVG_SQ_PREFIX):
+            for path in self.trainable:
+                self._new_state(prefix + path, token_ids,
+                                torch.zeros_like(self.state_dict[MODEL_PREFIX + path], dtype=torch.float32))
+        with self.graph.inserting_before(n_valid):
+            hparams = self.graph.placeholder("hparams")
+        hparams.meta["val"] = self._fake(lambda: torch.empty(len(HPARAM_NAMES), dtype=torch.float32))
+
+        output = self.graph.output_node()
+        updates: dict[str, torch.fx.Node] = {}
+        with self.graph.inserting_before(output):
+            step = self._call(torch.ops.aten.add.Tensor, (self.node_of[STEP_STATE], 1.0))
+            updates[STEP_STATE] = step
+            for path in self.trainable:
+                adamw = self._call(torch.ops.vktrain.adamw.default,
+                                   (self.node_of[MODEL_PREFIX + path], self.node_of[EXP_AVG_PREFIX + path],
+                                    self.node_of[EXP_AVG_SQ_PREFIX + path], grads[path], hparams, step))
+                for i, prefix in enumerate((MODEL_PREFIX, EXP_AVG_PREFIX, EXP_AVG_SQ_PREFIX)):
+                    updates[prefix + path] = self._call(operator.getitem, (adamw, i))
+        mutated = [spec.target for spec in model_state if spec.target in updates] + \
+            [STEP_STATE] + [prefix + path for prefix in (EXP_AVG_PREFIX, EXP_AVG_SQ_PREFIX) for path in self.trainable]
+        self.graph.erase_node(output)
+        self.graph.output(tuple(updates[fqn] for fqn in mutated) + (loss,))
+        self.graph.eliminate_dead_code()  # the gradient outputs' own nodes are kept: adamw reads them
+        self.joint.graph_module.recompile()
+        return self._program(mutated, loss, (token_ids, labels, hparams, n_valid))
+
+    def _program(self, mutated: list[str], loss: torch.fx.Node, user_inputs: tuple) -> ExportedProgram:
+        output_values = self.graph.output_node().args[0]
+        output_specs = [OutputSpec(OutputKind.BUFFER_MUTATION, TensorArgument(value.name), fqn)
+                        for value, fqn in zip(output_values, mutated)]
+        output_specs.append(OutputSpec(OutputKind.USER_OUTPUT, TensorArgument(loss.name), None))
+        input_specs = self.state_specs + [InputSpec(InputKind.USER_INPUT, TensorArgument(node.name), None)
+                                          for node in user_inputs]
+        leaves = tuple(range(len(USER_INPUTS)))
+        call_graph = [ModuleCallEntry("", ModuleCallSignature(
+            inputs=[], outputs=[], in_spec=pytree.tree_structure((leaves, {})), out_spec=pytree.tree_structure(0),
+            forward_arg_names=list(USER_INPUTS)))]
+        return ExportedProgram(root=self.joint.graph_module, graph=self.graph,
+                               graph_signature=ExportGraphSignature(input_specs, output_specs),
+                               state_dict=self.state_dict, range_constraints={}, module_call_graph=call_graph,
+                               example_inputs=None, constants=self.constants, verifiers=[self.joint.verifier])
+
+
+def training_step_program(joint: ExportedProgram, trainable: list[str]) -> ExportedProgram:
+    """The step program of a joint program whose gradient outputs are exactly the LoRA tensors `trainable`
+    (paths without the "model." prefix). Consumes `joint`: its graph module becomes the step's."""
+    simplify_joint_graph(joint.graph_module.graph)
+    return _StepBuilder(joint, trainable).build()
