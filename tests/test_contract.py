@@ -35,11 +35,12 @@ def test_every_hparams_builder_uses_the_contract_defaults():
 
 
 def test_the_exporter_and_runtime_read_the_contract_names():
-    from vktrain.export import training
+    from vktrain.export import step_graph, training
     from vktrain.runtime.program import runner
     from vktrain.train import checkpoint
 
-    assert training.HPARAM_NAMES is contract.HPARAM_NAMES
-    assert training.STEP_BUFFER == checkpoint.OPTIMIZER_STEP_STATE == contract.STEP_STATE
+    assert step_graph.HPARAM_NAMES is contract.HPARAM_NAMES
+    assert step_graph.STEP_INPUTS is contract.STEP_INPUTS and step_graph._JOINT_USER_INPUTS is contract.EVAL_INPUTS
+    assert training.STEP_BUFFER == step_graph.STEP_STATE == checkpoint.OPTIMIZER_STEP_STATE == contract.STEP_STATE
     assert runner.STEP_INPUTS is contract.STEP_INPUTS
     assert [p for p in contract.STATE_PREFIXES if contract.EXP_AVG_PREFIX.startswith(p)] == ["optimizer."]

@@ -13,7 +13,8 @@ import torch
 from _helpers import _cast_floating
 from vktrain.contract import EVAL_METHOD, TRAIN_METHOD, hparams_values
 from vktrain.errors import VktrainError
-from vktrain.export import export_eval_step, export_training_step, lower_methods_to_pte, lower_to_pte
+from vktrain.export import (export_eval_step, export_training_and_eval_steps, export_training_step, lower_methods_to_pte,
+                            lower_to_pte)
 from vktrain.lora import LoRAConfig, apply_lora, lora_modules
 from vktrain.models import build_model
 from vktrain.runtime.program.pte import PteFile
@@ -46,7 +47,8 @@ def model():
 
 @pytest.fixture(scope="module")
 def programs(model):
-    return export_training_step(model, BATCH), export_eval_step(model, BATCH)
+    """The step and its eval method from one trace (what `vktrain export` writes)."""
+    return export_training_and_eval_steps(model, BATCH)
 
 
 @pytest.fixture(scope="module")
@@ -98,6 +100,21 @@ def test_eval_loss_equals_eager_float64_mean_cross_entropy(model, two_method_pte
     assert result["tokens"] == count == HELD_OUT.size - 1
     assert result["loss"] == pytest.approx(expected, rel=1e-5)
     assert result["perplexity"] == pytest.approx(np.exp(expected), rel=1e-4)
+
+
+def test_eval_method_traced_on_its_own_computes_the_same_loss(model, programs, tmp_path):
+    """export_eval_step traces the loss anew; export_training_and_eval_steps takes it from the joint
+    graph: the same loss either way (eager float64 is the reference, as above)."""
+    expected, _ = _eager_mean_ce_float64(model, HELD_OUT)
+    path = tmp_path / "separate.pte"
+    path.write_bytes(lower_methods_to_pte({TRAIN_METHOD: export_training_step(model, BATCH),
+                                           EVAL_METHOD: export_eval_step(model, BATCH)}))
+    with TrainingRunner.from_pte(path) as runner:
+        assert evaluate_data(runner, TrainingData(HELD_OUT))["loss"] == pytest.approx(expected, rel=1e-5)
+    joint_eval = programs[1]
+    assert [s.arg.name for s in joint_eval.graph_signature.input_specs if s.kind.name == "USER_INPUT"] == \
+        ["token_ids", "labels", "n_valid"]
+    assert not any("grad" in str(s.kind).lower() for s in joint_eval.graph_signature.output_specs)
 
 
 def _train(runner, steps: int) -> None:

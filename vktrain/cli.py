@@ -166,13 +166,13 @@ def cmd_export(args: argparse.Namespace) -> int:
 
     # executorch is imported only once the model and adapters are known to be valid (it is slow to import).
     from vktrain.contract import EVAL_METHOD, TRAIN_METHOD
-    from vktrain.export import export_eval_step, export_forward, export_training_step, lower_methods_to_pte
+    from vktrain.export import export_forward, export_training_and_eval_steps, lower_methods_to_pte
     from vktrain.export.training import adapter_metadata_specs
     from vktrain.partitioner import VktrainPartitioner
 
     batch_shape = (args.batch, args.seq)
     if args.program == "train-step":  # with its eval method (`vktrain eval`), sharing the frozen base
-        methods = {TRAIN_METHOD: export_training_step(model, batch_shape), EVAL_METHOD: export_eval_step(model, batch_shape)}
+        methods = dict(zip((TRAIN_METHOD, EVAL_METHOD), export_training_and_eval_steps(model, batch_shape)))
     else:
         methods = {TRAIN_METHOD: export_forward(model, batch_shape, with_adapters=args.program == "forward")}
     partitioner = VktrainPartitioner(compile_specs=adapter_metadata_specs(model, args.model, loaded))

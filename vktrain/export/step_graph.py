@@ -26,10 +26,11 @@ from torch.export.exported_program import ModuleCallEntry, ModuleCallSignature
 from torch.export.graph_signature import (ExportGraphSignature, InputKind, InputSpec, OutputKind, OutputSpec,
                                           TensorArgument)
 
-from vktrain.contract import EXP_AVG_PREFIX, EXP_AVG_SQ_PREFIX, HPARAM_NAMES, MODEL_PREFIX, STEP_STATE
+from vktrain.contract import (EVAL_INPUTS, EXP_AVG_PREFIX, EXP_AVG_SQ_PREFIX, HPARAM_NAMES, HPARAMS, MODEL_PREFIX,
+                              STEP_INPUTS, STEP_STATE)
 
-USER_INPUTS = ("token_ids", "labels", "hparams", "n_valid")
-_JOINT_USER_INPUTS = ("token_ids", "labels", "n_valid")  # the loss module's forward arguments
+# The joint graph's user inputs are the loss module's forward arguments: the eval method's inputs.
+_JOINT_USER_INPUTS = EVAL_INPUTS
 
 _IDENTITY_OPS = (torch.ops.aten.alias.default, torch.ops.aten.detach.default)
 
@@ -115,13 +116,7 @@ class _StepBuilder:
         return node
 
     def _gradients(self) -> tuple[torch.fx.Node, dict[str, torch.fx.Node]]:
-        output = self.graph.output_node()
-        loss, grads = None, {}
-        for value, spec in zip(output.args[0], self.joint.graph_signature.output_specs):
-            if spec.kind == OutputKind.GRADIENT_TO_PARAMETER:
-                grads[spec.target.removeprefix(MODEL_PREFIX)] = value
-            elif spec.kind in (OutputKind.LOSS_OUTPUT, OutputKind.USER_OUTPUT) and loss is None:
-                loss = value
+        loss, grads = _loss_and_gradients(self.joint)
         missing = [p for p in self.trainable if p not in grads]
         extra = sorted(set(grads) - set(self.trainable))
         if missing or extra:
@@ -139,7 +134,7 @@ class _StepBuilder:
                 self._new_state(prefix + path, token_ids,
                                 torch.zeros_like(self.state_dict[MODEL_PREFIX + path], dtype=torch.float32))
         with self.graph.inserting_before(n_valid):
-            hparams = self.graph.placeholder("hparams")
+            hparams = self.graph.placeholder(HPARAMS)
         hparams.meta["val"] = self._fake(lambda: torch.empty(len(HPARAM_NAMES), dtype=torch.float32))
 
         output = self.graph.output_node()
@@ -168,14 +163,58 @@ class _StepBuilder:
         output_specs.append(OutputSpec(OutputKind.USER_OUTPUT, TensorArgument(loss.name), None))
         input_specs = self.state_specs + [InputSpec(InputKind.USER_INPUT, TensorArgument(node.name), None)
                                           for node in user_inputs]
-        leaves = tuple(range(len(USER_INPUTS)))
+        leaves = tuple(range(len(STEP_INPUTS)))
         call_graph = [ModuleCallEntry("", ModuleCallSignature(
             inputs=[], outputs=[], in_spec=pytree.tree_structure((leaves, {})), out_spec=pytree.tree_structure(0),
-            forward_arg_names=list(USER_INPUTS)))]
+            forward_arg_names=list(STEP_INPUTS)))]
         return ExportedProgram(root=self.joint.graph_module, graph=self.graph,
                                graph_signature=ExportGraphSignature(input_specs, output_specs),
                                state_dict=self.state_dict, range_constraints={}, module_call_graph=call_graph,
                                example_inputs=None, constants=self.constants, verifiers=[self.joint.verifier])
+
+
+def eval_program_from_joint(joint: ExportedProgram) -> ExportedProgram:
+    """The loss alone (vktrain/export/eval.py's signature) from a copy of the joint graph: its forward
+    part, every tensor it reads a constant under the joint graph's name (the LoRA tensors as
+    `model.<path>`, the training step's state names), no gradient. Leaves `joint` as it was."""
+    graph = torch.fx.Graph()
+    copies: dict[torch.fx.Node, torch.fx.Node] = {}
+    graph.graph_copy(joint.graph, copies)
+    loss, _ = _loss_and_gradients(joint)
+    graph.output((copies[loss],))
+    simplify_joint_graph(graph)
+    placeholders = [copies[node] for node in joint.graph.nodes if node.op == "placeholder"]
+    input_specs, state_dict, constants = [], {}, {}
+    for node, spec in zip(placeholders, joint.graph_signature.input_specs):
+        if spec.kind != InputKind.USER_INPUT and not node.users:
+            graph.erase_node(node)  # read only by the backward
+            continue
+        input_specs.append(InputSpec(spec.kind, TensorArgument(node.name), spec.target, spec.persistent))
+        if spec.kind == InputKind.PARAMETER:  # frozen: the eval method computes no gradient
+            state_dict[spec.target] = torch.nn.Parameter(joint.state_dict[spec.target].detach(), requires_grad=False)
+        elif spec.target in joint.state_dict:
+            state_dict[spec.target] = joint.state_dict[spec.target].detach()
+        elif spec.target is not None:
+            constants[spec.target] = joint.constants[spec.target].detach()
+    module = torch.fx.GraphModule(torch.nn.Module(), graph)
+    output = OutputSpec(OutputKind.USER_OUTPUT, TensorArgument(graph.output_node().args[0][0].name), None)
+    call_graph = [ModuleCallEntry("", ModuleCallSignature(
+        inputs=[], outputs=[], in_spec=pytree.tree_structure((tuple(range(len(_JOINT_USER_INPUTS))), {})),
+        out_spec=pytree.tree_structure((0,)), forward_arg_names=list(_JOINT_USER_INPUTS)))]
+    return ExportedProgram(root=module, graph=graph, graph_signature=ExportGraphSignature(input_specs, [output]),
+                           state_dict=state_dict, range_constraints={}, module_call_graph=call_graph,
+                           example_inputs=None, constants=constants, verifiers=[joint.verifier])
+
+
+def _loss_and_gradients(joint: ExportedProgram) -> tuple[torch.fx.Node, dict[str, torch.fx.Node]]:
+    """The joint graph's loss output node, and its gradient output nodes by LoRA path (no "model.")."""
+    loss, grads = None, {}
+    for value, spec in zip(joint.graph.output_node().args[0], joint.graph_signature.output_specs):
+        if spec.kind == OutputKind.GRADIENT_TO_PARAMETER:
+            grads[spec.target.removeprefix(MODEL_PREFIX)] = value
+        elif spec.kind in (OutputKind.LOSS_OUTPUT, OutputKind.USER_OUTPUT) and loss is None:
+            loss = value
+    return loss, grads
 
 
 def training_step_program(joint: ExportedProgram, trainable: list[str]) -> ExportedProgram:
