@@ -22,7 +22,7 @@ import ctypes
 import executorch.runtime  # noqa: F401  (loads libexecutorch.so, whose backend registry the trampoline joins)
 
 from vktrain.contract import BACKEND_ID
-from vktrain.executorch_backend.bridge import last_error, use_device
+from vktrain.executorch_backend.bridge import executors, last_error, use_device
 from vktrain.executorch_backend.build import TrampolineBuildError, library_path
 
 LIBRARY = ctypes.CDLL(str(library_path()), mode=ctypes.RTLD_GLOBAL)
@@ -31,4 +31,4 @@ if _registration != 0:
     raise TrampolineBuildError(f"registering backend {BACKEND_ID!r} with ExecuTorch failed with error "
                                f"{_registration:#x} (0x16: a backend of that name is already registered)")
 
-__all__ = ["BACKEND_ID", "LIBRARY", "TrampolineBuildError", "last_error", "library_path", "use_device"]
+__all__ = ["BACKEND_ID", "LIBRARY", "executors", "TrampolineBuildError", "last_error", "library_path", "use_device"]

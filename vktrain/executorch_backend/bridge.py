@@ -85,6 +85,12 @@ def last_error() -> Optional[str]:
     return _state["last_error"]
 
 
+def executors() -> list[GraphExecutor]:
+    """The executors of the delegates ExecuTorch has initialized and not destroyed, oldest first: their
+    resident state (read_state, state_names) is the training state of those ExecuTorch methods."""
+    return list(_live)
+
+
 def _error_name(exc: BaseException) -> str:
     if isinstance(exc, (BlobFormatError, PteFormatError, UnsupportedProgramError)):
         return "InvalidProgram"
@@ -160,4 +166,4 @@ def _close_at_exit() -> None:
         device.close()
 
 
-__all__ = ["NamedData", "destroy", "execute", "init", "last_error", "use_device"]
+__all__ = ["NamedData", "destroy", "execute", "executors", "init", "last_error", "use_device"]

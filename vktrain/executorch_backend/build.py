@@ -83,12 +83,17 @@ def build_command(output: Path) -> list[str]:
             f"-L{lib}", "-lexecutorch", f"-Wl,-rpath,{lib}"]
 
 
+def library_target() -> Path:
+    """Where the cache keeps the trampoline built from the current source with the current toolchain."""
+    _, _, version = executorch_paths()
+    command = build_command(Path("OUT"))
+    key = hashlib.sha256("\0".join([SOURCE.read_text(), *command, version, sys.version]).encode()).hexdigest()[:16]
+    return cache_dir() / "executorch_backend" / f"vktrain_executorch_backend-{key}.so"
+
+
 def library_path() -> Path:
     """The built trampoline, building it first when the cache has none for this source and toolchain."""
-    _, _, version = executorch_paths()
-    probe = build_command(Path("OUT"))
-    key = hashlib.sha256("\0".join([SOURCE.read_text(), *probe, version, sys.version]).encode()).hexdigest()[:16]
-    target = cache_dir() / "executorch_backend" / f"vktrain_executorch_backend-{key}.so"
+    target = library_target()
     if target.is_file():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -103,4 +108,4 @@ def library_path() -> Path:
     return target
 
 
-__all__ = ["BRIDGE_MODULE", "COMPILER_ENV", "TrampolineBuildError", "build_command", "cache_dir", "library_path"]
+__all__ = ["BRIDGE_MODULE", "COMPILER_ENV", "TrampolineBuildError", "build_command", "cache_dir", "library_path", "library_target"]
