@@ -28,6 +28,7 @@ def backend(vk_device):
     backend.use_device(vk_device)
     yield backend
     gc.collect()  # drop ExecuTorch methods a failing test left, so their executors close before the device
+    backend.use_device(None)
 
 
 def _export(path, named_data_min_bytes):

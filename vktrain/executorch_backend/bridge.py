@@ -20,6 +20,7 @@ from typing import Any, Optional
 
 import numpy as np
 
+from vktrain.errors import VktrainError
 from vktrain.runtime.delegate.executor import ExecutorInputError, GraphExecutor
 from vktrain.runtime.program.pte import NUMPY_SCALAR_TYPES, PteFormatError
 from vktrain.runtime.program.verify import (
@@ -66,7 +67,7 @@ class NamedData(Mapping):
 
 def use_device(device) -> None:
     """Delegates initialized from now on run on `device` (a vktrain Device the caller owns and closes,
-    after the ExecuTorch programs using it are gone). Without it, the first init opens Device()."""
+    after the ExecuTorch programs using it are gone). None, or never called: the first init opens Device()."""
     _state["device"], _state["owns_device"] = device, False
 
 
@@ -105,7 +106,6 @@ def _report(what: str, exc: BaseException) -> str:
     message = f"{what}: {type(exc).__name__}: {exc}"
     _state["last_error"] = message
     # A VktrainError is bad input: its message says enough. Anything else is a bug: keep the traceback.
-    from vktrain.errors import VktrainError
     LOGGER.error(message if isinstance(exc, VktrainError) else message + "\n" + traceback.format_exc())
     return _error_name(exc)
 
