@@ -69,7 +69,6 @@ HPARAMS = np.array(hparams_values(lr=5e-2), dtype=np.float32)
 
 
 def test_executorch_runtime_trains_like_the_training_runner(backend, vk_device, step_pte):
-    import torch
     from executorch.runtime import Runtime
 
     from vktrain.contract import BACKEND_ID
@@ -85,10 +84,7 @@ def test_executorch_runtime_trains_like_the_training_runner(backend, vk_device, 
     et_losses, runner_losses = [], []
     with TrainingRunner.from_pte(step_pte, vk_device) as runner:
         for token_ids, labels in _batches(STEPS):
-            n_valid = float(np.count_nonzero(labels >= 0))
-            outputs = method.execute([torch.from_numpy(token_ids), torch.from_numpy(labels),
-                                      torch.from_numpy(HPARAMS), torch.tensor(n_valid, dtype=torch.float32)])
-            et_losses.append(float(outputs[0]))
+            et_losses.append(float(method.execute(_inputs(token_ids, labels))[0]))
             runner_losses.append(runner.step(token_ids, labels, HPARAMS))
         runner_state = runner.state_dict()
 
@@ -134,11 +130,34 @@ def test_corrupted_blob_fails_load_method_with_an_error(backend, step_pte, tmp_p
     assert backend.executors() == []
     # The process and the backend are fine: the intact file still loads and runs.
     method = Runtime.get().load_program(str(step_pte)).load_method("forward")
-    token_ids, labels = next(_batches(1))
+    assert np.isfinite(float(method.execute(_inputs(*next(_batches(1))))[0]))
+    del method
+    gc.collect()
+
+
+def _inputs(token_ids, labels):
     import torch
-    loss = method.execute([torch.from_numpy(token_ids), torch.from_numpy(labels), torch.from_numpy(HPARAMS),
-                           torch.tensor(float(np.count_nonzero(labels >= 0)))])[0]
-    assert np.isfinite(float(loss))
+
+    n_valid = float(np.count_nonzero(labels >= 0))
+    return [torch.from_numpy(token_ids), torch.from_numpy(labels), torch.from_numpy(HPARAMS),
+            torch.tensor(n_valid, dtype=torch.float32)]
+
+
+def test_bad_input_fails_execute_with_an_error_and_changes_nothing(backend, step_pte):
+    from executorch.runtime import Runtime
+
+    method = Runtime.get().load_program(str(step_pte)).load_method("forward")
+    (executor,) = backend.executors()
+    before = {name: executor.read_state(name) for name in executor.state_names}
+    token_ids, labels = next(_batches(1))
+    token_ids[1, 3] = VOCAB  # outside the embedding: vktrain's executor refuses it before the step
+    with pytest.raises(RuntimeError, match=r"0x:?12"):  # Error::InvalidArgument
+        method.execute(_inputs(token_ids, labels))
+    assert "input 'token_ids' holds 64 at [1, 3]" in backend.last_error()
+    for name, value in before.items():
+        np.testing.assert_array_equal(executor.read_state(name), value, err_msg=name)
+    token_ids[1, 3] = 0
+    assert np.isfinite(float(method.execute(_inputs(token_ids, labels))[0]))  # the method still works
     del method
     gc.collect()
 
