@@ -185,3 +185,13 @@ def test_library_is_cached_and_keyed_by_its_source(monkeypatch, tmp_path):
     first = build.library_target()
     source.write_text(source.read_text() + "\n// edited\n")
     assert build.library_target() != first  # an edited source is a different library: a stale one is rebuilt
+
+
+def test_failing_compiler_leaves_no_library(monkeypatch, tmp_path):
+    from vktrain.executorch_backend import build
+
+    monkeypatch.setenv(build.CACHE_ENV, str(tmp_path))
+    monkeypatch.setenv(build.COMPILER_ENV, "false")  # found, exits 1 without output
+    with pytest.raises(build.TrampolineBuildError, match=r"trampoline\.cpp failed \(exit 1\)"):
+        build.library_path()
+    assert not any(tmp_path.rglob("*.so"))

@@ -96,15 +96,19 @@ def library_path() -> Path:
     target = library_target()
     if target.is_file():
         return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    # Build next to the target and rename: a concurrent build or a killed one never leaves a partial library.
-    with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
-        partial = Path(scratch) / target.name
-        result = subprocess.run(build_command(partial), capture_output=True, text=True)
-        if result.returncode != 0:
-            raise TrampolineBuildError(f"building the ExecuTorch trampoline {SOURCE} failed (exit {result.returncode}):\n"
-                                       f"{result.stderr.strip()[-4000:]}")
-        os.replace(partial, target)
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        # Built next to the target, then renamed: a concurrent or killed build never leaves a partial library.
+        with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
+            partial = Path(scratch) / target.name
+            result = subprocess.run(build_command(partial), capture_output=True, text=True)
+            if result.returncode != 0:
+                raise TrampolineBuildError(f"building the ExecuTorch trampoline {SOURCE} failed (exit "
+                                           f"{result.returncode}):\n{result.stderr.strip()[-4000:]}")
+            os.replace(partial, target)
+    except OSError as exc:
+        raise TrampolineBuildError(f"cannot build the ExecuTorch trampoline into {target.parent} ({exc}); point "
+                                   f"${CACHE_ENV} at a writable directory") from None
     return target
 
 
