@@ -103,6 +103,41 @@ def test_executorch_runtime_trains_like_the_training_runner(backend, vk_device, 
     assert backend.executors() == [], "ExecuTorch's destroy did not reach the bridge"
 
 
+README_SNIPPET = """
+import sys
+import numpy as np, torch
+import vktrain.executorch_backend          # builds (once, cached) and loads the trampoline
+from executorch.runtime import Runtime
+program = Runtime.get().load_program(sys.argv[1])
+method = program.load_method("forward")
+batches = np.load(sys.argv[2])
+for token_ids, labels, hparams, n_valid in zip(batches["token_ids"], batches["labels"], batches["hparams"], batches["n_valid"]):
+    inputs = [torch.from_numpy(token_ids), torch.from_numpy(labels), torch.from_numpy(hparams), torch.tensor(n_valid)]
+    print(repr(float(method.execute(inputs)[0])))
+"""
+
+
+def test_readme_snippet_runs_in_a_fresh_process_and_exits_cleanly(request, vk_device, step_pte, tmp_path):
+    """No use_device: the first init opens its own Device; the delegate is destroyed at exit without a crash."""
+    import subprocess
+    import sys
+
+    from vktrain.runtime.program.runner import TrainingRunner
+
+    if request.node.callspec.params["step_pte"] is not None:
+        pytest.skip("one .pte is enough: the snippet's path does not depend on where the constants live")
+    batches = list(_batches(2))
+    n_valid = [np.float32(np.count_nonzero(labels >= 0)) for _, labels in batches]
+    np.savez(tmp_path / "batches.npz", token_ids=[t for t, _ in batches], labels=[l for _, l in batches],
+             hparams=[HPARAMS] * 2, n_valid=n_valid)
+    run = subprocess.run([sys.executable, "-c", README_SNIPPET, str(step_pte), str(tmp_path / "batches.npz")],
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    with TrainingRunner.from_pte(step_pte, vk_device) as runner:
+        expected = [runner.step(token_ids, labels, HPARAMS) for token_ids, labels in batches]
+    assert [float(line) for line in run.stdout.split()] == expected
+
+
 def _corrupt_graph(pte_bytes: bytes) -> bytes:
     """The .pte with one byte of its delegate's graph flatbuffer flipped (the blob's checksum catches it)."""
     from vktrain.runtime.program.pte import PteFile
