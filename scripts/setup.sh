@@ -1,12 +1,17 @@
 #!/usr/bin/env bash
-# Idempotent setup: Vulkan loader + lavapipe + validation layers (Debian), then .venv with vktrain[test].
+# Idempotent setup: Vulkan loader + lavapipe + validation layers (Debian), g++ and Python's C headers (for
+# vktrain.executorch_backend, which builds its trampoline on first import), then .venv with vktrain[test].
 # Quiet when there is nothing to do.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
 
 py="${PYTHON:-python3}"
-debs=(libvulkan1 mesa-vulkan-drivers vulkan-validationlayers)
+debs=(libvulkan1 mesa-vulkan-drivers vulkan-validationlayers g++)
+# Python.h: Debian's python3 needs python3-dev; pyenv/python.org builds ship it.
+if ! "$py" -c "import os, sys, sysconfig; sys.exit(not os.path.isfile(os.path.join(sysconfig.get_paths()['include'], 'Python.h')))"; then
+  debs+=("python3-dev")
+fi
 # Debian's own python3 ships venv's pip bootstrap separately (python3-venv); pyenv/python.org builds have it.
 if [ ! -x .venv/bin/python ] && ! "$py" -c "import ensurepip, venv" >/dev/null 2>&1; then
   debs+=("python3-venv")
@@ -21,7 +26,7 @@ if [ ${#missing[@]} -gt 0 ]; then
     echo "setup: run as root, or install them yourself: sudo apt-get install -y ${missing[*]}" >&2
     exit 1
   fi
-  echo "setup: installing ${missing[*]} (Vulkan loader, lavapipe CPU driver, validation layers)"
+  echo "setup: installing ${missing[*]} (Vulkan loader, lavapipe CPU driver, validation layers, C++ toolchain)"
   export DEBIAN_FRONTEND=noninteractive
   apt-get update -qq >/dev/null
   apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null 2>&1 ||
