@@ -102,6 +102,22 @@ def test_eval_loss_equals_eager_float64_mean_cross_entropy(model, two_method_pte
     assert result["perplexity"] == pytest.approx(np.exp(expected), rel=1e-4)
 
 
+def test_max_batches_evaluates_the_first_batches_only(model, two_method_pte):
+    """A quick estimate on a slow device: the first batch's targets only, checked as above."""
+    first_batch_targets = BATCH[0] * BATCH[1]
+    expected, count = _eager_mean_ce_float64(model, HELD_OUT[:first_batch_targets + 1])
+    with TrainingRunner.from_pte(two_method_pte) as runner:
+        result = evaluate_data(runner, TrainingData(HELD_OUT), max_batches=1)
+    assert result["tokens"] == count == first_batch_targets
+    assert result["loss"] == pytest.approx(expected, rel=1e-5)
+
+def test_max_batches_must_be_positive(two_method_pte, capsys):
+    from vktrain.cli import EXIT_BAD_INPUT, main
+
+    assert main(["eval", str(two_method_pte), "--data", "unused.txt", "--max-batches", "0"]) == EXIT_BAD_INPUT
+    assert "--max-batches must be a positive number of batches, got 0" in capsys.readouterr().err
+
+
 def test_eval_method_traced_on_its_own_computes_the_same_loss(model, programs, tmp_path):
     """export_eval_step traces the loss anew; export_training_and_eval_steps takes it from the joint
     graph: the same loss either way (eager float64 is the reference, as above)."""

@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from vktrain.gguf_names import GGUF_FAMILIES, GLOBAL_TENSORS, LAYER_TENSORS, PERMUTED_QK_FAMILIES
 from vktrain.lora.layers import Q4GSWWeight
 from vktrain.quant import pack_flat
 
@@ -27,24 +28,10 @@ from .llama import LlamaConfig
 from .loading import LoadedModel, TokenizerInfo, build_loaded_model, check_overrides, context_max_seq_len
 
 # general.architecture values imported: llama (Llama 2/3.x, SmolLM2, TinyLlama, Mistral), qwen2 (q/k/v
-# biases) and qwen3 (q/k norms, own head width); llama.cpp runs the Qwens with NeoX-style rope (HF's
-# pairing), so their converter does not permute q/k.
-GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3")
-_PERMUTED_QK = ("llama",)
+# biases) and qwen3 (q/k norms, own head width); names and the q/k permutation: vktrain/gguf_names.py.
+GGUF_ARCHITECTURES = GGUF_FAMILIES
 Q4_0_GROUP = 32
 
-# GGUF tensor name -> HF name; "{i}" is the layer index.
-_GLOBAL_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
-                 "output.weight": "lm_head.weight"}
-_LAYER_NAMES = {
-    "attn_norm.weight": "input_layernorm.weight", "attn_q.weight": "self_attn.q_proj.weight",
-    "attn_k.weight": "self_attn.k_proj.weight", "attn_v.weight": "self_attn.v_proj.weight",
-    "attn_output.weight": "self_attn.o_proj.weight", "ffn_norm.weight": "post_attention_layernorm.weight",
-    "ffn_gate.weight": "mlp.gate_proj.weight", "ffn_up.weight": "mlp.up_proj.weight",
-    "ffn_down.weight": "mlp.down_proj.weight", "attn_q.bias": "self_attn.q_proj.bias",
-    "attn_k.bias": "self_attn.k_proj.bias", "attn_v.bias": "self_attn.v_proj.bias",
-    "attn_q_norm.weight": "self_attn.q_norm.weight", "attn_k_norm.weight": "self_attn.k_norm.weight",
-}
 _ROPE_FREQS = "rope_freqs.weight"
 
 
@@ -141,11 +128,11 @@ def _dequantize(tensor, where: str) -> np.ndarray:
 
 
 def _hf_name(name: str, n_layers: int) -> str | None:
-    if name in _GLOBAL_NAMES:
-        return _GLOBAL_NAMES[name]
+    if name in GLOBAL_TENSORS:
+        return GLOBAL_TENSORS[name]
     parts = name.split(".", 2)
     if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and int(parts[1]) < n_layers:
-        suffix = _LAYER_NAMES.get(parts[2])
+        suffix = LAYER_TENSORS.get(parts[2])
         return None if suffix is None else f"model.layers.{parts[1]}.{suffix}"
     return None
 
@@ -181,7 +168,7 @@ def load_gguf(path, **overrides) -> LoadedModel:
         if hf is None:
             unknown.append(name)
             continue
-        permuted = metadata["general.architecture"] in _PERMUTED_QK
+        permuted = metadata["general.architecture"] in PERMUTED_QK_FAMILIES
         heads = (config.n_heads if permuted and hf.endswith(("q_proj.weight", "q_proj.bias")) else
                  config.n_kv_heads if permuted and hf.endswith(("k_proj.weight", "k_proj.bias")) else None)
         values = _dequantize(tensor, where)

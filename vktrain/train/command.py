@@ -102,6 +102,8 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
                              "every --eval-every steps and after the last step, and recorded as eval_loss in --json")
     parser.add_argument("--eval-every", type=int, default=0, metavar="N",
                         help="with --eval-data: evaluate every N steps (default 0: only before and after training)")
+    parser.add_argument("--eval-batches", type=int, metavar="N",
+                        help="with --eval-data: evaluate only its first N batches (default: all of it)")
     parser.add_argument("--log-every", type=int, default=1, metavar="N",
                         help="print step, loss and lr every N steps (default 1; 0: only the summary)")
     return parser
@@ -160,6 +162,11 @@ def check_arguments(args: argparse.Namespace) -> tuple[LRSchedule, AdamWConfig]:
         raise TrainConfigError("--keep-checkpoints needs --checkpoint PATH (where to write them)")
     if args.eval_every and not args.eval_data:
         raise TrainConfigError("--eval-every needs --eval-data FILE (the held-out data)")
+    if args.eval_batches is not None and args.eval_data is None:
+        raise TrainConfigError("--eval-batches needs --eval-data FILE (the held-out data)")
+    from vktrain.train.eval_command import check_max_batches
+
+    check_max_batches("--eval-batches", args.eval_batches)
     if args.plot and importlib.util.find_spec("matplotlib") is None:
         raise TrainConfigError("--plot needs matplotlib (pip install matplotlib)")
     schedule = LRSchedule(args.schedule, args.lr, args.steps, args.warmup, args.min_lr_ratio)
@@ -264,12 +271,13 @@ def _held_out_evaluation(args, runner, info):
     from vktrain.train.eval_command import evaluate_data
 
     held_out = load_data(args.eval_data, info.vocab_size, program_tokenizer(runner, args.program))
-    print(f"eval before training: loss {evaluate_data(runner, held_out)['loss']:.6f} ({args.eval_data})")
+    before = evaluate_data(runner, held_out, args.eval_batches)
+    print(f"eval before training: loss {before['loss']:.6f} over {before['tokens']} tokens ({args.eval_data})")
 
     def after_step(step: int) -> dict:
         if not ((args.eval_every and step % args.eval_every == 0) or step == args.steps):
             return {}
-        loss = evaluate_data(runner, held_out)["loss"]
+        loss = evaluate_data(runner, held_out, args.eval_batches)["loss"]
         tqdm.write(f"step {step:6d}  eval loss {loss:.6f}", file=sys.stdout)
         return {"eval_loss": loss}
     return after_step

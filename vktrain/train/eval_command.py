@@ -34,8 +34,15 @@ def add_eval_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
     parser.add_argument("--adapters", metavar="DIR|CHECKPOINT",
                         help="adapters to evaluate: a PEFT directory (vktrain train --out-adapters) or a vktrain "
                              "checkpoint .safetensors (default: the adapters the .pte was exported with)")
+    parser.add_argument("--max-batches", type=int, metavar="N",
+                        help="evaluate only the first N batches of the data (default: all of it)")
     parser.add_argument("--json", metavar="FILE", help='write {"loss", "perplexity", "tokens"} as JSON')
     return parser
+
+
+def check_max_batches(flag: str, value: int | None) -> None:
+    if value is not None and value < 1:
+        raise TrainConfigError(f"{flag} must be a positive number of batches, got {value}")
 
 
 def eval_batches(tokens: np.ndarray, batch_size: int, seq_len: int,
@@ -58,12 +65,15 @@ def eval_batches(tokens: np.ndarray, batch_size: int, seq_len: int,
         yield token_ids, labels
 
 
-def evaluate_data(runner, data: TrainingData) -> dict:
+def evaluate_data(runner, data: TrainingData, max_batches: int | None = None) -> dict:
     """{"loss", "perplexity", "tokens"} of `runner`'s current adapters on `data` (its token stream, and its
-    labels when some tokens are no targets): the mean over every target, `tokens` of them."""
+    labels when some tokens are no targets): the mean over every target, `tokens` of them; with
+    `max_batches`, over the targets of the first max_batches batches (a quick estimate on a slow device)."""
     batch_size, seq_len = runner.batch_shape
     total, count = 0.0, 0
-    for token_ids, labels in eval_batches(data.tokens, batch_size, seq_len, data.labels):
+    for index, (token_ids, labels) in enumerate(eval_batches(data.tokens, batch_size, seq_len, data.labels)):
+        if max_batches is not None and index >= max_batches:
+            break
         if not (labels >= 0).any():
             continue  # nothing to count (e.g. a batch of prompt tokens only)
         loss_sum, n = runner.evaluate(token_ids, labels)
@@ -111,6 +121,7 @@ def run_eval(args: argparse.Namespace, device=None) -> int:
     from vktrain.train.command import ValidationErrorsReported, prepare_output_file, print_validation_messages
 
     program_path, data_path = Path(args.program), Path(args.data)
+    check_max_batches("--max-batches", args.max_batches)
     if not program_path.is_file():
         raise TrainConfigError(f"program {program_path} does not exist (or is not a file)")
     if args.json:
@@ -126,7 +137,7 @@ def run_eval(args: argparse.Namespace, device=None) -> int:
                 lora_names = list(runner.lora_state())
                 load_adapter_state(runner, adapter_state(Path(args.adapters), lora_names,
                                                          None if alpha is None else float(alpha)))
-            result = evaluate_data(runner, data)
+            result = evaluate_data(runner, data, args.max_batches)
     finally:
         errors = print_validation_messages(own_device)
     if errors:

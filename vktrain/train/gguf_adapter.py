@@ -20,6 +20,7 @@ from typing import Mapping, Union
 
 import numpy as np
 
+from vktrain.gguf_names import GGUF_FAMILIES, LAYER_LINEARS, OUTPUT_HEAD, PERMUTED_QK_FAMILIES
 from vktrain.train.adapters import (AdapterError, ProgramAdapters, add_program_adapter_arguments, load_program_adapters,
                                     read_program_graph)
 from vktrain.train.checkpoint import atomic_write_bytes
@@ -27,15 +28,7 @@ from vktrain.train.checkpoint import atomic_write_bytes
 PathLike = Union[str, os.PathLike]
 
 # HF module path (after model.layers.N.) -> llama.cpp tensor name (after blk.N.): the adaptable linears.
-GGUF_LAYER_LINEARS = {
-    "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
-    "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
-    "mlp.down_proj": "ffn_down",
-}
-GGUF_OUTPUT_HEAD = "output"  # lm_head (llama.cpp has no separate tensor for a tied head: refused then)
-# Families whose GGUF attn_q / attn_k rows are permuted by llama.cpp's converter.
-PERMUTED_QK_FAMILIES = ("llama",)
-GGUF_FAMILIES = ("llama", "qwen2", "qwen3")
+GGUF_LAYER_LINEARS = {hf: gguf for gguf, hf in LAYER_LINEARS.items()}
 _LAYER_PATH = re.compile(r"model\.layers\.(\d+)\.(.+)")
 
 
@@ -55,7 +48,7 @@ def gguf_tensor_name(module: str, tie_embeddings: bool) -> str:
         if tie_embeddings:
             raise AdapterError("lm_head is adapted but tied to the embedding: llama.cpp has no separate output "
                                "tensor to apply it to (export with the default targets, which leave the head out)")
-        return f"{GGUF_OUTPUT_HEAD}.weight"
+        return f"{OUTPUT_HEAD}.weight"
     match = _LAYER_PATH.fullmatch(module)
     if match is None or match.group(2) not in GGUF_LAYER_LINEARS:
         raise AdapterError(f"adapted module {module!r} has no llama.cpp tensor name; adaptable: lm_head and "
