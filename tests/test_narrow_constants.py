@@ -269,7 +269,7 @@ def test_a_narrow_constant_must_be_a_2_byte_type_with_whole_elements():
 
 
 # ------------------------------------------------------------------------------------------------
-# end to end: tiny-llama with a bf16-exact embedding
+# end to end: tiny-llama with a bf16-exact / GGUF Q8_0 embedding
 # ------------------------------------------------------------------------------------------------
 
 BATCH, SEQ, STEPS = 2, 16, 4
@@ -288,8 +288,19 @@ def _constants_holding(pte, values: np.ndarray) -> list:
     return found
 
 
-def test_tiny_llama_with_a_bf16_exact_embedding_gets_a_smaller_pte_that_trains_identically(
-        vk_device, tmp_path, monkeypatch):
+def _as_bf16_checkpoint(weight: np.ndarray) -> np.ndarray:
+    return _bf16_exact(weight)  # what a bf16 checkpoint holds
+
+
+def _as_gguf_q8_0(weight: np.ndarray) -> np.ndarray:
+    return gguf.quants.dequantize(gguf.quants.quantize(weight, Q8_0), Q8_0).reshape(weight.shape)  # the importer's
+
+
+@pytest.mark.parametrize("stored_as, stored_form, stored_bytes_per_value", [
+    (_as_bf16_checkpoint, "bfloat16", 2), (_as_gguf_q8_0, "gguf_q8_0", Q8_0_BLOCK_BYTES / 32),
+], ids=["bf16", "gguf_q8_0"])
+def test_tiny_llama_with_a_narrow_exact_embedding_gets_a_smaller_pte_that_trains_identically(
+        vk_device, tmp_path, monkeypatch, stored_as, stored_form, stored_bytes_per_value):
     import torch
 
     from vktrain.export import export_training_step, lower_to_pte
@@ -303,7 +314,7 @@ def test_tiny_llama_with_a_bf16_exact_embedding_gets_a_smaller_pte_that_trains_i
     apply_lora(model, LoRAConfig(rank=4, alpha=8.0, group_size=32, seed=0))
     embedding = model.model.embed_tokens.weight
     with torch.no_grad():
-        embedding.copy_(embedding.to(torch.bfloat16).to(torch.float32))  # what a bf16 checkpoint holds
+        embedding.copy_(torch.from_numpy(stored_as(embedding.detach().numpy())))
     program = export_training_step(model, (BATCH, SEQ))
     compact = lower_to_pte(program)
     monkeypatch.setattr(passes, "PASSES", tuple(p for p in passes.PASSES if p is not narrow_float_constants))
@@ -313,10 +324,11 @@ def test_tiny_llama_with_a_bf16_exact_embedding_gets_a_smaller_pte_that_trains_i
     embedding_values = embedding.detach().numpy()
     (narrow,) = _constants_holding(PteFile.from_bytes(compact), embedding_values)
     (wide,) = _constants_holding(PteFile.from_bytes(plain), embedding_values)
-    assert isinstance(narrow, NarrowConstant) and narrow.stored_dtype == vk.DType.BFLOAT16
+    assert isinstance(narrow, NarrowConstant) and narrow.stored_form == stored_form
     assert not isinstance(wide, NarrowConstant)
-    # The embedding's saved half, less what the .pte's segment alignment (128 bytes a segment) takes back.
-    assert len(plain) - len(compact) >= embedding.numel() * 2 - 1024
+    # The embedding's saved bytes, less what the .pte's segment alignment (128 bytes a segment) takes back.
+    saved = embedding.numel() * (4 - stored_bytes_per_value)
+    assert saved - 1024 <= len(plain) - len(compact) <= saved
 
     rng = np.random.default_rng(0)
     batches = [(rng.integers(0, model.vocab_size, (BATCH, SEQ)), rng.integers(0, model.vocab_size, (BATCH, SEQ)))
