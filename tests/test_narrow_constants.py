@@ -203,6 +203,21 @@ def test_a_q8_0_constant_round_trips_through_the_blob(named):
         np.testing.assert_array_equal(_bits(array), _bits(expected))
 
 
+def test_inspect_reports_constants_by_their_stored_bytes_and_forms():
+    from vktrain.runtime.program.summary import summarize_blob
+
+    q8_0, gguf_bytes = _q8_0_values((64, 64), 13)
+    bf16, inexact = _bf16_exact(_random((64, 32), 14)), _random((64, 32), 15)
+    graph, _ = _graph_of(q8_0, bf16, inexact, inexact)  # the last two share bytes
+    narrow_float_constants(graph)
+    constants = summarize_blob(graph)["constants"]
+    assert constants["bytes"] == q8_0.nbytes + bf16.nbytes + 2 * inexact.nbytes  # as the tensors read them
+    assert constants["deduplicated_bytes"] == q8_0.nbytes + bf16.nbytes + inexact.nbytes
+    assert constants["stored_bytes"] == len(gguf_bytes) + bf16.size * 2 + 2 * inexact.nbytes
+    assert constants["stored_deduplicated_bytes"] == len(gguf_bytes) + bf16.size * 2 + inexact.nbytes
+    assert constants["stored_forms"] == {"as read": 2, "gguf_q8_0": 1, "bfloat16": 1}
+
+
 def _q8_0_blob_written_with(monkeypatch, field: str, rewrite) -> bytes:
     """The blob of a graph holding one Q8_0 constant (read by tensor "emb") and one synthetic constant,
     its ConstantData records written with `FbConstantData.<field>(builder, value)` replaced by
