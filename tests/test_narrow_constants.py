@@ -106,11 +106,15 @@ def test_the_smallest_lossless_form_wins():
     np.testing.assert_array_equal(_bits(narrow.widen()), _bits(integers))
 
 
-def test_q8_0_widens_the_smollm2_embedding_fast():
+def test_q8_0_narrows_and_widens_the_smollm2_embedding_fast():
     import time
 
     values, gguf_bytes = _q8_0_values((49152, 576), 8)  # SmolLM2-135M's token_embd.weight
-    narrow = NarrowConstant(gguf_bytes, None, ConstantEncoding.GGUF_Q8_0)
+    narrow = narrow_losslessly(values)  # encoded chunk by chunk: many chunks here
+    assert narrow.encoding == ConstantEncoding.GGUF_Q8_0 and bytes(narrow.stored_bytes) == gguf_bytes
+    nudged = values.copy()
+    nudged[-1, -1] = np.nextafter(nudged[-1, -1], np.float32(np.inf))  # in the last chunk
+    assert narrow_losslessly(nudged) is None
     start = time.perf_counter()
     widened = narrow.widen()
     elapsed = time.perf_counter() - start
