@@ -218,8 +218,10 @@ def _format_method(report: dict) -> list[str]:
         lines.append(f"  ops: {d['ops']}")
         for name, count in d["op_histogram"].items():
             lines.append(f"    {count:5d}  {name}")
-        lines.append(f"  constants: {c['count']}, {_format_bytes(c['bytes'])} "
-                     f"({_format_bytes(c['deduplicated_bytes'])} deduplicated); layouts {c['tensor_layouts']}")
+        forms = ", ".join(f"{count} {form}" for form, count in c["stored_forms"].items())
+        lines.append(f"  constants: {c['count']}, {_format_bytes(c['bytes'])} as read "
+                     f"({_format_bytes(c['deduplicated_bytes'])} deduplicated); stored in "
+                     f"{_format_bytes(c['stored_deduplicated_bytes'])} ({forms}); layouts {c['tensor_layouts']}")
         lines.append(f"  planned GPU memory: {_format_bytes(m['planned_bytes'])} in {m['memory_objects']} object(s) "
                      f"(unplanned {_format_bytes(m['unplanned_bytes'])}); state {_format_bytes(m['state_bytes'])}; "
                      f"{m['device_allocations']} device-memory allocation(s)")

@@ -282,7 +282,9 @@ def _build_flatbuffer(graph: g.VkGraph, constant_records: list[tuple[int, int, i
         if key is not None:
             FbConstantData.AddNamedKey(builder, key)
         if isinstance(data, g.NarrowConstant):
-            FbConstantData.AddStoredDtype(builder, int(data.stored_dtype))
+            if data.stored_dtype is not None:
+                FbConstantData.AddStoredDtype(builder, int(data.stored_dtype))
+            FbConstantData.AddStoredEncoding(builder, int(data.encoding))  # not written when ELEMENTS (the default)
         constants.append(FbConstantData.End(builder))
 
     memory_objects = []
@@ -467,8 +469,11 @@ def _read_constants(root, segment_area: memoryview, verify: bool, named_data: Ma
             record = root.Constants(i)
             offset, length, crc32 = record.Offset(), record.Length(), record.Crc32()
             synthetic, named_key = record.Synthetic(), _text(record.NamedKey())
-            stored_dtype = record.StoredDtype()
+            stored_dtype, encoding = record.StoredDtype(), record.StoredEncoding()
         if synthetic is not None:
+            if stored_dtype is not None or encoding != g.ConstantEncoding.ELEMENTS:
+                raise BlobFormatError(f"constant {i} is synthetic but has stored_dtype {stored_dtype} / stored_encoding "
+                                      f"{encoding} (expected neither: it has no stored bytes)")
             if offset or length:
                 raise BlobFormatError(f"constant {i} is synthetic but also has segment bytes "
                                       f"(offset {offset}, length {length}; expected 0, 0)")
@@ -492,12 +497,10 @@ def _read_constants(root, segment_area: memoryview, verify: bool, named_data: Ma
                 raise BlobFormatError(f"constant {i} (read by {_constant_reader(root, i)}): crc32 of its {length} bytes "
                                       f"is {actual:#010x}, its record says {crc32:#010x} (the constant data "
                                       "was modified or corrupted)")
-        if stored_dtype is not None:
-            if synthetic is not None or stored_dtype not in [int(d) for d in g.NARROW_DTYPES]:
-                raise BlobFormatError(f"constant {i} has stored_dtype {stored_dtype}; expected one of "
-                                      f"{[f'{d.name} ({int(d)})' for d in g.NARROW_DTYPES]} on a constant with bytes")
-            data = g.NarrowConstant(data, g.DType(stored_dtype))
-        constants.append(data)
+        try:
+            constants.append(g.stored_constant(data, stored_dtype, encoding))
+        except g.GraphError as exc:
+            raise BlobFormatError(f"constant {i} (read by {_constant_reader(root, i)}): {exc}") from None
     return constants
 
 

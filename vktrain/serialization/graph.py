@@ -19,7 +19,8 @@ import numpy as np
 
 # SyntheticKind and the tensor types are re-exported: `graph.X` names the one definition.
 from vktrain.serialization.synthetic import SyntheticConstant, SyntheticKind, check_synthetic_reader  # noqa: F401
-from vktrain.serialization.narrow_constant import NARROW_DTYPES, NarrowConstant, narrow_losslessly  # noqa: F401
+from vktrain.serialization.narrow_constant import (NARROW_DTYPES, ConstantEncoding, NarrowConstant,  # noqa: F401
+                                                   narrow_losslessly, stored_constant)
 from vktrain.serialization.tensor_types import LAYOUT_STORAGE, DType, GraphError, Layout, store_as_tuple
 
 from vktrain.contract import METADATA_PLANNED_MEMORY_BYTES, METADATA_SOURCE_MODEL  # noqa: F401  (re-exported)
@@ -169,7 +170,7 @@ class MemoryObject:
 
 # Anything exposing its bytes through the buffer protocol; numpy arrays must be C-contiguous or they
 # are copied once when serialised. A SyntheticConstant is generated instead of stored; a NarrowConstant
-# is stored in 2-byte elements and read as the float32 array it widens to.
+# is stored in fewer bytes (2-byte elements or GGUF Q8_0 blocks) and read as the float32 array it widens to.
 ConstantData = Union[bytes, bytearray, memoryview, np.ndarray, SyntheticConstant, NarrowConstant]
 
 
@@ -182,7 +183,7 @@ def constant_nbytes(data: ConstantData) -> int:
 
 
 def stored_bytes(data: ConstantData) -> memoryview:
-    """The bytes of one constant as the blob stores them: a NarrowConstant's narrow elements, any other
+    """The bytes of one constant as the blob stores them: a NarrowConstant's narrow form, any other
     constant's own bytes (constant_bytes)."""
     return data.stored_bytes if isinstance(data, NarrowConstant) else constant_bytes(data)
 
@@ -415,7 +416,7 @@ class VkGraph:
 def _check_narrow_reader(dtype: DType, layout: Layout, where: str) -> None:
     if (dtype, layout) != (DType.FLOAT32, Layout.PLAIN):
         raise GraphError(f"{where} is {dtype.name} ({layout.name}) but reads a narrow constant (stored as "
-                         f"float16/bfloat16), which only PLAIN FLOAT32 tensors may read")
+                         f"float16/bfloat16/GGUF Q8_0), which only PLAIN FLOAT32 tensors may read")
 
 
 def decode_scalar(value: Value) -> Any:

@@ -11,8 +11,9 @@ decision ahead of time, in this order (`PASSES`), before the one memory planning
 4. views.decide_views: byte-preserving ops and lazy transposes produce views of their source's storage.
 5. in_place.update_state_in_place: adamw outputs use their state's storage when nothing reads the old
    value later (needs the views: a view of the state is such a reader).
-6. constant_storage.narrow_float_constants: float32 constants whose values are all exactly bfloat16 /
-   float16 are stored in the blob as those (ConstantData.stored_dtype), widened bit for bit when read.
+6. constant_storage.narrow_float_constants: float32 constants whose values are all exactly GGUF Q8_0
+   blocks, bfloat16 or float16 numbers are stored in the blob in the smallest of those forms
+   (ConstantData.stored_encoding / stored_dtype), widened bit for bit when read.
    It changes no tensor, only how constant bytes travel in the file.
 
 Then memory_planning.plan_graph_memory places every tensor with storage of its own into memory

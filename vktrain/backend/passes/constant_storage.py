@@ -1,8 +1,10 @@
-"""Constant storage: a float32 constant whose values are all exactly bfloat16 or float16 numbers is
-stored in the blob in those 2-byte elements (serialization/narrow_constant.py) and widened back bit for
-bit when it is read. SmolLM2's or Llama's embedding from a bf16 / F16 checkpoint then takes half the
-file. Only constants every reader of which is a PLAIN float32 tensor (or a float32 state starting from
-it) qualify; the decision is made from the bits, so a constant that would change stays float32."""
+"""Constant storage: a float32 constant whose values all round-trip exactly through a smaller form is
+stored in the blob in the smallest such form (serialization/narrow_constant.py): GGUF Q8_0 blocks (8.5
+bits a value), else bfloat16 or float16 elements (16 bits), and widened back bit for bit when it is read.
+SmolLM2's Q8_0 token embedding (dequantized by the GGUF importer) then takes 8.5/32 of its float32 bytes,
+an embedding from a bf16 / F16 checkpoint half. Only constants every reader of which is a PLAIN float32
+tensor (or a float32 state starting from it) qualify; the decision is made from the bits, so a constant
+that would change stays float32."""
 from __future__ import annotations
 
 import numpy as np

@@ -68,13 +68,21 @@ def _tensor_summary(graph: vk.VkGraph, value_id: int) -> dict:
 
 def summarize_blob(graph: vk.VkGraph) -> dict:
     """Op histogram, constants, memory plan, mutable state, I/O and refusals of one vktrain blob."""
-    # Stored constants dedup by content; synthetic ones (benchmark blobs) are never generated here:
-    # they occupy no bytes in the file, so they count by their record.
+    # Stored constants dedup by their stored bytes (what the blob dedups); synthetic ones (benchmark
+    # blobs) are never generated here: they occupy no bytes in the file, so they count by their record.
     sizes = [vk.constant_nbytes(c) for c in graph.constants]
-    unique = {}
+    unique, stored_unique, stored_sizes, forms = {}, {}, [], collections.Counter()
     for constant, size in zip(graph.constants, sizes):
-        key = repr(constant) if isinstance(constant, vk.SyntheticConstant) else hashlib.sha256(vk.constant_bytes(constant)).digest()
-        unique[key] = size
+        if isinstance(constant, vk.SyntheticConstant):
+            unique[repr(constant)] = size
+            forms["synthetic"] += 1
+            continue
+        stored = vk.stored_bytes(constant)
+        form = constant.stored_form if isinstance(constant, vk.NarrowConstant) else "as read"
+        key = (form, hashlib.sha256(stored).digest())
+        unique[key], stored_unique[key] = size, stored.nbytes
+        stored_sizes.append(stored.nbytes)
+        forms[form] += 1
     state = []
     for s in graph.mutable_state:
         entry = _tensor_summary(graph, s.state_id)
@@ -90,6 +98,10 @@ def summarize_blob(graph: vk.VkGraph) -> dict:
             "count": len(graph.constants),
             "bytes": sum(sizes),
             "deduplicated_bytes": sum(unique.values()),
+            # What the file holds: narrow constants in their stored form (serialization/narrow_constant.py).
+            "stored_bytes": sum(stored_sizes),
+            "stored_deduplicated_bytes": sum(stored_unique.values()),
+            "stored_forms": dict(forms.most_common()),
             "tensor_layouts": dict(layouts),
         },
         "memory": {

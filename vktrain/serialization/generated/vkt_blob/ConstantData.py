@@ -76,8 +76,15 @@ class ConstantData(object):
             return self._tab.Get(flatbuffers.number_types.Uint8Flags, o + self._tab.Pos)
         return None
 
+    # ConstantData
+    def StoredEncoding(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(16))
+        if o != 0:
+            return self._tab.Get(flatbuffers.number_types.Uint8Flags, o + self._tab.Pos)
+        return 0
+
 def ConstantDataStart(builder: flatbuffers.Builder):
-    builder.StartObject(6)
+    builder.StartObject(7)
 
 def Start(builder: flatbuffers.Builder):
     ConstantDataStart(builder)
@@ -117,6 +124,12 @@ def ConstantDataAddStoredDtype(builder: flatbuffers.Builder, storedDtype: int):
 
 def AddStoredDtype(builder: flatbuffers.Builder, storedDtype: int):
     ConstantDataAddStoredDtype(builder, storedDtype)
+
+def ConstantDataAddStoredEncoding(builder: flatbuffers.Builder, storedEncoding: int):
+    builder.PrependUint8Slot(6, storedEncoding, 0)
+
+def AddStoredEncoding(builder: flatbuffers.Builder, storedEncoding: int):
+    ConstantDataAddStoredEncoding(builder, storedEncoding)
 
 def ConstantDataEnd(builder: flatbuffers.Builder) -> int:
     return builder.EndObject()
