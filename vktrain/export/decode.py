@@ -25,6 +25,8 @@ from torch.export import ExportedProgram
 from vktrain.lora import lora_modules
 from vktrain.models.llama import LlamaForCausalLM
 
+from .training import in_registry_ops
+
 KV_CACHE_PREFIX = "kv_cache."
 PREFILL, DECODE = "prefill", "decode"
 
@@ -103,7 +105,7 @@ def export_generation(model: nn.Module, prefill_length: int, cache_length: int,
         module = CachedLlama(model, cache_length)
         example = (torch.zeros((1, rows), dtype=torch.int64), torch.arange(rows, dtype=torch.int64))
         with torch.no_grad():
-            programs[method] = torch.export.export(module, example).run_decompositions({})
+            programs[method] = in_registry_ops(torch.export.export(module, example))
     return programs
 
 

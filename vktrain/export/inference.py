@@ -9,7 +9,7 @@ from torch.export import ExportedProgram
 
 from vktrain.lora import lora_modules
 
-from .training import check_batch_shape
+from .training import check_batch_shape, in_registry_ops
 
 
 class _ForwardModule(nn.Module):
@@ -33,4 +33,4 @@ def export_forward(model: nn.Module, batch_shape: tuple[int, int], with_adapters
         adapter.adapter_enabled = with_adapters
     token_ids = torch.zeros((batch_size, seq_len), dtype=torch.int64)
     with torch.no_grad():
-        return torch.export.export(_ForwardModule(model), (token_ids,)).run_decompositions({})
+        return in_registry_ops(torch.export.export(_ForwardModule(model), (token_ids,)))

@@ -85,7 +85,11 @@ class _StepBuilder:
                 # _LossModule holds the model as `model`, so targets already read "model.<path>".
                 source = self.joint.state_dict[spec.target] if spec.target in self.joint.state_dict \
                     else self.joint.constants[spec.target]
-                self._add_state(node, spec.target, source.detach(), persistent=True)
+                # The LoRA tensors are the step's mutable state: its own copy, so that running the step
+                # in torch (program.module()) changes no other program's constants (the eval method's).
+                trained = spec.target.removeprefix(MODEL_PREFIX) in self.trainable
+                self._add_state(node, spec.target, source.detach().clone() if trained else source.detach(),
+                                persistent=True)
             elif spec.kind == InputKind.CONSTANT_TENSOR:
                 self._add_state(node, "constants." + spec.target.replace(".", "_"),
                                 self.joint.constants[spec.target].detach(), persistent=False)

@@ -42,7 +42,7 @@ from vktrain.contract import (EXP_AVG_PREFIX, EXP_AVG_SQ_PREFIX, METADATA_BASE_M
                               METADATA_MODEL_CONFIG, METADATA_MODEL_FAMILY, METADATA_SOURCE_MODEL,
                               STEP_STATE as STEP_BUFFER)
 from vktrain.lora import LoRAQ4Linear, lora_modules, lora_parameter_names
-from vktrain.partitioner.op_registry import PRESERVED_OPS
+from vktrain.partitioner.op_registry import PRESERVED_OPS, check_node
 
 from .step_graph import eval_program_from_joint, training_step_program
 
@@ -69,15 +69,30 @@ def example_training_inputs(batch_size: int, seq_len: int, vocab_size: int = 256
     return token_ids, labels, hparams, n_valid
 
 
+def decomposition_table() -> dict:
+    """What every exported program is decomposed with: core ATen (what the op registry covers, and what
+    ExecuTorch's to_edge would decompose to), except PRESERVED_OPS (ops the runtime runs fused)."""
+    table = core_aten_decompositions()
+    for op in PRESERVED_OPS:
+        table.pop(op, None)
+    return table
+
+
+def in_registry_ops(program: ExportedProgram) -> ExportedProgram:
+    """`program` (a fresh torch.export) in ops the vktrain registry takes: itself when every node already is
+    one (no retrace: a 30-layer forward costs a minute to decompose), else decomposed with
+    decomposition_table(), which also functionalises whatever torch.export left in place."""
+    if all(check_node(node, program) is None for node in program.graph.nodes if node.op == "call_function"):
+        return program
+    return program.run_decompositions(decomposition_table())
+
+
 def joint_forward_backward(loss_program: ExportedProgram) -> ExportedProgram:
     """The joint graph of a loss program: outputs the loss, then the gradient of every trainable parameter.
 
     What torch.export.experimental._export_forward_backward does, except that PRESERVED_OPS (activation
     backwards the runtime fuses) are not decomposed."""
-    table = core_aten_decompositions()
-    for op in PRESERVED_OPS:
-        table.pop(op, None)
-    return _decompose_exported_program(loss_program, cia_to_decomp={}, python_decomp_table=table,
+    return _decompose_exported_program(loss_program, cia_to_decomp={}, python_decomp_table=decomposition_table(),
                                        joint_loss_index=0, decompose_custom_triton_ops=False)
 
 
