@@ -15,27 +15,22 @@
 // (conflict-free) and the global stores are vec4s. The reduction advances BK at a time through
 // shared memory; the global loads of step r+1 are issued into registers before the arithmetic of
 // step r, so their latency hides behind it. Buffers are `restrict`: outputs never alias inputs.
+//
+// Variants defining CPU_REGISTER_TILES (FWD, BWD) replace this tiling, from the staging below on, with
+// the register-tile body of linear_gemm_cpu.glsl for CPU Vulkan implementations; the bindings, push
+// constants and W_4X8 decoding above it are shared.
 
 #extension GL_EXT_control_flow_attributes : require
 #extension GL_GOOGLE_include_directive : require
+#ifdef CPU_REGISTER_TILES
+#extension GL_KHR_shader_subgroup_shuffle : require
+#endif
 #include "common.glsl"
 
 // Local size from spec ids 0, 1 (the runtime's convention): THREADS_X x THREADS_Y threads.
 VKTRAIN_LOCAL_SIZE_FROM_SPEC;
 const uint THREADS_X = gl_WorkGroupSize.x;
 const uint THREADS_Y = gl_WorkGroupSize.y;
-// Reduction step; multiple of 8 (the backward mode loads whole 8-row W_4X8 blocks along N).
-layout(constant_id = 3) const uint BK = 16;
-// Split-K: with SPLIT_K > 1, work group z = s sums only its slice of the reduction (whole BK steps)
-// and writes the partial C into slice s of binding 0, a [SPLIT_K, ROWS, COLS] scratch buffer;
-// linear_splitk_reduce.comp then adds the slices in a fixed order (and the bias). This keeps a large
-// GPU busy when the output has few tiles but the reduction is long (M = 512 x N = 2048, thin LoRA dW).
-layout(constant_id = 4) const uint SPLIT_K = 1;
-
-const uint BM = 8u * THREADS_Y;
-const uint BN = 8u * THREADS_X;
-const uint NUM_THREADS = THREADS_X * THREADS_Y;
-
 layout(push_constant, std430) uniform PushConstants {
     VKTRAIN_PUSH_HEADER;  // the runtime's group offset of split dispatches (common.glsl)
     uint M;              // rows of x / d_out (leading dims flattened)
@@ -64,10 +59,6 @@ layout(set = 0, binding = 2) readonly restrict buffer XBuf { vec4 x[]; };
 #else
 #error "LINEAR_MODE must be LINEAR_MODE_FWD, LINEAR_MODE_BWD or LINEAR_MODE_DW"
 #endif
-
-// [r][i / 4] and [r][j / 4]: one reduction step per row, vec4 along the output dimension.
-shared vec4 a_tile[BK][BM / 4u];
-shared vec4 b_tile[BK][BN / 4u];
 
 uint rows_total() {
 #if LINEAR_MODE == LINEAR_MODE_DW
@@ -106,6 +97,25 @@ float scale_at(uint g, uint n) { return n < pc.N ? scales[g * pc.N + n] : 0.0; }
 vec4 decode_low(uint word) { return vec4((uvec4(word) >> uvec4(0u, 8u, 16u, 24u)) & 0xFu) - 8.0; }
 vec4 decode_high(uint word) { return vec4((uvec4(word) >> uvec4(4u, 12u, 20u, 28u)) & 0xFu) - 8.0; }
 #endif
+
+#ifdef CPU_REGISTER_TILES
+#include "linear_gemm_cpu.glsl"
+#else
+// Reduction step; multiple of 8 (the backward mode loads whole 8-row W_4X8 blocks along N).
+layout(constant_id = 3) const uint BK = 16;
+// Split-K: with SPLIT_K > 1, work group z = s sums only its slice of the reduction (whole BK steps)
+// and writes the partial C into slice s of binding 0, a [SPLIT_K, ROWS, COLS] scratch buffer;
+// linear_splitk_reduce.comp then adds the slices in a fixed order (and the bias). This keeps a large
+// GPU busy when the output has few tiles but the reduction is long (M = 512 x N = 2048, thin LoRA dW).
+layout(constant_id = 4) const uint SPLIT_K = 1;
+
+const uint BM = 8u * THREADS_Y;
+const uint BN = 8u * THREADS_X;
+const uint NUM_THREADS = THREADS_X * THREADS_Y;
+
+// [r][i / 4] and [r][j / 4]: one reduction step per row, vec4 along the output dimension.
+shared vec4 a_tile[BK][BM / 4u];
+shared vec4 b_tile[BK][BN / 4u];
 
 // Global -> register -> shared staging. `fetch_*` issues the global loads of the next reduction step
 // into registers (so they are in flight while the current step is computed); `commit_*` writes them
@@ -312,3 +322,4 @@ void main() {
         }
     }
 }
+#endif  // CPU_REGISTER_TILES
