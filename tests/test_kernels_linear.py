@@ -431,7 +431,7 @@ def test_default_plans_fit_the_shared_memory_budget(shared_memory_bytes):
 def cpu_bodies(vk_device):
     """The device, when it can run the register-tile bodies of CPU_TUNING (lavapipe can)."""
     if not runs_cpu_bodies(vk_device):
-        pytest.skip(f"{vk_device.name} has no {CPU_LANES}-lane subgroups with shuffles")
+        pytest.skip(f"{vk_device.name} cannot run the CPU bodies ({CPU_LANES}-lane subgroups, shuffles, int64)")
     return vk_device
 
 
@@ -495,10 +495,10 @@ def test_gpu_tuning_is_the_default_and_unchanged():
     assert [d.shader for d in default] == ["linear_q4gsw", "linear_splitk_reduce"]
 
 
-def _fake_device(device_type, subgroup_size=8, subgroup_operations=0xBF):
+def _fake_device(device_type, subgroup_size=8, subgroup_operations=0xBF, features=frozenset({"shaderInt64"})):
     from types import SimpleNamespace
     return SimpleNamespace(name=f"test-{device_type}", device_type=device_type, subgroup_size=subgroup_size,
-                           subgroup_operations=subgroup_operations)
+                           subgroup_operations=subgroup_operations, features=features)
 
 
 def test_select_gemm_tuning_by_device_type_and_environment():
@@ -508,6 +508,7 @@ def test_select_gemm_tuning_by_device_type_and_environment():
     # A CPU implementation whose subgroups the bodies cannot use keeps the GPU tuning (SwiftShader: 4 lanes).
     assert select_gemm_tuning(_fake_device("cpu", subgroup_size=4), environ={}) == GPU_TUNING
     assert select_gemm_tuning(_fake_device("cpu", subgroup_operations=0x0F), environ={}) == GPU_TUNING
+    assert select_gemm_tuning(_fake_device("cpu", features=frozenset()), environ={}) == GPU_TUNING
     assert select_gemm_tuning(_fake_device("cpu"), environ={"VKTRAIN_GEMM_TUNING": "gpu"}) == GPU_TUNING
     assert select_gemm_tuning(_fake_device("discrete_gpu"), environ={"VKTRAIN_GEMM_TUNING": " CPU "}) == CPU_TUNING
     with pytest.raises(GemmTuningError, match="VKTRAIN_GEMM_TUNING must be one of gpu, cpu, got 'fast'"):

@@ -11,7 +11,15 @@
 // Strides, offsets, bias, batches and split-K slices are those of the shared-memory body (matmul.comp);
 // the sum runs over k ascending as there. Rows and columns past the edges load the last row / column (in
 // bounds) and store nothing; steps of k past the end load a clamped address and add zeros. The loop over
-// K advances CPU_LANES steps at a time (lavapipe ends an invocation after 65535 trips of one loop).
+// K advances CHUNK = 2 * CPU_LANES steps at a time (lavapipe ends an invocation after 65535 trips of one
+// loop).
+//
+// Paired loads. lavapipe's per-lane loop costs the same for 32 and 64 bits, so where two floats an
+// invocation needs are adjacent and 8-byte aligned it loads them as one uint64_t (variants, chosen by
+// the plan only when every such address is even and the length along the pairs is even):
+//   A_PAIRS: A is contiguous along k; lane l holds steps 2l, 2l + 1 of a chunk (else steps l, l + 8).
+//   B_PAIRS: B is contiguous along n (B_N_PAIRS, id 5: columns n0, n0 + 1 of one step; CPU_TN == 2) or
+//            along k (a transposed weight: steps 2p, 2p + 1 of one column).
 
 #ifndef CPU_LANES
 #define CPU_LANES 8
@@ -23,7 +31,24 @@
 #define CPU_TN 2
 #endif
 
+#if CPU_TN != 2
+#error "B_N_PAIRS loads CPU_TN == 2 columns as one pair"
+#endif
+#define CHUNK (2u * CPU_LANES)
+
 layout(local_size_x = CPU_LANES) in;
+layout(constant_id = 5) const bool B_N_PAIRS = false;
+
+// The two floats at the even element index `e` of A / B.
+#ifdef A_PAIRS
+vec2 a_pair(uint e) { return uintBitsToFloat(unpackUint2x32(a_pairs[e / 2u])); }
+const bool A_K_PAIRS = true;
+#else
+const bool A_K_PAIRS = false;
+#endif
+#ifdef B_PAIRS
+vec2 b_pair(uint e) { return uintBitsToFloat(unpackUint2x32(b_pairs[e / 2u])); }
+#endif
 
 void main() {
     const uvec3 group = VKTRAIN_GLOBAL_GROUP_ID(params);
@@ -55,22 +80,56 @@ void main() {
     }
 
     const uint lane = gl_SubgroupInvocationID;
-    for (uint chunk = k_begin; chunk < k_end; chunk += CPU_LANES) {
-        // This lane's share of A: step chunk + lane of every row (0 past the slice).
-        const uint mine = min(chunk + lane, k_end - 1u);
-        float a_share[CPU_TM];
-        [[unroll]] for (uint i = 0u; i < CPU_TM; ++i) {
-            const float value = a_data[a_row[i] + mine * params.a_k_stride];
-            a_share[i] = chunk + lane < k_end ? value : 0.0;
-        }
-        [[unroll]] for (uint l = 0u; l < CPU_LANES; ++l) {
-            const uint k = min(chunk + l, k_end - 1u);
-            float b_frag[CPU_TN];
-            [[unroll]] for (uint j = 0u; j < CPU_TN; ++j) {
-                b_frag[j] = b_data[b_col[j] + k * params.b_k_stride];
-            }
+    // With B_N_PAIRS (N even): the first of this lane's two columns, clamped to the last pair.
+    const uint b_pair_col = b_base + min(n0, params.N - 2u);
+    for (uint chunk = k_begin; chunk < k_end; chunk += CHUNK) {
+        // This lane's share of A: 2 steps of every row (0 past the slice).
+        vec2 a_share[CPU_TM];
+#ifdef A_PAIRS
+        {  // K even: a pair is inside the slice or past it as a whole
+            const uint k = chunk + 2u * lane;
             [[unroll]] for (uint i = 0u; i < CPU_TM; ++i) {
-                const float a = subgroupShuffle(a_share[i], l);
+                const vec2 value = a_pair(a_row[i] + min(k, k_end - 2u));
+                a_share[i] = k < k_end ? value : vec2(0.0);
+            }
+        }
+#else
+        [[unroll]] for (uint h = 0u; h < 2u; ++h) {
+            const uint k = chunk + lane + h * CPU_LANES;
+            [[unroll]] for (uint i = 0u; i < CPU_TM; ++i) {
+                const float value = a_data[a_row[i] + min(k, k_end - 1u) * params.a_k_stride];
+                a_share[i][h] = k < k_end ? value : 0.0;
+            }
+        }
+#endif
+        vec2 b_k_pair[CPU_TN];
+        [[unroll]] for (uint s = 0u; s < CHUNK; ++s) {
+            float b_frag[CPU_TN];
+#ifdef B_PAIRS
+            if (B_N_PAIRS) {
+                const vec2 pair = b_pair(b_pair_col + min(chunk + s, k_end - 1u) * params.b_k_stride);
+                b_frag[0] = pair.x;
+                b_frag[1] = pair.y;
+            } else {
+                if (s % 2u == 0u) {
+                    [[unroll]] for (uint j = 0u; j < CPU_TN; ++j) {
+                        b_k_pair[j] = b_pair(b_col[j] + min(chunk + s, k_end - 2u));
+                    }
+                }
+                [[unroll]] for (uint j = 0u; j < CPU_TN; ++j) {
+                    b_frag[j] = b_k_pair[j][s % 2u];
+                }
+            }
+#else
+            [[unroll]] for (uint j = 0u; j < CPU_TN; ++j) {
+                b_frag[j] = b_data[b_col[j] + min(chunk + s, k_end - 1u) * params.b_k_stride];
+            }
+#endif
+            // Step s of the chunk is held by lane s / 2 (A_K_PAIRS) or s % CPU_LANES.
+            const uint holder = A_K_PAIRS ? s / 2u : s % CPU_LANES;
+            const uint part = A_K_PAIRS ? s % 2u : s / CPU_LANES;
+            [[unroll]] for (uint i = 0u; i < CPU_TM; ++i) {
+                const float a = subgroupShuffle(a_share[i][part], holder);
                 [[unroll]] for (uint j = 0u; j < CPU_TN; ++j) {
                     acc[i][j] = fma(a, b_frag[j], acc[i][j]);
                 }

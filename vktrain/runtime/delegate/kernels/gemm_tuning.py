@@ -9,8 +9,8 @@ invocations, nothing goes through shared memory, and nothing is split along the 
 handful of cores to keep busy, not a hundred compute units).
 
 The CPU bodies share values between the lanes of a workgroup with subgroupShuffle, one subgroup of
-CPU_SUBGROUP_SIZE lanes per workgroup: a CPU device whose subgroups differ (or lack shuffles in compute)
-keeps the GPU tuning.
+CPU_SUBGROUP_SIZE lanes per workgroup, and load pairs of floats as 64-bit integers: a CPU device whose
+subgroups differ (or lack shuffles in compute), or without shaderInt64, keeps the GPU tuning.
 
 The executor picks the tuning with `select_gemm_tuning(device)` and carries it in its GemmRoute
 (`GemmRoute.fp32_tuning`); the plan functions take it as `tuning=`. The environment variable
@@ -47,8 +47,9 @@ def check_tuning(tuning: Any, what: str = "tuning") -> str:
 
 
 def runs_cpu_bodies(device: Any) -> bool:
-    """Whether `device` (what a vktrain Device says of its subgroups) can run the CPU bodies."""
-    return device.subgroup_size == CPU_SUBGROUP_SIZE and bool(device.subgroup_operations & SUBGROUP_SHUFFLE_BIT)
+    """Whether `device` (what a vktrain Device says of its subgroups and features) can run the CPU bodies."""
+    return (device.subgroup_size == CPU_SUBGROUP_SIZE and bool(device.subgroup_operations & SUBGROUP_SHUFFLE_BIT)
+            and "shaderInt64" in device.features)
 
 
 def select_gemm_tuning(device: Any, environ: Any = None) -> str:
@@ -61,7 +62,8 @@ def select_gemm_tuning(device: Any, environ: Any = None) -> str:
         if tuning == CPU_TUNING and not runs_cpu_bodies(device):
             raise GemmTuningError(
                 f"{TUNING_ENV}={override}: {device.name} cannot run the CPU bodies: they need subgroups of "
-                f"{CPU_SUBGROUP_SIZE} lanes with shuffles in compute shaders, it has {device.subgroup_size} lanes "
-                f"and operations {device.subgroup_operations:#x}")
+                f"{CPU_SUBGROUP_SIZE} lanes with shuffles in compute shaders and shaderInt64, it has "
+                f"{device.subgroup_size} lanes, operations {device.subgroup_operations:#x} and features "
+                f"{sorted(device.features)}")
         return tuning
     return CPU_TUNING if device.device_type == CPU_DEVICE_TYPE and runs_cpu_bodies(device) else GPU_TUNING

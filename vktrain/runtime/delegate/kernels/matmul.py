@@ -55,6 +55,7 @@ GEMM_TILES = ((64, 64), (64, 16), (16, 64))
 SKINNY_DIM = 16  # an output dim up to this takes the 16-wide tile along it
 A_M_FASTEST_SPEC_ID = 3
 B_K_FASTEST_SPEC_ID = 4
+B_N_PAIRS_SPEC_ID = 5  # the CPU body's B_PAIRS direction (matmul_cpu.glsl)
 
 # Split-K targets: threads for a large GPU (512 workgroups of 256 = ~4 per SM of a 132-SM H200; the
 # 64-thread skinny tiles get 4x as many workgroups); slices no shorter than MIN_SPLIT_SLICE (8 K
@@ -135,6 +136,24 @@ def split_k_scratch_nbytes(batch: int, M: int, N: int, split_k: int) -> int:
 def _takes_cpu_body(K: int, tile: Any, tuning: str, label: str) -> bool:
     """Whether a GEMM takes the CPU_REGISTER_TILES body: CPU_TUNING, no forced tile, K within its loop."""
     return check_tuning(tuning, f"{label}: tuning") == CPU_TUNING and tile is None and K <= CPU_MAX_K
+
+
+def _pairs(view: StridedView, contiguous_dim: int, length: int) -> bool:
+    """Whether the CPU body may load `view` two floats at a time along `contiguous_dim`: stride 1 there,
+    every other stride and the offset even (so each pair is 8-byte aligned), an even `length` along it."""
+    others = [stride for dim, stride in enumerate(view.strides) if dim != contiguous_dim]
+    return view.strides[contiguous_dim] == 1 and length % 2 == 0 and all(x % 2 == 0 for x in [view.offset, *others])
+
+
+def cpu_gemm_variant(A: StridedView, B: StridedView, has_bias: bool) -> tuple[str, dict[int, bool]]:
+    """The CPU body's shader and specialization constants for batched views A [b, M, K], B [b, K, N]:
+    64-bit pair loads of A along k, of B along n or else along k, wherever they are aligned."""
+    K, N = A.sizes[2], B.sizes[2]
+    b_n_pairs = _pairs(B, 2, N)
+    a_pairs, b_pairs = _pairs(A, 2, K), b_n_pairs or _pairs(B, 1, K)
+    name = f"matmul@HAS_BIAS={int(has_bias)}+CPU_REGISTER_TILES" + ("+A_PAIRS" if a_pairs else "") \
+        + ("+B_PAIRS" if b_pairs else "")
+    return name, ({B_N_PAIRS_SPEC_ID: b_n_pairs} if b_pairs else {})
 
 
 def gemm_scratch_nbytes(batch: int, M: int, N: int, K: int, tuning: str = GPU_TUNING) -> int:
@@ -247,7 +266,7 @@ def plan_gemm(out: Any, a: Any, a_view: StridedView, b: Any, b_view: StridedView
     if has_bias:
         bindings.append(binding(bias, "r"))
     if cpu_body:
-        shader = f"matmul@HAS_BIAS={int(has_bias)}+CPU_REGISTER_TILES"
+        shader, spec = cpu_gemm_variant(A, B, has_bias)
         groups = (ceil_div(N, CPU_LANES * CPU_TN), ceil_div(M, CPU_TM), split_k * batch)
     else:
         shader = gemm_shader_name(tile, has_bias, vec4_rows=N % 4 == 0)
