@@ -24,6 +24,7 @@
 #extension GL_GOOGLE_include_directive : require
 #ifdef CPU_REGISTER_TILES
 #extension GL_KHR_shader_subgroup_shuffle : require
+#extension GL_EXT_shader_explicit_arithmetic_types_int64 : require
 #endif
 #include "common.glsl"
 
@@ -39,19 +40,30 @@ layout(push_constant, std430) uniform PushConstants {
     uint group_size;     // q4gsw group size along K (unused by LINEAR_MODE_DW)
 } pc;
 
+#ifdef CPU_REGISTER_TILES
+// The CPU body reads its inputs 64 bits at a time (linear_gemm_cpu.glsl): same buffers, wider elements.
+#define VEC4_INPUT uint64_t
+#define WORD_INPUT uint64_t
+#define SCALE_INPUT uint64_t
+#else
+#define VEC4_INPUT vec4
+#define WORD_INPUT uint
+#define SCALE_INPUT float
+#endif
+
 #if LINEAR_MODE == LINEAR_MODE_FWD
 layout(set = 0, binding = 0) writeonly restrict buffer OutBuf { vec4 y[]; };
-layout(set = 0, binding = 1) readonly restrict buffer XBuf { vec4 x[]; };
-layout(set = 0, binding = 2) readonly restrict buffer WBuf { uint w4x8[]; };
-layout(set = 0, binding = 3) readonly restrict buffer SBuf { float scales[]; };
+layout(set = 0, binding = 1) readonly restrict buffer XBuf { VEC4_INPUT x[]; };
+layout(set = 0, binding = 2) readonly restrict buffer WBuf { WORD_INPUT w4x8[]; };
+layout(set = 0, binding = 3) readonly restrict buffer SBuf { SCALE_INPUT scales[]; };
 #ifdef HAS_BIAS  // variant linear_q4gsw@HAS_BIAS: y += bias[n]
 layout(set = 0, binding = 4) readonly restrict buffer BiasBuf { vec4 bias[]; };
 #endif
 #elif LINEAR_MODE == LINEAR_MODE_BWD
 layout(set = 0, binding = 0) writeonly restrict buffer OutBuf { vec4 dx[]; };
-layout(set = 0, binding = 1) readonly restrict buffer DOutBuf { vec4 d_out[]; };
-layout(set = 0, binding = 2) readonly restrict buffer WBuf { uint w4x8[]; };
-layout(set = 0, binding = 3) readonly restrict buffer SBuf { float scales[]; };
+layout(set = 0, binding = 1) readonly restrict buffer DOutBuf { VEC4_INPUT d_out[]; };
+layout(set = 0, binding = 2) readonly restrict buffer WBuf { WORD_INPUT w4x8[]; };
+layout(set = 0, binding = 3) readonly restrict buffer SBuf { SCALE_INPUT scales[]; };
 #elif LINEAR_MODE == LINEAR_MODE_DW
 layout(set = 0, binding = 0) writeonly restrict buffer OutBuf { vec4 dw[]; };
 layout(set = 0, binding = 1) readonly restrict buffer DOutBuf { vec4 d_out[]; };
@@ -89,9 +101,11 @@ uint reduction_total() {
 #if LINEAR_MODE != LINEAR_MODE_DW
 uint n8_count() { return (pc.N / 4u + 1u) / 2u; }
 
+#ifndef CPU_REGISTER_TILES
 // The scale of weight row n in group g; rows n >= N exist only as W_4X8 padding (code 8), and reading
 // their scale would overrun, so they scale by 0.
 float scale_at(uint g, uint n) { return n < pc.N ? scales[g * pc.N + n] : 0.0; }
+#endif
 
 // Codes of one W_4X8 word for the row pair (n, n + 1): byte t holds k = 4*k4 + t, low nibble row n.
 vec4 decode_low(uint word) { return vec4((uvec4(word) >> uvec4(0u, 8u, 16u, 24u)) & 0xFu) - 8.0; }
