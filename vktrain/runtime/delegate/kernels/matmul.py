@@ -67,12 +67,12 @@ MAX_SPLIT_K = 32
 
 # The CPU_REGISTER_TILES body (matmul_cpu.glsl's defaults): a workgroup of CPU_LANES invocations (one
 # subgroup: the 8 fp32 lanes of a 256-bit CPU vector), each owning CPU_TM rows x CPU_TN adjacent columns
-# of C. Its loop over K advances CPU_LANES at a time and lavapipe ends an invocation after 65535 trips of
-# one loop, so a longer reduction keeps the shared-memory body.
+# of C. Its loop over K advances 2 * CPU_LANES steps at a time and lavapipe ends an invocation after
+# 65535 trips of one loop, so a longer reduction keeps the shared-memory body.
 CPU_LANES = 8
 CPU_TM = 16
 CPU_TN = 2
-CPU_MAX_K = CPU_LANES * 65535
+CPU_MAX_K = 2 * CPU_LANES * 65535
 
 
 def _as_batched(view: StridedView, what: str) -> StridedView:
