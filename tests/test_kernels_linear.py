@@ -484,6 +484,8 @@ def test_cpu_tuning_keeps_the_tiled_kernels_where_its_bodies_do_not_apply():
     for op in ("linear_q4gsw", "linear_q4gsw_backward"):
         assert plan_scratch_nbytes(op, M=512, N=2048, K=2048, group_size=32, tuning=CPU_TUNING) == 0
         assert plan_scratch_nbytes(op, M=512, N=2048, K=2048, group_size=32) > 0
+    # Without the group size the d_x body cannot be promised: the scratch is sized for the tiled one.
+    assert plan_scratch_nbytes("linear_q4gsw_backward", M=512, N=2048, K=2048, tuning=CPU_TUNING) > 0
     with pytest.raises(GemmTuningError, match="tuning must be one of gpu, cpu, got 'fast'"):
         plan_linear_q4gsw(**dict(forward, tuning="fast"), group_size=32)
 

@@ -236,7 +236,8 @@ def split_k_scratch_nbytes(rows: int, cols: int, split_k: int) -> int:
 
 def plan_scratch_nbytes(op: str, *, M: int, N: int, K: int, group_size: int = 0, tuning: str = GPU_TUNING) -> int:
     """Bytes of scratch the default plan of `op` uses when given one (0: it would not split).
-    `group_size` (q4gsw ops) and `tuning` as given to the plan."""
+    `group_size` (q4gsw ops) and `tuning` as given to the plan; group_size 0 (not known) sizes the
+    scratch for the tiled body, enough whichever body the plan then takes."""
     if _takes_cpu_body(op, N, K, group_size, None, None, tuning):
         return 0
     if op == "linear_q4gsw":
@@ -312,7 +313,7 @@ def _takes_cpu_body(op: str, N: int, K: int, group_size: int, tiles: Any, split_
     if op == "linear_q4gsw":
         return K // 4 <= CPU_MAX_LOOP_TRIPS
     if op == "linear_q4gsw_backward":
-        return ceil_div(N, 8) <= CPU_MAX_LOOP_TRIPS and group_size % (4 * CPU_LANES) == 0
+        return ceil_div(N, 8) <= CPU_MAX_LOOP_TRIPS and group_size > 0 and group_size % (4 * CPU_LANES) == 0
     return False
 
 
