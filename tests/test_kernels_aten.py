@@ -40,11 +40,12 @@ from vktrain.runtime.delegate.kernels.gemm_tuning import CPU_TUNING, runs_cpu_bo
 from vktrain.runtime.delegate.kernels.matmul import (
     CPU_LANES,
     CPU_MAX_K,
-    CPU_TM,
+    CPU_TM_CHOICES,
     CPU_TN,
     B_N_PAIRS_SPEC_ID,
     MAX_SPLIT_K,
     cpu_gemm_variant,
+    cpu_tile_rows,
     MIN_SPLIT_SLICE,
     TARGET_THREADS,
     default_gemm_tile,
@@ -754,8 +755,13 @@ def cpu_bodies(vk_device):
     return vk_device
 
 
+def _cpu_rows_suffix(M: int) -> str:
+    tm = cpu_tile_rows(M)
+    return "" if tm == CPU_TM_CHOICES[0] else f"+CPU_TM={tm}"
+
+
 # (batch, M, K, N, A stored transposed, B stored transposed, expected paired loads A_K, B_K, B_N): M, N
-# around the CPU_TM x (CPU_LANES * CPU_TN) workgroup tile, K around and off the 2 * CPU_LANES steps of
+# around the CPU_TM x (CPU_LANES * CPU_TN) workgroup tiles (CPU_TM 16, 32, 64), K around and off the 2 * CPU_LANES steps of
 # one chunk, odd K / N (no pairs), the LoRA step's rank-8 products and a head-like transposed weight.
 CPU_GEMM_CASES = [
     (1, 1, 1, 1, False, False, (False, False, False)), (1, 9, 7, 3, False, False, (False, False, False)),
@@ -763,6 +769,7 @@ CPU_GEMM_CASES = [
     (1, 64, 8, 576, False, True, (True, True, False)), (1, 8, 64, 576, True, False, (False, False, True)),
     (1, 576, 64, 8, True, False, (False, False, True)), (3, 33, 41, 70, True, True, (False, False, False)),
     (2, 16, 18, 16, False, False, (True, False, True)), (1, 5, 34, 70, False, True, (True, True, False)),
+    (1, 63, 40, 34, False, True, (True, True, False)), (1, 65, 20, 18, True, False, (False, False, True)),
 ]
 
 
@@ -779,9 +786,10 @@ def test_cpu_tuning_gemm_matches_torch_with_strided_operands(cpu_bodies, rng, ba
     b_view = b_view.transpose(0, 1) if b_transposed else b_view
     dispatches = plan_gemm("out", "a", a_view, "b", b_view, alpha=-0.75, scratch="scratch", tuning=CPU_TUNING)
     a_k, b_k, b_n = pairs
-    shader = "matmul@HAS_BIAS=0+CPU_REGISTER_TILES" + ("+A_PAIRS" if a_k else "") + ("+B_PAIRS" if b_k or b_n else "")
+    shader = "matmul@HAS_BIAS=0+CPU_REGISTER_TILES" + ("+A_PAIRS" if a_k else "") + \
+        ("+B_PAIRS" if b_k or b_n else "") + _cpu_rows_suffix(M)
     assert [d.shader for d in dispatches] == [shader], "no split-K on a CPU"
-    assert dispatches[0].groups == (ceil_div(N, CPU_LANES * CPU_TN), ceil_div(M, CPU_TM), batch)
+    assert dispatches[0].groups == (ceil_div(N, CPU_LANES * CPU_TN), ceil_div(M, cpu_tile_rows(M)), batch)
     assert dict(dispatches[0].spec_constants) == ({B_N_PAIRS_SPEC_ID: b_n} if b_k or b_n else {})
     got = _run(cpu_bodies, dispatches, {"a": a_stored, "b": b_stored}, (batch, M, N), max_group_count=2)
     a_ref = _f64(a_stored).transpose(1, 2) if a_transposed else _f64(a_stored)
@@ -799,7 +807,7 @@ def test_cpu_tuning_addmm_bias_and_beta_zero_ignoring_nan(cpu_bodies, rng, bias_
     kwargs = {"self": "bias", "self_shape": bias.shape, "mat1": "a", "mat1_shape": a.shape, "mat2": "b",
               "mat2_shape": b.shape, "beta": beta, "alpha": -2.0}
     dispatches = get_kernel("aten.addmm.default")(out="out", tuning=CPU_TUNING, **kwargs)
-    assert [d.shader for d in dispatches] == ["matmul@HAS_BIAS=1+CPU_REGISTER_TILES+A_PAIRS+B_PAIRS"]
+    assert [d.shader for d in dispatches] == ["matmul@HAS_BIAS=1+CPU_REGISTER_TILES+A_PAIRS+B_PAIRS+CPU_TM=32"]
     got = _run(cpu_bodies, dispatches, {"a": a, "b": b, "bias": bias}, (33, 70))
     expected = -2.0 * _f64(a) @ _f64(b) + (0.0 if beta == 0.0 else beta * _f64(bias))
     _assert_norm_close(got, expected)
@@ -837,6 +845,10 @@ def test_cpu_tuning_pairs_only_aligned_operands(cpu_bodies, rng):
         a_ref = torch.as_strided(_f64(storage), odd_a.sizes, odd_a.strides, odd_a.offset)
         b_ref = torch.as_strided(_f64(storage), b_view.sizes, b_view.strides, b_view.offset)
         _assert_norm_close(got, a_ref @ b_ref)
+
+
+def test_cpu_tile_rows_are_the_largest_choice_not_above_m():
+    assert [cpu_tile_rows(M) for M in (1, 15, 16, 31, 32, 63, 64, 4096)] == [16, 16, 16, 16, 32, 32, 64, 64]
 
 
 def test_cpu_tuning_keeps_the_tiled_body_for_forced_tiles_and_very_long_reductions():

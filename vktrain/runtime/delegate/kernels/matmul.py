@@ -22,8 +22,8 @@ slice 0 adds the bias. Without scratch the plan never splits.
 Device tuning (kernels/gemm_tuning.py). With `tuning=CPU_TUNING` (the executor's choice on a CPU
 Vulkan implementation) a GEMM whose tile is not forced runs matmul.comp's CPU_REGISTER_TILES variant
 (body matmul_cpu.glsl): workgroups of CPU_LANES invocations along N, each owning CPU_TM x CPU_TN outputs
-in registers, no shared memory, no barrier; the default plan then never splits K (explicit `split_k`
-still works: the body reads the same slices).
+in registers (CPU_TM by `cpu_tile_rows`), no shared memory, no barrier; the default plan then never
+splits K (explicit `split_k` still works: the body reads the same slices).
 
 Accuracy: fp32 products accumulated in fp32 in k order within a slice; relative error ~ K * eps in
 the worst case, ~ sqrt(K) * eps typically (tests: norm-relative 1e-4 against float64).
@@ -65,12 +65,15 @@ TARGET_THREADS = 512 * 256
 MIN_SPLIT_SLICE = 128
 MAX_SPLIT_K = 32
 
-# The CPU_REGISTER_TILES body (matmul_cpu.glsl's defaults): a workgroup of CPU_LANES invocations (one
-# subgroup: the 8 fp32 lanes of a 256-bit CPU vector), each owning CPU_TM rows x CPU_TN adjacent columns
-# of C. Its loop over K advances 2 * CPU_LANES steps at a time and lavapipe ends an invocation after
-# 65535 trips of one loop, so a longer reduction keeps the shared-memory body.
+# The CPU_REGISTER_TILES body (matmul_cpu.glsl): a workgroup of CPU_LANES invocations (one subgroup: the
+# 8 fp32 lanes of a 256-bit CPU vector), each owning CPU_TM rows x CPU_TN adjacent columns of C. CPU_TM
+# is the largest of CPU_TM_CHOICES not above M (the first when M is smaller; rows past M are computed
+# and dropped): each element of B a lane loads feeds CPU_TM products, and on lavapipe 64 rows ran the
+# 64-token head and LoRA products 1.2-1.7x faster than 16. Its loop over K advances 2 * CPU_LANES steps
+# at a time and lavapipe ends an invocation after 65535 trips of one loop, so a longer reduction keeps
+# the shared-memory body.
 CPU_LANES = 8
-CPU_TM = 16
+CPU_TM_CHOICES = (16, 32, 64)  # 16: the shader's default, the others its CPU_TM=... variants
 CPU_TN = 2
 CPU_MAX_K = 2 * CPU_LANES * 65535
 
@@ -145,14 +148,21 @@ def _pairs(view: StridedView, contiguous_dim: int, length: int) -> bool:
     return view.strides[contiguous_dim] == 1 and length % 2 == 0 and all(x % 2 == 0 for x in [view.offset, *others])
 
 
+def cpu_tile_rows(M: int) -> int:
+    """CPU_TM for an output of M rows: the largest of CPU_TM_CHOICES not above M, else the smallest."""
+    return max([tm for tm in CPU_TM_CHOICES if tm <= M], default=CPU_TM_CHOICES[0])
+
+
 def cpu_gemm_variant(A: StridedView, B: StridedView, has_bias: bool) -> tuple[str, dict[int, bool]]:
     """The CPU body's shader and specialization constants for batched views A [b, M, K], B [b, K, N]:
-    64-bit pair loads of A along k, of B along n or else along k, wherever they are aligned."""
-    K, N = A.sizes[2], B.sizes[2]
+    64-bit pair loads of A along k, of B along n or else along k, wherever they are aligned, and
+    cpu_tile_rows(M) rows per invocation."""
+    M, K, N = A.sizes[1], A.sizes[2], B.sizes[2]
     b_n_pairs = _pairs(B, 2, N)
     a_pairs, b_pairs = _pairs(A, 2, K), b_n_pairs or _pairs(B, 1, K)
+    tm = cpu_tile_rows(M)
     name = f"matmul@HAS_BIAS={int(has_bias)}+CPU_REGISTER_TILES" + ("+A_PAIRS" if a_pairs else "") \
-        + ("+B_PAIRS" if b_pairs else "")
+        + ("+B_PAIRS" if b_pairs else "") + ("" if tm == CPU_TM_CHOICES[0] else f"+CPU_TM={tm}")
     return name, ({B_N_PAIRS_SPEC_ID: b_n_pairs} if b_pairs else {})
 
 
@@ -267,7 +277,7 @@ def plan_gemm(out: Any, a: Any, a_view: StridedView, b: Any, b_view: StridedView
         bindings.append(binding(bias, "r"))
     if cpu_body:
         shader, spec = cpu_gemm_variant(A, B, has_bias)
-        groups = (ceil_div(N, CPU_LANES * CPU_TN), ceil_div(M, CPU_TM), split_k * batch)
+        groups = (ceil_div(N, CPU_LANES * CPU_TN), ceil_div(M, cpu_tile_rows(M)), split_k * batch)
     else:
         shader = gemm_shader_name(tile, has_bias, vec4_rows=N % 4 == 0)
         groups = (ceil_div(N, tile[1]), ceil_div(M, tile[0]), split_k * batch)
