@@ -10,6 +10,12 @@ with CUDA events, fp32 with TF32 off; CPU otherwise, wall clock), the ratio torc
     python scripts/bench_kernels.py                 # realistic shapes (Llama-3.2-1B: K=2048, group 32)
     python scripts/bench_kernels.py --quick         # small shapes (runs on lavapipe in under a minute)
     python scripts/bench_kernels.py --out bench.json --kernels linear_q4gsw,fused_ce --replays 20
+    python scripts/bench_kernels.py --smollm2 --tunings gpu,cpu --no-torch   # CPU vs GPU tuning, one run
+
+`--smollm2` times the GEMM shapes of a SmolLM2-135M LoRA training step (M = 64 tokens: the base
+linears, the rank-8 LoRA products, the tied 49152 x 576 head) instead of the defaults. `--tunings`
+times every linear-family and aten.mm case once per listed device tuning (kernels/gemm_tuning.py) and
+reports, per case, each tuning's time and its relative difference from the first tuning's result.
 
 Kernels come from the registry (vktrain.runtime.delegate.kernels); families that are not importable are
 reported as skipped. Needs numpy, torch and the `vulkan` binding; never imports executorch.
@@ -75,15 +81,25 @@ def _rel_err(actual: np.ndarray, expected: np.ndarray) -> float:
 
 
 # ----------------------------------------------------------------------------------- linear family
-def _linear_cases(quick: bool, rng) -> list[Case]:
+# SmolLM2-135M (hidden 576, kv 192, MLP 1536, vocab 49152), LoRA rank 8, a step of 64 tokens.
+SMOLLM2_TOKENS = 64
+SMOLLM2_LINEARS = ((576, 576), (192, 576), (1536, 576), (576, 1536))  # (N, K): q/o, k/v, gate/up, down
+SMOLLM2_SMALL_M = (1, 4, 9)  # around the GEMV thresholds (linear.GEMV_MAX_ROWS, GEMV_MAX_M)
+
+
+def _linear_cases(preset: str, rng) -> list[Case]:
     from vktrain.runtime.delegate.kernels.linear import prepack_weights
 
-    if quick:
-        K, group_size, Ns, Ms = 256, 32, (256, 512), (1, 64)
+    group_size = 32
+    if preset == "quick":
+        shapes = [(N, 256, (1, 64)) for N in (256, 512)]
+    elif preset == "smollm2":
+        shapes = [(N, K, (SMOLLM2_TOKENS,) + (SMOLLM2_SMALL_M if (N, K) == (576, 576) else ()))
+                  for N, K in SMOLLM2_LINEARS]
     else:
-        K, group_size, Ns, Ms = 2048, 32, (2048, 8192), (1, 128, 512, 2048)
+        shapes = [(N, 2048, (1, 128, 512, 2048)) for N in (2048, 8192)]
     cases = []
-    for N in Ns:
+    for N, K, Ms in shapes:
         W = rng.standard_normal((N, K)).astype(np.float32) * 0.02
         flat, scales = quant.quantize(W, group_size)
         words = prepack_weights(flat, K)
@@ -94,7 +110,8 @@ def _linear_cases(quick: bool, rng) -> list[Case]:
             shape = dict(M=M, N=N, K=K, group_size=group_size)
             cases.append(_linear_forward_case(shape, x, flat, scales, words, w_bytes))
             cases.append(_linear_backward_case(shape, d_out, flat, scales, words, w_bytes))
-            cases.append(_linear_dw_case(shape, d_out, x))
+            if preset != "smollm2":  # the LoRA step computes no base weight gradient
+                cases.append(_linear_dw_case(shape, d_out, x))
     return cases
 
 
@@ -112,7 +129,8 @@ def _linear_setup(plan_name: str, plan_kwargs: dict, arrays: dict[str, np.ndarra
             rows, cols = {"linear_q4gsw": (M, N), "linear_q4gsw_backward": (M, K), "linear_dW": (N, K)}[plan_name]
             scratch = split_k_scratch_nbytes(rows, cols, overrides["split_k"])
         else:
-            scratch = plan_scratch_nbytes(plan_name, M=M, N=N, K=K)
+            scratch = plan_scratch_nbytes(plan_name, M=M, N=N, K=K, group_size=kwargs.get("group_size", 0),
+                                          **_tuning_of(overrides))
         if scratch:
             buffers["scratch"] = Buffer(device, scratch, name="scratch")
             kwargs["scratch"] = "scratch"
@@ -179,6 +197,65 @@ def _linear_dw_case(shape, d_out, x) -> Case:
                 _linear_setup("linear_dW", dict(M=M, N=N, K=K, out="out", d_out="d", x="x"), {"d": d_out, "x": x},
                               (N, K)),
                 setup_torch)
+
+
+def _tuning_of(overrides: dict) -> dict:
+    return {"tuning": overrides["tuning"]} if "tuning" in overrides else {}
+
+
+# ----------------------------------------------------------------------------------- aten.mm
+def _mm_cases(preset: str, rng) -> list[Case]:
+    """aten.mm as the LoRA step runs it: operands that are transposed weights or activations are strided
+    views read in place (kernels/matmul.py)."""
+    from vktrain.runtime.delegate.kernels.layout import StridedView
+
+    T, D, r, V = SMOLLM2_TOKENS, 576, 8, 49152
+    if preset == "quick":
+        T, D, V = 16, 64, 1000
+    # (what, A storage shape, A transposed?, B storage shape, B transposed?)
+    products = [
+        ("lora_down x @ A^T", (T, D), False, (r, D), True),
+        ("lora_up h @ B^T", (T, r), False, (D, r), True),
+        ("lora_dA dh^T @ x", (T, r), True, (T, D), False),
+        ("lora_dB dy^T @ h", (T, D), True, (T, r), False),
+        ("head x @ E^T", (T, D), False, (V, D), True),
+        ("head_dx dlogits @ E", (T, V), False, (V, D), False),
+    ]
+    if preset not in ("quick", "smollm2"):
+        products = products[4:]
+    cases = []
+    for what, a_shape, a_t, b_shape, b_t in products:
+        a = rng.standard_normal(a_shape).astype(np.float32)
+        b = rng.standard_normal(b_shape).astype(np.float32)
+        a_op, b_op = (a.T if a_t else a), (b.T if b_t else b)
+        M, K = a_op.shape
+        N = b_op.shape[1]
+
+        def view(shape, transposed):
+            v = StridedView.contiguous(shape)
+            return v.transpose(0, 1) if transposed else v
+
+        def setup_vk(device, limits, a=a, b=b, a_view=view(a_shape, a_t), b_view=view(b_shape, b_t), M=M, N=N, K=K,
+                     **overrides):
+            from vktrain.runtime.delegate.kernels.matmul import gemm_scratch_nbytes, plan_gemm
+
+            buffers = {"a": Buffer.from_array(device, a), "b": Buffer.from_array(device, b),
+                       "out": Buffer(device, 4 * M * N)}
+            scratch = gemm_scratch_nbytes(1, M, N, K, **_tuning_of(overrides))
+            if scratch:
+                buffers["scratch"] = Buffer(device, scratch)
+            dispatches = plan_gemm("out", "a", a_view, "b", b_view, scratch="scratch" if scratch else None,
+                                   **overrides)
+            return dispatches, buffers, lambda: buffers["out"].read(np.float32, (M, N))
+
+        def setup_torch(torch, dev, a_op=a_op, b_op=b_op):
+            a_t_, b_t_ = torch.from_numpy(np.ascontiguousarray(a_op)).to(dev), torch.from_numpy(
+                np.ascontiguousarray(b_op)).to(dev)
+            return (lambda: a_t_ @ b_t_), (lambda y: y.cpu().numpy())
+
+        cases.append(Case("aten.mm.default", dict(M=M, N=N, K=K), 4 * (M * K + K * N + M * N), 2 * M * N * K,
+                          setup_vk, setup_torch, notes={"what": what}))
+    return cases
 
 
 # ----------------------------------------------------------------------------------- other families
@@ -374,7 +451,12 @@ _CASE_BUILDERS = {
     "linear_q4gsw": _linear_cases, "linear_q4gsw_backward": _linear_cases, "linear_dW": _linear_cases,
     "fused_ce": _fused_ce_cases, "adamw": _adamw_cases, "q4gsw_requant": _requant_cases,
     "causal_attention": _attention_cases, "causal_attention_backward": _attention_cases,
+    "aten.mm.default": _mm_cases,
 }
+# Builders taking the shape preset ("quick", "smollm2", "full") rather than the --quick flag.
+_PRESET_BUILDERS = (_linear_cases, _mm_cases)
+# Kernels whose plans take a device tuning (--tunings).
+_TUNED_KERNELS = ("linear_q4gsw", "linear_q4gsw_backward", "aten.mm.default")
 
 
 # ----------------------------------------------------------------------------------- timing
@@ -445,7 +527,7 @@ def _print_record(record: dict[str, Any], prefix: str = "") -> None:
     config = "" if record.get("config") == "default" else f"  {record['config']}"
     print(f"{prefix + record['kernel']:22s} {shape:38s} {record['vk_ms']:9.4f} {record['vk_gbps']:8.1f} "
           f"{_fmt(record['vk_gflops']):>9s} {_fmt(record.get('torch_ms'), 4):>9s} "
-          f"{_fmt(record.get('torch_over_vk'), 2):>8s} {record.get('error_vs_torch', float('nan')):8.1e}"
+          f"{_fmt(record.get('torch_over_vk'), 2):>8s} {record.get('error_vs_torch', record.get('diff_vs_first_config', float('nan'))):8.1e}"
           f"  {','.join(record['shaders'])}{config}", flush=True)
 
 
@@ -461,14 +543,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--sweep", action="store_true",
                         help="also time alternative tilings / split-K of the linear kernels (for tuning)")
+    parser.add_argument("--smollm2", action="store_true",
+                        help="the GEMM shapes of a SmolLM2-135M LoRA step (linear family, aten.mm) instead of the defaults")
+    parser.add_argument("--tunings", default="",
+                        help="comma-separated device tunings (gpu,cpu: kernels/gemm_tuning.py) to time every "
+                             "linear-family and aten.mm case with (default: the plans' default)")
     args = parser.parse_args(argv)
+    from vktrain.runtime.delegate.kernels.gemm_tuning import check_tuning
+    tunings = [check_tuning(t.strip(), "--tunings") for t in args.tunings.split(",") if t.strip()]
+    preset = "smollm2" if args.smollm2 else "quick" if args.quick else "full"
 
     for module in _FAMILY_MODULES:
         try:
             importlib.import_module(f"vktrain.runtime.delegate.kernels.{module}")
         except ImportError as exc:
             print(f"note: kernel family {module!r} not importable ({exc}); its kernels are skipped")
-    wanted = [k for k in args.kernels.split(",") if k] or list(_CASE_BUILDERS)
+    default_kernels = _TUNED_KERNELS if args.smollm2 else list(_CASE_BUILDERS)
+    wanted = [k for k in args.kernels.split(",") if k] or list(default_kernels)
     unknown = [k for k in wanted if k not in _CASE_BUILDERS]
     if unknown:
         parser.error(f"unknown kernels {unknown}; known: {sorted(_CASE_BUILDERS)}")
@@ -504,22 +595,28 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             builder = _CASE_BUILDERS[kernel]
             if builder not in built_builders:
-                built_builders[builder] = builder(args.quick, rng)
-            for case in (c for c in built_builders[builder] if c.kernel == kernel):
+                built_builders[builder] = builder(preset if builder in _PRESET_BUILDERS else args.quick, rng)
+            configs = [dict(tuning=t) for t in tunings] if tunings and kernel in _TUNED_KERNELS else [{}]
+            for case, config in ((c, o) for c in built_builders[builder] if c.kernel == kernel for o in configs):
                 try:
-                    vk = time_vulkan(device, case, args.replays, args.warmup)
+                    vk = time_vulkan(device, case, args.replays, args.warmup, **config)
                 except Exception as exc:  # e.g. out of device memory: report it and go on
                     error = f"{type(exc).__name__}: {exc}"
-                    results.append({"kernel": case.kernel, "shape": case.shape, "error": error})
+                    results.append({"kernel": case.kernel, "shape": case.shape, "config": config or "default",
+                                    "error": error})
                     print(f"{case.kernel:22s} {case.shape}: FAILED {type(exc).__name__}: {exc}", flush=True)
                     continue
+                if config is configs[0]:
+                    first_result = vk["result"]
                 record: dict[str, Any] = {
                     "kernel": case.kernel, "shape": case.shape, "bytes": case.nbytes, "flops": case.flops,
-                    "config": "default",
+                    "config": config or "default",
                     "vk_ms": vk["vk_s"] * 1e3, "vk_timing": vk["vk_timing"], "shaders": vk["shaders"],
                     "local_size": vk["local_size"], "groups": vk["groups"], "spec_constants": vk["spec_constants"],
                     "vk_gbps": case.nbytes / vk["vk_s"] / 1e9,
                     "vk_gflops": None if case.flops is None else case.flops / vk["vk_s"] / 1e9, **case.notes}
+                if len(configs) > 1:
+                    record["diff_vs_first_config"] = _rel_err(vk["result"], first_result)
                 if torch is not None:
                     ref = time_torch(torch, torch_dev, case, args.replays, args.warmup)
                     record.update(torch_ms=ref["torch_s"] * 1e3, torch_over_vk=ref["torch_s"] / vk["vk_s"],

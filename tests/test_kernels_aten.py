@@ -36,8 +36,16 @@ from vktrain.runtime.delegate.kernels.layout import (
     coalesce_dims,
     plan_strided_copy,
 )
+from vktrain.runtime.delegate.kernels.gemm_tuning import CPU_TUNING, runs_cpu_bodies
 from vktrain.runtime.delegate.kernels.matmul import (
+    CPU_LANES,
+    CPU_MAX_K,
+    CPU_TM_CHOICES,
+    CPU_TN,
+    B_N_PAIRS_SPEC_ID,
     MAX_SPLIT_K,
+    cpu_gemm_variant,
+    cpu_tile_rows,
     MIN_SPLIT_SLICE,
     TARGET_THREADS,
     default_gemm_tile,
@@ -736,6 +744,122 @@ def _split_of(dispatches) -> int:
     assert reduce.shader == "linear_splitk_reduce" and gemm.bindings[0].buffer == "scratch"
     assert reduce.bindings[1].buffer == "scratch" and reduce.bindings[0].buffer == "out"
     return int.from_bytes(reduce.push_constants[8:12], "little")
+
+
+# ----------------------------------------------------------------------------------------- GEMM, CPU tuning
+@pytest.fixture
+def cpu_bodies(vk_device):
+    """The device, when it can run matmul.comp's register-tile body (CPU_TUNING; lavapipe can)."""
+    if not runs_cpu_bodies(vk_device):
+        pytest.skip(f"{vk_device.name} cannot run the CPU bodies ({CPU_LANES}-lane subgroups, shuffles, int64)")
+    return vk_device
+
+
+def _cpu_rows_suffix(M: int) -> str:
+    tm = cpu_tile_rows(M)
+    return "" if tm == CPU_TM_CHOICES[0] else f"+CPU_TM={tm}"
+
+
+# (batch, M, K, N, A stored transposed, B stored transposed, expected paired loads A_K, B_K, B_N): M, N
+# around the CPU_TM x (CPU_LANES * CPU_TN) workgroup tiles (CPU_TM 16, 32, 64), K around and off the 2 * CPU_LANES steps of
+# one chunk, odd K / N (no pairs), the LoRA step's rank-8 products and a head-like transposed weight.
+CPU_GEMM_CASES = [
+    (1, 1, 1, 1, False, False, (False, False, False)), (1, 9, 7, 3, False, False, (False, False, False)),
+    (1, 17, 9, 17, True, False, (False, False, False)), (1, 64, 576, 8, False, True, (True, True, False)),
+    (1, 64, 8, 576, False, True, (True, True, False)), (1, 8, 64, 576, True, False, (False, False, True)),
+    (1, 576, 64, 8, True, False, (False, False, True)), (3, 33, 41, 70, True, True, (False, False, False)),
+    (2, 16, 18, 16, False, False, (True, False, True)), (1, 5, 34, 70, False, True, (True, True, False)),
+    (1, 63, 40, 34, False, True, (True, True, False)), (1, 65, 20, 18, True, False, (False, False, True)),
+]
+
+
+@pytest.mark.parametrize("batch, M, K, N, a_transposed, b_transposed, pairs", CPU_GEMM_CASES,
+                         ids=[f"{b}x{m}x{k}x{n}{'-At' if at else ''}{'-Bt' if bt else ''}"
+                              for b, m, k, n, at, bt, _ in CPU_GEMM_CASES])
+def test_cpu_tuning_gemm_matches_torch_with_strided_operands(cpu_bodies, rng, batch, M, K, N, a_transposed,
+                                                             b_transposed, pairs):
+    a_stored = rng.standard_normal((batch, K, M) if a_transposed else (batch, M, K)).astype(np.float32)
+    b_stored = rng.standard_normal((N, K) if b_transposed else (K, N)).astype(np.float32)  # broadcast batch
+    a_view = StridedView.contiguous(a_stored.shape)
+    b_view = StridedView.contiguous(b_stored.shape)
+    a_view = a_view.transpose(1, 2) if a_transposed else a_view
+    b_view = b_view.transpose(0, 1) if b_transposed else b_view
+    dispatches = plan_gemm("out", "a", a_view, "b", b_view, alpha=-0.75, scratch="scratch", tuning=CPU_TUNING)
+    a_k, b_k, b_n = pairs
+    shader = "matmul@HAS_BIAS=0+CPU_REGISTER_TILES" + ("+A_PAIRS" if a_k else "") + \
+        ("+B_PAIRS" if b_k or b_n else "") + _cpu_rows_suffix(M)
+    assert [d.shader for d in dispatches] == [shader], "no split-K on a CPU"
+    assert dispatches[0].groups == (ceil_div(N, CPU_LANES * CPU_TN), ceil_div(M, cpu_tile_rows(M)), batch)
+    assert dict(dispatches[0].spec_constants) == ({B_N_PAIRS_SPEC_ID: b_n} if b_k or b_n else {})
+    got = _run(cpu_bodies, dispatches, {"a": a_stored, "b": b_stored}, (batch, M, N), max_group_count=2)
+    a_ref = _f64(a_stored).transpose(1, 2) if a_transposed else _f64(a_stored)
+    b_ref = _f64(b_stored).T if b_transposed else _f64(b_stored)
+    _assert_norm_close(got, -0.75 * a_ref @ b_ref)
+
+
+@pytest.mark.parametrize("bias_shape, beta", [((70,), 0.5), ((33, 1), -1.0), ((33, 70), 2.0), ((70,), 0.0)])
+def test_cpu_tuning_addmm_bias_and_beta_zero_ignoring_nan(cpu_bodies, rng, bias_shape, beta):
+    a = rng.standard_normal((33, 20)).astype(np.float32)
+    b = rng.standard_normal((20, 70)).astype(np.float32)
+    bias = rng.standard_normal(bias_shape).astype(np.float32)
+    if beta == 0.0:
+        bias[:] = np.nan
+    kwargs = {"self": "bias", "self_shape": bias.shape, "mat1": "a", "mat1_shape": a.shape, "mat2": "b",
+              "mat2_shape": b.shape, "beta": beta, "alpha": -2.0}
+    dispatches = get_kernel("aten.addmm.default")(out="out", tuning=CPU_TUNING, **kwargs)
+    assert [d.shader for d in dispatches] == ["matmul@HAS_BIAS=1+CPU_REGISTER_TILES+A_PAIRS+B_PAIRS+CPU_TM=32"]
+    got = _run(cpu_bodies, dispatches, {"a": a, "b": b, "bias": bias}, (33, 70))
+    expected = -2.0 * _f64(a) @ _f64(b) + (0.0 if beta == 0.0 else beta * _f64(bias))
+    _assert_norm_close(got, expected)
+
+
+def test_cpu_tuning_reads_explicit_split_k_slices_and_adds_the_bias_once(cpu_bodies, rng):
+    M, K, N, split = 20, 40, 12, 4  # slices of 16: [0, 16), [16, 32), [32, 40) and an empty one
+    a = rng.standard_normal((M, K)).astype(np.float32)
+    b = rng.standard_normal((K, N)).astype(np.float32)
+    bias = rng.standard_normal((N,)).astype(np.float32)
+    nbytes = split_k_scratch_nbytes(1, M, N, split)
+    dispatches = plan_gemm("out", "a", StridedView.contiguous(a.shape), "b", StridedView.contiguous(b.shape),
+                           bias="bias", bias_view=StridedView.contiguous(bias.shape), beta=1.0, scratch="scratch",
+                           split_k=split, tuning=CPU_TUNING)
+    assert dispatches[0].shader == "matmul@HAS_BIAS=1+CPU_REGISTER_TILES+A_PAIRS+B_PAIRS"
+    assert _split_of(dispatches) == split
+    got = _run_gemm(cpu_bodies, dispatches, {"a": a, "b": b, "bias": bias}, (M, N), nbytes)
+    _assert_norm_close(got, _f64(a) @ _f64(b) + _f64(bias))
+
+
+def test_cpu_tuning_pairs_only_aligned_operands(cpu_bodies, rng):
+    """An odd offset or an odd stride across the contiguous dim rules the 64-bit pair loads out."""
+    storage = rng.standard_normal(1 + 2 * 24 * 30).astype(np.float32)
+    odd_a = StridedView((24, 30), (30, 1), 1)    # A [24, 30] at element offset 1
+    odd_b = StridedView((30, 15), (1, 31), 0)    # B^T rows 31 apart: [30, 15] read along k
+    even_b = StridedView((30, 16), (16, 1), 2)   # B [30, 16] at offset 2
+    assert cpu_gemm_variant(odd_a.unsqueeze(0), odd_b.unsqueeze(0), False) == \
+        ("matmul@HAS_BIAS=0+CPU_REGISTER_TILES", {})
+    assert cpu_gemm_variant(odd_a.unsqueeze(0), even_b.unsqueeze(0), False) == \
+        ("matmul@HAS_BIAS=0+CPU_REGISTER_TILES+B_PAIRS", {B_N_PAIRS_SPEC_ID: True})
+    for b_view in (odd_b, even_b):
+        dispatches = plan_gemm("out", "s", odd_a, "s", b_view, tuning=CPU_TUNING)
+        N = b_view.sizes[1]
+        got = _run(cpu_bodies, dispatches, {"s": storage}, (24, N))
+        a_ref = torch.as_strided(_f64(storage), odd_a.sizes, odd_a.strides, odd_a.offset)
+        b_ref = torch.as_strided(_f64(storage), b_view.sizes, b_view.strides, b_view.offset)
+        _assert_norm_close(got, a_ref @ b_ref)
+
+
+def test_cpu_tile_rows_are_the_largest_choice_not_above_m():
+    assert [cpu_tile_rows(M) for M in (1, 15, 16, 31, 32, 63, 64, 4096)] == [16, 16, 16, 16, 32, 32, 64, 64]
+
+
+def test_cpu_tuning_keeps_the_tiled_body_for_forced_tiles_and_very_long_reductions():
+    a, b = StridedView.contiguous((64, 64)), StridedView.contiguous((64, 64))
+    assert plan_gemm("out", "a", a, "b", b, tile=(16, 64), tuning=CPU_TUNING)[0].shader == \
+        "matmul@HAS_BIAS=0+TILE_M=16+TILE_N=64+VEC4_C"
+    long_a, long_b = StridedView.contiguous((4, CPU_MAX_K + 1)), StridedView.contiguous((CPU_MAX_K + 1, 4))
+    assert plan_gemm("out", "a", long_a, "b", long_b, tuning=CPU_TUNING)[0].shader == \
+        "matmul@HAS_BIAS=0+TILE_M=64+TILE_N=16+VEC4_C"
+    assert gemm_scratch_nbytes(1, 64, 16, 4096, CPU_TUNING) == 0 < gemm_scratch_nbytes(1, 64, 16, 4096)
+    assert plan_gemm("out", "a", a, "b", b) == plan_gemm("out", "a", a, "b", b, tuning="gpu")
 
 
 # The LoRA products (rank 16), scaled down for lavapipe: (name, M, K, N, A stored transposed, B stored

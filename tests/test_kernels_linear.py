@@ -26,7 +26,16 @@ import vktrain.ops  # noqa: E402,F401  (registers torch.ops.vktrain.*)
 from vktrain.quant import dequantize, pack_flat, quantize  # noqa: E402
 from vktrain.runtime import Buffer, Program  # noqa: E402
 from vktrain.runtime.delegate.kernels import KERNELS, get_kernel, register_kernel  # noqa: E402
+from vktrain.runtime.delegate.kernels.gemm_tuning import (  # noqa: E402
+    CPU_TUNING,
+    GPU_TUNING,
+    GemmTuningError,
+    runs_cpu_bodies,
+    select_gemm_tuning,
+)
 from vktrain.runtime.delegate.kernels.linear import (  # noqa: E402
+    CPU_LANES,
+    CPU_ROWS,
     GEMV_MAX_M,
     GEMV_MAX_ROWS,
     MIN_SPLIT_SLICE,
@@ -86,7 +95,7 @@ def _assert_dot_close(actual, a64, b64, expected64, length, label, factor=1.0, a
 
 
 def _forward(device, rng, M, N, K, group_size, *, bias=False, tiles=None, zero_groups=(), lead=None,
-             max_group_count=None, split_k=None, scratch_nbytes=0):
+             max_group_count=None, split_k=None, scratch_nbytes=0, tuning=GPU_TUNING):
     flat, scales, deq = _q4gsw(rng, N, K, group_size, zero_groups)
     x = rng.standard_normal((M, K)).astype(np.float32)
     b = rng.standard_normal(N).astype(np.float32) if bias else None
@@ -95,7 +104,7 @@ def _forward(device, rng, M, N, K, group_size, *, bias=False, tiles=None, zero_g
         inputs["b"] = b
     plan = plan_linear_q4gsw(M=M, N=N, K=K, group_size=group_size, out="out", x="x", weights="w",
                              scales="s", bias="b" if bias else None, tiles=tiles, split_k=split_k,
-                             scratch="scratch" if scratch_nbytes else None)
+                             scratch="scratch" if scratch_nbytes else None, tuning=tuning)
     y = _run(device, plan, inputs, (M, N), max_group_count, scratch_nbytes)
 
     x64 = x.astype(np.float64)
@@ -113,12 +122,12 @@ def _forward(device, rng, M, N, K, group_size, *, bias=False, tiles=None, zero_g
 
 
 def _backward(device, rng, M, N, K, group_size, *, tiles=None, zero_groups=(), lead=None, max_group_count=None,
-              split_k=None, scratch_nbytes=0):
+              split_k=None, scratch_nbytes=0, tuning=GPU_TUNING):
     flat, scales, deq = _q4gsw(rng, N, K, group_size, zero_groups)
     d_out = rng.standard_normal((M, N)).astype(np.float32)
     plan = plan_linear_q4gsw_backward(M=M, N=N, K=K, group_size=group_size, out="out", d_out="d",
                                       weights="w", scales="s", tiles=tiles, split_k=split_k,
-                                      scratch="scratch" if scratch_nbytes else None)
+                                      scratch="scratch" if scratch_nbytes else None, tuning=tuning)
     dx = _run(device, plan, {"d": d_out, "w": prepack_weights(flat, K), "s": scales}, (M, K), max_group_count,
               scratch_nbytes)
 
@@ -415,6 +424,99 @@ def test_default_plans_fit_the_shared_memory_budget(shared_memory_bytes):
                          plan_linear_q4gsw_backward(**common, group_size=4, d_out=1, weights=2, scales=3),
                          plan_linear_dw(**common, d_out=1, x=2)):
                 assert plan and all(d.local_size[0] * d.local_size[1] <= 256 for d in plan)
+
+
+# ----------------------------------------------------------------------------------- CPU tuning
+@pytest.fixture
+def cpu_bodies(vk_device):
+    """The device, when it can run the register-tile bodies of CPU_TUNING (lavapipe can)."""
+    if not runs_cpu_bodies(vk_device):
+        pytest.skip(f"{vk_device.name} cannot run the CPU bodies ({CPU_LANES}-lane subgroups, shuffles, int64)")
+    return vk_device
+
+
+# M = 1 .. 9 spans the GEMV thresholds and one row tile (CPU_ROWS); N, K not multiples of the 4 * CPU_LANES
+# columns of a workgroup; N % 8 == 4 (a half-filled last W_4X8 block); group sizes below, at and above the
+# CPU_LANES k4 steps of one chunk (12: a partial chunk per group).
+CPU_FORWARD_CASES = [(M, 20, 48, 12, M % 2 == 1) for M in range(1, 10)] + [
+    (64, 100, 96, 32, False), (17, 36, 64, 4, True), (13, 1540, 40, 8, False), (CPU_ROWS + 1, 12, 192, 64, True)]
+
+
+@pytest.mark.parametrize("M,N,K,gs,bias", CPU_FORWARD_CASES)
+def test_linear_q4gsw_cpu_tuning(cpu_bodies, M, N, K, gs, bias):
+    plan = _forward(cpu_bodies, np.random.default_rng(M * 1000 + N), M, N, K, gs, bias=bias, tuning=CPU_TUNING)
+    assert [d.shader for d in plan] == ["linear_q4gsw@CPU_REGISTER_TILES" + ("+HAS_BIAS" if bias else "")]
+    assert plan[0].groups == (-(-N // (4 * CPU_LANES)), -(-M // CPU_ROWS), 1)
+
+
+# The d_x body needs group_size % (4 * CPU_LANES) == 0; K (its columns) not a multiple of 32 is then
+# impossible, so partial workgroups come from K / 4 quads vs lanes only through M, N and padded blocks.
+CPU_BACKWARD_CASES = [(M, 20, 64, 32) for M in range(1, 10)] + [
+    (64, 100, 96, 32), (17, 12, 128, 64), (9, 1540, 32, 32), (CPU_ROWS + 1, 36, 256, 128)]
+
+
+@pytest.mark.parametrize("M,N,K,gs", CPU_BACKWARD_CASES)
+def test_linear_q4gsw_backward_cpu_tuning(cpu_bodies, M, N, K, gs):
+    plan = _backward(cpu_bodies, np.random.default_rng(M * 1000 + N), M, N, K, gs, tuning=CPU_TUNING)
+    assert [d.shader for d in plan] == ["linear_q4gsw_backward@CPU_REGISTER_TILES"]
+
+
+def test_cpu_tuning_zero_scales_leading_batch_and_split_grid(cpu_bodies):
+    rng = np.random.default_rng(7)
+    _forward(cpu_bodies, rng, 6, 24, 96, 32, zero_groups=(1,), lead=(2, 3), max_group_count=1, tuning=CPU_TUNING)
+    _backward(cpu_bodies, rng, 10, 44, 64, 32, zero_groups=(0,), max_group_count=1, tuning=CPU_TUNING)
+
+
+def test_cpu_tuning_keeps_the_tiled_kernels_where_its_bodies_do_not_apply():
+    common = dict(M=64, N=64, K=64, out="out", weights="w", scales="s", tuning=CPU_TUNING)
+    forward = dict(common, x="x")
+    backward = dict(common, d_out="d")
+    # Forced tiles or split-K pick a kernel whatever the tuning.
+    assert plan_linear_q4gsw(**forward, group_size=32, tiles=SMALL_GEMM)[0].shader == "linear_q4gsw"
+    assert plan_linear_q4gsw(**forward, group_size=32, tiles=GemvTiles(4, 4, 1))[0].shader == "linear_q4gsw_gemv"
+    split = plan_linear_q4gsw_backward(**backward, group_size=32, split_k=2, scratch="scratch")
+    assert [d.shader for d in split] == ["linear_q4gsw_backward", "linear_splitk_reduce"]
+    # d_x needs every workgroup's columns in one group; with group 16 it keeps the tiled body.
+    assert plan_linear_q4gsw_backward(**backward, group_size=16)[0].shader == "linear_q4gsw_backward"
+    assert plan_linear_q4gsw(**forward, group_size=16)[0].shader == "linear_q4gsw@CPU_REGISTER_TILES"
+    # dW has no CPU body; the CPU bodies never split, so they need no scratch.
+    assert plan_linear_dw(M=64, N=64, K=64, out="out", d_out="d", x="x", tuning=CPU_TUNING)[0].shader == "linear_dw"
+    for op in ("linear_q4gsw", "linear_q4gsw_backward"):
+        assert plan_scratch_nbytes(op, M=512, N=2048, K=2048, group_size=32, tuning=CPU_TUNING) == 0
+        assert plan_scratch_nbytes(op, M=512, N=2048, K=2048, group_size=32) > 0
+    # Without the group size the d_x body cannot be promised: the scratch is sized for the tiled one.
+    assert plan_scratch_nbytes("linear_q4gsw_backward", M=512, N=2048, K=2048, tuning=CPU_TUNING) > 0
+    with pytest.raises(GemmTuningError, match="tuning must be one of gpu, cpu, got 'fast'"):
+        plan_linear_q4gsw(**dict(forward, tuning="fast"), group_size=32)
+
+
+def test_gpu_tuning_is_the_default_and_unchanged():
+    kwargs = dict(M=64, N=576, K=576, group_size=32, out="out", x="x", weights="w", scales="s", scratch="scratch")
+    default = plan_linear_q4gsw(**kwargs)
+    assert default == plan_linear_q4gsw(**kwargs, tuning=GPU_TUNING)
+    assert [d.shader for d in default] == ["linear_q4gsw", "linear_splitk_reduce"]
+
+
+def _fake_device(device_type, subgroup_size=8, subgroup_operations=0xBF, features=frozenset({"shaderInt64"})):
+    from types import SimpleNamespace
+    return SimpleNamespace(name=f"test-{device_type}", device_type=device_type, subgroup_size=subgroup_size,
+                           subgroup_operations=subgroup_operations, features=features)
+
+
+def test_select_gemm_tuning_by_device_type_and_environment():
+    assert select_gemm_tuning(_fake_device("cpu"), environ={}) == CPU_TUNING
+    for device_type in ("discrete_gpu", "integrated_gpu", "virtual_gpu", "other"):
+        assert select_gemm_tuning(_fake_device(device_type), environ={}) == GPU_TUNING
+    # A CPU implementation whose subgroups the bodies cannot use keeps the GPU tuning (SwiftShader: 4 lanes).
+    assert select_gemm_tuning(_fake_device("cpu", subgroup_size=4), environ={}) == GPU_TUNING
+    assert select_gemm_tuning(_fake_device("cpu", subgroup_operations=0x0F), environ={}) == GPU_TUNING
+    assert select_gemm_tuning(_fake_device("cpu", features=frozenset()), environ={}) == GPU_TUNING
+    assert select_gemm_tuning(_fake_device("cpu"), environ={"VKTRAIN_GEMM_TUNING": "gpu"}) == GPU_TUNING
+    assert select_gemm_tuning(_fake_device("discrete_gpu"), environ={"VKTRAIN_GEMM_TUNING": " CPU "}) == CPU_TUNING
+    with pytest.raises(GemmTuningError, match="VKTRAIN_GEMM_TUNING must be one of gpu, cpu, got 'fast'"):
+        select_gemm_tuning(_fake_device("cpu"), environ={"VKTRAIN_GEMM_TUNING": "fast"})
+    with pytest.raises(GemmTuningError, match="test-cpu cannot run the CPU bodies: .* it has 4 lanes"):
+        select_gemm_tuning(_fake_device("cpu", subgroup_size=4), environ={"VKTRAIN_GEMM_TUNING": "cpu"})
 
 
 def test_bench_script_quick_run(tmp_path, vk_device):

@@ -15,27 +15,23 @@
 // (conflict-free) and the global stores are vec4s. The reduction advances BK at a time through
 // shared memory; the global loads of step r+1 are issued into registers before the arithmetic of
 // step r, so their latency hides behind it. Buffers are `restrict`: outputs never alias inputs.
+//
+// Variants defining CPU_REGISTER_TILES (FWD, BWD) replace this tiling, from the staging below on, with
+// the register-tile body of linear_gemm_cpu.glsl for CPU Vulkan implementations; the bindings, push
+// constants and W_4X8 decoding above it are shared.
 
 #extension GL_EXT_control_flow_attributes : require
 #extension GL_GOOGLE_include_directive : require
+#ifdef CPU_REGISTER_TILES
+#extension GL_KHR_shader_subgroup_shuffle : require
+#extension GL_EXT_shader_explicit_arithmetic_types_int64 : require
+#endif
 #include "common.glsl"
 
 // Local size from spec ids 0, 1 (the runtime's convention): THREADS_X x THREADS_Y threads.
 VKTRAIN_LOCAL_SIZE_FROM_SPEC;
 const uint THREADS_X = gl_WorkGroupSize.x;
 const uint THREADS_Y = gl_WorkGroupSize.y;
-// Reduction step; multiple of 8 (the backward mode loads whole 8-row W_4X8 blocks along N).
-layout(constant_id = 3) const uint BK = 16;
-// Split-K: with SPLIT_K > 1, work group z = s sums only its slice of the reduction (whole BK steps)
-// and writes the partial C into slice s of binding 0, a [SPLIT_K, ROWS, COLS] scratch buffer;
-// linear_splitk_reduce.comp then adds the slices in a fixed order (and the bias). This keeps a large
-// GPU busy when the output has few tiles but the reduction is long (M = 512 x N = 2048, thin LoRA dW).
-layout(constant_id = 4) const uint SPLIT_K = 1;
-
-const uint BM = 8u * THREADS_Y;
-const uint BN = 8u * THREADS_X;
-const uint NUM_THREADS = THREADS_X * THREADS_Y;
-
 layout(push_constant, std430) uniform PushConstants {
     VKTRAIN_PUSH_HEADER;  // the runtime's group offset of split dispatches (common.glsl)
     uint M;              // rows of x / d_out (leading dims flattened)
@@ -44,19 +40,30 @@ layout(push_constant, std430) uniform PushConstants {
     uint group_size;     // q4gsw group size along K (unused by LINEAR_MODE_DW)
 } pc;
 
+#ifdef CPU_REGISTER_TILES
+// The CPU body reads its inputs 64 bits at a time (linear_gemm_cpu.glsl): same buffers, wider elements.
+#define VEC4_INPUT uint64_t
+#define WORD_INPUT uint64_t
+#define SCALE_INPUT uint64_t
+#else
+#define VEC4_INPUT vec4
+#define WORD_INPUT uint
+#define SCALE_INPUT float
+#endif
+
 #if LINEAR_MODE == LINEAR_MODE_FWD
 layout(set = 0, binding = 0) writeonly restrict buffer OutBuf { vec4 y[]; };
-layout(set = 0, binding = 1) readonly restrict buffer XBuf { vec4 x[]; };
-layout(set = 0, binding = 2) readonly restrict buffer WBuf { uint w4x8[]; };
-layout(set = 0, binding = 3) readonly restrict buffer SBuf { float scales[]; };
+layout(set = 0, binding = 1) readonly restrict buffer XBuf { VEC4_INPUT x[]; };
+layout(set = 0, binding = 2) readonly restrict buffer WBuf { WORD_INPUT w4x8[]; };
+layout(set = 0, binding = 3) readonly restrict buffer SBuf { SCALE_INPUT scales[]; };
 #ifdef HAS_BIAS  // variant linear_q4gsw@HAS_BIAS: y += bias[n]
 layout(set = 0, binding = 4) readonly restrict buffer BiasBuf { vec4 bias[]; };
 #endif
 #elif LINEAR_MODE == LINEAR_MODE_BWD
 layout(set = 0, binding = 0) writeonly restrict buffer OutBuf { vec4 dx[]; };
-layout(set = 0, binding = 1) readonly restrict buffer DOutBuf { vec4 d_out[]; };
-layout(set = 0, binding = 2) readonly restrict buffer WBuf { uint w4x8[]; };
-layout(set = 0, binding = 3) readonly restrict buffer SBuf { float scales[]; };
+layout(set = 0, binding = 1) readonly restrict buffer DOutBuf { VEC4_INPUT d_out[]; };
+layout(set = 0, binding = 2) readonly restrict buffer WBuf { WORD_INPUT w4x8[]; };
+layout(set = 0, binding = 3) readonly restrict buffer SBuf { SCALE_INPUT scales[]; };
 #elif LINEAR_MODE == LINEAR_MODE_DW
 layout(set = 0, binding = 0) writeonly restrict buffer OutBuf { vec4 dw[]; };
 layout(set = 0, binding = 1) readonly restrict buffer DOutBuf { vec4 d_out[]; };
@@ -64,10 +71,6 @@ layout(set = 0, binding = 2) readonly restrict buffer XBuf { vec4 x[]; };
 #else
 #error "LINEAR_MODE must be LINEAR_MODE_FWD, LINEAR_MODE_BWD or LINEAR_MODE_DW"
 #endif
-
-// [r][i / 4] and [r][j / 4]: one reduction step per row, vec4 along the output dimension.
-shared vec4 a_tile[BK][BM / 4u];
-shared vec4 b_tile[BK][BN / 4u];
 
 uint rows_total() {
 #if LINEAR_MODE == LINEAR_MODE_DW
@@ -98,14 +101,35 @@ uint reduction_total() {
 #if LINEAR_MODE != LINEAR_MODE_DW
 uint n8_count() { return (pc.N / 4u + 1u) / 2u; }
 
+#ifndef CPU_REGISTER_TILES
 // The scale of weight row n in group g; rows n >= N exist only as W_4X8 padding (code 8), and reading
 // their scale would overrun, so they scale by 0.
 float scale_at(uint g, uint n) { return n < pc.N ? scales[g * pc.N + n] : 0.0; }
+#endif
 
 // Codes of one W_4X8 word for the row pair (n, n + 1): byte t holds k = 4*k4 + t, low nibble row n.
 vec4 decode_low(uint word) { return vec4((uvec4(word) >> uvec4(0u, 8u, 16u, 24u)) & 0xFu) - 8.0; }
 vec4 decode_high(uint word) { return vec4((uvec4(word) >> uvec4(4u, 12u, 20u, 28u)) & 0xFu) - 8.0; }
 #endif
+
+#ifdef CPU_REGISTER_TILES
+#include "linear_gemm_cpu.glsl"
+#else
+// Reduction step; multiple of 8 (the backward mode loads whole 8-row W_4X8 blocks along N).
+layout(constant_id = 3) const uint BK = 16;
+// Split-K: with SPLIT_K > 1, work group z = s sums only its slice of the reduction (whole BK steps)
+// and writes the partial C into slice s of binding 0, a [SPLIT_K, ROWS, COLS] scratch buffer;
+// linear_splitk_reduce.comp then adds the slices in a fixed order (and the bias). This keeps a large
+// GPU busy when the output has few tiles but the reduction is long (M = 512 x N = 2048, thin LoRA dW).
+layout(constant_id = 4) const uint SPLIT_K = 1;
+
+const uint BM = 8u * THREADS_Y;
+const uint BN = 8u * THREADS_X;
+const uint NUM_THREADS = THREADS_X * THREADS_Y;
+
+// [r][i / 4] and [r][j / 4]: one reduction step per row, vec4 along the output dimension.
+shared vec4 a_tile[BK][BM / 4u];
+shared vec4 b_tile[BK][BN / 4u];
 
 // Global -> register -> shared staging. `fetch_*` issues the global loads of the next reduction step
 // into registers (so they are in flight while the current step is computed); `commit_*` writes them
@@ -312,3 +336,4 @@ void main() {
         }
     }
 }
+#endif  // CPU_REGISTER_TILES

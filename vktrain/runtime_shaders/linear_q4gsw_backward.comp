@@ -1,6 +1,7 @@
 #version 450
 // d_x[M, K] = d_out[M, N] @ deq(W), reading the same W_4X8 buffer along N.
 // The GEMM body and its tiling live in linear_gemm.glsl.
+// vktrain-variants: -, CPU_REGISTER_TILES
 #extension GL_GOOGLE_include_directive : require
 
 #define LINEAR_MODE_FWD 0

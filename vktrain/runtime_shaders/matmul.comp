@@ -29,9 +29,17 @@
 // Specialization constants: A_M_FASTEST (id 3) / B_K_FASTEST (id 4) pick the order in which a
 // workgroup walks a tile while loading it, so that neighbouring threads read neighbouring addresses
 // whichever of the operand's two strides is 1.
+// CPU_REGISTER_TILES (with HAS_BIAS=0/1, no tile defines, optionally A_PAIRS, B_PAIRS, CPU_TM): the
+// register-tile body of matmul_cpu.glsl for CPU Vulkan implementations, in place of the shared-memory one.
 // vktrain-variants: HAS_BIAS=0, HAS_BIAS=1, HAS_BIAS=0+TILE_M=64+TILE_N=16, HAS_BIAS=1+TILE_M=64+TILE_N=16, HAS_BIAS=0+TILE_M=16+TILE_N=64, HAS_BIAS=1+TILE_M=16+TILE_N=64, HAS_BIAS=0+VEC4_C, HAS_BIAS=1+VEC4_C, HAS_BIAS=0+TILE_M=64+TILE_N=16+VEC4_C, HAS_BIAS=1+TILE_M=64+TILE_N=16+VEC4_C, HAS_BIAS=0+TILE_M=16+TILE_N=64+VEC4_C, HAS_BIAS=1+TILE_M=16+TILE_N=64+VEC4_C
+// vktrain-variants: HAS_BIAS=0+CPU_REGISTER_TILES, HAS_BIAS=1+CPU_REGISTER_TILES, HAS_BIAS=0+CPU_REGISTER_TILES+A_PAIRS, HAS_BIAS=1+CPU_REGISTER_TILES+A_PAIRS, HAS_BIAS=0+CPU_REGISTER_TILES+B_PAIRS, HAS_BIAS=1+CPU_REGISTER_TILES+B_PAIRS, HAS_BIAS=0+CPU_REGISTER_TILES+A_PAIRS+B_PAIRS, HAS_BIAS=1+CPU_REGISTER_TILES+A_PAIRS+B_PAIRS
+// vktrain-variants: HAS_BIAS=0+CPU_REGISTER_TILES+CPU_TM=32, HAS_BIAS=1+CPU_REGISTER_TILES+CPU_TM=32, HAS_BIAS=0+CPU_REGISTER_TILES+A_PAIRS+CPU_TM=32, HAS_BIAS=1+CPU_REGISTER_TILES+A_PAIRS+CPU_TM=32, HAS_BIAS=0+CPU_REGISTER_TILES+B_PAIRS+CPU_TM=32, HAS_BIAS=1+CPU_REGISTER_TILES+B_PAIRS+CPU_TM=32, HAS_BIAS=0+CPU_REGISTER_TILES+A_PAIRS+B_PAIRS+CPU_TM=32, HAS_BIAS=1+CPU_REGISTER_TILES+A_PAIRS+B_PAIRS+CPU_TM=32, HAS_BIAS=0+CPU_REGISTER_TILES+CPU_TM=64, HAS_BIAS=1+CPU_REGISTER_TILES+CPU_TM=64, HAS_BIAS=0+CPU_REGISTER_TILES+A_PAIRS+CPU_TM=64, HAS_BIAS=1+CPU_REGISTER_TILES+A_PAIRS+CPU_TM=64, HAS_BIAS=0+CPU_REGISTER_TILES+B_PAIRS+CPU_TM=64, HAS_BIAS=1+CPU_REGISTER_TILES+B_PAIRS+CPU_TM=64, HAS_BIAS=0+CPU_REGISTER_TILES+A_PAIRS+B_PAIRS+CPU_TM=64, HAS_BIAS=1+CPU_REGISTER_TILES+A_PAIRS+B_PAIRS+CPU_TM=64
 #extension GL_GOOGLE_include_directive : require
 #extension GL_EXT_control_flow_attributes : require
+#ifdef CPU_REGISTER_TILES
+#extension GL_KHR_shader_subgroup_shuffle : require
+#extension GL_EXT_shader_explicit_arithmetic_types_int64 : require
+#endif
 #include "common.glsl"
 
 #ifndef HAS_BIAS
@@ -56,8 +64,6 @@
 #error "TILE_M and TILE_N must be multiples of 4 whose thread count divides their tile loads"
 #endif
 
-layout(local_size_x = THREADS_N, local_size_y = THREADS_M) in;
-
 layout(constant_id = 3) const bool A_M_FASTEST = false;
 layout(constant_id = 4) const bool B_K_FASTEST = false;
 
@@ -66,8 +72,16 @@ layout(std430, set = 0, binding = 0) writeonly buffer CBuffer { vec4 c_data[]; }
 #else
 layout(std430, set = 0, binding = 0) writeonly buffer CBuffer { float c_data[]; };
 #endif
+#ifdef A_PAIRS  // CPU_REGISTER_TILES only: A read as pairs of floats (matmul_cpu.glsl)
+layout(std430, set = 0, binding = 1) readonly buffer ABuffer { uint64_t a_pairs[]; };
+#else
 layout(std430, set = 0, binding = 1) readonly buffer ABuffer { float a_data[]; };
+#endif
+#ifdef B_PAIRS  // likewise for B
+layout(std430, set = 0, binding = 2) readonly buffer BBuffer { uint64_t b_pairs[]; };
+#else
 layout(std430, set = 0, binding = 2) readonly buffer BBuffer { float b_data[]; };
+#endif
 #if HAS_BIAS
 layout(std430, set = 0, binding = 3) readonly buffer BiasBuffer { float bias_data[]; };
 #endif
@@ -94,6 +108,11 @@ layout(push_constant, std430) uniform Params {
     uint batch;    // batches per slice: group z = slice * batch + b
     uint k_slice;  // reduction length of one slice (a multiple of TILE_K, or >= K when unsplit)
 } params;
+
+#ifdef CPU_REGISTER_TILES
+#include "matmul_cpu.glsl"
+#else
+layout(local_size_x = THREADS_N, local_size_y = THREADS_M) in;
 
 // +1 column of padding: in k-fastest load order, 16 neighbouring threads store one tile column
 // (stride TILE_M + 1 words apart), which without padding would all hit the same bank.
@@ -217,3 +236,4 @@ void main() {
 #endif
     }
 }
+#endif  // CPU_REGISTER_TILES

@@ -24,7 +24,7 @@ op lowerings follow on this device; `gemm_report()` says what was chosen.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -41,6 +41,7 @@ from vktrain.runtime.delegate.op_lowering import (
     lowering_for,
 )
 from vktrain.runtime.delegate.kernels.coopmat import allowed_precisions, select_gemm_route
+from vktrain.runtime.delegate.kernels.gemm_tuning import select_gemm_tuning
 from vktrain.runtime.delegate.kernels.layout import StridedView
 from vktrain.contract import PRECISION_FP32
 from vktrain.runtime.vk.schedule import BufferBinding, Dispatch
@@ -135,8 +136,9 @@ class GraphExecutor:
                  emulate_tensor_cores: bool = False):
         graph.validate()
         self.device = device
-        self.gemm_route = select_gemm_route(precision, allowed_precisions(graph.metadata), device,
-                                            emulate=emulate_tensor_cores)
+        self.gemm_route = replace(select_gemm_route(precision, allowed_precisions(graph.metadata), device,
+                                                    emulate=emulate_tensor_cores),
+                                  fp32_tuning=select_gemm_tuning(device))
         self._staging = staging  # Buffer's access path: None = direct on unified memory, else staging
         self._shared = dict(shared or {})
         self._borrowed: set[str] = set()  # buffer keys of shared tensors: another executor owns them

@@ -277,11 +277,11 @@ def _call(ctx: OpContext, plan: Optional[Callable[..., list[Dispatch]]] = None, 
         raise ctx.fail(f"the {name} kernel refused it: {exc}") from exc
 
 
-def _split_k_args(ctx: OpContext, plan: str, m: int, n: int, k: int) -> dict:
+def _split_k_args(ctx: OpContext, plan: str, m: int, n: int, k: int, group_size: int = 0) -> dict:
     """Scratch for the linear family's deterministic split-K (used when the output has too few tiles to
     fill the GPU, e.g. M = 128 tokens), and the device's shared memory for the tile choice."""
-    nbytes = linear.plan_scratch_nbytes(plan, M=m, N=n, K=k)
-    extra = {"shared_memory_bytes": ctx.shared_memory_bytes}
+    nbytes = linear.plan_scratch_nbytes(plan, M=m, N=n, K=k, group_size=group_size, tuning=ctx.gemm.fp32_tuning)
+    extra = {"shared_memory_bytes": ctx.shared_memory_bytes, "tuning": ctx.gemm.fp32_tuning}
     if nbytes:
         extra["scratch"] = ctx.scratch(nbytes, "split_k")
     return extra
@@ -298,7 +298,7 @@ def _lower_linear_q4gsw(ctx: OpContext) -> list[Dispatch]:
     if bias is None and ctx.gemm.takes_tensor_cores(m, n):  # the coopmat kernel has no bias epilogue
         return _call(ctx, coopmat.plan_coopmat_linear_q4gsw, **gemm, **ctx.gemm.plan_options)
     return _call(ctx, **gemm, bias=None if bias is None else bias.binding,
-                 **_split_k_args(ctx, "linear_q4gsw", m, n, k))
+                 **_split_k_args(ctx, "linear_q4gsw", m, n, k, group_size))
 
 
 def _lower_linear_q4gsw_backward(ctx: OpContext) -> list[Dispatch]:
@@ -312,7 +312,7 @@ def _lower_linear_q4gsw_backward(ctx: OpContext) -> list[Dispatch]:
     if ctx.gemm.takes_tensor_cores(m, k):
         return _call(ctx, coopmat.plan_coopmat_linear_q4gsw_backward, **gemm, **ctx.gemm.plan_options,
                      absmax=ctx.scratch(coopmat.ABSMAX_SCRATCH_BYTES, "absmax"))
-    return _call(ctx, **gemm, **_split_k_args(ctx, "linear_q4gsw_backward", m, n, k))
+    return _call(ctx, **gemm, **_split_k_args(ctx, "linear_q4gsw_backward", m, n, k, group_size))
 
 
 def _lower_linear_dw(ctx: OpContext) -> list[Dispatch]:
@@ -501,7 +501,7 @@ def _lower_transpose(ctx: OpContext) -> list[Dispatch]:
 def _split_k_scratch(ctx: OpContext, batch: int, m: int, n: int, k: int) -> BufferBinding | None:
     """The split-K scratch the default GEMM plan of [batch, m, k] @ [batch, k, n] uses, or None when
     it would not split (kernels/matmul.py: skinny outputs over long reductions)."""
-    nbytes = matmul.gemm_scratch_nbytes(batch, m, n, k)
+    nbytes = matmul.gemm_scratch_nbytes(batch, m, n, k, ctx.gemm.fp32_tuning)
     return ctx.scratch(nbytes, "split_k") if nbytes else None
 
 
@@ -521,7 +521,7 @@ def _lower_mm(ctx: OpContext) -> list[Dispatch]:
     try:
         scratch = _split_k_scratch(ctx, 1, a.shape[0], b.shape[1], a.shape[1])
         return matmul.plan_gemm(ctx.outputs[0].binding, a.binding, a.strided, b.binding, b.strided,
-                                scratch=scratch, label=ctx.label)
+                                scratch=scratch, tuning=ctx.gemm.fp32_tuning, label=ctx.label)
     except (ValueError, TypeError) as exc:
         raise ctx.fail(f"the matmul kernel refused it: {exc}") from exc
 
@@ -530,7 +530,8 @@ def _lower_bmm(ctx: OpContext) -> list[Dispatch]:
     a, b = _float_matrices(ctx, ((0, "self"), (1, "mat2")))
     scratch = _split_k_scratch(ctx, a.shape[0], a.shape[1], b.shape[2], a.shape[2])
     return _call(ctx, self=a.binding, self_shape=a.shape, self_dtype=a.dtype, mat2=b.binding,
-                 mat2_shape=b.shape, mat2_dtype=b.dtype, out=ctx.outputs[0].binding, scratch=scratch)
+                 mat2_shape=b.shape, mat2_dtype=b.dtype, out=ctx.outputs[0].binding, scratch=scratch,
+                 tuning=ctx.gemm.fp32_tuning)
 
 
 def _lower_addmm(ctx: OpContext) -> list[Dispatch]:
@@ -540,7 +541,7 @@ def _lower_addmm(ctx: OpContext) -> list[Dispatch]:
     return _call(ctx, self=bias.binding, self_shape=bias.shape, self_dtype=bias.dtype,
                  mat1=a.binding, mat1_shape=a.shape, mat1_dtype=a.dtype, mat2=b.binding, mat2_shape=b.shape,
                  mat2_dtype=b.dtype, beta=ctx.args[3], alpha=ctx.args[4], out=ctx.outputs[0].binding,
-                 scratch=scratch)
+                 scratch=scratch, tuning=ctx.gemm.fp32_tuning)
 
 
 # vktrain ops whose plans take derived sizes (M / N / K, B / S / H / D) instead of the keyword convention.

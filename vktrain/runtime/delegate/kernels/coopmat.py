@@ -36,6 +36,7 @@ import numpy as np
 from vktrain.contract import METADATA_GEMM_PRECISIONS, PRECISION_FP16_TC, PRECISION_FP32, PRECISIONS
 from vktrain.errors import VktrainError
 from vktrain.quant import check_q4gsw_shapes
+from vktrain.runtime.delegate.kernels.gemm_tuning import GPU_TUNING
 from vktrain.runtime.delegate.kernels.layout import MAX_ELEMENTS, KernelArgumentError, binding, plan_fill
 from vktrain.runtime.vk.coopmat import EXTENSION_NAME, CooperativeMatrixShape, supports_shape
 from vktrain.runtime.vk.schedule import Dispatch, ceil_div, pack_push
@@ -88,7 +89,8 @@ class GemmRoute:
 
     `tensor_cores`: the 4-bit base GEMMs (forward, d_x) take the coopmat kernels where `takes_tensor_cores`;
     `emulate` runs its COOPMAT_EMULATE variant (the test path on devices without tensor cores);
-    `reason` says why, for the reports (train's startup line)."""
+    `reason` says why, for the reports (train's startup line); `fp32_tuning` is the tuning of the fp32
+    GEMM kernels on this device (kernels/gemm_tuning.py)."""
 
     precision: str
     tensor_cores: bool
@@ -96,6 +98,7 @@ class GemmRoute:
     emulate: bool = False
     subgroup_size: int = DEFAULT_SUBGROUP_SIZE
     min_workgroups: int = MIN_WORKGROUPS
+    fp32_tuning: str = GPU_TUNING
 
     def takes_tensor_cores(self, M: int, N: int) -> bool:
         """Whether an M x N output goes to the coopmat kernels (enough tiles to pay, see MIN_WORKGROUPS)."""
@@ -108,7 +111,8 @@ class GemmRoute:
 
     def describe(self) -> str:
         kernels = "tensor cores (fp16 inputs, fp32 accumulation)" if self.tensor_cores else "fp32 kernels"
-        return f"GEMM precision {self.precision}: {kernels}; {self.reason}"
+        return (f"GEMM precision {self.precision}: {kernels}; {self.reason}; "
+                f"fp32 kernels in their {self.fp32_tuning} tuning")
 
 
 FP32_ROUTE = GemmRoute(PRECISION_FP32, False, "the fp32 policy")

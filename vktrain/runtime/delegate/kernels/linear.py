@@ -13,6 +13,8 @@ Kernels (vktrain/runtime_shaders):
   linear_q4gsw_gemv(@HAS_BIAS)    M <= GEMV_MAX_M forward, one pass over W per GEMV_MAX_ROWS rows
   linear_q4gsw_gemv@BACKWARD      M <= GEMV_MAX_M backward
   linear_splitk_reduce(@HAS_BIAS) second pass of a split-K GEMM
+  linear_q4gsw@CPU_REGISTER_TILES(+HAS_BIAS), linear_q4gsw_backward@CPU_REGISTER_TILES
+                                  the register-tile bodies (linear_gemm_cpu.glsl) for every M on a CPU device
 Push constants (after the runtime's group-offset header): M, N, K, group_size for the GEMMs; M, N, K
 for the GEMVs, which take the group size as specialization constant 4 (a constant divisor).
 
@@ -22,6 +24,12 @@ a hundred-odd compute units; the thin dW of a LoRA adapter), the GEMMs can split
 and a second dispatch adds the partials in a fixed order. Pass `scratch` (at least
 `plan_scratch_nbytes(...)` bytes, or `split_k_scratch_nbytes(...)` for an explicit split_k) to let the
 plan split; without it the plan never splits.
+
+Device tuning (kernels/gemm_tuning.py). `tuning=CPU_TUNING` (the executor's choice on a CPU Vulkan
+implementation) sends the forward and d_x GEMMs of every M, unless `tiles` or `split_k` force a kernel,
+to the register-tile bodies: CPU_LANES invocations per workgroup, each owning CPU_ROWS rows x 4 columns,
+no shared memory, no barrier, no split-K. dW keeps its shared-memory body (it has no CPU body: the LoRA
+training step never computes a base weight's gradient).
 """
 from __future__ import annotations
 
@@ -33,6 +41,7 @@ import numpy as np
 from vktrain.quant import check_q4gsw_shapes, pack_w4x8, padded_k, w4x8_num_words
 
 from vktrain.runtime.vk.schedule import Dispatch, ceil_div, pack_push
+from vktrain.runtime.delegate.kernels.gemm_tuning import CPU_TUNING, GPU_TUNING, check_tuning
 from vktrain.runtime.delegate.kernels.layout import MAX_ELEMENTS, KernelArgumentError, binding, shader_variant
 from vktrain.runtime.delegate.kernels.registry import register_kernel
 
@@ -53,6 +62,15 @@ MIN_SPLIT_SLICE = 256
 MAX_SPLIT_K = 32
 
 REDUCE_WORKGROUP_SIZE = 256
+
+# The register-tile bodies (CPU_TUNING): a workgroup of CPU_LANES invocations = the 8 fp32 lanes of a
+# 256-bit CPU vector (lavapipe on AVX2), each owning CPU_ROWS rows (linear_gemm_cpu.glsl's default) x 4
+# columns of the output.
+CPU_LANES = 8
+CPU_ROWS = 8
+# lavapipe ends an invocation after this many trips of one loop; the register-tile bodies walk K 4 at
+# a time (forward) or N 8 at a time (d_x), so longer reductions keep the tiled body.
+CPU_MAX_LOOP_TRIPS = 65535
 
 
 @dataclass(frozen=True)
@@ -216,8 +234,12 @@ def split_k_scratch_nbytes(rows: int, cols: int, split_k: int) -> int:
     return 0 if split_k <= 1 else 4 * split_k * rows * cols
 
 
-def plan_scratch_nbytes(op: str, *, M: int, N: int, K: int) -> int:
-    """Bytes of scratch the default plan of `op` uses when given one (0: it would not split)."""
+def plan_scratch_nbytes(op: str, *, M: int, N: int, K: int, group_size: int = 0, tuning: str = GPU_TUNING) -> int:
+    """Bytes of scratch the default plan of `op` uses when given one (0: it would not split).
+    `group_size` (q4gsw ops) and `tuning` as given to the plan; group_size 0 (not known) sizes the
+    scratch for the tiled body, enough whichever body the plan then takes."""
+    if _takes_cpu_body(op, N, K, group_size, None, None, tuning):
+        return 0
     if op == "linear_q4gsw":
         rows, cols, red = M, N, K
     elif op == "linear_q4gsw_backward":
@@ -282,6 +304,28 @@ def plan_splitk_reduce(*, out: Any, scratch: Any, count4: int, row_vec4s: int, s
                     local_size=(REDUCE_WORKGROUP_SIZE, 1, 1), label=label)
 
 
+def _takes_cpu_body(op: str, N: int, K: int, group_size: int, tiles: Any, split_k: int | None,
+                    tuning: str) -> bool:
+    """Whether the default plan of `op` takes the register-tile body: CPU_TUNING, nothing forced, a
+    reduction its loops can walk, and for d_x every workgroup's 4 * CPU_LANES columns in one group."""
+    if check_tuning(tuning, f"{op}: tuning") != CPU_TUNING or tiles is not None or split_k not in (None, 1):
+        return False
+    if op == "linear_q4gsw":
+        return K // 4 <= CPU_MAX_LOOP_TRIPS
+    if op == "linear_q4gsw_backward":
+        return ceil_div(N, 8) <= CPU_MAX_LOOP_TRIPS and group_size > 0 and group_size % (4 * CPU_LANES) == 0
+    return False
+
+
+def _cpu_gemm_plan(shader: str, rows: int, cols: int, *, out: Any, inputs: list, push: bytes, bias: Any,
+                   label: str) -> list[Dispatch]:
+    """The register-tile body (linear_gemm_cpu.glsl) over C [rows, cols]: lanes along the column quads."""
+    bindings = [binding(out, "w"), *inputs] + ([binding(bias, "r")] if bias is not None else [])
+    name = shader_variant(shader, CPU_REGISTER_TILES=True, HAS_BIAS=bias is not None)
+    return [Dispatch(name, groups=(ceil_div(cols // 4, CPU_LANES), ceil_div(rows, CPU_ROWS), 1), bindings=bindings,
+                     push_constants=push, local_size=(CPU_LANES, 1, 1), label=label)]
+
+
 def _check_gemv_args(op: str, tiles: GemvTiles, split_k: int | None, shared_memory_bytes: int) -> None:
     if split_k not in (None, 1):
         raise KernelArgumentError(f"{op}: the GEMV path (GemvTiles) has no split_k, got split_k={split_k!r}")
@@ -293,7 +337,7 @@ def _check_gemv_args(op: str, tiles: GemvTiles, split_k: int | None, shared_memo
 def plan_linear_q4gsw(*, M: int, N: int, K: int, group_size: int, out: Any, x: Any, weights: Any,
                       scales: Any, bias: Any = None, tiles: GemmTiles | GemvTiles | None = None,
                       split_k: int | None = None, scratch: Any = None,
-                      shared_memory_bytes: int = DEFAULT_SHARED_MEMORY_BYTES,
+                      shared_memory_bytes: int = DEFAULT_SHARED_MEMORY_BYTES, tuning: str = GPU_TUNING,
                       label: str = "linear_q4gsw") -> list[Dispatch]:
     """y[M, N] = x[M, K] @ deq(W).T (+ bias[N]).
 
@@ -301,11 +345,14 @@ def plan_linear_q4gsw(*, M: int, N: int, K: int, group_size: int, out: Any, x: A
     [G, N]; bias fp32 [N] or None; scratch (optional) for split-K (module docstring). `tiles` forces
     a path and its tiling (GemvTiles -> GEMV kernel, GemmTiles -> tiled GEMM); by default
     M <= GEMV_MAX_M takes the GEMV kernel. `split_k` forces the number of reduction slices.
+    `tuning` (kernels/gemm_tuning.py): CPU_TUNING takes the register-tile body (module docstring).
     """
     op = "linear_q4gsw"
     _check_q4gsw(op, M, N, K, group_size)
     push = pack_push(M, N, K, group_size)
     inputs = [binding(x, "r"), binding(weights, "r"), binding(scales, "r")]
+    if _takes_cpu_body(op, N, K, group_size, tiles, split_k, tuning):
+        return _cpu_gemm_plan("linear_q4gsw", M, N, out=out, inputs=inputs, push=push, bias=bias, label=label)
     if tiles is None and M <= GEMV_MAX_M and split_k in (None, 1):
         tiles = default_gemv_tiles(min(M, GEMV_MAX_ROWS), K // 4, ceil_div(N // 4, 2), backward=False,
                                    shared_memory_bytes=shared_memory_bytes)
@@ -325,17 +372,20 @@ def plan_linear_q4gsw(*, M: int, N: int, K: int, group_size: int, out: Any, x: A
 def plan_linear_q4gsw_backward(*, M: int, N: int, K: int, group_size: int, out: Any, d_out: Any,
                                weights: Any, scales: Any, tiles: GemmTiles | GemvTiles | None = None,
                                split_k: int | None = None, scratch: Any = None,
-                               shared_memory_bytes: int = DEFAULT_SHARED_MEMORY_BYTES,
+                               shared_memory_bytes: int = DEFAULT_SHARED_MEMORY_BYTES, tuning: str = GPU_TUNING,
                                label: str = "linear_q4gsw_backward") -> list[Dispatch]:
     """d_x[M, K] = d_out[M, N] @ deq(W).
 
     Buffers: out fp32 [M, K]; d_out fp32 [M, N]; weights W_4X8 uint32; scales fp32 [G, N]; scratch
-    (optional) for split-K. `tiles` and `split_k` as in plan_linear_q4gsw.
+    (optional) for split-K. `tiles`, `split_k` and `tuning` as in plan_linear_q4gsw.
     """
     op = "linear_q4gsw_backward"
     _check_q4gsw(op, M, N, K, group_size)
     push = pack_push(M, N, K, group_size)
     inputs = [binding(d_out, "r"), binding(weights, "r"), binding(scales, "r")]
+    if _takes_cpu_body(op, N, K, group_size, tiles, split_k, tuning):
+        return _cpu_gemm_plan("linear_q4gsw_backward", M, K, out=out, inputs=inputs, push=push, bias=None,
+                              label=label)
     if tiles is None and M <= GEMV_MAX_M and split_k in (None, 1):
         tiles = default_gemv_tiles(min(M, GEMV_MAX_ROWS), ceil_div(N // 4, 2), K // 4, backward=True,
                                    shared_memory_bytes=shared_memory_bytes)
@@ -354,14 +404,15 @@ def plan_linear_q4gsw_backward(*, M: int, N: int, K: int, group_size: int, out: 
 @register_kernel("vktrain.linear_dW.default")
 def plan_linear_dw(*, M: int, N: int, K: int, out: Any, d_out: Any, x: Any, tiles: GemmTiles | None = None,
                    split_k: int | None = None, scratch: Any = None,
-                   shared_memory_bytes: int = DEFAULT_SHARED_MEMORY_BYTES,
+                   shared_memory_bytes: int = DEFAULT_SHARED_MEMORY_BYTES, tuning: str = GPU_TUNING,
                    label: str = "linear_dW") -> list[Dispatch]:
     """dW[N, K] = d_out[M, N].T @ x[M, K] (dense fp32, reduction over M).
 
     Buffers: out fp32 [N, K]; d_out fp32 [M, N]; x fp32 [M, K]; scratch (optional) for split-K.
-    Needs N % 4 == 0 and K % 4 == 0 (vec4 rows).
+    Needs N % 4 == 0 and K % 4 == 0 (vec4 rows). Every `tuning` runs the shared-memory body.
     """
     op = "linear_dW"
+    check_tuning(tuning, f"{op}: tuning")
     _check_positive(op, M=M, N=N, K=K)
     problems = [f"{name}={value} must be a multiple of 4" for name, value in (("N", N), ("K", K)) if value % 4]
     if problems:

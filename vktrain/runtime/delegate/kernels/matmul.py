@@ -19,6 +19,12 @@ into scratch [slices, batch, M, N], and adds the slices in a fixed order with a 
 (linear_splitk_reduce.comp, shared with the linear family): bitwise reproducible, no atomics. Only
 slice 0 adds the bias. Without scratch the plan never splits.
 
+Device tuning (kernels/gemm_tuning.py). With `tuning=CPU_TUNING` (the executor's choice on a CPU
+Vulkan implementation) a GEMM whose tile is not forced runs matmul.comp's CPU_REGISTER_TILES variant
+(body matmul_cpu.glsl): workgroups of CPU_LANES invocations along N, each owning CPU_TM x CPU_TN outputs
+in registers (CPU_TM by `cpu_tile_rows`), no shared memory, no barrier; the default plan then never
+splits K (explicit `split_k` still works: the body reads the same slices).
+
 Accuracy: fp32 products accumulated in fp32 in k order within a slice; relative error ~ K * eps in
 the worst case, ~ sqrt(K) * eps typically (tests: norm-relative 1e-4 against float64).
 """
@@ -28,6 +34,7 @@ import numbers
 from typing import Any, Sequence
 
 from vktrain.runtime.vk.schedule import Dispatch, ceil_div, pack_push
+from vktrain.runtime.delegate.kernels.gemm_tuning import CPU_TUNING, GPU_TUNING, check_tuning
 from vktrain.runtime.delegate.kernels.layout import (
     MAX_ELEMENTS,
     KernelArgumentError,
@@ -48,6 +55,7 @@ GEMM_TILES = ((64, 64), (64, 16), (16, 64))
 SKINNY_DIM = 16  # an output dim up to this takes the 16-wide tile along it
 A_M_FASTEST_SPEC_ID = 3
 B_K_FASTEST_SPEC_ID = 4
+B_N_PAIRS_SPEC_ID = 5  # the CPU body's B_PAIRS direction (matmul_cpu.glsl)
 
 # Split-K targets: threads for a large GPU (512 workgroups of 256 = ~4 per SM of a 132-SM H200; the
 # 64-thread skinny tiles get 4x as many workgroups); slices no shorter than MIN_SPLIT_SLICE (8 K
@@ -56,6 +64,18 @@ B_K_FASTEST_SPEC_ID = 4
 TARGET_THREADS = 512 * 256
 MIN_SPLIT_SLICE = 128
 MAX_SPLIT_K = 32
+
+# The CPU_REGISTER_TILES body (matmul_cpu.glsl): a workgroup of CPU_LANES invocations (one subgroup: the
+# 8 fp32 lanes of a 256-bit CPU vector), each owning CPU_TM rows x CPU_TN adjacent columns of C. CPU_TM
+# is the largest of CPU_TM_CHOICES not above M (the first when M is smaller; rows past M are computed
+# and dropped): each element of B a lane loads feeds CPU_TM products, and on lavapipe 64 rows ran the
+# 64-token head and LoRA products 1.2-1.7x faster than 16. Its loop over K advances 2 * CPU_LANES steps
+# at a time and lavapipe ends an invocation after 65535 trips of one loop, so a longer reduction keeps
+# the shared-memory body.
+CPU_LANES = 8
+CPU_TM_CHOICES = (16, 32, 64)  # 16: the shader's default, the others its CPU_TM=... variants
+CPU_TN = 2
+CPU_MAX_K = 2 * CPU_LANES * 65535
 
 
 def _as_batched(view: StridedView, what: str) -> StridedView:
@@ -116,12 +136,44 @@ def split_k_scratch_nbytes(batch: int, M: int, N: int, split_k: int) -> int:
     return linear_split_k_scratch_nbytes(batch * M, N, split_k)
 
 
-def gemm_scratch_nbytes(batch: int, M: int, N: int, K: int) -> int:
+def _takes_cpu_body(K: int, tile: Any, tuning: str, label: str) -> bool:
+    """Whether a GEMM takes the CPU_REGISTER_TILES body: CPU_TUNING, no forced tile, K within its loop."""
+    return check_tuning(tuning, f"{label}: tuning") == CPU_TUNING and tile is None and K <= CPU_MAX_K
+
+
+def _pairs(view: StridedView, contiguous_dim: int, length: int) -> bool:
+    """Whether the CPU body may load `view` two floats at a time along `contiguous_dim`: stride 1 there,
+    every other stride and the offset even (so each pair is 8-byte aligned), an even `length` along it."""
+    others = [stride for dim, stride in enumerate(view.strides) if dim != contiguous_dim]
+    return view.strides[contiguous_dim] == 1 and length % 2 == 0 and all(x % 2 == 0 for x in [view.offset, *others])
+
+
+def cpu_tile_rows(M: int) -> int:
+    """CPU_TM for an output of M rows: the largest of CPU_TM_CHOICES not above M, else the smallest."""
+    return max([tm for tm in CPU_TM_CHOICES if tm <= M], default=CPU_TM_CHOICES[0])
+
+
+def cpu_gemm_variant(A: StridedView, B: StridedView, has_bias: bool) -> tuple[str, dict[int, bool]]:
+    """The CPU body's shader and specialization constants for batched views A [b, M, K], B [b, K, N]:
+    64-bit pair loads of A along k, of B along n or else along k, wherever they are aligned, and
+    cpu_tile_rows(M) rows per invocation."""
+    M, K, N = A.sizes[1], A.sizes[2], B.sizes[2]
+    b_n_pairs = _pairs(B, 2, N)
+    a_pairs, b_pairs = _pairs(A, 2, K), b_n_pairs or _pairs(B, 1, K)
+    tm = cpu_tile_rows(M)
+    name = f"matmul@HAS_BIAS={int(has_bias)}+CPU_REGISTER_TILES" + ("+A_PAIRS" if a_pairs else "") \
+        + ("+B_PAIRS" if b_pairs else "") + ("" if tm == CPU_TM_CHOICES[0] else f"+CPU_TM={tm}")
+    return name, ({B_N_PAIRS_SPEC_ID: b_n_pairs} if b_pairs else {})
+
+
+def gemm_scratch_nbytes(batch: int, M: int, N: int, K: int, tuning: str = GPU_TUNING) -> int:
     """Bytes of scratch the default plan of a [batch, M, K] @ [batch, K, N] GEMM uses when given one
     (0: it would not split, pass no scratch)."""
     for name, value in (("batch", batch), ("M", M), ("N", N), ("K", K)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
             raise KernelArgumentError(f"gemm_scratch_nbytes: {name} must be an int >= 0, got {value!r}")
+    if _takes_cpu_body(K, None, tuning, "gemm_scratch_nbytes"):
+        return 0
     return split_k_scratch_nbytes(batch, M, N, default_split_k(batch, M, N, K))
 
 
@@ -143,14 +195,15 @@ def _check_split_k(split_k: Any, label: str) -> int:
 def plan_gemm(out: Any, a: Any, a_view: StridedView, b: Any, b_view: StridedView, *,
               bias: Any = None, bias_view: StridedView | None = None, alpha: float = 1.0, beta: float = 1.0,
               scratch: Any = None, split_k: int | None = None, tile: tuple[int, int] | None = None,
-              label: str = "gemm") -> list[Dispatch]:
+              tuning: str = GPU_TUNING, label: str = "gemm") -> list[Dispatch]:
     """out [batch, M, N] (or [M, N] when both operands are 2-D) = alpha * A @ B (+ beta * bias).
 
     Operand views have rank 2 ([M, K] / [K, N]) or 3 ([batch, M, K] / [batch, K, N]); a 2-D operand
     or a batch of 1 broadcasts over the other's batch. The bias view must broadcast to the output.
     `scratch` (>= gemm_scratch_nbytes bytes, or split_k_scratch_nbytes for an explicit `split_k`)
     lets the plan split K (module docstring); `split_k` forces the number of slices (slices past K
-    are empty and contribute zeros); `tile` forces one of GEMM_TILES.
+    are empty and contribute zeros); `tile` forces one of GEMM_TILES (the shared-memory body whatever
+    the `tuning`); `tuning` (kernels/gemm_tuning.py) picks the body otherwise (module docstring).
     """
     A = _as_batched(a_view, f"{label}: A")
     B = _as_batched(b_view, f"{label}: B")
@@ -169,9 +222,10 @@ def plan_gemm(out: Any, a: Any, a_view: StridedView, b: Any, b_view: StridedView
     if batch * M * N > MAX_ELEMENTS:
         raise KernelArgumentError(
             f"{label}: the output [{batch}, {M}, {N}] has more than {MAX_ELEMENTS} elements (32-bit indices)")
+    cpu_body = _takes_cpu_body(K, tile, tuning, label)
     tile = default_gemm_tile(M, N) if tile is None else _check_tile(tile, label)
     if split_k is None:
-        split_k = default_split_k(batch, M, N, K, tile) if scratch is not None else 1
+        split_k = default_split_k(batch, M, N, K, tile) if scratch is not None and not cpu_body else 1
     split_k = _check_split_k(split_k, label)
     if batch * M * N == 0:
         return []
@@ -221,8 +275,12 @@ def plan_gemm(out: Any, a: Any, a_view: StridedView, b: Any, b_view: StridedView
     bindings = [binding(target, "w"), binding(a, "r"), binding(b, "r")]
     if has_bias:
         bindings.append(binding(bias, "r"))
-    shader = gemm_shader_name(tile, has_bias, vec4_rows=N % 4 == 0)
-    groups = (ceil_div(N, tile[1]), ceil_div(M, tile[0]), split_k * batch)
+    if cpu_body:
+        shader, spec = cpu_gemm_variant(A, B, has_bias)
+        groups = (ceil_div(N, CPU_LANES * CPU_TN), ceil_div(M, cpu_tile_rows(M)), split_k * batch)
+    else:
+        shader = gemm_shader_name(tile, has_bias, vec4_rows=N % 4 == 0)
+        groups = (ceil_div(N, tile[1]), ceil_div(M, tile[0]), split_k * batch)
     gemm = Dispatch(shader, groups, bindings=tuple(bindings), push_constants=push, spec_constants=spec,
                     label=label if split_k == 1 else f"{label}.split{split_k}")
     if split_k == 1:
@@ -252,35 +310,35 @@ def _number(value: Any, what: str) -> float:
 @register_kernel("aten.mm.default")
 def plan_mm(*, out: Any, self: Any, self_shape: Sequence[int], mat2: Any, mat2_shape: Sequence[int],
             self_dtype: Any = "float32", mat2_dtype: Any = "float32", scratch: Any = None,
-            label: str = "aten.mm.default") -> list[Dispatch]:
+            tuning: str = GPU_TUNING, label: str = "aten.mm.default") -> list[Dispatch]:
     """aten.mm: out [M, N] = self [M, K] @ mat2 [K, N]. `scratch` (gemm_scratch_nbytes(1, M, N, K)
-    bytes) enables split-K."""
+    bytes) enables split-K; `tuning` as in plan_gemm."""
     a = _matrix(self_shape, self_dtype, 2, "aten.mm self")
     b = _matrix(mat2_shape, mat2_dtype, 2, "aten.mm mat2")
-    return plan_gemm(out, self, a, mat2, b, scratch=scratch, label=label)
+    return plan_gemm(out, self, a, mat2, b, scratch=scratch, tuning=tuning, label=label)
 
 
 @register_kernel("aten.bmm.default")
 def plan_bmm(*, out: Any, self: Any, self_shape: Sequence[int], mat2: Any, mat2_shape: Sequence[int],
              self_dtype: Any = "float32", mat2_dtype: Any = "float32", scratch: Any = None,
-             label: str = "aten.bmm.default") -> list[Dispatch]:
+             tuning: str = GPU_TUNING, label: str = "aten.bmm.default") -> list[Dispatch]:
     """aten.bmm: out [B, M, N] = self [B, M, K] @ mat2 [B, K, N] (equal batch sizes, like torch).
-    `scratch` (gemm_scratch_nbytes(B, M, N, K) bytes) enables split-K."""
+    `scratch` (gemm_scratch_nbytes(B, M, N, K) bytes) enables split-K; `tuning` as in plan_gemm."""
     a = _matrix(self_shape, self_dtype, 3, "aten.bmm self")
     b = _matrix(mat2_shape, mat2_dtype, 3, "aten.bmm mat2")
     if a.sizes[0] != b.sizes[0]:
         raise KernelArgumentError(f"aten.bmm: batch sizes differ: self {a.sizes} vs mat2 {b.sizes}")
-    return plan_gemm(out, self, a, mat2, b, scratch=scratch, label=label)
+    return plan_gemm(out, self, a, mat2, b, scratch=scratch, tuning=tuning, label=label)
 
 
 @register_kernel("aten.addmm.default")
 def plan_addmm(*, out: Any, self: Any, self_shape: Sequence[int], mat1: Any, mat1_shape: Sequence[int],
                mat2: Any, mat2_shape: Sequence[int], beta: float = 1, alpha: float = 1,
                self_dtype: Any = "float32", mat1_dtype: Any = "float32", mat2_dtype: Any = "float32",
-               scratch: Any = None, label: str = "aten.addmm.default") -> list[Dispatch]:
+               scratch: Any = None, tuning: str = GPU_TUNING, label: str = "aten.addmm.default") -> list[Dispatch]:
     """aten.addmm: out [M, N] = beta * self + alpha * mat1 [M, K] @ mat2 [K, N]; self broadcasts to
     [M, N] ([N], [1, N], [M, 1], scalar...). beta == 0 ignores self entirely (NaN included).
-    `scratch` (gemm_scratch_nbytes(1, M, N, K) bytes) enables split-K."""
+    `scratch` (gemm_scratch_nbytes(1, M, N, K) bytes) enables split-K; `tuning` as in plan_gemm."""
     check_dtype(self_dtype, "aten.addmm self")
     bias = StridedView.contiguous(check_shape(self_shape, "aten.addmm self"))
     if bias.rank > 2:
@@ -288,7 +346,7 @@ def plan_addmm(*, out: Any, self: Any, self_shape: Sequence[int], mat1: Any, mat
     a = _matrix(mat1_shape, mat1_dtype, 2, "aten.addmm mat1")
     b = _matrix(mat2_shape, mat2_dtype, 2, "aten.addmm mat2")
     return plan_gemm(out, mat1, a, mat2, b, bias=self, bias_view=bias, alpha=_number(alpha, "aten.addmm alpha"),
-                     beta=_number(beta, "aten.addmm beta"), scratch=scratch, label=label)
+                     beta=_number(beta, "aten.addmm beta"), scratch=scratch, tuning=tuning, label=label)
 
 
 @register_kernel("aten.baddbmm.default")
