@@ -1052,3 +1052,17 @@ def test_end_to_end_train_resume_and_adapters_on_vulkan(vk_device, mlp_step_prog
         assert a.shape[0] == b.shape[1] == 4
     config = adapters_mod.load_adapter_config(tmp_path / "ad")
     assert (config["r"], config["lora_alpha"]) == (4, 8.0)
+
+
+def test_loss_plot_marks_the_held_out_loss(tmp_path):
+    pytest.importorskip("matplotlib")
+    from vktrain.train.plot import plot_losses
+
+    records = [{"step": s, "loss": 2.0 / s, "lr": 1e-3} for s in range(1, 9)]
+    with_eval = [dict(r, eval_loss=1.5 / r["step"]) if r["step"] % 4 == 0 else r for r in records]
+    plain, marked = tmp_path / "plain.png", tmp_path / "marked.png"
+    plot_losses(records, plain)
+    plot_losses(with_eval, marked)
+    for path in (plain, marked):
+        assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert plain.read_bytes() != marked.read_bytes()  # the held-out points (and their legend) are drawn

@@ -9,7 +9,8 @@ from vktrain.train.checkpoint import atomic_write_bytes
 
 
 def plot_losses(records: Sequence[dict], path: str | Path, title: str = "") -> None:
-    """records: [{"step", "loss", "lr"}, ...] -> a PNG with the loss (left axis) and the LR (right axis)."""
+    """records: [{"step", "loss", "lr"[, "eval_loss"]}, ...] -> a PNG with the loss and the held-out loss
+    where it was measured (left axis) and the LR (right axis)."""
     if not records:
         raise ValueError("no training records to plot")
     try:
@@ -21,7 +22,12 @@ def plot_losses(records: Sequence[dict], path: str | Path, title: str = "") -> N
 
     steps = [r["step"] for r in records]
     fig, ax = plt.subplots(figsize=(7, 4), dpi=110)
-    ax.plot(steps, [r["loss"] for r in records], color="tab:blue", label="loss")
+    ax.plot(steps, [r["loss"] for r in records], color="tab:blue", label="training loss")
+    evaluated = [r for r in records if "eval_loss" in r]
+    if evaluated:
+        ax.plot([r["step"] for r in evaluated], [r["eval_loss"] for r in evaluated], "o--", color="tab:red",
+                label="held-out loss")
+        ax.legend(loc="upper right")
     ax.set_xlabel("step")
     ax.set_ylabel("loss", color="tab:blue")
     ax.grid(alpha=0.3)
