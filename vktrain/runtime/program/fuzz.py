@@ -112,7 +112,7 @@ def program_meaning(pte: PteFile, program: VerifiedTrainingProgram) -> dict:
         "graph outputs": tuple(graph.outputs), "graph mutable state": tuple(graph.mutable_state),
         "graph memory objects": tuple(graph.memory_objects), "graph metadata": dict(graph.metadata),
         "graph constants": tuple(c if isinstance(c, g.SyntheticConstant)
-                                 else (getattr(c, "stored_dtype", None), bytes(g.stored_bytes(c)))
+                                 else (getattr(c, "stored_form", None), bytes(g.stored_bytes(c)))
                                  for c in graph.constants),
     }
 
