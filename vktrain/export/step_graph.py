@@ -157,7 +157,7 @@ class _StepBuilder:
         self.graph.erase_node(output)
         self.graph.output(tuple(updates[fqn] for fqn in mutated) + (loss,))
         self.graph.eliminate_dead_code()  # the gradient outputs' own nodes are kept: adamw reads them
-        self.joint.graph_module.recompile()
+        # (no recompile: ExportedProgram generates the code of a GraphModule of its own over this graph)
         return self._program(mutated, loss, (token_ids, labels, hparams, n_valid))
 
     def _program(self, mutated: list[str], loss: torch.fx.Node, user_inputs: tuple) -> ExportedProgram:
@@ -200,14 +200,14 @@ def eval_program_from_joint(joint: ExportedProgram) -> ExportedProgram:
             state_dict[spec.target] = joint.state_dict[spec.target].detach()
         elif spec.target is not None:
             constants[spec.target] = joint.constants[spec.target].detach()
-    module = torch.fx.GraphModule(torch.nn.Module(), graph)
     output = OutputSpec(OutputKind.USER_OUTPUT, TensorArgument(graph.output_node().args[0][0].name), None)
     call_graph = [ModuleCallEntry("", ModuleCallSignature(
         inputs=[], outputs=[], in_spec=pytree.tree_structure((tuple(range(len(_JOINT_USER_INPUTS))), {})),
         out_spec=pytree.tree_structure((0,)), forward_arg_names=list(_JOINT_USER_INPUTS)))]
-    return ExportedProgram(root=module, graph=graph, graph_signature=ExportGraphSignature(input_specs, [output]),
-                           state_dict=state_dict, range_constraints={}, module_call_graph=call_graph,
-                           example_inputs=None, constants=constants, verifiers=[joint.verifier])
+    return ExportedProgram(root=torch.nn.Module(), graph=graph,
+                           graph_signature=ExportGraphSignature(input_specs, [output]), state_dict=state_dict,
+                           range_constraints={}, module_call_graph=call_graph, example_inputs=None,
+                           constants=constants, verifiers=[joint.verifier])
 
 
 def _loss_and_gradients(joint: ExportedProgram) -> tuple[torch.fx.Node, dict[str, torch.fx.Node]]:
