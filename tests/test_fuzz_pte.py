@@ -282,13 +282,13 @@ def test_device_memory_asked_for_by_the_graph_is_capped(exported):
     own = [v for v in program.graph.values if getattr(v, "mem_obj_id", 0) == -1 and v.storage_of == -1]
     assert len(own) < sum(getattr(v, "mem_obj_id", 0) == -1 for v in program.graph.values)  # some share
     needed = sum(m.size_bytes for m in program.graph.memory_objects) + sum(v.nbytes for v in own)
-    check_device_memory(pte, program.graph, needed)  # exactly enough
+    check_device_memory(pte.source, program.graph, needed)  # exactly enough
     with pytest.raises(VerificationError, match=rf"ask for {needed} bytes of device memory in all; the device's "
                                                 rf"largest memory heap has {needed - 1}"):
-        check_device_memory(pte, program.graph, needed - 1)
+        check_device_memory(pte.source, program.graph, needed - 1)
     largest = max(m.size_bytes for m in program.graph.memory_objects)
     with pytest.raises(VerificationError, match=rf"memory object \d+ asks for {largest} bytes"):
-        check_device_memory(pte, program.graph, largest - 1)
+        check_device_memory(pte.source, program.graph, largest - 1)
 
 
 def test_the_loaders_re_infer_every_op_from_the_op_definitions(exported):
@@ -306,7 +306,7 @@ def test_the_loaders_re_infer_every_op_from_the_op_definitions(exported):
     _, data = exported
     pte, program = fuzz.load(data)
     graph = program.graph
-    check_op_shapes(pte, graph, infer_from_op_definitions)
+    check_op_shapes(pte.source, graph, infer_from_op_definitions)
     index, op = next((i, op) for i, op in enumerate(graph.ops) if op.name == "aten.mm.default")
     output = graph.tensor(op.outputs[0])
     wrong = dataclasses.replace(output, shape=output.shape[:-1] + (output.shape[-1] + 1,))
@@ -314,11 +314,11 @@ def test_the_loaders_re_infer_every_op_from_the_op_definitions(exported):
     values[op.outputs[0]] = wrong
     with pytest.raises(VerificationError, match=rf"delegate op {index} \(aten.mm.default\) declares outputs "
                                                 rf"FLOAT32\[.*\]; its inputs give FLOAT32\[.*\]"):
-        check_op_shapes(pte, dataclasses.replace(graph, values=tuple(values)), infer_from_op_definitions)
+        check_op_shapes(pte.source, dataclasses.replace(graph, values=tuple(values)), infer_from_op_definitions)
     ops = list(graph.ops)
     ops[index] = dataclasses.replace(op, name="aten.no_such_op.default")
     with pytest.raises(VerificationError, match=r"aten.no_such_op.default\): vktrain's runtime has no kernel"):
-        check_op_shapes(pte, dataclasses.replace(graph, ops=tuple(ops)), infer_from_op_definitions)
+        check_op_shapes(pte.source, dataclasses.replace(graph, ops=tuple(ops)), infer_from_op_definitions)
 
 
 def test_the_op_shape_hook_compares_inferred_outputs_with_the_declared_ones(exported):
@@ -339,13 +339,13 @@ def test_the_op_shape_hook_compares_inferred_outputs_with_the_declared_ones(expo
             return [(dtype, shape[:-1] + (shape[-1] + 1,))] + declared[1:] if wrong else declared
         return rule
 
-    check_op_shapes(pte, graph, None)
-    check_op_shapes(pte, graph, infer(wrong=False))
+    check_op_shapes(pte.source, graph, None)
+    check_op_shapes(pte.source, graph, infer(wrong=False))
     dtype, shape = declared[0]
     with pytest.raises(VerificationError, match=rf"delegate op {index} \({op.name}\) declares outputs "
                                                 rf"{dtype.name}\[{', '.join(map(str, shape))}\].*; its inputs give "
                                                 rf"{dtype.name}\[{', '.join(map(str, shape[:-1] + (shape[-1] + 1,)))}\]"):
-        check_op_shapes(pte, graph, infer(wrong=True))
+        check_op_shapes(pte.source, graph, infer(wrong=True))
 
 
 def test_an_eight_byte_file_and_a_missing_method_are_clean_errors(tmp_path, exported):

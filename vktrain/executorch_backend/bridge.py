@@ -41,11 +41,6 @@ _state: dict[str, Any] = {"device": None, "owns_device": False, "last_error": No
 _live: list[GraphExecutor] = []  # executors not yet destroyed: closed before the device at exit
 
 
-class _BlobSource:
-    """What the .pte checks read of a PteFile: its name for messages."""
-    source = BLOB_SOURCE
-
-
 class NamedData(Mapping):
     """The .pte's named data (key -> memoryview), read through the trampoline's callbacks on demand."""
 
@@ -113,9 +108,9 @@ def _report(what: str, exc: BaseException) -> str:
 def init(blob: memoryview, named_data: Optional[tuple]):
     try:
         graph = deserialize_blob(blob, named_data=NamedData(*named_data) if named_data is not None else None)
-        check_op_shapes(_BlobSource, graph, infer_from_op_definitions)
+        check_op_shapes(BLOB_SOURCE, graph, infer_from_op_definitions)
         device = _device()
-        check_device_memory(_BlobSource, graph, device_memory_bytes(device))
+        check_device_memory(BLOB_SOURCE, graph, device_memory_bytes(device))
         executor = GraphExecutor(device, graph, timing=False)
     except Exception as exc:
         return _report(f"{BLOB_SOURCE}: init", exc)

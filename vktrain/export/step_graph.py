@@ -167,10 +167,7 @@ class _StepBuilder:
         output_specs.append(OutputSpec(OutputKind.USER_OUTPUT, TensorArgument(loss.name), None))
         input_specs = self.state_specs + [InputSpec(InputKind.USER_INPUT, TensorArgument(node.name), None)
                                           for node in user_inputs]
-        leaves = tuple(range(len(STEP_INPUTS)))
-        call_graph = [ModuleCallEntry("", ModuleCallSignature(
-            inputs=[], outputs=[], in_spec=pytree.tree_structure((leaves, {})), out_spec=pytree.tree_structure(0),
-            forward_arg_names=list(STEP_INPUTS)))]
+        call_graph = _root_call_graph(STEP_INPUTS, out_spec=pytree.tree_structure(0))  # returns the loss
         return ExportedProgram(root=self.joint.graph_module, graph=self.graph,
                                graph_signature=ExportGraphSignature(input_specs, output_specs),
                                state_dict=self.state_dict, range_constraints={}, module_call_graph=call_graph,
@@ -201,13 +198,18 @@ def eval_program_from_joint(joint: ExportedProgram) -> ExportedProgram:
         elif spec.target is not None:
             constants[spec.target] = joint.constants[spec.target].detach()
     output = OutputSpec(OutputKind.USER_OUTPUT, TensorArgument(graph.output_node().args[0][0].name), None)
-    call_graph = [ModuleCallEntry("", ModuleCallSignature(
-        inputs=[], outputs=[], in_spec=pytree.tree_structure((tuple(range(len(_JOINT_USER_INPUTS))), {})),
-        out_spec=pytree.tree_structure((0,)), forward_arg_names=list(_JOINT_USER_INPUTS)))]
+    call_graph = _root_call_graph(_JOINT_USER_INPUTS, out_spec=pytree.tree_structure((0,)))  # returns (loss,)
     return ExportedProgram(root=torch.nn.Module(), graph=graph,
                            graph_signature=ExportGraphSignature(input_specs, [output]), state_dict=state_dict,
                            range_constraints={}, module_call_graph=call_graph, example_inputs=None,
                            constants=constants, verifiers=[joint.verifier])
+
+
+def _root_call_graph(input_names: tuple[str, ...], out_spec) -> list[ModuleCallEntry]:
+    """The module call graph of a program whose forward takes `input_names` positionally (no kwargs)."""
+    in_spec = pytree.tree_structure((tuple(range(len(input_names))), {}))
+    return [ModuleCallEntry("", ModuleCallSignature(inputs=[], outputs=[], in_spec=in_spec, out_spec=out_spec,
+                                                    forward_arg_names=list(input_names)))]
 
 
 def _loss_and_gradients(joint: ExportedProgram) -> tuple[torch.fx.Node, dict[str, torch.fx.Node]]:

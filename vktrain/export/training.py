@@ -42,7 +42,7 @@ from vktrain.contract import (EXP_AVG_PREFIX, EXP_AVG_SQ_PREFIX, METADATA_BASE_M
                               METADATA_MODEL_CONFIG, METADATA_MODEL_FAMILY, METADATA_SOURCE_MODEL,
                               STEP_STATE as STEP_BUFFER)
 from vktrain.lora import LoRAQ4Linear, lora_modules, lora_parameter_names
-from vktrain.partitioner.op_registry import PRESERVED_OPS, check_node
+from vktrain.partitioner.op_registry import PRESERVED_OPS, first_refusal
 
 from .step_graph import eval_program_from_joint, training_step_program
 
@@ -82,7 +82,7 @@ def in_registry_ops(program: ExportedProgram) -> ExportedProgram:
     """`program` (a fresh torch.export) in ops the vktrain registry takes: itself when every node already is
     one (no retrace: a 30-layer forward costs a minute to decompose), else decomposed with
     decomposition_table(), which also functionalises whatever torch.export left in place."""
-    if all(check_node(node, program) is None for node in program.graph.nodes if node.op == "call_function"):
+    if first_refusal(program) is None:
         return program
     return program.run_decompositions(decomposition_table())
 

@@ -37,7 +37,7 @@ from torch.export.graph_signature import (ExportGraphSignature, InputKind, Input
 from vktrain.backend.preprocess import VktrainVulkanBackend
 from vktrain.contract import BACKEND_ID
 from vktrain.partitioner import VktrainPartitioner
-from vktrain.partitioner.op_registry import check_node, op_key
+from vktrain.partitioner.op_registry import first_refusal
 from vktrain.partitioner.partitioner import REFUSALS_SPEC_KEY
 
 _INPUT_KINDS = (InputKind.USER_INPUT, InputKind.PARAMETER, InputKind.BUFFER, InputKind.CONSTANT_TENSOR)
@@ -53,12 +53,9 @@ def takes_whole(program: ExportedProgram, partitioner: VktrainPartitioner) -> bo
     if any(spec.kind not in _INPUT_KINDS for spec in signature.input_specs) or \
             any(spec.kind not in _OUTPUT_KINDS for spec in signature.output_specs):
         return False
-    for node in program.graph.nodes:
-        if node.op == "call_function":
-            if op_key(node.target) in partitioner.operator_blocklist or check_node(node, program) is not None:
-                return False
-        elif node.op not in ("placeholder", "output"):
-            return False
+    if any(node.op not in ("placeholder", "call_function", "output") for node in program.graph.nodes) or \
+            first_refusal(program, partitioner.operator_blocklist) is not None:
+        return False
     partitioner.refusals = []
     partitioner.num_partitions = 1
     return True

@@ -67,7 +67,7 @@ class _Method:
                                           f"{len(self.plan.outputs)} value(s); a generation method takes "
                                           f"{TOKEN_IDS} and {INPUT_POS} and returns the logits")
         self.interpreter = ProgramInterpreter(pte, self.plan, self._run_delegate)
-        check_device_memory(pte, self.graph, device_memory_bytes(device))
+        check_device_memory(pte.source, self.graph, device_memory_bytes(device))
         shared: dict[str, SharedTensor] = {}
         if shares_with is not None:
             shared.update(shares_with.executor.constants_matching(self.graph))

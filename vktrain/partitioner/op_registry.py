@@ -216,6 +216,24 @@ def check_node(node: Node, program: ExportedProgram | None = None) -> str | None
     return features.check(node, program)
 
 
+def node_refusal(node: Node, program: ExportedProgram | None = None,
+                 blocklist: frozenset[str] = frozenset()) -> str | None:
+    """check_node, with the op keys of `blocklist` refused as well (a partitioner's operator_blocklist)."""
+    if node.op == "call_function" and op_key(node.target) in blocklist:
+        return f"{op_key(node.target)} ('{node.name}'): operator is on the partitioner's blocklist"
+    return check_node(node, program)
+
+
+def first_refusal(program: ExportedProgram, blocklist: frozenset[str] = frozenset()) -> str | None:
+    """Why the first refused op call of `program` is refused (node_refusal), or None when the registry takes
+    every one: whether a program needs decomposing, or can be delegated whole."""
+    for node in program.graph.nodes:
+        reason = node_refusal(node, program, blocklist) if node.op == "call_function" else None
+        if reason is not None:
+            return reason
+    return None
+
+
 def is_constant_input(program: ExportedProgram, node: Node) -> bool:
     """True for placeholders holding parameters, non-mutated buffers and lifted tensor constants."""
     if node.op != "placeholder":

@@ -23,7 +23,7 @@ from torch.fx.passes.operator_support import OperatorSupportBase
 
 from vktrain.contract import BACKEND_ID
 
-from .op_registry import PRESERVED_OPS, check_node, op_key
+from .op_registry import PRESERVED_OPS, node_refusal, op_key
 
 REFUSALS_SPEC_KEY = "vktrain_refusals"
 
@@ -47,13 +47,9 @@ class _RegistrySupport(OperatorSupportBase):
     def is_node_supported(self, submodules, node: torch.fx.Node) -> bool:
         if node.op != "call_function":
             return False
-        key = op_key(node.target)
-        if key in self.blocklist:
-            reason = f"{key} ('{node.name}'): operator is on the partitioner's blocklist"
-        else:
-            reason = check_node(node, self.program)
+        reason = node_refusal(node, self.program, self.blocklist)
         if reason is not None:
-            self.refusals[node.name] = Refusal(node.name, key, reason)
+            self.refusals[node.name] = Refusal(node.name, op_key(node.target), reason)
             return False
         return True
 
@@ -80,7 +76,7 @@ class VktrainPartitioner(Partitioner):
         the ops with one decomposition table (skipped when nothing in the graph decomposes), instead of
         its per-node path, which retraces the whole program twice more (minutes for a 30-layer step)."""
         def keep(node: torch.fx.Node) -> bool:
-            return op_key(node.target) not in self.operator_blocklist and check_node(node) is None
+            return node_refusal(node, blocklist=self.operator_blocklist) is None
         preserved = [node for node in ep.graph.nodes if node.op == "call_function" and node.target in PRESERVED_OPS]
         return list(PRESERVED_OPS), (None if all(keep(node) for node in preserved) else keep)
 

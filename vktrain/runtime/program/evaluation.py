@@ -55,7 +55,7 @@ class EvalMethod:
             raise UnsupportedProgramError(
                 f"{pte.source}: the {EVAL_METHOD!r} method does not read the training step's state "
                 f"{sorted(lora - reads)}: it was not exported with this training step")
-        check_device_memory(pte, self.graph, device_memory_bytes(training.device) if device_memory_limit is None
+        check_device_memory(pte.source, self.graph, device_memory_bytes(training.device) if device_memory_limit is None
                             else device_memory_limit)
         shared = {name: state[name] for name in lora}
         shared.update(training.constants_matching(self.graph))  # the frozen base: on the device once

@@ -317,7 +317,7 @@ class TrainingRunner:
             device = Device()
         self.device = device
         try:
-            check_device_memory(pte, self.graph, device_memory_bytes(device) if device_memory_limit is None
+            check_device_memory(pte.source, self.graph, device_memory_bytes(device) if device_memory_limit is None
                                 else device_memory_limit)
             try:
                 self.executor = GraphExecutor(device, self.graph, timing=timing, precision=precision,

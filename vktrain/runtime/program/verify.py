@@ -7,7 +7,7 @@ PteFormatError, so a VktrainError) naming the file, the field, what was found an
     verify_plan(pte, plan, limits)              host side: tensor records, arenas, aliasing
     load_delegate_graph(pte, plan, ...)         the one vktrain delegate: its blob (integrity, format),
                                                 its call's arguments against the graph's I/O, op shapes
-    check_device_memory(pte, graph, limit)      once the device is known: what the graph will allocate
+    check_device_memory(source, graph, limit)   once the device is known: what the graph will allocate
 
 What the .pte itself says is never trusted for sizes: an arena is allocated with what its tensors
 need (and refused when the file declares less), and every size is capped by what the machine has.
@@ -55,8 +55,9 @@ class UnsupportedProgramError(RuntimeErrorBase, ValueError):
     """The .pte holds something this runner cannot execute (instruction, delegate count, input names)."""
 
 
-def _refuse(pte: PteFile, check: Callable, message: str) -> VerificationError:
-    return VerificationError(f"{pte.source}: {message}", check.__name__)
+def _refuse(source: str, check: Callable, message: str) -> VerificationError:
+    """The refusal of `check`, naming the file (or blob) `source` it read."""
+    return VerificationError(f"{source}: {message}", check.__name__)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -98,21 +99,21 @@ def check_tensor_records(pte: PteFile, plan: ExecutionPlan) -> None:
             continue
         where = f"plan {plan.name!r} value {index} ({value.scalar_type_name}{list(value.sizes)})"
         if value.scalar_type not in NUMPY_SCALAR_TYPES:
-            raise _refuse(pte, check_tensor_records, f"{where}: scalar type {value.scalar_type_name} is not "
+            raise _refuse(pte.source, check_tensor_records, f"{where}: scalar type {value.scalar_type_name} is not "
                           f"supported; expected one of {sorted(SCALAR_TYPE_NAMES[t] for t in NUMPY_SCALAR_TYPES)}")
         if any(d < 0 for d in value.sizes):
-            raise _refuse(pte, check_tensor_records, f"{where}: sizes {list(value.sizes)} has a negative dimension")
+            raise _refuse(pte.source, check_tensor_records, f"{where}: sizes {list(value.sizes)} has a negative dimension")
         if tuple(value.dim_order) != tuple(range(len(value.sizes))):
-            raise _refuse(pte, check_tensor_records, f"{where}: dim_order is {list(value.dim_order)}, expected "
+            raise _refuse(pte.source, check_tensor_records, f"{where}: dim_order is {list(value.dim_order)}, expected "
                           f"{list(range(len(value.sizes)))} (only contiguous tensors are supported)")
         for field, found, expected in (("storage_offset", value.storage_offset, 0),
                                        ("shape_dynamism", value.shape_dynamism, _STATIC_SHAPE),
                                        ("layout", value.layout, _STRIDED_LAYOUT)):
             if found != expected:
-                raise _refuse(pte, check_tensor_records, f"{where}: {field} is {found}, expected {expected} "
+                raise _refuse(pte.source, check_tensor_records, f"{where}: {field} is {found}, expected {expected} "
                               "(the only value the interpreter supports)")
         if value.allocation_info is not None and value.data_buffer_idx != 0:
-            raise _refuse(pte, check_tensor_records, f"{where}: a planned tensor with initial data "
+            raise _refuse(pte.source, check_tensor_records, f"{where}: a planned tensor with initial data "
                           f"(data_buffer_idx {value.data_buffer_idx}); the interpreter supports none")
 
 
@@ -128,15 +129,15 @@ def arena_needs(pte: PteFile, plan: ExecutionPlan) -> list[int]:
         memory = value.allocation_info
         where = f"plan {plan.name!r} value {index} ({value.scalar_type_name}{list(value.sizes)})"
         if not 0 <= memory.memory_id < len(declared):
-            raise _refuse(pte, check_arenas, f"{where}: allocation_info.memory_id is {memory.memory_id}, expected "
+            raise _refuse(pte.source, check_arenas, f"{where}: allocation_info.memory_id is {memory.memory_id}, expected "
                           f"0..{len(declared) - 1} (non_const_buffer_sizes has {len(declared)} entries)")
         element_size = np.dtype(NUMPY_SCALAR_TYPES[value.scalar_type]).itemsize
         if memory.memory_offset % element_size:
-            raise _refuse(pte, check_arenas, f"{where}: allocation_info memory offset {memory.memory_offset} is not a "
+            raise _refuse(pte.source, check_arenas, f"{where}: allocation_info memory offset {memory.memory_offset} is not a "
                           f"multiple of its {element_size}-byte element size")
         end = memory.memory_offset + value.nbytes
         if end > declared[memory.memory_id]:
-            raise _refuse(pte, check_arenas, f"{where}: bytes [{memory.memory_offset}, {end}) lie past the end of "
+            raise _refuse(pte.source, check_arenas, f"{where}: bytes [{memory.memory_offset}, {end}) lie past the end of "
                           f"arena {memory.memory_id}, whose non_const_buffer_sizes entry is {declared[memory.memory_id]}")
         needs[memory.memory_id] = max(needs[memory.memory_id], end)
     return needs
@@ -148,7 +149,7 @@ def check_arenas(pte: PteFile, plan: ExecutionPlan, host_limit: int) -> list[int
     needs = arena_needs(pte, plan)
     declared_total = sum(plan.non_const_buffer_sizes)
     if declared_total > host_limit:
-        raise _refuse(pte, check_arenas, f"plan {plan.name!r} non_const_buffer_sizes ask for {declared_total} bytes "
+        raise _refuse(pte.source, check_arenas, f"plan {plan.name!r} non_const_buffer_sizes ask for {declared_total} bytes "
                       f"of host memory ({list(plan.non_const_buffer_sizes)}); this machine has {host_limit}")
     return needs
 
@@ -175,7 +176,7 @@ def check_planned_storage_disjoint(pte: PteFile, plan: ExecutionPlan) -> None:
                         if (storage := _storage(plan, value_index)) is not None)
         for (first, first_index), (second, second_index) in zip(placed, placed[1:]):
             if first[0] == second[0] and second[1] < first[2]:
-                raise _refuse(pte, check_planned_storage_disjoint,
+                raise _refuse(pte.source, check_planned_storage_disjoint,
                               f"plan {plan.name!r}: values {first_index} and {second_index}, both used by {what}, "
                               f"have overlapping bytes [{first[1]}, {first[2]}) and [{second[1]}, {second[2]}) in arena "
                               f"{first[0]}; tensors live at the same time need disjoint memory")
@@ -188,7 +189,7 @@ def check_constant_tensors(pte: PteFile, plan: ExecutionPlan) -> None:
             try:
                 pte.tensor_data(value)
             except PteFormatError as exc:
-                raise _refuse(pte, check_constant_tensors, f"plan {plan.name!r} value {index}: {exc}") from None
+                raise _refuse(pte.source, check_constant_tensors, f"plan {plan.name!r} value {index}: {exc}") from None
 
 
 def verify_plan(pte: PteFile, plan: ExecutionPlan, host_limit: Optional[int] = None) -> list[int]:
@@ -222,21 +223,21 @@ def check_delegate_io(pte: PteFile, plan: ExecutionPlan, call: DelegateCall, gra
     expected = [("input", i, value_id) for i, value_id in enumerate(graph.inputs)]
     expected += [("output", i, value_id) for i, value_id in enumerate(graph.outputs)]
     if len(call.args) != len(expected):
-        raise _refuse(pte, check_delegate_io, f"plan {plan.name!r}: the delegate call passes {len(call.args)} values, "
+        raise _refuse(pte.source, check_delegate_io, f"plan {plan.name!r}: the delegate call passes {len(call.args)} values, "
                       f"its graph has {len(graph.inputs)} inputs and {len(graph.outputs)} outputs")
     for arg, (kind, position, value_id) in zip(call.args, expected):
         want = graph.values[value_id]
         if not isinstance(want, g.TensorValue):
-            raise _refuse(pte, check_delegate_io, f"plan {plan.name!r}: delegate graph {kind} {position} is value "
+            raise _refuse(pte.source, check_delegate_io, f"plan {plan.name!r}: delegate graph {kind} {position} is value "
                           f"{value_id}, a {type(want).__name__}; graph inputs and outputs must be tensors")
         want_text = f"{want.dtype.name}{list(want.shape)}"
         have = plan.values[arg]
         where = f"plan {plan.name!r}: delegate {kind} {position} ({want.name or 'unnamed'}) is plan value {arg}"
         if not isinstance(have, Tensor):
-            raise _refuse(pte, check_delegate_io, f"{where}, a {type(have).__name__}; expected a tensor {want_text}")
+            raise _refuse(pte.source, check_delegate_io, f"{where}, a {type(have).__name__}; expected a tensor {want_text}")
         have_dtype = NUMPY_SCALAR_TYPES.get(have.scalar_type)
         if have_dtype != want.dtype.numpy_dtype or tuple(have.sizes) != tuple(want.shape):
-            raise _refuse(pte, check_delegate_io, f"{where}, {have.scalar_type_name}{list(have.sizes)}; "
+            raise _refuse(pte.source, check_delegate_io, f"{where}, {have.scalar_type_name}{list(have.sizes)}; "
                           f"the delegate graph declares {want_text}")
 
 
@@ -245,7 +246,7 @@ def check_delegate_io(pte: PteFile, plan: ExecutionPlan, call: DelegateCall, gra
 OpShapeInference = Callable[[str, Sequence[g.Value], g.VkGraph], Optional[Sequence[tuple[g.DType, tuple[int, ...]]]]]
 
 
-def check_op_shapes(pte: PteFile, graph: g.VkGraph, infer: Optional[OpShapeInference]) -> None:
+def check_op_shapes(source: str, graph: g.VkGraph, infer: Optional[OpShapeInference]) -> None:
     """Each op's output dtypes and shapes, re-inferred from its inputs, equal what the blob declares
     (outputs stored prepacked, e.g. q4gsw_requant's W_4X8 words, are not the op's logical tensor and are
     not compared); `infer` may also return the reason an op cannot run. None: nothing is re-inferred."""
@@ -256,17 +257,17 @@ def check_op_shapes(pte: PteFile, graph: g.VkGraph, infer: Optional[OpShapeInfer
         if inferred is None:
             continue
         if isinstance(inferred, str):
-            raise _refuse(pte, check_op_shapes, f"delegate op {index} ({op.name}): {inferred}")
+            raise _refuse(source, check_op_shapes, f"delegate op {index} ({op.name}): {inferred}")
         outputs = [graph.tensor(o) for o in op.outputs]
         inferred = [(dtype, tuple(shape)) for dtype, shape in inferred]
         if len(inferred) != len(outputs):
-            raise _refuse(pte, check_op_shapes, f"delegate op {index} ({op.name}) has {len(outputs)} outputs; "
+            raise _refuse(source, check_op_shapes, f"delegate op {index} ({op.name}) has {len(outputs)} outputs; "
                           f"its definition gives {len(inferred)}")
         pairs = [pair for pair, tensor in zip(inferred, outputs) if tensor.layout == g.Layout.PLAIN]
         declared = [(t.dtype, tuple(t.shape)) for t in outputs if t.layout == g.Layout.PLAIN]
         if pairs != declared:
             show = lambda items: ", ".join(f"{d.name}{list(s)}" for d, s in items)  # noqa: E731
-            raise _refuse(pte, check_op_shapes, f"delegate op {index} ({op.name}) declares outputs "
+            raise _refuse(source, check_op_shapes, f"delegate op {index} ({op.name}) declares outputs "
                           f"{show(declared)}; its inputs give {show(pairs)}")
 
 
@@ -311,7 +312,7 @@ def load_delegate_graph(pte: PteFile, plan: ExecutionPlan, *, verify_constants: 
     except BlobFormatError as exc:
         raise BlobFormatError(f"{pte.source}: plan {plan.name!r} delegate {call.delegate_index} blob: {exc}") from None
     check_delegate_io(pte, plan, call, graph)
-    check_op_shapes(pte, graph, infer_op_shapes)
+    check_op_shapes(pte.source, graph, infer_op_shapes)
     return call, graph
 
 
@@ -327,17 +328,17 @@ def device_buffer_requests(graph: g.VkGraph) -> list[tuple[str, int]]:
     return requests
 
 
-def check_device_memory(pte: PteFile, graph: g.VkGraph, limit: int) -> None:
+def check_device_memory(source: str, graph: g.VkGraph, limit: int) -> None:
     """What the graph's buffers ask for fits the device: each memory object and each tensor with its own
     buffer, and all of them together (an upper bound: the executor may alias some tensors as views)."""
     requests = device_buffer_requests(graph)
     for what, nbytes in requests:
         if nbytes > limit:
-            raise _refuse(pte, check_device_memory, f"delegate {what} asks for {nbytes} bytes of device memory; "
+            raise _refuse(source, check_device_memory, f"delegate {what} asks for {nbytes} bytes of device memory; "
                           f"the device's largest memory heap has {limit}")
     total = sum(nbytes for _, nbytes in requests)
     if total > limit:
-        raise _refuse(pte, check_device_memory, f"the delegate's buffers ask for {total} bytes of device memory in "
+        raise _refuse(source, check_device_memory, f"the delegate's buffers ask for {total} bytes of device memory in "
                       f"all; the device's largest memory heap has {limit}")
 
 
