@@ -232,6 +232,12 @@ def _format_method(report: dict) -> list[str]:
         lines.append(f"  mutable state: {len(d['mutable_state'])} tensor(s)")
         for s in d["mutable_state"]:
             lines.append(f"    {s['name']} {s['dtype']}{s['shape']} (initial: {s['initial']})")
+        if d["baked_scalars"]:
+            lines.append(f"  baked scalars (traced into {len(d['baked_scalars'])} et_vk call(s); constants of the "
+                         f"program, so an LR schedule cannot change them):")
+        for b in d["baked_scalars"]:
+            values = ", ".join(f"{name}={value!r}" for name, value in b["scalars"].items())
+            lines.append(f"    {b['node']} ({b['op']}): {values}")
     lines.append(f"refused nodes: {len(report['refusals'])}")
     for r in report["refusals"]:
         lines.append(f"  {r['node']}: {r['reason']}")

@@ -46,6 +46,9 @@ METADATA_UNPLANNED_MEMORY_BYTES = "unplanned_memory_bytes"
 METADATA_STATE_BYTES = "state_bytes"                  # bytes of the mutable training state
 METADATA_REFUSALS = "refusals"                        # JSON list of the partitioner's refusals
 METADATA_SYNTHETIC_CONSTANTS = "synthetic_constants"  # benchmark blobs only
+# JSON list of the Python floats an et_vk call was traced with (vktrain.export.etvk), now constants of the
+# program: [{"node", "op", "scalars": {argument: value}}]
+METADATA_BAKED_SCALARS = "baked_scalars"
 # What adapters and merged models need, written at export (vktrain.export.training.adapter_metadata) and read
 # by `vktrain train --out-adapters` / `--out-gguf-adapter` and `vktrain merge` (JSON where not a plain string):
 # METADATA_SOURCE_MODEL above is what `export --model` was given (a preset name or a path).
@@ -77,7 +80,7 @@ PRECISION_FP32 = "fp32"
 PRECISION_FP16_TC = "fp16-tc"
 PRECISIONS = (PRECISION_FP32, PRECISION_FP16_TC)
 
-__all__ = ["ADAMW_DEFAULTS", "ADAPTER_METADATA_KEYS", "BACKEND_ID", "EVAL_INPUTS", "EVAL_METHOD", "EXP_AVG_PREFIX",
+__all__ = ["ADAMW_DEFAULTS", "ADAPTER_METADATA_KEYS", "BACKEND_ID", "METADATA_BAKED_SCALARS", "EVAL_INPUTS", "EVAL_METHOD", "EXP_AVG_PREFIX",
            "EXP_AVG_SQ_PREFIX", "HPARAMS", "HPARAM_NAMES", "LABELS", "METADATA_BACKEND", "METADATA_BASE_MODEL",
            "METADATA_GEMM_PRECISIONS", "METADATA_LORA_ALPHA", "METADATA_LORA_LAYERS", "METADATA_LORA_RANK",
            "METADATA_LORA_TARGET_MODULES", "METADATA_MODEL_CONFIG", "METADATA_MODEL_FAMILY",

@@ -144,19 +144,22 @@ GETITEM = "getitem"
 _RUNTIME_OPS = frozenset(runtime_supported_ops())
 
 
-def register_op(*keys: str) -> Callable[[Callable[[str], OpFeatures]], Callable[[str], OpFeatures]]:
+def register_op(*keys: str, runs_as: str | None = None) -> Callable[[Callable[[str], OpFeatures]], Callable[[str], OpFeatures]]:
     """Register the OpFeatures built by the decorated function `(key) -> OpFeatures` under each key.
 
     Raises ValueError for a key the runtime cannot execute (no lowering or no kernel in
-    vktrain.runtime.delegate.op_lowering), so the partitioner and the runtime cannot drift apart."""
+    vktrain.runtime.delegate.op_lowering), so the partitioner and the runtime cannot drift apart.
+    `runs_as`: the op key the calls are rewritten into before they reach the backend (an et_vk op runs as
+    its vktrain op, etvk_ops.py); that key must be one the runtime executes."""
     def decorate(build: Callable[[str], OpFeatures]) -> Callable[[str], OpFeatures]:
         for key in keys:
             if key in _REGISTRY:
                 raise ValueError(f"op {key} is registered twice")
-            if key != GETITEM and key not in _RUNTIME_OPS:
+            executed = runs_as or key
+            if key != GETITEM and executed not in _RUNTIME_OPS:
                 raise ValueError(f"op {key} cannot be registered: the vktrain runtime has no lowering or kernel for "
-                                 f"it (vktrain.runtime.delegate.op_lowering.supported_ops()), so a delegate holding it "
-                                 f"would fail at load")
+                                 f"{executed} (vktrain.runtime.delegate.op_lowering.supported_ops()), so a delegate "
+                                 f"holding it would fail at load")
             features = build(key)
             if features.key != key:
                 raise ValueError(f"OpFeatures for {key} carries the key {features.key}")

@@ -11,8 +11,8 @@ import hashlib
 import json
 from dataclasses import dataclass, field
 
-from vktrain.contract import (BACKEND_ID, METADATA_REFUSALS, METADATA_STATE_BYTES, METADATA_UNPLANNED_MEMORY_BYTES,
-                              TRAIN_METHOD)
+from vktrain.contract import (BACKEND_ID, METADATA_BAKED_SCALARS, METADATA_REFUSALS, METADATA_STATE_BYTES,
+                              METADATA_UNPLANNED_MEMORY_BYTES, TRAIN_METHOD)
 from vktrain.runtime.delegate.kernels.coopmat import allowed_precisions
 from vktrain.runtime.program.pte import PteFile, PteFormatError
 from vktrain.runtime.program.pte_objects import DelegateCall, KernelCall
@@ -116,8 +116,10 @@ def summarize_blob(graph: vk.VkGraph) -> dict:
         "inputs": [_tensor_summary(graph, i) for i in graph.inputs],
         "outputs": [_tensor_summary(graph, i) for i in graph.outputs],
         "refusals": json.loads(meta.get(METADATA_REFUSALS, "[]")),
+        # Python floats of et_vk calls, constants of the program: no runtime input changes them.
+        "baked_scalars": json.loads(meta.get(METADATA_BAKED_SCALARS, "[]")),
         "gemm_precisions": list(allowed_precisions(meta)),  # docs/PRECISION.md; the device picks at load
-        "metadata": {k: v for k, v in meta.items() if k != METADATA_REFUSALS},
+        "metadata": {k: v for k, v in meta.items() if k not in (METADATA_REFUSALS, METADATA_BAKED_SCALARS)},
     }
 
 

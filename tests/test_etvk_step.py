@@ -1,0 +1,223 @@
+"""A small LM whose training step is written with upstream ExecuTorch's et_vk ops (frozen 4-bit base
+through et_vk.linear_q4gsw, LoRA tensors, et_vk.fused_ce, the backward by et_vk.linear_q4gsw_backward and
+et_vk.linear_dW, the update by et_vk.adamw_step on the module's buffers) exports as ONE step, lowers into
+one delegate with no refusal and trains on the Vulkan device with the losses of eager PyTorch running
+the same module (the same et_vk ops on CPU).
+
+The reference is the same step in float64 (the et_vk ops' own CPU implementations where they take any
+dtype: fused_ce, linear_dW, adamw_step; the 4-bit linears as products with the float64 dequantized
+weight), and the bounds are the ones of tests/_helpers.py (why there): the device's run and PyTorch's
+own float32 run of the et_vk module must both follow it within LOSS_RTOL per step and DELTA_REL_FROB
+for what training did to each LoRA tensor. Then device and eager float32 agree within 2 * LOSS_RTOL.
+"""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("executorch.backends.vulkan.custom_ops_lib")
+import executorch.backends.vulkan.custom_ops_lib as upstream  # noqa: E402 (registers torch.ops.et_vk)
+
+from _helpers import DELTA_REL_FROB, LOSS_RTOL, relative_frobenius_error  # noqa: E402
+from vktrain.contract import HPARAM_NAMES  # noqa: E402
+from vktrain.export.etvk import lower_etvk_program, map_etvk_calls  # noqa: E402
+from vktrain.partitioner.etvk_ops import ADAMW_STEP  # noqa: E402
+from vktrain.partitioner.op_registry import first_refusal  # noqa: E402
+from vktrain.quant import quantize  # noqa: E402
+from vktrain.runtime.delegate.executor import GraphExecutor  # noqa: E402
+from vktrain.runtime.program.pte import PteFile  # noqa: E402
+from vktrain.runtime.program.summary import summarize_pte  # noqa: E402
+from vktrain.runtime.program.verify import load_delegate_graph  # noqa: E402
+
+VOCAB, DIM, HIDDEN, RANK, GROUP = 64, 32, 48, 4, 16
+BATCH = (2, 8)
+STEPS = 10
+LORA_SCALE = 2.0
+LR, BETAS, EPS, WEIGHT_DECAY = 1e-2, (0.9, 0.999), 1e-8, 0.01
+# Traced as they are: an et_vk step cannot take them from its inputs (adamw_step's schema takes floats).
+BIAS_CORRECTIONS = (1 - BETAS[0], 1 - BETAS[1])
+N_VALID = float(BATCH[0] * (BATCH[1] - 1))   # the last position of every row is ignored (label -100)
+LORA = ("l1", "l2")
+
+
+class _Float64Ops:
+    """The et_vk ops in float64: upstream's CPU implementations where they take any dtype, and the 4-bit
+    linears as products with the dequantized weight (upstream's own unpacking)."""
+
+    @staticmethod
+    def _dequantized(weights, scales, group_size, K):
+        q = upstream.unpack_4bit_weight_tensor(weights, torch.empty(K)).to(torch.float64)
+        return q * scales.t().to(torch.float64).repeat_interleave(group_size, dim=1)
+
+    def linear_q4gsw(self, x, weights, scales, group_size):
+        return x @ self._dequantized(weights, scales, group_size, x.shape[-1]).t()
+
+    def linear_q4gsw_backward(self, d_out, weights, scales, group_size):
+        return d_out @ self._dequantized(weights, scales, group_size, 2 * weights.shape[1])
+
+    fused_ce = staticmethod(upstream.fused_ce_impl)
+    linear_dW = staticmethod(upstream.linear_dW_impl)
+    adamw_step = staticmethod(upstream.adamw_step_impl)
+
+
+class EtvkLoraLM(torch.nn.Module):
+    """Embedding -> 4-bit linear + LoRA -> ReLU -> 4-bit linear + LoRA (residual) -> 4-bit head, trained
+    by one hand-written step: forward, fused CE, backward, AdamW."""
+
+    def __init__(self, seed: int = 0, ops=None, dtype=torch.float32) -> None:
+        super().__init__()
+        self.ops = ops if ops is not None else torch.ops.et_vk
+        rng = np.random.default_rng(seed)
+        self.register_buffer("embedding", torch.from_numpy(rng.standard_normal((VOCAB, DIM))).to(dtype))
+        shapes = {"l1": (HIDDEN, DIM), "l2": (DIM, HIDDEN), "head": (VOCAB, DIM)}
+        for name, (n, k) in shapes.items():
+            weights, scales = quantize(rng.standard_normal((n, k)).astype(np.float32) / np.sqrt(k), GROUP)
+            self.register_buffer(f"{name}_weights", torch.from_numpy(weights))
+            self.register_buffer(f"{name}_scales", torch.from_numpy(scales))
+        for name in LORA:
+            n, k = shapes[name]
+            for tensor, shape in (("A", (RANK, k)), ("B", (n, RANK))):
+                self.register_buffer(f"{name}_{tensor}", torch.from_numpy(0.1 * rng.standard_normal(shape)).to(dtype))
+                self.register_buffer(f"{name}_{tensor}_m", torch.zeros(shape, dtype=dtype))
+                self.register_buffer(f"{name}_{tensor}_v", torch.zeros(shape, dtype=dtype))
+
+    def _linear(self, name, x):
+        u = x @ getattr(self, f"{name}_A").t()
+        base = self.ops.linear_q4gsw(x, getattr(self, f"{name}_weights"), getattr(self, f"{name}_scales"), GROUP)
+        return base + LORA_SCALE * (u @ getattr(self, f"{name}_B").t()), u
+
+    def _linear_backward(self, name, d_y, x, u, grads):
+        B = getattr(self, f"{name}_B")
+        grads[f"{name}_B"] = self.ops.linear_dW(d_y, u) * LORA_SCALE
+        d_u = (d_y @ B) * LORA_SCALE
+        grads[f"{name}_A"] = self.ops.linear_dW(d_u, x)
+        base = self.ops.linear_q4gsw_backward(d_y, getattr(self, f"{name}_weights"), getattr(self, f"{name}_scales"),
+                                              GROUP)
+        return base + d_u @ getattr(self, f"{name}_A")
+
+    def forward(self, token_ids, labels):
+        x = torch.nn.functional.embedding(token_ids.reshape(-1), self.embedding)
+        h, u1 = self._linear("l1", x)
+        a = torch.relu(h)
+        y, u2 = self._linear("l2", a)
+        r = x + y
+        logits = self.ops.linear_q4gsw(r, self.head_weights, self.head_scales, GROUP)
+        loss, d_logits = self.ops.fused_ce(logits, labels.reshape(-1), N_VALID)
+
+        grads = {}
+        d_r = self.ops.linear_q4gsw_backward(d_logits, self.head_weights, self.head_scales, GROUP)
+        d_a = self._linear_backward("l2", d_r, a, u2, grads)
+        d_h = torch.ops.aten.threshold_backward(d_a, a, 0.0)
+        self._linear_backward("l1", d_h, x, u1, grads)
+        for name, grad in grads.items():
+            self.ops.adamw_step(getattr(self, name), getattr(self, f"{name}_m"), getattr(self, f"{name}_v"), grad,
+                                LR, *BETAS, EPS, WEIGHT_DECAY, *BIAS_CORRECTIONS)
+        return loss
+
+    def lora_state(self) -> dict[str, np.ndarray]:
+        return {f"{name}_{t}": getattr(self, f"{name}_{t}").detach().numpy().copy() for name in LORA for t in "AB"}
+
+
+def _batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    rng = np.random.default_rng(3)
+    batches = []
+    for _ in range(STEPS):
+        tokens = rng.integers(0, VOCAB, BATCH)
+        labels = np.roll(tokens, -1, axis=1)
+        labels[:, -1] = -100
+        batches.append((torch.from_numpy(tokens), torch.from_numpy(labels)))
+    return batches
+
+
+def _eager(model: EtvkLoraLM, batches) -> tuple[list[float], dict[str, np.ndarray]]:
+    with torch.no_grad():
+        losses = [float(model(tokens, labels)) for tokens, labels in batches]
+    return losses, model.lora_state()
+
+
+@pytest.fixture(scope="module")
+def exported():
+    batches = _batches()
+    return torch.export.export(EtvkLoraLM(), batches[0])
+
+
+@pytest.fixture(scope="module")
+def pte(exported) -> bytes:
+    return lower_etvk_program(exported)
+
+
+def test_the_step_holds_every_et_vk_training_op_and_maps_into_registry_ops_only(exported):
+    keys = {str(n.target) for n in exported.graph.nodes if n.op == "call_function"}
+    for op in ("linear_q4gsw", "linear_q4gsw_backward", "linear_dW", "fused_ce", "adamw_step"):
+        assert f"et_vk.{op}.default" in keys
+    mapped = map_etvk_calls(exported)
+    assert first_refusal(mapped.program) is None
+    assert not any(str(n.target).startswith("et_vk.") for n in mapped.program.graph.nodes)
+    # adamw_step's in-place writes became the program's state updates.
+    mutated = set(mapped.program.graph_signature.buffers_to_mutate.values())
+    assert mutated == {f"{name}_{t}{suffix}" for name in LORA for t in "AB" for suffix in ("", "_m", "_v")}
+
+
+def test_one_delegate_no_refusal_and_inspect_reports_the_baked_scalars(pte, tmp_path):
+    report = summarize_pte(pte)
+    assert report["delegate_calls"] == 1 and report["kernel_calls"] == 0 and report["refusals"] == []
+    (delegate,) = report["delegates"]
+    baked = {entry["op"]: entry["scalars"] for entry in delegate["baked_scalars"]}
+    assert baked["et_vk.fused_ce.default"] == {"n_valid": N_VALID}
+    assert baked["et_vk.adamw_step.default"] == dict(zip(
+        ("lr", "beta1", "beta2", "eps", "weight_decay", "bias_correction1", "bias_correction2"),
+        (LR, *BETAS, EPS, WEIGHT_DECAY, *BIAS_CORRECTIONS)))
+    assert sum(entry["op"] == "et_vk.adamw_step.default" for entry in delegate["baked_scalars"]) == 2 * len(LORA)
+    path = tmp_path / "etvk_step.pte"
+    path.write_bytes(pte)
+    text = subprocess.run([sys.executable, "-m", "vktrain.cli", "inspect", str(path)], capture_output=True, text=True,
+                          check=True).stdout
+    assert "baked scalars" in text and "LR schedule cannot change them" in text
+    assert f"n_valid={N_VALID!r}" in text and f"bias_correction2={BIAS_CORRECTIONS[1]!r}" in text
+
+
+def test_the_adamw_mapping_runs_vktrain_adamw_at_a_step_where_its_bias_corrections_are_one(exported):
+    """hparams = [lr sqrt(bc2) / bc1, beta1, beta2, eps sqrt(bc2), wd bc1 / sqrt(bc2)] at t = 2^24."""
+    mapped = map_etvk_calls(exported).program
+    constants = mapped.constants
+    adamw = [n for n in mapped.graph.nodes if n.target is torch.ops.vktrain.adamw.default]
+    assert len(adamw) == 2 * len(LORA)
+    for node in adamw:
+        hparams, step = (constants[mapped.graph_signature.inputs_to_lifted_tensor_constants[a.name]]
+                         for a in node.args[4:6])
+        bc1, bc2 = BIAS_CORRECTIONS
+        expected = dict(zip(HPARAM_NAMES, (LR * np.sqrt(bc2) / bc1, *BETAS, EPS * np.sqrt(bc2),
+                                           WEIGHT_DECAY * bc1 / np.sqrt(bc2))))
+        np.testing.assert_array_equal(hparams.numpy(), np.float32([expected[name] for name in HPARAM_NAMES]))
+        assert float(step) == ADAMW_STEP
+        assert 1 - np.float64(np.float32(max(BETAS))) ** ADAMW_STEP == 1.0
+
+
+def test_ten_steps_on_the_device_follow_eager_pytorch_running_the_same_et_vk_ops(pte, tmp_path, vk_device):
+    batches = _batches()
+    initial = EtvkLoraLM().lora_state()
+    eager_losses, eager_state = _eager(EtvkLoraLM(), batches)
+    exact_losses, exact_state = _eager(EtvkLoraLM(ops=_Float64Ops(), dtype=torch.float64), batches)
+
+    path = tmp_path / "etvk_step.pte"
+    path.write_bytes(pte)
+    program = PteFile.load(path)
+    _, graph = load_delegate_graph(program, program.execution_plan("forward"))
+    with GraphExecutor(vk_device, graph) as executor:
+        assert [graph.tensor(i).name for i in graph.inputs] == ["token_ids", "labels"]
+        losses = [float(executor.run(tokens.numpy(), labels.numpy())[0]) for tokens, labels in batches]
+        state = {name: executor.read_state(name) for name in initial}
+
+    assert len(set(np.round(exact_losses, 3))) > 1, "the reference's loss does not change: nothing is trained"
+    for label, run_losses, run_state in (("vktrain", losses, state), ("torch float32", eager_losses, eager_state)):
+        np.testing.assert_allclose(run_losses, exact_losses, rtol=LOSS_RTOL,
+                                   err_msg=f"{label}: per-step losses vs the float64 reference")
+        errors = {name: relative_frobenius_error(run_state[name] - initial[name], exact_state[name] - initial[name])
+                  for name in initial}
+        assert max(errors.values()) <= DELTA_REL_FROB, f"{label}: trained deltas vs float64: {json.dumps(errors)}"
+    np.testing.assert_allclose(losses, eager_losses, rtol=2 * LOSS_RTOL)
