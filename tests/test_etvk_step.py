@@ -124,14 +124,11 @@ class EtvkLoraLM(torch.nn.Module):
 
 
 def _batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
-    rng = np.random.default_rng(3)
-    batches = []
-    for _ in range(STEPS):
-        tokens = rng.integers(0, VOCAB, BATCH)
-        labels = np.roll(tokens, -1, axis=1)
-        labels[:, -1] = -100
-        batches.append((torch.from_numpy(tokens), torch.from_numpy(labels)))
-    return batches
+    """One batch, STEPS times: the LM memorises it, so the loss must fall."""
+    tokens = np.random.default_rng(3).integers(0, VOCAB, BATCH)
+    labels = np.roll(tokens, -1, axis=1)
+    labels[:, -1] = -100
+    return [(torch.from_numpy(tokens), torch.from_numpy(labels))] * STEPS
 
 
 def _eager(model: EtvkLoraLM, batches) -> tuple[list[float], dict[str, np.ndarray]]:
@@ -213,7 +210,7 @@ def test_ten_steps_on_the_device_follow_eager_pytorch_running_the_same_et_vk_ops
         losses = [float(executor.run(tokens.numpy(), labels.numpy())[0]) for tokens, labels in batches]
         state = {name: executor.read_state(name) for name in initial}
 
-    assert len(set(np.round(exact_losses, 3))) > 1, "the reference's loss does not change: nothing is trained"
+    assert exact_losses[-1] < 0.6 * exact_losses[0], f"the reference does not learn the batch: {exact_losses}"
     for label, run_losses, run_state in (("vktrain", losses, state), ("torch float32", eager_losses, eager_state)):
         np.testing.assert_allclose(run_losses, exact_losses, rtol=LOSS_RTOL,
                                    err_msg=f"{label}: per-step losses vs the float64 reference")

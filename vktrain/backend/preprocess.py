@@ -56,6 +56,7 @@ from torch.export import ExportedProgram
 from torch.export.graph_signature import OutputKind
 from torch.fx import Node
 
+from vktrain.partitioner.etvk_rewrite import lower_etvk_calls
 from vktrain.partitioner.op_registry import W4X8, get_op_features, op_key
 from vktrain.partitioner.partitioner import BACKEND_ID, refusals_from_compile_specs
 from vktrain.quant import pack_w4x8, w4x8_num_words
@@ -64,7 +65,7 @@ from vktrain.serialization import graph as vk
 
 from .passes import compile_graph
 
-from vktrain.contract import (METADATA_BACKEND, METADATA_GEMM_PRECISIONS, METADATA_REFUSALS,  # noqa: E402 (keys it writes)
+from vktrain.contract import (METADATA_BACKEND, METADATA_BAKED_SCALARS, METADATA_GEMM_PRECISIONS, METADATA_REFUSALS,  # noqa: E402 (keys it writes)
                               METADATA_STATE_BYTES, METADATA_SYNTHETIC_CONSTANTS, METADATA_UNPLANNED_MEMORY_BYTES,
                               PRECISIONS)
 
@@ -394,9 +395,12 @@ def build_vk_graph(program: ExportedProgram, compile_specs: Sequence[CompileSpec
     synthetic = None
     if min_bytes is not None:
         synthetic = _SyntheticPolicy(min_bytes, _int_spec(compile_specs, SYNTHETIC_SEED_SPEC_KEY) or 0)
+    program, baked = lower_etvk_calls(program, compile_specs)  # et_vk calls run as their vktrain ops
     graph = _GraphBuilder(program, synthetic).build()
     refusals = refusals_from_compile_specs(compile_specs)
     graph.metadata[METADATA_REFUSALS] = json.dumps([r.__dict__ for r in refusals])
+    if baked:
+        graph.metadata[METADATA_BAKED_SCALARS] = json.dumps(baked)
     extra = _metadata_from_specs(compile_specs)
     clashes = sorted(set(extra) & set(graph.metadata))
     if clashes:

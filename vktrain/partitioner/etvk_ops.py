@@ -22,9 +22,9 @@ upstream's update p -= lr * (m / bc1) / (sqrt(v / bc2) + eps) and decay p *= 1 -
 are then the kernel's, term for term (up to float32 rounding of the rescaled numbers).
 
 Every Python float of an et_vk call is honoured as traced: it becomes a constant of the program (so an
-LR schedule cannot change it), and `baked_scalars` lists it for `vktrain inspect`. The tensors of the
-call come from the graph as they are. vktrain/export/etvk.py rewrites a program's et_vk calls into the
-vktrain calls these records describe.
+LR schedule cannot change it), and the blob's metadata lists it for `vktrain inspect`. The tensors of
+the call come from the graph as they are. etvk_rewrite.py rewrites a program's et_vk calls into the
+vktrain calls these records describe (the export before decomposing, the backend what reaches it).
 """
 from __future__ import annotations
 

@@ -142,6 +142,7 @@ _REGISTRY: dict[str, OpFeatures] = {}
 # Not a graph op: preprocess resolves a getitem to one of its producer's outputs.
 GETITEM = "getitem"
 _RUNTIME_OPS = frozenset(runtime_supported_ops())
+_RUNS_AS: dict[str, str] = {}  # registered key -> the op key its calls are rewritten into (register_op's runs_as)
 
 
 def register_op(*keys: str, runs_as: str | None = None) -> Callable[[Callable[[str], OpFeatures]], Callable[[str], OpFeatures]]:
@@ -157,13 +158,16 @@ def register_op(*keys: str, runs_as: str | None = None) -> Callable[[Callable[[s
                 raise ValueError(f"op {key} is registered twice")
             executed = runs_as or key
             if key != GETITEM and executed not in _RUNTIME_OPS:
+                target = "it" if runs_as is None else f"{runs_as}, which it runs as"
                 raise ValueError(f"op {key} cannot be registered: the vktrain runtime has no lowering or kernel for "
-                                 f"{executed} (vktrain.runtime.delegate.op_lowering.supported_ops()), so a delegate "
+                                 f"{target} (vktrain.runtime.delegate.op_lowering.supported_ops()), so a delegate "
                                  f"holding it would fail at load")
             features = build(key)
             if features.key != key:
                 raise ValueError(f"OpFeatures for {key} carries the key {features.key}")
             _REGISTRY[key] = features
+            if runs_as is not None:
+                _RUNS_AS[key] = runs_as
         return build
     return decorate
 
@@ -206,6 +210,11 @@ def get_op_features(key: str) -> OpFeatures | None:
 
 def supported_ops() -> list[str]:
     return sorted(_REGISTRY)
+
+
+def executed_op(key: str) -> str:
+    """The op key the runtime executes for registered op `key`: itself, or what its calls are rewritten into."""
+    return _RUNS_AS.get(key, key)
 
 
 def check_node(node: Node, program: ExportedProgram | None = None) -> str | None:

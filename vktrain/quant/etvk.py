@@ -19,7 +19,13 @@ from __future__ import annotations
 
 import numpy as np
 
+from vktrain.errors import VktrainError
+
 from .q4gsw import CODE_ZERO, pack_flat
+
+
+class EtvkLayoutError(VktrainError, ValueError):
+    """Bytes that are not upstream's packed q4gsw weight for the given K."""
 
 
 def etvk_packed_columns_ok(columns: int, K: int) -> bool:
@@ -34,10 +40,10 @@ def flat_from_etvk(packed: np.ndarray, K: int) -> np.ndarray:
     Bytes equal to the input where upstream padded K to a multiple of 8 with q = 0 (its default)."""
     packed = np.asarray(packed)
     if packed.dtype != np.uint8 or packed.ndim != 2:
-        raise ValueError(f"et_vk packed q4gsw weights must be uint8 [N, ceil(K/2)..], got {packed.dtype} "
+        raise EtvkLayoutError(f"et_vk packed q4gsw weights must be uint8 [N, ceil(K/2)..], got {packed.dtype} "
                          f"{list(packed.shape)}")
     if not etvk_packed_columns_ok(packed.shape[1], K):
-        raise ValueError(f"et_vk packed q4gsw weights {list(packed.shape)} hold {2 * packed.shape[1]} codes per row, "
+        raise EtvkLayoutError(f"et_vk packed q4gsw weights {list(packed.shape)} hold {2 * packed.shape[1]} codes per row, "
                          f"fewer than K={K} (expected at least {(K + 1) // 2} bytes per row)")
     codes = np.empty((packed.shape[0], 2 * packed.shape[1]), dtype=np.int16)
     codes[:, 0::2] = packed & 0xF
@@ -46,4 +52,4 @@ def flat_from_etvk(packed: np.ndarray, K: int) -> np.ndarray:
     return flat
 
 
-__all__ = ["etvk_packed_columns_ok", "flat_from_etvk"]
+__all__ = ["EtvkLayoutError", "etvk_packed_columns_ok", "flat_from_etvk"]
