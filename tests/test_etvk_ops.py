@@ -248,3 +248,40 @@ def test_the_backend_reports_the_scalars_it_bakes_on_the_standard_route():
     assert delegate["op_histogram"].get("vktrain.fused_ce.default") == 1
     assert [(entry["op"], entry["scalars"]) for entry in delegate["baked_scalars"]] == [
         ("et_vk.fused_ce.default", {"n_valid": 6.0})]
+
+
+def test_the_linear_q4gsw_of_upstreams_quantized_linear_fusion_is_taken_as_it_is():
+    """torchao's int4 weight-only linear (the upstream Vulkan recipe) -> to_edge -> upstream's
+    FusePatternsPass gives an edge et_vk.linear_q4gsw over K-padded bytes: the registry takes it, its
+    bytes need no repacking, and vktrain's op computes the torchao model's output."""
+    torchao = pytest.importorskip("torchao.quantization")
+    from executorch.backends.vulkan._passes.fuse_patterns import FusePatternsPass
+    from executorch.exir import EdgeCompileConfig, to_edge
+    from torchao.quantization.granularity import PerGroup
+
+    from vktrain.partitioner.etvk_ops import Repacked, mapped_call
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 32, bias=False))
+    torchao.quantize_(model, torchao.IntxWeightOnlyConfig(weight_dtype=torch.int4, granularity=PerGroup(32)))
+    x = torch.randn(4, 64)
+    program = to_edge(torch.export.export(model, (x,)),
+                      compile_config=EdgeCompileConfig(_check_ir_validity=False)).exported_program()
+    fuse = FusePatternsPass()
+    fuse._exported_program = program
+    fuse(program.graph_module)
+    (node,) = [n for n in program.graph.nodes if "et_vk" in str(n.target)]
+    assert check_node(node, program) is None
+
+    mapped = mapped_call(node)
+    weights, scales = (program.state_dict[program.graph_signature.inputs_to_parameters[node.args[i].name]]
+                       for i in (1, 2))
+    assert isinstance(mapped.args["weights"], Repacked) and mapped.args["weights"].K == 64
+    np.testing.assert_array_equal(flat_from_etvk(weights.numpy(), 64), weights.numpy())
+    out = torch.ops.vktrain.linear_q4gsw(x, weights, scales, mapped.args["group_size"]).numpy()
+    expected = model(x).double().numpy()
+    # Both are fp32 dot products of K = 64 terms over the same dequantized weights, each within
+    # K eps sum |x w| of the exact one.
+    deq = dequantize(weights.numpy(), scales.numpy(), 32).astype(np.float64)
+    bound = 2 * 64 * np.finfo(np.float32).eps * (np.abs(x.double().numpy()) @ np.abs(deq).T)
+    assert np.all(np.abs(out - expected) <= bound)
