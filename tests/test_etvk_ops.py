@@ -46,6 +46,15 @@ def test_records_carry_the_wheels_schemas_and_run_as_runtime_ops():
         assert op.key in supported_ops() and executed_op(op.key) == op.target and op.target in runtime_ops()
 
 
+def test_an_op_cannot_be_registered_to_run_as_an_op_the_runtime_lacks():
+    from vktrain.partitioner import get_op_features, register_op
+    from vktrain.partitioner.op_registry import OpFeatures
+
+    with pytest.raises(ValueError, match=r"no lowering or kernel for vktrain.nothing.default, which it runs as"):
+        register_op("et_vk.nothing.default", runs_as="vktrain.nothing.default")(lambda key: OpFeatures(key))
+    assert get_op_features("et_vk.nothing.default") is None
+
+
 # ---------------------------------------------------------------------------------------------- layout
 
 
