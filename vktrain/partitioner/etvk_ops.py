@@ -139,7 +139,7 @@ def _map_requant(args: dict[str, Any]) -> MappedCall:
     return MappedCall("vktrain.q4gsw_requant.default", dict(args))
 
 
-def _finite(args: dict[str, Any], name: str, what: str, ok: Callable[[float], bool]) -> float:
+def _checked_number(args: dict[str, Any], name: str, what: str, ok: Callable[[float], bool]) -> float:
     value = args[name]
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise Refusal(f"{name} must be a Python number ({what}), got {value!r}")
@@ -150,20 +150,20 @@ def _finite(args: dict[str, Any], name: str, what: str, ok: Callable[[float], bo
 
 
 def _map_fused_ce(args: dict[str, Any]) -> MappedCall:
-    n_valid = _finite(args, "n_valid", "finite and > 0 (the loss divisor)", lambda v: v > 0)
+    n_valid = _checked_number(args, "n_valid", "finite and > 0 (the loss divisor)", lambda v: v > 0)
     return MappedCall("vktrain.fused_ce.default", {
         "logits": args["logits"], "labels": args["labels"], "n_valid": Baked((n_valid,), ())},
         baked={"n_valid": n_valid})
 
 
 def _map_adamw(args: dict[str, Any]) -> MappedCall:
-    lr = _finite(args, "lr", "finite and >= 0", lambda v: v >= 0)
-    betas = [_finite(args, name, f"in [0, {BETA_LIMIT:.9f}) (so that vktrain.adamw's 1 - beta^t at t = 2^24 is "
+    lr = _checked_number(args, "lr", "finite and >= 0", lambda v: v >= 0)
+    betas = [_checked_number(args, name, f"in [0, {BETA_LIMIT:.9f}) (so that vktrain.adamw's 1 - beta^t at t = 2^24 is "
                                  f"exactly 1 and the bias corrections are the traced ones)", lambda v: 0 <= v < BETA_LIMIT)
              for name in ("beta1", "beta2")]
-    eps = _finite(args, "eps", "finite and >= 0", lambda v: v >= 0)
-    weight_decay = _finite(args, "weight_decay", "finite and >= 0", lambda v: v >= 0)
-    bc1, bc2 = (_finite(args, name, "finite and > 0 (a bias correction divides)", lambda v: v > 0)
+    eps = _checked_number(args, "eps", "finite and >= 0", lambda v: v >= 0)
+    weight_decay = _checked_number(args, "weight_decay", "finite and >= 0", lambda v: v >= 0)
+    bc1, bc2 = (_checked_number(args, name, "finite and > 0 (a bias correction divides)", lambda v: v > 0)
                 for name in ("bias_correction1", "bias_correction2"))
     hparams = dict(zip(HPARAM_NAMES, (lr * math.sqrt(bc2) / bc1, betas[0], betas[1], eps * math.sqrt(bc2),
                                       weight_decay * bc1 / math.sqrt(bc2))))
