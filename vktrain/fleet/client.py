@@ -17,7 +17,8 @@ accumulated along another global model's trajectory, so they would steer the upd
 it also makes a client stateless, so any process can serve any client (Flower's simulation runs many
 clients per process) and a round's result depends only on the global adapters, the round and the shard:
 resuming a federation reproduces it exactly. Step j of round r reads batch (r - 1) * K + j of the shard
-(K = local-steps), so the rounds a client takes part in walk through its data.
+(K = local-steps; TokenBatcher's order, shuffled by the run's seed), so the rounds a client takes part
+in walk through its data.
 `num-examples` (FedAvg's weight) is the number of target tokens in the client's shard: McMahan et al.'s
 n_k, the local dataset size.
 
@@ -84,11 +85,6 @@ def from_array_record(record: ArrayRecord) -> dict[str, np.ndarray]:
     return {name: array.numpy() for name, array in record.items()}
 
 
-def shard_seed(seed: int, partition: int) -> int:
-    """The data-order seed of one client's shard: distinct per client, fixed by the run's seed."""
-    return int(np.random.SeedSequence([seed, partition]).generate_state(1)[0])
-
-
 class LocalTrainer:
     """One process's runner for a program, and the shards it has read."""
 
@@ -113,7 +109,7 @@ class LocalTrainer:
         path = self.settings.train_shards[partition]
         data = self.data(path)
         return TokenBatcher(data.tokens, self.info.batch_size, self.info.seq_len, labels=data.labels,
-                            seed=shard_seed(self.settings.seed, partition), source=path)
+                            seed=self.settings.seed, source=path)
 
     def load_global(self, arrays: dict[str, np.ndarray]) -> None:
         """The global adapters in, AdamW state reset (module docstring)."""
@@ -161,6 +157,13 @@ def local_trainer(settings: ClientSettings) -> LocalTrainer:
     return _TRAINERS[settings]
 
 
+def close_trainers() -> None:
+    """Close this process's trainers (their runners and devices): after a sequential federation."""
+    while _TRAINERS:
+        _, trainer = _TRAINERS.popitem()
+        trainer.runner.close()
+
+
 def partition_of(context: Context) -> int:
     return int(context.node_config[PARTITION_ID])
 
@@ -199,4 +202,4 @@ def make_client_app(settings: ClientSettings) -> ClientApp:
 
 
 __all__ = ["ARRAYS", "CLIENT", "CONFIG", "ClientFailure", "ClientSettings", "LocalTrainer", "METRICS", "NUM_EXAMPLES",
-           "PARTITION_ID", "from_array_record", "make_client_app", "shard_seed", "to_array_record", "trained_names"]
+           "PARTITION_ID", "close_trainers", "from_array_record", "make_client_app", "to_array_record", "trained_names"]

@@ -194,9 +194,13 @@ def _federate(args, runner, program: Path, scheme: PartitionScheme, train_shards
           f"{args.local_steps} local step(s) per round, rounds up to {args.rounds}; engine {args.engine}",
           file=sys.stderr)
     if args.engine == SEQUENTIAL:
+        from vktrain.fleet.client import close_trainers
         from vktrain.fleet.sequential import SequentialGrid
 
-        server.run(SequentialGrid(client_app, args.clients))
+        try:
+            server.run(SequentialGrid(client_app, args.clients))
+        finally:
+            close_trainers()
     else:
         from flwr.simulation import run_simulation
 

@@ -34,8 +34,15 @@ _TRAIN, _EVALUATE = 0, 1  # sampling streams
 
 
 def payload_bytes(arrays: ArrayRecord) -> int:
-    """Bytes of the arrays' data in a message (what crosses the network per client, keys and framing aside)."""
+    """Bytes of the arrays in a message as Flower serializes them (.npy: a ~128-byte header and the data; keys
+    and message framing aside): what crosses the network per client."""
     return sum(len(array.data) for array in arrays.values())
+
+
+def short_reason(reason: str, limit: int = 300) -> str:
+    """The last line of an error reply's reason (Flower's carries the whole remote traceback)."""
+    lines = [line.strip() for line in str(reason).splitlines() if line.strip()]
+    return (lines[-1] if lines else str(reason))[:limit]
 
 
 def sample_partitions(n_clients: int, fraction: float, seed: int, server_round: int, stream: int) -> list[int]:
@@ -96,7 +103,7 @@ class FleetFedAvg(FedAvg):
         replies = list(replies)
         valid, errors = self._sorted_replies(replies, is_train=True)
         for message in errors:
-            record["failed"][str(self._partition(message))] = message.error.reason
+            record["failed"][str(self._partition(message))] = short_reason(message.error.reason)
         answered = {self._partition(m) for m in replies}
         for partition in record["sampled"]:
             if partition not in answered and str(partition) not in record["failed"]:
@@ -128,7 +135,7 @@ class FleetFedAvg(FedAvg):
         record["client_eval_loss"] = {str(m.content[CLIENT][PARTITION_ID]): float(m.content[METRICS]["eval-loss"])
                                       for m in valid}
         for message in errors:
-            record["failed"].setdefault(str(self._partition(message)), "evaluate: " + str(message.error.reason))
+            record["failed"].setdefault(str(self._partition(message)), "evaluate: " + short_reason(message.error.reason))
         if not valid:
             return None
         return self.evaluate_metrics_aggr_fn([m.content for m in valid], self.weighted_by_key)
