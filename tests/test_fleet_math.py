@@ -65,6 +65,14 @@ def test_shards_keep_jsonl_rows_whole_and_cut_token_streams_into_units(tmp_path)
     assert units == sorted(tuple(tokens[i:i + 8]) for i in range(0, 96, 8))  # 12 whole units, the tail dropped
 
 
+def test_max_overlap_counts_clients_running_at_once():
+    from vktrain.fleet.strategy import max_overlap
+
+    assert max_overlap([]) == 0
+    assert max_overlap([(0, 1), (1, 2), (2, 3)]) == 1  # one after another
+    assert max_overlap([(0, 10), (1, 2), (1.5, 3), (2.5, 4)]) == 3
+
+
 def test_sampling_is_seeded_by_round_and_takes_fedavgs_count():
     from vktrain.fleet.strategy import sample_partitions
 
@@ -95,7 +103,8 @@ def _replies(strategy, arrays_by_partition, examples, failed=()):
             continue
         content = RecordDict({ARRAYS: to_array_record(arrays_by_partition[partition]),
                               METRICS: MetricRecord({NUM_EXAMPLES: examples[partition], "train-loss": 1.0 + partition}),
-                              CLIENT: ConfigRecord({PARTITION_ID: partition})})
+                              CLIENT: ConfigRecord({PARTITION_ID: partition, "pid": 100 + partition % 2,
+                                                    "started": 10.0 + partition, "finished": 12.5 + partition})})
         replies.append(Message(content, reply_to=instruction))
     return replies
 
@@ -135,6 +144,9 @@ def test_aggregation_is_the_example_weighted_mean_of_what_the_clients_train(stra
     assert metrics["train-loss"] == pytest.approx(sum(examples[p] * (1.0 + p) for p in range(5)) / total)
     assert list(record["failed"]) == ["5"] and record["failed"]["5"] == "RuntimeError: device lost"
     assert record["client_train_loss"] == {str(p): 1.0 + p for p in range(5)}
+    # clients p ran over [10 + p, 12.5 + p]: at most 3 at once (e.g. 2, 3 and 4 over [14, 14.5]), in 2 processes
+    assert record["max_concurrent_clients"] == 3 and record["client_processes"] == 2
+    assert record["client_seconds"] == {str(p): 2.5 for p in range(5)}
     serialized = io.BytesIO()  # an Array travels as a .npy file: header and data
     np.save(serialized, arrays[0][names[0]], allow_pickle=False)
     assert record["bytes_up"] == 5 * len(names) * len(serialized.getvalue())

@@ -7,7 +7,8 @@ Messages (Flower's Message API; the server's side is vktrain/fleet/server.py):
             local-steps, lr, AdamW's betas, eps, weight-decay)
             -> ArrayRecord "arrays" (the adapters after `local-steps` AdamW steps on this shard),
                MetricRecord "metrics" {num-examples, train-loss, train-loss-first, train-loss-last},
-               ConfigRecord "client" {partition-id}
+               ConfigRecord "client" {partition-id, pid, started, finished} (the process and wall-clock
+               interval that ran it: how many clients ran at once)
   evaluate  ArrayRecord "arrays" -> MetricRecord "metrics" {num-examples, eval-loss}: the .pte's eval
             method on this client's shard of the held-out data (`vktrain eval`'s loss)
 
@@ -28,6 +29,7 @@ and its pipelines costs seconds; clients differ only in the adapters written in 
 from __future__ import annotations
 
 import os
+import time
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -178,13 +180,15 @@ def make_client_app(settings: ClientSettings) -> ClientApp:
 
     @app.train()
     def train(message: Message, context: Context) -> Message:
+        started = time.time()  # wall clock: comparable across the processes of one machine
         partition = partition_of(context)
         config = message.content[CONFIG]
         trainer = local_trainer(settings)
         trainer.load_global(from_array_record(message.content[ARRAYS]))
         arrays, metrics = trainer.train(partition, int(config["server-round"]), config)
         content = RecordDict({ARRAYS: to_array_record(arrays), METRICS: MetricRecord(metrics),
-                              CLIENT: ConfigRecord({PARTITION_ID: partition, "pid": os.getpid()})})
+                              CLIENT: ConfigRecord({PARTITION_ID: partition, "pid": os.getpid(), "started": started,
+                                                    "finished": time.time()})})
         return Message(content, reply_to=message)
 
     @app.evaluate()

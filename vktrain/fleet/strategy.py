@@ -45,6 +45,16 @@ def short_reason(reason: str, limit: int = 300) -> str:
     return (lines[-1] if lines else str(reason))[:limit]
 
 
+def max_overlap(intervals: list[tuple[float, float]]) -> int:
+    """The largest number of (start, end) intervals that overlap at one instant."""
+    events = sorted([(start, 1) for start, _ in intervals] + [(end, -1) for _, end in intervals])
+    running = peak = 0
+    for _, change in events:  # at a tie, an end (-1) sorts before a start: touching intervals do not overlap
+        running += change
+        peak = max(peak, running)
+    return peak
+
+
 def sample_partitions(n_clients: int, fraction: float, seed: int, server_round: int, stream: int) -> list[int]:
     """The partitions taking part in a round: max(1, int(n * fraction)) of them (FedAvg's count), drawn
     without replacement by (seed, round, stream), ascending."""
@@ -108,9 +118,15 @@ class FleetFedAvg(FedAvg):
         for partition in record["sampled"]:
             if partition not in answered and str(partition) not in record["failed"]:
                 record["failed"][str(partition)] = "no reply before the timeout"
+        intervals = []
         for message in valid:
-            metrics = message.content[METRICS]
-            record["client_train_loss"][str(message.content[CLIENT][PARTITION_ID])] = float(metrics["train-loss"])
+            client = message.content[CLIENT]
+            record["client_train_loss"][str(client[PARTITION_ID])] = float(message.content[METRICS]["train-loss"])
+            intervals.append((float(client["started"]), float(client["finished"])))
+        record["client_seconds"] = {str(m.content[CLIENT][PARTITION_ID]): end - start
+                                    for m, (start, end) in zip(valid, intervals)}
+        record["max_concurrent_clients"] = max_overlap(intervals)
+        record["client_processes"] = len({int(m.content[CLIENT]["pid"]) for m in valid})
         record["bytes_up"] = sum(payload_bytes(m.content[self.arrayrecord_key]) for m in valid)
         record["train_seconds"] = time.perf_counter() - record["started"]
         if not valid:
@@ -141,4 +157,4 @@ class FleetFedAvg(FedAvg):
         return self.evaluate_metrics_aggr_fn([m.content for m in valid], self.weighted_by_key)
 
 
-__all__ = ["FEDAVG", "FFA", "FleetFedAvg", "STRATEGIES", "payload_bytes", "sample_partitions"]
+__all__ = ["FEDAVG", "FFA", "FleetFedAvg", "STRATEGIES", "max_overlap", "payload_bytes", "sample_partitions", "short_reason"]
