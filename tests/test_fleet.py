@@ -21,6 +21,7 @@ LR = 1e-2
 def _export(path: Path, freeze_lora_a: bool):
     from vktrain.contract import EVAL_METHOD, TRAIN_METHOD
     from vktrain.export import export_training_and_eval_steps, lower_methods_to_pte
+    from vktrain.export.training import adapter_metadata_specs
     from vktrain.lora import LoRAConfig, apply_lora
     from vktrain.models import build_model
     from vktrain.partitioner import VktrainPartitioner
@@ -29,7 +30,8 @@ def _export(path: Path, freeze_lora_a: bool):
     apply_lora(model, LoRAConfig(rank=4, alpha=8.0, targets="*", group_size=32, seed=0))
     steps = export_training_and_eval_steps(model, (BATCH, SEQ), freeze_lora_a=freeze_lora_a)
     path.write_bytes(lower_methods_to_pte(dict(zip((TRAIN_METHOD, EVAL_METHOD), steps)),
-                                          {TRAIN_METHOD: VktrainPartitioner()}))
+                                          {TRAIN_METHOD: VktrainPartitioner(
+                                              compile_specs=adapter_metadata_specs(model, "mlp-lora"))}))
     return model
 
 
@@ -148,11 +150,15 @@ def test_two_clients_holding_the_same_data_take_the_step_one_client_takes_alone(
     assert result.records[1]["client_train_loss"].keys() == {"0", "1"}
 
 
-def test_ffa_lora_sends_and_averages_lora_b_alone(setup, vk_device):
+def test_ffa_lora_sends_and_averages_lora_b_alone(setup, vk_device, tmp_path):
     """FFA-LoRA: every message carries the lora_B tensors only (FedIT's traffic less the A's); the
-    global adapters are B's; A never leaves the program (a constant there, checked bit-identical above)."""
+    global adapters are B's; A never leaves the program, and the adapters written after the rounds hold
+    every lora_A bit-identical to the initial one."""
+    from vktrain.contract import MODEL_PREFIX
     from vktrain.fleet.client import trained_names
+    from vktrain.fleet.command import write_adapters
     from vktrain.runtime.program.runner import TrainingRunner
+    from vktrain.train.adapters import load_adapters
 
     ffa = _sequential_federation(setup.ffa, (setup.train,) * 2, vk_device, strategy="ffa", rounds=2, local_steps=1)
     fedavg = _sequential_federation(setup.full, (setup.train,) * 2, vk_device, strategy="fedavg", rounds=1,
@@ -160,6 +166,14 @@ def test_ffa_lora_sends_and_averages_lora_b_alone(setup, vk_device):
     assert ffa.arrays and all(name.endswith(".lora_B") for name in ffa.arrays)
     with TrainingRunner.from_pte(setup.full, vk_device) as runner:
         assert sorted(n for n in trained_names(runner.state_names) if n.endswith(".lora_B")) == sorted(ffa.arrays)
+    with TrainingRunner.from_pte(setup.ffa, vk_device) as runner:
+        write_adapters(runner, setup.ffa, ffa.arrays, str(tmp_path / "adapters"))
+    written = load_adapters(tmp_path / "adapters")
+    assert sorted(written) == sorted(n.removeprefix(MODEL_PREFIX).removesuffix(".lora_B") for n in ffa.arrays)
+    for module, (lora_a, lora_b) in written.items():
+        assert np.array_equal(lora_a, setup.model.get_parameter(module + ".lora_A").detach().numpy())
+        assert np.array_equal(lora_b, ffa.arrays[f"{MODEL_PREFIX}{module}.lora_B"])
+        assert np.any(lora_b != 0)  # trained (B starts at zero)
     def serialized_bytes(arrays):  # an Array travels as a .npy file
         total = 0
         for array in arrays.values():
@@ -186,12 +200,13 @@ def test_ray_simulation_tolerates_a_failing_client_and_its_checkpoint_resumes_ex
     run's round-3 adapters bit for bit."""
     from vktrain.cli import main
     from vktrain.fleet.checkpoint import load_federation_checkpoint
+    from vktrain.train.adapters import load_adapters
 
     common = [setup.full, "--clients", "4", "--local-steps", "3", "--data", setup.train, "--eval-data", setup.heldout,
               "--lr", str(LR), "--inject-failure", "1:2", "--fraction-evaluate", "0.5"]
     ray_dir, json_path = tmp_path / "ray", tmp_path / "rounds.json"
     assert main(["federate", *common, "--rounds", "3", "--checkpoint", str(ray_dir), "--json", str(json_path),
-                 "--ray-cpus", "2"]) == 0
+                 "--ray-cpus", "2", "--out-adapters", str(tmp_path / "adapters")]) == 0
     records = json.loads(json_path.read_text())["rounds"]
     assert [r["round"] for r in records] == [0, 1, 2, 3]
     losses = [r["global_eval_loss"] for r in records]
@@ -213,3 +228,6 @@ def test_ray_simulation_tolerates_a_failing_client_and_its_checkpoint_resumes_ex
     for name in expected.arrays:
         assert np.array_equal(got.arrays[name], expected.arrays[name]), name
     assert [r["global_eval_loss"] for r in got.records] == losses
+    for module, (lora_a, lora_b) in load_adapters(tmp_path / "adapters").items():  # PEFT files of round 3
+        assert np.array_equal(lora_a, expected.arrays[f"model.{module}.lora_A"])
+        assert np.array_equal(lora_b, expected.arrays[f"model.{module}.lora_B"])

@@ -179,3 +179,13 @@ def test_checkpoint_round_trips_and_refuses_corruption_and_other_settings(tmp_pa
         load_federation_checkpoint(tmp_path)
     with pytest.raises(CheckpointError, match="no federation checkpoint"):
         load_federation_checkpoint(tmp_path / "elsewhere")
+
+
+def test_clients_exchange_the_lora_tensors_not_their_adamw_moments():
+    from vktrain.fleet.client import optimizer_state_names, trained_names
+
+    state = ["model.a.lora_A", "model.a.lora_B", "optimizer.step", "optimizer.exp_avg.a.lora_A",
+             "optimizer.exp_avg.a.lora_B", "optimizer.exp_avg_sq.a.lora_A", "optimizer.exp_avg_sq.a.lora_B"]
+    assert trained_names(state) == ["model.a.lora_A", "model.a.lora_B"]
+    assert sorted(optimizer_state_names(state)) == sorted(state[2:])
+    assert trained_names(["model.a.lora_B", "optimizer.exp_avg.a.lora_B"]) == ["model.a.lora_B"]  # FFA-LoRA

@@ -37,7 +37,7 @@ import numpy as np
 from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
-from vktrain.contract import EXP_AVG_PREFIX, EXP_AVG_SQ_PREFIX, PRECISION_FP32, STEP_STATE
+from vktrain.contract import EXP_AVG_PREFIX, EXP_AVG_SQ_PREFIX, MODEL_PREFIX, PRECISION_FP32, STEP_STATE
 from vktrain.errors import VktrainError
 from vktrain.train.data import TokenBatcher, TrainingData, load_data
 from vktrain.train.eval_command import evaluate_data
@@ -71,8 +71,9 @@ class ClientSettings:
 
 
 def trained_names(state_names: list[str]) -> list[str]:
-    """The LoRA tensors a program trains, in state order (without lora_A when it was exported frozen)."""
-    return [name for name in state_names if name.endswith(LORA_SUFFIXES)]
+    """The LoRA tensors a program trains (`model.<layer>.lora_A|B`, not their AdamW moments), in state order;
+    without lora_A when it was exported frozen."""
+    return [name for name in state_names if name.startswith(MODEL_PREFIX) and name.endswith(LORA_SUFFIXES)]
 
 
 def optimizer_state_names(state_names: list[str]) -> list[str]:

@@ -12,13 +12,13 @@ import argparse
 import hashlib
 import logging
 import math
-import os
 import sys
 import tempfile
 from pathlib import Path
 
+import numpy as np
+
 from vktrain.contract import ADAMW_DEFAULTS, PRECISION_FP32, PRECISIONS
-from vktrain.errors import VktrainError
 from vktrain.fleet.partition import PartitionError, PartitionScheme, write_shards
 from vktrain.fleet import FEDAVG, STRATEGIES
 from vktrain.train.data import DataError, TokenBatcher, default_dataset_path, load_data
@@ -56,6 +56,8 @@ def add_federate_arguments(parser: argparse.ArgumentParser) -> argparse.Argument
     parser.add_argument("--seed", type=int, default=0, help="seed of the split, the sampling and the data order")
     parser.add_argument("--json", metavar="FILE", help="write the per-round records as JSON (rewritten every round)")
     parser.add_argument("--plot", metavar="FILE.png", help="plot the global held-out and client losses per round")
+    parser.add_argument("--out-adapters", metavar="DIR",
+                        help="write the final global adapters in PEFT format (with FFA-LoRA, lora_A from the program)")
     parser.add_argument("--checkpoint", metavar="DIR", help="write the global adapters after every round (atomic)")
     parser.add_argument("--resume", action="store_true", help="continue the federation checkpointed in --checkpoint DIR")
     parser.add_argument("--engine", choices=ENGINES, default=RAY,
@@ -116,6 +118,35 @@ def shards_fingerprint(paths: list[Path]) -> str:
     return digest.hexdigest()
 
 
+def program_adapter_record(runner, program: str):
+    """What the program records about its adapters, checked to be enough for a PEFT adapter_config.json."""
+    from vktrain.train.adapters import ProgramAdapters
+
+    recorded = ProgramAdapters.from_metadata(describe_program(runner).metadata, program)
+    if recorded.lora_alpha is None:
+        raise TrainConfigError(f"--out-adapters: {program} does not record its LoRA alpha (exported by an older "
+                               f"vktrain); use vktrain train --out-adapters --lora-alpha with the checkpoint")
+    return recorded
+
+
+def frozen_lora_tensors(runner) -> dict[str, np.ndarray]:
+    """The LoRA tensors that are constants of the training step (lora_A of a --freeze-lora-a export)."""
+    graph = runner.graph
+    return {value.name: graph.constant_array(index) for index, value in enumerate(graph.values)
+            if getattr(value, "name", "").endswith((".lora_A", ".lora_B")) and getattr(value, "constant_id", -1) >= 0}
+
+
+def write_adapters(runner, program: str, arrays: dict[str, np.ndarray], directory: str) -> None:
+    """The global adapters (and the program's frozen lora_A, for FFA-LoRA) as a PEFT adapter directory."""
+    from vktrain.train.adapters import adapters_from_state, save_adapters
+
+    recorded = program_adapter_record(runner, program)
+    adapters = adapters_from_state({**frozen_lora_tensors(runner), **arrays})
+    recorded.check_layers(adapters, program)
+    save_adapters(directory, adapters, recorded.lora_alpha, recorded.base_model or recorded.source_model,
+                  recorded.target_modules)
+
+
 def prepare_shards(runner, data: Path, eval_data: Path | None, n_clients: int, scheme: PartitionScheme, seed: int,
                    directory: Path) -> tuple[list[Path], list[Path]]:
     """The client shards of the training and held-out data, each checked to be usable."""
@@ -144,11 +175,13 @@ def run_federate(args: argparse.Namespace) -> int:
     program = Path(args.program)
     if not program.is_file():
         raise TrainConfigError(f"program {program} does not exist (or is not a file)")
-    from vktrain.train.command import prepare_output_file
+    from vktrain.train.command import prepare_adapter_directory, prepare_output_file
 
     for flag, target in (("--json", args.json), ("--plot", args.plot)):
         if target:
             prepare_output_file(flag, target)
+    if args.out_adapters:
+        prepare_adapter_directory("--out-adapters", args.out_adapters)
     if args.checkpoint:
         Path(args.checkpoint).mkdir(parents=True, exist_ok=True)
     from vktrain.runtime.program.runner import TrainingRunner  # opens Vulkan
@@ -156,16 +189,21 @@ def run_federate(args: argparse.Namespace) -> int:
     data = Path(args.data) if args.data else default_dataset_path()
     with TrainingRunner.from_pte(program, precision=args.precision) as runner, \
             tempfile.TemporaryDirectory(prefix="vktrain-federate-") as work:
+        if args.out_adapters:
+            program_adapter_record(runner, args.program)  # refused now, not after the rounds
         train_shards, held_out_shards = prepare_shards(runner, data, Path(args.eval_data) if args.eval_data else None,
                                                        args.clients, scheme, args.seed, Path(work))
         result = _federate(args, runner, program, scheme, train_shards, held_out_shards)
+        if args.out_adapters:
+            write_adapters(runner, args.program, result.arrays, args.out_adapters)
     records = result.records
     if args.plot and len(records) > 1:
         from vktrain.fleet.report import plot_rounds
 
         plot_rounds(records, args.plot, title=f"vktrain federate {program.name} ({args.strategy}, {args.clients} clients)")
-    print(summarize(records))
-    for label, value in (("checkpoint", args.checkpoint), ("records", args.json), ("plot", args.plot)):
+    print(summarize(records, result.resumed_from))
+    for label, value in (("checkpoint", args.checkpoint), ("records", args.json), ("plot", args.plot),
+                         ("adapters", args.out_adapters)):
         if value:
             print(f"{label}: {value}")
     return 0
@@ -214,16 +252,19 @@ def _federate(args, runner, program: Path, scheme: PartitionScheme, train_shards
     return server.result
 
 
-def summarize(records: list[dict]) -> str:
-    trained = [r for r in records if r["round"] > 0]
+def summarize(records: list[dict], resumed_from: int | None = None) -> str:
+    """One line on the rounds this run trained (after `resumed_from`, the checkpoint's round)."""
+    trained = [r for r in records if r["round"] > (resumed_from or 0)]
     if not trained:
-        return "nothing to do (the federation had already reached --rounds)"
+        return f"nothing to do (the federation had already reached round {resumed_from})"
     failed = sum(len(r["failed"]) for r in trained)
-    first, last = records[0].get("global_eval_loss"), records[-1].get("global_eval_loss")
+    before = next(r for r in records if r["round"] == trained[0]["round"] - 1).get("global_eval_loss")
+    after = trained[-1].get("global_eval_loss")
     text = f"federated rounds {trained[0]['round']}..{trained[-1]['round']}"
-    if first is not None and last is not None:
-        text += f": global held-out loss {first:.4f} -> {last:.4f}"
+    if before is not None and after is not None:
+        text += f": global held-out loss {before:.4f} -> {after:.4f}"
     return text + f"; {failed} client failure(s) tolerated"
 
 
-__all__ = ["ENGINES", "add_federate_arguments", "check_arguments", "prepare_shards", "run_federate", "summarize"]
+__all__ = ["ENGINES", "add_federate_arguments", "check_arguments", "frozen_lora_tensors", "prepare_shards", "run_federate",
+           "summarize", "write_adapters"]
