@@ -69,7 +69,7 @@ class FederationSettings:
         return {"strategy": self.strategy, "clients": self.n_clients, "fraction": self.fraction,
                 "fraction_evaluate": self.fraction_evaluate, "local_steps": self.local_steps, "lr": self.lr,
                 "optimizer": asdict(self.optimizer), "seed": self.seed, "partition": self.partition,
-                "data_sha256": self.data_fingerprint}
+                "precision": self.precision, "data_sha256": self.data_fingerprint}
 
     def train_config(self) -> ConfigRecord:
         o = self.optimizer
