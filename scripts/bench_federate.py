@@ -22,6 +22,20 @@ processes, the bytes each way; and the whole run's client steps per second.
 
 What needs what: export needs torch + executorch; run needs numpy, vulkan, flatbuffers, safetensors,
 tqdm and flwr (its Message API: the sequential engine uses Flower's strategy too), ray for --engine ray.
+On the GPU machine (no network), what `import vktrain.fleet.command, vktrain.fleet.server` loads beyond
+its image's packages travels as wheels (the device README's recipe): flwr==1.42.0, vulkan, pycryptodome,
+cryptography (+ cffi), grpcio-health-checking, iterators (installed with --no-deps: the server-side
+extras flwr declares, sqlalchemy, fastapi, uvicorn, uv..., are not imported by a simulation's apps).
+ray==2.55.1 is 220 MB installed, a wheel over the 64 MiB a call carries: without it, --engine auto
+falls back to the sequential engine and says so.
+
+The H200 plan (the lead's run): export here, carry the .pte (14.3 MiB at 1x64), the SPIR-V cache, .gl and
+the wheels, then
+    python3 scripts/bench_federate.py run bench/step_smollm2-135m_1x64.pte --clients 100 --fraction 0.1 \
+        --rounds 3 --local-steps 4 --client-gpus 0.1 --client-cpus 1 --out bench/results/federate_h200.json
+With Ray, 10 clients of a round share the GPU (0.1 each; 16 CPUs allow 16 at once), each in its own
+worker process with its own Vulkan device and runner (~0.2 GiB of generated constants plus the step's
+activations); the JSON's max_concurrent_clients and client_processes say what happened.
 """
 from __future__ import annotations
 
