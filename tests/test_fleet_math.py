@@ -189,3 +189,28 @@ def test_clients_exchange_the_lora_tensors_not_their_adamw_moments():
     assert trained_names(state) == ["model.a.lora_A", "model.a.lora_B"]
     assert sorted(optimizer_state_names(state)) == sorted(state[2:])
     assert trained_names(["model.a.lora_B", "optimizer.exp_avg.a.lora_B"]) == ["model.a.lora_B"]  # FFA-LoRA
+
+
+def test_freeze_lora_a_is_refused_for_programs_without_a_training_step(tmp_path, capsys):
+    from vktrain.cli import main
+
+    assert main(["export", "--model", "tiny-llama", "--program", "forward", "--freeze-lora-a",
+                 "--out", str(tmp_path / "x.pte")]) == 2
+    assert "--freeze-lora-a freezes lora_A in a training step; --program is forward" in capsys.readouterr().err
+    assert not (tmp_path / "x.pte").exists()
+
+
+def test_federate_refuses_bad_arguments_before_loading_anything(tmp_path, capsys):
+    from vktrain.cli import main
+
+    program = tmp_path / "step.pte"
+    program.write_bytes(b"not read")
+    for extra, message in ((["--fraction", "0"], "--fraction must be > 0"),
+                           (["--fraction-evaluate", "0.5"], "--fraction-evaluate needs --eval-data"),
+                           (["--resume"], "--resume needs --checkpoint DIR"),
+                           (["--inject-failure", "9:1"], "there are clients 0..3"),
+                           (["--inject-failure", "a:b"], "CLIENT:ROUND"),
+                           (["--partition", "dirichlet:-2"], "--partition")):
+        assert main(["federate", str(program), "--clients", "4", "--rounds", "1", "--local-steps", "1",
+                     *extra]) == 2, extra
+        assert message in capsys.readouterr().err
