@@ -214,3 +214,10 @@ def test_federate_refuses_bad_arguments_before_loading_anything(tmp_path, capsys
         assert main(["federate", str(program), "--clients", "4", "--rounds", "1", "--local-steps", "1",
                      *extra]) == 2, extra
         assert message in capsys.readouterr().err
+
+
+def test_the_fleet_runs_without_torch_or_executorch():
+    from _helpers import assert_import_loads_none
+
+    assert_import_loads_none(["vktrain.fleet.client", "vktrain.fleet.server", "vktrain.fleet.sequential",
+                              "vktrain.fleet.command"], ["torch", "executorch"], timeout=120)
