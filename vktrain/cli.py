@@ -140,6 +140,8 @@ def cmd_export(args: argparse.Namespace) -> int:
     from vktrain.models import open_model
     from vktrain.train.tokenizer import TokenizerError
 
+    if args.freeze_lora_a and args.program != "train-step":
+        raise UsageError(f"--freeze-lora-a freezes lora_A in a training step; --program is {args.program}")
     tokenizer = None  # a pretrained model's, embedded in the .pte for `vktrain train`
     model, loaded = open_model(args.model, **_parse_model_args(args.model_arg))
     if loaded is not None:
@@ -172,7 +174,8 @@ def cmd_export(args: argparse.Namespace) -> int:
 
     batch_shape = (args.batch, args.seq)
     if args.program == "train-step":  # with its eval method (`vktrain eval`), sharing the frozen base
-        methods = dict(zip((TRAIN_METHOD, EVAL_METHOD), export_training_and_eval_steps(model, batch_shape)))
+        methods = dict(zip((TRAIN_METHOD, EVAL_METHOD),
+                           export_training_and_eval_steps(model, batch_shape, freeze_lora_a=args.freeze_lora_a)))
     else:
         methods = {TRAIN_METHOD: export_forward(model, batch_shape, with_adapters=args.program == "forward")}
     partitioner = VktrainPartitioner(compile_specs=adapter_metadata_specs(model, args.model, loaded))
@@ -270,6 +273,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="train-step (forward+backward+AdamW), forward (logits with adapters), "
                              "forward-base (logits of the q4gsw base alone)")
     export.add_argument("--lora-rank", type=int, default=8)
+    export.add_argument("--freeze-lora-a", action="store_true",
+                        help="train only lora_B (FFA-LoRA, vktrain federate --strategy ffa): lora_A stays its "
+                             "initial value, a constant of the program, and its gradient is not computed")
     export.add_argument("--lora-alpha", type=float, default=16.0)
     export.add_argument("--targets", default="all-linear",
                         help="module-name glob(s), comma-separated; 're:' prefix for a regex; 'all-linear' (default): "
@@ -317,6 +323,13 @@ def build_parser() -> argparse.ArgumentParser:
         "convert", help="write a program's adapters (directory or checkpoint) as a llama.cpp LoRA GGUF")
     add_convert_arguments(convert)
     convert.set_defaults(run=run_convert)
+
+    from vktrain.fleet.command import add_federate_arguments, run_federate  # imports no Flower until it runs
+
+    federate = sub.add_parser("federate", help="federated fine-tuning of a training step's adapters: N simulated "
+                                               "clients on Flower (Ray), FedAvg or FFA-LoRA")
+    add_federate_arguments(federate)
+    federate.set_defaults(run=run_federate)
 
     bench = sub.add_parser("bench", help="run a benchmark script (kernels: per-kernel GPU times; step: training steps)")
     bench.add_argument("which", choices=sorted(BENCHMARKS))

@@ -118,11 +118,13 @@ def export_training_step(model: nn.Module, batch_shape: tuple[int, int]) -> Expo
     return program
 
 
-def export_training_and_eval_steps(model: nn.Module, batch_shape: tuple[int, int]) -> tuple[ExportedProgram, ExportedProgram]:
+def export_training_and_eval_steps(model: nn.Module, batch_shape: tuple[int, int], *,
+                                   freeze_lora_a: bool = False) -> tuple[ExportedProgram, ExportedProgram]:
     """(the training step, its eval method) from ONE trace: the eval program is the joint graph's forward
     (vktrain/export/eval.py's signature; export_eval_step traces it anew), which saves an export of
-    the model's forward (half a minute for a 30-layer model)."""
-    joint, trainable = _joint_program(model, batch_shape)
+    the model's forward (half a minute for a 30-layer model). `freeze_lora_a`: only the lora_B tensors
+    train (FFA-LoRA); the lora_A tensors stay frozen constants, so their gradient GEMMs are not exported."""
+    joint, trainable = _joint_program(model, batch_shape, freeze_lora_a)
     evaluation = eval_program_from_joint(joint)
     program = training_step_program(joint, trainable)
     for exported in (program, evaluation):
@@ -130,19 +132,22 @@ def export_training_and_eval_steps(model: nn.Module, batch_shape: tuple[int, int
     return program, evaluation
 
 
-def _joint_program(model: nn.Module, batch_shape: tuple[int, int]) -> tuple[ExportedProgram, list[str]]:
-    """The joint graph of `model`'s loss (a deep copy; LoRA tensors trainable, the rest frozen), and the
-    LoRA tensors' paths."""
+def _joint_program(model: nn.Module, batch_shape: tuple[int, int],
+                   freeze_lora_a: bool = False) -> tuple[ExportedProgram, list[str]]:
+    """The joint graph of `model`'s loss (a deep copy; LoRA tensors trainable, the rest frozen; with
+    `freeze_lora_a` only the lora_B tensors), and the trainable tensors' paths."""
     batch_size, seq_len = check_batch_shape(batch_shape)
     if not lora_parameter_names(model):
         raise ValueError("the model has no LoRA adapters: call vktrain.lora.apply_lora first (nothing to train)")
     model = copy.deepcopy(model)
+    trained_suffixes = (".lora_B",) if freeze_lora_a else (".lora_A", ".lora_B")
     for name, param in model.named_parameters():
-        param.requires_grad_(name.endswith((".lora_A", ".lora_B")))
+        param.requires_grad_(name.endswith(trained_suffixes))
     vocab_size = getattr(model, "vocab_size", 256)
     token_ids, labels, _, n_valid = example_training_inputs(batch_size, seq_len, vocab_size)
     loss_program = torch.export.export(_LossModule(model), (token_ids, labels, n_valid))
-    return joint_forward_backward(loss_program), lora_parameter_names(model)
+    trainable = [name for name in lora_parameter_names(model) if name.endswith(trained_suffixes)]
+    return joint_forward_backward(loss_program), trainable
 
 
 def drop_unused_constant_inputs(program: ExportedProgram) -> list[str]:

@@ -1,0 +1,21 @@
+"""Fleet fine-tuning on Flower: many clients train one vktrain step on their own data, a server averages
+their adapters (`vktrain federate`).
+
+  client.py      the ClientApp around TrainingRunner (torch-free, like vktrain/train)
+  strategy.py    FedAvg (FedIT: lora_A and lora_B) / FFA-LoRA (lora_B only) with seeded sampling
+  server.py      the ServerApp: handshake, Flower's strategy loop, global held-out loss, records
+  checkpoint.py  the global adapters after every round, atomic, resumable
+  partition.py   client shards: iid or Dirichlet over documents
+  sequential.py  the same rounds without Ray (a Grid delivering messages in this process)
+  command.py     the `vktrain federate` command
+"""
+import os
+
+# Flower reads these when first imported: no telemetry from vktrain's runs (the machines may have no network).
+os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+
+# The strategies (vktrain/fleet/strategy.py): FedAvg over lora_A and lora_B (FedIT), FFA-LoRA over lora_B.
+FEDAVG = "fedavg"
+FFA = "ffa"
+STRATEGIES = (FEDAVG, FFA)

@@ -1,0 +1,209 @@
+"""The Flower ClientApp around TrainingRunner (torch-free: numpy, the Vulkan runtime, flwr's records).
+
+Messages (Flower's Message API; the server's side is vktrain/fleet/server.py):
+  query     -> ConfigRecord "client" {"partition-id"}: which data shard this node holds (the server maps
+               its random node ids to shards with it, so sampling and aggregation order are reproducible)
+  train     ArrayRecord "arrays" (the global adapters, by state name) + ConfigRecord "config" (server-round,
+            local-steps, lr, AdamW's betas, eps, weight-decay)
+            -> ArrayRecord "arrays" (the adapters after `local-steps` AdamW steps on this shard),
+               MetricRecord "metrics" {num-examples, train-loss, train-loss-first, train-loss-last},
+               ConfigRecord "client" {partition-id, pid, started, finished} (the process and wall-clock
+               interval that ran it: how many clients ran at once)
+  evaluate  ArrayRecord "arrays" -> MetricRecord "metrics" {num-examples, eval-loss}: the .pte's eval
+            method on this client's shard of the held-out data (`vktrain eval`'s loss)
+
+Local training. Every train message starts from the global adapters with FRESH AdamW state (moments and
+step zero): a client is sampled in a fraction of the rounds, and moments kept from an earlier round were
+accumulated along another global model's trajectory, so they would steer the update with stale curvature;
+it also makes a client stateless, so any process can serve any client (Flower's simulation runs many
+clients per process) and a round's result depends only on the global adapters, the round and the shard:
+resuming a federation reproduces it exactly. Step j of round r reads batch (r - 1) * K + j of the shard
+(K = local-steps; TokenBatcher's order, shuffled by the run's seed), so the rounds a client takes part
+in walk through its data.
+`num-examples` (FedAvg's weight) is the number of target tokens in the client's shard: McMahan et al.'s
+n_k, the local dataset size.
+
+One TrainingRunner per process and program serves every client that process runs (loading a program
+and its pipelines costs seconds; clients differ only in the adapters written in and the data).
+"""
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
+from flwr.clientapp import ClientApp
+
+from vktrain.contract import EXP_AVG_PREFIX, EXP_AVG_SQ_PREFIX, MODEL_PREFIX, PRECISION_FP32, STEP_STATE
+from vktrain.errors import VktrainError
+from vktrain.train.data import TokenBatcher, TrainingData, load_data
+from vktrain.train.eval_command import evaluate_data
+from vktrain.train.tokenizer import program_tokenizer
+from vktrain.train.train_loop import AdamWConfig, describe_program
+
+# Keys of the records in messages (FedAvg's defaults for the arrays and the config).
+ARRAYS = "arrays"
+CONFIG = "config"
+METRICS = "metrics"
+CLIENT = "client"
+PARTITION_ID = "partition-id"  # Flower's node_config key in simulation, echoed in replies
+NUM_EXAMPLES = "num-examples"
+LORA_SUFFIXES = (".lora_A", ".lora_B")
+
+
+class ClientFailure(VktrainError, RuntimeError):
+    """A failure injected on purpose (`ClientSettings.failures`): tests and demonstrations of a client
+    that fails mid-round."""
+
+
+@dataclass(frozen=True)
+class ClientSettings:
+    """What every client process needs to know (pickled to Flower's simulation workers with the ClientApp)."""
+    program: str  # the training-step .pte
+    train_shards: tuple[str, ...]  # shard file of each partition id
+    eval_shards: tuple[str, ...] = ()  # each partition's held-out shard (empty: no client-side evaluation)
+    seed: int = 0
+    precision: str = PRECISION_FP32
+    failures: frozenset = field(default_factory=frozenset)  # {(partition id, round)}: fail after one local step
+
+
+def trained_names(state_names: list[str]) -> list[str]:
+    """The LoRA tensors a program trains (`model.<layer>.lora_A|B`, not their AdamW moments), in state order;
+    without lora_A when it was exported frozen."""
+    return [name for name in state_names if name.startswith(MODEL_PREFIX) and name.endswith(LORA_SUFFIXES)]
+
+
+def optimizer_state_names(state_names: list[str]) -> list[str]:
+    return [name for name in state_names if name == STEP_STATE or name.startswith((EXP_AVG_PREFIX, EXP_AVG_SQ_PREFIX))]
+
+
+def to_array_record(arrays: dict[str, np.ndarray]) -> ArrayRecord:
+    return ArrayRecord({name: Array(np.ascontiguousarray(array)) for name, array in arrays.items()})
+
+
+def from_array_record(record: ArrayRecord) -> dict[str, np.ndarray]:
+    return {name: array.numpy() for name, array in record.items()}
+
+
+class LocalTrainer:
+    """One process's runner for a program, and the shards it has read."""
+
+    def __init__(self, settings: ClientSettings) -> None:
+        from vktrain.runtime.program.runner import TrainingRunner  # opens Vulkan: only in a client process
+
+        self.settings = settings
+        self.runner = TrainingRunner.from_pte(settings.program, precision=settings.precision)
+        self.info = describe_program(self.runner)
+        self.tokenizer = program_tokenizer(self.runner, settings.program)
+        self.trained = trained_names(self.runner.state_names)
+        self.optimizer_state = {name: np.zeros_like(self.runner.read_state(name))
+                                for name in optimizer_state_names(self.runner.state_names)}
+        self._data: dict[str, TrainingData] = {}
+
+    def data(self, path: str) -> TrainingData:
+        if path not in self._data:
+            self._data[path] = load_data(path, self.info.vocab_size, self.tokenizer)
+        return self._data[path]
+
+    def batcher(self, partition: int) -> TokenBatcher:
+        path = self.settings.train_shards[partition]
+        data = self.data(path)
+        return TokenBatcher(data.tokens, self.info.batch_size, self.info.seq_len, labels=data.labels,
+                            seed=self.settings.seed, source=path)
+
+    def load_global(self, arrays: dict[str, np.ndarray]) -> None:
+        """The global adapters in, AdamW state reset (module docstring)."""
+        if sorted(arrays) != sorted(self.trained):
+            raise VktrainError(f"{self.settings.program}: the server sent adapters {sorted(arrays)[:3]}... "
+                               f"({len(arrays)}); this program trains {len(self.trained)} tensors "
+                               f"({self.trained[:3]}...)")
+        for name, array in arrays.items():
+            self.runner.write_state(name, array)
+        for name, zeros in self.optimizer_state.items():
+            self.runner.write_state(name, zeros)
+
+    def train(self, partition: int, server_round: int, config: ConfigRecord) -> tuple[dict[str, np.ndarray], dict]:
+        steps = int(config["local-steps"])
+        optimizer = AdamWConfig(float(config["beta1"]), float(config["beta2"]), float(config["eps"]),
+                                float(config["weight-decay"]))
+        hparams = optimizer.hparams(float(config["lr"]))
+        batches = self.batcher(partition)
+        losses = []
+        for j in range(steps):
+            if j == 1 and (partition, server_round) in self.settings.failures:
+                raise ClientFailure(f"client {partition}: failure injected in round {server_round} after 1 local step")
+            token_ids, labels = batches.batch((server_round - 1) * steps + j)
+            losses.append(self.runner.step(token_ids, labels, hparams))
+        if not np.all(np.isfinite(losses)):
+            raise VktrainError(f"client {partition}: non-finite local loss in round {server_round}: {losses}")
+        arrays = {name: self.runner.read_state(name) for name in self.trained}
+        examples = self.data(self.settings.train_shards[partition]).trained_tokens
+        metrics = {NUM_EXAMPLES: examples, "train-loss": float(np.mean(losses)),
+                   "train-loss-first": losses[0], "train-loss-last": losses[-1]}
+        return arrays, metrics
+
+    def evaluate(self, partition: int) -> dict:
+        result = evaluate_data(self.runner, self.data(self.settings.eval_shards[partition]))
+        return {NUM_EXAMPLES: result["tokens"], "eval-loss": result["loss"]}
+
+
+# One trainer per process and settings: Flower's workers run one client after another in one process.
+_TRAINERS: dict[ClientSettings, LocalTrainer] = {}
+
+
+def local_trainer(settings: ClientSettings) -> LocalTrainer:
+    if settings not in _TRAINERS:
+        _TRAINERS[settings] = LocalTrainer(settings)
+    return _TRAINERS[settings]
+
+
+def close_trainers() -> None:
+    """Close this process's trainers (their runners and devices): after a sequential federation."""
+    while _TRAINERS:
+        _, trainer = _TRAINERS.popitem()
+        trainer.runner.close()
+
+
+def partition_of(context: Context) -> int:
+    return int(context.node_config[PARTITION_ID])
+
+
+def make_client_app(settings: ClientSettings) -> ClientApp:
+    """The ClientApp of a federation over `settings.program` (module docstring)."""
+    app = ClientApp()
+
+    @app.query()
+    def query(message: Message, context: Context) -> Message:
+        return Message(RecordDict({CLIENT: ConfigRecord({PARTITION_ID: partition_of(context)})}), reply_to=message)
+
+    @app.train()
+    def train(message: Message, context: Context) -> Message:
+        started = time.time()  # wall clock: comparable across the processes of one machine
+        partition = partition_of(context)
+        config = message.content[CONFIG]
+        trainer = local_trainer(settings)
+        trainer.load_global(from_array_record(message.content[ARRAYS]))
+        arrays, metrics = trainer.train(partition, int(config["server-round"]), config)
+        content = RecordDict({ARRAYS: to_array_record(arrays), METRICS: MetricRecord(metrics),
+                              CLIENT: ConfigRecord({PARTITION_ID: partition, "pid": os.getpid(), "started": started,
+                                                    "finished": time.time()})})
+        return Message(content, reply_to=message)
+
+    @app.evaluate()
+    def evaluate(message: Message, context: Context) -> Message:
+        partition = partition_of(context)
+        if not settings.eval_shards:
+            raise VktrainError("client-side evaluation needs held-out shards (vktrain federate --eval-data)")
+        trainer = local_trainer(settings)
+        trainer.load_global(from_array_record(message.content[ARRAYS]))
+        content = RecordDict({METRICS: MetricRecord(trainer.evaluate(partition)),
+                              CLIENT: ConfigRecord({PARTITION_ID: partition})})
+        return Message(content, reply_to=message)
+
+    return app
+
+
+__all__ = ["ARRAYS", "CLIENT", "CONFIG", "ClientFailure", "ClientSettings", "LocalTrainer", "METRICS", "NUM_EXAMPLES",
+           "PARTITION_ID", "close_trainers", "from_array_record", "make_client_app", "to_array_record", "trained_names"]

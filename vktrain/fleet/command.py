@@ -1,0 +1,270 @@
+"""`vktrain federate STEP.pte --clients N --rounds R --local-steps K ...`: a federated fine-tuning run of
+N simulated clients through Flower's simulation engine (Ray backend), or sequentially in this process
+without Ray (`--engine sequential`, same strategy, messages and ClientApp; no concurrency).
+
+Before anything runs: the arguments, every output path, the program (the server's runner loads it), the
+split of --data (and --eval-data) into client shards, each checked to hold a batch (a held-out shard a
+target); with --resume, the checkpoint against the program and the settings.
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import logging
+import math
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+from vktrain.contract import ADAMW_DEFAULTS, PRECISION_FP32, PRECISIONS
+from vktrain.fleet.partition import PartitionError, PartitionScheme, write_shards
+from vktrain.fleet import FEDAVG, STRATEGIES
+from vktrain.train.data import DataError, TokenBatcher, default_dataset_path, load_data
+from vktrain.train.train_loop import AdamWConfig, TrainConfigError, describe_program
+
+RAY, SEQUENTIAL = "ray", "sequential"
+ENGINES = (RAY, SEQUENTIAL)
+
+
+def add_federate_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    parser.add_argument("program", metavar="STEP.pte", help="training-step program (vktrain export; for --strategy "
+                                                            "ffa exported with --freeze-lora-a)")
+    parser.add_argument("--clients", type=int, required=True, metavar="N", help="number of simulated clients")
+    parser.add_argument("--fraction", type=float, default=1.0, metavar="F",
+                        help="fraction of the clients sampled per round (at least one; default 1)")
+    parser.add_argument("--rounds", type=int, required=True, metavar="R", help="federated rounds (a resumed run "
+                                                                               "continues up to round R)")
+    parser.add_argument("--local-steps", type=int, required=True, metavar="K", help="local AdamW steps per round")
+    parser.add_argument("--strategy", choices=STRATEGIES, default=FEDAVG,
+                        help="fedavg: FedAvg over lora_A and lora_B (FedIT); ffa: FFA-LoRA, lora_B only (the program "
+                             "must be exported with --freeze-lora-a)")
+    parser.add_argument("--data", metavar="FILE", help="training data, split into the client shards (any format "
+                                                       "`vktrain train --data` reads; default: the built-in corpus)")
+    parser.add_argument("--eval-data", metavar="FILE",
+                        help="held-out data: its loss under the global adapters after every round (the server), "
+                             "and split into the clients' local held-out shards for --fraction-evaluate")
+    parser.add_argument("--eval-batches", type=int, metavar="N", help="global held-out loss on the first N batches")
+    parser.add_argument("--fraction-evaluate", type=float, default=0.0, metavar="F",
+                        help="fraction of the clients evaluating the global adapters on their held-out shard each "
+                             "round (needs --eval-data; default 0)")
+    parser.add_argument("--partition", default="iid", metavar="iid|dirichlet:ALPHA",
+                        help="how documents are split among the clients (default iid)")
+    parser.add_argument("--lr", type=float, default=1e-3, help="local AdamW learning rate (default 1e-3)")
+    parser.add_argument("--weight-decay", type=float, default=ADAMW_DEFAULTS["weight_decay"])
+    parser.add_argument("--seed", type=int, default=0, help="seed of the split, the sampling and the data order")
+    parser.add_argument("--json", metavar="FILE", help="write the per-round records as JSON (rewritten every round)")
+    parser.add_argument("--plot", metavar="FILE.png", help="plot the global held-out and client losses per round")
+    parser.add_argument("--out-adapters", metavar="DIR",
+                        help="write the final global adapters in PEFT format (with FFA-LoRA, lora_A from the program)")
+    parser.add_argument("--checkpoint", metavar="DIR", help="write the global adapters after every round (atomic)")
+    parser.add_argument("--resume", action="store_true", help="continue the federation checkpointed in --checkpoint DIR")
+    parser.add_argument("--engine", choices=ENGINES, default=RAY,
+                        help="ray: Flower's simulation engine (default); sequential: the same rounds in this "
+                             "process, one client after another, without Ray")
+    parser.add_argument("--client-cpus", type=float, default=1.0, help="CPUs Ray reserves per client (default 1)")
+    parser.add_argument("--client-gpus", type=float, default=0.0,
+                        help="GPUs Ray reserves per client, fractional (e.g. 0.1: ten clients share a GPU; default 0)")
+    parser.add_argument("--ray-cpus", type=int, help="CPUs Ray may use (default: all of this machine's)")
+    parser.add_argument("--timeout", type=float, default=3600.0, help="seconds a round waits for its clients")
+    parser.add_argument("--precision", choices=PRECISIONS, default=PRECISION_FP32, help="GEMM precision policy")
+    parser.add_argument("--inject-failure", action="append", default=[], metavar="CLIENT:ROUND",
+                        help="make client CLIENT fail after its first local step of round ROUND (repeatable; to "
+                             "see failed clients tolerated)")
+    parser.add_argument("--verbose", action="store_true", help="show Flower's and Ray's own log")
+    return parser
+
+
+def _failures(items: list[str]) -> frozenset:
+    failures = set()
+    for item in items:
+        client, sep, server_round = item.partition(":")
+        if not (sep and client.isdigit() and server_round.isdigit()):
+            raise TrainConfigError(f"--inject-failure expects CLIENT:ROUND (two integers), got {item!r}")
+        failures.add((int(client), int(server_round)))
+    return frozenset(failures)
+
+
+def check_arguments(args: argparse.Namespace) -> None:
+    for flag, value in (("--clients", args.clients), ("--rounds", args.rounds), ("--local-steps", args.local_steps)):
+        if value < 1:
+            raise TrainConfigError(f"{flag} must be >= 1, got {value}")
+    for flag, value in (("--fraction", args.fraction), ("--fraction-evaluate", args.fraction_evaluate)):
+        if not 0.0 <= value <= 1.0:
+            raise TrainConfigError(f"{flag} must lie in [0, 1], got {value}")
+    if args.fraction == 0.0:
+        raise TrainConfigError("--fraction must be > 0 (at least one client trains each round)")
+    if args.fraction_evaluate and not args.eval_data:
+        raise TrainConfigError("--fraction-evaluate needs --eval-data FILE (the clients' held-out shards)")
+    if args.resume and not args.checkpoint:
+        raise TrainConfigError("--resume needs --checkpoint DIR (the federation to continue)")
+    if not (math.isfinite(args.lr) and args.lr > 0):
+        raise TrainConfigError(f"--lr must be a positive number, got {args.lr}")
+    if not (0 <= args.seed < 2**32):
+        raise TrainConfigError(f"--seed must lie in [0, 2**32), got {args.seed}")
+    if args.client_cpus <= 0 or args.client_gpus < 0:
+        raise TrainConfigError(f"--client-cpus must be > 0 and --client-gpus >= 0, got {args.client_cpus}, "
+                               f"{args.client_gpus}")
+    for item in _failures(args.inject_failure):
+        if item[0] >= args.clients:
+            raise TrainConfigError(f"--inject-failure {item[0]}:{item[1]}: there are clients 0..{args.clients - 1}")
+
+
+def shards_fingerprint(paths: list[Path]) -> str:
+    digest = hashlib.sha256()
+    for path in paths:
+        digest.update(hashlib.sha256(path.read_bytes()).digest())
+    return digest.hexdigest()
+
+
+def program_adapter_record(runner, program: str):
+    """What the program records about its adapters, checked to be enough for a PEFT adapter_config.json."""
+    from vktrain.train.adapters import ProgramAdapters
+
+    recorded = ProgramAdapters.from_metadata(describe_program(runner).metadata, program)
+    if recorded.lora_alpha is None:
+        raise TrainConfigError(f"--out-adapters: {program} does not record its LoRA alpha (exported by an older "
+                               f"vktrain); use vktrain train --out-adapters --lora-alpha with the checkpoint")
+    return recorded
+
+
+def frozen_lora_tensors(runner) -> dict[str, np.ndarray]:
+    """The LoRA tensors that are constants of the training step (lora_A of a --freeze-lora-a export)."""
+    graph = runner.graph
+    return {value.name: graph.constant_array(index) for index, value in enumerate(graph.values)
+            if getattr(value, "name", "").endswith((".lora_A", ".lora_B")) and getattr(value, "constant_id", -1) >= 0}
+
+
+def write_adapters(runner, program: str, arrays: dict[str, np.ndarray], directory: str) -> None:
+    """The global adapters (and the program's frozen lora_A, for FFA-LoRA) as a PEFT adapter directory."""
+    from vktrain.train.adapters import adapters_from_state, save_adapters
+
+    recorded = program_adapter_record(runner, program)
+    adapters = adapters_from_state({**frozen_lora_tensors(runner), **arrays})
+    recorded.check_layers(adapters, program)
+    save_adapters(directory, adapters, recorded.lora_alpha, recorded.base_model or recorded.source_model,
+                  recorded.target_modules)
+
+
+def prepare_shards(runner, data: Path, eval_data: Path | None, n_clients: int, scheme: PartitionScheme, seed: int,
+                   directory: Path) -> tuple[list[Path], list[Path]]:
+    """The client shards of the training and held-out data, each checked to be usable."""
+    from vktrain.train.tokenizer import program_tokenizer
+
+    info = describe_program(runner)
+    tokenizer = program_tokenizer(runner, str(data))
+    options = dict(vocab_size=info.vocab_size, tokenizer=tokenizer, unit_tokens=info.seq_len + 1)
+    train = write_shards(data, directory, n_clients, scheme, seed, min_documents=info.batch_size, prefix="train",
+                         **options)
+    for client, shard in enumerate(train):
+        shard_data = load_data(shard, info.vocab_size, tokenizer)
+        try:
+            TokenBatcher(shard_data.tokens, info.batch_size, info.seq_len, labels=shard_data.labels, source=str(shard))
+        except DataError as exc:
+            raise PartitionError(f"client {client}'s shard of {data} is too small ({exc}); use fewer clients, a "
+                                 f"larger Dirichlet ALPHA or more data") from None
+    held_out = [] if eval_data is None else write_shards(eval_data, directory, n_clients, scheme, seed,
+                                                         prefix="heldout", **options)
+    return train, held_out
+
+
+def run_federate(args: argparse.Namespace) -> int:
+    check_arguments(args)
+    scheme = PartitionScheme.parse(args.partition)
+    program = Path(args.program)
+    if not program.is_file():
+        raise TrainConfigError(f"program {program} does not exist (or is not a file)")
+    from vktrain.train.command import prepare_adapter_directory, prepare_output_file
+
+    for flag, target in (("--json", args.json), ("--plot", args.plot)):
+        if target:
+            prepare_output_file(flag, target)
+    if args.out_adapters:
+        prepare_adapter_directory("--out-adapters", args.out_adapters)
+    if args.checkpoint:
+        Path(args.checkpoint).mkdir(parents=True, exist_ok=True)
+    from vktrain.runtime.program.runner import TrainingRunner  # opens Vulkan
+
+    data = Path(args.data) if args.data else default_dataset_path()
+    with TrainingRunner.from_pte(program, precision=args.precision) as runner, \
+            tempfile.TemporaryDirectory(prefix="vktrain-federate-") as work:
+        if args.out_adapters:
+            program_adapter_record(runner, args.program)  # refused now, not after the rounds
+        train_shards, held_out_shards = prepare_shards(runner, data, Path(args.eval_data) if args.eval_data else None,
+                                                       args.clients, scheme, args.seed, Path(work))
+        result = _federate(args, runner, program, scheme, train_shards, held_out_shards)
+        if args.out_adapters:
+            write_adapters(runner, args.program, result.arrays, args.out_adapters)
+    records = result.records
+    if args.plot and len(records) > 1:
+        from vktrain.fleet.report import plot_rounds
+
+        plot_rounds(records, args.plot, title=f"vktrain federate {program.name} ({args.strategy}, {args.clients} clients)")
+    print(summarize(records, result.resumed_from))
+    for label, value in (("checkpoint", args.checkpoint), ("records", args.json), ("plot", args.plot),
+                         ("adapters", args.out_adapters)):
+        if value:
+            print(f"{label}: {value}")
+    return 0
+
+
+def _federate(args, runner, program: Path, scheme: PartitionScheme, train_shards: list[Path],
+              held_out_shards: list[Path]):
+    from vktrain.fleet.client import ClientSettings, make_client_app
+    from vktrain.fleet.server import FederationServer, FederationSettings, make_server_app
+
+    settings = FederationSettings(
+        program=str(program), strategy=args.strategy, n_clients=args.clients, rounds=args.rounds,
+        local_steps=args.local_steps, fraction=args.fraction, fraction_evaluate=args.fraction_evaluate, lr=args.lr,
+        optimizer=AdamWConfig(weight_decay=args.weight_decay), seed=args.seed, partition=str(scheme),
+        data_fingerprint=shards_fingerprint(train_shards), eval_data=args.eval_data, eval_batches=args.eval_batches,
+        checkpoint_dir=args.checkpoint, resume=args.resume, json_path=args.json, precision=args.precision,
+        timeout=args.timeout, engine=args.engine)
+    client_settings = ClientSettings(str(program.absolute()), tuple(str(p) for p in train_shards),
+                                     tuple(str(p) for p in held_out_shards), args.seed, args.precision,
+                                     _failures(args.inject_failure))
+    if not args.verbose:  # after Flower's import, which sets its logger up
+        logging.getLogger("flwr").setLevel(logging.WARNING)
+    server = FederationServer(settings, runner)
+    client_app = make_client_app(client_settings)
+    print(f"{program}: {args.clients} clients ({scheme}), {args.strategy}, fraction {args.fraction:g}, "
+          f"{args.local_steps} local step(s) per round, rounds up to {args.rounds}; engine {args.engine}",
+          file=sys.stderr)
+    if args.engine == SEQUENTIAL:
+        from vktrain.fleet.client import close_trainers
+        from vktrain.fleet.sequential import SequentialGrid
+
+        try:
+            server.run(SequentialGrid(client_app, args.clients))
+        finally:
+            close_trainers()
+    else:
+        from flwr.simulation import run_simulation
+
+        resources = {"num_cpus": args.client_cpus, "num_gpus": args.client_gpus}
+        init = {"include_dashboard": False, "logging_level": logging.WARNING if not args.verbose else logging.INFO}
+        if args.ray_cpus:
+            init["num_cpus"] = args.ray_cpus
+        run_simulation(server_app=make_server_app(server), client_app=client_app, num_supernodes=args.clients,
+                       backend_config={"client_resources": resources, "init_args": init},
+                       verbose_logging=args.verbose)
+    return server.result
+
+
+def summarize(records: list[dict], resumed_from: int | None = None) -> str:
+    """One line on the rounds this run trained (after `resumed_from`, the checkpoint's round)."""
+    trained = [r for r in records if r["round"] > (resumed_from or 0)]
+    if not trained:
+        return f"nothing to do (the federation had already reached round {resumed_from})"
+    failed = sum(len(r["failed"]) for r in trained)
+    before = next(r for r in records if r["round"] == trained[0]["round"] - 1).get("global_eval_loss")
+    after = trained[-1].get("global_eval_loss")
+    text = f"federated rounds {trained[0]['round']}..{trained[-1]['round']}"
+    if before is not None and after is not None:
+        text += f": global held-out loss {before:.4f} -> {after:.4f}"
+    return text + f"; {failed} client failure(s) tolerated"
+
+
+__all__ = ["ENGINES", "add_federate_arguments", "check_arguments", "frozen_lora_tensors", "prepare_shards", "run_federate",
+           "summarize", "write_adapters"]
