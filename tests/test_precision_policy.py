@@ -7,7 +7,10 @@ their COOPMAT_EMULATE variant (the same shaders with the cooperative-matrix oper
 arithmetic and the same rounding: fp16 inputs, fp32 sums).
 
 Tolerance of the fp16-tc step-1 loss against the float64 eager reference (derived, first order). The
-route changes only the 4-bit base products y = x @ deq(W).T; each output element of one of them moves by
+route also sends mlp-lora's aten.mm ops that coopmat_mm reads (the LoRA products x @ A^T, u @ B^T and the
+backward's d_y @ B, d_u @ A) to the tensor cores, but at step 1 those do not move the loss: LoRA's B
+starts at zero, so u @ B^T is exactly zero whatever u's rounding, and backward products come after the
+loss. What moves it are the 4-bit base products y = x @ deq(W).T; each output element of one of them moves by
 at most eps_e = ((2u + u^2 + 2^-24) + (K + 16) 2^-23) * S_e + 2^-25 (sum_k |x_k| + sum_k |w_k|), with
 u = 2^-11 the fp16 unit roundoff and S_e = sum_k |x_k w_k| (tests/test_kernels_coopmat.py derives this
 bound; for these K <= 64 the fp32-sum term is far below the fp16 input rounding). To first order the
@@ -33,13 +36,16 @@ from vktrain.contract import METADATA_GEMM_PRECISIONS, PRECISION_FP16_TC, PRECIS
 from vktrain.lora.layers import LoRAQ4Linear
 from vktrain.runtime.delegate.executor import GraphExecutor
 from vktrain.runtime.delegate.kernels.coopmat import (
+    EMULATED_LOOP_BUDGET,
     MIN_WORKGROUPS,
     GemmRoute,
     PrecisionPolicyError,
     allowed_precisions,
     coopmat_supported,
+    emulated_loop_trips,
     select_gemm_route,
 )
+from vktrain.runtime.delegate.kernels.layout import StridedView
 from vktrain.runtime.program.runner import TrainingRunner
 from vktrain.runtime.vk.coopmat import CooperativeMatrixShape
 from vktrain.train.command import add_train_arguments, run_train
@@ -109,6 +115,52 @@ def test_small_outputs_stay_on_the_split_k_simt_kernels():
     assert route.takes_tensor_cores(512, 2048) and not route.takes_tensor_cores(512, 1920)
 
 
+def _matrix(rows: int, cols: int) -> StridedView:
+    return StridedView.contiguous((rows, cols))
+
+
+def _transposed(rows: int, cols: int) -> StridedView:
+    """A [rows, cols] view of a row-major [cols, rows] tensor (a weight read as W^T)."""
+    return StridedView((rows, cols), (1, rows))
+
+
+def test_mm_takes_the_tensor_cores_for_large_row_major_or_transposed_weight_operands():
+    route = GemmRoute(PRECISION_FP16_TC, True, "test")
+    # The tied LM head of SmolLM2 at 4 x 512 tokens: logits = h @ W^T, and d_h = d_logits @ W.
+    assert route.dense_b_transposed(_matrix(2048, 576), _transposed(576, 49152)) is True
+    assert route.dense_b_transposed(_matrix(2048, 49152), _matrix(49152, 576)) is False
+    # The LoRA B product (K = rank 16) of a 2048-wide projection: a large output.
+    assert route.dense_b_transposed(_matrix(2048, 16), _transposed(16, 2048)) is True
+    # Skinny outputs (x @ A^T of rank 16, d_h at 128 tokens) keep the fp32 split-K kernels.
+    assert route.dense_b_transposed(_matrix(2048, 2048), _transposed(2048, 16)) is None
+    assert route.dense_b_transposed(_matrix(128, 49152), _matrix(49152, 576)) is None
+    # What coopmat_mm cannot read: A transposed (the LoRA weight gradients), other strides, offsets,
+    # rows that are not whole vec4.
+    assert route.dense_b_transposed(_transposed(2048, 2048), _matrix(2048, 2048)) is None
+    assert route.dense_b_transposed(_matrix(2048, 2048), StridedView((2048, 2048), (4096, 1))) is None
+    assert route.dense_b_transposed(_matrix(2048, 2048), StridedView((2048, 2048), (2048, 1), 2048)) is None
+    assert route.dense_b_transposed(_matrix(2048, 2046), _matrix(2046, 2048)) is None
+    assert route.dense_b_transposed(_matrix(2048, 2048), _matrix(2048, 2046)) is None
+
+
+def test_mm_keeps_the_fp32_kernel_on_the_fp32_policy_and_without_tensor_cores():
+    head = (_matrix(2048, 576), _transposed(576, 49152))
+    assert select_gemm_route(PRECISION_FP32, PRECISIONS, _device([TENSOR_CORES])).dense_b_transposed(*head) is None
+    assert select_gemm_route(PRECISION_FP16_TC, PRECISIONS, _device()).dense_b_transposed(*head) is None
+    assert select_gemm_route(PRECISION_FP16_TC, PRECISIONS, _device([TENSOR_CORES])).dense_b_transposed(*head)
+
+
+def test_emulated_route_keeps_reductions_past_lavapipe_loop_budget_on_the_fp32_kernels():
+    route = select_gemm_route(PRECISION_FP16_TC, PRECISIONS, _device(subgroup_size=8), emulate=True)
+    assert route.dense_b_transposed(_matrix(16, 64), _matrix(64, 8)) is False  # emulated: any size
+    too_long = 32
+    while emulated_loop_trips(64, too_long, 8) <= EMULATED_LOOP_BUDGET:
+        too_long += 32
+    assert route.dense_b_transposed(_matrix(16, too_long - 32), _matrix(too_long - 32, 64)) is False
+    assert route.dense_b_transposed(_matrix(16, too_long), _matrix(too_long, 64)) is None
+    assert not route.takes_tensor_cores(16, 64, too_long) and route.takes_tensor_cores(16, 64, too_long - 32)
+
+
 # ----------------------------------------------------------------------------------- the training step
 @pytest.fixture(scope="module")
 def step_program(tmp_path_factory):
@@ -130,6 +182,7 @@ def _first_loss(runner) -> float:
 
 
 BASE_GEMMS = ("vktrain.linear_q4gsw.default", "vktrain.linear_q4gsw_backward.default")
+MM = "aten.mm.default"
 
 
 def _base_gemm_ops(runner) -> list[str]:
@@ -179,11 +232,18 @@ def test_fp16_tc_routes_every_base_gemm_and_step_one_matches_float64_within_the_
         base_ops = _base_gemm_ops(runner)
         # Three forward GEMMs; d_x of the head and the second layer (the first layer's input is the frozen
         # embedding's output, which needs no gradient).
-        assert len(base_ops) == 5 and runner.executor.tensor_core_ops == base_ops
+        assert len(base_ops) == 5 and set(base_ops) <= set(runner.executor.tensor_core_ops)
+        routed_mm = [label for label in runner.executor.tensor_core_ops if label not in base_ops]
+        # Every other routed op is a mm: at least the two forward LoRA products of each of the three modules.
+        assert all(label.endswith(MM) for label in routed_mm) and len(routed_mm) >= 6, routed_mm
         gemm_shaders = {d.shader for d in runner.executor.dispatches
-                        if d.name in base_ops and d.shader.startswith("coopmat_linear_q4gsw")}
-        assert len(gemm_shaders) == 2 and all("COOPMAT_EMULATE" in s for s in gemm_shaders), gemm_shaders
-        assert "5 of" in runner.gemm_report() and "emulated" in runner.gemm_report()
+                        if d.name in runner.executor.tensor_core_ops and d.shader.startswith("coopmat_")
+                        and d.shader != "coopmat_absmax"}
+        assert {s.split("@")[0] for s in gemm_shaders} == {"coopmat_linear_q4gsw", "coopmat_linear_q4gsw_backward",
+                                                          "coopmat_mm"}, gemm_shaders
+        assert all("COOPMAT_EMULATE" in s for s in gemm_shaders), gemm_shaders
+        assert f"{len(runner.executor.tensor_core_ops)} of" in runner.gemm_report()
+        assert "emulated" in runner.gemm_report()
         tc_loss = _first_loss(runner)
     reference, bound = _float64_loss_and_fp16_bound(model)
     tolerance = bound + LOSS_RTOL * abs(reference)

@@ -1,9 +1,10 @@
 #version 450
-// absmax_bits[0] = max(absmax_bits[0], max_i |x[i]| as float bits), over x fp32 [numel], numel % 4 == 0.
+// absmax_bits[slot] = max(absmax_bits[slot], max_i |x[i]| as float bits), over x fp32 [numel], numel % 4 == 0.
 // Non-negative floats order like their bit patterns, so a uint atomicMax finds the largest magnitude
 // (an inf or NaN anywhere gives bits >= 0x7f800000, which the GEMM reading it treats as "no scale").
 // The caller zeroes absmax_bits first (kernels/coopmat.py). This is the per-tensor scale of the coopmat
-// GEMMs whose A operand is a gradient (A_SCALE in coopmat_gemm.glsl).
+// GEMMs whose A operand is a gradient (A_SCALE in coopmat_gemm.glsl: slot 0) and of the dense ones, A and B
+// (AB_SCALE: slots 0 and 1).
 #extension GL_GOOGLE_include_directive : require
 #include "common.glsl"
 
@@ -14,6 +15,7 @@ layout(local_size_x = WORKGROUP_SIZE) in;
 layout(push_constant, std430) uniform PushConstants {
     VKTRAIN_PUSH_HEADER;
     uint numel;
+    uint slot;
 } pc;
 
 layout(set = 0, binding = 0) restrict buffer MaxBuf { uint absmax_bits[]; };
@@ -38,5 +40,5 @@ void main() {
         if (tid < width) partial[tid] = max(partial[tid], partial[tid + width]);
         barrier();
     }
-    if (tid == 0u) atomicMax(absmax_bits[0], partial[0]);
+    if (tid == 0u) atomicMax(absmax_bits[pc.slot], partial[0]);
 }
