@@ -36,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from vktrain import quant  # noqa: E402
 from vktrain.runtime import Buffer, Device, Program  # noqa: E402
 from vktrain.runtime.delegate.kernels.coopmat import (  # noqa: E402
-    MM_ABSMAX_SCRATCH_BYTES,
+    absmax_scratch_nbytes,
     coopmat_supported,
     plan_coopmat_linear_q4gsw,
     plan_coopmat_mm,
@@ -100,7 +100,7 @@ def bench_shape(device, torch, M: int, K: int, N: int, args, rng) -> dict[str, A
     arrays = {"x": x, "w": prepack_weights(flat, K), "s": scales, "deq_t": np.ascontiguousarray(deq.T), "deq": deq}
     buffers = {key: Buffer.from_array(device, a, name=key) for key, a in arrays.items()}
     buffers["out"] = Buffer(device, 4 * M * N, name="out")
-    buffers["absmax"] = Buffer(device, MM_ABSMAX_SCRATCH_BYTES, name="absmax")
+    buffers["absmax"] = Buffer(device, absmax_scratch_nbytes(M * K, K * N), name="absmax")
     scratch = max(plan_scratch_nbytes("linear_q4gsw", M=M, N=N, K=K), gemm_scratch_nbytes(1, M, N, K))
     if scratch:
         buffers["scratch"] = Buffer(device, scratch, name="scratch")

@@ -36,9 +36,12 @@ import pytest
 from vktrain.quant import dequantize, quantize
 from vktrain.runtime import Buffer, Program
 from vktrain.runtime.delegate.kernels.coopmat import (
+    ABSMAX_MAX_PARTIALS,
     EMULATED_LOOP_BUDGET,
     SUBGROUP_BASIC_BIT,
     TILE_N,
+    _plan_absmax,
+    absmax_partials,
     coopmat_supported,
     default_tile_m,
     emulated_loop_trips,
@@ -151,8 +154,8 @@ def _gemm_backend(device, mode: str) -> dict:
 
 
 def _run(device, dispatches, inputs, out_shape):
-    # The absmax scratch starts as garbage, which the plans' first dispatch must clear.
-    inputs = {"absmax": np.full(2, 0x7F7F7F7F, np.uint32), **inputs}
+    # The absmax scratch starts as garbage: every partial the GEMM reads must have been written.
+    inputs = {"absmax": np.full(2 * ABSMAX_MAX_PARTIALS, 0x7F7F7F7F, np.uint32), **inputs}
     buffers = {key: Buffer.from_array(device, np.ascontiguousarray(a), name=key) for key, a in inputs.items()}
     buffers["out"] = Buffer.from_array(device, np.full(out_shape, np.nan, dtype=np.float32), name="out")
     try:
@@ -288,6 +291,37 @@ def test_mm_keeps_fp16_precision_for_operands_of_any_scale(vk_device, mode, scal
     _assert_scaled_mm_close(actual, a, b, f"coopmat_mm {mode} a x{scale_a} b x{scale_b}")
 
 
+@pytest.mark.parametrize("numels", [(4,), (4096, 8), (4 * 1024 * ABSMAX_MAX_PARTIALS + 40,),
+                                    (8, 4 * 1024 * ABSMAX_MAX_PARTIALS * 3 + 4)], ids=["one", "two", "strided", "two-strided"])
+def test_absmax_partials_hold_each_tensors_largest_magnitude(vk_device, numels):
+    """The partial maxima of one or two tensors (past ABSMAX_MAX_PARTIALS workgroups' worth, each
+    workgroup strides over its tensor): the largest of each tensor's partials is its max |x|, placed at
+    the tensor's last element where a wrong stride or bound would miss it."""
+    rng = np.random.default_rng(len(numels))
+    tensors = []
+    for numel in numels:
+        x = rng.standard_normal(numel).astype(np.float32)
+        x[-1] = -7.5 * (1 + len(tensors))
+        tensors.append(x)
+    counts = [absmax_partials(n) for n in numels]
+    assert counts[-1] == min(-(-numels[-1] // 4096), ABSMAX_MAX_PARTIALS)
+    names = [f"x{i}" for i in range(len(numels))]
+    dispatch = _plan_absmax("out", list(zip(names, numels)), "absmax")
+    buffers = {name: Buffer.from_array(vk_device, x, name=name) for name, x in zip(names, tensors)}
+    buffers["out"] = Buffer.from_array(vk_device, np.full(sum(counts), 0xFFFFFFFF, np.uint32), name="out")
+    try:
+        with Program(vk_device, [dispatch], buffers) as program:
+            program.replay()
+        partials = buffers["out"].read(np.uint32, (sum(counts),))
+    finally:
+        for buffer in buffers.values():
+            buffer.destroy()
+    start = 0
+    for x, count in zip(tensors, counts):
+        assert partials[start:start + count].max() == np.abs(x).max().view(np.uint32)
+        start += count
+
+
 def test_emulated_mm_runs_the_longest_reduction_its_loop_budget_allows(vk_device):
     """The emulated kernel at the largest reduction its plan accepts (64-row tiles): had lavapipe's
     budget been counted wrong, the invocations would stop early and leave outputs NaN."""
@@ -352,12 +386,11 @@ def test_linear_q4gsw_backward_of_a_zero_gradient_is_zero(vk_device, mode):
     np.testing.assert_array_equal(actual, np.zeros((16, 64)))
 
 
-def test_backward_plan_clears_then_measures_then_multiplies():
-    fill, absmax, gemm = plan_coopmat_linear_q4gsw_backward(M=512, N=2048, K=8192, group_size=32, out="dx",
-                                                            d_out="g", weights="w", scales="s", absmax="m")
-    assert fill.shader == "copy@FILL" and [b.buffer for b in fill.bindings] == ["m"]
-    assert absmax.shader == "coopmat_absmax" and absmax.groups == (512 * 2048 // 4 // 1024, 1, 1)
-    assert absmax.push_constants[-4:] == (0).to_bytes(4, "little")  # slot 0
+def test_backward_plan_measures_then_multiplies():
+    absmax, gemm = plan_coopmat_linear_q4gsw_backward(M=512, N=2048, K=8192, group_size=32, out="dx",
+                                                      d_out="g", weights="w", scales="s", absmax="m")
+    assert absmax.shader == "coopmat_absmax" and absmax.groups == (ABSMAX_MAX_PARTIALS, 1, 1)
+    assert [b.buffer for b in absmax.bindings] == ["m", "g", "g"]  # one tensor: x1 unused
     assert gemm.shader in set(all_shader_names()) and gemm.shader.startswith("coopmat_linear_q4gsw_backward@A_SCALE")
     assert gemm.groups == (8192 // TILE_N, 512 // default_tile_m(512, 8192), 1)
     assert [b.buffer for b in gemm.bindings] == ["dx", "g", "w", "s", "m"]

@@ -311,7 +311,7 @@ def _lower_linear_q4gsw_backward(ctx: OpContext) -> list[Dispatch]:
                 weights=weights.binding, scales=scales.binding)
     if ctx.gemm.takes_tensor_cores(m, k, n):
         return _call(ctx, coopmat.plan_coopmat_linear_q4gsw_backward, **gemm, **ctx.gemm.plan_options,
-                     absmax=ctx.scratch(coopmat.ABSMAX_SCRATCH_BYTES, "absmax"))
+                     absmax=ctx.scratch(coopmat.absmax_scratch_nbytes(m * n), "absmax"))
     return _call(ctx, **gemm, **_split_k_args(ctx, "linear_q4gsw_backward", m, n, k, group_size))
 
 
@@ -522,7 +522,8 @@ def _lower_mm(ctx: OpContext) -> list[Dispatch]:
     if b_transposed is not None:
         return _call(ctx, coopmat.plan_coopmat_mm, M=a.shape[0], N=b.shape[1], K=a.shape[1],
                      out=ctx.outputs[0].binding, a=a.binding, b=b.binding, b_transposed=b_transposed,
-                     absmax=ctx.scratch(coopmat.MM_ABSMAX_SCRATCH_BYTES, "absmax"), **ctx.gemm.plan_options)
+                     absmax=ctx.scratch(coopmat.absmax_scratch_nbytes(a.numel, b.numel), "absmax"),
+                     **ctx.gemm.plan_options)
     try:
         scratch = _split_k_scratch(ctx, 1, a.shape[0], b.shape[1], a.shape[1])
         return matmul.plan_gemm(ctx.outputs[0].binding, a.binding, a.strided, b.binding, b.strided,

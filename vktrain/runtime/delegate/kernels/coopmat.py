@@ -13,14 +13,15 @@ one-plan-per-op registry; the op lowering takes them where this program's GemmRo
   coopmat_linear_q4gsw   y[M, N] = x[M, K] @ deq(W).T
   coopmat_mm             C[M, N] = A[M, K] @ B[K, N], or A @ B^T with B^T given as [N, K] (b_transposed),
                          A and B each scaled per tensor by a power of two before their fp16 rounding
-                         (max |A|, max |B| from coopmat_absmax, the first dispatches)
+                         (max |A|, max |B| from coopmat_absmax, the first dispatch)
   coopmat_linear_q4gsw_backward   d_x[M, K] = d_out[M, N] @ deq(W), d_out scaled per tensor by a power of
-                         two before its fp16 rounding (max |d_out| from coopmat_absmax, the first dispatches)
+                         two before its fp16 rounding (max |d_out| from coopmat_absmax, the first dispatch)
 
 They need a device whose `cooperative_matrix_properties` list 16x16x16 fp16 x fp16 + fp32 at subgroup
 scope (`coopmat_supported`). Tiling: 4 subgroups per workgroup, a BN = 128 wide tile and BM = 128 or 64
 rows (`tile_m`; default: 64 when 128-row tiles would leave the GPU short of workgroups). Push
-constants (after the runtime's group-offset header): M, N, K, group_size (0 for mm).
+constants (after the runtime's group-offset header): M, N, K, group_size (0 for mm), and the number of
+per-workgroup maxima of |A| and |B| coopmat_absmax wrote for the operand scales (0 where unscaled).
 
 Selection (docs/PRECISION.md): the program's blob lists the GEMM precision policies it allows
 (`allowed_precisions`, metadata `gemm_precisions`); at load `select_gemm_route` picks, from the policy the
@@ -45,7 +46,6 @@ from vktrain.runtime.delegate.kernels.layout import (
     KernelArgumentError,
     StridedView,
     binding,
-    plan_fill,
 )
 from vktrain.runtime.vk.coopmat import EXTENSION_NAME, CooperativeMatrixShape, supports_shape
 from vktrain.runtime.vk.schedule import Dispatch, ceil_div, pack_push
@@ -277,19 +277,33 @@ def plan_coopmat_linear_q4gsw(*, M: int, N: int, K: int, group_size: int, out: A
                       emulate=emulate, subgroup_size=subgroup_size)
     return [Dispatch(shader, groups=(ceil_div(N, TILE_N), ceil_div(M, tile_m), 1),
                      bindings=[binding(out, "w"), binding(x, "r"), binding(weights, "r"), binding(scales, "r")],
-                     push_constants=pack_push(M, N, K, group_size), label=label)]
+                     push_constants=pack_push(M, N, K, group_size, 0, 0), label=label)]
 
 
-ABSMAX_SCRATCH_BYTES = 4  # the float bits of max |d_out| (coopmat_absmax.comp)
-MM_ABSMAX_SCRATCH_BYTES = 8  # coopmat_mm's: max |A|, then max |B|
-_ABSMAX_VECS_PER_GROUP = 256 * 4  # coopmat_absmax.comp: WORKGROUP_SIZE x VECS_PER_THREAD vec4
+# coopmat_absmax.comp: workgroups of 256 threads, each reading at least 4 vec4 of its tensor; at most
+# ABSMAX_MAX_PARTIALS workgroups (hence partial maxima) per tensor, which every GEMM workgroup reduces.
+_ABSMAX_VECS_PER_GROUP = 256 * 4
+ABSMAX_MAX_PARTIALS = 256
 
 
-def _plan_absmax(absmax: Any, x: Any, numel: int, slot: int, label: str) -> Dispatch:
-    """absmax word `slot` = max(itself, max |x|) over the numel floats of x (numel % 4 == 0)."""
-    return Dispatch("coopmat_absmax", groups=(ceil_div(numel // 4, _ABSMAX_VECS_PER_GROUP), 1, 1),
-                    bindings=[binding(absmax, "rw"), binding(x, "r")], push_constants=pack_push(numel, slot),
-                    label=label)
+def absmax_partials(numel: int) -> int:
+    """How many partial maxima coopmat_absmax writes for a tensor of numel floats."""
+    return max(1, min(ceil_div(numel // 4, _ABSMAX_VECS_PER_GROUP), ABSMAX_MAX_PARTIALS))
+
+
+def absmax_scratch_nbytes(*numels: int) -> int:
+    """Scratch the operand scales of a coopmat GEMM take: the partial maxima of each scaled operand."""
+    return 4 * sum(absmax_partials(n) for n in numels)
+
+
+def _plan_absmax(absmax: Any, tensors: list[tuple[Any, int]], label: str) -> Dispatch:
+    """One coopmat_absmax dispatch writing the partial maxima of |x| of one or two (x, numel) tensors
+    into absmax, those of the first tensor first (numel % 4 == 0)."""
+    (x0, numel0), (x1, numel1) = tensors[0], (tensors[1] if len(tensors) > 1 else (tensors[0][0], 0))
+    groups0, groups1 = absmax_partials(numel0), absmax_partials(numel1) if numel1 else 0
+    return Dispatch("coopmat_absmax", groups=(groups0 + groups1, 1, 1),
+                    bindings=[binding(absmax, "w"), binding(x0, "r"), binding(x1, "r")],
+                    push_constants=pack_push(numel0, numel1, groups0, groups1), label=label)
 
 
 def plan_coopmat_mm(*, M: int, N: int, K: int, out: Any, a: Any, b: Any, absmax: Any, b_transposed: bool = False,
@@ -300,11 +314,11 @@ def plan_coopmat_mm(*, M: int, N: int, K: int, out: Any, a: Any, b: Any, absmax:
 
     Buffers: out fp32 [M, N]; a fp32 [M, K] row-major; b fp32 [K, N] row-major, or with b_transposed
     fp32 [N, K] row-major (C = A @ B^T: a linear layer's weight, the tied LM head); absmax
-    MM_ABSMAX_SCRATCH_BYTES of scratch. K must be a multiple of 4 (rows are read as vec4) and so must N
+    absmax_scratch_nbytes(M * K, K * N) of scratch. K must be a multiple of 4 (rows are read as vec4) and so must N
     (the accumulators are stored with a row stride of N floats, which cooperative-matrix stores want
     16-byte aligned). Either operand may be a gradient (the head's d_h = d_logits @ W): each is scaled by
     the power of two that puts its largest magnitude in [2^14, 2^15) before its fp16 rounding, and the
-    result back (exact). Dispatches: zero `absmax`, max |A|, max |B|, the GEMM. `tile_m`, `prefetch`,
+    result back (exact). Dispatches: the partial maxima of |A| and |B|, the GEMM. `tile_m`, `prefetch`,
     `emulate`, `subgroup_size` as in plan_coopmat_linear_q4gsw.
     """
     op = "coopmat_mm"
@@ -314,12 +328,11 @@ def plan_coopmat_mm(*, M: int, N: int, K: int, out: Any, a: Any, b: Any, absmax:
     tile_m = _tiling(op, M, N, tile_m, subgroup_size, emulate=emulate, reduction=K)
     shader = _variant("coopmat_mm", b_transposed=bool(b_transposed), tile_m=tile_m, prefetch=prefetch,
                       emulate=emulate, subgroup_size=subgroup_size, scale="AB_SCALE")
-    return plan_fill(absmax, 2, 0, label=f"{label}.absmax_zero") + [
-        _plan_absmax(absmax, a, M * K, 0, f"{label}.absmax_a"),
-        _plan_absmax(absmax, b, K * N, 1, f"{label}.absmax_b"),
-        Dispatch(shader, groups=(ceil_div(N, TILE_N), ceil_div(M, tile_m), 1),
-                 bindings=[binding(out, "w"), binding(a, "r"), binding(b, "r"), binding(absmax, "r")],
-                 push_constants=pack_push(M, N, K, 0), label=label)]
+    return [_plan_absmax(absmax, [(a, M * K), (b, K * N)], f"{label}.absmax"),
+            Dispatch(shader, groups=(ceil_div(N, TILE_N), ceil_div(M, tile_m), 1),
+                     bindings=[binding(out, "w"), binding(a, "r"), binding(b, "r"), binding(absmax, "r")],
+                     push_constants=pack_push(M, N, K, 0, absmax_partials(M * K), absmax_partials(K * N)),
+                     label=label)]
 
 
 def plan_coopmat_linear_q4gsw_backward(*, M: int, N: int, K: int, group_size: int, out: Any, d_out: Any,
@@ -331,7 +344,8 @@ def plan_coopmat_linear_q4gsw_backward(*, M: int, N: int, K: int, group_size: in
 
     d_out is a gradient, whose values follow the loss divisor down to fp16's subnormals: it is scaled by
     the power of two that puts max |d_out| in [2^14, 2^15) before its fp16 rounding (and the result back,
-    both exact). Dispatches: zero `absmax` (ABSMAX_SCRATCH_BYTES of scratch), its max |d_out|, the GEMM.
+    both exact). Dispatches: the partial maxima of |d_out| (into absmax, absmax_scratch_nbytes(M * N) of
+    scratch), the GEMM.
     Buffers as plan_coopmat_linear_q4gsw's (out fp32 [M, K], d_out fp32 [M, N]); tiles along K.
     """
     op = "coopmat_linear_q4gsw_backward"
@@ -346,9 +360,9 @@ def plan_coopmat_linear_q4gsw_backward(*, M: int, N: int, K: int, group_size: in
         prefetch = tile_m == 64
     shader = _variant(op, b_transposed=False, tile_m=tile_m, prefetch=prefetch, emulate=emulate,
                       subgroup_size=subgroup_size, scale="A_SCALE")
-    return plan_fill(absmax, 1, 0, label=f"{label}.absmax_zero") + [
-        _plan_absmax(absmax, d_out, M * N, 0, f"{label}.absmax"),
+    return [
+        _plan_absmax(absmax, [(d_out, M * N)], f"{label}.absmax"),
         Dispatch(shader, groups=(ceil_div(K, TILE_N), ceil_div(M, tile_m), 1),
                  bindings=[binding(out, "w"), binding(d_out, "r"), binding(weights, "r"), binding(scales, "r"),
                            binding(absmax, "r")],
-                 push_constants=pack_push(M, K, N, group_size), label=label)]
+                 push_constants=pack_push(M, K, N, group_size, absmax_partials(M * N), 0), label=label)]
