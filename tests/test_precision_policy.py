@@ -24,8 +24,9 @@ parity tolerance (LOSS_RTOL) added on top. A wrong weight, row or tile moves the
 from __future__ import annotations
 
 import argparse
-import json
 import copy
+import json
+import math
 from types import SimpleNamespace
 
 import numpy as np
@@ -33,6 +34,7 @@ import pytest
 import torch
 
 from vktrain.contract import METADATA_GEMM_PRECISIONS, PRECISION_FP16_TC, PRECISION_FP32, PRECISIONS
+from vktrain.lora import LoRAConfig, apply_lora
 from vktrain.lora.layers import LoRAQ4Linear
 from vktrain.runtime.delegate.executor import GraphExecutor
 from vktrain.runtime.delegate.kernels.coopmat import (
@@ -49,6 +51,9 @@ from vktrain.runtime.delegate.kernels.layout import StridedView
 from vktrain.runtime.program.runner import TrainingRunner
 from vktrain.runtime.vk.coopmat import CooperativeMatrixShape
 from vktrain.train.command import add_train_arguments, run_train
+
+from vktrain.export import export_training_step, lower_to_pte
+from vktrain.models import build_model
 
 from _helpers import LOSS_RTOL, _cast_floating, export_mlp_lora_training_step
 
@@ -190,9 +195,16 @@ def _base_gemm_ops(runner) -> list[str]:
     return [f"{i}:{op.name}" for i, op in enumerate(runner.executor.ops) if op.name in BASE_GEMMS]
 
 
-def _float64_loss_and_fp16_bound(model) -> tuple[float, float]:
+def _scale(x: torch.Tensor) -> float:
+    """coopmat_mm's per-tensor scale 2^e of an operand: max |x| * 2^e in [2^14, 2^15)."""
+    largest = float(x.abs().max())
+    return 1.0 if largest == 0.0 else 2.0 ** (14 - math.floor(math.log2(largest)))
+
+
+def _float64_loss_and_fp16_bound(model, batch, head=None) -> tuple[float, float]:
     """The float64 eager step-1 loss, and the first-order bound of the module docstring on how far
-    rounding every base GEMM's inputs to fp16 moves it."""
+    rounding the inputs of every base GEMM (and, given `head`, the lm_head's mm, whose operands are
+    scaled per tensor first) to fp16 moves it."""
     model = copy.deepcopy(model)
     _cast_floating(model, torch.float64)
     records = []
@@ -201,24 +213,28 @@ def _float64_loss_and_fp16_bound(model) -> tuple[float, float]:
         output.retain_grad()
         records.append((module, inputs[0].detach(), output))
 
-    hooks = [m.register_forward_hook(record) for m in model.modules() if isinstance(m, LoRAQ4Linear)]
-    token_ids, labels = _batch()
+    routed = [m for m in model.modules() if isinstance(m, LoRAQ4Linear)] + ([getattr(model, head)] if head else [])
+    hooks = [m.register_forward_hook(record) for m in routed]
+    token_ids, labels = batch
     loss = model.loss(token_ids, labels, (labels >= 0).sum().to(torch.float32))
     loss.backward()
     for hook in hooks:
         hook.remove()
-    assert len(records) == 3, "mlp-lora has two layers and the head, each a LoRA q4gsw linear"
     bound = 0.0
     for module, x, output in records:
         x = x.reshape(-1, module.in_features)
-        w = module.dequantized_weight().to(torch.float64)
+        if isinstance(module, LoRAQ4Linear):
+            w, x_scale, w_scale = module.dequantized_weight().to(torch.float64), 1.0, 1.0
+        else:  # the head's mm: both operands scaled by powers of two before their rounding, the result back
+            w = module.weight.detach()
+            x_scale, w_scale = _scale(x), _scale(w)
         K = module.in_features
         relative = 2 * FP16_UNIT_ROUNDOFF + FP16_UNIT_ROUNDOFF ** 2 + 2.0 ** -24 + (K + 16) * FP32_TRUNCATION
         per_output = relative * (x.abs() @ w.abs().T) + FP16_SUBNORMAL_HALF_SPACING * (
-            x.abs().sum(1, keepdim=True) + w.abs().sum(1)[None, :])
+            x.abs().sum(1, keepdim=True) / w_scale + w.abs().sum(1)[None, :] / x_scale)
         # d loss / d base output = d loss / d module output: the module adds the LoRA branch to it.
         bound += float((output.grad.reshape(-1, module.out_features).abs() * per_output).sum())
-    return float(loss.detach()), bound
+    return float(loss.detach()), bound, len(records)
 
 
 def test_fp16_tc_routes_every_base_gemm_and_step_one_matches_float64_within_the_derived_bound(
@@ -245,7 +261,8 @@ def test_fp16_tc_routes_every_base_gemm_and_step_one_matches_float64_within_the_
         assert f"{len(runner.executor.tensor_core_ops)} of" in runner.gemm_report()
         assert "emulated" in runner.gemm_report()
         tc_loss = _first_loss(runner)
-    reference, bound = _float64_loss_and_fp16_bound(model)
+    reference, bound, routed = _float64_loss_and_fp16_bound(model, _batch())
+    assert routed == 3, "mlp-lora has two layers and the head, each a LoRA q4gsw linear"
     tolerance = bound + LOSS_RTOL * abs(reference)
     error = abs(tc_loss - reference)
     print(f"fp16-tc step-1 loss {tc_loss!r} vs float64 {reference!r}: |err| {error:.2e}, first-order bound "
@@ -298,3 +315,42 @@ def test_inspect_reports_the_precisions_the_program_allows(step_program, capsys)
     assert cli.main(["inspect", "--json", str(step_program[0])]) == 0
     (delegate,) = json.loads(capsys.readouterr().out)["delegates"]
     assert delegate["gemm_precisions"] == list(PRECISIONS)
+
+
+def test_fp16_tc_runs_the_tied_lm_head_on_tensor_cores_and_step_one_matches_float64_within_the_bound(
+        vk_device, tmp_path):
+    """tiny-llama (tied head, a plain mm over the embedding): fp16-tc routes the head's logits
+    h @ W^T (and d_h = d_logits @ W) to coopmat_mm, and the step-1 loss stays within the first-order
+    bound of every routed forward GEMM, the head's with its operand scales (module docstring)."""
+    model = build_model("tiny-llama")
+    apply_lora(model, LoRAConfig(rank=4, alpha=8.0, targets="*_proj", group_size=32, seed=0))
+    path = tmp_path / "tiny_llama_step.pte"
+    path.write_bytes(lower_to_pte(export_training_step(model, (BATCH, SEQ))))
+    vocab = model.config.vocab_size
+    generator = torch.Generator().manual_seed(7)
+    token_ids = torch.randint(0, vocab, (BATCH, SEQ), generator=generator)
+    labels = torch.randint(0, vocab, (BATCH, SEQ), generator=generator)
+    labels[1, -3:] = -1
+    with TrainingRunner.from_pte(path, vk_device, precision=PRECISION_FP16_TC, emulate_tensor_cores=True) as runner:
+        executor = runner.executor
+        shapes = {label: [executor.graph.tensor(v).shape for v in executor.ops[int(label.split(":")[0])].args[:2]]
+                  for label in executor.tensor_core_ops if label.endswith(MM)}
+        dim = model.config.dim
+        head = [label for label, (a, b) in shapes.items() if list(a) == [BATCH * SEQ, dim] and list(b) == [dim, vocab]]
+        d_h = [label for label, (a, b) in shapes.items() if list(a) == [BATCH * SEQ, vocab] and list(b) == [vocab, dim]]
+        assert len(head) == 1 and len(d_h) == 1, shapes
+        head_shader = {d.shader for d in executor.dispatches if d.name == head[0]}
+        assert head_shader == {f"coopmat_mm@AB_SCALE+B_TRANSPOSED+BM=64+COOPMAT_EMULATE+SUBGROUP_SIZE={vk_device.subgroup_size}"
+                               if vk_device.subgroup_size != 32 else
+                               "coopmat_mm@AB_SCALE+B_TRANSPOSED+BM=64+COOPMAT_EMULATE"}, head_shader
+        loss = runner.step(token_ids.numpy(), labels.numpy(), HPARAMS)
+    reference, bound, routed = _float64_loss_and_fp16_bound(model, (token_ids, labels), head="lm_head")
+    assert routed == 7 * model.config.n_layers + 1
+    error = abs(loss - reference)
+    print(f"tiny-llama fp16-tc step-1 loss {loss!r} vs float64 {reference!r}: |err| {error:.2e}, bound {bound:.2e}")
+    assert error <= bound + LOSS_RTOL * abs(reference)
+    # The head's term dominates the bound (S_e = sum_k |h_k w_k| over the unit-variance embedding, and
+    # every |d loss / d logit| counted as if all roundings pushed one way): 1.6% of the loss here, the
+    # measured error ~1e-4. A wrong layout or tile of the head gives unrelated logits, moving the loss
+    # by a sizeable fraction of itself.
+    assert bound < 2e-2 * abs(reference)
