@@ -9,7 +9,8 @@ For every M in --ms and (K, N) in --kn (default M = 512..4096, (K, N) of q/o, ga
   vk  simt_linear_q4gsw       kernels.linear default plan (split-K scratch when it wants one)
   vk  coopmat_linear_q4gsw    each variant (tile_m 128 / 64, prefetch off / on)
   vk  simt_mm                 aten.mm (kernels.matmul) of x @ deq(W).T materialised as [K, N]
-  vk  coopmat_mm              each variant, B [K, N]; and B^T [N, K] (b_transposed) default variant
+  vk  coopmat_mm              each variant, B [K, N]; and B^T [N, K] (b_transposed) default variant (both with
+                              their per-tensor operand scales: the absmax passes are in the time)
   torch (CUDA events)         bf16, fp16, TF32 and fp32 (TF32 off) matmuls x @ W.T of the same data
 GPU times are medians over --replays (Vulkan timestamps; CUDA events). TFLOP/s = 2 M N K / time; MFU
 is against the dense fp16/bf16 tensor peak given by --peak-tflops (H200 SXM datasheet: 989.4). Each
@@ -35,6 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from vktrain import quant  # noqa: E402
 from vktrain.runtime import Buffer, Device, Program  # noqa: E402
 from vktrain.runtime.delegate.kernels.coopmat import (  # noqa: E402
+    absmax_scratch_nbytes,
     coopmat_supported,
     plan_coopmat_linear_q4gsw,
     plan_coopmat_mm,
@@ -98,6 +100,7 @@ def bench_shape(device, torch, M: int, K: int, N: int, args, rng) -> dict[str, A
     arrays = {"x": x, "w": prepack_weights(flat, K), "s": scales, "deq_t": np.ascontiguousarray(deq.T), "deq": deq}
     buffers = {key: Buffer.from_array(device, a, name=key) for key, a in arrays.items()}
     buffers["out"] = Buffer(device, 4 * M * N, name="out")
+    buffers["absmax"] = Buffer(device, absmax_scratch_nbytes(M * K, K * N), name="absmax")
     scratch = max(plan_scratch_nbytes("linear_q4gsw", M=M, N=N, K=K), gemm_scratch_nbytes(1, M, N, K))
     if scratch:
         buffers["scratch"] = Buffer(device, scratch, name="scratch")
@@ -139,9 +142,9 @@ def bench_shape(device, torch, M: int, K: int, N: int, args, rng) -> dict[str, A
                                scratch=mm_scratch))
     for variant in VARIANTS:
         vk_case(f"coopmat_mm.{variant_name(variant)}",
-                plan_coopmat_mm(M=M, N=N, K=K, out="out", a="x", b="deq_t", **variant, **extra))
+                plan_coopmat_mm(M=M, N=N, K=K, out="out", a="x", b="deq_t", absmax="absmax", **variant, **extra))
     vk_case("coopmat_mm_b_transposed.default",
-            plan_coopmat_mm(M=M, N=N, K=K, out="out", a="x", b="deq", b_transposed=True, **extra))
+            plan_coopmat_mm(M=M, N=N, K=K, out="out", a="x", b="deq", absmax="absmax", b_transposed=True, **extra))
     for buffer in buffers.values():
         buffer.destroy()
 

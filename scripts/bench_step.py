@@ -269,14 +269,48 @@ def _top(totals: dict[str, list[float]], steps: int, limit: int) -> list[dict[st
     return sorted(rows, key=lambda r: -r["ms"])[:limit]
 
 
+# The GEMM ops whose time `top_gemms` splits by shape (M x N x K of the product each computes).
+GEMM_OPS = ("aten.mm.default", "vktrain.linear_q4gsw.default", "vktrain.linear_q4gsw_backward.default",
+            "vktrain.linear_dW.default")
+
+
+def gemm_shapes(executor) -> dict[int, str]:
+    """Op index -> "op MxNxK (operand layout)" for the GEMM ops of an executor's graph: the key under which
+    `top_gemms` adds up their dispatches (split-K reductions and absmax passes included)."""
+    from vktrain.serialization import graph as vk
+
+    graph = executor.graph
+    shapes = {}
+    for index, op in enumerate(executor.ops):
+        if op.name not in GEMM_OPS:
+            continue
+        tensors = [graph.tensor(v) for v in op.args[:3] if isinstance(graph.values[v], vk.TensorValue)]
+        out = list(graph.tensor(op.outputs[0]).shape)
+        rows = math.prod(out[:-1])
+        if op.name == "aten.mm.default":
+            a, b = tensors[0], tensors[1]
+            layout = "".join("T" if t.view_strides else "N" for t in (a, b))  # T: a strided (transposed) view
+            shapes[index] = f"mm {a.shape[0]}x{b.shape[1]}x{a.shape[1]} {layout}"
+        elif op.name == "vktrain.linear_dW.default":
+            d_out, x = tensors[0], tensors[1]
+            shapes[index] = f"linear_dW {d_out.shape[-1]}x{x.shape[-1]}x{math.prod(d_out.shape[:-1])}"
+        else:
+            first = tensors[0]
+            shapes[index] = f"{op.name.split('.')[1]} {rows}x{out[-1]}x{first.shape[-1]}"
+    return shapes
+
+
 def time_vulkan(runner, config: BenchConfig, batches, warmup: int, steps: int, top: int) -> dict[str, Any]:
-    """Warm up, then time `steps` steps: wall clock per step and GPU timestamps by op kind and shader."""
+    """Warm up, then time `steps` steps: wall clock per step and GPU timestamps by op kind, shader and
+    GEMM shape."""
     hparams = np.array(HPARAMS, dtype=np.float32)
     losses, wall = [], []
     by_op: dict[str, list[float]] = {}
     by_shader: dict[str, list[float]] = {}
+    by_gemm: dict[str, list[float]] = {}
     gpu_step_s = []
     shaders = [d.shader for d in runner.executor.dispatches]
+    shapes = gemm_shapes(runner.executor)
     for index in range(warmup + steps):
         token_ids, labels = batches[index % len(batches)]
         start = time.perf_counter()
@@ -292,6 +326,9 @@ def time_vulkan(runner, config: BenchConfig, batches, warmup: int, steps: int, t
         for (label, seconds), shader in zip(timings, shaders):
             by_op.setdefault(op_kind(label), []).append(seconds)
             by_shader.setdefault(shader, []).append(seconds)
+            head = label.partition(":")[0]
+            if head.isdigit() and int(head) in shapes:
+                by_gemm.setdefault(shapes[int(head)], []).append(seconds)
     median_s = statistics.median(wall)
     return {
         "ms_per_step": 1e3 * median_s, "ms_per_step_mean": 1e3 * statistics.fmean(wall),
@@ -301,6 +338,7 @@ def time_vulkan(runner, config: BenchConfig, batches, warmup: int, steps: int, t
         "dispatches_per_step": len(shaders),
         "top_ops": _top(by_op, steps, top) if by_op else [],
         "top_shaders": _top(by_shader, steps, top) if by_shader else [],
+        "top_gemms": _top(by_gemm, steps, top) if by_gemm else [],
         "losses": losses,
     }
 

@@ -75,6 +75,16 @@ def test_quick_export_and_run_end_to_end(tmp_path):
         assert ops and ops == sorted(ops, key=lambda o: -o["ms"])
         assert sum(o["share"] for o in ops) <= 1 + 1e-9
         assert "aten.mm.default" in {o["name"] for o in ops}  # the LoRA / lm_head matmuls dominate tiny shapes
+        # The GEMM ops' time split by shape: every entry is one of them, and together they are at most
+        # what their op kinds took.
+        gemms = vk["top_gemms"]
+        assert gemms and gemms == sorted(gemms, key=lambda g: -g["ms"])
+        assert {g["name"].split()[0] for g in gemms} <= {"mm", "linear_q4gsw", "linear_q4gsw_backward", "linear_dW"}
+        tokens = record["tokens_per_step"]
+        assert any(g["name"].startswith(f"mm {tokens}x") for g in gemms), gemms  # the LoRA products of every token
+        gemm_kinds = sum(o["ms"] for o in ops if o["name"].split(".")[1] in ("mm", "linear_q4gsw",
+                                                                              "linear_q4gsw_backward", "linear_dW"))
+        assert sum(g["ms"] for g in gemms) <= gemm_kinds * (1 + 1e-9)
         memory = record["vk_memory"]
         # Device buffers hold at least the resident training state; the plan may overstate what is
         # allocated (tensors planned into memory objects can end up as views).
@@ -85,6 +95,18 @@ def test_quick_export_and_run_end_to_end(tmp_path):
         assert device_memory["bytes_in_use"] >= memory["device_buffers_bytes"]
         assert set(record["shaders"]) <= declared, set(record["shaders"]) - declared
     assert (tmp_path / "step_quick.png").stat().st_size > 0
+    # The drift script on the same program: its fp32 run starts from the same weights and batch as the
+    # benchmark's, and on a device without tensor cores fp16-tc falls back to the fp32 kernels: no drift.
+    drift_json = tmp_path / "drift.json"
+    drift = subprocess.run([sys.executable, str(SCRIPT.parent / "bench_drift.py"), records[0]["pte"], "--steps", "3",
+                            "--out", str(drift_json)], env=env, capture_output=True, text=True, timeout=600)
+    assert drift.returncode == 0, drift.stdout[-3000:] + drift.stderr[-3000:]
+    drift_summary = json.loads(drift_json.read_text())
+    fp32_run, tc_run = drift_summary["runs"]
+    assert fp32_run["precision"] == "fp32" and tc_run["precision"] == "fp16-tc" and len(tc_run["losses"]) == 3
+    assert fp32_run["losses"][0] == records[0]["vk"]["losses"][0]
+    if "fp32 kernels" in tc_run["gemm_route"]:
+        assert tc_run["losses"] == fp32_run["losses"] and drift_summary["drift_vs_fp32"]["fp16-tc"]["max_abs"] == 0
     assert result.stdout.count("op kinds by GPU time") == 2
     assert "(PyTorch ms, x of vk)" in result.stdout
 

@@ -21,7 +21,12 @@ workgroup writes cannot pass.
 The base's d_x kernel scales d_out by 2^e before rounding it (e puts max |d_out| in [2^14, 2^15)) and
 the result by 2^-e, both exact: its output times 2^e obeys the same bound with A = d_out * 2^e. So
 gradients of 1e-7 (fp16 subnormals, ~50% rounding error unscaled) must come out with fp16's full
-11 bits, which the bound checks.
+11 bits, which the bound checks. coopmat_mm scales both operands so (2^ea, 2^eb): its output times
+2^(ea + eb) obeys the bound with A * 2^ea and B * 2^eb.
+
+Emulated shapes: lavapipe cuts an invocation's loops short after 65535 iterations over all its loops;
+the emulated kernels' plans refuse shapes past half that (kernels/coopmat.py emulated_loop_trips), and
+the largest accepted reduction is run here, so the budget is checked against the device.
 """
 from __future__ import annotations
 
@@ -31,11 +36,15 @@ import pytest
 from vktrain.quant import dequantize, quantize
 from vktrain.runtime import Buffer, Program
 from vktrain.runtime.delegate.kernels.coopmat import (
-    EMULATED_MAX_TILE_REDUCTION,
+    ABSMAX_MAX_PARTIALS,
+    EMULATED_LOOP_BUDGET,
     SUBGROUP_BASIC_BIT,
     TILE_N,
+    _plan_absmax,
+    absmax_partials,
     coopmat_supported,
     default_tile_m,
+    emulated_loop_trips,
     plan_coopmat_linear_q4gsw,
     plan_coopmat_linear_q4gsw_backward,
     plan_coopmat_mm,
@@ -71,7 +80,8 @@ def test_supports_shape_needs_the_exact_shape_types_and_subgroup_scope():
 def test_plans_name_prebuilt_variants_and_cover_the_output(b_transposed, variant):
     declared = set(all_shader_names())
     M, N, K = 300, 260, 64
-    (mm,) = plan_coopmat_mm(M=M, N=N, K=K, out="c", a="a", b="b", b_transposed=b_transposed, **variant)
+    *_, mm = plan_coopmat_mm(M=M, N=N, K=K, out="c", a="a", b="b", absmax="m", b_transposed=b_transposed,
+                             **variant)
     (linear,) = plan_coopmat_linear_q4gsw(M=M, N=N, K=K, group_size=32, out="y", x="x", weights="w",
                                           scales="s", **variant)
     for dispatch in (mm, linear):
@@ -80,13 +90,14 @@ def test_plans_name_prebuilt_variants_and_cover_the_output(b_transposed, variant
         assert dispatch.local_size is None  # the shaders fix 4 subgroups of SUBGROUP_SIZE
     assert ("B_TRANSPOSED" in mm.shader) == b_transposed
     assert [b.access for b in linear.bindings] == ["w", "r", "r", "r"]
+    assert "AB_SCALE" in mm.shader and [b.buffer for b in mm.bindings] == ["c", "a", "b", "m"]
 
 
 def test_other_subgroup_sizes_name_a_variant_built_on_demand():
-    (dispatch,) = plan_coopmat_mm(M=64, N=64, K=64, out="c", a="a", b="b", subgroup_size=64)
+    dispatch = plan_coopmat_mm(M=64, N=64, K=64, out="c", a="a", b="b", absmax="m", subgroup_size=64)[-1]
     assert dispatch.shader.endswith("SUBGROUP_SIZE=64")
     with pytest.raises(KernelArgumentError, match="subgroup_size"):
-        plan_coopmat_mm(M=64, N=64, K=64, out="c", a="a", b="b", subgroup_size=48)
+        plan_coopmat_mm(M=64, N=64, K=64, out="c", a="a", b="b", absmax="m", subgroup_size=48)
 
 
 def test_default_tile_m_takes_64_rows_when_128_would_underfill():
@@ -103,7 +114,7 @@ def test_default_tile_m_takes_64_rows_when_128_would_underfill():
 ])
 def test_mm_refuses_bad_arguments_by_name(kwargs, match):
     with pytest.raises(KernelArgumentError, match=match):
-        plan_coopmat_mm(out="c", a="a", b="b", **kwargs)
+        plan_coopmat_mm(out="c", a="a", b="b", absmax="m", **kwargs)
 
 
 def test_linear_refuses_bad_q4gsw_shapes_by_name():
@@ -143,6 +154,8 @@ def _gemm_backend(device, mode: str) -> dict:
 
 
 def _run(device, dispatches, inputs, out_shape):
+    # The absmax scratch starts as garbage: every partial the GEMM reads must have been written.
+    inputs = {"absmax": np.full(2 * ABSMAX_MAX_PARTIALS, 0x7F7F7F7F, np.uint32), **inputs}
     buffers = {key: Buffer.from_array(device, np.ascontiguousarray(a), name=key) for key, a in inputs.items()}
     buffers["out"] = Buffer.from_array(device, np.full(out_shape, np.nan, dtype=np.float32), name="out")
     try:
@@ -182,10 +195,9 @@ EMULATED_SHAPES = [(1, 4, 32), (37, 132, 96), (70, 260, 64)]
 EMULATED_VARIANTS = [dict(tile_m=64, prefetch=False), dict(tile_m=128, prefetch=True)]
 
 
-# The emulated variants' known limit (kernels/coopmat.py EMULATED_MAX_TILE_REDUCTION: BM = 128 needs a
-# reduction < 128, BM = 64 < 256; their plans refuse beyond). The d_x kernel's reduction is N: its
-# emulated shapes reduce over at most 196, with 64-row tiles.
-EMULATED_BACKWARD_SHAPES = [(1, 4, 32), (37, 132, 96), (70, 196, 160)]
+# The d_x kernel's reduction is N: (70, 1000, 160) reduces over 1000, past what the emulated kernel ran
+# before its loops were reordered for lavapipe's loop budget (256 with 64-row tiles).
+EMULATED_BACKWARD_SHAPES = [(1, 4, 32), (37, 132, 96), (70, 1000, 160)]
 EMULATED_64_ROW_VARIANTS = [dict(tile_m=64, prefetch=False), dict(tile_m=64, prefetch=True)]
 
 
@@ -231,6 +243,27 @@ def test_linear_q4gsw_decodes_every_weight_to_its_fp16_value(vk_device, mode):
     np.testing.assert_array_equal(actual, expected)
 
 
+def _scale_exponent(x: np.ndarray) -> int:
+    """The e of the kernels' 2^e operand scale: max |x| * 2^e in [2^14, 2^15) (0 for all zeros)."""
+    largest = float(np.abs(x).max())
+    return 0 if largest == 0.0 else 14 - int(np.floor(np.log2(largest)))
+
+
+def _run_mm(device, backend, a, b, b_transposed=False, **variant):
+    (M, K), N = a.shape, b.shape[1]
+    stored_b = np.ascontiguousarray(b.T) if b_transposed else b
+    dispatches = plan_coopmat_mm(M=M, N=N, K=K, out="out", a="a", b="b", absmax="absmax",
+                                 b_transposed=b_transposed, **variant, **backend)
+    return _run(device, dispatches, {"a": a, "b": stored_b}, (M, N))
+
+
+def _assert_scaled_mm_close(actual, a, b, label):
+    """The bound for coopmat_mm's scaled operands (module docstring)."""
+    scale_a, scale_b = 2.0 ** _scale_exponent(a), 2.0 ** _scale_exponent(b)
+    _assert_fp16_gemm_close(actual * (scale_a * scale_b), a.astype(np.float64) * scale_a,
+                            b.astype(np.float64) * scale_b, label)
+
+
 @pytest.mark.parametrize("b_transposed", [False, True], ids=["b", "b_transposed"])
 @pytest.mark.parametrize("mode, variant, M, N, K", _cases(extra_shapes=[(64, 16, 4)]))
 def test_mm_matches_float64_within_the_fp16_bound(vk_device, mode, M, N, K, variant, b_transposed):
@@ -238,31 +271,85 @@ def test_mm_matches_float64_within_the_fp16_bound(vk_device, mode, M, N, K, vari
     rng = np.random.default_rng(M + 3 * N + 5 * K)
     a = rng.standard_normal((M, K)).astype(np.float32)
     b = (rng.standard_normal((K, N)) * 0.1).astype(np.float32)
-    stored_b = np.ascontiguousarray(b.T) if b_transposed else b
-    dispatches = plan_coopmat_mm(M=M, N=N, K=K, out="out", a="a", b="b", b_transposed=b_transposed, **variant,
-                                 **backend)
-    actual = _run(vk_device, dispatches, {"a": a, "b": stored_b}, (M, N))
-    _assert_fp16_gemm_close(actual, a.astype(np.float64), b.astype(np.float64),
-                            f"coopmat_mm {mode} {M}x{N}x{K} b_transposed={b_transposed} {variant}")
+    actual = _run_mm(vk_device, backend, a, b, b_transposed, **variant)
+    _assert_scaled_mm_close(actual, a, b, f"coopmat_mm {mode} {M}x{N}x{K} b_transposed={b_transposed} {variant}")
+
+
+@pytest.mark.parametrize("b_transposed", [False, True], ids=["b", "b_transposed"])
+@pytest.mark.parametrize("scale_a, scale_b", [(1e-7, 1.0), (1.0, 3e-8), (1e3, 1e-9)],
+                         ids=["tiny-a", "tiny-b", "large-a-tiny-b"])
+@pytest.mark.parametrize("mode", ["coopmat", "emulated"])
+def test_mm_keeps_fp16_precision_for_operands_of_any_scale(vk_device, mode, scale_a, scale_b, b_transposed):
+    """The head's d_h = d_logits @ W reads a gradient of ~1e-7 (a loss divided by its tokens), and
+    either operand may be one: values far below fp16's normal range (6.1e-5) must keep 11 bits, which
+    only the per-tensor scales give (unscaled, 1e-7 keeps ~3 bits and 3e-8 rounds to zero or 6e-8)."""
+    backend = _gemm_backend(vk_device, mode)
+    rng = np.random.default_rng(11)
+    a = (rng.standard_normal((37, 96)) * scale_a).astype(np.float32)
+    b = (rng.standard_normal((96, 132)) * scale_b).astype(np.float32)
+    actual = _run_mm(vk_device, backend, a, b, b_transposed, tile_m=64)
+    _assert_scaled_mm_close(actual, a, b, f"coopmat_mm {mode} a x{scale_a} b x{scale_b}")
+
+
+@pytest.mark.parametrize("numels", [(4,), (4096, 8), (4 * 1024 * ABSMAX_MAX_PARTIALS + 40,),
+                                    (8, 4 * 1024 * ABSMAX_MAX_PARTIALS * 3 + 4)], ids=["one", "two", "strided", "two-strided"])
+def test_absmax_partials_hold_each_tensors_largest_magnitude(vk_device, numels):
+    """The partial maxima of one or two tensors (past ABSMAX_MAX_PARTIALS workgroups' worth, each
+    workgroup strides over its tensor): the largest of each tensor's partials is its max |x|, placed at
+    the tensor's last element where a wrong stride or bound would miss it."""
+    rng = np.random.default_rng(len(numels))
+    tensors = []
+    for numel in numels:
+        x = rng.standard_normal(numel).astype(np.float32)
+        x[-1] = -7.5 * (1 + len(tensors))
+        tensors.append(x)
+    counts = [absmax_partials(n) for n in numels]
+    assert counts[-1] == min(-(-numels[-1] // 4096), ABSMAX_MAX_PARTIALS)
+    names = [f"x{i}" for i in range(len(numels))]
+    dispatch = _plan_absmax("out", list(zip(names, numels)), "absmax")
+    buffers = {name: Buffer.from_array(vk_device, x, name=name) for name, x in zip(names, tensors)}
+    buffers["out"] = Buffer.from_array(vk_device, np.full(sum(counts), 0xFFFFFFFF, np.uint32), name="out")
+    try:
+        with Program(vk_device, [dispatch], buffers) as program:
+            program.replay()
+        partials = buffers["out"].read(np.uint32, (sum(counts),))
+    finally:
+        for buffer in buffers.values():
+            buffer.destroy()
+    start = 0
+    for x, count in zip(tensors, counts):
+        assert partials[start:start + count].max() == np.abs(x).max().view(np.uint32)
+        start += count
+
+
+def test_emulated_mm_runs_the_longest_reduction_its_loop_budget_allows(vk_device):
+    """The emulated kernel at the largest reduction its plan accepts (64-row tiles): had lavapipe's
+    budget been counted wrong, the invocations would stop early and leave outputs NaN."""
+    backend = _gemm_backend(vk_device, "emulated")
+    subgroup_size = backend["subgroup_size"]
+    K = 32
+    while emulated_loop_trips(64, K + 32, subgroup_size) <= EMULATED_LOOP_BUDGET:
+        K += 32
+    assert K >= 4000  # 16x what the emulated kernel ran before its loops were reordered (K < 256)
+    rng = np.random.default_rng(5)
+    a = rng.standard_normal((64, K)).astype(np.float32)
+    b = (rng.standard_normal((K, 128)) * 0.1).astype(np.float32)
+    actual = _run_mm(vk_device, backend, a, b, tile_m=64)
+    _assert_scaled_mm_close(actual, a, b, f"emulated coopmat_mm 64x128x{K}")
+    with pytest.raises(KernelArgumentError, match="lavapipe's limit of 65535"):
+        plan_coopmat_mm(M=64, N=128, K=K + 32, out="c", a="a", b="b", absmax="m", tile_m=64, **backend)
 
 
 @pytest.mark.parametrize("mode", ["coopmat", "emulated"])
 def test_mm_rounds_inputs_to_fp16_not_keeping_fp32(vk_device, mode):
     """A check that the kernel is what it claims: 1 + 2^-13 is 1 in fp16, so [1 + 2^-13] @ [1] gives
-    exactly 1 (an fp32 or TF32 kernel would keep the 2^-13)."""
+    exactly 1 (an fp32 or TF32 kernel would keep the 2^-13; the scale 2^14 keeps the spacing relative)."""
     backend = _gemm_backend(vk_device, mode)
     a = np.full((16, 16), 1.0 + 2.0 ** -13, dtype=np.float32)
     b = np.zeros((16, 16), dtype=np.float32)
     b[0, :] = 1.0
-    actual = _run(vk_device, plan_coopmat_mm(M=16, N=16, K=16, out="out", a="a", b="b", **backend),
-                  {"a": a, "b": b}, (16, 16))
+    actual = _run_mm(vk_device, backend, a, b)
     np.testing.assert_array_equal(actual, np.ones((16, 16)))
-
-
-def _d_out_exponent(d_out: np.ndarray) -> int:
-    """The e of the d_x kernel's 2^e scale: max |d_out| * 2^e in [2^14, 2^15) (0 for all zeros)."""
-    largest = float(np.abs(d_out).max())
-    return 0 if largest == 0.0 else 14 - int(np.floor(np.log2(largest)))
 
 
 def _run_linear_backward(device, backend, d_out, flat, scales, group_size, **variant):
@@ -270,8 +357,7 @@ def _run_linear_backward(device, backend, d_out, flat, scales, group_size, **var
     K = scales.shape[0] * group_size
     dispatches = plan_coopmat_linear_q4gsw_backward(M=M, N=N, K=K, group_size=group_size, out="out", d_out="d_out",
                                                     weights="w", scales="s", absmax="absmax", **variant, **backend)
-    return _run(device, dispatches, {"d_out": d_out, "w": prepack_weights(flat, K), "s": scales,
-                                     "absmax": np.full(1, 0x7F7F7F7F, np.uint32)}, (M, K))
+    return _run(device, dispatches, {"d_out": d_out, "w": prepack_weights(flat, K), "s": scales}, (M, K))
 
 
 @pytest.mark.parametrize("gradient_scale", [1.0, 1e-7], ids=["unit", "tiny"])
@@ -279,15 +365,14 @@ def _run_linear_backward(device, backend, d_out, flat, scales, group_size, **var
                                                         emulated_shapes=EMULATED_BACKWARD_SHAPES))
 def test_linear_q4gsw_backward_matches_float64_within_the_scaled_fp16_bound(vk_device, mode, M, N, K, variant,
                                                                              gradient_scale):
-    """d_x = d_out @ deq(W) (here N is the reduction, K the output width); the absmax scratch starts
-    as garbage, which the plan's first dispatch must clear."""
+    """d_x = d_out @ deq(W) (here N is the reduction, K the output width)."""
     backend = _gemm_backend(vk_device, mode)
     rng = np.random.default_rng(M * 5 + 3 * N + K)
     group_size = 32
     flat, scales = quantize(rng.standard_normal((N, K)).astype(np.float32), group_size)
     d_out = (rng.standard_normal((M, N)) * gradient_scale).astype(np.float32)
     actual = _run_linear_backward(vk_device, backend, d_out, flat, scales, group_size, **variant)
-    scale = 2.0 ** _d_out_exponent(d_out)
+    scale = 2.0 ** _scale_exponent(d_out)
     deq = dequantize(flat, scales, group_size).astype(np.float64)
     _assert_fp16_gemm_close(actual * scale, d_out.astype(np.float64) * scale, deq,
                             f"coopmat_linear_q4gsw_backward {mode} {M}x{N}x{K} {variant} x{gradient_scale}")
@@ -301,11 +386,11 @@ def test_linear_q4gsw_backward_of_a_zero_gradient_is_zero(vk_device, mode):
     np.testing.assert_array_equal(actual, np.zeros((16, 64)))
 
 
-def test_backward_plan_clears_then_measures_then_multiplies():
-    fill, absmax, gemm = plan_coopmat_linear_q4gsw_backward(M=512, N=2048, K=8192, group_size=32, out="dx",
-                                                            d_out="g", weights="w", scales="s", absmax="m")
-    assert fill.shader == "copy@FILL" and [b.buffer for b in fill.bindings] == ["m"]
-    assert absmax.shader == "coopmat_absmax" and absmax.groups == (512 * 2048 // 4 // 1024, 1, 1)
+def test_backward_plan_measures_then_multiplies():
+    absmax, gemm = plan_coopmat_linear_q4gsw_backward(M=512, N=2048, K=8192, group_size=32, out="dx",
+                                                      d_out="g", weights="w", scales="s", absmax="m")
+    assert absmax.shader == "coopmat_absmax" and absmax.groups == (ABSMAX_MAX_PARTIALS, 1, 1)
+    assert [b.buffer for b in absmax.bindings] == ["m", "g", "g"]  # one tensor: x1 unused
     assert gemm.shader in set(all_shader_names()) and gemm.shader.startswith("coopmat_linear_q4gsw_backward@A_SCALE")
     assert gemm.groups == (8192 // TILE_N, 512 // default_tile_m(512, 8192), 1)
     assert [b.buffer for b in gemm.bindings] == ["dx", "g", "w", "s", "m"]
@@ -328,13 +413,18 @@ def test_linear_q4gsw_backward_propagates_a_non_finite_gradient(vk_device, mode,
                             dequantize(flat, scales, 32).astype(np.float64), f"backward {mode} with {bad} in row 3")
 
 
-def test_emulated_plans_refuse_the_shapes_their_known_limit_covers():
-    for tile_m, reduction in ((128, 128), (64, 256)):
-        assert tile_m * reduction == EMULATED_MAX_TILE_REDUCTION
-        with pytest.raises(KernelArgumentError, match="known to be wrong"):
-            plan_coopmat_mm(M=64, N=64, K=reduction, out="c", a="a", b="b", tile_m=tile_m, emulate=True)
-        plan_coopmat_mm(M=64, N=64, K=reduction - 32, out="c", a="a", b="b", tile_m=tile_m, emulate=True)
-        plan_coopmat_mm(M=64, N=64, K=reduction, out="c", a="a", b="b", tile_m=tile_m)  # tensor cores: fine
-    with pytest.raises(KernelArgumentError, match="reduction of 256"):
-        plan_coopmat_linear_q4gsw_backward(M=16, N=256, K=64, group_size=32, out="d", d_out="g", weights="w",
-                                           scales="s", absmax="m", emulate=True)
+def test_emulated_plans_refuse_reductions_past_the_loop_budget_and_tensor_cores_do_not():
+    for tile_m, subgroup_size in ((128, 8), (64, 8), (64, 32)):
+        trips_per_step = 1 + 2 * (tile_m // 32) * (TILE_N // 32) * 16  # the k-step loop and its multiply-adds
+        assert emulated_loop_trips(tile_m, 4096, subgroup_size) == (
+            4096 // 32 * trips_per_step + (tile_m // 32) * (TILE_N // 32) * (256 // subgroup_size))
+        longest = max(K for K in range(32, 20000, 32)
+                      if emulated_loop_trips(tile_m, K, subgroup_size) <= EMULATED_LOOP_BUDGET)
+        args = dict(M=64, N=64, out="c", a="a", b="b", absmax="m", tile_m=tile_m, subgroup_size=subgroup_size)
+        plan_coopmat_mm(K=longest, emulate=True, **args)
+        with pytest.raises(KernelArgumentError, match="within lavapipe's limit of 65535"):
+            plan_coopmat_mm(K=longest + 32, emulate=True, **args)
+        plan_coopmat_mm(K=longest + 32, **args)  # tensor cores: no such budget
+    with pytest.raises(KernelArgumentError, match="reduction of 16384"):
+        plan_coopmat_linear_q4gsw_backward(M=16, N=16384, K=64, group_size=32, out="d", d_out="g", weights="w",
+                                           scales="s", absmax="m", emulate=True, subgroup_size=8)

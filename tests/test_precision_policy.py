@@ -7,7 +7,10 @@ their COOPMAT_EMULATE variant (the same shaders with the cooperative-matrix oper
 arithmetic and the same rounding: fp16 inputs, fp32 sums).
 
 Tolerance of the fp16-tc step-1 loss against the float64 eager reference (derived, first order). The
-route changes only the 4-bit base products y = x @ deq(W).T; each output element of one of them moves by
+route also sends mlp-lora's aten.mm ops that coopmat_mm reads (the LoRA products x @ A^T, u @ B^T and the
+backward's d_y @ B, d_u @ A) to the tensor cores, but at step 1 those do not move the loss: LoRA's B
+starts at zero, so u @ B^T is exactly zero whatever u's rounding, and backward products come after the
+loss. What moves it are the 4-bit base products y = x @ deq(W).T; each output element of one of them moves by
 at most eps_e = ((2u + u^2 + 2^-24) + (K + 16) 2^-23) * S_e + 2^-25 (sum_k |x_k| + sum_k |w_k|), with
 u = 2^-11 the fp16 unit roundoff and S_e = sum_k |x_k w_k| (tests/test_kernels_coopmat.py derives this
 bound; for these K <= 64 the fp32-sum term is far below the fp16 input rounding). To first order the
@@ -21,8 +24,9 @@ parity tolerance (LOSS_RTOL) added on top. A wrong weight, row or tile moves the
 from __future__ import annotations
 
 import argparse
-import json
 import copy
+import json
+import math
 from types import SimpleNamespace
 
 import numpy as np
@@ -30,19 +34,26 @@ import pytest
 import torch
 
 from vktrain.contract import METADATA_GEMM_PRECISIONS, PRECISION_FP16_TC, PRECISION_FP32, PRECISIONS
+from vktrain.lora import LoRAConfig, apply_lora
 from vktrain.lora.layers import LoRAQ4Linear
 from vktrain.runtime.delegate.executor import GraphExecutor
 from vktrain.runtime.delegate.kernels.coopmat import (
+    EMULATED_LOOP_BUDGET,
     MIN_WORKGROUPS,
     GemmRoute,
     PrecisionPolicyError,
     allowed_precisions,
     coopmat_supported,
+    emulated_loop_trips,
     select_gemm_route,
 )
+from vktrain.runtime.delegate.kernels.layout import StridedView
 from vktrain.runtime.program.runner import TrainingRunner
 from vktrain.runtime.vk.coopmat import CooperativeMatrixShape
 from vktrain.train.command import add_train_arguments, run_train
+
+from vktrain.export import export_training_step, lower_to_pte
+from vktrain.models import build_model
 
 from _helpers import LOSS_RTOL, _cast_floating, export_mlp_lora_training_step
 
@@ -109,6 +120,52 @@ def test_small_outputs_stay_on_the_split_k_simt_kernels():
     assert route.takes_tensor_cores(512, 2048) and not route.takes_tensor_cores(512, 1920)
 
 
+def _matrix(rows: int, cols: int) -> StridedView:
+    return StridedView.contiguous((rows, cols))
+
+
+def _transposed(rows: int, cols: int) -> StridedView:
+    """A [rows, cols] view of a row-major [cols, rows] tensor (a weight read as W^T)."""
+    return StridedView((rows, cols), (1, rows))
+
+
+def test_mm_takes_the_tensor_cores_for_large_row_major_or_transposed_weight_operands():
+    route = GemmRoute(PRECISION_FP16_TC, True, "test")
+    # The tied LM head of SmolLM2 at 4 x 512 tokens: logits = h @ W^T, and d_h = d_logits @ W.
+    assert route.dense_b_transposed(_matrix(2048, 576), _transposed(576, 49152)) is True
+    assert route.dense_b_transposed(_matrix(2048, 49152), _matrix(49152, 576)) is False
+    # The LoRA B product (K = rank 16) of a 2048-wide projection: a large output.
+    assert route.dense_b_transposed(_matrix(2048, 16), _transposed(16, 2048)) is True
+    # Skinny outputs (x @ A^T of rank 16, d_h at 128 tokens) keep the fp32 split-K kernels.
+    assert route.dense_b_transposed(_matrix(2048, 2048), _transposed(2048, 16)) is None
+    assert route.dense_b_transposed(_matrix(128, 49152), _matrix(49152, 576)) is None
+    # What coopmat_mm cannot read: A transposed (the LoRA weight gradients), other strides, offsets,
+    # rows that are not whole vec4.
+    assert route.dense_b_transposed(_transposed(2048, 2048), _matrix(2048, 2048)) is None
+    assert route.dense_b_transposed(_matrix(2048, 2048), StridedView((2048, 2048), (4096, 1))) is None
+    assert route.dense_b_transposed(_matrix(2048, 2048), StridedView((2048, 2048), (2048, 1), 2048)) is None
+    assert route.dense_b_transposed(_matrix(2048, 2046), _matrix(2046, 2048)) is None
+    assert route.dense_b_transposed(_matrix(2048, 2048), _matrix(2048, 2046)) is None
+
+
+def test_mm_keeps_the_fp32_kernel_on_the_fp32_policy_and_without_tensor_cores():
+    head = (_matrix(2048, 576), _transposed(576, 49152))
+    assert select_gemm_route(PRECISION_FP32, PRECISIONS, _device([TENSOR_CORES])).dense_b_transposed(*head) is None
+    assert select_gemm_route(PRECISION_FP16_TC, PRECISIONS, _device()).dense_b_transposed(*head) is None
+    assert select_gemm_route(PRECISION_FP16_TC, PRECISIONS, _device([TENSOR_CORES])).dense_b_transposed(*head)
+
+
+def test_emulated_route_keeps_reductions_past_lavapipe_loop_budget_on_the_fp32_kernels():
+    route = select_gemm_route(PRECISION_FP16_TC, PRECISIONS, _device(subgroup_size=8), emulate=True)
+    assert route.dense_b_transposed(_matrix(16, 64), _matrix(64, 8)) is False  # emulated: any size
+    too_long = 32
+    while emulated_loop_trips(64, too_long, 8) <= EMULATED_LOOP_BUDGET:
+        too_long += 32
+    assert route.dense_b_transposed(_matrix(16, too_long - 32), _matrix(too_long - 32, 64)) is False
+    assert route.dense_b_transposed(_matrix(16, too_long), _matrix(too_long, 64)) is None
+    assert not route.takes_tensor_cores(16, 64, too_long) and route.takes_tensor_cores(16, 64, too_long - 32)
+
+
 # ----------------------------------------------------------------------------------- the training step
 @pytest.fixture(scope="module")
 def step_program(tmp_path_factory):
@@ -130,6 +187,7 @@ def _first_loss(runner) -> float:
 
 
 BASE_GEMMS = ("vktrain.linear_q4gsw.default", "vktrain.linear_q4gsw_backward.default")
+MM = "aten.mm.default"
 
 
 def _base_gemm_ops(runner) -> list[str]:
@@ -137,9 +195,16 @@ def _base_gemm_ops(runner) -> list[str]:
     return [f"{i}:{op.name}" for i, op in enumerate(runner.executor.ops) if op.name in BASE_GEMMS]
 
 
-def _float64_loss_and_fp16_bound(model) -> tuple[float, float]:
+def _scale(x: torch.Tensor) -> float:
+    """coopmat_mm's per-tensor scale 2^e of an operand: max |x| * 2^e in [2^14, 2^15)."""
+    largest = float(x.abs().max())
+    return 1.0 if largest == 0.0 else 2.0 ** (14 - math.floor(math.log2(largest)))
+
+
+def _float64_loss_and_fp16_bound(model, batch, head=None) -> tuple[float, float]:
     """The float64 eager step-1 loss, and the first-order bound of the module docstring on how far
-    rounding every base GEMM's inputs to fp16 moves it."""
+    rounding the inputs of every base GEMM (and, given `head`, the lm_head's mm, whose operands are
+    scaled per tensor first) to fp16 moves it."""
     model = copy.deepcopy(model)
     _cast_floating(model, torch.float64)
     records = []
@@ -148,24 +213,28 @@ def _float64_loss_and_fp16_bound(model) -> tuple[float, float]:
         output.retain_grad()
         records.append((module, inputs[0].detach(), output))
 
-    hooks = [m.register_forward_hook(record) for m in model.modules() if isinstance(m, LoRAQ4Linear)]
-    token_ids, labels = _batch()
+    routed = [m for m in model.modules() if isinstance(m, LoRAQ4Linear)] + ([getattr(model, head)] if head else [])
+    hooks = [m.register_forward_hook(record) for m in routed]
+    token_ids, labels = batch
     loss = model.loss(token_ids, labels, (labels >= 0).sum().to(torch.float32))
     loss.backward()
     for hook in hooks:
         hook.remove()
-    assert len(records) == 3, "mlp-lora has two layers and the head, each a LoRA q4gsw linear"
     bound = 0.0
     for module, x, output in records:
         x = x.reshape(-1, module.in_features)
-        w = module.dequantized_weight().to(torch.float64)
+        if isinstance(module, LoRAQ4Linear):
+            w, x_scale, w_scale = module.dequantized_weight().to(torch.float64), 1.0, 1.0
+        else:  # the head's mm: both operands scaled by powers of two before their rounding, the result back
+            w = module.weight.detach()
+            x_scale, w_scale = _scale(x), _scale(w)
         K = module.in_features
         relative = 2 * FP16_UNIT_ROUNDOFF + FP16_UNIT_ROUNDOFF ** 2 + 2.0 ** -24 + (K + 16) * FP32_TRUNCATION
         per_output = relative * (x.abs() @ w.abs().T) + FP16_SUBNORMAL_HALF_SPACING * (
-            x.abs().sum(1, keepdim=True) + w.abs().sum(1)[None, :])
+            x.abs().sum(1, keepdim=True) / w_scale + w.abs().sum(1)[None, :] / x_scale)
         # d loss / d base output = d loss / d module output: the module adds the LoRA branch to it.
         bound += float((output.grad.reshape(-1, module.out_features).abs() * per_output).sum())
-    return float(loss.detach()), bound
+    return float(loss.detach()), bound, len(records)
 
 
 def test_fp16_tc_routes_every_base_gemm_and_step_one_matches_float64_within_the_derived_bound(
@@ -179,13 +248,21 @@ def test_fp16_tc_routes_every_base_gemm_and_step_one_matches_float64_within_the_
         base_ops = _base_gemm_ops(runner)
         # Three forward GEMMs; d_x of the head and the second layer (the first layer's input is the frozen
         # embedding's output, which needs no gradient).
-        assert len(base_ops) == 5 and runner.executor.tensor_core_ops == base_ops
+        assert len(base_ops) == 5 and set(base_ops) <= set(runner.executor.tensor_core_ops)
+        routed_mm = [label for label in runner.executor.tensor_core_ops if label not in base_ops]
+        # Every other routed op is a mm: at least the two forward LoRA products of each of the three modules.
+        assert all(label.endswith(MM) for label in routed_mm) and len(routed_mm) >= 6, routed_mm
         gemm_shaders = {d.shader for d in runner.executor.dispatches
-                        if d.name in base_ops and d.shader.startswith("coopmat_linear_q4gsw")}
-        assert len(gemm_shaders) == 2 and all("COOPMAT_EMULATE" in s for s in gemm_shaders), gemm_shaders
-        assert "5 of" in runner.gemm_report() and "emulated" in runner.gemm_report()
+                        if d.name in runner.executor.tensor_core_ops and d.shader.startswith("coopmat_")
+                        and d.shader != "coopmat_absmax"}
+        assert {s.split("@")[0] for s in gemm_shaders} == {"coopmat_linear_q4gsw", "coopmat_linear_q4gsw_backward",
+                                                          "coopmat_mm"}, gemm_shaders
+        assert all("COOPMAT_EMULATE" in s for s in gemm_shaders), gemm_shaders
+        assert f"{len(runner.executor.tensor_core_ops)} of" in runner.gemm_report()
+        assert "emulated" in runner.gemm_report()
         tc_loss = _first_loss(runner)
-    reference, bound = _float64_loss_and_fp16_bound(model)
+    reference, bound, routed = _float64_loss_and_fp16_bound(model, _batch())
+    assert routed == 3, "mlp-lora has two layers and the head, each a LoRA q4gsw linear"
     tolerance = bound + LOSS_RTOL * abs(reference)
     error = abs(tc_loss - reference)
     print(f"fp16-tc step-1 loss {tc_loss!r} vs float64 {reference!r}: |err| {error:.2e}, first-order bound "
@@ -238,3 +315,42 @@ def test_inspect_reports_the_precisions_the_program_allows(step_program, capsys)
     assert cli.main(["inspect", "--json", str(step_program[0])]) == 0
     (delegate,) = json.loads(capsys.readouterr().out)["delegates"]
     assert delegate["gemm_precisions"] == list(PRECISIONS)
+
+
+def test_fp16_tc_runs_the_tied_lm_head_on_tensor_cores_and_step_one_matches_float64_within_the_bound(
+        vk_device, tmp_path):
+    """tiny-llama (tied head, a plain mm over the embedding): fp16-tc routes the head's logits
+    h @ W^T (and d_h = d_logits @ W) to coopmat_mm, and the step-1 loss stays within the first-order
+    bound of every routed forward GEMM, the head's with its operand scales (module docstring)."""
+    model = build_model("tiny-llama")
+    apply_lora(model, LoRAConfig(rank=4, alpha=8.0, targets="*_proj", group_size=32, seed=0))
+    path = tmp_path / "tiny_llama_step.pte"
+    path.write_bytes(lower_to_pte(export_training_step(model, (BATCH, SEQ))))
+    vocab = model.config.vocab_size
+    generator = torch.Generator().manual_seed(7)
+    token_ids = torch.randint(0, vocab, (BATCH, SEQ), generator=generator)
+    labels = torch.randint(0, vocab, (BATCH, SEQ), generator=generator)
+    labels[1, -3:] = -1
+    with TrainingRunner.from_pte(path, vk_device, precision=PRECISION_FP16_TC, emulate_tensor_cores=True) as runner:
+        executor = runner.executor
+        shapes = {label: [executor.graph.tensor(v).shape for v in executor.ops[int(label.split(":")[0])].args[:2]]
+                  for label in executor.tensor_core_ops if label.endswith(MM)}
+        dim = model.config.dim
+        head = [label for label, (a, b) in shapes.items() if list(a) == [BATCH * SEQ, dim] and list(b) == [dim, vocab]]
+        d_h = [label for label, (a, b) in shapes.items() if list(a) == [BATCH * SEQ, vocab] and list(b) == [vocab, dim]]
+        assert len(head) == 1 and len(d_h) == 1, shapes
+        head_shader = {d.shader for d in executor.dispatches if d.name == head[0]}
+        assert head_shader == {f"coopmat_mm@AB_SCALE+B_TRANSPOSED+BM=64+COOPMAT_EMULATE+SUBGROUP_SIZE={vk_device.subgroup_size}"
+                               if vk_device.subgroup_size != 32 else
+                               "coopmat_mm@AB_SCALE+B_TRANSPOSED+BM=64+COOPMAT_EMULATE"}, head_shader
+        loss = runner.step(token_ids.numpy(), labels.numpy(), HPARAMS)
+    reference, bound, routed = _float64_loss_and_fp16_bound(model, (token_ids, labels), head="lm_head")
+    assert routed == 7 * model.config.n_layers + 1
+    error = abs(loss - reference)
+    print(f"tiny-llama fp16-tc step-1 loss {loss!r} vs float64 {reference!r}: |err| {error:.2e}, bound {bound:.2e}")
+    assert error <= bound + LOSS_RTOL * abs(reference)
+    # The head's term dominates the bound (S_e = sum_k |h_k w_k| over the unit-variance embedding, and
+    # every |d loss / d logit| counted as if all roundings pushed one way): 1.6% of the loss here, the
+    # measured error ~1e-4. A wrong layout or tile of the head gives unrelated logits, moving the loss
+    # by a sizeable fraction of itself.
+    assert bound < 2e-2 * abs(reference)

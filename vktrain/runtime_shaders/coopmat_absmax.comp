@@ -1,36 +1,42 @@
 #version 450
-// absmax_bits[0] = max(absmax_bits[0], max_i |x[i]| as float bits), over x fp32 [numel], numel % 4 == 0.
-// Non-negative floats order like their bit patterns, so a uint atomicMax finds the largest magnitude
-// (an inf or NaN anywhere gives bits >= 0x7f800000, which the GEMM reading it treats as "no scale").
-// The caller zeroes absmax_bits first (kernels/coopmat.py). This is the per-tensor scale of the coopmat
-// GEMMs whose A operand is a gradient (A_SCALE in coopmat_gemm.glsl).
+// Per-workgroup maxima of |x| for the operand scales of the coopmat GEMMs (A_SCALE / AB_SCALE in
+// coopmat_gemm.glsl), over one or two fp32 tensors in one dispatch: workgroups [0, pc.groups0) cover
+// x0 [numel0], the next pc.groups1 cover x1 [numel1] (numel % 4 == 0; groups1 = 0 for one tensor, x1
+// then bound to anything). Workgroup g writes partial_bits[g], the float bits of the largest |x| of the
+// vec4 g, g + groups, g + 2 groups, ... of its tensor (per thread; grid-stride). Non-negative floats order
+// like their bit patterns, so the GEMM reading the partials takes their uint max (an inf or NaN gives
+// bits >= 0x7f800000, which it treats as "no scale"). Every partial is written: no clearing dispatch.
 #extension GL_GOOGLE_include_directive : require
 #include "common.glsl"
 
 #define WORKGROUP_SIZE 256
-#define VECS_PER_THREAD 4
 layout(local_size_x = WORKGROUP_SIZE) in;
 
 layout(push_constant, std430) uniform PushConstants {
     VKTRAIN_PUSH_HEADER;
-    uint numel;
+    uint numel0;
+    uint numel1;
+    uint groups0;
+    uint groups1;
 } pc;
 
-layout(set = 0, binding = 0) restrict buffer MaxBuf { uint absmax_bits[]; };
-layout(set = 0, binding = 1) readonly restrict buffer XBuf { vec4 x[]; };
+layout(set = 0, binding = 0) writeonly restrict buffer PartialBuf { uint partial_bits[]; };
+layout(set = 0, binding = 1) readonly restrict buffer X0Buf { vec4 x0[]; };
+layout(set = 0, binding = 2) readonly restrict buffer X1Buf { vec4 x1[]; };
 
 shared uint partial[WORKGROUP_SIZE];
 
 void main() {
     const uint tid = gl_LocalInvocationID.x;
-    const uint first = VKTRAIN_GLOBAL_GROUP_ID(pc).x * WORKGROUP_SIZE * VECS_PER_THREAD + tid;
+    const uint group = VKTRAIN_GLOBAL_GROUP_ID(pc).x;
+    const bool second = group >= pc.groups0;
+    const uint local_group = second ? group - pc.groups0 : group;
+    const uint groups = second ? pc.groups1 : pc.groups0;
+    const uint vecs = (second ? pc.numel1 : pc.numel0) / 4u;
     uint bits = 0u;
-    for (uint s = 0u; s < VECS_PER_THREAD; ++s) {
-        const uint v = first + s * WORKGROUP_SIZE;  // consecutive threads read consecutive vec4
-        if (4u * v < pc.numel) {
-            const uvec4 b = floatBitsToUint(abs(x[v]));
-            bits = max(bits, max(max(b.x, b.y), max(b.z, b.w)));
-        }
+    for (uint v = local_group * WORKGROUP_SIZE + tid; v < vecs; v += groups * WORKGROUP_SIZE) {
+        const uvec4 b = floatBitsToUint(abs(second ? x1[v] : x0[v]));  // consecutive threads: consecutive vec4
+        bits = max(bits, max(max(b.x, b.y), max(b.z, b.w)));
     }
     partial[tid] = bits;
     barrier();
@@ -38,5 +44,5 @@ void main() {
         if (tid < width) partial[tid] = max(partial[tid], partial[tid + width]);
         barrier();
     }
-    if (tid == 0u) atomicMax(absmax_bits[0], partial[0]);
+    if (tid == 0u) partial_bits[group] = partial[0];
 }

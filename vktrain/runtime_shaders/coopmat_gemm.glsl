@@ -3,10 +3,15 @@
 // coopmat_mm.comp, each of which defines how the B tile is staged first: COOPMAT_B_Q4GSW (B = deq(W).T),
 // COOPMAT_B_Q4GSW_T (B = deq(W), the base's d_x), COOPMAT_B_ROW_MAJOR or COOPMAT_B_TRANSPOSED.
 //
-// A_SCALE: A is multiplied by the power of two 2^e that puts its largest magnitude (binding 4, the
-// float bits of max |A| from coopmat_absmax.comp) in [2^14, 2^15) before the fp16 rounding, and the
+// A_SCALE: A is multiplied by the power of two 2^e that puts its largest magnitude (binding 4: the
+// pc.a_partials per-workgroup maxima of |A| from coopmat_absmax.comp, as float bits) in [2^14, 2^15) before the fp16 rounding, and the
 // accumulators by 2^-e before they are stored: both exact, so the result is that of A with fp16's full
 // precision wherever |a| > max|A| * 2^-29 (gradients, whose scale follows the loss divisor).
+// AB_SCALE (the dense B operands only): both A and B scaled so, each by its own power of two (binding 3:
+// pc.a_partials maxima of |A|, then pc.b_partials of |B|), and the accumulators by the inverse of their
+// product. Every workgroup reduces the partials itself (a few hundred words at most). The exponents
+// are clamped to [-SCALE_EXPONENT_LIMIT, SCALE_EXPONENT_LIMIT] so that any product of the inverses is a
+// normal fp32 number.
 //
 // A (fp32 in memory, row-major) and B are rounded to fp16 while they are staged in shared memory: no
 // separate cast pass, no fp16 copy of the activations (the H200 probe of shared/device/NOTES.md).
@@ -67,6 +72,8 @@ layout(push_constant, std430) uniform PushConstants {
     uint N;
     uint K;
     uint group_size;      // q4gsw group size along K (COOPMAT_B_Q4GSW only)
+    uint a_partials;      // A_SCALE / AB_SCALE: how many per-workgroup maxima of |A| the scale buffer holds
+    uint b_partials;      // AB_SCALE: and of |B|, after those of A
 } pc;
 
 layout(set = 0, binding = 0) writeonly restrict buffer OutBuf { float c_out[]; };
@@ -89,9 +96,17 @@ layout(set = 0, binding = 2) readonly restrict buffer BBuf { vec4 b_in[]; };
 #else
 #error "define COOPMAT_B_Q4GSW, COOPMAT_B_Q4GSW_T, COOPMAT_B_ROW_MAJOR or COOPMAT_B_TRANSPOSED before including coopmat_gemm.glsl"
 #endif
-#ifdef A_SCALE
-layout(set = 0, binding = 4) readonly restrict buffer AbsMaxBuf { uint a_absmax_bits; };
+#if defined(A_SCALE) && defined(AB_SCALE)
+#error "A_SCALE (4-bit B) and AB_SCALE (dense B) exclude each other"
+#elif defined(A_SCALE)
+layout(set = 0, binding = 4) readonly restrict buffer AbsMaxBuf { uint partial_absmax_bits[]; };
+#elif defined(AB_SCALE)
+#if !defined(COOPMAT_B_ROW_MAJOR) && !defined(COOPMAT_B_TRANSPOSED)
+#error "AB_SCALE scales a dense B operand"
 #endif
+layout(set = 0, binding = 3) readonly restrict buffer AbsMaxBuf { uint partial_absmax_bits[]; };
+#endif
+#define SCALE_EXPONENT_LIMIT 60
 #define B_PER_THREAD ((B_ITEMS + NUM_THREADS - 1) / NUM_THREADS)
 
 shared f16vec4 a_tile[BM * K_STRIDE4];  // [m][k]
@@ -102,6 +117,9 @@ shared f16vec4 b_tile[BN * K_STRIDE4];  // [n][k]: B read as a column-major K x 
 #endif
 // Edge blocks of C go through here (one 16 x 16 block per subgroup), then to memory with bounds checks.
 shared float edge_block[4 * TILE * TILE];
+#if defined(A_SCALE) || defined(AB_SCALE)
+shared uint operand_absmax[2];  // max |A|, max |B| as float bits, reduced from the partials
+#endif
 
 // ---- Fragment operations. Offsets and strides are in f16vec4 units of the shared arrays (what
 // coopMatLoad takes for an array of vectors); B is row-major [k][n] or column-major [n][k] in b_tile.
@@ -151,13 +169,16 @@ float b_at(FragRef f, uint k, uint n) {
 }
 
 // Unrolled over the accumulator elements (static indices: lavapipe makes a dynamically indexed private
-// array very slow), not over k (keeps the code small).
+// array very slow), not over k (keeps the code small). The loop over k is the outer one: lavapipe gives
+// each invocation a budget of 65535 loop iterations over all its loops together and silently stops it
+// past that (the outputs it has not stored stay unwritten, which showed as NaN), so the loop nest is kept
+// to TILE trips per multiply-add (kernels/coopmat.py `emulated_loop_trips` refuses longer reductions).
 void emulated_mul_add(inout EmulatedAcc acc, FragRef a, FragRef b) {
-    [[unroll]] for (uint i = 0u; i < ACC_PER_LANE; ++i) {
-        const uint e = gl_SubgroupInvocationID + i * SUBGROUP_SIZE;
-        float sum = 0.0;
-        [[dont_unroll]] for (uint k = 0u; k < TILE; ++k) sum += a_at(a, e / TILE, k) * b_at(b, k, e % TILE);
-        acc.v[i] += sum;
+    [[dont_unroll]] for (uint k = 0u; k < TILE; ++k) {
+        [[unroll]] for (uint i = 0u; i < ACC_PER_LANE; ++i) {
+            const uint e = gl_SubgroupInvocationID + i * SUBGROUP_SIZE;
+            acc.v[i] += a_at(a, e / TILE, k) * b_at(b, k, e % TILE);
+        }
     }
 }
 
@@ -183,18 +204,31 @@ void emulated_store_edge(EmulatedAcc acc, uint offset) {
 
 // ---- A: fp32 [M, K] row-major; BK/4 consecutive threads read the BK contiguous floats of one row.
 vec4 a_stage[A_PER_THREAD];
-float a_scale = 1.0;  // 2^e with A_SCALE (set in main), else 1
+float a_scale = 1.0;  // 2^e with A_SCALE / AB_SCALE (set in main), else 1
+float b_scale = 1.0;  // the same for a dense B with AB_SCALE
 
-#ifdef A_SCALE
-// The exponent e of 2^e = a_scale: max |A| * 2^e in [2^14, 2^15); 0 for an all-zero or non-finite A
-// (no scale: zeros stay zeros, inf and NaN propagate). Clamped so that 2^e and 2^-e are normal fp32.
-int a_scale_exponent() {
-    const uint bits = a_absmax_bits;
-    if (bits == 0u || bits >= 0x7f800000u) return 0;
-    const int exponent = int(bits >> 23) - 127;  // floor(log2(max |A|)); -127 for fp32 subnormals
-    return clamp(14 - exponent, -120, 120);
+// The exponent e of the scale 2^e of an operand whose largest magnitude has these float bits: max * 2^e
+// in [2^14, 2^15); 0 for an all-zero or non-finite operand (no scale: zeros stay zeros, inf and NaN
+// propagate).
+#if defined(A_SCALE) || defined(AB_SCALE)
+// operand_absmax = the uint max of the partials (A's first, then B's), by every thread of the workgroup.
+void reduce_partials(uint tid) {
+    if (tid < 2u) operand_absmax[tid] = 0u;
+    barrier();
+    uint a_bits = 0u, b_bits = 0u;
+    for (uint i = tid; i < pc.a_partials; i += NUM_THREADS) a_bits = max(a_bits, partial_absmax_bits[i]);
+    for (uint i = tid; i < pc.b_partials; i += NUM_THREADS) b_bits = max(b_bits, partial_absmax_bits[pc.a_partials + i]);
+    atomicMax(operand_absmax[0], a_bits);
+    atomicMax(operand_absmax[1], b_bits);
+    barrier();
 }
 #endif
+
+int scale_exponent(uint absmax_bits) {
+    if (absmax_bits == 0u || absmax_bits >= 0x7f800000u) return 0;
+    const int exponent = int(absmax_bits >> 23) - 127;  // floor(log2(max)); -127 for fp32 subnormals
+    return clamp(14 - exponent, -SCALE_EXPONENT_LIMIT, SCALE_EXPONENT_LIMIT);
+}
 
 void fetch_a(uint m0, uint k0, uint tid) {
     [[unroll]] for (uint s = 0u; s < A_PER_THREAD; ++s) {
@@ -318,7 +352,7 @@ void fetch_b(uint n0, uint k0, uint tid) {
 void commit_b(uint tid) {
     [[unroll]] for (uint s = 0u; s < B_PER_THREAD; ++s) {
         const uint v = tid + s * NUM_THREADS;
-        if (v < B_ITEMS) b_tile[(v / (BN / 4u)) * N_STRIDE4 + v % (BN / 4u)] = f16vec4(b_stage[s]);
+        if (v < B_ITEMS) b_tile[(v / (BN / 4u)) * N_STRIDE4 + v % (BN / 4u)] = f16vec4(b_stage[s] * b_scale);
     }
 }
 #else
@@ -335,7 +369,7 @@ void fetch_b(uint n0, uint k0, uint tid) {
 void commit_b(uint tid) {
     [[unroll]] for (uint s = 0u; s < B_PER_THREAD; ++s) {
         const uint v = tid + s * NUM_THREADS;
-        if (v < B_ITEMS) b_tile[(v / (BK / 4u)) * K_STRIDE4 + v % (BK / 4u)] = f16vec4(b_stage[s]);
+        if (v < B_ITEMS) b_tile[(v / (BK / 4u)) * K_STRIDE4 + v % (BK / 4u)] = f16vec4(b_stage[s] * b_scale);
     }
 }
 #endif
@@ -347,9 +381,17 @@ void main() {
     const uint m0 = group.y * BM, n0 = group.x * BN;
     const uint sg = gl_SubgroupID;
     const uint sg_m = sg / 2u, sg_n = sg % 2u;
-#ifdef A_SCALE
-    const int exponent = a_scale_exponent();
-    a_scale = ldexp(1.0, exponent);
+    int exponent = 0;  // of the product of the operand scales, undone before the store
+#if defined(A_SCALE) || defined(AB_SCALE)
+    reduce_partials(tid);
+    const int a_exponent = scale_exponent(operand_absmax[0]);
+    a_scale = ldexp(1.0, a_exponent);
+    exponent += a_exponent;
+#endif
+#ifdef AB_SCALE
+    const int b_exponent = scale_exponent(operand_absmax[1]);
+    b_scale = ldexp(1.0, b_exponent);
+    exponent += b_exponent;
 #endif
 
     Acc acc[FRAG_M][FRAG_N];
@@ -394,7 +436,7 @@ void main() {
     }
 
     const uint lane = gl_SubgroupInvocationID;
-#ifdef A_SCALE
+#if defined(A_SCALE) || defined(AB_SCALE)
     const float inverse_scale = ldexp(1.0, -exponent);
     [[unroll]] for (uint i = 0u; i < FRAG_M; ++i) {
         [[unroll]] for (uint j = 0u; j < FRAG_N; ++j) { SCALE_ACC(acc[i][j], inverse_scale); }

@@ -27,7 +27,7 @@ generated from torch), and kernels are registered under the op's key (`vktrain.r
   reduction: kernels/matmul.py `gemm_scratch_nbytes`), and nothing otherwise.
 
 * `OpContext.gemm`, the GemmRoute chosen at load (kernels/coopmat.py), may send linear_q4gsw (without
-  bias) and linear_q4gsw_backward to their tensor-core kernels; every other op keeps its fp32 kernel.
+  bias), linear_q4gsw_backward and mm to their tensor-core kernels; every other op keeps its fp32 kernel.
 
 The executor (executor.py) hands each lowering `TensorArg`s whose bindings and views are the storage
 the backend recorded in the blob, so view and in-place decisions never leak into this table.
@@ -295,7 +295,7 @@ def _lower_linear_q4gsw(ctx: OpContext) -> list[Dispatch]:
     m = x.numel // k
     gemm = dict(M=m, N=n, K=k, group_size=group_size, out=ctx.outputs[0].binding, x=x.binding,
                 weights=weights.binding, scales=scales.binding)
-    if bias is None and ctx.gemm.takes_tensor_cores(m, n):  # the coopmat kernel has no bias epilogue
+    if bias is None and ctx.gemm.takes_tensor_cores(m, n, k):  # the coopmat kernel has no bias epilogue
         return _call(ctx, coopmat.plan_coopmat_linear_q4gsw, **gemm, **ctx.gemm.plan_options)
     return _call(ctx, **gemm, bias=None if bias is None else bias.binding,
                  **_split_k_args(ctx, "linear_q4gsw", m, n, k, group_size))
@@ -309,9 +309,9 @@ def _lower_linear_q4gsw_backward(ctx: OpContext) -> list[Dispatch]:
     m = d_out.numel // n
     gemm = dict(M=m, N=n, K=k, group_size=group_size, out=ctx.outputs[0].binding, d_out=d_out.binding,
                 weights=weights.binding, scales=scales.binding)
-    if ctx.gemm.takes_tensor_cores(m, k):
+    if ctx.gemm.takes_tensor_cores(m, k, n):
         return _call(ctx, coopmat.plan_coopmat_linear_q4gsw_backward, **gemm, **ctx.gemm.plan_options,
-                     absmax=ctx.scratch(coopmat.ABSMAX_SCRATCH_BYTES, "absmax"))
+                     absmax=ctx.scratch(coopmat.absmax_scratch_nbytes(m * n), "absmax"))
     return _call(ctx, **gemm, **_split_k_args(ctx, "linear_q4gsw_backward", m, n, k, group_size))
 
 
@@ -518,6 +518,12 @@ def _float_matrices(ctx: OpContext, positions: Sequence[tuple[int, str]]) -> lis
 def _lower_mm(ctx: OpContext) -> list[Dispatch]:
     """aten.mm through the GEMM's strided operands: a lazily transposed input costs nothing."""
     a, b = _float_matrices(ctx, ((0, "self"), (1, "mat2")))
+    b_transposed = ctx.gemm.dense_b_transposed(a.strided, b.strided)
+    if b_transposed is not None:
+        return _call(ctx, coopmat.plan_coopmat_mm, M=a.shape[0], N=b.shape[1], K=a.shape[1],
+                     out=ctx.outputs[0].binding, a=a.binding, b=b.binding, b_transposed=b_transposed,
+                     absmax=ctx.scratch(coopmat.absmax_scratch_nbytes(a.numel, b.numel), "absmax"),
+                     **ctx.gemm.plan_options)
     try:
         scratch = _split_k_scratch(ctx, 1, a.shape[0], b.shape[1], a.shape[1])
         return matmul.plan_gemm(ctx.outputs[0].binding, a.binding, a.strided, b.binding, b.strided,

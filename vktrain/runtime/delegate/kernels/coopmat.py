@@ -11,19 +11,23 @@ body coopmat_gemm.glsl.
 Kernels (alternative plans of vktrain.linear_q4gsw(_backward).default and aten.mm.default, so not in the
 one-plan-per-op registry; the op lowering takes them where this program's GemmRoute says so):
   coopmat_linear_q4gsw   y[M, N] = x[M, K] @ deq(W).T
-  coopmat_mm             C[M, N] = A[M, K] @ B[K, N], or A @ B^T with B^T given as [N, K] (b_transposed)
+  coopmat_mm             C[M, N] = A[M, K] @ B[K, N], or A @ B^T with B^T given as [N, K] (b_transposed),
+                         A and B each scaled per tensor by a power of two before their fp16 rounding
+                         (max |A|, max |B| from coopmat_absmax, the first dispatch)
   coopmat_linear_q4gsw_backward   d_x[M, K] = d_out[M, N] @ deq(W), d_out scaled per tensor by a power of
-                         two before its fp16 rounding (max |d_out| from coopmat_absmax, the first dispatches)
+                         two before its fp16 rounding (max |d_out| from coopmat_absmax, the first dispatch)
 
 They need a device whose `cooperative_matrix_properties` list 16x16x16 fp16 x fp16 + fp32 at subgroup
 scope (`coopmat_supported`). Tiling: 4 subgroups per workgroup, a BN = 128 wide tile and BM = 128 or 64
 rows (`tile_m`; default: 64 when 128-row tiles would leave the GPU short of workgroups). Push
-constants (after the runtime's group-offset header): M, N, K, group_size (0 for mm).
+constants (after the runtime's group-offset header): M, N, K, group_size (0 for mm), and the number of
+per-workgroup maxima of |A| and |B| coopmat_absmax wrote for the operand scales (0 where unscaled).
 
 Selection (docs/PRECISION.md): the program's blob lists the GEMM precision policies it allows
 (`allowed_precisions`, metadata `gemm_precisions`); at load `select_gemm_route` picks, from the policy the
 user asked for and the device's cooperative-matrix properties, the GemmRoute the executor hands every op
-lowering.
+lowering: the 4-bit base GEMMs and aten.mm (`GemmRoute.dense_b_transposed` says which mm operands
+these kernels read).
 """
 from __future__ import annotations
 
@@ -37,7 +41,12 @@ from vktrain.contract import METADATA_GEMM_PRECISIONS, PRECISION_FP16_TC, PRECIS
 from vktrain.errors import VktrainError
 from vktrain.quant import check_q4gsw_shapes
 from vktrain.runtime.delegate.kernels.gemm_tuning import GPU_TUNING
-from vktrain.runtime.delegate.kernels.layout import MAX_ELEMENTS, KernelArgumentError, binding, plan_fill
+from vktrain.runtime.delegate.kernels.layout import (
+    MAX_ELEMENTS,
+    KernelArgumentError,
+    StridedView,
+    binding,
+)
 from vktrain.runtime.vk.coopmat import EXTENSION_NAME, CooperativeMatrixShape, supports_shape
 from vktrain.runtime.vk.schedule import Dispatch, ceil_div, pack_push
 
@@ -57,10 +66,15 @@ TARGET_WORKGROUPS = 256
 # M = 128, N = 2048: 32 coopmat workgroups would be slower).
 MIN_WORKGROUPS = 128
 SUBGROUP_BASIC_BIT = 0x1  # VK_SUBGROUP_FEATURE_BASIC_BIT: what the emulated variant needs besides fp16
-# The emulated variants give wrong outputs on lavapipe (NaN past each subgroup's first accumulator) once
-# tile rows x the reduction (rounded up to the 32-wide steps) reach this; cause not found (phase 2: the
-# tensor-core variants pass at K = 2048 on the H200). Their plans refuse such shapes rather than mislead.
-EMULATED_MAX_TILE_REDUCTION = 16384
+# lavapipe (llvmpipe's LP_MAX_TGSI_LOOP_ITERATIONS) gives each invocation 65535 loop iterations over all
+# its loops together and silently cuts them short past that: the outputs it has not stored stay
+# unwritten (the NaN seen before). The emulated variants' plans refuse a shape whose loop nest
+# (emulated_loop_trips, the iterations the source asks for) exceeds half that: lavapipe counts more than
+# the source's iterations (64-row tiles, subgroups of 8, LLVM 15: fine at K = 6400, cut at 6656, i.e.
+# 315-327 per K step where the source runs 257).
+LAVAPIPE_LOOP_LIMIT = 65535
+EMULATED_LOOP_BUDGET = LAVAPIPE_LOOP_LIMIT // 2
+BK = 32  # the shaders' reduction step
 
 
 class PrecisionPolicyError(VktrainError, ValueError):
@@ -100,9 +114,28 @@ class GemmRoute:
     min_workgroups: int = MIN_WORKGROUPS
     fp32_tuning: str = GPU_TUNING
 
-    def takes_tensor_cores(self, M: int, N: int) -> bool:
-        """Whether an M x N output goes to the coopmat kernels (enough tiles to pay, see MIN_WORKGROUPS)."""
-        return self.tensor_cores and ceil_div(M, min(TILE_M_CHOICES)) * ceil_div(N, TILE_N) >= self.min_workgroups
+    def takes_tensor_cores(self, M: int, N: int, reduction: int | None = None) -> bool:
+        """Whether an M x N output goes to the coopmat kernels (enough tiles to pay, see MIN_WORKGROUPS).
+        Emulated, also whether the emulated kernel can run its `reduction` on this device (lavapipe's
+        loop budget): longer ones keep the fp32 kernels."""
+        if not self.tensor_cores or ceil_div(M, min(TILE_M_CHOICES)) * ceil_div(N, TILE_N) < self.min_workgroups:
+            return False
+        return not (self.emulate and reduction is not None
+                    and emulated_loop_trips(default_tile_m(M, N), reduction, self.subgroup_size) > EMULATED_LOOP_BUDGET)
+
+    def dense_b_transposed(self, a: StridedView, b: StridedView) -> bool | None:
+        """How coopmat_mm reads aten.mm's operands A [M, K] and B [K, N] on this route: False for B
+        row-major, True for B a transposed view of a row-major [N, K] (a weight, the tied head); None
+        when this mm keeps the fp32 kernel (too small, A not row-major, an offset view, or sizes the
+        kernel does not take)."""
+        (M, K), N = a.sizes, b.sizes[1]
+        if not self.takes_tensor_cores(M, N, K) or K % 4 or N % 4 or a.offset or b.offset:
+            return None
+        if not a.is_contiguous:
+            return None
+        if b.is_contiguous:
+            return False
+        return True if b.strides == (1, K) else None
 
     @property
     def plan_options(self) -> dict:
@@ -153,6 +186,16 @@ def coopmat_supported(properties: tuple[CooperativeMatrixShape, ...]) -> bool:
     return supports_shape(properties, m=m, n=n, k=k, input_type=INPUT_TYPE, accumulator_type=ACCUMULATOR_TYPE)
 
 
+def emulated_loop_trips(tile_m: int, reduction: int, subgroup_size: int) -> int:
+    """Loop iterations one invocation of an emulated coopmat GEMM runs (coopmat_gemm.glsl with
+    COOPMAT_EMULATE): per BK step its own trip plus 16 per emulated multiply-add, (BK / 16) x (tile_m / 32)
+    x (TILE_N / 32) of them; then the edge stores, at most one loop of 256 / subgroup_size trips per
+    accumulator of a subgroup."""
+    fragments = (tile_m // 32) * (TILE_N // 32)
+    per_step = 1 + (BK // FRAGMENT[2]) * fragments * FRAGMENT[2]
+    return ceil_div(reduction, BK) * per_step + fragments * ceil_div(FRAGMENT[0] * FRAGMENT[1], subgroup_size)
+
+
 def default_tile_m(M: int, N: int) -> int:
     """128-row tiles when the output has enough of them to fill a large GPU, else 64-row tiles."""
     return 128 if ceil_div(M, 128) * ceil_div(N, TILE_N) >= TARGET_WORKGROUPS else 64
@@ -179,9 +222,10 @@ def _check_range(op: str, M: int, N: int, K: int) -> None:
 
 
 def _variant(shader: str, *, b_transposed: bool, tile_m: int, prefetch: bool, emulate: bool,
-             subgroup_size: int, a_scale: bool = False) -> str:
-    """Shader name with its defines in the order the sources' `vktrain-variants:` lines use."""
-    defines = (["A_SCALE"] if a_scale else []) + (["B_TRANSPOSED"] if b_transposed else []) \
+             subgroup_size: int, scale: str | None = None) -> str:
+    """Shader name with its defines in the order the sources' `vktrain-variants:` lines use; `scale` is
+    the operand-scale define (A_SCALE or AB_SCALE) or None."""
+    defines = ([scale] if scale else []) + (["B_TRANSPOSED"] if b_transposed else []) \
         + (["BM=64"] if tile_m == 64 else []) \
         + (["PREFETCH"] if prefetch else []) + (["COOPMAT_EMULATE"] if emulate else []) \
         + ([f"SUBGROUP_SIZE={subgroup_size}"] if subgroup_size != DEFAULT_SUBGROUP_SIZE else [])
@@ -197,10 +241,12 @@ def _tiling(op: str, M: int, N: int, tile_m: int | None, subgroup_size: int, *, 
     if not isinstance(subgroup_size, int) or subgroup_size < 8 or subgroup_size & (subgroup_size - 1):
         raise KernelArgumentError(f"{op}: subgroup_size must be a power of two >= 8 (the device's subgroup "
                                   f"size), got {subgroup_size!r}")
-    if emulate and tile_m * ceil_div(reduction, 32) * 32 >= EMULATED_MAX_TILE_REDUCTION:
-        raise KernelArgumentError(f"{op}: the emulated variant is known to be wrong for {tile_m}-row tiles over a "
-                                  f"reduction of {reduction} (tile rows x reduction >= {EMULATED_MAX_TILE_REDUCTION}); "
-                                  f"use 64-row tiles or a shorter reduction")
+    if emulate and emulated_loop_trips(tile_m, reduction, subgroup_size) > EMULATED_LOOP_BUDGET:
+        raise KernelArgumentError(
+            f"{op}: the emulated variant with {tile_m}-row tiles over a reduction of {reduction} runs "
+            f"{emulated_loop_trips(tile_m, reduction, subgroup_size)} loop iterations per invocation, more than the "
+            f"{EMULATED_LOOP_BUDGET} budgeted within lavapipe's limit of {LAVAPIPE_LOOP_LIMIT} (past it lavapipe cuts "
+            f"loops short); use 64-row tiles or a shorter reduction")
     return tile_m
 
 
@@ -231,19 +277,48 @@ def plan_coopmat_linear_q4gsw(*, M: int, N: int, K: int, group_size: int, out: A
                       emulate=emulate, subgroup_size=subgroup_size)
     return [Dispatch(shader, groups=(ceil_div(N, TILE_N), ceil_div(M, tile_m), 1),
                      bindings=[binding(out, "w"), binding(x, "r"), binding(weights, "r"), binding(scales, "r")],
-                     push_constants=pack_push(M, N, K, group_size), label=label)]
+                     push_constants=pack_push(M, N, K, group_size, 0, 0), label=label)]
 
 
-def plan_coopmat_mm(*, M: int, N: int, K: int, out: Any, a: Any, b: Any, b_transposed: bool = False,
+# coopmat_absmax.comp: workgroups of 256 threads, each reading at least 4 vec4 of its tensor; at most
+# ABSMAX_MAX_PARTIALS workgroups (hence partial maxima) per tensor, which every GEMM workgroup reduces.
+_ABSMAX_VECS_PER_GROUP = 256 * 4
+ABSMAX_MAX_PARTIALS = 256
+
+
+def absmax_partials(numel: int) -> int:
+    """How many partial maxima coopmat_absmax writes for a tensor of numel floats."""
+    return max(1, min(ceil_div(numel // 4, _ABSMAX_VECS_PER_GROUP), ABSMAX_MAX_PARTIALS))
+
+
+def absmax_scratch_nbytes(*numels: int) -> int:
+    """Scratch the operand scales of a coopmat GEMM take: the partial maxima of each scaled operand."""
+    return 4 * sum(absmax_partials(n) for n in numels)
+
+
+def _plan_absmax(absmax: Any, tensors: list[tuple[Any, int]], label: str) -> Dispatch:
+    """One coopmat_absmax dispatch writing the partial maxima of |x| of one or two (x, numel) tensors
+    into absmax, those of the first tensor first (numel % 4 == 0)."""
+    (x0, numel0), (x1, numel1) = tensors[0], (tensors[1] if len(tensors) > 1 else (tensors[0][0], 0))
+    groups0, groups1 = absmax_partials(numel0), absmax_partials(numel1) if numel1 else 0
+    return Dispatch("coopmat_absmax", groups=(groups0 + groups1, 1, 1),
+                    bindings=[binding(absmax, "w"), binding(x0, "r"), binding(x1, "r")],
+                    push_constants=pack_push(numel0, numel1, groups0, groups1), label=label)
+
+
+def plan_coopmat_mm(*, M: int, N: int, K: int, out: Any, a: Any, b: Any, absmax: Any, b_transposed: bool = False,
                     tile_m: int | None = None, prefetch: bool = False, emulate: bool = False,
                     subgroup_size: int = DEFAULT_SUBGROUP_SIZE,
                     label: str = "coopmat_mm") -> list[Dispatch]:
     """C[M, N] = A[M, K] @ B[K, N] on tensor cores (fp32 in memory, fp16 inputs, fp32 accumulation).
 
     Buffers: out fp32 [M, N]; a fp32 [M, K] row-major; b fp32 [K, N] row-major, or with b_transposed
-    fp32 [N, K] row-major (C = A @ B^T: a linear layer's weight, the tied LM head). K must be a
-    multiple of 4 (rows are read as vec4) and so must N (the accumulators are stored with a row
-    stride of N floats, which cooperative-matrix stores want 16-byte aligned). `tile_m`, `prefetch`,
+    fp32 [N, K] row-major (C = A @ B^T: a linear layer's weight, the tied LM head); absmax
+    absmax_scratch_nbytes(M * K, K * N) of scratch. K must be a multiple of 4 (rows are read as vec4) and so must N
+    (the accumulators are stored with a row stride of N floats, which cooperative-matrix stores want
+    16-byte aligned). Either operand may be a gradient (the head's d_h = d_logits @ W): each is scaled by
+    the power of two that puts its largest magnitude in [2^14, 2^15) before its fp16 rounding, and the
+    result back (exact). Dispatches: the partial maxima of |A| and |B|, the GEMM. `tile_m`, `prefetch`,
     `emulate`, `subgroup_size` as in plan_coopmat_linear_q4gsw.
     """
     op = "coopmat_mm"
@@ -252,14 +327,12 @@ def plan_coopmat_mm(*, M: int, N: int, K: int, out: Any, a: Any, b: Any, b_trans
     _check_range(op, M, N, K)
     tile_m = _tiling(op, M, N, tile_m, subgroup_size, emulate=emulate, reduction=K)
     shader = _variant("coopmat_mm", b_transposed=bool(b_transposed), tile_m=tile_m, prefetch=prefetch,
-                      emulate=emulate, subgroup_size=subgroup_size)
-    return [Dispatch(shader, groups=(ceil_div(N, TILE_N), ceil_div(M, tile_m), 1),
-                     bindings=[binding(out, "w"), binding(a, "r"), binding(b, "r")],
-                     push_constants=pack_push(M, N, K, 0), label=label)]
-
-
-ABSMAX_SCRATCH_BYTES = 4  # the float bits of max |d_out| (coopmat_absmax.comp)
-_ABSMAX_VECS_PER_GROUP = 256 * 4  # coopmat_absmax.comp: WORKGROUP_SIZE x VECS_PER_THREAD vec4
+                      emulate=emulate, subgroup_size=subgroup_size, scale="AB_SCALE")
+    return [_plan_absmax(absmax, [(a, M * K), (b, K * N)], f"{label}.absmax"),
+            Dispatch(shader, groups=(ceil_div(N, TILE_N), ceil_div(M, tile_m), 1),
+                     bindings=[binding(out, "w"), binding(a, "r"), binding(b, "r"), binding(absmax, "r")],
+                     push_constants=pack_push(M, N, K, 0, absmax_partials(M * K), absmax_partials(K * N)),
+                     label=label)]
 
 
 def plan_coopmat_linear_q4gsw_backward(*, M: int, N: int, K: int, group_size: int, out: Any, d_out: Any,
@@ -271,7 +344,8 @@ def plan_coopmat_linear_q4gsw_backward(*, M: int, N: int, K: int, group_size: in
 
     d_out is a gradient, whose values follow the loss divisor down to fp16's subnormals: it is scaled by
     the power of two that puts max |d_out| in [2^14, 2^15) before its fp16 rounding (and the result back,
-    both exact). Dispatches: zero `absmax` (ABSMAX_SCRATCH_BYTES of scratch), its max |d_out|, the GEMM.
+    both exact). Dispatches: the partial maxima of |d_out| (into absmax, absmax_scratch_nbytes(M * N) of
+    scratch), the GEMM.
     Buffers as plan_coopmat_linear_q4gsw's (out fp32 [M, K], d_out fp32 [M, N]); tiles along K.
     """
     op = "coopmat_linear_q4gsw_backward"
@@ -285,12 +359,10 @@ def plan_coopmat_linear_q4gsw_backward(*, M: int, N: int, K: int, group_size: in
     if prefetch is None:
         prefetch = tile_m == 64
     shader = _variant(op, b_transposed=False, tile_m=tile_m, prefetch=prefetch, emulate=emulate,
-                      subgroup_size=subgroup_size, a_scale=True)
-    return plan_fill(absmax, 1, 0, label=f"{label}.absmax_zero") + [
-        Dispatch("coopmat_absmax", groups=(ceil_div(M * N // 4, _ABSMAX_VECS_PER_GROUP), 1, 1),
-                 bindings=[binding(absmax, "rw"), binding(d_out, "r")], push_constants=pack_push(M * N),
-                 label=f"{label}.absmax"),
+                      subgroup_size=subgroup_size, scale="A_SCALE")
+    return [
+        _plan_absmax(absmax, [(d_out, M * N)], f"{label}.absmax"),
         Dispatch(shader, groups=(ceil_div(K, TILE_N), ceil_div(M, tile_m), 1),
                  bindings=[binding(out, "w"), binding(d_out, "r"), binding(weights, "r"), binding(scales, "r"),
                            binding(absmax, "r")],
-                 push_constants=pack_push(M, K, N, group_size), label=label)]
+                 push_constants=pack_push(M, K, N, group_size, absmax_partials(M * N), 0), label=label)]
