@@ -128,7 +128,14 @@ class Program:
     `buffers` maps the keys used in BufferBinding.buffer to Buffer objects (bindings may also hold a
     Buffer directly). `max_group_count` lowers the per-axis group-count limit below the device's
     (tests use it to force split dispatches). `timing` enables timestamp queries.
+    A device of another layer (the WebGPU Device) gets that layer's Program, named by its `program_type`.
     """
+
+    def __new__(cls, device, *args, **kwargs):
+        other = getattr(device, "program_type", None)
+        if cls is Program and other is not None:
+            return other(device, *args, **kwargs)
+        return super().__new__(cls)
 
     def __init__(self, device, dispatches: Sequence[Dispatch], buffers: Mapping[Hashable, Buffer] | None = None,
                  *, timing: bool = False, max_group_count: int | Sequence[int] | None = None,
