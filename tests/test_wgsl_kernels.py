@@ -21,7 +21,8 @@ import pytest
 
 pytest.importorskip("wgpu", reason="the WebGPU kernels need wgpu (pip install 'vktrain[webgpu]')")
 
-import test_kernels_aten as aten  # noqa: E402  (the Vulkan kernel tests whose bodies run here)
+import test_generate as generate  # noqa: E402  (the Vulkan kernel tests whose bodies run here)
+import test_kernels_aten as aten  # noqa: E402
 import test_kernels_ce_adamw_requant as ce_adamw  # noqa: E402
 import test_kernels_linear as linear  # noqa: E402
 import test_kernels_transformer as transformer  # noqa: E402
@@ -281,3 +282,10 @@ test_causal_attention_matches_the_definition = on_webgpu(transformer.test_causal
 test_causal_attention_large_scores_stay_finite = on_webgpu(transformer.test_causal_attention_large_scores_stay_finite)
 test_causal_attention_backward_is_deterministic_and_splits = on_webgpu(
     transformer.test_causal_attention_backward_is_deterministic_and_splits)
+
+# ---- kernels: generation's KV cache (test_generate.py) ----------------------------------------------------
+
+test_kv_cache_update_kernel_is_the_reference_bit_for_bit = on_webgpu(
+    generate.test_kv_cache_update_kernel_is_the_reference_bit_for_bit)
+test_cached_attention_kernel_matches_float64_softmax = on_webgpu(
+    generate.test_cached_attention_kernel_matches_float64_softmax)
