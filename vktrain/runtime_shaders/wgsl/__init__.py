@@ -82,7 +82,7 @@ def all_wgsl_shader_names() -> list[str]:
 
 def missing_wgsl_kernels(shader_names) -> list[str]:
     """The names among `shader_names` (Dispatch.shader strings) with no WGSL kernel, sorted, once each."""
-    available = set(all_wgsl_shader_names())
+    available = {_canonical(name) for name in all_wgsl_shader_names()}
     return sorted({name for name in shader_names if _canonical(name) not in available})
 
 
