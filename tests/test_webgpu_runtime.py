@@ -186,8 +186,12 @@ def test_timings_per_dispatch(gpu, buffers):
             program.timings()
         program.replay()
         seconds = program.timings()
-    assert len(seconds) == 2 and all(0 < s < 10 for s in seconds)
-    np.testing.assert_array_equal(by.read(np.float32), np.full(n, 2, np.float32))
+        assert len(seconds) == 2 and all(0 < s < 10 for s in seconds)
+        assert program.last_encode_s > 0
+        program.timing_enabled = False  # one untimed pass from now on
+        program.replay()
+        assert program.timings() is None
+    np.testing.assert_array_equal(by.read(np.float32), np.full(n, 4, np.float32))
 
 
 # ------------------------------------------------------------------------------------ refusals
