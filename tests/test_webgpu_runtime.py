@@ -176,9 +176,14 @@ def test_shader_without_header_runs_but_is_never_split(gpu, buffers):
                 max_group_count=4)
 
 
-def test_timings_per_dispatch(gpu, buffers):
-    if not gpu.timestamps_supported:
-        pytest.skip(f"{gpu.name} has no timestamp-query")
+@pytest.mark.parametrize("inside_pass", [True, False], ids=["one-pass", "pass-per-dispatch"])
+def test_timings_per_dispatch(gpu, buffers, monkeypatch, inside_pass):
+    from vktrain.runtime.webgpu.device import INSIDE_PASS_FEATURE
+
+    if not gpu.timestamps_supported or (inside_pass and INSIDE_PASS_FEATURE not in gpu.features):
+        pytest.skip(f"{gpu.name} has no timestamp-query{' inside passes' if inside_pass else ''}")
+    if not inside_pass:  # what browser WebGPU offers: timestamps at pass boundaries only
+        monkeypatch.setattr(gpu, "features", gpu.features - {INSIDE_PASS_FEATURE})
     n = 4096
     bx, by = buffers(np.ones(n, np.float32)), buffers(np.zeros(n, np.float32))
     with Program(gpu, [axpy(n, 1.0, bx, by), axpy(n, 1.0, bx, by)], timing=True) as program:

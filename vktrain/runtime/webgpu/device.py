@@ -7,7 +7,7 @@ as for the Vulkan runtime.
 
 Limits: the device asks for the adapter's own compute limits (WebGPU's defaults are far lower, e.g. 8
 storage buffers per stage and 128 MiB bindings) and refuses an adapter below vktrain's minimum with
-an error naming each limit. Optional features (timestamp-query, shader-f16, subgroup) are enabled
+an error naming each limit. Optional features (timestamp-query, timestamp-query-inside-passes, shader-f16, subgroup) are enabled
 where the adapter has them; `features` lists the enabled WebGPU feature names. The device reports no
 Vulkan features, no subgroup operations and no cooperative matrices, so the executor picks the GPU
 tuning of the fp32 GEMMs and never a tensor-core route (gemm_tuning.py, coopmat.py).
@@ -27,7 +27,8 @@ from vktrain.runtime.webgpu.errors import INSTALL_HINT, WebGPUError, WebGPUUnava
 
 # wgpu's adapter types as VkPhysicalDeviceType numbers, so selection ranks them as the Vulkan runtime does.
 _ADAPTER_TYPES = {"DiscreteGPU": 2, "IntegratedGPU": 1, "VirtualGPU": 3, "CPU": 4}
-OPTIONAL_FEATURES = ("timestamp-query", "shader-f16", "subgroup")
+INSIDE_PASS_FEATURE = "timestamp-query-inside-passes"  # native wgpu: per-dispatch timestamps in one pass
+OPTIONAL_FEATURES = ("timestamp-query", INSIDE_PASS_FEATURE, "shader-f16", "subgroup")
 DEVICE_TYPE = "webgpu"  # not "cpu", whatever the adapter: WGSL kernels have the GPU-tuning bodies only
 
 # The adapter limits the device asks for, and the least vktrain's kernels need of each.
@@ -88,6 +89,14 @@ def _adapter_info(index: int, adapter) -> PhysicalDeviceInfo:
     info = adapter.info
     name = f"{info.get('device') or info.get('description') or 'adapter'} ({info.get('backend_type', '?')})"
     return PhysicalDeviceInfo(index, name, _ADAPTER_TYPES.get(info.get("adapter_type", ""), 0))
+
+
+def _timestamp_period_ns(queue) -> float:
+    """Nanoseconds per timestamp tick: wgpu-native resolves raw ticks (1 ns on NVIDIA and lavapipe, not
+    everywhere), and wgpu-py 0.32 does not expose the period, so it is asked of wgpu-native directly."""
+    from wgpu.backends.wgpu_native._api import lib
+
+    return float(lib.wgpuQueueGetTimestampPeriod(queue._internal))
 
 
 class Device:
@@ -153,6 +162,7 @@ class Device:
             raise WebGPUError(f"requesting a device of {self.info.describe()} with limits {required} and "
                               f"features {features} failed: {exc}") from exc
         self.queue = self.handle.queue
+        self.timestamp_period_ns = _timestamp_period_ns(self.queue)
         self.features = frozenset(self.handle.features) & frozenset(OPTIONAL_FEATURES)
         lim = dict(self.handle.limits)
         self.limits = WebGPULimits(
