@@ -152,6 +152,16 @@ def test_runtime_choice_is_checked(vk_device, mlp_program):
         TrainingRunner.from_pte(path, vk_device, runtime="webgpu")
     with pytest.raises(SystemExit):
         add_train_arguments(argparse.ArgumentParser()).parse_args([str(path), "--steps", "1", "--runtime", "metal"])
+    # eval and generate take the flag too; without it the runner opens the default (vulkan) device.
+    from vktrain.generate.command import add_generate_arguments
+    from vktrain.train.eval_command import add_eval_arguments
+
+    assert add_eval_arguments(argparse.ArgumentParser()).parse_args(
+        [str(path), "--data", "x.txt", "--runtime", "webgpu"]).runtime == "webgpu"
+    generate = argparse.ArgumentParser()
+    add_generate_arguments(generate)
+    assert generate.parse_args(["--model", "tiny-llama", "--prompt", "hi", "--runtime", "webgpu"]).runtime == "webgpu"
+    assert generate.parse_args(["--model", "tiny-llama", "--prompt", "hi"]).runtime is None
 
 
 @pytest.fixture(scope="module")
