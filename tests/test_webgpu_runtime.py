@@ -300,3 +300,17 @@ def test_device_reports_gpu_tuning_and_no_tensor_core_route(gpu, monkeypatch):
 def test_vulkan_path_does_not_import_wgpu():
     assert_import_loads_none(["vktrain.runtime", "vktrain.runtime.delegate.executor", "vktrain.runtime.program.runner",
                               "vktrain.runtime.runtimes", "vktrain.train.command"], ["wgpu", "torch"])
+
+
+def test_adapter_choice_and_limits_are_refused_with_reasons(gpu, monkeypatch):
+    from vktrain.runtime import DeviceSelectionError
+    from vktrain.runtime.webgpu import Device, WebGPUUnavailableError
+    from vktrain.runtime.webgpu import device as device_module
+
+    with pytest.raises(DeviceSelectionError, match="'no such adapter' matches no device name; available devices: "
+                                                   r"\[0\]"):
+        Device("no such adapter")
+    monkeypatch.setitem(device_module._REQUIRED_LIMITS, "max-storage-buffers-per-shader-stage", 10**6)
+    with pytest.raises(WebGPUUnavailableError, match=r"below vktrain's minimum: max-storage-buffers-per-shader-stage "
+                                                     r"= \d+ \(vktrain needs 1000000\)"):
+        Device()

@@ -46,6 +46,7 @@ from vktrain.runtime.webgpu.memory import Buffer
 
 
 def write_timestamp(compute_pass, query_set, index: int) -> None:
+    """A timestamp inside a compute pass (native wgpu only; wgpu imported when a Program needs it)."""
     from wgpu.backends.wgpu_native.extras import write_timestamp as native_write_timestamp
 
     native_write_timestamp(compute_pass, query_set, index)
@@ -86,7 +87,8 @@ class Program:
 
     Same signature as the Vulkan Program: `buffers` maps BufferBinding keys to Buffers,
     `max_group_count` lowers the per-axis group limit (tests force splits with it), `timing` turns on
-    per-dispatch timestamps where the adapter has them.
+    per-dispatch timestamps where the adapter has them. `timeout_s` is accepted for that signature only:
+    WebGPU waits by mapping a buffer, which has no timeout.
     """
 
     def __init__(self, device, dispatches: Sequence[Dispatch], buffers: Mapping[Hashable, Buffer] | None = None,
