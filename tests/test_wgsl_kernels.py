@@ -231,6 +231,18 @@ test_embedding_forward_gathers_rows = on_webgpu(aten.test_embedding_forward_gath
 test_embedding_forward_out_of_range_index_gives_nan_row = on_webgpu(
     aten.test_embedding_forward_out_of_range_index_gives_nan_row)
 
+# ---- kernels: reductions (test_kernels_aten.py) ---------------------------------------------------------
+
+test_sum_and_mean_match_torch = on_webgpu(aten.test_sum_and_mean_match_torch)
+test_sums_are_compensated = on_webgpu(aten.test_sums_are_compensated)
+test_sum_of_infinities_is_not_nan = on_webgpu(aten.test_sum_of_infinities_is_not_nan)
+test_amax_matches_torch = on_webgpu(aten.test_amax_matches_torch)
+test_amax_propagates_nan_and_refuses_empty = on_webgpu(aten.test_amax_propagates_nan_and_refuses_empty)
+test_reduction_strategies_are_both_exercised_and_deterministic = on_webgpu(
+    aten.test_reduction_strategies_are_both_exercised_and_deterministic)
+test_reduction_of_a_strided_view_and_empty_reductions = on_webgpu(
+    aten.test_reduction_of_a_strided_view_and_empty_reductions)
+
 # ---- kernels: dense GEMM (test_kernels_aten.py) --------------------------------------------------------
 
 test_mm_matches_torch_including_partial_tiles = on_webgpu(aten.test_mm_matches_torch_including_partial_tiles)
@@ -256,7 +268,7 @@ test_linear_q4gsw_backward_split_k_with_empty_slice = on_webgpu(
     linear.test_linear_q4gsw_backward_split_k_with_empty_slice)
 test_linear_dw_automatic_split_k_for_thin_output = on_webgpu(linear.test_linear_dw_automatic_split_k_for_thin_output)
 
-# ---- kernels: fused cross-entropy and AdamW (test_kernels_ce_adamw_requant.py) --------------------------
+# ---- kernels: fused cross-entropy, AdamW, requant (test_kernels_ce_adamw_requant.py) --------------------------
 
 test_fused_ce_matches_reference = on_webgpu(ce_adamw.test_fused_ce_matches_reference)
 test_fused_ce_huge_logits_keep_the_small_loss = on_webgpu(ce_adamw.test_fused_ce_huge_logits_keep_the_small_loss)
@@ -267,6 +279,11 @@ test_fused_ce_is_deterministic_and_splits_rows = on_webgpu(ce_adamw.test_fused_c
 test_adamw_ten_steps_one_recording_matches_torch_optim = on_webgpu(
     ce_adamw.test_adamw_ten_steps_one_recording_matches_torch_optim)
 test_adamw_single_step_matches_op_library = on_webgpu(ce_adamw.test_adamw_single_step_matches_op_library)
+test_requant_matches_op_library_int_for_int = on_webgpu(ce_adamw.test_requant_matches_op_library_int_for_int)
+test_requant_ties_round_half_to_even = on_webgpu(ce_adamw.test_requant_ties_round_half_to_even)
+test_requant_infinities_and_zero_scale = on_webgpu(ce_adamw.test_requant_infinities_and_zero_scale)
+test_requant_split_dispatch = on_webgpu(ce_adamw.test_requant_split_dispatch)
+test_requant_output_feeds_linear_q4gsw = on_webgpu(ce_adamw.test_requant_output_feeds_linear_q4gsw)
 
 # ---- kernels: transformer ops (test_kernels_transformer.py) ---------------------------------------------
 
