@@ -136,6 +136,21 @@ def test_wgsl_kernel_compiles_and_declares_the_glsl_interface(webgpu_device, nam
         assert kind == glsl.spec_types[spec_id], f"override @id({spec_id})"
 
 
+# GLSL shaders WebGPU never dispatches: the register-tile bodies of the CPU GEMM tuning, the tensor-core
+# (cooperative-matrix) kernels, and the Vulkan runtime's self-test kernels (the WebGPU layer has its own).
+def _webgpu_dispatches(name: str) -> bool:
+    base, _, variant = name.partition("@")
+    return not (base.startswith(("coopmat_", "test_")) or "CPU_REGISTER_TILES" in variant.split("+"))
+
+
+def test_every_glsl_shader_webgpu_can_dispatch_has_a_wgsl_kernel():
+    from vktrain.runtime_shaders import all_shader_names
+
+    names = all_shader_names()
+    assert missing_wgsl_kernels([name for name in names if _webgpu_dispatches(name)]) == []
+    assert len([name for name in names if _webgpu_dispatches(name)]) > 40  # the filter keeps the kernels
+
+
 def test_lookup_refuses_what_it_cannot_serve():
     with pytest.raises(WGSLKernelNotFoundError, match="'no_such_kernel'.*does not exist") as missing:
         wgsl_source("no_such_kernel")
@@ -230,6 +245,9 @@ test_strided_copy_into_a_region_of_a_larger_output = on_webgpu(aten.test_strided
 test_embedding_forward_gathers_rows = on_webgpu(aten.test_embedding_forward_gathers_rows)
 test_embedding_forward_out_of_range_index_gives_nan_row = on_webgpu(
     aten.test_embedding_forward_out_of_range_index_gives_nan_row)
+test_embedding_dense_backward_repeated_indices = on_webgpu(aten.test_embedding_dense_backward_repeated_indices)
+test_embedding_dense_backward_sums_in_index_order_and_splits = on_webgpu(
+    aten.test_embedding_dense_backward_sums_in_index_order_and_splits)
 
 # ---- kernels: reductions (test_kernels_aten.py) ---------------------------------------------------------
 
