@@ -6,11 +6,6 @@ Program used are vktrain.runtime's, the same names the Vulkan tests use: the dev
 """
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import numpy as np
 import pytest
 
@@ -29,26 +24,13 @@ from vktrain.runtime import (
     run_dispatches,
 )
 
-ROOT = Path(__file__).resolve().parents[1]
+from _helpers import assert_import_loads_none
+
 LOCAL = 64
 
-pytest.importorskip("wgpu", reason="the WebGPU runtime needs wgpu (pip install 'vktrain[webgpu]')")
-
-
-@pytest.fixture(scope="module")
-def gpu():
-    from vktrain.runtime.webgpu import Device, WebGPUUnavailableError
-
-    os.environ.setdefault("XDG_RUNTIME_DIR", "/tmp")
-    try:
-        device = Device()
-    except WebGPUUnavailableError as exc:
-        pytest.skip(f"no usable WebGPU adapter: {exc}")
-    yield device
-    messages = device.take_validation_messages()
-    device.close()
-    if messages:
-        pytest.fail("wgpu logged errors:\n" + "\n".join(map(str, messages)), pytrace=False)
+@pytest.fixture
+def gpu(webgpu_device):
+    return webgpu_device
 
 
 @pytest.fixture
@@ -64,8 +46,6 @@ def buffers(gpu):
     yield make
     for buffer in made:
         buffer.destroy()
-    messages = gpu.take_validation_messages()
-    assert not messages, "wgpu logged errors:\n" + "\n".join(map(str, messages))
 
 
 def axpy(n: int, alpha: float, x="x", y="y", *, scale: float = 1.0) -> Dispatch:
@@ -206,8 +186,12 @@ def test_timings_per_dispatch(gpu, buffers):
             program.timings()
         program.replay()
         seconds = program.timings()
-    assert len(seconds) == 2 and all(0 < s < 10 for s in seconds)
-    np.testing.assert_array_equal(by.read(np.float32), np.full(n, 2, np.float32))
+        assert len(seconds) == 2 and all(0 < s < 10 for s in seconds)
+        assert program.last_encode_s > 0
+        program.timing_enabled = False  # one untimed pass from now on
+        program.replay()
+        assert program.timings() is None
+    np.testing.assert_array_equal(by.read(np.float32), np.full(n, 4, np.float32))
 
 
 # ------------------------------------------------------------------------------------ refusals
@@ -309,9 +293,5 @@ def test_device_reports_gpu_tuning_and_no_tensor_core_route(gpu, monkeypatch):
 
 
 def test_vulkan_path_does_not_import_wgpu():
-    code = ("import sys, numpy\n"
-            "import vktrain.runtime, vktrain.runtime.delegate.executor, vktrain.runtime.program.runner\n"
-            "from vktrain.runtime import Buffer, Program\n"
-            "assert 'wgpu' not in sys.modules, 'wgpu imported'\n"
-            "assert 'torch' not in sys.modules, 'torch imported'\n")
-    subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
+    assert_import_loads_none(["vktrain.runtime", "vktrain.runtime.delegate.executor", "vktrain.runtime.program.runner",
+                              "vktrain.runtime.runtimes", "vktrain.train.command"], ["wgpu", "torch"])

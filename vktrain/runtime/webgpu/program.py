@@ -9,17 +9,20 @@ bind groups (one per dispatch, one per chunk of a split dispatch) and one unifor
 dispatch's params at 256-byte-aligned offsets, written once.
 
 WebGPU command buffers are single-use (submitting one twice aborts the process), so `replay()`
-encodes the whole list again into one compute pass from the prepared pipelines and bind groups,
-submits it and waits through a buffer read (Device.wait_idle). WebGPU orders storage accesses between
-dispatches itself; the barrier plan is still computed (`barriers`, the same data as on Vulkan).
+encodes the whole list again into one compute pass from the prepared pipelines and bind groups
+(`last_encode_s`: the host seconds that took), submits it and waits through a buffer read
+(Device.wait_idle). WebGPU orders storage accesses between dispatches itself; the barrier plan is
+still computed (`barriers`, the same data as on Vulkan).
 
 Timing (`timing=True`, adapters with timestamp-query): each Dispatch gets its own compute pass with
 timestamps at its beginning and end; `timings()` returns each Dispatch's seconds (on WebGPU its own
-time, not the time its completion added as on Vulkan). None without timestamp queries.
+time, not the time its completion added as on Vulkan). None without timestamp queries. Setting
+`timing_enabled = False` afterwards encodes the next replays into one pass again, untimed.
 """
 from __future__ import annotations
 
 import struct
+import time
 from typing import Hashable, Mapping, Sequence
 
 import numpy as np
@@ -99,6 +102,7 @@ class Program:
         self._params_buffer = self._query_set = self._query_resolve = None
         self._pending = False
         self._submitted_once = False
+        self.last_encode_s: float | None = None  # host seconds the last submit() spent encoding
         if not self.dispatches:
             raise ScheduleError("a Program needs at least one Dispatch")
         for dispatch in self.dispatches:
@@ -271,11 +275,12 @@ class Program:
 
     # ------------------------------------------------------------------------------- execution
     def _encode(self):
+        timed = self.timing_enabled and self._query_set is not None
         encoder = self.device.handle.create_command_encoder()
-        compute_pass = None if self.timing_enabled else encoder.begin_compute_pass()
+        compute_pass = None if timed else encoder.begin_compute_pass()
         bound = None
         for index, plan in enumerate(self._planned):
-            if self.timing_enabled:
+            if timed:
                 compute_pass = encoder.begin_compute_pass(timestamp_writes={
                     "query_set": self._query_set, "beginning_of_pass_write_index": 2 * index,
                     "end_of_pass_write_index": 2 * index + 1})
@@ -290,9 +295,9 @@ class Program:
                 if not single:
                     compute_pass.set_bind_group(0, plan.bind_groups[chunk])
                 compute_pass.dispatch_workgroups(*counts)
-            if self.timing_enabled:
+            if timed:
                 compute_pass.end()
-        if not self.timing_enabled:
+        if not timed:
             compute_pass.end()
         else:
             count = 2 * len(self._planned)
@@ -308,7 +313,10 @@ class Program:
         if dead:
             raise ScheduleError(f"cannot replay: buffers {dead} were destroyed after the Program was built; "
                                 f"build a new Program for new buffers")
-        self.device.submit([self._encode()])
+        start = time.perf_counter()
+        command_buffer = self._encode()
+        self.last_encode_s = time.perf_counter() - start
+        self.device.submit([command_buffer])
         self._pending = True
         self._submitted_once = True
 
@@ -327,7 +335,7 @@ class Program:
     def timings(self) -> list[float] | None:
         """Seconds per Dispatch of the last replay (see module docstring); None without timestamps."""
         self._check_alive()
-        if self._query_set is None:
+        if self._query_set is None or not self.timing_enabled:
             return None
         if not self._submitted_once:
             raise ScheduleError("timings() before the first replay()")
