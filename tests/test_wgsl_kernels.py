@@ -4,8 +4,9 @@ Kernel checks run the Vulkan kernel tests' own bodies (tests/test_kernels_*.py) 
 in place of the Vulkan one: the same plan functions, shape sets, references (the op library's CPU
 definitions, torch eager, float64 formulas, bit-exact layouts) and tolerances, derived in those
 modules' docstrings; `vktrain.runtime`'s Buffer / Program build the WebGPU objects for a WebGPU
-device. `on_webgpu` turns such a test into one taking `webgpu_device`, with the Vulkan test's cases
-(a subset where lavapipe would make the suite slow; `cases=` names them by index).
+device. `on_webgpu` turns such a test into one taking `webgpu_device` (tests/conftest.py: skipped where
+wgpu or an adapter is missing; a test during which wgpu logged an error fails), with the Vulkan test's
+cases, all of them (small shapes: the whole module takes about a minute of CPU on lavapipe).
 
 Besides: every WGSL kernel declares exactly the interface of the GLSL shader it mirrors (bindings and
 their access, push block size and header, specialization ids), every shader the mlp-lora and
@@ -14,55 +15,26 @@ tiny-llama training steps dispatch has one, and the lookup refuses names it cann
 from __future__ import annotations
 
 import inspect
-import os
 
 import numpy as np
 import pytest
 
-pytest.importorskip("wgpu", reason="the WebGPU kernels need wgpu (pip install 'vktrain[webgpu]')")
+import test_generate as generate  # the Vulkan kernel tests whose bodies run here
+import test_kernels_aten as aten
+import test_kernels_ce_adamw_requant as ce_adamw
+import test_kernels_linear as linear
+import test_kernels_transformer as transformer
+from _helpers import export_mlp_lora_training_step
 
-import test_generate as generate  # noqa: E402  (the Vulkan kernel tests whose bodies run here)
-import test_kernels_aten as aten  # noqa: E402
-import test_kernels_ce_adamw_requant as ce_adamw  # noqa: E402
-import test_kernels_linear as linear  # noqa: E402
-import test_kernels_transformer as transformer  # noqa: E402
-from _helpers import export_mlp_lora_training_step  # noqa: E402
-
-from vktrain.runtime_shaders import load_spirv, reflect_spirv  # noqa: E402
-from vktrain.runtime_shaders.build import spirv_path  # noqa: E402
-from vktrain.runtime_shaders.wgsl import (  # noqa: E402
+from vktrain.runtime_shaders import load_spirv, reflect_spirv
+from vktrain.runtime_shaders.build import spirv_path
+from vktrain.runtime_shaders.wgsl import (
     WGSLKernelNotFoundError,
     WGSLSourceError,
     all_wgsl_shader_names,
     missing_wgsl_kernels,
     wgsl_source,
 )
-
-
-@pytest.fixture(scope="module")
-def webgpu_device():
-    from vktrain.runtime.webgpu import Device, WebGPUUnavailableError
-
-    os.environ.setdefault("XDG_RUNTIME_DIR", "/tmp")
-    try:
-        device = Device()
-    except WebGPUUnavailableError as exc:
-        pytest.skip(f"no usable WebGPU adapter: {exc}")
-    yield device
-    device.close()
-
-
-@pytest.fixture(autouse=True)
-def _fail_on_wgpu_errors(request):
-    """For tests using the WebGPU device: fail when wgpu logged an error while the test ran."""
-    if "webgpu_device" not in request.fixturenames:
-        yield
-        return
-    device = request.getfixturevalue("webgpu_device")
-    device.take_validation_messages()
-    yield
-    messages = device.take_validation_messages()
-    assert not messages, "wgpu logged errors:\n" + "\n".join(map(str, messages))
 
 
 # The fixtures the Vulkan tests' bodies take besides their device, on the WebGPU device.
@@ -78,9 +50,9 @@ def buffers(webgpu_device):
     made.destroy()
 
 
-def on_webgpu(vulkan_test, cases=None):
+def on_webgpu(vulkan_test):
     """`vulkan_test` (a test of tests/test_kernels_*.py whose device argument is `vk_device`) as a test on
-    the WebGPU device, with the Vulkan test's parametrize marks; `cases` keeps those of these indices."""
+    the WebGPU device, with the Vulkan test's parametrize marks."""
     signature = inspect.signature(vulkan_test)
     parameters = [p.replace(name="webgpu_device") if p.name == "vk_device" else p
                   for p in signature.parameters.values()]
@@ -95,24 +67,11 @@ def on_webgpu(vulkan_test, cases=None):
     for mark in reversed(getattr(vulkan_test, "pytestmark", [])):
         if mark.name != "parametrize":
             raise TypeError(f"{vulkan_test.__name__}: cannot carry over mark {mark.name!r}")
-        names, values = mark.args[0], list(mark.args[1])
-        ids = mark.kwargs.get("ids")
-        if cases is not None and len(getattr(vulkan_test, "pytestmark")) == 1:
-            values = [values[i] for i in cases]
-            ids = [ids[i] for i in cases] if ids is not None else None
-        test = pytest.mark.parametrize(names, values, ids=ids)(test)
+        test = pytest.mark.parametrize(*mark.args, **mark.kwargs)(test)
     return test
 
 
 # ---- the lookup and the kernels' interfaces ---------------------------------------------------------
-
-def _glsl_counterpart(name: str) -> str | None:
-    """`name` if the GLSL build has a SPIR-V for it (the runtime self-test kernels have none here)."""
-    try:
-        return name if spirv_path(name).is_file() else None
-    except Exception:
-        return None
-
 
 @pytest.mark.parametrize("name", all_wgsl_shader_names())
 def test_wgsl_kernel_compiles_and_declares_the_glsl_interface(webgpu_device, name):
@@ -124,8 +83,8 @@ def test_wgsl_kernel_compiles_and_declares_the_glsl_interface(webgpu_device, nam
     source = wgsl_source(name)
     webgpu_device.handle.create_shader_module(code=source)
     wgsl = reflect_wgsl(name, source)
-    if _glsl_counterpart(name) is None:
-        pytest.skip(f"no SPIR-V of {name} built here to compare with")
+    if not spirv_path(name).is_file():
+        pytest.skip(f"no SPIR-V of {name} built here to compare with (python -m vktrain.runtime_shaders.build)")
     glsl = reflect_spirv(load_spirv(name))
     glsl_storage = sorted((b.binding, b.readonly) for b in glsl.bindings if b.set == 0 and b.kind == "storage")
     assert [(b.binding, b.readonly) for b in wgsl.storage] == glsl_storage
