@@ -4,8 +4,9 @@ Kernel checks run the Vulkan kernel tests' own bodies (tests/test_kernels_*.py) 
 in place of the Vulkan one: the same plan functions, shape sets, references (the op library's CPU
 definitions, torch eager, float64 formulas, bit-exact layouts) and tolerances, derived in those
 modules' docstrings; `vktrain.runtime`'s Buffer / Program build the WebGPU objects for a WebGPU
-device. `on_webgpu` turns such a test into one taking `webgpu_device`, with the Vulkan test's cases
-(a subset where lavapipe would make the suite slow; `cases=` names them by index).
+device. `on_webgpu` turns such a test into one taking `webgpu_device` (tests/conftest.py: skipped where
+wgpu or an adapter is missing; a test during which wgpu logged an error fails), with the Vulkan test's
+cases, all of them (small shapes: the whole module takes about a minute of CPU on lavapipe).
 
 Besides: every WGSL kernel declares exactly the interface of the GLSL shader it mirrors (bindings and
 their access, push block size and header, specialization ids), every shader the mlp-lora and
@@ -14,55 +15,26 @@ tiny-llama training steps dispatch has one, and the lookup refuses names it cann
 from __future__ import annotations
 
 import inspect
-import os
 
 import numpy as np
 import pytest
 
-pytest.importorskip("wgpu", reason="the WebGPU kernels need wgpu (pip install 'vktrain[webgpu]')")
+import test_generate as generate  # the Vulkan kernel tests whose bodies run here
+import test_kernels_aten as aten
+import test_kernels_ce_adamw_requant as ce_adamw
+import test_kernels_linear as linear
+import test_kernels_transformer as transformer
+from _helpers import export_mlp_lora_training_step
 
-import test_generate as generate  # noqa: E402  (the Vulkan kernel tests whose bodies run here)
-import test_kernels_aten as aten  # noqa: E402
-import test_kernels_ce_adamw_requant as ce_adamw  # noqa: E402
-import test_kernels_linear as linear  # noqa: E402
-import test_kernels_transformer as transformer  # noqa: E402
-from _helpers import export_mlp_lora_training_step  # noqa: E402
-
-from vktrain.runtime_shaders import load_spirv, reflect_spirv  # noqa: E402
-from vktrain.runtime_shaders.build import spirv_path  # noqa: E402
-from vktrain.runtime_shaders.wgsl import (  # noqa: E402
+from vktrain.runtime_shaders import load_spirv, reflect_spirv
+from vktrain.runtime_shaders.build import spirv_path
+from vktrain.runtime_shaders.wgsl import (
     WGSLKernelNotFoundError,
     WGSLSourceError,
     all_wgsl_shader_names,
     missing_wgsl_kernels,
     wgsl_source,
 )
-
-
-@pytest.fixture(scope="module")
-def webgpu_device():
-    from vktrain.runtime.webgpu import Device, WebGPUUnavailableError
-
-    os.environ.setdefault("XDG_RUNTIME_DIR", "/tmp")
-    try:
-        device = Device()
-    except WebGPUUnavailableError as exc:
-        pytest.skip(f"no usable WebGPU adapter: {exc}")
-    yield device
-    device.close()
-
-
-@pytest.fixture(autouse=True)
-def _fail_on_wgpu_errors(request):
-    """For tests using the WebGPU device: fail when wgpu logged an error while the test ran."""
-    if "webgpu_device" not in request.fixturenames:
-        yield
-        return
-    device = request.getfixturevalue("webgpu_device")
-    device.take_validation_messages()
-    yield
-    messages = device.take_validation_messages()
-    assert not messages, "wgpu logged errors:\n" + "\n".join(map(str, messages))
 
 
 # The fixtures the Vulkan tests' bodies take besides their device, on the WebGPU device.
@@ -78,9 +50,9 @@ def buffers(webgpu_device):
     made.destroy()
 
 
-def on_webgpu(vulkan_test, cases=None):
+def on_webgpu(vulkan_test):
     """`vulkan_test` (a test of tests/test_kernels_*.py whose device argument is `vk_device`) as a test on
-    the WebGPU device, with the Vulkan test's parametrize marks; `cases` keeps those of these indices."""
+    the WebGPU device, with the Vulkan test's parametrize marks."""
     signature = inspect.signature(vulkan_test)
     parameters = [p.replace(name="webgpu_device") if p.name == "vk_device" else p
                   for p in signature.parameters.values()]
@@ -95,24 +67,11 @@ def on_webgpu(vulkan_test, cases=None):
     for mark in reversed(getattr(vulkan_test, "pytestmark", [])):
         if mark.name != "parametrize":
             raise TypeError(f"{vulkan_test.__name__}: cannot carry over mark {mark.name!r}")
-        names, values = mark.args[0], list(mark.args[1])
-        ids = mark.kwargs.get("ids")
-        if cases is not None and len(getattr(vulkan_test, "pytestmark")) == 1:
-            values = [values[i] for i in cases]
-            ids = [ids[i] for i in cases] if ids is not None else None
-        test = pytest.mark.parametrize(names, values, ids=ids)(test)
+        test = pytest.mark.parametrize(*mark.args, **mark.kwargs)(test)
     return test
 
 
 # ---- the lookup and the kernels' interfaces ---------------------------------------------------------
-
-def _glsl_counterpart(name: str) -> str | None:
-    """`name` if the GLSL build has a SPIR-V for it (the runtime self-test kernels have none here)."""
-    try:
-        return name if spirv_path(name).is_file() else None
-    except Exception:
-        return None
-
 
 @pytest.mark.parametrize("name", all_wgsl_shader_names())
 def test_wgsl_kernel_compiles_and_declares_the_glsl_interface(webgpu_device, name):
@@ -124,8 +83,8 @@ def test_wgsl_kernel_compiles_and_declares_the_glsl_interface(webgpu_device, nam
     source = wgsl_source(name)
     webgpu_device.handle.create_shader_module(code=source)
     wgsl = reflect_wgsl(name, source)
-    if _glsl_counterpart(name) is None:
-        pytest.skip(f"no SPIR-V of {name} built here to compare with")
+    if not spirv_path(name).is_file():
+        pytest.skip(f"no SPIR-V of {name} built here to compare with (python -m vktrain.runtime_shaders.build)")
     glsl = reflect_spirv(load_spirv(name))
     glsl_storage = sorted((b.binding, b.readonly) for b in glsl.bindings if b.set == 0 and b.kind == "storage")
     assert [(b.binding, b.readonly) for b in wgsl.storage] == glsl_storage
@@ -134,6 +93,21 @@ def test_wgsl_kernel_compiles_and_declares_the_glsl_interface(webgpu_device, nam
     assert set(wgsl.spec_types) <= set(glsl.spec_types) <= set(wgsl.spec_types) | {1, 2}
     for spec_id, kind in wgsl.spec_types.items():
         assert kind == glsl.spec_types[spec_id], f"override @id({spec_id})"
+
+
+# GLSL shaders WebGPU never dispatches: the register-tile bodies of the CPU GEMM tuning, the tensor-core
+# (cooperative-matrix) kernels, and the Vulkan runtime's self-test kernels (the WebGPU layer has its own).
+def _webgpu_dispatches(name: str) -> bool:
+    base, _, variant = name.partition("@")
+    return not (base.startswith(("coopmat_", "test_")) or "CPU_REGISTER_TILES" in variant.split("+"))
+
+
+def test_every_glsl_shader_webgpu_can_dispatch_has_a_wgsl_kernel():
+    from vktrain.runtime_shaders import all_shader_names
+
+    names = all_shader_names()
+    assert missing_wgsl_kernels([name for name in names if _webgpu_dispatches(name)]) == []
+    assert len([name for name in names if _webgpu_dispatches(name)]) > 40  # the filter keeps the kernels
 
 
 def test_lookup_refuses_what_it_cannot_serve():
@@ -230,6 +204,21 @@ test_strided_copy_into_a_region_of_a_larger_output = on_webgpu(aten.test_strided
 test_embedding_forward_gathers_rows = on_webgpu(aten.test_embedding_forward_gathers_rows)
 test_embedding_forward_out_of_range_index_gives_nan_row = on_webgpu(
     aten.test_embedding_forward_out_of_range_index_gives_nan_row)
+test_embedding_dense_backward_repeated_indices = on_webgpu(aten.test_embedding_dense_backward_repeated_indices)
+test_embedding_dense_backward_sums_in_index_order_and_splits = on_webgpu(
+    aten.test_embedding_dense_backward_sums_in_index_order_and_splits)
+
+# ---- kernels: reductions (test_kernels_aten.py) ---------------------------------------------------------
+
+test_sum_and_mean_match_torch = on_webgpu(aten.test_sum_and_mean_match_torch)
+test_sums_are_compensated = on_webgpu(aten.test_sums_are_compensated)
+test_sum_of_infinities_is_not_nan = on_webgpu(aten.test_sum_of_infinities_is_not_nan)
+test_amax_matches_torch = on_webgpu(aten.test_amax_matches_torch)
+test_amax_propagates_nan_and_refuses_empty = on_webgpu(aten.test_amax_propagates_nan_and_refuses_empty)
+test_reduction_strategies_are_both_exercised_and_deterministic = on_webgpu(
+    aten.test_reduction_strategies_are_both_exercised_and_deterministic)
+test_reduction_of_a_strided_view_and_empty_reductions = on_webgpu(
+    aten.test_reduction_of_a_strided_view_and_empty_reductions)
 
 # ---- kernels: dense GEMM (test_kernels_aten.py) --------------------------------------------------------
 
@@ -256,7 +245,7 @@ test_linear_q4gsw_backward_split_k_with_empty_slice = on_webgpu(
     linear.test_linear_q4gsw_backward_split_k_with_empty_slice)
 test_linear_dw_automatic_split_k_for_thin_output = on_webgpu(linear.test_linear_dw_automatic_split_k_for_thin_output)
 
-# ---- kernels: fused cross-entropy and AdamW (test_kernels_ce_adamw_requant.py) --------------------------
+# ---- kernels: fused cross-entropy, AdamW, requant (test_kernels_ce_adamw_requant.py) --------------------------
 
 test_fused_ce_matches_reference = on_webgpu(ce_adamw.test_fused_ce_matches_reference)
 test_fused_ce_huge_logits_keep_the_small_loss = on_webgpu(ce_adamw.test_fused_ce_huge_logits_keep_the_small_loss)
@@ -267,6 +256,11 @@ test_fused_ce_is_deterministic_and_splits_rows = on_webgpu(ce_adamw.test_fused_c
 test_adamw_ten_steps_one_recording_matches_torch_optim = on_webgpu(
     ce_adamw.test_adamw_ten_steps_one_recording_matches_torch_optim)
 test_adamw_single_step_matches_op_library = on_webgpu(ce_adamw.test_adamw_single_step_matches_op_library)
+test_requant_matches_op_library_int_for_int = on_webgpu(ce_adamw.test_requant_matches_op_library_int_for_int)
+test_requant_ties_round_half_to_even = on_webgpu(ce_adamw.test_requant_ties_round_half_to_even)
+test_requant_infinities_and_zero_scale = on_webgpu(ce_adamw.test_requant_infinities_and_zero_scale)
+test_requant_split_dispatch = on_webgpu(ce_adamw.test_requant_split_dispatch)
+test_requant_output_feeds_linear_q4gsw = on_webgpu(ce_adamw.test_requant_output_feeds_linear_q4gsw)
 
 # ---- kernels: transformer ops (test_kernels_transformer.py) ---------------------------------------------
 

@@ -57,7 +57,7 @@ class WGSLKernelNotFoundError(VktrainError, LookupError):
 
 
 class WGSLSourceError(VktrainError, ValueError):
-    """A WGSL source's `#if` structure is malformed (a bug in the source, reported with file and line)."""
+    """A WGSL source's directives are malformed (a bug in the source, reported with file and line)."""
 
 
 def _source_path(base: str) -> Path:
