@@ -119,6 +119,22 @@ def test_axpy_with_params_and_spec_constants_matches_numpy(gpu, buffers):
     np.testing.assert_allclose(by.read(np.float32), expected, rtol=1e-6, atol=1e-6)
 
 
+def test_replays_see_new_inputs_and_refuse_destroyed_buffers(gpu, buffers):
+    """Each replay submits the command buffer encoded ahead during the one before: it must still read what
+    was written in between, and a buffer destroyed since must stop it."""
+    n = 100
+    bx, by = buffers(np.ones(n, np.float32)), buffers(np.zeros(n, np.float32), name="y")
+    program = Program(gpu, [axpy(n, 1.0, bx, by)])
+    program.replay()
+    bx.write(np.full(n, 5, np.float32))
+    program.replay()
+    np.testing.assert_array_equal(by.read(np.float32), np.full(n, 6, np.float32))
+    by.destroy()
+    with pytest.raises(ScheduleError, match=r"cannot replay: buffers \['y'\] were destroyed"):
+        program.replay()
+    program.destroy()
+
+
 def test_dependent_dispatches_see_each_others_writes(gpu, buffers):
     n = 777
     a = np.linspace(-1, 1, n, dtype=np.float32)

@@ -8,10 +8,11 @@ constants, local size and workgroup memory, split group counts. It then builds t
 bind groups (one per dispatch, one per chunk of a split dispatch) and one uniform buffer holding every
 dispatch's params at 256-byte-aligned offsets, written once.
 
-WebGPU command buffers are single-use (submitting one twice aborts the process), so `replay()`
-encodes the whole list again into one compute pass from the prepared pipelines and bind groups
-(`last_encode_s`: the host seconds that took), submits it and waits through a buffer read
-(Device.wait_idle). WebGPU orders storage accesses between dispatches itself; the barrier plan is
+WebGPU command buffers are single-use (submitting one twice aborts the process), so every replay
+submits a fresh encoding of the whole list into one compute pass, from the prepared pipelines and bind
+groups. Each submit() encodes the next replay's command buffer right after submitting, so encoding
+overlaps the GPU's work instead of adding to it (`last_encode_s`: the host seconds one encoding took);
+wait() waits through a buffer read (Device.wait_idle). WebGPU orders storage accesses between dispatches itself; the barrier plan is
 still computed (`barriers`, the same data as on Vulkan).
 
 Timing (`timing=True`, adapters with timestamp-query): where the adapter also has native wgpu's
@@ -101,7 +102,8 @@ class Program:
         self._inside_pass = False
         self._pending = False
         self._submitted_once = False
-        self.last_encode_s: float | None = None  # host seconds the last submit() spent encoding
+        self.last_encode_s: float | None = None  # host seconds the last encoding took
+        self._encoded = None  # (command buffer, timed) encoded ahead for the next submit()
         if not self.dispatches:
             raise ScheduleError("a Program needs at least one Dispatch")
         for dispatch in self.dispatches:
@@ -276,8 +278,9 @@ class Program:
                 size=8 * count, usage=wgpu.BufferUsage.QUERY_RESOLVE | wgpu.BufferUsage.COPY_SRC)
 
     # ------------------------------------------------------------------------------- execution
-    def _encode(self):
-        timed = self.timing_enabled and self._query_set is not None
+    def _encode(self, timed: bool):
+        """A command buffer running every dispatch once (timestamped when `timed`)."""
+        start = time.perf_counter()
         per_pass = timed and not self._inside_pass
         encoder = self.device.handle.create_command_encoder()
         compute_pass = None if per_pass else encoder.begin_compute_pass()
@@ -308,7 +311,9 @@ class Program:
             compute_pass.end()
         if timed:
             encoder.resolve_query_set(self._query_set, 0, self._query_set.count, self._query_resolve, 0)
-        return encoder.finish()
+        command_buffer = encoder.finish()
+        self.last_encode_s = time.perf_counter() - start
+        return command_buffer
 
     def submit(self) -> None:
         """Encode and submit the dispatches without waiting (wait() before touching their buffers)."""
@@ -319,12 +324,16 @@ class Program:
         if dead:
             raise ScheduleError(f"cannot replay: buffers {dead} were destroyed after the Program was built; "
                                 f"build a new Program for new buffers")
-        start = time.perf_counter()
-        command_buffer = self._encode()
-        self.last_encode_s = time.perf_counter() - start
+        timed = self.timing_enabled and self._query_set is not None
+        command_buffer, encoded_timed = self._encoded or (None, None)
+        if encoded_timed != timed:
+            command_buffer = self._encode(timed)
+        self._encoded = None
         self.device.submit([command_buffer])
         self._pending = True
         self._submitted_once = True
+        # The next replay runs the same commands: encode them now, while the GPU runs these.
+        self._encoded = (self._encode(timed), timed)
 
     def wait(self) -> None:
         """Block until the last submit() finished (no-op when nothing is pending)."""
@@ -369,6 +378,7 @@ class Program:
             if resource is not None:
                 resource.destroy()
         self._params_buffer = self._query_set = self._query_resolve = None
+        self._encoded = None
         self._planned = []
         self._alive = False
         self.device._unregister(self)
