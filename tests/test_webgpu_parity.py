@@ -152,3 +152,53 @@ def test_runtime_choice_is_checked(vk_device, mlp_program):
         TrainingRunner.from_pte(path, vk_device, runtime="webgpu")
     with pytest.raises(SystemExit):
         add_train_arguments(argparse.ArgumentParser()).parse_args([str(path), "--steps", "1", "--runtime", "metal"])
+    # eval and generate take the flag too; without it the runner opens the default (vulkan) device.
+    from vktrain.generate.command import add_generate_arguments
+    from vktrain.train.eval_command import add_eval_arguments
+
+    assert add_eval_arguments(argparse.ArgumentParser()).parse_args(
+        [str(path), "--data", "x.txt", "--runtime", "webgpu"]).runtime == "webgpu"
+    generate = argparse.ArgumentParser()
+    add_generate_arguments(generate)
+    assert generate.parse_args(["--model", "tiny-llama", "--prompt", "hi", "--runtime", "webgpu"]).runtime == "webgpu"
+    assert generate.parse_args(["--model", "tiny-llama", "--prompt", "hi"]).runtime is None
+
+
+@pytest.fixture(scope="module")
+def generation_program(tmp_path_factory):
+    """tiny-llama's prefill and decode methods (what `vktrain generate` runs), adapters non-zero."""
+    from vktrain.export.decode import export_generation, lower_generation
+    from vktrain.lora import lora_modules
+
+    model = build_model("tiny-llama")
+    apply_lora(model, LoRAConfig(rank=4, alpha=8.0, targets="*_proj", group_size=32, seed=0))
+    generator = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for layer in lora_modules(model).values():
+            layer.lora_B.normal_(0.0, 0.1, generator=generator)
+    path = tmp_path_factory.mktemp("pte") / "tiny_llama_generation.pte"
+    path.write_bytes(lower_generation(export_generation(model, prefill_length=8, cache_length=32)))
+    return path
+
+
+def test_generation_matches_vulkan(vk_device, webgpu_device, generation_program):
+    """Greedy tokens equal, and every logit of prefill and decode agrees with the Vulkan runtime's."""
+    from vktrain.generate.runner import GenerationRunner
+    from vktrain.generate.sampling import Sampler
+
+    prompt, new_tokens = [ord(c) for c in "hello vk"], 12
+    results = {}
+    for name, device in (("webgpu", webgpu_device), ("vulkan", vk_device)):
+        try:
+            runner = GenerationRunner.from_pte(generation_program, device)
+        except MissingKernelsError as exc:
+            pytest.skip(f"generation: no WGSL kernel yet for {', '.join(exc.shaders)}")
+        with runner:
+            result = runner.generate(prompt, new_tokens, Sampler())
+            sequence = prompt + result.tokens
+            logits = [*runner.prefill(prompt)]
+            logits += [runner.decode(token, len(prompt) + i) for i, token in enumerate(result.tokens[:-1])]
+            results[name] = (result.tokens, np.stack(logits), sequence)
+    assert results["webgpu"][0] == results["vulkan"][0]
+    scale = np.abs(results["vulkan"][1]).max()
+    np.testing.assert_allclose(results["webgpu"][1], results["vulkan"][1], atol=RUNTIME_LOSS_RTOL * scale, rtol=0)

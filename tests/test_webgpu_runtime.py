@@ -176,9 +176,14 @@ def test_shader_without_header_runs_but_is_never_split(gpu, buffers):
                 max_group_count=4)
 
 
-def test_timings_per_dispatch(gpu, buffers):
-    if not gpu.timestamps_supported:
-        pytest.skip(f"{gpu.name} has no timestamp-query")
+@pytest.mark.parametrize("inside_pass", [True, False], ids=["one-pass", "pass-per-dispatch"])
+def test_timings_per_dispatch(gpu, buffers, monkeypatch, inside_pass):
+    from vktrain.runtime.webgpu.device import INSIDE_PASS_FEATURE
+
+    if not gpu.timestamps_supported or (inside_pass and INSIDE_PASS_FEATURE not in gpu.features):
+        pytest.skip(f"{gpu.name} has no timestamp-query{' inside passes' if inside_pass else ''}")
+    if not inside_pass:  # what browser WebGPU offers: timestamps at pass boundaries only
+        monkeypatch.setattr(gpu, "features", gpu.features - {INSIDE_PASS_FEATURE})
     n = 4096
     bx, by = buffers(np.ones(n, np.float32)), buffers(np.zeros(n, np.float32))
     with Program(gpu, [axpy(n, 1.0, bx, by), axpy(n, 1.0, bx, by)], timing=True) as program:
@@ -295,3 +300,17 @@ def test_device_reports_gpu_tuning_and_no_tensor_core_route(gpu, monkeypatch):
 def test_vulkan_path_does_not_import_wgpu():
     assert_import_loads_none(["vktrain.runtime", "vktrain.runtime.delegate.executor", "vktrain.runtime.program.runner",
                               "vktrain.runtime.runtimes", "vktrain.train.command"], ["wgpu", "torch"])
+
+
+def test_adapter_choice_and_limits_are_refused_with_reasons(gpu, monkeypatch):
+    from vktrain.runtime import DeviceSelectionError
+    from vktrain.runtime.webgpu import Device, WebGPUUnavailableError
+    from vktrain.runtime.webgpu import device as device_module
+
+    with pytest.raises(DeviceSelectionError, match="'no such adapter' matches no device name; available devices: "
+                                                   r"\[0\]"):
+        Device("no such adapter")
+    monkeypatch.setitem(device_module._REQUIRED_LIMITS, "max-storage-buffers-per-shader-stage", 10**6)
+    with pytest.raises(WebGPUUnavailableError, match=r"below vktrain's minimum: max-storage-buffers-per-shader-stage "
+                                                     r"= \d+ \(vktrain needs 1000000\)"):
+        Device()

@@ -7,7 +7,7 @@ as for the Vulkan runtime.
 
 Limits: the device asks for the adapter's own compute limits (WebGPU's defaults are far lower, e.g. 8
 storage buffers per stage and 128 MiB bindings) and refuses an adapter below vktrain's minimum with
-an error naming each limit. Optional features (timestamp-query, shader-f16, subgroup) are enabled
+an error naming each limit. Optional features (timestamp-query, timestamp-query-inside-passes, shader-f16, subgroup) are enabled
 where the adapter has them; `features` lists the enabled WebGPU feature names. The device reports no
 Vulkan features, no subgroup operations and no cooperative matrices, so the executor picks the GPU
 tuning of the fp32 GEMMs and never a tensor-core route (gemm_tuning.py, coopmat.py).
@@ -22,12 +22,15 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from vktrain.runtime.vk.device import DEVICE_ENV, PhysicalDeviceInfo, ValidationMessage, select_physical_device
 from vktrain.runtime.webgpu.errors import INSTALL_HINT, WebGPUError, WebGPUUnavailableError
 
 # wgpu's adapter types as VkPhysicalDeviceType numbers, so selection ranks them as the Vulkan runtime does.
 _ADAPTER_TYPES = {"DiscreteGPU": 2, "IntegratedGPU": 1, "VirtualGPU": 3, "CPU": 4}
-OPTIONAL_FEATURES = ("timestamp-query", "shader-f16", "subgroup")
+INSIDE_PASS_FEATURE = "timestamp-query-inside-passes"  # native wgpu: per-dispatch timestamps in one pass
+OPTIONAL_FEATURES = ("timestamp-query", INSIDE_PASS_FEATURE, "shader-f16", "subgroup")
 DEVICE_TYPE = "webgpu"  # not "cpu", whatever the adapter: WGSL kernels have the GPU-tuning bodies only
 
 # The adapter limits the device asks for, and the least vktrain's kernels need of each.
@@ -45,6 +48,7 @@ _REQUIRED_LIMITS = {
 }
 # Offset alignments are maxima (smaller is better): the adapter's own value is asked for.
 _ALIGNMENT_LIMITS = ("min-storage-buffer-offset-alignment", "min-uniform-buffer-offset-alignment")
+REUSED_STAGING_BYTES = 16 << 20  # downloads up to this size share one staging buffer (loss, state reads)
 UNIFORM_SLOT_ALIGNMENT = 256  # every dispatch's params start at a multiple of this (browser WebGPU's maximum)
 
 
@@ -90,6 +94,14 @@ def _adapter_info(index: int, adapter) -> PhysicalDeviceInfo:
     return PhysicalDeviceInfo(index, name, _ADAPTER_TYPES.get(info.get("adapter_type", ""), 0))
 
 
+def _timestamp_period_ns(queue) -> float:
+    """Nanoseconds per timestamp tick: wgpu-native resolves raw ticks (1 ns on NVIDIA and lavapipe, not
+    everywhere), and wgpu-py 0.32 does not expose the period, so it is asked of wgpu-native directly."""
+    from wgpu.backends.wgpu_native._api import lib
+
+    return float(lib.wgpuQueueGetTimestampPeriod(queue._internal))
+
+
 class Device:
     """A wgpu device with its queue (see the module docstring). Use as a context manager or close()."""
 
@@ -105,7 +117,7 @@ class Device:
         self.wgpu = load_wgpu()
         self._closed = False
         self._children: dict[int, Any] = {}
-        self._sync_source = self._sync_target = None
+        self._sync_source = self._staging = None
         self.validation_enabled = bool(validation)  # wgpu always validates; kept for the Vulkan interface
         self.pipelines = None
         self._errors = _LoggedErrors()
@@ -153,6 +165,7 @@ class Device:
             raise WebGPUError(f"requesting a device of {self.info.describe()} with limits {required} and "
                               f"features {features} failed: {exc}") from exc
         self.queue = self.handle.queue
+        self.timestamp_period_ns = _timestamp_period_ns(self.queue)
         self.features = frozenset(self.handle.features) & frozenset(OPTIONAL_FEATURES)
         lim = dict(self.handle.limits)
         self.limits = WebGPULimits(
@@ -202,23 +215,41 @@ class Device:
         self._check_open()
         self.queue.submit(command_buffers)
 
-    def wait_idle(self) -> None:
-        """Block until all submitted work finished: a 4-byte copy after it, then mapping its target.
-
-        (queue.on_submitted_work_done_sync() is broken in wgpu 0.32; mapping waits for every
-        submission before the copy, since the queue runs them in order.)"""
+    def download(self, source, offset: int, nbytes: int) -> np.ndarray:
+        """Bytes [offset, offset + nbytes) (whole words) of the GPU buffer `source` once the work submitted
+        before has run: copied into a MAP_READ staging buffer (one reused for reads up to
+        REUSED_STAGING_BYTES), which is then mapped."""
         self._check_open()
         usage = self.wgpu.BufferUsage
+        reuse = nbytes <= REUSED_STAGING_BYTES
+        if reuse and (self._staging is None or self._staging.size < nbytes):
+            if self._staging is not None:
+                self._staging.destroy()
+            self._staging = self.handle.create_buffer(label="vktrain staging download", size=max(nbytes, 1 << 16),
+                                                      usage=usage.COPY_DST | usage.MAP_READ)
+        staging = self._staging if reuse else self.handle.create_buffer(
+            label="vktrain staging download (large)", size=nbytes, usage=usage.COPY_DST | usage.MAP_READ)
+        try:
+            encoder = self.handle.create_command_encoder()
+            encoder.copy_buffer_to_buffer(source, offset, staging, 0, nbytes)
+            self.queue.submit([encoder.finish()])
+            staging.map_sync("READ", 0, nbytes)
+            data = np.frombuffer(staging.read_mapped(0, nbytes), np.uint8).copy()
+            staging.unmap()
+        finally:
+            if not reuse:
+                staging.destroy()
+        return data
+
+    def wait_idle(self) -> None:
+        """Block until all submitted work finished: a 4-byte download after it (queue order).
+
+        (queue.on_submitted_work_done_sync() is broken in wgpu 0.32.)"""
+        self._check_open()
         if self._sync_source is None:
             self._sync_source = self.handle.create_buffer(label="vktrain sync source", size=4,
-                                                          usage=usage.COPY_SRC)
-            self._sync_target = self.handle.create_buffer(label="vktrain sync target", size=4,
-                                                          usage=usage.COPY_DST | usage.MAP_READ)
-        encoder = self.handle.create_command_encoder()
-        encoder.copy_buffer_to_buffer(self._sync_source, 0, self._sync_target, 0, 4)
-        self.queue.submit([encoder.finish()])
-        self._sync_target.map_sync("READ")
-        self._sync_target.unmap()
+                                                          usage=self.wgpu.BufferUsage.COPY_SRC)
+        self.download(self._sync_source, 0, 4)
 
     # ------------------------------------------------------------------------------ lifetime
     def _register(self, child: Any) -> None:
@@ -243,7 +274,7 @@ class Device:
         try:
             for child in list(self._children.values()):
                 child.destroy()
-            for buffer in (self._sync_source, self._sync_target):
+            for buffer in (self._sync_source, self._staging):
                 if buffer is not None:
                     buffer.destroy()
             if self.pipelines is not None:

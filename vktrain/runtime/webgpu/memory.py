@@ -1,8 +1,8 @@
 """Storage buffers on a WebGPU device, with the Vulkan layer's Buffer interface.
 
 Uploads go through `queue.write_buffer` (wgpu copies the bytes into its own mapped staging memory);
-downloads copy into a mapped MAP_READ staging buffer and map it, which also waits for the work before
-it. WebGPU copies whole 4-byte words, so a write that starts or ends inside a word keeps the other
+downloads copy into a MAP_READ staging buffer and map it (Device.download), which also waits for the
+work before it. WebGPU copies whole 4-byte words, so a write that starts or ends inside a word keeps the other
 bytes of that word by reading it first.
 """
 from __future__ import annotations
@@ -74,21 +74,8 @@ class Buffer:
                 f"{self.size} bytes")
 
     def _download(self, offset: int, nbytes: int) -> np.ndarray:
-        """Bytes [offset, offset + nbytes) of whole words, through a mapped staging buffer."""
-        device = self.device
-        usage = device.wgpu.BufferUsage
-        staging = device.handle.create_buffer(label=f"staging download for {self.name}", size=nbytes,
-                                              usage=usage.COPY_DST | usage.MAP_READ)
-        try:
-            encoder = device.handle.create_command_encoder()
-            encoder.copy_buffer_to_buffer(self._handle, offset, staging, 0, nbytes)
-            device.submit([encoder.finish()])
-            staging.map_sync("READ")
-            data = np.frombuffer(staging.read_mapped(copy=True), np.uint8).copy()
-            staging.unmap()
-        finally:
-            staging.destroy()
-        return data
+        """Bytes [offset, offset + nbytes) of whole words."""
+        return self.device.download(self._handle, offset, nbytes)
 
     def write(self, data: Any, offset: int = 0) -> None:
         """Copy `data` (numpy array of any dtype, or bytes) into the buffer at byte `offset`."""

@@ -14,10 +14,12 @@ encodes the whole list again into one compute pass from the prepared pipelines a
 (Device.wait_idle). WebGPU orders storage accesses between dispatches itself; the barrier plan is
 still computed (`barriers`, the same data as on Vulkan).
 
-Timing (`timing=True`, adapters with timestamp-query): each Dispatch gets its own compute pass with
-timestamps at its beginning and end; `timings()` returns each Dispatch's seconds (on WebGPU its own
-time, not the time its completion added as on Vulkan). None without timestamp queries. Setting
-`timing_enabled = False` afterwards encodes the next replays into one pass again, untimed.
+Timing (`timing=True`, adapters with timestamp-query): where the adapter also has native wgpu's
+timestamp-query-inside-passes, the one pass gets a timestamp before the first dispatch and after each,
+and `timings()` returns, per Dispatch, the time its completion added (as on Vulkan); otherwise (browser
+WebGPU) each Dispatch gets a pass of its own timed at both ends, and `timings()` returns its own time.
+None without timestamp queries. Setting `timing_enabled = False` afterwards encodes the next replays
+into one pass, untimed.
 """
 from __future__ import annotations
 
@@ -27,18 +29,27 @@ from typing import Hashable, Mapping, Sequence
 
 import numpy as np
 
+from vktrain.runtime.vk.commands import max_group_counts
 from vktrain.runtime.vk.errors import BindingRangeError, ScheduleError, format_bytes
 from vktrain.runtime.vk.schedule import (
     LOCAL_SIZE_SPEC_IDS,
     PUSH_HEADER_BYTES,
     Dispatch,
     ResolvedAccess,
+    ceil_div,
     plan_barriers,
     split_groups,
 )
-from vktrain.runtime.webgpu.device import UNIFORM_SLOT_ALIGNMENT
+from vktrain.runtime.webgpu.device import INSIDE_PASS_FEATURE, UNIFORM_SLOT_ALIGNMENT
 from vktrain.runtime.webgpu.errors import MissingKernelsError, WebGPUError
 from vktrain.runtime.webgpu.memory import Buffer
+
+
+def write_timestamp(compute_pass, query_set, index: int) -> None:
+    """A timestamp inside a compute pass (native wgpu only; wgpu imported when a Program needs it)."""
+    from wgpu.backends.wgpu_native.extras import write_timestamp as native_write_timestamp
+
+    native_write_timestamp(compute_pass, query_set, index)
 
 
 def missing_kernels(device, shaders) -> list[str]:
@@ -52,20 +63,6 @@ def missing_kernels(device, shaders) -> list[str]:
         except WGSLKernelNotFoundError:
             missing.append(shader)
     return missing
-
-
-def _round_up(value: int, multiple: int) -> int:
-    return -(-value // multiple) * multiple
-
-
-def _max_counts(device, max_group_count) -> tuple[int, int, int]:
-    limits = device.limits.max_compute_work_group_count
-    if max_group_count is None:
-        return limits
-    wanted = (max_group_count,) * 3 if isinstance(max_group_count, int) else tuple(max_group_count)
-    if len(wanted) != 3 or any(not isinstance(v, int) or v < 1 for v in wanted):
-        raise ScheduleError(f"max_group_count must be an int >= 1 or 3 of them, got {max_group_count!r}")
-    return tuple(min(w, l) for w, l in zip(wanted, limits))  # type: ignore[return-value]
 
 
 class _Planned:
@@ -90,7 +87,8 @@ class Program:
 
     Same signature as the Vulkan Program: `buffers` maps BufferBinding keys to Buffers,
     `max_group_count` lowers the per-axis group limit (tests force splits with it), `timing` turns on
-    per-dispatch timestamps where the adapter has them.
+    per-dispatch timestamps where the adapter has them. `timeout_s` is accepted for that signature only:
+    WebGPU waits by mapping a buffer, which has no timeout.
     """
 
     def __init__(self, device, dispatches: Sequence[Dispatch], buffers: Mapping[Hashable, Buffer] | None = None,
@@ -100,6 +98,7 @@ class Program:
         self.dispatches = tuple(dispatches)
         self._alive = False
         self._params_buffer = self._query_set = self._query_resolve = None
+        self._inside_pass = False
         self._pending = False
         self._submitted_once = False
         self.last_encode_s: float | None = None  # host seconds the last submit() spent encoding
@@ -111,7 +110,7 @@ class Program:
         missing = missing_kernels(device, (d.shader for d in self.dispatches))
         if missing:
             raise MissingKernelsError(missing)
-        max_counts = _max_counts(device, max_group_count)
+        max_counts = max_group_counts(device, max_group_count)
         planned = [self._plan(i, d, buffers or {}, max_counts) for i, d in enumerate(self.dispatches)]
         self.barriers: list[bool] = plan_barriers([p.accesses() for p in planned])
         self.recorded_dispatch_count = sum(len(p.chunks) for p in planned)
@@ -228,7 +227,7 @@ class Program:
             for group_offset, _ in chunks:
                 header = struct.pack("<4I", *group_offset, 0) if prefix else b""
                 data = header + dispatch.push_constants
-                size = _round_up(max(len(data), interface.params_struct_bytes or 0, 16), 16)
+                size = ceil_div(max(len(data), interface.params_struct_bytes or 0, 16), 16) * 16
                 params.append(data + bytes(size - len(data)))
         pipeline = device.pipelines.get(dispatch.shader, specialization)
         group_layout = device.pipelines.layout(dispatch.shader)[0]
@@ -243,7 +242,7 @@ class Program:
         for plan in planned:
             for data in plan.params:
                 slots.append((total, data))
-                total = _round_up(total + len(data), alignment)
+                total = ceil_div(total + len(data), alignment) * alignment
         if slots:
             self._params_buffer = device.handle.create_buffer(
                 label="vktrain params", size=total, usage=wgpu.BufferUsage.UNIFORM | wgpu.BufferUsage.COPY_DST)
@@ -268,7 +267,10 @@ class Program:
                     raise WebGPUError(f"dispatch #{position} {plan.dispatch.name!r}: wgpu refused its bind "
                                       f"group: {exc}") from exc
         if self.timing_enabled:
-            count = 2 * len(planned)
+            # Inside one pass (native wgpu's timestamp-query-inside-passes): a timestamp before the first
+            # dispatch and after each. Otherwise (browser WebGPU): a pass per Dispatch, timed at both ends.
+            self._inside_pass = INSIDE_PASS_FEATURE in device.features
+            count = len(planned) + 1 if self._inside_pass else 2 * len(planned)
             self._query_set = device.handle.create_query_set(type=wgpu.QueryType.timestamp, count=count)
             self._query_resolve = device.handle.create_buffer(
                 size=8 * count, usage=wgpu.BufferUsage.QUERY_RESOLVE | wgpu.BufferUsage.COPY_SRC)
@@ -276,11 +278,14 @@ class Program:
     # ------------------------------------------------------------------------------- execution
     def _encode(self):
         timed = self.timing_enabled and self._query_set is not None
+        per_pass = timed and not self._inside_pass
         encoder = self.device.handle.create_command_encoder()
-        compute_pass = None if timed else encoder.begin_compute_pass()
+        compute_pass = None if per_pass else encoder.begin_compute_pass()
+        if timed and not per_pass:
+            write_timestamp(compute_pass, self._query_set, 0)
         bound = None
         for index, plan in enumerate(self._planned):
-            if timed:
+            if per_pass:
                 compute_pass = encoder.begin_compute_pass(timestamp_writes={
                     "query_set": self._query_set, "beginning_of_pass_write_index": 2 * index,
                     "end_of_pass_write_index": 2 * index + 1})
@@ -295,13 +300,14 @@ class Program:
                 if not single:
                     compute_pass.set_bind_group(0, plan.bind_groups[chunk])
                 compute_pass.dispatch_workgroups(*counts)
-            if timed:
+            if per_pass:
                 compute_pass.end()
-        if not timed:
+            elif timed:
+                write_timestamp(compute_pass, self._query_set, index + 1)
+        if not per_pass:
             compute_pass.end()
-        else:
-            count = 2 * len(self._planned)
-            encoder.resolve_query_set(self._query_set, 0, count, self._query_resolve, 0)
+        if timed:
+            encoder.resolve_query_set(self._query_set, 0, self._query_set.count, self._query_resolve, 0)
         return encoder.finish()
 
     def submit(self) -> None:
@@ -341,7 +347,9 @@ class Program:
             raise ScheduleError("timings() before the first replay()")
         self.wait()
         ticks = np.frombuffer(self.device.queue.read_buffer(self._query_resolve), np.uint64).astype(np.int64)
-        return [max(int(ticks[2 * i + 1] - ticks[2 * i]), 0) * 1e-9 for i in range(len(self.dispatches))]
+        ends, starts = (ticks[1:], ticks[:-1]) if self._inside_pass else (ticks[1::2], ticks[0::2])
+        period_s = self.device.timestamp_period_ns * 1e-9
+        return [max(int(end - start), 0) * period_s for start, end in zip(starts, ends)]
 
     # ------------------------------------------------------------------------------- lifetime
     @property
