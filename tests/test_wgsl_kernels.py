@@ -219,6 +219,7 @@ test_reduction_strategies_are_both_exercised_and_deterministic = on_webgpu(
     aten.test_reduction_strategies_are_both_exercised_and_deterministic)
 test_reduction_of_a_strided_view_and_empty_reductions = on_webgpu(
     aten.test_reduction_of_a_strided_view_and_empty_reductions)
+test_long_loops_are_not_truncated = on_webgpu(aten.test_long_loops_are_not_truncated)
 
 # ---- kernels: dense GEMM (test_kernels_aten.py) --------------------------------------------------------
 

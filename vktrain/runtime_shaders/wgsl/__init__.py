@@ -27,6 +27,18 @@ has no preprocessor):
     a body shared by several kernels (the linear GEMMs), after the kernel's `#define NAME VALUE` lines;
   * a define the source reads as a value becomes `const NAME = VALUE;` (a flag: 1) at the top of the
     module; sources declare the defaults of undefined ones inside `#if !NAME`.
+
+Where WGSL differs from the GLSL, the kernels keep the GLSL's results by other means:
+  * no `precise`: adamw's bias corrections 1 - beta^t come from log1p / expm1 series instead of
+    float-float products; reduce's Kahan compensation reads the sum through an opaque zero (the
+    header's w word) that no optimizer can fold;
+  * no specialization-sized per-thread arrays: those have constant maximum sizes (attention) or live in
+    workgroup memory (the GEMV partial sums); workgroup arrays take override-sized lengths;
+  * no `[[unroll]]`: lavapipe ends an invocation after 65535 loop trips, so matmul, reduce and the
+    embedding backward take their inner steps as explicit calls;
+  * wgpu 0.32's compiler (naga) hoists a `var` declared without initializer inside a loop, so it is not
+    zeroed on every trip as WGSL says: such arrays are zeroed explicitly;
+  * a compiler may assume no NaN / infinity: kernels test them by their bits.
 """
 from __future__ import annotations
 

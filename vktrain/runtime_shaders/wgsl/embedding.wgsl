@@ -10,6 +10,9 @@
 const WORKGROUP_SIZE = 64u;
 const COLUMNS_PER_THREAD = 4u;
 const COLUMNS_PER_GROUP = WORKGROUP_SIZE * COLUMNS_PER_THREAD;
+// lavapipe ends an invocation after 65535 loop trips and does not unroll the scan over the staged
+// indices, so it takes them sixteen explicit steps at a time (scan_16): 5 trips per 64 indices, ~800K
+// indices in all.
 
 struct Params {
     vktrain_group_offset: vec4<u32>,
@@ -28,6 +31,50 @@ struct Params {
 
 var<workgroup> staged_indices: array<i32, WORKGROUP_SIZE>;
 
+alias Columns = array<f32, COLUMNS_PER_THREAD>;  // a thread's columns first_column + k * WORKGROUP_SIZE
+
+// Staged indices j0 .. j0 + 15 of the chunk at `start`, in order: each equal to row v adds its gradient
+// row to acc (the same branch for every thread). Returns how many matched.
+fn scan_16(j0: u32, v: u32, start: u32, first_column: u32, acc: ptr<function, Columns>) -> u32 {
+    var matched = 0u;
+    matched += scan_one(j0, v, start, first_column, acc);
+    matched += scan_one(j0 + 1u, v, start, first_column, acc);
+    matched += scan_one(j0 + 2u, v, start, first_column, acc);
+    matched += scan_one(j0 + 3u, v, start, first_column, acc);
+    matched += scan_one(j0 + 4u, v, start, first_column, acc);
+    matched += scan_one(j0 + 5u, v, start, first_column, acc);
+    matched += scan_one(j0 + 6u, v, start, first_column, acc);
+    matched += scan_one(j0 + 7u, v, start, first_column, acc);
+    matched += scan_one(j0 + 8u, v, start, first_column, acc);
+    matched += scan_one(j0 + 9u, v, start, first_column, acc);
+    matched += scan_one(j0 + 10u, v, start, first_column, acc);
+    matched += scan_one(j0 + 11u, v, start, first_column, acc);
+    matched += scan_one(j0 + 12u, v, start, first_column, acc);
+    matched += scan_one(j0 + 13u, v, start, first_column, acc);
+    matched += scan_one(j0 + 14u, v, start, first_column, acc);
+    matched += scan_one(j0 + 15u, v, start, first_column, acc);
+    return matched;
+}
+
+fn scan_one(j: u32, v: u32, start: u32, first_column: u32, acc: ptr<function, Columns>) -> u32 {
+    if (staged_indices[j] != i32(v)) {  // padding slots past num_indices hold -1: no row
+        return 0u;
+    }
+    let grad_row = (start + j) * params.dim;
+    add_column(acc, 0u, grad_row, first_column);
+    add_column(acc, 1u, grad_row, first_column);
+    add_column(acc, 2u, grad_row, first_column);
+    add_column(acc, 3u, grad_row, first_column);
+    return 1u;
+}
+
+fn add_column(acc: ptr<function, Columns>, k: u32, grad_row: u32, first_column: u32) {
+    let c = first_column + k * WORKGROUP_SIZE;
+    if (c < params.dim) {
+        (*acc)[k] += grad_out[grad_row + c];
+    }
+}
+
 @compute @workgroup_size(WORKGROUP_SIZE)
 fn main(@builtin(workgroup_id) workgroup: vec3<u32>, @builtin(local_invocation_id) local: vec3<u32>) {
     let tid = local.x;
@@ -38,24 +85,15 @@ fn main(@builtin(workgroup_id) workgroup: vec3<u32>, @builtin(local_invocation_i
     }
     let row = v * params.dim;
     let first_column = group.y * COLUMNS_PER_GROUP + tid;
-    var acc = array<f32, COLUMNS_PER_THREAD>();
+    var acc: Columns;
     var count = 0u;
     if (i32(v) != params.padding_idx) {
         for (var start = 0u; start < params.num_indices; start += WORKGROUP_SIZE) {
             let i = start + tid;
             staged_indices[tid] = select(-1, indices[min(i, params.num_indices - 1u)], i < params.num_indices);
             workgroupBarrier();
-            for (var j = 0u; j < WORKGROUP_SIZE; j++) {
-                if (staged_indices[j] == i32(v)) {  // the same index for every thread
-                    count += 1u;
-                    let grad_row = (start + j) * params.dim;
-                    for (var k = 0u; k < COLUMNS_PER_THREAD; k++) {
-                        let c = first_column + k * WORKGROUP_SIZE;
-                        if (c < params.dim) {
-                            acc[k] += grad_out[grad_row + c];
-                        }
-                    }
-                }
+            for (var j0 = 0u; j0 < WORKGROUP_SIZE; j0 += 16u) {
+                count += scan_16(j0, v, start, first_column, &acc);
             }
             workgroupBarrier();  // staged_indices is overwritten by the next chunk
         }

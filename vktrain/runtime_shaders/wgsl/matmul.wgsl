@@ -73,6 +73,29 @@ struct Params {
 var<workgroup> a_tile: array<f32, TILE_K * A_ROW>;  // [kk * A_ROW + mm]
 var<workgroup> b_tile: array<f32, TILE_K * B_ROW>;  // [kk * B_ROW + nn]
 
+alias Accumulators = array<array<f32, MICRO_N>, MICRO_M>;
+
+// One reduction step kk of the tile in workgroup memory into the thread's micro-tile.
+fn multiply_accumulate(kk: u32, tx: u32, ty: u32, acc: ptr<function, Accumulators>) {
+    var a_frag: array<f32, MICRO_M>;
+    var b_frag: array<f32, MICRO_N>;
+    for (var i = 0u; i < MICRO_M; i++) {
+        a_frag[i] = a_tile[kk * A_ROW + ty + i * THREADS_M];
+    }
+    for (var j = 0u; j < MICRO_N; j++) {
+#if VEC4_C
+        b_frag[j] = b_tile[kk * B_ROW + tx * MICRO_N + j];
+#else
+        b_frag[j] = b_tile[kk * B_ROW + tx + j * THREADS_N];
+#endif
+    }
+    for (var i = 0u; i < MICRO_M; i++) {
+        for (var j = 0u; j < MICRO_N; j++) {
+            (*acc)[i][j] += a_frag[i] * b_frag[j];
+        }
+    }
+}
+
 #if HAS_BIAS
 fn bias_at(batch: u32, m: u32, n: u32) -> f32 {
     return bias_data[params.bias_offset + batch * params.bias_batch_stride + m * params.bias_m_stride +
@@ -95,7 +118,7 @@ fn main(@builtin(workgroup_id) workgroup: vec3<u32>, @builtin(local_invocation_i
     let a_base = params.a_offset + batch * params.a_batch_stride;
     let b_base = params.b_offset + batch * params.b_batch_stride;
 
-    var acc: array<array<f32, MICRO_N>, MICRO_M>;
+    var acc: Accumulators;
     for (var k0 = k_begin; k0 < k_end; k0 += TILE_K) {
         for (var load = 0u; load < A_LOADS_PER_THREAD; load++) {
             let e = tid + load * THREADS;
@@ -122,25 +145,24 @@ fn main(@builtin(workgroup_id) workgroup: vec3<u32>, @builtin(local_invocation_i
             b_tile[kk * B_ROW + nn] = value;
         }
         workgroupBarrier();
-        for (var kk = 0u; kk < TILE_K; kk++) {
-            var a_frag: array<f32, MICRO_M>;
-            var b_frag: array<f32, MICRO_N>;
-            for (var i = 0u; i < MICRO_M; i++) {
-                a_frag[i] = a_tile[kk * A_ROW + ty + i * THREADS_M];
-            }
-            for (var j = 0u; j < MICRO_N; j++) {
-#if VEC4_C
-                b_frag[j] = b_tile[kk * B_ROW + tx * MICRO_N + j];
-#else
-                b_frag[j] = b_tile[kk * B_ROW + tx + j * THREADS_N];
-#endif
-            }
-            for (var i = 0u; i < MICRO_M; i++) {
-                for (var j = 0u; j < MICRO_N; j++) {
-                    acc[i][j] += a_frag[i] * b_frag[j];
-                }
-            }
-        }
+        // Sixteen explicit steps, not a loop: lavapipe ends an invocation after 65535 loop trips and does
+        // not unroll a loop of this body, which would cap K near 16 * 65535 / 17.
+        multiply_accumulate(0u, tx, ty, &acc);
+        multiply_accumulate(1u, tx, ty, &acc);
+        multiply_accumulate(2u, tx, ty, &acc);
+        multiply_accumulate(3u, tx, ty, &acc);
+        multiply_accumulate(4u, tx, ty, &acc);
+        multiply_accumulate(5u, tx, ty, &acc);
+        multiply_accumulate(6u, tx, ty, &acc);
+        multiply_accumulate(7u, tx, ty, &acc);
+        multiply_accumulate(8u, tx, ty, &acc);
+        multiply_accumulate(9u, tx, ty, &acc);
+        multiply_accumulate(10u, tx, ty, &acc);
+        multiply_accumulate(11u, tx, ty, &acc);
+        multiply_accumulate(12u, tx, ty, &acc);
+        multiply_accumulate(13u, tx, ty, &acc);
+        multiply_accumulate(14u, tx, ty, &acc);
+        multiply_accumulate(15u, tx, ty, &acc);
         workgroupBarrier();
     }
 

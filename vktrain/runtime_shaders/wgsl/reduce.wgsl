@@ -10,9 +10,9 @@
 
 const WORKGROUP_SIZE = 64u;
 const MAX_RANK = 4u;
-// Elements per trip of the outer loops. lavapipe ends an invocation after ~32768 loop trips (all loops
-// together): with the constant inner loop (which compilers unroll) a serial sum may take 256Ki elements.
-const UNROLL = 8u;
+// Elements per loop trip, as eight explicit steps (accumulate_8): lavapipe ends an invocation after
+// ~32768 loop trips (all loops together) and does not unroll a loop of this body; so a serial sum may
+// take 256Ki elements and a workgroup's 16Mi.
 
 @id(3) override STRATEGY: u32 = 0u;
 @id(4) override REDUCE_OP: u32 = 0u;
@@ -64,6 +64,27 @@ fn accumulate(state: vec2<f32>, value: f32) -> vec2<f32> {
     let total = state.x + corrected;
     let lost = (opaque(total) - state.x) - corrected;
     return vec2<f32>(total, select(lost, 0.0, is_inf(total)));  // inf - inf would make the sum NaN
+}
+
+// The running reduction over elements first, first + step, ..., first + 7 step (those < red_numel).
+fn accumulate_8(state_in: vec2<f32>, base: u32, first: u32, step: u32) -> vec2<f32> {
+    var state = state_in;
+    state = accumulate_element(state, base, first);
+    state = accumulate_element(state, base, first + step);
+    state = accumulate_element(state, base, first + 2u * step);
+    state = accumulate_element(state, base, first + 3u * step);
+    state = accumulate_element(state, base, first + 4u * step);
+    state = accumulate_element(state, base, first + 5u * step);
+    state = accumulate_element(state, base, first + 6u * step);
+    state = accumulate_element(state, base, first + 7u * step);
+    return state;
+}
+
+fn accumulate_element(state: vec2<f32>, base: u32, r: u32) -> vec2<f32> {
+    if (r >= params.red_numel) {
+        return state;
+    }
+    return accumulate(state, in_data[base + reduced_offset(r)]);
 }
 
 fn combine(a: f32, b: f32) -> f32 {
@@ -120,12 +141,8 @@ fn main(@builtin(workgroup_id) workgroup: vec3<u32>, @builtin(local_invocation_i
         }
         let base = kept_offset(o);
         var state = vec2<f32>(identity_value(), 0.0);
-        for (var r0 = 0u; r0 < params.red_numel; r0 += UNROLL) {
-            for (var u = 0u; u < UNROLL; u++) {
-                if (r0 + u < params.red_numel) {
-                    state = accumulate(state, in_data[base + reduced_offset(r0 + u)]);
-                }
-            }
+        for (var r0 = 0u; r0 < params.red_numel; r0 += 8u) {
+            state = accumulate_8(state, base, r0, 1u);
         }
         out_data[o] = finish(state.x);
         return;
@@ -136,13 +153,8 @@ fn main(@builtin(workgroup_id) workgroup: vec3<u32>, @builtin(local_invocation_i
     }
     let base = kept_offset(o);
     var state = vec2<f32>(identity_value(), 0.0);
-    for (var r0 = tid; r0 < params.red_numel; r0 += WORKGROUP_SIZE * UNROLL) {
-        for (var u = 0u; u < UNROLL; u++) {
-            let r = r0 + u * WORKGROUP_SIZE;
-            if (r < params.red_numel) {
-                state = accumulate(state, in_data[base + reduced_offset(r)]);
-            }
-        }
+    for (var r0 = tid; r0 < params.red_numel; r0 += 8u * WORKGROUP_SIZE) {
+        state = accumulate_8(state, base, r0, WORKGROUP_SIZE);
     }
     partials[tid] = state.x;
     workgroupBarrier();
