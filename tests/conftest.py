@@ -1,6 +1,7 @@
 """Shared fixtures: one Vulkan device per test session, with validation, failing tests that upset it.
 
-`vk_device` is session-scoped (device creation is the slow part). Every test that uses it fails if the
+`vk_device` is session-scoped (device creation is the slow part); so is `webgpu_device`, the WebGPU
+device layer's (skipped where wgpu or an adapter is missing; what wgpu logs as errors fails the test). Every test that uses it fails if the
 Khronos validation layer reported any warning or error while the test ran; leaks found when the device
 is closed at the end of the session fail the session. Where the validation layer is not installed the
 device runs without it and a warning says so; where no Vulkan device exists the tests are skipped
@@ -37,18 +38,37 @@ def vk_device():
                     + _format(before_close + at_close), pytrace=False)
 
 
+@pytest.fixture(scope="session")
+def webgpu_device():
+    pytest.importorskip("wgpu", reason="the WebGPU runtime needs wgpu (pip install 'vktrain[webgpu]')")
+    import os
+
+    from vktrain.runtime.webgpu import Device, WebGPUUnavailableError
+
+    os.environ.setdefault("XDG_RUNTIME_DIR", "/tmp")  # wgpu warns without one
+    try:
+        device = Device()
+    except WebGPUUnavailableError as exc:
+        pytest.skip(f"no usable WebGPU adapter: {exc}")
+    yield device
+    messages = device.take_validation_messages()
+    device.close()
+    if messages:
+        pytest.fail("wgpu logged errors at session teardown:\n" + _format(messages), pytrace=False)
+
+
 @pytest.fixture(autouse=True)
 def _fail_on_validation_messages(request):
-    """For tests using vk_device: start with no messages, fail if any appeared during the test."""
-    if "vk_device" not in request.fixturenames:
-        yield
-        return
-    device = request.getfixturevalue("vk_device")
-    stale = device.take_validation_messages()
-    if stale:
-        warnings.warn(f"validation messages from outside any test were dropped:\n{_format(stale)}")
+    """For tests using vk_device / webgpu_device: start with no messages, fail if any appeared during the test."""
+    devices = [request.getfixturevalue(name) for name in ("vk_device", "webgpu_device")
+               if name in request.fixturenames]
+    for device in devices:
+        stale = device.take_validation_messages()
+        if stale:
+            warnings.warn(f"validation messages from outside any test were dropped:\n{_format(stale)}")
     yield
-    messages = device.take_validation_messages()
-    if messages:
-        pytest.fail(f"Vulkan validation reported {len(messages)} message(s):\n{_format(messages)}",
-                    pytrace=False)
+    for device in devices:
+        messages = device.take_validation_messages()
+        if messages:
+            pytest.fail(f"{device.name} validation reported {len(messages)} message(s):\n{_format(messages)}",
+                        pytrace=False)

@@ -18,6 +18,7 @@ from pathlib import Path
 
 from vktrain.errors import VktrainError
 from vktrain.cli import add_quantization_arguments
+from vktrain.runtime.runtimes import add_runtime_argument
 
 # Sources whose change changes the lowered program (the cache key hashes them).
 _PROGRAM_SOURCES = ("export", "backend", "partitioner", "serialization", "opdefs", "ops", "lora", "models", "quant",
@@ -47,6 +48,7 @@ def add_generate_arguments(parser: argparse.ArgumentParser) -> None:
     add_quantization_arguments(parser)  # the same flags and defaults as `vktrain export`: the same base
     parser.add_argument("--program-cache", help="directory keeping lowered programs by a hash of their inputs")
     parser.add_argument("--json", help="write {prompt_tokens, tokens, text, tokens_per_s} to this file")
+    add_runtime_argument(parser)
 
 
 def _prompt_ids(args, codec) -> list[int]:
@@ -171,7 +173,7 @@ def run_generate(args: argparse.Namespace) -> int:
         codec = None
     prompt = _prompt_ids(args, codec)
     pte = PteFile.from_bytes(_program(args, model, fingerprint), source=f"the generation program of {args.model}")
-    with GenerationRunner(pte) as runner:
+    with GenerationRunner(pte, runtime=args.runtime) as runner:
         result = runner.generate(prompt, args.max_new_tokens, sampler, codec.stop_ids if codec else ())
     text = codec.decode(result.tokens) if codec else None
     print(text if text is not None else " ".join(map(str, result.tokens)))

@@ -87,11 +87,10 @@ class _Method:
 class GenerationRunner:
     """The prefill and decode methods of one .pte over one KV cache. Build with `from_pte`."""
 
-    def __init__(self, pte: PteFile, device=None, *, verify_constants: bool = True):
-        self._owns_device = device is None
-        if device is None:
-            from vktrain.runtime.vk.device import Device
-            device = Device()
+    def __init__(self, pte: PteFile, device=None, *, verify_constants: bool = True, runtime: str | None = None):
+        from vktrain.runtime.runtimes import device_for
+
+        device, self._owns_device = device_for(device, runtime)
         self.device = device
         self._methods: list[_Method] = []
         try:

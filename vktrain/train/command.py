@@ -21,6 +21,7 @@ from tqdm import tqdm
 
 from vktrain.contract import ADAMW_DEFAULTS, PRECISION_FP32, PRECISIONS
 from vktrain.errors import VktrainError
+from vktrain.runtime.runtimes import add_runtime_argument
 from vktrain.train.adapters import (ADAPTER_CONFIG, ADAPTER_WEIGHTS, LORA_SUFFIXES, ProgramAdapters,
                                     adapters_from_state, save_adapters)
 from vktrain.train.gguf_adapter import check_gguf_adapter_program, save_gguf_adapter
@@ -93,6 +94,7 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     parser.add_argument("--precision", choices=PRECISIONS, default=PRECISION_FP32,
                         help="GEMM precision policy (docs/PRECISION.md): fp32 (default) or fp16-tc, the 4-bit base "
                              "GEMMs (forward, d_x) on tensor cores where the device has them (fp16 inputs, fp32 accumulation)")
+    add_runtime_argument(parser)
     parser.add_argument("--seed", type=int, help="data shuffling seed (default 0; a resumed run keeps its checkpoint's)")
     parser.add_argument("--no-shuffle", action="store_true", help="read windows in file order")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -232,7 +234,8 @@ def run_train(args: argparse.Namespace, device=None) -> int:
     data_path = Path(args.data) if args.data else default_dataset_path()
     program_sha256 = sha256_file(program_path)
 
-    runner = TrainingRunner.from_pte(program_path, device, precision=args.precision)
+    runner = TrainingRunner.from_pte(program_path, device, precision=args.precision,
+                                     runtime=getattr(args, "runtime", None))
     own_device = getattr(runner, "device", None) if device is None else None  # a caller's device: its messages
     try:
         with runner:

@@ -19,6 +19,7 @@ from typing import Iterator, Mapping
 import numpy as np
 
 from vktrain.contract import METADATA_LORA_ALPHA, MODEL_PREFIX
+from vktrain.runtime.runtimes import add_runtime_argument
 from vktrain.train.adapters import ADAPTER_CONFIG, AdapterError, load_adapter_config, load_adapters
 from vktrain.train.checkpoint import atomic_write_json, load_checkpoint
 from vktrain.train.data import IGNORED_LABEL, DataError, TrainingData, load_data
@@ -37,6 +38,7 @@ def add_eval_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
     parser.add_argument("--max-batches", type=int, metavar="N",
                         help="evaluate only the first N batches of the data (default: all of it)")
     parser.add_argument("--json", metavar="FILE", help='write {"loss", "perplexity", "tokens"} as JSON')
+    add_runtime_argument(parser)
     return parser
 
 
@@ -126,7 +128,7 @@ def run_eval(args: argparse.Namespace, device=None) -> int:
         raise TrainConfigError(f"program {program_path} does not exist (or is not a file)")
     if args.json:
         prepare_output_file("--json", args.json)
-    runner = TrainingRunner.from_pte(program_path, device)
+    runner = TrainingRunner.from_pte(program_path, device, runtime=getattr(args, "runtime", None))
     own_device = runner.device if device is None else None  # a caller's device keeps its messages
     try:
         with runner:

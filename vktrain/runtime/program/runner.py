@@ -1,6 +1,7 @@
 """Run an exported training-step .pte: the vktrain delegate on Vulkan, the rest of the program in numpy.
 
     runner = TrainingRunner.from_pte("step.pte")           # device=None opens Device() (VKTRAIN_DEVICE)
+    runner = TrainingRunner.from_pte("step.pte", runtime="webgpu")   # the WebGPU device layer instead
     loss = runner.step(token_ids, labels, hparams)         # int64 [B, S], int64 [B, S], float32 [5]
     lora = runner.lora_state()                              # {"model.layers.0.lora_A": array, ...}
     runner.read_state(name) / runner.write_state(name, array)   # checkpoints (FQNs the exporter recorded)
@@ -47,6 +48,7 @@ from vktrain.runtime.program.pte import (
     PteFile,
     Tensor,
 )
+from vktrain.runtime.runtimes import device_for
 from vktrain.runtime.program.verify import (
     UnsupportedProgramError,
     VerificationError,
@@ -296,12 +298,13 @@ class TrainingRunner:
     `verify_constants=False` skips hashing the delegate's constants at load (the graph checksum and every
     other check still run); the memory limits default to this machine's RAM and the device's largest
     memory heap. `precision` is the GEMM precision policy (docs/PRECISION.md; `emulate_tensor_cores`:
-    GraphExecutor's test path)."""
+    GraphExecutor's test path). `runtime` ("vulkan" or "webgpu"; vktrain.runtime.runtimes) picks the device
+    layer to open when `device` is None (default vulkan); a device given must be of it."""
 
     def __init__(self, pte: PteFile, device=None, *, method: str = "forward", timing: bool = True,
                  verify_constants: bool = True, host_memory_limit: Optional[int] = None,
                  device_memory_limit: Optional[int] = None, precision: str = PRECISION_FP32,
-                 emulate_tensor_cores: bool = False):
+                 emulate_tensor_cores: bool = False, runtime: Optional[str] = None):
         self.pte = pte
         program = verify_training_program(pte, method, verify_constants=verify_constants,
                                           host_memory_limit=host_memory_limit)
@@ -311,10 +314,7 @@ class TrainingRunner:
         self._eval_options = dict(verify_constants=verify_constants, host_memory_limit=host_memory_limit,
                                   device_memory_limit=device_memory_limit)
 
-        self._owns_device = device is None
-        if device is None:
-            from vktrain.runtime.vk.device import Device
-            device = Device()
+        device, self._owns_device = device_for(device, runtime)
         self.device = device
         try:
             check_device_memory(pte.source, self.graph, device_memory_bytes(device) if device_memory_limit is None

@@ -90,7 +90,8 @@ def submit_once(device, record: Callable[[Any], None], *, timeout_s: float = DEF
         vk.vkFreeCommandBuffers(device.handle, device.command_pool, 1, [cb])
 
 
-def _max_counts(device, max_group_count: int | Sequence[int] | None) -> tuple[int, int, int]:
+def max_group_counts(device, max_group_count: int | Sequence[int] | None) -> tuple[int, int, int]:
+    """The per-axis group-count limit: the device's, lowered to `max_group_count` where given."""
     limits = device.limits.max_compute_work_group_count
     if max_group_count is None:
         return limits
@@ -128,7 +129,14 @@ class Program:
     `buffers` maps the keys used in BufferBinding.buffer to Buffer objects (bindings may also hold a
     Buffer directly). `max_group_count` lowers the per-axis group-count limit below the device's
     (tests use it to force split dispatches). `timing` enables timestamp queries.
+    A device of another layer (the WebGPU Device) gets that layer's Program, named by its `program_type`.
     """
+
+    def __new__(cls, device, *args, **kwargs):
+        other = getattr(device, "program_type", None)
+        if cls is Program and other is not None:
+            return other(device, *args, **kwargs)
+        return super().__new__(cls)
 
     def __init__(self, device, dispatches: Sequence[Dispatch], buffers: Mapping[Hashable, Buffer] | None = None,
                  *, timing: bool = False, max_group_count: int | Sequence[int] | None = None,
@@ -147,7 +155,7 @@ class Program:
         for dispatch in self.dispatches:
             if not isinstance(dispatch, Dispatch):
                 raise ScheduleError(f"Program takes Dispatch records, got {type(dispatch).__name__}")
-        max_counts = _max_counts(device, max_group_count)
+        max_counts = max_group_counts(device, max_group_count)
         planned = [self._plan(i, d, buffers or {}, max_counts) for i, d in enumerate(self.dispatches)]
         self.barriers: list[bool] = plan_barriers([p.accesses() for p in planned])
         self.recorded_dispatch_count = sum(len(p.chunks) for p in planned)

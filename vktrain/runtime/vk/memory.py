@@ -268,7 +268,14 @@ class Buffer:
     """A storage buffer of `nbytes` bytes on `device` (see the module docstring for the paths).
 
     `write(array, offset)` uploads; `read(dtype, shape, offset)` downloads a copy. Offsets are bytes.
+    A device of another layer (the WebGPU Device) gets that layer's Buffer, named by its `buffer_type`.
     """
+
+    def __new__(cls, device, *args, **kwargs):
+        other = getattr(device, "buffer_type", None)
+        if cls is Buffer and other is not None:
+            return other(device, *args, **kwargs)
+        return super().__new__(cls)
 
     def __init__(self, device, nbytes: int, *, name: str = "", staging: bool | None = None):
         if not isinstance(nbytes, (int, np.integer)) or nbytes <= 0:

@@ -1,0 +1,182 @@
+#!/usr/bin/env python
+"""Benchmark one LoRA training step through the WebGPU runtime against the Vulkan runtime (same .pte).
+
+    python scripts/bench_step.py export                      # bench/step_1x128.pte, bench/step_4x512.pte
+    python scripts/bench_webgpu.py run bench/step_1x128.pte bench/step_4x512.pte \\
+        --out bench/results/webgpu_h200.json                 # on the GPU machine (numpy, vulkan, wgpu)
+    python scripts/bench_webgpu.py --quick                   # tiny-llama shapes, export + run (lavapipe)
+
+The programs are bench_step.py's (Llama-3.2-1B shapes, synthetic constants: speed only). Each runtime
+loads each .pte with TrainingRunner and runs the same batches: load seconds, ms per step (median wall
+clock), tokens/s, GPU ms per step (the sum of per-dispatch timestamps; WebGPU times each dispatch in a
+pass of its own), replay ms (the dispatches alone, no host I/O; WebGPU untimed, in one pass) and, for
+WebGPU, the host ms encoding one step (command buffers are single-use, so every step is re-encoded).
+The report says where the difference goes: `encode_ms` (host encoding), `by_shader` (the same
+shader's GPU ms on each runtime: kernels and their compilers), `gemm_route` (WebGPU has the fp32 GPU
+tuning only: no tensor-core or subgroup bodies) and the largest relative loss difference between the
+runtimes. A runtime that cannot load a program (wgpu not installed, a WGSL kernel missing, a tensor
+over a binding limit) is recorded with its reason; the other still runs.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench_step  # noqa: E402  (puts the repository root on sys.path)
+
+from vktrain.errors import VktrainError  # noqa: E402
+from vktrain.runtime.runtimes import RUNTIMES, open_device  # noqa: E402
+
+
+def _replay_ms(program, repeats: int) -> tuple[float, float | None]:
+    """(median ms of a bare replay, median host ms encoding it: WebGPU only, else None)."""
+    replay, encode = [], []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        program.replay()
+        replay.append(time.perf_counter() - start)
+        if getattr(program, "last_encode_s", None) is not None:
+            encode.append(program.last_encode_s)
+    return 1e3 * statistics.median(replay), (1e3 * statistics.median(encode) if encode else None)
+
+
+def run_runtime(runtime: str, device, path: Path, args) -> dict[str, Any]:
+    from vktrain.runtime.program.runner import TrainingRunner
+
+    start = time.perf_counter()
+    try:
+        runner = TrainingRunner.from_pte(path, device)
+    except VktrainError as exc:  # e.g. a WGSL kernel missing, a tensor over max-storage-buffer-binding-size
+        return {"error": f"{type(exc).__name__}: {exc}"}
+    record: dict[str, Any] = {"load_s": time.perf_counter() - start}
+    with runner:
+        config = bench_step.BenchConfig(**json.loads(runner.graph.metadata[bench_step.BENCH_CONFIG_KEY]))
+        batches = [bench_step.make_batch(config, runner.vocab_size, seed) for seed in range(args.batches)]
+        record.update(config=config.label, tokens_per_step=config.tokens, gemm_route=runner.gemm_report())
+        record.update(bench_step.time_vulkan(runner, config, batches, args.warmup, args.steps, args.top))
+        program = runner.executor.program
+        record["last_step_ms_by_shader"] = _shader_ms(runner)
+        if hasattr(program, "last_encode_s"):
+            program.timing_enabled = False  # one pass, as an untimed training run encodes it
+        record["replay_ms"], record["encode_ms"] = _replay_ms(program, args.steps)
+    return record
+
+
+def _shader_ms(runner) -> dict[str, float]:
+    """GPU ms by shader of the last step (empty without timestamps)."""
+    totals: dict[str, float] = {}
+    for (_, seconds), dispatch in zip(runner.timings() or [], runner.executor.dispatches):
+        totals[dispatch.shader] = totals.get(dispatch.shader, 0.0) + 1e3 * seconds
+    return totals
+
+
+def compare(vulkan: dict[str, Any], webgpu: dict[str, Any], top: int) -> dict[str, Any]:
+    """Where the WebGPU step's extra time goes, from two run_runtime records."""
+    if "error" in vulkan or "error" in webgpu:
+        return {}
+    vk_ms, wg_ms = vulkan["last_step_ms_by_shader"], webgpu["last_step_ms_by_shader"]
+    shaders = sorted(set(vk_ms) | set(wg_ms), key=lambda s: -(wg_ms.get(s, 0.0) - vk_ms.get(s, 0.0)))
+    return {
+        "webgpu_over_vulkan": webgpu["ms_per_step"] / vulkan["ms_per_step"],
+        "max_rel_loss_diff": max(abs(a - b) / max(abs(b), 1e-12) for a, b in zip(webgpu["losses"], vulkan["losses"])),
+        "step_ms_difference": webgpu["ms_per_step"] - vulkan["ms_per_step"],
+        "gpu_ms_difference": (None if None in (webgpu["gpu_ms_per_step"], vulkan["gpu_ms_per_step"])
+                              else webgpu["gpu_ms_per_step"] - vulkan["gpu_ms_per_step"]),
+        "encode_ms": webgpu["encode_ms"],
+        "by_shader": [{"shader": s, "vulkan_ms": vk_ms.get(s), "webgpu_ms": wg_ms.get(s)} for s in shaders[:top]],
+    }
+
+
+def print_report(records: list[dict[str, Any]]) -> None:
+    for record in records:
+        print(f"\n{record['pte']}")
+        for runtime in RUNTIMES:
+            result = record[runtime]
+            if "error" in result:
+                print(f"  {runtime:7s} could not run it: {result['error'][:400]}")
+                continue
+            gpu = result["gpu_ms_per_step"]
+            encode = result["encode_ms"]
+            print(f"  {runtime:7s} {result['ms_per_step']:9.2f} ms/step  {result['tokens_per_s']:9.1f} tokens/s  "
+                  f"GPU {'-' if gpu is None else f'{gpu:.2f}'} ms  replay {result['replay_ms']:.2f} ms"
+                  + ("" if encode is None else f"  encode {encode:.2f} ms") + f"  load {result['load_s']:.1f} s")
+        comparison = record.get("comparison") or {}
+        if comparison:
+            print(f"  WebGPU / Vulkan {comparison['webgpu_over_vulkan']:.2f}x; losses agree to "
+                  f"{comparison['max_rel_loss_diff']:.2e} relative; largest per-shader GPU differences:")
+            for row in comparison["by_shader"][:8]:
+                print(f"    {row['shader']:60s} vulkan {row['vulkan_ms'] or 0:8.3f} ms  webgpu {row['webgpu_ms'] or 0:8.3f} ms")
+
+
+def run_command(args) -> int:
+    os.environ.setdefault("XDG_RUNTIME_DIR", tempfile.gettempdir())  # wgpu warns without one
+    records = [{"pte": str(path)} for path in args.pte]
+    meta: dict[str, Any] = {"host": platform.node(), "python": platform.python_version(), "warmup": args.warmup,
+                            "steps": args.steps, "hparams": list(bench_step.HPARAMS),
+                            "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                            "note": "synthetic constants: weights are random, results measure speed only"}
+    for runtime in RUNTIMES:
+        try:
+            device = open_device(runtime, validation=False)
+        except VktrainError as exc:
+            for record in records:
+                record[runtime] = {"error": f"no {runtime} device: {type(exc).__name__}: {exc}"}
+            continue
+        with device:
+            meta[f"{runtime}_device"] = device.name
+            print(f"{runtime}: {device.name}", flush=True)
+            for path, record in zip(args.pte, records):
+                record[runtime] = run_runtime(runtime, device, Path(path), args)
+    for record in records:
+        record["comparison"] = compare(record["vulkan"], record["webgpu"], args.top)
+    print_report(records)
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps({"meta": meta, "results": records}, indent=1))
+        print(f"wrote {args.out}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true",
+                        help="without a command: export tiny-llama steps to --out-dir and run them (lavapipe)")
+    parser.add_argument("--out-dir", type=Path, default=None, help="with --quick: where the .pte files and "
+                        "the JSON go (default: a temporary folder)")
+    commands = parser.add_subparsers(dest="command")
+    run = commands.add_parser("run", help="time exported steps (scripts/bench_step.py export) on both runtimes")
+    run.add_argument("pte", nargs="+", type=Path, help=".pte files written by `bench_step.py export`")
+    run.add_argument("--steps", type=int, default=10, help="timed steps (median reported)")
+    run.add_argument("--warmup", type=int, default=3)
+    run.add_argument("--batches", type=int, default=2, help="distinct random batches, cycled")
+    run.add_argument("--top", type=int, default=15, help="op kinds and shaders listed")
+    run.add_argument("--out", type=Path, default=None, help="JSON results")
+    args = parser.parse_args(argv)
+    if args.command is None:
+        if not args.quick:
+            parser.error("give a command (run), or --quick for a small export + run")
+        with tempfile.TemporaryDirectory(prefix="vktrain-bench-webgpu-") as scratch:
+            out_dir = args.out_dir or Path(scratch)
+            written = bench_step.export_configs(bench_step.QUICK_PRESET, list(bench_step.QUICK_SHAPES), out_dir,
+                                                bench_step.QUICK_SYNTHETIC_MIN_BYTES, prefix="step_quick",
+                                                **bench_step.QUICK_OVERRIDES)
+            return main(["run", *[w["path"] for w in written], "--steps", "3", "--warmup", "1",
+                         "--out", str(out_dir / "webgpu_quick.json")])
+    if args.steps <= 0 or args.warmup < 0 or args.batches <= 0:
+        parser.error("--steps and --batches must be positive, --warmup >= 0")
+    return run_command(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

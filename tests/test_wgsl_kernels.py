@@ -1,0 +1,286 @@
+"""The WGSL kernels (vktrain/runtime_shaders/wgsl) on the WebGPU runtime (wgpu on lavapipe here).
+
+Kernel checks run the Vulkan kernel tests' own bodies (tests/test_kernels_*.py) with the WebGPU device
+in place of the Vulkan one: the same plan functions, shape sets, references (the op library's CPU
+definitions, torch eager, float64 formulas, bit-exact layouts) and tolerances, derived in those
+modules' docstrings; `vktrain.runtime`'s Buffer / Program build the WebGPU objects for a WebGPU
+device. `on_webgpu` turns such a test into one taking `webgpu_device` (tests/conftest.py: skipped where
+wgpu or an adapter is missing; a test during which wgpu logged an error fails), with the Vulkan test's
+cases, all of them (small shapes: the whole module takes about a minute of CPU on lavapipe).
+
+Besides: every WGSL kernel declares exactly the interface of the GLSL shader it mirrors (bindings and
+their access, push block size and header, specialization ids), every shader the mlp-lora and
+tiny-llama training steps dispatch has one, and the lookup refuses names it cannot serve.
+"""
+from __future__ import annotations
+
+import inspect
+
+import numpy as np
+import pytest
+
+import test_generate as generate  # the Vulkan kernel tests whose bodies run here
+import test_kernels_aten as aten
+import test_kernels_ce_adamw_requant as ce_adamw
+import test_kernels_linear as linear
+import test_kernels_transformer as transformer
+from _helpers import export_mlp_lora_training_step
+
+from vktrain.runtime_shaders import load_spirv, reflect_spirv
+from vktrain.runtime_shaders.build import spirv_path
+from vktrain.runtime_shaders.wgsl import (
+    WGSLKernelNotFoundError,
+    WGSLSourceError,
+    all_wgsl_shader_names,
+    missing_wgsl_kernels,
+    wgsl_source,
+)
+
+
+# The fixtures the Vulkan tests' bodies take besides their device, on the WebGPU device.
+@pytest.fixture
+def rng():
+    return np.random.default_rng(aten.RNG_SEED)
+
+
+@pytest.fixture
+def buffers(webgpu_device):
+    made = ce_adamw.Buffers(webgpu_device)
+    yield made
+    made.destroy()
+
+
+def on_webgpu(vulkan_test):
+    """`vulkan_test` (a test of tests/test_kernels_*.py whose device argument is `vk_device`) as a test on
+    the WebGPU device, with the Vulkan test's parametrize marks."""
+    signature = inspect.signature(vulkan_test)
+    parameters = [p.replace(name="webgpu_device") if p.name == "vk_device" else p
+                  for p in signature.parameters.values()]
+
+    def test(**arguments):
+        arguments["vk_device"] = arguments.pop("webgpu_device")
+        vulkan_test(**arguments)
+
+    test.__signature__ = signature.replace(parameters=parameters)
+    test.__name__ = vulkan_test.__name__
+    test.__doc__ = f"{vulkan_test.__module__}.{vulkan_test.__name__} on the WebGPU device."
+    for mark in reversed(getattr(vulkan_test, "pytestmark", [])):
+        if mark.name != "parametrize":
+            raise TypeError(f"{vulkan_test.__name__}: cannot carry over mark {mark.name!r}")
+        test = pytest.mark.parametrize(*mark.args, **mark.kwargs)(test)
+    return test
+
+
+# ---- the lookup and the kernels' interfaces ---------------------------------------------------------
+
+@pytest.mark.parametrize("name", all_wgsl_shader_names())
+def test_wgsl_kernel_compiles_and_declares_the_glsl_interface(webgpu_device, name):
+    """The WGSL compiles (wgpu validates it) and declares what the GLSL of the same name does: bindings
+    0..n-1 with the same read-only ones, the push block's size and header, the specialization ids
+    (local size ids 1 and 2 may be absent: the runtime only passes them when they are not 1)."""
+    from vktrain.runtime.webgpu import reflect_wgsl
+
+    source = wgsl_source(name)
+    webgpu_device.handle.create_shader_module(code=source)
+    wgsl = reflect_wgsl(name, source)
+    if not spirv_path(name).is_file():
+        pytest.skip(f"no SPIR-V of {name} built here to compare with (python -m vktrain.runtime_shaders.build)")
+    glsl = reflect_spirv(load_spirv(name))
+    glsl_storage = sorted((b.binding, b.readonly) for b in glsl.bindings if b.set == 0 and b.kind == "storage")
+    assert [(b.binding, b.readonly) for b in wgsl.storage] == glsl_storage
+    assert wgsl.has_group_offset_header == glsl.has_group_offset_header
+    assert (wgsl.params_bytes or 0) == glsl.push_constant_size
+    assert set(wgsl.spec_types) <= set(glsl.spec_types) <= set(wgsl.spec_types) | {1, 2}
+    for spec_id, kind in wgsl.spec_types.items():
+        assert kind == glsl.spec_types[spec_id], f"override @id({spec_id})"
+
+
+# GLSL shaders WebGPU never dispatches: the register-tile bodies of the CPU GEMM tuning, the tensor-core
+# (cooperative-matrix) kernels, and the Vulkan runtime's self-test kernels (the WebGPU layer has its own).
+def _webgpu_dispatches(name: str) -> bool:
+    base, _, variant = name.partition("@")
+    return not (base.startswith(("coopmat_", "test_")) or "CPU_REGISTER_TILES" in variant.split("+"))
+
+
+def test_every_glsl_shader_webgpu_can_dispatch_has_a_wgsl_kernel():
+    from vktrain.runtime_shaders import all_shader_names
+
+    names = all_shader_names()
+    assert missing_wgsl_kernels([name for name in names if _webgpu_dispatches(name)]) == []
+    assert len([name for name in names if _webgpu_dispatches(name)]) > 40  # the filter keeps the kernels
+
+
+def test_lookup_refuses_what_it_cannot_serve():
+    with pytest.raises(WGSLKernelNotFoundError, match="'no_such_kernel'.*does not exist") as missing:
+        wgsl_source("no_such_kernel")
+    assert missing.value.shader == "no_such_kernel"
+    # The GLSL has register-tile CPU variants; WebGPU runs the GPU tuning only.
+    with pytest.raises(WGSLKernelNotFoundError, match=r"linear_q4gsw.wgsl serves only linear_q4gsw, "
+                                                      r"linear_q4gsw@HAS_BIAS"):
+        wgsl_source("linear_q4gsw@CPU_REGISTER_TILES")
+    with pytest.raises(WGSLKernelNotFoundError, match="bad define"):
+        wgsl_source("fused_ce@VEC4+")
+    # Defines in any order name the same variant.
+    assert wgsl_source("fused_ce@IN_PLACE+VEC4") == wgsl_source("fused_ce@VEC4+IN_PLACE")
+    assert missing_wgsl_kernels(["fused_ce@IN_PLACE+VEC4", "nope", "copy", "nope"]) == ["nope"]
+
+
+def test_variants_select_lines_and_define_values():
+    plain, vec4 = wgsl_source("fused_ce"), wgsl_source("fused_ce@VEC4+IN_PLACE")
+    assert "alias Value = f32;" in plain and "alias Value = vec4<f32>;" not in plain
+    assert "alias Value = vec4<f32>;" in vec4 and "@binding(5)" not in vec4  # IN_PLACE: one binding fewer
+    tiles = wgsl_source("matmul@HAS_BIAS=1+TILE_M=16+TILE_N=64")
+    assert tiles.startswith("const TILE_M = 16;\nconst TILE_N = 64;\n") and "const TILE_M = 64;" not in tiles
+    assert "const TILE_M = 64;" in wgsl_source("matmul@HAS_BIAS=0")
+    assert not any(line.lstrip().startswith("#") for name in all_wgsl_shader_names()
+                   for line in wgsl_source(name).splitlines())
+
+
+def test_malformed_directives_are_reported_with_file_and_line(tmp_path, monkeypatch):
+    from vktrain.runtime_shaders import wgsl
+
+    monkeypatch.setattr(wgsl, "WGSL_DIR", tmp_path)
+    for text, message in (("#if A < 2\n#endif\n", r"broken.wgsl:1: `#if A < 2` is not NAME"),
+                          ("#if A\n", "1 #if without #endif"), ("#else\n", "broken.wgsl:1: #else without #if"),
+                          ('#include "other.glsl"\n', "broken.wgsl:1: #include \"other.glsl\": not codes.glsl"),
+                          ("#pragma x\n", "unknown directive")):
+        (tmp_path / "broken.wgsl").write_text(text)
+        with pytest.raises(WGSLSourceError, match=message):
+            wgsl_source("broken")
+
+
+# ---- every shader of the training programs ------------------------------------------------------------
+
+def _dispatched_shaders(device, path) -> set[str]:
+    from vktrain.runtime.delegate.executor import GraphExecutor
+    from vktrain.runtime.program.pte import PteFile
+    from vktrain.serialization import deserialize_blob
+
+    pte = PteFile.load(path)
+    graph = deserialize_blob(bytes(pte.execution_plan().delegates[0].data), named_data=pte.named_data)
+    with GraphExecutor(device, graph) as executor:  # builds every pipeline: a missing kernel fails here
+        return {dispatch.shader for dispatch in executor.dispatches}
+
+
+def test_every_shader_of_the_training_programs_has_a_wgsl_kernel(webgpu_device, tmp_path):
+    """The mlp-lora and tiny-llama training steps (the shapes of test_runner_parity / test_llama_parity)
+    load on the WebGPU device, and every Dispatch.shader they plan has a WGSL kernel."""
+    from vktrain.export import export_training_step, lower_to_pte
+    from vktrain.lora import LoRAConfig, apply_lora
+    from vktrain.models import build_model
+
+    export_mlp_lora_training_step(tmp_path / "mlp.pte", (2, 8), 64)
+    llama = build_model("tiny-llama")
+    apply_lora(llama, LoRAConfig(rank=4, alpha=8.0, targets="*_proj", group_size=32, seed=0))
+    (tmp_path / "llama.pte").write_bytes(lower_to_pte(export_training_step(llama, (2, 16))))
+
+    mlp = _dispatched_shaders(webgpu_device, tmp_path / "mlp.pte")
+    llama_shaders = _dispatched_shaders(webgpu_device, tmp_path / "llama.pte")
+    assert missing_wgsl_kernels(mlp | llama_shaders) == []
+    # The programs exercise the families the kernels below are checked for.
+    assert {"adamw@VEC4", "fused_ce@VEC4", "fused_ce_sum", "linear_q4gsw", "linear_q4gsw_backward"} <= mlp
+    assert {"attention_fwd", "attention_bwd@DQ", "attention_bwd@DKV", "rms_norm@VEC4+BACKWARD", "rope",
+            "swiglu@VEC4+BACKWARD"} <= llama_shaders
+
+
+# ---- kernels: elementwise, copies, embedding (test_kernels_aten.py) ---------------------------------
+
+test_unary_ops_match_torch = on_webgpu(aten.test_unary_ops_match_torch)
+test_unary_special_values_match_torch = on_webgpu(aten.test_unary_special_values_match_torch)
+test_gelu_is_accurate_far_into_the_negative_tail = on_webgpu(aten.test_gelu_is_accurate_far_into_the_negative_tail)
+test_tanh_erf_log_keep_relative_accuracy = on_webgpu(
+    aten.test_tanh_erf_log_keep_relative_accuracy_where_textbook_formulas_cancel)
+test_pow_special_values = on_webgpu(aten.test_pow_special_values)
+test_binary_broadcasting_matches_torch = on_webgpu(aten.test_binary_broadcasting_matches_torch)
+test_binary_ops_propagate_nan_like_torch = on_webgpu(aten.test_binary_ops_propagate_nan_like_torch)
+test_activation_backwards_match_torch = on_webgpu(aten.test_activation_backwards_match_torch)
+test_elementwise_reads_strided_views_in_place = on_webgpu(aten.test_elementwise_reads_strided_views_in_place)
+test_elementwise_split_dispatch = on_webgpu(aten.test_elementwise_split_dispatch)
+test_layout_copies_are_exact = on_webgpu(aten.test_layout_copies_are_exact)
+test_to_copy_converts_like_torch = on_webgpu(aten.test_to_copy_converts_like_torch)
+test_fills_match_torch = on_webgpu(aten.test_fills_match_torch)
+test_cat_along_each_dim = on_webgpu(aten.test_cat_along_each_dim)
+test_strided_copy_into_a_region_of_a_larger_output = on_webgpu(aten.test_strided_copy_into_a_region_of_a_larger_output)
+test_embedding_forward_gathers_rows = on_webgpu(aten.test_embedding_forward_gathers_rows)
+test_embedding_forward_out_of_range_index_gives_nan_row = on_webgpu(
+    aten.test_embedding_forward_out_of_range_index_gives_nan_row)
+test_embedding_dense_backward_repeated_indices = on_webgpu(aten.test_embedding_dense_backward_repeated_indices)
+test_embedding_dense_backward_sums_in_index_order_and_splits = on_webgpu(
+    aten.test_embedding_dense_backward_sums_in_index_order_and_splits)
+
+# ---- kernels: reductions (test_kernels_aten.py) ---------------------------------------------------------
+
+test_sum_and_mean_match_torch = on_webgpu(aten.test_sum_and_mean_match_torch)
+test_sums_are_compensated = on_webgpu(aten.test_sums_are_compensated)
+test_sum_of_infinities_is_not_nan = on_webgpu(aten.test_sum_of_infinities_is_not_nan)
+test_amax_matches_torch = on_webgpu(aten.test_amax_matches_torch)
+test_amax_propagates_nan_and_refuses_empty = on_webgpu(aten.test_amax_propagates_nan_and_refuses_empty)
+test_reduction_strategies_are_both_exercised_and_deterministic = on_webgpu(
+    aten.test_reduction_strategies_are_both_exercised_and_deterministic)
+test_reduction_of_a_strided_view_and_empty_reductions = on_webgpu(
+    aten.test_reduction_of_a_strided_view_and_empty_reductions)
+test_long_loops_are_not_truncated = on_webgpu(aten.test_long_loops_are_not_truncated)
+
+# ---- kernels: dense GEMM (test_kernels_aten.py) --------------------------------------------------------
+
+test_mm_matches_torch_including_partial_tiles = on_webgpu(aten.test_mm_matches_torch_including_partial_tiles)
+test_bmm_matches_torch = on_webgpu(aten.test_bmm_matches_torch)
+test_addmm_broadcast_bias_alpha_beta = on_webgpu(aten.test_addmm_broadcast_bias_alpha_beta)
+test_addmm_beta_zero_ignores_nan_bias = on_webgpu(aten.test_addmm_beta_zero_ignores_nan_bias)
+test_gemm_transposes_and_batch_broadcast_as_strides = on_webgpu(aten.test_gemm_transposes_and_batch_broadcast_as_strides)
+test_baddbmm_and_split_batch_grid = on_webgpu(aten.test_baddbmm_and_split_batch_grid)
+
+# ---- kernels: the 4-bit linear family (test_kernels_linear.py) ----------------------------------------
+
+test_identity_activation_reproduces_deq_exactly = on_webgpu(linear.test_identity_activation_reproduces_deq_exactly)
+test_linear_q4gsw_gemv = on_webgpu(linear.test_linear_q4gsw_gemv)
+test_linear_q4gsw_gemm = on_webgpu(linear.test_linear_q4gsw_gemm)
+test_linear_q4gsw_all_zero_scales_give_bias_exactly = on_webgpu(
+    linear.test_linear_q4gsw_all_zero_scales_give_bias_exactly)
+test_linear_q4gsw_backward = on_webgpu(linear.test_linear_q4gsw_backward)
+test_linear_q4gsw_backward_zero_scales_and_split_grid = on_webgpu(
+    linear.test_linear_q4gsw_backward_zero_scales_and_split_grid)
+test_linear_dw = on_webgpu(linear.test_linear_dw)
+test_linear_q4gsw_split_k_with_bias = on_webgpu(linear.test_linear_q4gsw_split_k_with_bias)
+test_linear_q4gsw_backward_split_k_with_empty_slice = on_webgpu(
+    linear.test_linear_q4gsw_backward_split_k_with_empty_slice)
+test_linear_dw_automatic_split_k_for_thin_output = on_webgpu(linear.test_linear_dw_automatic_split_k_for_thin_output)
+
+# ---- kernels: fused cross-entropy, AdamW, requant (test_kernels_ce_adamw_requant.py) --------------------------
+
+test_fused_ce_matches_reference = on_webgpu(ce_adamw.test_fused_ce_matches_reference)
+test_fused_ce_huge_logits_keep_the_small_loss = on_webgpu(ce_adamw.test_fused_ce_huge_logits_keep_the_small_loss)
+test_fused_ce_negative_infinite_logits = on_webgpu(ce_adamw.test_fused_ce_negative_infinite_logits)
+test_fused_ce_all_rows_masked = on_webgpu(ce_adamw.test_fused_ce_all_rows_masked)
+test_fused_ce_labels_past_vocabulary_are_ignored = on_webgpu(ce_adamw.test_fused_ce_labels_past_vocabulary_are_ignored)
+test_fused_ce_is_deterministic_and_splits_rows = on_webgpu(ce_adamw.test_fused_ce_is_deterministic_and_splits_rows)
+test_adamw_ten_steps_one_recording_matches_torch_optim = on_webgpu(
+    ce_adamw.test_adamw_ten_steps_one_recording_matches_torch_optim)
+test_adamw_single_step_matches_op_library = on_webgpu(ce_adamw.test_adamw_single_step_matches_op_library)
+test_requant_matches_op_library_int_for_int = on_webgpu(ce_adamw.test_requant_matches_op_library_int_for_int)
+test_requant_ties_round_half_to_even = on_webgpu(ce_adamw.test_requant_ties_round_half_to_even)
+test_requant_infinities_and_zero_scale = on_webgpu(ce_adamw.test_requant_infinities_and_zero_scale)
+test_requant_split_dispatch = on_webgpu(ce_adamw.test_requant_split_dispatch)
+test_requant_output_feeds_linear_q4gsw = on_webgpu(ce_adamw.test_requant_output_feeds_linear_q4gsw)
+
+# ---- kernels: transformer ops (test_kernels_transformer.py) ---------------------------------------------
+
+test_rms_norm_forward_and_backward = on_webgpu(transformer.test_rms_norm_forward_and_backward)
+test_rms_norm_eps_dominates_zero_rows_and_split_dispatch = on_webgpu(
+    transformer.test_rms_norm_eps_dominates_zero_rows_and_split_dispatch)
+test_rope_forward_and_backward = on_webgpu(transformer.test_rope_forward_and_backward)
+test_rope_split_dispatch = on_webgpu(transformer.test_rope_split_dispatch)
+test_swiglu_forward_and_backward = on_webgpu(transformer.test_swiglu_forward_and_backward)
+test_swiglu_split_dispatch = on_webgpu(transformer.test_swiglu_split_dispatch)
+test_causal_attention_forward_and_backward = on_webgpu(transformer.test_causal_attention_forward_and_backward)
+test_causal_attention_matches_the_definition = on_webgpu(transformer.test_causal_attention_matches_the_definition)
+test_causal_attention_large_scores_stay_finite = on_webgpu(transformer.test_causal_attention_large_scores_stay_finite)
+test_causal_attention_backward_is_deterministic_and_splits = on_webgpu(
+    transformer.test_causal_attention_backward_is_deterministic_and_splits)
+
+# ---- kernels: generation's KV cache (test_generate.py) ----------------------------------------------------
+
+test_kv_cache_update_kernel_is_the_reference_bit_for_bit = on_webgpu(
+    generate.test_kv_cache_update_kernel_is_the_reference_bit_for_bit)
+test_cached_attention_kernel_matches_float64_softmax = on_webgpu(
+    generate.test_cached_attention_kernel_matches_float64_softmax)

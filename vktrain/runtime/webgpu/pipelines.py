@@ -1,0 +1,111 @@
+"""WGSL compute pipelines by shader name, cached per (shader, specialization).
+
+The bind-group layout is explicit, from the kernel's declarations (reflect.py): its storage buffers
+(read-only-storage or storage) at bindings 0..n-1 and its params block as a uniform buffer at n.
+("auto" layouts would drop bindings a kernel declares but does not use, and a Dispatch binds all.)
+Specialization constants become pipeline-overridable constants keyed by their @id.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from vktrain.runtime.vk.errors import ScheduleError
+from vktrain.runtime.vk.schedule import SpecValue
+from vktrain.runtime.webgpu.errors import WebGPUError
+from vktrain.runtime.webgpu.reflect import ENTRY_POINT, WGSLInterface, reflect_wgsl
+
+
+def override_constants(shader: str, interface: WGSLInterface, values: tuple[tuple[int, SpecValue], ...]
+                       ) -> dict[str, float]:
+    """Pipeline constants ({"<id>": value}) of these (id, value) pairs, checked against the kernel's overrides."""
+    constants = {}
+    for spec_id, value in values:
+        kind = interface.spec_types.get(spec_id)
+        if kind is None:
+            known = ", ".join(f"{i}: {t}" for i, t in sorted(interface.spec_types.items())) or "none"
+            raise ScheduleError(f"WGSL kernel {shader!r} has no override constant with @id({spec_id}) "
+                                f"(it declares {known})")
+        if kind == "float":
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise ScheduleError(f"WGSL kernel {shader!r}: override {spec_id} is float, got {value!r}")
+        elif isinstance(value, float):
+            raise ScheduleError(f"WGSL kernel {shader!r}: override {spec_id} is {kind}, got the float {value!r}")
+        elif kind == "uint" and not 0 <= int(value) < 2**32:
+            raise ScheduleError(f"WGSL kernel {shader!r}: override {spec_id} is uint, got {value}")
+        elif kind == "int" and not -(2**31) <= int(value) < 2**31:
+            raise ScheduleError(f"WGSL kernel {shader!r}: override {spec_id} is int, got {value}")
+        constants[str(spec_id)] = float(value)
+    return constants
+
+
+class PipelineCache:
+    """Creates and owns the shader modules, layouts and pipelines of one WebGPU Device."""
+
+    def __init__(self, device):
+        self.device = device
+        self._interfaces: dict[str, WGSLInterface] = {}
+        self._sources: dict[str, str] = {}
+        self._modules: dict[str, Any] = {}
+        self._layouts: dict[str, tuple[Any, Any]] = {}  # shader -> (bind-group layout, pipeline layout)
+        self._pipelines: dict[tuple[str, tuple], Any] = {}
+
+    def source(self, name: str) -> str:
+        """The kernel's WGSL (WGSLKernelNotFoundError when it has none)."""
+        if name not in self._sources:
+            from vktrain.runtime_shaders.wgsl import wgsl_source
+            self._sources[name] = wgsl_source(name)
+        return self._sources[name]
+
+    def interface(self, name: str) -> WGSLInterface:
+        if name not in self._interfaces:
+            self._interfaces[name] = reflect_wgsl(name, self.source(name))
+        return self._interfaces[name]
+
+    def _module(self, name: str):
+        if name not in self._modules:
+            try:
+                self._modules[name] = self.device.handle.create_shader_module(label=name, code=self.source(name))
+            except Exception as exc:
+                raise WebGPUError(f"wgpu rejected the WGSL of kernel {name!r}: {exc}") from exc
+        return self._modules[name]
+
+    def layout(self, name: str) -> tuple[Any, Any]:
+        """(bind-group layout, pipeline layout) of kernel `name`."""
+        if name not in self._layouts:
+            wgpu = self.device.wgpu
+            interface = self.interface(name)
+            entries = [{"binding": b.binding, "visibility": wgpu.ShaderStage.COMPUTE,
+                        "buffer": {"type": wgpu.BufferBindingType.read_only_storage if b.readonly
+                                   else wgpu.BufferBindingType.storage}} for b in interface.storage]
+            if interface.params is not None:
+                entries.append({"binding": interface.params.binding, "visibility": wgpu.ShaderStage.COMPUTE,
+                                "buffer": {"type": wgpu.BufferBindingType.uniform}})
+            handle = self.device.handle
+            group_layout = handle.create_bind_group_layout(label=name, entries=entries)
+            pipeline_layout = handle.create_pipeline_layout(label=name, bind_group_layouts=[group_layout])
+            self._layouts[name] = (group_layout, pipeline_layout)
+        return self._layouts[name]
+
+    def get(self, shader: str, specialization: tuple[tuple[int, SpecValue], ...]):
+        """The GPUComputePipeline of `shader` with these (id, value) override constants."""
+        key = (shader, tuple(specialization))
+        if key not in self._pipelines:
+            constants = override_constants(shader, self.interface(shader), key[1])
+            compute = {"module": self._module(shader), "entry_point": ENTRY_POINT}
+            if constants:
+                compute["constants"] = constants
+            try:
+                self._pipelines[key] = self.device.handle.create_compute_pipeline(
+                    label=shader, layout=self.layout(shader)[1], compute=compute)
+            except Exception as exc:
+                raise WebGPUError(f"wgpu could not build the pipeline of kernel {shader!r} with constants "
+                                  f"{constants}: {exc}") from exc
+        return self._pipelines[key]
+
+    def __len__(self) -> int:
+        return len(self._pipelines)
+
+    def clear(self) -> None:
+        self._pipelines.clear()
+        self._layouts.clear()
+        self._modules.clear()
