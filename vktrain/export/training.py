@@ -49,7 +49,7 @@ from vktrain.contract import (EXP_AVG_PREFIX, EXP_AVG_SQ_PREFIX, METADATA_BASE_M
                               METADATA_MODEL_CONFIG, METADATA_MODEL_FAMILY, METADATA_SOURCE_MODEL,
                               STEP_STATE as STEP_BUFFER)
 from vktrain.errors import VktrainError
-from vktrain.lora import LoRAQ4Linear, lora_modules, lora_parameter_names
+from vktrain.lora import LoRAQ4Linear, lora_modules, lora_parameter_names, replace_torchao_linears
 from vktrain.partitioner.op_registry import PRESERVED_OPS, first_refusal
 
 from .step_graph import eval_program_from_joint, training_step_program
@@ -220,10 +220,12 @@ def trainable_parameter_names(model: nn.Module) -> list[str]:
 
 
 def _joint_program(model: nn.Module, example_inputs: tuple[torch.Tensor, ...]) -> tuple[ExportedProgram, list[str]]:
-    """The joint graph of `model`'s loss over `example_inputs` (a deep copy), and the trainable
-    parameters' paths."""
+    """The joint graph of `model`'s loss over `example_inputs` (a deep copy, its torchao int4 linears
+    fused into frozen q4gsw linears: vktrain/lora/torchao.py), and the trainable parameters' paths."""
     trainable = trainable_parameter_names(model)
-    loss_program = torch.export.export(loss_module(copy.deepcopy(model), example_inputs), tuple(example_inputs))
+    model = copy.deepcopy(model)
+    replace_torchao_linears(model)
+    loss_program = torch.export.export(loss_module(model, example_inputs), tuple(example_inputs))
     return joint_forward_backward(loss_program), trainable
 
 
