@@ -22,7 +22,7 @@ from torchao.quantization.quant_primitives import MappingType  # noqa: E402
 from vktrain.contract import TRAIN_METHOD, hparams_values  # noqa: E402
 from vktrain.export import export_training_step, lower_to_pte  # noqa: E402
 from vktrain.lora import LoRAConfig, LoRAQ4Linear, Q4GSWLinear, TorchaoWeightError, apply_lora, replace_torchao_linears  # noqa: E402
-from vktrain.lora.torchao import torchao_q4gsw  # noqa: E402
+from vktrain.lora.torchao_weights import torchao_q4gsw  # noqa: E402
 from vktrain.models import build_model  # noqa: E402
 from vktrain.partitioner import VktrainPartitioner  # noqa: E402
 from vktrain.quant import dequantize, quantize, requant, unpack_flat, unpack_w4x8  # noqa: E402
@@ -30,7 +30,8 @@ from vktrain.runtime.program.pte import DelegateCall, PteFile  # noqa: E402
 from vktrain.runtime.program.runner import TrainingRunner  # noqa: E402
 from vktrain.runtime.program.verify import load_delegate_graph  # noqa: E402
 
-from _helpers import TrainingReference, assert_training_matches_reference, eager_lora_adamw_training, runner_losses  # noqa: E402
+from _helpers import (TrainingReference, assert_training_matches_reference, eager_lora_adamw_training,  # noqa: E402
+                      readme_snippet, runner_losses)
 
 GROUP = 32
 BATCH, SEQ, VOCAB = 2, 8, 64
@@ -162,3 +163,20 @@ def _torchao_mlp_with(config: IntxWeightOnlyConfig, filter_fn=None) -> nn.Module
     model = build_model("mlp-lora", dim=32, hidden=64, vocab_size=VOCAB, n_layers=2)
     quantize_(model, config, filter_fn=filter_fn)
     return model
+
+
+def test_the_readme_example_lowers_with_torchaos_codes(tmp_path, monkeypatch):
+    """README.md's torchao snippet as written: every linear of its .pte is q4gsw, the head (left to the
+    export's fusion) with torchao's codes."""
+    monkeypatch.chdir(tmp_path)
+    namespace: dict = {}
+    exec(compile(readme_snippet("## torchao models"), "README.md", "exec"), namespace)
+    pte = PteFile.load(tmp_path / "torchao_step.pte")
+    _, graph = load_delegate_graph(pte, pte.execution_plan(TRAIN_METHOD))
+    weights = {graph.tensor(op.args[1]).name: op.args[1] for op in graph.ops if op.name == "vktrain.linear_q4gsw.default"}
+    assert sorted(weights) == sorted(f"model.{path}.weights" for path in QUANTIZED)
+    head = namespace["model"].head.weight
+    assert type(head).__name__ == "IntxUnpackedToInt8Tensor"
+    N, K = head.qdata.shape
+    lowered = unpack_flat(unpack_w4x8(graph.constant_array(weights["model.head.weights"]), N, K), K)
+    np.testing.assert_array_equal(lowered, head.qdata.numpy())

@@ -9,8 +9,6 @@ which constants, the refusals of what the export cannot take, and README.md's ex
 from __future__ import annotations
 
 import copy
-import re
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -27,7 +25,7 @@ from vktrain.runtime.delegate.executor import GraphExecutor
 from vktrain.runtime.program.pte import DelegateCall, PteFile
 from vktrain.runtime.program.verify import load_delegate_graph
 
-from _helpers import LOSS_RTOL, TrainingReference, _cast_floating, assert_training_matches_reference
+from _helpers import LOSS_RTOL, TrainingReference, _cast_floating, assert_training_matches_reference, readme_snippet
 
 STEPS = 10
 LR, BETAS, EPS, WEIGHT_DECAY = 1e-2, (0.9, 0.999), 1e-8, 0.01
@@ -226,23 +224,11 @@ def test_what_the_export_refuses():
         export_training_step(TakesHparams(), example_inputs=(torch.ones(3),))
 
 
-README_SNIPPET_TITLE = "## Training any module"
-
-
-def readme_snippet() -> str:
-    """The Python block under README.md's "Training any module" section."""
-    text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
-    section = text[text.index(README_SNIPPET_TITLE):]
-    match = re.search(r"```python\n(.*?)```", section, re.DOTALL)
-    assert match, f"README.md's {README_SNIPPET_TITLE!r} section has no python block"
-    return match.group(1)
-
-
 def test_the_readme_example_runs_and_trains_like_eager(vk_device, tmp_path, monkeypatch):
     """README.md's snippet as written (its own Device; vk_device skips the test where Vulkan is missing)."""
     monkeypatch.chdir(tmp_path)
     namespace: dict = {}
-    exec(compile(readme_snippet(), "README.md", "exec"), namespace)
+    exec(compile(readme_snippet("## Training any module"), "README.md", "exec"), namespace)
     assert (tmp_path / "regressor.pte").exists()
     losses = namespace["losses"]
     assert len(losses) == 10 and losses[-1] < losses[0]

@@ -221,7 +221,7 @@ def trainable_parameter_names(model: nn.Module) -> list[str]:
 
 def _joint_program(model: nn.Module, example_inputs: tuple[torch.Tensor, ...]) -> tuple[ExportedProgram, list[str]]:
     """The joint graph of `model`'s loss over `example_inputs` (a deep copy, its torchao int4 linears
-    fused into frozen q4gsw linears: vktrain/lora/torchao.py), and the trainable parameters' paths."""
+    fused into frozen q4gsw linears: vktrain/lora/torchao_weights.py), and the trainable parameters' paths."""
     trainable = trainable_parameter_names(model)
     model = copy.deepcopy(model)
     replace_torchao_linears(model)

@@ -26,7 +26,7 @@ from vktrain.quant import SCALE_RULES, check_q4gsw_shapes
 from vktrain.train import adapters as peft_files  # torch-free PEFT naming and files: one implementation
 
 from .layers import LoRAQ4Linear
-from .torchao import torchao_q4gsw
+from .torchao_weights import torchao_q4gsw
 from vktrain.errors import VktrainError
 
 
@@ -94,8 +94,8 @@ def apply_lora(model: nn.Module, config: LoRAConfig,
 
     Every parameter of the model is frozen first; only the inserted lora_A / lora_B train. Layers whose
     shape the q4gsw op refuses (N % 4, K % 4, K % group_size) stay as they are, with one warning each.
-    A linear quantized by torchao (int4, symmetric, per group: vktrain/lora/torchao.py) keeps its codes,
-    scales and group size (config.group_size and scale_rule do not apply to it).
+    A linear quantized by torchao (int4, symmetric, per group: vktrain/lora/torchao_weights.py) keeps its
+    codes, scales and group size (config.group_size and scale_rule do not apply to it).
     Raises LoRAInsertionError when no layer was replaced (nothing to train).
     """
     if config.rank <= 0:
