@@ -21,7 +21,8 @@ from torchao.quantization.quant_primitives import MappingType  # noqa: E402
 
 from vktrain.contract import TRAIN_METHOD, hparams_values  # noqa: E402
 from vktrain.export import export_training_step, lower_to_pte  # noqa: E402
-from vktrain.lora import LoRAConfig, LoRAQ4Linear, Q4GSWLinear, TorchaoWeightError, apply_lora, replace_torchao_linears  # noqa: E402
+from vktrain.lora import (LoRAConfig, LoRAQ4Linear, Q4GSWLinear, TorchaoWeightError, apply_lora,  # noqa: E402
+                          replace_torchao_linears)
 from vktrain.lora.torchao_weights import torchao_q4gsw  # noqa: E402
 from vktrain.models import build_model  # noqa: E402
 from vktrain.partitioner import VktrainPartitioner  # noqa: E402
@@ -173,7 +174,8 @@ def test_the_readme_example_lowers_with_torchaos_codes(tmp_path, monkeypatch):
     exec(compile(readme_snippet("## torchao models"), "README.md", "exec"), namespace)
     pte = PteFile.load(tmp_path / "torchao_step.pte")
     _, graph = load_delegate_graph(pte, pte.execution_plan(TRAIN_METHOD))
-    weights = {graph.tensor(op.args[1]).name: op.args[1] for op in graph.ops if op.name == "vktrain.linear_q4gsw.default"}
+    weights = {graph.tensor(op.args[1]).name: op.args[1] for op in graph.ops
+               if op.name == "vktrain.linear_q4gsw.default"}
     assert sorted(weights) == sorted(f"model.{path}.weights" for path in QUANTIZED)
     head = namespace["model"].head.weight
     assert type(head).__name__ == "IntxUnpackedToInt8Tensor"

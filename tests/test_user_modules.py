@@ -213,7 +213,7 @@ def test_what_the_export_refuses():
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             return x * self.weight
 
-    with pytest.raises(StepExportError, match=r"NotScalar's loss must be a float32 scalar tensor, got torch.float32 \[3\]"):
+    with pytest.raises(StepExportError, match=r"NotScalar's loss must be a float32 scalar tensor, got .*32 \[3\]"):
         export_training_step(NotScalar(), example_inputs=(torch.ones(3),))
 
     class TakesHparams(NotScalar):

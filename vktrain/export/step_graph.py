@@ -46,6 +46,7 @@ def step_input_names(loss_inputs: tuple[str, ...]) -> tuple[str, ...]:
                              f"training step adds its own {HPARAMS!r} input: rename the loss's parameter")
     return STEP_INPUTS if loss_inputs == _JOINT_USER_INPUTS else loss_inputs + (HPARAMS,)
 
+
 _IDENTITY_OPS = (torch.ops.aten.alias.default, torch.ops.aten.detach.default)
 
 
@@ -153,7 +154,8 @@ class _StepBuilder:
                 self._new_state(prefix + path, state_anchor,
                                 torch.zeros_like(self.state_dict[MODEL_PREFIX + path], dtype=torch.float32))
         position = input_names.index(HPARAMS)
-        with self.graph.inserting_before(loss_inputs[position] if position < len(loss_inputs) else first_non_placeholder):
+        hparams_anchor = loss_inputs[position] if position < len(loss_inputs) else first_non_placeholder
+        with self.graph.inserting_before(hparams_anchor):
             hparams = self.graph.placeholder(HPARAMS)
         hparams.meta["val"] = self._fake(lambda: torch.empty(len(HPARAM_NAMES), dtype=torch.float32))
         user_inputs = loss_inputs[:position] + [hparams] + loss_inputs[position:]
