@@ -223,6 +223,17 @@ def test_what_the_export_refuses():
     with pytest.raises(StepInputError, match="the loss takes an input named 'hparams'"):
         export_training_step(TakesHparams(), example_inputs=(torch.ones(3),))
 
+    class IgnoresAParameter(NotScalar):
+        def __init__(self) -> None:
+            super().__init__()
+            self.unused = nn.Parameter(torch.ones(3))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return (x * self.weight).sum()
+
+    with pytest.raises(StepExportError, match=r"trainable parameters \['unused'\] of IgnoresAParameter do not affect"):
+        export_training_step(IgnoresAParameter(), example_inputs=(torch.ones(3),))
+
 
 def test_the_readme_example_runs_and_trains_like_eager(vk_device, tmp_path, monkeypatch):
     """README.md's snippet as written (its own Device; vk_device skips the test where Vulkan is missing)."""

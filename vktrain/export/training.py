@@ -47,7 +47,7 @@ import vktrain.ops  # noqa: F401  (registers torch.ops.vktrain.*)
 from vktrain.contract import (EXP_AVG_PREFIX, EXP_AVG_SQ_PREFIX, METADATA_BASE_MODEL, METADATA_LORA_ALPHA,
                               METADATA_LORA_LAYERS, METADATA_LORA_RANK, METADATA_LORA_TARGET_MODULES,
                               METADATA_MODEL_CONFIG, METADATA_MODEL_FAMILY, METADATA_SOURCE_MODEL,
-                              STEP_STATE as STEP_BUFFER)
+                              MODEL_PREFIX, STEP_STATE as STEP_BUFFER)
 from vktrain.errors import VktrainError
 from vktrain.lora import LoRAQ4Linear, lora_modules, lora_parameter_names, replace_torchao_linears
 from vktrain.partitioner.op_registry import PRESERVED_OPS, first_refusal
@@ -225,8 +225,25 @@ def _joint_program(model: nn.Module, example_inputs: tuple[torch.Tensor, ...]) -
     trainable = trainable_parameter_names(model)
     model = copy.deepcopy(model)
     replace_torchao_linears(model)
-    loss_program = torch.export.export(loss_module(model, example_inputs), tuple(example_inputs))
-    return joint_forward_backward(loss_program), trainable
+    wrapped = loss_module(model, example_inputs)
+    loss_program = torch.export.export(wrapped, tuple(example_inputs))
+    try:
+        return joint_forward_backward(loss_program), trainable
+    except AssertionError as exc:  # torch's words for a bad input: a trainable tensor the loss ignores
+        if "did not receive a gradient" not in str(exc):
+            raise
+        unused = _parameters_without_gradient(wrapped, example_inputs)
+        raise StepExportError(f"trainable parameters {unused} of {type(model).__name__} do not affect the loss; "
+                              f"freeze them (requires_grad_(False)) or use them") from None
+
+
+def _parameters_without_gradient(wrapped: nn.Module, example_inputs: tuple[torch.Tensor, ...]) -> list[str]:
+    """Paths (under the model) of the trainable parameters the loss's gradient does not reach (one eager
+    forward + backward: only on the failure path)."""
+    params = {name.removeprefix(MODEL_PREFIX): p for name, p in wrapped.named_parameters() if p.requires_grad}
+    (loss,) = wrapped(*example_inputs)
+    grads = torch.autograd.grad(loss, list(params.values()), allow_unused=True)
+    return [name for name, grad in zip(params, grads) if grad is None]
 
 
 def drop_unused_constant_inputs(program: ExportedProgram) -> list[str]:
