@@ -4,6 +4,7 @@ single fact shared by every parity test); every other assertion stays in the tes
 from __future__ import annotations
 
 import copy
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -21,6 +22,16 @@ def assert_import_loads_none(modules: Sequence[str], forbidden: Sequence[str], t
             "bad = sorted(m for m in sys.modules if any(m == f or m.startswith(f + '.') for f in forbidden)); "
             "assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=timeout)
+
+
+def readme_snippet(section_title: str) -> str:
+    """The first Python block of README.md's section `section_title` (tests run README examples as written)."""
+    text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    assert section_title in text, f"README.md has no section {section_title!r}"
+    section = text[text.index(section_title):]
+    match = re.search(r"```python\n(.*?)```", section, re.DOTALL)
+    assert match, f"README.md's {section_title!r} section has no python block"
+    return match.group(1)
 
 
 def export_mlp_lora_training_step(path: Path, batch_shape: tuple[int, int], vocab_size: int):

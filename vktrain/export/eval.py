@@ -21,7 +21,7 @@ from torch.export import ExportedProgram
 
 from vktrain.lora import lora_parameter_names
 
-from .training import _LossModule, check_batch_shape, drop_unused_constant_inputs, example_training_inputs, in_registry_ops
+from .training import check_batch_shape, drop_unused_constant_inputs, example_training_inputs, in_registry_ops, loss_module
 
 
 def export_eval_step(model: nn.Module, batch_shape: tuple[int, int]) -> ExportedProgram:
@@ -36,6 +36,7 @@ def export_eval_step(model: nn.Module, batch_shape: tuple[int, int]) -> Exported
         param.requires_grad_(False)
     token_ids, labels, _, n_valid = example_training_inputs(batch_size, seq_len, getattr(model, "vocab_size", 256))
     with torch.no_grad():
-        program = in_registry_ops(torch.export.export(_LossModule(model), (token_ids, labels, n_valid)))
+        program = in_registry_ops(torch.export.export(loss_module(model, (token_ids, labels, n_valid)),
+                                                          (token_ids, labels, n_valid)))
     drop_unused_constant_inputs(program)
     return program

@@ -1,7 +1,7 @@
 """The training-step program, built from the joint graph by editing it (no second torch.export).
 
-The joint graph (loss + the gradient of every LoRA tensor) is already functional core ATen. The step
-adds, per LoRA tensor, one vktrain.adamw over (param, exp_avg, exp_avg_sq, grad, hparams, step + 1) and
+The joint graph (loss + the gradient of every trainable tensor) is already functional core ATen. The step
+adds, per trainable tensor, one vktrain.adamw over (param, exp_avg, exp_avg_sq, grad, hparams, step + 1) and
 returns the updated state as buffer mutations. Writing those few hundred nodes into the joint graph
 directly gives the program a second torch.export (plus its functionalisation) would trace, in
 milliseconds instead of minutes for a 30-layer model: the new nodes' metadata comes from running their
@@ -9,9 +9,9 @@ ops on the joint graph's fake tensors. The signature follows vktrain/export/trai
 
     inputs   state buffers in this order: model.<path> (every tensor the joint graph reads, in its order;
              lifted constants as constants.<name>, non-persistent), optimizer.step,
-             optimizer.exp_avg.<lora path>..., optimizer.exp_avg_sq.<lora path>...; then the user inputs
-             token_ids, labels, hparams, n_valid
-    outputs  the buffer mutations (LoRA tensors in state order, step, exp_avg..., exp_avg_sq...), then
+             optimizer.exp_avg.<trainable path>..., optimizer.exp_avg_sq.<trainable path>...; then the user
+             inputs: the loss's inputs and hparams (step_input_names)
+    outputs  the buffer mutations (trainable tensors in state order, step, exp_avg..., exp_avg_sq...), then
              the loss
 """
 from __future__ import annotations
@@ -28,9 +28,24 @@ from torch.export.graph_signature import (ExportGraphSignature, InputKind, Input
 
 from vktrain.contract import (EVAL_INPUTS, EXP_AVG_PREFIX, EXP_AVG_SQ_PREFIX, HPARAM_NAMES, HPARAMS, MODEL_PREFIX,
                               STEP_INPUTS, STEP_STATE)
+from vktrain.errors import VktrainError
 
-# The joint graph's user inputs are the loss module's forward arguments: the eval method's inputs.
+# The token models' loss inputs (the eval method's); their step takes STEP_INPUTS, hparams before n_valid.
 _JOINT_USER_INPUTS = EVAL_INPUTS
+
+
+class StepInputError(VktrainError, ValueError):
+    """A loss whose inputs the step cannot take as they are (a name the step gives its own input)."""
+
+
+def step_input_names(loss_inputs: tuple[str, ...]) -> tuple[str, ...]:
+    """The step program's user inputs for a loss taking `loss_inputs`: those, then hparams; a token
+    model's loss (token_ids, labels, n_valid) gives contract.STEP_INPUTS (hparams before n_valid)."""
+    if HPARAMS in loss_inputs:
+        raise StepInputError(f"the loss takes an input named {HPARAMS!r} (inputs {list(loss_inputs)}); the "
+                             f"training step adds its own {HPARAMS!r} input: rename the loss's parameter")
+    return STEP_INPUTS if loss_inputs == _JOINT_USER_INPUTS else loss_inputs + (HPARAMS,)
+
 
 _IDENTITY_OPS = (torch.ops.aten.alias.default, torch.ops.aten.detach.default)
 
@@ -78,14 +93,14 @@ class _StepBuilder:
 
     def _joint_state(self) -> list[torch.fx.Node]:
         """The joint graph's parameters, buffers and lifted constants, renamed as the step's state; returns
-        the user-input placeholders (token_ids, labels, n_valid)."""
+        the user-input placeholders (the loss's inputs)."""
         user_inputs = []
         for node, spec in zip(self.placeholders, self.joint.graph_signature.input_specs):
             if spec.kind in (InputKind.PARAMETER, InputKind.BUFFER):
                 # _LossModule holds the model as `model`, so targets already read "model.<path>".
                 source = self.joint.state_dict[spec.target] if spec.target in self.joint.state_dict \
                     else self.joint.constants[spec.target]
-                # The LoRA tensors are the step's mutable state: its own copy, so that running the step
+                # The trainable tensors are the step's mutable state: its own copy, so that running the step
                 # in torch (program.module()) changes no other program's constants (the eval method's).
                 trained = spec.target.removeprefix(MODEL_PREFIX) in self.trainable
                 self._add_state(node, spec.target, source.detach().clone() if trained else source.detach(),
@@ -97,9 +112,6 @@ class _StepBuilder:
                 user_inputs.append(node)
             else:
                 raise NotImplementedError(f"joint graph input of kind {spec.kind} ({spec.target}) is not handled")
-        names = tuple(node.name for node in user_inputs)
-        if names != _JOINT_USER_INPUTS:
-            raise AssertionError(f"the loss takes {_JOINT_USER_INPUTS}, the joint graph's user inputs are {names}")
         return user_inputs
 
     def _add_state(self, node: torch.fx.Node, fqn: str, tensor: torch.Tensor, persistent: bool) -> None:
@@ -124,22 +136,29 @@ class _StepBuilder:
         missing = [p for p in self.trainable if p not in grads]
         extra = sorted(set(grads) - set(self.trainable))
         if missing or extra:
-            raise ValueError(f"the joint graph's gradients do not match the LoRA tensors: missing {missing}, "
-                             f"unexpected (trainable but not LoRA) {extra}; freeze non-LoRA parameters")
+            raise StepInputError(f"the joint graph's gradients do not match the trainable parameters: missing "
+                                 f"{missing} (a trainable parameter the loss does not depend on?), unexpected {extra}")
         return loss, grads
 
     def build(self) -> ExportedProgram:
-        token_ids, labels, n_valid = self._joint_state()
+        loss_inputs = self._joint_state()
+        input_names = step_input_names(tuple(node.name for node in loss_inputs))
         loss, grads = self._gradients()
         model_state = list(self.state_specs)
-        self._new_state(STEP_STATE, token_ids, torch.zeros((), dtype=torch.float32))
+        # New placeholders go before the user inputs (state) or at hparams' place among them.
+        first_non_placeholder = next(node for node in self.graph.nodes if node.op != "placeholder")
+        state_anchor = loss_inputs[0] if loss_inputs else first_non_placeholder
+        self._new_state(STEP_STATE, state_anchor, torch.zeros((), dtype=torch.float32))
         for prefix in (EXP_AVG_PREFIX, EXP_AVG_SQ_PREFIX):
             for path in self.trainable:
-                self._new_state(prefix + path, token_ids,
+                self._new_state(prefix + path, state_anchor,
                                 torch.zeros_like(self.state_dict[MODEL_PREFIX + path], dtype=torch.float32))
-        with self.graph.inserting_before(n_valid):
+        position = input_names.index(HPARAMS)
+        hparams_anchor = loss_inputs[position] if position < len(loss_inputs) else first_non_placeholder
+        with self.graph.inserting_before(hparams_anchor):
             hparams = self.graph.placeholder(HPARAMS)
         hparams.meta["val"] = self._fake(lambda: torch.empty(len(HPARAM_NAMES), dtype=torch.float32))
+        user_inputs = loss_inputs[:position] + [hparams] + loss_inputs[position:]
 
         output = self.graph.output_node()
         updates: dict[str, torch.fx.Node] = {}
@@ -158,16 +177,17 @@ class _StepBuilder:
         self.graph.output(tuple(updates[fqn] for fqn in mutated) + (loss,))
         self.graph.eliminate_dead_code()  # the gradient outputs' own nodes are kept: adamw reads them
         # (no recompile: ExportedProgram generates the code of a GraphModule of its own over this graph)
-        return self._program(mutated, loss, (token_ids, labels, hparams, n_valid))
+        return self._program(mutated, loss, user_inputs, input_names)
 
-    def _program(self, mutated: list[str], loss: torch.fx.Node, user_inputs: tuple) -> ExportedProgram:
+    def _program(self, mutated: list[str], loss: torch.fx.Node, user_inputs: list[torch.fx.Node],
+                 input_names: tuple[str, ...]) -> ExportedProgram:
         output_values = self.graph.output_node().args[0]
         output_specs = [OutputSpec(OutputKind.BUFFER_MUTATION, TensorArgument(value.name), fqn)
                         for value, fqn in zip(output_values, mutated)]
         output_specs.append(OutputSpec(OutputKind.USER_OUTPUT, TensorArgument(loss.name), None))
         input_specs = self.state_specs + [InputSpec(InputKind.USER_INPUT, TensorArgument(node.name), None)
                                           for node in user_inputs]
-        call_graph = _root_call_graph(STEP_INPUTS, out_spec=pytree.tree_structure(0))  # returns the loss
+        call_graph = _root_call_graph(input_names, out_spec=pytree.tree_structure(0))  # returns the loss
         return ExportedProgram(root=self.joint.graph_module, graph=self.graph,
                                graph_signature=ExportGraphSignature(input_specs, output_specs),
                                state_dict=self.state_dict, range_constraints={}, module_call_graph=call_graph,
@@ -175,9 +195,9 @@ class _StepBuilder:
 
 
 def eval_program_from_joint(joint: ExportedProgram) -> ExportedProgram:
-    """The loss alone (vktrain/export/eval.py's signature) from a copy of the joint graph: its forward
-    part, every tensor it reads a constant under the joint graph's name (the LoRA tensors as
-    `model.<path>`, the training step's state names), no gradient. Leaves `joint` as it was."""
+    """The loss alone (vktrain/export/eval.py's signature: the loss's inputs) from a copy of the joint
+    graph: its forward part, every tensor it reads a constant under the joint graph's name (the trainable
+    tensors as `model.<path>`, the training step's state names), no gradient. Leaves `joint` as it was."""
     graph = torch.fx.Graph()
     copies: dict[torch.fx.Node, torch.fx.Node] = {}
     graph.graph_copy(joint.graph, copies)
@@ -198,7 +218,8 @@ def eval_program_from_joint(joint: ExportedProgram) -> ExportedProgram:
         elif spec.target is not None:
             constants[spec.target] = joint.constants[spec.target].detach()
     output = OutputSpec(OutputKind.USER_OUTPUT, TensorArgument(graph.output_node().args[0][0].name), None)
-    call_graph = _root_call_graph(_JOINT_USER_INPUTS, out_spec=pytree.tree_structure((0,)))  # returns (loss,)
+    loss_inputs = tuple(spec.arg.name for spec in input_specs if spec.kind == InputKind.USER_INPUT)
+    call_graph = _root_call_graph(loss_inputs, out_spec=pytree.tree_structure((0,)))  # returns (loss,)
     return ExportedProgram(root=torch.nn.Module(), graph=graph,
                            graph_signature=ExportGraphSignature(input_specs, [output]), state_dict=state_dict,
                            range_constraints={}, module_call_graph=call_graph, example_inputs=None,
@@ -213,7 +234,7 @@ def _root_call_graph(input_names: tuple[str, ...], out_spec) -> list[ModuleCallE
 
 
 def _loss_and_gradients(joint: ExportedProgram) -> tuple[torch.fx.Node, dict[str, torch.fx.Node]]:
-    """The joint graph's loss output node, and its gradient output nodes by LoRA path (no "model.")."""
+    """The joint graph's loss output node, and its gradient output nodes by parameter path (no "model.")."""
     loss, grads = None, {}
     for value, spec in zip(joint.graph.output_node().args[0], joint.graph_signature.output_specs):
         if spec.kind == OutputKind.GRADIENT_TO_PARAMETER:
@@ -224,7 +245,7 @@ def _loss_and_gradients(joint: ExportedProgram) -> tuple[torch.fx.Node, dict[str
 
 
 def training_step_program(joint: ExportedProgram, trainable: list[str]) -> ExportedProgram:
-    """The step program of a joint program whose gradient outputs are exactly the LoRA tensors `trainable`
-    (paths without the "model." prefix). Consumes `joint`: its graph module becomes the step's."""
+    """The step program of a joint program whose gradient outputs are exactly the trainable tensors
+    `trainable` (paths without the "model." prefix). Consumes `joint`: its graph module becomes the step's."""
     simplify_joint_graph(joint.graph_module.graph)
     return _StepBuilder(joint, trainable).build()

@@ -1,21 +1,27 @@
-"""Export ONE LoRA training step (forward, backward, AdamW) as a single ExportedProgram.
+"""Export ONE training step (forward, backward, AdamW) of a module as a single ExportedProgram.
+
+Any nn.Module trains (ExecuTorch's extension/training convention): its `loss(...)` method, or its forward
+when it has none, returns the scalar loss (or a tuple whose first item is the loss); the trainable tensors
+are its parameters with requires_grad, and frozen parameters and buffers become constants. The built-in
+token models (`export_training_step(model, batch_shape)`) are the case loss(token_ids, labels, n_valid).
 
 Program signature (every value a runtime input; nothing about the optimizer is baked into the graph):
-    inputs   token_ids int64 [B, S], labels int64 [B, S] (< 0 = ignored), hparams float32 [5] =
-             [lr, beta1, beta2, eps, weight_decay], n_valid float32 [] (the loss divisor: the number of
-             labels >= 0 in the batch, or in the whole accumulated batch; the caller computes it, which
-             keeps integer reductions out of the GPU graph and lets gradient accumulation pick its divisor)
+    inputs   the loss's inputs, then hparams float32 [5] = [lr, beta1, beta2, eps, weight_decay]; for the
+             token models contract.STEP_INPUTS: token_ids int64 [B, S], labels int64 [B, S] (< 0 =
+             ignored), hparams, n_valid float32 [] (the loss divisor: the number of labels >= 0 in the
+             batch, or in the whole accumulated batch; the caller computes it, which keeps integer
+             reductions out of the GPU graph and lets gradient accumulation pick its divisor)
     output   loss float32 []
     state    (mutable buffers, updated in place every step)
-             model.<layer>.lora_A / lora_B                  the adapters
-             optimizer.exp_avg.<layer>.lora_A / ...        AdamW first moments
-             optimizer.exp_avg_sq.<layer>.lora_A / ...     AdamW second moments
+             model.<path> of each trainable parameter      (the LoRA adapters: model.<layer>.lora_A / lora_B)
+             optimizer.exp_avg.<path>...                    AdamW first moments
+             optimizer.exp_avg_sq.<path>...                 AdamW second moments
              optimizer.step                                 float32 [], t after the update (1 on the first)
     constants (frozen buffers) model.<path> for everything else (q4gsw weights/scales, embedding, ...)
 
 Route: torch.export the loss -> the joint graph (loss + gradient of every trainable parameter, as
 torch.export.experimental._export_forward_backward builds it, but keeping PRESERVED_OPS whole) -> the
-step program, written into the joint graph by vktrain/export/step_graph.py (vktrain.adamw per LoRA
+step program, written into the joint graph by vktrain/export/step_graph.py (vktrain.adamw per trainable
 tensor, the state updates as buffer mutations) instead of a second torch.export of a module calling the
 joint graph, which cost minutes for a 30-layer model. (autograd.grad inside a traced forward does not
 export; this route does.)
@@ -24,6 +30,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import inspect
 import json
 from collections import Counter
 from pathlib import Path
@@ -40,20 +47,68 @@ import vktrain.ops  # noqa: F401  (registers torch.ops.vktrain.*)
 from vktrain.contract import (EXP_AVG_PREFIX, EXP_AVG_SQ_PREFIX, METADATA_BASE_MODEL, METADATA_LORA_ALPHA,
                               METADATA_LORA_LAYERS, METADATA_LORA_RANK, METADATA_LORA_TARGET_MODULES,
                               METADATA_MODEL_CONFIG, METADATA_MODEL_FAMILY, METADATA_SOURCE_MODEL,
-                              STEP_STATE as STEP_BUFFER)
-from vktrain.lora import LoRAQ4Linear, lora_modules, lora_parameter_names
+                              MODEL_PREFIX, STEP_STATE as STEP_BUFFER)
+from vktrain.errors import VktrainError
+from vktrain.lora import LoRAQ4Linear, lora_modules, lora_parameter_names, replace_torchao_linears
 from vktrain.partitioner.op_registry import PRESERVED_OPS, first_refusal
 
 from .step_graph import eval_program_from_joint, training_step_program
 
 
+class StepExportError(VktrainError, ValueError):
+    """A module or example inputs the training-step export cannot take (what was found, what is expected)."""
+
+
 class _LossModule(nn.Module):
+    """Holds the model as `model` (so every state name reads model.<path>) and returns its loss alone."""
+
     def __init__(self, model: nn.Module) -> None:
         super().__init__()
         self.model = model
 
-    def forward(self, token_ids: torch.Tensor, labels: torch.Tensor, n_valid: torch.Tensor) -> tuple[torch.Tensor]:
-        return (self.model.loss(token_ids, labels, n_valid),)
+    def forward(self, *inputs: torch.Tensor) -> tuple[torch.Tensor]:
+        result = _loss_function(self.model)(*inputs)
+        loss = result[0] if isinstance(result, (tuple, list)) and result else result
+        if not isinstance(loss, torch.Tensor) or loss.shape != () or loss.dtype != torch.float32:
+            found = f"{loss.dtype} {list(loss.shape)}" if isinstance(loss, torch.Tensor) else type(loss).__name__
+            raise StepExportError(f"{type(self.model).__name__}'s loss must be a float32 scalar tensor, got {found}")
+        return (loss,)
+
+
+def _loss_function(model: nn.Module):
+    """model.loss when the model has one, else its forward (ExecuTorch's extension/training convention)."""
+    loss = getattr(model, "loss", None)
+    return loss if callable(loss) else model.forward
+
+
+def loss_module(model: nn.Module, example_inputs: tuple[torch.Tensor, ...]) -> nn.Module:
+    """`model` wrapped so that torch.export traces its loss over `example_inputs`, the program's user
+    inputs named as the loss function's parameters (token_ids, labels, n_valid for the token models).
+
+    torch.export names a forward's inputs after its signature, so the wrapper is a class of its own whose
+    forward carries the loss function's signature (a plain *inputs would name them inputs_0, ...)."""
+    function = _loss_function(model)
+    where = f"{type(model).__name__}.{function.__name__}"
+    try:
+        signature = inspect.signature(function)
+        bound = signature.bind(*example_inputs)
+    except (TypeError, ValueError) as exc:
+        raise StepExportError(f"{where} cannot take the {len(example_inputs)} example input(s): {exc}") from None
+    if any(p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) for p in signature.parameters.values()
+           if p.name in bound.arguments):
+        raise StepExportError(f"{where} takes *args / **kwargs; the step's inputs need named parameters")
+    not_tensors = [name for name, value in bound.arguments.items() if not isinstance(value, torch.Tensor)]
+    if not_tensors:
+        raise StepExportError(f"example inputs {not_tensors} of {where} are not tensors; every input of the "
+                              f"training step is a tensor (fixed values belong in the module)")
+    parameter = inspect.Parameter.POSITIONAL_OR_KEYWORD
+
+    def forward(self, *inputs: torch.Tensor) -> tuple[torch.Tensor]:
+        return _LossModule.forward(self, *inputs)
+
+    forward.__signature__ = inspect.Signature(
+        [inspect.Parameter("self", parameter)] + [inspect.Parameter(name, parameter) for name in bound.arguments])
+    return type("_LossModule", (_LossModule,), {"forward": forward})(model)
 
 
 def example_training_inputs(batch_size: int, seq_len: int, vocab_size: int = 256,
@@ -107,24 +162,30 @@ def check_batch_shape(batch_shape) -> tuple[int, int]:
     return batch_size, seq_len
 
 
-def export_training_step(model: nn.Module, batch_shape: tuple[int, int]) -> ExportedProgram:
-    """Export one training step of `model` (with LoRA adapters inserted) for token batches of `batch_shape`.
+def export_training_step(model: nn.Module, batch_shape: Optional[tuple[int, int]] = None, *,
+                         example_inputs: Optional[tuple[torch.Tensor, ...]] = None) -> ExportedProgram:
+    """Export one training step of `model`: a token model (LoRA adapters inserted) for token batches of
+    `batch_shape`, or any module for its loss over `example_inputs` (one of the two).
 
     The model is not modified (it is deep-copied). See the module docstring for the program's signature.
     """
-    joint, trainable = _joint_program(model, batch_shape)
+    joint, trainable = _joint_program(model, _loss_inputs(model, batch_shape, example_inputs))
     program = training_step_program(joint, trainable)
     drop_unused_constant_inputs(program)
     return program
 
 
-def export_training_and_eval_steps(model: nn.Module, batch_shape: tuple[int, int], *,
+def export_training_and_eval_steps(model: nn.Module, batch_shape: Optional[tuple[int, int]] = None, *,
+                                   example_inputs: Optional[tuple[torch.Tensor, ...]] = None,
                                    freeze_lora_a: bool = False) -> tuple[ExportedProgram, ExportedProgram]:
     """(the training step, its eval method) from ONE trace: the eval program is the joint graph's forward
-    (vktrain/export/eval.py's signature; export_eval_step traces it anew), which saves an export of
-    the model's forward (half a minute for a 30-layer model). `freeze_lora_a`: only the lora_B tensors
-    train (FFA-LoRA); the lora_A tensors stay frozen constants, so their gradient GEMMs are not exported."""
-    joint, trainable = _joint_program(model, batch_shape, freeze_lora_a)
+    (vktrain/export/eval.py's signature; the loss's inputs for any module; export_eval_step traces it
+    anew), which saves an export of the model's forward (half a minute for a 30-layer model).
+    `freeze_lora_a`: only the lora_B tensors train (FFA-LoRA); the lora_A tensors stay frozen constants,
+    so their gradient GEMMs are not exported."""
+    if freeze_lora_a:
+        model = _with_lora_a_frozen(model)
+    joint, trainable = _joint_program(model, _loss_inputs(model, batch_shape, example_inputs))
     evaluation = eval_program_from_joint(joint)
     program = training_step_program(joint, trainable)
     for exported in (program, evaluation):
@@ -132,22 +193,70 @@ def export_training_and_eval_steps(model: nn.Module, batch_shape: tuple[int, int
     return program, evaluation
 
 
-def _joint_program(model: nn.Module, batch_shape: tuple[int, int],
-                   freeze_lora_a: bool = False) -> tuple[ExportedProgram, list[str]]:
-    """The joint graph of `model`'s loss (a deep copy; LoRA tensors trainable, the rest frozen; with
-    `freeze_lora_a` only the lora_B tensors), and the trainable tensors' paths."""
+def _with_lora_a_frozen(model: nn.Module) -> nn.Module:
+    """A copy of `model` whose lora_A tensors do not require grad (FFA-LoRA: only lora_B trains)."""
+    model = copy.deepcopy(model)
+    for name, param in model.named_parameters():
+        if name.endswith(".lora_A"):
+            param.requires_grad_(False)
+    return model
+
+
+def _loss_inputs(model: nn.Module, batch_shape: Optional[tuple[int, int]],
+                 example_inputs: Optional[tuple[torch.Tensor, ...]]) -> tuple[torch.Tensor, ...]:
+    """The loss's example inputs: `example_inputs` as given, or a token model's (token_ids, labels,
+    n_valid) for `batch_shape`. A token model trains LoRA adapters (its .pte describes PEFT adapters)."""
+    if (batch_shape is None) == (example_inputs is None):
+        raise StepExportError("give the step's batch_shape (a token model) or its example_inputs (any module), "
+                              "exactly one of the two")
+    if example_inputs is not None:
+        return tuple(example_inputs)
     batch_size, seq_len = check_batch_shape(batch_shape)
     if not lora_parameter_names(model):
-        raise ValueError("the model has no LoRA adapters: call vktrain.lora.apply_lora first (nothing to train)")
+        raise StepExportError("the model has no LoRA adapters: call vktrain.lora.apply_lora first (nothing to train)")
+    token_ids, labels, _, n_valid = example_training_inputs(batch_size, seq_len, getattr(model, "vocab_size", 256))
+    return token_ids, labels, n_valid
+
+
+def trainable_parameter_names(model: nn.Module) -> list[str]:
+    """Paths of the parameters with requires_grad (the step's trainable tensors), in module order; each
+    must be float32 (the AdamW kernel's)."""
+    names = [name for name, param in model.named_parameters() if param.requires_grad]
+    if not names:
+        raise StepExportError(f"no parameter of {type(model).__name__} requires grad: nothing to train "
+                              f"(vktrain.lora.apply_lora adds trainable adapters)")
+    wrong = {name: str(param.dtype) for name, param in model.named_parameters()
+             if param.requires_grad and param.dtype != torch.float32}
+    if wrong:
+        raise StepExportError(f"trainable parameters must be float32, got {wrong}")
+    return names
+
+
+def _joint_program(model: nn.Module, example_inputs: tuple[torch.Tensor, ...]) -> tuple[ExportedProgram, list[str]]:
+    """The joint graph of `model`'s loss over `example_inputs` (a deep copy, its torchao int4 linears
+    fused into frozen q4gsw linears: vktrain/lora/torchao_weights.py), and the trainable parameters' paths."""
+    trainable = trainable_parameter_names(model)
     model = copy.deepcopy(model)
-    trained_suffixes = (".lora_B",) if freeze_lora_a else (".lora_A", ".lora_B")
-    for name, param in model.named_parameters():
-        param.requires_grad_(name.endswith(trained_suffixes))
-    vocab_size = getattr(model, "vocab_size", 256)
-    token_ids, labels, _, n_valid = example_training_inputs(batch_size, seq_len, vocab_size)
-    loss_program = torch.export.export(_LossModule(model), (token_ids, labels, n_valid))
-    trainable = [name for name in lora_parameter_names(model) if name.endswith(trained_suffixes)]
-    return joint_forward_backward(loss_program), trainable
+    replace_torchao_linears(model)
+    wrapped = loss_module(model, example_inputs)
+    loss_program = torch.export.export(wrapped, tuple(example_inputs))
+    try:
+        return joint_forward_backward(loss_program), trainable
+    except AssertionError as exc:  # torch's words for a bad input: a trainable tensor the loss ignores
+        if "did not receive a gradient" not in str(exc):
+            raise
+        unused = _parameters_without_gradient(wrapped, example_inputs)
+        raise StepExportError(f"trainable parameters {unused} of {type(model).__name__} do not affect the loss; "
+                              f"freeze them (requires_grad_(False)) or use them") from None
+
+
+def _parameters_without_gradient(wrapped: nn.Module, example_inputs: tuple[torch.Tensor, ...]) -> list[str]:
+    """Paths (under the model) of the trainable parameters the loss's gradient does not reach (one eager
+    forward + backward: only on the failure path)."""
+    params = {name.removeprefix(MODEL_PREFIX): p for name, p in wrapped.named_parameters() if p.requires_grad}
+    (loss,) = wrapped(*example_inputs)
+    grads = torch.autograd.grad(loss, list(params.values()), allow_unused=True)
+    return [name for name, grad in zip(params, grads) if grad is None]
 
 
 def drop_unused_constant_inputs(program: ExportedProgram) -> list[str]:

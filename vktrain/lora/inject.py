@@ -26,6 +26,7 @@ from vktrain.quant import SCALE_RULES, check_q4gsw_shapes
 from vktrain.train import adapters as peft_files  # torch-free PEFT naming and files: one implementation
 
 from .layers import LoRAQ4Linear
+from .torchao_weights import torchao_q4gsw
 from vktrain.errors import VktrainError
 
 
@@ -93,6 +94,8 @@ def apply_lora(model: nn.Module, config: LoRAConfig,
 
     Every parameter of the model is frozen first; only the inserted lora_A / lora_B train. Layers whose
     shape the q4gsw op refuses (N % 4, K % 4, K % group_size) stay as they are, with one warning each.
+    A linear quantized by torchao (int4, symmetric, per group: vktrain/lora/torchao_weights.py) keeps its
+    codes, scales and group size (config.group_size and scale_rule do not apply to it).
     Raises LoRAInsertionError when no layer was replaced (nothing to train).
     """
     if config.rank <= 0:
@@ -128,16 +131,23 @@ def apply_lora(model: nn.Module, config: LoRAConfig,
         if tied:
             warnings.warn(f"LoRA: adapting '{path}' unties its weight from {tied}: the layer gets its own 4-bit "
                           f"copy while the others keep the float weight", stacklevel=2)
+        torchao_base = torchao_q4gsw(linear, path)
         try:
-            check_q4gsw_shapes(linear.out_features, linear.in_features, config.group_size)
+            check_q4gsw_shapes(linear.out_features, linear.in_features,
+                               config.group_size if torchao_base is None else torchao_base.group_size)
         except ValueError as e:
             reason = str(e)
             report.skipped[path] = reason
             warnings.warn(f"LoRA: leaving layer '{path}' as a plain nn.Linear: {reason}", stacklevel=2)
             continue
-        adapter = LoRAQ4Linear.from_linear(linear, config.rank, config.alpha, config.group_size, generator,
-                                           scale_rule=config.scale_rule,
-                                           importance=None if importance is None else importance.get(path))
+        if torchao_base is not None:
+            adapter = LoRAQ4Linear(linear.in_features, linear.out_features, torch.from_numpy(torchao_base.flat),
+                                   torch.from_numpy(torchao_base.scales), torchao_base.group_size, config.rank,
+                                   config.alpha, linear.bias, generator)
+        else:
+            adapter = LoRAQ4Linear.from_linear(linear, config.rank, config.alpha, config.group_size, generator,
+                                               scale_rule=config.scale_rule,
+                                               importance=None if importance is None else importance.get(path))
         parent_path, _, child = path.rpartition(".")
         parent = model.get_submodule(parent_path) if parent_path else model
         setattr(parent, child, adapter)
