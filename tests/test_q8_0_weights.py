@@ -6,11 +6,18 @@ selects them (backend/passes/q8_0_weights.py), and a tiny tied Llama whose Q8_0 
 same losses as on the float32-resident route with the device memory that saves."""
 from __future__ import annotations
 
+import collections
+
 import gguf
 import numpy as np
 import pytest
 
+from vktrain.backend import passes
+from vktrain.backend.passes.q8_0_weights import EMBEDDING_Q8_0, LINEAR_Q8_0, LINEAR_Q8_0_BACKWARD, hold_q8_0_weights
 from vktrain.runtime import Buffer, run_dispatches
+from vktrain.runtime.program.verify import device_buffer_requests
+from vktrain.serialization import deserialize_blob, serialize_blob
+from vktrain.serialization import graph as vk
 from vktrain.quant.q8_0 import GGUF_Q8_0_BLOCK, dequantize_q8_0, q8_0_device_arrays
 from vktrain.runtime.delegate.kernels.gemm_tuning import CPU_TUNING, GPU_TUNING, runs_cpu_bodies
 from vktrain.runtime.delegate.kernels.layout import KernelArgumentError, StridedView
@@ -146,3 +153,119 @@ def test_the_head_gemms_refuse_inputs_of_the_wrong_width():
     with pytest.raises(KernelArgumentError, match=r"last dim 100"):
         plan_linear_q8_0_backward(out="o", d_out="d", d_out_shape=(4, 96), codes="c", codes_shape=(100, 96),
                                   scales="s", scales_shape=(300,))
+
+
+# ----------------------------------------------------------------------------------------- the backend pass
+def _tied_head_graph(weight: np.ndarray, *, extra_reader: str | None = None) -> vk.VkGraph:
+    """embedding(W, ids) -> h; logits = mm(h, permute(W)); d_h = mm(logits, W): a tied head's three reads
+    of W [V, D], with `extra_reader` "add" (an elementwise op reads W too) or "output" (W is returned)."""
+    graph = vk.VkGraph()
+    v, d = weight.shape
+    w = graph.add_constant_tensor(weight, name="lm_head.weight")
+    ids = graph.add_value(vk.TensorValue(vk.DType.INT64, (4,), name="ids"))
+    graph.inputs = [ids]
+
+    def tensor(shape):
+        return graph.add_value(vk.TensorValue(vk.DType.FLOAT32, shape))
+
+    h, w_t, logits, d_h = tensor((4, d)), tensor((d, v)), tensor((4, v)), tensor((4, d))
+    scalars = [graph.add_value(x) for x in (vk.IntValue(-1), vk.BoolValue(False), vk.BoolValue(False))]
+    graph.ops = [vk.OpCall("aten.embedding.default", (w, ids, *scalars), (h,)),
+                 vk.OpCall("aten.permute_copy.default", (w, graph.add_value(vk.IntListValue((1, 0)))), (w_t,)),
+                 vk.OpCall("aten.mm.default", (h, w_t), (logits,)),
+                 vk.OpCall("aten.mm.default", (logits, w), (d_h,))]
+    graph.outputs = [logits, d_h]
+    if extra_reader == "add":
+        doubled = tensor((v, d))
+        graph.ops.append(vk.OpCall("aten.add.Tensor", (w, w, graph.add_value(vk.IntValue(1))), (doubled,)))
+        graph.outputs.append(doubled)
+    elif extra_reader == "output":
+        graph.outputs.append(w)
+    return graph
+
+
+def test_the_pass_holds_a_tied_q8_0_embedding_as_codes_and_scales():
+    _, _, values = _weight(64, 96, 5)
+    graph = _tied_head_graph(values)
+    passes.compile_graph(graph)
+    assert [op.name for op in graph.ops] == [EMBEDDING_Q8_0, LINEAR_Q8_0, LINEAR_Q8_0_BACKWARD]  # no permute
+    codes_id, scales_id = graph.ops[0].args[:2]
+    assert all(op.args[1:] == (codes_id, scales_id) for op in graph.ops[1:])
+    codes, scales = graph.tensor(codes_id), graph.tensor(scales_id)
+    assert (codes.dtype, codes.shape, codes.name) == (vk.DType.INT8, (64, 96), "lm_head.weight.q8_0_codes")
+    assert (scales.dtype, scales.shape, scales.name) == (vk.DType.FLOAT32, (192,), "lm_head.weight.q8_0_scales")
+    assert graph.constants[scales.constant_id].stored_form == "float16"  # GGUF's scales are float16 numbers
+    np.testing.assert_array_equal(
+        _bits(dequantize_q8_0(graph.constant_array(codes_id), graph.constant_array(scales_id))), _bits(values))
+    # The blob stores what GGUF's blocks take (34 bytes per 32 values), and reads back the same graph.
+    assert sum(vk.stored_bytes(c).nbytes for c in graph.constants) == 64 * 96 // 32 * 34
+    read = deserialize_blob(serialize_blob(graph))
+    assert [op.name for op in read.ops] == [op.name for op in graph.ops]
+    np.testing.assert_array_equal(read.constant_array(codes_id), graph.constant_array(codes_id))
+    # What the device holds: no float32 copy of W (the dropped transpose's value takes no memory).
+    constants = [nbytes for what, nbytes in device_buffer_requests(read) if "q8_0" in what or "weight" in what]
+    assert sorted(constants) == [192 * 4, 64 * 96]
+
+
+@pytest.mark.parametrize("case", ["float32_values", "extra_reader", "returned"])
+def test_the_pass_keeps_the_float32_route_for_other_weights_and_readers(case):
+    _, _, values = _weight(64, 96, 6)
+    if case == "float32_values":
+        values = np.random.default_rng(6).standard_normal(values.shape).astype(np.float32)  # not Q8_0
+    graph = _tied_head_graph(values, extra_reader={"extra_reader": "add", "returned": "output"}.get(case))
+    names = [op.name for op in graph.ops]
+    passes.compile_graph(graph)
+    assert [op.name for op in graph.ops] == names
+    assert graph.tensor(graph.ops[0].args[0]).dtype == vk.DType.FLOAT32
+
+
+# ----------------------------------------------------------------------------------------- end to end
+BATCH, SEQ, STEPS = 2, 16, 4
+
+
+def test_tiny_llama_with_a_tied_q8_0_embedding_trains_as_the_float32_resident_route(vk_device, tmp_path, monkeypatch):
+    import torch
+
+    from vktrain.export import export_training_step, lower_to_pte
+    from vktrain.lora import LoRAConfig, apply_lora
+    from vktrain.models import build_model
+    from vktrain.ops import adamw_hparams
+    from vktrain.runtime.program.pte import PteFile
+    from vktrain.runtime.program.runner import TrainingRunner
+
+    model = build_model("tiny-llama")  # tied head: lm_head.weight is model.embed_tokens.weight
+    apply_lora(model, LoRAConfig(rank=4, alpha=8.0, group_size=32, seed=0))
+    embedding = model.model.embed_tokens.weight
+    assert model.lm_head.weight is embedding
+    vocab, dim = embedding.shape
+    with torch.no_grad():  # what the GGUF importer makes of a Q8_0 token_embd.weight
+        quantized = gguf.quants.quantize(embedding.detach().numpy(), Q8_0)
+        embedding.copy_(torch.from_numpy(gguf.quants.dequantize(quantized, Q8_0).reshape(vocab, dim)))
+    program = export_training_step(model, (BATCH, SEQ))
+    q8_0 = lower_to_pte(program)
+    monkeypatch.setattr(passes, "PASSES", tuple(p for p in passes.PASSES if p is not hold_q8_0_weights))
+    float32_resident = lower_to_pte(program)
+    monkeypatch.undo()
+
+    histogram = collections.Counter(op.name for op in deserialize_blob(PteFile.from_bytes(q8_0).delegates[0].data).ops)
+    assert (histogram[EMBEDDING_Q8_0], histogram[LINEAR_Q8_0], histogram[LINEAR_Q8_0_BACKWARD]) == (1, 1, 1)
+    assert histogram["aten.embedding.default"] == 0
+    assert abs(len(q8_0) - len(float32_resident)) <= 1024  # the file holds 34 bytes per 32 values either way
+
+    rng = np.random.default_rng(0)
+    batches = [(rng.integers(0, vocab, (BATCH, SEQ)), rng.integers(0, vocab, (BATCH, SEQ))) for _ in range(STEPS)]
+    hparams = adamw_hparams(1e-2).numpy()
+    results = []
+    for index, data in enumerate((q8_0, float32_resident)):
+        path = tmp_path / f"step{index}.pte"
+        path.write_bytes(data)
+        runner = TrainingRunner.from_pte(path, vk_device)
+        losses = [runner.step(tokens, labels, hparams) for tokens, labels in batches]
+        results.append((losses, runner.lora_state(), sum(runner.executor.buffer_bytes.values())))
+    (q8_losses, q8_lora, q8_bytes), (fp32_losses, fp32_lora, fp32_bytes) = results
+    assert q8_losses == fp32_losses  # exactly: the same products in the same order
+    assert q8_losses[-1] < q8_losses[0]
+    for name in fp32_lora:
+        np.testing.assert_array_equal(q8_lora[name], fp32_lora[name])
+    # The device holds int8 codes and a float32 scale per 32 values instead of the float32 matrix.
+    assert fp32_bytes - q8_bytes == vocab * dim * 4 - (vocab * dim + vocab * dim // 32 * 4)
