@@ -269,3 +269,29 @@ def test_tiny_llama_with_a_tied_q8_0_embedding_trains_as_the_float32_resident_ro
         np.testing.assert_array_equal(q8_lora[name], fp32_lora[name])
     # The device holds int8 codes and a float32 scale per 32 values instead of the float32 matrix.
     assert fp32_bytes - q8_bytes == vocab * dim * 4 - (vocab * dim + vocab * dim // 32 * 4)
+
+
+def test_a_tiny_gguf_with_a_q8_0_tied_embedding_exports_trains_and_merges_it_exactly(tmp_path, monkeypatch):
+    """`vktrain export` of a GGUF file whose tied token_embd is Q8_0 holds it as Q8_0 on the device, the
+    step trains, and `vktrain merge` gives back exactly the GGUF's embedding values."""
+    from test_model_import import _gguf_round_trip, _hf_model, _write_gguf
+
+    from vktrain import cli
+    from vktrain.train.adapters import read_program_graph
+    from vktrain.train.merge import merged_state_dict
+
+    hf = _hf_model(tie_word_embeddings=True)
+    gguf_path, pte = tmp_path / "tiny.gguf", tmp_path / "step.pte"
+    _write_gguf(gguf_path, hf)
+    assert cli.main(["export", "--model", str(gguf_path), "--lora-rank", "4", "--batch", "1", "--seq", "16",
+                     "--calibration-data", "none", "--out", str(pte)]) == 0
+    ops = collections.Counter(op.name for op in read_program_graph(pte).ops)
+    assert (ops[EMBEDDING_Q8_0], ops[LINEAR_Q8_0], ops[LINEAR_Q8_0_BACKWARD]) == (1, 1, 1)
+    np.save(tmp_path / "tokens.npy", np.random.default_rng(0).integers(0, hf.config.vocab_size, 256))
+    monkeypatch.setenv("VKTRAIN_VALIDATION", "1")
+    assert cli.main(["train", str(pte), "--steps", "2", "--data", str(tmp_path / "tokens.npy"), "--no-progress",
+                     "--out-adapters", str(tmp_path / "adapters")]) == 0
+    state, _ = merged_state_dict(pte, adapters_dir=tmp_path / "adapters")
+    embedding = hf.model.embed_tokens.weight.detach().numpy()
+    np.testing.assert_array_equal(_bits(state["model.embed_tokens.weight"]),
+                                  _bits(_gguf_round_trip("model.embed_tokens.weight", embedding)))

@@ -14,6 +14,9 @@ from __future__ import annotations
 import numpy as np
 
 Q8_0_BLOCK_VALUES = 32
+# The names of a Q8_0 matrix W's two device tensors: W's name plus these (the backend pass names them,
+# readers of a program's weights such as `vktrain merge` find W by them).
+Q8_0_CODES_SUFFIX, Q8_0_SCALES_SUFFIX = ".q8_0_codes", ".q8_0_scales"
 # GGUF's Q8_0 block: 34 bytes, packed.
 GGUF_Q8_0_BLOCK = np.dtype([("d", "<f2"), ("q", "i1", (Q8_0_BLOCK_VALUES,))])
 

@@ -20,7 +20,7 @@ from dataclasses import replace
 
 import numpy as np
 
-from vktrain.quant.q8_0 import Q8_0_BLOCK_VALUES, q8_0_device_arrays
+from vktrain.quant.q8_0 import Q8_0_BLOCK_VALUES, Q8_0_CODES_SUFFIX, Q8_0_SCALES_SUFFIX, q8_0_device_arrays
 from vktrain.serialization import graph as vk
 
 from ..lifetimes import analyze_uses, storage_root
@@ -89,11 +89,11 @@ def _hold_as_q8_0(graph: vk.VkGraph, constant_id: int, roots: list[int], n: int,
     graph.constants[constant_id] = codes
     for value_id in roots:
         graph.values[value_id] = vk.TensorValue(vk.DType.INT8, (n, k), constant_id=constant_id,
-                                                name=f"{name}.q8_0_codes")
+                                                name=name + Q8_0_CODES_SUFFIX)
     narrow_scales = vk.narrow_losslessly(scales)
     scales_id = graph.add_value(vk.TensorValue(vk.DType.FLOAT32, scales.shape,
                                                constant_id=graph.add_constant(narrow_scales or scales),
-                                               name=f"{name}.q8_0_scales"))
+                                               name=name + Q8_0_SCALES_SUFFIX))
     codes_id = roots[0]
     for index, key in rewrites.items():
         op = graph.ops[index]
