@@ -207,11 +207,13 @@ def test_the_pass_holds_a_tied_q8_0_embedding_as_codes_and_scales():
     assert sorted(constants) == [192 * 4, 64 * 96]
 
 
-@pytest.mark.parametrize("case", ["float32_values", "extra_reader", "returned"])
+@pytest.mark.parametrize("case", ["float32_values", "rows_of_partial_blocks", "extra_reader", "returned"])
 def test_the_pass_keeps_the_float32_route_for_other_weights_and_readers(case):
     _, _, values = _weight(64, 96, 6)
     if case == "float32_values":
         values = np.random.default_rng(6).standard_normal(values.shape).astype(np.float32)  # not Q8_0
+    elif case == "rows_of_partial_blocks":  # Q8_0 in flat order (the file stores it so), but K = 48
+        values = values.reshape(128, 48)
     graph = _tied_head_graph(values, extra_reader={"extra_reader": "add", "returned": "output"}.get(case))
     names = [op.name for op in graph.ops]
     passes.compile_graph(graph)

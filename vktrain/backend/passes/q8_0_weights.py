@@ -18,8 +18,6 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-import numpy as np
-
 from vktrain.quant.q8_0 import Q8_0_BLOCK_VALUES, Q8_0_CODES_SUFFIX, Q8_0_SCALES_SUFFIX, q8_0_device_arrays
 from vktrain.serialization import graph as vk
 

@@ -40,7 +40,8 @@ def _weight(codes_shape: Sequence[int], scales_shape: Sequence[int], label: str)
     except ValueError as exc:
         raise KernelArgumentError(f"{label}: {exc}") from None
     if tuple(check_shape(scales_shape, f"{label} scales")) != (scales,):
-        raise KernelArgumentError(f"{label}: codes [{n}, {k}] need scales of shape [{scales}], got {list(scales_shape)}")
+        raise KernelArgumentError(f"{label}: codes [{n}, {k}] need scales of shape [{scales}], "
+                                  f"got {list(scales_shape)}")
     return n, k
 
 
