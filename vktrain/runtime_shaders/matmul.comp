@@ -31,9 +31,14 @@
 // whichever of the operand's two strides is 1.
 // CPU_REGISTER_TILES (with HAS_BIAS=0/1, no tile defines, optionally A_PAIRS, B_PAIRS, CPU_TM): the
 // register-tile body of matmul_cpu.glsl for CPU Vulkan implementations, in place of the shared-memory one.
+// B_Q8_0 (HAS_BIAS=0 only; with any of the above): B's storage is a frozen Q8_0 matrix (vktrain/quant/q8_0.py),
+// int8 codes (binding 2) and float32 scales (binding 3), dequantized as each element is loaded; the
+// products and their order are those of the float32 variant reading the dequantized matrix.
 // vktrain-variants: HAS_BIAS=0, HAS_BIAS=1, HAS_BIAS=0+TILE_M=64+TILE_N=16, HAS_BIAS=1+TILE_M=64+TILE_N=16, HAS_BIAS=0+TILE_M=16+TILE_N=64, HAS_BIAS=1+TILE_M=16+TILE_N=64, HAS_BIAS=0+VEC4_C, HAS_BIAS=1+VEC4_C, HAS_BIAS=0+TILE_M=64+TILE_N=16+VEC4_C, HAS_BIAS=1+TILE_M=64+TILE_N=16+VEC4_C, HAS_BIAS=0+TILE_M=16+TILE_N=64+VEC4_C, HAS_BIAS=1+TILE_M=16+TILE_N=64+VEC4_C
 // vktrain-variants: HAS_BIAS=0+CPU_REGISTER_TILES, HAS_BIAS=1+CPU_REGISTER_TILES, HAS_BIAS=0+CPU_REGISTER_TILES+A_PAIRS, HAS_BIAS=1+CPU_REGISTER_TILES+A_PAIRS, HAS_BIAS=0+CPU_REGISTER_TILES+B_PAIRS, HAS_BIAS=1+CPU_REGISTER_TILES+B_PAIRS, HAS_BIAS=0+CPU_REGISTER_TILES+A_PAIRS+B_PAIRS, HAS_BIAS=1+CPU_REGISTER_TILES+A_PAIRS+B_PAIRS
 // vktrain-variants: HAS_BIAS=0+CPU_REGISTER_TILES+CPU_TM=32, HAS_BIAS=1+CPU_REGISTER_TILES+CPU_TM=32, HAS_BIAS=0+CPU_REGISTER_TILES+A_PAIRS+CPU_TM=32, HAS_BIAS=1+CPU_REGISTER_TILES+A_PAIRS+CPU_TM=32, HAS_BIAS=0+CPU_REGISTER_TILES+B_PAIRS+CPU_TM=32, HAS_BIAS=1+CPU_REGISTER_TILES+B_PAIRS+CPU_TM=32, HAS_BIAS=0+CPU_REGISTER_TILES+A_PAIRS+B_PAIRS+CPU_TM=32, HAS_BIAS=1+CPU_REGISTER_TILES+A_PAIRS+B_PAIRS+CPU_TM=32, HAS_BIAS=0+CPU_REGISTER_TILES+CPU_TM=64, HAS_BIAS=1+CPU_REGISTER_TILES+CPU_TM=64, HAS_BIAS=0+CPU_REGISTER_TILES+A_PAIRS+CPU_TM=64, HAS_BIAS=1+CPU_REGISTER_TILES+A_PAIRS+CPU_TM=64, HAS_BIAS=0+CPU_REGISTER_TILES+B_PAIRS+CPU_TM=64, HAS_BIAS=1+CPU_REGISTER_TILES+B_PAIRS+CPU_TM=64, HAS_BIAS=0+CPU_REGISTER_TILES+A_PAIRS+B_PAIRS+CPU_TM=64, HAS_BIAS=1+CPU_REGISTER_TILES+A_PAIRS+B_PAIRS+CPU_TM=64
+// vktrain-variants: HAS_BIAS=0+B_Q8_0, HAS_BIAS=0+VEC4_C+B_Q8_0, HAS_BIAS=0+TILE_M=64+TILE_N=16+B_Q8_0, HAS_BIAS=0+TILE_M=64+TILE_N=16+VEC4_C+B_Q8_0, HAS_BIAS=0+TILE_M=16+TILE_N=64+B_Q8_0, HAS_BIAS=0+TILE_M=16+TILE_N=64+VEC4_C+B_Q8_0
+// vktrain-variants: HAS_BIAS=0+CPU_REGISTER_TILES+B_Q8_0, HAS_BIAS=0+CPU_REGISTER_TILES+A_PAIRS+B_Q8_0, HAS_BIAS=0+CPU_REGISTER_TILES+B_PAIRS+B_Q8_0, HAS_BIAS=0+CPU_REGISTER_TILES+A_PAIRS+B_PAIRS+B_Q8_0, HAS_BIAS=0+CPU_REGISTER_TILES+CPU_TM=32+B_Q8_0, HAS_BIAS=0+CPU_REGISTER_TILES+A_PAIRS+CPU_TM=32+B_Q8_0, HAS_BIAS=0+CPU_REGISTER_TILES+B_PAIRS+CPU_TM=32+B_Q8_0, HAS_BIAS=0+CPU_REGISTER_TILES+A_PAIRS+B_PAIRS+CPU_TM=32+B_Q8_0, HAS_BIAS=0+CPU_REGISTER_TILES+CPU_TM=64+B_Q8_0, HAS_BIAS=0+CPU_REGISTER_TILES+A_PAIRS+CPU_TM=64+B_Q8_0, HAS_BIAS=0+CPU_REGISTER_TILES+B_PAIRS+CPU_TM=64+B_Q8_0, HAS_BIAS=0+CPU_REGISTER_TILES+A_PAIRS+B_PAIRS+CPU_TM=64+B_Q8_0
 #extension GL_GOOGLE_include_directive : require
 #extension GL_EXT_control_flow_attributes : require
 #ifdef CPU_REGISTER_TILES
@@ -77,10 +82,26 @@ layout(std430, set = 0, binding = 1) readonly buffer ABuffer { uint64_t a_pairs[
 #else
 layout(std430, set = 0, binding = 1) readonly buffer ABuffer { float a_data[]; };
 #endif
-#ifdef B_PAIRS  // likewise for B
+#if defined(B_Q8_0)  // B's storage is a Q8_0 matrix (vktrain/quant/q8_0.py): int8 codes, four to a word, and a scale per 32
+#if HAS_BIAS
+#error "B_Q8_0 binds its scales where the bias would go"
+#endif
+layout(std430, set = 0, binding = 2) readonly buffer BBuffer { uint b_codes[]; };
+layout(std430, set = 0, binding = 3) readonly buffer BScaleBuffer { float b_scales[]; };
+// Element e of B's storage: code * scale, exactly the float32 value the Q8_0 block holds.
+float b_at(uint e) { return float(bitfieldExtract(int(b_codes[e >> 2u]), int(8u * (e & 3u)), 8)) * b_scales[e >> 5u]; }
+#ifdef B_PAIRS  // elements e, e + 1 (e even): one word, one block
+vec2 b_pair(uint e) {
+    const int word = int(b_codes[e >> 2u]);
+    const int shift = int(8u * (e & 2u));
+    return vec2(bitfieldExtract(word, shift, 8), bitfieldExtract(word, shift + 8, 8)) * b_scales[e >> 5u];
+}
+#endif
+#elif defined(B_PAIRS)  // likewise for B
 layout(std430, set = 0, binding = 2) readonly buffer BBuffer { uint64_t b_pairs[]; };
 #else
 layout(std430, set = 0, binding = 2) readonly buffer BBuffer { float b_data[]; };
+float b_at(uint e) { return b_data[e]; }
 #endif
 #if HAS_BIAS
 layout(std430, set = 0, binding = 3) readonly buffer BiasBuffer { float bias_data[]; };
@@ -165,7 +186,7 @@ void main() {
             uint n = tile_n0 + nn;
             uint k = k0 + kk;
             B_TILE(kk, nn) = (n < params.N && k < k_end)
-                ? b_data[b_base + k * params.b_k_stride + n * params.b_n_stride] : 0.0;
+                ? b_at(b_base + k * params.b_k_stride + n * params.b_n_stride) : 0.0;
         }
         barrier();
 

@@ -46,7 +46,7 @@ const bool A_K_PAIRS = true;
 #else
 const bool A_K_PAIRS = false;
 #endif
-#ifdef B_PAIRS
+#if defined(B_PAIRS) && !defined(B_Q8_0)  // (B_Q8_0's b_pair dequantizes: matmul.comp)
 vec2 b_pair(uint e) { return uintBitsToFloat(unpackUint2x32(b_pairs[e / 2u])); }
 #endif
 
@@ -122,7 +122,7 @@ void main() {
             }
 #else
             [[unroll]] for (uint j = 0u; j < CPU_TN; ++j) {
-                b_frag[j] = b_data[b_col[j] + min(chunk + s, k_end - 1u) * params.b_k_stride];
+                b_frag[j] = b_at(b_col[j] + min(chunk + s, k_end - 1u) * params.b_k_stride);
             }
 #endif
             // Step s of the chunk is held by lane s / 2 (A_K_PAIRS) or s % CPU_LANES.

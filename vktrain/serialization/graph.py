@@ -269,6 +269,20 @@ class VkGraph:
             raise GraphError(f"value {value_id} is {type(value).__name__}, expected TensorValue")
         return value
 
+    def used_tensor_ids(self) -> list[int]:
+        """The tensor values the graph uses, ascending: inputs, outputs, state and state updates, every op's
+        arguments (a tensor list's items) and outputs, and the storage those use. A value no op reads or
+        writes any more (left by a pass that dropped or rewrote its op) takes no device memory."""
+        used = set(self.inputs) | set(self.outputs) | {s.state_id for s in self.mutable_state}
+        used |= {s.update_id for s in self.mutable_state}
+        for op in self.ops:
+            for value_id in op.args + op.outputs:
+                value = self.values[value_id]
+                used |= set(value.items) if isinstance(value, ValueListValue) else {value_id}
+        used |= {self.values[v].storage_of for v in used if isinstance(self.values[v], TensorValue)
+                 and self.values[v].storage_of >= 0}
+        return sorted(v for v in used if isinstance(self.values[v], TensorValue))
+
     def constant_array(self, value_id: int) -> np.ndarray:
         """The constant data of tensor `value_id` as a numpy array of its dtype and shape (a view, no copy;
         a synthetic constant is generated: a new array on every call)."""

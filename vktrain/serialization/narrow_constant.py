@@ -21,13 +21,12 @@ from typing import Union
 
 import numpy as np
 
+from vktrain.quant.q8_0 import GGUF_Q8_0_BLOCK as _Q8_0_BLOCK, Q8_0_BLOCK_VALUES  # noqa: F401 (re-exported)
 from vktrain.serialization.tensor_types import DType, GraphError
 
 NARROW_DTYPES = (DType.BFLOAT16, DType.FLOAT16)  # the order narrow_losslessly tries them in
 _BFLOAT16_SHIFT = 16  # a bfloat16 is the upper half of a float32
 
-Q8_0_BLOCK_VALUES = 32
-_Q8_0_BLOCK = np.dtype([("d", "<f2"), ("q", "i1", (Q8_0_BLOCK_VALUES,))])  # 34 bytes, packed
 _Q8_0_LARGEST_CODE = 127  # llama.cpp's scale is amax / 127, so the largest |q| of a block is 127
 _Q8_0_CHUNK_BLOCKS = 8192  # blocks encoded at a time
 

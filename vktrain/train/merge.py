@@ -27,7 +27,7 @@ import safetensors.numpy
 
 from vktrain.contract import MODEL_PREFIX
 from vktrain.errors import VktrainError
-from vktrain.quant import dequantize, unpack_w4x8
+from vktrain.quant import Q8_0_CODES_SUFFIX, Q8_0_SCALES_SUFFIX, dequantize, dequantize_q8_0, unpack_w4x8
 from vktrain.train.adapters import (ProgramAdapters, add_program_adapter_arguments, load_program_adapters,
                                     read_program_graph)
 from vktrain.train.checkpoint import atomic_write_bytes, atomic_write_json
@@ -89,11 +89,17 @@ def merged_state_dict(program: PathLike, adapters_dir: Optional[PathLike] = None
     adapted = {module + suffix for module in adapters for suffix in (_Q4_WEIGHTS, _Q4_SCALES)}
     tied = bool(recorded.model_config.get("tie_embeddings"))
     for name, value_id in constants.items():
-        if name in adapted or name in _SKIPPED:
+        if name in adapted or name in _SKIPPED or name.endswith(Q8_0_SCALES_SUFFIX):
             continue
+        if name.endswith(Q8_0_CODES_SUFFIX):  # a frozen matrix held as Q8_0 codes and scales (vktrain.quant.q8_0)
+            name = name.removesuffix(Q8_0_CODES_SUFFIX)
+            value = dequantize_q8_0(graph.constant_array(value_id),
+                                    graph.constant_array(constants[name + Q8_0_SCALES_SUFFIX]))
+        else:
+            value = np.array(graph.constant_array(value_id), dtype=np.float32)
         if tied and name == "lm_head.weight":  # the tied weight may be listed under the head's name
             name = "model.embed_tokens.weight"
-        state[name] = np.array(graph.constant_array(value_id), dtype=np.float32)
+        state[name] = value
     _check_complete(state, recorded.model_config, str(program))
     return state, recorded
 

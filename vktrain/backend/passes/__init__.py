@@ -15,6 +15,9 @@ decision ahead of time, in this order (`PASSES`), before the one memory planning
    blocks, bfloat16 or float16 numbers are stored in the blob in the smallest of those forms
    (ConstantData.stored_encoding / stored_dtype), widened bit for bit when read.
    It changes no tensor, only how constant bytes travel in the file.
+7. q8_0_weights.hold_q8_0_weights: a Q8_0 constant read only as an embedding table and as aten.mm's
+   second operand (a tied head and its backward) stays Q8_0 on the device (int8 codes and float32 scales,
+   vktrain.quant.q8_0), read by the Q8_0 ops instead. After constant_storage, which finds the Q8_0 values.
 
 Then memory_planning.plan_graph_memory places every tensor with storage of its own into memory
 objects by the lifetime of everything sharing that storage. The result is recorded per tensor in the
@@ -30,11 +33,12 @@ from .constant_storage import narrow_float_constants
 from .fusion import fuse_patterns
 from .in_place import update_state_in_place
 from .prepacked_layout import type_prepacked_outputs
+from .q8_0_weights import hold_q8_0_weights
 from .storage_dtype import downcast_int64_storage
 from .views import decide_views
 
 PASSES = (fuse_patterns, downcast_int64_storage, type_prepacked_outputs, decide_views, update_state_in_place,
-          narrow_float_constants)
+          narrow_float_constants, hold_q8_0_weights)
 
 
 def compile_graph(graph: vk.VkGraph) -> MemoryPlan:

@@ -231,18 +231,6 @@ class GraphExecutor:
                                              f"({allowed})")
 
     # ------------------------------------------------------------------------------ storage
-    def _used_tensors(self) -> list[int]:
-        graph = self.graph
-        used = set(graph.inputs) | set(graph.outputs) | {s.state_id for s in graph.mutable_state}
-        used |= {s.update_id for s in graph.mutable_state}
-        for op in self.ops:
-            for value_id in op.args + op.outputs:
-                value = graph.values[value_id]
-                used |= set(value.items) if isinstance(value, vk.ValueListValue) else {value_id}
-        used |= {graph.values[v].storage_of for v in used if isinstance(graph.values[v], vk.TensorValue)
-                 and graph.values[v].storage_of >= 0}
-        return sorted(v for v in used if isinstance(graph.values[v], vk.TensorValue))
-
     def _shared_key(self, value_id: int) -> str | None:
         """The buffer key of a constant or state tensor bound to a SharedTensor, checked; else None."""
         tensor = self.graph.values[value_id]
@@ -281,7 +269,7 @@ class GraphExecutor:
         self._states = {s.state_id for s in self.graph.mutable_state}
         constant_keys: dict[tuple[int, vk.DType, vk.Layout], str] = {}
         self._tensors: dict[int, _Tensor] = {}
-        for value_id in self._used_tensors():
+        for value_id in self.graph.used_tensor_ids():
             tensor = self.graph.values[value_id]
             if tensor.storage_dtype == vk.DType.INT64:
                 raise GraphLoweringError(f"value {value_id} ({tensor.name or 'unnamed'}) is stored as int64; the GPU "

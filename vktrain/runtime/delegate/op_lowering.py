@@ -50,7 +50,7 @@ from vktrain.errors import VktrainError
 
 # What the GPU kernels read and write (int64 tensors live on the GPU as int32; float64 exists only in the
 # CPU references). The partitioner delegates no op whose tensors have another dtype.
-KERNEL_DTYPES = frozenset({"float32", "int32", "int64", "uint8"})
+KERNEL_DTYPES = frozenset({"float32", "int32", "int64", "uint8", "int8"})
 
 
 class GraphLoweringError(VktrainError, ValueError):
@@ -550,6 +550,19 @@ def _lower_addmm(ctx: OpContext) -> list[Dispatch]:
                  scratch=scratch, tuning=ctx.gemm.fp32_tuning)
 
 
+def _lower_linear_q8_0(ctx: OpContext) -> list[Dispatch]:
+    """linear_q8_0 (x @ W^T) and its backward (d_out @ W) of a Q8_0 matrix W [N, K] (kernels/q8_0.py), with
+    the GEMM tuning and split-K scratch aten.mm gets."""
+    _check_definition(ctx)
+    name = op_def(ctx.op.name).schema.arg_names[0]  # x or d_out
+    rows_input, codes, scales = ctx.tensor(0, name), ctx.tensor(1, "codes"), ctx.tensor(2, "scales")
+    inner, columns = rows_input.shape[-1], ctx.outputs[0].shape[-1]
+    scratch = _split_k_scratch(ctx, 1, rows_input.numel // inner if inner else 0, columns, inner)
+    return _call(ctx, **{name: rows_input.binding, f"{name}_shape": rows_input.shape}, codes=codes.binding,
+                 codes_shape=codes.shape, scales=scales.binding, scales_shape=scales.shape, out=ctx.outputs[0].binding,
+                 scratch=scratch, tuning=ctx.gemm.fp32_tuning)
+
+
 # vktrain ops whose plans take derived sizes (M / N / K, B / S / H / D) instead of the keyword convention.
 _VKTRAIN_LOWERINGS = {
     "vktrain.linear_q4gsw.default": _lower_linear_q4gsw,
@@ -563,6 +576,8 @@ _VKTRAIN_LOWERINGS = {
     "vktrain.rope.default": _lower_rope,
     "vktrain.causal_attention.default": _lower_causal_attention,
     "vktrain.causal_attention_backward.default": _lower_causal_attention_backward,
+    "vktrain.linear_q8_0.default": _lower_linear_q8_0,
+    "vktrain.linear_q8_0_backward.default": _lower_linear_q8_0,
 }
 # Ops whose lowering is not the shared keyword convention (every other defined op uses it).
 _CUSTOM_LOWERINGS = {

@@ -319,12 +319,12 @@ def load_delegate_graph(pte: PteFile, plan: ExecutionPlan, *, verify_constants: 
 def device_buffer_requests(graph: g.VkGraph) -> list[tuple[str, int]]:
     """(what, bytes) of each device buffer the graph asks for: every memory object, and every tensor with
     storage of its own outside them (inputs, constants, state; not views or in-place outputs, which use
-    another tensor's storage). An upper bound of what the executor allocates (tensors it finds identical
-    share a buffer)."""
+    another tensor's storage; not values the graph no longer uses). An upper bound of what the executor
+    allocates (tensors it finds identical share a buffer)."""
     requests = [(f"memory object {mem.id}", mem.size_bytes) for mem in graph.memory_objects]
     requests += [(f"tensor value {i} ({v.name or 'unnamed'}, {v.dtype.name}{list(v.shape)})", v.nbytes)
-                 for i, v in enumerate(graph.values)
-                 if isinstance(v, g.TensorValue) and v.mem_obj_id == -1 and v.storage_of == -1]
+                 for i, v in ((i, graph.values[i]) for i in graph.used_tensor_ids())
+                 if v.mem_obj_id == -1 and v.storage_of == -1]
     return requests
 
 

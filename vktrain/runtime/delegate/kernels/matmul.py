@@ -25,6 +25,10 @@ Vulkan implementation) a GEMM whose tile is not forced runs matmul.comp's CPU_RE
 in registers (CPU_TM by `cpu_tile_rows`), no shared memory, no barrier; the default plan then never
 splits K (explicit `split_k` still works: the body reads the same slices).
 
+Q8_0 B (`b_scales`, kernels/q8_0.py): B's storage is a frozen Q8_0 matrix, int8 codes (`b`) and float32
+scales, dequantized as each element loads (matmul.comp's B_Q8_0 variants, no bias): the same tiles,
+bodies and products as reading the float32 matrix they hold.
+
 Accuracy: fp32 products accumulated in fp32 in k order within a slice; relative error ~ K * eps in
 the worst case, ~ sqrt(K) * eps typically (tests: norm-relative 1e-4 against float64).
 """
@@ -195,7 +199,7 @@ def _check_split_k(split_k: Any, label: str) -> int:
 def plan_gemm(out: Any, a: Any, a_view: StridedView, b: Any, b_view: StridedView, *,
               bias: Any = None, bias_view: StridedView | None = None, alpha: float = 1.0, beta: float = 1.0,
               scratch: Any = None, split_k: int | None = None, tile: tuple[int, int] | None = None,
-              tuning: str = GPU_TUNING, label: str = "gemm") -> list[Dispatch]:
+              tuning: str = GPU_TUNING, b_scales: Any = None, label: str = "gemm") -> list[Dispatch]:
     """out [batch, M, N] (or [M, N] when both operands are 2-D) = alpha * A @ B (+ beta * bias).
 
     Operand views have rank 2 ([M, K] / [K, N]) or 3 ([batch, M, K] / [batch, K, N]); a 2-D operand
@@ -204,6 +208,7 @@ def plan_gemm(out: Any, a: Any, a_view: StridedView, b: Any, b_view: StridedView
     lets the plan split K (module docstring); `split_k` forces the number of slices (slices past K
     are empty and contribute zeros); `tile` forces one of GEMM_TILES (the shared-memory body whatever
     the `tuning`); `tuning` (kernels/gemm_tuning.py) picks the body otherwise (module docstring).
+    `b_scales`: `b` holds Q8_0 codes and these their scales (module docstring); no bias then.
     """
     A = _as_batched(a_view, f"{label}: A")
     B = _as_batched(b_view, f"{label}: B")
@@ -232,6 +237,8 @@ def plan_gemm(out: Any, a: Any, a_view: StridedView, b: Any, b_view: StridedView
     has_bias = bias is not None
     if has_bias != (bias_view is not None):
         raise KernelArgumentError(f"{label}: give both bias and bias_view, or neither")
+    if has_bias and b_scales is not None:
+        raise KernelArgumentError(f"{label}: a Q8_0 B (b_scales) takes no bias")
     if has_bias:
         if bias_view.rank > 3:
             raise KernelArgumentError(f"{label}: bias must have rank <= 3, got sizes {bias_view.sizes}")
@@ -275,12 +282,16 @@ def plan_gemm(out: Any, a: Any, a_view: StridedView, b: Any, b_view: StridedView
     bindings = [binding(target, "w"), binding(a, "r"), binding(b, "r")]
     if has_bias:
         bindings.append(binding(bias, "r"))
+    if b_scales is not None:
+        bindings.append(binding(b_scales, "r"))
     if cpu_body:
         shader, spec = cpu_gemm_variant(A, B, has_bias)
         groups = (ceil_div(N, CPU_LANES * CPU_TN), ceil_div(M, cpu_tile_rows(M)), split_k * batch)
     else:
         shader = gemm_shader_name(tile, has_bias, vec4_rows=N % 4 == 0)
         groups = (ceil_div(N, tile[1]), ceil_div(M, tile[0]), split_k * batch)
+    if b_scales is not None:
+        shader += "+B_Q8_0"
     gemm = Dispatch(shader, groups, bindings=tuple(bindings), push_constants=push, spec_constants=spec,
                     label=label if split_k == 1 else f"{label}.split{split_k}")
     if split_k == 1:
