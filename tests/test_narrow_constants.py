@@ -107,20 +107,16 @@ def test_the_smallest_lossless_form_wins():
     np.testing.assert_array_equal(_bits(narrow.widen()), _bits(integers))
 
 
-def test_q8_0_narrows_and_widens_the_smollm2_embedding_fast():
-    import time
-
+def test_q8_0_narrows_and_widens_the_smollm2_embedding():
+    # Full size, so the chunked encoder crosses many chunk boundaries (its speed is a benchmark's
+    # business: bench/results/export_smollm2_cpu.json reports load time).
     values, gguf_bytes = _q8_0_values((49152, 576), 8)  # SmolLM2-135M's token_embd.weight
     narrow = narrow_losslessly(values)  # encoded chunk by chunk: many chunks here
     assert narrow.encoding == ConstantEncoding.GGUF_Q8_0 and bytes(narrow.stored_bytes) == gguf_bytes
     nudged = values.copy()
     nudged[-1, -1] = np.nextafter(nudged[-1, -1], np.float32(np.inf))  # in the last chunk
     assert narrow_losslessly(nudged) is None
-    start = time.perf_counter()
-    widened = narrow.widen()
-    elapsed = time.perf_counter() - start
-    np.testing.assert_array_equal(_bits(widened), _bits(values.reshape(-1)))
-    assert elapsed < 1.0, f"widening 28M Q8_0 values took {elapsed:.2f} s"
+    np.testing.assert_array_equal(_bits(narrow.widen()), _bits(values.reshape(-1)))
 
 
 def test_bf16_exact_values_are_stored_as_bfloat16_and_widen_bit_exactly():
