@@ -15,7 +15,8 @@ For x [..., M, K] (rank > 2 flattened to [M, K] rows by a view, as torch's matmu
               d_x = view(mm(view(d_hs), permute(permute(A))));  d_base_x = linear_q4gsw_backward(d_out)
 
 The backward reads the forward's intermediates (view(x), permute(A), permute(B), view(hs)), as the unfused
-graph does: it is matched to the forward of the same (x, lora_A, lora_B). Where autograd adds d_x into an
+graph does: it is matched to the forward of the same (x, lora_A, lora_B); in a graph without that forward
+(a partition of a program split between delegates) its chain starts by recomputing them. Where autograd adds d_x into an
 earlier gradient of x (x feeds several linears), it does so as soon as d_x exists, before d_A's permute
 and the base's backward: an add reading d_x right after the backward is moved there. Chain ops whose
 outputs nobody reads (d_x of a first layer) are dropped by the fusion pass's dead-op sweep that follows.
@@ -25,7 +26,6 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from vktrain.errors import VktrainError
 from vktrain.serialization import graph as vk
 
 LORA_LINEAR = "vktrain.lora_linear_q4gsw.default"
@@ -40,10 +40,6 @@ _PERMUTE = "aten.permute_copy.default"
 _MM = "aten.mm.default"
 _MUL = "aten.mul.Tensor"
 _ADD = "aten.add.Tensor"
-
-
-class LoRALinearExpansionError(VktrainError, ValueError):
-    """A LoRA linear op the pass cannot write out (a backward with no matching forward)."""
 
 
 @dataclass(frozen=True)
@@ -101,10 +97,20 @@ class _Rows:
     def mm_to(self, a: int, b: int, role: str, out: int) -> None:
         """`out` [..., C] = a @ b, written by the mm itself (2-D x) or by a view of its rows."""
         if self.flat:
-            self.writer.view(self.writer.mm(a, b, role + "_rows"), self.lead + (self.writer.graph.tensor(out).shape[-1],),
-                             role, out)
+            rows = self.writer.mm(a, b, role + "_rows")
+            self.writer.view(rows, self.lead + (self.writer.graph.tensor(out).shape[-1],), role, out)
         else:
             self.writer.mm(a, b, role, out)
+
+
+def _adapter_forward(w: _Writer, rows: _Rows, x: int, lora_a: int, lora_b: int, scaling: int) -> _Forward:
+    """The adapter's forward up to its second matmul's operands."""
+    a_t = w.transpose(lora_a, "lora_A_t")
+    x_rows = rows.to_rows(x, "x_rows")
+    h = rows.from_rows(w.mm(x_rows, a_t, "h_rows"), "h")
+    hs = w.op(_MUL, (h, scaling), w.graph.tensor(h).shape, "hs")
+    b_t = w.transpose(lora_b, "lora_B_t")
+    return _Forward(x_rows, a_t, b_t, rows.to_rows(hs, "hs_rows"))
 
 
 def _expand_forward(graph: vk.VkGraph, op: vk.OpCall, ops: list[vk.OpCall]) -> _Forward:
@@ -112,29 +118,24 @@ def _expand_forward(graph: vk.VkGraph, op: vk.OpCall, ops: list[vk.OpCall]) -> _
     (y,) = op.outputs
     out = graph.tensor(y)
     w = _Writer(graph, ops, out.name, out.dtype)
-    lead = graph.tensor(x).shape[:-1]
-    rows = _Rows(w, lead)
-    r = graph.tensor(lora_a).shape[0]
+    rows = _Rows(w, graph.tensor(x).shape[:-1])
     base = w.op(_LINEAR_Q4GSW, (base_x, weights, scales, group_size, bias), out.shape, "base")
-    a_t = w.transpose(lora_a, "lora_A_t")
-    x_rows = rows.to_rows(x, "x_rows")
-    h = rows.from_rows(w.mm(x_rows, a_t, "h_rows"), "h")
-    hs = w.op(_MUL, (h, scaling), lead + (r,), "hs")
-    b_t = w.transpose(lora_b, "lora_B_t")
-    hs_rows = rows.to_rows(hs, "hs_rows")
-    update = rows.from_rows(w.mm(hs_rows, b_t, "update_rows"), "update")
+    forward = _adapter_forward(w, rows, x, lora_a, lora_b, scaling)
+    update = rows.from_rows(w.mm(forward.hs_rows, forward.b_t, "update_rows"), "update")
     w.op(_ADD, (base, update, graph.add_value(vk.IntValue(1))), out.shape, "y", out=y)
-    return _Forward(x_rows, a_t, b_t, hs_rows)
+    return forward
 
 
-def _expand_backward(graph: vk.VkGraph, op: vk.OpCall, forward: _Forward, ops: list[vk.OpCall],
+def _expand_backward(graph: vk.VkGraph, op: vk.OpCall, forward: _Forward | None, ops: list[vk.OpCall],
                      accumulate: vk.OpCall | None) -> None:
-    d_out, x, _, _, scaling, weights, scales, group_size = op.args
+    d_out, x, lora_a, lora_b, scaling, weights, scales, group_size = op.args
     d_x, d_lora_a, d_lora_b, d_base_x = op.outputs
     w = _Writer(graph, ops, graph.tensor(d_x).name.removesuffix("[0]"), graph.tensor(d_x).dtype)
     lead = graph.tensor(x).shape[:-1]
     rows = _Rows(w, lead)
     r = graph.tensor(d_lora_a).shape[0]
+    if forward is None:  # the forward is in another graph (a partitioned program): recompute what is read
+        forward = _adapter_forward(w, rows, x, lora_a, lora_b, scaling)
     g_rows = rows.to_rows(d_out, "d_out_rows")
     d_b_t = w.transpose(w.mm(w.transpose(g_rows, "d_out_rows_t"), forward.hs_rows, "d_lora_B_t_t"), "d_lora_B_t")
     d_h = rows.from_rows(w.mm(g_rows, w.transpose(forward.b_t, "lora_B"), "d_h_rows"), "d_h")
@@ -174,16 +175,11 @@ def expand_lora_linears(graph: vk.VkGraph) -> None:
             x, lora_a, lora_b = op.args[:3]
             forwards[(x, lora_a, lora_b)] = _expand_forward(graph, op, ops)
         elif op.name == LORA_LINEAR_BACKWARD:
-            forward = forwards.get(tuple(op.args[1:4]))
-            if forward is None:
-                raise LoRALinearExpansionError(
-                    f"{LORA_LINEAR_BACKWARD} writing {graph.tensor(op.outputs[0]).name!r} has no {LORA_LINEAR} of "
-                    f"the same x, lora_A and lora_B before it in the graph, whose values its chain reads")
             following = graph.ops[index + 1] if index + 1 < len(graph.ops) else None
             accumulate = _accumulation_of(op, following)
             if accumulate is not None:
                 moved.add(index + 1)
-            _expand_backward(graph, op, forward, ops, accumulate)
+            _expand_backward(graph, op, forwards.get(tuple(op.args[1:4])), ops, accumulate)
         else:
             ops.append(op)
     graph.ops = ops
