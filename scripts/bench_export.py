@@ -13,6 +13,8 @@ partitioning, the backend's preprocess (graph building, W_4X8 prepacking, passes
 blob serialisation), to_executorch (the .pte). Then the runtime's load (read + verify + upload: 
 TrainingRunner.from_pte) and one training step. A stage is timed by wrapping the function that does it,
 so the times are inclusive: a nested stage's time is part of its parent's ("within" in the JSON).
+The target (< 60 s, "export_and_lowering" in the JSON) is export_training_step + lowering; the
+"process_until_pte" total adds the torch / executorch imports and the model's import + quantization.
 """
 from __future__ import annotations
 
@@ -29,6 +31,8 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))
 
 DEFAULT_OUT = REPO_ROOT / "bench" / "results" / "export_smollm2_cpu.json"
+# The stages the target (< 60 s) is about: export_training_step and lowering (to the .pte's bytes).
+TARGET_STAGES = ("export_training_step", "lowering")
 
 
 def default_model() -> Path:
@@ -159,13 +163,17 @@ def main(argv: list[str] | None = None) -> int:
     timer = StageTimer()
     total_wall, total_cpu = time.perf_counter(), time.process_time()
     pte, model_info = export_and_lower(model_path, args.batch, args.seq, timer)
-    export_wall, export_cpu = time.perf_counter() - total_wall, time.process_time() - total_cpu
+    process_wall, process_cpu = time.perf_counter() - total_wall, time.process_time() - total_cpu
+    # The target's measure: the training step's export and its lowering, from the LoRA model to the .pte
+    # (the imports and the model's import + quantization before it are reported as their own stages).
+    export_wall, export_cpu = (sum(timer.stages[name][unit] for name in TARGET_STAGES) for unit in ("wall_s", "cpu_s"))
     result = {
         "meta": {"machine": platform.node(), "cpus": __import__("os").cpu_count(), "python": platform.python_version(),
                  "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())},
         "model": {"path": str(model_path), **model_info},
         "batch": args.batch, "seq": args.seq,
-        "export_total": {"wall_s": export_wall, "cpu_s": export_cpu},
+        "export_and_lowering": {"wall_s": export_wall, "cpu_s": export_cpu, "stages": list(TARGET_STAGES)},
+        "process_until_pte": {"wall_s": process_wall, "cpu_s": process_cpu},
         "pte_bytes": len(pte),
     }
     with tempfile.TemporaryDirectory() as tmp:
@@ -176,7 +184,7 @@ def main(argv: list[str] | None = None) -> int:
     result["stages"] = timer.stages
     print(_format(timer.stages))
     print(f"export + lowering: {export_wall:.1f} s wall, {export_cpu:.1f} s CPU (target < 60 s); "
-          f".pte {len(pte) / 2**20:.1f} MiB")
+          f".pte {len(pte) / 2**20:.1f} MiB; with the imports and models.load: {process_cpu:.1f} s CPU")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {args.out}")

@@ -63,15 +63,16 @@ def _meta(t):
 
 def test_shape_functions_agree_with_the_cpu_references():
     """infer_outputs on the example calls gives exactly the shapes and dtypes eager execution returns."""
+    from test_lora_linear_op import example_calls as lora_linear_calls
     from test_ops import example_calls as linear_calls
     from test_ops_transformer import example_calls as transformer_calls
 
     from vktrain.opdefs.vktrain_ops import VKTRAIN_OPS
 
-    calls = {**linear_calls(), **transformer_calls()}
+    calls = {**linear_calls(), **transformer_calls(), **lora_linear_calls()}
     for definition in VKTRAIN_OPS:
         name, schema = definition.schema.name, definition.schema
-        assert name in calls, f"{definition.key} has no example call in test_ops / test_ops_transformer"
+        assert name in calls, f"{definition.key} has no example call in test_ops / test_ops_transformer / test_lora_linear_op"
         args = calls[name]
         args = tuple(args) + tuple(None for _ in schema.arguments[len(args):])  # defaults the call left out
         eager = getattr(torch.ops.vktrain, name)(*args)

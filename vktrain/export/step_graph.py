@@ -17,6 +17,7 @@ ops on the joint graph's fake tensors. The signature follows vktrain/export/trai
 from __future__ import annotations
 
 import operator
+from contextlib import contextmanager
 
 import torch
 import torch.utils._pytree as pytree
@@ -188,10 +189,45 @@ class _StepBuilder:
         input_specs = self.state_specs + [InputSpec(InputKind.USER_INPUT, TensorArgument(node.name), None)
                                           for node in user_inputs]
         call_graph = _root_call_graph(input_names, out_spec=pytree.tree_structure(0))  # returns the loss
-        return ExportedProgram(root=self.joint.graph_module, graph=self.graph,
-                               graph_signature=ExportGraphSignature(input_specs, output_specs),
-                               state_dict=self.state_dict, range_constraints={}, module_call_graph=call_graph,
-                               example_inputs=None, constants=self.constants, verifiers=[self.joint.verifier])
+        signature = _StepSignature(input_specs, output_specs)
+        with signature.lookups_computed_once():
+            return ExportedProgram(root=self.joint.graph_module, graph=self.graph, graph_signature=signature,
+                                   state_dict=self.state_dict, range_constraints={}, module_call_graph=call_graph,
+                                   example_inputs=None, constants=self.constants, verifiers=[self.joint.verifier])
+
+
+class _StepSignature(ExportGraphSignature):
+    """The step's signature; within `lookups_computed_once()` (the ExportedProgram constructor's validation)
+    its buffer lookups are computed once instead of on every read.
+
+    Why: torch's verifier reads `buffers_to_mutate` twice and `buffers` once per mutated buffer, and each read
+    rebuilds them from every spec: quadratic in the state, 5 CPU-s for the 1,261 state tensors of a 30-layer
+    step. Outside the context it is a plain ExportGraphSignature (whose specs later passes may change)."""
+
+    _computed: dict | None = None
+
+    @contextmanager
+    def lookups_computed_once(self):
+        self._computed = {}
+        try:
+            yield
+        finally:
+            self._computed = None
+
+    def _once(self, name: str, compute):
+        if self._computed is None:
+            return compute()
+        if name not in self._computed:
+            self._computed[name] = compute()
+        return self._computed[name]
+
+    @property
+    def buffers_to_mutate(self):
+        return self._once("buffers_to_mutate", lambda: ExportGraphSignature.buffers_to_mutate.fget(self))
+
+    @property
+    def buffers(self):
+        return self._once("buffers", lambda: ExportGraphSignature.buffers.fget(self))
 
 
 def eval_program_from_joint(joint: ExportedProgram) -> ExportedProgram:

@@ -54,21 +54,65 @@ def q4gsw_weight_dims(weights: TensorMeta, scales: TensorMeta, group_size: int) 
     return n, k
 
 
-def _linear_q4gsw(call: Call) -> tuple[TensorMeta, ...]:
+def _q4gsw_linear_output(call: Call, x_name: str) -> TensorMeta:
+    """The output [..., N] of the q4gsw base linear of input `x_name` [..., K] and optional `bias` [N]."""
     n, k, _ = _q4gsw_weights(call)
-    x = last_dim(call, "x", k, "K = in features = G * group_size")
+    x = last_dim(call, x_name, k, "K = in features = G * group_size")
     bias = call.optional_tensor("bias")
     if bias is not None:
-        same_dtype(call, "bias", "x")
+        same_dtype(call, "bias", x_name)
         if bias.shape != (n,):
             raise Refusal(f"bias must have shape [N] = [{n}], got {bias.shape}")
-    return (TensorMeta(x.shape[:-1] + (n,), x.dtype),)
+    return TensorMeta(x.shape[:-1] + (n,), x.dtype)
+
+
+def _linear_q4gsw(call: Call) -> tuple[TensorMeta, ...]:
+    return (_q4gsw_linear_output(call, "x"),)
 
 
 def _linear_q4gsw_backward(call: Call) -> tuple[TensorMeta, ...]:
     n, k, _ = _q4gsw_weights(call)
     d_out = last_dim(call, "d_out", n, "N = out features")
     return (TensorMeta(d_out.shape[:-1] + (k,), d_out.dtype),)
+
+
+def _lora_linear_input(call: Call) -> int:
+    """N of a LoRA linear: adapter input `x` [..., K] (rank >= 2), lora_A [r, K], lora_B [N, r], and
+    the q4gsw base `weights` / `scales` of N outputs."""
+    n, k, _ = _q4gsw_weights(call)
+    x = last_dim(call, "x", k, "K = in features = G * group_size")
+    if len(x.shape) < 2:
+        raise Refusal(f"x must have at least 2 dims [..., M, K] (rows, in features), got shape {x.shape}")
+    lora_a = rank(call, "lora_A", 2, "[r, K] (the adapter's down projection)")
+    same_dtype(call, "lora_A", "x")
+    if lora_a.shape[1] != k or lora_a.shape[0] < 1:
+        raise Refusal(f"lora_A must have shape [r, K] with r >= 1 and K = {k}, got {lora_a.shape}")
+    r = lora_a.shape[0]
+    rank(call, "lora_B", 2, "[N, r] (the adapter's up projection)")
+    same_dtype(call, "lora_B", "x")
+    if call.tensor("lora_B").shape != (n, r):
+        raise Refusal(f"lora_B must have shape [N, r] = [{n}, {r}] (N of the base weight, r of lora_A), "
+                      f"got {call.tensor('lora_B').shape}")
+    call.real("scaling", "the adapter's factor alpha / r")
+    return n
+
+
+def _lora_linear_q4gsw(call: Call) -> tuple[TensorMeta, ...]:
+    _lora_linear_input(call)
+    same_dtype(call, "base_x", "x")
+    same_shape(call, "base_x", "x")
+    return (_q4gsw_linear_output(call, "base_x"),)
+
+
+def _lora_linear_q4gsw_backward(call: Call) -> tuple[TensorMeta, ...]:
+    n = _lora_linear_input(call)
+    x = call.tensor("x")
+    d_out = last_dim(call, "d_out", n, "N = out features")
+    same_dtype(call, "d_out", "x")
+    if d_out.shape[:-1] != x.shape[:-1]:
+        raise Refusal(f"d_out {d_out.shape} and x {x.shape} must share their leading (row) dims: "
+                      f"expected d_out [..., N] and x [..., K] with the same ...")
+    return x, call.tensor("lora_A"), call.tensor("lora_B"), x
 
 
 def _linear_dw(call: Call) -> tuple[TensorMeta, ...]:
@@ -227,6 +271,13 @@ VKTRAIN_OPS = (
     _define("linear_q4gsw_backward(Tensor d_out, Tensor weights, Tensor scales, int group_size) -> Tensor",
             _linear_q4gsw_backward, weights=("uint8",), scales=_F32, d_out=FLOAT),
     _define("linear_dW(Tensor d_out, Tensor x) -> Tensor", _linear_dw, d_out=FLOAT, x=FLOAT),
+    _define("lora_linear_q4gsw(Tensor x, Tensor lora_A, Tensor lora_B, float scaling, Tensor base_x, "
+            "Tensor weights, Tensor scales, int group_size, Tensor? bias=None) -> Tensor", _lora_linear_q4gsw,
+            x=FLOAT, lora_A=FLOAT, lora_B=FLOAT, base_x=FLOAT, weights=("uint8",), scales=_F32, bias=FLOAT),
+    _define("lora_linear_q4gsw_backward(Tensor d_out, Tensor x, Tensor lora_A, Tensor lora_B, float scaling, "
+            "Tensor weights, Tensor scales, int group_size) -> (Tensor d_x, Tensor d_lora_A, Tensor d_lora_B, "
+            "Tensor d_base_x)", _lora_linear_q4gsw_backward,
+            d_out=FLOAT, x=FLOAT, lora_A=FLOAT, lora_B=FLOAT, weights=("uint8",), scales=_F32),
     _define("q4gsw_requant(Tensor latent, Tensor scales, int group_size) -> Tensor", _q4gsw_requant,
             latent=_F32, scales=_F32),
     _define("fused_ce(Tensor logits, Tensor labels, Tensor n_valid) -> (Tensor loss, Tensor dlogits)", _fused_ce,

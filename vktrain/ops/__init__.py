@@ -4,6 +4,11 @@ Schemas (docs/CONTRACTS.md; each also has an `.out` overload for ExecuTorch):
     linear_q4gsw(Tensor x, Tensor weights, Tensor scales, int group_size, Tensor? bias=None) -> Tensor
     linear_q4gsw_backward(Tensor d_out, Tensor weights, Tensor scales, int group_size) -> Tensor
     linear_dW(Tensor d_out, Tensor x) -> Tensor
+    lora_linear_q4gsw(Tensor x, Tensor lora_A, Tensor lora_B, float scaling, Tensor base_x, Tensor weights,
+                      Tensor scales, int group_size, Tensor? bias=None) -> Tensor
+    lora_linear_q4gsw_backward(Tensor d_out, Tensor x, Tensor lora_A, Tensor lora_B, float scaling,
+                               Tensor weights, Tensor scales, int group_size)
+        -> (Tensor d_x, Tensor d_lora_A, Tensor d_lora_B, Tensor d_base_x)
     q4gsw_requant(Tensor latent, Tensor scales, int group_size) -> Tensor
     fused_ce(Tensor logits, Tensor labels, Tensor n_valid) -> (Tensor loss, Tensor dlogits)
     adamw(Tensor param, Tensor exp_avg, Tensor exp_avg_sq, Tensor grad, Tensor hparams, Tensor step)
@@ -30,7 +35,7 @@ import torch
 
 from vktrain import contract
 
-from . import cross_entropy, decode, linear, optimizer, q8_0, transformer  # noqa: F401  (registers the ops)
+from . import cross_entropy, decode, linear, lora_linear, optimizer, q8_0, transformer  # noqa: F401  (registers the ops)
 from ._library import NAMESPACE
 from .linear import dequantize_q4gsw, quantize_q4gsw
 

@@ -29,6 +29,7 @@ import torch
 from torch.export import ExportedProgram
 from torch.fx import Node
 
+from vktrain.backend.passes.lora_linear import EXPANDED_OPS
 from vktrain.opdefs import OpDef, Refusal, TensorMeta, op_def
 from vktrain.opdefs.decode_ops import DECODE_OPS
 from vktrain.opdefs.vktrain_ops import VKTRAIN_OPS
@@ -141,7 +142,8 @@ class OpFeatures:
 _REGISTRY: dict[str, OpFeatures] = {}
 # Not a graph op: preprocess resolves a getitem to one of its producer's outputs.
 GETITEM = "getitem"
-_RUNTIME_OPS = frozenset(runtime_supported_ops())
+# What the runtime executes, and the ops the backend's lora_linear pass rewrites into such ops.
+_RUNTIME_OPS = frozenset(runtime_supported_ops()) | EXPANDED_OPS
 _RUNS_AS: dict[str, str] = {}  # registered key -> the op key its calls are rewritten into (register_op's runs_as)
 
 
@@ -339,7 +341,8 @@ def features_from_definition(key: str, dtypes: frozenset | dict[str, frozenset] 
 # vktrain ops (CONTRACTS.md; definitions in vktrain/opdefs/vktrain_ops.py)
 
 
-@register_op("vktrain.linear_q4gsw.default", "vktrain.linear_q4gsw_backward.default")
+@register_op("vktrain.linear_q4gsw.default", "vktrain.linear_q4gsw_backward.default",
+             "vktrain.lora_linear_q4gsw.default", "vktrain.lora_linear_q4gsw_backward.default")
 def _linear_q4gsw(key: str) -> OpFeatures:
     return features_from_definition(key, prepacked={"weights": W4X8, "scales": None})
 
