@@ -24,6 +24,7 @@ import test_kernels_aten as aten
 import test_kernels_ce_adamw_requant as ce_adamw
 import test_kernels_linear as linear
 import test_kernels_transformer as transformer
+import test_q8_0_weights as q8_0
 from _helpers import export_mlp_lora_training_step
 
 from vktrain.runtime_shaders import load_spirv, reflect_spirv
@@ -284,3 +285,12 @@ test_kv_cache_update_kernel_is_the_reference_bit_for_bit = on_webgpu(
     generate.test_kv_cache_update_kernel_is_the_reference_bit_for_bit)
 test_cached_attention_kernel_matches_float64_softmax = on_webgpu(
     generate.test_cached_attention_kernel_matches_float64_softmax)
+
+# ---- kernels: Q8_0 weights (test_q8_0_weights.py) ---------------------------------------------------------
+
+test_embedding_q8_0_gathers_the_exact_float32_rows_and_nan_for_bad_indices = on_webgpu(
+    q8_0.test_embedding_q8_0_gathers_the_exact_float32_rows_and_nan_for_bad_indices)
+test_the_head_gemms_equal_the_float32_gemm_of_the_dequantized_matrix_bit_for_bit = on_webgpu(
+    q8_0.test_the_head_gemms_equal_the_float32_gemm_of_the_dequantized_matrix_bit_for_bit)
+test_the_head_backward_splits_a_long_vocabulary_reduction_like_the_float32_gemm = on_webgpu(
+    q8_0.test_the_head_backward_splits_a_long_vocabulary_reduction_like_the_float32_gemm)
