@@ -321,7 +321,9 @@ def train(runner: StepRunner, batches: TokenBatcher, steps: int, schedule: LRSch
             lr = schedule.lr(step)
             tokens, labels = batches.batch(state.data_position)
             started = time.perf_counter()
-            loss = float(runner.step(tokens, labels, optimizer.hparams(lr)))
+            # A program with baked hyper-parameters (runner.takes_hparams False) takes none.
+            hparams = optimizer.hparams(lr) if getattr(runner, "takes_hparams", True) else None
+            loss = float(runner.step(tokens, labels, hparams))
             seconds = time.perf_counter() - started
             after = capture_state(runner) if keep_copies else None
             state_non_finite = math.isfinite(loss) and after is not None and bool(non_finite_tensors(after))
