@@ -28,7 +28,7 @@ from vktrain.runtime.program.pte import PteFile  # noqa: E402
 from vktrain.runtime.program.runner import TrainingRunner  # noqa: E402
 from vktrain.runtime.program.verify import load_delegate_graph  # noqa: E402
 from vktrain.contract import MODEL_PREFIX  # noqa: E402
-from vktrain.train.adapters import (AdapterError, frozen_lora_tensors, load_adapters, peft_name,  # noqa: E402
+from vktrain.train.adapters import (AdapterError, ProgramAdapters, frozen_lora_tensors, load_adapters, peft_name,  # noqa: E402
                                     read_program_graph, save_adapters)
 from vktrain.train.command import add_train_arguments, run_train  # noqa: E402
 from vktrain.train.eval_command import add_eval_arguments, run_eval  # noqa: E402
@@ -126,7 +126,7 @@ LORA_ALPHA, LORA_RANK = 8.0, 2
 @pytest.fixture(scope="module")
 def ffa(tmp_path_factory):
     """A tiny-llama --freeze-lora-a step, its training and held-out token streams, and a run of
-    `vktrain train` with --eval-data, --checkpoint and --out-adapters (its records)."""
+    `vktrain train` with --eval-data, --checkpoint, --out-adapters and --out-gguf-adapter (its records)."""
     from vktrain.cli import main
 
     root = tmp_path_factory.mktemp("ffa")
@@ -145,7 +145,8 @@ def ffa(tmp_path_factory):
 def ffa_trained(ffa, vk_device):
     args = _train_args(str(ffa / "ffa.pte"), "--data", str(ffa / "train.npy"), "--steps", "3", "--lr", "1e-2",
                        "--eval-data", str(ffa / "heldout.npy"), "--json", str(ffa / "log.json"),
-                       "--checkpoint", str(ffa / "run.ckpt"), "--out-adapters", str(ffa / "adapters"))
+                       "--checkpoint", str(ffa / "run.ckpt"), "--out-adapters", str(ffa / "adapters"),
+                       "--out-gguf-adapter", str(ffa / "trained.gguf"))
     assert run_train(args, vk_device) == 0
     return json.loads((ffa / "log.json").read_text())
 
@@ -203,3 +204,28 @@ def test_merge_of_an_ffa_program_adds_alpha_over_r_b_a_with_its_constant_a(ffa, 
     for module, (lora_a, lora_b) in adapters.items():
         delta = (LORA_ALPHA / LORA_RANK) * (lora_b.astype(np.float64) @ lora_a.astype(np.float64))
         np.testing.assert_allclose(merged[module + ".weight"] - base[module + ".weight"], delta, atol=1e-6)
+
+
+def _gguf_tensors(path) -> dict[str, np.ndarray]:
+    import gguf
+
+    return {t.name: np.array(t.data) for t in gguf.GGUFReader(str(path)).tensors}
+
+
+def test_gguf_adapters_of_an_ffa_program_hold_its_constant_a_from_train_and_from_convert(ffa, ffa_trained, tmp_path,
+                                                                                        capsys):
+    from vktrain.cli import main
+
+    assert main(["adapters", "convert", str(ffa / "ffa.pte"), "--checkpoint", str(ffa / "run.ckpt"),
+                 "--out", str(tmp_path / "converted.gguf")]) == 0
+    assert (tmp_path / "converted.gguf").read_bytes() == (ffa / "trained.gguf").read_bytes()
+    from vktrain.train.gguf_adapter import gguf_tensor_name
+
+    graph = read_program_graph(ffa / "ffa.pte")
+    tied = bool(ProgramAdapters.from_metadata(graph.metadata, "ffa.pte").model_config.get("tie_embeddings"))
+    tensors = _gguf_tensors(ffa / "trained.gguf")
+    frozen = frozen_lora_tensors(graph)
+    assert len(tensors) == 2 * len(frozen)
+    for name, constant in frozen.items():
+        module = name.removeprefix(MODEL_PREFIX).removesuffix(".lora_A")
+        assert np.array_equal(tensors[f"{gguf_tensor_name(module, tied)}.lora_a"].reshape(constant.shape), constant)

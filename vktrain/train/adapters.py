@@ -238,6 +238,12 @@ def frozen_lora_tensors(graph) -> dict[str, np.ndarray]:
             if getattr(value, "name", "").endswith(LORA_SUFFIXES) and getattr(value, "constant_id", -1) >= 0}
 
 
+def runner_frozen_lora(runner) -> dict[str, np.ndarray]:
+    """frozen_lora_tensors of a runner's delegate graph (`runner.graph`); {} for a runner without one."""
+    graph = getattr(runner, "graph", None)
+    return {} if graph is None else frozen_lora_tensors(graph)
+
+
 def check_frozen_lora(adapters: Mapping[str, tuple[np.ndarray, np.ndarray]], frozen: Mapping[str, np.ndarray],
                       where: str) -> None:
     """Adapters given to a program whose lora_A are constants (`frozen`, frozen_lora_tensors) must hold
@@ -306,5 +312,5 @@ def add_program_adapter_arguments(parser) -> None:
 
 __all__ = ["ADAPTER_CONFIG", "ADAPTER_WEIGHTS", "AdapterError", "LORA_SUFFIXES", "PEFT_PREFIX", "ProgramAdapters",
            "adapter_config", "adapters_from_state", "add_program_adapter_arguments", "check_frozen_lora",
-           "frozen_lora_tensors", "load_adapter_config",
+           "frozen_lora_tensors", "runner_frozen_lora", "load_adapter_config",
            "load_adapters", "load_program_adapters", "peft_name", "read_program_graph", "save_adapters"]

@@ -24,7 +24,7 @@ from vktrain.contract import ADAMW_DEFAULTS, METADATA_BAKED_SCALARS, PRECISION_F
 from vktrain.errors import VktrainError
 from vktrain.runtime.runtimes import add_runtime_argument
 from vktrain.train.adapters import (ADAPTER_CONFIG, ADAPTER_WEIGHTS, LORA_SUFFIXES, ProgramAdapters,
-                                    adapters_from_state, frozen_lora_tensors, save_adapters)
+                                    adapters_from_state, runner_frozen_lora, save_adapters)
 from vktrain.train.gguf_adapter import check_gguf_adapter_program, save_gguf_adapter
 from vktrain.train.checkpoint import (
     CheckpointError,
@@ -44,6 +44,7 @@ from vktrain.train.train_loop import (
     TrainState,
     run_config,
     describe_program,
+    takes_hparams,
     train,
 )
 
@@ -328,7 +329,7 @@ def _train_loaded(args, runner, schedule, optimizer, resume, seed, data_path, pr
                   checkpoint_path) -> tuple[Optional[TrainState], int]:
     """The run once the program is loaded: (final state, first step's index), state None when interrupted."""
     info = describe_program(runner)
-    if not runner.takes_hparams:
+    if not takes_hparams(runner):
         schedule, optimizer, baked = baked_hyperparameters(args, info.metadata, args.steps)
         print(f"{args.program}: {baked}")
     recorded = ProgramAdapters.from_metadata(info.metadata, args.program)
@@ -377,7 +378,7 @@ def _train_loaded(args, runner, schedule, optimizer, resume, seed, data_path, pr
     if wants_adapters:
         lora_state = {name: runner.read_state(name) for name in runner.state_names if name.endswith(LORA_SUFFIXES)}
         # A --freeze-lora-a program's lora_A are constants, not state.
-        adapters = adapters_from_state({**frozen_lora_tensors(runner.graph), **lora_state})
+        adapters = adapters_from_state({**runner_frozen_lora(runner), **lora_state})
         recorded.check_layers(adapters, args.program)
     if args.out_adapters:
         base_model = args.base_model or recorded.base_model or recorded.source_model

@@ -20,7 +20,7 @@ import numpy as np
 
 from vktrain.contract import METADATA_LORA_ALPHA, MODEL_PREFIX
 from vktrain.runtime.runtimes import add_runtime_argument
-from vktrain.train.adapters import (ADAPTER_CONFIG, AdapterError, check_frozen_lora, frozen_lora_tensors,
+from vktrain.train.adapters import (ADAPTER_CONFIG, AdapterError, check_frozen_lora, runner_frozen_lora,
                                     load_adapter_config, load_adapters)
 from vktrain.train.checkpoint import atomic_write_json, load_checkpoint
 from vktrain.train.data import IGNORED_LABEL, DataError, TrainingData, load_data
@@ -147,7 +147,7 @@ def run_eval(args: argparse.Namespace, device=None) -> int:
                 lora_names = list(runner.lora_state())
                 load_adapter_state(runner, adapter_state(Path(args.adapters), lora_names,
                                                          None if alpha is None else float(alpha),
-                                                         frozen_lora_tensors(runner.graph)))
+                                                         runner_frozen_lora(runner)))
             result = evaluate_data(runner, data, args.max_batches)
     finally:
         errors = print_validation_messages(own_device)
