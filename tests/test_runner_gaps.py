@@ -116,6 +116,16 @@ def test_vktrain_train_refuses_flags_that_would_change_baked_hyper_parameters(et
     assert f"lr={LR!r}" in str(info.value) and "weight_decay=" in str(info.value)
 
 
+
+def test_the_cli_refuses_lr_on_it_with_a_one_line_error_and_exit_code_2(etvk_pte, tmp_path, capsys):
+    from vktrain.cli import main
+
+    data = tmp_path / "tokens.npy"
+    np.save(data, np.arange(64) % 64)
+    assert main(["train", str(etvk_pte), "--data", str(data), "--steps", "1", "--lr", "0.1", "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert "--lr cannot apply: the program's hyper-parameters are baked" in err and f"lr={LR!r}" in err
+
 # ------------------------------------------------------------------------------------------------
 # FFA-LoRA programs (vktrain export --freeze-lora-a)
 # ------------------------------------------------------------------------------------------------
