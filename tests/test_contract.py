@@ -22,7 +22,7 @@ def test_every_hparams_builder_uses_the_contract_defaults():
     """The op library, the train loop's optimizer config and its CLI flags agree (the train loop used to
     default weight decay to 0.0 while the op library defaulted to 1e-2)."""
     from vktrain.ops import adamw_hparams
-    from vktrain.train.command import add_train_arguments
+    from vktrain.train.command import add_train_arguments, hyperparameter
     from vktrain.train.train_loop import AdamWConfig
 
     expected = np.array(contract.hparams_values(3e-4), np.float32)
@@ -30,7 +30,7 @@ def test_every_hparams_builder_uses_the_contract_defaults():
     np.testing.assert_array_equal(adamw_hparams(3e-4).numpy(), expected)
     np.testing.assert_array_equal(AdamWConfig().hparams(3e-4), expected)
     args = add_train_arguments(argparse.ArgumentParser()).parse_args(["program.pte", "--steps", "1"])
-    flags = AdamWConfig(args.beta1, args.beta2, args.eps, args.weight_decay)
+    flags = AdamWConfig(*(hyperparameter(args, name) for name in ("beta1", "beta2", "eps", "weight_decay")))
     np.testing.assert_array_equal(flags.hparams(3e-4), expected)
 
 

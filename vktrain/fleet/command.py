@@ -129,19 +129,12 @@ def program_adapter_record(runner, program: str):
     return recorded
 
 
-def frozen_lora_tensors(runner) -> dict[str, np.ndarray]:
-    """The LoRA tensors that are constants of the training step (lora_A of a --freeze-lora-a export)."""
-    graph = runner.graph
-    return {value.name: graph.constant_array(index) for index, value in enumerate(graph.values)
-            if getattr(value, "name", "").endswith((".lora_A", ".lora_B")) and getattr(value, "constant_id", -1) >= 0}
-
-
 def write_adapters(runner, program: str, arrays: dict[str, np.ndarray], directory: str) -> None:
     """The global adapters (and the program's frozen lora_A, for FFA-LoRA) as a PEFT adapter directory."""
-    from vktrain.train.adapters import adapters_from_state, save_adapters
+    from vktrain.train.adapters import adapters_from_state, frozen_lora_tensors, save_adapters
 
     recorded = program_adapter_record(runner, program)
-    adapters = adapters_from_state({**frozen_lora_tensors(runner), **arrays})
+    adapters = adapters_from_state({**frozen_lora_tensors(runner.graph), **arrays})
     recorded.check_layers(adapters, program)
     save_adapters(directory, adapters, recorded.lora_alpha, recorded.base_model or recorded.source_model,
                   recorded.target_modules)
@@ -266,5 +259,5 @@ def summarize(records: list[dict], resumed_from: int | None = None) -> str:
     return text + f"; {failed} client failure(s) tolerated"
 
 
-__all__ = ["ENGINES", "add_federate_arguments", "check_arguments", "frozen_lora_tensors", "prepare_shards", "run_federate",
+__all__ = ["ENGINES", "add_federate_arguments", "check_arguments", "prepare_shards", "run_federate",
            "summarize", "write_adapters"]

@@ -231,6 +231,37 @@ def load_adapters(directory: PathLike) -> dict[str, tuple[np.ndarray, np.ndarray
     return adapters
 
 
+def frozen_lora_tensors(graph) -> dict[str, np.ndarray]:
+    """The LoRA tensors that are constants of a training step's delegate graph (a VkGraph), by state name:
+    lora_A of a --freeze-lora-a (FFA-LoRA) export. Empty when every LoRA tensor is state."""
+    return {value.name: np.asarray(graph.constant_array(index)) for index, value in enumerate(graph.values)
+            if getattr(value, "name", "").endswith(LORA_SUFFIXES) and getattr(value, "constant_id", -1) >= 0}
+
+
+def runner_frozen_lora(runner) -> dict[str, np.ndarray]:
+    """frozen_lora_tensors of a runner's delegate graph (`runner.graph`); {} for a runner without one."""
+    graph = getattr(runner, "graph", None)
+    return {} if graph is None else frozen_lora_tensors(graph)
+
+
+def check_frozen_lora(adapters: Mapping[str, tuple[np.ndarray, np.ndarray]], frozen: Mapping[str, np.ndarray],
+                      where: str) -> None:
+    """Adapters given to a program whose lora_A are constants (`frozen`, frozen_lora_tensors) must hold
+    exactly those lora_A: the program cannot change them, and its lora_B were trained against them."""
+    for module, pair in adapters.items():
+        for part, array in zip(_LORA_PARTS, pair):
+            constant = frozen.get(f"{STATE_PREFIX}{module}.{part}")
+            if constant is None:
+                continue
+            given = np.asarray(array, dtype=np.float32)
+            if given.shape != constant.shape or not np.array_equal(given, constant):
+                found = (f"shape {list(given.shape)}, the constant's {list(constant.shape)}" if given.shape != constant.shape
+                         else f"max |difference| {float(np.max(np.abs(given - constant))):.3g}")
+                raise AdapterError(f"{where}: {peft_name(module, part)} differs from the program's {part} of {module}, "
+                                   f"a constant of this --freeze-lora-a program ({found}); the program cannot change "
+                                   f"{part}: give adapters trained from this program")
+
+
 def read_program_graph(program: PathLike):
     """The delegate graph (vktrain.serialization.graph.VkGraph) of a training-step .pte, read and verified
     torch-free; its `metadata` is what ProgramAdapters.from_metadata reads."""
@@ -245,7 +276,8 @@ def read_program_graph(program: PathLike):
 def load_program_adapters(program: PathLike, recorded: ProgramAdapters, adapters_dir: Optional[PathLike] = None,
                           checkpoint: Optional[PathLike] = None) -> tuple[dict, float]:
     """(adapters {module: (A, B)}, lora_alpha) of a program, from an adapter directory (alpha from its
-    adapter_config.json) or from a checkpoint of that same program (alpha as the program records it)."""
+    adapter_config.json) or from a checkpoint of that same program (alpha as the program records it). A
+    --freeze-lora-a program's lora_A come from its constants; an adapter directory must hold exactly those."""
     if (adapters_dir is None) == (checkpoint is None):
         raise AdapterError("give the adapters as an adapter directory or a checkpoint (one of the two)")
     if adapters_dir is not None:
@@ -260,7 +292,11 @@ def load_program_adapters(program: PathLike, recorded: ProgramAdapters, adapters
             raise AdapterError(f"{checkpoint} is a checkpoint of another program than {program} (sha256 differs)")
         if recorded.lora_alpha is None:
             raise AdapterError(f"{program} does not record its LoRA alpha; give an adapter directory instead")
-        adapters, alpha = adapters_from_state(saved.tensors), recorded.lora_alpha
+        # A checkpoint holds the program's state only: the lora_A of a --freeze-lora-a program are its constants.
+        adapters = adapters_from_state({**frozen_lora_tensors(read_program_graph(program)), **saved.tensors})
+        alpha = recorded.lora_alpha
+    if adapters_dir is not None:
+        check_frozen_lora(adapters, frozen_lora_tensors(read_program_graph(program)), str(adapters_dir))
     recorded.check_layers(adapters, str(program))
     return adapters, float(alpha)
 
@@ -275,5 +311,6 @@ def add_program_adapter_arguments(parser) -> None:
 
 
 __all__ = ["ADAPTER_CONFIG", "ADAPTER_WEIGHTS", "AdapterError", "LORA_SUFFIXES", "PEFT_PREFIX", "ProgramAdapters",
-           "adapter_config", "adapters_from_state", "add_program_adapter_arguments", "load_adapter_config",
+           "adapter_config", "adapters_from_state", "add_program_adapter_arguments", "check_frozen_lora",
+           "frozen_lora_tensors", "runner_frozen_lora", "load_adapter_config",
            "load_adapters", "load_program_adapters", "peft_name", "read_program_graph", "save_adapters"]

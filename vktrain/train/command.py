@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import json
 import math
 import os
 import sys
@@ -19,11 +20,11 @@ from typing import Optional
 
 from tqdm import tqdm
 
-from vktrain.contract import ADAMW_DEFAULTS, PRECISION_FP32, PRECISIONS
+from vktrain.contract import ADAMW_DEFAULTS, METADATA_BAKED_SCALARS, PRECISION_FP32, PRECISIONS
 from vktrain.errors import VktrainError
 from vktrain.runtime.runtimes import add_runtime_argument
 from vktrain.train.adapters import (ADAPTER_CONFIG, ADAPTER_WEIGHTS, LORA_SUFFIXES, ProgramAdapters,
-                                    adapters_from_state, save_adapters)
+                                    adapters_from_state, runner_frozen_lora, save_adapters)
 from vktrain.train.gguf_adapter import check_gguf_adapter_program, save_gguf_adapter
 from vktrain.train.checkpoint import (
     CheckpointError,
@@ -43,8 +44,15 @@ from vktrain.train.train_loop import (
     TrainState,
     run_config,
     describe_program,
+    takes_hparams,
     train,
 )
+
+# Flag -> argparse dest of every hyper-parameter the program's hparams input (or the schedule) takes.
+HYPERPARAMETER_FLAGS = {"--lr": "lr", "--schedule": "schedule", "--warmup": "warmup", "--min-lr-ratio": "min_lr_ratio",
+                        "--beta1": "beta1", "--beta2": "beta2", "--eps": "eps", "--weight-decay": "weight_decay"}
+HYPERPARAMETER_DEFAULTS = {"lr": 1e-3, "schedule": "cosine", "warmup": 0, "min_lr_ratio": 0.0, **ADAMW_DEFAULTS}
+
 
 class ValidationErrorsReported(VktrainError):
     """The Vulkan validation layer reported errors during the run (they were printed)."""
@@ -60,16 +68,16 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
                              "whitespace-separated ids in *.tokens.txt (default: the built-in corpus)")
     parser.add_argument("--steps", type=int, required=True, metavar="N",
                         help=f"train up to step N (a resumed run continues from its checkpoint's step; N <= {MAX_STEPS})")
-    parser.add_argument("--lr", type=float, default=1e-3, help="peak learning rate (default 1e-3)")
-    parser.add_argument("--schedule", choices=SCHEDULES, default="cosine",
-                        help="learning-rate schedule after warmup (default cosine)")
-    parser.add_argument("--warmup", type=int, default=0, metavar="W", help="linear warmup steps (default 0)")
-    parser.add_argument("--min-lr-ratio", type=float, default=0.0,
-                        help="cosine floor as a fraction of --lr (default 0)")
-    parser.add_argument("--beta1", type=float, default=ADAMW_DEFAULTS["beta1"])
-    parser.add_argument("--beta2", type=float, default=ADAMW_DEFAULTS["beta2"])
-    parser.add_argument("--eps", type=float, default=ADAMW_DEFAULTS["eps"])
-    parser.add_argument("--weight-decay", type=float, default=ADAMW_DEFAULTS["weight_decay"],
+    # The hyper-parameter flags default to None so that a program with baked ones can tell which were
+    # given (HYPERPARAMETER_DEFAULTS fills in the rest).
+    parser.add_argument("--lr", type=float, help="peak learning rate (default 1e-3)")
+    parser.add_argument("--schedule", choices=SCHEDULES, help="learning-rate schedule after warmup (default cosine)")
+    parser.add_argument("--warmup", type=int, metavar="W", help="linear warmup steps (default 0)")
+    parser.add_argument("--min-lr-ratio", type=float, help="cosine floor as a fraction of --lr (default 0)")
+    parser.add_argument("--beta1", type=float, help=f"AdamW beta1 (default {ADAMW_DEFAULTS['beta1']})")
+    parser.add_argument("--beta2", type=float, help=f"AdamW beta2 (default {ADAMW_DEFAULTS['beta2']})")
+    parser.add_argument("--eps", type=float, help=f"AdamW eps (default {ADAMW_DEFAULTS['eps']})")
+    parser.add_argument("--weight-decay", type=float,
                         help=f"AdamW decoupled weight decay (default {ADAMW_DEFAULTS['weight_decay']}, torch.optim.AdamW's)")
     parser.add_argument("--checkpoint-every", type=int, default=0, metavar="K",
                         help="write a checkpoint every K steps (and after the last step)")
@@ -145,9 +153,16 @@ def prepare_adapter_directory(flag: str, path: str) -> None:
         remove_stale_temp_files(target / name)
 
 
+def hyperparameter(args: argparse.Namespace, dest: str):
+    """The value of a hyper-parameter flag: the one given, else its default."""
+    given = getattr(args, dest)
+    return HYPERPARAMETER_DEFAULTS[dest] if given is None else given
+
+
 def check_arguments(args: argparse.Namespace) -> tuple[LRSchedule, AdamWConfig]:
     """Every argument in range as the run will use it; the schedule and optimizer settings."""
-    for flag, value, low in (("--steps", args.steps, 1), ("--warmup", args.warmup, 0),
+    lr, warmup = hyperparameter(args, "lr"), hyperparameter(args, "warmup")
+    for flag, value, low in (("--steps", args.steps, 1), ("--warmup", warmup, 0),
                              ("--checkpoint-every", args.checkpoint_every, 0), ("--log-every", args.log_every, 0),
                              ("--keep-checkpoints", args.keep_checkpoints, 1), ("--eval-every", args.eval_every, 0)):
         if value < low:
@@ -171,10 +186,34 @@ def check_arguments(args: argparse.Namespace) -> tuple[LRSchedule, AdamWConfig]:
     check_max_batches("--eval-batches", args.eval_batches)
     if args.plot and importlib.util.find_spec("matplotlib") is None:
         raise TrainConfigError("--plot needs matplotlib (pip install matplotlib)")
-    schedule = LRSchedule(args.schedule, args.lr, args.steps, args.warmup, args.min_lr_ratio)
-    optimizer = AdamWConfig(args.beta1, args.beta2, args.eps, args.weight_decay)
-    optimizer.check_lr(args.lr)
+    schedule = LRSchedule(hyperparameter(args, "schedule"), lr, args.steps, warmup, hyperparameter(args, "min_lr_ratio"))
+    optimizer = AdamWConfig(*(hyperparameter(args, name) for name in ("beta1", "beta2", "eps", "weight_decay")))
+    optimizer.check_lr(lr)
     return schedule, optimizer
+
+
+def baked_hyperparameters(args: argparse.Namespace, metadata: dict,
+                          steps: int) -> tuple[LRSchedule, AdamWConfig, str]:
+    """For a program without an hparams input: the schedule and optimizer its baked AdamW scalars amount to
+    (a constant learning rate), and a line saying so. Any hyper-parameter flag given is refused: the
+    program cannot change them."""
+    entries = [entry["scalars"] for entry in json.loads(metadata.get(METADATA_BAKED_SCALARS, "[]"))
+               if "lr" in entry.get("scalars", {})]
+    if not entries:
+        raise TrainConfigError(f"{args.program} has no hparams input and records no baked AdamW hyper-parameters "
+                               f"(metadata {METADATA_BAKED_SCALARS!r}); it is not a training step vktrain can run")
+    distinct = {name: sorted({entry[name] for entry in entries if name in entry}) for name in entries[0]}
+    described = ", ".join(f"{name}={values[0]!r}" if len(values) == 1 else f"{name} in {values}"
+                          for name, values in distinct.items())
+    given = [flag for flag, dest in HYPERPARAMETER_FLAGS.items() if getattr(args, dest) is not None]
+    if given:
+        raise TrainConfigError(f"{args.program}: {', '.join(given)} cannot apply: the program's hyper-parameters "
+                               f"are baked into it (it has no hparams input): {described}; re-export the step to "
+                               f"change them")
+    first = entries[0]  # the records' lr and the checkpoint's config: the first AdamW update's values
+    schedule = LRSchedule("constant", first["lr"], steps)
+    optimizer = AdamWConfig(first["beta1"], first["beta2"], first["eps"], first["weight_decay"])
+    return schedule, optimizer, f"hyper-parameters and schedule baked into the program (constant): {described}"
 
 
 def _config_differences(saved: dict, current: dict, prefix: str = "") -> list[str]:
@@ -290,6 +329,9 @@ def _train_loaded(args, runner, schedule, optimizer, resume, seed, data_path, pr
                   checkpoint_path) -> tuple[Optional[TrainState], int]:
     """The run once the program is loaded: (final state, first step's index), state None when interrupted."""
     info = describe_program(runner)
+    if not takes_hparams(runner):
+        schedule, optimizer, baked = baked_hyperparameters(args, info.metadata, args.steps)
+        print(f"{args.program}: {baked}")
     recorded = ProgramAdapters.from_metadata(info.metadata, args.program)
     alpha = _resolve_alpha(args, recorded)
     wants_adapters = args.out_adapters or args.out_gguf_adapter
@@ -335,7 +377,8 @@ def _train_loaded(args, runner, schedule, optimizer, resume, seed, data_path, pr
         return None, start
     if wants_adapters:
         lora_state = {name: runner.read_state(name) for name in runner.state_names if name.endswith(LORA_SUFFIXES)}
-        adapters = adapters_from_state(lora_state)
+        # A --freeze-lora-a program's lora_A are constants, not state.
+        adapters = adapters_from_state({**runner_frozen_lora(runner), **lora_state})
         recorded.check_layers(adapters, args.program)
     if args.out_adapters:
         base_model = args.base_model or recorded.base_model or recorded.source_model
@@ -345,5 +388,6 @@ def _train_loaded(args, runner, schedule, optimizer, resume, seed, data_path, pr
     return state, start
 
 
-__all__ = ["ValidationErrorsReported", "add_train_arguments", "check_arguments", "prepare_adapter_directory",
+__all__ = ["HYPERPARAMETER_DEFAULTS", "HYPERPARAMETER_FLAGS", "ValidationErrorsReported", "add_train_arguments",
+           "baked_hyperparameters", "check_arguments", "hyperparameter", "prepare_adapter_directory",
            "prepare_output_file", "print_validation_messages", "run_train"]

@@ -20,7 +20,8 @@ import numpy as np
 
 from vktrain.contract import METADATA_LORA_ALPHA, MODEL_PREFIX
 from vktrain.runtime.runtimes import add_runtime_argument
-from vktrain.train.adapters import ADAPTER_CONFIG, AdapterError, load_adapter_config, load_adapters
+from vktrain.train.adapters import (ADAPTER_CONFIG, AdapterError, check_frozen_lora, runner_frozen_lora,
+                                    load_adapter_config, load_adapters)
 from vktrain.train.checkpoint import atomic_write_json, load_checkpoint
 from vktrain.train.data import IGNORED_LABEL, DataError, TrainingData, load_data
 from vktrain.train.tokenizer import program_tokenizer
@@ -89,18 +90,25 @@ def evaluate_data(runner, data: TrainingData, max_batches: int | None = None) ->
     return {"loss": loss, "perplexity": math.exp(min(loss, 700.0)), "tokens": count}
 
 
-def adapter_state(path: Path, lora_names: list[str], program_alpha: float | None) -> dict[str, np.ndarray]:
+def adapter_state(path: Path, lora_names: list[str], program_alpha: float | None,
+                  frozen: Mapping[str, np.ndarray] | None = None) -> dict[str, np.ndarray]:
     """The LoRA state (`model.<module>.lora_A` / `.lora_B`) of a PEFT directory or a vktrain checkpoint,
-    exactly the program's adapters (same modules; shapes are checked when written)."""
+    exactly the program's adapter state `lora_names` (same modules; shapes are checked when written).
+    `frozen`: the LoRA tensors that are constants of the program (frozen_lora_tensors); a directory must
+    hold exactly those, and they are not part of the returned state."""
+    frozen = frozen or {}
     if path.is_dir():
         config = load_adapter_config(path)
         alpha = config.get("lora_alpha")
         if program_alpha is not None and alpha is not None and float(alpha) != program_alpha:
             raise AdapterError(f"{path / ADAPTER_CONFIG}: lora_alpha is {alpha}, the program was exported with "
                                f"{program_alpha:g}; its scaling alpha/r is part of the program")
+        adapters = load_adapters(path)
+        check_frozen_lora(adapters, frozen, str(path))
         state = {}
-        for module, (lora_a, lora_b) in load_adapters(path).items():
+        for module, (lora_a, lora_b) in adapters.items():
             state[f"{MODEL_PREFIX}{module}.lora_A"], state[f"{MODEL_PREFIX}{module}.lora_B"] = lora_a, lora_b
+        state = {name: array for name, array in state.items() if name not in frozen}
     elif path.is_file():
         state = {name: array for name, array in load_checkpoint(path).tensors.items() if name in lora_names}
     else:
@@ -138,7 +146,8 @@ def run_eval(args: argparse.Namespace, device=None) -> int:
                 alpha = info.metadata.get(METADATA_LORA_ALPHA)
                 lora_names = list(runner.lora_state())
                 load_adapter_state(runner, adapter_state(Path(args.adapters), lora_names,
-                                                         None if alpha is None else float(alpha)))
+                                                         None if alpha is None else float(alpha),
+                                                         runner_frozen_lora(runner)))
             result = evaluate_data(runner, data, args.max_batches)
     finally:
         errors = print_validation_messages(own_device)

@@ -28,7 +28,7 @@ import safetensors.numpy
 from vktrain.contract import MODEL_PREFIX
 from vktrain.errors import VktrainError
 from vktrain.quant import Q8_0_CODES_SUFFIX, Q8_0_SCALES_SUFFIX, dequantize, dequantize_q8_0, unpack_w4x8
-from vktrain.train.adapters import (ProgramAdapters, add_program_adapter_arguments, load_program_adapters,
+from vktrain.train.adapters import (LORA_SUFFIXES, ProgramAdapters, add_program_adapter_arguments, load_program_adapters,
                                     read_program_graph)
 from vktrain.train.checkpoint import atomic_write_bytes, atomic_write_json
 
@@ -52,7 +52,9 @@ def _program_constants(program: Path):
     graph = read_program_graph(program)
     constants = {}
     for value_id, value in enumerate(graph.values):
-        if getattr(value, "constant_id", -1) >= 0 and value.name.startswith(MODEL_PREFIX):
+        # The lora_A of a --freeze-lora-a program are constants too, but adapters, not base weights.
+        if (getattr(value, "constant_id", -1) >= 0 and value.name.startswith(MODEL_PREFIX)
+                and not value.name.endswith(LORA_SUFFIXES)):
             if graph.is_synthetic(value.constant_id):
                 raise MergeError(f"{program}: constant {value.name} is synthetic "
                                  f"(a benchmark program holds no weights)")

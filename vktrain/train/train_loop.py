@@ -190,6 +190,12 @@ class ProgramInfo:
     metadata: dict = field(default_factory=dict)
 
 
+def takes_hparams(runner: Any) -> bool:
+    """False for a program whose hyper-parameters are baked (TrainingRunner.takes_hparams): its step takes
+    no hparams. A runner without the attribute takes them."""
+    return getattr(runner, "takes_hparams", True)
+
+
 def describe_program(runner: Any) -> ProgramInfo:
     """Batch shape and vocabulary of a training program.
 
@@ -321,7 +327,8 @@ def train(runner: StepRunner, batches: TokenBatcher, steps: int, schedule: LRSch
             lr = schedule.lr(step)
             tokens, labels = batches.batch(state.data_position)
             started = time.perf_counter()
-            loss = float(runner.step(tokens, labels, optimizer.hparams(lr)))
+            hparams = optimizer.hparams(lr) if takes_hparams(runner) else None
+            loss = float(runner.step(tokens, labels, hparams))
             seconds = time.perf_counter() - started
             after = capture_state(runner) if keep_copies else None
             state_non_finite = math.isfinite(loss) and after is not None and bool(non_finite_tensors(after))
@@ -363,4 +370,4 @@ def train(runner: StepRunner, batches: TokenBatcher, steps: int, schedule: LRSch
 
 __all__ = ["AdamWConfig", "LAST_GOOD_STATE_LIMIT", "MAX_CONSECUTIVE_SKIPS", "MAX_STEPS", "NonFiniteLossError",
            "ON_NONFINITE", "ProgramInfo", "StepRunner", "TrainConfigError", "TrainState", "describe_program",
-           "run_config", "train"]
+           "run_config", "takes_hparams", "train"]

@@ -19,6 +19,10 @@ graph will allocate against the device's memory, before the arenas or any device
 
 `n_valid` (the loss divisor, float32 []) is an input of the exported step; `step()` computes it as the
 number of labels >= 0 unless given, so a caller accumulating gradients can pass its own.
+
+A step without an `hparams` input (one written with upstream's et_vk ops, vktrain.export.etvk) has its
+hyper-parameters baked (the blob's metadata METADATA_BAKED_SCALARS lists them): `takes_hparams` is False
+and `step()` must be called without hparams.
 """
 from __future__ import annotations
 
@@ -248,7 +252,8 @@ def verify_training_program(pte: PteFile, method: str = "forward", *, verify_con
     verify_plan(pte, plan, host_memory_limit)
     call, graph = load_delegate_graph(pte, plan, verify_constants=verify_constants)
     check_loss_output(pte, plan, call, graph)
-    return VerifiedTrainingProgram(plan, graph, plan_input_names(pte, plan, call, graph))
+    # hparams is optional: without it the program's hyper-parameters are baked (TrainingRunner.takes_hparams).
+    return VerifiedTrainingProgram(plan, graph, plan_input_names(pte, plan, call, graph, required=(TOKEN_IDS, LABELS)))
 
 
 def check_loss_output(pte: PteFile, plan: ExecutionPlan, call: DelegateCall, graph: g.VkGraph) -> None:
@@ -357,12 +362,23 @@ class TrainingRunner:
     def input_names(self) -> list[str]:
         return list(self._input_names)
 
-    def step(self, token_ids: Any, labels: Any, hparams: Any, n_valid: Optional[float] = None) -> float:
+    @property
+    def takes_hparams(self) -> bool:
+        """False when the program has no hparams input: its hyper-parameters are baked into it."""
+        return HPARAMS in self._input_names
+
+    def step(self, token_ids: Any, labels: Any, hparams: Any = None, n_valid: Optional[float] = None) -> float:
         """One training step on the GPU: forward, backward, AdamW on every LoRA tensor. Returns the loss.
 
         token_ids / labels int [B, S] (labels < 0 are ignored), hparams float32 [5] = [lr, beta1, beta2,
-        eps, weight_decay]; n_valid defaults to the number of labels >= 0.
+        eps, weight_decay] (None, and only None, for a program whose hyper-parameters are baked);
+        n_valid defaults to the number of labels >= 0.
         """
+        if (hparams is None) == self.takes_hparams:
+            raise ExecutorInputError(f"{self.pte.source}: " + (
+                "the program takes an hparams input [lr, beta1, beta2, eps, weight_decay]; none was given"
+                if self.takes_hparams else "the program's hyper-parameters are baked (it has no hparams input); "
+                "it cannot take hparams"))
         labels = np.asarray(labels)
         if labels.dtype.kind not in "iu":
             raise ExecutorInputError(f"labels must be integers, got {labels.dtype}")
