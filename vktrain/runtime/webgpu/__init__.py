@@ -5,7 +5,8 @@ only the device layer and the kernels (WGSL, vktrain/runtime_shaders/wgsl/) diff
 
     from vktrain.runtime import Buffer, Dispatch, Program
     from vktrain.runtime.webgpu import Device
-    with Device() as dev:                    # env VKTRAIN_DEVICE=<index|name part> picks the adapter
+    with Device() as dev:                    # env VKTRAIN_DEVICE=<index|name part> picks the adapter;
+                                             # Device(limits=BROWSER_DEFAULT_LIMITS): what a browser grants
         x = Buffer.from_array(dev, array)    # vktrain.runtime's Buffer/Program build the WebGPU ones
         prog = Program(dev, dispatches, {"x": x, ...}, timing=True)
         prog.replay(); prog.timings(); x.read(np.float32)
@@ -21,7 +22,7 @@ DeviceMemoryError).
 import importlib
 
 _EXPORTS = {
-    "Device": ".device", "WebGPULimits": ".device", "load_wgpu": ".device",
+    "Device": ".device", "WebGPULimits": ".device", "BROWSER_DEFAULT_LIMITS": ".device", "load_wgpu": ".device",
     "Buffer": ".memory",
     "Program": ".program", "run_dispatches": ".program", "missing_kernels": ".program",
     "WGSLInterface": ".reflect", "reflect_wgsl": ".reflect",

@@ -7,7 +7,9 @@ as for the Vulkan runtime.
 
 Limits: the device asks for the adapter's own compute limits (WebGPU's defaults are far lower, e.g. 8
 storage buffers per stage and 128 MiB bindings) and refuses an adapter below vktrain's minimum with
-an error naming each limit. Optional features (timestamp-query, timestamp-query-inside-passes, shader-f16, subgroup) are enabled
+an error naming each limit. `limits={name: value}` asks for less than the adapter has, as a browser
+grants (e.g. BROWSER_DEFAULT_LIMITS: 16 KiB of workgroup storage, 256 invocations); `limits` then reports
+what the device was granted, and the kernel plans size their tiles by it (OpContext.limits). Optional features (timestamp-query, timestamp-query-inside-passes, shader-f16, subgroup) are enabled
 where the adapter has them; `features` lists the enabled WebGPU feature names. The device reports no
 Vulkan features, no subgroup operations and no cooperative matrices, so the executor picks the GPU
 tuning of the fp32 GEMMs and never a tensor-core route (gemm_tuning.py, coopmat.py).
@@ -46,6 +48,8 @@ _REQUIRED_LIMITS = {
     "max-compute-workgroup-size-z": 64,
     "max-compute-workgroups-per-dimension": 65535,
 }
+# WebGPU's default compute limits, what a browser grants when a page asks for nothing more.
+BROWSER_DEFAULT_LIMITS = {"max-compute-workgroup-storage-size": 16384, "max-compute-invocations-per-workgroup": 256}
 # Offset alignments are maxima (smaller is better): the adapter's own value is asked for.
 _ALIGNMENT_LIMITS = ("min-storage-buffer-offset-alignment", "min-uniform-buffer-offset-alignment")
 REUSED_STAGING_BYTES = 16 << 20  # downloads up to this size share one staging buffer (loss, state reads)
@@ -108,7 +112,8 @@ class Device:
     buffer_type: type
     program_type: type
 
-    def __init__(self, selector: str | int | None = None, *, validation: bool | None = None):
+    def __init__(self, selector: str | int | None = None, *, validation: bool | None = None,
+                 limits: dict[str, int] | None = None):
         from vktrain.runtime.webgpu.memory import Buffer
         from vktrain.runtime.webgpu.program import Program
 
@@ -123,12 +128,12 @@ class Device:
         self._errors = _LoggedErrors()
         logging.getLogger("wgpu").addHandler(self._errors)
         try:
-            self._open(os.environ.get(DEVICE_ENV) if selector is None else selector)
+            self._open(os.environ.get(DEVICE_ENV) if selector is None else selector, dict(limits or {}))
         except BaseException:
             self.close()
             raise
 
-    def _open(self, selector: str | int | None) -> None:
+    def _open(self, selector: str | int | None, limits: dict[str, int]) -> None:
         wgpu = self.wgpu
         try:
             adapters = list(wgpu.gpu.enumerate_adapters_sync())
@@ -145,11 +150,11 @@ class Device:
         self.info = infos[chosen]
         self.adapter_type = self.adapter.info.get("adapter_type", "unknown")
         self.backend = self.adapter.info.get("backend_type", "unknown")
-        self._request_device()
+        self._request_device(limits)
         from vktrain.runtime.webgpu.pipelines import PipelineCache
         self.pipelines = PipelineCache(self)
 
-    def _request_device(self) -> None:
+    def _request_device(self, limits: dict[str, int]) -> None:
         adapter_limits = dict(self.adapter.limits)
         short = [f"{key} = {adapter_limits.get(key, 0)} (vktrain needs {least})"
                  for key, least in _REQUIRED_LIMITS.items() if adapter_limits.get(key, 0) < least]
@@ -157,6 +162,7 @@ class Device:
             raise WebGPUUnavailableError(f"WebGPU adapter {self.info.describe()} is below vktrain's minimum: "
                                          f"{'; '.join(short)}")
         required = {key: adapter_limits[key] for key in (*_REQUIRED_LIMITS, *_ALIGNMENT_LIMITS)}
+        required.update(self._reduced_limits(limits, adapter_limits))
         features = [f for f in OPTIONAL_FEATURES if f in self.adapter.features]
         try:
             self.handle = self.adapter.request_device_sync(label="vktrain", required_features=features,
@@ -182,6 +188,21 @@ class Device:
             max_uniform_buffer_binding_size=int(lim["max-uniform-buffer-binding-size"]),
             min_uniform_buffer_offset_alignment=int(lim["min-uniform-buffer-offset-alignment"]),
         )
+
+    def _reduced_limits(self, limits: dict[str, int], adapter_limits: dict[str, int]) -> dict[str, int]:
+        """`limits` checked: each one vktrain asks for, between vktrain's minimum and the adapter's value."""
+        problems = []
+        for key, value in limits.items():
+            if key not in _REQUIRED_LIMITS:
+                problems.append(f"{key!r} is not a limit vktrain asks for (one of {', '.join(_REQUIRED_LIMITS)})")
+            elif isinstance(value, bool) or not isinstance(value, int):
+                problems.append(f"{key} must be an int, got {value!r}")
+            elif not _REQUIRED_LIMITS[key] <= value <= adapter_limits[key]:
+                problems.append(f"{key} = {value} is outside [{_REQUIRED_LIMITS[key]} (vktrain's minimum), "
+                                f"{adapter_limits[key]} (the adapter's)]")
+        if problems:
+            raise WebGPUUnavailableError(f"Device(limits=...) for {self.info.describe()}: {'; '.join(problems)}")
+        return limits
 
     # ------------------------------------------------------------------------------ properties
     @property

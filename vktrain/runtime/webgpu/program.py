@@ -212,6 +212,10 @@ class Program:
                     f"{limits.max_compute_work_group_invocations}")
         specialization = tuple((i, v) for i, v in dispatch.specialization()
                                if not (i in LOCAL_SIZE_SPEC_IDS and i not in interface.spec_types))
+        unmet = interface.unmet_requirements(dict(specialization))
+        if unmet:
+            raise ScheduleError(f"{where}: WGSL kernel {dispatch.shader!r} cannot run these constants "
+                                f"{dict(specialization)}: {'; '.join(unmet)}")
         shared = interface.workgroup_memory_bytes(dict(specialization))
         if shared is not None and shared > limits.max_compute_shared_memory_size:
             raise ScheduleError(f"{where}: WGSL kernel {dispatch.shader!r} needs {shared} bytes of workgroup memory "

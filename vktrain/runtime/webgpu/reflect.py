@@ -4,7 +4,9 @@ The WebGPU runtime checks every Dispatch against this before it builds anything,
 validation failure can take the process down (and names WGSL, not the Dispatch). It reads only the
 declarations the dispatch contract uses (vktrain/runtime_shaders/wgsl/__init__.py): module-scope
 `@group(0) @binding(i) var<storage, ...>` / `var<uniform>`, `@id(n) override`, `struct`, `const`
-and `var<workgroup>` declarations. Sizes follow the WGSL memory layout rules (uniform address space
+and `var<workgroup>` declarations, and the `// vktrain-requires: EXPR -- WHY` lines in which a kernel states
+what its constant-sized per-thread arrays need of the override values (e.g. `BK / TPR <= MAX_KEYS`;
+WGSL cannot size a function-scope array by an override). Sizes follow the WGSL memory layout rules (uniform address space
 for the params block); a size it cannot compute (a type it does not know) is reported as None.
 """
 from __future__ import annotations
@@ -23,6 +25,7 @@ _COMMENTS = re.compile(r"//[^\n]*|/\*.*?\*/", re.S)
 _ATTRIBUTES = r"((?:@\w+\s*(?:\([^)]*\))?\s*)*)"
 _VARIABLE = re.compile(_ATTRIBUTES + r"var\s*<\s*(storage|uniform|workgroup)\s*(?:,\s*(\w+)\s*)?>\s*(\w+)\s*:\s*([^;]+);")
 _OVERRIDE = re.compile(_ATTRIBUTES + r"override\s+(\w+)\s*(?::\s*(\w+)\s*)?(?:=\s*([^;]+))?;")
+_REQUIREMENT = re.compile(r"^\s*//\s*vktrain-requires:\s*(.+?)\s*(?:--\s*(.*?))?\s*$", re.MULTILINE)
 _CONST = re.compile(r"\bconst\s+(\w+)\s*(?::\s*\w+\s*)?=\s*([^;]+);")
 _STRUCT = re.compile(r"\bstruct\s+(\w+)\s*\{([^}]*)\}")
 _ATTRIBUTE = re.compile(r"@(\w+)\s*(?:\(([^)]*)\))?")
@@ -31,6 +34,9 @@ _SCALAR_BYTES = {"f32": 4, "i32": 4, "u32": 4, "f16": 2, "bool": 4}
 _SHORTHAND_SCALARS = {"f": "f32", "i": "i32", "u": "u32", "h": "f16"}
 _INTEGER_OPERATORS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul,
                       ast.Div: operator.floordiv, ast.Mod: operator.mod}  # WGSL integer division truncates
+_COMPARISONS = {ast.Lt: operator.lt, ast.LtE: operator.le, ast.Gt: operator.gt, ast.GtE: operator.ge,
+                ast.Eq: operator.eq, ast.NotEq: operator.ne}
+_INTEGER_CASTS = ("u32", "i32")  # u32(TILE_M): a value conversion, the same integer here
 _OVERRIDE_TYPES = {"u32": "uint", "i32": "int", "f32": "float", "bool": "bool", "f16": "float"}
 
 
@@ -57,6 +63,7 @@ class WGSLInterface:
     workgroup_arrays: tuple[tuple[str, str], ...] = ()  # (name, type) of each var<workgroup>
     consts: dict[str, str] = field(default_factory=dict)  # module-scope const name -> expression
     structs: dict[str, list[tuple[str, str]]] = field(default_factory=dict)  # name -> [(member, type)]
+    requirements: tuple[tuple[str, str], ...] = ()  # (expression, why) of each `vktrain-requires:` line
 
     @property
     def binding_numbers(self) -> tuple[int, ...]:
@@ -72,6 +79,20 @@ class WGSLInterface:
                 return None
             total += size[0]
         return total
+
+
+    def unmet_requirements(self, overrides: dict[int, float]) -> list[str]:
+        """The `vktrain-requires:` lines these override values break (or leave unevaluable), described."""
+        layout = _Layout(self.structs, self.consts, self.override_names, overrides, uniform=False)
+        unmet = []
+        for expression, why in self.requirements:
+            sides = layout.comparison(expression)
+            reason = f" ({why})" if why else ""
+            if sides is None:
+                unmet.append(f"{expression}{reason} cannot be evaluated with override values {overrides}")
+            elif not sides[2](sides[0], sides[1]):
+                unmet.append(f"{expression}{reason} is false: {sides[0]} vs {sides[1]}")
+        return unmet
 
 
 def _split_top_level(text: str) -> list[str]:
@@ -114,6 +135,17 @@ class _Layout:
             return None
         return self._evaluate(tree.body)
 
+    def comparison(self, text: str) -> tuple[int, int, object] | None:
+        """(left, right, operator) of `LEFT op RIGHT` with integer sides, None when it is not one."""
+        try:
+            tree = ast.parse(re.sub(r"\b(\d+)[ui]\b", r"\1", text.strip()), mode="eval").body
+        except SyntaxError:
+            return None
+        if not (isinstance(tree, ast.Compare) and len(tree.ops) == 1 and type(tree.ops[0]) in _COMPARISONS):
+            return None
+        left, right = self._evaluate(tree.left), self._evaluate(tree.comparators[0])
+        return None if left is None or right is None else (left, right, _COMPARISONS[type(tree.ops[0])])
+
     def _evaluate(self, node: ast.AST) -> int | None:
         if isinstance(node, ast.Constant) and isinstance(node.value, int) and not isinstance(node.value, bool):
             return node.value
@@ -121,6 +153,9 @@ class _Layout:
             if node.id in self.override_ids and self.override_ids[node.id] in self.overrides:
                 return int(self.overrides[self.override_ids[node.id]])
             return self.count(self.consts[node.id]) if node.id in self.consts else None
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in _INTEGER_CASTS \
+                and len(node.args) == 1 and not node.keywords:
+            return self._evaluate(node.args[0])
         if isinstance(node, ast.BinOp) and type(node.op) in _INTEGER_OPERATORS:
             left, right = self._evaluate(node.left), self._evaluate(node.right)
             if left is None or right is None or (right == 0 and type(node.op) in (ast.Div, ast.Mod)):
@@ -192,6 +227,7 @@ def _parse_structs(source: str) -> dict[str, list[tuple[str, str]]]:
 
 def reflect_wgsl(shader: str, source: str) -> WGSLInterface:
     """The WGSLInterface of kernel `shader` from its WGSL `source`; ScheduleError when it breaks the contract."""
+    requirements = tuple((m.group(1), m.group(2) or "") for m in _REQUIREMENT.finditer(source))
     text = _COMMENTS.sub("", source)
     if not re.search(r"@compute[\s\S]*?\bfn\s+" + ENTRY_POINT + r"\s*\(", text):
         raise ScheduleError(f"WGSL kernel {shader!r} has no `@compute fn {ENTRY_POINT}(...)` entry point")
@@ -253,4 +289,4 @@ def reflect_wgsl(shader: str, source: str) -> WGSLInterface:
             laid_out, params_struct_bytes, _ = layout
             params_bytes = max((offset + size for _, offset, size in laid_out), default=0)
     return WGSLInterface(tuple(storage), params, params_bytes, params_struct_bytes, has_header, spec_types,
-                         override_names, tuple(workgroup), consts, structs)
+                         override_names, tuple(workgroup), consts, structs, requirements)

@@ -33,7 +33,9 @@ Where WGSL differs from the GLSL, the kernels keep the GLSL's results by other m
     float-float products; reduce's Kahan compensation reads the sum through an opaque zero (the
     header's w word) that no optimizer can fold;
   * no specialization-sized per-thread arrays: those have constant maximum sizes (attention) or live in
-    workgroup memory (the GEMV partial sums); workgroup arrays take override-sized lengths;
+    workgroup memory (the GEMV partial sums); workgroup arrays take override-sized lengths. A kernel
+    states what its constant sizes need of the overrides in `// vktrain-requires: EXPR -- WHY` lines
+    (e.g. `BK / TPR <= MAX_KEYS`), which the WebGPU runtime checks for every Dispatch at load;
   * no `[[unroll]]`: lavapipe ends an invocation after 65535 loop trips, so matmul, reduce and the
     embedding backward take their inner steps as explicit calls;
   * wgpu 0.32's compiler (naga) hoists a `var` declared without initializer inside a loop, so it is not

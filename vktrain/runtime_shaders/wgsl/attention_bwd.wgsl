@@ -19,6 +19,9 @@
 
 const MAX_CHUNKS = 32u;  // D / 4 / TPR at D = 128, TPR = 1
 const MAX_COLS = 32u;    // COLS / TPR at COLS = 32, TPR = 1
+// The WebGPU runtime refuses, at load, a dispatch whose overrides break these (reflect.py):
+// vktrain-requires: D / 4u / TPR <= MAX_CHUNKS -- gradient vec4s per thread, arrays dq / dk / dv
+// vktrain-requires: COLS / TPR <= MAX_COLS -- scores per thread and tile, arrays dot_qk / dot_dov
 
 struct Params {
     vktrain_group_offset: vec4<u32>,

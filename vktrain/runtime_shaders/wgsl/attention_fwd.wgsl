@@ -16,6 +16,9 @@
 
 const MAX_CHUNKS = 32u;  // D / 4 / TPR at D = 128, TPR = 1
 const MAX_KEYS = 32u;    // BK / TPR at BK = 32, TPR = 1
+// The WebGPU runtime refuses, at load, a dispatch whose overrides break these (reflect.py):
+// vktrain-requires: D / 4u / TPR <= MAX_CHUNKS -- output vec4s per thread, array o
+// vktrain-requires: BK / TPR <= MAX_KEYS -- keys scored per thread, array dot_qk
 // Masked scores and the running max before the first key: finite, and exp(MASKED - m) underflows to 0.
 const MASKED = -3.402823466e38;
 

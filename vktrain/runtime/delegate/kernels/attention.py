@@ -33,7 +33,9 @@ workgroup (`shared_memory_nbytes`): [rows or cols, D] fp32 tiles (rows padded by
 two [rows, cols] score tiles (rows padded by a float); e.g. at D = 64, 32 KiB and a long sequence:
 forward 32x32 tiles, 29.6 KiB; DQ and DKV 32x16, 27.6 and 29.9 KiB (shorter sequences get shorter row
 tiles, see default_tiles). Registers: D / threads_per_row accumulators per output per thread (16 with
-the default threads per row; DKV keeps two outputs).
+the default threads per row; DKV keeps two outputs). The WGSL kernels (WebGPU) size those per-thread
+arrays by constants, 32 entries: tiles with D / 4 / threads_per_row or cols / threads_per_row above 32
+are refused when the WebGPU Program is built (their `vktrain-requires:` lines); the defaults stay far below.
 """
 from __future__ import annotations
 
@@ -42,7 +44,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from vktrain.runtime.vk.schedule import Dispatch, ceil_div, pack_push
-from vktrain.runtime.delegate.kernels.layout import MAX_ELEMENTS, KernelArgumentError, binding, check_positive_ints
+from vktrain.runtime.delegate.kernels.layout import (MAX_ELEMENTS, SHARED_MEMORY_LIMIT, WORKGROUP_SIZE_LIMIT,
+                                                     KernelArgumentError, binding, check_positive_ints)
 from vktrain.runtime.delegate.kernels.registry import register_kernel
 
 SUPPORTED_HEAD_DIMS = (16, 32, 64, 128)
@@ -122,12 +125,18 @@ def _tiles_problem(kernel: str, tiles: AttentionTiles, D: int, shared_memory_byt
         return (f"threads_per_row={tiles.threads_per_row} must divide D / 4 = {D // 4} (vec4s of a head "
                 f"row) and cols={tiles.cols}")
     if tiles.workgroup_size > max_workgroup_size:
-        return (f"rows * threads_per_row = {tiles.workgroup_size} threads exceed the workgroup limit "
-                f"{max_workgroup_size}")
+        return (f"rows * threads_per_row = {tiles.workgroup_size} threads exceed the device's "
+                f"{WORKGROUP_SIZE_LIMIT} of {max_workgroup_size}")
     needed = shared_memory_nbytes(kernel, tiles, D)
     if needed > shared_memory_bytes:
-        return f"needs {needed} bytes of shared memory, {shared_memory_bytes} available"
+        return f"needs {needed} bytes of {SHARED_MEMORY_LIMIT}; the device has {shared_memory_bytes}"
     return None
+
+
+def _smallest_tiles_need(kernel: str, D: int) -> str:
+    tiles = AttentionTiles(*_TILE_PREFERENCE[-1], default_threads_per_row(D))
+    return (f"{tiles.rows}x{tiles.cols} tiles, need {shared_memory_nbytes(kernel, tiles, D)} bytes and "
+            f"{tiles.workgroup_size} threads")
 
 
 def default_tiles(kernel: str, D: int, *, S: int | None = None, heads_times_batch: int = 1,
@@ -146,8 +155,9 @@ def default_tiles(kernel: str, D: int, *, S: int | None = None, heads_times_batc
     fitting = [t for t in fitting if _tiles_problem(kernel, t, D, shared_memory_bytes, max_workgroup_size) is None]
     if not fitting:
         raise KernelArgumentError(
-            f"causal_attention: no tile configuration of the {kernel} pass fits D={D} in "
-            f"{shared_memory_bytes} bytes of shared memory and {max_workgroup_size} threads per workgroup")
+            f"causal_attention: no tile configuration of the {kernel} pass fits D={D} in the device's "
+            f"{shared_memory_bytes} bytes of {SHARED_MEMORY_LIMIT} and {WORKGROUP_SIZE_LIMIT} of "
+            f"{max_workgroup_size} threads (the smallest, {_smallest_tiles_need(kernel, D)})")
     if S is None:
         return fitting[0]
 

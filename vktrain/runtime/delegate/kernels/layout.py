@@ -37,6 +37,11 @@ MAX_STRIDED_RANK = 6
 WORKGROUP_SIZE = 64
 # Element indices and offsets travel as uint32 push constants.
 MAX_ELEMENTS = 2**32 - 1
+# The device limits the plans size workgroups by (OpContext.limits), as errors name them.
+SHARED_MEMORY_LIMIT = "shared memory per workgroup (Vulkan maxComputeSharedMemorySize, WebGPU " \
+                      "max-compute-workgroup-storage-size)"
+WORKGROUP_SIZE_LIMIT = "workgroup limit (Vulkan maxComputeWorkGroupInvocations / maxComputeWorkGroupSize[0], " \
+                       "WebGPU max-compute-invocations-per-workgroup / max-compute-workgroup-size-x)"
 
 # copy.comp CONVERT specialization constant (id 3).
 COPY_CONVERT_SPEC_ID = 3

@@ -42,7 +42,8 @@ from vktrain.quant import check_q4gsw_shapes, pack_w4x8, padded_k, w4x8_num_word
 
 from vktrain.runtime.vk.schedule import Dispatch, ceil_div, pack_push
 from vktrain.runtime.delegate.kernels.gemm_tuning import CPU_TUNING, GPU_TUNING, check_tuning
-from vktrain.runtime.delegate.kernels.layout import MAX_ELEMENTS, KernelArgumentError, binding, shader_variant
+from vktrain.runtime.delegate.kernels.layout import (MAX_ELEMENTS, SHARED_MEMORY_LIMIT, KernelArgumentError, binding,
+                                                     shader_variant)
 from vktrain.runtime.delegate.kernels.registry import register_kernel
 
 # M up to GEMV_MAX_M takes the GEMV kernels, each workgroup serving up to GEMV_MAX_ROWS rows (one pass
@@ -166,8 +167,8 @@ def _check_index_range(op: str, M: int, N: int, K: int) -> None:
 
 def _check_shared(op: str, tiles: GemmTiles | GemvTiles, shared_memory_bytes: int) -> None:
     if tiles.shared_bytes > shared_memory_bytes:
-        raise KernelArgumentError(f"{op}: {tiles} needs {tiles.shared_bytes} bytes of shared memory, more than "
-                                  f"the {shared_memory_bytes} available; pick smaller tiles")
+        raise KernelArgumentError(f"{op}: {tiles} needs {tiles.shared_bytes} bytes of {SHARED_MEMORY_LIMIT}, "
+                                  f"more than the device's {shared_memory_bytes}; pick smaller tiles")
 
 
 # ----------------------------------------------------------------------------------- configs
