@@ -142,6 +142,9 @@ def cmd_export(args: argparse.Namespace) -> int:
 
     if args.freeze_lora_a and args.program != "train-step":
         raise UsageError(f"--freeze-lora-a freezes lora_A in a training step; --program is {args.program}")
+    import torch
+
+    torch.manual_seed(args.seed)  # a built-in model's random weights; the LoRA init has its own generator
     tokenizer = None  # a pretrained model's, embedded in the .pte for `vktrain train`
     model, loaded = open_model(args.model, **_parse_model_args(args.model_arg))
     if loaded is not None:
@@ -154,7 +157,7 @@ def cmd_export(args: argparse.Namespace) -> int:
             print(f"tokenizer: {tokenizer.vocab_size} tokens, {'a' if tokenizer.chat_template else 'no'} chat "
                   f"template (carried in the .pte, for `vktrain train --data` text and chat JSONL)")
     config = LoRAConfig(rank=args.lora_rank, alpha=args.lora_alpha, targets=args.targets, group_size=args.group_size,
-                        scale_rule=args.scale_rule)
+                        scale_rule=args.scale_rule, seed=args.seed)
     importance, calibration = quantization_importance(args, model, tokenizer)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -277,6 +280,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="train only lora_B (FFA-LoRA, vktrain federate --strategy ffa): lora_A stays its "
                              "initial value, a constant of the program, and its gradient is not computed")
     export.add_argument("--lora-alpha", type=float, default=16.0)
+    export.add_argument("--seed", type=int, default=0,
+                        help="seeds the LoRA init and a built-in model's random weights (default 0): exports of one "
+                             "model with one seed start from the same adapters")
     export.add_argument("--targets", default="all-linear",
                         help="module-name glob(s), comma-separated; 're:' prefix for a regex; 'all-linear' (default): "
                              "every linear layer but the output head")
