@@ -235,6 +235,7 @@ def test_tiny_llama_with_a_tied_q8_0_embedding_trains_as_the_float32_resident_ro
     from vktrain.lora import LoRAConfig, apply_lora
     from vktrain.models import build_model
     from vktrain.ops import adamw_hparams
+    from vktrain.runtime.delegate.executor import ExecutorInputError
     from vktrain.runtime.program.pte import PteFile
     from vktrain.runtime.program.runner import TrainingRunner
 
@@ -265,6 +266,12 @@ def test_tiny_llama_with_a_tied_q8_0_embedding_trains_as_the_float32_resident_ro
         path = tmp_path / f"step{index}.pte"
         path.write_bytes(data)
         runner = TrainingRunner.from_pte(path, vk_device)
+        # The gather kernel writes NaN rows for a bad index; the executor refuses one first, on both routes.
+        assert runner.executor.index_limits["token_ids"] == vocab
+        bad = batches[0][0].copy()
+        bad[0, 0] = vocab
+        with pytest.raises(ExecutorInputError, match="token_ids"):
+            runner.step(bad, batches[0][1], hparams)
         losses = [runner.step(tokens, labels, hparams) for tokens, labels in batches]
         results.append((losses, runner.lora_state(), sum(runner.executor.buffer_bytes.values())))
     (q8_losses, q8_lora, q8_bytes), (fp32_losses, fp32_lora, fp32_bytes) = results

@@ -54,6 +54,11 @@ GEMM_OPS = frozenset({"vktrain.linear_q4gsw.default", "vktrain.linear_q4gsw_back
                       "vktrain.linear_dW.default", "aten.mm.default", "aten.bmm.default", "aten.addmm.default"})
 
 
+# The embedding lookups and the argument holding their indices: aten.embedding(weight, indices), and the
+# Q8_0 table the backend's q8_0_weights pass writes, vktrain.embedding_q8_0(codes, scales, indices).
+EMBEDDING_INDEX_ARG = {"aten.embedding.default": 1, "vktrain.embedding_q8_0.default": 2}
+
+
 class ExecutorInputError(VktrainError, ValueError):
     """An input or state array does not match what the graph expects (shape, dtype, range)."""
 
@@ -196,9 +201,10 @@ class GraphExecutor:
         """
         uses = []  # (index tensor, low, bound, description)
         for index, op in enumerate(self.ops):
-            if op.name == "aten.embedding.default":
+            if op.name in EMBEDDING_INDEX_ARG:  # (table or its codes, ..., indices)
                 rows = self.graph.tensor(op.args[0]).shape[0]
-                uses.append((op.args[1], 0, rows, f"row of the {rows}-row embedding of op {index}"))
+                indices = op.args[EMBEDDING_INDEX_ARG[op.name]]
+                uses.append((indices, 0, rows, f"row of the {rows}-row embedding of op {index}"))
             elif op.name == "vktrain.fused_ce.default":  # labels < 0 are ignored rows
                 vocab = self.graph.tensor(op.args[0]).shape[-1]
                 uses.append((op.args[1], None, vocab, f"class of the {vocab}-wide logits of op {index} (fused_ce)"))
