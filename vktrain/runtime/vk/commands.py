@@ -31,6 +31,7 @@ from vktrain.runtime.vk.schedule import (
     Dispatch,
     ResolvedAccess,
     plan_barriers,
+    resolve_binding,
     split_groups,
 )
 
@@ -190,29 +191,9 @@ class Program:
         resolved = []
         limits = device.limits
         for index, (binding, info) in enumerate(zip(dispatch.bindings, interface.bindings)):
+            buffer, offset, size = resolve_binding(where, index, binding, buffers, device, Buffer,
+                                                   "minStorageBufferOffsetAlignment")
             key = binding.buffer
-            if isinstance(key, Buffer):
-                buffer = key
-            else:
-                try:
-                    buffer = buffers[key]
-                except (KeyError, TypeError):
-                    raise ScheduleError(f"{where}: binding {index} names buffer {key!r}, which is not in the "
-                                        f"buffers mapping (keys: {sorted(map(repr, buffers))[:20]})") from None
-            if not isinstance(buffer, Buffer) or not buffer.alive:
-                raise ScheduleError(f"{where}: binding {index} ({key!r}) is not a live Buffer: {buffer!r}")
-            if buffer.device is not device:
-                raise ScheduleError(f"{where}: binding {index} ({key!r}) belongs to another Device")
-            offset = binding.offset
-            size = buffer.size - offset if binding.size is None else binding.size
-            if offset % limits.min_storage_buffer_offset_alignment:
-                raise BindingRangeError(
-                    f"{where}: binding {index} ({key!r}) offset {offset} is not a multiple of the device's "
-                    f"minStorageBufferOffsetAlignment ({limits.min_storage_buffer_offset_alignment})")
-            if size <= 0 or offset + size > buffer.size:
-                raise BindingRangeError(
-                    f"{where}: binding {index} ({key!r}) range [{offset}, {offset + size}) is outside the "
-                    f"buffer's {buffer.size} bytes")
             if size > limits.max_storage_buffer_range:
                 raise BindingRangeError(
                     f"{where}: binding {index} ({key!r}) spans {size} bytes, more than the device's "

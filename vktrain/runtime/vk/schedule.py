@@ -28,7 +28,7 @@ import struct
 from dataclasses import dataclass, field
 from typing import Any, Hashable, Iterable, Mapping, Sequence
 
-from vktrain.runtime.vk.errors import ScheduleError
+from vktrain.runtime.vk.errors import BindingRangeError, ScheduleError
 
 PUSH_HEADER_BYTES = 16
 LOCAL_SIZE_SPEC_IDS = (0, 1, 2)
@@ -166,6 +166,38 @@ class Dispatch:
             spec.update(zip(LOCAL_SIZE_SPEC_IDS, self.local_size))
         return tuple(sorted(spec.items()))
 
+
+
+def resolve_binding(where: str, index: int, binding: BufferBinding, buffers: Mapping[Hashable, Any], device: Any,
+                    buffer_type: type, alignment_name: str) -> tuple[Any, int, int]:
+    """(buffer, offset, size) of Dispatch binding `index`: its buffer (named by key in `buffers`, or given
+    directly) must be a live `buffer_type` of `device`, its offset a multiple of the device's
+    min_storage_buffer_offset_alignment (`alignment_name`: what the device layer calls it) and its range
+    inside the buffer. The one binding check of both device layers; each adds its own range limits."""
+    key = binding.buffer
+    if isinstance(key, buffer_type):
+        buffer = key
+    else:
+        try:
+            buffer = buffers[key]
+        except (KeyError, TypeError):
+            raise ScheduleError(f"{where}: binding {index} names buffer {key!r}, which is not in the "
+                                f"buffers mapping (keys: {sorted(map(repr, buffers))[:20]})") from None
+    if not isinstance(buffer, buffer_type) or not buffer.alive:
+        raise ScheduleError(f"{where}: binding {index} ({key!r}) is not a live {buffer_type.__qualname__} of "
+                            f"{buffer_type.__module__}: {buffer!r}")
+    if buffer.device is not device:
+        raise ScheduleError(f"{where}: binding {index} ({key!r}) belongs to another Device")
+    offset = binding.offset
+    size = buffer.size - offset if binding.size is None else binding.size
+    alignment = device.limits.min_storage_buffer_offset_alignment
+    if offset % alignment:
+        raise BindingRangeError(f"{where}: binding {index} ({key!r}) offset {offset} is not a multiple of the "
+                                f"device's {alignment_name} ({alignment})")
+    if size <= 0 or offset + size > buffer.size:
+        raise BindingRangeError(f"{where}: binding {index} ({key!r}) range [{offset}, {offset + size}) is outside "
+                                f"the buffer's {buffer.size} bytes")
+    return buffer, offset, size
 
 
 def pack_push(*values: int | float) -> bytes:

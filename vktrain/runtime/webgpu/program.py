@@ -39,6 +39,7 @@ from vktrain.runtime.vk.schedule import (
     ResolvedAccess,
     ceil_div,
     plan_barriers,
+    resolve_binding,
     split_groups,
 )
 from vktrain.runtime.webgpu.device import INSIDE_PASS_FEATURE, UNIFORM_SLOT_ALIGNMENT
@@ -144,29 +145,8 @@ class Program:
                 f"device's max-storage-buffers-per-shader-stage of {limits.max_per_stage_descriptor_storage_buffers}")
         resolved = []
         for index, (binding, info) in enumerate(zip(dispatch.bindings, interface.storage)):
-            key = binding.buffer
-            if isinstance(key, Buffer):
-                buffer = key
-            else:
-                try:
-                    buffer = buffers[key]
-                except (KeyError, TypeError):
-                    raise ScheduleError(f"{where}: binding {index} names buffer {key!r}, which is not in the "
-                                        f"buffers mapping (keys: {sorted(map(repr, buffers))[:20]})") from None
-            if not isinstance(buffer, Buffer) or not buffer.alive:
-                raise ScheduleError(f"{where}: binding {index} ({key!r}) is not a live WebGPU Buffer: {buffer!r}")
-            if buffer.device is not device:
-                raise ScheduleError(f"{where}: binding {index} ({key!r}) belongs to another Device")
-            offset = binding.offset
-            size = buffer.size - offset if binding.size is None else binding.size
-            if offset % limits.min_storage_buffer_offset_alignment:
-                raise BindingRangeError(
-                    f"{where}: binding {index} ({buffer.name!r}) offset {offset} is not a multiple of the device's "
-                    f"min-storage-buffer-offset-alignment ({limits.min_storage_buffer_offset_alignment})")
-            if size <= 0 or offset + size > buffer.size:
-                raise BindingRangeError(
-                    f"{where}: binding {index} ({buffer.name!r}) range [{offset}, {offset + size}) is outside the "
-                    f"buffer's {buffer.size} bytes")
+            buffer, offset, size = resolve_binding(where, index, binding, buffers, device, Buffer,
+                                                   "min-storage-buffer-offset-alignment")
             if size % 4:
                 raise BindingRangeError(f"{where}: binding {index} ({buffer.name!r}) spans {size} bytes; WebGPU "
                                         f"storage bindings are whole 4-byte words")
