@@ -17,14 +17,12 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from vktrain.runtime.delegate.kernels.layout import StridedView
-from vktrain.runtime.delegate.op_lowering import transposed_view
+from vktrain.runtime.delegate.kernels.layout import TRANSPOSE_OPS, StridedView, transposed_view
 from vktrain.serialization.graph import decode_scalar
 from vktrain.serialization import graph as vk
 
 from ..lifetimes import GraphUses, analyze_uses, storage_root
 
-TRANSPOSE_OPS = ("aten.permute_copy.default", "aten.t_copy.default", "aten.transpose_copy.int")
 # Ops whose lowering reads any StridedView of its tensor inputs (the TensorArg's view).
 VIEW_ACCEPTING_OPS = frozenset(TRANSPOSE_OPS + ("aten.mm.default",))
 SHAPE_ONLY_VIEWS = frozenset({

@@ -465,34 +465,12 @@ def copy_words(out: BufferBinding, source: BufferBinding, nbytes: int, *, label:
     return layout.plan_strided_copy(out, source, layout.StridedView.contiguous((nbytes // 4,)), label=label)
 
 
-# ------------------------------------------------------------------------------------------------
-# Transposes as strided views
-# ------------------------------------------------------------------------------------------------
-
-_TRANSPOSE_OPS = ("aten.permute_copy.default", "aten.t_copy.default", "aten.transpose_copy.int")
-
-
-def transposed_view(name: str, params: Sequence[Any], source_view: layout.StridedView) -> layout.StridedView:
-    """The view a transpose op's output is of its input's bytes. `params` are the op's decoded arguments
-    after `self` (permute: dims; transpose: dim0, dim1; t: none); `source_view` is how the input is read."""
-    if name == "aten.permute_copy.default":
-        return source_view.permute(params[0])
-    if name == "aten.t_copy.default":
-        if source_view.rank > 2:
-            raise layout.KernelArgumentError(
-                f"aten.t_copy expects a tensor of rank <= 2, got shape {list(source_view.sizes)}")
-        return source_view.transpose(0, 1) if source_view.rank == 2 else source_view
-    if name == "aten.transpose_copy.int":
-        return source_view.transpose(params[0], params[1])
-    raise GraphLoweringError(f"{name} is not a transpose op")
-
-
 def _lower_transpose(ctx: OpContext) -> list[Dispatch]:
     """A materialised transpose: one strided copy, reading the input through its own view (so a chain
     of transposes costs one copy at most)."""
     source = ctx.tensor(0, "self")
     try:
-        view = transposed_view(ctx.op.name, ctx.args[1:], source.strided)
+        view = layout.transposed_view(ctx.op.name, ctx.args[1:], source.strided)
         return layout.plan_strided_copy(ctx.outputs[0].binding, source.binding, view, label=ctx.label)
     except (ValueError, TypeError) as exc:
         raise ctx.fail(f"the copy kernel refused it: {exc}") from exc
@@ -582,7 +560,7 @@ _VKTRAIN_LOWERINGS = {
 # Ops whose lowering is not the shared keyword convention (every other defined op uses it).
 _CUSTOM_LOWERINGS = {
     **_VKTRAIN_LOWERINGS,
-    **{key: _lower_transpose for key in _TRANSPOSE_OPS},
+    **{key: _lower_transpose for key in layout.TRANSPOSE_OPS},
     "aten.mm.default": _lower_mm, "aten.bmm.default": _lower_bmm, "aten.addmm.default": _lower_addmm,
 }
 

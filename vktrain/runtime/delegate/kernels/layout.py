@@ -300,6 +300,25 @@ class StridedView:
         return StridedView.contiguous(shape, self.offset)
 
 
+# Transposes as strided views: the ATen transpose ops, and the view of its input's bytes each one's output is
+# (the backend's view decisions and the runtime's materialised transposes read this one definition).
+TRANSPOSE_OPS = ("aten.permute_copy.default", "aten.t_copy.default", "aten.transpose_copy.int")
+
+
+def transposed_view(name: str, params: Sequence[Any], source_view: StridedView) -> StridedView:
+    """The view a transpose op's output is of its input's bytes. `params` are the op's decoded arguments
+    after `self` (permute: dims; transpose: dim0, dim1; t: none); `source_view` is how the input is read."""
+    if name == "aten.permute_copy.default":
+        return source_view.permute(params[0])
+    if name == "aten.t_copy.default":
+        if source_view.rank > 2:
+            raise KernelArgumentError(f"aten.t_copy expects a tensor of rank <= 2, got shape {list(source_view.sizes)}")
+        return source_view.transpose(0, 1) if source_view.rank == 2 else source_view
+    if name == "aten.transpose_copy.int":
+        return source_view.transpose(params[0], params[1])
+    raise KernelArgumentError(f"{name} is not a transpose op")
+
+
 def infer_reshape(sizes: Sequence[int], shape: Sequence[int]) -> tuple[int, ...]:
     """`shape` with its single -1 resolved so that it has as many elements as `sizes`."""
     shape = _as_int_tuple(shape, "view shape")
