@@ -255,6 +255,18 @@ def buffer_memory_flags(vk, staging: bool) -> tuple[int, int]:
             vk.VK_MEMORY_PROPERTY_DEVICE_LOCAL_BIT)
 
 
+def read_extent(name: str, buffer_nbytes: int, dtype: Any, shape: Any, offset: int) -> tuple[np.dtype, tuple, int]:
+    """(dtype, shape, nbytes) of a Buffer.read: without `shape`, as many whole elements as fit between
+    `offset` and the buffer's end. Shared by the Vulkan and WebGPU buffers."""
+    dtype = np.dtype(dtype)
+    if shape is None:
+        shape = (max(buffer_nbytes - offset, 0) // dtype.itemsize,)
+    shape = (shape,) if isinstance(shape, (int, np.integer)) else tuple(shape)
+    if any(not isinstance(d, (int, np.integer)) or d < 0 for d in shape):
+        raise BufferUsageError(f"read from {name!r}: shape must be non-negative ints, got {shape!r}")
+    return dtype, shape, int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+
+
 def _as_bytes_array(data: Any) -> np.ndarray:
     if isinstance(data, (bytes, bytearray, memoryview)):
         return np.frombuffer(bytes(data), dtype=np.uint8)
@@ -355,13 +367,7 @@ class Buffer:
         Without `shape`, reads as many whole elements as fit between `offset` and `nbytes`.
         """
         self._check_alive()
-        dtype = np.dtype(dtype)
-        if shape is None:
-            shape = (max(self.nbytes - offset, 0) // dtype.itemsize,)
-        shape = (shape,) if isinstance(shape, (int, np.integer)) else tuple(shape)
-        if any(not isinstance(d, (int, np.integer)) or d < 0 for d in shape):
-            raise BufferUsageError(f"read from {self.name!r}: shape must be non-negative ints, got {shape!r}")
-        nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        dtype, shape, nbytes = read_extent(self.name, self.nbytes, dtype, shape, offset)
         self._check_range("read from", offset, nbytes)
         if nbytes == 0:
             return np.zeros(shape, dtype)

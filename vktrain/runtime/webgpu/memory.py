@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 
 from vktrain.runtime.vk.errors import BufferUsageError, DeviceMemoryError, format_bytes
-from vktrain.runtime.vk.memory import _as_bytes_array
+from vktrain.runtime.vk.memory import _as_bytes_array, read_extent
 
 _WORD = 4
 
@@ -99,13 +99,7 @@ class Buffer:
         Without `shape`, reads as many whole elements as fit between `offset` and `nbytes`.
         """
         self._check_alive()
-        dtype = np.dtype(dtype)
-        if shape is None:
-            shape = (max(self.nbytes - offset, 0) // dtype.itemsize,)
-        shape = (shape,) if isinstance(shape, (int, np.integer)) else tuple(shape)
-        if any(not isinstance(d, (int, np.integer)) or d < 0 for d in shape):
-            raise BufferUsageError(f"read from {self.name!r}: shape must be non-negative ints, got {shape!r}")
-        nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        dtype, shape, nbytes = read_extent(self.name, self.nbytes, dtype, shape, offset)
         self._check_range("read from", offset, nbytes)
         if nbytes == 0:
             return np.zeros(shape, dtype)
