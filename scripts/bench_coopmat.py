@@ -6,17 +6,23 @@ matmuls, all in the same run, at Llama-3.2-1B projection shapes.
     python scripts/bench_coopmat.py --quick --emulate                         # small shapes, lavapipe
 
 For every M in --ms and (K, N) in --kn (default M = 512..4096, (K, N) of q/o, gate/up and down):
-  vk  simt_linear_q4gsw       kernels.linear default plan (split-K scratch when it wants one)
-  vk  coopmat_linear_q4gsw    each variant (tile_m 128 / 64, prefetch off / on)
-  vk  simt_mm                 aten.mm (kernels.matmul) of x @ deq(W).T materialised as [K, N]
-  vk  coopmat_mm              each variant, B [K, N]; and B^T [N, K] (b_transposed) default variant (both with
-                              their per-tensor operand scales: the absmax passes are in the time)
-  torch (CUDA events)         bf16, fp16, TF32 and fp32 (TF32 off) matmuls x @ W.T of the same data
-GPU times are medians over --replays (Vulkan timestamps; CUDA events). TFLOP/s = 2 M N K / time; MFU
-is against the dense fp16/bf16 tensor peak given by --peak-tflops (H200 SXM datasheet: 989.4). Each
-vk result is checked against an fp32 matmul (torch's, else numpy's): relative Frobenius error, ~1e-4..1e-3
-for fp16 inputs, ~1e-7 for the SIMT kernels. Needs numpy,
-the `vulkan` binding and (for the baselines) torch; never imports executorch.
+  vk  simt_linear_q4gsw                 kernels.linear default plan (split-K scratch when it wants one)
+  vk  coopmat_linear_q4gsw.<tiling>     y = x @ deq(W).T, each tiling of kernels/coopmat.py TILINGS
+  vk  coopmat_linear_q4gsw_backward.<tiling>   d_x = d_out @ deq(W) (M x K output, reduction N), with
+                                        its absmax pass
+  vk  simt_mm                           aten.mm (kernels.matmul) of x @ deq(W).T materialised as [K, N]
+  vk  coopmat_mm.<tiling>               B [K, N] row-major; coopmat_mm_b_transposed.<tiling>: B^T [N, K]
+                                        (both with their per-tensor operand scales: the absmax pass is in
+                                        the time)
+  torch (CUDA events)         bf16, fp16, TF32 and fp32 (TF32 off) matmuls x @ W.T of the same data, and
+                              bf16 d_out @ W (`bf16_backward`, the d_x orientation)
+--tilings / --kernels restrict the sweep. GPU times are medians over --replays (Vulkan timestamps; CUDA
+events). TFLOP/s = 2 M N K / time; MFU is against the dense fp16/bf16 tensor peak given by
+--peak-tflops (H200 SXM datasheet: 989.4). Each vk result is checked against an fp32 matmul (torch's,
+else numpy's) on a sample of --check-rows rows: relative Frobenius error, ~1e-4..1e-3 for fp16 inputs,
+~1e-7 for the SIMT kernels. The JSON is rewritten after every shape; --budget-s stops starting new
+shapes past that many seconds (what was measured is kept, `meta.skipped_shapes` lists the rest).
+Needs numpy, the `vulkan` binding and (for the baselines) torch; never imports executorch.
 """
 from __future__ import annotations
 
@@ -36,9 +42,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from vktrain import quant  # noqa: E402
 from vktrain.runtime import Buffer, Device, Program  # noqa: E402
 from vktrain.runtime.delegate.kernels.coopmat import (  # noqa: E402
+    KERNELS,
+    TILING_BY_NAME,
+    TILINGS,
     absmax_scratch_nbytes,
     coopmat_supported,
+    default_tiling,
     plan_coopmat_linear_q4gsw,
+    plan_coopmat_linear_q4gsw_backward,
     plan_coopmat_mm,
 )
 from vktrain.runtime.delegate.kernels.linear import plan_linear_q4gsw, plan_scratch_nbytes, prepack_weights  # noqa: E402
@@ -49,12 +60,6 @@ FULL_MS = (512, 1024, 2048, 4096)
 FULL_KN = ((2048, 2048), (2048, 8192), (8192, 2048))  # q/o proj, gate/up proj, down proj of Llama-3.2-1B
 QUICK_MS, QUICK_KN = (64, 130), ((96, 132), (256, 64))
 H200_DENSE_16BIT_TFLOPS = 989.4
-VARIANTS = [dict(tile_m=128, prefetch=False), dict(tile_m=64, prefetch=False),
-            dict(tile_m=128, prefetch=True), dict(tile_m=64, prefetch=True)]
-
-
-def variant_name(variant: dict[str, Any]) -> str:
-    return f"bm{variant['tile_m']}" + ("+prefetch" if variant["prefetch"] else "")
 
 
 def time_program(device, dispatches, buffers, replays: int, warmup: int) -> float:
@@ -92,85 +97,116 @@ def rel_err(actual: np.ndarray, expected: np.ndarray) -> float:
     return float(np.linalg.norm(actual - expected) / max(np.linalg.norm(expected), 1e-300))
 
 
-def bench_shape(device, torch, M: int, K: int, N: int, args, rng) -> dict[str, Any]:
+class Operands:
+    """The data of one (K, N): a q4gsw weight W [N, K] (and its dequantized fp32 copies), made once for
+    every M."""
+
+    def __init__(self, K: int, N: int, rng):
+        flat, self.scales = quant.quantize((rng.standard_normal((N, K)) * 0.02).astype(np.float32), GROUP_SIZE)
+        self.deq = quant.dequantize(flat, self.scales, GROUP_SIZE)  # [N, K] float32
+        self.packed = prepack_weights(flat, K)
+        self.deq_t = np.ascontiguousarray(self.deq.T)
+
+
+def bench_shape(device, torch, M: int, K: int, N: int, operands: Operands, args, rng) -> dict[str, Any]:
     flops = 2 * M * N * K
-    flat, scales = quant.quantize((rng.standard_normal((N, K)) * 0.02).astype(np.float32), GROUP_SIZE)
-    deq = quant.dequantize(flat, scales, GROUP_SIZE)  # [N, K] float32
     x = rng.standard_normal((M, K)).astype(np.float32)
-    arrays = {"x": x, "w": prepack_weights(flat, K), "s": scales, "deq_t": np.ascontiguousarray(deq.T), "deq": deq}
+    d_out = (rng.standard_normal((M, N)) * 1e-6).astype(np.float32)  # a gradient's scale: the absmax pass matters
+    arrays = {"x": x, "g": d_out, "w": operands.packed, "s": operands.scales, "deq_t": operands.deq_t,
+              "deq": operands.deq}
     buffers = {key: Buffer.from_array(device, a, name=key) for key, a in arrays.items()}
-    buffers["out"] = Buffer(device, 4 * M * N, name="out")
+    buffers["out"] = Buffer(device, 4 * M * max(N, K), name="out")
     buffers["absmax"] = Buffer(device, absmax_scratch_nbytes(M * K, K * N), name="absmax")
     scratch = max(plan_scratch_nbytes("linear_q4gsw", M=M, N=N, K=K), gemm_scratch_nbytes(1, M, N, K))
     if scratch:
         buffers["scratch"] = Buffer(device, scratch, name="scratch")
     record: dict[str, Any] = {"M": M, "K": K, "N": N, "gflop": flops / 1e9, "vk": {}, "torch": {}}
-    reference = None
+    rows = np.unique(np.linspace(0, M - 1, min(M, args.check_rows)).astype(np.int64))
     if torch is not None:
-        x_t = torch.from_numpy(x).cuda()
-        w_t = torch.from_numpy(deq).cuda()
+        x_t, w_t, g_t = torch.from_numpy(x).cuda(), torch.from_numpy(operands.deq).cuda(), torch.from_numpy(d_out).cuda()
         torch.backends.cuda.matmul.allow_tf32 = False
-        reference = (x_t @ w_t.t()).cpu().numpy()
-        for name, dtype, tf32 in (("bf16", torch.bfloat16, False), ("fp16", torch.float16, False),
-                                  ("tf32", torch.float32, True), ("fp32", torch.float32, False)):
+        references = {"forward": (x_t[rows] @ w_t.t()).cpu().numpy(), "backward": (g_t[rows] @ w_t).cpu().numpy()}
+        cases = (("bf16", torch.bfloat16, False, False), ("fp16", torch.float16, False, False),
+                 ("tf32", torch.float32, True, False), ("fp32", torch.float32, False, False),
+                 ("bf16_backward", torch.bfloat16, False, True))
+        for name, dtype, tf32, backward in cases:
             torch.backends.cuda.matmul.allow_tf32 = tf32
-            xs, ws = x_t.to(dtype), w_t.to(dtype)
-            seconds = time_torch(torch, lambda: xs @ ws.t(), args.replays, args.warmup)
+            ws = w_t.to(dtype)
+            if backward:
+                gs = g_t.to(dtype)
+                seconds = time_torch(torch, lambda: gs @ ws, args.replays, args.warmup)
+            else:
+                xs = x_t.to(dtype)
+                seconds = time_torch(torch, lambda: xs @ ws.t(), args.replays, args.warmup)
             record["torch"][name] = {"ms": 1e3 * seconds, "tflops": flops / seconds / 1e12}
         torch.backends.cuda.matmul.allow_tf32 = False
-        del x_t, w_t, xs, ws
-    else:
-        reference = x @ deq.T  # numpy fp32: the sanity check without torch (slow at full sizes)
+        del x_t, w_t, g_t, xs, ws, gs
+    else:  # numpy fp32: the sanity check without torch
+        references = {"forward": x[rows] @ operands.deq.T, "backward": d_out[rows] @ operands.deq}
 
-    def vk_case(name: str, dispatches) -> None:
+    def vk_case(name: str, dispatches, direction: str = "forward") -> None:
         seconds = time_program(device, dispatches, buffers, args.replays, args.warmup)
         entry = {"ms": 1e3 * seconds, "tflops": flops / seconds / 1e12, "shaders": [d.shader for d in dispatches]}
-        if reference is not None:
-            entry["rel_err_vs_fp32"] = rel_err(buffers["out"].read(np.float32, (M, N)), reference)
+        width = N if direction == "forward" else K
+        entry["rel_err_vs_fp32"] = rel_err(buffers["out"].read(np.float32, (M, width))[rows], references[direction])
         record["vk"][name] = entry
 
-    linear_args = dict(M=M, N=N, K=K, group_size=GROUP_SIZE, out="out", x="x", weights="w", scales="s")
-    simt_scratch = "scratch" if plan_scratch_nbytes("linear_q4gsw", M=M, N=N, K=K) else None
-    vk_case("simt_linear_q4gsw", plan_linear_q4gsw(**linear_args, scratch=simt_scratch,
-                                                   shared_memory_bytes=device.limits.max_compute_shared_memory_size))
+    kernels = args.kernels or list(KERNELS)
+    tilings = [TILING_BY_NAME[name] for name in args.tilings] if args.tilings else list(TILINGS)
     extra = dict(emulate=args.emulate, subgroup_size=device.subgroup_size)
-    for variant in VARIANTS:
-        vk_case(f"coopmat_linear_q4gsw.{variant_name(variant)}",
-                plan_coopmat_linear_q4gsw(**linear_args, **variant, **extra))
-    mm_scratch = "scratch" if gemm_scratch_nbytes(1, M, N, K) else None
-    vk_case("simt_mm", plan_mm(out="out", self="x", self_shape=(M, K), mat2="deq_t", mat2_shape=(K, N),
-                               scratch=mm_scratch))
-    for variant in VARIANTS:
-        vk_case(f"coopmat_mm.{variant_name(variant)}",
-                plan_coopmat_mm(M=M, N=N, K=K, out="out", a="x", b="deq_t", absmax="absmax", **variant, **extra))
-    vk_case("coopmat_mm_b_transposed.default",
-            plan_coopmat_mm(M=M, N=N, K=K, out="out", a="x", b="deq", absmax="absmax", b_transposed=True, **extra))
+    linear_args = dict(M=M, N=N, K=K, group_size=GROUP_SIZE, out="out", x="x", weights="w", scales="s")
+    backward_args = dict(M=M, N=N, K=K, group_size=GROUP_SIZE, out="out", d_out="g", weights="w", scales="s",
+                         absmax="absmax")
+    mm_args = dict(M=M, N=N, K=K, out="out", a="x", absmax="absmax")
+    plans = {
+        "coopmat_linear_q4gsw": lambda t: plan_coopmat_linear_q4gsw(**linear_args, tiling=t, **extra),
+        "coopmat_linear_q4gsw_backward": lambda t: plan_coopmat_linear_q4gsw_backward(**backward_args, tiling=t, **extra),
+        "coopmat_mm": lambda t: plan_coopmat_mm(**mm_args, b="deq_t", tiling=t, **extra),
+        "coopmat_mm_b_transposed": lambda t: plan_coopmat_mm(**mm_args, b="deq", b_transposed=True, tiling=t, **extra),
+    }
+    if not args.no_simt:
+        simt_scratch = "scratch" if plan_scratch_nbytes("linear_q4gsw", M=M, N=N, K=K) else None
+        vk_case("simt_linear_q4gsw", plan_linear_q4gsw(**linear_args, scratch=simt_scratch,
+                                                       shared_memory_bytes=device.limits.max_compute_shared_memory_size))
+        mm_scratch = "scratch" if gemm_scratch_nbytes(1, M, N, K) else None
+        vk_case("simt_mm", plan_mm(out="out", self="x", self_shape=(M, K), mat2="deq_t", mat2_shape=(K, N),
+                                   scratch=mm_scratch))
+    for kernel in kernels:
+        direction = "backward" if kernel == "coopmat_linear_q4gsw_backward" else "forward"
+        for tiling in tilings:
+            vk_case(f"{kernel}.{tiling.name}", plans[kernel](tiling), direction)
     for buffer in buffers.values():
         buffer.destroy()
 
-    best = {family: min((v for k, v in record["vk"].items() if k.startswith(family + ".")), key=lambda v: v["ms"])
-            for family in ("coopmat_linear_q4gsw", "coopmat_mm")}
-    record["best"] = {family: {"variant": next(k for k, v in record["vk"].items() if v is entry), **entry}
-                      for family, entry in best.items()}
-    for entry in record["best"].values():
+    record["best"], record["default"] = {}, {}
+    for kernel in kernels:
+        name = min((k for k in record["vk"] if k.startswith(kernel + ".")), key=lambda k: record["vk"][k]["ms"])
+        record["best"][kernel] = {"variant": name, **record["vk"][name]}
+        width, reduction = (K, N) if kernel == "coopmat_linear_q4gsw_backward" else (N, K)
+        record["default"][kernel] = default_tiling(kernel, M, width, reduction, emulate=args.emulate).name
+    for kernel, entry in record["best"].items():
         entry["mfu"] = entry["tflops"] / args.peak_tflops
-        if "bf16" in record["torch"]:
-            entry["of_torch_bf16"] = entry["tflops"] / record["torch"]["bf16"]["tflops"]
+        torch_key = "bf16_backward" if kernel == "coopmat_linear_q4gsw_backward" else "bf16"
+        if torch_key in record["torch"]:
+            entry["of_torch_bf16"] = entry["tflops"] / record["torch"][torch_key]["tflops"]
     return record
 
 
-def print_record(record: dict[str, Any]) -> None:
+def print_record(record: dict[str, Any], verbose: bool) -> None:
     head = f"M={record['M']:5d} K={record['K']:5d} N={record['N']:5d}"
-    torch_part = "  ".join(f"{k} {v['tflops']:6.1f}" for k, v in record["torch"].items())
+    torch_part = "  ".join(f"{k} {v['tflops']:.0f}" for k, v in record["torch"].items())
     print(f"{head}  torch TFLOP/s: {torch_part}")
+    worst_err = max(entry["rel_err_vs_fp32"] for entry in record["vk"].values())
     for name, entry in record["vk"].items():
-        err = entry.get("rel_err_vs_fp32")
-        print(f"    {name:42s} {entry['ms']:8.3f} ms {entry['tflops']:7.1f} TFLOP/s"
-              + (f"  rel err {err:.1e}" if err is not None else ""))
-    for family, entry in record["best"].items():
+        if verbose:
+            print(f"    {name:56s} {entry['ms']:8.3f} ms {entry['tflops']:7.1f} TFLOP/s  rel err {entry['rel_err_vs_fp32']:.1e}")
+    for kernel, entry in record["best"].items():
         ratio = entry.get("of_torch_bf16")
-        print(f"    best {family}: {entry['variant']} {entry['tflops']:.1f} TFLOP/s, MFU {100 * entry['mfu']:.1f} %"
-              + (f", {100 * ratio:.0f} % of torch bf16" if ratio is not None else ""))
+        default = record["vk"].get(f"{kernel}.{record['default'][kernel]}")
+        print(f"    best {kernel}: {entry['variant'].split('.', 1)[1]} {entry['tflops']:.0f} TFLOP/s"
+              + (f" ({100 * ratio:.0f}% of bf16)" if ratio is not None else "")
+              + (f"; default {record['default'][kernel]} {default['tflops']:.0f}" if default else ""))
+    print(f"    worst rel err {worst_err:.1e}")
 
 
 def parse_pairs(text: str) -> list[tuple[int, int]]:
@@ -183,22 +219,60 @@ def parse_pairs(text: str) -> list[tuple[int, int]]:
     return pairs
 
 
+def parse_shapes(text: str) -> list[tuple[int, int, int]]:
+    shapes = []
+    for item in text.split(","):
+        parts = item.strip().split("x")
+        if len(parts) != 3 or not all(p.isdigit() for p in parts):
+            raise argparse.ArgumentTypeError(f"{item!r} is not MxKxN (e.g. 512x2048x8192)")
+        shapes.append(tuple(int(p) for p in parts))
+    return shapes
+
+
+def write_json(path: Path, payload: dict[str, Any]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    staged = path.with_suffix(".tmp")
+    staged.write_text(json.dumps(payload, indent=1))
+    staged.replace(path)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help=f"small shapes: M {QUICK_MS}, KxN {QUICK_KN}")
     parser.add_argument("--ms", type=lambda t: [int(v) for v in t.split(",")], default=None, help="M list, e.g. 512,4096")
     parser.add_argument("--kn", type=parse_pairs, default=None, help="KxN list, e.g. 2048x2048,2048x8192")
+    parser.add_argument("--shapes", type=parse_shapes, default=None,
+                        help="MxKxN list in the order to run (instead of --ms x --kn), e.g. 512x2048x2048")
+    parser.add_argument("--tilings", type=lambda t: t.split(","), default=None,
+                        help=f"tiling names to run (default all: {', '.join(TILING_BY_NAME)})")
+    parser.add_argument("--kernels", type=lambda t: t.split(","), default=None,
+                        help=f"coopmat kernels to run (default all: {', '.join(KERNELS)})")
+    parser.add_argument("--no-simt", action="store_true", help="skip vktrain's fp32 SIMT baselines")
     parser.add_argument("--replays", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--check-rows", type=int, default=64, help="rows of each output checked against fp32")
+    parser.add_argument("--budget-s", type=float, default=None, help="start no new shape after this many seconds")
     parser.add_argument("--peak-tflops", type=float, default=H200_DENSE_16BIT_TFLOPS,
                         help="dense fp16/bf16 tensor peak the MFU is taken against")
     parser.add_argument("--emulate", action="store_true",
                         help="run the coopmat kernels' emulated variant (COOPMAT_EMULATE; correctness only)")
     parser.add_argument("--no-torch", action="store_true")
+    parser.add_argument("--verbose", action="store_true", help="print every case, not only the best per kernel")
+    parser.add_argument("--commit", default=None, help="the source commit measured, recorded in meta")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
-    ms = args.ms or list(QUICK_MS if args.quick else FULL_MS)
-    kns = args.kn or list(QUICK_KN if args.quick else FULL_KN)
+    for name in args.tilings or ():
+        if name not in TILING_BY_NAME:
+            parser.error(f"--tilings: unknown tiling {name!r}; choose from {', '.join(TILING_BY_NAME)}")
+    for name in args.kernels or ():
+        if name not in KERNELS:
+            parser.error(f"--kernels: unknown kernel {name!r}; choose from {', '.join(KERNELS)}")
+    if args.shapes:
+        shapes = args.shapes
+    else:
+        ms = args.ms or list(QUICK_MS if args.quick else FULL_MS)
+        kns = args.kn or list(QUICK_KN if args.quick else FULL_KN)
+        shapes = [(M, K, N) for K, N in kns for M in ms]
     torch = None
     if not args.no_torch:
         try:
@@ -208,6 +282,7 @@ def main(argv: list[str] | None = None) -> int:
         if torch is not None and not torch.cuda.is_available():
             torch = None
     rng = np.random.default_rng(0)
+    started = time.perf_counter()
     with Device(validation=False) as device:
         if not args.emulate and not coopmat_supported(device.cooperative_matrix_properties):
             raise SystemExit(f"{device.name} has no 16x16x16 fp16 cooperative matrices; pass --emulate to run the "
@@ -217,17 +292,26 @@ def main(argv: list[str] | None = None) -> int:
                 "torch": None if torch is None else torch.__version__,
                 "torch_device": None if torch is None else torch.cuda.get_device_name(),
                 "emulate": args.emulate, "replays": args.replays, "peak_tflops": args.peak_tflops,
+                "commit": args.commit, "tilings": {t.name: t.defines for t in TILINGS},
                 "host": platform.node(), "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
         print(f"Vulkan: {device.name}; PyTorch: {meta['torch_device'] or 'none'}", flush=True)
-        records = []
-        for K, N in kns:
-            for M in ms:
-                records.append(bench_shape(device, torch, M, K, N, args, rng))
-                print_record(records[-1])
-                sys.stdout.flush()
+        records: list[dict[str, Any]] = []
+        operands: dict[tuple[int, int], Operands] = {}
+        for index, (M, K, N) in enumerate(shapes):
+            if args.budget_s is not None and time.perf_counter() - started > args.budget_s:
+                meta["skipped_shapes"] = [list(shape) for shape in shapes[index:]]
+                print(f"budget of {args.budget_s} s spent: skipping {len(shapes) - index} shapes", flush=True)
+                break
+            if (K, N) not in operands:
+                operands[(K, N)] = Operands(K, N, rng)
+            records.append(bench_shape(device, torch, M, K, N, operands[(K, N)], args, rng))
+            print_record(records[-1], args.verbose)
+            print(f"    ({time.perf_counter() - started:.0f} s)", flush=True)
+            if args.out:
+                write_json(args.out, {"meta": meta, "results": records})
+    meta["seconds"] = time.perf_counter() - started
     if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps({"meta": meta, "results": records}, indent=1))
+        write_json(args.out, {"meta": meta, "results": records})
         print(f"wrote {args.out}")
     return 0
 

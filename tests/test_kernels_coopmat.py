@@ -37,13 +37,19 @@ from vktrain.quant import dequantize, quantize
 from vktrain.runtime import Buffer, Program
 from vktrain.runtime.delegate.kernels.coopmat import (
     ABSMAX_MAX_PARTIALS,
+    DEFAULT_TILINGS,
+    EMULATED_DEFAULT_TILINGS,
     EMULATED_LOOP_BUDGET,
+    KERNELS,
+    SHARED_MEMORY_BYTES,
     SUBGROUP_BASIC_BIT,
-    TILE_N,
+    TILING_BY_NAME,
+    TILINGS,
+    CoopmatTiling,
     _plan_absmax,
     absmax_partials,
     coopmat_supported,
-    default_tile_m,
+    default_tiling,
     emulated_loop_trips,
     plan_coopmat_linear_q4gsw,
     plan_coopmat_linear_q4gsw_backward,
@@ -57,8 +63,7 @@ from vktrain.runtime_shaders.build import all_shader_names
 FP16_UNIT_ROUNDOFF = 2.0 ** -11
 FP32_TRUNCATION = 2.0 ** -23
 FP16_SUBNORMAL_HALF_SPACING = 2.0 ** -25
-VARIANTS = [dict(tile_m=128, prefetch=False), dict(tile_m=64, prefetch=False),
-            dict(tile_m=128, prefetch=True), dict(tile_m=64, prefetch=True)]
+BM64 = CoopmatTiling(tile_m=64)
 
 
 def _shape(m=16, n=16, k=16, a="float16", b="float16", c="float32", r="float32", scope="subgroup"):
@@ -76,21 +81,46 @@ def test_supports_shape_needs_the_exact_shape_types_and_subgroup_scope():
 
 
 @pytest.mark.parametrize("b_transposed", [False, True])
-@pytest.mark.parametrize("variant", VARIANTS)
-def test_plans_name_prebuilt_variants_and_cover_the_output(b_transposed, variant):
+@pytest.mark.parametrize("tiling", TILINGS, ids=lambda t: t.name)
+def test_plans_name_prebuilt_variants_and_cover_the_output(b_transposed, tiling):
     declared = set(all_shader_names())
     M, N, K = 300, 260, 64
     *_, mm = plan_coopmat_mm(M=M, N=N, K=K, out="c", a="a", b="b", absmax="m", b_transposed=b_transposed,
-                             **variant)
+                             tiling=tiling)
     (linear,) = plan_coopmat_linear_q4gsw(M=M, N=N, K=K, group_size=32, out="y", x="x", weights="w",
-                                          scales="s", **variant)
-    for dispatch in (mm, linear):
+                                          scales="s", tiling=tiling)
+    # d_x: N = 260 output columns would be K of the weight, which q4gsw wants a multiple of its group.
+    *_, backward = plan_coopmat_linear_q4gsw_backward(M=M, N=K, K=288, group_size=32, out="d", d_out="g",
+                                                      weights="w", scales="s", absmax="m", tiling=tiling)
+    for dispatch, width in ((mm, N), (linear, N), (backward, 288)):
         assert dispatch.shader in declared, dispatch.shader
-        assert dispatch.groups == (-(-N // TILE_N), -(-M // variant["tile_m"]), 1)
-        assert dispatch.local_size is None  # the shaders fix 4 subgroups of SUBGROUP_SIZE
+        assert dispatch.groups == (-(-width // tiling.tile_n), -(-M // tiling.tile_m), 1)
+        assert dispatch.local_size is None  # the shaders fix SG_M x SG_N subgroups of SUBGROUP_SIZE
     assert ("B_TRANSPOSED" in mm.shader) == b_transposed
     assert [b.access for b in linear.bindings] == ["w", "r", "r", "r"]
     assert "AB_SCALE" in mm.shader and [b.buffer for b in mm.bindings] == ["c", "a", "b", "m"]
+
+
+def test_tilings_fit_shared_memory_and_have_distinct_names():
+    assert len(TILING_BY_NAME) == len(TILINGS)
+    for tiling in TILINGS:
+        assert tiling.problems() == [] and tiling.shared_bytes <= SHARED_MEMORY_BYTES, tiling
+    # The shader's arrays for the largest: 2 stages of 128 x (32 + 8) fp16 for A and for B, 4 edge blocks of
+    # 16 x 16 fp32, the two operand maxima.
+    assert CoopmatTiling(stages=2).shared_bytes == 2 * 2 * 2 * 128 * 40 + 4 * 4 * 256 + 8
+
+
+@pytest.mark.parametrize("tiling, match", [
+    (CoopmatTiling(bk=48), "bk=48 is not 32 or 64"),
+    (CoopmatTiling(stages=2, prefetch=True), "prefetch only with 1"),
+    (CoopmatTiling(tile_m=96, subgroups_m=4), "does not split"),
+    (CoopmatTiling(tile_m=256, subgroups_m=4, stages=2), "exceed 49152"),
+])
+def test_plans_refuse_a_tiling_the_shader_or_shared_memory_cannot_hold(tiling, match):
+    with pytest.raises(KernelArgumentError, match=match):
+        plan_coopmat_mm(M=64, N=64, K=64, out="c", a="a", b="b", absmax="m", tiling=tiling)
+    with pytest.raises(KernelArgumentError, match="tiling must be a CoopmatTiling"):
+        plan_coopmat_mm(M=64, N=64, K=64, out="c", a="a", b="b", absmax="m", tiling="bm64")
 
 
 def test_other_subgroup_sizes_name_a_variant_built_on_demand():
@@ -100,16 +130,24 @@ def test_other_subgroup_sizes_name_a_variant_built_on_demand():
         plan_coopmat_mm(M=64, N=64, K=64, out="c", a="a", b="b", absmax="m", subgroup_size=48)
 
 
-def test_default_tile_m_takes_64_rows_when_128_would_underfill():
-    assert default_tile_m(4096, 8192) == 128
-    assert default_tile_m(512, 2048) == 64  # 4 x 16 tiles of 128 rows: far fewer than the GPU's SMs x 2
+def test_default_tilings_are_built_tilings_chosen_by_output_size():
+    assert set(DEFAULT_TILINGS) == set(KERNELS)
+    for rows in (*DEFAULT_TILINGS.values(), EMULATED_DEFAULT_TILINGS):
+        fewest = [row[0] for row in rows]
+        assert fewest == sorted(fewest, reverse=True) and fewest[-1] == 0  # every size has a row
+        assert all(row[-1] in TILING_BY_NAME for row in rows)
+    for kernel, rows in DEFAULT_TILINGS.items():
+        for fewest, name in rows:
+            M = 128 * max(fewest, 1)  # an output of exactly `fewest` 128 x 128 tiles (one tile column)
+            assert default_tiling(kernel, M, 128, 2048) is TILING_BY_NAME[name], (kernel, fewest)
+    # The emulated defaults fit lavapipe's 32 KiB of shared memory.
+    assert all(TILING_BY_NAME[name].shared_bytes <= 32 * 1024 for _, name in EMULATED_DEFAULT_TILINGS)
 
 
 @pytest.mark.parametrize("kwargs, match", [
     (dict(M=0, N=16, K=16), "M must be an int >= 1"),
     (dict(M=16, N=18, K=16), "N=18 must be a multiple of 4"),
     (dict(M=16, N=16, K=14), "K=14 must be a multiple of 4"),
-    (dict(M=16, N=16, K=16, tile_m=32), "tile_m must be one of"),
     (dict(M=2**17, N=2**16, K=16), "32 bits"),
 ])
 def test_mm_refuses_bad_arguments_by_name(kwargs, match):
@@ -186,33 +224,38 @@ def _assert_fp16_gemm_close(actual, a64, b64, label):
     print(f"{label}: max |err| / (2^-11 * S) = {np.max(error / (FP16_UNIT_ROUNDOFF * magnitude + 1e-300)):.3f}")
 
 
-# Tensor cores: the Llama-sized reduction K = 2048 and edges in every dimension. Emulated (lavapipe,
-# slow): small shapes that still cover partial tiles in M and N, several K steps and a K tail.
+# Tensor cores: every built tiling at the Llama-sized reduction K = 2048 and edges in every dimension.
+# Emulated (lavapipe, slow): small shapes that still cover partial tiles in M and N, several K steps
+# and a K tail.
 GEMM_SHAPES = [(1, 4, 32), (37, 132, 96), (128, 256, 2048), (300, 520, 160), (513, 2048, 64)]
 EMULATED_SHAPES = [(1, 4, 32), (37, 132, 96), (70, 260, 64)]
-# Emulated, each variant costs lavapipe ~20 s of shader compilation (cached on disk after): two variants
-# cover both tile heights and both staging orders.
-EMULATED_VARIANTS = [dict(tile_m=64, prefetch=False), dict(tile_m=128, prefetch=True)]
-
+# Emulated, each variant costs lavapipe ~20 s of shader compilation (cached on disk after): two tilings
+# cover both tile heights and both staging orders at every emulated shape...
+EMULATED_TILINGS = [BM64, CoopmatTiling(prefetch=True)]
+# ... and one shape (partial tiles in M and N, a K tail for BK = 64) covers each other code path of the
+# body that fits lavapipe's 32 KiB: two shared stages, BK = 64, 64-wide tiles, 8 subgroups along M or N.
+EMULATED_PATH_TILINGS = [CoopmatTiling(tile_m=64, tile_n=64, stages=2), CoopmatTiling(tile_m=64, bk=64),
+                         CoopmatTiling(subgroups_m=4), CoopmatTiling(subgroups_n=4)]
+EMULATED_PATH_SHAPE = (70, 260, 96)
 
 # The d_x kernel's reduction is N: (70, 1000, 160) reduces over 1000, past what the emulated kernel ran
 # before its loops were reordered for lavapipe's loop budget (256 with 64-row tiles).
 EMULATED_BACKWARD_SHAPES = [(1, 4, 32), (37, 132, 96), (70, 1000, 160)]
-EMULATED_64_ROW_VARIANTS = [dict(tile_m=64, prefetch=False), dict(tile_m=64, prefetch=True)]
+EMULATED_64_ROW_TILINGS = [BM64, CoopmatTiling(tile_m=64, prefetch=True)]
 
 
-def _cases(extra_shapes=(), emulated_variants=EMULATED_VARIANTS, emulated_shapes=EMULATED_SHAPES):
-    def variant_id(v):
-        return f"bm{v['tile_m']}{'-prefetch' if v['prefetch'] else ''}"
+def _cases(extra_shapes=(), emulated_tilings=EMULATED_TILINGS, emulated_shapes=EMULATED_SHAPES):
     cases = []
-    for mode, shapes, variants in (("coopmat", GEMM_SHAPES, VARIANTS), ("emulated", emulated_shapes, emulated_variants)):
+    for mode, shapes, tilings in (("coopmat", GEMM_SHAPES, TILINGS), ("emulated", emulated_shapes, emulated_tilings)):
         for M, N, K in list(shapes) + list(extra_shapes):
-            cases += [pytest.param(mode, v, M, N, K, id=f"{mode}-{M}x{N}x{K}-{variant_id(v)}") for v in variants]
+            cases += [pytest.param(mode, t, M, N, K, id=f"{mode}-{M}x{N}x{K}-{t.name}") for t in tilings]
+    M, N, K = EMULATED_PATH_SHAPE
+    cases += [pytest.param("emulated", t, M, N, K, id=f"emulated-{M}x{N}x{K}-{t.name}") for t in EMULATED_PATH_TILINGS]
     return cases
 
 
-@pytest.mark.parametrize("mode, variant, M, N, K", _cases())
-def test_linear_q4gsw_matches_float64_within_the_fp16_bound(vk_device, mode, M, N, K, variant):
+@pytest.mark.parametrize("mode, tiling, M, N, K", _cases())
+def test_linear_q4gsw_matches_float64_within_the_fp16_bound(vk_device, mode, M, N, K, tiling):
     backend = _gemm_backend(vk_device, mode)
     rng = np.random.default_rng(M * 7 + N + K)
     group_size = 32
@@ -220,11 +263,11 @@ def test_linear_q4gsw_matches_float64_within_the_fp16_bound(vk_device, mode, M, 
     scales[rng.integers(0, scales.shape[0]), :] = 0.0  # a zero group must decode to zeros
     x = rng.standard_normal((M, K)).astype(np.float32)
     dispatches = plan_coopmat_linear_q4gsw(M=M, N=N, K=K, group_size=group_size, out="out", x="x",
-                                           weights="w", scales="s", **variant, **backend)
+                                           weights="w", scales="s", tiling=tiling, **backend)
     actual = _run(vk_device, dispatches, {"x": x, "w": prepack_weights(flat, K), "s": scales}, (M, N))
     deq = dequantize(flat, scales, group_size).astype(np.float64)
     _assert_fp16_gemm_close(actual, x.astype(np.float64), deq.T,
-                            f"coopmat_linear_q4gsw {mode} {M}x{N}x{K} {variant}")
+                            f"coopmat_linear_q4gsw {mode} {M}x{N}x{K} {tiling.name}")
 
 
 @pytest.mark.parametrize("mode", ["coopmat", "emulated"])
@@ -249,11 +292,11 @@ def _scale_exponent(x: np.ndarray) -> int:
     return 0 if largest == 0.0 else 14 - int(np.floor(np.log2(largest)))
 
 
-def _run_mm(device, backend, a, b, b_transposed=False, **variant):
+def _run_mm(device, backend, a, b, b_transposed=False, tiling=None):
     (M, K), N = a.shape, b.shape[1]
     stored_b = np.ascontiguousarray(b.T) if b_transposed else b
     dispatches = plan_coopmat_mm(M=M, N=N, K=K, out="out", a="a", b="b", absmax="absmax",
-                                 b_transposed=b_transposed, **variant, **backend)
+                                 b_transposed=b_transposed, tiling=tiling, **backend)
     return _run(device, dispatches, {"a": a, "b": stored_b}, (M, N))
 
 
@@ -265,14 +308,14 @@ def _assert_scaled_mm_close(actual, a, b, label):
 
 
 @pytest.mark.parametrize("b_transposed", [False, True], ids=["b", "b_transposed"])
-@pytest.mark.parametrize("mode, variant, M, N, K", _cases(extra_shapes=[(64, 16, 4)]))
-def test_mm_matches_float64_within_the_fp16_bound(vk_device, mode, M, N, K, variant, b_transposed):
+@pytest.mark.parametrize("mode, tiling, M, N, K", _cases(extra_shapes=[(64, 16, 4)]))
+def test_mm_matches_float64_within_the_fp16_bound(vk_device, mode, M, N, K, tiling, b_transposed):
     backend = _gemm_backend(vk_device, mode)
     rng = np.random.default_rng(M + 3 * N + 5 * K)
     a = rng.standard_normal((M, K)).astype(np.float32)
     b = (rng.standard_normal((K, N)) * 0.1).astype(np.float32)
-    actual = _run_mm(vk_device, backend, a, b, b_transposed, **variant)
-    _assert_scaled_mm_close(actual, a, b, f"coopmat_mm {mode} {M}x{N}x{K} b_transposed={b_transposed} {variant}")
+    actual = _run_mm(vk_device, backend, a, b, b_transposed, tiling)
+    _assert_scaled_mm_close(actual, a, b, f"coopmat_mm {mode} {M}x{N}x{K} b_transposed={b_transposed} {tiling.name}")
 
 
 @pytest.mark.parametrize("b_transposed", [False, True], ids=["b", "b_transposed"])
@@ -287,7 +330,7 @@ def test_mm_keeps_fp16_precision_for_operands_of_any_scale(vk_device, mode, scal
     rng = np.random.default_rng(11)
     a = (rng.standard_normal((37, 96)) * scale_a).astype(np.float32)
     b = (rng.standard_normal((96, 132)) * scale_b).astype(np.float32)
-    actual = _run_mm(vk_device, backend, a, b, b_transposed, tile_m=64)
+    actual = _run_mm(vk_device, backend, a, b, b_transposed, BM64)
     _assert_scaled_mm_close(actual, a, b, f"coopmat_mm {mode} a x{scale_a} b x{scale_b}")
 
 
@@ -328,16 +371,16 @@ def test_emulated_mm_runs_the_longest_reduction_its_loop_budget_allows(vk_device
     backend = _gemm_backend(vk_device, "emulated")
     subgroup_size = backend["subgroup_size"]
     K = 32
-    while emulated_loop_trips(64, K + 32, subgroup_size) <= EMULATED_LOOP_BUDGET:
+    while emulated_loop_trips(BM64, K + 32, subgroup_size) <= EMULATED_LOOP_BUDGET:
         K += 32
     assert K >= 4000  # 16x what the emulated kernel ran before its loops were reordered (K < 256)
     rng = np.random.default_rng(5)
     a = rng.standard_normal((64, K)).astype(np.float32)
     b = (rng.standard_normal((K, 128)) * 0.1).astype(np.float32)
-    actual = _run_mm(vk_device, backend, a, b, tile_m=64)
+    actual = _run_mm(vk_device, backend, a, b, tiling=BM64)
     _assert_scaled_mm_close(actual, a, b, f"emulated coopmat_mm 64x128x{K}")
     with pytest.raises(KernelArgumentError, match="lavapipe's limit of 65535"):
-        plan_coopmat_mm(M=64, N=128, K=K + 32, out="c", a="a", b="b", absmax="m", tile_m=64, **backend)
+        plan_coopmat_mm(M=64, N=128, K=K + 32, out="c", a="a", b="b", absmax="m", tiling=BM64, **backend)
 
 
 @pytest.mark.parametrize("mode", ["coopmat", "emulated"])
@@ -352,18 +395,19 @@ def test_mm_rounds_inputs_to_fp16_not_keeping_fp32(vk_device, mode):
     np.testing.assert_array_equal(actual, np.ones((16, 16)))
 
 
-def _run_linear_backward(device, backend, d_out, flat, scales, group_size, **variant):
+def _run_linear_backward(device, backend, d_out, flat, scales, group_size, tiling=None):
     M, N = d_out.shape
     K = scales.shape[0] * group_size
     dispatches = plan_coopmat_linear_q4gsw_backward(M=M, N=N, K=K, group_size=group_size, out="out", d_out="d_out",
-                                                    weights="w", scales="s", absmax="absmax", **variant, **backend)
+                                                    weights="w", scales="s", absmax="absmax", tiling=tiling,
+                                                    **backend)
     return _run(device, dispatches, {"d_out": d_out, "w": prepack_weights(flat, K), "s": scales}, (M, K))
 
 
 @pytest.mark.parametrize("gradient_scale", [1.0, 1e-7], ids=["unit", "tiny"])
-@pytest.mark.parametrize("mode, variant, M, N, K", _cases(emulated_variants=EMULATED_64_ROW_VARIANTS,
-                                                        emulated_shapes=EMULATED_BACKWARD_SHAPES))
-def test_linear_q4gsw_backward_matches_float64_within_the_scaled_fp16_bound(vk_device, mode, M, N, K, variant,
+@pytest.mark.parametrize("mode, tiling, M, N, K", _cases(emulated_tilings=EMULATED_64_ROW_TILINGS,
+                                                       emulated_shapes=EMULATED_BACKWARD_SHAPES))
+def test_linear_q4gsw_backward_matches_float64_within_the_scaled_fp16_bound(vk_device, mode, M, N, K, tiling,
                                                                              gradient_scale):
     """d_x = d_out @ deq(W) (here N is the reduction, K the output width)."""
     backend = _gemm_backend(vk_device, mode)
@@ -371,11 +415,11 @@ def test_linear_q4gsw_backward_matches_float64_within_the_scaled_fp16_bound(vk_d
     group_size = 32
     flat, scales = quantize(rng.standard_normal((N, K)).astype(np.float32), group_size)
     d_out = (rng.standard_normal((M, N)) * gradient_scale).astype(np.float32)
-    actual = _run_linear_backward(vk_device, backend, d_out, flat, scales, group_size, **variant)
+    actual = _run_linear_backward(vk_device, backend, d_out, flat, scales, group_size, tiling)
     scale = 2.0 ** _scale_exponent(d_out)
     deq = dequantize(flat, scales, group_size).astype(np.float64)
     _assert_fp16_gemm_close(actual * scale, d_out.astype(np.float64) * scale, deq,
-                            f"coopmat_linear_q4gsw_backward {mode} {M}x{N}x{K} {variant} x{gradient_scale}")
+                            f"coopmat_linear_q4gsw_backward {mode} {M}x{N}x{K} {tiling.name} x{gradient_scale}")
 
 
 @pytest.mark.parametrize("mode", ["coopmat", "emulated"])
@@ -392,7 +436,8 @@ def test_backward_plan_measures_then_multiplies():
     assert absmax.shader == "coopmat_absmax" and absmax.groups == (ABSMAX_MAX_PARTIALS, 1, 1)
     assert [b.buffer for b in absmax.bindings] == ["m", "g", "g"]  # one tensor: x1 unused
     assert gemm.shader in set(all_shader_names()) and gemm.shader.startswith("coopmat_linear_q4gsw_backward@A_SCALE")
-    assert gemm.groups == (8192 // TILE_N, 512 // default_tile_m(512, 8192), 1)
+    tiling = default_tiling("coopmat_linear_q4gsw_backward", 512, 8192, 2048)
+    assert gemm.groups == (8192 // tiling.tile_n, 512 // tiling.tile_m, 1)
     assert [b.buffer for b in gemm.bindings] == ["dx", "g", "w", "s", "m"]
 
 
@@ -414,13 +459,16 @@ def test_linear_q4gsw_backward_propagates_a_non_finite_gradient(vk_device, mode,
 
 
 def test_emulated_plans_refuse_reductions_past_the_loop_budget_and_tensor_cores_do_not():
-    for tile_m, subgroup_size in ((128, 8), (64, 8), (64, 32)):
-        trips_per_step = 1 + 2 * (tile_m // 32) * (TILE_N // 32) * 16  # the k-step loop and its multiply-adds
-        assert emulated_loop_trips(tile_m, 4096, subgroup_size) == (
-            4096 // 32 * trips_per_step + (tile_m // 32) * (TILE_N // 32) * (256 // subgroup_size))
+    for tiling, subgroup_size in ((CoopmatTiling(), 8), (BM64, 8), (BM64, 32), (CoopmatTiling(tile_m=64, bk=64), 8),
+                                  (CoopmatTiling(subgroups_n=4), 8)):
+        # The k-step loop and its multiply-adds: BK / 16 products per accumulator of the subgroup's tile.
+        accumulators = (tiling.tile_m // tiling.subgroups_m // 16) * (tiling.tile_n // tiling.subgroups_n // 16)
+        trips_per_step = 1 + tiling.bk // 16 * accumulators * 16
+        assert emulated_loop_trips(tiling, 4096, subgroup_size) == (
+            4096 // tiling.bk * trips_per_step + accumulators * (256 // subgroup_size))
         longest = max(K for K in range(32, 20000, 32)
-                      if emulated_loop_trips(tile_m, K, subgroup_size) <= EMULATED_LOOP_BUDGET)
-        args = dict(M=64, N=64, out="c", a="a", b="b", absmax="m", tile_m=tile_m, subgroup_size=subgroup_size)
+                      if emulated_loop_trips(tiling, K, subgroup_size) <= EMULATED_LOOP_BUDGET)
+        args = dict(M=64, N=64, out="c", a="a", b="b", absmax="m", tiling=tiling, subgroup_size=subgroup_size)
         plan_coopmat_mm(K=longest, emulate=True, **args)
         with pytest.raises(KernelArgumentError, match="within lavapipe's limit of 65535"):
             plan_coopmat_mm(K=longest + 32, emulate=True, **args)

@@ -40,6 +40,7 @@ from vktrain.runtime.delegate.executor import GraphExecutor
 from vktrain.runtime.delegate.kernels.coopmat import (
     EMULATED_LOOP_BUDGET,
     MIN_WORKGROUPS,
+    CoopmatTiling,
     GemmRoute,
     PrecisionPolicyError,
     allowed_precisions,
@@ -159,7 +160,7 @@ def test_emulated_route_keeps_reductions_past_lavapipe_loop_budget_on_the_fp32_k
     route = select_gemm_route(PRECISION_FP16_TC, PRECISIONS, _device(subgroup_size=8), emulate=True)
     assert route.dense_b_transposed(_matrix(16, 64), _matrix(64, 8)) is False  # emulated: any size
     too_long = 32
-    while emulated_loop_trips(64, too_long, 8) <= EMULATED_LOOP_BUDGET:
+    while emulated_loop_trips(CoopmatTiling(tile_m=64), too_long, 8) <= EMULATED_LOOP_BUDGET:
         too_long += 32
     assert route.dense_b_transposed(_matrix(16, too_long - 32), _matrix(too_long - 32, 64)) is False
     assert route.dense_b_transposed(_matrix(16, too_long), _matrix(too_long, 64)) is None

@@ -18,16 +18,20 @@
 // Rounding error: each product a_k b_k is computed from fp16(a_k) fp16(b_k), relative error <= 2^-11
 // each, then summed in fp32 (tests/test_kernels_coopmat.py derives its tolerance from this).
 //
-// Tiling: a workgroup of 4 subgroups of SUBGROUP_SIZE invocations (a define, default 32: the variant
-// name carries it, e.g. coopmat_mm@SUBGROUP_SIZE=64) owns a BM x BN tile of C as 2 x 2 subgroup tiles
-// of (BM/2) x (BN/2), each a grid of 16 x 16 accumulators. The reduction advances BK = 32 at a time:
-// every thread fetches its share of the A and B tiles from memory into registers, converts and
-// writes them into shared memory, a barrier, the subgroups multiply (BK/16 steps of 16x16x16
-// products), a barrier. With PREFETCH the next step's loads are issued before the multiplications
-// of this one (latency hidden behind them, at the cost of the registers that hold them). Shared rows
-// carry a 16-byte skew (found best by the probe: fewer bank conflicts in the matrix loads). The
-// output is stored straight from the accumulators where a 16 x 16 block lies inside C, and through
-// a per-subgroup shared block with bounds checks at the edges.
+// Tiling: a workgroup of SG_M x SG_N subgroups (defines, default 2 x 2) of SUBGROUP_SIZE invocations
+// (a define, default 32: the variant name carries it, e.g. coopmat_mm@SUBGROUP_SIZE=64) owns a BM x BN
+// tile of C (defines, default 128 x 128) as subgroup tiles of (BM/SG_M) x (BN/SG_N), each a grid of
+// 16 x 16 accumulators. The reduction advances BK (a define, 32 or 64) at a time: every thread fetches
+// its share of the A and B tiles from memory into registers, converts and writes them into shared
+// memory, and the subgroups multiply (BK/16 steps of 16x16x16 products). STAGES=1 (default): one shared
+// buffer, a barrier after the writes and one after the products; with PREFETCH the next step's loads
+// are issued before this step's products (latency hidden behind them, at the cost of the registers
+// that hold them). STAGES=2: two shared buffers and one barrier per step: step k+1 is fetched before
+// step k's products and written into the other buffer after them. Shared rows carry a 16-byte skew
+// (found best by the probe: fewer bank conflicts in the matrix loads). The output is stored straight
+// from the accumulators where a 16 x 16 block lies inside C, and through a per-subgroup shared block
+// with bounds checks at the edges. kernels/coopmat.py (CoopmatTiling) names the variants and checks
+// what fits the 48 KiB of shared memory (the #error below says it again).
 //
 // COOPMAT_EMULATE replaces the cooperative-matrix operations (load, multiply-add, store) by plain
 // shared-memory arithmetic with the same semantics, so a device without the extension (lavapipe in
@@ -47,19 +51,41 @@
 #ifndef SUBGROUP_SIZE
 #define SUBGROUP_SIZE 32
 #endif
-#define NUM_THREADS (4 * SUBGROUP_SIZE)
+#ifndef SG_M
+#define SG_M 2                         // subgroups along M
+#endif
+#ifndef SG_N
+#define SG_N 2                         // subgroups along N
+#endif
+#define NUM_SUBGROUPS (SG_M * SG_N)
+#define NUM_THREADS (NUM_SUBGROUPS * SUBGROUP_SIZE)
 layout(local_size_x = NUM_THREADS, local_size_y = 1, local_size_z = 1) in;
 
 #ifndef BM
 #define BM 128
 #endif
+#ifndef BN
 #define BN 128
+#endif
+#ifndef BK
 #define BK 32
+#endif
+#ifndef STAGES
+#define STAGES 1
+#endif
+#if STAGES == 2 && defined(PREFETCH)
+#error "STAGES=2 already fetches the next step before the products: no PREFETCH with it"
+#elif STAGES != 1 && STAGES != 2
+#error "STAGES is 1 or 2"
+#endif
 #define TILE 16                        // the 16x16x16 cooperative-matrix shape
-#define WM (BM / 2)                    // rows of C one subgroup owns
-#define WN (BN / 2)
+#define WM (BM / SG_M)                 // rows of C one subgroup owns
+#define WN (BN / SG_N)
 #define FRAG_M (WM / TILE)             // accumulators per subgroup along M
 #define FRAG_N (WN / TILE)
+#if WM % TILE != 0 || WN % TILE != 0 || BK % TILE != 0
+#error "BM / SG_M, BN / SG_N and BK must be multiples of 16"
+#endif
 #define SKEW4 2                        // 16-byte row skew, in f16vec4 (8 bytes each)
 #define K_STRIDE4 (BK / 4 + SKEW4)     // f16vec4 per shared row of a K-contiguous tile
 #define N_STRIDE4 (BN / 4 + SKEW4)     // f16vec4 per shared row of an N-contiguous tile
@@ -109,14 +135,19 @@ layout(set = 0, binding = 3) readonly restrict buffer AbsMaxBuf { uint partial_a
 #define SCALE_EXPONENT_LIMIT 60
 #define B_PER_THREAD ((B_ITEMS + NUM_THREADS - 1) / NUM_THREADS)
 
-shared f16vec4 a_tile[BM * K_STRIDE4];  // [m][k]
+#define A_STAGE4 (BM * K_STRIDE4)        // f16vec4 per stage of a_tile
 #if defined(COOPMAT_B_ROW_MAJOR) || defined(COOPMAT_B_Q4GSW_T)
-shared f16vec4 b_tile[BK * N_STRIDE4];  // [k][n]
+#define B_STAGE4 (BK * N_STRIDE4)        // b_tile [k][n]
 #else
-shared f16vec4 b_tile[BN * K_STRIDE4];  // [n][k]: B read as a column-major K x N matrix
+#define B_STAGE4 (BN * K_STRIDE4)        // b_tile [n][k]: B read as a column-major K x N matrix
 #endif
+#if 8 * STAGES * (A_STAGE4 + B_STAGE4) + 4 * NUM_SUBGROUPS * TILE * TILE + 8 > 49152
+#error "the tiles of this variant exceed 48 KiB of shared memory"
+#endif
+shared f16vec4 a_tile[STAGES * A_STAGE4];  // [stage][m][k]
+shared f16vec4 b_tile[STAGES * B_STAGE4];  // [stage][k][n] or [stage][n][k]
 // Edge blocks of C go through here (one 16 x 16 block per subgroup), then to memory with bounds checks.
-shared float edge_block[4 * TILE * TILE];
+shared float edge_block[NUM_SUBGROUPS * TILE * TILE];
 #if defined(A_SCALE) || defined(AB_SCALE)
 shared uint operand_absmax[2];  // max |A|, max |B| as float bits, reduced from the partials
 #endif
@@ -239,10 +270,10 @@ void fetch_a(uint m0, uint k0, uint tid) {
     }
 }
 
-void commit_a(uint tid) {
+void commit_a(uint tid, uint base4) {
     [[unroll]] for (uint s = 0u; s < A_PER_THREAD; ++s) {
         const uint v = tid + s * NUM_THREADS;
-        if (v < A_VECS) a_tile[(v / (BK / 4u)) * K_STRIDE4 + v % (BK / 4u)] = f16vec4(a_stage[s] * a_scale);
+        if (v < A_VECS) a_tile[base4 + (v / (BK / 4u)) * K_STRIDE4 + v % (BK / 4u)] = f16vec4(a_stage[s] * a_scale);
     }
 }
 
@@ -273,7 +304,7 @@ void fetch_b(uint n0, uint k0, uint tid) {
     }
 }
 
-void commit_b(uint tid) {
+void commit_b(uint tid, uint base4) {
     [[unroll]] for (uint s = 0u; s < B_PER_THREAD; ++s) {
         const uint v = tid + s * NUM_THREADS;
         if (v >= B_ITEMS) continue;
@@ -286,8 +317,8 @@ void commit_b(uint tid) {
             const vec4 low = vec4((uvec4(word) >> uvec4(0u, 8u, 16u, 24u)) & 0xFu) - 8.0;   // row 8n8 + 2j
             const vec4 high = vec4((uvec4(word) >> uvec4(4u, 12u, 20u, 28u)) & 0xFu) - 8.0;  // row 8n8 + 2j + 1
             const uint row = 8u * n8l + 2u * j;
-            b_tile[row * K_STRIDE4 + k4l] = f16vec4(low * row_scale[2u * j]);
-            b_tile[(row + 1u) * K_STRIDE4 + k4l] = f16vec4(high * row_scale[2u * j + 1u]);
+            b_tile[base4 + row * K_STRIDE4 + k4l] = f16vec4(low * row_scale[2u * j]);
+            b_tile[base4 + (row + 1u) * K_STRIDE4 + k4l] = f16vec4(high * row_scale[2u * j + 1u]);
         }
     }
 }
@@ -317,7 +348,7 @@ void fetch_b(uint n0, uint k0, uint tid) {
     }
 }
 
-void commit_b(uint tid) {
+void commit_b(uint tid, uint base4) {
     [[unroll]] for (uint s = 0u; s < B_PER_THREAD; ++s) {
         const uint v = tid + s * NUM_THREADS;
         if (v >= B_ITEMS) continue;
@@ -330,8 +361,8 @@ void commit_b(uint tid) {
             const vec4 low = vec4((uvec4(word) >> uvec4(0u, 8u, 16u, 24u)) & 0xFu) - 8.0;   // row 8n8 + 2j
             const vec4 high = vec4((uvec4(word) >> uvec4(4u, 12u, 20u, 28u)) & 0xFu) - 8.0;  // row 8n8 + 2j + 1
             const uint row = 8u * n8l + 2u * j;
-            b_tile[row * N_STRIDE4 + k4l] = f16vec4(low * row_scale[2u * j]);
-            b_tile[(row + 1u) * N_STRIDE4 + k4l] = f16vec4(high * row_scale[2u * j + 1u]);
+            b_tile[base4 + row * N_STRIDE4 + k4l] = f16vec4(low * row_scale[2u * j]);
+            b_tile[base4 + (row + 1u) * N_STRIDE4 + k4l] = f16vec4(high * row_scale[2u * j + 1u]);
         }
     }
 }
@@ -349,10 +380,10 @@ void fetch_b(uint n0, uint k0, uint tid) {
     }
 }
 
-void commit_b(uint tid) {
+void commit_b(uint tid, uint base4) {
     [[unroll]] for (uint s = 0u; s < B_PER_THREAD; ++s) {
         const uint v = tid + s * NUM_THREADS;
-        if (v < B_ITEMS) b_tile[(v / (BN / 4u)) * N_STRIDE4 + v % (BN / 4u)] = f16vec4(b_stage[s] * b_scale);
+        if (v < B_ITEMS) b_tile[base4 + (v / (BN / 4u)) * N_STRIDE4 + v % (BN / 4u)] = f16vec4(b_stage[s] * b_scale);
     }
 }
 #else
@@ -366,10 +397,10 @@ void fetch_b(uint n0, uint k0, uint tid) {
     }
 }
 
-void commit_b(uint tid) {
+void commit_b(uint tid, uint base4) {
     [[unroll]] for (uint s = 0u; s < B_PER_THREAD; ++s) {
         const uint v = tid + s * NUM_THREADS;
-        if (v < B_ITEMS) b_tile[(v / (BK / 4u)) * K_STRIDE4 + v % (BK / 4u)] = f16vec4(b_stage[s] * b_scale);
+        if (v < B_ITEMS) b_tile[base4 + (v / (BK / 4u)) * K_STRIDE4 + v % (BK / 4u)] = f16vec4(b_stage[s] * b_scale);
     }
 }
 #endif
@@ -380,7 +411,7 @@ void main() {
     const uvec3 group = VKTRAIN_GLOBAL_GROUP_ID(pc);
     const uint m0 = group.y * BM, n0 = group.x * BN;
     const uint sg = gl_SubgroupID;
-    const uint sg_m = sg / 2u, sg_n = sg % 2u;
+    const uint sg_m = sg / SG_N, sg_n = sg % SG_N;
     int exponent = 0;  // of the product of the operand scales, undone before the store
 #if defined(A_SCALE) || defined(AB_SCALE)
     reduce_partials(tid);
@@ -399,20 +430,30 @@ void main() {
         [[unroll]] for (uint j = 0u; j < FRAG_N; ++j) acc[i][j] = ACC_ZERO;
     }
 
-#ifdef PREFETCH
+    uint a_base = 0u, b_base = 0u;  // this step's stage of a_tile and b_tile (f16vec4 offsets)
+#if STAGES == 2
+    fetch_a(m0, 0u, tid);
+    fetch_b(n0, 0u, tid);
+    commit_a(tid, 0u);
+    commit_b(tid, 0u);
+    barrier();
+#elif defined(PREFETCH)
     fetch_a(m0, 0u, tid);
     fetch_b(n0, 0u, tid);
 #endif
     for (uint k0 = 0u; k0 < pc.K; k0 += BK) {
+        const bool more = k0 + BK < pc.K;
+#if STAGES == 1
 #ifndef PREFETCH
         fetch_a(m0, k0, tid);
         fetch_b(n0, k0, tid);
 #endif
-        commit_a(tid);
-        commit_b(tid);
+        commit_a(tid, 0u);
+        commit_b(tid, 0u);
         barrier();
-#ifdef PREFETCH
-        if (k0 + BK < pc.K) {
+#endif
+#if STAGES == 2 || defined(PREFETCH)
+        if (more) {
             fetch_a(m0, k0 + BK, tid);
             fetch_b(n0, k0 + BK, tid);
         }
@@ -420,18 +461,27 @@ void main() {
         [[unroll]] for (uint kk = 0u; kk < BK; kk += TILE) {
             FragA a_frag[FRAG_M];
             [[unroll]] for (uint i = 0u; i < FRAG_M; ++i) {
-                LOAD_A(a_frag[i], (sg_m * WM + i * TILE) * K_STRIDE4 + kk / 4u, K_STRIDE4);
+                LOAD_A(a_frag[i], a_base + (sg_m * WM + i * TILE) * K_STRIDE4 + kk / 4u, K_STRIDE4);
             }
             [[unroll]] for (uint j = 0u; j < FRAG_N; ++j) {
                 FragB b_frag;
 #if defined(COOPMAT_B_ROW_MAJOR) || defined(COOPMAT_B_Q4GSW_T)
-                LOAD_B(b_frag, kk * N_STRIDE4 + (sg_n * WN + j * TILE) / 4u, N_STRIDE4);
+                LOAD_B(b_frag, b_base + kk * N_STRIDE4 + (sg_n * WN + j * TILE) / 4u, N_STRIDE4);
 #else
-                LOAD_B(b_frag, (sg_n * WN + j * TILE) * K_STRIDE4 + kk / 4u, K_STRIDE4);
+                LOAD_B(b_frag, b_base + (sg_n * WN + j * TILE) * K_STRIDE4 + kk / 4u, K_STRIDE4);
 #endif
                 [[unroll]] for (uint i = 0u; i < FRAG_M; ++i) MUL_ADD(acc[i][j], a_frag[i], b_frag);
             }
         }
+#if STAGES == 2
+        // The other stage was last read before the previous barrier: write the next step there.
+        if (more) {
+            commit_a(tid, A_STAGE4 - a_base);
+            commit_b(tid, B_STAGE4 - b_base);
+        }
+        a_base = A_STAGE4 - a_base;
+        b_base = B_STAGE4 - b_base;
+#endif
         barrier();
     }
 

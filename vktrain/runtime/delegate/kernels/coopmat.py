@@ -18,10 +18,12 @@ one-plan-per-op registry; the op lowering takes them where this program's GemmRo
                          two before its fp16 rounding (max |d_out| from coopmat_absmax, the first dispatch)
 
 They need a device whose `cooperative_matrix_properties` list 16x16x16 fp16 x fp16 + fp32 at subgroup
-scope (`coopmat_supported`). Tiling: 4 subgroups per workgroup, a BN = 128 wide tile and BM = 128 or 64
-rows (`tile_m`; default: 64 when 128-row tiles would leave the GPU short of workgroups). Push
-constants (after the runtime's group-offset header): M, N, K, group_size (0 for mm), and the number of
-per-workgroup maxima of |A| and |B| coopmat_absmax wrote for the operand scales (0 where unscaled).
+scope (`coopmat_supported`). Tiling: a `CoopmatTiling` names one variant of the shaders' body
+(workgroup tile, subgroup grid, reduction step BK, shared stages, register prefetch); `TILINGS` lists
+those built ahead of time, and `default_tiling` picks one per kernel and shape from `DEFAULT_TILINGS`,
+a table taken from the H200 sweep (bench/results/coopmat_h200.json). Push constants (after the
+runtime's group-offset header): M, N, K, group_size (0 for mm), and the number of per-workgroup maxima
+of |A| and |B| coopmat_absmax wrote for the operand scales (0 where unscaled).
 
 Selection (docs/PRECISION.md): the program's blob lists the GEMM precision policies it allows
 (`allowed_precisions`, metadata `gemm_precisions`); at load `select_gemm_route` picks, from the policy the
@@ -54,13 +56,10 @@ from vktrain.runtime.vk.schedule import Dispatch, ceil_div, pack_push
 FRAGMENT = (16, 16, 16)
 INPUT_TYPE, ACCUMULATOR_TYPE = "float16", "float32"
 EXTENSION_HINT = f"{EXTENSION_NAME} 16x16x16 {INPUT_TYPE}*{INPUT_TYPE}+{ACCUMULATOR_TYPE}"
-TILE_N = 128
-TILE_M_CHOICES = (128, 64)
 DEFAULT_SUBGROUP_SIZE = 32  # the shaders' default SUBGROUP_SIZE define (NVIDIA; AMD RDNA may need 64)
-# 128-row tiles when they give at least this many workgroups (about 2 per SM of a 132-SM H200), else 64:
-# the faster tile for both kernels at all 12 Llama-3.2-1B shapes of bench/results/coopmat_h200.json.
-TARGET_WORKGROUPS = 256
-# A GEMM takes the tensor cores when its output has at least this many 64-row tiles (about one per SM of
+# Size measure of the route's rule below (not a tiling): outputs counted in tiles of 64 x 128.
+SIZE_TILE_M, SIZE_TILE_N = 64, 128
+# A GEMM takes the tensor cores when its output has at least this many 64 x 128 tiles (about one per SM of
 # a 132-SM H200): each workgroup then takes about as long as at M = 512 (0.058 ms for K = 2048 in
 # bench/results/coopmat_h200.json), while the SIMT kernels split K over the SMs at small M (0.043 ms at
 # M = 128, N = 2048: 32 coopmat workgroups would be slower).
@@ -74,7 +73,113 @@ SUBGROUP_BASIC_BIT = 0x1  # VK_SUBGROUP_FEATURE_BASIC_BIT: what the emulated var
 # 315-327 per K step where the source runs 257).
 LAVAPIPE_LOOP_LIMIT = 65535
 EMULATED_LOOP_BUDGET = LAVAPIPE_LOOP_LIMIT // 2
-BK = 32  # the shaders' reduction step
+# What every tiling must fit: the 48 KiB of shared memory a workgroup gets on NVIDIA GPUs (AMD RDNA3 and
+# Intel Arc offer 64). lavapipe offers 32: the emulated route's default tilings fit that.
+SHARED_MEMORY_BYTES = 48 * 1024
+
+
+@dataclass(frozen=True)
+class CoopmatTiling:
+    """One tiling variant of coopmat_gemm.glsl: a tile_m x tile_n workgroup tile of C, computed by
+    subgroups_m x subgroups_n subgroups of (tile_m / subgroups_m) x (tile_n / subgroups_n) each; the
+    reduction advances `bk` per step through `stages` shared buffers (2: one barrier per step, the next
+    step fetched before this one's products); `prefetch` (one stage only) issues the next step's global
+    loads before the products. Defaults are the shaders' (no define)."""
+
+    tile_m: int = 128
+    tile_n: int = 128
+    bk: int = 32
+    stages: int = 1
+    prefetch: bool = False
+    subgroups_m: int = 2
+    subgroups_n: int = 2
+
+    @property
+    def name(self) -> str:
+        """Short name for reports and test ids, e.g. bm64+bk64+stages2."""
+        parts = [f"bm{self.tile_m}"] + ([f"bn{self.tile_n}"] if self.tile_n != 128 else []) \
+            + ([f"bk{self.bk}"] if self.bk != 32 else []) \
+            + ([f"sg{self.subgroups_m}x{self.subgroups_n}"] if (self.subgroups_m, self.subgroups_n) != (2, 2) else []) \
+            + ([f"stages{self.stages}"] if self.stages != 1 else []) + (["prefetch"] if self.prefetch else [])
+        return "+".join(parts)
+
+    @property
+    def defines(self) -> list[str]:
+        """The shader defines of this tiling, in the order the sources' `vktrain-variants:` lines use."""
+        default = CoopmatTiling()
+        pairs = (("BM", self.tile_m, default.tile_m), ("BN", self.tile_n, default.tile_n), ("BK", self.bk, default.bk),
+                 ("SG_M", self.subgroups_m, default.subgroups_m), ("SG_N", self.subgroups_n, default.subgroups_n),
+                 ("STAGES", self.stages, default.stages))
+        return [f"{key}={value}" for key, value, base in pairs if value != base] + (["PREFETCH"] if self.prefetch else [])
+
+    @property
+    def subgroups(self) -> int:
+        return self.subgroups_m * self.subgroups_n
+
+    @property
+    def fragments(self) -> int:
+        """16 x 16 accumulators per subgroup."""
+        return (self.tile_m // self.subgroups_m // FRAGMENT[0]) * (self.tile_n // self.subgroups_n // FRAGMENT[1])
+
+    @property
+    def shared_bytes(self) -> int:
+        """Shared memory of the shader (coopmat_gemm.glsl's arrays), the larger of its two B layouts:
+        fp16 tiles with a 16-byte row skew per stage, the 16 x 16 fp32 edge block of each subgroup, the
+        two operand maxima."""
+        a_tile = self.tile_m * (self.bk + 8)
+        b_tile = max(self.tile_n * (self.bk + 8), self.bk * (self.tile_n + 8))
+        return 2 * self.stages * (a_tile + b_tile) + 4 * self.subgroups * FRAGMENT[0] * FRAGMENT[1] + 8
+
+    def problems(self) -> list[str]:
+        """What the shader would refuse (its #error lines) or a workgroup could not hold; [] if none."""
+        found = []
+        if self.bk not in (32, 64):
+            found.append(f"bk={self.bk} is not 32 or 64")
+        if self.stages not in (1, 2) or (self.stages == 2 and self.prefetch):
+            found.append(f"stages={self.stages} with prefetch={self.prefetch}: stages is 1 or 2, prefetch only with 1")
+        if self.tile_m % (16 * self.subgroups_m) or self.tile_n % (16 * self.subgroups_n) or min(
+                self.tile_m, self.tile_n, self.subgroups_m, self.subgroups_n) < 1:
+            found.append(f"a {self.tile_m} x {self.tile_n} tile does not split into {self.subgroups_m} x "
+                         f"{self.subgroups_n} subgroup tiles of whole 16 x 16 blocks")
+        if self.shared_bytes > SHARED_MEMORY_BYTES:
+            found.append(f"{self.shared_bytes} bytes of shared memory exceed {SHARED_MEMORY_BYTES}")
+        return found
+
+
+# The tilings built ahead of time (the shaders' `vktrain-variants:` lines list each for every kernel;
+# tests/test_kernels_coopmat.py checks that they do).
+TILINGS = (
+    CoopmatTiling(),
+    CoopmatTiling(tile_m=64),
+    CoopmatTiling(prefetch=True),
+    CoopmatTiling(tile_m=64, prefetch=True),
+    CoopmatTiling(stages=2),
+    CoopmatTiling(tile_m=64, stages=2),
+    CoopmatTiling(bk=64),
+    CoopmatTiling(tile_m=64, bk=64),
+    CoopmatTiling(tile_m=64, bk=64, prefetch=True),
+    CoopmatTiling(subgroups_m=4),
+    CoopmatTiling(subgroups_n=4),
+    CoopmatTiling(tile_m=256, subgroups_m=4),
+    CoopmatTiling(tile_n=256, subgroups_n=4),
+    CoopmatTiling(tile_m=256, subgroups_m=4, prefetch=True),
+    CoopmatTiling(tile_n=256, subgroups_n=4, prefetch=True),
+    CoopmatTiling(tile_m=64, tile_n=64, stages=2),
+    CoopmatTiling(tile_m=64, tile_n=64, bk=64),
+)
+TILING_BY_NAME = {tiling.name: tiling for tiling in TILINGS}
+KERNELS = ("coopmat_linear_q4gsw", "coopmat_linear_q4gsw_backward", "coopmat_mm", "coopmat_mm_b_transposed")
+# kernel -> ((fewest 128 x 128 output tiles, tiling name), ...), most tiles first: the first row whose count
+# the output reaches gives its tiling. From the H200 sweep (bench/results/coopmat_h200.json, the
+# fastest tiling per kernel and shape).
+DEFAULT_TILINGS: dict[str, tuple[tuple[int, str], ...]] = {
+    "coopmat_linear_q4gsw": ((256, "bm128"), (0, "bm64+prefetch")),
+    "coopmat_linear_q4gsw_backward": ((256, "bm128"), (0, "bm64+prefetch")),
+    "coopmat_mm": ((256, "bm128"), (0, "bm64")),
+    "coopmat_mm_b_transposed": ((256, "bm128"), (0, "bm64")),
+}
+# The emulated route (lavapipe, 32 KiB of shared memory) takes the tiling of the first version.
+EMULATED_DEFAULT_TILINGS = ((256, "bm128"), (0, "bm64"))
 
 
 class PrecisionPolicyError(VktrainError, ValueError):
@@ -118,10 +223,12 @@ class GemmRoute:
         """Whether an M x N output goes to the coopmat kernels (enough tiles to pay, see MIN_WORKGROUPS).
         Emulated, also whether the emulated kernel can run its `reduction` on this device (lavapipe's
         loop budget): longer ones keep the fp32 kernels."""
-        if not self.tensor_cores or ceil_div(M, min(TILE_M_CHOICES)) * ceil_div(N, TILE_N) < self.min_workgroups:
+        if not self.tensor_cores or ceil_div(M, SIZE_TILE_M) * ceil_div(N, SIZE_TILE_N) < self.min_workgroups:
             return False
-        return not (self.emulate and reduction is not None
-                    and emulated_loop_trips(default_tile_m(M, N), reduction, self.subgroup_size) > EMULATED_LOOP_BUDGET)
+        if not (self.emulate and reduction is not None):
+            return True
+        tiling = default_tiling("coopmat_mm", M, N, reduction, emulate=True)  # one table for every emulated kernel
+        return emulated_loop_trips(tiling, reduction, self.subgroup_size) <= EMULATED_LOOP_BUDGET
 
     def dense_b_transposed(self, a: StridedView, b: StridedView) -> bool | None:
         """How coopmat_mm reads aten.mm's operands A [M, K] and B [K, N] on this route: False for B
@@ -186,19 +293,23 @@ def coopmat_supported(properties: tuple[CooperativeMatrixShape, ...]) -> bool:
     return supports_shape(properties, m=m, n=n, k=k, input_type=INPUT_TYPE, accumulator_type=ACCUMULATOR_TYPE)
 
 
-def emulated_loop_trips(tile_m: int, reduction: int, subgroup_size: int) -> int:
+def emulated_loop_trips(tiling: CoopmatTiling, reduction: int, subgroup_size: int) -> int:
     """Loop iterations one invocation of an emulated coopmat GEMM runs (coopmat_gemm.glsl with
-    COOPMAT_EMULATE): per BK step its own trip plus 16 per emulated multiply-add, (BK / 16) x (tile_m / 32)
-    x (TILE_N / 32) of them; then the edge stores, at most one loop of 256 / subgroup_size trips per
-    accumulator of a subgroup."""
-    fragments = (tile_m // 32) * (TILE_N // 32)
-    per_step = 1 + (BK // FRAGMENT[2]) * fragments * FRAGMENT[2]
-    return ceil_div(reduction, BK) * per_step + fragments * ceil_div(FRAGMENT[0] * FRAGMENT[1], subgroup_size)
+    COOPMAT_EMULATE): per BK step its own trip plus 16 per emulated multiply-add, (BK / 16) x the
+    subgroup's 16 x 16 accumulators of them; then the edge stores, at most one loop of
+    256 / subgroup_size trips per accumulator."""
+    per_step = 1 + (tiling.bk // FRAGMENT[2]) * tiling.fragments * FRAGMENT[2]
+    return (ceil_div(reduction, tiling.bk) * per_step
+            + tiling.fragments * ceil_div(FRAGMENT[0] * FRAGMENT[1], subgroup_size))
 
 
-def default_tile_m(M: int, N: int) -> int:
-    """128-row tiles when the output has enough of them to fill a large GPU, else 64-row tiles."""
-    return 128 if ceil_div(M, 128) * ceil_div(N, TILE_N) >= TARGET_WORKGROUPS else 64
+def default_tiling(kernel: str, M: int, N: int, reduction: int, *, emulate: bool = False) -> CoopmatTiling:
+    """The tiling `kernel` (one of KERNELS) runs an M x N output with: the first row of its
+    DEFAULT_TILINGS (EMULATED_DEFAULT_TILINGS when emulated) whose count of 128 x 128 tiles the output
+    reaches."""
+    tiles = ceil_div(M, 128) * ceil_div(N, 128)
+    rows = EMULATED_DEFAULT_TILINGS if emulate else DEFAULT_TILINGS[kernel]
+    return TILING_BY_NAME[next(name for fewest, name in rows if tiles >= fewest)]
 
 
 def _check_positive(op: str, **dims: Any) -> None:
@@ -221,45 +332,43 @@ def _check_range(op: str, M: int, N: int, K: int) -> None:
                                   f"coopmat kernels index with 32 bits (at most {MAX_ELEMENTS})")
 
 
-def _variant(shader: str, *, b_transposed: bool, tile_m: int, prefetch: bool, emulate: bool,
-             subgroup_size: int, scale: str | None = None) -> str:
-    """Shader name with its defines in the order the sources' `vktrain-variants:` lines use; `scale` is
-    the operand-scale define (A_SCALE or AB_SCALE) or None."""
-    defines = ([scale] if scale else []) + (["B_TRANSPOSED"] if b_transposed else []) \
-        + (["BM=64"] if tile_m == 64 else []) \
-        + (["PREFETCH"] if prefetch else []) + (["COOPMAT_EMULATE"] if emulate else []) \
+def _variant(shader: str, tiling: CoopmatTiling, *, emulate: bool, subgroup_size: int,
+             defines: tuple[str, ...] = ()) -> str:
+    """Shader name with its defines in the order the sources' `vktrain-variants:` lines use: the
+    kernel's own `defines` (operand scale, B layout), the tiling's, then emulation and subgroup size."""
+    names = list(defines) + tiling.defines + (["COOPMAT_EMULATE"] if emulate else []) \
         + ([f"SUBGROUP_SIZE={subgroup_size}"] if subgroup_size != DEFAULT_SUBGROUP_SIZE else [])
-    return shader + ("@" + "+".join(defines) if defines else "")
+    return shader + ("@" + "+".join(names) if names else "")
 
 
-def _tiling(op: str, M: int, N: int, tile_m: int | None, subgroup_size: int, *, emulate: bool,
-            reduction: int) -> int:
-    if tile_m is None:
-        tile_m = default_tile_m(M, N)
-    if tile_m not in TILE_M_CHOICES:
-        raise KernelArgumentError(f"{op}: tile_m must be one of {TILE_M_CHOICES}, got {tile_m!r}")
+def _tiling(op: str, kernel: str, M: int, N: int, tiling: CoopmatTiling | None, subgroup_size: int, *,
+            emulate: bool, reduction: int) -> CoopmatTiling:
+    if tiling is None:
+        tiling = default_tiling(kernel, M, N, reduction, emulate=emulate)
+    if not isinstance(tiling, CoopmatTiling):
+        raise KernelArgumentError(f"{op}: tiling must be a CoopmatTiling, got {tiling!r}")
+    problems = tiling.problems()
+    if problems:
+        raise KernelArgumentError(f"{op}: tiling {tiling.name}: {'; '.join(problems)}")
     if not isinstance(subgroup_size, int) or subgroup_size < 8 or subgroup_size & (subgroup_size - 1):
         raise KernelArgumentError(f"{op}: subgroup_size must be a power of two >= 8 (the device's subgroup "
                                   f"size), got {subgroup_size!r}")
-    if emulate and emulated_loop_trips(tile_m, reduction, subgroup_size) > EMULATED_LOOP_BUDGET:
+    if emulate and emulated_loop_trips(tiling, reduction, subgroup_size) > EMULATED_LOOP_BUDGET:
         raise KernelArgumentError(
-            f"{op}: the emulated variant with {tile_m}-row tiles over a reduction of {reduction} runs "
-            f"{emulated_loop_trips(tile_m, reduction, subgroup_size)} loop iterations per invocation, more than the "
+            f"{op}: the emulated variant with tiling {tiling.name} over a reduction of {reduction} runs "
+            f"{emulated_loop_trips(tiling, reduction, subgroup_size)} loop iterations per invocation, more than the "
             f"{EMULATED_LOOP_BUDGET} budgeted within lavapipe's limit of {LAVAPIPE_LOOP_LIMIT} (past it lavapipe cuts "
-            f"loops short); use 64-row tiles or a shorter reduction")
-    return tile_m
+            f"loops short); use a tiling with fewer accumulators per subgroup or a shorter reduction")
+    return tiling
 
 
 def plan_coopmat_linear_q4gsw(*, M: int, N: int, K: int, group_size: int, out: Any, x: Any, weights: Any,
-                              scales: Any, tile_m: int | None = None, prefetch: bool | None = None,
-                              emulate: bool = False, subgroup_size: int = DEFAULT_SUBGROUP_SIZE,
+                              scales: Any, tiling: CoopmatTiling | None = None, emulate: bool = False, subgroup_size: int = DEFAULT_SUBGROUP_SIZE,
                               label: str = "coopmat_linear_q4gsw") -> list[Dispatch]:
     """y[M, N] = x[M, K] @ deq(W).T on tensor cores (fp16 inputs, fp32 accumulation).
 
     Buffers: out fp32 [M, N]; x fp32 [M, K]; weights W_4X8 uint32 (kernels.linear.prepack_weights);
-    scales fp32 [G, N]. `tile_m` (128 or 64) and `prefetch` pick the shader variant; by default
-    prefetch is on exactly with 64-row tiles (the fastest q4 variant at all 12 shapes of
-    bench/results/coopmat_h200.json; coopmat_mm is fastest without it everywhere); `subgroup_size`
+    scales fp32 [G, N]. `tiling` picks the shader variant (default: `default_tiling`); `subgroup_size`
     must be the device's (Device.subgroup_size). `emulate` runs the same kernel with the
     cooperative-matrix operations done by plain arithmetic (any device; for tests, see the shader).
     """
@@ -270,12 +379,9 @@ def plan_coopmat_linear_q4gsw(*, M: int, N: int, K: int, group_size: int, out: A
     except ValueError as exc:
         raise KernelArgumentError(f"{op}: {exc}") from None
     _check_range(op, M, N, K)
-    tile_m = _tiling(op, M, N, tile_m, subgroup_size, emulate=emulate, reduction=K)
-    if prefetch is None:
-        prefetch = tile_m == 64
-    shader = _variant("coopmat_linear_q4gsw", b_transposed=False, tile_m=tile_m, prefetch=prefetch,
-                      emulate=emulate, subgroup_size=subgroup_size)
-    return [Dispatch(shader, groups=(ceil_div(N, TILE_N), ceil_div(M, tile_m), 1),
+    tiling = _tiling(op, op, M, N, tiling, subgroup_size, emulate=emulate, reduction=K)
+    shader = _variant(op, tiling, emulate=emulate, subgroup_size=subgroup_size)
+    return [Dispatch(shader, groups=(ceil_div(N, tiling.tile_n), ceil_div(M, tiling.tile_m), 1),
                      bindings=[binding(out, "w"), binding(x, "r"), binding(weights, "r"), binding(scales, "r")],
                      push_constants=pack_push(M, N, K, group_size, 0, 0), label=label)]
 
@@ -307,9 +413,8 @@ def _plan_absmax(absmax: Any, tensors: list[tuple[Any, int]], label: str) -> Dis
 
 
 def plan_coopmat_mm(*, M: int, N: int, K: int, out: Any, a: Any, b: Any, absmax: Any, b_transposed: bool = False,
-                    tile_m: int | None = None, prefetch: bool = False, emulate: bool = False,
-                    subgroup_size: int = DEFAULT_SUBGROUP_SIZE,
-                    label: str = "coopmat_mm") -> list[Dispatch]:
+                    tiling: CoopmatTiling | None = None, emulate: bool = False,
+                    subgroup_size: int = DEFAULT_SUBGROUP_SIZE, label: str = "coopmat_mm") -> list[Dispatch]:
     """C[M, N] = A[M, K] @ B[K, N] on tensor cores (fp32 in memory, fp16 inputs, fp32 accumulation).
 
     Buffers: out fp32 [M, N]; a fp32 [M, K] row-major; b fp32 [K, N] row-major, or with b_transposed
@@ -318,26 +423,28 @@ def plan_coopmat_mm(*, M: int, N: int, K: int, out: Any, a: Any, b: Any, absmax:
     (the accumulators are stored with a row stride of N floats, which cooperative-matrix stores want
     16-byte aligned). Either operand may be a gradient (the head's d_h = d_logits @ W): each is scaled by
     the power of two that puts its largest magnitude in [2^14, 2^15) before its fp16 rounding, and the
-    result back (exact). Dispatches: the partial maxima of |A| and |B|, the GEMM. `tile_m`, `prefetch`,
-    `emulate`, `subgroup_size` as in plan_coopmat_linear_q4gsw.
+    result back (exact). Dispatches: the partial maxima of |A| and |B|, the GEMM. `tiling`, `emulate`,
+    `subgroup_size` as in plan_coopmat_linear_q4gsw (the default tiling is that of coopmat_mm_b_transposed
+    for b_transposed).
     """
     op = "coopmat_mm"
     _check_positive(op, M=M, N=N, K=K)
     _check_multiple_of_4(op, K=K, N=N)
     _check_range(op, M, N, K)
-    tile_m = _tiling(op, M, N, tile_m, subgroup_size, emulate=emulate, reduction=K)
-    shader = _variant("coopmat_mm", b_transposed=bool(b_transposed), tile_m=tile_m, prefetch=prefetch,
-                      emulate=emulate, subgroup_size=subgroup_size, scale="AB_SCALE")
+    kernel = "coopmat_mm_b_transposed" if b_transposed else op
+    tiling = _tiling(op, kernel, M, N, tiling, subgroup_size, emulate=emulate, reduction=K)
+    shader = _variant(op, tiling, emulate=emulate, subgroup_size=subgroup_size,
+                      defines=("AB_SCALE",) + (("B_TRANSPOSED",) if b_transposed else ()))
     return [_plan_absmax(absmax, [(a, M * K), (b, K * N)], f"{label}.absmax"),
-            Dispatch(shader, groups=(ceil_div(N, TILE_N), ceil_div(M, tile_m), 1),
+            Dispatch(shader, groups=(ceil_div(N, tiling.tile_n), ceil_div(M, tiling.tile_m), 1),
                      bindings=[binding(out, "w"), binding(a, "r"), binding(b, "r"), binding(absmax, "r")],
                      push_constants=pack_push(M, N, K, 0, absmax_partials(M * K), absmax_partials(K * N)),
                      label=label)]
 
 
 def plan_coopmat_linear_q4gsw_backward(*, M: int, N: int, K: int, group_size: int, out: Any, d_out: Any,
-                                       weights: Any, scales: Any, absmax: Any, tile_m: int | None = None,
-                                       prefetch: bool | None = None, emulate: bool = False,
+                                       weights: Any, scales: Any, absmax: Any,
+                                       tiling: CoopmatTiling | None = None, emulate: bool = False,
                                        subgroup_size: int = DEFAULT_SUBGROUP_SIZE,
                                        label: str = "coopmat_linear_q4gsw_backward") -> list[Dispatch]:
     """d_x[M, K] = d_out[M, N] @ deq(W) on tensor cores (fp16 inputs, fp32 accumulation).
@@ -346,7 +453,7 @@ def plan_coopmat_linear_q4gsw_backward(*, M: int, N: int, K: int, group_size: in
     the power of two that puts max |d_out| in [2^14, 2^15) before its fp16 rounding (and the result back,
     both exact). Dispatches: the partial maxima of |d_out| (into absmax, absmax_scratch_nbytes(M * N) of
     scratch), the GEMM.
-    Buffers as plan_coopmat_linear_q4gsw's (out fp32 [M, K], d_out fp32 [M, N]); tiles along K.
+    Buffers, `tiling` as plan_coopmat_linear_q4gsw's (out fp32 [M, K], d_out fp32 [M, N]); tiles along K.
     """
     op = "coopmat_linear_q4gsw_backward"
     _check_positive(op, M=M, N=N, K=K, group_size=group_size)
@@ -355,14 +462,11 @@ def plan_coopmat_linear_q4gsw_backward(*, M: int, N: int, K: int, group_size: in
     except ValueError as exc:
         raise KernelArgumentError(f"{op}: {exc}") from None
     _check_range(op, M, N, K)
-    tile_m = _tiling(op, M, K, tile_m, subgroup_size, emulate=emulate, reduction=N)
-    if prefetch is None:
-        prefetch = tile_m == 64
-    shader = _variant(op, b_transposed=False, tile_m=tile_m, prefetch=prefetch, emulate=emulate,
-                      subgroup_size=subgroup_size, scale="A_SCALE")
+    tiling = _tiling(op, op, M, K, tiling, subgroup_size, emulate=emulate, reduction=N)
+    shader = _variant(op, tiling, emulate=emulate, subgroup_size=subgroup_size, defines=("A_SCALE",))
     return [
         _plan_absmax(absmax, [(d_out, M * N)], f"{label}.absmax"),
-        Dispatch(shader, groups=(ceil_div(K, TILE_N), ceil_div(M, tile_m), 1),
+        Dispatch(shader, groups=(ceil_div(K, tiling.tile_n), ceil_div(M, tiling.tile_m), 1),
                  bindings=[binding(out, "w"), binding(d_out, "r"), binding(weights, "r"), binding(scales, "r"),
                            binding(absmax, "r")],
                  push_constants=pack_push(M, K, N, group_size, absmax_partials(M * N), 0), label=label)]
