@@ -116,7 +116,8 @@ def bench_shape(device, torch, M: int, K: int, N: int, operands: Operands, args,
               "deq": operands.deq}
     buffers = {key: Buffer.from_array(device, a, name=key) for key, a in arrays.items()}
     buffers["out"] = Buffer(device, 4 * M * max(N, K), name="out")
-    buffers["absmax"] = Buffer(device, absmax_scratch_nbytes(M * K, K * N), name="absmax")
+    buffers["absmax"] = Buffer(device, max(absmax_scratch_nbytes(M * K, K * N), absmax_scratch_nbytes(M * N)),
+                               name="absmax")
     scratch = max(plan_scratch_nbytes("linear_q4gsw", M=M, N=N, K=K), gemm_scratch_nbytes(1, M, N, K))
     if scratch:
         buffers["scratch"] = Buffer(device, scratch, name="scratch")
@@ -125,7 +126,8 @@ def bench_shape(device, torch, M: int, K: int, N: int, operands: Operands, args,
     if torch is not None:
         x_t, w_t, g_t = torch.from_numpy(x).cuda(), torch.from_numpy(operands.deq).cuda(), torch.from_numpy(d_out).cuda()
         torch.backends.cuda.matmul.allow_tf32 = False
-        references = {"forward": (x_t[rows] @ w_t.t()).cpu().numpy(), "backward": (g_t[rows] @ w_t).cpu().numpy()}
+        sample = torch.from_numpy(rows).to(x_t.device)
+        references = {"forward": (x_t[sample] @ w_t.t()).cpu().numpy(), "backward": (g_t[sample] @ w_t).cpu().numpy()}
         cases = (("bf16", torch.bfloat16, False, False), ("fp16", torch.float16, False, False),
                  ("tf32", torch.float32, True, False), ("fp32", torch.float32, False, False),
                  ("bf16_backward", torch.bfloat16, False, True))
