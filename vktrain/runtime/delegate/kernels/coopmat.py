@@ -160,6 +160,8 @@ TILINGS = (
     CoopmatTiling(tile_m=64, bk=64, prefetch=True),
     CoopmatTiling(subgroups_m=4),
     CoopmatTiling(subgroups_n=4),
+    CoopmatTiling(subgroups_m=4, prefetch=True),
+    CoopmatTiling(subgroups_m=4, bk=64),
     CoopmatTiling(tile_m=256, subgroups_m=4),
     CoopmatTiling(tile_n=256, subgroups_n=4),
     CoopmatTiling(tile_m=256, subgroups_m=4, prefetch=True),
