@@ -132,16 +132,16 @@ def test_other_subgroup_sizes_name_a_variant_built_on_demand():
 
 def test_default_tilings_are_built_tilings_chosen_by_output_size():
     assert set(DEFAULT_TILINGS) == set(KERNELS)
-    for rows in (*DEFAULT_TILINGS.values(), EMULATED_DEFAULT_TILINGS):
-        fewest = [row[0] for row in rows]
-        assert fewest == sorted(fewest, reverse=True) and fewest[-1] == 0  # every size has a row
-        assert all(row[-1] in TILING_BY_NAME for row in rows)
-    for kernel, rows in DEFAULT_TILINGS.items():
-        for fewest, name in rows:
-            M = 128 * max(fewest, 1)  # an output of exactly `fewest` 128 x 128 tiles (one tile column)
-            assert default_tiling(kernel, M, 128, 2048) is TILING_BY_NAME[name], (kernel, fewest)
+    for kernel, rows in [*DEFAULT_TILINGS.items(), ("emulated", EMULATED_DEFAULT_TILINGS)]:
+        assert rows[-1][:2] == (0, 0), kernel  # the last row takes every GEMM
+        assert all(name in TILING_BY_NAME for *_, name in rows), kernel
+        emulate, plan_kernel = kernel == "emulated", "coopmat_mm" if kernel == "emulated" else kernel
+        fewest, shortest, first = rows[0]
+        assert default_tiling(plan_kernel, 128 * max(fewest, 1), 128, max(shortest, 32), emulate=emulate).name == first
+        if len(rows) > 1 and rows[-2][:2] != (0, 0):
+            assert default_tiling(plan_kernel, 1, 4, 32, emulate=emulate).name == rows[-1][2]
     # The emulated defaults fit lavapipe's 32 KiB of shared memory.
-    assert all(TILING_BY_NAME[name].shared_bytes <= 32 * 1024 for _, name in EMULATED_DEFAULT_TILINGS)
+    assert all(TILING_BY_NAME[name].shared_bytes <= 32 * 1024 for *_, name in EMULATED_DEFAULT_TILINGS)
 
 
 @pytest.mark.parametrize("kwargs, match", [

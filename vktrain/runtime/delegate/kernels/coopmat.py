@@ -171,17 +171,17 @@ TILINGS = (
 )
 TILING_BY_NAME = {tiling.name: tiling for tiling in TILINGS}
 KERNELS = ("coopmat_linear_q4gsw", "coopmat_linear_q4gsw_backward", "coopmat_mm", "coopmat_mm_b_transposed")
-# kernel -> ((fewest 128 x 128 output tiles, tiling name), ...), most tiles first: the first row whose count
-# the output reaches gives its tiling. From the H200 sweep (bench/results/coopmat_h200.json, the
-# fastest tiling per kernel and shape).
-DEFAULT_TILINGS: dict[str, tuple[tuple[int, str], ...]] = {
-    "coopmat_linear_q4gsw": ((256, "bm128"), (0, "bm64+prefetch")),
-    "coopmat_linear_q4gsw_backward": ((256, "bm128"), (0, "bm64+prefetch")),
-    "coopmat_mm": ((256, "bm128"), (0, "bm64")),
-    "coopmat_mm_b_transposed": ((256, "bm128"), (0, "bm64")),
+# kernel -> ((fewest 128 x 128 output tiles, shortest reduction, tiling name), ...): the first row whose
+# tile count and reduction length the GEMM reaches gives its tiling (the last row takes every GEMM).
+# From the H200 sweep (bench/results/coopmat_h200.json: the fastest tiling per kernel and shape).
+DEFAULT_TILINGS: dict[str, tuple[tuple[int, int, str], ...]] = {
+    "coopmat_linear_q4gsw": ((256, 0, "bm128"), (0, 0, "bm64+prefetch")),
+    "coopmat_linear_q4gsw_backward": ((256, 0, "bm128"), (0, 0, "bm64+prefetch")),
+    "coopmat_mm": ((256, 0, "bm128"), (0, 0, "bm64")),
+    "coopmat_mm_b_transposed": ((256, 0, "bm128"), (0, 0, "bm64")),
 }
 # The emulated route (lavapipe, 32 KiB of shared memory) takes the tiling of the first version.
-EMULATED_DEFAULT_TILINGS = ((256, "bm128"), (0, "bm64"))
+EMULATED_DEFAULT_TILINGS = ((256, 0, "bm128"), (0, 0, "bm64"))
 
 
 class PrecisionPolicyError(VktrainError, ValueError):
@@ -306,12 +306,12 @@ def emulated_loop_trips(tiling: CoopmatTiling, reduction: int, subgroup_size: in
 
 
 def default_tiling(kernel: str, M: int, N: int, reduction: int, *, emulate: bool = False) -> CoopmatTiling:
-    """The tiling `kernel` (one of KERNELS) runs an M x N output with: the first row of its
-    DEFAULT_TILINGS (EMULATED_DEFAULT_TILINGS when emulated) whose count of 128 x 128 tiles the output
-    reaches."""
+    """The tiling `kernel` (one of KERNELS) runs an M x N output over `reduction` with: the first row of
+    its DEFAULT_TILINGS (EMULATED_DEFAULT_TILINGS when emulated) whose count of 128 x 128 tiles and
+    reduction length the GEMM reaches."""
     tiles = ceil_div(M, 128) * ceil_div(N, 128)
     rows = EMULATED_DEFAULT_TILINGS if emulate else DEFAULT_TILINGS[kernel]
-    return TILING_BY_NAME[next(name for fewest, name in rows if tiles >= fewest)]
+    return TILING_BY_NAME[next(name for fewest, shortest, name in rows if tiles >= fewest and reduction >= shortest)]
 
 
 def _check_positive(op: str, **dims: Any) -> None:
