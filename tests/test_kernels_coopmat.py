@@ -30,6 +30,9 @@ the largest accepted reduction is run here, so the budget is checked against the
 """
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -142,6 +145,36 @@ def test_default_tilings_are_built_tilings_chosen_by_output_size():
             assert default_tiling(plan_kernel, 1, 4, 32, emulate=emulate).name == rows[-1][2]
     # The emulated defaults fit lavapipe's 32 KiB of shared memory.
     assert all(TILING_BY_NAME[name].shared_bytes <= 32 * 1024 for *_, name in EMULATED_DEFAULT_TILINGS)
+
+
+H200_SWEEP = Path(__file__).resolve().parent.parent / "bench" / "results" / "coopmat_h200.json"
+# How much slower than the fastest tiling measured at a shape its default may be: a table of a few rows
+# cannot follow every shape of the sweep (scripts/bench_coopmat.py), and medians of 10 replays differ by
+# a few percent between runs.
+DEFAULT_TILING_SLACK = 1.10
+
+
+def test_default_tilings_are_the_fastest_the_h200_sweep_measured():
+    """DEFAULT_TILINGS come from the committed H200 sweep: at each of its shapes every kernel's default
+    tiling was measured within DEFAULT_TILING_SLACK of the fastest tiling there."""
+    results = json.loads(H200_SWEEP.read_text())["results"]
+    checked = 0
+    for record in results:
+        M, K, N = record["M"], record["K"], record["N"]
+        for kernel in KERNELS:
+            times = {name.split(".", 1)[1]: entry["ms"] for name, entry in record["vk"].items()
+                     if name.startswith(kernel + ".")}
+            if not times:
+                continue
+            width, reduction = (K, N) if kernel == "coopmat_linear_q4gsw_backward" else (N, K)
+            chosen = default_tiling(kernel, M, width, reduction).name
+            assert chosen in times, f"{kernel} at {M}x{K}x{N}: default {chosen} was not measured"
+            fastest = min(times, key=times.get)
+            assert times[chosen] <= DEFAULT_TILING_SLACK * times[fastest], (
+                f"{kernel} at M={M} K={K} N={N}: default {chosen} took {times[chosen]:.3f} ms, the fastest "
+                f"({fastest}) {times[fastest]:.3f} ms")
+            checked += 1
+    assert checked == len(KERNELS) * len(results) >= 2 * len(KERNELS)  # every kernel at every measured shape
 
 
 @pytest.mark.parametrize("kwargs, match", [
