@@ -60,9 +60,10 @@ DEFAULT_SUBGROUP_SIZE = 32  # the shaders' default SUBGROUP_SIZE define (NVIDIA;
 # Size measure of the route's rule below (not a tiling): outputs counted in tiles of 64 x 128.
 SIZE_TILE_M, SIZE_TILE_N = 64, 128
 # A GEMM takes the tensor cores when its output has at least this many 64 x 128 tiles (about one per SM of
-# a 132-SM H200): each workgroup then takes about as long as at M = 512 (0.058 ms for K = 2048 in
-# bench/results/coopmat_h200.json), while the SIMT kernels split K over the SMs at small M (0.043 ms at
-# M = 128, N = 2048: 32 coopmat workgroups would be slower).
+# a 132-SM H200): each workgroup then takes about as long as at M = 512 (0.058 ms for K = 2048 in the
+# first version's bench/results/coopmat_h200_v1.json), while the SIMT kernels split K over the SMs at
+# small M (0.043 ms at M = 128, N = 2048: 32 coopmat workgroups would be slower). Not re-measured with
+# the 64 x 64 tilings, which give 4x the workgroups.
 MIN_WORKGROUPS = 128
 SUBGROUP_BASIC_BIT = 0x1  # VK_SUBGROUP_FEATURE_BASIC_BIT: what the emulated variant needs besides fp16
 # lavapipe (llvmpipe's LP_MAX_TGSI_LOOP_ITERATIONS) gives each invocation 65535 loop iterations over all
