@@ -20,7 +20,7 @@ from typing import Optional
 
 from tqdm import tqdm
 
-from vktrain.contract import ADAMW_DEFAULTS, METADATA_BAKED_SCALARS, PRECISION_FP32, PRECISIONS
+from vktrain.contract import ADAMW_DEFAULTS, METADATA_BAKED_SCALARS, PRECISION_AUTO, PRECISION_CHOICES
 from vktrain.errors import VktrainError
 from vktrain.runtime.runtimes import add_runtime_argument
 from vktrain.train.adapters import (ADAPTER_CONFIG, ADAPTER_WEIGHTS, LORA_SUFFIXES, ProgramAdapters,
@@ -99,9 +99,10 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     parser.add_argument("--lora-alpha", type=float,
                         help="LoRA alpha for adapter_config.json (needed with --out-adapters when the .pte does not record it)")
     parser.add_argument("--base-model", help="base_model_name_or_path for adapter_config.json")
-    parser.add_argument("--precision", choices=PRECISIONS, default=PRECISION_FP32,
-                        help="GEMM precision policy (docs/PRECISION.md): fp32 (default) or fp16-tc, the 4-bit base "
-                             "GEMMs (forward, d_x) on tensor cores where the device has them (fp16 inputs, fp32 accumulation)")
+    parser.add_argument("--precision", choices=PRECISION_CHOICES, default=PRECISION_AUTO,
+                        help="GEMM precision policy (docs/PRECISION.md): auto (default: fp16-tc where the device has "
+                             "tensor cores, else fp32), fp32 (the parity reference) or fp16-tc (the large GEMMs on "
+                             "tensor cores, fp16 inputs, fp32 accumulation)")
     add_runtime_argument(parser)
     parser.add_argument("--seed", type=int, help="data shuffling seed (default 0; a resumed run keeps its checkpoint's)")
     parser.add_argument("--no-shuffle", action="store_true", help="read windows in file order")

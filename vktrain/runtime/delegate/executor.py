@@ -43,7 +43,7 @@ from vktrain.runtime.delegate.op_lowering import (
 from vktrain.runtime.delegate.kernels.coopmat import allowed_precisions, select_gemm_route
 from vktrain.runtime.delegate.kernels.gemm_tuning import select_gemm_tuning
 from vktrain.runtime.delegate.kernels.layout import StridedView
-from vktrain.contract import PRECISION_FP32
+from vktrain.contract import PRECISION_AUTO
 from vktrain.runtime.vk.schedule import BufferBinding, Dispatch
 from vktrain.errors import VktrainError
 
@@ -126,7 +126,7 @@ class GraphExecutor:
     names the exporter recorded (parameter / buffer FQNs); `timings()` gives (label, seconds) per
     dispatch of the last call. `staging=True` forces staging copies for every host access (the path a
     discrete GPU takes; tests use it on unified devices). `precision` is the GEMM precision policy
-    (vktrain.contract.PRECISIONS); `emulate_tensor_cores` (tests) runs fp16-tc's coopmat kernels
+    (vktrain.contract.PRECISION_CHOICES; auto: fp16-tc where the device has tensor cores); `emulate_tensor_cores` (tests) runs fp16-tc's coopmat kernels
     emulated on a device without tensor cores.
 
     `shared` (name -> SharedTensor, e.g. another executor's `shared_state()`): a constant or state tensor
@@ -137,7 +137,7 @@ class GraphExecutor:
     """
 
     def __init__(self, device, graph: vk.VkGraph, *, timing: bool = True, staging: bool | None = None,
-                 shared: dict[str, SharedTensor] | None = None, precision: str = PRECISION_FP32,
+                 shared: dict[str, SharedTensor] | None = None, precision: str = PRECISION_AUTO,
                  emulate_tensor_cores: bool = False):
         graph.validate()
         self.device = device

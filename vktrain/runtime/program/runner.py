@@ -33,7 +33,7 @@ from typing import Any, Callable, Mapping, Optional, Union
 
 import numpy as np
 
-from vktrain.contract import (BACKEND_ID, HPARAMS, LABELS, MODEL_PREFIX, N_VALID, PRECISION_FP32, STEP_INPUTS,
+from vktrain.contract import (BACKEND_ID, HPARAMS, LABELS, MODEL_PREFIX, N_VALID, PRECISION_AUTO, STEP_INPUTS,
                               TOKEN_IDS)
 from vktrain.runtime.delegate.executor import ExecutorInputError, GraphExecutor
 from vktrain.runtime.delegate.kernels.coopmat import PrecisionPolicyError
@@ -308,7 +308,7 @@ class TrainingRunner:
 
     def __init__(self, pte: PteFile, device=None, *, method: str = "forward", timing: bool = True,
                  verify_constants: bool = True, host_memory_limit: Optional[int] = None,
-                 device_memory_limit: Optional[int] = None, precision: str = PRECISION_FP32,
+                 device_memory_limit: Optional[int] = None, precision: str = PRECISION_AUTO,
                  emulate_tensor_cores: bool = False, runtime: Optional[str] = None):
         self.pte = pte
         program = verify_training_program(pte, method, verify_constants=verify_constants,

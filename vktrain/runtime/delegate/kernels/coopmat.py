@@ -31,13 +31,15 @@ these kernels read).
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass
 from typing import Any, Mapping
 
 import numpy as np
 
-from vktrain.contract import METADATA_GEMM_PRECISIONS, PRECISION_FP16_TC, PRECISION_FP32, PRECISIONS
+from vktrain.contract import (METADATA_GEMM_PRECISIONS, PRECISION_AUTO, PRECISION_CHOICES, PRECISION_FP16_TC,
+                              PRECISION_FP32, PRECISIONS)
 from vktrain.errors import VktrainError
 from vktrain.quant import check_q4gsw_shapes
 from vktrain.runtime.delegate.kernels.gemm_tuning import GPU_TUNING
@@ -156,9 +158,16 @@ def select_gemm_route(precision: str, allowed: tuple[str, ...], device: Any, *,
     """The GemmRoute for the policy `precision` on `device` (a vktrain Device), for a program allowing
     `allowed`. fp16-tc takes the tensor cores where the device has the coopmat kernels' shape and types
     and falls back to the fp32 kernels (saying so) elsewhere. `emulate` (tests) pretends it has them and
-    runs the emulated shaders, on every GEMM the route covers whatever its size."""
-    if precision not in PRECISIONS:
-        raise PrecisionPolicyError(f"unknown GEMM precision {precision!r}; choose one of {', '.join(PRECISIONS)}")
+    runs the emulated shaders, on every GEMM the route covers whatever its size. `auto` is fp16-tc where
+    the program allows it and the device has the tensor-core kernels (or `emulate`), else fp32."""
+    if precision not in PRECISION_CHOICES:
+        raise PrecisionPolicyError(f"unknown GEMM precision {precision!r}; choose one of {', '.join(PRECISION_CHOICES)}")
+    if precision == PRECISION_AUTO:
+        fast = PRECISION_FP16_TC in allowed and (emulate or coopmat_supported(device.cooperative_matrix_properties))
+        route = select_gemm_route(PRECISION_FP16_TC if fast else PRECISION_FP32, allowed, device, emulate=emulate)
+        why = route.reason if fast else (f"{device.name} has no tensor-core kernels" if PRECISION_FP16_TC in allowed
+                                         else f"the program allows only {', '.join(allowed)}")
+        return dataclasses.replace(route, reason=f"auto -> {route.precision}: {why}")
     if precision not in allowed:
         raise PrecisionPolicyError(f"the program allows GEMM precision {', '.join(allowed)} (blob metadata "
                                    f"{METADATA_GEMM_PRECISIONS!r}), not {precision!r}")
