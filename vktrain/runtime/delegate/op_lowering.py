@@ -20,14 +20,15 @@ generated from torch), and kernels are registered under the op's key (`vktrain.r
   limits (shared memory, workgroup invocations; `OpContext.limits`) to the plans that size tiles or
   workgroups by them.
 * aten.empty / empty_permuted need no GPU work: their contents are undefined (`kernel=None`).
-* transposes (permute_copy, t_copy, transpose_copy) and aten.mm read strided views: a transpose the
-  backend made a view (vktrain/backend/passes/views.py) costs nothing, and mm reads it in place
-  through the GEMM's operand strides.
+* transposes (permute_copy, t_copy, transpose_copy), aten.mm and aten.addmm read strided views: a
+  transpose the backend made a view (vktrain/backend/passes/views.py) costs nothing, and the GEMM reads
+  it in place through its operand strides.
   mm / bmm / addmm allocate a split-K scratch when the GEMM plan would split (skinny output, long
   reduction: kernels/matmul.py `gemm_scratch_nbytes`), and nothing otherwise.
 
 * `OpContext.gemm`, the GemmRoute chosen at load (kernels/coopmat.py), may send linear_q4gsw (without
-  bias), linear_q4gsw_backward and mm to their tensor-core kernels; every other op keeps its fp32 kernel.
+  bias), linear_q4gsw_backward, mm and addmm (with an addend of the output's shape) to their tensor-core
+  kernels; every other op keeps its fp32 kernel.
 
 The executor (executor.py) hands each lowering `TensorArg`s whose bindings and views are the storage
 the backend recorded in the blob, so view and in-place decisions never leak into this table.
@@ -493,19 +494,26 @@ def _float_matrices(ctx: OpContext, positions: Sequence[tuple[int, str]]) -> lis
     return tensors
 
 
-def _lower_mm(ctx: OpContext) -> list[Dispatch]:
-    """aten.mm through the GEMM's strided operands: a lazily transposed input costs nothing."""
-    a, b = _float_matrices(ctx, ((0, "self"), (1, "mat2")))
+def _lower_gemm(ctx: OpContext) -> list[Dispatch]:
+    """aten.mm / aten.addmm through the GEMM's strided operands (a lazily transposed input costs nothing);
+    on the tensor cores where the route takes the product (an addmm's bias only as coopmat_mm's addend)."""
+    if ctx.op.name == "aten.addmm.default":
+        bias, a, b = _float_matrices(ctx, ((0, "self"), (1, "mat1"), (2, "mat2")))
+        beta, alpha = ctx.real(3, "beta"), ctx.real(4, "alpha")
+    else:
+        (a, b), bias, beta, alpha = _float_matrices(ctx, ((0, "self"), (1, "mat2"))), None, 1.0, 1.0
+    out = ctx.outputs[0]
     b_transposed = ctx.gemm.dense_b_transposed(a.strided, b.strided)
-    if b_transposed is not None:
-        return _call(ctx, coopmat.plan_coopmat_mm, M=a.shape[0], N=b.shape[1], K=a.shape[1],
-                     out=ctx.outputs[0].binding, a=a.binding, b=b.binding, b_transposed=b_transposed,
+    if b_transposed is not None and (bias is None or coopmat.takes_addend(bias.strided, out.shape, beta, alpha)):
+        return _call(ctx, coopmat.plan_coopmat_mm, M=a.shape[0], N=b.shape[1], K=a.shape[1], out=out.binding,
+                     a=a.binding, b=b.binding, b_transposed=b_transposed, addend=bias and bias.binding,
                      absmax=ctx.scratch(coopmat.absmax_scratch_nbytes(a.numel, b.numel), "absmax"),
                      **ctx.gemm.plan_options)
     try:
         scratch = _split_k_scratch(ctx, 1, a.shape[0], b.shape[1], a.shape[1])
-        return matmul.plan_gemm(ctx.outputs[0].binding, a.binding, a.strided, b.binding, b.strided,
-                                scratch=scratch, tuning=ctx.gemm.fp32_tuning, label=ctx.label)
+        return matmul.plan_gemm(out.binding, a.binding, a.strided, b.binding, b.strided, bias=bias and bias.binding,
+                                bias_view=bias and bias.strided, alpha=alpha, beta=beta, scratch=scratch,
+                                tuning=ctx.gemm.fp32_tuning, label=ctx.label)
     except (ValueError, TypeError) as exc:
         raise ctx.fail(f"the matmul kernel refused it: {exc}") from exc
 
@@ -516,16 +524,6 @@ def _lower_bmm(ctx: OpContext) -> list[Dispatch]:
     return _call(ctx, self=a.binding, self_shape=a.shape, self_dtype=a.dtype, mat2=b.binding,
                  mat2_shape=b.shape, mat2_dtype=b.dtype, out=ctx.outputs[0].binding, scratch=scratch,
                  tuning=ctx.gemm.fp32_tuning)
-
-
-def _lower_addmm(ctx: OpContext) -> list[Dispatch]:
-    bias = ctx.tensor(0, "self")
-    a, b = _float_matrices(ctx, ((1, "mat1"), (2, "mat2")))
-    scratch = _split_k_scratch(ctx, 1, a.shape[0], b.shape[1], a.shape[1])
-    return _call(ctx, self=bias.binding, self_shape=bias.shape, self_dtype=bias.dtype,
-                 mat1=a.binding, mat1_shape=a.shape, mat1_dtype=a.dtype, mat2=b.binding, mat2_shape=b.shape,
-                 mat2_dtype=b.dtype, beta=ctx.args[3], alpha=ctx.args[4], out=ctx.outputs[0].binding,
-                 scratch=scratch, tuning=ctx.gemm.fp32_tuning)
 
 
 def _lower_linear_q8_0(ctx: OpContext) -> list[Dispatch]:
@@ -561,7 +559,7 @@ _VKTRAIN_LOWERINGS = {
 _CUSTOM_LOWERINGS = {
     **_VKTRAIN_LOWERINGS,
     **{key: _lower_transpose for key in layout.TRANSPOSE_OPS},
-    "aten.mm.default": _lower_mm, "aten.bmm.default": _lower_bmm, "aten.addmm.default": _lower_addmm,
+    "aten.mm.default": _lower_gemm, "aten.bmm.default": _lower_bmm, "aten.addmm.default": _lower_gemm,
 }
 
 OP_LOWERINGS: dict[str, OpLowering] = {

@@ -16,8 +16,10 @@ gradients reducing over tokens) would leave most of a large GPU idle while a few
 over K. Given a `scratch` buffer (`gemm_scratch_nbytes` bytes), the plan cuts K into slices of at
 least MIN_SPLIT_SLICE so that about TARGET_THREADS threads run, writes each slice's partial product
 into scratch [slices, batch, M, N], and adds the slices in a fixed order with a second dispatch
-(linear_splitk_reduce.comp, shared with the linear family): bitwise reproducible, no atomics. Only
-slice 0 adds the bias. Without scratch the plan never splits.
+(linear_splitk_reduce.comp, shared with the linear family): bitwise reproducible, no atomics. A bias
+of the output's own shape (contiguous, beta = 1: the addend the gemm_epilogue pass folds into addmm) is
+added by the reduction after the slices, so the result is the bits of the mm followed by the add; any
+other bias is added by slice 0. Without scratch the plan never splits.
 
 Device tuning (kernels/gemm_tuning.py). With `tuning=CPU_TUNING` (the executor's choice on a CPU
 Vulkan implementation) a GEMM whose tile is not forced runs matmul.comp's CPU_REGISTER_TILES variant
@@ -265,6 +267,10 @@ def plan_gemm(out: Any, a: Any, a_view: StridedView, b: Any, b_view: StridedView
             raise KernelArgumentError(f"{label}: split_k={split_k} over [{batch}, {M}, {N}] with K={K} exceeds "
                                       f"32-bit indexing; use a smaller split_k")
     k_slice = slice_length(K, split_k) if split_k > 1 else K
+    # The addend of a fused add(p, mm) is added once the slices are summed, as the add did.
+    reduce_adds_bias = (split_k > 1 and has_bias and float(beta) == 1.0 and bias_view.is_contiguous
+                        and bias_view.offset == 0 and bias_view.numel == batch * M * N)
+    gemm_bias = has_bias and not reduce_adds_bias
 
     push = pack_push(
         M, N, K,
@@ -280,15 +286,15 @@ def plan_gemm(out: Any, a: Any, a_view: StridedView, b: Any, b_view: StridedView
     }
     target = out if split_k == 1 else scratch
     bindings = [binding(target, "w"), binding(a, "r"), binding(b, "r")]
-    if has_bias:
+    if gemm_bias:
         bindings.append(binding(bias, "r"))
     if b_scales is not None:
         bindings.append(binding(b_scales, "r"))
     if cpu_body:
-        shader, spec = cpu_gemm_variant(A, B, has_bias)
+        shader, spec = cpu_gemm_variant(A, B, gemm_bias)
         groups = (ceil_div(N, CPU_LANES * CPU_TN), ceil_div(M, cpu_tile_rows(M)), split_k * batch)
     else:
-        shader = gemm_shader_name(tile, has_bias, vec4_rows=N % 4 == 0)
+        shader = gemm_shader_name(tile, gemm_bias, vec4_rows=N % 4 == 0)
         groups = (ceil_div(N, tile[1]), ceil_div(M, tile[0]), split_k * batch)
     if b_scales is not None:
         shader += "+B_Q8_0"
@@ -296,8 +302,12 @@ def plan_gemm(out: Any, a: Any, a_view: StridedView, b: Any, b_view: StridedView
                     label=label if split_k == 1 else f"{label}.split{split_k}")
     if split_k == 1:
         return [gemm]
-    # Slice 0 of the GEMM already added the bias, so the reduce has none (and never reads row_vec4s).
-    reduce = plan_splitk_reduce(out=out, scratch=scratch, count4=batch * M * N // 4, row_vec4s=max(1, N // 4),
+    count4 = batch * M * N // 4
+    if reduce_adds_bias:  # bias[e % row_vec4s] with one "row" of the whole output: bias[e]
+        return [gemm, plan_splitk_reduce(out=out, scratch=scratch, count4=count4, row_vec4s=count4, split_k=split_k,
+                                         bias=bias, label=f"{label}.reduce")]
+    # Slice 0 of the GEMM already added any bias, so the reduce has none (and never reads row_vec4s).
+    reduce = plan_splitk_reduce(out=out, scratch=scratch, count4=count4, row_vec4s=max(1, N // 4),
                                 split_k=split_k, label=f"{label}.reduce")
     return [gemm, reduce]
 
