@@ -3,7 +3,10 @@
 `plan_gemm` computes C[b] = alpha * A[b] @ B[b] (+ beta * bias[b]) for views A [batch, M, K] and
 B [batch, K, N] with any element strides (a transposed operand is a view whose last two strides are
 swapped: t_copy / permute_copy feeding a mm need not be materialised) and a bias view broadcast to
-[batch, M, N] (addmm's bias [N] or [M, N] reads in place with stride 0). C is contiguous.
+[batch, M, N] (addmm's bias [N] or [M, N] reads in place with stride 0). C is contiguous unless
+`c_row_stride` (elements between its rows, > N) and `c_offset` place it as a window of columns of a
+wider matrix: C[b, m, n] is element c_offset + (b * M + m) * c_row_stride + n of `out` (how the executor
+splits a head's logits over vocabulary windows whose weights fit a storage binding).
 
 Tiling: 64 x 64 output tiles (256 threads), or 64 x 16 / 16 x 64 (64 threads) when the output's
 N / M is <= 16 (the LoRA products of rank 16: a 64-wide tile would leave 3/4 of its threads idle);
@@ -196,10 +199,26 @@ def _check_split_k(split_k: Any, label: str) -> int:
     return split_k
 
 
+def _check_c_placement(c_offset: Any, c_row_stride: Any, batch: int, M: int, N: int, label: str) -> int:
+    """C's row stride (N when not given), after checking that the placement holds C's rows apart and is
+    addressable with 32-bit indices."""
+    if isinstance(c_offset, bool) or not isinstance(c_offset, int) or c_offset < 0:
+        raise KernelArgumentError(f"{label}: c_offset must be an int >= 0 (elements), got {c_offset!r}")
+    if c_row_stride is None:
+        c_row_stride = N
+    if isinstance(c_row_stride, bool) or not isinstance(c_row_stride, int) or c_row_stride < N:
+        raise KernelArgumentError(f"{label}: c_row_stride must be an int >= N = {N} (elements), got {c_row_stride!r}")
+    if c_offset + batch * M * c_row_stride > MAX_ELEMENTS:
+        raise KernelArgumentError(f"{label}: C at element {c_offset} with {batch * M} rows of stride {c_row_stride} "
+                                  f"exceeds {MAX_ELEMENTS} elements (32-bit indices)")
+    return c_row_stride
+
+
 def plan_gemm(out: Any, a: Any, a_view: StridedView, b: Any, b_view: StridedView, *,
               bias: Any = None, bias_view: StridedView | None = None, alpha: float = 1.0, beta: float = 1.0,
               scratch: Any = None, split_k: int | None = None, tile: tuple[int, int] | None = None,
-              tuning: str = GPU_TUNING, b_scales: Any = None, label: str = "gemm") -> list[Dispatch]:
+              tuning: str = GPU_TUNING, b_scales: Any = None, c_offset: int = 0, c_row_stride: int | None = None,
+              label: str = "gemm") -> list[Dispatch]:
     """out [batch, M, N] (or [M, N] when both operands are 2-D) = alpha * A @ B (+ beta * bias).
 
     Operand views have rank 2 ([M, K] / [K, N]) or 3 ([batch, M, K] / [batch, K, N]); a 2-D operand
@@ -209,6 +228,8 @@ def plan_gemm(out: Any, a: Any, a_view: StridedView, b: Any, b_view: StridedView
     are empty and contribute zeros); `tile` forces one of GEMM_TILES (the shared-memory body whatever
     the `tuning`); `tuning` (kernels/gemm_tuning.py) picks the body otherwise (module docstring).
     `b_scales`: `b` holds Q8_0 codes and these their scales (module docstring); no bias then.
+    `c_offset` / `c_row_stride` (elements; default 0 / N) place C inside `out` (module docstring); a
+    strided C is never split over K (the split-K reduce writes a contiguous output).
     """
     A = _as_batched(a_view, f"{label}: A")
     B = _as_batched(b_view, f"{label}: B")
@@ -227,11 +248,16 @@ def plan_gemm(out: Any, a: Any, a_view: StridedView, b: Any, b_view: StridedView
     if batch * M * N > MAX_ELEMENTS:
         raise KernelArgumentError(
             f"{label}: the output [{batch}, {M}, {N}] has more than {MAX_ELEMENTS} elements (32-bit indices)")
+    c_row_stride = _check_c_placement(c_offset, c_row_stride, batch, M, N, label)
+    strided_c = c_offset != 0 or c_row_stride != N
     cpu_body = _takes_cpu_body(K, tile, tuning, label)
     tile = default_gemm_tile(M, N) if tile is None else _check_tile(tile, label)
     if split_k is None:
-        split_k = default_split_k(batch, M, N, K, tile) if scratch is not None and not cpu_body else 1
+        split_k = default_split_k(batch, M, N, K, tile) if scratch is not None and not cpu_body and not strided_c else 1
     split_k = _check_split_k(split_k, label)
+    if split_k > 1 and strided_c:
+        raise KernelArgumentError(f"{label}: split_k={split_k} needs a contiguous C (c_offset 0, c_row_stride N), "
+                                  f"got c_offset={c_offset}, c_row_stride={c_row_stride}")
     if batch * M * N == 0:
         return []
     has_bias = bias is not None
@@ -272,7 +298,7 @@ def plan_gemm(out: Any, a: Any, a_view: StridedView, b: Any, b_view: StridedView
         B.offset, B.strides[0], B.strides[1], B.strides[2],
         bias_offset, *bias_strides,
         float(alpha), float(beta),
-        batch, k_slice)
+        batch, k_slice, c_offset, c_row_stride)
     spec = {
         # Walk the tile along whichever dim is contiguous in memory so loads coalesce.
         A_M_FASTEST_SPEC_ID: bool(A.strides[1] == 1 and A.strides[2] != 1),
@@ -288,7 +314,7 @@ def plan_gemm(out: Any, a: Any, a_view: StridedView, b: Any, b_view: StridedView
         shader, spec = cpu_gemm_variant(A, B, has_bias)
         groups = (ceil_div(N, CPU_LANES * CPU_TN), ceil_div(M, cpu_tile_rows(M)), split_k * batch)
     else:
-        shader = gemm_shader_name(tile, has_bias, vec4_rows=N % 4 == 0)
+        shader = gemm_shader_name(tile, has_bias, vec4_rows=N % 4 == 0 and c_row_stride % 4 == 0 and c_offset % 4 == 0)
         groups = (ceil_div(N, tile[1]), ceil_div(M, tile[0]), split_k * batch)
     if b_scales is not None:
         shader += "+B_Q8_0"
