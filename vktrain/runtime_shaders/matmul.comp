@@ -34,14 +34,17 @@
 // whichever of the operand's two strides is 1.
 // CPU_REGISTER_TILES (with HAS_BIAS=0/1, no tile defines, optionally A_PAIRS, B_PAIRS, CPU_TM): the
 // register-tile body of matmul_cpu.glsl for CPU Vulkan implementations, in place of the shared-memory one.
-// B_Q8_0 (HAS_BIAS=0 only; with any of the above): B's storage is a frozen Q8_0 matrix (vktrain/quant/q8_0.py),
-// int8 codes (binding 2) and float32 scales (binding 3), dequantized as each element is loaded; the
-// products and their order are those of the float32 variant reading the dequantized matrix.
+// B_Q8_0 (with any of the above): B's storage is a frozen Q8_0 matrix (vktrain/quant/q8_0.py), int8 codes
+// (binding 2) and float32 scales (binding 3; the bias, if any, then binding 4), dequantized as each element
+// is loaded; the products and their order are those of the float32 variant reading the dequantized matrix.
+// (The bias form adds the previous partial of a reduction the runtime splits over windows of B's rows.)
 // vktrain-variants: HAS_BIAS=0, HAS_BIAS=1, HAS_BIAS=0+TILE_M=64+TILE_N=16, HAS_BIAS=1+TILE_M=64+TILE_N=16, HAS_BIAS=0+TILE_M=16+TILE_N=64, HAS_BIAS=1+TILE_M=16+TILE_N=64, HAS_BIAS=0+VEC4_C, HAS_BIAS=1+VEC4_C, HAS_BIAS=0+TILE_M=64+TILE_N=16+VEC4_C, HAS_BIAS=1+TILE_M=64+TILE_N=16+VEC4_C, HAS_BIAS=0+TILE_M=16+TILE_N=64+VEC4_C, HAS_BIAS=1+TILE_M=16+TILE_N=64+VEC4_C
 // vktrain-variants: HAS_BIAS=0+CPU_REGISTER_TILES, HAS_BIAS=1+CPU_REGISTER_TILES, HAS_BIAS=0+CPU_REGISTER_TILES+A_PAIRS, HAS_BIAS=1+CPU_REGISTER_TILES+A_PAIRS, HAS_BIAS=0+CPU_REGISTER_TILES+B_PAIRS, HAS_BIAS=1+CPU_REGISTER_TILES+B_PAIRS, HAS_BIAS=0+CPU_REGISTER_TILES+A_PAIRS+B_PAIRS, HAS_BIAS=1+CPU_REGISTER_TILES+A_PAIRS+B_PAIRS
 // vktrain-variants: HAS_BIAS=0+CPU_REGISTER_TILES+CPU_TM=32, HAS_BIAS=1+CPU_REGISTER_TILES+CPU_TM=32, HAS_BIAS=0+CPU_REGISTER_TILES+A_PAIRS+CPU_TM=32, HAS_BIAS=1+CPU_REGISTER_TILES+A_PAIRS+CPU_TM=32, HAS_BIAS=0+CPU_REGISTER_TILES+B_PAIRS+CPU_TM=32, HAS_BIAS=1+CPU_REGISTER_TILES+B_PAIRS+CPU_TM=32, HAS_BIAS=0+CPU_REGISTER_TILES+A_PAIRS+B_PAIRS+CPU_TM=32, HAS_BIAS=1+CPU_REGISTER_TILES+A_PAIRS+B_PAIRS+CPU_TM=32, HAS_BIAS=0+CPU_REGISTER_TILES+CPU_TM=64, HAS_BIAS=1+CPU_REGISTER_TILES+CPU_TM=64, HAS_BIAS=0+CPU_REGISTER_TILES+A_PAIRS+CPU_TM=64, HAS_BIAS=1+CPU_REGISTER_TILES+A_PAIRS+CPU_TM=64, HAS_BIAS=0+CPU_REGISTER_TILES+B_PAIRS+CPU_TM=64, HAS_BIAS=1+CPU_REGISTER_TILES+B_PAIRS+CPU_TM=64, HAS_BIAS=0+CPU_REGISTER_TILES+A_PAIRS+B_PAIRS+CPU_TM=64, HAS_BIAS=1+CPU_REGISTER_TILES+A_PAIRS+B_PAIRS+CPU_TM=64
 // vktrain-variants: HAS_BIAS=0+B_Q8_0, HAS_BIAS=0+VEC4_C+B_Q8_0, HAS_BIAS=0+TILE_M=64+TILE_N=16+B_Q8_0, HAS_BIAS=0+TILE_M=64+TILE_N=16+VEC4_C+B_Q8_0, HAS_BIAS=0+TILE_M=16+TILE_N=64+B_Q8_0, HAS_BIAS=0+TILE_M=16+TILE_N=64+VEC4_C+B_Q8_0
+// vktrain-variants: HAS_BIAS=1+B_Q8_0, HAS_BIAS=1+VEC4_C+B_Q8_0, HAS_BIAS=1+TILE_M=64+TILE_N=16+B_Q8_0, HAS_BIAS=1+TILE_M=64+TILE_N=16+VEC4_C+B_Q8_0, HAS_BIAS=1+TILE_M=16+TILE_N=64+B_Q8_0, HAS_BIAS=1+TILE_M=16+TILE_N=64+VEC4_C+B_Q8_0
 // vktrain-variants: HAS_BIAS=0+CPU_REGISTER_TILES+B_Q8_0, HAS_BIAS=0+CPU_REGISTER_TILES+A_PAIRS+B_Q8_0, HAS_BIAS=0+CPU_REGISTER_TILES+B_PAIRS+B_Q8_0, HAS_BIAS=0+CPU_REGISTER_TILES+A_PAIRS+B_PAIRS+B_Q8_0, HAS_BIAS=0+CPU_REGISTER_TILES+CPU_TM=32+B_Q8_0, HAS_BIAS=0+CPU_REGISTER_TILES+A_PAIRS+CPU_TM=32+B_Q8_0, HAS_BIAS=0+CPU_REGISTER_TILES+B_PAIRS+CPU_TM=32+B_Q8_0, HAS_BIAS=0+CPU_REGISTER_TILES+A_PAIRS+B_PAIRS+CPU_TM=32+B_Q8_0, HAS_BIAS=0+CPU_REGISTER_TILES+CPU_TM=64+B_Q8_0, HAS_BIAS=0+CPU_REGISTER_TILES+A_PAIRS+CPU_TM=64+B_Q8_0, HAS_BIAS=0+CPU_REGISTER_TILES+B_PAIRS+CPU_TM=64+B_Q8_0, HAS_BIAS=0+CPU_REGISTER_TILES+A_PAIRS+B_PAIRS+CPU_TM=64+B_Q8_0
+// vktrain-variants: HAS_BIAS=1+CPU_REGISTER_TILES+B_Q8_0, HAS_BIAS=1+CPU_REGISTER_TILES+A_PAIRS+B_Q8_0, HAS_BIAS=1+CPU_REGISTER_TILES+B_PAIRS+B_Q8_0, HAS_BIAS=1+CPU_REGISTER_TILES+A_PAIRS+B_PAIRS+B_Q8_0, HAS_BIAS=1+CPU_REGISTER_TILES+CPU_TM=32+B_Q8_0, HAS_BIAS=1+CPU_REGISTER_TILES+A_PAIRS+CPU_TM=32+B_Q8_0, HAS_BIAS=1+CPU_REGISTER_TILES+B_PAIRS+CPU_TM=32+B_Q8_0, HAS_BIAS=1+CPU_REGISTER_TILES+A_PAIRS+B_PAIRS+CPU_TM=32+B_Q8_0, HAS_BIAS=1+CPU_REGISTER_TILES+CPU_TM=64+B_Q8_0, HAS_BIAS=1+CPU_REGISTER_TILES+A_PAIRS+CPU_TM=64+B_Q8_0, HAS_BIAS=1+CPU_REGISTER_TILES+B_PAIRS+CPU_TM=64+B_Q8_0, HAS_BIAS=1+CPU_REGISTER_TILES+A_PAIRS+B_PAIRS+CPU_TM=64+B_Q8_0
 #extension GL_GOOGLE_include_directive : require
 #extension GL_EXT_control_flow_attributes : require
 #ifdef CPU_REGISTER_TILES
@@ -86,9 +89,7 @@ layout(std430, set = 0, binding = 1) readonly buffer ABuffer { uint64_t a_pairs[
 layout(std430, set = 0, binding = 1) readonly buffer ABuffer { float a_data[]; };
 #endif
 #if defined(B_Q8_0)  // B's storage is a Q8_0 matrix (vktrain/quant/q8_0.py): int8 codes, four to a word, and a scale per 32
-#if HAS_BIAS
-#error "B_Q8_0 binds its scales where the bias would go"
-#endif
+#define BIAS_BINDING 4
 layout(std430, set = 0, binding = 2) readonly buffer BBuffer { uint b_codes[]; };
 layout(std430, set = 0, binding = 3) readonly buffer BScaleBuffer { float b_scales[]; };
 // Element e of B's storage: code * scale, exactly the float32 value the Q8_0 block holds.
@@ -106,8 +107,11 @@ layout(std430, set = 0, binding = 2) readonly buffer BBuffer { uint64_t b_pairs[
 layout(std430, set = 0, binding = 2) readonly buffer BBuffer { float b_data[]; };
 float b_at(uint e) { return b_data[e]; }
 #endif
+#ifndef BIAS_BINDING
+#define BIAS_BINDING 3
+#endif
 #if HAS_BIAS
-layout(std430, set = 0, binding = 3) readonly buffer BiasBuffer { float bias_data[]; };
+layout(std430, set = 0, binding = BIAS_BINDING) readonly buffer BiasBuffer { float bias_data[]; };
 #endif
 
 layout(push_constant, std430) uniform Params {

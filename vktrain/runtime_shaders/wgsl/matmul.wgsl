@@ -7,11 +7,12 @@
 // Split-K: group z = slice * batch + b; slice s reduces k in [s k_slice, min(K, (s + 1) k_slice)) into
 // C + (s batch + b) M c_m_stride, which linear_splitk_reduce sums; only slice 0 adds the bias.
 // A_M_FASTEST (id 3) / B_K_FASTEST (id 4) pick the order a workgroup walks a tile while loading it.
-// B_Q8_0 (HAS_BIAS=0 only: its scales take the bias's binding): B's storage is a frozen Q8_0 matrix
-// (docs/spec/q8_0.md), int8 codes four to a word (binding 2) and a float32 scale per 32 (binding 3),
-// dequantized as each element is loaded: the products and their order are the float32 variant's.
+// B_Q8_0: B's storage is a frozen Q8_0 matrix (docs/spec/q8_0.md), int8 codes four to a word (binding 2)
+// and a float32 scale per 32 (binding 3; the bias, if any, binding 4), dequantized as each element is
+// loaded: the products and their order are the float32 variant's.
 // vktrain-variants: HAS_BIAS=0, HAS_BIAS=1, HAS_BIAS=0+TILE_M=64+TILE_N=16, HAS_BIAS=1+TILE_M=64+TILE_N=16, HAS_BIAS=0+TILE_M=16+TILE_N=64, HAS_BIAS=1+TILE_M=16+TILE_N=64, HAS_BIAS=0+VEC4_C, HAS_BIAS=1+VEC4_C, HAS_BIAS=0+TILE_M=64+TILE_N=16+VEC4_C, HAS_BIAS=1+TILE_M=64+TILE_N=16+VEC4_C, HAS_BIAS=0+TILE_M=16+TILE_N=64+VEC4_C, HAS_BIAS=1+TILE_M=16+TILE_N=64+VEC4_C
 // vktrain-variants: HAS_BIAS=0+B_Q8_0, HAS_BIAS=0+VEC4_C+B_Q8_0, HAS_BIAS=0+TILE_M=64+TILE_N=16+B_Q8_0, HAS_BIAS=0+TILE_M=64+TILE_N=16+VEC4_C+B_Q8_0, HAS_BIAS=0+TILE_M=16+TILE_N=64+B_Q8_0, HAS_BIAS=0+TILE_M=16+TILE_N=64+VEC4_C+B_Q8_0
+// vktrain-variants: HAS_BIAS=1+B_Q8_0, HAS_BIAS=1+VEC4_C+B_Q8_0, HAS_BIAS=1+TILE_M=64+TILE_N=16+B_Q8_0, HAS_BIAS=1+TILE_M=64+TILE_N=16+VEC4_C+B_Q8_0, HAS_BIAS=1+TILE_M=16+TILE_N=64+B_Q8_0, HAS_BIAS=1+TILE_M=16+TILE_N=64+VEC4_C+B_Q8_0
 
 #if !TILE_M
 const TILE_M = 64;
@@ -71,7 +72,12 @@ struct Params {
 #if B_Q8_0
 @group(0) @binding(2) var<storage, read> b_codes: array<u32>;   // element e: byte e % 4 of word e / 4
 @group(0) @binding(3) var<storage, read> b_scales: array<f32>;  // element e: scale e / 32
+#if HAS_BIAS
+@group(0) @binding(4) var<storage, read> bias_data: array<f32>;
+@group(0) @binding(5) var<uniform> params: Params;
+#else
 @group(0) @binding(4) var<uniform> params: Params;
+#endif
 
 // Element e of B's storage: code * scale, exactly the float32 value the Q8_0 block holds.
 fn b_at(e: u32) -> f32 {
