@@ -7,11 +7,19 @@
   (the head's logits over vocabulary windows of W^T, the logits' rows) give the unsplit GEMM's bits;
   windows of K (d_h = d_logits @ W) are within the derived bound gamma_(K + w - 1) * (|A| @ |B|) of the
   float64 product (matmul.py's docstring), on float32 and Q8_0 B.
+* tiny-llama with a 4096-token vocabulary (tied fp32 embedding and logits of 2 MiB each) under a 1 MiB
+  max binding size, on both runtimes: the embedding, the head's mm (both forms) and fused_ce are split
+  (checked in the schedule: every binding fits), the first loss and the eval loss (forward only: row and
+  column windows) equal the unsplit run's bit for bit, and later losses agree within the runtimes'
+  parity tolerance 1e-5 (d_h's reduction windows reassociate its sums; bound above).
+* A tensor no kernel splits (mlp-lora's untied q4gsw head's logits) is refused at load, naming it; limits
+  below what the kernels split to are refused naming the limit.
 """
 from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 
 from vktrain.runtime import Buffer, run_dispatches
 from vktrain.runtime.delegate.kernels.gemm_tuning import CPU_TUNING, GPU_TUNING, runs_cpu_bodies
@@ -155,3 +163,79 @@ def test_d_h_gemm_over_reduction_windows_is_within_the_derived_bound(vk_device, 
     exact = d_logits.astype(np.float64) @ weight.astype(np.float64)
     magnitude = np.abs(d_logits.astype(np.float64)) @ np.abs(weight.astype(np.float64))
     assert (np.abs(got - exact) <= gamma(K + windows_per_output - 1) * magnitude).all()
+
+
+MIB = 1 << 20
+SPLIT_VOCAB, SPLIT_BATCH, SPLIT_SEQ, SPLIT_STEPS = 4096, 2, 64, 3
+SPLIT_HPARAMS = np.array([1e-2, 0.9, 0.999, 1e-8, 0.01], np.float32)
+
+
+@pytest.fixture(scope="module")
+def big_vocab_program(tmp_path_factory):
+    """A 1-layer tiny-llama of vocabulary 4096: embedding [4096, 128] and logits [128, 4096], 2 MiB each."""
+    from vktrain.contract import EVAL_METHOD, TRAIN_METHOD
+    from vktrain.export import export_training_and_eval_steps, lower_methods_to_pte
+    from vktrain.lora import LoRAConfig, apply_lora
+    from vktrain.models import build_model
+
+    model = build_model("tiny-llama", n_layers=1, vocab_size=SPLIT_VOCAB)
+    apply_lora(model, LoRAConfig(rank=4, alpha=8.0, targets="*_proj", group_size=32, seed=0))
+    step, evaluation = export_training_and_eval_steps(model, (SPLIT_BATCH, SPLIT_SEQ))
+    path = tmp_path_factory.mktemp("pte") / "big_vocab_step.pte"
+    path.write_bytes(lower_methods_to_pte({TRAIN_METHOD: step, EVAL_METHOD: evaluation}))
+    return path
+
+
+def _split_batches():
+    """One batch of random ids, SPLIT_STEPS times (so the loss falls), labels the next id."""
+    token_ids = torch.randint(0, SPLIT_VOCAB, (SPLIT_BATCH, SPLIT_SEQ), generator=torch.Generator().manual_seed(7))
+    for _ in range(SPLIT_STEPS):
+        yield token_ids, torch.roll(token_ids, -1, dims=1)
+
+
+def _train_and_eval(path, device, max_binding_bytes):
+    from vktrain.runtime.program.runner import TrainingRunner
+
+    with TrainingRunner.from_pte(path, device, max_binding_bytes=max_binding_bytes) as runner:
+        eval_batch = next(iter(_split_batches()))
+        eval_before = runner.evaluate(eval_batch[0].numpy(), eval_batch[1].numpy())
+        losses = [runner.step(t.numpy(), l.numpy(), SPLIT_HPARAMS) for t, l in _split_batches()]
+        return losses, eval_before, list(runner.executor.dispatches)
+
+
+def _check_split_training(device, path):
+    losses, eval_loss, dispatches = _train_and_eval(path, device, MIB)
+    whole_losses, whole_eval, whole_dispatches = _train_and_eval(path, device, None)
+    assert len(dispatches) > len(whole_dispatches)
+    for dispatch in dispatches:
+        for bound in dispatch.bindings:
+            assert bound.size <= MIB, (dispatch.name, bound)
+    labels = [d.name for d in dispatches]
+    for split_op in ("aten.embedding", "aten.mm", "fused_ce"):
+        assert sum(split_op in name and ("window" in name or "rows" in name) for name in labels) > 1, split_op
+    assert losses[0] == whole_losses[0]  # forward: windows of rows / columns keep every sum's order
+    assert eval_loss == whole_eval
+    np.testing.assert_allclose(losses, whole_losses, rtol=1e-5)
+    assert all(np.isfinite(losses)) and losses[-1] < losses[0]
+
+
+def test_big_vocabulary_step_trains_split_on_vulkan(vk_device, big_vocab_program):
+    _check_split_training(vk_device, big_vocab_program)
+
+
+def test_big_vocabulary_step_trains_split_on_webgpu(webgpu_device, big_vocab_program):
+    _check_split_training(webgpu_device, big_vocab_program)
+
+
+def test_unsplittable_tensor_is_refused_naming_it(vk_device, tmp_path):
+    from _helpers import export_mlp_lora_training_step
+    from vktrain.runtime.delegate.op_lowering import GraphLoweringError
+    from vktrain.runtime.program.runner import TrainingRunner
+
+    path = tmp_path / "mlp.pte"
+    export_mlp_lora_training_step(path, (2, 8), 32768)  # logits [2, 8, 32768]: 2 MiB out of linear_q4gsw
+    with pytest.raises(GraphLoweringError, match=r"vktrain.linear_q4gsw.default.*binds tensor \S+ float32\[2, 8, 32768\] "
+                                                 r"over 2097152 bytes, more than the max storage binding size of 1048576"):
+        TrainingRunner.from_pte(path, vk_device, max_binding_bytes=MIB)
+    with pytest.raises(GraphLoweringError, match="max_binding_bytes .* must be an int >= 1048576"):
+        TrainingRunner.from_pte(path, vk_device, max_binding_bytes=MIB - 1)

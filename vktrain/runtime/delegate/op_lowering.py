@@ -34,6 +34,7 @@ the backend recorded in the blob, so view and in-place decisions never leak into
 """
 from __future__ import annotations
 
+import inspect
 import math
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
@@ -140,6 +141,11 @@ class OpContext:
         return int(self.limits.max_compute_shared_memory_size)
 
     @property
+    def binding_limit(self) -> Optional[layout.BindingLimit]:
+        """The most bytes one binding may span here, for the plans that split tensors over it."""
+        return layout.binding_limit_of(self.limits)
+
+    @property
     def max_workgroup_size(self) -> int:
         """Invocations a workgroup may have on this device (1-D workgroups)."""
         if self.limits is None:
@@ -202,6 +208,8 @@ def _keyword_lowering(key: str) -> Callable[[OpContext], list[Dispatch]]:
             else:
                 kwargs[name] = value
         kwargs.update((name, output.binding) for name, output in zip(output_names, ctx.outputs))
+        if "binding_limit" in inspect.signature(KERNELS[key]).parameters:  # it can split a tensor over the limit
+            kwargs["binding_limit"] = ctx.binding_limit
         try:
             return KERNELS[key](label=ctx.label, **kwargs)
         except (ValueError, TypeError) as exc:
@@ -330,8 +338,8 @@ def _lower_fused_ce(ctx: OpContext) -> list[Dispatch]:
     loss, dlogits = ctx.outputs
     rows, vocab = logits.shape
     row_loss = ctx.scratch(cross_entropy.fused_ce_scratch_nbytes(rows), "row_loss")
-    return _call(ctx, R=rows, V=vocab, logits=logits.binding, labels=labels.binding,
-                 n_valid=n_valid.binding, loss=loss.binding, dlogits=dlogits.binding, row_loss=row_loss)
+    return _call(ctx, R=rows, V=vocab, logits=logits.binding, labels=labels.binding, n_valid=n_valid.binding,
+                 loss=loss.binding, dlogits=dlogits.binding, row_loss=row_loss, binding_limit=ctx.binding_limit)
 
 
 def _lower_adamw(ctx: OpContext) -> list[Dispatch]:
@@ -476,11 +484,19 @@ def _lower_transpose(ctx: OpContext) -> list[Dispatch]:
         raise ctx.fail(f"the copy kernel refused it: {exc}") from exc
 
 
-def _split_k_scratch(ctx: OpContext, batch: int, m: int, n: int, k: int) -> BufferBinding | None:
+def _split_k_scratch(ctx: OpContext, batch: int, m: int, n: int, k: int, *tensors: TensorArg) -> BufferBinding | None:
     """The split-K scratch the default GEMM plan of [batch, m, k] @ [batch, k, n] uses, or None when
-    it would not split (kernels/matmul.py: skinny outputs over long reductions)."""
+    it would not split (kernels/matmul.py: skinny outputs over long reductions); when one of `tensors` is
+    over the binding limit, at least the scratch of windows of its reduction (matmul.window_scratch_nbytes)."""
     nbytes = matmul.gemm_scratch_nbytes(batch, m, n, k, ctx.gemm.fp32_tuning)
+    if _over_limit(ctx, *tensors):
+        nbytes = max(nbytes, matmul.window_scratch_nbytes(batch * m, n, ctx.binding_limit))
     return ctx.scratch(nbytes, "split_k") if nbytes else None
+
+
+def _over_limit(ctx: OpContext, *tensors: TensorArg) -> bool:
+    limit = ctx.binding_limit
+    return limit is not None and any(not limit.fits(tensor.binding.size) for tensor in tensors)
 
 
 def _float_matrices(ctx: OpContext, positions: Sequence[tuple[int, str]]) -> list[TensorArg]:
@@ -496,16 +512,17 @@ def _float_matrices(ctx: OpContext, positions: Sequence[tuple[int, str]]) -> lis
 def _lower_mm(ctx: OpContext) -> list[Dispatch]:
     """aten.mm through the GEMM's strided operands: a lazily transposed input costs nothing."""
     a, b = _float_matrices(ctx, ((0, "self"), (1, "mat2")))
-    b_transposed = ctx.gemm.dense_b_transposed(a.strided, b.strided)
-    if b_transposed is not None:
+    operands = (a, b, ctx.outputs[0])
+    b_transposed = None if _over_limit(ctx, *operands) else ctx.gemm.dense_b_transposed(a.strided, b.strided)
+    if b_transposed is not None:  # (the tensor-core kernel binds whole operands)
         return _call(ctx, coopmat.plan_coopmat_mm, M=a.shape[0], N=b.shape[1], K=a.shape[1],
                      out=ctx.outputs[0].binding, a=a.binding, b=b.binding, b_transposed=b_transposed,
                      absmax=ctx.scratch(coopmat.absmax_scratch_nbytes(a.numel, b.numel), "absmax"),
                      **ctx.gemm.plan_options)
     try:
-        scratch = _split_k_scratch(ctx, 1, a.shape[0], b.shape[1], a.shape[1])
-        return matmul.plan_gemm(ctx.outputs[0].binding, a.binding, a.strided, b.binding, b.strided,
-                                scratch=scratch, tuning=ctx.gemm.fp32_tuning, label=ctx.label)
+        scratch = _split_k_scratch(ctx, 1, a.shape[0], b.shape[1], a.shape[1], *operands)
+        return matmul.plan_gemm(ctx.outputs[0].binding, a.binding, a.strided, b.binding, b.strided, scratch=scratch,
+                                tuning=ctx.gemm.fp32_tuning, binding_limit=ctx.binding_limit, label=ctx.label)
     except (ValueError, TypeError) as exc:
         raise ctx.fail(f"the matmul kernel refused it: {exc}") from exc
 
@@ -535,10 +552,11 @@ def _lower_linear_q8_0(ctx: OpContext) -> list[Dispatch]:
     name = op_def(ctx.op.name).schema.arg_names[0]  # x or d_out
     rows_input, codes, scales = ctx.tensor(0, name), ctx.tensor(1, "codes"), ctx.tensor(2, "scales")
     inner, columns = rows_input.shape[-1], ctx.outputs[0].shape[-1]
-    scratch = _split_k_scratch(ctx, 1, rows_input.numel // inner if inner else 0, columns, inner)
+    scratch = _split_k_scratch(ctx, 1, rows_input.numel // inner if inner else 0, columns, inner, rows_input, codes,
+                               scales, ctx.outputs[0])
     return _call(ctx, **{name: rows_input.binding, f"{name}_shape": rows_input.shape}, codes=codes.binding,
                  codes_shape=codes.shape, scales=scales.binding, scales_shape=scales.shape, out=ctx.outputs[0].binding,
-                 scratch=scratch, tuning=ctx.gemm.fp32_tuning)
+                 scratch=scratch, tuning=ctx.gemm.fp32_tuning, binding_limit=ctx.binding_limit)
 
 
 # vktrain ops whose plans take derived sizes (M / N / K, B / S / H / D) instead of the keyword convention.

@@ -500,3 +500,25 @@ def sub_binding(buffer: Any, start: int, end: int, access: str, alignment: int) 
     absolute = base + start
     offset = absolute - absolute % alignment
     return BufferBinding(key, offset, base + end - offset, access), absolute - offset
+
+
+def row_windows(rows: int, row_bytes: int, limit: BindingLimit, what: str, label: str,
+                start_alignment: int | None = None) -> list[tuple[int, int]]:
+    """[begin, end) windows of whole rows of a table, each at most `limit.max_bytes` and starting at a
+    multiple of `start_alignment` bytes (default the binding alignment), so each binds with no element
+    offset: a kernel addresses its rows from `begin`."""
+    alignment = start_alignment or limit.alignment
+    step = alignment // math.gcd(row_bytes, alignment)  # rows from one aligned start to the next
+    per_window = limit.max_bytes // row_bytes // step * step
+    if per_window == 0:
+        raise limit.refusal(label, f"{step} rows of {what} ({row_bytes} bytes each)", step * row_bytes)
+    return [(begin, min(begin + per_window, rows)) for begin in range(0, rows, per_window)]
+
+
+def table_window(buffer: Any, begin: int, end: int, access: str, limit: BindingLimit, label: str) -> BufferBinding:
+    """Bytes [begin, end) of a tensor as a binding starting exactly there (row_windows' starts)."""
+    bound, skipped = sub_binding(buffer, begin, end, access, limit.alignment)
+    if skipped:
+        raise KernelArgumentError(f"{label}: a window of a table split over bindings must start at an offset aligned "
+                                  f"to {limit.alignment} bytes; the tensor's own offset is not")
+    return bound
