@@ -7,15 +7,21 @@
   (the head's logits over vocabulary windows of W^T, the logits' rows) give the unsplit GEMM's bits;
   windows of K (d_h = d_logits @ W) are within the derived bound gamma_(K + w - 1) * (|A| @ |B|) of the
   float64 product (matmul.py's docstring), on float32 and Q8_0 B.
+* The embedding gathers (fp32, Q8_0) and fused_ce under a BindingLimit: windows of whole rows that tile
+  the table / the logits once, aligned, each binding within the limit, and outputs (NaN rows of bad
+  indices, ignored labels included) equal to the unsplit plan's bit for bit.
 * tiny-llama with a 4096-token vocabulary (tied fp32 embedding and logits of 2 MiB each) under a 1 MiB
   max binding size, on both runtimes: the embedding, the head's mm (both forms) and fused_ce are split
   (checked in the schedule: every binding fits), the first loss and the eval loss (forward only: row and
   column windows) equal the unsplit run's bit for bit, and later losses agree within the runtimes'
   parity tolerance 1e-5 (d_h's reduction windows reassociate its sums; bound above).
 * A tensor no kernel splits (mlp-lora's untied q4gsw head's logits) is refused at load, naming it; limits
-  below what the kernels split to are refused naming the limit.
+  below what the kernels split to are refused naming the limit. `vktrain train --max-binding-mib 1`
+  trains it; generation under the limit gives the unsplit run's logits bit for bit.
 """
 from __future__ import annotations
+
+import struct
 
 import numpy as np
 import pytest
@@ -25,7 +31,10 @@ from vktrain.runtime import Buffer, run_dispatches
 from vktrain.runtime.delegate.kernels.gemm_tuning import CPU_TUNING, GPU_TUNING, runs_cpu_bodies
 from vktrain.quant.q8_0 import Q8_0_BLOCK_VALUES
 from vktrain.runtime.delegate.kernels.layout import BindingLimit, KernelArgumentError, StridedView
+from vktrain.runtime.delegate.kernels.cross_entropy import plan_fused_ce
+from vktrain.runtime.delegate.kernels.embedding import plan_embedding
 from vktrain.runtime.delegate.kernels.matmul import plan_gemm, window_scratch_nbytes
+from vktrain.runtime.delegate.kernels.q8_0 import plan_embedding_q8_0
 from vktrain.runtime.vk.schedule import BufferBinding
 
 SENTINEL = np.float32(-7.25)  # what the bytes of `out` outside C hold before and after
@@ -105,9 +114,12 @@ def test_gemm_window_placement_is_checked():
 LIMIT = BindingLimit(max_bytes=16384, alignment=256)  # W [600, 48] fp32 is 112 KiB, the logits [40, 600] 94 KiB
 
 
-def _check_bindings(dispatches, limit: BindingLimit) -> None:
+def _check_bindings(dispatches, limit: BindingLimit, small: tuple[str, ...] = ()) -> None:
+    """Every binding but those of the `small` buffers (bound whole, under the limit) spans at most the limit."""
     for dispatch in dispatches:
         for bound in dispatch.bindings:
+            if bound.buffer in small and bound.size is None:
+                continue
             assert bound.size is not None and bound.size <= limit.max_bytes, (dispatch.name, bound)
             assert bound.offset % limit.alignment == 0, (dispatch.name, bound)
 
@@ -163,6 +175,104 @@ def test_d_h_gemm_over_reduction_windows_is_within_the_derived_bound(vk_device, 
     exact = d_logits.astype(np.float64) @ weight.astype(np.float64)
     magnitude = np.abs(d_logits.astype(np.float64)) @ np.abs(weight.astype(np.float64))
     assert (np.abs(got - exact) <= gamma(K + windows_per_output - 1) * magnitude).all()
+
+
+def _row_windows_of(dispatches, binding_index: int, row_bytes: int) -> list[tuple[int, int]]:
+    """[first, end) rows each dispatch binds of the table at `binding_index` (offsets relative to 0)."""
+    return [(d.bindings[binding_index].offset // row_bytes,
+             (d.bindings[binding_index].offset + d.bindings[binding_index].size) // row_bytes) for d in dispatches]
+
+
+def _assert_tiles(windows: list[tuple[int, int]], rows: int) -> None:
+    assert windows[0][0] == 0 and windows[-1][1] == rows and len(windows) > 1
+    assert all(end == next_begin for (_, end), (next_begin, _) in zip(windows, windows[1:]))
+
+
+def test_embedding_gathers_over_windows_of_the_table(vk_device):
+    rng = np.random.default_rng(5)
+    rows, dim = 1000, 48  # 192000 bytes: 12 windows of 80 rows under 16 KiB (80 rows start 256-aligned)
+    weight = rng.standard_normal((rows, dim)).astype(np.float32)
+    indices = rng.integers(0, rows, 300).astype(np.int32)
+    indices[[3, 77]] = [-1, rows]  # NaN rows
+    whole = plan_embedding("out", "weight", weight.shape, "indices", indices.shape)
+    split = plan_embedding("out", "weight", weight.shape, "indices", indices.shape, binding_limit=LIMIT)
+    _check_bindings(split, LIMIT, small=("out", "indices"))
+    _assert_tiles(_row_windows_of(split, 2, 4 * dim), rows)
+    arrays = {"weight": weight, "indices": indices}
+    expected = _run_into(vk_device, whole, arrays, indices.size * dim)
+    got = _run_into(vk_device, split, arrays, indices.size * dim)
+    np.testing.assert_array_equal(got, expected)
+    np.testing.assert_array_equal(got.reshape(-1, dim)[5], weight[indices[5]])
+    assert np.isnan(got.reshape(-1, dim)[[3, 77]]).all()
+
+
+def test_q8_0_embedding_gathers_over_windows_of_whole_blocks(vk_device):
+    rng = np.random.default_rng(6)
+    rows, dim = 1200, 64  # codes 76800 bytes; windows start every 2048 codes (32 rows): scales aligned too
+    codes, scales, values = _q8_0_matrix(rng, rows, dim)
+    indices = rng.integers(0, rows, 200).astype(np.int32)
+    indices[9] = rows + 5
+    kwargs = dict(codes="codes", codes_shape=codes.shape, scales="scales", scales_shape=scales.shape,
+                  indices="indices", indices_shape=indices.shape, out="out")
+    whole = plan_embedding_q8_0(**kwargs)
+    split = plan_embedding_q8_0(**kwargs, binding_limit=LIMIT)
+    _check_bindings(split, LIMIT, small=("out", "indices"))
+    _assert_tiles(_row_windows_of(split, 2, dim), rows)
+    assert [d.bindings[3].offset for d in split] == [d.bindings[2].offset // 8 for d in split]  # scale e / 32
+    arrays = {"codes": codes, "scales": scales, "indices": indices}
+    expected = _run_into(vk_device, whole, arrays, indices.size * dim)
+    got = _run_into(vk_device, split, arrays, indices.size * dim)
+    np.testing.assert_array_equal(got, expected)
+    np.testing.assert_array_equal(got.reshape(-1, dim)[0], values[indices[0]])
+    assert np.isnan(got.reshape(-1, dim)[9]).all()
+
+
+@pytest.mark.parametrize("vocab, in_place", [(400, False), (400, True), (403, False)])
+def test_fused_ce_over_windows_of_logits_rows(vk_device, vocab, in_place):
+    rng = np.random.default_rng(vocab)
+    R = 50  # logits 80 KB: windows of 10 rows (V = 400) under 16 KiB
+    logits = (3 * rng.standard_normal((R, vocab))).astype(np.float32)
+    labels = rng.integers(0, vocab, R).astype(np.int32)
+    labels[[4, 31]] = -100
+    dlogits = "logits" if in_place else "dlogits"
+    kwargs = dict(R=R, V=vocab, logits="logits", labels="labels", n_valid="n_valid", loss="loss", dlogits=dlogits,
+                  row_loss="row_loss")
+    whole = plan_fused_ce(**kwargs)
+    split = plan_fused_ce(**kwargs, binding_limit=LIMIT)
+    _check_bindings(split, LIMIT, small=("labels", "n_valid", "loss", "row_loss"))
+    firsts = [struct.unpack_from("<I", d.push_constants, 8)[0] for d in split[:-1]]  # push: R, V, first_row, ...
+    _assert_tiles([(first, first + d.groups[0]) for first, d in zip(firsts, split[:-1])], R)
+    for first, dispatch in zip(firsts, split[:-1]):  # the window's logits lie inside its binding, from its offset
+        skip = struct.unpack_from("<I", dispatch.push_constants, 12)[0]
+        assert dispatch.bindings[0].offset + 4 * skip == 4 * first * vocab
+        assert dispatch.bindings[0].offset + dispatch.bindings[0].size == 4 * (first + dispatch.groups[0]) * vocab
+    results = []
+    for dispatches in (whole, split):
+        buffers = {"logits": Buffer.from_array(vk_device, logits), "labels": Buffer.from_array(vk_device, labels),
+                   "n_valid": Buffer.from_array(vk_device, np.float32([R - 2])),
+                   "loss": Buffer(vk_device, 4), "dlogits": Buffer(vk_device, logits.nbytes),
+                   "row_loss": Buffer(vk_device, 4 * R)}
+        try:
+            run_dispatches(vk_device, dispatches, buffers)
+            results.append((buffers["loss"].read(np.float32, (1,)), buffers[dlogits].read(np.float32, logits.shape)))
+        finally:
+            for buffer in buffers.values():
+                buffer.destroy()
+    np.testing.assert_array_equal(results[1][0], results[0][0])
+    np.testing.assert_array_equal(results[1][1], results[0][1])
+    shifted = logits.astype(np.float64) - logits.max(axis=1, keepdims=True)
+    rows_loss = np.log(np.exp(shifted).sum(axis=1)) - shifted[np.arange(R), labels]
+    valid = labels >= 0
+    np.testing.assert_allclose(results[1][0][0], rows_loss[valid].sum() / valid.sum(), rtol=1e-5)
+
+
+def test_a_row_over_the_limit_is_refused_naming_the_limit():
+    with pytest.raises(KernelArgumentError, match="one row of the logits .* over the device's max storage binding "
+                                                  "size of 16384 bytes"):
+        plan_fused_ce(R=4, V=8192, logits="l", labels="y", n_valid="n", loss="s", dlogits="d", row_loss="r",
+                      binding_limit=LIMIT)
+    with pytest.raises(KernelArgumentError, match="rows of the table"):
+        plan_embedding("out", "weight", (10, 8192), "indices", (4,), binding_limit=LIMIT)
 
 
 MIB = 1 << 20
@@ -239,3 +349,43 @@ def test_unsplittable_tensor_is_refused_naming_it(vk_device, tmp_path):
         TrainingRunner.from_pte(path, vk_device, max_binding_bytes=MIB)
     with pytest.raises(GraphLoweringError, match="max_binding_bytes .* must be an int >= 1048576"):
         TrainingRunner.from_pte(path, vk_device, max_binding_bytes=MIB - 1)
+
+
+def test_train_command_takes_the_limit(vk_device, big_vocab_program, tmp_path):
+    import argparse
+    import json
+
+    from vktrain.train.command import add_train_arguments, run_train
+
+    data = tmp_path / "ids.npy"
+    np.save(data, np.random.default_rng(0).integers(0, SPLIT_VOCAB, 4096))
+    records = tmp_path / "records.json"
+    args = add_train_arguments(argparse.ArgumentParser()).parse_args(
+        [str(big_vocab_program), "--steps", "2", "--no-progress", "--log-every", "0", "--data", str(data),
+         "--max-binding-mib", "1", "--json", str(records)])
+    assert args.max_binding_mib == 1
+    assert run_train(args, vk_device) == 0
+    assert [r["step"] for r in json.loads(records.read_text())] == [1, 2]
+
+
+def test_generation_under_the_limit_gives_the_unsplit_logits(vk_device, tmp_path):
+    from vktrain.export.decode import export_generation, lower_generation
+    from vktrain.generate.runner import GenerationRunner
+    from vktrain.generate.sampling import Sampler
+    from vktrain.lora import LoRAConfig, apply_lora
+    from vktrain.models import build_model
+
+    model = build_model("tiny-llama", n_layers=1, vocab_size=SPLIT_VOCAB)
+    apply_lora(model, LoRAConfig(rank=4, alpha=8.0, targets="*_proj", group_size=32, seed=0))
+    path = tmp_path / "generation.pte"
+    path.write_bytes(lower_generation(export_generation(model, prefill_length=8, cache_length=32)))
+    prompt = [5, 4000, 17, 2048, 3, 99]
+    outputs = []
+    for limit in (None, MIB):
+        with GenerationRunner.from_pte(path, vk_device, max_binding_bytes=limit) as runner:
+            result = runner.generate(prompt, 6, Sampler())
+            labels = [d.name for d in runner.prefill_method.executor.dispatches]
+            outputs.append((result.tokens, runner.prefill(prompt), labels))
+    assert outputs[0][0] == outputs[1][0]
+    np.testing.assert_array_equal(outputs[0][1], outputs[1][1])
+    assert any("window" in name for name in outputs[1][2]) and not any("window" in name for name in outputs[0][2])
