@@ -42,7 +42,7 @@ from vktrain.runtime.delegate.op_lowering import (
 )
 from vktrain.runtime.delegate.kernels.coopmat import allowed_precisions, select_gemm_route
 from vktrain.runtime.delegate.kernels.gemm_tuning import select_gemm_tuning
-from vktrain.runtime.delegate.kernels.layout import StridedView
+from vktrain.runtime.delegate.kernels.layout import StridedView, binding_limit_of
 from vktrain.contract import PRECISION_FP32
 from vktrain.runtime.vk.schedule import BufferBinding, Dispatch
 from vktrain.errors import VktrainError
@@ -412,7 +412,7 @@ class GraphExecutor:
             args = [self._decode(arg, index, op) for arg in op.args]
             outputs = [self._tensor_arg(out) for out in op.outputs]
             context = OpContext(index, op, args, outputs, label, self._scratch(index), self.limits,
-                                self.gemm_route)
+                                self.gemm_route, binding_limit_of(self.limits))
             planned = lowering.lower(context)
             self._check_binding_sizes(context, planned)
             if any(d.shader.startswith(TENSOR_CORE_SHADER_PREFIX) for d in planned):

@@ -111,6 +111,7 @@ class OpContext:
     # memory tiles by them; None: the Vulkan-guaranteed minimums the kernels default to.
     limits: Optional[Any] = None
     gemm: coopmat.GemmRoute = coopmat.FP32_ROUTE  # the GEMM kernels chosen at load for this device (kernels/coopmat.py)
+    binding_limit: Optional[layout.BindingLimit] = None  # what the plans that can split a tensor cut it by
 
     def fail(self, message: str) -> GraphLoweringError:
         return GraphLoweringError(f"op {self.index} ({self.op.name}): {message}")
@@ -139,11 +140,6 @@ class OpContext:
         if self.limits is None:
             return attention.DEFAULT_SHARED_MEMORY_BYTES
         return int(self.limits.max_compute_shared_memory_size)
-
-    @property
-    def binding_limit(self) -> Optional[layout.BindingLimit]:
-        """The most bytes one binding may span here, for the plans that split tensors over it."""
-        return layout.binding_limit_of(self.limits)
 
     @property
     def max_workgroup_size(self) -> int:
@@ -486,17 +482,11 @@ def _lower_transpose(ctx: OpContext) -> list[Dispatch]:
 
 def _split_k_scratch(ctx: OpContext, batch: int, m: int, n: int, k: int, *tensors: TensorArg) -> BufferBinding | None:
     """The split-K scratch the default GEMM plan of [batch, m, k] @ [batch, k, n] uses, or None when
-    it would not split (kernels/matmul.py: skinny outputs over long reductions); when one of `tensors` is
-    over the binding limit, at least the scratch of windows of its reduction (matmul.window_scratch_nbytes)."""
-    nbytes = matmul.gemm_scratch_nbytes(batch, m, n, k, ctx.gemm.fp32_tuning)
-    if _over_limit(ctx, *tensors):
-        nbytes = max(nbytes, matmul.window_scratch_nbytes(batch * m, n, ctx.binding_limit))
+    it would not split (kernels/matmul.py: skinny outputs over long reductions; with `tensors` over the
+    binding limit, windows of the reduction's)."""
+    nbytes = matmul.gemm_scratch_nbytes(batch, m, n, k, ctx.gemm.fp32_tuning, ctx.binding_limit,
+                                        [tensor.binding.size for tensor in tensors])
     return ctx.scratch(nbytes, "split_k") if nbytes else None
-
-
-def _over_limit(ctx: OpContext, *tensors: TensorArg) -> bool:
-    limit = ctx.binding_limit
-    return limit is not None and any(not limit.fits(tensor.binding.size) for tensor in tensors)
 
 
 def _float_matrices(ctx: OpContext, positions: Sequence[tuple[int, str]]) -> list[TensorArg]:
@@ -513,8 +503,9 @@ def _lower_mm(ctx: OpContext) -> list[Dispatch]:
     """aten.mm through the GEMM's strided operands: a lazily transposed input costs nothing."""
     a, b = _float_matrices(ctx, ((0, "self"), (1, "mat2")))
     operands = (a, b, ctx.outputs[0])
-    b_transposed = None if _over_limit(ctx, *operands) else ctx.gemm.dense_b_transposed(a.strided, b.strided)
-    if b_transposed is not None:  # (the tensor-core kernel binds whole operands)
+    over = layout.exceeds(ctx.binding_limit, [t.binding.size for t in operands])  # coopmat binds whole operands
+    b_transposed = None if over else ctx.gemm.dense_b_transposed(a.strided, b.strided)
+    if b_transposed is not None:
         return _call(ctx, coopmat.plan_coopmat_mm, M=a.shape[0], N=b.shape[1], K=a.shape[1],
                      out=ctx.outputs[0].binding, a=a.binding, b=b.binding, b_transposed=b_transposed,
                      absmax=ctx.scratch(coopmat.absmax_scratch_nbytes(a.numel, b.numel), "absmax"),

@@ -477,12 +477,23 @@ class BindingLimit:
     def window_bytes(self) -> int:
         return self.max_bytes - self.alignment
 
+    @property
+    def q8_0_window_start(self) -> int:
+        """Codes a window of a Q8_0 matrix starts at a multiple of: whole 32-code blocks, whose float32
+        scales (4 bytes per 32 codes) then start at an aligned binding offset too."""
+        return 8 * self.alignment
+
     def fits(self, nbytes: int) -> bool:
         return nbytes <= self.max_bytes
 
     def refusal(self, label: str, what: str, needed: int) -> KernelArgumentError:
         return KernelArgumentError(f"{label}: {what} needs a binding of {needed} bytes, over the device's max storage "
                                    f"binding size of {self.max_bytes} bytes, and the kernel cannot split it that far")
+
+
+def exceeds(limit: BindingLimit | None, sizes: Sequence[int | None]) -> bool:
+    """Whether any of the bindings of these byte sizes is over `limit` (None: no limit)."""
+    return limit is not None and any(size is not None and not limit.fits(size) for size in sizes)
 
 
 def binding_limit_of(limits: Any) -> BindingLimit | None:

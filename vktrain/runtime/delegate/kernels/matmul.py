@@ -32,20 +32,16 @@ Q8_0 B (`b_scales`, kernels/q8_0.py): B's storage is a frozen Q8_0 matrix, int8 
 scales, dequantized as each element loads (matmul.comp's B_Q8_0 variants): the same tiles,
 bodies and products as reading the float32 matrix they hold.
 
-Bindings over the limit (`binding_limit`, the device's max storage binding size): a GEMM one of whose
-bindings would span more is cut into windows of M rows, N columns and K steps that each fit
-(`gemm_windows`; 2-D operands only): the head's logits = h @ W^T over windows of W's vocabulary rows (N)
-and of the logits' rows (M), written through C's row stride; d_h = d_logits @ W over windows of W's rows
-(K). Windows of M and N keep each output's sum whole, in the same order: bit for bit the unsplit GEMM's.
-Windows of K are added through the bias epilogue, each window's GEMM taking the previous partial as its
-bias (beta 1; the first takes the GEMM's own bias), alternating between C's window and one window of
-scratch so the last lands in C: scratch of one output window whatever the number of windows, and no
-binding both read and written (WebGPU forbids that aliasing) -- rather than the split-K reduce, whose
-scratch holds every slice at once and would itself be a binding over the limit. Each output is then the
-sum of w partial sums in window order, each summed in k order: at most K + w - 1 roundings on a chain,
-so |error| <= gamma_(K + w - 1) * sum_k |a_k b_k| (gamma_n = n u / (1 - n u), u = 2^-24), the same form of
-bound as the unsplit GEMM's gamma_K (tests/test_binding_split.py checks it against float64).
-Q8_0 B windows start at a block (and an aligned scale binding) and use the B_Q8_0 bias variants.
+Bindings over the limit (`binding_limit`): a GEMM one of whose bindings would span more is cut into
+windows of M rows, N columns and K steps that each fit (`gemm_windows`; 2-D only), e.g. logits = h @ W^T
+over windows of W's vocabulary rows and the logits' rows (written through C's row stride), d_h =
+d_logits @ W over windows of W's rows (K). M / N windows keep each sum whole and in order: the unsplit
+bits. K windows add up through the bias epilogue (each GEMM's bias is the previous partial, beta 1),
+alternating between C's window and one window of scratch so the last lands in C and no binding is both
+read and written (WebGPU forbids that aliasing); the split-K reduce would need every slice's partial in
+one (over-limit) binding. Each output is then w in-order partial sums added in order: at most K + w - 1
+roundings per chain, |error| <= gamma_(K + w - 1) * sum_k |a_k b_k| (gamma_n = n u / (1 - n u), u = 2^-24),
+the unsplit bound's form. Q8_0 windows start at a block with an aligned scale binding.
 
 Accuracy: fp32 products accumulated in fp32 in k order within a slice; relative error ~ K * eps in
 the worst case, ~ sqrt(K) * eps typically (tests: norm-relative 1e-4 against float64).
@@ -57,6 +53,7 @@ from typing import Any, Sequence
 
 from vktrain.runtime.vk.schedule import MAX_SPLIT_DISPATCHES, BufferBinding, Dispatch, ceil_div, pack_push
 from vktrain.runtime.delegate.kernels.gemm_tuning import CPU_TUNING, GPU_TUNING, check_tuning
+from vktrain.runtime.delegate.kernels import layout
 from vktrain.runtime.delegate.kernels.layout import (
     MAX_ELEMENTS,
     BindingLimit,
@@ -190,9 +187,13 @@ def cpu_gemm_variant(A: StridedView, B: StridedView, has_bias: bool) -> tuple[st
     return name, ({B_N_PAIRS_SPEC_ID: b_n_pairs} if b_pairs else {})
 
 
-def gemm_scratch_nbytes(batch: int, M: int, N: int, K: int, tuning: str = GPU_TUNING) -> int:
+def gemm_scratch_nbytes(batch: int, M: int, N: int, K: int, tuning: str = GPU_TUNING,
+                        binding_limit: BindingLimit | None = None, binding_sizes: Sequence[int] = ()) -> int:
     """Bytes of scratch the default plan of a [batch, M, K] @ [batch, K, N] GEMM uses when given one
-    (0: it would not split, pass no scratch)."""
+    (0: it would not split, pass no scratch); at least window_scratch_nbytes when one of its bindings
+    (`binding_sizes`, bytes) is over `binding_limit`."""
+    if layout.exceeds(binding_limit, binding_sizes):
+        return max(gemm_scratch_nbytes(batch, M, N, K, tuning), window_scratch_nbytes(batch * M, N, binding_limit))
     for name, value in (("batch", batch), ("M", M), ("N", N), ("K", K)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
             raise KernelArgumentError(f"gemm_scratch_nbytes: {name} must be an int >= 0, got {value!r}")
@@ -363,15 +364,10 @@ def _window_elements(view: StridedView, rows: int, columns: int) -> int:
     return 1 + (rows - 1) * view.strides[0] + (columns - 1) * view.strides[1]
 
 
-def _q8_0_alignment(limit: BindingLimit) -> int:
-    """Codes a Q8_0 window starts at a multiple of: whole blocks, and its scales' binding offset aligned."""
-    return 8 * limit.alignment  # codes g0 -> scales byte g0 / 8
-
-
 def _operand_budgets(q8_0: bool, limit: BindingLimit) -> tuple[int, int]:
     """Elements a window of a float32 operand / of B may span."""
     fp32 = limit.window_bytes // 4
-    return fp32, (limit.max_bytes - _q8_0_alignment(limit) if q8_0 else fp32)
+    return fp32, (limit.max_bytes - limit.q8_0_window_start if q8_0 else fp32)
 
 
 def _bindings_fit(a_view: StridedView, b_view: StridedView, bias_view: StridedView | None, q8_0: bool,
@@ -440,10 +436,10 @@ def _window_view(buffer: Any, view: StridedView, row: int, column: int, rows: in
 def _q8_0_window(codes: Any, scales: Any, view: StridedView, row: int, column: int, rows: int, columns: int,
                  limit: BindingLimit, label: str) -> tuple[BufferBinding, BufferBinding, StridedView]:
     """Codes binding, scales binding and view of a window of a Q8_0 B: both bindings start at the block of
-    the window's first code, a multiple of _q8_0_alignment codes, so its element e's scale is scale e / 32."""
+    the window's first code, a multiple of limit.q8_0_window_start codes, so its element e's scale is scale e / 32."""
     first = view.offset + row * view.strides[0] + column * view.strides[1]
     end = first + _window_elements(view, rows, columns)
-    start = first - first % _q8_0_alignment(limit)
+    start = first - first % limit.q8_0_window_start
     codes_bound, codes_skip = sub_binding(codes, start, ceil_div(end, 4) * 4, "r", limit.alignment)
     scales_bound, scales_skip = sub_binding(scales, start // Q8_0_BLOCK * 4, ceil_div(end, Q8_0_BLOCK) * 4, "r",
                                             limit.alignment)

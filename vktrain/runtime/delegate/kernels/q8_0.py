@@ -74,10 +74,11 @@ def plan_embedding_q8_0(*, out: Any, codes: Any, codes_shape: Sequence[int], sca
     if binding_limit is None or binding_limit.fits(n * k):
         windows = [((0, n), binding(codes, "r"), binding(scales, "r"))]
     else:
-        start_alignment = Q8_0_BLOCK_VALUES * binding_limit.alignment // 4  # scales at byte codes / 8: aligned too
         windows = [((begin, end), table_window(codes, begin * k, end * k, "r", binding_limit, label),
-                    table_window(scales, begin * k // 8, end * k // 8, "r", binding_limit, label))
-                   for begin, end in row_windows(n, k, binding_limit, "the codes", label, start_alignment)]
+                    table_window(scales, 4 * begin * k // Q8_0_BLOCK_VALUES, 4 * end * k // Q8_0_BLOCK_VALUES, "r",
+                                 binding_limit, label))
+                   for begin, end in row_windows(n, k, binding_limit, "the codes", label,
+                                                 binding_limit.q8_0_window_start)]
     return [Dispatch("embedding_q8_0", ceil_div(words, WORKGROUP_SIZE),
                      bindings=(binding(out, "w"), binding(indices, "r"), codes_window, scales_window),
                      push_constants=pack_push(num_indices, k // COLUMNS_PER_INVOCATION, n, begin, end),
