@@ -22,7 +22,7 @@ from tqdm import tqdm
 
 from vktrain.contract import ADAMW_DEFAULTS, METADATA_BAKED_SCALARS, PRECISION_AUTO, PRECISION_CHOICES
 from vktrain.errors import VktrainError
-from vktrain.runtime.runtimes import add_runtime_argument
+from vktrain.runtime.runtimes import add_runtime_argument, max_binding_bytes
 from vktrain.train.adapters import (ADAPTER_CONFIG, ADAPTER_WEIGHTS, LORA_SUFFIXES, ProgramAdapters,
                                     adapters_from_state, runner_frozen_lora, save_adapters)
 from vktrain.train.gguf_adapter import check_gguf_adapter_program, save_gguf_adapter
@@ -275,7 +275,7 @@ def run_train(args: argparse.Namespace, device=None) -> int:
     program_sha256 = sha256_file(program_path)
 
     runner = TrainingRunner.from_pte(program_path, device, precision=args.precision,
-                                     runtime=getattr(args, "runtime", None))
+                                     runtime=getattr(args, "runtime", None), max_binding_bytes=max_binding_bytes(args))
     own_device = getattr(runner, "device", None) if device is None else None  # a caller's device: its messages
     try:
         with runner:

@@ -35,6 +35,7 @@ the backend recorded in the blob, so view and in-place decisions never leak into
 """
 from __future__ import annotations
 
+import inspect
 import math
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
@@ -111,6 +112,7 @@ class OpContext:
     # memory tiles by them; None: the Vulkan-guaranteed minimums the kernels default to.
     limits: Optional[Any] = None
     gemm: coopmat.GemmRoute = coopmat.FP32_ROUTE  # the GEMM kernels chosen at load for this device (kernels/coopmat.py)
+    binding_limit: Optional[layout.BindingLimit] = None  # what the plans that can split a tensor cut it by
 
     def fail(self, message: str) -> GraphLoweringError:
         return GraphLoweringError(f"op {self.index} ({self.op.name}): {message}")
@@ -203,6 +205,8 @@ def _keyword_lowering(key: str) -> Callable[[OpContext], list[Dispatch]]:
             else:
                 kwargs[name] = value
         kwargs.update((name, output.binding) for name, output in zip(output_names, ctx.outputs))
+        if "binding_limit" in inspect.signature(KERNELS[key]).parameters:  # it can split a tensor over the limit
+            kwargs["binding_limit"] = ctx.binding_limit
         try:
             return KERNELS[key](label=ctx.label, **kwargs)
         except (ValueError, TypeError) as exc:
@@ -331,8 +335,8 @@ def _lower_fused_ce(ctx: OpContext) -> list[Dispatch]:
     loss, dlogits = ctx.outputs
     rows, vocab = logits.shape
     row_loss = ctx.scratch(cross_entropy.fused_ce_scratch_nbytes(rows), "row_loss")
-    return _call(ctx, R=rows, V=vocab, logits=logits.binding, labels=labels.binding,
-                 n_valid=n_valid.binding, loss=loss.binding, dlogits=dlogits.binding, row_loss=row_loss)
+    return _call(ctx, R=rows, V=vocab, logits=logits.binding, labels=labels.binding, n_valid=n_valid.binding,
+                 loss=loss.binding, dlogits=dlogits.binding, row_loss=row_loss, binding_limit=ctx.binding_limit)
 
 
 def _lower_adamw(ctx: OpContext) -> list[Dispatch]:
@@ -477,10 +481,12 @@ def _lower_transpose(ctx: OpContext) -> list[Dispatch]:
         raise ctx.fail(f"the copy kernel refused it: {exc}") from exc
 
 
-def _split_k_scratch(ctx: OpContext, batch: int, m: int, n: int, k: int) -> BufferBinding | None:
+def _split_k_scratch(ctx: OpContext, batch: int, m: int, n: int, k: int, *tensors: TensorArg) -> BufferBinding | None:
     """The split-K scratch the default GEMM plan of [batch, m, k] @ [batch, k, n] uses, or None when
-    it would not split (kernels/matmul.py: skinny outputs over long reductions)."""
-    nbytes = matmul.gemm_scratch_nbytes(batch, m, n, k, ctx.gemm.fp32_tuning)
+    it would not split (kernels/matmul.py: skinny outputs over long reductions; with `tensors` over the
+    binding limit, windows of the reduction's)."""
+    nbytes = matmul.gemm_scratch_nbytes(batch, m, n, k, ctx.gemm.fp32_tuning, ctx.binding_limit,
+                                        [tensor.binding.size for tensor in tensors])
     return ctx.scratch(nbytes, "split_k") if nbytes else None
 
 
@@ -496,24 +502,28 @@ def _float_matrices(ctx: OpContext, positions: Sequence[tuple[int, str]]) -> lis
 
 def _lower_gemm(ctx: OpContext) -> list[Dispatch]:
     """aten.mm / aten.addmm through the GEMM's strided operands (a lazily transposed input costs nothing);
-    on the tensor cores where the route takes the product (an addmm's bias only as coopmat_mm's addend)."""
+    on the tensor cores where the route takes the product (an addmm's bias only as coopmat_mm's addend)
+    and every operand fits one binding (coopmat binds whole operands), else through plan_gemm, which
+    cuts operands over the binding limit into windows."""
     if ctx.op.name == "aten.addmm.default":
         bias, a, b = _float_matrices(ctx, ((0, "self"), (1, "mat1"), (2, "mat2")))
         beta, alpha = ctx.real(3, "beta"), ctx.real(4, "alpha")
     else:
         (a, b), bias, beta, alpha = _float_matrices(ctx, ((0, "self"), (1, "mat2"))), None, 1.0, 1.0
     out = ctx.outputs[0]
-    b_transposed = ctx.gemm.dense_b_transposed(a.strided, b.strided)
+    operands = (a, b, out) + ((bias,) if bias is not None else ())
+    over = layout.exceeds(ctx.binding_limit, [t.binding.size for t in operands])
+    b_transposed = None if over else ctx.gemm.dense_b_transposed(a.strided, b.strided)
     if b_transposed is not None and (bias is None or coopmat.takes_addend(bias.strided, out.shape, beta, alpha)):
         return _call(ctx, coopmat.plan_coopmat_mm, M=a.shape[0], N=b.shape[1], K=a.shape[1], out=out.binding,
                      a=a.binding, b=b.binding, b_transposed=b_transposed, addend=bias and bias.binding,
                      absmax=ctx.scratch(coopmat.absmax_scratch_nbytes(a.numel, b.numel), "absmax"),
                      **ctx.gemm.plan_options)
     try:
-        scratch = _split_k_scratch(ctx, 1, a.shape[0], b.shape[1], a.shape[1])
+        scratch = _split_k_scratch(ctx, 1, a.shape[0], b.shape[1], a.shape[1], *operands)
         return matmul.plan_gemm(out.binding, a.binding, a.strided, b.binding, b.strided, bias=bias and bias.binding,
                                 bias_view=bias and bias.strided, alpha=alpha, beta=beta, scratch=scratch,
-                                tuning=ctx.gemm.fp32_tuning, label=ctx.label)
+                                tuning=ctx.gemm.fp32_tuning, binding_limit=ctx.binding_limit, label=ctx.label)
     except (ValueError, TypeError) as exc:
         raise ctx.fail(f"the matmul kernel refused it: {exc}") from exc
 
@@ -533,10 +543,11 @@ def _lower_linear_q8_0(ctx: OpContext) -> list[Dispatch]:
     name = op_def(ctx.op.name).schema.arg_names[0]  # x or d_out
     rows_input, codes, scales = ctx.tensor(0, name), ctx.tensor(1, "codes"), ctx.tensor(2, "scales")
     inner, columns = rows_input.shape[-1], ctx.outputs[0].shape[-1]
-    scratch = _split_k_scratch(ctx, 1, rows_input.numel // inner if inner else 0, columns, inner)
+    scratch = _split_k_scratch(ctx, 1, rows_input.numel // inner if inner else 0, columns, inner, rows_input, codes,
+                               scales, ctx.outputs[0])
     return _call(ctx, **{name: rows_input.binding, f"{name}_shape": rows_input.shape}, codes=codes.binding,
                  codes_shape=codes.shape, scales=scales.binding, scales_shape=scales.shape, out=ctx.outputs[0].binding,
-                 scratch=scratch, tuning=ctx.gemm.fp32_tuning)
+                 scratch=scratch, tuning=ctx.gemm.fp32_tuning, binding_limit=ctx.binding_limit)
 
 
 # vktrain ops whose plans take derived sizes (M / N / K, B / S / H / D) instead of the keyword convention.
