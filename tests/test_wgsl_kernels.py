@@ -335,6 +335,77 @@ test_baddbmm_and_split_batch_grid = on_webgpu(aten.test_baddbmm_and_split_batch_
 
 # ---- kernels: the 4-bit linear family (test_kernels_linear.py) ----------------------------------------
 
+def _gemm_cases():
+    """(label, dispatches, inputs, output shape) of GEMMs at the Vulkan tests' edge shapes: partial tiles,
+    odd N / 4, K % 8 == 4, split-K with an empty slice, a bias, scalar and vec4 C, strided operands."""
+    from vktrain.quant import quantize
+    from vktrain.runtime.delegate.kernels.linear import (GemmTiles, plan_linear_dw, plan_linear_q4gsw,
+                                                         plan_linear_q4gsw_backward, prepack_weights,
+                                                         split_k_scratch_nbytes)
+    from vktrain.runtime.delegate.kernels.matmul import plan_addmm, plan_gemm, plan_mm
+    from vktrain.runtime.delegate.kernels.layout import StridedView
+
+    rng = np.random.default_rng(5)
+    cases = []
+    for M, N, K, gs, tiles, split_k, bias in ((70, 100, 132, 4, None, None, True),
+                                              (37, 68, 72, 8, GemmTiles(4, 4, 8), 3, False),
+                                              (9, 36, 44, 4, GemmTiles(4, 8, 16), None, False)):
+        flat, scales = quantize(rng.standard_normal((N, K)).astype(np.float32), gs)
+        w, x = prepack_weights(flat, K), rng.standard_normal((M, K)).astype(np.float32)
+        d_out, b = rng.standard_normal((M, N)).astype(np.float32), rng.standard_normal(N).astype(np.float32)
+        scratch = split_k_scratch_nbytes(M, max(N, K), split_k or 1)
+        q4 = dict(M=M, N=N, K=K, group_size=gs, weights="w", scales="s", out="out", tiles=tiles, split_k=split_k,
+                  scratch="scratch" if scratch else None)
+        inputs = {"x": x, "d_out": d_out, "w": w, "s": scales, "b": b}
+        if scratch:
+            inputs["scratch"] = np.zeros(scratch // 4, np.float32)
+        cases += [(f"linear_q4gsw {M}x{N}x{K}", plan_linear_q4gsw(x="x", bias="b" if bias else None, **q4), inputs,
+                   (M, N)),
+                  (f"linear_q4gsw_backward {M}x{N}x{K}", plan_linear_q4gsw_backward(d_out="d_out", **q4), inputs,
+                   (M, K)),
+                  (f"linear_dw {M}x{N}x{K}", plan_linear_dw(M=M, N=N, K=K, out="out", d_out="d_out", x="x",
+                                                           tiles=tiles, split_k=split_k,
+                                                           scratch="scratch" if scratch else None), inputs, (N, K))]
+    for M, N, K in ((70, 37, 50), (5, 64, 300), (130, 16, 20)):
+        a, b = rng.standard_normal((M, K)).astype(np.float32), rng.standard_normal((K, N)).astype(np.float32)
+        bias = rng.standard_normal(N).astype(np.float32)
+        cases.append((f"mm {M}x{N}x{K}", plan_mm(out="out", self="a", self_shape=(M, K), mat2="b", mat2_shape=(K, N)),
+                      {"a": a, "b": b}, (M, N)))
+        cases.append((f"addmm {M}x{N}x{K}", plan_addmm(out="out", self="bias", self_shape=(N,), mat1="a",
+                                                      mat1_shape=(M, K), mat2="b", mat2_shape=(K, N), beta=0.5,
+                                                      alpha=1.5), {"a": a, "b": b, "bias": bias}, (M, N)))
+        # A read transposed (A_M_FASTEST) and B through its transpose view (B_K_FASTEST).
+        a_t, b_t = np.ascontiguousarray(a.T), np.ascontiguousarray(b.T)
+        cases.append((f"mm transposed {M}x{N}x{K}",
+                      plan_gemm("out", "a_t", StridedView((M, K), (1, M)), "b_t", StridedView((K, N), (1, K))),
+                      {"a_t": a_t, "b_t": b_t}, (M, N)))
+    return cases
+
+
+def test_wgsl_gemms_equal_the_glsl_gemms_bit_for_bit(vk_device, webgpu_device):
+    """The WGSL GEMMs sum every output's products in the GLSL's order, one multiply and one add each, and
+    apply alpha / beta / bias in the same roundings: on one driver (lavapipe compiles both) the two
+    runtimes' outputs are the same bits, at the edge shapes of the Vulkan kernel tests."""
+    from vktrain.runtime import Buffer, Program
+
+    def run(device, dispatches, inputs, shape):
+        buffers = {key: Buffer.from_array(device, value, name=key) for key, value in inputs.items()}
+        buffers["out"] = Buffer.from_array(device, np.full(shape, np.nan, np.float32), name="out")
+        try:
+            with Program(device, dispatches, buffers) as program:
+                program.replay()
+            return buffers["out"].read(np.float32, shape)
+        finally:
+            for buffer in buffers.values():
+                buffer.destroy()
+
+    for label, dispatches, inputs, shape in _gemm_cases():
+        vulkan, webgpu = run(vk_device, dispatches, inputs, shape), run(webgpu_device, dispatches, inputs, shape)
+        assert np.isfinite(vulkan).all(), label
+        np.testing.assert_array_equal(webgpu.view(np.uint32), vulkan.view(np.uint32),
+                                      err_msg=f"{label} via {[d.shader for d in dispatches]}")
+
+
 test_identity_activation_reproduces_deq_exactly = on_webgpu(linear.test_identity_activation_reproduces_deq_exactly)
 test_linear_q4gsw_gemv = on_webgpu(linear.test_linear_q4gsw_gemv)
 test_linear_q4gsw_gemm = on_webgpu(linear.test_linear_q4gsw_gemm)
