@@ -16,11 +16,13 @@
 // then lives in (slow, per-thread) memory. So no hot loop here indexes a private array: the 8 x 8 block
 // is four `array<vec4<f32>, 4>` accumulators indexed by constants only, each reduction step is one
 // call of `multiply_step` (eight explicit calls per trip of the reduction loop, BK being a multiple of
-// 8), and the global loads of a step are issued LOAD_CHUNK at a time before any is stored. Each
+// 8), and the global loads of a step are issued LOAD_CHUNK at a time before any is stored (and, where a
+// thread's share of a tile is one such chunk, as with the default tiles, issued before the previous
+// step's arithmetic, as the GLSL prefetches them). Each
 // accumulator element sums its products in the GLSL's order (r ascending, one multiply and one add per
 // product), so the results equal the GLSL's wherever the two compilers contract alike (bit-identical on
-// lavapipe). Unlike the GLSL, the next step's global loads are not prefetched across the arithmetic: that
-// needs per-thread staging sized by the overrides, which WGSL has no unrolled arrays for.
+// lavapipe). Larger shares (small test tiles) are not prefetched: that would need per-thread staging
+// sized by the overrides, which WGSL has no unrolled arrays for.
 
 @id(0) override THREADS_X: u32 = 16u;
 @id(1) override THREADS_Y: u32 = 16u;
@@ -142,17 +144,31 @@ fn commit_a(v: u32, value: vec4<f32>) {
 #endif
 }
 
-fn load_a(r0: u32, i0: u32, tid: u32) {
+// LOAD_CHUNK loads of A (elements first, first + threads, ...): all fetched, then all stored.
+struct ChunkA {
+    value0: vec4<f32>,
+    value1: vec4<f32>,
+    value2: vec4<f32>,
+    value3: vec4<f32>,
+}
+
+fn fetch_a_chunk(r0: u32, i0: u32, first: u32) -> ChunkA {
     let threads = THREADS_X * THREADS_Y;
-    for (var v = tid; v < a_vecs(); v += LOAD_CHUNK * threads) {
-        let value0 = fetch_a(r0, i0, v);
-        let value1 = fetch_a(r0, i0, v + threads);
-        let value2 = fetch_a(r0, i0, v + 2u * threads);
-        let value3 = fetch_a(r0, i0, v + 3u * threads);
-        commit_a(v, value0);
-        commit_a(v + threads, value1);
-        commit_a(v + 2u * threads, value2);
-        commit_a(v + 3u * threads, value3);
+    return ChunkA(fetch_a(r0, i0, first), fetch_a(r0, i0, first + threads), fetch_a(r0, i0, first + 2u * threads),
+                  fetch_a(r0, i0, first + 3u * threads));
+}
+
+fn commit_a_chunk(first: u32, chunk: ChunkA) {
+    let threads = THREADS_X * THREADS_Y;
+    commit_a(first, chunk.value0);
+    commit_a(first + threads, chunk.value1);
+    commit_a(first + 2u * threads, chunk.value2);
+    commit_a(first + 3u * threads, chunk.value3);
+}
+
+fn load_a(r0: u32, i0: u32, tid: u32) {
+    for (var v = tid; v < a_vecs(); v += LOAD_CHUNK * THREADS_X * THREADS_Y) {
+        commit_a_chunk(v, fetch_a_chunk(r0, i0, v));
     }
 }
 
@@ -251,17 +267,30 @@ fn commit_b(v: u32, staged: Staged) {
 }
 #endif
 
-fn load_b(r0: u32, j0: u32, tid: u32) {
+struct ChunkB {
+    staged0: Staged,
+    staged1: Staged,
+    staged2: Staged,
+    staged3: Staged,
+}
+
+fn fetch_b_chunk(r0: u32, j0: u32, first: u32) -> ChunkB {
     let threads = THREADS_X * THREADS_Y;
-    for (var v = tid; v < b_items(); v += LOAD_CHUNK * threads) {
-        let staged0 = fetch_b(r0, j0, v);
-        let staged1 = fetch_b(r0, j0, v + threads);
-        let staged2 = fetch_b(r0, j0, v + 2u * threads);
-        let staged3 = fetch_b(r0, j0, v + 3u * threads);
-        commit_b(v, staged0);
-        commit_b(v + threads, staged1);
-        commit_b(v + 2u * threads, staged2);
-        commit_b(v + 3u * threads, staged3);
+    return ChunkB(fetch_b(r0, j0, first), fetch_b(r0, j0, first + threads), fetch_b(r0, j0, first + 2u * threads),
+                  fetch_b(r0, j0, first + 3u * threads));
+}
+
+fn commit_b_chunk(first: u32, chunk: ChunkB) {
+    let threads = THREADS_X * THREADS_Y;
+    commit_b(first, chunk.staged0);
+    commit_b(first + threads, chunk.staged1);
+    commit_b(first + 2u * threads, chunk.staged2);
+    commit_b(first + 3u * threads, chunk.staged3);
+}
+
+fn load_b(r0: u32, j0: u32, tid: u32) {
+    for (var v = tid; v < b_items(); v += LOAD_CHUNK * THREADS_X * THREADS_Y) {
+        commit_b_chunk(v, fetch_b_chunk(r0, j0, v));
     }
 }
 
@@ -342,10 +371,29 @@ fn main(@builtin(workgroup_id) workgroup: vec3<u32>, @builtin(local_invocation_i
     var lo_hi = Block();
     var hi_lo = Block();
     var hi_hi = Block();
+    // Where a thread's share of each tile is one chunk (the default tiles), the next step's loads are
+    // issued before this step's arithmetic, as in the GLSL; larger shares load after the barrier.
+    let threads = THREADS_X * THREADS_Y;
+    let prefetch = a_vecs() <= LOAD_CHUNK * threads && b_items() <= LOAD_CHUNK * threads;
+    var a_next = ChunkA();
+    var b_next = ChunkB();
+    if (prefetch) {
+        a_next = fetch_a_chunk(r_begin, i0, tid);
+        b_next = fetch_b_chunk(r_begin, j0, tid);
+    }
     for (var r0 = r_begin; r0 < r_end; r0 += BK) {
-        load_a(r0, i0, tid);
-        load_b(r0, j0, tid);
+        if (prefetch) {
+            commit_a_chunk(tid, a_next);
+            commit_b_chunk(tid, b_next);
+        } else {
+            load_a(r0, i0, tid);
+            load_b(r0, j0, tid);
+        }
         workgroupBarrier();
+        if (prefetch && r0 + BK < r_end) {  // the next step's global loads overlap this step's arithmetic
+            a_next = fetch_a_chunk(r0 + BK, i0, tid);
+            b_next = fetch_b_chunk(r0 + BK, j0, tid);
+        }
         for (var r = 0u; r < BK; r += 8u) {  // BK % 8 == 0 (GemmTiles)
             multiply_step(r, tx, ty, &lo_lo, &lo_hi, &hi_lo, &hi_hi);
             multiply_step(r + 1u, tx, ty, &lo_lo, &lo_hi, &hi_lo, &hi_hi);
