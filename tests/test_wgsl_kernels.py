@@ -262,6 +262,9 @@ def _dispatched_shaders(device, path) -> set[str]:
     pte = PteFile.load(path)
     graph = deserialize_blob(bytes(pte.execution_plan().delegates[0].data), named_data=pte.named_data)
     with GraphExecutor(device, graph) as executor:  # builds every pipeline: a missing kernel fails here
+        if "subgroup" in device.kernel_features:  # the startup line names the feature bodies taken
+            assert "WGSL kernels: subgroup bodies in " in executor.gemm_report()
+            assert "fused_ce_sum" in executor.gemm_report()
         return {dispatch.shader for dispatch in executor.dispatches}
 
 
