@@ -237,7 +237,8 @@ class Device:
         if absent:
             parts.append(f"{', '.join(absent)}: browser-valid defaults ("
                          + ("not chosen" if frozenset(absent) <= self.features else "the device lacks it") + ")")
-        return "WGSL kernels: " + ("; ".join(parts) or "browser-valid defaults (no kernel has a feature body)")
+        none = "browser-valid defaults (no kernel built so far has a feature body)"
+        return "WGSL kernels: " + ("; ".join(parts) or none)
 
     # ------------------------------------------------------------------------------ properties
     @property
