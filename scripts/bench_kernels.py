@@ -337,6 +337,41 @@ def _adamw_cases(quick: bool, rng) -> list[Case]:
     return cases
 
 
+def _elementwise_cases(quick: bool, rng) -> list[Case]:
+    """Same-shape contiguous add / mul (a training step's residual adds, gradient sums, SwiGLU and norm
+    products; Llama-3.2-1B at 4 x 512 tokens: [2048, 2048] and [2048, 8192]) on the VEC4 variant the
+    plan picks (vec4=1) and on the general variant (vec4=0: a thread per element, index arithmetic)."""
+    from dataclasses import replace
+
+    from vktrain.runtime.delegate.kernels.elementwise import plan_binary
+    from vktrain.runtime.delegate.kernels.layout import StridedView, elementwise_groups
+
+    cases = []
+    for rows, cols in (((64, 260),) if quick else ((2048, 2048), (2048, 8192))):
+        a = rng.standard_normal((rows, cols)).astype(np.float32)
+        b = rng.standard_normal((rows, cols)).astype(np.float32)
+        for op in ("add", "mul"):
+            for vec4 in (1, 0):
+                def setup_vk(device, limits, a=a, b=b, op=op, vec4=vec4):
+                    view = StridedView.contiguous(a.shape)
+                    (dispatch,) = plan_binary(op, "out", "a", view, "b", view, scalar0=1.0)
+                    if not vec4:
+                        dispatch = replace(dispatch, shader=dispatch.shader.removesuffix("+VEC4"),
+                                           groups=elementwise_groups(a.size))
+                    buffers = {"a": Buffer.from_array(device, a), "b": Buffer.from_array(device, b),
+                               "out": Buffer(device, a.nbytes)}
+                    return [dispatch], buffers, lambda: buffers["out"].read(np.float32, a.shape)
+
+                def setup_torch(torch, dev, a=a, b=b, op=op):
+                    ta, tb = torch.from_numpy(a).to(dev), torch.from_numpy(b).to(dev)
+                    function = torch.add if op == "add" else torch.mul
+                    return (lambda: function(ta, tb)), (lambda t: t.cpu().numpy())
+
+                cases.append(Case(f"aten.{op}.Tensor", dict(rows=rows, cols=cols, vec4=vec4), 3 * a.nbytes, None,
+                                  setup_vk, setup_torch))
+    return cases
+
+
 def _requant_cases(quick: bool, rng) -> list[Case]:
     K, group_size = (256, 32) if quick else (2048, 32)
     cases = []
@@ -451,7 +486,7 @@ _CASE_BUILDERS = {
     "linear_q4gsw": _linear_cases, "linear_q4gsw_backward": _linear_cases, "linear_dW": _linear_cases,
     "fused_ce": _fused_ce_cases, "adamw": _adamw_cases, "q4gsw_requant": _requant_cases,
     "causal_attention": _attention_cases, "causal_attention_backward": _attention_cases,
-    "aten.mm.default": _mm_cases,
+    "aten.mm.default": _mm_cases, "aten.add.Tensor": _elementwise_cases, "aten.mul.Tensor": _elementwise_cases,
 }
 # Builders taking the shape preset ("quick", "smollm2", "full") rather than the --quick flag.
 _PRESET_BUILDERS = (_linear_cases, _mm_cases)
