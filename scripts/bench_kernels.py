@@ -157,6 +157,15 @@ def _linear_sweep(plan_name: str, shape: dict[str, int]) -> list[dict[str, Any]]
     return configs
 
 
+def _mm_sweep(shape: dict[str, int]) -> list[dict[str, Any]]:
+    """The split-K counts --sweep times for an aten.mm case besides the default plan's: unsplit, and the
+    powers of two the default could pick (for the skinny LoRA products: one dispatch instead of two)."""
+    from vktrain.runtime.delegate.kernels.matmul import MAX_SPLIT_K, default_split_k
+
+    default = default_split_k(1, shape["M"], shape["N"], shape["K"])
+    return [dict(split_k=split) for split in (1, 2, 4, 8, 16, MAX_SPLIT_K) if split != default]
+
+
 def _linear_forward_case(shape, x, flat, scales, words, w_bytes) -> Case:
     M, N, K, gs = shape["M"], shape["N"], shape["K"], shape["group_size"]
 
@@ -222,7 +231,18 @@ def _mm_cases(preset: str, rng) -> list[Case]:
         ("head_dx dlogits @ E", (T, V), False, (V, D), False),
     ]
     if preset not in ("quick", "smollm2"):
-        products = products[4:]
+        # The head, and the LoRA r16 products of Llama-3.2-1B at 4 x 512 tokens (hidden 2048, MLP 8192):
+        # the skinny ones with their split-K (--sweep times them unsplit and at other splits too).
+        T, r = 2048, 16
+        products = products[4:] + [
+            ("lora_down x @ A^T", (T, 2048), False, (r, 2048), True),
+            ("lora_down x @ A^T", (T, 8192), False, (r, 8192), True),
+            ("lora_up h @ B^T", (T, r), False, (2048, r), True),
+            ("lora_dx dh @ A", (T, r), False, (r, 2048), False),
+            ("lora_dh dy @ B", (T, 2048), False, (2048, r), False),
+            ("lora_dA dh^T @ x", (T, r), True, (T, 2048), False),
+            ("lora_dB dy^T @ h", (T, 2048), True, (T, r), False),
+        ]
     cases = []
     for what, a_shape, a_t, b_shape, b_t in products:
         a = rng.standard_normal(a_shape).astype(np.float32)
@@ -237,11 +257,12 @@ def _mm_cases(preset: str, rng) -> list[Case]:
 
         def setup_vk(device, limits, a=a, b=b, a_view=view(a_shape, a_t), b_view=view(b_shape, b_t), M=M, N=N, K=K,
                      **overrides):
-            from vktrain.runtime.delegate.kernels.matmul import gemm_scratch_nbytes, plan_gemm
+            from vktrain.runtime.delegate.kernels.matmul import gemm_scratch_nbytes, plan_gemm, split_k_scratch_nbytes
 
             buffers = {"a": Buffer.from_array(device, a), "b": Buffer.from_array(device, b),
                        "out": Buffer(device, 4 * M * N)}
-            scratch = gemm_scratch_nbytes(1, M, N, K, **_tuning_of(overrides))
+            scratch = (split_k_scratch_nbytes(1, M, N, overrides["split_k"]) if "split_k" in overrides
+                       else gemm_scratch_nbytes(1, M, N, K, **_tuning_of(overrides)))
             if scratch:
                 buffers["scratch"] = Buffer(device, scratch)
             dispatches = plan_gemm("out", "a", a_view, "b", b_view, scratch="scratch" if scratch else None,
@@ -661,8 +682,10 @@ def main(argv: list[str] | None = None) -> int:
                         torch.cuda.empty_cache()
                 results.append(record)
                 _print_record(record)
-                if args.sweep and case.kernel.startswith("linear"):
-                    for overrides in _linear_sweep(case.kernel, case.shape):
+                if args.sweep and (case.kernel.startswith("linear") or case.kernel == "aten.mm.default"):
+                    sweep = (_linear_sweep(case.kernel, case.shape) if case.kernel.startswith("linear")
+                             else _mm_sweep(case.shape))
+                    for overrides in sweep:
                         try:
                             alt = time_vulkan(device, case, args.replays, args.warmup, **overrides)
                         except Exception as exc:  # a configuration the device refuses: report, go on
