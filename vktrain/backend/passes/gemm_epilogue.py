@@ -105,7 +105,7 @@ def _reads_a_constant(graph: vk.VkGraph, uses: GraphUses, value_id: int) -> bool
         value_id = graph.ops[index].args[0]
 
 
-def _exists_before(uses: GraphUses, graph: vk.VkGraph, op_index: int, position: int) -> bool:
+def _exists_before(graph: vk.VkGraph, uses: GraphUses, op_index: int, position: int) -> bool:
     """Whether every tensor op `op_index` reads is written before `position` (or by no op)."""
     for arg in graph.ops[op_index].args:
         value = graph.values[arg]
@@ -138,7 +138,7 @@ def _fusion_of(graph: vk.VkGraph, uses: GraphUses, index: int) -> _Fusion | None
         written = uses.producer.get(p, -1)
         if written < mm:
             return _Fusion(index, mm, views, p, None)
-        if _exists_before(uses, graph, written, mm):
+        if _exists_before(graph, uses, written, mm):
             return _Fusion(index, mm, views, p, written)
     return None
 
