@@ -156,9 +156,12 @@ def test_head_gemm_over_vocabulary_windows_is_bit_identical(vk_device, tuning, q
                                rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("tuning", [GPU_TUNING, CPU_TUNING])
 @pytest.mark.parametrize("q8_0", [False, True])
-def test_d_h_gemm_over_reduction_windows_is_within_the_derived_bound(vk_device, q8_0):
+def test_d_h_gemm_over_reduction_windows_is_within_the_derived_bound(vk_device, q8_0, tuning):
     """d_h [40, 48] = d_logits [40, 600] @ W [600, 48]: windows of the reduction added through the bias."""
+    if tuning == CPU_TUNING and not runs_cpu_bodies(vk_device):
+        pytest.skip("no CPU bodies on this device")
     rng = np.random.default_rng(12)
     M, K, N = 40, 600, 48
     d_logits = rng.standard_normal((M, K)).astype(np.float32)
@@ -166,7 +169,8 @@ def test_d_h_gemm_over_reduction_windows_is_within_the_derived_bound(vk_device, 
     arrays = {"a": d_logits, "b": codes if q8_0 else weight, "scales": scales,
               "scratch": np.zeros(window_scratch_nbytes(M, N, LIMIT) // 4, np.float32)}
     dispatches = plan_gemm("out", "a", StridedView.contiguous((M, K)), "b", StridedView.contiguous((K, N)),
-                           b_scales="scales" if q8_0 else None, scratch=BufferBinding("scratch"), binding_limit=LIMIT)
+                           b_scales="scales" if q8_0 else None, scratch=BufferBinding("scratch"), binding_limit=LIMIT,
+                           tuning=tuning)
     _check_bindings(dispatches, LIMIT)
     output_windows = sum(1 for d in dispatches if "HAS_BIAS=0" in d.shader)  # each one's first reduction window
     windows_per_output = len(dispatches) // output_windows

@@ -481,9 +481,8 @@ def _lower_transpose(ctx: OpContext) -> list[Dispatch]:
 
 
 def _split_k_scratch(ctx: OpContext, batch: int, m: int, n: int, k: int, *tensors: TensorArg) -> BufferBinding | None:
-    """The split-K scratch the default GEMM plan of [batch, m, k] @ [batch, k, n] uses, or None when
-    it would not split (kernels/matmul.py: skinny outputs over long reductions; with `tensors` over the
-    binding limit, windows of the reduction's)."""
+    """The split-K scratch the default GEMM plan of [batch, m, k] @ [batch, k, n] uses, or None when it would
+    not split (kernels/matmul.py: skinny outputs, long reductions; `tensors` over the binding limit: windows)."""
     nbytes = matmul.gemm_scratch_nbytes(batch, m, n, k, ctx.gemm.fp32_tuning, ctx.binding_limit,
                                         [tensor.binding.size for tensor in tensors])
     return ctx.scratch(nbytes, "split_k") if nbytes else None
@@ -502,8 +501,8 @@ def _float_matrices(ctx: OpContext, positions: Sequence[tuple[int, str]]) -> lis
 def _lower_mm(ctx: OpContext) -> list[Dispatch]:
     """aten.mm through the GEMM's strided operands: a lazily transposed input costs nothing."""
     a, b = _float_matrices(ctx, ((0, "self"), (1, "mat2")))
-    operands = (a, b, ctx.outputs[0])
-    over = layout.exceeds(ctx.binding_limit, [t.binding.size for t in operands])  # coopmat binds whole operands
+    operands = (a, b, ctx.outputs[0])  # the tensor-core kernel binds them whole: only under the binding limit
+    over = layout.exceeds(ctx.binding_limit, [t.binding.size for t in operands])
     b_transposed = None if over else ctx.gemm.dense_b_transposed(a.strided, b.strided)
     if b_transposed is not None:
         return _call(ctx, coopmat.plan_coopmat_mm, M=a.shape[0], N=b.shape[1], K=a.shape[1],

@@ -399,7 +399,7 @@ def gemm_windows(a_view: StridedView, b_view: StridedView, bias_view: StridedVie
                 (StridedView.contiguous((M, N)), ("m", "n"), fp32_budget)]
     if bias_view is not None:
         operands.append((bias_view, ("m", "n"), fp32_budget))
-    for _ in range(2 * len(operands)):  # each pass only shrinks windows: a few passes settle it
+    for _ in range(2 * len(operands)):  # each pass only shrinks windows: a few passes settle it (checked below)
         settled = True
         for view, dims, budget in operands:
             if _window_elements(view, window[dims[0]], window[dims[1]]) <= budget:
@@ -418,7 +418,8 @@ def gemm_windows(a_view: StridedView, b_view: StridedView, bias_view: StridedVie
         if step <= window[dim] < whole:
             window[dim] -= window[dim] % step
     count = ceil_div(M, window["m"]) * ceil_div(N, window["n"]) * ceil_div(K, window["k"])
-    if count > MAX_GEMM_WINDOWS:
+    unfit = [view.sizes for view, dims, budget in operands if _window_elements(view, *map(window.get, dims)) > budget]
+    if count > MAX_GEMM_WINDOWS or unfit:
         raise limit.refusal(label, f"a [{M}, {K}] @ [{K}, {N}] GEMM in {count} windows (at most {MAX_GEMM_WINDOWS})",
                             max(4 * a_view.extent(), 4 * M * N))
     return window["m"], window["n"], window["k"]
