@@ -18,6 +18,7 @@
 * A tensor no kernel splits (mlp-lora's untied q4gsw head's logits) is refused at load, naming it; limits
   below what the kernels split to are refused naming the limit. `vktrain train --max-binding-mib 1`
   trains it; generation under the limit gives the unsplit run's logits bit for bit.
+* Llama-3.2-1B's tied 1 GiB head and embedding plan into 8 windows under a browser's 128 MiB (no device).
 """
 from __future__ import annotations
 
@@ -393,3 +394,26 @@ def test_generation_under_the_limit_gives_the_unsplit_logits(vk_device, tmp_path
     assert outputs[0][0] == outputs[1][0]
     np.testing.assert_array_equal(outputs[0][1], outputs[1][1])
     assert any("window" in name for name in outputs[1][2]) and not any("window" in name for name in outputs[0][2])
+
+
+def test_llama_3_2_1b_head_plans_fit_a_browsers_128_mib():
+    """The shapes of the issue: a 64-token step of Llama-3.2-1B, tied fp32 head/embedding [128256, 2048]
+    (1 GiB), logits [64, 128256] (31 MiB), planned for WebGPU's default 128 MiB binding (no device)."""
+    limit = BindingLimit(max_bytes=128 * MIB, alignment=256)
+    tokens, vocab, dim = 64, 128256, 2048
+    weight = StridedView.contiguous((vocab, dim))
+    logits = plan_gemm("logits", "h", StridedView.contiguous((tokens, dim)), "W", weight.transpose(0, 1),
+                       binding_limit=limit)
+    scratch = BufferBinding("scratch", 0, window_scratch_nbytes(tokens, dim, limit))
+    d_h = plan_gemm("d_h", "d_logits", StridedView.contiguous((tokens, vocab)), "W", weight, scratch=scratch,
+                    binding_limit=limit)
+    gather = plan_embedding("x", "W", (vocab, dim), "ids", (tokens,), binding_limit=limit)
+    for dispatches, small in ((logits, ("h",)), (d_h, ()), (gather, ("x", "ids"))):
+        assert len(dispatches) == 8  # 1 GiB in 8 windows of under 128 MiB
+        _check_bindings(dispatches, limit, small)
+    covered = sorted((d.bindings[2].offset, d.bindings[2].offset + d.bindings[2].size) for d in logits)
+    assert covered[0][0] == 0 and covered[-1][1] == 4 * vocab * dim  # every vocabulary row, once
+    assert all(end <= start for (_, end), (start, _) in zip(covered, covered[1:]))
+    ce = plan_fused_ce(R=tokens, V=vocab, logits="l", labels="y", n_valid="n", loss="s", dlogits="l", row_loss="r",
+                       binding_limit=limit)
+    assert len(ce) == 2  # 31 MiB of logits fit whole
