@@ -51,7 +51,8 @@ from __future__ import annotations
 import numbers
 from typing import Any, Sequence
 
-from vktrain.runtime.vk.schedule import MAX_SPLIT_DISPATCHES, BufferBinding, Dispatch, ceil_div, pack_push
+from vktrain.quant.q8_0 import Q8_0_BLOCK_VALUES
+from vktrain.runtime.vk.schedule import BufferBinding, Dispatch, ceil_div, pack_push
 from vktrain.runtime.delegate.kernels.gemm_tuning import CPU_TUNING, GPU_TUNING, check_tuning
 from vktrain.runtime.delegate.kernels import layout
 from vktrain.runtime.delegate.kernels.layout import (
@@ -355,7 +356,6 @@ def plan_gemm(out: Any, a: Any, a_view: StridedView, b: Any, b_view: StridedView
 
 # ---- Bindings over the limit: windows of the operands, each dispatch binding what fits
 
-Q8_0_BLOCK = 32  # codes per scale
 MAX_GEMM_WINDOWS = 1 << 16  # dispatches one windowed GEMM may take (a limit this small is a mistake)
 
 
@@ -442,8 +442,8 @@ def _q8_0_window(codes: Any, scales: Any, view: StridedView, row: int, column: i
     end = first + _window_elements(view, rows, columns)
     start = first - first % limit.q8_0_window_start
     codes_bound, codes_skip = sub_binding(codes, start, ceil_div(end, 4) * 4, "r", limit.alignment)
-    scales_bound, scales_skip = sub_binding(scales, start // Q8_0_BLOCK * 4, ceil_div(end, Q8_0_BLOCK) * 4, "r",
-                                            limit.alignment)
+    scales_bound, scales_skip = sub_binding(scales, 4 * (start // Q8_0_BLOCK_VALUES),
+                                            4 * ceil_div(end, Q8_0_BLOCK_VALUES), "r", limit.alignment)
     if codes_skip or scales_skip:
         raise KernelArgumentError(f"{label}: a Q8_0 B split into windows needs its codes and scales bound at offsets "
                                   f"aligned to {limit.alignment} bytes")
@@ -461,8 +461,8 @@ def _plan_gemm_windows(out: Any, a: Any, a_view: StridedView, b: Any, b_view: St
     rows, columns, steps = gemm_windows(a_view, b_view, bias_full, b_scales is not None, limit, label)
     k_windows = [(k, min(steps, K - k)) for k in range(0, K, steps)]
     if len(k_windows) > 1 and (scratch is None or scratch.size is not None and scratch.size < 4 * rows * columns):
-        raise KernelArgumentError(f"{label}: windows of the reduction need a scratch buffer of "
-                                  f"window_scratch_nbytes({M}, {N}, limit) = {window_scratch_nbytes(M, N, limit)} bytes")
+        raise KernelArgumentError(f"{label}: windows of the reduction need a scratch buffer of window_scratch_nbytes("
+                                  f"{M}, {N}, limit) = {window_scratch_nbytes(M, N, limit)} bytes")
     out_view = StridedView.contiguous((M, N))
     dispatches: list[Dispatch] = []
     for m in range(0, M, rows):
