@@ -18,6 +18,7 @@
 * A tensor no kernel splits (mlp-lora's untied q4gsw head's logits) is refused at load, naming it; limits
   below what the kernels split to are refused naming the limit. `vktrain train --max-binding-mib 1`
   trains it; generation under the limit gives the unsplit run's logits bit for bit.
+* Llama-3.2-1B's tied 1 GiB head and embedding plan into 8 windows under a browser's 128 MiB (no device).
 """
 from __future__ import annotations
 
@@ -156,9 +157,12 @@ def test_head_gemm_over_vocabulary_windows_is_bit_identical(vk_device, tuning, q
                                rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("tuning", [GPU_TUNING, CPU_TUNING])
 @pytest.mark.parametrize("q8_0", [False, True])
-def test_d_h_gemm_over_reduction_windows_is_within_the_derived_bound(vk_device, q8_0):
+def test_d_h_gemm_over_reduction_windows_is_within_the_derived_bound(vk_device, q8_0, tuning):
     """d_h [40, 48] = d_logits [40, 600] @ W [600, 48]: windows of the reduction added through the bias."""
+    if tuning == CPU_TUNING and not runs_cpu_bodies(vk_device):
+        pytest.skip("no CPU bodies on this device")
     rng = np.random.default_rng(12)
     M, K, N = 40, 600, 48
     d_logits = rng.standard_normal((M, K)).astype(np.float32)
@@ -166,7 +170,8 @@ def test_d_h_gemm_over_reduction_windows_is_within_the_derived_bound(vk_device, 
     arrays = {"a": d_logits, "b": codes if q8_0 else weight, "scales": scales,
               "scratch": np.zeros(window_scratch_nbytes(M, N, LIMIT) // 4, np.float32)}
     dispatches = plan_gemm("out", "a", StridedView.contiguous((M, K)), "b", StridedView.contiguous((K, N)),
-                           b_scales="scales" if q8_0 else None, scratch=BufferBinding("scratch"), binding_limit=LIMIT)
+                           b_scales="scales" if q8_0 else None, scratch=BufferBinding("scratch"), binding_limit=LIMIT,
+                           tuning=tuning)
     _check_bindings(dispatches, LIMIT)
     output_windows = sum(1 for d in dispatches if "HAS_BIAS=0" in d.shader)  # each one's first reduction window
     windows_per_output = len(dispatches) // output_windows
@@ -344,8 +349,9 @@ def test_unsplittable_tensor_is_refused_naming_it(vk_device, tmp_path):
 
     path = tmp_path / "mlp.pte"
     export_mlp_lora_training_step(path, (2, 8), 32768)  # logits [2, 8, 32768]: 2 MiB out of linear_q4gsw
-    with pytest.raises(GraphLoweringError, match=r"vktrain.linear_q4gsw.default.*binds tensor \S+ float32\[2, 8, 32768\] "
-                                                 r"over 2097152 bytes, more than the max storage binding size of 1048576"):
+    refusal = (r"vktrain.linear_q4gsw.default.*binds tensor \S+ float32\[2, 8, 32768\] over 2097152 bytes, more than "
+               r"the max storage binding size of 1048576")
+    with pytest.raises(GraphLoweringError, match=refusal):
         TrainingRunner.from_pte(path, vk_device, max_binding_bytes=MIB)
     with pytest.raises(GraphLoweringError, match="max_binding_bytes .* must be an int >= 1048576"):
         TrainingRunner.from_pte(path, vk_device, max_binding_bytes=MIB - 1)
@@ -389,3 +395,26 @@ def test_generation_under_the_limit_gives_the_unsplit_logits(vk_device, tmp_path
     assert outputs[0][0] == outputs[1][0]
     np.testing.assert_array_equal(outputs[0][1], outputs[1][1])
     assert any("window" in name for name in outputs[1][2]) and not any("window" in name for name in outputs[0][2])
+
+
+def test_llama_3_2_1b_head_plans_fit_a_browsers_128_mib():
+    """The shapes of the issue: a 64-token step of Llama-3.2-1B, tied fp32 head/embedding [128256, 2048]
+    (1 GiB), logits [64, 128256] (31 MiB), planned for WebGPU's default 128 MiB binding (no device)."""
+    limit = BindingLimit(max_bytes=128 * MIB, alignment=256)
+    tokens, vocab, dim = 64, 128256, 2048
+    weight = StridedView.contiguous((vocab, dim))
+    logits = plan_gemm("logits", "h", StridedView.contiguous((tokens, dim)), "W", weight.transpose(0, 1),
+                       binding_limit=limit)
+    scratch = BufferBinding("scratch", 0, window_scratch_nbytes(tokens, dim, limit))
+    d_h = plan_gemm("d_h", "d_logits", StridedView.contiguous((tokens, vocab)), "W", weight, scratch=scratch,
+                    binding_limit=limit)
+    gather = plan_embedding("x", "W", (vocab, dim), "ids", (tokens,), binding_limit=limit)
+    for dispatches, small in ((logits, ("h",)), (d_h, ()), (gather, ("x", "ids"))):
+        assert len(dispatches) == 8  # 1 GiB in 8 windows of under 128 MiB
+        _check_bindings(dispatches, limit, small)
+    covered = sorted((d.bindings[2].offset, d.bindings[2].offset + d.bindings[2].size) for d in logits)
+    assert covered[0][0] == 0 and covered[-1][1] == 4 * vocab * dim  # every vocabulary row, once
+    assert all(end <= start for (_, end), (start, _) in zip(covered, covered[1:]))
+    ce = plan_fused_ce(R=tokens, V=vocab, logits="l", labels="y", n_valid="n", loss="s", dlogits="l", row_loss="r",
+                       binding_limit=limit)
+    assert len(ce) == 2  # 31 MiB of logits fit whole

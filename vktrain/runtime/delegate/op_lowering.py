@@ -482,9 +482,8 @@ def _lower_transpose(ctx: OpContext) -> list[Dispatch]:
 
 
 def _split_k_scratch(ctx: OpContext, batch: int, m: int, n: int, k: int, *tensors: TensorArg) -> BufferBinding | None:
-    """The split-K scratch the default GEMM plan of [batch, m, k] @ [batch, k, n] uses, or None when
-    it would not split (kernels/matmul.py: skinny outputs over long reductions; with `tensors` over the
-    binding limit, windows of the reduction's)."""
+    """The split-K scratch the default GEMM plan of [batch, m, k] @ [batch, k, n] uses, or None when it would
+    not split (kernels/matmul.py: skinny outputs, long reductions; `tensors` over the binding limit: windows)."""
     nbytes = matmul.gemm_scratch_nbytes(batch, m, n, k, ctx.gemm.fp32_tuning, ctx.binding_limit,
                                         [tensor.binding.size for tensor in tensors])
     return ctx.scratch(nbytes, "split_k") if nbytes else None

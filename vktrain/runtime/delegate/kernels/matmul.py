@@ -53,7 +53,8 @@ from __future__ import annotations
 import numbers
 from typing import Any, Sequence
 
-from vktrain.runtime.vk.schedule import MAX_SPLIT_DISPATCHES, BufferBinding, Dispatch, ceil_div, pack_push
+from vktrain.quant.q8_0 import Q8_0_BLOCK_VALUES
+from vktrain.runtime.vk.schedule import BufferBinding, Dispatch, ceil_div, pack_push
 from vktrain.runtime.delegate.kernels.gemm_tuning import CPU_TUNING, GPU_TUNING, check_tuning
 from vktrain.runtime.delegate.kernels import layout
 from vktrain.runtime.delegate.kernels.layout import (
@@ -365,7 +366,6 @@ def plan_gemm(out: Any, a: Any, a_view: StridedView, b: Any, b_view: StridedView
 
 # ---- Bindings over the limit: windows of the operands, each dispatch binding what fits
 
-Q8_0_BLOCK = 32  # codes per scale
 MAX_GEMM_WINDOWS = 1 << 16  # dispatches one windowed GEMM may take (a limit this small is a mistake)
 
 
@@ -409,7 +409,7 @@ def gemm_windows(a_view: StridedView, b_view: StridedView, bias_view: StridedVie
                 (StridedView.contiguous((M, N)), ("m", "n"), fp32_budget)]
     if bias_view is not None:
         operands.append((bias_view, ("m", "n"), fp32_budget))
-    for _ in range(2 * len(operands)):  # each pass only shrinks windows: a few passes settle it
+    for _ in range(2 * len(operands)):  # each pass only shrinks windows: a few passes settle it (checked below)
         settled = True
         for view, dims, budget in operands:
             if _window_elements(view, window[dims[0]], window[dims[1]]) <= budget:
@@ -428,7 +428,8 @@ def gemm_windows(a_view: StridedView, b_view: StridedView, bias_view: StridedVie
         if step <= window[dim] < whole:
             window[dim] -= window[dim] % step
     count = ceil_div(M, window["m"]) * ceil_div(N, window["n"]) * ceil_div(K, window["k"])
-    if count > MAX_GEMM_WINDOWS:
+    unfit = [view.sizes for view, dims, budget in operands if _window_elements(view, *map(window.get, dims)) > budget]
+    if count > MAX_GEMM_WINDOWS or unfit:
         raise limit.refusal(label, f"a [{M}, {K}] @ [{K}, {N}] GEMM in {count} windows (at most {MAX_GEMM_WINDOWS})",
                             max(4 * a_view.extent(), 4 * M * N))
     return window["m"], window["n"], window["k"]
@@ -451,8 +452,8 @@ def _q8_0_window(codes: Any, scales: Any, view: StridedView, row: int, column: i
     end = first + _window_elements(view, rows, columns)
     start = first - first % limit.q8_0_window_start
     codes_bound, codes_skip = sub_binding(codes, start, ceil_div(end, 4) * 4, "r", limit.alignment)
-    scales_bound, scales_skip = sub_binding(scales, start // Q8_0_BLOCK * 4, ceil_div(end, Q8_0_BLOCK) * 4, "r",
-                                            limit.alignment)
+    scales_bound, scales_skip = sub_binding(scales, 4 * (start // Q8_0_BLOCK_VALUES),
+                                            4 * ceil_div(end, Q8_0_BLOCK_VALUES), "r", limit.alignment)
     if codes_skip or scales_skip:
         raise KernelArgumentError(f"{label}: a Q8_0 B split into windows needs its codes and scales bound at offsets "
                                   f"aligned to {limit.alignment} bytes")
@@ -470,8 +471,8 @@ def _plan_gemm_windows(out: Any, a: Any, a_view: StridedView, b: Any, b_view: St
     rows, columns, steps = gemm_windows(a_view, b_view, bias_full, b_scales is not None, limit, label)
     k_windows = [(k, min(steps, K - k)) for k in range(0, K, steps)]
     if len(k_windows) > 1 and (scratch is None or scratch.size is not None and scratch.size < 4 * rows * columns):
-        raise KernelArgumentError(f"{label}: windows of the reduction need a scratch buffer of "
-                                  f"window_scratch_nbytes({M}, {N}, limit) = {window_scratch_nbytes(M, N, limit)} bytes")
+        raise KernelArgumentError(f"{label}: windows of the reduction need a scratch buffer of window_scratch_nbytes("
+                                  f"{M}, {N}, limit) = {window_scratch_nbytes(M, N, limit)} bytes")
     out_view = StridedView.contiguous((M, N))
     dispatches: list[Dispatch] = []
     for m in range(0, M, rows):
