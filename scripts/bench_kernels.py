@@ -157,6 +157,15 @@ def _linear_sweep(plan_name: str, shape: dict[str, int]) -> list[dict[str, Any]]
     return configs
 
 
+def _mm_sweep(shape: dict[str, int]) -> list[dict[str, Any]]:
+    """The split-K counts --sweep times for an aten.mm case besides the default plan's: unsplit, and the
+    powers of two the default could pick (for the skinny LoRA products: one dispatch instead of two)."""
+    from vktrain.runtime.delegate.kernels.matmul import MAX_SPLIT_K, default_split_k
+
+    default = default_split_k(1, shape["M"], shape["N"], shape["K"])
+    return [dict(split_k=split) for split in (1, 2, 4, 8, 16, MAX_SPLIT_K) if split != default]
+
+
 def _linear_forward_case(shape, x, flat, scales, words, w_bytes) -> Case:
     M, N, K, gs = shape["M"], shape["N"], shape["K"], shape["group_size"]
 
@@ -222,7 +231,18 @@ def _mm_cases(preset: str, rng) -> list[Case]:
         ("head_dx dlogits @ E", (T, V), False, (V, D), False),
     ]
     if preset not in ("quick", "smollm2"):
-        products = products[4:]
+        # The head, and the LoRA r16 products of Llama-3.2-1B at 4 x 512 tokens (hidden 2048, MLP 8192):
+        # the skinny ones with their split-K (--sweep times them unsplit and at other splits too).
+        T, r = 2048, 16
+        products = products[4:] + [
+            ("lora_down x @ A^T", (T, 2048), False, (r, 2048), True),
+            ("lora_down x @ A^T", (T, 8192), False, (r, 8192), True),
+            ("lora_up h @ B^T", (T, r), False, (2048, r), True),
+            ("lora_dx dh @ A", (T, r), False, (r, 2048), False),
+            ("lora_dh dy @ B", (T, 2048), False, (2048, r), False),
+            ("lora_dA dh^T @ x", (T, r), True, (T, 2048), False),
+            ("lora_dB dy^T @ h", (T, 2048), True, (T, r), False),
+        ]
     cases = []
     for what, a_shape, a_t, b_shape, b_t in products:
         a = rng.standard_normal(a_shape).astype(np.float32)
@@ -237,11 +257,12 @@ def _mm_cases(preset: str, rng) -> list[Case]:
 
         def setup_vk(device, limits, a=a, b=b, a_view=view(a_shape, a_t), b_view=view(b_shape, b_t), M=M, N=N, K=K,
                      **overrides):
-            from vktrain.runtime.delegate.kernels.matmul import gemm_scratch_nbytes, plan_gemm
+            from vktrain.runtime.delegate.kernels.matmul import gemm_scratch_nbytes, plan_gemm, split_k_scratch_nbytes
 
             buffers = {"a": Buffer.from_array(device, a), "b": Buffer.from_array(device, b),
                        "out": Buffer(device, 4 * M * N)}
-            scratch = gemm_scratch_nbytes(1, M, N, K, **_tuning_of(overrides))
+            scratch = (split_k_scratch_nbytes(1, M, N, overrides["split_k"]) if "split_k" in overrides
+                       else gemm_scratch_nbytes(1, M, N, K, **_tuning_of(overrides)))
             if scratch:
                 buffers["scratch"] = Buffer(device, scratch)
             dispatches = plan_gemm("out", "a", a_view, "b", b_view, scratch="scratch" if scratch else None,
@@ -334,6 +355,41 @@ def _adamw_cases(quick: bool, rng) -> list[Case]:
         # are compared (the timed repeats keep stepping; their values are not compared).
         cases.append(Case("adamw", dict(numel=numel), 7 * 4 * numel, None, setup_vk, setup_torch,
                           notes={"compare": "first step only"}))
+    return cases
+
+
+def _elementwise_cases(quick: bool, rng) -> list[Case]:
+    """Same-shape contiguous add / mul (a training step's residual adds, gradient sums, SwiGLU and norm
+    products; Llama-3.2-1B at 4 x 512 tokens: [2048, 2048] and [2048, 8192]) on the VEC4 variant the
+    plan picks (vec4=1) and on the general variant (vec4=0: a thread per element, index arithmetic)."""
+    from dataclasses import replace
+
+    from vktrain.runtime.delegate.kernels.elementwise import plan_binary
+    from vktrain.runtime.delegate.kernels.layout import StridedView, elementwise_groups
+
+    cases = []
+    for rows, cols in (((64, 260),) if quick else ((2048, 2048), (2048, 8192))):
+        a = rng.standard_normal((rows, cols)).astype(np.float32)
+        b = rng.standard_normal((rows, cols)).astype(np.float32)
+        for op in ("add", "mul"):
+            for vec4 in (1, 0):
+                def setup_vk(device, limits, a=a, b=b, op=op, vec4=vec4):
+                    view = StridedView.contiguous(a.shape)
+                    (dispatch,) = plan_binary(op, "out", "a", view, "b", view, scalar0=1.0)
+                    if not vec4:
+                        dispatch = replace(dispatch, shader=dispatch.shader.removesuffix("+VEC4"),
+                                           groups=elementwise_groups(a.size))
+                    buffers = {"a": Buffer.from_array(device, a), "b": Buffer.from_array(device, b),
+                               "out": Buffer(device, a.nbytes)}
+                    return [dispatch], buffers, lambda: buffers["out"].read(np.float32, a.shape)
+
+                def setup_torch(torch, dev, a=a, b=b, op=op):
+                    ta, tb = torch.from_numpy(a).to(dev), torch.from_numpy(b).to(dev)
+                    function = torch.add if op == "add" else torch.mul
+                    return (lambda: function(ta, tb)), (lambda t: t.cpu().numpy())
+
+                cases.append(Case(f"aten.{op}.Tensor", dict(rows=rows, cols=cols, vec4=vec4), 3 * a.nbytes, None,
+                                  setup_vk, setup_torch))
     return cases
 
 
@@ -451,7 +507,7 @@ _CASE_BUILDERS = {
     "linear_q4gsw": _linear_cases, "linear_q4gsw_backward": _linear_cases, "linear_dW": _linear_cases,
     "fused_ce": _fused_ce_cases, "adamw": _adamw_cases, "q4gsw_requant": _requant_cases,
     "causal_attention": _attention_cases, "causal_attention_backward": _attention_cases,
-    "aten.mm.default": _mm_cases,
+    "aten.mm.default": _mm_cases, "aten.add.Tensor": _elementwise_cases, "aten.mul.Tensor": _elementwise_cases,
 }
 # Builders taking the shape preset ("quick", "smollm2", "full") rather than the --quick flag.
 _PRESET_BUILDERS = (_linear_cases, _mm_cases)
@@ -626,8 +682,10 @@ def main(argv: list[str] | None = None) -> int:
                         torch.cuda.empty_cache()
                 results.append(record)
                 _print_record(record)
-                if args.sweep and case.kernel.startswith("linear"):
-                    for overrides in _linear_sweep(case.kernel, case.shape):
+                if args.sweep and (case.kernel.startswith("linear") or case.kernel == "aten.mm.default"):
+                    sweep = (_linear_sweep(case.kernel, case.shape) if case.kernel.startswith("linear")
+                             else _mm_sweep(case.shape))
+                    for overrides in sweep:
                         try:
                             alt = time_vulkan(device, case, args.replays, args.warmup, **overrides)
                         except Exception as exc:  # a configuration the device refuses: report, go on

@@ -5,6 +5,7 @@
     python scripts/bench_webgpu.py run bench/step_1x128.pte bench/step_4x512.pte \\
         --out bench/results/webgpu_h200.json                 # on the GPU machine (numpy, vulkan, wgpu)
     python scripts/bench_webgpu.py --quick                   # tiny-llama shapes, export + run (lavapipe)
+    python scripts/bench_webgpu.py kernels --shape 512x2048x2048 # the fp32 GEMM kernels alone, both runtimes
 
 The programs are bench_step.py's (Llama-3.2-1B shapes, synthetic constants: speed only). Each runtime
 loads each .pte with TrainingRunner and runs the same batches: load seconds, ms per step (median wall
@@ -16,6 +17,11 @@ shader's GPU ms on each runtime: kernels and their compilers), `gemm_route` (Web
 tuning only: no tensor-core or subgroup bodies) and the largest relative loss difference between the
 runtimes. A runtime that cannot load a program (wgpu not installed, a WGSL kernel missing, a tensor
 over a binding limit) is recorded with its reason; the other still runs.
+
+`kernels` times the GEMM kernels alone (plans of the GPU tuning, as WebGPU runs them; random data) at
+MxNxK shapes on both runtimes: the median wall ms of a replay of each kernel's dispatches (a program of
+`--repeat` copies of them, so submission overhead is spread) and the largest difference between the two
+runtimes' outputs (0 where the WGSL keeps the GLSL's summation order and the compilers agree).
 """
 from __future__ import annotations
 
@@ -148,6 +154,85 @@ def run_command(args) -> int:
     return 0
 
 
+def _gemm_cases(M: int, N: int, K: int, group_size: int):
+    """(name, dispatches, inputs {key: array}, output shape) of each timed GEMM kernel at one shape."""
+    from vktrain.quant import quantize
+    from vktrain.runtime.delegate.kernels.gemm_tuning import GPU_TUNING
+    from vktrain.runtime.delegate.kernels.linear import (plan_linear_dw, plan_linear_q4gsw,
+                                                         plan_linear_q4gsw_backward, prepack_weights)
+    from vktrain.runtime.delegate.kernels.matmul import plan_mm
+
+    rng = np.random.default_rng(0)
+    flat, scales = quantize(rng.standard_normal((N, K)).astype(np.float32), group_size)
+    w4x8 = prepack_weights(flat, K)
+    x = rng.standard_normal((M, K)).astype(np.float32)
+    d_out = rng.standard_normal((M, N)).astype(np.float32)
+    b = rng.standard_normal((K, N)).astype(np.float32)
+    q4 = dict(M=M, N=N, K=K, group_size=group_size, weights="w", scales="s", out="out", tuning=GPU_TUNING)
+    return [
+        ("linear_q4gsw", plan_linear_q4gsw(x="x", **q4), {"x": x, "w": w4x8, "s": scales}, (M, N)),
+        ("linear_q4gsw_backward", plan_linear_q4gsw_backward(d_out="d_out", **q4),
+         {"d_out": d_out, "w": w4x8, "s": scales}, (M, K)),
+        ("linear_dw", plan_linear_dw(M=M, N=N, K=K, out="out", d_out="d_out", x="x", tuning=GPU_TUNING),
+         {"d_out": d_out, "x": x}, (N, K)),
+        ("matmul", plan_mm(out="out", self="x", self_shape=(M, K), mat2="b", mat2_shape=(K, N), tuning=GPU_TUNING),
+         {"x": x, "b": b}, (M, N)),
+    ]
+
+
+def _time_kernel(device, dispatches, inputs, out_shape, repeat: int, runs: int) -> tuple[float, np.ndarray]:
+    """(median ms of one pass of `dispatches`, the output) on `device`."""
+    from vktrain.runtime import Buffer, Program
+
+    buffers = {key: Buffer.from_array(device, np.ascontiguousarray(a), name=key) for key, a in inputs.items()}
+    buffers["out"] = Buffer.from_array(device, np.zeros(out_shape, np.float32), name="out")
+    try:
+        with Program(device, list(dispatches) * repeat, buffers) as program:
+            program.replay()  # warm-up: pipelines, first-use costs
+            times = []
+            for _ in range(runs):
+                start = time.perf_counter()
+                program.replay()
+                times.append(time.perf_counter() - start)
+        return 1e3 * statistics.median(times) / repeat, buffers["out"].read(np.float32, out_shape)
+    finally:
+        for buffer in buffers.values():
+            buffer.destroy()
+
+
+def kernels_command(args) -> int:
+    os.environ.setdefault("XDG_RUNTIME_DIR", tempfile.gettempdir())
+    rows = []
+    devices = {runtime: open_device(runtime, validation=False) for runtime in RUNTIMES}
+    try:
+        for runtime, device in devices.items():
+            print(f"{runtime}: {device.name}", flush=True)
+        for shape in args.shape:
+            M, N, K = (int(v) for v in shape.lower().split("x"))
+            for name, dispatches, inputs, out_shape in _gemm_cases(M, N, K, args.group_size):
+                row: dict[str, Any] = {"kernel": name, "shape": [M, N, K],
+                                       "shaders": [d.shader for d in dispatches]}
+                outputs = {}
+                for runtime, device in devices.items():
+                    row[f"{runtime}_ms"], outputs[runtime] = _time_kernel(device, dispatches, inputs, out_shape,
+                                                                          args.repeat, args.runs)
+                row["max_abs_diff"] = float(np.max(np.abs(outputs["webgpu"] - outputs["vulkan"])))
+                row["gflops"] = {runtime: 2e-6 * M * N * K / row[f"{runtime}_ms"] for runtime in devices}
+                rows.append(row)
+                print(f"  {name:22s} {M}x{N}x{K}  vulkan {row['vulkan_ms']:9.3f} ms  webgpu {row['webgpu_ms']:9.3f} ms"
+                      f"  ({row['webgpu_ms'] / row['vulkan_ms']:.2f}x)  max |diff| {row['max_abs_diff']:.3g}",
+                      flush=True)
+    finally:
+        for device in devices.values():
+            device.close()
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        meta = {runtime: device.name for runtime, device in devices.items()}
+        args.out.write_text(json.dumps({"devices": meta, "kernels": rows}, indent=1))
+        print(f"wrote {args.out}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true",
@@ -162,7 +247,15 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--batches", type=int, default=2, help="distinct random batches, cycled")
     run.add_argument("--top", type=int, default=15, help="op kinds and shaders listed")
     run.add_argument("--out", type=Path, default=None, help="JSON results")
+    kernels = commands.add_parser("kernels", help="time the fp32 GEMM kernels alone on both runtimes")
+    kernels.add_argument("--shape", nargs="+", default=["256x512x512"], help="MxNxK shapes (N, K multiples of 8)")
+    kernels.add_argument("--group-size", type=int, default=32, help="q4gsw group size")
+    kernels.add_argument("--repeat", type=int, default=4, help="copies of each kernel's dispatches per replay")
+    kernels.add_argument("--runs", type=int, default=5, help="timed replays (median reported)")
+    kernels.add_argument("--out", type=Path, default=None, help="JSON results")
     args = parser.parse_args(argv)
+    if args.command == "kernels":
+        return kernels_command(args)
     if args.command is None:
         if not args.quick:
             parser.error("give a command (run), or --quick for a small export + run")

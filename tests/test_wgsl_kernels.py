@@ -8,6 +8,13 @@ device. `on_webgpu` turns such a test into one taking `webgpu_device` (tests/con
 wgpu or an adapter is missing; a test during which wgpu logged an error fails), with the Vulkan test's
 cases, all of them (small shapes: the whole module takes about a minute of CPU on lavapipe).
 
+Feature variants: the session's `webgpu_device` takes every WGSL feature body its adapter has (lavapipe:
+the subgroup reductions of rms_norm, fused_ce, fused_ce_sum), so the wrapped tests check those; the
+kernels with feature bodies are checked once more on `webgpu_defaults_device` (kernel_features=(): the
+browser-valid defaults). The Vulkan tests' tolerances for these kernels hold for any summation order
+of their sums (see their docstrings and subgroup_reduce.inc.wgsl); the sum of fused_ce_sum is also
+checked against the bound of the subgroup order itself.
+
 Besides: every WGSL kernel declares exactly the interface of the GLSL shader it mirrors (bindings and
 their access, push block size and header, specialization ids), every shader the mlp-lora and
 tiny-llama training steps dispatch has one, and the lookup refuses names it cannot serve.
@@ -30,12 +37,16 @@ from _helpers import export_mlp_lora_training_step
 from vktrain.runtime_shaders import load_spirv, reflect_spirv
 from vktrain.runtime_shaders.build import spirv_path
 from vktrain.runtime_shaders.wgsl import (
+    FEATURE_DEFINES,
     WGSLKernelNotFoundError,
     WGSLSourceError,
     all_wgsl_shader_names,
+    declared_wgsl_features,
     missing_wgsl_kernels,
     wgsl_source,
 )
+
+UNIT_ROUNDOFF = 2.0 ** -24
 
 
 # The fixtures the Vulkan tests' bodies take besides their device, on the WebGPU device.
@@ -45,21 +56,43 @@ def rng():
 
 
 @pytest.fixture
-def buffers(webgpu_device):
-    made = ce_adamw.Buffers(webgpu_device)
+def buffers(request):
+    """Buffers on the test's WebGPU device (webgpu_defaults_device where the test takes it)."""
+    name = "webgpu_defaults_device" if "webgpu_defaults_device" in request.fixturenames else "webgpu_device"
+    made = ce_adamw.Buffers(request.getfixturevalue(name))
     yield made
     made.destroy()
 
 
-def on_webgpu(vulkan_test):
+@pytest.fixture(scope="module")
+def _defaults_device(webgpu_device):
+    from vktrain.runtime.webgpu import Device
+
+    device = Device(kernel_features=())
+    yield device
+    device.close()
+
+
+@pytest.fixture
+def webgpu_defaults_device(_defaults_device):
+    """A WebGPU device running the browser-valid default bodies only; a test during which wgpu logged an
+    error on it fails (as conftest does for webgpu_device)."""
+    _defaults_device.take_validation_messages()
+    yield _defaults_device
+    messages = _defaults_device.take_validation_messages()
+    if messages:
+        pytest.fail(f"wgpu logged {len(messages)} error(s): {[m.message for m in messages]}", pytrace=False)
+
+
+def on_webgpu(vulkan_test, device: str = "webgpu_device"):
     """`vulkan_test` (a test of tests/test_kernels_*.py whose device argument is `vk_device`) as a test on
-    the WebGPU device, with the Vulkan test's parametrize marks."""
+    the WebGPU device fixture `device`, with the Vulkan test's parametrize marks."""
     signature = inspect.signature(vulkan_test)
-    parameters = [p.replace(name="webgpu_device") if p.name == "vk_device" else p
+    parameters = [p.replace(name=device) if p.name == "vk_device" else p
                   for p in signature.parameters.values()]
 
     def test(**arguments):
-        arguments["vk_device"] = arguments.pop("webgpu_device")
+        arguments["vk_device"] = arguments.pop(device)
         vulkan_test(**arguments)
 
     test.__signature__ = signature.replace(parameters=parameters)
@@ -74,14 +107,26 @@ def on_webgpu(vulkan_test):
 
 # ---- the lookup and the kernels' interfaces ---------------------------------------------------------
 
-@pytest.mark.parametrize("name", all_wgsl_shader_names())
-def test_wgsl_kernel_compiles_and_declares_the_glsl_interface(webgpu_device, name):
-    """The WGSL compiles (wgpu validates it) and declares what the GLSL of the same name does: bindings
-    0..n-1 with the same read-only ones, the push block's size and header, the specialization ids
-    (local size ids 1 and 2 may be absent: the runtime only passes them when they are not 1)."""
+def _names_and_features():
+    """(shader name, feature set) of every default kernel and every feature body."""
+    cases = []
+    for name in all_wgsl_shader_names():
+        cases.append((name, ()))
+        cases += [(name, (feature,)) for feature in sorted(declared_wgsl_features(name.partition("@")[0]))]
+    return cases
+
+
+@pytest.mark.parametrize("name,features", _names_and_features())
+def test_wgsl_kernel_compiles_and_declares_the_glsl_interface(webgpu_device, name, features):
+    """The WGSL (default and feature bodies) compiles (wgpu validates it) and declares what the GLSL of the
+    same name does: bindings 0..n-1 with the same read-only ones, the push block's size and header, the
+    specialization ids (local size ids 1 and 2 may be absent: the runtime only passes them when they are
+    not 1)."""
     from vktrain.runtime.webgpu import reflect_wgsl
 
-    source = wgsl_source(name)
+    if not set(features) <= webgpu_device.features:
+        pytest.skip(f"the adapter lacks {features}")
+    source = wgsl_source(name, features)
     webgpu_device.handle.create_shader_module(code=source)
     wgsl = reflect_wgsl(name, source)
     if not spirv_path(name).is_file():
@@ -137,6 +182,63 @@ def test_variants_select_lines_and_define_values():
                    for line in wgsl_source(name).splitlines())
 
 
+def test_feature_bodies_are_chosen_by_the_device_and_reported(webgpu_device, webgpu_defaults_device):
+    """A feature body replaces the default's reductions only when asked for; the device takes every one
+    it has unless told otherwise, refuses what it lacks, and its report names the kernels that took them."""
+    from vktrain.runtime.webgpu import Device, WebGPUUnavailableError
+
+    assert set(FEATURE_DEFINES) == {"subgroup"}
+    for name in ("rms_norm@VEC4+BACKWARD", "fused_ce@VEC4", "fused_ce_sum"):
+        assert "subgroupAdd" in wgsl_source(name, {"subgroup"}) and "subgroupAdd" not in wgsl_source(name)
+        assert wgsl_source(name, {"shader-f16"}) == wgsl_source(name)  # no f16 body: the default
+    assert wgsl_source("reduce", {"subgroup"}) == wgsl_source("reduce")  # keeps its Kahan sums
+    if "subgroup" not in webgpu_device.features:
+        pytest.skip("the adapter has no subgroup feature")
+    assert webgpu_device.kernel_features == {"subgroup"} and webgpu_defaults_device.kernel_features == set()
+    webgpu_device.pipelines.source("fused_ce_sum")
+    assert "subgroup bodies in " in webgpu_device.kernel_report()
+    assert "fused_ce_sum" in webgpu_device.kernel_report()
+    webgpu_defaults_device.pipelines.source("fused_ce_sum")
+    assert webgpu_defaults_device.kernel_report() == "WGSL kernels: subgroup: browser-valid defaults (not chosen)"
+    with pytest.raises(WebGPUUnavailableError, match=r"\['nope'\] have no WGSL bodies"):
+        Device(kernel_features=("nope",))
+
+
+@pytest.mark.parametrize("R", [1, 255, 3000])
+def test_fused_ce_sum_stays_within_the_bound_of_its_summation_order(webgpu_device, webgpu_defaults_device, R):
+    """loss = the sum of R row losses, on both bodies, against float64: each thread adds ceil(R / WG)
+    values in order, then the tree (log2 WG levels) or the subgroups (subgroupAdd over at most WG values,
+    then the subgroups' results in order, at most WG more) combine them, so no value passes through
+    more than ceil(R / WG) + 2 WG additions: |error| <= that count * u * sum |x|. Positive terms of
+    similar size: dropping or repeating one term moves the sum by ~1/R of it, beyond the bound. Two
+    runs of one body agree bit for bit."""
+    from vktrain.runtime import Buffer, Program
+    from vktrain.runtime.delegate.kernels.cross_entropy import plan_fused_ce
+
+    workgroup = 256
+    row_loss = np.random.default_rng(R).uniform(0.5, 1.5, R).astype(np.float32)
+    expected = float(np.sum(row_loss, dtype=np.float64))
+    bound = (-(-R // workgroup) + 2 * workgroup) * UNIT_ROUNDOFF * expected
+    assert bound < 0.5 * expected / R  # the check can see one term too many or too few
+    for device in (webgpu_device, webgpu_defaults_device):
+        sum_dispatch = plan_fused_ce(R=R, V=4, logits="x", labels="l", n_valid="n", loss="loss", dlogits="d",
+                                     row_loss="rows")[1]
+        assert sum_dispatch.shader == "fused_ce_sum" and sum_dispatch.local_size[0] == workgroup
+        rows = Buffer.from_array(device, row_loss, name="rows")
+        loss = Buffer.from_array(device, np.full(1, np.nan, np.float32), name="loss")
+        try:
+            results = []
+            with Program(device, [sum_dispatch], {"rows": rows, "loss": loss}) as program:
+                for _ in range(2):
+                    program.replay()
+                    results.append(loss.read(np.float32, (1,))[0])
+        finally:
+            rows.destroy()
+            loss.destroy()
+        assert results[0] == results[1], device.kernel_report()
+        assert abs(float(results[0]) - expected) <= bound, (R, results[0], expected, device.kernel_report())
+
+
 def test_malformed_directives_are_reported_with_file_and_line(tmp_path, monkeypatch):
     from vktrain.runtime_shaders import wgsl
 
@@ -160,6 +262,9 @@ def _dispatched_shaders(device, path) -> set[str]:
     pte = PteFile.load(path)
     graph = deserialize_blob(bytes(pte.execution_plan().delegates[0].data), named_data=pte.named_data)
     with GraphExecutor(device, graph) as executor:  # builds every pipeline: a missing kernel fails here
+        if "subgroup" in device.kernel_features:  # the startup line names the feature bodies taken
+            assert "WGSL kernels: subgroup bodies in " in executor.gemm_report()
+            assert "fused_ce_sum" in executor.gemm_report()
         return {dispatch.shader for dispatch in executor.dispatches}
 
 
@@ -233,6 +338,77 @@ test_baddbmm_and_split_batch_grid = on_webgpu(aten.test_baddbmm_and_split_batch_
 
 # ---- kernels: the 4-bit linear family (test_kernels_linear.py) ----------------------------------------
 
+def _gemm_cases():
+    """(label, dispatches, inputs, output shape) of GEMMs at the Vulkan tests' edge shapes: partial tiles,
+    odd N / 4, K % 8 == 4, split-K with an empty slice, a bias, scalar and vec4 C, strided operands."""
+    from vktrain.quant import quantize
+    from vktrain.runtime.delegate.kernels.linear import (GemmTiles, plan_linear_dw, plan_linear_q4gsw,
+                                                         plan_linear_q4gsw_backward, prepack_weights,
+                                                         split_k_scratch_nbytes)
+    from vktrain.runtime.delegate.kernels.matmul import plan_addmm, plan_gemm, plan_mm
+    from vktrain.runtime.delegate.kernels.layout import StridedView
+
+    rng = np.random.default_rng(5)
+    cases = []
+    for M, N, K, gs, tiles, split_k, bias in ((70, 100, 132, 4, None, None, True),
+                                              (37, 68, 72, 8, GemmTiles(4, 4, 8), 3, False),
+                                              (9, 36, 44, 4, GemmTiles(4, 8, 16), None, False)):
+        flat, scales = quantize(rng.standard_normal((N, K)).astype(np.float32), gs)
+        w, x = prepack_weights(flat, K), rng.standard_normal((M, K)).astype(np.float32)
+        d_out, b = rng.standard_normal((M, N)).astype(np.float32), rng.standard_normal(N).astype(np.float32)
+        scratch = split_k_scratch_nbytes(M, max(N, K), split_k or 1)
+        q4 = dict(M=M, N=N, K=K, group_size=gs, weights="w", scales="s", out="out", tiles=tiles, split_k=split_k,
+                  scratch="scratch" if scratch else None)
+        inputs = {"x": x, "d_out": d_out, "w": w, "s": scales, "b": b}
+        if scratch:
+            inputs["scratch"] = np.zeros(scratch // 4, np.float32)
+        cases += [(f"linear_q4gsw {M}x{N}x{K}", plan_linear_q4gsw(x="x", bias="b" if bias else None, **q4), inputs,
+                   (M, N)),
+                  (f"linear_q4gsw_backward {M}x{N}x{K}", plan_linear_q4gsw_backward(d_out="d_out", **q4), inputs,
+                   (M, K)),
+                  (f"linear_dw {M}x{N}x{K}", plan_linear_dw(M=M, N=N, K=K, out="out", d_out="d_out", x="x",
+                                                           tiles=tiles, split_k=split_k,
+                                                           scratch="scratch" if scratch else None), inputs, (N, K))]
+    for M, N, K in ((70, 37, 50), (5, 64, 300), (130, 16, 20)):
+        a, b = rng.standard_normal((M, K)).astype(np.float32), rng.standard_normal((K, N)).astype(np.float32)
+        bias = rng.standard_normal(N).astype(np.float32)
+        cases.append((f"mm {M}x{N}x{K}", plan_mm(out="out", self="a", self_shape=(M, K), mat2="b", mat2_shape=(K, N)),
+                      {"a": a, "b": b}, (M, N)))
+        cases.append((f"addmm {M}x{N}x{K}", plan_addmm(out="out", self="bias", self_shape=(N,), mat1="a",
+                                                      mat1_shape=(M, K), mat2="b", mat2_shape=(K, N), beta=0.5,
+                                                      alpha=1.5), {"a": a, "b": b, "bias": bias}, (M, N)))
+        # A read transposed (A_M_FASTEST) and B through its transpose view (B_K_FASTEST).
+        a_t, b_t = np.ascontiguousarray(a.T), np.ascontiguousarray(b.T)
+        cases.append((f"mm transposed {M}x{N}x{K}",
+                      plan_gemm("out", "a_t", StridedView((M, K), (1, M)), "b_t", StridedView((K, N), (1, K))),
+                      {"a_t": a_t, "b_t": b_t}, (M, N)))
+    return cases
+
+
+def test_wgsl_gemms_equal_the_glsl_gemms_bit_for_bit(vk_device, webgpu_device):
+    """The WGSL GEMMs sum every output's products in the GLSL's order, one multiply and one add each, and
+    apply alpha / beta / bias in the same roundings: on one driver (lavapipe compiles both) the two
+    runtimes' outputs are the same bits, at the edge shapes of the Vulkan kernel tests."""
+    from vktrain.runtime import Buffer, Program
+
+    def run(device, dispatches, inputs, shape):
+        buffers = {key: Buffer.from_array(device, value, name=key) for key, value in inputs.items()}
+        buffers["out"] = Buffer.from_array(device, np.full(shape, np.nan, np.float32), name="out")
+        try:
+            with Program(device, dispatches, buffers) as program:
+                program.replay()
+            return buffers["out"].read(np.float32, shape)
+        finally:
+            for buffer in buffers.values():
+                buffer.destroy()
+
+    for label, dispatches, inputs, shape in _gemm_cases():
+        vulkan, webgpu = run(vk_device, dispatches, inputs, shape), run(webgpu_device, dispatches, inputs, shape)
+        assert np.isfinite(vulkan).all(), label
+        np.testing.assert_array_equal(webgpu.view(np.uint32), vulkan.view(np.uint32),
+                                      err_msg=f"{label} via {[d.shader for d in dispatches]}")
+
+
 test_identity_activation_reproduces_deq_exactly = on_webgpu(linear.test_identity_activation_reproduces_deq_exactly)
 test_linear_q4gsw_gemv = on_webgpu(linear.test_linear_q4gsw_gemv)
 test_linear_q4gsw_gemm = on_webgpu(linear.test_linear_q4gsw_gemm)
@@ -250,6 +426,12 @@ test_linear_dw_automatic_split_k_for_thin_output = on_webgpu(linear.test_linear_
 # ---- kernels: fused cross-entropy, AdamW, requant (test_kernels_ce_adamw_requant.py) --------------------------
 
 test_fused_ce_matches_reference = on_webgpu(ce_adamw.test_fused_ce_matches_reference)
+test_fused_ce_default_body_matches_reference = on_webgpu(ce_adamw.test_fused_ce_matches_reference,
+                                                         "webgpu_defaults_device")
+test_fused_ce_default_body_negative_infinite_logits = on_webgpu(ce_adamw.test_fused_ce_negative_infinite_logits,
+                                                                "webgpu_defaults_device")
+test_fused_ce_default_body_is_deterministic_and_splits_rows = on_webgpu(
+    ce_adamw.test_fused_ce_is_deterministic_and_splits_rows, "webgpu_defaults_device")
 test_fused_ce_huge_logits_keep_the_small_loss = on_webgpu(ce_adamw.test_fused_ce_huge_logits_keep_the_small_loss)
 test_fused_ce_negative_infinite_logits = on_webgpu(ce_adamw.test_fused_ce_negative_infinite_logits)
 test_fused_ce_all_rows_masked = on_webgpu(ce_adamw.test_fused_ce_all_rows_masked)
@@ -267,6 +449,10 @@ test_requant_output_feeds_linear_q4gsw = on_webgpu(ce_adamw.test_requant_output_
 # ---- kernels: transformer ops (test_kernels_transformer.py) ---------------------------------------------
 
 test_rms_norm_forward_and_backward = on_webgpu(transformer.test_rms_norm_forward_and_backward)
+test_rms_norm_default_body_forward_and_backward = on_webgpu(transformer.test_rms_norm_forward_and_backward,
+                                                            "webgpu_defaults_device")
+test_rms_norm_default_body_eps_dominates_zero_rows_and_split_dispatch = on_webgpu(
+    transformer.test_rms_norm_eps_dominates_zero_rows_and_split_dispatch, "webgpu_defaults_device")
 test_rms_norm_eps_dominates_zero_rows_and_split_dispatch = on_webgpu(
     transformer.test_rms_norm_eps_dominates_zero_rows_and_split_dispatch)
 test_rope_forward_and_backward = on_webgpu(transformer.test_rope_forward_and_backward)

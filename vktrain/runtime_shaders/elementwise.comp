@@ -10,7 +10,12 @@
 // broadcast dim) plus an element offset, so broadcasting, expanded views and transposed inputs all
 // read in place. Dims are stored innermost first; the host merges dims that are contiguous in every
 // operand, so `rank` is usually 1 or 2.
-// vktrain-variants: ARITY=1, ARITY=2
+// VEC4 (with ARITY=1 or 2): every operand is the same contiguous run of `numel` floats (rank 1 after
+// merging, unit strides), numel and the offsets multiples of 4: no index arithmetic, and each
+// invocation applies the op to VEC4_PER_THREAD vec4s, WORKGROUP_SIZE vec4s apart (coalesced), one
+// component at a time through the same functions, so the results are the scalar variant's bits.
+// (The residual adds and SwiGLU / norm products of a training step: bound by memory bandwidth.)
+// vktrain-variants: ARITY=1, ARITY=2, ARITY=1+VEC4, ARITY=2+VEC4
 #extension GL_GOOGLE_include_directive : require
 #extension GL_EXT_control_flow_attributes : require
 #include "common.glsl"
@@ -20,17 +25,27 @@
 #define ARITY 2
 #endif
 #define MAX_RANK 6
+#ifdef VEC4
+#define WORKGROUP_SIZE 256
+#define VEC4_PER_THREAD 4
+#else
 #define WORKGROUP_SIZE 64
+#endif
 
 layout(local_size_x = WORKGROUP_SIZE) in;
 
 // Op codes: EW_UNARY_* / EW_BINARY_* of codes.glsl, generated from UNARY_OPS / BINARY_OPS in elementwise.py.
 layout(constant_id = 3) const uint OP = 0;
 
-layout(std430, set = 0, binding = 0) writeonly buffer OutBuffer { float out_data[]; };
-layout(std430, set = 0, binding = 1) readonly buffer ABuffer { float a_data[]; };
+#ifdef VEC4
+#define ELEMENT vec4
+#else
+#define ELEMENT float
+#endif
+layout(std430, set = 0, binding = 0) writeonly buffer OutBuffer { ELEMENT out_data[]; };
+layout(std430, set = 0, binding = 1) readonly buffer ABuffer { ELEMENT a_data[]; };
 #if ARITY == 2
-layout(std430, set = 0, binding = 2) readonly buffer BBuffer { float b_data[]; };
+layout(std430, set = 0, binding = 2) readonly buffer BBuffer { ELEMENT b_data[]; };
 #endif
 
 layout(push_constant, std430) uniform Params {
@@ -239,6 +254,35 @@ float apply(float a, float b) {
 }
 #endif
 
+#if ARITY == 2
+float binary_result(float a, float b) {
+    float result = apply(a, b);
+    if ((OP == EW_BINARY_MAXIMUM || OP == EW_BINARY_MINIMUM) && (isnan(a) || isnan(b))) {
+        result = uintBitsToFloat(0x7fc00000u);  // torch.maximum / minimum propagate NaN
+    }
+    return result;
+}
+#endif
+
+#ifdef VEC4
+void main() {
+    const uint count4 = params.numel / 4u;
+    const uint first = VKTRAIN_GLOBAL_GROUP_ID(params).x * (WORKGROUP_SIZE * VEC4_PER_THREAD) + gl_LocalInvocationID.x;
+    [[unroll]] for (uint j = 0u; j < VEC4_PER_THREAD; ++j) {
+        const uint v = first + j * WORKGROUP_SIZE;
+        if (v < count4) {
+            const vec4 a = a_data[params.a_offset / 4u + v];
+#if ARITY == 2
+            const vec4 b = b_data[params.b_offset / 4u + v];
+            out_data[v] = vec4(binary_result(a.x, b.x), binary_result(a.y, b.y), binary_result(a.z, b.z),
+                               binary_result(a.w, b.w));
+#else
+            out_data[v] = vec4(apply(a.x), apply(a.y), apply(a.z), apply(a.w));
+#endif
+        }
+    }
+}
+#else
 void main() {
     uint index = VKTRAIN_GLOBAL_INVOCATION_ID(params).x;
     if (index >= params.numel) {
@@ -264,12 +308,7 @@ void main() {
 #if ARITY == 1
     out_data[index] = apply(a_data[a_index]);
 #else
-    float a = a_data[a_index];
-    float b = b_data[b_index];
-    float result = apply(a, b);
-    if ((OP == EW_BINARY_MAXIMUM || OP == EW_BINARY_MINIMUM) && (isnan(a) || isnan(b))) {
-        result = uintBitsToFloat(0x7fc00000u);  // torch.maximum / minimum propagate NaN
-    }
-    out_data[index] = result;
+    out_data[index] = binary_result(a_data[a_index], b_data[b_index]);
 #endif
 }
+#endif

@@ -10,7 +10,12 @@ storage buffers per stage and 128 MiB bindings) and refuses an adapter below vkt
 an error naming each limit. `limits={name: value}` asks for less than the adapter has, as a browser
 grants (e.g. BROWSER_DEFAULT_LIMITS: 16 KiB of workgroup storage, 256 invocations); `limits` then reports
 what the device was granted, and the kernel plans size their tiles by it (OpContext.limits). Optional features (timestamp-query, timestamp-query-inside-passes, shader-f16, subgroup) are enabled
-where the adapter has them; `features` lists the enabled WebGPU feature names. The device reports no
+where the adapter has them; `features` lists the enabled WebGPU feature names.
+
+Kernel feature variants: `kernel_features` are the device features whose WGSL bodies the pipelines take
+(wgsl.FEATURE_DEFINES: the subgroup reductions), chosen here once: by default every one the device has;
+`kernel_features=()` keeps the browser-valid defaults (tests run both). `kernel_report()` says which
+kernels took which bodies (the executor's report line). The device reports no
 Vulkan features, no subgroup operations and no cooperative matrices, so the executor picks the GPU
 tuning of the fp32 GEMMs and never a tensor-core route (gemm_tuning.py, coopmat.py).
 
@@ -113,7 +118,7 @@ class Device:
     program_type: type
 
     def __init__(self, selector: str | int | None = None, *, validation: bool | None = None,
-                 limits: dict[str, int] | None = None):
+                 limits: dict[str, int] | None = None, kernel_features=None):
         from vktrain.runtime.webgpu.memory import Buffer
         from vktrain.runtime.webgpu.program import Program
 
@@ -129,6 +134,7 @@ class Device:
         logging.getLogger("wgpu").addHandler(self._errors)
         try:
             self._open(os.environ.get(DEVICE_ENV) if selector is None else selector, dict(limits or {}))
+            self.kernel_features = self._kernel_features(kernel_features)
         except BaseException:
             self.close()
             raise
@@ -203,6 +209,36 @@ class Device:
         if problems:
             raise WebGPUUnavailableError(f"Device(limits=...) for {self.info.describe()}: {'; '.join(problems)}")
         return limits
+
+    def _kernel_features(self, wanted) -> frozenset[str]:
+        """The kernel feature variants to use: `wanted` checked against the device's, or all it has."""
+        from vktrain.runtime_shaders.wgsl import FEATURE_DEFINES
+
+        if wanted is None:
+            return frozenset(FEATURE_DEFINES) & self.features
+        wanted = frozenset(wanted)
+        unknown = sorted(wanted - FEATURE_DEFINES.keys())
+        if unknown:
+            raise WebGPUUnavailableError(f"Device(kernel_features=...): {unknown} have no WGSL bodies (known: "
+                                         f"{sorted(FEATURE_DEFINES)})")
+        missing = sorted(wanted - self.features)
+        if missing:
+            raise WebGPUUnavailableError(f"Device(kernel_features=...): {self.info.describe()} lacks {missing} "
+                                         f"(it has {sorted(self.features)})")
+        return wanted
+
+    def kernel_report(self) -> str:
+        """Which WGSL feature bodies the pipelines built so far took (or why none)."""
+        from vktrain.runtime_shaders.wgsl import FEATURE_DEFINES
+
+        used = self.pipelines.feature_kernels() if self.pipelines is not None else {}
+        parts = [f"{feature} bodies in {', '.join(sorted(used[feature]))}" for feature in sorted(used)]
+        absent = sorted(frozenset(FEATURE_DEFINES) - self.kernel_features)
+        if absent:
+            parts.append(f"{', '.join(absent)}: browser-valid defaults ("
+                         + ("not chosen" if frozenset(absent) <= self.features else "the device lacks it") + ")")
+        none = "browser-valid defaults (no kernel built so far has a feature body)"
+        return "WGSL kernels: " + ("; ".join(parts) or none)
 
     # ------------------------------------------------------------------------------ properties
     @property

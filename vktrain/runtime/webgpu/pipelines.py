@@ -50,11 +50,24 @@ class PipelineCache:
         self._pipelines: dict[tuple[str, tuple], Any] = {}
 
     def source(self, name: str) -> str:
-        """The kernel's WGSL (WGSLKernelNotFoundError when it has none)."""
+        """The kernel's WGSL (WGSLKernelNotFoundError when it has none), with the feature bodies of the
+        device's `kernel_features` (the one place they are chosen)."""
         if name not in self._sources:
             from vktrain.runtime_shaders.wgsl import wgsl_source
-            self._sources[name] = wgsl_source(name)
+            self._sources[name] = wgsl_source(name, self.device.kernel_features)
         return self._sources[name]
+
+    def feature_kernels(self) -> dict[str, set[str]]:
+        """{feature: the kernels looked up so far that have a body for it, taken}."""
+        from vktrain.runtime_shaders.build import parse_shader_name
+        from vktrain.runtime_shaders.wgsl import declared_wgsl_features
+
+        used: dict[str, set[str]] = {}
+        for name in self._sources:
+            base = parse_shader_name(name).base
+            for feature in declared_wgsl_features(base) & self.device.kernel_features:
+                used.setdefault(feature, set()).add(name)
+        return used
 
     def interface(self, name: str) -> WGSLInterface:
         if name not in self._interfaces:

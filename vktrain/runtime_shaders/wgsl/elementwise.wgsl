@@ -3,17 +3,28 @@
 // ARITY=1: out = f(a); ARITY=2: out = f(a, b). The op is override OP (id 3): the EW_UNARY_* / EW_BINARY_*
 // codes of ../codes.glsl (generated from UNARY_OPS / BINARY_OPS in elementwise.py), included below.
 // Each input is addressed through per-dim element strides (0 on a broadcast dim) plus an element offset;
-// the output is contiguous.
-// vktrain-variants: ARITY=1, ARITY=2
+// the output is contiguous. VEC4: every operand one contiguous, 16-byte aligned run of numel floats,
+// each invocation VEC4_PER_THREAD vec4s WORKGROUP_SIZE apart, per component through the same functions.
+// vktrain-variants: ARITY=1, ARITY=2, ARITY=1+VEC4, ARITY=2+VEC4
 
+#if VEC4
+const WORKGROUP_SIZE = 256u;
+const VEC4_PER_THREAD = 4u;
+#else
 const WORKGROUP_SIZE = 64u;
+#endif
 const MAX_RANK = 6u;
 
 #include "codes.glsl"
 @id(3) override OP: u32 = 0u;
 
+#if VEC4
+@group(0) @binding(0) var<storage, read_write> out_data: array<vec4<f32>>;
+@group(0) @binding(1) var<storage, read> a_data: array<vec4<f32>>;
+#else
 @group(0) @binding(0) var<storage, read_write> out_data: array<f32>;
 @group(0) @binding(1) var<storage, read> a_data: array<f32>;
+#endif
 // The GLSL's sizes[6], a_strides[6], b_strides[6] as scalars (dim 0 innermost).
 struct Params {
     vktrain_group_offset: vec4<u32>,
@@ -28,7 +39,11 @@ struct Params {
     b_stride0: u32, b_stride1: u32, b_stride2: u32, b_stride3: u32, b_stride4: u32, b_stride5: u32,
 }
 #if ARITY == 2
+#if VEC4
+@group(0) @binding(2) var<storage, read> b_data: array<vec4<f32>>;
+#else
 @group(0) @binding(2) var<storage, read> b_data: array<f32>;
+#endif
 @group(0) @binding(3) var<uniform> params: Params;
 #else
 @group(0) @binding(2) var<uniform> params: Params;
@@ -219,6 +234,35 @@ fn apply(a: f32) -> f32 {
 }
 #endif
 
+#if ARITY == 2
+fn binary_result(a: f32, b: f32) -> f32 {
+    if ((OP == EW_BINARY_MAXIMUM || OP == EW_BINARY_MINIMUM) && (is_nan(a) || is_nan(b))) {
+        return nan();  // torch.maximum / minimum propagate NaN
+    }
+    return apply(a, b);
+}
+#endif
+
+#if VEC4
+@compute @workgroup_size(WORKGROUP_SIZE)
+fn main(@builtin(workgroup_id) workgroup: vec3<u32>, @builtin(local_invocation_id) local: vec3<u32>) {
+    let count4 = params.numel / 4u;
+    let first = (workgroup.x + params.vktrain_group_offset.x) * (WORKGROUP_SIZE * VEC4_PER_THREAD) + local.x;
+    for (var j = 0u; j < VEC4_PER_THREAD; j++) {
+        let v = first + j * WORKGROUP_SIZE;
+        if (v < count4) {
+            let a = a_data[params.a_offset / 4u + v];
+#if ARITY == 2
+            let b = b_data[params.b_offset / 4u + v];
+            out_data[v] = vec4<f32>(binary_result(a.x, b.x), binary_result(a.y, b.y), binary_result(a.z, b.z),
+                                    binary_result(a.w, b.w));
+#else
+            out_data[v] = vec4<f32>(apply(a.x), apply(a.y), apply(a.z), apply(a.w));
+#endif
+        }
+    }
+}
+#else
 @compute @workgroup_size(WORKGROUP_SIZE)
 fn main(@builtin(workgroup_id) workgroup: vec3<u32>, @builtin(local_invocation_id) local: vec3<u32>) {
     let index = (workgroup.x + params.vktrain_group_offset.x) * WORKGROUP_SIZE + local.x;
@@ -252,3 +296,4 @@ fn main(@builtin(workgroup_id) workgroup: vec3<u32>, @builtin(local_invocation_i
     out_data[index] = apply(a_data[a_index]);
 #endif
 }
+#endif

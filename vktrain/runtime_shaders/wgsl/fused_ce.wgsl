@@ -3,11 +3,14 @@
 //   row_loss[r] = ((max - row[label]) + log(sum exp(row - max))) / n_valid   (0 when the row is ignored)
 //   dlogits[r]  = (softmax(row) - onehot(label)) / n_valid                   (0 when the row is ignored)
 // A row is ignored when label < 0 or label >= V. Each thread keeps an online (max, sum) pair over a
-// strided slice; a workgroup-memory tree merges the pairs in a fixed order. fused_ce_sum adds the rows.
+// strided slice; a workgroup-memory tree merges the pairs in a fixed order (SUBGROUPS: the row max by
+// subgroups, then the sum of each thread's sum rescaled to it, subgroup_reduce.inc.wgsl). fused_ce_sum
+// adds the rows.
 // VEC4: rows as vec4s (V % 4 == 0). IN_PLACE: dlogits over the logits (one binding fewer; each thread
 // overwrites only what it has read, and the label's logit is read before the first barrier).
 // Local size (WG, 1, 1), WG a power of two.
 // vktrain-variants: -, VEC4, IN_PLACE, VEC4+IN_PLACE
+// vktrain-features: subgroup
 
 @id(0) override WG: u32 = 256u;
 
@@ -21,8 +24,11 @@ const LANES = 1u;
 
 struct Params {
     vktrain_group_offset: vec4<u32>,
-    R: u32,
+    R: u32,               // rows of labels and row_loss
     V: u32,
+    first_row: u32,       // the row group 0 takes (a window of the logits' rows; 0 unsplit)
+    logits_offset: u32,   // element of that row's first logit in binding 0 (a multiple of 4 with VEC4)
+    dlogits_offset: u32,  // likewise in the dlogits binding (= logits_offset with IN_PLACE)
 }
 
 #if IN_PLACE
@@ -42,8 +48,12 @@ fn store_dlogits(i: u32, value: Value) { logits[i] = value; }
 fn store_dlogits(i: u32, value: Value) { dlogits[i] = value; }
 #endif
 
+#if SUBGROUPS
+#include "subgroup_reduce.inc.wgsl"
+#else
 var<workgroup> s_max: array<f32, WG>;
 var<workgroup> s_sum: array<f32, WG>;
+#endif
 
 fn neg_inf() -> f32 { return bitcast<f32>(0xff800000u); }
 
@@ -58,6 +68,7 @@ fn largest(x: f32) -> f32 { return x; }
 fn sum_exp(x: f32, m: f32) -> f32 { return exp(x - m); }
 #endif
 
+#if !SUBGROUPS
 // (m, s) merged with (m_other, s_other); an empty side (max -inf, sum 0) is skipped (exp(-inf + inf) = NaN).
 fn merge(m: f32, s: f32, m_other: f32, s_other: f32) -> vec2<f32> {
     if (m_other == neg_inf()) { return vec2<f32>(m, s); }
@@ -65,21 +76,31 @@ fn merge(m: f32, s: f32, m_other: f32, s_other: f32) -> vec2<f32> {
     let m_new = max(m, m_other);
     return vec2<f32>(m_new, s * exp(m - m_new) + s_other * exp(m_other - m_new));
 }
+#endif
 
 @compute @workgroup_size(WG)
+#if SUBGROUPS
+fn main(@builtin(workgroup_id) workgroup: vec3<u32>, @builtin(local_invocation_index) tid: u32,
+        @builtin(subgroup_id) subgroup: u32, @builtin(num_subgroups) subgroups: u32,
+        @builtin(subgroup_invocation_id) lane: u32) {
+    let place = SubgroupPlace(subgroup, subgroups, lane);
+#else
 fn main(@builtin(workgroup_id) workgroup: vec3<u32>, @builtin(local_invocation_index) tid: u32) {
-    let row = workgroup.x + params.vktrain_group_offset.x;
+#endif
+    let window_row = workgroup.x + params.vktrain_group_offset.x;
+    let row = params.first_row + window_row;
     // Every early return is uniform over the workgroup (it depends on the row only).
     if (row >= params.R) {
         return;
     }
     let V = params.V;
     let row_values = V / LANES;
-    let base = row * row_values;
+    let base = window_row * row_values + params.logits_offset / LANES;
+    let d_base = window_row * row_values + params.dlogits_offset / LANES;
     let label = labels[row];
     if (label < 0 || u32(label) >= V) {
         for (var i = tid; i < row_values; i += WG) {
-            store_dlogits(base + i, Value(0.0));
+            store_dlogits(d_base + i, Value(0.0));
         }
         if (tid == 0u) {
             row_loss[row] = 0.0;
@@ -115,6 +136,14 @@ fn main(@builtin(workgroup_id) workgroup: vec3<u32>, @builtin(local_invocation_i
             s += sum_exp(x, m);
         }
     }
+#if SUBGROUPS
+    let row_max = workgroup_max_by_subgroups(m, place);
+    var rescaled = 0.0;  // an empty slice (max -inf) adds nothing (exp(-inf + inf) = NaN)
+    if (m != neg_inf()) {
+        rescaled = s * exp(m - row_max);
+    }
+    let row_sum = workgroup_sum_by_subgroups(rescaled, place);
+#else
     s_max[tid] = m;
     s_sum[tid] = s;
     workgroupBarrier();
@@ -128,6 +157,7 @@ fn main(@builtin(workgroup_id) workgroup: vec3<u32>, @builtin(local_invocation_i
     }
     let row_max = s_max[0];
     let row_sum = s_sum[0];
+#endif
     let divisor = n_valid;
     if (tid == 0u) {
         // (max - x[label]) + log(sum): no cancellation between two large numbers for huge logits.
@@ -136,6 +166,6 @@ fn main(@builtin(workgroup_id) workgroup: vec3<u32>, @builtin(local_invocation_i
     let inv_sum = 1.0 / row_sum;
     for (var i = tid; i < row_values; i += WG) {
         let p = exp(logits[base + i] - row_max) * inv_sum;
-        store_dlogits(base + i, select(p, p - label_onehot, i == label_value) / divisor);
+        store_dlogits(d_base + i, select(p, p - label_onehot, i == label_value) / divisor);
     }
 }
