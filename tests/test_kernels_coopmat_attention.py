@@ -329,3 +329,46 @@ def test_attention_rounds_its_inputs_to_fp16(vk_device, mode):
     got, _ = coopmat_attention_gpu(vk_device, backend, q, k, v, d_out, 1 / math.sqrt(32))
     reference = OPS.causal_attention(f64(q), f64(k), f64(v), 1 / math.sqrt(32))[0].numpy()
     assert np.linalg.norm(got["out"] - reference) / np.linalg.norm(reference) > 1e-5
+
+
+# ----------------------------------------------------------------------------------- through a program
+def test_fp16_tc_program_runs_attention_on_the_tensor_core_kernels_and_reports_them(vk_device, tmp_path):
+    """tiny-llama (D = 32, GQA 4/2): with fp16-tc (emulated on lavapipe) every causal_attention and
+    causal_attention_backward op lowers to the coopmat kernels, the GEMM report counts them among the
+    ops on tensor cores, and the step's loss stays near the fp32 route's (attention moves it by its
+    fp16 rounding only: the full bound is test_precision_policy.py's business)."""
+    from _helpers import LOSS_RTOL
+    from vktrain.export import export_training_step, lower_to_pte
+    from vktrain.lora import LoRAConfig, apply_lora
+    from vktrain.models import build_model
+    from vktrain.runtime.delegate.executor import GEMM_OPS
+    from vktrain.runtime.program.runner import TrainingRunner
+
+    model = build_model("tiny-llama")
+    apply_lora(model, LoRAConfig(rank=4, alpha=8.0, targets="*_proj", group_size=32, seed=0))
+    path = tmp_path / "tiny_llama_step.pte"
+    path.write_bytes(lower_to_pte(export_training_step(model, (1, 8))))
+    generator = torch.Generator().manual_seed(5)
+    token_ids = torch.randint(0, model.config.vocab_size, (1, 8), generator=generator).numpy()
+    labels = np.roll(token_ids, -1, axis=1)
+    hparams = np.array([1e-3, 0.9, 0.999, 1e-8, 0.0], np.float32)  # lr, beta1, beta2, eps, weight decay
+    with TrainingRunner.from_pte(path, vk_device) as fp32_runner:
+        fp32_loss = fp32_runner.step(token_ids, labels, hparams)
+        assert not any(d.shader.startswith("coopmat_attention") for d in fp32_runner.executor.dispatches)
+    with TrainingRunner.from_pte(path, vk_device, precision=PRECISION_FP16_TC, emulate_tensor_cores=True) as runner:
+        executor = runner.executor
+        attention_ops = [f"{i}:{op.name}" for i, op in enumerate(executor.ops) if "causal_attention" in op.name]
+        assert len(attention_ops) == 2 * model.config.n_layers, attention_ops
+        assert set(attention_ops) <= set(executor.tensor_core_ops)
+        for label in attention_ops:
+            shaders = {d.shader.split("@")[0] for d in executor.dispatches
+                       if d.name == label or d.name.startswith(label + ".")}  # the backward's are label.delta, ...
+            expected = ({"coopmat_attention_fwd"} if label.endswith("causal_attention.default") else
+                        {"attention_bwd_delta", "coopmat_absmax", "coopmat_attention_bwd"})
+            assert shaders == expected, (label, shaders)
+        report = runner.gemm_report()
+        gemm_ops = sum(op.name in GEMM_OPS for op in executor.ops)
+        assert f"{len(executor.tensor_core_ops)} of {gemm_ops} GEMM ops on tensor cores" in report, report
+        loss = runner.step(token_ids, labels, hparams)
+    assert math.isfinite(loss) and loss != fp32_loss
+    assert abs(loss - fp32_loss) <= 1e-3 * abs(fp32_loss) + LOSS_RTOL, (loss, fp32_loss)
