@@ -11,7 +11,8 @@
 // tile a subgroup: S = Q K^T (16 x STREAM_ROWS accumulators, stored to its scratch); the online softmax
 // in fp32 (row max, P = exp(scale s - m) in [0, 1], rounded to fp16 for the next product, the row sum
 // from the fp32 P); the output accumulators rescaled by exp(m_old - m_new) (stored to the scratch 16
-// columns at a time, scaled per row, loaded back: a KHR accumulator cannot be scaled by rows); O += P V.
+// columns at a time, scaled per row, loaded back: a KHR accumulator cannot be scaled by rows; skipped
+// when no row's max moved); O += P V.
 // A subgroup whose rows all precede the tile skips it (causal).
 // vktrain-variants: HEAD_DIM=64+ROW_BLOCKS=4+STREAM_ROWS=32, HEAD_DIM=64+ROW_BLOCKS=2+STREAM_ROWS=32, HEAD_DIM=32+ROW_BLOCKS=4+STREAM_ROWS=32, HEAD_DIM=32+ROW_BLOCKS=2+STREAM_ROWS=32, HEAD_DIM=16+ROW_BLOCKS=4+STREAM_ROWS=32, HEAD_DIM=16+ROW_BLOCKS=2+STREAM_ROWS=32
 #extension GL_GOOGLE_include_directive : require
@@ -113,16 +114,22 @@ void main() {
       for (uint c = 0u; c < STREAM_ROWS; ++c) total += scratch[scratch0 + r * SCRATCH_STRIDE + c];
       row_sum[row0 + r] = row_sum[row0 + r] * row_correction[row0 + r] + total;
     }
-    // O *= correction per row, 16 columns at a time through the scratch.
-    [[unroll]] for (uint d = 0u; d < D_FRAGS; ++d) {
-      SUBGROUP_SYNC();
-      STORE_ACC(o_acc[d], scratch, scratch0, SCRATCH_STRIDE);
-      SUBGROUP_SYNC();
-      for (uint e = lane; e < TILE * TILE; e += SUBGROUP_SIZE) {
-        scratch[scratch0 + (e / TILE) * SCRATCH_STRIDE + e % TILE] *= row_correction[row0 + e / TILE];
+    // O *= correction per row, 16 columns at a time through the scratch; skipped (uniformly: every
+    // lane reads all 16 corrections) when no row's max moved, as is usual once a row has seen its
+    // largest scores.
+    bool max_moved = false;
+    for (uint r = 0u; r < TILE; ++r) max_moved = max_moved || row_correction[row0 + r] != 1.0;
+    if (max_moved) {
+      [[unroll]] for (uint d = 0u; d < D_FRAGS; ++d) {
+        SUBGROUP_SYNC();
+        STORE_ACC(o_acc[d], scratch, scratch0, SCRATCH_STRIDE);
+        SUBGROUP_SYNC();
+        for (uint e = lane; e < TILE * TILE; e += SUBGROUP_SIZE) {
+          scratch[scratch0 + (e / TILE) * SCRATCH_STRIDE + e % TILE] *= row_correction[row0 + e / TILE];
+        }
+        SUBGROUP_SYNC();
+        LOAD_ACC(o_acc[d], scratch, scratch0, SCRATCH_STRIDE);
       }
-      SUBGROUP_SYNC();
-      LOAD_ACC(o_acc[d], scratch, scratch0, SCRATCH_STRIDE);
     }
     ACCUMULATE_PRODUCT(o_acc, p_tile, score0, v_tile)
   }
