@@ -54,8 +54,9 @@ def _time_program(device, dispatches, buffers, replays: int, warmup: int) -> dic
 
 
 def _vulkan_case(device, impl: str, arrays: dict, dims: dict, scale: float, replays: int, warmup: int,
-                 emulate: bool) -> dict:
-    """Forward and backward of one implementation ("fp32" or "coopmat"): times and results."""
+                 emulate: bool, row_blocks: int | None = None) -> dict:
+    """Forward and backward of one implementation ("fp32" or "coopmat", the latter with its default
+    tiling or `row_blocks`): times and results."""
     B, S, Hq, Hkv, D = (dims[n] for n in ("B", "S", "Hq", "Hkv", "D"))
     shared = device.limits.max_compute_shared_memory_size
     names = dict(q="q", k="k", v="v", out="out", lse="lse")
@@ -72,7 +73,8 @@ def _vulkan_case(device, impl: str, arrays: dict, dims: dict, scale: float, repl
             **dims, **names, **grads, scale=scale, shared_memory_bytes=shared,
             max_workgroup_size=device.limits.max_compute_work_group_invocations)
     else:
-        options = dict(shared_memory_bytes=shared, emulate=emulate, subgroup_size=device.subgroup_size)
+        options = dict(shared_memory_bytes=shared, emulate=emulate, subgroup_size=device.subgroup_size,
+                       row_blocks=row_blocks)
         buffers["absmax"] = Buffer(device, coopmat_attention.backward_absmax_scratch_nbytes(B, S, Hq, Hkv, D))
         forward = coopmat_attention.plan_coopmat_causal_attention(**dims, **names, scale=scale, **options)
         backward = coopmat_attention.plan_coopmat_causal_attention_backward(
@@ -147,7 +149,8 @@ def main(argv: list[str] | None = None) -> int:
               "torch": getattr(torch, "__version__", None), "cuda": has_cuda, "replays": args.replays,
               "flops": "forward 2 B Hq S^2 D, backward 5 B Hq S^2 D (causal half, no recomputation)", "cases": []}
     rng = np.random.default_rng(0)
-    for S in ((64,) if args.quick else (512, 2048)):
+    # B = 1 at two lengths (the kernel comparison), and B = 4 x 512 (the training step's shape).
+    for B, S in (((B, 64),) if args.quick else ((1, 512), (1, 2048), (4, 512))):
         dims = dict(B=B, S=S, Hq=Hq, Hkv=Hkv, D=D)
         scale = 1.0 / math.sqrt(D)
         arrays = {"q": rng.standard_normal((B, S, Hq, D)), "k": rng.standard_normal((B, S, Hkv, D)),
@@ -160,6 +163,13 @@ def main(argv: list[str] | None = None) -> int:
         for impl in ("fp32", "coopmat"):
             case["implementations"][f"vk_{impl}"], results[f"vk_{impl}"] = _vulkan_case(
                 device, impl, arrays, dims, scale, args.replays, args.warmup, args.emulate)
+        # Every tiling the device holds, to check default_row_blocks' choice by measurement.
+        shared = device.limits.max_compute_shared_memory_size
+        for row_blocks in coopmat_attention.ROW_BLOCK_CHOICES:
+            if all(coopmat_attention.shared_memory_nbytes(k, D, row_blocks) <= shared for k in coopmat_attention.KERNELS):
+                name = f"vk_coopmat_row_blocks_{row_blocks}"
+                case["implementations"][name], results[name] = _vulkan_case(
+                    device, "coopmat", arrays, dims, scale, args.replays, args.warmup, args.emulate, row_blocks)
         if has_cuda:
             for name, dtype in (("torch_sdpa_bf16", torch.bfloat16), ("torch_sdpa_fp32", torch.float32)):
                 case["implementations"][name], results[name] = _torch_case(torch, arrays, scale, dtype,
@@ -177,7 +187,7 @@ def main(argv: list[str] | None = None) -> int:
                            for a, b in (("vk_coopmat", "vk_fp32"), ("vk_coopmat", "torch_sdpa_bf16"))
                            if b in impls}
         report["cases"].append(case)
-        print(json.dumps({"S": S, **{k: round(v, 3) for k, v in case["speedup"].items()},
+        print(json.dumps({"B": B, "S": S, **{k: round(v, 3) for k, v in case["speedup"].items()},
                           **{f"{n}_{d}_ms": round(e[d]["ms"], 3) for n, e in impls.items()
                              for d in ("forward", "backward")}}), flush=True)
     text = json.dumps(report, indent=2)
