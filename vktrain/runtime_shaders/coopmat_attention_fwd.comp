@@ -80,28 +80,29 @@ void main() {
 
     SCORES_TO_SCRATCH(q_tile, row0, k_tile, scratch0)
     SUBGROUP_SYNC();
-    // Row statistics, a lane per row: the scaled, masked scores back into the scratch, the new max.
+    // Row statistics, a lane per row: the new max over the row's visible keys, k_start .. query (inside
+    // the sequence for a row that is stored, query < S; none for a row before the tile).
     for (uint r = lane; r < TILE; r += SUBGROUP_SIZE) {
       const uint query = block_start + r;
+      const uint visible = query < k_start ? 0u : min(query + 1u - k_start, STREAM_ROWS);
       float tile_max = MASKED;
-      for (uint c = 0u; c < STREAM_ROWS; ++c) {
-        const uint key = k_start + c;
-        const uint at = scratch0 + r * SCRATCH_STRIDE + c;
-        const float s = (key <= query && key < pc.S) ? scratch[at] * pc.scale : MASKED;
-        scratch[at] = s;
-        tile_max = max(tile_max, s);
-      }
+      for (uint c = 0u; c < visible; ++c) tile_max = max(tile_max, scratch[scratch0 + r * SCRATCH_STRIDE + c] * pc.scale);
       const float m_old = row_max[row0 + r];
       const float m_new = max(m_old, tile_max);
       row_correction[row0 + r] = exp(m_old - m_new);  // 0 on a row's first keys (m_old = MASKED)
       row_max[row0 + r] = m_new;
     }
     SUBGROUP_SYNC();
-    // P = exp(s - m) in [0, 1], all lanes: fp32 into the scratch (for the row sums), fp16 for P V.
+    // P = exp(scale s - m) in [0, 1] (0 where masked), all lanes: fp32 into the scratch (for the row
+    // sums), fp16 for P V.
     for (uint e = lane; e < TILE * (STREAM_ROWS / 4u); e += SUBGROUP_SIZE) {
       const uint r = e / (STREAM_ROWS / 4u), c4 = e % (STREAM_ROWS / 4u);
+      const uint query = block_start + r;
       const uint at = scratch0 + r * SCRATCH_STRIDE + 4u * c4;
-      const vec4 p = exp(vec4(scratch[at], scratch[at + 1u], scratch[at + 2u], scratch[at + 3u]) - row_max[row0 + r]);
+      vec4 p = vec4(0.0);
+      [[unroll]] for (uint t = 0u; t < 4u; ++t) {
+        if (k_start + 4u * c4 + t <= query) p[t] = exp(scratch[at + t] * pc.scale - row_max[row0 + r]);
+      }
       scratch[at] = p.x;
       scratch[at + 1u] = p.y;
       scratch[at + 2u] = p.z;
