@@ -10,13 +10,17 @@
 // key/value tiles (STREAM_ROWS rows, fp16) stream through shared memory up to the causal diagonal. Per
 // tile a subgroup: S = Q K^T (16 x STREAM_ROWS accumulators, stored to its scratch); the online softmax
 // in fp32 (row max, P = exp(scale s - m) in [0, 1], rounded to fp16 for the next product, the row sum
-// from the fp32 P); the output accumulators rescaled by exp(m_old - m_new) (stored to the scratch 16
+// from the fp32 P; max and sum by subgroup shuffles); the output accumulators rescaled by exp(m_old - m_new) (stored to the scratch 16
 // columns at a time, scaled per row, loaded back: a KHR accumulator cannot be scaled by rows; skipped
 // when no row's max moved); O += P V.
 // A subgroup whose rows all precede the tile skips it (causal).
 // vktrain-variants: HEAD_DIM=64+ROW_BLOCKS=4+STREAM_ROWS=32, HEAD_DIM=64+ROW_BLOCKS=2+STREAM_ROWS=32, HEAD_DIM=32+ROW_BLOCKS=4+STREAM_ROWS=32, HEAD_DIM=32+ROW_BLOCKS=2+STREAM_ROWS=32, HEAD_DIM=16+ROW_BLOCKS=4+STREAM_ROWS=32, HEAD_DIM=16+ROW_BLOCKS=2+STREAM_ROWS=32
 #extension GL_GOOGLE_include_directive : require
+#extension GL_KHR_shader_subgroup_shuffle : require
 #include "coopmat_attention.glsl"
+#if STREAM_ROWS != 32 || SUBGROUP_SIZE > TILE * STREAM_ROWS / 4
+#error "the softmax's shuffle reductions take rows of 8 vec4 groups and whole rows per subgroup"
+#endif
 
 layout(std430, set = 0, binding = 0) readonly buffer QBuf { vec4 q[]; };       // [B, S, Hq, D]
 layout(std430, set = 0, binding = 1) readonly buffer KBuf { vec4 k[]; };       // [B, S, Hkv, D]
@@ -80,41 +84,44 @@ void main() {
 
     SCORES_TO_SCRATCH(q_tile, row0, k_tile, scratch0)
     SUBGROUP_SYNC();
-    // Row statistics, a lane per row: the new max over the row's visible keys, k_start .. query (inside
-    // the sequence for a row that is stored, query < S; none for a row before the tile).
-    for (uint r = lane; r < TILE; r += SUBGROUP_SIZE) {
-      const uint query = block_start + r;
-      const uint visible = query < k_start ? 0u : min(query + 1u - k_start, STREAM_ROWS);
-      float tile_max = MASKED;
-      for (uint c = 0u; c < visible; ++c) tile_max = max(tile_max, scratch[scratch0 + r * SCRATCH_STRIDE + c] * pc.scale);
-      const float m_old = row_max[row0 + r];
-      const float m_new = max(m_old, tile_max);
-      row_correction[row0 + r] = exp(m_old - m_new);  // 0 on a row's first keys (m_old = MASKED)
-      row_max[row0 + r] = m_new;
-    }
-    SUBGROUP_SYNC();
-    // P = exp(scale s - m) in [0, 1] (0 where masked), all lanes: fp32 into the scratch (for the row
-    // sums), fp16 for P V.
-    for (uint e = lane; e < TILE * (STREAM_ROWS / 4u); e += SUBGROUP_SIZE) {
+    // The online softmax, all lanes: lane l takes the vec4 group l % 8 of the rows (l + i SUBGROUP_SIZE) / 8
+    // (STREAM_ROWS / 4 = 8 groups a row), so a row's 8 lanes are an aligned group of 8 and its max and
+    // sum are xor-shuffle reductions over them. P = exp(scale s - m_new) in [0, 1], 0 where masked (key
+    // > query; a stored row has query < S), rounded to fp16 for P V; the row sum from the fp32 P.
+    [[unroll]] for (uint i = 0u; i < SCORE_VECS_PER_LANE; ++i) {
+      const uint e = lane + i * SUBGROUP_SIZE;
       const uint r = e / (STREAM_ROWS / 4u), c4 = e % (STREAM_ROWS / 4u);
       const uint query = block_start + r;
       const uint at = scratch0 + r * SCRATCH_STRIDE + 4u * c4;
+      vec4 s = vec4(MASKED);
+      [[unroll]] for (uint t = 0u; t < 4u; ++t) {
+        if (k_start + 4u * c4 + t <= query) s[t] = scratch[at + t] * pc.scale;
+      }
+      float tile_max = max(max(s.x, s.y), max(s.z, s.w));
+      tile_max = max(tile_max, subgroupShuffleXor(tile_max, 1u));
+      tile_max = max(tile_max, subgroupShuffleXor(tile_max, 2u));
+      tile_max = max(tile_max, subgroupShuffleXor(tile_max, 4u));
+      const float m_old = row_max[row0 + r];
+      // Finite: a row sees key 0 in the first tile, and a row before a later tile has seen earlier ones.
+      const float m_new = max(m_old, tile_max);
       vec4 p = vec4(0.0);
       [[unroll]] for (uint t = 0u; t < 4u; ++t) {
-        if (k_start + 4u * c4 + t <= query) p[t] = exp(scratch[at + t] * pc.scale - row_max[row0 + r]);
+        if (s[t] != MASKED) p[t] = exp(s[t] - m_new);
       }
-      scratch[at] = p.x;
-      scratch[at + 1u] = p.y;
-      scratch[at + 2u] = p.z;
-      scratch[at + 3u] = p.w;
+      float total = (p.x + p.y) + (p.z + p.w);
+      total += subgroupShuffleXor(total, 1u);
+      total += subgroupShuffleXor(total, 2u);
+      total += subgroupShuffleXor(total, 4u);
       p_tile[score0 + r * SCORE_STRIDE4 + c4] = f16vec4(p);
+      // One lane per row updates its statistics (after the shuffles: the row's lanes have read m_old).
+      if (c4 == 0u) {
+        const float correction = exp(m_old - m_new);  // 0 on a row's first keys (m_old = MASKED)
+        row_correction[row0 + r] = correction;
+        row_max[row0 + r] = m_new;
+        row_sum[row0 + r] = row_sum[row0 + r] * correction + total;
+      }
     }
     SUBGROUP_SYNC();
-    for (uint r = lane; r < TILE; r += SUBGROUP_SIZE) {
-      float total = 0.0;
-      for (uint c = 0u; c < STREAM_ROWS; ++c) total += scratch[scratch0 + r * SCRATCH_STRIDE + c];
-      row_sum[row0 + r] = row_sum[row0 + r] * row_correction[row0 + r] + total;
-    }
     // O *= correction per row, 16 columns at a time through the scratch; skipped (uniformly: every
     // lane reads all 16 corrections) when no row's max moved, as is usual once a row has seen its
     // largest scores.

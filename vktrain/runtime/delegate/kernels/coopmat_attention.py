@@ -15,6 +15,10 @@ of two that puts max |d_out| in [2^14, 2^15) (a gradient: 1e-7 and below would b
 P in [0, 1] rounded to fp16; dS times 2^e_ds with e_ds from max |d_out| and max |v| so that the bound
 |dS| <= 2 D max |d_out| max |v| stays below 2^15.
 
+Device needs (besides the cooperative matrices): fp16 arithmetic, subgroup basic and shuffle operations
+(the forward's row max and sum are xor-shuffle reductions over the 8 lanes of a row), a subgroup size
+in [8, 128]; every GPU with the KHR extension has them, and so has lavapipe for the emulated variant.
+
 Supported: D in SUPPORTED_HEAD_DIMS (16, 32, 64; D = 128 keeps the fp32 kernels, whose shared-memory
 tiles fit it), any B, S >= 1, Hq % Hkv == 0. Tiling: a workgroup of ROW_BLOCKS subgroups owns 16
 rows each (queries; keys for DKV) and streams tiles of STREAM_ROWS rows of the other side; 4 blocks
@@ -139,8 +143,10 @@ def _row_blocks(op: str, kernel: str, **problem: Any) -> int:
 
 
 def _check_subgroup_size(op: str, subgroup_size: Any) -> None:
-    if not isinstance(subgroup_size, int) or subgroup_size < 8 or subgroup_size & (subgroup_size - 1):
-        raise KernelArgumentError(f"{op}: subgroup_size must be a power of two >= 8 (the device's subgroup "
+    # The forward's softmax reduces a row over 8 lanes by xor shuffles, 16 rows over a subgroup.
+    if (not isinstance(subgroup_size, int) or subgroup_size < 8 or subgroup_size > 128
+            or subgroup_size & (subgroup_size - 1)):
+        raise KernelArgumentError(f"{op}: subgroup_size must be a power of two in [8, 128] (the device's subgroup "
                                   f"size), got {subgroup_size!r}")
 
 
