@@ -18,7 +18,7 @@ stay under 64 MiB (what travels to the GPU machine); the 1B ones are ~21 MiB (th
 
 run: loads each .pte with TrainingRunner, warms up, times steps (wall clock per step, tokens/s, GPU
 timestamps aggregated by op kind), reports device memory (the executor's buffers and the blob's planned
-memory), then the same step in PyTorch eager: a Llama written here with standard ops (q4gsw bases
+memory), then the same step in PyTorch eager (scripts/bench_step_torch.py): a Llama written with standard ops (q4gsw bases
 dequantized on the GPU every step from the same packed codes and scales, LoRA adapters, RMSNorm, rope,
 SDPA with GQA by repeat_interleave, SwiGLU, F.cross_entropy), fused AdamW on the LoRA tensors, timed
 with CUDA events, in each of the precisions a user of the GPU would pick (`--torch-variants`, written
@@ -50,9 +50,13 @@ import numpy as np
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # its PyTorch and report halves, when imported by path
 
 from vktrain import quant  # noqa: E402
 from vktrain.contract import PRECISION_FP32, PRECISIONS  # noqa: E402
+
+from bench_step_report import plot, print_report  # noqa: E402
+from bench_step_torch import TORCH_VARIANTS, load_torch, time_torch  # noqa: E402
 
 FULL_PRESET, QUICK_PRESET = "llama-3.2-1b", "tiny-llama"
 FULL_SHAPES, QUICK_SHAPES = ((1, 128), (4, 512)), ((1, 16), (2, 32))
@@ -64,9 +68,6 @@ DERIVED_MODELS = {
                                           hidden=1536, rope_theta=100000.0, rope_scaling=None),
                      ((1, 512), (4, 512))),
 }
-# PyTorch baselines (--torch-variants): name -> (TF32 matmuls, bf16 autocast, torch.compile of the loss).
-TORCH_VARIANTS = {"fp32": (False, False, False), "tf32": (True, False, False), "bf16": (False, True, False),
-                  "bf16_compile": (False, True, True)}
 QUICK_OVERRIDES = dict(dim=64, n_layers=2, hidden=192)  # a smaller tiny-llama: quick mode runs in CI on lavapipe
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 LORA_RANK, LORA_ALPHA, GROUP_SIZE = 16, 32.0, 32
@@ -389,166 +390,6 @@ def baseline_arrays(graph, executor, config: BenchConfig) -> dict[str, np.ndarra
     return arrays
 
 
-def torch_dequantize(torch, flat, scales, group_size: int):
-    """deq(W) [N, K] float32 on flat's device, from flat codes uint8 [N, Kp/2] (even k in the low nibble,
-    w4x8.md) and scales [G, N]: the per-step work of the eager baseline."""
-    n, k = flat.shape[0], scales.shape[0] * group_size
-    codes = torch.stack((flat & 0xF, flat >> 4), dim=-1).reshape(n, -1)[:, :k]
-    return (codes.to(torch.float32) - 8.0) * scales.t().repeat_interleave(group_size, dim=1)
-
-
-class EagerLlamaLoRA:
-    """The same training step in plain PyTorch (see the module docstring); weights from baseline_arrays."""
-
-    def __init__(self, torch, device, config: BenchConfig, arrays: dict[str, np.ndarray], *,
-                 autocast_bf16: bool = False, compile_loss: bool = False):
-        self.torch, self.F = torch, torch.nn.functional
-        self.device, self.config = device, config
-        self.autocast_bf16 = autocast_bf16
-        # Only the loss is compiled: the optimizer step is already one fused kernel per tensor group.
-        self.loss_fn = torch.compile(self.loss) if compile_loss else self.loss
-        m = config.model
-        self.n_layers, self.n_heads, self.n_kv_heads = m["n_layers"], m["n_heads"], m["n_kv_heads"]
-        self.head_dim = m["dim"] // m["n_heads"]
-        self.eps = m["norm_eps"]
-        self.scaling = config.lora_alpha / config.lora_rank
-
-        def on_device(array, requires_grad=False):
-            # A copy: on the CPU, from_numpy(...).to(device) would share the (cached) host array, and the
-            # optimizer would then train it in place.
-            tensor = torch.tensor(np.ascontiguousarray(array), device=device)
-            return tensor.requires_grad_(requires_grad)
-
-        self.embed = on_device(arrays["embed"])
-        self.lm_head = on_device(arrays["lm_head"]) if "lm_head" in arrays else self.embed
-        self.norm = on_device(arrays["norm"])
-        self.rope_cos, self.rope_sin = on_device(arrays["rope_cos"]), on_device(arrays["rope_sin"])
-        self.layers = []
-        self.lora_params = []
-        for layer in range(self.n_layers):
-            entry = {"input_norm": on_device(arrays[f"{layer}.input_norm"]),
-                     "post_norm": on_device(arrays[f"{layer}.post_norm"])}
-            for target in config.lora_targets:
-                lora_a = on_device(arrays[f"{layer}.{target}.lora_A"], requires_grad=True)
-                lora_b = on_device(arrays[f"{layer}.{target}.lora_B"], requires_grad=True)
-                self.lora_params += [lora_a, lora_b]
-                entry[target] = (on_device(arrays[f"{layer}.{target}.weights"]),
-                                 on_device(arrays[f"{layer}.{target}.scales"]), lora_a, lora_b)
-            self.layers.append(entry)
-        lr, beta1, beta2, eps, weight_decay = HPARAMS
-        fused = {"fused": True} if device.type == "cuda" else {}
-        self.optimizer = torch.optim.AdamW(self.lora_params, lr=lr, betas=(beta1, beta2), eps=eps,
-                                           weight_decay=weight_decay, **fused)
-
-    def lora_linear(self, x, params):
-        flat, scales, lora_a, lora_b = params
-        base = self.F.linear(x, torch_dequantize(self.torch, flat, scales, self.config.group_size))
-        return base + self.F.linear(self.F.linear(x, lora_a) * self.scaling, lora_b)
-
-    def rms_norm(self, x, weight):
-        return x * self.torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * weight
-
-    def rope(self, x, cos, sin):
-        half = x.shape[-1] // 2
-        x1, x2 = x[..., :half], x[..., half:]
-        return self.torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
-
-    def loss(self, token_ids, labels, n_valid):
-        F = self.F
-        batch, seq = token_ids.shape
-        cos, sin = self.rope_cos[:seq, None, :], self.rope_sin[:seq, None, :]  # [S, 1, D/2] over heads
-        h = F.embedding(token_ids, self.embed)
-        groups = self.n_heads // self.n_kv_heads
-        for layer in self.layers:
-            x = self.rms_norm(h, layer["input_norm"])
-            q = self.lora_linear(x, layer["q_proj"]).view(batch, seq, self.n_heads, self.head_dim)
-            k = self.lora_linear(x, layer["k_proj"]).view(batch, seq, self.n_kv_heads, self.head_dim)
-            v = self.lora_linear(x, layer["v_proj"]).view(batch, seq, self.n_kv_heads, self.head_dim)
-            q, k = self.rope(q, cos, sin), self.rope(k, cos, sin)
-            q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [B, H, S, D]
-            k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-            attn = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=1.0 / math.sqrt(self.head_dim))
-            attn = attn.transpose(1, 2).reshape(batch, seq, self.n_heads * self.head_dim)
-            h = h + self.lora_linear(attn, layer["o_proj"])
-            x = self.rms_norm(h, layer["post_norm"])
-            gate, up = self.lora_linear(x, layer["gate_proj"]), self.lora_linear(x, layer["up_proj"])
-            h = h + self.lora_linear(F.silu(gate) * up, layer["down_proj"])
-        logits = F.linear(self.rms_norm(h, self.norm), self.lm_head)
-        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), reduction="sum") / n_valid
-
-    def step(self, token_ids, labels, n_valid):
-        self.optimizer.zero_grad(set_to_none=True)
-        with self.torch.autocast(self.device.type, dtype=self.torch.bfloat16, enabled=self.autocast_bf16):
-            loss = self.loss_fn(token_ids, labels, n_valid)
-        loss.backward()
-        self.optimizer.step()
-        return loss.detach()
-
-
-def time_torch(torch, device, config: BenchConfig, arrays, batches, warmup: int, steps: int,
-               variant: str = "fp32") -> dict[str, Any]:
-    """Time the eager step in one of TORCH_VARIANTS (TF32 flags are restored to off afterwards)."""
-    tf32, autocast_bf16, compile_loss = TORCH_VARIANTS[variant]
-    cuda = device.type == "cuda"
-    if cuda:
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(device)
-    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = tf32
-    try:
-        result = _time_torch_steps(torch, device, config, EagerLlamaLoRA(
-            torch, device, config, arrays, autocast_bf16=autocast_bf16, compile_loss=compile_loss),
-            batches, warmup, steps)
-    finally:
-        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
-    result["variant"] = variant
-    if cuda:
-        result["peak_memory_bytes"] = int(torch.cuda.max_memory_allocated(device))
-    return result
-
-
-def _time_torch_steps(torch, device, config: BenchConfig, model, batches, warmup: int, steps: int) -> dict[str, Any]:
-    cuda = device.type == "cuda"
-    on_device = [(torch.from_numpy(t).to(device), torch.from_numpy(l).to(device),
-                  torch.tensor(float(np.count_nonzero(l >= 0)), device=device)) for t, l in batches]
-    losses, samples, first_step_s = [], [], None
-    for index in range(warmup + steps):
-        inputs = on_device[index % len(on_device)]
-        wall_start = time.perf_counter()
-        if cuda:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            losses.append(model.step(*inputs))
-            end.record()
-            end.synchronize()
-            elapsed = start.elapsed_time(end) * 1e-3
-        else:
-            begin = time.perf_counter()
-            losses.append(model.step(*inputs))
-            elapsed = time.perf_counter() - begin
-        if index == 0:
-            first_step_s = time.perf_counter() - wall_start  # includes torch.compile's compilation
-        if index >= warmup:
-            samples.append(elapsed)
-    median_s = statistics.median(samples)
-    return {"ms_per_step": 1e3 * median_s, "ms_per_step_mean": 1e3 * statistics.fmean(samples),
-            "ms_per_step_min": 1e3 * min(samples), "tokens_per_s": config.tokens / median_s,
-            "first_step_s": first_step_s, "timing": "CUDA events" if cuda else "wall clock",
-            "losses": [float(l) for l in losses]}
-
-
-def _load_torch(requested: str | None):
-    """(torch module, device, None), or (None, None, why there is no baseline)."""
-    try:
-        import torch
-    except ImportError:
-        return None, None, "torch is not installed"
-    torch.backends.cuda.matmul.allow_tf32 = False
-    torch.backends.cudnn.allow_tf32 = False
-    if requested == "cuda" and not torch.cuda.is_available():
-        return None, None, "--torch-device cuda but CUDA is not available"
-    return torch, torch.device(requested or ("cuda" if torch.cuda.is_available() else "cpu")), None
-
-
 def _parameter_count(config: BenchConfig) -> int:
     m = config.model
     head = m["dim"] // m["n_heads"]
@@ -627,7 +468,8 @@ def run_one(path: Path, device, args, torch, torch_device, torch_note: str | Non
         vk_losses = record["vk"]["losses"]
         for variant in args.torch_variants:
             try:
-                result = time_torch(torch, torch_device, config, arrays, batches, args.warmup, args.steps, variant)
+                result = time_torch(torch, torch_device, config, arrays, batches, args.warmup, args.steps, variant,
+                                    hparams=HPARAMS)
             except Exception as exc:  # e.g. torch.compile without a working toolchain: keep the other variants
                 variants[variant] = {"error": f"{type(exc).__name__}: {str(exc)[:2000]}"}
                 print(f"PyTorch {variant} failed: {variants[variant]['error'][:300]}", flush=True)
@@ -646,78 +488,12 @@ def run_one(path: Path, device, args, torch, torch_device, torch_note: str | Non
     return record
 
 
-def _mib(nbytes: float | None) -> str:
-    return "-" if nbytes is None else f"{nbytes / 2**20:,.0f}"
-
-
-def _fmt(value: float | None, spec: str) -> str:
-    return "-" if value is None else format(value, spec)
-
-
-def print_report(records: list[dict[str, Any]], top: int) -> None:
-    print()
-    print(f"{'config':>8s} {'vk ms':>9s} {'vk tok/s':>10s} {'torch ms':>9s} {'torch tok/s':>11s} {'torch/vk':>8s} "
-          f"{'vk MiB':>8s} {'planned':>8s} {'torch MiB':>9s} {'loss rel diff':>13s}")
-    for r in records:
-        vk, ref = r.get("vk", {}), r.get("torch", {})
-        print(f"{r['config']:>8s} {_fmt(vk.get('ms_per_step'), '9.2f')} {_fmt(vk.get('tokens_per_s'), '10,.0f')} "
-              f"{_fmt(ref.get('ms_per_step'), '9.2f')} {_fmt(ref.get('tokens_per_s'), '11,.0f')} "
-              f"{_fmt(r.get('torch_over_vk'), '8.2f')} {_mib(r['vk_memory']['device_buffers_bytes']):>8s} "
-              f"{_mib(r['vk_memory']['planned_bytes']):>8s} {_mib(ref.get('peak_memory_bytes')):>9s} "
-              f"{_fmt(r.get('max_rel_loss_diff'), '13.1e')}")
-        if "torch_skipped" in r:
-            print(f"{'':>8s} (no PyTorch baseline: {r['torch_skipped']})")
-    if any(r.get("torch_variants") for r in records):
-        names = list(TORCH_VARIANTS)
-        print(f"\n{'ms/step':>8s} {'vk':>9s} " + " ".join(f"{n:>13s}" for n in names) + "   (PyTorch ms, x of vk)")
-        for r in records:
-            variants = r.get("torch_variants", {})
-            cells = [f"{variants[n]['ms_per_step']:7.2f} {variants[n]['over_vk']:4.2f}x"
-                     if "ms_per_step" in variants.get(n, {}) else f"{'-':>13s}" for n in names]
-            print(f"{r['config']:>8s} {_fmt(r.get('vk', {}).get('ms_per_step'), '9.2f')} " + " ".join(cells))
-    for r in records:
-        ops = r.get("vk", {}).get("top_ops")
-        if not ops:
-            continue
-        print(f"\n{r['config']}: top {min(top, len(ops))} op kinds by GPU time (mean per step; "
-              f"GPU total {r['vk']['gpu_ms_per_step']:.2f} ms, wall {r['vk']['ms_per_step']:.2f} ms)")
-        for op in ops:
-            print(f"  {op['name']:48s} {op['dispatches']:5d} x {op['ms']:9.3f} ms {100 * op['share']:5.1f} %")
-
-
-def plot(records: list[dict[str, Any]], meta: dict[str, Any], path: Path) -> str:
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return "matplotlib is not installed: no plot"
-    labels = [r["config"] for r in records]
-    x = np.arange(len(labels))
-    width = 0.38
-    fig, ax = plt.subplots(figsize=(1.8 + 1.6 * len(labels), 3.6))
-    vk = [r.get("vk", {}).get("ms_per_step", np.nan) for r in records]
-    ref = [r.get("torch", {}).get("ms_per_step", np.nan) for r in records]
-    ax.bar(x - width / 2, vk, width, label="vktrain (Vulkan)")
-    ax.bar(x + width / 2, ref, width, label="PyTorch eager")
-    ax.set_xticks(x, [f"{label}\n(batch x seq)" for label in labels])
-    ax.set_ylabel("ms / training step")
-    torch_name = meta.get("torch_device_name") or meta.get("torch_device") or "no baseline"
-    ax.set_title(f"LoRA training step, {records[0]['preset']}\nVulkan: {meta['vk_device']}; PyTorch: {torch_name}",
-                 fontsize=9)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return f"wrote {path}"
-
-
 def run_command(args) -> int:
     from vktrain.runtime import Device
 
     torch, torch_device, torch_note = None, None, "--no-torch"
     if not args.no_torch:
-        torch, torch_device, torch_note = _load_torch(args.torch_device)
+        torch, torch_device, torch_note = load_torch(args.torch_device)
     records = []
     baseline_cache: dict[str, dict[str, np.ndarray]] = {}
     with Device(validation=False) as device:

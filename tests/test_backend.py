@@ -369,6 +369,8 @@ class _BlobInterpreter:
                 out = (np.ascontiguousarray(a[0].transpose(a[1])),)
             elif name == "aten.mm.default":
                 out = (a[0] @ a[1],)
+            elif name == "aten.addmm.default":
+                out = (np.asarray(a[3] * a[0] + a[4] * (a[1] @ a[2]), np.float32),)
             elif name == "aten.mul.Tensor":
                 out = (np.asarray(a[0] * a[1], np.float32),)
             elif name == "aten.add.Tensor":

@@ -145,7 +145,9 @@ def test_random_flat_codes_keep_padding(bench):
 def test_eager_dequantization_matches_vktrain_quant(bench, n, k, group_size):
     rng = np.random.default_rng(1)
     flat, scales = quant.quantize(rng.standard_normal((n, k)).astype(np.float32), group_size)
-    got = bench.torch_dequantize(torch, torch.from_numpy(flat), torch.from_numpy(scales), group_size)
+    import bench_step_torch  # on sys.path once bench_step is loaded: the script's PyTorch half
+
+    got = bench_step_torch.torch_dequantize(torch, torch.from_numpy(flat), torch.from_numpy(scales), group_size)
     np.testing.assert_array_equal(got.numpy(), quant.dequantize(flat, scales, group_size, k))
 
 

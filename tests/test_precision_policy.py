@@ -33,7 +33,7 @@ import numpy as np
 import pytest
 import torch
 
-from vktrain.contract import METADATA_GEMM_PRECISIONS, PRECISION_FP16_TC, PRECISION_FP32, PRECISIONS
+from vktrain.contract import METADATA_GEMM_PRECISIONS, PRECISION_AUTO, PRECISION_FP16_TC, PRECISION_FP32, PRECISIONS
 from vktrain.lora import LoRAConfig, apply_lora
 from vktrain.lora.layers import LoRAQ4Linear
 from vktrain.runtime.delegate.executor import GraphExecutor
@@ -104,6 +104,23 @@ def test_a_policy_the_blob_does_not_allow_or_nobody_knows_is_refused_by_name():
         select_gemm_route(PRECISION_FP16_TC, (PRECISION_FP32,), _device([TENSOR_CORES]))
     with pytest.raises(PrecisionPolicyError, match="unknown GEMM precision 'fp16'"):
         select_gemm_route("fp16", PRECISIONS, _device([TENSOR_CORES]))
+
+
+def test_auto_is_fp16_tc_where_the_device_and_the_program_allow_it_and_fp32_elsewhere():
+    fast = select_gemm_route(PRECISION_AUTO, PRECISIONS, _device([TENSOR_CORES]))
+    assert fast.precision == PRECISION_FP16_TC and fast.tensor_cores
+    assert fast.describe().startswith("GEMM precision fp16-tc") and "auto -> fp16-tc: test-gpu has" in fast.reason
+    no_tensor_cores = select_gemm_route(PRECISION_AUTO, PRECISIONS, _device())
+    assert no_tensor_cores.precision == PRECISION_FP32 and not no_tensor_cores.tensor_cores
+    assert no_tensor_cores.reason == "auto -> fp32: test-gpu has no tensor-core kernels"
+    old_blob = select_gemm_route(PRECISION_AUTO, (PRECISION_FP32,), _device([TENSOR_CORES]))
+    assert old_blob.precision == PRECISION_FP32 and "the program allows only fp32" in old_blob.reason
+
+
+def test_the_runtime_asks_for_auto_by_default():
+    import inspect
+    assert inspect.signature(GraphExecutor).parameters["precision"].default == PRECISION_AUTO
+    assert inspect.signature(TrainingRunner).parameters["precision"].default == PRECISION_AUTO
 
 
 def test_emulation_needs_fp16_arithmetic_and_subgroups():
@@ -187,7 +204,7 @@ def _first_loss(runner) -> float:
 
 
 BASE_GEMMS = ("vktrain.linear_q4gsw.default", "vktrain.linear_q4gsw_backward.default")
-MM = "aten.mm.default"
+MM, ADDMM = "aten.mm.default", "aten.addmm.default"
 
 
 def _base_gemm_ops(runner) -> list[str]:
@@ -250,8 +267,9 @@ def test_fp16_tc_routes_every_base_gemm_and_step_one_matches_float64_within_the_
         # embedding's output, which needs no gradient).
         assert len(base_ops) == 5 and set(base_ops) <= set(runner.executor.tensor_core_ops)
         routed_mm = [label for label in runner.executor.tensor_core_ops if label not in base_ops]
-        # Every other routed op is a mm: at least the two forward LoRA products of each of the three modules.
-        assert all(label.endswith(MM) for label in routed_mm) and len(routed_mm) >= 6, routed_mm
+        # Every other routed op is a mm: at least the two forward LoRA products of each of the three modules
+        # (u @ B^T as the addmm the LoRA add was folded into, backend/passes/gemm_epilogue.py).
+        assert all(label.endswith((MM, ADDMM)) for label in routed_mm) and len(routed_mm) >= 6, routed_mm
         gemm_shaders = {d.shader for d in runner.executor.dispatches
                         if d.name in runner.executor.tensor_core_ops and d.shader.startswith("coopmat_")
                         and d.shader != "coopmat_absmax"}
@@ -298,7 +316,7 @@ def test_train_takes_the_precision_flag_and_reports_the_choice(vk_device, step_p
     data = tmp_path / "ids.npy"
     np.save(data, np.arange(400) % VOCAB)
     parser = add_train_arguments(argparse.ArgumentParser())
-    assert parser.parse_args([str(step_program[0]), "--steps", "1"]).precision == PRECISION_FP32
+    assert parser.parse_args([str(step_program[0]), "--steps", "1"]).precision == PRECISION_AUTO
     args = parser.parse_args([str(step_program[0]), "--steps", "1", "--data", str(data), "--no-progress",
                               "--precision", PRECISION_FP16_TC])
     assert run_train(args, vk_device) == 0

@@ -73,12 +73,15 @@ NAMED_DATA_TOKENIZER_CONFIG = "vktrain.tokenizer_config.json"
 METADATA_GEMM_PRECISIONS = "gemm_precisions"          # JSON list of the PRECISIONS the program allows
 
 # ---- GEMM precision policies (docs/PRECISION.md): the blob lists those it allows, the runtime picks one
-# by device. fp32: every GEMM on the fp32 kernels (the parity reference; the default everywhere).
-# fp16-tc: the 4-bit base GEMMs (forward, d_x) on tensor cores (VK_KHR_cooperative_matrix), fp16 inputs,
-# fp32 accumulation.
+# by device. fp32: every GEMM on the fp32 kernels (the parity reference). fp16-tc: the large GEMMs on
+# tensor cores (VK_KHR_cooperative_matrix), fp16 inputs, fp32 accumulation. auto (what the runtime is
+# asked for by default; never in a blob): fp16-tc where the program allows it and the device has the
+# tensor-core kernels, else fp32 -- the fastest policy the device runs with a stated accuracy.
 PRECISION_FP32 = "fp32"
 PRECISION_FP16_TC = "fp16-tc"
 PRECISIONS = (PRECISION_FP32, PRECISION_FP16_TC)
+PRECISION_AUTO = "auto"
+PRECISION_CHOICES = (PRECISION_AUTO, *PRECISIONS)  # what a user may ask the runtime for
 
 __all__ = ["ADAMW_DEFAULTS", "ADAPTER_METADATA_KEYS", "BACKEND_ID", "METADATA_BAKED_SCALARS", "EVAL_INPUTS", "EVAL_METHOD", "EXP_AVG_PREFIX",
            "EXP_AVG_SQ_PREFIX", "HPARAMS", "HPARAM_NAMES", "LABELS", "METADATA_BACKEND", "METADATA_BASE_MODEL",
@@ -86,6 +89,6 @@ __all__ = ["ADAMW_DEFAULTS", "ADAPTER_METADATA_KEYS", "BACKEND_ID", "METADATA_BA
            "METADATA_LORA_TARGET_MODULES", "METADATA_MODEL_CONFIG", "METADATA_MODEL_FAMILY",
            "METADATA_PLANNED_MEMORY_BYTES", "METADATA_REFUSALS", "METADATA_SOURCE_MODEL", "METADATA_STATE_BYTES",
            "METADATA_SYNTHETIC_CONSTANTS", "METADATA_UNPLANNED_MEMORY_BYTES", "MODEL_PREFIX",
-           "NAMED_DATA_TOKENIZER_CONFIG", "NAMED_DATA_TOKENIZER_JSON", "N_VALID", "PRECISIONS", "PRECISION_FP16_TC",
+           "NAMED_DATA_TOKENIZER_CONFIG", "NAMED_DATA_TOKENIZER_JSON", "N_VALID", "PRECISIONS", "PRECISION_AUTO", "PRECISION_CHOICES", "PRECISION_FP16_TC",
            "PRECISION_FP32", "STATE_PREFIXES", "STEP_INPUTS", "STEP_STATE", "TOKEN_IDS", "TRAIN_METHOD",
            "hparams_values"]

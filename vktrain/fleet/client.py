@@ -36,7 +36,7 @@ import numpy as np
 from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
-from vktrain.contract import EXP_AVG_PREFIX, EXP_AVG_SQ_PREFIX, MODEL_PREFIX, PRECISION_FP32, STEP_STATE
+from vktrain.contract import EXP_AVG_PREFIX, EXP_AVG_SQ_PREFIX, MODEL_PREFIX, PRECISION_AUTO, STEP_STATE
 from vktrain.errors import VktrainError
 from vktrain.train.data import TokenBatcher, TrainingData, load_data
 from vktrain.train.eval_command import evaluate_data
@@ -65,7 +65,7 @@ class ClientSettings:
     train_shards: tuple[str, ...]  # shard file of each partition id
     eval_shards: tuple[str, ...] = ()  # each partition's held-out shard (empty: no client-side evaluation)
     seed: int = 0
-    precision: str = PRECISION_FP32
+    precision: str = PRECISION_AUTO
     failures: frozenset = field(default_factory=frozenset)  # {(partition id, round)}: fail after one local step
 
 

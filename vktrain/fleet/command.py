@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-from vktrain.contract import ADAMW_DEFAULTS, PRECISION_FP32, PRECISIONS
+from vktrain.contract import ADAMW_DEFAULTS, PRECISION_AUTO, PRECISION_CHOICES
 from vktrain.fleet.partition import PartitionError, PartitionScheme, write_shards
 from vktrain.fleet import FEDAVG, STRATEGIES
 from vktrain.train.data import DataError, TokenBatcher, default_dataset_path, load_data
@@ -68,7 +68,8 @@ def add_federate_arguments(parser: argparse.ArgumentParser) -> argparse.Argument
                         help="GPUs Ray reserves per client, fractional (e.g. 0.1: ten clients share a GPU; default 0)")
     parser.add_argument("--ray-cpus", type=int, help="CPUs Ray may use (default: all of this machine's)")
     parser.add_argument("--timeout", type=float, default=3600.0, help="seconds a round waits for its clients")
-    parser.add_argument("--precision", choices=PRECISIONS, default=PRECISION_FP32, help="GEMM precision policy")
+    parser.add_argument("--precision", choices=PRECISION_CHOICES, default=PRECISION_AUTO,
+                        help="GEMM precision policy (docs/PRECISION.md; default auto: fp16-tc where the device has tensor cores)")
     parser.add_argument("--inject-failure", action="append", default=[], metavar="CLIENT:ROUND",
                         help="make client CLIENT fail after its first local step of round ROUND (repeatable; to "
                              "see failed clients tolerated)")

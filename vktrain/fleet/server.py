@@ -23,7 +23,7 @@ import numpy as np
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MessageType, MetricRecord, RecordDict
 from flwr.serverapp import Grid, ServerApp
 
-from vktrain.contract import PRECISION_FP32
+from vktrain.contract import PRECISION_AUTO
 from vktrain.errors import VktrainError
 from vktrain.fleet.checkpoint import (FederationCheckpoint, check_resumable, load_federation_checkpoint,
                                       save_federation_checkpoint)
@@ -61,7 +61,7 @@ class FederationSettings:
     checkpoint_dir: Optional[str] = None
     resume: bool = False
     json_path: Optional[str] = None
-    precision: str = PRECISION_FP32
+    precision: str = PRECISION_AUTO
     timeout: float = 3600.0
     engine: str = "ray"
 

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from vktrain.errors import VktrainError
 from vktrain.cli import add_quantization_arguments
-from vktrain.runtime.runtimes import add_runtime_argument
+from vktrain.runtime.runtimes import add_runtime_argument, max_binding_bytes
 
 # Sources whose change changes the lowered program (the cache key hashes them).
 _PROGRAM_SOURCES = ("export", "backend", "partitioner", "serialization", "opdefs", "ops", "lora", "models", "quant",
@@ -173,7 +173,7 @@ def run_generate(args: argparse.Namespace) -> int:
         codec = None
     prompt = _prompt_ids(args, codec)
     pte = PteFile.from_bytes(_program(args, model, fingerprint), source=f"the generation program of {args.model}")
-    with GenerationRunner(pte, runtime=args.runtime) as runner:
+    with GenerationRunner(pte, runtime=args.runtime, max_binding_bytes=max_binding_bytes(args)) as runner:
         result = runner.generate(prompt, args.max_new_tokens, sampler, codec.stop_ids if codec else ())
     text = codec.decode(result.tokens) if codec else None
     print(text if text is not None else " ".join(map(str, result.tokens)))

@@ -53,7 +53,7 @@ class _Method:
     """One method of the program: its plan interpreted on the host, its delegate on `device`."""
 
     def __init__(self, pte: PteFile, name: str, device, verify_constants: bool,
-                 shares_with: Optional["_Method"] = None):
+                 shares_with: Optional["_Method"] = None, max_binding_bytes: Optional[int] = None):
         if name not in pte.method_names:
             raise UnsupportedProgramError(f"{pte.source}: no method {name!r} (methods: {pte.method_names}); "
                                           f"a generation program has {PREFILL!r} and {DECODE!r}")
@@ -72,7 +72,7 @@ class _Method:
         if shares_with is not None:
             shared.update(shares_with.executor.constants_matching(self.graph))
             shared.update(shares_with.executor.shared_state())
-        self.executor = GraphExecutor(device, self.graph, timing=False, shared=shared)
+        self.executor = GraphExecutor(device, self.graph, timing=False, shared=shared, max_binding_bytes=max_binding_bytes)
         self.rows = int(self.plan.values[self.plan.inputs[self.input_names.index(TOKEN_IDS)]].sizes[1])
 
     def _run_delegate(self, index: int, args: list) -> list[np.ndarray]:
@@ -85,18 +85,21 @@ class _Method:
 
 
 class GenerationRunner:
-    """The prefill and decode methods of one .pte over one KV cache. Build with `from_pte`."""
+    """The prefill and decode methods of one .pte over one KV cache. Build with `from_pte`. `max_binding_bytes`:
+    GraphExecutor's (a lower max storage binding size to plan for)."""
 
-    def __init__(self, pte: PteFile, device=None, *, verify_constants: bool = True, runtime: str | None = None):
+    def __init__(self, pte: PteFile, device=None, *, verify_constants: bool = True, runtime: str | None = None,
+                 max_binding_bytes: int | None = None):
         from vktrain.runtime.runtimes import device_for
 
         device, self._owns_device = device_for(device, runtime)
         self.device = device
         self._methods: list[_Method] = []
         try:
-            self.prefill_method = self._add(_Method(pte, PREFILL, device, verify_constants))
+            self.prefill_method = self._add(_Method(pte, PREFILL, device, verify_constants,
+                                                    max_binding_bytes=max_binding_bytes))
             self.decode_method = self._add(_Method(pte, DECODE, device, verify_constants,
-                                                   shares_with=self.prefill_method))
+                                                   shares_with=self.prefill_method, max_binding_bytes=max_binding_bytes))
             self.cache_names = [n for n in self.decode_method.executor.state_names if n.startswith(KV_CACHE_PREFIX)]
             if not self.cache_names or self.prefill_method.executor.state_names != self.decode_method.executor.state_names:
                 raise UnsupportedProgramError(f"{pte.source}: prefill and decode must share their KV-cache state "

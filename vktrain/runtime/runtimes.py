@@ -54,5 +54,16 @@ def device_for(device: Any, runtime: str | None) -> tuple[Any, bool]:
 
 
 def add_runtime_argument(parser) -> None:
-    """`--runtime vulkan|webgpu` on a command that runs a program (train, eval, generate)."""
+    """`--runtime vulkan|webgpu` and `--max-binding-mib N` on a command that runs a program (train, eval,
+    generate); `max_binding_bytes(args)` reads the latter for the runners."""
     parser.add_argument("--runtime", choices=RUNTIMES, default=None, help=RUNTIME_HELP)
+    parser.add_argument("--max-binding-mib", type=int, default=None, metavar="N",
+                        help="plan for a max storage binding size of N MiB (below the device's; e.g. 128, a "
+                             "browser's WebGPU default): tensors over it are split across dispatches where the kernel "
+                             "can, others are refused at load naming them; on either runtime")
+
+
+def max_binding_bytes(args) -> int | None:
+    """--max-binding-mib in bytes (None when not given); the executor refuses values it cannot plan for."""
+    mib = getattr(args, "max_binding_mib", None)
+    return None if mib is None else mib << 20 if mib > 0 else mib

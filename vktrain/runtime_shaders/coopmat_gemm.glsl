@@ -375,6 +375,36 @@ void commit_b(uint tid) {
 #endif
 #endif
 
+// ---- ADDEND (coopmat_mm: aten.addmm with beta = alpha = 1): C = A @ B + D, D fp32 [M, N] row-major at
+// binding 4. Each unscaled accumulator element plus its element of D, one fp32 rounding that is never
+// contracted with the unscaling (`precise`): the bits of the product stored and then added, as the
+// separate add did (vktrain/backend/passes/gemm_epilogue.py). Full blocks add a D block to the
+// accumulator before storing it; edge blocks add D element-wise inside their bounds checks.
+#ifdef ADDEND
+#if defined(A_SCALE)
+#error "ADDEND takes binding 4, which A_SCALE uses"
+#endif
+layout(set = 0, binding = 4) readonly restrict buffer AddendBuf { float addend_in[]; };
+float with_addend(float value, uint index) {
+    precise float sum = value + addend_in[index];
+    return sum;
+}
+#ifndef COOPMAT_EMULATE
+#define ADD_ADDEND(acc, offset, stride) { \
+    Acc addend_block; \
+    coopMatLoad(addend_block, addend_in, offset, stride, gl_CooperativeMatrixLayoutRowMajor); \
+    precise Acc sum_ = acc + addend_block; \
+    acc = sum_; }
+#else
+#define ADD_ADDEND(acc, offset, stride) [[unroll]] for (uint i_ = 0u; i_ < ACC_PER_LANE; ++i_) { \
+    const uint e_ = gl_SubgroupInvocationID + i_ * SUBGROUP_SIZE; \
+    acc.v[i_] = with_addend(acc.v[i_], (offset) + (e_ / TILE) * (stride) + e_ % TILE); }
+#endif
+#else
+#define with_addend(value, index) (value)
+#define ADD_ADDEND(acc, offset, stride)
+#endif
+
 void main() {
     const uint tid = gl_LocalInvocationID.x;
     const uvec3 group = VKTRAIN_GLOBAL_GROUP_ID(pc);
@@ -447,6 +477,7 @@ void main() {
             const uint row0 = m0 + sg_m * WM + i * TILE, col0 = n0 + sg_n * WN + j * TILE;
             if (row0 >= pc.M || col0 >= pc.N) continue;  // uniform over the subgroup
             if (row0 + TILE <= pc.M && col0 + TILE <= pc.N) {
+                ADD_ADDEND(acc[i][j], row0 * pc.N + col0, pc.N);
                 STORE_OUT(acc[i][j], row0 * pc.N + col0, pc.N);
                 continue;
             }
@@ -455,7 +486,7 @@ void main() {
             subgroupBarrier();
             for (uint e = lane; e < TILE * TILE; e += SUBGROUP_SIZE) {
                 const uint row = row0 + e / TILE, col = col0 + e % TILE;
-                if (row < pc.M && col < pc.N) c_out[row * pc.N + col] = edge_block[sg * TILE * TILE + e];
+                if (row < pc.M && col < pc.N) c_out[row * pc.N + col] = with_addend(edge_block[sg * TILE * TILE + e], row * pc.N + col);
             }
             subgroupBarrier();  // every lane has read the block before the next edge store overwrites it
         }

@@ -5,7 +5,8 @@
 // Variants (#define):
 //   BACKWARD=0: out[i, c] = weight[indices[i], c] for i < num_indices, c < dim. An index outside
 //               [0, num_weights) writes NaN for the whole row (a GPU cannot raise; NaN makes the
-//               bad input visible in the loss instead of silently reading another row).
+//               bad input visible in the loss instead of silently reading another row). Binding 2
+//               may hold a window of the table, rows [row_begin, row_end): only indices in it are gathered.
 //   BACKWARD=1: grad_weight[v, c] = sum over i with indices[i] == v of grad_out[i, c], in increasing
 //               i; zero for v == padding_idx; divided by the number of such i when
 //               scale_grad_by_freq. Work group (v, column block) keeps COLUMNS_PER_THREAD columns of
@@ -45,6 +46,8 @@ layout(push_constant, std430) uniform Params {
     uint num_weights;
     int padding_idx;         // backward only; -1 (or any out-of-range value) = none
     uint scale_grad_by_freq; // backward only; 0 or 1
+    uint row_begin;          // forward only: binding 2 holds table rows [row_begin, row_end) (a window of a
+    uint row_end;            // table over the max storage binding size); 0, num_weights unsplit
 } params;
 
 #if BACKWARD
@@ -108,9 +111,11 @@ void main() {
     uint c = e - i * params.dim;
     int index = indices[i];
     if (index < 0 || uint(index) >= params.num_weights) {
-        out_data[e] = uintBitsToFloat(0x7fc00000u);
-    } else {
-        out_data[e] = weight[uint(index) * params.dim + c];
+        if (params.row_begin == 0u) {  // the window of row 0 writes the NaN row
+            out_data[e] = uintBitsToFloat(0x7fc00000u);
+        }
+    } else if (uint(index) >= params.row_begin && uint(index) < params.row_end) {  // in this window
+        out_data[e] = weight[(uint(index) - params.row_begin) * params.dim + c];
     }
 }
 #endif

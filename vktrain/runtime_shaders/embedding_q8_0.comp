@@ -21,6 +21,8 @@ layout(push_constant, std430) uniform Params {
     uint num_indices;
     uint dim4;  // dim / 4
     uint num_weights;
+    uint row_begin;  // bindings 2 and 3 hold table rows [row_begin, row_end) (a window of a table over the
+    uint row_end;    // max storage binding size, starting at a whole block); 0, num_weights unsplit
 } params;
 
 void main() {
@@ -32,10 +34,15 @@ void main() {
     uint c4 = e4 - i * params.dim4;
     int index = indices[i];
     if (index < 0 || uint(index) >= params.num_weights) {
-        out_data[e4] = vec4(uintBitsToFloat(0x7fc00000u));
+        if (params.row_begin == 0u) {  // the window of row 0 writes the NaN row
+            out_data[e4] = vec4(uintBitsToFloat(0x7fc00000u));
+        }
         return;
     }
-    uint word = uint(index) * params.dim4 + c4;  // the code word of elements 4 * word .. 4 * word + 3
+    if (uint(index) < params.row_begin || uint(index) >= params.row_end) {  // not in this window
+        return;
+    }
+    uint word = (uint(index) - params.row_begin) * params.dim4 + c4;  // the word of elements 4 word .. 4 word + 3
     int packed = int(codes[word]);
     vec4 code = vec4(bitfieldExtract(packed, 0, 8), bitfieldExtract(packed, 8, 8), bitfieldExtract(packed, 16, 8),
                      bitfieldExtract(packed, 24, 8));

@@ -12,6 +12,10 @@
 // of the row, and a shared-memory tree merges the pairs in a fixed order. The row is read twice
 // (statistics, then gradient) rather than three times (max, sum, gradient).
 //
+// A window of rows (the runtime splits logits over the device's max storage binding size into windows):
+// group g takes row first_row + g of labels / row_loss, its logits from element logits_offset + g V of
+// binding 0; unsplit, first_row and the offsets are 0.
+//
 // Variants: VEC4 reads and writes a row as vec4s (needs V % 4 == 0, so every row starts 16-byte
 // aligned); the plain source works on single floats for any V. IN_PLACE writes dlogits over the logits
 // (one binding fewer, no second [R, V] buffer): safe because each thread overwrites only elements it has
@@ -47,8 +51,11 @@ layout(std430, set = 0, binding = 4) writeonly buffer RowLoss { float row_loss[]
 
 layout(push_constant, std430) uniform Push {
   VKTRAIN_PUSH_HEADER;
-  uint R;  // rows
-  uint V;  // classes per row
+  uint R;               // rows of labels and row_loss
+  uint V;               // classes per row
+  uint first_row;       // the row of labels / row_loss that group 0 takes (a window of the logits' rows)
+  uint logits_offset;   // element of that row's first logit in binding 0 (a multiple of 4 with VEC4)
+  uint dlogits_offset;  // likewise in the dlogits binding (= logits_offset with IN_PLACE)
 } pc;
 
 shared float s_max[gl_WorkGroupSize.x];
@@ -80,7 +87,8 @@ float sum_exp(vec4 x, float m) {
 }
 
 void main() {
-  const uint row = VKTRAIN_GLOBAL_GROUP_ID(pc).x;
+  const uint window_row = VKTRAIN_GLOBAL_GROUP_ID(pc).x;
+  const uint row = pc.first_row + window_row;
   // Every early return below is uniform over the workgroup (it depends on the row only), so no
   // barrier is reached by part of a workgroup.
   if (row >= pc.R) return;
@@ -88,11 +96,12 @@ void main() {
   const uint row_values = V / LANES;  // VALUEs per row
   const uint tid = gl_LocalInvocationID.x;
   const uint WG = gl_WorkGroupSize.x;
-  const uint base = row * row_values;
+  const uint base = window_row * row_values + pc.logits_offset / LANES;
+  const uint d_base = window_row * row_values + pc.dlogits_offset / LANES;
   const int label = labels[row];
 
   if (label < 0 || uint(label) >= V) {
-    for (uint i = tid; i < row_values; i += WG) dlogits[base + i] = VALUE(0.0);
+    for (uint i = tid; i < row_values; i += WG) dlogits[d_base + i] = VALUE(0.0);
     if (tid == 0) row_loss[row] = 0.0;
     return;
   }
@@ -149,6 +158,6 @@ void main() {
   const float inv_sum = 1.0 / row_sum;
   for (uint i = tid; i < row_values; i += WG) {
     const VALUE p = exp(logits[base + i] - row_max) * inv_sum;
-    dlogits[base + i] = (i == label_value ? p - label_onehot : p) / divisor;
+    dlogits[d_base + i] = (i == label_value ? p - label_onehot : p) / divisor;
   }
 }

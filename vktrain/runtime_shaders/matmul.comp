@@ -5,7 +5,9 @@
 //
 // A, B and bias are addressed through element strides (batch, row, column) plus an element offset,
 // so transposed operands (t_copy / permute folded into the GEMM), broadcast batches (stride 0) and
-// addmm's broadcast bias need no copy. C is contiguous [batch, M, N].
+// addmm's broadcast bias need no copy. C[b, m, n] is element c_offset + (b * M + m) * c_m_stride + n: rows
+// may be longer than N (c_m_stride > N), so a GEMM can write a window of columns of a wider matrix (the
+// runtime splits a head's logits over vocabulary windows whose weights fit a binding); unsplit, c_m_stride = N.
 //
 // Tiling: a workgroup of (TILE_M / 4) x (TILE_N / 4) threads computes a TILE_M x TILE_N tile of C;
 // each thread owns a 4 x 4 micro-tile at rows ty + THREADS_M i and columns tx + THREADS_N j (so
@@ -15,7 +17,7 @@
 // which would leave 3/4 of a 64-wide tile idle.
 //
 // Split-K: group z = slice * batch + b. Slice s reduces k in [s * k_slice, min(K, (s + 1) * k_slice))
-// and writes its partial result to C + (s * batch + b) * M * N, so with several slices C is a
+// and writes its partial result to C + (s * batch + b) * M * c_m_stride, so with several slices C is a
 // [slices, batch, M, N] scratch buffer that a second dispatch (linear_splitk_reduce.comp) sums in
 // slice order: deterministic, no atomics. Only slice 0 adds the bias. Unsplit: one slice, k_slice >= K.
 //
@@ -25,20 +27,24 @@
 // Variants (#define): HAS_BIAS=0 (mm, bmm) or HAS_BIAS=1 (addmm / baddbmm); TILE_M / TILE_N (64 when
 // not defined); VEC4_C (only for N % 4 == 0): each thread owns 4 adjacent columns instead of columns
 // THREADS_N apart, reads them from shared memory as one vec4 and stores each micro-tile row as one
-// vec4, 4x fewer memory instructions for the output-bound shapes (h[T, 16] @ B^T[16, N]).
+// vec4, 4x fewer memory instructions for the output-bound shapes (h[T, 16] @ B^T[16, N]); it also needs
+// c_offset and c_m_stride multiples of 4.
 // Specialization constants: A_M_FASTEST (id 3) / B_K_FASTEST (id 4) pick the order in which a
 // workgroup walks a tile while loading it, so that neighbouring threads read neighbouring addresses
 // whichever of the operand's two strides is 1.
 // CPU_REGISTER_TILES (with HAS_BIAS=0/1, no tile defines, optionally A_PAIRS, B_PAIRS, CPU_TM): the
 // register-tile body of matmul_cpu.glsl for CPU Vulkan implementations, in place of the shared-memory one.
-// B_Q8_0 (HAS_BIAS=0 only; with any of the above): B's storage is a frozen Q8_0 matrix (vktrain/quant/q8_0.py),
-// int8 codes (binding 2) and float32 scales (binding 3), dequantized as each element is loaded; the
-// products and their order are those of the float32 variant reading the dequantized matrix.
+// B_Q8_0 (with any of the above): B's storage is a frozen Q8_0 matrix (vktrain/quant/q8_0.py), int8 codes
+// (binding 2) and float32 scales (binding 3; the bias, if any, then binding 4), dequantized as each element
+// is loaded; the products and their order are those of the float32 variant reading the dequantized matrix.
+// (The bias form adds the previous partial of a reduction the runtime splits over windows of B's rows.)
 // vktrain-variants: HAS_BIAS=0, HAS_BIAS=1, HAS_BIAS=0+TILE_M=64+TILE_N=16, HAS_BIAS=1+TILE_M=64+TILE_N=16, HAS_BIAS=0+TILE_M=16+TILE_N=64, HAS_BIAS=1+TILE_M=16+TILE_N=64, HAS_BIAS=0+VEC4_C, HAS_BIAS=1+VEC4_C, HAS_BIAS=0+TILE_M=64+TILE_N=16+VEC4_C, HAS_BIAS=1+TILE_M=64+TILE_N=16+VEC4_C, HAS_BIAS=0+TILE_M=16+TILE_N=64+VEC4_C, HAS_BIAS=1+TILE_M=16+TILE_N=64+VEC4_C
 // vktrain-variants: HAS_BIAS=0+CPU_REGISTER_TILES, HAS_BIAS=1+CPU_REGISTER_TILES, HAS_BIAS=0+CPU_REGISTER_TILES+A_PAIRS, HAS_BIAS=1+CPU_REGISTER_TILES+A_PAIRS, HAS_BIAS=0+CPU_REGISTER_TILES+B_PAIRS, HAS_BIAS=1+CPU_REGISTER_TILES+B_PAIRS, HAS_BIAS=0+CPU_REGISTER_TILES+A_PAIRS+B_PAIRS, HAS_BIAS=1+CPU_REGISTER_TILES+A_PAIRS+B_PAIRS
 // vktrain-variants: HAS_BIAS=0+CPU_REGISTER_TILES+CPU_TM=32, HAS_BIAS=1+CPU_REGISTER_TILES+CPU_TM=32, HAS_BIAS=0+CPU_REGISTER_TILES+A_PAIRS+CPU_TM=32, HAS_BIAS=1+CPU_REGISTER_TILES+A_PAIRS+CPU_TM=32, HAS_BIAS=0+CPU_REGISTER_TILES+B_PAIRS+CPU_TM=32, HAS_BIAS=1+CPU_REGISTER_TILES+B_PAIRS+CPU_TM=32, HAS_BIAS=0+CPU_REGISTER_TILES+A_PAIRS+B_PAIRS+CPU_TM=32, HAS_BIAS=1+CPU_REGISTER_TILES+A_PAIRS+B_PAIRS+CPU_TM=32, HAS_BIAS=0+CPU_REGISTER_TILES+CPU_TM=64, HAS_BIAS=1+CPU_REGISTER_TILES+CPU_TM=64, HAS_BIAS=0+CPU_REGISTER_TILES+A_PAIRS+CPU_TM=64, HAS_BIAS=1+CPU_REGISTER_TILES+A_PAIRS+CPU_TM=64, HAS_BIAS=0+CPU_REGISTER_TILES+B_PAIRS+CPU_TM=64, HAS_BIAS=1+CPU_REGISTER_TILES+B_PAIRS+CPU_TM=64, HAS_BIAS=0+CPU_REGISTER_TILES+A_PAIRS+B_PAIRS+CPU_TM=64, HAS_BIAS=1+CPU_REGISTER_TILES+A_PAIRS+B_PAIRS+CPU_TM=64
 // vktrain-variants: HAS_BIAS=0+B_Q8_0, HAS_BIAS=0+VEC4_C+B_Q8_0, HAS_BIAS=0+TILE_M=64+TILE_N=16+B_Q8_0, HAS_BIAS=0+TILE_M=64+TILE_N=16+VEC4_C+B_Q8_0, HAS_BIAS=0+TILE_M=16+TILE_N=64+B_Q8_0, HAS_BIAS=0+TILE_M=16+TILE_N=64+VEC4_C+B_Q8_0
+// vktrain-variants: HAS_BIAS=1+B_Q8_0, HAS_BIAS=1+VEC4_C+B_Q8_0, HAS_BIAS=1+TILE_M=64+TILE_N=16+B_Q8_0, HAS_BIAS=1+TILE_M=64+TILE_N=16+VEC4_C+B_Q8_0, HAS_BIAS=1+TILE_M=16+TILE_N=64+B_Q8_0, HAS_BIAS=1+TILE_M=16+TILE_N=64+VEC4_C+B_Q8_0
 // vktrain-variants: HAS_BIAS=0+CPU_REGISTER_TILES+B_Q8_0, HAS_BIAS=0+CPU_REGISTER_TILES+A_PAIRS+B_Q8_0, HAS_BIAS=0+CPU_REGISTER_TILES+B_PAIRS+B_Q8_0, HAS_BIAS=0+CPU_REGISTER_TILES+A_PAIRS+B_PAIRS+B_Q8_0, HAS_BIAS=0+CPU_REGISTER_TILES+CPU_TM=32+B_Q8_0, HAS_BIAS=0+CPU_REGISTER_TILES+A_PAIRS+CPU_TM=32+B_Q8_0, HAS_BIAS=0+CPU_REGISTER_TILES+B_PAIRS+CPU_TM=32+B_Q8_0, HAS_BIAS=0+CPU_REGISTER_TILES+A_PAIRS+B_PAIRS+CPU_TM=32+B_Q8_0, HAS_BIAS=0+CPU_REGISTER_TILES+CPU_TM=64+B_Q8_0, HAS_BIAS=0+CPU_REGISTER_TILES+A_PAIRS+CPU_TM=64+B_Q8_0, HAS_BIAS=0+CPU_REGISTER_TILES+B_PAIRS+CPU_TM=64+B_Q8_0, HAS_BIAS=0+CPU_REGISTER_TILES+A_PAIRS+B_PAIRS+CPU_TM=64+B_Q8_0
+// vktrain-variants: HAS_BIAS=1+CPU_REGISTER_TILES+B_Q8_0, HAS_BIAS=1+CPU_REGISTER_TILES+A_PAIRS+B_Q8_0, HAS_BIAS=1+CPU_REGISTER_TILES+B_PAIRS+B_Q8_0, HAS_BIAS=1+CPU_REGISTER_TILES+A_PAIRS+B_PAIRS+B_Q8_0, HAS_BIAS=1+CPU_REGISTER_TILES+CPU_TM=32+B_Q8_0, HAS_BIAS=1+CPU_REGISTER_TILES+A_PAIRS+CPU_TM=32+B_Q8_0, HAS_BIAS=1+CPU_REGISTER_TILES+B_PAIRS+CPU_TM=32+B_Q8_0, HAS_BIAS=1+CPU_REGISTER_TILES+A_PAIRS+B_PAIRS+CPU_TM=32+B_Q8_0, HAS_BIAS=1+CPU_REGISTER_TILES+CPU_TM=64+B_Q8_0, HAS_BIAS=1+CPU_REGISTER_TILES+A_PAIRS+CPU_TM=64+B_Q8_0, HAS_BIAS=1+CPU_REGISTER_TILES+B_PAIRS+CPU_TM=64+B_Q8_0, HAS_BIAS=1+CPU_REGISTER_TILES+A_PAIRS+B_PAIRS+CPU_TM=64+B_Q8_0
 #extension GL_GOOGLE_include_directive : require
 #extension GL_EXT_control_flow_attributes : require
 #ifdef CPU_REGISTER_TILES
@@ -83,9 +89,7 @@ layout(std430, set = 0, binding = 1) readonly buffer ABuffer { uint64_t a_pairs[
 layout(std430, set = 0, binding = 1) readonly buffer ABuffer { float a_data[]; };
 #endif
 #if defined(B_Q8_0)  // B's storage is a Q8_0 matrix (vktrain/quant/q8_0.py): int8 codes, four to a word, and a scale per 32
-#if HAS_BIAS
-#error "B_Q8_0 binds its scales where the bias would go"
-#endif
+#define BIAS_BINDING 4
 layout(std430, set = 0, binding = 2) readonly buffer BBuffer { uint b_codes[]; };
 layout(std430, set = 0, binding = 3) readonly buffer BScaleBuffer { float b_scales[]; };
 // Element e of B's storage: code * scale, exactly the float32 value the Q8_0 block holds.
@@ -103,8 +107,11 @@ layout(std430, set = 0, binding = 2) readonly buffer BBuffer { uint64_t b_pairs[
 layout(std430, set = 0, binding = 2) readonly buffer BBuffer { float b_data[]; };
 float b_at(uint e) { return b_data[e]; }
 #endif
+#ifndef BIAS_BINDING
+#define BIAS_BINDING 3
+#endif
 #if HAS_BIAS
-layout(std430, set = 0, binding = 3) readonly buffer BiasBuffer { float bias_data[]; };
+layout(std430, set = 0, binding = BIAS_BINDING) readonly buffer BiasBuffer { float bias_data[]; };
 #endif
 
 layout(push_constant, std430) uniform Params {
@@ -128,6 +135,8 @@ layout(push_constant, std430) uniform Params {
     float beta;
     uint batch;    // batches per slice: group z = slice * batch + b
     uint k_slice;  // reduction length of one slice (a multiple of TILE_K, or >= K when unsplit)
+    uint c_offset;    // element of C[0, 0, 0] in binding 0
+    uint c_m_stride;  // elements between rows of C (>= N)
 } params;
 
 #ifdef CPU_REGISTER_TILES
@@ -215,14 +224,15 @@ void main() {
         barrier();
     }
 
-    uint c_base = group.z * params.M * params.N;
+    uint c_base = params.c_offset + group.z * params.M * params.c_m_stride;
     [[unroll]] for (uint i = 0u; i < MICRO_M; ++i) {
         uint m = tile_m0 + ty + i * THREADS_M;
         if (m >= params.M) {
             continue;
         }
 #ifdef VEC4_C
-        // N % 4 == 0: the 4 columns are all inside the output or all outside, and 16-byte aligned.
+        // N, c_offset, c_m_stride % 4 == 0: the 4 columns are all inside the output or all outside, and
+        // 16-byte aligned.
         uint n0 = tile_n0 + tx * MICRO_N;
         if (n0 >= params.N) {
             continue;
@@ -236,7 +246,7 @@ void main() {
             }
         }
 #endif
-        c_data[(c_base + m * params.N + n0) / 4u] = row;
+        c_data[(c_base + m * params.c_m_stride + n0) / 4u] = row;
 #else
         [[unroll]] for (uint j = 0u; j < MICRO_N; ++j) {
             uint n = tile_n0 + tx + j * THREADS_N;
@@ -252,7 +262,7 @@ void main() {
                                                  m * params.bias_m_stride + n * params.bias_n_stride];
             }
 #endif
-            c_data[c_base + m * params.N + n] = value;
+            c_data[c_base + m * params.c_m_stride + n] = value;
         }
 #endif
     }

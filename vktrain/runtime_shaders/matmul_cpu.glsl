@@ -8,7 +8,8 @@
 // columns of C in registers. The rows are every lane's, so A is loaded once per CPU_LANES steps of k,
 // lane l loading step l, and handed to all lanes with subgroupShuffle (one vector permute); each
 // element of B a lane loads feeds CPU_TM products.
-// Strides, offsets, bias, batches and split-K slices are those of the shared-memory body (matmul.comp);
+// Strides, offsets (C's row stride too), bias, batches and split-K slices are those of the shared-memory
+// body (matmul.comp);
 // the sum runs over k ascending as there. Rows and columns past the edges load the last row / column (in
 // bounds) and store nothing; steps of k past the end load a clamped address and add zeros. The loop over
 // K advances CHUNK = 2 * CPU_LANES steps at a time (lavapipe ends an invocation after 65535 trips of one
@@ -137,7 +138,7 @@ void main() {
         }
     }
 
-    const uint c_base = group.z * params.M * params.N;
+    const uint c_base = params.c_offset + group.z * params.M * params.c_m_stride;
     [[unroll]] for (uint i = 0u; i < CPU_TM; ++i) {
         const uint m = m0 + i;
         if (m >= params.M) {
@@ -156,7 +157,7 @@ void main() {
                                                  m * params.bias_m_stride + n * params.bias_n_stride];
             }
 #endif
-            c_data[c_base + m * params.N + n] = value;
+            c_data[c_base + m * params.c_m_stride + n] = value;
         }
     }
 }

@@ -20,9 +20,9 @@ from typing import Optional
 
 from tqdm import tqdm
 
-from vktrain.contract import ADAMW_DEFAULTS, METADATA_BAKED_SCALARS, PRECISION_FP32, PRECISIONS
+from vktrain.contract import ADAMW_DEFAULTS, METADATA_BAKED_SCALARS, PRECISION_AUTO, PRECISION_CHOICES
 from vktrain.errors import VktrainError
-from vktrain.runtime.runtimes import add_runtime_argument
+from vktrain.runtime.runtimes import add_runtime_argument, max_binding_bytes
 from vktrain.train.adapters import (ADAPTER_CONFIG, ADAPTER_WEIGHTS, LORA_SUFFIXES, ProgramAdapters,
                                     adapters_from_state, runner_frozen_lora, save_adapters)
 from vktrain.train.gguf_adapter import check_gguf_adapter_program, save_gguf_adapter
@@ -99,9 +99,10 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     parser.add_argument("--lora-alpha", type=float,
                         help="LoRA alpha for adapter_config.json (needed with --out-adapters when the .pte does not record it)")
     parser.add_argument("--base-model", help="base_model_name_or_path for adapter_config.json")
-    parser.add_argument("--precision", choices=PRECISIONS, default=PRECISION_FP32,
-                        help="GEMM precision policy (docs/PRECISION.md): fp32 (default) or fp16-tc, the 4-bit base "
-                             "GEMMs (forward, d_x) on tensor cores where the device has them (fp16 inputs, fp32 accumulation)")
+    parser.add_argument("--precision", choices=PRECISION_CHOICES, default=PRECISION_AUTO,
+                        help="GEMM precision policy (docs/PRECISION.md): auto (default: fp16-tc where the device has "
+                             "tensor cores, else fp32), fp32 (the parity reference) or fp16-tc (the large GEMMs on "
+                             "tensor cores, fp16 inputs, fp32 accumulation)")
     add_runtime_argument(parser)
     parser.add_argument("--seed", type=int, help="data shuffling seed (default 0; a resumed run keeps its checkpoint's)")
     parser.add_argument("--no-shuffle", action="store_true", help="read windows in file order")
@@ -274,7 +275,7 @@ def run_train(args: argparse.Namespace, device=None) -> int:
     program_sha256 = sha256_file(program_path)
 
     runner = TrainingRunner.from_pte(program_path, device, precision=args.precision,
-                                     runtime=getattr(args, "runtime", None))
+                                     runtime=getattr(args, "runtime", None), max_binding_bytes=max_binding_bytes(args))
     own_device = getattr(runner, "device", None) if device is None else None  # a caller's device: its messages
     try:
         with runner:

@@ -19,7 +19,7 @@ from typing import Iterator, Mapping
 import numpy as np
 
 from vktrain.contract import METADATA_LORA_ALPHA, MODEL_PREFIX
-from vktrain.runtime.runtimes import add_runtime_argument
+from vktrain.runtime.runtimes import add_runtime_argument, max_binding_bytes
 from vktrain.train.adapters import (ADAPTER_CONFIG, AdapterError, check_frozen_lora, runner_frozen_lora,
                                     load_adapter_config, load_adapters)
 from vktrain.train.checkpoint import atomic_write_json, load_checkpoint
@@ -136,7 +136,8 @@ def run_eval(args: argparse.Namespace, device=None) -> int:
         raise TrainConfigError(f"program {program_path} does not exist (or is not a file)")
     if args.json:
         prepare_output_file("--json", args.json)
-    runner = TrainingRunner.from_pte(program_path, device, runtime=getattr(args, "runtime", None))
+    runner = TrainingRunner.from_pte(program_path, device, runtime=getattr(args, "runtime", None),
+                                     max_binding_bytes=max_binding_bytes(args))
     own_device = runner.device if device is None else None  # a caller's device keeps its messages
     try:
         with runner:

@@ -7,18 +7,23 @@ decision ahead of time, in this order (`PASSES`), before the one memory planning
 2. fusion.fuse_patterns: op patterns no kernel implements become one op that a kernel does
    (where(le) -> threshold_backward, sub(full_like) -> rsub); ops left unread are dropped. Before the
    storage passes, so they and the lifetimes see the final op chain.
-3. storage_dtype.downcast_int64_storage: int64 tensors are stored as int32. Before the view decisions,
+3. gemm_epilogue.fuse_gemm_epilogues: add(p, mm(a, b)) (through shape-only views, the product read only by
+   the add, p existing before the mm, alpha 1) becomes addmm(p, a, b): the add is the GEMM's epilogue,
+   rounded exactly as before. An op writing p after the mm from values that exist before it moves ahead
+   of the mm (a LoRA linear's base d_x before its adapter's d_x). After fusion's dead-op sweep, before
+   the storage passes (the views of p and the addmm's lazily transposed operands are theirs to decide).
+4. storage_dtype.downcast_int64_storage: int64 tensors are stored as int32. Before the view decisions,
    which compare stored dtypes (int64 <-> int32 copies become views).
-4. prepacked_layout.type_prepacked_outputs: q4gsw_requant outputs are typed as the W_4X8 words they hold.
+5. prepacked_layout.type_prepacked_outputs: q4gsw_requant outputs are typed as the W_4X8 words they hold.
    Before memory planning, which sizes them.
-5. views.decide_views: byte-preserving ops and lazy transposes produce views of their source's storage.
-6. in_place.update_state_in_place: adamw outputs use their state's storage when nothing reads the old
+6. views.decide_views: byte-preserving ops and lazy transposes produce views of their source's storage.
+7. in_place.update_state_in_place: adamw outputs use their state's storage when nothing reads the old
    value later (needs the views: a view of the state is such a reader).
-7. constant_storage.narrow_float_constants: float32 constants whose values are all exactly GGUF Q8_0
+8. constant_storage.narrow_float_constants: float32 constants whose values are all exactly GGUF Q8_0
    blocks, bfloat16 or float16 numbers are stored in the blob in the smallest of those forms
    (ConstantData.stored_encoding / stored_dtype), widened bit for bit when read.
    It changes no tensor, only how constant bytes travel in the file.
-8. q8_0_weights.hold_q8_0_weights: a Q8_0 constant read only as an embedding table and as aten.mm's
+9. q8_0_weights.hold_q8_0_weights: a Q8_0 constant read only as an embedding table and as aten.mm's
    second operand (a tied head and its backward) stays Q8_0 on the device (int8 codes and float32 scales,
    vktrain.quant.q8_0), read by the Q8_0 ops instead. After constant_storage, which finds the Q8_0 values.
 
@@ -34,6 +39,7 @@ from vktrain.serialization import graph as vk
 from ..memory_planning import MemoryPlan, plan_graph_memory
 from .constant_storage import narrow_float_constants
 from .fusion import fuse_patterns
+from .gemm_epilogue import fuse_gemm_epilogues
 from .in_place import update_state_in_place
 from .lora_linear import expand_lora_linears
 from .prepacked_layout import type_prepacked_outputs
@@ -41,8 +47,8 @@ from .q8_0_weights import hold_q8_0_weights
 from .storage_dtype import downcast_int64_storage
 from .views import decide_views
 
-PASSES = (expand_lora_linears, fuse_patterns, downcast_int64_storage, type_prepacked_outputs, decide_views,
-          update_state_in_place, narrow_float_constants, hold_q8_0_weights)
+PASSES = (expand_lora_linears, fuse_patterns, fuse_gemm_epilogues, downcast_int64_storage, type_prepacked_outputs,
+          decide_views, update_state_in_place, narrow_float_constants, hold_q8_0_weights)
 
 
 def compile_graph(graph: vk.VkGraph) -> MemoryPlan:

@@ -5,7 +5,7 @@ storage (the op stays in the chain, recorded as producing a view; the executor d
   stored tensors are contiguous), and _to_copy / _to_dim_order_copy between dtypes with the same stored
   representation (int64 <-> int32 once int64 is stored as int32, or no change). A reshape of a strided
   view moves data, so it is not a view.
-* Lazy transposes: permute / t / transpose whose every reader takes strided operands (mm, other
+* Lazy transposes: permute / t / transpose whose every reader takes strided operands (mm, addmm, other
   transposes) become strided views of their source's bytes (chains compose); transposes that cancel out
   are plain views. A transpose read by anything else, or after the step, is materialised by its op.
 
@@ -24,7 +24,7 @@ from vktrain.serialization import graph as vk
 from ..lifetimes import GraphUses, analyze_uses, storage_root
 
 # Ops whose lowering reads any StridedView of its tensor inputs (the TensorArg's view).
-VIEW_ACCEPTING_OPS = frozenset(TRANSPOSE_OPS + ("aten.mm.default",))
+VIEW_ACCEPTING_OPS = frozenset(TRANSPOSE_OPS + ("aten.mm.default", "aten.addmm.default"))
 SHAPE_ONLY_VIEWS = frozenset({
     "aten.view_copy.default", "aten.unsqueeze_copy.default", "aten.squeeze_copy.dims", "aten.squeeze_copy.dim",
     "aten.squeeze_copy.default", "aten.alias_copy.default",

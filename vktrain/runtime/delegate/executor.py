@@ -42,8 +42,8 @@ from vktrain.runtime.delegate.op_lowering import (
 )
 from vktrain.runtime.delegate.kernels.coopmat import allowed_precisions, select_gemm_route
 from vktrain.runtime.delegate.kernels.gemm_tuning import select_gemm_tuning
-from vktrain.runtime.delegate.kernels.layout import StridedView
-from vktrain.contract import PRECISION_FP32
+from vktrain.runtime.delegate.kernels.layout import StridedView, binding_limit_of
+from vktrain.contract import PRECISION_AUTO
 from vktrain.runtime.vk.schedule import BufferBinding, Dispatch
 from vktrain.errors import VktrainError
 
@@ -62,6 +62,21 @@ EMBEDDING_INDEX_ARG = {"aten.embedding.default": 1, "vktrain.embedding_q8_0.defa
 
 class ExecutorInputError(VktrainError, ValueError):
     """An input or state array does not match what the graph expects (shape, dtype, range)."""
+
+
+MIN_MAX_BINDING_BYTES = 1 << 20  # the least max_binding_bytes: every split kernel's windows fit it
+
+
+def binding_limited(limits: Any, max_binding_bytes: int | None) -> Any:
+    """A device's limits with its max storage binding size lowered to `max_binding_bytes` (None: as they are)."""
+    if max_binding_bytes is None:
+        return limits
+    if isinstance(max_binding_bytes, bool) or not isinstance(max_binding_bytes, int) \
+            or max_binding_bytes < MIN_MAX_BINDING_BYTES:
+        raise GraphLoweringError(f"max_binding_bytes (the max storage binding size, --max-binding-mib) must be an "
+                                 f"int >= {MIN_MAX_BINDING_BYTES} (1 MiB, the least vktrain's split kernels need), "
+                                 f"got {max_binding_bytes!r}")
+    return replace(limits, max_storage_buffer_range=min(limits.max_storage_buffer_range, max_binding_bytes))
 
 
 def _align(nbytes: int, alignment: int) -> int:
@@ -127,7 +142,7 @@ class GraphExecutor:
     names the exporter recorded (parameter / buffer FQNs); `timings()` gives (label, seconds) per
     dispatch of the last call. `staging=True` forces staging copies for every host access (the path a
     discrete GPU takes; tests use it on unified devices). `precision` is the GEMM precision policy
-    (vktrain.contract.PRECISIONS); `emulate_tensor_cores` (tests) runs fp16-tc's coopmat kernels
+    (vktrain.contract.PRECISION_CHOICES; auto: fp16-tc where the device has tensor cores); `emulate_tensor_cores` (tests) runs fp16-tc's coopmat kernels
     emulated on a device without tensor cores.
 
     `shared` (name -> SharedTensor, e.g. another executor's `shared_state()`): a constant or state tensor
@@ -135,13 +150,20 @@ class GraphExecutor:
     of storage of its own; this executor never uploads, resets or frees it. That is how the methods of
     one program share their weights and state on the device (eval reads the training step's adapters;
     generation's decode reads prefill's KV caches).
+
+    `max_binding_bytes` lowers the max storage binding size the kernels plan for below the device's (a user
+    checking that a program fits a browser's 128 MiB: --max-binding-mib); `limits` are the ones planned by.
+    Tensors over it are split across dispatches where the kernel can (kernels/matmul.py, embedding.py,
+    q8_0.py, cross_entropy.py); any other binding over it is refused at load, naming the tensor.
     """
 
     def __init__(self, device, graph: vk.VkGraph, *, timing: bool = True, staging: bool | None = None,
-                 shared: dict[str, SharedTensor] | None = None, precision: str = PRECISION_FP32,
-                 emulate_tensor_cores: bool = False):
+                 shared: dict[str, SharedTensor] | None = None, precision: str = PRECISION_AUTO,
+                 emulate_tensor_cores: bool = False, max_binding_bytes: int | None = None):
         graph.validate()
         self.device = device
+        self.max_binding_bytes = max_binding_bytes
+        self.limits = binding_limited(device.limits, max_binding_bytes)
         self.gemm_route = replace(select_gemm_route(precision, allowed_precisions(graph.metadata), device,
                                                     emulate=emulate_tensor_cores),
                                   fp32_tuning=select_gemm_tuning(device))
@@ -363,6 +385,23 @@ class GraphExecutor:
             return purposes[purpose]
         return allocate
 
+    def _check_binding_sizes(self, context: OpContext, planned: list[Dispatch]) -> None:
+        """Refuse a dispatch binding more than the max storage binding size, naming the graph tensor."""
+        limit = self.limits.max_storage_buffer_range
+        for dispatch in planned:
+            for bound in dispatch.bindings:
+                if bound.size is None or bound.size <= limit:
+                    continue
+                tensors = [t for t in [*context.args, *context.outputs] if isinstance(t, TensorArg)
+                           and t.storage == bound.buffer and t.binding.offset < bound.offset + bound.size
+                           and bound.offset < t.binding.offset + t.binding.size]
+                names = ", ".join(f"{self.graph.tensor(t.value_id).name or f'value {t.value_id}'} "
+                                  f"{t.dtype}{list(t.shape)}" for t in tensors) or f"buffer {bound.buffer!r}"
+                raise context.fail(
+                    f"dispatch {dispatch.name!r} binds tensor {names} over {bound.size} "
+                    f"bytes, more than the max storage binding size of {limit} bytes, and its kernel cannot split "
+                    f"it (the head's mm, the embeddings and fused_ce split; see README 'Picking a runtime')")
+
     def _plan_dispatches(self) -> list[Dispatch]:
         dispatches: list[Dispatch] = []
         self.tensor_core_ops: list[str] = []  # labels of the ops lowered to the coopmat kernels
@@ -373,9 +412,10 @@ class GraphExecutor:
             label = f"{index}:{op.name}"
             args = [self._decode(arg, index, op) for arg in op.args]
             outputs = [self._tensor_arg(out) for out in op.outputs]
-            context = OpContext(index, op, args, outputs, label, self._scratch(index), self.device.limits,
-                                self.gemm_route)
+            context = OpContext(index, op, args, outputs, label, self._scratch(index), self.limits,
+                                self.gemm_route, binding_limit_of(self.limits))
             planned = lowering.lower(context)
+            self._check_binding_sizes(context, planned)
             if any(d.shader.startswith(TENSOR_CORE_SHADER_PREFIX) for d in planned):
                 self.tensor_core_ops.append(label)
             dispatches += planned

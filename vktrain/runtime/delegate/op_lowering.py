@@ -20,21 +20,23 @@ generated from torch), and kernels are registered under the op's key (`vktrain.r
   limits (shared memory, workgroup invocations; `OpContext.limits`) to the plans that size tiles or
   workgroups by them.
 * aten.empty / empty_permuted need no GPU work: their contents are undefined (`kernel=None`).
-* transposes (permute_copy, t_copy, transpose_copy) and aten.mm read strided views: a transpose the
-  backend made a view (vktrain/backend/passes/views.py) costs nothing, and mm reads it in place
-  through the GEMM's operand strides.
+* transposes (permute_copy, t_copy, transpose_copy), aten.mm and aten.addmm read strided views: a
+  transpose the backend made a view (vktrain/backend/passes/views.py) costs nothing, and the GEMM reads
+  it in place through its operand strides.
   mm / bmm / addmm allocate a split-K scratch when the GEMM plan would split (skinny output, long
   reduction: kernels/matmul.py `gemm_scratch_nbytes`), and nothing otherwise.
 
 * `OpContext.gemm`, the GemmRoute chosen at load (kernels/coopmat.py), may send linear_q4gsw (without
-  bias), linear_q4gsw_backward, mm and causal_attention(_backward) (kernels/coopmat_attention.py) to
-  their tensor-core kernels; every other op keeps its fp32 kernel.
+  bias), linear_q4gsw_backward, mm and addmm (with an addend of the output's shape), and causal_attention
+  (and its backward: kernels/coopmat_attention.py) to their tensor-core kernels; every other op keeps its
+  fp32 kernel.
 
 The executor (executor.py) hands each lowering `TensorArg`s whose bindings and views are the storage
 the backend recorded in the blob, so view and in-place decisions never leak into this table.
 """
 from __future__ import annotations
 
+import inspect
 import math
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
@@ -112,6 +114,7 @@ class OpContext:
     # memory tiles by them; None: the Vulkan-guaranteed minimums the kernels default to.
     limits: Optional[Any] = None
     gemm: coopmat.GemmRoute = coopmat.FP32_ROUTE  # the GEMM kernels chosen at load for this device (kernels/coopmat.py)
+    binding_limit: Optional[layout.BindingLimit] = None  # what the plans that can split a tensor cut it by
 
     def fail(self, message: str) -> GraphLoweringError:
         return GraphLoweringError(f"op {self.index} ({self.op.name}): {message}")
@@ -204,6 +207,8 @@ def _keyword_lowering(key: str) -> Callable[[OpContext], list[Dispatch]]:
             else:
                 kwargs[name] = value
         kwargs.update((name, output.binding) for name, output in zip(output_names, ctx.outputs))
+        if "binding_limit" in inspect.signature(KERNELS[key]).parameters:  # it can split a tensor over the limit
+            kwargs["binding_limit"] = ctx.binding_limit
         try:
             return KERNELS[key](label=ctx.label, **kwargs)
         except (ValueError, TypeError) as exc:
@@ -332,8 +337,8 @@ def _lower_fused_ce(ctx: OpContext) -> list[Dispatch]:
     loss, dlogits = ctx.outputs
     rows, vocab = logits.shape
     row_loss = ctx.scratch(cross_entropy.fused_ce_scratch_nbytes(rows), "row_loss")
-    return _call(ctx, R=rows, V=vocab, logits=logits.binding, labels=labels.binding,
-                 n_valid=n_valid.binding, loss=loss.binding, dlogits=dlogits.binding, row_loss=row_loss)
+    return _call(ctx, R=rows, V=vocab, logits=logits.binding, labels=labels.binding, n_valid=n_valid.binding,
+                 loss=loss.binding, dlogits=dlogits.binding, row_loss=row_loss, binding_limit=ctx.binding_limit)
 
 
 def _lower_adamw(ctx: OpContext) -> list[Dispatch]:
@@ -486,10 +491,12 @@ def _lower_transpose(ctx: OpContext) -> list[Dispatch]:
         raise ctx.fail(f"the copy kernel refused it: {exc}") from exc
 
 
-def _split_k_scratch(ctx: OpContext, batch: int, m: int, n: int, k: int) -> BufferBinding | None:
+def _split_k_scratch(ctx: OpContext, batch: int, m: int, n: int, k: int, *tensors: TensorArg) -> BufferBinding | None:
     """The split-K scratch the default GEMM plan of [batch, m, k] @ [batch, k, n] uses, or None when
-    it would not split (kernels/matmul.py: skinny outputs over long reductions)."""
-    nbytes = matmul.gemm_scratch_nbytes(batch, m, n, k, ctx.gemm.fp32_tuning)
+    it would not split (kernels/matmul.py: skinny outputs over long reductions; with `tensors` over the
+    binding limit, windows of the reduction's)."""
+    nbytes = matmul.gemm_scratch_nbytes(batch, m, n, k, ctx.gemm.fp32_tuning, ctx.binding_limit,
+                                        [tensor.binding.size for tensor in tensors])
     return ctx.scratch(nbytes, "split_k") if nbytes else None
 
 
@@ -503,19 +510,30 @@ def _float_matrices(ctx: OpContext, positions: Sequence[tuple[int, str]]) -> lis
     return tensors
 
 
-def _lower_mm(ctx: OpContext) -> list[Dispatch]:
-    """aten.mm through the GEMM's strided operands: a lazily transposed input costs nothing."""
-    a, b = _float_matrices(ctx, ((0, "self"), (1, "mat2")))
-    b_transposed = ctx.gemm.dense_b_transposed(a.strided, b.strided)
-    if b_transposed is not None:
-        return _call(ctx, coopmat.plan_coopmat_mm, M=a.shape[0], N=b.shape[1], K=a.shape[1],
-                     out=ctx.outputs[0].binding, a=a.binding, b=b.binding, b_transposed=b_transposed,
+def _lower_gemm(ctx: OpContext) -> list[Dispatch]:
+    """aten.mm / aten.addmm through the GEMM's strided operands (a lazily transposed input costs nothing);
+    on the tensor cores where the route takes the product (an addmm's bias only as coopmat_mm's addend)
+    and every operand fits one binding (coopmat binds whole operands), else through plan_gemm, which
+    cuts operands over the binding limit into windows."""
+    if ctx.op.name == "aten.addmm.default":
+        bias, a, b = _float_matrices(ctx, ((0, "self"), (1, "mat1"), (2, "mat2")))
+        beta, alpha = ctx.real(3, "beta"), ctx.real(4, "alpha")
+    else:
+        (a, b), bias, beta, alpha = _float_matrices(ctx, ((0, "self"), (1, "mat2"))), None, 1.0, 1.0
+    out = ctx.outputs[0]
+    operands = (a, b, out) + ((bias,) if bias is not None else ())
+    over = layout.exceeds(ctx.binding_limit, [t.binding.size for t in operands])
+    b_transposed = None if over else ctx.gemm.dense_b_transposed(a.strided, b.strided)
+    if b_transposed is not None and (bias is None or coopmat.takes_addend(bias.strided, out.shape, beta, alpha)):
+        return _call(ctx, coopmat.plan_coopmat_mm, M=a.shape[0], N=b.shape[1], K=a.shape[1], out=out.binding,
+                     a=a.binding, b=b.binding, b_transposed=b_transposed, addend=bias and bias.binding,
                      absmax=ctx.scratch(coopmat.absmax_scratch_nbytes(a.numel, b.numel), "absmax"),
                      **ctx.gemm.plan_options)
     try:
-        scratch = _split_k_scratch(ctx, 1, a.shape[0], b.shape[1], a.shape[1])
-        return matmul.plan_gemm(ctx.outputs[0].binding, a.binding, a.strided, b.binding, b.strided,
-                                scratch=scratch, tuning=ctx.gemm.fp32_tuning, label=ctx.label)
+        scratch = _split_k_scratch(ctx, 1, a.shape[0], b.shape[1], a.shape[1], *operands)
+        return matmul.plan_gemm(out.binding, a.binding, a.strided, b.binding, b.strided, bias=bias and bias.binding,
+                                bias_view=bias and bias.strided, alpha=alpha, beta=beta, scratch=scratch,
+                                tuning=ctx.gemm.fp32_tuning, binding_limit=ctx.binding_limit, label=ctx.label)
     except (ValueError, TypeError) as exc:
         raise ctx.fail(f"the matmul kernel refused it: {exc}") from exc
 
@@ -528,16 +546,6 @@ def _lower_bmm(ctx: OpContext) -> list[Dispatch]:
                  tuning=ctx.gemm.fp32_tuning)
 
 
-def _lower_addmm(ctx: OpContext) -> list[Dispatch]:
-    bias = ctx.tensor(0, "self")
-    a, b = _float_matrices(ctx, ((1, "mat1"), (2, "mat2")))
-    scratch = _split_k_scratch(ctx, 1, a.shape[0], b.shape[1], a.shape[1])
-    return _call(ctx, self=bias.binding, self_shape=bias.shape, self_dtype=bias.dtype,
-                 mat1=a.binding, mat1_shape=a.shape, mat1_dtype=a.dtype, mat2=b.binding, mat2_shape=b.shape,
-                 mat2_dtype=b.dtype, beta=ctx.args[3], alpha=ctx.args[4], out=ctx.outputs[0].binding,
-                 scratch=scratch, tuning=ctx.gemm.fp32_tuning)
-
-
 def _lower_linear_q8_0(ctx: OpContext) -> list[Dispatch]:
     """linear_q8_0 (x @ W^T) and its backward (d_out @ W) of a Q8_0 matrix W [N, K] (kernels/q8_0.py), with
     the GEMM tuning and split-K scratch aten.mm gets."""
@@ -545,10 +553,11 @@ def _lower_linear_q8_0(ctx: OpContext) -> list[Dispatch]:
     name = op_def(ctx.op.name).schema.arg_names[0]  # x or d_out
     rows_input, codes, scales = ctx.tensor(0, name), ctx.tensor(1, "codes"), ctx.tensor(2, "scales")
     inner, columns = rows_input.shape[-1], ctx.outputs[0].shape[-1]
-    scratch = _split_k_scratch(ctx, 1, rows_input.numel // inner if inner else 0, columns, inner)
+    scratch = _split_k_scratch(ctx, 1, rows_input.numel // inner if inner else 0, columns, inner, rows_input, codes,
+                               scales, ctx.outputs[0])
     return _call(ctx, **{name: rows_input.binding, f"{name}_shape": rows_input.shape}, codes=codes.binding,
                  codes_shape=codes.shape, scales=scales.binding, scales_shape=scales.shape, out=ctx.outputs[0].binding,
-                 scratch=scratch, tuning=ctx.gemm.fp32_tuning)
+                 scratch=scratch, tuning=ctx.gemm.fp32_tuning, binding_limit=ctx.binding_limit)
 
 
 # vktrain ops whose plans take derived sizes (M / N / K, B / S / H / D) instead of the keyword convention.
@@ -571,7 +580,7 @@ _VKTRAIN_LOWERINGS = {
 _CUSTOM_LOWERINGS = {
     **_VKTRAIN_LOWERINGS,
     **{key: _lower_transpose for key in layout.TRANSPOSE_OPS},
-    "aten.mm.default": _lower_mm, "aten.bmm.default": _lower_bmm, "aten.addmm.default": _lower_addmm,
+    "aten.mm.default": _lower_gemm, "aten.bmm.default": _lower_bmm, "aten.addmm.default": _lower_gemm,
 }
 
 OP_LOWERINGS: dict[str, OpLowering] = {

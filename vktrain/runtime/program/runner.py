@@ -33,7 +33,7 @@ from typing import Any, Callable, Mapping, Optional, Union
 
 import numpy as np
 
-from vktrain.contract import (BACKEND_ID, HPARAMS, LABELS, MODEL_PREFIX, N_VALID, PRECISION_FP32, STEP_INPUTS,
+from vktrain.contract import (BACKEND_ID, HPARAMS, LABELS, MODEL_PREFIX, N_VALID, PRECISION_AUTO, STEP_INPUTS,
                               TOKEN_IDS)
 from vktrain.runtime.delegate.executor import ExecutorInputError, GraphExecutor
 from vktrain.runtime.delegate.kernels.coopmat import PrecisionPolicyError
@@ -304,12 +304,14 @@ class TrainingRunner:
     other check still run); the memory limits default to this machine's RAM and the device's largest
     memory heap. `precision` is the GEMM precision policy (docs/PRECISION.md; `emulate_tensor_cores`:
     GraphExecutor's test path). `runtime` ("vulkan" or "webgpu"; vktrain.runtime.runtimes) picks the device
-    layer to open when `device` is None (default vulkan); a device given must be of it."""
+    layer to open when `device` is None (default vulkan); a device given must be of it. `max_binding_bytes`:
+    GraphExecutor's (a lower max storage binding size to plan for, e.g. a browser's 128 MiB)."""
 
     def __init__(self, pte: PteFile, device=None, *, method: str = "forward", timing: bool = True,
                  verify_constants: bool = True, host_memory_limit: Optional[int] = None,
-                 device_memory_limit: Optional[int] = None, precision: str = PRECISION_FP32,
-                 emulate_tensor_cores: bool = False, runtime: Optional[str] = None):
+                 device_memory_limit: Optional[int] = None, precision: str = PRECISION_AUTO,
+                 emulate_tensor_cores: bool = False, runtime: Optional[str] = None,
+                 max_binding_bytes: Optional[int] = None):
         self.pte = pte
         program = verify_training_program(pte, method, verify_constants=verify_constants,
                                           host_memory_limit=host_memory_limit)
@@ -326,7 +328,8 @@ class TrainingRunner:
                                 else device_memory_limit)
             try:
                 self.executor = GraphExecutor(device, self.graph, timing=timing, precision=precision,
-                                              emulate_tensor_cores=emulate_tensor_cores)
+                                              emulate_tensor_cores=emulate_tensor_cores,
+                                              max_binding_bytes=max_binding_bytes)
             except PrecisionPolicyError as exc:
                 raise PrecisionPolicyError(f"{pte.source}: {exc}") from None
         except BaseException:

@@ -1,6 +1,7 @@
 // Embedding lookup and its deterministic dense backward (GLSL reference: ../embedding.comp; host module:
 // kernels/embedding.py). Indices are int32.
 //   BACKWARD=0: out[i, c] = weight[indices[i], c]; an index outside [0, num_weights) writes a NaN row.
+//               Binding 2 may hold a window of the table, rows [row_begin, row_end): only its indices gather.
 //   BACKWARD=1: grad_weight[v, c] = sum over i with indices[i] == v of grad_out[i, c], in increasing i
 //               (0 for v == padding_idx; divided by the count when scale_grad_by_freq). Workgroup
 //               (v, column block) keeps COLUMNS_PER_THREAD columns per thread and scans the indices
@@ -21,6 +22,8 @@ struct Params {
     num_weights: u32,
     padding_idx: i32,         // backward only; -1 (or any out-of-range value) = none
     scale_grad_by_freq: u32,  // backward only; 0 or 1
+    row_begin: u32,           // forward only: binding 2 holds table rows [row_begin, row_end) (a window of a
+    row_end: u32,             // table over the max storage binding size); 0, num_weights unsplit
 }
 
 @group(0) @binding(0) var<storage, read_write> out_data: array<f32>;
@@ -120,9 +123,11 @@ fn main(@builtin(workgroup_id) workgroup: vec3<u32>, @builtin(local_invocation_i
     let c = e - i * params.dim;
     let index = indices[i];
     if (index < 0 || u32(index) >= params.num_weights) {
-        out_data[e] = bitcast<f32>(0x7fc00000u);
-    } else {
-        out_data[e] = weight[u32(index) * params.dim + c];
+        if (params.row_begin == 0u) {  // the window of row 0 writes the NaN row
+            out_data[e] = bitcast<f32>(0x7fc00000u);
+        }
+    } else if (u32(index) >= params.row_begin && u32(index) < params.row_end) {  // in this window
+        out_data[e] = weight[(u32(index) - params.row_begin) * params.dim + c];
     }
 }
 #endif

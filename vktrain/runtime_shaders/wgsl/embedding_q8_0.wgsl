@@ -11,6 +11,8 @@ struct Params {
     num_indices: u32,
     dim4: u32,  // dim / 4
     num_weights: u32,
+    row_begin: u32,  // bindings 2 and 3 hold table rows [row_begin, row_end) (a window of a table over the
+    row_end: u32,    // max storage binding size, starting at a whole block); 0, num_weights unsplit
 }
 
 @group(0) @binding(0) var<storage, read_write> out_data: array<vec4<f32>>;
@@ -29,10 +31,15 @@ fn main(@builtin(workgroup_id) workgroup: vec3<u32>, @builtin(local_invocation_i
     let c4 = e4 - i * params.dim4;
     let index = indices[i];
     if (index < 0 || u32(index) >= params.num_weights) {
-        out_data[e4] = vec4<f32>(bitcast<f32>(0x7fc00000u));
+        if (params.row_begin == 0u) {  // the window of row 0 writes the NaN row
+            out_data[e4] = vec4<f32>(bitcast<f32>(0x7fc00000u));
+        }
         return;
     }
-    let word = u32(index) * params.dim4 + c4;  // the code word of elements 4 word .. 4 word + 3
+    if (u32(index) < params.row_begin || u32(index) >= params.row_end) {  // not in this window
+        return;
+    }
+    let word = (u32(index) - params.row_begin) * params.dim4 + c4;  // the code word of elements 4 word .. 4 word + 3
     let packed = bitcast<i32>(codes[word]);
     let code = vec4<f32>(f32(extractBits(packed, 0u, 8u)), f32(extractBits(packed, 8u, 8u)),
                          f32(extractBits(packed, 16u, 8u)), f32(extractBits(packed, 24u, 8u)));

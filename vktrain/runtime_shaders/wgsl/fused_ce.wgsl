@@ -21,8 +21,11 @@ const LANES = 1u;
 
 struct Params {
     vktrain_group_offset: vec4<u32>,
-    R: u32,
+    R: u32,               // rows of labels and row_loss
     V: u32,
+    first_row: u32,       // the row group 0 takes (a window of the logits' rows; 0 unsplit)
+    logits_offset: u32,   // element of that row's first logit in binding 0 (a multiple of 4 with VEC4)
+    dlogits_offset: u32,  // likewise in the dlogits binding (= logits_offset with IN_PLACE)
 }
 
 #if IN_PLACE
@@ -68,18 +71,20 @@ fn merge(m: f32, s: f32, m_other: f32, s_other: f32) -> vec2<f32> {
 
 @compute @workgroup_size(WG)
 fn main(@builtin(workgroup_id) workgroup: vec3<u32>, @builtin(local_invocation_index) tid: u32) {
-    let row = workgroup.x + params.vktrain_group_offset.x;
+    let window_row = workgroup.x + params.vktrain_group_offset.x;
+    let row = params.first_row + window_row;
     // Every early return is uniform over the workgroup (it depends on the row only).
     if (row >= params.R) {
         return;
     }
     let V = params.V;
     let row_values = V / LANES;
-    let base = row * row_values;
+    let base = window_row * row_values + params.logits_offset / LANES;
+    let d_base = window_row * row_values + params.dlogits_offset / LANES;
     let label = labels[row];
     if (label < 0 || u32(label) >= V) {
         for (var i = tid; i < row_values; i += WG) {
-            store_dlogits(base + i, Value(0.0));
+            store_dlogits(d_base + i, Value(0.0));
         }
         if (tid == 0u) {
             row_loss[row] = 0.0;
@@ -136,6 +141,6 @@ fn main(@builtin(workgroup_id) workgroup: vec3<u32>, @builtin(local_invocation_i
     let inv_sum = 1.0 / row_sum;
     for (var i = tid; i < row_values; i += WG) {
         let p = exp(logits[base + i] - row_max) * inv_sum;
-        store_dlogits(base + i, select(p, p - label_onehot, i == label_value) / divisor);
+        store_dlogits(d_base + i, select(p, p - label_onehot, i == label_value) / divisor);
     }
 }

@@ -1,17 +1,18 @@
 // Dense fp32 tiled GEMM (GLSL reference: ../matmul.comp, GPU tuning; host module: kernels/matmul.py):
 //   C[b, m, n] = alpha * sum_k A[b, m, k] * B[b, k, n]  (+ beta * bias[b, m, n] with HAS_BIAS=1)
-// A, B and bias are addressed through element strides (batch, row, column) plus an element offset; C is
-// contiguous [batch, M, N]. A workgroup of (TILE_M / 4) x (TILE_N / 4) threads computes a TILE_M x TILE_N
+// A, B and bias are addressed through element strides (batch, row, column) plus an element offset; C[b, m, n]
+// is element c_offset + (b M + m) c_m_stride + n (c_m_stride > N: a window of columns of a wider matrix). A workgroup of (TILE_M / 4) x (TILE_N / 4) threads computes a TILE_M x TILE_N
 // tile of C, each thread a 4 x 4 micro-tile at rows ty + THREADS_M i and columns tx + THREADS_N j (VEC4_C,
-// N % 4 == 0: 4 adjacent columns, stored as one vec4). K advances 16 at a time through workgroup memory.
+// N, c_offset, c_m_stride % 4 == 0: 4 adjacent columns, stored as one vec4). K advances 16 at a time through workgroup memory.
 // Split-K: group z = slice * batch + b; slice s reduces k in [s k_slice, min(K, (s + 1) k_slice)) into
-// C + (s batch + b) M N, which linear_splitk_reduce sums; only slice 0 adds the bias.
+// C + (s batch + b) M c_m_stride, which linear_splitk_reduce sums; only slice 0 adds the bias.
 // A_M_FASTEST (id 3) / B_K_FASTEST (id 4) pick the order a workgroup walks a tile while loading it.
-// B_Q8_0 (HAS_BIAS=0 only: its scales take the bias's binding): B's storage is a frozen Q8_0 matrix
-// (docs/spec/q8_0.md), int8 codes four to a word (binding 2) and a float32 scale per 32 (binding 3),
-// dequantized as each element is loaded: the products and their order are the float32 variant's.
+// B_Q8_0: B's storage is a frozen Q8_0 matrix (docs/spec/q8_0.md), int8 codes four to a word (binding 2)
+// and a float32 scale per 32 (binding 3; the bias, if any, binding 4), dequantized as each element is
+// loaded: the products and their order are the float32 variant's.
 // vktrain-variants: HAS_BIAS=0, HAS_BIAS=1, HAS_BIAS=0+TILE_M=64+TILE_N=16, HAS_BIAS=1+TILE_M=64+TILE_N=16, HAS_BIAS=0+TILE_M=16+TILE_N=64, HAS_BIAS=1+TILE_M=16+TILE_N=64, HAS_BIAS=0+VEC4_C, HAS_BIAS=1+VEC4_C, HAS_BIAS=0+TILE_M=64+TILE_N=16+VEC4_C, HAS_BIAS=1+TILE_M=64+TILE_N=16+VEC4_C, HAS_BIAS=0+TILE_M=16+TILE_N=64+VEC4_C, HAS_BIAS=1+TILE_M=16+TILE_N=64+VEC4_C
 // vktrain-variants: HAS_BIAS=0+B_Q8_0, HAS_BIAS=0+VEC4_C+B_Q8_0, HAS_BIAS=0+TILE_M=64+TILE_N=16+B_Q8_0, HAS_BIAS=0+TILE_M=64+TILE_N=16+VEC4_C+B_Q8_0, HAS_BIAS=0+TILE_M=16+TILE_N=64+B_Q8_0, HAS_BIAS=0+TILE_M=16+TILE_N=64+VEC4_C+B_Q8_0
+// vktrain-variants: HAS_BIAS=1+B_Q8_0, HAS_BIAS=1+VEC4_C+B_Q8_0, HAS_BIAS=1+TILE_M=64+TILE_N=16+B_Q8_0, HAS_BIAS=1+TILE_M=64+TILE_N=16+VEC4_C+B_Q8_0, HAS_BIAS=1+TILE_M=16+TILE_N=64+B_Q8_0, HAS_BIAS=1+TILE_M=16+TILE_N=64+VEC4_C+B_Q8_0
 
 #if !TILE_M
 const TILE_M = 64;
@@ -58,6 +59,8 @@ struct Params {
     beta: f32,
     batch: u32,    // batches per slice: group z = slice * batch + b
     k_slice: u32,  // reduction length of one slice (a multiple of TILE_K, or >= K when unsplit)
+    c_offset: u32,    // element of C[0, 0, 0] in binding 0
+    c_m_stride: u32,  // elements between rows of C (>= N)
 }
 
 #if VEC4_C
@@ -69,7 +72,12 @@ struct Params {
 #if B_Q8_0
 @group(0) @binding(2) var<storage, read> b_codes: array<u32>;   // element e: byte e % 4 of word e / 4
 @group(0) @binding(3) var<storage, read> b_scales: array<f32>;  // element e: scale e / 32
+#if HAS_BIAS
+@group(0) @binding(4) var<storage, read> bias_data: array<f32>;
+@group(0) @binding(5) var<uniform> params: Params;
+#else
 @group(0) @binding(4) var<uniform> params: Params;
+#endif
 
 // Element e of B's storage: code * scale, exactly the float32 value the Q8_0 block holds.
 fn b_at(e: u32) -> f32 {
@@ -185,14 +193,15 @@ fn main(@builtin(workgroup_id) workgroup: vec3<u32>, @builtin(local_invocation_i
         workgroupBarrier();
     }
 
-    let c_base = group.z * params.M * params.N;
+    let c_base = params.c_offset + group.z * params.M * params.c_m_stride;
     for (var i = 0u; i < MICRO_M; i++) {
         let m = tile_m0 + ty + i * THREADS_M;
         if (m >= params.M) {
             continue;
         }
 #if VEC4_C
-        // N % 4 == 0: the 4 columns are all inside the output or all outside, and 16-byte aligned.
+        // N, c_offset, c_m_stride % 4 == 0: the 4 columns are all inside the output or all outside, and
+        // 16-byte aligned.
         let n0 = tile_n0 + tx * MICRO_N;
         if (n0 >= params.N) {
             continue;
@@ -205,7 +214,7 @@ fn main(@builtin(workgroup_id) workgroup: vec3<u32>, @builtin(local_invocation_i
             }
         }
 #endif
-        c_data[(c_base + m * params.N + n0) / 4u] = row;
+        c_data[(c_base + m * params.c_m_stride + n0) / 4u] = row;
 #else
         for (var j = 0u; j < MICRO_N; j++) {
             let n = tile_n0 + tx + j * THREADS_N;
@@ -219,7 +228,7 @@ fn main(@builtin(workgroup_id) workgroup: vec3<u32>, @builtin(local_invocation_i
                 value += params.beta * bias_at(batch, m, n);
             }
 #endif
-            c_data[c_base + m * params.N + n] = value;
+            c_data[c_base + m * params.c_m_stride + n] = value;
         }
 #endif
     }

@@ -13,7 +13,9 @@ one-plan-per-op registry; the op lowering takes them where this program's GemmRo
   coopmat_linear_q4gsw   y[M, N] = x[M, K] @ deq(W).T
   coopmat_mm             C[M, N] = A[M, K] @ B[K, N], or A @ B^T with B^T given as [N, K] (b_transposed),
                          A and B each scaled per tensor by a power of two before their fp16 rounding
-                         (max |A|, max |B| from coopmat_absmax, the first dispatch)
+                         (max |A|, max |B| from coopmat_absmax, the first dispatch); with an `addend`
+                         D [M, N] (aten.addmm, beta = alpha = 1) C = A @ B + D, D added in fp32 to the
+                         unscaled accumulators (the ADDEND variant)
   coopmat_linear_q4gsw_backward   d_x[M, K] = d_out[M, N] @ deq(W), d_out scaled per tensor by a power of
                          two before its fp16 rounding (max |d_out| from coopmat_absmax, the first dispatch)
 
@@ -31,13 +33,15 @@ these kernels read).
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass
 from typing import Any, Mapping
 
 import numpy as np
 
-from vktrain.contract import METADATA_GEMM_PRECISIONS, PRECISION_FP16_TC, PRECISION_FP32, PRECISIONS
+from vktrain.contract import (METADATA_GEMM_PRECISIONS, PRECISION_AUTO, PRECISION_CHOICES, PRECISION_FP16_TC,
+                              PRECISION_FP32, PRECISIONS)
 from vktrain.errors import VktrainError
 from vktrain.quant import check_q4gsw_shapes
 from vktrain.runtime.delegate.kernels.gemm_tuning import GPU_TUNING
@@ -156,9 +160,16 @@ def select_gemm_route(precision: str, allowed: tuple[str, ...], device: Any, *,
     """The GemmRoute for the policy `precision` on `device` (a vktrain Device), for a program allowing
     `allowed`. fp16-tc takes the tensor cores where the device has the coopmat kernels' shape and types
     and falls back to the fp32 kernels (saying so) elsewhere. `emulate` (tests) pretends it has them and
-    runs the emulated shaders, on every GEMM the route covers whatever its size."""
-    if precision not in PRECISIONS:
-        raise PrecisionPolicyError(f"unknown GEMM precision {precision!r}; choose one of {', '.join(PRECISIONS)}")
+    runs the emulated shaders, on every GEMM the route covers whatever its size. `auto` is fp16-tc where
+    the program allows it and the device has the tensor-core kernels (or `emulate`), else fp32."""
+    if precision not in PRECISION_CHOICES:
+        raise PrecisionPolicyError(f"unknown GEMM precision {precision!r}; choose one of {', '.join(PRECISION_CHOICES)}")
+    if precision == PRECISION_AUTO:
+        fast = PRECISION_FP16_TC in allowed and (emulate or coopmat_supported(device.cooperative_matrix_properties))
+        route = select_gemm_route(PRECISION_FP16_TC if fast else PRECISION_FP32, allowed, device, emulate=emulate)
+        why = route.reason if fast else (f"{device.name} has no tensor-core kernels" if PRECISION_FP16_TC in allowed
+                                         else f"the program allows only {', '.join(allowed)}")
+        return dataclasses.replace(route, reason=f"auto -> {route.precision}: {why}")
     if precision not in allowed:
         raise PrecisionPolicyError(f"the program allows GEMM precision {', '.join(allowed)} (blob metadata "
                                    f"{METADATA_GEMM_PRECISIONS!r}), not {precision!r}")
@@ -222,12 +233,13 @@ def _check_range(op: str, M: int, N: int, K: int) -> None:
 
 
 def _variant(shader: str, *, b_transposed: bool, tile_m: int, prefetch: bool, emulate: bool,
-             subgroup_size: int, scale: str | None = None) -> str:
+             subgroup_size: int, scale: str | None = None, addend: bool = False) -> str:
     """Shader name with its defines in the order the sources' `vktrain-variants:` lines use; `scale` is
     the operand-scale define (A_SCALE or AB_SCALE) or None."""
     defines = ([scale] if scale else []) + (["B_TRANSPOSED"] if b_transposed else []) \
         + (["BM=64"] if tile_m == 64 else []) \
-        + (["PREFETCH"] if prefetch else []) + (["COOPMAT_EMULATE"] if emulate else []) \
+        + (["PREFETCH"] if prefetch else []) + (["ADDEND"] if addend else []) \
+        + (["COOPMAT_EMULATE"] if emulate else []) \
         + ([f"SUBGROUP_SIZE={subgroup_size}"] if subgroup_size != DEFAULT_SUBGROUP_SIZE else [])
     return shader + ("@" + "+".join(defines) if defines else "")
 
@@ -306,8 +318,16 @@ def _plan_absmax(absmax: Any, tensors: list[tuple[Any, int]], label: str) -> Dis
                     push_constants=pack_push(numel0, numel1, groups0, groups1), label=label)
 
 
+def takes_addend(bias: StridedView, out_shape: tuple[int, ...], beta: float, alpha: float) -> bool:
+    """Whether coopmat_mm's ADDEND variant computes aten.addmm(bias, A, B, beta, alpha) into an output of
+    `out_shape`: a bias of the output's shape, row-major, no view offset, and beta = alpha = 1 (the
+    addend is added to the unscaled accumulators, nothing multiplied)."""
+    return (bias.sizes == tuple(out_shape) and bias.is_contiguous and bias.offset == 0
+            and float(beta) == 1.0 and float(alpha) == 1.0)
+
+
 def plan_coopmat_mm(*, M: int, N: int, K: int, out: Any, a: Any, b: Any, absmax: Any, b_transposed: bool = False,
-                    tile_m: int | None = None, prefetch: bool = False, emulate: bool = False,
+                    addend: Any = None, tile_m: int | None = None, prefetch: bool = False, emulate: bool = False,
                     subgroup_size: int = DEFAULT_SUBGROUP_SIZE,
                     label: str = "coopmat_mm") -> list[Dispatch]:
     """C[M, N] = A[M, K] @ B[K, N] on tensor cores (fp32 in memory, fp16 inputs, fp32 accumulation).
@@ -318,7 +338,9 @@ def plan_coopmat_mm(*, M: int, N: int, K: int, out: Any, a: Any, b: Any, absmax:
     (the accumulators are stored with a row stride of N floats, which cooperative-matrix stores want
     16-byte aligned). Either operand may be a gradient (the head's d_h = d_logits @ W): each is scaled by
     the power of two that puts its largest magnitude in [2^14, 2^15) before its fp16 rounding, and the
-    result back (exact). Dispatches: the partial maxima of |A| and |B|, the GEMM. `tile_m`, `prefetch`,
+    result back (exact). `addend` (fp32 [M, N] row-major, or None): C = A @ B + addend, the addend added
+    to each unscaled accumulator in fp32 (one rounding, not contracted with the unscaling: the bits of the
+    mm followed by an add). Dispatches: the partial maxima of |A| and |B|, the GEMM. `tile_m`, `prefetch`,
     `emulate`, `subgroup_size` as in plan_coopmat_linear_q4gsw.
     """
     op = "coopmat_mm"
@@ -327,10 +349,12 @@ def plan_coopmat_mm(*, M: int, N: int, K: int, out: Any, a: Any, b: Any, absmax:
     _check_range(op, M, N, K)
     tile_m = _tiling(op, M, N, tile_m, subgroup_size, emulate=emulate, reduction=K)
     shader = _variant("coopmat_mm", b_transposed=bool(b_transposed), tile_m=tile_m, prefetch=prefetch,
-                      emulate=emulate, subgroup_size=subgroup_size, scale="AB_SCALE")
+                      emulate=emulate, subgroup_size=subgroup_size, scale="AB_SCALE", addend=addend is not None)
+    bindings = [binding(out, "w"), binding(a, "r"), binding(b, "r"), binding(absmax, "r")]
+    if addend is not None:
+        bindings.append(binding(addend, "r"))
     return [_plan_absmax(absmax, [(a, M * K), (b, K * N)], f"{label}.absmax"),
-            Dispatch(shader, groups=(ceil_div(N, TILE_N), ceil_div(M, tile_m), 1),
-                     bindings=[binding(out, "w"), binding(a, "r"), binding(b, "r"), binding(absmax, "r")],
+            Dispatch(shader, groups=(ceil_div(N, TILE_N), ceil_div(M, tile_m), 1), bindings=bindings,
                      push_constants=pack_push(M, N, K, 0, absmax_partials(M * K), absmax_partials(K * N)),
                      label=label)]
 

@@ -16,6 +16,11 @@ Two dispatches (vktrain/runtime_shaders):
   fused_ce_sum     one workgroup: loss = sum of row_loss in a fixed order (deterministic: no float
                    atomics, so replays are bitwise identical)
 The caller provides `row_loss`, a scratch buffer of `fused_ce_scratch_nbytes(R)` bytes.
+
+Logits over the device's max storage binding size (`binding_limit`; a large vocabulary's [tokens, V]):
+the rows pass runs as several dispatches over windows of whole rows, each binding its rows of the logits
+and dlogits (push: the window's first row and where its logits start in the binding). Every row is
+computed as unsplit, so the loss and dlogits are bit for bit the unsplit ones.
 """
 from __future__ import annotations
 
@@ -24,11 +29,13 @@ from typing import Any
 from vktrain.runtime.vk.schedule import Dispatch, pack_push
 from vktrain.runtime.delegate.kernels.layout import (
     MAX_ELEMENTS,
+    BindingLimit,
     KernelArgumentError,
     binding,
     check_positive_ints,
     check_power_of_two_workgroup,
     shader_variant,
+    sub_binding,
     use_vec4,
 )
 from vktrain.runtime.delegate.kernels.registry import register_kernel
@@ -47,7 +54,7 @@ def fused_ce_scratch_nbytes(R: int) -> int:
 @register_kernel("vktrain.fused_ce.default")
 def plan_fused_ce(*, R: int, V: int, logits: Any, labels: Any, n_valid: Any, loss: Any, dlogits: Any,
                   row_loss: Any, workgroup_size: int = DEFAULT_WORKGROUP_SIZE, vec4: bool | None = None,
-                  label: str = "fused_ce") -> list[Dispatch]:
+                  binding_limit: BindingLimit | None = None, label: str = "fused_ce") -> list[Dispatch]:
     """Dispatches computing (loss, dlogits) = fused_ce(logits, labels, n_valid).
 
     Buffers (keys of the Program's buffer mapping, Buffer objects or BufferBindings):
@@ -58,6 +65,7 @@ def plan_fused_ce(*, R: int, V: int, logits: Any, labels: Any, n_valid: Any, los
                any other buffer must not overlap the logits.
       row_loss fp32 [R] scratch (`fused_ce_scratch_nbytes(R)` bytes), overwritten
     `vec4` picks the vec4 kernel; by default it is used whenever V % 4 == 0 (the only case it supports).
+    `binding_limit`: logits over it are taken in windows of rows (module docstring).
     """
     check_positive_ints("fused_ce", R=R, V=V)
     check_power_of_two_workgroup("fused_ce", workgroup_size)
@@ -67,17 +75,35 @@ def plan_fused_ce(*, R: int, V: int, logits: Any, labels: Any, n_valid: Any, los
             f"(at most {MAX_ELEMENTS}): split the rows over several calls")
     vec4 = use_vec4("fused_ce", vec4, V, "V", why="16-byte aligned rows")
     in_place = dlogits == logits
-    if in_place:
-        bindings = (binding(logits, "rw"), binding(labels, "r"), binding(n_valid, "r"), binding(row_loss, "w"))
-    else:
-        bindings = (binding(logits, "r"), binding(labels, "r"), binding(n_valid, "r"), binding(dlogits, "w"),
-                    binding(row_loss, "w"))
+    window_rows = R
+    if binding_limit is not None and not binding_limit.fits(4 * R * V):
+        window_rows = binding_limit.window_bytes // (4 * V)
+        if window_rows == 0:
+            raise binding_limit.refusal(label, f"one row of the logits [R={R}, V={V}]", 4 * V)
     local_size = (workgroup_size, 1, 1)
-    rows = Dispatch(
-        shader_variant("fused_ce", VEC4=vec4, IN_PLACE=in_place), groups=(R, 1, 1), bindings=bindings,
-        push_constants=pack_push(R, V), local_size=local_size, label=f"{label}.rows")
+    shader = shader_variant("fused_ce", VEC4=vec4, IN_PLACE=in_place)
+    windows = []
+    for first in range(0, R, window_rows):
+        rows = min(window_rows, R - first)
+        if window_rows == R:
+            logits_bound, logits_skip = binding(logits, "rw" if in_place else "r"), 0
+            dlogits_bound, dlogits_skip = binding(dlogits, "w"), 0
+        else:
+            logits_bound, logits_skip = sub_binding(logits, 4 * first * V, 4 * (first + rows) * V,
+                                                    "rw" if in_place else "r", binding_limit.alignment)
+            dlogits_bound, dlogits_skip = sub_binding(dlogits, 4 * first * V, 4 * (first + rows) * V, "w",
+                                                      binding_limit.alignment)
+        if in_place:
+            bindings = (logits_bound, binding(labels, "r"), binding(n_valid, "r"), binding(row_loss, "w"))
+        else:
+            bindings = (logits_bound, binding(labels, "r"), binding(n_valid, "r"), dlogits_bound,
+                        binding(row_loss, "w"))
+        windows.append(Dispatch(
+            shader, groups=(rows, 1, 1), bindings=bindings,
+            push_constants=pack_push(R, V, first, logits_skip // 4, dlogits_skip // 4), local_size=local_size,
+            label=f"{label}.rows" if window_rows == R else f"{label}.rows{first}"))
     total = Dispatch(
         "fused_ce_sum", groups=(1, 1, 1),
         bindings=(binding(row_loss, "r"), binding(loss, "w")),
         push_constants=pack_push(R), local_size=local_size, label=f"{label}.sum")
-    return [rows, total]
+    return windows + [total]

@@ -6,6 +6,10 @@ in int32, which every vocabulary does). Weight and gradients are fp32, contiguou
 Forward: out[..., :] = weight[indices[...], :]. An index outside [0, num_weights) yields a NaN row (a
 kernel cannot raise; NaN surfaces in the loss rather than silently reading another row).
 
+A table over the device's max storage binding size (`binding_limit`: a large vocabulary's embedding) is
+bound in windows of whole rows, one dispatch each; each gathers the indices that fall in its window (the
+window of row 0 also writes the NaN rows), so the output is the unsplit one bit for bit.
+
 Backward (embedding_dense_backward): grad_weight[v] = sum of grad_output rows whose index is v, added in
 increasing position order; the padding_idx row is zero; scale_grad_by_freq divides by the count;
 indices outside [0, num_weights) contribute to no row.
@@ -21,7 +25,8 @@ import math
 from typing import Any, Sequence
 
 from vktrain.runtime.vk.schedule import Dispatch, ceil_div, pack_push
-from vktrain.runtime.delegate.kernels.layout import MAX_ELEMENTS, KernelArgumentError, binding, check_dtype, check_shape
+from vktrain.runtime.delegate.kernels.layout import (MAX_ELEMENTS, BindingLimit, KernelArgumentError, binding, check_dtype,
+                                                     check_shape, row_windows, table_window)
 from vktrain.runtime.delegate.kernels.registry import register_kernel
 
 WORKGROUP_SIZE = 64
@@ -40,8 +45,10 @@ def _check_weight_shape(weight_shape: Sequence[int], label: str) -> tuple[int, i
 
 
 def plan_embedding(out: Any, weight: Any, weight_shape: Sequence[int], indices: Any,
-                   indices_shape: Sequence[int], *, label: str = "embedding") -> list[Dispatch]:
-    """out (contiguous, indices_shape + [dim]) = weight[indices]."""
+                   indices_shape: Sequence[int], *, binding_limit: BindingLimit | None = None,
+                   label: str = "embedding") -> list[Dispatch]:
+    """out (contiguous, indices_shape + [dim]) = weight[indices]. A table over `binding_limit` is bound
+    in windows of rows (module docstring)."""
     num_weights, dim = _check_weight_shape(weight_shape, label)
     num_indices = math.prod(check_shape(indices_shape, f"{label} indices"))
     total = num_indices * dim
@@ -49,10 +56,16 @@ def plan_embedding(out: Any, weight: Any, weight_shape: Sequence[int], indices: 
         raise KernelArgumentError(f"{label}: the output has {total} elements; at most {MAX_ELEMENTS} are supported")
     if total == 0:
         return []
-    push = pack_push(num_indices, dim, num_weights, -1, 0)
+    if binding_limit is None or binding_limit.fits(4 * num_weights * dim):
+        windows = [((0, num_weights), binding(weight, "r"))]
+    else:
+        windows = [((begin, end), table_window(weight, 4 * begin * dim, 4 * end * dim, "r", binding_limit, label))
+                   for begin, end in row_windows(num_weights, 4 * dim, binding_limit, "the table", label)]
     return [Dispatch("embedding@BACKWARD=0", ceil_div(total, WORKGROUP_SIZE),
-                     bindings=(binding(out, "w"), binding(indices, "r"), binding(weight, "r")),
-                     push_constants=push, label=label)]
+                     bindings=(binding(out, "w"), binding(indices, "r"), table),
+                     push_constants=pack_push(num_indices, dim, num_weights, -1, 0, begin, end),
+                     label=label if len(windows) == 1 else f"{label}.rows{begin}")
+            for (begin, end), table in windows]
 
 
 def plan_embedding_dense_backward(out: Any, grad_output: Any, grad_output_shape: Sequence[int], indices: Any,
@@ -77,7 +90,7 @@ def plan_embedding_dense_backward(out: Any, grad_output: Any, grad_output_shape:
     if num_weights * dim == 0:
         return []
     num_indices = math.prod(indices_shape)
-    push = pack_push(num_indices, dim, num_weights, padding, int(bool(scale_grad_by_freq)))
+    push = pack_push(num_indices, dim, num_weights, padding, int(bool(scale_grad_by_freq)), 0, num_weights)
     groups = (num_weights, ceil_div(dim, BACKWARD_COLUMNS_PER_GROUP), 1)
     return [Dispatch("embedding@BACKWARD=1", groups,
                      bindings=(binding(out, "w"), binding(indices, "r"), binding(grad_output, "r")),
@@ -93,13 +106,14 @@ INDEX_DTYPES = ("int32", "int64")
 def plan_aten_embedding(*, out: Any, weight: Any, weight_shape: Sequence[int], indices: Any,
                         indices_shape: Sequence[int], padding_idx: int = -1, scale_grad_by_freq: bool = False,
                         sparse: bool = False, weight_dtype: Any = "float32", indices_dtype: Any = "int64",
-                        label: str = "aten.embedding.default") -> list[Dispatch]:
+                        binding_limit: BindingLimit | None = None, label: str = "aten.embedding.default"
+                        ) -> list[Dispatch]:
     """aten.embedding: out = weight[indices] (padding_idx and scale_grad_by_freq only matter backward)."""
     check_dtype(weight_dtype, "aten.embedding weight")
     check_dtype(indices_dtype, "aten.embedding indices", INDEX_DTYPES)
     if sparse:
         raise KernelArgumentError("aten.embedding: sparse=True (sparse gradients) is not supported")
-    return plan_embedding(out, weight, weight_shape, indices, indices_shape, label=label)
+    return plan_embedding(out, weight, weight_shape, indices, indices_shape, binding_limit=binding_limit, label=label)
 
 
 @register_kernel("aten.embedding_dense_backward.default")

@@ -449,3 +449,87 @@ def binding(buffer: Any, access: str) -> BufferBinding:
     if isinstance(buffer, BufferBinding):
         return BufferBinding(buffer.buffer, buffer.offset, buffer.size, access)
     return BufferBinding(buffer, access=access)
+
+
+# ---- bindings over the device's max storage binding size: plans that can split a tensor cut it by this
+
+VEC4_BYTES = 16  # windows start 16-byte aligned whatever the device allows, so vec4 arrays stay aligned
+
+
+@dataclass(frozen=True)
+class BindingLimit:
+    """The most bytes one storage binding may span (the device's max storage binding size, or less when a
+    user asks: --max-binding-mib) and the alignment of binding offsets (its min storage buffer offset
+    alignment, at least VEC4_BYTES). A window of a tensor starts up to `alignment - 4` bytes before its
+    first element (its binding offset rounded down), so its elements may span `window_bytes`."""
+
+    max_bytes: int
+    alignment: int = 256
+
+    def __post_init__(self) -> None:
+        check_positive_ints("BindingLimit", max_bytes=self.max_bytes, alignment=self.alignment)
+        object.__setattr__(self, "alignment", max(self.alignment, VEC4_BYTES))
+        if self.alignment & (self.alignment - 1) or self.max_bytes < 2 * self.alignment:
+            raise KernelArgumentError(f"BindingLimit: alignment {self.alignment} must be a power of two and at most "
+                                      f"half of max_bytes {self.max_bytes}")
+
+    @property
+    def window_bytes(self) -> int:
+        return self.max_bytes - self.alignment
+
+    @property
+    def q8_0_window_start(self) -> int:
+        """Codes a window of a Q8_0 matrix starts at a multiple of: whole 32-code blocks, whose float32
+        scales (4 bytes per 32 codes) then start at an aligned binding offset too."""
+        return 8 * self.alignment
+
+    def fits(self, nbytes: int) -> bool:
+        return nbytes <= self.max_bytes
+
+    def refusal(self, label: str, what: str, needed: int) -> KernelArgumentError:
+        return KernelArgumentError(f"{label}: {what} needs a binding of {needed} bytes, over the device's max storage "
+                                   f"binding size of {self.max_bytes} bytes, and the kernel cannot split it that far")
+
+
+def exceeds(limit: BindingLimit | None, sizes: Sequence[int | None]) -> bool:
+    """Whether any of the bindings of these byte sizes is over `limit` (None: no limit)."""
+    return limit is not None and any(size is not None and not limit.fits(size) for size in sizes)
+
+
+def binding_limit_of(limits: Any) -> BindingLimit | None:
+    """The BindingLimit of a device's limits (Vulkan or WebGPU DeviceLimits), None without limits."""
+    if limits is None:
+        return None
+    return BindingLimit(int(limits.max_storage_buffer_range), int(limits.min_storage_buffer_offset_alignment))
+
+
+def sub_binding(buffer: Any, start: int, end: int, access: str, alignment: int) -> tuple[BufferBinding, int]:
+    """Bytes [start, end) of the tensor `buffer` binds (a key: from the buffer's start; a BufferBinding: from
+    its offset) as a binding whose offset is rounded down to `alignment`, and the bytes it starts before
+    `start` (the element offset a kernel adds, times the element size)."""
+    key, base = (buffer.buffer, buffer.offset) if isinstance(buffer, BufferBinding) else (buffer, 0)
+    absolute = base + start
+    offset = absolute - absolute % alignment
+    return BufferBinding(key, offset, base + end - offset, access), absolute - offset
+
+
+def row_windows(rows: int, row_bytes: int, limit: BindingLimit, what: str, label: str,
+                start_alignment: int | None = None) -> list[tuple[int, int]]:
+    """[begin, end) windows of whole rows of a table, each at most `limit.max_bytes` and starting at a
+    multiple of `start_alignment` bytes (default the binding alignment), so each binds with no element
+    offset: a kernel addresses its rows from `begin`."""
+    alignment = start_alignment or limit.alignment
+    step = alignment // math.gcd(row_bytes, alignment)  # rows from one aligned start to the next
+    per_window = limit.max_bytes // row_bytes // step * step
+    if per_window == 0:
+        raise limit.refusal(label, f"{step} rows of {what} ({row_bytes} bytes each)", step * row_bytes)
+    return [(begin, min(begin + per_window, rows)) for begin in range(0, rows, per_window)]
+
+
+def table_window(buffer: Any, begin: int, end: int, access: str, limit: BindingLimit, label: str) -> BufferBinding:
+    """Bytes [begin, end) of a tensor as a binding starting exactly there (row_windows' starts)."""
+    bound, skipped = sub_binding(buffer, begin, end, access, limit.alignment)
+    if skipped:
+        raise KernelArgumentError(f"{label}: a window of a table split over bindings must start at an offset aligned "
+                                  f"to {limit.alignment} bytes; the tensor's own offset is not")
+    return bound

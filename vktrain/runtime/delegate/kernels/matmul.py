@@ -3,7 +3,10 @@
 `plan_gemm` computes C[b] = alpha * A[b] @ B[b] (+ beta * bias[b]) for views A [batch, M, K] and
 B [batch, K, N] with any element strides (a transposed operand is a view whose last two strides are
 swapped: t_copy / permute_copy feeding a mm need not be materialised) and a bias view broadcast to
-[batch, M, N] (addmm's bias [N] or [M, N] reads in place with stride 0). C is contiguous.
+[batch, M, N] (addmm's bias [N] or [M, N] reads in place with stride 0). C is contiguous unless
+`c_row_stride` (elements between its rows, > N) and `c_offset` place it as a window of columns of a
+wider matrix: C[b, m, n] is element c_offset + (b * M + m) * c_row_stride + n of `out` (how the executor
+splits a head's logits over vocabulary windows whose weights fit a storage binding).
 
 Tiling: 64 x 64 output tiles (256 threads), or 64 x 16 / 16 x 64 (64 threads) when the output's
 N / M is <= 16 (the LoRA products of rank 16: a 64-wide tile would leave 3/4 of its threads idle);
@@ -16,8 +19,10 @@ gradients reducing over tokens) would leave most of a large GPU idle while a few
 over K. Given a `scratch` buffer (`gemm_scratch_nbytes` bytes), the plan cuts K into slices of at
 least MIN_SPLIT_SLICE so that about TARGET_THREADS threads run, writes each slice's partial product
 into scratch [slices, batch, M, N], and adds the slices in a fixed order with a second dispatch
-(linear_splitk_reduce.comp, shared with the linear family): bitwise reproducible, no atomics. Only
-slice 0 adds the bias. Without scratch the plan never splits.
+(linear_splitk_reduce.comp, shared with the linear family): bitwise reproducible, no atomics. A bias
+of the output's own shape (contiguous, beta = 1: the addend the gemm_epilogue pass folds into addmm) is
+added by the reduction after the slices, so the result is the bits of the mm followed by the add; any
+other bias is added by slice 0. Without scratch the plan never splits.
 
 Device tuning (kernels/gemm_tuning.py). With `tuning=CPU_TUNING` (the executor's choice on a CPU
 Vulkan implementation) a GEMM whose tile is not forced runs matmul.comp's CPU_REGISTER_TILES variant
@@ -26,8 +31,19 @@ in registers (CPU_TM by `cpu_tile_rows`), no shared memory, no barrier; the defa
 splits K (explicit `split_k` still works: the body reads the same slices).
 
 Q8_0 B (`b_scales`, kernels/q8_0.py): B's storage is a frozen Q8_0 matrix, int8 codes (`b`) and float32
-scales, dequantized as each element loads (matmul.comp's B_Q8_0 variants, no bias): the same tiles,
+scales, dequantized as each element loads (matmul.comp's B_Q8_0 variants): the same tiles,
 bodies and products as reading the float32 matrix they hold.
+
+Bindings over the limit (`binding_limit`): a GEMM one of whose bindings would span more is cut into
+windows of M rows, N columns and K steps that each fit (`gemm_windows`; 2-D only), e.g. logits = h @ W^T
+over windows of W's vocabulary rows and the logits' rows (written through C's row stride), d_h =
+d_logits @ W over windows of W's rows (K). M / N windows keep each sum whole and in order: the unsplit
+bits. K windows add up through the bias epilogue (each GEMM's bias is the previous partial, beta 1),
+alternating between C's window and one window of scratch so the last lands in C and no binding is both
+read and written (WebGPU forbids that aliasing); the split-K reduce would need every slice's partial in
+one (over-limit) binding. Each output is then w in-order partial sums added in order: at most K + w - 1
+roundings per chain, |error| <= gamma_(K + w - 1) * sum_k |a_k b_k| (gamma_n = n u / (1 - n u), u = 2^-24),
+the unsplit bound's form. Q8_0 windows start at a block with an aligned scale binding.
 
 Accuracy: fp32 products accumulated in fp32 in k order within a slice; relative error ~ K * eps in
 the worst case, ~ sqrt(K) * eps typically (tests: norm-relative 1e-4 against float64).
@@ -37,13 +53,16 @@ from __future__ import annotations
 import numbers
 from typing import Any, Sequence
 
-from vktrain.runtime.vk.schedule import Dispatch, ceil_div, pack_push
+from vktrain.runtime.vk.schedule import MAX_SPLIT_DISPATCHES, BufferBinding, Dispatch, ceil_div, pack_push
 from vktrain.runtime.delegate.kernels.gemm_tuning import CPU_TUNING, GPU_TUNING, check_tuning
+from vktrain.runtime.delegate.kernels import layout
 from vktrain.runtime.delegate.kernels.layout import (
     MAX_ELEMENTS,
+    BindingLimit,
     KernelArgumentError,
     StridedView,
     binding,
+    sub_binding,
     check_dtype,
     check_shape,
     check_view_fits,
@@ -170,9 +189,13 @@ def cpu_gemm_variant(A: StridedView, B: StridedView, has_bias: bool) -> tuple[st
     return name, ({B_N_PAIRS_SPEC_ID: b_n_pairs} if b_pairs else {})
 
 
-def gemm_scratch_nbytes(batch: int, M: int, N: int, K: int, tuning: str = GPU_TUNING) -> int:
+def gemm_scratch_nbytes(batch: int, M: int, N: int, K: int, tuning: str = GPU_TUNING,
+                        binding_limit: BindingLimit | None = None, binding_sizes: Sequence[int] = ()) -> int:
     """Bytes of scratch the default plan of a [batch, M, K] @ [batch, K, N] GEMM uses when given one
-    (0: it would not split, pass no scratch)."""
+    (0: it would not split, pass no scratch); at least window_scratch_nbytes when one of its bindings
+    (`binding_sizes`, bytes) is over `binding_limit`."""
+    if layout.exceeds(binding_limit, binding_sizes):
+        return max(gemm_scratch_nbytes(batch, M, N, K, tuning), window_scratch_nbytes(batch * M, N, binding_limit))
     for name, value in (("batch", batch), ("M", M), ("N", N), ("K", K)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
             raise KernelArgumentError(f"gemm_scratch_nbytes: {name} must be an int >= 0, got {value!r}")
@@ -196,10 +219,26 @@ def _check_split_k(split_k: Any, label: str) -> int:
     return split_k
 
 
+def _check_c_placement(c_offset: Any, c_row_stride: Any, batch: int, M: int, N: int, label: str) -> int:
+    """C's row stride (N when not given), after checking that the placement holds C's rows apart and is
+    addressable with 32-bit indices."""
+    if isinstance(c_offset, bool) or not isinstance(c_offset, int) or c_offset < 0:
+        raise KernelArgumentError(f"{label}: c_offset must be an int >= 0 (elements), got {c_offset!r}")
+    if c_row_stride is None:
+        c_row_stride = N
+    if isinstance(c_row_stride, bool) or not isinstance(c_row_stride, int) or c_row_stride < N:
+        raise KernelArgumentError(f"{label}: c_row_stride must be an int >= N = {N} (elements), got {c_row_stride!r}")
+    if c_offset + batch * M * c_row_stride > MAX_ELEMENTS:
+        raise KernelArgumentError(f"{label}: C at element {c_offset} with {batch * M} rows of stride {c_row_stride} "
+                                  f"exceeds {MAX_ELEMENTS} elements (32-bit indices)")
+    return c_row_stride
+
+
 def plan_gemm(out: Any, a: Any, a_view: StridedView, b: Any, b_view: StridedView, *,
               bias: Any = None, bias_view: StridedView | None = None, alpha: float = 1.0, beta: float = 1.0,
               scratch: Any = None, split_k: int | None = None, tile: tuple[int, int] | None = None,
-              tuning: str = GPU_TUNING, b_scales: Any = None, label: str = "gemm") -> list[Dispatch]:
+              tuning: str = GPU_TUNING, b_scales: Any = None, c_offset: int = 0, c_row_stride: int | None = None,
+              binding_limit: BindingLimit | None = None, label: str = "gemm") -> list[Dispatch]:
     """out [batch, M, N] (or [M, N] when both operands are 2-D) = alpha * A @ B (+ beta * bias).
 
     Operand views have rank 2 ([M, K] / [K, N]) or 3 ([batch, M, K] / [batch, K, N]); a 2-D operand
@@ -208,8 +247,19 @@ def plan_gemm(out: Any, a: Any, a_view: StridedView, b: Any, b_view: StridedView
     lets the plan split K (module docstring); `split_k` forces the number of slices (slices past K
     are empty and contribute zeros); `tile` forces one of GEMM_TILES (the shared-memory body whatever
     the `tuning`); `tuning` (kernels/gemm_tuning.py) picks the body otherwise (module docstring).
-    `b_scales`: `b` holds Q8_0 codes and these their scales (module docstring); no bias then.
+    `b_scales`: `b` holds Q8_0 codes and these their scales (module docstring).
+    `c_offset` / `c_row_stride` (elements; default 0 / N) place C inside `out` (module docstring); a
+    strided C is never split over K (the split-K reduce writes a contiguous output).
+    `binding_limit`: an operand, the output or the bias over it is cut into windows (module docstring,
+    "Bindings over the limit"); with windows of the reduction, `scratch` must hold
+    window_scratch_nbytes(M, N, binding_limit) bytes.
     """
+    if binding_limit is not None and not _bindings_fit(a_view, b_view, bias_view, b_scales is not None, c_row_stride,
+                                                         c_offset, binding_limit):
+        if scratch is not None and not isinstance(scratch, BufferBinding):
+            scratch = BufferBinding(scratch)
+        return _plan_gemm_windows(out, a, a_view, b, b_view, bias, bias_view, alpha, beta, scratch, tile, tuning,
+                                  b_scales, binding_limit, label)
     A = _as_batched(a_view, f"{label}: A")
     B = _as_batched(b_view, f"{label}: B")
     batch_a, M, K = A.sizes
@@ -227,18 +277,21 @@ def plan_gemm(out: Any, a: Any, a_view: StridedView, b: Any, b_view: StridedView
     if batch * M * N > MAX_ELEMENTS:
         raise KernelArgumentError(
             f"{label}: the output [{batch}, {M}, {N}] has more than {MAX_ELEMENTS} elements (32-bit indices)")
+    c_row_stride = _check_c_placement(c_offset, c_row_stride, batch, M, N, label)
+    strided_c = c_offset != 0 or c_row_stride != N
     cpu_body = _takes_cpu_body(K, tile, tuning, label)
     tile = default_gemm_tile(M, N) if tile is None else _check_tile(tile, label)
     if split_k is None:
-        split_k = default_split_k(batch, M, N, K, tile) if scratch is not None and not cpu_body else 1
+        split_k = default_split_k(batch, M, N, K, tile) if scratch is not None and not cpu_body and not strided_c else 1
     split_k = _check_split_k(split_k, label)
+    if split_k > 1 and strided_c:
+        raise KernelArgumentError(f"{label}: split_k={split_k} needs a contiguous C (c_offset 0, c_row_stride N), "
+                                  f"got c_offset={c_offset}, c_row_stride={c_row_stride}")
     if batch * M * N == 0:
         return []
     has_bias = bias is not None
     if has_bias != (bias_view is not None):
         raise KernelArgumentError(f"{label}: give both bias and bias_view, or neither")
-    if has_bias and b_scales is not None:
-        raise KernelArgumentError(f"{label}: a Q8_0 B (b_scales) takes no bias")
     if has_bias:
         if bias_view.rank > 3:
             raise KernelArgumentError(f"{label}: bias must have rank <= 3, got sizes {bias_view.sizes}")
@@ -265,6 +318,10 @@ def plan_gemm(out: Any, a: Any, a_view: StridedView, b: Any, b_view: StridedView
             raise KernelArgumentError(f"{label}: split_k={split_k} over [{batch}, {M}, {N}] with K={K} exceeds "
                                       f"32-bit indexing; use a smaller split_k")
     k_slice = slice_length(K, split_k) if split_k > 1 else K
+    # The addend of a fused add(p, mm) is added once the slices are summed, as the add did.
+    reduce_adds_bias = (split_k > 1 and has_bias and float(beta) == 1.0 and bias_view.is_contiguous
+                        and bias_view.offset == 0 and bias_view.numel == batch * M * N)
+    gemm_bias = has_bias and not reduce_adds_bias
 
     push = pack_push(
         M, N, K,
@@ -272,7 +329,7 @@ def plan_gemm(out: Any, a: Any, a_view: StridedView, b: Any, b_view: StridedView
         B.offset, B.strides[0], B.strides[1], B.strides[2],
         bias_offset, *bias_strides,
         float(alpha), float(beta),
-        batch, k_slice)
+        batch, k_slice, c_offset, c_row_stride)
     spec = {
         # Walk the tile along whichever dim is contiguous in memory so loads coalesce.
         A_M_FASTEST_SPEC_ID: bool(A.strides[1] == 1 and A.strides[2] != 1),
@@ -280,15 +337,15 @@ def plan_gemm(out: Any, a: Any, a_view: StridedView, b: Any, b_view: StridedView
     }
     target = out if split_k == 1 else scratch
     bindings = [binding(target, "w"), binding(a, "r"), binding(b, "r")]
-    if has_bias:
-        bindings.append(binding(bias, "r"))
     if b_scales is not None:
         bindings.append(binding(b_scales, "r"))
+    if gemm_bias:
+        bindings.append(binding(bias, "r"))
     if cpu_body:
-        shader, spec = cpu_gemm_variant(A, B, has_bias)
+        shader, spec = cpu_gemm_variant(A, B, gemm_bias)
         groups = (ceil_div(N, CPU_LANES * CPU_TN), ceil_div(M, cpu_tile_rows(M)), split_k * batch)
     else:
-        shader = gemm_shader_name(tile, has_bias, vec4_rows=N % 4 == 0)
+        shader = gemm_shader_name(tile, gemm_bias, vec4_rows=N % 4 == 0 and c_row_stride % 4 == 0 and c_offset % 4 == 0)
         groups = (ceil_div(N, tile[1]), ceil_div(M, tile[0]), split_k * batch)
     if b_scales is not None:
         shader += "+B_Q8_0"
@@ -296,10 +353,159 @@ def plan_gemm(out: Any, a: Any, a_view: StridedView, b: Any, b_view: StridedView
                     label=label if split_k == 1 else f"{label}.split{split_k}")
     if split_k == 1:
         return [gemm]
-    # Slice 0 of the GEMM already added the bias, so the reduce has none (and never reads row_vec4s).
-    reduce = plan_splitk_reduce(out=out, scratch=scratch, count4=batch * M * N // 4, row_vec4s=max(1, N // 4),
+    count4 = batch * M * N // 4
+    if reduce_adds_bias:  # bias[e % row_vec4s] with one "row" of the whole output: bias[e]
+        return [gemm, plan_splitk_reduce(out=out, scratch=scratch, count4=count4, row_vec4s=count4, split_k=split_k,
+                                         bias=bias, label=f"{label}.reduce")]
+    # Slice 0 of the GEMM already added any bias, so the reduce has none (and never reads row_vec4s).
+    reduce = plan_splitk_reduce(out=out, scratch=scratch, count4=count4, row_vec4s=max(1, N // 4),
                                 split_k=split_k, label=f"{label}.reduce")
     return [gemm, reduce]
+
+
+# ---- Bindings over the limit: windows of the operands, each dispatch binding what fits
+
+Q8_0_BLOCK = 32  # codes per scale
+MAX_GEMM_WINDOWS = 1 << 16  # dispatches one windowed GEMM may take (a limit this small is a mistake)
+
+
+def _window_elements(view: StridedView, rows: int, columns: int) -> int:
+    """Elements a [rows, columns] window of the 2-D `view` spans, from its first to its last."""
+    return 1 + (rows - 1) * view.strides[0] + (columns - 1) * view.strides[1]
+
+
+def _operand_budgets(q8_0: bool, limit: BindingLimit) -> tuple[int, int]:
+    """Elements a window of a float32 operand / of B may span."""
+    fp32 = limit.window_bytes // 4
+    return fp32, (limit.max_bytes - limit.q8_0_window_start if q8_0 else fp32)
+
+
+def _bindings_fit(a_view: StridedView, b_view: StridedView, bias_view: StridedView | None, q8_0: bool,
+                  c_row_stride: int | None, c_offset: int, limit: BindingLimit) -> bool:
+    """Whether the unsplit GEMM binds no more than `limit` anywhere (whole 2-D operands as planned)."""
+    M, N = a_view.sizes[-2], b_view.sizes[-1]
+    batch = max(a_view.sizes[0] if a_view.rank == 3 else 1, b_view.sizes[0] if b_view.rank == 3 else 1)
+    c_elements = c_offset + batch * M * (N if c_row_stride is None else c_row_stride)
+    extents = [4 * a_view.extent(), b_view.extent() if q8_0 else 4 * b_view.extent(), 4 * c_elements]
+    if bias_view is not None:
+        extents.append(4 * bias_view.extent())
+    return all(limit.fits(nbytes) for nbytes in extents)
+
+
+def window_scratch_nbytes(M: int, N: int, limit: BindingLimit) -> int:
+    """Scratch a windowed GEMM of output [M, N] needs when it splits the reduction (one output window)."""
+    return min(4 * M * N, limit.window_bytes)
+
+
+def gemm_windows(a_view: StridedView, b_view: StridedView, bias_view: StridedView | None, q8_0: bool,
+                 limit: BindingLimit, label: str) -> tuple[int, int, int]:
+    """(rows of M, columns of N, steps of K) per window, the largest whose A, B, C (contiguous [M, N]) and
+    bias windows each fit `limit`: each operand's window shrinks along its slower-varying dim first (W^T's
+    vocabulary rows, the logits' rows, W's rows), then whole tiles (64 rows / columns, 16 steps)."""
+    (M, K), N = a_view.sizes, b_view.sizes[1]
+    fp32_budget, b_budget = _operand_budgets(q8_0, limit)
+    window = {"m": M, "n": N, "k": K}
+    operands = [(a_view, ("m", "k"), fp32_budget), (b_view, ("k", "n"), b_budget),
+                (StridedView.contiguous((M, N)), ("m", "n"), fp32_budget)]
+    if bias_view is not None:
+        operands.append((bias_view, ("m", "n"), fp32_budget))
+    for _ in range(2 * len(operands)):  # each pass only shrinks windows: a few passes settle it
+        settled = True
+        for view, dims, budget in operands:
+            if _window_elements(view, window[dims[0]], window[dims[1]]) <= budget:
+                continue
+            settled = False
+            slow, fast = (0, 1) if view.strides[0] >= view.strides[1] else (1, 0)
+            room = budget - 1 - (window[dims[fast]] - 1) * view.strides[fast]
+            if room >= 0:
+                window[dims[slow]] = min(window[dims[slow]], room // view.strides[slow] + 1)
+            else:
+                window[dims[slow]] = 1
+                window[dims[fast]] = (budget - 1) // view.strides[fast] + 1
+        if settled:
+            break
+    for dim, step, whole in (("m", 64, M), ("n", 64, N), ("k", TILE_K, K)):
+        if step <= window[dim] < whole:
+            window[dim] -= window[dim] % step
+    count = ceil_div(M, window["m"]) * ceil_div(N, window["n"]) * ceil_div(K, window["k"])
+    if count > MAX_GEMM_WINDOWS:
+        raise limit.refusal(label, f"a [{M}, {K}] @ [{K}, {N}] GEMM in {count} windows (at most {MAX_GEMM_WINDOWS})",
+                            max(4 * a_view.extent(), 4 * M * N))
+    return window["m"], window["n"], window["k"]
+
+
+def _window_view(buffer: Any, view: StridedView, row: int, column: int, rows: int, columns: int, access: str,
+                 limit: BindingLimit) -> tuple[BufferBinding, StridedView]:
+    """The binding and view of the [rows, columns] window of a float32 2-D `view` at (row, column)."""
+    first = view.offset + row * view.strides[0] + column * view.strides[1]
+    span = _window_elements(view, rows, columns)
+    bound, skipped = sub_binding(buffer, 4 * first, 4 * (first + span), access, limit.alignment)
+    return bound, StridedView((rows, columns), view.strides, skipped // 4)
+
+
+def _q8_0_window(codes: Any, scales: Any, view: StridedView, row: int, column: int, rows: int, columns: int,
+                 limit: BindingLimit, label: str) -> tuple[BufferBinding, BufferBinding, StridedView]:
+    """Codes binding, scales binding and view of a window of a Q8_0 B: both bindings start at the block of
+    the window's first code, a multiple of limit.q8_0_window_start codes, so its element e's scale is scale e / 32."""
+    first = view.offset + row * view.strides[0] + column * view.strides[1]
+    end = first + _window_elements(view, rows, columns)
+    start = first - first % limit.q8_0_window_start
+    codes_bound, codes_skip = sub_binding(codes, start, ceil_div(end, 4) * 4, "r", limit.alignment)
+    scales_bound, scales_skip = sub_binding(scales, start // Q8_0_BLOCK * 4, ceil_div(end, Q8_0_BLOCK) * 4, "r",
+                                            limit.alignment)
+    if codes_skip or scales_skip:
+        raise KernelArgumentError(f"{label}: a Q8_0 B split into windows needs its codes and scales bound at offsets "
+                                  f"aligned to {limit.alignment} bytes")
+    return codes_bound, scales_bound, StridedView((rows, columns), view.strides, first - start)
+
+
+def _plan_gemm_windows(out: Any, a: Any, a_view: StridedView, b: Any, b_view: StridedView, bias: Any,
+                       bias_view: StridedView | None, alpha: float, beta: float, scratch: BufferBinding | None,
+                       tile: Any, tuning: str, b_scales: Any, limit: BindingLimit, label: str) -> list[Dispatch]:
+    """plan_gemm over windows that each fit `limit` (module docstring, "Bindings over the limit")."""
+    if a_view.rank != 2 or b_view.rank != 2 or (bias_view is not None and bias_view.rank > 2):
+        raise limit.refusal(label, f"a batched GEMM ({a_view.sizes} @ {b_view.sizes}) over the limit", 0)
+    (M, K), N = a_view.sizes, b_view.sizes[1]
+    bias_full = None if bias_view is None else bias_view.expand((M, N))
+    rows, columns, steps = gemm_windows(a_view, b_view, bias_full, b_scales is not None, limit, label)
+    k_windows = [(k, min(steps, K - k)) for k in range(0, K, steps)]
+    if len(k_windows) > 1 and (scratch is None or scratch.size is not None and scratch.size < 4 * rows * columns):
+        raise KernelArgumentError(f"{label}: windows of the reduction need a scratch buffer of "
+                                  f"window_scratch_nbytes({M}, {N}, limit) = {window_scratch_nbytes(M, N, limit)} bytes")
+    out_view = StridedView.contiguous((M, N))
+    dispatches: list[Dispatch] = []
+    for m in range(0, M, rows):
+        mm = min(rows, M - m)
+        for n in range(0, N, columns):
+            nn = min(columns, N - n)
+            c_bound, c_view = _window_view(out, out_view, m, n, mm, nn, "w", limit)
+            partial = sub_binding(scratch, 0, 4 * mm * nn, "w", limit.alignment)[0] if len(k_windows) > 1 else None
+            previous = None  # (binding, view) of the last window's partial
+            for j, (k, kk) in enumerate(k_windows):
+                a_bound, a_window = _window_view(a, a_view, m, k, mm, kk, "r", limit)
+                if b_scales is None:
+                    b_bound, b_window = _window_view(b, b_view, k, n, kk, nn, "r", limit)
+                    scales_bound = None
+                else:
+                    b_bound, scales_bound, b_window = _q8_0_window(b, b_scales, b_view, k, n, kk, nn, limit, label)
+                # The partials alternate between C's window and the scratch so that the last lands in C;
+                # each adds the one before it through the bias epilogue (never reading what it writes).
+                into_c = (len(k_windows) - 1 - j) % 2 == 0
+                target, view = (c_bound, c_view) if into_c else (partial, StridedView.contiguous((mm, nn)))
+                if previous is None and bias_full is not None:
+                    window_bias, window_bias_view = _window_view(bias, bias_full, m, n, mm, nn, "r", limit)
+                    window_beta = beta
+                elif previous is not None:
+                    window_bias = BufferBinding(previous[0].buffer, previous[0].offset, previous[0].size, "r")
+                    window_bias_view, window_beta = previous[1], 1.0
+                else:
+                    window_bias, window_bias_view, window_beta = None, None, beta
+                dispatches += plan_gemm(
+                    target, a_bound, a_window, b_bound, b_window, bias=window_bias, bias_view=window_bias_view,
+                    alpha=alpha, beta=window_beta, tile=tile, tuning=tuning, b_scales=scales_bound,
+                    c_offset=view.offset, c_row_stride=view.strides[0], label=f"{label}.window{len(dispatches)}")
+                previous = (target, view)
+    return dispatches
 
 
 # aten ops (calling convention: see layout.py). Inputs fp32 contiguous; out fp32 contiguous.

@@ -17,11 +17,11 @@ from __future__ import annotations
 import math
 from typing import Any, Sequence
 
-from vktrain.quant.q8_0 import q8_0_num_scales
+from vktrain.quant.q8_0 import Q8_0_BLOCK_VALUES, q8_0_num_scales
 from vktrain.runtime.vk.schedule import Dispatch, ceil_div, pack_push
 from vktrain.runtime.delegate.kernels.gemm_tuning import GPU_TUNING
-from vktrain.runtime.delegate.kernels.layout import (MAX_ELEMENTS, KernelArgumentError, StridedView, binding,
-                                                     check_dtype, check_shape)
+from vktrain.runtime.delegate.kernels.layout import (MAX_ELEMENTS, BindingLimit, KernelArgumentError, StridedView,
+                                                     binding, check_dtype, check_shape, row_windows, table_window)
 from vktrain.runtime.delegate.kernels.matmul import plan_gemm
 from vktrain.runtime.delegate.kernels.registry import register_kernel
 
@@ -54,9 +54,11 @@ def _check_dtypes(label: str, codes_dtype: Any, scales_dtype: Any) -> None:
 def plan_embedding_q8_0(*, out: Any, codes: Any, codes_shape: Sequence[int], scales: Any, scales_shape: Sequence[int],
                         indices: Any, indices_shape: Sequence[int], codes_dtype: Any = "int8",
                         scales_dtype: Any = "float32", indices_dtype: Any = "int64",
-                        label: str = "embedding_q8_0") -> list[Dispatch]:
+                        binding_limit: BindingLimit | None = None, label: str = "embedding_q8_0") -> list[Dispatch]:
     """out (contiguous, indices_shape + [K]) = W[indices]; K must be a multiple of 4 (one word of codes
-    per invocation). An index outside [0, N) gives a NaN row."""
+    per invocation). An index outside [0, N) gives a NaN row. Codes over `binding_limit` are bound in
+    windows of rows, each starting at a whole block whose scales' binding offset is aligned too, and each
+    gathering the indices in it (as kernels/embedding.py): the unsplit output bit for bit."""
     _check_dtypes(label, codes_dtype, scales_dtype)
     check_dtype(indices_dtype, f"{label} indices", INDEX_DTYPES)
     n, k = _weight(codes_shape, scales_shape, label)
@@ -69,14 +71,24 @@ def plan_embedding_q8_0(*, out: Any, codes: Any, codes_shape: Sequence[int], sca
     words = num_indices * k // COLUMNS_PER_INVOCATION
     if words == 0:
         return []
+    if binding_limit is None or binding_limit.fits(n * k):
+        windows = [((0, n), binding(codes, "r"), binding(scales, "r"))]
+    else:
+        windows = [((begin, end), table_window(codes, begin * k, end * k, "r", binding_limit, label),
+                    table_window(scales, 4 * begin * k // Q8_0_BLOCK_VALUES, 4 * end * k // Q8_0_BLOCK_VALUES, "r",
+                                 binding_limit, label))
+                   for begin, end in row_windows(n, k, binding_limit, "the codes", label,
+                                                 binding_limit.q8_0_window_start)]
     return [Dispatch("embedding_q8_0", ceil_div(words, WORKGROUP_SIZE),
-                     bindings=(binding(out, "w"), binding(indices, "r"), binding(codes, "r"), binding(scales, "r")),
-                     push_constants=pack_push(num_indices, k // COLUMNS_PER_INVOCATION, n), label=label)]
+                     bindings=(binding(out, "w"), binding(indices, "r"), codes_window, scales_window),
+                     push_constants=pack_push(num_indices, k // COLUMNS_PER_INVOCATION, n, begin, end),
+                     label=label if len(windows) == 1 else f"{label}.rows{begin}")
+            for (begin, end), codes_window, scales_window in windows]
 
 
 def _plan_head_gemm(out: Any, rows_input: Any, input_shape: Sequence[int], codes: Any, codes_shape: Sequence[int],
                     scales: Any, scales_shape: Sequence[int], transposed: bool, scratch: Any, tuning: str,
-                    label: str) -> list[Dispatch]:
+                    binding_limit: BindingLimit | None, label: str) -> list[Dispatch]:
     n, k = _weight(codes_shape, scales_shape, label)
     input_shape = check_shape(input_shape, f"{label} input")
     inner = k if transposed else n
@@ -87,31 +99,32 @@ def _plan_head_gemm(out: Any, rows_input: Any, input_shape: Sequence[int], codes
     w = StridedView.contiguous((n, k))
     return plan_gemm(out, rows_input, StridedView.contiguous((rows, inner)), codes,
                      w.transpose(0, 1) if transposed else w, b_scales=scales, scratch=scratch, tuning=tuning,
-                     label=label)
+                     binding_limit=binding_limit, label=label)
 
 
 @register_kernel("vktrain.linear_q8_0.default")
 def plan_linear_q8_0(*, out: Any, x: Any, x_shape: Sequence[int], codes: Any, codes_shape: Sequence[int], scales: Any,
                      scales_shape: Sequence[int], x_dtype: Any = "float32", codes_dtype: Any = "int8",
                      scales_dtype: Any = "float32", scratch: Any = None, tuning: str = GPU_TUNING,
-                     label: str = "linear_q8_0") -> list[Dispatch]:
-    """out [..., N] = x [..., K] @ W^T. `scratch` and `tuning` as in plan_gemm (matmul.gemm_scratch_nbytes)."""
+                     binding_limit: BindingLimit | None = None, label: str = "linear_q8_0") -> list[Dispatch]:
+    """out [..., N] = x [..., K] @ W^T. `scratch`, `tuning` and `binding_limit` as in plan_gemm."""
     _check_dtypes(label, codes_dtype, scales_dtype)
     check_dtype(x_dtype, f"{label} x")
-    return _plan_head_gemm(out, x, x_shape, codes, codes_shape, scales, scales_shape, True, scratch, tuning, label)
+    return _plan_head_gemm(out, x, x_shape, codes, codes_shape, scales, scales_shape, True, scratch, tuning,
+                           binding_limit, label)
 
 
 @register_kernel("vktrain.linear_q8_0_backward.default")
 def plan_linear_q8_0_backward(*, out: Any, d_out: Any, d_out_shape: Sequence[int], codes: Any,
                               codes_shape: Sequence[int], scales: Any, scales_shape: Sequence[int],
                               d_out_dtype: Any = "float32", codes_dtype: Any = "int8", scales_dtype: Any = "float32",
-                              scratch: Any = None, tuning: str = GPU_TUNING,
+                              scratch: Any = None, tuning: str = GPU_TUNING, binding_limit: BindingLimit | None = None,
                               label: str = "linear_q8_0_backward") -> list[Dispatch]:
-    """out [..., K] = d_out [..., N] @ W. `scratch` and `tuning` as in plan_gemm."""
+    """out [..., K] = d_out [..., N] @ W. `scratch`, `tuning` and `binding_limit` as in plan_gemm."""
     _check_dtypes(label, codes_dtype, scales_dtype)
     check_dtype(d_out_dtype, f"{label} d_out")
     return _plan_head_gemm(out, d_out, d_out_shape, codes, codes_shape, scales, scales_shape, False, scratch, tuning,
-                           label)
+                           binding_limit, label)
 
 
 __all__ = ["plan_embedding_q8_0", "plan_linear_q8_0", "plan_linear_q8_0_backward"]
