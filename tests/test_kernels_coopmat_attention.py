@@ -372,3 +372,18 @@ def test_fp16_tc_program_runs_attention_on_the_tensor_core_kernels_and_reports_t
         loss = runner.step(token_ids, labels, hparams)
     assert math.isfinite(loss) and loss != fp32_loss
     assert abs(loss - fp32_loss) <= 1e-3 * abs(fp32_loss) + LOSS_RTOL, (loss, fp32_loss)
+
+
+def test_emulated_kernels_run_the_longest_sequence_their_loop_budget_allows(vk_device):
+    """The longest S the emulated DKV pass accepts (the tightest of the three at D = 64) runs to the end
+    on this device within the bound: lavapipe's loop limit is not reached where the plans accept."""
+    backend = _backend(vk_device, "emulated")
+    D, options = 64, dict(group_heads=1, D=64, row_blocks=2, subgroup_size=backend["subgroup_size"])
+    S = 1
+    while coopmat_attention.emulated_loop_trips("backward_dkv", S=S + 1, **options) <= coopmat_attention.EMULATED_LOOP_BUDGET:
+        S += 1
+    q, k, v, d_out = attention_inputs(1, S, 1, 1, D, seed=13)
+    got, _ = coopmat_attention_gpu(vk_device, backend, q, k, v, d_out, 1 / math.sqrt(D), row_blocks=2)
+    reference, bound, _ = fp16_attention_bounds(q, k, v, d_out, 1 / math.sqrt(D))
+    for name in reference:
+        _assert_within(got[name], reference[name], bound[name], name)
