@@ -131,17 +131,15 @@ def test_default_plans_at_llama_shapes_name_prebuilt_variants_and_cover_the_sequ
             assert dispatch.groups == (math.ceil(S / rows), heads, B), (dispatch.shader, dispatch.groups)
 
 
-def test_row_blocks_prefer_tall_tiles_unless_the_grid_or_the_shared_memory_is_short():
-    # 4 x 512 tokens: 8 x 32 x 4 = 1024 workgroups of 64 queries; DKV 8 x 8 x 4 = 256 of 64 keys.
-    assert default_row_blocks("forward", 64, S=512, heads_times_batch=128, shared_memory_bytes=H200_SHARED_MEMORY) == 4
-    assert default_row_blocks("backward_dkv", 64, S=512, heads_times_batch=32, shared_memory_bytes=H200_SHARED_MEMORY) == 4
-    # 1 x 512: DKV has 8 kv heads: 64 workgroups of 64 keys, 128 of 32.
-    assert default_row_blocks("backward_dkv", 64, S=512, heads_times_batch=8, shared_memory_bytes=H200_SHARED_MEMORY) == 2
+def test_row_blocks_prefer_tall_tiles_where_the_shared_memory_holds_them():
+    for kernel in coopmat_attention.KERNELS:
+        assert default_row_blocks(kernel, 64, shared_memory_bytes=H200_SHARED_MEMORY) == 4, kernel
+        assert shared_memory_nbytes(kernel, 64, max(ROW_BLOCK_CHOICES)) <= H200_SHARED_MEMORY, kernel
     # lavapipe's 32 KiB hold only the 2-block tiles at D = 64, all 4-block ones at D = 16.
     assert shared_memory_nbytes("forward", 64, 4) > 32768 >= shared_memory_nbytes("forward", 64, 2)
+    assert default_row_blocks("forward", 64, shared_memory_bytes=32768) == 2
     assert max(shared_memory_nbytes(kernel, 16, 4) for kernel in coopmat_attention.KERNELS) <= 32768
-    for kernel in coopmat_attention.KERNELS:
-        assert shared_memory_nbytes(kernel, 64, max(ROW_BLOCK_CHOICES)) <= H200_SHARED_MEMORY, kernel
+    assert default_row_blocks("backward_dkv", 64, shared_memory_bytes=16384) is None
 
 
 def test_plans_refuse_what_the_kernels_cannot_run_by_name():

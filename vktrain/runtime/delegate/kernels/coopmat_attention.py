@@ -22,8 +22,7 @@ in [8, 128]; every GPU with the KHR extension has them, and so has lavapipe for 
 Supported: D in SUPPORTED_HEAD_DIMS (16, 32, 64; D = 128 keeps the fp32 kernels, whose shared-memory
 tiles fit it), any B, S >= 1, Hq % Hkv == 0. Tiling: a workgroup of ROW_BLOCKS subgroups owns 16
 rows each (queries; keys for DKV) and streams tiles of STREAM_ROWS rows of the other side; 4 blocks
-where the device's shared memory holds them and the grid still has TARGET_WORKGROUPS workgroups,
-else 2 (`default_row_blocks`).
+where the device's shared memory holds them, else 2 (`default_row_blocks`, chosen by measurement).
 
 Routing: `takes_tensor_cores(route, ...)` says whether the op lowering sends an attention op here (the
 GemmRoute of kernels/coopmat.py has the tensor cores, the head dim is supported, the tiles fit, and,
@@ -48,8 +47,6 @@ SUPPORTED_HEAD_DIMS = (16, 32, 64)
 TILE = 16
 STREAM_ROWS = 32
 ROW_BLOCK_CHOICES = (4, 2)  # preferred first: taller tiles re-read the streamed side fewer times
-# Workgroups a tiling should offer (about 2 per SM of a 132-SM H200) before taller tiles are preferred.
-TARGET_WORKGROUPS = 256
 KERNELS = ("forward", "backward_dq", "backward_dkv")
 # Products per streamed tile, in 16x16x16 multiply-adds per (16-row block, 16-column block of D, 16
 # streamed rows): forward S and P V; DQ S, dP and dS K; DKV S^T, dP^T, P^T dO and dS^T Q.
@@ -91,14 +88,12 @@ def emulated_loop_trips(kernel: str, *, S: int, group_heads: int, D: int, row_bl
     return tiles * (per_tile + 1) + prologue
 
 
-def default_row_blocks(kernel: str, D: int, *, S: int, heads_times_batch: int, shared_memory_bytes: int) -> int | None:
-    """ROW_BLOCKS for a kernel: the first choice whose tiles fit `shared_memory_bytes` and whose grid has
-    TARGET_WORKGROUPS workgroups, else the fitting one with the most; None when none fits."""
+def default_row_blocks(kernel: str, D: int, *, shared_memory_bytes: int) -> int | None:
+    """ROW_BLOCKS for a kernel: the first choice whose tiles fit `shared_memory_bytes`, None when none
+    does. 4 blocks were faster than 2 at every measured shape on the H200, even where they leave the
+    grid at 64 workgroups (DKV at 1 x 512: bench/results/coopmat_attention_h200.json)."""
     fitting = [r for r in ROW_BLOCK_CHOICES if shared_memory_nbytes(kernel, D, r) <= shared_memory_bytes]
-    for row_blocks in fitting:
-        if ceil_div(S, row_blocks * TILE) * heads_times_batch >= TARGET_WORKGROUPS:
-            return row_blocks
-    return min(fitting) if fitting else None
+    return fitting[0] if fitting else None
 
 
 def _configuration(kernel: str, *, B: int, S: int, Hq: int, Hkv: int, D: int, shared_memory_bytes: int,
@@ -108,9 +103,7 @@ def _configuration(kernel: str, *, B: int, S: int, Hq: int, Hkv: int, D: int, sh
     if D not in SUPPORTED_HEAD_DIMS:
         return None, f"head dim D={D} (the tensor-core kernels take D in {SUPPORTED_HEAD_DIMS})"
     if row_blocks is None:
-        heads = Hkv if kernel == "backward_dkv" else Hq
-        row_blocks = default_row_blocks(kernel, D, S=S, heads_times_batch=heads * B,
-                                        shared_memory_bytes=shared_memory_bytes)
+        row_blocks = default_row_blocks(kernel, D, shared_memory_bytes=shared_memory_bytes)
     elif row_blocks not in ROW_BLOCK_CHOICES:
         return None, f"row_blocks must be one of {ROW_BLOCK_CHOICES}, got {row_blocks!r}"
     need = shared_memory_nbytes(kernel, D, row_blocks or min(ROW_BLOCK_CHOICES))
