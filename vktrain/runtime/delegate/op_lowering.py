@@ -27,8 +27,9 @@ generated from torch), and kernels are registered under the op's key (`vktrain.r
   reduction: kernels/matmul.py `gemm_scratch_nbytes`), and nothing otherwise.
 
 * `OpContext.gemm`, the GemmRoute chosen at load (kernels/coopmat.py), may send linear_q4gsw (without
-  bias), linear_q4gsw_backward, mm and addmm (with an addend of the output's shape) to their tensor-core
-  kernels; every other op keeps its fp32 kernel.
+  bias), linear_q4gsw_backward, mm and addmm (with an addend of the output's shape), and causal_attention
+  (and its backward: kernels/coopmat_attention.py) to their tensor-core kernels; every other op keeps its
+  fp32 kernel.
 
 The executor (executor.py) hands each lowering `TensorArg`s whose bindings and views are the storage
 the backend recorded in the blob, so view and in-place decisions never leak into this table.
@@ -45,7 +46,8 @@ from vktrain.quant import padded_k, w4x8_num_words
 from vktrain.serialization import graph as vk
 
 # Importing the kernels package imports every family, so KERNELS is complete.
-from vktrain.runtime.delegate.kernels import KERNELS, attention, coopmat, cross_entropy, layout, linear, matmul, norm
+from vktrain.runtime.delegate.kernels import (KERNELS, attention, coopmat, coopmat_attention, cross_entropy, layout, linear,
+                                             matmul, norm)
 from vktrain.runtime.vk.schedule import BufferBinding, Dispatch
 from vktrain.errors import VktrainError
 
@@ -415,9 +417,12 @@ def _lower_causal_attention(ctx: OpContext) -> list[Dispatch]:
     _check_definition(ctx)
     q, k, v = ctx.tensor(0, "q"), ctx.tensor(1, "k"), ctx.tensor(2, "v")
     out, lse = ctx.outputs
-    return _call(ctx, **_attention_dims(q, k), q=q.binding, k=k.binding, v=v.binding, out=out.binding,
-                 lse=lse.binding, scale=ctx.real(3, "scale"), shared_memory_bytes=ctx.shared_memory_bytes,
-                 max_workgroup_size=ctx.max_workgroup_size)
+    dims, shared = _attention_dims(q, k), ctx.shared_memory_bytes
+    args = dict(**dims, q=q.binding, k=k.binding, v=v.binding, out=out.binding, lse=lse.binding,
+                scale=ctx.real(3, "scale"), shared_memory_bytes=shared)
+    if coopmat_attention.takes_tensor_cores(ctx.gemm, **dims, shared_memory_bytes=shared, backward=False):
+        return _call(ctx, coopmat_attention.plan_coopmat_causal_attention, **args, **ctx.gemm.plan_options)
+    return _call(ctx, **args, max_workgroup_size=ctx.max_workgroup_size)
 
 
 def _lower_causal_attention_backward(ctx: OpContext) -> list[Dispatch]:
@@ -431,10 +436,15 @@ def _lower_causal_attention_backward(ctx: OpContext) -> list[Dispatch]:
         raise ctx.fail(f"the causal_attention_backward kernel refused it: {exc}") from exc
     delta = ctx.scratch(delta_nbytes, "delta")
     d_q, d_k, d_v = ctx.outputs
-    return _call(ctx, **dims, d_out=d_out.binding, q=q.binding, k=k.binding, v=v.binding, out=out.binding,
-                 lse=lse.binding, d_q=d_q.binding, d_k=d_k.binding, d_v=d_v.binding, delta=delta,
-                 scale=ctx.real(6, "scale"), shared_memory_bytes=ctx.shared_memory_bytes,
-                 max_workgroup_size=ctx.max_workgroup_size)
+    args = dict(**dims, d_out=d_out.binding, q=q.binding, k=k.binding, v=v.binding, out=out.binding,
+                lse=lse.binding, d_q=d_q.binding, d_k=d_k.binding, d_v=d_v.binding, delta=delta,
+                scale=ctx.real(6, "scale"), shared_memory_bytes=ctx.shared_memory_bytes)
+    if coopmat_attention.takes_tensor_cores(ctx.gemm, **dims, shared_memory_bytes=ctx.shared_memory_bytes,
+                                            backward=True):
+        absmax = ctx.scratch(coopmat_attention.backward_absmax_scratch_nbytes(**dims), "absmax")
+        return _call(ctx, coopmat_attention.plan_coopmat_causal_attention_backward, **args, absmax=absmax,
+                     **ctx.gemm.plan_options)
+    return _call(ctx, **args, max_workgroup_size=ctx.max_workgroup_size)
 
 
 # ------------------------------------------------------------------------------------------------

@@ -172,7 +172,7 @@ def default_tiles(kernel: str, D: int, *, S: int | None = None, heads_times_batc
     return max(candidates, key=workgroups)  # max() keeps the first (most preferred) of equal counts
 
 
-def _check_problem(op: str, B: int, S: int, Hq: int, Hkv: int, D: int, scale: Any) -> None:
+def check_problem(op: str, B: int, S: int, Hq: int, Hkv: int, D: int, scale: Any) -> None:
     check_positive_ints(op, B=B, S=S, Hq=Hq, Hkv=Hkv, D=D)
     if D not in SUPPORTED_HEAD_DIMS:
         raise KernelArgumentError(
@@ -212,6 +212,17 @@ def causal_attention_backward_scratch_nbytes(B: int, S: int, Hq: int) -> int:
     return 4 * B * Hq * S
 
 
+def plan_backward_delta(*, B: int, S: int, Hq: int, D: int, d_out: Any, out: Any, delta: Any,
+                        label: str) -> Dispatch:
+    """The backward's pre-pass (attention_bwd_delta.comp): delta = rowsum(d_out * out) [B, Hq, S], shared
+    by these kernels and the tensor-core ones (kernels/coopmat_attention.py)."""
+    rows = B * S * Hq
+    return Dispatch("attention_bwd_delta", groups=(ceil_div(rows, DELTA_WORKGROUP_SIZE), 1, 1),
+                    bindings=(binding(d_out, "r"), binding(out, "r"), binding(delta, "w")),
+                    push_constants=pack_push(rows, S, Hq, D // 4), local_size=(DELTA_WORKGROUP_SIZE, 1, 1),
+                    label=f"{label}.delta")
+
+
 @register_kernel("vktrain.causal_attention.default")
 def plan_causal_attention(*, B: int, S: int, Hq: int, Hkv: int, D: int, q: Any, k: Any, v: Any, out: Any,
                           lse: Any, scale: float, tiles: AttentionTiles | None = None,
@@ -227,7 +238,7 @@ def plan_causal_attention(*, B: int, S: int, Hq: int, Hkv: int, D: int, q: Any, 
     `max_workgroup_size` are the device's limits the default must respect.
     """
     op = "causal_attention"
-    _check_problem(op, B, S, Hq, Hkv, D, scale)
+    check_problem(op, B, S, Hq, Hkv, D, scale)
     tiles = _resolve_tiles(op, "forward", tiles, D, S, Hq * B, shared_memory_bytes, max_workgroup_size)
     return [Dispatch(
         "attention_fwd", groups=(ceil_div(S, tiles.rows), Hq, B),
@@ -253,19 +264,15 @@ def plan_causal_attention_backward(*, B: int, S: int, Hq: int, Hkv: int, D: int,
     for DKV).
     """
     op = "causal_attention_backward"
-    _check_problem(op, B, S, Hq, Hkv, D, scale)
+    check_problem(op, B, S, Hq, Hkv, D, scale)
     dq_tiles = _resolve_tiles(op, "backward_dq", dq_tiles, D, S, Hq * B, shared_memory_bytes, max_workgroup_size)
     dkv_tiles = _resolve_tiles(op, "backward_dkv", dkv_tiles, D, S, Hkv * B, shared_memory_bytes,
                                max_workgroup_size)
-    rows = B * S * Hq
     push = pack_push(S, Hq, Hkv, float(scale))
     inputs = (binding(d_out, "r"), binding(q, "r"), binding(k, "r"), binding(v, "r"), binding(lse, "r"),
               binding(delta, "r"))
     return [
-        Dispatch("attention_bwd_delta", groups=(ceil_div(rows, DELTA_WORKGROUP_SIZE), 1, 1),
-                 bindings=(binding(d_out, "r"), binding(out, "r"), binding(delta, "w")),
-                 push_constants=pack_push(rows, S, Hq, D // 4), local_size=(DELTA_WORKGROUP_SIZE, 1, 1),
-                 label=f"{label}.delta"),
+        plan_backward_delta(B=B, S=S, Hq=Hq, D=D, d_out=d_out, out=out, delta=delta, label=label),
         Dispatch("attention_bwd@DQ", groups=(ceil_div(S, dq_tiles.rows), Hq, B),
                  bindings=inputs + (binding(d_q, "w"),), push_constants=push,
                  spec_constants=_spec(D, dq_tiles), local_size=(dq_tiles.workgroup_size, 1, 1),
