@@ -41,6 +41,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_step  # noqa: E402  (puts the repository root on sys.path)
 
+from vktrain.contract import PRECISION_FP32  # noqa: E402
 from vktrain.errors import VktrainError  # noqa: E402
 from vktrain.runtime.runtimes import RUNTIMES, open_device  # noqa: E402
 
@@ -62,7 +63,8 @@ def run_runtime(runtime: str, device, path: Path, args) -> dict[str, Any]:
 
     start = time.perf_counter()
     try:
-        runner = TrainingRunner.from_pte(path, device)
+        # Both runtimes on the same (fp32) kernels' precision: `auto` would take Vulkan's tensor cores.
+        runner = TrainingRunner.from_pte(path, device, precision=PRECISION_FP32)
     except VktrainError as exc:  # e.g. a WGSL kernel missing, a tensor over max-storage-buffer-binding-size
         return {"error": f"{type(exc).__name__}: {exc}"}
     record: dict[str, Any] = {"load_s": time.perf_counter() - start}
