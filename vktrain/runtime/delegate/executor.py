@@ -33,13 +33,8 @@ from vktrain.serialization import graph as vk
 
 from vktrain.runtime.vk.commands import Program
 from vktrain.runtime.vk.memory import Buffer
-from vktrain.runtime.delegate.op_lowering import (
-    GraphLoweringError,
-    OpContext,
-    TensorArg,
-    copy_words,
-    lowering_for,
-)
+from vktrain.runtime.delegate.lowering_context import GraphLoweringError, OpContext, TensorArg
+from vktrain.runtime.delegate.op_lowering import copy_words, lowering_for
 from vktrain.runtime.delegate.kernels.coopmat import allowed_precisions, select_gemm_route
 from vktrain.runtime.delegate.kernels.gemm_tuning import select_gemm_tuning
 from vktrain.runtime.delegate.kernels.layout import StridedView, binding_limit_of

@@ -31,148 +31,24 @@ generated from torch), and kernels are registered under the op's key (`vktrain.r
   (and its backward: kernels/coopmat_attention.py) to their tensor-core kernels; every other op keeps its
   fp32 kernel.
 
-The executor (executor.py) hands each lowering `TensorArg`s whose bindings and views are the storage
+The executor (executor.py) hands each lowering an OpContext of `TensorArg`s (lowering_context.py) whose bindings and views are the storage
 the backend recorded in the blob, so view and in-place decisions never leak into this table.
 """
 from __future__ import annotations
 
 import inspect
-import math
-from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
 
-from vktrain.opdefs import OP_DEFS, OpDef, Refusal, TensorMeta, op_def
+from vktrain.opdefs import OP_DEFS, Refusal, TensorMeta, op_def
 from vktrain.quant import padded_k, w4x8_num_words
 from vktrain.serialization import graph as vk
 
 # Importing the kernels package imports every family, so KERNELS is complete.
 from vktrain.runtime.delegate.kernels import (KERNELS, attention, coopmat, coopmat_attention, cross_entropy, layout, linear,
                                              matmul, norm)
+from vktrain.runtime.delegate.lowering_context import (KERNEL_DTYPES, GraphLoweringError, OpContext, OpLowering,
+                                                      TensorArg)
 from vktrain.runtime.vk.schedule import BufferBinding, Dispatch
-from vktrain.errors import VktrainError
-
-
-# What the GPU kernels read and write (int64 tensors live on the GPU as int32; float64 exists only in the
-# CPU references). The partitioner delegates no op whose tensors have another dtype.
-KERNEL_DTYPES = frozenset({"float32", "int32", "int64", "uint8", "int8"})
-
-
-class GraphLoweringError(VktrainError, ValueError):
-    """A graph op cannot be lowered: unknown op, wrong arity, or arguments no kernel accepts."""
-
-
-# ------------------------------------------------------------------------------------------------
-# What a lowering sees
-# ------------------------------------------------------------------------------------------------
-
-@dataclass(frozen=True)
-class TensorArg:
-    """A tensor value as a kernel binds it: `binding` covers exactly the value's bytes on the GPU.
-
-    `dtype` is the graph dtype name ("float32", "int64", ...); int64 tensors are stored as int32 (the
-    blob records it; the executor converts them on upload) and the aten families accept "int64" meaning
-    exactly that. `layout` is the graph layout (q4gsw weights are W_4X8 words on the GPU). `view` is the
-    strided view the blob records for a lazily transposed tensor (a permutation of another tensor's
-    bytes, never materialised); the backend only leaves those for ops that read strided operands.
-    """
-
-    value_id: int
-    binding: BufferBinding
-    shape: tuple[int, ...]
-    dtype: str
-    layout: vk.Layout = vk.Layout.PLAIN
-    view: Optional[layout.StridedView] = None
-
-    @property
-    def numel(self) -> int:
-        return math.prod(self.shape)
-
-    @property
-    def strided(self) -> layout.StridedView:
-        """How a kernel reads this tensor from its binding (contiguous unless lazily transposed)."""
-        return self.view if self.view is not None else layout.StridedView.contiguous(self.shape)
-
-    @property
-    def storage(self) -> Any:
-        """The buffer key this tensor lives in (two TensorArgs with equal storage share bytes)."""
-        return self.binding.buffer
-
-
-@dataclass
-class OpContext:
-    """One op, decoded: `args` in schema order (TensorArg, None, int, float, bool, str, tuple of
-    numbers, or list of TensorArg for a tensor list), `outputs` as TensorArg."""
-
-    index: int
-    op: vk.OpCall
-    args: list
-    outputs: list
-    label: str
-    # Allocates a scratch buffer owned by this op: (nbytes, purpose) -> binding.
-    scratch: Callable[[int, str], BufferBinding]
-    # The device's DeviceLimits (vktrain.runtime.vk.device), for kernels that size workgroups or shared
-    # memory tiles by them; None: the Vulkan-guaranteed minimums the kernels default to.
-    limits: Optional[Any] = None
-    gemm: coopmat.GemmRoute = coopmat.FP32_ROUTE  # the GEMM kernels chosen at load for this device (kernels/coopmat.py)
-    binding_limit: Optional[layout.BindingLimit] = None  # what the plans that can split a tensor cut it by
-
-    def fail(self, message: str) -> GraphLoweringError:
-        return GraphLoweringError(f"op {self.index} ({self.op.name}): {message}")
-
-    def tensor(self, position: int, name: str) -> TensorArg:
-        value = self.args[position]
-        if not isinstance(value, TensorArg):
-            raise self.fail(f"argument {position} ({name}) must be a tensor, got {value!r}")
-        return value
-
-    def integer(self, position: int, name: str) -> int:
-        value = self.args[position]
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise self.fail(f"argument {position} ({name}) must be an int, got {value!r}")
-        return value
-
-    def real(self, position: int, name: str) -> float:
-        value = self.args[position]
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise self.fail(f"argument {position} ({name}) must be a number, got {value!r}")
-        return float(value)
-
-    @property
-    def shared_memory_bytes(self) -> int:
-        """Shared memory a workgroup may use on this device."""
-        if self.limits is None:
-            return attention.DEFAULT_SHARED_MEMORY_BYTES
-        return int(self.limits.max_compute_shared_memory_size)
-
-    @property
-    def max_workgroup_size(self) -> int:
-        """Invocations a workgroup may have on this device (1-D workgroups)."""
-        if self.limits is None:
-            return attention.DEFAULT_MAX_WORKGROUP_SIZE
-        return min(int(self.limits.max_compute_work_group_invocations),
-                   int(self.limits.max_compute_work_group_size[0]))
-
-
-@dataclass(frozen=True)
-class OpLowering:
-    """How the graph op `key` becomes dispatches. Its argument names (blob order) and outputs are its
-    definition's; it needs the kernel registered under `key` unless `needs_kernel` is False."""
-
-    key: str
-    lower: Callable[[OpContext], list[Dispatch]]
-    needs_kernel: bool = True
-
-    @property
-    def definition(self) -> OpDef:
-        return op_def(self.key)
-
-    @property
-    def arg_names(self) -> tuple[str, ...]:
-        return self.definition.schema.arg_names
-
-    @property
-    def num_outputs(self) -> int:
-        return len(self.definition.schema.returns)
 
 
 # ------------------------------------------------------------------------------------------------

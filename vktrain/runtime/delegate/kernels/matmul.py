@@ -35,8 +35,8 @@ scales, dequantized as each element loads (matmul.comp's B_Q8_0 variants): the s
 bodies and products as reading the float32 matrix they hold.
 
 Bindings over the limit (`binding_limit`): a GEMM one of whose bindings would span more is cut into
-windows of M rows, N columns and K steps that each fit (`gemm_windows`; 2-D only), e.g. logits = h @ W^T
-over windows of W's vocabulary rows and the logits' rows (written through C's row stride), d_h =
+windows of M rows, N columns and K steps that each fit (gemm_windows.py; 2-D only), e.g. logits = h @ W^T over
+windows of W's vocabulary rows and the logits' rows (written through C's row stride), d_h =
 d_logits @ W over windows of W's rows (K). M / N windows keep each sum whole and in order: the unsplit
 bits. K windows add up through the bias epilogue (each GEMM's bias is the previous partial, beta 1),
 alternating between C's window and one window of scratch so the last lands in C and no binding is both
@@ -53,7 +53,6 @@ from __future__ import annotations
 import numbers
 from typing import Any, Sequence
 
-from vktrain.quant.q8_0 import Q8_0_BLOCK_VALUES
 from vktrain.runtime.vk.schedule import BufferBinding, Dispatch, ceil_div, pack_push
 from vktrain.runtime.delegate.kernels.gemm_tuning import CPU_TUNING, GPU_TUNING, check_tuning
 from vktrain.runtime.delegate.kernels import layout
@@ -68,6 +67,8 @@ from vktrain.runtime.delegate.kernels.layout import (
     check_shape,
     check_view_fits,
 )
+from vktrain.runtime.delegate.kernels.gemm_windows import (bindings_fit, gemm_windows, q8_0_window, window_scratch_nbytes,
+                                                           window_view)
 from vktrain.runtime.delegate.kernels.linear import plan_splitk_reduce
 from vktrain.runtime.delegate.kernels.linear import split_k_scratch_nbytes as linear_split_k_scratch_nbytes
 from vktrain.runtime.delegate.kernels.registry import register_kernel
@@ -255,7 +256,7 @@ def plan_gemm(out: Any, a: Any, a_view: StridedView, b: Any, b_view: StridedView
     "Bindings over the limit"); with windows of the reduction, `scratch` must hold
     window_scratch_nbytes(M, N, binding_limit) bytes.
     """
-    if binding_limit is not None and not _bindings_fit(a_view, b_view, bias_view, b_scales is not None, c_row_stride,
+    if binding_limit is not None and not bindings_fit(a_view, b_view, bias_view, b_scales is not None, c_row_stride,
                                                          c_offset, binding_limit):
         if scratch is not None and not isinstance(scratch, BufferBinding):
             scratch = BufferBinding(scratch)
@@ -364,102 +365,6 @@ def plan_gemm(out: Any, a: Any, a_view: StridedView, b: Any, b_view: StridedView
     return [gemm, reduce]
 
 
-# ---- Bindings over the limit: windows of the operands, each dispatch binding what fits
-
-MAX_GEMM_WINDOWS = 1 << 16  # dispatches one windowed GEMM may take (a limit this small is a mistake)
-
-
-def _window_elements(view: StridedView, rows: int, columns: int) -> int:
-    """Elements a [rows, columns] window of the 2-D `view` spans, from its first to its last."""
-    return 1 + (rows - 1) * view.strides[0] + (columns - 1) * view.strides[1]
-
-
-def _operand_budgets(q8_0: bool, limit: BindingLimit) -> tuple[int, int]:
-    """Elements a window of a float32 operand / of B may span."""
-    fp32 = limit.window_bytes // 4
-    return fp32, (limit.max_bytes - limit.q8_0_window_start if q8_0 else fp32)
-
-
-def _bindings_fit(a_view: StridedView, b_view: StridedView, bias_view: StridedView | None, q8_0: bool,
-                  c_row_stride: int | None, c_offset: int, limit: BindingLimit) -> bool:
-    """Whether the unsplit GEMM binds no more than `limit` anywhere (whole 2-D operands as planned)."""
-    M, N = a_view.sizes[-2], b_view.sizes[-1]
-    batch = max(a_view.sizes[0] if a_view.rank == 3 else 1, b_view.sizes[0] if b_view.rank == 3 else 1)
-    c_elements = c_offset + batch * M * (N if c_row_stride is None else c_row_stride)
-    extents = [4 * a_view.extent(), b_view.extent() if q8_0 else 4 * b_view.extent(), 4 * c_elements]
-    if bias_view is not None:
-        extents.append(4 * bias_view.extent())
-    return all(limit.fits(nbytes) for nbytes in extents)
-
-
-def window_scratch_nbytes(M: int, N: int, limit: BindingLimit) -> int:
-    """Scratch a windowed GEMM of output [M, N] needs when it splits the reduction (one output window)."""
-    return min(4 * M * N, limit.window_bytes)
-
-
-def gemm_windows(a_view: StridedView, b_view: StridedView, bias_view: StridedView | None, q8_0: bool,
-                 limit: BindingLimit, label: str) -> tuple[int, int, int]:
-    """(rows of M, columns of N, steps of K) per window, the largest whose A, B, C (contiguous [M, N]) and
-    bias windows each fit `limit`: each operand's window shrinks along its slower-varying dim first (W^T's
-    vocabulary rows, the logits' rows, W's rows), then whole tiles (64 rows / columns, 16 steps)."""
-    (M, K), N = a_view.sizes, b_view.sizes[1]
-    fp32_budget, b_budget = _operand_budgets(q8_0, limit)
-    window = {"m": M, "n": N, "k": K}
-    operands = [(a_view, ("m", "k"), fp32_budget), (b_view, ("k", "n"), b_budget),
-                (StridedView.contiguous((M, N)), ("m", "n"), fp32_budget)]
-    if bias_view is not None:
-        operands.append((bias_view, ("m", "n"), fp32_budget))
-    for _ in range(2 * len(operands)):  # each pass only shrinks windows: a few passes settle it (checked below)
-        settled = True
-        for view, dims, budget in operands:
-            if _window_elements(view, window[dims[0]], window[dims[1]]) <= budget:
-                continue
-            settled = False
-            slow, fast = (0, 1) if view.strides[0] >= view.strides[1] else (1, 0)
-            room = budget - 1 - (window[dims[fast]] - 1) * view.strides[fast]
-            if room >= 0:
-                window[dims[slow]] = min(window[dims[slow]], room // view.strides[slow] + 1)
-            else:
-                window[dims[slow]] = 1
-                window[dims[fast]] = (budget - 1) // view.strides[fast] + 1
-        if settled:
-            break
-    for dim, step, whole in (("m", 64, M), ("n", 64, N), ("k", TILE_K, K)):
-        if step <= window[dim] < whole:
-            window[dim] -= window[dim] % step
-    count = ceil_div(M, window["m"]) * ceil_div(N, window["n"]) * ceil_div(K, window["k"])
-    unfit = [view.sizes for view, dims, budget in operands if _window_elements(view, *map(window.get, dims)) > budget]
-    if count > MAX_GEMM_WINDOWS or unfit:
-        raise limit.refusal(label, f"a [{M}, {K}] @ [{K}, {N}] GEMM in {count} windows (at most {MAX_GEMM_WINDOWS})",
-                            max(4 * a_view.extent(), 4 * M * N))
-    return window["m"], window["n"], window["k"]
-
-
-def _window_view(buffer: Any, view: StridedView, row: int, column: int, rows: int, columns: int, access: str,
-                 limit: BindingLimit) -> tuple[BufferBinding, StridedView]:
-    """The binding and view of the [rows, columns] window of a float32 2-D `view` at (row, column)."""
-    first = view.offset + row * view.strides[0] + column * view.strides[1]
-    span = _window_elements(view, rows, columns)
-    bound, skipped = sub_binding(buffer, 4 * first, 4 * (first + span), access, limit.alignment)
-    return bound, StridedView((rows, columns), view.strides, skipped // 4)
-
-
-def _q8_0_window(codes: Any, scales: Any, view: StridedView, row: int, column: int, rows: int, columns: int,
-                 limit: BindingLimit, label: str) -> tuple[BufferBinding, BufferBinding, StridedView]:
-    """Codes binding, scales binding and view of a window of a Q8_0 B: both bindings start at the block of
-    the window's first code, a multiple of limit.q8_0_window_start codes, so its element e's scale is scale e / 32."""
-    first = view.offset + row * view.strides[0] + column * view.strides[1]
-    end = first + _window_elements(view, rows, columns)
-    start = first - first % limit.q8_0_window_start
-    codes_bound, codes_skip = sub_binding(codes, start, ceil_div(end, 4) * 4, "r", limit.alignment)
-    scales_bound, scales_skip = sub_binding(scales, 4 * (start // Q8_0_BLOCK_VALUES),
-                                            4 * ceil_div(end, Q8_0_BLOCK_VALUES), "r", limit.alignment)
-    if codes_skip or scales_skip:
-        raise KernelArgumentError(f"{label}: a Q8_0 B split into windows needs its codes and scales bound at offsets "
-                                  f"aligned to {limit.alignment} bytes")
-    return codes_bound, scales_bound, StridedView((rows, columns), view.strides, first - start)
-
-
 def _plan_gemm_windows(out: Any, a: Any, a_view: StridedView, b: Any, b_view: StridedView, bias: Any,
                        bias_view: StridedView | None, alpha: float, beta: float, scratch: BufferBinding | None,
                        tile: Any, tuning: str, b_scales: Any, limit: BindingLimit, label: str) -> list[Dispatch]:
@@ -468,7 +373,8 @@ def _plan_gemm_windows(out: Any, a: Any, a_view: StridedView, b: Any, b_view: St
         raise limit.refusal(label, f"a batched GEMM ({a_view.sizes} @ {b_view.sizes}) over the limit", 0)
     (M, K), N = a_view.sizes, b_view.sizes[1]
     bias_full = None if bias_view is None else bias_view.expand((M, N))
-    rows, columns, steps = gemm_windows(a_view, b_view, bias_full, b_scales is not None, limit, label)
+    rows, columns, steps = gemm_windows(a_view, b_view, bias_full, b_scales is not None, limit, label,
+                                       tile_mn=GEMM_TILES[0][0], tile_k=TILE_K)
     k_windows = [(k, min(steps, K - k)) for k in range(0, K, steps)]
     if len(k_windows) > 1 and (scratch is None or scratch.size is not None and scratch.size < 4 * rows * columns):
         raise KernelArgumentError(f"{label}: windows of the reduction need a scratch buffer of window_scratch_nbytes("
@@ -479,22 +385,22 @@ def _plan_gemm_windows(out: Any, a: Any, a_view: StridedView, b: Any, b_view: St
         mm = min(rows, M - m)
         for n in range(0, N, columns):
             nn = min(columns, N - n)
-            c_bound, c_view = _window_view(out, out_view, m, n, mm, nn, "w", limit)
+            c_bound, c_view = window_view(out, out_view, m, n, mm, nn, "w", limit)
             partial = sub_binding(scratch, 0, 4 * mm * nn, "w", limit.alignment)[0] if len(k_windows) > 1 else None
             previous = None  # (binding, view) of the last window's partial
             for j, (k, kk) in enumerate(k_windows):
-                a_bound, a_window = _window_view(a, a_view, m, k, mm, kk, "r", limit)
+                a_bound, a_window = window_view(a, a_view, m, k, mm, kk, "r", limit)
                 if b_scales is None:
-                    b_bound, b_window = _window_view(b, b_view, k, n, kk, nn, "r", limit)
+                    b_bound, b_window = window_view(b, b_view, k, n, kk, nn, "r", limit)
                     scales_bound = None
                 else:
-                    b_bound, scales_bound, b_window = _q8_0_window(b, b_scales, b_view, k, n, kk, nn, limit, label)
+                    b_bound, scales_bound, b_window = q8_0_window(b, b_scales, b_view, k, n, kk, nn, limit, label)
                 # The partials alternate between C's window and the scratch so that the last lands in C;
                 # each adds the one before it through the bias epilogue (never reading what it writes).
                 into_c = (len(k_windows) - 1 - j) % 2 == 0
                 target, view = (c_bound, c_view) if into_c else (partial, StridedView.contiguous((mm, nn)))
                 if previous is None and bias_full is not None:
-                    window_bias, window_bias_view = _window_view(bias, bias_full, m, n, mm, nn, "r", limit)
+                    window_bias, window_bias_view = window_view(bias, bias_full, m, n, mm, nn, "r", limit)
                     window_beta = beta
                 elif previous is not None:
                     window_bias = BufferBinding(previous[0].buffer, previous[0].offset, previous[0].size, "r")
