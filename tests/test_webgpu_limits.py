@@ -92,13 +92,13 @@ def test_tiles_that_do_not_fit_are_refused_naming_the_limit():
 def test_wgsl_attention_requirements_are_read_from_the_kernels():
     forward = reflect_wgsl("attention_fwd", wgsl_source("attention_fwd"))
     ids = {name: forward.override_names[name] for name in ("D", "BQ", "BK", "TPR")}
-    fits = {ids["D"]: 128, ids["BQ"]: 4, ids["BK"]: 32, ids["TPR"]: 1}  # both arrays exactly full
+    fits = {ids["D"]: 128, ids["BQ"]: 4, ids["BK"]: 32, ids["TPR"]: 4}  # both arrays exactly full
     assert forward.unmet_requirements(fits) == []
     too_wide = forward.unmet_requirements({**fits, ids["D"]: 256})
     assert len(too_wide) == 1 and too_wide[0].startswith("D / 4u / TPR <= MAX_CHUNKS (output vec4s per thread")
-    assert too_wide[0].endswith("is false: 64 vs 32")
+    assert too_wide[0].endswith("is false: 16 vs 8")
     too_long = forward.unmet_requirements({**fits, ids["BK"]: 64})
-    assert len(too_long) == 1 and "BK / TPR <= MAX_KEYS" in too_long[0] and too_long[0].endswith("64 vs 32")
+    assert len(too_long) == 1 and "BK / TPR <= MAX_KEYS" in too_long[0] and too_long[0].endswith("16 vs 8")
     assert "cannot be evaluated" in forward.unmet_requirements({})[0]  # a missing override is not a pass
     backward = reflect_wgsl("attention_bwd@DQ", wgsl_source("attention_bwd@DQ"))
     assert [e for e, _ in backward.requirements] == ["D / 4u / TPR <= MAX_CHUNKS", "COLS / TPR <= MAX_COLS"]
@@ -107,7 +107,7 @@ def test_wgsl_attention_requirements_are_read_from_the_kernels():
 @pytest.mark.parametrize("pass_name", ["forward", "dq", "dkv"])
 def test_attention_tiles_beyond_the_wgsl_arrays_are_refused_at_load(webgpu_device, pass_name):
     """cols / threads_per_row = 64 scores per thread: the Vulkan kernel sizes its arrays by the constants,
-    the WGSL one has 32 entries, so the WebGPU Program refuses the dispatch before it builds anything."""
+    the WGSL one has 8 entries (registers), so the WebGPU Program refuses the dispatch before it builds anything."""
     B, S, Hq, Hkv, D = 1, 70, 2, 1, 16
     q, k, v, d_out = transformer.attention_inputs(B, S, Hq, Hkv, D, seed=5)
     wide = AttentionTiles(4, 64, 1)
@@ -115,13 +115,13 @@ def test_attention_tiles_beyond_the_wgsl_arrays_are_refused_at_load(webgpu_devic
     kernel, requirement = {"forward": ("attention_fwd", "BK / TPR <= MAX_KEYS"),
                            "dq": ("attention_bwd@DQ", "COLS / TPR <= MAX_COLS"),
                            "dkv": ("attention_bwd@DKV", "COLS / TPR <= MAX_COLS")}[pass_name]
-    with pytest.raises(ScheduleError, match=f"WGSL kernel '{kernel}' cannot run .*{requirement} .*64 vs 32"):
+    with pytest.raises(ScheduleError, match=f"WGSL kernel '{kernel}' cannot run .*{requirement} .*64 vs 8"):
         transformer.attention_gpu(webgpu_device, q, k, v, 0.25, d_out, **tiles)
 
 
-@pytest.mark.parametrize("D,tiles", [(16, AttentionTiles(4, 32, 1)), (128, AttentionTiles(4, 8, 1))])
+@pytest.mark.parametrize("D,tiles", [(16, AttentionTiles(4, 8, 1)), (128, AttentionTiles(4, 8, 4))])
 def test_attention_tiles_at_the_wgsl_array_cap_are_right(webgpu_device, D, tiles):
-    """32 scores (D = 16) or 32 output vec4s (D = 128) per thread: the arrays full, every entry used."""
+    """8 scores (D = 16) or 8 output vec4s (D = 128) per thread: the arrays full, every entry used."""
     B, S, Hq, Hkv = 1, 45, 2, 1
     q, k, v, d_out = transformer.attention_inputs(B, S, Hq, Hkv, D, seed=D)
     scale = 1 / math.sqrt(D)

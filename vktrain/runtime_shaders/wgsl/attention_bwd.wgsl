@@ -8,7 +8,8 @@
 //   DKV  one workgroup per (ROWS keys, kv head, batch); streams, per query head of the group in order,
 //        the query tiles from the diagonal on, accumulating d_k and d_v in a fixed order (no atomics).
 // Thread (row r, lane t): scores of row r against streamed rows t, t + TPR, ...; output vec4s t, t + TPR, ...
-// Per-thread arrays have MAX_CHUNKS / MAX_COLS entries (WGSL sizes them by constants only).
+// Registers as in attention_fwd.wgsl: the per-thread arrays (Scores, Chunks) are indexed by constants
+// only, each entry guarded by its count, and add their terms in the GLSL's order.
 // vktrain-variants: DQ, DKV
 
 @id(0) override WG: u32 = 64u;    // ROWS * TPR
@@ -17,11 +18,14 @@
 @id(5) override COLS: u32 = 16u;  // rows per streamed tile, a multiple of TPR
 @id(6) override TPR: u32 = 4u;    // threads per owned row
 
-const MAX_CHUNKS = 32u;  // D / 4 / TPR at D = 128, TPR = 1
-const MAX_COLS = 32u;    // COLS / TPR at COLS = 32, TPR = 1
+const MAX_CHUNKS = 8u;  // D / 4 / TPR at D = 128, TPR = 4 (the plans' largest is 4)
+const MAX_COLS = 8u;    // COLS / TPR at COLS = 32, TPR = 4
 // The WebGPU runtime refuses, at load, a dispatch whose overrides break these (reflect.py):
-// vktrain-requires: D / 4u / TPR <= MAX_CHUNKS -- gradient vec4s per thread, arrays dq / dk / dv
-// vktrain-requires: COLS / TPR <= MAX_COLS -- scores per thread and tile, arrays dot_qk / dot_dov
+// vktrain-requires: D / 4u / TPR <= MAX_CHUNKS -- gradient vec4s per thread, registers dq / dk / dv
+// vktrain-requires: COLS / TPR <= MAX_COLS -- scores per thread and tile, registers dot_qk / dot_dov
+
+alias Chunks = array<vec4<f32>, MAX_CHUNKS>;  // [i]: gradient vec4 lane + TPR i of the thread's row
+alias Scores = array<f32, MAX_COLS>;          // [j]: against streamed row lane + TPR j of the tile
 
 struct Params {
     vktrain_group_offset: vec4<u32>,
@@ -50,6 +54,9 @@ fn source_index(seq: u32, b: u32, head: u32, heads: u32, col4: u32) -> u32 {
     return ((b * params.S + seq) * heads + head) * (D / 4u) + col4;
 }
 
+fn chunk_count() -> u32 { return D / 4u / TPR; }
+fn col_count() -> u32 { return COLS / TPR; }
+
 #if DQ
 var<workgroup> q_tile: array<vec4<f32>, ROWS * (D / 4u + 1u)>;
 var<workgroup> do_tile: array<vec4<f32>, ROWS * (D / 4u + 1u)>;
@@ -57,13 +64,100 @@ var<workgroup> k_tile: array<vec4<f32>, COLS * (D / 4u + 1u)>;
 var<workgroup> v_tile: array<vec4<f32>, COLS * (D / 4u + 1u)>;
 var<workgroup> ds_tile: array<f32, ROWS * (COLS + 1u)>;
 
+// One d4 step of the thread's scores: q . k and d_out . v against key rows at + j TPR rows.
+fn score_step(dot_qk: ptr<function, Scores>, dot_dov: ptr<function, Scores>, q_value: vec4<f32>,
+              do_value: vec4<f32>, at: u32) {
+    let step = TPR * (D / 4u + 1u);
+    (*dot_qk)[0] += dot(q_value, k_tile[at]);
+    (*dot_dov)[0] += dot(do_value, v_tile[at]);
+    if (col_count() > 1u) {
+        (*dot_qk)[1] += dot(q_value, k_tile[at + step]);
+        (*dot_dov)[1] += dot(do_value, v_tile[at + step]);
+    }
+    if (col_count() > 2u) {
+        (*dot_qk)[2] += dot(q_value, k_tile[at + 2u * step]);
+        (*dot_dov)[2] += dot(do_value, v_tile[at + 2u * step]);
+    }
+    if (col_count() > 3u) {
+        (*dot_qk)[3] += dot(q_value, k_tile[at + 3u * step]);
+        (*dot_dov)[3] += dot(do_value, v_tile[at + 3u * step]);
+    }
+    if (col_count() > 4u) {
+        (*dot_qk)[4] += dot(q_value, k_tile[at + 4u * step]);
+        (*dot_dov)[4] += dot(do_value, v_tile[at + 4u * step]);
+    }
+    if (col_count() > 5u) {
+        (*dot_qk)[5] += dot(q_value, k_tile[at + 5u * step]);
+        (*dot_dov)[5] += dot(do_value, v_tile[at + 5u * step]);
+    }
+    if (col_count() > 6u) {
+        (*dot_qk)[6] += dot(q_value, k_tile[at + 6u * step]);
+        (*dot_dov)[6] += dot(do_value, v_tile[at + 6u * step]);
+    }
+    if (col_count() > 7u) {
+        (*dot_qk)[7] += dot(q_value, k_tile[at + 7u * step]);
+        (*dot_dov)[7] += dot(do_value, v_tile[at + 7u * step]);
+    }
+}
+
+// The row's statistics, for dS of the thread's keys.
+struct Row {
+    query: u32,
+    valid: bool,  // the query is inside the sequence
+    lse: f32,
+    delta: f32,
+}
+
+// dS of query row.query against key `key` into ds_tile[at]; 0 where masked.
+fn store_ds(at: u32, key: u32, row: Row, dot_qk: f32, dot_dov: f32) {
+    var ds = 0.0;
+    if (row.valid && key <= row.query) {  // key <= query < S: inside the sequence
+        let p = exp(dot_qk * params.scale - row.lse);
+        ds = p * (dot_dov - row.delta);
+    }
+    ds_tile[at] = ds;
+}
+
+// dS of the thread's keys key + j TPR (tile columns at + j TPR).
+fn store_ds_row(at: u32, key: u32, row: Row, dot_qk: Scores, dot_dov: Scores) {
+    store_ds(at, key, row, dot_qk[0], dot_dov[0]);
+    if (col_count() > 1u) { store_ds(at + TPR, key + TPR, row, dot_qk[1], dot_dov[1]); }
+    if (col_count() > 2u) { store_ds(at + 2u * TPR, key + 2u * TPR, row, dot_qk[2], dot_dov[2]); }
+    if (col_count() > 3u) { store_ds(at + 3u * TPR, key + 3u * TPR, row, dot_qk[3], dot_dov[3]); }
+    if (col_count() > 4u) { store_ds(at + 4u * TPR, key + 4u * TPR, row, dot_qk[4], dot_dov[4]); }
+    if (col_count() > 5u) { store_ds(at + 5u * TPR, key + 5u * TPR, row, dot_qk[5], dot_dov[5]); }
+    if (col_count() > 6u) { store_ds(at + 6u * TPR, key + 6u * TPR, row, dot_qk[6], dot_dov[6]); }
+    if (col_count() > 7u) { store_ds(at + 7u * TPR, key + 7u * TPR, row, dot_qk[7], dot_dov[7]); }
+}
+
+// dq[i] += ds * k_tile[at + TPR i]: one key row into the thread's d_q vec4s.
+fn add_key(dq: ptr<function, Chunks>, ds: f32, at: u32) {
+    (*dq)[0] += ds * k_tile[at];
+    if (chunk_count() > 1u) { (*dq)[1] += ds * k_tile[at + TPR]; }
+    if (chunk_count() > 2u) { (*dq)[2] += ds * k_tile[at + 2u * TPR]; }
+    if (chunk_count() > 3u) { (*dq)[3] += ds * k_tile[at + 3u * TPR]; }
+    if (chunk_count() > 4u) { (*dq)[4] += ds * k_tile[at + 4u * TPR]; }
+    if (chunk_count() > 5u) { (*dq)[5] += ds * k_tile[at + 5u * TPR]; }
+    if (chunk_count() > 6u) { (*dq)[6] += ds * k_tile[at + 6u * TPR]; }
+    if (chunk_count() > 7u) { (*dq)[7] += ds * k_tile[at + 7u * TPR]; }
+}
+
+fn store_dq(dq: Chunks, at: u32) {
+    d_q[at] = dq[0] * params.scale;
+    if (chunk_count() > 1u) { d_q[at + TPR] = dq[1] * params.scale; }
+    if (chunk_count() > 2u) { d_q[at + 2u * TPR] = dq[2] * params.scale; }
+    if (chunk_count() > 3u) { d_q[at + 3u * TPR] = dq[3] * params.scale; }
+    if (chunk_count() > 4u) { d_q[at + 4u * TPR] = dq[4] * params.scale; }
+    if (chunk_count() > 5u) { d_q[at + 5u * TPR] = dq[5] * params.scale; }
+    if (chunk_count() > 6u) { d_q[at + 6u * TPR] = dq[6] * params.scale; }
+    if (chunk_count() > 7u) { d_q[at + 7u * TPR] = dq[7] * params.scale; }
+}
+
 @compute @workgroup_size(WG)
 fn main(@builtin(workgroup_id) workgroup: vec3<u32>, @builtin(local_invocation_index) tid: u32) {
     let d4s = D / 4u;
     let stride = d4s + 1u;
     let score_stride = COLS + 1u;
-    let chunks = d4s / TPR;
-    let cols_per_thread = COLS / TPR;
     let group = workgroup + params.vktrain_group_offset.xyz;
     // Heaviest tiles (the last queries, which see the most keys) first.
     let q_tiles = (params.S + ROWS - 1u) / ROWS;
@@ -90,10 +184,10 @@ fn main(@builtin(workgroup_id) workgroup: vec3<u32>, @builtin(local_invocation_i
     }
     let valid_query = query < params.S;
     let stat_index = (b * params.Hq + head) * params.S + min(query, params.S - 1u);
-    let row_lse = select(0.0, lse[stat_index], valid_query);
-    let row_delta = select(0.0, delta[stat_index], valid_query);
+    let stats = Row(query, valid_query, select(0.0, lse[stat_index], valid_query),
+                    select(0.0, delta[stat_index], valid_query));
 
-    var dq: array<vec4<f32>, MAX_CHUNKS>;
+    var dq = Chunks();
     for (var k_start = 0u; k_start < q_end; k_start += COLS) {
         workgroupBarrier();  // the previous K / V / dS tiles are consumed
         for (var idx = tid; idx < COLS * d4s; idx += WG) {
@@ -110,47 +204,26 @@ fn main(@builtin(workgroup_id) workgroup: vec3<u32>, @builtin(local_invocation_i
         }
         workgroupBarrier();
 
-        // Zeroed explicitly: a declaration inside a loop is not re-initialized on every trip by every
-        // WGSL compiler (naga hoists it).
-        var dot_qk: array<f32, MAX_COLS>;
-        var dot_dov: array<f32, MAX_COLS>;
-        for (var j = 0u; j < cols_per_thread; j++) {
-            dot_qk[j] = 0.0;
-            dot_dov[j] = 0.0;
-        }
+        // Zeroed by assignments: naga hoists a declaration inside a loop, so its initializer would not
+        // run on every trip.
+        var dot_qk: Scores;
+        var dot_dov: Scores;
+        dot_qk = Scores();
+        dot_dov = Scores();
         for (var d4 = 0u; d4 < d4s; d4++) {
-            let q_value = q_tile[row * stride + d4];
-            let do_value = do_tile[row * stride + d4];
-            for (var j = 0u; j < cols_per_thread; j++) {
-                let col = lane + TPR * j;
-                dot_qk[j] += dot(q_value, k_tile[col * stride + d4]);
-                dot_dov[j] += dot(do_value, v_tile[col * stride + d4]);
-            }
+            score_step(&dot_qk, &dot_dov, q_tile[row * stride + d4], do_tile[row * stride + d4],
+                       lane * stride + d4);
         }
-        for (var j = 0u; j < cols_per_thread; j++) {
-            let col = lane + TPR * j;
-            let key = k_start + col;
-            var ds = 0.0;
-            if (valid_query && key <= query) {  // key <= query < S: inside the sequence
-                let p = exp(dot_qk[j] * params.scale - row_lse);
-                ds = p * (dot_dov[j] - row_delta);
-            }
-            ds_tile[row * score_stride + col] = ds;
-        }
+        store_ds_row(row * score_stride + lane, k_start + lane, stats, dot_qk, dot_dov);
         workgroupBarrier();
 
         for (var c = 0u; c < COLS; c++) {
-            let ds = ds_tile[row * score_stride + c];
-            for (var i = 0u; i < chunks; i++) {
-                dq[i] += ds * k_tile[c * stride + lane + TPR * i];
-            }
+            add_key(&dq, ds_tile[row * score_stride + c], c * stride + lane);
         }
     }
 
     if (valid_query) {
-        for (var i = 0u; i < chunks; i++) {
-            d_q[source_index(query, b, head, params.Hq, lane + TPR * i)] = dq[i] * params.scale;
-        }
+        store_dq(dq, source_index(query, b, head, params.Hq, lane));
     }
 }
 #else
@@ -163,13 +236,154 @@ var<workgroup> ds_tile: array<f32, ROWS * (COLS + 1u)>;
 var<workgroup> lse_tile: array<f32, COLS>;
 var<workgroup> delta_tile: array<f32, COLS>;
 
+// One d4 step of the thread's scores: q . k and d_out . v of query rows at + j TPR rows.
+fn score_step(dot_qk: ptr<function, Scores>, dot_dov: ptr<function, Scores>, k_value: vec4<f32>,
+              v_value: vec4<f32>, at: u32) {
+    let step = TPR * (D / 4u + 1u);
+    (*dot_qk)[0] += dot(q_tile[at], k_value);
+    (*dot_dov)[0] += dot(do_tile[at], v_value);
+    if (col_count() > 1u) {
+        (*dot_qk)[1] += dot(q_tile[at + step], k_value);
+        (*dot_dov)[1] += dot(do_tile[at + step], v_value);
+    }
+    if (col_count() > 2u) {
+        (*dot_qk)[2] += dot(q_tile[at + 2u * step], k_value);
+        (*dot_dov)[2] += dot(do_tile[at + 2u * step], v_value);
+    }
+    if (col_count() > 3u) {
+        (*dot_qk)[3] += dot(q_tile[at + 3u * step], k_value);
+        (*dot_dov)[3] += dot(do_tile[at + 3u * step], v_value);
+    }
+    if (col_count() > 4u) {
+        (*dot_qk)[4] += dot(q_tile[at + 4u * step], k_value);
+        (*dot_dov)[4] += dot(do_tile[at + 4u * step], v_value);
+    }
+    if (col_count() > 5u) {
+        (*dot_qk)[5] += dot(q_tile[at + 5u * step], k_value);
+        (*dot_dov)[5] += dot(do_tile[at + 5u * step], v_value);
+    }
+    if (col_count() > 6u) {
+        (*dot_qk)[6] += dot(q_tile[at + 6u * step], k_value);
+        (*dot_dov)[6] += dot(do_tile[at + 6u * step], v_value);
+    }
+    if (col_count() > 7u) {
+        (*dot_qk)[7] += dot(q_tile[at + 7u * step], k_value);
+        (*dot_dov)[7] += dot(do_tile[at + 7u * step], v_value);
+    }
+}
+
+// P and dS of key `key` (valid: inside the sequence) against query q_start + col into p_tile /
+// ds_tile[at]; 0 where masked.
+fn store_p_ds(at: u32, col: u32, q_start: u32, key: u32, valid_key: bool, dot_qk: f32, dot_dov: f32) {
+    let query = q_start + col;
+    var p = 0.0;
+    var ds = 0.0;
+    if (valid_key && key <= query && query < params.S) {
+        p = exp(dot_qk * params.scale - lse_tile[col]);
+        ds = p * (dot_dov - delta_tile[col]);
+    }
+    p_tile[at] = p;
+    ds_tile[at] = ds;
+}
+
+// P and dS of the thread's queries q_start + col + j TPR (tile columns at + j TPR).
+fn store_p_ds_row(at: u32, col: u32, q_start: u32, key: u32, valid_key: bool, dot_qk: Scores, dot_dov: Scores) {
+    store_p_ds(at, col, q_start, key, valid_key, dot_qk[0], dot_dov[0]);
+    if (col_count() > 1u) { store_p_ds(at + TPR, col + TPR, q_start, key, valid_key, dot_qk[1], dot_dov[1]); }
+    if (col_count() > 2u) {
+        store_p_ds(at + 2u * TPR, col + 2u * TPR, q_start, key, valid_key, dot_qk[2], dot_dov[2]);
+    }
+    if (col_count() > 3u) {
+        store_p_ds(at + 3u * TPR, col + 3u * TPR, q_start, key, valid_key, dot_qk[3], dot_dov[3]);
+    }
+    if (col_count() > 4u) {
+        store_p_ds(at + 4u * TPR, col + 4u * TPR, q_start, key, valid_key, dot_qk[4], dot_dov[4]);
+    }
+    if (col_count() > 5u) {
+        store_p_ds(at + 5u * TPR, col + 5u * TPR, q_start, key, valid_key, dot_qk[5], dot_dov[5]);
+    }
+    if (col_count() > 6u) {
+        store_p_ds(at + 6u * TPR, col + 6u * TPR, q_start, key, valid_key, dot_qk[6], dot_dov[6]);
+    }
+    if (col_count() > 7u) {
+        store_p_ds(at + 7u * TPR, col + 7u * TPR, q_start, key, valid_key, dot_qk[7], dot_dov[7]);
+    }
+}
+
+// dv[i] += p * do_tile[at + TPR i], dk[i] += ds * q_tile[at + TPR i]: one query row into the thread's
+// gradient vec4s.
+fn add_query(dk: ptr<function, Chunks>, dv: ptr<function, Chunks>, p: f32, ds: f32, at: u32) {
+    (*dv)[0] += p * do_tile[at];
+    (*dk)[0] += ds * q_tile[at];
+    if (chunk_count() > 1u) {
+        (*dv)[1] += p * do_tile[at + TPR];
+        (*dk)[1] += ds * q_tile[at + TPR];
+    }
+    if (chunk_count() > 2u) {
+        (*dv)[2] += p * do_tile[at + 2u * TPR];
+        (*dk)[2] += ds * q_tile[at + 2u * TPR];
+    }
+    if (chunk_count() > 3u) {
+        (*dv)[3] += p * do_tile[at + 3u * TPR];
+        (*dk)[3] += ds * q_tile[at + 3u * TPR];
+    }
+    if (chunk_count() > 4u) {
+        (*dv)[4] += p * do_tile[at + 4u * TPR];
+        (*dk)[4] += ds * q_tile[at + 4u * TPR];
+    }
+    if (chunk_count() > 5u) {
+        (*dv)[5] += p * do_tile[at + 5u * TPR];
+        (*dk)[5] += ds * q_tile[at + 5u * TPR];
+    }
+    if (chunk_count() > 6u) {
+        (*dv)[6] += p * do_tile[at + 6u * TPR];
+        (*dk)[6] += ds * q_tile[at + 6u * TPR];
+    }
+    if (chunk_count() > 7u) {
+        (*dv)[7] += p * do_tile[at + 7u * TPR];
+        (*dk)[7] += ds * q_tile[at + 7u * TPR];
+    }
+}
+
+// d_k = scale dk and d_v = dv at vec4s at + TPR i.
+fn store_dkv(dk: Chunks, dv: Chunks, at: u32) {
+    d_k[at] = dk[0] * params.scale;
+    d_v[at] = dv[0];
+    if (chunk_count() > 1u) {
+        d_k[at + TPR] = dk[1] * params.scale;
+        d_v[at + TPR] = dv[1];
+    }
+    if (chunk_count() > 2u) {
+        d_k[at + 2u * TPR] = dk[2] * params.scale;
+        d_v[at + 2u * TPR] = dv[2];
+    }
+    if (chunk_count() > 3u) {
+        d_k[at + 3u * TPR] = dk[3] * params.scale;
+        d_v[at + 3u * TPR] = dv[3];
+    }
+    if (chunk_count() > 4u) {
+        d_k[at + 4u * TPR] = dk[4] * params.scale;
+        d_v[at + 4u * TPR] = dv[4];
+    }
+    if (chunk_count() > 5u) {
+        d_k[at + 5u * TPR] = dk[5] * params.scale;
+        d_v[at + 5u * TPR] = dv[5];
+    }
+    if (chunk_count() > 6u) {
+        d_k[at + 6u * TPR] = dk[6] * params.scale;
+        d_v[at + 6u * TPR] = dv[6];
+    }
+    if (chunk_count() > 7u) {
+        d_k[at + 7u * TPR] = dk[7] * params.scale;
+        d_v[at + 7u * TPR] = dv[7];
+    }
+}
+
 @compute @workgroup_size(WG)
 fn main(@builtin(workgroup_id) workgroup: vec3<u32>, @builtin(local_invocation_index) tid: u32) {
     let d4s = D / 4u;
     let stride = d4s + 1u;
     let score_stride = COLS + 1u;
-    let chunks = d4s / TPR;
-    let cols_per_thread = COLS / TPR;
     let group = workgroup + params.vktrain_group_offset.xyz;
     let k_start = group.x * ROWS;  // the first keys see the most queries and start first
     let kv_head = group.y;
@@ -195,8 +409,8 @@ fn main(@builtin(workgroup_id) workgroup: vec3<u32>, @builtin(local_invocation_i
         v_tile[(idx / d4s) * stride + idx % d4s] = v_value;
     }
 
-    var dk: array<vec4<f32>, MAX_CHUNKS>;
-    var dv: array<vec4<f32>, MAX_CHUNKS>;
+    var dk = Chunks();
+    var dv = Chunks();
     for (var g = 0u; g < group_heads; g++) {
         let head = kv_head * group_heads + g;
         for (var q_start = first_q_start; q_start < params.S; q_start += COLS) {
@@ -221,53 +435,26 @@ fn main(@builtin(workgroup_id) workgroup: vec3<u32>, @builtin(local_invocation_i
             }
             workgroupBarrier();
 
-            var dot_qk: array<f32, MAX_COLS>;  // zeroed explicitly (see the DQ pass)
-            var dot_dov: array<f32, MAX_COLS>;
-            for (var j = 0u; j < cols_per_thread; j++) {
-                dot_qk[j] = 0.0;
-                dot_dov[j] = 0.0;
-            }
+            var dot_qk: Scores;  // zeroed by assignments (see the DQ pass)
+            var dot_dov: Scores;
+            dot_qk = Scores();
+            dot_dov = Scores();
             for (var d4 = 0u; d4 < d4s; d4++) {
-                let k_value = k_tile[row * stride + d4];
-                let v_value = v_tile[row * stride + d4];
-                for (var j = 0u; j < cols_per_thread; j++) {
-                    let col = lane + TPR * j;
-                    dot_qk[j] += dot(q_tile[col * stride + d4], k_value);
-                    dot_dov[j] += dot(do_tile[col * stride + d4], v_value);
-                }
+                score_step(&dot_qk, &dot_dov, k_tile[row * stride + d4], v_tile[row * stride + d4],
+                           lane * stride + d4);
             }
-            for (var j = 0u; j < cols_per_thread; j++) {
-                let col = lane + TPR * j;
-                let query = q_start + col;
-                var p = 0.0;
-                var ds = 0.0;
-                if (valid_key && key <= query && query < params.S) {
-                    p = exp(dot_qk[j] * params.scale - lse_tile[col]);
-                    ds = p * (dot_dov[j] - delta_tile[col]);
-                }
-                p_tile[row * score_stride + col] = p;
-                ds_tile[row * score_stride + col] = ds;
-            }
+            store_p_ds_row(row * score_stride + lane, lane, q_start, key, valid_key, dot_qk, dot_dov);
             workgroupBarrier();
 
             for (var c = 0u; c < COLS; c++) {
-                let p = p_tile[row * score_stride + c];
-                let ds = ds_tile[row * score_stride + c];
-                for (var i = 0u; i < chunks; i++) {
-                    let chunk = lane + TPR * i;
-                    dv[i] += p * do_tile[c * stride + chunk];
-                    dk[i] += ds * q_tile[c * stride + chunk];
-                }
+                add_query(&dk, &dv, p_tile[row * score_stride + c], ds_tile[row * score_stride + c],
+                          c * stride + lane);
             }
         }
     }
 
     if (valid_key) {
-        for (var i = 0u; i < chunks; i++) {
-            let index = source_index(key, b, kv_head, params.Hkv, lane + TPR * i);
-            d_k[index] = dk[i] * params.scale;
-            d_v[index] = dv[i];
-        }
+        store_dkv(dk, dv, source_index(key, b, kv_head, params.Hkv, lane));
     }
 }
 #endif

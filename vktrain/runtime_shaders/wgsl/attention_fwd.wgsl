@@ -5,8 +5,13 @@
 // One workgroup owns BQ queries of one (batch, query head), TPR threads per query row; key / value tiles of
 // BK rows stream through workgroup memory up to the tile's last query with an online softmax per row.
 // Thread (row r, lane t) scores keys t, t + TPR, ... of a tile and owns output vec4s t, t + TPR, ...
-// Workgroup arrays take their sizes from the overrides; per-thread arrays cannot (WGSL), so they have
-// MAX_CHUNKS / MAX_KEYS entries of which the first D / 4 / TPR and BK / TPR are used.
+//
+// Registers: the thread's scores (Scores) and output vec4s (Chunks) are per-thread arrays indexed by
+// constants only, each entry guarded by its count (key_count(), chunk_count(): overrides, so the guards
+// fold when the pipeline is built): naga emits no unrolled loops, and an array indexed by a loop
+// variable lives in per-thread memory (see linear_gemm.inc.wgsl). Every entry adds its terms in the
+// GLSL's order (scores: d4 ascending; outputs: keys ascending after each tile's rescale), so the
+// results are the GLSL's wherever the two compilers contract alike (bit-identical on lavapipe).
 
 @id(0) override WG: u32 = 64u;   // BQ * TPR
 @id(3) override D: u32 = 64u;    // head dim, a multiple of 4 TPR
@@ -14,13 +19,16 @@
 @id(5) override BK: u32 = 16u;   // keys per tile, a multiple of TPR
 @id(6) override TPR: u32 = 4u;   // threads per query row
 
-const MAX_CHUNKS = 32u;  // D / 4 / TPR at D = 128, TPR = 1
-const MAX_KEYS = 32u;    // BK / TPR at BK = 32, TPR = 1
+const MAX_CHUNKS = 8u;  // D / 4 / TPR at D = 128, TPR = 4 (the plans' largest is 4: D = 128 takes TPR = 8)
+const MAX_KEYS = 8u;    // BK / TPR at BK = 32, TPR = 4
 // The WebGPU runtime refuses, at load, a dispatch whose overrides break these (reflect.py):
-// vktrain-requires: D / 4u / TPR <= MAX_CHUNKS -- output vec4s per thread, array o
-// vktrain-requires: BK / TPR <= MAX_KEYS -- keys scored per thread, array dot_qk
+// vktrain-requires: D / 4u / TPR <= MAX_CHUNKS -- output vec4s per thread, registers Chunks
+// vktrain-requires: BK / TPR <= MAX_KEYS -- keys scored per thread, registers Scores
 // Masked scores and the running max before the first key: finite, and exp(MASKED - m) underflows to 0.
 const MASKED = -3.402823466e38;
+
+alias Chunks = array<vec4<f32>, MAX_CHUNKS>;  // [i]: output vec4 lane + TPR i of the thread's row
+alias Scores = array<f32, MAX_KEYS>;          // [j]: the score of key lane + TPR j of the tile
 
 struct Params {
     vktrain_group_offset: vec4<u32>,
@@ -43,9 +51,77 @@ var<workgroup> k_tile: array<vec4<f32>, BK * (D / 4u + 1u)>;
 var<workgroup> v_tile: array<vec4<f32>, BK * (D / 4u + 1u)>;
 var<workgroup> s_tile: array<f32, BQ * (BK + 1u)>;
 
-// Positions [start, start + rows) of head `head` (of `heads`) of batch b; past the sequence: zeros.
+fn chunk_count() -> u32 { return D / 4u / TPR; }
+fn key_count() -> u32 { return BK / TPR; }
+
+// Vec4 col4 of position seq of head `head` (of `heads`) of batch b in a [B, S, heads, D] buffer.
 fn source_index(seq: u32, b: u32, head: u32, heads: u32, col4: u32) -> u32 {
     return ((b * params.S + seq) * heads + head) * (D / 4u) + col4;
+}
+
+// scores[j] += q_value . k_tile[at + j TPR rows]: one d4 step of the thread's keys.
+fn score_step(scores: ptr<function, Scores>, q_value: vec4<f32>, at: u32) {
+    let step = TPR * (D / 4u + 1u);
+    (*scores)[0] += dot(q_value, k_tile[at]);
+    if (key_count() > 1u) { (*scores)[1] += dot(q_value, k_tile[at + step]); }
+    if (key_count() > 2u) { (*scores)[2] += dot(q_value, k_tile[at + 2u * step]); }
+    if (key_count() > 3u) { (*scores)[3] += dot(q_value, k_tile[at + 3u * step]); }
+    if (key_count() > 4u) { (*scores)[4] += dot(q_value, k_tile[at + 4u * step]); }
+    if (key_count() > 5u) { (*scores)[5] += dot(q_value, k_tile[at + 5u * step]); }
+    if (key_count() > 6u) { (*scores)[6] += dot(q_value, k_tile[at + 6u * step]); }
+    if (key_count() > 7u) { (*scores)[7] += dot(q_value, k_tile[at + 7u * step]); }
+}
+
+// The scores of the thread's keys (k_start + lane + TPR j) for query `query`, masked, into s_tile.
+fn store_score(at: u32, key: u32, query: u32, score: f32) {
+    // Masked: in the future of the query or past the sequence.
+    s_tile[at] = select(MASKED, score * params.scale, key <= query && key < params.S);
+}
+
+fn store_scores(scores: Scores, at: u32, key: u32, query: u32) {
+    store_score(at, key, query, scores[0]);
+    if (key_count() > 1u) { store_score(at + TPR, key + TPR, query, scores[1]); }
+    if (key_count() > 2u) { store_score(at + 2u * TPR, key + 2u * TPR, query, scores[2]); }
+    if (key_count() > 3u) { store_score(at + 3u * TPR, key + 3u * TPR, query, scores[3]); }
+    if (key_count() > 4u) { store_score(at + 4u * TPR, key + 4u * TPR, query, scores[4]); }
+    if (key_count() > 5u) { store_score(at + 5u * TPR, key + 5u * TPR, query, scores[5]); }
+    if (key_count() > 6u) { store_score(at + 6u * TPR, key + 6u * TPR, query, scores[6]); }
+    if (key_count() > 7u) { store_score(at + 7u * TPR, key + 7u * TPR, query, scores[7]); }
+}
+
+fn rescale(o: ptr<function, Chunks>, correction: f32) {
+    (*o)[0] *= correction;
+    if (chunk_count() > 1u) { (*o)[1] *= correction; }
+    if (chunk_count() > 2u) { (*o)[2] *= correction; }
+    if (chunk_count() > 3u) { (*o)[3] *= correction; }
+    if (chunk_count() > 4u) { (*o)[4] *= correction; }
+    if (chunk_count() > 5u) { (*o)[5] *= correction; }
+    if (chunk_count() > 6u) { (*o)[6] *= correction; }
+    if (chunk_count() > 7u) { (*o)[7] *= correction; }
+}
+
+// o[i] += p * v_tile[at + TPR i]: one key's value row into the thread's output vec4s.
+fn add_value(o: ptr<function, Chunks>, p: f32, at: u32) {
+    (*o)[0] += p * v_tile[at];
+    if (chunk_count() > 1u) { (*o)[1] += p * v_tile[at + TPR]; }
+    if (chunk_count() > 2u) { (*o)[2] += p * v_tile[at + 2u * TPR]; }
+    if (chunk_count() > 3u) { (*o)[3] += p * v_tile[at + 3u * TPR]; }
+    if (chunk_count() > 4u) { (*o)[4] += p * v_tile[at + 4u * TPR]; }
+    if (chunk_count() > 5u) { (*o)[5] += p * v_tile[at + 5u * TPR]; }
+    if (chunk_count() > 6u) { (*o)[6] += p * v_tile[at + 6u * TPR]; }
+    if (chunk_count() > 7u) { (*o)[7] += p * v_tile[at + 7u * TPR]; }
+}
+
+// out_[at + TPR i] = o[i] / l.
+fn store_output(o: Chunks, l: f32, at: u32) {
+    out_[at] = o[0] / l;
+    if (chunk_count() > 1u) { out_[at + TPR] = o[1] / l; }
+    if (chunk_count() > 2u) { out_[at + 2u * TPR] = o[2] / l; }
+    if (chunk_count() > 3u) { out_[at + 3u * TPR] = o[3] / l; }
+    if (chunk_count() > 4u) { out_[at + 4u * TPR] = o[4] / l; }
+    if (chunk_count() > 5u) { out_[at + 5u * TPR] = o[5] / l; }
+    if (chunk_count() > 6u) { out_[at + 6u * TPR] = o[6] / l; }
+    if (chunk_count() > 7u) { out_[at + 7u * TPR] = o[7] / l; }
 }
 
 @compute @workgroup_size(WG)
@@ -53,8 +129,6 @@ fn main(@builtin(workgroup_id) workgroup: vec3<u32>, @builtin(local_invocation_i
     let d4s = D / 4u;
     let stride = d4s + 1u;
     let score_stride = BK + 1u;
-    let chunks = d4s / TPR;
-    let keys_per_thread = BK / TPR;
     let group = workgroup + params.vktrain_group_offset.xyz;
     // Tiles in reverse: the last query tiles see the most keys and start first.
     let q_tiles = (params.S + BQ - 1u) / BQ;
@@ -76,7 +150,7 @@ fn main(@builtin(workgroup_id) workgroup: vec3<u32>, @builtin(local_invocation_i
         q_tile[(idx / d4s) * stride + idx % d4s] = value;
     }
 
-    var o: array<vec4<f32>, MAX_CHUNKS>;
+    var o = Chunks();
     var m = MASKED;  // running max of the row's scores
     var l = 0.0;     // running sum of exp(score - m)
     for (var k_start = 0u; k_start < q_end; k_start += BK) {
@@ -95,24 +169,14 @@ fn main(@builtin(workgroup_id) workgroup: vec3<u32>, @builtin(local_invocation_i
         }
         workgroupBarrier();
 
-        // Zeroed explicitly: a declaration inside a loop is not re-initialized on every trip by every
-        // WGSL compiler (naga hoists it).
-        var dot_qk: array<f32, MAX_KEYS>;
-        for (var j = 0u; j < keys_per_thread; j++) {
-            dot_qk[j] = 0.0;
-        }
+        // Zeroed by an assignment: naga hoists a declaration inside a loop, so its initializer would not
+        // run on every trip.
+        var scores: Scores;
+        scores = Scores();
         for (var d4 = 0u; d4 < d4s; d4++) {
-            let q_value = q_tile[row * stride + d4];
-            for (var j = 0u; j < keys_per_thread; j++) {
-                dot_qk[j] += dot(q_value, k_tile[(lane + TPR * j) * stride + d4]);
-            }
+            score_step(&scores, q_tile[row * stride + d4], lane * stride + d4);
         }
-        for (var j = 0u; j < keys_per_thread; j++) {
-            let col = lane + TPR * j;
-            let key = k_start + col;
-            // Masked: in the future of the query or past the sequence.
-            s_tile[row * score_stride + col] = select(MASKED, dot_qk[j] * params.scale, key <= query && key < params.S);
-        }
+        store_scores(scores, row * score_stride + lane, k_start + lane, query);
         workgroupBarrier();
 
         var tile_max = MASKED;
@@ -124,15 +188,11 @@ fn main(@builtin(workgroup_id) workgroup: vec3<u32>, @builtin(local_invocation_i
             let m_new = max(m, tile_max);
             let correction = exp(m - m_new);  // 0 on the row's first keys (m = MASKED)
             l *= correction;
-            for (var i = 0u; i < chunks; i++) {
-                o[i] *= correction;
-            }
+            rescale(&o, correction);
             for (var c = 0u; c < BK; c++) {
                 let p = exp(s_tile[row * score_stride + c] - m_new);
                 l += p;
-                for (var i = 0u; i < chunks; i++) {
-                    o[i] += p * v_tile[c * stride + lane + TPR * i];
-                }
+                add_value(&o, p, c * stride + lane);
             }
             m = m_new;
         }
@@ -140,9 +200,7 @@ fn main(@builtin(workgroup_id) workgroup: vec3<u32>, @builtin(local_invocation_i
 
     if (query < params.S) {
         // Every query sees at least key 0, so l >= 1.
-        for (var i = 0u; i < chunks; i++) {
-            out_[source_index(query, b, head, params.Hq, lane + TPR * i)] = o[i] / l;
-        }
+        store_output(o, l, source_index(query, b, head, params.Hq, lane));
         if (lane == 0u) {
             lse[(b * params.Hq + head) * params.S + query] = m + log(l);
         }

@@ -33,9 +33,10 @@ workgroup (`shared_memory_nbytes`): [rows or cols, D] fp32 tiles (rows padded by
 two [rows, cols] score tiles (rows padded by a float); e.g. at D = 64, 32 KiB and a long sequence:
 forward 32x32 tiles, 29.6 KiB; DQ and DKV 32x16, 27.6 and 29.9 KiB (shorter sequences get shorter row
 tiles, see default_tiles). Registers: D / threads_per_row accumulators per output per thread (16 with
-the default threads per row; DKV keeps two outputs). The WGSL kernels (WebGPU) size those per-thread
-arrays by constants, 32 entries: tiles with D / 4 / threads_per_row or cols / threads_per_row above 32
-are refused when the WebGPU Program is built (their `vktrain-requires:` lines); the defaults stay far below.
+the default threads per row; DKV keeps two outputs). The WGSL kernels (WebGPU) keep those per-thread
+arrays in registers, 8 entries indexed by constants: tiles with D / 4 / threads_per_row or
+cols / threads_per_row above 8 are refused when the WebGPU Program is built (their `vktrain-requires:`
+lines); the defaults reach at most 4 and 8.
 """
 from __future__ import annotations
 
