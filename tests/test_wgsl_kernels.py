@@ -22,6 +22,7 @@ tiny-llama training steps dispatch has one, and the lookup refuses names it cann
 from __future__ import annotations
 
 import inspect
+import math
 
 import numpy as np
 import pytest
@@ -34,6 +35,8 @@ import test_kernels_transformer as transformer
 import test_q8_0_weights as q8_0
 from _helpers import export_mlp_lora_training_step
 
+from vktrain.runtime.delegate.kernels import kv_cache
+from vktrain.runtime.delegate.kernels.attention import AttentionTiles
 from vktrain.runtime_shaders import load_spirv, reflect_spirv
 from vktrain.runtime_shaders.build import spirv_path
 from vktrain.runtime_shaders.wgsl import (
@@ -464,6 +467,51 @@ test_causal_attention_matches_the_definition = on_webgpu(transformer.test_causal
 test_causal_attention_large_scores_stay_finite = on_webgpu(transformer.test_causal_attention_large_scores_stay_finite)
 test_causal_attention_backward_is_deterministic_and_splits = on_webgpu(
     transformer.test_causal_attention_backward_is_deterministic_and_splits)
+
+
+# The at-cap tilings of the WGSL register arrays (8 scores, 8 output vec4s per thread) besides the cases.
+_ATTENTION_REGISTER_CAP_CASES = [(1, 29, 2, 1, 16, AttentionTiles(4, 8, 1), AttentionTiles(4, 8, 1),
+                                  AttentionTiles(4, 8, 1)),
+                                 (1, 21, 2, 2, 128, AttentionTiles(4, 8, 4), AttentionTiles(4, 8, 4),
+                                  AttentionTiles(4, 8, 4))]
+
+
+@pytest.mark.parametrize("B,S,Hq,Hkv,D,tiles,dq_tiles,dkv_tiles",
+                         transformer.ATTENTION_CASES + _ATTENTION_REGISTER_CAP_CASES)
+def test_wgsl_attention_equals_the_glsl_attention_bit_for_bit(vk_device, webgpu_device, B, S, Hq, Hkv, D, tiles,
+                                                              dq_tiles, dkv_tiles):
+    """The WGSL attention passes add every score (d4 ascending), output and gradient term (streamed rows
+    ascending) in the GLSL's order, one dot / multiply / add each, with the same masks and rescales: on
+    one driver (lavapipe compiles both) out, lse, delta, d_q, d_k and d_v are the same bits, at the Vulkan
+    attention tests' edge shapes and at the WGSL register arrays' caps."""
+    q, k, v, d_out = transformer.attention_inputs(B, S, Hq, Hkv, D, seed=S + D)
+    kwargs = dict(tiles=tiles, dq_tiles=dq_tiles, dkv_tiles=dkv_tiles)
+    vulkan = transformer.attention_gpu(vk_device, q, k, v, 1 / math.sqrt(D), d_out, **kwargs)
+    webgpu = transformer.attention_gpu(webgpu_device, q, k, v, 1 / math.sqrt(D), d_out, **kwargs)
+    for name, value in vulkan.items():
+        assert np.isfinite(value).all(), name
+        np.testing.assert_array_equal(webgpu[name].view(np.uint32), value.view(np.uint32), err_msg=name)
+
+
+@pytest.mark.parametrize("B,L,Hq,Hkv,C,D,positions", [
+    (1, 1, 4, 2, 200, 32, [150]),  # several 64-key tiles
+    (2, 3, 6, 2, 70, 72, [69, 0, 64]),  # two dims per thread, ragged tiles
+    (1, 2, 2, 1, 40, 200, [39, 17]),  # all four dims of the first threads, three of the rest
+])
+def test_wgsl_cached_attention_equals_the_glsl_bit_for_bit(vk_device, webgpu_device, B, L, Hq, Hkv, C, D, positions):
+    """Cached attention's accumulators add their terms in the GLSL's order: the same bits on lavapipe."""
+    rng = np.random.default_rng(C + D)
+    q = rng.standard_normal((B, L, Hq, D)).astype(np.float32)
+    k, v = (rng.standard_normal((B, C, Hkv, D)).astype(np.float32) for _ in range(2))
+    pos = np.asarray(positions, np.int32)
+    plan = kv_cache.plan_cached_attention(q="q", q_shape=q.shape, k_cache="k", k_cache_shape=k.shape, v_cache="v",
+                                          v_cache_shape=v.shape, input_pos="pos", input_pos_shape=pos.shape,
+                                          scale=1 / math.sqrt(D), out="out")
+    inputs = {"q": q, "k": k, "v": v, "pos": pos}
+    vulkan = generate._run(vk_device, plan, inputs, {"out": q.shape})["out"]
+    webgpu = generate._run(webgpu_device, plan, inputs, {"out": q.shape})["out"]
+    assert np.isfinite(vulkan).all()
+    np.testing.assert_array_equal(webgpu.view(np.uint32), vulkan.view(np.uint32))
 
 # ---- kernels: generation's KV cache (test_generate.py) ----------------------------------------------------
 

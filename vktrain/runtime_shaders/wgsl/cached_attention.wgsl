@@ -4,6 +4,9 @@
 // One workgroup of TILE threads per (b, l, h): each thread scores one key of a tile into workgroup
 // memory, then every thread folds the tile into a running (max, sum, accumulator) for its output dims
 // d = t, t + TILE, ... (online softmax). D <= TILE * MAX_DIMS_PER_THREAD.
+// Registers: the accumulators are one vec4, component i for dim t + i TILE, each indexed by a constant
+// (an array indexed by a loop variable would live in per-thread memory: naga unrolls nothing), and add
+// their terms in the GLSL's order.
 
 const TILE = 64u;
 const MAX_DIMS_PER_THREAD = 4u;
@@ -30,6 +33,16 @@ var<workgroup> q_row: array<f32, MAX_D>;
 var<workgroup> scores: array<f32, TILE>;
 var<workgroup> key_count: u32;
 
+// v_cache[base + dims], 0 for the dims past the head (component by component: constant indices).
+fn value_row(base: u32, dims: vec4<u32>, inside: vec4<bool>) -> vec4<f32> {
+    var row = vec4<f32>(0.0);
+    if (inside.x) { row.x = v_cache[base + dims.x]; }
+    if (inside.y) { row.y = v_cache[base + dims.y]; }
+    if (inside.z) { row.z = v_cache[base + dims.z]; }
+    if (inside.w) { row.w = v_cache[base + dims.w]; }
+    return row;
+}
+
 @compute @workgroup_size(TILE)
 fn main(@builtin(workgroup_id) workgroup: vec3<u32>, @builtin(local_invocation_id) local: vec3<u32>) {
     let group = workgroup.x + params.vktrain_group_offset.x;  // (b * L + l) * Hq + h
@@ -51,7 +64,10 @@ fn main(@builtin(workgroup_id) workgroup: vec3<u32>, @builtin(local_invocation_i
 
     var running_max = -3.402823466e38;
     var running_sum = 0.0;
-    var acc: array<f32, MAX_DIMS_PER_THREAD>;
+    var acc = vec4<f32>(0.0);  // MAX_DIMS_PER_THREAD components
+    // Dims t + i TILE; those past the head accumulate zeros (value_row) and are never stored.
+    let dims = vec4<u32>(t, t + TILE, t + 2u * TILE, t + 3u * TILE);
+    let inside = dims < vec4<u32>(D);
     let kv_stride = params.kv_heads * D;  // floats between consecutive cache rows
     let kv_base = batch * params.cache_length * kv_stride + kv_head * D;
     for (var first = 0u; first < keys; first += TILE) {
@@ -74,27 +90,19 @@ fn main(@builtin(workgroup_id) workgroup: vec3<u32>, @builtin(local_invocation_i
         let new_max = max(running_max, tile_max);
         let correction = exp(running_max - new_max);
         running_sum *= correction;
-        for (var i = 0u; i < MAX_DIMS_PER_THREAD; i++) {
-            acc[i] *= correction;
-        }
+        acc *= correction;
         for (var j = 0u; j < tile_keys; j++) {
             let p = exp(scores[j] - new_max);
             running_sum += p;
             let base = kv_base + (first + j) * kv_stride;
-            for (var i = 0u; i < MAX_DIMS_PER_THREAD; i++) {
-                let d = t + i * TILE;
-                if (d < D) {
-                    acc[i] += p * v_cache[base + d];
-                }
-            }
+            acc += p * value_row(base, dims, inside);
         }
         running_max = new_max;
         workgroupBarrier();  // every thread has read this tile's scores before the next overwrites them
     }
-    for (var i = 0u; i < MAX_DIMS_PER_THREAD; i++) {
-        let d = t + i * TILE;
-        if (d < D) {
-            out_[group * D + d] = select(acc[i] / running_sum, 0.0, keys == 0u);
-        }
-    }
+    let result = select(acc / running_sum, vec4<f32>(0.0), keys == 0u);
+    if (inside.x) { out_[group * D + dims.x] = result.x; }
+    if (inside.y) { out_[group * D + dims.y] = result.y; }
+    if (inside.z) { out_[group * D + dims.z] = result.z; }
+    if (inside.w) { out_[group * D + dims.w] = result.w; }
 }
