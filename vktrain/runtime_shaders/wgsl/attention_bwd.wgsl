@@ -9,7 +9,8 @@
 //        the query tiles from the diagonal on, accumulating d_k and d_v in a fixed order (no atomics).
 // Thread (row r, lane t): scores of row r against streamed rows t, t + TPR, ...; output vec4s t, t + TPR, ...
 // Registers as in attention_fwd.wgsl: the per-thread arrays (Scores, Chunks) are indexed by constants
-// only, each entry guarded by its count, and add their terms in the GLSL's order.
+// only, each entry guarded by its count, the loops over the head dim and the streamed rows take
+// STEPS_PER_TRIP explicit steps a trip, and every entry adds its terms in the GLSL's order.
 // vktrain-variants: DQ, DKV
 
 @id(0) override WG: u32 = 64u;    // ROWS * TPR
@@ -24,8 +25,16 @@ const MAX_COLS = 8u;    // COLS / TPR at COLS = 32, TPR = 4
 // vktrain-requires: D / 4u / TPR <= MAX_CHUNKS -- gradient vec4s per thread, registers dq / dk / dv
 // vktrain-requires: COLS / TPR <= MAX_COLS -- scores per thread and tile, registers dot_qk / dot_dov
 
+const STEPS_PER_TRIP = 4u;  // explicit calls per trip of the unrolled loops
+
 alias Chunks = array<vec4<f32>, MAX_CHUNKS>;  // [i]: gradient vec4 lane + TPR i of the thread's row
 alias Scores = array<f32, MAX_COLS>;          // [j]: against streamed row lane + TPR j of the tile
+
+// The thread's two dot products per streamed row: q . k (the score, unscaled) and d_out . v.
+struct Dots {
+    qk: Scores,
+    dov: Scores,
+}
 
 struct Params {
     vktrain_group_offset: vec4<u32>,
@@ -64,9 +73,10 @@ var<workgroup> k_tile: array<vec4<f32>, COLS * (D / 4u + 1u)>;
 var<workgroup> v_tile: array<vec4<f32>, COLS * (D / 4u + 1u)>;
 var<workgroup> ds_tile: array<f32, ROWS * (COLS + 1u)>;
 
-// One d4 step of the thread's scores: q . k and d_out . v against key rows at + j TPR rows.
-fn score_step(dot_qk: ptr<function, Scores>, dot_dov: ptr<function, Scores>, q_value: vec4<f32>,
-              do_value: vec4<f32>, at: u32) {
+// One d4 step of the thread's dots against key rows at + j TPR rows.
+fn score_step(dots: ptr<function, Dots>, q_value: vec4<f32>, do_value: vec4<f32>, at: u32) {
+    let dot_qk = &(*dots).qk;
+    let dot_dov = &(*dots).dov;
     let step = TPR * (D / 4u + 1u);
     (*dot_qk)[0] += dot(q_value, k_tile[at]);
     (*dot_dov)[0] += dot(do_value, v_tile[at]);
@@ -118,8 +128,28 @@ fn store_ds(at: u32, key: u32, row: Row, dot_qk: f32, dot_dov: f32) {
     ds_tile[at] = ds;
 }
 
+// The thread's dots against the key tile: the owned row's q_tile / do_tile[row_at ..] against
+// k_tile / v_tile rows col_at + j TPR rows, d4 ascending.
+fn score_tile(row_at: u32, col_at: u32) -> Dots {
+    var dots = Dots();
+    let steps = D / 4u;
+    let unrolled = steps / STEPS_PER_TRIP * STEPS_PER_TRIP;
+    for (var d4 = 0u; d4 < unrolled; d4 += STEPS_PER_TRIP) {
+        score_step(&dots, q_tile[row_at + d4], do_tile[row_at + d4], col_at + d4);
+        score_step(&dots, q_tile[row_at + d4 + 1u], do_tile[row_at + d4 + 1u], col_at + d4 + 1u);
+        score_step(&dots, q_tile[row_at + d4 + 2u], do_tile[row_at + d4 + 2u], col_at + d4 + 2u);
+        score_step(&dots, q_tile[row_at + d4 + 3u], do_tile[row_at + d4 + 3u], col_at + d4 + 3u);
+    }
+    for (var d4 = unrolled; d4 < steps; d4++) {
+        score_step(&dots, q_tile[row_at + d4], do_tile[row_at + d4], col_at + d4);
+    }
+    return dots;
+}
+
 // dS of the thread's keys key + j TPR (tile columns at + j TPR).
-fn store_ds_row(at: u32, key: u32, row: Row, dot_qk: Scores, dot_dov: Scores) {
+fn store_ds_row(at: u32, key: u32, row: Row, dots: Dots) {
+    let dot_qk = dots.qk;
+    let dot_dov = dots.dov;
     store_ds(at, key, row, dot_qk[0], dot_dov[0]);
     if (col_count() > 1u) { store_ds(at + TPR, key + TPR, row, dot_qk[1], dot_dov[1]); }
     if (col_count() > 2u) { store_ds(at + 2u * TPR, key + 2u * TPR, row, dot_qk[2], dot_dov[2]); }
@@ -140,6 +170,21 @@ fn add_key(dq: ptr<function, Chunks>, ds: f32, at: u32) {
     if (chunk_count() > 5u) { (*dq)[5] += ds * k_tile[at + 5u * TPR]; }
     if (chunk_count() > 6u) { (*dq)[6] += ds * k_tile[at + 6u * TPR]; }
     if (chunk_count() > 7u) { (*dq)[7] += ds * k_tile[at + 7u * TPR]; }
+}
+
+// The key tile's rows, ascending, into dq (dS of row s_at in ds_tile).
+fn add_tile(dq: ptr<function, Chunks>, s_at: u32, k_at: u32) {
+    let stride = D / 4u + 1u;
+    let unrolled = COLS / STEPS_PER_TRIP * STEPS_PER_TRIP;
+    for (var c = 0u; c < unrolled; c += STEPS_PER_TRIP) {
+        add_key(dq, ds_tile[s_at + c], k_at + c * stride);
+        add_key(dq, ds_tile[s_at + c + 1u], k_at + (c + 1u) * stride);
+        add_key(dq, ds_tile[s_at + c + 2u], k_at + (c + 2u) * stride);
+        add_key(dq, ds_tile[s_at + c + 3u], k_at + (c + 3u) * stride);
+    }
+    for (var c = unrolled; c < COLS; c++) {
+        add_key(dq, ds_tile[s_at + c], k_at + c * stride);
+    }
 }
 
 fn store_dq(dq: Chunks, at: u32) {
@@ -204,22 +249,10 @@ fn main(@builtin(workgroup_id) workgroup: vec3<u32>, @builtin(local_invocation_i
         }
         workgroupBarrier();
 
-        // Zeroed by assignments: naga hoists a declaration inside a loop, so its initializer would not
-        // run on every trip.
-        var dot_qk: Scores;
-        var dot_dov: Scores;
-        dot_qk = Scores();
-        dot_dov = Scores();
-        for (var d4 = 0u; d4 < d4s; d4++) {
-            score_step(&dot_qk, &dot_dov, q_tile[row * stride + d4], do_tile[row * stride + d4],
-                       lane * stride + d4);
-        }
-        store_ds_row(row * score_stride + lane, k_start + lane, stats, dot_qk, dot_dov);
+        store_ds_row(row * score_stride + lane, k_start + lane, stats, score_tile(row * stride, lane * stride));
         workgroupBarrier();
 
-        for (var c = 0u; c < COLS; c++) {
-            add_key(&dq, ds_tile[row * score_stride + c], c * stride + lane);
-        }
+        add_tile(&dq, row * score_stride, lane);
     }
 
     if (valid_query) {
@@ -236,9 +269,10 @@ var<workgroup> ds_tile: array<f32, ROWS * (COLS + 1u)>;
 var<workgroup> lse_tile: array<f32, COLS>;
 var<workgroup> delta_tile: array<f32, COLS>;
 
-// One d4 step of the thread's scores: q . k and d_out . v of query rows at + j TPR rows.
-fn score_step(dot_qk: ptr<function, Scores>, dot_dov: ptr<function, Scores>, k_value: vec4<f32>,
-              v_value: vec4<f32>, at: u32) {
+// One d4 step of the thread's dots against query rows at + j TPR rows.
+fn score_step(dots: ptr<function, Dots>, k_value: vec4<f32>, v_value: vec4<f32>, at: u32) {
+    let dot_qk = &(*dots).qk;
+    let dot_dov = &(*dots).dov;
     let step = TPR * (D / 4u + 1u);
     (*dot_qk)[0] += dot(q_tile[at], k_value);
     (*dot_dov)[0] += dot(do_tile[at], v_value);
@@ -286,8 +320,28 @@ fn store_p_ds(at: u32, col: u32, q_start: u32, key: u32, valid_key: bool, dot_qk
     ds_tile[at] = ds;
 }
 
+// The thread's dots against the query tile: the owned row's k_tile / v_tile[row_at ..] against
+// q_tile / do_tile rows col_at + j TPR rows, d4 ascending.
+fn score_tile(row_at: u32, col_at: u32) -> Dots {
+    var dots = Dots();
+    let steps = D / 4u;
+    let unrolled = steps / STEPS_PER_TRIP * STEPS_PER_TRIP;
+    for (var d4 = 0u; d4 < unrolled; d4 += STEPS_PER_TRIP) {
+        score_step(&dots, k_tile[row_at + d4], v_tile[row_at + d4], col_at + d4);
+        score_step(&dots, k_tile[row_at + d4 + 1u], v_tile[row_at + d4 + 1u], col_at + d4 + 1u);
+        score_step(&dots, k_tile[row_at + d4 + 2u], v_tile[row_at + d4 + 2u], col_at + d4 + 2u);
+        score_step(&dots, k_tile[row_at + d4 + 3u], v_tile[row_at + d4 + 3u], col_at + d4 + 3u);
+    }
+    for (var d4 = unrolled; d4 < steps; d4++) {
+        score_step(&dots, k_tile[row_at + d4], v_tile[row_at + d4], col_at + d4);
+    }
+    return dots;
+}
+
 // P and dS of the thread's queries q_start + col + j TPR (tile columns at + j TPR).
-fn store_p_ds_row(at: u32, col: u32, q_start: u32, key: u32, valid_key: bool, dot_qk: Scores, dot_dov: Scores) {
+fn store_p_ds_row(at: u32, col: u32, q_start: u32, key: u32, valid_key: bool, dots: Dots) {
+    let dot_qk = dots.qk;
+    let dot_dov = dots.dov;
     store_p_ds(at, col, q_start, key, valid_key, dot_qk[0], dot_dov[0]);
     if (col_count() > 1u) { store_p_ds(at + TPR, col + TPR, q_start, key, valid_key, dot_qk[1], dot_dov[1]); }
     if (col_count() > 2u) {
@@ -342,6 +396,21 @@ fn add_query(dk: ptr<function, Chunks>, dv: ptr<function, Chunks>, p: f32, ds: f
     if (chunk_count() > 7u) {
         (*dv)[7] += p * do_tile[at + 7u * TPR];
         (*dk)[7] += ds * q_tile[at + 7u * TPR];
+    }
+}
+
+// The query tile's rows, ascending, into dk and dv (P and dS of row s_at in p_tile / ds_tile).
+fn add_tile(dk: ptr<function, Chunks>, dv: ptr<function, Chunks>, s_at: u32, q_at: u32) {
+    let stride = D / 4u + 1u;
+    let unrolled = COLS / STEPS_PER_TRIP * STEPS_PER_TRIP;
+    for (var c = 0u; c < unrolled; c += STEPS_PER_TRIP) {
+        add_query(dk, dv, p_tile[s_at + c], ds_tile[s_at + c], q_at + c * stride);
+        add_query(dk, dv, p_tile[s_at + c + 1u], ds_tile[s_at + c + 1u], q_at + (c + 1u) * stride);
+        add_query(dk, dv, p_tile[s_at + c + 2u], ds_tile[s_at + c + 2u], q_at + (c + 2u) * stride);
+        add_query(dk, dv, p_tile[s_at + c + 3u], ds_tile[s_at + c + 3u], q_at + (c + 3u) * stride);
+    }
+    for (var c = unrolled; c < COLS; c++) {
+        add_query(dk, dv, p_tile[s_at + c], ds_tile[s_at + c], q_at + c * stride);
     }
 }
 
@@ -435,21 +504,11 @@ fn main(@builtin(workgroup_id) workgroup: vec3<u32>, @builtin(local_invocation_i
             }
             workgroupBarrier();
 
-            var dot_qk: Scores;  // zeroed by assignments (see the DQ pass)
-            var dot_dov: Scores;
-            dot_qk = Scores();
-            dot_dov = Scores();
-            for (var d4 = 0u; d4 < d4s; d4++) {
-                score_step(&dot_qk, &dot_dov, k_tile[row * stride + d4], v_tile[row * stride + d4],
-                           lane * stride + d4);
-            }
-            store_p_ds_row(row * score_stride + lane, lane, q_start, key, valid_key, dot_qk, dot_dov);
+            store_p_ds_row(row * score_stride + lane, lane, q_start, key, valid_key,
+                           score_tile(row * stride, lane * stride));
             workgroupBarrier();
 
-            for (var c = 0u; c < COLS; c++) {
-                add_query(&dk, &dv, p_tile[row * score_stride + c], ds_tile[row * score_stride + c],
-                          c * stride + lane);
-            }
+            add_tile(&dk, &dv, row * score_stride, lane);
         }
     }
 

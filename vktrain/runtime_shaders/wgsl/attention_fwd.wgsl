@@ -9,9 +9,11 @@
 // Registers: the thread's scores (Scores) and output vec4s (Chunks) are per-thread arrays indexed by
 // constants only, each entry guarded by its count (key_count(), chunk_count(): overrides, so the guards
 // fold when the pipeline is built): naga emits no unrolled loops, and an array indexed by a loop
-// variable lives in per-thread memory (see linear_gemm.inc.wgsl). Every entry adds its terms in the
-// GLSL's order (scores: d4 ascending; outputs: keys ascending after each tile's rescale), so the
-// results are the GLSL's wherever the two compilers contract alike (bit-identical on lavapipe).
+// variable lives in per-thread memory (see linear_gemm.inc.wgsl). The loops over the head dim and the
+// tile's keys take STEPS_PER_TRIP explicit steps a trip (the rest one by one) for the same reason. Every
+// entry adds its terms in the GLSL's order (scores: d4 ascending; outputs: keys ascending after each
+// tile's rescale), so the results are the GLSL's wherever the two compilers contract alike
+// (bit-identical on lavapipe).
 
 @id(0) override WG: u32 = 64u;   // BQ * TPR
 @id(3) override D: u32 = 64u;    // head dim, a multiple of 4 TPR
@@ -26,6 +28,8 @@ const MAX_KEYS = 8u;    // BK / TPR at BK = 32, TPR = 4
 // vktrain-requires: BK / TPR <= MAX_KEYS -- keys scored per thread, registers Scores
 // Masked scores and the running max before the first key: finite, and exp(MASKED - m) underflows to 0.
 const MASKED = -3.402823466e38;
+
+const STEPS_PER_TRIP = 4u;  // explicit calls per trip of the unrolled loops
 
 alias Chunks = array<vec4<f32>, MAX_CHUNKS>;  // [i]: output vec4 lane + TPR i of the thread's row
 alias Scores = array<f32, MAX_KEYS>;          // [j]: the score of key lane + TPR j of the tile
@@ -124,6 +128,60 @@ fn store_output(o: Chunks, l: f32, at: u32) {
     if (chunk_count() > 7u) { out_[at + 7u * TPR] = o[7] / l; }
 }
 
+// The thread's scores against the key tile: q_tile[q_at ..] . k_tile rows k_at + j TPR rows, unscaled.
+fn score_tile(q_at: u32, k_at: u32) -> Scores {
+    var scores = Scores();
+    let steps = D / 4u;
+    let unrolled = steps / STEPS_PER_TRIP * STEPS_PER_TRIP;
+    for (var d4 = 0u; d4 < unrolled; d4 += STEPS_PER_TRIP) {
+        score_step(&scores, q_tile[q_at + d4], k_at + d4);
+        score_step(&scores, q_tile[q_at + d4 + 1u], k_at + d4 + 1u);
+        score_step(&scores, q_tile[q_at + d4 + 2u], k_at + d4 + 2u);
+        score_step(&scores, q_tile[q_at + d4 + 3u], k_at + d4 + 3u);
+    }
+    for (var d4 = unrolled; d4 < steps; d4++) {
+        score_step(&scores, q_tile[q_at + d4], k_at + d4);
+    }
+    return scores;
+}
+
+// The largest of the BK scores s_tile[s_at ..] (MASKED when all are).
+fn tile_max(s_at: u32) -> f32 {
+    var largest = MASKED;
+    let unrolled = BK / STEPS_PER_TRIP * STEPS_PER_TRIP;
+    for (var c = 0u; c < unrolled; c += STEPS_PER_TRIP) {
+        largest = max(largest, s_tile[s_at + c]);
+        largest = max(largest, s_tile[s_at + c + 1u]);
+        largest = max(largest, s_tile[s_at + c + 2u]);
+        largest = max(largest, s_tile[s_at + c + 3u]);
+    }
+    for (var c = unrolled; c < BK; c++) {
+        largest = max(largest, s_tile[s_at + c]);
+    }
+    return largest;
+}
+
+// Key c of the tile into the row's softmax sum l and output vec4s o (score s_tile[s_at + c]).
+fn fold_key(o: ptr<function, Chunks>, l: ptr<function, f32>, m_new: f32, s_at: u32, v_at: u32, c: u32) {
+    let p = exp(s_tile[s_at + c] - m_new);  // masked scores: exp(~-FLT_MAX) = 0
+    *l += p;
+    add_value(o, p, v_at + c * (D / 4u + 1u));
+}
+
+// The tile's keys, ascending, into l and o (already rescaled to the running max m_new).
+fn fold_tile(o: ptr<function, Chunks>, l: ptr<function, f32>, m_new: f32, s_at: u32, v_at: u32) {
+    let unrolled = BK / STEPS_PER_TRIP * STEPS_PER_TRIP;
+    for (var c = 0u; c < unrolled; c += STEPS_PER_TRIP) {
+        fold_key(o, l, m_new, s_at, v_at, c);
+        fold_key(o, l, m_new, s_at, v_at, c + 1u);
+        fold_key(o, l, m_new, s_at, v_at, c + 2u);
+        fold_key(o, l, m_new, s_at, v_at, c + 3u);
+    }
+    for (var c = unrolled; c < BK; c++) {
+        fold_key(o, l, m_new, s_at, v_at, c);
+    }
+}
+
 @compute @workgroup_size(WG)
 fn main(@builtin(workgroup_id) workgroup: vec3<u32>, @builtin(local_invocation_index) tid: u32) {
     let d4s = D / 4u;
@@ -169,31 +227,18 @@ fn main(@builtin(workgroup_id) workgroup: vec3<u32>, @builtin(local_invocation_i
         }
         workgroupBarrier();
 
-        // Zeroed by an assignment: naga hoists a declaration inside a loop, so its initializer would not
-        // run on every trip.
-        var scores: Scores;
-        scores = Scores();
-        for (var d4 = 0u; d4 < d4s; d4++) {
-            score_step(&scores, q_tile[row * stride + d4], lane * stride + d4);
-        }
+        let scores = score_tile(row * stride, lane * stride);
         store_scores(scores, row * score_stride + lane, k_start + lane, query);
         workgroupBarrier();
 
-        var tile_max = MASKED;
-        for (var c = 0u; c < BK; c++) {
-            tile_max = max(tile_max, s_tile[row * score_stride + c]);
-        }
+        let largest = tile_max(row * score_stride);
         // Every row sees key 0 in the first tile; a later tile wholly past its diagonal adds nothing.
-        if (tile_max != MASKED) {
-            let m_new = max(m, tile_max);
+        if (largest != MASKED) {
+            let m_new = max(m, largest);
             let correction = exp(m - m_new);  // 0 on the row's first keys (m = MASKED)
             l *= correction;
             rescale(&o, correction);
-            for (var c = 0u; c < BK; c++) {
-                let p = exp(s_tile[row * score_stride + c] - m_new);
-                l += p;
-                add_value(&o, p, c * stride + lane);
-            }
+            fold_tile(&o, &l, m_new, row * score_stride, lane);
             m = m_new;
         }
     }
