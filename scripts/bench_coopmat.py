@@ -38,6 +38,9 @@ from typing import Any, Callable
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_timing import median_cuda_ms  # noqa: E402
 
 from vktrain import quant  # noqa: E402
 from vktrain.runtime import Buffer, Device, Program  # noqa: E402
@@ -78,18 +81,8 @@ def time_program(device, dispatches, buffers, replays: int, warmup: int) -> floa
 
 
 def time_torch(torch, run: Callable[[], Any], replays: int, warmup: int) -> float:
-    for _ in range(1 + warmup):
-        run()
-    torch.cuda.synchronize()
-    samples = []
-    for _ in range(replays):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        run()
-        end.record()
-        end.synchronize()
-        samples.append(start.elapsed_time(end) * 1e-3)
-    return statistics.median(samples)
+    """Median CUDA seconds of `run` (one more warm-up call than asked, as time_program)."""
+    return 1e-3 * median_cuda_ms(torch, run, replays, 1 + warmup)
 
 
 def rel_err(actual: np.ndarray, expected: np.ndarray) -> float:

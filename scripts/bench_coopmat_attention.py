@@ -27,6 +27,9 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_timing import median_cuda_ms  # noqa: E402
 
 from vktrain.runtime import Buffer, Device, Program, run_dispatches  # noqa: E402
 from vktrain.runtime.delegate.kernels import attention, coopmat_attention  # noqa: E402
@@ -101,23 +104,11 @@ def _torch_case(torch, arrays: dict, scale: float, dtype, replays: int, warmup: 
     sdpa = torch.nn.functional.scaled_dot_product_attention
     out = sdpa(*leaves, is_causal=True, scale=scale, enable_gqa=True)
 
-    def timed(run):
-        for _ in range(warmup):
-            run()
-        torch.cuda.synchronize()
-        samples = []
-        for _ in range(replays):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            run()
-            end.record()
-            end.synchronize()
-            samples.append(start.elapsed_time(end))
-        return statistics.median(samples)
-
     with torch.no_grad():
-        forward_ms = timed(lambda: sdpa(*leaves, is_causal=True, scale=scale, enable_gqa=True))
-    backward_ms = timed(lambda: torch.autograd.grad(out, leaves, grad, retain_graph=True))
+        forward_ms = median_cuda_ms(torch, lambda: sdpa(*leaves, is_causal=True, scale=scale, enable_gqa=True),
+                                    replays, warmup)
+    backward_ms = median_cuda_ms(torch, lambda: torch.autograd.grad(out, leaves, grad, retain_graph=True),
+                                 replays, warmup)
     d_q, d_k, d_v = torch.autograd.grad(out, leaves, grad, retain_graph=True)
     as_numpy = lambda t: t.transpose(1, 2).float().cpu().numpy()  # noqa: E731
     outputs = {"out": as_numpy(out.detach()), "d_q": as_numpy(d_q), "d_k": as_numpy(d_k), "d_v": as_numpy(d_v)}
