@@ -372,3 +372,27 @@ def test_tiny_llama_trains_through_webgpu_fp16_tc_within_the_fp16_step_bound(f16
     for step, (loss, expected) in enumerate(zip(losses, eager), 1):
         assert abs(loss - expected) <= bound + LOSS_RTOL * abs(expected), f"step {step}: {loss} vs eager {expected}"
     assert losses[-1] < losses[0] and losses != fp32_losses
+
+
+def test_bench_compares_webgpu_fp16_tc_with_vulkan_fp16_tc_fp32_and_webgpu_fp32():
+    """scripts/bench_webgpu.py run --precision fp32 fp16-tc: the pairs it reports, and a comparison's numbers."""
+    import importlib.util
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parent.parent / "scripts" / "bench_webgpu.py"
+    spec = importlib.util.spec_from_file_location("bench_webgpu", script)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    assert bench.compared_pairs([PRECISION_FP32]) == [("vulkan", "webgpu")]
+    assert bench.compared_pairs([PRECISION_FP32, PRECISION_FP16_TC]) == [
+        ("vulkan", "webgpu"), ("vulkan:fp16-tc", "webgpu:fp16-tc"), ("vulkan", "webgpu:fp16-tc"),
+        ("webgpu", "webgpu:fp16-tc")]
+    base = dict(ms_per_step=10.0, losses=[2.0, 1.0], gpu_ms_per_step=8.0, encode_ms=None,
+                last_step_ms_by_shader={"a": 1.0, "b": 5.0})
+    other = dict(ms_per_step=15.0, losses=[2.0, 1.001], gpu_ms_per_step=None, encode_ms=3.0,
+                 last_step_ms_by_shader={"b": 2.0, "c": 4.0})
+    result = bench.compare(base, other, top=2)
+    assert result["other_over_base"] == 1.5 and result["step_ms_difference"] == 5.0
+    assert result["max_rel_loss_diff"] == pytest.approx(1e-3) and result["gpu_ms_difference"] is None
+    assert result["encode_ms"] == 3.0 and [row["shader"] for row in result["by_shader"]] == ["c", "a"]
+    assert bench.compare({"error": "no device"}, other, top=2) == {}

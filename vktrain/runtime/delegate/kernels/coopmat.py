@@ -31,7 +31,8 @@ Selection (docs/PRECISION.md): the program's blob lists the GEMM precision polic
 (`allowed_precisions`, metadata `gemm_precisions`); at load `select_gemm_route` picks, from the policy the
 user asked for and the device's cooperative-matrix properties, the GemmRoute the executor hands every op
 lowering: the 4-bit base GEMMs and aten.mm (`GemmRoute.dense_b_transposed` says which mm operands
-these kernels read).
+these kernels read). On the WebGPU runtime the same plans run f16 WGSL bodies of these kernels (no
+tensor cores) in one tiling, WGSL_TILING (the WebGPU section below).
 """
 from __future__ import annotations
 
