@@ -19,7 +19,8 @@
 // exist here: the WebGPU route plans with the default one, no define.
 // Register tiling for naga, which unrolls no loop (see linear_gemm.inc.wgsl): the block is two
 // `array<vec4<f32>, 4>` indexed by constants only, each reduction step one call, each thread's share of
-// a tile's loads explicit calls.
+// a tile's loads explicit calls into structs of registers, fetched for the next step before this step's
+// products (the GLSL's PREFETCH; one workgroup-memory stage).
 enable f16;
 
 const TILE_M = 64u;
@@ -105,14 +106,20 @@ fn reduce_partials(tid: u32) {
 #endif
 
 // ---- A: fp32 [M, K] row-major; item v of a step is the vec4 at row m0 + v / 8, columns k0 + 4 (v % 8).
-fn stage_a(m0: u32, k0: u32, v: u32) {
+// A step's loads are fetched into registers (two vec4 per thread) before the previous step's products,
+// and committed (scaled, rounded to f16, stored as [k][m]) after them.
+fn fetch_a(m0: u32, k0: u32, v: u32) -> vec4<f32> {
+    let m = m0 + v / (TILE_K / 4u);
+    let k = k0 + 4u * (v % (TILE_K / 4u));
+    if (m < params.M && k < params.K) {
+        return a_src[(m * params.K + k) / 4u];
+    }
+    return vec4<f32>(0.0);
+}
+
+fn commit_a(v: u32, value: vec4<f32>) {
     let ml = v / (TILE_K / 4u);
     let kl = 4u * (v % (TILE_K / 4u));
-    let m = m0 + ml;
-    var value = vec4<f32>(0.0);
-    if (m < params.M && k0 + kl < params.K) {
-        value = a_src[(m * params.K + k0 + kl) / 4u];
-    }
     let h = vec4<f16>(value * a_scale);
     let column = ml / 4u;
     let lane = ml % 4u;
@@ -122,11 +129,25 @@ fn stage_a(m0: u32, k0: u32, v: u32) {
     a_tile[(kl + 3u) * M4 + column][lane] = h.w;
 }
 
+struct StagedA {
+    value0: vec4<f32>,
+    value1: vec4<f32>,
+}
+
+fn fetch_a_tile(m0: u32, k0: u32, tid: u32) -> StagedA {
+    return StagedA(fetch_a(m0, k0, tid), fetch_a(m0, k0, tid + THREADS));
+}
+
+fn commit_a_tile(tid: u32, staged: StagedA) {
+    commit_a(tid, staged.value0);
+    commit_a(tid + THREADS, staged.value1);
+}
+
 #if !DENSE_B
 // ---- B from W_4X8 (docs/spec/w4x8.md): 16-byte block (k4, n8) holds k = 4 k4 .. 4 k4 + 3 of rows
 // 8 n8 .. 8 n8 + 7; its word j, byte t: k = 4 k4 + t of row 8 n8 + 2 j (low nibble) and 8 n8 + 2 j + 1.
 // The rows are the weight's N_w out features, its columns the K_w in features. A word outside the
-// matrix, or a row past N_w, contributes zeros.
+// matrix is code 8 with zero scales, and a row past N_w has a zero scale: both decode to +0.
 fn weight_rows() -> u32 {
 #if COOPMAT_B == 0
     return params.N;
@@ -160,33 +181,53 @@ fn decode_high(word: u32) -> vec4<f32> {
 
 // Word v of a step (512 words: two per thread). Forward (B[k][n] = deq(W)[n][k]): 8 k4-rows of 64 words
 // (16 blocks of 4); d_x (B[r][j] = deq(W)[r][j], r along the rows of W): 32 k4-rows of 16 words.
-fn stage_b(j0: u32, r0: u32, v: u32) {
+fn words_per_k4() -> u32 {
 #if COOPMAT_B == 0
-    let words_per_k4 = TILE_N / 2u;
-    let k4 = r0 / 4u + v / words_per_k4;
-    let n8 = j0 / 8u + (v % words_per_k4) / 4u;
+    return TILE_N / 2u;
 #else
-    let words_per_k4 = TILE_K / 2u;
-    let k4 = j0 / 4u + v / words_per_k4;
-    let n8 = r0 / 8u + (v % words_per_k4) / 4u;
+    return TILE_K / 2u;
 #endif
-    let jw = v % 4u;
+}
+
+// The word's row of W (the low nibbles; row + 1 the high ones).
+fn word_row(j0: u32, r0: u32, v: u32) -> u32 {
+#if COOPMAT_B == 0
+    let n8 = j0 / 8u + (v % words_per_k4()) / 4u;
+#else
+    let n8 = r0 / 8u + (v % words_per_k4()) / 4u;
+#endif
+    return 8u * n8 + 2u * (v % 4u);
+}
+
+struct StagedWord {
+    word: u32,
+    scale: vec2<f32>,  // of rows row, row + 1
+}
+
+fn fetch_b(j0: u32, r0: u32, v: u32) -> StagedWord {
+#if COOPMAT_B == 0
+    let k4 = r0 / 4u + v / words_per_k4();
+#else
+    let k4 = j0 / 4u + v / words_per_k4();
+#endif
+    let row = word_row(j0, r0, v);
     let n8s = (weight_rows() / 4u + 1u) / 2u;
-    let row = 8u * n8 + 2u * jw;  // of W: the low nibbles; row + 1 the high ones
-    var low = vec4<f32>(0.0);
-    var high = vec4<f32>(0.0);
-    if (4u * k4 < weight_cols() && n8 < n8s) {
-        let word = w4x8[4u * (k4 * n8s + n8) + jw];
+    if (4u * k4 < weight_cols() && row / 8u < n8s) {
         let g = (4u * k4) / params.group_size;
-        low = decode_low(word) * row_scale(g, row);
-        high = decode_high(word) * row_scale(g, row + 1u);
+        return StagedWord(w4x8[4u * (k4 * n8s + row / 8u) + v % 4u],
+                          vec2<f32>(row_scale(g, row), row_scale(g, row + 1u)));
     }
-    let low16 = vec4<f16>(low);
-    let high16 = vec4<f16>(high);
+    return StagedWord(0x88888888u, vec2<f32>(0.0));
+}
+
+fn commit_b(j0: u32, r0: u32, v: u32, staged: StagedWord) {
+    let row = word_row(j0, r0, v);
+    let low16 = vec4<f16>(decode_low(staged.word) * staged.scale.x);
+    let high16 = vec4<f16>(decode_high(staged.word) * staged.scale.y);
 #if COOPMAT_B == 0
     // b_tile[k][n]: the two rows are adjacent columns n, n + 1 of one vec4 (n even), 4 k-rows.
     let nl = row - j0;
-    let first = 4u * (v / words_per_k4) * N4 + nl / 4u;
+    let first = 4u * (v / words_per_k4()) * N4 + nl / 4u;
     let lane = nl % 4u;
     b_tile[first][lane] = low16.x;
     b_tile[first][lane + 1u] = high16.x;
@@ -199,37 +240,54 @@ fn stage_b(j0: u32, r0: u32, v: u32) {
 #else
     // b_tile[r][j]: each row of W is a reduction row, its 4 k the vec4 of 4 output columns.
     let rl = row - r0;
-    let column = v / words_per_k4;
+    let column = v / words_per_k4();
     b_tile[rl * N4 + column] = low16;
     b_tile[(rl + 1u) * N4 + column] = high16;
 #endif
 }
 
-fn stage_b_tile(j0: u32, r0: u32, tid: u32) {
-    stage_b(j0, r0, tid);
-    stage_b(j0, r0, tid + THREADS);
+struct StagedB {
+    word0: StagedWord,
+    word1: StagedWord,
+}
+
+fn fetch_b_tile(j0: u32, r0: u32, tid: u32) -> StagedB {
+    return StagedB(fetch_b(j0, r0, tid), fetch_b(j0, r0, tid + THREADS));
+}
+
+fn commit_b_tile(j0: u32, r0: u32, tid: u32, staged: StagedB) {
+    commit_b(j0, r0, tid, staged.word0);
+    commit_b(j0, r0, tid + THREADS, staged.word1);
 }
 #else
 // ---- dense B, scaled by b_scale: 1024 vec4 per step (four per thread).
-fn stage_b(j0: u32, r0: u32, v: u32) {
+fn fetch_b(j0: u32, r0: u32, v: u32) -> vec4<f32> {
 #if COOPMAT_B == 2
-    // B [K, N] row-major: vec4 v is row r0 + v / 32, columns j0 + 4 (v % 32), stored as it is.
-    let kl = v / N4;
-    let nl = 4u * (v % N4);
-    var value = vec4<f32>(0.0);
-    if (r0 + kl < params.K && j0 + nl < params.N) {
-        value = b_src[((r0 + kl) * params.N + j0 + nl) / 4u];
+    // B [K, N] row-major: vec4 v is row r0 + v / 32, columns j0 + 4 (v % 32).
+    let k = r0 + v / N4;
+    let n = j0 + 4u * (v % N4);
+    if (k < params.K && n < params.N) {
+        return b_src[(k * params.N + n) / 4u];
     }
-    b_tile[v] = vec4<f16>(value * b_scale);
 #else
-    // B^T [N, K] row-major: vec4 v is row j0 + v / 8 of B^T, columns r0 + 4 (v % 8), scattered into [k][n].
+    // B^T [N, K] row-major: vec4 v is row j0 + v / 8 of B^T, columns r0 + 4 (v % 8).
+    let n = j0 + v / (TILE_K / 4u);
+    let k = r0 + 4u * (v % (TILE_K / 4u));
+    if (n < params.N && k < params.K) {
+        return b_src[(n * params.K + k) / 4u];
+    }
+#endif
+    return vec4<f32>(0.0);
+}
+
+fn commit_b(j0: u32, r0: u32, v: u32, value: vec4<f32>) {
+    let h = vec4<f16>(value * b_scale);
+#if COOPMAT_B == 2
+    b_tile[v] = h;  // [k][n] as read
+#else
+    // B^T's row n, columns k .. k + 3 scattered into [k][n].
     let nl = v / (TILE_K / 4u);
     let kl = 4u * (v % (TILE_K / 4u));
-    var value = vec4<f32>(0.0);
-    if (j0 + nl < params.N && r0 + kl < params.K) {
-        value = b_src[((j0 + nl) * params.K + r0 + kl) / 4u];
-    }
-    let h = vec4<f16>(value * b_scale);
     let column = nl / 4u;
     let lane = nl % 4u;
     b_tile[kl * N4 + column][lane] = h.x;
@@ -239,11 +297,23 @@ fn stage_b(j0: u32, r0: u32, v: u32) {
 #endif
 }
 
-fn stage_b_tile(j0: u32, r0: u32, tid: u32) {
-    stage_b(j0, r0, tid);
-    stage_b(j0, r0, tid + THREADS);
-    stage_b(j0, r0, tid + 2u * THREADS);
-    stage_b(j0, r0, tid + 3u * THREADS);
+struct StagedB {
+    value0: vec4<f32>,
+    value1: vec4<f32>,
+    value2: vec4<f32>,
+    value3: vec4<f32>,
+}
+
+fn fetch_b_tile(j0: u32, r0: u32, tid: u32) -> StagedB {
+    return StagedB(fetch_b(j0, r0, tid), fetch_b(j0, r0, tid + THREADS), fetch_b(j0, r0, tid + 2u * THREADS),
+                   fetch_b(j0, r0, tid + 3u * THREADS));
+}
+
+fn commit_b_tile(j0: u32, r0: u32, tid: u32, staged: StagedB) {
+    commit_b(j0, r0, tid, staged.value0);
+    commit_b(j0, r0, tid + THREADS, staged.value1);
+    commit_b(j0, r0, tid + 2u * THREADS, staged.value2);
+    commit_b(j0, r0, tid + 3u * THREADS, staged.value3);
 }
 #endif
 
@@ -311,11 +381,17 @@ fn main(@builtin(workgroup_id) workgroup: vec3<u32>, @builtin(local_invocation_i
 
     var lo = Block();  // columns n0 + 4 tx ..
     var hi = Block();  // columns n0 + 64 + 4 tx ..
+    // The next step's global loads are issued before this step's products (their latency behind them).
+    var a_next = fetch_a_tile(m0, 0u, tid);
+    var b_next = fetch_b_tile(n0, 0u, tid);
     for (var k0 = 0u; k0 < params.K; k0 += TILE_K) {
-        stage_a(m0, k0, tid);
-        stage_a(m0, k0, tid + THREADS);
-        stage_b_tile(n0, k0, tid);
+        commit_a_tile(tid, a_next);
+        commit_b_tile(n0, k0, tid, b_next);
         workgroupBarrier();
+        if (k0 + TILE_K < params.K) {
+            a_next = fetch_a_tile(m0, k0 + TILE_K, tid);
+            b_next = fetch_b_tile(n0, k0 + TILE_K, tid);
+        }
         for (var k = 0u; k < TILE_K; k += 8u) {
             multiply_step(k, tx, ty, &lo, &hi);
             multiply_step(k + 1u, tx, ty, &lo, &hi);
