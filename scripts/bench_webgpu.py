@@ -31,7 +31,10 @@ WebGPU fp32 (whether the f16 WGSL pays: what `auto` on WebGPU would be decided b
 `kernels` times the GEMM kernels alone (plans of the GPU tuning, as WebGPU runs them; random data) at
 MxNxK shapes on both runtimes: the median wall ms of a replay of each kernel's dispatches (a program of
 `--repeat` copies of them, so submission overhead is spread) and the largest difference between the two
-runtimes' outputs (0 where the WGSL keeps the GLSL's summation order and the compilers agree).
+runtimes' outputs (0 where the WGSL keeps the GLSL's summation order and the compilers agree). With
+`--precision fp32 fp16-tc` it also times the fp16-tc kernels (coopmat_linear_q4gsw, its d_x, coopmat_mm
+with a transposed B) as each runtime's fp16-tc route plans them: Vulkan's tensor cores (a runtime whose
+route falls back to fp32 is recorded with the route's reason), WebGPU's f16 WGSL.
 """
 from __future__ import annotations
 
@@ -223,6 +226,62 @@ def _gemm_cases(M: int, N: int, K: int, group_size: int):
     ]
 
 
+def _fp16_tc_cases(M: int, N: int, K: int, group_size: int, options: dict):
+    """(name, dispatches, inputs, output shape) of each timed fp16-tc kernel at one shape, planned with a
+    route's plan_options."""
+    from vktrain.quant import quantize
+    from vktrain.runtime.delegate.kernels.coopmat import (absmax_scratch_nbytes, plan_coopmat_linear_q4gsw,
+                                                          plan_coopmat_linear_q4gsw_backward, plan_coopmat_mm)
+    from vktrain.runtime.delegate.kernels.linear import prepack_weights
+
+    rng = np.random.default_rng(0)
+    flat, scales = quantize(rng.standard_normal((N, K)).astype(np.float32), group_size)
+    w4x8 = prepack_weights(flat, K)
+    x = rng.standard_normal((M, K)).astype(np.float32)
+    d_out = (rng.standard_normal((M, N)) * 1e-6).astype(np.float32)  # a gradient's magnitude
+    weight = rng.standard_normal((N, K)).astype(np.float32)
+    absmax = np.zeros(absmax_scratch_nbytes(M * K, N * K) // 4, np.uint32)
+    q4 = dict(M=M, N=N, K=K, group_size=group_size, weights="w", scales="s", out="out", **options)
+    return [
+        ("coopmat_linear_q4gsw", plan_coopmat_linear_q4gsw(x="x", **q4), {"x": x, "w": w4x8, "s": scales}, (M, N)),
+        ("coopmat_linear_q4gsw_backward", plan_coopmat_linear_q4gsw_backward(d_out="d_out", absmax="absmax", **q4),
+         {"d_out": d_out, "w": w4x8, "s": scales, "absmax": absmax}, (M, K)),
+        ("coopmat_mm_b_transposed", plan_coopmat_mm(M=M, N=N, K=K, out="out", a="x", b="b", absmax="absmax",
+                                                    b_transposed=True, **options),
+         {"x": x, "b": weight, "absmax": absmax}, (M, N)),
+    ]
+
+
+def _fp16_tc_rows(devices, M: int, N: int, K: int, args) -> list[dict[str, Any]]:
+    """The fp16-tc kernels at one shape on each runtime whose fp16-tc route takes them."""
+    from vktrain.contract import PRECISIONS
+    from vktrain.runtime.delegate.kernels.coopmat import select_gemm_route
+
+    routes = {runtime: select_gemm_route(PRECISION_FP16_TC, PRECISIONS, device) for runtime, device in devices.items()}
+    per_runtime = {runtime: _fp16_tc_cases(M, N, K, args.group_size, route.plan_options)
+                   for runtime, route in routes.items() if route.tensor_cores}
+    rows = []
+    for index, (name, *_) in enumerate(_fp16_tc_cases(M, N, K, args.group_size, {})):
+        row: dict[str, Any] = {"kernel": name, "shape": [M, N, K], "precision": PRECISION_FP16_TC}
+        outputs = {}
+        for runtime, route in routes.items():
+            if runtime not in per_runtime:
+                row[f"{runtime}_ms"], row[f"{runtime}_route"] = None, route.reason
+                continue
+            _, dispatches, inputs, out_shape = per_runtime[runtime][index]
+            row[f"{runtime}_shaders"] = [d.shader for d in dispatches]
+            row[f"{runtime}_ms"], outputs[runtime] = _time_kernel(devices[runtime], dispatches, inputs, out_shape,
+                                                                  args.repeat, args.runs)
+        if len(outputs) == 2:
+            row["max_abs_diff"] = float(np.max(np.abs(outputs["webgpu"] - outputs["vulkan"])))
+        row["gflops"] = {runtime: 2e-6 * M * N * K / row[f"{runtime}_ms"] for runtime in outputs}
+        rows.append(row)
+        times = "  ".join(f"{runtime} " + ("fp32 fallback" if row[f"{runtime}_ms"] is None
+                                           else f"{row[f'{runtime}_ms']:9.3f} ms") for runtime in routes)
+        print(f"  {name:30s} {M}x{N}x{K} fp16-tc  {times}", flush=True)
+    return rows
+
+
 def _time_kernel(device, dispatches, inputs, out_shape, repeat: int, runs: int) -> tuple[float, np.ndarray]:
     """(median ms of one pass of `dispatches`, the output) on `device`."""
     from vktrain.runtime import Buffer, Program
@@ -252,8 +311,12 @@ def kernels_command(args) -> int:
             print(f"{runtime}: {device.name}", flush=True)
         for shape in args.shape:
             M, N, K = (int(v) for v in shape.lower().split("x"))
+            if PRECISION_FP16_TC in args.precision:
+                rows += _fp16_tc_rows(devices, M, N, K, args)
+            if PRECISION_FP32 not in args.precision:
+                continue
             for name, dispatches, inputs, out_shape in _gemm_cases(M, N, K, args.group_size):
-                row: dict[str, Any] = {"kernel": name, "shape": [M, N, K],
+                row: dict[str, Any] = {"kernel": name, "shape": [M, N, K], "precision": PRECISION_FP32,
                                        "shaders": [d.shader for d in dispatches]}
                 outputs = {}
                 for runtime, device in devices.items():
@@ -292,11 +355,13 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--precision", nargs="+", choices=BENCH_PRECISIONS, default=[PRECISION_FP32],
                      help="GEMM precision policies each runtime runs every program in (default: fp32)")
     run.add_argument("--out", type=Path, default=None, help="JSON results")
-    kernels = commands.add_parser("kernels", help="time the fp32 GEMM kernels alone on both runtimes")
+    kernels = commands.add_parser("kernels", help="time the GEMM kernels alone on both runtimes")
     kernels.add_argument("--shape", nargs="+", default=["256x512x512"], help="MxNxK shapes (N, K multiples of 8)")
     kernels.add_argument("--group-size", type=int, default=32, help="q4gsw group size")
     kernels.add_argument("--repeat", type=int, default=4, help="copies of each kernel's dispatches per replay")
     kernels.add_argument("--runs", type=int, default=5, help="timed replays (median reported)")
+    kernels.add_argument("--precision", nargs="+", choices=BENCH_PRECISIONS, default=[PRECISION_FP32],
+                         help="the fp32 GEMM kernels and/or the fp16-tc ones (default: fp32)")
     kernels.add_argument("--out", type=Path, default=None, help="JSON results")
     args = parser.parse_args(argv)
     if args.command == "kernels":
