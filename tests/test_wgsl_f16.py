@@ -355,7 +355,9 @@ def test_tiny_llama_trains_through_webgpu_fp16_tc_within_the_fp16_step_bound(f16
     options = dict(precision=PRECISION_FP16_TC, emulate_tensor_cores=True)
     with TrainingRunner.from_pte(path, f16_device, **options) as runner:
         executor = runner.executor
-        assert executor.gemm_route.wgsl and "f16 WGSL, no tensor cores" in runner.gemm_report()
+        report = runner.gemm_report()
+        assert executor.gemm_route.wgsl and "f16 WGSL, no tensor cores" in report
+        assert f"{len(executor.tensor_core_ops)} of" in report and "GEMM ops on f16 WGSL kernels" in report, report
         routed = {d.shader for d in executor.dispatches if d.name in executor.tensor_core_ops}
         assert {s.split("@")[0] for s in routed} == set(WGSL_KERNELS), routed
         assert not any("COOPMAT_EMULATE" in s or "attention" in s for s in routed), routed

@@ -270,10 +270,13 @@ class GemmRoute:
         options = dict(emulate=self.emulate, subgroup_size=self.subgroup_size)
         return dict(options, tiling=WGSL_TILING) if self.wgsl else options
 
+    @property
+    def fp16_kernels(self) -> str:
+        """Where this route's fp16-input GEMMs run, for the reports."""
+        return "f16 WGSL kernels" if self.wgsl else "tensor cores"
+
     def describe(self) -> str:
-        kernels = "fp32 kernels"
-        if self.tensor_cores:
-            kernels = ("f16 WGSL kernels" if self.wgsl else "tensor cores") + " (fp16 inputs, fp32 accumulation)"
+        kernels = f"{self.fp16_kernels} (fp16 inputs, fp32 accumulation)" if self.tensor_cores else "fp32 kernels"
         return (f"GEMM precision {self.precision}: {kernels}; {self.reason}; "
                 f"fp32 kernels in their {self.fp32_tuning} tuning")
 
