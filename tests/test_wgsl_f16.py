@@ -239,6 +239,15 @@ def test_mm_addend_is_added_in_f32_after_the_unscaling(f16_device, M, N, K, b_tr
     _assert_scaled_mm_close(product, a, b, f"WGSL coopmat_mm {M}x{N}x{K} (the addend's product)")
 
 
+def test_mm_runs_a_1b_reduction_whole_within_lavapipes_loop_limit(f16_device):
+    """K = 8192 (Llama-3.2-1B's MLP down projection): lavapipe ends an invocation after 65535 loop trips
+    and leaves its outputs unwritten (NaN here); the WGSL takes 5 trips per 32-long step (about 1300),
+    so, unlike the emulated GLSL, it needs no loop budget in its plans."""
+    a, b = _mm_inputs(64, 128, 8192, 17)
+    actual = _run_mm(f16_device, _plan_options(f16_device), a, b, b_transposed=True)
+    _assert_scaled_mm_close(actual, a, b, "WGSL coopmat_mm 64x128x8192")
+
+
 def test_mm_rounds_inputs_to_fp16_not_keeping_fp32(f16_device):
     """1 + 2^-13 is 1 in fp16: [1 + 2^-13] @ [1] gives exactly 1 (an f32 kernel keeps the 2^-13)."""
     a = np.full((16, 16), 1.0 + 2.0 ** -13, dtype=np.float32)
