@@ -4,6 +4,8 @@
     python scripts/bench_step.py export                      # bench/step_1x128.pte, bench/step_4x512.pte
     python scripts/bench_webgpu.py run bench/step_1x128.pte bench/step_4x512.pte \\
         --out bench/results/webgpu_h200.json                 # on the GPU machine (numpy, vulkan, wgpu)
+    python scripts/bench_webgpu.py run bench/step_1x128.pte bench/step_4x512.pte \
+        --precision fp32 fp16-tc                             # both runtimes in both GEMM precisions
     python scripts/bench_webgpu.py --quick                   # tiny-llama shapes, export + run (lavapipe)
     python scripts/bench_webgpu.py kernels --shape 512x2048x2048 # the fp32 GEMM kernels alone, both runtimes
 
@@ -18,10 +20,21 @@ tuning only: no tensor-core or subgroup bodies) and the largest relative loss di
 runtimes. A runtime that cannot load a program (wgpu not installed, a WGSL kernel missing, a tensor
 over a binding limit) is recorded with its reason; the other still runs.
 
+`--precision` lists the GEMM precision policies (docs/PRECISION.md) each runtime runs every program in
+(default fp32 alone: both runtimes on the same kernels' precision). Records: `vulkan` / `webgpu` are the
+fp32 runs, `vulkan:fp16-tc` / `webgpu:fp16-tc` the fp16-tc ones (Vulkan: tensor cores where the device
+has them; WebGPU: the f16 WGSL kernels where the adapter has shader-f16; each run's `gemm_route` says
+which). `comparison` is WebGPU against Vulkan in fp32; `comparisons` lists every pair measured: each
+precision across the runtimes, and, with fp16-tc, WebGPU fp16-tc against Vulkan fp32 and against
+WebGPU fp32 (whether the f16 WGSL pays: what `auto` on WebGPU would be decided by).
+
 `kernels` times the GEMM kernels alone (plans of the GPU tuning, as WebGPU runs them; random data) at
 MxNxK shapes on both runtimes: the median wall ms of a replay of each kernel's dispatches (a program of
 `--repeat` copies of them, so submission overhead is spread) and the largest difference between the two
-runtimes' outputs (0 where the WGSL keeps the GLSL's summation order and the compilers agree).
+runtimes' outputs (0 where the WGSL keeps the GLSL's summation order and the compilers agree). With
+`--precision fp32 fp16-tc` it also times the fp16-tc kernels (coopmat_linear_q4gsw, its d_x, coopmat_mm
+with a transposed B) as each runtime's fp16-tc route plans them: Vulkan's tensor cores (a runtime whose
+route falls back to fp32 is recorded with the route's reason), WebGPU's f16 WGSL.
 """
 from __future__ import annotations
 
@@ -41,7 +54,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_step  # noqa: E402  (puts the repository root on sys.path)
 
-from vktrain.contract import PRECISION_FP32  # noqa: E402
+from vktrain.contract import PRECISION_FP16_TC, PRECISION_FP32  # noqa: E402
 from vktrain.errors import VktrainError  # noqa: E402
 from vktrain.runtime.runtimes import RUNTIMES, open_device  # noqa: E402
 
@@ -58,16 +71,25 @@ def _replay_ms(program, repeats: int) -> tuple[float, float | None]:
     return 1e3 * statistics.median(replay), (1e3 * statistics.median(encode) if encode else None)
 
 
-def run_runtime(runtime: str, device, path: Path, args) -> dict[str, Any]:
+BENCH_PRECISIONS = (PRECISION_FP32, PRECISION_FP16_TC)
+
+
+def run_key(runtime: str, precision: str) -> str:
+    """The record key of a run: the runtime for fp32 (as before precisions were benchmarked), else
+    runtime:precision."""
+    return runtime if precision == PRECISION_FP32 else f"{runtime}:{precision}"
+
+
+def run_runtime(runtime: str, device, path: Path, args, precision: str = PRECISION_FP32) -> dict[str, Any]:
     from vktrain.runtime.program.runner import TrainingRunner
 
     start = time.perf_counter()
     try:
-        # Both runtimes on the same (fp32) kernels' precision: `auto` would take Vulkan's tensor cores.
-        runner = TrainingRunner.from_pte(path, device, precision=PRECISION_FP32)
+        # An explicit precision per run (never `auto`, which would take Vulkan's tensor cores only).
+        runner = TrainingRunner.from_pte(path, device, precision=precision)
     except VktrainError as exc:  # e.g. a WGSL kernel missing, a tensor over max-storage-buffer-binding-size
         return {"error": f"{type(exc).__name__}: {exc}"}
-    record: dict[str, Any] = {"load_s": time.perf_counter() - start}
+    record: dict[str, Any] = {"load_s": time.perf_counter() - start, "precision": precision}
     with runner:
         config = bench_step.BenchConfig(**json.loads(runner.graph.metadata[bench_step.BENCH_CONFIG_KEY]))
         batches = [bench_step.make_batch(config, runner.vocab_size, seed) for seed in range(args.batches)]
@@ -89,42 +111,56 @@ def _shader_ms(runner) -> dict[str, float]:
     return totals
 
 
-def compare(vulkan: dict[str, Any], webgpu: dict[str, Any], top: int) -> dict[str, Any]:
-    """Where the WebGPU step's extra time goes, from two run_runtime records."""
-    if "error" in vulkan or "error" in webgpu:
+def compare(base: dict[str, Any], other: dict[str, Any], top: int) -> dict[str, Any]:
+    """Where `other`'s extra step time over `base`'s goes, from two run_runtime records (base: the Vulkan
+    run, other: the WebGPU one, for `comparison`; `comparisons` names its pair)."""
+    if "error" in base or "error" in other:
         return {}
-    vk_ms, wg_ms = vulkan["last_step_ms_by_shader"], webgpu["last_step_ms_by_shader"]
-    shaders = sorted(set(vk_ms) | set(wg_ms), key=lambda s: -(wg_ms.get(s, 0.0) - vk_ms.get(s, 0.0)))
+    base_ms, other_ms = base["last_step_ms_by_shader"], other["last_step_ms_by_shader"]
+    shaders = sorted(set(base_ms) | set(other_ms), key=lambda s: -(other_ms.get(s, 0.0) - base_ms.get(s, 0.0)))
     return {
-        "webgpu_over_vulkan": webgpu["ms_per_step"] / vulkan["ms_per_step"],
-        "max_rel_loss_diff": max(abs(a - b) / max(abs(b), 1e-12) for a, b in zip(webgpu["losses"], vulkan["losses"])),
-        "step_ms_difference": webgpu["ms_per_step"] - vulkan["ms_per_step"],
-        "gpu_ms_difference": (None if None in (webgpu["gpu_ms_per_step"], vulkan["gpu_ms_per_step"])
-                              else webgpu["gpu_ms_per_step"] - vulkan["gpu_ms_per_step"]),
-        "encode_ms": webgpu["encode_ms"],
-        "by_shader": [{"shader": s, "vulkan_ms": vk_ms.get(s), "webgpu_ms": wg_ms.get(s)} for s in shaders[:top]],
+        "other_over_base": other["ms_per_step"] / base["ms_per_step"],
+        "max_rel_loss_diff": max(abs(a - b) / max(abs(b), 1e-12) for a, b in zip(other["losses"], base["losses"])),
+        "step_ms_difference": other["ms_per_step"] - base["ms_per_step"],
+        "gpu_ms_difference": (None if None in (other["gpu_ms_per_step"], base["gpu_ms_per_step"])
+                              else other["gpu_ms_per_step"] - base["gpu_ms_per_step"]),
+        "encode_ms": other["encode_ms"],
+        "by_shader": [{"shader": s, "base_ms": base_ms.get(s), "other_ms": other_ms.get(s)} for s in shaders[:top]],
     }
 
 
-def print_report(records: list[dict[str, Any]]) -> None:
+def compared_pairs(precisions) -> list[tuple[str, str]]:
+    """(base, other) run keys compared: each precision's Vulkan run against its WebGPU run, and with
+    fp16-tc WebGPU fp16-tc against Vulkan fp32 and against WebGPU fp32."""
+    pairs = [(run_key("vulkan", p), run_key("webgpu", p)) for p in precisions]
+    if PRECISION_FP16_TC in precisions and PRECISION_FP32 in precisions:
+        pairs += [(run_key("vulkan", PRECISION_FP32), run_key("webgpu", PRECISION_FP16_TC)),
+                  (run_key("webgpu", PRECISION_FP32), run_key("webgpu", PRECISION_FP16_TC))]
+    return pairs
+
+
+def print_report(records: list[dict[str, Any]], precisions) -> None:
     for record in records:
         print(f"\n{record['pte']}")
-        for runtime in RUNTIMES:
-            result = record[runtime]
+        for key in (run_key(runtime, p) for p in precisions for runtime in RUNTIMES):
+            result = record[key]
             if "error" in result:
-                print(f"  {runtime:7s} could not run it: {result['error'][:400]}")
+                print(f"  {key:15s} could not run it: {result['error'][:400]}")
                 continue
             gpu = result["gpu_ms_per_step"]
             encode = result["encode_ms"]
-            print(f"  {runtime:7s} {result['ms_per_step']:9.2f} ms/step  {result['tokens_per_s']:9.1f} tokens/s  "
+            print(f"  {key:15s} {result['ms_per_step']:9.2f} ms/step  {result['tokens_per_s']:9.1f} tokens/s  "
                   f"GPU {'-' if gpu is None else f'{gpu:.2f}'} ms  replay {result['replay_ms']:.2f} ms"
                   + ("" if encode is None else f"  encode {encode:.2f} ms") + f"  load {result['load_s']:.1f} s")
-        comparison = record.get("comparison") or {}
-        if comparison:
-            print(f"  WebGPU / Vulkan {comparison['webgpu_over_vulkan']:.2f}x; losses agree to "
+            print(f"  {'':15s} {result['gemm_route']}")
+        for comparison in record["comparisons"]:
+            if "other_over_base" not in comparison:
+                continue
+            base, other = comparison["base"], comparison["other"]
+            print(f"  {other} / {base} {comparison['other_over_base']:.2f}x; losses agree to "
                   f"{comparison['max_rel_loss_diff']:.2e} relative; largest per-shader GPU differences:")
             for row in comparison["by_shader"][:8]:
-                print(f"    {row['shader']:60s} vulkan {row['vulkan_ms'] or 0:8.3f} ms  webgpu {row['webgpu_ms'] or 0:8.3f} ms")
+                print(f"    {row['shader']:60s} {base} {row['base_ms'] or 0:8.3f} ms  {other} {row['other_ms'] or 0:8.3f} ms")
 
 
 def run_command(args) -> int:
@@ -134,21 +170,29 @@ def run_command(args) -> int:
                             "steps": args.steps, "hparams": list(bench_step.HPARAMS),
                             "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                             "note": "synthetic constants: weights are random, results measure speed only"}
+    precisions = list(dict.fromkeys(args.precision))
+    meta["precisions"] = precisions
     for runtime in RUNTIMES:
         try:
             device = open_device(runtime, validation=False)
         except VktrainError as exc:
             for record in records:
-                record[runtime] = {"error": f"no {runtime} device: {type(exc).__name__}: {exc}"}
+                for precision in precisions:
+                    record[run_key(runtime, precision)] = {"error": f"no {runtime} device: {type(exc).__name__}: {exc}"}
             continue
         with device:
             meta[f"{runtime}_device"] = device.name
             print(f"{runtime}: {device.name}", flush=True)
             for path, record in zip(args.pte, records):
-                record[runtime] = run_runtime(runtime, device, Path(path), args)
+                for precision in precisions:
+                    record[run_key(runtime, precision)] = run_runtime(runtime, device, Path(path), args, precision)
     for record in records:
-        record["comparison"] = compare(record["vulkan"], record["webgpu"], args.top)
-    print_report(records)
+        record["comparisons"] = [dict(base=base, other=other, **compare(record[base], record[other], args.top))
+                                 for base, other in compared_pairs(precisions)]
+        fp32 = compare(record["vulkan"], record["webgpu"], args.top) if PRECISION_FP32 in precisions else {}
+        # WebGPU against Vulkan in fp32 under the names this record had before precisions were benchmarked.
+        record["comparison"] = fp32 and {"webgpu_over_vulkan": fp32["other_over_base"], **fp32}
+    print_report(records, precisions)
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps({"meta": meta, "results": records}, indent=1))
@@ -182,6 +226,62 @@ def _gemm_cases(M: int, N: int, K: int, group_size: int):
     ]
 
 
+def _fp16_tc_cases(M: int, N: int, K: int, group_size: int, options: dict):
+    """(name, dispatches, inputs, output shape) of each timed fp16-tc kernel at one shape, planned with a
+    route's plan_options."""
+    from vktrain.quant import quantize
+    from vktrain.runtime.delegate.kernels.coopmat import (absmax_scratch_nbytes, plan_coopmat_linear_q4gsw,
+                                                          plan_coopmat_linear_q4gsw_backward, plan_coopmat_mm)
+    from vktrain.runtime.delegate.kernels.linear import prepack_weights
+
+    rng = np.random.default_rng(0)
+    flat, scales = quantize(rng.standard_normal((N, K)).astype(np.float32), group_size)
+    w4x8 = prepack_weights(flat, K)
+    x = rng.standard_normal((M, K)).astype(np.float32)
+    d_out = (rng.standard_normal((M, N)) * 1e-6).astype(np.float32)  # a gradient's magnitude
+    weight = rng.standard_normal((N, K)).astype(np.float32)
+    absmax = np.zeros(absmax_scratch_nbytes(M * K, N * K) // 4, np.uint32)
+    q4 = dict(M=M, N=N, K=K, group_size=group_size, weights="w", scales="s", out="out", **options)
+    return [
+        ("coopmat_linear_q4gsw", plan_coopmat_linear_q4gsw(x="x", **q4), {"x": x, "w": w4x8, "s": scales}, (M, N)),
+        ("coopmat_linear_q4gsw_backward", plan_coopmat_linear_q4gsw_backward(d_out="d_out", absmax="absmax", **q4),
+         {"d_out": d_out, "w": w4x8, "s": scales, "absmax": absmax}, (M, K)),
+        ("coopmat_mm_b_transposed", plan_coopmat_mm(M=M, N=N, K=K, out="out", a="x", b="b", absmax="absmax",
+                                                    b_transposed=True, **options),
+         {"x": x, "b": weight, "absmax": absmax}, (M, N)),
+    ]
+
+
+def _fp16_tc_rows(devices, M: int, N: int, K: int, args) -> list[dict[str, Any]]:
+    """The fp16-tc kernels at one shape on each runtime whose fp16-tc route takes them."""
+    from vktrain.contract import PRECISIONS
+    from vktrain.runtime.delegate.kernels.coopmat import select_gemm_route
+
+    routes = {runtime: select_gemm_route(PRECISION_FP16_TC, PRECISIONS, device) for runtime, device in devices.items()}
+    per_runtime = {runtime: _fp16_tc_cases(M, N, K, args.group_size, route.plan_options)
+                   for runtime, route in routes.items() if route.tensor_cores}
+    rows = []
+    for index, (name, *_) in enumerate(_fp16_tc_cases(M, N, K, args.group_size, {})):
+        row: dict[str, Any] = {"kernel": name, "shape": [M, N, K], "precision": PRECISION_FP16_TC}
+        outputs = {}
+        for runtime, route in routes.items():
+            if runtime not in per_runtime:
+                row[f"{runtime}_ms"], row[f"{runtime}_route"] = None, route.reason
+                continue
+            _, dispatches, inputs, out_shape = per_runtime[runtime][index]
+            row[f"{runtime}_shaders"] = [d.shader for d in dispatches]
+            row[f"{runtime}_ms"], outputs[runtime] = _time_kernel(devices[runtime], dispatches, inputs, out_shape,
+                                                                  args.repeat, args.runs)
+        if len(outputs) == 2:
+            row["max_abs_diff"] = float(np.max(np.abs(outputs["webgpu"] - outputs["vulkan"])))
+        row["gflops"] = {runtime: 2e-6 * M * N * K / row[f"{runtime}_ms"] for runtime in outputs}
+        rows.append(row)
+        times = "  ".join(f"{runtime} " + ("fp32 fallback" if row[f"{runtime}_ms"] is None
+                                           else f"{row[f'{runtime}_ms']:9.3f} ms") for runtime in routes)
+        print(f"  {name:30s} {M}x{N}x{K} fp16-tc  {times}", flush=True)
+    return rows
+
+
 def _time_kernel(device, dispatches, inputs, out_shape, repeat: int, runs: int) -> tuple[float, np.ndarray]:
     """(median ms of one pass of `dispatches`, the output) on `device`."""
     from vktrain.runtime import Buffer, Program
@@ -211,8 +311,12 @@ def kernels_command(args) -> int:
             print(f"{runtime}: {device.name}", flush=True)
         for shape in args.shape:
             M, N, K = (int(v) for v in shape.lower().split("x"))
+            if PRECISION_FP16_TC in args.precision:
+                rows += _fp16_tc_rows(devices, M, N, K, args)
+            if PRECISION_FP32 not in args.precision:
+                continue
             for name, dispatches, inputs, out_shape in _gemm_cases(M, N, K, args.group_size):
-                row: dict[str, Any] = {"kernel": name, "shape": [M, N, K],
+                row: dict[str, Any] = {"kernel": name, "shape": [M, N, K], "precision": PRECISION_FP32,
                                        "shaders": [d.shader for d in dispatches]}
                 outputs = {}
                 for runtime, device in devices.items():
@@ -248,12 +352,16 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--warmup", type=int, default=3)
     run.add_argument("--batches", type=int, default=2, help="distinct random batches, cycled")
     run.add_argument("--top", type=int, default=15, help="op kinds and shaders listed")
+    run.add_argument("--precision", nargs="+", choices=BENCH_PRECISIONS, default=[PRECISION_FP32],
+                     help="GEMM precision policies each runtime runs every program in (default: fp32)")
     run.add_argument("--out", type=Path, default=None, help="JSON results")
-    kernels = commands.add_parser("kernels", help="time the fp32 GEMM kernels alone on both runtimes")
+    kernels = commands.add_parser("kernels", help="time the GEMM kernels alone on both runtimes")
     kernels.add_argument("--shape", nargs="+", default=["256x512x512"], help="MxNxK shapes (N, K multiples of 8)")
     kernels.add_argument("--group-size", type=int, default=32, help="q4gsw group size")
     kernels.add_argument("--repeat", type=int, default=4, help="copies of each kernel's dispatches per replay")
     kernels.add_argument("--runs", type=int, default=5, help="timed replays (median reported)")
+    kernels.add_argument("--precision", nargs="+", choices=BENCH_PRECISIONS, default=[PRECISION_FP32],
+                         help="the fp32 GEMM kernels and/or the fp16-tc ones (default: fp32)")
     kernels.add_argument("--out", type=Path, default=None, help="JSON results")
     args = parser.parse_args(argv)
     if args.command == "kernels":

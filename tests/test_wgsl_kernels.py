@@ -190,19 +190,21 @@ def test_feature_bodies_are_chosen_by_the_device_and_reported(webgpu_device, web
     it has unless told otherwise, refuses what it lacks, and its report names the kernels that took them."""
     from vktrain.runtime.webgpu import Device, WebGPUUnavailableError
 
-    assert set(FEATURE_DEFINES) == {"subgroup"}
+    assert set(FEATURE_DEFINES) == {"subgroup", "shader-f16"}  # shader-f16: the fp16-tc kernels (test_wgsl_f16.py)
     for name in ("rms_norm@VEC4+BACKWARD", "fused_ce@VEC4", "fused_ce_sum"):
         assert "subgroupAdd" in wgsl_source(name, {"subgroup"}) and "subgroupAdd" not in wgsl_source(name)
         assert wgsl_source(name, {"shader-f16"}) == wgsl_source(name)  # no f16 body: the default
     assert wgsl_source("reduce", {"subgroup"}) == wgsl_source("reduce")  # keeps its Kahan sums
     if "subgroup" not in webgpu_device.features:
         pytest.skip("the adapter has no subgroup feature")
-    assert webgpu_device.kernel_features == {"subgroup"} and webgpu_defaults_device.kernel_features == set()
+    assert webgpu_device.kernel_features == set(FEATURE_DEFINES) & webgpu_device.features
+    assert webgpu_defaults_device.kernel_features == set()
     webgpu_device.pipelines.source("fused_ce_sum")
     assert "subgroup bodies in " in webgpu_device.kernel_report()
     assert "fused_ce_sum" in webgpu_device.kernel_report()
     webgpu_defaults_device.pipelines.source("fused_ce_sum")
-    assert webgpu_defaults_device.kernel_report() == "WGSL kernels: subgroup: browser-valid defaults (not chosen)"
+    assert webgpu_defaults_device.kernel_report() == ("WGSL kernels: shader-f16, subgroup: browser-valid defaults "
+                                                      "(not chosen)")
     with pytest.raises(WebGPUUnavailableError, match=r"\['nope'\] have no WGSL bodies"):
         Device(kernel_features=("nope",))
 
@@ -266,7 +268,9 @@ def _dispatched_shaders(device, path) -> set[str]:
     graph = deserialize_blob(bytes(pte.execution_plan().delegates[0].data), named_data=pte.named_data)
     with GraphExecutor(device, graph) as executor:  # builds every pipeline: a missing kernel fails here
         if "subgroup" in device.kernel_features:  # the startup line names the feature bodies taken
-            assert "WGSL kernels: subgroup bodies in " in executor.gemm_report()
+            # (the device's report names every feature's bodies taken so far: shader-f16 ones, listed
+            # first, when an fp16-tc test ran on this device before)
+            assert "WGSL kernels: " in executor.gemm_report() and "subgroup bodies in " in executor.gemm_report()
             assert "fused_ce_sum" in executor.gemm_report()
         return {dispatch.shader for dispatch in executor.dispatches}
 

@@ -559,7 +559,7 @@ class GraphExecutor:
     def gemm_report(self) -> str:
         """The GEMM precision chosen at load and how many ops took the tensor cores (train's startup line)."""
         gemms = sum(op.name in GEMM_OPS for op in self.ops)
-        report = f"{self.gemm_route.describe()}; {len(self.tensor_core_ops)} of {gemms} GEMM ops on tensor cores"
+        report = f"{self.gemm_route.describe()}; {len(self.tensor_core_ops)} of {gemms} GEMM ops on {self.gemm_route.fp16_kernels}"
         kernel_report = getattr(self.device, "kernel_report", None)  # WebGPU: the WGSL feature bodies taken
         return report if kernel_report is None else f"{report}; {kernel_report()}"
 

@@ -13,11 +13,12 @@ what the device was granted, and the kernel plans size their tiles by it (OpCont
 where the adapter has them; `features` lists the enabled WebGPU feature names.
 
 Kernel feature variants: `kernel_features` are the device features whose WGSL bodies the pipelines take
-(wgsl.FEATURE_DEFINES: the subgroup reductions), chosen here once: by default every one the device has;
-`kernel_features=()` keeps the browser-valid defaults (tests run both). `kernel_report()` says which
-kernels took which bodies (the executor's report line). The device reports no
-Vulkan features, no subgroup operations and no cooperative matrices, so the executor picks the GPU
-tuning of the fp32 GEMMs and never a tensor-core route (gemm_tuning.py, coopmat.py).
+(wgsl.FEATURE_DEFINES: the subgroup reductions; shader-f16: the f16 GEMMs of `--precision fp16-tc`),
+chosen here once: by default every one the device has; `kernel_features=()` keeps the browser-valid
+defaults (tests run both). `kernel_report()` says which kernels took which bodies (the executor's report
+line). The device reports no Vulkan features, no subgroup operations and no cooperative matrices, so the
+executor picks the GPU tuning of the fp32 GEMMs; fp16-tc runs the f16 WGSL GEMMs where kernel_features
+include shader-f16 (kernels/coopmat.py, _select_webgpu_route), never tensor cores.
 
 Errors: wgpu raises GPUValidationError for a bad call it catches at once; what it only logs (to the
 "wgpu" logger) is collected in `validation_messages`, so tests can fail on it as on Vulkan's.

@@ -31,7 +31,8 @@ Selection (docs/PRECISION.md): the program's blob lists the GEMM precision polic
 (`allowed_precisions`, metadata `gemm_precisions`); at load `select_gemm_route` picks, from the policy the
 user asked for and the device's cooperative-matrix properties, the GemmRoute the executor hands every op
 lowering: the 4-bit base GEMMs and aten.mm (`GemmRoute.dense_b_transposed` says which mm operands
-these kernels read).
+these kernels read). On the WebGPU runtime the same plans run f16 WGSL bodies of these kernels (no
+tensor cores) in one tiling, WGSL_TILING (the WebGPU section below).
 """
 from __future__ import annotations
 
@@ -55,6 +56,7 @@ from vktrain.runtime.delegate.kernels.layout import (
 )
 from vktrain.runtime.vk.coopmat import EXTENSION_NAME, CooperativeMatrixShape, supports_shape
 from vktrain.runtime.vk.schedule import Dispatch, ceil_div, pack_push
+from vktrain.runtime.webgpu.device import DEVICE_TYPE as WEBGPU_DEVICE_TYPE
 
 # The cooperative-matrix shape and types the shaders are written for.
 FRAGMENT = (16, 16, 16)
@@ -234,6 +236,7 @@ class GemmRoute:
     subgroup_size: int = DEFAULT_SUBGROUP_SIZE
     min_workgroups: int = MIN_WORKGROUPS
     fp32_tuning: str = GPU_TUNING
+    wgsl: bool = False  # the WebGPU runtime's f16 WGSL kernels (no tensor cores), tiled by WGSL_TILING
 
     def takes_tensor_cores(self, M: int, N: int, reduction: int | None = None) -> bool:
         """Whether an M x N output goes to the coopmat kernels (enough tiles to pay, see MIN_WORKGROUPS).
@@ -262,11 +265,18 @@ class GemmRoute:
 
     @property
     def plan_options(self) -> dict:
-        """The coopmat plans' device arguments on this route."""
-        return dict(emulate=self.emulate, subgroup_size=self.subgroup_size)
+        """The coopmat plans' device arguments on this route (on the WGSL route also its one tiling, which the
+        coopmat GEMM plans take and coopmat attention, not run there, never sees)."""
+        options = dict(emulate=self.emulate, subgroup_size=self.subgroup_size)
+        return dict(options, tiling=WGSL_TILING) if self.wgsl else options
+
+    @property
+    def fp16_kernels(self) -> str:
+        """Where this route's fp16-input GEMMs run, for the reports."""
+        return "f16 WGSL kernels" if self.wgsl else "tensor cores"
 
     def describe(self) -> str:
-        kernels = "tensor cores (fp16 inputs, fp32 accumulation)" if self.tensor_cores else "fp32 kernels"
+        kernels = f"{self.fp16_kernels} (fp16 inputs, fp32 accumulation)" if self.tensor_cores else "fp32 kernels"
         return (f"GEMM precision {self.precision}: {kernels}; {self.reason}; "
                 f"fp32 kernels in their {self.fp32_tuning} tuning")
 
@@ -283,6 +293,8 @@ def select_gemm_route(precision: str, allowed: tuple[str, ...], device: Any, *,
     the program allows it and the device has the tensor-core kernels (or `emulate`), else fp32."""
     if precision not in PRECISION_CHOICES:
         raise PrecisionPolicyError(f"unknown GEMM precision {precision!r}; choose one of {', '.join(PRECISION_CHOICES)}")
+    if getattr(device, "device_type", None) == WEBGPU_DEVICE_TYPE:
+        return _select_webgpu_route(precision, allowed, device, emulate=emulate)
     if precision == PRECISION_AUTO:
         fast = PRECISION_FP16_TC in allowed and (emulate or coopmat_supported(device.cooperative_matrix_properties))
         route = select_gemm_route(PRECISION_FP16_TC if fast else PRECISION_FP32, allowed, device, emulate=emulate)
@@ -307,6 +319,41 @@ def select_gemm_route(precision: str, allowed: tuple[str, ...], device: Any, *,
                                            f"{ACCUMULATOR_TYPE} cooperative matrices ({EXTENSION_HINT}), so the "
                                            f"fp32 kernels run")
     return GemmRoute(precision, True, f"{device.name} has {EXTENSION_HINT}", subgroup_size=device.subgroup_size)
+
+
+# ---- The WebGPU runtime's route: fp16-tc through f16 WGSL (vktrain/runtime_shaders/wgsl/coopmat_*.wgsl).
+# WebGPU has no cooperative matrices; where the device's kernel features include shader-f16 the same
+# Dispatches (names, bindings, push block, grid) run WGSL bodies with the contract's numerics: f16 operands
+# (after the power-of-two scales) in f16 workgroup tiles, f32 products and sums. The WGSL serves one tiling,
+# WGSL_TILING, for every kernel and shape (the plans' defaults depend on the SIMT width of a subgroup,
+# which WGSL cannot promise): 64 x 128 tiles of C over BK = 32, 256 invocations with 12 KiB of tiles,
+# within BROWSER_DEFAULT_LIMITS (tests/test_wgsl_f16.py checks it against the WGSL's declarations).
+WGSL_TILING = CoopmatTiling(tile_m=64)
+WGSL_F16_FEATURE = "shader-f16"
+
+
+def _select_webgpu_route(precision: str, allowed: tuple[str, ...], device: Any, *, emulate: bool) -> GemmRoute:
+    """select_gemm_route on a WebGPU device. fp16-tc runs the f16 WGSL kernels where the device's
+    kernel_features include shader-f16, else falls back to fp32 saying so; `emulate` (tests) takes them on
+    every GEMM the route covers whatever its size, as on Vulkan. `auto` stays fp32: the f16 WGSL GEMMs are
+    not measured faster than the fp32 ones on any GPU yet (scripts/bench_webgpu.py --precision fp16-tc)."""
+    if precision == PRECISION_AUTO:
+        route = select_gemm_route(PRECISION_FP32, allowed, device)
+        return dataclasses.replace(route, reason=f"auto -> fp32: WebGPU has no tensor cores (the f16 WGSL "
+                                                 f"kernels run only when --precision fp16-tc asks)")
+    if precision not in allowed:
+        raise PrecisionPolicyError(f"the program allows GEMM precision {', '.join(allowed)} (blob metadata "
+                                   f"{METADATA_GEMM_PRECISIONS!r}), not {precision!r}")
+    if precision == PRECISION_FP32:
+        return FP32_ROUTE
+    if WGSL_F16_FEATURE not in device.kernel_features:
+        why = "lacks it" if WGSL_F16_FEATURE not in device.features else "has it but its kernel features leave it out"
+        return GemmRoute(precision, False, f"{device.name}: the f16 WGSL kernels need the WebGPU feature "
+                                           f"{WGSL_F16_FEATURE}, which the device {why}, so the fp32 kernels run")
+    reason = f"f16 WGSL, no tensor cores ({device.name} has {WGSL_F16_FEATURE})"
+    if emulate:
+        return GemmRoute(precision, True, reason + "; every GEMM (test path)", min_workgroups=1, wgsl=True)
+    return GemmRoute(precision, True, reason, wgsl=True)
 
 
 def coopmat_supported(properties: tuple[CooperativeMatrixShape, ...]) -> bool:

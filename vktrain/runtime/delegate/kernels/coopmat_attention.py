@@ -121,7 +121,7 @@ def _configuration(kernel: str, *, B: int, S: int, Hq: int, Hkv: int, D: int, sh
 def takes_tensor_cores(route: GemmRoute, *, B: int, S: int, Hq: int, Hkv: int, D: int, shared_memory_bytes: int,
                        backward: bool) -> bool:
     """Whether the op lowering sends causal_attention (or, `backward`, its backward) to these kernels."""
-    if not route.tensor_cores:
+    if not route.tensor_cores or route.wgsl:  # no f16 WGSL attention: on WebGPU only the GEMMs take fp16-tc
         return False
     kernels = ("backward_dq", "backward_dkv") if backward else ("forward",)
     return all(_configuration(kernel, B=B, S=S, Hq=Hq, Hkv=Hkv, D=D, shared_memory_bytes=shared_memory_bytes,
