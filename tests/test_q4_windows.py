@@ -1,0 +1,203 @@
+"""linear_q4gsw / linear_q4gsw_backward over bindings larger than the device allows (kernels/linear.py,
+"Bindings over the limit"; geometry: kernels/q4gsw_windows.py).
+
+* Layout: a window of K columns of a W_4X8 buffer (from the offset q4gsw_windows gives) is bit for bit the
+  W_4X8 packing (vktrain.quant.pack_w4x8) of those columns as their own weight, scales likewise.
+* Plans: every binding of every window fits the limit, the windows tile K and M once, the forward's later K
+  windows accumulate (read_write output, no other binding of it), the bias goes with the last.
+* Kernels on lavapipe under a small limit, Vulkan (tiled and register-tile bodies) and WebGPU: the windowed
+  forward and backward equal the unsplit kernel bit for bit on odd shapes (N4 odd, K windows ending inside
+  the range, M not a multiple of the window), and the op library's CPU reference within the dot-product
+  bound of tests/test_kernels_linear.py.
+* Limits too small for one window step or one row are refused naming the limit.
+* A tiny-llama with an UNTIED q4 head trains under a limit that splits the head: the same losses bit for
+  bit as the unsplit run.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+import vktrain.ops  # noqa: E402,F401  (registers torch.ops.vktrain.*)
+from vktrain.quant import dequantize, pack_w4x8, quantize  # noqa: E402
+from vktrain.runtime import Buffer, run_dispatches  # noqa: E402
+from vktrain.runtime.delegate.kernels.gemm_tuning import CPU_TUNING, GPU_TUNING, runs_cpu_bodies  # noqa: E402
+from vktrain.runtime.delegate.kernels.layout import BindingLimit, KernelArgumentError  # noqa: E402
+from vktrain.runtime.delegate.kernels.linear import (GemmTiles, plan_linear_q4gsw,  # noqa: E402
+                                                     plan_linear_q4gsw_backward, prepack_weights, weights_nbytes)
+from vktrain.runtime.delegate.kernels.q4gsw_windows import (k_window_step, scales_byte_range,  # noqa: E402
+                                                            words_byte_range)
+
+UNIT_ROUNDOFF = 2.0 ** -24
+LIMIT = BindingLimit(4096, 256)  # 4 KiB bindings: the shapes below split along K and M
+# (M, N, K, group_size): N4 odd (W_4X8 padding rows), K not a multiple of the K window, M of the M window.
+SHAPES = [(37, 44, 320, 32), (11, 20, 640, 16), (70, 64, 256, 64)]
+
+
+def _weight(rng, N, K, group_size):
+    flat, scales = quantize(rng.standard_normal((N, K)).astype(np.float32), group_size)
+    return flat, scales
+
+
+def test_a_window_of_k_is_the_w4x8_of_those_columns():
+    rng = np.random.default_rng(0)
+    N, K, group_size = 44, 320, 32
+    flat, scales = _weight(rng, N, K, group_size)
+    words = prepack_weights(flat, K).view(np.uint8)
+    step = k_window_step(group_size)
+    for begin in range(0, K, step):
+        end = min(K, begin + 3 * step)
+        lo, hi = words_byte_range(N, begin, end)
+        np.testing.assert_array_equal(words[lo:hi], pack_w4x8(flat[:, begin // 2:end // 2], end - begin).view(np.uint8))
+        lo, hi = scales_byte_range(N, group_size, begin, end)
+        np.testing.assert_array_equal(scales.view(np.uint8).ravel()[lo:hi],
+                                      scales[begin // group_size:end // group_size].view(np.uint8).ravel())
+
+
+def _bindings_fit(dispatches, limit):
+    for dispatch in dispatches:
+        for bound in dispatch.bindings:
+            if bound.buffer == "b":
+                continue  # the bias [N] is bound whole (a row of y, which fits)
+            assert bound.size is not None and bound.size <= limit.max_bytes, (dispatch.label, bound)
+            assert bound.offset % limit.alignment == 0, (dispatch.label, bound)
+
+
+@pytest.mark.parametrize("tuning", [GPU_TUNING, CPU_TUNING])
+def test_forward_windows_tile_k_and_m_and_accumulate(tuning):
+    M, N, K, group_size = SHAPES[0]
+    plan = plan_linear_q4gsw(M=M, N=N, K=K, group_size=group_size, out="out", x="x", weights="w", scales="s",
+                             bias="b", tuning=tuning, binding_limit=LIMIT)
+    _bindings_fit(plan, LIMIT)
+    # Forward: y rows are whole (N), so a window of M is [m, m + mm) rows of y; its K windows follow in order.
+    k_pushes = [np.frombuffer(d.push_constants, np.uint32) for d in plan]
+    ks = [int(p[2]) for p in k_pushes]
+    windows_per_m = len(plan) // len({d.bindings[0].offset for d in plan})
+    assert windows_per_m > 1 and len(plan) % windows_per_m == 0
+    assert sum(ks[:windows_per_m]) == K and all(k % k_window_step(group_size) == 0 for k in ks[:windows_per_m - 1])
+    assert sum(int(p[0]) for p in k_pushes[::windows_per_m]) == M
+    for index, dispatch in enumerate(plan):
+        first, last = index % windows_per_m == 0, index % windows_per_m == windows_per_m - 1
+        assert ("ACCUMULATE" in dispatch.shader) != first
+        assert dispatch.bindings[0].access == ("w" if first else "rw")
+        assert ("HAS_BIAS" in dispatch.shader) == last
+        assert ("CPU_REGISTER_TILES" in dispatch.shader) == (tuning == CPU_TUNING)
+        assert len({b.buffer for b in dispatch.bindings}) == len(dispatch.bindings)  # no buffer bound twice
+
+
+def test_backward_windows_are_output_columns():
+    M, N, K, group_size = SHAPES[0]
+    plan = plan_linear_q4gsw_backward(M=M, N=N, K=K, group_size=group_size, out="out", d_out="d", weights="w",
+                                      scales="s", binding_limit=LIMIT)
+    _bindings_fit(plan, LIMIT)
+    assert len(plan) > 1 and not any("ACCUMULATE" in d.shader for d in plan)
+    assert all(d.bindings[0].access == "w" for d in plan)
+
+
+def test_limits_below_one_window_are_refused_naming_the_limit():
+    tiny = BindingLimit(1024, 256)
+    with pytest.raises(KernelArgumentError, match=r"W \[4096, 256\].*over the device's max storage binding size of "
+                                                  r"1024 bytes"):
+        plan_linear_q4gsw(M=4, N=4096, K=256, group_size=32, out="o", x="x", weights="w", scales="s",
+                          binding_limit=tiny)
+    with pytest.raises(KernelArgumentError, match=r"one row of d_out \[4, 8\] / the output \[4, 512\] needs a "
+                                                  r"binding of 2048 bytes.* of 1024 bytes"):
+        plan_linear_q4gsw_backward(M=4, N=8, K=512, group_size=32, out="o", d_out="d", weights="w", scales="s",
+                                   binding_limit=tiny)
+    with pytest.raises(KernelArgumentError, match="without split-K"):
+        plan_linear_q4gsw(M=40, N=64, K=256, group_size=32, out="o", x="x", weights="w", scales="s",
+                          split_k=2, binding_limit=LIMIT)
+
+
+def _run(device, dispatches, arrays, out_elements):
+    buffers = {name: Buffer.from_array(device, np.ascontiguousarray(a)) for name, a in arrays.items()}
+    buffers["out"] = Buffer.from_array(device, np.full(out_elements, np.nan, np.float32))
+    try:
+        run_dispatches(device, dispatches, buffers)
+        return buffers["out"].read(np.float32, (out_elements,))
+    finally:
+        for buffer in buffers.values():
+            buffer.destroy()
+
+
+def _assert_within_dot_bound(actual, expected, magnitudes, length, factor=1.0):
+    """|actual - expected| <= factor * gamma_(length + 2) * magnitudes (tests/test_kernels_linear.py's bound)."""
+    n = length + 2
+    bound = factor * n * UNIT_ROUNDOFF / (1 - n * UNIT_ROUNDOFF) * magnitudes
+    excess = np.abs(actual.astype(np.float64) - expected) - bound
+    assert (excess <= 0).all(), f"worst excess over the bound: {excess.max()}"
+
+
+def _tunings(device):
+    return [GPU_TUNING, CPU_TUNING] if runs_cpu_bodies(device) else [GPU_TUNING]
+
+
+def _unsplit_body(tuning):
+    """What forces the unsplit plan onto the body the windows run: GPU, the tiled GEMM with the default
+    forward tiling (the default plan would take the GEMV at M <= 8 and split-K given scratch)."""
+    return {} if tuning == CPU_TUNING else {"tiles": GemmTiles(16, 16, 8)}
+
+
+def _check_forward(device):
+    rng = np.random.default_rng(1)
+    for M, N, K, group_size in SHAPES:
+        flat, scales = _weight(rng, N, K, group_size)
+        x = rng.standard_normal((M, K)).astype(np.float32)
+        bias = rng.standard_normal(N).astype(np.float32)
+        arrays = {"x": x, "w": prepack_weights(flat, K), "s": scales, "b": bias}
+        deq = dequantize(flat, scales, group_size).astype(np.float64)
+        expected = x.astype(np.float64) @ deq.T + bias
+        magnitudes = np.abs(x.astype(np.float64)) @ np.abs(deq).T + np.abs(bias)
+        library = torch.ops.vktrain.linear_q4gsw(torch.from_numpy(x), torch.from_numpy(flat), torch.from_numpy(scales),
+                                                 group_size, torch.from_numpy(bias)).numpy()
+        for tuning in _tunings(device):
+            args = dict(M=M, N=N, K=K, group_size=group_size, out="out", x="x", weights="w", scales="s", bias="b",
+                        tuning=tuning)
+            unsplit = _run(device, plan_linear_q4gsw(**args, **_unsplit_body(tuning)), arrays, M * N)
+            plan = plan_linear_q4gsw(**args, binding_limit=LIMIT)
+            assert len(plan) > 3 and any("ACCUMULATE" in d.shader for d in plan), [d.shader for d in plan]
+            windowed = _run(device, plan, arrays, M * N)
+            np.testing.assert_array_equal(windowed, unsplit)  # the same chain of roundings per output
+            _assert_within_dot_bound(windowed.reshape(M, N), expected, magnitudes, K + 1)
+            _assert_within_dot_bound(windowed.reshape(M, N), library, magnitudes, K + 1, factor=2.0)
+
+
+def _check_backward(device):
+    rng = np.random.default_rng(2)
+    for M, N, K, group_size in SHAPES:
+        flat, scales = _weight(rng, N, K, group_size)
+        d_out = rng.standard_normal((M, N)).astype(np.float32)
+        arrays = {"d": d_out, "w": prepack_weights(flat, K), "s": scales}
+        deq = dequantize(flat, scales, group_size).astype(np.float64)
+        expected = d_out.astype(np.float64) @ deq
+        magnitudes = np.abs(d_out.astype(np.float64)) @ np.abs(deq)
+        library = torch.ops.vktrain.linear_q4gsw_backward(torch.from_numpy(d_out), torch.from_numpy(flat),
+                                                          torch.from_numpy(scales), group_size).numpy()
+        for tuning in _tunings(device):
+            args = dict(M=M, N=N, K=K, group_size=group_size, out="out", d_out="d", weights="w", scales="s",
+                        tuning=tuning)
+            forced = {} if tuning == CPU_TUNING else {"tiles": GemmTiles(16, 16, 16)}
+            unsplit = _run(device, plan_linear_q4gsw_backward(**args, **forced), arrays, M * K)
+            plan = plan_linear_q4gsw_backward(**args, binding_limit=LIMIT)
+            assert len(plan) > 3, [d.shader for d in plan]
+            windowed = _run(device, plan, arrays, M * K)
+            np.testing.assert_array_equal(windowed, unsplit)
+            _assert_within_dot_bound(windowed.reshape(M, K), expected, magnitudes, N)
+            _assert_within_dot_bound(windowed.reshape(M, K), library, magnitudes, N, factor=2.0)
+
+
+def test_windowed_forward_is_the_unsplit_kernel_bit_for_bit(vk_device):
+    _check_forward(vk_device)
+
+
+def test_wgsl_windowed_forward_is_the_unsplit_kernel_bit_for_bit(webgpu_device):
+    _check_forward(webgpu_device)
+
+
+def test_windowed_backward_is_the_unsplit_kernel_bit_for_bit(vk_device):
+    _check_backward(vk_device)
+
+
+def test_wgsl_windowed_backward_is_the_unsplit_kernel_bit_for_bit(webgpu_device):
+    _check_backward(webgpu_device)
