@@ -24,8 +24,8 @@ from vktrain.quant import dequantize, pack_w4x8, quantize  # noqa: E402
 from vktrain.runtime import Buffer, run_dispatches  # noqa: E402
 from vktrain.runtime.delegate.kernels.gemm_tuning import CPU_TUNING, GPU_TUNING, runs_cpu_bodies  # noqa: E402
 from vktrain.runtime.delegate.kernels.layout import BindingLimit, KernelArgumentError  # noqa: E402
-from vktrain.runtime.delegate.kernels.linear import (GemmTiles, plan_linear_q4gsw,  # noqa: E402
-                                                     plan_linear_q4gsw_backward, prepack_weights, weights_nbytes)
+from vktrain.runtime.delegate.kernels.linear import (GemmPlacement, GemmTiles, gemm_push,  # noqa: E402
+                                                     plan_linear_q4gsw, plan_linear_q4gsw_backward, prepack_weights)
 from vktrain.runtime.delegate.kernels.q4gsw_windows import (k_window_step, scales_byte_range,  # noqa: E402
                                                             words_byte_range)
 
@@ -108,6 +108,18 @@ def test_limits_below_one_window_are_refused_naming_the_limit():
     with pytest.raises(KernelArgumentError, match="without split-K"):
         plan_linear_q4gsw(M=40, N=64, K=256, group_size=32, out="o", x="x", weights="w", scales="s",
                           split_k=2, binding_limit=LIMIT)
+
+
+def test_placement_is_checked():
+    push = gemm_push(4, 8, 16, 8, 4, 8, 16, GemmPlacement(a_offset=4, a_row_stride=32, c_offset=8, c_row_stride=12,
+                                                           w_offset=16, s_offset=20))
+    assert np.frombuffer(push, "<u4").tolist() == [4, 8, 16, 8, 4, 32, 8, 12, 16, 20]
+    with pytest.raises(KernelArgumentError, match="multiples of 4"):
+        gemm_push(4, 8, 16, 8, 4, 8, 16, GemmPlacement(w_offset=2))
+    with pytest.raises(KernelArgumentError, match="row strides >= the reduction 16"):
+        gemm_push(4, 8, 16, 8, 4, 8, 16, GemmPlacement(a_row_stride=12))
+    with pytest.raises(KernelArgumentError, match="32-bit indices"):
+        gemm_push(4, 8, 16, 8, 4, 8, 16, GemmPlacement(c_row_stride=2**31))
 
 
 def _run(device, dispatches, arrays, out_elements):
@@ -201,3 +213,83 @@ def test_windowed_backward_is_the_unsplit_kernel_bit_for_bit(vk_device):
 
 def test_wgsl_windowed_backward_is_the_unsplit_kernel_bit_for_bit(webgpu_device):
     _check_backward(webgpu_device)
+
+
+MIB = 1 << 20
+HEAD_VOCAB, HEAD_BATCH, HEAD_SEQ, HEAD_STEPS = 20480, 2, 32, 2
+HPARAMS = np.array([1e-2, 0.9, 0.999, 1e-8, 0.01], np.float32)
+
+
+@pytest.fixture(scope="module")
+def untied_head_program(tmp_path_factory):
+    """A 1-layer tiny-llama with an untied q4gsw head [32768, 128] (2 MiB of W_4X8 words; logits [128, 32768]
+    16 MiB) and LoRA on it: under 1 MiB bindings the head splits into windows of K and of M rows."""
+    from vktrain.contract import EVAL_METHOD, TRAIN_METHOD
+    from vktrain.export import export_training_and_eval_steps, lower_methods_to_pte
+    from vktrain.lora import LoRAConfig, apply_lora
+    from vktrain.models import build_model
+
+    model = build_model("tiny-llama", n_layers=1, vocab_size=HEAD_VOCAB, tie_embeddings=False)
+    report = apply_lora(model, LoRAConfig(rank=4, alpha=8.0, targets="*_proj,lm_head", group_size=32, seed=0))
+    assert "lm_head" in report.replaced
+    step, evaluation = export_training_and_eval_steps(model, (HEAD_BATCH, HEAD_SEQ))
+    path = tmp_path_factory.mktemp("pte") / "untied_head_step.pte"
+    path.write_bytes(lower_methods_to_pte({TRAIN_METHOD: step, EVAL_METHOD: evaluation}))
+    return path
+
+
+def _train(path, device, max_binding_bytes):
+    from vktrain.runtime.program.runner import TrainingRunner
+
+    token_ids = torch.randint(0, HEAD_VOCAB, (HEAD_BATCH, HEAD_SEQ), generator=torch.Generator().manual_seed(7))
+    labels = torch.roll(token_ids, -1, dims=1)
+    # Training only: the eval method adds the head's LoRA output to the logits with an unfused aten.add over
+    # the whole [2, 64, 32768] (16 MiB), which the elementwise kernels do not split (refused at its load).
+    with TrainingRunner.from_pte(path, device, max_binding_bytes=max_binding_bytes) as runner:
+        losses = [runner.step(token_ids.numpy(), labels.numpy(), HPARAMS) for _ in range(HEAD_STEPS)]
+        return losses, list(runner.executor.dispatches)
+
+
+def _check_untied_head_training(device, path):
+    losses, dispatches = _train(path, device, MIB)
+    whole_losses, whole_dispatches = _train(path, device, None)
+    for dispatch in dispatches:
+        for bound in dispatch.bindings:
+            assert bound.size <= MIB, (dispatch.name, bound)
+    windowed = [d for d in dispatches if "linear_q4gsw" in d.name and "window" in d.name]
+    assert any("ACCUMULATE" in d.shader for d in windowed)  # the head's forward over windows of K
+    assert any("linear_q4gsw_backward" in d.name for d in windowed)
+    assert not any("window" in d.name for d in whole_dispatches)
+    # Every split here keeps each sum's order (q4 windows, the head LoRA's mm over rows / vocabulary columns,
+    # fused_ce over rows): the very same losses.
+    assert losses == whole_losses
+    assert all(np.isfinite(losses)) and losses[-1] < losses[0]
+
+
+def test_untied_q4_head_trains_split_on_vulkan(vk_device, untied_head_program):
+    _check_untied_head_training(vk_device, untied_head_program)
+
+
+def test_untied_q4_head_trains_split_on_webgpu(webgpu_device, untied_head_program):
+    _check_untied_head_training(webgpu_device, untied_head_program)
+
+
+def test_a_windowed_q4_op_takes_the_fp32_kernels_on_the_tensor_core_route(vk_device, tmp_path):
+    """fp16-tc (emulated here): the coopmat kernels have no windows, so the untied head's linear_q4gsw over the
+    limit runs the fp32 windows while it takes the coopmat kernel unsplit; the other ops keep their route."""
+    from _helpers import export_mlp_lora_training_step
+    from vktrain.runtime.program.runner import TrainingRunner
+
+    path = tmp_path / "mlp.pte"
+    export_mlp_lora_training_step(path, (2, 8), 32768)  # logits [2, 8, 32768]: 2 MiB out of linear_q4gsw
+    routes = {}
+    for limit in (None, MIB):
+        with TrainingRunner.from_pte(path, vk_device, precision="fp16-tc", emulate_tensor_cores=True,
+                                     max_binding_bytes=limit) as runner:
+            windowed = {d.name.split(".window")[0] for d in runner.executor.dispatches
+                        if "linear_q4gsw" in d.name and ".window" in d.name}
+            routes[limit] = (set(runner.executor.tensor_core_ops), windowed)
+    (unsplit_tc, unsplit_windows), (split_tc, split_windows) = routes[None], routes[MIB]
+    assert not unsplit_windows and split_windows
+    assert split_windows & unsplit_tc and not split_windows & split_tc  # the head's forward left the coopmat kernel
+    assert {label for label in unsplit_tc if "linear_q4gsw" in label} - split_windows <= split_tc

@@ -160,10 +160,6 @@ class GemmPlacement:
     w_offset: int = 0
     s_offset: int = 0
 
-    @property
-    def contiguous(self) -> bool:
-        return self == CONTIGUOUS
-
 
 CONTIGUOUS = GemmPlacement()
 
@@ -524,9 +520,17 @@ def _plan_windows(op: str, M: int, N: int, K: int, group_size: int, *, out: Any,
             if cpu_body:
                 dispatches += _cpu_gemm_plan(op, mm, cols, **gemm)
             else:
-                dispatches += _gemm_plan(op, op, mm, cols, red, tiles=tiles, split_k=1, scratch=None,
-                                         shared_memory_bytes=shared_memory_bytes, **gemm)
+                dispatches += _gemm_plan(op, op, mm, cols, red, tiles=tiles or _window_tiles(op, mm, cols), split_k=1,
+                                         scratch=None, shared_memory_bytes=shared_memory_bytes, **gemm)
     return dispatches
+
+
+def _window_tiles(op: str, rows: int, cols: int) -> GemmTiles:
+    """The default tiles with their height cut to a window of few rows (a large vocabulary's logits under a
+    small limit: 12 rows of 20480 in 1 MiB), whose 64-row tiles would mostly compute rows past the window.
+    Tiles change which thread computes an output, not its sum."""
+    tiles = default_gemm_tiles(rows, cols, op=op)
+    return GemmTiles(tiles.threads_x, min(tiles.threads_y, _next_pow2(ceil_div(rows, 8))), tiles.bk)
 
 
 @register_kernel("vktrain.linear_dW.default")
