@@ -17,8 +17,8 @@
   parity tolerance 1e-5 (d_h's reduction windows reassociate its sums; bound above).
 * mlp-lora's untied q4gsw head (its logits [2, 8, 32768] over 1 MiB) now splits (linear_q4gsw's windows,
   tests/test_q4_windows.py) and trains with the unsplit losses; a head whose one window of K does not fit
-  (W [131072, 32]: 2 MiB of words in K's one step) is refused at load, naming the limit; limits below what
-  the kernels split to are refused naming the limit. `vktrain train --max-binding-mib 1`
+  (W [131072, 64]: 2 MiB of words in one 32-column step of K) is refused at load, naming the limit; limits
+  below what the kernels split to are refused naming the limit. `vktrain train --max-binding-mib 1`
   trains it; generation under the limit gives the unsplit run's logits bit for bit.
 * Llama-3.2-1B's tied 1 GiB head and embedding plan into 8 windows under a browser's 128 MiB (no device).
 """
@@ -363,8 +363,8 @@ def test_untied_q4_head_splits_and_a_head_with_no_fitting_window_is_refused(vk_d
     with pytest.raises(GraphLoweringError, match="max_binding_bytes .* must be an int >= 1048576"):
         TrainingRunner.from_pte(path, vk_device, max_binding_bytes=MIB - 1)
     wide = tmp_path / "wide.pte"
-    export_mlp_lora_training_step(wide, (2, 8), 131072)  # W [131072, 32]: 2 MiB of words, K = one group
-    refusal = (r"vktrain.linear_q4gsw.default.*W \[131072, 32\] \(group size 32\) in windows of 32 columns, one of "
+    export_mlp_lora_training_step(wide, (2, 8), 131072)  # head W [131072, 64]: 2 MiB of words per 32-column step
+    refusal = (r"vktrain.linear_q4gsw.default.*W \[131072, 64\] \(group size 32\) in windows of 32 columns, one of "
                r"which needs a binding of 2097152 bytes, over the device's max storage binding size of 1048576")
     with pytest.raises(GraphLoweringError, match=refusal):
         TrainingRunner.from_pte(wide, vk_device, max_binding_bytes=MIB)
