@@ -25,7 +25,8 @@ from vktrain.runtime import Buffer, run_dispatches  # noqa: E402
 from vktrain.runtime.delegate.kernels.gemm_tuning import CPU_TUNING, GPU_TUNING, runs_cpu_bodies  # noqa: E402
 from vktrain.runtime.delegate.kernels.layout import BindingLimit, KernelArgumentError  # noqa: E402
 from vktrain.runtime.delegate.kernels.linear import (GemmPlacement, GemmTiles, gemm_push,  # noqa: E402
-                                                     plan_linear_q4gsw, plan_linear_q4gsw_backward, prepack_weights)
+                                                     plan_linear_q4gsw, plan_linear_q4gsw_backward, prepack_weights,
+                                                     weights_nbytes)
 from vktrain.runtime.delegate.kernels.q4gsw_windows import (k_window_step, scales_byte_range,  # noqa: E402
                                                             words_byte_range)
 
@@ -293,3 +294,24 @@ def test_a_windowed_q4_op_takes_the_fp32_kernels_on_the_tensor_core_route(vk_dev
     assert not unsplit_windows and split_windows
     assert split_windows & unsplit_tc and not split_windows & split_tc  # the head's forward left the coopmat kernel
     assert {label for label in unsplit_tc if "linear_q4gsw" in label} - split_windows <= split_tc
+
+
+def test_llama_3_8b_untied_head_plans_fit_a_browsers_128_mib():
+    """The issue's shapes: Llama-3-8B's untied 4-bit head [128256, 4096] (262 MB of W_4X8 words) in a 64-token
+    step, planned for WebGPU's default 128 MiB binding (no device): 2 windows of K (65 steps of 32 columns, 2 MB of
+    words each, per window), y and d_out in whole rows."""
+    limit = BindingLimit(max_bytes=128 * MIB, alignment=256)
+    tokens, vocab, dim, group_size = 64, 128256, 4096, 32
+    for plan, small in ((plan_linear_q4gsw(M=tokens, N=vocab, K=dim, group_size=group_size, out="y", x="x",
+                                           weights="w", scales="s", binding_limit=limit), "x"),
+                        (plan_linear_q4gsw_backward(M=tokens, N=vocab, K=dim, group_size=group_size, out="d_x",
+                                                    d_out="d_y", weights="w", scales="s", binding_limit=limit), "d_x")):
+        assert len(plan) == 2
+        words = sorted((d.bindings[2].offset, d.bindings[2].offset + d.bindings[2].size) for d in plan)
+        assert words[0][0] == 0 and words[-1][1] == weights_nbytes(vocab, dim)  # every column of W, once
+        assert all(end <= start for (_, end), (start, _) in zip(words, words[1:]))
+        for dispatch in plan:
+            assert all(b.size <= limit.max_bytes and b.offset % limit.alignment == 0 for b in dispatch.bindings)
+    assert [d.shader for d in plan_linear_q4gsw(M=tokens, N=vocab, K=dim, group_size=group_size, out="y", x="x",
+                                                weights="w", scales="s", binding_limit=limit)] == [
+        "linear_q4gsw", "linear_q4gsw@ACCUMULATE"]

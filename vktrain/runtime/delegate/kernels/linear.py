@@ -177,7 +177,7 @@ def gemm_push(M: int, N: int, K: int, group_size: int, rows: int, cols: int, red
             or a_row_stride < red or c_row_stride < cols:
         raise KernelArgumentError(f"{label}: {placement} must hold ints >= 0 that are multiples of 4, with row "
                                   f"strides >= the reduction {red} / the output's columns {cols}")
-    if placement.a_offset + rows * a_row_stride > MAX_ELEMENTS or placement.c_offset + rows * c_row_stride > MAX_ELEMENTS:
+    if max(placement.a_offset + rows * a_row_stride, placement.c_offset + rows * c_row_stride) > MAX_ELEMENTS:
         raise KernelArgumentError(f"{label}: {placement} reaches past {MAX_ELEMENTS} elements (32-bit indices)")
     return pack_push(M, N, K, group_size, *values)
 
@@ -336,7 +336,8 @@ def _gemm_plan(op: str, shader: str, rows: int, cols: int, red: int, *, out: Any
     local = (tiles.threads_x, tiles.threads_y, 1)
     spec = {3: tiles.bk, 4: split_k}
     if split_k == 1:
-        bindings = [binding(out, "rw" if accumulate else "w"), *inputs] + ([binding(bias, "r")] if bias is not None else [])
+        bindings = [binding(out, "rw" if accumulate else "w"), *inputs]
+        bindings += [binding(bias, "r")] if bias is not None else []
         name = shader_variant(shader, ACCUMULATE=accumulate, HAS_BIAS=bias is not None)
         return [Dispatch(name, groups=groups, bindings=bindings, push_constants=push, spec_constants=spec,
                          local_size=local, label=label)]
@@ -475,8 +476,8 @@ def _plan_windows(op: str, M: int, N: int, K: int, group_size: int, *, out: Any,
     rows that each fit `limit` (module docstring, "Bindings over the limit")."""
     forward = op == "linear_q4gsw"
     if isinstance(tiles, GemvTiles) or split_k not in (None, 1):
-        raise KernelArgumentError(f"{label}: a windowed {op} runs the GEMM bodies without split-K; got tiles={tiles!r}, "
-                                  f"split_k={split_k!r}")
+        raise KernelArgumentError(f"{label}: a windowed {op} runs the GEMM bodies without split-K; got "
+                                  f"tiles={tiles!r}, split_k={split_k!r}")
     cpu_body = _takes_cpu_body(op, N, K, group_size, tiles, split_k, tuning)  # the unsplit plan's body
     windows = q4gsw_windows.k_windows(N, K, group_size, limit)
     if windows is None:
