@@ -10,8 +10,9 @@
   the range, M not a multiple of the window), and the op library's CPU reference within the dot-product
   bound of tests/test_kernels_linear.py.
 * Limits too small for one window step or one row are refused naming the limit.
-* A tiny-llama with an UNTIED q4 head trains under a limit that splits the head: the same losses bit for
-  bit as the unsplit run.
+* A tiny-llama with an UNTIED q4 head trains under a limit that splits the head, on Vulkan and WebGPU: the
+  same losses bit for bit as the unsplit run. On the fp16-tc route (emulated) a windowed q4 op runs the fp32
+  kernels. Llama-3-8B's untied head plans into windows that fit a browser's 128 MiB (no device).
 """
 from __future__ import annotations
 

@@ -33,10 +33,10 @@ no shared memory, no barrier, no split-K. dW keeps its shared-memory body (it ha
 training step never computes a base weight's gradient).
 
 Bindings over the limit (`binding_limit`, linear_q4gsw and linear_q4gsw_backward). W_4X8 keeps W's columns
-contiguous, not its rows, so a W over the limit is cut into windows of K columns (q4gsw_windows.py: each
-window's words and scales are a whole [N, kk] q4gsw weight), and x / d_out / the
-output into windows of M rows when they are over it; every window's GEMM reads its source rows and writes
-C's rows through a GemmPlacement. The backward's K windows are windows of d_x's columns and the forward's M
+contiguous, not its rows, so a W over the limit is cut into windows of K columns starting at multiples of
+lcm(group_size, 16) (q4gsw_windows.py: each window's words and scales are a whole [N, kk] q4gsw weight),
+and x / d_out / the output into windows of M rows when they are over it; every window's GEMM reads its
+operands and writes C's rows through a GemmPlacement. The backward's K windows are windows of d_x's columns and the forward's M
 windows of its rows: each sum is the unsplit one. The forward's K windows are windows of its reduction:
 window 0 writes y's window, each later one runs the ACCUMULATE variant, which starts every output's sum
 from the value y holds (one read_write binding, no alias) and adds the window's products in the unsplit
