@@ -15,7 +15,9 @@
   (checked in the schedule: every binding fits), the first loss and the eval loss (forward only: row and
   column windows) equal the unsplit run's bit for bit, and later losses agree within the runtimes'
   parity tolerance 1e-5 (d_h's reduction windows reassociate its sums; bound above).
-* A tensor no kernel splits (mlp-lora's untied q4gsw head's logits) is refused at load, naming it; limits
+* mlp-lora's untied q4gsw head (its logits [2, 8, 32768] over 1 MiB) now splits (linear_q4gsw's windows,
+  tests/test_q4_windows.py) and trains with the unsplit losses; a head whose one window of K does not fit
+  (W [131072, 64]: 2 MiB of words in one 32-column step of K) is refused at load, naming the limit; limits
   below what the kernels split to are refused naming the limit. `vktrain train --max-binding-mib 1`
   trains it; generation under the limit gives the unsplit run's logits bit for bit.
 * Llama-3.2-1B's tied 1 GiB head and embedding plan into 8 windows under a browser's 128 MiB (no device).
@@ -342,19 +344,30 @@ def test_big_vocabulary_step_trains_split_on_webgpu(webgpu_device, big_vocab_pro
     _check_split_training(webgpu_device, big_vocab_program)
 
 
-def test_unsplittable_tensor_is_refused_naming_it(vk_device, tmp_path):
+def test_untied_q4_head_splits_and_a_head_with_no_fitting_window_is_refused(vk_device, tmp_path):
     from _helpers import export_mlp_lora_training_step
     from vktrain.runtime.delegate.op_lowering import GraphLoweringError
     from vktrain.runtime.program.runner import TrainingRunner
 
     path = tmp_path / "mlp.pte"
     export_mlp_lora_training_step(path, (2, 8), 32768)  # logits [2, 8, 32768]: 2 MiB out of linear_q4gsw
-    refusal = (r"vktrain.linear_q4gsw.default.*binds tensor \S+ float32\[2, 8, 32768\] over 2097152 bytes, more than "
-               r"the max storage binding size of 1048576")
-    with pytest.raises(GraphLoweringError, match=refusal):
-        TrainingRunner.from_pte(path, vk_device, max_binding_bytes=MIB)
+    token_ids = np.random.default_rng(7).integers(0, 32768, (2, 8))
+    labels = np.roll(token_ids, -1, axis=1)
+    runs = []
+    for limit in (None, MIB):
+        with TrainingRunner.from_pte(path, vk_device, max_binding_bytes=limit) as runner:
+            names = [d.name for d in runner.executor.dispatches]
+            runs.append(([runner.step(token_ids, labels, SPLIT_HPARAMS) for _ in range(2)], names))
+    assert runs[0][0] == runs[1][0]  # rows of the logits: each sum whole
+    assert any("linear_q4gsw" in n and "window" in n for n in runs[1][1])
     with pytest.raises(GraphLoweringError, match="max_binding_bytes .* must be an int >= 1048576"):
         TrainingRunner.from_pte(path, vk_device, max_binding_bytes=MIB - 1)
+    wide = tmp_path / "wide.pte"
+    export_mlp_lora_training_step(wide, (2, 8), 131072)  # head W [131072, 64]: 2 MiB of words per 32-column step
+    refusal = (r"vktrain.linear_q4gsw.default.*W \[131072, 64\] \(group size 32\) in windows of 32 columns, one of "
+               r"which needs a binding of 2097152 bytes, over the device's max storage binding size of 1048576")
+    with pytest.raises(GraphLoweringError, match=refusal):
+        TrainingRunner.from_pte(wide, vk_device, max_binding_bytes=MIB)
 
 
 def test_train_command_takes_the_limit(vk_device, big_vocab_program, tmp_path):

@@ -377,7 +377,9 @@ def test_plan_covers_the_output_and_picks_the_path():
     assert d.groups[0] * bn >= 2048 > (d.groups[0] - 1) * bn
     assert d.groups[1] * bm >= GEMV_MAX_M + 1 > (d.groups[1] - 1) * bm
     assert [b.access for b in d.bindings] == ["w", "r", "r", "r", "r"]
-    assert d.push_constants == np.array([GEMV_MAX_M + 1, 2048, 2048, 32], "<u4").tobytes()
+    # M, N, K, group size, then the contiguous GemmPlacement: a_offset, a_row_stride = K, c_offset, c_row_stride = N,
+    # w_offset, s_offset
+    assert d.push_constants == np.array([GEMV_MAX_M + 1, 2048, 2048, 32, 0, 2048, 0, 2048, 0, 0], "<u4").tobytes()
     (g,) = gemv
     assert dict(g.spec_constants) == {3: GEMV_MAX_ROWS, 4: 32}  # rows per workgroup, group size
     assert g.groups[1] * GEMV_MAX_ROWS >= GEMV_MAX_M

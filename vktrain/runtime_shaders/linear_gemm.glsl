@@ -19,6 +19,13 @@
 // Variants defining CPU_REGISTER_TILES (FWD, BWD) replace this tiling, from the staging below on, with
 // the register-tile body of linear_gemm_cpu.glsl for CPU Vulkan implementations; the bindings, push
 // constants and W_4X8 decoding above it are shared.
+//
+// Placement (FWD, BWD; kernels/linear.py `GemmPlacement`, one window of a GEMM split over storage bindings):
+// source row i (x / d_out) starts at element a_offset + i * a_row_stride of binding 1, C's row i at
+// c_offset + i * c_row_stride of binding 0, the W_4X8 words at word w_offset of binding 2 and the scales at
+// element s_offset of binding 3 (all multiples of 4; contiguous: 0, the reduction, 0, COLS, 0, 0).
+// ACCUMULATE (FWD): each output starts its sum from the value binding 0 holds (a previous window of K's
+// partial) instead of 0, so a reduction cut into windows adds the same products in the same order.
 
 #extension GL_EXT_control_flow_attributes : require
 #extension GL_GOOGLE_include_directive : require
@@ -38,6 +45,12 @@ layout(push_constant, std430) uniform PushConstants {
     uint N;              // out features
     uint K;              // in features
     uint group_size;     // q4gsw group size along K (unused by LINEAR_MODE_DW)
+    uint a_offset;       // placement (above; unused by LINEAR_MODE_DW's inputs)
+    uint a_row_stride;
+    uint c_offset;
+    uint c_row_stride;
+    uint w_offset;
+    uint s_offset;
 } pc;
 
 #ifdef CPU_REGISTER_TILES
@@ -52,7 +65,11 @@ layout(push_constant, std430) uniform PushConstants {
 #endif
 
 #if LINEAR_MODE == LINEAR_MODE_FWD
+#ifdef ACCUMULATE  // variant linear_q4gsw@ACCUMULATE: y is read (the partial so far) and written
+layout(set = 0, binding = 0) restrict buffer OutBuf { vec4 y[]; };
+#else
 layout(set = 0, binding = 0) writeonly restrict buffer OutBuf { vec4 y[]; };
+#endif
 layout(set = 0, binding = 1) readonly restrict buffer XBuf { VEC4_INPUT x[]; };
 layout(set = 0, binding = 2) readonly restrict buffer WBuf { WORD_INPUT w4x8[]; };
 layout(set = 0, binding = 3) readonly restrict buffer SBuf { SCALE_INPUT scales[]; };
@@ -104,7 +121,7 @@ uint n8_count() { return (pc.N / 4u + 1u) / 2u; }
 #ifndef CPU_REGISTER_TILES
 // The scale of weight row n in group g; rows n >= N exist only as W_4X8 padding (code 8), and reading
 // their scale would overrun, so they scale by 0.
-float scale_at(uint g, uint n) { return n < pc.N ? scales[g * pc.N + n] : 0.0; }
+float scale_at(uint g, uint n) { return n < pc.N ? scales[pc.s_offset + g * pc.N + n] : 0.0; }
 #endif
 
 // Codes of one W_4X8 word for the row pair (n, n + 1): byte t holds k = 4*k4 + t, low nibble row n.
@@ -156,9 +173,9 @@ void fetch_a(uint r0, uint i0, uint tid) {
         const uint m = i0 + v / (BK / 4u), r = r0 + 4u * (v % (BK / 4u));
         if (m < pc.M && r < red) {
 #if LINEAR_MODE == LINEAR_MODE_FWD
-            a_stage[s] = x[(m * red + r) / 4u];
+            a_stage[s] = x[(pc.a_offset + m * pc.a_row_stride + r) / 4u];
 #else
-            a_stage[s] = d_out[(m * red + r) / 4u];
+            a_stage[s] = d_out[(pc.a_offset + m * pc.a_row_stride + r) / 4u];
 #endif
         }
 #endif
@@ -235,7 +252,7 @@ void fetch_b(uint r0, uint j0, uint tid) {
         if (4u * k4 < pc.K && n8 < N8) {
             const uint jw = rest % 4u;
             const uint g = (4u * k4) / pc.group_size, n = 8u * n8 + 2u * jw;
-            b_stage_word[s] = w4x8[4u * (k4 * N8 + n8) + jw];
+            b_stage_word[s] = w4x8[pc.w_offset + 4u * (k4 * N8 + n8) + jw];
             b_stage_scale[s] = vec2(scale_at(g, n), scale_at(g, n + 1u));
         }
     }
@@ -288,6 +305,17 @@ void main() {
         acc[a][0] = vec4(0.0);
         acc[a][1] = vec4(0.0);
     }
+#if defined(ACCUMULATE) && LINEAR_MODE == LINEAR_MODE_FWD
+    [[unroll]] for (uint h = 0u; h < 2u; ++h) {
+        [[unroll]] for (uint a = 0u; a < 4u; ++a) {
+            const uint i = i0 + h * (BM / 2u) + 4u * ty + a;
+            [[unroll]] for (uint c = 0u; c < 2u; ++c) {
+                const uint j = j0 + c * (BN / 2u) + 4u * tx;
+                if (i < rows && j < cols) acc[h * 4u + a][c] = y[(pc.c_offset + i * pc.c_row_stride + j) / 4u];
+            }
+        }
+    }
+#endif
 
     fetch_a(r_begin, i0, tid);
     fetch_b(r_begin, j0, tid);
@@ -320,8 +348,8 @@ void main() {
                 const uint j = j0 + c * (BN / 2u) + 4u * tx;  // cols % 4 == 0: all 4 in or all out
                 if (j >= cols) continue;
                 vec4 value = acc[h * 4u + a][c];
-                // Slice z of the split-K scratch, or C itself (z = 0) without split-K.
-                const uint index = (group.z * rows * cols + i * cols + j) / 4u;
+                // Slice z of the split-K scratch (contiguous: c_row_stride = cols), or C itself (z = 0).
+                const uint index = (pc.c_offset + (group.z * rows + i) * pc.c_row_stride + j) / 4u;
 #if LINEAR_MODE == LINEAR_MODE_FWD
 #ifdef HAS_BIAS
                 value += bias[j / 4u];  // the plan never combines HAS_BIAS with SPLIT_K > 1

@@ -44,9 +44,10 @@
 vec2 floats2(uint64_t pair) { return uintBitsToFloat(unpackUint2x32(pair)); }
 // Element v of a vec4 array / 4 consecutive floats at the multiple of 4 `e` of the scales.
 vec4 x_vec4(uint v) { return vec4(floats2(VEC4_SOURCE[2u * v]), floats2(VEC4_SOURCE[2u * v + 1u])); }
-vec4 scales4(uint e) { return vec4(floats2(scales[e / 2u]), floats2(scales[e / 2u + 1u])); }
+// (Both from the placement's offsets, multiples of 4: linear_gemm.glsl.)
+vec4 scales4(uint e) { return vec4(floats2(scales[(pc.s_offset + e) / 2u]), floats2(scales[(pc.s_offset + e) / 2u + 1u])); }
 // The W_4X8 words e, e + 1 (e even).
-uvec2 words2(uint e) { return unpackUint2x32(w4x8[e / 2u]); }
+uvec2 words2(uint e) { return unpackUint2x32(w4x8[(pc.w_offset + e) / 2u]); }
 
 void main() {
     const uvec3 group = VKTRAIN_GLOBAL_GROUP_ID(pc);
@@ -63,8 +64,12 @@ void main() {
     uint row_base[CPU_ROWS];
     vec4 acc[CPU_ROWS];
     [[unroll]] for (uint a = 0u; a < CPU_ROWS; ++a) {
-        row_base[a] = min(i0 + a, rows - 1u) * (reduction_total() / 4u);
+        row_base[a] = (pc.a_offset + min(i0 + a, rows - 1u) * pc.a_row_stride) / 4u;
         acc[a] = vec4(0.0);
+#if defined(ACCUMULATE) && LINEAR_MODE == LINEAR_MODE_FWD
+        // The partial so far (lanes past the last quad read the last one; they store nothing).
+        if (i0 + a < rows) acc[a] = y[(pc.c_offset + (i0 + a) * pc.c_row_stride) / 4u + q];
+#endif
     }
 
 #if LINEAR_MODE == LINEAR_MODE_FWD
@@ -145,7 +150,7 @@ void main() {
         if (i >= rows) {
             continue;
         }
-        const uint index = i * quads + c;
+        const uint index = (pc.c_offset + i * pc.c_row_stride) / 4u + c;
 #if LINEAR_MODE == LINEAR_MODE_FWD
 #ifdef HAS_BIAS
         y[index] = acc[a] + bias[c];

@@ -29,7 +29,8 @@ generated from torch), and kernels are registered under the op's key (`vktrain.r
 * `OpContext.gemm`, the GemmRoute chosen at load (kernels/coopmat.py), may send linear_q4gsw (without
   bias), linear_q4gsw_backward, mm and addmm (with an addend of the output's shape), and causal_attention
   (and its backward: kernels/coopmat_attention.py) to their tensor-core kernels; every other op keeps its
-  fp32 kernel.
+  fp32 kernel, and so does a linear q4gsw op with a binding over the limit (the fp32 kernels split it into
+  windows, kernels/linear.py; the coopmat ones have no windows).
 
 The executor (executor.py) hands each lowering an OpContext of `TensorArg`s (lowering_context.py) whose bindings and views are the storage
 the backend recorded in the blob, so view and in-place decisions never leak into this table.
@@ -160,10 +161,18 @@ def _call(ctx: OpContext, plan: Optional[Callable[..., list[Dispatch]]] = None, 
         raise ctx.fail(f"the {name} kernel refused it: {exc}") from exc
 
 
-def _split_k_args(ctx: OpContext, plan: str, m: int, n: int, k: int, group_size: int = 0) -> dict:
+def _over_binding_limit(ctx: OpContext, tensors: Sequence[TensorArg]) -> bool:
+    """Whether a binding of one of `tensors` would be over the device's max storage binding size."""
+    return layout.exceeds(ctx.binding_limit, [t.binding.size for t in tensors])
+
+
+def _split_k_args(ctx: OpContext, plan: str, m: int, n: int, k: int, group_size: int = 0,
+                  windowed: bool = False) -> dict:
     """Scratch for the linear family's deterministic split-K (used when the output has too few tiles to
-    fill the GPU, e.g. M = 128 tokens), and the device's shared memory for the tile choice."""
-    nbytes = linear.plan_scratch_nbytes(plan, M=m, N=n, K=k, group_size=group_size, tuning=ctx.gemm.fp32_tuning)
+    fill the GPU, e.g. M = 128 tokens; never by an op cut into windows over the binding limit), and the
+    device's shared memory for the tile choice."""
+    nbytes = 0 if windowed else linear.plan_scratch_nbytes(plan, M=m, N=n, K=k, group_size=group_size,
+                                                           tuning=ctx.gemm.fp32_tuning)
     extra = {"shared_memory_bytes": ctx.shared_memory_bytes, "tuning": ctx.gemm.fp32_tuning}
     if nbytes:
         extra["scratch"] = ctx.scratch(nbytes, "split_k")
@@ -178,10 +187,12 @@ def _lower_linear_q4gsw(ctx: OpContext) -> list[Dispatch]:
     m = x.numel // k
     gemm = dict(M=m, N=n, K=k, group_size=group_size, out=ctx.outputs[0].binding, x=x.binding,
                 weights=weights.binding, scales=scales.binding)
-    if bias is None and ctx.gemm.takes_tensor_cores(m, n, k):  # the coopmat kernel has no bias epilogue
+    over = _over_binding_limit(ctx, [x, weights, scales, ctx.outputs[0]] + ([] if bias is None else [bias]))
+    # The coopmat kernel has no bias epilogue, and no windows: an op over the limit takes the fp32 kernels.
+    if bias is None and not over and ctx.gemm.takes_tensor_cores(m, n, k):
         return _call(ctx, coopmat.plan_coopmat_linear_q4gsw, **gemm, **ctx.gemm.plan_options)
-    return _call(ctx, **gemm, bias=None if bias is None else bias.binding,
-                 **_split_k_args(ctx, "linear_q4gsw", m, n, k, group_size))
+    return _call(ctx, **gemm, bias=None if bias is None else bias.binding, binding_limit=ctx.binding_limit,
+                 **_split_k_args(ctx, "linear_q4gsw", m, n, k, group_size, over))
 
 
 def _lower_linear_q4gsw_backward(ctx: OpContext) -> list[Dispatch]:
@@ -192,10 +203,12 @@ def _lower_linear_q4gsw_backward(ctx: OpContext) -> list[Dispatch]:
     m = d_out.numel // n
     gemm = dict(M=m, N=n, K=k, group_size=group_size, out=ctx.outputs[0].binding, d_out=d_out.binding,
                 weights=weights.binding, scales=scales.binding)
-    if ctx.gemm.takes_tensor_cores(m, k, n):
+    over = _over_binding_limit(ctx, [d_out, weights, scales, ctx.outputs[0]])
+    if not over and ctx.gemm.takes_tensor_cores(m, k, n):
         return _call(ctx, coopmat.plan_coopmat_linear_q4gsw_backward, **gemm, **ctx.gemm.plan_options,
                      absmax=ctx.scratch(coopmat.absmax_scratch_nbytes(m * n), "absmax"))
-    return _call(ctx, **gemm, **_split_k_args(ctx, "linear_q4gsw_backward", m, n, k, group_size))
+    return _call(ctx, **gemm, binding_limit=ctx.binding_limit,
+                 **_split_k_args(ctx, "linear_q4gsw_backward", m, n, k, group_size, over))
 
 
 def _lower_linear_dw(ctx: OpContext) -> list[Dispatch]:

@@ -11,6 +11,12 @@
 // = s sums its slice of the reduction (whole BK steps) into slice s of binding 0, a [SPLIT_K, ROWS, COLS]
 // scratch that linear_splitk_reduce adds up.
 //
+// Placement (forward, d_x; one window of a GEMM split over storage bindings, kernels/linear.py
+// `GemmPlacement`): source row i starts at element a_offset + i a_row_stride of binding 1, C's row i at
+// c_offset + i c_row_stride of binding 0, the W_4X8 words at word w_offset of binding 2, the scales at
+// element s_offset of binding 3. ACCUMULATE (forward): each output's sum starts from the value
+// binding 0 holds (the previous window of K's partial) instead of 0: the unsplit products, in order.
+//
 // Register tiling for naga: wgpu's compiler emits every WGSL loop as an unbounded `loop` with an
 // added trip counter, which GPU drivers do not unroll, and a private array indexed by a loop variable
 // then lives in (slow, per-thread) memory. So no hot loop here indexes a private array: the 8 x 8 block
@@ -35,6 +41,12 @@ struct Params {
     N: u32,           // out features
     K: u32,           // in features
     group_size: u32,  // q4gsw group size along K (unused by dW)
+    a_offset: u32,    // placement (above; dW's inputs ignore it)
+    a_row_stride: u32,
+    c_offset: u32,
+    c_row_stride: u32,
+    w_offset: u32,
+    s_offset: u32,
 }
 
 #if LINEAR_MODE == 0
@@ -87,7 +99,7 @@ fn scale_at(g: u32, n: u32) -> f32 {
     if (n >= params.N) {
         return 0.0;
     }
-    return scales[g * params.N + n];
+    return scales[params.s_offset + g * params.N + n];
 }
 
 // Codes of one W_4X8 word for the row pair (n, n + 1): byte t holds k = 4 k4 + t, low nibble row n.
@@ -121,7 +133,7 @@ fn fetch_a(r0: u32, i0: u32, v: u32) -> vec4<f32> {
     let m = i0 + v / (BK / 4u);
     let r = r0 + 4u * (v % (BK / 4u));
     if (m < params.M && r < red) {
-        return a_src[(m * red + r) / 4u];
+        return a_src[(params.a_offset + m * params.a_row_stride + r) / 4u];
     }
 #endif
     return vec4<f32>(0.0);
@@ -230,7 +242,7 @@ fn fetch_b(r0: u32, j0: u32, v: u32) -> Staged {
         let jw = rest % 4u;
         let g = (4u * k4) / params.group_size;
         let n = 8u * n8 + 2u * jw;
-        staged.word = w4x8[4u * (k4 * n8s + n8) + jw];
+        staged.word = w4x8[params.w_offset + 4u * (k4 * n8s + n8) + jw];
         staged.scale = vec2<f32>(scale_at(g, n), scale_at(g, n + 1u));
     }
     return staged;
@@ -328,14 +340,30 @@ fn store_row(i: u32, j: u32, z: u32, value: vec4<f32>) {
     if (i >= rows || j >= cols) {
         return;
     }
-    // Slice z of the split-K scratch, or C itself (z = 0) without split-K.
-    let index = (z * rows * cols + i * cols + j) / 4u;
+    // Slice z of the split-K scratch (contiguous: c_row_stride = cols), or C itself (z = 0).
+    let index = (params.c_offset + (z * rows + i) * params.c_row_stride + j) / 4u;
 #if HAS_BIAS
     c_out[index] = value + bias[j / 4u];  // the plan never combines HAS_BIAS with SPLIT_K > 1
 #else
     c_out[index] = value;
 #endif
 }
+
+#if LINEAR_MODE == 0
+#if ACCUMULATE
+// Row i's columns j .. j+3 of what C holds (0 past the output): where an ACCUMULATE sum starts.
+fn load_row(i: u32, j: u32) -> vec4<f32> {
+    if (i >= rows_total() || j >= cols_total()) {
+        return vec4<f32>(0.0);
+    }
+    return c_out[(params.c_offset + i * params.c_row_stride + j) / 4u];
+}
+
+fn load_block(i: u32, j: u32) -> Block {
+    return Block(load_row(i, j), load_row(i + 1u, j), load_row(i + 2u, j), load_row(i + 3u, j));
+}
+#endif
+#endif
 
 fn store_block(i: u32, j: u32, z: u32, block: Block) {
     store_row(i, j, z, block[0]);
@@ -371,6 +399,14 @@ fn main(@builtin(workgroup_id) workgroup: vec3<u32>, @builtin(local_invocation_i
     var lo_hi = Block();
     var hi_lo = Block();
     var hi_hi = Block();
+#if LINEAR_MODE == 0
+#if ACCUMULATE
+    lo_lo = load_block(i0 + 4u * ty, j0 + 4u * tx);
+    lo_hi = load_block(i0 + 4u * ty, j0 + 4u * tx + bn / 2u);
+    hi_lo = load_block(i0 + 4u * ty + bm / 2u, j0 + 4u * tx);
+    hi_hi = load_block(i0 + 4u * ty + bm / 2u, j0 + 4u * tx + bn / 2u);
+#endif
+#endif
     // Where a thread's share of each tile is one chunk (the default tiles), the next step's loads are
     // issued before this step's arithmetic, as in the GLSL; larger shares load after the barrier.
     let threads = THREADS_X * THREADS_Y;

@@ -15,8 +15,9 @@ Kernels (vktrain/runtime_shaders):
   linear_splitk_reduce(@HAS_BIAS) second pass of a split-K GEMM
   linear_q4gsw@CPU_REGISTER_TILES(+HAS_BIAS), linear_q4gsw_backward@CPU_REGISTER_TILES
                                   the register-tile bodies (linear_gemm_cpu.glsl) for every M on a CPU device
-Push constants (after the runtime's group-offset header): M, N, K, group_size for the GEMMs; M, N, K
-for the GEMVs, which take the group size as specialization constant 4 (a constant divisor).
+Push constants (after the runtime's group-offset header): M, N, K, group_size and a GemmPlacement
+(`gemm_push`) for the GEMMs; M, N, K for the GEMVs, which take the group size as specialization constant 4
+(a constant divisor).
 
 Split-K. When the output has few tiles but the reduction is long (M = 512 x N = 2048 on a GPU with
 a hundred-odd compute units; the thin dW of a LoRA adapter), the GEMMs can split the reduction over
@@ -30,9 +31,24 @@ implementation) sends the forward and d_x GEMMs of every M, unless `tiles` or `s
 to the register-tile bodies: CPU_LANES invocations per workgroup, each owning CPU_ROWS rows x 4 columns,
 no shared memory, no barrier, no split-K. dW keeps its shared-memory body (it has no CPU body: the LoRA
 training step never computes a base weight's gradient).
+
+Bindings over the limit (`binding_limit`, linear_q4gsw and linear_q4gsw_backward). W_4X8 keeps W's columns
+contiguous, not its rows, so a W over the limit is cut into windows of K columns starting at multiples of
+lcm(group_size, 16) (q4gsw_windows.py: each window's words and scales are a whole [N, kk] q4gsw weight),
+and x / d_out / the output into windows of M rows when they are over it; every window's GEMM reads its
+operands and writes C's rows through a GemmPlacement. The backward's K windows are windows of d_x's columns and the forward's M
+windows of its rows: each sum is the unsplit one. The forward's K windows are windows of its reduction:
+window 0 writes y's window, each later one runs the ACCUMULATE variant, which starts every output's sum
+from the value y holds (one read_write binding, no alias) and adds the window's products in the unsplit
+order (bias after the last window), so every output is the unsplit kernel's one chain of roundings: the
+same bits (up to the sign of a zero sum). Windowed plans take the tiled GEMM, or the register-tile body
+where the unsplit plan would (CPU_TUNING), never the GEMV (M <= GEMV_MAX_M: its slices of K are summed
+across threads, so windows would reorder them) nor split-K (no scratch needed; an explicit split_k > 1
+or GemvTiles is refused).
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,9 +57,11 @@ import numpy as np
 from vktrain.quant import check_q4gsw_shapes, pack_w4x8, padded_k, w4x8_num_words
 
 from vktrain.runtime.vk.schedule import Dispatch, ceil_div, pack_push
+from vktrain.runtime.delegate.kernels import q4gsw_windows
 from vktrain.runtime.delegate.kernels.gemm_tuning import CPU_TUNING, GPU_TUNING, check_tuning
-from vktrain.runtime.delegate.kernels.layout import (MAX_ELEMENTS, SHARED_MEMORY_LIMIT, KernelArgumentError, binding,
-                                                     shader_variant)
+from vktrain.runtime.delegate.kernels.layout import (MAX_ELEMENTS, SHARED_MEMORY_LIMIT, BindingLimit,
+                                                     KernelArgumentError, binding, exceeds, shader_variant,
+                                                     sub_binding)
 from vktrain.runtime.delegate.kernels.registry import register_kernel
 
 # M up to GEMV_MAX_M takes the GEMV kernels, each workgroup serving up to GEMV_MAX_ROWS rows (one pass
@@ -126,6 +144,42 @@ class GemvTiles:
     @property
     def shared_bytes(self) -> int:
         return 16 * self.wg_x * self.wg_y * self.rows * 2
+
+
+@dataclass(frozen=True)
+class GemmPlacement:
+    """Where a GEMM's operands sit in their bindings, in elements: source row i (x / d_out) at a_offset +
+    i * a_row_stride, C's row i at c_offset + i * c_row_stride, W's W_4X8 words from word w_offset, its
+    scales from s_offset; a stride None is the contiguous one (the reduction's length / the output's
+    columns). The bodies read vec4s and word pairs, so every value must be a multiple of 4."""
+
+    a_offset: int = 0
+    a_row_stride: int | None = None
+    c_offset: int = 0
+    c_row_stride: int | None = None
+    w_offset: int = 0
+    s_offset: int = 0
+
+
+CONTIGUOUS = GemmPlacement()
+
+
+def gemm_push(M: int, N: int, K: int, group_size: int, rows: int, cols: int, red: int,
+              placement: GemmPlacement = CONTIGUOUS, label: str = "linear") -> bytes:
+    """The push constants of the GEMMs (linear_gemm.glsl's block after the header), for an output
+    [rows, cols] over a reduction of `red`."""
+    a_row_stride = red if placement.a_row_stride is None else placement.a_row_stride
+    c_row_stride = cols if placement.c_row_stride is None else placement.c_row_stride
+    values = (placement.a_offset, a_row_stride, placement.c_offset, c_row_stride, placement.w_offset,
+              placement.s_offset)
+    given = [v for v in dataclasses.astuple(placement) if v is not None]  # the contiguous strides need not be
+    if any(not isinstance(v, int) or isinstance(v, bool) or v < 0 or v % 4 for v in given) \
+            or a_row_stride < red or c_row_stride < cols:
+        raise KernelArgumentError(f"{label}: {placement} must hold ints >= 0 that are multiples of 4, with row "
+                                  f"strides >= the reduction {red} / the output's columns {cols}")
+    if max(placement.a_offset + rows * a_row_stride, placement.c_offset + rows * c_row_stride) > MAX_ELEMENTS:
+        raise KernelArgumentError(f"{label}: {placement} reaches past {MAX_ELEMENTS} elements (32-bit indices)")
+    return pack_push(M, N, K, group_size, *values)
 
 
 # ----------------------------------------------------------------------------------- weights
@@ -259,8 +313,9 @@ def plan_scratch_nbytes(op: str, *, M: int, N: int, K: int, group_size: int = 0,
 # ----------------------------------------------------------------------------------- GEMM plan
 def _gemm_plan(op: str, shader: str, rows: int, cols: int, red: int, *, out: Any, inputs: list,
                push: bytes, bias: Any, tiles: GemmTiles | None, split_k: int | None, scratch: Any,
-               shared_memory_bytes: int, label: str) -> list[Dispatch]:
-    """Dispatches of one tiled GEMM (C [rows, cols], reduction `red`), split-K when asked or allowed."""
+               shared_memory_bytes: int, label: str, accumulate: bool = False) -> list[Dispatch]:
+    """Dispatches of one tiled GEMM (C [rows, cols], reduction `red`), split-K when asked or allowed;
+    `accumulate` (forward, unsplit only): the ACCUMULATE variant, starting from what `out` holds."""
     if tiles is None:
         tiles = default_gemm_tiles(rows, cols, can_split=scratch is not None and split_k != 1, op=op)
     if not isinstance(tiles, GemmTiles):
@@ -281,8 +336,9 @@ def _gemm_plan(op: str, shader: str, rows: int, cols: int, red: int, *, out: Any
     local = (tiles.threads_x, tiles.threads_y, 1)
     spec = {3: tiles.bk, 4: split_k}
     if split_k == 1:
-        bindings = [binding(out, "w"), *inputs] + ([binding(bias, "r")] if bias is not None else [])
-        name = shader_variant(shader, HAS_BIAS=bias is not None)
+        bindings = [binding(out, "rw" if accumulate else "w"), *inputs]
+        bindings += [binding(bias, "r")] if bias is not None else []
+        name = shader_variant(shader, ACCUMULATE=accumulate, HAS_BIAS=bias is not None)
         return [Dispatch(name, groups=groups, bindings=bindings, push_constants=push, spec_constants=spec,
                          local_size=local, label=label)]
     gemm = Dispatch(shader, groups=groups, bindings=[binding(scratch, "w"), *inputs], push_constants=push,
@@ -319,10 +375,10 @@ def _takes_cpu_body(op: str, N: int, K: int, group_size: int, tiles: Any, split_
 
 
 def _cpu_gemm_plan(shader: str, rows: int, cols: int, *, out: Any, inputs: list, push: bytes, bias: Any,
-                   label: str) -> list[Dispatch]:
+                   label: str, accumulate: bool = False) -> list[Dispatch]:
     """The register-tile body (linear_gemm_cpu.glsl) over C [rows, cols]: lanes along the column quads."""
-    bindings = [binding(out, "w"), *inputs] + ([binding(bias, "r")] if bias is not None else [])
-    name = shader_variant(shader, CPU_REGISTER_TILES=True, HAS_BIAS=bias is not None)
+    bindings = [binding(out, "rw" if accumulate else "w"), *inputs] + ([binding(bias, "r")] if bias is not None else [])
+    name = shader_variant(shader, CPU_REGISTER_TILES=True, ACCUMULATE=accumulate, HAS_BIAS=bias is not None)
     return [Dispatch(name, groups=(ceil_div(cols // 4, CPU_LANES), ceil_div(rows, CPU_ROWS), 1), bindings=bindings,
                      push_constants=push, local_size=(CPU_LANES, 1, 1), label=label)]
 
@@ -339,7 +395,7 @@ def plan_linear_q4gsw(*, M: int, N: int, K: int, group_size: int, out: Any, x: A
                       scales: Any, bias: Any = None, tiles: GemmTiles | GemvTiles | None = None,
                       split_k: int | None = None, scratch: Any = None,
                       shared_memory_bytes: int = DEFAULT_SHARED_MEMORY_BYTES, tuning: str = GPU_TUNING,
-                      label: str = "linear_q4gsw") -> list[Dispatch]:
+                      binding_limit: BindingLimit | None = None, label: str = "linear_q4gsw") -> list[Dispatch]:
     """y[M, N] = x[M, K] @ deq(W).T (+ bias[N]).
 
     Buffers: out fp32 [M, N]; x fp32 [M, K]; weights W_4X8 uint32 (`prepack_weights`); scales fp32
@@ -347,10 +403,16 @@ def plan_linear_q4gsw(*, M: int, N: int, K: int, group_size: int, out: Any, x: A
     a path and its tiling (GemvTiles -> GEMV kernel, GemmTiles -> tiled GEMM); by default
     M <= GEMV_MAX_M takes the GEMV kernel. `split_k` forces the number of reduction slices.
     `tuning` (kernels/gemm_tuning.py): CPU_TUNING takes the register-tile body (module docstring).
+    `binding_limit`: bindings over it are cut into windows (module docstring, "Bindings over the limit").
     """
     op = "linear_q4gsw"
     _check_q4gsw(op, M, N, K, group_size)
-    push = pack_push(M, N, K, group_size)
+    sizes = [4 * M * K, weights_nbytes(N, K), 4 * N * (K // group_size), 4 * M * N, 4 * N if bias is not None else 0]
+    if exceeds(binding_limit, sizes):
+        return _plan_windows(op, M, N, K, group_size, out=out, source=x, weights=weights, scales=scales, bias=bias,
+                             tiles=tiles, split_k=split_k, shared_memory_bytes=shared_memory_bytes, tuning=tuning,
+                             limit=binding_limit, label=label)
+    push = gemm_push(M, N, K, group_size, M, N, K)
     inputs = [binding(x, "r"), binding(weights, "r"), binding(scales, "r")]
     if _takes_cpu_body(op, N, K, group_size, tiles, split_k, tuning):
         return _cpu_gemm_plan("linear_q4gsw", M, N, out=out, inputs=inputs, push=push, bias=bias, label=label)
@@ -374,15 +436,20 @@ def plan_linear_q4gsw_backward(*, M: int, N: int, K: int, group_size: int, out: 
                                weights: Any, scales: Any, tiles: GemmTiles | GemvTiles | None = None,
                                split_k: int | None = None, scratch: Any = None,
                                shared_memory_bytes: int = DEFAULT_SHARED_MEMORY_BYTES, tuning: str = GPU_TUNING,
+                               binding_limit: BindingLimit | None = None,
                                label: str = "linear_q4gsw_backward") -> list[Dispatch]:
     """d_x[M, K] = d_out[M, N] @ deq(W).
 
     Buffers: out fp32 [M, K]; d_out fp32 [M, N]; weights W_4X8 uint32; scales fp32 [G, N]; scratch
-    (optional) for split-K. `tiles`, `split_k` and `tuning` as in plan_linear_q4gsw.
+    (optional) for split-K. `tiles`, `split_k`, `tuning` and `binding_limit` as in plan_linear_q4gsw.
     """
     op = "linear_q4gsw_backward"
     _check_q4gsw(op, M, N, K, group_size)
-    push = pack_push(M, N, K, group_size)
+    if exceeds(binding_limit, [4 * M * N, weights_nbytes(N, K), 4 * N * (K // group_size), 4 * M * K]):
+        return _plan_windows(op, M, N, K, group_size, out=out, source=d_out, weights=weights, scales=scales,
+                             bias=None, tiles=tiles, split_k=split_k, shared_memory_bytes=shared_memory_bytes,
+                             tuning=tuning, limit=binding_limit, label=label)
+    push = gemm_push(M, N, K, group_size, M, K, N)
     inputs = [binding(d_out, "r"), binding(weights, "r"), binding(scales, "r")]
     if _takes_cpu_body(op, N, K, group_size, tiles, split_k, tuning):
         return _cpu_gemm_plan("linear_q4gsw_backward", M, K, out=out, inputs=inputs, push=push, bias=None,
@@ -400,6 +467,71 @@ def plan_linear_q4gsw_backward(*, M: int, N: int, K: int, group_size: int, out: 
     return _gemm_plan(op, "linear_q4gsw_backward", M, K, N, out=out, inputs=inputs, push=push, bias=None,
                       tiles=tiles, split_k=split_k, scratch=scratch, shared_memory_bytes=shared_memory_bytes,
                       label=label)
+
+
+def _plan_windows(op: str, M: int, N: int, K: int, group_size: int, *, out: Any, source: Any, weights: Any,
+                  scales: Any, bias: Any, tiles: Any, split_k: int | None, shared_memory_bytes: int, tuning: str,
+                  limit: BindingLimit, label: str) -> list[Dispatch]:
+    """linear_q4gsw (source x) or linear_q4gsw_backward (source d_out) over windows of K columns of W and M
+    rows that each fit `limit` (module docstring, "Bindings over the limit")."""
+    forward = op == "linear_q4gsw"
+    if isinstance(tiles, GemvTiles) or split_k not in (None, 1):
+        raise KernelArgumentError(f"{label}: a windowed {op} runs the GEMM bodies without split-K; got "
+                                  f"tiles={tiles!r}, split_k={split_k!r}")
+    cpu_body = _takes_cpu_body(op, N, K, group_size, tiles, split_k, tuning)  # the unsplit plan's body
+    windows = q4gsw_windows.k_windows(N, K, group_size, limit)
+    if windows is None:
+        step = q4gsw_windows.k_window_step(group_size)
+        raise limit.refusal(label, f"W [{N}, {K}] (group size {group_size}) in windows of {step} columns, one of "
+                            f"which", weights_nbytes(N, step))
+    source_row, out_row = (K, N) if forward else (N, K)
+    whole_fits = not exceeds(limit, [4 * M * source_row, 4 * M * out_row])
+    rows = q4gsw_windows.m_window_rows(M, max(source_row, out_row), whole_fits, limit)
+    if rows == 0:
+        raise limit.refusal(label, f"one row of {'x' if forward else 'd_out'} [{M}, {source_row}] / the output "
+                            f"[{M}, {out_row}]", 4 * max(source_row, out_row))
+    dispatches: list[Dispatch] = []
+    for m in range(0, M, rows):
+        mm = min(rows, M - m)
+        for j, (k_begin, k_end) in enumerate(windows):
+            kk = k_end - k_begin
+            w_bound, w_skip = sub_binding(weights, *q4gsw_windows.words_byte_range(N, k_begin, k_end), "r",
+                                          limit.alignment)
+            s_bound, s_skip = sub_binding(scales, *q4gsw_windows.scales_byte_range(N, group_size, k_begin, k_end), "r",
+                                          limit.alignment)
+            offsets = dict(w_offset=w_skip // 4, s_offset=s_skip // 4)
+            window_label = f"{label}.window{len(dispatches)}"
+            if forward:  # x's rows m.., columns k_begin..; y's rows m.. (whole), summed over the windows of K
+                a_bound, a_skip = sub_binding(source, 4 * (m * K + k_begin), 4 * ((m + mm - 1) * K + k_end), "r",
+                                              limit.alignment)
+                c_bound, c_skip = sub_binding(out, 4 * m * N, 4 * (m + mm) * N, "w", limit.alignment)
+                placement = GemmPlacement(a_skip // 4, K, c_skip // 4, N, **offsets)
+                push = gemm_push(mm, N, kk, group_size, mm, N, kk, placement, window_label)
+                gemm = dict(out=c_bound, inputs=[a_bound, w_bound, s_bound], push=push,
+                            bias=bias if j == len(windows) - 1 else None, label=window_label, accumulate=j > 0)
+                cols, red = N, kk
+            else:  # d_out's rows m.. (whole); d_x's rows m.., columns k_begin..
+                a_bound, a_skip = sub_binding(source, 4 * m * N, 4 * (m + mm) * N, "r", limit.alignment)
+                c_bound, c_skip = sub_binding(out, 4 * (m * K + k_begin), 4 * ((m + mm - 1) * K + k_end), "w",
+                                              limit.alignment)
+                placement = GemmPlacement(a_skip // 4, N, c_skip // 4, K, **offsets)
+                push = gemm_push(mm, N, kk, group_size, mm, kk, N, placement, window_label)
+                gemm = dict(out=c_bound, inputs=[a_bound, w_bound, s_bound], push=push, bias=None, label=window_label)
+                cols, red = kk, N
+            if cpu_body:
+                dispatches += _cpu_gemm_plan(op, mm, cols, **gemm)
+            else:
+                dispatches += _gemm_plan(op, op, mm, cols, red, tiles=tiles or _window_tiles(op, mm, cols), split_k=1,
+                                         scratch=None, shared_memory_bytes=shared_memory_bytes, **gemm)
+    return dispatches
+
+
+def _window_tiles(op: str, rows: int, cols: int) -> GemmTiles:
+    """The default tiles with their height cut to a window of few rows (a large vocabulary's logits under a
+    small limit: 12 rows of 20480 in 1 MiB), whose 64-row tiles would mostly compute rows past the window.
+    Tiles change which thread computes an output, not its sum."""
+    tiles = default_gemm_tiles(rows, cols, op=op)
+    return GemmTiles(tiles.threads_x, min(tiles.threads_y, _next_pow2(ceil_div(rows, 8))), tiles.bk)
 
 
 @register_kernel("vktrain.linear_dW.default")
@@ -422,6 +554,6 @@ def plan_linear_dw(*, M: int, N: int, K: int, out: Any, d_out: Any, x: Any, tile
     if tiles is not None and not isinstance(tiles, GemmTiles):
         raise KernelArgumentError(f"{op}: has only the tiled GEMM kernel; tiles must be GemmTiles, got {tiles!r}")
     inputs = [binding(d_out, "r"), binding(x, "r")]
-    return _gemm_plan(op, "linear_dw", N, K, M, out=out, inputs=inputs, push=pack_push(M, N, K, 0), bias=None,
+    return _gemm_plan(op, "linear_dw", N, K, M, out=out, inputs=inputs, push=gemm_push(M, N, K, 0, N, K, M), bias=None,
                       tiles=tiles, split_k=split_k, scratch=scratch, shared_memory_bytes=shared_memory_bytes,
                       label=label)
