@@ -25,7 +25,7 @@ from vktrain.train.adapters import (ADAPTER_CONFIG, AdapterError, check_frozen_l
 from vktrain.train.checkpoint import atomic_write_json, load_checkpoint
 from vktrain.train.data import IGNORED_LABEL, DataError, TrainingData, load_data
 from vktrain.train.tokenizer import program_tokenizer
-from vktrain.train.train_loop import TrainConfigError, describe_program
+from vktrain.train.train_loop import TrainConfigError, describe_program, is_token_step
 
 
 
@@ -141,6 +141,10 @@ def run_eval(args: argparse.Namespace, device=None) -> int:
     own_device = runner.device if device is None else None  # a caller's device keeps its messages
     try:
         with runner:
+            if not is_token_step(runner):
+                raise TrainConfigError(f"{args.program} is not a token model's step (its inputs are "
+                                       f"{runner.input_names}): vktrain eval evaluates token models on token "
+                                       f"data only")
             info = describe_program(runner)
             data = load_data(data_path, info.vocab_size, program_tokenizer(runner, args.program))
             if args.adapters:
