@@ -6,12 +6,15 @@ tests/test_user_modules.py derives it) and exactly the losses of the low-level G
 `vktrain train --inputs DATA.npz` with a warmup + cosine schedule fed per step, the same; a run
 interrupted at step 5 and resumed equals the uninterrupted one bit for bit. Bad inputs (a missing name,
 an extra array, a wrong dtype or shape) and token-data flags are refused, naming what is wrong.
+`vktrain eval --inputs` gives the eval method's mean loss (eager float64's before training, the trained
+runner's own after), and refuses a step without an eval method.
 """
 from __future__ import annotations
 
 import argparse
 import copy
 import json
+import math
 from pathlib import Path
 
 import numpy as np
@@ -19,16 +22,17 @@ import pytest
 import torch
 from torch import nn
 
-from vktrain.contract import EXP_AVG_PREFIX, MODEL_PREFIX, hparams_values
+from vktrain.contract import EVAL_METHOD, EXP_AVG_PREFIX, MODEL_PREFIX, TRAIN_METHOD, hparams_values
 from vktrain.errors import VktrainError
-from vktrain.export import export_training_step, lower_to_pte
+from vktrain.export import export_training_and_eval_steps, export_training_step, lower_methods_to_pte, lower_to_pte
 from vktrain.lora import LoRAConfig, apply_lora
 from vktrain.runtime.delegate.executor import ExecutorInputError
-from vktrain.runtime.program.runner import TrainingRunner
+from vktrain.runtime.program.runner import TrainingRunner, UnsupportedProgramError
 from vktrain.train.checkpoint import load_checkpoint
 from vktrain.train.command import add_train_arguments, run_train
 from vktrain.train.data import DataError
 from vktrain.train.lr_schedule import LRSchedule
+from vktrain.train.eval_command import add_eval_arguments, run_eval
 from vktrain.train.train_loop import TrainConfigError
 
 from _helpers import (LOSS_RTOL, TrainingReference, _cast_floating, assert_training_matches_reference,
@@ -290,13 +294,52 @@ def readme_lines(section_title: str) -> list[str]:
     return [line.strip() for line in section.splitlines()]
 
 
-def test_vktrain_eval_refuses_a_step_that_is_not_a_token_models(regressor, vk_device, tmp_path):
-    from vktrain.train.eval_command import add_eval_arguments, run_eval
+def _eval_args(*argv: str) -> argparse.Namespace:
+    return add_eval_arguments(argparse.ArgumentParser()).parse_args(list(argv))
 
-    _, path, _ = regressor
-    data = tmp_path / "tokens.txt"
-    data.write_text("some held-out text")
-    args = add_eval_arguments(argparse.ArgumentParser()).parse_args([str(path), "--data", str(data)])
+
+def test_vktrain_eval_inputs_needs_the_eval_method_and_refuses_token_data(regressor, vk_device, tmp_path):
+    _, path, batches = regressor  # exported without an eval method
+    data = tmp_path / "held_out.npz"
+    _stacked_inputs(data, batches)
+    with pytest.raises(UnsupportedProgramError, match=r"has no 'eval' method"):
+        run_eval(_eval_args(str(path), "--inputs", str(data)), vk_device)
+    text = tmp_path / "tokens.txt"
+    text.write_text("some held-out text")
     with pytest.raises(TrainConfigError, match=r"is not a token model's step \(its inputs are \['x', 'target', "
-                                               r"'hparams'\]\): vktrain eval evaluates token models"):
-        run_eval(args, vk_device)
+                                               r"'hparams'\]\): evaluate it on its input arrays with --inputs"):
+        run_eval(_eval_args(str(path), "--data", str(text)), vk_device)
+    with pytest.raises(TrainConfigError, match="--data FILE .* or --inputs DATA.npz .*, exactly one of the two"):
+        run_eval(_eval_args(str(path), "--data", str(text), "--inputs", str(data)), vk_device)
+
+
+def test_vktrain_eval_inputs_gives_the_mean_eval_loss_before_and_after_training(regressor, vk_device, tmp_path):
+    model, _, batches = regressor
+    step, evaluation = export_training_and_eval_steps(model, example_inputs=batches[0])
+    path = tmp_path / "with_eval.pte"
+    path.write_bytes(lower_methods_to_pte({TRAIN_METHOD: step, EVAL_METHOD: evaluation}))
+    data = tmp_path / "batches.npz"
+    _stacked_inputs(data, batches)
+    assert run_eval(_eval_args(str(path), "--inputs", str(data), "--json", str(tmp_path / "before.json")),
+                    vk_device) == 0
+    before = json.loads((tmp_path / "before.json").read_text())
+    exact = copy.deepcopy(model)
+    _cast_floating(exact, torch.float64)
+    with torch.no_grad():
+        expected = np.mean([exact(x.double(), target.double()).item() for x, target in batches[:DISTINCT]])
+    assert before["batches"] == DISTINCT
+    np.testing.assert_allclose(before["loss"], expected, rtol=LOSS_RTOL)
+
+    # After 5 steps of `vktrain train --inputs`, eval of its checkpoint is the trained runner's own eval.
+    checkpoint = tmp_path / "ck.safetensors"
+    constant = ["--lr", str(LR), "--schedule", "constant", "--weight-decay", str(WEIGHT_DECAY)]
+    assert run_train(_train_args(str(path), "--inputs", str(data), "--steps", "5", *constant,
+                                 "--checkpoint", str(checkpoint)), vk_device) == 0
+    assert run_eval(_eval_args(str(path), "--inputs", str(data), "--adapters", str(checkpoint), "--json",
+                               str(tmp_path / "after.json")), vk_device) == 0
+    after = json.loads((tmp_path / "after.json").read_text())
+    with TrainingRunner.from_pte(path, vk_device) as runner:
+        for step in range(5):
+            runner.step_inputs(dict(zip(("x", "target"), (t.numpy() for t in batches[step]))), _hparams(LR))
+        trained = [runner.evaluate_inputs({"x": x.numpy(), "target": t.numpy()}) for x, t in batches[:DISTINCT]]
+    assert after["loss"] == math.fsum(trained) / DISTINCT and after["loss"] < before["loss"]

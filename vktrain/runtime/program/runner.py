@@ -3,6 +3,7 @@
     runner = TrainingRunner.from_pte("step.pte")           # device=None opens Device() (VKTRAIN_DEVICE)
     runner = TrainingRunner.from_pte("step.pte", runtime="webgpu")   # the WebGPU device layer instead
     loss = runner.step(token_ids, labels, hparams)         # int64 [B, S], int64 [B, S], float32 [5]
+    loss = runner.step_inputs({"x": x, "target": y}, hparams)   # any module's step, inputs by name
     lora = runner.lora_state()                              # {"model.layers.0.lora_A": array, ...}
     runner.read_state(name) / runner.write_state(name, array)   # checkpoints (FQNs the exporter recorded)
 
@@ -452,11 +453,20 @@ class TrainingRunner:
     def evaluate(self, token_ids: Any, labels: Any) -> tuple[float, int]:
         """(loss summed over the labels >= 0, their count) of one batch, by the .pte's eval method on the
         current adapters; no state changes. The eval method is loaded on first use (EvalMethod)."""
+        return self.eval_method().loss_sum(token_ids, labels)
+
+    def evaluate_inputs(self, inputs: Mapping[str, Any]) -> float:
+        """The .pte's eval method's loss on one batch of named inputs (`eval_method().input_specs`), on the
+        current trained state; no state changes. The case of any module's step (step_inputs)."""
+        return self.eval_method().loss(inputs)
+
+    def eval_method(self):
+        """The .pte's eval method bound to this step's state (an EvalMethod), loaded on first use."""
         if self._eval is None:
             from vktrain.runtime.program.evaluation import EvalMethod
 
             self._eval = EvalMethod(self.pte, self.executor, **self._eval_options)
-        return self._eval.loss_sum(token_ids, labels)
+        return self._eval
 
     # ------------------------------------------------------------------------------ state
     @property
