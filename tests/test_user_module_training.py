@@ -6,6 +6,7 @@ tests/test_user_modules.py derives it) and exactly the losses of the low-level G
 `vktrain train --inputs DATA.npz` with a warmup + cosine schedule fed per step, the same; a run
 interrupted at step 5 and resumed equals the uninterrupted one bit for bit. Bad inputs (a missing name,
 an extra array, a wrong dtype or shape) and token-data flags are refused, naming what is wrong.
+A batch whose loss is not finite stops the run or is skipped (--on-nonfinite skip).
 `vktrain eval --inputs` gives the eval method's mean loss (eager float64's before training, the trained
 runner's own after), and refuses a step without an eval method.
 """
@@ -33,7 +34,7 @@ from vktrain.train.command import add_train_arguments, run_train
 from vktrain.train.data import DataError
 from vktrain.train.lr_schedule import LRSchedule
 from vktrain.train.eval_command import add_eval_arguments, run_eval
-from vktrain.train.train_loop import TrainConfigError
+from vktrain.train.train_loop import NonFiniteLossError, TrainConfigError
 
 from _helpers import (LOSS_RTOL, TrainingReference, _cast_floating, assert_training_matches_reference,
                       readme_snippet)
@@ -343,3 +344,23 @@ def test_vktrain_eval_inputs_gives_the_mean_eval_loss_before_and_after_training(
             runner.step_inputs(dict(zip(("x", "target"), (t.numpy() for t in batches[step]))), _hparams(LR))
         trained = [runner.evaluate_inputs({"x": x.numpy(), "target": t.numpy()}) for x, t in batches[:DISTINCT]]
     assert after["loss"] == math.fsum(trained) / DISTINCT and after["loss"] < before["loss"]
+
+
+def test_a_batch_with_a_non_finite_loss_is_skipped_or_stops_the_run(regressor, vk_device, tmp_path):
+    model, path, batches = regressor
+    distinct = batches[:DISTINCT]
+    x = np.stack([b[0].numpy() for b in distinct])
+    x[1, 0, 0] = np.inf  # batch 1's loss is not finite
+    data = tmp_path / "bad.npz"
+    np.savez(data, x=x, target=np.stack([b[1].numpy() for b in distinct]))
+    constant = ["--lr", str(LR), "--schedule", "constant", "--weight-decay", str(WEIGHT_DECAY)]
+    with pytest.raises(NonFiniteLossError, match="the loss became (inf|nan) at step 2"):
+        run_train(_train_args(str(path), "--inputs", str(data), "--steps", "4", *constant), vk_device)
+    # skip: data positions 1 and 4 (batch 1 each time round) are skipped; steps 1..4 train on 0, 2, 0, 2.
+    records_path = tmp_path / "losses.json"
+    assert run_train(_train_args(str(path), "--inputs", str(data), "--steps", "4", *constant, "--on-nonfinite", "skip",
+                                 "--json", str(records_path)), vk_device) == 0
+    records = json.loads(records_path.read_text())
+    assert [r.get("skipped") for r in records] == [None, [1], None, [4]]
+    reference = _reference(model, [distinct[0], distinct[2], distinct[0], distinct[2]], [LR] * 4)
+    np.testing.assert_allclose([r["loss"] for r in records], reference.losses, rtol=LOSS_RTOL)
