@@ -57,12 +57,13 @@ def checked_input(spec: StepInput, array: Any, where: str) -> np.ndarray:
     """`array` as the input `spec` takes it (C-contiguous, the program's dtype), or ExecutorInputError
     naming `where` (e.g. the .pte), the input, what it takes and what was found."""
     found = np.asarray(array)
-    if found.shape != spec.shape or not converts_exactly(found.dtype, spec.dtype):
+    if found.shape != spec.shape:
         raise ExecutorInputError(f"{where}: input {spec.name!r} takes {spec.describe()}, got "
-                                 f"{found.dtype}{list(found.shape)}"
-                                 + ("" if converts_exactly(found.dtype, spec.dtype) else
-                                    f" ({found.dtype} does not convert to {spec.dtype} exactly; cast it yourself "
-                                    f"if that is what you mean)"))
+                                 f"{found.dtype}{list(found.shape)}")
+    if not converts_exactly(found.dtype, spec.dtype):
+        raise ExecutorInputError(f"{where}: input {spec.name!r} holds {spec.dtype}, got an array of {found.dtype} "
+                                 f"({found.dtype} does not convert to {spec.dtype} exactly; cast it yourself if that "
+                                 f"is what you mean)")
     return found.astype(spec.dtype, order="C", copy=False)  # (np.ascontiguousarray would make a [] input [1])
 
 
