@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import json
 import math
 from pathlib import Path
@@ -28,7 +29,9 @@ from vktrain.errors import VktrainError
 from vktrain.export import export_training_and_eval_steps, export_training_step, lower_methods_to_pte, lower_to_pte
 from vktrain.lora import LoRAConfig, apply_lora
 from vktrain.runtime.delegate.executor import ExecutorInputError
-from vktrain.runtime.program.runner import TrainingRunner, UnsupportedProgramError
+from vktrain.runtime.program.pte import PteFile
+from vktrain.runtime.program.runner import (TrainingRunner, UnsupportedProgramError, check_hparams_input,
+                                           verify_training_program)
 from vktrain.train.checkpoint import load_checkpoint
 from vktrain.train.command import add_train_arguments, run_train
 from vktrain.train.data import DataError
@@ -364,3 +367,18 @@ def test_a_batch_with_a_non_finite_loss_is_skipped_or_stops_the_run(regressor, v
     assert [r.get("skipped") for r in records] == [None, [1], None, [4]]
     reference = _reference(model, [distinct[0], distinct[2], distinct[0], distinct[2]], [LR] * 4)
     np.testing.assert_allclose([r["loss"] for r in records], reference.losses, rtol=LOSS_RTOL)
+
+
+def test_an_hparams_input_that_is_not_adamws_is_refused_at_load(regressor):
+    """A program's `hparams` input is what adamw reads, float32 [5]; another shape is refused, named."""
+    _, path, _ = regressor
+    pte = PteFile.load(path)
+    plan = pte.execution_plan(TRAIN_METHOD)
+    names = verify_training_program(pte).input_names
+    check_hparams_input(pte, plan, names)
+    position = plan.inputs[names.index("hparams")]
+    values = list(plan.values)
+    values[position] = dataclasses.replace(values[position], sizes=(3,))
+    with pytest.raises(UnsupportedProgramError, match=r"input 'hparams' is float32\[3\]; expected float32\[5\] "
+                                                      r"\(lr, beta1, beta2, eps, weight_decay\)"):
+        check_hparams_input(pte, dataclasses.replace(plan, values=tuple(values)), names)
