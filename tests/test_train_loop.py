@@ -717,7 +717,7 @@ class _SkippingBatcher:
 
     def __init__(self, batcher, skip):
         self.inner, self.skip = batcher, set(skip)
-        for name in ("batch_size", "seq_len", "shuffle", "seed", "fingerprint"):
+        for name in ("batch_size", "seq_len", "shuffle", "seed", "fingerprint", "config"):
             setattr(self, name, getattr(batcher, name))
 
     def batch(self, position):

@@ -12,11 +12,10 @@ any position < C. Prefill returns every position's logits: the caller picks the 
 prompt pads the chunk) and tests compare each position against the full-sequence forward.
 
 The model is a LlamaForCausalLM after vktrain.lora.apply_lora (its q4gsw bases, and its adapters unless
-disabled, as in training); its weights are frozen constants of both methods.
+disabled, as in training; torchao int4 linears fused into linear_q4gsw on their own codes, as the training
+export fuses them); its weights are frozen constants of both methods.
 """
 from __future__ import annotations
-
-import copy
 
 import torch
 from torch import nn
@@ -25,7 +24,7 @@ from torch.export import ExportedProgram
 from vktrain.lora import lora_modules
 from vktrain.models.llama import LlamaForCausalLM
 
-from .training import in_registry_ops
+from .training import in_registry_ops, traceable_copy
 
 KV_CACHE_PREFIX = "kv_cache."
 PREFILL, DECODE = "prefill", "decode"
@@ -95,7 +94,7 @@ def export_generation(model: nn.Module, prefill_length: int, cache_length: int,
     """{"prefill": ..., "decode": ...} of `model` (see the module docstring); with_adapters=False runs the
     q4gsw base alone. The model is not modified."""
     check_generation_shapes(model, prefill_length, cache_length)
-    model = copy.deepcopy(model).eval()
+    model = traceable_copy(model).eval()  # torchao's int4 linears as frozen linear_q4gsw
     for param in model.parameters():
         param.requires_grad_(False)
     for adapter in lora_modules(model).values():

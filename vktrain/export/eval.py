@@ -13,15 +13,14 @@ one padded with ignored labels) divides by the count of every valid label, not p
 """
 from __future__ import annotations
 
-import copy
-
 import torch
 from torch import nn
 from torch.export import ExportedProgram
 
 from vktrain.lora import lora_parameter_names
 
-from .training import check_batch_shape, drop_unused_constant_inputs, example_training_inputs, in_registry_ops, loss_module
+from .training import (check_batch_shape, drop_unused_constant_inputs, example_training_inputs, in_registry_ops,
+                       loss_module, traceable_copy)
 
 
 def export_eval_step(model: nn.Module, batch_shape: tuple[int, int]) -> ExportedProgram:
@@ -31,7 +30,7 @@ def export_eval_step(model: nn.Module, batch_shape: tuple[int, int]) -> Exported
     batch_size, seq_len = check_batch_shape(batch_shape)
     if not lora_parameter_names(model):
         raise ValueError("the model has no LoRA adapters: call vktrain.lora.apply_lora first")
-    model = copy.deepcopy(model).eval()
+    model = traceable_copy(model).eval()  # torchao's int4 linears as frozen linear_q4gsw
     for param in model.parameters():
         param.requires_grad_(False)
     token_ids, labels, _, n_valid = example_training_inputs(batch_size, seq_len, getattr(model, "vocab_size", 256))

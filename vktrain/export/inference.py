@@ -1,15 +1,13 @@
 """Export the inference forward (token ids -> logits), with or without the LoRA adapters."""
 from __future__ import annotations
 
-import copy
-
 import torch
 from torch import nn
 from torch.export import ExportedProgram
 
 from vktrain.lora import lora_modules
 
-from .training import check_batch_shape, in_registry_ops
+from .training import check_batch_shape, in_registry_ops, traceable_copy
 
 
 class _ForwardModule(nn.Module):
@@ -24,9 +22,10 @@ class _ForwardModule(nn.Module):
 def export_forward(model: nn.Module, batch_shape: tuple[int, int], with_adapters: bool = True) -> ExportedProgram:
     """Program `token_ids int64 [B, S] -> logits float32 [B, S, V]`; all weights are frozen constants.
 
-    with_adapters=False exports the q4gsw base alone (every LoRAQ4Linear's adapter disabled)."""
+    with_adapters=False exports the q4gsw base alone (every LoRAQ4Linear's adapter disabled). torchao int4
+    linears lower as linear_q4gsw on torchao's codes and scales (traceable_copy)."""
     batch_size, seq_len = check_batch_shape(batch_shape)
-    model = copy.deepcopy(model).eval()
+    model = traceable_copy(model).eval()  # torchao's int4 linears as frozen linear_q4gsw
     for param in model.parameters():
         param.requires_grad_(False)
     for adapter in lora_modules(model).values():

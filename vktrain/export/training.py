@@ -232,12 +232,20 @@ def trainable_parameter_names(model: nn.Module) -> list[str]:
     return names
 
 
-def _joint_program(model: nn.Module, example_inputs: tuple[torch.Tensor, ...]) -> tuple[ExportedProgram, list[str]]:
-    """The joint graph of `model`'s loss over `example_inputs` (a deep copy, its torchao int4 linears
-    fused into frozen q4gsw linears: vktrain/lora/torchao_weights.py), and the trainable parameters' paths."""
-    trainable = trainable_parameter_names(model)
+def traceable_copy(model: nn.Module) -> nn.Module:
+    """A deep copy of `model` as every export traces it: its torchao int4 linears fused into frozen q4gsw
+    linears over torchao's codes and scales (vktrain/lora/torchao_weights.py), which lower to linear_q4gsw
+    (traced as they are, torchao's weights would dequantize into a dense float matmul)."""
     model = copy.deepcopy(model)
     replace_torchao_linears(model)
+    return model
+
+
+def _joint_program(model: nn.Module, example_inputs: tuple[torch.Tensor, ...]) -> tuple[ExportedProgram, list[str]]:
+    """The joint graph of `model`'s loss over `example_inputs` (traceable_copy: torchao's linears fused),
+    and the trainable parameters' paths."""
+    trainable = trainable_parameter_names(model)
+    model = traceable_copy(model)
     wrapped = loss_module(model, example_inputs)
     loss_program = torch.export.export(wrapped, tuple(example_inputs))
     try:

@@ -7,10 +7,12 @@ IntxUnpackedToInt8Tensor: int8 codes `qdata` [N, K] in [-8, 7], float `scale` [N
 scale = absmax / 7.5 per group), which is exactly q4gsw: q = qdata, scales = scale.T (vktrain.quant
 layouts), group size g. An asymmetric weight (a nonzero zero point) has no q4gsw form and is refused.
 
-Two users: `apply_lora` wraps such a linear in a LoRAQ4Linear over these codes, and the training-step
-export turns the ones left without an adapter into Q4GSWLinear (a frozen linear_q4gsw): what torchao's
-dequantize_affine + linear computes, fused, and the one form torch's joint (forward + backward) tracing
-takes (aot_export refuses tensor-subclass parameters). Nothing here imports torchao: a torchao weight is
+Two users: `apply_lora` wraps such a linear in a LoRAQ4Linear over these codes, and every export (the
+training step, its eval method, the inference forward, the generation program: they all trace
+vktrain.export.training.traceable_copy) turns the ones left without an adapter into Q4GSWLinear (a frozen
+linear_q4gsw): what torchao's dequantize_affine + linear computes, fused, and the one form torch's joint
+(forward + backward) tracing takes (aot_export refuses tensor-subclass parameters; a forward-only trace
+would dequantize into a dense float matmul whose int8 casts stay outside the delegate). Nothing here imports torchao: a torchao weight is
 recognised by its type's module and name.
 """
 from __future__ import annotations

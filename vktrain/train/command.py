@@ -1,5 +1,10 @@
 """`vktrain train`: arguments, their checks before anything runs, and the run itself (torch-free).
 
+Two kinds of step train: a token model's (token_ids, labels: `--data`, a token stream batched by
+TokenBatcher) and any other exported module's (`--inputs DATA.npz`, its named input arrays:
+vktrain/train/input_data.py), with the same loop, schedule, checkpoints and outputs; the token data
+flags (TOKEN_DATA_FLAGS) are refused with `--inputs`, naming them.
+
 Everything that can be checked before the first step is: argument ranges as the program receives them
 (float32), every output path (parents created, writable, of the right kind), the checkpoint to resume
 (read and verified in full), the data and the program. A run never trains for minutes to fail on a flag.
@@ -44,6 +49,7 @@ from vktrain.train.train_loop import (
     TrainState,
     run_config,
     describe_program,
+    is_token_step,
     takes_hparams,
     train,
 )
@@ -52,6 +58,9 @@ from vktrain.train.train_loop import (
 HYPERPARAMETER_FLAGS = {"--lr": "lr", "--schedule": "schedule", "--warmup": "warmup", "--min-lr-ratio": "min_lr_ratio",
                         "--beta1": "beta1", "--beta2": "beta2", "--eps": "eps", "--weight-decay": "weight_decay"}
 HYPERPARAMETER_DEFAULTS = {"lr": 1e-3, "schedule": "cosine", "warmup": 0, "min_lr_ratio": 0.0, **ADAMW_DEFAULTS}
+# Flag -> argparse dest of the settings of token data, which a step trained on --inputs arrays has none of.
+TOKEN_DATA_FLAGS = {"--data": "data", "--seed": "seed", "--no-shuffle": "no_shuffle", "--eval-data": "eval_data",
+                    "--eval-every": "eval_every", "--eval-batches": "eval_batches"}
 
 
 class ValidationErrorsReported(VktrainError):
@@ -66,6 +75,11 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
                              "(only assistant turns train), tokenized with the tokenizer the .pte carries (without "
                              "one: byte-level text, vocabulary 256 only); or token ids: a .npy 1-D integer array, "
                              "whitespace-separated ids in *.tokens.txt (default: the built-in corpus)")
+    parser.add_argument("--inputs", metavar="DATA.npz",
+                        help="for a step exported from any module (not a token model): an .npz with one array per "
+                             "program input but hparams, named as the program's inputs; an array of the input's "
+                             "shape is fed every step, one with a leading axis [N, ...] gives step t its batch "
+                             "(t-1) mod N (cycled in file order)")
     parser.add_argument("--steps", type=int, required=True, metavar="N",
                         help=f"train up to step N (a resumed run continues from its checkpoint's step; N <= {MAX_STEPS})")
     # The hyper-parameter flags default to None so that a program with baked ones can tell which were
@@ -185,6 +199,11 @@ def check_arguments(args: argparse.Namespace) -> tuple[LRSchedule, AdamWConfig]:
     from vktrain.train.eval_command import check_max_batches
 
     check_max_batches("--eval-batches", args.eval_batches)
+    if args.inputs is not None:
+        given = [flag for flag, dest in TOKEN_DATA_FLAGS.items() if getattr(args, dest)]
+        if given:
+            raise TrainConfigError(f"{', '.join(given)} cannot apply with --inputs: they describe token data (a "
+                                   f"token model's step); --inputs {args.inputs} gives the step's input arrays")
     if args.plot and importlib.util.find_spec("matplotlib") is None:
         raise TrainConfigError("--plot needs matplotlib (pip install matplotlib)")
     schedule = LRSchedule(hyperparameter(args, "schedule"), lr, args.steps, warmup, hyperparameter(args, "min_lr_ratio"))
@@ -271,7 +290,7 @@ def run_train(args: argparse.Namespace, device=None) -> int:
         raise TrainConfigError(f"--seed {args.seed} differs from the checkpoint's data seed {resume.data_seed}: the "
                                f"resumed run would read other batches; drop --seed to keep the checkpoint's")
     seed = resume.data_seed if resume is not None else (0 if args.seed is None else args.seed)
-    data_path = Path(args.data) if args.data else default_dataset_path()
+    data_path = Path(args.inputs) if args.inputs else Path(args.data) if args.data else default_dataset_path()
     program_sha256 = sha256_file(program_path)
 
     runner = TrainingRunner.from_pte(program_path, device, precision=args.precision,
@@ -326,14 +345,36 @@ def _held_out_evaluation(args, runner, info):
     return after_step
 
 
+def _training_batches(args, runner, data_path: Path, seed: int):
+    """(the batches, the token program's ProgramInfo or None, a line describing both) of the run: --inputs
+    arrays for any step, else token data, which only a token model's step takes."""
+    if args.inputs:
+        from vktrain.train.input_data import load_input_arrays  # reads the program's input specs
+
+        batches = load_input_arrays(data_path, runner.input_specs)
+        inputs = ", ".join(f"{name} {spec.describe()}" for name, spec in runner.input_specs.items())
+        return batches, None, (f"{args.program}: inputs {inputs}; {data_path}: {batches.n_batches} batch(es), "
+                               f"cycled")
+    if not is_token_step(runner):
+        raise TrainConfigError(f"{args.program} is not a token model's step (its inputs are {runner.input_names}, "
+                               f"not token_ids and labels): give its input arrays with --inputs DATA.npz")
+    info = describe_program(runner)
+    data = load_data(data_path, info.vocab_size, program_tokenizer(runner, args.program))
+    batches = TokenBatcher(data.tokens, info.batch_size, info.seq_len, seed=seed, shuffle=not args.no_shuffle,
+                           source=str(data_path), labels=data.labels)
+    return batches, info, (f"{args.program}: batch {info.batch_size} x {info.seq_len}, vocabulary {info.vocab_size}; "
+                           f"{data_path}: {data.tokens.size} tokens ({data.trained_tokens} trained), "
+                           f"{batches.batches_per_epoch:.1f} batches per epoch")
+
+
 def _train_loaded(args, runner, schedule, optimizer, resume, seed, data_path, program_sha256,
                   checkpoint_path) -> tuple[Optional[TrainState], int]:
     """The run once the program is loaded: (final state, first step's index), state None when interrupted."""
-    info = describe_program(runner)
+    metadata = dict(getattr(getattr(runner, "graph", None), "metadata", {}) or {})
     if not takes_hparams(runner):
-        schedule, optimizer, baked = baked_hyperparameters(args, info.metadata, args.steps)
+        schedule, optimizer, baked = baked_hyperparameters(args, metadata, args.steps)
         print(f"{args.program}: {baked}")
-    recorded = ProgramAdapters.from_metadata(info.metadata, args.program)
+    recorded = ProgramAdapters.from_metadata(metadata, args.program)
     alpha = _resolve_alpha(args, recorded)
     wants_adapters = args.out_adapters or args.out_gguf_adapter
     if wants_adapters and alpha is None:
@@ -342,15 +383,14 @@ def _train_loaded(args, runner, schedule, optimizer, resume, seed, data_path, pr
                                "--lora-alpha, default 16)")
     if args.out_gguf_adapter:
         check_gguf_adapter_program(recorded, args.program)
-    data = load_data(data_path, info.vocab_size, program_tokenizer(runner, args.program))
-    batches = TokenBatcher(data.tokens, info.batch_size, info.seq_len, seed=seed, shuffle=not args.no_shuffle,
-                           source=str(data_path), labels=data.labels)
+    batches, info, described = _training_batches(args, runner, data_path, seed)
     state = TrainState()
     if resume is not None:
         if resume.data_sha256 != batches.fingerprint:
             raise CheckpointError(f"{args.resume} was trained on other data or batching (data fingerprint "
                                   f"{resume.data_sha256[:16]}..., {data_path} gives {batches.fingerprint[:16]}...); "
-                                  f"resume with the same --data and --no-shuffle setting")
+                                  + ("resume with the same --inputs arrays" if args.inputs else
+                                     "resume with the same --data and --no-shuffle setting"))
         restore_state(runner, resume, program_sha256, args.resume)
         state = TrainState.from_checkpoint(resume, args.resume)
         differences = _config_differences(resume.config, run_config(schedule, optimizer, batches))
@@ -360,10 +400,7 @@ def _train_loaded(args, runner, schedule, optimizer, resume, seed, data_path, pr
                   file=sys.stderr)
     start = state.step
     after_step = _held_out_evaluation(args, runner, info)
-    print(f"{args.program}: batch {info.batch_size} x {info.seq_len}, vocabulary {info.vocab_size}; {data_path}: "
-          f"{data.tokens.size} tokens ({data.trained_tokens} trained), {batches.batches_per_epoch:.1f} batches per "
-          f"epoch; steps {start + 1}..{args.steps}",
-          file=sys.stderr)
+    print(f"{described}; steps {start + 1}..{args.steps}", file=sys.stderr)
     print(f"{args.program}: {runner.gemm_report()}", file=sys.stderr)
     try:
         train(runner, batches, args.steps, schedule, optimizer, state=state,  # updates `state` in place
@@ -389,6 +426,6 @@ def _train_loaded(args, runner, schedule, optimizer, resume, seed, data_path, pr
     return state, start
 
 
-__all__ = ["HYPERPARAMETER_DEFAULTS", "HYPERPARAMETER_FLAGS", "ValidationErrorsReported", "add_train_arguments",
+__all__ = ["HYPERPARAMETER_DEFAULTS", "HYPERPARAMETER_FLAGS", "TOKEN_DATA_FLAGS", "ValidationErrorsReported", "add_train_arguments",
            "baked_hyperparameters", "check_arguments", "hyperparameter", "prepare_adapter_directory",
            "prepare_output_file", "print_validation_messages", "run_train"]

@@ -332,6 +332,10 @@ class TokenBatcher:
     def batches_per_epoch(self) -> float:
         return self.n_windows / self.batch_size
 
+    def config(self) -> dict:
+        """What decides the batches beyond the token stream (run_config records it in checkpoints)."""
+        return {"batch_size": self.batch_size, "seq_len": self.seq_len, "shuffle": self.shuffle}
+
     @functools.cached_property
     def fingerprint(self) -> str:
         """sha256 of the token stream and the batching parameters: what a checkpoint's data must match."""

@@ -8,6 +8,13 @@ takes what is left, and rows of the last batch that the data does not fill are p
 `tokens` in the report. No optimizer state is read or written; the adapters are the .pte's initial ones,
 or those of `--adapters` (a PEFT directory written by `vktrain train --out-adapters`, or a vktrain
 checkpoint .safetensors), written into the training state the eval method reads.
+
+A step of any other module (`vktrain train --inputs`) is evaluated on `--inputs DATA.npz` (the arrays
+`vktrain train --inputs` reads, named as the eval method's inputs: one batch, or a stack cycled through
+once): the loss is the mean of the eval method's loss over those batches, each weighted alike (the
+module's loss defines its own reduction within a batch). This needs the eval method
+(vktrain.export.export_training_and_eval_steps); a .pte without one is refused, saying so. `--adapters`
+is then a vktrain checkpoint (its model.* tensors: everything the step trained).
 """
 from __future__ import annotations
 
@@ -25,14 +32,17 @@ from vktrain.train.adapters import (ADAPTER_CONFIG, AdapterError, check_frozen_l
 from vktrain.train.checkpoint import atomic_write_json, load_checkpoint
 from vktrain.train.data import IGNORED_LABEL, DataError, TrainingData, load_data
 from vktrain.train.tokenizer import program_tokenizer
-from vktrain.train.train_loop import TrainConfigError, describe_program
+from vktrain.train.train_loop import TrainConfigError, describe_program, is_token_step
 
 
 
 def add_eval_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("program", metavar="STEP.pte", help="training-step program with its eval method (vktrain export)")
-    parser.add_argument("--data", required=True, metavar="FILE",
-                        help="held-out token data, in any format `vktrain train --data` reads")
+    parser.add_argument("--data", metavar="FILE",
+                        help="held-out token data, in any format `vktrain train --data` reads (a token model's step)")
+    parser.add_argument("--inputs", metavar="DATA.npz",
+                        help="held-out input arrays of a step of any module, as `vktrain train --inputs` reads them "
+                             "(named as the eval method's inputs); the loss is the mean over their batches")
     parser.add_argument("--adapters", metavar="DIR|CHECKPOINT",
                         help="adapters to evaluate: a PEFT directory (vktrain train --out-adapters) or a vktrain "
                              "checkpoint .safetensors (default: the adapters the .pte was exported with)")
@@ -130,7 +140,10 @@ def run_eval(args: argparse.Namespace, device=None) -> int:
     from vktrain.runtime.program.runner import TrainingRunner  # opens Vulkan: imported only when a run starts
     from vktrain.train.command import ValidationErrorsReported, prepare_output_file, print_validation_messages
 
-    program_path, data_path = Path(args.program), Path(args.data)
+    if (args.data is None) == (args.inputs is None):
+        raise TrainConfigError("give the held-out data: --data FILE (token data) or --inputs DATA.npz (a step of any "
+                               "module), exactly one of the two")
+    program_path, data_path = Path(args.program), Path(args.data or args.inputs)
     check_max_batches("--max-batches", args.max_batches)
     if not program_path.is_file():
         raise TrainConfigError(f"program {program_path} does not exist (or is not a file)")
@@ -141,22 +154,66 @@ def run_eval(args: argparse.Namespace, device=None) -> int:
     own_device = runner.device if device is None else None  # a caller's device keeps its messages
     try:
         with runner:
-            info = describe_program(runner)
-            data = load_data(data_path, info.vocab_size, program_tokenizer(runner, args.program))
-            if args.adapters:
-                alpha = info.metadata.get(METADATA_LORA_ALPHA)
-                lora_names = list(runner.lora_state())
-                load_adapter_state(runner, adapter_state(Path(args.adapters), lora_names,
-                                                         None if alpha is None else float(alpha),
-                                                         runner_frozen_lora(runner)))
-            result = evaluate_data(runner, data, args.max_batches)
+            if args.inputs is not None:
+                result = _evaluate_inputs(args, runner, data_path)
+            elif not is_token_step(runner):
+                raise TrainConfigError(f"{args.program} is not a token model's step (its inputs are "
+                                       f"{runner.input_names}): evaluate it on its input arrays with --inputs "
+                                       f"DATA.npz, not token --data")
+            else:
+                result = _evaluate_tokens(args, runner, data_path)
     finally:
         errors = print_validation_messages(own_device)
     if errors:
         raise ValidationErrorsReported(f"the Vulkan validation layer reported {errors} error(s) (printed above)")
-    print(f"eval {data_path}: loss {result['loss']:.6f}, perplexity {result['perplexity']:.4f} over "
-          f"{result['tokens']} tokens")
+    if args.inputs is not None:
+        print(f"eval {data_path}: loss {result['loss']:.6f} (mean over {result['batches']} batches)")
+    else:
+        print(f"eval {data_path}: loss {result['loss']:.6f}, perplexity {result['perplexity']:.4f} over "
+              f"{result['tokens']} tokens")
     if args.json:
         atomic_write_json(args.json, result)
         print(f"results: {args.json}")
     return 0
+
+
+def _evaluate_inputs(args: argparse.Namespace, runner, data_path: Path) -> dict:
+    """{"loss", "batches"}: the eval method's mean loss over the --inputs batches (module docstring)."""
+    from vktrain.train.input_data import load_input_arrays  # reads the program's input specs
+
+    method = runner.eval_method()  # refused here when the .pte has none
+    batches = load_input_arrays(data_path, method.input_specs)
+    if args.adapters:
+        load_adapter_state(runner, trained_state(Path(args.adapters), runner.state_names))
+    count = batches.n_batches if args.max_batches is None else min(args.max_batches, batches.n_batches)
+    losses = [runner.evaluate_inputs(batches.batch(position)) for position in range(count)]
+    loss = math.fsum(losses) / count
+    if not math.isfinite(loss):
+        raise TrainConfigError(f"the eval loss is {loss} (not finite): the trained state or the data are broken")
+    return {"loss": loss, "batches": count}
+
+
+def trained_state(path: Path, state_names: list[str]) -> dict[str, np.ndarray]:
+    """The model.* tensors (what the step trains) of a vktrain checkpoint: exactly the program's."""
+    if not path.is_file():
+        raise AdapterError(f"--adapters {path}: a step of any module takes a vktrain checkpoint file (vktrain train "
+                           f"--checkpoint); {path} is not a file")
+    wanted = [name for name in state_names if name.startswith(MODEL_PREFIX)]
+    state = {name: array for name, array in load_checkpoint(path).tensors.items() if name.startswith(MODEL_PREFIX)}
+    missing, unknown = sorted(set(wanted) - set(state)), sorted(set(state) - set(wanted))
+    if missing or unknown:
+        raise AdapterError(f"--adapters {path} does not match the program's trained tensors: missing {missing[:4]}, "
+                           f"not in the program {unknown[:4]}")
+    return state
+
+
+def _evaluate_tokens(args: argparse.Namespace, runner, data_path: Path) -> dict:
+    """{"loss", "perplexity", "tokens"} of a token model's step on --data."""
+    info = describe_program(runner)
+    data = load_data(data_path, info.vocab_size, program_tokenizer(runner, args.program))
+    if args.adapters:
+        alpha = info.metadata.get(METADATA_LORA_ALPHA)
+        lora_names = list(runner.lora_state())
+        load_adapter_state(runner, adapter_state(Path(args.adapters), lora_names,
+                                                 None if alpha is None else float(alpha), runner_frozen_lora(runner)))
+    return evaluate_data(runner, data, args.max_batches)

@@ -9,9 +9,10 @@
 
 Per step t (1-based): lr = schedule.lr(t); hparams = [lr, beta1, beta2, eps, weight_decay] (float32 [5],
 a runtime input of the program: changing them never needs a re-export); batch = batches.batch(position);
-loss = runner.step(tokens, labels, hparams); record {"step": t, "loss": loss, "lr": lr, "seconds": s} (lr
-as the schedule computes it, in float64; the program receives it rounded to float32; s the wall time of
-runner.step, i.e. of the program's run).
+loss = runner.step(tokens, labels, hparams) for a TokenBatcher's (tokens, labels), runner.step_inputs(batch,
+hparams) for the named arrays of an ArrayBatches (vktrain/train/input_data.py: a step of any module);
+record {"step": t, "loss": loss, "lr": lr, "seconds": s} (lr as the schedule computes it, in float64; the
+program receives it rounded to float32; s the wall time of the step, i.e. of the program's run).
 
 `steps` is the step number to reach, not a count to add: resuming a checkpoint of step 10 with steps=20
 runs steps 11..20, reading the same batches with the same learning rates as an uninterrupted run, so
@@ -50,7 +51,7 @@ import os
 import sys
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable, Optional, Protocol, Union
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional, Protocol, Union
 
 import numpy as np
 from tqdm import tqdm
@@ -68,6 +69,9 @@ from vktrain.train.checkpoint import (
     skipped_positions,
 )
 from vktrain.train.data import TokenBatcher
+
+if TYPE_CHECKING:  # its input checks import the runtime's program reader; the loop needs only the type
+    from vktrain.train.input_data import ArrayBatches
 from vktrain.train.lr_schedule import LRSchedule
 
 PathLike = Union[str, os.PathLike]
@@ -90,9 +94,12 @@ class TrainConfigError(VktrainError, ValueError):
 
 
 class StepRunner(Protocol):
-    """What the loop needs from a training program (vktrain.runtime.program.runner.TrainingRunner is one)."""
+    """What the loop needs from a training program (vktrain.runtime.program.runner.TrainingRunner is one):
+    `step` for token batches, `step_inputs` for named input arrays (ArrayBatches)."""
 
     def step(self, token_ids: np.ndarray, labels: np.ndarray, hparams: np.ndarray) -> float: ...
+
+    def step_inputs(self, inputs: Mapping[str, np.ndarray], hparams: np.ndarray) -> float: ...
 
     @property
     def state_names(self) -> list[str]: ...
@@ -196,6 +203,12 @@ def takes_hparams(runner: Any) -> bool:
     return getattr(runner, "takes_hparams", True)
 
 
+def is_token_step(runner: Any) -> bool:
+    """False for a step that takes other inputs than a token model's (TrainingRunner.is_token_step): it
+    trains on named input arrays (--inputs). A runner without the attribute is a token model's."""
+    return getattr(runner, "is_token_step", True)
+
+
 def describe_program(runner: Any) -> ProgramInfo:
     """Batch shape and vocabulary of a training program.
 
@@ -230,17 +243,24 @@ def _vocab_from_graph(graph) -> Optional[int]:
     return None
 
 
-def run_config(schedule: LRSchedule, optimizer: AdamWConfig, batches: TokenBatcher) -> dict:
+def run_step(runner: StepRunner, batch: Union[tuple, Mapping[str, np.ndarray]], hparams) -> float:
+    """One step on a batch of either source: a TokenBatcher's (tokens, labels) or an ArrayBatches' inputs."""
+    if isinstance(batch, Mapping):
+        return float(runner.step_inputs(batch, hparams))
+    tokens, labels = batch
+    return float(runner.step(tokens, labels, hparams))
+
+
+def run_config(schedule: LRSchedule, optimizer: AdamWConfig, batches: Union[TokenBatcher, "ArrayBatches"]) -> dict:
     """The settings that decide the steps' results (recorded in checkpoints, compared on resume). A constant
     schedule's length and floor change nothing, so they are left out (extending such a run is no change)."""
     schedule_fields = schedule.to_dict()
     if schedule.kind == "constant":
         del schedule_fields["total_steps"], schedule_fields["min_lr_ratio"]
-    return {"schedule": schedule_fields, "optimizer": asdict(optimizer),
-            "batch_size": batches.batch_size, "seq_len": batches.seq_len, "shuffle": batches.shuffle}
+    return {"schedule": schedule_fields, "optimizer": asdict(optimizer), **batches.config()}
 
 
-def train(runner: StepRunner, batches: TokenBatcher, steps: int, schedule: LRSchedule,
+def train(runner: StepRunner, batches: Union[TokenBatcher, "ArrayBatches"], steps: int, schedule: LRSchedule,
           optimizer: AdamWConfig = AdamWConfig(), *, state: Optional[TrainState] = None,
           checkpoint_every: int = 0, checkpoint_path: Optional[PathLike] = None, keep_checkpoints: int = 1,
           program_sha256: str = "", json_path: Optional[PathLike] = None, progress: bool = True,
@@ -325,10 +345,10 @@ def train(runner: StepRunner, batches: TokenBatcher, steps: int, schedule: LRSch
         while state.step < steps:
             step = state.step + 1
             lr = schedule.lr(step)
-            tokens, labels = batches.batch(state.data_position)
+            batch = batches.batch(state.data_position)
             started = time.perf_counter()
             hparams = optimizer.hparams(lr) if takes_hparams(runner) else None
-            loss = float(runner.step(tokens, labels, hparams))
+            loss = run_step(runner, batch, hparams)
             seconds = time.perf_counter() - started
             after = capture_state(runner) if keep_copies else None
             state_non_finite = math.isfinite(loss) and after is not None and bool(non_finite_tensors(after))
@@ -370,4 +390,4 @@ def train(runner: StepRunner, batches: TokenBatcher, steps: int, schedule: LRSch
 
 __all__ = ["AdamWConfig", "LAST_GOOD_STATE_LIMIT", "MAX_CONSECUTIVE_SKIPS", "MAX_STEPS", "NonFiniteLossError",
            "ON_NONFINITE", "ProgramInfo", "StepRunner", "TrainConfigError", "TrainState", "describe_program",
-           "run_config", "takes_hparams", "train"]
+           "is_token_step", "run_config", "run_step", "takes_hparams", "train"]

@@ -7,11 +7,12 @@ and never touches the optimizer state. Its constants that the training step hold
 the same name (the frozen base) bind the training executor's buffers too: one copy on the device.
 
     method = EvalMethod(pte, training_executor)     # what TrainingRunner.evaluate builds on first use
-    loss_sum, count = method.loss_sum(token_ids, labels)
+    loss_sum, count = method.loss_sum(token_ids, labels)   # a token model's eval method
+    loss = method.loss(inputs)                             # any module's: its loss's inputs by name
 """
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Mapping, Optional
 
 import numpy as np
 
@@ -26,6 +27,7 @@ from vktrain.runtime.program.runner import (
     check_storageless_tensors,
     plan_input_names,
 )
+from vktrain.runtime.program.step_inputs import check_input_names, checked_input, step_input_specs
 from vktrain.runtime.program.verify import check_device_memory, device_memory_bytes, load_delegate_graph, verify_plan
 from vktrain.serialization import graph as g
 
@@ -46,8 +48,11 @@ class EvalMethod:
         verify_plan(pte, plan, host_memory_limit)
         call, self.graph = load_delegate_graph(pte, plan, verify_constants=verify_constants)
         check_loss_output(pte, plan, call, self.graph)
-        self._input_names = plan_input_names(pte, plan, call, self.graph, accepted=EVAL_INPUTS, required=EVAL_INPUTS,
+        # Any names: a user module's eval method takes its loss's inputs (the token models' EVAL_INPUTS).
+        self._input_names = plan_input_names(pte, plan, call, self.graph, accepted=None, required=(),
                                              what="an eval method")
+        self.input_specs = step_input_specs(plan, self._input_names)
+        self._source = str(pte.source)
         state = training.shared_state()
         lora = {name for name in state if name.startswith(MODEL_PREFIX)}
         reads = {value.name for value in self.graph.values if isinstance(value, g.TensorValue) and value.constant_id >= 0}
@@ -73,12 +78,22 @@ class EvalMethod:
     def loss_sum(self, token_ids: Any, labels: Any) -> tuple[float, int]:
         """(cross-entropy summed over the labels >= 0, how many there are) of one batch of the exported
         shape. The method divides by its n_valid input; it gets 1, so the sum comes back."""
+        if sorted(self._input_names) != sorted(EVAL_INPUTS):
+            raise ExecutorInputError(f"{self._source}: the {EVAL_METHOD!r} method takes {self._input_names}, not a "
+                                     f"token model's {list(EVAL_INPUTS)}: call loss()")
         labels = np.asarray(labels)
         if labels.dtype.kind not in "iu":
             raise ExecutorInputError(f"labels must be integers, got {labels.dtype}")
-        by_name = {TOKEN_IDS: np.asarray(token_ids), LABELS: labels, N_VALID: np.float32(1.0)}
+        count = int(np.count_nonzero(labels >= 0))
+        return self.loss({TOKEN_IDS: token_ids, LABELS: labels, N_VALID: np.float32(1.0)}), count
+
+    def loss(self, inputs: Mapping[str, Any]) -> float:
+        """The method's loss on one batch of named inputs (exactly `input_specs`' names, each of the
+        program's shape and a dtype that converts to its own exactly: vktrain/runtime/program/step_inputs.py)."""
+        check_input_names(self.input_specs, inputs, self._source)
+        by_name = {name: checked_input(spec, inputs[name], self._source) for name, spec in self.input_specs.items()}
         (loss,) = self._interpreter.run([by_name[name] for name in self._input_names])
-        return float(np.asarray(loss).reshape(())), int(np.count_nonzero(labels >= 0))
+        return float(np.asarray(loss).reshape(()))
 
     def close(self) -> None:
         self.executor.close()

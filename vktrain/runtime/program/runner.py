@@ -3,6 +3,7 @@
     runner = TrainingRunner.from_pte("step.pte")           # device=None opens Device() (VKTRAIN_DEVICE)
     runner = TrainingRunner.from_pte("step.pte", runtime="webgpu")   # the WebGPU device layer instead
     loss = runner.step(token_ids, labels, hparams)         # int64 [B, S], int64 [B, S], float32 [5]
+    loss = runner.step_inputs({"x": x, "target": y}, hparams)   # any module's step, inputs by name
     lora = runner.lora_state()                              # {"model.layers.0.lora_A": array, ...}
     runner.read_state(name) / runner.write_state(name, array)   # checkpoints (FQNs the exporter recorded)
 
@@ -17,24 +18,28 @@ Loading verifies everything first (vktrain/runtime/program/verify.py, `verify_tr
 plan's tensors and arenas, the delegate blob's integrity and its I/O against the plan, and what the
 graph will allocate against the device's memory, before the arenas or any device buffer exist.
 
-`n_valid` (the loss divisor, float32 []) is an input of the exported step; `step()` computes it as the
-number of labels >= 0 unless given, so a caller accumulating gradients can pass its own.
+Two entry points. `step_inputs(inputs, hparams)` runs any exported step (vktrain.export.export_training_step
+of any nn.Module): `inputs` maps each of the program's input names but hparams (`input_names`: the loss
+function's parameters) to an array, checked against the program's shape and dtype (`input_specs`;
+vktrain/runtime/program/step_inputs.py). `step(token_ids, labels, hparams, n_valid)` is its case for the
+token models (`is_token_step`): `n_valid` (the loss divisor, float32 []) is an input of their step; `step()`
+computes it as the number of labels >= 0 unless given, so a caller accumulating gradients can pass its own.
 
 A step without an `hparams` input (one written with upstream's et_vk ops, vktrain.export.etvk) has its
 hyper-parameters baked (the blob's metadata METADATA_BAKED_SCALARS lists them): `takes_hparams` is False
-and `step()` must be called without hparams.
+and `step()` / `step_inputs()` must be called without hparams.
 """
 from __future__ import annotations
 
 import math
 import os
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping, Optional, Union
+from typing import Any, Callable, Mapping, Optional, Sequence, Union
 
 import numpy as np
 
-from vktrain.contract import (BACKEND_ID, HPARAMS, LABELS, MODEL_PREFIX, N_VALID, PRECISION_AUTO, STEP_INPUTS,
-                              TOKEN_IDS)
+from vktrain.contract import (BACKEND_ID, HPARAM_NAMES, HPARAMS, LABELS, MODEL_PREFIX, N_VALID, PRECISION_AUTO,
+                              STEP_INPUTS, TOKEN_IDS)
 from vktrain.runtime.delegate.executor import ExecutorInputError, GraphExecutor
 from vktrain.runtime.delegate.kernels.coopmat import PrecisionPolicyError
 from vktrain.runtime.program.pte import (
@@ -61,6 +66,7 @@ from vktrain.runtime.program.verify import (
     load_delegate_graph,
     verify_plan,
 )
+from vktrain.runtime.program.step_inputs import StepInput, check_input_names, checked_input, step_input_specs
 from vktrain.serialization import graph as g
 
 LORA_SUFFIXES = (".lora_A", ".lora_B")
@@ -239,7 +245,7 @@ class VerifiedTrainingProgram:
     """A training step whose .pte passed every host-side check (nothing allocated yet)."""
     plan: ExecutionPlan
     graph: g.VkGraph  # the vktrain delegate's graph
-    input_names: list[str]  # STEP_INPUTS name of each plan input
+    input_names: list[str]  # name of each plan input: the delegate graph input it feeds
 
 
 def verify_training_program(pte: PteFile, method: str = "forward", *, verify_constants: bool = True,
@@ -252,8 +258,21 @@ def verify_training_program(pte: PteFile, method: str = "forward", *, verify_con
     verify_plan(pte, plan, host_memory_limit)
     call, graph = load_delegate_graph(pte, plan, verify_constants=verify_constants)
     check_loss_output(pte, plan, call, graph)
-    # hparams is optional: without it the program's hyper-parameters are baked (TrainingRunner.takes_hparams).
-    return VerifiedTrainingProgram(plan, graph, plan_input_names(pte, plan, call, graph, required=(TOKEN_IDS, LABELS)))
+    # Any names (a user module's step takes its loss's inputs); hparams is optional: without it the
+    # program's hyper-parameters are baked (TrainingRunner.takes_hparams).
+    names = plan_input_names(pte, plan, call, graph, accepted=None, required=())
+    check_hparams_input(pte, plan, names)
+    return VerifiedTrainingProgram(plan, graph, names)
+
+
+def check_hparams_input(pte: PteFile, plan: ExecutionPlan, names: list[str]) -> None:
+    """An `hparams` input is the float32 [len(HPARAM_NAMES)] tensor adamw reads."""
+    if HPARAMS not in names:
+        return
+    spec = step_input_specs(plan, names)[HPARAMS]
+    if spec.shape != (len(HPARAM_NAMES),) or spec.dtype != np.float32:
+        raise UnsupportedProgramError(f"{pte.source}: plan {plan.name!r} input {HPARAMS!r} is {spec.describe()}; "
+                                      f"expected float32[{len(HPARAM_NAMES)}] ({', '.join(HPARAM_NAMES)})")
 
 
 def check_loss_output(pte: PteFile, plan: ExecutionPlan, call: DelegateCall, graph: g.VkGraph) -> None:
@@ -274,19 +293,20 @@ def check_loss_output(pte: PteFile, plan: ExecutionPlan, call: DelegateCall, gra
 
 
 def plan_input_names(pte: PteFile, plan: ExecutionPlan, call: DelegateCall, graph: g.VkGraph, *,
-                     accepted: tuple[str, ...] = STEP_INPUTS,
+                     accepted: Optional[tuple[str, ...]] = STEP_INPUTS,
                      required: tuple[str, ...] = (TOKEN_IDS, LABELS, HPARAMS), what: str = "a training step") -> list[str]:
     """Name of each plan input: the delegate graph input it feeds (through the DelegateCall args); every
-    one in `accepted`, all of `required` present."""
+    one in `accepted` (None: any name, but each must feed the delegate), all of `required` present."""
     graph_inputs = {value: graph.tensor(graph.inputs[i]).name for i, value in enumerate(call.args[:len(graph.inputs)])}
     names = []
     for position, value in enumerate(plan.inputs):
         name = graph_inputs.get(value)
-        if name not in accepted:
+        if name is None or (accepted is not None and name not in accepted):
             raise UnsupportedProgramError(
                 f"{pte.source}: plan {plan.name!r} input {position} (value {value}) "
                 + (f"feeds delegate input {name!r}" if name else "does not feed the delegate directly")
-                + f"; {what} takes {', '.join(accepted)}")
+                + (f"; {what} takes {', '.join(accepted)}" if accepted is not None
+                   else f"; every input of {what} must be a delegate input"))
         if name in names:
             raise UnsupportedProgramError(f"{pte.source}: plan inputs {names.index(name)} and {position} both feed "
                                           f"delegate input {name!r}")
@@ -316,6 +336,7 @@ class TrainingRunner:
         program = verify_training_program(pte, method, verify_constants=verify_constants,
                                           host_memory_limit=host_memory_limit)
         self.plan, self.graph, self._input_names = program.plan, program.graph, program.input_names
+        self._input_specs = step_input_specs(self.plan, self._input_names)
         self._interpreter = ProgramInterpreter(pte, self.plan, self._run_delegate, host_memory_limit=host_memory_limit)
         self._eval = None  # the eval method, loaded by the first evaluate()
         self._eval_options = dict(verify_constants=verify_constants, host_memory_limit=host_memory_limit,
@@ -344,9 +365,10 @@ class TrainingRunner:
 
     @property
     def batch_shape(self) -> tuple[int, ...]:
-        """(batch, seq) of the token_ids the program was exported for."""
-        position = self._input_names.index(TOKEN_IDS)
-        return tuple(self.plan.values[self.plan.inputs[position]].sizes)
+        """(batch, seq) of the token_ids the program was exported for (a token step's only)."""
+        if TOKEN_IDS not in self._input_specs:
+            raise AttributeError(f"{self.pte.source} has no {TOKEN_IDS} input (its inputs: {self.input_names})")
+        return self._input_specs[TOKEN_IDS].shape
 
     @property
     def vocab_size(self) -> int:
@@ -363,43 +385,88 @@ class TrainingRunner:
     # ------------------------------------------------------------------------------ training
     @property
     def input_names(self) -> list[str]:
+        """The program's inputs in order, hparams included (each named after the delegate input it feeds)."""
         return list(self._input_names)
+
+    @property
+    def input_specs(self) -> dict[str, StepInput]:
+        """name -> StepInput (shape, dtype) of every input step_inputs takes: all but hparams."""
+        return {name: spec for name, spec in self._input_specs.items() if name != HPARAMS}
 
     @property
     def takes_hparams(self) -> bool:
         """False when the program has no hparams input: its hyper-parameters are baked into it."""
         return HPARAMS in self._input_names
 
-    def step(self, token_ids: Any, labels: Any, hparams: Any = None, n_valid: Optional[float] = None) -> float:
-        """One training step on the GPU: forward, backward, AdamW on every LoRA tensor. Returns the loss.
+    @property
+    def is_token_step(self) -> bool:
+        """True for the token models' step: inputs token_ids, labels (and hparams, n_valid), which
+        `step()` takes; any other step runs through `step_inputs()`."""
+        names = set(self._input_names)
+        return {TOKEN_IDS, LABELS} <= names <= set(STEP_INPUTS)
 
-        token_ids / labels int [B, S] (labels < 0 are ignored), hparams float32 [5] = [lr, beta1, beta2,
-        eps, weight_decay] (None, and only None, for a program whose hyper-parameters are baked);
-        n_valid defaults to the number of labels >= 0.
-        """
+    def step_inputs(self, inputs: Union[Mapping[str, Any], Sequence[Any]], hparams: Any = None) -> float:
+        """One training step on the GPU of any exported step program. Returns the loss.
+
+        `inputs`: an array for each input but hparams, by name (exactly `input_specs`' names) or as a
+        sequence in the program's order; each must have the program's shape and a dtype that converts to
+        the program's exactly (step_inputs.py). hparams float32 [5] = [lr, beta1, beta2, eps,
+        weight_decay] (None, and only None, for a program whose hyper-parameters are baked)."""
         if (hparams is None) == self.takes_hparams:
             raise ExecutorInputError(f"{self.pte.source}: " + (
                 "the program takes an hparams input [lr, beta1, beta2, eps, weight_decay]; none was given"
                 if self.takes_hparams else "the program's hyper-parameters are baked (it has no hparams input); "
                 "it cannot take hparams"))
+        specs = self.input_specs
+        if not isinstance(inputs, Mapping):
+            inputs = list(inputs)
+            if len(inputs) != len(specs):
+                raise ExecutorInputError(f"{self.pte.source}: the step takes {len(specs)} inputs {list(specs)} (and "
+                                         f"hparams, given apart), got a sequence of {len(inputs)}")
+            inputs = dict(zip(specs, inputs))
+        check_input_names(specs, inputs, str(self.pte.source))
+        by_name = {name: checked_input(spec, inputs[name], str(self.pte.source)) for name, spec in specs.items()}
+        if self.takes_hparams:
+            by_name[HPARAMS] = checked_input(self._input_specs[HPARAMS], np.asarray(hparams, dtype=np.float32),
+                                             str(self.pte.source))
+        (loss,) = self._interpreter.run([by_name[name] for name in self._input_names])
+        return float(np.asarray(loss).reshape(()))
+
+    def step(self, token_ids: Any, labels: Any, hparams: Any = None, n_valid: Optional[float] = None) -> float:
+        """One training step on the GPU: forward, backward, AdamW on every LoRA tensor. Returns the loss.
+
+        token_ids / labels int [B, S] (labels < 0 are ignored), hparams float32 [5] = [lr, beta1, beta2,
+        eps, weight_decay] (None, and only None, for a program whose hyper-parameters are baked);
+        n_valid defaults to the number of labels >= 0. The token models' case of step_inputs().
+        """
+        if not self.is_token_step:
+            raise ExecutorInputError(f"{self.pte.source}: step() takes a token model's token_ids and labels; this "
+                                     f"program's inputs are {self.input_names}: call step_inputs()")
         labels = np.asarray(labels)
         if labels.dtype.kind not in "iu":
             raise ExecutorInputError(f"labels must be integers, got {labels.dtype}")
         if n_valid is None:
             n_valid = float(np.count_nonzero(labels >= 0))
-        by_name = {TOKEN_IDS: np.asarray(token_ids), LABELS: labels,
-                   HPARAMS: np.asarray(hparams, dtype=np.float32), N_VALID: np.float32(n_valid)}
-        (loss,) = self._interpreter.run([by_name[name] for name in self._input_names])
-        return float(np.asarray(loss).reshape(()))
+        by_name = {TOKEN_IDS: token_ids, LABELS: labels, N_VALID: np.float32(n_valid)}
+        return self.step_inputs({name: by_name[name] for name in self.input_specs}, hparams)
 
     def evaluate(self, token_ids: Any, labels: Any) -> tuple[float, int]:
         """(loss summed over the labels >= 0, their count) of one batch, by the .pte's eval method on the
         current adapters; no state changes. The eval method is loaded on first use (EvalMethod)."""
+        return self.eval_method().loss_sum(token_ids, labels)
+
+    def evaluate_inputs(self, inputs: Mapping[str, Any]) -> float:
+        """The .pte's eval method's loss on one batch of named inputs (`eval_method().input_specs`), on the
+        current trained state; no state changes. The case of any module's step (step_inputs)."""
+        return self.eval_method().loss(inputs)
+
+    def eval_method(self):
+        """The .pte's eval method bound to this step's state (an EvalMethod), loaded on first use."""
         if self._eval is None:
             from vktrain.runtime.program.evaluation import EvalMethod
 
             self._eval = EvalMethod(self.pte, self.executor, **self._eval_options)
-        return self._eval.loss_sum(token_ids, labels)
+        return self._eval
 
     # ------------------------------------------------------------------------------ state
     @property
@@ -453,4 +520,4 @@ class TrainingRunner:
 
 
 __all__ = ["BACKEND_ID", "CPU_KERNELS", "ProgramInterpreter", "TrainingRunner", "UnsupportedProgramError",
-           "VerifiedTrainingProgram", "check_instructions_supported", "check_loss_output", "check_storageless_tensors", "plan_input_names", "verify_training_program"]
+           "VerifiedTrainingProgram", "check_hparams_input", "check_instructions_supported", "check_loss_output", "check_storageless_tensors", "plan_input_names", "verify_training_program"]
