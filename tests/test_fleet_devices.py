@@ -56,6 +56,7 @@ def test_nvidia_smi_output_parses_to_index_uuid_and_pci_address():
     assert gpus == [NvidiaGpu(0, bytes.fromhex("1b2c3d4e000102030405060708090a0b"), PciAddress(0, 0x3B, 0, 0)),
                     NvidiaGpu(1, bytes.fromhex("ffffffff000011112222333344445555"), PciAddress(1, 0xDB, 0x1F, 7))]
     assert format_uuid(gpus[0].uuid) == "GPU-1b2c3d4e-0001-0203-0405-060708090a0b"
+    assert parse_uuid("1B2C3D4E000102030405060708090A0B") == gpus[0].uuid  # prefix and dashes optional
     assert parse_pci_address("3b:00.0") == PciAddress(0, 0x3B, 0, 0) and str(PciAddress(1, 0xDB, 0x1F, 7)) == "0001:db:1f.7"
     for bad in ("0, GPU-12, 00000000:3B:00.0", "0, GPU-1b2c3d4e-0001-0203-0405-060708090a0b", "x, y, z"):
         with pytest.raises(DeviceSelectionError, match="expected"):
