@@ -104,6 +104,7 @@ def _replies(strategy, arrays_by_partition, examples, failed=()):
         content = RecordDict({ARRAYS: to_array_record(arrays_by_partition[partition]),
                               METRICS: MetricRecord({NUM_EXAMPLES: examples[partition], "train-loss": 1.0 + partition}),
                               CLIENT: ConfigRecord({PARTITION_ID: partition, "pid": 100 + partition % 2,
+                                                    "device": f"[{partition % 2}] GPU {partition % 2} (discrete)",
                                                     "started": 10.0 + partition, "finished": 12.5 + partition})})
         replies.append(Message(content, reply_to=instruction))
     return replies
@@ -147,6 +148,7 @@ def test_aggregation_is_the_example_weighted_mean_of_what_the_clients_train(stra
     # clients p ran over [10 + p, 12.5 + p]: at most 3 at once (e.g. 2, 3 and 4 over [14, 14.5]), in 2 processes
     assert record["max_concurrent_clients"] == 3 and record["client_processes"] == 2
     assert record["client_seconds"] == {str(p): 2.5 for p in range(5)}
+    assert record["client_devices"] == {str(p): f"[{p % 2}] GPU {p % 2} (discrete)" for p in range(5)}
     serialized = io.BytesIO()  # an Array travels as a .npy file: header and data
     np.save(serialized, arrays[0][names[0]], allow_pickle=False)
     assert record["bytes_up"] == 5 * len(names) * len(serialized.getvalue())

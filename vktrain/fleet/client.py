@@ -7,8 +7,8 @@ Messages (Flower's Message API; the server's side is vktrain/fleet/server.py):
             local-steps, lr, AdamW's betas, eps, weight-decay)
             -> ArrayRecord "arrays" (the adapters after `local-steps` AdamW steps on this shard),
                MetricRecord "metrics" {num-examples, train-loss, train-loss-first, train-loss-last},
-               ConfigRecord "client" {partition-id, pid, started, finished} (the process and wall-clock
-               interval that ran it: how many clients ran at once)
+               ConfigRecord "client" {partition-id, pid, device, started, finished} (the process, its
+               Vulkan device and the wall-clock interval that ran it: how many clients ran at once)
   evaluate  ArrayRecord "arrays" -> MetricRecord "metrics" {num-examples, eval-loss}: the .pte's eval
             method on this client's shard of the held-out data (`vktrain eval`'s loss)
 
@@ -24,11 +24,14 @@ in walk through its data.
 n_k, the local dataset size.
 
 One TrainingRunner per process and program serves every client that process runs (loading a program
-and its pipelines costs seconds; clients differ only in the adapters written in and the data).
+and its pipelines costs seconds; clients differ only in the adapters written in and the data). Its
+Vulkan device is the GPU Ray assigned the process where that can be identified (vktrain/fleet/gpus.py);
+the process logs which device it opened and why.
 """
 from __future__ import annotations
 
 import os
+import sys
 import time
 from dataclasses import dataclass, field
 
@@ -38,6 +41,7 @@ from flwr.clientapp import ClientApp
 
 from vktrain.contract import EXP_AVG_PREFIX, EXP_AVG_SQ_PREFIX, MODEL_PREFIX, PRECISION_AUTO, STEP_STATE
 from vktrain.errors import VktrainError
+from vktrain.fleet.gpus import client_device_choice
 from vktrain.train.data import TokenBatcher, TrainingData, load_data
 from vktrain.train.eval_command import evaluate_data
 from vktrain.train.tokenizer import program_tokenizer
@@ -92,15 +96,27 @@ class LocalTrainer:
 
     def __init__(self, settings: ClientSettings) -> None:
         from vktrain.runtime.program.runner import TrainingRunner  # opens Vulkan: only in a client process
+        from vktrain.runtime.vk.device import Device
 
         self.settings = settings
-        self.runner = TrainingRunner.from_pte(settings.program, precision=settings.precision)
+        choice = client_device_choice()
+        self.device = Device(choice.selector)
+        try:
+            self.runner = TrainingRunner.from_pte(settings.program, self.device, precision=settings.precision)
+        except BaseException:
+            self.device.close()
+            raise
+        print(f"vktrain client process {os.getpid()}: {self.device.info.describe()}: {choice.reason}", file=sys.stderr)
         self.info = describe_program(self.runner)
         self.tokenizer = program_tokenizer(self.runner, settings.program)
         self.trained = trained_names(self.runner.state_names)
         self.optimizer_state = {name: np.zeros_like(self.runner.read_state(name))
                                 for name in optimizer_state_names(self.runner.state_names)}
         self._data: dict[str, TrainingData] = {}
+
+    def close(self) -> None:
+        self.runner.close()
+        self.device.close()  # the runner was given it, so it leaves it open
 
     def data(self, path: str) -> TrainingData:
         if path not in self._data:
@@ -163,7 +179,7 @@ def close_trainers() -> None:
     """Close this process's trainers (their runners and devices): after a sequential federation."""
     while _TRAINERS:
         _, trainer = _TRAINERS.popitem()
-        trainer.runner.close()
+        trainer.close()
 
 
 def partition_of(context: Context) -> int:
@@ -187,7 +203,8 @@ def make_client_app(settings: ClientSettings) -> ClientApp:
         trainer.load_global(from_array_record(message.content[ARRAYS]))
         arrays, metrics = trainer.train(partition, int(config["server-round"]), config)
         content = RecordDict({ARRAYS: to_array_record(arrays), METRICS: MetricRecord(metrics),
-                              CLIENT: ConfigRecord({PARTITION_ID: partition, "pid": os.getpid(), "started": started,
+                              CLIENT: ConfigRecord({PARTITION_ID: partition, "pid": os.getpid(),
+                                                    "device": trainer.device.info.describe(), "started": started,
                                                     "finished": time.time()})})
         return Message(content, reply_to=message)
 

@@ -127,6 +127,7 @@ class FleetFedAvg(FedAvg):
                                     for m, (start, end) in zip(valid, intervals)}
         record["max_concurrent_clients"] = max_overlap(intervals)
         record["client_processes"] = len({int(m.content[CLIENT]["pid"]) for m in valid})
+        record["client_devices"] = {str(m.content[CLIENT][PARTITION_ID]): str(m.content[CLIENT]["device"]) for m in valid}
         record["bytes_up"] = sum(payload_bytes(m.content[self.arrayrecord_key]) for m in valid)
         record["train_seconds"] = time.perf_counter() - record["started"]
         if not valid:

@@ -3,7 +3,8 @@
 Physical-device choice: discrete > integrated > virtual > CPU > other, first enumerated wins a tie.
 `VKTRAIN_DEVICE` overrides it with an index (into vkEnumeratePhysicalDevices order) or a
 case-insensitive substring of the device name; a selector matching nothing (or several names) is an
-error listing what exists.
+error listing what exists. A `GpuIdentity` selector (device_identity.py: a UUID / PCI address another API
+gave, e.g. the GPU Ray assigned a fleet client) picks the device with that deviceUUID / PCI bus info.
 
 Validation: `VKTRAIN_VALIDATION=1` (or `Device(validation=True)`) enables VK_LAYER_KHRONOS_validation
 and a debug-utils messenger; warnings and errors are collected in `Device.validation_messages` so tests
@@ -25,6 +26,7 @@ from typing import Any, Callable, Sequence
 
 from vktrain.runtime.vk.allocator import DEFAULT_BLOCK_BYTES, MemoryBudget, MemoryHeap, MemoryStats
 from vktrain.runtime.vk.coopmat import query_cooperative_matrix
+from vktrain.runtime.vk.device_identity import GpuIdentity, PciAddress, match_physical_device
 from vktrain.runtime.vk.errors import (
     INSTALL_HINT,
     DeviceSelectionError,
@@ -65,6 +67,8 @@ class PhysicalDeviceInfo:
     name: str
     device_type: int
     api_version: int = 0
+    uuid: bytes | None = None  # VkPhysicalDeviceIDProperties.deviceUUID
+    pci: PciAddress | None = None  # VK_EXT_pci_bus_info, where the device lists it
 
     @property
     def type_name(self) -> str:
@@ -74,10 +78,13 @@ class PhysicalDeviceInfo:
         return f"[{self.index}] {self.name} ({self.type_name})"
 
 
-def select_physical_device(devices: Sequence[PhysicalDeviceInfo], selector: str | int | None) -> int:
-    """Index of the device to use: `selector` (index or name substring) if given, else the best type."""
+def select_physical_device(devices: Sequence[PhysicalDeviceInfo], selector: str | int | GpuIdentity | None) -> int:
+    """Index of the device to use: `selector` (index, name substring or GpuIdentity) if given, else the
+    best type."""
     if not devices:
         raise VulkanUnavailableError(f"Vulkan found no physical device; {INSTALL_HINT}")
+    if isinstance(selector, GpuIdentity):
+        return match_physical_device(devices, selector)
     listing = ", ".join(d.describe() for d in devices)
     if selector is None or (isinstance(selector, str) and not selector.strip()):
         best = max(devices, key=lambda d: (_TYPE_RANK.get(d.device_type, 0), -d.index))
@@ -157,6 +164,26 @@ def _debug_callback(severity, types, callback_data, user_data):
     except Exception as exc:  # an exception must not unwind through the C callback
         print(f"vktrain: failed to record a validation message: {exc!r}")
     return 0  # VK_FALSE: never abort the call that triggered the message
+
+
+def _query_identity(vk, physical_device) -> tuple[bytes, PciAddress | None]:
+    """(deviceUUID, PCI address or None) of a Vulkan 1.1 device: the bus info only where the device lists
+    VK_EXT_pci_bus_info (chaining an unlisted extension's struct is invalid usage)."""
+    extensions = {p.extensionName for p in vk_call("vkEnumerateDeviceExtensionProperties",
+                                                   vk.vkEnumerateDeviceExtensionProperties, physical_device, None)}
+    # Every struct of the chain stays in a local until the call returns (cffi frees early).
+    pci_info = (vk.VkPhysicalDevicePCIBusInfoPropertiesEXT(
+        sType=vk.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_PCI_BUS_INFO_PROPERTIES_EXT)
+        if vk.VK_EXT_PCI_BUS_INFO_EXTENSION_NAME in extensions else None)
+    id_properties = vk.VkPhysicalDeviceIDProperties(sType=vk.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_ID_PROPERTIES,
+                                                    pNext=pci_info)
+    properties2 = vk.VkPhysicalDeviceProperties2(sType=vk.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_PROPERTIES_2,
+                                                 pNext=id_properties)
+    vk.vkGetPhysicalDeviceProperties2(physical_device, properties2)
+    uuid = bytes(vk.ffi.buffer(id_properties.deviceUUID))
+    pci = (PciAddress(int(pci_info.pciDomain), int(pci_info.pciBus), int(pci_info.pciDevice),
+                      int(pci_info.pciFunction)) if pci_info is not None else None)
+    return uuid, pci
 
 
 def _env_flag(name: str) -> bool:
@@ -270,7 +297,8 @@ class Device:
         infos = []
         for index, handle in enumerate(handles):
             props = vk.vkGetPhysicalDeviceProperties(handle)
-            infos.append(PhysicalDeviceInfo(index, props.deviceName, props.deviceType, props.apiVersion))
+            uuid, pci = _query_identity(vk, handle) if props.apiVersion >= vk.VK_MAKE_VERSION(1, 1, 0) else (None, None)
+            infos.append(PhysicalDeviceInfo(index, props.deviceName, props.deviceType, props.apiVersion, uuid, pci))
         self.available_devices: tuple[PhysicalDeviceInfo, ...] = tuple(infos)
         chosen = select_physical_device(infos, selector)
         self.physical_device = handles[chosen]
