@@ -33,6 +33,11 @@
 // with bounds checks at the edges. kernels/coopmat.py (CoopmatTiling) names the variants and checks
 // what fits the 48 KiB of shared memory (the #error below says it again).
 //
+// Split-K (pc.k_slice > 0): workgroup z takes the reduction slice [z * k_slice, (z + 1) * k_slice) and
+// stores its partial product at C + z * M * N (the plan points C at a scratch buffer and adds the slices
+// in order with linear_splitk_reduce.comp: bitwise reproducible, no atomics). The operand scales are
+// those of the whole tensors, so every slice unscales by the same power of two.
+//
 // COOPMAT_EMULATE replaces the cooperative-matrix operations (load, multiply-add, store) by plain
 // shared-memory arithmetic with the same semantics, so a device without the extension (lavapipe in
 // CI) runs everything else of this file: staging, W_4X8 decoding, tiling, fragment offsets and the
@@ -100,6 +105,7 @@ layout(push_constant, std430) uniform PushConstants {
     uint group_size;      // q4gsw group size along K (COOPMAT_B_Q4GSW only)
     uint a_partials;      // A_SCALE / AB_SCALE: how many per-workgroup maxima of |A| the scale buffer holds
     uint b_partials;      // AB_SCALE: and of |B|, after those of A
+    uint k_slice;         // split-K: reduction length per slice (a multiple of BK), 0 for the whole K
 } pc;
 
 layout(set = 0, binding = 0) writeonly restrict buffer OutBuf { float c_out[]; };
@@ -411,6 +417,7 @@ void commit_b(uint tid, uint base4) {
 // contracted with the unscaling (`precise`): the bits of the product stored and then added, as the
 // separate add did (vktrain/backend/passes/gemm_epilogue.py). Full blocks add a D block to the
 // accumulator before storing it; edge blocks add D element-wise inside their bounds checks.
+// Unsplit GEMMs only: a split-K plan adds D in its reduce, after the slices.
 #ifdef ADDEND
 #if defined(A_SCALE)
 #error "ADDEND takes binding 4, which A_SCALE uses"
@@ -442,6 +449,9 @@ void main() {
     const uint m0 = group.y * BM, n0 = group.x * BN;
     const uint sg = gl_SubgroupID;
     const uint sg_m = sg / SG_N, sg_n = sg % SG_N;
+    const uint k_begin = group.z * pc.k_slice;
+    const uint k_end = pc.k_slice == 0u ? pc.K : min(pc.K, k_begin + pc.k_slice);
+    const uint c_base = group.z * pc.M * pc.N;  // this slice's partial product (0 unsplit)
     int exponent = 0;  // of the product of the operand scales, undone before the store
 #if defined(A_SCALE) || defined(AB_SCALE)
     reduce_partials(tid);
@@ -462,17 +472,17 @@ void main() {
 
     uint a_base = 0u, b_base = 0u;  // this step's stage of a_tile and b_tile (f16vec4 offsets)
 #if STAGES == 2
-    fetch_a(m0, 0u, tid);
-    fetch_b(n0, 0u, tid);
+    fetch_a(m0, k_begin, tid);
+    fetch_b(n0, k_begin, tid);
     commit_a(tid, 0u);
     commit_b(tid, 0u);
     barrier();
 #elif defined(PREFETCH)
-    fetch_a(m0, 0u, tid);
-    fetch_b(n0, 0u, tid);
+    fetch_a(m0, k_begin, tid);
+    fetch_b(n0, k_begin, tid);
 #endif
-    for (uint k0 = 0u; k0 < pc.K; k0 += BK) {
-        const bool more = k0 + BK < pc.K;
+    for (uint k0 = k_begin; k0 < k_end; k0 += BK) {
+        const bool more = k0 + BK < k_end;
 #if STAGES == 1
 #ifndef PREFETCH
         fetch_a(m0, k0, tid);
@@ -528,7 +538,7 @@ void main() {
             if (row0 >= pc.M || col0 >= pc.N) continue;  // uniform over the subgroup
             if (row0 + TILE <= pc.M && col0 + TILE <= pc.N) {
                 ADD_ADDEND(acc[i][j], row0 * pc.N + col0, pc.N);
-                STORE_OUT(acc[i][j], row0 * pc.N + col0, pc.N);
+                STORE_OUT(acc[i][j], c_base + row0 * pc.N + col0, pc.N);
                 continue;
             }
             STORE_EDGE(acc[i][j], sg * TILE * TILE);
@@ -536,7 +546,7 @@ void main() {
             subgroupBarrier();
             for (uint e = lane; e < TILE * TILE; e += SUBGROUP_SIZE) {
                 const uint row = row0 + e / TILE, col = col0 + e % TILE;
-                if (row < pc.M && col < pc.N) c_out[row * pc.N + col] = with_addend(edge_block[sg * TILE * TILE + e], row * pc.N + col);
+                if (row < pc.M && col < pc.N) c_out[c_base + row * pc.N + col] = with_addend(edge_block[sg * TILE * TILE + e], row * pc.N + col);
             }
             subgroupBarrier();  // every lane has read the block before the next edge store overwrites it
         }
