@@ -53,6 +53,19 @@ def test_default_split_fills_the_gpu_at_128_tokens_and_leaves_large_or_narrow_ou
     assert split_k_scratch_nbytes("coopmat_linear_q4gsw_backward", 2048, 2048, 8192) == 0
 
 
+# (output columns, reduction) of Llama-3.2-1B's base GEMMs, forward and d_x, and the tied head's d_h.
+LLAMA_1B_GEMMS = ((2048, 2048), (512, 2048), (8192, 2048), (2048, 8192), (2048, 512), (2048, 128256))
+
+
+def test_at_2048_tokens_every_llama_gemm_runs_as_before_split_k():
+    """4 x 512 tokens: each of these outputs has MIN_WORKGROUPS size tiles or more, so the route sends it to
+    the tensor cores unsplit, exactly as without split-K (the step's time there is unchanged by it)."""
+    route = GemmRoute(PRECISION_FP16_TC, True, "test")
+    for N, K in LLAMA_1B_GEMMS:
+        assert route.takes_tensor_cores(2048, N) and route.takes_tensor_cores(2048, N, K)
+        assert split_k_scratch_nbytes("coopmat_mm", 2048, N, K) == 0, (N, K)
+
+
 def test_small_outputs_take_the_tensor_cores_when_their_split_fills_the_gpu():
     route = GemmRoute(PRECISION_FP16_TC, True, "test")
     assert not route.takes_tensor_cores(128, 2048)  # no reduction given: the tile count alone decides
