@@ -9,9 +9,7 @@
 // precision wherever |a| > max|A| * 2^-29 (gradients, whose scale follows the loss divisor).
 // AB_SCALE (the dense B operands only): both A and B scaled so, each by its own power of two (binding 3:
 // pc.a_partials maxima of |A|, then pc.b_partials of |B|), and the accumulators by the inverse of their
-// product. Every workgroup reduces the partials itself (a few hundred words at most). The exponents
-// are clamped to [-SCALE_EXPONENT_LIMIT, SCALE_EXPONENT_LIMIT] so that any product of the inverses is a
-// normal fp32 number.
+// product. Every workgroup reduces the partials itself (a few hundred words at most; coopmat_scale.glsl).
 //
 // A (fp32 in memory, row-major) and B are rounded to fp16 while they are staged in shared memory: no
 // separate cast pass, no fp16 copy of the activations (the H200 probe of shared/device/NOTES.md).
@@ -138,7 +136,9 @@ layout(set = 0, binding = 4) readonly restrict buffer AbsMaxBuf { uint partial_a
 #endif
 layout(set = 0, binding = 3) readonly restrict buffer AbsMaxBuf { uint partial_absmax_bits[]; };
 #endif
-#define SCALE_EXPONENT_LIMIT 60
+#if defined(A_SCALE) || defined(AB_SCALE)
+#include "coopmat_scale.glsl"
+#endif
 #define B_PER_THREAD ((B_ITEMS + NUM_THREADS - 1) / NUM_THREADS)
 
 #define A_STAGE4 (BM * K_STRIDE4)        // f16vec4 per stage of a_tile
@@ -154,9 +154,6 @@ shared f16vec4 a_tile[STAGES * A_STAGE4];  // [stage][m][k]
 shared f16vec4 b_tile[STAGES * B_STAGE4];  // [stage][k][n] or [stage][n][k]
 // Edge blocks of C go through here (one 16 x 16 block per subgroup), then to memory with bounds checks.
 shared float edge_block[NUM_SUBGROUPS * TILE * TILE];
-#if defined(A_SCALE) || defined(AB_SCALE)
-shared uint operand_absmax[2];  // max |A|, max |B| as float bits, reduced from the partials
-#endif
 
 // ---- Fragment operations. Offsets and strides are in f16vec4 units of the shared arrays (what
 // coopMatLoad takes for an array of vectors); B is row-major [k][n] or column-major [n][k] in b_tile.
@@ -243,29 +240,6 @@ void emulated_store_edge(EmulatedAcc acc, uint offset) {
 vec4 a_stage[A_PER_THREAD];
 float a_scale = 1.0;  // 2^e with A_SCALE / AB_SCALE (set in main), else 1
 float b_scale = 1.0;  // the same for a dense B with AB_SCALE
-
-// The exponent e of the scale 2^e of an operand whose largest magnitude has these float bits: max * 2^e
-// in [2^14, 2^15); 0 for an all-zero or non-finite operand (no scale: zeros stay zeros, inf and NaN
-// propagate).
-#if defined(A_SCALE) || defined(AB_SCALE)
-// operand_absmax = the uint max of the partials (A's first, then B's), by every thread of the workgroup.
-void reduce_partials(uint tid) {
-    if (tid < 2u) operand_absmax[tid] = 0u;
-    barrier();
-    uint a_bits = 0u, b_bits = 0u;
-    for (uint i = tid; i < pc.a_partials; i += NUM_THREADS) a_bits = max(a_bits, partial_absmax_bits[i]);
-    for (uint i = tid; i < pc.b_partials; i += NUM_THREADS) b_bits = max(b_bits, partial_absmax_bits[pc.a_partials + i]);
-    atomicMax(operand_absmax[0], a_bits);
-    atomicMax(operand_absmax[1], b_bits);
-    barrier();
-}
-#endif
-
-int scale_exponent(uint absmax_bits) {
-    if (absmax_bits == 0u || absmax_bits >= 0x7f800000u) return 0;
-    const int exponent = int(absmax_bits >> 23) - 127;  // floor(log2(max)); -127 for fp32 subnormals
-    return clamp(14 - exponent, -SCALE_EXPONENT_LIMIT, SCALE_EXPONENT_LIMIT);
-}
 
 void fetch_a(uint m0, uint k0, uint tid) {
     [[unroll]] for (uint s = 0u; s < A_PER_THREAD; ++s) {
@@ -454,7 +428,7 @@ void main() {
     const uint c_base = group.z * pc.M * pc.N;  // this slice's partial product (0 unsplit)
     int exponent = 0;  // of the product of the operand scales, undone before the store
 #if defined(A_SCALE) || defined(AB_SCALE)
-    reduce_partials(tid);
+    reduce_partials(pc.a_partials, pc.b_partials);
     const int a_exponent = scale_exponent(operand_absmax[0]);
     a_scale = ldexp(1.0, a_exponent);
     exponent += a_exponent;
