@@ -73,11 +73,11 @@ EXTENSION_HINT = f"{EXTENSION_NAME} 16x16x16 {INPUT_TYPE}*{INPUT_TYPE}+{ACCUMULA
 DEFAULT_SUBGROUP_SIZE = 32  # the shaders' default SUBGROUP_SIZE define (NVIDIA; AMD RDNA may need 64)
 # Size measure of the route's rule below (not a tiling): outputs counted in tiles of 64 x 128.
 SIZE_TILE_M, SIZE_TILE_N = 64, 128
-# A GEMM takes the tensor cores when its output has at least this many 64 x 128 tiles (about one per SM of
-# a 132-SM H200): each workgroup then takes about as long as at M = 512 (0.058 ms for K = 2048 in the
-# first version's bench/results/coopmat_h200_v1.json), while the SIMT kernels split K over the SMs at
-# small M (0.043 ms at M = 128, N = 2048: 32 coopmat workgroups would be slower). Not re-measured with
-# the 64 x 64 tilings, which give 4x the workgroups.
+# A GEMM takes the tensor cores unsplit when its output has at least this many 64 x 128 tiles (about one
+# per SM of a 132-SM H200), and a smaller one when split-K gives it that many workgroups (below). Measured
+# at M = 128 with the 64 x 64 tilings (bench/results/step_gemms_h200.json): the gate / up forward (N = 8192,
+# exactly 128 tiles) is as fast unsplit as split in 2 (0.045 ms; SIMT 0.123), while N = 2048 outputs run
+# fastest in 8 slices (0.021-0.16 ms against 0.043-0.45 unsplit or on SIMT).
 MIN_WORKGROUPS = 128
 # Split-K (module docstring): an output of fewer than SPLIT_TARGET_WORKGROUPS workgroup tiles is split into
 # slices of at least MIN_SPLIT_SLICE reduction steps until about that many workgroups run (~4 per SM of a
