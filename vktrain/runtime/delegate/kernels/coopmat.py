@@ -28,13 +28,11 @@ runtime's group-offset header): M, N, K, group_size (0 for mm), the number of pe
 of |A| and |B| coopmat_absmax wrote for the operand scales (0 where unscaled), and the split-K slice
 length (0 unsplit).
 
-Split-K: an output of few tiles over a long reduction (M = 128 tokens: the base's d_x and down
-projection, the tied head's d_h = d_logits @ W over the vocabulary) would leave most of the GPU idle
-while a few workgroups loop over K. Given a `scratch` buffer (`split_k_scratch_nbytes`), each plan cuts
-the reduction into `default_split_k` slices of whole BK steps (grid z), writes each slice's partial
-product into scratch [slices, M, N], and adds the slices in a fixed order with linear_splitk_reduce.comp
-(the SIMT kernels' reduce): bitwise reproducible, no atomics. An addend (aten.addmm) is then added by
-the reduce after the slices, one fp32 rounding as in the unsplit ADDEND variant.
+Split-K: a small output over a long reduction (128 tokens: the base GEMMs, the head's d_h over the
+vocabulary) would leave most of the GPU idle. Given a `scratch` (`split_k_scratch_nbytes`), each plan
+cuts the reduction into `default_split_k` slices of whole BK steps (grid z), each slice's partial
+product into scratch [slices, M, N], and linear_splitk_reduce.comp (the SIMT kernels' reduce) adds them
+in a fixed order (bitwise reproducible, no atomics), then an addmm's addend (one fp32 rounding).
 
 Selection (docs/PRECISION.md): the program's blob lists the GEMM precision policies it allows
 (`allowed_precisions`, metadata `gemm_precisions`); at load `select_gemm_route` picks, from the policy the
@@ -79,12 +77,9 @@ SIZE_TILE_M, SIZE_TILE_N = 64, 128
 # exactly 128 tiles) is as fast unsplit as split in 2 (0.045 ms; SIMT 0.123), while N = 2048 outputs run
 # fastest in 8 slices (0.021-0.16 ms against 0.043-0.45 unsplit or on SIMT).
 MIN_WORKGROUPS = 128
-# Split-K (module docstring): an output of fewer than SPLIT_TARGET_WORKGROUPS workgroup tiles is split into
-# slices of at least MIN_SPLIT_SLICE reduction steps until about that many workgroups run (~4 per SM of a
-# 132-SM H200), at most MAX_SPLIT_K slices (the reduce reads every partial). Outputs narrower than
-# SPLIT_MIN_SIDE in either dimension (the rank-16 LoRA products) keep the SIMT kernels: a 64 x 64 tile
-# would leave most of each fragment idle. The route (GemmRoute.takes_tensor_cores) sends an output below
-# MIN_WORKGROUPS to the tensor cores when its split reaches MIN_WORKGROUPS workgroups.
+# Split-K (module docstring): slices of at least MIN_SPLIT_SLICE until about SPLIT_TARGET_WORKGROUPS run
+# (~4 per SM of a 132-SM H200), at most MAX_SPLIT_K (the reduce reads every partial); none for outputs
+# narrower than SPLIT_MIN_SIDE (the rank-16 LoRA products: a 64 x 64 tile would idle most of its fragments).
 SPLIT_TARGET_WORKGROUPS = 512
 MIN_SPLIT_SLICE = 256
 MAX_SPLIT_K = 16
