@@ -154,9 +154,11 @@ def test_mm_takes_the_tensor_cores_for_large_row_major_or_transposed_weight_oper
     assert route.dense_b_transposed(_matrix(2048, 49152), _matrix(49152, 576)) is False
     # The LoRA B product (K = rank 16) of a 2048-wide projection: a large output.
     assert route.dense_b_transposed(_matrix(2048, 16), _transposed(16, 2048)) is True
-    # Skinny outputs (x @ A^T of rank 16, d_h at 128 tokens) keep the fp32 split-K kernels.
+    # Skinny outputs (x @ A^T of rank 16) keep the fp32 split-K kernels; d_h at 128 tokens (a small output
+    # over the vocabulary) takes the tensor cores split over K (kernels/coopmat.py default_split_k).
     assert route.dense_b_transposed(_matrix(2048, 2048), _transposed(2048, 16)) is None
-    assert route.dense_b_transposed(_matrix(128, 49152), _matrix(49152, 576)) is None
+    assert route.dense_b_transposed(_matrix(128, 49152), _matrix(49152, 576)) is False
+    assert route.dense_b_transposed(_matrix(128, 256), _matrix(256, 576)) is None  # too short to split
     # What coopmat_mm cannot read: A transposed (the LoRA weight gradients), other strides, offsets,
     # rows that are not whole vec4.
     assert route.dense_b_transposed(_transposed(2048, 2048), _matrix(2048, 2048)) is None

@@ -301,7 +301,7 @@ def test_workgroup_memory_and_params_layout_are_read_from_the_wgsl():
 
 
 # ------------------------------------------------------------------------------------ device
-def test_device_reports_gpu_tuning_and_no_tensor_core_route(gpu, monkeypatch):
+def test_device_reports_gpu_tuning_and_fp16_tc_takes_f16_wgsl_not_tensor_cores(gpu, monkeypatch):
     from vktrain.runtime.delegate.kernels.coopmat import PRECISION_FP16_TC, PRECISION_FP32, select_gemm_route
     from vktrain.runtime.delegate.kernels.gemm_tuning import TUNING_ENV, GemmTuningError, select_gemm_tuning
 
@@ -310,7 +310,11 @@ def test_device_reports_gpu_tuning_and_no_tensor_core_route(gpu, monkeypatch):
     with pytest.raises(GemmTuningError, match="cannot run the CPU bodies"):
         select_gemm_tuning(gpu, {TUNING_ENV: "cpu"})
     route = select_gemm_route(PRECISION_FP16_TC, (PRECISION_FP32, PRECISION_FP16_TC), gpu)
-    assert not route.tensor_cores
+    # WebGPU has no cooperative matrices: fp16-tc runs the f16 WGSL kernels where the device has shader-f16.
+    if "shader-f16" in gpu.kernel_features:
+        assert route.tensor_cores and route.wgsl and route.fp16_kernels == "f16 WGSL kernels"
+    else:
+        assert not route.tensor_cores
 
 
 def test_vulkan_path_does_not_import_wgpu():

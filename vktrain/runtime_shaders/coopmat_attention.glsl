@@ -56,7 +56,6 @@ layout(local_size_x = NUM_THREADS, local_size_y = 1, local_size_z = 1) in;
 #define SCRATCH_ROWS_PER_BLOCK TILE
 // Masked scores and the running max before the first key: finite on purpose (see attention_fwd.comp).
 #define MASKED (-3.402823466e38)
-#define SCALE_EXPONENT_LIMIT 60
 // The vec4 groups of a subgroup's [16, STREAM_ROWS] score slice each lane handles (all lanes, in order).
 #define SCORE_VECS_PER_LANE ((TILE * STREAM_ROWS / 4 + SUBGROUP_SIZE - 1) / SUBGROUP_SIZE)
 
@@ -74,14 +73,6 @@ layout(local_size_x = NUM_THREADS, local_size_y = 1, local_size_z = 1) in;
     if (seq < pc.S) value = src[(((b) * pc.S + seq) * (heads) + (head)) * D4 + col4];           \
     tile[tile_row * HEAD_STRIDE4 + col4] = f16vec4(value * (factor));                           \
   }
-
-// The exponent e of the scale 2^e that puts an operand's largest magnitude (float bits) in
-// [2^14, 2^15): as coopmat_gemm.glsl's operand scales; 0 for an all-zero or non-finite operand.
-int scale_exponent(uint absmax_bits) {
-  if (absmax_bits == 0u || absmax_bits >= 0x7f800000u) return 0;
-  const int exponent = int(absmax_bits >> 23) - 127;
-  return clamp(14 - exponent, -SCALE_EXPONENT_LIMIT, SCALE_EXPONENT_LIMIT);
-}
 
 #ifndef COOPMAT_EMULATE
 #define FragA coopmat<float16_t, gl_ScopeSubgroup, TILE, TILE, gl_MatrixUseA>

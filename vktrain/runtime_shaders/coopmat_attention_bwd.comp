@@ -61,22 +61,9 @@ layout(push_constant, std430) uniform Push {
   uint v_partials;      // those of |v|
 } pc;
 
-shared uint operand_absmax[2];  // max |d_out|, max |v| as float bits
+#include "coopmat_scale.glsl"  // operand_absmax: max |d_out|, max |v| as float bits
 shared f16vec4 ds_tile[OWN_ROWS * SCORE_STRIDE4];          // subgroup s: rows [16 s, 16 s + 16)
 shared float scratch[ROW_BLOCKS * TILE * SCRATCH_STRIDE];   // subgroup s: rows [16 s, 16 s + 16)
-
-// operand_absmax = the uint max of the partials (non-negative floats order like their bits).
-void reduce_partials() {
-  const uint tid = gl_LocalInvocationID.x;
-  if (tid < 2u) operand_absmax[tid] = 0u;
-  barrier();
-  uint do_bits = 0u, v_bits = 0u;
-  for (uint i = tid; i < pc.d_out_partials; i += NUM_THREADS) do_bits = max(do_bits, partial_absmax_bits[i]);
-  for (uint i = tid; i < pc.v_partials; i += NUM_THREADS) v_bits = max(v_bits, partial_absmax_bits[pc.d_out_partials + i]);
-  atomicMax(operand_absmax[0], do_bits);
-  atomicMax(operand_absmax[1], v_bits);
-  barrier();
-}
 
 #if defined(DQ)
 
@@ -93,7 +80,7 @@ EMULATED_MUL_ADD(ds_tile, k_tile)
 EMULATED_ACC_IO(scratch)
 
 void main() {
-  reduce_partials();
+  reduce_partials(pc.d_out_partials, pc.v_partials);
   const int do_exponent = scale_exponent(operand_absmax[0]);
   const int ds_exponent = clamp(do_exponent + scale_exponent(operand_absmax[1]) - 16 - LOG2_HEAD_DIM,
                                 -DS_EXPONENT_LIMIT, DS_EXPONENT_LIMIT);
@@ -184,7 +171,7 @@ EMULATED_MUL_ADD(ds_tile, q_tile)
 EMULATED_ACC_IO(scratch)
 
 void main() {
-  reduce_partials();
+  reduce_partials(pc.d_out_partials, pc.v_partials);
   const int do_exponent = scale_exponent(operand_absmax[0]);
   const int ds_exponent = clamp(do_exponent + scale_exponent(operand_absmax[1]) - 16 - LOG2_HEAD_DIM,
                                 -DS_EXPONENT_LIMIT, DS_EXPONENT_LIMIT);

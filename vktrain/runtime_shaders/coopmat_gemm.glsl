@@ -9,9 +9,7 @@
 // precision wherever |a| > max|A| * 2^-29 (gradients, whose scale follows the loss divisor).
 // AB_SCALE (the dense B operands only): both A and B scaled so, each by its own power of two (binding 3:
 // pc.a_partials maxima of |A|, then pc.b_partials of |B|), and the accumulators by the inverse of their
-// product. Every workgroup reduces the partials itself (a few hundred words at most). The exponents
-// are clamped to [-SCALE_EXPONENT_LIMIT, SCALE_EXPONENT_LIMIT] so that any product of the inverses is a
-// normal fp32 number.
+// product. Every workgroup reduces the partials itself (a few hundred words at most; coopmat_scale.glsl).
 //
 // A (fp32 in memory, row-major) and B are rounded to fp16 while they are staged in shared memory: no
 // separate cast pass, no fp16 copy of the activations (the H200 probe of shared/device/NOTES.md).
@@ -32,6 +30,11 @@
 // from the accumulators where a 16 x 16 block lies inside C, and through a per-subgroup shared block
 // with bounds checks at the edges. kernels/coopmat.py (CoopmatTiling) names the variants and checks
 // what fits the 48 KiB of shared memory (the #error below says it again).
+//
+// Split-K (pc.k_slice > 0): workgroup z takes the reduction slice [z * k_slice, (z + 1) * k_slice) and
+// stores its partial product at C + z * M * N (the plan points C at a scratch buffer and adds the slices
+// in order with linear_splitk_reduce.comp: bitwise reproducible, no atomics). The operand scales are
+// those of the whole tensors, so every slice unscales by the same power of two.
 //
 // COOPMAT_EMULATE replaces the cooperative-matrix operations (load, multiply-add, store) by plain
 // shared-memory arithmetic with the same semantics, so a device without the extension (lavapipe in
@@ -100,6 +103,7 @@ layout(push_constant, std430) uniform PushConstants {
     uint group_size;      // q4gsw group size along K (COOPMAT_B_Q4GSW only)
     uint a_partials;      // A_SCALE / AB_SCALE: how many per-workgroup maxima of |A| the scale buffer holds
     uint b_partials;      // AB_SCALE: and of |B|, after those of A
+    uint k_slice;         // split-K: reduction length per slice (a multiple of BK), 0 for the whole K
 } pc;
 
 layout(set = 0, binding = 0) writeonly restrict buffer OutBuf { float c_out[]; };
@@ -132,7 +136,9 @@ layout(set = 0, binding = 4) readonly restrict buffer AbsMaxBuf { uint partial_a
 #endif
 layout(set = 0, binding = 3) readonly restrict buffer AbsMaxBuf { uint partial_absmax_bits[]; };
 #endif
-#define SCALE_EXPONENT_LIMIT 60
+#if defined(A_SCALE) || defined(AB_SCALE)
+#include "coopmat_scale.glsl"
+#endif
 #define B_PER_THREAD ((B_ITEMS + NUM_THREADS - 1) / NUM_THREADS)
 
 #define A_STAGE4 (BM * K_STRIDE4)        // f16vec4 per stage of a_tile
@@ -148,9 +154,6 @@ shared f16vec4 a_tile[STAGES * A_STAGE4];  // [stage][m][k]
 shared f16vec4 b_tile[STAGES * B_STAGE4];  // [stage][k][n] or [stage][n][k]
 // Edge blocks of C go through here (one 16 x 16 block per subgroup), then to memory with bounds checks.
 shared float edge_block[NUM_SUBGROUPS * TILE * TILE];
-#if defined(A_SCALE) || defined(AB_SCALE)
-shared uint operand_absmax[2];  // max |A|, max |B| as float bits, reduced from the partials
-#endif
 
 // ---- Fragment operations. Offsets and strides are in f16vec4 units of the shared arrays (what
 // coopMatLoad takes for an array of vectors); B is row-major [k][n] or column-major [n][k] in b_tile.
@@ -237,29 +240,6 @@ void emulated_store_edge(EmulatedAcc acc, uint offset) {
 vec4 a_stage[A_PER_THREAD];
 float a_scale = 1.0;  // 2^e with A_SCALE / AB_SCALE (set in main), else 1
 float b_scale = 1.0;  // the same for a dense B with AB_SCALE
-
-// The exponent e of the scale 2^e of an operand whose largest magnitude has these float bits: max * 2^e
-// in [2^14, 2^15); 0 for an all-zero or non-finite operand (no scale: zeros stay zeros, inf and NaN
-// propagate).
-#if defined(A_SCALE) || defined(AB_SCALE)
-// operand_absmax = the uint max of the partials (A's first, then B's), by every thread of the workgroup.
-void reduce_partials(uint tid) {
-    if (tid < 2u) operand_absmax[tid] = 0u;
-    barrier();
-    uint a_bits = 0u, b_bits = 0u;
-    for (uint i = tid; i < pc.a_partials; i += NUM_THREADS) a_bits = max(a_bits, partial_absmax_bits[i]);
-    for (uint i = tid; i < pc.b_partials; i += NUM_THREADS) b_bits = max(b_bits, partial_absmax_bits[pc.a_partials + i]);
-    atomicMax(operand_absmax[0], a_bits);
-    atomicMax(operand_absmax[1], b_bits);
-    barrier();
-}
-#endif
-
-int scale_exponent(uint absmax_bits) {
-    if (absmax_bits == 0u || absmax_bits >= 0x7f800000u) return 0;
-    const int exponent = int(absmax_bits >> 23) - 127;  // floor(log2(max)); -127 for fp32 subnormals
-    return clamp(14 - exponent, -SCALE_EXPONENT_LIMIT, SCALE_EXPONENT_LIMIT);
-}
 
 void fetch_a(uint m0, uint k0, uint tid) {
     [[unroll]] for (uint s = 0u; s < A_PER_THREAD; ++s) {
@@ -411,6 +391,7 @@ void commit_b(uint tid, uint base4) {
 // contracted with the unscaling (`precise`): the bits of the product stored and then added, as the
 // separate add did (vktrain/backend/passes/gemm_epilogue.py). Full blocks add a D block to the
 // accumulator before storing it; edge blocks add D element-wise inside their bounds checks.
+// Unsplit GEMMs only: a split-K plan adds D in its reduce, after the slices.
 #ifdef ADDEND
 #if defined(A_SCALE)
 #error "ADDEND takes binding 4, which A_SCALE uses"
@@ -442,9 +423,12 @@ void main() {
     const uint m0 = group.y * BM, n0 = group.x * BN;
     const uint sg = gl_SubgroupID;
     const uint sg_m = sg / SG_N, sg_n = sg % SG_N;
+    const uint k_begin = group.z * pc.k_slice;
+    const uint k_end = pc.k_slice == 0u ? pc.K : min(pc.K, k_begin + pc.k_slice);
+    const uint c_base = group.z * pc.M * pc.N;  // this slice's partial product (0 unsplit)
     int exponent = 0;  // of the product of the operand scales, undone before the store
 #if defined(A_SCALE) || defined(AB_SCALE)
-    reduce_partials(tid);
+    reduce_partials(pc.a_partials, pc.b_partials);
     const int a_exponent = scale_exponent(operand_absmax[0]);
     a_scale = ldexp(1.0, a_exponent);
     exponent += a_exponent;
@@ -462,17 +446,17 @@ void main() {
 
     uint a_base = 0u, b_base = 0u;  // this step's stage of a_tile and b_tile (f16vec4 offsets)
 #if STAGES == 2
-    fetch_a(m0, 0u, tid);
-    fetch_b(n0, 0u, tid);
+    fetch_a(m0, k_begin, tid);
+    fetch_b(n0, k_begin, tid);
     commit_a(tid, 0u);
     commit_b(tid, 0u);
     barrier();
 #elif defined(PREFETCH)
-    fetch_a(m0, 0u, tid);
-    fetch_b(n0, 0u, tid);
+    fetch_a(m0, k_begin, tid);
+    fetch_b(n0, k_begin, tid);
 #endif
-    for (uint k0 = 0u; k0 < pc.K; k0 += BK) {
-        const bool more = k0 + BK < pc.K;
+    for (uint k0 = k_begin; k0 < k_end; k0 += BK) {
+        const bool more = k0 + BK < k_end;
 #if STAGES == 1
 #ifndef PREFETCH
         fetch_a(m0, k0, tid);
@@ -528,7 +512,7 @@ void main() {
             if (row0 >= pc.M || col0 >= pc.N) continue;  // uniform over the subgroup
             if (row0 + TILE <= pc.M && col0 + TILE <= pc.N) {
                 ADD_ADDEND(acc[i][j], row0 * pc.N + col0, pc.N);
-                STORE_OUT(acc[i][j], row0 * pc.N + col0, pc.N);
+                STORE_OUT(acc[i][j], c_base + row0 * pc.N + col0, pc.N);
                 continue;
             }
             STORE_EDGE(acc[i][j], sg * TILE * TILE);
@@ -536,7 +520,7 @@ void main() {
             subgroupBarrier();
             for (uint e = lane; e < TILE * TILE; e += SUBGROUP_SIZE) {
                 const uint row = row0 + e / TILE, col = col0 + e % TILE;
-                if (row < pc.M && col < pc.N) c_out[row * pc.N + col] = with_addend(edge_block[sg * TILE * TILE + e], row * pc.N + col);
+                if (row < pc.M && col < pc.N) c_out[c_base + row * pc.N + col] = with_addend(edge_block[sg * TILE * TILE + e], row * pc.N + col);
             }
             subgroupBarrier();  // every lane has read the block before the next edge store overwrites it
         }

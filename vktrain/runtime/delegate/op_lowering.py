@@ -179,6 +179,14 @@ def _split_k_args(ctx: OpContext, plan: str, m: int, n: int, k: int, group_size:
     return extra
 
 
+def _coopmat_split_k_args(ctx: OpContext, kernel: str, m: int, n: int, reduction: int) -> dict:
+    """Scratch for a coopmat kernel's split-K (kernels/coopmat.py: small outputs, long reductions), if it splits."""
+    if ctx.gemm.wgsl:  # the f16 WGSL kernels do not split K
+        return {}
+    nbytes = coopmat.split_k_scratch_nbytes(kernel, m, n, reduction, emulate=ctx.gemm.emulate)
+    return {"scratch": ctx.scratch(nbytes, "split_k")} if nbytes else {}
+
+
 def _lower_linear_q4gsw(ctx: OpContext) -> list[Dispatch]:
     _check_q4gsw_call(ctx)
     x, weights, scales = ctx.tensor(0, "x"), ctx.tensor(1, "weights"), ctx.tensor(2, "scales")
@@ -190,7 +198,8 @@ def _lower_linear_q4gsw(ctx: OpContext) -> list[Dispatch]:
     over = _over_binding_limit(ctx, [x, weights, scales, ctx.outputs[0]] + ([] if bias is None else [bias]))
     # The coopmat kernel has no bias epilogue, and no windows: an op over the limit takes the fp32 kernels.
     if bias is None and not over and ctx.gemm.takes_tensor_cores(m, n, k):
-        return _call(ctx, coopmat.plan_coopmat_linear_q4gsw, **gemm, **ctx.gemm.plan_options)
+        return _call(ctx, coopmat.plan_coopmat_linear_q4gsw, **gemm, **ctx.gemm.plan_options,
+                     **_coopmat_split_k_args(ctx, "coopmat_linear_q4gsw", m, n, k))
     return _call(ctx, **gemm, bias=None if bias is None else bias.binding, binding_limit=ctx.binding_limit,
                  **_split_k_args(ctx, "linear_q4gsw", m, n, k, group_size, over))
 
@@ -206,7 +215,8 @@ def _lower_linear_q4gsw_backward(ctx: OpContext) -> list[Dispatch]:
     over = _over_binding_limit(ctx, [d_out, weights, scales, ctx.outputs[0]])
     if not over and ctx.gemm.takes_tensor_cores(m, k, n):
         return _call(ctx, coopmat.plan_coopmat_linear_q4gsw_backward, **gemm, **ctx.gemm.plan_options,
-                     absmax=ctx.scratch(coopmat.absmax_scratch_nbytes(m * n), "absmax"))
+                     absmax=ctx.scratch(coopmat.absmax_scratch_nbytes(m * n), "absmax"),
+                     **_coopmat_split_k_args(ctx, "coopmat_linear_q4gsw_backward", m, k, n))
     return _call(ctx, **gemm, binding_limit=ctx.binding_limit,
                  **_split_k_args(ctx, "linear_q4gsw_backward", m, n, k, group_size, over))
 
@@ -416,7 +426,9 @@ def _lower_gemm(ctx: OpContext) -> list[Dispatch]:
         return _call(ctx, coopmat.plan_coopmat_mm, M=a.shape[0], N=b.shape[1], K=a.shape[1], out=out.binding,
                      a=a.binding, b=b.binding, b_transposed=b_transposed, addend=bias and bias.binding,
                      absmax=ctx.scratch(coopmat.absmax_scratch_nbytes(a.numel, b.numel), "absmax"),
-                     **ctx.gemm.plan_options)
+                     **ctx.gemm.plan_options, **_coopmat_split_k_args(
+                         ctx, "coopmat_mm_b_transposed" if b_transposed else "coopmat_mm", a.shape[0], b.shape[1],
+                         a.shape[1]))
     try:
         scratch = _split_k_scratch(ctx, 1, a.shape[0], b.shape[1], a.shape[1], *operands)
         return matmul.plan_gemm(out.binding, a.binding, a.strided, b.binding, b.strided, bias=bias and bias.binding,

@@ -2,7 +2,7 @@
 // coopmat_linear_q4gsw_backward.wgsl and coopmat_mm.wgsl after they `#define COOPMAT_B` (how B is
 // staged: 0 = deq(W).T, 1 = deq(W) (the base's d_x), 2 = B row-major [K, N], 3 = B^T given [N, K]).
 // The GLSL it stands in for is ../coopmat_gemm.glsl: same Dispatch (shader name, bindings, push block
-// M, N, K, group_size, a_partials, b_partials, grid (ceil(N / BN), ceil(M / BM))), same numerics:
+// M, N, K, group_size, a_partials, b_partials, k_slice = 0, grid (ceil(N / BN), ceil(M / BM))), same numerics:
 //   * A (fp32 [M, K] row-major) and B are rounded to f16 as they are staged in workgroup memory, after the
 //     power-of-two operand scales (A_SCALE: A's, AB_SCALE: A's and B's, from the partial maxima of
 //     coopmat_absmax; exponent rule and clamp as the GLSL's scale_exponent); the 4-bit base is decoded
@@ -41,6 +41,7 @@ struct Params {
     group_size: u32,  // q4gsw group size (COOPMAT_B 0 and 1)
     a_partials: u32,  // A_SCALE / AB_SCALE: per-workgroup maxima of |A| in the partials buffer
     b_partials: u32,  // AB_SCALE: and of |B|, after those of A
+    k_slice: u32,     // the GLSL's split-K slice length; always 0 here: the WGSL route never splits K
 }
 
 @group(0) @binding(0) var<storage, read_write> c_out: array<vec4<f32>>;

@@ -24,8 +24,15 @@ scope (`coopmat_supported`). Tiling: a `CoopmatTiling` names one variant of the 
 (workgroup tile, subgroup grid, reduction step BK, shared stages, register prefetch); `TILINGS` lists
 those built ahead of time, and `default_tiling` picks one per kernel and shape from `DEFAULT_TILINGS`,
 a table taken from the H200 sweep (bench/results/coopmat_h200.json). Push constants (after the
-runtime's group-offset header): M, N, K, group_size (0 for mm), and the number of per-workgroup maxima
-of |A| and |B| coopmat_absmax wrote for the operand scales (0 where unscaled).
+runtime's group-offset header): M, N, K, group_size (0 for mm), the number of per-workgroup maxima
+of |A| and |B| coopmat_absmax wrote for the operand scales (0 where unscaled), and the split-K slice
+length (0 unsplit).
+
+Split-K: a small output over a long reduction (128 tokens: the base GEMMs, the head's d_h over the
+vocabulary) would leave most of the GPU idle. Given a `scratch` (`split_k_scratch_nbytes`), each plan
+cuts the reduction into `default_split_k` slices of whole BK steps (grid z), each slice's partial
+product into scratch [slices, M, N], and linear_splitk_reduce.comp (the SIMT kernels' reduce) adds them
+in a fixed order (bitwise reproducible, no atomics), then an addmm's addend (one fp32 rounding).
 
 Selection (docs/PRECISION.md): the program's blob lists the GEMM precision policies it allows
 (`allowed_precisions`, metadata `gemm_precisions`); at load `select_gemm_route` picks, from the policy the
@@ -48,6 +55,7 @@ from vktrain.contract import (METADATA_GEMM_PRECISIONS, PRECISION_AUTO, PRECISIO
 from vktrain.errors import VktrainError
 from vktrain.quant import check_q4gsw_shapes
 from vktrain.runtime.delegate.kernels.gemm_tuning import GPU_TUNING
+from vktrain.runtime.delegate.kernels.linear import plan_splitk_reduce
 from vktrain.runtime.delegate.kernels.layout import (
     MAX_ELEMENTS,
     KernelArgumentError,
@@ -65,12 +73,19 @@ EXTENSION_HINT = f"{EXTENSION_NAME} 16x16x16 {INPUT_TYPE}*{INPUT_TYPE}+{ACCUMULA
 DEFAULT_SUBGROUP_SIZE = 32  # the shaders' default SUBGROUP_SIZE define (NVIDIA; AMD RDNA may need 64)
 # Size measure of the route's rule below (not a tiling): outputs counted in tiles of 64 x 128.
 SIZE_TILE_M, SIZE_TILE_N = 64, 128
-# A GEMM takes the tensor cores when its output has at least this many 64 x 128 tiles (about one per SM of
-# a 132-SM H200): each workgroup then takes about as long as at M = 512 (0.058 ms for K = 2048 in the
-# first version's bench/results/coopmat_h200_v1.json), while the SIMT kernels split K over the SMs at
-# small M (0.043 ms at M = 128, N = 2048: 32 coopmat workgroups would be slower). Not re-measured with
-# the 64 x 64 tilings, which give 4x the workgroups.
+# A GEMM takes the tensor cores unsplit when its output has at least this many 64 x 128 tiles (about one
+# per SM of a 132-SM H200), and a smaller one when split-K gives it that many workgroups (below). Measured
+# at M = 128 with the 64 x 64 tilings (bench/results/step_gemms_h200.json): the gate / up forward (N = 8192,
+# exactly 128 tiles) is as fast unsplit as split in 2 (0.045 ms; SIMT 0.123), while N = 2048 outputs run
+# fastest in 8 slices (0.021-0.16 ms against 0.043-0.45 unsplit or on SIMT).
 MIN_WORKGROUPS = 128
+# Split-K (module docstring): slices of at least MIN_SPLIT_SLICE until about SPLIT_TARGET_WORKGROUPS run
+# (~4 per SM of a 132-SM H200), at most MAX_SPLIT_K (the reduce reads every partial); none for outputs
+# narrower than SPLIT_MIN_SIDE (the rank-16 LoRA products: a 64 x 64 tile would idle most of its fragments).
+SPLIT_TARGET_WORKGROUPS = 512
+MIN_SPLIT_SLICE = 256
+MAX_SPLIT_K = 16
+SPLIT_MIN_SIDE = 64
 SUBGROUP_BASIC_BIT = 0x1  # VK_SUBGROUP_FEATURE_BASIC_BIT: what the emulated variant needs besides fp16
 # lavapipe (llvmpipe's LP_MAX_TGSI_LOOP_ITERATIONS) gives each invocation 65535 loop iterations over all
 # its loops together and silently cuts them short past that: the outputs it has not stored stay
@@ -239,14 +254,21 @@ class GemmRoute:
     wgsl: bool = False  # the WebGPU runtime's f16 WGSL kernels (no tensor cores), tiled by WGSL_TILING
 
     def takes_tensor_cores(self, M: int, N: int, reduction: int | None = None) -> bool:
-        """Whether an M x N output goes to the coopmat kernels (enough tiles to pay, see MIN_WORKGROUPS).
+        """Whether an M x N output goes to the coopmat kernels: enough tiles to pay (see MIN_WORKGROUPS),
+        or, given its `reduction`, enough workgroups once split over K (see SPLIT_TARGET_WORKGROUPS).
         Emulated, also whether the emulated kernel can run its `reduction` on this device (lavapipe's
         loop budget): longer ones keep the fp32 kernels."""
-        if not self.tensor_cores or ceil_div(M, SIZE_TILE_M) * ceil_div(N, SIZE_TILE_N) < self.min_workgroups:
+        if not self.tensor_cores:
+            return False
+        # One tiling table for every kernel's small outputs (DEFAULT_TILINGS' rows agree there).
+        tiling = default_tiling("coopmat_mm", M, N, reduction or 0, emulate=self.emulate)
+        # The WGSL route has no split-K (its kernels take the push's k_slice as 0 only).
+        if ceil_div(M, SIZE_TILE_M) * ceil_div(N, SIZE_TILE_N) < self.min_workgroups and (
+                reduction is None or self.wgsl or workgroups(tiling, M, N) * default_split_k(tiling, M, N, reduction)
+                < self.min_workgroups):
             return False
         if not (self.emulate and reduction is not None):
             return True
-        tiling = default_tiling("coopmat_mm", M, N, reduction, emulate=True)  # one table for every emulated kernel
         return emulated_loop_trips(tiling, reduction, self.subgroup_size) <= EMULATED_LOOP_BUDGET
 
     def dense_b_transposed(self, a: StridedView, b: StridedView) -> bool | None:
@@ -382,6 +404,38 @@ def default_tiling(kernel: str, M: int, N: int, reduction: int, *, emulate: bool
     return TILING_BY_NAME[next(name for fewest, shortest, name in rows if tiles >= fewest and reduction >= shortest)]
 
 
+def workgroups(tiling: CoopmatTiling, M: int, N: int) -> int:
+    """Workgroup tiles of an M x N output."""
+    return ceil_div(M, tiling.tile_m) * ceil_div(N, tiling.tile_n)
+
+
+def split_slice_length(tiling: CoopmatTiling, reduction: int, split_k: int) -> int:
+    """Reduction length of each of `split_k` slices: ceil(reduction / split_k) in whole BK steps."""
+    return ceil_div(ceil_div(reduction, split_k), tiling.bk) * tiling.bk
+
+
+def default_split_k(tiling: CoopmatTiling, M: int, N: int, reduction: int) -> int:
+    """Slices a coopmat plan with scratch cuts the reduction into (1: no split; module docstring): enough
+    for SPLIT_TARGET_WORKGROUPS workgroups, slices >= MIN_SPLIT_SLICE, at most MAX_SPLIT_K, trimmed so
+    that no slice is empty. Only outputs the route's size rule alone would keep off the tensor cores
+    (fewer than MIN_WORKGROUPS tiles of SIZE_TILE_M x SIZE_TILE_N) are split, and none narrower than
+    SPLIT_MIN_SIDE: the GEMMs of at least that size run as they were measured."""
+    if ceil_div(M, SIZE_TILE_M) * ceil_div(N, SIZE_TILE_N) >= MIN_WORKGROUPS or min(M, N) < SPLIT_MIN_SIDE:
+        return 1
+    split_k = min(ceil_div(SPLIT_TARGET_WORKGROUPS, workgroups(tiling, M, N)), reduction // MIN_SPLIT_SLICE,
+                  MAX_SPLIT_K)
+    if split_k <= 1:
+        return 1
+    return ceil_div(reduction, split_slice_length(tiling, reduction, split_k))
+
+
+def split_k_scratch_nbytes(kernel: str, M: int, N: int, reduction: int, *, emulate: bool = False) -> int:
+    """Bytes of scratch the default plan of `kernel` (one of KERNELS) over an M x N output uses when given
+    one (0: it would not split, pass none): the partial products of its slices."""
+    split_k = default_split_k(default_tiling(kernel, M, N, reduction, emulate=emulate), M, N, reduction)
+    return 0 if split_k == 1 else 4 * split_k * M * N
+
+
 def _check_positive(op: str, **dims: Any) -> None:
     for name, value in dims.items():
         if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 1:
@@ -413,8 +467,10 @@ def _variant(shader: str, tiling: CoopmatTiling, *, emulate: bool, subgroup_size
     return shader + ("@" + "+".join(names) if names else "")
 
 
-def _tiling(op: str, kernel: str, M: int, N: int, tiling: CoopmatTiling | None, subgroup_size: int, *,
-            emulate: bool, reduction: int) -> CoopmatTiling:
+def _geometry(op: str, kernel: str, M: int, N: int, tiling: CoopmatTiling | None, subgroup_size: int, *,
+              emulate: bool, reduction: int, scratch: Any, split_k: int | None) -> tuple[CoopmatTiling, int]:
+    """The plan's tiling (default: `default_tiling`) and number of reduction slices (default with a
+    scratch: `default_split_k`, else 1), checked."""
     if tiling is None:
         tiling = default_tiling(kernel, M, N, reduction, emulate=emulate)
     if not isinstance(tiling, CoopmatTiling):
@@ -425,17 +481,47 @@ def _tiling(op: str, kernel: str, M: int, N: int, tiling: CoopmatTiling | None, 
     if not isinstance(subgroup_size, int) or subgroup_size < 8 or subgroup_size & (subgroup_size - 1):
         raise KernelArgumentError(f"{op}: subgroup_size must be a power of two >= 8 (the device's subgroup "
                                   f"size), got {subgroup_size!r}")
+    if split_k is None:
+        split_k = default_split_k(tiling, M, N, reduction) if scratch is not None else 1
+    if isinstance(split_k, bool) or not isinstance(split_k, int) or split_k < 1:
+        raise KernelArgumentError(f"{op}: split_k must be an int >= 1, got {split_k!r}")
+    if split_k > 1 and scratch is None:
+        raise KernelArgumentError(f"{op}: split_k={split_k} needs a scratch buffer of {4 * split_k * M * N} bytes "
+                                  f"(the slices' partial products of [{M}, {N}])")
+    if split_k * M * N > MAX_ELEMENTS:
+        raise KernelArgumentError(f"{op}: split_k={split_k} over a [{M}, {N}] output exceeds {MAX_ELEMENTS} "
+                                  f"scratch elements (32-bit indices); use a smaller split_k")
+    reduction = split_slice_length(tiling, reduction, split_k) if split_k > 1 else reduction
     if emulate and emulated_loop_trips(tiling, reduction, subgroup_size) > EMULATED_LOOP_BUDGET:
         raise KernelArgumentError(
             f"{op}: the emulated variant with tiling {tiling.name} over a reduction of {reduction} runs "
             f"{emulated_loop_trips(tiling, reduction, subgroup_size)} loop iterations per invocation, more than the "
             f"{EMULATED_LOOP_BUDGET} budgeted within lavapipe's limit of {LAVAPIPE_LOOP_LIMIT} (past it lavapipe cuts "
             f"loops short); use a tiling with fewer accumulators per subgroup or a shorter reduction")
-    return tiling
+    return tiling, split_k
+
+
+def _gemm_dispatches(shader: str, tiling: CoopmatTiling, split_k: int, *, M: int, N: int, reduction: int,
+                     out: Any, scratch: Any, inputs: list, push: tuple, addend: Any, label: str) -> list[Dispatch]:
+    """The GEMM dispatch of a coopmat plan over an M x N output (`inputs`: its bindings after the output;
+    `push`: its push constants before the slice length), and with split_k > 1 the reduce of its slices
+    (which adds `addend`, whose shader then has no ADDEND)."""
+    groups = (ceil_div(N, tiling.tile_n), ceil_div(M, tiling.tile_m), split_k)
+    if split_k == 1:
+        return [Dispatch(shader, groups=groups, bindings=[binding(out, "w"), *inputs],
+                         push_constants=pack_push(*push, 0), label=label)]
+    count4 = M * N // 4  # M * N % 4 == 0: every coopmat output has N % 4 == 0
+    return [Dispatch(shader, groups=groups, bindings=[binding(scratch, "w"), *inputs],
+                     push_constants=pack_push(*push, split_slice_length(tiling, reduction, split_k)),
+                     label=f"{label}.split{split_k}"),
+            plan_splitk_reduce(out=out, scratch=scratch, count4=count4, row_vec4s=count4 if addend is not None
+                               else max(1, N // 4), split_k=split_k, bias=addend, label=f"{label}.reduce")]
 
 
 def plan_coopmat_linear_q4gsw(*, M: int, N: int, K: int, group_size: int, out: Any, x: Any, weights: Any,
-                              scales: Any, tiling: CoopmatTiling | None = None, emulate: bool = False, subgroup_size: int = DEFAULT_SUBGROUP_SIZE,
+                              scales: Any, scratch: Any = None, split_k: int | None = None,
+                              tiling: CoopmatTiling | None = None, emulate: bool = False,
+                              subgroup_size: int = DEFAULT_SUBGROUP_SIZE,
                               label: str = "coopmat_linear_q4gsw") -> list[Dispatch]:
     """y[M, N] = x[M, K] @ deq(W).T on tensor cores (fp16 inputs, fp32 accumulation).
 
@@ -443,6 +529,8 @@ def plan_coopmat_linear_q4gsw(*, M: int, N: int, K: int, group_size: int, out: A
     scales fp32 [G, N]. `tiling` picks the shader variant (default: `default_tiling`); `subgroup_size`
     must be the device's (Device.subgroup_size). `emulate` runs the same kernel with the
     cooperative-matrix operations done by plain arithmetic (any device; for tests, see the shader).
+    `scratch` (split_k_scratch_nbytes bytes, or 4 * split_k * M * N for an explicit `split_k`) lets the
+    plan split the reduction (module docstring); `split_k` forces the number of slices.
     """
     op = "coopmat_linear_q4gsw"
     _check_positive(op, M=M, N=N, K=K, group_size=group_size)
@@ -451,11 +539,12 @@ def plan_coopmat_linear_q4gsw(*, M: int, N: int, K: int, group_size: int, out: A
     except ValueError as exc:
         raise KernelArgumentError(f"{op}: {exc}") from None
     _check_range(op, M, N, K)
-    tiling = _tiling(op, op, M, N, tiling, subgroup_size, emulate=emulate, reduction=K)
+    tiling, split_k = _geometry(op, op, M, N, tiling, subgroup_size, emulate=emulate, reduction=K, scratch=scratch,
+                                split_k=split_k)
     shader = _variant(op, tiling, emulate=emulate, subgroup_size=subgroup_size)
-    return [Dispatch(shader, groups=(ceil_div(N, tiling.tile_n), ceil_div(M, tiling.tile_m), 1),
-                     bindings=[binding(out, "w"), binding(x, "r"), binding(weights, "r"), binding(scales, "r")],
-                     push_constants=pack_push(M, N, K, group_size, 0, 0), label=label)]
+    return _gemm_dispatches(shader, tiling, split_k, M=M, N=N, reduction=K, out=out, scratch=scratch,
+                            inputs=[binding(x, "r"), binding(weights, "r"), binding(scales, "r")],
+                            push=(M, N, K, group_size, 0, 0), addend=None, label=label)
 
 
 # coopmat_absmax.comp: workgroups of 256 threads, each reading at least 4 vec4 of its tensor; at most
@@ -493,7 +582,8 @@ def takes_addend(bias: StridedView, out_shape: tuple[int, ...], beta: float, alp
 
 
 def plan_coopmat_mm(*, M: int, N: int, K: int, out: Any, a: Any, b: Any, absmax: Any, b_transposed: bool = False,
-                    addend: Any = None, tiling: CoopmatTiling | None = None, emulate: bool = False,
+                    addend: Any = None, scratch: Any = None, split_k: int | None = None,
+                    tiling: CoopmatTiling | None = None, emulate: bool = False,
                     subgroup_size: int = DEFAULT_SUBGROUP_SIZE, label: str = "coopmat_mm") -> list[Dispatch]:
     """C[M, N] = A[M, K] @ B[K, N] on tensor cores (fp32 in memory, fp16 inputs, fp32 accumulation).
 
@@ -505,8 +595,9 @@ def plan_coopmat_mm(*, M: int, N: int, K: int, out: Any, a: Any, b: Any, absmax:
     the power of two that puts its largest magnitude in [2^14, 2^15) before its fp16 rounding, and the
     result back (exact). `addend` (fp32 [M, N] row-major, or None): C = A @ B + addend, the addend added
     to each unscaled accumulator in fp32 (one rounding, not contracted with the unscaling: the bits of the
-    mm followed by an add). Dispatches: the partial maxima of |A| and |B|, the GEMM. `tiling`, `emulate`,
-    `subgroup_size` as in plan_coopmat_linear_q4gsw (the default tiling is that of coopmat_mm_b_transposed
+    mm followed by an add). Dispatches: the partial maxima of |A| and |B|, the GEMM (and, split, the
+    reduce of its slices, which adds the addend). `tiling`, `emulate`, `subgroup_size`, `scratch`,
+    `split_k` as in plan_coopmat_linear_q4gsw (the default tiling is that of coopmat_mm_b_transposed
     for b_transposed; with an addend the tilings of ADDEND_TILINGS are prebuilt).
     """
     op = "coopmat_mm"
@@ -514,21 +605,22 @@ def plan_coopmat_mm(*, M: int, N: int, K: int, out: Any, a: Any, b: Any, absmax:
     _check_multiple_of_4(op, K=K, N=N)
     _check_range(op, M, N, K)
     kernel = "coopmat_mm_b_transposed" if b_transposed else op
-    tiling = _tiling(op, kernel, M, N, tiling, subgroup_size, emulate=emulate, reduction=K)
+    tiling, split_k = _geometry(op, kernel, M, N, tiling, subgroup_size, emulate=emulate, reduction=K,
+                                scratch=scratch, split_k=split_k)
+    fused_addend = addend is not None and split_k == 1
     shader = _variant(op, tiling, emulate=emulate, subgroup_size=subgroup_size,
-                      defines=("AB_SCALE",) + (("B_TRANSPOSED",) if b_transposed else ()), addend=addend is not None)
-    bindings = [binding(out, "w"), binding(a, "r"), binding(b, "r"), binding(absmax, "r")]
-    if addend is not None:
-        bindings.append(binding(addend, "r"))
+                      defines=("AB_SCALE",) + (("B_TRANSPOSED",) if b_transposed else ()), addend=fused_addend)
+    inputs = [binding(a, "r"), binding(b, "r"), binding(absmax, "r")] + ([binding(addend, "r")] if fused_addend else [])
     return [_plan_absmax(absmax, [(a, M * K), (b, K * N)], f"{label}.absmax"),
-            Dispatch(shader, groups=(ceil_div(N, tiling.tile_n), ceil_div(M, tiling.tile_m), 1), bindings=bindings,
-                     push_constants=pack_push(M, N, K, 0, absmax_partials(M * K), absmax_partials(K * N)),
-                     label=label)]
+            *_gemm_dispatches(shader, tiling, split_k, M=M, N=N, reduction=K, out=out, scratch=scratch, inputs=inputs,
+                              push=(M, N, K, 0, absmax_partials(M * K), absmax_partials(K * N)),
+                              addend=None if fused_addend else addend, label=label)]
 
 
 def plan_coopmat_linear_q4gsw_backward(*, M: int, N: int, K: int, group_size: int, out: Any, d_out: Any,
-                                       weights: Any, scales: Any, absmax: Any,
-                                       tiling: CoopmatTiling | None = None, emulate: bool = False,
+                                       weights: Any, scales: Any, absmax: Any, scratch: Any = None,
+                                       split_k: int | None = None, tiling: CoopmatTiling | None = None,
+                                       emulate: bool = False,
                                        subgroup_size: int = DEFAULT_SUBGROUP_SIZE,
                                        label: str = "coopmat_linear_q4gsw_backward") -> list[Dispatch]:
     """d_x[M, K] = d_out[M, N] @ deq(W) on tensor cores (fp16 inputs, fp32 accumulation).
@@ -536,8 +628,9 @@ def plan_coopmat_linear_q4gsw_backward(*, M: int, N: int, K: int, group_size: in
     d_out is a gradient, whose values follow the loss divisor down to fp16's subnormals: it is scaled by
     the power of two that puts max |d_out| in [2^14, 2^15) before its fp16 rounding (and the result back,
     both exact). Dispatches: the partial maxima of |d_out| (into absmax, absmax_scratch_nbytes(M * N) of
-    scratch), the GEMM.
-    Buffers, `tiling` as plan_coopmat_linear_q4gsw's (out fp32 [M, K], d_out fp32 [M, N]); tiles along K.
+    scratch), the GEMM (and, split, the reduce of its slices).
+    Buffers, `tiling`, `scratch`, `split_k` as plan_coopmat_linear_q4gsw's (out fp32 [M, K], d_out fp32
+    [M, N]; the reduction runs along N); tiles along K.
     """
     op = "coopmat_linear_q4gsw_backward"
     _check_positive(op, M=M, N=N, K=K, group_size=group_size)
@@ -546,11 +639,11 @@ def plan_coopmat_linear_q4gsw_backward(*, M: int, N: int, K: int, group_size: in
     except ValueError as exc:
         raise KernelArgumentError(f"{op}: {exc}") from None
     _check_range(op, M, N, K)
-    tiling = _tiling(op, op, M, K, tiling, subgroup_size, emulate=emulate, reduction=N)
+    tiling, split_k = _geometry(op, op, M, K, tiling, subgroup_size, emulate=emulate, reduction=N, scratch=scratch,
+                                split_k=split_k)
     shader = _variant(op, tiling, emulate=emulate, subgroup_size=subgroup_size, defines=("A_SCALE",))
-    return [
-        _plan_absmax(absmax, [(d_out, M * N)], f"{label}.absmax"),
-        Dispatch(shader, groups=(ceil_div(K, tiling.tile_n), ceil_div(M, tiling.tile_m), 1),
-                 bindings=[binding(out, "w"), binding(d_out, "r"), binding(weights, "r"), binding(scales, "r"),
-                           binding(absmax, "r")],
-                 push_constants=pack_push(M, K, N, group_size, absmax_partials(M * N), 0), label=label)]
+    return [_plan_absmax(absmax, [(d_out, M * N)], f"{label}.absmax"),
+            *_gemm_dispatches(shader, tiling, split_k, M=M, N=K, reduction=N, out=out, scratch=scratch,
+                              inputs=[binding(d_out, "r"), binding(weights, "r"), binding(scales, "r"),
+                                      binding(absmax, "r")],
+                              push=(M, K, N, group_size, absmax_partials(M * N), 0), addend=None, label=label)]
