@@ -178,3 +178,26 @@ def test_only_the_pipeline_cache_kernels_are_trusted(webgpu_device, monkeypatch)
     webgpu_device.pipelines._module("fused_ce_sum")
     webgpu_device.handle.create_shader_module(code="@compute @workgroup_size(1) fn main() {}")
     assert made == ["fused_ce_sum"]
+
+
+def test_bench_runs_the_webgpu_side_once_per_setting():
+    """scripts/bench_webgpu.py --webgpu-runtime-checks off on: the devices it opens, the keys and pairs."""
+    import argparse
+    import importlib.util
+    from pathlib import Path
+
+    from vktrain.contract import PRECISION_FP16_TC, PRECISION_FP32
+
+    script = Path(__file__).resolve().parent.parent / "scripts" / "bench_webgpu.py"
+    spec = importlib.util.spec_from_file_location("bench_webgpu", script)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    both = argparse.Namespace(webgpu_runtime_checks=["off", "on", "off"])
+    assert bench.bench_devices(both) == [("vulkan", "vulkan", {}), ("webgpu", "webgpu", {"runtime_checks": False}),
+                                         ("webgpu+checks-on", "webgpu", {"runtime_checks": True})]
+    assert bench.bench_devices(argparse.Namespace(webgpu_runtime_checks=None)) == [("vulkan", "vulkan", {}),
+                                                                                   ("webgpu", "webgpu", {})]
+    labels = ("vulkan", "webgpu", "webgpu+checks-on")
+    assert bench.compared_pairs([PRECISION_FP32], labels) == [("vulkan", "webgpu"), ("webgpu", "webgpu+checks-on")]
+    assert ("webgpu:fp16-tc", "webgpu+checks-on:fp16-tc") in bench.compared_pairs([PRECISION_FP32, PRECISION_FP16_TC],
+                                                                                  labels)
