@@ -201,3 +201,47 @@ def test_bench_runs_the_webgpu_side_once_per_setting():
     assert bench.compared_pairs([PRECISION_FP32], labels) == [("vulkan", "webgpu"), ("webgpu", "webgpu+checks-on")]
     assert ("webgpu:fp16-tc", "webgpu+checks-on:fp16-tc") in bench.compared_pairs([PRECISION_FP32, PRECISION_FP16_TC],
                                                                                   labels)
+
+
+# Index 5 of a 4-element workgroup array: with naga's checks the index is clamped (a[3] = 13); a trusted
+# module reads past the array (undefined behaviour in general; lavapipe puts `b` right after `a`).
+_OUT_OF_BOUNDS_WGSL = """
+@group(0) @binding(0) var<storage, read_write> io: array<u32>;
+var<workgroup> a: array<u32, 4>;
+var<workgroup> b: array<u32, 4>;
+@compute @workgroup_size(4) fn main(@builtin(local_invocation_index) i: u32) {
+    a[i] = i + 10u;
+    b[i] = i + 100u;
+    workgroupBarrier();
+    if (i == 0u) { io[1] = a[io[0]]; }
+}
+"""
+
+
+def _read_out_of_bounds(device, module) -> int:
+    wgpu, handle = device.wgpu, device.handle
+    pipeline = handle.create_compute_pipeline(layout="auto", compute={"module": module, "entry_point": "main"})
+    io = handle.create_buffer_with_data(data=np.array([5, 0], np.uint32),
+                                        usage=wgpu.BufferUsage.STORAGE | wgpu.BufferUsage.COPY_SRC)
+    group = handle.create_bind_group(layout=pipeline.get_bind_group_layout(0),
+                                     entries=[{"binding": 0, "resource": {"buffer": io}}])
+    encoder = handle.create_command_encoder()
+    compute = encoder.begin_compute_pass()
+    compute.set_pipeline(pipeline)
+    compute.set_bind_group(0, group)
+    compute.dispatch_workgroups(1)
+    compute.end()
+    device.queue.submit([encoder.finish()])
+    try:
+        return int(device.download(io, 0, 8).view(np.uint32)[1])
+    finally:
+        io.destroy()
+
+
+def test_trusted_modules_drop_the_bounds_checks_that_ad_hoc_modules_keep(webgpu_device):
+    checked = webgpu_device.handle.create_shader_module(code=_OUT_OF_BOUNDS_WGSL)
+    assert _read_out_of_bounds(webgpu_device, checked) == 13  # clamped to the last element
+    if "llvmpipe" not in webgpu_device.name:
+        pytest.skip("what a trusted module reads past an array is the driver's layout (checked on lavapipe)")
+    trusted = shader_modules.create_trusted_wgsl_module(webgpu_device.handle, "oob", _OUT_OF_BOUNDS_WGSL)
+    assert _read_out_of_bounds(webgpu_device, trusted) == 101  # b[1]: no clamp
