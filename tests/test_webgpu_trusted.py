@@ -17,9 +17,8 @@ import torch
 import test_kernels_ce_adamw_requant as ce_adamw
 import test_kernels_transformer as transformer
 from test_webgpu_parity import HPARAMS, LLAMA_BATCH, LLAMA_SEQ
-from test_wgsl_kernels import _gemm_cases
+from test_wgsl_kernels import _gemm_cases, run_gemm_case
 
-from vktrain.runtime import Buffer, Program
 from vktrain.runtime.webgpu import shader_modules
 from vktrain.runtime.webgpu.device import RUNTIME_CHECKS_ENV
 from vktrain.runtime.webgpu.errors import WebGPUUnavailableError
@@ -50,21 +49,10 @@ def test_default_is_trusted_and_reported(webgpu_device, checked_device):
 
 
 def test_gemms_give_the_same_bits_with_and_without_checks(webgpu_device, checked_device):
-    def run(device, dispatches, inputs, shape):
-        buffers = {key: Buffer.from_array(device, value, name=key) for key, value in inputs.items()}
-        buffers["out"] = Buffer.from_array(device, np.full(shape, np.nan, np.float32), name="out")
-        try:
-            with Program(device, dispatches, buffers) as program:
-                program.replay()
-            return buffers["out"].read(np.float32, shape)
-        finally:
-            for buffer in buffers.values():
-                buffer.destroy()
-
     for label, dispatches, inputs, shape in _gemm_cases():
-        checked = run(checked_device, dispatches, inputs, shape)
+        checked = run_gemm_case(checked_device, dispatches, inputs, shape)
         assert np.isfinite(checked).all(), label
-        np.testing.assert_array_equal(_bits(run(webgpu_device, dispatches, inputs, shape)), _bits(checked),
+        np.testing.assert_array_equal(_bits(run_gemm_case(webgpu_device, dispatches, inputs, shape)), _bits(checked),
                                       err_msg=f"{label} via {[d.shader for d in dispatches]}")
 
 
