@@ -6,6 +6,8 @@
         --out bench/results/webgpu_h200.json                 # on the GPU machine (numpy, vulkan, wgpu)
     python scripts/bench_webgpu.py run bench/step_1x128.pte bench/step_4x512.pte \
         --precision fp32 fp16-tc                             # both runtimes in both GEMM precisions
+    python scripts/bench_webgpu.py run bench/step_1x128.pte bench/step_4x512.pte \
+        --webgpu-runtime-checks off on                       # WebGPU without and with naga's runtime checks
     python scripts/bench_webgpu.py --quick                   # tiny-llama shapes, export + run (lavapipe)
     python scripts/bench_webgpu.py kernels --shape 512x2048x2048 # the fp32 GEMM kernels alone, both runtimes
 
@@ -27,6 +29,12 @@ has them; WebGPU: the f16 WGSL kernels where the adapter has shader-f16; each ru
 which). `comparison` is WebGPU against Vulkan in fp32; `comparisons` lists every pair measured: each
 precision across the runtimes, and, with fp16-tc, WebGPU fp16-tc against Vulkan fp32 and against
 WebGPU fp32 (whether the f16 WGSL pays: what `auto` on WebGPU would be decided by).
+
+`--webgpu-runtime-checks off on` (run and kernels) runs the WebGPU side once per setting (naga's bounds
+checks and loop bounding in vktrain's kernels, webgpu/device.py): the first keeps the `webgpu` keys,
+each other one adds its own (`webgpu+checks-on`, `webgpu+checks-on:fp16-tc`) and, for run, a comparison
+against the first; every WebGPU record says its `runtime_checks`. Default: one run, the device's default
+(checks off where wgpu-native has trusted modules).
 
 `kernels` times the GEMM kernels alone (plans of the GPU tuning, as WebGPU runs them; random data) at
 MxNxK shapes on both runtimes: the median wall ms of a replay of each kernel's dispatches (a program of
@@ -80,6 +88,24 @@ def run_key(runtime: str, precision: str) -> str:
     return runtime if precision == PRECISION_FP32 else f"{runtime}:{precision}"
 
 
+RUNTIME_CHECK_WORDS = {"on": True, "off": False}
+
+
+def webgpu_variants(args) -> list[tuple[str, dict[str, Any]]]:
+    """(runtime label, device options) of each WebGPU run --webgpu-runtime-checks asks for: the first
+    labelled `webgpu`, the others `webgpu+checks-<setting>`; one default-device run when not given."""
+    settings = list(dict.fromkeys(args.webgpu_runtime_checks or [None]))
+    return [("webgpu" if index == 0 else f"webgpu+checks-{setting}",
+             {} if setting is None else {"runtime_checks": RUNTIME_CHECK_WORDS[setting]})
+            for index, setting in enumerate(settings)]
+
+
+def bench_devices(args) -> list[tuple[str, str, dict[str, Any]]]:
+    """(label, runtime, device options) of every device the benchmark opens: Vulkan, then each WebGPU variant."""
+    return [(label, runtime, options) for runtime in RUNTIMES
+            for label, options in ([(runtime, {})] if runtime != "webgpu" else webgpu_variants(args))]
+
+
 def run_runtime(runtime: str, device, path: Path, args, precision: str = PRECISION_FP32) -> dict[str, Any]:
     from vktrain.runtime.program.runner import TrainingRunner
 
@@ -90,6 +116,8 @@ def run_runtime(runtime: str, device, path: Path, args, precision: str = PRECISI
     except VktrainError as exc:  # e.g. a WGSL kernel missing, a tensor over max-storage-buffer-binding-size
         return {"error": f"{type(exc).__name__}: {exc}"}
     record: dict[str, Any] = {"load_s": time.perf_counter() - start, "precision": precision}
+    if hasattr(device, "runtime_checks"):
+        record["runtime_checks"] = device.runtime_checks
     with runner:
         config = bench_step.BenchConfig(**json.loads(runner.graph.metadata[bench_step.BENCH_CONFIG_KEY]))
         batches = [bench_step.make_batch(config, runner.vocab_size, seed) for seed in range(args.batches)]
@@ -129,29 +157,33 @@ def compare(base: dict[str, Any], other: dict[str, Any], top: int) -> dict[str, 
     }
 
 
-def compared_pairs(precisions) -> list[tuple[str, str]]:
-    """(base, other) run keys compared: each precision's Vulkan run against its WebGPU run, and with
-    fp16-tc WebGPU fp16-tc against Vulkan fp32 and against WebGPU fp32."""
+def compared_pairs(precisions, labels=RUNTIMES) -> list[tuple[str, str]]:
+    """(base, other) run keys compared: each precision's Vulkan run against its WebGPU run, with fp16-tc
+    WebGPU fp16-tc against Vulkan fp32 and against WebGPU fp32, and each further WebGPU variant (`labels`
+    past the first two) against the first in each precision."""
     pairs = [(run_key("vulkan", p), run_key("webgpu", p)) for p in precisions]
+    pairs += [(run_key("webgpu", p), run_key(label, p)) for label in labels[2:] for p in precisions]
     if PRECISION_FP16_TC in precisions and PRECISION_FP32 in precisions:
         pairs += [(run_key("vulkan", PRECISION_FP32), run_key("webgpu", PRECISION_FP16_TC)),
                   (run_key("webgpu", PRECISION_FP32), run_key("webgpu", PRECISION_FP16_TC))]
     return pairs
 
 
-def print_report(records: list[dict[str, Any]], precisions) -> None:
+def print_report(records: list[dict[str, Any]], precisions, labels=RUNTIMES) -> None:
     for record in records:
         print(f"\n{record['pte']}")
-        for key in (run_key(runtime, p) for p in precisions for runtime in RUNTIMES):
+        for key in (run_key(label, p) for p in precisions for label in labels):
             result = record[key]
             if "error" in result:
                 print(f"  {key:15s} could not run it: {result['error'][:400]}")
                 continue
             gpu = result["gpu_ms_per_step"]
             encode = result["encode_ms"]
+            checks = "" if "runtime_checks" not in result else (
+                f"  runtime checks {'on' if result['runtime_checks'] else 'off'}")
             print(f"  {key:15s} {result['ms_per_step']:9.2f} ms/step  {result['tokens_per_s']:9.1f} tokens/s  "
                   f"GPU {'-' if gpu is None else f'{gpu:.2f}'} ms  replay {result['replay_ms']:.2f} ms"
-                  + ("" if encode is None else f"  encode {encode:.2f} ms") + f"  load {result['load_s']:.1f} s")
+                  + ("" if encode is None else f"  encode {encode:.2f} ms") + f"  load {result['load_s']:.1f} s{checks}")
             print(f"  {'':15s} {result['gemm_route']}")
         for comparison in record["comparisons"]:
             if "other_over_base" not in comparison:
@@ -172,27 +204,29 @@ def run_command(args) -> int:
                             "note": "synthetic constants: weights are random, results measure speed only"}
     precisions = list(dict.fromkeys(args.precision))
     meta["precisions"] = precisions
-    for runtime in RUNTIMES:
+    devices = bench_devices(args)
+    labels = tuple(label for label, _, _ in devices)
+    for label, runtime, options in devices:
         try:
-            device = open_device(runtime, validation=False)
+            device = open_device(runtime, validation=False, **options)
         except VktrainError as exc:
             for record in records:
                 for precision in precisions:
-                    record[run_key(runtime, precision)] = {"error": f"no {runtime} device: {type(exc).__name__}: {exc}"}
+                    record[run_key(label, precision)] = {"error": f"no {label} device: {type(exc).__name__}: {exc}"}
             continue
         with device:
-            meta[f"{runtime}_device"] = device.name
-            print(f"{runtime}: {device.name}", flush=True)
+            meta[f"{label}_device"] = device.name
+            print(f"{label}: {device.name}", flush=True)
             for path, record in zip(args.pte, records):
                 for precision in precisions:
-                    record[run_key(runtime, precision)] = run_runtime(runtime, device, Path(path), args, precision)
+                    record[run_key(label, precision)] = run_runtime(runtime, device, Path(path), args, precision)
     for record in records:
         record["comparisons"] = [dict(base=base, other=other, **compare(record[base], record[other], args.top))
-                                 for base, other in compared_pairs(precisions)]
+                                 for base, other in compared_pairs(precisions, labels)]
         fp32 = compare(record["vulkan"], record["webgpu"], args.top) if PRECISION_FP32 in precisions else {}
         # WebGPU against Vulkan in fp32 under the names this record had before precisions were benchmarked.
         record["comparison"] = fp32 and {"webgpu_over_vulkan": fp32["other_over_base"], **fp32}
-    print_report(records, precisions)
+    print_report(records, precisions, labels)
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps({"meta": meta, "results": records}, indent=1))
@@ -272,7 +306,7 @@ def _fp16_tc_rows(devices, M: int, N: int, K: int, args) -> list[dict[str, Any]]
             row[f"{runtime}_shaders"] = [d.shader for d in dispatches]
             row[f"{runtime}_ms"], outputs[runtime] = _time_kernel(devices[runtime], dispatches, inputs, out_shape,
                                                                   args.repeat, args.runs)
-        if len(outputs) == 2:
+        if {"vulkan", "webgpu"} <= outputs.keys():
             row["max_abs_diff"] = float(np.max(np.abs(outputs["webgpu"] - outputs["vulkan"])))
         row["gflops"] = {runtime: 2e-6 * M * N * K / row[f"{runtime}_ms"] for runtime in outputs}
         rows.append(row)
@@ -305,7 +339,7 @@ def _time_kernel(device, dispatches, inputs, out_shape, repeat: int, runs: int) 
 def kernels_command(args) -> int:
     os.environ.setdefault("XDG_RUNTIME_DIR", tempfile.gettempdir())
     rows = []
-    devices = {runtime: open_device(runtime, validation=False) for runtime in RUNTIMES}
+    devices = {label: open_device(runtime, validation=False, **options) for label, runtime, options in bench_devices(args)}
     try:
         for runtime, device in devices.items():
             print(f"{runtime}: {device.name}", flush=True)
@@ -325,15 +359,18 @@ def kernels_command(args) -> int:
                 row["max_abs_diff"] = float(np.max(np.abs(outputs["webgpu"] - outputs["vulkan"])))
                 row["gflops"] = {runtime: 2e-6 * M * N * K / row[f"{runtime}_ms"] for runtime in devices}
                 rows.append(row)
+                variants = "".join(f"  {label} {row[f'{label}_ms']:9.3f} ms" for label in list(devices)[2:])
                 print(f"  {name:22s} {M}x{N}x{K}  vulkan {row['vulkan_ms']:9.3f} ms  webgpu {row['webgpu_ms']:9.3f} ms"
-                      f"  ({row['webgpu_ms'] / row['vulkan_ms']:.2f}x)  max |diff| {row['max_abs_diff']:.3g}",
+                      f"  ({row['webgpu_ms'] / row['vulkan_ms']:.2f}x)  max |diff| {row['max_abs_diff']:.3g}{variants}",
                       flush=True)
     finally:
         for device in devices.values():
             device.close()
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        meta = {runtime: device.name for runtime, device in devices.items()}
+        meta = {label: device.name for label, device in devices.items()}
+        meta["webgpu_runtime_checks"] = {label: device.runtime_checks for label, device in devices.items()
+                                         if hasattr(device, "runtime_checks")}
         args.out.write_text(json.dumps({"devices": meta, "kernels": rows}, indent=1))
         print(f"wrote {args.out}")
     return 0
@@ -355,6 +392,9 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--precision", nargs="+", choices=BENCH_PRECISIONS, default=[PRECISION_FP32],
                      help="GEMM precision policies each runtime runs every program in (default: fp32)")
     run.add_argument("--out", type=Path, default=None, help="JSON results")
+    run.add_argument("--webgpu-runtime-checks", nargs="+", choices=RUNTIME_CHECK_WORDS, default=None,
+                     help="run the WebGPU side once per setting of naga's runtime checks in vktrain's kernels "
+                          "(e.g. off on; default: the device's default)")
     kernels = commands.add_parser("kernels", help="time the GEMM kernels alone on both runtimes")
     kernels.add_argument("--shape", nargs="+", default=["256x512x512"], help="MxNxK shapes (N, K multiples of 8)")
     kernels.add_argument("--group-size", type=int, default=32, help="q4gsw group size")
@@ -363,6 +403,8 @@ def main(argv: list[str] | None = None) -> int:
     kernels.add_argument("--precision", nargs="+", choices=BENCH_PRECISIONS, default=[PRECISION_FP32],
                          help="the fp32 GEMM kernels and/or the fp16-tc ones (default: fp32)")
     kernels.add_argument("--out", type=Path, default=None, help="JSON results")
+    kernels.add_argument("--webgpu-runtime-checks", nargs="+", choices=RUNTIME_CHECK_WORDS, default=None,
+                         help="time the WebGPU kernels once per setting of naga's runtime checks (e.g. off on)")
     args = parser.parse_args(argv)
     if args.command == "kernels":
         return kernels_command(args)

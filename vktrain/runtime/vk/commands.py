@@ -23,6 +23,7 @@ from __future__ import annotations
 import struct
 from typing import Any, Callable, Hashable, Mapping, Sequence
 
+from vktrain.runtime.device_objects import ProgramBase
 from vktrain.runtime.vk.errors import BindingRangeError, ScheduleError, vk_call
 from vktrain.runtime.vk.memory import Buffer, record_memory_barrier
 from vktrain.runtime.vk.schedule import (
@@ -124,7 +125,7 @@ class _Planned:
         return struct.pack("<4I", *group_offset, 0) + self.dispatch.push_constants
 
 
-class Program:
+class Program(ProgramBase):
     """A recorded, replayable list of dispatches (see the module docstring).
 
     `buffers` maps the keys used in BufferBinding.buffer to Buffer objects (bindings may also hold a
@@ -348,11 +349,6 @@ class Program:
             _wait(self.device, self._fence, self.timeout_s)
             self._pending = False
 
-    def replay(self) -> None:
-        """Run the recorded dispatches once more and wait for them."""
-        self.submit()
-        self.wait()
-
     def timings(self) -> list[float] | None:
         """Seconds per Dispatch of the last replay (see module docstring); None without timestamps."""
         self._check_alive()
@@ -377,10 +373,6 @@ class Program:
     def alive(self) -> bool:
         return self._command_buffer is not None
 
-    def _check_alive(self) -> None:
-        if not self.alive:
-            raise ScheduleError("this Program was destroyed")
-
     def destroy(self) -> None:
         """Free the command buffer, descriptor sets, fence and queries (idempotent)."""
         device = self.device
@@ -403,11 +395,6 @@ class Program:
         self._command_buffer = self._fence = self._query_pool = self._descriptor_pool = None
         device._unregister(self)
 
-    def __enter__(self) -> "Program":
-        return self
-
-    def __exit__(self, *exc_info) -> None:
-        self.destroy()
 
 
 def run_dispatches(device, dispatches: Sequence[Dispatch], buffers: Mapping[Hashable, Buffer] | None = None,

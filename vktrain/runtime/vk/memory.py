@@ -32,9 +32,8 @@ from vktrain.runtime.vk.allocator import (
     BlockPolicy,
     MemoryStats,
 )
+from vktrain.runtime.device_objects import BufferBase, as_bytes_array, check_buffer_size
 from vktrain.runtime.vk.errors import BufferUsageError, DeviceMemoryError, VulkanError, format_bytes, vk_call
-
-_WORD = 4
 
 
 def find_memory_type(type_flags: Sequence[int], type_bits: int, required: int, preferred: int = 0) -> int | None:
@@ -267,16 +266,7 @@ def read_extent(name: str, buffer_nbytes: int, dtype: Any, shape: Any, offset: i
     return dtype, shape, int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
 
 
-def _as_bytes_array(data: Any) -> np.ndarray:
-    if isinstance(data, (bytes, bytearray, memoryview)):
-        return np.frombuffer(bytes(data), dtype=np.uint8)
-    array = np.asarray(data)
-    if array.dtype == object:
-        raise BufferUsageError("cannot upload an object array; pass a numeric numpy array or bytes")
-    return np.ascontiguousarray(array)
-
-
-class Buffer:
+class Buffer(BufferBase):
     """A storage buffer of `nbytes` bytes on `device` (see the module docstring for the paths).
 
     `write(array, offset)` uploads; `read(dtype, shape, offset)` downloads a copy. Offsets are bytes.
@@ -290,13 +280,11 @@ class Buffer:
         return super().__new__(cls)
 
     def __init__(self, device, nbytes: int, *, name: str = "", staging: bool | None = None):
-        if not isinstance(nbytes, (int, np.integer)) or nbytes <= 0:
-            raise BufferUsageError(f"buffer size must be a positive number of bytes, got {nbytes!r}")
+        self.size = check_buffer_size(nbytes)
         vk = device.vk
         self.device = device
         self.name = name or f"buffer{id(self):x}"
         self.nbytes = int(nbytes)
-        self.size = -(-self.nbytes // _WORD) * _WORD
         self._raw = None
         usage = (vk.VK_BUFFER_USAGE_STORAGE_BUFFER_BIT | vk.VK_BUFFER_USAGE_TRANSFER_SRC_BIT
                  | vk.VK_BUFFER_USAGE_TRANSFER_DST_BIT)
@@ -310,14 +298,6 @@ class Buffer:
         self.staging = bool(staging)
         device._register(self)
 
-    @classmethod
-    def from_array(cls, device, array: Any, *, name: str = "", staging: bool | None = None) -> "Buffer":
-        data = _as_bytes_array(array)
-        buffer = cls(device, max(data.nbytes, 1), name=name, staging=staging)
-        if data.nbytes:
-            buffer.write(data)
-        return buffer
-
     # --------------------------------------------------------------------------------- access
     @property
     def handle(self):
@@ -328,22 +308,11 @@ class Buffer:
     def alive(self) -> bool:
         return self._raw is not None and self._raw.handle is not None
 
-    def _check_alive(self) -> None:
-        if not self.alive:
-            raise BufferUsageError(f"buffer {self.name!r} was destroyed")
-
-    def _check_range(self, what: str, offset: int, nbytes: int) -> None:
-        if not isinstance(offset, (int, np.integer)) or offset < 0:
-            raise BufferUsageError(f"{what} {self.name!r}: offset must be a non-negative int, got {offset!r}")
-        if offset + nbytes > self.size:
-            raise BufferUsageError(
-                f"{what} {self.name!r}: {nbytes} bytes at offset {offset} run past the buffer's "
-                f"{self.size} bytes")
 
     def write(self, data: Any, offset: int = 0) -> None:
         """Copy `data` (numpy array of any dtype, or bytes) into the buffer at byte `offset`."""
         self._check_alive()
-        array = _as_bytes_array(data)
+        array = as_bytes_array(data)
         self._check_range("write to", offset, array.nbytes)
         if array.nbytes == 0:
             return

@@ -20,6 +20,18 @@ line). The device reports no Vulkan features, no subgroup operations and no coop
 executor picks the GPU tuning of the fp32 GEMMs; fp16-tc runs the f16 WGSL GEMMs where kernel_features
 include shader-f16 (kernels/coopmat.py, _select_webgpu_route), never tensor cores.
 
+Runtime checks: naga compiles WGSL with bounds checks on every storage/workgroup access and a counter in
+every loop (ForceLoopBounding). `runtime_checks=False` compiles vktrain's own kernels (the pipeline cache's,
+tested against references) as wgpu-native trusted modules without them (shader_modules.py); anything
+else (a test's ad hoc WGSL through `handle.create_shader_module`) keeps them. Default: off where
+wgpu-native has trusted modules, else on; env VKTRAIN_WEBGPU_RUNTIME_CHECKS=on|off sets it for a run
+(the CLI, the bench). Why off: the checks never turn a kernel bug into an error (an out-of-bounds index
+is clamped or its write dropped: silently wrong either way); what they add is containment, within one
+binding, of a write that would otherwise land in another of this process's buffers, and a GPU that
+cannot hang on a runaway loop. vktrain's kernels are its own and tested bit-exact on the edge shapes;
+turn the checks on to tell a kernel bug that corrupts other tensors from one that does not.
+`runtime_checks=False` where trusted modules do not exist is refused (WebGPUUnavailableError).
+
 Errors: wgpu raises GPUValidationError for a bad call it catches at once; what it only logs (to the
 "wgpu" logger) is collected in `validation_messages`, so tests can fail on it as on Vulkan's.
 """
@@ -60,6 +72,8 @@ BROWSER_DEFAULT_LIMITS = {"max-compute-workgroup-storage-size": 16384, "max-comp
 _ALIGNMENT_LIMITS = ("min-storage-buffer-offset-alignment", "min-uniform-buffer-offset-alignment")
 REUSED_STAGING_BYTES = 16 << 20  # downloads up to this size share one staging buffer (loss, state reads)
 UNIFORM_SLOT_ALIGNMENT = 256  # every dispatch's params start at a multiple of this (browser WebGPU's maximum)
+RUNTIME_CHECKS_ENV = "VKTRAIN_WEBGPU_RUNTIME_CHECKS"  # on|off: Device(runtime_checks=None) reads it
+_RUNTIME_CHECKS_WORDS = {"on": True, "off": False}
 
 
 def load_wgpu():
@@ -119,7 +133,7 @@ class Device:
     program_type: type
 
     def __init__(self, selector: str | int | None = None, *, validation: bool | None = None,
-                 limits: dict[str, int] | None = None, kernel_features=None):
+                 limits: dict[str, int] | None = None, kernel_features=None, runtime_checks: bool | None = None):
         from vktrain.runtime.webgpu.memory import Buffer
         from vktrain.runtime.webgpu.program import Program
 
@@ -136,6 +150,7 @@ class Device:
         try:
             self._open(os.environ.get(DEVICE_ENV) if selector is None else selector, dict(limits or {}))
             self.kernel_features = self._kernel_features(kernel_features)
+            self.runtime_checks = self._runtime_checks(runtime_checks)
         except BaseException:
             self.close()
             raise
@@ -228,6 +243,26 @@ class Device:
                                          f"(it has {sorted(self.features)})")
         return wanted
 
+    def _runtime_checks(self, wanted: bool | None) -> bool:
+        """Whether vktrain's kernels compile with naga's runtime checks: `wanted`, else the environment's
+        RUNTIME_CHECKS_ENV, else off where trusted modules exist (see the module docstring)."""
+        from vktrain.runtime.webgpu.shader_modules import trusted_modules_unavailable
+
+        what = "Device(runtime_checks=...)"
+        if wanted is None and os.environ.get(RUNTIME_CHECKS_ENV):
+            word = os.environ[RUNTIME_CHECKS_ENV].strip().lower()
+            if word not in _RUNTIME_CHECKS_WORDS:
+                raise WebGPUUnavailableError(f"{RUNTIME_CHECKS_ENV}={os.environ[RUNTIME_CHECKS_ENV]!r}: expected one "
+                                             f"of {', '.join(_RUNTIME_CHECKS_WORDS)}")
+            wanted, what = _RUNTIME_CHECKS_WORDS[word], f"{RUNTIME_CHECKS_ENV}={word}"
+        if wanted is not None and not isinstance(wanted, bool):
+            raise WebGPUUnavailableError(f"{what}: expected True, False or None, got {wanted!r}")
+        unavailable = trusted_modules_unavailable(self.handle)
+        if wanted is False and unavailable is not None:
+            raise WebGPUUnavailableError(f"{what} asks for kernels without runtime checks, but {unavailable}; "
+                                         "leave the checks on")
+        return unavailable is not None if wanted is None else wanted
+
     def kernel_report(self) -> str:
         """Which WGSL feature bodies the pipelines built so far took (or why none)."""
         from vktrain.runtime_shaders.wgsl import FEATURE_DEFINES
@@ -239,7 +274,8 @@ class Device:
             parts.append(f"{', '.join(absent)}: browser-valid defaults ("
                          + ("not chosen" if frozenset(absent) <= self.features else "the device lacks it") + ")")
         none = "browser-valid defaults (no kernel built so far has a feature body)"
-        return "WGSL kernels: " + ("; ".join(parts) or none)
+        checks = "runtime checks " + ("on" if self.runtime_checks else "off (wgpu-native trusted modules)")
+        return "WGSL kernels: " + ("; ".join(parts) or none) + f"; {checks}"
 
     # ------------------------------------------------------------------------------ properties
     @property

@@ -11,24 +11,21 @@ from typing import Any
 
 import numpy as np
 
-from vktrain.runtime.vk.errors import BufferUsageError, DeviceMemoryError, format_bytes
-from vktrain.runtime.vk.memory import _as_bytes_array, read_extent
+from vktrain.runtime.device_objects import WORD_BYTES as _WORD, BufferBase, as_bytes_array, check_buffer_size
+from vktrain.runtime.vk.errors import DeviceMemoryError, format_bytes
+from vktrain.runtime.vk.memory import read_extent
 
-_WORD = 4
 
-
-class Buffer:
+class Buffer(BufferBase):
     """A storage buffer of `nbytes` bytes (see the module docstring); `staging` is accepted for the
     Vulkan interface and ignored (WebGPU always copies through staging memory)."""
 
     def __init__(self, device, nbytes: int, *, name: str = "", staging: bool | None = None):
-        if not isinstance(nbytes, (int, np.integer)) or nbytes <= 0:
-            raise BufferUsageError(f"buffer size must be a positive number of bytes, got {nbytes!r}")
+        self.size = check_buffer_size(nbytes)
         device._check_open()
         self.device = device
         self.name = name or f"buffer{id(self):x}"
         self.nbytes = int(nbytes)
-        self.size = -(-self.nbytes // _WORD) * _WORD
         self.staging = True
         self._handle = None
         limit = device.limits.max_buffer_size
@@ -43,14 +40,6 @@ class Buffer:
             raise DeviceMemoryError(f"buffer {self.name!r}", self.size, f"wgpu refused it: {exc}") from exc
         device._register(self)
 
-    @classmethod
-    def from_array(cls, device, array: Any, *, name: str = "", staging: bool | None = None) -> "Buffer":
-        data = _as_bytes_array(array)
-        buffer = cls(device, max(data.nbytes, 1), name=name, staging=staging)
-        if data.nbytes:
-            buffer.write(data)
-        return buffer
-
     # --------------------------------------------------------------------------------- access
     @property
     def handle(self):
@@ -61,17 +50,6 @@ class Buffer:
     def alive(self) -> bool:
         return self._handle is not None
 
-    def _check_alive(self) -> None:
-        if not self.alive:
-            raise BufferUsageError(f"buffer {self.name!r} was destroyed")
-
-    def _check_range(self, what: str, offset: int, nbytes: int) -> None:
-        if not isinstance(offset, (int, np.integer)) or offset < 0:
-            raise BufferUsageError(f"{what} {self.name!r}: offset must be a non-negative int, got {offset!r}")
-        if offset + nbytes > self.size:
-            raise BufferUsageError(
-                f"{what} {self.name!r}: {nbytes} bytes at offset {offset} run past the buffer's "
-                f"{self.size} bytes")
 
     def _download(self, offset: int, nbytes: int) -> np.ndarray:
         """Bytes [offset, offset + nbytes) of whole words."""
@@ -80,7 +58,7 @@ class Buffer:
     def write(self, data: Any, offset: int = 0) -> None:
         """Copy `data` (numpy array of any dtype, or bytes) into the buffer at byte `offset`."""
         self._check_alive()
-        array = _as_bytes_array(data).reshape(-1).view(np.uint8)
+        array = as_bytes_array(data).reshape(-1).view(np.uint8)
         self._check_range("write to", offset, array.nbytes)
         if array.nbytes == 0:
             return

@@ -4,6 +4,7 @@ The bind-group layout is explicit, from the kernel's declarations (reflect.py): 
 (read-only-storage or storage) at bindings 0..n-1 and its params block as a uniform buffer at n.
 ("auto" layouts would drop bindings a kernel declares but does not use, and a Dispatch binds all.)
 Specialization constants become pipeline-overridable constants keyed by their @id.
+Modules compile with or without naga's runtime checks as the device's `runtime_checks` says (device.py).
 """
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from vktrain.runtime.vk.errors import ScheduleError
 from vktrain.runtime.vk.schedule import SpecValue
 from vktrain.runtime.webgpu.errors import WebGPUError
 from vktrain.runtime.webgpu.reflect import ENTRY_POINT, WGSLInterface, reflect_wgsl
+from vktrain.runtime.webgpu.shader_modules import create_trusted_wgsl_module
 
 
 def override_constants(shader: str, interface: WGSLInterface, values: tuple[tuple[int, SpecValue], ...]
@@ -77,7 +79,11 @@ class PipelineCache:
     def _module(self, name: str):
         if name not in self._modules:
             try:
-                self._modules[name] = self.device.handle.create_shader_module(label=name, code=self.source(name))
+                if self.device.runtime_checks:
+                    module = self.device.handle.create_shader_module(label=name, code=self.source(name))
+                else:
+                    module = create_trusted_wgsl_module(self.device.handle, name, self.source(name))
+                self._modules[name] = module
             except Exception as exc:
                 raise WebGPUError(f"wgpu rejected the WGSL of kernel {name!r}: {exc}") from exc
         return self._modules[name]

@@ -30,7 +30,9 @@ from typing import Hashable, Mapping, Sequence
 
 import numpy as np
 
-from vktrain.runtime.vk.commands import max_group_counts
+from vktrain.runtime.device_objects import ProgramBase
+# run_dispatches is the Vulkan layer's: its Program(device, ...) builds this layer's Program for a WebGPU device.
+from vktrain.runtime.vk.commands import max_group_counts, run_dispatches  # noqa: F401  (re-exported)
 from vktrain.runtime.vk.errors import BindingRangeError, ScheduleError, format_bytes
 from vktrain.runtime.vk.schedule import (
     LOCAL_SIZE_SPEC_IDS,
@@ -84,7 +86,7 @@ class _Planned:
                 for buf, offset, size, reads, writes in self.bindings]
 
 
-class Program:
+class Program(ProgramBase):
     """A checked, replayable list of dispatches on a WebGPU Device (see the module docstring).
 
     Same signature as the Vulkan Program: `buffers` maps BufferBinding keys to Buffers,
@@ -326,11 +328,6 @@ class Program:
             self.device.wait_idle()
             self._pending = False
 
-    def replay(self) -> None:
-        """Run the dispatches once more and wait for them."""
-        self.submit()
-        self.wait()
-
     def timings(self) -> list[float] | None:
         """Seconds per Dispatch of the last replay (see module docstring); None without timestamps."""
         self._check_alive()
@@ -349,10 +346,6 @@ class Program:
     def alive(self) -> bool:
         return self._alive
 
-    def _check_alive(self) -> None:
-        if not self._alive:
-            raise ScheduleError("this Program was destroyed")
-
     def destroy(self) -> None:
         """Free the params buffer and queries (idempotent); bind groups go with the Program."""
         if self._pending and not self.device.closed:
@@ -367,15 +360,3 @@ class Program:
         self._alive = False
         self.device._unregister(self)
 
-    def __enter__(self) -> "Program":
-        return self
-
-    def __exit__(self, *exc_info) -> None:
-        self.destroy()
-
-
-def run_dispatches(device, dispatches: Sequence[Dispatch], buffers: Mapping[Hashable, Buffer] | None = None,
-                   **options) -> None:
-    """Build, run once and free: for one-off work where replay does not pay."""
-    with Program(device, dispatches, buffers, **options) as program:
-        program.replay()
