@@ -1,0 +1,142 @@
+"""Elementwise ops over bindings larger than the device allows (kernels/elementwise_windows.py, README
+"Bindings over the limit").
+
+* Geometry: `operand_span` is the exact [min, max] element an operand's strided read touches over a window of
+  the flat output index space (against a numpy enumeration, transposed and broadcast strides included); the
+  plan's windows cover every output element once, start at aligned binding offsets, and every binding fits.
+* Kernels on lavapipe under a 4 KiB limit, Vulkan and WebGPU: windowed unary / binary ops with broadcasting
+  (a bias row, a column, a scalar tensor), odd sizes, an output at an unaligned offset, equal the unsplit
+  kernel bit for bit and the numpy result where fp32 arithmetic is exact (add, mul, neg).
+* An input that a window of the output cannot bind within the limit (a transposed read) is refused naming it.
+* The untied-LoRA-head tiny-llama's eval method under a 1 MiB limit equals the unsplit eval exactly.
+"""
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+
+from vktrain.runtime import Buffer, run_dispatches
+from vktrain.runtime.vk.schedule import BufferBinding
+from vktrain.runtime.delegate.kernels.elementwise import plan_binary, plan_unary
+from vktrain.runtime.delegate.kernels.elementwise_windows import element_windows, operand_span
+from vktrain.runtime.delegate.kernels.layout import BindingLimit, KernelArgumentError, StridedView
+
+LIMIT = BindingLimit(4096, 256)  # 1024 floats per binding: the shapes below split into several windows
+
+
+def test_operand_span_is_the_exact_range_of_a_strided_read():
+    rng = np.random.default_rng(0)
+    for sizes in [(7,), (3, 5), (4, 1, 6), (2, 3, 4, 5)]:
+        numel = int(np.prod(sizes))
+        coords = np.array(list(itertools.product(*(range(s) for s in sizes))))  # row-major order
+        for _ in range(20):
+            strides = tuple(int(s) for s in rng.integers(0, 12, len(sizes)))
+            offset = int(rng.integers(0, 5))
+            index = offset + coords @ np.array(strides)
+            for _ in range(10):
+                begin = int(rng.integers(0, numel))
+                end = int(rng.integers(begin + 1, numel + 1))
+                window = index[begin:end]
+                assert operand_span(sizes, strides, offset, begin, end) == (window.min(), window.max() + 1), \
+                    (sizes, strides, offset, begin, end)
+
+
+def test_windows_cover_every_element_once_aligned_and_within_the_limit():
+    out_shape = (37, 101)
+    bias = StridedView.contiguous((101,))
+    plan = plan_binary("add", "out", "a", StridedView.contiguous(out_shape), "bias", bias, binding_limit=LIMIT)
+    windows = element_windows(37 * 101, LIMIT)
+    assert len(plan) == len(windows) > 3
+    assert [w[0] for w in windows] == sorted({w[0] for w in windows}) and windows[0][0] == 0
+    assert all(end == next_begin for (_, end), (next_begin, _) in zip(windows, windows[1:]))
+    assert windows[-1][1] == 37 * 101
+    covered = np.zeros(37 * 101, int)
+    for dispatch, (begin, end) in zip(plan, windows):
+        out, a, b = dispatch.bindings
+        for bound in dispatch.bindings:
+            assert bound.offset % LIMIT.alignment == 0 and bound.size <= LIMIT.max_bytes
+        assert (out.offset, out.size) == (4 * begin, 4 * (end - begin))  # the output exactly at the window
+        assert (a.offset, a.offset + a.size) == (4 * begin, 4 * end)  # same shape: the same element window
+        assert b.size <= 4 * 101  # the bias: at most all of its row, once
+        covered[begin:end] += 1
+    assert (covered == 1).all()
+    scalar = plan_binary("mul", "out", "a", StridedView.contiguous(out_shape), "s", StridedView.contiguous(()),
+                         binding_limit=LIMIT)
+    assert all(d.bindings[2].size == 4 for d in scalar)  # a scalar tensor: its one element each window
+
+
+def test_an_input_no_window_can_bind_is_refused_naming_it():
+    transposed = StridedView.contiguous((64, 48)).transpose(0, 1)  # [48, 64] read column-wise
+    rows = element_windows(48 * 64, LIMIT)[0][1] // 64  # output rows of the first window: 15
+    last = 63 * 48 + rows - 1  # output (row, col) reads element col * 48 + row
+    with pytest.raises(KernelArgumentError, match=rf"my_add: input a \(elements 0\.\.{last} .*max storage binding"):
+        plan_binary("add", "out", "a", transposed, "b", StridedView.contiguous((48, 64)), binding_limit=LIMIT,
+                    label="my_add")
+
+
+# (op, a shape, b shape or None): odd sizes, bias rows, columns, scalars, shapes of a multiple of 4 (VEC4 windows).
+CASES = [
+    ("add", (37, 101), (101,)),
+    ("mul", (37, 101), (37, 1)),
+    ("mul", (3, 41, 29), ()),
+    ("sub", (64, 100), (64, 100)),
+    ("add", (4099,), (4099,)),
+    ("div", (5, 1, 303), (7, 1)),
+    ("neg", (37, 101), None),
+    ("gelu", (3, 41, 29), None),
+    ("exp", (64, 96), None),
+]
+OUT_OFFSET = 12  # bytes: the output a BufferBinding at an unaligned offset of its buffer
+
+
+def _plan(op, a_shape, b_shape, out, binding_limit):
+    a_view = StridedView.contiguous(a_shape)
+    if b_shape is None:
+        return plan_unary(op, out, "a", a_view, binding_limit=binding_limit), a_shape
+    b_view = StridedView.contiguous(b_shape)
+    return plan_binary(op, out, "a", a_view, "b", b_view, scalar0=1.0, binding_limit=binding_limit), \
+        np.broadcast_shapes(a_shape, b_shape)
+
+
+def _run(device, dispatches, arrays, out_elements):
+    buffers = {name: Buffer.from_array(device, np.ascontiguousarray(a)) for name, a in arrays.items()}
+    buffers["out"] = Buffer.from_array(device, np.full(out_elements + OUT_OFFSET // 4 + 3, np.nan, np.float32))
+    try:
+        run_dispatches(device, dispatches, buffers)
+        return buffers["out"].read(np.float32, (out_elements + OUT_OFFSET // 4 + 3,))
+    finally:
+        for buffer in buffers.values():
+            buffer.destroy()
+
+
+def _check_cases(device):
+    rng = np.random.default_rng(3)
+    exact = {"add": np.add, "sub": np.subtract, "mul": np.multiply, "neg": np.negative}
+    for op, a_shape, b_shape in CASES:
+        arrays = {"a": rng.standard_normal(a_shape).astype(np.float32)}
+        if b_shape is not None:
+            arrays["b"] = (rng.standard_normal(b_shape) + 3.0).astype(np.float32)
+        whole, out_shape = _plan(op, a_shape, b_shape, "out", None)
+        numel = int(np.prod(out_shape))
+        reference = _run(device, whole, arrays, numel)[:numel]
+        assert len(whole) == 1
+        for out in ("out", BufferBinding("out", OUT_OFFSET)):
+            windowed, _ = _plan(op, a_shape, b_shape, out, LIMIT)
+            assert len(windowed) > 1, (op, a_shape)
+            first = 0 if out == "out" else OUT_OFFSET // 4
+            result = _run(device, windowed, arrays, numel)
+            np.testing.assert_array_equal(result[first:first + numel], reference,
+                                          err_msg=f"{op} {a_shape} {b_shape} out={out}")
+            assert np.isnan(result[:first]).all() and np.isnan(result[first + numel:]).all()  # nothing outside
+        if op in exact:
+            np.testing.assert_array_equal(reference, exact[op](*arrays.values()).reshape(-1))
+
+
+def test_windowed_ops_equal_the_unsplit_kernel_on_vulkan(vk_device):
+    _check_cases(vk_device)
+
+
+def test_windowed_ops_equal_the_unsplit_kernel_on_webgpu(webgpu_device):
+    _check_cases(webgpu_device)
