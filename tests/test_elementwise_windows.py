@@ -140,3 +140,56 @@ def test_windowed_ops_equal_the_unsplit_kernel_on_vulkan(vk_device):
 
 def test_windowed_ops_equal_the_unsplit_kernel_on_webgpu(webgpu_device):
     _check_cases(webgpu_device)
+
+
+MIB = 1 << 20
+
+
+@pytest.fixture(scope="module")
+def untied_head_program(tmp_path_factory):
+    """A 1-layer tiny-llama with an untied q4gsw head [20480, 128] carrying LoRA: its eval method adds the
+    head's LoRA output to the logits [2, 32, 20480] (5 MiB) with an aten.add the training step fuses away."""
+    torch = pytest.importorskip("torch")
+    from vktrain.contract import EVAL_METHOD, TRAIN_METHOD
+    from vktrain.export import export_training_and_eval_steps, lower_methods_to_pte
+    from vktrain.lora import LoRAConfig, apply_lora
+    from vktrain.models import build_model
+
+    torch.manual_seed(0)
+    model = build_model("tiny-llama", n_layers=1, vocab_size=20480, tie_embeddings=False)
+    report = apply_lora(model, LoRAConfig(rank=4, alpha=8.0, targets="*_proj,lm_head", group_size=32, seed=0))
+    assert "lm_head" in report.replaced
+    step, evaluation = export_training_and_eval_steps(model, (2, 32))
+    path = tmp_path_factory.mktemp("pte") / "untied_head_eval.pte"
+    path.write_bytes(lower_methods_to_pte({TRAIN_METHOD: step, EVAL_METHOD: evaluation}))
+    return path
+
+
+def _evaluate(path, device, max_binding_bytes):
+    from vktrain.runtime.program.runner import TrainingRunner
+
+    rng = np.random.default_rng(7)
+    token_ids = rng.integers(0, 20480, (2, 32))
+    labels = np.roll(token_ids, -1, axis=1)
+    with TrainingRunner.from_pte(path, device, max_binding_bytes=max_binding_bytes) as runner:
+        result = runner.evaluate(token_ids, labels)
+        return result, list(runner._eval.executor.dispatches)
+
+
+def _check_untied_head_eval(device, path):
+    (loss, count), dispatches = _evaluate(path, device, MIB)
+    (whole_loss, whole_count), whole_dispatches = _evaluate(path, device, None)
+    for dispatch in dispatches:
+        for bound in dispatch.bindings:
+            assert bound.size <= MIB, (dispatch.name, bound)
+    assert any(d.shader.startswith("elementwise") and ".window" in d.name for d in dispatches)
+    assert not any(".window" in d.name for d in whole_dispatches)
+    assert (loss, count) == (whole_loss, whole_count) and count == 64 and np.isfinite(loss)
+
+
+def test_untied_lora_head_eval_splits_on_vulkan(vk_device, untied_head_program):
+    _check_untied_head_eval(vk_device, untied_head_program)
+
+
+def test_untied_lora_head_eval_splits_on_webgpu(webgpu_device, untied_head_program):
+    _check_untied_head_eval(webgpu_device, untied_head_program)
