@@ -7,7 +7,9 @@
 * Kernels on lavapipe under a 4 KiB limit, Vulkan and WebGPU: windowed unary / binary ops with broadcasting
   (a bias row, a column, a scalar tensor), odd sizes, an output at an unaligned offset, equal the unsplit
   kernel bit for bit and the numpy result where fp32 arithmetic is exact (add, mul, neg).
-* An input that a window of the output cannot bind within the limit (a transposed read) is refused naming it.
+* Copies and fills (clone, a strided slice of wide rows, select, expand, _to_copy, full) split the same way and
+  equal the unsplit copy and numpy bit for bit.
+* An input that no window of the output can bind within the limit (a transposed read) is refused naming it.
 * The untied-LoRA-head tiny-llama's eval method under a 1 MiB limit equals the unsplit eval exactly.
 """
 from __future__ import annotations
@@ -69,8 +71,9 @@ def test_windows_cover_every_element_once_aligned_and_within_the_limit():
 
 def test_an_input_no_window_can_bind_is_refused_naming_it():
     transposed = StridedView.contiguous((64, 48)).transpose(0, 1)  # [48, 64] read column-wise
-    rows = element_windows(48 * 64, LIMIT)[0][1] // 64  # output rows of the first window: 15
-    last = 63 * 48 + rows - 1  # output (row, col) reads element col * 48 + row
+    # Output (row, col) reads element col * 48 + row; the narrowest window (one alignment, 64 elements) is one
+    # output row, whose 64 elements 48 apart still span 12 KiB.
+    last = 63 * 48
     with pytest.raises(KernelArgumentError, match=rf"my_add: input a \(elements 0\.\.{last} .*max storage binding"):
         plan_binary("add", "out", "a", transposed, "b", StridedView.contiguous((48, 64)), binding_limit=LIMIT,
                     label="my_add")
@@ -140,6 +143,67 @@ def test_windowed_ops_equal_the_unsplit_kernel_on_vulkan(vk_device):
 
 def test_windowed_ops_equal_the_unsplit_kernel_on_webgpu(webgpu_device):
     _check_cases(webgpu_device)
+
+
+# Copies and fills (kernels/copies.py): (op key, keyword arguments, input shape and dtype or None).
+COPY_CASES = [
+    ("aten.clone.default", {}, ((37, 101), "float32")),
+    ("aten.slice_copy.Tensor", {"dim": 1, "start": 3, "end": 100, "step": 2}, ((37, 203), "float32")),
+    ("aten.select_copy.int", {"dim": 1, "index": 5}, ((1300, 7), "float32")),
+    ("aten.expand_copy.default", {"size": [37, 101]}, ((1, 101), "float32")),
+    ("aten._to_copy.default", {"dtype": "float32"}, ((4099,), "int32")),
+    ("aten.full.default", {"size": [37, 101], "fill_value": 1.5}, None),
+]
+
+
+def _copy_plan(key, kwargs, source, binding_limit):
+    from vktrain.runtime.delegate.kernels import KERNELS
+
+    if source is not None:
+        kwargs = dict(kwargs, self="a", self_shape=source[0], self_dtype=source[1])
+    return KERNELS[key](out="out", **kwargs, binding_limit=binding_limit, label=key)
+
+
+def _check_copies(device):
+    rng = np.random.default_rng(5)
+    expected_of = {"aten.clone.default": lambda a: a, "aten.slice_copy.Tensor": lambda a: a[:, 3:100:2],
+                   "aten.select_copy.int": lambda a: a[:, 5],
+                   "aten.expand_copy.default": lambda a: np.broadcast_to(a, (37, 101)),
+                   "aten._to_copy.default": lambda a: a.astype(np.float32),
+                   "aten.full.default": lambda a: np.full((37, 101), 1.5, np.float32)}
+    for key, kwargs, source in COPY_CASES:
+        arrays = {}
+        if source is not None:
+            shape, dtype = source
+            arrays["a"] = rng.integers(-1000, 1000, shape).astype(dtype) if dtype == "int32" else \
+                rng.standard_normal(shape).astype(dtype)
+        expected = np.ascontiguousarray(expected_of[key](arrays.get("a"))).reshape(-1)
+        whole = _copy_plan(key, kwargs, source, None)
+        windowed = _copy_plan(key, kwargs, source, LIMIT)
+        assert len(whole) == 1 and len(windowed) > 1, key
+        for dispatch in windowed:
+            assert all(b.size <= LIMIT.max_bytes and b.offset % LIMIT.alignment == 0 for b in dispatch.bindings)
+        reference = _run(device, whole, arrays, expected.size)[:expected.size]
+        result = _run(device, windowed, arrays, expected.size)
+        np.testing.assert_array_equal(result[:expected.size], reference, err_msg=key)
+        assert np.isnan(result[expected.size:]).all()
+        np.testing.assert_array_equal(reference, expected)
+
+
+def test_windowed_copies_equal_the_unsplit_copy_on_vulkan(vk_device):
+    _check_copies(vk_device)
+
+
+def test_windowed_copies_equal_the_unsplit_copy_on_webgpu(webgpu_device):
+    _check_copies(webgpu_device)
+
+
+def test_a_transpose_over_the_limit_is_refused_naming_its_input():
+    from vktrain.runtime.delegate.kernels import KERNELS
+
+    with pytest.raises(KernelArgumentError, match=r"aten.permute_copy.default: the input \(elements .*max storage"):
+        KERNELS["aten.permute_copy.default"](out="out", self="a", self_shape=(64, 48), dims=[1, 0], binding_limit=LIMIT,
+                                             label="aten.permute_copy.default")
 
 
 MIB = 1 << 20

@@ -63,7 +63,6 @@ layout(push_constant, std430) uniform Params {
     // window_start + i (its coordinates), stored at out_offset + i of the output binding; numel counts the window.
     uint window_start;
     uint out_offset;
-    uint padding[2];  // the WGSL params struct is a multiple of 16 bytes; both read the same block
 } params;
 
 const float SQRT1_2 = 0.70710678118654752;

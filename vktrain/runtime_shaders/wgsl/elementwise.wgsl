@@ -40,8 +40,6 @@ struct Params {
     // A window of a split op: invocation i computes output element window_start + i, stored at out_offset + i.
     window_start: u32,
     out_offset: u32,
-    padding0: u32,  // the struct is a multiple of 16 bytes
-    padding1: u32,
 }
 #if ARITY == 2
 #if VEC4

@@ -43,8 +43,8 @@ from vktrain.runtime.delegate.kernels.layout import (
     elementwise_groups,
     padded_innermost_first,
 )
-from vktrain.runtime.delegate.kernels.elementwise_windows import (element_windows, needs_windows, operand_span,
-                                                                  window_binding)
+from vktrain.runtime.delegate.kernels.elementwise_windows import (needs_windows, operand_span, split_windows,
+                                                                  window_binding, window_offset)
 from vktrain.runtime.delegate.kernels.registry import register_kernel
 
 OP_SPEC_ID = 3
@@ -99,7 +99,7 @@ def _pack(numel: int, rank: int, scalar0: float, scalar1: float, offsets: Sequen
         *padded_innermost_first(sizes, MAX_STRIDED_RANK, 1),
         *padded_innermost_first(a_strides, MAX_STRIDED_RANK, 0),
         *padded_innermost_first(b_strides, MAX_STRIDED_RANK, 0),
-        window_start, out_offset, 0, 0)
+        window_start, out_offset)
 
 
 def _merged(out_shape: tuple[int, ...], views: Sequence[StridedView], label: str):
@@ -135,25 +135,24 @@ def _plan(op_code: int, arity: int, out: Any, operands: Sequence[tuple[Any, Stri
         shader, groups = _shader_and_groups(arity, numel, sizes, strides, offsets)
         bindings = (binding(out, "w"), *(binding(buffer, "r") for buffer, _ in operands))
         return [Dispatch(shader, groups, bindings=bindings, push_constants=push, spec_constants=spec, label=label)]
-    dispatches = []
     names = ("input a", "input b") if arity == 2 else ("input",)
-    for begin, end in element_windows(numel, binding_limit):
+
+    def plan_window(begin: int, end: int) -> Dispatch:
         out_bound, out_offset = window_binding(out, begin, end, "w", binding_limit, label, "the output")
         bindings, offsets = [out_bound], []
         for (buffer, _), view, operand_strides, name in zip(operands, full, strides, names):
             lo, hi = operand_span(sizes, operand_strides, view.offset, begin, end)
             bound, skipped = window_binding(buffer, lo, hi, "r", binding_limit, label, name)
             bindings.append(bound)
-            # The shader adds the window's global coordinates to this offset: the element of `lo` sits
-            # `skipped` into the binding, so it may be below zero, wrapping mod 2^32 as uint arithmetic does.
-            offsets.append((view.offset - lo + skipped) % 2**32)
+            offsets.append(window_offset(view.offset, lo, skipped))
         count = end - begin
         push = _pack(count, len(sizes), scalar0, scalar1, offsets, sizes, strides, begin, out_offset)
         local_offsets = [(offset + begin) % 2**32 for offset in offsets] + [out_offset]  # where the window's runs start
         shader, groups = _shader_and_groups(arity, count, sizes, strides, local_offsets)
-        dispatches.append(Dispatch(shader, groups, bindings=tuple(bindings), push_constants=push,
-                                   spec_constants=spec, label=f"{label}.window{begin}"))
-    return dispatches
+        return Dispatch(shader, groups, bindings=tuple(bindings), push_constants=push, spec_constants=spec,
+                        label=f"{label}.window{begin}")
+
+    return split_windows(numel, binding_limit, plan_window)
 
 
 def plan_unary(op: str, out: Any, a: Any, a_view: StridedView, *, scalar0: float = 0.0,

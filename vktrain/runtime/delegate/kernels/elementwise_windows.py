@@ -11,20 +11,44 @@ than one binding may (a transposed read, a long stride) is refused naming it.
 """
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence, TypeVar
 
 from vktrain.runtime.vk.schedule import BufferBinding
 from vktrain.runtime.delegate.kernels.layout import BindingLimit, KernelArgumentError, sub_binding
 
 FLOAT_BYTES = 4
+T = TypeVar("T")
 
 
-def element_windows(numel: int, limit: BindingLimit) -> list[tuple[int, int]]:
-    """[begin, end) windows covering elements [0, numel) once: each holds as many elements as one binding
-    (less the alignment slack of sub_binding) rounded down to a multiple of the alignment in elements."""
-    per_alignment = limit.alignment // FLOAT_BYTES
-    per_window = limit.window_bytes // FLOAT_BYTES // per_alignment * per_alignment
+class WindowTooWide(KernelArgumentError):
+    """An operand of one window spans more than one binding may (a narrower window may still fit)."""
+
+
+def element_windows(numel: int, limit: BindingLimit, per_window: int | None = None) -> list[tuple[int, int]]:
+    """[begin, end) windows covering elements [0, numel) once, `per_window` elements each (a multiple of the
+    alignment in elements; default as many as one binding holds, less the alignment slack of sub_binding)."""
+    per_window = per_window or widest_window(limit)
     return [(begin, min(begin + per_window, numel)) for begin in range(0, numel, per_window)]
+
+
+def widest_window(limit: BindingLimit) -> int:
+    per_alignment = limit.alignment // FLOAT_BYTES
+    return limit.window_bytes // FLOAT_BYTES // per_alignment * per_alignment
+
+
+def split_windows(numel: int, limit: BindingLimit, plan_window: Callable[[int, int], T]) -> list[T]:
+    """plan_window(begin, end) for every window of the widest size at which each window's operands bind within
+    `limit`: from a whole binding's elements, halved while a window is too wide (a strided read: a slice of
+    wide rows, a column of a bias), down to one alignment's elements; its refusal below that."""
+    per_alignment = limit.alignment // FLOAT_BYTES
+    per_window = widest_window(limit)
+    while True:
+        try:
+            return [plan_window(begin, end) for begin, end in element_windows(numel, limit, per_window)]
+        except WindowTooWide:
+            if per_window <= per_alignment:
+                raise
+            per_window = max(per_alignment, per_window // 2 // per_alignment * per_alignment)
 
 
 def operand_span(sizes: Sequence[int], strides: Sequence[int], offset: int, begin: int, end: int) -> tuple[int, int]:
@@ -64,12 +88,19 @@ def window_binding(buffer: Any, lo: int, hi: int, access: str, limit: BindingLim
     refused naming `what` when they span more than one binding may."""
     bound, skipped = sub_binding(buffer, FLOAT_BYTES * lo, FLOAT_BYTES * hi, access, limit.alignment)
     if not limit.fits(bound.size):
-        raise limit.refusal(label, f"{what} (elements {lo}..{hi - 1} read by one window of the output)",
-                            bound.size)
+        raise WindowTooWide(str(limit.refusal(label, f"{what} (elements {lo}..{hi - 1} of one window of the output)",
+                                              bound.size)))
     if skipped % FLOAT_BYTES:
         raise KernelArgumentError(f"{label}: {what} starts {skipped} bytes into an aligned binding offset, "
                                   f"not a whole number of float32 elements")
     return bound, skipped // FLOAT_BYTES
+
+
+def window_offset(view_offset: int, lo: int, skipped: int) -> int:
+    """The element offset a window's push block gives an operand whose view starts at `view_offset`, bound from
+    element `lo` (`skipped` elements into its binding): the kernel adds the window's global coordinates, so it
+    may be below zero, wrapping mod 2^32 as the kernels' uint arithmetic does."""
+    return (view_offset - lo + skipped) % 2**32
 
 
 def needs_windows(limit: BindingLimit | None, tensors: Sequence[tuple[Any, int]]) -> bool:
