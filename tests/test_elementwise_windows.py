@@ -1,5 +1,5 @@
 """Elementwise ops over bindings larger than the device allows (kernels/elementwise_windows.py, README
-"Bindings over the limit").
+"Picking a runtime": storage bindings over the max binding size).
 
 * Geometry: `operand_span` is the exact [min, max] element an operand's strided read touches over a window of
   the flat output index space (against a numpy enumeration, transposed and broadcast strides included); the
@@ -10,7 +10,8 @@
 * Copies and fills (clone, a strided slice of wide rows, select, expand, _to_copy, full) split the same way and
   equal the unsplit copy and numpy bit for bit.
 * An input that no window of the output can bind within the limit (a transposed read) is refused naming it.
-* The untied-LoRA-head tiny-llama's eval method under a 1 MiB limit equals the unsplit eval exactly.
+* The untied-LoRA-head tiny-llama's eval method under a 1 MiB limit equals the unsplit eval exactly, on Vulkan and
+  WebGPU; Llama-3.2-1B's eval logits add (4 x 512 x 128256) plans into 8 windows under 128 MiB.
 """
 from __future__ import annotations
 
@@ -143,6 +144,18 @@ def test_windowed_ops_equal_the_unsplit_kernel_on_vulkan(vk_device):
 
 def test_windowed_ops_equal_the_unsplit_kernel_on_webgpu(webgpu_device):
     _check_cases(webgpu_device)
+
+
+def test_llama_1b_eval_logits_add_plans_within_a_browsers_128_mib():
+    """The issue's shapes: the eval graph's LoRA add over 4 x 512 tokens of a 128,256 vocabulary (1 GB of logits)
+    plans into windows of whole bindings under 128 MiB (no device)."""
+    limit = BindingLimit(128 << 20, 256)
+    logits = StridedView.contiguous((4, 512, 128256))
+    plan = plan_binary("add", "out", "logits", logits, "lora", logits, scalar0=1.0, binding_limit=limit)
+    nbytes = 4 * logits.numel
+    assert len(plan) == -(-nbytes // (limit.max_bytes - limit.alignment)) == 8
+    assert all(b.size <= limit.max_bytes for d in plan for b in d.bindings)
+    assert all(d.shader == "elementwise@ARITY=2+VEC4" for d in plan)  # aligned windows keep the vec4 body
 
 
 # Copies and fills (kernels/copies.py): (op key, keyword arguments, input shape and dtype or None).

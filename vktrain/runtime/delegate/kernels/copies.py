@@ -4,7 +4,8 @@ kernels of kernels/layout.py, in its calling convention (see its docstring).
 
 Copies accept fp32 and int32 / int64 (int64 graph tensors are int32 on the GPU). `view_copy` (and
 `reshape`) of a contiguous tensor is an alias: `is_alias_view` says so, and its plan is a plain 1-D copy
-for runners that keep every value in its own buffer.
+for runners that keep every value in its own buffer. Over `binding_limit` copies and fills run in windows of
+their flat index space (`plan_copy`, kernels/elementwise_windows.py).
 """
 from __future__ import annotations
 
@@ -16,7 +17,6 @@ from vktrain.runtime.vk.schedule import Dispatch
 from vktrain.runtime.delegate.kernels.elementwise_windows import (element_windows, needs_windows, operand_span,
                                                                   split_windows, window_binding, window_offset)
 from vktrain.runtime.delegate.kernels.layout import (
-    COPY_CONVERT_SPEC_ID,
     CONVERT_FP32_TO_INT32,
     CONVERT_INT32_TO_FP32,
     CONVERT_NONE,

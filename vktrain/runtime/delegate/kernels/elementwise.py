@@ -12,6 +12,10 @@ arithmetic, VEC4_ELEMENTS_PER_GROUP elements per workgroup (256 invocations of 4
 per-element arithmetic (bit-identical results). That is most of a training step's elementwise traffic
 (residual adds, gradient sums, norm and SwiGLU products).
 
+Over `binding_limit` (the max storage binding size) an op runs one dispatch per window of its output's flat
+index space, each input bound by the elements its window reads (kernels/elementwise_windows.py): the same
+per-element arithmetic, so the same bits; aligned windows of same-shape runs keep the VEC4 body.
+
 Numerics (fp32; tests compare against torch eager in float64, 1e-5 relative):
 * gelu uses erfc, so it keeps full relative accuracy for x << 0 where 1 + erf(x) cancels; the tanh
   approximation is computed as x * sigmoid(2u), which does not cancel either.
