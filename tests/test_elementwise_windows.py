@@ -7,7 +7,7 @@
 * Kernels on lavapipe under a 4 KiB limit, Vulkan and WebGPU: windowed unary / binary ops with broadcasting
   (a bias row, a column, a scalar tensor), odd sizes, an output at an unaligned offset, equal the unsplit
   kernel bit for bit and the numpy result where fp32 arithmetic is exact (add, mul, neg).
-* Copies and fills (clone, a strided slice of wide rows, select, expand, _to_copy, full) split the same way and
+* Copies and fills (clone, a strided slice of wide rows, select, expand, _to_copy, cat, full) split the same way and
   equal the unsplit copy and numpy bit for bit.
 * An input that no window of the output can bind within the limit (a transposed read) is refused naming it.
 * The untied-LoRA-head tiny-llama's eval method under a 1 MiB limit equals the unsplit eval exactly, on Vulkan and
@@ -209,6 +209,28 @@ def test_windowed_copies_equal_the_unsplit_copy_on_vulkan(vk_device):
 
 def test_windowed_copies_equal_the_unsplit_copy_on_webgpu(webgpu_device):
     _check_copies(webgpu_device)
+
+
+def _check_cat(device):
+    from vktrain.runtime.delegate.kernels import KERNELS
+
+    rng = np.random.default_rng(6)
+    arrays = {"x": rng.standard_normal((37, 61)).astype(np.float32),
+              "y": rng.standard_normal((37, 40)).astype(np.float32)}
+    expected = np.concatenate([arrays["x"], arrays["y"]], axis=1).reshape(-1)
+    plans = [KERNELS["aten.cat.default"](out="out", tensors=["x", "y"], tensors_shapes=[(37, 61), (37, 40)], dim=1,
+                                         binding_limit=limit) for limit in (None, LIMIT)]
+    assert len(plans[0]) == 2 and len(plans[1]) > 2
+    for plan in plans:
+        np.testing.assert_array_equal(_run(device, plan, arrays, expected.size)[:expected.size], expected)
+
+
+def test_windowed_cat_writes_each_slab_on_vulkan(vk_device):
+    _check_cat(vk_device)
+
+
+def test_windowed_cat_writes_each_slab_on_webgpu(webgpu_device):
+    _check_cat(webgpu_device)
 
 
 def test_a_transpose_over_the_limit_is_refused_naming_its_input():
