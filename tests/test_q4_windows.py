@@ -245,8 +245,7 @@ def _train(path, device, max_binding_bytes):
 
     token_ids = torch.randint(0, HEAD_VOCAB, (HEAD_BATCH, HEAD_SEQ), generator=torch.Generator().manual_seed(7))
     labels = torch.roll(token_ids, -1, dims=1)
-    # Training only: the eval method adds the head's LoRA output to the logits with an unfused aten.add over
-    # the whole [2, 64, 32768] (16 MiB), which the elementwise kernels do not split (refused at its load).
+    # Training only; the eval method's unfused LoRA add over the logits splits too (tests/test_elementwise_windows.py).
     with TrainingRunner.from_pte(path, device, max_binding_bytes=max_binding_bytes) as runner:
         losses = [runner.step(token_ids.numpy(), labels.numpy(), HPARAMS) for _ in range(HEAD_STEPS)]
         return losses, list(runner.executor.dispatches)

@@ -51,6 +51,7 @@ layout(push_constant, std430) uniform Params {
     uint sizes[MAX_RANK];
     uint in_strides[MAX_RANK];
     uint out_strides[MAX_RANK];
+    uint window_start;  // a window of a split copy: invocation i moves element window_start + i
 } params;
 
 uint convert_word(uint word) {
@@ -64,7 +65,7 @@ void main() {
     if (index >= params.numel) {
         return;
     }
-    uint rest = index;
+    uint rest = params.window_start + index;
     uint in_index = params.in_offset;
     uint out_index = params.out_offset;
     // Unrolled over MAX_RANK with guards: index math without loop trips.

@@ -59,6 +59,10 @@ layout(push_constant, std430) uniform Params {
     uint sizes[MAX_RANK];
     uint a_strides[MAX_RANK];
     uint b_strides[MAX_RANK];
+    // A window of a split op (kernels/elementwise_windows.py): invocation i computes output element
+    // window_start + i (its coordinates), stored at out_offset + i of the output binding; numel counts the window.
+    uint window_start;
+    uint out_offset;
 } params;
 
 const float SQRT1_2 = 0.70710678118654752;
@@ -271,13 +275,13 @@ void main() {
     [[unroll]] for (uint j = 0u; j < VEC4_PER_THREAD; ++j) {
         const uint v = first + j * WORKGROUP_SIZE;
         if (v < count4) {
-            const vec4 a = a_data[params.a_offset / 4u + v];
+            const vec4 a = a_data[(params.a_offset + params.window_start) / 4u + v];
 #if ARITY == 2
-            const vec4 b = b_data[params.b_offset / 4u + v];
-            out_data[v] = vec4(binary_result(a.x, b.x), binary_result(a.y, b.y), binary_result(a.z, b.z),
-                               binary_result(a.w, b.w));
+            const vec4 b = b_data[(params.b_offset + params.window_start) / 4u + v];
+            out_data[params.out_offset / 4u + v] = vec4(binary_result(a.x, b.x), binary_result(a.y, b.y),
+                                                 binary_result(a.z, b.z), binary_result(a.w, b.w));
 #else
-            out_data[v] = vec4(apply(a.x), apply(a.y), apply(a.z), apply(a.w));
+            out_data[params.out_offset / 4u + v] = vec4(apply(a.x), apply(a.y), apply(a.z), apply(a.w));
 #endif
         }
     }
@@ -288,7 +292,7 @@ void main() {
     if (index >= params.numel) {
         return;
     }
-    uint rest = index;
+    uint rest = params.window_start + index;
     uint a_index = params.a_offset;
 #if ARITY == 2
     uint b_index = params.b_offset;
@@ -306,9 +310,9 @@ void main() {
         }
     }
 #if ARITY == 1
-    out_data[index] = apply(a_data[a_index]);
+    out_data[params.out_offset + index] = apply(a_data[a_index]);
 #else
-    out_data[index] = binary_result(a_data[a_index], b_data[b_index]);
+    out_data[params.out_offset + index] = binary_result(a_data[a_index], b_data[b_index]);
 #endif
 }
 #endif

@@ -395,7 +395,8 @@ class GraphExecutor:
                 raise context.fail(
                     f"dispatch {dispatch.name!r} binds tensor {names} over {bound.size} "
                     f"bytes, more than the max storage binding size of {limit} bytes, and its kernel cannot split "
-                    f"it (the head's mm, the linear q4gsw ops, the embeddings and fused_ce split; see README "
+                    f"it (the head's mm, the linear q4gsw ops, the embeddings, fused_ce, elementwise ops and copies "
+                    f"split; see README "
                     f"'Picking a runtime')")
 
     def _plan_dispatches(self) -> list[Dispatch]:

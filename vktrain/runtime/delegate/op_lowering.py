@@ -45,8 +45,8 @@ from vktrain.quant import padded_k, w4x8_num_words
 from vktrain.serialization import graph as vk
 
 # Importing the kernels package imports every family, so KERNELS is complete.
-from vktrain.runtime.delegate.kernels import (KERNELS, attention, coopmat, coopmat_attention, cross_entropy, layout, linear,
-                                             matmul, norm)
+from vktrain.runtime.delegate.kernels import (KERNELS, attention, coopmat, coopmat_attention, copies, cross_entropy, layout,
+                                             linear, matmul, norm)
 from vktrain.runtime.delegate.lowering_context import (KERNEL_DTYPES, GraphLoweringError, OpContext, OpLowering,
                                                       TensorArg)
 from vktrain.runtime.vk.schedule import BufferBinding, Dispatch
@@ -385,7 +385,8 @@ def _lower_transpose(ctx: OpContext) -> list[Dispatch]:
     source = ctx.tensor(0, "self")
     try:
         view = layout.transposed_view(ctx.op.name, ctx.args[1:], source.strided)
-        return layout.plan_strided_copy(ctx.outputs[0].binding, source.binding, view, label=ctx.label)
+        return copies.plan_copy(ctx.outputs[0].binding, source.binding, view, label=ctx.label,
+                                binding_limit=ctx.binding_limit)
     except (ValueError, TypeError) as exc:
         raise ctx.fail(f"the copy kernel refused it: {exc}") from exc
 

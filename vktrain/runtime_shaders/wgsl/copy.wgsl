@@ -37,6 +37,7 @@ struct Params {
     size0: u32, size1: u32, size2: u32, size3: u32, size4: u32, size5: u32,
     in_stride0: u32, in_stride1: u32, in_stride2: u32, in_stride3: u32, in_stride4: u32, in_stride5: u32,
     out_stride0: u32, out_stride1: u32, out_stride2: u32, out_stride3: u32, out_stride4: u32, out_stride5: u32,
+    window_start: u32,  // a window of a split copy: invocation i moves element window_start + i
 }
 @group(0) @binding(2) var<uniform> params: Params;
 
@@ -62,7 +63,7 @@ fn main(@builtin(workgroup_id) workgroup: vec3<u32>, @builtin(local_invocation_i
                                           p.in_stride5);
     var out_strides = array<u32, MAX_RANK>(p.out_stride0, p.out_stride1, p.out_stride2, p.out_stride3,
                                            p.out_stride4, p.out_stride5);
-    var rest = index;
+    var rest = p.window_start + index;
     var in_index = p.in_offset;
     var out_index = p.out_offset;
     for (var d = 0u; d < p.rank; d++) {

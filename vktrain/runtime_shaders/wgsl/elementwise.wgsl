@@ -37,6 +37,9 @@ struct Params {
     size0: u32, size1: u32, size2: u32, size3: u32, size4: u32, size5: u32,
     a_stride0: u32, a_stride1: u32, a_stride2: u32, a_stride3: u32, a_stride4: u32, a_stride5: u32,
     b_stride0: u32, b_stride1: u32, b_stride2: u32, b_stride3: u32, b_stride4: u32, b_stride5: u32,
+    // A window of a split op: invocation i computes output element window_start + i, stored at out_offset + i.
+    window_start: u32,
+    out_offset: u32,
 }
 #if ARITY == 2
 #if VEC4
@@ -251,13 +254,13 @@ fn main(@builtin(workgroup_id) workgroup: vec3<u32>, @builtin(local_invocation_i
     for (var j = 0u; j < VEC4_PER_THREAD; j++) {
         let v = first + j * WORKGROUP_SIZE;
         if (v < count4) {
-            let a = a_data[params.a_offset / 4u + v];
+            let a = a_data[(params.a_offset + params.window_start) / 4u + v];
 #if ARITY == 2
-            let b = b_data[params.b_offset / 4u + v];
-            out_data[v] = vec4<f32>(binary_result(a.x, b.x), binary_result(a.y, b.y), binary_result(a.z, b.z),
-                                    binary_result(a.w, b.w));
+            let b = b_data[(params.b_offset + params.window_start) / 4u + v];
+            out_data[params.out_offset / 4u + v] = vec4<f32>(binary_result(a.x, b.x), binary_result(a.y, b.y),
+                                                          binary_result(a.z, b.z), binary_result(a.w, b.w));
 #else
-            out_data[v] = vec4<f32>(apply(a.x), apply(a.y), apply(a.z), apply(a.w));
+            out_data[params.out_offset / 4u + v] = vec4<f32>(apply(a.x), apply(a.y), apply(a.z), apply(a.w));
 #endif
         }
     }
@@ -275,7 +278,7 @@ fn main(@builtin(workgroup_id) workgroup: vec3<u32>, @builtin(local_invocation_i
                                          p.a_stride5);
     var b_strides = array<u32, MAX_RANK>(p.b_stride0, p.b_stride1, p.b_stride2, p.b_stride3, p.b_stride4,
                                          p.b_stride5);
-    var rest = index;
+    var rest = p.window_start + index;
     var a_index = p.a_offset;
     var b_index = p.b_offset;
     for (var d = 0u; d < p.rank; d++) {
@@ -291,9 +294,9 @@ fn main(@builtin(workgroup_id) workgroup: vec3<u32>, @builtin(local_invocation_i
     if ((OP == EW_BINARY_MAXIMUM || OP == EW_BINARY_MINIMUM) && (is_nan(a) || is_nan(b))) {
         result = nan();  // torch.maximum / minimum propagate NaN
     }
-    out_data[index] = result;
+    out_data[p.out_offset + index] = result;
 #else
-    out_data[index] = apply(a_data[a_index]);
+    out_data[p.out_offset + index] = apply(a_data[a_index]);
 #endif
 }
 #endif

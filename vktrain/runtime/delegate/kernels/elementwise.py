@@ -12,6 +12,10 @@ arithmetic, VEC4_ELEMENTS_PER_GROUP elements per workgroup (256 invocations of 4
 per-element arithmetic (bit-identical results). That is most of a training step's elementwise traffic
 (residual adds, gradient sums, norm and SwiGLU products).
 
+Over `binding_limit` (the max storage binding size) an op runs one dispatch per window of its output's flat
+index space, each input bound by the elements its window reads (kernels/elementwise_windows.py): the same
+per-element arithmetic, so the same bits; aligned windows of same-shape runs keep the VEC4 body.
+
 Numerics (fp32; tests compare against torch eager in float64, 1e-5 relative):
 * gelu uses erfc, so it keeps full relative accuracy for x << 0 where 1 + erf(x) cancels; the tanh
   approximation is computed as x * sigmoid(2u), which does not cancel either.
@@ -24,12 +28,14 @@ Numerics (fp32; tests compare against torch eager in float64, 1e-5 relative):
 """
 from __future__ import annotations
 
+import math
 import numbers
 from typing import Any, Sequence
 
 from vktrain.runtime.vk.schedule import Dispatch, ceil_div, pack_push
 from vktrain.runtime.delegate.kernels.layout import (
     MAX_STRIDED_RANK,
+    BindingLimit,
     KernelArgumentError,
     StridedView,
     binding,
@@ -41,6 +47,8 @@ from vktrain.runtime.delegate.kernels.layout import (
     elementwise_groups,
     padded_innermost_first,
 )
+from vktrain.runtime.delegate.kernels.elementwise_windows import (needs_windows, operand_span, split_windows,
+                                                                  window_binding, window_offset)
 from vktrain.runtime.delegate.kernels.registry import register_kernel
 
 OP_SPEC_ID = 3
@@ -86,13 +94,16 @@ BINARY_OPS = {
 }
 
 
-def _pack(numel: int, rank: int, scalar0: float, scalar1: float, a_offset: int, b_offset: int,
-          sizes: Sequence[int], a_strides: Sequence[int], b_strides: Sequence[int]) -> bytes:
+def _pack(numel: int, rank: int, scalar0: float, scalar1: float, offsets: Sequence[int], sizes: Sequence[int],
+          strides: Sequence[Sequence[int]], window_start: int = 0, out_offset: int = 0) -> bytes:
+    a_offset, b_offset = (list(offsets) + [0])[:2]
+    a_strides, b_strides = (list(strides) + [()])[:2]
     return pack_push(
         numel, rank, float(scalar0), float(scalar1), a_offset, b_offset,
         *padded_innermost_first(sizes, MAX_STRIDED_RANK, 1),
         *padded_innermost_first(a_strides, MAX_STRIDED_RANK, 0),
-        *padded_innermost_first(b_strides, MAX_STRIDED_RANK, 0))
+        *padded_innermost_first(b_strides, MAX_STRIDED_RANK, 0),
+        window_start, out_offset)
 
 
 def _merged(out_shape: tuple[int, ...], views: Sequence[StridedView], label: str):
@@ -114,42 +125,67 @@ def _shader_and_groups(arity: int, numel: int, sizes: Sequence[int], strides: Se
     return f"elementwise@ARITY={arity}", elementwise_groups(numel)
 
 
+def _plan(op_code: int, arity: int, out: Any, operands: Sequence[tuple[Any, StridedView]], out_shape: tuple[int, ...],
+          scalar0: float, scalar1: float, label: str, binding_limit: BindingLimit | None) -> list[Dispatch]:
+    """One dispatch over the whole output, or (over `binding_limit`) one per window of its flat index space
+    (kernels/elementwise_windows.py), each binding only the elements its window reads."""
+    numel = math.prod(out_shape)
+    full = [view.broadcast_to(out_shape) for _, view in operands]
+    sizes, strides = _merged(out_shape, full, label)
+    spec = {OP_SPEC_ID: op_code}
+    if not needs_windows(binding_limit, [(out, numel)] + [(b, v.extent()) for b, v in operands]):
+        offsets = [view.offset for view in full]
+        push = _pack(numel, len(sizes), scalar0, scalar1, offsets, sizes, strides)
+        shader, groups = _shader_and_groups(arity, numel, sizes, strides, offsets)
+        bindings = (binding(out, "w"), *(binding(buffer, "r") for buffer, _ in operands))
+        return [Dispatch(shader, groups, bindings=bindings, push_constants=push, spec_constants=spec, label=label)]
+    names = ("input a", "input b") if arity == 2 else ("input",)
+
+    def plan_window(begin: int, end: int) -> Dispatch:
+        out_bound, out_offset = window_binding(out, begin, end, "w", binding_limit, label, "the output")
+        bindings, offsets = [out_bound], []
+        for (buffer, _), view, operand_strides, name in zip(operands, full, strides, names):
+            lo, hi = operand_span(sizes, operand_strides, view.offset, begin, end)
+            bound, skipped = window_binding(buffer, lo, hi, "r", binding_limit, label, name)
+            bindings.append(bound)
+            offsets.append(window_offset(view.offset, lo, skipped))
+        count = end - begin
+        push = _pack(count, len(sizes), scalar0, scalar1, offsets, sizes, strides, begin, out_offset)
+        local_offsets = [(offset + begin) % 2**32 for offset in offsets] + [out_offset]  # where the window's runs start
+        shader, groups = _shader_and_groups(arity, count, sizes, strides, local_offsets)
+        return Dispatch(shader, groups, bindings=tuple(bindings), push_constants=push, spec_constants=spec,
+                        label=f"{label}.window{begin}")
+
+    return split_windows(numel, binding_limit, plan_window)
+
+
 def plan_unary(op: str, out: Any, a: Any, a_view: StridedView, *, scalar0: float = 0.0,
-               scalar1: float = 0.0, label: str | None = None) -> list[Dispatch]:
-    """out (contiguous, a_view.sizes) = op(a read through a_view)."""
+               scalar1: float = 0.0, label: str | None = None,
+               binding_limit: BindingLimit | None = None) -> list[Dispatch]:
+    """out (contiguous, a_view.sizes) = op(a read through a_view); split over `binding_limit`."""
     if op not in UNARY_OPS:
         raise KernelArgumentError(f"unknown unary elementwise op {op!r}; known: {sorted(UNARY_OPS)}")
     label = label or op
     check_view_fits(a_view, None, f"{label} input")
     if a_view.numel == 0:
         return []
-    sizes, (a_strides,) = _merged(a_view.sizes, (a_view,), label)
-    push = _pack(a_view.numel, len(sizes), scalar0, scalar1, a_view.offset, 0, sizes, a_strides, ())
-    shader, groups = _shader_and_groups(1, a_view.numel, sizes, (a_strides,), (a_view.offset,))
-    return [Dispatch(shader, groups,
-                     bindings=(binding(out, "w"), binding(a, "r")), push_constants=push,
-                     spec_constants={OP_SPEC_ID: UNARY_OPS[op]}, label=label)]
+    return _plan(UNARY_OPS[op], 1, out, [(a, a_view)], a_view.sizes, scalar0, scalar1, label, binding_limit)
 
 
 def plan_binary(op: str, out: Any, a: Any, a_view: StridedView, b: Any, b_view: StridedView, *,
-                scalar0: float = 0.0, scalar1: float = 0.0, label: str | None = None) -> list[Dispatch]:
-    """out (contiguous, broadcast shape of a and b) = op(a, b)."""
+                scalar0: float = 0.0, scalar1: float = 0.0, label: str | None = None,
+                binding_limit: BindingLimit | None = None) -> list[Dispatch]:
+    """out (contiguous, broadcast shape of a and b) = op(a, b); split over `binding_limit`."""
     if op not in BINARY_OPS:
         raise KernelArgumentError(f"unknown binary elementwise op {op!r}; known: {sorted(BINARY_OPS)}")
     label = label or op
     out_shape = broadcast_shapes(a_view.sizes, b_view.sizes)
     check_view_fits(a_view, None, f"{label} input a")
     check_view_fits(b_view, None, f"{label} input b")
-    numel = StridedView.contiguous(out_shape).numel
-    if numel == 0:
+    if math.prod(out_shape) == 0:
         return []
-    a_full, b_full = a_view.broadcast_to(out_shape), b_view.broadcast_to(out_shape)
-    sizes, (a_strides, b_strides) = _merged(out_shape, (a_full, b_full), label)
-    push = _pack(numel, len(sizes), scalar0, scalar1, a_view.offset, b_view.offset, sizes, a_strides, b_strides)
-    shader, groups = _shader_and_groups(2, numel, sizes, (a_strides, b_strides), (a_view.offset, b_view.offset))
-    return [Dispatch(shader, groups,
-                     bindings=(binding(out, "w"), binding(a, "r"), binding(b, "r")), push_constants=push,
-                     spec_constants={OP_SPEC_ID: BINARY_OPS[op]}, label=label)]
+    return _plan(BINARY_OPS[op], 2, out, [(a, a_view), (b, b_view)], out_shape, scalar0, scalar1, label,
+                 binding_limit)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -172,8 +208,9 @@ def _number(value: Any, what: str) -> float:
 
 def _unary_plan(key: str, op: str, doc: str):
     def plan(*, out: Any, self: Any, self_shape: Sequence[int], self_dtype: Any = "float32",
-             label: str = key) -> list[Dispatch]:
-        return plan_unary(op, out, self, _float_operand(self_shape, self_dtype, f"{key} self"), label=label)
+             label: str = key, binding_limit: BindingLimit | None = None) -> list[Dispatch]:
+        return plan_unary(op, out, self, _float_operand(self_shape, self_dtype, f"{key} self"), label=label,
+                          binding_limit=binding_limit)
 
     plan.__name__ = plan.__qualname__ = "plan_" + key.split(".")[1]
     plan.__doc__ = f"{key}: {doc}"
@@ -207,62 +244,73 @@ def _gelu_ops(approximate: Any, key: str) -> tuple[str, str]:
 
 @register_kernel("aten.gelu.default")
 def plan_gelu(*, out: Any, self: Any, self_shape: Sequence[int], approximate: str = "none",
-              self_dtype: Any = "float32", label: str = "aten.gelu.default") -> list[Dispatch]:
+              self_dtype: Any = "float32", label: str = "aten.gelu.default",
+              binding_limit: BindingLimit | None = None) -> list[Dispatch]:
     """aten.gelu: x * Phi(x) (approximate="none") or the tanh approximation (approximate="tanh")."""
     op, _ = _gelu_ops(approximate, "aten.gelu.default")
-    return plan_unary(op, out, self, _float_operand(self_shape, self_dtype, "aten.gelu self"), label=label)
+    return plan_unary(op, out, self, _float_operand(self_shape, self_dtype, "aten.gelu self"), label=label,
+                      binding_limit=binding_limit)
 
 
 @register_kernel("aten.pow.Tensor_Scalar")
 def plan_pow_tensor_scalar(*, out: Any, self: Any, self_shape: Sequence[int], exponent: float,
-                           self_dtype: Any = "float32", label: str = "aten.pow.Tensor_Scalar") -> list[Dispatch]:
+                           self_dtype: Any = "float32", label: str = "aten.pow.Tensor_Scalar",
+                           binding_limit: BindingLimit | None = None) -> list[Dispatch]:
     """aten.pow.Tensor_Scalar: out = self ** exponent (a Python number)."""
     view = _float_operand(self_shape, self_dtype, "aten.pow self")
     return plan_unary("pow_scalar", out, self, view,
-                      scalar0=_number(exponent, "aten.pow.Tensor_Scalar exponent"), label=label)
+                      scalar0=_number(exponent, "aten.pow.Tensor_Scalar exponent"), label=label,
+                      binding_limit=binding_limit)
 
 
 @register_kernel("aten.mul.Scalar")
 def plan_mul_scalar(*, out: Any, self: Any, self_shape: Sequence[int], other: float,
-                    self_dtype: Any = "float32", label: str = "aten.mul.Scalar") -> list[Dispatch]:
+                    self_dtype: Any = "float32", label: str = "aten.mul.Scalar",
+                    binding_limit: BindingLimit | None = None) -> list[Dispatch]:
     """aten.mul.Scalar: out = self * other."""
     view = _float_operand(self_shape, self_dtype, "aten.mul.Scalar self")
-    return plan_unary("mul_scalar", out, self, view, scalar0=_number(other, "aten.mul.Scalar other"), label=label)
+    return plan_unary("mul_scalar", out, self, view, scalar0=_number(other, "aten.mul.Scalar other"), label=label,
+                      binding_limit=binding_limit)
 
 
 @register_kernel("aten.add.Scalar")
 def plan_add_scalar(*, out: Any, self: Any, self_shape: Sequence[int], other: float, alpha: float = 1,
-                    self_dtype: Any = "float32", label: str = "aten.add.Scalar") -> list[Dispatch]:
+                    self_dtype: Any = "float32", label: str = "aten.add.Scalar",
+                    binding_limit: BindingLimit | None = None) -> list[Dispatch]:
     """aten.add.Scalar: out = self + alpha * other."""
     view = _float_operand(self_shape, self_dtype, "aten.add.Scalar self")
     shift = _number(alpha, "aten.add.Scalar alpha") * _number(other, "aten.add.Scalar other")
-    return plan_unary("add_scalar", out, self, view, scalar0=shift, label=label)
+    return plan_unary("add_scalar", out, self, view, scalar0=shift, label=label, binding_limit=binding_limit)
 
 
 @register_kernel("aten.sub.Scalar")
 def plan_sub_scalar(*, out: Any, self: Any, self_shape: Sequence[int], other: float, alpha: float = 1,
-                    self_dtype: Any = "float32", label: str = "aten.sub.Scalar") -> list[Dispatch]:
+                    self_dtype: Any = "float32", label: str = "aten.sub.Scalar",
+                    binding_limit: BindingLimit | None = None) -> list[Dispatch]:
     """aten.sub.Scalar: out = self - alpha * other."""
     view = _float_operand(self_shape, self_dtype, "aten.sub.Scalar self")
     shift = _number(alpha, "aten.sub.Scalar alpha") * _number(other, "aten.sub.Scalar other")
-    return plan_unary("add_scalar", out, self, view, scalar0=-shift, label=label)
+    return plan_unary("add_scalar", out, self, view, scalar0=-shift, label=label, binding_limit=binding_limit)
 
 
 @register_kernel("aten.rsub.Scalar")
 def plan_rsub_scalar(*, out: Any, self: Any, self_shape: Sequence[int], other: float, alpha: float = 1,
-                     self_dtype: Any = "float32", label: str = "aten.rsub.Scalar") -> list[Dispatch]:
+                     self_dtype: Any = "float32", label: str = "aten.rsub.Scalar",
+                     binding_limit: BindingLimit | None = None) -> list[Dispatch]:
     """aten.rsub.Scalar: out = other - alpha * self."""
     view = _float_operand(self_shape, self_dtype, "aten.rsub.Scalar self")
     return plan_unary("rsub_scalar", out, self, view, scalar0=_number(other, "aten.rsub.Scalar other"),
-                      scalar1=_number(alpha, "aten.rsub.Scalar alpha"), label=label)
+                      scalar1=_number(alpha, "aten.rsub.Scalar alpha"), label=label, binding_limit=binding_limit)
 
 
 @register_kernel("aten.div.Scalar")
 def plan_div_scalar(*, out: Any, self: Any, self_shape: Sequence[int], other: float,
-                    self_dtype: Any = "float32", label: str = "aten.div.Scalar") -> list[Dispatch]:
+                    self_dtype: Any = "float32", label: str = "aten.div.Scalar",
+                    binding_limit: BindingLimit | None = None) -> list[Dispatch]:
     """aten.div.Scalar: out = self / other (true division)."""
     view = _float_operand(self_shape, self_dtype, "aten.div.Scalar self")
-    return plan_unary("div_scalar", out, self, view, scalar0=_number(other, "aten.div.Scalar other"), label=label)
+    return plan_unary("div_scalar", out, self, view, scalar0=_number(other, "aten.div.Scalar other"), label=label,
+                      binding_limit=binding_limit)
 
 
 def _binary_plan(key: str, op: str, doc: str, *, scalar_fallback: str | None = None):
@@ -271,7 +319,7 @@ def _binary_plan(key: str, op: str, doc: str, *, scalar_fallback: str | None = N
 
     def plan(*, out: Any, self: Any, self_shape: Sequence[int], other: Any, other_shape: Sequence[int] | None = None,
              alpha: float = 1, self_dtype: Any = "float32", other_dtype: Any = "float32",
-             label: str = key) -> list[Dispatch]:
+             label: str = key, binding_limit: BindingLimit | None = None) -> list[Dispatch]:
         a_view = _float_operand(self_shape, self_dtype, f"{key} self")
         alpha_value = _number(alpha, f"{key} alpha")
         if alpha_value != 1.0 and op not in ("add", "sub"):
@@ -281,14 +329,18 @@ def _binary_plan(key: str, op: str, doc: str, *, scalar_fallback: str | None = N
                 raise KernelArgumentError(f"{key}: other must be a tensor, got the number {other!r}")
             value = float(other)
             if op == "add":
-                return plan_unary("add_scalar", out, self, a_view, scalar0=alpha_value * value, label=label)
+                return plan_unary("add_scalar", out, self, a_view, scalar0=alpha_value * value, label=label,
+                                  binding_limit=binding_limit)
             if op == "sub":
-                return plan_unary("add_scalar", out, self, a_view, scalar0=-alpha_value * value, label=label)
-            return plan_unary(scalar_fallback, out, self, a_view, scalar0=value, label=label)
+                return plan_unary("add_scalar", out, self, a_view, scalar0=-alpha_value * value, label=label,
+                                  binding_limit=binding_limit)
+            return plan_unary(scalar_fallback, out, self, a_view, scalar0=value, label=label,
+                              binding_limit=binding_limit)
         if other_shape is None:
             raise KernelArgumentError(f"{key}: other is a tensor but other_shape is missing")
         b_view = _float_operand(other_shape, other_dtype, f"{key} other")
-        return plan_binary(op, out, self, a_view, other, b_view, scalar0=alpha_value, label=label)
+        return plan_binary(op, out, self, a_view, other, b_view, scalar0=alpha_value, label=label,
+                           binding_limit=binding_limit)
 
     plan.__name__ = plan.__qualname__ = "plan_" + key.split(".")[1] + "_tensor"
     plan.__doc__ = f"{key}: {doc} (broadcasting; `other` may be a Python number)"
@@ -307,67 +359,76 @@ plan_minimum = _binary_plan("aten.minimum.default", "minimum", "out = min(self, 
 @register_kernel("aten.pow.Tensor_Tensor")
 def plan_pow_tensor_tensor(*, out: Any, self: Any, self_shape: Sequence[int], exponent: Any,
                            exponent_shape: Sequence[int], self_dtype: Any = "float32",
-                           exponent_dtype: Any = "float32", label: str = "aten.pow.Tensor_Tensor") -> list[Dispatch]:
+                           exponent_dtype: Any = "float32", label: str = "aten.pow.Tensor_Tensor",
+                           binding_limit: BindingLimit | None = None) -> list[Dispatch]:
     """aten.pow.Tensor_Tensor: out = self ** exponent, broadcasting."""
     a_view = _float_operand(self_shape, self_dtype, "aten.pow.Tensor_Tensor self")
     b_view = _float_operand(exponent_shape, exponent_dtype, "aten.pow.Tensor_Tensor exponent")
-    return plan_binary("pow", out, self, a_view, exponent, b_view, label=label)
+    return plan_binary("pow", out, self, a_view, exponent, b_view, label=label, binding_limit=binding_limit)
 
 
 @register_kernel("aten.silu_backward.default")
 def plan_silu_backward(*, out: Any, grad_output: Any, grad_output_shape: Sequence[int], self: Any,
                        self_shape: Sequence[int], grad_output_dtype: Any = "float32", self_dtype: Any = "float32",
-                       label: str = "aten.silu_backward.default") -> list[Dispatch]:
+                       label: str = "aten.silu_backward.default",
+                       binding_limit: BindingLimit | None = None) -> list[Dispatch]:
     """aten.silu_backward: grad_output * sigmoid(self) * (1 + self * (1 - sigmoid(self)))."""
     key = "aten.silu_backward.default"
     g_view = _float_operand(grad_output_shape, grad_output_dtype, f"{key} grad_output")
     x_view = _float_operand(self_shape, self_dtype, f"{key} self")
-    return plan_binary("silu_backward", out, grad_output, g_view, self, x_view, label=label)
+    return plan_binary("silu_backward", out, grad_output, g_view, self, x_view, label=label,
+                       binding_limit=binding_limit)
 
 
 @register_kernel("aten.sigmoid_backward.default")
 def plan_sigmoid_backward(*, out: Any, grad_output: Any, grad_output_shape: Sequence[int], output: Any,
                           output_shape: Sequence[int], grad_output_dtype: Any = "float32",
                           output_dtype: Any = "float32",
-                          label: str = "aten.sigmoid_backward.default") -> list[Dispatch]:
+                          label: str = "aten.sigmoid_backward.default",
+                          binding_limit: BindingLimit | None = None) -> list[Dispatch]:
     """aten.sigmoid_backward: grad_output * output * (1 - output), `output` = sigmoid(x)."""
     key = "aten.sigmoid_backward.default"
     g_view = _float_operand(grad_output_shape, grad_output_dtype, f"{key} grad_output")
     y_view = _float_operand(output_shape, output_dtype, f"{key} output")
-    return plan_binary("sigmoid_backward", out, grad_output, g_view, output, y_view, label=label)
+    return plan_binary("sigmoid_backward", out, grad_output, g_view, output, y_view, label=label,
+                       binding_limit=binding_limit)
 
 
 @register_kernel("aten.tanh_backward.default")
 def plan_tanh_backward(*, out: Any, grad_output: Any, grad_output_shape: Sequence[int], output: Any,
                        output_shape: Sequence[int], grad_output_dtype: Any = "float32", output_dtype: Any = "float32",
-                       label: str = "aten.tanh_backward.default") -> list[Dispatch]:
+                       label: str = "aten.tanh_backward.default",
+                       binding_limit: BindingLimit | None = None) -> list[Dispatch]:
     """aten.tanh_backward: grad_output * (1 - output^2), `output` = tanh(x)."""
     key = "aten.tanh_backward.default"
     g_view = _float_operand(grad_output_shape, grad_output_dtype, f"{key} grad_output")
     y_view = _float_operand(output_shape, output_dtype, f"{key} output")
-    return plan_binary("tanh_backward", out, grad_output, g_view, output, y_view, label=label)
+    return plan_binary("tanh_backward", out, grad_output, g_view, output, y_view, label=label,
+                       binding_limit=binding_limit)
 
 
 @register_kernel("aten.threshold_backward.default")
 def plan_threshold_backward(*, out: Any, grad_output: Any, grad_output_shape: Sequence[int], self: Any,
                             self_shape: Sequence[int], threshold: float, grad_output_dtype: Any = "float32",
                             self_dtype: Any = "float32",
-                            label: str = "aten.threshold_backward.default") -> list[Dispatch]:
+                            label: str = "aten.threshold_backward.default",
+                            binding_limit: BindingLimit | None = None) -> list[Dispatch]:
     """aten.threshold_backward (relu's backward with threshold 0): self <= threshold ? 0 : grad_output."""
     key = "aten.threshold_backward.default"
     g_view = _float_operand(grad_output_shape, grad_output_dtype, f"{key} grad_output")
     x_view = _float_operand(self_shape, self_dtype, f"{key} self")
     return plan_binary("threshold_backward", out, grad_output, g_view, self, x_view,
-                       scalar0=_number(threshold, f"{key} threshold"), label=label)
+                       scalar0=_number(threshold, f"{key} threshold"), label=label, binding_limit=binding_limit)
 
 
 @register_kernel("aten.gelu_backward.default")
 def plan_gelu_backward(*, out: Any, grad_output: Any, grad_output_shape: Sequence[int], self: Any,
                        self_shape: Sequence[int], approximate: str = "none", grad_output_dtype: Any = "float32",
-                       self_dtype: Any = "float32", label: str = "aten.gelu_backward.default") -> list[Dispatch]:
+                       self_dtype: Any = "float32", label: str = "aten.gelu_backward.default",
+                       binding_limit: BindingLimit | None = None) -> list[Dispatch]:
     """aten.gelu_backward: grad_output * gelu'(self) for approximate "none" or "tanh"."""
     key = "aten.gelu_backward.default"
     _, op = _gelu_ops(approximate, key)
     g_view = _float_operand(grad_output_shape, grad_output_dtype, f"{key} grad_output")
     x_view = _float_operand(self_shape, self_dtype, f"{key} self")
-    return plan_binary(op, out, grad_output, g_view, self, x_view, label=label)
+    return plan_binary(op, out, grad_output, g_view, self, x_view, label=label, binding_limit=binding_limit)

@@ -408,15 +408,21 @@ def plan_strided_copy(out: Any, source: Any, source_view: StridedView, *,
         raise KernelArgumentError(
             f"{label}: the copy of sizes {source_view.sizes} needs {len(sizes)} dims after merging "
             f"contiguous ones; copy.comp supports at most {MAX_STRIDED_RANK}")
-    push = pack_push(
-        source_view.numel, len(sizes), source_view.offset, out_view.offset,
-        *padded_innermost_first(sizes, MAX_STRIDED_RANK, 1),
-        *padded_innermost_first(in_strides, MAX_STRIDED_RANK, 0),
-        *padded_innermost_first(out_strides, MAX_STRIDED_RANK, 0))
+    push = copy_push(source_view.numel, sizes, (source_view.offset, out_view.offset), (in_strides, out_strides))
     return [Dispatch(
         "copy", elementwise_groups(source_view.numel),
         bindings=(binding(out, "w"), binding(source, "r")),
         push_constants=push, spec_constants={COPY_CONVERT_SPEC_ID: convert}, label=label)]
+
+
+def copy_push(numel: int, sizes: Sequence[int], offsets: tuple[int, int], strides: tuple[Sequence[int], Sequence[int]],
+              window_start: int = 0) -> bytes:
+    """copy.comp's push block: `numel` elements of merged `sizes` from flat index `window_start` on (a window
+    of a copy split over bindings, kernels/copies.py), (input, output) element offsets and strides."""
+    return pack_push(numel, len(sizes), *offsets,
+                     *padded_innermost_first(sizes, MAX_STRIDED_RANK, 1),
+                     *padded_innermost_first(strides[0], MAX_STRIDED_RANK, 0),
+                     *padded_innermost_first(strides[1], MAX_STRIDED_RANK, 0), window_start)
 
 
 def fill_word(value: Any, dtype: str, what: str) -> int:
