@@ -7,7 +7,7 @@ matmuls, all in the same run, at Llama-3.2-1B projection shapes.
 
 For every M in --ms and (K, N) in --kn (default M = 512..4096, (K, N) of q/o, gate/up and down):
   vk  simt_linear_q4gsw                 kernels.linear default plan (split-K scratch when it wants one)
-  vk  coopmat_linear_q4gsw.<tiling>     y = x @ deq(W).T, each tiling of kernels/coopmat.py TILINGS
+  vk  coopmat_linear_q4gsw.<tiling>     y = x @ deq(W).T, each tiling of kernels/coopmat_tiling.py TILINGS
   vk  coopmat_linear_q4gsw_backward.<tiling>   d_x = d_out @ deq(W) (M x K output, reduction N), with
                                         its absmax pass
   vk  simt_mm                           aten.mm (kernels.matmul) of x @ deq(W).T materialised as [K, N]
@@ -45,15 +45,17 @@ from bench_timing import median_cuda_ms  # noqa: E402
 from vktrain import quant  # noqa: E402
 from vktrain.runtime import Buffer, Device, Program  # noqa: E402
 from vktrain.runtime.delegate.kernels.coopmat import (  # noqa: E402
-    KERNELS,
-    TILING_BY_NAME,
-    TILINGS,
     absmax_scratch_nbytes,
     coopmat_supported,
-    default_tiling,
     plan_coopmat_linear_q4gsw,
     plan_coopmat_linear_q4gsw_backward,
     plan_coopmat_mm,
+)
+from vktrain.runtime.delegate.kernels.coopmat_tiling import (  # noqa: E402
+    KERNELS,
+    TILING_BY_NAME,
+    TILINGS,
+    default_tiling,
 )
 from vktrain.runtime.delegate.kernels.linear import plan_linear_q4gsw, plan_scratch_nbytes, prepack_weights  # noqa: E402
 from vktrain.runtime.delegate.kernels.matmul import gemm_scratch_nbytes, plan_mm  # noqa: E402

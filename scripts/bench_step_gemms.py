@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Time the training step's small-output GEMMs (Llama-3.2-1B shapes at 1 x 128 tokens) on the SIMT split-K
 kernels and on the tensor cores at each split-K factor, all in one run, to set the coopmat split policy
-(kernels/coopmat.py SPLIT_TARGET_WORKGROUPS, MIN_SPLIT_SLICE, MAX_SPLIT_K and the route's MIN_WORKGROUPS).
+(kernels/coopmat_tiling.py SPLIT_TARGET_WORKGROUPS, MIN_SPLIT_SLICE, MAX_SPLIT_K and the route's MIN_WORKGROUPS).
 
     python3 scripts/bench_step_gemms.py --out bench/results/step_gemms_h200.json     # on the GPU machine
     python scripts/bench_step_gemms.py --emulate --tokens 16 --replays 1 --warmup 0   # smoke run, lavapipe
@@ -32,7 +32,7 @@ from bench_coopmat import GROUP_SIZE, rel_err, time_program  # noqa: E402
 from vktrain import quant  # noqa: E402
 from vktrain.contract import PRECISION_FP16_TC  # noqa: E402
 from vktrain.runtime import Buffer, Device  # noqa: E402
-from vktrain.runtime.delegate.kernels import coopmat  # noqa: E402
+from vktrain.runtime.delegate.kernels import coopmat, coopmat_tiling  # noqa: E402
 from vktrain.runtime.delegate.kernels.linear import (plan_linear_q4gsw, plan_linear_q4gsw_backward,  # noqa: E402
                                                      plan_scratch_nbytes, prepack_weights)
 from vktrain.runtime.delegate.kernels.matmul import gemm_scratch_nbytes, plan_mm  # noqa: E402
@@ -98,13 +98,13 @@ def bench_case(device, kind: str, M: int, N: int, K: int, args, rng) -> dict:
         sampled = buffers["out"].read(np.float32, (CHECK_ROWS, N))
         return {"ms": 1e3 * seconds, "dispatches": len(dispatches), "rel_err": rel_err(sampled, reference)}
 
-    tiling = coopmat.default_tiling(kernel, M, N, K, emulate=args.emulate)
+    tiling = coopmat_tiling.default_tiling(kernel, M, N, K, emulate=args.emulate)
     record = {"name": f"{kind} {M}x{N}x{K}", "kind": kind, "M": M, "N": N, "K": K, "tiling": tiling.name,
-              "default_split_k": coopmat.default_split_k(tiling, M, N, K),
+              "default_split_k": coopmat_tiling.default_split_k(tiling, M, N, K),
               "route_takes_tensor_cores": coopmat.GemmRoute(PRECISION_FP16_TC, True, "bench").takes_tensor_cores(M, N, K),
               "simt": measure(plan(None, simt=True)), "coopmat": {}}
     for split_k in SPLITS:
-        if split_k == 1 or coopmat.split_slice_length(tiling, K, split_k) * (split_k - 1) < K:
+        if split_k == 1 or coopmat_tiling.split_slice_length(tiling, K, split_k) * (split_k - 1) < K:
             record["coopmat"][split_k] = measure(plan(split_k))
     for buffer in buffers.values():
         buffer.destroy()

@@ -18,11 +18,23 @@ from test_kernels_coopmat import (BM64, FP16_SUBNORMAL_HALF_SPACING, FP16_UNIT_R
                                   _gemm_backend, _run, _scale_exponent)
 from vktrain.contract import PRECISION_FP16_TC
 from vktrain.quant import dequantize, quantize
-from vktrain.runtime.delegate.kernels.coopmat import (MAX_SPLIT_K, MIN_SPLIT_SLICE, MIN_WORKGROUPS, SPLIT_MIN_SIDE,
-                                                      SPLIT_TARGET_WORKGROUPS, GemmRoute, default_split_k,
-                                                      default_tiling, plan_coopmat_linear_q4gsw,
-                                                      plan_coopmat_linear_q4gsw_backward, plan_coopmat_mm,
-                                                      split_k_scratch_nbytes, split_slice_length)
+from vktrain.runtime.delegate.kernels.coopmat import (
+    GemmRoute,
+    plan_coopmat_linear_q4gsw,
+    plan_coopmat_linear_q4gsw_backward,
+    plan_coopmat_mm,
+)
+from vktrain.runtime.delegate.kernels.coopmat_tiling import (
+    MAX_SPLIT_K,
+    MIN_SPLIT_SLICE,
+    MIN_WORKGROUPS,
+    SPLIT_MIN_SIDE,
+    SPLIT_TARGET_WORKGROUPS,
+    default_split_k,
+    default_tiling,
+    split_k_scratch_nbytes,
+    split_slice_length,
+)
 from vktrain.runtime.delegate.kernels.layout import KernelArgumentError
 from vktrain.runtime.delegate.kernels.linear import prepack_weights
 from vktrain.runtime.vk.schedule import pack_push

@@ -17,13 +17,12 @@ import pytest
 from vktrain.runtime import Buffer, Program
 from vktrain.runtime.delegate.kernels.coopmat import (
     ABSMAX_MAX_PARTIALS,
-    ADDEND_TILINGS,
     SUBGROUP_BASIC_BIT,
-    TILING_BY_NAME,
     coopmat_supported,
     plan_coopmat_mm,
     takes_addend,
 )
+from vktrain.runtime.delegate.kernels.coopmat_tiling import ADDEND_TILINGS, TILING_BY_NAME
 from vktrain.runtime.delegate.kernels.gemm_tuning import CPU_TUNING, GPU_TUNING
 from vktrain.runtime.delegate.kernels.layout import StridedView
 from vktrain.runtime.delegate.kernels.matmul import plan_gemm, split_k_scratch_nbytes

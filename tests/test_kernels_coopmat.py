@@ -40,23 +40,25 @@ from vktrain.quant import dequantize, quantize
 from vktrain.runtime import Buffer, Program
 from vktrain.runtime.delegate.kernels.coopmat import (
     ABSMAX_MAX_PARTIALS,
+    SUBGROUP_BASIC_BIT,
+    _plan_absmax,
+    absmax_partials,
+    coopmat_supported,
+    plan_coopmat_linear_q4gsw,
+    plan_coopmat_linear_q4gsw_backward,
+    plan_coopmat_mm,
+)
+from vktrain.runtime.delegate.kernels.coopmat_tiling import (
     DEFAULT_TILINGS,
     EMULATED_DEFAULT_TILINGS,
     EMULATED_LOOP_BUDGET,
     KERNELS,
     SHARED_MEMORY_BYTES,
-    SUBGROUP_BASIC_BIT,
     TILING_BY_NAME,
     TILINGS,
     CoopmatTiling,
-    _plan_absmax,
-    absmax_partials,
-    coopmat_supported,
     default_tiling,
     emulated_loop_trips,
-    plan_coopmat_linear_q4gsw,
-    plan_coopmat_linear_q4gsw_backward,
-    plan_coopmat_mm,
 )
 from vktrain.runtime.delegate.kernels.layout import KernelArgumentError
 from vktrain.runtime.delegate.kernels.linear import prepack_weights

@@ -38,15 +38,17 @@ from vktrain.lora import LoRAConfig, apply_lora
 from vktrain.lora.layers import LoRAQ4Linear
 from vktrain.runtime.delegate.executor import GraphExecutor
 from vktrain.runtime.delegate.kernels.coopmat import (
-    EMULATED_LOOP_BUDGET,
-    MIN_WORKGROUPS,
-    CoopmatTiling,
     GemmRoute,
     PrecisionPolicyError,
     allowed_precisions,
     coopmat_supported,
-    emulated_loop_trips,
     select_gemm_route,
+)
+from vktrain.runtime.delegate.kernels.coopmat_tiling import (
+    EMULATED_LOOP_BUDGET,
+    MIN_WORKGROUPS,
+    CoopmatTiling,
+    emulated_loop_trips,
 )
 from vktrain.runtime.delegate.kernels.layout import StridedView
 from vktrain.runtime.program.runner import TrainingRunner
@@ -155,7 +157,7 @@ def test_mm_takes_the_tensor_cores_for_large_row_major_or_transposed_weight_oper
     # The LoRA B product (K = rank 16) of a 2048-wide projection: a large output.
     assert route.dense_b_transposed(_matrix(2048, 16), _transposed(16, 2048)) is True
     # Skinny outputs (x @ A^T of rank 16) keep the fp32 split-K kernels; d_h at 128 tokens (a small output
-    # over the vocabulary) takes the tensor cores split over K (kernels/coopmat.py default_split_k).
+    # over the vocabulary) takes the tensor cores split over K (kernels/coopmat_tiling.py default_split_k).
     assert route.dense_b_transposed(_matrix(2048, 2048), _transposed(2048, 16)) is None
     assert route.dense_b_transposed(_matrix(128, 49152), _matrix(49152, 576)) is False
     assert route.dense_b_transposed(_matrix(128, 256), _matrix(256, 576)) is None  # too short to split

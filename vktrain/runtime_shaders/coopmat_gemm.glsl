@@ -28,7 +28,7 @@
 // step k's products and written into the other buffer after them. Shared rows carry a 16-byte skew
 // (found best by the probe: fewer bank conflicts in the matrix loads). The output is stored straight
 // from the accumulators where a 16 x 16 block lies inside C, and through a per-subgroup shared block
-// with bounds checks at the edges. kernels/coopmat.py (CoopmatTiling) names the variants and checks
+// with bounds checks at the edges. kernels/coopmat_tiling.py (CoopmatTiling) names the variants and checks
 // what fits the 48 KiB of shared memory (the #error below says it again).
 //
 // Split-K (pc.k_slice > 0): workgroup z takes the reduction slice [z * k_slice, (z + 1) * k_slice) and

@@ -45,8 +45,8 @@ from vktrain.quant import padded_k, w4x8_num_words
 from vktrain.serialization import graph as vk
 
 # Importing the kernels package imports every family, so KERNELS is complete.
-from vktrain.runtime.delegate.kernels import (KERNELS, attention, coopmat, coopmat_attention, copies, cross_entropy, layout,
-                                             linear, matmul, norm)
+from vktrain.runtime.delegate.kernels import (KERNELS, attention, coopmat, coopmat_attention, coopmat_tiling, copies,
+                                             cross_entropy, layout, linear, matmul, norm)
 from vktrain.runtime.delegate.lowering_context import (KERNEL_DTYPES, GraphLoweringError, OpContext, OpLowering,
                                                       TensorArg)
 from vktrain.runtime.vk.schedule import BufferBinding, Dispatch
@@ -180,10 +180,11 @@ def _split_k_args(ctx: OpContext, plan: str, m: int, n: int, k: int, group_size:
 
 
 def _coopmat_split_k_args(ctx: OpContext, kernel: str, m: int, n: int, reduction: int) -> dict:
-    """Scratch for a coopmat kernel's split-K (kernels/coopmat.py: small outputs, long reductions), if it splits."""
-    if ctx.gemm.wgsl:  # the f16 WGSL kernels do not split K
+    """Scratch for a coopmat kernel's split-K (kernels/coopmat_tiling.py: small outputs, long reductions), if it
+    splits."""
+    if not ctx.gemm.splits_reduction:
         return {}
-    nbytes = coopmat.split_k_scratch_nbytes(kernel, m, n, reduction, emulate=ctx.gemm.emulate)
+    nbytes = coopmat_tiling.split_k_scratch_nbytes(kernel, m, n, reduction, emulate=ctx.gemm.emulate)
     return {"scratch": ctx.scratch(nbytes, "split_k")} if nbytes else {}
 
 
