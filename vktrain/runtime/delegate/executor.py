@@ -37,7 +37,8 @@ from vktrain.runtime.delegate.lowering_context import GraphLoweringError, OpCont
 from vktrain.runtime.delegate.op_lowering import copy_words, lowering_for
 from vktrain.runtime.delegate.kernels.coopmat import allowed_precisions, select_gemm_route
 from vktrain.runtime.delegate.kernels.gemm_tuning import select_gemm_tuning
-from vktrain.runtime.delegate.kernels.layout import StridedView, binding_limit_of
+from vktrain.serialization.strided_view import StridedView
+from vktrain.runtime.delegate.kernels.layout import binding_limit_of
 from vktrain.contract import PRECISION_AUTO
 from vktrain.runtime.vk.schedule import BufferBinding, Dispatch
 from vktrain.errors import VktrainError
