@@ -37,6 +37,7 @@ from vktrain.runtime.delegate.lowering_context import GraphLoweringError, OpCont
 from vktrain.runtime.delegate.op_lowering import copy_words, lowering_for
 from vktrain.runtime.delegate.kernels.coopmat import allowed_precisions, select_gemm_route
 from vktrain.runtime.delegate.kernels.gemm_tuning import select_gemm_tuning
+from vktrain.runtime.device_profiles import profile_of
 from vktrain.serialization.strided_view import StridedView
 from vktrain.runtime.delegate.kernels.layout import binding_limit_of
 from vktrain.contract import PRECISION_AUTO
@@ -160,8 +161,9 @@ class GraphExecutor:
         self.device = device
         self.max_binding_bytes = max_binding_bytes
         self.limits = binding_limited(device.limits, max_binding_bytes)
+        self.profile = profile_of(device)  # what planning reads of the device
         self.gemm_route = replace(select_gemm_route(precision, allowed_precisions(graph.metadata), device,
-                                                    emulate=emulate_tensor_cores),
+                                                    emulate=emulate_tensor_cores, profile=self.profile),
                                   fp32_tuning=select_gemm_tuning(device))
         self._staging = staging  # Buffer's access path: None = direct on unified memory, else staging
         self._shared = dict(shared or {})
@@ -411,7 +413,7 @@ class GraphExecutor:
             args = [self._decode(arg, index, op) for arg in op.args]
             outputs = [self._tensor_arg(out) for out in op.outputs]
             context = OpContext(index, op, args, outputs, label, self._scratch(index), self.limits,
-                                self.gemm_route, binding_limit_of(self.limits))
+                                self.gemm_route, binding_limit_of(self.limits), self.profile)
             planned = lowering.lower(context)
             self._check_binding_sizes(context, planned)
             if any(d.shader.startswith(TENSOR_CORE_SHADER_PREFIX) for d in planned):
