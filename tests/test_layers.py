@@ -212,3 +212,35 @@ def test_the_checks_find_what_they_look_for(tmp_path):
                                                                 "vktrain.runtime.b imports vktrain.backend.passes"]
     assert runtime_imports_of_the_aot_side(graph, external, floor="ground") == [
         "vktrain.serialization.reader imports torch"]
+
+
+def test_follow_moves_points_old_imports_at_the_new_homes(tmp_path):
+    """scripts/follow_moves.py (for branches written before the moves): its table names modules and names that
+    exist, and it splits an import whose names moved apart, renames what was renamed, and keeps the rest."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("follow_moves", REPO / "scripts" / "follow_moves.py")
+    follow_moves = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(follow_moves)
+    for new in follow_moves.MODULES.values():
+        assert (REPO / (new.replace(".", "/") + ".py")).is_file() or (REPO / new.replace(".", "/")).is_dir(), new
+    for (old, _), (new, name) in follow_moves.NAMES.items():
+        tree = ast.parse((REPO / (new.replace(".", "/") + ".py")).read_text())
+        defined = {n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.ClassDef))} | {
+            t.id for n in tree.body if isinstance(n, (ast.Assign, ast.AnnAssign))
+            for t in (n.targets if isinstance(n, ast.Assign) else [n.target]) if isinstance(t, ast.Name)}
+        assert name in defined, f"{new} defines no {name}"
+    path = tmp_path / "old.py"
+    path.write_text("from vktrain.train.eval_command import adapter_state, evaluate_data  # used below\n"
+                    "from vktrain.cli import _parse_model_args\n"
+                    "from vktrain.runtime.program.pte import PteFile\n"
+                    "from vktrain.models import load\n"
+                    "overrides = _parse_model_args(items)  # vktrain/train/tokenizer.py\n")
+    assert follow_moves.follow(path) and not follow_moves.follow(path)
+    assert path.read_text().split("\n") == [
+        "from vktrain.train.eval_command import adapter_state  # used below",
+        "from vktrain.train.held_out import evaluate_data",
+        "from vktrain.train.model_options import parse_model_args",
+        "from vktrain.serialization.pte import PteFile",
+        "from vktrain.models import load",
+        "overrides = parse_model_args(items)  # vktrain/serialization/tokenizer.py", ""]
