@@ -401,6 +401,12 @@ class CheckpointSeries:
                 files[int(number)] = candidate
         return files
 
+    def holds(self, path: PathLike) -> bool:
+        """Whether `path` is one of the series' files (its newest or a step-named one)."""
+        path = Path(path)
+        return path.absolute() == self.path.absolute() or any(
+            path.absolute() == p.absolute() for p in self._step_files().values())
+
     def kept(self) -> list[tuple[str, int]]:
         """(path, step) of every checkpoint of the series on disk, newest step first; `path` itself first."""
         kept = [(str(self.path), read_checkpoint_step(self.path))] if self.path.is_file() else []

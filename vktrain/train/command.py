@@ -31,6 +31,7 @@ from vktrain.train.adapters import (ADAPTER_CONFIG, ADAPTER_WEIGHTS, LORA_SUFFIX
 from vktrain.train.gguf_adapter import check_gguf_adapter_program, save_gguf_adapter
 from vktrain.train.checkpoint import (
     CheckpointError,
+    CheckpointSeries,
     load_checkpoint,
     restore_state,
     sha256_file,
@@ -144,8 +145,11 @@ TRAIN_RECORDS = OutputKind("vktrain train's JSON records", json_records("step"))
 
 def check_train_outputs(args: argparse.Namespace) -> None:
     """Every output of the run (vktrain.train.outputs' rules): not an input, not a file vktrain did not
-    write, not another run's checkpoint, writable. `--resume` alone writes its own checkpoint."""
+    write, not another run's checkpoint, writable. `--resume` alone writes its own checkpoint; resuming a
+    kept checkpoint of the --checkpoint series (PATH's .step<N> file) continues the run PATH holds."""
     continued = args.resume
+    if args.resume and args.checkpoint and CheckpointSeries(args.checkpoint).holds(args.resume):
+        continued = args.checkpoint
     checkpoint = Output("--checkpoint", args.checkpoint, CHECKPOINT, continues=continued) if args.checkpoint else \
         Output("--resume", args.resume, CHECKPOINT, continues=continued)
     check_outputs(
