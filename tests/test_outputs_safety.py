@@ -132,6 +132,13 @@ def test_outputs_vktrain_wrote_are_rewritten_and_overwrite_replaces_a_foreign_fi
                            "--json", notes, "--overwrite")
     assert code == 0, err
     assert [r["step"] for r in json.loads(notes.read_text())] == [1]
+    # federate (sequential engine, no Ray): a resumed federation rewrites its own --json and --checkpoint.
+    federate = ["federate", p["step.pte"], "--clients", 1, "--local-steps", 1, "--data", p["data.txt"], "--engine",
+                "sequential", "--json", tmp_path / "rounds.json", "--checkpoint", tmp_path / "federation"]
+    for rounds, resume in ((1, []), (2, ["--resume"])):
+        code, _, err = run_cli(capsys, *federate, "--rounds", rounds, *resume)
+        assert code == 0, err
+    assert [r["round"] for r in json.loads((tmp_path / "rounds.json").read_text())["rounds"]] == [0, 1, 2]
 
 
 def test_a_checkpoint_is_never_replaced_by_another_run(programs, capsys, tmp_path):

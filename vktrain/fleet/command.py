@@ -23,7 +23,7 @@ from vktrain.fleet.partition import PartitionError, PartitionScheme, write_shard
 from vktrain.fleet import FEDAVG, STRATEGIES
 from vktrain.fleet.checkpoint import FILE_NAME, FORMAT, checkpoint_path
 from vktrain.train.outputs import (PEFT_DIRECTORY, PNG, Output, OutputKind, add_overwrite_argument, check_outputs,
-                                   json_records, safetensors_metadata)
+                                   json_object, safetensors_metadata)
 from vktrain.train.data import DataError, TokenBatcher, default_dataset_path, load_data
 from vktrain.train.train_loop import AdamWConfig, TrainConfigError, describe_program
 
@@ -168,7 +168,7 @@ def prepare_shards(runner, data: Path, eval_data: Path | None, n_clients: int, s
 
 
 # What federate writes: --json the per-round records, --checkpoint DIR the global adapters after a round.
-ROUND_RECORDS = OutputKind("vktrain federate's JSON records", json_records("round"))
+ROUND_RECORDS = OutputKind("vktrain federate's JSON records", json_object("settings", "rounds"))
 FEDERATION_CHECKPOINT = OutputKind(
     "a federation checkpoint", lambda path: safetensors_metadata(checkpoint_path(path)).get("format") == FORMAT,
     directory=True, writes=(FILE_NAME,), holds_a_run=True)

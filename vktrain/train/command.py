@@ -6,7 +6,8 @@ vktrain/train/input_data.py), with the same loop, schedule, checkpoints and outp
 flags (TOKEN_DATA_FLAGS) are refused with `--inputs`, naming them.
 
 Everything that can be checked before the first step is: argument ranges as the program receives them
-(float32), every output path (parents created, writable, of the right kind), the checkpoint to resume
+(float32), every output path (vktrain.train.outputs: writable, no input, no file vktrain did not write,
+no other run's checkpoint), the checkpoint to resume
 (read and verified in full), the data and the program. A run never trains for minutes to fail on a flag.
 With VKTRAIN_VALIDATION=1 the Vulkan validation layer's messages are printed when the run ends, and a
 run that produced validation errors fails.
@@ -96,7 +97,9 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     parser.add_argument("--checkpoint-every", type=int, metavar="K",
                         help="write a checkpoint every K >= 1 steps (default: only after the last step)")
     parser.add_argument("--checkpoint", metavar="PATH",
-                        help="checkpoint file (safetensors), written atomically; default with --resume: that file")
+                        help="checkpoint file (safetensors), written atomically; default with --resume: that file; "
+                             "an existing one is only continued (--resume), never replaced by another run unless "
+                             "--overwrite")
     parser.add_argument("--keep-checkpoints", type=int, default=1, metavar="K",
                         help="keep the last K checkpoints: PATH is the newest, the K-1 before it stay as "
                              "PATH's name with .step<N> before the suffix (default 1)")
