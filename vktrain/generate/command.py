@@ -161,8 +161,9 @@ def check_cache_fits(args, model, prompt: list[int]) -> None:
     if needed > length:
         limit = model.config.max_seq_len
         flag = "--cache-length" if args.cache_length else "the default --cache-length"
-        way_out = (f"pass --cache-length {needed} (the model's max_seq_len is {limit})" if needed <= limit else
-                   f"the model's max_seq_len is {limit}: ask for at most {limit - len(prompt)} with --max-new-tokens")
+        way_out = (f"pass --cache-length {needed} or more (up to the model's max_seq_len, {limit})" if needed <= limit
+                   else f"the model's max_seq_len is {limit}: pass at most --max-new-tokens {limit - len(prompt)} "
+                        f"with --cache-length {limit}")
         raise GenerateUsageError(f"{len(prompt)} prompt tokens + --max-new-tokens {args.max_new_tokens} need {needed} "
                                  f"KV-cache positions; {flag} is {length}: {way_out}")
 

@@ -27,7 +27,7 @@ from tqdm import tqdm
 from vktrain.contract import ADAMW_DEFAULTS, METADATA_BAKED_SCALARS, PRECISION_AUTO, PRECISION_CHOICES
 from vktrain.errors import VktrainError
 from vktrain.runtime.runtimes import add_runtime_argument, max_binding_bytes
-from vktrain.train.adapters import (ADAPTER_CONFIG, ADAPTER_WEIGHTS, LORA_SUFFIXES, ProgramAdapters,
+from vktrain.train.adapters import (LORA_SUFFIXES, ProgramAdapters,
                                     adapters_from_state, runner_frozen_lora, save_adapters)
 from vktrain.train.gguf_adapter import check_gguf_adapter_program, save_gguf_adapter
 from vktrain.train.checkpoint import (

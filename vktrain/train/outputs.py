@@ -21,7 +21,7 @@ from __future__ import annotations
 import json
 import os
 import tempfile
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional, Sequence
 
@@ -151,7 +151,7 @@ class Output:
     flag: str
     path: str
     kind: OutputKind
-    continues: Optional[str] = field(default=None)
+    continues: Optional[str] = None
 
     def named(self) -> str:
         return f"{self.flag} {self.path}"
@@ -208,10 +208,10 @@ def _check_replaced(output: Output, overwrite: bool) -> None:
         return
     recognised = output.kind.recognise(Path(output.path))
     if not recognised:
-        what = ("holds files vktrain did not write there" if output.kind.directory else
-                f"exists and is not {output.kind.description}")
-        raise OutputError(f"{output.named()} {what} ({', '.join(p.name for p in replaced)}); write to another path, "
-                          f"or pass {OVERWRITE_FLAG} to replace it")
+        what = (f"holds files vktrain did not write there ({', '.join(p.name for p in replaced)})"
+                if output.kind.directory else f"exists and is not {output.kind.description}")
+        raise OutputError(f"{output.named()} {what}; write to another path, or pass {OVERWRITE_FLAG} to replace "
+                          f"{'them' if output.kind.directory else 'it'}")
     if output.kind.holds_a_run:
         raise OutputError(f"{output.named()} already holds {output.kind.description} of another run; continue that "
                           f"run with --resume{_resume_argument(output)}, or write this one to another path (or pass "
