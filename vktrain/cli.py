@@ -33,6 +33,7 @@ from vktrain.errors import VktrainError
 from vktrain.train.checkpoint import atomic_write_bytes  # torch-free; the one atomic writer
 from vktrain.train.model_options import (UsageError, add_quantization_arguments, parse_model_args,
                                          quantization_importance)
+from vktrain.train.outputs import PTE, Output, add_overwrite_argument, check_outputs
 from vktrain.train.train_loop import NonFiniteLossError
 
 PROGRAMS = ("train-step", "forward", "forward-base")
@@ -97,6 +98,8 @@ def cmd_export(args: argparse.Namespace) -> int:
 
     if args.freeze_lora_a and args.program != "train-step":
         raise UsageError(f"--freeze-lora-a freezes lora_A in a training step; --program is {args.program}")
+    check_outputs([Output("--out", args.out, PTE)], overwrite=args.overwrite,  # before minutes of export
+                  inputs=[("--model", args.model), ("--calibration-data", args.calibration_data)])
     import torch
 
     torch.manual_seed(args.seed)  # a built-in model's random weights; the LoRA init has its own generator
@@ -213,7 +216,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         return 2
     from vktrain.runtime.program.summary import summarize_pte
 
-    report = summarize_pte(data)
+    report = summarize_pte(data, args.file)
     print(json.dumps(report, indent=2) if args.json else format_report(args.file, report))
     return 0
 
@@ -245,6 +248,7 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("--batch", type=int, default=4)
     export.add_argument("--seq", type=int, default=64)
     export.add_argument("--out", required=True, help="output .pte path (written atomically)")
+    add_overwrite_argument(export)
     export.set_defaults(run=cmd_export)
 
     inspect = sub.add_parser("inspect", help="describe a .pte: delegates, ops, constants, memory, state, refusals")
@@ -329,7 +333,7 @@ def main(argv: list[str] | None = None) -> int:
     input or an environmental failure."""
     _silence_known_import_noise()
     args = build_parser().parse_args(argv)
-    prefix = f"vktrain {args.command}"
+    prefix = " ".join(["vktrain", args.command, *([args.action] if getattr(args, "action", None) else [])])
     try:
         return args.run(args)
     except BrokenPipeError:  # the reader went away (`vktrain inspect x.pte | head`): not an error

@@ -30,8 +30,11 @@ from vktrain.train.checkpoint import atomic_write_json, load_checkpoint
 from vktrain.train.data import load_data
 from vktrain.serialization.tokenizer import program_tokenizer
 from vktrain.train.held_out import check_max_batches, evaluate_data
+from vktrain.train.outputs import Output, OutputKind, add_overwrite_argument, check_outputs, json_object
 from vktrain.train.train_loop import TrainConfigError, describe_program, is_token_step
 
+
+EVAL_RESULT = OutputKind("vktrain eval's JSON result", json_object("loss"))  # what --json writes
 
 
 def add_eval_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -48,6 +51,7 @@ def add_eval_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
                         help="evaluate only the first N batches of the data (default: all of it)")
     parser.add_argument("--json", metavar="FILE", help='write {"loss", "perplexity", "tokens"} as JSON')
     add_runtime_argument(parser)
+    add_overwrite_argument(parser)
     return parser
 
 
@@ -89,7 +93,7 @@ def load_adapter_state(runner, state: Mapping[str, np.ndarray]) -> None:
 def run_eval(args: argparse.Namespace, device=None) -> int:
     """`vktrain eval`: prints the loss, perplexity and token count (and writes them with --json)."""
     from vktrain.runtime.program.runner import TrainingRunner  # opens Vulkan: imported only when a run starts
-    from vktrain.train.command import ValidationErrorsReported, prepare_output_file, print_validation_messages
+    from vktrain.train.command import ValidationErrorsReported, print_validation_messages
 
     if (args.data is None) == (args.inputs is None):
         raise TrainConfigError("give the held-out data: --data FILE (token data) or --inputs DATA.npz (a step of any "
@@ -98,8 +102,9 @@ def run_eval(args: argparse.Namespace, device=None) -> int:
     check_max_batches("--max-batches", args.max_batches)
     if not program_path.is_file():
         raise TrainConfigError(f"program {program_path} does not exist (or is not a file)")
-    if args.json:
-        prepare_output_file("--json", args.json)
+    check_outputs([Output("--json", args.json, EVAL_RESULT)], overwrite=args.overwrite,
+                  inputs=[("the program", args.program), ("--data", args.data), ("--inputs", args.inputs),
+                          ("--adapters", args.adapters)])
     runner = TrainingRunner.from_pte(program_path, device, runtime=getattr(args, "runtime", None),
                                      max_binding_bytes=max_binding_bytes(args))
     own_device = runner.device if device is None else None  # a caller's device keeps its messages

@@ -33,6 +33,8 @@ from vktrain.train.adapters import (
     ProgramAdapters, add_program_adapter_arguments, load_program_adapters, read_program_graph
 )
 from vktrain.train.checkpoint import atomic_write_bytes, atomic_write_json
+from vktrain.train.outputs import (Output, OutputKind, add_overwrite_argument, check_outputs, refuse_input,
+                                   safetensors_metadata)
 
 PathLike = Union[str, os.PathLike]
 
@@ -43,6 +45,13 @@ SOURCE_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.j
 HF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 _Q4_WEIGHTS, _Q4_SCALES = ".weights", ".scales"  # LoRAQ4Linear's buffers (vktrain.lora.layers)
 _SKIPPED = ("rope_cos", "rope_sin")  # functions of the config, rebuilt by transformers
+# model.safetensors' metadata: transformers reads "format"; "written_by" tells a merged directory apart
+# from any other model directory (which `--out` never replaces without --overwrite).
+_WEIGHTS_METADATA = {"format": "pt", "written_by": "vktrain merge"}
+MERGED_DIRECTORY = OutputKind(
+    "a directory vktrain merge wrote",
+    lambda path: safetensors_metadata(path / MERGED_WEIGHTS).get("written_by") == _WEIGHTS_METADATA["written_by"],
+    directory=True, writes=(MERGED_WEIGHTS, "config.json", *SOURCE_FILES))
 
 
 class MergeError(VktrainError, ValueError):
@@ -70,9 +79,9 @@ def merged_state_dict(program: PathLike, adapters_dir: Optional[PathLike] = None
     program = Path(program)
     graph, constants = _program_constants(program)
     recorded = ProgramAdapters.from_metadata(graph.metadata, str(program))
-    if recorded.model_config is None or recorded.family not in HF_ARCHITECTURES:
-        raise MergeError(f"{program}: merging needs a Llama-family program whose export recorded its model family and "
-                         f"config (found family {recorded.family!r}); re-export it with this vktrain")
+    refusal = recorded.family_refusal(tuple(HF_ARCHITECTURES), str(program), "merging")
+    if refusal:
+        raise MergeError(refusal)
     adapters, alpha = load_program_adapters(program, recorded, adapters_dir, checkpoint)
     state: dict[str, np.ndarray] = {}
     for module, (lora_a, lora_b) in adapters.items():
@@ -164,15 +173,18 @@ def merge_to_hf_directory(program: PathLike, out_dir: PathLike, adapters_dir: Op
     out = Path(out_dir)
     if out.exists() and not out.is_dir():
         raise MergeError(f"--out {out} is a file; expected a directory (it will hold the merged model)")
-    out.mkdir(parents=True, exist_ok=True)
     source = _source_directory(recorded)
+    if source is not None:
+        refuse_input(Output("--out", str(out_dir), MERGED_DIRECTORY), "the model directory the program was exported "
+                     "from:", str(source))
+    out.mkdir(parents=True, exist_ok=True)
     if source is not None:
         config = json.loads((source / "config.json").read_text(encoding="utf-8"))
         config.pop("torch_dtype", None)
         config["dtype"] = "float32"
     else:
         config = hf_config(recorded.model_config, recorded.family)
-    atomic_write_bytes(out / MERGED_WEIGHTS, safetensors.numpy.save(state, metadata={"format": "pt"}))
+    atomic_write_bytes(out / MERGED_WEIGHTS, safetensors.numpy.save(state, metadata=_WEIGHTS_METADATA))
     atomic_write_json(out / "config.json", config)
     for name in SOURCE_FILES if source is not None else ():
         if (source / name).is_file():
@@ -185,11 +197,14 @@ def add_merge_arguments(parser):
     add_program_adapter_arguments(parser)
     parser.add_argument("--out", required=True, metavar="DIR",
                         help="Hugging Face model directory to write (config.json, model.safetensors, tokenizer files)")
+    add_overwrite_argument(parser)
     return parser
 
 
 def run_merge(args) -> int:
     """`vktrain merge`: 0 on success; bad input raises a VktrainError (the CLI's one-line error)."""
+    check_outputs([Output("--out", args.out, MERGED_DIRECTORY)], overwrite=args.overwrite,
+                  inputs=[("the program", args.program), ("--adapters", args.adapters), ("--checkpoint", args.checkpoint)])
     out = merge_to_hf_directory(args.program, args.out, adapters_dir=args.adapters, checkpoint=args.checkpoint)
     print(f"wrote {out}: {args.program}'s dequantized q4gsw base with the adapters of "
           f"{args.adapters or args.checkpoint} merged in (float32)")

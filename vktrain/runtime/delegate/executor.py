@@ -65,7 +65,8 @@ MIN_MAX_BINDING_BYTES = 1 << 20  # the least max_binding_bytes: every split kern
 
 
 def binding_limited(limits: Any, max_binding_bytes: int | None) -> Any:
-    """A device's limits with its max storage binding size lowered to `max_binding_bytes` (None: as they are)."""
+    """A device's limits with its max storage binding size lowered to `max_binding_bytes` (None: as they are;
+    above the device's own: refused)."""
     if max_binding_bytes is None:
         return limits
     if isinstance(max_binding_bytes, bool) or not isinstance(max_binding_bytes, int) \
@@ -73,7 +74,12 @@ def binding_limited(limits: Any, max_binding_bytes: int | None) -> Any:
         raise GraphLoweringError(f"max_binding_bytes (the max storage binding size, --max-binding-mib) must be an "
                                  f"int >= {MIN_MAX_BINDING_BYTES} (1 MiB, the least vktrain's split kernels need), "
                                  f"got {max_binding_bytes!r}")
-    return replace(limits, max_storage_buffer_range=min(limits.max_storage_buffer_range, max_binding_bytes))
+    if max_binding_bytes > limits.max_storage_buffer_range:  # it lowers the device's limit, never raises it
+        raise GraphLoweringError(f"max_binding_bytes (--max-binding-mib) {max_binding_bytes} is above the device's "
+                                 f"max storage binding size of {limits.max_storage_buffer_range} bytes "
+                                 f"({limits.max_storage_buffer_range / (1 << 20):.1f} MiB); it can only lower it: "
+                                 f"give at most {limits.max_storage_buffer_range >> 20}, or leave it out")
+    return replace(limits, max_storage_buffer_range=max_binding_bytes)
 
 
 def _align(nbytes: int, alignment: int) -> int:
