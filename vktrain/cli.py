@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import os
 import re
 import sys
@@ -29,6 +28,8 @@ import warnings
 from pathlib import Path
 
 from vktrain.errors import VktrainError
+# main() repeats vktrain/__init__'s silencing (idempotent) in case a library reset the filters.
+from vktrain.import_noise import silence_known_import_noise as _silence_known_import_noise
 from vktrain.quant.q4gsw import SCALE_RULES  # numpy only
 from vktrain.train.checkpoint import atomic_write_bytes  # torch-free; the one atomic writer
 from vktrain.train.train_loop import NonFiniteLossError
@@ -42,35 +43,6 @@ TRACEBACK_ENV = "VKTRAIN_TRACEBACK"  # set to 1: an internal error shows its tra
 
 class UsageError(VktrainError, ValueError):
     """A command-line argument that cannot be parsed (beyond what argparse checks)."""
-
-
-class _DropMessages(logging.Filter):
-    """Drops the log records whose message matches `pattern` (re.match), and nothing else."""
-
-    def __init__(self, pattern: str) -> None:
-        super().__init__()
-        self.pattern = re.compile(pattern)
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return not self.pattern.match(record.getMessage())
-
-
-# The lines torch/torchao/executorch print on every import and export although nothing is wrong:
-# torchao's optional CUDA/CUTLASS extensions (`_C_*.so`) that a CPU install cannot load, and torch pytree
-# deprecation notices about how torchao and executorch register their types.
-_IMPORT_NOISE = {
-    "torchao": _DropMessages(r"Failed to load \S*torchao/_C\S*\.so: "),
-    "torch.utils._pytree": _DropMessages(r"<enum '\w+'> is an Enum subclass and is now natively supported by "
-                                         r"torch.compile"),
-}
-_IMPORT_NOISE_WARNING = r"`isinstance\(treespec, LeafSpec\)` is deprecated"
-
-
-def _silence_known_import_noise() -> None:
-    """Silence exactly `_IMPORT_NOISE` (idempotent); everything else those libraries log or warn still shows."""
-    for logger, drop in _IMPORT_NOISE.items():
-        logging.getLogger(logger).addFilter(drop)  # adding the same filter twice keeps one
-    warnings.filterwarnings("ignore", message=_IMPORT_NOISE_WARNING, category=FutureWarning)
 
 
 def summarize_layer_paths(paths: list[str]) -> str:
