@@ -15,6 +15,10 @@ once): the loss is the mean of the eval method's loss over those batches, each w
 module's loss defines its own reduction within a batch). This needs the eval method
 (vktrain.export.export_training_and_eval_steps); a .pte without one is refused, saying so. `--adapters`
 is then a vktrain checkpoint (its model.* tensors: everything the step trained).
+
+`--generate` measures task accuracy instead of the loss: greedy answers to the held-out chats of --data
+by the model the .pte holds with the adapters given (vktrain/generate/task_accuracy.py; it exports a
+prefill/decode program on the host, so this path imports torch).
 """
 from __future__ import annotations
 
