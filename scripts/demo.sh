@@ -11,7 +11,7 @@ set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
 steps="${1:-8}"
-examples="${EXAMPLES:-4}"  # held-out chats answered for the accuracy (all 48: EXAMPLES=48, ~10x longer)
+examples="${EXAMPLES:-4}"  # held-out chats answered for the accuracy (all 48: EXAMPLES=48, 12x the decoding)
 model=smollm2-135m-instruct
 data=vktrain/data
 scripts/setup.sh
