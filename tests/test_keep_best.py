@@ -110,3 +110,23 @@ def test_keep_best_and_early_stopping_refuse_what_they_cannot_do(setup, argv, me
     root, _ = setup
     assert cli.main(["train", str(root / "step.pte"), "--steps", "2", *argv]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_a_resumed_run_keeps_the_best_of_the_whole_run(setup, capsys):
+    root, _ = setup
+    whole, resumed = root / "whole", root / "resumed"
+    code, records = _train(root, "whole", "--keep-best", "--checkpoint", str(whole / "ck.safetensors"))
+    assert code == 0, capsys.readouterr().err
+    code, _ = _train(root, "resumed", "--keep-best", "--checkpoint", str(resumed / "ck.safetensors"),
+                     "--checkpoint-every", "2", "--steps", str(STEPS // 2))  # the later --steps wins
+    assert code == 0, capsys.readouterr().err
+    code, again = _train(root, "resumed", "--keep-best", "--resume", str(resumed / "ck.safetensors"),
+                         "--out-adapters", str(resumed / "adapters"))
+    assert code == 0, capsys.readouterr().err
+    assert [r["eval_loss"] for r in again if "eval_loss" in r] == [r["eval_loss"] for r in records if "eval_loss" in r]
+    best, kept = load_checkpoint(whole / "ck.best.safetensors"), load_checkpoint(resumed / "ck.best.safetensors")
+    assert kept.step == best.step <= STEPS // 2  # found before the resume: the adapters come from the file
+    for name, array in best.tensors.items():
+        np.testing.assert_array_equal(kept.tensors[name], array, err_msg=name)
+    for module, (lora_a, lora_b) in load_adapters(resumed / "adapters").items():  # from the best, whichever run
+        np.testing.assert_array_equal(lora_b, best.tensors[f"model.{module}.lora_B"])
