@@ -172,3 +172,19 @@ def test_generate_flags_are_checked_before_anything_runs(step, tmp_path, capsys)
     assert "--max-new-tokens must be >= 1" in capsys.readouterr().err
     assert cli.main(["eval", path, "--data", "x.jsonl", "--generate", "--max-batches", "1"]) == 2
     assert "--inputs and --max-batches belong to the loss" in capsys.readouterr().err
+
+
+def test_a_program_without_a_chat_template_is_refused_naming_it(step, tmp_path, vk_device):
+    from vktrain.cli import build_parser
+    from vktrain.train.eval_command import run_eval
+
+    path, model, _ = step
+    bare = tmp_path / "bare.pte"  # the same step without the tokenizer's named data
+    methods = dict(zip((TRAIN_METHOD, EVAL_METHOD), export_training_and_eval_steps(model, (1, 16))))
+    bare.write_bytes(lower_methods_to_pte(methods, {TRAIN_METHOD: VktrainPartitioner(
+        compile_specs=adapter_metadata_specs(model, "tiny-llama"))}))
+    data = tmp_path / "chats.jsonl"
+    data.write_text('{"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]}\n')
+    args = build_parser().parse_args(["eval", str(bare), "--data", str(data), "--generate"])
+    with pytest.raises(TaskDataError, match=r"bare.pte carries no tokenizer with a chat template"):
+        run_eval(args, vk_device)
