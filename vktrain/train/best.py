@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Callable, Optional
 
 import numpy as np
+from tqdm import tqdm
 
 from vktrain.train.checkpoint import (Checkpoint, capture_state, load_checkpoint, remove_stale_temp_files,
                                      save_checkpoint)
@@ -110,8 +111,8 @@ class BestKeeper:
             self.best_state = capture_state(self.runner)
             if self.path is not None:
                 save_checkpoint(self.path, self.make_checkpoint(records, self.best_state))
-            print(f"step {step:6d}  new best held-out loss {loss:.6f}"
-                  + (f": {self.path}" if self.path is not None else ""), file=sys.stdout)
+            tqdm.write(f"step {step:6d}  new best held-out loss {loss:.6f}"
+                       + (f": {self.path}" if self.path is not None else ""), file=sys.stdout)  # under the bar
         if self.patience is not None and since >= self.patience:
             self.stopped = (f"early stopping after step {step}: {since} held-out evaluation(s) without a loss below "
                             f"step {best_step}'s {loss:.6f} (--early-stopping {self.patience})")
