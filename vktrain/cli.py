@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import os
 import re
 import sys
@@ -30,6 +29,8 @@ import warnings
 from pathlib import Path
 
 from vktrain.errors import VktrainError
+# main() repeats vktrain/__init__'s silencing (idempotent) in case a library reset the filters.
+from vktrain.import_noise import silence_known_import_noise as _silence_known_import_noise
 from vktrain.train.checkpoint import atomic_write_bytes  # torch-free; the one atomic writer
 from vktrain.train.model_options import (UsageError, add_quantization_arguments, parse_model_args,
                                          quantization_importance)
@@ -43,33 +44,6 @@ EXIT_OK, EXIT_DIVERGED, EXIT_BAD_INPUT, EXIT_INTERNAL, EXIT_INTERRUPTED = 0, 1, 
 TRACEBACK_ENV = "VKTRAIN_TRACEBACK"  # set to 1: an internal error shows its traceback
 
 
-class _DropMessages(logging.Filter):
-    """Drops the log records whose message matches `pattern` (re.match), and nothing else."""
-
-    def __init__(self, pattern: str) -> None:
-        super().__init__()
-        self.pattern = re.compile(pattern)
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return not self.pattern.match(record.getMessage())
-
-
-# The lines torch/torchao/executorch print on every import and export although nothing is wrong:
-# torchao's optional CUDA/CUTLASS extensions (`_C_*.so`) that a CPU install cannot load, and torch pytree
-# deprecation notices about how torchao and executorch register their types.
-_IMPORT_NOISE = {
-    "torchao": _DropMessages(r"Failed to load \S*torchao/_C\S*\.so: "),
-    "torch.utils._pytree": _DropMessages(r"<enum '\w+'> is an Enum subclass and is now natively supported by "
-                                         r"torch.compile"),
-}
-_IMPORT_NOISE_WARNING = r"`isinstance\(treespec, LeafSpec\)` is deprecated"
-
-
-def _silence_known_import_noise() -> None:
-    """Silence exactly `_IMPORT_NOISE` (idempotent); everything else those libraries log or warn still shows."""
-    for logger, drop in _IMPORT_NOISE.items():
-        logging.getLogger(logger).addFilter(drop)  # adding the same filter twice keeps one
-    warnings.filterwarnings("ignore", message=_IMPORT_NOISE_WARNING, category=FutureWarning)
 
 
 def summarize_layer_paths(paths: list[str]) -> str:

@@ -37,6 +37,7 @@ from vktrain.train.checkpoint import (
     restore_state,
     sha256_file,
 )
+from vktrain.train.best import BestKeeper, add_best_arguments, check_best_arguments
 from vktrain.train.data import TokenBatcher, default_dataset_path, load_data
 from vktrain.train.lr_schedule import SCHEDULES, LRSchedule
 from vktrain.serialization.tokenizer import program_tokenizer
@@ -135,6 +136,7 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     parser.add_argument("--log-every", type=int, default=1, metavar="N",
                         help="print step, loss and lr every N steps (default 1; 0: only the summary)")
     add_overwrite_argument(parser)
+    add_best_arguments(parser)  # --keep-best, --early-stopping (vktrain/train/best.py)
     return parser
 
 
@@ -202,6 +204,7 @@ def check_arguments(args: argparse.Namespace) -> tuple[LRSchedule, AdamWConfig]:
     from vktrain.train.held_out import check_max_batches
 
     check_max_batches("--eval-batches", args.eval_batches)
+    check_best_arguments(args)
     if args.plot and importlib.util.find_spec("matplotlib") is None:
         raise TrainConfigError("--plot needs matplotlib (pip install matplotlib)")
     schedule = LRSchedule(hyperparameter(args, "schedule"), lr, args.steps, warmup, hyperparameter(args, "min_lr_ratio"))
@@ -397,6 +400,9 @@ def _train_loaded(args, runner, schedule, optimizer, resume, seed, data_path, pr
                   file=sys.stderr)
     start = state.step
     after_step = _held_out_evaluation(args, runner, info)
+    keeper = BestKeeper.for_run(args, runner, state, program_sha256, batches, run_config(schedule, optimizer, batches))
+    if keeper is not None:
+        after_step = keeper.wrap(after_step)
     print(f"{described}; steps {start + 1}..{args.steps}", file=sys.stderr)
     print(f"{args.program}: {runner.gemm_report()}", file=sys.stderr)
     try:
@@ -404,12 +410,14 @@ def _train_loaded(args, runner, schedule, optimizer, resume, seed, data_path, pr
               checkpoint_every=args.checkpoint_every or 0, checkpoint_path=checkpoint_path,
               keep_checkpoints=args.keep_checkpoints, program_sha256=program_sha256, json_path=args.json,
               progress=not args.no_progress, log_every=args.log_every, on_nonfinite=args.on_nonfinite,
-              after_step=after_step)
+              after_step=after_step, stop=keeper.should_stop if keeper is not None else None)
     except KeyboardInterrupt:
         where = (f"the last checkpoint is {state.last_checkpoint[0]} (step {state.last_checkpoint[1]})"
                  if state.last_checkpoint else "no checkpoint was written")
         print(f"vktrain train: interrupted after step {state.step}; {where}", file=sys.stderr)
         return None, start
+    if keeper is not None:
+        keeper.finish()  # the best state back in the runner: its adapters are written
     if wants_adapters:
         lora_state = {name: runner.read_state(name) for name in runner.state_names if name.endswith(LORA_SUFFIXES)}
         # A --freeze-lora-a program's lora_A are constants, not state.
