@@ -15,7 +15,8 @@ device.
 
 Exit codes: 0 done; 1 the training loss diverged; 2 bad input or an environmental failure (no device,
 out of memory, disk full), printed as one line `vktrain <cmd>: error: <message>`; 70 an internal error
-(one line; VKTRAIN_TRACEBACK=1 shows the traceback); 130 interrupted (Ctrl-C).
+(one line; VKTRAIN_TRACEBACK=1 shows the traceback); 130 interrupted (Ctrl-C), 143 terminated (SIGTERM):
+`train` and `federate` then save what they have and print how to resume.
 """
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ import json
 import logging
 import os
 import re
+import signal
 import sys
 import warnings
 from pathlib import Path
@@ -31,12 +33,14 @@ from pathlib import Path
 from vktrain.errors import VktrainError
 from vktrain.quant.q4gsw import SCALE_RULES  # numpy only
 from vktrain.train.checkpoint import atomic_write_bytes  # torch-free; the one atomic writer
+from vktrain.train.interrupts import EXIT_CODES, StopOnSignal, signal_name
 from vktrain.train.train_loop import NonFiniteLossError
 
 PROGRAMS = ("train-step", "forward", "forward-base")
 
-# How a command ends. EXIT_BAD_INPUT covers environmental failures too (no device, out of memory, disk full).
-EXIT_OK, EXIT_DIVERGED, EXIT_BAD_INPUT, EXIT_INTERNAL, EXIT_INTERRUPTED = 0, 1, 2, 70, 130
+# How a command ends. EXIT_BAD_INPUT covers environmental failures too (no device, out of memory, disk full);
+# a signal ends it with 128 + its number (EXIT_CODES: 130 SIGINT, 143 SIGTERM).
+EXIT_OK, EXIT_DIVERGED, EXIT_BAD_INPUT, EXIT_INTERNAL = 0, 1, 2, 70
 TRACEBACK_ENV = "VKTRAIN_TRACEBACK"  # set to 1: an internal error shows its traceback
 
 
@@ -367,15 +371,21 @@ def main(argv: list[str] | None = None) -> int:
     """Run one command; every way it can end is an exit code (see EXIT_*), never a traceback for bad
     input or an environmental failure."""
     _silence_known_import_noise()
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
+    args.command_line = argv  # as given: `vktrain train` prints it back with --resume when interrupted
     prefix = f"vktrain {args.command}"
     try:
-        return args.run(args)
+        with StopOnSignal(args.command):  # SIGTERM, like Ctrl-C, ends in one line and its exit code
+            return args.run(args)
     except BrokenPipeError:  # the reader went away (`vktrain inspect x.pte | head`): not an error
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return EXIT_OK
-    except KeyboardInterrupt:  # Ctrl-C: whoever was interrupted already said what was kept
-        return EXIT_INTERRUPTED
+    except KeyboardInterrupt as exc:  # Ctrl-C or SIGTERM
+        signum = getattr(exc, "signum", signal.SIGINT)
+        if not getattr(exc, "reported", False):  # train and federate say what they kept themselves
+            print(f"\n{prefix}: interrupted ({signal_name(signum)})", file=sys.stderr)
+        return EXIT_CODES[signum]
     except NonFiniteLossError as exc:
         print(f"{prefix}: error: {exc}", file=sys.stderr)
         return EXIT_DIVERGED

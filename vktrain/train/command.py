@@ -18,6 +18,7 @@ import importlib.util
 import json
 import math
 import os
+import signal
 import sys
 import tempfile
 from pathlib import Path
@@ -39,6 +40,7 @@ from vktrain.train.checkpoint import (
     sha256_file,
 )
 from vktrain.train.data import TokenBatcher, default_dataset_path, load_data
+from vktrain.train.interrupts import Interrupted, StopOnSignal, resume_command, signal_name
 from vktrain.train.lr_schedule import SCHEDULES, LRSchedule
 from vktrain.train.tokenizer import program_tokenizer
 from vktrain.train.train_loop import (
@@ -266,11 +268,18 @@ def print_validation_messages(device) -> int:
 
 
 def run_train(args: argparse.Namespace, device=None) -> int:
-    """`vktrain train`: 0 on success, 130 when interrupted (Ctrl-C, after saying what was kept; re-raised
-    before the loop started). Bad input and divergence raise (a VktrainError; NonFiniteLossError for a
-    diverged loss): vktrain.cli turns them into one line and an exit code. `device`: a vktrain.runtime
-    Device to run on, whose validation messages stay with it (None: the runner opens the default one,
-    and its validation messages are printed here)."""
+    """`vktrain train`: 0 on success; 130 (SIGINT) / 143 (SIGTERM) when a signal stopped the loop, after
+    checkpointing (with --checkpoint), writing --json / --plot and saying how to resume
+    (vktrain.train.interrupts; a signal outside the loop, or a second one, raises Interrupted). Bad input
+    and divergence raise (a VktrainError; NonFiniteLossError for a diverged loss): vktrain.cli turns them
+    into one line and an exit code. `device`: a vktrain.runtime Device to run on, whose validation
+    messages stay with it (None: the runner opens the default one, and its validation messages are
+    printed here)."""
+    with StopOnSignal("train") as stop:
+        return _run_train(args, device, stop)
+
+
+def _run_train(args: argparse.Namespace, device, stop: StopOnSignal) -> int:
     from vktrain.runtime.program.runner import TrainingRunner  # opens Vulkan: imported only when a run starts
 
     program_path = Path(args.program)
@@ -299,7 +308,7 @@ def run_train(args: argparse.Namespace, device=None) -> int:
     try:
         with runner:
             state, start = _train_loaded(args, runner, schedule, optimizer, resume, seed, data_path,
-                                         program_sha256, checkpoint_path)
+                                         program_sha256, checkpoint_path, stop)
     except BaseException:
         print_validation_messages(own_device)  # shown, but the error in flight wins
         raise
@@ -307,12 +316,13 @@ def run_train(args: argparse.Namespace, device=None) -> int:
     if errors:
         raise ValidationErrorsReported(f"the Vulkan validation layer reported {errors} error(s) (printed above); "
                                        f"the run's results are not trustworthy")
-    if state is None:
-        return 130
     if args.plot and state.records:
         from vktrain.train.plot import plot_losses
 
         plot_losses(state.records, args.plot, title=f"vktrain train {program_path.name}")
+    if _stopped_early(args, state, stop):
+        _report_stop(args, state, stop)
+        return stop.exit_code
     new_records = state.records[start:]
     summary = f"trained steps {start + 1}..{state.step}" if new_records else f"nothing to train (already at step {state.step})"
     if new_records:
@@ -323,6 +333,31 @@ def run_train(args: argparse.Namespace, device=None) -> int:
         if value:
             print(f"{label}: {value}")
     return 0
+
+
+def _stopped_early(args, state: TrainState, stop: StopOnSignal) -> bool:
+    """A signal ended the loop before --steps (one that came after the last step stops nothing)."""
+    return stop.requested() and state.step < args.steps
+
+
+def _report_stop(args, state: TrainState, stop: StopOnSignal) -> None:
+    """What a run stopped by a signal kept, and the command that continues it."""
+    lines = [f"vktrain train: stopped by {signal_name(stop.signum)} after step {state.step} of {args.steps}"]
+    if state.last_checkpoint is not None:
+        path, step = state.last_checkpoint
+        lines.append(f"saved checkpoint {path} (step {step}); resume with:")
+        lines.append(f"  {resume_command(getattr(args, 'command_line', None) or sys.argv[1:], path)}")
+    else:
+        lines.append("nothing to resume from was saved: pass --checkpoint PATH to have an interrupted run "
+                     "checkpointed (and --resume PATH to continue it)")
+    for label, value in (("records", args.json), ("loss plot", args.plot)):
+        if value and state.records:
+            lines.append(f"saved {label} {value} (steps 1..{state.step})")
+    for flag in ("--out-adapters", "--out-gguf-adapter"):
+        value = getattr(args, flag[2:].replace("-", "_"))
+        if value:
+            lines.append(f"not written: {flag} {value} (the run did not finish; resume it to write them)")
+    print("\n".join(lines), file=sys.stderr, flush=True)
 
 
 def _held_out_evaluation(args, runner, info):
@@ -368,8 +403,9 @@ def _training_batches(args, runner, data_path: Path, seed: int):
 
 
 def _train_loaded(args, runner, schedule, optimizer, resume, seed, data_path, program_sha256,
-                  checkpoint_path) -> tuple[Optional[TrainState], int]:
-    """The run once the program is loaded: (final state, first step's index), state None when interrupted."""
+                  checkpoint_path, stop: StopOnSignal) -> tuple[TrainState, int]:
+    """The run once the program is loaded: (final state, first step's index); no adapters are written
+    when a signal stopped it early."""
     metadata = dict(getattr(getattr(runner, "graph", None), "metadata", {}) or {})
     if not takes_hparams(runner):
         schedule, optimizer, baked = baked_hyperparameters(args, metadata, args.steps)
@@ -403,16 +439,24 @@ def _train_loaded(args, runner, schedule, optimizer, resume, seed, data_path, pr
     print(f"{described}; steps {start + 1}..{args.steps}", file=sys.stderr)
     print(f"{args.program}: {runner.gemm_report()}", file=sys.stderr)
     try:
-        train(runner, batches, args.steps, schedule, optimizer, state=state,  # updates `state` in place
-              checkpoint_every=args.checkpoint_every, checkpoint_path=checkpoint_path,
-              keep_checkpoints=args.keep_checkpoints, program_sha256=program_sha256, json_path=args.json,
-              progress=not args.no_progress, log_every=args.log_every, on_nonfinite=args.on_nonfinite,
-              after_step=after_step)
-    except KeyboardInterrupt:
-        where = (f"the last checkpoint is {state.last_checkpoint[0]} (step {state.last_checkpoint[1]})"
-                 if state.last_checkpoint else "no checkpoint was written")
-        print(f"vktrain train: interrupted after step {state.step}; {where}", file=sys.stderr)
-        return None, start
+        with stop.deferred():
+            train(runner, batches, args.steps, schedule, optimizer, state=state,  # updates `state` in place
+                  checkpoint_every=args.checkpoint_every, checkpoint_path=checkpoint_path,
+                  keep_checkpoints=args.keep_checkpoints, program_sha256=program_sha256, json_path=args.json,
+                  progress=not args.no_progress and sys.stderr.isatty(), log_every=args.log_every,
+                  on_nonfinite=args.on_nonfinite, after_step=after_step, stop_requested=stop.requested)
+    except KeyboardInterrupt as exc:  # a second signal (or a Ctrl-C no handler caught): nothing more is saved
+        signum = getattr(exc, "signum", signal.SIGINT)
+        where = "no checkpoint was written"
+        if state.last_checkpoint:
+            path, step = state.last_checkpoint
+            where = (f"the last checkpoint is {path} (step {step}); resume with: "
+                     f"{resume_command(getattr(args, 'command_line', None) or sys.argv[1:], path)}")
+        print(f"vktrain train: interrupted after step {state.step} ({signal_name(signum)}, stopping at once); "
+              f"{where}", file=sys.stderr, flush=True)
+        raise Interrupted(signum, reported=True) from None
+    if _stopped_early(args, state, stop):
+        return state, start
     if wants_adapters:
         lora_state = {name: runner.read_state(name) for name in runner.state_names if name.endswith(LORA_SUFFIXES)}
         # A --freeze-lora-a program's lora_A are constants, not state.

@@ -266,14 +266,17 @@ def train(runner: StepRunner, batches: Union[TokenBatcher, "ArrayBatches"], step
           program_sha256: str = "", json_path: Optional[PathLike] = None, progress: bool = True,
           log_every: int = 0, on_nonfinite: str = "stop",
           last_good_state_limit: int = LAST_GOOD_STATE_LIMIT,
-          after_step: Optional[Callable[[int], dict]] = None) -> TrainState:
+          after_step: Optional[Callable[[int], dict]] = None,
+          stop_requested: Optional[Callable[[], bool]] = None) -> TrainState:
     """Run steps state.step + 1 .. `steps` (see the module docstring). Returns the final TrainState.
 
     `state` continues a run (TrainState.from_checkpoint after `restore_state`) and is updated in place;
     None starts at step 0. `program_sha256` identifies the .pte in checkpoints (sha256_file of it).
     `keep_checkpoints`: how many checkpoints of the run stay on disk (CheckpointSeries); `on_nonfinite`:
     "stop" or "skip" (module docstring). `after_step(step)` runs after each completed step; what it
-    returns (e.g. {"eval_loss": ...}) joins that step's record.
+    returns (e.g. {"eval_loss": ...}) joins that step's record. `stop_requested()` (e.g. a signal
+    arrived: vktrain.train.interrupts) is asked before each step: True ends the loop as if `steps` were
+    reached at the current step (checkpointed, records written); the caller tells the two apart.
     """
     state = TrainState() if state is None else state
     if steps < state.step:
@@ -343,6 +346,8 @@ def train(runner: StepRunner, batches: Union[TokenBatcher, "ArrayBatches"], step
         if series is not None:
             series.remove_stale_temp_files()
         while state.step < steps:
+            if stop_requested is not None and stop_requested():
+                break
             step = state.step + 1
             lr = schedule.lr(step)
             batch = batches.batch(state.data_position)
@@ -376,6 +381,7 @@ def train(runner: StepRunner, batches: Union[TokenBatcher, "ArrayBatches"], step
             bar.update(1)
             if log_every and (step % log_every == 0 or step == steps):
                 tqdm.write(f"step {step:6d}  loss {loss:.6f}  lr {lr:.4g}", file=sys.stdout)
+                sys.stdout.flush()  # a log file or pipe sees each line when it is printed
             if checkpoint_every and step % checkpoint_every == 0:
                 checkpoint_now(loss, lr, after)
                 write_json()

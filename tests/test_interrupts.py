@@ -1,0 +1,136 @@
+"""SIGINT and SIGTERM during `vktrain train`, sent to a real run (a subprocess on a tiny-llama step):
+the step in flight finishes, the checkpoint and records are written, the message names the checkpoint
+and the exact command that resumes it, the exit code is 130 / 143; the resumed run's losses are an
+uninterrupted run's. A second signal stops at once and leaves every file whole."""
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from vktrain.train.checkpoint import TEMP_SUFFIX, load_checkpoint
+
+ROOT = Path(__file__).resolve().parents[1]
+REFERENCE_STEPS = 60  # the interrupted runs stop well before (a step takes ~10 ms on lavapipe)
+TRAIN = ["--schedule", "constant", "--log-every", "1"]  # constant: --steps changes no step's result
+
+
+def vktrain(*argv: str) -> list[str]:
+    return [sys.executable, "-m", "vktrain.cli", *map(str, argv)]
+
+
+@pytest.fixture(scope="module")
+def step_pte(tmp_path_factory) -> Path:
+    pytest.importorskip("torch")
+    path = tmp_path_factory.mktemp("interrupts") / "step.pte"
+    model_args = [x for a in ("dim=64", "n_layers=1", "hidden=128", "vocab_size=256", "max_seq_len=16")
+                  for x in ("--model-arg", a)]
+    subprocess.run(vktrain("export", "--model", "tiny-llama", *model_args, "--lora-rank", "4", "--batch", "2",
+                           "--seq", "16", "--out", path), check=True, capture_output=True, timeout=300, cwd=ROOT)
+    return path
+
+
+@pytest.fixture(scope="module")
+def reference(step_pte) -> subprocess.CompletedProcess:
+    """An uninterrupted run of REFERENCE_STEPS; its stderr is a pipe, as in a log file."""
+    records = step_pte.parent / "reference.json"
+    done = subprocess.run(vktrain("train", step_pte, "--steps", REFERENCE_STEPS, *TRAIN, "--json", records),
+                          capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert done.returncode == 0, done.stderr
+    done.losses = [r["loss"] for r in json.loads(records.read_text())]
+    return done
+
+
+def _signalled_run(cwd: Path, argv: list[str], signals: list[int]) -> tuple[subprocess.CompletedProcess, int]:
+    """Start `vktrain train ...` in `cwd`, wait until it has printed step 2, send `signals`; (the ended
+    process, the last step it printed)."""
+    process = subprocess.Popen(vktrain("train", *argv), cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    lines, deadline = [], time.monotonic() + 120
+    try:
+        while not any(line.startswith("step      2 ") for line in lines):
+            assert time.monotonic() < deadline and process.poll() is None, (lines, process.stderr.read())
+            lines.append(process.stdout.readline())
+        for signum in signals:
+            process.send_signal(signum)
+        out, err = process.communicate(timeout=120)
+    finally:
+        process.kill()  # a no-op once it ended
+    steps = [int(line.split()[1]) for line in lines + out.splitlines() if line.startswith("step ")]
+    return subprocess.CompletedProcess(process.args, process.returncode, "".join(lines) + out, err), steps[-1]
+
+
+@pytest.mark.parametrize("signum, code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)], ids=["SIGINT", "SIGTERM"])
+def test_a_signal_checkpoints_the_run_and_its_resume_command_continues_it_exactly(step_pte, reference, tmp_path,
+                                                                                  signum, code):
+    run = tmp_path / "run"
+    run.mkdir()
+    argv = [str(step_pte), "--steps", "5000", *TRAIN, "--checkpoint", "run.ckpt", "--json", "run.json"]
+    ended, last = _signalled_run(run, argv, [signum])
+    assert ended.returncode == code, ended.stderr
+    assert 2 <= last < REFERENCE_STEPS - 5
+    assert f"stopped by {signal.Signals(signum).name} after step {last} of 5000" in ended.stderr
+    assert f"saved checkpoint run.ckpt (step {last})" in ended.stderr
+    assert f"saved records run.json (steps 1..{last})" in ended.stderr
+    resume = ended.stderr.split("resume with:\n", 1)[1].splitlines()[0].strip()
+    assert resume == shlex.join(["vktrain", "train", *argv, "--resume", "run.ckpt"])
+    assert load_checkpoint(run / "run.ckpt").step == last
+    assert [r["loss"] for r in json.loads((run / "run.json").read_text())] == reference.losses[:last]
+
+    command = shlex.split(resume)[1:]
+    command[command.index("--steps") + 1] = str(REFERENCE_STEPS)  # the same run, to the reference's end
+    resumed = subprocess.run(vktrain(*command), cwd=run, capture_output=True, text=True, timeout=300)
+    assert resumed.returncode == 0, resumed.stderr
+    assert [r["loss"] for r in json.loads((run / "run.json").read_text())] == reference.losses
+
+
+def test_a_signal_without_checkpoint_says_nothing_was_saved_and_how_to_get_saving(step_pte, tmp_path):
+    ended, last = _signalled_run(tmp_path, [str(step_pte), "--steps", "5000", *TRAIN], [signal.SIGTERM])
+    assert ended.returncode == 143, ended.stderr
+    assert f"stopped by SIGTERM after step {last} of 5000" in ended.stderr
+    assert "nothing to resume from was saved: pass --checkpoint PATH" in ended.stderr
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_second_signal_stops_at_once_and_a_write_in_flight_leaves_the_old_file(tmp_path):
+    """While the loop defers signals, the first only asks it to stop; a second raises Interrupted at once,
+    and a checkpoint being written when it lands is abandoned: the previous file stays whole, no
+    temporary file is left. The previous handlers are back afterwards."""
+    from vktrain.train.checkpoint import atomic_write
+    from vktrain.train.interrupts import Interrupted, StopOnSignal
+
+    target = tmp_path / "run.ckpt"
+    target.write_bytes(b"the previous checkpoint")
+
+    def half_written_then_signalled(file):
+        file.write(b"half of the next one")
+        os.kill(os.getpid(), signal.SIGINT)
+
+    before = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
+    with StopOnSignal("train") as stop:
+        with stop.deferred():
+            os.kill(os.getpid(), signal.SIGTERM)
+            assert stop.requested() and stop.exit_code == 143
+            with pytest.raises(Interrupted) as caught:
+                atomic_write(target, half_written_then_signalled)
+        assert caught.value.exit_code == 130
+        with pytest.raises(Interrupted):  # outside the loop a signal stops at once
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(5)
+    assert (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)) == before
+    assert target.read_bytes() == b"the previous checkpoint"
+    assert [p.name for p in tmp_path.iterdir()] == ["run.ckpt"]
+
+
+def test_progress_to_a_pipe_is_plain_lines_without_bar_frames(reference):
+    """stderr not a terminal: no tqdm frames (carriage returns, rates), one line per --log-every steps."""
+    assert "\r" not in reference.stderr and "step/s" not in reference.stderr and "it/s" not in reference.stderr
+    step_lines = [line for line in reference.stdout.splitlines() if line.startswith("step ")]
+    assert len(step_lines) == REFERENCE_STEPS
