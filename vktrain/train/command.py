@@ -307,7 +307,7 @@ def _run_train(args: argparse.Namespace, device, stop: StopOnSignal) -> int:
     own_device = getattr(runner, "device", None) if device is None else None  # a caller's device: its messages
     try:
         with runner:
-            state, start = _train_loaded(args, runner, schedule, optimizer, resume, seed, data_path,
+            state, start, before = _train_loaded(args, runner, schedule, optimizer, resume, seed, data_path,
                                          program_sha256, checkpoint_path, stop)
     except BaseException:
         print_validation_messages(own_device)  # shown, but the error in flight wins
@@ -319,7 +319,8 @@ def _run_train(args: argparse.Namespace, device, stop: StopOnSignal) -> int:
     if args.plot and state.records:
         from vktrain.train.plot import plot_losses
 
-        plot_losses(state.records, args.plot, title=f"vktrain train {program_path.name}")
+        plot_losses(([before] if before else []) + state.records, args.plot,
+                    title=f"vktrain train {program_path.name}")
     if _stopped_early(args, state, stop):
         _report_stop(args, state, stop)
         return stop.exit_code
@@ -360,11 +361,13 @@ def _report_stop(args, state: TrainState, stop: StopOnSignal) -> None:
     print("\n".join(lines), file=sys.stderr, flush=True)
 
 
-def _held_out_evaluation(args, runner, info):
+def _held_out_evaluation(args, runner, info, start: int):
     """`train`'s after_step for --eval-data (None without it): the held-out loss at the --eval-every steps
-    and the last one. Evaluates once right away, so a program without an eval method fails before training."""
+    and the last one; and the record of the loss before training ({"step": start, "eval_loss"}, for the
+    JSON log and the plot). Evaluates once right away, so a program without an eval method fails before
+    training."""
     if args.eval_data is None:
-        return None
+        return None, None
     from vktrain.train.eval_command import evaluate_data
 
     held_out = load_data(args.eval_data, info.vocab_size, program_tokenizer(runner, args.program))
@@ -377,7 +380,7 @@ def _held_out_evaluation(args, runner, info):
         loss = evaluate_data(runner, held_out, args.eval_batches)["loss"]
         tqdm.write(f"step {step:6d}  eval loss {loss:.6f}", file=sys.stdout)
         return {"eval_loss": loss}
-    return after_step
+    return after_step, {"step": start, "eval_loss": before["loss"]}
 
 
 def _training_batches(args, runner, data_path: Path, seed: int):
@@ -403,9 +406,9 @@ def _training_batches(args, runner, data_path: Path, seed: int):
 
 
 def _train_loaded(args, runner, schedule, optimizer, resume, seed, data_path, program_sha256,
-                  checkpoint_path, stop: StopOnSignal) -> tuple[TrainState, int]:
-    """The run once the program is loaded: (final state, first step's index); no adapters are written
-    when a signal stopped it early."""
+                  checkpoint_path, stop: StopOnSignal) -> tuple[TrainState, int, Optional[dict]]:
+    """The run once the program is loaded: (final state, first step's index, the record of the held-out
+    loss before training or None); no adapters are written when a signal stopped it early."""
     metadata = dict(getattr(getattr(runner, "graph", None), "metadata", {}) or {})
     if not takes_hparams(runner):
         schedule, optimizer, baked = baked_hyperparameters(args, metadata, args.steps)
@@ -435,7 +438,9 @@ def _train_loaded(args, runner, schedule, optimizer, resume, seed, data_path, pr
                   f"({'; '.join(differences)}): steps after {resume.step} will not match an uninterrupted run",
                   file=sys.stderr)
     start = state.step
-    after_step = _held_out_evaluation(args, runner, info)
+    after_step, evaluated = _held_out_evaluation(args, runner, info, start)
+    # The loss before a fresh run leads its JSON log as step 0; a resumed run's log is its checkpoint's steps.
+    before = evaluated if start == 0 else None
     print(f"{described}; steps {start + 1}..{args.steps}", file=sys.stderr)
     print(f"{args.program}: {runner.gemm_report()}", file=sys.stderr)
     try:
@@ -444,7 +449,8 @@ def _train_loaded(args, runner, schedule, optimizer, resume, seed, data_path, pr
                   checkpoint_every=args.checkpoint_every, checkpoint_path=checkpoint_path,
                   keep_checkpoints=args.keep_checkpoints, program_sha256=program_sha256, json_path=args.json,
                   progress=not args.no_progress and sys.stderr.isatty(), log_every=args.log_every,
-                  on_nonfinite=args.on_nonfinite, after_step=after_step, stop_requested=stop.requested)
+                  on_nonfinite=args.on_nonfinite, after_step=after_step, stop_requested=stop.requested,
+                  first_record=before)
     except KeyboardInterrupt as exc:  # a second signal (or a Ctrl-C no handler caught): nothing more is saved
         signum = getattr(exc, "signum", signal.SIGINT)
         where = "no checkpoint was written"
@@ -456,7 +462,7 @@ def _train_loaded(args, runner, schedule, optimizer, resume, seed, data_path, pr
               f"{where}", file=sys.stderr, flush=True)
         raise Interrupted(signum, reported=True) from None
     if _stopped_early(args, state, stop):
-        return state, start
+        return state, start, before
     if wants_adapters:
         lora_state = {name: runner.read_state(name) for name in runner.state_names if name.endswith(LORA_SUFFIXES)}
         # A --freeze-lora-a program's lora_A are constants, not state.
@@ -467,7 +473,7 @@ def _train_loaded(args, runner, schedule, optimizer, resume, seed, data_path, pr
         save_adapters(args.out_adapters, adapters, alpha, base_model, recorded.target_modules)
     if args.out_gguf_adapter:
         save_gguf_adapter(args.out_gguf_adapter, adapters, alpha, recorded, args.program)
-    return state, start
+    return state, start, before
 
 
 __all__ = ["HYPERPARAMETER_DEFAULTS", "HYPERPARAMETER_FLAGS", "TOKEN_DATA_FLAGS", "ValidationErrorsReported", "add_train_arguments",

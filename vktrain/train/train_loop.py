@@ -267,7 +267,7 @@ def train(runner: StepRunner, batches: Union[TokenBatcher, "ArrayBatches"], step
           log_every: int = 0, on_nonfinite: str = "stop",
           last_good_state_limit: int = LAST_GOOD_STATE_LIMIT,
           after_step: Optional[Callable[[int], dict]] = None,
-          stop_requested: Optional[Callable[[], bool]] = None) -> TrainState:
+          stop_requested: Optional[Callable[[], bool]] = None, first_record: Optional[dict] = None) -> TrainState:
     """Run steps state.step + 1 .. `steps` (see the module docstring). Returns the final TrainState.
 
     `state` continues a run (TrainState.from_checkpoint after `restore_state`) and is updated in place;
@@ -277,6 +277,8 @@ def train(runner: StepRunner, batches: Union[TokenBatcher, "ArrayBatches"], step
     returns (e.g. {"eval_loss": ...}) joins that step's record. `stop_requested()` (e.g. a signal
     arrived: vktrain.train.interrupts) is asked before each step: True ends the loop as if `steps` were
     reached at the current step (checkpointed, records written); the caller tells the two apart.
+    `first_record` (e.g. {"step": 0, "eval_loss": ...}, the held-out loss before training) leads the
+    JSON log; it is no step's record, so checkpoints do not hold it.
     """
     state = TrainState() if state is None else state
     if steps < state.step:
@@ -338,7 +340,7 @@ def train(runner: StepRunner, batches: Union[TokenBatcher, "ArrayBatches"], step
 
     def write_json() -> None:
         if json_path is not None:
-            atomic_write_json(json_path, state.records)
+            atomic_write_json(json_path, ([first_record] if first_record else []) + state.records)
 
     bar = tqdm(total=steps, initial=state.step, disable=not progress, unit="step", dynamic_ncols=True,
                desc="train", file=sys.stderr)
