@@ -51,23 +51,29 @@ def reference(step_pte) -> subprocess.CompletedProcess:
     return done
 
 
-def _signalled_run(cwd: Path, argv: list[str], signals: list[int]) -> tuple[subprocess.CompletedProcess, int]:
-    """Start `vktrain train ...` in `cwd`, wait until it has printed step 2, send `signals`; (the ended
-    process, the last step it printed)."""
-    process = subprocess.Popen(vktrain("train", *argv), cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                               text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
-    lines, deadline = [], time.monotonic() + 120
+def _signalled(command: list[str], cwd: Path, signals: list[int], ready: str, stream: str = "stdout"):
+    """Start `command` in `cwd`, wait until a line of `stream` starts with `ready`, send `signals`; (the
+    ended process, the lines of `stream` read before signalling)."""
+    process = subprocess.Popen(command, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               env={**os.environ, "PYTHONPATH": str(ROOT)})
+    watched, lines, deadline = getattr(process, stream), [], time.monotonic() + 120
     try:
-        while not any(line.startswith("step      2 ") for line in lines):
-            assert time.monotonic() < deadline and process.poll() is None, (lines, process.stderr.read())
-            lines.append(process.stdout.readline())
+        while not any(line.startswith(ready) for line in lines):
+            assert time.monotonic() < deadline and process.poll() is None, (lines, process.communicate())
+            lines.append(watched.readline())
         for signum in signals:
             process.send_signal(signum)
         out, err = process.communicate(timeout=120)
     finally:
         process.kill()  # a no-op once it ended
-    steps = [int(line.split()[1]) for line in lines + out.splitlines() if line.startswith("step ")]
-    return subprocess.CompletedProcess(process.args, process.returncode, "".join(lines) + out, err), steps[-1]
+    return subprocess.CompletedProcess(process.args, process.returncode, out, err), lines
+
+
+def _signalled_run(cwd: Path, argv: list[str], signals: list[int]) -> tuple[subprocess.CompletedProcess, int]:
+    """`vktrain train ARGV` signalled once it has printed step 2; (the ended process, the last step it printed)."""
+    ended, lines = _signalled(vktrain("train", *argv), cwd, signals, "step      2 ")
+    steps = [int(line.split()[1]) for line in lines + ended.stdout.splitlines() if line.startswith("step ")]
+    return ended, steps[-1]
 
 
 @pytest.mark.parametrize("signum, code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)], ids=["SIGINT", "SIGTERM"])
@@ -153,3 +159,36 @@ def test_a_webgpu_run_without_xdg_runtime_dir_prints_no_driver_errors(step_pte, 
     assert "error" not in done.stderr.lower(), done.stderr
     losses = [float(line.split()[3]) for line in done.stdout.splitlines() if line.startswith("step ")]
     assert np.allclose(losses, reference.losses[:2], rtol=1e-4)
+
+
+def test_a_signal_during_federate_keeps_the_last_round_and_its_resume_command_continues_it_exactly(step_pte,
+                                                                                                    tmp_path):
+    """`vktrain federate` (the sequential engine: the Ray one behaves the same, at ~20 s of start-up):
+    SIGTERM abandons the round in flight; the checkpoint holds the last completed round, named with the
+    command that resumes it; resumed to round R, the adapters are an uninterrupted R-round run's."""
+    from vktrain.fleet.checkpoint import load_federation_checkpoint
+
+    rounds = 10
+    common = ["--clients", "2", "--local-steps", "8", "--engine", "sequential"]
+    reference = subprocess.run(vktrain("federate", step_pte, "--rounds", rounds, *common, "--checkpoint", "ref"),
+                               cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert reference.returncode == 0, reference.stderr
+    argv = ["federate", str(step_pte), "--rounds", "1000", *common, "--checkpoint", "run", "--json", "run.json"]
+    ended, _ = _signalled(vktrain(*argv), tmp_path, [signal.SIGTERM], "round 2/", stream="stderr")
+    assert ended.returncode == 143, ended.stderr
+    done = load_federation_checkpoint(tmp_path / "run").round
+    assert 2 <= done < rounds
+    assert f"stopped by SIGTERM after round {done} of 1000 (the round in flight abandoned)" in ended.stderr
+    assert f"saved checkpoint run (round {done})" in ended.stderr
+    resume = ended.stderr.split("resume with:\n", 1)[1].splitlines()[0].strip()
+    assert resume == shlex.join(["vktrain", *argv, "--resume"])
+    assert [r["round"] for r in json.loads((tmp_path / "run.json").read_text())["rounds"]] == list(range(done + 1))
+
+    command = shlex.split(resume)[1:]
+    command[command.index("--rounds") + 1] = str(rounds)
+    resumed = subprocess.run(vktrain(*command), cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert resumed.returncode == 0, resumed.stderr
+    expected, got = load_federation_checkpoint(tmp_path / "ref"), load_federation_checkpoint(tmp_path / "run")
+    assert got.round == expected.round == rounds and sorted(got.arrays) == sorted(expected.arrays)
+    for name, array in expected.arrays.items():
+        assert np.array_equal(got.arrays[name], array), name
