@@ -41,8 +41,8 @@ def _synopses(commands: list[str]) -> dict[str, str]:
     command = None
     for line in block.group(1).splitlines():
         if line.startswith("vktrain"):
-            command = max((c for c in commands if f"{line} ".startswith(" ".join(["vktrain", c, ""]).replace("  ", " "))),
-                          key=len)
+            prefixes = {c: " ".join(["vktrain", c, ""]).replace("  ", " ") for c in commands}
+            command = max((c for c, prefix in prefixes.items() if f"{line} ".startswith(prefix)), key=len)
         synopses[command] = synopses.get(command, "") + line + "\n"
     return synopses
 
@@ -65,8 +65,8 @@ def test_help_shows_every_default():
     unexplained = []
     for words, parser in _commands(cli.build_parser()):
         for action in parser._actions:
-            if (action.option_strings and action.default not in (None, False, [], argparse.SUPPRESS)
-                    and "default" not in (action.help or "")):
+            trivial = action.default is None or action.default is False or action.default in ([], argparse.SUPPRESS)
+            if action.option_strings and not trivial and "default" not in (action.help or ""):
                 unexplained.append(f"{' '.join(words)} {action.option_strings[-1]}")
     assert not unexplained, unexplained
     out = subprocess.run([sys.executable, "-m", "vktrain.cli", "export", "--help"], capture_output=True, text=True,

@@ -117,7 +117,8 @@ def _describe_round(record: dict, rounds: int) -> str:
     failed = record["failed"]
     if failed:
         reasons = [(p, failure_reason(failed[p])) for p in sorted(failed)]
-        text += f" {len(failed)} failed ({'; '.join(r if r.startswith(f'client {p}') else f'client {p}: {r}' for p, r in reasons)}),"
+        named = [r if r.startswith(f"client {p}") else f"client {p}: {r}" for p, r in reasons]
+        text += f" {len(failed)} failed ({'; '.join(named)}),"
     return (text + f" {record['bytes_down'] / 2**20:.2f} MiB down / {record['bytes_up'] / 2**20:.2f} MiB up,"
             f" {record['seconds']:.1f} s")
 

@@ -122,7 +122,9 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     add_runtime_argument(parser)
     parser.add_argument("--seed", type=int, help="data shuffling seed (default 0; a resumed run keeps its checkpoint's)")
     parser.add_argument("--no-shuffle", action="store_true", help="read windows in file order")
-    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.add_argument("--no-progress", action="store_true",
+                        help="no progress bar (there is none when stderr is not a terminal: a log file gets the "
+                             "--log-every lines alone)")
     parser.add_argument("--plot", metavar="FILE.png", help="write the loss curve of the whole run as a PNG")
     parser.add_argument("--eval-data", metavar="FILE",
                         help="held-out token data: its loss (the .pte's eval method) is printed before training, "
@@ -308,7 +310,7 @@ def _run_train(args: argparse.Namespace, device, stop: StopOnSignal) -> int:
     try:
         with runner:
             state, start, before = _train_loaded(args, runner, schedule, optimizer, resume, seed, data_path,
-                                         program_sha256, checkpoint_path, stop)
+                                                 program_sha256, checkpoint_path, stop)
     except BaseException:
         print_validation_messages(own_device)  # shown, but the error in flight wins
         raise
