@@ -192,3 +192,12 @@ def test_a_signal_during_federate_keeps_the_last_round_and_its_resume_command_co
     assert got.round == expected.round == rounds and sorted(got.arrays) == sorted(expected.arrays)
     for name, array in expected.arrays.items():
         assert np.array_equal(got.arrays[name], array), name
+
+
+def test_the_resume_command_is_the_command_given_with_one_resume_flag():
+    from vktrain.train.interrupts import resume_command
+
+    assert resume_command(["train", "a b.pte", "--steps", "9", "--resume", "old.ckpt", "--checkpoint", "new.ckpt"],
+                          "new.ckpt") == "vktrain train 'a b.pte' --steps 9 --checkpoint new.ckpt --resume new.ckpt"
+    assert resume_command(["train", "s.pte", "--resume=old.ckpt", "--steps", "9"], "old.ckpt") == \
+        "vktrain train s.pte --steps 9 --resume old.ckpt"
