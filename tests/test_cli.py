@@ -1,5 +1,5 @@
 """The command line's contract: every bad input or environmental failure ends in ONE line
-`vktrain <cmd>: error: ...` and exit 2, Ctrl-C in 130 without a traceback, an internal bug in one line
+`vktrain <cmd>: error: ...` and exit 2, Ctrl-C in 130 (SIGTERM 143) without a traceback, an internal bug in one line
 saying how to see the traceback; every `vktrain train` argument and output path is checked before the
 program is even loaded; Vulkan validation messages are shown; success is quiet."""
 from __future__ import annotations
@@ -133,7 +133,7 @@ def test_an_internal_error_is_one_line_that_says_how_to_get_the_traceback(progra
     (MemoryError(), "vktrain train: error: out of host memory\n"),
     (VulkanError("vkAllocateMemory", -2, "VK_ERROR_OUT_OF_DEVICE_MEMORY"),
      "vktrain train: error: vkAllocateMemory failed with VK_ERROR_OUT_OF_DEVICE_MEMORY (-2)\n"),
-    (KeyboardInterrupt(), ""),  # Ctrl-C while loading: exit 130, nothing printed
+    (KeyboardInterrupt(), "\nvktrain train: interrupted (SIGINT)\n"),  # Ctrl-C while loading: exit 130, one line
 ])
 def test_environmental_failures_while_loading(program, capsys, failure, message):
     pte, data, made, behaviour = program

@@ -239,6 +239,7 @@ def test_named_constants_need_the_named_data_they_name():
 
 def test_train_records_the_held_out_loss_of_the_adapters_it_writes(two_method_pte, tmp_path, capsys):
     from vktrain import cli
+    from vktrain.train.plot import loss_series
 
     train_data, held_out = tmp_path / "train.npy", tmp_path / "held_out.npy"
     np.save(train_data, np.random.default_rng(3).integers(0, VOCAB, 200))
@@ -248,10 +249,14 @@ def test_train_records_the_held_out_loss_of_the_adapters_it_writes(two_method_pt
                      str(held_out), "--eval-every", "2", "--json", str(records), "--no-progress",
                      "--out-adapters", str(tmp_path / "adapters"), "--lora-alpha", str(LORA_ALPHA)])
     assert code == 0, capsys.readouterr().err
-    steps = json.loads(records.read_text())
+    log = json.loads(records.read_text())
+    assert log[0].keys() == {"step", "eval_loss"} and log[0]["step"] == 0  # the loss before training leads
+    steps = log[1:]
     assert ["eval_loss" in record for record in steps] == [False, True, True]  # step 2, and the last step
+    assert loss_series(log)["held-out loss"][0] == [0, 2, 3]  # what --plot draws: step 0 included
     with TrainingRunner.from_pte(two_method_pte) as fresh:
         before = evaluate_data(fresh, TrainingData(HELD_OUT))["loss"]
+        assert log[0]["eval_loss"] == before
         load_adapter_state(fresh, adapter_state(tmp_path / "adapters", list(fresh.lora_state()), LORA_ALPHA))
         assert evaluate_data(fresh, TrainingData(HELD_OUT))["loss"] == steps[-1]["eval_loss"]
     assert f"eval before training: loss {before:.6f}" in capsys.readouterr().out

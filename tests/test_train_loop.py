@@ -981,7 +981,8 @@ def test_cli_errors_are_clear(tmp_path, fake_program, capsys, monkeypatch):
     options["crash_at_call"] = 6
     monkeypatch.setattr(FakeRunner, "crash_exception", KeyboardInterrupt)  # Ctrl-C during step 6
     code, err = error_of(pte, "--steps", 9, "--data", data, "--checkpoint-every", 2, "--checkpoint", tmp_path / "k")
-    assert code == 130 and "interrupted after step 5; the last checkpoint is" in err and "(step 4)" in err
+    assert code == 130 and "interrupted after step 5 (SIGINT, stopping at once); the last checkpoint is" in err
+    assert "(step 4); resume with: vktrain train " in err
 
 
 # ------------------------------------------------------------------------------------------------

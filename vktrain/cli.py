@@ -16,7 +16,8 @@ device.
 
 Exit codes: 0 done; 1 the training loss diverged; 2 bad input or an environmental failure (no device,
 out of memory, disk full), printed as one line `vktrain <cmd>: error: <message>`; 70 an internal error
-(one line; VKTRAIN_TRACEBACK=1 shows the traceback); 130 interrupted (Ctrl-C).
+(one line; VKTRAIN_TRACEBACK=1 shows the traceback); 130 interrupted (Ctrl-C), 143 terminated (SIGTERM):
+`train` and `federate` then save what they have and print how to resume.
 """
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ import argparse
 import json
 import os
 import re
+import signal
 import sys
 import warnings
 from pathlib import Path
@@ -35,12 +37,14 @@ from vktrain.train.checkpoint import atomic_write_bytes  # torch-free; the one a
 from vktrain.train.model_options import (UsageError, add_quantization_arguments, parse_model_args,
                                          quantization_importance)
 from vktrain.train.outputs import PTE, Output, add_overwrite_argument, check_outputs
+from vktrain.train.interrupts import EXIT_CODES, StopOnSignal, signal_name
 from vktrain.train.train_loop import NonFiniteLossError
 
 PROGRAMS = ("train-step", "forward", "forward-base")
 
-# How a command ends. EXIT_BAD_INPUT covers environmental failures too (no device, out of memory, disk full).
-EXIT_OK, EXIT_DIVERGED, EXIT_BAD_INPUT, EXIT_INTERNAL, EXIT_INTERRUPTED = 0, 1, 2, 70, 130
+# How a command ends. EXIT_BAD_INPUT covers environmental failures too (no device, out of memory, disk full);
+# a signal ends it with 128 + its number (EXIT_CODES: 130 SIGINT, 143 SIGTERM).
+EXIT_OK, EXIT_DIVERGED, EXIT_BAD_INPUT, EXIT_INTERNAL = 0, 1, 2, 70
 TRACEBACK_ENV = "VKTRAIN_TRACEBACK"  # set to 1: an internal error shows its traceback
 
 
@@ -134,18 +138,50 @@ def _format_bytes(n: int) -> str:
     raise AssertionError("unreachable")
 
 
-def format_report(path: str, report: dict) -> str:
+def format_report(path: str, report: dict, verbose: bool = False) -> str:
+    """The `vktrain inspect` text; `verbose`: every state tensor, not only their summary by kind."""
     lines = [f"{path}: {report['pte_bytes']} bytes"]
     if report.get("named_data_bytes"):
         lines.append(f"named data (constants shared by the methods): {_format_bytes(report['named_data_bytes'])}")
-    lines += _format_method(report)
+    lines += _format_method(report, verbose)
     for name, method in report.get("other_methods", {}).items():
         lines.append(f"method {name!r}:")
-        lines += ["  " + line for line in _format_method(method)]
+        lines += ["  " + line for line in _format_method(method, verbose)]
     return "\n".join(lines)
 
 
-def _format_method(report: dict) -> list[str]:
+def state_kind(name: str) -> str:
+    """A state tensor's kind: its last name component (lora_A, lora_B, ...), under its optimizer slot
+    for optimizer state: 'optimizer.exp_avg.model.l.0.q.lora_A' -> 'optimizer.exp_avg of lora_A'."""
+    parts = name.split(".")
+    if parts[0] == "optimizer" and len(parts) > 2:
+        return f"optimizer.{parts[1]} of {parts[-1]}"
+    return ".".join(parts[:2]) if parts[0] == "optimizer" else parts[-1]
+
+
+def _tensor_bytes(entry: dict) -> int:
+    import numpy as np
+
+    return int(np.prod(entry["shape"], dtype=np.int64)) * np.dtype(entry["dtype"]).itemsize
+
+
+def _format_state(state: list[dict], verbose: bool) -> list[str]:
+    total = sum(_tensor_bytes(s) for s in state)
+    lines = [f"  mutable state: {len(state)} tensor(s), {_format_bytes(total)}"
+             + ("" if verbose or not state else " (each one: --verbose)")]
+    if verbose:
+        return lines + [f"    {s['name']} {s['dtype']}{s['shape']} (initial: {s['initial']})" for s in state]
+    kinds: dict[str, list[dict]] = {}
+    for s in state:
+        kinds.setdefault(state_kind(s["name"]), []).append(s)
+    for kind, members in kinds.items():
+        dtypes = ", ".join(sorted({m["dtype"] for m in members}))
+        lines.append(f"    {kind}: {len(members)} tensor(s), {_format_bytes(sum(map(_tensor_bytes, members)))} "
+                     f"({dtypes})")
+    return lines
+
+
+def _format_method(report: dict, verbose: bool = False) -> list[str]:
     lines = [f"instructions: {report['delegate_calls']} delegate call(s), {report['kernel_calls']} kernel call(s)",
              f"operator table: {', '.join(report['operators']) if report['operators'] else '(empty)'}"]
     for i, d in enumerate(report["delegates"]):
@@ -167,9 +203,7 @@ def _format_method(report: dict) -> list[str]:
         lines.append("  outputs: " + ", ".join(f"{t['name']} {t['dtype']}{t['shape']}" for t in d["outputs"]))
         lines.append(f"  GEMM precisions allowed: {', '.join(d['gemm_precisions'])} (vktrain train --precision; "
                      f"the kernels are chosen by device at load)")
-        lines.append(f"  mutable state: {len(d['mutable_state'])} tensor(s)")
-        for s in d["mutable_state"]:
-            lines.append(f"    {s['name']} {s['dtype']}{s['shape']} (initial: {s['initial']})")
+        lines += _format_state(d["mutable_state"], verbose)
         if d["baked_scalars"]:
             lines.append(f"  baked scalars (traced into {len(d['baked_scalars'])} et_vk call(s); constants of the "
                          f"program, so an LR schedule cannot change them):")
@@ -191,12 +225,40 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     from vktrain.runtime.program.summary import summarize_pte
 
     report = summarize_pte(data, args.file)
-    print(json.dumps(report, indent=2) if args.json else format_report(args.file, report))
+    print(json.dumps(report, indent=2) if args.json else format_report(args.file, report, args.verbose))
     return 0
+
+
+def version() -> str:
+    """The installed distribution's version (pyproject.toml's), or say that vktrain runs uninstalled."""
+    from importlib.metadata import PackageNotFoundError, version as distribution_version
+
+    try:
+        return distribution_version("vktrain")
+    except PackageNotFoundError:
+        return "unknown (not installed: run from a source tree)"
+
+
+def show_defaults(parser: argparse.ArgumentParser) -> None:
+    """Append '(default: X)' to the help of every option of `parser` and its subcommands that has a
+    default worth naming and whose help does not already name one (argparse's
+    ArgumentDefaultsHelpFormatter would also print 'default: None' beside help that explains it)."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for subparser in action.choices.values():
+                show_defaults(subparser)
+            continue
+        help_text = action.help or ""
+        if (not action.option_strings or action.help == argparse.SUPPRESS or "default" in help_text
+                or action.default is None or action.default is False or action.default == []
+                or action.default == argparse.SUPPRESS):
+            continue
+        action.help = f"{help_text} (default: %(default)s)".lstrip()
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="vktrain", description="LoRA training through a frozen q4gsw base on Vulkan")
+    parser.add_argument("--version", action="version", version=f"vktrain {version()}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     export = sub.add_parser("export", help="export a model's training step (or forward) to a .pte")
@@ -227,7 +289,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     inspect = sub.add_parser("inspect", help="describe a .pte: delegates, ops, constants, memory, state, refusals")
     inspect.add_argument("file")
-    inspect.add_argument("--json", action="store_true", help="print the report as JSON")
+    inspect.add_argument("--json", action="store_true", help="print the report as JSON (every state tensor)")
+    inspect.add_argument("--verbose", action="store_true",
+                         help="list every state tensor (default: their count and bytes by kind)")
     inspect.set_defaults(run=cmd_inspect)
 
     from vktrain.train.command import add_train_arguments, run_train  # torch-free
@@ -280,6 +344,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("which", choices=sorted(BENCHMARKS))
     bench.add_argument("bench_args", nargs=argparse.REMAINDER, help="arguments passed to the benchmark script")
     bench.set_defaults(run=cmd_bench)
+    show_defaults(parser)
     return parser
 
 
@@ -306,15 +371,21 @@ def main(argv: list[str] | None = None) -> int:
     """Run one command; every way it can end is an exit code (see EXIT_*), never a traceback for bad
     input or an environmental failure."""
     _silence_known_import_noise()
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
+    args.command_line = argv  # as given: `vktrain train` prints it back with --resume when interrupted
     prefix = " ".join(["vktrain", args.command, *([args.action] if getattr(args, "action", None) else [])])
     try:
-        return args.run(args)
+        with StopOnSignal(args.command):  # SIGTERM, like Ctrl-C, ends in one line and its exit code
+            return args.run(args)
     except BrokenPipeError:  # the reader went away (`vktrain inspect x.pte | head`): not an error
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return EXIT_OK
-    except KeyboardInterrupt:  # Ctrl-C: whoever was interrupted already said what was kept
-        return EXIT_INTERRUPTED
+    except KeyboardInterrupt as exc:  # Ctrl-C or SIGTERM
+        signum = getattr(exc, "signum", signal.SIGINT)
+        if not getattr(exc, "reported", False):  # train and federate say what they kept themselves
+            print(f"\n{prefix}: interrupted ({signal_name(signum)})", file=sys.stderr)
+        return EXIT_CODES[signum]
     except NonFiniteLossError as exc:
         print(f"{prefix}: error: {exc}", file=sys.stderr)
         return EXIT_DIVERGED

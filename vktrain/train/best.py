@@ -117,7 +117,7 @@ class BestKeeper:
             self.stopped = (f"early stopping after step {step}: {since} held-out evaluation(s) without a loss below "
                             f"step {best_step}'s {loss:.6f} (--early-stopping {self.patience})")
 
-    def should_stop(self, step: int) -> bool:
+    def should_stop(self) -> bool:
         return self.stopped is not None
 
     def finish(self) -> None:

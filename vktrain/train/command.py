@@ -18,6 +18,7 @@ import argparse
 import importlib.util
 import json
 import math
+import signal
 import sys
 from pathlib import Path
 from typing import Optional
@@ -39,6 +40,7 @@ from vktrain.train.checkpoint import (
 )
 from vktrain.train.best import BestKeeper, add_best_arguments, check_best_arguments
 from vktrain.train.data import TokenBatcher, default_dataset_path, load_data
+from vktrain.train.interrupts import Interrupted, StopOnSignal, resume_command, signal_name
 from vktrain.train.lr_schedule import SCHEDULES, LRSchedule
 from vktrain.serialization.tokenizer import program_tokenizer
 from vktrain.train.outputs import (CHECKPOINT, GGUF_ADAPTER, PEFT_DIRECTORY, PNG, Output, OutputKind,
@@ -124,7 +126,9 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     add_runtime_argument(parser)
     parser.add_argument("--seed", type=int, help="data shuffling seed (default 0; a resumed run keeps its checkpoint's)")
     parser.add_argument("--no-shuffle", action="store_true", help="read windows in file order")
-    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.add_argument("--no-progress", action="store_true",
+                        help="no progress bar (there is none when stderr is not a terminal: a log file gets the "
+                             "--log-every lines alone)")
     parser.add_argument("--plot", metavar="FILE.png", help="write the loss curve of the whole run as a PNG")
     parser.add_argument("--eval-data", metavar="FILE",
                         help="held-out token data: its loss (the .pte's eval method) is printed before training, "
@@ -267,11 +271,18 @@ def print_validation_messages(device) -> int:
 
 
 def run_train(args: argparse.Namespace, device=None) -> int:
-    """`vktrain train`: 0 on success, 130 when interrupted (Ctrl-C, after saying what was kept; re-raised
-    before the loop started). Bad input and divergence raise (a VktrainError; NonFiniteLossError for a
-    diverged loss): vktrain.cli turns them into one line and an exit code. `device`: a vktrain.runtime
-    Device to run on, whose validation messages stay with it (None: the runner opens the default one,
-    and its validation messages are printed here)."""
+    """`vktrain train`: 0 on success; 130 (SIGINT) / 143 (SIGTERM) when a signal stopped the loop, after
+    checkpointing (with --checkpoint), writing --json / --plot and saying how to resume
+    (vktrain.train.interrupts; a signal outside the loop, or a second one, raises Interrupted). Bad input
+    and divergence raise (a VktrainError; NonFiniteLossError for a diverged loss): vktrain.cli turns them
+    into one line and an exit code. `device`: a vktrain.runtime Device to run on, whose validation
+    messages stay with it (None: the runner opens the default one, and its validation messages are
+    printed here)."""
+    with StopOnSignal("train") as stop:
+        return _run_train(args, device, stop)
+
+
+def _run_train(args: argparse.Namespace, device, stop: StopOnSignal) -> int:
     from vktrain.runtime.program.runner import TrainingRunner  # opens Vulkan: imported only when a run starts
 
     program_path = Path(args.program)
@@ -298,8 +309,8 @@ def run_train(args: argparse.Namespace, device=None) -> int:
     own_device = getattr(runner, "device", None) if device is None else None  # a caller's device: its messages
     try:
         with runner:
-            state, start = _train_loaded(args, runner, schedule, optimizer, resume, seed, data_path,
-                                         program_sha256, checkpoint_path)
+            state, start, before = _train_loaded(args, runner, schedule, optimizer, resume, seed, data_path,
+                                                 program_sha256, checkpoint_path, stop)
     except BaseException:
         print_validation_messages(own_device)  # shown, but the error in flight wins
         raise
@@ -307,12 +318,14 @@ def run_train(args: argparse.Namespace, device=None) -> int:
     if errors:
         raise ValidationErrorsReported(f"the Vulkan validation layer reported {errors} error(s) (printed above); "
                                        f"the run's results are not trustworthy")
-    if state is None:
-        return 130
     if args.plot and state.records:
         from vktrain.train.plot import plot_losses
 
-        plot_losses(state.records, args.plot, title=f"vktrain train {program_path.name}")
+        plot_losses(([before] if before else []) + state.records, args.plot,
+                    title=f"vktrain train {program_path.name}")
+    if _stopped_early(args, state, stop):
+        _report_stop(args, state, stop)
+        return stop.exit_code
     new_records = state.records[start:]
     summary = f"trained steps {start + 1}..{state.step}" if new_records else f"nothing to train (already at step {state.step})"
     if new_records:
@@ -325,11 +338,38 @@ def run_train(args: argparse.Namespace, device=None) -> int:
     return 0
 
 
-def _held_out_evaluation(args, runner, info):
+def _stopped_early(args, state: TrainState, stop: StopOnSignal) -> bool:
+    """A signal ended the loop before --steps (one that came after the last step stops nothing)."""
+    return stop.requested() and state.step < args.steps
+
+
+def _report_stop(args, state: TrainState, stop: StopOnSignal) -> None:
+    """What a run stopped by a signal kept, and the command that continues it."""
+    lines = [f"vktrain train: stopped by {signal_name(stop.signum)} after step {state.step} of {args.steps}"]
+    if state.last_checkpoint is not None:
+        path, step = state.last_checkpoint
+        lines.append(f"saved checkpoint {path} (step {step}); resume with:")
+        lines.append(f"  {resume_command(getattr(args, 'command_line', None) or sys.argv[1:], path)}")
+    else:
+        lines.append("nothing to resume from was saved: pass --checkpoint PATH to have an interrupted run "
+                     "checkpointed (and --resume PATH to continue it)")
+    for label, value in (("records", args.json), ("loss plot", args.plot)):
+        if value and state.records:
+            lines.append(f"saved {label} {value} (steps 1..{state.step})")
+    for flag in ("--out-adapters", "--out-gguf-adapter"):
+        value = getattr(args, flag[2:].replace("-", "_"))
+        if value:
+            lines.append(f"not written: {flag} {value} (the run did not finish; resume it to write them)")
+    print("\n".join(lines), file=sys.stderr, flush=True)
+
+
+def _held_out_evaluation(args, runner, info, start: int):
     """`train`'s after_step for --eval-data (None without it): the held-out loss at the --eval-every steps
-    and the last one. Evaluates once right away, so a program without an eval method fails before training."""
+    and the last one; and the record of the loss before training ({"step": start, "eval_loss"}, for the
+    JSON log and the plot). Evaluates once right away, so a program without an eval method fails before
+    training."""
     if args.eval_data is None:
-        return None
+        return None, None
     from vktrain.train.held_out import evaluate_data
 
     held_out = load_data(args.eval_data, info.vocab_size, program_tokenizer(runner, args.program))
@@ -342,7 +382,7 @@ def _held_out_evaluation(args, runner, info):
         loss = evaluate_data(runner, held_out, args.eval_batches)["loss"]
         tqdm.write(f"step {step:6d}  eval loss {loss:.6f}", file=sys.stdout)
         return {"eval_loss": loss}
-    return after_step
+    return after_step, {"step": start, "eval_loss": before["loss"]}
 
 
 def _training_batches(args, runner, data_path: Path, seed: int):
@@ -368,8 +408,9 @@ def _training_batches(args, runner, data_path: Path, seed: int):
 
 
 def _train_loaded(args, runner, schedule, optimizer, resume, seed, data_path, program_sha256,
-                  checkpoint_path) -> tuple[Optional[TrainState], int]:
-    """The run once the program is loaded: (final state, first step's index), state None when interrupted."""
+                  checkpoint_path, stop: StopOnSignal) -> tuple[TrainState, int, Optional[dict]]:
+    """The run once the program is loaded: (final state, first step's index, the record of the held-out
+    loss before training or None); no adapters are written when a signal stopped it early."""
     metadata = dict(getattr(getattr(runner, "graph", None), "metadata", {}) or {})
     if not takes_hparams(runner):
         schedule, optimizer, baked = baked_hyperparameters(args, metadata, args.steps)
@@ -399,23 +440,37 @@ def _train_loaded(args, runner, schedule, optimizer, resume, seed, data_path, pr
                   f"({'; '.join(differences)}): steps after {resume.step} will not match an uninterrupted run",
                   file=sys.stderr)
     start = state.step
-    after_step = _held_out_evaluation(args, runner, info)
+    after_step, evaluated = _held_out_evaluation(args, runner, info, start)
+    # The loss before a fresh run leads its JSON log as step 0; a resumed run's log is its checkpoint's steps.
+    before = evaluated if start == 0 else None
     keeper = BestKeeper.for_run(args, runner, state, program_sha256, batches, run_config(schedule, optimizer, batches))
     if keeper is not None:
         after_step = keeper.wrap(after_step)
+
+    def stop_requested() -> bool:  # a signal, or --early-stopping's rule
+        return stop.requested() or (keeper is not None and keeper.should_stop())
     print(f"{described}; steps {start + 1}..{args.steps}", file=sys.stderr)
     print(f"{args.program}: {runner.gemm_report()}", file=sys.stderr)
     try:
-        train(runner, batches, args.steps, schedule, optimizer, state=state,  # updates `state` in place
-              checkpoint_every=args.checkpoint_every or 0, checkpoint_path=checkpoint_path,
-              keep_checkpoints=args.keep_checkpoints, program_sha256=program_sha256, json_path=args.json,
-              progress=not args.no_progress, log_every=args.log_every, on_nonfinite=args.on_nonfinite,
-              after_step=after_step, stop=keeper.should_stop if keeper is not None else None)
-    except KeyboardInterrupt:
-        where = (f"the last checkpoint is {state.last_checkpoint[0]} (step {state.last_checkpoint[1]})"
-                 if state.last_checkpoint else "no checkpoint was written")
-        print(f"vktrain train: interrupted after step {state.step}; {where}", file=sys.stderr)
-        return None, start
+        with stop.deferred():
+            train(runner, batches, args.steps, schedule, optimizer, state=state,  # updates `state` in place
+                  checkpoint_every=args.checkpoint_every or 0, checkpoint_path=checkpoint_path,
+                  keep_checkpoints=args.keep_checkpoints, program_sha256=program_sha256, json_path=args.json,
+                  progress=not args.no_progress and sys.stderr.isatty(), log_every=args.log_every,
+                  on_nonfinite=args.on_nonfinite, after_step=after_step, stop_requested=stop_requested,
+                  first_record=before)
+    except KeyboardInterrupt as exc:  # a second signal (or a Ctrl-C no handler caught): nothing more is saved
+        signum = getattr(exc, "signum", signal.SIGINT)
+        where = "no checkpoint was written"
+        if state.last_checkpoint:
+            path, step = state.last_checkpoint
+            where = (f"the last checkpoint is {path} (step {step}); resume with: "
+                     f"{resume_command(getattr(args, 'command_line', None) or sys.argv[1:], path)}")
+        print(f"vktrain train: interrupted after step {state.step} ({signal_name(signum)}, stopping at once); "
+              f"{where}", file=sys.stderr, flush=True)
+        raise Interrupted(signum, reported=True) from None
+    if _stopped_early(args, state, stop):
+        return state, start, before
     if keeper is not None:
         keeper.finish()  # the best state back in the runner: its adapters are written
     if wants_adapters:
@@ -428,7 +483,7 @@ def _train_loaded(args, runner, schedule, optimizer, resume, seed, data_path, pr
         save_adapters(args.out_adapters, adapters, alpha, base_model, recorded.target_modules)
     if args.out_gguf_adapter:
         save_gguf_adapter(args.out_gguf_adapter, adapters, alpha, recorded, args.program)
-    return state, start
+    return state, start, before
 
 
 __all__ = ["HYPERPARAMETER_DEFAULTS", "HYPERPARAMETER_FLAGS", "TOKEN_DATA_FLAGS", "ValidationErrorsReported", "add_train_arguments",

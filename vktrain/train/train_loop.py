@@ -267,15 +267,18 @@ def train(runner: StepRunner, batches: Union[TokenBatcher, "ArrayBatches"], step
           log_every: int = 0, on_nonfinite: str = "stop",
           last_good_state_limit: int = LAST_GOOD_STATE_LIMIT,
           after_step: Optional[Callable[[int], dict]] = None,
-          stop: Optional[Callable[[int], bool]] = None) -> TrainState:
+          stop_requested: Optional[Callable[[], bool]] = None, first_record: Optional[dict] = None) -> TrainState:
     """Run steps state.step + 1 .. `steps` (see the module docstring). Returns the final TrainState.
 
     `state` continues a run (TrainState.from_checkpoint after `restore_state`) and is updated in place;
     None starts at step 0. `program_sha256` identifies the .pte in checkpoints (sha256_file of it).
     `keep_checkpoints`: how many checkpoints of the run stay on disk (CheckpointSeries); `on_nonfinite`:
     "stop" or "skip" (module docstring). `after_step(step)` runs after each completed step; what it
-    returns (e.g. {"eval_loss": ...}) joins that step's record. `stop(step)`, asked after each completed step,
-    ends the run there when true (early stopping; the last state is checkpointed as after the last step).
+    returns (e.g. {"eval_loss": ...}) joins that step's record. `stop_requested()` (e.g. a signal
+    arrived: vktrain.train.interrupts) is asked before each step: True ends the loop as if `steps` were
+    reached at the current step (checkpointed, records written); the caller tells the two apart.
+    Early stopping (vktrain.train.best) asks through it too. `first_record` (e.g. {"step": 0, "eval_loss": ...}, the held-out loss before training) leads the
+    JSON log; it is no step's record, so checkpoints do not hold it.
     """
     state = TrainState() if state is None else state
     if steps < state.step:
@@ -337,7 +340,7 @@ def train(runner: StepRunner, batches: Union[TokenBatcher, "ArrayBatches"], step
 
     def write_json() -> None:
         if json_path is not None:
-            atomic_write_json(json_path, state.records)
+            atomic_write_json(json_path, ([first_record] if first_record else []) + state.records)
 
     bar = tqdm(total=steps, initial=state.step, disable=not progress, unit="step", dynamic_ncols=True,
                desc="train", file=sys.stderr)
@@ -345,6 +348,8 @@ def train(runner: StepRunner, batches: Union[TokenBatcher, "ArrayBatches"], step
         if series is not None:
             series.remove_stale_temp_files()
         while state.step < steps:
+            if stop_requested is not None and stop_requested():
+                break
             step = state.step + 1
             lr = schedule.lr(step)
             batch = batches.batch(state.data_position)
@@ -378,11 +383,10 @@ def train(runner: StepRunner, batches: Union[TokenBatcher, "ArrayBatches"], step
             bar.update(1)
             if log_every and (step % log_every == 0 or step == steps):
                 tqdm.write(f"step {step:6d}  loss {loss:.6f}  lr {lr:.4g}", file=sys.stdout)
+                sys.stdout.flush()  # a log file or pipe sees each line when it is printed
             if checkpoint_every and step % checkpoint_every == 0:
                 checkpoint_now(loss, lr, after)
                 write_json()
-            if stop is not None and stop(step):
-                break
         if series is not None and state.last_checkpoint != (str(series.path), state.step):
             last = state.records[-1] if state.records else {"loss": math.nan, "lr": math.nan}
             checkpoint_now(last["loss"], last["lr"], before)

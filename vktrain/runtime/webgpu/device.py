@@ -75,8 +75,25 @@ RUNTIME_CHECKS_ENV = "VKTRAIN_WEBGPU_RUNTIME_CHECKS"  # on|off: Device(runtime_c
 _RUNTIME_CHECKS_WORDS = {"on": True, "off": False}
 
 
+def _private_runtime_dir() -> None:
+    """Give this process an XDG_RUNTIME_DIR (a private temporary one, removed at exit) when it has none:
+    the Vulkan driver's window-system code that wgpu-native loads prints "error: XDG_RUNTIME_DIR is
+    invalid or not set in the environment." once per adapter without one, although compute needs no
+    display and nothing is wrong."""
+    if os.path.isdir(os.environ.get("XDG_RUNTIME_DIR", "")):
+        return
+    import atexit
+    import shutil
+    import tempfile
+
+    directory = tempfile.mkdtemp(prefix="vktrain-runtime-")  # mode 0700, as XDG asks
+    os.environ["XDG_RUNTIME_DIR"] = directory
+    atexit.register(shutil.rmtree, directory, ignore_errors=True)
+
+
 def load_wgpu():
     """Import and return `wgpu`, or raise WebGPUUnavailableError saying what to install."""
+    _private_runtime_dir()
     try:
         import wgpu
     except ImportError as exc:
