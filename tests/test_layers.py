@@ -18,6 +18,8 @@ REPO = Path(__file__).resolve().parent.parent
 LAYER = {
     # 0, the ground floor: formats and definitions both sides stand on
     "errors": 0, "contract": 0, "gguf_names": 0, "quant": 0, "opdefs": 0, "serialization": 0, "data": 0,
+    "import_noise": 0,  # standard library only: the package's __init__ ("") silences known import noise with it
+    "": 0,
     # 1, AOT side (torch, executorch)
     "ops": 1, "models": 1, "lora": 1, "export": 1, "partitioner": 1, "backend": 1,
     # 1, runtime side (never imports the AOT side, nor the AOT side it)
