@@ -17,14 +17,15 @@ from vktrain.export import (export_eval_step, export_training_and_eval_steps, ex
                             lower_to_pte)
 from vktrain.lora import LoRAConfig, apply_lora, lora_modules
 from vktrain.models import build_model
-from vktrain.runtime.program.pte import PteFile
+from vktrain.serialization.pte import PteFile
 from vktrain.runtime.program.runner import TrainingRunner, UnsupportedProgramError
 from vktrain.runtime.program.summary import summarize_pte
 from vktrain.serialization import graph as vk
 from vktrain.serialization.blob import BlobFormatError, deserialize_blob, named_constants, serialize_blob
 from vktrain.train.adapters import adapters_from_state, save_adapters
 from vktrain.train.data import IGNORED_LABEL, TrainingData
-from vktrain.train.eval_command import adapter_state, eval_batches, evaluate_data, load_adapter_state
+from vktrain.train.eval_command import adapter_state, load_adapter_state
+from vktrain.train.held_out import eval_batches, evaluate_data
 
 BATCH = (2, 16)
 VOCAB = 2048  # a large embedding, so constants dominate the .pte (the one-copy test needs them to)

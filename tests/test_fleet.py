@@ -158,7 +158,7 @@ def test_ffa_lora_sends_and_averages_lora_b_alone(setup, vk_device, tmp_path):
     from vktrain.fleet.client import trained_names
     from vktrain.fleet.command import write_adapters
     from vktrain.runtime.program.runner import TrainingRunner
-    from vktrain.train.adapters import load_adapters
+    from vktrain.serialization.peft_adapters import load_adapters
 
     ffa = _sequential_federation(setup.ffa, (setup.train,) * 2, vk_device, strategy="ffa", rounds=2, local_steps=1)
     fedavg = _sequential_federation(setup.full, (setup.train,) * 2, vk_device, strategy="fedavg", rounds=1,
@@ -200,7 +200,7 @@ def test_ray_simulation_tolerates_a_failing_client_and_its_checkpoint_resumes_ex
     run's round-3 adapters bit for bit."""
     from vktrain.cli import main
     from vktrain.fleet.checkpoint import load_federation_checkpoint
-    from vktrain.train.adapters import load_adapters
+    from vktrain.serialization.peft_adapters import load_adapters
 
     common = [setup.full, "--clients", "4", "--local-steps", "3", "--data", setup.train, "--eval-data", setup.heldout,
               "--lr", str(LR), "--inject-failure", "1:2", "--fraction-evaluate", "0.5"]

@@ -194,7 +194,7 @@ def test_shader_without_header_runs_but_is_never_split(gpu, buffers):
 
 @pytest.mark.parametrize("inside_pass", [True, False], ids=["one-pass", "pass-per-dispatch"])
 def test_timings_per_dispatch(gpu, buffers, monkeypatch, inside_pass):
-    from vktrain.runtime.webgpu.device import INSIDE_PASS_FEATURE
+    from vktrain.runtime.webgpu.features import INSIDE_PASS_FEATURE
 
     if not gpu.timestamps_supported or (inside_pass and INSIDE_PASS_FEATURE not in gpu.features):
         pytest.skip(f"{gpu.name} has no timestamp-query{' inside passes' if inside_pass else ''}")

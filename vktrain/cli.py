@@ -29,8 +29,9 @@ import warnings
 from pathlib import Path
 
 from vktrain.errors import VktrainError
-from vktrain.quant.q4gsw import SCALE_RULES  # numpy only
 from vktrain.train.checkpoint import atomic_write_bytes  # torch-free; the one atomic writer
+from vktrain.train.model_options import (UsageError, add_quantization_arguments, parse_model_args,
+                                         quantization_importance)
 from vktrain.train.train_loop import NonFiniteLossError
 
 PROGRAMS = ("train-step", "forward", "forward-base")
@@ -38,10 +39,6 @@ PROGRAMS = ("train-step", "forward", "forward-base")
 # How a command ends. EXIT_BAD_INPUT covers environmental failures too (no device, out of memory, disk full).
 EXIT_OK, EXIT_DIVERGED, EXIT_BAD_INPUT, EXIT_INTERNAL, EXIT_INTERRUPTED = 0, 1, 2, 70, 130
 TRACEBACK_ENV = "VKTRAIN_TRACEBACK"  # set to 1: an internal error shows its traceback
-
-
-class UsageError(VktrainError, ValueError):
-    """A command-line argument that cannot be parsed (beyond what argparse checks)."""
 
 
 class _DropMessages(logging.Filter):
@@ -92,53 +89,10 @@ def summarize_layer_paths(paths: list[str]) -> str:
     return ", ".join(parts)
 
 
-def add_quantization_arguments(parser: argparse.ArgumentParser) -> None:
-    """How the frozen base is quantized: `export` and `generate` must build the same base from the same flags."""
-    parser.add_argument("--scale-rule", choices=SCALE_RULES, default="mse",
-                        help="q4gsw scale rule of the frozen base: mse (default: per-group least squared error) or "
-                             "absmax (absmax/7); GGUF Q4_0 weights keep their own codes and scales")
-    parser.add_argument("--group-size", type=int, default=32)
-    parser.add_argument("--calibration-data", default="auto", metavar="FILE|auto|none",
-                        help="data whose activations weight the mse scale search (imatrix): auto (default) is the "
-                             "built-in corpus for a pretrained model with a tokenizer, none for the built-in models")
-    parser.add_argument("--calibration-tokens", type=int, default=1024, metavar="N")
-
-
-def quantization_importance(args: argparse.Namespace, model, tokenizer) -> tuple[dict | None, str]:
-    """(importance per layer or None, a line saying what calibrated the base) for apply_lora."""
-    from vktrain.data import DEFAULT_CORPUS
-
-    source = args.calibration_data
-    if source == "auto":
-        source = str(DEFAULT_CORPUS) if tokenizer is not None and args.scale_rule == "mse" else "none"
-    if source == "none":
-        return None, "no calibration"
-    if args.scale_rule != "mse":
-        raise UsageError(f"--calibration-data weights the mse scale rule; --scale-rule is {args.scale_rule}")
-    from vktrain.lora.calibration import calibration_tokens, input_importance
-
-    tokens = calibration_tokens(source, model.config.vocab_size, tokenizer, args.calibration_tokens)
-    return input_importance(model, tokens), f"calibrated on {tokens.size} tokens of {Path(source).name}"
-
-
-def _parse_model_args(items: list[str]) -> dict:
-    """KEY=VALUE strings -> config overrides; values parse as JSON when they can (ints, floats, bools)."""
-    overrides = {}
-    for item in items:
-        key, sep, raw = item.partition("=")
-        if not sep or not key:
-            raise UsageError(f"--model-arg expects KEY=VALUE, got {item!r}")
-        try:
-            overrides[key] = json.loads(raw)
-        except json.JSONDecodeError:
-            overrides[key] = raw
-    return overrides
-
-
 def cmd_export(args: argparse.Namespace) -> int:
     from vktrain.lora import LoRAConfig, apply_lora
     from vktrain.models import open_model
-    from vktrain.train.tokenizer import TokenizerError
+    from vktrain.serialization.tokenizer import TokenizerError
 
     if args.freeze_lora_a and args.program != "train-step":
         raise UsageError(f"--freeze-lora-a freezes lora_A in a training step; --program is {args.program}")
@@ -146,7 +100,7 @@ def cmd_export(args: argparse.Namespace) -> int:
 
     torch.manual_seed(args.seed)  # a built-in model's random weights; the LoRA init has its own generator
     tokenizer = None  # a pretrained model's, embedded in the .pte for `vktrain train`
-    model, loaded = open_model(args.model, **_parse_model_args(args.model_arg))
+    model, loaded = open_model(args.model, **parse_model_args(args.model_arg))
     if loaded is not None:
         print(f"loaded {args.model}: {loaded.describe()}")
         try:

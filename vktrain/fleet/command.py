@@ -144,7 +144,7 @@ def write_adapters(runner, program: str, arrays: dict[str, np.ndarray], director
 def prepare_shards(runner, data: Path, eval_data: Path | None, n_clients: int, scheme: PartitionScheme, seed: int,
                    directory: Path) -> tuple[list[Path], list[Path]]:
     """The client shards of the training and held-out data, each checked to be usable."""
-    from vktrain.train.tokenizer import program_tokenizer
+    from vktrain.serialization.tokenizer import program_tokenizer
 
     info = describe_program(runner)
     tokenizer = program_tokenizer(runner, str(data))

@@ -125,7 +125,7 @@ class FederationServer:
 
     def _held_out(self, runner):
         from vktrain.train.data import load_data
-        from vktrain.train.tokenizer import program_tokenizer
+        from vktrain.serialization.tokenizer import program_tokenizer
 
         if self.settings.eval_data is None:
             return None
@@ -140,7 +140,7 @@ class FederationServer:
             raise FederationError(f"{self.settings.program} trains no LoRA tensor")
 
     def run(self, grid: Grid) -> FederationResult:
-        from vktrain.train.eval_command import evaluate_data
+        from vktrain.train.held_out import evaluate_data
 
         s, runner = self.settings, self.runner
         program_sha256 = sha256_file(s.program)

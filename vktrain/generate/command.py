@@ -17,7 +17,7 @@ import warnings
 from pathlib import Path
 
 from vktrain.errors import VktrainError
-from vktrain.cli import add_quantization_arguments
+from vktrain.train.model_options import add_quantization_arguments
 from vktrain.runtime.runtimes import add_runtime_argument, max_binding_bytes
 
 # Sources whose change changes the lowered program (the cache key hashes them).
@@ -89,7 +89,7 @@ def program_key(args, model_fingerprint) -> str:
 
 def _model_tokenizer(loaded):
     """The ModelTokenizer of a loaded checkpoint, None for a preset or a checkpoint whose vocabulary cannot be built."""
-    from vktrain.train.tokenizer import TokenizerError
+    from vktrain.serialization.tokenizer import TokenizerError
 
     if loaded is None:
         return None
@@ -101,12 +101,13 @@ def _model_tokenizer(loaded):
 
 def _build_model(args):
     """(LlamaForCausalLM with q4gsw bases and, with --adapters, the loaded adapters; tokenizer info; fingerprint)."""
-    from vktrain.cli import _parse_model_args, quantization_importance
+    from vktrain.train.model_options import parse_model_args, quantization_importance
     from vktrain.lora import LoRAConfig, apply_lora, load_adapters
     from vktrain.models import open_model
-    from vktrain.train.adapters import load_adapter_config, peft_target_patterns
+    from vktrain.serialization.peft_adapters import load_adapter_config
+    from vktrain.train.adapters import peft_target_patterns
 
-    model, loaded = open_model(args.model, **_parse_model_args(args.model_arg))
+    model, loaded = open_model(args.model, **parse_model_args(args.model_arg))
     if loaded is None:
         tokenizer, fingerprint = None, args.model
     else:
@@ -161,7 +162,7 @@ def run_generate(args: argparse.Namespace) -> int:
     from vktrain.generate.runner import GenerationRunner
     from vktrain.generate.sampling import Sampler
     from vktrain.generate.text import TokenizerError, codec_for
-    from vktrain.runtime.program.pte import PteFile
+    from vktrain.serialization.pte import PteFile
 
     sampler = Sampler(args.temperature, args.top_p, args.seed)  # settings refused before the slow export
     model, tokenizer, fingerprint = _build_model(args)

@@ -28,8 +28,8 @@ from tqdm import tqdm
 from vktrain.contract import ADAMW_DEFAULTS, METADATA_BAKED_SCALARS, PRECISION_AUTO, PRECISION_CHOICES
 from vktrain.errors import VktrainError
 from vktrain.runtime.runtimes import add_runtime_argument, max_binding_bytes
-from vktrain.train.adapters import (ADAPTER_CONFIG, ADAPTER_WEIGHTS, LORA_SUFFIXES, ProgramAdapters,
-                                    adapters_from_state, runner_frozen_lora, save_adapters)
+from vktrain.serialization.peft_adapters import ADAPTER_CONFIG, ADAPTER_WEIGHTS, LORA_SUFFIXES
+from vktrain.train.adapters import ProgramAdapters, adapters_from_state, runner_frozen_lora, save_adapters
 from vktrain.train.gguf_adapter import check_gguf_adapter_program, save_gguf_adapter
 from vktrain.train.checkpoint import (
     CheckpointError,
@@ -40,7 +40,7 @@ from vktrain.train.checkpoint import (
 )
 from vktrain.train.data import TokenBatcher, default_dataset_path, load_data
 from vktrain.train.lr_schedule import SCHEDULES, LRSchedule
-from vktrain.train.tokenizer import program_tokenizer
+from vktrain.serialization.tokenizer import program_tokenizer
 from vktrain.train.train_loop import (
     MAX_STEPS,
     ON_NONFINITE,
@@ -196,7 +196,7 @@ def check_arguments(args: argparse.Namespace) -> tuple[LRSchedule, AdamWConfig]:
         raise TrainConfigError("--eval-every needs --eval-data FILE (the held-out data)")
     if args.eval_batches is not None and args.eval_data is None:
         raise TrainConfigError("--eval-batches needs --eval-data FILE (the held-out data)")
-    from vktrain.train.eval_command import check_max_batches
+    from vktrain.train.held_out import check_max_batches
 
     check_max_batches("--eval-batches", args.eval_batches)
     if args.inputs is not None:
@@ -330,7 +330,7 @@ def _held_out_evaluation(args, runner, info):
     and the last one. Evaluates once right away, so a program without an eval method fails before training."""
     if args.eval_data is None:
         return None
-    from vktrain.train.eval_command import evaluate_data
+    from vktrain.train.held_out import evaluate_data
 
     held_out = load_data(args.eval_data, info.vocab_size, program_tokenizer(runner, args.program))
     before = evaluate_data(runner, held_out, args.eval_batches)

@@ -4,7 +4,7 @@ deterministic, position-addressed batcher.
 Data files (`load_data`), chosen by name:
   *.npy          a 1-D integer array of token ids (any integer dtype; memory-mapped, kept in its dtype)
   *.tokens.txt   token ids as whitespace-separated decimal integers
-  *.jsonl        one JSON object per line, tokenized with the model's tokenizer (vktrain.train.tokenizer):
+  *.jsonl        one JSON object per line, tokenized with the model's tokenizer (vktrain.serialization.tokenizer):
                  {"text": "..."} a document; {"messages": [{"role", "content"}, ...]} a conversation,
                  rendered with the model's chat template, where only the assistant turns are trained
                  (every other token's label is -100)
@@ -42,7 +42,7 @@ import numpy as np
 from vktrain.errors import VktrainError
 
 if TYPE_CHECKING:
-    from vktrain.train.tokenizer import ModelTokenizer
+    from vktrain.serialization.tokenizer import ModelTokenizer
 
 PathLike = Union[str, os.PathLike]
 
@@ -174,7 +174,7 @@ class _Packer:
         self.labels += ids
 
     def conversation(self, messages: list, where: str) -> None:
-        from vktrain.train.tokenizer import TokenizerError
+        from vktrain.serialization.tokenizer import TokenizerError
 
         try:
             ids, trained = self.tokenizer.encode_chat(messages)

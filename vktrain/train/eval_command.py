@@ -1,13 +1,10 @@
 """`vktrain eval STEP.pte --data FILE [--adapters DIR|CHECKPOINT] [--json FILE]` (torch-free): mean loss
 and perplexity on held-out data, by the eval method exported with the training step.
 
-Held-out batches (`eval_batches`) cover every next-token target of the stream exactly once: rows of S
-targets start every S tokens (row r predicts tokens r*S + 1 .. r*S + S from the S before), the last row
-takes what is left, and rows of the last batch that the data does not fill are padding. Padding is label
--100 (ignored): the loss is the cross-entropy summed over every real target divided by their number,
-`tokens` in the report. No optimizer state is read or written; the adapters are the .pte's initial ones,
-or those of `--adapters` (a PEFT directory written by `vktrain train --out-adapters`, or a vktrain
-checkpoint .safetensors), written into the training state the eval method reads.
+The held-out batches and their loss are vktrain/train/held_out.py's (`vktrain train --eval-data` uses
+them too). No optimizer state is read or written; the adapters are the .pte's initial ones, or those of
+`--adapters` (a PEFT directory written by `vktrain train --out-adapters`, or a vktrain checkpoint
+.safetensors), written into the training state the eval method reads.
 
 A step of any other module (`vktrain train --inputs`) is evaluated on `--inputs DATA.npz` (the arrays
 `vktrain train --inputs` reads, named as the eval method's inputs: one batch, or a stack cycled through
@@ -21,17 +18,18 @@ from __future__ import annotations
 import argparse
 import math
 from pathlib import Path
-from typing import Iterator, Mapping
+from typing import Mapping
 
 import numpy as np
 
 from vktrain.contract import METADATA_LORA_ALPHA, MODEL_PREFIX
 from vktrain.runtime.runtimes import add_runtime_argument, max_binding_bytes
-from vktrain.train.adapters import (ADAPTER_CONFIG, AdapterError, check_frozen_lora, runner_frozen_lora,
-                                    load_adapter_config, load_adapters)
+from vktrain.serialization.peft_adapters import ADAPTER_CONFIG, AdapterError, load_adapter_config, load_adapters
+from vktrain.train.adapters import check_frozen_lora, runner_frozen_lora
 from vktrain.train.checkpoint import atomic_write_json, load_checkpoint
-from vktrain.train.data import IGNORED_LABEL, DataError, TrainingData, load_data
-from vktrain.train.tokenizer import program_tokenizer
+from vktrain.train.data import load_data
+from vktrain.serialization.tokenizer import program_tokenizer
+from vktrain.train.held_out import check_max_batches, evaluate_data
 from vktrain.train.train_loop import TrainConfigError, describe_program, is_token_step
 
 
@@ -51,53 +49,6 @@ def add_eval_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
     parser.add_argument("--json", metavar="FILE", help='write {"loss", "perplexity", "tokens"} as JSON')
     add_runtime_argument(parser)
     return parser
-
-
-def check_max_batches(flag: str, value: int | None) -> None:
-    if value is not None and value < 1:
-        raise TrainConfigError(f"{flag} must be a positive number of batches, got {value}")
-
-
-def eval_batches(tokens: np.ndarray, batch_size: int, seq_len: int,
-                 label_stream: np.ndarray | None = None) -> Iterator[tuple[np.ndarray, np.ndarray]]:
-    """(token_ids, labels) int64 [B, S] covering every target of `tokens` once (module docstring).
-    `label_stream` (as TrainingData.labels: each token's label as a target, -100 where it is none, e.g. a
-    chat's prompt tokens) replaces the next tokens as labels."""
-    n_targets = tokens.size - 1
-    if n_targets < 1:
-        raise DataError(f"held-out data needs at least 2 tokens (one target), got {tokens.size}")
-    targets = tokens if label_stream is None else label_stream
-    n_rows = -(-n_targets // seq_len)
-    for first in range(0, n_rows, batch_size):
-        token_ids = np.zeros((batch_size, seq_len), np.int64)
-        labels = np.full((batch_size, seq_len), IGNORED_LABEL, np.int64)
-        for row, start in enumerate(range(first * seq_len, min(n_rows, first + batch_size) * seq_len, seq_len)):
-            length = min(seq_len, n_targets - start)
-            token_ids[row, :length] = tokens[start:start + length]
-            labels[row, :length] = targets[start + 1:start + 1 + length]
-        yield token_ids, labels
-
-
-def evaluate_data(runner, data: TrainingData, max_batches: int | None = None) -> dict:
-    """{"loss", "perplexity", "tokens"} of `runner`'s current adapters on `data` (its token stream, and its
-    labels when some tokens are no targets): the mean over every target, `tokens` of them; with
-    `max_batches`, over the targets of the first max_batches batches (a quick estimate on a slow device)."""
-    batch_size, seq_len = runner.batch_shape
-    total, count = 0.0, 0
-    for index, (token_ids, labels) in enumerate(eval_batches(data.tokens, batch_size, seq_len, data.labels)):
-        if max_batches is not None and index >= max_batches:
-            break
-        if not (labels >= 0).any():
-            continue  # nothing to count (e.g. a batch of prompt tokens only)
-        loss_sum, n = runner.evaluate(token_ids, labels)
-        total += loss_sum  # float64 accumulation of the per-batch float32 sums
-        count += n
-    if count == 0:
-        raise DataError("the held-out data has no target token (every label is ignored)")
-    loss = total / count
-    if not math.isfinite(loss):
-        raise TrainConfigError(f"the eval loss is {loss} (not finite): the adapters or the data are broken")
-    return {"loss": loss, "perplexity": math.exp(min(loss, 700.0)), "tokens": count}
 
 
 def adapter_state(path: Path, lora_names: list[str], program_alpha: float | None,

@@ -21,8 +21,10 @@ from typing import Mapping, Union
 import numpy as np
 
 from vktrain.gguf_names import GGUF_FAMILIES, LAYER_LINEARS, OUTPUT_HEAD, PERMUTED_QK_FAMILIES
-from vktrain.train.adapters import (AdapterError, ProgramAdapters, add_program_adapter_arguments, load_program_adapters,
-                                    read_program_graph)
+from vktrain.serialization.peft_adapters import AdapterError
+from vktrain.train.adapters import (
+    ProgramAdapters, add_program_adapter_arguments, load_program_adapters, read_program_graph
+)
 from vktrain.train.checkpoint import atomic_write_bytes
 
 PathLike = Union[str, os.PathLike]

@@ -28,8 +28,10 @@ import safetensors.numpy
 from vktrain.contract import MODEL_PREFIX
 from vktrain.errors import VktrainError
 from vktrain.quant import Q8_0_CODES_SUFFIX, Q8_0_SCALES_SUFFIX, dequantize, dequantize_q8_0, unpack_w4x8
-from vktrain.train.adapters import (LORA_SUFFIXES, ProgramAdapters, add_program_adapter_arguments, load_program_adapters,
-                                    read_program_graph)
+from vktrain.serialization.peft_adapters import LORA_SUFFIXES
+from vktrain.train.adapters import (
+    ProgramAdapters, add_program_adapter_arguments, load_program_adapters, read_program_graph
+)
 from vktrain.train.checkpoint import atomic_write_bytes, atomic_write_json
 
 PathLike = Union[str, os.PathLike]

@@ -11,6 +11,7 @@ from vktrain.errors import VktrainError
 from vktrain.opdefs import OpDef, op_def
 from vktrain.runtime.delegate.kernels import attention, coopmat, layout
 from vktrain.runtime.vk.schedule import BufferBinding, Dispatch
+from vktrain.serialization.strided_view import StridedView
 from vktrain.serialization import graph as vk
 
 
@@ -43,16 +44,16 @@ class TensorArg:
     shape: tuple[int, ...]
     dtype: str
     layout: vk.Layout = vk.Layout.PLAIN
-    view: Optional[layout.StridedView] = None
+    view: Optional[StridedView] = None
 
     @property
     def numel(self) -> int:
         return math.prod(self.shape)
 
     @property
-    def strided(self) -> layout.StridedView:
+    def strided(self) -> StridedView:
         """How a kernel reads this tensor from its binding (contiguous unless lazily transposed)."""
-        return self.view if self.view is not None else layout.StridedView.contiguous(self.shape)
+        return self.view if self.view is not None else StridedView.contiguous(self.shape)
 
     @property
     def storage(self) -> Any:

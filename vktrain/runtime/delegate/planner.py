@@ -25,6 +25,7 @@ from typing import Any, Mapping
 
 from vktrain.contract import PRECISION_AUTO
 from vktrain.serialization import graph as vk
+from vktrain.serialization.strided_view import StridedView
 from vktrain.serialization.schedule import (API_VULKAN, API_WEBGPU, PlannedGemm, Schedule, ScheduleBuffer,
                                             ScheduleRequirements, TensorPlacement, graph_digest)
 from vktrain.runtime.delegate.lowering_context import GraphLoweringError, OpContext, TensorArg
@@ -33,7 +34,7 @@ from vktrain.runtime.delegate.kernels.coopmat import (FRAGMENT, SUBGROUP_BASIC_B
                                                      select_gemm_route)
 from vktrain.runtime.delegate.kernels.gemm_tuning import (CPU_SUBGROUP_SIZE, CPU_TUNING, SUBGROUP_SHUFFLE_BIT,
                                                          select_gemm_tuning)
-from vktrain.runtime.delegate.kernels.layout import StridedView, binding_limit_of
+from vktrain.runtime.delegate.kernels.layout import binding_limit_of
 from vktrain.runtime.vk.schedule import BufferBinding, Dispatch
 from vktrain.runtime.webgpu.device import DEVICE_TYPE as WEBGPU_DEVICE_TYPE
 

@@ -18,17 +18,13 @@ import numpy as np
 
 from vktrain.contract import EVAL_INPUTS, EVAL_METHOD, LABELS, MODEL_PREFIX, N_VALID, TOKEN_IDS
 from vktrain.runtime.delegate.executor import ExecutorInputError, GraphExecutor, SharedTensor
-from vktrain.runtime.program.pte import PteFile
-from vktrain.runtime.program.runner import (
-    ProgramInterpreter,
-    UnsupportedProgramError,
-    check_instructions_supported,
-    check_loss_output,
-    check_storageless_tensors,
-    plan_input_names,
+from vktrain.serialization.pte import PteFile
+from vktrain.runtime.program.interpreter import (
+    ProgramInterpreter, check_instructions_supported, check_loss_output, check_storageless_tensors, plan_input_names
 )
+from vktrain.serialization.verify import UnsupportedProgramError
 from vktrain.runtime.program.step_inputs import check_input_names, checked_input, step_input_specs
-from vktrain.runtime.program.verify import check_device_memory, device_memory_bytes, load_delegate_graph, verify_plan
+from vktrain.serialization.verify import check_device_memory, device_memory_bytes, load_delegate_graph, verify_plan
 from vktrain.serialization import graph as g
 
 

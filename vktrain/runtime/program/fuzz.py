@@ -27,9 +27,9 @@ from dataclasses import dataclass
 from typing import Callable, Iterator, Optional
 
 from vktrain.errors import VktrainError
-from vktrain.runtime.program.pte import DelegateCall, KernelCall, PteFile, PteFormatError, Tensor
-from vktrain.runtime.program.runner import VerifiedTrainingProgram, verify_training_program
-from vktrain.runtime.program.verify import VerificationError
+from vktrain.serialization.pte import DelegateCall, KernelCall, PteFile, PteFormatError, Tensor
+from vktrain.runtime.program.interpreter import VerifiedTrainingProgram, verify_training_program
+from vktrain.serialization.verify import VerificationError
 from vktrain.serialization import BlobFormatError, BlobHeader
 from vktrain.serialization import graph as g
 

@@ -1,4 +1,4 @@
-"""What `vktrain inspect` reports about a .pte, read with the torch-free reader (runtime/program/pte.py):
+"""What `vktrain inspect` reports about a .pte, read with the torch-free reader (serialization/pte.py):
 the program's instructions and operators, and for the vktrain delegate its op histogram, constants,
 memory plan (and how many device-memory allocations it takes), state, I/O and the partitioner's refusals.
 Torch- and executorch-free, like the rest of the runtime: `vktrain inspect` runs on a machine with
@@ -14,9 +14,9 @@ from dataclasses import dataclass, field
 from vktrain.contract import (BACKEND_ID, METADATA_BAKED_SCALARS, METADATA_REFUSALS, METADATA_STATE_BYTES,
                               METADATA_UNPLANNED_MEMORY_BYTES, TRAIN_METHOD)
 from vktrain.runtime.delegate.kernels.coopmat import allowed_precisions
-from vktrain.runtime.program.pte import PteFile, PteFormatError
-from vktrain.runtime.program.pte_objects import DelegateCall, KernelCall
-from vktrain.runtime.program.verify import device_buffer_requests
+from vktrain.serialization.pte import PteFile, PteFormatError
+from vktrain.serialization.pte_objects import DelegateCall, KernelCall
+from vktrain.serialization.verify import device_buffer_requests
 from vktrain.runtime.vk.allocator import count_block_allocations
 from vktrain.serialization import deserialize_blob
 from vktrain.serialization import graph as vk

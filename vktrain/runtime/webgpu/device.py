@@ -46,10 +46,10 @@ import numpy as np
 
 from vktrain.runtime.vk.device import DEVICE_ENV, PhysicalDeviceInfo, ValidationMessage, select_physical_device
 from vktrain.runtime.webgpu.errors import INSTALL_HINT, WebGPUError, WebGPUUnavailableError
+from vktrain.runtime.webgpu.features import INSIDE_PASS_FEATURE
 
 # wgpu's adapter types as VkPhysicalDeviceType numbers, so selection ranks them as the Vulkan runtime does.
 _ADAPTER_TYPES = {"DiscreteGPU": 2, "IntegratedGPU": 1, "VirtualGPU": 3, "CPU": 4}
-INSIDE_PASS_FEATURE = "timestamp-query-inside-passes"  # native wgpu: per-dispatch timestamps in one pass
 OPTIONAL_FEATURES = ("timestamp-query", INSIDE_PASS_FEATURE, "shader-f16", "subgroup")
 DEVICE_TYPE = "webgpu"  # not "cpu", whatever the adapter: WGSL kernels have the GPU-tuning bodies only
 
@@ -71,7 +71,6 @@ BROWSER_DEFAULT_LIMITS = {"max-compute-workgroup-storage-size": 16384, "max-comp
 # Offset alignments are maxima (smaller is better): the adapter's own value is asked for.
 _ALIGNMENT_LIMITS = ("min-storage-buffer-offset-alignment", "min-uniform-buffer-offset-alignment")
 REUSED_STAGING_BYTES = 16 << 20  # downloads up to this size share one staging buffer (loss, state reads)
-UNIFORM_SLOT_ALIGNMENT = 256  # every dispatch's params start at a multiple of this (browser WebGPU's maximum)
 RUNTIME_CHECKS_ENV = "VKTRAIN_WEBGPU_RUNTIME_CHECKS"  # on|off: Device(runtime_checks=None) reads it
 _RUNTIME_CHECKS_WORDS = {"on": True, "off": False}
 

@@ -44,7 +44,7 @@ from vktrain.runtime.vk.schedule import (
     resolve_binding,
     split_groups,
 )
-from vktrain.runtime.webgpu.device import INSIDE_PASS_FEATURE, UNIFORM_SLOT_ALIGNMENT
+from vktrain.runtime.webgpu.features import INSIDE_PASS_FEATURE, UNIFORM_SLOT_ALIGNMENT
 from vktrain.runtime.webgpu.errors import MissingKernelsError, WebGPUError
 from vktrain.runtime.webgpu.memory import Buffer
 

@@ -45,8 +45,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from vktrain.runtime.vk.schedule import Dispatch, ceil_div, pack_push
-from vktrain.runtime.delegate.kernels.layout import (MAX_ELEMENTS, SHARED_MEMORY_LIMIT, WORKGROUP_SIZE_LIMIT,
-                                                     KernelArgumentError, binding, check_positive_ints)
+from vktrain.serialization.strided_view import MAX_ELEMENTS, KernelArgumentError
+from vktrain.runtime.delegate.kernels.layout import (
+    SHARED_MEMORY_LIMIT, WORKGROUP_SIZE_LIMIT, binding, check_positive_ints
+)
 from vktrain.runtime.delegate.kernels.registry import register_kernel
 
 SUPPORTED_HEAD_DIMS = (16, 32, 64, 128)

@@ -59,9 +59,10 @@ from vktrain.quant import check_q4gsw_shapes, pack_w4x8, padded_k, w4x8_num_word
 from vktrain.runtime.vk.schedule import Dispatch, ceil_div, pack_push
 from vktrain.runtime.delegate.kernels import q4gsw_windows
 from vktrain.runtime.delegate.kernels.gemm_tuning import CPU_TUNING, GPU_TUNING, check_tuning
-from vktrain.runtime.delegate.kernels.layout import (MAX_ELEMENTS, SHARED_MEMORY_LIMIT, BindingLimit,
-                                                     KernelArgumentError, binding, exceeds, shader_variant,
-                                                     sub_binding)
+from vktrain.serialization.strided_view import MAX_ELEMENTS, KernelArgumentError
+from vktrain.runtime.delegate.kernels.layout import (
+    SHARED_MEMORY_LIMIT, BindingLimit, binding, exceeds, shader_variant, sub_binding
+)
 from vktrain.runtime.delegate.kernels.registry import register_kernel
 
 # M up to GEMV_MAX_M takes the GEMV kernels, each workgroup serving up to GEMV_MAX_ROWS rows (one pass
