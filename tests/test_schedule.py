@@ -15,11 +15,14 @@ import pytest
 import torch
 
 from _helpers import export_mlp_lora_training_step
-from vktrain.runtime.delegate.executor import GraphExecutor
+from vktrain.runtime.delegate.executor import GraphExecutor, shader_sources
 from vktrain.runtime.delegate.kernels.coopmat import GemmRoute
 from vktrain.runtime.delegate.planner import plan_schedule
+from vktrain.runtime.program import fuzz
 from vktrain.runtime.program.runner import TrainingRunner
 from vktrain.serialization.dispatch import BufferBinding, Dispatch
+from vktrain.serialization.verify import VerificationError
+from vktrain.serialization.verify_schedule import verify_schedule
 from vktrain.serialization.schedule import (PlannedGemm, Schedule, ScheduleBuffer, ScheduleFormatError,
                                             ScheduleMismatchError, ScheduleRequirements, TensorPlacement,
                                             deserialize_schedule, serialize_schedule)
@@ -183,7 +186,7 @@ def test_a_schedule_the_device_cannot_run_is_refused(vk_device, mlp_pte, llama_p
                                                                                  subgroup_size=64))
     with pytest.raises(ScheduleMismatchError, match="subgroups of 64 lanes"):
         GraphExecutor(vk_device, graph, schedule=other_subgroups)
-    with pytest.raises(ScheduleMismatchError, match="planned for another graph"):
+    with pytest.raises(VerificationError, match="planned for another graph"):
         GraphExecutor(vk_device, _graph(llama_pte, vk_device), schedule=fp16)
     with pytest.raises(ScheduleMismatchError, match="pass none of precision"):
         GraphExecutor(vk_device, graph, schedule=fp16, precision="fp32")
@@ -194,3 +197,62 @@ def test_a_schedule_the_device_cannot_run_is_refused(vk_device, mlp_pte, llama_p
 def test_the_planner_needs_no_device(vk_device, llama_pte, tmp_path):
     """plan_schedule in a fresh interpreter that never loads a device layer gives the bytes planned here."""
     pytest.skip("needs the DeviceProfile of branch layers")
+
+
+# --- the verifier and the fuzzer ------------------------------------------------------------------------
+
+def _with_dispatch(schedule: Schedule, index: int, **changes) -> Schedule:
+    dispatches = list(schedule.dispatches)
+    dispatches[index] = dataclasses.replace(dispatches[index], **changes)
+    return dataclasses.replace(schedule, dispatches=tuple(dispatches))
+
+
+def _with_binding(schedule: Schedule, **changes) -> Schedule:
+    """The schedule with binding 0 of its first dispatch changed."""
+    first = schedule.dispatches[0]
+    bindings = (dataclasses.replace(first.bindings[0], **changes),) + first.bindings[1:]
+    return _with_dispatch(schedule, 0, bindings=bindings)
+
+
+def test_the_verifier_refuses_each_broken_fact(vk_device, mlp_pte):
+    graph = _graph(mlp_pte, vk_device)
+    schedule = plan_schedule(graph, vk_device)
+    sources = shader_sources()
+    verify_schedule(schedule, graph, sources)  # as planned: passes
+    first = schedule.dispatches[0].bindings[0]
+    size = schedule.buffer(first.buffer).size_bytes
+    alignment = schedule.requirements.min_storage_buffer_offset_alignment
+    broken = {
+        "outside the buffer's": _with_binding(schedule, offset=size - size % alignment, size=2 * alignment),
+        "not a multiple of the planned alignment": _with_binding(schedule, offset=alignment // 2 or 1),
+        "more than the planned max storage binding size": dataclasses.replace(
+            schedule, requirements=dataclasses.replace(schedule.requirements, max_storage_buffer_range=4)),
+        "has no kernel source": _with_dispatch(schedule, 1, shader="no_such_kernel@X"),
+        "more than the 112 every device takes": _with_dispatch(schedule, 1, push_constants=bytes(116)),
+        "would be split into": _with_dispatch(schedule, 1, groups=(2**32 - 1, 2**32 - 1, 1)),
+        "over the planned workgroup limits": _with_dispatch(schedule, 1, local_size=(2048, 1, 1)),
+        "have no placement": dataclasses.replace(schedule, placements=schedule.placements[1:]),
+        "bytes, the graph records": dataclasses.replace(schedule, placements=(dataclasses.replace(
+            schedule.placements[0], size_bytes=schedule.placements[0].size_bytes + 4),) + schedule.placements[1:]),
+    }
+    for expected, bad in broken.items():
+        with pytest.raises(VerificationError, match=expected):
+            verify_schedule(bad, graph, sources)
+        with pytest.raises(VerificationError, match=expected):  # the executor verifies what it is given
+            GraphExecutor(vk_device, graph, schedule=bad)
+
+
+SCHEDULE_MUTANTS = 400
+
+
+def test_schedule_mutants_are_refused_cleanly_or_verified(vk_device, mlp_pte):
+    """Mutated schedule bytes: every one refused by the reader or the verifier, or read as a schedule the
+    verifier accepts; none escapes as another exception."""
+    graph = _graph(mlp_pte, vk_device)
+    original = serialize_schedule(plan_schedule(graph, vk_device, max_binding_bytes=SMALL_BINDING))
+    table = fuzz.schedule_campaign(original, graph, shader_sources(), SCHEDULE_MUTANTS, seed=0)
+    print(f"\n{SCHEDULE_MUTANTS} schedule mutants: {dict(table)}")
+    assert not [label for label in table if label.startswith("BUG")], table
+    refused = sum(count for label, count in table.items() if label.startswith("refused"))
+    assert refused >= SCHEDULE_MUTANTS // 4, table
+    assert any(label.startswith("refused: verify.check_schedule") for label in table), table

@@ -37,7 +37,9 @@ from vktrain.runtime.vk.memory import Buffer
 from vktrain.runtime.delegate.lowering_context import GraphLoweringError
 from vktrain.runtime.delegate.planner import SHARED_PREFIX, gemm_route_of, plan_schedule
 from vktrain.contract import PRECISION_AUTO
-from vktrain.serialization.schedule import Schedule, ScheduleMismatchError, TensorPlacement, graph_digest
+from vktrain.serialization.schedule import Schedule, ScheduleMismatchError, TensorPlacement
+from vktrain.serialization.verify_schedule import verify_schedule
+from vktrain.runtime_shaders.build import SHADER_DIR
 from vktrain.errors import VktrainError
 
 _INT32_MIN, _INT32_MAX = -(2**31), 2**31 - 1
@@ -50,6 +52,11 @@ GEMM_OPS = frozenset({"vktrain.linear_q4gsw.default", "vktrain.linear_q4gsw_back
 # The embedding lookups and the argument holding their indices: aten.embedding(weight, indices), and the
 # Q8_0 table the backend's q8_0_weights pass writes, vktrain.embedding_q8_0(codes, scales, indices).
 EMBEDDING_INDEX_ARG = {"aten.embedding.default": 1, "vktrain.embedding_q8_0.default": 2}
+
+
+def shader_sources() -> frozenset[str]:
+    """The kernel sources this runtime has (the base names a Dispatch's shader may have)."""
+    return frozenset(path.stem for path in SHADER_DIR.glob("*.comp"))
 
 
 class ExecutorInputError(VktrainError, ValueError):
@@ -232,20 +239,14 @@ class GraphExecutor:
 
     # ------------------------------------------------------------------------------ storage
     def _check_schedule(self, schedule: Schedule) -> None:
-        """Refuse a schedule planned for another graph, for a device target this device does not satisfy, or
-        binding shared tensors this executor was not given (or at other offsets), naming what is wrong."""
-        if schedule.graph_digest != graph_digest(self.graph):
-            raise ScheduleMismatchError(f"the schedule was planned for another graph (digest "
-                                        f"{schedule.graph_digest[:16]}..., this graph's is "
-                                        f"{graph_digest(self.graph)[:16]}...)")
+        """Refuse a schedule that fails verification against this graph (serialization/verify_schedule.py), that
+        relies on what this device lacks, or that binds shared tensors this executor was not given (or at
+        other offsets), naming what is wrong."""
+        verify_schedule(schedule, self.graph, shader_sources())
         missing = schedule.requirements.unmet_by(self.device)
         if missing:
             raise ScheduleMismatchError(f"the schedule does not fit {getattr(self.device, 'name', 'this device')}: "
                                         f"it relies on {'; '.join(missing)}")
-        placed = {p.value_id for p in schedule.placements}
-        unplaced = [v for v in self.graph.used_tensor_ids() if v not in placed]
-        if unplaced:
-            raise ScheduleMismatchError(f"the schedule places no buffer for tensor values {unplaced[:10]}")
         for placement in schedule.placements:
             if not placement.key.startswith(SHARED_PREFIX):
                 continue
