@@ -256,3 +256,27 @@ def test_schedule_mutants_are_refused_cleanly_or_verified(vk_device, mlp_pte):
     refused = sum(count for label, count in table.items() if label.startswith("refused"))
     assert refused >= SCHEDULE_MUTANTS // 4, table
     assert any(label.startswith("refused: verify.check_schedule") for label in table), table
+
+
+def test_a_schedule_binding_another_executors_state_runs_with_it(vk_device, mlp_pte):
+    """The methods of a program share state (eval reads the step's adapters): a schedule planned with
+    `shared` binds the owner's buffers at their offsets, runs as the executor planned at load does, and is
+    refused by an executor not given them."""
+    graph = _graph(mlp_pte, vk_device)
+    token_ids, labels = next(_batches(MLP_VOCAB, MLP_BATCH, MLP_SEQ))
+    inputs = (token_ids, labels, HPARAMS, np.float32((labels >= 0).sum()))
+    with GraphExecutor(vk_device, graph, timing=False) as owner:
+        shared = owner.shared_state()
+        schedule = deserialize_schedule(serialize_schedule(plan_schedule(graph, vk_device, shared=shared)))
+        assert {buffer.role for buffer in schedule.buffers if buffer.key.startswith("shared:")} == {"shared"}
+        outputs = []
+        for options in ({}, dict(schedule=schedule)):
+            owner.reset_state()
+            with GraphExecutor(vk_device, graph, timing=False, shared=shared, **options) as borrower:
+                outputs.append(borrower.run(*inputs)[0])
+                outputs.append(owner.read_state("model.layers.0.lora_A"))  # the step updated the owner's state
+        np.testing.assert_array_equal(outputs[2], outputs[0])
+        np.testing.assert_array_equal(outputs[3], outputs[1])
+        assert not np.array_equal(outputs[1], owner.initial_state("model.layers.0.lora_A"))
+        with pytest.raises(ScheduleMismatchError, match="which this executor was not given"):
+            GraphExecutor(vk_device, graph, schedule=schedule)
