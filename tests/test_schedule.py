@@ -280,3 +280,20 @@ def test_a_schedule_binding_another_executors_state_runs_with_it(vk_device, mlp_
         assert not np.array_equal(outputs[1], owner.initial_state("model.layers.0.lora_A"))
         with pytest.raises(ScheduleMismatchError, match="which this executor was not given"):
             GraphExecutor(vk_device, graph, schedule=schedule)
+
+
+def test_a_webgpu_schedule_read_back_trains_bit_identically_and_vulkan_ones_are_refused(vk_device, webgpu_device,
+                                                                                        mlp_pte):
+    graph = _graph(mlp_pte, vk_device)
+    batches = list(_batches(MLP_VOCAB, MLP_BATCH, MLP_SEQ))
+    losses, state, planned_at_load = _train(mlp_pte, webgpu_device, batches)
+    schedule = deserialize_schedule(serialize_schedule(plan_schedule(graph, webgpu_device)))
+    assert schedule == planned_at_load and schedule.requirements.api == "webgpu"
+    read_back_losses, read_back_state, _ = _train(mlp_pte, webgpu_device, batches, schedule=schedule)
+    assert read_back_losses == losses
+    for name, array in state.items():
+        np.testing.assert_array_equal(read_back_state[name], array, err_msg=name)
+    with pytest.raises(ScheduleMismatchError, match="the schedule is for the vulkan runtime, the device is webgpu"):
+        GraphExecutor(webgpu_device, graph, schedule=plan_schedule(graph, vk_device))
+    with pytest.raises(ScheduleMismatchError, match="the schedule is for the webgpu runtime, the device is vulkan"):
+        GraphExecutor(vk_device, graph, schedule=schedule)
