@@ -18,7 +18,9 @@ from _helpers import export_mlp_lora_training_step
 from vktrain.runtime.delegate.executor import GraphExecutor, shader_sources
 from vktrain.runtime.delegate.kernels.coopmat import GemmRoute
 from vktrain.runtime.delegate.planner import plan_schedule
+from vktrain.serialization.device_profile import NVIDIA_COOPMAT
 from vktrain.runtime.program import fuzz
+from vktrain.runtime.device_profiles import profile_of
 from vktrain.runtime.program.runner import TrainingRunner
 from vktrain.serialization.dispatch import BufferBinding, Dispatch
 from vktrain.serialization.verify import VerificationError
@@ -87,9 +89,9 @@ def test_dispatch_fields_round_trip_with_their_types():
                         push_constants=b"\x01\x00\x00\x00\xff\xff\xff\xff", spec_constants={3: 1.5, 4: True, 5: -7,
                                                                                          6: 2**32 - 1},
                         local_size=(64, 1, 1), label="0:aten.add.Tensor")
-    schedule = Schedule("digest", ScheduleRequirements("vulkan", 1 << 27, 16, 32768, 1024, 1024, 8, 0x10,
-                                                       ("shaderInt64",), (16, 16, 16)),
-                        PlannedGemm("fp32", False, "why", False, 32, 128, "cpu", False),
+    schedule = Schedule("digest", ScheduleRequirements("vulkan", 1 << 27, 16, 32768, 1024, 1024, 8, ("shuffle",),
+                                                       True, True, (16, 16, 16)),
+                        PlannedGemm("fp32", False, "why", False, 32, 128, 128, 512, "cpu", False),
                         (ScheduleBuffer("a", 1024, "input"), ScheduleBuffer("b", 4, "scratch")),
                         (TensorPlacement(0, "a", 0, 1024),), (dispatch, Dispatch("copy", 1, ["b"])), ("0:x",), 1 << 20)
     back = deserialize_schedule(serialize_schedule(schedule))
@@ -114,7 +116,7 @@ def test_planned_gemm_holds_every_field_of_the_gemm_route():
 def test_planning_twice_gives_the_same_bytes_which_read_back_equal(vk_device, llama_pte):
     graph = _graph(llama_pte, vk_device)
     for options in ({}, dict(precision="fp16-tc", emulate_tensor_cores=True)):
-        first, second = plan_schedule(graph, vk_device, **options), plan_schedule(graph, vk_device, **options)
+        first, second = plan_schedule(graph, profile_of(vk_device), **options), plan_schedule(graph, profile_of(vk_device), **options)
         data = serialize_schedule(first)
         assert data == serialize_schedule(second)
         back = deserialize_schedule(data)
@@ -137,7 +139,7 @@ def test_a_schedule_read_back_trains_bit_identically(vk_device, llama_pte):
     batches = list(_batches(128, LLAMA_BATCH, LLAMA_SEQ))
     for options in ({}, dict(precision="fp16-tc", emulate_tensor_cores=True)):
         losses, state, planned_at_load = _train(llama_pte, vk_device, batches, **options)
-        schedule = deserialize_schedule(serialize_schedule(plan_schedule(graph, vk_device, **options)))
+        schedule = deserialize_schedule(serialize_schedule(plan_schedule(graph, profile_of(vk_device), **options)))
         assert schedule == planned_at_load
         read_back_losses, read_back_state, _ = _train(llama_pte, vk_device, batches, schedule=schedule)
         assert np.mean(losses[-1:]) < losses[0]  # it trains
@@ -148,8 +150,8 @@ def test_a_schedule_read_back_trains_bit_identically(vk_device, llama_pte):
 
 def test_a_smaller_binding_limit_plans_windows_that_train(vk_device, mlp_pte):
     graph = _graph(mlp_pte, vk_device)
-    full = plan_schedule(graph, vk_device)
-    small = deserialize_schedule(serialize_schedule(plan_schedule(graph, vk_device, max_binding_bytes=SMALL_BINDING)))
+    full = plan_schedule(graph, profile_of(vk_device))
+    small = deserialize_schedule(serialize_schedule(plan_schedule(graph, profile_of(vk_device), max_binding_bytes=SMALL_BINDING)))
     assert serialize_schedule(small) != serialize_schedule(full)
     assert small.requirements.max_storage_buffer_range == SMALL_BINDING == small.max_binding_bytes
     sizes = lambda s: [_binding_size(s, b) for d in s.dispatches for b in d.bindings]  # noqa: E731
@@ -164,24 +166,18 @@ def test_a_smaller_binding_limit_plans_windows_that_train(vk_device, mlp_pte):
         np.testing.assert_array_equal(windowed_state[name], array, err_msg=name)
 
 
-class _Target:
-    """What planning reads of `device`, some of it changed (`limits`: DeviceLimits fields)."""
-
-    def __init__(self, device, limits=None, **changes):
-        for name in ("name", "device_type", "subgroup_size", "subgroup_operations", "features",
-                     "cooperative_matrix_properties"):
-            setattr(self, name, changes.get(name, getattr(device, name)))
-        self.limits = dataclasses.replace(device.limits, **(limits or {}))
-
-
 def test_a_schedule_the_device_cannot_run_is_refused(vk_device, mlp_pte, llama_pte):
     graph = _graph(mlp_pte, vk_device)
-    shared = vk_device.limits.max_compute_shared_memory_size
-    roomier = plan_schedule(graph, _Target(vk_device, limits=dict(max_compute_shared_memory_size=2 * shared)))
-    with pytest.raises(ScheduleMismatchError, match=rf"it relies on max_compute_shared_memory_size {2 * shared} "
+    profile = profile_of(vk_device)
+    shared = profile.max_shared_memory_bytes
+    roomier = plan_schedule(graph, dataclasses.replace(profile, max_shared_memory_bytes=2 * shared))
+    with pytest.raises(ScheduleMismatchError, match=rf"it relies on max_shared_memory_bytes {2 * shared} "
                                                     rf"\(the device has {shared}\)"):
         GraphExecutor(vk_device, graph, schedule=roomier)
-    fp16 = plan_schedule(graph, vk_device, precision="fp16-tc", emulate_tensor_cores=True)
+    # A profile of another device: the H200's (tensor cores, 4 GiB bindings, subgroups of 32).
+    with pytest.raises(ScheduleMismatchError, match="16x16x16 float16 x float16 \\+ float32 cooperative matrices"):
+        GraphExecutor(vk_device, graph, schedule=plan_schedule(graph, NVIDIA_COOPMAT, precision="fp16-tc"))
+    fp16 = plan_schedule(graph, profile_of(vk_device), precision="fp16-tc", emulate_tensor_cores=True)
     other_subgroups = dataclasses.replace(fp16, requirements=dataclasses.replace(fp16.requirements,
                                                                                  subgroup_size=64))
     with pytest.raises(ScheduleMismatchError, match="subgroups of 64 lanes"):
@@ -194,9 +190,39 @@ def test_a_schedule_the_device_cannot_run_is_refused(vk_device, mlp_pte, llama_p
     GraphExecutor(vk_device, graph, schedule=fp16, timing=False).close()
 
 
+_PLAN_WITHOUT_A_DEVICE = """
+import sys
+from vktrain.runtime.delegate.planner import plan_schedule
+from vktrain.serialization import read_blob
+from vktrain.serialization.device_profile import load_profile
+from vktrain.serialization.schedule import serialize_schedule
+
+graph = read_blob(sys.argv[1])
+data = serialize_schedule(plan_schedule(graph, load_profile(sys.argv[2]), precision=sys.argv[3],
+                                        emulate_tensor_cores=sys.argv[3] == "fp16-tc"))
+opened = sorted(m for m in sys.modules if m in ("vulkan", "wgpu") or m.startswith(("vulkan.", "wgpu.")))
+assert not opened, f"planning loaded a device layer: {opened}"
+sys.stdout.buffer.write(data)
+"""
+
+
 def test_the_planner_needs_no_device(vk_device, llama_pte, tmp_path):
-    """plan_schedule in a fresh interpreter that never loads a device layer gives the bytes planned here."""
-    pytest.skip("needs the DeviceProfile of branch layers")
+    """A fresh interpreter with the graph and a profile file (no device opened, no device layer loaded) plans
+    the bytes the executor planned from the device it opened."""
+    from vktrain.serialization import write_blob
+
+    graph = _graph(llama_pte, vk_device)
+    blob, profile_file = tmp_path / "graph.vkt", tmp_path / "local.json"
+    with open(blob, "wb") as out:
+        write_blob(graph, out)
+    profile_file.write_text(profile_of(vk_device).to_json())
+    for precision in ("fp32", "fp16-tc"):
+        emulate = precision == "fp16-tc"
+        with GraphExecutor(vk_device, graph, timing=False, precision=precision, emulate_tensor_cores=emulate) as executor:
+            expected = serialize_schedule(executor.schedule)
+        planned = subprocess.run([sys.executable, "-c", _PLAN_WITHOUT_A_DEVICE, str(blob), str(profile_file), precision],
+                                 capture_output=True, check=True, timeout=300).stdout
+        assert planned == expected, precision
 
 
 # --- the verifier and the fuzzer ------------------------------------------------------------------------
@@ -216,7 +242,7 @@ def _with_binding(schedule: Schedule, **changes) -> Schedule:
 
 def test_the_verifier_refuses_each_broken_fact(vk_device, mlp_pte):
     graph = _graph(mlp_pte, vk_device)
-    schedule = plan_schedule(graph, vk_device)
+    schedule = plan_schedule(graph, profile_of(vk_device))
     sources = shader_sources()
     verify_schedule(schedule, graph, sources)  # as planned: passes
     first = schedule.dispatches[0].bindings[0]
@@ -249,7 +275,7 @@ def test_schedule_mutants_are_refused_cleanly_or_verified(vk_device, mlp_pte):
     """Mutated schedule bytes: every one refused by the reader or the verifier, or read as a schedule the
     verifier accepts; none escapes as another exception."""
     graph = _graph(mlp_pte, vk_device)
-    original = serialize_schedule(plan_schedule(graph, vk_device, max_binding_bytes=SMALL_BINDING))
+    original = serialize_schedule(plan_schedule(graph, profile_of(vk_device), max_binding_bytes=SMALL_BINDING))
     table = fuzz.schedule_campaign(original, graph, shader_sources(), SCHEDULE_MUTANTS, seed=0)
     print(f"\n{SCHEDULE_MUTANTS} schedule mutants: {dict(table)}")
     assert not [label for label in table if label.startswith("BUG")], table
@@ -267,7 +293,7 @@ def test_a_schedule_binding_another_executors_state_runs_with_it(vk_device, mlp_
     inputs = (token_ids, labels, HPARAMS, np.float32((labels >= 0).sum()))
     with GraphExecutor(vk_device, graph, timing=False) as owner:
         shared = owner.shared_state()
-        schedule = deserialize_schedule(serialize_schedule(plan_schedule(graph, vk_device, shared=shared)))
+        schedule = deserialize_schedule(serialize_schedule(plan_schedule(graph, profile_of(vk_device), shared=shared)))
         assert {buffer.role for buffer in schedule.buffers if buffer.key.startswith("shared:")} == {"shared"}
         outputs = []
         for options in ({}, dict(schedule=schedule)):
@@ -287,13 +313,13 @@ def test_a_webgpu_schedule_read_back_trains_bit_identically_and_vulkan_ones_are_
     graph = _graph(mlp_pte, vk_device)
     batches = list(_batches(MLP_VOCAB, MLP_BATCH, MLP_SEQ))
     losses, state, planned_at_load = _train(mlp_pte, webgpu_device, batches)
-    schedule = deserialize_schedule(serialize_schedule(plan_schedule(graph, webgpu_device)))
+    schedule = deserialize_schedule(serialize_schedule(plan_schedule(graph, profile_of(webgpu_device))))
     assert schedule == planned_at_load and schedule.requirements.api == "webgpu"
     read_back_losses, read_back_state, _ = _train(mlp_pte, webgpu_device, batches, schedule=schedule)
     assert read_back_losses == losses
     for name, array in state.items():
         np.testing.assert_array_equal(read_back_state[name], array, err_msg=name)
     with pytest.raises(ScheduleMismatchError, match="the schedule is for the vulkan runtime, the device is webgpu"):
-        GraphExecutor(webgpu_device, graph, schedule=plan_schedule(graph, vk_device))
+        GraphExecutor(webgpu_device, graph, schedule=plan_schedule(graph, profile_of(vk_device)))
     with pytest.raises(ScheduleMismatchError, match="the schedule is for the webgpu runtime, the device is vulkan"):
         GraphExecutor(vk_device, graph, schedule=schedule)

@@ -7,6 +7,7 @@
     vktrain generate --model PATH [--adapters DIR] --prompt TEXT [--chat] [--max-new-tokens N] [--json FILE]
     vktrain merge step.pte --adapters DIR|--checkpoint CK --out MERGED_DIR
     vktrain adapters convert step.pte --adapters DIR|--checkpoint CK --out adapter.gguf
+    vktrain devices [--runtime vulkan|webgpu] [--json] [--builtin | --profile FILE]
     vktrain bench kernels|step [benchmark args]
 
 `export` and `inspect` run on the host (torch + executorch); `train` and `eval` are the on-device runner
@@ -290,6 +291,12 @@ def build_parser() -> argparse.ArgumentParser:
                                                "clients on Flower (Ray), FedAvg or FFA-LoRA")
     add_federate_arguments(federate)
     federate.set_defaults(run=run_federate)
+
+    from vktrain.train.devices import add_devices_arguments, run_devices  # torch-free
+
+    devices = sub.add_parser("devices", help="print each local device's profile: what kernel planning reads of it")
+    add_devices_arguments(devices)
+    devices.set_defaults(run=run_devices)
 
     bench = sub.add_parser("bench", help="run a benchmark script (kernels: per-kernel GPU times; step: training steps)")
     bench.add_argument("which", choices=sorted(BENCHMARKS))

@@ -23,6 +23,7 @@ import numpy as np
 
 from vktrain.errors import VktrainError
 from vktrain.serialization import graph as g
+from vktrain.serialization.device_profile import API_VULKAN, API_WEBGPU, DeviceProfile
 from vktrain.serialization.dispatch import BufferBinding, Dispatch, ScheduleError
 from vktrain.serialization.flatbuffer_reading import reading, scalar_vector
 from vktrain.serialization.generated.vkt_blob import PlannedGemm as FbPlannedGemm
@@ -39,7 +40,6 @@ from vktrain.serialization.generated.vkt_blob.SpecKind import SpecKind
 
 SCHEDULE_IDENTIFIER = b"VKS1"
 SCHEDULE_FORMAT_VERSION = 1
-API_VULKAN, API_WEBGPU = "vulkan", "webgpu"
 
 ROLES = ("constant", "state", "shared", "input", "output", "intermediate", "scratch")  # BufferRole order
 _ACCESS = {None: BindingAccess.DECLARED, "r": BindingAccess.READ, "w": BindingAccess.WRITE,
@@ -80,60 +80,51 @@ class TensorPlacement:
 
 @dataclass(frozen=True)
 class ScheduleRequirements:
-    """What a schedule relies on from a device (0 / empty: nothing). The limits are the ones planned by:
-    kernels size tiles by the shared memory and workgroup size, windows by the binding range, offsets by
-    the alignment; the subgroup size, operations, features and cooperative-matrix shape are those of the
-    kernels the GEMM route chose (coopmat, emulated coopmat, the CPU bodies, the f16 WGSL)."""
+    """What a schedule relies on from a device, in DeviceProfile's terms (0 / empty / False: nothing). The
+    limits are the ones planned by: kernels size tiles by the shared memory and workgroup size, windows by
+    the binding range, offsets by the alignment; the subgroup size and operations, float16, int64 and the
+    cooperative-matrix shape are those the kernels the GEMM route chose need (coopmat, emulated coopmat, the
+    CPU bodies of the fp32 GEMMs, the f16 WGSL)."""
 
     api: str
     max_storage_buffer_range: int
     min_storage_buffer_offset_alignment: int
-    max_compute_shared_memory_size: int
-    max_compute_work_group_invocations: int
-    max_compute_work_group_size_x: int
+    max_shared_memory_bytes: int
+    max_workgroup_invocations: int
+    max_workgroup_size_x: int
     subgroup_size: int = 0
-    subgroup_operations: int = 0
-    features: tuple[str, ...] = ()
-    cooperative_matrix: tuple[int, ...] = ()  # (m, n, k) of float16 x float16 + float32
+    subgroup_operations: tuple[str, ...] = ()
+    float16: bool = False
+    int64: bool = False
+    cooperative_matrix: tuple[int, ...] = ()  # (m, n, k) of float16 x float16 + float32 at subgroup scope
 
-    def unmet_by(self, device: Any) -> list[str]:
-        """What `device` (a vktrain Vulkan or WebGPU Device, or anything with the same attributes) lacks of
-        these requirements, one phrase each; empty when it satisfies them all."""
+    def unmet_by(self, profile: DeviceProfile) -> list[str]:
+        """What a device with `profile` lacks of these requirements, one phrase each; empty when it has them."""
         missing = []
-        api = API_WEBGPU if getattr(device, "device_type", None) == API_WEBGPU else API_VULKAN
-        if api != self.api:
-            missing.append(f"the schedule is for the {self.api} runtime, the device is {api}")
-        limits = device.limits
-        have = {
-            "max_storage_buffer_range": int(limits.max_storage_buffer_range),
-            "max_compute_shared_memory_size": int(limits.max_compute_shared_memory_size),
-            "max_compute_work_group_invocations": int(limits.max_compute_work_group_invocations),
-            "max_compute_work_group_size_x": int(limits.max_compute_work_group_size[0]),
-        }
-        for name, value in have.items():
-            if value < getattr(self, name):
-                missing.append(f"{name} {getattr(self, name)} (the device has {value})")
-        alignment = int(limits.min_storage_buffer_offset_alignment)
-        if self.min_storage_buffer_offset_alignment % alignment:
-            missing.append(f"min_storage_buffer_offset_alignment dividing {self.min_storage_buffer_offset_alignment} "
-                           f"(the device's is {alignment})")
-        subgroup_size = getattr(device, "subgroup_size", 0)
-        if self.subgroup_size and subgroup_size != self.subgroup_size:
-            missing.append(f"subgroups of {self.subgroup_size} lanes (the device's have {subgroup_size})")
-        operations = int(getattr(device, "subgroup_operations", 0))
-        if self.subgroup_operations & ~operations:
-            missing.append(f"subgroup operations {self.subgroup_operations:#x} (the device has {operations:#x})")
-        features = set(getattr(device, "features", ())) | set(getattr(device, "kernel_features", ()))
-        if api == API_WEBGPU:
-            features = set(getattr(device, "kernel_features", ()))  # what its WGSL bodies may use
-        absent = [feature for feature in self.features if feature not in features]
+        if profile.api != self.api:
+            missing.append(f"the schedule is for the {self.api} runtime, the device is {profile.api}")
+        for name, have in (("max_storage_buffer_range", profile.max_storage_buffer_range),
+                           ("max_shared_memory_bytes", profile.max_shared_memory_bytes),
+                           ("max_workgroup_invocations", profile.max_workgroup_invocations),
+                           ("max_workgroup_size_x", profile.max_workgroup_size[0])):
+            if have < getattr(self, name):
+                missing.append(f"{name} {getattr(self, name)} (the device has {have})")
+        if self.min_storage_buffer_offset_alignment % profile.min_storage_buffer_offset_alignment:
+            missing.append(f"a min_storage_buffer_offset_alignment dividing {self.min_storage_buffer_offset_alignment} "
+                           f"(the device's is {profile.min_storage_buffer_offset_alignment})")
+        if self.subgroup_size and profile.subgroup_size != self.subgroup_size:
+            missing.append(f"subgroups of {self.subgroup_size} lanes (the device's have {profile.subgroup_size})")
+        absent = [name for name in self.subgroup_operations if name not in profile.subgroup_operations]
         if absent:
-            missing.append(f"features {', '.join(absent)}")
+            missing.append(f"subgroup operations {', '.join(absent)}")
+        for name in ("float16", "int64"):
+            if getattr(self, name) and not getattr(profile, name):
+                missing.append(name)
         if self.cooperative_matrix:
             m, n, k = self.cooperative_matrix
-            if not any((p.m, p.n, p.k, p.a_type, p.b_type, p.c_type, p.result_type, p.scope)
+            if not any((s.m, s.n, s.k, s.a_type, s.b_type, s.c_type, s.result_type, s.scope)
                        == (m, n, k, "float16", "float16", "float32", "float32", "subgroup")
-                       for p in getattr(device, "cooperative_matrix_properties", ())):
+                       for s in profile.cooperative_matrix):
                 missing.append(f"{m}x{n}x{k} float16 x float16 + float32 cooperative matrices")
         return missing
 
@@ -149,6 +140,8 @@ class PlannedGemm:
     emulate: bool
     subgroup_size: int
     min_workgroups: int
+    split_min_workgroups: int
+    split_target_workgroups: int
     fp32_tuning: str
     wgsl: bool
 
@@ -269,18 +262,19 @@ def _build_dispatch(builder: flatbuffers.Builder, dispatch: Dispatch, index_of: 
 
 
 def _build_requirements(builder: flatbuffers.Builder, needs: ScheduleRequirements) -> int:
-    api, features = builder.CreateString(needs.api), _strings(builder, needs.features)
+    api, operations = builder.CreateString(needs.api), _strings(builder, needs.subgroup_operations)
     coopmat = _vector(builder, needs.cooperative_matrix, np.uint32)
     FbRequirements.Start(builder)
     FbRequirements.AddApi(builder, api)
     FbRequirements.AddMaxStorageBufferRange(builder, needs.max_storage_buffer_range)
     FbRequirements.AddMinStorageBufferOffsetAlignment(builder, needs.min_storage_buffer_offset_alignment)
-    FbRequirements.AddMaxComputeSharedMemorySize(builder, needs.max_compute_shared_memory_size)
-    FbRequirements.AddMaxComputeWorkGroupInvocations(builder, needs.max_compute_work_group_invocations)
-    FbRequirements.AddMaxComputeWorkGroupSizeX(builder, needs.max_compute_work_group_size_x)
+    FbRequirements.AddMaxSharedMemoryBytes(builder, needs.max_shared_memory_bytes)
+    FbRequirements.AddMaxWorkgroupInvocations(builder, needs.max_workgroup_invocations)
+    FbRequirements.AddMaxWorkgroupSizeX(builder, needs.max_workgroup_size_x)
     FbRequirements.AddSubgroupSize(builder, needs.subgroup_size)
-    FbRequirements.AddSubgroupOperations(builder, needs.subgroup_operations)
-    FbRequirements.AddFeatures(builder, features)
+    FbRequirements.AddSubgroupOperations(builder, operations)
+    FbRequirements.AddFloat16(builder, needs.float16)
+    FbRequirements.AddInt64(builder, needs.int64)
     FbRequirements.AddCooperativeMatrix(builder, coopmat)
     return FbRequirements.End(builder)
 
@@ -294,6 +288,8 @@ def _build_gemm(builder: flatbuffers.Builder, gemm: PlannedGemm) -> int:
     FbPlannedGemm.AddEmulate(builder, gemm.emulate)
     FbPlannedGemm.AddSubgroupSize(builder, gemm.subgroup_size)
     FbPlannedGemm.AddMinWorkgroups(builder, gemm.min_workgroups)
+    FbPlannedGemm.AddSplitMinWorkgroups(builder, gemm.split_min_workgroups)
+    FbPlannedGemm.AddSplitTargetWorkgroups(builder, gemm.split_target_workgroups)
     FbPlannedGemm.AddFp32Tuning(builder, tuning)
     FbPlannedGemm.AddWgsl(builder, gemm.wgsl)
     return FbPlannedGemm.End(builder)
@@ -417,16 +413,17 @@ def _read(root) -> Schedule:
             raise ScheduleFormatError("the schedule has no requirements table")
         requirements = ScheduleRequirements(
             _text(needs.Api()), needs.MaxStorageBufferRange(), needs.MinStorageBufferOffsetAlignment(),
-            needs.MaxComputeSharedMemorySize(), needs.MaxComputeWorkGroupInvocations(),
-            needs.MaxComputeWorkGroupSizeX(), needs.SubgroupSize(), needs.SubgroupOperations(),
-            _texts(needs, "Features"), scalar_vector(needs, "CooperativeMatrix"))
+            needs.MaxSharedMemoryBytes(), needs.MaxWorkgroupInvocations(), needs.MaxWorkgroupSizeX(),
+            needs.SubgroupSize(), _texts(needs, "SubgroupOperations"), bool(needs.Float16()), bool(needs.Int64()),
+            scalar_vector(needs, "CooperativeMatrix"))
     with reading("Schedule.gemm", ScheduleFormatError):
         table = root.Gemm()
         if table is None:
             raise ScheduleFormatError("the schedule has no gemm table")
         gemm = PlannedGemm(_text(table.Precision()), bool(table.TensorCores()), _text(table.Reason()),
                            bool(table.Emulate()), table.SubgroupSize(), table.MinWorkgroups(),
-                           _text(table.Fp32Tuning()), bool(table.Wgsl()))
+                           table.SplitMinWorkgroups(), table.SplitTargetWorkgroups(), _text(table.Fp32Tuning()),
+                           bool(table.Wgsl()))
     with reading("Schedule", ScheduleFormatError):
         try:
             return Schedule(_text(root.GraphDigest()), requirements, gemm, tuple(buffers), tuple(placements),

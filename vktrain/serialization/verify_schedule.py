@@ -107,12 +107,12 @@ def check_schedule_dispatches(schedule: Schedule, shader_sources: Collection[str
                                                              f"more than the {MAX_PUSH_BYTES} every device takes")
         if dispatch.local_size is not None:
             invocations = math.prod(dispatch.local_size)
-            if invocations > needs.max_compute_work_group_invocations or \
-                    dispatch.local_size[0] > needs.max_compute_work_group_size_x:
+            if invocations > needs.max_workgroup_invocations or \
+                    dispatch.local_size[0] > needs.max_workgroup_size_x:
                 raise _refuse(source, check_schedule_dispatches,
                               f"{where}: local size {dispatch.local_size} is over the planned workgroup limits "
-                              f"({needs.max_compute_work_group_invocations} invocations, "
-                              f"{needs.max_compute_work_group_size_x} in x)")
+                              f"({needs.max_workgroup_invocations} invocations, "
+                              f"{needs.max_workgroup_size_x} in x)")
         pieces = math.prod(-(-count // GUARANTEED_GROUP_COUNT) for count in dispatch.groups)
         if pieces > MAX_SPLIT_DISPATCHES:
             raise _refuse(source, check_schedule_dispatches, f"{where}: {dispatch.groups} work groups would be split "

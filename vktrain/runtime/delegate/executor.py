@@ -36,6 +36,7 @@ from vktrain.runtime.vk.commands import Program
 from vktrain.runtime.vk.memory import Buffer
 from vktrain.runtime.delegate.lowering_context import GraphLoweringError
 from vktrain.runtime.delegate.planner import SHARED_PREFIX, gemm_route_of, plan_schedule
+from vktrain.runtime.device_profiles import profile_of
 from vktrain.contract import PRECISION_AUTO
 from vktrain.serialization.schedule import Schedule, ScheduleMismatchError, TensorPlacement
 from vktrain.serialization.verify_schedule import verify_schedule
@@ -142,8 +143,9 @@ class GraphExecutor:
         self.program: Program | None = None
         self._state_by_name = self._index_state()
         self._index_limits = self._find_index_limits()
+        self.profile = profile_of(device)  # what planning reads of the device
         if schedule is None:
-            schedule = plan_schedule(graph, device, precision=precision, max_binding_bytes=max_binding_bytes,
+            schedule = plan_schedule(graph, self.profile, precision=precision, max_binding_bytes=max_binding_bytes,
                                      emulate_tensor_cores=emulate_tensor_cores, shared=self._shared)
         else:
             if (precision, emulate_tensor_cores, max_binding_bytes) != (PRECISION_AUTO, False, None):
@@ -243,7 +245,7 @@ class GraphExecutor:
         relies on what this device lacks, or that binds shared tensors this executor was not given (or at
         other offsets), naming what is wrong."""
         verify_schedule(schedule, self.graph, shader_sources())
-        missing = schedule.requirements.unmet_by(self.device)
+        missing = schedule.requirements.unmet_by(self.profile)
         if missing:
             raise ScheduleMismatchError(f"the schedule does not fit {getattr(self.device, 'name', 'this device')}: "
                                         f"it relies on {'; '.join(missing)}")

@@ -45,7 +45,7 @@ from vktrain.quant import padded_k, w4x8_num_words
 from vktrain.serialization import graph as vk
 
 # Importing the kernels package imports every family, so KERNELS is complete.
-from vktrain.runtime.delegate.kernels import (KERNELS, attention, coopmat, coopmat_attention, coopmat_tiling, copies,
+from vktrain.runtime.delegate.kernels import (KERNELS, attention, coopmat, coopmat_attention, copies,
                                              cross_entropy, layout, linear, matmul, norm)
 from vktrain.runtime.delegate.lowering_context import (KERNEL_DTYPES, GraphLoweringError, OpContext, OpLowering,
                                                       TensorArg)
@@ -181,12 +181,12 @@ def _split_k_args(ctx: OpContext, plan: str, m: int, n: int, k: int, group_size:
 
 
 def _coopmat_split_k_args(ctx: OpContext, kernel: str, m: int, n: int, reduction: int) -> dict:
-    """Scratch for a coopmat kernel's split-K (kernels/coopmat_tiling.py: small outputs, long reductions), if it
-    splits."""
-    if not ctx.gemm.splits_reduction:
+    """A coopmat kernel's split-K (kernels/coopmat_tiling.py: small outputs, long reductions) on this route,
+    whose targets are the device profile's: the slices and their scratch, if it splits."""
+    split_k = ctx.gemm.default_split_k(kernel, m, n, reduction)
+    if split_k == 1:
         return {}
-    nbytes = coopmat_tiling.split_k_scratch_nbytes(kernel, m, n, reduction, emulate=ctx.gemm.emulate)
-    return {"scratch": ctx.scratch(nbytes, "split_k")} if nbytes else {}
+    return {"split_k": split_k, "scratch": ctx.scratch(4 * split_k * m * n, "split_k")}
 
 
 def _lower_linear_q4gsw(ctx: OpContext) -> list[Dispatch]:

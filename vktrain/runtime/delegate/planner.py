@@ -1,12 +1,12 @@
-"""The planner: a VkGraph and a device target -> its Schedule (vktrain/serialization/schedule.py), with no
+"""The planner: a VkGraph and a DeviceProfile -> its Schedule (vktrain/serialization/schedule.py), with no
 device object in sight.
 
-`plan_schedule(graph, target, ...)` is a pure function of the graph, the target (what planning reads of a
-device: its `limits`, `device_type`, `subgroup_size`, `subgroup_operations`, `features`,
-`cooperative_matrix_properties`, a WebGPU device's `kernel_features`, and its `name` for the reports; a
-vktrain Device has them all), the GEMM precision policy, the binding limit, and the SharedTensors' offsets.
-It carries out the storage the AOT backend recorded per tensor (CONTRACTS.md "Delegate graph
-conventions") and lowers every op through the op-lowering table (op_lowering.py):
+`plan_schedule(graph, profile, ...)` is a pure function of the graph, the device profile (what planning reads
+of a device: vktrain/serialization/device_profile.py; `vktrain.runtime.device_profiles.profile_of(device)`
+gives an opened device's, and a built-in or a profile file plans for a device that is not here), the GEMM
+precision policy, the binding limit, and the SharedTensors' offsets. It carries out the storage the AOT
+backend recorded per tensor (CONTRACTS.md "Delegate graph conventions") and lowers every op through the
+op-lowering table (op_lowering.py):
 
   1. storage: one buffer per memory object (its planned size), per constant (one upload however many
      values read it), per input, per mutable state tensor and per tensor with storage of its own but no
@@ -25,15 +25,15 @@ from typing import Any, Mapping
 
 from vktrain.contract import PRECISION_AUTO
 from vktrain.serialization import graph as vk
+from vktrain.serialization.device_profile import API_WEBGPU, SUBGROUP_OPERATIONS, DeviceProfile
+from vktrain.serialization.schedule import (PlannedGemm, Schedule, ScheduleBuffer, ScheduleRequirements,
+                                            TensorPlacement, graph_digest)
 from vktrain.serialization.strided_view import StridedView
-from vktrain.serialization.schedule import (API_VULKAN, API_WEBGPU, PlannedGemm, Schedule, ScheduleBuffer,
-                                            ScheduleRequirements, TensorPlacement, graph_digest)
 from vktrain.runtime.delegate.lowering_context import GraphLoweringError, OpContext, TensorArg
 from vktrain.runtime.delegate.op_lowering import copy_words, lowering_for
-from vktrain.runtime.delegate.kernels.coopmat import (FRAGMENT, SUBGROUP_BASIC_BIT, GemmRoute, allowed_precisions,
+from vktrain.runtime.delegate.kernels.coopmat import (FRAGMENT, GemmRoute, WGSL_F16_FEATURE, allowed_precisions,
                                                      select_gemm_route)
-from vktrain.runtime.delegate.kernels.gemm_tuning import (CPU_SUBGROUP_SIZE, CPU_TUNING, SUBGROUP_SHUFFLE_BIT,
-                                                         select_gemm_tuning)
+from vktrain.runtime.delegate.kernels.gemm_tuning import CPU_SUBGROUP_SIZE, CPU_TUNING, select_gemm_tuning
 from vktrain.runtime.delegate.kernels.layout import binding_limit_of
 from vktrain.runtime.vk.schedule import BufferBinding, Dispatch
 from vktrain.runtime.webgpu.device import DEVICE_TYPE as WEBGPU_DEVICE_TYPE
@@ -45,49 +45,91 @@ SCRATCH_ALIGN = 256  # >= minStorageBufferOffsetAlignment of every Vulkan device
 SHARED_PREFIX = "shared:"
 
 
-def binding_limited(limits: Any, max_binding_bytes: int | None) -> Any:
-    """A device's limits with its max storage binding size lowered to `max_binding_bytes` (None: as they are)."""
+def binding_limited(profile: DeviceProfile, max_binding_bytes: int | None) -> DeviceProfile:
+    """`profile` with its max storage binding size lowered to `max_binding_bytes` (None: as it is)."""
     if max_binding_bytes is None:
-        return limits
+        return profile
     if isinstance(max_binding_bytes, bool) or not isinstance(max_binding_bytes, int) \
             or max_binding_bytes < MIN_MAX_BINDING_BYTES:
         raise GraphLoweringError(f"max_binding_bytes (the max storage binding size, --max-binding-mib) must be an "
                                  f"int >= {MIN_MAX_BINDING_BYTES} (1 MiB, the least vktrain's split kernels need), "
                                  f"got {max_binding_bytes!r}")
-    return replace(limits, max_storage_buffer_range=min(limits.max_storage_buffer_range, max_binding_bytes))
+    return replace(profile, max_storage_buffer_range=min(profile.max_storage_buffer_range, max_binding_bytes))
 
 
-def gemm_route_for(graph: vk.VkGraph, target: Any, precision: str = PRECISION_AUTO, *,
+@dataclass(frozen=True)
+class ProfileAsDevice:
+    """A DeviceProfile under the Device attribute names select_gemm_route (kernels/coopmat.py) and
+    select_gemm_tuning (kernels/gemm_tuning.py) read, so they choose from the profile alone."""
+
+    profile: DeviceProfile
+
+    @property
+    def name(self) -> str:
+        return self.profile.name
+
+    @property
+    def device_type(self) -> str:
+        return WEBGPU_DEVICE_TYPE if self.profile.api == API_WEBGPU else self.profile.device_type
+
+    @property
+    def subgroup_size(self) -> int:
+        return self.profile.subgroup_size
+
+    @property
+    def subgroup_operations(self) -> int:
+        return sum(1 << bit for bit, name in enumerate(SUBGROUP_OPERATIONS) if name in self.profile.subgroup_operations)
+
+    @property
+    def features(self) -> frozenset[str]:
+        if self.profile.api == API_WEBGPU:
+            return self.kernel_features
+        return frozenset({"shaderFloat16"} if self.profile.float16 else ()) | \
+            frozenset({"shaderInt64"} if self.profile.int64 else ())
+
+    @property
+    def kernel_features(self) -> frozenset[str]:
+        """A WebGPU profile's float16 is what its kernels may use (device_profiles.py)."""
+        return frozenset({WGSL_F16_FEATURE} if self.profile.api == API_WEBGPU and self.profile.float16 else ())
+
+    @property
+    def cooperative_matrix_properties(self) -> tuple:
+        return self.profile.cooperative_matrix
+
+
+def gemm_route_for(graph: vk.VkGraph, profile: DeviceProfile, precision: str = PRECISION_AUTO, *,
                    emulate_tensor_cores: bool = False) -> GemmRoute:
-    """The GemmRoute (kernels/coopmat.py) of `precision` on `target` for `graph`, with the target's fp32 tuning."""
-    route = select_gemm_route(precision, allowed_precisions(graph.metadata), target, emulate=emulate_tensor_cores)
-    return replace(route, fp32_tuning=select_gemm_tuning(target))
+    """The GemmRoute (kernels/coopmat.py) of `precision` for `graph` on a device with `profile`, with its fp32
+    tuning."""
+    device = ProfileAsDevice(profile)
+    route = select_gemm_route(precision, allowed_precisions(graph.metadata), device, emulate=emulate_tensor_cores,
+                              profile=profile)
+    return replace(route, fp32_tuning=select_gemm_tuning(device))
 
 
-def requirements_of(target: Any, limits: Any, route: GemmRoute) -> ScheduleRequirements:
-    """What a schedule planned on `target` by `limits` with `route` relies on from a device."""
-    subgroup_size, operations, features, coopmat = 0, 0, [], ()
+def requirements_of(profile: DeviceProfile, route: GemmRoute) -> ScheduleRequirements:
+    """What a schedule planned for `profile` (its binding limit applied) with `route` relies on from a device."""
+    subgroup_size, operations, float16, int64, coopmat = 0, set(), False, False, ()
     if route.fp32_tuning == CPU_TUNING:  # the CPU bodies (kernels/gemm_tuning.py)
-        subgroup_size, operations = CPU_SUBGROUP_SIZE, SUBGROUP_SHUFFLE_BIT
-        features.append("shaderInt64")
+        subgroup_size, int64 = CPU_SUBGROUP_SIZE, True
+        operations.add("shuffle")
     if route.tensor_cores and route.wgsl:
-        features.append("shader-f16")
+        float16 = True
     elif route.tensor_cores:
         subgroup_size = route.subgroup_size
         if route.emulate:
-            operations |= SUBGROUP_BASIC_BIT
-            features.append("shaderFloat16")
+            operations.add("basic")
+            float16 = True
         else:
             coopmat = tuple(FRAGMENT)
     return ScheduleRequirements(
-        api=API_WEBGPU if getattr(target, "device_type", None) == WEBGPU_DEVICE_TYPE else API_VULKAN,
-        max_storage_buffer_range=int(limits.max_storage_buffer_range),
-        min_storage_buffer_offset_alignment=int(limits.min_storage_buffer_offset_alignment),
-        max_compute_shared_memory_size=int(limits.max_compute_shared_memory_size),
-        max_compute_work_group_invocations=int(limits.max_compute_work_group_invocations),
-        max_compute_work_group_size_x=int(limits.max_compute_work_group_size[0]),
-        subgroup_size=subgroup_size, subgroup_operations=operations, features=tuple(sorted(features)),
-        cooperative_matrix=coopmat)
+        api=profile.api, max_storage_buffer_range=profile.max_storage_buffer_range,
+        min_storage_buffer_offset_alignment=profile.min_storage_buffer_offset_alignment,
+        max_shared_memory_bytes=profile.max_shared_memory_bytes,
+        max_workgroup_invocations=profile.max_workgroup_invocations,
+        max_workgroup_size_x=profile.max_workgroup_size[0], subgroup_size=subgroup_size,
+        subgroup_operations=tuple(name for name in SUBGROUP_OPERATIONS if name in operations), float16=float16,
+        int64=int64, cooperative_matrix=coopmat)
 
 
 def _align(nbytes: int, alignment: int) -> int:
@@ -112,8 +154,8 @@ class _Tensor:
 class _Planner:
     """One planning run (plan_schedule); holds the placements and the scratch high-water mark."""
 
-    def __init__(self, graph: vk.VkGraph, limits: Any, route: GemmRoute, shared: Mapping[str, Any]):
-        self.graph, self.limits, self.route, self.shared = graph, limits, route, shared
+    def __init__(self, graph: vk.VkGraph, profile: DeviceProfile, route: GemmRoute, shared: Mapping[str, Any]):
+        self.graph, self.profile, self.route, self.shared = graph, profile, route, shared
         self.states = {s.state_id for s in graph.mutable_state}
         self.tensors: dict[int, _Tensor] = {}
         self.scratch_bytes = 0
@@ -240,7 +282,7 @@ class _Planner:
 
     def _check_binding_sizes(self, context: OpContext, planned: list[Dispatch]) -> None:
         """Refuse a dispatch binding more than the max storage binding size, naming the graph tensor."""
-        limit = self.limits.max_storage_buffer_range
+        limit = self.profile.max_storage_buffer_range
         for dispatch in planned:
             for bound in dispatch.bindings:
                 if bound.size is None or bound.size <= limit:
@@ -265,8 +307,8 @@ class _Planner:
             label = f"{index}:{op.name}"
             args = [self._decode(arg, index, op) for arg in op.args]
             outputs = [self._tensor_arg(out) for out in op.outputs]
-            context = OpContext(index, op, args, outputs, label, self._scratch(index), self.limits,
-                                self.route, binding_limit_of(self.limits))
+            context = OpContext(index, op, args, outputs, label, self._scratch(index), None, self.route,
+                                binding_limit_of(self.profile), self.profile)
             planned = lowering.lower(context)
             self._check_binding_sizes(context, planned)
             if any(d.shader.startswith(TENSOR_CORE_SHADER_PREFIX) for d in planned):
@@ -283,26 +325,29 @@ class _Planner:
         return dispatches
 
 
-def plan_schedule(graph: vk.VkGraph, target: Any, *, precision: str = PRECISION_AUTO,
+def plan_schedule(graph: vk.VkGraph, profile: DeviceProfile, *, precision: str = PRECISION_AUTO,
                   max_binding_bytes: int | None = None, emulate_tensor_cores: bool = False,
                   shared: Mapping[str, Any] | None = None) -> Schedule:
-    """The Schedule of `graph` on `target` (see the module docstring). `precision`: the GEMM precision policy
-    (vktrain.contract.PRECISION_CHOICES); `emulate_tensor_cores` (tests): fp16-tc's coopmat kernels emulated
-    on a target without tensor cores; `max_binding_bytes`: a max storage binding size to plan for below the
-    target's; `shared`: name -> SharedTensor (only its `offset` and `tensor` are read) for the constant and
-    state tensors another executor of the program owns."""
+    """The Schedule of `graph` on a device with `profile` (see the module docstring). `precision`: the GEMM
+    precision policy (vktrain.contract.PRECISION_CHOICES); `emulate_tensor_cores` (tests): fp16-tc's coopmat
+    kernels emulated on a device without tensor cores; `max_binding_bytes`: a max storage binding size to
+    plan for below the profile's; `shared`: name -> SharedTensor (only its `offset` and `tensor` are read)
+    for the constant and state tensors another executor of the program owns."""
+    if not isinstance(profile, DeviceProfile):
+        raise TypeError(f"plan_schedule plans for a DeviceProfile (vktrain.runtime.device_profiles.profile_of(device) "
+                        f"for an opened device), got {type(profile).__name__}")
     graph.validate()
-    limits = binding_limited(target.limits, max_binding_bytes)
-    route = gemm_route_for(graph, target, precision, emulate_tensor_cores=emulate_tensor_cores)
+    limited = binding_limited(profile, max_binding_bytes)
+    route = gemm_route_for(graph, profile, precision, emulate_tensor_cores=emulate_tensor_cores)
     lowerings = [lowering_for(op, index) for index, op in enumerate(graph.ops)]
-    planner = _Planner(graph, limits, route, dict(shared or {}))
+    planner = _Planner(graph, limited, route, dict(shared or {}))
     planner.place_tensors()
     dispatches = planner.plan_dispatches(lowerings)
     placements = tuple(TensorPlacement(value_id, t.key, t.offset, t.nbytes)
                        for value_id, t in sorted(planner.tensors.items()))
-    return Schedule(graph_digest(graph), requirements_of(target, limits, route),
-                    PlannedGemm(**dataclasses.asdict(route)), tuple(planner.buffer_table()), placements,
-                    tuple(dispatches), tuple(planner.tensor_core_ops), max_binding_bytes or 0)
+    return Schedule(graph_digest(graph), requirements_of(limited, route), PlannedGemm(**dataclasses.asdict(route)),
+                    tuple(planner.buffer_table()), placements, tuple(dispatches), tuple(planner.tensor_core_ops),
+                    max_binding_bytes or 0)
 
 
 def gemm_route_of(schedule: Schedule) -> GemmRoute:
@@ -310,5 +355,5 @@ def gemm_route_of(schedule: Schedule) -> GemmRoute:
     return GemmRoute(**dataclasses.asdict(schedule.gemm))
 
 
-__all__ = ["MIN_MAX_BINDING_BYTES", "SCRATCH_KEY", "TENSOR_CORE_SHADER_PREFIX", "binding_limited", "gemm_route_for",
-           "gemm_route_of", "plan_schedule", "requirements_of"]
+__all__ = ["MIN_MAX_BINDING_BYTES", "ProfileAsDevice", "SCRATCH_KEY", "TENSOR_CORE_SHADER_PREFIX", "binding_limited",
+           "gemm_route_for", "gemm_route_of", "plan_schedule", "requirements_of"]

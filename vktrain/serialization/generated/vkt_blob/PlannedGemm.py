@@ -73,21 +73,35 @@ class PlannedGemm(object):
         return 0
 
     # PlannedGemm
-    def Fp32Tuning(self) -> Optional[str]:
+    def SplitMinWorkgroups(self):
         o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(16))
+        if o != 0:
+            return self._tab.Get(flatbuffers.number_types.Uint32Flags, o + self._tab.Pos)
+        return 0
+
+    # PlannedGemm
+    def SplitTargetWorkgroups(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(18))
+        if o != 0:
+            return self._tab.Get(flatbuffers.number_types.Uint32Flags, o + self._tab.Pos)
+        return 0
+
+    # PlannedGemm
+    def Fp32Tuning(self) -> Optional[str]:
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(20))
         if o != 0:
             return self._tab.String(o + self._tab.Pos)
         return None
 
     # PlannedGemm
     def Wgsl(self):
-        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(18))
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(22))
         if o != 0:
             return bool(self._tab.Get(flatbuffers.number_types.BoolFlags, o + self._tab.Pos))
         return False
 
 def PlannedGemmStart(builder: flatbuffers.Builder):
-    builder.StartObject(8)
+    builder.StartObject(10)
 
 def Start(builder: flatbuffers.Builder):
     PlannedGemmStart(builder)
@@ -128,14 +142,26 @@ def PlannedGemmAddMinWorkgroups(builder: flatbuffers.Builder, minWorkgroups: int
 def AddMinWorkgroups(builder: flatbuffers.Builder, minWorkgroups: int):
     PlannedGemmAddMinWorkgroups(builder, minWorkgroups)
 
+def PlannedGemmAddSplitMinWorkgroups(builder: flatbuffers.Builder, splitMinWorkgroups: int):
+    builder.PrependUint32Slot(6, splitMinWorkgroups, 0)
+
+def AddSplitMinWorkgroups(builder: flatbuffers.Builder, splitMinWorkgroups: int):
+    PlannedGemmAddSplitMinWorkgroups(builder, splitMinWorkgroups)
+
+def PlannedGemmAddSplitTargetWorkgroups(builder: flatbuffers.Builder, splitTargetWorkgroups: int):
+    builder.PrependUint32Slot(7, splitTargetWorkgroups, 0)
+
+def AddSplitTargetWorkgroups(builder: flatbuffers.Builder, splitTargetWorkgroups: int):
+    PlannedGemmAddSplitTargetWorkgroups(builder, splitTargetWorkgroups)
+
 def PlannedGemmAddFp32Tuning(builder: flatbuffers.Builder, fp32Tuning: int):
-    builder.PrependUOffsetTRelativeSlot(6, flatbuffers.number_types.UOffsetTFlags.py_type(fp32Tuning), 0)
+    builder.PrependUOffsetTRelativeSlot(8, flatbuffers.number_types.UOffsetTFlags.py_type(fp32Tuning), 0)
 
 def AddFp32Tuning(builder: flatbuffers.Builder, fp32Tuning: int):
     PlannedGemmAddFp32Tuning(builder, fp32Tuning)
 
 def PlannedGemmAddWgsl(builder: flatbuffers.Builder, wgsl: bool):
-    builder.PrependBoolSlot(7, wgsl, 0)
+    builder.PrependBoolSlot(9, wgsl, 0)
 
 def AddWgsl(builder: flatbuffers.Builder, wgsl: bool):
     PlannedGemmAddWgsl(builder, wgsl)

@@ -52,21 +52,21 @@ class ScheduleRequirements(object):
         return 0
 
     # ScheduleRequirements
-    def MaxComputeSharedMemorySize(self):
+    def MaxSharedMemoryBytes(self):
         o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(10))
         if o != 0:
             return self._tab.Get(flatbuffers.number_types.Uint32Flags, o + self._tab.Pos)
         return 0
 
     # ScheduleRequirements
-    def MaxComputeWorkGroupInvocations(self):
+    def MaxWorkgroupInvocations(self):
         o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(12))
         if o != 0:
             return self._tab.Get(flatbuffers.number_types.Uint32Flags, o + self._tab.Pos)
         return 0
 
     # ScheduleRequirements
-    def MaxComputeWorkGroupSizeX(self):
+    def MaxWorkgroupSizeX(self):
         o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(14))
         if o != 0:
             return self._tab.Get(flatbuffers.number_types.Uint32Flags, o + self._tab.Pos)
@@ -80,35 +80,42 @@ class ScheduleRequirements(object):
         return 0
 
     # ScheduleRequirements
-    def SubgroupOperations(self):
+    def SubgroupOperations(self, j: int):
         o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(18))
-        if o != 0:
-            return self._tab.Get(flatbuffers.number_types.Uint32Flags, o + self._tab.Pos)
-        return 0
-
-    # ScheduleRequirements
-    def Features(self, j: int):
-        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(20))
         if o != 0:
             a = self._tab.Vector(o)
             return self._tab.String(a + flatbuffers.number_types.UOffsetTFlags.py_type(j * 4))
         return ""
 
     # ScheduleRequirements
-    def FeaturesLength(self) -> int:
-        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(20))
+    def SubgroupOperationsLength(self) -> int:
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(18))
         if o != 0:
             return self._tab.VectorLen(o)
         return 0
 
     # ScheduleRequirements
-    def FeaturesIsNone(self) -> bool:
-        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(20))
+    def SubgroupOperationsIsNone(self) -> bool:
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(18))
         return o == 0
 
     # ScheduleRequirements
-    def CooperativeMatrix(self, j: int):
+    def Float16(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(20))
+        if o != 0:
+            return bool(self._tab.Get(flatbuffers.number_types.BoolFlags, o + self._tab.Pos))
+        return False
+
+    # ScheduleRequirements
+    def Int64(self):
         o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(22))
+        if o != 0:
+            return bool(self._tab.Get(flatbuffers.number_types.BoolFlags, o + self._tab.Pos))
+        return False
+
+    # ScheduleRequirements
+    def CooperativeMatrix(self, j: int):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(24))
         if o != 0:
             a = self._tab.Vector(o)
             return self._tab.Get(flatbuffers.number_types.Uint32Flags, a + flatbuffers.number_types.UOffsetTFlags.py_type(j * 4))
@@ -116,25 +123,25 @@ class ScheduleRequirements(object):
 
     # ScheduleRequirements
     def CooperativeMatrixAsNumpy(self):
-        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(22))
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(24))
         if o != 0:
             return self._tab.GetVectorAsNumpy(flatbuffers.number_types.Uint32Flags, o)
         return 0
 
     # ScheduleRequirements
     def CooperativeMatrixLength(self) -> int:
-        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(22))
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(24))
         if o != 0:
             return self._tab.VectorLen(o)
         return 0
 
     # ScheduleRequirements
     def CooperativeMatrixIsNone(self) -> bool:
-        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(22))
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(24))
         return o == 0
 
 def ScheduleRequirementsStart(builder: flatbuffers.Builder):
-    builder.StartObject(10)
+    builder.StartObject(11)
 
 def Start(builder: flatbuffers.Builder):
     ScheduleRequirementsStart(builder)
@@ -157,23 +164,23 @@ def ScheduleRequirementsAddMinStorageBufferOffsetAlignment(builder: flatbuffers.
 def AddMinStorageBufferOffsetAlignment(builder: flatbuffers.Builder, minStorageBufferOffsetAlignment: int):
     ScheduleRequirementsAddMinStorageBufferOffsetAlignment(builder, minStorageBufferOffsetAlignment)
 
-def ScheduleRequirementsAddMaxComputeSharedMemorySize(builder: flatbuffers.Builder, maxComputeSharedMemorySize: int):
-    builder.PrependUint32Slot(3, maxComputeSharedMemorySize, 0)
+def ScheduleRequirementsAddMaxSharedMemoryBytes(builder: flatbuffers.Builder, maxSharedMemoryBytes: int):
+    builder.PrependUint32Slot(3, maxSharedMemoryBytes, 0)
 
-def AddMaxComputeSharedMemorySize(builder: flatbuffers.Builder, maxComputeSharedMemorySize: int):
-    ScheduleRequirementsAddMaxComputeSharedMemorySize(builder, maxComputeSharedMemorySize)
+def AddMaxSharedMemoryBytes(builder: flatbuffers.Builder, maxSharedMemoryBytes: int):
+    ScheduleRequirementsAddMaxSharedMemoryBytes(builder, maxSharedMemoryBytes)
 
-def ScheduleRequirementsAddMaxComputeWorkGroupInvocations(builder: flatbuffers.Builder, maxComputeWorkGroupInvocations: int):
-    builder.PrependUint32Slot(4, maxComputeWorkGroupInvocations, 0)
+def ScheduleRequirementsAddMaxWorkgroupInvocations(builder: flatbuffers.Builder, maxWorkgroupInvocations: int):
+    builder.PrependUint32Slot(4, maxWorkgroupInvocations, 0)
 
-def AddMaxComputeWorkGroupInvocations(builder: flatbuffers.Builder, maxComputeWorkGroupInvocations: int):
-    ScheduleRequirementsAddMaxComputeWorkGroupInvocations(builder, maxComputeWorkGroupInvocations)
+def AddMaxWorkgroupInvocations(builder: flatbuffers.Builder, maxWorkgroupInvocations: int):
+    ScheduleRequirementsAddMaxWorkgroupInvocations(builder, maxWorkgroupInvocations)
 
-def ScheduleRequirementsAddMaxComputeWorkGroupSizeX(builder: flatbuffers.Builder, maxComputeWorkGroupSizeX: int):
-    builder.PrependUint32Slot(5, maxComputeWorkGroupSizeX, 0)
+def ScheduleRequirementsAddMaxWorkgroupSizeX(builder: flatbuffers.Builder, maxWorkgroupSizeX: int):
+    builder.PrependUint32Slot(5, maxWorkgroupSizeX, 0)
 
-def AddMaxComputeWorkGroupSizeX(builder: flatbuffers.Builder, maxComputeWorkGroupSizeX: int):
-    ScheduleRequirementsAddMaxComputeWorkGroupSizeX(builder, maxComputeWorkGroupSizeX)
+def AddMaxWorkgroupSizeX(builder: flatbuffers.Builder, maxWorkgroupSizeX: int):
+    ScheduleRequirementsAddMaxWorkgroupSizeX(builder, maxWorkgroupSizeX)
 
 def ScheduleRequirementsAddSubgroupSize(builder: flatbuffers.Builder, subgroupSize: int):
     builder.PrependUint32Slot(6, subgroupSize, 0)
@@ -182,25 +189,31 @@ def AddSubgroupSize(builder: flatbuffers.Builder, subgroupSize: int):
     ScheduleRequirementsAddSubgroupSize(builder, subgroupSize)
 
 def ScheduleRequirementsAddSubgroupOperations(builder: flatbuffers.Builder, subgroupOperations: int):
-    builder.PrependUint32Slot(7, subgroupOperations, 0)
+    builder.PrependUOffsetTRelativeSlot(7, flatbuffers.number_types.UOffsetTFlags.py_type(subgroupOperations), 0)
 
 def AddSubgroupOperations(builder: flatbuffers.Builder, subgroupOperations: int):
     ScheduleRequirementsAddSubgroupOperations(builder, subgroupOperations)
 
-def ScheduleRequirementsAddFeatures(builder: flatbuffers.Builder, features: int):
-    builder.PrependUOffsetTRelativeSlot(8, flatbuffers.number_types.UOffsetTFlags.py_type(features), 0)
-
-def AddFeatures(builder: flatbuffers.Builder, features: int):
-    ScheduleRequirementsAddFeatures(builder, features)
-
-def ScheduleRequirementsStartFeaturesVector(builder, numElems: int) -> int:
+def ScheduleRequirementsStartSubgroupOperationsVector(builder, numElems: int) -> int:
     return builder.StartVector(4, numElems, 4)
 
-def StartFeaturesVector(builder, numElems: int) -> int:
-    return ScheduleRequirementsStartFeaturesVector(builder, numElems)
+def StartSubgroupOperationsVector(builder, numElems: int) -> int:
+    return ScheduleRequirementsStartSubgroupOperationsVector(builder, numElems)
+
+def ScheduleRequirementsAddFloat16(builder: flatbuffers.Builder, float16: bool):
+    builder.PrependBoolSlot(8, float16, 0)
+
+def AddFloat16(builder: flatbuffers.Builder, float16: bool):
+    ScheduleRequirementsAddFloat16(builder, float16)
+
+def ScheduleRequirementsAddInt64(builder: flatbuffers.Builder, int64: bool):
+    builder.PrependBoolSlot(9, int64, 0)
+
+def AddInt64(builder: flatbuffers.Builder, int64: bool):
+    ScheduleRequirementsAddInt64(builder, int64)
 
 def ScheduleRequirementsAddCooperativeMatrix(builder: flatbuffers.Builder, cooperativeMatrix: int):
-    builder.PrependUOffsetTRelativeSlot(9, flatbuffers.number_types.UOffsetTFlags.py_type(cooperativeMatrix), 0)
+    builder.PrependUOffsetTRelativeSlot(10, flatbuffers.number_types.UOffsetTFlags.py_type(cooperativeMatrix), 0)
 
 def AddCooperativeMatrix(builder: flatbuffers.Builder, cooperativeMatrix: int):
     ScheduleRequirementsAddCooperativeMatrix(builder, cooperativeMatrix)
