@@ -41,7 +41,9 @@ from vktrain.serialization.generated.vkt_blob.SpecKind import SpecKind
 SCHEDULE_IDENTIFIER = b"VKS1"
 SCHEDULE_FORMAT_VERSION = 1
 
-ROLES = ("constant", "state", "shared", "input", "output", "intermediate", "scratch")  # BufferRole order
+# The buffer roles, lower-case, in the order of the schema's BufferRole values (the index is the stored value).
+ROLES = tuple(name.lower() for name, _ in sorted(((name, value) for name, value in vars(BufferRole).items()
+                                                 if not name.startswith("_")), key=lambda item: item[1]))
 _ACCESS = {None: BindingAccess.DECLARED, "r": BindingAccess.READ, "w": BindingAccess.WRITE,
            "rw": BindingAccess.READ_WRITE}
 _ACCESS_NAMES = {code: name for name, code in _ACCESS.items()}
