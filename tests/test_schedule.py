@@ -323,3 +323,22 @@ def test_a_webgpu_schedule_read_back_trains_bit_identically_and_vulkan_ones_are_
         GraphExecutor(webgpu_device, graph, schedule=plan_schedule(graph, profile_of(vk_device)))
     with pytest.raises(ScheduleMismatchError, match="the schedule is for the webgpu runtime, the device is vulkan"):
         GraphExecutor(vk_device, graph, schedule=schedule)
+
+
+def test_the_profile_chooses_the_route_the_device_chooses(vk_device, webgpu_device, mlp_pte):
+    """Planning reads the profile (planner.ProfileAsDevice): the GEMM route and fp32 tuning it gives are the
+    ones select_gemm_route / select_gemm_tuning give for the opened device itself."""
+    from vktrain.runtime.delegate.kernels.coopmat import allowed_precisions, select_gemm_route
+    from vktrain.runtime.delegate.kernels.gemm_tuning import select_gemm_tuning
+    from vktrain.runtime.delegate.planner import gemm_route_for
+
+    graph = _graph(mlp_pte, vk_device)
+    allowed = allowed_precisions(graph.metadata)
+    for device in (vk_device, webgpu_device):
+        profile = profile_of(device)
+        for precision, emulate in (("auto", False), ("fp32", False), ("fp16-tc", False), ("fp16-tc", True)):
+            from_device = dataclasses.replace(select_gemm_route(precision, allowed, device, emulate=emulate,
+                                                                profile=profile),
+                                              fp32_tuning=select_gemm_tuning(device))
+            assert gemm_route_for(graph, profile, precision, emulate_tensor_cores=emulate) == from_device, \
+                (device.name, precision, emulate)
