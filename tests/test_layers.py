@@ -29,6 +29,9 @@ AOT = {name for name in ("ops", "models", "lora", "export", "partitioner", "back
 RUNTIME = {"runtime", "runtime_shaders", "native"}
 # Third-party packages of the AOT side: no vktrain/runtime module may import them.
 AOT_THIRD_PARTY = {"torch", "torchao", "executorch", "transformers", "peft"}
+# The ground floor's build-time code generators (they read torch's and executorch's schemas); nothing else on
+# the ground floor imports the AOT side's packages.
+GENERATORS = {"vktrain.opdefs.generate", "vktrain.serialization.generate"}
 # Generated flatbuffer code: no vktrain imports of its own.
 SKIPPED_PARTS = {"generated", "pte_schema"}
 
@@ -136,10 +139,15 @@ def circles(graph: dict[str, set[str]]) -> list[list[str]]:
     return comps
 
 
-def runtime_imports_of_the_aot_side(graph, external) -> list[str]:
+def runtime_imports_of_the_aot_side(graph, external, floor: str = "runtime") -> list[str]:
+    """What modules of `floor` (the runtime; or "ground": every layer-0 package but the generators) import of
+    torch, executorch and the like or of the AOT packages."""
     found = []
     for name in sorted(graph):
-        if _top(name) != "runtime":
+        if floor == "ground":
+            if LAYER.get(_top(name)) != 0 or name in GENERATORS:
+                continue
+        elif _top(name) != floor:
             continue
         found += [f"{name} imports {m}" for m in sorted(external[name] & AOT_THIRD_PARTY)]
         found += [f"{name} imports {m}" for m in sorted(graph[name]) if _top(m) in AOT]
@@ -172,13 +180,19 @@ def test_the_runtime_imports_neither_torch_nor_the_aot_side(package_graph):
     assert runtime_imports_of_the_aot_side(graph, external) == []
 
 
+def test_the_ground_floor_imports_neither_torch_nor_the_aot_side(package_graph):
+    graph, external = package_graph
+    assert "vktrain.serialization.pte" in graph
+    assert runtime_imports_of_the_aot_side(graph, external, floor="ground") == []
+
+
 def test_the_checks_find_what_they_look_for(tmp_path):
-    """A small tree with one of each: an upward import, a runtime -> AOT import, torch in the runtime, and a
-    circle made of function-level and relative imports."""
+    """A small tree with one of each: an upward import, a runtime -> AOT import, torch in the runtime and on
+    the ground floor, and a circle made of function-level and relative imports."""
     files = {
         "vktrain/__init__.py": "",
         "vktrain/serialization/__init__.py": "",
-        "vktrain/serialization/reader.py": "def f():\n    from vktrain.train.tool import helper\n",
+        "vktrain/serialization/reader.py": "import torch\n\ndef f():\n    from vktrain.train.tool import helper\n",
         "vktrain/runtime/__init__.py": "",
         "vktrain/runtime/a.py": "from .b import thing\nimport torch\n",
         "vktrain/runtime/b.py": "def g():\n    from vktrain.runtime import a\n    from vktrain.backend.passes import p\n",
@@ -196,3 +210,37 @@ def test_the_checks_find_what_they_look_for(tmp_path):
     assert circles(graph) == [["vktrain.runtime.a", "vktrain.runtime.b"]]
     assert runtime_imports_of_the_aot_side(graph, external) == ["vktrain.runtime.a imports torch",
                                                                 "vktrain.runtime.b imports vktrain.backend.passes"]
+    assert runtime_imports_of_the_aot_side(graph, external, floor="ground") == [
+        "vktrain.serialization.reader imports torch"]
+
+
+def test_follow_moves_points_old_imports_at_the_new_homes(tmp_path):
+    """scripts/follow_moves.py (for branches written before the moves): its table names modules and names that
+    exist, and it splits an import whose names moved apart, renames what was renamed, and keeps the rest."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("follow_moves", REPO / "scripts" / "follow_moves.py")
+    follow_moves = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(follow_moves)
+    for new in follow_moves.MODULES.values():
+        assert (REPO / (new.replace(".", "/") + ".py")).is_file() or (REPO / new.replace(".", "/")).is_dir(), new
+    for (old, _), (new, name) in follow_moves.NAMES.items():
+        tree = ast.parse((REPO / (new.replace(".", "/") + ".py")).read_text())
+        defined = {n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.ClassDef))} | {
+            t.id for n in tree.body if isinstance(n, (ast.Assign, ast.AnnAssign))
+            for t in (n.targets if isinstance(n, ast.Assign) else [n.target]) if isinstance(t, ast.Name)}
+        assert name in defined, f"{new} defines no {name}"
+    path = tmp_path / "old.py"
+    path.write_text("from vktrain.train.eval_command import adapter_state, evaluate_data  # used below\n"
+                    "from vktrain.cli import _parse_model_args\n"
+                    "from vktrain.runtime.program.pte import PteFile\n"
+                    "from vktrain.models import load\n"
+                    "overrides = _parse_model_args(items)  # vktrain/train/tokenizer.py\n")
+    assert follow_moves.follow(path) and not follow_moves.follow(path)
+    assert path.read_text().split("\n") == [
+        "from vktrain.train.eval_command import adapter_state  # used below",
+        "from vktrain.train.held_out import evaluate_data",
+        "from vktrain.train.model_options import parse_model_args",
+        "from vktrain.serialization.pte import PteFile",
+        "from vktrain.models import load",
+        "overrides = parse_model_args(items)  # vktrain/serialization/tokenizer.py", ""]
