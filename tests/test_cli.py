@@ -104,7 +104,7 @@ def test_an_8_byte_file_is_a_clean_error_in_train_and_inspect(tmp_path, capsys):
     assert code == 2 and err.startswith(f"vktrain train: error: {bad} has no execution plan 'forward'")
     assert err.count("\n") == 1
     code, _, err = run_cli(capsys, "inspect", bad)
-    assert code == 2 and err == "vktrain inspect: error: expected a .pte with one method, found 0 ([])\n"
+    assert code == 2 and err == f"vktrain inspect: error: {bad}: expected a .pte with one method, found 0 ([])\n"
 
 
 def test_a_malformed_model_arg_is_a_clean_error(tmp_path, capsys):

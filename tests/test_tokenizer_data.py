@@ -286,10 +286,10 @@ def test_bad_rows_and_missing_tokenizer_are_refused(tmp_path, bpe):
         rows.write_text(line, encoding="utf-8")
         with pytest.raises(DataError, match=message):
             load_data(rows, 400, ours)
-    rows.write_text(json.dumps({"text": "x"}), encoding="utf-8")
-    with pytest.raises(DataError, match="JSONL data is tokenized with the model's tokenizer, but this program "
-                                        "carries none"):
-        load_data(rows, 256, None)
+    rows.write_text(json.dumps({"messages": CHAT}), encoding="utf-8")
+    with pytest.raises(DataError, match="rendered with the model's chat template, but this program carries no "
+                                        "tokenizer"):
+        load_data(rows, 256, None)  # without a tokenizer only {"text"} rows are read, as bytes
     no_template = ModelTokenizer(ours.backend, ours.special_tokens, None, source="step.pte")
     rows.write_text(json.dumps({"messages": CHAT}), encoding="utf-8")
     with pytest.raises(DataError, match="step.pte has no chat template"):

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import os
 import re
 import sys
@@ -30,9 +29,12 @@ import warnings
 from pathlib import Path
 
 from vktrain.errors import VktrainError
+# main() repeats vktrain/__init__'s silencing (idempotent) in case a library reset the filters.
+from vktrain.import_noise import silence_known_import_noise as _silence_known_import_noise
 from vktrain.train.checkpoint import atomic_write_bytes  # torch-free; the one atomic writer
 from vktrain.train.model_options import (UsageError, add_quantization_arguments, parse_model_args,
                                          quantization_importance)
+from vktrain.train.outputs import PTE, Output, add_overwrite_argument, check_outputs
 from vktrain.train.train_loop import NonFiniteLossError
 
 PROGRAMS = ("train-step", "forward", "forward-base")
@@ -42,33 +44,6 @@ EXIT_OK, EXIT_DIVERGED, EXIT_BAD_INPUT, EXIT_INTERNAL, EXIT_INTERRUPTED = 0, 1, 
 TRACEBACK_ENV = "VKTRAIN_TRACEBACK"  # set to 1: an internal error shows its traceback
 
 
-class _DropMessages(logging.Filter):
-    """Drops the log records whose message matches `pattern` (re.match), and nothing else."""
-
-    def __init__(self, pattern: str) -> None:
-        super().__init__()
-        self.pattern = re.compile(pattern)
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return not self.pattern.match(record.getMessage())
-
-
-# The lines torch/torchao/executorch print on every import and export although nothing is wrong:
-# torchao's optional CUDA/CUTLASS extensions (`_C_*.so`) that a CPU install cannot load, and torch pytree
-# deprecation notices about how torchao and executorch register their types.
-_IMPORT_NOISE = {
-    "torchao": _DropMessages(r"Failed to load \S*torchao/_C\S*\.so: "),
-    "torch.utils._pytree": _DropMessages(r"<enum '\w+'> is an Enum subclass and is now natively supported by "
-                                         r"torch.compile"),
-}
-_IMPORT_NOISE_WARNING = r"`isinstance\(treespec, LeafSpec\)` is deprecated"
-
-
-def _silence_known_import_noise() -> None:
-    """Silence exactly `_IMPORT_NOISE` (idempotent); everything else those libraries log or warn still shows."""
-    for logger, drop in _IMPORT_NOISE.items():
-        logging.getLogger(logger).addFilter(drop)  # adding the same filter twice keeps one
-    warnings.filterwarnings("ignore", message=_IMPORT_NOISE_WARNING, category=FutureWarning)
 
 
 def summarize_layer_paths(paths: list[str]) -> str:
@@ -97,6 +72,8 @@ def cmd_export(args: argparse.Namespace) -> int:
 
     if args.freeze_lora_a and args.program != "train-step":
         raise UsageError(f"--freeze-lora-a freezes lora_A in a training step; --program is {args.program}")
+    check_outputs([Output("--out", args.out, PTE)], overwrite=args.overwrite,  # before minutes of export
+                  inputs=[("--model", args.model), ("--calibration-data", args.calibration_data)])
     import torch
 
     torch.manual_seed(args.seed)  # a built-in model's random weights; the LoRA init has its own generator
@@ -213,7 +190,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         return 2
     from vktrain.runtime.program.summary import summarize_pte
 
-    report = summarize_pte(data)
+    report = summarize_pte(data, args.file)
     print(json.dumps(report, indent=2) if args.json else format_report(args.file, report))
     return 0
 
@@ -245,6 +222,7 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("--batch", type=int, default=4)
     export.add_argument("--seq", type=int, default=64)
     export.add_argument("--out", required=True, help="output .pte path (written atomically)")
+    add_overwrite_argument(export)
     export.set_defaults(run=cmd_export)
 
     inspect = sub.add_parser("inspect", help="describe a .pte: delegates, ops, constants, memory, state, refusals")
@@ -329,7 +307,7 @@ def main(argv: list[str] | None = None) -> int:
     input or an environmental failure."""
     _silence_known_import_noise()
     args = build_parser().parse_args(argv)
-    prefix = f"vktrain {args.command}"
+    prefix = " ".join(["vktrain", args.command, *([args.action] if getattr(args, "action", None) else [])])
     try:
         return args.run(args)
     except BrokenPipeError:  # the reader went away (`vktrain inspect x.pte | head`): not an error

@@ -21,6 +21,9 @@ import numpy as np
 from vktrain.contract import ADAMW_DEFAULTS, PRECISION_AUTO, PRECISION_CHOICES
 from vktrain.fleet.partition import PartitionError, PartitionScheme, write_shards
 from vktrain.fleet import FEDAVG, STRATEGIES
+from vktrain.fleet.checkpoint import FILE_NAME, FORMAT, checkpoint_path
+from vktrain.train.outputs import (PEFT_DIRECTORY, PNG, Output, OutputKind, add_overwrite_argument, check_outputs,
+                                   json_object, safetensors_metadata)
 from vktrain.train.data import DataError, TokenBatcher, default_dataset_path, load_data
 from vktrain.train.train_loop import AdamWConfig, TrainConfigError, describe_program
 
@@ -74,6 +77,7 @@ def add_federate_arguments(parser: argparse.ArgumentParser) -> argparse.Argument
                         help="make client CLIENT fail after its first local step of round ROUND (repeatable; to "
                              "see failed clients tolerated)")
     parser.add_argument("--verbose", action="store_true", help="show Flower's and Ray's own log")
+    add_overwrite_argument(parser)
     return parser
 
 
@@ -163,21 +167,30 @@ def prepare_shards(runner, data: Path, eval_data: Path | None, n_clients: int, s
     return train, held_out
 
 
+# What federate writes: --json the per-round records, --checkpoint DIR the global adapters after a round.
+ROUND_RECORDS = OutputKind("vktrain federate's JSON records", json_object("settings", "rounds"))
+FEDERATION_CHECKPOINT = OutputKind(
+    "a federation checkpoint", lambda path: safetensors_metadata(checkpoint_path(path)).get("format") == FORMAT,
+    directory=True, writes=(FILE_NAME,), holds_a_run=True)
+
+
+def check_federate_outputs(args: argparse.Namespace) -> None:
+    """Every output (vktrain.train.outputs' rules); --checkpoint DIR with --resume continues its federation."""
+    check_outputs([Output("--checkpoint", args.checkpoint, FEDERATION_CHECKPOINT,
+                          continues=args.checkpoint if args.resume else None),
+                   Output("--json", args.json, ROUND_RECORDS), Output("--plot", args.plot, PNG),
+                   Output("--out-adapters", args.out_adapters, PEFT_DIRECTORY)],
+                  inputs=[("the program", args.program), ("--data", args.data), ("--eval-data", args.eval_data)],
+                  overwrite=args.overwrite)
+
+
 def run_federate(args: argparse.Namespace) -> int:
     check_arguments(args)
     scheme = PartitionScheme.parse(args.partition)
     program = Path(args.program)
     if not program.is_file():
         raise TrainConfigError(f"program {program} does not exist (or is not a file)")
-    from vktrain.train.command import prepare_adapter_directory, prepare_output_file
-
-    for flag, target in (("--json", args.json), ("--plot", args.plot)):
-        if target:
-            prepare_output_file(flag, target)
-    if args.out_adapters:
-        prepare_adapter_directory("--out-adapters", args.out_adapters)
-    if args.checkpoint:
-        Path(args.checkpoint).mkdir(parents=True, exist_ok=True)
+    check_federate_outputs(args)
     from vktrain.runtime.program.runner import TrainingRunner  # opens Vulkan
 
     data = Path(args.data) if args.data else default_dataset_path()

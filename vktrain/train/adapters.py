@@ -104,6 +104,19 @@ class ProgramAdapters:
             model_config=parsed(METADATA_MODEL_CONFIG, json.loads, lambda v: isinstance(v, dict), "a JSON object"),
         )
 
+    def family_refusal(self, supported: Sequence[str], where: str, needs: str) -> Optional[str]:
+        """Why the program cannot give `needs` (e.g. "a GGUF adapter"), which only a model of a `supported`
+        family can: None when it can. An older export records no model config (a re-export helps); a model
+        of another kind (the built-in mlp-lora, a module of your own) has no family (a re-export cannot)."""
+        if self.model_config is None:
+            return (f"{where}: {needs} needs the model family and config recorded at export (family None, "
+                    f"supported {tuple(supported)}); re-export the program with this vktrain")
+        if self.family not in supported:
+            model = f"{self.source_model!r}" if self.source_model else "its model"
+            return (f"{where}: {needs} needs a language model of family {', '.join(supported)}; the program was "
+                    f"exported from {model}, of family {self.family} (not a Llama-family language model)")
+        return None
+
     def check_layers(self, adapters: Mapping[str, Any], where: str) -> None:
         """The adapters found in a program's state are the layers its export recorded (when it recorded them)."""
         if self.layers is not None and sorted(self.layers) != sorted(adapters):

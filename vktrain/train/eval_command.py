@@ -12,6 +12,10 @@ once): the loss is the mean of the eval method's loss over those batches, each w
 module's loss defines its own reduction within a batch). This needs the eval method
 (vktrain.export.export_training_and_eval_steps); a .pte without one is refused, saying so. `--adapters`
 is then a vktrain checkpoint (its model.* tensors: everything the step trained).
+
+`--generate` measures task accuracy instead of the loss: greedy answers to the held-out chats of --data
+by the model the .pte holds with the adapters given (vktrain/generate/task_accuracy.py; it exports a
+prefill/decode program on the host, so this path imports torch).
 """
 from __future__ import annotations
 
@@ -30,8 +34,11 @@ from vktrain.train.checkpoint import atomic_write_json, load_checkpoint
 from vktrain.train.data import load_data
 from vktrain.serialization.tokenizer import program_tokenizer
 from vktrain.train.held_out import check_max_batches, evaluate_data
+from vktrain.train.outputs import Output, OutputKind, add_overwrite_argument, check_outputs, json_object
 from vktrain.train.train_loop import TrainConfigError, describe_program, is_token_step
 
+
+EVAL_RESULT = OutputKind("vktrain eval's JSON result", json_object("loss"))  # what --json writes
 
 
 def add_eval_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -46,8 +53,18 @@ def add_eval_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
                              "checkpoint .safetensors (default: the adapters the .pte was exported with)")
     parser.add_argument("--max-batches", type=int, metavar="N",
                         help="evaluate only the first N batches of the data (default: all of it)")
-    parser.add_argument("--json", metavar="FILE", help='write {"loss", "perplexity", "tokens"} as JSON')
+    parser.add_argument("--json", metavar="FILE", help='write {"loss", "perplexity", "tokens"} as JSON (with '
+                        '--generate: the accuracies and each example\'s answer)')
+    parser.add_argument("--generate", action="store_true",
+                        help="task accuracy instead of the loss: decode a greedy answer to each held-out chat of --data "
+                             "(the messages before its last assistant turn) and score it against that turn: exact "
+                             "match, and its last number within the rounding of the reference's")
+    parser.add_argument("--max-new-tokens", type=int, default=32, metavar="N",
+                        help="with --generate: at most N answer tokens (default 32)")
+    parser.add_argument("--max-examples", type=int, metavar="N",
+                        help="with --generate: score only the first N chats (default: all of them)")
     add_runtime_argument(parser)
+    add_overwrite_argument(parser)
     return parser
 
 
@@ -89,23 +106,27 @@ def load_adapter_state(runner, state: Mapping[str, np.ndarray]) -> None:
 def run_eval(args: argparse.Namespace, device=None) -> int:
     """`vktrain eval`: prints the loss, perplexity and token count (and writes them with --json)."""
     from vktrain.runtime.program.runner import TrainingRunner  # opens Vulkan: imported only when a run starts
-    from vktrain.train.command import ValidationErrorsReported, prepare_output_file, print_validation_messages
+    from vktrain.train.command import ValidationErrorsReported, print_validation_messages
 
     if (args.data is None) == (args.inputs is None):
         raise TrainConfigError("give the held-out data: --data FILE (token data) or --inputs DATA.npz (a step of any "
                                "module), exactly one of the two")
     program_path, data_path = Path(args.program), Path(args.data or args.inputs)
     check_max_batches("--max-batches", args.max_batches)
+    _check_generate_arguments(args)
     if not program_path.is_file():
         raise TrainConfigError(f"program {program_path} does not exist (or is not a file)")
-    if args.json:
-        prepare_output_file("--json", args.json)
+    check_outputs([Output("--json", args.json, EVAL_RESULT)], overwrite=args.overwrite,
+                  inputs=[("the program", args.program), ("--data", args.data), ("--inputs", args.inputs),
+                          ("--adapters", args.adapters)])
     runner = TrainingRunner.from_pte(program_path, device, runtime=getattr(args, "runtime", None),
                                      max_binding_bytes=max_binding_bytes(args))
     own_device = runner.device if device is None else None  # a caller's device keeps its messages
     try:
         with runner:
-            if args.inputs is not None:
+            if args.generate:
+                result = _evaluate_generation(args, runner, data_path)
+            elif args.inputs is not None:
                 result = _evaluate_inputs(args, runner, data_path)
             elif not is_token_step(runner):
                 raise TrainConfigError(f"{args.program} is not a token model's step (its inputs are "
@@ -117,7 +138,12 @@ def run_eval(args: argparse.Namespace, device=None) -> int:
         errors = print_validation_messages(own_device)
     if errors:
         raise ValidationErrorsReported(f"the Vulkan validation layer reported {errors} error(s) (printed above)")
-    if args.inputs is not None:
+    if args.generate:
+        numbers = ("" if result["number_accuracy"] is None else
+                   f", number within rounding {result['number_accuracy']:.1%} (of {result['with_number']})")
+        print(f"eval {data_path}: exact match {result['exact_match']:.1%} of {result['examples']} chat(s){numbers}; "
+              f"greedy, at most {result['max_new_tokens']} new tokens")
+    elif args.inputs is not None:
         print(f"eval {data_path}: loss {result['loss']:.6f} (mean over {result['batches']} batches)")
     else:
         print(f"eval {data_path}: loss {result['loss']:.6f}, perplexity {result['perplexity']:.4f} over "
@@ -126,6 +152,34 @@ def run_eval(args: argparse.Namespace, device=None) -> int:
         atomic_write_json(args.json, result)
         print(f"results: {args.json}")
     return 0
+
+
+def _check_generate_arguments(args: argparse.Namespace) -> None:
+    generate = getattr(args, "generate", False)
+    if not generate:
+        given = [flag for flag, value in (("--max-examples", getattr(args, "max_examples", None)),) if value is not None]
+        if given:
+            raise TrainConfigError(f"{', '.join(given)} applies to --generate (task accuracy), which was not given")
+        return
+    if args.inputs is not None or args.max_batches is not None:
+        raise TrainConfigError("--generate scores the held-out chats of --data; --inputs and --max-batches belong to "
+                               "the loss, not to it")
+    if args.max_new_tokens < 1:
+        raise TrainConfigError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    if args.max_examples is not None and args.max_examples < 1:
+        raise TrainConfigError(f"--max-examples must be a positive number of chats, got {args.max_examples}")
+
+
+def _evaluate_generation(args: argparse.Namespace, runner, data_path: Path) -> dict:
+    """Task accuracy of the adapters on --data's chats (vktrain.generate.task_accuracy; exports on the host)."""
+    from vktrain.generate.task_accuracy import evaluate_generation, read_chats
+
+    chats = read_chats(data_path, args.max_examples)
+    _load_given_adapters(args, runner)
+    lora = {**runner_frozen_lora(runner), **runner.lora_state()}
+    print(f"generating answers to {len(chats)} chat(s) of {data_path} (greedy, at most {args.max_new_tokens} tokens)")
+    return evaluate_generation(args.program, lora, program_tokenizer(runner, args.program), chats,
+                               args.max_new_tokens, runner.device, max_binding_bytes=max_binding_bytes(args))
 
 
 def _evaluate_inputs(args: argparse.Namespace, runner, data_path: Path) -> dict:
@@ -162,9 +216,13 @@ def _evaluate_tokens(args: argparse.Namespace, runner, data_path: Path) -> dict:
     """{"loss", "perplexity", "tokens"} of a token model's step on --data."""
     info = describe_program(runner)
     data = load_data(data_path, info.vocab_size, program_tokenizer(runner, args.program))
-    if args.adapters:
-        alpha = info.metadata.get(METADATA_LORA_ALPHA)
-        lora_names = list(runner.lora_state())
-        load_adapter_state(runner, adapter_state(Path(args.adapters), lora_names,
-                                                 None if alpha is None else float(alpha), runner_frozen_lora(runner)))
+    _load_given_adapters(args, runner)
     return evaluate_data(runner, data, args.max_batches)
+
+
+def _load_given_adapters(args: argparse.Namespace, runner) -> None:
+    """Write --adapters (when given) into a token model's step, checked against the program's."""
+    if args.adapters:
+        alpha = describe_program(runner).metadata.get(METADATA_LORA_ALPHA)
+        load_adapter_state(runner, adapter_state(Path(args.adapters), list(runner.lora_state()),
+                                                 None if alpha is None else float(alpha), runner_frozen_lora(runner)))

@@ -266,14 +266,16 @@ def train(runner: StepRunner, batches: Union[TokenBatcher, "ArrayBatches"], step
           program_sha256: str = "", json_path: Optional[PathLike] = None, progress: bool = True,
           log_every: int = 0, on_nonfinite: str = "stop",
           last_good_state_limit: int = LAST_GOOD_STATE_LIMIT,
-          after_step: Optional[Callable[[int], dict]] = None) -> TrainState:
+          after_step: Optional[Callable[[int], dict]] = None,
+          stop: Optional[Callable[[int], bool]] = None) -> TrainState:
     """Run steps state.step + 1 .. `steps` (see the module docstring). Returns the final TrainState.
 
     `state` continues a run (TrainState.from_checkpoint after `restore_state`) and is updated in place;
     None starts at step 0. `program_sha256` identifies the .pte in checkpoints (sha256_file of it).
     `keep_checkpoints`: how many checkpoints of the run stay on disk (CheckpointSeries); `on_nonfinite`:
     "stop" or "skip" (module docstring). `after_step(step)` runs after each completed step; what it
-    returns (e.g. {"eval_loss": ...}) joins that step's record.
+    returns (e.g. {"eval_loss": ...}) joins that step's record. `stop(step)`, asked after each completed step,
+    ends the run there when true (early stopping; the last state is checkpointed as after the last step).
     """
     state = TrainState() if state is None else state
     if steps < state.step:
@@ -379,6 +381,8 @@ def train(runner: StepRunner, batches: Union[TokenBatcher, "ArrayBatches"], step
             if checkpoint_every and step % checkpoint_every == 0:
                 checkpoint_now(loss, lr, after)
                 write_json()
+            if stop is not None and stop(step):
+                break
         if series is not None and state.last_checkpoint != (str(series.path), state.step):
             last = state.records[-1] if state.records else {"loss": math.nan, "lr": math.nan}
             checkpoint_now(last["loss"], last["lr"], before)

@@ -46,7 +46,8 @@ SHARED_PREFIX = "shared:"
 
 
 def binding_limited(profile: DeviceProfile, max_binding_bytes: int | None) -> DeviceProfile:
-    """`profile` with its max storage binding size lowered to `max_binding_bytes` (None: as it is)."""
+    """`profile` with its max storage binding size lowered to `max_binding_bytes` (None: as it is; above the
+    profile's own: refused)."""
     if max_binding_bytes is None:
         return profile
     if isinstance(max_binding_bytes, bool) or not isinstance(max_binding_bytes, int) \
@@ -54,7 +55,12 @@ def binding_limited(profile: DeviceProfile, max_binding_bytes: int | None) -> De
         raise GraphLoweringError(f"max_binding_bytes (the max storage binding size, --max-binding-mib) must be an "
                                  f"int >= {MIN_MAX_BINDING_BYTES} (1 MiB, the least vktrain's split kernels need), "
                                  f"got {max_binding_bytes!r}")
-    return replace(profile, max_storage_buffer_range=min(profile.max_storage_buffer_range, max_binding_bytes))
+    limit = profile.max_storage_buffer_range
+    if max_binding_bytes > limit:  # it lowers the device's limit, never raises it
+        raise GraphLoweringError(f"max_binding_bytes (--max-binding-mib) {max_binding_bytes} is above the device's "
+                                 f"max storage binding size of {limit} bytes ({limit / (1 << 20):.1f} MiB); it can "
+                                 f"only lower it: give at most {limit >> 20}, or leave it out")
+    return replace(profile, max_storage_buffer_range=max_binding_bytes)
 
 
 @dataclass(frozen=True)

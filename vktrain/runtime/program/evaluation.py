@@ -36,8 +36,9 @@ class EvalMethod:
                  host_memory_limit: Optional[int] = None, device_memory_limit: Optional[int] = None):
         if EVAL_METHOD not in pte.method_names:
             raise UnsupportedProgramError(
-                f"{pte.source} has no {EVAL_METHOD!r} method (it has {pte.method_names}); re-export the training "
-                f"step with this vktrain, which writes the eval method next to it")
+                f"{pte.source} has no {EVAL_METHOD!r} method (it has {pte.method_names}): it was exported without "
+                f"one; export the step and its eval method together (vktrain export does; for a module of your "
+                f"own, export_training_and_eval_steps)")
         plan = pte.execution_plan(EVAL_METHOD)
         check_instructions_supported(pte, plan, has_delegate=True)
         check_storageless_tensors(pte, plan)

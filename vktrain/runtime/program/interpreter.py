@@ -250,6 +250,11 @@ def check_loss_output(pte: PteFile, plan: ExecutionPlan, call: DelegateCall, gra
                        and NUMPY_SCALAR_TYPES.get(value.scalar_type) is np.float32)
     if output not in delegate_outputs or not is_float_scalar:
         found = f"{value.scalar_type_name}{list(value.sizes)}" if isinstance(value, Tensor) else type(value).__name__
+        if output in delegate_outputs and isinstance(value, Tensor) and len(value.sizes) >= 2:  # logits [B, S, V]
+            raise UnsupportedProgramError(f"{pte.source} is not a training step: plan {plan.name!r} returns {found} "
+                                          f"(a forward program's logits, e.g. vktrain export --program forward or "
+                                          f"forward-base), not a loss; export the model with --program train-step "
+                                          f"(the default)")
         raise VerificationError(f"{pte.source}: plan {plan.name!r} output is value {output} ({found}); expected the "
                                 f"loss, a FLOAT[] the delegate returns (one of values {list(delegate_outputs)})",
                                 check_loss_output.__name__)
