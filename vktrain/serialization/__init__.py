@@ -3,7 +3,9 @@
 The vktrain delegate blob: graph dataclasses (graph.py), schema.fbs, and the blob container (blob.py); the
 .pte reader (pte.py, pte_objects.py, pte_schema/) and its load-time verifier (verify.py); strided tensor
 views (strided_view.py); the model tokenizer (tokenizer.py); PEFT adapter files (peft_adapters.py); device
-profiles (device_profile.py). No torch, no executorch, nothing of vktrain above this floor
+profiles (device_profile.py); the schedule of a graph on a device: its Dispatch records (dispatch.py),
+the Schedule record and its bytes (schedule.py, the Schedule table of schema.fbs) and its verifier
+(verify_schedule.py). No torch, no executorch, nothing of vktrain above this floor
 (tests/test_layers.py). Names are exported lazily so that the code generator
 (`python -m vktrain.serialization.generate`) still runs when the generated code is missing or stale.
 """

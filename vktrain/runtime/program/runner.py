@@ -38,6 +38,7 @@ import numpy as np
 
 from vktrain.contract import BACKEND_ID, HPARAMS, LABELS, MODEL_PREFIX, N_VALID, PRECISION_AUTO, STEP_INPUTS, TOKEN_IDS
 from vktrain.runtime.delegate.executor import ExecutorInputError, GraphExecutor
+from vktrain.serialization.schedule import Schedule
 from vktrain.runtime.delegate.kernels.coopmat import PrecisionPolicyError
 from vktrain.serialization.pte import DelegateCall, PteFile
 from vktrain.runtime.runtimes import device_for
@@ -57,13 +58,14 @@ class TrainingRunner:
     memory heap. `precision` is the GEMM precision policy (docs/PRECISION.md; `emulate_tensor_cores`:
     GraphExecutor's test path). `runtime` ("vulkan" or "webgpu"; vktrain.runtime.runtimes) picks the device
     layer to open when `device` is None (default vulkan); a device given must be of it. `max_binding_bytes`:
-    GraphExecutor's (a lower max storage binding size to plan for, e.g. a browser's 128 MiB)."""
+    GraphExecutor's (a lower max storage binding size to plan for, e.g. a browser's 128 MiB). `schedule`:
+    GraphExecutor's (a Schedule planned for this program's step, run instead of planning at load)."""
 
     def __init__(self, pte: PteFile, device=None, *, method: str = "forward", timing: bool = True,
                  verify_constants: bool = True, host_memory_limit: Optional[int] = None,
                  device_memory_limit: Optional[int] = None, precision: str = PRECISION_AUTO,
                  emulate_tensor_cores: bool = False, runtime: Optional[str] = None,
-                 max_binding_bytes: Optional[int] = None):
+                 max_binding_bytes: Optional[int] = None, schedule: Optional[Schedule] = None):
         self.pte = pte
         program = verify_training_program(pte, method, verify_constants=verify_constants,
                                           host_memory_limit=host_memory_limit)
@@ -82,7 +84,7 @@ class TrainingRunner:
             try:
                 self.executor = GraphExecutor(device, self.graph, timing=timing, precision=precision,
                                               emulate_tensor_cores=emulate_tensor_cores,
-                                              max_binding_bytes=max_binding_bytes)
+                                              max_binding_bytes=max_binding_bytes, schedule=schedule)
             except PrecisionPolicyError as exc:
                 raise PrecisionPolicyError(f"{pte.source}: {exc}") from None
         except BaseException:
