@@ -51,7 +51,12 @@ def _train(root, name, *extra):
                      str(root / "held_out.npy"), "--eval-every", str(EVAL_EVERY), "--steps", str(STEPS), "--lr", "3e-1",
                      "--schedule", "constant", "--no-progress", "--log-every", "0", "--json", str(out / "records.json"),
                      *extra])
-    return code, json.loads((out / "records.json").read_text())
+    records = json.loads((out / "records.json").read_text())
+    if "--resume" in extra:  # a resumed run's log holds its checkpoint's steps
+        return code, records
+    before, *steps = records  # a fresh run's log leads with the held-out loss before training (step 0)
+    assert before.keys() == {"step", "eval_loss"} and before["step"] == 0, before
+    return code, steps
 
 
 def test_keep_best_keeps_the_state_of_the_lowest_held_out_loss(setup, capsys):
