@@ -707,7 +707,7 @@ def test_without_host_copies_a_non_finite_state_is_never_written(tmp_path):
     no_checkpoint = FakeRunner(nan_at_call=2)
     with pytest.raises(NonFiniteLossError, match="at step 2 .*no kept checkpoint is from before that"):
         train(no_checkpoint, _batcher(no_checkpoint), 5, schedule, progress=False)
-    with pytest.raises(ValueError, match="skipping non-finite batches needs a host copy"):
+    with pytest.raises(ValueError, match="skipping non-finite batches needs a copy of the state"):
         train(FakeRunner(), _batcher(no_checkpoint), 5, schedule, on_nonfinite="skip", last_good_state_limit=0,
               progress=False)
 
@@ -1066,3 +1066,68 @@ def test_loss_plot_marks_the_held_out_loss(tmp_path):
     for path in (plain, marked):
         assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert plain.read_bytes() != marked.read_bytes()  # the held-out points (and their legend) are drawn
+
+
+class _Injecting:
+    """A TrainingRunner whose state gets a NaN written into it around one step (a divergence on demand); it
+    counts the state tensors read to the host."""
+
+    def __init__(self, runner, *, nan_after_call=None, nan_before_call=None):
+        self.runner, self.calls, self.reads = runner, 0, 0
+        self.nan_after_call, self.nan_before_call = nan_after_call, nan_before_call
+        self.batch_shape, self.vocab_size = runner.batch_shape, runner.vocab_size
+        self.state_names, self.state_guard, self.state_nbytes = runner.state_names, runner.state_guard, runner.state_nbytes
+
+    def _poison(self):
+        name = next(n for n in self.state_names if n.endswith("lora_B"))
+        self.runner.write_state(name, np.full_like(self.runner.read_state(name), np.nan))
+
+    def step(self, tokens, labels, hparams):
+        self.calls += 1
+        if self.calls == self.nan_before_call:
+            self._poison()
+        loss = self.runner.step(tokens, labels, hparams)
+        if self.calls == self.nan_after_call:
+            self._poison()
+        return loss
+
+    def read_state(self, name):
+        self.reads += 1
+        return self.runner.read_state(name)
+
+    def write_state(self, name, array):
+        self.runner.write_state(name, array)
+
+
+def test_on_the_gpu_the_loop_reads_no_state_per_step_and_undoes_non_finite_steps(vk_device, mlp_step_program, tmp_path):
+    from vktrain.runtime.program.runner import TrainingRunner
+
+    path, _, _ = mlp_step_program
+    schedule = LRSchedule("constant", 1e-2, 20)
+    with TrainingRunner.from_pte(path, vk_device) as runner:
+        def states_of_a_clean_run(steps):
+            runner.executor.reset_state()
+            train(runner, _batcher(runner), steps, schedule, progress=False)
+            return ckpt.capture_state(runner)
+
+        reference = {step: states_of_a_clean_run(step) for step in (4, 5)}
+        runner.executor.reset_state()
+        counted = _Injecting(runner)
+        state = train(counted, _batcher(counted), 6, schedule, progress=False)
+        assert state.step == 6 and counted.reads == 0  # no state crossed to the host: the copies stay on the device
+
+        # A finite loss whose update left NaN (step 6): S[5] is put back and written as the state to resume from.
+        runner.executor.reset_state()
+        nan_update = _Injecting(runner, nan_after_call=6)
+        with pytest.raises(NonFiniteLossError, match=r"state held NaN/inf after step 6 .*run\.step5\.ckpt \(step 5\)"):
+            train(nan_update, _batcher(nan_update), 10, schedule, checkpoint_path=tmp_path / "run.ckpt", progress=False)
+        _assert_state_equals(ckpt.load_checkpoint(tmp_path / "run.step5.ckpt").tensors, reference[5])
+        _assert_state_equals(ckpt.capture_state(runner), reference[5])
+
+        # A non-finite loss at step 6 (the state it ran on went bad): S[5] is put back, S[4] is the one to resume.
+        runner.executor.reset_state()
+        nan_loss = _Injecting(runner, nan_before_call=6)
+        with pytest.raises(NonFiniteLossError, match=r"loss became nan at step 6 .*run\.step4\.ckpt \(step 4\)"):
+            train(nan_loss, _batcher(nan_loss), 10, schedule, checkpoint_path=tmp_path / "run.ckpt", progress=False)
+        _assert_state_equals(ckpt.load_checkpoint(tmp_path / "run.step4.ckpt").tensors, reference[4])
+        _assert_state_equals(ckpt.capture_state(runner), reference[5])

@@ -12,7 +12,8 @@ a runtime input of the program: changing them never needs a re-export); batch = 
 loss = runner.step(tokens, labels, hparams) for a TokenBatcher's (tokens, labels), runner.step_inputs(batch,
 hparams) for the named arrays of an ArrayBatches (vktrain/train/input_data.py: a step of any module);
 record {"step": t, "loss": loss, "lr": lr, "seconds": s} (lr as the schedule computes it, in float64; the
-program receives it rounded to float32; s the wall time of the step, i.e. of the program's run).
+program receives it rounded to float32; s the wall time of the loop's step: the batch, the program's run
+and the state's NaN/inf check and backup, not the eval or checkpoint that may follow it).
 
 `steps` is the step number to reach, not a count to add: resuming a checkpoint of step 10 with steps=20
 runs steps 11..20, reading the same batches with the same learning rates as an uninterrupted run, so
@@ -31,9 +32,11 @@ t (S[t-1]), and step t's update is applied in the same run. So
     produced S[t-1];
   * a finite loss whose update left NaN/inf in the state (S[t] non-finite) makes S[t-1] the state to
     resume from.
-When the state is small (at most `last_good_state_limit` bytes, 64 MiB by default, i.e. LoRA-sized),
-the loop keeps host copies of S[t-1] and S[t-2] and checks every update's result for NaN/inf. On a
-non-finite step it puts S[t-1] back into the runner, then
+When the state is small enough (at most `last_good_state_limit` bytes; by default 256 MiB on a device,
+64 MiB for a runner without one: vktrain/train/last_good.py), the loop keeps copies of S[t-1] and S[t-2]
+and checks every update's result for NaN/inf. A TrainingRunner keeps them on the device (a recorded copy
+per step that checks every word as it copies and reads back one word: no state crosses to the host per
+step); other runners are copied to the host. On a non-finite step it puts S[t-1] back into the runner, then
   * on_nonfinite="stop" (default): writes the state to resume from as a step-named checkpoint (when
     checkpointing and no kept checkpoint holds that step; every kept checkpoint stays untouched) and
     raises NonFiniteLossError naming it;
@@ -69,6 +72,7 @@ from vktrain.train.checkpoint import (
     skipped_positions,
 )
 from vktrain.train.data import TokenBatcher
+from vktrain.train.last_good import last_good_states
 
 if TYPE_CHECKING:  # its input checks import the runtime's program reader; the loop needs only the type
     from vktrain.train.input_data import ArrayBatches
@@ -76,9 +80,6 @@ from vktrain.train.lr_schedule import LRSchedule
 
 PathLike = Union[str, os.PathLike]
 
-# Up to this many bytes of state, host copies of the last two states are kept so that a NaN/inf step can
-# be undone and the state before it checkpointed (a LoRA state is far smaller; a copy costs little).
-LAST_GOOD_STATE_LIMIT = 64 << 20
 ON_NONFINITE = ("stop", "skip")
 # Batches skipped in a row before the loop decides the state, not the data, gives the non-finite values.
 MAX_CONSECUTIVE_SKIPS = 8
@@ -265,7 +266,7 @@ def train(runner: StepRunner, batches: Union[TokenBatcher, "ArrayBatches"], step
           checkpoint_every: int = 0, checkpoint_path: Optional[PathLike] = None, keep_checkpoints: int = 1,
           program_sha256: str = "", json_path: Optional[PathLike] = None, progress: bool = True,
           log_every: int = 0, on_nonfinite: str = "stop",
-          last_good_state_limit: int = LAST_GOOD_STATE_LIMIT,
+          last_good_state_limit: Optional[int] = None,
           after_step: Optional[Callable[[int], dict]] = None) -> TrainState:
     """Run steps state.step + 1 .. `steps` (see the module docstring). Returns the final TrainState.
 
@@ -293,13 +294,11 @@ def train(runner: StepRunner, batches: Union[TokenBatcher, "ArrayBatches"], step
         series.kept()  # every file it would replace or rotate is a checkpoint: refused now, not at step N
     config = run_config(schedule, optimizer, batches)
     data_sha256 = batches.fingerprint if series is not None else ""
-    state_bytes = sum(np.asarray(runner.read_state(name)).nbytes for name in runner.state_names)
-    keep_copies = state_bytes <= last_good_state_limit
-    if on_nonfinite == "skip" and not keep_copies:
-        raise TrainConfigError(f"skipping non-finite batches needs a host copy of the state before each step; the "
-                               f"state holds {state_bytes} bytes, above the limit of {last_good_state_limit}")
-    before = capture_state(runner) if keep_copies else None  # S[state.step]
-    before_previous: Optional[dict[str, np.ndarray]] = None  # S[state.step - 1]
+    copies = last_good_states(runner, last_good_state_limit)  # of S[t-1] and S[t-2]; None: too large
+    if on_nonfinite == "skip" and copies is None:
+        copies_limit = "the default limit" if last_good_state_limit is None else f"{last_good_state_limit} bytes"
+        raise TrainConfigError(f"skipping non-finite batches needs a copy of the state before each step; the "
+                               f"state is above {copies_limit}")
     skipped: list[int] = []  # data positions skipped since the last completed step
 
     def make_checkpoint(step: int, tensors: dict[str, np.ndarray]) -> Checkpoint:
@@ -342,30 +341,31 @@ def train(runner: StepRunner, batches: Union[TokenBatcher, "ArrayBatches"], step
     try:
         if series is not None:
             series.remove_stale_temp_files()
+        if copies is not None:
+            copies.keep(state.step)  # S[state.step]
         while state.step < steps:
+            started = time.perf_counter()
             step = state.step + 1
             lr = schedule.lr(step)
             batch = batches.batch(state.data_position)
-            started = time.perf_counter()
             hparams = optimizer.hparams(lr) if takes_hparams(runner) else None
             loss = run_step(runner, batch, hparams)
-            seconds = time.perf_counter() - started
-            after = capture_state(runner) if keep_copies else None
-            state_non_finite = math.isfinite(loss) and after is not None and bool(non_finite_tensors(after))
+            # A finite loss: S[step] is kept (overwriting S[step - 2]) and checked. A non-finite one leaves
+            # S[step - 2] in place: the state to resume from.
+            state_non_finite = math.isfinite(loss) and copies is not None and copies.keep(step)
             if not math.isfinite(loss) or state_non_finite:
-                if before is not None:  # the update used non-finite values: undo it
-                    for name, array in before.items():
-                        runner.write_state(name, array)
+                if copies is not None:  # the update used non-finite values: undo it
+                    copies.restore(step - 1)
                 if on_nonfinite == "skip" and len(skipped) < MAX_CONSECUTIVE_SKIPS:
                     skipped.append(state.data_position)
                     state.data_position += 1
                     tqdm.write(f"step {step:6d}  loss {loss}: skipped batch {skipped[-1]}", file=sys.stderr)
                     continue
-                resume_step, tensors = (step - 1, before) if state_non_finite else (step - 2, before_previous)
+                resume_step = step - 1 if state_non_finite else step - 2
+                tensors = copies.tensors(resume_step) if copies is not None else None
                 raise NonFiniteLossError(step, loss, lr, resume_point(resume_step, tensors),
                                          state_non_finite=state_non_finite, skipped=len(skipped))
-            before_previous, before = before, after
-            record = {"step": step, "loss": loss, "lr": lr, "seconds": seconds}
+            record = {"step": step, "loss": loss, "lr": lr, "seconds": time.perf_counter() - started}
             if skipped:
                 record["skipped"], skipped = skipped, []
             state.step, state.data_position = step, state.data_position + 1
@@ -377,17 +377,19 @@ def train(runner: StepRunner, batches: Union[TokenBatcher, "ArrayBatches"], step
             if log_every and (step % log_every == 0 or step == steps):
                 tqdm.write(f"step {step:6d}  loss {loss:.6f}  lr {lr:.4g}", file=sys.stdout)
             if checkpoint_every and step % checkpoint_every == 0:
-                checkpoint_now(loss, lr, after)
+                checkpoint_now(loss, lr, copies.tensors(step) if copies is not None else None)
                 write_json()
         if series is not None and state.last_checkpoint != (str(series.path), state.step):
             last = state.records[-1] if state.records else {"loss": math.nan, "lr": math.nan}
-            checkpoint_now(last["loss"], last["lr"], before)
+            checkpoint_now(last["loss"], last["lr"], copies.tensors(state.step) if copies is not None else None)
     finally:
         bar.close()
+        if copies is not None:
+            copies.close()
         write_json()  # however the loop ended: the records of every completed step
     return state
 
 
-__all__ = ["AdamWConfig", "LAST_GOOD_STATE_LIMIT", "MAX_CONSECUTIVE_SKIPS", "MAX_STEPS", "NonFiniteLossError",
+__all__ = ["AdamWConfig", "MAX_CONSECUTIVE_SKIPS", "MAX_STEPS", "NonFiniteLossError",
            "ON_NONFINITE", "ProgramInfo", "StepRunner", "TrainConfigError", "TrainState", "describe_program",
            "is_token_step", "run_config", "run_step", "takes_hparams", "train"]
