@@ -293,7 +293,8 @@ def run_train(args: argparse.Namespace, device=None) -> int:
     data_path = Path(args.inputs) if args.inputs else Path(args.data) if args.data else default_dataset_path()
     program_sha256 = sha256_file(program_path)
 
-    runner = TrainingRunner.from_pte(program_path, device, precision=args.precision,
+    # timing=False: no GPU timestamps (train reads none; on a GPU they cost time per dispatch).
+    runner = TrainingRunner.from_pte(program_path, device, precision=args.precision, timing=False,
                                      runtime=getattr(args, "runtime", None), max_binding_bytes=max_binding_bytes(args))
     own_device = getattr(runner, "device", None) if device is None else None  # a caller's device: its messages
     try:
