@@ -13,10 +13,12 @@ q/k/v/o/gate/up/down, q4gsw bases) with bench_step.py's synthetic constants, so 
 run, per .pte, on one device:
   * the step alone: TrainingRunner.step on batches of the default corpus, `--warmup` then `--step-steps`
     steps timed by the wall clock (what bench_step.py reports, without its GPU timestamps);
-  * the command: `vktrain train PTE --steps N --eval-data CORPUS --eval-every E --eval-batches B
+  * the command: `vktrain train PTE --data CORPUS --steps N --eval-data CORPUS --eval-every E --eval-batches B
     --checkpoint C --checkpoint-every K --json J` run in this process (vktrain.cli.main), timed as a whole
     (program load included) and its loop alone (the `train` call: every step, the evals every E steps and
-    the checkpoints every K, the last one included), and the median of the `seconds` its JSON records.
+    the checkpoints every K, the last one included), and the median of the `seconds` its JSON records
+    (CORPUS: the default corpus's bytes as a .npy of token ids, which any vocabulary accepts), and the
+    seconds of each checkpoint write (CheckpointSeries.save, its state read excluded) and each eval.
     tokens/s of the loop over the step alone's is the figure `vktrain train` is judged by (issue 30: >= 0.9).
 Only vktrain.cli, TrainingRunner and vktrain.train.command.train are used, so the same script times an
 older checkout (PYTHONPATH) for a before / after pair.
@@ -66,13 +68,15 @@ def export_command(model_name: str, shape: tuple[int, int], out_dir: Path, min_b
     min_bytes = min_bytes if min_bytes is not None else (
         bench_step.QUICK_SYNTHETIC_MIN_BYTES if quick else bench_step.FULL_SYNTHETIC_MIN_BYTES)
     model = bench_step.build_bench_model(model_name, **overrides)
-    model_fields = {k: (asdict(v) if hasattr(v, "__dataclass_fields__") else v) for k, v in asdict(model.config).items()}
+    model_fields = {k: (asdict(v) if hasattr(v, "__dataclass_fields__") else v)
+                    for k, v in asdict(model.config).items()}
     config = bench_step.BenchConfig(model_name, model_fields, shape[0], shape[1], bench_step.LORA_RANK,
                                     bench_step.LORA_ALPHA, list(bench_step.LORA_TARGETS), bench_step.GROUP_SIZE,
                                     min_bytes)
     start = time.perf_counter()
     methods = dict(zip((TRAIN_METHOD, EVAL_METHOD), export_training_and_eval_steps(model, shape)))
-    specs = synthetic_constants_spec(min_bytes) + [metadata_spec(bench_step.BENCH_CONFIG_KEY, json.dumps(asdict(config)))]
+    specs = synthetic_constants_spec(min_bytes) + [metadata_spec(bench_step.BENCH_CONFIG_KEY,
+                                                                 json.dumps(asdict(config)))]
     data = lower_methods_to_pte(methods, {name: VktrainPartitioner(compile_specs=specs) for name in methods})
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / f"train_{model_name}_{config.label}.pte"
@@ -112,36 +116,50 @@ def time_step_alone(path: Path, warmup: int, steps: int) -> dict[str, Any]:
 def time_command(path: Path, args, workdir: Path) -> dict[str, Any]:
     import vktrain.train.command as command
     from vktrain import cli
-    from vktrain.train.data import default_dataset_path
+    from vktrain.train.data import default_dataset_path, load_tokens
 
-    loop_s: list[float] = []
-    original = command.train
+    import vktrain.train.checkpoint as checkpoint
+    import vktrain.train.eval_command as eval_command
 
-    def timed_train(*a, **k):
-        start = time.perf_counter()
-        try:
-            return original(*a, **k)
-        finally:
-            loop_s.append(time.perf_counter() - start)
+    spent: dict[str, list[float]] = {"loop": [], "checkpoints": [], "evals": []}
+    patched = [(command, "train", "loop"), (checkpoint.CheckpointSeries, "save", "checkpoints"),
+               (eval_command, "evaluate_data", "evals")]
+    originals = [getattr(owner, name) for owner, name, _ in patched]
+
+    def timed(function, key):
+        def wrapper(*a, **k):
+            start = time.perf_counter()
+            try:
+                return function(*a, **k)
+            finally:
+                spent[key].append(time.perf_counter() - start)
+        return wrapper
 
     json_path = workdir / f"{path.stem}.json"
-    argv = ["train", str(path), "--steps", str(args.steps), "--lr", "1e-4", "--no-progress",
+    # The default corpus as token ids (bytes): a program without a tokenizer refuses byte-level text when its
+    # vocabulary is not 256 (the synthetic models have their model's 49152 or 128256).
+    corpus = workdir / "default_corpus.npy"
+    np.save(corpus, load_tokens(default_dataset_path()))
+    argv = ["train", str(path), "--data", str(corpus), "--steps", str(args.steps), "--lr", "1e-4", "--no-progress",
             "--checkpoint", str(workdir / f"{path.stem}.ckpt"), "--checkpoint-every", str(args.checkpoint_every),
             "--json", str(json_path)]
     if args.eval_every:
-        argv += ["--eval-data", str(default_dataset_path()), "--eval-every", str(args.eval_every),
+        argv += ["--eval-data", str(corpus), "--eval-every", str(args.eval_every),
                  "--eval-batches", str(args.eval_batches)]
-    command.train = timed_train
+    for (owner, name, key), function in zip(patched, originals):
+        setattr(owner, name, timed(function, key))
     try:
         start = time.perf_counter()
         code = cli.main(argv)
         command_s = time.perf_counter() - start
     finally:
-        command.train = original
+        for (owner, name, _), function in zip(patched, originals):
+            setattr(owner, name, function)
     if code != 0:
         raise RuntimeError(f"vktrain {' '.join(argv)} exited with {code}")
     records = json.loads(json_path.read_text())
-    return {"argv": argv[2:], "command_s": command_s, "loop_s": loop_s[0],
+    return {"argv": argv[2:], "command_s": command_s, "loop_s": spent["loop"][0],
+            "checkpoint_s": spent["checkpoints"], "eval_s": spent["evals"],  # each call (the first eval: before step 1)
             "record_seconds_median_ms": 1e3 * statistics.median(r["seconds"] for r in records),
             "losses_first_last": [records[0]["loss"], records[-1]["loss"]],
             "eval_losses": [r["eval_loss"] for r in records if "eval_loss" in r]}

@@ -41,14 +41,17 @@ def _non_finite(arrays):
     return any(array.dtype.kind == "f" and not np.isfinite(array).all() for array in arrays.values())
 
 
-@pytest.fixture(params=["vulkan", "webgpu"])
-def device(request):
-    return request.getfixturevalue("vk_device" if request.param == "vulkan" else "webgpu_device")
+@pytest.fixture(params=["vulkan", "vulkan-staging", "webgpu"])
+def device_and_staging(request):
+    """The device, and whether the guard's buffers take the discrete-GPU path (staging copies)."""
+    return request.getfixturevalue("webgpu_device" if request.param == "webgpu" else "vk_device"), \
+        request.param == "vulkan-staging"
 
 
 @pytest.mark.parametrize("poison", [None, ("a", np.nan), ("b", np.inf), ("b", -np.inf), ("h", np.nan),
                                     ("h", -np.inf), ("optimizer.step", np.inf)])
-def test_backup_flag_and_restore_match_numpy(device, poison):
+def test_backup_flag_and_restore_match_numpy(device_and_staging, poison):
+    device, staging = device_and_staging
     rng = np.random.default_rng(7)
     arrays = _state(rng)
     if poison is not None:
@@ -56,7 +59,7 @@ def test_backup_flag_and_restore_match_numpy(device, poison):
         arrays[name].flat[rng.integers(arrays[name].size)] = value
     buffers, shared = _upload(device, arrays)
     try:
-        with StateGuard(device, shared, slots=2) as guard:
+        with StateGuard(device, shared, slots=2, staging=staging) as guard:
             assert guard.save(1) == _non_finite(arrays) == (poison is not None)
             for name, backup in guard.read(1).items():
                 assert backup.dtype == arrays[name].dtype

@@ -46,7 +46,7 @@ class StateGuard:
     with the check described in the module docstring. The guard owns its buffers; the state's stay its
     executor's (close the guard first)."""
 
-    def __init__(self, device, state: Mapping[str, SharedTensor], *, slots: int = 2):
+    def __init__(self, device, state: Mapping[str, SharedTensor], *, slots: int = 2, staging: bool | None = None):
         if not state:
             raise ValueError("a StateGuard needs at least one state tensor")
         self.device = device
@@ -65,9 +65,12 @@ class StateGuard:
             self._layout[name] = (BufferBinding(keys[id(shared.buffer)], shared.offset, nbytes), offset)
             offset += _align(nbytes)
         self.slot_bytes = offset
-        self._owned = {f"slot{i}": Buffer(device, offset, name=f"state_guard.slot{i}") for i in range(slots)}
-        self._owned["flags"] = Buffer(device, ALIGN * len(self.state), name="state_guard.flags")
-        self._owned["result"] = Buffer(device, 4, name="state_guard.result")
+        self._owned = {f"slot{i}": Buffer(device, offset, name=f"state_guard.slot{i}", staging=staging)
+                       for i in range(slots)}
+        self._owned["flags"] = Buffer(device, ALIGN * len(self.state), name="state_guard.flags",
+                                     staging=staging)
+        # Host-visible (no staging copy to read it): the one word read back per step.
+        self._owned["result"] = Buffer(device, 4, name="state_guard.result", staging=False)
         self._buffers.update(self._owned)
         self._programs: list[Program] = []
         try:
@@ -126,10 +129,11 @@ class StateGuard:
     def read(self, slot: int) -> dict[str, np.ndarray]:
         """Backup `slot` on the host, by state name, in each tensor's graph dtype (a checkpoint's arrays)."""
         self._check_slot(slot)
+        raw = self._owned[f"slot{slot}"].read(np.uint8, (self.slot_bytes,))  # one transfer, not one per tensor
         arrays = {}
         for name, (_, offset) in self._layout.items():
             tensor = self.state[name].tensor
-            stored = self._owned[f"slot{slot}"].read(tensor.storage_dtype.numpy_dtype, tensor.shape, offset)
+            stored = np.frombuffer(raw, tensor.storage_dtype.numpy_dtype, tensor.numel, offset).reshape(tensor.shape)
             arrays[name] = stored.astype(tensor.dtype.numpy_dtype, copy=False)
         return arrays
 
