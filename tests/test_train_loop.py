@@ -1131,3 +1131,21 @@ def test_on_the_gpu_the_loop_reads_no_state_per_step_and_undoes_non_finite_steps
             train(nan_loss, _batcher(nan_loss), 10, schedule, checkpoint_path=tmp_path / "run.ckpt", progress=False)
         _assert_state_equals(ckpt.load_checkpoint(tmp_path / "run.step4.ckpt").tensors, reference[4])
         _assert_state_equals(ckpt.capture_state(runner), reference[5])
+
+
+def test_on_the_gpu_a_skipped_batch_is_undone_as_if_never_seen(vk_device, mlp_step_program):
+    from vktrain.runtime.program.runner import TrainingRunner
+
+    path, _, _ = mlp_step_program
+    schedule = LRSchedule("constant", 1e-2, 8)
+    with TrainingRunner.from_pte(path, vk_device) as runner:
+        batches = _batcher(runner)
+        reference_state = train(runner, _SkippingBatcher(batches, [3]), 8, schedule, progress=False)
+        reference = ckpt.capture_state(runner)
+        runner.executor.reset_state()
+        poisoned = _Injecting(runner, nan_before_call=4)  # step 4's first batch (position 3) meets a NaN state
+        state = train(poisoned, batches, 8, schedule, on_nonfinite="skip", progress=False)
+        assert (state.step, state.data_position, state.records[3]["skipped"]) == (8, 9, [3])
+        _assert_state_equals(ckpt.capture_state(runner), reference)  # the NaN was undone on the device
+        assert _without_seconds([{k: v for k, v in r.items() if k != "skipped"} for r in state.records]) == \
+            _without_seconds(reference_state.records)
