@@ -8,6 +8,7 @@ import errno
 import json
 import math
 import os
+import threading
 import re
 import struct
 
@@ -33,6 +34,7 @@ from vktrain.train.train_loop import (
     NonFiniteLossError,
     TrainState,
     describe_program,
+    run_config,
     train,
 )
 
@@ -559,6 +561,72 @@ def test_hparams_are_fed_per_step_and_records_are_exact(tmp_path):
     assert records[-1]["loss"] < records[0]["loss"]  # the fake model learns
 
 
+def _safetensors_parts(path):
+    """(header, data bytes) of a safetensors file: its header's JSON is a hash map's (the order of its
+    keys varies between writes), the rest must match byte for byte."""
+    raw = path.read_bytes()
+    size = struct.unpack("<Q", raw[:8])[0]
+    return json.loads(raw[8:8 + size]), raw[8 + size:]
+
+
+def test_a_checkpoint_is_written_beside_the_next_steps_and_equals_a_synchronous_write(tmp_path, monkeypatch):
+    runner = FakeRunner()
+    schedule, batches = LRSchedule("constant", 5e-2, 6), _batcher(runner)
+    states, step5 = {}, threading.Event()
+
+    def after_step(step):
+        states[step] = {name: runner.read_state(name) for name in runner.state_names}
+        if step == 5:
+            step5.set()
+        return {}
+
+    real_save = ckpt.safetensors.numpy.save
+
+    def save_once_the_loop_is_at_step5(tensors, metadata):  # step 3's write can only end beside steps 4-5
+        assert threading.current_thread() is not threading.main_thread()
+        assert step5.wait(timeout=20), "the loop waited for the checkpoint write"
+        return real_save(tensors, metadata=metadata)
+
+    monkeypatch.setattr(ckpt.safetensors.numpy, "save", save_once_the_loop_is_at_step5)
+    path = tmp_path / "run.ckpt"
+    state = train(runner, batches, 6, schedule, OPTIMIZER, checkpoint_every=3, checkpoint_path=path,
+                  keep_checkpoints=2, program_sha256="ab" * 32, progress=False, after_step=after_step)
+    monkeypatch.undo()
+    assert state.last_checkpoint == (str(path), 6)
+    config = run_config(schedule, OPTIMIZER, batches)
+    for step, written in ((3, tmp_path / "run.step3.ckpt"), (6, path)):  # the state at that step, byte for byte
+        reference = tmp_path / f"reference{step}.ckpt"
+        ckpt.save_checkpoint(reference, ckpt.Checkpoint(step, step, "ab" * 32, batches.fingerprint, batches.seed,
+                                                        states[step], state.records[:step], config))
+        assert _safetensors_parts(written) == _safetensors_parts(reference)
+
+
+def test_a_failed_background_write_stops_the_run_and_keeps_the_last_good_checkpoint(tmp_path, monkeypatch):
+    real_write, checkpoints = ckpt.atomic_write_bytes, []
+
+    def disk_full_at_the_second_checkpoint(path, data):  # half of step 6's file is written, then the disk is full
+        def half_then_full(file):
+            file.write(data[:len(data) // 2])
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+        if path.name == "run.ckpt":
+            checkpoints.append(threading.current_thread())
+            if len(checkpoints) == 2:
+                return ckpt.atomic_write(path, half_then_full)
+        return real_write(path, data)
+
+    monkeypatch.setattr(ckpt, "atomic_write_bytes", disk_full_at_the_second_checkpoint)
+    runner, path, log = FakeRunner(), tmp_path / "run.ckpt", tmp_path / "log.json"
+    with pytest.raises(ckpt.OutputWriteError, match=f"cannot write {re.escape(str(path))}: No space left on device"):
+        train(runner, _batcher(runner), 12, LRSchedule("constant", 5e-2, 12), OPTIMIZER, checkpoint_every=3,
+              checkpoint_path=path, json_path=log, progress=False)
+    assert 6 <= len(runner.calls) <= 9  # stopped once the write had failed, by the next checkpoint at the latest
+    assert ckpt.load_checkpoint(path).step == 3  # the last good one, whole
+    assert sorted(os.listdir(tmp_path)) == ["log.json", "run.ckpt"]  # nothing half-written
+    assert len(json.loads(log.read_text())) == len(runner.calls)
+    assert threading.main_thread() not in checkpoints
+
+
 def test_resume_from_step_10_reproduces_steps_11_to_20_exactly(tmp_path):
     schedule = LRSchedule("cosine", 5e-2, 20, warmup_steps=4)
     uninterrupted = FakeRunner()
@@ -643,7 +711,11 @@ def test_a_non_finite_loss_keeps_the_state_before_the_update_that_caused_it(tmp_
 
 
 def test_a_full_disk_at_divergence_names_an_older_checkpoint(tmp_path, monkeypatch, capsys):
-    def no_space(fd):
+    real_fsync = os.fsync
+
+    def no_space(fd):  # on the loop's thread: step 6's checkpoint, written on the writer's, still lands
+        if threading.current_thread() is not threading.main_thread():
+            return real_fsync(fd)
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
     class DiskFillsAtStep7(FakeRunner):

@@ -21,7 +21,11 @@ the losses and the final state are identical.
 
 Checkpoints (vktrain.train.checkpoint.CheckpointSeries: the newest at `checkpoint_path`, the
 `keep_checkpoints` - 1 before it step-named) are written atomically every `checkpoint_every` steps and
-after the last step. The JSON log (a list of the records of every step since step 1, restored from the
+after the last step. The loop reads the state of that step to the host (one transfer from the device
+copy) and goes on; serialisation, checksums and the fsync'ed write run on another thread
+(vktrain.train.checkpoint_writer), at most one at a time. The loop waits for it before the next
+checkpoint, at the end and however it stops; a failed write stops the run with its error (the
+previous checkpoint stays whole). The JSON log (a list of the records of every step since step 1, restored from the
 checkpoint on resume) is rewritten atomically at every checkpoint and when the loop ends, however it ends.
 
 Divergence. Forward, backward and AdamW are one program: step t's loss comes from the state BEFORE step
@@ -71,6 +75,7 @@ from vktrain.train.checkpoint import (
     save_checkpoint,
     skipped_positions,
 )
+from vktrain.train.checkpoint_writer import CheckpointWriter
 from vktrain.train.data import TokenBatcher
 from vktrain.train.last_good import last_good_states
 
@@ -300,16 +305,24 @@ def train(runner: StepRunner, batches: Union[TokenBatcher, "ArrayBatches"], step
         raise TrainConfigError(f"skipping non-finite batches needs a copy of the state before each step; the "
                                f"state is above {copies_limit}")
     skipped: list[int] = []  # data positions skipped since the last completed step
+    writer = None if series is None else CheckpointWriter(
+        series, on_written=lambda step: setattr(state, "last_checkpoint", (str(series.path), step)))
 
-    def make_checkpoint(step: int, tensors: dict[str, np.ndarray]) -> Checkpoint:
-        return Checkpoint(step, state.data_position_after(step), program_sha256, data_sha256, batches.seed,
-                          tensors, state.records[:step], config, source=str(series.path))
+    def checkpoint_of(step: int, tensors: dict[str, np.ndarray]) -> Callable[[], Checkpoint]:
+        """Makes step's Checkpoint, from what the run holds now (the loop goes on appending records)."""
+        position, records = state.data_position_after(step), [dict(record) for record in state.records[:step]]
+        return lambda: Checkpoint(step, position, program_sha256, data_sha256, batches.seed, tensors, records,
+                                  config, source=str(series.path))
 
     def resume_point(step: int, tensors: Optional[dict[str, np.ndarray]]) -> Optional[tuple[str, int]]:
         """The kept checkpoint of `step`, else one written from `tensors` (step-named: every kept checkpoint
         stays untouched), else the newest kept before it."""
         if series is None or step < 0:
             return None
+        try:
+            wait_for_pending_checkpoint()
+        except Exception as exc:  # a failed write must not hide the divergence: name what is on disk
+            tqdm.write(f"vktrain train: warning: a checkpoint was not written: {exc}", file=sys.stderr)
         kept = series.kept()
         exact = [entry for entry in kept if entry[1] == step]
         if exact:
@@ -317,7 +330,7 @@ def train(runner: StepRunner, batches: Union[TokenBatcher, "ArrayBatches"], step
         if tensors is not None:
             target = series.step_path(step)
             try:
-                save_checkpoint(target, make_checkpoint(step, tensors))
+                save_checkpoint(target, checkpoint_of(step, tensors)())
                 return str(target), step
             except OutputWriteError as exc:  # a full disk must not hide the divergence: name an older one
                 tqdm.write(f"vktrain train: warning: the state of step {step} was not kept: {exc}", file=sys.stderr)
@@ -325,12 +338,21 @@ def train(runner: StepRunner, batches: Union[TokenBatcher, "ArrayBatches"], step
         return earlier[0] if earlier else None
 
     def checkpoint_now(loss: float, lr: float, tensors: Optional[dict[str, np.ndarray]]) -> None:
-        """Checkpoint state.step; a state without host copies is checked here, and never written non-finite."""
-        tensors = capture_state(runner) if tensors is None else tensors
-        if non_finite_tensors(tensors):
-            raise NonFiniteLossError(state.step, loss, lr, resume_point(state.step - 1, None), state_non_finite=True)
-        series.save(make_checkpoint(state.step, tensors))
-        state.last_checkpoint = (str(series.path), state.step)
+        """Start writing state.step's checkpoint on the writer's thread. `tensors`: the device or host copy
+        of that step (finite: the copies hold finite states only), None to read the state here, where it is
+        checked: a checkpoint never holds a non-finite value."""
+        if tensors is None:
+            tensors = capture_state(runner)
+            if non_finite_tensors(tensors):
+                raise NonFiniteLossError(state.step, loss, lr, resume_point(state.step - 1, None),
+                                         state_non_finite=True)
+        writer.submit(state.step, checkpoint_of(state.step, tensors))
+
+    def wait_for_pending_checkpoint() -> None:
+        """The one place the loop joins the checkpoint write in flight (raising its error, if it failed):
+        before the next checkpoint, at the end, on divergence and however the loop stops."""
+        if writer is not None:
+            writer.wait()
 
     def write_json() -> None:
         if json_path is not None:
@@ -376,16 +398,24 @@ def train(runner: StepRunner, batches: Union[TokenBatcher, "ArrayBatches"], step
             bar.update(1)
             if log_every and (step % log_every == 0 or step == steps):
                 tqdm.write(f"step {step:6d}  loss {loss:.6f}  lr {lr:.4g}", file=sys.stdout)
+            if writer is not None:
+                writer.check()  # a write that failed stops the run now, not at the next checkpoint
             if checkpoint_every and step % checkpoint_every == 0:
                 checkpoint_now(loss, lr, copies.tensors(step) if copies is not None else None)
                 write_json()
+        wait_for_pending_checkpoint()
         if series is not None and state.last_checkpoint != (str(series.path), state.step):
             last = state.records[-1] if state.records else {"loss": math.nan, "lr": math.nan}
             checkpoint_now(last["loss"], last["lr"], copies.tensors(state.step) if copies is not None else None)
+            wait_for_pending_checkpoint()
     finally:
         bar.close()
         if copies is not None:
             copies.close()
+        try:
+            wait_for_pending_checkpoint()  # something is in flight only when an error or interrupt ended the loop
+        except Exception as exc:  # that error goes on; this one is reported beside it
+            tqdm.write(f"vktrain train: warning: a checkpoint was not written: {exc}", file=sys.stderr)
         write_json()  # however the loop ended: the records of every completed step
     return state
 
