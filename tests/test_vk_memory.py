@@ -203,7 +203,33 @@ def test_staging_buffers_share_blocks_and_round_trip(small_block_device):
     for buffer, expected in zip(buffers, data):
         np.testing.assert_array_equal(buffer.read(np.float32), expected)
     transient = device.memory_stats()
-    assert transient.buffers == len(buffers)  # the staging copies were freed again
+    assert transient.buffers == len(buffers) + 1  # the upload copies were freed; one download buffer is kept
+
+
+def test_downloads_reuse_one_staging_buffer_and_large_ones_free_theirs(small_block_device, monkeypatch):
+    from vktrain.runtime.vk import memory
+
+    device = small_block_device
+    data = [np.arange(n, dtype=np.float32) - 7 for n in (10, 20_000, 300)]
+    buffers = [Buffer.from_array(device, d, staging=True) for d in data]
+    created = []
+    real_init = memory._RawBuffer.__init__
+
+    def counted_init(raw, *args, **kwargs):
+        created.append(args[-1])  # what it is for
+        real_init(raw, *args, **kwargs)
+
+    monkeypatch.setattr(memory._RawBuffer, "__init__", counted_init)
+    buffers[1].read(np.float32)  # the largest first: the download buffer is made once, for it
+    live = device.memory_stats().buffers  # the inputs and the one download buffer
+    for _ in range(3):
+        for buffer, expected in zip(buffers, data):
+            np.testing.assert_array_equal(buffer.read(np.float32), expected)
+            np.testing.assert_array_equal(buffer.read(np.float32, (2,), offset=8), expected[2:4])
+    assert len(created) == 1 and device.memory_stats().buffers == live
+    monkeypatch.setattr(memory, "STAGING_REUSE_LIMIT", 1024)  # above it a read gets its own, freed at once
+    np.testing.assert_array_equal(buffers[1].read(np.float32), data[1])
+    assert len(created) == 2 and device.memory_stats().buffers == live
 
 
 def test_allocation_count_limit_applies_to_blocks_not_buffers(small_block_device, monkeypatch):

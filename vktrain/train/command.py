@@ -331,16 +331,17 @@ def _held_out_evaluation(args, runner, info):
     and the last one. Evaluates once right away, so a program without an eval method fails before training."""
     if args.eval_data is None:
         return None
-    from vktrain.train.eval_command import evaluate_data
+    from vktrain.train.eval_command import evaluate_batches, prepare_eval_batches
 
     held_out = load_data(args.eval_data, info.vocab_size, program_tokenizer(runner, args.program))
-    before = evaluate_data(runner, held_out, args.eval_batches)
+    batches = prepare_eval_batches(held_out, runner.batch_shape, args.eval_batches)  # once: the data is fixed
+    before = evaluate_batches(runner, batches)
     print(f"eval before training: loss {before['loss']:.6f} over {before['tokens']} tokens ({args.eval_data})")
 
     def after_step(step: int) -> dict:
         if not ((args.eval_every and step % args.eval_every == 0) or step == args.steps):
             return {}
-        loss = evaluate_data(runner, held_out, args.eval_batches)["loss"]
+        loss = evaluate_batches(runner, batches)["loss"]
         tqdm.write(f"step {step:6d}  eval loss {loss:.6f}", file=sys.stdout)
         return {"eval_loss": loss}
     return after_step

@@ -246,6 +246,53 @@ class _RawBuffer:
             self.allocation = None
 
 
+# Downloads up to this size go through one host-visible buffer per device, kept between reads (reading a
+# state tensor by tensor made and freed one per tensor); a larger one (a whole state, once per checkpoint)
+# gets its own, so the device holds no large copy.
+STAGING_REUSE_LIMIT = 64 << 20
+
+
+def _download_buffer(device, nbytes: int, what: str) -> _RawBuffer:
+    vk = device.vk
+    return _RawBuffer(device, nbytes, vk.VK_BUFFER_USAGE_TRANSFER_DST_BIT,
+                      vk.VK_MEMORY_PROPERTY_HOST_VISIBLE_BIT | vk.VK_MEMORY_PROPERTY_HOST_COHERENT_BIT,
+                      vk.VK_MEMORY_PROPERTY_HOST_CACHED_BIT, what)
+
+
+class _DownloadStaging:
+    """The device's reused download buffer (Buffer.read), grown to a power of two as reads need; freed
+    with the device (a registered child)."""
+
+    def __init__(self, device) -> None:
+        self.device, self.raw = device, None
+        device._register(self)
+
+    @classmethod
+    def of(cls, device) -> "_DownloadStaging":
+        staging = getattr(device, "_download_staging", None)
+        if staging is None:
+            staging = device._download_staging = cls(device)
+        return staging
+
+    def buffer(self, nbytes: int) -> _RawBuffer:
+        if self.raw is None or self.raw.size < nbytes:
+            self.destroy_buffer()
+            size = 1 << max(16, (nbytes - 1).bit_length())
+            self.raw = _download_buffer(self.device, min(size, max(nbytes, STAGING_REUSE_LIMIT)),
+                                        "the reused staging download buffer")
+        return self.raw
+
+    def destroy_buffer(self) -> None:
+        if self.raw is not None:
+            self.raw.destroy()
+            self.raw = None
+
+    def destroy(self) -> None:
+        self.destroy_buffer()
+        self.device._unregister(self)
+        self.device._download_staging = None
+
+
 def buffer_memory_flags(vk, staging: bool) -> tuple[int, int]:
     """(required, preferred) memory property flags of a Buffer on the staging or the direct path."""
     if staging:
@@ -344,16 +391,16 @@ class Buffer(BufferBase):
             raw = self._raw.read_bytes(nbytes, offset)
         else:
             vk = self.device.vk
-            staging = _RawBuffer(
-                self.device, nbytes, vk.VK_BUFFER_USAGE_TRANSFER_DST_BIT,
-                vk.VK_MEMORY_PROPERTY_HOST_VISIBLE_BIT | vk.VK_MEMORY_PROPERTY_HOST_COHERENT_BIT,
-                vk.VK_MEMORY_PROPERTY_HOST_CACHED_BIT, f"staging download for {self.name!r}")
+            reused = nbytes <= STAGING_REUSE_LIMIT
+            staging = (_DownloadStaging.of(self.device).buffer(nbytes) if reused
+                       else _download_buffer(self.device, nbytes, f"staging download for {self.name!r}"))
             try:
                 self.device.one_shot(lambda cb: _record_copy(vk, cb, self._raw.handle, offset, staging.handle,
                                                              0, nbytes))
                 raw = staging.read_bytes(nbytes, 0)
             finally:
-                staging.destroy()
+                if not reused:
+                    staging.destroy()
         return raw.view(dtype).reshape(shape)
 
     def zero(self) -> None:
