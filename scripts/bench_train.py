@@ -18,7 +18,10 @@ run, per .pte, on one device:
     (program load included) and its loop alone (the `train` call: every step, the evals every E steps and
     the checkpoints every K, the last one included), and the median of the `seconds` its JSON records
     (CORPUS: the default corpus's bytes as a .npy of token ids, which any vocabulary accepts), and the
-    seconds of each checkpoint write (CheckpointSeries.save, its state read excluded) and each eval.
+    phases (PHASES: the state's read to the host, the checkpoint write on its thread and its parts --
+    serialisation, checksums, atomic write, fsync --, the loop's waits for it, the JSON log, each eval,
+    its batches and batch preparation, the eval method's load), each timed on the thread that runs it.
+    `--setting STEPS,EVAL_EVERY,CKPT_EVERY` (repeatable) times several runs per .pte in one call.
     tokens/s of the loop over the step alone's is the figure `vktrain train` is judged by (issue 30: >= 0.9).
 Only vktrain.cli, TrainingRunner and vktrain.train.command.train are used, so the same script times an
 older checkout (PYTHONPATH) for a before / after pair.
@@ -113,18 +116,33 @@ def time_step_alone(path: Path, warmup: int, steps: int) -> dict[str, Any]:
                 "steps": steps, "gpu_report": runner.gemm_report(), "tokens_per_step": batch * seq}
 
 
-def time_command(path: Path, args, workdir: Path) -> dict[str, Any]:
-    import vktrain.train.command as command
-    from vktrain import cli
-    from vktrain.train.data import default_dataset_path, load_tokens
+# Where the loop's time goes besides the steps: (module, owner attribute path, function, phase). Each is timed
+# on whatever thread calls it (checkpoint writes run on the writer's thread); missing ones (an older
+# checkout) are skipped.
+PHASES = [
+    ("vktrain.train.command", "", "train", "loop"),
+    ("vktrain.train.last_good", "DeviceCopies", "tensors", "checkpoint_read"),  # the state to the host
+    ("vktrain.train.train_loop", "", "capture_state", "checkpoint_read"),        # without device copies
+    ("vktrain.train.checkpoint_writer", "CheckpointWriter", "submit", "checkpoint_submit"),  # waits for the previous
+    ("vktrain.train.checkpoint_writer", "CheckpointWriter", "wait", "checkpoint_wait"),
+    ("vktrain.train.checkpoint", "CheckpointSeries", "save", "checkpoint_write"),  # whole write (writer's thread)
+    ("vktrain.train.checkpoint", "safetensors.numpy", "save", "checkpoint_serialise"),
+    ("vktrain.train.checkpoint", "", "tensor_checksum", "checkpoint_checksums"),
+    ("vktrain.train.checkpoint", "", "atomic_write", "atomic_write"),  # every file: checkpoints and --json
+    ("vktrain.train.checkpoint", "os", "fsync", "fsync"),                # every file's fsync (os.fsync)
+    ("vktrain.train.train_loop", "", "atomic_write_json", "json"),
+    ("vktrain.train.eval_command", "", "evaluate_batches", "evals"),
+    ("vktrain.train.eval_command", "", "evaluate_data", "evals"),  # an older checkout's (batches made per eval)
+    ("vktrain.train.eval_command", "", "prepare_eval_batches", "eval_prep"),
+    ("vktrain.runtime.program.evaluation", "EvalMethod", "__init__", "eval_load"),
+    ("vktrain.runtime.program.evaluation", "EvalMethod", "loss_sum", "eval_batch"),
+    ("vktrain.runtime.program.runner", "TrainingRunner", "step_inputs", "program_step"),
+]
 
-    import vktrain.train.checkpoint as checkpoint
-    import vktrain.train.eval_command as eval_command
 
-    spent: dict[str, list[float]] = {"loop": [], "checkpoints": [], "evals": []}
-    patched = [(command, "train", "loop"), (checkpoint.CheckpointSeries, "save", "checkpoints"),
-               (eval_command, "evaluate_data", "evals")]
-    originals = [getattr(owner, name) for owner, name, _ in patched]
+def _patch_phases(spent: dict[str, list[float]]) -> list[tuple[Any, str, Any]]:
+    """Wrap every PHASES function with a timer appending to spent[phase]; returns what to put back."""
+    import importlib
 
     def timed(function, key):
         def wrapper(*a, **k):
@@ -132,37 +150,76 @@ def time_command(path: Path, args, workdir: Path) -> dict[str, Any]:
             try:
                 return function(*a, **k)
             finally:
-                spent[key].append(time.perf_counter() - start)
+                spent.setdefault(key, []).append(time.perf_counter() - start)
         return wrapper
 
+    undo = []
+    for module_name, owner_path, name, key in PHASES:
+        try:
+            owner = importlib.import_module(module_name)
+        except ImportError:
+            continue
+        for part in filter(None, owner_path.split(".")):
+            owner = getattr(owner, part, None)
+        function = getattr(owner, name, None) if owner is not None else None
+        if function is None or any(o is owner and n == name for o, n, _ in undo):
+            continue
+        undo.append((owner, name, function))
+        setattr(owner, name, timed(function, key))
+    return undo
+
+
+def time_command(path: Path, setting: tuple[int, int, int], args, workdir: Path) -> dict[str, Any]:
+    from vktrain import cli
+    from vktrain.train.data import default_dataset_path, load_tokens
+
+    steps, eval_every, checkpoint_every = setting
+    spent: dict[str, list[float]] = {}
     json_path = workdir / f"{path.stem}.json"
     # The default corpus as token ids (bytes): a program without a tokenizer refuses byte-level text when its
     # vocabulary is not 256 (the synthetic models have their model's 49152 or 128256).
     corpus = workdir / "default_corpus.npy"
     np.save(corpus, load_tokens(default_dataset_path()))
-    argv = ["train", str(path), "--data", str(corpus), "--steps", str(args.steps), "--lr", "1e-4", "--no-progress",
-            "--checkpoint", str(workdir / f"{path.stem}.ckpt"), "--checkpoint-every", str(args.checkpoint_every),
-            "--json", str(json_path)]
-    if args.eval_every:
-        argv += ["--eval-data", str(corpus), "--eval-every", str(args.eval_every),
-                 "--eval-batches", str(args.eval_batches)]
-    for (owner, name, key), function in zip(patched, originals):
-        setattr(owner, name, timed(function, key))
+    checkpoint = workdir / f"{path.stem}.ckpt"
+    for stale in workdir.glob(f"{path.stem}*.ckpt"):
+        stale.unlink()
+    argv = ["train", str(path), "--data", str(corpus), "--steps", str(steps), "--lr", "1e-4", "--no-progress",
+            "--checkpoint", str(checkpoint), "--checkpoint-every", str(checkpoint_every), "--json", str(json_path)]
+    if eval_every:
+        argv += ["--eval-data", str(corpus), "--eval-every", str(eval_every), "--eval-batches", str(args.eval_batches)]
+    undo = _patch_phases(spent)
     try:
         start = time.perf_counter()
         code = cli.main(argv)
         command_s = time.perf_counter() - start
     finally:
-        for (owner, name, _), function in zip(patched, originals):
+        for owner, name, function in reversed(undo):
             setattr(owner, name, function)
     if code != 0:
         raise RuntimeError(f"vktrain {' '.join(argv)} exited with {code}")
-    records = json.loads(json_path.read_text())
-    return {"argv": argv[2:], "command_s": command_s, "loop_s": spent["loop"][0],
-            "checkpoint_s": spent["checkpoints"], "eval_s": spent["evals"],  # each call (the first eval: before step 1)
+    records = [r for r in json.loads(json_path.read_text()) if r.get("step", 0) > 0]
+    step_s = sum(r["seconds"] for r in records)
+    loop_s = spent["loop"][0]
+    phases = {key: {"calls": len(values), "total_s": sum(values), "max_s": max(values)}
+              for key, values in sorted(spent.items()) if key != "loop"}
+    # The loop's seconds outside its records' steps: on the loop's thread (the writer's phases run beside).
+    on_loop = {key: phases[key]["total_s"] for key in ("evals", "checkpoint_read", "checkpoint_submit",
+                                                       "checkpoint_wait", "json") if key in phases}
+    return {"argv": argv[2:], "setting": {"steps": steps, "eval_every": eval_every,
+                                          "checkpoint_every": checkpoint_every, "eval_batches": args.eval_batches},
+            "command_s": command_s, "loop_s": loop_s, "steps_s": step_s, "outside_steps_s": loop_s - step_s,
+            "outside_steps_on_loop_thread": on_loop, "phases": phases,
+            "checkpoint_s": spent.get("checkpoint_write", []), "eval_s": spent.get("evals", []),  # each call
             "record_seconds_median_ms": 1e3 * statistics.median(r["seconds"] for r in records),
             "losses_first_last": [records[0]["loss"], records[-1]["loss"]],
             "eval_losses": [r["eval_loss"] for r in records if "eval_loss" in r]}
+
+
+def parse_setting(text: str) -> tuple[int, int, int]:
+    parts = text.split(",")
+    if len(parts) != 3 or not all(p.isdigit() for p in parts) or int(parts[0]) < 1:
+        raise argparse.ArgumentTypeError(f"setting {text!r} is not STEPS,EVAL_EVERY,CHECKPOINT_EVERY (e.g. 40,20,20)")
+    return int(parts[0]), int(parts[1]), int(parts[2])
 
 
 def run_command(args) -> int:
@@ -172,21 +229,28 @@ def run_command(args) -> int:
         meta = {"vk_device": device.name, "host": platform.node(), "python": platform.python_version(),
                 "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "label": args.label,
                 "note": "synthetic constants: weights are random, results measure speed only"}
+    settings = args.setting or [(args.steps, args.eval_every, args.checkpoint_every)]
     results = []
-    with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory(dir=args.workdir) as tmp:
         for path in map(Path, args.pte):
             step = time_step_alone(path, args.warmup, args.step_steps)
-            train = time_command(path, args, Path(tmp))
-            tokens = step["tokens_per_step"] * args.steps
-            train["loop_tokens_per_s"] = tokens / train["loop_s"]
-            train["command_tokens_per_s"] = tokens / train["command_s"]
-            ratio = train["loop_tokens_per_s"] / step["tokens_per_s"]
-            results.append({"pte": path.name, "step_alone": step, "train": train, "loop_over_step": ratio})
-            print(f"{path.name} [{args.label}]: step alone {step['ms_per_step']:.1f} ms ({step['tokens_per_s']:.0f} "
-                  f"tokens/s); vktrain train {args.steps} steps: loop {train['loop_s']:.1f} s "
-                  f"({train['loop_tokens_per_s']:.0f} tokens/s, {ratio:.2f}x the step alone), command "
-                  f"{train['command_s']:.1f} s, record seconds median {train['record_seconds_median_ms']:.1f} ms",
-                  flush=True)
+            runs = []
+            for setting in settings:
+                train = time_command(path, setting, args, Path(tmp))
+                tokens = step["tokens_per_step"] * setting[0]
+                train["loop_tokens_per_s"] = tokens / train["loop_s"]
+                train["command_tokens_per_s"] = tokens / train["command_s"]
+                train["loop_over_step"] = ratio = train["loop_tokens_per_s"] / step["tokens_per_s"]
+                runs.append(train)
+                phases = ", ".join(f"{key} {value['total_s']:.2f} s/{value['calls']}"
+                                   for key, value in train["phases"].items())
+                print(f"{path.name} [{args.label}] {setting}: step alone {step['ms_per_step']:.1f} ms "
+                      f"({step['tokens_per_s']:.0f} tokens/s); loop {train['loop_s']:.2f} s "
+                      f"({train['loop_tokens_per_s']:.0f} tokens/s, {ratio:.3f}x the step alone; steps "
+                      f"{train['steps_s']:.2f} s, outside them {train['outside_steps_s']:.2f} s), command "
+                      f"{train['command_s']:.1f} s, record median {train['record_seconds_median_ms']:.1f} ms\n"
+                      f"  phases: {phases}", flush=True)
+            results.append({"pte": path.name, "step_alone": step, "runs": runs})
     summary = {"meta": meta, "results": results}
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
@@ -214,6 +278,10 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("--step-steps", type=int, default=10, help="timed steps of the step alone (median)")
         p.add_argument("--label", default="", help="names the code measured (e.g. before / after)")
         p.add_argument("--out", type=Path, default=None)
+        p.add_argument("--setting", type=parse_setting, action="append", metavar="STEPS,EVAL_EVERY,CKPT_EVERY",
+                       help="a `vktrain train` run to time (repeatable; default: --steps, --eval-every, "
+                            "--checkpoint-every)")
+        p.add_argument("--workdir", type=Path, default=None, help="where checkpoints are written (default: /tmp)")
     run.add_argument("pte", nargs="+")
     args = parser.parse_args(argv)
     if args.command == "export":
