@@ -75,10 +75,12 @@ class StateGuard:
         self._programs: list[Program] = []
         try:
             self._save = [self._program(self._save_dispatches(i)) for i in range(slots)]
-            self._restore = [self._program(self._restore_dispatches(i)) for i in range(slots)]
         except BaseException:
             self.close()
             raise
+        # Recorded on first use: a restore is rare (a non-finite step), and recording a dispatch per state
+        # tensor costs load time (1,261 tensors for SmolLM2-135M).
+        self._restore: list[Program | None] = [None] * slots
 
     def _program(self, dispatches: list[Dispatch]) -> Program:
         program = Program(self.device, dispatches, self._buffers, timing=False)
@@ -124,6 +126,8 @@ class StateGuard:
     def restore(self, slot: int) -> None:
         """Put backup `slot` back into the state (on the device)."""
         self._check_slot(slot)
+        if self._restore[slot] is None:
+            self._restore[slot] = self._program(self._restore_dispatches(slot))
         self._restore[slot].replay()
 
     def read(self, slot: int) -> dict[str, np.ndarray]:

@@ -186,6 +186,7 @@ class _RawBuffer:
         self.handle = None
         self.allocation: Allocation | None = None
         self.type_index = -1
+        self.host_cached = False
         self._mapped = None
         flags = memory_type_flags(device)
         # Refuse what no memory could hold before the driver is asked (vkCreateBuffer itself may fail
@@ -213,6 +214,7 @@ class _RawBuffer:
             self.allocation = device.memory.allocate(int(requirements.size), int(requirements.alignment),
                                                      type_index, what)
             self.type_index = type_index
+            self.host_cached = bool(flags[type_index] & vk.VK_MEMORY_PROPERTY_HOST_CACHED_BIT)
             block = self.allocation.block.handle
             vk_call("vkBindBufferMemory", vk.vkBindBufferMemory, device.handle, self.handle, block.memory,
                     self.allocation.offset)
@@ -245,6 +247,12 @@ class _RawBuffer:
             self.device.memory.free(self.allocation, self.type_index)
             self.allocation = None
 
+
+# The CPU reads mapped memory fast only where it is host-cached: a discrete GPU's device-local memory seen
+# through the PCIe BAR (resizable BAR, Device.unified_memory) reads at ~25 MB/s (measured on the H100: 2 s
+# for SmolLM2's 58 MB state), so reads from uncached memory above this size go through a staging copy
+# into cached memory (a DMA at PCIe speed); a few words (a loss, a flag) are read directly.
+DIRECT_UNCACHED_READ_BYTES = 4096
 
 # Downloads up to this size go through one host-visible buffer per device, kept between reads (reading a
 # state tensor by tensor made and freed one per tensor); a larger one (a whole state, once per checkpoint)
@@ -387,7 +395,7 @@ class Buffer(BufferBase):
         self._check_range("read from", offset, nbytes)
         if nbytes == 0:
             return np.zeros(shape, dtype)
-        if not self.staging:
+        if not self.staging and (self._raw.host_cached or nbytes <= DIRECT_UNCACHED_READ_BYTES):
             raw = self._raw.read_bytes(nbytes, offset)
         else:
             vk = self.device.vk
