@@ -137,11 +137,14 @@ PHASES = [
     ("vktrain.runtime.program.evaluation", "EvalMethod", "__init__", "eval_load"),
     ("vktrain.runtime.program.evaluation", "EvalMethod", "loss_sum", "eval_batch"),
     ("vktrain.runtime.program.runner", "TrainingRunner", "step_inputs", "program_step"),
+    ("vktrain.train.train_loop", "", "last_good_states", "loop_setup_copies"),  # the device copies' recording
+    ("vktrain.train.last_good", "DeviceCopies", "close", "loop_end_copies"),
 ]
 
 
-def _patch_phases(spent: dict[str, list[float]]) -> list[tuple[Any, str, Any]]:
-    """Wrap every PHASES function with a timer appending to spent[phase]; returns what to put back."""
+def _patch_phases(spent: dict[str, list[tuple[float, float]]]) -> list[tuple[Any, str, Any]]:
+    """Wrap every PHASES function with a timer appending (start, seconds) to spent[phase]; returns what to
+    put back."""
     import importlib
 
     def timed(function, key):
@@ -150,7 +153,7 @@ def _patch_phases(spent: dict[str, list[float]]) -> list[tuple[Any, str, Any]]:
             try:
                 return function(*a, **k)
             finally:
-                spent.setdefault(key, []).append(time.perf_counter() - start)
+                spent.setdefault(key, []).append((start, time.perf_counter() - start))
         return wrapper
 
     undo = []
@@ -174,7 +177,7 @@ def time_command(path: Path, setting: tuple[int, int, int], args, workdir: Path)
     from vktrain.train.data import default_dataset_path, load_tokens
 
     steps, eval_every, checkpoint_every = setting
-    spent: dict[str, list[float]] = {}
+    spent: dict[str, list[tuple[float, float]]] = {}
     json_path = workdir / f"{path.stem}.json"
     # The default corpus as token ids (bytes): a program without a tokenizer refuses byte-level text when its
     # vocabulary is not 256 (the synthetic models have their model's 49152 or 128256).
@@ -199,17 +202,21 @@ def time_command(path: Path, setting: tuple[int, int, int], args, workdir: Path)
         raise RuntimeError(f"vktrain {' '.join(argv)} exited with {code}")
     records = [r for r in json.loads(json_path.read_text()) if r.get("step", 0) > 0]
     step_s = sum(r["seconds"] for r in records)
-    loop_s = spent["loop"][0]
-    phases = {key: {"calls": len(values), "total_s": sum(values), "max_s": max(values)}
-              for key, values in sorted(spent.items()) if key != "loop"}
-    # The loop's seconds outside its records' steps: on the loop's thread (the writer's phases run beside).
-    on_loop = {key: phases[key]["total_s"] for key in ("evals", "checkpoint_read", "checkpoint_submit",
-                                                       "checkpoint_wait", "json") if key in phases}
+    loop_start, loop_s = spent.pop("loop")[0]
+    phases = {key: {"calls": len(values), "total_s": sum(v for _, v in values), "max_s": max(v for _, v in values)}
+              for key, values in sorted(spent.items())}
+    # The loop's seconds outside its records' steps, on the loop's thread (the writer's phases run beside);
+    # only calls inside the loop (the eval before training is the command's).
+    on_loop = {key: sum(v for start, v in spent[key] if loop_start <= start <= loop_start + loop_s)
+               for key in ("loop_setup_copies", "evals", "checkpoint_read", "checkpoint_submit", "checkpoint_wait",
+                           "json", "loop_end_copies") if key in spent}
+    on_loop["rest"] = loop_s - step_s - sum(on_loop.values())
     return {"argv": argv[2:], "setting": {"steps": steps, "eval_every": eval_every,
                                           "checkpoint_every": checkpoint_every, "eval_batches": args.eval_batches},
             "command_s": command_s, "loop_s": loop_s, "steps_s": step_s, "outside_steps_s": loop_s - step_s,
             "outside_steps_on_loop_thread": on_loop, "phases": phases,
-            "checkpoint_s": spent.get("checkpoint_write", []), "eval_s": spent.get("evals", []),  # each call
+            "checkpoint_s": [v for _, v in spent.get("checkpoint_write", [])],  # each call
+            "eval_s": [v for _, v in spent.get("evals", [])],
             "record_seconds_median_ms": 1e3 * statistics.median(r["seconds"] for r in records),
             "losses_first_last": [records[0]["loss"], records[-1]["loss"]],
             "eval_losses": [r["eval_loss"] for r in records if "eval_loss" in r]}
