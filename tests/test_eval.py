@@ -237,9 +237,13 @@ def test_named_constants_need_the_named_data_they_name():
         deserialize_blob(blob, named_data={key: memoryview(bytes(corrupt))})
 
 
-def test_train_records_the_held_out_loss_of_the_adapters_it_writes(two_method_pte, tmp_path, capsys):
+def test_train_records_the_held_out_loss_of_the_adapters_it_writes(two_method_pte, tmp_path, capsys, monkeypatch):
     from vktrain import cli
     from vktrain.train.plot import loss_series
+    from vktrain.train import held_out
+
+    made, real_batches = [], held_out.eval_batches
+    monkeypatch.setattr(held_out, "eval_batches", lambda *args: made.append(args) or real_batches(*args))
 
     train_data, held_out = tmp_path / "train.npy", tmp_path / "held_out.npy"
     np.save(train_data, np.random.default_rng(3).integers(0, VOCAB, 200))
@@ -249,6 +253,7 @@ def test_train_records_the_held_out_loss_of_the_adapters_it_writes(two_method_pt
                      str(held_out), "--eval-every", "2", "--json", str(records), "--no-progress",
                      "--out-adapters", str(tmp_path / "adapters"), "--lora-alpha", str(LORA_ALPHA)])
     assert code == 0, capsys.readouterr().err
+    assert len(made) == 1  # the held-out batches, made once for the three evals (before, step 2, step 3)
     log = json.loads(records.read_text())
     assert log[0].keys() == {"step", "eval_loss"} and log[0]["step"] == 0  # the loss before training leads
     steps = log[1:]

@@ -102,7 +102,8 @@ class LocalTrainer:
         choice = client_device_choice()
         self.device = Device(choice.selector)
         try:
-            self.runner = TrainingRunner.from_pte(settings.program, self.device, precision=settings.precision)
+            self.runner = TrainingRunner.from_pte(settings.program, self.device, precision=settings.precision,
+                                                  timing=False)
         except BaseException:
             self.device.close()
             raise

@@ -304,7 +304,8 @@ def _run_train(args: argparse.Namespace, device, stop: StopOnSignal) -> int:
                               f"export, e.g. of another --batch or --seq); a checkpoint resumes only onto the .pte "
                               f"it came from")
 
-    runner = TrainingRunner.from_pte(program_path, device, precision=args.precision,
+    # timing=False: no GPU timestamps (train reads none; on a GPU they cost time per dispatch).
+    runner = TrainingRunner.from_pte(program_path, device, precision=args.precision, timing=False,
                                      runtime=getattr(args, "runtime", None), max_binding_bytes=max_binding_bytes(args))
     own_device = getattr(runner, "device", None) if device is None else None  # a caller's device: its messages
     try:
@@ -370,16 +371,17 @@ def _held_out_evaluation(args, runner, info, start: int):
     training."""
     if args.eval_data is None:
         return None, None
-    from vktrain.train.held_out import evaluate_data
+    from vktrain.train.held_out import evaluate_batches, prepare_eval_batches
 
     held_out = load_data(args.eval_data, info.vocab_size, program_tokenizer(runner, args.program))
-    before = evaluate_data(runner, held_out, args.eval_batches)
+    batches = prepare_eval_batches(held_out, runner.batch_shape, args.eval_batches)  # once: the data is fixed
+    before = evaluate_batches(runner, batches)
     print(f"eval before training: loss {before['loss']:.6f} over {before['tokens']} tokens ({args.eval_data})")
 
     def after_step(step: int) -> dict:
         if not ((args.eval_every and step % args.eval_every == 0) or step == args.steps):
             return {}
-        loss = evaluate_data(runner, held_out, args.eval_batches)["loss"]
+        loss = evaluate_batches(runner, batches)["loss"]
         tqdm.write(f"step {step:6d}  eval loss {loss:.6f}", file=sys.stdout)
         return {"eval_loss": loss}
     return after_step, {"step": start, "eval_loss": before["loss"]}

@@ -43,23 +43,37 @@ def eval_batches(tokens: np.ndarray, batch_size: int, seq_len: int,
         yield token_ids, labels
 
 
-def evaluate_data(runner, data: TrainingData, max_batches: int | None = None) -> dict:
-    """{"loss", "perplexity", "tokens"} of `runner`'s current adapters on `data` (its token stream, and its
-    labels when some tokens are no targets): the mean over every target, `tokens` of them; with
-    `max_batches`, over the targets of the first max_batches batches (a quick estimate on a slow device)."""
-    batch_size, seq_len = runner.batch_shape
-    total, count = 0.0, 0
-    for index, (token_ids, labels) in enumerate(eval_batches(data.tokens, batch_size, seq_len, data.labels)):
+def prepare_eval_batches(data: TrainingData, batch_shape: tuple[int, int],
+                         max_batches: int | None = None) -> list[tuple[np.ndarray, np.ndarray]]:
+    """The batches `evaluate_batches` runs: eval_batches of `data` (the first `max_batches`), those with a
+    target. Made once for a run's every eval (vktrain train --eval-every)."""
+    batches = []
+    for index, (token_ids, labels) in enumerate(eval_batches(data.tokens, *batch_shape, data.labels)):
         if max_batches is not None and index >= max_batches:
             break
-        if not (labels >= 0).any():
-            continue  # nothing to count (e.g. a batch of prompt tokens only)
+        if (labels >= 0).any():  # else nothing to count (e.g. a batch of prompt tokens only)
+            batches.append((token_ids, labels))
+    if not batches:
+        raise DataError("the held-out data has no target token (every label is ignored)")
+    return batches
+
+
+def evaluate_batches(runner, batches: list[tuple[np.ndarray, np.ndarray]]) -> dict:
+    """{"loss", "perplexity", "tokens"} of `runner`'s current adapters on prepared batches: the mean over
+    every target, `tokens` of them."""
+    total, count = 0.0, 0
+    for token_ids, labels in batches:
         loss_sum, n = runner.evaluate(token_ids, labels)
         total += loss_sum  # float64 accumulation of the per-batch float32 sums
         count += n
-    if count == 0:
-        raise DataError("the held-out data has no target token (every label is ignored)")
     loss = total / count
     if not math.isfinite(loss):
         raise TrainConfigError(f"the eval loss is {loss} (not finite): the adapters or the data are broken")
     return {"loss": loss, "perplexity": math.exp(min(loss, 700.0)), "tokens": count}
+
+
+def evaluate_data(runner, data: TrainingData, max_batches: int | None = None) -> dict:
+    """{"loss", "perplexity", "tokens"} of `runner`'s current adapters on `data` (its token stream, and its
+    labels when some tokens are no targets): the mean over every target, `tokens` of them; with
+    `max_batches`, over the targets of the first max_batches batches (a quick estimate on a slow device)."""
+    return evaluate_batches(runner, prepare_eval_batches(data, runner.batch_shape, max_batches))

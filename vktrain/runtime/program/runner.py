@@ -6,6 +6,7 @@
     loss = runner.step_inputs({"x": x, "target": y}, hparams)   # any module's step, inputs by name
     lora = runner.lora_state()                              # {"model.layers.0.lora_A": array, ...}
     runner.read_state(name) / runner.write_state(name, array)   # checkpoints (FQNs the exporter recorded)
+    guard = runner.state_guard()                            # device backups + NaN/inf check (train_loop.py)
 
 The .pte's execution plan is interpreted the way ExecuTorch's runtime does: its non-constant tensors
 live in planned memory arenas (a tensor is a (memory id, offset) view, so ExecuTorch's memory-planned
@@ -212,6 +213,23 @@ class TrainingRunner:
 
     def write_state(self, name: str, array: Any) -> None:
         self.executor.write_state(name, array)
+
+    @property
+    def state_nbytes(self) -> int:
+        """Bytes of all mutable state as stored on the device (what a device backup of it takes)."""
+        return sum(shared.tensor.stored_nbytes for shared in self.executor.shared_state().values())
+
+    def state_guard(self, slots: int = 2):
+        """Device backups of the state and its NaN/inf check (vktrain.runtime.delegate.state_guard), or
+        None where a state tensor cannot be bound whole on this device. The caller closes it before the
+        runner."""
+        from vktrain.runtime.delegate.state_guard import StateGuard
+        from vktrain.runtime.vk.errors import BindingRangeError
+
+        try:
+            return StateGuard(self.device, self.executor.shared_state(), slots=slots)
+        except BindingRangeError:
+            return None
 
     def lora_state(self) -> dict[str, np.ndarray]:
         """The LoRA tensors by exporter FQN ("model.<layer>.lora_A" / ".lora_B"; not their AdamW moments)."""
