@@ -48,6 +48,10 @@ NAMES = {
         "UsageError", "add_quantization_arguments", "quantization_importance")},
     ("vktrain.cli", "_parse_model_args"): ("vktrain.train.model_options", "parse_model_args"),
     ("vktrain.lora.calibration", "calibration_tokens"): ("vktrain.train.model_options", "calibration_tokens"),
+    **{("vktrain.runtime.vk.schedule", n): ("vktrain.serialization.dispatch", n) for n in (
+        "ACCESS_MODES", "FIRST_KERNEL_SPEC_ID", "LOCAL_SIZE_SPEC_IDS", "MAX_SPLIT_DISPATCHES", "PUSH_HEADER_BYTES",
+        "BufferBinding", "Dispatch", "SpecValue", "ScheduleError")},
+    ("vktrain.runtime.vk.errors", "ScheduleError"): ("vktrain.serialization.dispatch", "ScheduleError"),
     **{(_RUNNER, n): ("vktrain.runtime.program.interpreter", n) for n in (
         "ProgramInterpreter", "VerifiedTrainingProgram", "verify_training_program", "check_hparams_input",
         "check_instructions_supported", "check_loss_output", "check_storageless_tensors", "plan_input_names",

@@ -39,7 +39,7 @@ from vktrain.runtime.delegate.kernels.cross_entropy import plan_fused_ce
 from vktrain.runtime.delegate.kernels.embedding import plan_embedding
 from vktrain.runtime.delegate.kernels.matmul import plan_gemm, window_scratch_nbytes
 from vktrain.runtime.delegate.kernels.q8_0 import plan_embedding_q8_0
-from vktrain.runtime.vk.schedule import BufferBinding
+from vktrain.serialization.dispatch import BufferBinding
 
 SENTINEL = np.float32(-7.25)  # what the bytes of `out` outside C hold before and after
 

@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 
 from vktrain.runtime import Buffer, run_dispatches
-from vktrain.runtime.vk.schedule import BufferBinding
+from vktrain.serialization.dispatch import BufferBinding
 from vktrain.runtime.delegate.kernels.elementwise import plan_binary, plan_unary
 from vktrain.runtime.delegate.kernels.elementwise_windows import element_windows, operand_span
 from vktrain.runtime.delegate.kernels.layout import BindingLimit

@@ -1001,7 +1001,7 @@ def test_split_k_is_not_planned_where_it_cannot_help_or_apply():
 
 def _lowering_context(op_name: str, args: list, out_shape, scratch_log: list):
     from vktrain.runtime.delegate.op_lowering import OpContext
-    from vktrain.runtime.vk.schedule import BufferBinding
+    from vktrain.serialization.dispatch import BufferBinding
     from vktrain.serialization import graph as vk
 
     def scratch(nbytes, purpose):
@@ -1014,7 +1014,7 @@ def _lowering_context(op_name: str, args: list, out_shape, scratch_log: list):
 
 
 def _tensor_arg(value_id, key, shape, view=None):
-    from vktrain.runtime.vk.schedule import BufferBinding
+    from vktrain.serialization.dispatch import BufferBinding
     return TensorArg(value_id, BufferBinding(key, 0, 4 * math.prod(shape)), tuple(shape), "float32", view=view)
 
 

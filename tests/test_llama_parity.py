@@ -30,7 +30,7 @@ from vktrain.runtime.delegate.kernels import attention, norm
 from vktrain.runtime.delegate.op_lowering import GraphLoweringError, OpContext, TensorArg, lowering_for
 from vktrain.serialization.pte import PteFile
 from vktrain.runtime.program.runner import TrainingRunner
-from vktrain.runtime.vk.schedule import BufferBinding
+from vktrain.serialization.dispatch import BufferBinding
 from vktrain.train.command import add_train_arguments, run_train
 from vktrain.serialization import deserialize_blob
 from vktrain.serialization import graph as vk

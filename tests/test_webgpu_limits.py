@@ -24,7 +24,7 @@ from vktrain.runtime.delegate.kernels import attention, linear
 from vktrain.runtime.delegate.kernels.attention import AttentionTiles
 from vktrain.serialization.strided_view import KernelArgumentError
 from vktrain.runtime.program.runner import TrainingRunner
-from vktrain.runtime.vk.errors import ScheduleError
+from vktrain.serialization.dispatch import ScheduleError
 
 from _helpers import runner_losses
 

@@ -214,5 +214,5 @@ def load_hf_directory(directory, **overrides) -> LoadedModel:
                        tokenizer=hf_tokenizer_info(directory, hf_config), metadata=hf_config)
 
 
-__all__ = ["DEFAULT_MAX_SEQ_LEN", "HF_ARCHITECTURES", "LoadedModel", "TokenizerInfo", "hf_tokenizer_info", "load",
+__all__ = ["DEFAULT_MAX_SEQ_LEN", "HF_ARCHITECTURES", "LoadedModel", "TokenizerInfo", "hf_tokenizer_info",
            "load_hf_directory"]

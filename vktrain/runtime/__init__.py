@@ -67,10 +67,11 @@ _EXPORTS = {
     "MemoryStats": ".vk.allocator", "count_block_allocations": ".vk.allocator",
     "DeviceMemoryError": ".vk.errors",
     "BindingRangeError": ".vk.errors", "BufferUsageError": ".vk.errors", "DeviceSelectionError": ".vk.errors",
-    "RuntimeErrorBase": ".vk.errors", "ScheduleError": ".vk.errors", "ValidationLayerMissingError": ".vk.errors",
+    "RuntimeErrorBase": ".vk.errors", "ScheduleError": "vktrain.serialization.dispatch", "ValidationLayerMissingError": ".vk.errors",
     "VulkanError": ".vk.errors", "VulkanUnavailableError": ".vk.errors",
     "Buffer": ".vk.memory", "find_memory_type": ".vk.memory",
-    "PUSH_HEADER_BYTES": ".vk.schedule", "BufferBinding": ".vk.schedule", "Dispatch": ".vk.schedule",
+    "PUSH_HEADER_BYTES": "vktrain.serialization.dispatch", "BufferBinding": "vktrain.serialization.dispatch",
+    "Dispatch": "vktrain.serialization.dispatch",
     "ResolvedAccess": ".vk.schedule", "ceil_div": ".vk.schedule", "pack_push": ".vk.schedule",
     "plan_barriers": ".vk.schedule", "split_groups": ".vk.schedule",
 }

@@ -11,7 +11,8 @@ from typing import Any
 
 import numpy as np
 
-from vktrain.runtime.vk.errors import BufferUsageError, ScheduleError
+from vktrain.runtime.vk.errors import BufferUsageError
+from vktrain.serialization.dispatch import ScheduleError
 
 WORD_BYTES = 4  # buffers are sized, and WebGPU copies, in whole 4-byte words
 

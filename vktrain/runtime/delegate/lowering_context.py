@@ -10,7 +10,7 @@ from typing import Any, Callable, Optional
 from vktrain.errors import VktrainError
 from vktrain.opdefs import OpDef, op_def
 from vktrain.runtime.delegate.kernels import attention, coopmat, layout
-from vktrain.runtime.vk.schedule import BufferBinding, Dispatch
+from vktrain.serialization.dispatch import BufferBinding, Dispatch
 from vktrain.serialization.device_profile import DeviceProfile
 from vktrain.serialization.strided_view import StridedView
 from vktrain.serialization import graph as vk

@@ -49,7 +49,7 @@ from vktrain.runtime.delegate.kernels import (KERNELS, attention, coopmat, coopm
                                              cross_entropy, layout, linear, matmul, norm)
 from vktrain.runtime.delegate.lowering_context import (KERNEL_DTYPES, GraphLoweringError, OpContext, OpLowering,
                                                       TensorArg)
-from vktrain.runtime.vk.schedule import BufferBinding, Dispatch
+from vktrain.serialization.dispatch import BufferBinding, Dispatch
 from vktrain.serialization.strided_view import TRANSPOSE_OPS, StridedView, transposed_view
 
 

@@ -35,7 +35,7 @@ from vktrain.runtime.delegate.kernels.coopmat import (FRAGMENT, GemmRoute, WGSL_
                                                      select_gemm_route)
 from vktrain.runtime.delegate.kernels.gemm_tuning import CPU_SUBGROUP_SIZE, CPU_TUNING, select_gemm_tuning
 from vktrain.runtime.delegate.kernels.layout import binding_limit_of
-from vktrain.runtime.vk.schedule import BufferBinding, Dispatch
+from vktrain.serialization.dispatch import BufferBinding, Dispatch
 from vktrain.runtime.webgpu.device import DEVICE_TYPE as WEBGPU_DEVICE_TYPE
 
 TENSOR_CORE_SHADER_PREFIX = "coopmat_"

@@ -25,7 +25,8 @@ from vktrain.runtime.delegate.kernels.layout import elementwise_groups, plan_fil
 from vktrain.serialization.strided_view import StridedView
 from vktrain.runtime.vk.commands import Program
 from vktrain.runtime.vk.memory import Buffer
-from vktrain.runtime.vk.schedule import BufferBinding, Dispatch, pack_push
+from vktrain.serialization.dispatch import BufferBinding, Dispatch
+from vktrain.runtime.vk.schedule import pack_push
 from vktrain.serialization import graph as vk
 
 ALIGN = 256  # >= every device's minStorageBufferOffsetAlignment (the Vulkan spec caps it at 256)

@@ -271,5 +271,5 @@ class TrainingRunner:
         self.close()
 
 
-__all__ = ["BACKEND_ID", "CPU_KERNELS", "ProgramInterpreter", "TrainingRunner", "UnsupportedProgramError",
+__all__ = ["BACKEND_ID", "ProgramInterpreter", "TrainingRunner", "UnsupportedProgramError",
            "VerifiedTrainingProgram", "check_hparams_input", "check_instructions_supported", "check_loss_output", "check_storageless_tensors", "plan_input_names", "verify_training_program"]

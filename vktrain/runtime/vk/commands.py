@@ -24,17 +24,11 @@ import struct
 from typing import Any, Callable, Hashable, Mapping, Sequence
 
 from vktrain.runtime.device_objects import ProgramBase
-from vktrain.runtime.vk.errors import BindingRangeError, ScheduleError, vk_call
+from vktrain.runtime.vk.errors import BindingRangeError, vk_call
+from vktrain.serialization.dispatch import ScheduleError
 from vktrain.runtime.vk.memory import Buffer, record_memory_barrier
-from vktrain.runtime.vk.schedule import (
-    LOCAL_SIZE_SPEC_IDS,
-    PUSH_HEADER_BYTES,
-    Dispatch,
-    ResolvedAccess,
-    plan_barriers,
-    resolve_binding,
-    split_groups,
-)
+from vktrain.serialization.dispatch import LOCAL_SIZE_SPEC_IDS, PUSH_HEADER_BYTES, Dispatch
+from vktrain.runtime.vk.schedule import ResolvedAccess, plan_barriers, resolve_binding, split_groups
 
 DEFAULT_TIMEOUT_S = 600.0
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 from typing import Any, Callable
 from vktrain.errors import VktrainError
-from vktrain.serialization.dispatch import ScheduleError  # noqa: F401  (the records' error, on the ground floor)
 
 INSTALL_HINT = (
     "install a Vulkan loader and a driver (Debian/Ubuntu: `apt-get install libvulkan1 mesa-vulkan-drivers`; "

@@ -12,8 +12,9 @@ from typing import Any
 
 from vktrain.runtime_shaders import ShaderInterface, load_spirv, reflect_spirv
 
-from vktrain.runtime.vk.errors import ScheduleError, vk_call
-from vktrain.runtime.vk.schedule import SpecValue
+from vktrain.serialization.dispatch import ScheduleError
+from vktrain.runtime.vk.errors import vk_call
+from vktrain.serialization.dispatch import SpecValue
 
 _SPEC_FORMATS = {"uint": "<I", "int": "<i", "bool": "<I", "float": "<f"}
 

@@ -28,11 +28,10 @@ import struct
 from dataclasses import dataclass
 from typing import Any, Hashable, Iterable, Mapping, Sequence
 
-from vktrain.runtime.vk.errors import BindingRangeError, ScheduleError
-# The records are data on the ground floor; every importer of this module keeps finding them here.
-from vktrain.serialization.dispatch import (ACCESS_MODES, FIRST_KERNEL_SPEC_ID, LOCAL_SIZE_SPEC_IDS,  # noqa: F401
-                                           MAX_SPLIT_DISPATCHES, PUSH_HEADER_BYTES, BufferBinding, Dispatch,
-                                           SpecValue)
+from vktrain.runtime.vk.errors import BindingRangeError
+# The Dispatch records are data on the ground floor (serialization/dispatch.py); this module splits and
+# orders them for Vulkan.
+from vktrain.serialization.dispatch import MAX_SPLIT_DISPATCHES, BufferBinding, ScheduleError
 
 
 def resolve_binding(where: str, index: int, binding: BufferBinding, buffers: Mapping[Hashable, Any], device: Any,

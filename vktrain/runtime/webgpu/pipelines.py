@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from vktrain.runtime.vk.errors import ScheduleError
-from vktrain.runtime.vk.schedule import SpecValue
+from vktrain.serialization.dispatch import ScheduleError
+from vktrain.serialization.dispatch import SpecValue
 from vktrain.runtime.webgpu.errors import WebGPUError
 from vktrain.runtime.webgpu.reflect import ENTRY_POINT, WGSLInterface, reflect_wgsl
 from vktrain.runtime.webgpu.shader_modules import create_trusted_wgsl_module

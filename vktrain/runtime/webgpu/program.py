@@ -35,17 +35,10 @@ import numpy as np
 from vktrain.runtime.device_objects import ProgramBase
 # run_dispatches is the Vulkan layer's: its Program(device, ...) builds this layer's Program for a WebGPU device.
 from vktrain.runtime.vk.commands import max_group_counts, run_dispatches  # noqa: F401  (re-exported)
-from vktrain.runtime.vk.errors import BindingRangeError, ScheduleError, format_bytes
-from vktrain.runtime.vk.schedule import (
-    LOCAL_SIZE_SPEC_IDS,
-    PUSH_HEADER_BYTES,
-    Dispatch,
-    ResolvedAccess,
-    ceil_div,
-    plan_barriers,
-    resolve_binding,
-    split_groups,
-)
+from vktrain.runtime.vk.errors import BindingRangeError, format_bytes
+from vktrain.serialization.dispatch import ScheduleError
+from vktrain.serialization.dispatch import LOCAL_SIZE_SPEC_IDS, PUSH_HEADER_BYTES, Dispatch
+from vktrain.runtime.vk.schedule import ResolvedAccess, ceil_div, plan_barriers, resolve_binding, split_groups
 from vktrain.runtime.webgpu.features import INSIDE_PASS_FEATURE, UNIFORM_SLOT_ALIGNMENT
 from vktrain.runtime.webgpu.errors import MissingKernelsError, WebGPUError
 from vktrain.runtime.webgpu.memory import Buffer

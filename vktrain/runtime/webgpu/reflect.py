@@ -16,7 +16,7 @@ import operator
 import re
 from dataclasses import dataclass, field
 
-from vktrain.runtime.vk.errors import ScheduleError
+from vktrain.serialization.dispatch import ScheduleError
 
 GROUP_OFFSET_MEMBER = "vktrain_group_offset"
 ENTRY_POINT = "main"

@@ -45,7 +45,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from vktrain.serialization.device_profile import H200_FP32_TARGET_WORKGROUPS
-from vktrain.runtime.vk.schedule import Dispatch, ceil_div, pack_push
+from vktrain.serialization.dispatch import Dispatch
+from vktrain.runtime.vk.schedule import ceil_div, pack_push
 from vktrain.serialization.strided_view import MAX_ELEMENTS, KernelArgumentError
 from vktrain.runtime.delegate.kernels.layout import (
     SHARED_MEMORY_LIMIT, WORKGROUP_SIZE_LIMIT, binding, check_positive_ints

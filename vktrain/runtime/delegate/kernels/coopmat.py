@@ -74,7 +74,8 @@ from vktrain.runtime.delegate.kernels.linear import plan_splitk_reduce
 from vktrain.serialization.strided_view import MAX_ELEMENTS, KernelArgumentError, StridedView
 from vktrain.runtime.delegate.kernels.layout import binding
 from vktrain.runtime.vk.coopmat import EXTENSION_NAME, CooperativeMatrixShape, supports_shape
-from vktrain.runtime.vk.schedule import Dispatch, ceil_div, pack_push
+from vktrain.serialization.dispatch import Dispatch
+from vktrain.runtime.vk.schedule import ceil_div, pack_push
 from vktrain.runtime.webgpu.device import DEVICE_TYPE as WEBGPU_DEVICE_TYPE
 from vktrain.serialization.device_profile import DeviceProfile
 

@@ -37,7 +37,8 @@ from vktrain.runtime.delegate.kernels.coopmat import DEFAULT_SUBGROUP_SIZE, Gemm
 from vktrain.runtime.delegate.kernels.coopmat_tiling import EMULATED_LOOP_BUDGET
 from vktrain.serialization.strided_view import KernelArgumentError
 from vktrain.runtime.delegate.kernels.layout import binding
-from vktrain.runtime.vk.schedule import Dispatch, ceil_div, pack_push
+from vktrain.serialization.dispatch import Dispatch
+from vktrain.runtime.vk.schedule import ceil_div, pack_push
 
 SUPPORTED_HEAD_DIMS = (16, 32, 64)
 TILE = 16

@@ -13,7 +13,7 @@ import math
 import numbers
 from typing import Any, Sequence
 
-from vktrain.runtime.vk.schedule import Dispatch
+from vktrain.serialization.dispatch import Dispatch
 from vktrain.runtime.delegate.kernels.elementwise_windows import (element_windows, needs_windows, operand_span,
                                                                   split_windows, window_binding, window_offset)
 from vktrain.runtime.delegate.kernels.layout import (

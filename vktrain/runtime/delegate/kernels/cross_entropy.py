@@ -26,7 +26,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from vktrain.runtime.vk.schedule import Dispatch, pack_push
+from vktrain.serialization.dispatch import Dispatch
+from vktrain.runtime.vk.schedule import pack_push
 from vktrain.serialization.strided_view import MAX_ELEMENTS, KernelArgumentError
 from vktrain.runtime.delegate.kernels.layout import (
     BindingLimit, binding, check_positive_ints, check_power_of_two_workgroup, shader_variant, sub_binding, use_vec4

@@ -32,7 +32,8 @@ import math
 import numbers
 from typing import Any, Sequence
 
-from vktrain.runtime.vk.schedule import Dispatch, ceil_div, pack_push
+from vktrain.serialization.dispatch import Dispatch
+from vktrain.runtime.vk.schedule import ceil_div, pack_push
 from vktrain.runtime.delegate.kernels.layout import (
     MAX_STRIDED_RANK, BindingLimit, binding, broadcast_shapes, check_dtype, check_view_fits, coalesce_dims,
     elementwise_groups, padded_innermost_first

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, Sequence, TypeVar
 
-from vktrain.runtime.vk.schedule import BufferBinding
+from vktrain.serialization.dispatch import BufferBinding
 from vktrain.runtime.delegate.kernels.layout import BindingLimit, sub_binding
 from vktrain.serialization.strided_view import KernelArgumentError
 

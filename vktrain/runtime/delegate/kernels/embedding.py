@@ -24,7 +24,8 @@ from __future__ import annotations
 import math
 from typing import Any, Sequence
 
-from vktrain.runtime.vk.schedule import Dispatch, ceil_div, pack_push
+from vktrain.serialization.dispatch import Dispatch
+from vktrain.runtime.vk.schedule import ceil_div, pack_push
 from vktrain.serialization.strided_view import MAX_ELEMENTS, KernelArgumentError, check_shape
 from vktrain.runtime.delegate.kernels.layout import BindingLimit, binding, check_dtype, row_windows, table_window
 from vktrain.runtime.delegate.kernels.registry import register_kernel

@@ -14,7 +14,8 @@ from typing import Any, Sequence
 from vktrain.serialization.strided_view import MAX_ELEMENTS, KernelArgumentError, check_shape
 from vktrain.runtime.delegate.kernels.layout import binding, check_dtype, elementwise_groups
 from vktrain.runtime.delegate.kernels.registry import register_kernel
-from vktrain.runtime.vk.schedule import Dispatch, pack_push
+from vktrain.serialization.dispatch import Dispatch
+from vktrain.runtime.vk.schedule import pack_push
 
 _POSITION_DTYPES = ("int32", "int64")
 # cached_attention.comp: TILE threads per work group, each owning at most MAX_DIMS_PER_THREAD output dims.

@@ -29,7 +29,8 @@ import struct
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-from vktrain.runtime.vk.schedule import BufferBinding, Dispatch, ceil_div, pack_push
+from vktrain.serialization.dispatch import BufferBinding, Dispatch
+from vktrain.runtime.vk.schedule import ceil_div, pack_push
 from vktrain.serialization.strided_view import MAX_ELEMENTS, KernelArgumentError, StridedView
 
 # copy.comp / elementwise.comp: MAX_RANK and WORKGROUP_SIZE.

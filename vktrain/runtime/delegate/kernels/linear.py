@@ -57,7 +57,8 @@ import numpy as np
 from vktrain.serialization.device_profile import H200_FP32_TARGET_WORKGROUPS
 from vktrain.quant import check_q4gsw_shapes, pack_w4x8, padded_k, w4x8_num_words
 
-from vktrain.runtime.vk.schedule import Dispatch, ceil_div, pack_push
+from vktrain.serialization.dispatch import Dispatch
+from vktrain.runtime.vk.schedule import ceil_div, pack_push
 from vktrain.runtime.delegate.kernels import q4gsw_windows
 from vktrain.runtime.delegate.kernels.gemm_tuning import CPU_TUNING, GPU_TUNING, check_tuning
 from vktrain.serialization.strided_view import MAX_ELEMENTS, KernelArgumentError

@@ -53,7 +53,8 @@ from __future__ import annotations
 import numbers
 from typing import Any, Sequence
 
-from vktrain.runtime.vk.schedule import BufferBinding, Dispatch, ceil_div, pack_push
+from vktrain.serialization.dispatch import BufferBinding, Dispatch
+from vktrain.runtime.vk.schedule import ceil_div, pack_push
 from vktrain.runtime.delegate.kernels.gemm_tuning import CPU_TUNING, GPU_TUNING, check_tuning
 from vktrain.runtime.delegate.kernels import layout
 from vktrain.serialization.strided_view import MAX_ELEMENTS, KernelArgumentError, StridedView, check_shape

@@ -18,7 +18,8 @@ import math
 from typing import Any, Sequence
 
 from vktrain.quant.q8_0 import Q8_0_BLOCK_VALUES, q8_0_num_scales
-from vktrain.runtime.vk.schedule import Dispatch, ceil_div, pack_push
+from vktrain.serialization.dispatch import Dispatch
+from vktrain.runtime.vk.schedule import ceil_div, pack_push
 from vktrain.runtime.delegate.kernels.gemm_tuning import GPU_TUNING
 from vktrain.serialization.strided_view import MAX_ELEMENTS, KernelArgumentError, StridedView, check_shape
 from vktrain.runtime.delegate.kernels.layout import BindingLimit, binding, check_dtype, row_windows, table_window

@@ -21,7 +21,8 @@ from __future__ import annotations
 import math
 from typing import Any, Sequence
 
-from vktrain.runtime.vk.schedule import Dispatch, ceil_div, pack_push
+from vktrain.serialization.dispatch import Dispatch
+from vktrain.runtime.vk.schedule import ceil_div, pack_push
 from vktrain.serialization.strided_view import KernelArgumentError, StridedView, check_shape, normalize_dim
 from vktrain.runtime.delegate.kernels.layout import (
     binding, check_dtype, check_view_fits, coalesce_dims, padded_innermost_first

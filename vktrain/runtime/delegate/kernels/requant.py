@@ -18,7 +18,8 @@ from typing import Any
 
 from vktrain.quant import check_q4gsw_shapes, w4x8_num_words
 
-from vktrain.runtime.vk.schedule import BufferBinding, Dispatch, ceil_div, pack_push
+from vktrain.serialization.dispatch import BufferBinding, Dispatch
+from vktrain.runtime.vk.schedule import ceil_div, pack_push
 from vktrain.serialization.strided_view import MAX_ELEMENTS, KernelArgumentError
 from vktrain.runtime.delegate.kernels.layout import binding, check_positive_ints
 from vktrain.runtime.delegate.kernels.registry import register_kernel

@@ -12,7 +12,8 @@ from __future__ import annotations
 import math
 from typing import Any, Sequence
 
-from vktrain.runtime.vk.schedule import Dispatch, ceil_div, pack_push
+from vktrain.serialization.dispatch import Dispatch
+from vktrain.runtime.vk.schedule import ceil_div, pack_push
 from vktrain.serialization.strided_view import MAX_ELEMENTS, KernelArgumentError
 from vktrain.runtime.delegate.kernels.layout import binding, check_dtype, check_positive_ints, shader_variant, use_vec4
 from vktrain.runtime.delegate.kernels.registry import register_kernel
