@@ -7,6 +7,7 @@
 
 #include "crc32.h"
 #include "schema_generated.h"
+#include "flatbuffer_vectors.h"
 #include "status.h"
 #include "text.h"
 
@@ -79,13 +80,6 @@ std::string text_of(const flatbuffers::String* s, const std::string& field) {
   if (!valid_utf8(reinterpret_cast<const uint8_t*>(s->data()), s->size()))
     bad("flatbuffer is corrupt at " + field + " (UnicodeDecodeError: invalid utf-8)");
   return std::string(s->data(), s->size());
-}
-
-template <typename T, typename U>
-std::vector<T> vec(const flatbuffers::Vector<U>* v) {
-  std::vector<T> out;
-  if (v) out.assign(v->begin(), v->end());
-  return out;
 }
 
 // numel of a shape; GraphError-style message when a dimension is negative or the bytes overflow 64 bits.

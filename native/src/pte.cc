@@ -6,6 +6,7 @@
 #include <unistd.h>
 
 #include "program_generated.h"
+#include "flatbuffer_vectors.h"
 #include "status.h"
 #include "text.h"
 
@@ -26,13 +27,6 @@ std::string text(const flatbuffers::String* s, const std::string& field) {
   if (!valid_utf8(reinterpret_cast<const uint8_t*>(s->data()), s->size()))
     bad("Program flatbuffer is corrupt at " + field + " (UnicodeDecodeError: invalid utf-8)");
   return std::string(s->data(), s->size());
-}
-
-template <typename T, typename U>
-std::vector<T> vec(const flatbuffers::Vector<U>* v) {
-  std::vector<T> out;
-  if (v) out.assign(v->begin(), v->end());
-  return out;
 }
 
 void check_index(int64_t index, uint64_t count, const std::string& what) {

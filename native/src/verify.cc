@@ -56,6 +56,12 @@ std::string describe(const PlanTensor& t) { return std::string(scalar_name(t.sca
 
 void Program::verify(const Limits& limits) {
   const uint64_t host_limit = limits.host_memory_bytes ? limits.host_memory_bytes : host_memory_bytes();
+  // A training step's .pte (runner.py verify_training_program reads its 'forward' method).
+  if (std::none_of(methods_.begin(), methods_.end(), [](const Method& m) { return m.name == kTrainMethod; })) {
+    std::string names;
+    for (const Method& m : methods_) names += (names.empty() ? "'" : ", '") + m.name + "'";
+    refuse(ErrorCode::kPteFormat, "no execution plan 'forward' (a training step); it has [" + names + "]");
+  }
   for (Method& m : methods_) {
     const std::string plan = "plan '" + m.name + "'";
     // check_instructions_supported

@@ -49,6 +49,7 @@ int fuzz_dir(const std::string& dir) {
     if (e->d_name[0] != '.') names.push_back(e->d_name);
   ::closedir(d);
   std::sort(names.begin(), names.end());
+  std::setvbuf(stdout, nullptr, _IOLBF, 0);  // a sanitizer abort loses no line: the last one names the file before it
   int worst = 0;
   for (const std::string& name : names) {
     auto result = try_load(dir + "/" + name, nullptr);
