@@ -123,10 +123,35 @@ def test_bad_files_are_refused_with_exit_2_naming_the_file(inspector, llama_pte,
     assert missing.returncode == 2 and f"cannot open {tmp_path / 'absent.pte'}: No such file" in missing.stderr
 
 
-def test_fuzz_mutants_are_refused_cleanly_under_sanitizers(sanitized_inspector, tmp_path):
-    pte = tmp_path / "mlp.pte"
-    export_mlp_lora_training_step(pte, (2, 8), 64)
-    original = pte.read_bytes()
+@pytest.fixture(scope="module")
+def mlp_pte(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("native") / "mlp.pte"
+    export_mlp_lora_training_step(path, (2, 8), 64)
+    return path
+
+
+def test_a_negative_scalar_type_is_refused_not_divided_by(sanitized_inspector, mlp_pte, tmp_path):
+    """A fuzzer finding (seed 4): ScalarType is an int8, so a hostile file may hold -1, which had no element
+    size; the arena check divided by it. Located with the flatc-generated accessors, independently."""
+    import struct
+
+    from vktrain.runtime.program.pte_schema.executorch_flatbuffer.Program import Program as FbProgram
+    from vktrain.runtime.program.pte_schema.executorch_flatbuffer.Tensor import Tensor as FbTensor
+    from vktrain.serialization.flatbuffer_reading import union_as
+
+    data = bytearray(mlp_pte.read_bytes())
+    tensor = union_as(FbProgram.GetRootAs(bytes(data), 0).ExecutionPlan(0).Values(0).Val(), FbTensor)
+    struct.pack_into("<b", data, tensor._tab.Pos + tensor._tab.Offset(4), -1)  # Tensor.scalar_type
+    edited = tmp_path / "negative.pte"
+    edited.write_bytes(bytes(data))
+    result = _run(sanitized_inspector, edited)
+    assert "runtime error" not in result.stderr and result.returncode == 2, result.stderr
+    assert (f"{edited}: plan 'forward' value 0 (UNKNOWN[2, 8]): scalar type UNKNOWN is not supported "
+            "[check_tensor_records]") in result.stderr
+
+
+def test_fuzz_mutants_are_refused_cleanly_under_sanitizers(sanitized_inspector, mlp_pte, tmp_path):
+    original = mlp_pte.read_bytes()
     corpus = tmp_path / "mutants"
     corpus.mkdir()
     mutants = {}

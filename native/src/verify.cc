@@ -20,7 +20,7 @@ const std::set<std::string> kCpuKernels = {  // runner.py CPU_KERNELS
 constexpr const char* kEtView = "executorch_prim::et_view.default";
 
 int element_size(int t, bool* supported) {  // pte_objects.py _ELEMENT_SIZE / NUMPY_SCALAR_TYPES
-  *supported = t <= 7 || t == 11 || t == 28;
+  *supported = (t >= 0 && t <= 7) || t == 11 || t == 28;  // a hostile int8 may be negative
   switch (t) {
     case 0: case 1: case 11: case 12: case 13: case 16: case 17: case 23: case 24: case 25: case 26: return 1;
     case 2: case 5: case 15: case 22: case 27: return 2;
