@@ -150,6 +150,48 @@ def test_a_negative_scalar_type_is_refused_not_divided_by(sanitized_inspector, m
             "[check_tensor_records]") in result.stderr
 
 
+def test_a_vector_referenced_again_and_again_is_refused_before_memory_runs_out(sanitized_inspector, tmp_path):
+    """A Program whose 64 values all point at one Tensor with a 1M-entry `sizes` vector: a 4 MB file that
+    would make the reader copy 256 MB (or terabytes, with more references). The copy budget refuses it."""
+    import flatbuffers
+    import numpy as np
+
+    from vktrain.runtime.program.pte_schema.executorch_flatbuffer import (EValue, ExecutionPlan, KernelTypes,
+                                                                          Program, Tensor)
+
+    builder = flatbuffers.Builder(1 << 23)
+    sizes = builder.CreateNumpyVector(np.ones(1 << 20, np.int32))
+    Tensor.Start(builder)
+    Tensor.AddScalarType(builder, 6)
+    Tensor.AddSizes(builder, sizes)
+    tensor = Tensor.End(builder)
+    EValue.Start(builder)
+    EValue.AddValType(builder, KernelTypes.KernelTypes.Tensor)
+    EValue.AddVal(builder, tensor)
+    value = EValue.End(builder)
+    ExecutionPlan.StartValuesVector(builder, 64)
+    for _ in range(64):
+        builder.PrependUOffsetTRelative(value)
+    values = builder.EndVector()
+    name = builder.CreateString("forward")
+    ExecutionPlan.Start(builder)
+    ExecutionPlan.AddName(builder, name)
+    ExecutionPlan.AddValues(builder, values)
+    plan = ExecutionPlan.End(builder)
+    Program.StartExecutionPlanVector(builder, 1)
+    builder.PrependUOffsetTRelative(plan)
+    plans = builder.EndVector()
+    Program.Start(builder)
+    Program.AddExecutionPlan(builder, plans)
+    builder.Finish(Program.End(builder), file_identifier=b"ET12")
+    path = tmp_path / "shared_sizes.pte"
+    path.write_bytes(bytes(builder.Output()))
+    result = _run(sanitized_inspector, path)
+    assert result.returncode == 2, result.stderr
+    assert (f"{path}: Program flatbuffer references more data than it holds (the same vectors or strings again and "
+            "again: over twice its size copied)") in result.stderr
+
+
 def test_fuzz_mutants_are_refused_cleanly_under_sanitizers(sanitized_inspector, mlp_pte, tmp_path):
     original = mlp_pte.read_bytes()
     corpus = tmp_path / "mutants"

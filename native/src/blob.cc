@@ -79,7 +79,7 @@ std::string text_of(const flatbuffers::String* s, const std::string& field) {
   if (!s) return "";
   if (!valid_utf8(reinterpret_cast<const uint8_t*>(s->data()), s->size()))
     bad("flatbuffer is corrupt at " + field + " (UnicodeDecodeError: invalid utf-8)");
-  return std::string(s->data(), s->size());
+  return copy_string(s);
 }
 
 // numel of a shape; GraphError-style message when a dimension is negative or the bytes overflow 64 bits.
@@ -172,7 +172,7 @@ std::string constant_reader(const Graph& graph, const vkt_blob::VkGraph* root, i
     for (flatbuffers::uoffset_t i = 0; i < root->values()->size(); ++i) {
       auto t = root->values()->Get(i)->value_as_Tensor();
       if (t && t->constant_id() == constant_id)
-        return "tensor value " + num(i) + " (" + (t->name() && t->name()->size() ? t->name()->str() : "unnamed") + ")";
+        return "tensor value " + num(i) + " (" + (t->name() && t->name()->size() ? t->name()->str().substr(0, 200) : "unnamed") + ")";
     }
   return "no tensor: a state's initial value, or unused";
 }
@@ -338,6 +338,7 @@ Graph read_blob(Bytes blob, const NamedData* named_data, bool verify_constants) 
     bad("graph flatbuffer fails the flatbuffers Verifier (an offset, length or table lies outside its " +
         num(fb.size) + " bytes, or is misaligned)");
   const auto* root = flatbuffers::GetRoot<vkt_blob::VkGraph>(fb.data);
+  ScopedCopyBudget budget(fb.size, "graph flatbuffer");
   Graph graph;
   graph.format_version = int(h.version);
   graph.checksummed = h.checksummed;

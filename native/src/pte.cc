@@ -26,7 +26,7 @@ std::string text(const flatbuffers::String* s, const std::string& field) {
   if (!s) return "";
   if (!valid_utf8(reinterpret_cast<const uint8_t*>(s->data()), s->size()))
     bad("Program flatbuffer is corrupt at " + field + " (UnicodeDecodeError: invalid utf-8)");
-  return std::string(s->data(), s->size());
+  return copy_string(s);
 }
 
 void check_index(int64_t index, uint64_t count, const std::string& what) {
@@ -106,6 +106,7 @@ void Program::parse(Bytes file) {
     bad("Program flatbuffer fails the flatbuffers Verifier (an offset, length or table lies outside its " +
         num(program_size_) + " bytes, or is misaligned): corrupt or truncated");
   const et::Program* program = flatbuffers::GetRoot<et::Program>(file.data);
+  ScopedCopyBudget budget(program_size_, "Program flatbuffer");
 
   if (program->segments())
     for (flatbuffers::uoffset_t i = 0; i < program->segments()->size(); ++i) {

@@ -29,7 +29,7 @@ std::string lower(std::string s) {
 // A decimal metadata value (planned_memory_bytes, state_bytes), else `fallback`.
 uint64_t metadata_number(const Graph& g, const char* key, uint64_t fallback) {
   const std::string* v = g.metadata_value(key);
-  if (!v || v->empty() || v->size() > 19 || !std::all_of(v->begin(), v->end(), ::isdigit)) return fallback;
+  if (!v || v->empty() || v->size() > 19 || !std::all_of(v->begin(), v->end(), [](char c) { return c >= '0' && c <= '9'; })) return fallback;
   return std::strtoull(v->c_str(), nullptr, 10);
 }
 
