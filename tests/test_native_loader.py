@@ -225,3 +225,20 @@ def test_fuzz_mutants_are_refused_cleanly_under_sanitizers(sanitized_inspector, 
             assert not outcome.label.startswith("refused") or (
                 outcome.label == "refused: verify.check_op_shapes" and mutants[name].family == fuzz.RESIGNED), (
                 name, mutants[name].description, outcome.label, outcome.detail)
+
+
+def test_the_device_probe_sees_the_device_the_python_runtime_uses(inspector, vk_device):
+    """--devices (native Vulkan calls) and the Python runtime (the `vulkan` binding) report the same limits."""
+    import re
+
+    result = _run(inspector, "--devices")
+    assert result.returncode == 0, result.stderr
+    blocks = re.split(r"\ndevice \d+: ", "\n" + result.stdout.split("\n", 1)[1])[1:]
+    assert len(blocks) == len(vk_device.available_devices)
+    block = blocks[vk_device.info.index]
+    assert block.startswith(vk_device.info.name + " (")
+    limits = vk_device.limits
+    assert f"maxStorageBufferRange {limits.max_storage_buffer_range}," in block
+    assert f"minStorageBufferOffsetAlignment {limits.min_storage_buffer_offset_alignment}," in block
+    assert f"maxComputeSharedMemorySize {limits.max_compute_shared_memory_size}," in block
+    assert f"maxComputeWorkGroupInvocations {limits.max_compute_work_group_invocations}," in block
