@@ -23,8 +23,6 @@ constexpr uint64_t kQ8_0Block = 34, kQ8_0Values = 32;
 
 [[noreturn]] void bad(const std::string& message) { refuse(ErrorCode::kBlobFormat, message); }
 
-uint32_t le32(const uint8_t* p) { return uint32_t(p[0]) | uint32_t(p[1]) << 8 | uint32_t(p[2]) << 16 | uint32_t(p[3]) << 24; }
-uint64_t le64(const uint8_t* p) { return uint64_t(le32(p)) | uint64_t(le32(p + 4)) << 32; }
 
 struct Header {
   uint32_t size, version, flags;

@@ -13,6 +13,10 @@ struct Bytes {  // a span of the mapped file
   Bytes sub(size_t offset, size_t length) const { return {data + offset, length}; }
 };
 
+// Little-endian integers of the file formats, read byte by byte (no alignment assumed).
+inline uint32_t le32(const uint8_t* p) { return uint32_t(p[0]) | uint32_t(p[1]) << 8 | uint32_t(p[2]) << 16 | uint32_t(p[3]) << 24; }
+inline uint64_t le64(const uint8_t* p) { return uint64_t(le32(p)) | uint64_t(le32(p + 4)) << 32; }
+
 class FileMap {
  public:
   explicit FileMap(const std::string& path);  // LoadError(kIo) naming the path

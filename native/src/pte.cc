@@ -15,12 +15,10 @@ namespace {
 
 namespace et = executorch_flatbuffer;
 constexpr uint64_t kExtendedHeaderOffset = 8, kExtendedMin = 24, kExtendedFull = 32;
-constexpr int kTensorKind = int(et::KernelTypes::Tensor);
-constexpr int kKernelCall = 1, kDelegateCall = 2, kMoveCall = 3, kJumpFalseCall = 4, kFreeCall = 5;
+static_assert(kPlanTensor == int(et::KernelTypes::Tensor) && kKernelCall == int(et::InstructionArguments::KernelCall) &&
+              kFreeCall == int(et::InstructionArguments::FreeCall), "pte.h's codes are program.fbs's");
 [[noreturn]] void bad(const std::string& m) { refuse(ErrorCode::kPteFormat, m); }
 
-uint32_t le32(const uint8_t* p) { return uint32_t(p[0]) | uint32_t(p[1]) << 8 | uint32_t(p[2]) << 16 | uint32_t(p[3]) << 24; }
-uint64_t le64(const uint8_t* p) { return uint64_t(le32(p)) | uint64_t(le32(p + 4)) << 32; }
 
 std::string text(const flatbuffers::String* s, const std::string& field) {
   if (!s) return "";
@@ -181,7 +179,7 @@ void Program::parse(Bytes file) {
         if (pv.kind == int(et::KernelTypes::String)) text(v->val_as_String()->string_val(), where + " value " + num(i));
         if (pv.kind == int(et::KernelTypes::TensorList)) pv.items = vec<int32_t>(v->val_as_TensorList()->items());
         if (pv.kind == int(et::KernelTypes::OptionalTensorList)) pv.items = vec<int32_t>(v->val_as_OptionalTensorList()->items());
-        if (pv.kind == kTensorKind) {
+        if (pv.kind == kPlanTensor) {
           const auto* t = v->val_as_Tensor();
           PlanTensor& pt = pv.tensor;
           pt.scalar_type = int(t->scalar_type());

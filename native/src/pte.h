@@ -18,6 +18,10 @@ namespace vktrain {
 constexpr const char* kBackendId = "VktrainVulkanBackend";
 constexpr const char* kTrainMethod = "forward";
 
+// program.fbs union codes: KernelTypes.Tensor, and the InstructionArguments (pte.cc checks them).
+constexpr int kPlanTensor = 5;
+enum InstructionKind : int { kKernelCall = 1, kDelegateCall, kMoveCall, kJumpFalseCall, kFreeCall };
+
 struct PlanTensor {  // an ExecuTorch Tensor record of a plan
   int scalar_type = 0;
   std::vector<int32_t> sizes;
@@ -34,13 +38,13 @@ struct PlanTensor {  // an ExecuTorch Tensor record of a plan
 };
 
 struct PlanValue {
-  int kind = 0;  // executorch KernelTypes; 5 = Tensor
+  int kind = 0;  // executorch KernelTypes; kPlanTensor = Tensor
   PlanTensor tensor;
   std::vector<int32_t> items;  // TensorList / OptionalTensorList
 };
 
 struct Instruction {
-  int kind;  // InstructionArguments: 1 KernelCall, 2 DelegateCall, 3 MoveCall, 4 JumpFalseCall, 5 FreeCall
+  int kind;  // InstructionKind
   int32_t index;  // op_index / delegate_index
   std::vector<int32_t> args;
 };

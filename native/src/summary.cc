@@ -113,8 +113,8 @@ std::string summary_json(const Program& p) {
     const Method& m = p.methods()[mi];
     const Graph& g = *m.graph;
     const DelegateSummary s = summarize(g);
-    out += std::string(mi ? "," : "") + "\n    " + quote(m.name) + ": {\n      \"delegate_calls\": " + num(count_kind(m, 2)) +
-           ", \"kernel_calls\": " + num(count_kind(m, 1)) + ", \"operators\": [";
+    out += std::string(mi ? "," : "") + "\n    " + quote(m.name) + ": {\n      \"delegate_calls\": " + num(count_kind(m, kDelegateCall)) +
+           ", \"kernel_calls\": " + num(count_kind(m, kKernelCall)) + ", \"operators\": [";
     for (size_t i = 0; i < m.operators.size(); ++i) out += (i ? ", " : "") + quote(m.operators[i]);
     out += "],\n      \"delegate\": {\n        \"backend_id\": " + quote(m.delegate_ids[0]) + ", \"payload_bytes\": " +
            num(m.delegate_data[size_t(m.delegate_index)].size) + ", \"format_version\": " + num(g.format_version) +
@@ -149,7 +149,7 @@ std::string summary_text(const Program& p) {
   for (const Method& m : p.methods()) {
     const Graph& g = *m.graph;
     const DelegateSummary s = summarize(g);
-    out += "method '" + m.name + "': " + num(count_kind(m, 2)) + " delegate call(s), " + num(count_kind(m, 1)) + " kernel call(s)\n";
+    out += "method '" + m.name + "': " + num(count_kind(m, kDelegateCall)) + " delegate call(s), " + num(count_kind(m, kKernelCall)) + " kernel call(s)\n";
     out += "  delegate: " + m.delegate_ids[0] + ", payload " + human(m.delegate_data[size_t(m.delegate_index)].size) +
            ", blob format " + num(g.format_version) + (g.checksummed ? ", CRC-32 checked" : ", no checksums") + "\n";
     out += "  ops: " + num(g.ops.size()) + "\n";

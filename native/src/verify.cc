@@ -11,8 +11,6 @@
 namespace vktrain {
 namespace {
 
-constexpr int kTensorKind = 5;
-constexpr int kKernelCall = 1, kDelegateCall = 2, kMoveCall = 3, kFreeCall = 5;
 constexpr int kScalarFloat = 6;
 const std::set<std::string> kCpuKernels = {  // runner.py CPU_KERNELS
     "dim_order_ops::_to_dim_order_copy.out", "dim_order_ops::_clone_dim_order.out", "aten::_to_copy.out",
@@ -83,14 +81,14 @@ void Program::verify(const Limits& limits) {
       if (ins.kind == kKernelCall && m.operators[size_t(ins.index)] == kEtView && ins.args.size() >= 3) views.insert(ins.args[2]);
     for (size_t i = 0; i < m.values.size(); ++i) {
       const PlanValue& v = m.values[i];
-      if (v.kind == kTensorKind && !v.tensor.planned && v.tensor.data_buffer_idx == 0 && !views.count(int32_t(i)))
+      if (v.kind == kPlanTensor && !v.tensor.planned && v.tensor.data_buffer_idx == 0 && !views.count(int32_t(i)))
         refuse_check(source_, "check_storageless_tensors", plan + " value " + num(i) + " (" + describe(v.tensor) +
                      ") has neither allocation_info nor data (data_buffer_idx 0); only the output of " + kEtView + " may");
     }
     // check_tensor_records (and every tensor's size, checked for overflow)
     for (size_t i = 0; i < m.values.size(); ++i) {
       PlanTensor& t = m.values[i].tensor;
-      if (m.values[i].kind != kTensorKind) continue;
+      if (m.values[i].kind != kPlanTensor) continue;
       const std::string where = plan + " value " + num(i) + " (" + describe(t) + ")";
       bool supported;
       const int size = element_size(t.scalar_type, &supported);
@@ -115,7 +113,7 @@ void Program::verify(const Limits& limits) {
     m.arena_needs.assign(m.arena_sizes.size(), 0);
     for (size_t i = 0; i < m.values.size(); ++i) {
       const PlanTensor& t = m.values[i].tensor;
-      if (m.values[i].kind != kTensorKind || !t.planned) continue;
+      if (m.values[i].kind != kPlanTensor || !t.planned) continue;
       const std::string where = plan + " value " + num(i) + " (" + describe(t) + ")";
       if (t.memory_id >= m.arena_sizes.size())
         refuse_check(source_, "check_arenas", where + ": allocation_info.memory_id is " + num(t.memory_id) + ", expected 0.." +
@@ -145,7 +143,7 @@ void Program::verify(const Limits& limits) {
       std::vector<std::tuple<uint32_t, uint64_t, uint64_t, int32_t>> placed;
       for (int32_t id : std::set<int32_t>(group.second.begin(), group.second.end())) {
         const PlanValue& v = m.values[size_t(id)];
-        if (v.kind == kTensorKind && v.tensor.planned && v.tensor.nbytes)
+        if (v.kind == kPlanTensor && v.tensor.planned && v.tensor.nbytes)
           placed.emplace_back(v.tensor.memory_id, v.tensor.memory_offset, v.tensor.memory_offset + v.tensor.nbytes, id);
       }
       std::sort(placed.begin(), placed.end());
@@ -160,7 +158,7 @@ void Program::verify(const Limits& limits) {
     // check_constant_tensors: every constant's bytes are in the file (pte.py tensor_data)
     for (size_t i = 0; i < m.values.size(); ++i) {
       const PlanTensor& t = m.values[i].tensor;
-      if (m.values[i].kind != kTensorKind || t.planned || t.data_buffer_idx == 0) continue;
+      if (m.values[i].kind != kPlanTensor || t.planned || t.data_buffer_idx == 0) continue;
       const std::string where = plan + " value " + num(i) + ": ";
       if (t.has_extra && t.external) refuse_check(source_, "check_constant_tensors", where + "tensor has external data (a .ptd file), not in this .pte");
       if (t.data_buffer_idx >= constants_.size())
@@ -200,7 +198,7 @@ void Program::verify(const Limits& limits) {
       const std::string want_text = data_type_name(want.tensor.dtype) + list(want.tensor.shape);
       const PlanValue& have = m.values[size_t(call->args[k])];
       const std::string where = plan + ": delegate " + kind + " " + num(position) + " (" + (want.tensor.name.empty() ? "unnamed" : want.tensor.name) + ") is plan value " + num(call->args[k]);
-      if (have.kind != kTensorKind) refuse_check(source_, "check_delegate_io", where + ", not a tensor; expected a tensor " + want_text);
+      if (have.kind != kPlanTensor) refuse_check(source_, "check_delegate_io", where + ", not a tensor; expected a tensor " + want_text);
       const std::vector<int64_t> sizes(have.tensor.sizes.begin(), have.tensor.sizes.end());
       if (scalar_type_of(want.tensor.dtype) != have.tensor.scalar_type || sizes != want.tensor.shape)
         refuse_check(source_, "check_delegate_io", where + ", " + describe(have.tensor) + "; the delegate graph declares " + want_text);
@@ -211,7 +209,7 @@ void Program::verify(const Limits& limits) {
     const int32_t output = m.outputs[0];
     const bool from_delegate = std::find(call->args.begin() + long(g.inputs.size()), call->args.end(), output) != call->args.end();
     const PlanValue& loss = m.values[size_t(output)];
-    if (!from_delegate || loss.kind != kTensorKind || !loss.tensor.sizes.empty() || loss.tensor.scalar_type != kScalarFloat)
+    if (!from_delegate || loss.kind != kPlanTensor || !loss.tensor.sizes.empty() || loss.tensor.scalar_type != kScalarFloat)
       refuse_check(source_, "check_loss_output", plan + " output is value " + num(output) + "; expected the loss, a FLOAT[] the delegate returns");
     // plan_input_names: each plan input feeds a delegate input, once; hparams is float32[5]
     std::map<int32_t, std::string> graph_inputs;
