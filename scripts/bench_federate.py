@@ -85,8 +85,8 @@ def _device_name() -> str:
 
 def run(args: argparse.Namespace) -> int:
     from vktrain.cli import main as vktrain_main
-    from vktrain.runtime.program.pte import PteFile
-    from vktrain.runtime.program.runner import verify_training_program
+    from vktrain.serialization.pte import PteFile
+    from vktrain.runtime.program.interpreter import verify_training_program
 
     engine = _engine(args.engine)
     graph = verify_training_program(PteFile.load(args.pte), verify_constants=False).graph

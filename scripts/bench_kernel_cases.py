@@ -178,7 +178,7 @@ def _tuning_of(overrides: dict) -> dict:
 def _mm_cases(preset: str, rng) -> list[Case]:
     """aten.mm as the LoRA step runs it: operands that are transposed weights or activations are strided
     views read in place (kernels/matmul.py)."""
-    from vktrain.runtime.delegate.kernels.layout import StridedView
+    from vktrain.serialization.strided_view import StridedView
 
     T, D, r, V = SMOLLM2_TOKENS, 576, 8, 49152
     if preset == "quick":
@@ -327,7 +327,8 @@ def _elementwise_cases(quick: bool, rng) -> list[Case]:
     from dataclasses import replace
 
     from vktrain.runtime.delegate.kernels.elementwise import plan_binary
-    from vktrain.runtime.delegate.kernels.layout import StridedView, elementwise_groups
+    from vktrain.serialization.strided_view import StridedView
+    from vktrain.runtime.delegate.kernels.layout import elementwise_groups
 
     cases = []
     for rows, cols in (((64, 260),) if quick else ((2048, 2048), (2048, 8192))):

@@ -194,7 +194,7 @@ def export_configs(preset: str, shapes: list[tuple[int, int]], out_dir: Path, mi
     from vktrain.backend import metadata_spec, synthetic_constants_spec
     from vktrain.export import export_training_step, lower_to_pte
     from vktrain.partitioner import VktrainPartitioner
-    from vktrain.runtime.program.pte import PteFile
+    from vktrain.serialization.pte import PteFile
     from vktrain.serialization import deserialize_blob
 
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -100,5 +100,5 @@ def test_runner_runs_a_pte_where_torch_and_executorch_cannot_be_imported(exporte
 
 def test_host_side_file_formats_do_not_load_the_vulkan_loader():
     """vktrain.lora reads PEFT files through vktrain.train.adapters: that must not need a Vulkan driver."""
-    assert_import_loads_none(["vktrain.lora", "vktrain.train.adapters", "vktrain.runtime.program.pte"],
+    assert_import_loads_none(["vktrain.lora", "vktrain.train.adapters", "vktrain.serialization.pte"],
                              forbidden=["vulkan", "vktrain.runtime.vk.device"], timeout=120)

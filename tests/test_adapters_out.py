@@ -23,7 +23,8 @@ from vktrain.lora import LoRAConfig, apply_lora, load_adapters as load_adapters_
 from vktrain.models import load
 from vktrain.models.gguf_import import unpermute_rows
 from vktrain.quant import dequantize, quantize
-from vktrain.train.adapters import AdapterError, ProgramAdapters, load_adapter_config, load_adapters
+from vktrain.serialization.peft_adapters import AdapterError, load_adapter_config, load_adapters
+from vktrain.train.adapters import ProgramAdapters
 from vktrain.train.checkpoint import load_checkpoint, save_checkpoint
 from vktrain.train.gguf_adapter import check_gguf_adapter_program, gguf_tensor_name
 from vktrain.train.lr_schedule import LRSchedule

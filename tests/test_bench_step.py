@@ -34,7 +34,7 @@ def bench():
 
 
 def test_quick_export_and_run_end_to_end(tmp_path):
-    from vktrain.runtime.program.pte import PteFile, Tensor
+    from vktrain.serialization.pte import PteFile, Tensor
     from vktrain.runtime_shaders.build import all_shader_names
 
     env = dict(os.environ, PYTHONUNBUFFERED="1")

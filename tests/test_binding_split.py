@@ -33,7 +33,8 @@ import torch
 from vktrain.runtime import Buffer, run_dispatches
 from vktrain.runtime.delegate.kernels.gemm_tuning import CPU_TUNING, GPU_TUNING, runs_cpu_bodies
 from vktrain.quant.q8_0 import Q8_0_BLOCK_VALUES
-from vktrain.runtime.delegate.kernels.layout import BindingLimit, KernelArgumentError, StridedView
+from vktrain.runtime.delegate.kernels.layout import BindingLimit
+from vktrain.serialization.strided_view import KernelArgumentError, StridedView
 from vktrain.runtime.delegate.kernels.cross_entropy import plan_fused_ce
 from vktrain.runtime.delegate.kernels.embedding import plan_embedding
 from vktrain.runtime.delegate.kernels.matmul import plan_gemm, window_scratch_nbytes

@@ -1,5 +1,5 @@
 """The command line's contract: every bad input or environmental failure ends in ONE line
-`vktrain <cmd>: error: ...` and exit 2, Ctrl-C in 130 without a traceback, an internal bug in one line
+`vktrain <cmd>: error: ...` and exit 2, Ctrl-C in 130 (SIGTERM 143) without a traceback, an internal bug in one line
 saying how to see the traceback; every `vktrain train` argument and output path is checked before the
 program is even loaded; Vulkan validation messages are shown; success is quiet."""
 from __future__ import annotations
@@ -104,7 +104,7 @@ def test_an_8_byte_file_is_a_clean_error_in_train_and_inspect(tmp_path, capsys):
     assert code == 2 and err.startswith(f"vktrain train: error: {bad} has no execution plan 'forward'")
     assert err.count("\n") == 1
     code, _, err = run_cli(capsys, "inspect", bad)
-    assert code == 2 and err == "vktrain inspect: error: expected a .pte with one method, found 0 ([])\n"
+    assert code == 2 and err == f"vktrain inspect: error: {bad}: expected a .pte with one method, found 0 ([])\n"
 
 
 def test_a_malformed_model_arg_is_a_clean_error(tmp_path, capsys):
@@ -133,7 +133,7 @@ def test_an_internal_error_is_one_line_that_says_how_to_get_the_traceback(progra
     (MemoryError(), "vktrain train: error: out of host memory\n"),
     (VulkanError("vkAllocateMemory", -2, "VK_ERROR_OUT_OF_DEVICE_MEMORY"),
      "vktrain train: error: vkAllocateMemory failed with VK_ERROR_OUT_OF_DEVICE_MEMORY (-2)\n"),
-    (KeyboardInterrupt(), ""),  # Ctrl-C while loading: exit 130, nothing printed
+    (KeyboardInterrupt(), "\nvktrain train: interrupted (SIGINT)\n"),  # Ctrl-C while loading: exit 130, one line
 ])
 def test_environmental_failures_while_loading(program, capsys, failure, message):
     pte, data, made, behaviour = program

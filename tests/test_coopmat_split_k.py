@@ -35,7 +35,7 @@ from vktrain.runtime.delegate.kernels.coopmat_tiling import (
     split_k_scratch_nbytes,
     split_slice_length,
 )
-from vktrain.runtime.delegate.kernels.layout import KernelArgumentError
+from vktrain.serialization.strided_view import KernelArgumentError
 from vktrain.runtime.delegate.kernels.linear import prepack_weights
 from vktrain.runtime.vk.schedule import pack_push
 

@@ -24,7 +24,8 @@ from vktrain.runtime import Buffer, run_dispatches
 from vktrain.runtime.vk.schedule import BufferBinding
 from vktrain.runtime.delegate.kernels.elementwise import plan_binary, plan_unary
 from vktrain.runtime.delegate.kernels.elementwise_windows import element_windows, operand_span
-from vktrain.runtime.delegate.kernels.layout import BindingLimit, KernelArgumentError, StridedView
+from vktrain.runtime.delegate.kernels.layout import BindingLimit
+from vktrain.serialization.strided_view import KernelArgumentError, StridedView
 
 LIMIT = BindingLimit(4096, 256)  # 1024 floats per binding: the shapes below split into several windows
 

@@ -24,9 +24,9 @@ from vktrain.quant import dequantize, pack_flat, padded_k, quantize, unpack_flat
 from vktrain.quant.etvk import EtvkLayoutError, flat_from_etvk  # noqa: E402
 from vktrain.runtime.delegate.executor import GraphExecutor  # noqa: E402
 from vktrain.runtime.delegate.op_lowering import supported_ops as runtime_ops  # noqa: E402
-from vktrain.runtime.program.pte import PteFile  # noqa: E402
+from vktrain.serialization.pte import PteFile  # noqa: E402
 from vktrain.runtime.program.summary import summarize_pte  # noqa: E402
-from vktrain.runtime.program.verify import load_delegate_graph  # noqa: E402
+from vktrain.serialization.verify import load_delegate_graph  # noqa: E402
 
 et = torch.ops.et_vk
 

@@ -30,9 +30,9 @@ from vktrain.export.etvk import lower_etvk_program, map_etvk_calls  # noqa: E402
 from vktrain.partitioner.etvk_ops import ADAMW_STEP  # noqa: E402
 from vktrain.partitioner.op_registry import first_refusal  # noqa: E402
 from vktrain.runtime.delegate.executor import GraphExecutor  # noqa: E402
-from vktrain.runtime.program.pte import PteFile  # noqa: E402
+from vktrain.serialization.pte import PteFile  # noqa: E402
 from vktrain.runtime.program.summary import summarize_pte  # noqa: E402
-from vktrain.runtime.program.verify import load_delegate_graph  # noqa: E402
+from vktrain.serialization.verify import load_delegate_graph  # noqa: E402
 
 
 def _eager(model: EtvkLoraLM, batches) -> tuple[list[float], dict[str, np.ndarray]]:

@@ -17,14 +17,15 @@ from vktrain.export import (export_eval_step, export_training_and_eval_steps, ex
                             lower_to_pte)
 from vktrain.lora import LoRAConfig, apply_lora, lora_modules
 from vktrain.models import build_model
-from vktrain.runtime.program.pte import PteFile
+from vktrain.serialization.pte import PteFile
 from vktrain.runtime.program.runner import TrainingRunner, UnsupportedProgramError
 from vktrain.runtime.program.summary import summarize_pte
 from vktrain.serialization import graph as vk
 from vktrain.serialization.blob import BlobFormatError, deserialize_blob, named_constants, serialize_blob
 from vktrain.train.adapters import adapters_from_state, save_adapters
 from vktrain.train.data import IGNORED_LABEL, TrainingData
-from vktrain.train.eval_command import adapter_state, eval_batches, evaluate_data, load_adapter_state
+from vktrain.train.eval_command import adapter_state, load_adapter_state
+from vktrain.train.held_out import eval_batches, evaluate_data
 
 BATCH = (2, 16)
 VOCAB = 2048  # a large embedding, so constants dominate the .pte (the one-copy test needs them to)
@@ -236,8 +237,13 @@ def test_named_constants_need_the_named_data_they_name():
         deserialize_blob(blob, named_data={key: memoryview(bytes(corrupt))})
 
 
-def test_train_records_the_held_out_loss_of_the_adapters_it_writes(two_method_pte, tmp_path, capsys):
+def test_train_records_the_held_out_loss_of_the_adapters_it_writes(two_method_pte, tmp_path, capsys, monkeypatch):
     from vktrain import cli
+    from vktrain.train.plot import loss_series
+    from vktrain.train import held_out
+
+    made, real_batches = [], held_out.eval_batches
+    monkeypatch.setattr(held_out, "eval_batches", lambda *args: made.append(args) or real_batches(*args))
 
     train_data, held_out = tmp_path / "train.npy", tmp_path / "held_out.npy"
     np.save(train_data, np.random.default_rng(3).integers(0, VOCAB, 200))
@@ -247,10 +253,15 @@ def test_train_records_the_held_out_loss_of_the_adapters_it_writes(two_method_pt
                      str(held_out), "--eval-every", "2", "--json", str(records), "--no-progress",
                      "--out-adapters", str(tmp_path / "adapters"), "--lora-alpha", str(LORA_ALPHA)])
     assert code == 0, capsys.readouterr().err
-    steps = json.loads(records.read_text())
+    assert len(made) == 1  # the held-out batches, made once for the three evals (before, step 2, step 3)
+    log = json.loads(records.read_text())
+    assert log[0].keys() == {"step", "eval_loss"} and log[0]["step"] == 0  # the loss before training leads
+    steps = log[1:]
     assert ["eval_loss" in record for record in steps] == [False, True, True]  # step 2, and the last step
+    assert loss_series(log)["held-out loss"][0] == [0, 2, 3]  # what --plot draws: step 0 included
     with TrainingRunner.from_pte(two_method_pte) as fresh:
         before = evaluate_data(fresh, TrainingData(HELD_OUT))["loss"]
+        assert log[0]["eval_loss"] == before
         load_adapter_state(fresh, adapter_state(tmp_path / "adapters", list(fresh.lora_state()), LORA_ALPHA))
         assert evaluate_data(fresh, TrainingData(HELD_OUT))["loss"] == steps[-1]["eval_loss"]
     assert f"eval before training: loss {before:.6f}" in capsys.readouterr().out

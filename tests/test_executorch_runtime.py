@@ -50,7 +50,7 @@ def _export(path, named_data_min_bytes):
 @pytest.fixture(scope="module", params=[None, 256], ids=["blob-constants", "named-data-constants"])
 def step_pte(request, tmp_path_factory):
     path = _export(tmp_path_factory.mktemp("pte") / "step.pte", request.param)
-    from vktrain.runtime.program.pte import PteFile
+    from vktrain.serialization.pte import PteFile
 
     assert bool(PteFile.load(path).named_data) == (request.param is not None)
     return path
@@ -140,7 +140,7 @@ def test_readme_snippet_runs_in_a_fresh_process_and_exits_cleanly(request, vk_de
 
 def _corrupt_graph(pte_bytes: bytes) -> bytes:
     """The .pte with one byte of its delegate's graph flatbuffer flipped (the blob's checksum catches it)."""
-    from vktrain.runtime.program.pte import PteFile
+    from vktrain.serialization.pte import PteFile
     from vktrain.serialization.blob_header import BlobHeader
 
     blob = bytes(PteFile.from_bytes(pte_bytes).execution_plan("forward").delegates[0].data)

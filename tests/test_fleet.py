@@ -158,7 +158,7 @@ def test_ffa_lora_sends_and_averages_lora_b_alone(setup, vk_device, tmp_path):
     from vktrain.fleet.client import trained_names
     from vktrain.fleet.command import write_adapters
     from vktrain.runtime.program.runner import TrainingRunner
-    from vktrain.train.adapters import load_adapters
+    from vktrain.serialization.peft_adapters import load_adapters
 
     ffa = _sequential_federation(setup.ffa, (setup.train,) * 2, vk_device, strategy="ffa", rounds=2, local_steps=1)
     fedavg = _sequential_federation(setup.full, (setup.train,) * 2, vk_device, strategy="fedavg", rounds=1,
@@ -193,20 +193,24 @@ def test_ffa_lora_sends_and_averages_lora_b_alone(setup, vk_device, tmp_path):
         _sequential_federation(setup.full, (setup.train,), vk_device, strategy="ffa", rounds=1, local_steps=1)
 
 
-def test_ray_simulation_tolerates_a_failing_client_and_its_checkpoint_resumes_exactly(setup, tmp_path):
+def test_ray_simulation_tolerates_a_failing_client_and_its_checkpoint_resumes_exactly(setup, tmp_path, capfd):
     """`vktrain federate` through Flower's Ray simulation, 4 clients x 3 rounds: the global held-out loss
-    falls; client 1 fails mid-round 2 and the round goes on with the other three; the server checkpoint
-    of round 2 (written by a sequential run of the same federation) resumed to round 3 gives the Ray
-    run's round-3 adapters bit for bit."""
+    falls; client 1 fails mid-round 2 and the round goes on with the other three, its reason printed on
+    the round's line, without Flower's and Ray's colour-coded warnings and tracebacks (--verbose shows
+    them); the server checkpoint of round 2 (written by a sequential run of the same federation) resumed
+    to round 3 gives the Ray run's round-3 adapters bit for bit."""
     from vktrain.cli import main
     from vktrain.fleet.checkpoint import load_federation_checkpoint
-    from vktrain.train.adapters import load_adapters
+    from vktrain.serialization.peft_adapters import load_adapters
 
     common = [setup.full, "--clients", "4", "--local-steps", "3", "--data", setup.train, "--eval-data", setup.heldout,
               "--lr", str(LR), "--inject-failure", "1:2", "--fraction-evaluate", "0.5"]
     ray_dir, json_path = tmp_path / "ray", tmp_path / "rounds.json"
     assert main(["federate", *common, "--rounds", "3", "--checkpoint", str(ray_dir), "--json", str(json_path),
                  "--ray-cpus", "2", "--out-adapters", str(tmp_path / "adapters")]) == 0
+    out, err = capfd.readouterr()
+    assert "\x1b[" not in out + err and "WARNING" not in err and "Traceback" not in err, err
+    assert "1 failed (client 1: failure injected in round 2 after 1 local step)" in err
     records = json.loads(json_path.read_text())["rounds"]
     assert [r["round"] for r in records] == [0, 1, 2, 3]
     losses = [r["global_eval_loss"] for r in records]

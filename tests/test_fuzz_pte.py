@@ -15,11 +15,12 @@ import pytest
 
 from vktrain.errors import VktrainError
 from vktrain.runtime.program import fuzz
-from vktrain.runtime.program.pte import MissingMethodError, PteFile, PteFormatError
-from vktrain.runtime.program.pte_schema.executorch_flatbuffer.Program import Program as FbProgram
-from vktrain.runtime.program.pte_schema.executorch_flatbuffer.Tensor import Tensor as FbPteTensor
-from vktrain.runtime.program.runner import ProgramInterpreter, TrainingRunner, verify_training_program
-from vktrain.runtime.program.verify import VerificationError, check_device_memory, check_op_shapes
+from vktrain.serialization.pte import MissingMethodError, PteFile, PteFormatError
+from vktrain.serialization.pte_schema.executorch_flatbuffer.Program import Program as FbProgram
+from vktrain.serialization.pte_schema.executorch_flatbuffer.Tensor import Tensor as FbPteTensor
+from vktrain.runtime.program.interpreter import ProgramInterpreter, verify_training_program
+from vktrain.runtime.program.runner import TrainingRunner
+from vktrain.serialization.verify import VerificationError, check_device_memory, check_op_shapes
 from vktrain.serialization import BlobFormatError
 from vktrain.serialization import graph as g
 from vktrain.serialization.flatbuffer_reading import union_as
@@ -301,7 +302,7 @@ def test_the_loaders_re_infer_every_op_from_the_op_definitions(exported):
 
     import inspect
 
-    from vktrain.runtime.program.verify import infer_from_op_definitions, load_delegate_graph
+    from vktrain.serialization.verify import infer_from_op_definitions, load_delegate_graph
 
     default = inspect.signature(load_delegate_graph).parameters["infer_op_shapes"].default
     assert default is infer_from_op_definitions

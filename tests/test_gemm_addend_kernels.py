@@ -24,7 +24,7 @@ from vktrain.runtime.delegate.kernels.coopmat import (
 )
 from vktrain.runtime.delegate.kernels.coopmat_tiling import ADDEND_TILINGS, TILING_BY_NAME
 from vktrain.runtime.delegate.kernels.gemm_tuning import CPU_TUNING, GPU_TUNING
-from vktrain.runtime.delegate.kernels.layout import StridedView
+from vktrain.serialization.strided_view import StridedView
 from vktrain.runtime.delegate.kernels.matmul import plan_gemm, split_k_scratch_nbytes
 from vktrain.runtime_shaders.build import all_shader_names
 

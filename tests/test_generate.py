@@ -426,4 +426,6 @@ def test_positions_past_the_cache_are_refused(generation, vk_device):
                   "--cache-length", str(CACHE_LENGTH), "--program-cache", str(generation["root"] / "programs"),
                   "--adapters", str(generation["root"] / "adapters"), "--prefill-length", str(PREFILL_LENGTH))
     assert result.returncode == 2
-    assert "vktrain generate: error: 2 prompt tokens + 100 new tokens need 102 cache positions" in result.stderr
+    assert ("vktrain generate: error: 2 prompt tokens + --max-new-tokens 100 need 102 KV-cache positions; "
+            "--cache-length is 32: the model's max_seq_len is 64: pass at most --max-new-tokens 62 with "
+            "--cache-length 64") in result.stderr

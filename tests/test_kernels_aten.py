@@ -29,13 +29,8 @@ from vktrain.runtime.delegate.kernels import get_kernel
 from vktrain.runtime.delegate.kernels.copies import is_alias_view
 from vktrain.runtime.delegate.kernels.elementwise import plan_binary, plan_unary
 from vktrain.runtime.delegate.kernels.embedding import plan_embedding_dense_backward
-from vktrain.runtime.delegate.kernels.layout import (
-    KernelArgumentError,
-    StridedView,
-    broadcast_shapes,
-    coalesce_dims,
-    plan_strided_copy,
-)
+from vktrain.serialization.strided_view import KernelArgumentError, StridedView
+from vktrain.runtime.delegate.kernels.layout import broadcast_shapes, coalesce_dims, plan_strided_copy
 from vktrain.runtime.delegate.kernels.gemm_tuning import CPU_TUNING, runs_cpu_bodies
 from vktrain.runtime.delegate.kernels.matmul import (
     CPU_LANES,

@@ -27,7 +27,7 @@ import vktrain.ops  # noqa: F401  (registers torch.ops.vktrain)
 from vktrain import quant
 from vktrain.runtime import Buffer, BufferBinding, Program
 from vktrain.runtime.delegate.kernels import cross_entropy, optimizer, requant
-from vktrain.runtime.delegate.kernels.layout import KernelArgumentError
+from vktrain.serialization.strided_view import KernelArgumentError
 from vktrain.runtime.delegate.kernels.registry import KERNELS
 
 

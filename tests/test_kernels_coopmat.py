@@ -60,7 +60,7 @@ from vktrain.runtime.delegate.kernels.coopmat_tiling import (
     default_tiling,
     emulated_loop_trips,
 )
-from vktrain.runtime.delegate.kernels.layout import KernelArgumentError
+from vktrain.serialization.strided_view import KernelArgumentError
 from vktrain.runtime.delegate.kernels.linear import prepack_weights
 from vktrain.runtime.vk.coopmat import EXTENSION_NAME, CooperativeMatrixShape, device_extensions, supports_shape
 from vktrain.runtime_shaders.build import all_shader_names

@@ -55,7 +55,7 @@ from vktrain.runtime.delegate.kernels.coopmat_attention import (
     shared_memory_nbytes,
     takes_tensor_cores,
 )
-from vktrain.runtime.delegate.kernels.layout import KernelArgumentError
+from vktrain.serialization.strided_view import KernelArgumentError
 from vktrain.runtime.vk.coopmat import CooperativeMatrixShape
 from vktrain.runtime_shaders.build import all_shader_names
 

@@ -33,7 +33,7 @@ import vktrain.ops  # noqa: F401  (registers torch.ops.vktrain)
 from vktrain.runtime import Buffer, Program
 from vktrain.runtime.delegate.kernels import attention, norm, rotary, swiglu
 from vktrain.runtime.delegate.kernels.attention import AttentionTiles
-from vktrain.runtime.delegate.kernels.layout import KernelArgumentError
+from vktrain.serialization.strided_view import KernelArgumentError
 from vktrain.runtime.delegate.kernels.registry import KERNELS
 
 OPS = torch.ops.vktrain

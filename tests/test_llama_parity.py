@@ -28,7 +28,7 @@ from vktrain.lora import LoRAConfig, apply_lora
 from vktrain.models import build_model
 from vktrain.runtime.delegate.kernels import attention, norm
 from vktrain.runtime.delegate.op_lowering import GraphLoweringError, OpContext, TensorArg, lowering_for
-from vktrain.runtime.program.pte import PteFile
+from vktrain.serialization.pte import PteFile
 from vktrain.runtime.program.runner import TrainingRunner
 from vktrain.runtime.vk.schedule import BufferBinding
 from vktrain.train.command import add_train_arguments, run_train

@@ -12,13 +12,14 @@ import torch
 from torch import nn
 
 from test_ops import random_q4gsw
-from vktrain.backend.passes.lora_linear import LORA_LINEAR_BACKWARD, expand_lora_linears
+from vktrain.opdefs.runtime_ops import LORA_LINEAR_BACKWARD
+from vktrain.backend.passes.lora_linear import expand_lora_linears
 from vktrain.export import export_training_step, lower_to_pte
 from vktrain.lora import LoRAConfig, LoRAQ4Linear, apply_lora
 from vktrain.models import build_model
 from vktrain.opdefs import TensorMeta, infer_outputs
 from vktrain.quant import padded_k
-from vktrain.runtime.program.pte import PteFile
+from vktrain.serialization.pte import PteFile
 from vktrain.serialization import graph as vk
 from vktrain.serialization.blob import deserialize_blob
 

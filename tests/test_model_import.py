@@ -452,8 +452,8 @@ def test_imported_gguf_forward_on_the_vulkan_device_matches_eager(vk_device, tmp
     qwen3: q/k norms over [B, S, H, D] and a head width of 32 (not dim / heads = 16)."""
     from vktrain.export import export_forward, lower_to_pte
     from vktrain.runtime.delegate.executor import GraphExecutor
-    from vktrain.runtime.program.pte import PteFile
-    from vktrain.runtime.program.runner import ProgramInterpreter
+    from vktrain.serialization.pte import PteFile
+    from vktrain.runtime.program.interpreter import ProgramInterpreter
     from vktrain.serialization import deserialize_blob
 
     extra = {"head_dim": 32} if arch == "qwen3" else {}

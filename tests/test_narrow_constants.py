@@ -324,7 +324,7 @@ def test_tiny_llama_with_a_narrow_exact_embedding_gets_a_smaller_pte_that_trains
     from vktrain.models import build_model
     from vktrain.ops import adamw_hparams
     from vktrain.runtime.program.runner import TrainingRunner
-    from vktrain.runtime.program.pte import PteFile
+    from vktrain.serialization.pte import PteFile
 
     model = build_model("tiny-llama")
     apply_lora(model, LoRAConfig(rank=4, alpha=8.0, group_size=32, seed=0))

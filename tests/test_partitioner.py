@@ -77,7 +77,7 @@ def test_registry_accepts_only_ops_the_runtime_executes():
     """Every op the partitioner may delegate has a lowering and a kernel in the runtime (getitem is no
     graph op: preprocess resolves it; the LoRA-linear ops are written out by a backend pass, so no blob
     holds them), so a delegate never fails at load with "unsupported op"."""
-    from vktrain.backend.passes.lora_linear import EXPANDED_OPS
+    from vktrain.opdefs.runtime_ops import EXPANDED_OPS
     from vktrain.partitioner.op_registry import executed_op
     from vktrain.runtime.delegate import op_lowering
 
@@ -86,6 +86,16 @@ def test_registry_accepts_only_ops_the_runtime_executes():
     # An et_vk op runs as its vktrain op (vktrain/partitioner/etvk_ops.py): that one must be executable.
     missing = sorted(key for key in registered if executed_op(key) not in op_lowering.supported_ops())
     assert missing == [], f"registered in the partitioner but not executable by the runtime: {missing}"
+
+
+def test_the_runtime_ops_data_is_what_the_runtime_executes():
+    """vktrain.opdefs.runtime_ops (op support as data, what the partitioner and the verifier read without
+    importing the runtime) names exactly the ops the runtime's lowering table and kernel registry execute."""
+    from vktrain.opdefs.runtime_ops import EXPANDED_OPS, RUNTIME_OPS
+    from vktrain.runtime.delegate import op_lowering
+
+    assert sorted(RUNTIME_OPS) == op_lowering.supported_ops()
+    assert not EXPANDED_OPS & set(op_lowering.supported_ops())
 
 
 def test_registering_an_op_without_a_runtime_kernel_fails():

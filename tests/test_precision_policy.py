@@ -50,7 +50,7 @@ from vktrain.runtime.delegate.kernels.coopmat_tiling import (
     CoopmatTiling,
     emulated_loop_trips,
 )
-from vktrain.runtime.delegate.kernels.layout import StridedView
+from vktrain.serialization.strided_view import StridedView
 from vktrain.runtime.program.runner import TrainingRunner
 from vktrain.runtime.vk.coopmat import CooperativeMatrixShape
 from vktrain.train.command import add_train_arguments, run_train

@@ -1,4 +1,4 @@
-"""vktrain.runtime.program.pte reads .pte files produced by executorch exactly as executorch reads them back.
+"""vktrain.serialization.pte reads .pte files produced by executorch exactly as executorch reads them back.
 
 The reference is executorch's own `deserialize_pte_binary`; constant bytes are also checked against
 the exported module's parameters.
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from vktrain.errors import VktrainError
-from vktrain.runtime.program import pte
+from vktrain.serialization import pte
 
 executorch = pytest.importorskip("executorch")
 from executorch.exir import ExecutorchBackendConfig, to_edge, to_edge_transform_and_lower  # noqa: E402
@@ -302,7 +302,7 @@ def test_random_corruption_raises_only_pte_format_error(pte_files):
 
 
 def test_reader_never_imports_torch_or_executorch():
-    assert_import_loads_none(["vktrain.runtime.program.pte"], forbidden=["torch", "executorch"])
+    assert_import_loads_none(["vktrain.serialization.pte"], forbidden=["torch", "executorch"])
 
 
 # --- a vktrain blob carried through a real .pte ----------------------------------------------------

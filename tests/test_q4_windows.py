@@ -24,7 +24,8 @@ import vktrain.ops  # noqa: E402,F401  (registers torch.ops.vktrain.*)
 from vktrain.quant import dequantize, pack_w4x8, quantize  # noqa: E402
 from vktrain.runtime import Buffer, run_dispatches  # noqa: E402
 from vktrain.runtime.delegate.kernels.gemm_tuning import CPU_TUNING, GPU_TUNING, runs_cpu_bodies  # noqa: E402
-from vktrain.runtime.delegate.kernels.layout import BindingLimit, KernelArgumentError  # noqa: E402
+from vktrain.runtime.delegate.kernels.layout import BindingLimit  # noqa: E402
+from vktrain.serialization.strided_view import KernelArgumentError
 from vktrain.runtime.delegate.kernels.linear import (GemmPlacement, GemmTiles, gemm_push,  # noqa: E402
                                                      plan_linear_q4gsw, plan_linear_q4gsw_backward, prepack_weights,
                                                      weights_nbytes)

@@ -15,12 +15,12 @@ import pytest
 from vktrain.backend import passes
 from vktrain.backend.passes.q8_0_weights import EMBEDDING_Q8_0, LINEAR_Q8_0, LINEAR_Q8_0_BACKWARD, hold_q8_0_weights
 from vktrain.runtime import Buffer, run_dispatches
-from vktrain.runtime.program.verify import device_buffer_requests
+from vktrain.serialization.verify import device_buffer_requests
 from vktrain.serialization import deserialize_blob, serialize_blob
 from vktrain.serialization import graph as vk
 from vktrain.quant.q8_0 import GGUF_Q8_0_BLOCK, dequantize_q8_0, q8_0_device_arrays
 from vktrain.runtime.delegate.kernels.gemm_tuning import CPU_TUNING, GPU_TUNING, runs_cpu_bodies
-from vktrain.runtime.delegate.kernels.layout import KernelArgumentError, StridedView
+from vktrain.serialization.strided_view import KernelArgumentError, StridedView
 from vktrain.runtime.delegate.kernels.matmul import gemm_scratch_nbytes, plan_gemm
 from vktrain.runtime.delegate.kernels.q8_0 import plan_embedding_q8_0, plan_linear_q8_0, plan_linear_q8_0_backward
 
@@ -236,7 +236,7 @@ def test_tiny_llama_with_a_tied_q8_0_embedding_trains_as_the_float32_resident_ro
     from vktrain.models import build_model
     from vktrain.ops import adamw_hparams
     from vktrain.runtime.delegate.executor import ExecutorInputError
-    from vktrain.runtime.program.pte import PteFile
+    from vktrain.serialization.pte import PteFile
     from vktrain.runtime.program.runner import TrainingRunner
 
     model = build_model("tiny-llama")  # tied head: lm_head.weight is model.embed_tokens.weight

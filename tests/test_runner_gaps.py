@@ -24,12 +24,12 @@ from _etvk_lm import BATCH, LR, EtvkLoraLM, Float64Ops, training_batches  # noqa
 from _helpers import LOSS_RTOL  # noqa: E402
 from vktrain.export.etvk import lower_etvk_program  # noqa: E402
 from vktrain.runtime.delegate.executor import ExecutorInputError, GraphExecutor  # noqa: E402
-from vktrain.runtime.program.pte import PteFile  # noqa: E402
+from vktrain.serialization.pte import PteFile  # noqa: E402
 from vktrain.runtime.program.runner import TrainingRunner  # noqa: E402
-from vktrain.runtime.program.verify import load_delegate_graph  # noqa: E402
+from vktrain.serialization.verify import load_delegate_graph  # noqa: E402
 from vktrain.contract import MODEL_PREFIX  # noqa: E402
-from vktrain.train.adapters import (AdapterError, ProgramAdapters, frozen_lora_tensors, load_adapters, peft_name,  # noqa: E402
-                                    read_program_graph, save_adapters)
+from vktrain.serialization.peft_adapters import AdapterError, load_adapters, peft_name
+from vktrain.train.adapters import ProgramAdapters, frozen_lora_tensors, read_program_graph, save_adapters
 from vktrain.train.command import add_train_arguments, run_train  # noqa: E402
 from vktrain.train.eval_command import add_eval_arguments, run_eval  # noqa: E402
 from vktrain.train.merge import merged_state_dict  # noqa: E402

@@ -16,8 +16,9 @@ from vktrain.export import example_training_inputs, export_training_step, lower_
 from vktrain.lora import LoRAConfig, apply_lora
 from vktrain.models import build_model
 from vktrain.runtime.delegate.executor import ExecutorInputError
-from vktrain.runtime.program.pte import PteFile
-from vktrain.runtime.program.runner import ProgramInterpreter, TrainingRunner, UnsupportedProgramError
+from vktrain.serialization.pte import PteFile
+from vktrain.runtime.program.interpreter import ProgramInterpreter
+from vktrain.runtime.program.runner import TrainingRunner, UnsupportedProgramError
 
 from _helpers import (assert_training_matches_reference, eager_float64_and_float32_training,
                       export_mlp_lora_training_step, runner_losses)

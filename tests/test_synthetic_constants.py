@@ -276,7 +276,7 @@ def mlp_step_graphs():
     from vktrain.lora import LoRAConfig, apply_lora
     from vktrain.models import build_model
     from vktrain.partitioner import VktrainPartitioner
-    from vktrain.runtime.program.pte import PteFile
+    from vktrain.serialization.pte import PteFile
 
     model = build_model("mlp-lora", dim=32, hidden=64, vocab_size=64, n_layers=2)
     apply_lora(model, LoRAConfig(rank=4, alpha=8.0, targets="layers.*", group_size=32, seed=0))

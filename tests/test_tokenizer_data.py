@@ -1,4 +1,4 @@
-"""The runtime's tokenizer (vktrain.train.tokenizer) and text / chat data (vktrain.train.data) against
+"""The runtime's tokenizer (vktrain.serialization.tokenizer) and text / chat data (vktrain.train.data) against
 transformers: a GGUF-vocabulary tokenizer and a Hugging Face tokenizer.json encode token for token as
 transformers' own tokenizers from the same files, chats render and tokenize as apply_chat_template, only
 assistant tokens get labels, and a .pte exported from a Hugging Face directory carries its tokenizer so
@@ -15,7 +15,7 @@ from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, 
 
 from vktrain.contract import NAMED_DATA_TOKENIZER_CONFIG, NAMED_DATA_TOKENIZER_JSON
 from vktrain.train.data import DataError, TokenBatcher, load_data
-from vktrain.train.tokenizer import ModelTokenizer, TokenizerError
+from vktrain.serialization.tokenizer import ModelTokenizer, TokenizerError
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 USER_DEFINED = "<think>"  # an added token that is not special (GGUF token type 4)
@@ -286,10 +286,10 @@ def test_bad_rows_and_missing_tokenizer_are_refused(tmp_path, bpe):
         rows.write_text(line, encoding="utf-8")
         with pytest.raises(DataError, match=message):
             load_data(rows, 400, ours)
-    rows.write_text(json.dumps({"text": "x"}), encoding="utf-8")
-    with pytest.raises(DataError, match="JSONL data is tokenized with the model's tokenizer, but this program "
-                                        "carries none"):
-        load_data(rows, 256, None)
+    rows.write_text(json.dumps({"messages": CHAT}), encoding="utf-8")
+    with pytest.raises(DataError, match="rendered with the model's chat template, but this program carries no "
+                                        "tokenizer"):
+        load_data(rows, 256, None)  # without a tokenizer only {"text"} rows are read, as bytes
     no_template = ModelTokenizer(ours.backend, ours.special_tokens, None, source="step.pte")
     rows.write_text(json.dumps({"messages": CHAT}), encoding="utf-8")
     with pytest.raises(DataError, match="step.pte has no chat template"):
@@ -316,7 +316,7 @@ def test_pte_exported_from_a_hf_directory_carries_its_tokenizer_and_trains_on_te
     from vktrain.export import export_training_step, lower_to_pte
     from vktrain.lora import LoRAConfig, apply_lora
     from vktrain.models import load
-    from vktrain.runtime.program.pte import PteFile
+    from vktrain.serialization.pte import PteFile
     from vktrain.train.command import add_train_arguments, run_train
 
     directory = tmp_path / "model"

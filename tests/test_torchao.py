@@ -27,9 +27,9 @@ from vktrain.lora.torchao_weights import torchao_q4gsw  # noqa: E402
 from vktrain.models import build_model  # noqa: E402
 from vktrain.partitioner import VktrainPartitioner  # noqa: E402
 from vktrain.quant import dequantize, quantize, requant, unpack_flat, unpack_w4x8  # noqa: E402
-from vktrain.runtime.program.pte import DelegateCall, PteFile  # noqa: E402
+from vktrain.serialization.pte import DelegateCall, PteFile  # noqa: E402
 from vktrain.runtime.program.runner import TrainingRunner  # noqa: E402
-from vktrain.runtime.program.verify import load_delegate_graph  # noqa: E402
+from vktrain.serialization.verify import load_delegate_graph  # noqa: E402
 
 from _helpers import (TrainingReference, assert_training_matches_reference, eager_lora_adamw_training,  # noqa: E402
                       readme_snippet, runner_losses)

@@ -37,8 +37,8 @@ from vktrain.models import build_model  # noqa: E402
 from vktrain.partitioner import VktrainPartitioner  # noqa: E402
 from vktrain.quant import unpack_flat, unpack_w4x8  # noqa: E402
 from vktrain.runtime.delegate.executor import GraphExecutor  # noqa: E402
-from vktrain.runtime.program.pte import DelegateCall, PteFile  # noqa: E402
-from vktrain.runtime.program.verify import load_delegate_graph  # noqa: E402
+from vktrain.serialization.pte import DelegateCall, PteFile  # noqa: E402
+from vktrain.serialization.verify import load_delegate_graph  # noqa: E402
 
 from _helpers import LOSS_RTOL, _cast_floating  # noqa: E402
 

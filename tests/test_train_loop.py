@@ -8,6 +8,7 @@ import errno
 import json
 import math
 import os
+import threading
 import re
 import struct
 
@@ -33,6 +34,7 @@ from vktrain.train.train_loop import (
     NonFiniteLossError,
     TrainState,
     describe_program,
+    run_config,
     train,
 )
 
@@ -559,6 +561,72 @@ def test_hparams_are_fed_per_step_and_records_are_exact(tmp_path):
     assert records[-1]["loss"] < records[0]["loss"]  # the fake model learns
 
 
+def _safetensors_parts(path):
+    """(header, data bytes) of a safetensors file: its header's JSON is a hash map's (the order of its
+    keys varies between writes), the rest must match byte for byte."""
+    raw = path.read_bytes()
+    size = struct.unpack("<Q", raw[:8])[0]
+    return json.loads(raw[8:8 + size]), raw[8 + size:]
+
+
+def test_a_checkpoint_is_written_beside_the_next_steps_and_equals_a_synchronous_write(tmp_path, monkeypatch):
+    runner = FakeRunner()
+    schedule, batches = LRSchedule("constant", 5e-2, 6), _batcher(runner)
+    states, step5 = {}, threading.Event()
+
+    def after_step(step):
+        states[step] = {name: runner.read_state(name) for name in runner.state_names}
+        if step == 5:
+            step5.set()
+        return {}
+
+    real_save = ckpt.safetensors.numpy.save
+
+    def save_once_the_loop_is_at_step5(tensors, metadata):  # step 3's write can only end beside steps 4-5
+        assert threading.current_thread() is not threading.main_thread()
+        assert step5.wait(timeout=20), "the loop waited for the checkpoint write"
+        return real_save(tensors, metadata=metadata)
+
+    monkeypatch.setattr(ckpt.safetensors.numpy, "save", save_once_the_loop_is_at_step5)
+    path = tmp_path / "run.ckpt"
+    state = train(runner, batches, 6, schedule, OPTIMIZER, checkpoint_every=3, checkpoint_path=path,
+                  keep_checkpoints=2, program_sha256="ab" * 32, progress=False, after_step=after_step)
+    monkeypatch.undo()
+    assert state.last_checkpoint == (str(path), 6)
+    config = run_config(schedule, OPTIMIZER, batches)
+    for step, written in ((3, tmp_path / "run.step3.ckpt"), (6, path)):  # the state at that step, byte for byte
+        reference = tmp_path / f"reference{step}.ckpt"
+        ckpt.save_checkpoint(reference, ckpt.Checkpoint(step, step, "ab" * 32, batches.fingerprint, batches.seed,
+                                                        states[step], state.records[:step], config))
+        assert _safetensors_parts(written) == _safetensors_parts(reference)
+
+
+def test_a_failed_background_write_stops_the_run_and_keeps_the_last_good_checkpoint(tmp_path, monkeypatch):
+    real_write, checkpoints = ckpt.atomic_write_bytes, []
+
+    def disk_full_at_the_second_checkpoint(path, data):  # half of step 6's file is written, then the disk is full
+        def half_then_full(file):
+            file.write(data[:len(data) // 2])
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+        if path.name == "run.ckpt":
+            checkpoints.append(threading.current_thread())
+            if len(checkpoints) == 2:
+                return ckpt.atomic_write(path, half_then_full)
+        return real_write(path, data)
+
+    monkeypatch.setattr(ckpt, "atomic_write_bytes", disk_full_at_the_second_checkpoint)
+    runner, path, log = FakeRunner(), tmp_path / "run.ckpt", tmp_path / "log.json"
+    with pytest.raises(ckpt.OutputWriteError, match=f"cannot write {re.escape(str(path))}: No space left on device"):
+        train(runner, _batcher(runner), 12, LRSchedule("constant", 5e-2, 12), OPTIMIZER, checkpoint_every=3,
+              checkpoint_path=path, json_path=log, progress=False)
+    assert 6 <= len(runner.calls) <= 9  # stopped once the write had failed, by the next checkpoint at the latest
+    assert ckpt.load_checkpoint(path).step == 3  # the last good one, whole
+    assert sorted(os.listdir(tmp_path)) == ["log.json", "run.ckpt"]  # nothing half-written
+    assert len(json.loads(log.read_text())) == len(runner.calls)
+    assert threading.main_thread() not in checkpoints
+
+
 def test_resume_from_step_10_reproduces_steps_11_to_20_exactly(tmp_path):
     schedule = LRSchedule("cosine", 5e-2, 20, warmup_steps=4)
     uninterrupted = FakeRunner()
@@ -643,7 +711,11 @@ def test_a_non_finite_loss_keeps_the_state_before_the_update_that_caused_it(tmp_
 
 
 def test_a_full_disk_at_divergence_names_an_older_checkpoint(tmp_path, monkeypatch, capsys):
-    def no_space(fd):
+    real_fsync = os.fsync
+
+    def no_space(fd):  # on the loop's thread: step 6's checkpoint, written on the writer's, still lands
+        if threading.current_thread() is not threading.main_thread():
+            return real_fsync(fd)
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
     class DiskFillsAtStep7(FakeRunner):
@@ -707,7 +779,7 @@ def test_without_host_copies_a_non_finite_state_is_never_written(tmp_path):
     no_checkpoint = FakeRunner(nan_at_call=2)
     with pytest.raises(NonFiniteLossError, match="at step 2 .*no kept checkpoint is from before that"):
         train(no_checkpoint, _batcher(no_checkpoint), 5, schedule, progress=False)
-    with pytest.raises(ValueError, match="skipping non-finite batches needs a host copy"):
+    with pytest.raises(ValueError, match="skipping non-finite batches needs a copy of the state"):
         train(FakeRunner(), _batcher(no_checkpoint), 5, schedule, on_nonfinite="skip", last_good_state_limit=0,
               progress=False)
 
@@ -981,7 +1053,8 @@ def test_cli_errors_are_clear(tmp_path, fake_program, capsys, monkeypatch):
     options["crash_at_call"] = 6
     monkeypatch.setattr(FakeRunner, "crash_exception", KeyboardInterrupt)  # Ctrl-C during step 6
     code, err = error_of(pte, "--steps", 9, "--data", data, "--checkpoint-every", 2, "--checkpoint", tmp_path / "k")
-    assert code == 130 and "interrupted after step 5; the last checkpoint is" in err and "(step 4)" in err
+    assert code == 130 and "interrupted after step 5 (SIGINT, stopping at once); the last checkpoint is" in err
+    assert "(step 4); resume with: vktrain train " in err
 
 
 # ------------------------------------------------------------------------------------------------
@@ -1066,3 +1139,86 @@ def test_loss_plot_marks_the_held_out_loss(tmp_path):
     for path in (plain, marked):
         assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert plain.read_bytes() != marked.read_bytes()  # the held-out points (and their legend) are drawn
+
+
+class _Injecting:
+    """A TrainingRunner whose state gets a NaN written into it around one step (a divergence on demand); it
+    counts the state tensors read to the host."""
+
+    def __init__(self, runner, *, nan_after_call=None, nan_before_call=None):
+        self.runner, self.calls, self.reads = runner, 0, 0
+        self.nan_after_call, self.nan_before_call = nan_after_call, nan_before_call
+        self.batch_shape, self.vocab_size = runner.batch_shape, runner.vocab_size
+        self.state_names, self.state_guard, self.state_nbytes = runner.state_names, runner.state_guard, runner.state_nbytes
+
+    def _poison(self):
+        name = next(n for n in self.state_names if n.endswith("lora_B"))
+        self.runner.write_state(name, np.full_like(self.runner.read_state(name), np.nan))
+
+    def step(self, tokens, labels, hparams):
+        self.calls += 1
+        if self.calls == self.nan_before_call:
+            self._poison()
+        loss = self.runner.step(tokens, labels, hparams)
+        if self.calls == self.nan_after_call:
+            self._poison()
+        return loss
+
+    def read_state(self, name):
+        self.reads += 1
+        return self.runner.read_state(name)
+
+    def write_state(self, name, array):
+        self.runner.write_state(name, array)
+
+
+def test_on_the_gpu_the_loop_reads_no_state_per_step_and_undoes_non_finite_steps(vk_device, mlp_step_program, tmp_path):
+    from vktrain.runtime.program.runner import TrainingRunner
+
+    path, _, _ = mlp_step_program
+    schedule = LRSchedule("constant", 1e-2, 20)
+    with TrainingRunner.from_pte(path, vk_device) as runner:
+        def states_of_a_clean_run(steps):
+            runner.executor.reset_state()
+            train(runner, _batcher(runner), steps, schedule, progress=False)
+            return ckpt.capture_state(runner)
+
+        reference = {step: states_of_a_clean_run(step) for step in (4, 5)}
+        runner.executor.reset_state()
+        counted = _Injecting(runner)
+        state = train(counted, _batcher(counted), 6, schedule, progress=False)
+        assert state.step == 6 and counted.reads == 0  # no state crossed to the host: the copies stay on the device
+
+        # A finite loss whose update left NaN (step 6): S[5] is put back and written as the state to resume from.
+        runner.executor.reset_state()
+        nan_update = _Injecting(runner, nan_after_call=6)
+        with pytest.raises(NonFiniteLossError, match=r"state held NaN/inf after step 6 .*run\.step5\.ckpt \(step 5\)"):
+            train(nan_update, _batcher(nan_update), 10, schedule, checkpoint_path=tmp_path / "run.ckpt", progress=False)
+        _assert_state_equals(ckpt.load_checkpoint(tmp_path / "run.step5.ckpt").tensors, reference[5])
+        _assert_state_equals(ckpt.capture_state(runner), reference[5])
+
+        # A non-finite loss at step 6 (the state it ran on went bad): S[5] is put back, S[4] is the one to resume.
+        runner.executor.reset_state()
+        nan_loss = _Injecting(runner, nan_before_call=6)
+        with pytest.raises(NonFiniteLossError, match=r"loss became nan at step 6 .*run\.step4\.ckpt \(step 4\)"):
+            train(nan_loss, _batcher(nan_loss), 10, schedule, checkpoint_path=tmp_path / "run.ckpt", progress=False)
+        _assert_state_equals(ckpt.load_checkpoint(tmp_path / "run.step4.ckpt").tensors, reference[4])
+        _assert_state_equals(ckpt.capture_state(runner), reference[5])
+
+
+def test_on_the_gpu_a_skipped_batch_is_undone_as_if_never_seen(vk_device, mlp_step_program):
+    from vktrain.runtime.program.runner import TrainingRunner
+
+    path, _, _ = mlp_step_program
+    schedule = LRSchedule("constant", 1e-2, 8)
+    with TrainingRunner.from_pte(path, vk_device) as runner:
+        batches = _batcher(runner)
+        reference_state = train(runner, _SkippingBatcher(batches, [3]), 8, schedule, progress=False)
+        reference = ckpt.capture_state(runner)
+        runner.executor.reset_state()
+        poisoned = _Injecting(runner, nan_before_call=4)  # step 4's first batch (position 3) meets a NaN state
+        state = train(poisoned, batches, 8, schedule, on_nonfinite="skip", progress=False)
+        assert (state.step, state.data_position, state.records[3]["skipped"]) == (8, 9, [3])
+        _assert_state_equals(ckpt.capture_state(runner), reference)  # the NaN was undone on the device
+        assert _without_seconds([{k: v for k, v in r.items() if k != "skipped"} for r in state.records]) == \
+            _without_seconds(reference_state.records)

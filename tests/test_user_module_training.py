@@ -29,9 +29,9 @@ from vktrain.errors import VktrainError
 from vktrain.export import export_training_and_eval_steps, export_training_step, lower_methods_to_pte, lower_to_pte
 from vktrain.lora import LoRAConfig, apply_lora
 from vktrain.runtime.delegate.executor import ExecutorInputError
-from vktrain.runtime.program.pte import PteFile
-from vktrain.runtime.program.runner import (TrainingRunner, UnsupportedProgramError, check_hparams_input,
-                                           verify_training_program)
+from vktrain.serialization.pte import PteFile
+from vktrain.runtime.program.runner import TrainingRunner, UnsupportedProgramError
+from vktrain.runtime.program.interpreter import check_hparams_input, verify_training_program
 from vktrain.train.checkpoint import load_checkpoint
 from vktrain.train.command import add_train_arguments, run_train
 from vktrain.train.data import DataError

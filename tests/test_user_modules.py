@@ -22,8 +22,8 @@ from vktrain.export.step_graph import StepInputError
 from vktrain.export.training import StepExportError
 from vktrain.lora import LoRAConfig, apply_lora
 from vktrain.runtime.delegate.executor import GraphExecutor
-from vktrain.runtime.program.pte import DelegateCall, PteFile
-from vktrain.runtime.program.verify import load_delegate_graph
+from vktrain.serialization.pte import DelegateCall, PteFile
+from vktrain.serialization.verify import load_delegate_graph
 
 from _helpers import LOSS_RTOL, TrainingReference, _cast_floating, assert_training_matches_reference, readme_snippet
 

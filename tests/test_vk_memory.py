@@ -203,7 +203,55 @@ def test_staging_buffers_share_blocks_and_round_trip(small_block_device):
     for buffer, expected in zip(buffers, data):
         np.testing.assert_array_equal(buffer.read(np.float32), expected)
     transient = device.memory_stats()
-    assert transient.buffers == len(buffers)  # the staging copies were freed again
+    assert transient.buffers == len(buffers) + 1  # the upload copies were freed; one download buffer is kept
+
+
+def test_reads_of_uncached_mapped_memory_go_through_a_staging_copy(small_block_device, monkeypatch):
+    # A discrete GPU's BAR memory is mapped but uncached: the CPU reads it at tens of MB/s, a DMA at PCIe speed.
+    from vktrain.runtime.vk import memory
+
+    device = small_block_device
+    data = np.arange(40_000, dtype=np.float32) * 0.5
+    cached, uncached = Buffer.from_array(device, data, staging=False), Buffer.from_array(device, data, staging=False)
+    assert cached._raw.host_cached  # lavapipe's memory is host memory
+    uncached._raw.host_cached = False  # as the H100's device-local, host-visible type
+    copies = []
+    real_one_shot = device.one_shot
+    monkeypatch.setattr(device, "one_shot", lambda record, **kw: copies.append(record) or real_one_shot(record, **kw))
+    np.testing.assert_array_equal(cached.read(np.float32), data)
+    assert copies == []  # read where it is mapped
+    np.testing.assert_array_equal(uncached.read(np.float32), data)
+    np.testing.assert_array_equal(uncached.read(np.float32, (3000,), offset=4 * 1000), data[1000:4000])
+    assert len(copies) == 2  # each through a copy into cached memory
+    small = memory.DIRECT_UNCACHED_READ_BYTES // 4
+    np.testing.assert_array_equal(uncached.read(np.float32, (small,), offset=8), data[2:2 + small])
+    assert len(copies) == 2  # a few words are read directly
+
+
+def test_downloads_reuse_one_staging_buffer_and_large_ones_free_theirs(small_block_device, monkeypatch):
+    from vktrain.runtime.vk import memory
+
+    device = small_block_device
+    data = [np.arange(n, dtype=np.float32) - 7 for n in (10, 20_000, 300)]
+    buffers = [Buffer.from_array(device, d, staging=True) for d in data]
+    created = []
+    real_init = memory._RawBuffer.__init__
+
+    def counted_init(raw, *args, **kwargs):
+        created.append(args[-1])  # what it is for
+        real_init(raw, *args, **kwargs)
+
+    monkeypatch.setattr(memory._RawBuffer, "__init__", counted_init)
+    buffers[1].read(np.float32)  # the largest first: the download buffer is made once, for it
+    live = device.memory_stats().buffers  # the inputs and the one download buffer
+    for _ in range(3):
+        for buffer, expected in zip(buffers, data):
+            np.testing.assert_array_equal(buffer.read(np.float32), expected)
+            np.testing.assert_array_equal(buffer.read(np.float32, (2,), offset=8), expected[2:4])
+    assert len(created) == 1 and device.memory_stats().buffers == live
+    monkeypatch.setattr(memory, "STAGING_REUSE_LIMIT", 1024)  # above it a read gets its own, freed at once
+    np.testing.assert_array_equal(buffers[1].read(np.float32), data[1])
+    assert len(created) == 2 and device.memory_stats().buffers == live
 
 
 def test_allocation_count_limit_applies_to_blocks_not_buffers(small_block_device, monkeypatch):

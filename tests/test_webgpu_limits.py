@@ -22,7 +22,7 @@ from vktrain.lora import LoRAConfig, apply_lora
 from vktrain.models import build_model
 from vktrain.runtime.delegate.kernels import attention, linear
 from vktrain.runtime.delegate.kernels.attention import AttentionTiles
-from vktrain.runtime.delegate.kernels.layout import KernelArgumentError
+from vktrain.serialization.strided_view import KernelArgumentError
 from vktrain.runtime.program.runner import TrainingRunner
 from vktrain.runtime.vk.errors import ScheduleError
 

@@ -194,7 +194,7 @@ def test_shader_without_header_runs_but_is_never_split(gpu, buffers):
 
 @pytest.mark.parametrize("inside_pass", [True, False], ids=["one-pass", "pass-per-dispatch"])
 def test_timings_per_dispatch(gpu, buffers, monkeypatch, inside_pass):
-    from vktrain.runtime.webgpu.device import INSIDE_PASS_FEATURE
+    from vktrain.runtime.webgpu.features import INSIDE_PASS_FEATURE
 
     if not gpu.timestamps_supported or (inside_pass and INSIDE_PASS_FEATURE not in gpu.features):
         pytest.skip(f"{gpu.name} has no timestamp-query{' inside passes' if inside_pass else ''}")
@@ -213,6 +213,30 @@ def test_timings_per_dispatch(gpu, buffers, monkeypatch, inside_pass):
         program.replay()
         assert program.timings() is None
     np.testing.assert_array_equal(by.read(np.float32), np.full(n, 4, np.float32))
+
+
+@pytest.mark.parametrize("inside_pass, capacity, count", [(True, None, 4100), (False, 32, 41)],
+                         ids=["one-pass-over-4096", "pass-per-dispatch-small-sets"])
+def test_timings_of_more_dispatches_than_one_query_set_holds(gpu, buffers, monkeypatch, inside_pass, capacity, count):
+    # WebGPU caps a QuerySet at 4096 queries; a 30-layer step has ~4,600 dispatches. The timestamps go to
+    # several sets: at wgpu's own limit in one pass, and with a small forced capacity with a pass per dispatch
+    # (2 queries each, 41 dispatches: 3 sets).
+    from vktrain.runtime.webgpu import program as program_module
+    from vktrain.runtime.webgpu.features import INSIDE_PASS_FEATURE
+
+    if not gpu.timestamps_supported or (inside_pass and INSIDE_PASS_FEATURE not in gpu.features):
+        pytest.skip(f"{gpu.name} has no timestamp-query{' inside passes' if inside_pass else ''}")
+    if not inside_pass:
+        monkeypatch.setattr(gpu, "features", gpu.features - {INSIDE_PASS_FEATURE})
+    if capacity is not None:
+        monkeypatch.setattr(program_module, "QUERY_SET_CAPACITY", capacity)
+    n = 64
+    bx, by = buffers(np.ones(n, np.float32)), buffers(np.zeros(n, np.float32))
+    with Program(gpu, [axpy(n, 1.0, bx, by) for _ in range(count)], timing=True) as program:
+        program.replay()
+        seconds = program.timings()
+        assert len(seconds) == count and all(0 <= s < 10 for s in seconds) and sum(seconds) > 0
+    np.testing.assert_array_equal(by.read(np.float32), np.full(n, count, np.float32))
 
 
 # ------------------------------------------------------------------------------------ refusals

@@ -261,7 +261,7 @@ def test_malformed_directives_are_reported_with_file_and_line(tmp_path, monkeypa
 
 def _dispatched_shaders(device, path) -> set[str]:
     from vktrain.runtime.delegate.executor import GraphExecutor
-    from vktrain.runtime.program.pte import PteFile
+    from vktrain.serialization.pte import PteFile
     from vktrain.serialization import deserialize_blob
 
     pte = PteFile.load(path)
@@ -353,7 +353,7 @@ def _gemm_cases():
                                                          plan_linear_q4gsw_backward, prepack_weights,
                                                          split_k_scratch_nbytes)
     from vktrain.runtime.delegate.kernels.matmul import plan_addmm, plan_gemm, plan_mm
-    from vktrain.runtime.delegate.kernels.layout import StridedView
+    from vktrain.serialization.strided_view import StridedView
 
     rng = np.random.default_rng(5)
     cases = []

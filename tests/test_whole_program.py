@@ -17,7 +17,7 @@ from vktrain.export import export_training_step, lower_to_pte
 from vktrain.lora import LoRAConfig, apply_lora
 from vktrain.models import build_model
 from vktrain.partitioner import VktrainPartitioner
-from vktrain.runtime.program.pte import PteFile
+from vktrain.serialization.pte import PteFile
 from vktrain.runtime.program.runner import TrainingRunner
 from vktrain.serialization.blob import deserialize_blob
 

@@ -7,6 +7,7 @@
     vktrain generate --model PATH [--adapters DIR] --prompt TEXT [--chat] [--max-new-tokens N] [--json FILE]
     vktrain merge step.pte --adapters DIR|--checkpoint CK --out MERGED_DIR
     vktrain adapters convert step.pte --adapters DIR|--checkpoint CK --out adapter.gguf
+    vktrain devices [--runtime vulkan|webgpu] [--json] [--builtin | --profile FILE]
     vktrain bench kernels|step [benchmark args]
 
 `export` and `inspect` run on the host (torch + executorch); `train` and `eval` are the on-device runner
@@ -15,62 +16,38 @@ device.
 
 Exit codes: 0 done; 1 the training loss diverged; 2 bad input or an environmental failure (no device,
 out of memory, disk full), printed as one line `vktrain <cmd>: error: <message>`; 70 an internal error
-(one line; VKTRAIN_TRACEBACK=1 shows the traceback); 130 interrupted (Ctrl-C).
+(one line; VKTRAIN_TRACEBACK=1 shows the traceback); 130 interrupted (Ctrl-C), 143 terminated (SIGTERM):
+`train` and `federate` then save what they have and print how to resume.
 """
 from __future__ import annotations
 
 import argparse
 import json
-import logging
 import os
 import re
+import signal
 import sys
 import warnings
 from pathlib import Path
 
 from vktrain.errors import VktrainError
-from vktrain.quant.q4gsw import SCALE_RULES  # numpy only
+# main() repeats vktrain/__init__'s silencing (idempotent) in case a library reset the filters.
+from vktrain.import_noise import silence_known_import_noise as _silence_known_import_noise
 from vktrain.train.checkpoint import atomic_write_bytes  # torch-free; the one atomic writer
+from vktrain.train.model_options import (UsageError, add_quantization_arguments, parse_model_args,
+                                         quantization_importance)
+from vktrain.train.outputs import PTE, Output, add_overwrite_argument, check_outputs
+from vktrain.train.interrupts import EXIT_CODES, StopOnSignal, signal_name
 from vktrain.train.train_loop import NonFiniteLossError
 
 PROGRAMS = ("train-step", "forward", "forward-base")
 
-# How a command ends. EXIT_BAD_INPUT covers environmental failures too (no device, out of memory, disk full).
-EXIT_OK, EXIT_DIVERGED, EXIT_BAD_INPUT, EXIT_INTERNAL, EXIT_INTERRUPTED = 0, 1, 2, 70, 130
+# How a command ends. EXIT_BAD_INPUT covers environmental failures too (no device, out of memory, disk full);
+# a signal ends it with 128 + its number (EXIT_CODES: 130 SIGINT, 143 SIGTERM).
+EXIT_OK, EXIT_DIVERGED, EXIT_BAD_INPUT, EXIT_INTERNAL = 0, 1, 2, 70
 TRACEBACK_ENV = "VKTRAIN_TRACEBACK"  # set to 1: an internal error shows its traceback
 
 
-class UsageError(VktrainError, ValueError):
-    """A command-line argument that cannot be parsed (beyond what argparse checks)."""
-
-
-class _DropMessages(logging.Filter):
-    """Drops the log records whose message matches `pattern` (re.match), and nothing else."""
-
-    def __init__(self, pattern: str) -> None:
-        super().__init__()
-        self.pattern = re.compile(pattern)
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return not self.pattern.match(record.getMessage())
-
-
-# The lines torch/torchao/executorch print on every import and export although nothing is wrong:
-# torchao's optional CUDA/CUTLASS extensions (`_C_*.so`) that a CPU install cannot load, and torch pytree
-# deprecation notices about how torchao and executorch register their types.
-_IMPORT_NOISE = {
-    "torchao": _DropMessages(r"Failed to load \S*torchao/_C\S*\.so: "),
-    "torch.utils._pytree": _DropMessages(r"<enum '\w+'> is an Enum subclass and is now natively supported by "
-                                         r"torch.compile"),
-}
-_IMPORT_NOISE_WARNING = r"`isinstance\(treespec, LeafSpec\)` is deprecated"
-
-
-def _silence_known_import_noise() -> None:
-    """Silence exactly `_IMPORT_NOISE` (idempotent); everything else those libraries log or warn still shows."""
-    for logger, drop in _IMPORT_NOISE.items():
-        logging.getLogger(logger).addFilter(drop)  # adding the same filter twice keeps one
-    warnings.filterwarnings("ignore", message=_IMPORT_NOISE_WARNING, category=FutureWarning)
 
 
 def summarize_layer_paths(paths: list[str]) -> str:
@@ -92,61 +69,20 @@ def summarize_layer_paths(paths: list[str]) -> str:
     return ", ".join(parts)
 
 
-def add_quantization_arguments(parser: argparse.ArgumentParser) -> None:
-    """How the frozen base is quantized: `export` and `generate` must build the same base from the same flags."""
-    parser.add_argument("--scale-rule", choices=SCALE_RULES, default="mse",
-                        help="q4gsw scale rule of the frozen base: mse (default: per-group least squared error) or "
-                             "absmax (absmax/7); GGUF Q4_0 weights keep their own codes and scales")
-    parser.add_argument("--group-size", type=int, default=32)
-    parser.add_argument("--calibration-data", default="auto", metavar="FILE|auto|none",
-                        help="data whose activations weight the mse scale search (imatrix): auto (default) is the "
-                             "built-in corpus for a pretrained model with a tokenizer, none for the built-in models")
-    parser.add_argument("--calibration-tokens", type=int, default=1024, metavar="N")
-
-
-def quantization_importance(args: argparse.Namespace, model, tokenizer) -> tuple[dict | None, str]:
-    """(importance per layer or None, a line saying what calibrated the base) for apply_lora."""
-    from vktrain.data import DEFAULT_CORPUS
-
-    source = args.calibration_data
-    if source == "auto":
-        source = str(DEFAULT_CORPUS) if tokenizer is not None and args.scale_rule == "mse" else "none"
-    if source == "none":
-        return None, "no calibration"
-    if args.scale_rule != "mse":
-        raise UsageError(f"--calibration-data weights the mse scale rule; --scale-rule is {args.scale_rule}")
-    from vktrain.lora.calibration import calibration_tokens, input_importance
-
-    tokens = calibration_tokens(source, model.config.vocab_size, tokenizer, args.calibration_tokens)
-    return input_importance(model, tokens), f"calibrated on {tokens.size} tokens of {Path(source).name}"
-
-
-def _parse_model_args(items: list[str]) -> dict:
-    """KEY=VALUE strings -> config overrides; values parse as JSON when they can (ints, floats, bools)."""
-    overrides = {}
-    for item in items:
-        key, sep, raw = item.partition("=")
-        if not sep or not key:
-            raise UsageError(f"--model-arg expects KEY=VALUE, got {item!r}")
-        try:
-            overrides[key] = json.loads(raw)
-        except json.JSONDecodeError:
-            overrides[key] = raw
-    return overrides
-
-
 def cmd_export(args: argparse.Namespace) -> int:
     from vktrain.lora import LoRAConfig, apply_lora
     from vktrain.models import open_model
-    from vktrain.train.tokenizer import TokenizerError
+    from vktrain.serialization.tokenizer import TokenizerError
 
     if args.freeze_lora_a and args.program != "train-step":
         raise UsageError(f"--freeze-lora-a freezes lora_A in a training step; --program is {args.program}")
+    check_outputs([Output("--out", args.out, PTE)], overwrite=args.overwrite,  # before minutes of export
+                  inputs=[("--model", args.model), ("--calibration-data", args.calibration_data)])
     import torch
 
     torch.manual_seed(args.seed)  # a built-in model's random weights; the LoRA init has its own generator
     tokenizer = None  # a pretrained model's, embedded in the .pte for `vktrain train`
-    model, loaded = open_model(args.model, **_parse_model_args(args.model_arg))
+    model, loaded = open_model(args.model, **parse_model_args(args.model_arg))
     if loaded is not None:
         print(f"loaded {args.model}: {loaded.describe()}")
         try:
@@ -202,18 +138,50 @@ def _format_bytes(n: int) -> str:
     raise AssertionError("unreachable")
 
 
-def format_report(path: str, report: dict) -> str:
+def format_report(path: str, report: dict, verbose: bool = False) -> str:
+    """The `vktrain inspect` text; `verbose`: every state tensor, not only their summary by kind."""
     lines = [f"{path}: {report['pte_bytes']} bytes"]
     if report.get("named_data_bytes"):
         lines.append(f"named data (constants shared by the methods): {_format_bytes(report['named_data_bytes'])}")
-    lines += _format_method(report)
+    lines += _format_method(report, verbose)
     for name, method in report.get("other_methods", {}).items():
         lines.append(f"method {name!r}:")
-        lines += ["  " + line for line in _format_method(method)]
+        lines += ["  " + line for line in _format_method(method, verbose)]
     return "\n".join(lines)
 
 
-def _format_method(report: dict) -> list[str]:
+def state_kind(name: str) -> str:
+    """A state tensor's kind: its last name component (lora_A, lora_B, ...), under its optimizer slot
+    for optimizer state: 'optimizer.exp_avg.model.l.0.q.lora_A' -> 'optimizer.exp_avg of lora_A'."""
+    parts = name.split(".")
+    if parts[0] == "optimizer" and len(parts) > 2:
+        return f"optimizer.{parts[1]} of {parts[-1]}"
+    return ".".join(parts[:2]) if parts[0] == "optimizer" else parts[-1]
+
+
+def _tensor_bytes(entry: dict) -> int:
+    import numpy as np
+
+    return int(np.prod(entry["shape"], dtype=np.int64)) * np.dtype(entry["dtype"]).itemsize
+
+
+def _format_state(state: list[dict], verbose: bool) -> list[str]:
+    total = sum(_tensor_bytes(s) for s in state)
+    lines = [f"  mutable state: {len(state)} tensor(s), {_format_bytes(total)}"
+             + ("" if verbose or not state else " (each one: --verbose)")]
+    if verbose:
+        return lines + [f"    {s['name']} {s['dtype']}{s['shape']} (initial: {s['initial']})" for s in state]
+    kinds: dict[str, list[dict]] = {}
+    for s in state:
+        kinds.setdefault(state_kind(s["name"]), []).append(s)
+    for kind, members in kinds.items():
+        dtypes = ", ".join(sorted({m["dtype"] for m in members}))
+        lines.append(f"    {kind}: {len(members)} tensor(s), {_format_bytes(sum(map(_tensor_bytes, members)))} "
+                     f"({dtypes})")
+    return lines
+
+
+def _format_method(report: dict, verbose: bool = False) -> list[str]:
     lines = [f"instructions: {report['delegate_calls']} delegate call(s), {report['kernel_calls']} kernel call(s)",
              f"operator table: {', '.join(report['operators']) if report['operators'] else '(empty)'}"]
     for i, d in enumerate(report["delegates"]):
@@ -235,9 +203,7 @@ def _format_method(report: dict) -> list[str]:
         lines.append("  outputs: " + ", ".join(f"{t['name']} {t['dtype']}{t['shape']}" for t in d["outputs"]))
         lines.append(f"  GEMM precisions allowed: {', '.join(d['gemm_precisions'])} (vktrain train --precision; "
                      f"the kernels are chosen by device at load)")
-        lines.append(f"  mutable state: {len(d['mutable_state'])} tensor(s)")
-        for s in d["mutable_state"]:
-            lines.append(f"    {s['name']} {s['dtype']}{s['shape']} (initial: {s['initial']})")
+        lines += _format_state(d["mutable_state"], verbose)
         if d["baked_scalars"]:
             lines.append(f"  baked scalars (traced into {len(d['baked_scalars'])} et_vk call(s); constants of the "
                          f"program, so an LR schedule cannot change them):")
@@ -258,13 +224,41 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         return 2
     from vktrain.runtime.program.summary import summarize_pte
 
-    report = summarize_pte(data)
-    print(json.dumps(report, indent=2) if args.json else format_report(args.file, report))
+    report = summarize_pte(data, args.file)
+    print(json.dumps(report, indent=2) if args.json else format_report(args.file, report, args.verbose))
     return 0
+
+
+def version() -> str:
+    """The installed distribution's version (pyproject.toml's), or say that vktrain runs uninstalled."""
+    from importlib.metadata import PackageNotFoundError, version as distribution_version
+
+    try:
+        return distribution_version("vktrain")
+    except PackageNotFoundError:
+        return "unknown (not installed: run from a source tree)"
+
+
+def show_defaults(parser: argparse.ArgumentParser) -> None:
+    """Append '(default: X)' to the help of every option of `parser` and its subcommands that has a
+    default worth naming and whose help does not already name one (argparse's
+    ArgumentDefaultsHelpFormatter would also print 'default: None' beside help that explains it)."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for subparser in action.choices.values():
+                show_defaults(subparser)
+            continue
+        help_text = action.help or ""
+        if (not action.option_strings or action.help == argparse.SUPPRESS or "default" in help_text
+                or action.default is None or action.default is False or action.default == []
+                or action.default == argparse.SUPPRESS):
+            continue
+        action.help = f"{help_text} (default: %(default)s)".lstrip()
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="vktrain", description="LoRA training through a frozen q4gsw base on Vulkan")
+    parser.add_argument("--version", action="version", version=f"vktrain {version()}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     export = sub.add_parser("export", help="export a model's training step (or forward) to a .pte")
@@ -290,11 +284,14 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("--batch", type=int, default=4)
     export.add_argument("--seq", type=int, default=64)
     export.add_argument("--out", required=True, help="output .pte path (written atomically)")
+    add_overwrite_argument(export)
     export.set_defaults(run=cmd_export)
 
     inspect = sub.add_parser("inspect", help="describe a .pte: delegates, ops, constants, memory, state, refusals")
     inspect.add_argument("file")
-    inspect.add_argument("--json", action="store_true", help="print the report as JSON")
+    inspect.add_argument("--json", action="store_true", help="print the report as JSON (every state tensor)")
+    inspect.add_argument("--verbose", action="store_true",
+                         help="list every state tensor (default: their count and bytes by kind)")
     inspect.set_defaults(run=cmd_inspect)
 
     from vktrain.train.command import add_train_arguments, run_train  # torch-free
@@ -337,10 +334,17 @@ def build_parser() -> argparse.ArgumentParser:
     add_federate_arguments(federate)
     federate.set_defaults(run=run_federate)
 
+    from vktrain.train.devices import add_devices_arguments, run_devices  # torch-free
+
+    devices = sub.add_parser("devices", help="print each local device's profile: what kernel planning reads of it")
+    add_devices_arguments(devices)
+    devices.set_defaults(run=run_devices)
+
     bench = sub.add_parser("bench", help="run a benchmark script (kernels: per-kernel GPU times; step: training steps)")
     bench.add_argument("which", choices=sorted(BENCHMARKS))
     bench.add_argument("bench_args", nargs=argparse.REMAINDER, help="arguments passed to the benchmark script")
     bench.set_defaults(run=cmd_bench)
+    show_defaults(parser)
     return parser
 
 
@@ -367,15 +371,21 @@ def main(argv: list[str] | None = None) -> int:
     """Run one command; every way it can end is an exit code (see EXIT_*), never a traceback for bad
     input or an environmental failure."""
     _silence_known_import_noise()
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
-    prefix = f"vktrain {args.command}"
+    args.command_line = argv  # as given: `vktrain train` prints it back with --resume when interrupted
+    prefix = " ".join(["vktrain", args.command, *([args.action] if getattr(args, "action", None) else [])])
     try:
-        return args.run(args)
+        with StopOnSignal(args.command):  # SIGTERM, like Ctrl-C, ends in one line and its exit code
+            return args.run(args)
     except BrokenPipeError:  # the reader went away (`vktrain inspect x.pte | head`): not an error
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return EXIT_OK
-    except KeyboardInterrupt:  # Ctrl-C: whoever was interrupted already said what was kept
-        return EXIT_INTERRUPTED
+    except KeyboardInterrupt as exc:  # Ctrl-C or SIGTERM
+        signum = getattr(exc, "signum", signal.SIGINT)
+        if not getattr(exc, "reported", False):  # train and federate say what they kept themselves
+            print(f"\n{prefix}: interrupted ({signal_name(signum)})", file=sys.stderr)
+        return EXIT_CODES[signum]
     except NonFiniteLossError as exc:
         print(f"{prefix}: error: {exc}", file=sys.stderr)
         return EXIT_DIVERGED

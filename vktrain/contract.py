@@ -66,7 +66,7 @@ ADAPTER_METADATA_KEYS = (METADATA_SOURCE_MODEL, METADATA_BASE_MODEL, METADATA_LO
 # ---- .pte named data (ExecuTorch Program.named_data: key -> one data segment, stored once) ------------
 # The model's tokenizer (a `tokenizers` tokenizer.json, post-processor final) and, as JSON,
 # {"special_tokens": {bos_token, eos_token, ...: token string}, "chat_template": string or null}:
-# written by export for pretrained models, read by `vktrain train` (vktrain.train.tokenizer).
+# written by export for pretrained models, read by `vktrain train` (vktrain.serialization.tokenizer).
 NAMED_DATA_TOKENIZER_JSON = "vktrain.tokenizer.json"
 NAMED_DATA_TOKENIZER_CONFIG = "vktrain.tokenizer_config.json"
 

@@ -22,8 +22,8 @@ import numpy as np
 
 from vktrain.errors import VktrainError
 from vktrain.runtime.delegate.executor import ExecutorInputError, GraphExecutor
-from vktrain.runtime.program.pte import NUMPY_SCALAR_TYPES, PteFormatError
-from vktrain.runtime.program.verify import (
+from vktrain.serialization.pte import NUMPY_SCALAR_TYPES, PteFormatError
+from vktrain.serialization.verify import (
     UnsupportedProgramError,
     check_device_memory,
     check_op_shapes,

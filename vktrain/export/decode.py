@@ -113,8 +113,8 @@ def lower_generation(programs: dict[str, ExportedProgram]) -> bytes:
     weights both read are stored once (lower_methods_to_pte's named data)."""
     from vktrain.export.lower import LoweringError, _refusal_summary, lower_methods_to_pte
     from vktrain.partitioner import VktrainPartitioner
-    from vktrain.runtime.program.pte import PteFile
-    from vktrain.runtime.program.verify import check_single_delegate_call
+    from vktrain.serialization.pte import PteFile
+    from vktrain.serialization.verify import check_single_delegate_call
 
     partitioners = {name: VktrainPartitioner() for name in programs}
     pte = lower_methods_to_pte(programs, partitioners)

@@ -11,7 +11,7 @@ from torch.export import ExportedProgram
 from vktrain.backend.preprocess import NAMED_DATA_MIN_BYTES_SPEC_KEY, named_data_spec  # (registers the backend)
 from vktrain.partitioner import VktrainPartitioner
 
-from vktrain.runtime.program.pte import DelegateCall, PteFile
+from vktrain.serialization.pte import DelegateCall, PteFile
 from .whole_program import whole_program_manager
 from vktrain.contract import TRAIN_METHOD
 from vktrain.errors import VktrainError

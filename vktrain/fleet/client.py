@@ -43,8 +43,8 @@ from vktrain.contract import EXP_AVG_PREFIX, EXP_AVG_SQ_PREFIX, MODEL_PREFIX, PR
 from vktrain.errors import VktrainError
 from vktrain.fleet.gpus import client_device_choice
 from vktrain.train.data import TokenBatcher, TrainingData, load_data
-from vktrain.train.eval_command import evaluate_data
-from vktrain.train.tokenizer import program_tokenizer
+from vktrain.train.held_out import evaluate_data
+from vktrain.serialization.tokenizer import program_tokenizer
 from vktrain.train.train_loop import AdamWConfig, describe_program
 
 # Keys of the records in messages (FedAvg's defaults for the arrays and the config).
@@ -102,7 +102,8 @@ class LocalTrainer:
         choice = client_device_choice()
         self.device = Device(choice.selector)
         try:
-            self.runner = TrainingRunner.from_pte(settings.program, self.device, precision=settings.precision)
+            self.runner = TrainingRunner.from_pte(settings.program, self.device, precision=settings.precision,
+                                                  timing=False)
         except BaseException:
             self.device.close()
             raise

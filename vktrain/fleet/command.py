@@ -12,6 +12,10 @@ import argparse
 import hashlib
 import logging
 import math
+import os
+import re
+import shlex
+import signal
 import sys
 import tempfile
 from pathlib import Path
@@ -21,7 +25,11 @@ import numpy as np
 from vktrain.contract import ADAMW_DEFAULTS, PRECISION_AUTO, PRECISION_CHOICES
 from vktrain.fleet.partition import PartitionError, PartitionScheme, write_shards
 from vktrain.fleet import FEDAVG, STRATEGIES
+from vktrain.fleet.checkpoint import FILE_NAME, FORMAT, checkpoint_path
+from vktrain.train.outputs import (PEFT_DIRECTORY, PNG, Output, OutputKind, add_overwrite_argument, check_outputs,
+                                   json_object, safetensors_metadata)
 from vktrain.train.data import DataError, TokenBatcher, default_dataset_path, load_data
+from vktrain.train.interrupts import Interrupted, StopOnSignal, signal_name
 from vktrain.train.train_loop import AdamWConfig, TrainConfigError, describe_program
 
 RAY, SEQUENTIAL = "ray", "sequential"
@@ -74,6 +82,7 @@ def add_federate_arguments(parser: argparse.ArgumentParser) -> argparse.Argument
                         help="make client CLIENT fail after its first local step of round ROUND (repeatable; to "
                              "see failed clients tolerated)")
     parser.add_argument("--verbose", action="store_true", help="show Flower's and Ray's own log")
+    add_overwrite_argument(parser)
     return parser
 
 
@@ -144,7 +153,7 @@ def write_adapters(runner, program: str, arrays: dict[str, np.ndarray], director
 def prepare_shards(runner, data: Path, eval_data: Path | None, n_clients: int, scheme: PartitionScheme, seed: int,
                    directory: Path) -> tuple[list[Path], list[Path]]:
     """The client shards of the training and held-out data, each checked to be usable."""
-    from vktrain.train.tokenizer import program_tokenizer
+    from vktrain.serialization.tokenizer import program_tokenizer
 
     info = describe_program(runner)
     tokenizer = program_tokenizer(runner, str(data))
@@ -163,21 +172,75 @@ def prepare_shards(runner, data: Path, eval_data: Path | None, n_clients: int, s
     return train, held_out
 
 
+# What federate writes: --json the per-round records, --checkpoint DIR the global adapters after a round.
+ROUND_RECORDS = OutputKind("vktrain federate's JSON records", json_object("settings", "rounds"))
+FEDERATION_CHECKPOINT = OutputKind(
+    "a federation checkpoint", lambda path: safetensors_metadata(checkpoint_path(path)).get("format") == FORMAT,
+    directory=True, writes=(FILE_NAME,), holds_a_run=True)
+
+
+def check_federate_outputs(args: argparse.Namespace) -> None:
+    """Every output (vktrain.train.outputs' rules); --checkpoint DIR with --resume continues its federation."""
+    check_outputs([Output("--checkpoint", args.checkpoint, FEDERATION_CHECKPOINT,
+                          continues=args.checkpoint if args.resume else None),
+                   Output("--json", args.json, ROUND_RECORDS), Output("--plot", args.plot, PNG),
+                   Output("--out-adapters", args.out_adapters, PEFT_DIRECTORY)],
+                  inputs=[("the program", args.program), ("--data", args.data), ("--eval-data", args.eval_data)],
+                  overwrite=args.overwrite)
+
+
 def run_federate(args: argparse.Namespace) -> int:
+    """0 when the rounds ran; a signal (Ctrl-C, SIGTERM) abandons the round in flight and ends in
+    Interrupted (exit 130 / 143) after saying which round the checkpoint holds and how to resume."""
+    server: list = []  # the FederationServer, once made: what an interrupted run kept
+    with StopOnSignal("federate"):
+        try:
+            return _run_federate(args, server)
+        except KeyboardInterrupt as exc:
+            signum = getattr(exc, "signum", signal.SIGINT)
+            if server:
+                server[0].stopped = True  # a round finishing in Flower's server thread now saves nothing
+            _report_interrupt(args, server[0].result.records if server else [], signal_name(signum))
+            if args.engine == RAY and server:
+                # Flower's ServerApp thread (not a daemon) waits for the abandoned round's replies up to
+                # --timeout, and would hold the process that long; Ray itself is already shut down.
+                sys.stdout.flush()
+                sys.stderr.flush()
+                os._exit(Interrupted(signum).exit_code)
+            raise Interrupted(signum, reported=True) from None
+
+
+def _report_interrupt(args: argparse.Namespace, records: list[dict], name: str) -> None:
+    """What a signal left of the federation: the checkpointed round and the command that continues it."""
+    rounds = [r["round"] for r in records]
+    lines = [f"vktrain federate: stopped by {name}" + (f" after round {rounds[-1]} of {args.rounds} (the round in "
+                                                       f"flight abandoned)" if rounds else " before round 1")]
+    if args.checkpoint and rounds:
+        argv = [a for a in (getattr(args, "command_line", None) or sys.argv[1:]) if a != "--resume"]
+        lines.append(f"saved checkpoint {args.checkpoint} (round {rounds[-1]}); resume with:")
+        lines.append(f"  {shlex.join(['vktrain', *argv, '--resume'])}")
+    elif not args.checkpoint:
+        lines.append("nothing to resume from was saved: pass --checkpoint DIR to keep every round's adapters "
+                     "(and --resume to continue)")
+    if args.json and rounds:
+        lines.append(f"saved records {args.json} (rounds {rounds[0]}..{rounds[-1]})")
+    if args.plot and len(records) > 1:
+        from vktrain.fleet.report import plot_rounds
+
+        plot_rounds(records, args.plot, title=f"vktrain federate {Path(args.program).name} (interrupted)")
+        lines.append(f"saved plot {args.plot}")
+    if args.out_adapters:
+        lines.append(f"not written: --out-adapters {args.out_adapters} (the federation did not finish)")
+    print("\n".join(lines), file=sys.stderr, flush=True)
+
+
+def _run_federate(args: argparse.Namespace, server_made: list) -> int:
     check_arguments(args)
     scheme = PartitionScheme.parse(args.partition)
     program = Path(args.program)
     if not program.is_file():
         raise TrainConfigError(f"program {program} does not exist (or is not a file)")
-    from vktrain.train.command import prepare_adapter_directory, prepare_output_file
-
-    for flag, target in (("--json", args.json), ("--plot", args.plot)):
-        if target:
-            prepare_output_file(flag, target)
-    if args.out_adapters:
-        prepare_adapter_directory("--out-adapters", args.out_adapters)
-    if args.checkpoint:
-        Path(args.checkpoint).mkdir(parents=True, exist_ok=True)
+    check_federate_outputs(args)
     from vktrain.runtime.program.runner import TrainingRunner  # opens Vulkan
 
     data = Path(args.data) if args.data else default_dataset_path()
@@ -187,7 +250,7 @@ def run_federate(args: argparse.Namespace) -> int:
             program_adapter_record(runner, args.program)  # refused now, not after the rounds
         train_shards, held_out_shards = prepare_shards(runner, data, Path(args.eval_data) if args.eval_data else None,
                                                        args.clients, scheme, args.seed, Path(work))
-        result = _federate(args, runner, program, scheme, train_shards, held_out_shards)
+        result = _federate(args, runner, program, scheme, train_shards, held_out_shards, server_made)
         if args.out_adapters:
             write_adapters(runner, args.program, result.arrays, args.out_adapters)
     records = result.records
@@ -204,7 +267,7 @@ def run_federate(args: argparse.Namespace) -> int:
 
 
 def _federate(args, runner, program: Path, scheme: PartitionScheme, train_shards: list[Path],
-              held_out_shards: list[Path]):
+              held_out_shards: list[Path], server_made: list):
     from vktrain.fleet.client import ClientSettings, make_client_app
     from vktrain.fleet.server import FederationServer, FederationSettings, make_server_app
 
@@ -219,8 +282,9 @@ def _federate(args, runner, program: Path, scheme: PartitionScheme, train_shards
                                      tuple(str(p) for p in held_out_shards), args.seed, args.precision,
                                      _failures(args.inject_failure))
     if not args.verbose:  # after Flower's import, which sets its logger up
-        logging.getLogger("flwr").setLevel(logging.WARNING)
+        quiet_flower_and_ray()
     server = FederationServer(settings, runner)
+    server_made.append(server)
     client_app = make_client_app(client_settings)
     print(f"{program}: {args.clients} clients ({scheme}), {args.strategy}, fraction {args.fraction:g}, "
           f"{args.local_steps} local step(s) per round, rounds up to {args.rounds}; engine {args.engine}",
@@ -237,13 +301,40 @@ def _federate(args, runner, program: Path, scheme: PartitionScheme, train_shards
         from flwr.simulation import run_simulation
 
         resources = {"num_cpus": args.client_cpus, "num_gpus": args.client_gpus}
-        init = {"include_dashboard": False, "logging_level": logging.WARNING if not args.verbose else logging.INFO}
+        # Without --verbose the workers' output (each client's device line, Ray's colour-coded prefixes) stays
+        # in Ray's logs; a client's failure is recorded and printed with its round either way.
+        init = {"include_dashboard": False, "logging_level": logging.WARNING if not args.verbose else logging.INFO,
+                "log_to_driver": args.verbose}
         if args.ray_cpus:
             init["num_cpus"] = args.ray_cpus
         run_simulation(server_app=make_server_app(server), client_app=client_app, num_supernodes=args.clients,
                        backend_config={"client_resources": resources, "init_args": init},
                        verbose_logging=args.verbose)
     return server.result
+
+
+# What Flower and Ray print although nothing is wrong (shown with --verbose): Flower's deprecation notice
+# for run_simulation and its note that federated evaluation is off at --fraction-evaluate 0 (WARNING
+# records); its two colour-coded tracebacks of a failed client, a failure the round tolerates and prints
+# with its reason; Ray's tip about a future default for accelerator variables.
+RAY_NOISE_WARNING = r"Tip: In future versions of Ray"
+_CLIENT_FAILURE_LOG = re.compile(r"An exception was raised when processing a message by|ClientAppException")
+
+
+class _DropClientFailureTracebacks(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not _CLIENT_FAILURE_LOG.search(record.getMessage())
+
+
+def quiet_flower_and_ray() -> None:
+    """Flower's log down to its errors but a tolerated client's, and Ray's known FutureWarning off."""
+    import warnings
+
+    flower = logging.getLogger("flwr")
+    flower.setLevel(logging.ERROR)
+    if not any(isinstance(f, _DropClientFailureTracebacks) for f in flower.filters):
+        flower.addFilter(_DropClientFailureTracebacks())
+    warnings.filterwarnings("ignore", message=RAY_NOISE_WARNING, category=FutureWarning)
 
 
 def summarize(records: list[dict], resumed_from: int | None = None) -> str:

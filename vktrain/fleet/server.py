@@ -14,6 +14,7 @@ the initial adapters); clients never see it.
 """
 from __future__ import annotations
 
+import re
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -98,6 +99,13 @@ def node_partitions(grid: Grid, n_clients: int, timeout: float) -> dict[int, int
             for reply in replies if not reply.has_error()}
 
 
+def failure_reason(recorded: str) -> str:
+    """A failed client's error as its ClientApp raised it, without the wrapping Flower adds to the reply
+    ("<class ...>:<'Exception ClientAppException occurred. Message: REASON'>")."""
+    match = re.search(r"Message: (.*?)'?>?$", recorded, re.DOTALL) or re.search(r":<'(.*)'>$", recorded, re.DOTALL)
+    return (match.group(1) if match else recorded).strip()
+
+
 def _describe_round(record: dict, rounds: int) -> str:
     loss = record.get("global_eval_loss")
     clients = record["client_train_loss"]
@@ -108,7 +116,9 @@ def _describe_round(record: dict, rounds: int) -> str:
         text += f" client train loss {np.mean(list(clients.values())):.4f} ({len(clients)} client(s)),"
     failed = record["failed"]
     if failed:
-        text += f" {len(failed)} failed ({', '.join(f'client {p}' for p in sorted(failed))}),"
+        reasons = [(p, failure_reason(failed[p])) for p in sorted(failed)]
+        named = [r if r.startswith(f"client {p}") else f"client {p}: {r}" for p, r in reasons]
+        text += f" {len(failed)} failed ({'; '.join(named)}),"
     return (text + f" {record['bytes_down'] / 2**20:.2f} MiB down / {record['bytes_up'] / 2**20:.2f} MiB up,"
             f" {record['seconds']:.1f} s")
 
@@ -122,10 +132,11 @@ class FederationServer:
         self.runner = runner
         self.progress = progress
         self.result = FederationResult()
+        self.stopped = False  # set when the command was interrupted: no round is recorded or saved after it
 
     def _held_out(self, runner):
         from vktrain.train.data import load_data
-        from vktrain.train.tokenizer import program_tokenizer
+        from vktrain.serialization.tokenizer import program_tokenizer
 
         if self.settings.eval_data is None:
             return None
@@ -140,7 +151,7 @@ class FederationServer:
             raise FederationError(f"{self.settings.program} trains no LoRA tensor")
 
     def run(self, grid: Grid) -> FederationResult:
-        from vktrain.train.eval_command import evaluate_data
+        from vktrain.train.held_out import evaluate_data
 
         s, runner = self.settings, self.runner
         program_sha256 = sha256_file(s.program)
@@ -171,6 +182,8 @@ class FederationServer:
         strategy.node_of_partition = node_partitions(grid, s.n_clients, s.timeout)
 
         def after_round(local_round: int, record: ArrayRecord) -> Optional[MetricRecord]:
+            if self.stopped:
+                return None
             adapters = from_array_record(record)
             if local_round == 0:
                 if done:  # resumed: round `done`'s record is in the checkpoint

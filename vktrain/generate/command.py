@@ -17,12 +17,18 @@ import warnings
 from pathlib import Path
 
 from vktrain.errors import VktrainError
-from vktrain.cli import add_quantization_arguments
+from vktrain.train.model_options import add_quantization_arguments
 from vktrain.runtime.runtimes import add_runtime_argument, max_binding_bytes
+from vktrain.train.outputs import Output, OutputKind, add_overwrite_argument, check_outputs, json_object
 
 # Sources whose change changes the lowered program (the cache key hashes them).
 _PROGRAM_SOURCES = ("export", "backend", "partitioner", "serialization", "opdefs", "ops", "lora", "models", "quant",
                     "runtime/delegate")  # the partitioner accepts the ops the runtime has kernels for
+
+
+# What generate writes: --json its result; --program-cache DIR programs named by their key (never replaced).
+GENERATION = OutputKind("vktrain generate's JSON result", json_object("prompt_tokens", "tokens"))
+PROGRAM_CACHE = OutputKind("a program cache", lambda path: True, directory=True)
 
 
 class GenerateUsageError(VktrainError, ValueError):
@@ -49,6 +55,7 @@ def add_generate_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--program-cache", help="directory keeping lowered programs by a hash of their inputs")
     parser.add_argument("--json", help="write {prompt_tokens, tokens, text, tokens_per_s} to this file")
     add_runtime_argument(parser)
+    add_overwrite_argument(parser)
 
 
 def _prompt_ids(args, codec) -> list[int]:
@@ -89,7 +96,7 @@ def program_key(args, model_fingerprint) -> str:
 
 def _model_tokenizer(loaded):
     """The ModelTokenizer of a loaded checkpoint, None for a preset or a checkpoint whose vocabulary cannot be built."""
-    from vktrain.train.tokenizer import TokenizerError
+    from vktrain.serialization.tokenizer import TokenizerError
 
     if loaded is None:
         return None
@@ -101,12 +108,19 @@ def _model_tokenizer(loaded):
 
 def _build_model(args):
     """(LlamaForCausalLM with q4gsw bases and, with --adapters, the loaded adapters; tokenizer info; fingerprint)."""
-    from vktrain.cli import _parse_model_args, quantization_importance
+    from vktrain.train.model_options import parse_model_args, quantization_importance
     from vktrain.lora import LoRAConfig, apply_lora, load_adapters
     from vktrain.models import open_model
-    from vktrain.train.adapters import load_adapter_config, peft_target_patterns
+    from vktrain.serialization.peft_adapters import load_adapter_config
+    from vktrain.train.adapters import peft_target_patterns
 
-    model, loaded = open_model(args.model, **_parse_model_args(args.model_arg))
+    from vktrain.models.llama import LlamaForCausalLM
+
+    model, loaded = open_model(args.model, **parse_model_args(args.model_arg))
+    if not isinstance(model, LlamaForCausalLM):
+        raise GenerateUsageError(f"--model {args.model} is not a Llama-family language model ({type(model).__name__}); "
+                                 f"generate runs one with a KV cache: tiny-llama, a Hugging Face Llama/Qwen2/Qwen3 "
+                                 f"directory or a .gguf")
     if loaded is None:
         tokenizer, fingerprint = None, args.model
     else:
@@ -135,9 +149,28 @@ def _build_model(args):
     return model, tokenizer, fingerprint
 
 
+def kv_cache_length(args, model) -> int:
+    """The KV-cache positions of the program: --cache-length, default min(max_seq_len, 512)."""
+    return args.cache_length or min(model.config.max_seq_len, 512)
+
+
+def check_cache_fits(args, model, prompt: list[int]) -> None:
+    """The prompt and the new tokens fit the cache (refused before the export, naming the flags)."""
+    needed, length = len(prompt) + args.max_new_tokens, kv_cache_length(args, model)
+    if args.max_new_tokens < 1:
+        raise GenerateUsageError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    if needed > length:
+        limit = model.config.max_seq_len
+        flag = "--cache-length" if args.cache_length else "the default --cache-length"
+        way_out = (f"pass --cache-length {needed} or more (up to the model's max_seq_len, {limit})" if needed <= limit
+                   else f"the model's max_seq_len is {limit}: pass at most --max-new-tokens {limit - len(prompt)} "
+                        f"with --cache-length {limit}")
+        raise GenerateUsageError(f"{len(prompt)} prompt tokens + --max-new-tokens {args.max_new_tokens} need {needed} "
+                                 f"KV-cache positions; {flag} is {length}: {way_out}")
+
+
 def _program(args, model, fingerprint) -> bytes:
-    cache_length = args.cache_length or min(model.config.max_seq_len, 512)
-    args.cache_length = cache_length
+    args.cache_length = cache_length = kv_cache_length(args, model)
     cached = None
     if args.program_cache:
         cached = Path(args.program_cache) / f"{program_key(args, fingerprint)}.pte"
@@ -161,9 +194,12 @@ def run_generate(args: argparse.Namespace) -> int:
     from vktrain.generate.runner import GenerationRunner
     from vktrain.generate.sampling import Sampler
     from vktrain.generate.text import TokenizerError, codec_for
-    from vktrain.runtime.program.pte import PteFile
+    from vktrain.serialization.pte import PteFile
 
     sampler = Sampler(args.temperature, args.top_p, args.seed)  # settings refused before the slow export
+    check_outputs([Output("--json", args.json, GENERATION), Output("--program-cache", args.program_cache, PROGRAM_CACHE)],
+                  inputs=[("--model", args.model), ("--adapters", args.adapters),
+                          ("--calibration-data", args.calibration_data)], overwrite=args.overwrite)
     model, tokenizer, fingerprint = _build_model(args)
     try:
         codec = codec_for(tokenizer, model.config.vocab_size)
@@ -172,6 +208,7 @@ def run_generate(args: argparse.Namespace) -> int:
             raise
         codec = None
     prompt = _prompt_ids(args, codec)
+    check_cache_fits(args, model, prompt)
     pte = PteFile.from_bytes(_program(args, model, fingerprint), source=f"the generation program of {args.model}")
     with GenerationRunner(pte, runtime=args.runtime, max_binding_bytes=max_binding_bytes(args)) as runner:
         result = runner.generate(prompt, args.max_new_tokens, sampler, codec.stop_ids if codec else ())

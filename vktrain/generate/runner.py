@@ -21,9 +21,9 @@ import numpy as np
 from vktrain.errors import VktrainError
 from vktrain.opdefs.decode_ops import CachePositionError, check_cache_positions
 from vktrain.runtime.delegate.executor import GraphExecutor, SharedTensor
-from vktrain.runtime.program.pte import PteFile
-from vktrain.runtime.program.runner import ProgramInterpreter
-from vktrain.runtime.program.verify import (
+from vktrain.serialization.pte import PteFile
+from vktrain.runtime.program.interpreter import ProgramInterpreter
+from vktrain.serialization.verify import (
     UnsupportedProgramError,
     check_device_memory,
     device_memory_bytes,

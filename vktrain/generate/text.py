@@ -1,6 +1,6 @@
 """Prompt text <-> token ids for `vktrain generate` (host side).
 
-The model's own tokenizer (vktrain.train.tokenizer.ModelTokenizer: a Hugging Face tokenizer.json or a
+The model's own tokenizer (vktrain.serialization.tokenizer.ModelTokenizer: a Hugging Face tokenizer.json or a
 GGUF vocabulary, built as transformers builds them) encodes the prompt; a chat prompt is one user turn
 rendered with the model's chat template, ending where the assistant's answer starts. A 256-token
 vocabulary without a tokenizer is bytes (UTF-8 in, undecodable bytes shown as U+FFFD out). A model with
@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
-from vktrain.train.tokenizer import TokenizerError
+from vktrain.serialization.tokenizer import TokenizerError
 
 BYTE_VOCAB = 256
 

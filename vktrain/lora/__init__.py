@@ -1,5 +1,5 @@
 """LoRA adapters over a frozen q4gsw base."""
-from vktrain.train.adapters import PEFT_PREFIX
+from vktrain.serialization.peft_adapters import PEFT_PREFIX
 
 from .inject import (
     ALL_LINEAR,

@@ -18,7 +18,6 @@ from torch import nn
 
 from vktrain.errors import VktrainError
 
-DEFAULT_CALIBRATION_TOKENS = 1024
 CALIBRATION_WINDOW = 512  # tokens per forward pass (positions within the model's usual context)
 
 
@@ -53,16 +52,3 @@ def input_importance(model: nn.Module, tokens: np.ndarray, window: int = CALIBRA
         for handle in handles:
             handle.remove()
     return {path: (sums[path] / counts[path]).float().numpy() for path in sums}
-
-
-def calibration_tokens(path, vocab_size: int, tokenizer=None, count: int = DEFAULT_CALIBRATION_TOKENS) -> np.ndarray:
-    """The first `count` tokens of a data file (any format `vktrain train --data` reads: text and chat JSONL
-    through the model's tokenizer, .npy ids), e.g. the built-in corpus."""
-    from vktrain.train.data import load_data
-
-    if count < 2:
-        raise CalibrationError(f"--calibration-tokens must be at least 2, got {count}")
-    tokens = load_data(path, vocab_size, tokenizer).tokens[:count]
-    if tokens.size < count:
-        raise CalibrationError(f"calibration data {path} gives {tokens.size} tokens, fewer than the {count} asked for")
-    return tokens

@@ -23,7 +23,7 @@ from torch import nn
 
 from vktrain.quant import SCALE_RULES, check_q4gsw_shapes
 
-from vktrain.train import adapters as peft_files  # torch-free PEFT naming and files: one implementation
+from vktrain.serialization import peft_adapters as peft_files  # torch-free PEFT naming and files: one implementation
 
 from .layers import LoRAQ4Linear
 from .torchao_weights import torchao_q4gsw

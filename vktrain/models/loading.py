@@ -1,4 +1,6 @@
-"""vktrain.models.load(PATH): a pretrained Llama-family model from a Hugging Face directory or a GGUF file.
+"""Pretrained Llama-family models: the Hugging Face directory reader, and what it shares with the GGUF reader.
+
+vktrain.models.load(PATH) (vktrain/models/pretrained.py) picks the reader; either returns a LoadedModel.
 
 Architectures: Llama 2/3.x (SmolLM2, TinyLlama, ...), Mistral (GQA; sequences capped at the sliding
 window, within which its attention is plain causal), Qwen2 (q/k/v biases) and Qwen3 (q/k norms): all the
@@ -11,7 +13,7 @@ same LlamaForCausalLM with config switches. Anything else is refused, naming wha
 Returns a LoadedModel: the LlamaForCausalLM with the checkpoint's float weights (GGUF Q4_0 linear weights
 also carry their exact q4gsw codes for apply_lora, see vktrain.lora.layers), the LlamaConfig read, and
 what the checkpoint says about its tokenizer and chat template (TokenizerInfo; `.build()` makes the
-runtime's vktrain.train.tokenizer.ModelTokenizer of it, which export embeds in the .pte).
+runtime's vktrain.serialization.tokenizer.ModelTokenizer of it, which export embeds in the .pte).
 Keyword overrides replace LlamaConfig fields (e.g. max_seq_len). Anything missing, unknown or mis-shaped
 is a ValueError naming the file, the field and what was expected.
 """
@@ -49,9 +51,9 @@ class TokenizerInfo:
     where: str = ""  # the file or directory it came from, for messages
 
     def build(self):
-        """The tokenizer as vktrain.train.tokenizer.ModelTokenizer (encodes as transformers' tokenizer from the
+        """The tokenizer as vktrain.serialization.tokenizer.ModelTokenizer (encodes as transformers' tokenizer from the
         same files), or None for a Hugging Face directory without tokenizer.json."""
-        from vktrain.train.tokenizer import ModelTokenizer
+        from vktrain.serialization.tokenizer import ModelTokenizer
 
         if self.source == "gguf":
             return ModelTokenizer.from_gguf_metadata(self.gguf_vocab, self.chat_template, source=self.where)
@@ -82,38 +84,6 @@ class LoadedModel:
                 f"{c.n_heads}/{c.n_kv_heads} heads, hidden {c.hidden}, rope theta {c.rope_theta:g} ({rope}), "
                 f"max_seq_len {c.max_seq_len}, tied head {c.tie_embeddings}"
                 + (f", {exact} linear(s) with exact Q4_0 codes" if exact else ""))
-
-
-def load(path, **overrides) -> LoadedModel:
-    """Load a Hugging Face model directory, a .gguf file, or a bundled checkpoint by name
-    (vktrain.models.bundled, e.g. "smollm2-135m-instruct") (module docstring)."""
-    from .bundled import bundled_checkpoint
-
-    path = bundled_checkpoint(str(path)) or Path(path)
-    if path.is_dir():
-        return load_hf_directory(path, **overrides)
-    if path.is_file():
-        from .gguf_import import load_gguf  # the gguf package is needed for GGUF files only
-
-        return load_gguf(path, **overrides)
-    raise ValueError(f"{path}: no such file or directory (expected a Hugging Face model directory with config.json "
-                     f"and *.safetensors, or a .gguf file)")
-
-
-def open_model(spec: str, **overrides) -> tuple[torch.nn.Module, LoadedModel | None]:
-    """What `--model SPEC` names: a built-in preset (-> (model, None)), or a pretrained checkpoint, i.e. a
-    bundled name, a Hugging Face directory or a .gguf file (-> (loaded.model, loaded)). Anything else is
-    refused, naming the presets, the bundled names and the path forms."""
-    from .bundled import BUNDLED_CHECKPOINTS
-    from .registry import available_models, build_model
-
-    if spec in available_models():
-        return build_model(spec, **overrides), None
-    if spec in BUNDLED_CHECKPOINTS or Path(spec).exists():
-        loaded = load(spec, **overrides)
-        return loaded.model, loaded
-    raise ValueError(f"unknown model {spec!r}: not a built-in model ({', '.join(available_models())}), a bundled "
-                     f"checkpoint ({', '.join(BUNDLED_CHECKPOINTS)}), a Hugging Face directory or a .gguf file")
 
 
 def context_max_seq_len(context: int | None, overrides: Mapping[str, Any], where: str) -> dict[str, Any]:

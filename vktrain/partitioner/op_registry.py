@@ -15,7 +15,7 @@ unsupported dtype of an argument or output, symbolic shapes, a shape the op's de
 N % 4, K % 4, group_size % 4, K % group_size), or a prepacked argument that is not a constant.
 
 The registry accepts only what the runtime can execute: `register_op` refuses a key that
-`vktrain.runtime.delegate.op_lowering.supported_ops()` lacks, so the partitioner never delegates an op the GPU
+`vktrain.opdefs.runtime_ops.RUNTIME_OPS` lacks, so the partitioner never delegates an op the GPU
 cannot run (an unregistered op is refused with its reason and stays outside the delegate). The dtypes
 the records accept are the kernels' (float32 math, int32/int64 indices; 32-bit words for copies).
 """
@@ -29,12 +29,11 @@ import torch
 from torch.export import ExportedProgram
 from torch.fx import Node
 
-from vktrain.backend.passes.lora_linear import EXPANDED_OPS
 from vktrain.opdefs import OpDef, Refusal, TensorMeta, op_def
 from vktrain.opdefs.decode_ops import DECODE_OPS
 from vktrain.opdefs.vktrain_ops import VKTRAIN_OPS
 from vktrain.ops._library import dtype_name, torch_dtype
-from vktrain.runtime.delegate.op_lowering import supported_ops as runtime_supported_ops
+from vktrain.opdefs.runtime_ops import EXPANDED_OPS, RUNTIME_OPS
 
 FLOAT = frozenset({torch.float32})
 INDEX = frozenset({torch.int64, torch.int32})
@@ -143,7 +142,7 @@ _REGISTRY: dict[str, OpFeatures] = {}
 # Not a graph op: preprocess resolves a getitem to one of its producer's outputs.
 GETITEM = "getitem"
 # What the runtime executes, and the ops the backend's lora_linear pass rewrites into such ops.
-_RUNTIME_OPS = frozenset(runtime_supported_ops()) | EXPANDED_OPS
+_RUNTIME_OPS = RUNTIME_OPS | EXPANDED_OPS
 _RUNS_AS: dict[str, str] = {}  # registered key -> the op key its calls are rewritten into (register_op's runs_as)
 
 
@@ -151,7 +150,7 @@ def register_op(*keys: str, runs_as: str | None = None) -> Callable[[Callable[[s
     """Register the OpFeatures built by the decorated function `(key) -> OpFeatures` under each key.
 
     Raises ValueError for a key the runtime cannot execute (no lowering or no kernel in
-    vktrain.runtime.delegate.op_lowering), so the partitioner and the runtime cannot drift apart.
+    vktrain.opdefs.runtime_ops), so the partitioner and the runtime cannot drift apart.
     `runs_as`: the op key the calls are rewritten into before they reach the backend (an et_vk op runs as
     its vktrain op, etvk_ops.py); that key must be one the runtime executes."""
     def decorate(build: Callable[[str], OpFeatures]) -> Callable[[str], OpFeatures]:
@@ -162,7 +161,7 @@ def register_op(*keys: str, runs_as: str | None = None) -> Callable[[Callable[[s
             if key != GETITEM and executed not in _RUNTIME_OPS:
                 target = "it" if runs_as is None else f"{runs_as}, which it runs as"
                 raise ValueError(f"op {key} cannot be registered: the vktrain runtime has no lowering or kernel for "
-                                 f"{target} (vktrain.runtime.delegate.op_lowering.supported_ops()), so a delegate "
+                                 f"{target} (vktrain.opdefs.runtime_ops.RUNTIME_OPS), so a delegate "
                                  f"holding it would fail at load")
             features = build(key)
             if features.key != key:

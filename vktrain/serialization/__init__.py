@@ -1,6 +1,12 @@
-"""The vktrain delegate blob: graph dataclasses (graph.py), schema.fbs, and the blob container (blob.py).
+"""The ground floor the AOT side and the runtime both stand on: the formats and the facts about them.
 
-Imports flatbuffers, numpy and vktrain.quant (numpy) only. Names are exported lazily so that the code generator
+The vktrain delegate blob: graph dataclasses (graph.py), schema.fbs, and the blob container (blob.py); the
+.pte reader (pte.py, pte_objects.py, pte_schema/) and its load-time verifier (verify.py); strided tensor
+views (strided_view.py); the model tokenizer (tokenizer.py); PEFT adapter files (peft_adapters.py); device
+profiles (device_profile.py); the schedule of a graph on a device: its Dispatch records (dispatch.py),
+the Schedule record and its bytes (schedule.py, the Schedule table of schema.fbs) and its verifier
+(verify_schedule.py). No torch, no executorch, nothing of vktrain above this floor
+(tests/test_layers.py). Names are exported lazily so that the code generator
 (`python -m vktrain.serialization.generate`) still runs when the generated code is missing or stale.
 """
 from __future__ import annotations

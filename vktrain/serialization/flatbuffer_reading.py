@@ -1,5 +1,5 @@
 """Reading helpers for flatc-generated Python tables, shared by the delegate blob reader (blob.py) and the
-.pte reader (vktrain.runtime.program.pte). flatbuffers only."""
+.pte reader (vktrain.serialization.pte). flatbuffers only."""
 from __future__ import annotations
 
 import struct

@@ -6,7 +6,7 @@
 Two schemas are compiled:
 - vktrain/serialization/schema.fbs (the delegate graph) -> vktrain/serialization/generated/vkt_blob/
 - executorch's program.fbs + scalar_type.fbs (the .pte Program), taken from the installed executorch
-  wheel -> vktrain/runtime/program/pte_schema/executorch_flatbuffer/ (read by vktrain/runtime/program/pte.py)
+  wheel -> vktrain/serialization/pte_schema/executorch_flatbuffer/ (read by vktrain/serialization/pte.py)
 
 flatc names Python modules after the schema namespace, and generated modules import each other by
 that name. So each schema is compiled from a temporary copy whose `namespace` line is rewritten to
@@ -80,7 +80,7 @@ def schema_jobs() -> list[SchemaJob]:
     return [
         SchemaJob((blob_schema,), blob_schema, "vkt_blob", "vktrain.serialization.generated.vkt_blob"),
         SchemaJob((program, scalar_type), program, "executorch_flatbuffer",
-                  "vktrain.runtime.program.pte_schema.executorch_flatbuffer"),
+                  "vktrain.serialization.pte_schema.executorch_flatbuffer"),
     ]
 
 

@@ -1,4 +1,6 @@
-"""LoRA adapters on disk in PEFT's format (numpy + safetensors, no torch).
+"""LoRA adapters in PEFT's format (numpy + safetensors, no torch): writing them, and a program's adapters.
+
+The format and its reader are vktrain/serialization/peft_adapters.py (the AOT side reads adapters too).
 
 An adapter directory holds
   adapter_model.safetensors   base_model.model.<module path>.lora_A.weight  float32 [r, in_features]
@@ -31,35 +33,11 @@ from vktrain.contract import (METADATA_BASE_MODEL, METADATA_LORA_ALPHA, METADATA
                               METADATA_SOURCE_MODEL)
 from vktrain.contract import MODEL_PREFIX as STATE_PREFIX  # the exporter's prefix of model tensors
 from vktrain.train.checkpoint import atomic_write_bytes, atomic_write_json, load_checkpoint, sha256_file
-from vktrain.errors import VktrainError
+from vktrain.serialization.peft_adapters import (ADAPTER_CONFIG, ADAPTER_WEIGHTS, LORA_PARTS, LORA_SUFFIXES,
+                                                 AdapterError, check_pair, load_adapter_config, load_adapters,
+                                                 peft_name)
 
 PathLike = Union[str, os.PathLike]
-
-ADAPTER_WEIGHTS = "adapter_model.safetensors"
-ADAPTER_CONFIG = "adapter_config.json"
-PEFT_PREFIX = "base_model.model."
-_LORA_PARTS = ("lora_A", "lora_B")
-LORA_SUFFIXES = tuple("." + part for part in _LORA_PARTS)  # state names of adapter tensors end so
-
-
-class AdapterError(VktrainError, ValueError):
-    """Adapter tensors or files that do not form valid LoRA adapters."""
-
-
-def peft_name(module_path: str, part: str) -> str:
-    """('layers.0', 'lora_A') -> 'base_model.model.layers.0.lora_A.weight'."""
-    if part not in _LORA_PARTS:
-        raise ValueError(f"LoRA part must be one of {_LORA_PARTS}, got {part!r}")
-    return f"{PEFT_PREFIX}{module_path}.{part}.weight"
-
-
-def _check_pair(module: str, lora_a: np.ndarray, lora_b: np.ndarray) -> None:
-    if lora_a.ndim != 2 or lora_b.ndim != 2:
-        raise AdapterError(f"{module}: lora_A and lora_B must be 2-D, got {list(lora_a.shape)} and {list(lora_b.shape)}")
-    if lora_a.shape[0] != lora_b.shape[1]:
-        raise AdapterError(f"{module}: lora_A is [r, in] and lora_B is [out, r] with the same r; got "
-                           f"{list(lora_a.shape)} and {list(lora_b.shape)}")
-
 
 def adapters_from_state(state: Mapping[str, np.ndarray]) -> dict[str, tuple[np.ndarray, np.ndarray]]:
     """{module path: (A, B)} from a training program's state (`model.<path>.lora_A` / `.lora_B`); other
@@ -69,14 +47,14 @@ def adapters_from_state(state: Mapping[str, np.ndarray]) -> dict[str, tuple[np.n
         if not name.startswith(STATE_PREFIX):
             continue
         module, _, part = name[len(STATE_PREFIX):].rpartition(".")
-        if part in _LORA_PARTS and module:
+        if part in LORA_PARTS and module:
             parts[module][part] = np.asarray(array)
     adapters = {}
     for module, pair in parts.items():
-        missing = [p for p in _LORA_PARTS if p not in pair]
+        missing = [p for p in LORA_PARTS if p not in pair]
         if missing:
             raise AdapterError(f"module {module!r} has {sorted(pair)} but no {missing} in the program's state")
-        _check_pair(module, pair["lora_A"], pair["lora_B"])
+        check_pair(module, pair["lora_A"], pair["lora_B"])
         adapters[module] = (pair["lora_A"], pair["lora_B"])
     if not adapters:
         raise AdapterError(f"no LoRA tensors ({STATE_PREFIX}<module>.lora_A / .lora_B) in the state: "
@@ -125,6 +103,19 @@ class ProgramAdapters:
             family=metadata.get(METADATA_MODEL_FAMILY),
             model_config=parsed(METADATA_MODEL_CONFIG, json.loads, lambda v: isinstance(v, dict), "a JSON object"),
         )
+
+    def family_refusal(self, supported: Sequence[str], where: str, needs: str) -> Optional[str]:
+        """Why the program cannot give `needs` (e.g. "a GGUF adapter"), which only a model of a `supported`
+        family can: None when it can. An older export records no model config (a re-export helps); a model
+        of another kind (the built-in mlp-lora, a module of your own) has no family (a re-export cannot)."""
+        if self.model_config is None:
+            return (f"{where}: {needs} needs the model family and config recorded at export (family None, "
+                    f"supported {tuple(supported)}); re-export the program with this vktrain")
+        if self.family not in supported:
+            model = f"{self.source_model!r}" if self.source_model else "its model"
+            return (f"{where}: {needs} needs a language model of family {', '.join(supported)}; the program was "
+                    f"exported from {model}, of family {self.family} (not a Llama-family language model)")
+        return None
 
     def check_layers(self, adapters: Mapping[str, Any], where: str) -> None:
         """The adapters found in a program's state are the layers its export recorded (when it recorded them)."""
@@ -180,7 +171,7 @@ def save_adapters(directory: PathLike, adapters: Mapping[str, tuple[np.ndarray, 
     tensors = {}
     for module, (lora_a, lora_b) in adapters.items():
         lora_a, lora_b = np.asarray(lora_a), np.asarray(lora_b)
-        _check_pair(module, lora_a, lora_b)
+        check_pair(module, lora_a, lora_b)
         tensors[peft_name(module, "lora_A")] = np.ascontiguousarray(lora_a, dtype=np.float32)
         tensors[peft_name(module, "lora_B")] = np.ascontiguousarray(lora_b, dtype=np.float32)
     config = adapter_config(adapters, lora_alpha, base_model, target_modules)
@@ -188,47 +179,6 @@ def save_adapters(directory: PathLike, adapters: Mapping[str, tuple[np.ndarray, 
     atomic_write_bytes(directory / ADAPTER_WEIGHTS, safetensors.numpy.save(tensors, metadata={"format": "pt"}))
     atomic_write_json(directory / ADAPTER_CONFIG, config)
     return directory
-
-
-def load_adapter_config(directory: PathLike) -> dict:
-    path = Path(directory) / ADAPTER_CONFIG
-    try:
-        config = json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise AdapterError(f"{path} does not exist: not an adapter directory") from None
-    except json.JSONDecodeError as exc:
-        raise AdapterError(f"{path} is not valid JSON: {exc}") from None
-    if config.get("peft_type") != "LORA":
-        raise AdapterError(f"{path}: peft_type is {config.get('peft_type')!r}, expected 'LORA'")
-    return config
-
-
-def load_adapters(directory: PathLike) -> dict[str, tuple[np.ndarray, np.ndarray]]:
-    """{module path: (A [r, in], B [out, r])} from an adapter directory written by `save_adapters` (or PEFT)."""
-    path = Path(directory) / ADAPTER_WEIGHTS
-    if not path.is_file():
-        raise AdapterError(f"{path} does not exist: not an adapter directory")
-    try:
-        tensors = safetensors.numpy.load(path.read_bytes())
-    except Exception as exc:  # safetensors' own error types for a corrupt file
-        raise AdapterError(f"{path} is not a readable safetensors file: {exc}") from None
-    parts: dict[str, dict[str, np.ndarray]] = collections.defaultdict(dict)
-    for name, array in tensors.items():
-        stem = name[len(PEFT_PREFIX):] if name.startswith(PEFT_PREFIX) else None
-        if stem is None or not stem.endswith(".weight"):
-            raise AdapterError(f"{path}: tensor {name!r} is not named {PEFT_PREFIX}<module>.lora_A|lora_B.weight")
-        module, _, part = stem[:-len(".weight")].rpartition(".")
-        if part not in _LORA_PARTS or not module:
-            raise AdapterError(f"{path}: tensor {name!r} is not named {PEFT_PREFIX}<module>.lora_A|lora_B.weight")
-        parts[module][part] = array
-    adapters = {}
-    for module, pair in sorted(parts.items()):
-        missing = [p for p in _LORA_PARTS if p not in pair]
-        if missing:
-            raise AdapterError(f"{path}: module {module!r} has no {missing}")
-        _check_pair(module, pair["lora_A"], pair["lora_B"])
-        adapters[module] = (pair["lora_A"], pair["lora_B"])
-    return adapters
 
 
 def frozen_lora_tensors(graph) -> dict[str, np.ndarray]:
@@ -249,7 +199,7 @@ def check_frozen_lora(adapters: Mapping[str, tuple[np.ndarray, np.ndarray]], fro
     """Adapters given to a program whose lora_A are constants (`frozen`, frozen_lora_tensors) must hold
     exactly those lora_A: the program cannot change them, and its lora_B were trained against them."""
     for module, pair in adapters.items():
-        for part, array in zip(_LORA_PARTS, pair):
+        for part, array in zip(LORA_PARTS, pair):
             constant = frozen.get(f"{STATE_PREFIX}{module}.{part}")
             if constant is None:
                 continue
@@ -265,8 +215,8 @@ def check_frozen_lora(adapters: Mapping[str, tuple[np.ndarray, np.ndarray]], fro
 def read_program_graph(program: PathLike):
     """The delegate graph (vktrain.serialization.graph.VkGraph) of a training-step .pte, read and verified
     torch-free; its `metadata` is what ProgramAdapters.from_metadata reads."""
-    from vktrain.runtime.program.pte import PteFile
-    from vktrain.runtime.program.runner import verify_training_program
+    from vktrain.serialization.pte import PteFile
+    from vktrain.runtime.program.interpreter import verify_training_program
 
     if not Path(program).is_file():
         raise AdapterError(f"program {program} does not exist (or is not a file)")
@@ -310,7 +260,6 @@ def add_program_adapter_arguments(parser) -> None:
                         help="a checkpoint of this program (vktrain train --checkpoint)")
 
 
-__all__ = ["ADAPTER_CONFIG", "ADAPTER_WEIGHTS", "AdapterError", "LORA_SUFFIXES", "PEFT_PREFIX", "ProgramAdapters",
-           "adapter_config", "adapters_from_state", "add_program_adapter_arguments", "check_frozen_lora",
-           "frozen_lora_tensors", "runner_frozen_lora", "load_adapter_config",
-           "load_adapters", "load_program_adapters", "peft_name", "read_program_graph", "save_adapters"]
+__all__ = ["ProgramAdapters", "adapter_config", "adapters_from_state", "add_program_adapter_arguments",
+           "check_frozen_lora", "frozen_lora_tensors", "runner_frozen_lora", "load_program_adapters",
+           "read_program_graph", "save_adapters"]

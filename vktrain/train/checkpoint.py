@@ -100,17 +100,17 @@ TEMP_SUFFIX = ".tmp"
 def atomic_write(path: PathLike, writer: Callable[[BinaryIO], None]) -> None:
     """Write `path` through `writer(file)` so that readers see either the old file or the complete new one.
 
-    The data goes to a temporary file in the same directory (same file system, so the rename is atomic),
+    The data goes to a temporary file in the same directory (created with its missing parents; same file
+    system, so the rename is atomic),
     is flushed and fsync'ed, then os.replace()s the destination. If `writer` raises, the temporary file
     is removed and the destination is untouched. An OSError (disk full, ...) becomes OutputWriteError
     naming `path`.
     """
     path = Path(path)
     directory = path.parent if str(path.parent) else Path(".")
-    if not directory.is_dir():
-        raise OutputWriteError(f"cannot write {path}: directory {directory} does not exist")
     tmp_name = None
     try:
+        directory.mkdir(parents=True, exist_ok=True)  # created when written: a failed run leaves none empty
         fd, tmp_name = tempfile.mkstemp(prefix=_temp_prefix(path), suffix=TEMP_SUFFIX, dir=directory)
         with os.fdopen(fd, "wb") as file:
             writer(file)
@@ -400,6 +400,12 @@ class CheckpointSeries:
             if number.isdigit():
                 files[int(number)] = candidate
         return files
+
+    def holds(self, path: PathLike) -> bool:
+        """Whether `path` is one of the series' files (its newest or a step-named one)."""
+        path = Path(path)
+        return path.absolute() == self.path.absolute() or any(
+            path.absolute() == p.absolute() for p in self._step_files().values())
 
     def kept(self) -> list[tuple[str, int]]:
         """(path, step) of every checkpoint of the series on disk, newest step first; `path` itself first."""

@@ -6,7 +6,8 @@ vktrain/train/input_data.py), with the same loop, schedule, checkpoints and outp
 flags (TOKEN_DATA_FLAGS) are refused with `--inputs`, naming them.
 
 Everything that can be checked before the first step is: argument ranges as the program receives them
-(float32), every output path (parents created, writable, of the right kind), the checkpoint to resume
+(float32), every output path (vktrain.train.outputs: writable, no input, no file vktrain did not write,
+no other run's checkpoint), the checkpoint to resume
 (read and verified in full), the data and the program. A run never trains for minutes to fail on a flag.
 With VKTRAIN_VALIDATION=1 the Vulkan validation layer's messages are printed when the run ends, and a
 run that produced validation errors fails.
@@ -17,9 +18,8 @@ import argparse
 import importlib.util
 import json
 import math
-import os
+import signal
 import sys
-import tempfile
 from pathlib import Path
 from typing import Optional
 
@@ -28,19 +28,23 @@ from tqdm import tqdm
 from vktrain.contract import ADAMW_DEFAULTS, METADATA_BAKED_SCALARS, PRECISION_AUTO, PRECISION_CHOICES
 from vktrain.errors import VktrainError
 from vktrain.runtime.runtimes import add_runtime_argument, max_binding_bytes
-from vktrain.train.adapters import (ADAPTER_CONFIG, ADAPTER_WEIGHTS, LORA_SUFFIXES, ProgramAdapters,
-                                    adapters_from_state, runner_frozen_lora, save_adapters)
+from vktrain.serialization.peft_adapters import LORA_SUFFIXES
+from vktrain.train.adapters import ProgramAdapters, adapters_from_state, runner_frozen_lora, save_adapters
 from vktrain.train.gguf_adapter import check_gguf_adapter_program, save_gguf_adapter
 from vktrain.train.checkpoint import (
     CheckpointError,
+    CheckpointSeries,
     load_checkpoint,
-    remove_stale_temp_files,
     restore_state,
     sha256_file,
 )
+from vktrain.train.best import BestKeeper, add_best_arguments, check_best_arguments
 from vktrain.train.data import TokenBatcher, default_dataset_path, load_data
+from vktrain.train.interrupts import Interrupted, StopOnSignal, resume_command, signal_name
 from vktrain.train.lr_schedule import SCHEDULES, LRSchedule
-from vktrain.train.tokenizer import program_tokenizer
+from vktrain.serialization.tokenizer import program_tokenizer
+from vktrain.train.outputs import (CHECKPOINT, GGUF_ADAPTER, PEFT_DIRECTORY, PNG, Output, OutputKind,
+                                   add_overwrite_argument, check_outputs, json_records)
 from vktrain.train.train_loop import (
     MAX_STEPS,
     ON_NONFINITE,
@@ -93,10 +97,12 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     parser.add_argument("--eps", type=float, help=f"AdamW eps (default {ADAMW_DEFAULTS['eps']})")
     parser.add_argument("--weight-decay", type=float,
                         help=f"AdamW decoupled weight decay (default {ADAMW_DEFAULTS['weight_decay']}, torch.optim.AdamW's)")
-    parser.add_argument("--checkpoint-every", type=int, default=0, metavar="K",
-                        help="write a checkpoint every K steps (and after the last step)")
+    parser.add_argument("--checkpoint-every", type=int, metavar="K",
+                        help="write a checkpoint every K >= 1 steps (default: only after the last step)")
     parser.add_argument("--checkpoint", metavar="PATH",
-                        help="checkpoint file (safetensors), written atomically; default with --resume: that file")
+                        help="checkpoint file (safetensors), written atomically; default with --resume: that file; "
+                             "an existing one is only continued (--resume), never replaced by another run unless "
+                             "--overwrite")
     parser.add_argument("--keep-checkpoints", type=int, default=1, metavar="K",
                         help="keep the last K checkpoints: PATH is the newest, the K-1 before it stay as "
                              "PATH's name with .step<N> before the suffix (default 1)")
@@ -120,7 +126,9 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     add_runtime_argument(parser)
     parser.add_argument("--seed", type=int, help="data shuffling seed (default 0; a resumed run keeps its checkpoint's)")
     parser.add_argument("--no-shuffle", action="store_true", help="read windows in file order")
-    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.add_argument("--no-progress", action="store_true",
+                        help="no progress bar (there is none when stderr is not a terminal: a log file gets the "
+                             "--log-every lines alone)")
     parser.add_argument("--plot", metavar="FILE.png", help="write the loss curve of the whole run as a PNG")
     parser.add_argument("--eval-data", metavar="FILE",
                         help="held-out token data: its loss (the .pte's eval method) is printed before training, "
@@ -131,6 +139,8 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
                         help="with --eval-data: evaluate only its first N batches (default: all of it)")
     parser.add_argument("--log-every", type=int, default=1, metavar="N",
                         help="print step, loss and lr every N steps (default 1; 0: only the summary)")
+    add_overwrite_argument(parser)
+    add_best_arguments(parser)  # --keep-best, --early-stopping (vktrain/train/best.py)
     return parser
 
 
@@ -138,34 +148,26 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
 # Checks before the run
 # ------------------------------------------------------------------------------------------------
 
-def _check_writable_directory(flag: str, given: str, directory: Path) -> None:
-    """Create `directory` (and its parents) if needed and prove a file can be created in it."""
-    try:
-        directory.mkdir(parents=True, exist_ok=True)
-        fd, probe = tempfile.mkstemp(prefix=".vktrain-write-probe.", dir=directory)
-        os.close(fd)
-        os.unlink(probe)
-    except OSError as exc:
-        raise TrainConfigError(f"{flag} {given}: cannot write there ({directory}: {exc.strerror or exc})") from None
+# What train writes to --json (the per-step records): a file of this kind may be replaced.
+TRAIN_RECORDS = OutputKind("vktrain train's JSON records", json_records("step"))
 
 
-def prepare_output_file(flag: str, path: str) -> None:
-    """An output file: not a directory; its directory created and writable; stale temp files removed."""
-    target = Path(path)
-    if target.is_dir():
-        raise TrainConfigError(f"{flag} {path} is a directory; expected a file name")
-    _check_writable_directory(flag, path, target.absolute().parent)
-    remove_stale_temp_files(target)
-
-
-def prepare_adapter_directory(flag: str, path: str) -> None:
-    """The adapter directory: not a file; created and writable; stale temp files of its files removed."""
-    target = Path(path)
-    if target.exists() and not target.is_dir():
-        raise TrainConfigError(f"{flag} {path} is a file; expected a directory (it will hold the adapter files)")
-    _check_writable_directory(flag, path, target)
-    for name in (ADAPTER_WEIGHTS, ADAPTER_CONFIG):
-        remove_stale_temp_files(target / name)
+def check_train_outputs(args: argparse.Namespace) -> None:
+    """Every output of the run (vktrain.train.outputs' rules): not an input, not a file vktrain did not
+    write, not another run's checkpoint, writable. `--resume` alone writes its own checkpoint; resuming a
+    kept checkpoint of the --checkpoint series (PATH's .step<N> file) continues the run PATH holds."""
+    continued = args.resume
+    if args.resume and args.checkpoint and CheckpointSeries(args.checkpoint).holds(args.resume):
+        continued = args.checkpoint
+    checkpoint = Output("--checkpoint", args.checkpoint, CHECKPOINT, continues=continued) if args.checkpoint else \
+        Output("--resume", args.resume, CHECKPOINT, continues=continued)
+    check_outputs(
+        [checkpoint, Output("--json", args.json, TRAIN_RECORDS), Output("--plot", args.plot, PNG),
+         Output("--out-adapters", args.out_adapters, PEFT_DIRECTORY),
+         Output("--out-gguf-adapter", args.out_gguf_adapter, GGUF_ADAPTER)],
+        inputs=[("the program", args.program), ("--data", args.data), ("--inputs", args.inputs),
+                ("--eval-data", args.eval_data), ("--resume", args.resume)],
+        overwrite=args.overwrite)
 
 
 def hyperparameter(args: argparse.Namespace, dest: str):
@@ -177,8 +179,10 @@ def hyperparameter(args: argparse.Namespace, dest: str):
 def check_arguments(args: argparse.Namespace) -> tuple[LRSchedule, AdamWConfig]:
     """Every argument in range as the run will use it; the schedule and optimizer settings."""
     lr, warmup = hyperparameter(args, "lr"), hyperparameter(args, "warmup")
-    for flag, value, low in (("--steps", args.steps, 1), ("--warmup", warmup, 0),
-                             ("--checkpoint-every", args.checkpoint_every, 0), ("--log-every", args.log_every, 0),
+    if args.checkpoint_every is not None and args.checkpoint_every < 1:
+        raise TrainConfigError(f"--checkpoint-every must be >= 1, got {args.checkpoint_every} (leave it out to "
+                               f"checkpoint only after the last step)")
+    for flag, value, low in (("--steps", args.steps, 1), ("--warmup", warmup, 0), ("--log-every", args.log_every, 0),
                              ("--keep-checkpoints", args.keep_checkpoints, 1), ("--eval-every", args.eval_every, 0)):
         if value < low:
             raise TrainConfigError(f"{flag} must be >= {low}, got {value}")
@@ -192,18 +196,19 @@ def check_arguments(args: argparse.Namespace) -> tuple[LRSchedule, AdamWConfig]:
         raise TrainConfigError("--checkpoint-every needs --checkpoint PATH (where to write them)")
     if args.keep_checkpoints > 1 and not (args.checkpoint or args.resume):
         raise TrainConfigError("--keep-checkpoints needs --checkpoint PATH (where to write them)")
-    if args.eval_every and not args.eval_data:
-        raise TrainConfigError("--eval-every needs --eval-data FILE (the held-out data)")
-    if args.eval_batches is not None and args.eval_data is None:
-        raise TrainConfigError("--eval-batches needs --eval-data FILE (the held-out data)")
-    from vktrain.train.eval_command import check_max_batches
-
-    check_max_batches("--eval-batches", args.eval_batches)
-    if args.inputs is not None:
+    if args.inputs is not None:  # first: the token data flags' own needs (--eval-every's --eval-data) do not apply
         given = [flag for flag, dest in TOKEN_DATA_FLAGS.items() if getattr(args, dest)]
         if given:
             raise TrainConfigError(f"{', '.join(given)} cannot apply with --inputs: they describe token data (a "
                                    f"token model's step); --inputs {args.inputs} gives the step's input arrays")
+    if args.eval_every and not args.eval_data:
+        raise TrainConfigError("--eval-every needs --eval-data FILE (the held-out data)")
+    if args.eval_batches is not None and args.eval_data is None:
+        raise TrainConfigError("--eval-batches needs --eval-data FILE (the held-out data)")
+    from vktrain.train.held_out import check_max_batches
+
+    check_max_batches("--eval-batches", args.eval_batches)
+    check_best_arguments(args)
     if args.plot and importlib.util.find_spec("matplotlib") is None:
         raise TrainConfigError("--plot needs matplotlib (pip install matplotlib)")
     schedule = LRSchedule(hyperparameter(args, "schedule"), lr, args.steps, warmup, hyperparameter(args, "min_lr_ratio"))
@@ -266,11 +271,18 @@ def print_validation_messages(device) -> int:
 
 
 def run_train(args: argparse.Namespace, device=None) -> int:
-    """`vktrain train`: 0 on success, 130 when interrupted (Ctrl-C, after saying what was kept; re-raised
-    before the loop started). Bad input and divergence raise (a VktrainError; NonFiniteLossError for a
-    diverged loss): vktrain.cli turns them into one line and an exit code. `device`: a vktrain.runtime
-    Device to run on, whose validation messages stay with it (None: the runner opens the default one,
-    and its validation messages are printed here)."""
+    """`vktrain train`: 0 on success; 130 (SIGINT) / 143 (SIGTERM) when a signal stopped the loop, after
+    checkpointing (with --checkpoint), writing --json / --plot and saying how to resume
+    (vktrain.train.interrupts; a signal outside the loop, or a second one, raises Interrupted). Bad input
+    and divergence raise (a VktrainError; NonFiniteLossError for a diverged loss): vktrain.cli turns them
+    into one line and an exit code. `device`: a vktrain.runtime Device to run on, whose validation
+    messages stay with it (None: the runner opens the default one, and its validation messages are
+    printed here)."""
+    with StopOnSignal("train") as stop:
+        return _run_train(args, device, stop)
+
+
+def _run_train(args: argparse.Namespace, device, stop: StopOnSignal) -> int:
     from vktrain.runtime.program.runner import TrainingRunner  # opens Vulkan: imported only when a run starts
 
     program_path = Path(args.program)
@@ -278,13 +290,7 @@ def run_train(args: argparse.Namespace, device=None) -> int:
         raise TrainConfigError(f"program {program_path} does not exist (or is not a file)")
     schedule, optimizer = check_arguments(args)
     checkpoint_path = args.checkpoint or args.resume
-    # Found now, not when the first checkpoint is due after minutes of training.
-    for flag, target in (("--checkpoint", checkpoint_path), ("--json", args.json), ("--plot", args.plot),
-                         ("--out-gguf-adapter", args.out_gguf_adapter)):
-        if target:
-            prepare_output_file(flag, target)
-    if args.out_adapters:
-        prepare_adapter_directory("--out-adapters", args.out_adapters)
+    check_train_outputs(args)  # found now, not when the first checkpoint is due after minutes of training
     resume = load_checkpoint(args.resume) if args.resume else None
     if resume is not None and args.seed is not None and args.seed != resume.data_seed:
         raise TrainConfigError(f"--seed {args.seed} differs from the checkpoint's data seed {resume.data_seed}: the "
@@ -292,14 +298,20 @@ def run_train(args: argparse.Namespace, device=None) -> int:
     seed = resume.data_seed if resume is not None else (0 if args.seed is None else args.seed)
     data_path = Path(args.inputs) if args.inputs else Path(args.data) if args.data else default_dataset_path()
     program_sha256 = sha256_file(program_path)
+    if resume is not None and resume.program_sha256 != program_sha256:  # before the data, whose batching it sets
+        raise CheckpointError(f"--resume {args.resume} was written by a run of a different program (.pte sha256 "
+                              f"{resume.program_sha256[:16]}..., {args.program} is {program_sha256[:16]}...: another "
+                              f"export, e.g. of another --batch or --seq); a checkpoint resumes only onto the .pte "
+                              f"it came from")
 
-    runner = TrainingRunner.from_pte(program_path, device, precision=args.precision,
+    # timing=False: no GPU timestamps (train reads none; on a GPU they cost time per dispatch).
+    runner = TrainingRunner.from_pte(program_path, device, precision=args.precision, timing=False,
                                      runtime=getattr(args, "runtime", None), max_binding_bytes=max_binding_bytes(args))
     own_device = getattr(runner, "device", None) if device is None else None  # a caller's device: its messages
     try:
         with runner:
-            state, start = _train_loaded(args, runner, schedule, optimizer, resume, seed, data_path,
-                                         program_sha256, checkpoint_path)
+            state, start, before = _train_loaded(args, runner, schedule, optimizer, resume, seed, data_path,
+                                                 program_sha256, checkpoint_path, stop)
     except BaseException:
         print_validation_messages(own_device)  # shown, but the error in flight wins
         raise
@@ -307,12 +319,14 @@ def run_train(args: argparse.Namespace, device=None) -> int:
     if errors:
         raise ValidationErrorsReported(f"the Vulkan validation layer reported {errors} error(s) (printed above); "
                                        f"the run's results are not trustworthy")
-    if state is None:
-        return 130
     if args.plot and state.records:
         from vktrain.train.plot import plot_losses
 
-        plot_losses(state.records, args.plot, title=f"vktrain train {program_path.name}")
+        plot_losses(([before] if before else []) + state.records, args.plot,
+                    title=f"vktrain train {program_path.name}")
+    if _stopped_early(args, state, stop):
+        _report_stop(args, state, stop)
+        return stop.exit_code
     new_records = state.records[start:]
     summary = f"trained steps {start + 1}..{state.step}" if new_records else f"nothing to train (already at step {state.step})"
     if new_records:
@@ -325,24 +339,52 @@ def run_train(args: argparse.Namespace, device=None) -> int:
     return 0
 
 
-def _held_out_evaluation(args, runner, info):
+def _stopped_early(args, state: TrainState, stop: StopOnSignal) -> bool:
+    """A signal ended the loop before --steps (one that came after the last step stops nothing)."""
+    return stop.requested() and state.step < args.steps
+
+
+def _report_stop(args, state: TrainState, stop: StopOnSignal) -> None:
+    """What a run stopped by a signal kept, and the command that continues it."""
+    lines = [f"vktrain train: stopped by {signal_name(stop.signum)} after step {state.step} of {args.steps}"]
+    if state.last_checkpoint is not None:
+        path, step = state.last_checkpoint
+        lines.append(f"saved checkpoint {path} (step {step}); resume with:")
+        lines.append(f"  {resume_command(getattr(args, 'command_line', None) or sys.argv[1:], path)}")
+    else:
+        lines.append("nothing to resume from was saved: pass --checkpoint PATH to have an interrupted run "
+                     "checkpointed (and --resume PATH to continue it)")
+    for label, value in (("records", args.json), ("loss plot", args.plot)):
+        if value and state.records:
+            lines.append(f"saved {label} {value} (steps 1..{state.step})")
+    for flag in ("--out-adapters", "--out-gguf-adapter"):
+        value = getattr(args, flag[2:].replace("-", "_"))
+        if value:
+            lines.append(f"not written: {flag} {value} (the run did not finish; resume it to write them)")
+    print("\n".join(lines), file=sys.stderr, flush=True)
+
+
+def _held_out_evaluation(args, runner, info, start: int):
     """`train`'s after_step for --eval-data (None without it): the held-out loss at the --eval-every steps
-    and the last one. Evaluates once right away, so a program without an eval method fails before training."""
+    and the last one; and the record of the loss before training ({"step": start, "eval_loss"}, for the
+    JSON log and the plot). Evaluates once right away, so a program without an eval method fails before
+    training."""
     if args.eval_data is None:
-        return None
-    from vktrain.train.eval_command import evaluate_data
+        return None, None
+    from vktrain.train.held_out import evaluate_batches, prepare_eval_batches
 
     held_out = load_data(args.eval_data, info.vocab_size, program_tokenizer(runner, args.program))
-    before = evaluate_data(runner, held_out, args.eval_batches)
+    batches = prepare_eval_batches(held_out, runner.batch_shape, args.eval_batches)  # once: the data is fixed
+    before = evaluate_batches(runner, batches)
     print(f"eval before training: loss {before['loss']:.6f} over {before['tokens']} tokens ({args.eval_data})")
 
     def after_step(step: int) -> dict:
         if not ((args.eval_every and step % args.eval_every == 0) or step == args.steps):
             return {}
-        loss = evaluate_data(runner, held_out, args.eval_batches)["loss"]
+        loss = evaluate_batches(runner, batches)["loss"]
         tqdm.write(f"step {step:6d}  eval loss {loss:.6f}", file=sys.stdout)
         return {"eval_loss": loss}
-    return after_step
+    return after_step, {"step": start, "eval_loss": before["loss"]}
 
 
 def _training_batches(args, runner, data_path: Path, seed: int):
@@ -368,8 +410,9 @@ def _training_batches(args, runner, data_path: Path, seed: int):
 
 
 def _train_loaded(args, runner, schedule, optimizer, resume, seed, data_path, program_sha256,
-                  checkpoint_path) -> tuple[Optional[TrainState], int]:
-    """The run once the program is loaded: (final state, first step's index), state None when interrupted."""
+                  checkpoint_path, stop: StopOnSignal) -> tuple[TrainState, int, Optional[dict]]:
+    """The run once the program is loaded: (final state, first step's index, the record of the held-out
+    loss before training or None); no adapters are written when a signal stopped it early."""
     metadata = dict(getattr(getattr(runner, "graph", None), "metadata", {}) or {})
     if not takes_hparams(runner):
         schedule, optimizer, baked = baked_hyperparameters(args, metadata, args.steps)
@@ -399,20 +442,39 @@ def _train_loaded(args, runner, schedule, optimizer, resume, seed, data_path, pr
                   f"({'; '.join(differences)}): steps after {resume.step} will not match an uninterrupted run",
                   file=sys.stderr)
     start = state.step
-    after_step = _held_out_evaluation(args, runner, info)
+    after_step, evaluated = _held_out_evaluation(args, runner, info, start)
+    # The loss before a fresh run leads its JSON log as step 0; a resumed run's log is its checkpoint's steps.
+    before = evaluated if start == 0 else None
+    keeper = BestKeeper.for_run(args, runner, state, program_sha256, batches, run_config(schedule, optimizer, batches))
+    if keeper is not None:
+        after_step = keeper.wrap(after_step)
+
+    def stop_requested() -> bool:  # a signal, or --early-stopping's rule
+        return stop.requested() or (keeper is not None and keeper.should_stop())
     print(f"{described}; steps {start + 1}..{args.steps}", file=sys.stderr)
     print(f"{args.program}: {runner.gemm_report()}", file=sys.stderr)
     try:
-        train(runner, batches, args.steps, schedule, optimizer, state=state,  # updates `state` in place
-              checkpoint_every=args.checkpoint_every, checkpoint_path=checkpoint_path,
-              keep_checkpoints=args.keep_checkpoints, program_sha256=program_sha256, json_path=args.json,
-              progress=not args.no_progress, log_every=args.log_every, on_nonfinite=args.on_nonfinite,
-              after_step=after_step)
-    except KeyboardInterrupt:
-        where = (f"the last checkpoint is {state.last_checkpoint[0]} (step {state.last_checkpoint[1]})"
-                 if state.last_checkpoint else "no checkpoint was written")
-        print(f"vktrain train: interrupted after step {state.step}; {where}", file=sys.stderr)
-        return None, start
+        with stop.deferred():
+            train(runner, batches, args.steps, schedule, optimizer, state=state,  # updates `state` in place
+                  checkpoint_every=args.checkpoint_every or 0, checkpoint_path=checkpoint_path,
+                  keep_checkpoints=args.keep_checkpoints, program_sha256=program_sha256, json_path=args.json,
+                  progress=not args.no_progress and sys.stderr.isatty(), log_every=args.log_every,
+                  on_nonfinite=args.on_nonfinite, after_step=after_step, stop_requested=stop_requested,
+                  first_record=before)
+    except KeyboardInterrupt as exc:  # a second signal (or a Ctrl-C no handler caught): nothing more is saved
+        signum = getattr(exc, "signum", signal.SIGINT)
+        where = "no checkpoint was written"
+        if state.last_checkpoint:
+            path, step = state.last_checkpoint
+            where = (f"the last checkpoint is {path} (step {step}); resume with: "
+                     f"{resume_command(getattr(args, 'command_line', None) or sys.argv[1:], path)}")
+        print(f"vktrain train: interrupted after step {state.step} ({signal_name(signum)}, stopping at once); "
+              f"{where}", file=sys.stderr, flush=True)
+        raise Interrupted(signum, reported=True) from None
+    if _stopped_early(args, state, stop):
+        return state, start, before
+    if keeper is not None:
+        keeper.finish()  # the best state back in the runner: its adapters are written
     if wants_adapters:
         lora_state = {name: runner.read_state(name) for name in runner.state_names if name.endswith(LORA_SUFFIXES)}
         # A --freeze-lora-a program's lora_A are constants, not state.
@@ -423,9 +485,9 @@ def _train_loaded(args, runner, schedule, optimizer, resume, seed, data_path, pr
         save_adapters(args.out_adapters, adapters, alpha, base_model, recorded.target_modules)
     if args.out_gguf_adapter:
         save_gguf_adapter(args.out_gguf_adapter, adapters, alpha, recorded, args.program)
-    return state, start
+    return state, start, before
 
 
 __all__ = ["HYPERPARAMETER_DEFAULTS", "HYPERPARAMETER_FLAGS", "TOKEN_DATA_FLAGS", "ValidationErrorsReported", "add_train_arguments",
-           "baked_hyperparameters", "check_arguments", "hyperparameter", "prepare_adapter_directory",
-           "prepare_output_file", "print_validation_messages", "run_train"]
+           "baked_hyperparameters", "check_arguments", "check_train_outputs", "hyperparameter",
+           "print_validation_messages", "run_train"]

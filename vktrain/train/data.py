@@ -4,10 +4,12 @@ deterministic, position-addressed batcher.
 Data files (`load_data`), chosen by name:
   *.npy          a 1-D integer array of token ids (any integer dtype; memory-mapped, kept in its dtype)
   *.tokens.txt   token ids as whitespace-separated decimal integers
-  *.jsonl        one JSON object per line, tokenized with the model's tokenizer (vktrain.train.tokenizer):
+  *.jsonl        one JSON object per line, tokenized with the model's tokenizer (vktrain.serialization.tokenizer):
                  {"text": "..."} a document; {"messages": [{"role", "content"}, ...]} a conversation,
                  rendered with the model's chat template, where only the assistant turns are trained
-                 (every other token's label is -100)
+                 (every other token's label is -100); without a tokenizer (a 256-byte vocabulary) each
+                 {"text"} row is read as its UTF-8 bytes and a newline
+  *.json         one JSON array of those rows
   anything else  text (UTF-8): with a tokenizer, the whole file is one document; without one, byte-level
                  (every byte one token 0..255), which is only accepted for a vocabulary of 256 bytes
 Documents are tokenized as the tokenizer encodes a text (with its own BOS, where it adds one) and each is
@@ -42,13 +44,14 @@ import numpy as np
 from vktrain.errors import VktrainError
 
 if TYPE_CHECKING:
-    from vktrain.train.tokenizer import ModelTokenizer
+    from vktrain.serialization.tokenizer import ModelTokenizer
 
 PathLike = Union[str, os.PathLike]
 
 BYTE_VOCAB_SIZE = 256
 TOKEN_TEXT_SUFFIX = ".tokens.txt"
 JSONL_SUFFIX = ".jsonl"
+JSON_SUFFIX = ".json"  # one JSON array of the rows a *.jsonl file holds one per line
 IGNORED_LABEL = -100  # the label of a token that is no target (the fused cross-entropy ignores labels < 0)
 _CHUNK = 1 << 24  # tokens per chunk when scanning or hashing a whole stream
 
@@ -107,19 +110,15 @@ def is_token_file(path: PathLike) -> bool:
 
 def is_byte_level(path: PathLike, tokenizer: Optional["ModelTokenizer"] = None) -> bool:
     """Whether `load_data` reads this file as byte-level text (every byte one token 0..255)."""
-    return tokenizer is None and not is_token_file(path) and not Path(path).name.lower().endswith(JSONL_SUFFIX)
+    return tokenizer is None and not is_token_file(path)
 
 
 def check_byte_level_fits(path: PathLike, vocab_size: int, tokenizer: Optional["ModelTokenizer"] = None) -> None:
     """Text with no tokenizer is read byte-level (token = byte), which is only the model's own tokenization
     when the vocabulary is the 256 bytes: for any other vocabulary (a pretrained model's 32000 or 49152
-    tokens) the ids would all be valid and train silently on nonsense, so it is refused; JSONL always
-    needs the tokenizer."""
+    tokens) the ids would all be valid and train silently on nonsense, so it is refused (JSON rows too)."""
     if tokenizer is not None or is_token_file(path):
         return
-    if Path(path).name.lower().endswith(JSONL_SUFFIX):
-        raise DataError(f"{path}: JSONL data is tokenized with the model's tokenizer, but this program carries "
-                        f"none (export it from a Hugging Face directory or a GGUF file, which carry theirs)")
     if vocab_size != BYTE_VOCAB_SIZE:
         raise DataError(f"{path} would be read as byte-level text (token id = byte, 0..255), but this program "
                         f"carries no tokenizer and its vocabulary has {vocab_size} tokens, not the "
@@ -174,7 +173,7 @@ class _Packer:
         self.labels += ids
 
     def conversation(self, messages: list, where: str) -> None:
-        from vktrain.train.tokenizer import TokenizerError
+        from vktrain.serialization.tokenizer import TokenizerError
 
         try:
             ids, trained = self.tokenizer.encode_chat(messages)
@@ -211,6 +210,33 @@ def _read_text(path: Path) -> str:
         raise DataError(f"{path}: text data must be UTF-8 ({exc})") from None
 
 
+class _BytePacker(_Packer):
+    """Rows of a program without a tokenizer (a vocabulary of the 256 bytes): each {"text"} document's
+    UTF-8 bytes followed by a newline, as the lines of a text file are read; chats need a chat template."""
+
+    def __init__(self, source: str) -> None:
+        self.source, self.tokens, self.labels, self.masked = source, [], [], False
+
+    def document(self, text: str, where: str) -> None:
+        ids = list((text + "\n").encode("utf-8"))
+        self.tokens += ids
+        self.labels += ids
+
+    def conversation(self, messages: list, where: str) -> None:
+        raise DataError(f'{where}: a {{"messages"}} chat is rendered with the model\'s chat template, but this '
+                        f"program carries no tokenizer (export it from a Hugging Face directory or a GGUF file, "
+                        f'which carry theirs); without one only {{"text"}} rows are read, as bytes')
+
+
+def _add_row(row, where: str, packer: _Packer) -> None:
+    if isinstance(row, dict) and isinstance(row.get("text"), str):
+        packer.document(row["text"], where)
+    elif isinstance(row, dict) and "messages" in row:
+        packer.conversation(_check_messages(row["messages"], where), where)
+    else:
+        raise DataError(f'{where}: expected {{"text": string}} or {{"messages": [...]}}, got {json.dumps(row)[:80]}')
+
+
 def _load_jsonl(path: Path, packer: _Packer) -> None:
     for number, line in enumerate(_read_text(path).splitlines(), start=1):
         if not line.strip():
@@ -220,12 +246,20 @@ def _load_jsonl(path: Path, packer: _Packer) -> None:
             row = json.loads(line)
         except json.JSONDecodeError as exc:
             raise DataError(f"{where}: not a JSON object ({exc})") from None
-        if isinstance(row, dict) and isinstance(row.get("text"), str):
-            packer.document(row["text"], where)
-        elif isinstance(row, dict) and "messages" in row:
-            packer.conversation(_check_messages(row["messages"], where), where)
-        else:
-            raise DataError(f'{where}: expected {{"text": string}} or {{"messages": [...]}}, got {line.strip()[:80]}')
+        _add_row(row, where, packer)
+
+
+def _load_json(path: Path, packer: _Packer) -> None:
+    """A .json file: one JSON array of the rows a *.jsonl file holds one per line."""
+    try:
+        rows = json.loads(_read_text(path))
+    except json.JSONDecodeError as exc:
+        raise DataError(f"{path}: not valid JSON ({exc})") from None
+    if not isinstance(rows, list):
+        raise DataError(f'{path}: a .json data file holds one array of rows ({{"text"}} or {{"messages"}} objects), '
+                        f"got a JSON {type(rows).__name__}; for one row per line use *{JSONL_SUFFIX}")
+    for index, row in enumerate(rows):
+        _add_row(row, f"{path}[{index}]", packer)
 
 
 def load_data(path: PathLike, vocab_size: int, tokenizer: Optional["ModelTokenizer"] = None) -> TrainingData:
@@ -235,12 +269,13 @@ def load_data(path: PathLike, vocab_size: int, tokenizer: Optional["ModelTokeniz
     if not path.is_file():
         raise DataError(f"data file {path} does not exist (or is not a file)")
     check_byte_level_fits(path, vocab_size, tokenizer)
-    if tokenizer is None or is_token_file(path):
+    rows = {JSONL_SUFFIX: _load_jsonl, JSON_SUFFIX: _load_json}.get(path.suffix.lower())
+    if is_token_file(path) or (tokenizer is None and rows is None):
         data = TrainingData(load_tokens(path))
     else:
-        packer = _Packer(tokenizer, str(path))
-        if path.name.lower().endswith(JSONL_SUFFIX):
-            _load_jsonl(path, packer)
+        packer = _Packer(tokenizer, str(path)) if tokenizer is not None else _BytePacker(str(path))
+        if rows is not None:
+            rows(path, packer)
         else:
             packer.document(_read_text(path), str(path))
         data = packer.result()

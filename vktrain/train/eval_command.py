@@ -1,13 +1,10 @@
 """`vktrain eval STEP.pte --data FILE [--adapters DIR|CHECKPOINT] [--json FILE]` (torch-free): mean loss
 and perplexity on held-out data, by the eval method exported with the training step.
 
-Held-out batches (`eval_batches`) cover every next-token target of the stream exactly once: rows of S
-targets start every S tokens (row r predicts tokens r*S + 1 .. r*S + S from the S before), the last row
-takes what is left, and rows of the last batch that the data does not fill are padding. Padding is label
--100 (ignored): the loss is the cross-entropy summed over every real target divided by their number,
-`tokens` in the report. No optimizer state is read or written; the adapters are the .pte's initial ones,
-or those of `--adapters` (a PEFT directory written by `vktrain train --out-adapters`, or a vktrain
-checkpoint .safetensors), written into the training state the eval method reads.
+The held-out batches and their loss are vktrain/train/held_out.py's (`vktrain train --eval-data` uses
+them too). No optimizer state is read or written; the adapters are the .pte's initial ones, or those of
+`--adapters` (a PEFT directory written by `vktrain train --out-adapters`, or a vktrain checkpoint
+.safetensors), written into the training state the eval method reads.
 
 A step of any other module (`vktrain train --inputs`) is evaluated on `--inputs DATA.npz` (the arrays
 `vktrain train --inputs` reads, named as the eval method's inputs: one batch, or a stack cycled through
@@ -15,25 +12,33 @@ once): the loss is the mean of the eval method's loss over those batches, each w
 module's loss defines its own reduction within a batch). This needs the eval method
 (vktrain.export.export_training_and_eval_steps); a .pte without one is refused, saying so. `--adapters`
 is then a vktrain checkpoint (its model.* tensors: everything the step trained).
+
+`--generate` measures task accuracy instead of the loss: greedy answers to the held-out chats of --data
+by the model the .pte holds with the adapters given (vktrain/generate/task_accuracy.py; it exports a
+prefill/decode program on the host, so this path imports torch).
 """
 from __future__ import annotations
 
 import argparse
 import math
 from pathlib import Path
-from typing import Iterator, Mapping
+from typing import Mapping
 
 import numpy as np
 
 from vktrain.contract import METADATA_LORA_ALPHA, MODEL_PREFIX
 from vktrain.runtime.runtimes import add_runtime_argument, max_binding_bytes
-from vktrain.train.adapters import (ADAPTER_CONFIG, AdapterError, check_frozen_lora, runner_frozen_lora,
-                                    load_adapter_config, load_adapters)
+from vktrain.serialization.peft_adapters import ADAPTER_CONFIG, AdapterError, load_adapter_config, load_adapters
+from vktrain.train.adapters import check_frozen_lora, runner_frozen_lora
 from vktrain.train.checkpoint import atomic_write_json, load_checkpoint
-from vktrain.train.data import IGNORED_LABEL, DataError, TrainingData, load_data
-from vktrain.train.tokenizer import program_tokenizer
+from vktrain.train.data import load_data
+from vktrain.serialization.tokenizer import program_tokenizer
+from vktrain.train.held_out import check_max_batches, evaluate_data
+from vktrain.train.outputs import Output, OutputKind, add_overwrite_argument, check_outputs, json_object
 from vktrain.train.train_loop import TrainConfigError, describe_program, is_token_step
 
+
+EVAL_RESULT = OutputKind("vktrain eval's JSON result", json_object("loss"))  # what --json writes
 
 
 def add_eval_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -48,56 +53,19 @@ def add_eval_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
                              "checkpoint .safetensors (default: the adapters the .pte was exported with)")
     parser.add_argument("--max-batches", type=int, metavar="N",
                         help="evaluate only the first N batches of the data (default: all of it)")
-    parser.add_argument("--json", metavar="FILE", help='write {"loss", "perplexity", "tokens"} as JSON')
+    parser.add_argument("--json", metavar="FILE", help='write {"loss", "perplexity", "tokens"} as JSON (with '
+                        '--generate: the accuracies and each example\'s answer)')
+    parser.add_argument("--generate", action="store_true",
+                        help="task accuracy instead of the loss: decode a greedy answer to each held-out chat of --data "
+                             "(the messages before its last assistant turn) and score it against that turn: exact "
+                             "match, and its last number within the rounding of the reference's")
+    parser.add_argument("--max-new-tokens", type=int, default=32, metavar="N",
+                        help="with --generate: at most N answer tokens (default 32)")
+    parser.add_argument("--max-examples", type=int, metavar="N",
+                        help="with --generate: score only the first N chats (default: all of them)")
     add_runtime_argument(parser)
+    add_overwrite_argument(parser)
     return parser
-
-
-def check_max_batches(flag: str, value: int | None) -> None:
-    if value is not None and value < 1:
-        raise TrainConfigError(f"{flag} must be a positive number of batches, got {value}")
-
-
-def eval_batches(tokens: np.ndarray, batch_size: int, seq_len: int,
-                 label_stream: np.ndarray | None = None) -> Iterator[tuple[np.ndarray, np.ndarray]]:
-    """(token_ids, labels) int64 [B, S] covering every target of `tokens` once (module docstring).
-    `label_stream` (as TrainingData.labels: each token's label as a target, -100 where it is none, e.g. a
-    chat's prompt tokens) replaces the next tokens as labels."""
-    n_targets = tokens.size - 1
-    if n_targets < 1:
-        raise DataError(f"held-out data needs at least 2 tokens (one target), got {tokens.size}")
-    targets = tokens if label_stream is None else label_stream
-    n_rows = -(-n_targets // seq_len)
-    for first in range(0, n_rows, batch_size):
-        token_ids = np.zeros((batch_size, seq_len), np.int64)
-        labels = np.full((batch_size, seq_len), IGNORED_LABEL, np.int64)
-        for row, start in enumerate(range(first * seq_len, min(n_rows, first + batch_size) * seq_len, seq_len)):
-            length = min(seq_len, n_targets - start)
-            token_ids[row, :length] = tokens[start:start + length]
-            labels[row, :length] = targets[start + 1:start + 1 + length]
-        yield token_ids, labels
-
-
-def evaluate_data(runner, data: TrainingData, max_batches: int | None = None) -> dict:
-    """{"loss", "perplexity", "tokens"} of `runner`'s current adapters on `data` (its token stream, and its
-    labels when some tokens are no targets): the mean over every target, `tokens` of them; with
-    `max_batches`, over the targets of the first max_batches batches (a quick estimate on a slow device)."""
-    batch_size, seq_len = runner.batch_shape
-    total, count = 0.0, 0
-    for index, (token_ids, labels) in enumerate(eval_batches(data.tokens, batch_size, seq_len, data.labels)):
-        if max_batches is not None and index >= max_batches:
-            break
-        if not (labels >= 0).any():
-            continue  # nothing to count (e.g. a batch of prompt tokens only)
-        loss_sum, n = runner.evaluate(token_ids, labels)
-        total += loss_sum  # float64 accumulation of the per-batch float32 sums
-        count += n
-    if count == 0:
-        raise DataError("the held-out data has no target token (every label is ignored)")
-    loss = total / count
-    if not math.isfinite(loss):
-        raise TrainConfigError(f"the eval loss is {loss} (not finite): the adapters or the data are broken")
-    return {"loss": loss, "perplexity": math.exp(min(loss, 700.0)), "tokens": count}
 
 
 def adapter_state(path: Path, lora_names: list[str], program_alpha: float | None,
@@ -138,23 +106,27 @@ def load_adapter_state(runner, state: Mapping[str, np.ndarray]) -> None:
 def run_eval(args: argparse.Namespace, device=None) -> int:
     """`vktrain eval`: prints the loss, perplexity and token count (and writes them with --json)."""
     from vktrain.runtime.program.runner import TrainingRunner  # opens Vulkan: imported only when a run starts
-    from vktrain.train.command import ValidationErrorsReported, prepare_output_file, print_validation_messages
+    from vktrain.train.command import ValidationErrorsReported, print_validation_messages
 
     if (args.data is None) == (args.inputs is None):
         raise TrainConfigError("give the held-out data: --data FILE (token data) or --inputs DATA.npz (a step of any "
                                "module), exactly one of the two")
     program_path, data_path = Path(args.program), Path(args.data or args.inputs)
     check_max_batches("--max-batches", args.max_batches)
+    _check_generate_arguments(args)
     if not program_path.is_file():
         raise TrainConfigError(f"program {program_path} does not exist (or is not a file)")
-    if args.json:
-        prepare_output_file("--json", args.json)
+    check_outputs([Output("--json", args.json, EVAL_RESULT)], overwrite=args.overwrite,
+                  inputs=[("the program", args.program), ("--data", args.data), ("--inputs", args.inputs),
+                          ("--adapters", args.adapters)])
     runner = TrainingRunner.from_pte(program_path, device, runtime=getattr(args, "runtime", None),
                                      max_binding_bytes=max_binding_bytes(args))
     own_device = runner.device if device is None else None  # a caller's device keeps its messages
     try:
         with runner:
-            if args.inputs is not None:
+            if args.generate:
+                result = _evaluate_generation(args, runner, data_path)
+            elif args.inputs is not None:
                 result = _evaluate_inputs(args, runner, data_path)
             elif not is_token_step(runner):
                 raise TrainConfigError(f"{args.program} is not a token model's step (its inputs are "
@@ -166,7 +138,12 @@ def run_eval(args: argparse.Namespace, device=None) -> int:
         errors = print_validation_messages(own_device)
     if errors:
         raise ValidationErrorsReported(f"the Vulkan validation layer reported {errors} error(s) (printed above)")
-    if args.inputs is not None:
+    if args.generate:
+        numbers = ("" if result["number_accuracy"] is None else
+                   f", number within rounding {result['number_accuracy']:.1%} (of {result['with_number']})")
+        print(f"eval {data_path}: exact match {result['exact_match']:.1%} of {result['examples']} chat(s){numbers}; "
+              f"greedy, at most {result['max_new_tokens']} new tokens")
+    elif args.inputs is not None:
         print(f"eval {data_path}: loss {result['loss']:.6f} (mean over {result['batches']} batches)")
     else:
         print(f"eval {data_path}: loss {result['loss']:.6f}, perplexity {result['perplexity']:.4f} over "
@@ -175,6 +152,34 @@ def run_eval(args: argparse.Namespace, device=None) -> int:
         atomic_write_json(args.json, result)
         print(f"results: {args.json}")
     return 0
+
+
+def _check_generate_arguments(args: argparse.Namespace) -> None:
+    generate = getattr(args, "generate", False)
+    if not generate:
+        given = [flag for flag, value in (("--max-examples", getattr(args, "max_examples", None)),) if value is not None]
+        if given:
+            raise TrainConfigError(f"{', '.join(given)} applies to --generate (task accuracy), which was not given")
+        return
+    if args.inputs is not None or args.max_batches is not None:
+        raise TrainConfigError("--generate scores the held-out chats of --data; --inputs and --max-batches belong to "
+                               "the loss, not to it")
+    if args.max_new_tokens < 1:
+        raise TrainConfigError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    if args.max_examples is not None and args.max_examples < 1:
+        raise TrainConfigError(f"--max-examples must be a positive number of chats, got {args.max_examples}")
+
+
+def _evaluate_generation(args: argparse.Namespace, runner, data_path: Path) -> dict:
+    """Task accuracy of the adapters on --data's chats (vktrain.generate.task_accuracy; exports on the host)."""
+    from vktrain.generate.task_accuracy import evaluate_generation, read_chats
+
+    chats = read_chats(data_path, args.max_examples)
+    _load_given_adapters(args, runner)
+    lora = {**runner_frozen_lora(runner), **runner.lora_state()}
+    print(f"generating answers to {len(chats)} chat(s) of {data_path} (greedy, at most {args.max_new_tokens} tokens)")
+    return evaluate_generation(args.program, lora, program_tokenizer(runner, args.program), chats,
+                               args.max_new_tokens, runner.device, max_binding_bytes=max_binding_bytes(args))
 
 
 def _evaluate_inputs(args: argparse.Namespace, runner, data_path: Path) -> dict:
@@ -211,9 +216,13 @@ def _evaluate_tokens(args: argparse.Namespace, runner, data_path: Path) -> dict:
     """{"loss", "perplexity", "tokens"} of a token model's step on --data."""
     info = describe_program(runner)
     data = load_data(data_path, info.vocab_size, program_tokenizer(runner, args.program))
-    if args.adapters:
-        alpha = info.metadata.get(METADATA_LORA_ALPHA)
-        lora_names = list(runner.lora_state())
-        load_adapter_state(runner, adapter_state(Path(args.adapters), lora_names,
-                                                 None if alpha is None else float(alpha), runner_frozen_lora(runner)))
+    _load_given_adapters(args, runner)
     return evaluate_data(runner, data, args.max_batches)
+
+
+def _load_given_adapters(args: argparse.Namespace, runner) -> None:
+    """Write --adapters (when given) into a token model's step, checked against the program's."""
+    if args.adapters:
+        alpha = describe_program(runner).metadata.get(METADATA_LORA_ALPHA)
+        load_adapter_state(runner, adapter_state(Path(args.adapters), list(runner.lora_state()),
+                                                 None if alpha is None else float(alpha), runner_frozen_lora(runner)))

@@ -15,15 +15,19 @@ from __future__ import annotations
 
 import os
 import re
+import tempfile
 from pathlib import Path
 from typing import Mapping, Union
 
 import numpy as np
 
 from vktrain.gguf_names import GGUF_FAMILIES, LAYER_LINEARS, OUTPUT_HEAD, PERMUTED_QK_FAMILIES
-from vktrain.train.adapters import (AdapterError, ProgramAdapters, add_program_adapter_arguments, load_program_adapters,
-                                    read_program_graph)
+from vktrain.serialization.peft_adapters import AdapterError
+from vktrain.train.adapters import (
+    ProgramAdapters, add_program_adapter_arguments, load_program_adapters, read_program_graph
+)
 from vktrain.train.checkpoint import atomic_write_bytes
+from vktrain.train.outputs import GGUF_ADAPTER, Output, add_overwrite_argument, check_outputs
 
 PathLike = Union[str, os.PathLike]
 
@@ -60,9 +64,9 @@ def check_gguf_adapter_program(recorded: ProgramAdapters, where: str) -> tuple[i
     """(n_heads, n_kv_heads, tied head) of a program whose adapters can be written as a GGUF adapter (every
     recorded adapted layer has a llama.cpp name); an AdapterError naming `where` otherwise. Called before
     training, so that a run never ends in a refusal."""
-    if recorded.family not in GGUF_FAMILIES or recorded.model_config is None:
-        raise AdapterError(f"{where}: a GGUF adapter needs the model family and config recorded at export "
-                           f"(family {recorded.family!r}, supported {GGUF_FAMILIES}); re-export with this vktrain")
+    refusal = recorded.family_refusal(GGUF_FAMILIES, where, "a GGUF adapter")
+    if refusal:
+        raise AdapterError(refusal)
     config = recorded.model_config
     try:
         n_heads, n_kv_heads = int(config["n_heads"]), int(config["n_kv_heads"])
@@ -99,7 +103,10 @@ def save_gguf_adapter(path: PathLike, adapters: Mapping[str, tuple[np.ndarray, n
 
     tensors = gguf_adapter_tensors(adapters, recorded, where)
     path = Path(path)
-    temp = path.with_name(f".{path.name}.gguf-writing")
+    # GGUFWriter writes to a path; a private temporary file, whose name no error shows (atomic_write's do).
+    fd, temp_name = tempfile.mkstemp(prefix="vktrain-gguf-")
+    os.close(fd)
+    temp = Path(temp_name)
     writer = gguf.GGUFWriter(str(temp), recorded.family)
     try:
         writer.add_type(gguf.GGUFType.ADAPTER)
@@ -123,11 +130,14 @@ def add_convert_arguments(parser):
     """`vktrain adapters convert` (run it with `run_convert`)."""
     add_program_adapter_arguments(parser)
     parser.add_argument("--out", required=True, metavar="FILE.gguf", help="the llama.cpp LoRA GGUF to write")
+    add_overwrite_argument(parser)
     return parser
 
 
 def run_convert(args) -> int:
     """`vktrain adapters convert`: a program's adapters (directory or checkpoint) as a llama.cpp LoRA GGUF."""
+    check_outputs([Output("--out", args.out, GGUF_ADAPTER)], overwrite=args.overwrite,
+                  inputs=[("the program", args.program), ("--adapters", args.adapters), ("--checkpoint", args.checkpoint)])
     recorded = ProgramAdapters.from_metadata(read_program_graph(args.program).metadata, args.program)
     check_gguf_adapter_program(recorded, args.program)
     adapters, alpha = load_program_adapters(args.program, recorded, args.adapters, args.checkpoint)

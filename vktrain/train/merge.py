@@ -28,9 +28,13 @@ import safetensors.numpy
 from vktrain.contract import MODEL_PREFIX
 from vktrain.errors import VktrainError
 from vktrain.quant import Q8_0_CODES_SUFFIX, Q8_0_SCALES_SUFFIX, dequantize, dequantize_q8_0, unpack_w4x8
-from vktrain.train.adapters import (LORA_SUFFIXES, ProgramAdapters, add_program_adapter_arguments, load_program_adapters,
-                                    read_program_graph)
+from vktrain.serialization.peft_adapters import LORA_SUFFIXES
+from vktrain.train.adapters import (
+    ProgramAdapters, add_program_adapter_arguments, load_program_adapters, read_program_graph
+)
 from vktrain.train.checkpoint import atomic_write_bytes, atomic_write_json
+from vktrain.train.outputs import (Output, OutputKind, add_overwrite_argument, check_outputs, refuse_input,
+                                   safetensors_metadata)
 
 PathLike = Union[str, os.PathLike]
 
@@ -41,6 +45,13 @@ SOURCE_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.j
 HF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 _Q4_WEIGHTS, _Q4_SCALES = ".weights", ".scales"  # LoRAQ4Linear's buffers (vktrain.lora.layers)
 _SKIPPED = ("rope_cos", "rope_sin")  # functions of the config, rebuilt by transformers
+# model.safetensors' metadata: transformers reads "format"; "written_by" tells a merged directory apart
+# from any other model directory (which `--out` never replaces without --overwrite).
+_WEIGHTS_METADATA = {"format": "pt", "written_by": "vktrain merge"}
+MERGED_DIRECTORY = OutputKind(
+    "a directory vktrain merge wrote",
+    lambda path: safetensors_metadata(path / MERGED_WEIGHTS).get("written_by") == _WEIGHTS_METADATA["written_by"],
+    directory=True, writes=(MERGED_WEIGHTS, "config.json", *SOURCE_FILES))
 
 
 class MergeError(VktrainError, ValueError):
@@ -62,36 +73,27 @@ def _program_constants(program: Path):
     return graph, constants
 
 
-def merged_state_dict(program: PathLike, adapters_dir: Optional[PathLike] = None,
-                      checkpoint: Optional[PathLike] = None) -> tuple[dict[str, np.ndarray], ProgramAdapters]:
-    """({HF tensor name: float32 array}, the program's recorded adapter facts) of the merged model."""
+def program_weights(program: PathLike, needs: str = "rebuilding the model from the program"
+                    ) -> tuple[dict[str, np.ndarray], dict[str, tuple[np.ndarray, np.ndarray]], ProgramAdapters]:
+    """(float32 frozen weights by HF name: every constant of the model but the q4gsw bases, Q8_0 matrices
+    dequantized; {adapted module: (W_4X8 words, float32 scales [G, N])} of the q4gsw bases, as stored
+    (unpack_w4x8 with the layer's N and K gives the flat codes); the program's recorded adapter facts)."""
     program = Path(program)
     graph, constants = _program_constants(program)
     recorded = ProgramAdapters.from_metadata(graph.metadata, str(program))
-    if recorded.model_config is None or recorded.family not in HF_ARCHITECTURES:
-        raise MergeError(f"{program}: merging needs a Llama-family program whose export recorded its model family and "
-                         f"config (found family {recorded.family!r}); re-export it with this vktrain")
-    adapters, alpha = load_program_adapters(program, recorded, adapters_dir, checkpoint)
-    state: dict[str, np.ndarray] = {}
-    for module, (lora_a, lora_b) in adapters.items():
-        names = (module + _Q4_WEIGHTS, module + _Q4_SCALES)
-        if not all(name in constants for name in names):
-            raise MergeError(f"{program}: adapted layer {module!r} has no q4gsw base ({names[0]}, {names[1]}) among "
-                             f"the program's constants")
-        scales = np.asarray(graph.constant_array(constants[names[1]]), dtype=np.float32)
-        rank, k = lora_a.shape
-        n = scales.shape[1]
-        if lora_b.shape != (n, rank) or k % scales.shape[0]:
-            raise MergeError(f"adapters of {module}: A {list(lora_a.shape)}, B {list(lora_b.shape)} do not fit its "
-                             f"base of {n} outputs with scales {list(scales.shape)}")
-        flat = unpack_w4x8(np.asarray(graph.constant_array(constants[names[0]])), n, k)
-        base = dequantize(flat, scales, k // scales.shape[0], k).astype(np.float64)
-        delta = (alpha / rank) * (lora_b.astype(np.float64) @ lora_a.astype(np.float64))
-        state[module + ".weight"] = (base + delta).astype(np.float32)
-    adapted = {module + suffix for module in adapters for suffix in (_Q4_WEIGHTS, _Q4_SCALES)}
+    refusal = recorded.family_refusal(tuple(HF_ARCHITECTURES), str(program), needs)
+    if refusal:
+        raise MergeError(refusal)
+    bases = {name.removesuffix(_Q4_WEIGHTS): (np.asarray(graph.constant_array(value_id)),
+                                              np.asarray(graph.constant_array(constants[name.removesuffix(_Q4_WEIGHTS)
+                                                                                        + _Q4_SCALES]), np.float32))
+             for name, value_id in constants.items()
+             if name.endswith(_Q4_WEIGHTS) and name.removesuffix(_Q4_WEIGHTS) + _Q4_SCALES in constants}
+    quantized = {module + suffix for module in bases for suffix in (_Q4_WEIGHTS, _Q4_SCALES)}
     tied = bool(recorded.model_config.get("tie_embeddings"))
+    weights: dict[str, np.ndarray] = {}
     for name, value_id in constants.items():
-        if name in adapted or name in _SKIPPED or name.endswith(Q8_0_SCALES_SUFFIX):
+        if name in quantized or name in _SKIPPED or name.endswith(Q8_0_SCALES_SUFFIX):
             continue
         if name.endswith(Q8_0_CODES_SUFFIX):  # a frozen matrix held as Q8_0 codes and scales (vktrain.quant.q8_0)
             name = name.removesuffix(Q8_0_CODES_SUFFIX)
@@ -101,7 +103,32 @@ def merged_state_dict(program: PathLike, adapters_dir: Optional[PathLike] = None
             value = np.array(graph.constant_array(value_id), dtype=np.float32)
         if tied and name == "lm_head.weight":  # the tied weight may be listed under the head's name
             name = "model.embed_tokens.weight"
-        state[name] = value
+        weights[name] = value
+    return weights, bases, recorded
+
+
+def merged_state_dict(program: PathLike, adapters_dir: Optional[PathLike] = None,
+                      checkpoint: Optional[PathLike] = None) -> tuple[dict[str, np.ndarray], ProgramAdapters]:
+    """({HF tensor name: float32 array}, the program's recorded adapter facts) of the merged model."""
+    program = Path(program)
+    state, bases, recorded = program_weights(program, "merging")
+    adapters, alpha = load_program_adapters(program, recorded, adapters_dir, checkpoint)
+    for module, (lora_a, lora_b) in adapters.items():
+        if module not in bases:
+            raise MergeError(f"{program}: adapted layer {module!r} has no q4gsw base ({module}{_Q4_WEIGHTS}, "
+                             f"{module}{_Q4_SCALES}) among the program's constants")
+        words, scales = bases[module]
+        rank, k = lora_a.shape
+        n = scales.shape[1]
+        if lora_b.shape != (n, rank) or k % scales.shape[0]:
+            raise MergeError(f"adapters of {module}: A {list(lora_a.shape)}, B {list(lora_b.shape)} do not fit its "
+                             f"base of {n} outputs with scales {list(scales.shape)}")
+        base = dequantize(unpack_w4x8(words, n, k), scales, k // scales.shape[0], k).astype(np.float64)
+        delta = (alpha / rank) * (lora_b.astype(np.float64) @ lora_a.astype(np.float64))
+        state[module + ".weight"] = (base + delta).astype(np.float32)
+    unadapted = sorted(set(bases) - set(adapters))
+    if unadapted:
+        raise MergeError(f"{program}: q4gsw bases without adapters: {unadapted[:4]}")
     _check_complete(state, recorded.model_config, str(program))
     return state, recorded
 
@@ -162,15 +189,18 @@ def merge_to_hf_directory(program: PathLike, out_dir: PathLike, adapters_dir: Op
     out = Path(out_dir)
     if out.exists() and not out.is_dir():
         raise MergeError(f"--out {out} is a file; expected a directory (it will hold the merged model)")
-    out.mkdir(parents=True, exist_ok=True)
     source = _source_directory(recorded)
+    if source is not None:
+        refuse_input(Output("--out", str(out_dir), MERGED_DIRECTORY), "the model directory the program was exported "
+                     "from:", str(source))
+    out.mkdir(parents=True, exist_ok=True)
     if source is not None:
         config = json.loads((source / "config.json").read_text(encoding="utf-8"))
         config.pop("torch_dtype", None)
         config["dtype"] = "float32"
     else:
         config = hf_config(recorded.model_config, recorded.family)
-    atomic_write_bytes(out / MERGED_WEIGHTS, safetensors.numpy.save(state, metadata={"format": "pt"}))
+    atomic_write_bytes(out / MERGED_WEIGHTS, safetensors.numpy.save(state, metadata=_WEIGHTS_METADATA))
     atomic_write_json(out / "config.json", config)
     for name in SOURCE_FILES if source is not None else ():
         if (source / name).is_file():
@@ -183,11 +213,14 @@ def add_merge_arguments(parser):
     add_program_adapter_arguments(parser)
     parser.add_argument("--out", required=True, metavar="DIR",
                         help="Hugging Face model directory to write (config.json, model.safetensors, tokenizer files)")
+    add_overwrite_argument(parser)
     return parser
 
 
 def run_merge(args) -> int:
     """`vktrain merge`: 0 on success; bad input raises a VktrainError (the CLI's one-line error)."""
+    check_outputs([Output("--out", args.out, MERGED_DIRECTORY)], overwrite=args.overwrite,
+                  inputs=[("the program", args.program), ("--adapters", args.adapters), ("--checkpoint", args.checkpoint)])
     out = merge_to_hf_directory(args.program, args.out, adapters_dir=args.adapters, checkpoint=args.checkpoint)
     print(f"wrote {out}: {args.program}'s dequantized q4gsw base with the adapters of "
           f"{args.adapters or args.checkpoint} merged in (float32)")
@@ -195,4 +228,4 @@ def run_merge(args) -> int:
 
 
 __all__ = ["MERGED_WEIGHTS", "MergeError", "SOURCE_FILES", "add_merge_arguments", "hf_config", "merge_to_hf_directory",
-           "merged_state_dict", "run_merge"]
+           "merged_state_dict", "program_weights", "run_merge"]

@@ -12,7 +12,8 @@ a runtime input of the program: changing them never needs a re-export); batch = 
 loss = runner.step(tokens, labels, hparams) for a TokenBatcher's (tokens, labels), runner.step_inputs(batch,
 hparams) for the named arrays of an ArrayBatches (vktrain/train/input_data.py: a step of any module);
 record {"step": t, "loss": loss, "lr": lr, "seconds": s} (lr as the schedule computes it, in float64; the
-program receives it rounded to float32; s the wall time of the step, i.e. of the program's run).
+program receives it rounded to float32; s the wall time of the loop's step: the batch, the program's run
+and the state's NaN/inf check and backup, not the eval or checkpoint that may follow it).
 
 `steps` is the step number to reach, not a count to add: resuming a checkpoint of step 10 with steps=20
 runs steps 11..20, reading the same batches with the same learning rates as an uninterrupted run, so
@@ -20,7 +21,11 @@ the losses and the final state are identical.
 
 Checkpoints (vktrain.train.checkpoint.CheckpointSeries: the newest at `checkpoint_path`, the
 `keep_checkpoints` - 1 before it step-named) are written atomically every `checkpoint_every` steps and
-after the last step. The JSON log (a list of the records of every step since step 1, restored from the
+after the last step. The loop reads the state of that step to the host (one transfer from the device
+copy) and goes on; serialisation, checksums and the fsync'ed write run on another thread
+(vktrain.train.checkpoint_writer), at most one at a time. The loop waits for it before the next
+checkpoint, at the end and however it stops; a failed write stops the run with its error (the
+previous checkpoint stays whole). The JSON log (a list of the records of every step since step 1, restored from the
 checkpoint on resume) is rewritten atomically at every checkpoint and when the loop ends, however it ends.
 
 Divergence. Forward, backward and AdamW are one program: step t's loss comes from the state BEFORE step
@@ -31,9 +36,11 @@ t (S[t-1]), and step t's update is applied in the same run. So
     produced S[t-1];
   * a finite loss whose update left NaN/inf in the state (S[t] non-finite) makes S[t-1] the state to
     resume from.
-When the state is small (at most `last_good_state_limit` bytes, 64 MiB by default, i.e. LoRA-sized),
-the loop keeps host copies of S[t-1] and S[t-2] and checks every update's result for NaN/inf. On a
-non-finite step it puts S[t-1] back into the runner, then
+When the state is small enough (at most `last_good_state_limit` bytes; by default 256 MiB on a device,
+64 MiB for a runner without one: vktrain/train/last_good.py), the loop keeps copies of S[t-1] and S[t-2]
+and checks every update's result for NaN/inf. A TrainingRunner keeps them on the device (a recorded copy
+per step that checks every word as it copies and reads back one word: no state crosses to the host per
+step); other runners are copied to the host. On a non-finite step it puts S[t-1] back into the runner, then
   * on_nonfinite="stop" (default): writes the state to resume from as a step-named checkpoint (when
     checkpointing and no kept checkpoint holds that step; every kept checkpoint stays untouched) and
     raises NonFiniteLossError naming it;
@@ -68,7 +75,9 @@ from vktrain.train.checkpoint import (
     save_checkpoint,
     skipped_positions,
 )
+from vktrain.train.checkpoint_writer import CheckpointWriter
 from vktrain.train.data import TokenBatcher
+from vktrain.train.last_good import last_good_states
 
 if TYPE_CHECKING:  # its input checks import the runtime's program reader; the loop needs only the type
     from vktrain.train.input_data import ArrayBatches
@@ -76,9 +85,6 @@ from vktrain.train.lr_schedule import LRSchedule
 
 PathLike = Union[str, os.PathLike]
 
-# Up to this many bytes of state, host copies of the last two states are kept so that a NaN/inf step can
-# be undone and the state before it checkpointed (a LoRA state is far smaller; a copy costs little).
-LAST_GOOD_STATE_LIMIT = 64 << 20
 ON_NONFINITE = ("stop", "skip")
 # Batches skipped in a row before the loop decides the state, not the data, gives the non-finite values.
 MAX_CONSECUTIVE_SKIPS = 8
@@ -265,15 +271,20 @@ def train(runner: StepRunner, batches: Union[TokenBatcher, "ArrayBatches"], step
           checkpoint_every: int = 0, checkpoint_path: Optional[PathLike] = None, keep_checkpoints: int = 1,
           program_sha256: str = "", json_path: Optional[PathLike] = None, progress: bool = True,
           log_every: int = 0, on_nonfinite: str = "stop",
-          last_good_state_limit: int = LAST_GOOD_STATE_LIMIT,
-          after_step: Optional[Callable[[int], dict]] = None) -> TrainState:
+          last_good_state_limit: Optional[int] = None,
+          after_step: Optional[Callable[[int], dict]] = None,
+          stop_requested: Optional[Callable[[], bool]] = None, first_record: Optional[dict] = None) -> TrainState:
     """Run steps state.step + 1 .. `steps` (see the module docstring). Returns the final TrainState.
 
     `state` continues a run (TrainState.from_checkpoint after `restore_state`) and is updated in place;
     None starts at step 0. `program_sha256` identifies the .pte in checkpoints (sha256_file of it).
     `keep_checkpoints`: how many checkpoints of the run stay on disk (CheckpointSeries); `on_nonfinite`:
     "stop" or "skip" (module docstring). `after_step(step)` runs after each completed step; what it
-    returns (e.g. {"eval_loss": ...}) joins that step's record.
+    returns (e.g. {"eval_loss": ...}) joins that step's record. `stop_requested()` (e.g. a signal
+    arrived: vktrain.train.interrupts) is asked before each step: True ends the loop as if `steps` were
+    reached at the current step (checkpointed, records written); the caller tells the two apart.
+    Early stopping (vktrain.train.best) asks through it too. `first_record` (e.g. {"step": 0, "eval_loss": ...}, the held-out loss before training) leads the
+    JSON log; it is no step's record, so checkpoints do not hold it.
     """
     state = TrainState() if state is None else state
     if steps < state.step:
@@ -293,24 +304,30 @@ def train(runner: StepRunner, batches: Union[TokenBatcher, "ArrayBatches"], step
         series.kept()  # every file it would replace or rotate is a checkpoint: refused now, not at step N
     config = run_config(schedule, optimizer, batches)
     data_sha256 = batches.fingerprint if series is not None else ""
-    state_bytes = sum(np.asarray(runner.read_state(name)).nbytes for name in runner.state_names)
-    keep_copies = state_bytes <= last_good_state_limit
-    if on_nonfinite == "skip" and not keep_copies:
-        raise TrainConfigError(f"skipping non-finite batches needs a host copy of the state before each step; the "
-                               f"state holds {state_bytes} bytes, above the limit of {last_good_state_limit}")
-    before = capture_state(runner) if keep_copies else None  # S[state.step]
-    before_previous: Optional[dict[str, np.ndarray]] = None  # S[state.step - 1]
+    copies = last_good_states(runner, last_good_state_limit)  # of S[t-1] and S[t-2]; None: too large
+    if on_nonfinite == "skip" and copies is None:
+        copies_limit = "the default limit" if last_good_state_limit is None else f"{last_good_state_limit} bytes"
+        raise TrainConfigError(f"skipping non-finite batches needs a copy of the state before each step; the "
+                               f"state is above {copies_limit}")
     skipped: list[int] = []  # data positions skipped since the last completed step
+    writer = None if series is None else CheckpointWriter(
+        series, on_written=lambda step: setattr(state, "last_checkpoint", (str(series.path), step)))
 
-    def make_checkpoint(step: int, tensors: dict[str, np.ndarray]) -> Checkpoint:
-        return Checkpoint(step, state.data_position_after(step), program_sha256, data_sha256, batches.seed,
-                          tensors, state.records[:step], config, source=str(series.path))
+    def checkpoint_of(step: int, tensors: dict[str, np.ndarray]) -> Callable[[], Checkpoint]:
+        """Makes step's Checkpoint, from what the run holds now (the loop goes on appending records)."""
+        position, records = state.data_position_after(step), [dict(record) for record in state.records[:step]]
+        return lambda: Checkpoint(step, position, program_sha256, data_sha256, batches.seed, tensors, records,
+                                  config, source=str(series.path))
 
     def resume_point(step: int, tensors: Optional[dict[str, np.ndarray]]) -> Optional[tuple[str, int]]:
         """The kept checkpoint of `step`, else one written from `tensors` (step-named: every kept checkpoint
         stays untouched), else the newest kept before it."""
         if series is None or step < 0:
             return None
+        try:
+            wait_for_pending_checkpoint()
+        except Exception as exc:  # a failed write must not hide the divergence: name what is on disk
+            tqdm.write(f"vktrain train: warning: a checkpoint was not written: {exc}", file=sys.stderr)
         kept = series.kept()
         exact = [entry for entry in kept if entry[1] == step]
         if exact:
@@ -318,7 +335,7 @@ def train(runner: StepRunner, batches: Union[TokenBatcher, "ArrayBatches"], step
         if tensors is not None:
             target = series.step_path(step)
             try:
-                save_checkpoint(target, make_checkpoint(step, tensors))
+                save_checkpoint(target, checkpoint_of(step, tensors)())
                 return str(target), step
             except OutputWriteError as exc:  # a full disk must not hide the divergence: name an older one
                 tqdm.write(f"vktrain train: warning: the state of step {step} was not kept: {exc}", file=sys.stderr)
@@ -326,46 +343,58 @@ def train(runner: StepRunner, batches: Union[TokenBatcher, "ArrayBatches"], step
         return earlier[0] if earlier else None
 
     def checkpoint_now(loss: float, lr: float, tensors: Optional[dict[str, np.ndarray]]) -> None:
-        """Checkpoint state.step; a state without host copies is checked here, and never written non-finite."""
-        tensors = capture_state(runner) if tensors is None else tensors
-        if non_finite_tensors(tensors):
-            raise NonFiniteLossError(state.step, loss, lr, resume_point(state.step - 1, None), state_non_finite=True)
-        series.save(make_checkpoint(state.step, tensors))
-        state.last_checkpoint = (str(series.path), state.step)
+        """Start writing state.step's checkpoint on the writer's thread. `tensors`: the device or host copy
+        of that step (finite: the copies hold finite states only), None to read the state here, where it is
+        checked: a checkpoint never holds a non-finite value."""
+        if tensors is None:
+            tensors = capture_state(runner)
+            if non_finite_tensors(tensors):
+                raise NonFiniteLossError(state.step, loss, lr, resume_point(state.step - 1, None),
+                                         state_non_finite=True)
+        writer.submit(state.step, checkpoint_of(state.step, tensors))
+
+    def wait_for_pending_checkpoint() -> None:
+        """The one place the loop joins the checkpoint write in flight (raising its error, if it failed):
+        before the next checkpoint, at the end, on divergence and however the loop stops."""
+        if writer is not None:
+            writer.wait()
 
     def write_json() -> None:
         if json_path is not None:
-            atomic_write_json(json_path, state.records)
+            atomic_write_json(json_path, ([first_record] if first_record else []) + state.records)
 
     bar = tqdm(total=steps, initial=state.step, disable=not progress, unit="step", dynamic_ncols=True,
                desc="train", file=sys.stderr)
     try:
         if series is not None:
             series.remove_stale_temp_files()
+        if copies is not None:
+            copies.keep(state.step)  # S[state.step]
         while state.step < steps:
+            if stop_requested is not None and stop_requested():
+                break
+            started = time.perf_counter()
             step = state.step + 1
             lr = schedule.lr(step)
             batch = batches.batch(state.data_position)
-            started = time.perf_counter()
             hparams = optimizer.hparams(lr) if takes_hparams(runner) else None
             loss = run_step(runner, batch, hparams)
-            seconds = time.perf_counter() - started
-            after = capture_state(runner) if keep_copies else None
-            state_non_finite = math.isfinite(loss) and after is not None and bool(non_finite_tensors(after))
+            # A finite loss: S[step] is kept (overwriting S[step - 2]) and checked. A non-finite one leaves
+            # S[step - 2] in place: the state to resume from.
+            state_non_finite = math.isfinite(loss) and copies is not None and copies.keep(step)
             if not math.isfinite(loss) or state_non_finite:
-                if before is not None:  # the update used non-finite values: undo it
-                    for name, array in before.items():
-                        runner.write_state(name, array)
+                if copies is not None:  # the update used non-finite values: undo it
+                    copies.restore(step - 1)
                 if on_nonfinite == "skip" and len(skipped) < MAX_CONSECUTIVE_SKIPS:
                     skipped.append(state.data_position)
                     state.data_position += 1
                     tqdm.write(f"step {step:6d}  loss {loss}: skipped batch {skipped[-1]}", file=sys.stderr)
                     continue
-                resume_step, tensors = (step - 1, before) if state_non_finite else (step - 2, before_previous)
+                resume_step = step - 1 if state_non_finite else step - 2
+                tensors = copies.tensors(resume_step) if copies is not None else None
                 raise NonFiniteLossError(step, loss, lr, resume_point(resume_step, tensors),
                                          state_non_finite=state_non_finite, skipped=len(skipped))
-            before_previous, before = before, after
-            record = {"step": step, "loss": loss, "lr": lr, "seconds": seconds}
+            record = {"step": step, "loss": loss, "lr": lr, "seconds": time.perf_counter() - started}
             if skipped:
                 record["skipped"], skipped = skipped, []
             state.step, state.data_position = step, state.data_position + 1
@@ -376,18 +405,29 @@ def train(runner: StepRunner, batches: Union[TokenBatcher, "ArrayBatches"], step
             bar.update(1)
             if log_every and (step % log_every == 0 or step == steps):
                 tqdm.write(f"step {step:6d}  loss {loss:.6f}  lr {lr:.4g}", file=sys.stdout)
+                sys.stdout.flush()  # a log file or pipe sees each line when it is printed
+            if writer is not None:
+                writer.check()  # a write that failed stops the run now, not at the next checkpoint
             if checkpoint_every and step % checkpoint_every == 0:
-                checkpoint_now(loss, lr, after)
+                checkpoint_now(loss, lr, copies.tensors(step) if copies is not None else None)
                 write_json()
+        wait_for_pending_checkpoint()
         if series is not None and state.last_checkpoint != (str(series.path), state.step):
             last = state.records[-1] if state.records else {"loss": math.nan, "lr": math.nan}
-            checkpoint_now(last["loss"], last["lr"], before)
+            checkpoint_now(last["loss"], last["lr"], copies.tensors(state.step) if copies is not None else None)
+            wait_for_pending_checkpoint()
     finally:
         bar.close()
+        if copies is not None:
+            copies.close()
+        try:
+            wait_for_pending_checkpoint()  # something is in flight only when an error or interrupt ended the loop
+        except Exception as exc:  # that error goes on; this one is reported beside it
+            tqdm.write(f"vktrain train: warning: a checkpoint was not written: {exc}", file=sys.stderr)
         write_json()  # however the loop ended: the records of every completed step
     return state
 
 
-__all__ = ["AdamWConfig", "LAST_GOOD_STATE_LIMIT", "MAX_CONSECUTIVE_SKIPS", "MAX_STEPS", "NonFiniteLossError",
+__all__ = ["AdamWConfig", "MAX_CONSECUTIVE_SKIPS", "MAX_STEPS", "NonFiniteLossError",
            "ON_NONFINITE", "ProgramInfo", "StepRunner", "TrainConfigError", "TrainState", "describe_program",
            "is_token_step", "run_config", "run_step", "takes_hparams", "train"]

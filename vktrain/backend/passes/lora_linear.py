@@ -26,12 +26,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from vktrain.opdefs.runtime_ops import EXPANDED_OPS, LORA_LINEAR, LORA_LINEAR_BACKWARD
 from vktrain.serialization import graph as vk
 
-LORA_LINEAR = "vktrain.lora_linear_q4gsw.default"
-LORA_LINEAR_BACKWARD = "vktrain.lora_linear_q4gsw_backward.default"
 # Ops no kernel implements: this pass replaces them (the op registry accepts them for it).
-EXPANDED_OPS = frozenset({LORA_LINEAR, LORA_LINEAR_BACKWARD})
 
 _LINEAR_Q4GSW = "vktrain.linear_q4gsw.default"
 _LINEAR_Q4GSW_BACKWARD = "vktrain.linear_q4gsw_backward.default"

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from vktrain.runtime.delegate.kernels.layout import TRANSPOSE_OPS, StridedView, transposed_view
+from vktrain.serialization.strided_view import TRANSPOSE_OPS, StridedView, transposed_view
 from vktrain.serialization.graph import decode_scalar
 from vktrain.serialization import graph as vk
 

@@ -1,30 +1,31 @@
-"""GraphExecutor: a VkGraph (the delegate blob) on a Device, recorded once, replayed per call.
+"""GraphExecutor: a VkGraph (the delegate blob) on a Device, run from its Schedule: recorded once, replayed
+per call.
 
 The AOT backend (vktrain/backend/passes) made every storage decision and recorded it per tensor
-(CONTRACTS.md "Delegate graph conventions"); this executor carries the record out and decides nothing.
+(CONTRACTS.md "Delegate graph conventions"); the planner (planner.py) turns the graph and the device's
+target into a Schedule (vktrain/serialization/schedule.py: the buffer table, the tensor placements, the
+Dispatch list); this executor carries the schedule out and decides nothing.
 
 Load time (everything that can fail fails here, never at step time):
-  1. the op-lowering lookup: an op without a kernel is a GraphLoweringError "unsupported op <name>";
-  2. storage: one Buffer per memory object (its planned size), per constant (uploaded once, converted to
-     its stored dtype; W_4X8 weights stay packed; a synthetic constant, benchmark blobs only, is
-     generated here from its seed, then uploaded the same way), per input, per mutable state tensor and
-     per tensor with storage of its own but no memory object. A tensor with `storage_of` binds that
-     tensor's buffer (a view reads it through its recorded strides; an in-place adamw output writes it);
-  3. every op becomes Dispatches through the op-lowering table, except ops whose outputs are all views
-     (they move no data); state updates not stored in their state are copied at the end of the step;
-     ONE Program records them all.
+  1. the schedule: planned here from the device (`plan_schedule`: an op without a kernel is a
+     GraphLoweringError "unsupported op <name>"), or given (`schedule=`) and checked: planned for this
+     graph, relying on nothing the device lacks (ScheduleMismatchError names what it lacks);
+  2. storage: one Buffer per entry of its buffer table; constants uploaded once, converted to their stored
+     dtype (W_4X8 weights stay packed; a synthetic constant, benchmark blobs only, is generated here from
+     its seed, then uploaded the same way); mutable state set to its initial value;
+  3. ONE Program records every Dispatch.
 
 Per call: write the inputs (converted to their stored dtype: int64 -> int32 with a range check; index
 inputs checked against the embedding / logits they index), replay, read the outputs only (converted
 back to their graph dtype).
 
-GEMM precision (docs/PRECISION.md): the one device decision. The blob lists the precision policies the
-program allows; `precision` picks one, and the executor selects the GemmRoute (kernels/coopmat.py) its
-op lowerings follow on this device; `gemm_report()` says what was chosen.
+GEMM precision (docs/PRECISION.md): the one device decision, made by the planner. The blob lists the
+precision policies the program allows; `precision` picks one, and the planner selects the GemmRoute
+(kernels/coopmat.py) its op lowerings follow on this device; `gemm_report()` says what was chosen.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -33,17 +34,16 @@ from vktrain.serialization import graph as vk
 
 from vktrain.runtime.vk.commands import Program
 from vktrain.runtime.vk.memory import Buffer
-from vktrain.runtime.delegate.lowering_context import GraphLoweringError, OpContext, TensorArg
-from vktrain.runtime.delegate.op_lowering import copy_words, lowering_for
-from vktrain.runtime.delegate.kernels.coopmat import allowed_precisions, select_gemm_route
-from vktrain.runtime.delegate.kernels.gemm_tuning import select_gemm_tuning
-from vktrain.runtime.delegate.kernels.layout import StridedView, binding_limit_of
+from vktrain.runtime.delegate.lowering_context import GraphLoweringError
+from vktrain.runtime.delegate.planner import SHARED_PREFIX, gemm_route_of, plan_schedule
+from vktrain.runtime.device_profiles import profile_of
 from vktrain.contract import PRECISION_AUTO
-from vktrain.runtime.vk.schedule import BufferBinding, Dispatch
+from vktrain.serialization.schedule import Schedule, ScheduleMismatchError, TensorPlacement
+from vktrain.serialization.verify_schedule import verify_schedule
+from vktrain.runtime_shaders.build import SHADER_DIR
 from vktrain.errors import VktrainError
 
 _INT32_MIN, _INT32_MAX = -(2**31), 2**31 - 1
-TENSOR_CORE_SHADER_PREFIX = "coopmat_"
 # The ops whose products a GEMM kernel computes (those a GemmRoute may move to the tensor cores).
 GEMM_OPS = frozenset({"vktrain.linear_q4gsw.default", "vktrain.linear_q4gsw_backward.default",
                       "vktrain.linear_dW.default", "aten.mm.default", "aten.bmm.default", "aten.addmm.default",
@@ -55,31 +55,13 @@ GEMM_OPS = frozenset({"vktrain.linear_q4gsw.default", "vktrain.linear_q4gsw_back
 EMBEDDING_INDEX_ARG = {"aten.embedding.default": 1, "vktrain.embedding_q8_0.default": 2}
 
 
+def shader_sources() -> frozenset[str]:
+    """The kernel sources this runtime has (the base names a Dispatch's shader may have)."""
+    return frozenset(path.stem for path in SHADER_DIR.glob("*.comp"))
+
+
 class ExecutorInputError(VktrainError, ValueError):
     """An input or state array does not match what the graph expects (shape, dtype, range)."""
-
-
-MIN_MAX_BINDING_BYTES = 1 << 20  # the least max_binding_bytes: every split kernel's windows fit it
-
-
-def binding_limited(limits: Any, max_binding_bytes: int | None) -> Any:
-    """A device's limits with its max storage binding size lowered to `max_binding_bytes` (None: as they are)."""
-    if max_binding_bytes is None:
-        return limits
-    if isinstance(max_binding_bytes, bool) or not isinstance(max_binding_bytes, int) \
-            or max_binding_bytes < MIN_MAX_BINDING_BYTES:
-        raise GraphLoweringError(f"max_binding_bytes (the max storage binding size, --max-binding-mib) must be an "
-                                 f"int >= {MIN_MAX_BINDING_BYTES} (1 MiB, the least vktrain's split kernels need), "
-                                 f"got {max_binding_bytes!r}")
-    return replace(limits, max_storage_buffer_range=min(limits.max_storage_buffer_range, max_binding_bytes))
-
-
-def _align(nbytes: int, alignment: int) -> int:
-    return (nbytes + alignment - 1) // alignment * alignment
-
-
-def _round4(nbytes: int) -> int:
-    return max(4, -(-nbytes // 4) * 4)
 
 
 def _to_stored_array(array: np.ndarray, tensor: vk.TensorValue, what: str) -> np.ndarray:
@@ -119,16 +101,6 @@ class SharedTensor:
     tensor: vk.TensorValue
 
 
-@dataclass(frozen=True)
-class _Tensor:
-    """Where one tensor value lives: the buffer key, the binding's offset and bytes, how it is read."""
-
-    key: str
-    offset: int
-    nbytes: int
-    view: StridedView | None  # a strided view of the buffer's tensor; None = contiguous
-
-
 class GraphExecutor:
     """Runs one VkGraph on `device`. See the module docstring for what happens at load and per call.
 
@@ -147,37 +119,50 @@ class GraphExecutor:
     generation's decode reads prefill's KV caches).
 
     `max_binding_bytes` lowers the max storage binding size the kernels plan for below the device's (a user
-    checking that a program fits a browser's 128 MiB: --max-binding-mib); `limits` are the ones planned by.
+    checking that a program fits a browser's 128 MiB: --max-binding-mib).
     Tensors over it are split across dispatches where the kernel can (kernels/matmul.py, embedding.py,
     q8_0.py, cross_entropy.py); any other binding over it is refused at load, naming the tensor.
+
+    `schedule` (a Schedule from `plan_schedule`, e.g. read back with deserialize_schedule) runs that plan
+    instead of planning here; it carries the precision, tensor-core emulation and binding limit, so those
+    arguments stay at their defaults. `schedule` is the one this executor runs either way.
     """
 
     def __init__(self, device, graph: vk.VkGraph, *, timing: bool = True, staging: bool | None = None,
                  shared: dict[str, SharedTensor] | None = None, precision: str = PRECISION_AUTO,
-                 emulate_tensor_cores: bool = False, max_binding_bytes: int | None = None):
+                 emulate_tensor_cores: bool = False, max_binding_bytes: int | None = None,
+                 schedule: Schedule | None = None):
         graph.validate()
         self.device = device
-        self.max_binding_bytes = max_binding_bytes
-        self.limits = binding_limited(device.limits, max_binding_bytes)
-        self.gemm_route = replace(select_gemm_route(precision, allowed_precisions(graph.metadata), device,
-                                                    emulate=emulate_tensor_cores),
-                                  fp32_tuning=select_gemm_tuning(device))
         self._staging = staging  # Buffer's access path: None = direct on unified memory, else staging
         self._shared = dict(shared or {})
         self._borrowed: set[str] = set()  # buffer keys of shared tensors: another executor owns them
         self.graph = graph
         self.ops: list[vk.OpCall] = graph.ops
-        self._lowerings = [lowering_for(op, index) for index, op in enumerate(self.ops)]
         self._buffers: dict[str, Buffer] = {}
         self.program: Program | None = None
         self._state_by_name = self._index_state()
         self._index_limits = self._find_index_limits()
+        self.profile = profile_of(device)  # what planning reads of the device
+        if schedule is None:
+            schedule = plan_schedule(graph, self.profile, precision=precision, max_binding_bytes=max_binding_bytes,
+                                     emulate_tensor_cores=emulate_tensor_cores, shared=self._shared)
+        else:
+            if (precision, emulate_tensor_cores, max_binding_bytes) != (PRECISION_AUTO, False, None):
+                raise ScheduleMismatchError("a GraphExecutor given a schedule takes its precision, tensor-core "
+                                            "emulation and binding limit from it; pass none of precision, "
+                                            "emulate_tensor_cores, max_binding_bytes")
+            self._check_schedule(schedule)
+        self.schedule = schedule
+        self.gemm_route = gemm_route_of(schedule)
+        self.max_binding_bytes = schedule.max_binding_bytes or None
+        self.tensor_core_ops: list[str] = list(schedule.tensor_core_ops)  # labels of the ops on the coopmat kernels
+        self.dispatches = list(schedule.dispatches)
+        self._tensors: dict[int, TensorPlacement] = {p.value_id: p for p in schedule.placements}
         try:
-            self._place_tensors()
             self._allocate_buffers()
             self._upload_constants()
             self.reset_state()  # of the state it owns: shared state keeps its contents
-            self.dispatches: list[Dispatch] = self._plan_dispatches()
             self.program = Program(device, self.dispatches, self._buffers, timing=timing)
         except BaseException:
             self.close()
@@ -255,75 +240,34 @@ class GraphExecutor:
                                              f"({allowed})")
 
     # ------------------------------------------------------------------------------ storage
-    def _shared_key(self, value_id: int) -> str | None:
-        """The buffer key of a constant or state tensor bound to a SharedTensor, checked; else None."""
-        tensor = self.graph.values[value_id]
-        if tensor.name not in self._shared or (tensor.constant_id < 0 and value_id not in self._states):
-            return None
-        owner = self._shared[tensor.name].tensor
-        if (owner.shape, owner.storage_dtype, owner.layout) != (tensor.shape, tensor.storage_dtype, tensor.layout):
-            raise GraphLoweringError(
-                f"tensor {tensor.name!r} is {tensor.storage_dtype.name}{list(tensor.shape)} ({tensor.layout.name}) "
-                f"here but {owner.storage_dtype.name}{list(owner.shape)} ({owner.layout.name}) in the executor "
-                f"sharing it; both must be the same tensor of one program")
-        return f"shared:{tensor.name}"
-
-    def _own_key(self, value_id: int, constant_keys: dict[tuple[int, vk.DType, vk.Layout], str]) -> str:
-        """The buffer key of a tensor with storage of its own."""
-        tensor = self.graph.values[value_id]
-        shared = self._shared_key(value_id)
-        if shared is not None:
-            return shared
-        if tensor.constant_id >= 0:
-            # Values reading the same constant bytes share one upload (unless they read it as another
-            # dtype or layout, which the backend does not do today).
-            identity = (tensor.constant_id, tensor.dtype, tensor.layout)
-            if identity not in constant_keys:
-                taken = any(other[0] == tensor.constant_id for other in constant_keys)
-                constant_keys[identity] = f"constant{tensor.constant_id}" + (f".{value_id}" if taken else "")
-            return constant_keys[identity]
-        if value_id in self._states:
-            return f"state{value_id}"  # persists across steps: never shared within a graph
-        if tensor.mem_obj_id >= 0:
-            return f"mem{tensor.mem_obj_id}"
-        return f"value{value_id}"
-
-    def _place_tensors(self) -> None:
-        """The recorded storage of every tensor the graph uses, as buffer keys and bindings."""
-        self._states = {s.state_id for s in self.graph.mutable_state}
-        constant_keys: dict[tuple[int, vk.DType, vk.Layout], str] = {}
-        self._tensors: dict[int, _Tensor] = {}
-        for value_id in self.graph.used_tensor_ids():
-            tensor = self.graph.values[value_id]
-            if tensor.storage_dtype == vk.DType.INT64:
-                raise GraphLoweringError(f"value {value_id} ({tensor.name or 'unnamed'}) is stored as int64; the GPU "
-                                         f"kernels hold int64 tensors as int32 (the backend's storage-dtype pass "
-                                         f"records that: compile the graph with vktrain.backend.passes)")
-            root = tensor.storage_of if tensor.storage_of >= 0 else value_id
-            view = None
-            if tensor.view_strides:
-                view = StridedView(tensor.shape, tensor.view_strides, tensor.view_offset)
-            key = self._own_key(root, constant_keys)
-            offset = self._shared[self.graph.values[root].name].offset if key.startswith("shared:") else tensor.mem_offset
-            self._tensors[value_id] = _Tensor(key, offset, _round4(tensor.stored_nbytes), view)
+    def _check_schedule(self, schedule: Schedule) -> None:
+        """Refuse a schedule that fails verification against this graph (serialization/verify_schedule.py), that
+        relies on what this device lacks, or that binds shared tensors this executor was not given (or at
+        other offsets), naming what is wrong."""
+        verify_schedule(schedule, self.graph, shader_sources())
+        missing = schedule.requirements.unmet_by(self.profile)
+        if missing:
+            raise ScheduleMismatchError(f"the schedule does not fit {getattr(self.device, 'name', 'this device')}: "
+                                        f"it relies on {'; '.join(missing)}")
+        for placement in schedule.placements:
+            if not placement.key.startswith(SHARED_PREFIX):
+                continue
+            name = placement.key.removeprefix(SHARED_PREFIX)
+            if name not in self._shared:
+                raise ScheduleMismatchError(f"the schedule binds tensor {name!r} of another executor (shared), "
+                                            f"which this executor was not given")
+            if self.graph.values[placement.value_id].storage_of < 0 and placement.offset != self._shared[name].offset:
+                raise ScheduleMismatchError(f"the schedule binds shared tensor {name!r} at byte {placement.offset}, "
+                                            f"the executor sharing it holds it at byte {self._shared[name].offset}")
 
     def _allocate_buffers(self) -> None:
-        """One buffer per storage key: a memory object's planned size, else the largest tensor bound to it."""
-        sizes = {f"mem{m.id}": _round4(m.size_bytes) for m in self.graph.memory_objects}
-        for tensor in self._tensors.values():
-            if not tensor.key.startswith("mem"):
-                sizes[tensor.key] = max(sizes.get(tensor.key, 0), tensor.offset + tensor.nbytes)
-        used = {tensor.key for tensor in self._tensors.values()}
-        for key in sorted(k for k in used if k.startswith("shared:")):
-            self._buffers[key] = self._shared[key.removeprefix("shared:")].buffer
-            self._borrowed.add(key)
-        for key, nbytes in sorted(sizes.items()):
-            if key in used and key not in self._borrowed:
-                self._buffers[key] = Buffer(self.device, nbytes, name=key, staging=self._staging)
-
-    def _binding(self, value_id: int) -> BufferBinding:
-        tensor = self._tensors[value_id]
-        return BufferBinding(tensor.key, tensor.offset, tensor.nbytes)
+        """One Buffer per entry of the schedule's buffer table; a shared one is the other executor's."""
+        for entry in self.schedule.buffers:
+            if entry.role == "shared":
+                self._buffers[entry.key] = self._shared[entry.key.removeprefix(SHARED_PREFIX)].buffer
+                self._borrowed.add(entry.key)
+            else:
+                self._buffers[entry.key] = Buffer(self.device, entry.size_bytes, name=entry.key, staging=self._staging)
 
     def _upload_constants(self) -> None:
         uploaded = set()
@@ -344,90 +288,6 @@ class GraphExecutor:
                 raise GraphLoweringError(str(exc)) from None
             self._write(value_id, data)
             uploaded.add(placement.key)
-
-    # ------------------------------------------------------------------------------ dispatches
-    def _tensor_arg(self, value_id: int) -> TensorArg:
-        tensor = self.graph.tensor(value_id)
-        return TensorArg(value_id, self._binding(value_id), tensor.shape, tensor.dtype.numpy_dtype.name,
-                         tensor.layout, self._tensors[value_id].view)
-
-    def _decode(self, value_id: int, index: int, op: vk.OpCall) -> Any:
-        value = self.graph.values[value_id]
-        if isinstance(value, vk.TensorValue):
-            return self._tensor_arg(value_id)
-        if isinstance(value, vk.ValueListValue):
-            items = [self.graph.values[item] for item in value.items]
-            if not all(isinstance(item, vk.TensorValue) for item in items):
-                raise GraphLoweringError(f"op {index} ({op.name}): value list {value_id} mixes tensors and scalars")
-            return [self._tensor_arg(item) for item in value.items]
-        return vk.decode_scalar(value)
-
-    SCRATCH_KEY = "scratch"
-    SCRATCH_ALIGN = 256  # >= minStorageBufferOffsetAlignment of every Vulkan device (the spec caps it at 256)
-
-    def _scratch(self, index: int):
-        """Op-owned scratch lives in ONE buffer shared by all ops: an op's scratch is dead once its own
-        dispatches are done, and the dependency barriers order the next op's reuse of the same bytes.
-        Within one op, each purpose gets its own aligned range."""
-        purposes: dict[str, BufferBinding] = {}
-
-        def allocate(nbytes: int, purpose: str) -> BufferBinding:
-            if purpose in purposes:
-                raise GraphLoweringError(f"op {index} asked twice for scratch buffer {purpose!r}")
-            offset = sum(_align(b.size, self.SCRATCH_ALIGN) for b in purposes.values())
-            purposes[purpose] = BufferBinding(self.SCRATCH_KEY, offset, _round4(nbytes))
-            self._scratch_bytes = max(self._scratch_bytes, offset + _round4(nbytes))
-            return purposes[purpose]
-        return allocate
-
-    def _check_binding_sizes(self, context: OpContext, planned: list[Dispatch]) -> None:
-        """Refuse a dispatch binding more than the max storage binding size, naming the graph tensor."""
-        limit = self.limits.max_storage_buffer_range
-        for dispatch in planned:
-            for bound in dispatch.bindings:
-                if bound.size is None or bound.size <= limit:
-                    continue
-                tensors = [t for t in [*context.args, *context.outputs] if isinstance(t, TensorArg)
-                           and t.storage == bound.buffer and t.binding.offset < bound.offset + bound.size
-                           and bound.offset < t.binding.offset + t.binding.size]
-                names = ", ".join(f"{self.graph.tensor(t.value_id).name or f'value {t.value_id}'} "
-                                  f"{t.dtype}{list(t.shape)}" for t in tensors) or f"buffer {bound.buffer!r}"
-                raise context.fail(
-                    f"dispatch {dispatch.name!r} binds tensor {names} over {bound.size} "
-                    f"bytes, more than the max storage binding size of {limit} bytes, and its kernel cannot split "
-                    f"it (the head's mm, the linear q4gsw ops, the embeddings, fused_ce, elementwise ops and copies "
-                    f"split; see README "
-                    f"'Picking a runtime')")
-
-    def _plan_dispatches(self) -> list[Dispatch]:
-        dispatches: list[Dispatch] = []
-        self.tensor_core_ops: list[str] = []  # labels of the ops lowered to the coopmat kernels
-        self._scratch_bytes = 0
-        for index, (op, lowering) in enumerate(zip(self.ops, self._lowerings)):
-            if op.outputs and all(self.graph.tensor(out).is_view for out in op.outputs):
-                continue  # the output is its source's bytes: nothing to move
-            label = f"{index}:{op.name}"
-            args = [self._decode(arg, index, op) for arg in op.args]
-            outputs = [self._tensor_arg(out) for out in op.outputs]
-            context = OpContext(index, op, args, outputs, label, self._scratch(index), self.limits,
-                                self.gemm_route, binding_limit_of(self.limits))
-            planned = lowering.lower(context)
-            self._check_binding_sizes(context, planned)
-            if any(d.shader.startswith(TENSOR_CORE_SHADER_PREFIX) for d in planned):
-                self.tensor_core_ops.append(label)
-            dispatches += planned
-        if self._scratch_bytes:
-            self._buffers[self.SCRATCH_KEY] = Buffer(self.device, self._scratch_bytes, name=self.SCRATCH_KEY,
-                                                     staging=self._staging)
-        for state in self.graph.mutable_state:
-            if self._tensors[state.update_id].key == self._tensors[state.state_id].key:
-                continue  # updated in place
-            name = self.graph.tensor(state.state_id).name or f"state{state.state_id}"
-            dispatches += copy_words(self._binding(state.state_id), self._binding(state.update_id),
-                                     self._tensors[state.state_id].nbytes, label=f"state_update:{name}")
-        if not dispatches:
-            raise GraphLoweringError("the graph has no work for the GPU (no ops and no state updates)")
-        return dispatches
 
     # ------------------------------------------------------------------------------ running
     def run(self, *inputs: Any) -> list[np.ndarray]:

@@ -11,6 +11,8 @@ from vktrain.errors import VktrainError
 from vktrain.opdefs import OpDef, op_def
 from vktrain.runtime.delegate.kernels import attention, coopmat, layout
 from vktrain.runtime.vk.schedule import BufferBinding, Dispatch
+from vktrain.serialization.device_profile import DeviceProfile
+from vktrain.serialization.strided_view import StridedView
 from vktrain.serialization import graph as vk
 
 
@@ -43,16 +45,16 @@ class TensorArg:
     shape: tuple[int, ...]
     dtype: str
     layout: vk.Layout = vk.Layout.PLAIN
-    view: Optional[layout.StridedView] = None
+    view: Optional[StridedView] = None
 
     @property
     def numel(self) -> int:
         return math.prod(self.shape)
 
     @property
-    def strided(self) -> layout.StridedView:
+    def strided(self) -> StridedView:
         """How a kernel reads this tensor from its binding (contiguous unless lazily transposed)."""
-        return self.view if self.view is not None else layout.StridedView.contiguous(self.shape)
+        return self.view if self.view is not None else StridedView.contiguous(self.shape)
 
     @property
     def storage(self) -> Any:
@@ -77,6 +79,9 @@ class OpContext:
     limits: Optional[Any] = None
     gemm: coopmat.GemmRoute = coopmat.FP32_ROUTE  # the GEMM kernels chosen at load for this device (kernels/coopmat.py)
     binding_limit: Optional[layout.BindingLimit] = None  # what the plans that can split a tensor cut it by
+    # The device's DeviceProfile (vktrain/runtime/device_profiles.py): what planning reads of the device;
+    # None: `limits` (or the Vulkan-guaranteed minimums) instead.
+    profile: Optional[DeviceProfile] = None
 
     def fail(self, message: str) -> GraphLoweringError:
         return GraphLoweringError(f"op {self.index} ({self.op.name}): {message}")
@@ -102,6 +107,8 @@ class OpContext:
     @property
     def shared_memory_bytes(self) -> int:
         """Shared memory a workgroup may use on this device."""
+        if self.profile is not None:
+            return self.profile.max_shared_memory_bytes
         if self.limits is None:
             return attention.DEFAULT_SHARED_MEMORY_BYTES
         return int(self.limits.max_compute_shared_memory_size)
@@ -109,6 +116,8 @@ class OpContext:
     @property
     def max_workgroup_size(self) -> int:
         """Invocations a workgroup may have on this device (1-D workgroups)."""
+        if self.profile is not None:
+            return min(self.profile.max_workgroup_invocations, self.profile.max_workgroup_size[0])
         if self.limits is None:
             return attention.DEFAULT_MAX_WORKGROUP_SIZE
         return min(int(self.limits.max_compute_work_group_invocations),

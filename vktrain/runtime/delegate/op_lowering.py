@@ -45,11 +45,12 @@ from vktrain.quant import padded_k, w4x8_num_words
 from vktrain.serialization import graph as vk
 
 # Importing the kernels package imports every family, so KERNELS is complete.
-from vktrain.runtime.delegate.kernels import (KERNELS, attention, coopmat, coopmat_attention, coopmat_tiling, copies,
+from vktrain.runtime.delegate.kernels import (KERNELS, attention, coopmat, coopmat_attention, copies,
                                              cross_entropy, layout, linear, matmul, norm)
 from vktrain.runtime.delegate.lowering_context import (KERNEL_DTYPES, GraphLoweringError, OpContext, OpLowering,
                                                       TensorArg)
 from vktrain.runtime.vk.schedule import BufferBinding, Dispatch
+from vktrain.serialization.strided_view import TRANSPOSE_OPS, StridedView, transposed_view
 
 
 # ------------------------------------------------------------------------------------------------
@@ -180,12 +181,12 @@ def _split_k_args(ctx: OpContext, plan: str, m: int, n: int, k: int, group_size:
 
 
 def _coopmat_split_k_args(ctx: OpContext, kernel: str, m: int, n: int, reduction: int) -> dict:
-    """Scratch for a coopmat kernel's split-K (kernels/coopmat_tiling.py: small outputs, long reductions), if it
-    splits."""
-    if not ctx.gemm.splits_reduction:
+    """A coopmat kernel's split-K (kernels/coopmat_tiling.py: small outputs, long reductions) on this route,
+    whose targets are the device profile's: the slices and their scratch, if it splits."""
+    split_k = ctx.gemm.default_split_k(kernel, m, n, reduction)
+    if split_k == 1:
         return {}
-    nbytes = coopmat_tiling.split_k_scratch_nbytes(kernel, m, n, reduction, emulate=ctx.gemm.emulate)
-    return {"scratch": ctx.scratch(nbytes, "split_k")} if nbytes else {}
+    return {"split_k": split_k, "scratch": ctx.scratch(4 * split_k * m * n, "split_k")}
 
 
 def _lower_linear_q4gsw(ctx: OpContext) -> list[Dispatch]:
@@ -377,7 +378,7 @@ def copy_words(out: BufferBinding, source: BufferBinding, nbytes: int, *, label:
     so one kernel copies every 4-byte dtype."""
     if nbytes % 4:
         raise GraphLoweringError(f"{label}: cannot copy {nbytes} bytes, the copy kernel moves 32-bit words")
-    return layout.plan_strided_copy(out, source, layout.StridedView.contiguous((nbytes // 4,)), label=label)
+    return layout.plan_strided_copy(out, source, StridedView.contiguous((nbytes // 4,)), label=label)
 
 
 def _lower_transpose(ctx: OpContext) -> list[Dispatch]:
@@ -385,7 +386,7 @@ def _lower_transpose(ctx: OpContext) -> list[Dispatch]:
     of transposes costs one copy at most)."""
     source = ctx.tensor(0, "self")
     try:
-        view = layout.transposed_view(ctx.op.name, ctx.args[1:], source.strided)
+        view = transposed_view(ctx.op.name, ctx.args[1:], source.strided)
         return copies.plan_copy(ctx.outputs[0].binding, source.binding, view, label=ctx.label,
                                 binding_limit=ctx.binding_limit)
     except (ValueError, TypeError) as exc:
@@ -481,7 +482,7 @@ _VKTRAIN_LOWERINGS = {
 # Ops whose lowering is not the shared keyword convention (every other defined op uses it).
 _CUSTOM_LOWERINGS = {
     **_VKTRAIN_LOWERINGS,
-    **{key: _lower_transpose for key in layout.TRANSPOSE_OPS},
+    **{key: _lower_transpose for key in TRANSPOSE_OPS},
     "aten.mm.default": _lower_gemm, "aten.bmm.default": _lower_bmm, "aten.addmm.default": _lower_gemm,
 }
 
@@ -497,7 +498,8 @@ def _executable(lowering: OpLowering) -> bool:
 
 
 def supported_ops() -> list[str]:
-    """Graph op names this runtime can execute (a lowering exists and the kernel it needs is registered)."""
+    """Graph op names this runtime can execute (a lowering exists and the kernel it needs is registered);
+    vktrain.opdefs.runtime_ops.RUNTIME_OPS says the same as data (tests/test_partitioner.py)."""
     return sorted(name for name, lowering in OP_LOWERINGS.items() if _executable(lowering))
 
 

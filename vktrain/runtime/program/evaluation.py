@@ -18,17 +18,13 @@ import numpy as np
 
 from vktrain.contract import EVAL_INPUTS, EVAL_METHOD, LABELS, MODEL_PREFIX, N_VALID, TOKEN_IDS
 from vktrain.runtime.delegate.executor import ExecutorInputError, GraphExecutor, SharedTensor
-from vktrain.runtime.program.pte import PteFile
-from vktrain.runtime.program.runner import (
-    ProgramInterpreter,
-    UnsupportedProgramError,
-    check_instructions_supported,
-    check_loss_output,
-    check_storageless_tensors,
-    plan_input_names,
+from vktrain.serialization.pte import PteFile
+from vktrain.runtime.program.interpreter import (
+    ProgramInterpreter, check_instructions_supported, check_loss_output, check_storageless_tensors, plan_input_names
 )
+from vktrain.serialization.verify import UnsupportedProgramError
 from vktrain.runtime.program.step_inputs import check_input_names, checked_input, step_input_specs
-from vktrain.runtime.program.verify import check_device_memory, device_memory_bytes, load_delegate_graph, verify_plan
+from vktrain.serialization.verify import check_device_memory, device_memory_bytes, load_delegate_graph, verify_plan
 from vktrain.serialization import graph as g
 
 
@@ -40,8 +36,9 @@ class EvalMethod:
                  host_memory_limit: Optional[int] = None, device_memory_limit: Optional[int] = None):
         if EVAL_METHOD not in pte.method_names:
             raise UnsupportedProgramError(
-                f"{pte.source} has no {EVAL_METHOD!r} method (it has {pte.method_names}); re-export the training "
-                f"step with this vktrain, which writes the eval method next to it")
+                f"{pte.source} has no {EVAL_METHOD!r} method (it has {pte.method_names}): it was exported without "
+                f"one; export the step and its eval method together (vktrain export does; for a module of your "
+                f"own, export_training_and_eval_steps)")
         plan = pte.execution_plan(EVAL_METHOD)
         check_instructions_supported(pte, plan, has_delegate=True)
         check_storageless_tensors(pte, plan)

@@ -16,6 +16,12 @@ rewrites of 4- and 8-byte words with values chosen to break offsets, lengths and
 blob's graph flatbuffer and recomputes its checksum, as a writer of inconsistent graphs would: it tests
 the parser and checks behind the checksum, and a changed meaning there is reported, not a bug, until
 per-op shape re-inference (verify.check_op_shapes) is wired in.
+
+Schedules (vktrain/serialization/schedule.py) get the same mutations over their whole bytes
+(`schedule_campaign`): each mutant goes through deserialize_schedule and verify_schedule against its graph.
+A schedule carries no checksum yet (it is not in the .pte), so accepted-changed is expected there; what
+must not happen is a BUG, or an accepted schedule that breaks what the verifier guarantees (bindings
+inside their buffers, known shaders, push and group limits).
 """
 from __future__ import annotations
 
@@ -27,11 +33,13 @@ from dataclasses import dataclass
 from typing import Callable, Iterator, Optional
 
 from vktrain.errors import VktrainError
-from vktrain.runtime.program.pte import DelegateCall, KernelCall, PteFile, PteFormatError, Tensor
-from vktrain.runtime.program.runner import VerifiedTrainingProgram, verify_training_program
-from vktrain.runtime.program.verify import VerificationError
+from vktrain.serialization.pte import DelegateCall, KernelCall, PteFile, PteFormatError, Tensor
+from vktrain.runtime.program.interpreter import VerifiedTrainingProgram, verify_training_program
+from vktrain.serialization.verify import VerificationError
 from vktrain.serialization import BlobFormatError, BlobHeader
 from vktrain.serialization import graph as g
+from vktrain.serialization.schedule import Schedule, deserialize_schedule
+from vktrain.serialization.verify_schedule import verify_schedule
 
 ACCEPTED_UNCHANGED = "accepted-unchanged"
 ACCEPTED_CHANGED = "accepted-changed"
@@ -280,6 +288,42 @@ def campaign(original: bytes, count: int, seed: int = 0,
     return table
 
 
+def schedule_mutants(original: bytes, seed: int) -> Iterator[Mutant]:
+    """An endless, seeded stream of mutants of a serialised schedule (every family, the whole bytes)."""
+    rng = random.Random(seed)
+    region = Region("schedule", 0, len(original))
+    families = sorted(MUTATORS)
+    while True:
+        data = bytearray(original)
+        family = rng.choice(families)
+        description = MUTATORS[family](rng, data, region)
+        if bytes(data) != original:
+            yield Mutant(bytes(data), family, region.name, description)
+
+
+def run_schedule_one(mutant: Mutant, original: Schedule, graph: g.VkGraph, shader_sources) -> Outcome:
+    try:
+        schedule = deserialize_schedule(mutant.data)
+        verify_schedule(schedule, graph, shader_sources, "<mutant schedule>")
+    except Exception as exc:  # the point: every exception is classified, none escapes
+        return Outcome(mutant, classify(exc), f"{type(exc).__name__}: {exc}"[:300])
+    return Outcome(mutant, ACCEPTED_UNCHANGED if schedule == original else ACCEPTED_CHANGED, "")
+
+
+def schedule_campaign(original: bytes, graph: g.VkGraph, shader_sources, count: int, seed: int = 0,
+                      on_outcome: Optional[Callable[[Outcome], None]] = None) -> Counter:
+    """Run `count` mutants of the serialised schedule `original` of `graph`; how many fell in each label."""
+    schedule = deserialize_schedule(original)
+    table: Counter = Counter()
+    stream = schedule_mutants(original, seed)
+    for _ in range(count):
+        outcome = run_schedule_one(next(stream), schedule, graph, shader_sources)
+        table[outcome.label] += 1
+        if on_outcome is not None:
+            on_outcome(outcome)
+    return table
+
+
 def format_table(table: Counter) -> str:
     rows = sorted(table.items(), key=lambda item: (item[0][0], item[0][1].startswith("BUG"), -item[1]))
     width = max([len(label) for (_, label), _ in rows] + [10])
@@ -290,4 +334,5 @@ def format_table(table: Counter) -> str:
 
 
 __all__ = ["ACCEPTED_CHANGED", "ACCEPTED_UNCHANGED", "MUTATORS", "Mutant", "Outcome", "RESIGNED", "campaign",
-           "classify", "file_regions", "format_table", "load", "mutants", "program_meaning", "run_one"]
+           "classify", "file_regions", "format_table", "load", "mutants", "program_meaning", "run_one",
+           "run_schedule_one", "schedule_campaign", "schedule_mutants"]

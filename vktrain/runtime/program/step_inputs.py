@@ -17,7 +17,7 @@ from typing import Any, Mapping
 import numpy as np
 
 from vktrain.runtime.delegate.executor import ExecutorInputError
-from vktrain.runtime.program.pte import NUMPY_SCALAR_TYPES, ExecutionPlan, Tensor
+from vktrain.serialization.pte import NUMPY_SCALAR_TYPES, ExecutionPlan, Tensor
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""What `vktrain inspect` reports about a .pte, read with the torch-free reader (runtime/program/pte.py):
+"""What `vktrain inspect` reports about a .pte, read with the torch-free reader (serialization/pte.py):
 the program's instructions and operators, and for the vktrain delegate its op histogram, constants,
 memory plan (and how many device-memory allocations it takes), state, I/O and the partitioner's refusals.
 Torch- and executorch-free, like the rest of the runtime: `vktrain inspect` runs on a machine with
@@ -14,9 +14,9 @@ from dataclasses import dataclass, field
 from vktrain.contract import (BACKEND_ID, METADATA_BAKED_SCALARS, METADATA_REFUSALS, METADATA_STATE_BYTES,
                               METADATA_UNPLANNED_MEMORY_BYTES, TRAIN_METHOD)
 from vktrain.runtime.delegate.kernels.coopmat import allowed_precisions
-from vktrain.runtime.program.pte import PteFile, PteFormatError
-from vktrain.runtime.program.pte_objects import DelegateCall, KernelCall
-from vktrain.runtime.program.verify import device_buffer_requests
+from vktrain.serialization.pte import PteFile, PteFormatError
+from vktrain.serialization.pte_objects import DelegateCall, KernelCall
+from vktrain.serialization.verify import device_buffer_requests
 from vktrain.runtime.vk.allocator import count_block_allocations
 from vktrain.serialization import deserialize_blob
 from vktrain.serialization import graph as vk
@@ -43,17 +43,17 @@ def _main_method(pte: PteFile) -> str:
     if len(methods) == 1:
         return methods[0]
     if TRAIN_METHOD not in methods:
-        raise PteFormatError(f"expected a .pte with one method or a {TRAIN_METHOD!r} method, found {len(methods)} "
+        raise PteFormatError(f"{pte.source}: expected a .pte with one method or a {TRAIN_METHOD!r} method, found {len(methods)} "
                              f"({methods})")
     return TRAIN_METHOD
 
 
-def read_pte(data: bytes, method: str | None = None) -> PteContents:
+def read_pte(data: bytes, method: str | None = None, source: str = "<bytes>") -> PteContents:
     """The delegates, operator table and instruction counts of one method of a .pte (default: the only
-    method, else the training step's)."""
-    pte = PteFile.from_bytes(data)
+    method, else the training step's); `source` names the file in errors."""
+    pte = PteFile.from_bytes(data, source)
     if method is None and not pte.method_names:
-        raise PteFormatError("expected a .pte with one method, found 0 ([])")
+        raise PteFormatError(f"{source}: expected a .pte with one method, found 0 ([])")
     plan = pte.execution_plan(method or _main_method(pte))
     delegates = [PteDelegate(d.id, bytes(d.data), dict(d.compile_specs)) for d in plan.delegates]
     operators = [f"{op.name}.{op.overload}" if op.overload else op.name for op in plan.operators]
@@ -123,8 +123,8 @@ def summarize_blob(graph: vk.VkGraph) -> dict:
     }
 
 
-def _summarize_method(data: bytes, method: str | None, named_data) -> dict:
-    contents = read_pte(data, method)
+def _summarize_method(data: bytes, method: str | None, named_data, source: str) -> dict:
+    contents = read_pte(data, method, source)
     delegates = []
     for delegate in contents.delegates:
         entry = {"backend_id": delegate.backend_id, "payload_bytes": len(delegate.payload)}
@@ -142,15 +142,16 @@ def _summarize_method(data: bytes, method: str | None, named_data) -> dict:
     }
 
 
-def summarize_pte(data: bytes) -> dict:
+def summarize_pte(data: bytes, source: str = "<bytes>") -> dict:
     """The report of the .pte's main method (the only one, else the training step), and under
     "other_methods" the same report of each other method (the eval method of a training step). Constants
-    in the .pte's named data (shared by its methods) count in every method that reads them."""
-    pte = PteFile.from_bytes(data)
+    in the .pte's named data (shared by its methods) count in every method that reads them. `source` names
+    the file in errors."""
+    pte = PteFile.from_bytes(data, source)
     main = _main_method(pte) if pte.method_names else None
-    report = {"pte_bytes": len(data), **_summarize_method(data, main, pte.named_data),
+    report = {"pte_bytes": len(data), **_summarize_method(data, main, pte.named_data, source),
               "named_data_bytes": sum(view.nbytes for view in pte.named_data.values())}
     others = [name for name in pte.method_names if name != main]
     if others:
-        report["other_methods"] = {name: _summarize_method(data, name, pte.named_data) for name in others}
+        report["other_methods"] = {name: _summarize_method(data, name, pte.named_data, source) for name in others}
     return report

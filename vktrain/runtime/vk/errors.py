@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 from vktrain.errors import VktrainError
+from vktrain.serialization.dispatch import ScheduleError  # noqa: F401  (the records' error, on the ground floor)
 
 INSTALL_HINT = (
     "install a Vulkan loader and a driver (Debian/Ubuntu: `apt-get install libvulkan1 mesa-vulkan-drivers`; "
@@ -79,10 +80,6 @@ def format_bytes(nbytes: int) -> str:
 
 class BindingRangeError(RuntimeErrorBase, ValueError):
     """A storage-buffer binding exceeds a device limit (maxStorageBufferRange, offset alignment)."""
-
-
-class ScheduleError(RuntimeErrorBase, ValueError):
-    """A Dispatch list is malformed (unknown buffer, bad group count, push constants too large...)."""
 
 
 def load_vulkan():

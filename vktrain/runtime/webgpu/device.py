@@ -46,10 +46,10 @@ import numpy as np
 
 from vktrain.runtime.vk.device import DEVICE_ENV, PhysicalDeviceInfo, ValidationMessage, select_physical_device
 from vktrain.runtime.webgpu.errors import INSTALL_HINT, WebGPUError, WebGPUUnavailableError
+from vktrain.runtime.webgpu.features import INSIDE_PASS_FEATURE
 
 # wgpu's adapter types as VkPhysicalDeviceType numbers, so selection ranks them as the Vulkan runtime does.
 _ADAPTER_TYPES = {"DiscreteGPU": 2, "IntegratedGPU": 1, "VirtualGPU": 3, "CPU": 4}
-INSIDE_PASS_FEATURE = "timestamp-query-inside-passes"  # native wgpu: per-dispatch timestamps in one pass
 OPTIONAL_FEATURES = ("timestamp-query", INSIDE_PASS_FEATURE, "shader-f16", "subgroup")
 DEVICE_TYPE = "webgpu"  # not "cpu", whatever the adapter: WGSL kernels have the GPU-tuning bodies only
 
@@ -71,13 +71,29 @@ BROWSER_DEFAULT_LIMITS = {"max-compute-workgroup-storage-size": 16384, "max-comp
 # Offset alignments are maxima (smaller is better): the adapter's own value is asked for.
 _ALIGNMENT_LIMITS = ("min-storage-buffer-offset-alignment", "min-uniform-buffer-offset-alignment")
 REUSED_STAGING_BYTES = 16 << 20  # downloads up to this size share one staging buffer (loss, state reads)
-UNIFORM_SLOT_ALIGNMENT = 256  # every dispatch's params start at a multiple of this (browser WebGPU's maximum)
 RUNTIME_CHECKS_ENV = "VKTRAIN_WEBGPU_RUNTIME_CHECKS"  # on|off: Device(runtime_checks=None) reads it
 _RUNTIME_CHECKS_WORDS = {"on": True, "off": False}
 
 
+def _private_runtime_dir() -> None:
+    """Give this process an XDG_RUNTIME_DIR (a private temporary one, removed at exit) when it has none:
+    the Vulkan driver's window-system code that wgpu-native loads prints "error: XDG_RUNTIME_DIR is
+    invalid or not set in the environment." once per adapter without one, although compute needs no
+    display and nothing is wrong."""
+    if os.path.isdir(os.environ.get("XDG_RUNTIME_DIR", "")):
+        return
+    import atexit
+    import shutil
+    import tempfile
+
+    directory = tempfile.mkdtemp(prefix="vktrain-runtime-")  # mode 0700, as XDG asks
+    os.environ["XDG_RUNTIME_DIR"] = directory
+    atexit.register(shutil.rmtree, directory, ignore_errors=True)
+
+
 def load_wgpu():
     """Import and return `wgpu`, or raise WebGPUUnavailableError saying what to install."""
+    _private_runtime_dir()
     try:
         import wgpu
     except ImportError as exc:

@@ -20,7 +20,9 @@ timestamp-query-inside-passes, the one pass gets a timestamp before the first di
 and `timings()` returns, per Dispatch, the time its completion added (as on Vulkan); otherwise (browser
 WebGPU) each Dispatch gets a pass of its own timed at both ends, and `timings()` returns its own time.
 None without timestamp queries. Setting `timing_enabled = False` afterwards encodes the next replays
-into one pass, untimed.
+into one pass, untimed. A query set holds at most QUERY_SET_CAPACITY queries (WebGPU's limit), so the
+timestamps of a longer list (a 30-layer step: 4,600 dispatches) go to several sets, resolved into one
+buffer.
 """
 from __future__ import annotations
 
@@ -44,9 +46,12 @@ from vktrain.runtime.vk.schedule import (
     resolve_binding,
     split_groups,
 )
-from vktrain.runtime.webgpu.device import INSIDE_PASS_FEATURE, UNIFORM_SLOT_ALIGNMENT
+from vktrain.runtime.webgpu.features import INSIDE_PASS_FEATURE, UNIFORM_SLOT_ALIGNMENT
 from vktrain.runtime.webgpu.errors import MissingKernelsError, WebGPUError
 from vktrain.runtime.webgpu.memory import Buffer
+
+
+QUERY_SET_CAPACITY = 4096  # WebGPU's most queries in one QuerySet; a multiple of 32 keeps resolve offsets 256-aligned
 
 
 def write_timestamp(compute_pass, query_set, index: int) -> None:
@@ -102,6 +107,7 @@ class Program(ProgramBase):
         self.dispatches = tuple(dispatches)
         self._alive = False
         self._params_buffer = self._query_set = self._query_resolve = None
+        self._query_sets: list = []
         self._inside_pass = False
         self._pending = False
         self._submitted_once = False
@@ -259,9 +265,16 @@ class Program(ProgramBase):
             # dispatch and after each. Otherwise (browser WebGPU): a pass per Dispatch, timed at both ends.
             self._inside_pass = INSIDE_PASS_FEATURE in device.features
             count = len(planned) + 1 if self._inside_pass else 2 * len(planned)
-            self._query_set = device.handle.create_query_set(type=wgpu.QueryType.timestamp, count=count)
+            self._query_sets = [device.handle.create_query_set(type=wgpu.QueryType.timestamp,
+                                                               count=min(QUERY_SET_CAPACITY, count - first))
+                                for first in range(0, count, QUERY_SET_CAPACITY)]
+            self._query_set = self._query_sets[0]
             self._query_resolve = device.handle.create_buffer(
                 size=8 * count, usage=wgpu.BufferUsage.QUERY_RESOLVE | wgpu.BufferUsage.COPY_SRC)
+
+    def _query(self, index: int):
+        """(query set, index in it) of timestamp `index` of the whole list."""
+        return self._query_sets[index // QUERY_SET_CAPACITY], index % QUERY_SET_CAPACITY
 
     # ------------------------------------------------------------------------------- execution
     def _encode(self, timed: bool):
@@ -271,13 +284,14 @@ class Program(ProgramBase):
         encoder = self.device.handle.create_command_encoder()
         compute_pass = None if per_pass else encoder.begin_compute_pass()
         if timed and not per_pass:
-            write_timestamp(compute_pass, self._query_set, 0)
+            write_timestamp(compute_pass, *self._query(0))
         bound = None
         for index, plan in enumerate(self._planned):
             if per_pass:
+                query_set, begin = self._query(2 * index)  # an even capacity keeps both ends in one set
                 compute_pass = encoder.begin_compute_pass(timestamp_writes={
-                    "query_set": self._query_set, "beginning_of_pass_write_index": 2 * index,
-                    "end_of_pass_write_index": 2 * index + 1})
+                    "query_set": query_set, "beginning_of_pass_write_index": begin,
+                    "end_of_pass_write_index": begin + 1})
                 bound = None
             if plan.pipeline is not bound:
                 compute_pass.set_pipeline(plan.pipeline)
@@ -292,11 +306,13 @@ class Program(ProgramBase):
             if per_pass:
                 compute_pass.end()
             elif timed:
-                write_timestamp(compute_pass, self._query_set, index + 1)
+                write_timestamp(compute_pass, *self._query(index + 1))
         if not per_pass:
             compute_pass.end()
         if timed:
-            encoder.resolve_query_set(self._query_set, 0, self._query_set.count, self._query_resolve, 0)
+            for number, query_set in enumerate(self._query_sets):
+                encoder.resolve_query_set(query_set, 0, query_set.count, self._query_resolve,
+                                          8 * QUERY_SET_CAPACITY * number)
         command_buffer = encoder.finish()
         self.last_encode_s = time.perf_counter() - start
         return command_buffer
@@ -351,10 +367,11 @@ class Program(ProgramBase):
         if self._pending and not self.device.closed:
             self.device.wait_idle()
         self._pending = False
-        for resource in (self._params_buffer, self._query_resolve, self._query_set):
+        for resource in (self._params_buffer, self._query_resolve, *self._query_sets):
             if resource is not None:
                 resource.destroy()
         self._params_buffer = self._query_set = self._query_resolve = None
+        self._query_sets = []
         self._encoded = None
         self._planned = []
         self._alive = False

@@ -44,9 +44,12 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from vktrain.serialization.device_profile import H200_FP32_TARGET_WORKGROUPS
 from vktrain.runtime.vk.schedule import Dispatch, ceil_div, pack_push
-from vktrain.runtime.delegate.kernels.layout import (MAX_ELEMENTS, SHARED_MEMORY_LIMIT, WORKGROUP_SIZE_LIMIT,
-                                                     KernelArgumentError, binding, check_positive_ints)
+from vktrain.serialization.strided_view import MAX_ELEMENTS, KernelArgumentError
+from vktrain.runtime.delegate.kernels.layout import (
+    SHARED_MEMORY_LIMIT, WORKGROUP_SIZE_LIMIT, binding, check_positive_ints
+)
 from vktrain.runtime.delegate.kernels.registry import register_kernel
 
 SUPPORTED_HEAD_DIMS = (16, 32, 64, 128)
@@ -55,9 +58,9 @@ SUPPORTED_HEAD_DIMS = (16, 32, 64, 128)
 DEFAULT_SHARED_MEMORY_BYTES = 32768
 DEFAULT_MAX_WORKGROUP_SIZE = 128
 DELTA_WORKGROUP_SIZE = 64
-# Workgroups a default tiling tries to offer (about 2 per compute unit of a 132-SM H200): below that,
-# smaller row tiles trade extra re-reads of the streamed tiles (cached) for parallelism.
-TARGET_WORKGROUPS = 256
+# Workgroups a default tiling tries to offer (the H200 profile's fp32_target_workgroups, about 2 per compute
+# unit): below that, smaller row tiles trade extra re-reads of the streamed tiles (cached) for parallelism.
+TARGET_WORKGROUPS = H200_FP32_TARGET_WORKGROUPS
 MIN_FALLBACK_WORKGROUP_SIZE = 32
 
 # attention_fwd.comp / attention_bwd.comp specialization constants.

@@ -61,6 +61,7 @@ from vktrain.runtime.delegate.kernels.coopmat_tiling import (
     MIN_WORKGROUPS,
     SIZE_TILE_M,
     SIZE_TILE_N,
+    SPLIT_TARGET_WORKGROUPS,
     CoopmatTiling,
     default_split_k,
     default_tiling,
@@ -70,15 +71,12 @@ from vktrain.runtime.delegate.kernels.coopmat_tiling import (
 )
 from vktrain.runtime.delegate.kernels.gemm_tuning import GPU_TUNING
 from vktrain.runtime.delegate.kernels.linear import plan_splitk_reduce
-from vktrain.runtime.delegate.kernels.layout import (
-    MAX_ELEMENTS,
-    KernelArgumentError,
-    StridedView,
-    binding,
-)
+from vktrain.serialization.strided_view import MAX_ELEMENTS, KernelArgumentError, StridedView
+from vktrain.runtime.delegate.kernels.layout import binding
 from vktrain.runtime.vk.coopmat import EXTENSION_NAME, CooperativeMatrixShape, supports_shape
 from vktrain.runtime.vk.schedule import Dispatch, ceil_div, pack_push
 from vktrain.runtime.webgpu.device import DEVICE_TYPE as WEBGPU_DEVICE_TYPE
+from vktrain.serialization.device_profile import DeviceProfile
 
 # The cooperative-matrix shape and types the shaders are written for.
 INPUT_TYPE, ACCUMULATOR_TYPE = "float16", "float32"
@@ -124,6 +122,10 @@ class GemmRoute:
     emulate: bool = False
     subgroup_size: int = DEFAULT_SUBGROUP_SIZE
     min_workgroups: int = MIN_WORKGROUPS
+    # The device profile's split-K targets (coopmat_tiling.default_split_k); min_workgroups above is the
+    # route's own gate (1 on the test paths), these stay the profile's so a test path splits as the device would.
+    split_min_workgroups: int = MIN_WORKGROUPS
+    split_target_workgroups: int = SPLIT_TARGET_WORKGROUPS
     fp32_tuning: str = GPU_TUNING
     wgsl: bool = False  # the WebGPU runtime's f16 WGSL kernels (no tensor cores), tiled by WGSL_TILING
 
@@ -144,11 +146,21 @@ class GemmRoute:
         tiling = default_tiling("coopmat_mm", M, N, reduction or 0, emulate=self.emulate)
         if ceil_div(M, SIZE_TILE_M) * ceil_div(N, SIZE_TILE_N) < self.min_workgroups and (
                 reduction is None or not self.splits_reduction
-                or workgroups(tiling, M, N) * default_split_k(tiling, M, N, reduction) < self.min_workgroups):
+                or workgroups(tiling, M, N) * self._split_k(tiling, M, N, reduction) < self.min_workgroups):
             return False
         if not (self.emulate and reduction is not None):
             return True
         return emulated_loop_trips(tiling, reduction, self.subgroup_size) <= EMULATED_LOOP_BUDGET
+
+    def _split_k(self, tiling: CoopmatTiling, M: int, N: int, reduction: int) -> int:
+        return default_split_k(tiling, M, N, reduction, min_workgroups=self.split_min_workgroups,
+                               target_workgroups=self.split_target_workgroups)
+
+    def default_split_k(self, kernel: str, M: int, N: int, reduction: int) -> int:
+        """Slices the default plan of `kernel` cuts an M x N output's reduction into on this route (1: none)."""
+        if not self.splits_reduction:
+            return 1
+        return self._split_k(default_tiling(kernel, M, N, reduction, emulate=self.emulate), M, N, reduction)
 
     def dense_b_transposed(self, a: StridedView, b: StridedView) -> bool | None:
         """How coopmat_mm reads aten.mm's operands A [M, K] and B [K, N] on this route: False for B
@@ -186,19 +198,31 @@ FP32_ROUTE = GemmRoute(PRECISION_FP32, False, "the fp32 policy")
 
 
 def select_gemm_route(precision: str, allowed: tuple[str, ...], device: Any, *,
-                      emulate: bool = False) -> GemmRoute:
+                      emulate: bool = False, profile: DeviceProfile | None = None) -> GemmRoute:
     """The GemmRoute for the policy `precision` on `device` (a vktrain Device), for a program allowing
     `allowed`. fp16-tc takes the tensor cores where the device has the coopmat kernels' shape and types
     and falls back to the fp32 kernels (saying so) elsewhere. `emulate` (tests) pretends it has them and
     runs the emulated shaders, on every GEMM the route covers whatever its size. `auto` is fp16-tc where
-    the program allows it and the device has the tensor-core kernels (or `emulate`), else fp32."""
+    the program allows it and the device has the tensor-core kernels (or `emulate`), else fp32. A route
+    takes its size gate and split-K targets from `profile` (the device's DeviceProfile; default: the H200's
+    numbers)."""
+    route = _select_gemm_route(precision, allowed, device, emulate=emulate)
+    if profile is None:
+        return route
+    split = dict(split_min_workgroups=profile.min_workgroups, split_target_workgroups=profile.split_k_target_workgroups)
+    if route.tensor_cores and route.min_workgroups == MIN_WORKGROUPS:  # the device's gate, not a test path's 1
+        split["min_workgroups"] = profile.min_workgroups
+    return dataclasses.replace(route, **split)
+
+
+def _select_gemm_route(precision: str, allowed: tuple[str, ...], device: Any, *, emulate: bool) -> GemmRoute:
     if precision not in PRECISION_CHOICES:
         raise PrecisionPolicyError(f"unknown GEMM precision {precision!r}; choose one of {', '.join(PRECISION_CHOICES)}")
     if getattr(device, "device_type", None) == WEBGPU_DEVICE_TYPE:
         return _select_webgpu_route(precision, allowed, device, emulate=emulate)
     if precision == PRECISION_AUTO:
         fast = PRECISION_FP16_TC in allowed and (emulate or coopmat_supported(device.cooperative_matrix_properties))
-        route = select_gemm_route(PRECISION_FP16_TC if fast else PRECISION_FP32, allowed, device, emulate=emulate)
+        route = _select_gemm_route(PRECISION_FP16_TC if fast else PRECISION_FP32, allowed, device, emulate=emulate)
         why = route.reason if fast else (f"{device.name} has no tensor-core kernels" if PRECISION_FP16_TC in allowed
                                          else f"the program allows only {', '.join(allowed)}")
         return dataclasses.replace(route, reason=f"auto -> {route.precision}: {why}")
@@ -239,7 +263,7 @@ def _select_webgpu_route(precision: str, allowed: tuple[str, ...], device: Any, 
     every GEMM the route covers whatever its size, as on Vulkan. `auto` stays fp32: on the H200 the f16 WGSL
     step is 1.07x / 1.21x slower than the fp32 WGSL one (docs/PRECISION.md, "On WebGPU")."""
     if precision == PRECISION_AUTO:
-        route = select_gemm_route(PRECISION_FP32, allowed, device)
+        route = _select_gemm_route(PRECISION_FP32, allowed, device, emulate=False)
         return dataclasses.replace(route, reason="auto -> fp32: WebGPU has no tensor cores (the f16 WGSL "
                                                  "kernels run only when --precision fp16-tc asks)")
     if precision not in allowed:

@@ -35,7 +35,8 @@ from typing import Any
 from vktrain.runtime.delegate.kernels.attention import check_problem, plan_backward_delta
 from vktrain.runtime.delegate.kernels.coopmat import DEFAULT_SUBGROUP_SIZE, GemmRoute, _plan_absmax, absmax_partials
 from vktrain.runtime.delegate.kernels.coopmat_tiling import EMULATED_LOOP_BUDGET
-from vktrain.runtime.delegate.kernels.layout import KernelArgumentError, binding
+from vktrain.serialization.strided_view import KernelArgumentError
+from vktrain.runtime.delegate.kernels.layout import binding
 from vktrain.runtime.vk.schedule import Dispatch, ceil_div, pack_push
 
 SUPPORTED_HEAD_DIMS = (16, 32, 64)

@@ -7,21 +7,21 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from vktrain.runtime.vk.schedule import ceil_div
+from vktrain.serialization.device_profile import H200_MIN_WORKGROUPS, H200_SPLIT_K_TARGET_WORKGROUPS
 
 # The cooperative-matrix shape the shaders are written for.
 FRAGMENT = (16, 16, 16)
 # Size measure of the route's rule below (not a tiling): outputs counted in tiles of 64 x 128.
 SIZE_TILE_M, SIZE_TILE_N = 64, 128
-# A GEMM takes the tensor cores unsplit when its output has at least this many 64 x 128 tiles (about one
-# per SM of a 132-SM H200), and a smaller one when split-K gives it that many workgroups (below). Measured
-# at M = 128 with the 64 x 64 tilings (bench/results/step_gemms_h200.json): the gate / up forward (N = 8192,
-# exactly 128 tiles) is as fast unsplit as split in 2 (0.045 ms; SIMT 0.123), while N = 2048 outputs run
-# fastest in 8 slices (0.021-0.16 ms against 0.043-0.45 unsplit or on SIMT).
-MIN_WORKGROUPS = 128
-# Split-K (module docstring): slices of at least MIN_SPLIT_SLICE until about SPLIT_TARGET_WORKGROUPS run
-# (~4 per SM of a 132-SM H200), at most MAX_SPLIT_K (the reduce reads every partial); none for outputs
-# narrower than SPLIT_MIN_SIDE (the rank-16 LoRA products: a 64 x 64 tile would idle most of its fragments).
-SPLIT_TARGET_WORKGROUPS = 512
+# A GEMM takes the tensor cores unsplit when its output has at least MIN_WORKGROUPS 64 x 128 tiles, and a
+# smaller one when split-K gives it that many workgroups (below). Both numbers are the device profile's
+# (vktrain/serialization/device_profile.py, where the H200 measurement behind them is); these defaults are
+# the H200's, and GemmRoute carries the profile's (select_gemm_route).
+MIN_WORKGROUPS = H200_MIN_WORKGROUPS
+# Split-K (module docstring): slices of at least MIN_SPLIT_SLICE until about SPLIT_TARGET_WORKGROUPS run,
+# at most MAX_SPLIT_K (the reduce reads every partial); none for outputs narrower than SPLIT_MIN_SIDE (the
+# rank-16 LoRA products: a 64 x 64 tile would idle most of its fragments).
+SPLIT_TARGET_WORKGROUPS = H200_SPLIT_K_TARGET_WORKGROUPS
 MIN_SPLIT_SLICE = 256
 MAX_SPLIT_K = 16
 SPLIT_MIN_SIDE = 64
@@ -182,15 +182,17 @@ def split_slice_length(tiling: CoopmatTiling, reduction: int, split_k: int) -> i
     return ceil_div(ceil_div(reduction, split_k), tiling.bk) * tiling.bk
 
 
-def default_split_k(tiling: CoopmatTiling, M: int, N: int, reduction: int) -> int:
+def default_split_k(tiling: CoopmatTiling, M: int, N: int, reduction: int, *, min_workgroups: int = MIN_WORKGROUPS,
+                    target_workgroups: int = SPLIT_TARGET_WORKGROUPS) -> int:
     """Slices a coopmat plan with scratch cuts the reduction into (1: no split; module docstring): enough
-    for SPLIT_TARGET_WORKGROUPS workgroups, slices >= MIN_SPLIT_SLICE, at most MAX_SPLIT_K, trimmed so
-    that no slice is empty. Only outputs the route's size rule alone would keep off the tensor cores
-    (fewer than MIN_WORKGROUPS tiles of SIZE_TILE_M x SIZE_TILE_N) are split, and none narrower than
-    SPLIT_MIN_SIDE: the GEMMs of at least that size run as they were measured."""
-    if ceil_div(M, SIZE_TILE_M) * ceil_div(N, SIZE_TILE_N) >= MIN_WORKGROUPS or min(M, N) < SPLIT_MIN_SIDE:
+    for `target_workgroups` workgroups, slices >= MIN_SPLIT_SLICE, at most MAX_SPLIT_K, trimmed so that no
+    slice is empty. Only outputs the route's size rule alone would keep off the tensor cores (fewer than
+    `min_workgroups` tiles of SIZE_TILE_M x SIZE_TILE_N) are split, and none narrower than SPLIT_MIN_SIDE:
+    the GEMMs of at least that size run as they were measured. The two targets are the device profile's
+    (GemmRoute.default_split_k); the defaults are the H200's."""
+    if ceil_div(M, SIZE_TILE_M) * ceil_div(N, SIZE_TILE_N) >= min_workgroups or min(M, N) < SPLIT_MIN_SIDE:
         return 1
-    split_k = min(ceil_div(SPLIT_TARGET_WORKGROUPS, workgroups(tiling, M, N)), reduction // MIN_SPLIT_SLICE,
+    split_k = min(ceil_div(target_workgroups, workgroups(tiling, M, N)), reduction // MIN_SPLIT_SLICE,
                   MAX_SPLIT_K)
     if split_k <= 1:
         return 1

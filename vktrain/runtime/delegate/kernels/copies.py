@@ -17,22 +17,11 @@ from vktrain.runtime.vk.schedule import Dispatch
 from vktrain.runtime.delegate.kernels.elementwise_windows import (element_windows, needs_windows, operand_span,
                                                                   split_windows, window_binding, window_offset)
 from vktrain.runtime.delegate.kernels.layout import (
-    CONVERT_FP32_TO_INT32,
-    CONVERT_INT32_TO_FP32,
-    CONVERT_NONE,
-    BindingLimit,
-    KernelArgumentError,
-    StridedView,
-    check_dtype,
-    check_shape,
-    coalesce_dims,
-    copy_push,
-    elementwise_groups,
-    fill_word,
-    infer_reshape,
-    normalize_dim,
-    plan_fill,
-    plan_strided_copy,
+    CONVERT_FP32_TO_INT32, CONVERT_INT32_TO_FP32, CONVERT_NONE, BindingLimit, check_dtype, coalesce_dims, copy_push,
+    elementwise_groups, fill_word, plan_fill, plan_strided_copy
+)
+from vktrain.serialization.strided_view import (
+    KernelArgumentError, StridedView, check_shape, infer_reshape, normalize_dim
 )
 from vktrain.runtime.delegate.kernels.registry import register_kernel
 

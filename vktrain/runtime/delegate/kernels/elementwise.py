@@ -34,19 +34,10 @@ from typing import Any, Sequence
 
 from vktrain.runtime.vk.schedule import Dispatch, ceil_div, pack_push
 from vktrain.runtime.delegate.kernels.layout import (
-    MAX_STRIDED_RANK,
-    BindingLimit,
-    KernelArgumentError,
-    StridedView,
-    binding,
-    broadcast_shapes,
-    check_dtype,
-    check_shape,
-    check_view_fits,
-    coalesce_dims,
-    elementwise_groups,
-    padded_innermost_first,
+    MAX_STRIDED_RANK, BindingLimit, binding, broadcast_shapes, check_dtype, check_view_fits, coalesce_dims,
+    elementwise_groups, padded_innermost_first
 )
+from vktrain.serialization.strided_view import KernelArgumentError, StridedView, check_shape
 from vktrain.runtime.delegate.kernels.elementwise_windows import (needs_windows, operand_span, split_windows,
                                                                   window_binding, window_offset)
 from vktrain.runtime.delegate.kernels.registry import register_kernel

@@ -14,7 +14,8 @@ from __future__ import annotations
 from typing import Any, Callable, Sequence, TypeVar
 
 from vktrain.runtime.vk.schedule import BufferBinding
-from vktrain.runtime.delegate.kernels.layout import BindingLimit, KernelArgumentError, sub_binding
+from vktrain.runtime.delegate.kernels.layout import BindingLimit, sub_binding
+from vktrain.serialization.strided_view import KernelArgumentError
 
 FLOAT_BYTES = 4
 T = TypeVar("T")

@@ -25,8 +25,8 @@ import math
 from typing import Any, Sequence
 
 from vktrain.runtime.vk.schedule import Dispatch, ceil_div, pack_push
-from vktrain.runtime.delegate.kernels.layout import (MAX_ELEMENTS, BindingLimit, KernelArgumentError, binding,
-                                                     check_dtype, check_shape, row_windows, table_window)
+from vktrain.serialization.strided_view import MAX_ELEMENTS, KernelArgumentError, check_shape
+from vktrain.runtime.delegate.kernels.layout import BindingLimit, binding, check_dtype, row_windows, table_window
 from vktrain.runtime.delegate.kernels.registry import register_kernel
 
 WORKGROUP_SIZE = 64

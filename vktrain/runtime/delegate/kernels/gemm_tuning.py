@@ -21,7 +21,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from vktrain.runtime.delegate.kernels.layout import KernelArgumentError
+from vktrain.serialization.strided_view import KernelArgumentError
 
 GPU_TUNING = "gpu"
 CPU_TUNING = "cpu"

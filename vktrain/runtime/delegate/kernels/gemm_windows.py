@@ -6,7 +6,8 @@ from __future__ import annotations
 from typing import Any
 
 from vktrain.quant.q8_0 import Q8_0_BLOCK_VALUES
-from vktrain.runtime.delegate.kernels.layout import BindingLimit, KernelArgumentError, StridedView, sub_binding
+from vktrain.runtime.delegate.kernels.layout import BindingLimit, sub_binding
+from vktrain.serialization.strided_view import KernelArgumentError, StridedView
 from vktrain.runtime.vk.schedule import BufferBinding, ceil_div
 
 MAX_GEMM_WINDOWS = 1 << 16  # dispatches one windowed GEMM may take (a limit this small is a mistake)

@@ -11,8 +11,8 @@ from __future__ import annotations
 import math
 from typing import Any, Sequence
 
-from vktrain.runtime.delegate.kernels.layout import (MAX_ELEMENTS, KernelArgumentError, binding, check_dtype,
-                                                     check_shape, elementwise_groups)
+from vktrain.serialization.strided_view import MAX_ELEMENTS, KernelArgumentError, check_shape
+from vktrain.runtime.delegate.kernels.layout import binding, check_dtype, elementwise_groups
 from vktrain.runtime.delegate.kernels.registry import register_kernel
 from vktrain.runtime.vk.schedule import Dispatch, pack_push
 

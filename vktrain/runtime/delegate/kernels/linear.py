@@ -54,14 +54,16 @@ from typing import Any
 
 import numpy as np
 
+from vktrain.serialization.device_profile import H200_FP32_TARGET_WORKGROUPS
 from vktrain.quant import check_q4gsw_shapes, pack_w4x8, padded_k, w4x8_num_words
 
 from vktrain.runtime.vk.schedule import Dispatch, ceil_div, pack_push
 from vktrain.runtime.delegate.kernels import q4gsw_windows
 from vktrain.runtime.delegate.kernels.gemm_tuning import CPU_TUNING, GPU_TUNING, check_tuning
-from vktrain.runtime.delegate.kernels.layout import (MAX_ELEMENTS, SHARED_MEMORY_LIMIT, BindingLimit,
-                                                     KernelArgumentError, binding, exceeds, shader_variant,
-                                                     sub_binding)
+from vktrain.serialization.strided_view import MAX_ELEMENTS, KernelArgumentError
+from vktrain.runtime.delegate.kernels.layout import (
+    SHARED_MEMORY_LIMIT, BindingLimit, binding, exceeds, shader_variant, sub_binding
+)
 from vktrain.runtime.delegate.kernels.registry import register_kernel
 
 # M up to GEMV_MAX_M takes the GEMV kernels, each workgroup serving up to GEMV_MAX_ROWS rows (one pass
@@ -74,8 +76,9 @@ GEMV_MAX_M = 8
 # most desktop GPUs give 32 KiB or more, NVIDIA 48 KiB.
 DEFAULT_SHARED_MEMORY_BYTES = 32768
 
-# Workgroups a dispatch should offer to fill a large GPU (about 2 per compute unit on a 132-SM H200).
-TARGET_WORKGROUPS = 256
+# Workgroups a dispatch should offer to fill a large GPU (the H200 profile's fp32_target_workgroups, about 2
+# per compute unit).
+TARGET_WORKGROUPS = H200_FP32_TARGET_WORKGROUPS
 # Split-K never cuts the reduction into slices shorter than this (each slice amortizes its tile loads).
 MIN_SPLIT_SLICE = 256
 MAX_SPLIT_K = 32

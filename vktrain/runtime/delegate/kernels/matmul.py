@@ -56,17 +56,8 @@ from typing import Any, Sequence
 from vktrain.runtime.vk.schedule import BufferBinding, Dispatch, ceil_div, pack_push
 from vktrain.runtime.delegate.kernels.gemm_tuning import CPU_TUNING, GPU_TUNING, check_tuning
 from vktrain.runtime.delegate.kernels import layout
-from vktrain.runtime.delegate.kernels.layout import (
-    MAX_ELEMENTS,
-    BindingLimit,
-    KernelArgumentError,
-    StridedView,
-    binding,
-    sub_binding,
-    check_dtype,
-    check_shape,
-    check_view_fits,
-)
+from vktrain.serialization.strided_view import MAX_ELEMENTS, KernelArgumentError, StridedView, check_shape
+from vktrain.runtime.delegate.kernels.layout import BindingLimit, binding, sub_binding, check_dtype, check_view_fits
 from vktrain.runtime.delegate.kernels.gemm_windows import (bindings_fit, gemm_windows, q8_0_window, window_scratch_nbytes,
                                                            window_view)
 from vktrain.runtime.delegate.kernels.linear import plan_splitk_reduce

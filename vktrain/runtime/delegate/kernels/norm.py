@@ -16,14 +16,9 @@ from __future__ import annotations
 from typing import Any
 
 from vktrain.runtime.vk.schedule import Dispatch, pack_push
+from vktrain.serialization.strided_view import MAX_ELEMENTS, KernelArgumentError
 from vktrain.runtime.delegate.kernels.layout import (
-    MAX_ELEMENTS,
-    KernelArgumentError,
-    binding,
-    check_positive_ints,
-    check_power_of_two_workgroup,
-    shader_variant,
-    use_vec4,
+    binding, check_positive_ints, check_power_of_two_workgroup, shader_variant, use_vec4
 )
 from vktrain.runtime.delegate.kernels.registry import register_kernel
 

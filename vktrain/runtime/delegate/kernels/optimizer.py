@@ -23,7 +23,8 @@ from __future__ import annotations
 from typing import Any
 
 from vktrain.runtime.vk.schedule import Dispatch, ceil_div, pack_push
-from vktrain.runtime.delegate.kernels.layout import KernelArgumentError, binding, check_positive_ints
+from vktrain.serialization.strided_view import KernelArgumentError
+from vktrain.runtime.delegate.kernels.layout import binding, check_positive_ints
 from vktrain.runtime.delegate.kernels.registry import register_kernel
 
 DEFAULT_WORKGROUP_SIZE = 128  # Vulkan guarantees at least 128 invocations per workgroup

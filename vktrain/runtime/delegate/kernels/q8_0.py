@@ -20,8 +20,8 @@ from typing import Any, Sequence
 from vktrain.quant.q8_0 import Q8_0_BLOCK_VALUES, q8_0_num_scales
 from vktrain.runtime.vk.schedule import Dispatch, ceil_div, pack_push
 from vktrain.runtime.delegate.kernels.gemm_tuning import GPU_TUNING
-from vktrain.runtime.delegate.kernels.layout import (MAX_ELEMENTS, BindingLimit, KernelArgumentError, StridedView,
-                                                     binding, check_dtype, check_shape, row_windows, table_window)
+from vktrain.serialization.strided_view import MAX_ELEMENTS, KernelArgumentError, StridedView, check_shape
+from vktrain.runtime.delegate.kernels.layout import BindingLimit, binding, check_dtype, row_windows, table_window
 from vktrain.runtime.delegate.kernels.matmul import plan_gemm
 from vktrain.runtime.delegate.kernels.registry import register_kernel
 

@@ -22,16 +22,9 @@ import math
 from typing import Any, Sequence
 
 from vktrain.runtime.vk.schedule import Dispatch, ceil_div, pack_push
+from vktrain.serialization.strided_view import KernelArgumentError, StridedView, check_shape, normalize_dim
 from vktrain.runtime.delegate.kernels.layout import (
-    KernelArgumentError,
-    StridedView,
-    binding,
-    check_dtype,
-    check_shape,
-    check_view_fits,
-    coalesce_dims,
-    normalize_dim,
-    padded_innermost_first,
+    binding, check_dtype, check_view_fits, coalesce_dims, padded_innermost_first
 )
 from vktrain.runtime.delegate.kernels.registry import register_kernel
 

@@ -19,7 +19,8 @@ from typing import Any
 from vktrain.quant import check_q4gsw_shapes, w4x8_num_words
 
 from vktrain.runtime.vk.schedule import BufferBinding, Dispatch, ceil_div, pack_push
-from vktrain.runtime.delegate.kernels.layout import MAX_ELEMENTS, KernelArgumentError, binding, check_positive_ints
+from vktrain.serialization.strided_view import MAX_ELEMENTS, KernelArgumentError
+from vktrain.runtime.delegate.kernels.layout import binding, check_positive_ints
 from vktrain.runtime.delegate.kernels.registry import register_kernel
 
 DEFAULT_WORKGROUP_SIZE = 128  # Vulkan guarantees at least 128 invocations per workgroup

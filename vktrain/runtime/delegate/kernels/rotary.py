@@ -14,7 +14,8 @@ from __future__ import annotations
 from typing import Any
 
 from vktrain.runtime.vk.schedule import Dispatch, ceil_div, pack_push
-from vktrain.runtime.delegate.kernels.layout import MAX_ELEMENTS, KernelArgumentError, binding, check_positive_ints
+from vktrain.serialization.strided_view import MAX_ELEMENTS, KernelArgumentError
+from vktrain.runtime.delegate.kernels.layout import binding, check_positive_ints
 from vktrain.runtime.delegate.kernels.registry import register_kernel
 
 DEFAULT_WORKGROUP_SIZE = 64

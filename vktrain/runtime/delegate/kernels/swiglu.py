@@ -13,8 +13,8 @@ import math
 from typing import Any, Sequence
 
 from vktrain.runtime.vk.schedule import Dispatch, ceil_div, pack_push
-from vktrain.runtime.delegate.kernels.layout import (MAX_ELEMENTS, KernelArgumentError, binding, check_dtype,
-                                                     check_positive_ints, shader_variant, use_vec4)
+from vktrain.serialization.strided_view import MAX_ELEMENTS, KernelArgumentError
+from vktrain.runtime.delegate.kernels.layout import binding, check_dtype, check_positive_ints, shader_variant, use_vec4
 from vktrain.runtime.delegate.kernels.registry import register_kernel
 
 DEFAULT_WORKGROUP_SIZE = 128

@@ -3,7 +3,7 @@
 File layout (as written by executorch.exir._serialize._program.serialize_pte_binary):
 
     offset 0   uint32 root table offset of the Program flatbuffer
-    offset 4   4-char file identifier, "ET12" for the schema vendored in vktrain/runtime/program/pte_schema
+    offset 4   4-char file identifier, "ET12" for the schema vendored in vktrain/serialization/pte_schema
     offset 8   optional extended header (present when the file has segments), little-endian:
                  4s "eh00" magic, uint32 header length (>= 24), uint64 program_size (flatbuffer bytes
                  including this header), uint64 segment_base_offset, [uint64 segment_data_size if the
@@ -17,7 +17,7 @@ segment, one offset per data_buffer_idx) or, in old files, in Program.constant_b
 Everything is parsed eagerly on load and every offset, size and index is bounds-checked: a truncated or
 corrupt file raises PteFormatError naming what is wrong. Byte payloads (delegate blobs, constants,
 segments, named data) are zero-copy memoryviews into the file's read-only mmap. The parsed objects and
-the error classes live in vktrain/runtime/program/pte_objects.py and are importable from here.
+the error classes live in vktrain/serialization/pte_objects.py and are importable from here.
 """
 from __future__ import annotations
 
@@ -26,29 +26,29 @@ import os
 import struct
 from typing import Optional, Union
 
-from vktrain.runtime.program.pte_schema.executorch_flatbuffer import Program as FbProgram
-from vktrain.runtime.program.pte_schema.executorch_flatbuffer.Bool import Bool as FbBool
-from vktrain.runtime.program.pte_schema.executorch_flatbuffer.BoolList import BoolList as FbBoolList
-from vktrain.runtime.program.pte_schema.executorch_flatbuffer.DataLocation import DataLocation
-from vktrain.runtime.program.pte_schema.executorch_flatbuffer.DelegateCall import DelegateCall as FbDelegateCall
-from vktrain.runtime.program.pte_schema.executorch_flatbuffer.Double import Double as FbDouble
-from vktrain.runtime.program.pte_schema.executorch_flatbuffer.DoubleList import DoubleList as FbDoubleList
-from vktrain.runtime.program.pte_schema.executorch_flatbuffer.FreeCall import FreeCall as FbFreeCall
-from vktrain.runtime.program.pte_schema.executorch_flatbuffer.InstructionArguments import InstructionArguments
-from vktrain.runtime.program.pte_schema.executorch_flatbuffer.Int import Int as FbInt
-from vktrain.runtime.program.pte_schema.executorch_flatbuffer.IntList import IntList as FbIntList
-from vktrain.runtime.program.pte_schema.executorch_flatbuffer.JumpFalseCall import JumpFalseCall as FbJumpFalseCall
-from vktrain.runtime.program.pte_schema.executorch_flatbuffer.KernelCall import KernelCall as FbKernelCall
-from vktrain.runtime.program.pte_schema.executorch_flatbuffer.KernelTypes import KernelTypes
-from vktrain.runtime.program.pte_schema.executorch_flatbuffer.MoveCall import MoveCall as FbMoveCall
-from vktrain.runtime.program.pte_schema.executorch_flatbuffer.OptionalTensorList import (
+from vktrain.serialization.pte_schema.executorch_flatbuffer import Program as FbProgram
+from vktrain.serialization.pte_schema.executorch_flatbuffer.Bool import Bool as FbBool
+from vktrain.serialization.pte_schema.executorch_flatbuffer.BoolList import BoolList as FbBoolList
+from vktrain.serialization.pte_schema.executorch_flatbuffer.DataLocation import DataLocation
+from vktrain.serialization.pte_schema.executorch_flatbuffer.DelegateCall import DelegateCall as FbDelegateCall
+from vktrain.serialization.pte_schema.executorch_flatbuffer.Double import Double as FbDouble
+from vktrain.serialization.pte_schema.executorch_flatbuffer.DoubleList import DoubleList as FbDoubleList
+from vktrain.serialization.pte_schema.executorch_flatbuffer.FreeCall import FreeCall as FbFreeCall
+from vktrain.serialization.pte_schema.executorch_flatbuffer.InstructionArguments import InstructionArguments
+from vktrain.serialization.pte_schema.executorch_flatbuffer.Int import Int as FbInt
+from vktrain.serialization.pte_schema.executorch_flatbuffer.IntList import IntList as FbIntList
+from vktrain.serialization.pte_schema.executorch_flatbuffer.JumpFalseCall import JumpFalseCall as FbJumpFalseCall
+from vktrain.serialization.pte_schema.executorch_flatbuffer.KernelCall import KernelCall as FbKernelCall
+from vktrain.serialization.pte_schema.executorch_flatbuffer.KernelTypes import KernelTypes
+from vktrain.serialization.pte_schema.executorch_flatbuffer.MoveCall import MoveCall as FbMoveCall
+from vktrain.serialization.pte_schema.executorch_flatbuffer.OptionalTensorList import (
     OptionalTensorList as FbOptionalTensorList,
 )
-from vktrain.runtime.program.pte_schema.executorch_flatbuffer.String import String as FbString
-from vktrain.runtime.program.pte_schema.executorch_flatbuffer.Tensor import Tensor as FbTensor
-from vktrain.runtime.program.pte_schema.executorch_flatbuffer.TensorList import TensorList as FbTensorList
+from vktrain.serialization.pte_schema.executorch_flatbuffer.String import String as FbString
+from vktrain.serialization.pte_schema.executorch_flatbuffer.Tensor import Tensor as FbTensor
+from vktrain.serialization.pte_schema.executorch_flatbuffer.TensorList import TensorList as FbTensorList
 from vktrain.serialization.flatbuffer_reading import CORRUPTION_ERRORS, reading, scalar_vector, union_as
-from vktrain.runtime.program.pte_objects import (  # noqa: F401  (re-exported: the reader's public types)
+from vktrain.serialization.pte_objects import (  # noqa: F401  (re-exported: the reader's public types)
     PteFormatError,
     MissingMethodError,
     NUMPY_SCALAR_TYPES,
@@ -117,7 +117,7 @@ def _read_header(view: memoryview) -> PteHeader:
         if identifier[:2] == b"ET":
             raise PteFormatError(f".pte schema identifier is {identifier!r}; "
                                  f"this reader supports {PROGRAM_IDENTIFIER!r} "
-                                 "(regenerate vktrain/runtime/program/pte_schema for the other executorch version)")
+                                 "(regenerate vktrain/serialization/pte_schema for the other executorch version)")
         raise PteFormatError(f"file identifier is {identifier!r}, expected {PROGRAM_IDENTIFIER!r} (not a .pte file)")
     start = _EXTENDED_HEADER_OFFSET
     if size < start + _EXTENDED_HEADER_MIN_LENGTH or bytes(view[start:start + 4]) != EXTENDED_HEADER_MAGIC:

@@ -6,8 +6,8 @@ import flatbuffers
 from flatbuffers.compat import import_numpy
 from typing import Any
 from typing import Optional
-from vktrain.runtime.program.pte_schema.executorch_flatbuffer.FrameList import FrameList
-from vktrain.runtime.program.pte_schema.executorch_flatbuffer.Instruction import Instruction
+from vktrain.serialization.pte_schema.executorch_flatbuffer.FrameList import FrameList
+from vktrain.serialization.pte_schema.executorch_flatbuffer.Instruction import Instruction
 np = import_numpy()
 
 class Chain(object):

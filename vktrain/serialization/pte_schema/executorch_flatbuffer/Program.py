@@ -6,12 +6,12 @@ import flatbuffers
 from flatbuffers.compat import import_numpy
 from typing import Any
 from typing import Optional
-from vktrain.runtime.program.pte_schema.executorch_flatbuffer.BackendDelegateInlineData import BackendDelegateInlineData
-from vktrain.runtime.program.pte_schema.executorch_flatbuffer.Buffer import Buffer
-from vktrain.runtime.program.pte_schema.executorch_flatbuffer.DataSegment import DataSegment
-from vktrain.runtime.program.pte_schema.executorch_flatbuffer.ExecutionPlan import ExecutionPlan
-from vktrain.runtime.program.pte_schema.executorch_flatbuffer.NamedData import NamedData
-from vktrain.runtime.program.pte_schema.executorch_flatbuffer.SubsegmentOffsets import SubsegmentOffsets
+from vktrain.serialization.pte_schema.executorch_flatbuffer.BackendDelegateInlineData import BackendDelegateInlineData
+from vktrain.serialization.pte_schema.executorch_flatbuffer.Buffer import Buffer
+from vktrain.serialization.pte_schema.executorch_flatbuffer.DataSegment import DataSegment
+from vktrain.serialization.pte_schema.executorch_flatbuffer.ExecutionPlan import ExecutionPlan
+from vktrain.serialization.pte_schema.executorch_flatbuffer.NamedData import NamedData
+from vktrain.serialization.pte_schema.executorch_flatbuffer.SubsegmentOffsets import SubsegmentOffsets
 np = import_numpy()
 
 class Program(object):

@@ -6,12 +6,12 @@ import flatbuffers
 from flatbuffers.compat import import_numpy
 from typing import Any
 from typing import Optional
-from vktrain.runtime.program.pte_schema.executorch_flatbuffer.BackendDelegate import BackendDelegate
-from vktrain.runtime.program.pte_schema.executorch_flatbuffer.Chain import Chain
-from vktrain.runtime.program.pte_schema.executorch_flatbuffer.ContainerMetadata import ContainerMetadata
-from vktrain.runtime.program.pte_schema.executorch_flatbuffer.EValue import EValue
-from vktrain.runtime.program.pte_schema.executorch_flatbuffer.NonConstBufferDevice import NonConstBufferDevice
-from vktrain.runtime.program.pte_schema.executorch_flatbuffer.Operator import Operator
+from vktrain.serialization.pte_schema.executorch_flatbuffer.BackendDelegate import BackendDelegate
+from vktrain.serialization.pte_schema.executorch_flatbuffer.Chain import Chain
+from vktrain.serialization.pte_schema.executorch_flatbuffer.ContainerMetadata import ContainerMetadata
+from vktrain.serialization.pte_schema.executorch_flatbuffer.EValue import EValue
+from vktrain.serialization.pte_schema.executorch_flatbuffer.NonConstBufferDevice import NonConstBufferDevice
+from vktrain.serialization.pte_schema.executorch_flatbuffer.Operator import Operator
 np = import_numpy()
 
 class ExecutionPlan(object):

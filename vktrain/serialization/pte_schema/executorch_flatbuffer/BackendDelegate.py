@@ -6,8 +6,8 @@ import flatbuffers
 from flatbuffers.compat import import_numpy
 from typing import Any
 from typing import Optional
-from vktrain.runtime.program.pte_schema.executorch_flatbuffer.BackendDelegateDataReference import BackendDelegateDataReference
-from vktrain.runtime.program.pte_schema.executorch_flatbuffer.CompileSpec import CompileSpec
+from vktrain.serialization.pte_schema.executorch_flatbuffer.BackendDelegateDataReference import BackendDelegateDataReference
+from vktrain.serialization.pte_schema.executorch_flatbuffer.CompileSpec import CompileSpec
 np = import_numpy()
 
 class BackendDelegate(object):

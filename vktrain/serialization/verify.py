@@ -22,7 +22,8 @@ from typing import Callable, Optional, Sequence
 import numpy as np
 
 from vktrain.contract import BACKEND_ID
-from vktrain.runtime.program.pte import (
+from vktrain.errors import VktrainError
+from vktrain.serialization.pte import (
     NUMPY_SCALAR_TYPES,
     SCALAR_TYPE_NAMES,
     DelegateCall,
@@ -32,7 +33,6 @@ from vktrain.runtime.program.pte import (
     PteFormatError,
     Tensor,
 )
-from vktrain.runtime.vk.errors import RuntimeErrorBase
 from vktrain.serialization import BlobFormatError, deserialize_blob
 from vktrain.serialization import graph as g
 
@@ -51,7 +51,7 @@ class VerificationError(PteFormatError):
         self.check = check
 
 
-class UnsupportedProgramError(RuntimeErrorBase, ValueError):
+class UnsupportedProgramError(VktrainError, ValueError):
     """The .pte holds something this runner cannot execute (instruction, delegate count, input names)."""
 
 
@@ -277,10 +277,10 @@ def infer_from_op_definitions(name: str, args: Sequence[g.Value], graph: g.VkGra
     (the q4gsw weights are checked against their definition where the kernel is planned, which knows
     the W_4X8 word count); else the outputs the definition infers."""
     from vktrain.opdefs import OP_DEFS, TensorMeta, infer_outputs
-    from vktrain.runtime.delegate.op_lowering import supported_ops
+    from vktrain.opdefs.runtime_ops import RUNTIME_OPS
     from vktrain.serialization.graph import decode_scalar
 
-    if name not in supported_ops():
+    if name not in RUNTIME_OPS:
         return "vktrain's runtime has no kernel for this op"
     if name not in OP_DEFS:
         return None

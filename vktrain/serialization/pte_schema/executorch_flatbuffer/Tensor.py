@@ -6,8 +6,8 @@ import flatbuffers
 from flatbuffers.compat import import_numpy
 from typing import Any
 from typing import Optional
-from vktrain.runtime.program.pte_schema.executorch_flatbuffer.AllocationDetails import AllocationDetails
-from vktrain.runtime.program.pte_schema.executorch_flatbuffer.ExtraTensorInfo import ExtraTensorInfo
+from vktrain.serialization.pte_schema.executorch_flatbuffer.AllocationDetails import AllocationDetails
+from vktrain.serialization.pte_schema.executorch_flatbuffer.ExtraTensorInfo import ExtraTensorInfo
 np = import_numpy()
 
 class Tensor(object):

@@ -1,5 +1,5 @@
 """The objects a .pte's Program flatbuffer parses into (names follow executorch's program.fbs), and the
-reader's error classes. Built by vktrain.runtime.program.pte (which re-exports every name); numpy only."""
+reader's error classes. Built by vktrain.serialization.pte (which re-exports every name); numpy only."""
 from __future__ import annotations
 
 import math
@@ -8,8 +8,8 @@ from typing import Optional, Union
 
 import numpy as np
 
-from vktrain.runtime.program.pte_schema.executorch_flatbuffer.ScalarType import ScalarType
-from vktrain.runtime.vk.errors import RuntimeErrorBase
+from vktrain.serialization.pte_schema.executorch_flatbuffer.ScalarType import ScalarType
+from vktrain.errors import VktrainError
 
 # Bytes per element of each ScalarType (executorch/runtime/core/portable_type/scalar_type.h).
 _ELEMENT_SIZE = {
@@ -29,7 +29,7 @@ NUMPY_SCALAR_TYPES = {
 }
 
 
-class PteFormatError(RuntimeErrorBase, ValueError):
+class PteFormatError(VktrainError, ValueError):
     """The file is not a readable .pte: truncated, corrupt, or of an unsupported schema version."""
 
 

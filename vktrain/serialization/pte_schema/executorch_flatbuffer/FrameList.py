@@ -6,7 +6,7 @@ import flatbuffers
 from flatbuffers.compat import import_numpy
 from typing import Any
 from typing import Optional
-from vktrain.runtime.program.pte_schema.executorch_flatbuffer.Frame import Frame
+from vktrain.serialization.pte_schema.executorch_flatbuffer.Frame import Frame
 np = import_numpy()
 
 class FrameList(object):

@@ -1,0 +1,154 @@
+"""Rewrite imports of modules and names that moved when the imports were made to go one way (issue 25).
+
+    python scripts/follow_moves.py            # rewrites vktrain/, tests/, scripts/, docs/, README.md in place
+
+For a branch written before the moves: after merging it, this points its imports (and the dotted paths in
+its comments and docs) at the new homes; then `python3 ../shared/hooks/import_check.py .` and the tests.
+A `from OLD import a, b` whose names moved apart is split into one import per new home; an import that
+names nothing moved is left as it is. Idempotent.
+"""
+from __future__ import annotations
+
+import ast
+import re
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+
+# Whole modules: old dotted path -> new one (also rewritten in comments, docs and file paths).
+MODULES = {
+    "vktrain.runtime.program.pte": "vktrain.serialization.pte",
+    "vktrain.runtime.program.pte_objects": "vktrain.serialization.pte_objects",
+    "vktrain.runtime.program.pte_schema": "vktrain.serialization.pte_schema",
+    "vktrain.runtime.program.verify": "vktrain.serialization.verify",
+    "vktrain.train.tokenizer": "vktrain.serialization.tokenizer",
+}
+# Names that left a module that stays: (old module, name) -> (new module, new name).
+_LAYOUT = "vktrain.runtime.delegate.kernels.layout"
+_ADAPTERS = "vktrain.train.adapters"
+_RUNNER = "vktrain.runtime.program.runner"
+NAMES = {
+    **{(_LAYOUT, n): ("vktrain.serialization.strided_view", n) for n in (
+        "KernelArgumentError", "_as_int_tuple", "check_shape", "contiguous_strides", "normalize_dim", "StridedView",
+        "TRANSPOSE_OPS", "transposed_view", "infer_reshape", "MAX_ELEMENTS")},
+    **{(_ADAPTERS, n): ("vktrain.serialization.peft_adapters", n) for n in (
+        "ADAPTER_CONFIG", "ADAPTER_WEIGHTS", "PEFT_PREFIX", "LORA_SUFFIXES", "AdapterError", "peft_name",
+        "load_adapter_config", "load_adapters")},
+    (_ADAPTERS, "_LORA_PARTS"): ("vktrain.serialization.peft_adapters", "LORA_PARTS"),
+    (_ADAPTERS, "_check_pair"): ("vktrain.serialization.peft_adapters", "check_pair"),
+    **{("vktrain.backend.passes.lora_linear", n): ("vktrain.opdefs.runtime_ops", n) for n in (
+        "EXPANDED_OPS", "LORA_LINEAR", "LORA_LINEAR_BACKWARD")},
+    **{("vktrain.train.eval_command", n): ("vktrain.train.held_out", n) for n in (
+        "check_max_batches", "eval_batches", "evaluate_data")},
+    **{("vktrain.runtime.webgpu.device", n): ("vktrain.runtime.webgpu.features", n) for n in (
+        "INSIDE_PASS_FEATURE", "UNIFORM_SLOT_ALIGNMENT")},
+    **{("vktrain.models.loading", n): ("vktrain.models.pretrained", n) for n in ("load", "open_model")},
+    **{("vktrain.cli", n): ("vktrain.train.model_options", n) for n in (
+        "UsageError", "add_quantization_arguments", "quantization_importance")},
+    ("vktrain.cli", "_parse_model_args"): ("vktrain.train.model_options", "parse_model_args"),
+    ("vktrain.lora.calibration", "calibration_tokens"): ("vktrain.train.model_options", "calibration_tokens"),
+    **{(_RUNNER, n): ("vktrain.runtime.program.interpreter", n) for n in (
+        "ProgramInterpreter", "VerifiedTrainingProgram", "verify_training_program", "check_hparams_input",
+        "check_instructions_supported", "check_loss_output", "check_storageless_tensors", "plan_input_names",
+        "CPU_KERNELS")},
+}
+# Names used without an import that were renamed (a module that imported the old name uses the new one).
+RENAMED = {old_name: new_name for (_, old_name), (_, new_name) in NAMES.items() if old_name != new_name}
+WHERE = ("vktrain", "tests", "scripts", "docs", "README.md")
+SUFFIXES = (".py", ".md", ".sh", ".toml", ".txt")
+LINE = 120
+# Files that name the old homes on purpose (the layer test's synthetic tree of the old imports).
+KEEP = {Path("tests/test_layers.py")}
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(REPO).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _import_lines(indent: str, module: str, names: list[tuple[str, str | None]], comment: str) -> list[str]:
+    items = [name if alias is None else f"{name} as {alias}" for name, alias in names]
+    line = f"{indent}from {module} import {', '.join(items)}" + (f"  {comment}" if comment else "")
+    if len(line) <= LINE:
+        return [line]
+    lines, current = [f"{indent}from {module} import (" + (f"  {comment}" if comment else "")], indent + "    "
+    for item in items:
+        if len(current) + len(item) + 2 > LINE and current.strip():
+            lines.append(current.rstrip())
+            current = indent + "    "
+        current += item + ", "
+    return lines + [current.rstrip().rstrip(","), indent + ")"]
+
+
+def _rewrite_imports(path: Path, text: str) -> str:
+    try:
+        tree = ast.parse(text)
+    except SyntaxError:
+        return text
+    in_package = path.is_relative_to(REPO / "vktrain")
+    name = _module_name(path) if in_package else ""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    lines, edits, renamed_here = text.split("\n"), [], set()
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.ImportFrom) or (node.level and not in_package):
+            continue
+        base = node.module or ""
+        if node.level:
+            up = package.split(".")[: len(package.split(".")) - node.level + 1]
+            base = ".".join(up + ([base] if base else []))
+        moved_names = any((base, a.name) in NAMES for a in node.names)
+        if not moved_names and not (node.level and base in MODULES):
+            continue  # a plain module move is a textual rename (below)
+        groups: dict[str, list[tuple[str, str | None]]] = {}
+        for alias in node.names:
+            target, new_name = NAMES.get((base, alias.name), (MODULES.get(base, base), alias.name))
+            if new_name != alias.name and alias.asname is None:
+                renamed_here.add(alias.name)
+            groups.setdefault(target, []).append((new_name, alias.asname))
+        first = lines[node.lineno - 1]
+        comment = re.search(r"#.*$", first if node.lineno == node.end_lineno else lines[node.end_lineno - 1])
+        new = []
+        for index, (target, names) in enumerate(groups.items()):
+            new += _import_lines(first[:node.col_offset], target, names, comment.group(0) if comment and index == 0
+                                 else "")
+        edits.append((node.lineno - 1, node.end_lineno, new))
+    for start, end, new in sorted(edits, reverse=True):
+        lines[start:end] = new
+    text = "\n".join(lines)
+    for old in renamed_here:
+        text = re.sub(rf"(?<![\w.]){re.escape(old)}\b", RENAMED[old], text)
+    return text
+
+
+def _rewrite_paths(text: str) -> str:
+    for old, new in MODULES.items():
+        text = re.sub(re.escape(old) + r"(?![\w])", new, text)
+        text = re.sub(re.escape(old.replace(".", "/")) + r"(?![\w])", new.replace(".", "/"), text)
+    return text
+
+
+def follow(path: Path) -> bool:
+    text = path.read_text(encoding="utf-8")
+    new = _rewrite_paths(_rewrite_imports(path, text) if path.suffix == ".py" else text)
+    if new != text:
+        path.write_text(new, encoding="utf-8")
+    return new != text
+
+
+def main() -> int:
+    changed = []
+    for where in WHERE:
+        root = REPO / where
+        files = [root] if root.is_file() else sorted(p for p in root.rglob("*") if p.is_file())
+        for path in files:
+            skipped = {"generated", "pte_schema", "__pycache__"} & set(path.parts)
+            if path.suffix in SUFFIXES and not skipped and path.resolve() != Path(__file__).resolve() \
+                    and path.relative_to(REPO) not in KEEP and follow(path):
+                changed.append(path.relative_to(REPO))
+    print("\n".join(f"rewrote {p}" for p in changed) or "nothing to rewrite")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,80 @@
+"""The DeviceProfile (vktrain/serialization/device_profile.py) of a device this process opened, built from
+what the device layer queried: a Vulkan Device (vk/device.py) or a WebGPU Device (webgpu/device.py).
+
+The executor plans with it (kernels/coopmat.py `select_gemm_route(profile=)`, OpContext.profile), and
+`vktrain devices` prints it. The tuning fields are the record's defaults (measured on the H200): a device
+of its own is not measured here.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from vktrain.serialization.device_profile import (API_VULKAN, API_WEBGPU, COMPONENT_TYPES, DEVICE_TYPES, SCOPES,
+                                                  CoopmatShape, DeviceProfile, subgroup_operation_names)
+
+# wgpu's adapter types as the VkPhysicalDeviceType names profiles use.
+_WEBGPU_ADAPTER_TYPES = {"DiscreteGPU": "discrete", "IntegratedGPU": "integrated", "VirtualGPU": "virtual",
+                         "CPU": "cpu"}
+_WEBGPU_F16 = "shader-f16"
+
+
+def _coopmat_shapes(properties) -> tuple[CoopmatShape, ...]:
+    """The device's cooperative-matrix list as profile shapes (combinations with a type or scope the
+    profile does not name, e.g. a vendor's own, are left out: no kernel uses them)."""
+    shapes = []
+    for p in properties:
+        types = (p.a_type, p.b_type, p.c_type, p.result_type)
+        if all(t in COMPONENT_TYPES for t in types) and p.scope in SCOPES:
+            shapes.append(CoopmatShape(p.m, p.n, p.k, *types, scope=p.scope))
+    return tuple(shapes)
+
+
+def _vulkan_profile(device: Any) -> DeviceProfile:
+    limits = device.limits
+    device_type = device.device_type if device.device_type in DEVICE_TYPES else "other"
+    return DeviceProfile(
+        name=device.name, api=API_VULKAN, device_type=device_type,
+        subgroup_size=int(device.subgroup_size),
+        subgroup_operations=subgroup_operation_names(int(device.subgroup_operations)),
+        float16="shaderFloat16" in device.features, int64="shaderInt64" in device.features,
+        cooperative_matrix=_coopmat_shapes(device.cooperative_matrix_properties),
+        max_shared_memory_bytes=int(limits.max_compute_shared_memory_size),
+        max_workgroup_invocations=int(limits.max_compute_work_group_invocations),
+        max_workgroup_size=tuple(int(v) for v in limits.max_compute_work_group_size),
+        max_workgroup_count=tuple(int(v) for v in limits.max_compute_work_group_count),
+        max_storage_buffer_range=int(limits.max_storage_buffer_range),
+        min_storage_buffer_offset_alignment=int(limits.min_storage_buffer_offset_alignment),
+        max_allocation_bytes=int(limits.max_memory_allocation_size),
+        max_push_constants_bytes=int(limits.max_push_constants_size),
+        max_storage_buffers_per_stage=int(limits.max_per_stage_descriptor_storage_buffers),
+        source=f"queried: {device.name}, Vulkan {device.version_string(device.api_version)}")
+
+
+def _webgpu_profile(device: Any) -> DeviceProfile:
+    limits = device.limits
+    return DeviceProfile(
+        name=device.name, api=API_WEBGPU,
+        device_type=_WEBGPU_ADAPTER_TYPES.get(getattr(device, "adapter_type", ""), "other"),
+        # The WGSL kernels use no subgroup operations, and WGSL has no 64-bit integers.
+        subgroup_size=0, subgroup_operations=(), int64=False,
+        float16=_WEBGPU_F16 in device.kernel_features,  # what the kernels may use (the device may have more)
+        cooperative_matrix=(),
+        max_shared_memory_bytes=int(limits.max_compute_shared_memory_size),
+        max_workgroup_invocations=int(limits.max_compute_work_group_invocations),
+        max_workgroup_size=tuple(int(v) for v in limits.max_compute_work_group_size),
+        max_workgroup_count=tuple(int(v) for v in limits.max_compute_work_group_count),
+        max_storage_buffer_range=int(limits.max_storage_buffer_range),
+        min_storage_buffer_offset_alignment=int(limits.min_storage_buffer_offset_alignment),
+        max_allocation_bytes=int(limits.max_buffer_size),
+        max_push_constants_bytes=0,  # the push block travels in a uniform buffer
+        max_storage_buffers_per_stage=int(limits.max_per_stage_descriptor_storage_buffers),
+        source=f"queried: {device.name}, WebGPU ({getattr(device, 'backend', '?')} backend)")
+
+
+def profile_of(device: Any) -> DeviceProfile:
+    """The DeviceProfile of an opened vktrain Device (Vulkan or WebGPU)."""
+    from vktrain.runtime.webgpu.device import DEVICE_TYPE as WEBGPU_DEVICE_TYPE
+
+    if getattr(device, "device_type", None) == WEBGPU_DEVICE_TYPE:
+        return _webgpu_profile(device)
+    return _vulkan_profile(device)
