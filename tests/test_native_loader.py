@@ -135,8 +135,8 @@ def test_a_negative_scalar_type_is_refused_not_divided_by(sanitized_inspector, m
     size; the arena check divided by it. Located with the flatc-generated accessors, independently."""
     import struct
 
-    from vktrain.runtime.program.pte_schema.executorch_flatbuffer.Program import Program as FbProgram
-    from vktrain.runtime.program.pte_schema.executorch_flatbuffer.Tensor import Tensor as FbTensor
+    from vktrain.serialization.pte_schema.executorch_flatbuffer.Program import Program as FbProgram
+    from vktrain.serialization.pte_schema.executorch_flatbuffer.Tensor import Tensor as FbTensor
     from vktrain.serialization.flatbuffer_reading import union_as
 
     data = bytearray(mlp_pte.read_bytes())
@@ -156,7 +156,7 @@ def test_a_vector_referenced_again_and_again_is_refused_before_memory_runs_out(s
     import flatbuffers
     import numpy as np
 
-    from vktrain.runtime.program.pte_schema.executorch_flatbuffer import (EValue, ExecutionPlan, KernelTypes,
+    from vktrain.serialization.pte_schema.executorch_flatbuffer import (EValue, ExecutionPlan, KernelTypes,
                                                                           Program, Tensor)
 
     builder = flatbuffers.Builder(1 << 23)
