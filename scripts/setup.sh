@@ -1,13 +1,15 @@
 #!/usr/bin/env bash
 # Idempotent setup: Vulkan loader + lavapipe + validation layers (Debian), g++ and Python's C headers (for
-# vktrain.executorch_backend, which builds its trampoline on first import), then .venv with vktrain[test].
+# vktrain.executorch_backend, which builds its trampoline on first import), then .venv with vktrain[test],
+# then the native runtime (native/: cmake, the Vulkan headers, flatbuffers) into build/native.
 # Quiet when there is nothing to do.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
 
 py="${PYTHON:-python3}"
-debs=(libvulkan1 mesa-vulkan-drivers vulkan-validationlayers g++)
+debs=(libvulkan1 mesa-vulkan-drivers vulkan-validationlayers g++
+      cmake libvulkan-dev libflatbuffers-dev flatbuffers-compiler)  # the last four: the native runtime
 # Python.h: Debian's python3 needs python3-dev; pyenv/python.org builds ship it.
 if ! "$py" -c "import os, sys, sysconfig; sys.exit(not os.path.isfile(os.path.join(sysconfig.get_paths()['include'], 'Python.h')))"; then
   debs+=("python3-dev")
@@ -26,7 +28,7 @@ if [ ${#missing[@]} -gt 0 ]; then
     echo "setup: run as root, or install them yourself: sudo apt-get install -y ${missing[*]}" >&2
     exit 1
   fi
-  echo "setup: installing ${missing[*]} (Vulkan loader, lavapipe CPU driver, validation layers, C++ toolchain)"
+  echo "setup: installing ${missing[*]} (Vulkan loader, lavapipe CPU driver, validation layers, C++ toolchain, flatbuffers)"
   export DEBIAN_FRONTEND=noninteractive
   apt-get update -qq >/dev/null
   apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null 2>&1 ||
@@ -53,3 +55,6 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   fi
   echo "$want" > "$stamp"
 fi
+
+# The native runtime (native/, CMake): cmake rebuilds only what changed since the last build.
+NATIVE_PYTHON="$root/.venv/bin/python" scripts/native_build.sh || { echo "setup: building the native runtime (native/) failed" >&2; exit 1; }

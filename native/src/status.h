@@ -1,0 +1,36 @@
+// Error codes and the error every loader step raises: what was refused, and why, in one message.
+#pragma once
+
+#include <stdexcept>
+#include <string>
+
+namespace vktrain {
+
+// Stable codes (the C API and `vktrain-native-inspect --fuzz-dir` print them). 0 is success; every
+// refusal of bad input is 10..19; 70 is a bug in this code (never a property of the input).
+enum class ErrorCode : int {
+  kOk = 0,
+  kIo = 10,            // the file cannot be opened, mapped or read
+  kPteFormat = 11,     // not a readable .pte: truncated, corrupt, unknown schema
+  kBlobFormat = 12,    // the vktrain delegate blob is malformed
+  kBlobChecksum = 13,  // a CRC-32 of the blob (graph or constant) does not match
+  kVerification = 14,  // the program or graph is inconsistent (a check of verify.py refused it)
+  kUnsupported = 15,   // well formed, but not a program this runtime runs
+  kLimit = 16,         // asks for more memory than the caps allow
+  kInternal = 70,
+};
+
+const char* error_code_name(ErrorCode code);
+
+class LoadError : public std::runtime_error {
+ public:
+  LoadError(ErrorCode code, const std::string& message) : std::runtime_error(message), code_(code) {}
+  ErrorCode code() const { return code_; }
+
+ private:
+  ErrorCode code_;
+};
+
+[[noreturn]] inline void refuse(ErrorCode code, const std::string& message) { throw LoadError(code, message); }
+
+}  // namespace vktrain

@@ -1,0 +1,98 @@
+// vktrain-native-inspect: read and verify a .pte with the native loader, print what it holds.
+//
+//   vktrain-native-inspect PTE [--json]   exit 0, or 2 with "vktrain-native-inspect: error: ..." (refused)
+//   vktrain-native-inspect --devices      the Vulkan devices and their limits
+//   vktrain-native-inspect --fuzz-dir DIR every file in DIR, one line each: "NAME<TAB>CODE<TAB>MESSAGE"
+//                                         (CODE 0 = loaded, 10..19 = refused: src/status.h); exit 0
+// Exit 70: a bug here (an exception outside the loader's refusals).
+#include <algorithm>
+#include <cstdio>
+#include <cstring>
+#include <dirent.h>
+#include <new>
+#include <string>
+#include <vector>
+
+#include "devices.h"
+#include "pte.h"
+#include "status.h"
+#include "summary.h"
+
+namespace {
+
+constexpr const char* kProg = "vktrain-native-inspect";
+constexpr int kExitBadInput = 2, kExitInternal = 70;
+
+int usage(const char* why) {
+  std::fprintf(stderr, "usage: %s PTE [--json] | --devices | --fuzz-dir DIR\n%s: error: %s\n", kProg, kProg, why);
+  return kExitBadInput;
+}
+
+// (code, message) of loading one file; bad_alloc is a cap this code failed to apply: reported, never hidden.
+std::pair<int, std::string> try_load(const std::string& path, std::unique_ptr<vktrain::Program>* out) {
+  try {
+    auto program = vktrain::Program::load(path);
+    if (out) *out = std::move(program);
+    return {0, "ok"};
+  } catch (const vktrain::LoadError& e) {
+    return {int(e.code()), e.what()};
+  } catch (const std::bad_alloc&) {
+    return {kExitInternal, path + ": out of memory while loading (an allocation cap is missing)"};
+  }
+}
+
+int fuzz_dir(const std::string& dir) {
+  DIR* d = ::opendir(dir.c_str());
+  if (!d) return usage(("cannot open directory " + dir + ": " + std::strerror(errno)).c_str());
+  std::vector<std::string> names;
+  while (dirent* e = ::readdir(d))
+    if (e->d_name[0] != '.') names.push_back(e->d_name);
+  ::closedir(d);
+  std::sort(names.begin(), names.end());
+  std::setvbuf(stdout, nullptr, _IOLBF, 0);  // a sanitizer abort loses no line: the last one names the file before it
+  int worst = 0;
+  for (const std::string& name : names) {
+    auto result = try_load(dir + "/" + name, nullptr);
+    std::string message = result.second;
+    std::replace(message.begin(), message.end(), '\n', ' ');
+    std::printf("%s\t%d\t%s\n", name.c_str(), result.first, message.c_str());
+    if (result.first == kExitInternal) worst = kExitInternal;
+  }
+  return worst;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  std::vector<std::string> args(argv + 1, argv + argc);
+  try {
+    if (args.size() == 1 && args[0] == "--devices") {
+      std::fputs(vktrain::describe_vulkan_devices().c_str(), stdout);
+      return 0;
+    }
+    if (args.size() == 2 && args[0] == "--fuzz-dir") return fuzz_dir(args[1]);
+    bool json = false;
+    std::string path;
+    for (const std::string& a : args) {
+      if (a == "--json") json = true;
+      else if (a.rfind("--", 0) == 0) return usage(("unknown option " + a).c_str());
+      else if (path.empty()) path = a;
+      else return usage("expected one PTE file");
+    }
+    if (path.empty()) return usage("expected a PTE file");
+    std::unique_ptr<vktrain::Program> program;
+    auto result = try_load(path, &program);
+    if (result.first) {
+      std::fprintf(stderr, "%s: error: %s\n", kProg, result.second.c_str());
+      return result.first == kExitInternal ? kExitInternal : kExitBadInput;
+    }
+    std::fputs((json ? vktrain::summary_json(*program) : vktrain::summary_text(*program)).c_str(), stdout);
+    return 0;
+  } catch (const vktrain::LoadError& e) {
+    std::fprintf(stderr, "%s: error: %s\n", kProg, e.what());
+    return kExitBadInput;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "%s: internal error: %s\n", kProg, e.what());
+    return kExitInternal;
+  }
+}
