@@ -74,7 +74,7 @@ def add_federate_arguments(parser: argparse.ArgumentParser) -> argparse.Argument
     parser.add_argument("--inject-failure", action="append", default=[], metavar="CLIENT:ROUND[:KIND]",
                         help="make client CLIENT misbehave in round ROUND (repeatable; to see failures tolerated): "
                              "KIND raise (default: fail after its first local step), kill (its process dies then; "
-                             "ray engine), nan, shape or norm (reply a NaN, wrong-shape or 1e6-norm update)")
+                             "with --engine sequential that is this process: a server crash mid-round), nan, shape or norm (reply a NaN, wrong-shape or 1e6-norm update)")
     parser.add_argument("--aggregation", default="mean", metavar="mean|median|trimmed-mean[:FRACTION]",
                         help="how the accepted updates are combined: mean (num-examples-weighted, FedAvg; default), "
                              "coordinate-wise median, or coordinate-wise mean without the FRACTION (default 0.2) "
@@ -125,11 +125,9 @@ def check_arguments(args: argparse.Namespace) -> None:
 
 
 def _check_injected_kind(args: argparse.Namespace, client: int, server_round: int, kind: str) -> None:
-    from vktrain.fleet.faults import CORRUPTIONS, KILL
+    from vktrain.fleet.faults import CORRUPTIONS
 
     where = f"--inject-failure {client}:{server_round}:{kind}"
-    if kind == KILL and args.engine == SEQUENTIAL:
-        raise TrainConfigError(f"{where}: with --engine sequential the clients run in this process; kill needs --engine ray")
     if kind not in CORRUPTIONS and args.local_steps < 2:
         raise TrainConfigError(f"{where} fails after the first local step: it needs --local-steps >= 2")
 
@@ -259,7 +257,12 @@ def _federate(args, runner, program: Path, scheme: PartitionScheme, train_shards
     else:
         from flwr.simulation import run_simulation
 
-        resources = {"num_cpus": args.client_cpus, "num_gpus": args.client_gpus}
+        # max_restarts: Ray restarts a client process that died (Flower 1.42's actor pool would otherwise
+        # keep handing the dead actor messages, failing every client it is given for the rest of the run);
+        # max_task_retries: a message sent to it while it restarts is run once more (clients are stateless, so
+        # a retry gives the same reply), and the one that killed it too: a client that dies twice has failed.
+        resources = {"num_cpus": args.client_cpus, "num_gpus": args.client_gpus, "max_restarts": -1,
+                     "max_task_retries": 1}
         init = {"include_dashboard": False, "logging_level": logging.WARNING if not args.verbose else logging.INFO}
         if args.ray_cpus:
             init["num_cpus"] = args.ray_cpus

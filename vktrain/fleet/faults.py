@@ -3,7 +3,8 @@ server tolerate failed nodes and drop bad updates, in tests and demonstrations.
 
   raise   the ClientApp raises after its first local step (Flower returns an error reply)
   kill    the client's process kills itself (SIGKILL) after its first local step: a node that dies
-          mid-round (Ray's simulation only: with --engine sequential the process is the server's)
+          mid-round (with --engine sequential the client runs in the server's process: a server crash
+          mid-round, after the previous round's checkpoint)
   nan     the reply's first tensor holds a NaN
   shape   the reply's first tensor lost its last row
   norm    the reply's update (client - global) is scaled to L2 norm 1e6
