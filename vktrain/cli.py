@@ -337,6 +337,11 @@ def build_parser() -> argparse.ArgumentParser:
     add_federate_arguments(federate)
     federate.set_defaults(run=run_federate)
 
+    from vktrain.fleet.deployment import add_fleet_arguments  # imports no Flower until it runs
+
+    add_fleet_arguments(sub.add_parser("fleet", help="federated fine-tuning over the network on Flower's deployment "
+                                                     "engine: certs, server, node (TLS, node authentication)"))
+
     bench = sub.add_parser("bench", help="run a benchmark script (kernels: per-kernel GPU times; step: training steps)")
     bench.add_argument("which", choices=sorted(BENCHMARKS))
     bench.add_argument("bench_args", nargs=argparse.REMAINDER, help="arguments passed to the benchmark script")
