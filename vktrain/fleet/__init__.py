@@ -11,6 +11,8 @@ their adapters (`vktrain federate`).
   partition.py   client shards: iid or Dirichlet over documents
   sequential.py  the same rounds without Ray (a Grid delivering messages in this process)
   command.py     the `vktrain federate` command
+  deploy.py      the ServerApp and ClientApp on Flower's deployment engine (run config / node config)
+  deployment.py  `vktrain fleet certs|server|node`: SuperLink and SuperNodes with TLS and node authentication
 """
 import os
 
