@@ -78,3 +78,26 @@ def test_three_authenticated_nodes_train_over_tls_and_strangers_are_refused(tmp_
     assert "No SuperNode found with the given public key" in superlink  # the stranger, in the server's log
     assert "flower-supernode ended with exit code 1 for 30 s" in (tmp_path / "stranger.log").read_text()
     assert len(set(re.findall(r"Activated node_id=(\d+)", superlink))) == 3  # the plain node never got in
+
+
+def test_fleet_commands_refuse_bad_input_before_starting_anything(tmp_path, capsys):
+    from vktrain.cli import main
+
+    program = tmp_path / "step.pte"
+    program.write_bytes(b"not read")
+    assert main(["fleet", "certs", str(tmp_path / "certs"), "--nodes", "1"]) == 0
+    (tmp_path / "keys").mkdir()
+    server = ["fleet", "server", str(program), "--nodes", "2", "--rounds", "1", "--local-steps", "1"]
+    for extra, message in (
+            (["--certificates", str(tmp_path), "--allowed-keys", str(tmp_path / "certs")], "--certificates: "),
+            (["--certificates", str(tmp_path / "certs"), "--allowed-keys", str(tmp_path / "keys")], "no *.pub file"),
+            (["--certificates", str(tmp_path / "certs"), "--allowed-keys", str(tmp_path / "certs"), "--address",
+              "9091"], "--address expects HOST:PORT"),
+            (["--certificates", str(tmp_path / "certs"), "--allowed-keys", str(tmp_path / "certs"), "--aggregation",
+              "mode"], "mean, median or trimmed-mean")):
+        assert main([*server, *extra]) == 2, extra
+        assert message in capsys.readouterr().err
+    node = ["fleet", "node", str(program), "--data", str(program), "--server", "127.0.0.1:9091", "--partition-id",
+            "0", "--root-certificates", str(tmp_path / "certs" / "ca.crt")]
+    assert main([*node, "--key", str(tmp_path / "certs" / "node7.key")]) == 2
+    assert "--key: " in capsys.readouterr().err
