@@ -22,10 +22,9 @@ Deviations from FedAvg's defaults, for reproducibility (a resumed run equals an 
 from __future__ import annotations
 
 import math
-import sys
 import time
 from collections.abc import Iterable
-from typing import Optional
+from typing import Optional, TextIO
 
 import numpy as np
 from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
@@ -78,7 +77,7 @@ class FleetFedAvg(FedAvg):
     def __init__(self, *, n_clients: int, fraction_train: float, fraction_evaluate: float, seed: int,
                  round_offset: int = 0, aggregation: Aggregation = Aggregation(),
                  max_norm_ratio: Optional[float] = DEFAULT_MAX_NORM_RATIO, min_clients: int = 1,
-                 log=sys.stderr) -> None:
+                 log: Optional[TextIO] = None) -> None:
         super().__init__(fraction_train=fraction_train, fraction_evaluate=fraction_evaluate, min_train_nodes=1,
                          min_evaluate_nodes=1 if fraction_evaluate > 0 else 0, min_available_nodes=n_clients)
         self.n_clients = n_clients
