@@ -78,6 +78,7 @@ def test_three_authenticated_nodes_train_over_tls_and_strangers_are_refused(tmp_
     assert "No SuperNode found with the given public key" in superlink  # the stranger, in the server's log
     assert "flower-supernode ended with exit code 1 for 30 s" in (tmp_path / "stranger.log").read_text()
     assert len(set(re.findall(r"Activated node_id=(\d+)", superlink))) == 3  # the plain node never got in
+    assert json.loads((tmp_path / "work" / "outcome.json").read_text())["completed"] is True
 
 
 def test_fleet_commands_refuse_bad_input_before_starting_anything(tmp_path, capsys):
@@ -101,3 +102,19 @@ def test_fleet_commands_refuse_bad_input_before_starting_anything(tmp_path, caps
             "0", "--root-certificates", str(tmp_path / "certs" / "ca.crt")]
     assert main([*node, "--key", str(tmp_path / "certs" / "node7.key")]) == 2
     assert "--key: " in capsys.readouterr().err
+
+
+def test_a_server_whose_serverapp_fails_exits_1(tmp_path, capsys):
+    """`flwr run` exits 0 when the ServerApp raised; vktrain fleet server does not: here its program is no
+    program, so the ServerApp fails at load, before any node is needed."""
+    from vktrain.cli import main
+    from vktrain.fleet.deployment import _free_port
+
+    program = tmp_path / "step.pte"
+    program.write_bytes(b"not a program")
+    assert main(["fleet", "certs", str(tmp_path / "certs"), "--nodes", "1"]) == 0
+    assert main(["fleet", "server", str(program), "--nodes", "1", "--rounds", "1", "--local-steps", "1",
+                 "--certificates", str(tmp_path / "certs"), "--allowed-keys", str(tmp_path / "certs"),
+                 "--address", f"127.0.0.1:{_free_port()}", "--workdir", str(tmp_path / "work")]) == 1
+    assert "the federation did not complete" in capsys.readouterr().err
+    assert not (tmp_path / "work" / "outcome.json").exists()

@@ -19,7 +19,7 @@ from vktrain.fleet.client import PARTITION_ID
 RUN_CONFIG = {"program": "", "nodes": 1, "rounds": 1, "local-steps": 1, "lr": 1e-3, "fraction": 1.0,
               "strategy": "fedavg", "seed": 0, "eval-data": "", "eval-batches": 0, "json": "", "checkpoint": "",
               "resume": False, "aggregation": "mean", "max-update-norm-ratio": "10", "min-clients": 1,
-              "timeout": 3600.0, "precision": "auto"}
+              "timeout": 3600.0, "precision": "auto", "outcome": ""}
 
 server_app = ServerApp()
 client_app = ClientApp()
@@ -45,12 +45,17 @@ def main(grid: Grid, context: Context) -> None:
     from vktrain.fleet.server import FederationServer
     from vktrain.runtime.program.runner import TrainingRunner
 
-    settings = federation_settings(dict(context.run_config))
+    from vktrain.fleet.command import summarize
+    from vktrain.train.checkpoint import atomic_write_json
+
+    config = dict(context.run_config)
+    settings = federation_settings(config)
     with TrainingRunner.from_pte(settings.program, precision=settings.precision) as runner:
         result = FederationServer(settings, runner).run(grid)
-    from vktrain.fleet.command import summarize
-
-    print(summarize(result.records, result.resumed_from), flush=True)
+    summary = summarize(result.records, result.resumed_from)
+    print(summary, flush=True)
+    if config.get("outcome"):  # `vktrain fleet server` learns the rounds completed from it (flwr run's exit does not say)
+        atomic_write_json(str(config["outcome"]), {"completed": True, "summary": summary})
 
 
 _APPS: dict = {}

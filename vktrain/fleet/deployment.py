@@ -248,9 +248,15 @@ def _stop(process: subprocess.Popen) -> None:
 
 
 def run_server(args: argparse.Namespace) -> int:
+    from vktrain.train.command import prepare_output_file
+
     run_config = _run_config(args)
     host, port = _host_port(args.address, "--address")
     _existing(args.program, "STEP.pte")
+    if args.json:
+        prepare_output_file("--json", args.json)
+    if args.checkpoint:
+        Path(args.checkpoint).mkdir(parents=True, exist_ok=True)
     certificates = Path(args.certificates)
     ca, cert, key = (_existing(str(certificates / name), "--certificates") for name in ("ca.crt", "server.pem", "server.key"))
     keys = sorted(Path(args.allowed_keys).glob("*.pub"))
@@ -285,9 +291,15 @@ def run_server(args: argparse.Namespace) -> int:
                     raise DeploymentError(f"--allowed-keys: registering {public} failed:\n{done.stdout}{done.stderr}")
                 print(f"vktrain fleet server: allowed {public.name}: {done.stdout.strip().splitlines()[-1]}",
                       file=sys.stderr, flush=True)
-            app = write_app(workdir / "app", run_config)
+            outcome = workdir / "outcome.json"
+            outcome.unlink(missing_ok=True)
+            app = write_app(workdir / "app", {**run_config, "outcome": str(outcome)})
             run = subprocess.run([_tool("flwr"), "run", str(app), "vktrain", "--stream"], env=env)
-            return 0 if run.returncode == 0 else 1
+            if run.returncode != 0 or not outcome.is_file():  # `flwr run` exits 0 when the ServerApp failed
+                print(f"vktrain fleet server: error: the federation did not complete (flwr run exit code "
+                      f"{run.returncode}; the ServerApp's log above says why)", file=sys.stderr)
+                return 1
+            return 0
         finally:
             _stop(superlink)
 
