@@ -74,7 +74,8 @@ def add_federate_arguments(parser: argparse.ArgumentParser) -> argparse.Argument
     parser.add_argument("--inject-failure", action="append", default=[], metavar="CLIENT:ROUND[:KIND]",
                         help="make client CLIENT misbehave in round ROUND (repeatable; to see failures tolerated): "
                              "KIND raise (default: fail after its first local step), kill (its process dies then; "
-                             "with --engine sequential that is this process: a server crash mid-round), nan, shape or norm (reply a NaN, wrong-shape or 1e6-norm update)")
+                             "with --engine sequential that is this process: a server crash mid-round), nan, shape "
+                             "or norm (reply a NaN, wrong-shape or 1e6-norm update)")
     parser.add_argument("--aggregation", default="mean", metavar="mean|median|trimmed-mean[:FRACTION]",
                         help="how the accepted updates are combined: mean (num-examples-weighted, FedAvg; default), "
                              "coordinate-wise median, or coordinate-wise mean without the FRACTION (default 0.2) "
