@@ -222,4 +222,5 @@ def test_the_fleet_runs_without_torch_or_executorch():
     from _helpers import assert_import_loads_none
 
     assert_import_loads_none(["vktrain.fleet.client", "vktrain.fleet.server", "vktrain.fleet.sequential",
-                              "vktrain.fleet.command"], ["torch", "executorch"], timeout=120)
+                              "vktrain.fleet.command", "vktrain.fleet.deploy", "vktrain.fleet.deployment"],
+                             ["torch", "executorch"], timeout=120)

@@ -339,6 +339,9 @@ def build_parser() -> argparse.ArgumentParser:
     devices = sub.add_parser("devices", help="print each local device's profile: what kernel planning reads of it")
     add_devices_arguments(devices)
     devices.set_defaults(run=run_devices)
+    from vktrain.fleet.deployment import add_fleet_arguments  # imports no Flower until it runs
+    add_fleet_arguments(sub.add_parser("fleet", help="federated fine-tuning over the network on Flower's deployment "
+                                                     "engine: certs, server, node (TLS, node authentication)"))
 
     bench = sub.add_parser("bench", help="run a benchmark script (kernels: per-kernel GPU times; step: training steps)")
     bench.add_argument("which", choices=sorted(BENCHMARKS))

@@ -3,11 +3,16 @@ their adapters (`vktrain federate`).
 
   client.py      the ClientApp around TrainingRunner (torch-free, like vktrain/train)
   strategy.py    FedAvg (FedIT: lora_A and lora_B) / FFA-LoRA (lora_B only) with seeded sampling
+  robust.py      every update screened (names, shapes, finite, norm vs the round's median); mean, median,
+                 trimmed mean
+  faults.py      clients misbehaving on purpose (--inject-failure: raise, kill, nan, shape, norm)
   server.py      the ServerApp: handshake, Flower's strategy loop, global held-out loss, records
   checkpoint.py  the global adapters after every round, atomic, resumable
   partition.py   client shards: iid or Dirichlet over documents
   sequential.py  the same rounds without Ray (a Grid delivering messages in this process)
   command.py     the `vktrain federate` command
+  deploy.py      the ServerApp and ClientApp on Flower's deployment engine (run config / node config)
+  deployment.py  `vktrain fleet certs|server|node`: SuperLink and SuperNodes with TLS and node authentication
 """
 import os
 

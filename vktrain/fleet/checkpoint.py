@@ -28,6 +28,8 @@ from vktrain.train.checkpoint import CheckpointError, atomic_write_bytes, tensor
 FORMAT = "vktrain-federation"
 VERSION = "1"
 FILE_NAME = "global.safetensors"
+# Settings added to the run record later, with the value a checkpoint written before them ran with.
+RUN_DEFAULTS = {"aggregation": "mean", "max_update_norm_ratio": None, "min_clients": 1}
 
 
 @dataclass(frozen=True)
@@ -98,8 +100,9 @@ def check_resumable(checkpoint: FederationCheckpoint, program_sha256: str, run: 
     if checkpoint.program_sha256 != program_sha256:
         raise CheckpointError(f"{source}: written for another program (sha256 {checkpoint.program_sha256[:16]}..., "
                               f"this one is {program_sha256[:16]}...)")
-    differences = [f"{key}: {checkpoint.run.get(key)!r} -> {run.get(key)!r}"
-                   for key in sorted(set(run) | set(checkpoint.run)) if checkpoint.run.get(key) != run.get(key)]
+    written = {**{key: RUN_DEFAULTS[key] for key in run if key in RUN_DEFAULTS}, **checkpoint.run}
+    differences = [f"{key}: {written.get(key)!r} -> {run.get(key)!r}"
+                   for key in sorted(set(run) | set(written)) if written.get(key) != run.get(key)]
     if differences:
         raise CheckpointError(f"{source}: the federation's settings differ from the checkpoint's "
                               f"({'; '.join(differences)}); resume with the same settings (only --rounds may grow)")

@@ -41,6 +41,7 @@ from flwr.clientapp import ClientApp
 
 from vktrain.contract import EXP_AVG_PREFIX, EXP_AVG_SQ_PREFIX, MODEL_PREFIX, PRECISION_AUTO, STEP_STATE
 from vktrain.errors import VktrainError
+from vktrain.fleet.faults import CORRUPTIONS, ClientFailure, corrupt, fail_mid_round, failure_of
 from vktrain.fleet.gpus import client_device_choice
 from vktrain.train.data import TokenBatcher, TrainingData, load_data
 from vktrain.train.held_out import evaluate_data
@@ -57,11 +58,6 @@ NUM_EXAMPLES = "num-examples"
 LORA_SUFFIXES = (".lora_A", ".lora_B")
 
 
-class ClientFailure(VktrainError, RuntimeError):
-    """A failure injected on purpose (`ClientSettings.failures`): tests and demonstrations of a client
-    that fails mid-round."""
-
-
 @dataclass(frozen=True)
 class ClientSettings:
     """What every client process needs to know (pickled to Flower's simulation workers with the ClientApp)."""
@@ -70,7 +66,7 @@ class ClientSettings:
     eval_shards: tuple[str, ...] = ()  # each partition's held-out shard (empty: no client-side evaluation)
     seed: int = 0
     precision: str = PRECISION_AUTO
-    failures: frozenset = field(default_factory=frozenset)  # {(partition id, round)}: fail after one local step
+    failures: frozenset = field(default_factory=frozenset)  # {(partition id, round, kind)}: vktrain/fleet/faults.py
 
 
 def trained_names(state_names: list[str]) -> list[str]:
@@ -138,6 +134,7 @@ class LocalTrainer:
                                f"({self.trained[:3]}...)")
         for name, array in arrays.items():
             self.runner.write_state(name, array)
+        self.global_arrays = arrays
         for name, zeros in self.optimizer_state.items():
             self.runner.write_state(name, zeros)
 
@@ -148,14 +145,17 @@ class LocalTrainer:
         hparams = optimizer.hparams(float(config["lr"]))
         batches = self.batcher(partition)
         losses = []
+        injected = failure_of(self.settings.failures, partition, server_round)
         for j in range(steps):
-            if j == 1 and (partition, server_round) in self.settings.failures:
-                raise ClientFailure(f"client {partition}: failure injected in round {server_round} after 1 local step")
+            if j == 1 and injected and injected not in CORRUPTIONS:
+                fail_mid_round(injected, partition, server_round)
             token_ids, labels = batches.batch((server_round - 1) * steps + j)
             losses.append(self.runner.step(token_ids, labels, hparams))
         if not np.all(np.isfinite(losses)):
             raise VktrainError(f"client {partition}: non-finite local loss in round {server_round}: {losses}")
         arrays = {name: self.runner.read_state(name) for name in self.trained}
+        if injected in CORRUPTIONS:
+            arrays = corrupt(injected, arrays, self.global_arrays)
         examples = self.data(self.settings.train_shards[partition]).trained_tokens
         metrics = {NUM_EXAMPLES: examples, "train-loss": float(np.mean(losses)),
                    "train-loss-first": losses[0], "train-loss-last": losses[-1]}

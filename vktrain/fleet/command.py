@@ -28,6 +28,7 @@ from vktrain.fleet import FEDAVG, STRATEGIES
 from vktrain.fleet.checkpoint import FILE_NAME, FORMAT, checkpoint_path
 from vktrain.train.outputs import (PEFT_DIRECTORY, PNG, Output, OutputKind, add_overwrite_argument, check_outputs,
                                    json_object, safetensors_metadata)
+from vktrain.fleet.robust import DEFAULT_MAX_NORM_RATIO, Aggregation, parse_norm_ratio
 from vktrain.train.data import DataError, TokenBatcher, default_dataset_path, load_data
 from vktrain.train.interrupts import Interrupted, StopOnSignal, signal_name
 from vktrain.train.train_loop import AdamWConfig, TrainConfigError, describe_program
@@ -78,22 +79,29 @@ def add_federate_arguments(parser: argparse.ArgumentParser) -> argparse.Argument
     parser.add_argument("--timeout", type=float, default=3600.0, help="seconds a round waits for its clients")
     parser.add_argument("--precision", choices=PRECISION_CHOICES, default=PRECISION_AUTO,
                         help="GEMM precision policy (docs/PRECISION.md; default auto: fp16-tc where the device has tensor cores)")
-    parser.add_argument("--inject-failure", action="append", default=[], metavar="CLIENT:ROUND",
-                        help="make client CLIENT fail after its first local step of round ROUND (repeatable; to "
-                             "see failed clients tolerated)")
+    parser.add_argument("--inject-failure", action="append", default=[], metavar="CLIENT:ROUND[:KIND]",
+                        help="make client CLIENT misbehave in round ROUND (repeatable; to see failures tolerated): "
+                             "KIND raise (default: fail after its first local step), kill (its process dies then; "
+                             "with --engine sequential that is this process: a server crash mid-round), nan, shape "
+                             "or norm (reply a NaN, wrong-shape or 1e6-norm update)")
+    parser.add_argument("--aggregation", default="mean", metavar="mean|median|trimmed-mean[:FRACTION]",
+                        help="how the accepted updates are combined: mean (num-examples-weighted, FedAvg; default), "
+                             "coordinate-wise median, or coordinate-wise mean without the FRACTION (default 0.2) "
+                             "smallest and largest values")
+    parser.add_argument("--max-update-norm-ratio", default=str(DEFAULT_MAX_NORM_RATIO), metavar="R",
+                        help="drop an update whose norm ||client - global|| exceeds R times the round's median "
+                             f"update norm (default {DEFAULT_MAX_NORM_RATIO:g}; inf: no bound)")
+    parser.add_argument("--min-clients", type=int, default=1, metavar="M",
+                        help="a round changes the global adapters only with at least M accepted updates (default 1)")
     parser.add_argument("--verbose", action="store_true", help="show Flower's and Ray's own log")
     add_overwrite_argument(parser)
     return parser
 
 
 def _failures(items: list[str]) -> frozenset:
-    failures = set()
-    for item in items:
-        client, sep, server_round = item.partition(":")
-        if not (sep and client.isdigit() and server_round.isdigit()):
-            raise TrainConfigError(f"--inject-failure expects CLIENT:ROUND (two integers), got {item!r}")
-        failures.add((int(client), int(server_round)))
-    return frozenset(failures)
+    from vktrain.fleet.faults import parse_failures
+
+    return parse_failures(items)
 
 
 def check_arguments(args: argparse.Namespace) -> None:
@@ -119,6 +127,19 @@ def check_arguments(args: argparse.Namespace) -> None:
     for item in _failures(args.inject_failure):
         if item[0] >= args.clients:
             raise TrainConfigError(f"--inject-failure {item[0]}:{item[1]}: there are clients 0..{args.clients - 1}")
+        _check_injected_kind(args, *item)
+    Aggregation.parse(args.aggregation)
+    parse_norm_ratio(args.max_update_norm_ratio)
+    if args.min_clients < 1:
+        raise TrainConfigError(f"--min-clients must be >= 1, got {args.min_clients}")
+
+
+def _check_injected_kind(args: argparse.Namespace, client: int, server_round: int, kind: str) -> None:
+    from vktrain.fleet.faults import CORRUPTIONS
+
+    where = f"--inject-failure {client}:{server_round}:{kind}"
+    if kind not in CORRUPTIONS and args.local_steps < 2:
+        raise TrainConfigError(f"{where} fails after the first local step: it needs --local-steps >= 2")
 
 
 def shards_fingerprint(paths: list[Path]) -> str:
@@ -277,7 +298,8 @@ def _federate(args, runner, program: Path, scheme: PartitionScheme, train_shards
         optimizer=AdamWConfig(weight_decay=args.weight_decay), seed=args.seed, partition=str(scheme),
         data_fingerprint=shards_fingerprint(train_shards), eval_data=args.eval_data, eval_batches=args.eval_batches,
         checkpoint_dir=args.checkpoint, resume=args.resume, json_path=args.json, precision=args.precision,
-        timeout=args.timeout, engine=args.engine)
+        timeout=args.timeout, engine=args.engine, aggregation=str(Aggregation.parse(args.aggregation)),
+        max_norm_ratio=parse_norm_ratio(args.max_update_norm_ratio), min_clients=args.min_clients)
     client_settings = ClientSettings(str(program.absolute()), tuple(str(p) for p in train_shards),
                                      tuple(str(p) for p in held_out_shards), args.seed, args.precision,
                                      _failures(args.inject_failure))
@@ -300,7 +322,12 @@ def _federate(args, runner, program: Path, scheme: PartitionScheme, train_shards
     else:
         from flwr.simulation import run_simulation
 
-        resources = {"num_cpus": args.client_cpus, "num_gpus": args.client_gpus}
+        # max_restarts: Ray restarts a client process that died (Flower 1.42's actor pool would otherwise
+        # keep handing the dead actor messages, failing every client it is given for the rest of the run);
+        # max_task_retries: a message sent to it while it restarts is run once more (clients are stateless, so
+        # a retry gives the same reply), and the one that killed it too: a client that dies twice has failed.
+        resources = {"num_cpus": args.client_cpus, "num_gpus": args.client_gpus, "max_restarts": -1,
+                     "max_task_retries": 1}
         # Without --verbose the workers' output (each client's device line, Ray's colour-coded prefixes) stays
         # in Ray's logs; a client's failure is recorded and printed with its round either way.
         init = {"include_dashboard": False, "logging_level": logging.WARNING if not args.verbose else logging.INFO,
@@ -342,13 +369,13 @@ def summarize(records: list[dict], resumed_from: int | None = None) -> str:
     trained = [r for r in records if r["round"] > (resumed_from or 0)]
     if not trained:
         return f"nothing to do (the federation had already reached round {resumed_from})"
-    failed = sum(len(r["failed"]) for r in trained)
+    failed = sum(len(r["failed"]) + len(r.get("dropped", {})) for r in trained)
     before = next(r for r in records if r["round"] == trained[0]["round"] - 1).get("global_eval_loss")
     after = trained[-1].get("global_eval_loss")
     text = f"federated rounds {trained[0]['round']}..{trained[-1]['round']}"
     if before is not None and after is not None:
         text += f": global held-out loss {before:.4f} -> {after:.4f}"
-    return text + f"; {failed} client failure(s) tolerated"
+    return text + f"; {failed} client failure(s) or dropped update(s) tolerated"
 
 
 __all__ = ["ENGINES", "add_federate_arguments", "check_arguments", "prepare_shards", "run_federate",

@@ -30,6 +30,7 @@ from vktrain.fleet.checkpoint import (FederationCheckpoint, check_resumable, loa
                                       save_federation_checkpoint)
 from vktrain.fleet.client import CLIENT, PARTITION_ID, from_array_record, to_array_record, trained_names
 from vktrain.fleet import FFA
+from vktrain.fleet.robust import DEFAULT_MAX_NORM_RATIO, MEAN, Aggregation
 from vktrain.fleet.strategy import FleetFedAvg
 from vktrain.train.checkpoint import atomic_write_json, sha256_file
 from vktrain.train.train_loop import AdamWConfig
@@ -65,12 +66,16 @@ class FederationSettings:
     precision: str = PRECISION_AUTO
     timeout: float = 3600.0
     engine: str = "ray"
+    aggregation: str = MEAN  # vktrain/fleet/robust.py
+    max_norm_ratio: Optional[float] = DEFAULT_MAX_NORM_RATIO  # None: no norm bound
+    min_clients: int = 1  # accepted updates a round needs to change the global adapters
 
     def run_config(self) -> dict:
         return {"strategy": self.strategy, "clients": self.n_clients, "fraction": self.fraction,
                 "fraction_evaluate": self.fraction_evaluate, "local_steps": self.local_steps, "lr": self.lr,
                 "optimizer": asdict(self.optimizer), "seed": self.seed, "partition": self.partition,
-                "precision": self.precision, "data_sha256": self.data_fingerprint}
+                "precision": self.precision, "data_sha256": self.data_fingerprint, "aggregation": self.aggregation,
+                "max_update_norm_ratio": self.max_norm_ratio, "min_clients": self.min_clients}
 
     def train_config(self) -> ConfigRecord:
         o = self.optimizer
@@ -119,6 +124,11 @@ def _describe_round(record: dict, rounds: int) -> str:
         reasons = [(p, failure_reason(failed[p])) for p in sorted(failed)]
         named = [r if r.startswith(f"client {p}") else f"client {p}: {r}" for p, r in reasons]
         text += f" {len(failed)} failed ({'; '.join(named)}),"
+    dropped = record.get("dropped") or {}
+    if dropped:
+        text += f" {len(dropped)} update(s) dropped ({', '.join(f'client {p}' for p in sorted(dropped, key=int))}),"
+    if not record.get("aggregated", True):
+        text += " global adapters unchanged,"
     return (text + f" {record['bytes_down'] / 2**20:.2f} MiB down / {record['bytes_up'] / 2**20:.2f} MiB up,"
             f" {record['seconds']:.1f} s")
 
@@ -178,7 +188,9 @@ class FederationServer:
             return evaluate_data(runner, held_out, s.eval_batches)["loss"]
 
         strategy = FleetFedAvg(n_clients=s.n_clients, fraction_train=s.fraction,
-                               fraction_evaluate=s.fraction_evaluate, seed=s.seed, round_offset=done)
+                               fraction_evaluate=s.fraction_evaluate, seed=s.seed, round_offset=done,
+                               aggregation=Aggregation.parse(s.aggregation), max_norm_ratio=s.max_norm_ratio,
+                               min_clients=s.min_clients, log=sys.stderr if self.progress else None)
         strategy.node_of_partition = node_partitions(grid, s.n_clients, s.timeout)
 
         def after_round(local_round: int, record: ArrayRecord) -> Optional[MetricRecord]:
@@ -194,7 +206,6 @@ class FederationServer:
                 entry["seconds_before_eval"] = time.perf_counter() - entry["started"]
                 entry["global_eval_loss"] = global_loss(adapters)
                 entry["seconds"] = time.perf_counter() - entry.pop("started")
-                entry["aggregated"] = bool(entry["client_train_loss"])
             self.result.records.append(entry)
             self.result.arrays = adapters
             self._save(entry["round"], adapters, program_sha256)
