@@ -35,7 +35,8 @@ echo "== train: $steps steps on the unit-conversion chats (held-out loss before 
 $vk train "out/$model.pte" --data "$data/unit_conversions.train.jsonl" --eval-data "$data/unit_conversions.heldout.jsonl" \
   --eval-batches 4 --steps "$steps" --lr 2e-3 --warmup 2 --schedule cosine --checkpoint "out/$model.ckpt.safetensors" \
   --checkpoint-every 4 --json "out/$model.train.json" --plot "out/$model.loss.png" \
-  --out-adapters "out/$model.adapters" --out-gguf-adapter "out/$model.lora.gguf" --no-progress
+  --out-adapters "out/$model.adapters" --out-gguf-adapter "out/$model.lora.gguf" --no-progress \
+  --overwrite  # the demo starts over: a checkpoint of an earlier demo run is replaced, not resumed
 took
 
 echo "== after training: task accuracy with the trained adapters"

@@ -29,6 +29,7 @@ import time
 from pathlib import Path
 
 from vktrain.errors import VktrainError
+from vktrain.train.outputs import add_overwrite_argument
 
 SERVER_START_SECONDS = 90
 NODE_RETRY_SECONDS = 3.0
@@ -147,6 +148,7 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", metavar="FILE", help="the per-round records (as vktrain federate --json)")
     parser.add_argument("--checkpoint", metavar="DIR", help="the global adapters after every round")
     parser.add_argument("--resume", action="store_true", help="continue the federation in --checkpoint DIR")
+    add_overwrite_argument(parser)
     parser.add_argument("--aggregation", default="mean", metavar="mean|median|trimmed-mean[:FRACTION]")
     parser.add_argument("--max-update-norm-ratio", default=str(DEFAULT_MAX_NORM_RATIO), metavar="R")
     parser.add_argument("--min-clients", type=int, default=1, metavar="M")
@@ -248,13 +250,16 @@ def _stop(process: subprocess.Popen) -> None:
 
 
 def run_server(args: argparse.Namespace) -> int:
-    from vktrain.train.command import prepare_output_file
+    from vktrain.fleet.command import FEDERATION_CHECKPOINT, ROUND_RECORDS
+    from vktrain.train.outputs import Output, check_outputs
 
     run_config = _run_config(args)
     host, port = _host_port(args.address, "--address")
     _existing(args.program, "STEP.pte")
-    if args.json:
-        prepare_output_file("--json", args.json)
+    check_outputs([Output("--checkpoint", args.checkpoint, FEDERATION_CHECKPOINT,  # federate's outputs, its rules
+                          continues=args.checkpoint if args.resume else None),
+                   Output("--json", args.json, ROUND_RECORDS)],
+                  inputs=[("the program", args.program), ("--eval-data", args.eval_data)], overwrite=args.overwrite)
     if args.checkpoint:
         Path(args.checkpoint).mkdir(parents=True, exist_ok=True)
     certificates = Path(args.certificates)
