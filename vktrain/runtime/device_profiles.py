@@ -2,15 +2,21 @@
 what the device layer queried: a Vulkan Device (vk/device.py) or a WebGPU Device (webgpu/device.py).
 
 The executor plans with it (kernels/coopmat.py `select_gemm_route(profile=)`, OpContext.profile), and
-`vktrain devices` prints it. The tuning fields are the record's defaults (measured on the H200): a device
+`vktrain devices` prints it. `planning_profile(device)` is what the executor plans with: the device's own, or,
+with VKTRAIN_DEVICE_PROFILE=NAME|FILE.json (`--device-profile` of train, eval and generate sets it), that
+profile emulated on the device (serialization/device_profile.py `intersect`). The tuning fields are the record's defaults (measured on the H200): a device
 of its own is not measured here.
 """
 from __future__ import annotations
 
-from typing import Any
+import os
+from typing import Any, Mapping, Optional
 
 from vktrain.serialization.device_profile import (API_VULKAN, API_WEBGPU, COMPONENT_TYPES, DEVICE_TYPES, SCOPES,
-                                                  CoopmatShape, DeviceProfile, subgroup_operation_names)
+                                                  CoopmatShape, DeviceProfile, intersect, resolve_profile,
+                                                  subgroup_operation_names)
+
+DEVICE_PROFILE_ENV = "VKTRAIN_DEVICE_PROFILE"
 
 # wgpu's adapter types as the VkPhysicalDeviceType names profiles use.
 _WEBGPU_ADAPTER_TYPES = {"DiscreteGPU": "discrete", "IntegratedGPU": "integrated", "VirtualGPU": "virtual",
@@ -78,3 +84,17 @@ def profile_of(device: Any) -> DeviceProfile:
     if getattr(device, "device_type", None) == WEBGPU_DEVICE_TYPE:
         return _webgpu_profile(device)
     return _vulkan_profile(device)
+
+
+def emulated_profile_spec(environ: Optional[Mapping[str, str]] = None) -> str | None:
+    """The profile VKTRAIN_DEVICE_PROFILE names (a built-in name or a profile file), None when unset."""
+    spec = (os.environ if environ is None else environ).get(DEVICE_PROFILE_ENV, "").strip()
+    return spec or None
+
+
+def planning_profile(device: Any, environ: Optional[Mapping[str, str]] = None) -> DeviceProfile:
+    """The profile the executor plans with on `device`: its own, or the one VKTRAIN_DEVICE_PROFILE names,
+    emulated on it (refused, naming the field, where the device cannot)."""
+    own = profile_of(device)
+    spec = emulated_profile_spec(environ)
+    return own if spec is None else intersect(own, resolve_profile(spec))

@@ -35,8 +35,8 @@ from vktrain.serialization import graph as vk
 from vktrain.runtime.vk.commands import Program
 from vktrain.runtime.vk.memory import Buffer
 from vktrain.runtime.delegate.lowering_context import GraphLoweringError
-from vktrain.runtime.delegate.planner import SHARED_PREFIX, gemm_route_of, plan_schedule
-from vktrain.runtime.device_profiles import profile_of
+from vktrain.runtime.delegate.planner import SHARED_PREFIX, check_allocations, gemm_route_of, plan_schedule
+from vktrain.runtime.device_profiles import planning_profile, profile_of
 from vktrain.contract import PRECISION_AUTO
 from vktrain.serialization.schedule import Schedule, ScheduleMismatchError, TensorPlacement
 from vktrain.serialization.verify_schedule import verify_schedule
@@ -143,7 +143,9 @@ class GraphExecutor:
         self.program: Program | None = None
         self._state_by_name = self._index_state()
         self._index_limits = self._find_index_limits()
-        self.profile = profile_of(device)  # what planning reads of the device
+        # What planning reads of the device: its own profile, or VKTRAIN_DEVICE_PROFILE's emulated on it.
+        self.profile = planning_profile(device)
+        self.emulating = self.profile != profile_of(device)
         if schedule is None:
             schedule = plan_schedule(graph, self.profile, precision=precision, max_binding_bytes=max_binding_bytes,
                                      emulate_tensor_cores=emulate_tensor_cores, shared=self._shared)
@@ -153,6 +155,8 @@ class GraphExecutor:
                                             "emulation and binding limit from it; pass none of precision, "
                                             "emulate_tensor_cores, max_binding_bytes")
             self._check_schedule(schedule)
+        if self.emulating:  # the device's own cap is the driver's business; an emulated one is checked here
+            check_allocations(schedule, self.profile)
         self.schedule = schedule
         self.gemm_route = gemm_route_of(schedule)
         self.max_binding_bytes = schedule.max_binding_bytes or None

@@ -300,7 +300,8 @@ class _Planner:
                                   f"{t.dtype}{list(t.shape)}" for t in tensors) or f"buffer {bound.buffer!r}"
                 raise context.fail(
                     f"dispatch {dispatch.name!r} binds tensor {names} over {bound.size} "
-                    f"bytes, more than the max storage binding size of {limit} bytes, and its kernel cannot split "
+                    f"bytes, more than the max storage binding size of {limit} bytes (device profile "
+                    f"{self.profile.name!r}), and its kernel cannot split "
                     f"it (the head's mm, the linear q4gsw ops, the embeddings, fused_ce, elementwise ops and copies "
                     f"split; see README "
                     f"'Picking a runtime')")
@@ -315,7 +316,12 @@ class _Planner:
             outputs = [self._tensor_arg(out) for out in op.outputs]
             context = OpContext(index, op, args, outputs, label, self._scratch(index), None, self.route,
                                 binding_limit_of(self.profile), self.profile)
-            planned = lowering.lower(context)
+            try:
+                planned = lowering.lower(context)
+            except Exception as exc:  # a kernel's binding refusal: say which profile's limit it is
+                if "max storage binding size" in str(exc) and exc.args and isinstance(exc.args[0], str):
+                    exc.args = (f"{exc.args[0]} (device profile {self.profile.name!r})", *exc.args[1:])
+                raise
             self._check_binding_sizes(context, planned)
             if any(d.shader.startswith(TENSOR_CORE_SHADER_PREFIX) for d in planned):
                 self.tensor_core_ops.append(label)
@@ -356,10 +362,25 @@ def plan_schedule(graph: vk.VkGraph, profile: DeviceProfile, *, precision: str =
                     max_binding_bytes or 0)
 
 
+def allocation_refusals(schedule: Schedule, profile: DeviceProfile) -> list[str]:
+    """Each buffer of `schedule` over the profile's max allocation size (maxMemoryAllocationSize), one phrase
+    each: no kernel splits an allocation."""
+    limit = profile.max_allocation_bytes
+    return [f"buffer {b.key!r} ({b.role}) needs an allocation of {b.size_bytes} bytes, over the max allocation size of "
+            f"{limit} bytes (device profile {profile.name!r})" for b in schedule.buffers if b.size_bytes > limit]
+
+
+def check_allocations(schedule: Schedule, profile: DeviceProfile) -> None:
+    """Refuse a schedule with an allocation over the profile's max allocation size (allocation_refusals)."""
+    refusals = allocation_refusals(schedule, profile)
+    if refusals:
+        raise GraphLoweringError("; ".join(refusals))
+
+
 def gemm_route_of(schedule: Schedule) -> GemmRoute:
     """The GemmRoute a schedule was planned with."""
     return GemmRoute(**dataclasses.asdict(schedule.gemm))
 
 
-__all__ = ["MIN_MAX_BINDING_BYTES", "ProfileAsDevice", "SCRATCH_KEY", "TENSOR_CORE_SHADER_PREFIX", "binding_limited",
-           "gemm_route_for", "gemm_route_of", "plan_schedule", "requirements_of"]
+__all__ = ["MIN_MAX_BINDING_BYTES", "ProfileAsDevice", "SCRATCH_KEY", "TENSOR_CORE_SHADER_PREFIX",
+           "allocation_refusals", "binding_limited", "check_allocations", "gemm_route_for", "gemm_route_of", "plan_schedule", "requirements_of"]
