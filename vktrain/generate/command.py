@@ -18,7 +18,7 @@ from pathlib import Path
 
 from vktrain.errors import VktrainError
 from vktrain.train.model_options import add_quantization_arguments
-from vktrain.runtime.runtimes import add_runtime_argument, max_binding_bytes
+from vktrain.runtime.runtimes import add_runtime_argument, max_binding_bytes, with_device_profile
 from vktrain.train.outputs import Output, OutputKind, add_overwrite_argument, check_outputs, json_object
 
 # Sources whose change changes the lowered program (the cache key hashes them).
@@ -190,6 +190,7 @@ def _program(args, model, fingerprint) -> bytes:
     return pte
 
 
+@with_device_profile
 def run_generate(args: argparse.Namespace) -> int:
     from vktrain.generate.runner import GenerationRunner
     from vktrain.generate.sampling import Sampler

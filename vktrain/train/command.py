@@ -27,7 +27,7 @@ from tqdm import tqdm
 
 from vktrain.contract import ADAMW_DEFAULTS, METADATA_BAKED_SCALARS, PRECISION_AUTO, PRECISION_CHOICES
 from vktrain.errors import VktrainError
-from vktrain.runtime.runtimes import add_runtime_argument, max_binding_bytes
+from vktrain.runtime.runtimes import add_runtime_argument, max_binding_bytes, with_device_profile
 from vktrain.serialization.peft_adapters import LORA_SUFFIXES
 from vktrain.train.adapters import ProgramAdapters, adapters_from_state, runner_frozen_lora, save_adapters
 from vktrain.train.gguf_adapter import check_gguf_adapter_program, save_gguf_adapter
@@ -270,6 +270,7 @@ def print_validation_messages(device) -> int:
     return sum(1 for message in messages if message.severity == "error")
 
 
+@with_device_profile
 def run_train(args: argparse.Namespace, device=None) -> int:
     """`vktrain train`: 0 on success; 130 (SIGINT) / 143 (SIGTERM) when a signal stopped the loop, after
     checkpointing (with --checkpoint), writing --json / --plot and saying how to resume

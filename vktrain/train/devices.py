@@ -1,9 +1,9 @@
-"""`vktrain devices [--runtime vulkan|webgpu] [--json] [--builtin] [--profile FILE]` (torch-free): the
+"""`vktrain devices [--runtime vulkan|webgpu] [--json] [--builtin|--profiles] [--profile FILE]` (torch-free): the
 DeviceProfile of each local device, what kernel planning reads of it (vktrain/serialization/device_profile.py).
 
 Each local device is opened in turn (Vulkan: every physical device; WebGPU: every adapter) and its profile
-printed with the built-in profile whose planning fields it matches, if any. `--builtin` prints the built-in
-profiles instead, `--profile FILE` a profile file (checked: unknown, missing or mistyped fields are refused
+printed with the built-in profile whose planning fields it matches, if any. `--builtin` (or `--profiles`)
+prints the built-in profiles instead (the names --device-profile takes), `--profile FILE` a profile file (checked: unknown, missing or mistyped fields are refused
 by name). `--json` prints a JSON list of profiles, each one a valid profile file.
 """
 from __future__ import annotations
@@ -18,7 +18,9 @@ def add_devices_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentP
     parser.add_argument("--runtime", choices=("vulkan", "webgpu"), default="vulkan",
                         help="whose devices to list: vulkan (default, every physical device) or webgpu (every adapter)")
     source = parser.add_mutually_exclusive_group()
-    source.add_argument("--builtin", action="store_true", help="print the built-in profiles, opening no device")
+    source.add_argument("--builtin", "--profiles", dest="builtin", action="store_true",
+                        help="print the built-in profiles with their sources, opening no device (each a NAME for "
+                             "--device-profile of train, eval, generate and inspect)")
     source.add_argument("--profile", metavar="FILE", help="print (and check) a device profile file")
     parser.add_argument("--json", action="store_true", help="print a JSON list of profiles (each a profile file)")
     return parser

@@ -27,7 +27,7 @@ from typing import Mapping
 import numpy as np
 
 from vktrain.contract import METADATA_LORA_ALPHA, MODEL_PREFIX
-from vktrain.runtime.runtimes import add_runtime_argument, max_binding_bytes
+from vktrain.runtime.runtimes import add_runtime_argument, max_binding_bytes, with_device_profile
 from vktrain.serialization.peft_adapters import ADAPTER_CONFIG, AdapterError, load_adapter_config, load_adapters
 from vktrain.train.adapters import check_frozen_lora, runner_frozen_lora
 from vktrain.train.checkpoint import atomic_write_json, load_checkpoint
@@ -103,6 +103,7 @@ def load_adapter_state(runner, state: Mapping[str, np.ndarray]) -> None:
         runner.write_state(name, array)
 
 
+@with_device_profile
 def run_eval(args: argparse.Namespace, device=None) -> int:
     """`vktrain eval`: prints the loss, perplexity and token count (and writes them with --json)."""
     from vktrain.runtime.program.runner import TrainingRunner  # opens Vulkan: imported only when a run starts
