@@ -1,0 +1,237 @@
+"""Emulated device limits (issue 29): `intersect(device, target)` field by field, tiny-llama training on lavapipe
+under each built-in phone profile (`--device-profile` / VKTRAIN_DEVICE_PROFILE), profiles the device cannot
+emulate and programs over a profile's limits refused by name, and `vktrain inspect --device-profile`'s fit
+report."""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+
+import numpy as np
+import pytest
+
+from vktrain.cli import main
+from vktrain.runtime.device_profiles import DEVICE_PROFILE_ENV, planning_profile, profile_of
+from vktrain.serialization.device_profile import (ADRENO_6XX, ADRENO_7XX, API_WEBGPU, BUILTIN_PROFILES, LAVAPIPE,
+                                                  MALI_G7X, MALI_G7XX, NVIDIA_COOPMAT, DeviceProfileError,
+                                                  EmulationError, intersect, resolve_profile)
+
+PHONES = ("adreno-6xx", "adreno-7xx", "mali-g7x", "mali-g7xx")
+BATCH, SEQ, STEPS = 2, 16, 3
+HPARAMS = np.array([1e-2, 0.9, 0.999, 1e-8, 0.01], np.float32)
+# A device with more of everything than every phone profile, and subgroups of 64 (an Adreno's).
+BIG = dataclasses.replace(LAVAPIPE, name="big", subgroup_size=64, max_shared_memory_bytes=65536,
+                          max_storage_buffer_range=1 << 30, max_allocation_bytes=1 << 32,
+                          max_push_constants_bytes=256, min_storage_buffer_offset_alignment=4)
+
+
+# ---------------------------------------------------------------------------------------------- intersect
+@pytest.mark.parametrize("target", [ADRENO_6XX, ADRENO_7XX, MALI_G7X, MALI_G7XX], ids=lambda p: p.name)
+def test_intersect_takes_every_limit_and_feature_of_the_target(target):
+    got = intersect(BIG, target)
+    kept = {"name", "source", "api", "subgroup_size", "subgroup_operations"}
+    for field in dataclasses.fields(target):
+        if field.name not in kept:
+            assert getattr(got, field.name) == getattr(target, field.name), field.name
+    assert got.api == BIG.api and target.name in got.name and BIG.name in got.name and target.source in got.source
+    if target.subgroup_size == BIG.subgroup_size:  # adreno: 64 lanes on both
+        assert (got.subgroup_size, got.subgroup_operations) == (64, target.subgroup_operations)
+    else:  # mali: 16 lanes the device cannot give: no size promised, the kernels' portable path
+        assert (got.subgroup_size, got.subgroup_operations) == (0, ())
+
+
+@pytest.mark.parametrize("field, value, shown", [
+    ("max_shared_memory_bytes", 65536 * 2, "131072 is above the device's 65536"),
+    ("max_workgroup_invocations", 2048, "2048 is above the device's 1024"),
+    ("max_storage_buffer_range", 1 << 31, "2147483648 is above the device's 1073741824"),
+    ("max_allocation_bytes", 1 << 33, "8589934592 is above the device's 4294967296"),
+    ("max_push_constants_bytes", 512, "512 is above the device's 256"),
+    ("max_storage_buffers_per_stage", 64, "64 is above the device's 32"),
+    ("max_workgroup_size", (1024, 2048, 64), "1024x2048x64 is above the device's 1024x1024x1024"),
+    ("max_workgroup_count", (65536, 1, 1), "65536x1x1 is above the device's 65535x65535x65535"),
+    ("min_storage_buffer_offset_alignment", 2, "2 is finer than the device's 4"),
+])
+def test_a_limit_above_the_devices_is_refused_naming_the_field_and_both_values(field, value, shown):
+    target = dataclasses.replace(ADRENO_7XX, name="greedy", **{field: value})
+    with pytest.raises(EmulationError, match=rf"big cannot emulate device profile 'greedy': {field}: the profile's "
+                                             rf"{shown}"):
+        intersect(BIG, target)
+    assert intersect(BIG, dataclasses.replace(target, **{field: getattr(BIG, field)})).name  # at the device's: fine
+
+
+@pytest.mark.parametrize("field", ["float16", "int64"])
+def test_a_feature_the_device_lacks_is_refused(field):
+    device = dataclasses.replace(BIG, **{field: False})
+    with pytest.raises(EmulationError, match=rf"{field}: the profile's yes against the device's no"):
+        intersect(device, dataclasses.replace(ADRENO_7XX, int64=True))
+    # the profile without it turns it off on a device that has it
+    assert getattr(intersect(BIG, dataclasses.replace(ADRENO_7XX, **{field: False})), field) is False
+
+
+def test_subgroup_operations_and_cooperative_matrices_the_device_lacks_are_refused():
+    with pytest.raises(EmulationError, match=r"subgroup_operations: the profile's clustered against"):
+        intersect(BIG, dataclasses.replace(ADRENO_7XX, subgroup_operations=("basic", "clustered")))
+    coopmat = dataclasses.replace(ADRENO_7XX, subgroup_size=32, cooperative_matrix=NVIDIA_COOPMAT.cooperative_matrix)
+    with pytest.raises(EmulationError, match=r"cooperative_matrix: .*16x16x16 float16\*float16\+float16.*; "
+                                             r"subgroup_size: the profile's 32 .* against the device's 64"):
+        intersect(BIG, coopmat)
+    assert intersect(NVIDIA_COOPMAT, DESKTOP_LIKE).cooperative_matrix == ()  # a profile without them: off
+
+
+DESKTOP_LIKE = BUILTIN_PROFILES["desktop-gpu"]
+
+
+def test_a_webgpu_device_emulates_without_push_constants():
+    device = dataclasses.replace(BIG, api=API_WEBGPU, subgroup_size=0, subgroup_operations=(), int64=False,
+                                 max_push_constants_bytes=0)
+    got = intersect(device, ADRENO_7XX)
+    assert (got.api, got.max_push_constants_bytes, got.subgroup_size) == (API_WEBGPU, 0, 0)
+
+
+def test_profile_names_and_files_resolve_and_bad_ones_are_refused(tmp_path):
+    assert resolve_profile("mali-g7x") is MALI_G7X
+    path = tmp_path / "p.json"
+    path.write_text(ADRENO_6XX.to_json())
+    assert resolve_profile(str(path)) == ADRENO_6XX
+    with pytest.raises(DeviceProfileError, match="'adreno-9xx' is neither a built-in profile"):
+        resolve_profile("adreno-9xx")
+    with pytest.raises(DeviceProfileError, match="cannot read it"):
+        resolve_profile(str(tmp_path / "missing.json"))
+
+
+def test_planning_profile_reads_the_environment(vk_device):
+    own = profile_of(vk_device)
+    assert planning_profile(vk_device, {}) == own
+    assert planning_profile(vk_device, {DEVICE_PROFILE_ENV: "mali-g7x"}) == intersect(own, MALI_G7X)
+
+
+# ---------------------------------------------------------------------------------------------- training
+@pytest.fixture(scope="module")
+def tiny_step(tmp_path_factory):
+    """A 1-layer tiny-llama training step (and eval method) at batch 2 x seq 16."""
+    from vktrain.contract import EVAL_METHOD, TRAIN_METHOD
+    from vktrain.export import export_training_and_eval_steps, lower_methods_to_pte
+    from vktrain.lora import LoRAConfig, apply_lora
+    from vktrain.models import build_model
+
+    model = build_model("tiny-llama", n_layers=1)
+    apply_lora(model, LoRAConfig(rank=4, alpha=8.0, targets="*_proj", group_size=32, seed=0))
+    step, evaluation = export_training_and_eval_steps(model, (BATCH, SEQ))
+    path = tmp_path_factory.mktemp("pte") / "tiny_step.pte"
+    path.write_bytes(lower_methods_to_pte({TRAIN_METHOD: step, EVAL_METHOD: evaluation}))
+    return path
+
+
+def _train(path, device, monkeypatch, profile):
+    from vktrain.runtime.program.runner import TrainingRunner
+
+    if profile is None:
+        monkeypatch.delenv(DEVICE_PROFILE_ENV, raising=False)
+    else:
+        monkeypatch.setenv(DEVICE_PROFILE_ENV, profile)
+    ids = np.random.default_rng(1).integers(0, 256, (BATCH, SEQ))
+    with TrainingRunner.from_pte(path, device) as runner:
+        losses = [runner.step(ids, np.roll(ids, -1, axis=1), HPARAMS) for _ in range(STEPS)]
+        return losses, runner.executor
+
+
+def test_tiny_llama_trains_under_each_phone_profile_with_the_unconstrained_losses(vk_device, tiny_step, monkeypatch):
+    whole, executor = _train(tiny_step, vk_device, monkeypatch, None)
+    assert executor.gemm_route.fp32_tuning == "cpu"  # lavapipe's own: the CPU bodies
+    for name in PHONES:
+        losses, executor = _train(tiny_step, vk_device, monkeypatch, name)
+        profile = BUILTIN_PROFILES[name]
+        req = executor.schedule.requirements
+        assert name in executor.profile.name
+        assert (req.max_shared_memory_bytes, req.max_workgroup_invocations, req.min_storage_buffer_offset_alignment) \
+            == (profile.max_shared_memory_bytes, profile.max_workgroup_invocations,
+                profile.min_storage_buffer_offset_alignment)
+        # No int64 on the phones: the GPU tuning of the fp32 GEMMs, not lavapipe's CPU bodies. Other kernels,
+        # but at tiny-llama's sizes each output's sum runs in the same order: bit-identical.
+        assert executor.gemm_route.fp32_tuning == "gpu"
+        assert losses == whole, name
+        assert losses[-1] < losses[0]
+
+
+def test_a_profile_with_a_too_small_limit_is_refused_naming_it(vk_device, tiny_step, tmp_path, capsys):
+    data = tmp_path / "ids.npy"
+    np.save(data, np.random.default_rng(0).integers(0, 256, 4096))
+    small_alloc = tmp_path / "small_alloc.json"
+    small_alloc.write_text(dataclasses.replace(ADRENO_7XX, name="small-alloc", max_allocation_bytes=65536).to_json())
+    small_binding = tmp_path / "small_binding.json"
+    small_binding.write_text(dataclasses.replace(ADRENO_7XX, name="small-binding", max_storage_buffer_range=4096)
+                             .to_json())
+    base = ["train", str(tiny_step), "--steps", "1", "--no-progress", "--data", str(data), "--device-profile"]
+    assert main(base + [str(small_alloc)]) == 2
+    err = capsys.readouterr().err
+    assert "needs an allocation of 131072 bytes, over the max allocation size of 65536 bytes (device profile " \
+           "'small-alloc (emulated on" in err
+    assert main(base + [str(small_binding)]) == 2
+    assert "more than the max storage binding size of 4096 bytes (device profile 'small-binding (emulated" in \
+        capsys.readouterr().err
+    assert main(base + ["nvidia-coopmat"]) == 2  # more than lavapipe has
+    assert "cannot emulate device profile 'nvidia-coopmat': max_shared_memory_bytes: the profile's 49152 is above " \
+           "the device's 32768" in capsys.readouterr().err
+    assert main(base + ["adreno-9xx"]) == 2
+    assert "'adreno-9xx' is neither a built-in profile" in capsys.readouterr().err
+
+
+def test_train_command_takes_the_profile(vk_device, tiny_step, tmp_path, monkeypatch):
+    from vktrain.train.command import add_train_arguments, run_train
+
+    monkeypatch.delenv(DEVICE_PROFILE_ENV, raising=False)
+    data = tmp_path / "ids.npy"
+    np.save(data, np.random.default_rng(0).integers(0, 256, 4096))
+    runs = {}
+    for profile in (None, "mali-g7xx"):
+        records = tmp_path / f"{profile}.json"
+        argv = [str(tiny_step), "--steps", "2", "--no-progress", "--log-every", "0", "--data", str(data),
+                "--json", str(records)] + (["--device-profile", profile] if profile else [])
+        args = add_train_arguments(argparse.ArgumentParser()).parse_args(argv)
+        assert run_train(args, vk_device) == 0
+        runs[profile] = [r["loss"] for r in json.loads(records.read_text())]
+    assert runs[None] == runs["mali-g7xx"]
+    import os
+    assert DEVICE_PROFILE_ENV not in os.environ  # set only while the command ran
+
+
+# ---------------------------------------------------------------------------------------------- fit report
+def test_inspect_reports_the_fit_of_a_profile_with_no_device(tiny_step, tmp_path, capsys):
+    assert main(["inspect", str(tiny_step), "--device-profile", "adreno-6xx", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["fits"] and report["profile"] == "adreno-6xx"
+    (d,) = report["delegates"]
+    assert d["refusals"] == [] and d["dispatches"] > 0
+    assert 0 < d["largest_binding"]["bytes"] <= ADRENO_6XX.max_storage_buffer_range
+    assert 0 < d["largest_allocation"]["bytes"] <= d["device_memory_bytes"]
+    # every constant the step reads is on the device: at least its stored bytes
+    assert main(["inspect", str(tiny_step), "--json"]) == 0
+    summary = json.loads(capsys.readouterr().out)["delegates"][0]
+    assert d["device_memory_bytes"] >= summary["constants"]["stored_deduplicated_bytes"] + \
+        summary["memory"]["state_bytes"]
+    tiny = tmp_path / "tiny.json"
+    tiny.write_text(dataclasses.replace(ADRENO_6XX, name="tiny", max_allocation_bytes=d["largest_allocation"]["bytes"]
+                                        - 4).to_json())
+    assert main(["inspect", str(tiny_step), "--device-profile", str(tiny)]) == 0
+    text = capsys.readouterr().out
+    assert "on device profile tiny: does NOT fit" in text
+    assert f"refused (max_allocation_bytes): buffer '{d['largest_allocation']['buffer']}'" in text
+    assert f"needs an allocation of {d['largest_allocation']['bytes']} bytes, over the profile's max allocation " \
+           f"size of {d['largest_allocation']['bytes'] - 4} bytes" in text
+    assert "change: " in text
+    binding = tmp_path / "binding.json"
+    binding.write_text(dataclasses.replace(ADRENO_6XX, name="narrow", max_storage_buffer_range=4096).to_json())
+    assert main(["inspect", str(tiny_step), "--device-profile", str(binding), "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert not report["fits"]
+    (refusal,) = report["delegates"][0]["refusals"]
+    assert refusal["limit"] == "max_storage_buffer_range" and "--batch or --seq" in refusal["change"]
+    assert "max storage binding size of 4096 bytes (device profile 'narrow')" in refusal["message"]
+
+
+def test_devices_profiles_lists_the_builtins_with_their_sources(capsys):
+    assert main(["devices", "--profiles"]) == 0
+    text = capsys.readouterr().out
+    for profile in BUILTIN_PROFILES.values():
+        assert profile.name in text and f"source: {profile.source}" in text
