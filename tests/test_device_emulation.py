@@ -235,3 +235,18 @@ def test_devices_profiles_lists_the_builtins_with_their_sources(capsys):
     text = capsys.readouterr().out
     for profile in BUILTIN_PROFILES.values():
         assert profile.name in text and f"source: {profile.source}" in text
+
+
+def test_eval_under_a_phone_profile_gives_the_unconstrained_loss(vk_device, tiny_step, tmp_path, capsys, monkeypatch):
+    monkeypatch.delenv(DEVICE_PROFILE_ENV, raising=False)
+    data = tmp_path / "ids.npy"
+    np.save(data, np.random.default_rng(3).integers(0, 256, 2048))
+    results = {}
+    for profile in (None, "adreno-6xx"):
+        out = tmp_path / f"eval-{profile}.json"
+        assert main(["eval", str(tiny_step), "--data", str(data), "--max-batches", "2", "--json", str(out)]
+                    + (["--device-profile", profile] if profile else [])) == 0
+        results[profile] = json.loads(out.read_text())
+    assert results[None]["loss"] == results["adreno-6xx"]["loss"]
+    assert main(["eval", str(tiny_step), "--data", str(data), "--device-profile", "nvidia-coopmat"]) == 2
+    assert "cannot emulate device profile 'nvidia-coopmat'" in capsys.readouterr().err

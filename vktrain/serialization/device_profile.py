@@ -19,6 +19,10 @@ Built-in profiles (BUILTIN_PROFILES), each with its source:
 A profile file (`vktrain devices --json`, `DeviceProfile.to_json`) holds every field below; reading one
 refuses unknown and missing fields by name (`DeviceProfile.from_json`, `load_profile`).
 
+`intersect(device, target)` is what a device plans with to run as if it were `target` (--device-profile,
+VKTRAIN_DEVICE_PROFILE: vktrain/runtime/device_profiles.py `planning_profile`); `resolve_profile(spec)` reads
+a built-in name or a profile file.
+
 The tuning fields (min_workgroups, split_k_target_workgroups, fp32_target_workgroups) were measured on the
 H200 (bench/results/step_gemms_h200.json); every other profile keeps those values, unmeasured.
 """
