@@ -250,3 +250,11 @@ def test_eval_under_a_phone_profile_gives_the_unconstrained_loss(vk_device, tiny
     assert results[None]["loss"] == results["adreno-6xx"]["loss"]
     assert main(["eval", str(tiny_step), "--data", str(data), "--device-profile", "nvidia-coopmat"]) == 2
     assert "cannot emulate device profile 'nvidia-coopmat'" in capsys.readouterr().err
+
+
+def test_devices_names_the_builtins_the_local_device_can_emulate(vk_device, capsys):
+    assert main(["devices"]) == 0
+    line = next(line for line in capsys.readouterr().out.splitlines() if "can emulate (--device-profile):" in line)
+    emulated = line.split(":", 1)[1].strip().split(", ")
+    assert set(PHONES) <= set(emulated)  # lavapipe has at least every phone class's limits
+    assert "nvidia-coopmat" not in emulated  # no cooperative matrices, less shared memory

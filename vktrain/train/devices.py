@@ -2,7 +2,8 @@
 DeviceProfile of each local device, what kernel planning reads of it (vktrain/serialization/device_profile.py).
 
 Each local device is opened in turn (Vulkan: every physical device; WebGPU: every adapter) and its profile
-printed with the built-in profile whose planning fields it matches, if any. `--builtin` (or `--profiles`)
+printed with the built-in profile whose planning fields it matches, if any, and the built-in profiles it can
+emulate (train/eval/generate --device-profile). `--builtin` (or `--profiles`)
 prints the built-in profiles instead (the names --device-profile takes), `--profile FILE` a profile file (checked: unknown, missing or mistyped fields are refused
 by name). `--json` prints a JSON list of profiles, each one a valid profile file.
 """
@@ -11,7 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from vktrain.serialization.device_profile import BUILTIN_PROFILES, DeviceProfile, load_profile
+from vktrain.serialization.device_profile import BUILTIN_PROFILES, DeviceProfile, EmulationError, intersect, load_profile
 
 
 def add_devices_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -49,6 +50,18 @@ def matching_builtin(profile: DeviceProfile) -> str | None:
     """The built-in profile with the same planning fields, if any."""
     return next((name for name, builtin in BUILTIN_PROFILES.items()
                  if builtin.planning_fields() == profile.planning_fields()), None)
+
+
+def emulated_builtins(profile: DeviceProfile) -> list[str]:
+    """The built-in profiles a device with `profile` can emulate (--device-profile: `intersect` accepts them)."""
+    names = []
+    for name, builtin in BUILTIN_PROFILES.items():
+        try:
+            intersect(profile, builtin)
+        except EmulationError:
+            continue
+        names.append(name)
+    return names
 
 
 def describe(profile: DeviceProfile) -> str:
@@ -92,6 +105,7 @@ def run_devices(args: argparse.Namespace) -> int:
         if not args.builtin:
             match = matching_builtin(profile)
             block += f"\n  built-in profile with the same planning fields: {match or 'none'}"
+            block += f"\n  can emulate (--device-profile): {', '.join(emulated_builtins(profile)) or 'none'}"
         blocks.append(block)
     print("\n\n".join(blocks))
     return 0
