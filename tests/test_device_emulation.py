@@ -258,3 +258,15 @@ def test_devices_names_the_builtins_the_local_device_can_emulate(vk_device, caps
     emulated = line.split(":", 1)[1].strip().split(", ")
     assert set(PHONES) <= set(emulated)  # lavapipe has at least every phone class's limits
     assert "nvidia-coopmat" not in emulated  # no cooperative matrices, less shared memory
+
+
+def test_generate_under_a_phone_profile_gives_the_unconstrained_tokens(vk_device, tmp_path, monkeypatch):
+    monkeypatch.delenv(DEVICE_PROFILE_ENV, raising=False)
+    tokens = {}
+    for profile in (None, "mali-g7x"):
+        out = tmp_path / f"generate-{profile}.json"
+        assert main(["generate", "--model", "tiny-llama", "--model-arg", "n_layers=1", "--prompt-ids", "1,2,3",
+                     "--max-new-tokens", "6", "--json", str(out), "--program-cache", str(tmp_path / "cache")]
+                    + (["--device-profile", profile] if profile else [])) == 0
+        tokens[profile] = json.loads(out.read_text())["tokens"]
+    assert len(tokens[None]) == 6 and tokens[None] == tokens["mali-g7x"]
