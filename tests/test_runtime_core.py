@@ -294,6 +294,55 @@ def test_split_dispatch_in_three_dimensions(vk_device, buffers):
     assert local == (2, 2, 2)  # test_grid.comp's fixed local size, which `size` above assumes
 
 
+def test_plan_submits_counts_split_chunks_one_by_one():
+    from vktrain.runtime.vk.schedule import plan_submits
+
+    # Dispatch 1 records 3 chunks and dispatch 3 records 5: with 2 per submit they straddle submits.
+    counts = [1, 3, 1, 5, 2]
+    assert plan_submits(counts, 2) == [[(0, 0, 1), (1, 0, 1)], [(1, 1, 3)], [(2, 0, 1), (3, 0, 1)],
+                                       [(3, 1, 3)], [(3, 3, 5)], [(4, 0, 2)]]
+    for bound in range(1, 14):
+        submits = plan_submits(counts, bound)
+        assert len(submits) == ceil_div(sum(counts), bound)
+        assert all(sum(end - first for _, first, end in runs) <= bound for runs in submits)
+        # every chunk of every dispatch exactly once, in recording order
+        flat = [(i, c) for runs in submits for i, first, end in runs for c in range(first, end)]
+        assert flat == [(i, c) for i, n in enumerate(counts) for c in range(n)]
+    assert plan_submits(counts, None) == plan_submits(counts, 0) == [[(0, 0, 1), (1, 0, 3), (2, 0, 1), (3, 0, 5),
+                                                                      (4, 0, 2)]]
+    with pytest.raises(ScheduleError, match=r"max_dispatches_per_submit must be an integer >= 0 .* got -1"):
+        plan_submits(counts, -1)
+
+
+@pytest.mark.parametrize("bound", [1, 5, 7])
+def test_bounded_submits_run_a_dependent_split_chain_like_one_submit(vk_device, buffers, bound):
+    n, alphas = 1000, (3.0, -0.5, 2.0, 0.25)  # 16 groups of 64, at most 3 per vkCmdDispatch: 6 chunks each
+    rng = np.random.default_rng(5)
+    xs, ys = rng.standard_normal(n).astype(np.float32), rng.standard_normal(n).astype(np.float32)
+    chain = [axpy(n, alpha) for alpha in alphas]  # each reads the y the one before wrote
+    results = {}
+    for per_submit in (None, bound):
+        x, y = buffers(xs), buffers(ys)
+        with Program(vk_device, chain, {"x": x, "y": y}, max_group_count=3, timing=True,
+                     max_dispatches_per_submit=per_submit) as program:
+            assert program.recorded_dispatch_count == 4 * 6
+            expected_submits = 1 if per_submit is None else ceil_div(24, per_submit)
+            assert program.submits_per_replay == expected_submits
+            program.replay()
+            program.replay()
+            assert program.submit_count == 2 * expected_submits
+            seconds = program.timings()
+            if vk_device.timestamps_supported:
+                assert len(seconds) == len(chain) and all(s >= 0 for s in seconds)
+        results[per_submit] = y.read(np.float32)
+    reference = ys
+    for _ in range(2):
+        for alpha in alphas:
+            reference = axpy_reference(alpha, xs, reference)
+    np.testing.assert_allclose(results[bound], reference, rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(results[bound], results[None])
+
+
 def test_shader_without_group_offset_header_is_not_split(vk_device, buffers):
     data = buffers(np.ones(100, np.float32))
     grid_stride = Dispatch("test_scale", groups=4, bindings=["d"], push_constants=pack_push(100, 2.0))

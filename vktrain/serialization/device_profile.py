@@ -17,7 +17,9 @@ Built-in profiles (BUILTIN_PROFILES), each with its source:
                    for the class, and the Vulkan 1.1 required limits for the rest: conservative, so a plan for
                    the class fits every member; a queried device's own profile (`vktrain devices`) is tighter.
 A profile file (`vktrain devices --json`, `DeviceProfile.to_json`) holds every field below; reading one
-refuses unknown and missing fields by name (`DeviceProfile.from_json`, `load_profile`).
+refuses unknown and missing fields by name (`DeviceProfile.from_json`, `load_profile`), except the fields
+added after the format was first written (OPTIONAL_FIELDS), which take their default when absent so that older
+files keep loading.
 
 `intersect(device, target)` is what a device plans with to run as if it were `target` (--device-profile,
 VKTRAIN_DEVICE_PROFILE: vktrain/runtime/device_profiles.py `planning_profile`); `resolve_profile(spec)` reads
@@ -104,6 +106,9 @@ class DeviceProfile:
     min_workgroups: int = H200_MIN_WORKGROUPS
     split_k_target_workgroups: int = H200_SPLIT_K_TARGET_WORKGROUPS
     fp32_target_workgroups: int = H200_FP32_TARGET_WORKGROUPS
+    # The most recorded dispatches one vkQueueSubmit / queue.submit runs (0: a step is one submit). A phone's
+    # GPU watchdog kills a long submission (device lost); a dispatch count is a proxy for its time.
+    max_dispatches_per_submit: int = 0
     source: str = ""  # where the numbers come from
 
     def __post_init__(self) -> None:
@@ -145,7 +150,7 @@ class DeviceProfile:
             raise DeviceProfileError(f"{where}: expected a JSON object with the fields {', '.join(_FIELD_NAMES)}, "
                                      f"got {type(data).__name__}")
         unknown = sorted(set(data) - set(_FIELD_NAMES))
-        missing = [name for name in _FIELD_NAMES if name not in data]
+        missing = [name for name in _FIELD_NAMES if name not in data and name not in OPTIONAL_FIELDS]
         if unknown or missing:
             parts = ([f"unknown field(s) {', '.join(unknown)}"] if unknown else []) + \
                     ([f"missing field(s) {', '.join(missing)}"] if missing else [])
@@ -171,11 +176,13 @@ class DeviceProfile:
 
 
 _FIELD_NAMES = tuple(f.name for f in dataclasses.fields(DeviceProfile))
+# Fields newer than the first profile files: absent from a file, they take the record's default.
+OPTIONAL_FIELDS = ("max_dispatches_per_submit",)
 _COOPMAT_FIELDS = tuple(f.name for f in dataclasses.fields(CoopmatShape))
 _INT_FIELDS = ("subgroup_size", "max_shared_memory_bytes", "max_workgroup_invocations", "max_storage_buffer_range",
                "min_storage_buffer_offset_alignment", "max_allocation_bytes", "max_push_constants_bytes",
                "max_storage_buffers_per_stage", "min_workgroups", "split_k_target_workgroups",
-               "fp32_target_workgroups")
+               "fp32_target_workgroups", "max_dispatches_per_submit")
 
 
 def _is_int(value: Any) -> bool:
@@ -211,7 +218,7 @@ def _problems(p: DeviceProfile) -> list[str]:
         found.append(f"device_type must be one of {', '.join(DEVICE_TYPES)}, got {p.device_type!r}")
     for name in _INT_FIELDS:
         value = getattr(p, name)
-        least = 0 if name in ("subgroup_size", "max_push_constants_bytes") else 1
+        least = 0 if name in ("subgroup_size", "max_push_constants_bytes", "max_dispatches_per_submit") else 1
         if not _is_int(value) or value < least:
             found.append(f"{name} must be an integer >= {least}, got {value!r}")
     if _is_int(p.subgroup_size) and p.subgroup_size & (p.subgroup_size - 1):
@@ -314,12 +321,22 @@ DESKTOP_GPU = DeviceProfile(
            "(gpuweb issue 2832's gpuinfo.org query), subgroups of 32, the Vulkan 1.1 required limits otherwise")
 
 
+# Phone GPUs reset a context whose job runs past a watchdog of a few seconds (Android kgsl on Adreno, Mali's
+# job timeout; reports: SaschaWillems/Vulkan issue 445, device lost running compute on Mali-G71/G72; llama.cpp
+# issue 21724, a job timeout from the command batch size on an AMD APU). No vendor documents a dispatch count and
+# none was measured on a phone: 256 is a conservative choice (a step's kernels are short; a tiny-llama step is
+# ~1,000 dispatches, a SmolLM2-135M step ~4,600, i.e. ~18 submits and fence round trips).
+PHONE_MAX_DISPATCHES_PER_SUBMIT = 256
+
+
 def _phone(name: str, subgroup_size: int, shared: int, source: str) -> DeviceProfile:
     """A phone class: the vendor's documented subgroup width, the shared memory gpuinfo.org shows for the
     class, and the Vulkan 1.1 required limits for the rest (every member has at least those); fp16 yes
-    (VK_KHR_shader_float16_int8 on these classes), int64 and subgroup operations beyond basic not assumed."""
+    (VK_KHR_shader_float16_int8 on these classes), int64 and subgroup operations beyond basic not assumed;
+    bounded submits (PHONE_MAX_DISPATCHES_PER_SUBMIT)."""
     return DeviceProfile(name=name, api=API_VULKAN, device_type="integrated", subgroup_size=subgroup_size,
                          subgroup_operations=("basic",), float16=True, int64=False, cooperative_matrix=(),
+                         max_dispatches_per_submit=PHONE_MAX_DISPATCHES_PER_SUBMIT,
                          **dict(_VK_REQUIRED, max_shared_memory_bytes=shared), source=source)
 
 

@@ -167,7 +167,9 @@ class GraphExecutor:
             self._allocate_buffers()
             self._upload_constants()
             self.reset_state()  # of the state it owns: shared state keeps its contents
-            self.program = Program(device, self.dispatches, self._buffers, timing=timing)
+            # A phone profile bounds the dispatches per submit (its GPU watchdog): Program cuts the step there.
+            self.program = Program(device, self.dispatches, self._buffers, timing=timing,
+                                   max_dispatches_per_submit=self.profile.max_dispatches_per_submit)
         except BaseException:
             self.close()
             raise

@@ -9,14 +9,26 @@ constants, specialization, limits), allocates one descriptor set per dispatch, a
                        [timestamp]
     barrier(compute writes -> host/transfer reads)
 
-`replay()` submits that command buffer again and waits on a fence; new inputs are written into the
+Bounded submits (`max_dispatches_per_submit` K, a phone profile's field): the same recording cut into
+command buffers of at most K vkCmdDispatch each (a split dispatch's chunks count one by one and may
+straddle two buffers: they write disjoint groups). Each later buffer starts with a compute -> compute
+barrier, so every dependency across the cut is ordered whether or not the barrier plan had one there.
+`submit()` submits them in order as separate vkQueueSubmits and waits on the fence after each but the
+last: the GPU goes idle between them, so no single submission runs longer than K dispatches, which is
+what a watchdog measures (one submit of several command buffers, or semaphores between submits, would
+let the driver run them back to back as one job). `submits_per_replay` is their number; `submit_count`
+counts vkQueueSubmits of this Program's replays.
+
+`replay()` submits the command buffer(s) again and waits on a fence; new inputs are written into the
 same buffers beforehand (Buffer.write). Descriptor sets hold the buffers bound at record time, so a
 Program must be rebuilt if a buffer is destroyed or replaced.
 
 Timing (`timing=True`): a timestamp after the initial barrier and after each dispatch; `timings()`
 returns, per Dispatch in the list, the seconds between the previous timestamp and its own, i.e. the
 time its completion added (dispatches without a barrier between them may overlap, so this is not the
-isolated kernel time). None when the queue cannot write timestamps.
+isolated kernel time); under bounded submits each later command buffer starts with a timestamp of its
+own, so the idle gap between submits is in no dispatch's time. None when the queue cannot write
+timestamps.
 """
 from __future__ import annotations
 
@@ -28,7 +40,7 @@ from vktrain.runtime.vk.errors import BindingRangeError, vk_call
 from vktrain.serialization.dispatch import ScheduleError
 from vktrain.runtime.vk.memory import Buffer, record_memory_barrier
 from vktrain.serialization.dispatch import LOCAL_SIZE_SPEC_IDS, PUSH_HEADER_BYTES, Dispatch
-from vktrain.runtime.vk.schedule import ResolvedAccess, plan_barriers, resolve_binding, split_groups
+from vktrain.runtime.vk.schedule import ResolvedAccess, plan_barriers, plan_submits, resolve_binding, split_groups
 
 DEFAULT_TIMEOUT_S = 600.0
 
@@ -124,7 +136,8 @@ class Program(ProgramBase):
 
     `buffers` maps the keys used in BufferBinding.buffer to Buffer objects (bindings may also hold a
     Buffer directly). `max_group_count` lowers the per-axis group-count limit below the device's
-    (tests use it to force split dispatches). `timing` enables timestamp queries.
+    (tests use it to force split dispatches). `timing` enables timestamp queries. `max_dispatches_per_submit`
+    (None or 0: one submit) bounds the recorded dispatches per vkQueueSubmit (module docstring).
     A device of another layer (the WebGPU Device) gets that layer's Program, named by its `program_type`.
     """
 
@@ -136,12 +149,14 @@ class Program(ProgramBase):
 
     def __init__(self, device, dispatches: Sequence[Dispatch], buffers: Mapping[Hashable, Buffer] | None = None,
                  *, timing: bool = False, max_group_count: int | Sequence[int] | None = None,
-                 timeout_s: float = DEFAULT_TIMEOUT_S):
+                 timeout_s: float = DEFAULT_TIMEOUT_S, max_dispatches_per_submit: int | None = None):
         self.device = device
         self.dispatches = tuple(dispatches)
         self.timeout_s = timeout_s
         self._descriptor_pool = None
-        self._command_buffer = None
+        self._command_buffers: list = []
+        self._timestamp_spans: list[tuple[int, int]] = []  # (query before, query after) per Dispatch
+        self.submit_count = 0
         self._fence = None
         self._query_pool = None
         self._pending = False
@@ -155,6 +170,8 @@ class Program(ProgramBase):
         planned = [self._plan(i, d, buffers or {}, max_counts) for i, d in enumerate(self.dispatches)]
         self.barriers: list[bool] = plan_barriers([p.accesses() for p in planned])
         self.recorded_dispatch_count = sum(len(p.chunks) for p in planned)
+        self._submit_plan = plan_submits([len(p.chunks) for p in planned], max_dispatches_per_submit)
+        self.submits_per_replay = len(self._submit_plan)
         # The descriptor sets point at these buffers; replaying after one is freed would be a GPU
         # use-after-free, so submit() checks they are all still alive.
         self._bound_buffers = list({id(b): b for p in planned for b, *_ in p.buffers}.values())
@@ -267,56 +284,78 @@ class Program(ProgramBase):
                     pBufferInfo=[info]))
             vk.vkUpdateDescriptorSets(device.handle, len(writes), writes, 0, None)
 
+        query_count = len(planned) + len(self._submit_plan)  # one before each command buffer, one per Dispatch
         if self.timing_enabled:
             query_info = vk.VkQueryPoolCreateInfo(
                 sType=vk.VK_STRUCTURE_TYPE_QUERY_POOL_CREATE_INFO, queryType=vk.VK_QUERY_TYPE_TIMESTAMP,
-                queryCount=len(planned) + 1)
+                queryCount=query_count)
             self._query_pool = vk_call("vkCreateQueryPool", vk.vkCreateQueryPool, device.handle, query_info, None)
 
-        self._command_buffer = cb = _allocate_command_buffer(device)
-        _begin(vk, cb)
-        if self._query_pool is not None:
-            vk.vkCmdResetQueryPool(cb, self._query_pool, 0, len(planned) + 1)
-        # Host writes (Buffer.write), staging copies and an earlier replay must be visible to this one.
-        record_memory_barrier(
-            vk, cb,
-            vk.VK_PIPELINE_STAGE_HOST_BIT | vk.VK_PIPELINE_STAGE_TRANSFER_BIT | vk.VK_PIPELINE_STAGE_COMPUTE_SHADER_BIT,
-            vk.VK_ACCESS_HOST_WRITE_BIT | vk.VK_ACCESS_TRANSFER_WRITE_BIT | vk.VK_ACCESS_SHADER_WRITE_BIT,
-            vk.VK_PIPELINE_STAGE_COMPUTE_SHADER_BIT,
-            vk.VK_ACCESS_SHADER_READ_BIT | vk.VK_ACCESS_SHADER_WRITE_BIT)
-        if self._query_pool is not None:
-            vk.vkCmdWriteTimestamp(cb, vk.VK_PIPELINE_STAGE_BOTTOM_OF_PIPE_BIT, self._query_pool, 0)
-        bound_pipeline = None
-        for index, (plan, barrier) in enumerate(zip(planned, self.barriers)):
-            if barrier:
-                record_memory_barrier(vk, cb, vk.VK_PIPELINE_STAGE_COMPUTE_SHADER_BIT,
-                                      vk.VK_ACCESS_SHADER_READ_BIT | vk.VK_ACCESS_SHADER_WRITE_BIT,
-                                      vk.VK_PIPELINE_STAGE_COMPUTE_SHADER_BIT,
-                                      vk.VK_ACCESS_SHADER_READ_BIT | vk.VK_ACCESS_SHADER_WRITE_BIT)
-            pipeline = plan.pipeline
-            if pipeline is not bound_pipeline:
-                vk.vkCmdBindPipeline(cb, vk.VK_PIPELINE_BIND_POINT_COMPUTE, pipeline.handle)
-                bound_pipeline = pipeline
-            descriptor_sets = [plan.descriptor_set]
-            vk.vkCmdBindDescriptorSets(cb, vk.VK_PIPELINE_BIND_POINT_COMPUTE, pipeline.layout, 0, 1,
-                                       descriptor_sets, 0, None)
-            for group_offset, counts in plan.chunks:
-                push = plan.push_bytes(group_offset)
-                if push:
-                    push_data = vk.ffi.new("char[]", push)
-                    vk.vkCmdPushConstants(cb, pipeline.layout, vk.VK_SHADER_STAGE_COMPUTE_BIT, 0, len(push),
-                                          push_data)
-                vk.vkCmdDispatch(cb, *counts)
+        queries = iter(range(query_count))
+        last_query = -1
+        span_start = [0] * len(planned)
+        spans: list[tuple[int, int]] = [(0, 0)] * len(planned)
+
+        def stamp(cb) -> int:
+            query = next(queries)
             if self._query_pool is not None:
-                vk.vkCmdWriteTimestamp(cb, vk.VK_PIPELINE_STAGE_BOTTOM_OF_PIPE_BIT, self._query_pool, index + 1)
-        # Results must be visible to the host (mapped reads) and to transfers (staging downloads).
-        record_memory_barrier(
-            vk, cb,
-            vk.VK_PIPELINE_STAGE_COMPUTE_SHADER_BIT,
-            vk.VK_ACCESS_SHADER_WRITE_BIT,
-            vk.VK_PIPELINE_STAGE_HOST_BIT | vk.VK_PIPELINE_STAGE_TRANSFER_BIT,
-            vk.VK_ACCESS_HOST_READ_BIT | vk.VK_ACCESS_TRANSFER_READ_BIT | vk.VK_ACCESS_TRANSFER_WRITE_BIT)
-        vk_call("vkEndCommandBuffer", vk.vkEndCommandBuffer, cb)
+                vk.vkCmdWriteTimestamp(cb, vk.VK_PIPELINE_STAGE_BOTTOM_OF_PIPE_BIT, self._query_pool, query)
+            return query
+
+        compute_rw = vk.VK_ACCESS_SHADER_READ_BIT | vk.VK_ACCESS_SHADER_WRITE_BIT
+        for number, runs in enumerate(self._submit_plan):
+            cb = _allocate_command_buffer(device)
+            self._command_buffers.append(cb)
+            _begin(vk, cb)
+            if number == 0:
+                if self._query_pool is not None:
+                    vk.vkCmdResetQueryPool(cb, self._query_pool, 0, query_count)
+                # Host writes (Buffer.write), staging copies and an earlier replay must be visible to this one.
+                record_memory_barrier(
+                    vk, cb,
+                    vk.VK_PIPELINE_STAGE_HOST_BIT | vk.VK_PIPELINE_STAGE_TRANSFER_BIT
+                    | vk.VK_PIPELINE_STAGE_COMPUTE_SHADER_BIT,
+                    vk.VK_ACCESS_HOST_WRITE_BIT | vk.VK_ACCESS_TRANSFER_WRITE_BIT | vk.VK_ACCESS_SHADER_WRITE_BIT,
+                    vk.VK_PIPELINE_STAGE_COMPUTE_SHADER_BIT, compute_rw)
+            else:  # the earlier submits' writes (a barrier's first scope spans everything submitted before it)
+                record_memory_barrier(vk, cb, vk.VK_PIPELINE_STAGE_COMPUTE_SHADER_BIT, compute_rw,
+                                      vk.VK_PIPELINE_STAGE_COMPUTE_SHADER_BIT, compute_rw)
+            last_query = stamp(cb)
+            bound_pipeline = None  # pipeline and descriptor bindings do not carry across command buffers
+            for position, (index, first, end) in enumerate(runs):
+                plan = planned[index]
+                if first == 0:
+                    if self.barriers[index] and not (number > 0 and position == 0):
+                        record_memory_barrier(vk, cb, vk.VK_PIPELINE_STAGE_COMPUTE_SHADER_BIT, compute_rw,
+                                              vk.VK_PIPELINE_STAGE_COMPUTE_SHADER_BIT, compute_rw)
+                    span_start[index] = last_query
+                pipeline = plan.pipeline
+                if pipeline is not bound_pipeline:
+                    vk.vkCmdBindPipeline(cb, vk.VK_PIPELINE_BIND_POINT_COMPUTE, pipeline.handle)
+                    bound_pipeline = pipeline
+                descriptor_sets = [plan.descriptor_set]
+                vk.vkCmdBindDescriptorSets(cb, vk.VK_PIPELINE_BIND_POINT_COMPUTE, pipeline.layout, 0, 1,
+                                           descriptor_sets, 0, None)
+                for group_offset, counts in plan.chunks[first:end]:
+                    push = plan.push_bytes(group_offset)
+                    if push:
+                        push_data = vk.ffi.new("char[]", push)
+                        vk.vkCmdPushConstants(cb, pipeline.layout, vk.VK_SHADER_STAGE_COMPUTE_BIT, 0, len(push),
+                                              push_data)
+                    vk.vkCmdDispatch(cb, *counts)
+                if end == len(plan.chunks):
+                    last_query = stamp(cb)
+                    spans[index] = (span_start[index], last_query)
+            if number == len(self._submit_plan) - 1:
+                # Results must be visible to the host (mapped reads) and to transfers (staging downloads).
+                record_memory_barrier(
+                    vk, cb,
+                    vk.VK_PIPELINE_STAGE_COMPUTE_SHADER_BIT,
+                    vk.VK_ACCESS_SHADER_WRITE_BIT,
+                    vk.VK_PIPELINE_STAGE_HOST_BIT | vk.VK_PIPELINE_STAGE_TRANSFER_BIT,
+                    vk.VK_ACCESS_HOST_READ_BIT | vk.VK_ACCESS_TRANSFER_READ_BIT | vk.VK_ACCESS_TRANSFER_WRITE_BIT)
+            vk_call("vkEndCommandBuffer", vk.vkEndCommandBuffer, cb)
+        self._timestamp_spans = spans
         self._fence = _create_fence(device)
 
     # ------------------------------------------------------------------------------- execution
@@ -331,8 +370,13 @@ class Program(ProgramBase):
                                 f"Program for new buffers")
         vk = self.device.vk
         fences = [self._fence]
-        vk_call("vkResetFences", vk.vkResetFences, self.device.handle, 1, fences)
-        _submit(self.device, self._command_buffer, self._fence)
+        last = len(self._command_buffers) - 1
+        for number, cb in enumerate(self._command_buffers):
+            vk_call("vkResetFences", vk.vkResetFences, self.device.handle, 1, fences)
+            _submit(self.device, cb, self._fence)
+            self.submit_count += 1
+            if number < last:  # the GPU idles before the next bounded submit (module docstring)
+                _wait(self.device, self._fence, self.timeout_s)
         self._pending = True
         self._submitted_once = True
 
@@ -352,7 +396,7 @@ class Program(ProgramBase):
             raise ScheduleError("timings() before the first replay()")
         self.wait()
         vk = self.device.vk
-        count = len(self.dispatches) + 1
+        count = len(self.dispatches) + len(self._command_buffers)
         data = vk.ffi.new("uint64_t[]", count)
         vk_call("vkGetQueryPoolResults", vk.vkGetQueryPoolResults, self.device.handle, self._query_pool, 0, count,
                 8 * count, data, 8, vk.VK_QUERY_RESULT_64_BIT | vk.VK_QUERY_RESULT_WAIT_BIT)
@@ -360,15 +404,15 @@ class Program(ProgramBase):
         mask = (1 << bits) - 1 if bits < 64 else (1 << 64) - 1
         period_s = self.device.limits.timestamp_period_ns * 1e-9
         ticks = [int(data[i]) for i in range(count)]
-        return [((ticks[i + 1] - ticks[i]) & mask) * period_s for i in range(count - 1)]
+        return [((ticks[end] - ticks[start]) & mask) * period_s for start, end in self._timestamp_spans]
 
     # ------------------------------------------------------------------------------- lifetime
     @property
     def alive(self) -> bool:
-        return self._command_buffer is not None
+        return bool(self._command_buffers)
 
     def destroy(self) -> None:
-        """Free the command buffer, descriptor sets, fence and queries (idempotent)."""
+        """Free the command buffers, descriptor sets, fence and queries (idempotent)."""
         device = self.device
         vk = device.vk
         handle = device._device
@@ -378,15 +422,17 @@ class Program(ProgramBase):
                     _wait(device, self._fence, self.timeout_s)
                 finally:
                     self._pending = False
-            if self._command_buffer is not None:
-                vk.vkFreeCommandBuffers(handle, device.command_pool, 1, [self._command_buffer])
+            if self._command_buffers:
+                vk.vkFreeCommandBuffers(handle, device.command_pool, len(self._command_buffers),
+                                        self._command_buffers)
             if self._fence is not None:
                 vk.vkDestroyFence(handle, self._fence, None)
             if self._query_pool is not None:
                 vk.vkDestroyQueryPool(handle, self._query_pool, None)
             if self._descriptor_pool is not None:
                 vk.vkDestroyDescriptorPool(handle, self._descriptor_pool, None)
-        self._command_buffer = self._fence = self._query_pool = self._descriptor_pool = None
+        self._command_buffers = []
+        self._fence = self._query_pool = self._descriptor_pool = None
         device._unregister(self)
 
 

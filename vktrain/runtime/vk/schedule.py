@@ -168,3 +168,30 @@ def plan_barriers(accesses: Sequence[Iterable[ResolvedAccess]]) -> list[bool]:
             if now.reads:
                 pending_reads.setdefault(now.buffer_id, []).append(now)
     return needed
+
+
+def plan_submits(split_counts: Sequence[int], max_per_submit: int | None
+                 ) -> list[list[tuple[int, int, int]]]:
+    """Cut a replay into submits of at most `max_per_submit` recorded dispatches (a phone's GPU watchdog
+    kills one long submit). `split_counts[i]` is how many vkCmdDispatch Dispatch i records (its group-count
+    split chunks), each counted on its own; a split Dispatch may straddle submits (its chunks write
+    disjoint groups). Returns, per submit, (dispatch index, first chunk, end chunk) runs in order.
+    None or 0: one submit."""
+    if max_per_submit is not None and (not isinstance(max_per_submit, int) or isinstance(max_per_submit, bool)
+                                       or max_per_submit < 0):
+        raise ScheduleError(f"max_dispatches_per_submit must be an integer >= 0 (0: unbounded), "
+                            f"got {max_per_submit!r}")
+    bound = max_per_submit or sum(split_counts) or 1
+    submits: list[list[tuple[int, int, int]]] = [[]]
+    room = bound
+    for index, count in enumerate(split_counts):
+        first = 0
+        while first < count:
+            if room == 0:
+                submits.append([])
+                room = bound
+            take = min(room, count - first)
+            submits[-1].append((index, first, first + take))
+            first += take
+            room -= take
+    return submits
