@@ -215,6 +215,41 @@ def test_timings_per_dispatch(gpu, buffers, monkeypatch, inside_pass):
     np.testing.assert_array_equal(by.read(np.float32), np.full(n, 4, np.float32))
 
 
+@pytest.mark.parametrize("inside_pass", [True, False], ids=["one-pass", "pass-per-dispatch"])
+def test_bounded_submits_run_a_dependent_split_chain_like_one_submit(gpu, buffers, monkeypatch, inside_pass):
+    # 4 dependent axpys of 16 groups, at most 3 per dispatch (6 chunks each); 5 per submit cuts dispatches
+    # mid-way, so a timed dispatch may start in one command buffer and end in the next.
+    from vktrain.runtime.webgpu.features import INSIDE_PASS_FEATURE
+
+    timed = gpu.timestamps_supported and (not inside_pass or INSIDE_PASS_FEATURE in gpu.features)
+    if not inside_pass:
+        monkeypatch.setattr(gpu, "features", gpu.features - {INSIDE_PASS_FEATURE})
+    n, alphas = 1000, (3.0, -0.5, 2.0, 0.25)
+    rng = np.random.default_rng(5)
+    xs, ys = rng.standard_normal(n).astype(np.float32), rng.standard_normal(n).astype(np.float32)
+    results = {}
+    for per_submit in (None, 5):
+        bx, by = buffers(xs), buffers(ys)
+        with Program(gpu, [axpy(n, alpha, bx, by) for alpha in alphas], max_group_count=3, timing=timed,
+                     max_dispatches_per_submit=per_submit) as program:
+            assert program.recorded_dispatch_count == 24
+            expected_submits = 1 if per_submit is None else ceil_div(24, per_submit)
+            assert program.submits_per_replay == expected_submits
+            program.replay()
+            program.replay()
+            assert program.submit_count == 2 * expected_submits
+            if timed:
+                seconds = program.timings()
+                assert len(seconds) == len(alphas) and all(0 <= s < 10 for s in seconds) and sum(seconds) > 0
+        results[per_submit] = by.read(np.float32)
+    reference = ys
+    for _ in range(2):
+        for alpha in alphas:
+            reference = axpy_reference(alpha, xs, reference)
+    np.testing.assert_allclose(results[5], reference, rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(results[5], results[None])
+
+
 @pytest.mark.parametrize("inside_pass, capacity, count", [(True, None, 4100), (False, 32, 41)],
                          ids=["one-pass-over-4096", "pass-per-dispatch-small-sets"])
 def test_timings_of_more_dispatches_than_one_query_set_holds(gpu, buffers, monkeypatch, inside_pass, capacity, count):

@@ -40,7 +40,8 @@ from vktrain.runtime.vk.errors import BindingRangeError, vk_call
 from vktrain.serialization.dispatch import ScheduleError
 from vktrain.runtime.vk.memory import Buffer, record_memory_barrier
 from vktrain.serialization.dispatch import LOCAL_SIZE_SPEC_IDS, PUSH_HEADER_BYTES, Dispatch
-from vktrain.runtime.vk.schedule import ResolvedAccess, plan_barriers, plan_submits, resolve_binding, split_groups
+from vktrain.runtime.vk.schedule import (ResolvedAccess, plan_barriers, plan_submits, resolve_binding,
+                                       split_groups, timestamp_spans)
 
 DEFAULT_TIMEOUT_S = 600.0
 
@@ -284,23 +285,19 @@ class Program(ProgramBase):
                     pBufferInfo=[info]))
             vk.vkUpdateDescriptorSets(device.handle, len(writes), writes, 0, None)
 
-        query_count = len(planned) + len(self._submit_plan)  # one before each command buffer, one per Dispatch
+        self._timestamp_spans, query_count = timestamp_spans(self._submit_plan, [len(p.chunks) for p in planned])
         if self.timing_enabled:
             query_info = vk.VkQueryPoolCreateInfo(
                 sType=vk.VK_STRUCTURE_TYPE_QUERY_POOL_CREATE_INFO, queryType=vk.VK_QUERY_TYPE_TIMESTAMP,
                 queryCount=query_count)
             self._query_pool = vk_call("vkCreateQueryPool", vk.vkCreateQueryPool, device.handle, query_info, None)
 
-        queries = iter(range(query_count))
-        last_query = -1
-        span_start = [0] * len(planned)
-        spans: list[tuple[int, int]] = [(0, 0)] * len(planned)
+        queries = iter(range(query_count))  # in the order timestamp_spans numbers them
 
-        def stamp(cb) -> int:
+        def stamp(cb) -> None:
             query = next(queries)
             if self._query_pool is not None:
                 vk.vkCmdWriteTimestamp(cb, vk.VK_PIPELINE_STAGE_BOTTOM_OF_PIPE_BIT, self._query_pool, query)
-            return query
 
         compute_rw = vk.VK_ACCESS_SHADER_READ_BIT | vk.VK_ACCESS_SHADER_WRITE_BIT
         for number, runs in enumerate(self._submit_plan):
@@ -320,7 +317,7 @@ class Program(ProgramBase):
             else:  # the earlier submits' writes (a barrier's first scope spans everything submitted before it)
                 record_memory_barrier(vk, cb, vk.VK_PIPELINE_STAGE_COMPUTE_SHADER_BIT, compute_rw,
                                       vk.VK_PIPELINE_STAGE_COMPUTE_SHADER_BIT, compute_rw)
-            last_query = stamp(cb)
+            stamp(cb)
             bound_pipeline = None  # pipeline and descriptor bindings do not carry across command buffers
             for position, (index, first, end) in enumerate(runs):
                 plan = planned[index]
@@ -328,7 +325,6 @@ class Program(ProgramBase):
                     if self.barriers[index] and not (number > 0 and position == 0):
                         record_memory_barrier(vk, cb, vk.VK_PIPELINE_STAGE_COMPUTE_SHADER_BIT, compute_rw,
                                               vk.VK_PIPELINE_STAGE_COMPUTE_SHADER_BIT, compute_rw)
-                    span_start[index] = last_query
                 pipeline = plan.pipeline
                 if pipeline is not bound_pipeline:
                     vk.vkCmdBindPipeline(cb, vk.VK_PIPELINE_BIND_POINT_COMPUTE, pipeline.handle)
@@ -344,8 +340,7 @@ class Program(ProgramBase):
                                               push_data)
                     vk.vkCmdDispatch(cb, *counts)
                 if end == len(plan.chunks):
-                    last_query = stamp(cb)
-                    spans[index] = (span_start[index], last_query)
+                    stamp(cb)
             if number == len(self._submit_plan) - 1:
                 # Results must be visible to the host (mapped reads) and to transfers (staging downloads).
                 record_memory_barrier(
@@ -355,7 +350,6 @@ class Program(ProgramBase):
                     vk.VK_PIPELINE_STAGE_HOST_BIT | vk.VK_PIPELINE_STAGE_TRANSFER_BIT,
                     vk.VK_ACCESS_HOST_READ_BIT | vk.VK_ACCESS_TRANSFER_READ_BIT | vk.VK_ACCESS_TRANSFER_WRITE_BIT)
             vk_call("vkEndCommandBuffer", vk.vkEndCommandBuffer, cb)
-        self._timestamp_spans = spans
         self._fence = _create_fence(device)
 
     # ------------------------------------------------------------------------------- execution

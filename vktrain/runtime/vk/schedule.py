@@ -195,3 +195,23 @@ def plan_submits(split_counts: Sequence[int], max_per_submit: int | None
             first += take
             room -= take
     return submits
+
+
+def timestamp_spans(submits: Sequence[Sequence[tuple[int, int, int]]], split_counts: Sequence[int]
+                    ) -> tuple[list[tuple[int, int]], int]:
+    """Where a timed replay of `submits` (plan_submits) writes its timestamps: one at the start of each submit
+    and one after each Dispatch's last chunk, numbered in recording order. Returns, per Dispatch, (the query
+    written last before its first chunk, its own), and the number of queries. A submit's own first timestamp
+    keeps the idle gap between submits out of every Dispatch's time."""
+    spans: list[tuple[int, int]] = [(0, 0)] * len(split_counts)
+    starts = [0] * len(split_counts)
+    query = 0
+    for runs in submits:
+        last, query = query, query + 1
+        for index, first, end in runs:
+            if first == 0:
+                starts[index] = last
+            if end == split_counts[index]:
+                spans[index] = (starts[index], query)
+                last, query = query, query + 1
+    return spans, query

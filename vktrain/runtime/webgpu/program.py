@@ -15,6 +15,11 @@ overlaps the GPU's work instead of adding to it (`last_encode_s`: the host secon
 wait() waits through a buffer read (Device.wait_idle). WebGPU orders storage accesses between dispatches itself; the barrier plan is
 still computed (`barriers`, the same data as on Vulkan).
 
+Bounded submits (`max_dispatches_per_submit`, as on Vulkan: vk/commands.py): a replay is encoded into one
+command buffer per submit of at most that many dispatches (split chunks counted one by one), and submit()
+hands them to queue.submit one at a time, waiting for the queue to drain between them (`submits_per_replay`,
+`submit_count`).
+
 Timing (`timing=True`, adapters with timestamp-query): where the adapter also has native wgpu's
 timestamp-query-inside-passes, the one pass gets a timestamp before the first dispatch and after each,
 and `timings()` returns, per Dispatch, the time its completion added (as on Vulkan); otherwise (browser
@@ -38,7 +43,8 @@ from vktrain.runtime.vk.commands import max_group_counts, run_dispatches  # noqa
 from vktrain.runtime.vk.errors import BindingRangeError, format_bytes
 from vktrain.serialization.dispatch import ScheduleError
 from vktrain.serialization.dispatch import LOCAL_SIZE_SPEC_IDS, PUSH_HEADER_BYTES, Dispatch
-from vktrain.runtime.vk.schedule import ResolvedAccess, ceil_div, plan_barriers, resolve_binding, split_groups
+from vktrain.runtime.vk.schedule import (ResolvedAccess, ceil_div, plan_barriers, plan_submits, resolve_binding,
+                                         split_groups, timestamp_spans)
 from vktrain.runtime.webgpu.features import INSIDE_PASS_FEATURE, UNIFORM_SLOT_ALIGNMENT
 from vktrain.runtime.webgpu.errors import MissingKernelsError, WebGPUError
 from vktrain.runtime.webgpu.memory import Buffer
@@ -89,14 +95,15 @@ class Program(ProgramBase):
 
     Same signature as the Vulkan Program: `buffers` maps BufferBinding keys to Buffers,
     `max_group_count` lowers the per-axis group limit (tests force splits with it), `timing` turns on
-    per-dispatch timestamps where the adapter has them. `timeout_s` is accepted for that signature only:
+    per-dispatch timestamps where the adapter has them, `max_dispatches_per_submit` bounds a submit. `timeout_s` is accepted for that signature only:
     WebGPU waits by mapping a buffer, which has no timeout.
     """
 
     def __init__(self, device, dispatches: Sequence[Dispatch], buffers: Mapping[Hashable, Buffer] | None = None,
                  *, timing: bool = False, max_group_count: int | Sequence[int] | None = None,
-                 timeout_s: float | None = None):
+                 timeout_s: float | None = None, max_dispatches_per_submit: int | None = None):
         self.device = device
+        self.submit_count = 0
         self.dispatches = tuple(dispatches)
         self._alive = False
         self._params_buffer = self._query_set = self._query_resolve = None
@@ -105,7 +112,7 @@ class Program(ProgramBase):
         self._pending = False
         self._submitted_once = False
         self.last_encode_s: float | None = None  # host seconds the last encoding took
-        self._encoded = None  # (command buffer, timed) encoded ahead for the next submit()
+        self._encoded = None  # (command buffers, timed) encoded ahead for the next submit()
         if not self.dispatches:
             raise ScheduleError("a Program needs at least one Dispatch")
         for dispatch in self.dispatches:
@@ -118,6 +125,12 @@ class Program(ProgramBase):
         planned = [self._plan(i, d, buffers or {}, max_counts) for i, d in enumerate(self.dispatches)]
         self.barriers: list[bool] = plan_barriers([p.accesses() for p in planned])
         self.recorded_dispatch_count = sum(len(p.chunks) for p in planned)
+        self._submit_plan = plan_submits([len(p.chunks) for p in planned], max_dispatches_per_submit)
+        self.submits_per_replay = len(self._submit_plan)
+        # Inside one pass: (query before, query after) per Dispatch (vk/schedule.py timestamp_spans).
+        self._timestamp_spans, inside_pass_queries = timestamp_spans(self._submit_plan,
+                                                                     [len(p.chunks) for p in planned])
+        self._inside_pass_queries = inside_pass_queries
         self._bound_buffers = list({id(b): b for p in planned for b, *_ in p.bindings}.values())
         self.timing_enabled = bool(timing) and device.timestamps_supported
         self._planned = planned
@@ -257,7 +270,7 @@ class Program(ProgramBase):
             # Inside one pass (native wgpu's timestamp-query-inside-passes): a timestamp before the first
             # dispatch and after each. Otherwise (browser WebGPU): a pass per Dispatch, timed at both ends.
             self._inside_pass = INSIDE_PASS_FEATURE in device.features
-            count = len(planned) + 1 if self._inside_pass else 2 * len(planned)
+            count = self._inside_pass_queries if self._inside_pass else 2 * len(planned)
             self._query_sets = [device.handle.create_query_set(type=wgpu.QueryType.timestamp,
                                                                count=min(QUERY_SET_CAPACITY, count - first))
                                 for first in range(0, count, QUERY_SET_CAPACITY)]
@@ -270,45 +283,54 @@ class Program(ProgramBase):
         return self._query_sets[index // QUERY_SET_CAPACITY], index % QUERY_SET_CAPACITY
 
     # ------------------------------------------------------------------------------- execution
-    def _encode(self, timed: bool):
-        """A command buffer running every dispatch once (timestamped when `timed`)."""
+    def _encode(self, timed: bool) -> list:
+        """Command buffers running every dispatch once, one per bounded submit (timestamped when `timed`)."""
         start = time.perf_counter()
         per_pass = timed and not self._inside_pass
-        encoder = self.device.handle.create_command_encoder()
-        compute_pass = None if per_pass else encoder.begin_compute_pass()
-        if timed and not per_pass:
-            write_timestamp(compute_pass, *self._query(0))
-        bound = None
-        for index, plan in enumerate(self._planned):
-            if per_pass:
-                query_set, begin = self._query(2 * index)  # an even capacity keeps both ends in one set
-                compute_pass = encoder.begin_compute_pass(timestamp_writes={
-                    "query_set": query_set, "beginning_of_pass_write_index": begin,
-                    "end_of_pass_write_index": begin + 1})
-                bound = None
-            if plan.pipeline is not bound:
-                compute_pass.set_pipeline(plan.pipeline)
-                bound = plan.pipeline
-            single = len(plan.bind_groups) == 1
-            if single:
-                compute_pass.set_bind_group(0, plan.bind_groups[0])
-            for chunk, (_, counts) in enumerate(plan.chunks):
-                if not single:
-                    compute_pass.set_bind_group(0, plan.bind_groups[chunk])
-                compute_pass.dispatch_workgroups(*counts)
-            if per_pass:
+        command_buffers = []
+        queries = iter(range(self._inside_pass_queries))  # inside one pass: timestamp_spans's numbering
+        for number, runs in enumerate(self._submit_plan):
+            encoder = self.device.handle.create_command_encoder()
+            compute_pass = None if per_pass else encoder.begin_compute_pass()
+            if timed and not per_pass:
+                write_timestamp(compute_pass, *self._query(next(queries)))
+            bound = None
+            for index, first, end in runs:
+                plan = self._planned[index]
+                finished = end == len(plan.chunks)
+                if per_pass:
+                    # A Dispatch cut by a submit boundary: its first part's pass writes the start, its last the end.
+                    query_set, begin = self._query(2 * index)  # an even capacity keeps both ends in one set
+                    writes = {"query_set": query_set}
+                    if first == 0:
+                        writes["beginning_of_pass_write_index"] = begin
+                    if finished:
+                        writes["end_of_pass_write_index"] = begin + 1
+                    compute_pass = encoder.begin_compute_pass(timestamp_writes=writes)
+                    bound = None
+                if plan.pipeline is not bound:
+                    compute_pass.set_pipeline(plan.pipeline)
+                    bound = plan.pipeline
+                single = len(plan.bind_groups) == 1
+                if single:
+                    compute_pass.set_bind_group(0, plan.bind_groups[0])
+                for chunk in range(first, end):
+                    if not single:
+                        compute_pass.set_bind_group(0, plan.bind_groups[chunk])
+                    compute_pass.dispatch_workgroups(*plan.chunks[chunk][1])
+                if per_pass:
+                    compute_pass.end()
+                elif timed and finished:
+                    write_timestamp(compute_pass, *self._query(next(queries)))
+            if not per_pass:
                 compute_pass.end()
-            elif timed:
-                write_timestamp(compute_pass, *self._query(index + 1))
-        if not per_pass:
-            compute_pass.end()
-        if timed:
-            for number, query_set in enumerate(self._query_sets):
-                encoder.resolve_query_set(query_set, 0, query_set.count, self._query_resolve,
-                                          8 * QUERY_SET_CAPACITY * number)
-        command_buffer = encoder.finish()
+            if timed and number == len(self._submit_plan) - 1:
+                for set_number, query_set in enumerate(self._query_sets):
+                    encoder.resolve_query_set(query_set, 0, query_set.count, self._query_resolve,
+                                              8 * QUERY_SET_CAPACITY * set_number)
+            command_buffers.append(encoder.finish())
         self.last_encode_s = time.perf_counter() - start
-        return command_buffer
+        return command_buffers
 
     def submit(self) -> None:
         """Encode and submit the dispatches without waiting (wait() before touching their buffers)."""
@@ -320,11 +342,15 @@ class Program(ProgramBase):
             raise ScheduleError(f"cannot replay: buffers {dead} were destroyed after the Program was built; "
                                 f"build a new Program for new buffers")
         timed = self.timing_enabled and self._query_set is not None
-        command_buffer, encoded_timed = self._encoded or (None, None)
+        command_buffers, encoded_timed = self._encoded or (None, None)
         if encoded_timed != timed:
-            command_buffer = self._encode(timed)
+            command_buffers = self._encode(timed)
         self._encoded = None
-        self.device.submit([command_buffer])
+        for number, command_buffer in enumerate(command_buffers):
+            self.device.submit([command_buffer])
+            self.submit_count += 1
+            if number < len(command_buffers) - 1:  # the queue drains before the next bounded submit
+                self.device.wait_idle()
         self._pending = True
         self._submitted_once = True
         # The next replay runs the same commands: encode them now, while the GPU runs these.
@@ -346,9 +372,10 @@ class Program(ProgramBase):
             raise ScheduleError("timings() before the first replay()")
         self.wait()
         ticks = np.frombuffer(self.device.queue.read_buffer(self._query_resolve), np.uint64).astype(np.int64)
-        ends, starts = (ticks[1:], ticks[:-1]) if self._inside_pass else (ticks[1::2], ticks[0::2])
         period_s = self.device.timestamp_period_ns * 1e-9
-        return [max(int(end - start), 0) * period_s for start, end in zip(starts, ends)]
+        spans = self._timestamp_spans if self._inside_pass else [(2 * i, 2 * i + 1)
+                                                                 for i in range(len(self.dispatches))]
+        return [max(int(ticks[end] - ticks[start]), 0) * period_s for start, end in spans]
 
     # ------------------------------------------------------------------------------- lifetime
     @property
