@@ -133,14 +133,15 @@ def _train(path, device, monkeypatch, profile):
     ids = np.random.default_rng(1).integers(0, 256, (BATCH, SEQ))
     with TrainingRunner.from_pte(path, device) as runner:
         losses = [runner.step(ids, np.roll(ids, -1, axis=1), HPARAMS) for _ in range(STEPS)]
-        return losses, runner.executor
+        program = runner.executor.program  # closing the runner drops it; its counters stay readable
+        return losses, runner.executor, program
 
 
 def test_tiny_llama_trains_under_each_phone_profile_with_the_unconstrained_losses(vk_device, tiny_step, monkeypatch):
-    whole, executor = _train(tiny_step, vk_device, monkeypatch, None)
+    whole, executor, _ = _train(tiny_step, vk_device, monkeypatch, None)
     assert executor.gemm_route.fp32_tuning == "cpu"  # lavapipe's own: the CPU bodies
     for name in PHONES:
-        losses, executor = _train(tiny_step, vk_device, monkeypatch, name)
+        losses, executor, program = _train(tiny_step, vk_device, monkeypatch, name)
         profile = BUILTIN_PROFILES[name]
         req = executor.schedule.requirements
         assert name in executor.profile.name
@@ -151,7 +152,26 @@ def test_tiny_llama_trains_under_each_phone_profile_with_the_unconstrained_losse
         # but at tiny-llama's sizes each output's sum runs in the same order: bit-identical.
         assert executor.gemm_route.fp32_tuning == "gpu"
         assert losses == whole, name
+        assert program.submits_per_replay == -(-program.recorded_dispatch_count // 256)  # bounded by default
         assert losses[-1] < losses[0]
+
+
+@pytest.mark.parametrize("layer", ["vulkan", "webgpu"])
+def test_bounded_submits_give_the_losses_of_one_submit(layer, request, tiny_step, tmp_path, monkeypatch):
+    # A step cut into submits of 7 dispatches against the same plan in one submit: adreno-7xx's plan on
+    # Vulkan; the device's own on WebGPU (lavapipe's WebGPU adapter lacks features the phone profiles have).
+    device = request.getfixturevalue("vk_device" if layer == "vulkan" else "webgpu_device")
+    base = ADRENO_7XX if layer == "vulkan" else profile_of(device)
+    losses = {}
+    for bound in (0, 7):
+        path = tmp_path / f"bound-{bound}.json"
+        path.write_text(dataclasses.replace(base, name=f"bound-{bound}", max_dispatches_per_submit=bound).to_json())
+        losses[bound], _, program = _train(tiny_step, device, monkeypatch, str(path))
+        expected = 1 if bound == 0 else -(-program.recorded_dispatch_count // bound)
+        assert program.submits_per_replay == expected and program.submit_count == STEPS * expected
+    assert expected > 10  # a real cut: the 1-layer step records over 70 dispatches
+    assert losses[7] == losses[0]
+    assert losses[7][-1] < losses[7][0]
 
 
 def test_a_profile_with_a_too_small_limit_is_refused_naming_it(vk_device, tiny_step, tmp_path, capsys):

@@ -61,6 +61,7 @@ def _write(tmp_path, data) -> str:
     (lambda d: d.pop("max_storage_buffer_range"), r"missing field\(s\) max_storage_buffer_range"),
     (lambda d: d.update(subgroup_size="eight"), r"subgroup_size must be an integer >= 0, got 'eight'"),
     (lambda d: d.update(subgroup_size=12), r"subgroup_size must be a power of two"),
+    (lambda d: d.update(max_dispatches_per_submit=-1), r"max_dispatches_per_submit must be an integer >= 0, got -1"),
     (lambda d: d.update(api="metal"), r"api must be one of vulkan, webgpu, got 'metal'"),
     (lambda d: d.update(float16=1), r"float16 must be true or false, got 1"),
     (lambda d: d.update(subgroup_operations=["basic", "rotate"]), r"subgroup_operations must be a list of distinct"),
@@ -74,6 +75,16 @@ def test_a_bad_profile_file_is_refused_naming_the_file_and_the_field(tmp_path, c
     path = _write(tmp_path, data)
     with pytest.raises(DeviceProfileError, match=rf"device profile {path}: .*{message}"):
         load_profile(path)
+
+
+def test_a_profile_file_from_before_bounded_submits_loads_unbounded(tmp_path):
+    # Files written before max_dispatches_per_submit existed lack it: they load, with one submit per step.
+    phone = BUILTIN_PROFILES["adreno-6xx"]
+    assert phone.max_dispatches_per_submit == 256
+    data = phone.to_dict()
+    del data["max_dispatches_per_submit"]
+    assert load_profile(_write(tmp_path, data)) == dataclasses.replace(phone, max_dispatches_per_submit=0)
+    assert load_profile(_write(tmp_path, phone.to_dict())) == phone
 
 
 def test_a_profile_file_that_is_no_json_object_is_refused(tmp_path):

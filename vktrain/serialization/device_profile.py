@@ -324,8 +324,8 @@ DESKTOP_GPU = DeviceProfile(
 # Phone GPUs reset a context whose job runs past a watchdog of a few seconds (Android kgsl on Adreno, Mali's
 # job timeout; reports: SaschaWillems/Vulkan issue 445, device lost running compute on Mali-G71/G72; llama.cpp
 # issue 21724, a job timeout from the command batch size on an AMD APU). No vendor documents a dispatch count and
-# none was measured on a phone: 256 is a conservative choice (a step's kernels are short; a tiny-llama step is
-# ~1,000 dispatches, a SmolLM2-135M step ~4,600, i.e. ~18 submits and fence round trips).
+# none was measured on a phone: 256 is a conservative choice (a step's kernels are short; a SmolLM2-135M step
+# records ~4,600 dispatches, i.e. ~18 submits and fence round trips).
 PHONE_MAX_DISPATCHES_PER_SUBMIT = 256
 
 
