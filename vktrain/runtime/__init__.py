@@ -38,8 +38,9 @@ VKTRAIN_PUSH_HEADER (common.glsl), spec ids 0-2 = local size when `local_size` i
 inserted only between dependent dispatches (by buffer byte ranges and read/write access, taken from
 the shader's readonly/writeonly qualifiers unless BufferBinding.access says otherwise).
 
-Program(device, dispatches, buffers, timing=False, max_group_count=None): `replay()` (= `submit()` +
-`wait()`), `timings()`, `barriers`, `recorded_dispatch_count`, `destroy()`. `run_dispatches(...)` runs a
+Program(device, dispatches, buffers, timing=False, max_group_count=None, max_dispatches_per_submit=None):
+`replay()` (= `submit()` + `wait()`), `timings()`, `barriers`, `recorded_dispatch_count`, `submits_per_replay`,
+`submit_count`, `destroy()`. `run_dispatches(...)` runs a
 list once.
 
 Shaders: `vktrain/runtime_shaders/*.comp`, compiled by `python -m vktrain.runtime_shaders.build` into

@@ -70,6 +70,8 @@ def describe(profile: DeviceProfile) -> str:
                         for s in p.cooperative_matrix) or "none"
     subgroups = (f"{p.subgroup_size} lanes; {', '.join(p.subgroup_operations) or 'no operations'}"
                  if p.subgroup_size else "none promised")
+    submits = (f"at most {p.max_dispatches_per_submit} dispatches each" if p.max_dispatches_per_submit
+               else "one per step")
     lines = [
         f"{p.name}",
         f"  api {p.api}, device type {p.device_type}; fp16 {'yes' if p.float16 else 'no'}, "
@@ -83,6 +85,7 @@ def describe(profile: DeviceProfile) -> str:
         f"{p.max_allocation_bytes} B; push constants {p.max_push_constants_bytes} B",
         f"  tuning: {p.min_workgroups} workgroups before the tensor cores pay, split-K to "
         f"{p.split_k_target_workgroups} workgroups, fp32 kernels aim at {p.fp32_target_workgroups}",
+        f"  submits: {submits}",
     ]
     if p.source:
         lines.append(f"  source: {p.source}")

@@ -9,8 +9,8 @@ bind groups (one per dispatch, one per chunk of a split dispatch) and one unifor
 dispatch's params at 256-byte-aligned offsets, written once.
 
 WebGPU command buffers are single-use (submitting one twice aborts the process), so every replay
-submits a fresh encoding of the whole list into one compute pass, from the prepared pipelines and bind
-groups. Each submit() encodes the next replay's command buffer right after submitting, so encoding
+submits a fresh encoding of the whole list into one compute pass (one per bounded submit, below), from the
+prepared pipelines and bind groups. Each submit() encodes the next replay's command buffer right after submitting, so encoding
 overlaps the GPU's work instead of adding to it (`last_encode_s`: the host seconds one encoding took);
 wait() waits through a buffer read (Device.wait_idle). WebGPU orders storage accesses between dispatches itself; the barrier plan is
 still computed (`barriers`, the same data as on Vulkan).
