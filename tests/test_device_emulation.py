@@ -223,6 +223,8 @@ def test_inspect_reports_the_fit_of_a_profile_with_no_device(tiny_step, tmp_path
     assert report["fits"] and report["profile"] == "adreno-6xx"
     (d,) = report["delegates"]
     assert d["refusals"] == [] and d["dispatches"] > 0
+    assert d["recorded_dispatches"] >= d["dispatches"] and d["max_dispatches_per_submit"] == 256
+    assert d["submits"] == -(-d["recorded_dispatches"] // 256)
     assert 0 < d["largest_binding"]["bytes"] <= ADRENO_6XX.max_storage_buffer_range
     assert 0 < d["largest_allocation"]["bytes"] <= d["device_memory_bytes"]
     # every constant the step reads is on the device: at least its stored bytes
@@ -232,9 +234,11 @@ def test_inspect_reports_the_fit_of_a_profile_with_no_device(tiny_step, tmp_path
         summary["memory"]["state_bytes"]
     tiny = tmp_path / "tiny.json"
     tiny.write_text(dataclasses.replace(ADRENO_6XX, name="tiny", max_allocation_bytes=d["largest_allocation"]["bytes"]
-                                        - 4).to_json())
+                                        - 4, max_dispatches_per_submit=7).to_json())
     assert main(["inspect", str(tiny_step), "--device-profile", str(tiny)]) == 0
     text = capsys.readouterr().out
+    assert f"submits per step: {-(-d['recorded_dispatches'] // 7)} (at most 7 of its {d['recorded_dispatches']} " \
+           f"recorded dispatches each)" in text
     assert "on device profile tiny: does NOT fit" in text
     assert f"refused (max_allocation_bytes): buffer '{d['largest_allocation']['buffer']}'" in text
     assert f"needs an allocation of {d['largest_allocation']['bytes']} bytes, over the profile's max allocation " \

@@ -2,7 +2,9 @@
 --device-profile NAME`): the planner (runtime/delegate/planner.py) is a function of the graph and the profile,
 so the dispatches, the buffers and every binding are known before a device is opened.
 
-The report, per vktrain delegate of the main method (the training step's, else the only one): the dispatches,
+The report, per vktrain delegate of the main method (the training step's, else the only one): the dispatches
+(and the submits a replay takes under the profile's max_dispatches_per_submit, split dispatches counted as
+recorded under its max workgroup count),
 the planned device memory (every buffer of the schedule: constants, state, activations, scratch), the largest
 allocation against the profile's max allocation size, the largest binding against its max storage binding
 size, and the refusals, each with the limit, the value needed, the profile's value and what to change.
@@ -14,6 +16,7 @@ from vktrain.contract import BACKEND_ID
 from vktrain.runtime.delegate.lowering_context import GraphLoweringError
 from vktrain.runtime.delegate.planner import plan_schedule
 from vktrain.runtime.program.summary import read_pte
+from vktrain.runtime.vk.schedule import plan_submits, split_groups
 from vktrain.serialization import deserialize_blob
 from vktrain.serialization import graph as vk
 from vktrain.serialization.device_profile import DeviceProfile
@@ -50,9 +53,13 @@ def _delegate_fit(graph: vk.VkGraph, profile: DeviceProfile) -> dict:
                  "message": f"buffer {b.key!r} ({b.role}) needs an allocation of {b.size_bytes} bytes, over the "
                             f"profile's max allocation size of {profile.max_allocation_bytes} bytes",
                  "change": ADVICE[b.role]} for b in buffers if b.size_bytes > profile.max_allocation_bytes]
+    recorded = [len(split_groups(d.groups, profile.max_workgroup_count)) for d in schedule.dispatches]
     return {
         "fits": not refusals, "planned": True, **limits,
         "dispatches": len(schedule.dispatches),
+        "recorded_dispatches": sum(recorded),
+        "max_dispatches_per_submit": profile.max_dispatches_per_submit,
+        "submits": len(plan_submits(recorded, profile.max_dispatches_per_submit)),
         "device_memory_bytes": sum(b.size_bytes for b in buffers),
         "buffers": len(buffers),
         "largest_allocation": {"buffer": buffers[0].key, "role": buffers[0].role, "bytes": buffers[0].size_bytes}
@@ -89,7 +96,11 @@ def format_fit(path: str, report: dict) -> str:
         lines.append(f"  delegate {index}:")
         if d["planned"]:
             alloc, binding = d["largest_allocation"], d["largest_binding"]
+            bound = d["max_dispatches_per_submit"]
             lines += [f"    dispatches: {d['dispatches']} (fp32 GEMM tuning {d['gemm_tuning']})",
+                      f"    submits per step: {d['submits']} ("
+                      + (f"at most {bound} of its {d['recorded_dispatches']} recorded dispatches each)" if bound
+                         else f"unbounded: {d['recorded_dispatches']} recorded dispatches)"),
                       f"    planned device memory: {_mib(d['device_memory_bytes'])} in {d['buffers']} buffer(s) "
                       f"(the profile records no memory budget)"]
             if alloc:
