@@ -5,6 +5,10 @@ Its inspector reads a tiny-llama training step + eval .pte and reports what `vkt
 mutants of the project's fuzzer (vktrain.runtime.program.fuzz) go through the loader built with
 AddressSanitizer + UBSan, in one process: each is loaded or refused with a documented code and a
 message, with no sanitizer report and no hang; every mutant it loads, the Python loader loads too.
+
+Its schedule reader (--schedule, native/src/schedule_*.cc) against vktrain/serialization/schedule.py and
+verify_schedule.py: the same summary of a planned tiny-llama schedule, the same refusals of hand-made bad
+schedules, and the same verdict on 2,000 fuzz mutants of a schedule under the sanitizers.
 """
 from __future__ import annotations
 
@@ -21,7 +25,7 @@ from vktrain.runtime.program.summary import summarize_pte
 from _helpers import export_mlp_lora_training_step
 
 REPO = Path(__file__).resolve().parents[1]
-REFUSAL_CODES = {10, 11, 12, 13, 14, 15, 16}  # native/src/status.h ErrorCode
+REFUSAL_CODES = {10, 11, 12, 13, 14, 15, 16, 17}  # native/src/status.h ErrorCode
 FUZZ_MUTANTS = 2000
 
 
@@ -242,3 +246,184 @@ def test_the_device_probe_sees_the_device_the_python_runtime_uses(inspector, vk_
     assert f"minStorageBufferOffsetAlignment {limits.min_storage_buffer_offset_alignment}," in block
     assert f"maxComputeSharedMemorySize {limits.max_compute_shared_memory_size}," in block
     assert f"maxComputeWorkGroupInvocations {limits.max_compute_work_group_invocations}," in block
+
+
+# --- the schedule reader ------------------------------------------------------------------------------------
+
+def _graph_of(pte: Path):
+    return fuzz.load(pte.read_bytes())[1].graph
+
+
+def _plan(graph, **options):
+    """`graph` planned on lavapipe's built-in profile: no device is opened."""
+    from vktrain.runtime.delegate.planner import plan_schedule
+    from vktrain.serialization.device_profile import LAVAPIPE
+
+    return plan_schedule(graph, LAVAPIPE, **options)
+
+
+def _expected_schedule_summary(schedule) -> dict:
+    from collections import Counter
+
+    from vktrain.serialization.schedule import ROLES
+
+    roles = {}
+    for buffer in schedule.buffers:
+        total = roles.setdefault(buffer.role, {"count": 0, "bytes": 0})
+        total["count"] += 1
+        total["bytes"] += buffer.size_bytes
+    needs = schedule.requirements
+    return {"format_version": 1, "graph_digest": schedule.graph_digest,
+            "buffers": {role: roles[role] for role in ROLES if role in roles},
+            "placements": len(schedule.placements), "dispatches": len(schedule.dispatches),
+            "shader_variants": dict(Counter(d.shader for d in schedule.dispatches)),
+            "requirements": {"api": needs.api, "max_storage_buffer_range": needs.max_storage_buffer_range,
+                             "min_storage_buffer_offset_alignment": needs.min_storage_buffer_offset_alignment,
+                             "max_shared_memory_bytes": needs.max_shared_memory_bytes,
+                             "max_workgroup_invocations": needs.max_workgroup_invocations,
+                             "max_workgroup_size_x": needs.max_workgroup_size_x, "subgroup_size": needs.subgroup_size,
+                             "subgroup_operations": list(needs.subgroup_operations), "float16": needs.float16,
+                             "int64": needs.int64, "cooperative_matrix": list(needs.cooperative_matrix)},
+            "gemm": {"precision": schedule.gemm.precision, "tensor_cores": schedule.gemm.tensor_cores},
+            "max_binding_bytes": schedule.max_binding_bytes, "tensor_core_ops": len(schedule.tensor_core_ops)}
+
+
+@pytest.fixture(scope="module")
+def llama_schedule(llama_pte):
+    graph = _graph_of(llama_pte)
+    return graph, _plan(graph)
+
+
+def test_the_native_schedule_reader_reports_what_the_python_schedule_holds(inspector, llama_pte, llama_schedule,
+                                                                           tmp_path):
+    import json
+
+    from vktrain.serialization.schedule import serialize_schedule
+
+    _, schedule = llama_schedule
+    path = tmp_path / "llama.vks"
+    path.write_bytes(serialize_schedule(schedule))
+    result = _run(inspector, "--schedule", path, "--pte", llama_pte, "--json")
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout) == _expected_schedule_summary(schedule)
+    text = _run(inspector, "--schedule", path)
+    assert text.returncode == 0 and f"dispatches: {len(schedule.dispatches)} " in text.stdout, text.stderr
+
+
+def _bad_schedules(schedule):
+    """(what, schedule) pairs that verify_schedule refuses, one fact each."""
+    import dataclasses
+
+    from vktrain.serialization.dispatch import BufferBinding
+
+    def with_dispatch(index, **changes):
+        dispatches = list(schedule.dispatches)
+        dispatches[index] = dataclasses.replace(dispatches[index], **changes)
+        return dataclasses.replace(schedule, dispatches=tuple(dispatches))
+
+    index = next(i for i, d in enumerate(schedule.dispatches) if d.bindings)
+    first = schedule.dispatches[index]
+    size = schedule.buffer(first.bindings[0].buffer).size_bytes
+    align = schedule.requirements.min_storage_buffer_offset_alignment
+    past_end = BufferBinding(first.bindings[0].buffer, -(-size // align) * align, None, first.bindings[0].access)
+    needs = schedule.requirements
+    yield "binding out of range", with_dispatch(index, bindings=(past_end,) + first.bindings[1:])
+    too_long = BufferBinding(first.bindings[0].buffer, 0, size + 4, first.bindings[0].access)
+    yield "binding longer than its buffer", with_dispatch(index, bindings=(too_long,) + first.bindings[1:])
+    misaligned = BufferBinding(first.bindings[0].buffer, align // 2 or 1, 4, first.bindings[0].access)
+    if align > 1:
+        yield "misaligned binding", with_dispatch(index, bindings=(misaligned,) + first.bindings[1:])
+    yield "unknown shader", with_dispatch(index, shader="no_such_kernel@VEC4")
+    yield "oversized push constants", with_dispatch(index, push_constants=bytes(116))
+    yield "local size over the limit", with_dispatch(index, local_size=(needs.max_workgroup_size_x * 2, 1, 1),
+                                                     spec_constants=())
+    yield "too many split dispatches", with_dispatch(index, groups=(65535 * 1024 + 1, 65535 * 1024 + 1, 1))
+    yield "binding size limit", dataclasses.replace(schedule, requirements=dataclasses.replace(
+        needs, max_storage_buffer_range=4))
+    placement = schedule.placements[0]
+    yield "placement of the wrong size", dataclasses.replace(
+        schedule, placements=(dataclasses.replace(placement, size_bytes=placement.size_bytes + 4),)
+        + schedule.placements[1:])
+    yield "a tensor without placement", dataclasses.replace(schedule, placements=schedule.placements[1:])
+
+
+def test_schedules_the_python_verifier_refuses_are_refused_natively_with_its_message(inspector, llama_pte,
+                                                                                    llama_schedule, tmp_path):
+    from vktrain.runtime.delegate.executor import shader_sources
+    from vktrain.serialization.schedule import deserialize_schedule, serialize_schedule
+    from vktrain.serialization.verify import VerificationError
+    from vktrain.serialization.verify_schedule import verify_schedule
+
+    graph, schedule = llama_schedule
+    for number, (what, bad) in enumerate(_bad_schedules(schedule)):
+        path = tmp_path / f"bad{number}.vks"
+        path.write_bytes(serialize_schedule(bad))
+        with pytest.raises(VerificationError) as refused:
+            verify_schedule(deserialize_schedule(path.read_bytes()), graph, shader_sources(), str(path))
+        result = _run(inspector, "--schedule", path, "--pte", llama_pte)
+        assert result.returncode == 2, (what, result.stdout, result.stderr)
+        assert result.stderr == f"vktrain-native-inspect: error: {refused.value}\n", what
+
+    # The reader's own refusals: another file, another format version.
+    data = bytearray(serialize_schedule(schedule))
+    for what, mutate, expected in (
+            ("another identifier", lambda b: b.__setitem__(slice(4, 8), b"VKT1"), "without the VKS1 identifier"),
+            ("truncated", lambda b: b.__delitem__(slice(len(b) // 2, None)), "fails the flatbuffers Verifier")):
+        bad = bytearray(data)
+        mutate(bad)
+        path = tmp_path / "bad.vks"
+        path.write_bytes(bytes(bad))
+        result = _run(inspector, "--schedule", path)
+        assert result.returncode == 2 and str(path) in result.stderr and expected in result.stderr, (what, result.stderr)
+    missing = _run(inspector, "--schedule", tmp_path / "absent.vks")
+    assert missing.returncode == 2 and "absent.vks" in missing.stderr, missing.stderr
+
+
+def test_schedule_fuzz_mutants_get_the_python_verdict_under_sanitizers(sanitized_inspector, mlp_pte, tmp_path):
+    from vktrain.runtime.delegate.executor import shader_sources
+    from vktrain.serialization.schedule import serialize_schedule
+
+    graph = _graph_of(mlp_pte)
+    schedule = _plan(graph)
+    original = serialize_schedule(schedule)
+    corpus = tmp_path / "schedules"
+    corpus.mkdir()
+    mutants = {}
+    for index, mutant in zip(range(FUZZ_MUTANTS), fuzz.schedule_mutants(original, seed=0)):
+        name = f"{index:05d}.vks"
+        (corpus / name).write_bytes(mutant.data)
+        mutants[name] = mutant
+    (corpus / "original.vks").write_bytes(original)
+
+    result = _run(sanitized_inspector, "--schedule-fuzz-dir", corpus, "--pte", mlp_pte, timeout=120)
+    assert "Sanitizer" not in result.stderr and "runtime error" not in result.stderr, result.stderr[-3000:]
+    assert result.returncode == 0, result.stderr[-3000:]
+    outcomes = {}
+    for line in result.stdout.splitlines():
+        name, code, message = line.split("\t", 2)
+        outcomes[name] = (int(code), message)
+    assert set(outcomes) == set(mutants) | {"original.vks"}
+    assert outcomes["original.vks"] == (0, "ok")
+    for name, (code, message) in outcomes.items():
+        assert code == 0 or (code in REFUSAL_CODES and message.startswith(str(corpus / name) + ":")), (name, code, message)
+    assert {14, 17} <= {code for code, _ in outcomes.values()}
+
+    # Python's verdict on each: the same acceptance, but for two known differences. The graph digest only
+    # Python compares (native accepts a schedule whose digest string alone was changed). The flatbuffers
+    # Verifier only the native reader runs: it refuses bytes Python's lazy reader reads past (a string
+    # without its terminating zero, a misaligned table), a few dozen of the 2,000.
+    sources = shader_sources()
+    disagreements, verifier_only = [], 0
+    for name, mutant in mutants.items():
+        python = fuzz.run_schedule_one(mutant, schedule, graph, sources)
+        (code, message), python_accepts = outcomes[name], python.label.startswith("accepted")
+        if (code == 0) == python_accepts:
+            continue
+        if code == 0 and "planned for another graph" in python.detail:
+            continue
+        if code == 17 and "fails the flatbuffers Verifier" in message:
+            verifier_only += 1
+            continue
+        disagreements.append((name, mutant.description, outcomes[name], python.label, python.detail))
+    assert not disagreements, disagreements[:10]
+    assert verifier_only < FUZZ_MUTANTS // 20, verifier_only

@@ -12,6 +12,7 @@ const char* error_code_name(ErrorCode code) {
     case ErrorCode::kVerification: return "verification";
     case ErrorCode::kUnsupported: return "unsupported";
     case ErrorCode::kLimit: return "limit";
+    case ErrorCode::kScheduleFormat: return "schedule format";
     case ErrorCode::kInternal: return "internal";
   }
   return "unknown";

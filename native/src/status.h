@@ -17,6 +17,7 @@ enum class ErrorCode : int {
   kVerification = 14,  // the program or graph is inconsistent (a check of verify.py refused it)
   kUnsupported = 15,   // well formed, but not a program this runtime runs
   kLimit = 16,         // asks for more memory than the caps allow
+  kScheduleFormat = 17,  // not a readable schedule (.vks): truncated, corrupt, another format version
   kInternal = 70,
 };
 

@@ -11,16 +11,6 @@
 namespace vktrain {
 namespace {
 
-std::string quote(const std::string& s) {
-  std::string out = "\"";
-  for (unsigned char c : s) {
-    if (c == '"' || c == '\\') { out += '\\'; out += char(c); }
-    else if (c < 0x20) { char b[8]; std::snprintf(b, sizeof b, "\\u%04x", c); out += b; }
-    else out += char(c);
-  }
-  return out + "\"";
-}
-
 std::string lower(std::string s) {
   for (char& c : s) c = char(std::tolower(static_cast<unsigned char>(c)));
   return s;
@@ -72,7 +62,7 @@ DelegateSummary summarize(const Graph& g) {
 
 std::string tensor_json(const Graph& g, int32_t id, const std::string& extra = "") {
   const TensorValue& t = g.values[size_t(id)].tensor;
-  return "{\"name\": " + quote(t.name) + ", \"dtype\": " + quote(lower(data_type_name(t.dtype))) + ", \"shape\": " +
+  return "{\"name\": " + json_quote(t.name) + ", \"dtype\": " + json_quote(lower(data_type_name(t.dtype))) + ", \"shape\": " +
          list(t.shape) + ", \"bytes\": " + num(t.nbytes()) + extra + "}";
 }
 
@@ -108,34 +98,34 @@ std::string summary_json(const Program& p) {
   uint64_t named = 0;
   for (const auto& kv : p.named_data()) named += kv.second.size;
   std::string out = "{\n  \"pte_bytes\": " + num(p.file_bytes()) + ",\n  \"named_data_bytes\": " + num(named) +
-                    ",\n  \"main_method\": " + quote(p.main_method().name) + ",\n  \"methods\": {";
+                    ",\n  \"main_method\": " + json_quote(p.main_method().name) + ",\n  \"methods\": {";
   for (size_t mi = 0; mi < p.methods().size(); ++mi) {
     const Method& m = p.methods()[mi];
     const Graph& g = *m.graph;
     const DelegateSummary s = summarize(g);
-    out += std::string(mi ? "," : "") + "\n    " + quote(m.name) + ": {\n      \"delegate_calls\": " + num(count_kind(m, kDelegateCall)) +
+    out += std::string(mi ? "," : "") + "\n    " + json_quote(m.name) + ": {\n      \"delegate_calls\": " + num(count_kind(m, kDelegateCall)) +
            ", \"kernel_calls\": " + num(count_kind(m, kKernelCall)) + ", \"operators\": [";
-    for (size_t i = 0; i < m.operators.size(); ++i) out += (i ? ", " : "") + quote(m.operators[i]);
-    out += "],\n      \"delegate\": {\n        \"backend_id\": " + quote(m.delegate_ids[0]) + ", \"payload_bytes\": " +
+    for (size_t i = 0; i < m.operators.size(); ++i) out += (i ? ", " : "") + json_quote(m.operators[i]);
+    out += "],\n      \"delegate\": {\n        \"backend_id\": " + json_quote(m.delegate_ids[0]) + ", \"payload_bytes\": " +
            num(m.delegate_data[size_t(m.delegate_index)].size) + ", \"format_version\": " + num(g.format_version) +
            ", \"checksummed\": " + (g.checksummed ? "true" : "false") + ",\n        \"ops\": " + num(g.ops.size()) +
            ", \"op_histogram\": {";
     for (size_t i = 0; i < s.histogram.size(); ++i)
-      out += (i ? ", " : "") + quote(s.histogram[i].first) + ": " + num(s.histogram[i].second);
+      out += (i ? ", " : "") + json_quote(s.histogram[i].first) + ": " + num(s.histogram[i].second);
     out += "},\n        \"constants\": {\"count\": " + num(g.constants.size()) + ", \"bytes\": " + num(s.constant_bytes) +
            ", \"stored_bytes\": " + num(s.stored_bytes) + ", \"stored_forms\": {";
-    for (size_t i = 0; i < s.forms.size(); ++i) out += (i ? ", " : "") + quote(s.forms[i].first) + ": " + num(s.forms[i].second);
+    for (size_t i = 0; i < s.forms.size(); ++i) out += (i ? ", " : "") + json_quote(s.forms[i].first) + ": " + num(s.forms[i].second);
     out += "}},\n        \"memory\": {\"planned_bytes\": " + num(s.planned_bytes) + ", \"memory_objects\": " +
            num(g.memory_objects.size()) + ", \"state_bytes\": " + num(s.state_bytes) + "},\n        \"mutable_state\": [";
     for (size_t i = 0; i < g.mutable_state.size(); ++i)
       out += std::string(i ? ", " : "") + "\n          " +
-             tensor_json(g, g.mutable_state[i].state_id, ", \"initial\": " + quote(initial_of(g.mutable_state[i])));
+             tensor_json(g, g.mutable_state[i].state_id, ", \"initial\": " + json_quote(initial_of(g.mutable_state[i])));
     out += "],\n        \"inputs\": [";
     for (size_t i = 0; i < g.inputs.size(); ++i) out += (i ? ", " : "") + tensor_json(g, g.inputs[i]);
     out += "],\n        \"outputs\": [";
     for (size_t i = 0; i < g.outputs.size(); ++i) out += (i ? ", " : "") + tensor_json(g, g.outputs[i]);
     out += "],\n        \"metadata_keys\": [";
-    for (size_t i = 0; i < g.metadata.size(); ++i) out += (i ? ", " : "") + quote(g.metadata[i].first);
+    for (size_t i = 0; i < g.metadata.size(); ++i) out += (i ? ", " : "") + json_quote(g.metadata[i].first);
     out += "]\n      }\n    }";
   }
   return out + "\n  }\n}\n";

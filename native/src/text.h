@@ -41,4 +41,15 @@ inline std::string bytes_repr(const uint8_t* p, size_t n) {
   return out + "'";
 }
 
+// A JSON string literal of `s` (bytes past ASCII passed through: the strings are UTF-8).
+inline std::string json_quote(const std::string& s) {
+  std::string out = "\"";
+  for (unsigned char c : s) {
+    if (c == '"' || c == '\\') { out += '\\'; out += char(c); }
+    else if (c < 0x20) { char b[8]; std::snprintf(b, sizeof b, "\\u%04x", c); out += b; }
+    else out += char(c);
+  }
+  return out + "\"";
+}
+
 }  // namespace vktrain

@@ -1,9 +1,13 @@
 // vktrain-native-inspect: read and verify a .pte with the native loader, print what it holds.
 //
 //   vktrain-native-inspect PTE [--json]   exit 0, or 2 with "vktrain-native-inspect: error: ..." (refused)
+//   vktrain-native-inspect --schedule VKS [--pte PTE] [--json]
+//                                         read and verify a dispatch schedule (with --pte: its placements
+//                                         against that program's graph); exit 0, or 2 refused
 //   vktrain-native-inspect --devices      the Vulkan devices and their limits
 //   vktrain-native-inspect --fuzz-dir DIR every file in DIR, one line each: "NAME<TAB>CODE<TAB>MESSAGE"
 //                                         (CODE 0 = loaded, 10..19 = refused: src/status.h); exit 0
+//   vktrain-native-inspect --schedule-fuzz-dir DIR [--pte PTE]   the same for schedules
 // Exit 70: a bug here (an exception outside the loader's refusals).
 #include <algorithm>
 #include <cstdio>
@@ -15,6 +19,7 @@
 
 #include "devices.h"
 #include "pte.h"
+#include "schedule.h"
 #include "status.h"
 #include "summary.h"
 
@@ -24,7 +29,8 @@ constexpr const char* kProg = "vktrain-native-inspect";
 constexpr int kExitBadInput = 2, kExitInternal = 70;
 
 int usage(const char* why) {
-  std::fprintf(stderr, "usage: %s PTE [--json] | --devices | --fuzz-dir DIR\n%s: error: %s\n", kProg, kProg, why);
+  std::fprintf(stderr, "usage: %s PTE [--json] | --schedule VKS [--pte PTE] [--json] | --devices | --fuzz-dir DIR | "
+               "--schedule-fuzz-dir DIR [--pte PTE]\n%s: error: %s\n", kProg, kProg, why);
   return kExitBadInput;
 }
 
@@ -41,7 +47,28 @@ std::pair<int, std::string> try_load(const std::string& path, std::unique_ptr<vk
   }
 }
 
-int fuzz_dir(const std::string& dir) {
+// (code, message) of reading and verifying one schedule against `graph` (nullptr: none).
+std::pair<int, std::string> try_schedule(const std::string& path, const vktrain::Graph* graph, std::string* summary, bool json) {
+  try {
+    vktrain::Schedule schedule = vktrain::Schedule::load(path);
+    vktrain::verify_schedule(schedule, graph);
+    if (summary) *summary = json ? vktrain::schedule_summary_json(schedule) : vktrain::schedule_summary_text(schedule);
+    return {0, "ok"};
+  } catch (const vktrain::LoadError& e) {
+    return {int(e.code()), e.what()};
+  } catch (const std::bad_alloc&) {
+    return {kExitInternal, path + ": out of memory while reading the schedule (an allocation cap is missing)"};
+  }
+}
+
+// The training graph of `pte` (loaded and verified), or a refusal.
+const vktrain::Graph* graph_of(const std::string& pte, std::unique_ptr<vktrain::Program>* program, std::string* error) {
+  auto result = try_load(pte, program);
+  if (result.first) { *error = result.second; return nullptr; }
+  return (*program)->main_method().graph.get();
+}
+
+int fuzz_dir(const std::string& dir, bool schedules, const vktrain::Graph* graph) {
   DIR* d = ::opendir(dir.c_str());
   if (!d) return usage(("cannot open directory " + dir + ": " + std::strerror(errno)).c_str());
   std::vector<std::string> names;
@@ -52,7 +79,7 @@ int fuzz_dir(const std::string& dir) {
   std::setvbuf(stdout, nullptr, _IOLBF, 0);  // a sanitizer abort loses no line: the last one names the file before it
   int worst = 0;
   for (const std::string& name : names) {
-    auto result = try_load(dir + "/" + name, nullptr);
+    auto result = schedules ? try_schedule(dir + "/" + name, graph, nullptr, false) : try_load(dir + "/" + name, nullptr);
     std::string message = result.second;
     std::replace(message.begin(), message.end(), '\n', ' ');
     std::printf("%s\t%d\t%s\n", name.c_str(), result.first, message.c_str());
@@ -70,15 +97,44 @@ int main(int argc, char** argv) {
       std::fputs(vktrain::describe_vulkan_devices().c_str(), stdout);
       return 0;
     }
-    if (args.size() == 2 && args[0] == "--fuzz-dir") return fuzz_dir(args[1]);
+    if (args.size() == 2 && args[0] == "--fuzz-dir") return fuzz_dir(args[1], false, nullptr);
     bool json = false;
-    std::string path;
-    for (const std::string& a : args) {
+    std::string path, schedule, schedule_fuzz, pte;
+    for (size_t i = 0; i < args.size(); ++i) {
+      const std::string& a = args[i];
+      if (a == "--schedule" || a == "--pte" || a == "--schedule-fuzz-dir") {
+        if (i + 1 == args.size()) return usage((a + " takes a file").c_str());
+        (a == "--schedule" ? schedule : a == "--pte" ? pte : schedule_fuzz) = args[++i];
+        continue;
+      }
       if (a == "--json") json = true;
       else if (a.rfind("--", 0) == 0) return usage(("unknown option " + a).c_str());
       else if (path.empty()) path = a;
       else return usage("expected one PTE file");
     }
+    if (!schedule.empty() || !schedule_fuzz.empty()) {
+      if (!path.empty() || (!schedule.empty() && !schedule_fuzz.empty()))
+        return usage("--schedule and --schedule-fuzz-dir take no PTE argument (use --pte PTE) and not each other");
+      std::unique_ptr<vktrain::Program> program;
+      const vktrain::Graph* graph = nullptr;
+      if (!pte.empty()) {
+        std::string error;
+        if (!(graph = graph_of(pte, &program, &error))) {
+          std::fprintf(stderr, "%s: error: --pte: %s\n", kProg, error.c_str());
+          return kExitBadInput;
+        }
+      }
+      if (!schedule_fuzz.empty()) return fuzz_dir(schedule_fuzz, true, graph);
+      std::string summary;
+      auto result = try_schedule(schedule, graph, &summary, json);
+      if (result.first) {
+        std::fprintf(stderr, "%s: error: %s\n", kProg, result.second.c_str());
+        return result.first == kExitInternal ? kExitInternal : kExitBadInput;
+      }
+      std::fputs(summary.c_str(), stdout);
+      return 0;
+    }
+    if (!pte.empty()) return usage("--pte goes with --schedule");
     if (path.empty()) return usage("expected a PTE file");
     std::unique_ptr<vktrain::Program> program;
     auto result = try_load(path, &program);
