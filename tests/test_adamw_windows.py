@@ -7,11 +7,17 @@ binding size: windows of the flat index space (kernels/elementwise_windows.py).
 * The windowed update equals the unsplit one bit for bit on Vulkan and WebGPU (a tail that is not a whole
   vec4 included), writes nothing outside the tensors, and both agree with a float64 AdamW within fp32
   rounding; copy_words under the limit moves the same words as unsplit, each binding within the limit.
+* mlp-lora with a 1.25 MiB head lora_B trains at 1 MiB: its AdamW runs in windows, every binding fits, the
+  first loss equals the unsplit run's, and on Vulkan the head's tensors and moments after a step too.
+* An op that still cannot split (a batched GEMM's output over the limit) is refused naming the dispatch,
+  the size and the limit, and listing what splits (adamw and the state updates' copies among them).
 """
 from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
+from torch import nn
 
 from vktrain.runtime import Buffer, run_dispatches
 from vktrain.runtime.delegate.kernels.layout import BindingLimit
@@ -196,3 +202,32 @@ def test_a_lora_tensor_over_the_limit_trains_bit_identically_on_vulkan(vk_device
 
 def test_a_lora_tensor_over_the_limit_trains_split_on_webgpu(webgpu_device, big_lora_program):
     _check_training(webgpu_device, big_lora_program, head_bits=False)
+
+
+class _Gram(nn.Module):
+    """A loss through a batched GEMM whose output ([2, 384, 384] fp32: 1.125 MiB) is over 1 MiB."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(32, 32)
+
+    def forward(self, x):
+        h = self.inp(x).view(2, 384, 32)
+        return torch.bmm(h, h.transpose(1, 2)).sum() / 1000.0
+
+
+def test_an_op_that_cannot_split_is_refused_listing_what_splits(vk_device, tmp_path):
+    from vktrain.export import export_training_step, lower_to_pte
+    from vktrain.lora import LoRAConfig, apply_lora
+    from vktrain.runtime.delegate.op_lowering import GraphLoweringError
+    from vktrain.runtime.program.runner import TrainingRunner
+
+    torch.manual_seed(0)
+    model = _Gram()
+    apply_lora(model, LoRAConfig(rank=4, targets="*", group_size=16, seed=0))
+    path = tmp_path / "gram.pte"
+    path.write_bytes(lower_to_pte(export_training_step(model, example_inputs=(torch.randn(768, 32),))))
+    with pytest.raises(GraphLoweringError, match=r"aten\.bmm.* over 1179648 bytes, more than the max storage binding "
+                                                 r"size of 1048576 bytes .*copies \(state updates included\) and "
+                                                 r"adamw split"):
+        TrainingRunner.from_pte(path, vk_device, max_binding_bytes=MIB)
