@@ -255,12 +255,13 @@ def _lower_adamw(ctx: OpContext) -> list[Dispatch]:
     for source, target, name in zip(sources, ctx.outputs, names):
         if target.storage != source.storage:
             dispatches += copy_words(target.binding, source.binding, source.binding.size,
-                                     label=f"{ctx.label}.copy_{name}")
+                                     label=f"{ctx.label}.copy_{name}", binding_limit=ctx.binding_limit)
     if numel == 0:
         return dispatches
     return dispatches + _call(ctx, numel=numel, param=ctx.outputs[0].binding,
                               exp_avg=ctx.outputs[1].binding, exp_avg_sq=ctx.outputs[2].binding,
-                              grad=grad.binding, hparams=hparams.binding, step=step.binding)
+                              grad=grad.binding, hparams=hparams.binding, step=step.binding,
+                              binding_limit=ctx.binding_limit)
 
 
 def _lower_q4gsw_requant(ctx: OpContext) -> list[Dispatch]:
@@ -373,12 +374,14 @@ EMPTY_PERMUTED = "aten.empty_permuted.default"
 EMPTY = "aten.empty.memory_format"
 
 
-def copy_words(out: BufferBinding, source: BufferBinding, nbytes: int, *, label: str) -> list[Dispatch]:
+def copy_words(out: BufferBinding, source: BufferBinding, nbytes: int, *, label: str,
+               binding_limit: layout.BindingLimit | None = None) -> list[Dispatch]:
     """A flat copy of `nbytes` (a multiple of 4) from `source` to `out`; copy.comp moves 32-bit words,
-    so one kernel copies every 4-byte dtype."""
+    so one kernel copies every 4-byte dtype. Over `binding_limit` it runs in windows (copies.plan_copy)."""
     if nbytes % 4:
         raise GraphLoweringError(f"{label}: cannot copy {nbytes} bytes, the copy kernel moves 32-bit words")
-    return layout.plan_strided_copy(out, source, StridedView.contiguous((nbytes // 4,)), label=label)
+    return copies.plan_copy(out, source, StridedView.contiguous((nbytes // 4,)), label=label,
+                            binding_limit=binding_limit)
 
 
 def _lower_transpose(ctx: OpContext) -> list[Dispatch]:

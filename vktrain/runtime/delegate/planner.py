@@ -302,8 +302,8 @@ class _Planner:
                     f"dispatch {dispatch.name!r} binds tensor {names} over {bound.size} "
                     f"bytes, more than the max storage binding size of {limit} bytes (device profile "
                     f"{self.profile.name!r}), and its kernel cannot split "
-                    f"it (the head's mm, the linear q4gsw ops, the embeddings, fused_ce, elementwise ops and copies "
-                    f"split; see README "
+                    f"it (the head's mm, the linear q4gsw ops, the embeddings, fused_ce, elementwise ops, copies "
+                    f"(state updates included) and adamw split; see README "
                     f"'Picking a runtime')")
 
     def plan_dispatches(self, lowerings: list) -> list[Dispatch]:
@@ -331,7 +331,8 @@ class _Planner:
                 continue  # updated in place
             name = self.graph.tensor(state.state_id).name or f"state{state.state_id}"
             dispatches += copy_words(self.binding(state.state_id), self.binding(state.update_id),
-                                     self.tensors[state.state_id].nbytes, label=f"state_update:{name}")
+                                     self.tensors[state.state_id].nbytes, label=f"state_update:{name}",
+                                     binding_limit=binding_limit_of(self.profile))
         if not dispatches:
             raise GraphLoweringError("the graph has no work for the GPU (no ops and no state updates)")
         return dispatches
