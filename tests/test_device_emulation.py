@@ -294,3 +294,59 @@ def test_generate_under_a_phone_profile_gives_the_unconstrained_tokens(vk_device
                     + (["--device-profile", profile] if profile else [])) == 0
         tokens[profile] = json.loads(out.read_text())["tokens"]
     assert len(tokens[None]) == 6 and tokens[None] == tokens["mali-g7x"]
+
+
+# ---------------------------------------------------------------------------------------------- memory budgets
+def test_a_program_over_the_memory_budget_does_not_fit_and_is_refused_at_load(vk_device, tiny_step, tmp_path, capsys,
+                                                                              monkeypatch):
+    monkeypatch.delenv(DEVICE_PROFILE_ENV, raising=False)
+    assert main(["inspect", str(tiny_step), "--device-profile", "adreno-7xx", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    step, total = report["step_device_memory_bytes"], report["device_memory_bytes"]
+    assert report["fits"] and report["memory_budget_bytes"] == ADRENO_7XX.memory_budget_bytes
+    assert step == sum(d["device_memory_bytes"] for d in report["delegates"])
+    assert 0 < report["eval"]["device_memory_bytes"] == total - step < step  # eval binds the step's weights
+
+    def profile(name, budget):
+        path = tmp_path / f"{name}.json"
+        path.write_text(dataclasses.replace(ADRENO_7XX, name=name, memory_budget_bytes=budget).to_json())
+        return str(path)
+
+    small = profile("small-memory", total - 4)
+    assert main(["inspect", str(tiny_step), "--device-profile", small]) == 0
+    text = capsys.readouterr().out
+    assert "on device profile small-memory: does NOT fit" in text
+    assert f"refused (memory_budget_bytes): the program needs {total} bytes of device memory, over the memory " \
+           f"budget of {total - 4} bytes (device profile 'small-memory')" in text
+    assert "--lora-rank" in text and "checkpoint" not in text
+
+    data = tmp_path / "ids.npy"
+    np.save(data, np.random.default_rng(0).integers(0, 256, 4096))
+    assert main(["train", str(tiny_step), "--steps", "1", "--no-progress", "--data", str(data),
+                 "--device-profile", profile("step-only", step - 4)]) == 2
+    assert f"the program needs {step} bytes of device memory, over the memory budget of {step - 4} bytes (device " \
+           f"profile 'step-only (emulated on" in capsys.readouterr().err
+    # The runtime counts what it allocates as the report does: the step fits its own bytes, and the eval
+    # method, which binds the step's state and frozen weights, needs exactly the report's total.
+    evaluate = ["eval", str(tiny_step), "--data", str(data), "--max-batches", "1", "--device-profile"]
+    assert main(evaluate + [small]) == 2
+    assert f"the program needs {total} bytes of device memory, over the memory budget of {total - 4} bytes" in \
+        capsys.readouterr().err
+    assert main(evaluate + [profile("exact", total)]) == 0
+
+
+def test_inspect_all_lists_every_builtin_profile(tiny_step, capsys):
+    assert main(["inspect", str(tiny_step), "--device-profile", "all", "--json"]) == 0
+    reports = json.loads(capsys.readouterr().out)["profiles"]
+    assert [r["profile"] for r in reports] == list(BUILTIN_PROFILES)
+    for r in reports:
+        (d,) = r["delegates"]
+        assert r["memory_budget_bytes"] == BUILTIN_PROFILES[r["profile"]].memory_budget_bytes
+        assert 0 < d["shader_variants"] <= d["dispatches"]
+    assert main(["inspect", str(tiny_step), "--device-profile", "all"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[1].split()[:5] == ["profile", "fits", "dispatches", "shader", "variants"]
+    for r, line in zip(reports, lines[2:]):
+        d = r["delegates"][0]
+        assert line.split()[:5] == [r["profile"], "yes", str(d["dispatches"]), str(d["shader_variants"]),
+                                    str(d["submits"])]

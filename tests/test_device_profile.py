@@ -62,6 +62,8 @@ def _write(tmp_path, data) -> str:
     (lambda d: d.update(subgroup_size="eight"), r"subgroup_size must be an integer >= 0, got 'eight'"),
     (lambda d: d.update(subgroup_size=12), r"subgroup_size must be a power of two"),
     (lambda d: d.update(max_dispatches_per_submit=-1), r"max_dispatches_per_submit must be an integer >= 0, got -1"),
+    (lambda d: d.update(memory_budget_bytes=-1), r"memory_budget_bytes must be an integer >= 0, got -1"),
+    (lambda d: d.update(memory_budget_bytes=1.5e9), r"memory_budget_bytes must be an integer >= 0, got 1500000000.0"),
     (lambda d: d.update(api="metal"), r"api must be one of vulkan, webgpu, got 'metal'"),
     (lambda d: d.update(float16=1), r"float16 must be true or false, got 1"),
     (lambda d: d.update(subgroup_operations=["basic", "rotate"]), r"subgroup_operations must be a list of distinct"),
@@ -85,6 +87,20 @@ def test_a_profile_file_from_before_bounded_submits_loads_unbounded(tmp_path):
     del data["max_dispatches_per_submit"]
     assert load_profile(_write(tmp_path, data)) == dataclasses.replace(phone, max_dispatches_per_submit=0)
     assert load_profile(_write(tmp_path, phone.to_dict())) == phone
+
+
+def test_a_profile_file_from_before_memory_budgets_loads_without_a_budget(tmp_path):
+    # The phone classes carry a 4 GB phone's budget; a file without the field (older) has none: 0.
+    phone = BUILTIN_PROFILES["mali-g7xx"]
+    assert phone.memory_budget_bytes == 1 << 30
+    assert all(BUILTIN_PROFILES[name].memory_budget_bytes == 0 for name in ("lavapipe", "nvidia-coopmat", "desktop-gpu"))
+    data = phone.to_dict()
+    assert data["memory_budget_bytes"] == 1 << 30
+    del data["memory_budget_bytes"], data["max_dispatches_per_submit"]
+    assert load_profile(_write(tmp_path, data)) == dataclasses.replace(phone, memory_budget_bytes=0,
+                                                                      max_dispatches_per_submit=0)
+    budget = dataclasses.replace(phone, name="small", memory_budget_bytes=12345)
+    assert load_profile(_write(tmp_path, budget.to_dict())) == budget
 
 
 def test_a_profile_file_that_is_no_json_object_is_refused(tmp_path):

@@ -1,7 +1,7 @@
 """vktrain command line.
 
     vktrain export --model tiny-llama|HF_DIR|FILE.gguf --lora-rank 8 --batch 4 --seq 64 --out step.pte
-    vktrain inspect step.pte [--json] [--device-profile NAME|FILE.json]
+    vktrain inspect step.pte [--json] [--device-profile NAME|FILE.json|all]
     vktrain train step.pte --steps 100 [--data FILE --lr 1e-3 --schedule cosine --warmup 10 ...]
     vktrain eval step.pte --data FILE [--adapters DIR|CHECKPOINT] [--json FILE]
     vktrain generate --model PATH [--adapters DIR] --prompt TEXT [--chat] [--max-new-tokens N] [--json FILE]
@@ -222,6 +222,13 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     except OSError as e:
         print(f"vktrain inspect: error: cannot read {args.file}: {e.strerror}", file=sys.stderr)
         return 2
+    if args.device_profile == "all":
+        from vktrain.runtime.program.fit import fit_report, format_fit_table
+        from vktrain.serialization.device_profile import BUILTIN_PROFILES
+
+        reports = [fit_report(data, profile, args.file) for profile in BUILTIN_PROFILES.values()]
+        print(json.dumps({"profiles": reports}, indent=2) if args.json else format_fit_table(args.file, reports))
+        return 0
     if args.device_profile is not None:
         from vktrain.runtime.program.fit import fit_report, format_fit
         from vktrain.serialization.device_profile import resolve_profile
@@ -299,11 +306,12 @@ def build_parser() -> argparse.ArgumentParser:
     inspect.add_argument("--json", action="store_true", help="print the report as JSON (every state tensor)")
     inspect.add_argument("--verbose", action="store_true",
                          help="list every state tensor (default: their count and bytes by kind)")
-    inspect.add_argument("--device-profile", metavar="NAME|FILE.json", default=None,
+    inspect.add_argument("--device-profile", metavar="NAME|FILE.json|all", default=None,
                          help="instead: plan the program for this device profile (a built-in: `vktrain devices "
-                              "--profiles`, or a profile file), opening no device, and say whether it fits: "
-                              "dispatches, device memory, largest allocation and binding against the profile's "
-                              "limits, the refusals and what to change")
+                              "--profiles`, or a profile file; `all`: every built-in, one line each), opening no "
+                              "device, and say whether it fits: dispatches, shader variants, device memory against "
+                              "the profile's memory budget, largest allocation and binding against its limits, "
+                              "the refusals and what to change")
     inspect.set_defaults(run=cmd_inspect)
 
     from vktrain.train.command import add_train_arguments, run_train  # torch-free

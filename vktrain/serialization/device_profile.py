@@ -16,6 +16,7 @@ Built-in profiles (BUILTIN_PROFILES), each with its source:
                    phone classes: the vendor's documented subgroup width, the shared memory gpuinfo.org shows
                    for the class, and the Vulkan 1.1 required limits for the rest: conservative, so a plan for
                    the class fits every member; a queried device's own profile (`vktrain devices`) is tighter.
+                   Each carries a 4 GB phone's memory budget (PHONE_MEMORY_BUDGET_BYTES, a conservative choice).
 A profile file (`vktrain devices --json`, `DeviceProfile.to_json`) holds every field below; reading one
 refuses unknown and missing fields by name (`DeviceProfile.from_json`, `load_profile`), except the fields
 added after the format was first written (OPTIONAL_FIELDS), which take their default when absent so that older
@@ -109,6 +110,9 @@ class DeviceProfile:
     # The most recorded dispatches one vkQueueSubmit / queue.submit runs (0: a step is one submit). A phone's
     # GPU watchdog kills a long submission (device lost); a dispatch count is a proxy for its time.
     max_dispatches_per_submit: int = 0
+    # The device memory one program may plan (every buffer of its methods, shared ones once; 0: no budget).
+    # Not a Vulkan limit: what the OS leaves an app (phones share RAM with the OS: PHONE_MEMORY_BUDGET_BYTES).
+    memory_budget_bytes: int = 0
     source: str = ""  # where the numbers come from
 
     def __post_init__(self) -> None:
@@ -177,12 +181,12 @@ class DeviceProfile:
 
 _FIELD_NAMES = tuple(f.name for f in dataclasses.fields(DeviceProfile))
 # Fields newer than the first profile files: absent from a file, they take the record's default.
-OPTIONAL_FIELDS = ("max_dispatches_per_submit",)
+OPTIONAL_FIELDS = ("max_dispatches_per_submit", "memory_budget_bytes")
 _COOPMAT_FIELDS = tuple(f.name for f in dataclasses.fields(CoopmatShape))
 _INT_FIELDS = ("subgroup_size", "max_shared_memory_bytes", "max_workgroup_invocations", "max_storage_buffer_range",
                "min_storage_buffer_offset_alignment", "max_allocation_bytes", "max_push_constants_bytes",
                "max_storage_buffers_per_stage", "min_workgroups", "split_k_target_workgroups",
-               "fp32_target_workgroups", "max_dispatches_per_submit")
+               "fp32_target_workgroups", "max_dispatches_per_submit", "memory_budget_bytes")
 
 
 def _is_int(value: Any) -> bool:
@@ -218,7 +222,8 @@ def _problems(p: DeviceProfile) -> list[str]:
         found.append(f"device_type must be one of {', '.join(DEVICE_TYPES)}, got {p.device_type!r}")
     for name in _INT_FIELDS:
         value = getattr(p, name)
-        least = 0 if name in ("subgroup_size", "max_push_constants_bytes", "max_dispatches_per_submit") else 1
+        least = 0 if name in ("subgroup_size", "max_push_constants_bytes", "max_dispatches_per_submit",
+                              "memory_budget_bytes") else 1
         if not _is_int(value) or value < least:
             found.append(f"{name} must be an integer >= {least}, got {value!r}")
     if _is_int(p.subgroup_size) and p.subgroup_size & (p.subgroup_size - 1):
@@ -328,15 +333,23 @@ DESKTOP_GPU = DeviceProfile(
 # records ~4,600 dispatches, i.e. ~18 submits and fence round trips).
 PHONE_MAX_DISPATCHES_PER_SUBMIT = 256
 
+# A phone's GPU shares its RAM with the OS and every other app. Android documents no fixed per-app limit for
+# GPU memory: ActivityManager.getMemoryClass() is the Java heap's, and Android 17's Memory Limiter
+# (source.android.com/docs/core/perf/memory-limiter) caps a process's memory through cgroup v2 with no number
+# published. A 4 GB phone leaves one app roughly 1-1.5 GB it can use; 1 GiB is a conservative choice, not a
+# measurement, so that a program within it fits the class's smallest (4 GB) members.
+PHONE_MEMORY_BUDGET_BYTES = 1 << 30
+
 
 def _phone(name: str, subgroup_size: int, shared: int, source: str) -> DeviceProfile:
     """A phone class: the vendor's documented subgroup width, the shared memory gpuinfo.org shows for the
     class, and the Vulkan 1.1 required limits for the rest (every member has at least those); fp16 yes
     (VK_KHR_shader_float16_int8 on these classes), int64 and subgroup operations beyond basic not assumed;
-    bounded submits (PHONE_MAX_DISPATCHES_PER_SUBMIT)."""
+    bounded submits (PHONE_MAX_DISPATCHES_PER_SUBMIT); a 4 GB phone's memory budget (PHONE_MEMORY_BUDGET_BYTES)."""
     return DeviceProfile(name=name, api=API_VULKAN, device_type="integrated", subgroup_size=subgroup_size,
                          subgroup_operations=("basic",), float16=True, int64=False, cooperative_matrix=(),
                          max_dispatches_per_submit=PHONE_MAX_DISPATCHES_PER_SUBMIT,
+                         memory_budget_bytes=PHONE_MEMORY_BUDGET_BYTES,
                          **dict(_VK_REQUIRED, max_shared_memory_bytes=shared), source=source)
 
 

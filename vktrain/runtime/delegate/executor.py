@@ -35,7 +35,8 @@ from vktrain.serialization import graph as vk
 from vktrain.runtime.vk.commands import Program
 from vktrain.runtime.vk.memory import Buffer
 from vktrain.runtime.delegate.lowering_context import GraphLoweringError
-from vktrain.runtime.delegate.planner import SHARED_PREFIX, check_allocations, gemm_route_of, plan_schedule
+from vktrain.runtime.delegate.planner import (SHARED_PREFIX, check_allocations, check_memory_budget, gemm_route_of,
+                                              owned_bytes, plan_schedule)
 from vktrain.runtime.device_profiles import planning_profile, profile_of
 from vktrain.contract import PRECISION_AUTO
 from vktrain.serialization.schedule import Schedule, ScheduleMismatchError, TensorPlacement
@@ -123,6 +124,9 @@ class GraphExecutor:
     Tensors over it are split across dispatches where the kernel can (kernels/matmul.py, embedding.py,
     q8_0.py, cross_entropy.py); any other binding over it is refused at load, naming the tensor.
 
+    `resident_bytes`: the device memory the program's other executors already hold (eval's executor: the
+    training step's), counted with this one's own buffers against an emulated profile's memory budget.
+
     `schedule` (a Schedule from `plan_schedule`, e.g. read back with deserialize_schedule) runs that plan
     instead of planning here; it carries the precision, tensor-core emulation and binding limit, so those
     arguments stay at their defaults. `schedule` is the one this executor runs either way.
@@ -131,7 +135,7 @@ class GraphExecutor:
     def __init__(self, device, graph: vk.VkGraph, *, timing: bool = True, staging: bool | None = None,
                  shared: dict[str, SharedTensor] | None = None, precision: str = PRECISION_AUTO,
                  emulate_tensor_cores: bool = False, max_binding_bytes: int | None = None,
-                 schedule: Schedule | None = None):
+                 schedule: Schedule | None = None, resident_bytes: int = 0):
         graph.validate()
         self.device = device
         self._staging = staging  # Buffer's access path: None = direct on unified memory, else staging
@@ -157,6 +161,10 @@ class GraphExecutor:
             self._check_schedule(schedule)
         if self.emulating:  # the device's own cap is the driver's business; an emulated one is checked here
             check_allocations(schedule, self.profile)
+            check_memory_budget(schedule, self.profile, resident_bytes)
+        # What this executor allocates, and with the other executors of the program whose memory it counts.
+        self.owned_bytes = owned_bytes(schedule)
+        self.program_bytes = self.owned_bytes + resident_bytes
         self.schedule = schedule
         self.gemm_route = gemm_route_of(schedule)
         self.max_binding_bytes = schedule.max_binding_bytes or None

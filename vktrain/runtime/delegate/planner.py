@@ -378,10 +378,40 @@ def check_allocations(schedule: Schedule, profile: DeviceProfile) -> None:
         raise GraphLoweringError("; ".join(refusals))
 
 
+def owned_bytes(schedule: Schedule) -> int:
+    """The device memory `schedule` allocates itself: every buffer but those another executor of the program
+    owns (role "shared": they are counted once, by their owner)."""
+    return sum(b.size_bytes for b in schedule.buffers if b.role != "shared")
+
+
+MEMORY_BUDGET_ADVICE = ("export with a smaller --batch or --seq (activations scale with batch x seq) or a smaller "
+                        "--lora-rank (the adapters and their AdamW moments); the frozen weights shrink only with "
+                        "the model")
+
+
+def memory_budget_refusal(needed: int, profile: DeviceProfile) -> str | None:
+    """The phrase refusing `needed` bytes of device memory over the profile's memory budget, None if within
+    (or the profile has no budget)."""
+    budget = profile.memory_budget_bytes
+    if not budget or needed <= budget:
+        return None
+    return (f"the program needs {needed} bytes of device memory, over the memory budget of {budget} bytes "
+            f"(device profile {profile.name!r})")
+
+
+def check_memory_budget(schedule: Schedule, profile: DeviceProfile, resident_bytes: int = 0) -> None:
+    """Refuse a schedule whose own buffers, with `resident_bytes` the program's other executors hold, exceed
+    the profile's memory budget (memory_budget_refusal), saying what to change."""
+    refusal = memory_budget_refusal(owned_bytes(schedule) + resident_bytes, profile)
+    if refusal:
+        raise GraphLoweringError(f"{refusal}: {MEMORY_BUDGET_ADVICE}")
+
+
 def gemm_route_of(schedule: Schedule) -> GemmRoute:
     """The GemmRoute a schedule was planned with."""
     return GemmRoute(**dataclasses.asdict(schedule.gemm))
 
 
 __all__ = ["MIN_MAX_BINDING_BYTES", "ProfileAsDevice", "SCRATCH_KEY", "TENSOR_CORE_SHADER_PREFIX",
-           "allocation_refusals", "binding_limited", "check_allocations", "gemm_route_for", "gemm_route_of", "plan_schedule", "requirements_of"]
+           "allocation_refusals", "binding_limited", "check_allocations", "check_memory_budget",
+           "memory_budget_refusal", "owned_bytes", "gemm_route_for", "gemm_route_of", "plan_schedule", "requirements_of"]

@@ -62,7 +62,8 @@ class EvalMethod:
         shared = {name: state[name] for name in lora}
         shared.update(training.constants_matching(self.graph))  # the frozen base: on the device once
         self.executor = GraphExecutor(training.device, self.graph, timing=timing, shared=shared,
-                                      max_binding_bytes=training.max_binding_bytes)
+                                      max_binding_bytes=training.max_binding_bytes,
+                                      resident_bytes=training.program_bytes)
         try:
             self._interpreter = ProgramInterpreter(pte, plan, self._run_delegate, host_memory_limit=host_memory_limit)
         except BaseException:

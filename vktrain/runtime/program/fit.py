@@ -7,14 +7,23 @@ The report, per vktrain delegate of the main method (the training step's, else t
 recorded under its max workgroup count),
 the planned device memory (every buffer of the schedule: constants, state, activations, scratch), the largest
 allocation against the profile's max allocation size, the largest binding against its max storage binding
-size, and the refusals, each with the limit, the value needed, the profile's value and what to change.
-A profile records no total-memory budget, so the device memory is reported, not judged.
+size, the shader variants (distinct shader + specialization constants), and the refusals, each with the
+limit, the value needed, the profile's value and what to change.
+
+The program's device memory is the training step's buffers plus those of its eval method that the step does
+not hold (eval binds the step's adapters and its byte-identical frozen constants: counted once, as the
+runtime allocates them, evaluation.py); it is judged against the profile's memory budget
+(memory_budget_bytes; 0: none, reported only).
 """
 from __future__ import annotations
 
-from vktrain.contract import BACKEND_ID
+from dataclasses import dataclass
+
+import numpy as np
+
+from vktrain.contract import BACKEND_ID, EVAL_METHOD, TRAIN_METHOD
 from vktrain.runtime.delegate.lowering_context import GraphLoweringError
-from vktrain.runtime.delegate.planner import plan_schedule
+from vktrain.runtime.delegate.planner import MEMORY_BUDGET_ADVICE, memory_budget_refusal, owned_bytes, plan_schedule
 from vktrain.runtime.program.summary import read_pte
 from vktrain.runtime.vk.schedule import plan_submits, split_groups
 from vktrain.serialization import deserialize_blob
@@ -35,6 +44,46 @@ ADVICE = {
 }
 BINDING_ADVICE = ("if the tensor named is an activation (its shape holds batch x seq), export with a smaller "
                   "--batch or --seq; a weight's bindings shrink only with the model")
+
+
+@dataclass(frozen=True)
+class _Shared:
+    """What the planner reads of a SharedTensor (planner.py `shared`), with no device."""
+
+    offset: int
+    tensor: vk.TensorValue
+
+
+def _shared_with(owners: list[vk.VkGraph], graph: vk.VkGraph) -> dict[str, _Shared]:
+    """The tensors of `graph` (the eval method's) the runtime binds to the training step's buffers rather than
+    allocating: the step's state under the same name, and its named constants held byte for byte
+    (GraphExecutor.shared_state / constants_matching)."""
+    state, constants = {}, {}
+    for owner in owners:
+        for s in owner.mutable_state:
+            tensor = owner.tensor(s.state_id)
+            if tensor.name:
+                state[tensor.name] = tensor
+        for value in owner.values:
+            if isinstance(value, vk.TensorValue) and value.constant_id >= 0 and value.name and value.storage_of < 0:
+                constants.setdefault(value.name, []).append((owner, value))
+    shared = {}
+    for value in graph.values:
+        if not (isinstance(value, vk.TensorValue) and value.constant_id >= 0 and value.name):
+            continue
+        if value.name in state:
+            shared[value.name] = _Shared(0, state[value.name])
+            continue
+        if len(constants.get(value.name, ())) != 1:
+            continue
+        owner, tensor = constants[value.name][0]
+        if (tensor.shape, tensor.dtype, tensor.layout, tensor.storage_dtype) != \
+                (value.shape, value.dtype, value.layout, value.storage_dtype):
+            continue
+        if np.array_equal(np.frombuffer(vk.stored_bytes(graph.constants[value.constant_id]), np.uint8),
+                          np.frombuffer(vk.stored_bytes(owner.constants[tensor.constant_id]), np.uint8)):
+            shared[value.name] = _Shared(0, tensor)
+    return shared
 
 
 def _delegate_fit(graph: vk.VkGraph, profile: DeviceProfile) -> dict:
@@ -62,6 +111,7 @@ def _delegate_fit(graph: vk.VkGraph, profile: DeviceProfile) -> dict:
         "submits": len(plan_submits(recorded, profile.max_dispatches_per_submit)),
         "device_memory_bytes": sum(b.size_bytes for b in buffers),
         "buffers": len(buffers),
+        "shader_variants": len({(d.shader, d.spec_constants) for d in schedule.dispatches}),
         "largest_allocation": {"buffer": buffers[0].key, "role": buffers[0].role, "bytes": buffers[0].size_bytes}
         if buffers else None,
         "largest_binding": {"dispatch": largest_binding[1], "bytes": largest_binding[0]},
@@ -70,14 +120,44 @@ def _delegate_fit(graph: vk.VkGraph, profile: DeviceProfile) -> dict:
     }
 
 
+def _graphs(pte: PteFile, data: bytes, method: str | None, source: str) -> list[vk.VkGraph]:
+    return [deserialize_blob(d.payload, named_data=pte.named_data) for d in read_pte(data, method, source).delegates
+            if d.backend_id == BACKEND_ID]
+
+
+def _eval_fit(pte: PteFile, data: bytes, step: list[vk.VkGraph], profile: DeviceProfile, source: str) -> dict | None:
+    """The eval method's own device memory next to the training step's (None: the .pte has none)."""
+    if TRAIN_METHOD not in pte.method_names or EVAL_METHOD not in pte.method_names:
+        return None
+    owned, refusals = 0, []
+    for graph in _graphs(pte, data, EVAL_METHOD, source):
+        try:
+            owned += owned_bytes(plan_schedule(graph, profile, shared=_shared_with(step, graph)))
+        except (GraphLoweringError, KernelArgumentError) as exc:
+            refusals.append({"limit": "max_storage_buffer_range", "profile_value": profile.max_storage_buffer_range,
+                             "message": f"{EVAL_METHOD} method: {exc}", "change": BINDING_ADVICE})
+    return {"method": EVAL_METHOD, "device_memory_bytes": owned, "refusals": refusals}
+
+
 def fit_report(data: bytes, profile: DeviceProfile, source: str = "<bytes>") -> dict:
-    """Whether the .pte's main method fits `profile` (module docstring); JSON-ready."""
+    """Whether the .pte's main method (with its eval method's memory) fits `profile` (module docstring);
+    JSON-ready."""
     pte = PteFile.from_bytes(data, source)
-    contents = read_pte(data, None, source)
-    delegates = [_delegate_fit(deserialize_blob(d.payload, named_data=pte.named_data), profile)
-                 for d in contents.delegates if d.backend_id == BACKEND_ID]
-    return {"profile": profile.name, "source": profile.source, "fits": all(d["fits"] for d in delegates),
-            "delegates": delegates}
+    graphs = _graphs(pte, data, None, source)
+    delegates = [_delegate_fit(graph, profile) for graph in graphs]
+    evaluation = _eval_fit(pte, data, graphs, profile, source)
+    step_bytes = sum(d.get("device_memory_bytes", 0) for d in delegates)
+    total = step_bytes + (evaluation["device_memory_bytes"] if evaluation else 0)
+    refusals = list(evaluation["refusals"]) if evaluation else []
+    over = memory_budget_refusal(total, profile)
+    if over and all(d["planned"] for d in delegates):
+        refusals.append({"limit": "memory_budget_bytes", "needed": total, "profile_value": profile.memory_budget_bytes,
+                         "message": over, "change": MEMORY_BUDGET_ADVICE})
+    return {"profile": profile.name, "source": profile.source,
+            "fits": all(d["fits"] for d in delegates) and not refusals,
+            "device_memory_bytes": total, "step_device_memory_bytes": step_bytes,
+            "memory_budget_bytes": profile.memory_budget_bytes, "eval": evaluation,
+            "delegates": delegates, "refusals": refusals}
 
 
 def _mib(n: int) -> str:
@@ -101,8 +181,8 @@ def format_fit(path: str, report: dict) -> str:
                       f"    submits per step: {d['submits']} ("
                       + (f"at most {bound} of its {d['recorded_dispatches']} recorded dispatches each)" if bound
                          else f"unbounded: {d['recorded_dispatches']} recorded dispatches)"),
-                      f"    planned device memory: {_mib(d['device_memory_bytes'])} in {d['buffers']} buffer(s) "
-                      f"(the profile records no memory budget)"]
+                      f"    shader variants: {d['shader_variants']}",
+                      f"    planned device memory: {_mib(d['device_memory_bytes'])} in {d['buffers']} buffer(s)"]
             if alloc:
                 lines.append(f"    largest allocation: {_mib(alloc['bytes'])} (buffer {alloc['buffer']}, {alloc['role']}) "
                              f"of at most {_mib(d['max_allocation_bytes'])}")
@@ -110,4 +190,39 @@ def format_fit(path: str, report: dict) -> str:
                          f"{_mib(d['max_storage_buffer_range'])}")
         for refusal in d["refusals"]:
             lines += [f"    refused ({refusal['limit']}): {refusal['message']}", f"      change: {refusal['change']}"]
+    evaluation, budget = report["eval"], report["memory_budget_bytes"]
+    parts = f" (training step {_mib(report['step_device_memory_bytes'])} + eval method " \
+            f"{_mib(evaluation['device_memory_bytes'])} it does not share)" if evaluation else ""
+    lines.append(f"  program device memory: {_mib(report['device_memory_bytes'])}{parts} "
+                 + (f"of a budget of {_mib(budget)}" if budget else "(the profile records no memory budget)"))
+    for refusal in report["refusals"]:
+        lines += [f"  refused ({refusal['limit']}): {refusal['message']}", f"    change: {refusal['change']}"]
+    return "\n".join(lines)
+
+
+TABLE_COLUMNS = ("profile", "fits", "dispatches", "shader variants", "submits", "device memory", "budget",
+                 "largest allocation", "largest binding", "refusals")
+
+
+def _row(report: dict) -> tuple[str, ...]:
+    planned = [d for d in report["delegates"] if d["planned"]]
+    refusals = len(report["refusals"]) + sum(len(d["refusals"]) for d in report["delegates"])
+    largest = lambda key: _mib(max((d[key]["bytes"] for d in planned if d[key]), default=0))  # noqa: E731
+    return (report["profile"], "yes" if report["fits"] else "NO",
+            str(sum(d["dispatches"] for d in planned)), str(sum(d["shader_variants"] for d in planned)),
+            str(sum(d["submits"] for d in planned)), _mib(report["device_memory_bytes"]),
+            _mib(report["memory_budget_bytes"]) if report["memory_budget_bytes"] else "none",
+            largest("largest_allocation"), largest("largest_binding"), str(refusals))
+
+
+def format_fit_table(path: str, reports: list[dict]) -> str:
+    """One fit line per profile (`vktrain inspect STEP.pte --device-profile all`), then each refusal."""
+    rows = [TABLE_COLUMNS] + [_row(r) for r in reports]
+    widths = [max(len(row[i]) for row in rows) for i in range(len(TABLE_COLUMNS))]
+    lines = [f"{path} on every built-in device profile (device memory: the training step and its eval method)"]
+    lines += ["  " + "  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip() for row in rows]
+    for r in reports:
+        for refusal in r["refusals"] + [x for d in r["delegates"] for x in d["refusals"]]:
+            lines.append(f"  {r['profile']}: refused ({refusal['limit']}): {refusal['message']}; "
+                         f"change: {refusal['change']}")
     return "\n".join(lines)
