@@ -350,3 +350,29 @@ def test_inspect_all_lists_every_builtin_profile(tiny_step, capsys):
         d = r["delegates"][0]
         assert line.split()[:5] == [r["profile"], "yes", str(d["dispatches"]), str(d["shader_variants"]),
                                     str(d["submits"])]
+
+
+def test_generation_counts_prefill_and_decode_against_the_budget(vk_device, tmp_path, monkeypatch):
+    from vktrain.generate.runner import GenerationRunner
+
+    monkeypatch.delenv(DEVICE_PROFILE_ENV, raising=False)
+    cache = tmp_path / "cache"
+    assert main(["generate", "--model", "tiny-llama", "--model-arg", "n_layers=1", "--prompt-ids", "1,2",
+                 "--max-new-tokens", "1", "--program-cache", str(cache)]) == 0
+    (pte,) = cache.rglob("*.pte")
+
+    def load(budget):
+        path = tmp_path / f"budget-{budget}.json"
+        path.write_text(dataclasses.replace(MALI_G7X, name="gen", memory_budget_bytes=budget).to_json())
+        monkeypatch.setenv(DEVICE_PROFILE_ENV, str(path))
+        return GenerationRunner.from_pte(pte, vk_device)
+
+    with load(MALI_G7X.memory_budget_bytes) as runner:
+        prefill, decode = runner.prefill_method.executor, runner.decode_method.executor
+        needed = prefill.owned_bytes + decode.owned_bytes
+        assert 0 < decode.owned_bytes < needed == decode.program_bytes
+    from vktrain.runtime.delegate.lowering_context import GraphLoweringError
+    with pytest.raises(GraphLoweringError, match=f"the program needs {needed} bytes of device memory, over the "
+                                                 f"memory budget of {needed - 4} bytes"):
+        load(needed - 4)
+    load(needed).close()

@@ -72,7 +72,9 @@ class _Method:
         if shares_with is not None:
             shared.update(shares_with.executor.constants_matching(self.graph))
             shared.update(shares_with.executor.shared_state())
-        self.executor = GraphExecutor(device, self.graph, timing=False, shared=shared, max_binding_bytes=max_binding_bytes)
+        # Against an emulated profile's memory budget decode counts prefill's buffers with its own.
+        self.executor = GraphExecutor(device, self.graph, timing=False, shared=shared, max_binding_bytes=max_binding_bytes,
+                                      resident_bytes=shares_with.executor.program_bytes if shares_with else 0)
         self.rows = int(self.plan.values[self.plan.inputs[self.input_names.index(TOKEN_IDS)]].sizes[1])
 
     def _run_delegate(self, index: int, args: list) -> list[np.ndarray]:
