@@ -3,6 +3,8 @@ micro-batches of B, accumulated on the device, give the update of one batch of 2
 with nothing accumulated is the plain step bit for bit; the device memory is one micro-batch's."""
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 import torch
@@ -13,6 +15,7 @@ from vktrain.export import export_accumulating_methods, export_training_step, lo
 from vktrain.lora import LoRAConfig, apply_lora, lora_modules, lora_parameter_names
 from vktrain.models import build_model
 from vktrain.runtime.program.runner import TrainingRunner, UnsupportedProgramError
+from vktrain.train.checkpoint import load_checkpoint
 
 MICRO = (2, 16)
 VOCAB = 256
@@ -128,3 +131,65 @@ def test_a_pte_without_the_accumulate_method_is_refused(ptes, vk_device):
     with TrainingRunner.from_pte(plain, vk_device) as runner:
         with pytest.raises(UnsupportedProgramError, match="no 'accumulate' method"):
             runner.accumulate(token_ids, labels, 10.0)
+
+
+def _cli_train(program, data, out, *extra) -> tuple[int, list[dict]]:
+    from vktrain import cli
+
+    code = cli.main(["train", str(program), "--data", str(data), "--no-shuffle", "--lr", "1e-2", "--schedule", "constant",
+                     "--no-progress", "--log-every", "0", "--json", str(out), *extra])
+    return code, (json.loads(out.read_text()) if code == 0 else [])
+
+
+def test_train_grad_accum_matches_the_large_batch_and_resumes_exactly(ptes, tmp_path, vk_device):
+    accumulating, plain, big = ptes
+    data = tmp_path / "tokens.npy"
+    np.save(data, np.random.default_rng(7).integers(0, VOCAB, 8 * MICRO[0] * MICRO[1] + 1))
+    code, records = _cli_train(accumulating, data, tmp_path / "acc.json", "--steps", "2", "--grad-accum", "2",
+                               "--checkpoint", str(tmp_path / "acc.ckpt"))
+    assert code == 0
+    code, large = _cli_train(big, data, tmp_path / "big.json", "--steps", "2")
+    assert code == 0
+    # Windows 0-1 then 2-3 as micro-batches, or together as one batch of 4: the same losses (fp32 sums).
+    for mine, theirs in zip(records, large, strict=True):
+        assert mine["loss"] == pytest.approx(theirs["loss"], rel=1e-5)
+    # Checkpoints fall between optimizer steps (the accumulators are zero there): a resume is exact.
+    code, _ = _cli_train(accumulating, data, tmp_path / "first.json", "--steps", "1", "--grad-accum", "2",
+                         "--checkpoint", str(tmp_path / "resumed.ckpt"))
+    assert code == 0
+    code, resumed = _cli_train(accumulating, data, tmp_path / "resumed.json", "--steps", "2", "--grad-accum", "2",
+                               "--resume", str(tmp_path / "resumed.ckpt"))
+    assert code == 0 and [r["loss"] for r in resumed] == [r["loss"] for r in records]
+    whole, split = load_checkpoint(tmp_path / "acc.ckpt"), load_checkpoint(tmp_path / "resumed.ckpt")
+    assert split.step == whole.step == 2 and split.data_position == whole.data_position == 4
+    for name, tensor in whole.tensors.items():
+        np.testing.assert_array_equal(split.tensors[name], tensor, err_msg=name)
+
+
+def test_train_grad_accum_refusals(ptes, tmp_path, capsys, vk_device):
+    accumulating, plain, _ = ptes
+    data = tmp_path / "tokens.npy"
+    np.save(data, np.random.default_rng(7).integers(0, VOCAB, 4 * MICRO[0] * MICRO[1] + 1))
+    assert _cli_train(plain, data, tmp_path / "a.json", "--steps", "1", "--grad-accum", "2")[0] == 2
+    assert "has no 'accumulate' method; export it with vktrain export --grad-accum" in capsys.readouterr().err
+    assert _cli_train(accumulating, data, tmp_path / "b.json", "--steps", "1", "--grad-accum", "0")[0] == 2
+    assert "--grad-accum must be >= 1" in capsys.readouterr().err
+    assert _cli_train(accumulating, data, tmp_path / "c.json", "--steps", "1", "--grad-accum", "2",
+                      "--checkpoint", str(tmp_path / "c.ckpt"))[0] == 0
+    assert _cli_train(accumulating, data, tmp_path / "d.json", "--steps", "2", "--grad-accum", "3",
+                      "--resume", str(tmp_path / "c.ckpt"))[0] == 2
+    assert "was trained with --grad-accum 2; resume with that" in capsys.readouterr().err
+
+
+def test_export_grad_accum_writes_the_accumulate_method(tmp_path, capsys):
+    from vktrain import cli
+    from vktrain.contract import ACCUMULATE_METHOD, EVAL_METHOD, TRAIN_METHOD
+    from vktrain.serialization.pte import PteFile
+
+    out = tmp_path / "step.pte"
+    assert cli.main(["export", "--model", "tiny-llama", "--lora-rank", "2", "--batch", "1", "--seq", "8",
+                     "--calibration-data", "none", "--grad-accum", "--out", str(out)]) == 0
+    assert sorted(PteFile.load(out).method_names) == sorted([TRAIN_METHOD, EVAL_METHOD, ACCUMULATE_METHOD])
+    assert cli.main(["export", "--model", "tiny-llama", "--program", "forward", "--grad-accum",
+                     "--out", str(tmp_path / "forward.pte")]) == 2
+    assert "--grad-accum accumulates a training step's gradients; --program is forward" in capsys.readouterr().err
