@@ -76,6 +76,8 @@ def cmd_export(args: argparse.Namespace) -> int:
 
     if args.freeze_lora_a and args.program != "train-step":
         raise UsageError(f"--freeze-lora-a freezes lora_A in a training step; --program is {args.program}")
+    if args.grad_accum and args.program != "train-step":
+        raise UsageError(f"--grad-accum accumulates a training step's gradients; --program is {args.program}")
     check_outputs([Output("--out", args.out, PTE)], overwrite=args.overwrite,  # before minutes of export
                   inputs=[("--model", args.model), ("--calibration-data", args.calibration_data)])
     import torch
@@ -107,14 +109,16 @@ def cmd_export(args: argparse.Namespace) -> int:
 
     # executorch is imported only once the model and adapters are known to be valid (it is slow to import).
     from vktrain.contract import EVAL_METHOD, TRAIN_METHOD
-    from vktrain.export import export_forward, export_training_and_eval_steps, lower_methods_to_pte
+    from vktrain.export import (export_accumulating_methods, export_forward, export_training_and_eval_steps,
+                                lower_methods_to_pte)
     from vktrain.export.training import adapter_metadata_specs
     from vktrain.partitioner import VktrainPartitioner
 
     batch_shape = (args.batch, args.seq)
     if args.program == "train-step":  # with its eval method (`vktrain eval`), sharing the frozen base
-        methods = dict(zip((TRAIN_METHOD, EVAL_METHOD),
-                           export_training_and_eval_steps(model, batch_shape, freeze_lora_a=args.freeze_lora_a)))
+        methods = export_accumulating_methods(model, batch_shape, freeze_lora_a=args.freeze_lora_a) \
+            if args.grad_accum else dict(zip((TRAIN_METHOD, EVAL_METHOD), export_training_and_eval_steps(
+                model, batch_shape, freeze_lora_a=args.freeze_lora_a)))
     else:
         methods = {TRAIN_METHOD: export_forward(model, batch_shape, with_adapters=args.program == "forward")}
     partitioner = VktrainPartitioner(compile_specs=adapter_metadata_specs(model, args.model, loaded))
@@ -287,6 +291,10 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("--freeze-lora-a", action="store_true",
                         help="train only lora_B (FFA-LoRA, vktrain federate --strategy ffa): lora_A stays its "
                              "initial value, a constant of the program, and its gradient is not computed")
+    export.add_argument("--grad-accum", action="store_true",
+                        help="also export an 'accumulate' method, so that vktrain train --grad-accum N can take N "
+                             "micro-batches per optimizer step (the step gains one float32 gradient buffer per "
+                             "LoRA tensor)")
     export.add_argument("--lora-alpha", type=float, default=16.0)
     export.add_argument("--seed", type=int, default=0,
                         help="seeds the LoRA init and a built-in model's random weights (default 0): exports of one "

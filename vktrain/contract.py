@@ -17,6 +17,7 @@ STEP_INPUTS = (TOKEN_IDS, LABELS, HPARAMS, N_VALID)
 # The .pte's methods: the training step (ExecuTorch's name for a single program) and the eval method
 # exported with it (vktrain.export.eval), which takes token_ids, labels and n_valid and returns the loss.
 TRAIN_METHOD, EVAL_METHOD = "forward", "eval"
+ACCUMULATE_METHOD = "accumulate"  # a --grad-accum export's: forward + backward into optimizer.grad_acc.*
 EVAL_INPUTS = (TOKEN_IDS, LABELS, N_VALID)
 
 # The hparams tensor adamw reads, in this order; the defaults are torch.optim.AdamW's.
@@ -35,6 +36,7 @@ def hparams_values(lr: float, beta1: float = ADAMW_DEFAULTS["beta1"], beta2: flo
 MODEL_PREFIX = "model."                          # model parameters / buffers
 EXP_AVG_PREFIX = "optimizer.exp_avg."            # + the parameter's name under the model
 EXP_AVG_SQ_PREFIX = "optimizer.exp_avg_sq."
+GRAD_ACC_PREFIX = "optimizer.grad_acc."          # + the parameter's name: gradients of the micro-batches so far
 STEP_STATE = "optimizer.step"                    # float32 [] t, the number of updates done
 STATE_PREFIXES = (MODEL_PREFIX, "optimizer.")    # every state name starts with one of these
 
@@ -83,7 +85,7 @@ PRECISIONS = (PRECISION_FP32, PRECISION_FP16_TC)
 PRECISION_AUTO = "auto"
 PRECISION_CHOICES = (PRECISION_AUTO, *PRECISIONS)  # what a user may ask the runtime for
 
-__all__ = ["ADAMW_DEFAULTS", "ADAPTER_METADATA_KEYS", "BACKEND_ID", "METADATA_BAKED_SCALARS", "EVAL_INPUTS", "EVAL_METHOD", "EXP_AVG_PREFIX",
+__all__ = ["ACCUMULATE_METHOD", "ADAMW_DEFAULTS", "ADAPTER_METADATA_KEYS", "BACKEND_ID", "METADATA_BAKED_SCALARS", "EVAL_INPUTS", "EVAL_METHOD", "EXP_AVG_PREFIX", "GRAD_ACC_PREFIX",
            "EXP_AVG_SQ_PREFIX", "HPARAMS", "HPARAM_NAMES", "LABELS", "METADATA_BACKEND", "METADATA_BASE_MODEL",
            "METADATA_GEMM_PRECISIONS", "METADATA_LORA_ALPHA", "METADATA_LORA_LAYERS", "METADATA_LORA_RANK",
            "METADATA_LORA_TARGET_MODULES", "METADATA_MODEL_CONFIG", "METADATA_MODEL_FAMILY",

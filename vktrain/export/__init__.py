@@ -6,6 +6,7 @@ from vktrain.contract import EXP_AVG_PREFIX, EXP_AVG_SQ_PREFIX, HPARAM_NAMES, MO
 
 from .training import (
     example_training_inputs,
+    export_accumulating_methods,
     export_training_and_eval_steps,
     export_training_step,
     training_state_names,
@@ -13,7 +14,7 @@ from .training import (
 
 __all__ = [
     "LoweringError", "EXP_AVG_PREFIX", "EXP_AVG_SQ_PREFIX", "HPARAM_NAMES", "MODEL_PREFIX", "STEP_BUFFER",
-    "example_training_inputs", "export_eval_step", "export_forward", "export_training_and_eval_steps", "export_training_step", "lower_methods_to_pte",
+    "example_training_inputs", "export_eval_step", "export_accumulating_methods", "export_forward", "export_training_and_eval_steps", "export_training_step", "lower_methods_to_pte",
     "lower_to_pte", "to_edge_lowered", "to_edge_lowered_methods",
     "training_state_names",
 ]

@@ -16,6 +16,7 @@ ops on the joint graph's fake tensors. The signature follows vktrain/export/trai
 """
 from __future__ import annotations
 
+import copy
 import operator
 from contextlib import contextmanager
 
@@ -27,7 +28,7 @@ from torch.export.exported_program import ModuleCallEntry, ModuleCallSignature
 from torch.export.graph_signature import (ExportGraphSignature, InputKind, InputSpec, OutputKind, OutputSpec,
                                           TensorArgument)
 
-from vktrain.contract import (EVAL_INPUTS, EXP_AVG_PREFIX, EXP_AVG_SQ_PREFIX, HPARAM_NAMES, HPARAMS, MODEL_PREFIX,
+from vktrain.contract import (EVAL_INPUTS, EXP_AVG_PREFIX, EXP_AVG_SQ_PREFIX, GRAD_ACC_PREFIX, HPARAM_NAMES, HPARAMS, MODEL_PREFIX,
                               STEP_INPUTS, STEP_STATE)
 from vktrain.errors import VktrainError
 
@@ -75,9 +76,10 @@ def simplify_joint_graph(graph: torch.fx.Graph) -> None:
 class _StepBuilder:
     """Edits the joint program's graph in place into the step's; `build` returns the step program."""
 
-    def __init__(self, joint: ExportedProgram, trainable: list[str]) -> None:
+    def __init__(self, joint: ExportedProgram, trainable: list[str], grad_accum: bool = False) -> None:
         self.joint = joint
         self.trainable = trainable
+        self.grad_accum = grad_accum  # the step reads grad_acc.<path> state (added to its gradient) and zeroes it
         self.graph = joint.graph_module.graph
         self.placeholders = [node for node in self.graph.nodes if node.op == "placeholder"]
         self.fake_mode = detect_fake_mode([node.meta["val"] for node in self.placeholders])
@@ -154,6 +156,8 @@ class _StepBuilder:
             for path in self.trainable:
                 self._new_state(prefix + path, state_anchor,
                                 torch.zeros_like(self.state_dict[MODEL_PREFIX + path], dtype=torch.float32))
+        if self.grad_accum:
+            self._new_grad_acc_state(state_anchor)
         position = input_names.index(HPARAMS)
         hparams_anchor = loss_inputs[position] if position < len(loss_inputs) else first_non_placeholder
         with self.graph.inserting_before(hparams_anchor):
@@ -167,18 +171,50 @@ class _StepBuilder:
             step = self._call(torch.ops.aten.add.Tensor, (self.node_of[STEP_STATE], 1.0))
             updates[STEP_STATE] = step
             for path in self.trainable:
+                grad = grads[path]
+                if self.grad_accum:  # the micro-batches' gradients so far, then none
+                    grad = self._call(torch.ops.aten.add.Tensor, (grad, self.node_of[GRAD_ACC_PREFIX + path]))
+                    updates[GRAD_ACC_PREFIX + path] = self._call(torch.ops.aten.zeros_like.default,
+                                                                 (self.node_of[GRAD_ACC_PREFIX + path],))
                 adamw = self._call(torch.ops.vktrain.adamw.default,
                                    (self.node_of[MODEL_PREFIX + path], self.node_of[EXP_AVG_PREFIX + path],
-                                    self.node_of[EXP_AVG_SQ_PREFIX + path], grads[path], hparams, step))
+                                    self.node_of[EXP_AVG_SQ_PREFIX + path], grad, hparams, step))
                 for i, prefix in enumerate((MODEL_PREFIX, EXP_AVG_PREFIX, EXP_AVG_SQ_PREFIX)):
                     updates[prefix + path] = self._call(operator.getitem, (adamw, i))
         mutated = [spec.target for spec in model_state if spec.target in updates] + \
             [STEP_STATE] + [prefix + path for prefix in (EXP_AVG_PREFIX, EXP_AVG_SQ_PREFIX) for path in self.trainable]
+        if self.grad_accum:
+            mutated += [GRAD_ACC_PREFIX + path for path in self.trainable]
         self.graph.erase_node(output)
         self.graph.output(tuple(updates[fqn] for fqn in mutated) + (loss,))
         self.graph.eliminate_dead_code()  # the gradient outputs' own nodes are kept: adamw reads them
         # (no recompile: ExportedProgram generates the code of a GraphModule of its own over this graph)
         return self._program(mutated, loss, user_inputs, input_names)
+
+    def _new_grad_acc_state(self, anchor: torch.fx.Node) -> None:
+        for path in self.trainable:
+            self._new_state(GRAD_ACC_PREFIX + path, anchor,
+                            torch.zeros_like(self.state_dict[MODEL_PREFIX + path], dtype=torch.float32))
+
+    def build_accumulate(self) -> ExportedProgram:
+        """The accumulate method: the loss's forward and backward, each gradient added into grad_acc.<path>;
+        no optimizer state, no hparams; returns the loss."""
+        loss_inputs = self._joint_state()
+        loss, grads = self._gradients()
+        model_state = list(self.state_specs)
+        anchor = loss_inputs[0] if loss_inputs else next(n for n in self.graph.nodes if n.op != "placeholder")
+        self._new_grad_acc_state(anchor)
+        output = self.graph.output_node()
+        updates = {}
+        with self.graph.inserting_before(output):
+            for path in self.trainable:
+                updates[GRAD_ACC_PREFIX + path] = self._call(
+                    torch.ops.aten.add.Tensor, (self.node_of[GRAD_ACC_PREFIX + path], grads[path]))
+        mutated = [GRAD_ACC_PREFIX + path for path in self.trainable]
+        self.graph.erase_node(output)
+        self.graph.output(tuple(updates[fqn] for fqn in mutated) + (loss,))
+        self.graph.eliminate_dead_code()
+        return self._program(mutated, loss, loss_inputs, tuple(node.name for node in loss_inputs))
 
     def _program(self, mutated: list[str], loss: torch.fx.Node, user_inputs: list[torch.fx.Node],
                  input_names: tuple[str, ...]) -> ExportedProgram:
@@ -280,8 +316,17 @@ def _loss_and_gradients(joint: ExportedProgram) -> tuple[torch.fx.Node, dict[str
     return loss, grads
 
 
-def training_step_program(joint: ExportedProgram, trainable: list[str]) -> ExportedProgram:
+def training_step_program(joint: ExportedProgram, trainable: list[str], grad_accum: bool = False) -> ExportedProgram:
     """The step program of a joint program whose gradient outputs are exactly the trainable tensors
-    `trainable` (paths without the "model." prefix). Consumes `joint`: its graph module becomes the step's."""
+    `trainable` (paths without the "model." prefix). Consumes `joint`: its graph module becomes the step's.
+    `grad_accum`: the step adds grad_acc.<path> state to each gradient and zeroes it (accumulate_program)."""
     simplify_joint_graph(joint.graph_module.graph)
-    return _StepBuilder(joint, trainable).build()
+    return _StepBuilder(joint, trainable, grad_accum).build()
+
+
+def accumulate_program(joint: ExportedProgram, trainable: list[str]) -> ExportedProgram:
+    """The accumulate method of a `grad_accum` step: forward + backward, grad_acc.<path> += gradient, the
+    loss returned. Built from a copy of `joint`, which it leaves as it was."""
+    joint = copy.deepcopy(joint)
+    simplify_joint_graph(joint.graph_module.graph)
+    return _StepBuilder(joint, trainable).build_accumulate()

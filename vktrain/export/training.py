@@ -52,7 +52,7 @@ from vktrain.errors import VktrainError
 from vktrain.lora import LoRAQ4Linear, lora_modules, lora_parameter_names, replace_torchao_linears
 from vktrain.partitioner.op_registry import PRESERVED_OPS, first_refusal
 
-from .step_graph import eval_program_from_joint, training_step_program
+from .step_graph import accumulate_program, eval_program_from_joint, training_step_program
 
 
 class StepExportError(VktrainError, ValueError):
@@ -191,6 +191,26 @@ def export_training_and_eval_steps(model: nn.Module, batch_shape: Optional[tuple
     for exported in (program, evaluation):
         drop_unused_constant_inputs(exported)
     return program, evaluation
+
+
+def export_accumulating_methods(model: nn.Module, batch_shape: Optional[tuple[int, int]] = None, *,
+                                example_inputs: Optional[tuple[torch.Tensor, ...]] = None,
+                                freeze_lora_a: bool = False) -> dict[str, ExportedProgram]:
+    """The methods of a gradient-accumulating .pte, from ONE trace: contract.TRAIN_METHOD, the step whose
+    AdamW reads gradient + optimizer.grad_acc.<path> and then zeroes grad_acc; contract.ACCUMULATE_METHOD,
+    forward + backward adding the gradient into grad_acc (the same inputs as the eval method, no hparams);
+    and contract.EVAL_METHOD. N micro-batches: N - 1 accumulate calls, then one step, each given n_valid
+    summed over the N (the loss divides by it), so the update is that of one batch of all N."""
+    from vktrain.contract import ACCUMULATE_METHOD, EVAL_METHOD, TRAIN_METHOD
+
+    if freeze_lora_a:
+        model = _with_lora_a_frozen(model)
+    joint, trainable = _joint_program(model, _loss_inputs(model, batch_shape, example_inputs))
+    methods = {EVAL_METHOD: eval_program_from_joint(joint), ACCUMULATE_METHOD: accumulate_program(joint, trainable)}
+    methods[TRAIN_METHOD] = training_step_program(joint, trainable, grad_accum=True)
+    for exported in methods.values():
+        drop_unused_constant_inputs(exported)
+    return {name: methods[name] for name in (TRAIN_METHOD, EVAL_METHOD, ACCUMULATE_METHOD)}
 
 
 def _with_lora_a_frozen(model: nn.Module) -> nn.Module:

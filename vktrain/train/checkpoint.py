@@ -227,10 +227,14 @@ class Checkpoint:
         if not isinstance(self.config, dict):
             raise CheckpointError(f"{where}: config must be a JSON object, got {type(self.config).__name__}")
         _check_records(self.records, self.step, where)
-        expected_position = self.step + skipped_positions(self.records)
+        grad_accum = self.config.get("grad_accum", 1)  # micro-batches per step (train_loop.run_config)
+        if not isinstance(grad_accum, int) or isinstance(grad_accum, bool) or grad_accum < 1:
+            raise CheckpointError(f"{where}: config grad_accum must be an integer >= 1, got {grad_accum!r}")
+        expected_position = (self.step + skipped_positions(self.records)) * grad_accum
         if self.data_position != expected_position:
             raise CheckpointError(f"{where}: data_position {self.data_position} does not match step {self.step} "
-                                  f"(+{expected_position - self.step} skipped batch(es)): expected {expected_position}")
+                                  f"(+{skipped_positions(self.records)} skipped, {grad_accum} batch(es) a step): expected "
+                                  f"{expected_position}")
         bad = non_finite_tensors(self.tensors)
         if bad:
             raise CheckpointError(f"{where}: tensor(s) {bad[:4]} hold NaN or infinity; a checkpoint holds finite "

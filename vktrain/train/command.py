@@ -25,7 +25,7 @@ from typing import Optional
 
 from tqdm import tqdm
 
-from vktrain.contract import ADAMW_DEFAULTS, METADATA_BAKED_SCALARS, PRECISION_AUTO, PRECISION_CHOICES
+from vktrain.contract import ACCUMULATE_METHOD, ADAMW_DEFAULTS, METADATA_BAKED_SCALARS, PRECISION_AUTO, PRECISION_CHOICES
 from vktrain.errors import VktrainError
 from vktrain.runtime.runtimes import add_runtime_argument, max_binding_bytes, with_device_profile
 from vktrain.serialization.peft_adapters import LORA_SUFFIXES
@@ -106,6 +106,10 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     parser.add_argument("--keep-checkpoints", type=int, default=1, metavar="K",
                         help="keep the last K checkpoints: PATH is the newest, the K-1 before it stay as "
                              "PATH's name with .step<N> before the suffix (default 1)")
+    parser.add_argument("--grad-accum", type=int, default=1, metavar="N",
+                        help="N micro-batches (of the .pte's batch shape) per optimizer step, their gradients summed "
+                             "on the device: the update of one batch N times as large (default 1; N > 1 needs a .pte "
+                             "from vktrain export --grad-accum)")
     parser.add_argument("--on-nonfinite", choices=ON_NONFINITE, default="stop",
                         help="a NaN/inf loss or state: stop, keeping the last good checkpoint (default), or skip "
                              "the batch and retry the step on the next one")
@@ -410,6 +414,14 @@ def _training_batches(args, runner, data_path: Path, seed: int):
                            f"{batches.batches_per_epoch:.1f} batches per epoch")
 
 
+def _check_grad_accum(args, runner) -> None:
+    if args.grad_accum < 1:
+        raise TrainConfigError(f"--grad-accum must be >= 1 (micro-batches per optimizer step), got {args.grad_accum}")
+    if args.grad_accum > 1 and ACCUMULATE_METHOD not in getattr(getattr(runner, "pte", None), "method_names", ()):
+        raise TrainConfigError(f"--grad-accum {args.grad_accum}: {args.program} has no {ACCUMULATE_METHOD!r} method; "
+                               f"export it with vktrain export --grad-accum")
+
+
 def _train_loaded(args, runner, schedule, optimizer, resume, seed, data_path, program_sha256,
                   checkpoint_path, stop: StopOnSignal) -> tuple[TrainState, int, Optional[dict]]:
     """The run once the program is loaded: (final state, first step's index, the record of the held-out
@@ -428,6 +440,7 @@ def _train_loaded(args, runner, schedule, optimizer, resume, seed, data_path, pr
     if args.out_gguf_adapter:
         check_gguf_adapter_program(recorded, args.program)
     batches, info, described = _training_batches(args, runner, data_path, seed)
+    _check_grad_accum(args, runner)
     state = TrainState()
     if resume is not None:
         if resume.data_sha256 != batches.fingerprint:
@@ -437,7 +450,10 @@ def _train_loaded(args, runner, schedule, optimizer, resume, seed, data_path, pr
                                      "resume with the same --data and --no-shuffle setting"))
         restore_state(runner, resume, program_sha256, args.resume)
         state = TrainState.from_checkpoint(resume, args.resume)
-        differences = _config_differences(resume.config, run_config(schedule, optimizer, batches))
+        if resume.config.get("grad_accum", 1) != args.grad_accum:  # its data position counts micro-batches
+            raise TrainConfigError(f"--grad-accum {args.grad_accum}: {args.resume} was trained with --grad-accum "
+                                   f"{resume.config.get('grad_accum', 1)}; resume with that")
+        differences = _config_differences(resume.config, run_config(schedule, optimizer, batches, args.grad_accum))
         if differences:
             print(f"vktrain train: warning: resuming with settings that differ from the checkpoint's run "
                   f"({'; '.join(differences)}): steps after {resume.step} will not match an uninterrupted run",
@@ -446,7 +462,8 @@ def _train_loaded(args, runner, schedule, optimizer, resume, seed, data_path, pr
     after_step, evaluated = _held_out_evaluation(args, runner, info, start)
     # The loss before a fresh run leads its JSON log as step 0; a resumed run's log is its checkpoint's steps.
     before = evaluated if start == 0 else None
-    keeper = BestKeeper.for_run(args, runner, state, program_sha256, batches, run_config(schedule, optimizer, batches))
+    keeper = BestKeeper.for_run(args, runner, state, program_sha256, batches,
+                                run_config(schedule, optimizer, batches, args.grad_accum))
     if keeper is not None:
         after_step = keeper.wrap(after_step)
 
@@ -461,7 +478,7 @@ def _train_loaded(args, runner, schedule, optimizer, resume, seed, data_path, pr
                   keep_checkpoints=args.keep_checkpoints, program_sha256=program_sha256, json_path=args.json,
                   progress=not args.no_progress and sys.stderr.isatty(), log_every=args.log_every,
                   on_nonfinite=args.on_nonfinite, after_step=after_step, stop_requested=stop_requested,
-                  first_record=before)
+                  first_record=before, grad_accum=args.grad_accum)
     except KeyboardInterrupt as exc:  # a second signal (or a Ctrl-C no handler caught): nothing more is saved
         signum = getattr(exc, "signum", signal.SIGINT)
         where = "no checkpoint was written"

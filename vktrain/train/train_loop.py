@@ -188,9 +188,10 @@ class TrainState:
     def from_checkpoint(cls, checkpoint: Checkpoint, path: PathLike) -> "TrainState":
         return cls(checkpoint.step, checkpoint.data_position, list(checkpoint.records), (str(path), checkpoint.step))
 
-    def data_position_after(self, step: int) -> int:
-        """The data position once `step` had completed (batches skipped before it included)."""
-        return step + skipped_positions(self.records[:step])
+    def data_position_after(self, step: int, grad_accum: int = 1) -> int:
+        """The data position once `step` had completed (batches skipped before it included), each step (and
+        each skip) taking `grad_accum` micro-batches."""
+        return (step + skipped_positions(self.records[:step])) * grad_accum
 
 
 @dataclass(frozen=True)
@@ -257,13 +258,29 @@ def run_step(runner: StepRunner, batch: Union[tuple, Mapping[str, np.ndarray]], 
     return float(runner.step(tokens, labels, hparams))
 
 
-def run_config(schedule: LRSchedule, optimizer: AdamWConfig, batches: Union[TokenBatcher, "ArrayBatches"]) -> dict:
+def run_accumulated_step(runner: StepRunner, batches: list[tuple], hparams) -> float:
+    """One optimizer step over several token micro-batches: each but the last adds its gradient into the
+    program's accumulators (runner.accumulate), the last one's step applies AdamW to the sum. Every call
+    divides by n_valid summed over all of them, so the update and the summed loss are those of one batch of
+    all of them."""
+    n_valid = float(sum(np.count_nonzero(np.asarray(labels) >= 0) for _, labels in batches))
+    loss = sum(float(runner.accumulate(tokens, labels, n_valid)) for tokens, labels in batches[:-1])
+    tokens, labels = batches[-1]
+    return loss + float(runner.step(tokens, labels, hparams, n_valid=n_valid))
+
+
+def run_config(schedule: LRSchedule, optimizer: AdamWConfig, batches: Union[TokenBatcher, "ArrayBatches"],
+               grad_accum: int = 1) -> dict:
     """The settings that decide the steps' results (recorded in checkpoints, compared on resume). A constant
-    schedule's length and floor change nothing, so they are left out (extending such a run is no change)."""
+    schedule's length and floor change nothing, so they are left out (extending such a run is no change);
+    grad_accum only when above 1 (a checkpoint from before it existed is the same run)."""
     schedule_fields = schedule.to_dict()
     if schedule.kind == "constant":
         del schedule_fields["total_steps"], schedule_fields["min_lr_ratio"]
-    return {"schedule": schedule_fields, "optimizer": asdict(optimizer), **batches.config()}
+    config = {"schedule": schedule_fields, "optimizer": asdict(optimizer), **batches.config()}
+    if grad_accum > 1:
+        config["grad_accum"] = grad_accum
+    return config
 
 
 def train(runner: StepRunner, batches: Union[TokenBatcher, "ArrayBatches"], steps: int, schedule: LRSchedule,
@@ -273,9 +290,13 @@ def train(runner: StepRunner, batches: Union[TokenBatcher, "ArrayBatches"], step
           log_every: int = 0, on_nonfinite: str = "stop",
           last_good_state_limit: Optional[int] = None,
           after_step: Optional[Callable[[int], dict]] = None,
-          stop_requested: Optional[Callable[[], bool]] = None, first_record: Optional[dict] = None) -> TrainState:
+          stop_requested: Optional[Callable[[], bool]] = None, first_record: Optional[dict] = None,
+          grad_accum: int = 1) -> TrainState:
     """Run steps state.step + 1 .. `steps` (see the module docstring). Returns the final TrainState.
 
+    `grad_accum` N > 1: each step takes N consecutive batches (run_accumulated_step; the runner needs an
+    accumulate method) and advances the data position by N; checkpoints fall between steps, where the
+    accumulators are zero, so a resume is exact.
     `state` continues a run (TrainState.from_checkpoint after `restore_state`) and is updated in place;
     None starts at step 0. `program_sha256` identifies the .pte in checkpoints (sha256_file of it).
     `keep_checkpoints`: how many checkpoints of the run stay on disk (CheckpointSeries); `on_nonfinite`:
@@ -294,6 +315,11 @@ def train(runner: StepRunner, batches: Union[TokenBatcher, "ArrayBatches"], step
         raise TrainConfigError(f"at most {MAX_STEPS} steps (AdamW's step counter is float32), asked for {steps}")
     if checkpoint_every < 0:
         raise TrainConfigError(f"checkpoint_every must be >= 0, got {checkpoint_every}")
+    if grad_accum < 1:
+        raise TrainConfigError(f"grad_accum must be >= 1 (micro-batches per optimizer step), got {grad_accum}")
+    if grad_accum > 1 and not isinstance(batches, TokenBatcher):
+        raise TrainConfigError("gradient accumulation takes token batches (a token model's step); "
+                               "this run's batches are named input arrays")
     if checkpoint_every and checkpoint_path is None:
         raise TrainConfigError("checkpoint_every needs a checkpoint path")
     if on_nonfinite not in ON_NONFINITE:
@@ -302,7 +328,7 @@ def train(runner: StepRunner, batches: Union[TokenBatcher, "ArrayBatches"], step
     series = CheckpointSeries(checkpoint_path, keep_checkpoints) if checkpoint_path is not None else None
     if series is not None:
         series.kept()  # every file it would replace or rotate is a checkpoint: refused now, not at step N
-    config = run_config(schedule, optimizer, batches)
+    config = run_config(schedule, optimizer, batches, grad_accum)
     data_sha256 = batches.fingerprint if series is not None else ""
     copies = last_good_states(runner, last_good_state_limit)  # of S[t-1] and S[t-2]; None: too large
     if on_nonfinite == "skip" and copies is None:
@@ -315,7 +341,7 @@ def train(runner: StepRunner, batches: Union[TokenBatcher, "ArrayBatches"], step
 
     def checkpoint_of(step: int, tensors: dict[str, np.ndarray]) -> Callable[[], Checkpoint]:
         """Makes step's Checkpoint, from what the run holds now (the loop goes on appending records)."""
-        position, records = state.data_position_after(step), [dict(record) for record in state.records[:step]]
+        position, records = state.data_position_after(step, grad_accum), [dict(record) for record in state.records[:step]]
         return lambda: Checkpoint(step, position, program_sha256, data_sha256, batches.seed, tensors, records,
                                   config, source=str(series.path))
 
@@ -376,9 +402,12 @@ def train(runner: StepRunner, batches: Union[TokenBatcher, "ArrayBatches"], step
             started = time.perf_counter()
             step = state.step + 1
             lr = schedule.lr(step)
-            batch = batches.batch(state.data_position)
             hparams = optimizer.hparams(lr) if takes_hparams(runner) else None
-            loss = run_step(runner, batch, hparams)
+            if grad_accum == 1:
+                loss = run_step(runner, batches.batch(state.data_position), hparams)
+            else:
+                loss = run_accumulated_step(
+                    runner, [batches.batch(state.data_position + i) for i in range(grad_accum)], hparams)
             # A finite loss: S[step] is kept (overwriting S[step - 2]) and checked. A non-finite one leaves
             # S[step - 2] in place: the state to resume from.
             state_non_finite = math.isfinite(loss) and copies is not None and copies.keep(step)
@@ -387,7 +416,7 @@ def train(runner: StepRunner, batches: Union[TokenBatcher, "ArrayBatches"], step
                     copies.restore(step - 1)
                 if on_nonfinite == "skip" and len(skipped) < MAX_CONSECUTIVE_SKIPS:
                     skipped.append(state.data_position)
-                    state.data_position += 1
+                    state.data_position += grad_accum
                     tqdm.write(f"step {step:6d}  loss {loss}: skipped batch {skipped[-1]}", file=sys.stderr)
                     continue
                 resume_step = step - 1 if state_non_finite else step - 2
@@ -397,7 +426,7 @@ def train(runner: StepRunner, batches: Union[TokenBatcher, "ArrayBatches"], step
             record = {"step": step, "loss": loss, "lr": lr, "seconds": time.perf_counter() - started}
             if skipped:
                 record["skipped"], skipped = skipped, []
-            state.step, state.data_position = step, state.data_position + 1
+            state.step, state.data_position = step, state.data_position + grad_accum
             state.records.append(record)
             if after_step is not None:
                 record.update(after_step(step))
@@ -430,4 +459,4 @@ def train(runner: StepRunner, batches: Union[TokenBatcher, "ArrayBatches"], step
 
 __all__ = ["AdamWConfig", "MAX_CONSECUTIVE_SKIPS", "MAX_STEPS", "NonFiniteLossError",
            "ON_NONFINITE", "ProgramInfo", "StepRunner", "TrainConfigError", "TrainState", "describe_program",
-           "is_token_step", "run_config", "run_step", "takes_hparams", "train"]
+           "is_token_step", "run_accumulated_step", "run_config", "run_step", "takes_hparams", "train"]

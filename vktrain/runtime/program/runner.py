@@ -3,6 +3,7 @@
     runner = TrainingRunner.from_pte("step.pte")           # device=None opens Device() (VKTRAIN_DEVICE)
     runner = TrainingRunner.from_pte("step.pte", runtime="webgpu")   # the WebGPU device layer instead
     loss = runner.step(token_ids, labels, hparams)         # int64 [B, S], int64 [B, S], float32 [5]
+    runner.accumulate(token_ids, labels, n_valid)          # a --grad-accum .pte: gradient into grad_acc
     loss = runner.step_inputs({"x": x, "target": y}, hparams)   # any module's step, inputs by name
     lora = runner.lora_state()                              # {"model.layers.0.lora_A": array, ...}
     runner.read_state(name) / runner.write_state(name, array)   # checkpoints (FQNs the exporter recorded)
@@ -74,6 +75,7 @@ class TrainingRunner:
         self._input_specs = step_input_specs(self.plan, self._input_names)
         self._interpreter = ProgramInterpreter(pte, self.plan, self._run_delegate, host_memory_limit=host_memory_limit)
         self._eval = None  # the eval method, loaded by the first evaluate()
+        self._accumulate = None  # the accumulate method, loaded by the first accumulate()
         self._eval_options = dict(verify_constants=verify_constants, host_memory_limit=host_memory_limit,
                                   device_memory_limit=device_memory_limit)
 
@@ -185,6 +187,18 @@ class TrainingRunner:
         by_name = {TOKEN_IDS: token_ids, LABELS: labels, N_VALID: np.float32(n_valid)}
         return self.step_inputs({name: by_name[name] for name in self.input_specs}, hparams)
 
+    def accumulate(self, token_ids: Any, labels: Any, n_valid: float) -> float:
+        """Forward + backward of one micro-batch, its gradient added into the step's optimizer.grad_acc
+        state (no update); returns its loss. `n_valid`: the number of labels >= 0 over ALL the micro-batches
+        of the optimizer step, the step's own included (its loss and gradient divide by it), which the last
+        micro-batch's step() gets too: then the update is that of one batch of all of them. Needs a .pte
+        exported with gradient accumulation (AccumulateMethod, loaded on first use)."""
+        if self._accumulate is None:
+            from vktrain.runtime.program.accumulation import AccumulateMethod
+
+            self._accumulate = AccumulateMethod(self.pte, self.executor, **self._eval_options)
+        return self._accumulate.accumulate({TOKEN_IDS: token_ids, LABELS: labels, N_VALID: np.float32(n_valid)})
+
     def evaluate(self, token_ids: Any, labels: Any) -> tuple[float, int]:
         """(loss summed over the labels >= 0, their count) of one batch, by the .pte's eval method on the
         current adapters; no state changes. The eval method is loaded on first use (EvalMethod)."""
@@ -258,8 +272,9 @@ class TrainingRunner:
 
     # ------------------------------------------------------------------------------ lifetime
     def close(self) -> None:
-        if self._eval is not None:
-            self._eval.close()  # it borrows the training executor's state buffers: close it first
+        for method in (self._eval, self._accumulate):
+            if method is not None:
+                method.close()  # it borrows the training executor's state buffers: close it first
         self.executor.close()
         if self._owns_device:
             self.device.close()

@@ -1,0 +1,81 @@
+"""The accumulate method of a gradient-accumulating .pte (vktrain.export.export_accumulating_methods):
+forward + backward of one micro-batch, its gradient added into the training step's optimizer.grad_acc.*
+state on the device; the step's AdamW then uses gradient + grad_acc and zeroes grad_acc.
+
+Like the eval method (evaluation.py), its executor binds the training executor's buffers (GraphExecutor
+`shared`): the adapters and grad_acc state by name, the frozen base where byte-identical. Its own buffers
+are its activations only, so a step of N micro-batches holds one micro-batch's on the device.
+
+    method = AccumulateMethod(pte, training_executor)   # what TrainingRunner.accumulate builds on first use
+    loss = method.accumulate(inputs)                     # inputs by name: a token model's EVAL_INPUTS
+"""
+from __future__ import annotations
+
+from typing import Any, Mapping, Optional
+
+import numpy as np
+
+from vktrain.contract import ACCUMULATE_METHOD, GRAD_ACC_PREFIX
+from vktrain.runtime.delegate.executor import GraphExecutor
+from vktrain.runtime.program.interpreter import (
+    ProgramInterpreter, check_instructions_supported, check_loss_output, check_storageless_tensors, plan_input_names
+)
+from vktrain.runtime.program.step_inputs import check_input_names, checked_input, step_input_specs
+from vktrain.serialization.pte import PteFile
+from vktrain.serialization.verify import (UnsupportedProgramError, check_device_memory, device_memory_bytes,
+                                          load_delegate_graph, verify_plan)
+from vktrain.serialization import graph as g
+
+
+class AccumulateMethod:
+    """The .pte's accumulate method on the device of `training` (the step's GraphExecutor), bound to its
+    state. Verified like the training step before anything is allocated."""
+
+    def __init__(self, pte: PteFile, training: GraphExecutor, *, verify_constants: bool = True,
+                 host_memory_limit: Optional[int] = None, device_memory_limit: Optional[int] = None):
+        if ACCUMULATE_METHOD not in pte.method_names:
+            raise UnsupportedProgramError(
+                f"{pte.source} has no {ACCUMULATE_METHOD!r} method (it has {pte.method_names}): gradient "
+                f"accumulation needs a .pte exported with it (vktrain export --grad-accum)")
+        plan = pte.execution_plan(ACCUMULATE_METHOD)
+        check_instructions_supported(pte, plan, has_delegate=True)
+        check_storageless_tensors(pte, plan)
+        verify_plan(pte, plan, host_memory_limit)
+        call, self.graph = load_delegate_graph(pte, plan, verify_constants=verify_constants)
+        check_loss_output(pte, plan, call, self.graph)
+        self._input_names = plan_input_names(pte, plan, call, self.graph, accepted=None, required=(),
+                                             what="an accumulate method")
+        self.input_specs = step_input_specs(plan, self._input_names)
+        self._source = str(pte.source)
+        state = training.shared_state()
+        accumulators = {name for name in state if name.startswith(GRAD_ACC_PREFIX)}
+        names = {value.name for value in self.graph.values if isinstance(value, g.TensorValue) and value.name}
+        if not accumulators or not accumulators <= names:
+            raise UnsupportedProgramError(
+                f"{pte.source}: the {ACCUMULATE_METHOD!r} method does not update the training step's gradient "
+                f"accumulators {sorted(accumulators - names) or '(the step has none)'}: they were not exported together")
+        check_device_memory(pte.source, self.graph, device_memory_bytes(training.device) if device_memory_limit is None
+                            else device_memory_limit)
+        shared = {name: tensor for name, tensor in state.items() if name in names}  # adapters and grad_acc
+        shared.update(training.constants_matching(self.graph))  # the frozen base: on the device once
+        self.executor = GraphExecutor(training.device, self.graph, timing=False, shared=shared,
+                                      max_binding_bytes=training.max_binding_bytes,
+                                      resident_bytes=training.program_bytes)
+        try:
+            self._interpreter = ProgramInterpreter(pte, plan, self._run_delegate, host_memory_limit=host_memory_limit)
+        except BaseException:
+            self.executor.close()
+            raise
+
+    def _run_delegate(self, index: int, args: list) -> list[np.ndarray]:
+        return self.executor.run(*args[:len(self.graph.inputs)])
+
+    def accumulate(self, inputs: Mapping[str, Any]) -> float:
+        """Add one micro-batch's gradient into grad_acc; returns its loss (its sum over n_valid)."""
+        check_input_names(self.input_specs, inputs, self._source)
+        by_name = {name: checked_input(spec, inputs[name], self._source) for name, spec in self.input_specs.items()}
+        (loss,) = self._interpreter.run([by_name[name] for name in self._input_names])
+        return float(np.asarray(loss).reshape(()))
+
+    def close(self) -> None:
+        self.executor.close()
