@@ -14,6 +14,7 @@ from vktrain.contract import EXP_AVG_PREFIX, GRAD_ACC_PREFIX, MODEL_PREFIX, hpar
 from vktrain.export import export_accumulating_methods, export_training_step, lower_methods_to_pte, lower_to_pte
 from vktrain.lora import LoRAConfig, apply_lora, lora_modules, lora_parameter_names
 from vktrain.models import build_model
+from vktrain.runtime.program.accumulation import AccumulateMethod
 from vktrain.runtime.program.runner import TrainingRunner, UnsupportedProgramError
 from vktrain.train.checkpoint import load_checkpoint
 
@@ -125,6 +126,42 @@ def test_device_memory_is_one_micro_batch_s(ptes, vk_device):
     assert method_bytes <= micro_bytes < big_bytes
 
 
+def test_accumulate_reuses_the_step_s_activation_memory_and_computes_the_same(ptes, vk_device):
+    accumulating, _, _ = ptes
+    token_ids, labels = (array.numpy() for array in _batch())
+    n_valid = float((labels >= 0).sum())
+    runs = []
+    for reuse in (False, True):
+        with TrainingRunner.from_pte(accumulating, vk_device) as runner:
+            runner._accumulate = AccumulateMethod(runner.pte, runner.executor, reuse_activations=reuse)
+            losses = []
+            for _ in range(2):  # two optimizer steps: the step's activations overwritten by accumulate's between
+                losses.append(runner.accumulate(token_ids[:MICRO[0]], labels[:MICRO[0]], n_valid))
+                losses.append(runner.step(token_ids[MICRO[0]:], labels[MICRO[0]:], HPARAMS, n_valid=n_valid))
+            state = {name: runner.read_state(name) for name in runner.state_names}
+            step, method = runner.executor, runner._accumulate.executor
+            offered = step.transient_buffers()
+            transient = {b.key: b.size_bytes for b in method.schedule.buffers if b.role in ("intermediate", "scratch")}
+            reused = {key: next((k for k, b in offered.items() if b is method._buffers[key]), None) for key in transient}
+            runs.append((losses, state, method.owned_bytes, sum(method.buffer_bytes.values()), transient, reused,
+                         {k: b.size for k, b in offered.items()}))
+    (losses_own, state_own, own_bytes, _, _, _, _), (losses, state, method_bytes, allocated, transient, reused,
+                                                      offered) = runs
+    assert losses == losses_own  # bit for bit: the step's activations are dead between calls
+    for name in state_own:
+        np.testing.assert_array_equal(state[name], state_own[name], err_msg=name)
+    # Its intermediates live in the step's (each of the step's at most once, large enough; never its state or
+    # outputs); only the excess, with its inputs and loss, is its own, and that is what it counts.
+    taken = [theirs for theirs in reused.values() if theirs is not None]
+    assert taken and len(taken) == len(set(taken))
+    assert all(offered[theirs] >= transient[key] for key, theirs in reused.items() if theirs is not None)
+    left = [nbytes for key, nbytes in offered.items() if key not in taken]
+    excess = [nbytes for key, nbytes in transient.items() if reused[key] is None]
+    assert all(nbytes > max(left, default=0) for nbytes in excess)  # none it could have reused is left unused
+    assert method_bytes == allocated == own_bytes - sum(transient.values()) + sum(excess)
+    assert method_bytes < own_bytes - max(transient.values())
+
+
 def test_a_pte_without_the_accumulate_method_is_refused(ptes, vk_device):
     _, plain, _ = ptes
     token_ids, labels = (array.numpy()[:MICRO[0]] for array in _batch())
@@ -193,3 +230,24 @@ def test_export_grad_accum_writes_the_accumulate_method(tmp_path, capsys):
     assert cli.main(["export", "--model", "tiny-llama", "--program", "forward", "--grad-accum",
                      "--out", str(tmp_path / "forward.pte")]) == 2
     assert "--grad-accum accumulates a training step's gradients; --program is forward" in capsys.readouterr().err
+
+
+def test_inspect_counts_the_accumulate_method_as_the_runtime_allocates_it(ptes, vk_device, capsys, monkeypatch):
+    from vktrain import cli
+    from vktrain.runtime.device_profiles import DEVICE_PROFILE_ENV
+
+    accumulating, _, _ = ptes
+    monkeypatch.delenv(DEVICE_PROFILE_ENV, raising=False)
+    assert cli.main(["inspect", str(accumulating), "--device-profile", "adreno-7xx", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    monkeypatch.setenv(DEVICE_PROFILE_ENV, "adreno-7xx")  # the runtime plans for the same profile
+    token_ids, labels = (array.numpy()[:MICRO[0]] for array in _batch())
+    with TrainingRunner.from_pte(accumulating, vk_device) as runner:
+        runner.accumulate(token_ids, labels, 10.0)
+        step, method = runner.executor.owned_bytes, runner._accumulate.executor.owned_bytes
+    accumulate, evaluation = report["accumulate"], report["eval"]
+    assert report["step_device_memory_bytes"] == step
+    assert accumulate["method"] == "accumulate" and accumulate["device_memory_bytes"] == method < step
+    assert report["device_memory_bytes"] == step + method + evaluation["device_memory_bytes"]
+    assert cli.main(["inspect", str(accumulating), "--device-profile", "adreno-7xx"]) == 0
+    assert f"+ accumulate method " in capsys.readouterr().out

@@ -36,7 +36,7 @@ from vktrain.runtime.vk.commands import Program
 from vktrain.runtime.vk.memory import Buffer
 from vktrain.runtime.delegate.lowering_context import GraphLoweringError
 from vktrain.runtime.delegate.planner import (SHARED_PREFIX, check_allocations, check_memory_budget, gemm_route_of,
-                                              owned_bytes, plan_schedule)
+                                              owned_bytes, plan_schedule, reused_buffers, TRANSIENT_ROLES)
 from vktrain.runtime.device_profiles import planning_profile, profile_of
 from vktrain.contract import PRECISION_AUTO
 from vktrain.serialization.schedule import Schedule, ScheduleMismatchError, TensorPlacement
@@ -124,6 +124,11 @@ class GraphExecutor:
     Tensors over it are split across dispatches where the kernel can (kernels/matmul.py, embedding.py,
     q8_0.py, cross_entropy.py); any other binding over it is refused at load, naming the tensor.
 
+    `arena`: another executor of the program that never runs while this one does (the accumulate method's
+    executor: the training step's): this one's intermediate and scratch buffers reuse that one's
+    (planner.reused_buffers) where they fit, so the two hold one set of activations; only the excess is
+    allocated (and counted in owned_bytes).
+
     `resident_bytes`: the device memory the program's other executors already hold (eval's executor: the
     training step's), counted with this one's own buffers against an emulated profile's memory budget.
 
@@ -135,7 +140,7 @@ class GraphExecutor:
     def __init__(self, device, graph: vk.VkGraph, *, timing: bool = True, staging: bool | None = None,
                  shared: dict[str, SharedTensor] | None = None, precision: str = PRECISION_AUTO,
                  emulate_tensor_cores: bool = False, max_binding_bytes: int | None = None,
-                 schedule: Schedule | None = None, resident_bytes: int = 0):
+                 schedule: Schedule | None = None, resident_bytes: int = 0, arena: "GraphExecutor | None" = None):
         graph.validate()
         self.device = device
         self._staging = staging  # Buffer's access path: None = direct on unified memory, else staging
@@ -159,11 +164,16 @@ class GraphExecutor:
                                             "emulation and binding limit from it; pass none of precision, "
                                             "emulate_tensor_cores, max_binding_bytes")
             self._check_schedule(schedule)
+        # Buffer key -> the arena's Buffer it reuses (one the arena owns, holding only transient values).
+        offered = arena.transient_buffers() if arena is not None else {}
+        self._reused = {key: offered[theirs] for key, theirs in
+                        reused_buffers(schedule, {k: b.size for k, b in offered.items()}).items()}
+        reused_bytes = sum(b.size_bytes for b in schedule.buffers if b.key in self._reused)
         if self.emulating:  # the device's own cap is the driver's business; an emulated one is checked here
             check_allocations(schedule, self.profile)
-            check_memory_budget(schedule, self.profile, resident_bytes)
+            check_memory_budget(schedule, self.profile, resident_bytes - reused_bytes)
         # What this executor allocates, and with the other executors of the program whose memory it counts.
-        self.owned_bytes = owned_bytes(schedule)
+        self.owned_bytes = owned_bytes(schedule) - reused_bytes
         self.program_bytes = self.owned_bytes + resident_bytes
         self.schedule = schedule
         self.gemm_route = gemm_route_of(schedule)
@@ -279,6 +289,9 @@ class GraphExecutor:
         for entry in self.schedule.buffers:
             if entry.role == "shared":
                 self._buffers[entry.key] = self._shared[entry.key.removeprefix(SHARED_PREFIX)].buffer
+                self._borrowed.add(entry.key)
+            elif entry.key in self._reused:
+                self._buffers[entry.key] = self._reused[entry.key]
                 self._borrowed.add(entry.key)
             else:
                 self._buffers[entry.key] = Buffer(self.device, entry.size_bytes, name=entry.key, staging=self._staging)
@@ -419,6 +432,12 @@ class GraphExecutor:
             if np.array_equal(mine, other):
                 same[value.name] = owner
         return same
+
+    def transient_buffers(self) -> dict[str, Buffer]:
+        """The buffers this executor owns whose contents live only within one call (intermediates, op
+        scratch), by key: for an executor that never runs at the same time to reuse (`arena`)."""
+        return {b.key: self._buffers[b.key] for b in self.schedule.buffers
+                if b.role in TRANSIENT_ROLES and b.key not in self._borrowed}
 
     def shared_state(self) -> dict[str, SharedTensor]:
         """Every mutable state tensor by name, for another executor of the same program to bind (`shared`)."""

@@ -384,6 +384,26 @@ def owned_bytes(schedule: Schedule) -> int:
     return sum(b.size_bytes for b in schedule.buffers if b.role != "shared")
 
 
+# The roles of buffers whose contents live only within one call: executors that never run at the same time
+# may hold theirs in the same memory (reused_buffers).
+TRANSIENT_ROLES = ("intermediate", "scratch")
+
+
+def reused_buffers(schedule: Schedule, offered: Mapping[str, int]) -> dict[str, str]:
+    """Which of `offered` (key -> bytes: another executor's transient buffers) each transient buffer of
+    `schedule` takes, key -> offered key: largest first, each into the smallest free one large enough, each
+    offered buffer at most once (this schedule's buffers may be live together). Those left out get their own."""
+    free = dict(offered)
+    taken: dict[str, str] = {}
+    for entry in sorted((b for b in schedule.buffers if b.role in TRANSIENT_ROLES), key=lambda b: -b.size_bytes):
+        fits = [key for key, nbytes in free.items() if nbytes >= entry.size_bytes]
+        if fits:
+            key = min(fits, key=lambda k: (free[k], k))
+            taken[entry.key] = key
+            del free[key]
+    return taken
+
+
 MEMORY_BUDGET_ADVICE = ("export with a smaller --batch or --seq (activations scale with batch x seq) or a smaller "
                         "--lora-rank (the adapters and their AdamW moments); the frozen weights shrink only with "
                         "the model")
@@ -413,5 +433,5 @@ def gemm_route_of(schedule: Schedule) -> GemmRoute:
 
 
 __all__ = ["MIN_MAX_BINDING_BYTES", "ProfileAsDevice", "SCRATCH_KEY", "TENSOR_CORE_SHADER_PREFIX",
-           "allocation_refusals", "binding_limited", "check_allocations", "check_memory_budget",
-           "memory_budget_refusal", "owned_bytes", "gemm_route_for", "gemm_route_of", "plan_schedule", "requirements_of"]
+           "TRANSIENT_ROLES", "allocation_refusals", "binding_limited", "check_allocations", "check_memory_budget",
+           "memory_budget_refusal", "owned_bytes", "reused_buffers", "gemm_route_for", "gemm_route_of", "plan_schedule", "requirements_of"]

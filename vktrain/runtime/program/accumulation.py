@@ -4,7 +4,8 @@ state on the device; the step's AdamW then uses gradient + grad_acc and zeroes g
 
 Like the eval method (evaluation.py), its executor binds the training executor's buffers (GraphExecutor
 `shared`): the adapters and grad_acc state by name, the frozen base where byte-identical. Its own buffers
-are its activations only, so a step of N micro-batches holds one micro-batch's on the device.
+are its activations only, and those reuse the step's intermediate and scratch buffers (GraphExecutor `arena`:
+the two never run at the same time), so a step of N micro-batches holds one micro-batch's on the device.
 
     method = AccumulateMethod(pte, training_executor)   # what TrainingRunner.accumulate builds on first use
     loss = method.accumulate(inputs)                     # inputs by name: a token model's EVAL_INPUTS
@@ -29,10 +30,12 @@ from vktrain.serialization import graph as g
 
 class AccumulateMethod:
     """The .pte's accumulate method on the device of `training` (the step's GraphExecutor), bound to its
-    state. Verified like the training step before anything is allocated."""
+    state. Verified like the training step before anything is allocated. `reuse_activations=False` gives it
+    activation buffers of its own (tests compare the two)."""
 
     def __init__(self, pte: PteFile, training: GraphExecutor, *, verify_constants: bool = True,
-                 host_memory_limit: Optional[int] = None, device_memory_limit: Optional[int] = None):
+                 host_memory_limit: Optional[int] = None, device_memory_limit: Optional[int] = None,
+                 reuse_activations: bool = True):
         if ACCUMULATE_METHOD not in pte.method_names:
             raise UnsupportedProgramError(
                 f"{pte.source} has no {ACCUMULATE_METHOD!r} method (it has {pte.method_names}): gradient "
@@ -60,7 +63,7 @@ class AccumulateMethod:
         shared.update(training.constants_matching(self.graph))  # the frozen base: on the device once
         self.executor = GraphExecutor(training.device, self.graph, timing=False, shared=shared,
                                       max_binding_bytes=training.max_binding_bytes,
-                                      resident_bytes=training.program_bytes)
+                                      resident_bytes=training.program_bytes, arena=training if reuse_activations else None)
         try:
             self._interpreter = ProgramInterpreter(pte, plan, self._run_delegate, host_memory_limit=host_memory_limit)
         except BaseException:

@@ -10,9 +10,11 @@ allocation against the profile's max allocation size, the largest binding agains
 size, the shader variants (distinct shader + specialization constants), and the refusals, each with the
 limit, the value needed, the profile's value and what to change.
 
-The program's device memory is the training step's buffers plus those of its eval method that the step does
-not hold (eval binds the step's adapters and its byte-identical frozen constants: counted once, as the
-runtime allocates them, evaluation.py); it is judged against the profile's memory budget
+The program's device memory is the training step's buffers plus those of its eval and accumulate methods that
+the step does not hold (they bind the step's adapters, grad_acc state and byte-identical frozen constants,
+and the accumulate method's activations reuse the step's intermediate and scratch buffers where they fit:
+counted once, as the runtime allocates them, evaluation.py, accumulation.py); it is judged against the
+profile's memory budget
 (memory_budget_bytes; 0: none, reported only).
 """
 from __future__ import annotations
@@ -21,9 +23,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from vktrain.contract import BACKEND_ID, EVAL_METHOD, TRAIN_METHOD
+from vktrain.contract import ACCUMULATE_METHOD, BACKEND_ID, EVAL_METHOD, TRAIN_METHOD
 from vktrain.runtime.delegate.lowering_context import GraphLoweringError
-from vktrain.runtime.delegate.planner import MEMORY_BUDGET_ADVICE, memory_budget_refusal, owned_bytes, plan_schedule
+from vktrain.runtime.delegate.planner import (MEMORY_BUDGET_ADVICE, TRANSIENT_ROLES, memory_budget_refusal, owned_bytes,
+                                              plan_schedule, reused_buffers)
 from vktrain.runtime.program.summary import read_pte
 from vktrain.runtime.vk.schedule import plan_submits, split_groups
 from vktrain.serialization import deserialize_blob
@@ -55,7 +58,7 @@ class _Shared:
 
 
 def _shared_with(owners: list[vk.VkGraph], graph: vk.VkGraph) -> dict[str, _Shared]:
-    """The tensors of `graph` (the eval method's) the runtime binds to the training step's buffers rather than
+    """The tensors of `graph` (the eval or accumulate method's) the runtime binds to the training step's buffers rather than
     allocating: the step's state under the same name, and its named constants held byte for byte
     (GraphExecutor.shared_state / constants_matching)."""
     state, constants = {}, {}
@@ -69,10 +72,12 @@ def _shared_with(owners: list[vk.VkGraph], graph: vk.VkGraph) -> dict[str, _Shar
                 constants.setdefault(value.name, []).append((owner, value))
     shared = {}
     for value in graph.values:
-        if not (isinstance(value, vk.TensorValue) and value.constant_id >= 0 and value.name):
+        if not (isinstance(value, vk.TensorValue) and value.name):
             continue
-        if value.name in state:
+        if value.name in state:  # eval's adapters (constants there), accumulate's grad_acc (its state too)
             shared[value.name] = _Shared(0, state[value.name])
+            continue
+        if value.constant_id < 0:
             continue
         if len(constants.get(value.name, ())) != 1:
             continue
@@ -125,18 +130,31 @@ def _graphs(pte: PteFile, data: bytes, method: str | None, source: str) -> list[
             if d.backend_id == BACKEND_ID]
 
 
-def _eval_fit(pte: PteFile, data: bytes, step: list[vk.VkGraph], profile: DeviceProfile, source: str) -> dict | None:
-    """The eval method's own device memory next to the training step's (None: the .pte has none)."""
-    if TRAIN_METHOD not in pte.method_names or EVAL_METHOD not in pte.method_names:
+def _method_fit(pte: PteFile, data: bytes, step: list[vk.VkGraph], profile: DeviceProfile, source: str,
+                method: str) -> dict | None:
+    """The eval or accumulate method's own device memory next to the training step's (None: the .pte has
+    none). The accumulate method's intermediates reuse the step's (GraphExecutor `arena`): only the excess
+    counts."""
+    if TRAIN_METHOD not in pte.method_names or method not in pte.method_names:
         return None
-    owned, refusals = 0, []
-    for graph in _graphs(pte, data, EVAL_METHOD, source):
+    offered = {}
+    if method == ACCUMULATE_METHOD and len(step) == 1:  # the runtime's arena: the one step executor's buffers
         try:
-            owned += owned_bytes(plan_schedule(graph, profile, shared=_shared_with(step, graph)))
+            offered = {b.key: b.size_bytes for b in plan_schedule(step[0], profile).buffers if b.role in TRANSIENT_ROLES}
+        except (GraphLoweringError, KernelArgumentError):
+            pass  # the step itself is refused (its delegate's report says why)
+    owned, refusals = 0, []
+    for graph in _graphs(pte, data, method, source):
+        try:
+            schedule = plan_schedule(graph, profile, shared=_shared_with(step, graph))
         except (GraphLoweringError, KernelArgumentError) as exc:
             refusals.append({"limit": "max_storage_buffer_range", "profile_value": profile.max_storage_buffer_range,
-                             "message": f"{EVAL_METHOD} method: {exc}", "change": BINDING_ADVICE})
-    return {"method": EVAL_METHOD, "device_memory_bytes": owned, "refusals": refusals}
+                             "message": f"{method} method: {exc}", "change": BINDING_ADVICE})
+            continue
+        reused = reused_buffers(schedule, offered)
+        offered = {key: nbytes for key, nbytes in offered.items() if key not in reused.values()}
+        owned += owned_bytes(schedule) - sum(b.size_bytes for b in schedule.buffers if b.key in reused)
+    return {"method": method, "device_memory_bytes": owned, "refusals": refusals}
 
 
 def fit_report(data: bytes, profile: DeviceProfile, source: str = "<bytes>") -> dict:
@@ -145,10 +163,11 @@ def fit_report(data: bytes, profile: DeviceProfile, source: str = "<bytes>") -> 
     pte = PteFile.from_bytes(data, source)
     graphs = _graphs(pte, data, None, source)
     delegates = [_delegate_fit(graph, profile) for graph in graphs]
-    evaluation = _eval_fit(pte, data, graphs, profile, source)
+    methods = {method: _method_fit(pte, data, graphs, profile, source, method)
+               for method in (EVAL_METHOD, ACCUMULATE_METHOD)}
     step_bytes = sum(d.get("device_memory_bytes", 0) for d in delegates)
-    total = step_bytes + (evaluation["device_memory_bytes"] if evaluation else 0)
-    refusals = list(evaluation["refusals"]) if evaluation else []
+    total = step_bytes + sum(m["device_memory_bytes"] for m in methods.values() if m)
+    refusals = [refusal for m in methods.values() if m for refusal in m["refusals"]]
     over = memory_budget_refusal(total, profile)
     if over and all(d["planned"] for d in delegates):
         refusals.append({"limit": "memory_budget_bytes", "needed": total, "profile_value": profile.memory_budget_bytes,
@@ -156,7 +175,8 @@ def fit_report(data: bytes, profile: DeviceProfile, source: str = "<bytes>") -> 
     return {"profile": profile.name, "source": profile.source,
             "fits": all(d["fits"] for d in delegates) and not refusals,
             "device_memory_bytes": total, "step_device_memory_bytes": step_bytes,
-            "memory_budget_bytes": profile.memory_budget_bytes, "eval": evaluation,
+            "memory_budget_bytes": profile.memory_budget_bytes, "eval": methods[EVAL_METHOD],
+            "accumulate": methods[ACCUMULATE_METHOD],
             "delegates": delegates, "refusals": refusals}
 
 
@@ -190,9 +210,11 @@ def format_fit(path: str, report: dict) -> str:
                          f"{_mib(d['max_storage_buffer_range'])}")
         for refusal in d["refusals"]:
             lines += [f"    refused ({refusal['limit']}): {refusal['message']}", f"      change: {refusal['change']}"]
-    evaluation, budget = report["eval"], report["memory_budget_bytes"]
-    parts = f" (training step {_mib(report['step_device_memory_bytes'])} + eval method " \
-            f"{_mib(evaluation['device_memory_bytes'])} it does not share)" if evaluation else ""
+    budget = report["memory_budget_bytes"]
+    methods = [m for m in (report["eval"], report.get("accumulate")) if m]
+    parts = (f" (training step {_mib(report['step_device_memory_bytes'])}"
+             + "".join(f" + {m['method']} method {_mib(m['device_memory_bytes'])}" for m in methods)
+             + " it does not share)") if methods else ""
     lines.append(f"  program device memory: {_mib(report['device_memory_bytes'])}{parts} "
                  + (f"of a budget of {_mib(budget)}" if budget else "(the profile records no memory budget)"))
     for refusal in report["refusals"]:
@@ -219,7 +241,7 @@ def format_fit_table(path: str, reports: list[dict]) -> str:
     """One fit line per profile (`vktrain inspect STEP.pte --device-profile all`), then each refusal."""
     rows = [TABLE_COLUMNS] + [_row(r) for r in reports]
     widths = [max(len(row[i]) for row in rows) for i in range(len(TABLE_COLUMNS))]
-    lines = [f"{path} on every built-in device profile (device memory: the training step and its eval method)"]
+    lines = [f"{path} on every built-in device profile (device memory: the training step and its eval and accumulate methods)"]
     lines += ["  " + "  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip() for row in rows]
     for r in reports:
         for refusal in r["refusals"] + [x for d in r["delegates"] for x in d["refusals"]]:
