@@ -120,7 +120,7 @@ def test_device_memory_is_one_micro_batch_s(ptes, vk_device):
         step_bytes = runner.executor.program_bytes
         token_ids, labels = (array.numpy()[:MICRO[0]] for array in _batch())
         runner.accumulate(token_ids, labels, 1.0)
-        method_bytes = runner._accumulate.executor.owned_bytes  # its own: activations (the state is the step's)
+        method_bytes = runner._accumulate.executor.owned_bytes  # its own: what the step's activations can't hold
     print(micro_bytes, big_bytes, step_bytes, accumulators, method_bytes)
     assert step_bytes == micro_bytes + accumulators
     assert method_bytes <= micro_bytes < big_bytes
