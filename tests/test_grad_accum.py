@@ -251,3 +251,47 @@ def test_inspect_counts_the_accumulate_method_as_the_runtime_allocates_it(ptes, 
     assert report["device_memory_bytes"] == step + method + evaluation["device_memory_bytes"]
     assert cli.main(["inspect", str(accumulating), "--device-profile", "adreno-7xx"]) == 0
     assert f"+ accumulate method " in capsys.readouterr().out
+
+
+def test_federated_clients_accumulate_and_local_steps_count_optimizer_steps(ptes, tmp_path, capsys, vk_device):
+    """Two clients holding the same shard, 2 local steps of --grad-accum 2: FedAvg of identical updates is
+    one runner's two accumulated steps over the shard's batches 0-1 and 2-3, bit for bit."""
+    from vktrain import cli
+    from vktrain.fleet.client import ClientSettings, close_trainers, make_client_app, trained_names
+    from vktrain.fleet.sequential import SequentialGrid
+    from vktrain.fleet.server import FederationServer, FederationSettings
+    from vktrain.train.data import TokenBatcher
+    from vktrain.train.train_loop import AdamWConfig, run_accumulated_step
+
+    accumulating, plain, _ = ptes
+    shard = tmp_path / "shard.npy"
+    np.save(shard, np.random.default_rng(5).integers(0, VOCAB, 8 * MICRO[0] * MICRO[1] + 1))
+    program, shards = str(accumulating), (str(shard),) * 2
+    settings = FederationSettings(program=program, strategy="fedavg", n_clients=2, rounds=1, local_steps=2,
+                                  grad_accum=2, lr=LR)
+    with TrainingRunner.from_pte(accumulating, vk_device) as runner:
+        try:
+            result = FederationServer(settings, runner, progress=False).run(
+                SequentialGrid(make_client_app(ClientSettings(program, shards)), 2))
+        finally:
+            close_trainers()
+    batches = TokenBatcher(np.load(shard), *MICRO, seed=0)
+    hparams = AdamWConfig().hparams(LR)
+    with TrainingRunner.from_pte(accumulating, vk_device) as alone:
+        names = trained_names(alone.state_names)
+        initial = {name: alone.read_state(name) for name in names}
+        losses = [run_accumulated_step(alone, [batches.batch(2 * j), batches.batch(2 * j + 1)], hparams)
+                  for j in range(2)]
+        assert sorted(result.arrays) == sorted(names)
+        for name in names:
+            assert np.array_equal(result.arrays[name], alone.read_state(name)), name
+        assert any(not np.array_equal(initial[name], alone.read_state(name)) for name in names)
+    assert result.records[1]["client_train_loss"] == {"0": float(np.mean(losses)), "1": float(np.mean(losses))}
+
+    code = cli.main(["federate", str(plain), "--clients", "1", "--rounds", "1", "--local-steps", "1",
+                     "--grad-accum", "2", "--data", str(shard), "--engine", "sequential"])
+    err = capsys.readouterr().err
+    assert code == 2 and "--grad-accum 2" in err and "no 'accumulate' method" in err
+    assert cli.main(["federate", str(accumulating), "--clients", "1", "--rounds", "1", "--local-steps", "1",
+                     "--grad-accum", "0", "--data", str(shard)]) == 2
+    assert "--grad-accum must be >= 1, got 0" in capsys.readouterr().err

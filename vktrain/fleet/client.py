@@ -4,7 +4,7 @@ Messages (Flower's Message API; the server's side is vktrain/fleet/server.py):
   query     -> ConfigRecord "client" {"partition-id"}: which data shard this node holds (the server maps
                its random node ids to shards with it, so sampling and aggregation order are reproducible)
   train     ArrayRecord "arrays" (the global adapters, by state name) + ConfigRecord "config" (server-round,
-            local-steps, lr, AdamW's betas, eps, weight-decay)
+            local-steps, grad-accum, lr, AdamW's betas, eps, weight-decay)
             -> ArrayRecord "arrays" (the adapters after `local-steps` AdamW steps on this shard),
                MetricRecord "metrics" {num-examples, train-loss, train-loss-first, train-loss-last},
                ConfigRecord "client" {partition-id, pid, device, started, finished} (the process, its
@@ -19,7 +19,8 @@ it also makes a client stateless, so any process can serve any client (Flower's 
 clients per process) and a round's result depends only on the global adapters, the round and the shard:
 resuming a federation reproduces it exactly. Step j of round r reads batch (r - 1) * K + j of the shard
 (K = local-steps; TokenBatcher's order, shuffled by the run's seed), so the rounds a client takes part
-in walk through its data.
+in walk through its data; with grad-accum N > 1 a step is N micro-batches accumulated on the device
+(train_loop.run_accumulated_step), batches ((r - 1) * K + j) * N onward.
 `num-examples` (FedAvg's weight) is the number of target tokens in the client's shard: McMahan et al.'s
 n_k, the local dataset size.
 
@@ -46,7 +47,7 @@ from vktrain.fleet.gpus import client_device_choice
 from vktrain.train.data import TokenBatcher, TrainingData, load_data
 from vktrain.train.held_out import evaluate_data
 from vktrain.serialization.tokenizer import program_tokenizer
-from vktrain.train.train_loop import AdamWConfig, describe_program
+from vktrain.train.train_loop import AdamWConfig, describe_program, run_accumulated_step
 
 # Keys of the records in messages (FedAvg's defaults for the arrays and the config).
 ARRAYS = "arrays"
@@ -140,6 +141,7 @@ class LocalTrainer:
 
     def train(self, partition: int, server_round: int, config: ConfigRecord) -> tuple[dict[str, np.ndarray], dict]:
         steps = int(config["local-steps"])
+        accumulate = int(config.get("grad-accum", 1))  # micro-batches per optimizer step
         optimizer = AdamWConfig(float(config["beta1"]), float(config["beta2"]), float(config["eps"]),
                                 float(config["weight-decay"]))
         hparams = optimizer.hparams(float(config["lr"]))
@@ -149,8 +151,13 @@ class LocalTrainer:
         for j in range(steps):
             if j == 1 and injected and injected not in CORRUPTIONS:
                 fail_mid_round(injected, partition, server_round)
-            token_ids, labels = batches.batch((server_round - 1) * steps + j)
-            losses.append(self.runner.step(token_ids, labels, hparams))
+            first = ((server_round - 1) * steps + j) * accumulate
+            if accumulate == 1:
+                token_ids, labels = batches.batch(first)
+                losses.append(self.runner.step(token_ids, labels, hparams))
+            else:
+                micro = [batches.batch(first + k) for k in range(accumulate)]
+                losses.append(run_accumulated_step(self.runner, micro, hparams))
         if not np.all(np.isfinite(losses)):
             raise VktrainError(f"client {partition}: non-finite local loss in round {server_round}: {losses}")
         arrays = {name: self.runner.read_state(name) for name in self.trained}

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
-from vktrain.contract import ADAMW_DEFAULTS, PRECISION_AUTO, PRECISION_CHOICES
+from vktrain.contract import ACCUMULATE_METHOD, ADAMW_DEFAULTS, PRECISION_AUTO, PRECISION_CHOICES
 from vktrain.fleet.partition import PartitionError, PartitionScheme, write_shards
 from vktrain.fleet import FEDAVG, STRATEGIES
 from vktrain.fleet.checkpoint import FILE_NAME, FORMAT, checkpoint_path
@@ -46,6 +46,9 @@ def add_federate_arguments(parser: argparse.ArgumentParser) -> argparse.Argument
     parser.add_argument("--rounds", type=int, required=True, metavar="R", help="federated rounds (a resumed run "
                                                                                "continues up to round R)")
     parser.add_argument("--local-steps", type=int, required=True, metavar="K", help="local AdamW steps per round")
+    parser.add_argument("--grad-accum", type=int, default=1, metavar="N",
+                        help="micro-batches per local AdamW step, accumulated on the client's device (default 1; "
+                             "the program needs the accumulate method: vktrain export --grad-accum)")
     parser.add_argument("--strategy", choices=STRATEGIES, default=FEDAVG,
                         help="fedavg: FedAvg over lora_A and lora_B (FedIT); ffa: FFA-LoRA, lora_B only (the program "
                              "must be exported with --freeze-lora-a)")
@@ -105,7 +108,8 @@ def _failures(items: list[str]) -> frozenset:
 
 
 def check_arguments(args: argparse.Namespace) -> None:
-    for flag, value in (("--clients", args.clients), ("--rounds", args.rounds), ("--local-steps", args.local_steps)):
+    for flag, value in (("--clients", args.clients), ("--rounds", args.rounds), ("--local-steps", args.local_steps),
+                        ("--grad-accum", args.grad_accum)):
         if value < 1:
             raise TrainConfigError(f"{flag} must be >= 1, got {value}")
     for flag, value in (("--fraction", args.fraction), ("--fraction-evaluate", args.fraction_evaluate)):
@@ -267,6 +271,9 @@ def _run_federate(args: argparse.Namespace, server_made: list) -> int:
     data = Path(args.data) if args.data else default_dataset_path()
     with TrainingRunner.from_pte(program, precision=args.precision) as runner, \
             tempfile.TemporaryDirectory(prefix="vktrain-federate-") as work:
+        if args.grad_accum > 1 and ACCUMULATE_METHOD not in runner.pte.method_names:
+            raise TrainConfigError(f"--grad-accum {args.grad_accum}: {args.program} has no {ACCUMULATE_METHOD!r} "
+                                   f"method; export it with vktrain export --grad-accum")
         if args.out_adapters:
             program_adapter_record(runner, args.program)  # refused now, not after the rounds
         train_shards, held_out_shards = prepare_shards(runner, data, Path(args.eval_data) if args.eval_data else None,
@@ -294,7 +301,7 @@ def _federate(args, runner, program: Path, scheme: PartitionScheme, train_shards
 
     settings = FederationSettings(
         program=str(program), strategy=args.strategy, n_clients=args.clients, rounds=args.rounds,
-        local_steps=args.local_steps, fraction=args.fraction, fraction_evaluate=args.fraction_evaluate, lr=args.lr,
+        local_steps=args.local_steps, grad_accum=args.grad_accum, fraction=args.fraction, fraction_evaluate=args.fraction_evaluate, lr=args.lr,
         optimizer=AdamWConfig(weight_decay=args.weight_decay), seed=args.seed, partition=str(scheme),
         data_fingerprint=shards_fingerprint(train_shards), eval_data=args.eval_data, eval_batches=args.eval_batches,
         checkpoint_dir=args.checkpoint, resume=args.resume, json_path=args.json, precision=args.precision,

@@ -51,6 +51,7 @@ class FederationSettings:
     n_clients: int
     rounds: int
     local_steps: int
+    grad_accum: int = 1  # micro-batches per local optimizer step
     fraction: float = 1.0
     fraction_evaluate: float = 0.0
     lr: float = 1e-3
@@ -75,11 +76,12 @@ class FederationSettings:
                 "fraction_evaluate": self.fraction_evaluate, "local_steps": self.local_steps, "lr": self.lr,
                 "optimizer": asdict(self.optimizer), "seed": self.seed, "partition": self.partition,
                 "precision": self.precision, "data_sha256": self.data_fingerprint, "aggregation": self.aggregation,
-                "max_update_norm_ratio": self.max_norm_ratio, "min_clients": self.min_clients}
+                "max_update_norm_ratio": self.max_norm_ratio, "min_clients": self.min_clients,
+                **({"grad_accum": self.grad_accum} if self.grad_accum != 1 else {})}  # older checkpoints: 1
 
     def train_config(self) -> ConfigRecord:
         o = self.optimizer
-        return ConfigRecord({"local-steps": self.local_steps, "lr": self.lr, "beta1": o.beta1, "beta2": o.beta2,
+        return ConfigRecord({"local-steps": self.local_steps, "grad-accum": self.grad_accum, "lr": self.lr, "beta1": o.beta1, "beta2": o.beta2,
                              "eps": o.eps, "weight-decay": o.weight_decay})
 
 
