@@ -112,6 +112,16 @@ def test_a_malformed_model_arg_is_a_clean_error(tmp_path, capsys):
     assert code == 2 and err == "vktrain export: error: --model-arg expects KEY=VALUE, got 'dim'\n"
 
 
+def test_export_refuses_a_head_dim_the_attention_kernels_cannot_run(tmp_path, capsys):
+    from vktrain.runtime.delegate.kernels.attention import SUPPORTED_HEAD_DIMS
+
+    out = tmp_path / "x.pte"  # tiny-llama has 4 heads: dim=32 gives D=8, which `vktrain train` refused at load
+    code, _, err = run_cli(capsys, "export", "--model", "tiny-llama", "--model-arg", "dim=32", "--out", out)
+    assert code == 2 and err.startswith("vktrain export: error: --model tiny-llama: head dim dim / n_heads = 32 / 4 = 8 "
+                                        f"is not supported; the attention kernels take head dims {SUPPORTED_HEAD_DIMS}")
+    assert "--model-arg dim=" in err and not out.exists()
+
+
 def test_an_internal_error_is_one_line_that_says_how_to_get_the_traceback(program, capsys, monkeypatch):
     pte, data, made, behaviour = program
 

@@ -69,6 +69,22 @@ def summarize_layer_paths(paths: list[str]) -> str:
     return ", ".join(parts)
 
 
+def check_head_dim(model, model_name: str) -> None:
+    """Refuse, before minutes of export, a head dim the runtime's attention kernels cannot run."""
+    from vktrain.opdefs.vktrain_ops import ATTENTION_HEAD_DIMS
+
+    config = getattr(model, "config", None)
+    head_dim = getattr(config, "head_dim", None)
+    if not isinstance(head_dim, int) or head_dim in ATTENTION_HEAD_DIMS:
+        return
+    if getattr(config, "attn_head_dim", None) is None and hasattr(config, "n_heads"):
+        how, flag = f"dim / n_heads = {config.dim} / {config.n_heads} = {head_dim}", "dim=... or --model-arg n_heads=..."
+    else:
+        how, flag = f"attn_head_dim = {head_dim}", "attn_head_dim=..."
+    raise UsageError(f"--model {model_name}: head dim {how} is not supported; the attention kernels take head dims "
+                     f"{ATTENTION_HEAD_DIMS} (change --model-arg {flag})")
+
+
 def cmd_export(args: argparse.Namespace) -> int:
     from vktrain.lora import LoRAConfig, apply_lora
     from vktrain.models import open_model
@@ -85,6 +101,7 @@ def cmd_export(args: argparse.Namespace) -> int:
     torch.manual_seed(args.seed)  # a built-in model's random weights; the LoRA init has its own generator
     tokenizer = None  # a pretrained model's, embedded in the .pte for `vktrain train`
     model, loaded = open_model(args.model, **parse_model_args(args.model_arg))
+    check_head_dim(model, args.model)
     if loaded is not None:
         print(f"loaded {args.model}: {loaded.describe()}")
         try:

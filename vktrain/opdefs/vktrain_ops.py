@@ -210,6 +210,11 @@ def _rope(call: Call) -> tuple[TensorMeta, ...]:
     return (x,)
 
 
+# The head dims the runtime's fp32 attention kernels are built for (spec constant D); `vktrain export` refuses
+# others up front. Not checked here: the CPU reference ops take any even D.
+ATTENTION_HEAD_DIMS = (16, 32, 64, 128)
+
+
 def _attention_inputs(call: Call) -> tuple[int, int, int, int]:
     """(B, S, Hq, Hkv) of q [B, S, Hq, D] and k = v [B, S, Hkv, D]."""
     for name in ("q", "k", "v"):

@@ -44,6 +44,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from vktrain.opdefs.vktrain_ops import ATTENTION_HEAD_DIMS
 from vktrain.serialization.device_profile import H200_FP32_TARGET_WORKGROUPS
 from vktrain.serialization.dispatch import Dispatch
 from vktrain.runtime.vk.schedule import ceil_div, pack_push
@@ -53,7 +54,7 @@ from vktrain.runtime.delegate.kernels.layout import (
 )
 from vktrain.runtime.delegate.kernels.registry import register_kernel
 
-SUPPORTED_HEAD_DIMS = (16, 32, 64, 128)
+SUPPORTED_HEAD_DIMS = ATTENTION_HEAD_DIMS  # one definition, read by export too
 # Vulkan guarantees 16 KiB of shared memory and 128 invocations per workgroup; lavapipe and most desktop
 # GPUs give 32 KiB (NVIDIA 48 KiB). Pass the device's limits to use more.
 DEFAULT_SHARED_MEMORY_BYTES = 32768
