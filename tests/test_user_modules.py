@@ -70,6 +70,37 @@ class FrozenEncoderClassifier(nn.Module):
         return (logsumexp - (logits * onehot).sum(-1)).mean(0)
 
 
+class GramRegressor(nn.Module):
+    """A loss through torch.bmm and a plain `.mean()` (aten.mean.default, which the export once left outside
+    the delegate: "model.inp.lora_A is read but nothing writes it")."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(16, 32)
+
+    def forward(self, x: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x)
+        return ((torch.bmm(h, h.transpose(1, 2)) / 32 - target) ** 2).mean()
+
+
+def _gram_batches(count: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    generator = torch.Generator().manual_seed(13)
+    true_map = torch.randn(16, 16, generator=generator) / 2
+    distinct = []
+    for _ in range(2):
+        x = torch.randn(2, 4, 16, generator=generator)
+        y = x @ true_map
+        distinct.append((x, torch.bmm(y, y.transpose(1, 2)) / 16))
+    return [distinct[i % 2] for i in range(count)]
+
+
+def _gram_regressor_with_lora() -> nn.Module:
+    torch.manual_seed(0)
+    model = GramRegressor()
+    apply_lora(model, LoRAConfig(rank=4, alpha=8.0, targets="*", group_size=16, seed=0))
+    return model
+
+
 def _regression_batches(count: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     generator = torch.Generator().manual_seed(11)
     true_map = torch.randn(16, 8, generator=generator) / 4
@@ -146,7 +177,8 @@ def device_training(pte_bytes: bytes, device, batches, names: list[str]):
     (_residual_mlp_with_lora, _regression_batches, ["x", "target"],
      [f"{layer}.lora_{which}" for layer in ("inp", "block", "out") for which in "AB"]),
     (_frozen_encoder_classifier, _classification_batches, ["features", "onehot"], ["head_weight", "head_bias"]),
-], ids=["residual-mlp-q4gsw-lora", "frozen-float-encoder"])
+    (_gram_regressor_with_lora, _gram_batches, ["x", "target"], ["inp.lora_A", "inp.lora_B"]),
+], ids=["residual-mlp-q4gsw-lora", "frozen-float-encoder", "bmm-mean-loss"])
 def test_a_user_module_trains_ten_steps_like_eager_adamw(vk_device, make_model, make_batches, loss_inputs, trainable):
     model = make_model()
     batches = make_batches(STEPS)

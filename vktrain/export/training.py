@@ -130,7 +130,14 @@ def decomposition_table() -> dict:
     table = core_aten_decompositions()
     for op in PRESERVED_OPS:
         table.pop(op, None)
+    table[torch.ops.aten.mean.default] = _mean_over_every_dim
     return table
+
+
+def _mean_over_every_dim(x: torch.Tensor, *, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """x.mean() as the registry's aten.mean.dim over every dim (core ATen keeps aten.mean.default, which the
+    backend has no kernel for: a user's `loss.mean()` left the step half delegated)."""
+    return torch.ops.aten.mean.dim(x, list(range(x.dim())), dtype=dtype)
 
 
 def in_registry_ops(program: ExportedProgram) -> ExportedProgram:
