@@ -248,6 +248,13 @@ def test_what_the_export_refuses():
     with pytest.raises(StepExportError, match=r"NotScalar's loss must be a float32 scalar tensor, got .*32 \[3\]"):
         export_training_step(NotScalar(), example_inputs=(torch.ones(3),))
 
+    class CumulativeLoss(NotScalar):  # once: "GraphError: value 0 (model.weight) is read but nothing writes it"
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return torch.cumsum(x * self.weight, 0).sum()
+
+    with pytest.raises(StepExportError, match=r"training step of CumulativeLoss .* cannot run: aten\.cumsum\.default"):
+        export_training_step(CumulativeLoss(), example_inputs=(torch.ones(3),))
+
     class TakesHparams(NotScalar):
         def forward(self, hparams: torch.Tensor) -> torch.Tensor:
             return (hparams * self.weight).sum()

@@ -276,13 +276,21 @@ def _joint_program(model: nn.Module, example_inputs: tuple[torch.Tensor, ...]) -
     wrapped = loss_module(model, example_inputs)
     loss_program = torch.export.export(wrapped, tuple(example_inputs))
     try:
-        return joint_forward_backward(loss_program), trainable
+        joint = joint_forward_backward(loss_program)
     except AssertionError as exc:  # torch's words for a bad input: a trainable tensor the loss ignores
         if "did not receive a gradient" not in str(exc):
             raise
         unused = _parameters_without_gradient(wrapped, example_inputs)
         raise StepExportError(f"trainable parameters {unused} of {type(model).__name__} do not affect the loss; "
                               f"freeze them (requires_grad_(False)) or use them") from None
+    # The step runs as ONE delegate (its state lives there): an op the backend cannot run would split it and
+    # fail at lowering with a GraphError about the state, so name the op now.
+    refusal = first_refusal(joint)
+    if refusal is not None:
+        raise StepExportError(f"the training step of {type(model).__name__} (its loss and that loss's backward) "
+                              f"uses an op the vktrain backend cannot run: {refusal}; write the loss with ops it "
+                              f"runs (e.g. sum, mean, matmul, elementwise ops)")
+    return joint, trainable
 
 
 def _parameters_without_gradient(wrapped: nn.Module, example_inputs: tuple[torch.Tensor, ...]) -> list[str]:
