@@ -335,6 +335,48 @@ def test_a_program_over_the_memory_budget_does_not_fit_and_is_refused_at_load(vk
     assert main(evaluate + [profile("exact", total)]) == 0
 
 
+def test_eval_reuses_the_step_s_activation_memory_gives_the_same_losses_and_inspect_counts_it(
+        vk_device, tiny_step, capsys, monkeypatch):
+    from vktrain.runtime.delegate.planner import TRANSIENT_ROLES
+    from vktrain.runtime.program.evaluation import EvalMethod
+    from vktrain.runtime.program.runner import TrainingRunner
+
+    monkeypatch.delenv(DEVICE_PROFILE_ENV, raising=False)
+    assert main(["inspect", str(tiny_step), "--device-profile", "adreno-7xx", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    monkeypatch.setenv(DEVICE_PROFILE_ENV, "adreno-7xx")  # the runtime plans for the same profile
+    rng = np.random.default_rng(3)
+    train_ids, eval_ids = rng.integers(0, 256, (BATCH, SEQ)), rng.integers(0, 256, (BATCH, SEQ))
+    runs = []
+    for reuse in (False, True):
+        with TrainingRunner.from_pte(tiny_step, vk_device) as runner:
+            runner._eval = EvalMethod(runner.pte, runner.executor, reuse_activations=reuse)
+            losses = []
+            for _ in range(STEPS):  # eval between steps: each overwrites the other's activations
+                losses.append(runner.evaluate(eval_ids, np.roll(eval_ids, -1, axis=1)))
+                losses.append(runner.step(train_ids, np.roll(train_ids, -1, axis=1), HPARAMS))
+            losses.append(runner.evaluate(eval_ids, np.roll(eval_ids, -1, axis=1)))
+            step, method = runner.executor, runner._eval.executor
+            offered = step.transient_buffers()
+            transient = {b.key: b.size_bytes for b in method.schedule.buffers if b.role in TRANSIENT_ROLES}
+            reused = {key: next((k for k, b in offered.items() if b is method._buffers[key]), None) for key in transient}
+            runs.append((losses, step.owned_bytes, method.owned_bytes, sum(method.buffer_bytes.values()), transient,
+                         reused, {k: b.size for k, b in offered.items()}))
+    (losses_own, _, own_bytes, _, _, _, _), (losses, step_bytes, method_bytes, allocated, transient, reused,
+                                             offered) = runs
+    assert losses == losses_own  # bit for bit: the step's activations are dead between calls
+    assert losses[-1] < losses[0]  # the steps between changed the adapters eval reads
+    taken = [theirs for theirs in reused.values() if theirs is not None]
+    assert taken and len(taken) == len(set(taken))  # each step buffer at most once, never its state or outputs
+    assert all(offered[theirs] >= transient[key] for key, theirs in reused.items() if theirs is not None)
+    excess = [nbytes for key, nbytes in transient.items() if reused[key] is None]
+    assert method_bytes == allocated == own_bytes - sum(transient.values()) + sum(excess) < own_bytes
+    # inspect counts eval's memory as the runtime allocates it.
+    assert report["step_device_memory_bytes"] == step_bytes
+    assert report["eval"]["device_memory_bytes"] == method_bytes
+    assert report["device_memory_bytes"] == step_bytes + method_bytes
+
+
 def test_inspect_all_lists_every_builtin_profile(tiny_step, capsys):
     assert main(["inspect", str(tiny_step), "--device-profile", "all", "--json"]) == 0
     reports = json.loads(capsys.readouterr().out)["profiles"]

@@ -5,6 +5,8 @@ The eval method's delegate names its LoRA tensors as the training step names its
 (GraphExecutor `shared`), so eval reads the adapters as trained or as loaded into the training state,
 and never touches the optimizer state. Its constants that the training step holds byte for byte under
 the same name (the frozen base) bind the training executor's buffers too: one copy on the device.
+Its intermediates reuse the step's intermediate and scratch buffers (GraphExecutor `arena`: eval runs
+only between steps), so the program holds one set of activations.
 
     method = EvalMethod(pte, training_executor)     # what TrainingRunner.evaluate builds on first use
     loss_sum, count = method.loss_sum(token_ids, labels)   # a token model's eval method
@@ -30,10 +32,12 @@ from vktrain.serialization import graph as g
 
 class EvalMethod:
     """The .pte's eval method on the device of `training` (the training step's GraphExecutor), bound to
-    its state. Verified like the training step before anything is allocated."""
+    its state. Verified like the training step before anything is allocated. `reuse_activations=False` gives
+    it activation buffers of its own (tests compare the two)."""
 
     def __init__(self, pte: PteFile, training: GraphExecutor, *, timing: bool = False, verify_constants: bool = True,
-                 host_memory_limit: Optional[int] = None, device_memory_limit: Optional[int] = None):
+                 host_memory_limit: Optional[int] = None, device_memory_limit: Optional[int] = None,
+                 reuse_activations: bool = True):
         if EVAL_METHOD not in pte.method_names:
             raise UnsupportedProgramError(
                 f"{pte.source} has no {EVAL_METHOD!r} method (it has {pte.method_names}): it was exported without "
@@ -63,7 +67,8 @@ class EvalMethod:
         shared.update(training.constants_matching(self.graph))  # the frozen base: on the device once
         self.executor = GraphExecutor(training.device, self.graph, timing=timing, shared=shared,
                                       max_binding_bytes=training.max_binding_bytes,
-                                      resident_bytes=training.program_bytes)
+                                      resident_bytes=training.program_bytes,
+                                      arena=training if reuse_activations else None)
         try:
             self._interpreter = ProgramInterpreter(pte, plan, self._run_delegate, host_memory_limit=host_memory_limit)
         except BaseException:

@@ -12,7 +12,7 @@ limit, the value needed, the profile's value and what to change.
 
 The program's device memory is the training step's buffers plus those of its eval and accumulate methods that
 the step does not hold (they bind the step's adapters, grad_acc state and byte-identical frozen constants,
-and the accumulate method's activations reuse the step's intermediate and scratch buffers where they fit:
+and their activations reuse the step's intermediate and scratch buffers where they fit:
 counted once, as the runtime allocates them, evaluation.py, accumulation.py); it is judged against the
 profile's memory budget
 (memory_budget_bytes; 0: none, reported only).
@@ -133,12 +133,12 @@ def _graphs(pte: PteFile, data: bytes, method: str | None, source: str) -> list[
 def _method_fit(pte: PteFile, data: bytes, step: list[vk.VkGraph], profile: DeviceProfile, source: str,
                 method: str) -> dict | None:
     """The eval or accumulate method's own device memory next to the training step's (None: the .pte has
-    none). The accumulate method's intermediates reuse the step's (GraphExecutor `arena`): only the excess
-    counts."""
+    none). Each method's intermediates reuse the step's (GraphExecutor `arena`; the methods and the step never
+    run at once, so both may take the same step buffers): only the excess counts."""
     if TRAIN_METHOD not in pte.method_names or method not in pte.method_names:
         return None
     offered = {}
-    if method == ACCUMULATE_METHOD and len(step) == 1:  # the runtime's arena: the one step executor's buffers
+    if len(step) == 1:  # the runtime's arena: the one step executor's buffers
         try:
             offered = {b.key: b.size_bytes for b in plan_schedule(step[0], profile).buffers if b.role in TRANSIENT_ROLES}
         except (GraphLoweringError, KernelArgumentError):
