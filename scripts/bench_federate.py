@@ -4,7 +4,8 @@
     python scripts/bench_federate.py export [--shape 1x64]     # here (needs executorch): the step with
                                                                # SYNTHETIC constants (bench_step.py's export)
     python scripts/bench_federate.py run bench/step_smollm2-135m_1x64.pte --clients 100 --fraction 0.1 \\
-        --rounds 3 --local-steps 4 --client-gpus 0.1 --out bench/results/federate_h200.json   # GPU machine
+        --rounds 3 --local-steps 4 --client-gpus 0.1 \\
+        --out bench/results/federate_h200_smollm2-135m.json    # GPU machine (an engine's run joins the file's)
     python scripts/bench_federate.py run STEP.pte --clients 8 --fraction 1 --client-cpus 0.5 ...  # lavapipe
 
 export: SmolLM2-135M's shapes (hidden 576, 30 layers, vocab 49152, LoRA rank 16 on q/k/v/o/gate/up/down)
@@ -32,7 +33,7 @@ falls back to the sequential engine and says so.
 The H200 plan (the lead's run): export here, carry the .pte (14.3 MiB at 1x64), the SPIR-V cache, .gl and
 the wheels, then
     python3 scripts/bench_federate.py run bench/step_smollm2-135m_1x64.pte --clients 100 --fraction 0.1 \
-        --rounds 3 --local-steps 4 --client-gpus 0.1 --client-cpus 1 --out bench/results/federate_h200.json
+        --rounds 3 --local-steps 4 --client-gpus 0.1 --client-cpus 1 --out bench/results/federate_h200_smollm2-135m.json
 With Ray, 10 clients of a round share the GPU (0.1 each; 16 CPUs allow 16 at once), each in its own
 worker process with its own Vulkan device and runner (~0.2 GiB of generated constants plus the step's
 activations); the JSON's max_concurrent_clients and client_processes say what happened.
@@ -133,9 +134,10 @@ def run(args: argparse.Namespace) -> int:
     }
     text = json.dumps(report, indent=1)
     print(text)
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(text + "\n")
+    if args.out:  # one file per machine and model: this engine and client share replace their run, others stay
+        sys.path.insert(0, str(REPO_ROOT / "scripts"))
+        from bench_results import write_run
+        write_run(args.out, report, key=lambda r: (r["engine"].split()[0], r["client_cpus"], r["client_gpus"]))
     return 0
 
 
@@ -160,6 +162,10 @@ def main(argv: list[str] | None = None) -> int:
     running.add_argument("--out", type=Path)
     running.set_defaults(run=run)
     args = parser.parse_args(argv)
+    sys.path.insert(0, str(REPO_ROOT / "scripts"))
+    from bench_results import out_error
+    if out_error(getattr(args, "out", None)):
+        parser.error(out_error(args.out))
     return args.run(args)
 
 

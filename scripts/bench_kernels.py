@@ -10,6 +10,7 @@ with CUDA events, fp32 with TF32 off; CPU otherwise, wall clock), the ratio torc
     python scripts/bench_kernels.py                 # realistic shapes (Llama-3.2-1B: K=2048, group 32)
     python scripts/bench_kernels.py --quick         # small shapes (runs on lavapipe in under a minute)
     python scripts/bench_kernels.py --out bench.json --kernels linear_q4gsw,fused_ce --replays 20
+    python scripts/bench_kernels.py --sweep --out bench/results/kernels_h200_llama-3.2-1b.json  # on the H200
     python scripts/bench_kernels.py --smollm2 --tunings gpu,cpu --no-torch   # CPU vs GPU tuning, one run
 
 `--smollm2` times the GEMM shapes of a SmolLM2-135M LoRA training step (M = 64 tokens: the base
@@ -42,6 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_kernel_cases import (CASE_BUILDERS, PRESET_BUILDERS, TUNED_KERNELS, Case, linear_sweep,  # noqa: E402
                                 mm_sweep)
+from bench_results import out_error, write_run  # noqa: E402
 from bench_timing import median_cuda_ms  # noqa: E402
 from vktrain.runtime import Device, Program  # noqa: E402
 from vktrain.runtime.delegate.kernels import KERNELS  # noqa: E402
@@ -129,7 +131,8 @@ def _print_record(record: dict[str, Any], prefix: str = "") -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="small shapes (lavapipe, CI)")
-    parser.add_argument("--out", type=Path, help="write the results as JSON here")
+    parser.add_argument("--out", type=Path, help="write the results as JSON here (an existing file keeps the "
+                        "cases this run does not time: bench/results/kernels_<machine>_<model>.json)")
     parser.add_argument("--kernels", default="", help="comma-separated kernel names (default: all)")
     parser.add_argument("--replays", type=int, default=10, help="timed replays per case (median)")
     parser.add_argument("--warmup", type=int, default=2)
@@ -144,6 +147,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="comma-separated device tunings (gpu,cpu: kernels/gemm_tuning.py) to time every "
                              "linear-family and aten.mm case with (default: the plans' default)")
     args = parser.parse_args(argv)
+    if out_error(args.out):
+        parser.error(out_error(args.out))
     from vktrain.runtime.delegate.kernels.gemm_tuning import check_tuning
     tunings = [check_tuning(t.strip(), "--tunings") for t in args.tunings.split(",") if t.strip()]
     preset = "smollm2" if args.smollm2 else "quick" if args.quick else "full"
@@ -246,9 +251,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"device memory: {device.memory_stats().describe()}")
     summary = {"meta": meta, "results": results, "skipped": skipped,
                "targets": {"gemm_fp32_tflops_ref": H200_FP32_TFLOPS, "hbm_tbps_ref": H200_HBM_TBPS}}
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(summary, indent=1, default=str))
+    if args.out:  # an existing file keeps the cases (kernel, shape, tiling) this call did not time
+        write_run(args.out, summary, key=lambda r: tuple(json.dumps(r[k], sort_keys=True, default=str)
+                                                          for k in ("kernel", "shape", "config")))
         print(f"wrote {args.out}")
     return 0
 

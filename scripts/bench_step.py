@@ -3,7 +3,7 @@
 
     python scripts/bench_step.py export                      # here (needs executorch): bench/step_1x128.pte,
                                                              #   bench/step_4x512.pte
-    python scripts/bench_step.py run bench/step_*.pte --out step.json   # on the GPU machine (no executorch)
+    python scripts/bench_step.py run bench/step_*.pte --out bench/results/step_h200_llama-3.2-1b.json  # GPU machine
     python scripts/bench_step.py --quick                     # tiny-llama shapes, export + run (lavapipe, CI)
 
 export: builds Llama-3.2-1B (hidden 2048, 16 layers, 32/8 heads, MLP 8192, vocab 128256, tied
@@ -56,6 +56,7 @@ from vktrain import quant  # noqa: E402
 from vktrain.contract import PRECISION_FP32, PRECISIONS  # noqa: E402
 
 from bench_step_report import plot, print_report  # noqa: E402
+from bench_results import out_error, runs, write_run  # noqa: E402
 from bench_step_torch import TORCH_VARIANTS, load_torch, time_torch  # noqa: E402
 
 FULL_PRESET, QUICK_PRESET = "llama-3.2-1b", "tiny-llama"
@@ -514,11 +515,11 @@ def run_command(args) -> int:
         print_report(records, args.top)
     summary = {"meta": meta, "results": records}
     if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(summary, indent=1))
+        # One file per machine and model: this call's shapes (at its precision) replace theirs, others stay.
+        merged = write_run(args.out, summary, key=lambda r: (r["config"], r.get("precision")))
         print(f"wrote {args.out}")
         if not args.load_only and not args.no_plot:
-            print(plot(records, meta, args.out.with_suffix(".png")))
+            print(plot([r for call in runs(merged) for r in call["results"]], meta, args.out.with_suffix(".png")))
     return 0
 
 
@@ -553,7 +554,9 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--warmup", type=int, default=3)
     run.add_argument("--batches", type=int, default=2, help="distinct random batches, cycled")
     run.add_argument("--top", type=int, default=15, help="op kinds listed")
-    run.add_argument("--out", type=Path, default=None, help="JSON results (and a .png plot next to it)")
+    run.add_argument("--out", type=Path, default=None,
+                     help="JSON results (and a .png plot next to it); an existing file keeps its other shapes "
+                          "(bench/results/step_<machine>_<model>.json: bench/README.md)")
     run.add_argument("--torch-device", choices=("cuda", "cpu"), default=None,
                      help="baseline device (default: cuda when available, else cpu for small models)")
     run.add_argument("--no-torch", action="store_true", help="skip the PyTorch baseline")
@@ -593,6 +596,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.steps <= 0 or args.warmup < 0 or args.batches <= 0:
         parser.error("--steps and --batches must be positive, --warmup >= 0")
+    if out_error(args.out):
+        parser.error(out_error(args.out))
     if args.torch_variants is None:
         cuda = not args.no_torch and args.torch_device != "cpu" and _cuda_available()
         args.torch_variants = list(TORCH_VARIANTS) if cuda else ["fp32"]

@@ -29,6 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_coopmat import GROUP_SIZE, rel_err, time_program  # noqa: E402
+from bench_results import out_error  # noqa: E402
 from vktrain import quant  # noqa: E402
 from vktrain.contract import PRECISION_FP16_TC  # noqa: E402
 from vktrain.runtime import Buffer, Device  # noqa: E402
@@ -38,8 +39,9 @@ from vktrain.runtime.delegate.kernels.linear import (plan_linear_q4gsw, plan_lin
 from vktrain.runtime.delegate.kernels.matmul import gemm_scratch_nbytes, plan_mm  # noqa: E402
 
 # (kind, output columns, reduction) of the step's GEMMs whose output at 128 tokens has fewer than
-# MIN_WORKGROUPS size tiles (bench/results/step_h200_fp16tc_final.json top_gemms), plus the gate / up
-# forward, already on the tensor cores, as the unsplit reference.
+# MIN_WORKGROUPS size tiles (top_gemms of the step measured at commit 3781412: git show
+# 3781412:bench/results/step_h200_fp16tc_final.json), plus the gate / up forward, already on the tensor
+# cores, as the unsplit reference.
 CASES = (("linear_q4gsw", 2048, 8192), ("linear_q4gsw", 2048, 2048), ("linear_q4gsw", 512, 2048),
          ("linear_q4gsw", 8192, 2048),
          ("linear_q4gsw_backward", 2048, 8192), ("linear_q4gsw_backward", 2048, 2048),
@@ -120,6 +122,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-reduction", type=int, default=None, help="cap K (smoke runs)")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
+    if out_error(args.out):
+        parser.error(out_error(args.out))
     rng = np.random.default_rng(0)
     results = []
     with Device(validation=False) as device:

@@ -4,6 +4,7 @@
     python scripts/bench_train.py export --model smollm2-135m --shape 16x256   # here (needs executorch):
                                                      #   bench/train_smollm2-135m_16x256.pte (train + eval)
     python3 scripts/bench_train.py run bench/train_*.pte --out train.json      # on the GPU machine
+    # bench/results keeps one file per model: train_<machine>_<model>.json (bench/README.md)
     python scripts/bench_train.py --quick                                       # tiny-llama, lavapipe (CI-sized)
 
 export: the training step AND its eval method (vktrain.export.export_training_and_eval_steps, as
@@ -291,6 +292,9 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("--workdir", type=Path, default=None, help="where checkpoints are written (default: /tmp)")
     run.add_argument("pte", nargs="+")
     args = parser.parse_args(argv)
+    from bench_results import out_error
+    if out_error(getattr(args, "out", None)):
+        parser.error(out_error(args.out))
     if args.command == "export":
         export_command(args.model, args.shape, args.out_dir, args.min_bytes)
         return 0

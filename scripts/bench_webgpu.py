@@ -3,7 +3,7 @@
 
     python scripts/bench_step.py export                      # bench/step_1x128.pte, bench/step_4x512.pte
     python scripts/bench_webgpu.py run bench/step_1x128.pte bench/step_4x512.pte \\
-        --out bench/results/webgpu_h200.json                 # on the GPU machine (numpy, vulkan, wgpu)
+        --out bench/results/webgpu_h200_llama-3.2-1b.json    # on the GPU machine (numpy, vulkan, wgpu)
     python scripts/bench_webgpu.py run bench/step_1x128.pte bench/step_4x512.pte \
         --precision fp32 fp16-tc                             # both runtimes in both GEMM precisions
     python scripts/bench_webgpu.py run bench/step_1x128.pte bench/step_4x512.pte \
@@ -61,6 +61,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_step  # noqa: E402  (puts the repository root on sys.path)
+from bench_results import out_error, write_run  # noqa: E402
 
 from vktrain.contract import PRECISION_FP16_TC, PRECISION_FP32  # noqa: E402
 from vktrain.errors import VktrainError  # noqa: E402
@@ -227,9 +228,8 @@ def run_command(args) -> int:
         # WebGPU against Vulkan in fp32 under the names this record had before precisions were benchmarked.
         record["comparison"] = fp32 and {"webgpu_over_vulkan": fp32["other_over_base"], **fp32}
     print_report(records, precisions, labels)
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps({"meta": meta, "results": records}, indent=1))
+    if args.out:  # one file per machine and model: this call's .pte files replace theirs, others stay
+        write_run(args.out, {"meta": meta, "results": records}, key=lambda r: Path(r["pte"]).name)
         print(f"wrote {args.out}")
     return 0
 
@@ -391,7 +391,8 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--top", type=int, default=15, help="op kinds and shaders listed")
     run.add_argument("--precision", nargs="+", choices=BENCH_PRECISIONS, default=[PRECISION_FP32],
                      help="GEMM precision policies each runtime runs every program in (default: fp32)")
-    run.add_argument("--out", type=Path, default=None, help="JSON results")
+    run.add_argument("--out", type=Path, default=None,
+                     help="JSON results; an existing file keeps its other .pte files' records")
     run.add_argument("--webgpu-runtime-checks", nargs="+", choices=RUNTIME_CHECK_WORDS, default=None,
                      help="run the WebGPU side once per setting of naga's runtime checks in vktrain's kernels "
                           "(e.g. off on; default: the device's default)")
@@ -406,6 +407,8 @@ def main(argv: list[str] | None = None) -> int:
     kernels.add_argument("--webgpu-runtime-checks", nargs="+", choices=RUNTIME_CHECK_WORDS, default=None,
                          help="time the WebGPU kernels once per setting of naga's runtime checks (e.g. off on)")
     args = parser.parse_args(argv)
+    if out_error(getattr(args, "out", None)):
+        parser.error(out_error(args.out))
     if args.command == "kernels":
         return kernels_command(args)
     if args.command is None:

@@ -7,13 +7,14 @@ base re-quantizes every linear that `vktrain export` would freeze (all-linear: n
 one scale rule, exactly as export does (vktrain.lora.layers.LoRAQ4Linear), and runs the same eager forward.
 Held-out text: the tail of the built-in corpus, tokenized by the model's own tokenizer, in windows of --seq
 tokens; the imatrix variant's calibration tokens (vktrain.lora.calibration) come just before it. Prints the figures and writes them as JSON (default
-bench/results/quant_quality_<model>.json).
+bench/results/quant_quality_cpu_<model>.json).
 """
 from __future__ import annotations
 
 import argparse
 import json
 import math
+import sys
 import time
 from pathlib import Path
 
@@ -28,7 +29,9 @@ from vktrain.lora.layers import LoRAQ4Linear
 from vktrain.models import load
 from vktrain.models.bundled import bundled_checkpoint
 
-ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_results import default_out, out_error  # noqa: E402
+
 # (name, scale rule, weighted by calibration importance); rule None: the float base.
 VARIANTS = [("float", None, False), ("q4gsw-absmax", "absmax", False), ("q4gsw-mse", "mse", False),
             ("q4gsw-mse-imatrix", "mse", True)]
@@ -85,7 +88,12 @@ def main() -> None:
     parser.add_argument("--group-size", type=int, default=32)
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
+    if out_error(args.out):
+        parser.error(out_error(args.out))
     model_path = args.model or bundled_checkpoint("smollm2-135m-instruct")
+    out = args.out or default_out("quant_quality", "cpu", model_path)
+    if out is None:
+        parser.error(f"--model {args.model}: no bench/results name for this model; pass --out")
     loaded = load(model_path)
     model = loaded.model.float().eval()
     tokens = corpus_tokens(loaded.tokenizer.build(), args.tokens + args.calibration_tokens)
@@ -106,7 +114,6 @@ def main() -> None:
     for name, gap in gaps.items():
         print(f"gap to float, {name}: {gap:+.4f}" + (f" ({gap / gaps['q4gsw-absmax']:.0%} of absmax's)"
                                                       if gaps["q4gsw-absmax"] > 0 else ""))
-    out = args.out or ROOT / "bench/results" / f"quant_quality_{model_path.stem.lower()}.json"
     out.write_text(json.dumps({"model": model_path.name, "group_size": args.group_size, "tokens": int(len(tokens)),
                                "seq": args.seq, "heldout": f"tail of {DEFAULT_CORPUS.name}",
                                "calibration_tokens": args.calibration_tokens,

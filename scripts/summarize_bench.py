@@ -1,15 +1,20 @@
 """Print a markdown table of a bench_kernels.py JSON (default configurations only), with % of the H200 targets.
 
-    python scripts/summarize_bench.py bench/results/kernels_h200.json
+    python scripts/summarize_bench.py bench/results/kernels_h200_llama-3.2-1b.json
+
+A file of several runs (bench_results.py) gives each case's row from the newest run that timed it.
 """
 from __future__ import annotations
 
 import json
 import sys
 
+from bench_results import runs
+
 
 def main(path: str) -> None:
-    data = json.load(open(path))
+    calls = runs(json.load(open(path)))[::-1]  # newest first
+    data = calls[0]
     targets = data.get("targets", {})
     peak_gflops = 1e3 * targets.get("gemm_fp32_tflops_ref", 51.0)
     peak_gbps = 1e3 * targets.get("hbm_tbps_ref", 4.2)
@@ -19,9 +24,9 @@ def main(path: str) -> None:
     print("| kernel | shape | Vulkan ms | GFLOP/s | GB/s | % fp32 peak | % HBM | torch ms | torch/Vulkan |")
     print("|---|---|---:|---:|---:|---:|---:|---:|---:|")
     seen = set()
-    for r in data["results"]:
+    for r in (record for call in calls for record in call["results"]):
         key = (r["kernel"], json.dumps(r["shape"], sort_keys=True))
-        if key in seen:  # sweep rows repeat a case with other tilings; the first row is the default
+        if key in seen:  # sweep rows repeat a case with other tilings; a run's first row is its default
             continue
         seen.add(key)
         shape = " ".join(f"{k}={v}" for k, v in r["shape"].items())

@@ -109,7 +109,7 @@ def test_the_smallest_lossless_form_wins():
 
 def test_q8_0_narrows_and_widens_the_smollm2_embedding():
     # Full size, so the chunked encoder crosses many chunk boundaries (its speed is a benchmark's
-    # business: bench/results/export_smollm2_cpu.json reports load time).
+    # business: bench/results/export_cpu_smollm2-135m-instruct.json reports load time).
     values, gguf_bytes = _q8_0_values((49152, 576), 8)  # SmolLM2-135M's token_embd.weight
     narrow = narrow_losslessly(values)  # encoded chunk by chunk: many chunks here
     assert narrow.encoding == ConstantEncoding.GGUF_Q8_0 and bytes(narrow.stored_bytes) == gguf_bytes

@@ -133,11 +133,11 @@ TILING_BY_NAME = {tiling.name: tiling for tiling in TILINGS}
 KERNELS = ("coopmat_linear_q4gsw", "coopmat_linear_q4gsw_backward", "coopmat_mm", "coopmat_mm_b_transposed")
 # kernel -> ((fewest 128 x 128 output tiles, shortest reduction, tiling name), ...): the first row whose
 # tile count and reduction length the GEMM reaches gives its tiling (the last row takes every GEMM).
-# From the H200 sweep (bench/results/coopmat_h200.json, the fastest tiling per kernel and shape): at
-# M = 2048, K = N = 2048 (256 tiles) 128 x 128 tiles with BK = 64 (the d_x kernel: BK = 32, 3% apart),
-# at M = 512 (64 tiles) 64 x 64 tiles with BK = 64, by 14-44% over the next tiling. Larger GEMMs take
-# the 256-tile row unmeasured (the sweep stopped before them; the first version's sweep,
-# coopmat_h200_v1.json, had 128-row tiles fastest at every shape from 256 tiles on).
+# From the H200 sweep (bench/results/coopmat_h200.json's newest run, the fastest tiling per kernel and
+# shape): at M = 2048, K = N = 2048 (256 tiles) 128 x 128 tiles with BK = 64 (the d_x kernel: BK = 32, 3%
+# apart), at M = 512 (64 tiles) 64 x 64 tiles with BK = 64, by 14-44% over the next tiling. Larger GEMMs
+# take the 256-tile row unmeasured (the sweep stopped before them; the first version's sweep, the file's
+# older run, had 128-row tiles fastest at every shape from 256 tiles on).
 DEFAULT_TILINGS: dict[str, tuple[tuple[int, int, str], ...]] = {
     "coopmat_linear_q4gsw": ((256, 0, "bm128+bk64"), (0, 0, "bm64+bn64+bk64")),
     "coopmat_linear_q4gsw_backward": ((256, 0, "bm128"), (0, 0, "bm64+bn64+bk64")),

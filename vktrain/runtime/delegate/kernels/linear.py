@@ -238,8 +238,9 @@ def _prev_pow2(value: int) -> int:
     return 1 << max(0, value.bit_length() - 1)
 
 
-# Reduction step per op: the H200 sweep (bench/results/kernels_h200_sweep.json) found bk = 8 faster for the
-# forward 4-bit GEMM at every M >= 128 (6-10% at M >= 512); d_x and dW showed no consistent winner.
+# Reduction step per op: the H200 tiling sweep (bench/results/kernels_h200_llama-3.2-1b.json's older run)
+# found bk = 8 faster for the forward 4-bit GEMM at every M >= 128 (6-10% at M >= 512); d_x and dW showed
+# no consistent winner.
 DEFAULT_BK = {"linear_q4gsw": 8}
 
 
