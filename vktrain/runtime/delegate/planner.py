@@ -119,7 +119,7 @@ def requirements_of(profile: DeviceProfile, route: GemmRoute) -> ScheduleRequire
     if route.fp32_tuning == CPU_TUNING:  # the CPU bodies (kernels/gemm_tuning.py)
         subgroup_size, int64 = CPU_SUBGROUP_SIZE, True
         operations.add("shuffle")
-    if route.tensor_cores and route.wgsl:
+    if route.fp16_simt or (route.tensor_cores and route.wgsl):  # the FP16 GEMM variants / the f16 WGSL kernels
         float16 = True
     elif route.tensor_cores:
         subgroup_size = route.subgroup_size
