@@ -195,6 +195,8 @@ class GemmRoute:
     @property
     def fp16_kernels(self) -> str:
         """Where this route's fp16-input GEMMs run, for the reports."""
+        if self.fp16_simt:
+            return "FP16 SIMT kernels"
         return "f16 WGSL kernels" if self.wgsl else "tensor cores"
 
     def describe(self) -> str:
