@@ -66,6 +66,22 @@ def test_fp16_runs_the_fp16_simt_kernels_where_the_device_has_shader_float16_and
         select_gemm_route(PRECISION_FP16, old_blob, _device())
 
 
+def test_fp16_on_webgpu_runs_the_f16_wgsl_kernels_where_the_adapter_has_shader_f16():
+    from vktrain.runtime.delegate.kernels.coopmat import WGSL_F16_FEATURE
+    from vktrain.runtime.webgpu.device import DEVICE_TYPE
+
+    adapter = SimpleNamespace(name="test-adapter", device_type=DEVICE_TYPE, features=frozenset({WGSL_F16_FEATURE}),
+                              kernel_features=frozenset({WGSL_F16_FEATURE}))
+    route = select_gemm_route(PRECISION_FP16, PRECISIONS, adapter)
+    assert (route.precision, route.wgsl, route.tensor_cores, route.fp16_simt) == (PRECISION_FP16, True, True, False)
+    assert "f16 WGSL kernels" in route.describe()
+    without = select_gemm_route(PRECISION_FP16, PRECISIONS,
+                                SimpleNamespace(**dict(vars(adapter), kernel_features=frozenset())))
+    assert not without.tensor_cores and "fp32 kernels run" in without.describe()
+    # auto stays fp32 on WebGPU, whatever the profile prefers (the f16 WGSL step measured slower on the H200).
+    assert select_gemm_route(PRECISION_AUTO, PRECISIONS, adapter, profile=ADRENO_7XX).precision == PRECISION_FP32
+
+
 def test_auto_picks_fp16_only_where_the_profile_prefers_it_and_no_tensor_cores_run():
     phone = dataclasses.replace(ADRENO_7XX, name="phone")
     route = select_gemm_route(PRECISION_AUTO, PRECISIONS, _device(), profile=phone)
