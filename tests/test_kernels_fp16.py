@@ -182,3 +182,68 @@ def test_fp16_d_x_keeps_fp16_precision_for_gradients_of_any_scale(vk_device, M, 
     scale = 2.0 ** (14 - int(np.floor(np.log2(np.abs(d_out).max()))))
     _assert_within_bound(actual * scale, d_out.astype(np.float64) * scale, deq,
                          f"linear_q4gsw_backward@FP16 {M}x{out_features}x{in_features} d_out*{gradient_scale:g}", slices)
+
+
+# ----------------------------------------------------------------------------------- matmul.comp's FP16 variant
+def _scale(x: np.ndarray) -> float:
+    """The kernels' operand scale 2^e: max |x| * 2^e in [2^14, 2^15)."""
+    return 2.0 ** (14 - int(np.floor(np.log2(np.abs(x).max()))))
+
+
+def test_fp16_mm_plans_scale_both_operands_and_refuse_what_they_cannot_read():
+    from vktrain.runtime.delegate.kernels.matmul import plan_gemm
+    from vktrain.serialization.strided_view import StridedView
+
+    declared = set(all_shader_names())
+    a, b_t = StridedView.contiguous((300, 128)), StridedView((128, 260), (1, 128))  # B: a transposed [260, 128]
+    absmax, gemm = plan_gemm("c", "a", a, "b", b_t, fp16=True, absmax="m", tuning="cpu")  # any tuning: shared body
+    assert absmax.shader == "coopmat_absmax" and [x.buffer for x in absmax.bindings] == ["m", "a", "b"]
+    assert gemm.shader == "matmul@HAS_BIAS=0+VEC4_C+FP16" and gemm.shader in declared
+    assert [x.buffer for x in gemm.bindings] == ["c", "a", "b", "m"]
+    for tile in ((64, 16), (16, 64)):
+        for bias in (None, "p"):
+            *_, dispatch = plan_gemm("c", "a", a, "b", b_t, fp16=True, absmax="m", tile=tile, bias=bias,
+                                     bias_view=None if bias is None else StridedView.contiguous((300, 260)))
+            assert dispatch.shader in declared, dispatch.shader
+    with pytest.raises(KernelArgumentError, match="fp16 takes 2-D float32 operands read in place"):
+        plan_gemm("c", "a", StridedView((300, 128), (128, 1), 4), "b", b_t, fp16=True, absmax="m")
+    with pytest.raises(KernelArgumentError, match="fp16 needs an absmax scratch"):
+        plan_gemm("c", "a", a, "b", b_t, fp16=True)
+
+
+# (M, N, K, B transposed, scale of A, scale of B, with an addmm addend, split over K)
+MM_CASES = [(37, 132, 96, False, 1.0, 1.0, False, False), (70, 260, 64, True, 1e-7, 0.02, False, False),
+            (16, 64, 1024, True, 1e3, 1e-9, True, True), (64, 16, 2048, False, 1e-6, 1.0, True, True)]
+
+
+@pytest.mark.parametrize("M, N, K, transposed, scale_a, scale_b, addend, split", MM_CASES, ids=lambda v: str(v))
+def test_fp16_mm_matches_float64_within_the_bound_for_operands_of_any_scale(vk_device, M, N, K, transposed, scale_a,
+                                                                           scale_b, addend, split):
+    from vktrain.runtime.delegate.kernels.matmul import gemm_scratch_nbytes, plan_gemm
+    from vktrain.serialization.strided_view import StridedView
+
+    _needs_fp16(vk_device)
+    rng = np.random.default_rng(M + N + K)
+    a = (rng.standard_normal((M, K)) * scale_a).astype(np.float32)
+    b = (rng.standard_normal((K, N)) * scale_b).astype(np.float32)
+    stored_b = np.ascontiguousarray(b.T) if transposed else b
+    b_view = StridedView((K, N), (1, K)) if transposed else StridedView.contiguous((K, N))
+    bias = (rng.standard_normal((M, N)) * scale_a * scale_b).astype(np.float32) if addend else None
+    nbytes = gemm_scratch_nbytes(1, M, N, K) if split else 0
+    dispatches = plan_gemm("out", "a", StridedView.contiguous((M, K)), "b", b_view, fp16=True, absmax="absmax",
+                           bias=None if bias is None else "bias",
+                           bias_view=None if bias is None else StridedView.contiguous((M, N)),
+                           scratch="scratch" if nbytes else None)
+    assert (len(dispatches) == 3) == split  # absmax, GEMM (, reduce)
+    inputs = {"a": a, "b": stored_b, **({"bias": bias} if bias is not None else {})}
+    actual = _run(vk_device, dispatches, inputs, (M, N), nbytes)
+    sa, sb = _scale(a), _scale(b)
+    a64, b64 = a.astype(np.float64) * sa, b.astype(np.float64) * sb
+    if bias is None:
+        _assert_within_bound(actual * sa * sb, a64, b64, f"matmul@FP16 {M}x{N}x{K}", slices=K)  # any split
+    else:  # the addend is added in fp32 after the unscaling: one more rounding of the result
+        exact = a64 @ b64 / (sa * sb) + bias
+        error = np.abs(actual - exact)
+        bound = fp16_gemm_bound(a64, b64, slices=K) / (sa * sb) + 2.0 ** -23 * (np.abs(a64) @ np.abs(b64) / (sa * sb)
+                                                                          + np.abs(bias))
+        assert np.isfinite(actual).all() and (error <= bound).all(), float(np.max(error / bound))

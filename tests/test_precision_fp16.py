@@ -16,6 +16,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
+import math
 from types import SimpleNamespace
 
 import numpy as np
@@ -148,8 +149,15 @@ def tiny_llama(tmp_path_factory):
     return path, model, (token_ids, labels)
 
 
-def _float64_loss_and_fp16_bound(model, batch) -> tuple[float, float, int]:
-    """The float64 eager step-1 loss and the module docstring's first-order bound over every base GEMM."""
+def _scale(x: np.ndarray) -> float:
+    """The FP16 kernels' per-tensor operand scale 2^e: max |x| * 2^e in [2^14, 2^15)."""
+    largest = float(np.abs(x).max())
+    return 1.0 if largest == 0.0 else 2.0 ** (14 - math.floor(math.log2(largest)))
+
+
+def _float64_loss_and_fp16_bound(model, batch, head: bool = False) -> tuple[float, float, int]:
+    """The float64 eager step-1 loss and the module docstring's first-order bound over every base GEMM (and,
+    with `head`, the tied head's logits = h @ W^T, both operands scaled per tensor before their rounding)."""
     model = copy.deepcopy(model)
     _cast_floating(model, torch.float64)
     records = []
@@ -158,7 +166,8 @@ def _float64_loss_and_fp16_bound(model, batch) -> tuple[float, float, int]:
         output.retain_grad()
         records.append((module, inputs[0].detach(), output))
 
-    hooks = [m.register_forward_hook(record) for m in model.modules() if isinstance(m, LoRAQ4Linear)]
+    routed = [m for m in model.modules() if isinstance(m, LoRAQ4Linear)] + ([model.lm_head] if head else [])
+    hooks = [m.register_forward_hook(record) for m in routed]
     token_ids, labels = batch
     loss = model.loss(token_ids, labels, (labels >= 0).sum().to(torch.float32))
     loss.backward()
@@ -167,16 +176,21 @@ def _float64_loss_and_fp16_bound(model, batch) -> tuple[float, float, int]:
     bound = 0.0
     for module, x, output in records:
         x = x.reshape(-1, module.in_features).numpy()
-        w = module.dequantized_weight().to(torch.float64).numpy()
+        if isinstance(module, LoRAQ4Linear):
+            w, x_scale, w_scale = module.dequantized_weight().to(torch.float64).numpy(), 1.0, 1.0
+        else:
+            w = module.weight.detach().numpy()
+            x_scale, w_scale = _scale(x), _scale(w)
         # d loss / d base output = d loss / d module output: the module adds the LoRA branch to it.
         d_y = output.grad.reshape(-1, module.out_features).abs().numpy()
-        bound += float((d_y * fp16_gemm_bound(x, w.T)).sum())
+        per_output = fp16_gemm_bound(x * x_scale, w.T * w_scale) / (x_scale * w_scale)
+        bound += float((d_y * per_output).sum())
     return float(loss.detach()), bound, len(records)
 
 
-def _step(path, device, batch, precision, steps=1):
+def _step(path, device, batch, precision, steps=1, every_mm=False):
     token_ids, labels = batch
-    with TrainingRunner.from_pte(path, device, precision=precision) as runner:
+    with TrainingRunner.from_pte(path, device, precision=precision, emulate_tensor_cores=every_mm) as runner:
         executor = runner.executor
         losses = [runner.step(token_ids.numpy(), labels.numpy(), HPARAMS) for _ in range(steps)]
         shaders = {executor.ops[int(d.name.split(":")[0])].name: set() for d in executor.dispatches
@@ -232,3 +246,30 @@ def test_auto_under_a_phone_profile_runs_fp16_and_trains(vk_device, tiny_llama, 
     assert losses[0] != fp32_losses[0] and abs(losses[0] - fp32_losses[0]) < 1e-3 * abs(fp32_losses[0])
     assert losses[2] < losses[0] and np.isfinite(losses).all()
     assert PRECISION_FP16_TC not in report
+
+
+def test_tiny_llama_step_with_every_mm_on_fp16_stays_within_the_bound_with_the_head(vk_device, tiny_llama):
+    """The test path (emulate_tensor_cores: the fp16 route without its size gate) sends every aten.mm / addmm
+    whose operands the FP16 variant reads in place to matmul@...+FP16, the tied head's logits among them; the
+    step-1 loss stays within the bound of the base GEMMs and the head (the LoRA products do not move it at
+    step 1: B starts at zero)."""
+    if "shaderFloat16" not in vk_device.features:
+        pytest.skip(f"{vk_device.name} has no shaderFloat16")
+    path, model, batch = tiny_llama
+    (loss,), executor, report, shaders = _step(path, vk_device, batch, PRECISION_FP16, every_mm=True)
+    assert "every mm (test path)" in report
+    mm_shaders = shaders["aten.mm.default"] | shaders.get("aten.addmm.default", set())
+    assert any(s.startswith("matmul@") and s.endswith("+FP16") for s in mm_shaders), mm_shaders
+    dim, vocab = model.config.dim, model.config.vocab_size
+    heads = [d for d in executor.dispatches if d.shader.startswith("matmul@") and "FP16" in d.shader
+             and executor.ops[int(d.name.split(":")[0])].name == "aten.mm.default"
+             and [list(executor.graph.tensor(v).shape) for v in executor.ops[int(d.name.split(":")[0])].args[:2]]
+             == [[BATCH * SEQ, dim], [dim, vocab]]]
+    assert len(heads) == 1, "the tied head's logits run the FP16 variant"
+    reference, bound, routed = _float64_loss_and_fp16_bound(model, batch, head=True)
+    assert routed == 7 * model.config.n_layers + 1
+    error = abs(loss - reference)
+    print(f"tiny-llama fp16 (every mm) step-1 loss {loss!r} vs float64 {reference!r}: |err| {error:.2e}, "
+          f"bound {bound:.2e}")
+    assert error <= bound + LOSS_RTOL * abs(reference)
+    assert bound < 3e-2 * abs(reference)

@@ -449,6 +449,15 @@ def _lower_gemm(ctx: OpContext) -> list[Dispatch]:
                      **ctx.gemm.plan_options, **_coopmat_split_k_args(
                          ctx, "coopmat_mm_b_transposed" if b_transposed else "coopmat_mm", a.shape[0], b.shape[1],
                          a.shape[1]))
+    # fp16: matmul.comp's FP16 variant where the route's size gate takes the product and it reads both operands
+    # in place from their bindings' start (each one's absmax pass reads its first numel elements).
+    if not over and ctx.gemm.fp16_takes_mm(a.shape[0], b.shape[1]) and matmul.fp16_reads_in_place(a.strided, b.strided):
+        m, n, k = a.shape[0], b.shape[1], a.shape[1]
+        nbytes = matmul.gemm_scratch_nbytes(1, m, n, k)  # the shared-memory body's split (GPU tuning)
+        return _call(ctx, matmul.plan_gemm, out=out.binding, a=a.binding, a_view=a.strided, b=b.binding,
+                     b_view=b.strided, bias=bias and bias.binding, bias_view=bias and bias.strided, alpha=alpha,
+                     beta=beta, scratch=ctx.scratch(nbytes, "split_k") if nbytes else None, fp16=True,
+                     absmax=ctx.scratch(linear.absmax_scratch_nbytes(a.numel, b.numel), "absmax"))
     try:
         scratch = _split_k_scratch(ctx, 1, a.shape[0], b.shape[1], a.shape[1], *operands)
         return matmul.plan_gemm(out.binding, a.binding, a.strided, b.binding, b.strided, bias=bias and bias.binding,

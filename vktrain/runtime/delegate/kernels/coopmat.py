@@ -138,6 +138,12 @@ class GemmRoute:
         on Vulkan: fp16 operands, fp32 products and sums, no tensor cores; kernels/linear.py)."""
         return self.precision == PRECISION_FP16 and not self.tensor_cores
 
+    def fp16_takes_mm(self, M: int, N: int) -> bool:
+        """Whether an aten.mm / addmm with an M x N output runs matmul.comp's FP16 variant on this route: the
+        fp16 policy's size gate, fp16-tc's (at least min_workgroups 64 x 128 tiles, so that the operands'
+        absmax pass pays; 1 on the test path), on operands it reads in place (matmul.fp16_reads_in_place)."""
+        return self.fp16_simt and ceil_div(M, SIZE_TILE_M) * ceil_div(N, SIZE_TILE_N) >= self.min_workgroups
+
     @property
     def splits_reduction(self) -> bool:
         """Whether this route's kernels split a small output's reduction (split-K). The f16 WGSL kernels do
@@ -202,8 +208,8 @@ class GemmRoute:
     def describe(self) -> str:
         kernels = f"{self.fp16_kernels} (fp16 inputs, fp32 accumulation)" if self.tensor_cores else "fp32 kernels"
         if self.fp16_simt:
-            kernels = "the 4-bit base GEMMs on the FP16 SIMT kernels (fp16 operands, fp32 products and sums), " \
-                      "every other GEMM on the fp32 kernels"
+            kernels = "the 4-bit base GEMMs and the large mm on the FP16 SIMT kernels (fp16 operands, fp32 " \
+                      "products and sums), every other GEMM on the fp32 kernels"
         return (f"GEMM precision {self.precision}: {kernels}; {self.reason}; "
                 f"fp32 kernels in their {self.fp32_tuning} tuning")
 
@@ -258,7 +264,10 @@ def _select_gemm_route(precision: str, allowed: tuple[str, ...], device: Any, *,
         if "shaderFloat16" not in device.features:
             return GemmRoute(PRECISION_FP32, False, f"fp16 asked, but {device.name} lacks shaderFloat16, so the fp32 "
                                                     f"kernels run")
-        return GemmRoute(PRECISION_FP16, False, f"{device.name} has shaderFloat16; no tensor cores used")
+        reason = f"{device.name} has shaderFloat16; no tensor cores used"
+        if emulate:  # the test path: every mm the variant reads, whatever its size (fp16_takes_mm)
+            return GemmRoute(PRECISION_FP16, False, reason + "; every mm (test path)", min_workgroups=1)
+        return GemmRoute(PRECISION_FP16, False, reason)
     assert precision == PRECISION_FP16_TC
     if emulate:
         if "shaderFloat16" not in device.features or not device.subgroup_operations & SUBGROUP_BASIC_BIT:
