@@ -76,8 +76,9 @@ METADATA_GEMM_PRECISIONS = "gemm_precisions"          # JSON list of the PRECISI
 
 # ---- GEMM precision policies (docs/PRECISION.md): the blob lists those it allows, the runtime picks one
 # by device. fp32: every GEMM on the fp32 kernels (the parity reference). fp16-tc: the large GEMMs on
-# tensor cores (VK_KHR_cooperative_matrix), fp16 inputs, fp32 accumulation. fp16: the 4-bit base GEMMs on
-# the SIMT kernels' FP16 variant (no tensor cores: fp16 operands in shared memory, fp32 products and sums),
+# tensor cores (VK_KHR_cooperative_matrix), fp16 inputs, fp32 accumulation. fp16: the 4-bit base GEMMs and
+# the large mm on the SIMT kernels' FP16 variants (no tensor cores: fp16 operands in shared memory, fp32
+# products and sums),
 # for devices with shaderFloat16 and no cooperative matrices. auto (what the runtime is asked for by
 # default; never in a blob): fp16-tc where the program allows it and the device has the tensor-core
 # kernels, else fp16 where the device's profile prefers it (phone GPUs), else fp32 -- the fastest policy

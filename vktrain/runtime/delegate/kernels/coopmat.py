@@ -134,8 +134,9 @@ class GemmRoute:
 
     @property
     def fp16_simt(self) -> bool:
-        """Whether the 4-bit base GEMMs (forward, d_x) run the fp32 kernels' FP16 variant (the fp16 policy
-        on Vulkan: fp16 operands, fp32 products and sums, no tensor cores; kernels/linear.py)."""
+        """Whether the 4-bit base GEMMs (forward, d_x), and the mm `fp16_takes_mm` takes, run the fp32 kernels'
+        FP16 variants (the fp16 policy on Vulkan: fp16 operands, fp32 products and sums, no tensor cores;
+        kernels/linear.py, kernels/matmul.py)."""
         return self.precision == PRECISION_FP16 and not self.tensor_cores
 
     def fp16_takes_mm(self, M: int, N: int) -> bool:
