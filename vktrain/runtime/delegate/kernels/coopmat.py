@@ -226,8 +226,9 @@ def select_gemm_route(precision: str, allowed: tuple[str, ...], device: Any, *,
     runs the emulated shaders, on every GEMM the route covers whatever its size. `auto` is fp16-tc where
     the program allows it and the device has the tensor-core kernels (or `emulate`), else fp16 where the
     program allows it, the device has shaderFloat16 and `profile` prefers it (DeviceProfile.prefers_fp16:
-    the vendor table, serialization/device_profile.py), else fp32. fp16 runs the 4-bit base GEMMs on the
-    fp32 kernels' FP16 variant where the device has shaderFloat16, else the fp32 route saying why. A route
+    the vendor table, serialization/device_profile.py), else fp32. fp16 runs the 4-bit base GEMMs and the
+    large mm (`GemmRoute.fp16_takes_mm`; every mm with `emulate`) on the fp32 kernels' FP16 variants where the
+    device has shaderFloat16, else the fp32 route saying why. A route
     takes its size gate and split-K targets from `profile` (the device's DeviceProfile; default: the H200's
     numbers)."""
     route = _select_gemm_route(precision, allowed, device, emulate=emulate,
