@@ -9,7 +9,8 @@ kernels and on the tensor cores at each split-K factor, all in one run, to set t
 Cases (`kind output-rows x output-columns x reduction`): the base forward (`linear_q4gsw`), its d_x
 (`linear_q4gsw_backward`, d_out scaled: its absmax pass is in the time) and the tied head's d_h =
 d_logits @ W (`mm`, row-major B over the vocabulary). Each entry: `simt` (the fp32 kernels' default plan,
-split-K reduce included), `coopmat` {split_k: ms} for the default tiling (split reduce included), the
+split-K reduce included), `simt_fp16` (the 4-bit base cases: the same plan's FP16 variant, what `--precision
+fp16` runs where no tensor cores do; d_x's absmax pass included), `coopmat` {split_k: ms} for the default tiling (split reduce included), the
 split the default plan picks (`default_split_k`) and whether the route takes the tensor cores. GPU times
 are medians of --replays (Vulkan timestamps, summed over the case's dispatches; scripts/bench_coopmat.py
 `time_program`). rel_err: Frobenius error of the first rows against numpy fp32 (~1e-3 for fp16 inputs).
@@ -75,7 +76,7 @@ def bench_case(device, kind: str, M: int, N: int, K: int, args, rng) -> dict:
     buffers["scratch"] = Buffer(device, max(4 * max(SPLITS) * M * N, simt_scratch, 4), name="scratch")
     extra = dict(emulate=args.emulate, subgroup_size=device.subgroup_size)
 
-    def plan(split_k: int | None, simt: bool = False):
+    def plan(split_k: int | None, simt: bool = False, fp16: bool = False):
         if kind == "mm":
             if simt:
                 return plan_mm(out="out", self="a", self_shape=(M, K), mat2="b", mat2_shape=(K, N),
@@ -85,12 +86,13 @@ def bench_case(device, kind: str, M: int, N: int, K: int, args, rng) -> dict:
         if kind == "linear_q4gsw":
             common = dict(M=M, N=N, K=K, group_size=GROUP_SIZE, out="out", x="a", weights="w", scales="s")
             if simt:
-                return plan_linear_q4gsw(**common, scratch="scratch" if simt_scratch else None,
+                return plan_linear_q4gsw(**common, scratch="scratch" if simt_scratch else None, fp16=fp16,
                                          shared_memory_bytes=device.limits.max_compute_shared_memory_size)
             return coopmat.plan_coopmat_linear_q4gsw(**common, scratch="scratch", split_k=split_k, **extra)
         common = dict(M=M, N=K, K=N, group_size=GROUP_SIZE, out="out", d_out="a", weights="w", scales="s")
         if simt:
-            return plan_linear_q4gsw_backward(**common, scratch="scratch" if simt_scratch else None,
+            return plan_linear_q4gsw_backward(**common, scratch="scratch" if simt_scratch else None, fp16=fp16,
+                                              absmax="absmax" if fp16 else None,
                                               shared_memory_bytes=device.limits.max_compute_shared_memory_size)
         return coopmat.plan_coopmat_linear_q4gsw_backward(**common, absmax="absmax", scratch="scratch",
                                                           split_k=split_k, **extra)
@@ -105,6 +107,8 @@ def bench_case(device, kind: str, M: int, N: int, K: int, args, rng) -> dict:
               "default_split_k": coopmat_tiling.default_split_k(tiling, M, N, K),
               "route_takes_tensor_cores": coopmat.GemmRoute(PRECISION_FP16_TC, True, "bench").takes_tensor_cores(M, N, K),
               "simt": measure(plan(None, simt=True)), "coopmat": {}}
+    if kind != "mm":
+        record["simt_fp16"] = measure(plan(None, simt=True, fp16=True))
     for split_k in SPLITS:
         if split_k == 1 or coopmat_tiling.split_slice_length(tiling, K, split_k) * (split_k - 1) < K:
             record["coopmat"][split_k] = measure(plan(split_k))
@@ -133,7 +137,8 @@ def main(argv: list[str] | None = None) -> int:
             K = min(K, args.max_reduction or K)
             record = bench_case(device, kind, args.tokens, N, K, args, rng)
             best = min(record["coopmat"], key=lambda s: record["coopmat"][s]["ms"])
-            print(f"{record['name']:34s} simt {record['simt']['ms']:7.3f} ms | coopmat "
+            fp16 = f" fp16 {record['simt_fp16']['ms']:7.3f} ms" if "simt_fp16" in record else " " * 16
+            print(f"{record['name']:34s} simt {record['simt']['ms']:7.3f} ms{fp16} | coopmat "
                   + " ".join(f"s{s}:{v['ms']:.3f}" for s, v in record["coopmat"].items())
                   + f" | best s{best}, default s{record['default_split_k']}"
                   + f", route {'tc' if record['route_takes_tensor_cores'] else 'simt'}", flush=True)

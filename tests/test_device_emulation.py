@@ -123,7 +123,9 @@ def tiny_step(tmp_path_factory):
     return path
 
 
-def _train(path, device, monkeypatch, profile):
+def _train(path, device, monkeypatch, profile, precision="fp32"):
+    """STEPS losses under `profile`; fp32 by default, the policy whose losses the emulated limits must not move
+    (`auto` picks fp16 on the phone profiles: tests/test_precision_fp16.py)."""
     from vktrain.runtime.program.runner import TrainingRunner
 
     if profile is None:
@@ -131,7 +133,7 @@ def _train(path, device, monkeypatch, profile):
     else:
         monkeypatch.setenv(DEVICE_PROFILE_ENV, profile)
     ids = np.random.default_rng(1).integers(0, 256, (BATCH, SEQ))
-    with TrainingRunner.from_pte(path, device) as runner:
+    with TrainingRunner.from_pte(path, device, precision=precision) as runner:
         losses = [runner.step(ids, np.roll(ids, -1, axis=1), HPARAMS) for _ in range(STEPS)]
         program = runner.executor.program  # closing the runner drops it; its counters stay readable
         return losses, runner.executor, program
@@ -207,7 +209,7 @@ def test_train_command_takes_the_profile(vk_device, tiny_step, tmp_path, monkeyp
     for profile in (None, "mali-g7xx"):
         records = tmp_path / f"{profile}.json"
         argv = [str(tiny_step), "--steps", "2", "--no-progress", "--log-every", "0", "--data", str(data),
-                "--json", str(records)] + (["--device-profile", profile] if profile else [])
+                "--json", str(records), "--precision", "fp32"] + (["--device-profile", profile] if profile else [])
         args = add_train_arguments(argparse.ArgumentParser()).parse_args(argv)
         assert run_train(args, vk_device) == 0
         runs[profile] = [r["loss"] for r in json.loads(records.read_text())]
@@ -268,8 +270,8 @@ def test_eval_under_a_phone_profile_gives_the_unconstrained_loss(vk_device, tiny
     results = {}
     for profile in (None, "adreno-6xx"):
         out = tmp_path / f"eval-{profile}.json"
-        assert main(["eval", str(tiny_step), "--data", str(data), "--max-batches", "2", "--json", str(out)]
-                    + (["--device-profile", profile] if profile else [])) == 0
+        assert main(["eval", str(tiny_step), "--data", str(data), "--max-batches", "2", "--json", str(out),
+                     "--precision", "fp32"] + (["--device-profile", profile] if profile else [])) == 0
         results[profile] = json.loads(out.read_text())
     assert results[None]["loss"] == results["adreno-6xx"]["loss"]
     assert main(["eval", str(tiny_step), "--data", str(data), "--device-profile", "nvidia-coopmat"]) == 2

@@ -76,7 +76,8 @@ def _device(properties=(), features=frozenset({"shaderFloat16"}), subgroup_opera
 
 # ----------------------------------------------------------------------------------- no device needed
 def test_a_blob_allows_what_its_metadata_lists_and_an_older_blob_fp32_only():
-    assert allowed_precisions({METADATA_GEMM_PRECISIONS: '["fp32", "fp16-tc"]'}) == PRECISIONS
+    assert allowed_precisions({METADATA_GEMM_PRECISIONS: json.dumps(PRECISIONS)}) == PRECISIONS
+    assert allowed_precisions({METADATA_GEMM_PRECISIONS: '["fp32", "fp16-tc"]'}) == ("fp32", "fp16-tc")  # before fp16
     assert allowed_precisions({}) == (PRECISION_FP32,)
     for bad in ('"fp32"', "[]", '["fp32", "bf16"]', "not json"):
         with pytest.raises(PrecisionPolicyError, match=f"step.pte: blob metadata '{METADATA_GEMM_PRECISIONS}'"):
@@ -105,8 +106,8 @@ def test_fp16_tc_falls_back_to_fp32_kernels_and_says_why(listed):
 def test_a_policy_the_blob_does_not_allow_or_nobody_knows_is_refused_by_name():
     with pytest.raises(PrecisionPolicyError, match=f"allows GEMM precision fp32 .*{METADATA_GEMM_PRECISIONS}.*fp16-tc"):
         select_gemm_route(PRECISION_FP16_TC, (PRECISION_FP32,), _device([TENSOR_CORES]))
-    with pytest.raises(PrecisionPolicyError, match="unknown GEMM precision 'fp16'"):
-        select_gemm_route("fp16", PRECISIONS, _device([TENSOR_CORES]))
+    with pytest.raises(PrecisionPolicyError, match="unknown GEMM precision 'bf16'"):
+        select_gemm_route("bf16", PRECISIONS, _device([TENSOR_CORES]))
 
 
 def test_auto_is_fp16_tc_where_the_device_and_the_program_allow_it_and_fp32_elsewhere():

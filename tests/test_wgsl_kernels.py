@@ -147,8 +147,12 @@ def test_wgsl_kernel_compiles_and_declares_the_glsl_interface(webgpu_device, nam
 # GLSL shaders WebGPU never dispatches: the register-tile bodies of the CPU GEMM tuning, the tensor-core
 # (cooperative-matrix) kernels, and the Vulkan runtime's self-test kernels (the WebGPU layer has its own).
 def _webgpu_dispatches(name: str) -> bool:
+    """Whether the WebGPU runtime may dispatch GLSL shader `name`: not the tests', the coopmat kernels (served
+    in f16 only), the CPU register tiles (WebGPU runs the GPU tuning), nor the FP16 variants (the fp16 policy
+    runs the f16 WGSL GEMMs on WebGPU: kernels/coopmat.py)."""
     base, _, variant = name.partition("@")
-    return not (base.startswith(("coopmat_", "test_")) or "CPU_REGISTER_TILES" in variant.split("+"))
+    defines = variant.split("+")
+    return not (base.startswith(("coopmat_", "test_")) or "CPU_REGISTER_TILES" in defines or "FP16" in defines)
 
 
 def test_every_glsl_shader_webgpu_can_dispatch_has_a_wgsl_kernel():

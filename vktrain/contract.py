@@ -76,12 +76,17 @@ METADATA_GEMM_PRECISIONS = "gemm_precisions"          # JSON list of the PRECISI
 
 # ---- GEMM precision policies (docs/PRECISION.md): the blob lists those it allows, the runtime picks one
 # by device. fp32: every GEMM on the fp32 kernels (the parity reference). fp16-tc: the large GEMMs on
-# tensor cores (VK_KHR_cooperative_matrix), fp16 inputs, fp32 accumulation. auto (what the runtime is
-# asked for by default; never in a blob): fp16-tc where the program allows it and the device has the
-# tensor-core kernels, else fp32 -- the fastest policy the device runs with a stated accuracy.
+# tensor cores (VK_KHR_cooperative_matrix), fp16 inputs, fp32 accumulation. fp16: the 4-bit base GEMMs and
+# the large mm on the SIMT kernels' FP16 variants (no tensor cores: fp16 operands in shared memory, fp32
+# products and sums),
+# for devices with shaderFloat16 and no cooperative matrices. auto (what the runtime is asked for by
+# default; never in a blob): fp16-tc where the program allows it and the device has the tensor-core
+# kernels, else fp16 where the device's profile prefers it (phone GPUs), else fp32 -- the fastest policy
+# the device runs with a stated accuracy.
 PRECISION_FP32 = "fp32"
 PRECISION_FP16_TC = "fp16-tc"
-PRECISIONS = (PRECISION_FP32, PRECISION_FP16_TC)
+PRECISION_FP16 = "fp16"
+PRECISIONS = (PRECISION_FP32, PRECISION_FP16_TC, PRECISION_FP16)
 PRECISION_AUTO = "auto"
 PRECISION_CHOICES = (PRECISION_AUTO, *PRECISIONS)  # what a user may ask the runtime for
 
@@ -91,6 +96,6 @@ __all__ = ["ACCUMULATE_METHOD", "ADAMW_DEFAULTS", "ADAPTER_METADATA_KEYS", "BACK
            "METADATA_LORA_TARGET_MODULES", "METADATA_MODEL_CONFIG", "METADATA_MODEL_FAMILY",
            "METADATA_PLANNED_MEMORY_BYTES", "METADATA_REFUSALS", "METADATA_SOURCE_MODEL", "METADATA_STATE_BYTES",
            "METADATA_SYNTHETIC_CONSTANTS", "METADATA_UNPLANNED_MEMORY_BYTES", "MODEL_PREFIX",
-           "NAMED_DATA_TOKENIZER_CONFIG", "NAMED_DATA_TOKENIZER_JSON", "N_VALID", "PRECISIONS", "PRECISION_AUTO", "PRECISION_CHOICES", "PRECISION_FP16_TC",
+           "NAMED_DATA_TOKENIZER_CONFIG", "NAMED_DATA_TOKENIZER_JSON", "N_VALID", "PRECISIONS", "PRECISION_AUTO", "PRECISION_CHOICES", "PRECISION_FP16", "PRECISION_FP16_TC",
            "PRECISION_FP32", "STATE_PREFIXES", "STEP_INPUTS", "STEP_STATE", "TOKEN_IDS", "TRAIN_METHOD",
            "hparams_values"]

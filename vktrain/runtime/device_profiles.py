@@ -5,7 +5,8 @@ The executor plans with it (kernels/coopmat.py `select_gemm_route(profile=)`, Op
 `vktrain devices` prints it. `planning_profile(device)` is what the executor plans with: the device's own, or,
 with VKTRAIN_DEVICE_PROFILE=NAME|FILE.json (`--device-profile` of train, eval and generate sets it), that
 profile emulated on the device (serialization/device_profile.py `intersect`). The tuning fields are the record's defaults (measured on the H200): a device
-of its own is not measured here.
+of its own is not measured here; a Vulkan device whose name names a vendor of VENDOR_GEMM_TUNING (Adreno, Mali)
+takes that row's prefers_fp16 and tiles.
 """
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from typing import Any, Mapping, Optional
 
 from vktrain.serialization.device_profile import (API_VULKAN, API_WEBGPU, COMPONENT_TYPES, DEVICE_TYPES, SCOPES,
                                                   CoopmatShape, DeviceProfile, intersect, resolve_profile,
-                                                  subgroup_operation_names)
+                                                  subgroup_operation_names, vendor_gemm_tuning)
 
 DEVICE_PROFILE_ENV = "VKTRAIN_DEVICE_PROFILE"
 
@@ -53,7 +54,18 @@ def _vulkan_profile(device: Any) -> DeviceProfile:
         max_allocation_bytes=int(limits.max_memory_allocation_size),
         max_push_constants_bytes=int(limits.max_push_constants_size),
         max_storage_buffers_per_stage=int(limits.max_per_stage_descriptor_storage_buffers),
+        **_vendor_fields(device.name, int(limits.max_compute_work_group_invocations)),
         source=f"queried: {device.name}, Vulkan {device.version_string(device.api_version)}")
+
+
+def _vendor_fields(name: str, max_invocations: int) -> dict:
+    """The vendor tuning of a device its name identifies (serialization/device_profile.py VENDOR_GEMM_TUNING),
+    its tiles only where the device can run them."""
+    row = vendor_gemm_tuning(name)
+    if row is None:
+        return {}
+    fits = row.gemm_tiles[0] * row.gemm_tiles[1] <= max_invocations if row.gemm_tiles else True
+    return dict(prefers_fp16=row.prefers_fp16, gemm_tiles=row.gemm_tiles if fits else ())
 
 
 def _webgpu_profile(device: Any) -> DeviceProfile:

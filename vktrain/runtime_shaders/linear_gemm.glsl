@@ -26,12 +26,27 @@
 // element s_offset of binding 3 (all multiples of 4; contiguous: 0, the reduction, 0, COLS, 0, 0).
 // ACCUMULATE (FWD): each output starts its sum from the value binding 0 holds (a previous window of K's
 // partial) instead of 0, so a reduction cut into windows adds the same products in the same order.
+//
+// FP16 (FWD, BWD; the `fp16` GEMM precision policy, docs/PRECISION.md): the shared tiles hold fp16
+// (f16vec4: half the shared memory and its traffic), each operand rounded to nearest fp16 as it is
+// committed; the products of two fp16 values are formed in fp32, where they are exact (11 + 11
+// significant bits), and summed in fp32 in the fp32 body's order. FWD rounds x and deq(W) as they are;
+// BWD first multiplies d_out, a gradient whose values follow the loss divisor down to fp16's subnormals,
+// by the power of two 2^e that puts max |d_out| in [2^14, 2^15) (coopmat_scale.glsl: max |d_out| from the
+// partial maxima coopmat_absmax wrote into binding 4, pc.a_partials of them) and the sums by 2^-e, both
+// exact. The kernel's per-element bound is in docs/PRECISION.md ("The fp16 policy").
 
 #extension GL_EXT_control_flow_attributes : require
 #extension GL_GOOGLE_include_directive : require
 #ifdef CPU_REGISTER_TILES
 #extension GL_KHR_shader_subgroup_shuffle : require
 #extension GL_EXT_shader_explicit_arithmetic_types_int64 : require
+#endif
+#ifdef FP16
+#extension GL_EXT_shader_explicit_arithmetic_types_float16 : require
+#if defined(CPU_REGISTER_TILES) || LINEAR_MODE == LINEAR_MODE_DW || defined(ACCUMULATE)
+#error "FP16 is a variant of the shared-memory body of LINEAR_MODE_FWD / LINEAR_MODE_BWD without ACCUMULATE"
+#endif
 #endif
 #include "common.glsl"
 
@@ -51,6 +66,9 @@ layout(push_constant, std430) uniform PushConstants {
     uint c_row_stride;
     uint w_offset;
     uint s_offset;
+#if defined(FP16) && LINEAR_MODE == LINEAR_MODE_BWD
+    uint a_partials;     // partial maxima of |d_out| in binding 4
+#endif
 } pc;
 
 #ifdef CPU_REGISTER_TILES
@@ -81,6 +99,9 @@ layout(set = 0, binding = 0) writeonly restrict buffer OutBuf { vec4 dx[]; };
 layout(set = 0, binding = 1) readonly restrict buffer DOutBuf { VEC4_INPUT d_out[]; };
 layout(set = 0, binding = 2) readonly restrict buffer WBuf { WORD_INPUT w4x8[]; };
 layout(set = 0, binding = 3) readonly restrict buffer SBuf { SCALE_INPUT scales[]; };
+#ifdef FP16
+layout(set = 0, binding = 4) readonly restrict buffer AbsmaxBuf { uint partial_absmax_bits[]; };
+#endif
 #elif LINEAR_MODE == LINEAR_MODE_DW
 layout(set = 0, binding = 0) writeonly restrict buffer OutBuf { vec4 dw[]; };
 layout(set = 0, binding = 1) readonly restrict buffer DOutBuf { vec4 d_out[]; };
@@ -145,8 +166,35 @@ const uint BN = 8u * THREADS_X;
 const uint NUM_THREADS = THREADS_X * THREADS_Y;
 
 // [r][i / 4] and [r][j / 4]: one reduction step per row, vec4 along the output dimension.
-shared vec4 a_tile[BK][BM / 4u];
-shared vec4 b_tile[BK][BN / 4u];
+#ifdef FP16
+#define TILE_VEC4 f16vec4
+#define TILE_SCALAR float16_t
+#else
+#define TILE_VEC4 vec4
+#define TILE_SCALAR float
+#endif
+shared TILE_VEC4 a_tile[BK][BM / 4u];
+shared TILE_VEC4 b_tile[BK][BN / 4u];
+
+#if defined(FP16) && LINEAR_MODE == LINEAR_MODE_BWD
+#include "coopmat_scale.glsl"
+// d_out's scale 2^a_scale_exponent (module comment), set by every thread of the workgroup.
+int a_scale_exponent = 0;
+float a_commit_scale = 1.0;
+void set_a_scale(uint tid) {
+    if (tid == 0u) operand_absmax[0] = 0u;
+    barrier();
+    uint bits = 0u;
+    for (uint i = tid; i < pc.a_partials; i += NUM_THREADS) bits = max(bits, partial_absmax_bits[i]);
+    atomicMax(operand_absmax[0], bits);
+    barrier();
+    a_scale_exponent = scale_exponent(operand_absmax[0]);
+    a_commit_scale = ldexp(1.0, a_scale_exponent);
+}
+#define A_COMMIT(value) TILE_SCALAR((value) * a_commit_scale)
+#else
+#define A_COMMIT(value) TILE_SCALAR(value)
+#endif
 
 // Global -> register -> shared staging. `fetch_*` issues the global loads of the next reduction step
 // into registers (so they are in flight while the current step is computed); `commit_*` writes them
@@ -191,7 +239,7 @@ void commit_a(uint tid) {
 #else
         const uint i = v / (BK / 4u), r4 = v % (BK / 4u);
         [[unroll]] for (uint c = 0u; c < 4u; ++c) {
-            a_tile[4u * r4 + c][i / 4u][i % 4u] = a_stage[s][c];
+            a_tile[4u * r4 + c][i / 4u][i % 4u] = A_COMMIT(a_stage[s][c]);
         }
 #endif
     }
@@ -269,13 +317,13 @@ void commit_b(uint tid) {
 #if LINEAR_MODE == LINEAR_MODE_FWD
         // b_tile[k][n]: the pair is two adjacent floats of one vec4 (pair is even).
         [[unroll]] for (uint t = 0u; t < 4u; ++t) {
-            b_tile[4u * k4l + t][pair / 4u][pair % 4u] = low[t];
-            b_tile[4u * k4l + t][pair / 4u][pair % 4u + 1u] = high[t];
+            b_tile[4u * k4l + t][pair / 4u][pair % 4u] = TILE_SCALAR(low[t]);
+            b_tile[4u * k4l + t][pair / 4u][pair % 4u + 1u] = TILE_SCALAR(high[t]);
         }
 #else
         // b_tile[n][k]: each row of the pair takes one vec4 (4 consecutive k).
-        b_tile[pair][k4l] = low;
-        b_tile[pair + 1u][k4l] = high;
+        b_tile[pair][k4l] = TILE_VEC4(low);
+        b_tile[pair + 1u][k4l] = TILE_VEC4(high);
 #endif
     }
 }
@@ -291,6 +339,9 @@ void main() {
     if (i0 >= rows) {
         return;  // uniform across the workgroup, so no barrier is skipped by part of it
     }
+#if defined(FP16) && LINEAR_MODE == LINEAR_MODE_BWD
+    set_a_scale(tid);
+#endif
     // This workgroup's reduction range; a slice may be empty (it then writes zeros).
     uint r_begin = 0u, r_end = red;
     if (SPLIT_K > 1u) {
@@ -328,8 +379,8 @@ void main() {
             fetch_b(r0 + BK, j0, tid);
         }
         [[unroll]] for (uint r = 0u; r < BK; ++r) {
-            const vec4 a_lo = a_tile[r][ty], a_hi = a_tile[r][ty + BM / 8u];
-            const vec4 b_lo = b_tile[r][tx], b_hi = b_tile[r][tx + BN / 8u];
+            const vec4 a_lo = vec4(a_tile[r][ty]), a_hi = vec4(a_tile[r][ty + BM / 8u]);
+            const vec4 b_lo = vec4(b_tile[r][tx]), b_hi = vec4(b_tile[r][tx + BN / 8u]);
             [[unroll]] for (uint a = 0u; a < 4u; ++a) {
                 acc[a][0] += a_lo[a] * b_lo;
                 acc[a][1] += a_lo[a] * b_hi;
@@ -348,6 +399,9 @@ void main() {
                 const uint j = j0 + c * (BN / 2u) + 4u * tx;  // cols % 4 == 0: all 4 in or all out
                 if (j >= cols) continue;
                 vec4 value = acc[h * 4u + a][c];
+#if defined(FP16) && LINEAR_MODE == LINEAR_MODE_BWD
+                value = ldexp(value, ivec4(-a_scale_exponent));  // exact
+#endif
                 // Slice z of the split-K scratch (contiguous: c_row_stride = cols), or C itself (z = 0).
                 const uint index = (pc.c_offset + (group.z * rows + i) * pc.c_row_stride + j) / 4u;
 #if LINEAR_MODE == LINEAR_MODE_FWD

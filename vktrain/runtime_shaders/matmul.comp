@@ -38,9 +38,18 @@
 // (binding 2) and float32 scales (binding 3; the bias, if any, then binding 4), dequantized as each element
 // is loaded; the products and their order are those of the float32 variant reading the dequantized matrix.
 // (The bias form adds the previous partial of a reduction the runtime splits over windows of B's rows.)
+// FP16 (with HAS_BIAS, the tile defines and VEC4_C; the `fp16` GEMM precision policy, docs/PRECISION.md):
+// the shared tiles hold fp16; A and B are each multiplied by the power of two that puts the tensor's
+// largest magnitude in [2^14, 2^15) (either may be a gradient: the head's d_h) before their rounding
+// (coopmat_scale.glsl; the partial maxima coopmat_absmax wrote of A, then of B, in the binding after the
+// last input, params.a_partials + params.b_partials of them), the products formed and summed in fp32, and
+// each sum multiplied by 2^-(ea + eb) (exact) before alpha and the bias.
 // vktrain-variants: HAS_BIAS=0, HAS_BIAS=1, HAS_BIAS=0+TILE_M=64+TILE_N=16, HAS_BIAS=1+TILE_M=64+TILE_N=16, HAS_BIAS=0+TILE_M=16+TILE_N=64, HAS_BIAS=1+TILE_M=16+TILE_N=64, HAS_BIAS=0+VEC4_C, HAS_BIAS=1+VEC4_C, HAS_BIAS=0+TILE_M=64+TILE_N=16+VEC4_C, HAS_BIAS=1+TILE_M=64+TILE_N=16+VEC4_C, HAS_BIAS=0+TILE_M=16+TILE_N=64+VEC4_C, HAS_BIAS=1+TILE_M=16+TILE_N=64+VEC4_C
 // vktrain-variants: HAS_BIAS=0+CPU_REGISTER_TILES, HAS_BIAS=1+CPU_REGISTER_TILES, HAS_BIAS=0+CPU_REGISTER_TILES+A_PAIRS, HAS_BIAS=1+CPU_REGISTER_TILES+A_PAIRS, HAS_BIAS=0+CPU_REGISTER_TILES+B_PAIRS, HAS_BIAS=1+CPU_REGISTER_TILES+B_PAIRS, HAS_BIAS=0+CPU_REGISTER_TILES+A_PAIRS+B_PAIRS, HAS_BIAS=1+CPU_REGISTER_TILES+A_PAIRS+B_PAIRS
 // vktrain-variants: HAS_BIAS=0+CPU_REGISTER_TILES+CPU_TM=32, HAS_BIAS=1+CPU_REGISTER_TILES+CPU_TM=32, HAS_BIAS=0+CPU_REGISTER_TILES+A_PAIRS+CPU_TM=32, HAS_BIAS=1+CPU_REGISTER_TILES+A_PAIRS+CPU_TM=32, HAS_BIAS=0+CPU_REGISTER_TILES+B_PAIRS+CPU_TM=32, HAS_BIAS=1+CPU_REGISTER_TILES+B_PAIRS+CPU_TM=32, HAS_BIAS=0+CPU_REGISTER_TILES+A_PAIRS+B_PAIRS+CPU_TM=32, HAS_BIAS=1+CPU_REGISTER_TILES+A_PAIRS+B_PAIRS+CPU_TM=32, HAS_BIAS=0+CPU_REGISTER_TILES+CPU_TM=64, HAS_BIAS=1+CPU_REGISTER_TILES+CPU_TM=64, HAS_BIAS=0+CPU_REGISTER_TILES+A_PAIRS+CPU_TM=64, HAS_BIAS=1+CPU_REGISTER_TILES+A_PAIRS+CPU_TM=64, HAS_BIAS=0+CPU_REGISTER_TILES+B_PAIRS+CPU_TM=64, HAS_BIAS=1+CPU_REGISTER_TILES+B_PAIRS+CPU_TM=64, HAS_BIAS=0+CPU_REGISTER_TILES+A_PAIRS+B_PAIRS+CPU_TM=64, HAS_BIAS=1+CPU_REGISTER_TILES+A_PAIRS+B_PAIRS+CPU_TM=64
+// vktrain-variants: HAS_BIAS=0+FP16, HAS_BIAS=1+FP16, HAS_BIAS=0+VEC4_C+FP16, HAS_BIAS=1+VEC4_C+FP16
+// vktrain-variants: HAS_BIAS=0+TILE_M=64+TILE_N=16+FP16, HAS_BIAS=1+TILE_M=64+TILE_N=16+FP16, HAS_BIAS=0+TILE_M=16+TILE_N=64+FP16, HAS_BIAS=1+TILE_M=16+TILE_N=64+FP16
+// vktrain-variants: HAS_BIAS=0+TILE_M=64+TILE_N=16+VEC4_C+FP16, HAS_BIAS=1+TILE_M=64+TILE_N=16+VEC4_C+FP16, HAS_BIAS=0+TILE_M=16+TILE_N=64+VEC4_C+FP16, HAS_BIAS=1+TILE_M=16+TILE_N=64+VEC4_C+FP16
 // vktrain-variants: HAS_BIAS=0+B_Q8_0, HAS_BIAS=0+VEC4_C+B_Q8_0, HAS_BIAS=0+TILE_M=64+TILE_N=16+B_Q8_0, HAS_BIAS=0+TILE_M=64+TILE_N=16+VEC4_C+B_Q8_0, HAS_BIAS=0+TILE_M=16+TILE_N=64+B_Q8_0, HAS_BIAS=0+TILE_M=16+TILE_N=64+VEC4_C+B_Q8_0
 // vktrain-variants: HAS_BIAS=1+B_Q8_0, HAS_BIAS=1+VEC4_C+B_Q8_0, HAS_BIAS=1+TILE_M=64+TILE_N=16+B_Q8_0, HAS_BIAS=1+TILE_M=64+TILE_N=16+VEC4_C+B_Q8_0, HAS_BIAS=1+TILE_M=16+TILE_N=64+B_Q8_0, HAS_BIAS=1+TILE_M=16+TILE_N=64+VEC4_C+B_Q8_0
 // vktrain-variants: HAS_BIAS=0+CPU_REGISTER_TILES+B_Q8_0, HAS_BIAS=0+CPU_REGISTER_TILES+A_PAIRS+B_Q8_0, HAS_BIAS=0+CPU_REGISTER_TILES+B_PAIRS+B_Q8_0, HAS_BIAS=0+CPU_REGISTER_TILES+A_PAIRS+B_PAIRS+B_Q8_0, HAS_BIAS=0+CPU_REGISTER_TILES+CPU_TM=32+B_Q8_0, HAS_BIAS=0+CPU_REGISTER_TILES+A_PAIRS+CPU_TM=32+B_Q8_0, HAS_BIAS=0+CPU_REGISTER_TILES+B_PAIRS+CPU_TM=32+B_Q8_0, HAS_BIAS=0+CPU_REGISTER_TILES+A_PAIRS+B_PAIRS+CPU_TM=32+B_Q8_0, HAS_BIAS=0+CPU_REGISTER_TILES+CPU_TM=64+B_Q8_0, HAS_BIAS=0+CPU_REGISTER_TILES+A_PAIRS+CPU_TM=64+B_Q8_0, HAS_BIAS=0+CPU_REGISTER_TILES+B_PAIRS+CPU_TM=64+B_Q8_0, HAS_BIAS=0+CPU_REGISTER_TILES+A_PAIRS+B_PAIRS+CPU_TM=64+B_Q8_0
@@ -50,6 +59,12 @@
 #ifdef CPU_REGISTER_TILES
 #extension GL_KHR_shader_subgroup_shuffle : require
 #extension GL_EXT_shader_explicit_arithmetic_types_int64 : require
+#endif
+#ifdef FP16
+#extension GL_EXT_shader_explicit_arithmetic_types_float16 : require
+#if defined(CPU_REGISTER_TILES) || defined(B_Q8_0)
+#error "FP16 is a variant of the shared-memory body over float32 operands"
+#endif
 #endif
 #include "common.glsl"
 
@@ -113,6 +128,9 @@ float b_at(uint e) { return b_data[e]; }
 #if HAS_BIAS
 layout(std430, set = 0, binding = BIAS_BINDING) readonly buffer BiasBuffer { float bias_data[]; };
 #endif
+#ifdef FP16
+layout(std430, set = 0, binding = BIAS_BINDING + HAS_BIAS) readonly buffer AbsmaxBuffer { uint partial_absmax_bits[]; };
+#endif
 
 layout(push_constant, std430) uniform Params {
     VKTRAIN_PUSH_HEADER;
@@ -137,6 +155,10 @@ layout(push_constant, std430) uniform Params {
     uint k_slice;  // reduction length of one slice (a multiple of TILE_K, or >= K when unsplit)
     uint c_offset;    // element of C[0, 0, 0] in binding 0
     uint c_m_stride;  // elements between rows of C (>= N)
+#ifdef FP16
+    uint a_partials;  // partial maxima of |A|, then of |B|, in the absmax binding
+    uint b_partials;
+#endif
 } params;
 
 #ifdef CPU_REGISTER_TILES
@@ -144,16 +166,42 @@ layout(push_constant, std430) uniform Params {
 #else
 layout(local_size_x = THREADS_N, local_size_y = THREADS_M) in;
 
+#ifdef FP16
+#define TILE_SCALAR float16_t
+#define TILE_VEC4 f16vec4
+#else
+#define TILE_SCALAR float
+#define TILE_VEC4 vec4
+#endif
 // +1 column of padding: in k-fastest load order, 16 neighbouring threads store one tile column
 // (stride TILE_M + 1 words apart), which without padding would all hit the same bank.
-shared float a_tile[TILE_K][TILE_M + 1];
+shared TILE_SCALAR a_tile[TILE_K][TILE_M + 1];
 #ifdef VEC4_C
 // Rows padded by one vec4: k-fastest loads then store 16 neighbouring k 68 words apart (2-way conflict).
-shared vec4 b_tile[TILE_K][TILE_N / 4 + 1];
+shared TILE_VEC4 b_tile[TILE_K][TILE_N / 4 + 1];
 #define B_TILE(kk, nn) b_tile[kk][(nn) / 4u][(nn) % 4u]
 #else
-shared float b_tile[TILE_K][TILE_N + 1];
+shared TILE_SCALAR b_tile[TILE_K][TILE_N + 1];
 #define B_TILE(kk, nn) b_tile[kk][nn]
+#endif
+
+#ifdef FP16
+#define NUM_THREADS THREADS
+#include "coopmat_scale.glsl"
+// The operand scales 2^ea, 2^eb (module comment); every thread of the workgroup calls it.
+ivec2 operand_exponents(uint tid) {
+    if (tid < 2u) operand_absmax[tid] = 0u;
+    barrier();
+    uint a_bits = 0u, b_bits = 0u;
+    for (uint i = tid; i < params.a_partials; i += NUM_THREADS) a_bits = max(a_bits, partial_absmax_bits[i]);
+    for (uint i = tid; i < params.b_partials; i += NUM_THREADS) {
+        b_bits = max(b_bits, partial_absmax_bits[params.a_partials + i]);
+    }
+    atomicMax(operand_absmax[0], a_bits);
+    atomicMax(operand_absmax[1], b_bits);
+    barrier();
+    return ivec2(scale_exponent(operand_absmax[0]), scale_exponent(operand_absmax[1]));
+}
 #endif
 
 void main() {
@@ -171,6 +219,15 @@ void main() {
     uint a_base = params.a_offset + batch * params.a_batch_stride;
     uint b_base = params.b_offset + batch * params.b_batch_stride;
 
+#ifdef FP16
+    const ivec2 exponents = operand_exponents(tid);
+    const float a_scale = ldexp(1.0, exponents.x), b_scale = ldexp(1.0, exponents.y);
+#define A_LOAD(value) float16_t((value) * a_scale)
+#define B_LOAD(value) float16_t((value) * b_scale)
+#else
+#define A_LOAD(value) (value)
+#define B_LOAD(value) (value)
+#endif
     float acc[MICRO_M][MICRO_N];
     [[unroll]] for (uint i = 0u; i < MICRO_M; ++i) {
         [[unroll]] for (uint j = 0u; j < MICRO_N; ++j) {
@@ -185,8 +242,8 @@ void main() {
             uint kk = A_M_FASTEST ? e / TILE_M : e % TILE_K;
             uint m = tile_m0 + mm;
             uint k = k0 + kk;
-            a_tile[kk][mm] = (m < params.M && k < k_end)
-                ? a_data[a_base + m * params.a_m_stride + k * params.a_k_stride] : 0.0;
+            a_tile[kk][mm] = A_LOAD((m < params.M && k < k_end)
+                ? a_data[a_base + m * params.a_m_stride + k * params.a_k_stride] : 0.0);
         }
         [[unroll]] for (uint load = 0u; load < B_LOADS_PER_THREAD; ++load) {
             uint e = tid + load * THREADS;
@@ -194,8 +251,8 @@ void main() {
             uint kk = B_K_FASTEST ? e % TILE_K : e / TILE_N;
             uint n = tile_n0 + nn;
             uint k = k0 + kk;
-            B_TILE(kk, nn) = (n < params.N && k < k_end)
-                ? b_at(b_base + k * params.b_k_stride + n * params.b_n_stride) : 0.0;
+            B_TILE(kk, nn) = B_LOAD((n < params.N && k < k_end)
+                ? b_at(b_base + k * params.b_k_stride + n * params.b_n_stride) : 0.0);
         }
         barrier();
 
@@ -203,16 +260,16 @@ void main() {
             float a_frag[MICRO_M];
             float b_frag[MICRO_N];
             [[unroll]] for (uint i = 0u; i < MICRO_M; ++i) {
-                a_frag[i] = a_tile[kk][ty + i * THREADS_M];
+                a_frag[i] = float(a_tile[kk][ty + i * THREADS_M]);
             }
 #ifdef VEC4_C
-            vec4 b_vec = b_tile[kk][tx];
+            vec4 b_vec = vec4(b_tile[kk][tx]);
             [[unroll]] for (uint j = 0u; j < MICRO_N; ++j) {
                 b_frag[j] = b_vec[j];
             }
 #else
             [[unroll]] for (uint j = 0u; j < MICRO_N; ++j) {
-                b_frag[j] = b_tile[kk][tx + j * THREADS_N];
+                b_frag[j] = float(b_tile[kk][tx + j * THREADS_N]);
             }
 #endif
             [[unroll]] for (uint i = 0u; i < MICRO_M; ++i) {
@@ -224,6 +281,13 @@ void main() {
         barrier();
     }
 
+#ifdef FP16
+#define UNSCALE(sum) ldexp(sum, -(exponents.x + exponents.y))  // exact (a normal result)
+#define UNSCALE4(sum) ldexp(sum, ivec4(-(exponents.x + exponents.y)))
+#else
+#define UNSCALE(sum) (sum)
+#define UNSCALE4(sum) (sum)
+#endif
     uint c_base = params.c_offset + group.z * params.M * params.c_m_stride;
     [[unroll]] for (uint i = 0u; i < MICRO_M; ++i) {
         uint m = tile_m0 + ty + i * THREADS_M;
@@ -237,7 +301,7 @@ void main() {
         if (n0 >= params.N) {
             continue;
         }
-        vec4 row = params.alpha * vec4(acc[i][0], acc[i][1], acc[i][2], acc[i][3]);
+        vec4 row = params.alpha * UNSCALE4(vec4(acc[i][0], acc[i][1], acc[i][2], acc[i][3]));
 #if HAS_BIAS
         if (params.beta != 0.0 && slice == 0u) {
             [[unroll]] for (uint j = 0u; j < MICRO_N; ++j) {
@@ -253,7 +317,7 @@ void main() {
             if (n >= params.N) {
                 continue;
             }
-            float value = params.alpha * acc[i][j];
+            float value = params.alpha * UNSCALE(acc[i][j]);
 #if HAS_BIAS
             // beta == 0 ignores the bias entirely (even NaN/inf in it), as torch.addmm does. Only
             // slice 0 adds it, so the split-K reduction adds it once.

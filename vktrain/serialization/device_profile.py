@@ -27,7 +27,8 @@ VKTRAIN_DEVICE_PROFILE: vktrain/runtime/device_profiles.py `planning_profile`); 
 a built-in name or a profile file.
 
 The tuning fields (min_workgroups, split_k_target_workgroups, fp32_target_workgroups) were measured on the
-H200 (bench/results/step_gemms_h200.json); every other profile keeps those values, unmeasured.
+H200 (bench/results/step_gemms_h200.json); every other profile keeps those values, unmeasured. The vendor
+tuning fields (prefers_fp16, gemm_tiles) come from VENDOR_GEMM_TUNING, a table whose rows cite their sources.
 """
 from __future__ import annotations
 
@@ -113,6 +114,11 @@ class DeviceProfile:
     # The device memory one program may plan (every buffer of its methods, shared ones once; 0: no budget).
     # Not a Vulkan limit: what the OS leaves an app (phones share RAM with the OS: PHONE_MEMORY_BUDGET_BYTES).
     memory_budget_bytes: int = 0
+    # Vendor tuning (VENDOR_GEMM_TUNING): whether `auto` picks the fp16 GEMM policy on this device when it has
+    # no tensor-core kernels (docs/PRECISION.md), and the linear family's tiled-GEMM tiles (threads_x,
+    # threads_y, bk: kernels/linear.py GemmTiles; empty: the H200-tuned default_gemm_tiles).
+    prefers_fp16: bool = False
+    gemm_tiles: tuple[int, ...] = ()
     source: str = ""  # where the numbers come from
 
     def __post_init__(self) -> None:
@@ -162,8 +168,8 @@ class DeviceProfile:
                                      f"{', '.join(_FIELD_NAMES)})")
         values = dict(data)
         values["cooperative_matrix"] = _coopmat_shapes(values["cooperative_matrix"], where)
-        for name in ("subgroup_operations", "max_workgroup_size", "max_workgroup_count"):
-            if isinstance(values[name], list):
+        for name in ("subgroup_operations", "max_workgroup_size", "max_workgroup_count", "gemm_tiles"):
+            if isinstance(values.get(name), list):
                 values[name] = tuple(values[name])
         try:
             return cls(**values)
@@ -181,7 +187,7 @@ class DeviceProfile:
 
 _FIELD_NAMES = tuple(f.name for f in dataclasses.fields(DeviceProfile))
 # Fields newer than the first profile files: absent from a file, they take the record's default.
-OPTIONAL_FIELDS = ("max_dispatches_per_submit", "memory_budget_bytes")
+OPTIONAL_FIELDS = ("max_dispatches_per_submit", "memory_budget_bytes", "prefers_fp16", "gemm_tiles")
 _COOPMAT_FIELDS = tuple(f.name for f in dataclasses.fields(CoopmatShape))
 _INT_FIELDS = ("subgroup_size", "max_shared_memory_bytes", "max_workgroup_invocations", "max_storage_buffer_range",
                "min_storage_buffer_offset_alignment", "max_allocation_bytes", "max_push_constants_bytes",
@@ -232,7 +238,15 @@ def _problems(p: DeviceProfile) -> list[str]:
             p.min_storage_buffer_offset_alignment & (p.min_storage_buffer_offset_alignment - 1):
         found.append(f"min_storage_buffer_offset_alignment must be a power of two, got "
                      f"{p.min_storage_buffer_offset_alignment}")
-    for name in ("float16", "int64"):
+    tiles = p.gemm_tiles
+    if not isinstance(tiles, tuple) or (tiles and (len(tiles) != 3 or not all(_is_int(v) and v >= 1 for v in tiles)
+                                                   or tiles[2] % 8)):
+        found.append(f"gemm_tiles must be empty (the default tiles) or 3 integers >= 1 (threads_x, threads_y, bk; "
+                     f"bk a multiple of 8), got {tiles!r}")
+    elif tiles and _is_int(p.max_workgroup_invocations) and tiles[0] * tiles[1] > p.max_workgroup_invocations:
+        found.append(f"gemm_tiles {tiles[0]}x{tiles[1]} threads exceed max_workgroup_invocations "
+                     f"{p.max_workgroup_invocations}")
+    for name in ("float16", "int64", "prefers_fp16"):
         if not isinstance(getattr(p, name), bool):
             found.append(f"{name} must be true or false, got {getattr(p, name)!r}")
     ops = p.subgroup_operations
@@ -341,28 +355,69 @@ PHONE_MAX_DISPATCHES_PER_SUBMIT = 256
 PHONE_MEMORY_BUDGET_BYTES = 1 << 30
 
 
-def _phone(name: str, subgroup_size: int, shared: int, source: str) -> DeviceProfile:
+# ---- Vendor tuning as data: what `auto` and the GEMM plans read per vendor, each value with its source.
+@dataclass(frozen=True)
+class VendorGemmTuning:
+    """One vendor's row: DeviceProfile.prefers_fp16 and DeviceProfile.gemm_tiles, and where they come from."""
+
+    prefers_fp16: bool
+    gemm_tiles: tuple[int, ...]  # (threads_x, threads_y, bk) of kernels/linear.py's tiled body; (): its default
+    source: str
+
+
+# Rows for the vendors without tensor-core kernels (NVIDIA with VK_KHR_cooperative_matrix takes fp16-tc, and
+# the fp32 kernels' tiles measured on the H200: no row). None of these values was measured on the vendor's
+# GPU: they are the vendors' published guidance, so a queried or measured profile may override them.
+VENDOR_GEMM_TUNING: dict[str, VendorGemmTuning] = {
+    # Adreno: fp16 arithmetic at twice the fp32 rate on packed pairs, and half the bytes per operand
+    # (developer.android.com/games/optimize/vulkan-reduced-precision; ExecuTorch's Vulkan backend runs its
+    # half-precision shaders on Adreno's fp16 ALUs, github.com/pytorch/executorch/pull/19287). Tiles: 16 x 8
+    # threads = 128, the Vulkan-required maxComputeWorkGroupInvocations the phone profiles promise (two waves
+    # of 64); 64 x 128 outputs per workgroup over bk = 8: 6 KiB of fp32 tiles, 3 KiB fp16, inside the 16 KiB
+    # of an Adreno 610.
+    "adreno": VendorGemmTuning(True, (16, 8, 8), "Android reduced-precision guide; ExecuTorch PR 19287 (Adreno "
+                                                 "fp16 ALU); tiles: 128 threads (Vulkan-required limit), bk 8"),
+    # Mali (Valhall): fp16 at twice the fp32 rate where the shader allows it (ExecuTorch PR 19287: Mali-G715
+    # runs fp16 packed math once the precision contract permits); Arm's Mali best practices recommend 64
+    # threads as the baseline workgroup size and no more (barriers and shared memory keep a workgroup on one
+    # core), so 8 x 8 threads, 64 x 64 outputs over bk = 8: 4 KiB of fp32 tiles, 2 KiB fp16.
+    "mali": VendorGemmTuning(True, (8, 8, 8), "Android reduced-precision guide; ExecuTorch PR 19287 (Mali-G715 "
+                                              "fp16 packed math); tiles: Arm Mali best practices (64-thread "
+                                              "workgroups), bk 8"),
+}
+
+
+def vendor_gemm_tuning(device_name: str) -> VendorGemmTuning | None:
+    """The VENDOR_GEMM_TUNING row of a queried device, by its name ("Adreno (TM) 740", "Mali-G715"), or None."""
+    lowered = device_name.lower()
+    return next((row for vendor, row in VENDOR_GEMM_TUNING.items() if vendor in lowered), None)
+
+
+def _phone(name: str, vendor: str, subgroup_size: int, shared: int, source: str) -> DeviceProfile:
     """A phone class: the vendor's documented subgroup width, the shared memory gpuinfo.org shows for the
     class, and the Vulkan 1.1 required limits for the rest (every member has at least those); fp16 yes
     (VK_KHR_shader_float16_int8 on these classes), int64 and subgroup operations beyond basic not assumed;
-    bounded submits (PHONE_MAX_DISPATCHES_PER_SUBMIT); a 4 GB phone's memory budget (PHONE_MEMORY_BUDGET_BYTES)."""
+    bounded submits (PHONE_MAX_DISPATCHES_PER_SUBMIT); a 4 GB phone's memory budget (PHONE_MEMORY_BUDGET_BYTES);
+    the vendor's row of VENDOR_GEMM_TUNING."""
+    tuning = VENDOR_GEMM_TUNING[vendor]
     return DeviceProfile(name=name, api=API_VULKAN, device_type="integrated", subgroup_size=subgroup_size,
                          subgroup_operations=("basic",), float16=True, int64=False, cooperative_matrix=(),
                          max_dispatches_per_submit=PHONE_MAX_DISPATCHES_PER_SUBMIT,
-                         memory_budget_bytes=PHONE_MEMORY_BUDGET_BYTES,
-                         **dict(_VK_REQUIRED, max_shared_memory_bytes=shared), source=source)
+                         memory_budget_bytes=PHONE_MEMORY_BUDGET_BYTES, prefers_fp16=tuning.prefers_fp16,
+                         gemm_tiles=tuning.gemm_tiles, **dict(_VK_REQUIRED, max_shared_memory_bytes=shared),
+                         source=f"{source}; GEMM tuning: {tuning.source}")
 
 
-ADRENO_6XX = _phone("adreno-6xx", 64, 16384, "phone class Adreno 6xx: waves of 64 fibers (Qualcomm Adreno GPU "
+ADRENO_6XX = _phone("adreno-6xx", "adreno", 64, 16384, "phone class Adreno 6xx: waves of 64 fibers (Qualcomm Adreno GPU "
                     "docs), 16 KiB shared memory (Adreno 610 / 612 report less than 32 KiB: gpuweb issue 2832), "
                     "the Vulkan 1.1 required limits otherwise")
-ADRENO_7XX = _phone("adreno-7xx", 64, _GPUINFO_SHARED, "phone class Adreno 7xx: waves of 64 fibers (Qualcomm "
+ADRENO_7XX = _phone("adreno-7xx", "adreno", 64, _GPUINFO_SHARED, "phone class Adreno 7xx: waves of 64 fibers (Qualcomm "
                     "Adreno GPU docs), 32 KiB shared memory (gpuweb issue 2832's gpuinfo.org query), the Vulkan "
                     "1.1 required limits otherwise")
-MALI_G7X = _phone("mali-g7x", 16, _GPUINFO_SHARED, "phone class Mali-G77 / G78 (Valhall): warps of 16 threads "
+MALI_G7X = _phone("mali-g7x", "mali", 16, _GPUINFO_SHARED, "phone class Mali-G77 / G78 (Valhall): warps of 16 threads "
                   "(Arm Mali GPU best practices; the Bifrost G71-G76 run 4 or 8: not this profile), 32 KiB shared "
                   "memory (gpuweb issue 2832's gpuinfo.org query), the Vulkan 1.1 required limits otherwise")
-MALI_G7XX = _phone("mali-g7xx", 16, _GPUINFO_SHARED, "phone class Mali-G710 / G715 / G720: warps of 16 threads "
+MALI_G7XX = _phone("mali-g7xx", "mali", 16, _GPUINFO_SHARED, "phone class Mali-G710 / G715 / G720: warps of 16 threads "
                    "(Arm Mali GPU best practices), 32 KiB shared memory (gpuweb issue 2832's gpuinfo.org query), "
                    "the Vulkan 1.1 required limits otherwise")
 

@@ -155,7 +155,7 @@ class Schedule:
     `buffers` in the order a runtime allocates them; `placements` sorted by value id; `dispatches` in
     execution order, every binding naming a buffer of the table by key; `max_binding_bytes` the binding
     size the caller asked to plan for (0: the device's); `tensor_core_ops` the labels of the graph ops
-    lowered to the tensor-core (or f16 WGSL) kernels."""
+    lowered to the route's fp16-input kernels: tensor cores, f16 WGSL, or the fp16 policy's FP16 variants."""
 
     graph_digest: str
     requirements: ScheduleRequirements

@@ -125,8 +125,9 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     parser.add_argument("--base-model", help="base_model_name_or_path for adapter_config.json")
     parser.add_argument("--precision", choices=PRECISION_CHOICES, default=PRECISION_AUTO,
                         help="GEMM precision policy (docs/PRECISION.md): auto (default: fp16-tc where the device has "
-                             "tensor cores, else fp32), fp32 (the parity reference) or fp16-tc (the large GEMMs on "
-                             "tensor cores, fp16 inputs, fp32 accumulation)")
+                             "tensor cores, else fp16 where its profile prefers it, else fp32), fp32 (the parity "
+                             "reference), fp16-tc (the large GEMMs on tensor cores, fp16 inputs, fp32 accumulation) "
+                             "or fp16 (the 4-bit base GEMMs with fp16 operands and fp32 sums, no tensor cores)")
     add_runtime_argument(parser)
     parser.add_argument("--seed", type=int, help="data shuffling seed (default 0; a resumed run keeps its checkpoint's)")
     parser.add_argument("--no-shuffle", action="store_true", help="read windows in file order")

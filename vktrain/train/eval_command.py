@@ -26,7 +26,7 @@ from typing import Mapping
 
 import numpy as np
 
-from vktrain.contract import METADATA_LORA_ALPHA, MODEL_PREFIX
+from vktrain.contract import METADATA_LORA_ALPHA, MODEL_PREFIX, PRECISION_AUTO, PRECISION_CHOICES
 from vktrain.runtime.runtimes import add_runtime_argument, max_binding_bytes, with_device_profile
 from vktrain.serialization.peft_adapters import ADAPTER_CONFIG, AdapterError, load_adapter_config, load_adapters
 from vktrain.train.adapters import check_frozen_lora, runner_frozen_lora
@@ -63,6 +63,8 @@ def add_eval_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
                         help="with --generate: at most N answer tokens (default 32)")
     parser.add_argument("--max-examples", type=int, metavar="N",
                         help="with --generate: score only the first N chats (default: all of them)")
+    parser.add_argument("--precision", choices=PRECISION_CHOICES, default=PRECISION_AUTO,
+                        help="GEMM precision policy, as `vktrain train --precision` (docs/PRECISION.md; default auto)")
     add_runtime_argument(parser)
     add_overwrite_argument(parser)
     return parser
@@ -121,7 +123,8 @@ def run_eval(args: argparse.Namespace, device=None) -> int:
                   inputs=[("the program", args.program), ("--data", args.data), ("--inputs", args.inputs),
                           ("--adapters", args.adapters)])
     runner = TrainingRunner.from_pte(program_path, device, runtime=getattr(args, "runtime", None),
-                                     max_binding_bytes=max_binding_bytes(args))
+                                     max_binding_bytes=max_binding_bytes(args),
+                                     precision=getattr(args, "precision", PRECISION_AUTO))
     own_device = runner.device if device is None else None  # a caller's device keeps its messages
     try:
         with runner:

@@ -143,6 +143,7 @@ class GraphExecutor:
                  schedule: Schedule | None = None, resident_bytes: int = 0, arena: "GraphExecutor | None" = None):
         graph.validate()
         self.device = device
+        self.precision = precision  # the policy asked for: the eval and accumulate methods bound to this one ask it too
         self._staging = staging  # Buffer's access path: None = direct on unified memory, else staging
         self._shared = dict(shared or {})
         self._borrowed: set[str] = set()  # buffer keys of shared tensors: another executor owns them

@@ -167,14 +167,23 @@ def _over_binding_limit(ctx: OpContext, tensors: Sequence[TensorArg]) -> bool:
     return layout.exceeds(ctx.binding_limit, [t.binding.size for t in tensors])
 
 
+def _profile_tiles(ctx: OpContext) -> Optional[linear.GemmTiles]:
+    """The device profile's tiles for the linear family's tiled body (DeviceProfile.gemm_tiles, the vendor
+    table), None for the kernels' default choice."""
+    tiles = ctx.profile.gemm_tiles if ctx.profile is not None else ()
+    return linear.GemmTiles(*tiles) if tiles else None
+
+
 def _split_k_args(ctx: OpContext, plan: str, m: int, n: int, k: int, group_size: int = 0,
-                  windowed: bool = False) -> dict:
+                  windowed: bool = False, fp16: bool = False) -> dict:
     """Scratch for the linear family's deterministic split-K (used when the output has too few tiles to
-    fill the GPU, e.g. M = 128 tokens; never by an op cut into windows over the binding limit), and the
-    device's shared memory for the tile choice."""
+    fill the GPU, e.g. M = 128 tokens; never by an op cut into windows over the binding limit), the
+    device's shared memory and tiles for the tile choice, and `fp16` (the FP16 variant, fp16 policy)."""
+    tiles = _profile_tiles(ctx)
     nbytes = 0 if windowed else linear.plan_scratch_nbytes(plan, M=m, N=n, K=k, group_size=group_size,
-                                                           tuning=ctx.gemm.fp32_tuning)
+                                                           tuning=ctx.gemm.fp32_tuning, fp16=fp16, gemm_tiles=tiles)
     extra = {"shared_memory_bytes": ctx.shared_memory_bytes, "tuning": ctx.gemm.fp32_tuning}
+    extra.update({"gemm_tiles": tiles} if tiles is not None else {}, **({"fp16": True} if fp16 else {}))
     if nbytes:
         extra["scratch"] = ctx.scratch(nbytes, "split_k")
     return extra
@@ -202,8 +211,9 @@ def _lower_linear_q4gsw(ctx: OpContext) -> list[Dispatch]:
     if bias is None and not over and ctx.gemm.takes_tensor_cores(m, n, k):
         return _call(ctx, coopmat.plan_coopmat_linear_q4gsw, **gemm, **ctx.gemm.plan_options,
                      **_coopmat_split_k_args(ctx, "coopmat_linear_q4gsw", m, n, k))
+    # fp16: the FP16 variant of the tiled body; no windows (an op over the limit keeps the fp32 kernels).
     return _call(ctx, **gemm, bias=None if bias is None else bias.binding, binding_limit=ctx.binding_limit,
-                 **_split_k_args(ctx, "linear_q4gsw", m, n, k, group_size, over))
+                 **_split_k_args(ctx, "linear_q4gsw", m, n, k, group_size, over, fp16=ctx.gemm.fp16_simt and not over))
 
 
 def _lower_linear_q4gsw_backward(ctx: OpContext) -> list[Dispatch]:
@@ -219,6 +229,10 @@ def _lower_linear_q4gsw_backward(ctx: OpContext) -> list[Dispatch]:
         return _call(ctx, coopmat.plan_coopmat_linear_q4gsw_backward, **gemm, **ctx.gemm.plan_options,
                      absmax=ctx.scratch(coopmat.absmax_scratch_nbytes(m * n), "absmax"),
                      **_coopmat_split_k_args(ctx, "coopmat_linear_q4gsw_backward", m, k, n))
+    if ctx.gemm.fp16_simt and not over:
+        return _call(ctx, **gemm, binding_limit=ctx.binding_limit,
+                     absmax=ctx.scratch(linear.absmax_scratch_nbytes(m * n), "absmax"),
+                     **_split_k_args(ctx, "linear_q4gsw_backward", m, n, k, group_size, fp16=True))
     return _call(ctx, **gemm, binding_limit=ctx.binding_limit,
                  **_split_k_args(ctx, "linear_q4gsw_backward", m, n, k, group_size, over))
 
@@ -435,6 +449,15 @@ def _lower_gemm(ctx: OpContext) -> list[Dispatch]:
                      **ctx.gemm.plan_options, **_coopmat_split_k_args(
                          ctx, "coopmat_mm_b_transposed" if b_transposed else "coopmat_mm", a.shape[0], b.shape[1],
                          a.shape[1]))
+    # fp16: matmul.comp's FP16 variant where the route's size gate takes the product and it reads both operands
+    # in place from their bindings' start (each one's absmax pass reads its first numel elements).
+    if not over and ctx.gemm.fp16_takes_mm(a.shape[0], b.shape[1]) and matmul.fp16_reads_in_place(a.strided, b.strided):
+        m, n, k = a.shape[0], b.shape[1], a.shape[1]
+        nbytes = matmul.gemm_scratch_nbytes(1, m, n, k)  # the shared-memory body's split (GPU tuning)
+        return _call(ctx, matmul.plan_gemm, out=out.binding, a=a.binding, a_view=a.strided, b=b.binding,
+                     b_view=b.strided, bias=bias and bias.binding, bias_view=bias and bias.strided, alpha=alpha,
+                     beta=beta, scratch=ctx.scratch(nbytes, "split_k") if nbytes else None, fp16=True,
+                     absmax=ctx.scratch(linear.absmax_scratch_nbytes(a.numel, b.numel), "absmax"))
     try:
         scratch = _split_k_scratch(ctx, 1, a.shape[0], b.shape[1], a.shape[1], *operands)
         return matmul.plan_gemm(out.binding, a.binding, a.strided, b.binding, b.strided, bias=bias and bias.binding,

@@ -39,6 +39,15 @@ from vktrain.serialization.dispatch import BufferBinding, Dispatch
 from vktrain.runtime.webgpu.device import DEVICE_TYPE as WEBGPU_DEVICE_TYPE
 
 TENSOR_CORE_SHADER_PREFIX = "coopmat_"
+FP16_VARIANT_DEFINE = "FP16"  # the fp32 GEMM kernels' fp16-operand variant (the fp16 policy: kernels/linear.py)
+
+
+def runs_fp16_kernel(shader: str) -> bool:
+    """Whether a dispatch of `shader` is one of the route's fp16-input GEMMs (what Schedule.tensor_core_ops
+    counts): a tensor-core (or f16 WGSL) kernel, or an FP16 variant; not coopmat_absmax, the scales' pass."""
+    base, _, defines = shader.partition("@")
+    return (base.startswith(TENSOR_CORE_SHADER_PREFIX) and base != "coopmat_absmax") or \
+        FP16_VARIANT_DEFINE in defines.split("+")
 MIN_MAX_BINDING_BYTES = 1 << 20  # the least max_binding_bytes: every split kernel's windows fit it
 SCRATCH_KEY = "scratch"
 SCRATCH_ALIGN = 256  # >= minStorageBufferOffsetAlignment of every Vulkan device (the spec caps it at 256)
@@ -119,7 +128,7 @@ def requirements_of(profile: DeviceProfile, route: GemmRoute) -> ScheduleRequire
     if route.fp32_tuning == CPU_TUNING:  # the CPU bodies (kernels/gemm_tuning.py)
         subgroup_size, int64 = CPU_SUBGROUP_SIZE, True
         operations.add("shuffle")
-    if route.tensor_cores and route.wgsl:
+    if route.fp16_simt or (route.tensor_cores and route.wgsl):  # the FP16 GEMM variants / the f16 WGSL kernels
         float16 = True
     elif route.tensor_cores:
         subgroup_size = route.subgroup_size
@@ -323,7 +332,7 @@ class _Planner:
                     exc.args = (f"{exc.args[0]} (device profile {self.profile.name!r})", *exc.args[1:])
                 raise
             self._check_binding_sizes(context, planned)
-            if any(d.shader.startswith(TENSOR_CORE_SHADER_PREFIX) for d in planned):
+            if any(runs_fp16_kernel(d.shader) for d in planned):
                 self.tensor_core_ops.append(label)
             dispatches += planned
         for state in self.graph.mutable_state:

@@ -63,6 +63,7 @@ class AccumulateMethod:
         shared.update(training.constants_matching(self.graph))  # the frozen base: on the device once
         self.executor = GraphExecutor(training.device, self.graph, timing=False, shared=shared,
                                       max_binding_bytes=training.max_binding_bytes,
+                                      precision=training.precision,
                                       resident_bytes=training.program_bytes, arena=training if reuse_activations else None)
         try:
             self._interpreter = ProgramInterpreter(pte, plan, self._run_delegate, host_memory_limit=host_memory_limit)

@@ -67,6 +67,7 @@ class EvalMethod:
         shared.update(training.constants_matching(self.graph))  # the frozen base: on the device once
         self.executor = GraphExecutor(training.device, self.graph, timing=timing, shared=shared,
                                       max_binding_bytes=training.max_binding_bytes,
+                                      precision=training.precision,
                                       resident_bytes=training.program_bytes,
                                       arena=training if reuse_activations else None)
         try:

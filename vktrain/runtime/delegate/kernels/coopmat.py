@@ -50,8 +50,8 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from vktrain.contract import (METADATA_GEMM_PRECISIONS, PRECISION_AUTO, PRECISION_CHOICES, PRECISION_FP16_TC,
-                              PRECISION_FP32, PRECISIONS)
+from vktrain.contract import (METADATA_GEMM_PRECISIONS, PRECISION_AUTO, PRECISION_CHOICES, PRECISION_FP16,
+                              PRECISION_FP16_TC, PRECISION_FP32, PRECISIONS)
 from vktrain.errors import VktrainError
 from vktrain.quant import check_q4gsw_shapes
 from vktrain.runtime.delegate.kernels.coopmat_tiling import (
@@ -70,7 +70,9 @@ from vktrain.runtime.delegate.kernels.coopmat_tiling import (
     workgroups,
 )
 from vktrain.runtime.delegate.kernels.gemm_tuning import GPU_TUNING
-from vktrain.runtime.delegate.kernels.linear import plan_splitk_reduce
+from vktrain.runtime.delegate.kernels.linear import (  # noqa: F401 (absmax_*: part of this module's API)
+    ABSMAX_MAX_PARTIALS, absmax_partials, absmax_scratch_nbytes, plan_absmax as _plan_absmax, plan_splitk_reduce
+)
 from vktrain.serialization.strided_view import MAX_ELEMENTS, KernelArgumentError, StridedView
 from vktrain.runtime.delegate.kernels.layout import binding
 from vktrain.runtime.vk.coopmat import EXTENSION_NAME, CooperativeMatrixShape, supports_shape
@@ -131,6 +133,19 @@ class GemmRoute:
     wgsl: bool = False  # the WebGPU runtime's f16 WGSL kernels (no tensor cores), tiled by WGSL_TILING
 
     @property
+    def fp16_simt(self) -> bool:
+        """Whether the 4-bit base GEMMs (forward, d_x), and the mm `fp16_takes_mm` takes, run the fp32 kernels'
+        FP16 variants (the fp16 policy on Vulkan: fp16 operands, fp32 products and sums, no tensor cores;
+        kernels/linear.py, kernels/matmul.py)."""
+        return self.precision == PRECISION_FP16 and not self.tensor_cores
+
+    def fp16_takes_mm(self, M: int, N: int) -> bool:
+        """Whether an aten.mm / addmm with an M x N output runs matmul.comp's FP16 variant on this route: the
+        fp16 policy's size gate, fp16-tc's (at least min_workgroups 64 x 128 tiles, so that the operands'
+        absmax pass pays; 1 on the test path), on operands it reads in place (matmul.fp16_reads_in_place)."""
+        return self.fp16_simt and ceil_div(M, SIZE_TILE_M) * ceil_div(N, SIZE_TILE_N) >= self.min_workgroups
+
+    @property
     def splits_reduction(self) -> bool:
         """Whether this route's kernels split a small output's reduction (split-K). The f16 WGSL kernels do
         not: they take the push block's k_slice as 0 only."""
@@ -187,10 +202,15 @@ class GemmRoute:
     @property
     def fp16_kernels(self) -> str:
         """Where this route's fp16-input GEMMs run, for the reports."""
+        if self.fp16_simt:
+            return "FP16 SIMT kernels"
         return "f16 WGSL kernels" if self.wgsl else "tensor cores"
 
     def describe(self) -> str:
         kernels = f"{self.fp16_kernels} (fp16 inputs, fp32 accumulation)" if self.tensor_cores else "fp32 kernels"
+        if self.fp16_simt:
+            kernels = "the 4-bit base GEMMs and the large mm on the FP16 SIMT kernels (fp16 operands, fp32 " \
+                      "products and sums), every other GEMM on the fp32 kernels"
         return (f"GEMM precision {self.precision}: {kernels}; {self.reason}; "
                 f"fp32 kernels in their {self.fp32_tuning} tuning")
 
@@ -204,10 +224,15 @@ def select_gemm_route(precision: str, allowed: tuple[str, ...], device: Any, *,
     `allowed`. fp16-tc takes the tensor cores where the device has the coopmat kernels' shape and types
     and falls back to the fp32 kernels (saying so) elsewhere. `emulate` (tests) pretends it has them and
     runs the emulated shaders, on every GEMM the route covers whatever its size. `auto` is fp16-tc where
-    the program allows it and the device has the tensor-core kernels (or `emulate`), else fp32. A route
+    the program allows it and the device has the tensor-core kernels (or `emulate`), else fp16 where the
+    program allows it, the device has shaderFloat16 and `profile` prefers it (DeviceProfile.prefers_fp16:
+    the vendor table, serialization/device_profile.py), else fp32. fp16 runs the 4-bit base GEMMs and the
+    large mm (`GemmRoute.fp16_takes_mm`; every mm with `emulate`) on the fp32 kernels' FP16 variants where the
+    device has shaderFloat16, else the fp32 route saying why. A route
     takes its size gate and split-K targets from `profile` (the device's DeviceProfile; default: the H200's
     numbers)."""
-    route = _select_gemm_route(precision, allowed, device, emulate=emulate)
+    route = _select_gemm_route(precision, allowed, device, emulate=emulate,
+                               prefers_fp16=profile is not None and profile.prefers_fp16)
     if profile is None:
         return route
     split = dict(split_min_workgroups=profile.min_workgroups, split_target_workgroups=profile.split_k_target_workgroups)
@@ -216,13 +241,18 @@ def select_gemm_route(precision: str, allowed: tuple[str, ...], device: Any, *,
     return dataclasses.replace(route, **split)
 
 
-def _select_gemm_route(precision: str, allowed: tuple[str, ...], device: Any, *, emulate: bool) -> GemmRoute:
+def _select_gemm_route(precision: str, allowed: tuple[str, ...], device: Any, *, emulate: bool,
+                       prefers_fp16: bool = False) -> GemmRoute:
     if precision not in PRECISION_CHOICES:
         raise PrecisionPolicyError(f"unknown GEMM precision {precision!r}; choose one of {', '.join(PRECISION_CHOICES)}")
     if getattr(device, "device_type", None) == WEBGPU_DEVICE_TYPE:
         return _select_webgpu_route(precision, allowed, device, emulate=emulate)
     if precision == PRECISION_AUTO:
         fast = PRECISION_FP16_TC in allowed and (emulate or coopmat_supported(device.cooperative_matrix_properties))
+        if not fast and prefers_fp16 and PRECISION_FP16 in allowed and "shaderFloat16" in device.features:
+            route = _select_gemm_route(PRECISION_FP16, allowed, device, emulate=emulate)
+            return dataclasses.replace(route, reason=f"auto -> fp16: no tensor-core kernels, and the device profile "
+                                                     f"prefers fp16 ({route.reason})")
         route = _select_gemm_route(PRECISION_FP16_TC if fast else PRECISION_FP32, allowed, device, emulate=emulate)
         why = route.reason if fast else (f"{device.name} has no tensor-core kernels" if PRECISION_FP16_TC in allowed
                                          else f"the program allows only {', '.join(allowed)}")
@@ -232,6 +262,14 @@ def _select_gemm_route(precision: str, allowed: tuple[str, ...], device: Any, *,
                                    f"{METADATA_GEMM_PRECISIONS!r}), not {precision!r}")
     if precision == PRECISION_FP32:
         return FP32_ROUTE
+    if precision == PRECISION_FP16:
+        if "shaderFloat16" not in device.features:
+            return GemmRoute(PRECISION_FP32, False, f"fp16 asked, but {device.name} lacks shaderFloat16, so the fp32 "
+                                                    f"kernels run")
+        reason = f"{device.name} has shaderFloat16; no tensor cores used"
+        if emulate:  # the test path: every mm the variant reads, whatever its size (fp16_takes_mm)
+            return GemmRoute(PRECISION_FP16, False, reason + "; every mm (test path)", min_workgroups=1)
+        return GemmRoute(PRECISION_FP16, False, reason)
     assert precision == PRECISION_FP16_TC
     if emulate:
         if "shaderFloat16" not in device.features or not device.subgroup_operations & SUBGROUP_BASIC_BIT:
@@ -272,6 +310,8 @@ def _select_webgpu_route(precision: str, allowed: tuple[str, ...], device: Any, 
                                    f"{METADATA_GEMM_PRECISIONS!r}), not {precision!r}")
     if precision == PRECISION_FP32:
         return FP32_ROUTE
+    # fp16 has no SIMT variant in WGSL: it runs the f16 WGSL GEMMs, whose numerics (fp16 operands after
+    # power-of-two scales, f32 products and sums) satisfy its bound (docs/PRECISION.md, "On WebGPU").
     if WGSL_F16_FEATURE not in device.kernel_features:
         why = "lacks it" if WGSL_F16_FEATURE not in device.features else "has it but its kernel features leave it out"
         return GemmRoute(precision, False, f"{device.name}: the f16 WGSL kernels need the WebGPU feature "
@@ -400,32 +440,6 @@ def plan_coopmat_linear_q4gsw(*, M: int, N: int, K: int, group_size: int, out: A
     return _gemm_dispatches(shader, tiling, split_k, M=M, N=N, reduction=K, out=out, scratch=scratch,
                             inputs=[binding(x, "r"), binding(weights, "r"), binding(scales, "r")],
                             push=(M, N, K, group_size, 0, 0), addend=None, label=label)
-
-
-# coopmat_absmax.comp: workgroups of 256 threads, each reading at least 4 vec4 of its tensor; at most
-# ABSMAX_MAX_PARTIALS workgroups (hence partial maxima) per tensor, which every GEMM workgroup reduces.
-_ABSMAX_VECS_PER_GROUP = 256 * 4
-ABSMAX_MAX_PARTIALS = 256
-
-
-def absmax_partials(numel: int) -> int:
-    """How many partial maxima coopmat_absmax writes for a tensor of numel floats."""
-    return max(1, min(ceil_div(numel // 4, _ABSMAX_VECS_PER_GROUP), ABSMAX_MAX_PARTIALS))
-
-
-def absmax_scratch_nbytes(*numels: int) -> int:
-    """Scratch the operand scales of a coopmat GEMM take: the partial maxima of each scaled operand."""
-    return 4 * sum(absmax_partials(n) for n in numels)
-
-
-def _plan_absmax(absmax: Any, tensors: list[tuple[Any, int]], label: str) -> Dispatch:
-    """One coopmat_absmax dispatch writing the partial maxima of |x| of one or two (x, numel) tensors
-    into absmax, those of the first tensor first (numel % 4 == 0)."""
-    (x0, numel0), (x1, numel1) = tensors[0], (tensors[1] if len(tensors) > 1 else (tensors[0][0], 0))
-    groups0, groups1 = absmax_partials(numel0), absmax_partials(numel1) if numel1 else 0
-    return Dispatch("coopmat_absmax", groups=(groups0 + groups1, 1, 1),
-                    bindings=[binding(absmax, "w"), binding(x0, "r"), binding(x1, "r")],
-                    push_constants=pack_push(numel0, numel1, groups0, groups1), label=label)
 
 
 def takes_addend(bias: StridedView, out_shape: tuple[int, ...], beta: float, alpha: float) -> bool:

@@ -45,6 +45,12 @@ same bits (up to the sign of a zero sum). Windowed plans take the tiled GEMM, or
 where the unsplit plan would (CPU_TUNING), never the GEMV (M <= GEMV_MAX_M: its slices of K are summed
 across threads, so windows would reorder them) nor split-K (no scratch needed; an explicit split_k > 1
 or GemvTiles is refused).
+
+fp16 (the `fp16` GEMM precision policy, docs/PRECISION.md). `fp16=True` runs linear_q4gsw@FP16(+HAS_BIAS) /
+linear_q4gsw_backward@FP16 at every M: the tiled body with fp16 shared tiles, fp32 products and sums
+(linear_gemm.glsl), split-K as the fp32 body; never the GEMV, the register-tile bodies or windows (an op
+over the binding limit keeps the fp32 kernels). d_x first runs coopmat_absmax over d_out (`plan_absmax`),
+whose partial maxima give the power-of-two scale d_out is rounded under.
 """
 from __future__ import annotations
 
@@ -85,6 +91,9 @@ MIN_SPLIT_SLICE = 256
 MAX_SPLIT_K = 32
 
 REDUCE_WORKGROUP_SIZE = 256
+
+# The FP16 variant's shared memory besides its (half-size) tiles: coopmat_scale.glsl's two maxima.
+FP16_SCALE_SHARED_BYTES = 8
 
 # The register-tile bodies (CPU_TUNING): a workgroup of CPU_LANES invocations = the 8 fp32 lanes of a
 # 256-bit CPU vector (lavapipe on AVX2), each owning CPU_ROWS rows (linear_gemm_cpu.glsl's default) x 4
@@ -223,10 +232,11 @@ def _check_index_range(op: str, M: int, N: int, K: int) -> None:
                                   f"linear kernels index with 32 bits (at most {MAX_ELEMENTS})")
 
 
-def _check_shared(op: str, tiles: GemmTiles | GemvTiles, shared_memory_bytes: int) -> None:
-    if tiles.shared_bytes > shared_memory_bytes:
-        raise KernelArgumentError(f"{op}: {tiles} needs {tiles.shared_bytes} bytes of {SHARED_MEMORY_LIMIT}, "
-                                  f"more than the device's {shared_memory_bytes}; pick smaller tiles")
+def _check_shared(op: str, tiles: GemmTiles | GemvTiles, shared_memory_bytes: int, fp16: bool = False) -> None:
+    needed = tiles.shared_bytes // 2 + FP16_SCALE_SHARED_BYTES if fp16 else tiles.shared_bytes
+    if needed > shared_memory_bytes:
+        raise KernelArgumentError(f"{op}: {tiles}{' (FP16)' if fp16 else ''} needs {needed} bytes of "
+                                  f"{SHARED_MEMORY_LIMIT}, more than the device's {shared_memory_bytes}; pick smaller tiles")
 
 
 # ----------------------------------------------------------------------------------- configs
@@ -294,11 +304,12 @@ def split_k_scratch_nbytes(rows: int, cols: int, split_k: int) -> int:
     return 0 if split_k <= 1 else 4 * split_k * rows * cols
 
 
-def plan_scratch_nbytes(op: str, *, M: int, N: int, K: int, group_size: int = 0, tuning: str = GPU_TUNING) -> int:
+def plan_scratch_nbytes(op: str, *, M: int, N: int, K: int, group_size: int = 0, tuning: str = GPU_TUNING,
+                        fp16: bool = False, gemm_tiles: GemmTiles | None = None) -> int:
     """Bytes of scratch the default plan of `op` uses when given one (0: it would not split).
-    `group_size` (q4gsw ops) and `tuning` as given to the plan; group_size 0 (not known) sizes the
-    scratch for the tiled body, enough whichever body the plan then takes."""
-    if _takes_cpu_body(op, N, K, group_size, None, None, tuning):
+    `group_size` (q4gsw ops), `tuning`, `fp16` and `gemm_tiles` as given to the plan; group_size 0 (not
+    known) sizes the scratch for the tiled body, enough whichever body the plan then takes."""
+    if not fp16 and _takes_cpu_body(op, N, K, group_size, None, None, tuning):
         return 0
     if op == "linear_q4gsw":
         rows, cols, red = M, N, K
@@ -309,23 +320,25 @@ def plan_scratch_nbytes(op: str, *, M: int, N: int, K: int, group_size: int = 0,
     else:
         raise KernelArgumentError(f"plan_scratch_nbytes: unknown op {op!r} (linear_q4gsw, "
                                   f"linear_q4gsw_backward, linear_dW)")
-    if op != "linear_dW" and M <= GEMV_MAX_M:
+    if op != "linear_dW" and M <= GEMV_MAX_M and not fp16:
         return 0
-    tiles = default_gemm_tiles(rows, cols, can_split=True)
+    tiles = gemm_tiles or default_gemm_tiles(rows, cols, can_split=True)
     return split_k_scratch_nbytes(rows, cols, default_split_k(rows, cols, red, tiles))
 
 
 # ----------------------------------------------------------------------------------- GEMM plan
 def _gemm_plan(op: str, shader: str, rows: int, cols: int, red: int, *, out: Any, inputs: list,
                push: bytes, bias: Any, tiles: GemmTiles | None, split_k: int | None, scratch: Any,
-               shared_memory_bytes: int, label: str, accumulate: bool = False) -> list[Dispatch]:
+               shared_memory_bytes: int, label: str, accumulate: bool = False, fp16: bool = False,
+               gemm_tiles: GemmTiles | None = None) -> list[Dispatch]:
     """Dispatches of one tiled GEMM (C [rows, cols], reduction `red`), split-K when asked or allowed;
-    `accumulate` (forward, unsplit only): the ACCUMULATE variant, starting from what `out` holds."""
+    `accumulate` (forward, unsplit only): the ACCUMULATE variant, starting from what `out` holds; `fp16`:
+    the FP16 variant (fp16 tiles); `gemm_tiles`: the device's tiles where `tiles` forces none."""
     if tiles is None:
-        tiles = default_gemm_tiles(rows, cols, can_split=scratch is not None and split_k != 1, op=op)
+        tiles = gemm_tiles or default_gemm_tiles(rows, cols, can_split=scratch is not None and split_k != 1, op=op)
     if not isinstance(tiles, GemmTiles):
         raise KernelArgumentError(f"{op}: tiles must be GemmTiles or GemvTiles, got {tiles!r}")
-    _check_shared(op, tiles, shared_memory_bytes)
+    _check_shared(op, tiles, shared_memory_bytes, fp16=fp16)
     if split_k is None:
         split_k = default_split_k(rows, cols, red, tiles) if scratch is not None else 1
     if not isinstance(split_k, int) or isinstance(split_k, bool) or split_k < 1:
@@ -343,10 +356,10 @@ def _gemm_plan(op: str, shader: str, rows: int, cols: int, red: int, *, out: Any
     if split_k == 1:
         bindings = [binding(out, "rw" if accumulate else "w"), *inputs]
         bindings += [binding(bias, "r")] if bias is not None else []
-        name = shader_variant(shader, ACCUMULATE=accumulate, HAS_BIAS=bias is not None)
+        name = shader_variant(shader, ACCUMULATE=accumulate, HAS_BIAS=bias is not None, FP16=fp16)
         return [Dispatch(name, groups=groups, bindings=bindings, push_constants=push, spec_constants=spec,
                          local_size=local, label=label)]
-    gemm = Dispatch(shader, groups=groups, bindings=[binding(scratch, "w"), *inputs], push_constants=push,
+    gemm = Dispatch(shader_variant(shader, FP16=fp16), groups=groups, bindings=[binding(scratch, "w"), *inputs], push_constants=push,
                     spec_constants=spec, local_size=local, label=f"{label}.split{split_k}")
     reduce = plan_splitk_reduce(out=out, scratch=scratch, count4=rows * cols // 4, row_vec4s=cols // 4,
                                 split_k=split_k, bias=bias, label=f"{label}.reduce")
@@ -364,6 +377,33 @@ def plan_splitk_reduce(*, out: Any, scratch: Any, count4: int, row_vec4s: int, s
                     groups=(ceil_div(count4, REDUCE_WORKGROUP_SIZE), 1, 1), bindings=bindings,
                     push_constants=pack_push(count4, row_vec4s, split_k),
                     local_size=(REDUCE_WORKGROUP_SIZE, 1, 1), label=label)
+
+
+# coopmat_absmax.comp (the per-tensor operand scales of the coopmat kernels and of the fp16 d_x here):
+# workgroups of 256 threads, each reading at least 4 vec4 of its tensor; at most ABSMAX_MAX_PARTIALS
+# workgroups (hence partial maxima) per tensor, which every GEMM workgroup reduces.
+_ABSMAX_VECS_PER_GROUP = 256 * 4
+ABSMAX_MAX_PARTIALS = 256
+
+
+def absmax_partials(numel: int) -> int:
+    """How many partial maxima coopmat_absmax writes for a tensor of numel floats."""
+    return max(1, min(ceil_div(numel // 4, _ABSMAX_VECS_PER_GROUP), ABSMAX_MAX_PARTIALS))
+
+
+def absmax_scratch_nbytes(*numels: int) -> int:
+    """Scratch the operand scales of a GEMM take: the partial maxima of each scaled operand."""
+    return 4 * sum(absmax_partials(n) for n in numels)
+
+
+def plan_absmax(absmax: Any, tensors: list[tuple[Any, int]], label: str) -> Dispatch:
+    """One coopmat_absmax dispatch writing the partial maxima of |x| of one or two (x, numel) tensors
+    into absmax, those of the first tensor first (numel % 4 == 0)."""
+    (x0, numel0), (x1, numel1) = tensors[0], (tensors[1] if len(tensors) > 1 else (tensors[0][0], 0))
+    groups0, groups1 = absmax_partials(numel0), absmax_partials(numel1) if numel1 else 0
+    return Dispatch("coopmat_absmax", groups=(groups0 + groups1, 1, 1),
+                    bindings=[binding(absmax, "w"), binding(x0, "r"), binding(x1, "r")],
+                    push_constants=pack_push(numel0, numel1, groups0, groups1), label=label)
 
 
 def _takes_cpu_body(op: str, N: int, K: int, group_size: int, tiles: Any, split_k: int | None,
@@ -394,13 +434,22 @@ def _check_gemv_args(op: str, tiles: GemvTiles, split_k: int | None, shared_memo
     _check_shared(op, tiles, shared_memory_bytes)
 
 
+def _check_fp16(op: str, tiles: Any, split_k: int | None, over_limit: bool) -> None:
+    """The FP16 variant is one of the tiled body, unwindowed (the op lowering keeps ops over the binding
+    limit on the fp32 kernels)."""
+    if over_limit or isinstance(tiles, GemvTiles):
+        why = "a binding over the limit (windows)" if over_limit else f"tiles={tiles!r}"
+        raise KernelArgumentError(f"{op}: fp16 runs the tiled body's FP16 variant unwindowed; got {why}")
+
+
 # ----------------------------------------------------------------------------------- plans
 @register_kernel("vktrain.linear_q4gsw.default")
 def plan_linear_q4gsw(*, M: int, N: int, K: int, group_size: int, out: Any, x: Any, weights: Any,
                       scales: Any, bias: Any = None, tiles: GemmTiles | GemvTiles | None = None,
                       split_k: int | None = None, scratch: Any = None,
                       shared_memory_bytes: int = DEFAULT_SHARED_MEMORY_BYTES, tuning: str = GPU_TUNING,
-                      binding_limit: BindingLimit | None = None, label: str = "linear_q4gsw") -> list[Dispatch]:
+                      binding_limit: BindingLimit | None = None, fp16: bool = False,
+                      gemm_tiles: GemmTiles | None = None, label: str = "linear_q4gsw") -> list[Dispatch]:
     """y[M, N] = x[M, K] @ deq(W).T (+ bias[N]).
 
     Buffers: out fp32 [M, N]; x fp32 [M, K]; weights W_4X8 uint32 (`prepack_weights`); scales fp32
@@ -409,16 +458,24 @@ def plan_linear_q4gsw(*, M: int, N: int, K: int, group_size: int, out: Any, x: A
     M <= GEMV_MAX_M takes the GEMV kernel. `split_k` forces the number of reduction slices.
     `tuning` (kernels/gemm_tuning.py): CPU_TUNING takes the register-tile body (module docstring).
     `binding_limit`: bindings over it are cut into windows (module docstring, "Bindings over the limit").
+    `fp16` (the fp16 GEMM precision policy): the tiled body's FP16 variant at every M (module docstring,
+    "fp16"). `gemm_tiles`: the device's tiles for the tiled body (DeviceProfile.gemm_tiles; None: the
+    default_gemm_tiles choice).
     """
     op = "linear_q4gsw"
     _check_q4gsw(op, M, N, K, group_size)
     sizes = [4 * M * K, weights_nbytes(N, K), 4 * N * (K // group_size), 4 * M * N, 4 * N if bias is not None else 0]
+    push = gemm_push(M, N, K, group_size, M, N, K)
+    inputs = [binding(x, "r"), binding(weights, "r"), binding(scales, "r")]
+    if fp16:
+        _check_fp16(op, tiles, split_k, exceeds(binding_limit, sizes))
+        return _gemm_plan(op, "linear_q4gsw", M, N, K, out=out, inputs=inputs, push=push, bias=bias, tiles=tiles,
+                          split_k=split_k, scratch=scratch, shared_memory_bytes=shared_memory_bytes, label=label,
+                          fp16=True, gemm_tiles=gemm_tiles)
     if exceeds(binding_limit, sizes):
         return _plan_windows(op, M, N, K, group_size, out=out, source=x, weights=weights, scales=scales, bias=bias,
                              tiles=tiles, split_k=split_k, shared_memory_bytes=shared_memory_bytes, tuning=tuning,
                              limit=binding_limit, label=label)
-    push = gemm_push(M, N, K, group_size, M, N, K)
-    inputs = [binding(x, "r"), binding(weights, "r"), binding(scales, "r")]
     if _takes_cpu_body(op, N, K, group_size, tiles, split_k, tuning):
         return _cpu_gemm_plan("linear_q4gsw", M, N, out=out, inputs=inputs, push=push, bias=bias, label=label)
     if tiles is None and M <= GEMV_MAX_M and split_k in (None, 1):
@@ -433,7 +490,8 @@ def plan_linear_q4gsw(*, M: int, N: int, K: int, group_size: int, out: Any, x: A
                          spec_constants={3: tiles.rows, 4: group_size},
                          local_size=(tiles.wg_x, tiles.wg_y, 1), label=label)]
     return _gemm_plan(op, "linear_q4gsw", M, N, K, out=out, inputs=inputs, push=push, bias=bias, tiles=tiles,
-                      split_k=split_k, scratch=scratch, shared_memory_bytes=shared_memory_bytes, label=label)
+                      split_k=split_k, scratch=scratch, shared_memory_bytes=shared_memory_bytes, label=label,
+                      gemm_tiles=gemm_tiles)
 
 
 @register_kernel("vktrain.linear_q4gsw_backward.default")
@@ -441,16 +499,31 @@ def plan_linear_q4gsw_backward(*, M: int, N: int, K: int, group_size: int, out: 
                                weights: Any, scales: Any, tiles: GemmTiles | GemvTiles | None = None,
                                split_k: int | None = None, scratch: Any = None,
                                shared_memory_bytes: int = DEFAULT_SHARED_MEMORY_BYTES, tuning: str = GPU_TUNING,
-                               binding_limit: BindingLimit | None = None,
+                               binding_limit: BindingLimit | None = None, fp16: bool = False, absmax: Any = None,
+                               gemm_tiles: GemmTiles | None = None,
                                label: str = "linear_q4gsw_backward") -> list[Dispatch]:
     """d_x[M, K] = d_out[M, N] @ deq(W).
 
     Buffers: out fp32 [M, K]; d_out fp32 [M, N]; weights W_4X8 uint32; scales fp32 [G, N]; scratch
-    (optional) for split-K. `tiles`, `split_k`, `tuning` and `binding_limit` as in plan_linear_q4gsw.
+    (optional) for split-K. `tiles`, `split_k`, `tuning`, `binding_limit` and `gemm_tiles` as in
+    plan_linear_q4gsw. `fp16`: the FP16 variant, d_out scaled per tensor first (a coopmat_absmax dispatch
+    into `absmax`, absmax_scratch_nbytes(M * N) bytes of scratch; module docstring, "fp16").
     """
     op = "linear_q4gsw_backward"
     _check_q4gsw(op, M, N, K, group_size)
-    if exceeds(binding_limit, [4 * M * N, weights_nbytes(N, K), 4 * N * (K // group_size), 4 * M * K]):
+    over = exceeds(binding_limit, [4 * M * N, weights_nbytes(N, K), 4 * N * (K // group_size), 4 * M * K])
+    if fp16:
+        _check_fp16(op, tiles, split_k, over)
+        if absmax is None:
+            raise KernelArgumentError(f"{op}: fp16 needs an absmax scratch of absmax_scratch_nbytes({M * N}) = "
+                                      f"{absmax_scratch_nbytes(M * N)} bytes (d_out's partial maxima)")
+        push = gemm_push(M, N, K, group_size, M, K, N) + pack_push(absmax_partials(M * N))
+        inputs = [binding(d_out, "r"), binding(weights, "r"), binding(scales, "r"), binding(absmax, "r")]
+        return [plan_absmax(absmax, [(d_out, M * N)], f"{label}.absmax"),
+                *_gemm_plan(op, "linear_q4gsw_backward", M, K, N, out=out, inputs=inputs, push=push, bias=None,
+                            tiles=tiles, split_k=split_k, scratch=scratch, shared_memory_bytes=shared_memory_bytes,
+                            label=label, fp16=True, gemm_tiles=gemm_tiles)]
+    if over:
         return _plan_windows(op, M, N, K, group_size, out=out, source=d_out, weights=weights, scales=scales,
                              bias=None, tiles=tiles, split_k=split_k, shared_memory_bytes=shared_memory_bytes,
                              tuning=tuning, limit=binding_limit, label=label)
@@ -471,7 +544,7 @@ def plan_linear_q4gsw_backward(*, M: int, N: int, K: int, group_size: int, out: 
                          label=label)]
     return _gemm_plan(op, "linear_q4gsw_backward", M, K, N, out=out, inputs=inputs, push=push, bias=None,
                       tiles=tiles, split_k=split_k, scratch=scratch, shared_memory_bytes=shared_memory_bytes,
-                      label=label)
+                      label=label, gemm_tiles=gemm_tiles)
 
 
 def _plan_windows(op: str, M: int, N: int, K: int, group_size: int, *, out: Any, source: Any, weights: Any,
@@ -543,11 +616,12 @@ def _window_tiles(op: str, rows: int, cols: int) -> GemmTiles:
 def plan_linear_dw(*, M: int, N: int, K: int, out: Any, d_out: Any, x: Any, tiles: GemmTiles | None = None,
                    split_k: int | None = None, scratch: Any = None,
                    shared_memory_bytes: int = DEFAULT_SHARED_MEMORY_BYTES, tuning: str = GPU_TUNING,
-                   label: str = "linear_dW") -> list[Dispatch]:
+                   gemm_tiles: GemmTiles | None = None, label: str = "linear_dW") -> list[Dispatch]:
     """dW[N, K] = d_out[M, N].T @ x[M, K] (dense fp32, reduction over M).
 
     Buffers: out fp32 [N, K]; d_out fp32 [M, N]; x fp32 [M, K]; scratch (optional) for split-K.
-    Needs N % 4 == 0 and K % 4 == 0 (vec4 rows). Every `tuning` runs the shared-memory body.
+    Needs N % 4 == 0 and K % 4 == 0 (vec4 rows). Every `tuning` runs the shared-memory body; `gemm_tiles` as in
+    plan_linear_q4gsw.
     """
     op = "linear_dW"
     check_tuning(tuning, f"{op}: tuning")
@@ -561,4 +635,4 @@ def plan_linear_dw(*, M: int, N: int, K: int, out: Any, d_out: Any, x: Any, tile
     inputs = [binding(d_out, "r"), binding(x, "r")]
     return _gemm_plan(op, "linear_dw", N, K, M, out=out, inputs=inputs, push=gemm_push(M, N, K, 0, N, K, M), bias=None,
                       tiles=tiles, split_k=split_k, scratch=scratch, shared_memory_bytes=shared_memory_bytes,
-                      label=label)
+                      label=label, gemm_tiles=gemm_tiles)

@@ -45,6 +45,12 @@ one (over-limit) binding. Each output is then w in-order partial sums added in o
 roundings per chain, |error| <= gamma_(K + w - 1) * sum_k |a_k b_k| (gamma_n = n u / (1 - n u), u = 2^-24),
 the unsplit bound's form. Q8_0 windows start at a block with an aligned scale binding.
 
+fp16 (the `fp16` GEMM precision policy, docs/PRECISION.md): `fp16=True` runs matmul.comp's FP16 variants
+(the shared-memory body at every tuning, fp16 tiles, fp32 products and sums), A and B each scaled by a power
+of two from their largest magnitudes (a coopmat_absmax dispatch into `absmax` first,
+absmax_scratch_nbytes(M * K, K * N) bytes): 2-D operands only, each read in place from its whole binding
+(offset 0, row-major or transposed), no Q8_0, no windows.
+
 Accuracy: fp32 products accumulated in fp32 in k order within a slice; relative error ~ K * eps in
 the worst case, ~ sqrt(K) * eps typically (tests: norm-relative 1e-4 against float64).
 """
@@ -61,7 +67,7 @@ from vktrain.serialization.strided_view import MAX_ELEMENTS, KernelArgumentError
 from vktrain.runtime.delegate.kernels.layout import BindingLimit, binding, sub_binding, check_dtype, check_view_fits
 from vktrain.runtime.delegate.kernels.gemm_windows import (bindings_fit, gemm_windows, q8_0_window, window_scratch_nbytes,
                                                            window_view)
-from vktrain.runtime.delegate.kernels.linear import plan_splitk_reduce
+from vktrain.runtime.delegate.kernels.linear import absmax_partials, plan_absmax, plan_splitk_reduce
 from vktrain.runtime.delegate.kernels.linear import split_k_scratch_nbytes as linear_split_k_scratch_nbytes
 from vktrain.runtime.delegate.kernels.registry import register_kernel
 
@@ -232,7 +238,8 @@ def plan_gemm(out: Any, a: Any, a_view: StridedView, b: Any, b_view: StridedView
               bias: Any = None, bias_view: StridedView | None = None, alpha: float = 1.0, beta: float = 1.0,
               scratch: Any = None, split_k: int | None = None, tile: tuple[int, int] | None = None,
               tuning: str = GPU_TUNING, b_scales: Any = None, c_offset: int = 0, c_row_stride: int | None = None,
-              binding_limit: BindingLimit | None = None, label: str = "gemm") -> list[Dispatch]:
+              binding_limit: BindingLimit | None = None, fp16: bool = False, absmax: Any = None,
+              label: str = "gemm") -> list[Dispatch]:
     """out [batch, M, N] (or [M, N] when both operands are 2-D) = alpha * A @ B (+ beta * bias).
 
     Operand views have rank 2 ([M, K] / [K, N]) or 3 ([batch, M, K] / [batch, K, N]); a 2-D operand
@@ -247,11 +254,16 @@ def plan_gemm(out: Any, a: Any, a_view: StridedView, b: Any, b_view: StridedView
     `binding_limit`: an operand, the output or the bias over it is cut into windows (module docstring,
     "Bindings over the limit"); with windows of the reduction, `scratch` must hold
     window_scratch_nbytes(M, N, binding_limit) bytes.
+    `fp16`, `absmax`: the FP16 variant (module docstring, "fp16"; fp16_reads_in_place says which operands).
     """
+    if fp16:
+        _check_fp16(a_view, b_view, b_scales, absmax, label)
     if binding_limit is not None and not bindings_fit(a_view, b_view, bias_view, b_scales is not None, c_row_stride,
                                                          c_offset, binding_limit):
         if scratch is not None and not isinstance(scratch, BufferBinding):
             scratch = BufferBinding(scratch)
+        if fp16:
+            raise KernelArgumentError(f"{label}: fp16 has no windows; an operand over the binding limit keeps fp32")
         return _plan_gemm_windows(out, a, a_view, b, b_view, bias, bias_view, alpha, beta, scratch, tile, tuning,
                                   b_scales, binding_limit, label)
     A = _as_batched(a_view, f"{label}: A")
@@ -273,7 +285,7 @@ def plan_gemm(out: Any, a: Any, a_view: StridedView, b: Any, b_view: StridedView
             f"{label}: the output [{batch}, {M}, {N}] has more than {MAX_ELEMENTS} elements (32-bit indices)")
     c_row_stride = _check_c_placement(c_offset, c_row_stride, batch, M, N, label)
     strided_c = c_offset != 0 or c_row_stride != N
-    cpu_body = _takes_cpu_body(K, tile, tuning, label)
+    cpu_body = not fp16 and _takes_cpu_body(K, tile, tuning, label)
     tile = default_gemm_tile(M, N) if tile is None else _check_tile(tile, label)
     if split_k is None:
         split_k = default_split_k(batch, M, N, K, tile) if scratch is not None and not cpu_body and not strided_c else 1
@@ -323,7 +335,8 @@ def plan_gemm(out: Any, a: Any, a_view: StridedView, b: Any, b_view: StridedView
         B.offset, B.strides[0], B.strides[1], B.strides[2],
         bias_offset, *bias_strides,
         float(alpha), float(beta),
-        batch, k_slice, c_offset, c_row_stride)
+        batch, k_slice, c_offset, c_row_stride,
+        *((absmax_partials(M * K), absmax_partials(K * N)) if fp16 else ()))
     spec = {
         # Walk the tile along whichever dim is contiguous in memory so loads coalesce.
         A_M_FASTEST_SPEC_ID: bool(A.strides[1] == 1 and A.strides[2] != 1),
@@ -335,6 +348,8 @@ def plan_gemm(out: Any, a: Any, a_view: StridedView, b: Any, b_view: StridedView
         bindings.append(binding(b_scales, "r"))
     if gemm_bias:
         bindings.append(binding(bias, "r"))
+    if fp16:
+        bindings.append(binding(absmax, "r"))
     if cpu_body:
         shader, spec = cpu_gemm_variant(A, B, gemm_bias)
         groups = (ceil_div(N, CPU_LANES * CPU_TN), ceil_div(M, cpu_tile_rows(M)), split_k * batch)
@@ -343,18 +358,41 @@ def plan_gemm(out: Any, a: Any, a_view: StridedView, b: Any, b_view: StridedView
         groups = (ceil_div(N, tile[1]), ceil_div(M, tile[0]), split_k * batch)
     if b_scales is not None:
         shader += "+B_Q8_0"
+    scales = [plan_absmax(absmax, [(a, M * K), (b, K * N)], f"{label}.absmax")] if fp16 else []
+    shader += "+FP16" if fp16 else ""
     gemm = Dispatch(shader, groups, bindings=tuple(bindings), push_constants=push, spec_constants=spec,
                     label=label if split_k == 1 else f"{label}.split{split_k}")
     if split_k == 1:
-        return [gemm]
+        return [*scales, gemm]
     count4 = batch * M * N // 4
     if reduce_adds_bias:  # bias[e % row_vec4s] with one "row" of the whole output: bias[e]
-        return [gemm, plan_splitk_reduce(out=out, scratch=scratch, count4=count4, row_vec4s=count4, split_k=split_k,
-                                         bias=bias, label=f"{label}.reduce")]
+        return [*scales, gemm, plan_splitk_reduce(out=out, scratch=scratch, count4=count4, row_vec4s=count4,
+                                                  split_k=split_k, bias=bias, label=f"{label}.reduce")]
     # Slice 0 of the GEMM already added any bias, so the reduce has none (and never reads row_vec4s).
     reduce = plan_splitk_reduce(out=out, scratch=scratch, count4=count4, row_vec4s=max(1, N // 4),
                                 split_k=split_k, label=f"{label}.reduce")
-    return [gemm, reduce]
+    return [*scales, gemm, reduce]
+
+
+def fp16_reads_in_place(a_view: StridedView, b_view: StridedView) -> bool:
+    """Whether the FP16 variant takes A [M, K] and B [K, N]: 2-D, each the whole of its storage from element 0
+    (row-major or transposed; its absmax pass reads the storage's first numel elements), numel a multiple of
+    4 (the pass reads vec4s)."""
+    def whole(view: StridedView) -> bool:
+        rows, cols = view.sizes
+        return view.offset == 0 and view.numel % 4 == 0 and view.strides in ((cols, 1), (1, rows))
+    return a_view.rank == 2 and b_view.rank == 2 and whole(a_view) and whole(b_view)
+
+
+def _check_fp16(a_view: StridedView, b_view: StridedView, b_scales: Any, absmax: Any, label: str) -> None:
+    if b_scales is not None or not fp16_reads_in_place(a_view, b_view):
+        raise KernelArgumentError(f"{label}: fp16 takes 2-D float32 operands read in place from element 0 "
+                                  f"(row-major or transposed, numel a multiple of 4); got A {a_view}, B {b_view}"
+                                  + (" and a Q8_0 B" if b_scales is not None else ""))
+    if absmax is None:
+        (M, K), N = a_view.sizes, b_view.sizes[1]
+        raise KernelArgumentError(f"{label}: fp16 needs an absmax scratch of absmax_scratch_nbytes({M * K}, "
+                                  f"{K * N}) bytes (the operands' partial maxima)")
 
 
 def _plan_gemm_windows(out: Any, a: Any, a_view: StridedView, b: Any, b_view: StridedView, bias: Any,
