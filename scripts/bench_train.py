@@ -6,11 +6,11 @@
     python3 scripts/bench_train.py run bench/train_*.pte --out train.json      # on the GPU machine
     python scripts/bench_train.py --quick                                       # tiny-llama, lavapipe (CI-sized)
 
-Activation checkpointing's cost (ms/step with and without; the step alone's figure):
-    python scripts/bench_train.py export --model smollm2-135m --shape 4x512
+Activation checkpointing's cost: ms/step with and without (the step alone's `ms_per_step`, same device):
+    python scripts/bench_train.py export --model smollm2-135m --shape 4x512   # and --model llama-3.2-1b
     python scripts/bench_train.py export --model smollm2-135m --shape 4x512 --activation-checkpointing every-layer
     python3 scripts/bench_train.py run bench/train_smollm2-135m_4x512.pte \
-        bench/train_smollm2-135m_4x512_ckpt-every-layer.pte --setting 10,0,0 --out ckpt.json
+        bench/train_smollm2-135m_4x512_ckpt-every-layer.pte --step-steps 20 --setting 10,0,10 --out ckpt.json
 
 export: the training step AND its eval method (vktrain.export.export_training_and_eval_steps, as
 `vktrain export` writes them) of bench_step.py's model (Llama-3.2-1B or SmolLM2-135M shapes, rank 16 on
