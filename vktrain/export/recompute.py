@@ -62,10 +62,9 @@ def checkpointed_layers(model: nn.Module, value: str | int) -> tuple[str, int, i
 
 
 def recompute_layers_in_backward(joint: ExportedProgram, layers_path: str, n_layers: int,
-                                 layers_per_segment: int) -> int:
+                                 layers_per_segment: int) -> None:
     """Rewrite `joint` (in place) so that its backward recomputes each segment of `layers_per_segment`
-    decoder layers (model `layers_path`.<i>, i < n_layers) from the segment's input; returns the number
-    of nodes copied into the backward."""
+    decoder layers (model `layers_path`.<i>, i < n_layers) from the segment's input."""
     graph = joint.graph
     nodes = list(graph.nodes)
     position = {node: i for i, node in enumerate(nodes)}
@@ -84,10 +83,8 @@ def recompute_layers_in_backward(joint: ExportedProgram, layers_path: str, n_lay
     end_of_layers = next((position[node] for node in nodes[starts[-1]:end_of_forward] if node.op == "call_function"
                           and any(arg in other_state for arg in node.all_input_nodes)), end_of_forward)
     bounds = [starts[i] for i in range(0, n_layers, layers_per_segment)] + [end_of_layers]
-    copied = 0
     for begin, end in zip(bounds, bounds[1:]):
-        copied += _recompute_segment(graph, nodes, begin, end, position, end_of_forward)
-    return copied
+        _recompute_segment(graph, nodes, begin, end, position, end_of_forward)
 
 
 def _state_placeholders(joint: ExportedProgram, layers_path: str) -> tuple[dict[torch.fx.Node, int], set]:
@@ -107,7 +104,7 @@ def _state_placeholders(joint: ExportedProgram, layers_path: str) -> tuple[dict[
 
 
 def _recompute_segment(graph: torch.fx.Graph, nodes: list[torch.fx.Node], begin: int, end: int,
-                       position: dict[torch.fx.Node, int], end_of_forward: int) -> int:
+                       position: dict[torch.fx.Node, int], end_of_forward: int) -> None:
     """Copy the forward nodes of nodes[begin:end] that the backward reads (with what they need inside that
     span) to just before the first of those backward readers, and make the backward read the copies."""
     inside = {node for node in nodes[begin:end] if node.op == "call_function"}
@@ -119,7 +116,7 @@ def _recompute_segment(graph: torch.fx.Graph, nodes: list[torch.fx.Node], begin:
     outputs = {node for node in inside if any(user not in inside and not in_backward(user) for user in node.users)}
     saved = [node for node in inside if node not in outputs and any(in_backward(user) for user in node.users)]
     if not saved:
-        return 0
+        return
     needed, stack = set(), list(saved)
     while stack:
         node = stack.pop()
@@ -134,4 +131,3 @@ def _recompute_segment(graph: torch.fx.Graph, nodes: list[torch.fx.Node], begin:
     for node in saved:
         for user in [user for user in node.users if in_backward(user)]:
             user.replace_input_with(node, copies[node])
-    return len(copies)
