@@ -31,7 +31,7 @@ from torch.export.graph_signature import InputKind
 from vktrain.contract import MODEL_PREFIX, layers_per_segment as parse_layers_per_segment
 from vktrain.errors import VktrainError
 
-from .step_graph import loss_and_gradients
+from .step_graph import _loss_and_gradients
 
 
 class CheckpointingError(VktrainError, ValueError):
@@ -68,7 +68,7 @@ def recompute_layers_in_backward(joint: ExportedProgram, layers_path: str, n_lay
     graph = joint.graph
     nodes = list(graph.nodes)
     position = {node: i for i, node in enumerate(nodes)}
-    loss, _ = loss_and_gradients(joint)
+    loss, _ = _loss_and_gradients(joint)
     end_of_forward = position[loss]
     layer_of, other_state = _state_placeholders(joint, layers_path)
     starts = [math.inf] * n_layers

@@ -135,7 +135,7 @@ class _StepBuilder:
         return node
 
     def _gradients(self) -> tuple[torch.fx.Node, dict[str, torch.fx.Node]]:
-        loss, grads = loss_and_gradients(self.joint)
+        loss, grads = _loss_and_gradients(self.joint)
         missing = [p for p in self.trainable if p not in grads]
         extra = sorted(set(grads) - set(self.trainable))
         if missing or extra:
@@ -273,7 +273,7 @@ def eval_program_from_joint(joint: ExportedProgram) -> ExportedProgram:
     graph = torch.fx.Graph()
     copies: dict[torch.fx.Node, torch.fx.Node] = {}
     graph.graph_copy(joint.graph, copies)
-    loss, _ = loss_and_gradients(joint)
+    loss, _ = _loss_and_gradients(joint)
     graph.output((copies[loss],))
     simplify_joint_graph(graph)
     placeholders = [copies[node] for node in joint.graph.nodes if node.op == "placeholder"]
@@ -305,7 +305,7 @@ def _root_call_graph(input_names: tuple[str, ...], out_spec) -> list[ModuleCallE
                                                     forward_arg_names=list(input_names)))]
 
 
-def loss_and_gradients(joint: ExportedProgram) -> tuple[torch.fx.Node, dict[str, torch.fx.Node]]:
+def _loss_and_gradients(joint: ExportedProgram) -> tuple[torch.fx.Node, dict[str, torch.fx.Node]]:
     """The joint graph's loss output node, and its gradient output nodes by parameter path (no "model.")."""
     loss, grads = None, {}
     for value, spec in zip(joint.graph.output_node().args[0], joint.graph_signature.output_specs):
