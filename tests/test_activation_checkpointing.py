@@ -143,7 +143,7 @@ def test_export_records_the_choice_and_inspect_shows_it(tmp_path, capsys):
     capsys.readouterr()
     assert cli.main(["inspect", str(out)]) == 0
     text = capsys.readouterr().out
-    assert "activation checkpointing: 2 (the backward recomputes the forward of each 2 decoder layers" in text
+    assert "activation checkpointing: 2 (the backward recomputes each segment of 2 decoder layers" in text
     assert cli.main(["inspect", "--json", str(out)]) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["delegates"][0]["metadata"][METADATA_ACTIVATION_CHECKPOINTING] == "2"

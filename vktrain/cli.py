@@ -241,9 +241,9 @@ def _format_method(report: dict, verbose: bool = False) -> list[str]:
                      f"{m['device_allocations']} device-memory allocation(s)")
         checkpointing = d["metadata"].get(METADATA_ACTIVATION_CHECKPOINTING)
         if checkpointing is not None:
-            segments = "each decoder layer" if checkpointing == EVERY_LAYER else f"each {checkpointing} decoder layers"
-            lines.append(f"  activation checkpointing: {checkpointing} (the backward recomputes the forward of "
-                         f"{segments} from its input)")
+            what = "each decoder layer" if checkpointing == EVERY_LAYER else \
+                f"each segment of {checkpointing} decoder layers"
+            lines.append(f"  activation checkpointing: {checkpointing} (the backward recomputes {what} from its input)")
         lines.append("  inputs: " + ", ".join(f"{t['name']} {t['dtype']}{t['shape']}" for t in d["inputs"]))
         lines.append("  outputs: " + ", ".join(f"{t['name']} {t['dtype']}{t['shape']}" for t in d["outputs"]))
         lines.append(f"  GEMM precisions allowed: {', '.join(d['gemm_precisions'])} (vktrain train --precision; "
