@@ -7,6 +7,12 @@
     # bench/results keeps one file per model: train_<machine>_<model>.json (bench/README.md)
     python scripts/bench_train.py --quick                                       # tiny-llama, lavapipe (CI-sized)
 
+Activation checkpointing's cost: ms/step with and without (the step alone's `ms_per_step`, same device):
+    python scripts/bench_train.py export --model smollm2-135m --shape 4x512   # and --model llama-3.2-1b
+    python scripts/bench_train.py export --model smollm2-135m --shape 4x512 --activation-checkpointing every-layer
+    python3 scripts/bench_train.py run bench/train_smollm2-135m_4x512.pte \
+        bench/train_smollm2-135m_4x512_ckpt-every-layer.pte --step-steps 20 --setting 10,0,10 --out ckpt.json
+
 export: the training step AND its eval method (vktrain.export.export_training_and_eval_steps, as
 `vktrain export` writes them) of bench_step.py's model (Llama-3.2-1B or SmolLM2-135M shapes, rank 16 on
 q/k/v/o/gate/up/down, q4gsw bases) with bench_step.py's synthetic constants, so the .pte travels small.
@@ -59,13 +65,14 @@ def parse_shape(text: str) -> tuple[int, int]:
 # ===================================================================================================
 
 def export_command(model_name: str, shape: tuple[int, int], out_dir: Path, min_bytes: int | None,
-                   **overrides) -> Path:
+                   activation_checkpointing: str | None = None, **overrides) -> Path:
     from dataclasses import asdict
 
     import bench_step
     from vktrain.backend import metadata_spec, synthetic_constants_spec
     from vktrain.contract import EVAL_METHOD, TRAIN_METHOD
     from vktrain.export import export_training_and_eval_steps, lower_methods_to_pte
+    from vktrain.export.training import activation_checkpointing_spec
     from vktrain.partitioner import VktrainPartitioner
 
     quick = model_name == bench_step.QUICK_PRESET
@@ -78,12 +85,16 @@ def export_command(model_name: str, shape: tuple[int, int], out_dir: Path, min_b
                                     bench_step.LORA_ALPHA, list(bench_step.LORA_TARGETS), bench_step.GROUP_SIZE,
                                     min_bytes)
     start = time.perf_counter()
-    methods = dict(zip((TRAIN_METHOD, EVAL_METHOD), export_training_and_eval_steps(model, shape)))
+    methods = dict(zip((TRAIN_METHOD, EVAL_METHOD), export_training_and_eval_steps(
+        model, shape, activation_checkpointing=activation_checkpointing)))
     specs = synthetic_constants_spec(min_bytes) + [metadata_spec(bench_step.BENCH_CONFIG_KEY,
                                                                  json.dumps(asdict(config)))]
+    if activation_checkpointing is not None:
+        specs.append(activation_checkpointing_spec(activation_checkpointing))
     data = lower_methods_to_pte(methods, {name: VktrainPartitioner(compile_specs=specs) for name in methods})
     out_dir.mkdir(parents=True, exist_ok=True)
-    path = out_dir / f"train_{model_name}_{config.label}.pte"
+    suffix = "" if activation_checkpointing is None else f"_ckpt-{activation_checkpointing}"
+    path = out_dir / f"train_{model_name}_{config.label}{suffix}.pte"
     path.write_bytes(data)
     print(f"wrote {path}: {len(data) / 2**20:.1f} MiB (train + eval), export + lowering "
           f"{time.perf_counter() - start:.0f} s")
@@ -276,6 +287,8 @@ def main(argv: list[str] | None = None) -> int:
     export.add_argument("--shape", type=parse_shape, required=True, help="BATCHxSEQ, e.g. 16x256")
     export.add_argument("--out-dir", type=Path, default=REPO_ROOT / "bench")
     export.add_argument("--min-bytes", type=int, default=None, help="constants this big become synthetic")
+    export.add_argument("--activation-checkpointing", metavar="every-layer|N", default=None,
+                        help="as `vktrain export` takes it (the file name gets _ckpt-<value>)")
     run = sub.add_parser("run", help="time the step alone and `vktrain train` on each .pte")
     for p in (run, parser):
         p.add_argument("--steps", type=int, default=30, help="steps of the `vktrain train` run")
@@ -296,7 +309,7 @@ def main(argv: list[str] | None = None) -> int:
     if out_error(getattr(args, "out", None)):
         parser.error(out_error(args.out))
     if args.command == "export":
-        export_command(args.model, args.shape, args.out_dir, args.min_bytes)
+        export_command(args.model, args.shape, args.out_dir, args.min_bytes, args.activation_checkpointing)
         return 0
     if args.command == "run":
         return run_command(args)

@@ -30,6 +30,7 @@ import sys
 import warnings
 from pathlib import Path
 
+from vktrain.contract import EVERY_LAYER, METADATA_ACTIVATION_CHECKPOINTING, checkpointing_name, layers_per_segment
 from vktrain.errors import VktrainError
 # main() repeats vktrain/__init__'s silencing (idempotent) in case a library reset the filters.
 from vktrain.import_noise import silence_known_import_noise as _silence_known_import_noise
@@ -85,6 +86,14 @@ def check_head_dim(model, model_name: str) -> None:
                      f"{ATTENTION_HEAD_DIMS} (change --model-arg {flag})")
 
 
+def _checkpointing_value(text: str) -> str:
+    """--activation-checkpointing's value in its canonical spelling (every-layer or N)."""
+    try:
+        return checkpointing_name(layers_per_segment(text))
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def cmd_export(args: argparse.Namespace) -> int:
     from vktrain.lora import LoRAConfig, apply_lora
     from vktrain.models import open_model
@@ -94,6 +103,9 @@ def cmd_export(args: argparse.Namespace) -> int:
         raise UsageError(f"--freeze-lora-a freezes lora_A in a training step; --program is {args.program}")
     if args.grad_accum and args.program != "train-step":
         raise UsageError(f"--grad-accum accumulates a training step's gradients; --program is {args.program}")
+    if args.activation_checkpointing is not None and args.program != "train-step":
+        raise UsageError(f"--activation-checkpointing recomputes activations in a training step's backward; "
+                         f"--program is {args.program}")
     check_outputs([Output("--out", args.out, PTE)], overwrite=args.overwrite,  # before minutes of export
                   inputs=[("--model", args.model), ("--calibration-data", args.calibration_data)])
     import torch
@@ -128,17 +140,24 @@ def cmd_export(args: argparse.Namespace) -> int:
     from vktrain.contract import EVAL_METHOD, TRAIN_METHOD
     from vktrain.export import (export_accumulating_methods, export_forward, export_training_and_eval_steps,
                                 lower_methods_to_pte)
-    from vktrain.export.training import adapter_metadata_specs
+    from vktrain.export.recompute import CheckpointingError
+    from vktrain.export.training import activation_checkpointing_spec, adapter_metadata_specs
     from vktrain.partitioner import VktrainPartitioner
 
     batch_shape = (args.batch, args.seq)
-    if args.program == "train-step":  # with its eval method (`vktrain eval`), sharing the frozen base
-        methods = export_accumulating_methods(model, batch_shape, freeze_lora_a=args.freeze_lora_a) \
-            if args.grad_accum else dict(zip((TRAIN_METHOD, EVAL_METHOD), export_training_and_eval_steps(
-                model, batch_shape, freeze_lora_a=args.freeze_lora_a)))
-    else:
-        methods = {TRAIN_METHOD: export_forward(model, batch_shape, with_adapters=args.program == "forward")}
-    partitioner = VktrainPartitioner(compile_specs=adapter_metadata_specs(model, args.model, loaded))
+    step_options = dict(freeze_lora_a=args.freeze_lora_a, activation_checkpointing=args.activation_checkpointing)
+    try:
+        if args.program == "train-step":  # with its eval method (`vktrain eval`), sharing the frozen base
+            methods = export_accumulating_methods(model, batch_shape, **step_options) if args.grad_accum else dict(
+                zip((TRAIN_METHOD, EVAL_METHOD), export_training_and_eval_steps(model, batch_shape, **step_options)))
+        else:
+            methods = {TRAIN_METHOD: export_forward(model, batch_shape, with_adapters=args.program == "forward")}
+    except CheckpointingError as e:  # refused before the trace
+        raise UsageError(f"--activation-checkpointing {args.activation_checkpointing}: {e}") from None
+    specs = adapter_metadata_specs(model, args.model, loaded)
+    if args.activation_checkpointing is not None:
+        specs.append(activation_checkpointing_spec(args.activation_checkpointing))
+    partitioner = VktrainPartitioner(compile_specs=specs)
     pte = lower_methods_to_pte(methods, {TRAIN_METHOD: partitioner},
                                named_data=tokenizer.to_named_data() if tokenizer else None)
     atomic_write_bytes(Path(args.out), pte)
@@ -220,6 +239,11 @@ def _format_method(report: dict, verbose: bool = False) -> list[str]:
         lines.append(f"  planned GPU memory: {_format_bytes(m['planned_bytes'])} in {m['memory_objects']} object(s) "
                      f"(unplanned {_format_bytes(m['unplanned_bytes'])}); state {_format_bytes(m['state_bytes'])}; "
                      f"{m['device_allocations']} device-memory allocation(s)")
+        checkpointing = d["metadata"].get(METADATA_ACTIVATION_CHECKPOINTING)
+        if checkpointing is not None:
+            what = "each decoder layer" if checkpointing == EVERY_LAYER else \
+                f"each segment of {checkpointing} decoder layers"
+            lines.append(f"  activation checkpointing: {checkpointing} (the backward recomputes {what} from its input)")
         lines.append("  inputs: " + ", ".join(f"{t['name']} {t['dtype']}{t['shape']}" for t in d["inputs"]))
         lines.append("  outputs: " + ", ".join(f"{t['name']} {t['dtype']}{t['shape']}" for t in d["outputs"]))
         lines.append(f"  GEMM precisions allowed: {', '.join(d['gemm_precisions'])} (vktrain train --precision; "
@@ -312,6 +336,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="also export an 'accumulate' method, so that vktrain train --grad-accum N can take N "
                              "micro-batches per optimizer step (the step gains one float32 gradient buffer per "
                              "LoRA tensor)")
+    export.add_argument("--activation-checkpointing", metavar="every-layer|N", type=_checkpointing_value, default=None,
+                        help="keep only the decoder layers' inputs and recompute their forward inside the backward, "
+                             "one layer at a time (every-layer) or in segments of N layers: less device memory "
+                             "(vktrain inspect's planned GPU memory), more time per step; the same losses")
     export.add_argument("--lora-alpha", type=float, default=16.0)
     export.add_argument("--seed", type=int, default=0,
                         help="seeds the LoRA init and a built-in model's random weights (default 0): exports of one "

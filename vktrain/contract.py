@@ -73,6 +73,29 @@ NAMED_DATA_TOKENIZER_JSON = "vktrain.tokenizer.json"
 NAMED_DATA_TOKENIZER_CONFIG = "vktrain.tokenizer_config.json"
 
 METADATA_GEMM_PRECISIONS = "gemm_precisions"          # JSON list of the PRECISIONS the program allows
+# `vktrain export --activation-checkpointing`: "every-layer" or N (decoder layers per recomputed segment);
+# absent when the backward reads the forward's activations (vktrain/export/recompute.py)
+METADATA_ACTIVATION_CHECKPOINTING = "activation_checkpointing"
+EVERY_LAYER = "every-layer"  # segments of one layer (the same as 1)
+
+
+def layers_per_segment(value: str | int) -> int:
+    """Decoder layers per recomputed segment of an activation checkpointing value: "every-layer" -> 1, a
+    positive integer N -> N (segments of N consecutive layers; the last is shorter when N does not divide
+    the layers). ValueError naming what was expected."""
+    if value == EVERY_LAYER:
+        return 1
+    text = str(value).strip() if not isinstance(value, bool) else ""
+    number = int(text) if text.isdigit() else 0
+    if number <= 0:
+        raise ValueError(f"activation checkpointing takes {EVERY_LAYER!r} or a positive number N of decoder layers "
+                         f"per recomputed segment, got {value!r}")
+    return number
+
+
+def checkpointing_name(layers: int) -> str:
+    """The canonical activation checkpointing value (the metadata's): "every-layer" for 1, else N."""
+    return EVERY_LAYER if layers == 1 else str(layers)
 
 # ---- GEMM precision policies (docs/PRECISION.md): the blob lists those it allows, the runtime picks one
 # by device. fp32: every GEMM on the fp32 kernels (the parity reference). fp16-tc: the large GEMMs on
@@ -90,12 +113,13 @@ PRECISIONS = (PRECISION_FP32, PRECISION_FP16_TC, PRECISION_FP16)
 PRECISION_AUTO = "auto"
 PRECISION_CHOICES = (PRECISION_AUTO, *PRECISIONS)  # what a user may ask the runtime for
 
-__all__ = ["ACCUMULATE_METHOD", "ADAMW_DEFAULTS", "ADAPTER_METADATA_KEYS", "BACKEND_ID", "METADATA_BAKED_SCALARS", "EVAL_INPUTS", "EVAL_METHOD", "EXP_AVG_PREFIX", "GRAD_ACC_PREFIX",
-           "EXP_AVG_SQ_PREFIX", "HPARAMS", "HPARAM_NAMES", "LABELS", "METADATA_BACKEND", "METADATA_BASE_MODEL",
+__all__ = ["ACCUMULATE_METHOD", "ADAMW_DEFAULTS", "ADAPTER_METADATA_KEYS", "BACKEND_ID",
+           "METADATA_ACTIVATION_CHECKPOINTING", "METADATA_BAKED_SCALARS", "EVAL_INPUTS", "EVAL_METHOD", "EXP_AVG_PREFIX", "GRAD_ACC_PREFIX",
+           "EVERY_LAYER", "EXP_AVG_SQ_PREFIX", "HPARAMS", "HPARAM_NAMES", "LABELS", "METADATA_BACKEND", "METADATA_BASE_MODEL",
            "METADATA_GEMM_PRECISIONS", "METADATA_LORA_ALPHA", "METADATA_LORA_LAYERS", "METADATA_LORA_RANK",
            "METADATA_LORA_TARGET_MODULES", "METADATA_MODEL_CONFIG", "METADATA_MODEL_FAMILY",
            "METADATA_PLANNED_MEMORY_BYTES", "METADATA_REFUSALS", "METADATA_SOURCE_MODEL", "METADATA_STATE_BYTES",
            "METADATA_SYNTHETIC_CONSTANTS", "METADATA_UNPLANNED_MEMORY_BYTES", "MODEL_PREFIX",
            "NAMED_DATA_TOKENIZER_CONFIG", "NAMED_DATA_TOKENIZER_JSON", "N_VALID", "PRECISIONS", "PRECISION_AUTO", "PRECISION_CHOICES", "PRECISION_FP16", "PRECISION_FP16_TC",
            "PRECISION_FP32", "STATE_PREFIXES", "STEP_INPUTS", "STEP_STATE", "TOKEN_IDS", "TRAIN_METHOD",
-           "hparams_values"]
+           "checkpointing_name", "hparams_values", "layers_per_segment"]

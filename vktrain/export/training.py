@@ -44,14 +44,16 @@ from torch.export.exported_program import _decompose_exported_program
 from torch.export.graph_signature import InputKind
 
 import vktrain.ops  # noqa: F401  (registers torch.ops.vktrain.*)
-from vktrain.contract import (EXP_AVG_PREFIX, EXP_AVG_SQ_PREFIX, METADATA_BASE_MODEL, METADATA_LORA_ALPHA,
-                              METADATA_LORA_LAYERS, METADATA_LORA_RANK, METADATA_LORA_TARGET_MODULES,
-                              METADATA_MODEL_CONFIG, METADATA_MODEL_FAMILY, METADATA_SOURCE_MODEL,
-                              MODEL_PREFIX, STEP_STATE as STEP_BUFFER)
+from vktrain.contract import (EXP_AVG_PREFIX, EXP_AVG_SQ_PREFIX, METADATA_ACTIVATION_CHECKPOINTING,
+                              METADATA_BASE_MODEL, METADATA_LORA_ALPHA, METADATA_LORA_LAYERS, METADATA_LORA_RANK,
+                              METADATA_LORA_TARGET_MODULES, METADATA_MODEL_CONFIG, METADATA_MODEL_FAMILY,
+                              METADATA_SOURCE_MODEL, MODEL_PREFIX, STEP_STATE as STEP_BUFFER, checkpointing_name,
+                              layers_per_segment)
 from vktrain.errors import VktrainError
 from vktrain.lora import LoRAQ4Linear, lora_modules, lora_parameter_names, replace_torchao_linears
 from vktrain.partitioner.op_registry import PRESERVED_OPS, first_refusal
 
+from .recompute import checkpointed_layers, recompute_layers_in_backward
 from .step_graph import accumulate_program, eval_program_from_joint, training_step_program
 
 
@@ -170,13 +172,17 @@ def check_batch_shape(batch_shape) -> tuple[int, int]:
 
 
 def export_training_step(model: nn.Module, batch_shape: Optional[tuple[int, int]] = None, *,
-                         example_inputs: Optional[tuple[torch.Tensor, ...]] = None) -> ExportedProgram:
+                         example_inputs: Optional[tuple[torch.Tensor, ...]] = None,
+                         activation_checkpointing: str | int | None = None) -> ExportedProgram:
     """Export one training step of `model`: a token model (LoRA adapters inserted) for token batches of
     `batch_shape`, or any module for its loss over `example_inputs` (one of the two).
+    `activation_checkpointing`: "every-layer" or N, the backward recomputes the decoder layers' forward in
+    segments of 1 or N layers instead of keeping their activations (vktrain/export/recompute.py).
 
     The model is not modified (it is deep-copied). See the module docstring for the program's signature.
     """
-    joint, trainable = _joint_program(model, _loss_inputs(model, batch_shape, example_inputs))
+    joint, trainable = _joint_program(model, _loss_inputs(model, batch_shape, example_inputs),
+                                      activation_checkpointing)
     program = training_step_program(joint, trainable)
     drop_unused_constant_inputs(program)
     return program
@@ -184,15 +190,17 @@ def export_training_step(model: nn.Module, batch_shape: Optional[tuple[int, int]
 
 def export_training_and_eval_steps(model: nn.Module, batch_shape: Optional[tuple[int, int]] = None, *,
                                    example_inputs: Optional[tuple[torch.Tensor, ...]] = None,
-                                   freeze_lora_a: bool = False) -> tuple[ExportedProgram, ExportedProgram]:
+                                   freeze_lora_a: bool = False, activation_checkpointing: str | int | None = None
+                                   ) -> tuple[ExportedProgram, ExportedProgram]:
     """(the training step, its eval method) from ONE trace: the eval program is the joint graph's forward
     (vktrain/export/eval.py's signature; the loss's inputs for any module; export_eval_step traces it
     anew), which saves an export of the model's forward (half a minute for a 30-layer model).
     `freeze_lora_a`: only the lora_B tensors train (FFA-LoRA); the lora_A tensors stay frozen constants,
-    so their gradient GEMMs are not exported."""
+    so their gradient GEMMs are not exported. `activation_checkpointing`: see export_training_step."""
     if freeze_lora_a:
         model = _with_lora_a_frozen(model)
-    joint, trainable = _joint_program(model, _loss_inputs(model, batch_shape, example_inputs))
+    joint, trainable = _joint_program(model, _loss_inputs(model, batch_shape, example_inputs),
+                                      activation_checkpointing)
     evaluation = eval_program_from_joint(joint)
     program = training_step_program(joint, trainable)
     for exported in (program, evaluation):
@@ -202,17 +210,20 @@ def export_training_and_eval_steps(model: nn.Module, batch_shape: Optional[tuple
 
 def export_accumulating_methods(model: nn.Module, batch_shape: Optional[tuple[int, int]] = None, *,
                                 example_inputs: Optional[tuple[torch.Tensor, ...]] = None,
-                                freeze_lora_a: bool = False) -> dict[str, ExportedProgram]:
+                                freeze_lora_a: bool = False,
+                                activation_checkpointing: str | int | None = None) -> dict[str, ExportedProgram]:
     """The methods of a gradient-accumulating .pte, from ONE trace: contract.TRAIN_METHOD, the step whose
     AdamW reads gradient + optimizer.grad_acc.<path> and then zeroes grad_acc; contract.ACCUMULATE_METHOD,
     forward + backward adding the gradient into grad_acc (the same inputs as the eval method, no hparams);
     and contract.EVAL_METHOD. N micro-batches: N - 1 accumulate calls, then one step, each given n_valid
-    summed over the N (the loss divides by it), so the update is that of one batch of all N."""
+    summed over the N (the loss divides by it), so the update is that of one batch of all N.
+    `activation_checkpointing`: see export_training_step (both backward methods recompute)."""
     from vktrain.contract import ACCUMULATE_METHOD, EVAL_METHOD, TRAIN_METHOD
 
     if freeze_lora_a:
         model = _with_lora_a_frozen(model)
-    joint, trainable = _joint_program(model, _loss_inputs(model, batch_shape, example_inputs))
+    joint, trainable = _joint_program(model, _loss_inputs(model, batch_shape, example_inputs),
+                                      activation_checkpointing)
     methods = {EVAL_METHOD: eval_program_from_joint(joint), ACCUMULATE_METHOD: accumulate_program(joint, trainable)}
     methods[TRAIN_METHOD] = training_step_program(joint, trainable, grad_accum=True)
     for exported in methods.values():
@@ -268,10 +279,14 @@ def traceable_copy(model: nn.Module) -> nn.Module:
     return model
 
 
-def _joint_program(model: nn.Module, example_inputs: tuple[torch.Tensor, ...]) -> tuple[ExportedProgram, list[str]]:
+def _joint_program(model: nn.Module, example_inputs: tuple[torch.Tensor, ...],
+                   activation_checkpointing: str | int | None = None) -> tuple[ExportedProgram, list[str]]:
     """The joint graph of `model`'s loss over `example_inputs` (traceable_copy: torchao's linears fused),
-    and the trainable parameters' paths."""
+    its backward recomputing the decoder layers when `activation_checkpointing` is given, and the
+    trainable parameters' paths."""
     trainable = trainable_parameter_names(model)
+    # a bad value, or a model without decoder layers, is refused before the trace
+    layers = None if activation_checkpointing is None else checkpointed_layers(model, activation_checkpointing)
     model = traceable_copy(model)
     wrapped = loss_module(model, example_inputs)
     loss_program = torch.export.export(wrapped, tuple(example_inputs))
@@ -290,6 +305,8 @@ def _joint_program(model: nn.Module, example_inputs: tuple[torch.Tensor, ...]) -
         raise StepExportError(f"the training step of {type(model).__name__} (its loss and that loss's backward) "
                               f"uses an op the vktrain backend cannot run: {refusal}; write the loss with ops it "
                               f"runs (e.g. sum, mean, matmul, elementwise ops)")
+    if layers is not None:
+        recompute_layers_in_backward(joint, *layers)
     return joint, trainable
 
 
@@ -407,6 +424,14 @@ def adapter_metadata(model: nn.Module, source: str, loaded: Any = None) -> dict[
     if dataclasses.is_dataclass(config):
         metadata[METADATA_MODEL_CONFIG] = json.dumps(dataclasses.asdict(config))
     return metadata
+
+
+def activation_checkpointing_spec(value: str | int):
+    """The compile spec recording an activation_checkpointing choice in the blob's metadata (what `vktrain
+    inspect` shows), in its canonical spelling."""
+    from vktrain.backend.preprocess import metadata_spec
+
+    return metadata_spec(METADATA_ACTIVATION_CHECKPOINTING, checkpointing_name(layers_per_segment(value)))
 
 
 def adapter_metadata_specs(model: nn.Module, source: str, loaded: Any = None) -> list:
