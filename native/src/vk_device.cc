@@ -257,6 +257,13 @@ uint32_t Device::memory_type(uint32_t type_bits, VkMemoryPropertyFlags required,
   return uint32_t(fallback);
 }
 
+uint64_t Device::largest_heap_bytes() const {
+  uint64_t largest = 0;
+  for (uint32_t h = 0; h < memory_.memoryHeapCount; ++h)
+    if (memory_.memoryHeaps[h].flags & VK_MEMORY_HEAP_DEVICE_LOCAL_BIT) largest = std::max<uint64_t>(largest, memory_.memoryHeaps[h].size);
+  return largest;
+}
+
 void Device::check_validation(const std::string& when) {
   if (validation_errors.empty()) return;
   std::string first = validation_errors.front();

@@ -38,6 +38,7 @@ class Device {
   uint32_t subgroup_operations() const { return subgroup_operations_; }  // VkSubgroupFeatureFlags in compute
   bool has_feature(const std::string& name) const { return features_.count(name) > 0; }
   bool unified_memory() const { return unified_; }
+  uint64_t largest_heap_bytes() const;  // the largest device-local heap
   bool validation() const { return messenger_ != VK_NULL_HANDLE; }
 
   // The memory type for `type_bits` with every `required` flag, one with `preferred` too where there is one.

@@ -154,7 +154,7 @@ int train(int argc, char** argv) {
                                            " is outside the model's vocabulary [0, " + num(vocab) + ")");
   TokenBatcher batches(std::move(tokens), uint64_t(ids.shape[0]), uint64_t(ids.shape[1]), uint32_t(seed), shuffle, data);
   std::printf("vktrain-native-train: %s on %s: %llu dispatches, %llu barriers, %.1f MiB of buffers; batch %lld x %lld, "
-              "%llu windows\n", pte.c_str(), gpu.name().c_str(), (unsigned long long)step.dispatch_count(),
+              "%llu windows\n", pte.c_str(), gpu.name().c_str(), (unsigned long long)step.recorded_dispatches(),
               (unsigned long long)step.barrier_count(), step.allocated_bytes() / 1048576.0, (long long)ids.shape[0],
               (long long)ids.shape[1], (unsigned long long)batches.n_windows());
   std::fflush(stdout);
