@@ -32,7 +32,8 @@ bool env_flag(const char* name) {
 VKAPI_ATTR VkBool32 VKAPI_CALL on_message(VkDebugUtilsMessageSeverityFlagBitsEXT severity,
                                           VkDebugUtilsMessageTypeFlagsEXT, const VkDebugUtilsMessengerCallbackDataEXT* data,
                                           void* user) {
-  if (severity & VK_DEBUG_UTILS_MESSAGE_SEVERITY_ERROR_BIT_EXT)
+  // Warnings fail the run too, as the Python runtime's test fixtures fail on them.
+  if (severity & (VK_DEBUG_UTILS_MESSAGE_SEVERITY_ERROR_BIT_EXT | VK_DEBUG_UTILS_MESSAGE_SEVERITY_WARNING_BIT_EXT))
     static_cast<Device*>(user)->validation_errors.push_back(data && data->pMessage ? data->pMessage : "(no message)");
   return VK_FALSE;
 }
@@ -269,7 +270,7 @@ void Device::check_validation(const std::string& when) {
   std::string first = validation_errors.front();
   size_t count = validation_errors.size();
   validation_errors.clear();
-  refuse(ErrorCode::kDevice, "the Vulkan validation layer reported " + num(count) + " error(s) " + when + "; the first: " + first);
+  refuse(ErrorCode::kDevice, "the Vulkan validation layer reported " + num(count) + " error(s) or warning(s) " + when + "; the first: " + first);
 }
 
 void Device::submit_and_wait(VkCommandBuffer cb, VkFence fence, uint64_t timeout_ns) {

@@ -44,7 +44,7 @@ class Device {
   // The memory type for `type_bits` with every `required` flag, one with `preferred` too where there is one.
   uint32_t memory_type(uint32_t type_bits, VkMemoryPropertyFlags required, VkMemoryPropertyFlags preferred,
                        const std::string& what) const;
-  // Throws LoadError kDevice with the validation layer's errors since the last call (none: returns).
+  // Throws LoadError kDevice with the validation layer's errors and warnings since the last call (none: returns).
   void check_validation(const std::string& when);
   // Submits `cb` and waits for it on `fence` (reset first).
   void submit_and_wait(VkCommandBuffer cb, VkFence fence, uint64_t timeout_ns = 600ull * 1000000000ull);
