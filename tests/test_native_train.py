@@ -1,6 +1,7 @@
 """vktrain-native-train (native/: the C++ schedule interpreter on the native Vulkan layer) against the Python
 runtime: tiny-llama trained 20 steps by each, from the same .pte, the same planned schedule, the same batches
-and hyper-parameters (float32 on both sides), must give the same loss at every step, bit for bit. The Python
+and hyper-parameters (float32 on both sides), must give the same loss at every step and the same state after
+the last, bit for bit. The Python
 side is `vktrain train`'s own loop (vktrain.train.train_loop.train over a TrainingRunner), so the native
 trainer is checked against how the project feeds a step (batch order, n_valid, lr schedule, AdamW hparams),
 not against a re-implementation of it. Both run on the Vulkan device with the validation layer on.
@@ -73,7 +74,7 @@ def _run(trainer: Path, *args, timeout: float = 300) -> subprocess.CompletedProc
     return subprocess.run([str(trainer), *map(str, args)], capture_output=True, text=True, timeout=timeout, env=env)
 
 
-def test_twenty_steps_give_the_python_runtimes_losses_bit_for_bit(trainer, spirv_dir, llama, vk_device, tmp_path):
+def test_twenty_steps_give_the_python_runtimes_losses_and_state_bit_for_bit(trainer, spirv_dir, llama, vk_device, tmp_path):
     from vktrain.runtime.program.runner import TrainingRunner
     from vktrain.serialization.schedule import deserialize_schedule
     from vktrain.train.data import TokenBatcher, load_tokens
@@ -83,9 +84,9 @@ def test_twenty_steps_give_the_python_runtimes_losses_bit_for_bit(trainer, spirv
     pte, vks, tokens = llama
     # Warmup then cosine, non-default AdamW and data seed: every hyper-parameter path is exercised.
     hyper = dict(lr=3e-3, warmup=4, beta1=0.85, beta2=0.99, eps=1e-6, weight_decay=0.05, seed=7)
-    native_json = tmp_path / "native.json"
+    native_json, native_state = tmp_path / "native.json", tmp_path / "state"
     result = _run(trainer, pte, "--schedule", vks, "--spirv-dir", spirv_dir, "--data", tokens, "--steps", STEPS,
-                  "--json", native_json, *[x for k, v in hyper.items() for x in (f"--{k.replace('_', '-')}", v)])
+                  "--json", native_json, "--state-out", native_state, *[x for k, v in hyper.items() for x in (f"--{k.replace('_', '-')}", v)])
     assert result.returncode == 0, result.stderr
     progress = [line for line in result.stdout.splitlines() if line.startswith("step ")]
     assert [line.split()[1] for line in progress] == [f"{t}/{STEPS}" for t in range(1, STEPS + 1)]
@@ -100,6 +101,7 @@ def test_twenty_steps_give_the_python_runtimes_losses_bit_for_bit(trainer, spirv
         program = runner.executor.program
         header = re.search(r"(\d+) dispatches, (\d+) barriers", result.stdout)
         assert header and (int(header[1]), int(header[2])) == (program.recorded_dispatch_count, sum(program.barriers))
+        python_state = runner.state_dict()
 
     python = json.loads(python_json.read_text())
     native = json.loads(native_json.read_text())
@@ -110,6 +112,12 @@ def test_twenty_steps_give_the_python_runtimes_losses_bit_for_bit(trainer, spirv
         assert ours["lr"] == theirs["lr"]
     losses = [r["loss"] for r in native]
     assert losses[-1] < losses[0]  # it trains: the loss falls
+    # The state after step 20 (adapters, AdamW moments, step counter), read back by name: the same bits.
+    assert sorted(p.stem for p in native_state.glob("*.npy")) == sorted(python_state)
+    for name, theirs in python_state.items():
+        ours = np.load(native_state / f"{name}.npy")
+        assert ours.dtype == theirs.dtype and ours.shape == theirs.shape, name
+        assert ours.tobytes() == theirs.tobytes(), name
 
 
 def test_bad_input_exits_2_naming_what_is_wrong(trainer, spirv_dir, llama, tmp_path):

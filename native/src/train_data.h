@@ -1,5 +1,4 @@
-// What `vktrain train` feeds a step, natively: the token stream of a .npy file (train/data.py load_tokens),
-// its position-addressed batches (TokenBatcher: windows of S + 1 tokens every S tokens, each epoch's order a
+// What `vktrain train` feeds a step, natively: a token stream's position-addressed batches (TokenBatcher: windows of S + 1 tokens every S tokens, each epoch's order a
 // stable sort of splitmix64 keys of (seed, epoch)), and the learning rate of each step (lr_schedule.py
 // LRSchedule). Pure functions of their arguments, bit for bit those of the Python code.
 #pragma once
@@ -9,9 +8,6 @@
 #include <vector>
 
 namespace vktrain {
-
-// A 1-D integer .npy array as int64; LoadError kIo / kVerification naming the file and what is wrong.
-std::vector<int64_t> load_npy_tokens(const std::string& path);
 
 uint64_t splitmix64(uint64_t value);
 std::vector<uint64_t> epoch_order(uint64_t n_windows, uint32_t seed, uint64_t epoch);

@@ -4,9 +4,11 @@
 // n_valid = the count of labels >= 0; one replay of the recorded step; a progress line.
 //
 //   vktrain-native-train STEP.pte --schedule S.vks --spirv-dir D --data TOKENS.npy --steps N --lr X [--json OUT]
+//                        [--state-out DIR]   (after the last step: every state tensor as DIR/<name>.npy)
 //
 // Exit codes (the project's): 0 ok, 1 diverged (a non-finite loss), 2 bad input or a device that cannot run
 // the program ("vktrain-native-train: error: ..."), 70 internal.
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <chrono>
@@ -19,6 +21,7 @@
 #include <vector>
 
 #include "interpreter.h"
+#include "npy.h"
 #include "pte.h"
 #include "status.h"
 #include "step_source.h"
@@ -34,7 +37,7 @@ const char* const kUsage =
     "usage: vktrain-native-train STEP.pte --schedule S.vks --spirv-dir DIR --data TOKENS.npy --steps N --lr X\n"
     "                            [--lr-schedule constant|cosine] [--warmup W] [--min-lr-ratio R] [--beta1 B1]\n"
     "                            [--beta2 B2] [--eps E] [--weight-decay WD] [--seed S] [--no-shuffle] [--json OUT]\n"
-    "                            [--device INDEX|NAME]\n";
+    "                            [--state-out DIR] [--device INDEX|NAME]\n";
 
 [[noreturn]] void usage_error(const std::string& message) {
   std::fprintf(stderr, "%svktrain-native-train: error: %s\n", kUsage, message.c_str());
@@ -83,14 +86,14 @@ HostTensor make(int dtype, std::vector<int64_t> shape, const void* data, size_t 
 }
 
 int train(int argc, char** argv) {
-  std::string pte, schedule, spirv_dir, data, json, device;
+  std::string pte, schedule, spirv_dir, data, json, device, state_out;
   int64_t steps = 0, seed = 0;
   bool have_lr = false, shuffle = true;
   LRSchedule lr;
   double beta1 = 0.9, beta2 = 0.999, eps = 1e-8, weight_decay = 1e-2;  // contract.py ADAMW_DEFAULTS
   std::map<std::string, std::string*> texts = {{"--schedule", &schedule}, {"--spirv-dir", &spirv_dir},
                                                {"--data", &data}, {"--json", &json}, {"--lr-schedule", &lr.kind},
-                                               {"--device", &device}};
+                                               {"--device", &device}, {"--state-out", &state_out}};
   std::map<std::string, double*> reals = {{"--lr", &lr.base_lr}, {"--min-lr-ratio", &lr.min_lr_ratio}, {"--beta1", &beta1},
                                           {"--beta2", &beta2}, {"--eps", &eps}, {"--weight-decay", &weight_decay}};
   std::map<std::string, int64_t*> ints = {{"--steps", &steps}, {"--warmup", &lr.warmup_steps}, {"--seed", &seed}};
@@ -192,6 +195,17 @@ int train(int argc, char** argv) {
     }
   }
   if (!json.empty()) write_json(json, "[\n" + records + "\n]\n");
+  if (!state_out.empty() && status == 0) {
+    struct stat st;
+    if (stat(state_out.c_str(), &st) != 0 && mkdir(state_out.c_str(), 0777) != 0)
+      refuse(ErrorCode::kIo, "--state-out " + state_out + ": cannot create it: " + std::strerror(errno));
+    for (const std::string& name : step.state_names()) {
+      if (name.find('/') != std::string::npos || name.empty() || name[0] == '.')
+        refuse(ErrorCode::kUnsupported, "--state-out: state '" + name + "' is no file name");
+      HostTensor t = step.read_state(name);
+      save_npy(state_out + "/" + name + ".npy", t.dtype, t.shape, t.data);
+    }
+  }
   return status;
 }
 
