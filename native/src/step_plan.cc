@@ -1,6 +1,8 @@
 #include "step_plan.h"
 
 #include <algorithm>
+#include <cfloat>
+#include <cmath>
 #include <cstring>
 #include <set>
 
@@ -75,7 +77,10 @@ uint32_t spec_word(const std::string& where, uint32_t id, SpecKind kind, int64_t
   switch (it->second) {
     case SpecType::kFloat: {
       if (kind == SpecKind::kBool) bad("spec constant " + num(id) + " is float, got a bool");
-      float f = kind == SpecKind::kFloat ? float(float_value) : float(double(int_value));
+      double value = kind == SpecKind::kFloat ? float_value : double(int_value);
+      if (std::isfinite(value) && std::fabs(value) > double(FLT_MAX))  // struct.pack("<f") refuses it too
+        bad("spec constant " + num(id) + " = " + real(value) + " does not fit a 32-bit float");
+      float f = float(value);
       uint32_t word;
       std::memcpy(&word, &f, 4);
       return word;
