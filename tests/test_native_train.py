@@ -189,3 +189,19 @@ def test_dispatches_their_shaders_do_not_take_are_refused_at_load_like_the_pytho
         assert f"error: {path}: dispatch #" in result.stderr and message in result.stderr, (what, result.stderr)
         with pytest.raises(ScheduleError):
             GraphExecutor(vk_device, graph, schedule=bad).close()
+
+
+def test_staging_copies_give_the_same_training(trainer, spirv_dir, llama, tmp_path):
+    """--staging: every host access through a staging buffer and a transfer (a discrete GPU's path), here on
+    lavapipe's unified memory: the same losses and state as mapped access."""
+    pte, vks, tokens = llama
+    runs = {}
+    for mode in ("mapped", "staging"):
+        out = tmp_path / mode
+        result = _run(trainer, pte, "--schedule", vks, "--spirv-dir", spirv_dir, "--data", tokens, "--steps", 3,
+                      "--lr", 1e-3, "--json", f"{out}.json", "--state-out", out,
+                      *(["--staging"] if mode == "staging" else []))
+        assert result.returncode == 0, result.stderr
+        runs[mode] = ([r["loss_bits"] for r in json.loads(Path(f"{out}.json").read_text())],
+                      {p.name: p.read_bytes() for p in out.glob("*.npy")})
+    assert runs["staging"] == runs["mapped"] and len(runs["mapped"][1]) > 100

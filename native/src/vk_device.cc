@@ -283,7 +283,7 @@ void Device::submit_and_wait(VkCommandBuffer cb, VkFence fence, uint64_t timeout
 }
 
 // ------------------------------------------------------------------------------------------ buffers
-Buffer::Buffer(Device& device, uint64_t size, const std::string& name)
+Buffer::Buffer(Device& device, uint64_t size, const std::string& name, Kind kind)
     : device_(device), name_(name), size_((size + 3) / 4 * 4) {
   if (size == 0) refuse(ErrorCode::kVerification, "buffer '" + name + "' has 0 bytes");
   VkBufferCreateInfo info{VK_STRUCTURE_TYPE_BUFFER_CREATE_INFO};
@@ -297,7 +297,7 @@ Buffer::Buffer(Device& device, uint64_t size, const std::string& name)
     vkGetBufferMemoryRequirements(d, buffer_, &needs);
     // memory.py buffer_memory_flags: host-visible (device-local preferred) on unified memory, else device-local.
     const VkMemoryPropertyFlags host = VK_MEMORY_PROPERTY_HOST_VISIBLE_BIT | VK_MEMORY_PROPERTY_HOST_COHERENT_BIT;
-    bool direct = device.unified_memory();
+    bool direct = kind == kStaging || !device.staging();
     uint32_t type = direct ? device.memory_type(needs.memoryTypeBits, host, VK_MEMORY_PROPERTY_DEVICE_LOCAL_BIT, "buffer '" + name + "'")
                            : device.memory_type(needs.memoryTypeBits, VK_MEMORY_PROPERTY_DEVICE_LOCAL_BIT, 0, "buffer '" + name + "'");
     VkMemoryAllocateInfo alloc{VK_STRUCTURE_TYPE_MEMORY_ALLOCATE_INFO};
@@ -353,8 +353,7 @@ void Buffer::read(uint64_t offset, void* out, uint64_t bytes) const {
 
 void Buffer::staged_copy(uint64_t offset, uint64_t bytes, void* host, bool upload) const {
   // A host-visible buffer of the copy's size: a device-local buffer is reached through it.
-  Buffer staging(device_, bytes, name_ + " (staging)");
-  if (!staging.mapped_) refuse(ErrorCode::kDevice, device_.name() + " has no host-visible memory for staging copies");
+  Buffer staging(device_, bytes, name_ + " (staging)", kStaging);
   if (upload) std::memcpy(staging.mapped_, host, bytes);
   submit_once(device_, [&](VkCommandBuffer cb) {
     VkBufferCopy region{upload ? 0 : offset, upload ? offset : 0, bytes};

@@ -38,6 +38,9 @@ class Device {
   uint32_t subgroup_operations() const { return subgroup_operations_; }  // VkSubgroupFeatureFlags in compute
   bool has_feature(const std::string& name) const { return features_.count(name) > 0; }
   bool unified_memory() const { return unified_; }
+  // Host access through staging copies even on unified memory (the discrete-GPU path, to test it anywhere).
+  void force_staging(bool on) { force_staging_ = on; }
+  bool staging() const { return force_staging_ || !unified_; }
   uint64_t largest_heap_bytes() const;  // the largest device-local heap
   bool validation() const { return messenger_ != VK_NULL_HANDLE; }
 
@@ -68,14 +71,15 @@ class Device {
   VkPhysicalDeviceMemoryProperties memory_{};
   std::set<std::string> features_;
   std::string name_;
-  bool unified_ = false;
+  bool unified_ = false, force_staging_ = false;
 };
 
-// A storage buffer bound to its own memory, mapped when host-visible (writes and reads then go straight
-// through; a buffer in device-local memory only is reached through a staging copy).
+// A storage buffer bound to its own memory: host-visible and mapped on unified memory (writes and reads go
+// straight through), else device-local and reached through a host-visible staging buffer per access.
 class Buffer {
  public:
-  Buffer(Device& device, uint64_t size, const std::string& name);  // size rounded up to whole 4-byte words
+  enum Kind { kStorage, kStaging };
+  Buffer(Device& device, uint64_t size, const std::string& name, Kind kind = kStorage);  // size: whole 4-byte words
   ~Buffer();
   Buffer(const Buffer&) = delete;
   Buffer& operator=(const Buffer&) = delete;

@@ -5,6 +5,7 @@
 //
 //   vktrain-native-train STEP.pte --schedule S.vks --spirv-dir D --data TOKENS.npy --steps N --lr X [--json OUT]
 //                        [--state-out DIR]   (after the last step: every state tensor as DIR/<name>.npy)
+//                        [--staging]         (host access through staging copies: a discrete GPU's path, anywhere)
 //
 // Exit codes (the project's): 0 ok, 1 diverged (a non-finite loss), 2 bad input or a device that cannot run
 // the program ("vktrain-native-train: error: ..."), 70 internal.
@@ -37,7 +38,7 @@ const char* const kUsage =
     "usage: vktrain-native-train STEP.pte --schedule S.vks --spirv-dir DIR --data TOKENS.npy --steps N --lr X\n"
     "                            [--lr-schedule constant|cosine] [--warmup W] [--min-lr-ratio R] [--beta1 B1]\n"
     "                            [--beta2 B2] [--eps E] [--weight-decay WD] [--seed S] [--no-shuffle] [--json OUT]\n"
-    "                            [--state-out DIR] [--device INDEX|NAME]\n";
+    "                            [--state-out DIR] [--device INDEX|NAME] [--staging]\n";
 
 [[noreturn]] void usage_error(const std::string& message) {
   std::fprintf(stderr, "%svktrain-native-train: error: %s\n", kUsage, message.c_str());
@@ -88,7 +89,7 @@ HostTensor make(int dtype, std::vector<int64_t> shape, const void* data, size_t 
 int train(int argc, char** argv) {
   std::string pte, schedule, spirv_dir, data, json, device, state_out;
   int64_t steps = 0, seed = 0;
-  bool have_lr = false, shuffle = true;
+  bool have_lr = false, shuffle = true, staging = false;
   LRSchedule lr;
   double beta1 = 0.9, beta2 = 0.999, eps = 1e-8, weight_decay = 1e-2;  // contract.py ADAMW_DEFAULTS
   std::map<std::string, std::string*> texts = {{"--schedule", &schedule}, {"--spirv-dir", &spirv_dir},
@@ -101,6 +102,7 @@ int train(int argc, char** argv) {
     std::string arg = argv[i];
     if (arg == "-h" || arg == "--help") { std::fputs(kUsage, stdout); return 0; }
     if (arg == "--no-shuffle") { shuffle = false; continue; }
+    if (arg == "--staging") { staging = true; continue; }
     bool known = texts.count(arg) || reals.count(arg) || ints.count(arg);
     if (known) {
       if (i + 1 >= argc) usage_error(arg + " takes a value");
@@ -131,6 +133,7 @@ int train(int argc, char** argv) {
   std::unique_ptr<Program> program = Program::load(pte);
   std::unique_ptr<StepSource> source = files_step_source(schedule, spirv_dir);
   Device gpu(device);
+  gpu.force_staging(staging);
   StepInterpreter step(*program, *source, gpu);
 
   std::vector<std::string> names = step.input_names();
