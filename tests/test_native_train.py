@@ -7,7 +7,8 @@ trainer is checked against how the project feeds a step (batch order, n_valid, l
 not against a re-implementation of it. Both run on the Vulkan device with the validation layer on.
 
 Then what the trainer refuses: bad input exits 2 naming the file or flag, and a dispatch its shader does
-not take is refused at load, where the Python runtime refuses it too.
+not take is refused at load, where the Python runtime refuses it too. Last, the staging path (a discrete
+GPU's) trains the same bits, and the whole trainer runs clean under AddressSanitizer + UBSan.
 """
 from __future__ import annotations
 
@@ -205,3 +206,19 @@ def test_staging_copies_give_the_same_training(trainer, spirv_dir, llama, tmp_pa
         runs[mode] = ([r["loss_bits"] for r in json.loads(Path(f"{out}.json").read_text())],
                       {p.name: p.read_bytes() for p in out.glob("*.npy")})
     assert runs["staging"] == runs["mapped"] and len(runs["mapped"][1]) > 100
+
+
+def test_the_trainer_runs_clean_under_the_sanitizers(spirv_dir, llama, tmp_path):
+    """The whole trainer (load, plan, Vulkan objects, staging copies, replays, state read-back) built with
+    AddressSanitizer + UBSan (LeakSanitizer on) trains 2 steps with no report, the same bits as the plain build."""
+    pte, vks, tokens = llama
+    sanitized, plain = build_native("--sanitize") / "vktrain-native-train", build_native() / "vktrain-native-train"
+    losses = []
+    for binary in (sanitized, plain):
+        out = tmp_path / binary.parent.name
+        result = _run(binary, pte, "--schedule", vks, "--spirv-dir", spirv_dir, "--data", tokens, "--steps", 2,
+                      "--lr", 1e-3, "--json", f"{out}.json", "--state-out", out, "--staging")
+        assert "Sanitizer" not in result.stderr and "runtime error" not in result.stderr, result.stderr[-3000:]
+        assert result.returncode == 0, result.stderr[-3000:]
+        losses.append([r["loss_bits"] for r in json.loads(Path(f"{out}.json").read_text())])
+    assert losses[0] == losses[1]
