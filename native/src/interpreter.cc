@@ -153,10 +153,17 @@ void StepInterpreter::write_value(int32_t value_id, const HostTensor& array, con
   auto it = plan_.placements.find(value_id);
   if (it == plan_.placements.end()) refuse(ErrorCode::kVerification, what + " (value " + num(value_id) + ") has no placement in the schedule");
   auto limits = plan_.index_limits.find(value_id);
-  if (limits != plan_.index_limits.end() && t.numel) {
+  int stored_dtype = t.storage_dtype();
+  if (limits != plan_.index_limits.end() && (stored_dtype == kInt32 || stored_dtype == kInt64)) {
     for (uint64_t i = 0; i < t.numel; ++i) {
-      int64_t v = t.storage_dtype() == kInt32 ? int64_t(reinterpret_cast<const int32_t*>(stored.data())[i])
-                                              : array.item<int64_t>(i);
+      int64_t v;
+      if (stored_dtype == kInt32) {
+        int32_t w;
+        std::memcpy(&w, stored.data() + 4 * i, 4);
+        v = w;
+      } else {
+        std::memcpy(&v, stored.data() + 8 * i, 8);
+      }
       for (const auto& limit : limits->second)
         if (v >= limit.bound || (limit.has_low && v < limit.low))
           bad_input(what + " holds " + num(v) + " at flat position " + num(i) + ", but it must be a " + limit.what + " (" +

@@ -143,8 +143,11 @@ int train(int argc, char** argv) {
     if (n != "token_ids" && n != "labels" && n != "hparams" && n != "n_valid")
       refuse(ErrorCode::kUnsupported, pte + ": input '" + n + "' is not one of a token model's step (token_ids, labels, "
                                             "hparams, n_valid); this trainer runs token steps");
-  if (!index.count("token_ids") || !index.count("labels") || !index.count("hparams"))
-    refuse(ErrorCode::kUnsupported, pte + ": a token step takes token_ids, labels and hparams; its inputs are " + names[0] + "...");
+  if (!index.count("token_ids") || !index.count("labels") || !index.count("hparams")) {
+    std::string all;
+    for (const auto& n : names) all += (all.empty() ? "" : ", ") + n;
+    refuse(ErrorCode::kUnsupported, pte + ": a token step takes token_ids, labels and hparams; its inputs are " + all);
+  }
   const TensorValue& ids = step.input(index["token_ids"]);
   if (ids.shape.size() != 2) refuse(ErrorCode::kUnsupported, pte + ": token_ids must be [batch, seq]");
   const TensorValue& hp = step.input(index["hparams"]);
