@@ -4,6 +4,7 @@ single fact shared by every parity test); every other assertion stays in the tes
 from __future__ import annotations
 
 import copy
+import os
 import re
 import subprocess
 import sys
@@ -32,6 +33,24 @@ def readme_snippet(section_title: str) -> str:
     match = re.search(r"```python\n(.*?)```", section, re.DOTALL)
     assert match, f"README.md's {section_title!r} section has no python block"
     return match.group(1)
+
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def build_native(*flags: str) -> Path:
+    """Build the native runtime (native/) with scripts/native_build.sh (cmake rebuilds only what changed) and
+    return its build folder: build/native, or build/native-asan with --sanitize. Skips the calling test, with
+    the script's reason, only where the toolchain it needs is not installed (scripts/setup.sh installs it)."""
+    import pytest
+
+    env = dict(os.environ, NATIVE_PYTHON=sys.executable)
+    result = subprocess.run([str(REPO / "scripts" / "native_build.sh"), *flags], cwd=REPO, env=env,
+                            capture_output=True, text=True, timeout=900)
+    if result.returncode != 0 and "native build: missing" in result.stderr:
+        pytest.skip(f"the native build is absent: {result.stderr.strip()}")
+    assert result.returncode == 0, f"scripts/native_build.sh {' '.join(flags)} failed:\n{result.stderr}"
+    return REPO / "build" / ("native-asan" if flags else "native")
 
 
 def export_mlp_lora_training_step(path: Path, batch_shape: tuple[int, int], vocab_size: int):

@@ -8,13 +8,13 @@ message, with no sanitizer report and no hang; every mutant it loads, the Python
 
 Its schedule reader (--schedule, native/src/schedule_*.cc) against vktrain/serialization/schedule.py and
 verify_schedule.py: the same summary of a planned tiny-llama schedule, the same refusals of hand-made bad
-schedules, and the same verdict on 2,000 fuzz mutants of a schedule under the sanitizers.
+schedules, and the same verdict on 2,000 fuzz mutants of a schedule under the sanitizers; then the schedule
+interpreter's load path (--spirv-dir: the step planned against the shaders' SPIR-V, no device) on those
+mutants under the sanitizers too.
 """
 from __future__ import annotations
 
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -22,30 +22,21 @@ import pytest
 from vktrain.runtime.program import fuzz
 from vktrain.runtime.program.summary import summarize_pte
 
-from _helpers import export_mlp_lora_training_step
+from _helpers import build_native, export_mlp_lora_training_step
 
 REPO = Path(__file__).resolve().parents[1]
-REFUSAL_CODES = {10, 11, 12, 13, 14, 15, 16, 17}  # native/src/status.h ErrorCode
+REFUSAL_CODES = {10, 11, 12, 13, 14, 15, 16, 17}  # native/src/status.h ErrorCode (the loader's)
 FUZZ_MUTANTS = 2000
-
-
-def _build(*flags: str) -> Path:
-    """Build (or bring up to date: cmake rebuilds only what changed) and return the build folder."""
-    env = dict(os.environ, NATIVE_PYTHON=sys.executable)
-    result = subprocess.run([str(REPO / "scripts" / "native_build.sh"), *flags], cwd=REPO, env=env,
-                            capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, f"scripts/native_build.sh {' '.join(flags)} failed:\n{result.stderr}"
-    return REPO / "build" / ("native-asan" if flags else "native")
 
 
 @pytest.fixture(scope="module")
 def inspector() -> Path:
-    return _build() / "vktrain-native-inspect"
+    return build_native() / "vktrain-native-inspect"
 
 
 @pytest.fixture(scope="module")
 def sanitized_inspector() -> Path:
-    return _build("--sanitize") / "vktrain-native-inspect"
+    return build_native("--sanitize") / "vktrain-native-inspect"
 
 
 @pytest.fixture(scope="module")
@@ -427,3 +418,26 @@ def test_schedule_fuzz_mutants_get_the_python_verdict_under_sanitizers(sanitized
         disagreements.append((name, mutant.description, outcomes[name], python.label, python.detail))
     assert not disagreements, disagreements[:10]
     assert verifier_only < FUZZ_MUTANTS // 20, verifier_only
+
+    # The schedule interpreter's load path (native/src/step_plan.cc) on the same mutants, under the same
+    # sanitizers, with no device (lavapipe's caps): every dispatch planned against its SPIR-V, every placement,
+    # binding range, push-constant size and specialization constant checked. It refuses every mutant the reader
+    # refuses, with the same code and message, and more (shader mismatches, code 18), each naming the file.
+    from vktrain.runtime_shaders.build import SPIRV_DIR
+
+    planned = _run(sanitized_inspector, "--schedule-fuzz-dir", corpus, "--pte", mlp_pte, "--spirv-dir", SPIRV_DIR,
+                   timeout=300)
+    assert "Sanitizer" not in planned.stderr and "runtime error" not in planned.stderr, planned.stderr[-3000:]
+    assert planned.returncode == 0, planned.stderr[-3000:]
+    plan_outcomes = {}
+    for line in planned.stdout.splitlines():
+        name, code, message = line.split("\t", 2)
+        plan_outcomes[name] = (int(code), message)
+    assert set(plan_outcomes) == set(outcomes) and plan_outcomes["original.vks"] == (0, "ok")
+    for name, (code, message) in plan_outcomes.items():
+        if outcomes[name][0] != 0:
+            assert (code, message) == outcomes[name], name
+        else:
+            assert code == 0 or (code in REFUSAL_CODES | {18} and message.startswith(str(corpus / name) + ":")), \
+                (name, code, message)
+    assert 18 in {code for code, _ in plan_outcomes.values()}

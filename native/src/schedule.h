@@ -25,11 +25,18 @@ struct ScheduleBuffer { std::string key; uint64_t size_bytes = 0; int role = 0; 
 struct SchedulePlacement { int32_t value_id = 0; uint32_t buffer = 0; uint64_t offset = 0, size_bytes = 0; };
 struct ScheduleBinding { uint32_t buffer = 0; uint64_t offset = 0, size_bytes = 0; /* 0: to the buffer's end */ int access = 0; };
 
+// schema.fbs SpecKind: how a specialization constant's value was written (the shader's declared type decides
+// how it is packed, vk/pipelines.py pack_specialization).
+enum class SpecKind : int { kInt = 0, kFloat = 1, kBool = 2 };
+struct ScheduleSpecConstant { uint32_t id = 0; SpecKind kind = SpecKind::kInt; int64_t int_value = 0; double float_value = 0; };
+
 struct ScheduleDispatch {
   std::string shader, label;
   std::array<uint32_t, 3> groups{};
   std::vector<ScheduleBinding> bindings;
   uint32_t push_bytes = 0;
+  std::vector<uint8_t> push_constants;          // the kernel's bytes, after the group-offset header if any
+  std::vector<ScheduleSpecConstant> spec_constants;  // sorted by id, one per id (dispatch.py Dispatch)
   std::vector<uint32_t> local_size;  // empty, or x, y, z
   const std::string& name() const { return label.empty() ? shader : label; }
 };

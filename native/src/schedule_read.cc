@@ -90,11 +90,17 @@ class Reader {
       if (count < 1) invalid("every group count must be an int >= 1, got " + tuple(groups));
     for (size_t axis = 0; axis < 3; ++axis) d.groups[axis] = axis < groups.size() ? groups[axis] : 1;
     d.push_bytes = t->push_constants() ? t->push_constants()->size() : 0;
+    if (t->push_constants()) d.push_constants.assign(t->push_constants()->begin(), t->push_constants()->end());
     if (d.push_bytes % 4) invalid(d.name() + ": push_constants must be a multiple of 4 bytes, got " + num(d.push_bytes));
     for (uint32_t id : spec_order) {
       const auto* s = specs[id];
       if (s->kind() == fb::SpecKind::INT && (s->int_value() < -(int64_t(1) << 31) || s->int_value() >= (int64_t(1) << 32)))
         invalid("spec constant " + num(id) + " = " + num(s->int_value()) + " does not fit in 32 bits");
+    }
+    std::sort(spec_order.begin(), spec_order.end());  // Dispatch stores them sorted by id
+    for (uint32_t id : spec_order) {
+      const auto* s = specs[id];
+      d.spec_constants.push_back({id, SpecKind(int(s->kind())), s->int_value(), s->float_value()});
     }
     d.local_size = vec<uint32_t>(t->local_size());
     if (!d.local_size.empty()) {

@@ -13,6 +13,8 @@ const char* error_code_name(ErrorCode code) {
     case ErrorCode::kUnsupported: return "unsupported";
     case ErrorCode::kLimit: return "limit";
     case ErrorCode::kScheduleFormat: return "schedule format";
+    case ErrorCode::kShaderModule: return "shader module";
+    case ErrorCode::kDevice: return "device";
     case ErrorCode::kInternal: return "internal";
   }
   return "unknown";

@@ -18,6 +18,8 @@ enum class ErrorCode : int {
   kUnsupported = 15,   // well formed, but not a program this runtime runs
   kLimit = 16,         // asks for more memory than the caps allow
   kScheduleFormat = 17,  // not a readable schedule (.vks): truncated, corrupt, another format version
+  kShaderModule = 18,  // a shader module is missing, is not SPIR-V, or does not match a dispatch of the schedule
+  kDevice = 19,        // no usable Vulkan device, or a Vulkan call failed (out of memory, device lost)
   kInternal = 70,
 };
 

@@ -8,6 +8,9 @@
 //   vktrain-native-inspect --fuzz-dir DIR every file in DIR, one line each: "NAME<TAB>CODE<TAB>MESSAGE"
 //                                         (CODE 0 = loaded, 10..19 = refused: src/status.h); exit 0
 //   vktrain-native-inspect --schedule-fuzz-dir DIR [--pte PTE]   the same for schedules
+//   ... --schedule VKS | --schedule-fuzz-dir DIR, with --pte PTE --spirv-dir SPV: also plan the step as the
+//                                         schedule interpreter does (src/step_plan.h) against lavapipe's caps,
+//                                         without opening a device: every dispatch checked against its SPIR-V
 // Exit 70: a bug here (an exception outside the loader's refusals).
 #include <algorithm>
 #include <cstdio>
@@ -21,6 +24,8 @@
 #include "pte.h"
 #include "schedule.h"
 #include "status.h"
+#include "step_plan.h"
+#include "step_source.h"
 #include "summary.h"
 
 namespace {
@@ -30,7 +35,7 @@ constexpr int kExitBadInput = 2, kExitInternal = 70;
 
 int usage(const char* why) {
   std::fprintf(stderr, "usage: %s PTE [--json] | --schedule VKS [--pte PTE] [--json] | --devices | --fuzz-dir DIR | "
-               "--schedule-fuzz-dir DIR [--pte PTE]\n%s: error: %s\n", kProg, kProg, why);
+               "--schedule-fuzz-dir DIR [--pte PTE [--spirv-dir SPV]]\n%s: error: %s\n", kProg, kProg, why);
   return kExitBadInput;
 }
 
@@ -48,11 +53,18 @@ std::pair<int, std::string> try_load(const std::string& path, std::unique_ptr<vk
 }
 
 // (code, message) of reading and verifying one schedule against `graph` (nullptr: none).
-std::pair<int, std::string> try_schedule(const std::string& path, const vktrain::Graph* graph, std::string* summary, bool json) {
+std::pair<int, std::string> try_schedule(const std::string& path, const vktrain::Program* program,
+                                         const std::string& spirv_dir, std::string* summary, bool json) {
   try {
-    vktrain::Schedule schedule = vktrain::Schedule::load(path);
+    const vktrain::Graph* graph = program ? program->main_method().graph.get() : nullptr;
+    std::unique_ptr<vktrain::StepSource> source;
+    vktrain::Schedule loaded;
+    if (!spirv_dir.empty()) source = vktrain::files_step_source(path, spirv_dir);
+    else loaded = vktrain::Schedule::load(path);
+    const vktrain::Schedule& schedule = source ? source->schedule() : loaded;
     vktrain::verify_schedule(schedule, graph);
     if (summary) *summary = json ? vktrain::schedule_summary_json(schedule) : vktrain::schedule_summary_text(schedule);
+    if (source) vktrain::plan_step(*program, *source, vktrain::lavapipe_caps());
     return {0, "ok"};
   } catch (const vktrain::LoadError& e) {
     return {int(e.code()), e.what()};
@@ -68,7 +80,7 @@ const vktrain::Graph* graph_of(const std::string& pte, std::unique_ptr<vktrain::
   return (*program)->main_method().graph.get();
 }
 
-int fuzz_dir(const std::string& dir, bool schedules, const vktrain::Graph* graph) {
+int fuzz_dir(const std::string& dir, bool schedules, const vktrain::Program* program, const std::string& spirv_dir) {
   DIR* d = ::opendir(dir.c_str());
   if (!d) return usage(("cannot open directory " + dir + ": " + std::strerror(errno)).c_str());
   std::vector<std::string> names;
@@ -79,7 +91,7 @@ int fuzz_dir(const std::string& dir, bool schedules, const vktrain::Graph* graph
   std::setvbuf(stdout, nullptr, _IOLBF, 0);  // a sanitizer abort loses no line: the last one names the file before it
   int worst = 0;
   for (const std::string& name : names) {
-    auto result = schedules ? try_schedule(dir + "/" + name, graph, nullptr, false) : try_load(dir + "/" + name, nullptr);
+    auto result = schedules ? try_schedule(dir + "/" + name, program, spirv_dir, nullptr, false) : try_load(dir + "/" + name, nullptr);
     std::string message = result.second;
     std::replace(message.begin(), message.end(), '\n', ' ');
     std::printf("%s\t%d\t%s\n", name.c_str(), result.first, message.c_str());
@@ -97,14 +109,14 @@ int main(int argc, char** argv) {
       std::fputs(vktrain::describe_vulkan_devices().c_str(), stdout);
       return 0;
     }
-    if (args.size() == 2 && args[0] == "--fuzz-dir") return fuzz_dir(args[1], false, nullptr);
+    if (args.size() == 2 && args[0] == "--fuzz-dir") return fuzz_dir(args[1], false, nullptr, "");
     bool json = false;
-    std::string path, schedule, schedule_fuzz, pte;
+    std::string path, schedule, schedule_fuzz, pte, spirv_dir;
     for (size_t i = 0; i < args.size(); ++i) {
       const std::string& a = args[i];
-      if (a == "--schedule" || a == "--pte" || a == "--schedule-fuzz-dir") {
+      if (a == "--schedule" || a == "--pte" || a == "--schedule-fuzz-dir" || a == "--spirv-dir") {
         if (i + 1 == args.size()) return usage((a + " takes a file").c_str());
-        (a == "--schedule" ? schedule : a == "--pte" ? pte : schedule_fuzz) = args[++i];
+        (a == "--schedule" ? schedule : a == "--pte" ? pte : a == "--spirv-dir" ? spirv_dir : schedule_fuzz) = args[++i];
         continue;
       }
       if (a == "--json") json = true;
@@ -124,9 +136,10 @@ int main(int argc, char** argv) {
           return kExitBadInput;
         }
       }
-      if (!schedule_fuzz.empty()) return fuzz_dir(schedule_fuzz, true, graph);
+      if (!spirv_dir.empty() && !program) return usage("--spirv-dir goes with --pte (the step to plan)");
+      if (!schedule_fuzz.empty()) return fuzz_dir(schedule_fuzz, true, program.get(), spirv_dir);
       std::string summary;
-      auto result = try_schedule(schedule, graph, &summary, json);
+      auto result = try_schedule(schedule, program.get(), spirv_dir, &summary, json);
       if (result.first) {
         std::fprintf(stderr, "%s: error: %s\n", kProg, result.second.c_str());
         return result.first == kExitInternal ? kExitInternal : kExitBadInput;
@@ -134,7 +147,7 @@ int main(int argc, char** argv) {
       std::fputs(summary.c_str(), stdout);
       return 0;
     }
-    if (!pte.empty()) return usage("--pte goes with --schedule");
+    if (!pte.empty() || !spirv_dir.empty()) return usage("--pte and --spirv-dir go with --schedule");
     if (path.empty()) return usage("expected a PTE file");
     std::unique_ptr<vktrain::Program> program;
     auto result = try_load(path, &program);

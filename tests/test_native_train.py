@@ -1,0 +1,224 @@
+"""vktrain-native-train (native/: the C++ schedule interpreter on the native Vulkan layer) against the Python
+runtime: tiny-llama trained 20 steps by each, from the same .pte, the same planned schedule, the same batches
+and hyper-parameters (float32 on both sides), must give the same loss at every step and the same state after
+the last, bit for bit. The Python
+side is `vktrain train`'s own loop (vktrain.train.train_loop.train over a TrainingRunner), so the native
+trainer is checked against how the project feeds a step (batch order, n_valid, lr schedule, AdamW hparams),
+not against a re-implementation of it. Both run on the Vulkan device with the validation layer on.
+
+Then what the trainer refuses: bad input exits 2 naming the file or flag, and a dispatch its shader does
+not take is refused at load, where the Python runtime refuses it too. Last, the staging path (a discrete
+GPU's) trains the same bits, and the whole trainer runs clean under AddressSanitizer + UBSan.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from _helpers import build_native, export_mlp_lora_training_step
+
+REPO = Path(__file__).resolve().parents[1]
+STEPS = 20
+
+
+@pytest.fixture(scope="module")
+def trainer() -> Path:
+    return build_native() / "vktrain-native-train"
+
+
+@pytest.fixture(scope="module")
+def spirv_dir() -> Path:
+    from vktrain.runtime_shaders.build import SPIRV_DIR
+
+    return SPIRV_DIR
+
+
+def _plan(graph):
+    """`graph` planned on lavapipe's built-in profile (what both runtimes then run)."""
+    from vktrain.runtime.delegate.planner import plan_schedule
+    from vktrain.serialization.device_profile import LAVAPIPE
+
+    return plan_schedule(graph, LAVAPIPE)
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    """tiny-llama's training step (.pte), its schedule (.vks) and a token file (int32, as a user may save it)."""
+    from vktrain.export import export_training_step, lower_to_pte
+    from vktrain.lora import LoRAConfig, apply_lora
+    from vktrain.models import build_model
+    from vktrain.runtime.program import fuzz
+    from vktrain.serialization.schedule import serialize_schedule
+
+    folder = tmp_path_factory.mktemp("native_train")
+    model = build_model("tiny-llama")
+    apply_lora(model, LoRAConfig(rank=4, alpha=8.0, targets="*_proj", group_size=32, seed=0))
+    pte = folder / "tiny_llama.pte"
+    pte.write_bytes(lower_to_pte(export_training_step(model, (2, 16))))
+    schedule = _plan(fuzz.load(pte.read_bytes())[1].graph)
+    vks = folder / "tiny_llama.vks"
+    vks.write_bytes(serialize_schedule(schedule))
+    tokens = folder / "tokens.npy"
+    np.save(tokens, np.random.default_rng(3).integers(0, 256, size=1500).astype(np.int32))
+    return pte, vks, tokens
+
+
+def _run(trainer: Path, *args, timeout: float = 300) -> subprocess.CompletedProcess:
+    env = dict(os.environ, VKTRAIN_VALIDATION="1")
+    return subprocess.run([str(trainer), *map(str, args)], capture_output=True, text=True, timeout=timeout, env=env)
+
+
+def test_twenty_steps_give_the_python_runtimes_losses_and_state_bit_for_bit(trainer, spirv_dir, llama, vk_device, tmp_path):
+    from vktrain.runtime.program.runner import TrainingRunner
+    from vktrain.serialization.schedule import deserialize_schedule
+    from vktrain.train.data import TokenBatcher, load_tokens
+    from vktrain.train.lr_schedule import LRSchedule
+    from vktrain.train.train_loop import AdamWConfig, train
+
+    pte, vks, tokens = llama
+    # Warmup then cosine, non-default AdamW and data seed: every hyper-parameter path is exercised.
+    hyper = dict(lr=3e-3, warmup=4, beta1=0.85, beta2=0.99, eps=1e-6, weight_decay=0.05, seed=7)
+    native_json, native_state = tmp_path / "native.json", tmp_path / "state"
+    result = _run(trainer, pte, "--schedule", vks, "--spirv-dir", spirv_dir, "--data", tokens, "--steps", STEPS,
+                  "--json", native_json, "--state-out", native_state, *[x for k, v in hyper.items() for x in (f"--{k.replace('_', '-')}", v)])
+    assert result.returncode == 0, result.stderr
+    progress = [line for line in result.stdout.splitlines() if line.startswith("step ")]
+    assert [line.split()[1] for line in progress] == [f"{t}/{STEPS}" for t in range(1, STEPS + 1)]
+
+    with TrainingRunner.from_pte(pte, vk_device, schedule=deserialize_schedule(vks.read_bytes())) as runner:
+        batches = TokenBatcher(load_tokens(tokens), 2, 16, seed=hyper["seed"])
+        python_json = tmp_path / "python.json"
+        train(runner, batches, STEPS, LRSchedule("cosine", hyper["lr"], STEPS, warmup_steps=hyper["warmup"]),
+              AdamWConfig(hyper["beta1"], hyper["beta2"], hyper["eps"], hyper["weight_decay"]),
+              json_path=python_json, progress=False)
+        # The same recording: as many vkCmdDispatch and barriers as vk/commands.py Program records.
+        program = runner.executor.program
+        header = re.search(r"(\d+) dispatches, (\d+) barriers", result.stdout)
+        assert header and (int(header[1]), int(header[2])) == (program.recorded_dispatch_count, sum(program.barriers))
+        python_state = runner.state_dict()
+
+    python = json.loads(python_json.read_text())
+    native = json.loads(native_json.read_text())
+    assert [r["step"] for r in native] == [r["step"] for r in python] == list(range(1, STEPS + 1))
+    for ours, theirs in zip(native, python):
+        assert np.float32(ours["loss"]).tobytes() == np.float32(theirs["loss"]).tobytes(), (ours, theirs)
+        assert ours["loss_bits"] == f"0x{np.float32(theirs['loss']).view(np.uint32):08x}"
+        assert ours["lr"] == theirs["lr"]
+    losses = [r["loss"] for r in native]
+    assert losses[-1] < losses[0]  # it trains: the loss falls
+    # The state after step 20 (adapters, AdamW moments, step counter), read back by name: the same bits.
+    assert sorted(p.stem for p in native_state.glob("*.npy")) == sorted(python_state)
+    for name, theirs in python_state.items():
+        ours = np.load(native_state / f"{name}.npy")
+        assert ours.dtype == theirs.dtype and ours.shape == theirs.shape, name
+        assert ours.tobytes() == theirs.tobytes(), name
+
+
+def test_bad_input_exits_2_naming_what_is_wrong(trainer, spirv_dir, llama, tmp_path):
+    pte, vks, tokens = llama
+    common = ["--schedule", vks, "--spirv-dir", spirv_dir, "--data", tokens, "--steps", 2, "--lr", 1e-3]
+
+    missing = _run(trainer, pte, *common[:-2])
+    assert missing.returncode == 2 and "error: --lr is required" in missing.stderr, missing.stderr
+    unknown = _run(trainer, pte, *common, "--learning-rate", 1)
+    assert unknown.returncode == 2 and "unknown option --learning-rate" in unknown.stderr, unknown.stderr
+
+    out_of_vocab = tmp_path / "big.npy"
+    np.save(out_of_vocab, np.array([1, 2, 300, 4] * 50, dtype=np.int64))
+    result = _run(trainer, pte, *common[:4], "--data", out_of_vocab, *common[6:])
+    assert result.returncode == 2, result.stderr
+    assert f"{out_of_vocab}: token id 300 at position 2 is outside the model's vocabulary [0, 256)" in result.stderr
+
+    not_npy = tmp_path / "tokens.txt"
+    not_npy.write_text("1 2 3")
+    result = _run(trainer, pte, *common[:4], "--data", not_npy, *common[6:])
+    assert result.returncode == 2 and f"{not_npy}: not a .npy file" in result.stderr, result.stderr
+
+    absent = _run(trainer, pte, "--schedule", tmp_path / "absent.vks", *common[2:])
+    assert absent.returncode == 2 and "absent.vks" in absent.stderr, absent.stderr
+
+    empty = tmp_path / "no_spirv"
+    empty.mkdir()
+    result = _run(trainer, pte, *common[:2], "--spirv-dir", empty, *common[4:])
+    assert result.returncode == 2 and f"in {empty}" in result.stderr and ".spv" in result.stderr, result.stderr
+
+
+def _bad_dispatches(schedule):
+    """(what, schedule, native message) of dispatches their shaders do not take: the reader and the schedule
+    verifier accept each; planning the step against the shader's SPIR-V refuses it."""
+    index = next(i for i, d in enumerate(schedule.dispatches) if d.push_constants and d.bindings)
+    first = schedule.dispatches[index]
+
+    def with_dispatch(**changes):
+        dispatches = list(schedule.dispatches)
+        dispatches[index] = dataclasses.replace(first, **changes)
+        return dataclasses.replace(schedule, dispatches=tuple(dispatches))
+
+    yield ("push constants of the wrong size", with_dispatch(push_constants=first.push_constants + bytes(4)),
+           "bytes of push constants")
+    yield ("a binding fewer than the shader declares", with_dispatch(bindings=first.bindings[:-1]),
+           f"storage buffers but the Dispatch binds {len(first.bindings) - 1}")
+    yield ("a specialization constant the shader lacks", with_dispatch(spec_constants=((97, 1),)),
+           "has no specialization constant with id 97")
+
+
+def test_dispatches_their_shaders_do_not_take_are_refused_at_load_like_the_python_runtime(
+        trainer, spirv_dir, vk_device, tmp_path):
+    from vktrain.runtime.delegate.executor import GraphExecutor
+    from vktrain.runtime.program import fuzz
+    from vktrain.serialization.dispatch import ScheduleError
+    from vktrain.serialization.schedule import serialize_schedule
+
+    pte = tmp_path / "mlp.pte"
+    export_mlp_lora_training_step(pte, (2, 8), 64)
+    graph = fuzz.load(pte.read_bytes())[1].graph
+    tokens = tmp_path / "tokens.npy"
+    np.save(tokens, np.arange(200) % 64)
+    for number, (what, bad, message) in enumerate(_bad_dispatches(_plan(graph))):
+        path = tmp_path / f"bad{number}.vks"
+        path.write_bytes(serialize_schedule(bad))
+        result = _run(trainer, pte, "--schedule", path, "--spirv-dir", spirv_dir, "--data", tokens, "--steps", 1,
+                      "--lr", 1e-3)
+        assert result.returncode == 2, (what, result.stdout, result.stderr)
+        assert f"error: {path}: dispatch #" in result.stderr and message in result.stderr, (what, result.stderr)
+        with pytest.raises(ScheduleError):
+            GraphExecutor(vk_device, graph, schedule=bad).close()
+
+
+def test_staging_copies_give_the_same_training(trainer, spirv_dir, llama, tmp_path):
+    """--staging: every host access through a staging buffer and a transfer (a discrete GPU's path), here on
+    lavapipe's unified memory: the same losses and state as mapped access."""
+    pte, vks, tokens = llama
+    runs = {}
+    for mode in ("mapped", "staging"):
+        out = tmp_path / mode
+        result = _run(trainer, pte, "--schedule", vks, "--spirv-dir", spirv_dir, "--data", tokens, "--steps", 3,
+                      "--lr", 1e-3, "--json", f"{out}.json", "--state-out", out,
+                      *(["--staging"] if mode == "staging" else []))
+        assert result.returncode == 0, result.stderr
+        runs[mode] = ([r["loss_bits"] for r in json.loads(Path(f"{out}.json").read_text())],
+                      {p.name: p.read_bytes() for p in out.glob("*.npy")})
+    assert runs["staging"] == runs["mapped"] and len(runs["mapped"][1]) > 100
+
+
+def test_the_trainer_runs_clean_under_the_sanitizers(spirv_dir, llama, tmp_path):
+    """The whole trainer (load, plan, Vulkan objects, staging copies, replays, state read-back) built with
+    AddressSanitizer + UBSan (LeakSanitizer on) trains 2 steps with no report, the same bits as the plain build."""
+    pte, vks, tokens = llama
+    sanitized, plain = build_native("--sanitize") / "vktrain-native-train", build_native() / "vktrain-native-train"
+    losses = []
+    for binary in (sanitized, plain):
+        out = tmp_path / binary.parent.name
+        result = _run(binary, pte, "--schedule", vks, "--spirv-dir", spirv_dir, "--data", tokens, "--steps", 2,
+                      "--lr", 1e-3, "--json", f"{out}.json", "--state-out", out, "--staging")
+        assert "Sanitizer" not in result.stderr and "runtime error" not in result.stderr, result.stderr[-3000:]
+        assert result.returncode == 0, result.stderr[-3000:]
+        losses.append([r["loss_bits"] for r in json.loads(Path(f"{out}.json").read_text())])
+    assert losses[0] == losses[1]
