@@ -96,6 +96,9 @@ def cmd_export(args: argparse.Namespace) -> int:
         raise UsageError(f"--grad-accum accumulates a training step's gradients; --program is {args.program}")
     check_outputs([Output("--out", args.out, PTE)], overwrite=args.overwrite,  # before minutes of export
                   inputs=[("--model", args.model), ("--calibration-data", args.calibration_data)])
+    from vktrain.train.targets import TargetEmbedder, resolve_targets
+
+    targets = resolve_targets(args.target)  # a bad name is refused before minutes of export
     import torch
 
     torch.manual_seed(args.seed)  # a built-in model's random weights; the LoRA init has its own generator
@@ -139,8 +142,13 @@ def cmd_export(args: argparse.Namespace) -> int:
     else:
         methods = {TRAIN_METHOD: export_forward(model, batch_shape, with_adapters=args.program == "forward")}
     partitioner = VktrainPartitioner(compile_specs=adapter_metadata_specs(model, args.model, loaded))
+    embedder = TargetEmbedder(targets) if targets else None
     pte = lower_methods_to_pte(methods, {TRAIN_METHOD: partitioner},
-                               named_data=tokenizer.to_named_data() if tokenizer else None)
+                               named_data=tokenizer.to_named_data() if tokenizer else None, rewrite_blobs=embedder)
+    for reason in embedder.left_out if embedder else ():
+        print(f"warning: left out {reason}", file=sys.stderr)
+    if embedder:
+        print(f"schedules embedded for device profiles: {', '.join(embedder.embedded)}")
     atomic_write_bytes(Path(args.out), pte)
     print(f"wrote {args.out}: {len(pte)} bytes, {' and '.join(methods)} ({args.program}"
           f"{' and eval' if EVAL_METHOD in methods else ''}) of {args.model} "
@@ -322,6 +330,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_quantization_arguments(export)
     export.add_argument("--batch", type=int, default=4)
     export.add_argument("--seq", type=int, default=64)
+    export.add_argument("--target", default="portable", metavar="NAME[,NAME...]",
+                        help="device profiles to plan for and embed the schedules of (built-in names, FILE.json, "
+                             "local, all, none: plan at load); default portable: this machine's Vulkan device, "
+                             "desktop-gpu, adreno-6xx (those the program's plan fits)")
     export.add_argument("--out", required=True, help="output .pte path (written atomically)")
     add_overwrite_argument(export)
     export.set_defaults(run=cmd_export)

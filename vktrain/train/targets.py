@@ -15,15 +15,19 @@ byte. Schedules are planned with the default GEMM precision policy (auto) and th
 """
 from __future__ import annotations
 
+import dataclasses
+from dataclasses import dataclass
 from typing import Callable, Mapping, Sequence
 
 from vktrain.contract import TRAIN_METHOD
 from vktrain.errors import VktrainError
 from vktrain.serialization.blob import read_for_rewrite, serialize_blob
 from vktrain.serialization.device_profile import BUILTIN_PROFILES, DeviceProfile, DeviceProfileError, resolve_profile
-from vktrain.serialization.embedded import embed_schedules
+from vktrain.serialization import graph as g
+from vktrain.serialization.embedded import ShaderModule, embed_schedules
 from vktrain.serialization.program_sharing import shared_from
 from vktrain.serialization.schedule import Schedule
+from vktrain.serialization.verify_schedule import verify_embedded
 
 ALL, PORTABLE, NONE, LOCAL = "all", "portable", "none", "local"
 DEFAULT_TARGET = PORTABLE
@@ -52,9 +56,18 @@ def local_profile() -> DeviceProfile | None:
         return None
 
 
-def resolve_targets(spec: str, local: Callable[[], DeviceProfile | None] = local_profile) -> list[DeviceProfile]:
-    """The profiles `--target spec` names, in order, each once (by name)."""
-    profiles: list[DeviceProfile] = []
+@dataclass(frozen=True)
+class Target:
+    """A profile to plan for; `optional` when it came from `all` or `portable` (left out, with a warning,
+    when the program's plan for it does not keep to its limits) rather than by name (refused then)."""
+
+    profile: DeviceProfile
+    optional: bool = False
+
+
+def resolve_targets(spec: str, local: Callable[[], DeviceProfile | None] = local_profile) -> list[Target]:
+    """The targets `--target spec` names, in order, each profile once (by name)."""
+    targets: list[Target] = []
     names = [part.strip() for part in spec.split(",")]
     if not all(names):
         raise TargetError(f"--target {spec!r}: an empty name; give NAME[,NAME...] (built-in: "
@@ -65,70 +78,96 @@ def resolve_targets(spec: str, local: Callable[[], DeviceProfile | None] = local
         return []
     for name in names:
         if name == ALL:
-            found = list(BUILTIN_PROFILES.values())
+            found = [Target(p, optional=True) for p in BUILTIN_PROFILES.values()]
         elif name == PORTABLE:
-            found = [p for p in [local()] if p is not None] + [BUILTIN_PROFILES[n] for n in PORTABLE_PROFILES]
+            found = [Target(p, optional=True) for p in [local()] if p is not None]
+            found += [Target(BUILTIN_PROFILES[n], optional=True) for n in PORTABLE_PROFILES]
         elif name == LOCAL:
             own = local()
             if own is None:
                 raise TargetError(f"--target {LOCAL}: no Vulkan device opens on this machine (name a built-in "
                                   f"profile or a FILE.json from `vktrain devices --json` instead)")
-            found = [own]
+            found = [Target(own)]
         else:
             try:
-                found = [resolve_profile(name)]
+                found = [Target(resolve_profile(name))]
             except DeviceProfileError as exc:
                 raise TargetError(f"--target: {exc}; or {LOCAL}, {PORTABLE}, {ALL}, {NONE}") from None
-        profiles += [p for p in found if p.name not in {q.name for q in profiles}]
-    return profiles
+        for target in found:
+            same = [i for i, t in enumerate(targets) if t.profile.name == target.profile.name]
+            if not same:
+                targets.append(target)
+            elif not target.optional:  # named as well as implied: named wins (refused, not left out)
+                targets[same[0]] = target
+    return targets
 
 
-def _module_for(name: str, profile: DeviceProfile):
+def _module_for(name: str, profile: DeviceProfile) -> ShaderModule:
     from vktrain.runtime_shaders.modules import shader_module
 
     return shader_module(name, profile)
 
 
-def plan_targets(graphs: Mapping[str, Sequence], profiles: Sequence[DeviceProfile], plan: Planner
-                 ) -> dict[str, list[list[tuple[DeviceProfile, Schedule]]]]:
-    """Method -> per delegate graph, the (profile, schedule) of each target (module docstring)."""
+def plan_target(graphs: Mapping[str, Sequence[g.VkGraph]], profile: DeviceProfile, plan: Planner
+                ) -> dict[str, list[Schedule]]:
+    """Method -> the schedule of each of its delegate graphs for `profile` (module docstring), each checked
+    as the runtime checks an embedded one (verify_schedule.py verify_embedded); TargetError naming the method,
+    the profile and what is wrong."""
     step = graphs.get(TRAIN_METHOD, [])
-    planned: dict[str, list[list[tuple[DeviceProfile, Schedule]]]] = {}
+    planned: dict[str, list[Schedule]] = {}
     for method in sorted(graphs, key=lambda name: name != TRAIN_METHOD):  # the step first: the others bind it
         planned[method] = []
         for index, graph in enumerate(graphs[method]):
-            per_target = []
-            for profile_index, profile in enumerate(profiles):
-                shared = {}
-                if method != TRAIN_METHOD and len(step) == 1:  # what the runtime binds (program_sharing.py)
-                    shared = shared_from(step[0], planned[TRAIN_METHOD][0][profile_index][1], graph)
-                try:
-                    per_target.append((profile, plan(graph, profile, shared=shared)))
-                except VktrainError as exc:
-                    raise TargetError(f"--target {profile.name}: the {method!r} method (delegate {index}) cannot be "
-                                      f"planned for this profile: {exc}") from None
-            planned[method].append(per_target)
+            shared = {}
+            if method != TRAIN_METHOD and len(step) == 1:  # what the runtime binds (program_sharing.py)
+                shared = shared_from(step[0], planned[TRAIN_METHOD][0], graph)
+            try:
+                schedule = plan(graph, profile, shared=shared)
+                schedules, modules = embed_schedules([(profile, schedule)], _module_for)
+                verify_embedded(dataclasses.replace(graph, schedules=schedules, shader_modules=modules),
+                                f"the {method!r} method")
+            except VktrainError as exc:
+                raise TargetError(f"--target {profile.name}: the {method!r} method (delegate {index}) cannot be "
+                                  f"planned for this profile: {exc}") from None
+            planned[method].append(schedule)
     return planned
 
 
-def embedding_rewriter(profiles: Sequence[DeviceProfile], plan: Planner | None = None):
-    """The BlobRewriter (vktrain.export.lower) that embeds the schedules of `profiles` in every vktrain blob."""
-    if plan is None:
-        from vktrain.runtime.delegate.planner import plan_schedule as plan
+class TargetEmbedder:
+    """The BlobRewriter (vktrain.export.lower) that embeds the schedules of `targets` in every vktrain blob.
+    After it ran, `embedded` names the profiles embedded and `left_out` says why each optional target was not."""
 
-    def rewrite(blobs: dict[str, list[bytes]], named_data: Mapping[str, bytes]) -> dict[str, list[bytes]]:
-        named_views = {key: memoryview(data) for key, data in named_data.items()}
-        read = {method: [read_for_rewrite(blob, named_views) for blob in group] for method, group in blobs.items()}
-        planned = plan_targets({m: [graph for graph, _ in group] for m, group in read.items()}, profiles, plan)
+    def __init__(self, targets: Sequence[Target], plan: Planner | None = None):
+        if plan is None:
+            from vktrain.runtime.delegate.planner import plan_schedule as plan
+        self.targets, self.plan = list(targets), plan
+        self.embedded: list[str] = []
+        self.left_out: list[str] = []
+
+    def __call__(self, blobs: dict[str, list[bytes]], named_data: Mapping[str, bytes]) -> dict[str, list[bytes]]:
+        views = {key: memoryview(data) for key, data in named_data.items()}
+        read = {method: [read_for_rewrite(blob, views) for blob in group] for method, group in blobs.items()}
+        graphs = {method: [graph for graph, _ in group] for method, group in read.items()}
+        per_target = []
+        for target in self.targets:
+            try:
+                per_target.append((target.profile, plan_target(graphs, target.profile, self.plan)))
+            except TargetError as exc:
+                if not target.optional:
+                    raise
+                self.left_out.append(str(exc))
+        if not per_target and self.targets:
+            raise TargetError("no target could be planned: " + " | ".join(self.left_out))
+        self.embedded = [profile.name for profile, _ in per_target]
         out = {}
         for method, group in read.items():
             out[method] = []
-            for (graph, named), targets in zip(group, planned[method]):
-                graph.schedules, graph.shader_modules = embed_schedules(targets, _module_for)
+            for index, (graph, named) in enumerate(group):
+                planned = [(profile, schedules[method][index]) for profile, schedules in per_target]
+                graph.schedules, graph.shader_modules = embed_schedules(planned, _module_for)
                 out[method].append(serialize_blob(graph, named))
         return out
-    return rewrite
 
 
-__all__ = ["ALL", "DEFAULT_TARGET", "LOCAL", "NONE", "PORTABLE", "PORTABLE_PROFILES", "TargetError",
-           "embedding_rewriter", "local_profile", "plan_targets", "resolve_targets"]
+__all__ = ["ALL", "DEFAULT_TARGET", "LOCAL", "NONE", "PORTABLE", "PORTABLE_PROFILES", "Target", "TargetEmbedder",
+           "TargetError", "local_profile", "plan_target", "resolve_targets"]
