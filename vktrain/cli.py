@@ -210,6 +210,21 @@ def _format_state(state: list[dict], verbose: bool) -> list[str]:
     return lines
 
 
+def _format_embedded(delegate: dict) -> list[str]:
+    """The schedules embedded at export (--target), one line per device profile."""
+    embedded = delegate.get("embedded_schedules") or []
+    if not embedded:
+        return ["  embedded schedules: none (the kernels are planned at load)"]
+    modules = delegate["shader_modules"]
+    lines = [f"  embedded schedules: {len(embedded)} ({modules['count']} shader module(s), "
+             f"{_format_bytes(modules['bytes'])})"]
+    for e in embedded:
+        lines.append(f"    {e['profile']} ({e['api']}): {e['dispatches']} dispatches, {e['shader_variants']} shader "
+                     f"variants, {e['shader_modules']} modules ({_format_bytes(e['module_bytes'])}), planned memory "
+                     f"{_format_bytes(e['device_memory_bytes'])} in {e['buffers']} buffers; {e['gemm']}")
+    return lines
+
+
 def _format_method(report: dict, verbose: bool = False) -> list[str]:
     lines = [f"instructions: {report['delegate_calls']} delegate call(s), {report['kernel_calls']} kernel call(s)",
              f"operator table: {', '.join(report['operators']) if report['operators'] else '(empty)'}"]
@@ -233,6 +248,7 @@ def _format_method(report: dict, verbose: bool = False) -> list[str]:
         lines.append(f"  GEMM precisions allowed: {', '.join(d['gemm_precisions'])} (vktrain train --precision; "
                      f"the kernels are chosen by device at load)")
         lines += _format_state(d["mutable_state"], verbose)
+        lines += _format_embedded(d)
         if d["baked_scalars"]:
             lines.append(f"  baked scalars (traced into {len(d['baked_scalars'])} et_vk call(s); constants of the "
                          f"program, so an LR schedule cannot change them):")

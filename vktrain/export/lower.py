@@ -109,11 +109,12 @@ def _count_delegate_calls(graph) -> int:
 
 
 def lower_to_pte(program: ExportedProgram, partitioner: VktrainPartitioner | None = None,
-                 named_data: Optional[Mapping[str, bytes]] = None) -> bytes:
+                 named_data: Optional[Mapping[str, bytes]] = None, rewrite_blobs: Optional["BlobRewriter"] = None
+                 ) -> bytes:
     """Partition, preprocess into the vktrain delegate, and serialize the whole program (method "forward")
     as .pte bytes; see lower_methods_to_pte."""
     partitioner = partitioner if partitioner is not None else VktrainPartitioner()
-    return lower_methods_to_pte({TRAIN_METHOD: program}, {TRAIN_METHOD: partitioner}, named_data)
+    return lower_methods_to_pte({TRAIN_METHOD: program}, {TRAIN_METHOD: partitioner}, named_data, rewrite_blobs)
 
 
 # (method -> its vktrain delegate blobs in graph order, the delegates' named data key -> bytes) -> the blobs to

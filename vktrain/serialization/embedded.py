@@ -115,10 +115,11 @@ def modules_by_name(embedded: EmbeddedSchedule, schedule: Schedule, modules: Seq
 
 # ---- building ----------------------------------------------------------------------------------------------
 
-def embed_schedules(planned: Sequence[tuple[DeviceProfile, Schedule]], module_for
+def embed_schedules(planned: Sequence[tuple[DeviceProfile, Schedule]], module_for, *, serialize: bool = True
                     ) -> tuple[list[EmbeddedSchedule], list[ShaderModule]]:
     """The `schedules` and `shader_modules` of a blob holding `planned` ((profile, schedule) per target, in
-    order). `module_for(shader_name, profile)` gives a ShaderModule; identical modules are stored once."""
+    order). `module_for(shader_name, profile)` gives a ShaderModule; identical modules are stored once.
+    `serialize=False` leaves the schedule bytes empty (to check the records before writing them)."""
     modules: list[ShaderModule] = []
     index_of: dict[ShaderModule, int] = {}
     embedded = []
@@ -130,7 +131,7 @@ def embed_schedules(planned: Sequence[tuple[DeviceProfile, Schedule]], module_fo
                 index_of[module] = len(modules)
                 modules.append(module)
             ids.append(index_of[module])
-        embedded.append(EmbeddedSchedule(profile, serialize_schedule(schedule), tuple(ids)))
+        embedded.append(EmbeddedSchedule(profile, serialize_schedule(schedule) if serialize else b"", tuple(ids)))
     return embedded, modules
 
 
@@ -174,15 +175,16 @@ def _preference(profile: DeviceProfile, schedule: Schedule, device: DeviceProfil
 
 
 def select_schedule(schedules: Sequence[EmbeddedSchedule], modules: Sequence[ShaderModule], device: DeviceProfile,
-                    *, device_name: str = "this device", source: str = "the program") -> Selection | None:
+                    *, device_name: str = "this device", source: str = "the program",
+                    read: Sequence[Schedule] | None = None) -> Selection | None:
     """The embedded schedule `device` runs by the matching rule (module docstring); None when there are no
     embedded schedules (the runtime plans at load); NoMatchingScheduleError when none fits, naming each
-    profile and what the device lacks for it."""
+    profile and what the device lacks for it. `read`: the schedules already deserialized, in order."""
     if not schedules:
         return None
     best, refusals = None, []
     for index, embedded in enumerate(schedules):
-        schedule = embedded.schedule()
+        schedule = read[index] if read is not None else embedded.schedule()
         missing = unmet_needs(schedule, modules, embedded, device)
         if missing:
             refusals.append(f"{embedded.profile.name}: {'; '.join(missing)}")
@@ -200,12 +202,12 @@ def select_schedule(schedules: Sequence[EmbeddedSchedule], modules: Sequence[Sha
 
 
 def schedule_for_profile(schedules: Sequence[EmbeddedSchedule], modules: Sequence[ShaderModule], name: str,
-                         *, source: str = "the program") -> Selection:
+                         *, source: str = "the program", read: Sequence[Schedule] | None = None) -> Selection:
     """The embedded schedule planned for the profile named `name` (another method of a program runs the
-    target its training step was selected for)."""
+    target its training step was selected for). `read`: the schedules already deserialized, in order."""
     for index, embedded in enumerate(schedules):
         if embedded.profile.name == name:
-            schedule = embedded.schedule()
+            schedule = read[index] if read is not None else embedded.schedule()
             return Selection(index, embedded, schedule, modules_by_name(embedded, schedule, modules))
     raise NoMatchingScheduleError(f"{source} has no schedule for device profile {name!r}, which its training step "
                                   f"runs (it has {', '.join(s.profile.name for s in schedules) or 'none'}): its "

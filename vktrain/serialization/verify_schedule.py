@@ -226,11 +226,19 @@ def check_schedule_profile(schedule: Schedule, embedded: EmbeddedSchedule, modul
                                                           f"{MAX_SPLIT_DISPATCHES}")
 
 
+def verify_embedded_schedule(schedule: Schedule, embedded: EmbeddedSchedule, graph: g.VkGraph,
+                             source: str = "schedule") -> None:
+    """Every check above of one schedule embedded in `graph` (`embedded`: its record; the blob's modules
+    are `graph.shader_modules`)."""
+    modules = graph.shader_modules
+    verify_schedule(schedule, graph, {module.name.partition("@")[0] for module in modules}, source)
+    check_schedule_modules(schedule, embedded, modules, source)
+    check_schedule_profile(schedule, embedded, modules, source)
+
+
 def verify_embedded(graph: g.VkGraph, source: str = "blob") -> list[Schedule]:
     """Every check above of every schedule `graph` embeds (with the blob's shader modules); the schedules read."""
-    modules = graph.shader_modules
-    check_shader_modules(modules, source)
-    known = {module.name.partition("@")[0] for module in modules}
+    check_shader_modules(graph.shader_modules, source)
     schedules = []
     for index, embedded in enumerate(graph.schedules):
         where = f"{source}: embedded schedule {index} (profile {embedded.profile.name!r})"
@@ -238,13 +246,11 @@ def verify_embedded(graph: g.VkGraph, source: str = "blob") -> list[Schedule]:
             schedule = deserialize_schedule(embedded.schedule_bytes)
         except ScheduleFormatError as exc:
             raise ScheduleFormatError(f"{where}: {exc}") from None
-        verify_schedule(schedule, graph, known, where)
-        check_schedule_modules(schedule, embedded, modules, where)
-        check_schedule_profile(schedule, embedded, modules, where)
+        verify_embedded_schedule(schedule, embedded, graph, where)
         schedules.append(schedule)
     return schedules
 
 
 __all__ = ["GUARANTEED_GROUP_COUNT", "MAX_PUSH_BYTES", "check_schedule_bindings", "check_schedule_dispatches",
            "check_schedule_graph", "check_schedule_modules", "check_schedule_profile", "check_shader_modules",
-           "verify_embedded", "verify_schedule"]
+           "verify_embedded", "verify_embedded_schedule", "verify_schedule"]

@@ -16,6 +16,7 @@ byte. Schedules are planned with the default GEMM precision policy (auto) and th
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
 from typing import Callable, Mapping, Sequence
 
@@ -27,7 +28,7 @@ from vktrain.serialization import graph as g
 from vktrain.serialization.embedded import ShaderModule, embed_schedules
 from vktrain.serialization.program_sharing import shared_from
 from vktrain.serialization.schedule import Schedule
-from vktrain.serialization.verify_schedule import verify_embedded
+from vktrain.serialization.verify_schedule import check_shader_modules, verify_embedded_schedule
 
 ALL, PORTABLE, NONE, LOCAL = "all", "portable", "none", "local"
 DEFAULT_TARGET = PORTABLE
@@ -103,9 +104,23 @@ def resolve_targets(spec: str, local: Callable[[], DeviceProfile | None] = local
 
 
 def _module_for(name: str, profile: DeviceProfile) -> ShaderModule:
+    return _module(name, profile.api, profile.float16)
+
+
+@functools.lru_cache(maxsize=None)
+def _module(name: str, api: str, float16: bool) -> ShaderModule:
+    """A module depends on the variant, the api and (WGSL) float16 only: built once per export."""
     from vktrain.runtime_shaders.modules import shader_module
 
-    return shader_module(name, profile)
+    return shader_module(name, _ModuleProfile(api, float16))
+
+
+@dataclass(frozen=True)
+class _ModuleProfile:
+    """What shader_module reads of a profile."""
+
+    api: str
+    float16: bool
 
 
 def plan_target(graphs: Mapping[str, Sequence[g.VkGraph]], profile: DeviceProfile, plan: Planner
@@ -123,9 +138,10 @@ def plan_target(graphs: Mapping[str, Sequence[g.VkGraph]], profile: DeviceProfil
                 shared = shared_from(step[0], planned[TRAIN_METHOD][0], graph)
             try:
                 schedule = plan(graph, profile, shared=shared)
-                schedules, modules = embed_schedules([(profile, schedule)], _module_for)
-                verify_embedded(dataclasses.replace(graph, schedules=schedules, shader_modules=modules),
-                                f"the {method!r} method")
+                (embedded,), modules = embed_schedules([(profile, schedule)], _module_for, serialize=False)
+                check_shader_modules(modules, f"the {method!r} method")
+                verify_embedded_schedule(schedule, embedded, dataclasses.replace(graph, shader_modules=modules),
+                                         f"the {method!r} method")
             except VktrainError as exc:
                 raise TargetError(f"--target {profile.name}: the {method!r} method (delegate {index}) cannot be "
                                   f"planned for this profile: {exc}") from None
@@ -145,6 +161,7 @@ class TargetEmbedder:
         self.left_out: list[str] = []
 
     def __call__(self, blobs: dict[str, list[bytes]], named_data: Mapping[str, bytes]) -> dict[str, list[bytes]]:
+        _module.cache_clear()  # kernels built since the last export are read afresh
         views = {key: memoryview(data) for key, data in named_data.items()}
         read = {method: [read_for_rewrite(blob, views) for blob in group] for method, group in blobs.items()}
         graphs = {method: [graph for graph, _ in group] for method, group in read.items()}

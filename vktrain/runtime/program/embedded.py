@@ -23,9 +23,9 @@ def step_selection(graph: g.VkGraph, device: Any, source: str) -> Selection | No
     embedded schedules; NoMatchingScheduleError when none fits."""
     if not graph.schedules:
         return None
-    verify_embedded(graph, source)
+    read = verify_embedded(graph, source)
     return select_schedule(graph.schedules, graph.shader_modules, planning_profile(device),
-                           device_name=getattr(device, "name", "this device"), source=source)
+                           device_name=getattr(device, "name", "this device"), source=source, read=read)
 
 
 def method_selection(graph: g.VkGraph, training: Any, source: str) -> Selection | None:
@@ -34,8 +34,8 @@ def method_selection(graph: g.VkGraph, training: Any, source: str) -> Selection 
     target = getattr(training, "target_profile", None)
     if target is None:
         return None
-    verify_embedded(graph, source)
-    return schedule_for_profile(graph.schedules, graph.shader_modules, target.name, source=source)
+    read = verify_embedded(graph, source)
+    return schedule_for_profile(graph.schedules, graph.shader_modules, target.name, source=source, read=read)
 
 
 def executor_options(selection: Selection | None) -> dict[str, Any]:
