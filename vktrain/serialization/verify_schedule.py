@@ -231,8 +231,8 @@ def verify_embedded_schedule(schedule: Schedule, embedded: EmbeddedSchedule, gra
     """Every check above of one schedule embedded in `graph` (`embedded`: its record; the blob's modules
     are `graph.shader_modules`)."""
     modules = graph.shader_modules
+    check_schedule_modules(schedule, embedded, modules, source)  # first: it names the module a dispatch lacks
     verify_schedule(schedule, graph, {module.name.partition("@")[0] for module in modules}, source)
-    check_schedule_modules(schedule, embedded, modules, source)
     check_schedule_profile(schedule, embedded, modules, source)
 
 
