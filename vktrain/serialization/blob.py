@@ -39,6 +39,13 @@ Named constants (header flag NAMED_DATA): `serialize_blob(graph, named_constants
 leaves those constants' bytes to the .pte's named data (one copy for every method of the .pte); their
 record carries `named_key`, and `deserialize_blob(..., named_data=...)` resolves and checksums them.
 
+Embedded schedules (`vktrain export --target`; serialization/embedded.py): the graph flatbuffer's
+`schedules` (per target device profile: the profile as JSON, the Schedule's "VKS1" bytes, each dispatch's
+module id) and `shader_modules` (each kernel variant's SPIR-V or WGSL once, with its reflection). They are
+fields of the graph flatbuffer, so graph_crc32 covers them; a blob without them is written byte for byte as
+before, and an older reader ignores them and plans at load. `read_for_rewrite` reads a blob for
+`serialize_blob` to write it again with them (its named constants kept named).
+
 `deserialize_blob` bounds-checks every header field and every constant record, validates the graph
 (every id it references exists, constant sizes match their tensors) and returns constants as zero-copy
 memoryviews into the given buffer; `read_blob` does the same over an mmap of a file.

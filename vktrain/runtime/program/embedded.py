@@ -5,27 +5,37 @@ schedules `vktrain export --target` put in the delegate blob, and the matching r
     selection = method_selection(graph, training, source)    # eval / accumulate: the step's profile
     GraphExecutor(device, graph, **executor_options(selection))
 
-None: the blob embeds no schedules (or the step plans at load), and the executor plans at load as before.
+None: the blob embeds no schedules (or the step plans at load, or an emulated profile fits none of them), and the
+executor plans at load as before.
 The tables are verified (verify_schedule.py verify_embedded) before one is chosen.
 """
 from __future__ import annotations
 
 from typing import Any
 
-from vktrain.runtime.device_profiles import planning_profile
+from vktrain.runtime.device_profiles import planning_profile, profile_of
 from vktrain.serialization import graph as g
-from vktrain.serialization.embedded import Selection, schedule_for_profile, select_schedule
+from vktrain.serialization.embedded import NoMatchingScheduleError, Selection, schedule_for_profile, select_schedule
 from vktrain.serialization.verify_schedule import verify_embedded
 
 
 def step_selection(graph: g.VkGraph, device: Any, source: str) -> Selection | None:
     """The embedded schedule the device's planning profile satisfies (the matching rule); None without
-    embedded schedules; NoMatchingScheduleError when none fits."""
+    embedded schedules; NoMatchingScheduleError when none fits. Under an emulated profile (--device-profile)
+    that no embedded schedule fits, None: the runtime plans for the emulated profile at load, as it did before
+    schedules were embedded (emulation runs the device as if it were the profile, and a .pte rarely carries
+    that profile's schedule)."""
     if not graph.schedules:
         return None
     read = verify_embedded(graph, source)
-    return select_schedule(graph.schedules, graph.shader_modules, planning_profile(device),
-                           device_name=getattr(device, "name", "this device"), source=source, read=read)
+    profile = planning_profile(device)
+    try:
+        return select_schedule(graph.schedules, graph.shader_modules, profile,
+                               device_name=getattr(device, "name", "this device"), source=source, read=read)
+    except NoMatchingScheduleError:
+        if profile != profile_of(device):
+            return None
+        raise
 
 
 def method_selection(graph: g.VkGraph, training: Any, source: str) -> Selection | None:
