@@ -264,3 +264,52 @@ def test_re_signed_mutants_of_the_embedded_tables_are_refused_cleanly(mlp_embedd
     assert labels & {"refused: ScheduleFormatError", "refused: verify.check_schedule_graph",
                      "refused: verify.check_schedule_modules", "refused: verify.check_schedule_bindings",
                      "refused: verify.check_shader_modules"}, labels
+
+
+def test_an_emulated_profile_no_embedded_schedule_fits_plans_at_load(llama, vk_device, monkeypatch):
+    """--device-profile adreno-7xx on a .pte embedding only nvidia-coopmat: planned at load for the emulated
+    phone (as before --target), not refused; the real device would be."""
+    _, _, _, coopmat = llama
+    monkeypatch.setenv("VKTRAIN_DEVICE_PROFILE", "adreno-7xx")
+    with TrainingRunner.from_pte(coopmat, vk_device, timing=False) as runner:
+        assert runner.target is None and runner.executor.emulating
+        assert np.isfinite(runner.step(*next(_batches()), HPARAMS))
+
+
+def test_webgpu_trains_from_an_embedded_wgsl_schedule_like_planning_at_load(webgpu_device, tmp_path, monkeypatch):
+    """A WebGPU profile (the local adapter's, as `vktrain devices --runtime webgpu --json` writes it) embeds
+    WGSL modules; the WebGPU runtime runs that schedule with pipelines from them (the local WGSL sources never
+    read) and trains mlp-lora with the losses of the plain .pte planned at load, bit for bit. Vulkan-only
+    schedules on the WebGPU runtime plan at load."""
+    from vktrain.runtime.device_profiles import profile_of
+
+    profile_file = tmp_path / "adapter.json"
+    profile_file.write_text(profile_of(webgpu_device).to_json())
+    plain, embedded, vulkan_only = tmp_path / "plain.pte", tmp_path / "wgsl.pte", tmp_path / "vulkan.pte"
+    export_mlp_lora_training_step(plain, (2, 8), 64)
+    export_mlp_lora_training_step(embedded, (2, 8), 64, target=str(profile_file))
+    export_mlp_lora_training_step(vulkan_only, (2, 8), 64, target="lavapipe")
+    graph = _edited(embedded.read_bytes(), lambda g: None)
+    assert {m.kind for m in graph.shader_modules} == {"wgsl"}
+    rng = np.random.default_rng(0)
+    batches = [(rng.integers(0, 64, (2, 8)), rng.integers(0, 64, (2, 8))) for _ in range(3)]
+
+    def losses(path, device=webgpu_device):
+        with TrainingRunner.from_pte(path, device, timing=False) as runner:
+            return [runner.step(t, l, HPARAMS) for t, l in batches], runner.target
+
+    # The embedded WGSL has no subgroup bodies (a WebGPU profile promises no subgroups): the reference is the
+    # same adapter planning at load without them.
+    from vktrain.runtime.webgpu import Device
+
+    with Device(kernel_features=sorted(webgpu_device.kernel_features - {"subgroup"})) as portable:
+        reference, planned = losses(plain, portable)
+    assert losses(vulkan_only)[1] is None and planned is None
+    import vktrain.runtime_shaders.wgsl as wgsl
+
+    def no_local_wgsl(name, features=frozenset()):
+        raise AssertionError(f"read the local WGSL of {name!r}")
+
+    monkeypatch.setattr(wgsl, "wgsl_source", no_local_wgsl)
+    ours, target = losses(embedded)
+    assert target is not None and target.profile.api == "webgpu" and ours == reference
