@@ -59,7 +59,7 @@ def local_profile() -> DeviceProfile | None:
 
 @dataclass(frozen=True)
 class Target:
-    """A profile to plan for; `optional` when it came from `all` or `portable` (left out, with a warning,
+    """A profile to plan for; `optional` when it came from `all` or `portable` (left out, and reported,
     when the program's plan for it does not keep to its limits) rather than by name (refused then)."""
 
     profile: DeviceProfile
@@ -139,12 +139,12 @@ def plan_target(graphs: Mapping[str, Sequence[g.VkGraph]], profile: DeviceProfil
             try:
                 schedule = plan(graph, profile, shared=shared)
                 (embedded,), modules = embed_schedules([(profile, schedule)], _module_for, serialize=False)
-                check_shader_modules(modules, f"the {method!r} method")
+                check_shader_modules(modules, f"delegate {index}")
                 verify_embedded_schedule(schedule, embedded, dataclasses.replace(graph, shader_modules=modules),
-                                         f"the {method!r} method")
+                                         f"delegate {index}")
             except VktrainError as exc:
-                raise TargetError(f"--target {profile.name}: the {method!r} method (delegate {index}) cannot be "
-                                  f"planned for this profile: {exc}") from None
+                raise TargetError(f"--target {profile.name}: the {method!r} method cannot be planned for this "
+                                  f"profile: {exc}") from None
             planned[method].append(schedule)
     return planned
 
