@@ -75,6 +75,9 @@ def _train(path, device):
     with TrainingRunner.from_pte(path, device, timing=False) as runner:
         losses = [runner.step(token_ids, labels, HPARAMS) for token_ids, labels in _batches()]
         eval_loss = runner.evaluate(*next(_batches()))
+        origin = "schedule planned at load" if runner.target is None else \
+            f"schedule embedded for device profile {runner.target.profile.name!r}"
+        assert runner.gemm_report().endswith(origin)  # train's startup line says which
         return (losses, eval_loss, runner.target, serialize_schedule(runner.executor.schedule),
                 serialize_schedule(runner.eval_method().executor.schedule))
 
@@ -313,3 +316,27 @@ def test_webgpu_trains_from_an_embedded_wgsl_schedule_like_planning_at_load(webg
     monkeypatch.setattr(wgsl, "wgsl_source", no_local_wgsl)
     ours, target = losses(embedded)
     assert target is not None and target.profile.api == "webgpu" and ours == reference
+
+
+def test_inspect_reports_each_embedded_profile(llama):
+    """`vktrain inspect --json` (summarize_pte): per embedded profile of each method, its dispatches, shader
+    variants, modules and their bytes, and planned memory, as the schedule and the module table hold them."""
+    from vktrain.runtime.program.summary import summarize_pte
+
+    _, everything, _, _ = llama
+    report = summarize_pte(everything.read_bytes(), str(everything))
+    graphs = _graphs(everything)
+    methods = {TRAIN_METHOD: report["delegates"][0], EVAL_METHOD: report["other_methods"][EVAL_METHOD]["delegates"][0]}
+    for method, delegate in methods.items():
+        graph = graphs[method]
+        assert delegate["shader_modules"] == {"count": len(graph.shader_modules),
+                                              "bytes": sum(len(m.code) for m in graph.shader_modules)}
+        assert [e["profile"] for e in delegate["embedded_schedules"]] == [e.profile.name for e in graph.schedules]
+        for entry, embedded in zip(delegate["embedded_schedules"], graph.schedules):
+            schedule = embedded.schedule()
+            assert entry["dispatches"] == len(schedule.dispatches)
+            assert entry["shader_variants"] == len({(d.shader, d.specialization()) for d in schedule.dispatches})
+            ids = set(embedded.dispatch_modules)
+            assert entry["shader_modules"] == len(ids)
+            assert entry["module_bytes"] == sum(len(graph.shader_modules[i].code) for i in ids)
+            assert entry["device_memory_bytes"] == sum(b.size_bytes for b in schedule.buffers if b.role != "shared")

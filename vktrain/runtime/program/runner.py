@@ -280,8 +280,11 @@ class TrainingRunner:
         return self.executor.timings()
 
     def gemm_report(self) -> str:
-        """The GEMM precision chosen at load for this device (GraphExecutor.gemm_report)."""
-        return self.executor.gemm_report()
+        """The GEMM precision chosen for this device (GraphExecutor.gemm_report) and where the schedule came from:
+        embedded at export for a profile (`target`), or planned at load."""
+        origin = (f"schedule embedded for device profile {self.target.profile.name!r}" if self.target is not None
+                  else "schedule planned at load")
+        return f"{self.executor.gemm_report()}; {origin}"
 
     # ------------------------------------------------------------------------------ lifetime
     def close(self) -> None:
