@@ -340,3 +340,29 @@ def test_inspect_reports_each_embedded_profile(llama):
             assert entry["shader_modules"] == len(ids)
             assert entry["module_bytes"] == sum(len(graph.shader_modules[i].code) for i in ids)
             assert entry["device_memory_bytes"] == sum(b.size_bytes for b in schedule.buffers if b.role != "shared")
+
+
+def test_among_schedules_that_fit_the_rule_prefers_this_device_then_larger_planned_limits(llama):
+    """Two fitting schedules: the one planned for exactly this device's planning fields wins wherever it is;
+    otherwise the one planned with the larger shared memory; a tie goes to the first embedded."""
+    from vktrain.serialization.embedded import EmbeddedSchedule
+
+    _, everything, _, _ = llama
+    graph = _graphs(everything)[TRAIN_METHOD]
+    own = next(e for e in graph.schedules if e.profile.name == "lavapipe")
+    schedule = own.schedule()
+    smaller = dataclasses.replace(schedule, requirements=dataclasses.replace(schedule.requirements,
+                                                                             max_shared_memory_bytes=16384))
+    small_profile = dataclasses.replace(LAVAPIPE, name="small-cpu", max_shared_memory_bytes=16384)
+    small = EmbeddedSchedule(small_profile, serialize_schedule(smaller), own.dispatch_modules)
+    twin = dataclasses.replace(own, profile=dataclasses.replace(LAVAPIPE, name="twin", max_allocation_bytes=1 << 33))
+    modules = graph.shader_modules
+
+    def chosen(schedules, device):
+        return select_schedule(schedules, modules, device).profile.name
+
+    assert chosen([small, own], LAVAPIPE) == "lavapipe"  # exactly this device
+    assert chosen([small, own], small_profile) == "small-cpu"  # exactly that one (lavapipe's needs more shared)
+    other = dataclasses.replace(LAVAPIPE, name="other", max_allocation_bytes=1 << 34)
+    assert chosen([small, own], other) == "lavapipe"  # larger planned shared memory
+    assert chosen([twin, own], other) == "twin"  # a tie: the first embedded
