@@ -102,6 +102,10 @@ def test_every_built_in_schedule_embedded_is_the_one_planned_at_load_byte_for_by
             assert any(reason.startswith(f"--target {profile.name}:") and "workgroup limits" in reason
                        for reason in embedder.left_out), (profile.name, embedder.left_out)
     assert {"lavapipe", "nvidia-coopmat"} <= set(embedder.embedded)
+    # The modules' workgroup sizes are reflected: elementwise fixes 256 lanes, the split-K reduce takes ids 0-2.
+    modules = {m.name: m for m in step.shader_modules}
+    assert (modules["elementwise@ARITY=1+VEC4"].local_size, modules["elementwise@ARITY=1+VEC4"].local_size_spec_ids) \
+        == ((256, 1, 1), (-1, -1, -1))
     # One copy of each module however many profiles and dispatches run it.
     for graph in graphs.values():
         keys = [(m.name, m.kind, m.code) for m in graph.shader_modules]
@@ -217,6 +221,14 @@ def _unsplittable_over_the_group_limit(graph):
         graph.schedules[0].profile, max_workgroup_count=(1, 1, 1)))
 
 
+def _a_fixed_workgroup_size_over_the_profile(graph):
+    """A module that fixes its workgroup size (no specialization) at 2048 invocations, over lavapipe's 1024."""
+    schedule = graph.schedules[0].schedule()
+    index = next(i for d, i in zip(schedule.dispatches, graph.schedules[0].dispatch_modules) if d.local_size is None)
+    graph.shader_modules[index] = dataclasses.replace(graph.shader_modules[index], local_size=(2048, 1, 1),
+                                                      local_size_spec_ids=(-1, -1, -1))
+
+
 @pytest.mark.parametrize("edit, check", [
     (lambda g: g.schedules.__setitem__(0, dataclasses.replace(g.schedules[0], dispatch_modules=(
         len(g.shader_modules),) + g.schedules[0].dispatch_modules[1:])), "check_schedule_modules"),
@@ -229,6 +241,7 @@ def _unsplittable_over_the_group_limit(graph):
     (lambda g: g.shader_modules.__setitem__(0, dataclasses.replace(g.shader_modules[0], code=b"\0" * 24)),
      "check_shader_modules"),
     (_unsplittable_over_the_group_limit, "check_schedule_profile"),
+    (_a_fixed_workgroup_size_over_the_profile, "check_schedule_profile"),
     (lambda g: g.schedules.__setitem__(0, dataclasses.replace(g.schedules[0], profile=dataclasses.replace(
         g.schedules[0].profile, subgroup_size=16))), "check_schedule_profile"),
 ])

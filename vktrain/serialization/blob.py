@@ -363,7 +363,9 @@ def _build_module(builder: flatbuffers.Builder, module: ShaderModule) -> int:
         FbShaderModuleBinding.AddAccess(builder, _MODULE_ACCESS[binding.access])
         bindings.append(FbShaderModuleBinding.End(builder))
     vectors = (_table_vector(builder, bindings), _numpy_vector(builder, module.spec_ids, np.uint32),
-               _table_vector(builder, [builder.CreateString(f) for f in module.features]))
+               _table_vector(builder, [builder.CreateString(f) for f in module.features]),
+               _numpy_vector(builder, module.local_size, np.uint32),
+               _numpy_vector(builder, module.local_size_spec_ids, np.int32))
     FbShaderModule.Start(builder)
     FbShaderModule.AddName(builder, name)
     FbShaderModule.AddKind(builder, CODE_KINDS.index(module.kind))
@@ -373,6 +375,9 @@ def _build_module(builder: flatbuffers.Builder, module: ShaderModule) -> int:
     FbShaderModule.AddPushHeader(builder, module.push_header)
     FbShaderModule.AddSpecIds(builder, vectors[1])
     FbShaderModule.AddFeatures(builder, vectors[2])
+    if module.local_size:
+        FbShaderModule.AddLocalSize(builder, vectors[3])
+        FbShaderModule.AddLocalSizeSpecIds(builder, vectors[4])
     return FbShaderModule.End(builder)
 
 
@@ -542,7 +547,8 @@ def _read_module(root, index: int) -> ShaderModule:
             bindings.append(ModuleBinding(binding.Binding(), _MODULE_ACCESS_NAMES[binding.Access()]))
         return ShaderModule(_text(table.Name()), CODE_KINDS[kind], _ubytes(table, "Code"), tuple(bindings),
                             table.PushConstantBytes(), bool(table.PushHeader()), scalar_vector(table, "SpecIds"),
-                            tuple(_text(table.Features(i)) for i in range(table.FeaturesLength())))
+                            tuple(_text(table.Features(i)) for i in range(table.FeaturesLength())),
+                            scalar_vector(table, "LocalSize"), scalar_vector(table, "LocalSizeSpecIds"))
 
 
 def _read_embedded(root, index: int) -> EmbeddedSchedule:

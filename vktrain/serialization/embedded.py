@@ -30,7 +30,7 @@ from typing import Sequence
 
 from vktrain.errors import VktrainError
 from vktrain.serialization.device_profile import API_VULKAN, API_WEBGPU, DeviceProfile
-from vktrain.serialization.dispatch import PUSH_HEADER_BYTES
+from vktrain.serialization.dispatch import PUSH_HEADER_BYTES, Dispatch
 from vktrain.serialization.schedule import Schedule, deserialize_schedule, serialize_schedule
 
 SPIRV, WGSL = "spirv", "wgsl"
@@ -67,11 +67,22 @@ class ShaderModule:
     push_header: bool
     spec_ids: tuple[int, ...] = ()
     features: tuple[str, ...] = ()
+    local_size: tuple[int, ...] = ()  # the declared workgroup size (x, y, z defaults); (): none declared
+    local_size_spec_ids: tuple[int, ...] = ()  # per axis, the specialization id setting it (-1: fixed)
 
     @property
     def text(self) -> str:
         """A WGSL module's source text."""
         return self.code.decode("utf-8")
+
+    def workgroup_size(self, dispatch: Dispatch) -> tuple[int, ...] | None:
+        """The workgroup size `dispatch` runs this module with (its specialization over the declared size);
+        None when the module declares none."""
+        if len(self.local_size) != 3:
+            return None
+        spec = dict(dispatch.specialization())
+        return tuple(int(spec.get(spec_id, default)) if spec_id >= 0 else default
+                     for default, spec_id in zip(self.local_size, self.local_size_spec_ids or (-1, -1, -1)))
 
     @property
     def kernel_push_bytes(self) -> int:
@@ -155,8 +166,8 @@ def unmet_needs(schedule: Schedule, modules: Sequence[ShaderModule], embedded: E
         push = max((modules[i].push_constant_bytes for i in set(embedded.dispatch_modules)), default=0)
         if push > device.max_push_constants_bytes:
             missing.append(f"{push} bytes of push constants (the device takes {device.max_push_constants_bytes})")
-    for dispatch in schedule.dispatches:
-        local = dispatch.local_size
+    for dispatch, module_id in zip(schedule.dispatches, embedded.dispatch_modules):
+        local = modules[module_id].workgroup_size(dispatch) or dispatch.local_size
         if local is not None and (any(v > m for v, m in zip(local, device.max_workgroup_size))
                                   or math.prod(local) > device.max_workgroup_invocations):
             missing.append(f"workgroups of {'x'.join(map(str, local))} ({dispatch.name}; the device's max is "

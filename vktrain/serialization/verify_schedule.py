@@ -18,13 +18,13 @@ ScheduleRequirements.unmet_by (the executor asks it once the device is known).
 The schedules a blob embeds (embedded.py: `vktrain export --target`) are checked by `verify_embedded`, each
 against the graph as above (its known shaders: the blob's modules), and:
 
-    check_shader_modules      every module's code is of its kind (SPIR-V words with the magic; WGSL UTF-8) and
-                              declares its bindings as 0..n-1
+    check_shader_modules      every module's code is of its kind (SPIR-V words with the magic; WGSL UTF-8),
+                              declares its bindings as 0..n-1 and a workgroup size of 3 axes
     check_schedule_modules    one module per dispatch, its id in range, the shader the dispatch names, in the code
                               of the profile's api; the dispatch binds the module's bindings, pushes the bytes its
                               push block takes and specializes only ids it declares
     check_schedule_profile    within the profile it was planned for: its requirements met by that profile, local
-                              sizes within its workgroup limits, group counts within its max workgroup count (or
+                              sizes (the module's declared size as the dispatch specializes it) within its workgroup limits, group counts within its max workgroup count (or
                               split, for a module whose push block starts with the group-offset header)
 """
 from __future__ import annotations
@@ -158,6 +158,10 @@ def check_shader_modules(modules: Sequence[ShaderModule], source: str = "blob") 
                 module.code.decode("utf-8")
             except UnicodeDecodeError as exc:
                 raise _refuse(source, check_shader_modules, f"{where}: its WGSL text is not UTF-8 ({exc})") from None
+        if module.local_size and (len(module.local_size) != 3 or min(module.local_size) < 1
+                                  or len(module.local_size_spec_ids) not in (0, 3)):
+            raise _refuse(source, check_shader_modules, f"{where}: workgroup size {list(module.local_size)} (spec ids "
+                                                        f"{list(module.local_size_spec_ids)}) is not 3 sizes >= 1")
         numbers = [b.binding for b in module.bindings]
         if numbers != list(range(len(numbers))):
             raise _refuse(source, check_shader_modules, f"{where}: declares bindings {numbers}; expected 0..n-1")
@@ -208,7 +212,7 @@ def check_schedule_profile(schedule: Schedule, embedded: EmbeddedSchedule, modul
                                                       f"{'; '.join(unmet)}")
     for index, (dispatch, module_id) in enumerate(zip(schedule.dispatches, embedded.dispatch_modules)):
         where = f"dispatch {index} ({dispatch.name})"
-        local = dispatch.local_size
+        local = modules[module_id].workgroup_size(dispatch) or dispatch.local_size  # as specialized
         if local is not None and (any(v > m for v, m in zip(local, profile.max_workgroup_size))
                                   or math.prod(local) > profile.max_workgroup_invocations):
             raise _refuse(source, check_schedule_profile, f"{where}: local size {local} is over profile "

@@ -157,8 +157,62 @@ class ShaderModule(object):
         o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(18))
         return o == 0
 
+    # ShaderModule
+    def LocalSize(self, j: int):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(20))
+        if o != 0:
+            a = self._tab.Vector(o)
+            return self._tab.Get(flatbuffers.number_types.Uint32Flags, a + flatbuffers.number_types.UOffsetTFlags.py_type(j * 4))
+        return 0
+
+    # ShaderModule
+    def LocalSizeAsNumpy(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(20))
+        if o != 0:
+            return self._tab.GetVectorAsNumpy(flatbuffers.number_types.Uint32Flags, o)
+        return 0
+
+    # ShaderModule
+    def LocalSizeLength(self) -> int:
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(20))
+        if o != 0:
+            return self._tab.VectorLen(o)
+        return 0
+
+    # ShaderModule
+    def LocalSizeIsNone(self) -> bool:
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(20))
+        return o == 0
+
+    # ShaderModule
+    def LocalSizeSpecIds(self, j: int):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(22))
+        if o != 0:
+            a = self._tab.Vector(o)
+            return self._tab.Get(flatbuffers.number_types.Int32Flags, a + flatbuffers.number_types.UOffsetTFlags.py_type(j * 4))
+        return 0
+
+    # ShaderModule
+    def LocalSizeSpecIdsAsNumpy(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(22))
+        if o != 0:
+            return self._tab.GetVectorAsNumpy(flatbuffers.number_types.Int32Flags, o)
+        return 0
+
+    # ShaderModule
+    def LocalSizeSpecIdsLength(self) -> int:
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(22))
+        if o != 0:
+            return self._tab.VectorLen(o)
+        return 0
+
+    # ShaderModule
+    def LocalSizeSpecIdsIsNone(self) -> bool:
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(22))
+        return o == 0
+
 def ShaderModuleStart(builder: flatbuffers.Builder):
-    builder.StartObject(8)
+    builder.StartObject(10)
 
 def Start(builder: flatbuffers.Builder):
     ShaderModuleStart(builder)
@@ -234,6 +288,30 @@ def ShaderModuleStartFeaturesVector(builder, numElems: int) -> int:
 
 def StartFeaturesVector(builder, numElems: int) -> int:
     return ShaderModuleStartFeaturesVector(builder, numElems)
+
+def ShaderModuleAddLocalSize(builder: flatbuffers.Builder, localSize: int):
+    builder.PrependUOffsetTRelativeSlot(8, flatbuffers.number_types.UOffsetTFlags.py_type(localSize), 0)
+
+def AddLocalSize(builder: flatbuffers.Builder, localSize: int):
+    ShaderModuleAddLocalSize(builder, localSize)
+
+def ShaderModuleStartLocalSizeVector(builder, numElems: int) -> int:
+    return builder.StartVector(4, numElems, 4)
+
+def StartLocalSizeVector(builder, numElems: int) -> int:
+    return ShaderModuleStartLocalSizeVector(builder, numElems)
+
+def ShaderModuleAddLocalSizeSpecIds(builder: flatbuffers.Builder, localSizeSpecIds: int):
+    builder.PrependUOffsetTRelativeSlot(9, flatbuffers.number_types.UOffsetTFlags.py_type(localSizeSpecIds), 0)
+
+def AddLocalSizeSpecIds(builder: flatbuffers.Builder, localSizeSpecIds: int):
+    ShaderModuleAddLocalSizeSpecIds(builder, localSizeSpecIds)
+
+def ShaderModuleStartLocalSizeSpecIdsVector(builder, numElems: int) -> int:
+    return builder.StartVector(4, numElems, 4)
+
+def StartLocalSizeSpecIdsVector(builder, numElems: int) -> int:
+    return ShaderModuleStartLocalSizeSpecIdsVector(builder, numElems)
 
 def ShaderModuleEnd(builder: flatbuffers.Builder) -> int:
     return builder.EndObject()
