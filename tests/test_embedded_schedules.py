@@ -186,7 +186,8 @@ def test_targets_are_resolved_by_name_and_a_bad_one_is_refused():
     assert [t.profile.name for t in resolve_targets("portable", local)] == ["here", "desktop-gpu", "adreno-6xx"]
     assert [t.optional for t in resolve_targets("lavapipe,all", local)][:2] == [False, True]
     assert resolve_targets("none", local) == []
-    with pytest.raises(TargetError, match="device profile 'nope' is neither a built-in profile .* or local, portable, all, none"):
+    with pytest.raises(TargetError, match="device profile 'nope' is neither a built-in profile .* or local, portable, "
+                                          "all, none"):
         resolve_targets("nope", local)
     with pytest.raises(TargetError, match="cannot be combined"):
         resolve_targets("none,lavapipe", local)
@@ -195,7 +196,8 @@ def test_targets_are_resolved_by_name_and_a_bad_one_is_refused():
 
 
 def test_a_named_target_whose_plan_breaks_its_limits_is_refused(tmp_path):
-    with pytest.raises(TargetError, match=r"--target desktop-gpu: the .forward. method cannot be planned for this profile: delegate 0: .* workgroup limits"):
+    with pytest.raises(TargetError, match=r"--target desktop-gpu: the .forward. method cannot be planned for this "
+                                          r"profile: delegate 0: .* workgroup limits"):
         export_mlp_lora_training_step(tmp_path / "x.pte", (2, 8), 64, target="desktop-gpu")
 
 

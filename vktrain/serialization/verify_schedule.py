@@ -23,9 +23,10 @@ against the graph as above (its known shaders: the blob's modules), and:
     check_schedule_modules    one module per dispatch, its id in range, the shader the dispatch names, in the code
                               of the profile's api; the dispatch binds the module's bindings, pushes the bytes its
                               push block takes and specializes only ids it declares
-    check_schedule_profile    within the profile it was planned for: its requirements met by that profile, local
-                              sizes (the module's declared size as the dispatch specializes it) within its workgroup limits, group counts within its max workgroup count (or
-                              split, for a module whose push block starts with the group-offset header)
+    check_schedule_profile    within the profile it was planned for: its requirements met by that profile,
+                              workgroup sizes (the module's, as the dispatch specializes it) within its limits,
+                              group counts within its max workgroup count (or split, for a module whose push
+                              block starts with the group-offset header)
 """
 from __future__ import annotations
 
@@ -150,7 +151,8 @@ def check_shader_modules(modules: Sequence[ShaderModule], source: str = "blob") 
     for index, module in enumerate(modules):
         where = f"shader module {index} ({module.name!r})"
         if module.kind == SPIRV:
-            if len(module.code) < 20 or len(module.code) % 4 or int.from_bytes(module.code[:4], "little") != SPIRV_MAGIC:
+            magic = int.from_bytes(module.code[:4], "little")
+            if len(module.code) < 20 or len(module.code) % 4 or magic != SPIRV_MAGIC:
                 raise _refuse(source, check_shader_modules, f"{where}: its {len(module.code)} bytes are not SPIR-V "
                                                             f"(a multiple of 4 bytes starting with the magic word)")
         else:
@@ -187,8 +189,8 @@ def check_schedule_modules(schedule: Schedule, embedded: EmbeddedSchedule, modul
                                                           f"{module_id} is {module.kind} of {module.name!r} (expected "
                                                           f"{kind}: the profile is {embedded.profile.api})")
         if len(dispatch.bindings) != len(module.bindings):
-            raise _refuse(source, check_schedule_modules, f"{where}: binds {len(dispatch.bindings)} buffers, its module "
-                                                          f"declares {len(module.bindings)}")
+            raise _refuse(source, check_schedule_modules, f"{where}: binds {len(dispatch.bindings)} buffers, its "
+                                                          f"module declares {len(module.bindings)}")
         if len(dispatch.push_constants) != module.kernel_push_bytes and (dispatch.push_constants or
                                                                          module.kernel_push_bytes > 0):
             raise _refuse(source, check_schedule_modules, f"{where}: pushes {len(dispatch.push_constants)} bytes, its "

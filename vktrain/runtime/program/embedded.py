@@ -21,10 +21,10 @@ from vktrain.serialization.verify_schedule import verify_embedded
 
 def step_selection(graph: g.VkGraph, device: Any, source: str) -> Selection | None:
     """The embedded schedule the device's planning profile satisfies (the matching rule); None without
-    embedded schedules for the device's api; NoMatchingScheduleError when none of those fits. Under an emulated profile (--device-profile)
-    that no embedded schedule fits, None: the runtime plans for the emulated profile at load, as it did before
-    schedules were embedded (emulation runs the device as if it were the profile, and a .pte rarely carries
-    that profile's schedule)."""
+    embedded schedules for the device's api; NoMatchingScheduleError when none of those fits. Under an
+    emulated profile (--device-profile) that no embedded schedule fits, None: the runtime plans for the
+    emulated profile at load, as it did before schedules were embedded (emulation runs the device as if it
+    were the profile, and a .pte rarely carries that profile's schedule)."""
     profile = planning_profile(device)
     if not any(embedded.profile.api == profile.api for embedded in graph.schedules):
         return None  # none for this runtime's api (e.g. Vulkan schedules on the WebGPU runtime): plan at load
