@@ -37,6 +37,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--count", type=int, default=20000)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--show", type=int, default=10, help="bugs (and re-signed changes) to describe")
+    parser.add_argument("--resigned-share", type=float, default=0.1,
+                        help="share of mutants in the blob's graph flatbuffer with its checksum recomputed (1.0 "
+                             "reaches the embedded schedules' tables of a .pte exported with --target)")
     args = parser.parse_args(argv)
 
     with tempfile.TemporaryDirectory(prefix="vktrain-fuzz-") as scratch:
@@ -55,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
             resigned_changes.append(outcome)
 
     start = time.perf_counter()
-    table = fuzz.campaign(original, args.count, args.seed, on_outcome=keep)
+    table = fuzz.campaign(original, args.count, args.seed, on_outcome=keep, resigned_share=args.resigned_share)
     elapsed = time.perf_counter() - start
     print(f"{args.count} mutants of {path} ({len(original)} bytes), seed {args.seed}, in {elapsed:.1f} s "
           f"({args.count / elapsed:.0f}/s)\n")

@@ -19,16 +19,19 @@ LAYER = {
     # 0, the ground floor: formats and definitions both sides stand on
     "errors": 0, "contract": 0, "gguf_names": 0, "quant": 0, "opdefs": 0, "serialization": 0, "data": 0,
     "import_noise": 0,  # standard library only: the package's __init__ ("") silences known import noise with it
+    # the kernel sources and their build (SPIR-V, WGSL, reflection): the AOT side embeds them in the blob
+    # (vktrain export --target), the runtime loads them; they import nothing but errors and serialization
+    "runtime_shaders": 0,
     "": 0,
     # 1, AOT side (torch, executorch)
     "ops": 1, "models": 1, "lora": 1, "export": 1, "partitioner": 1, "backend": 1,
     # 1, runtime side (never imports the AOT side, nor the AOT side it)
-    "runtime": 1, "runtime_shaders": 1, "native": 1,
+    "runtime": 1, "native": 1,
     # 2, the app
     "train": 2, "fleet": 2, "generate": 2, "executorch_backend": 2, "cli": 2,
 }
 AOT = {name for name in ("ops", "models", "lora", "export", "partitioner", "backend")}
-RUNTIME = {"runtime", "runtime_shaders", "native"}
+RUNTIME = {"runtime", "native"}
 # Third-party packages of the AOT side: no vktrain/runtime module may import them.
 AOT_THIRD_PARTY = {"torch", "torchao", "executorch", "transformers", "peft"}
 # The ground floor's build-time code generators (they read torch's and executorch's schemas); nothing else on

@@ -108,6 +108,9 @@ def cmd_export(args: argparse.Namespace) -> int:
                          f"--program is {args.program}")
     check_outputs([Output("--out", args.out, PTE)], overwrite=args.overwrite,  # before minutes of export
                   inputs=[("--model", args.model), ("--calibration-data", args.calibration_data)])
+    from vktrain.train.targets import TargetEmbedder, resolve_targets
+
+    targets = resolve_targets(args.target)  # a bad name is refused before minutes of export
     import torch
 
     torch.manual_seed(args.seed)  # a built-in model's random weights; the LoRA init has its own generator
@@ -158,8 +161,13 @@ def cmd_export(args: argparse.Namespace) -> int:
     if args.activation_checkpointing is not None:
         specs.append(activation_checkpointing_spec(args.activation_checkpointing))
     partitioner = VktrainPartitioner(compile_specs=specs)
+    embedder = TargetEmbedder(targets) if targets else None
     pte = lower_methods_to_pte(methods, {TRAIN_METHOD: partitioner},
-                               named_data=tokenizer.to_named_data() if tokenizer else None)
+                               named_data=tokenizer.to_named_data() if tokenizer else None, rewrite_blobs=embedder)
+    if embedder:  # what `portable` / `all` left out is reported, not warned about: it is the planner's limit today
+        print(f"schedules embedded for device profiles: {', '.join(embedder.embedded)}")
+        for reason in embedder.left_out:
+            print(f"not embedded: {reason.removeprefix('--target ')}")
     atomic_write_bytes(Path(args.out), pte)
     print(f"wrote {args.out}: {len(pte)} bytes, {' and '.join(methods)} ({args.program}"
           f"{' and eval' if EVAL_METHOD in methods else ''}) of {args.model} "
@@ -221,6 +229,21 @@ def _format_state(state: list[dict], verbose: bool) -> list[str]:
     return lines
 
 
+def _format_embedded(delegate: dict) -> list[str]:
+    """The schedules embedded at export (--target), one line per device profile."""
+    embedded = delegate.get("embedded_schedules") or []
+    if not embedded:
+        return ["  embedded schedules: none (the kernels are planned at load)"]
+    modules = delegate["shader_modules"]
+    lines = [f"  embedded schedules: {len(embedded)} ({modules['count']} shader module(s), "
+             f"{_format_bytes(modules['bytes'])})"]
+    for e in embedded:
+        lines.append(f"    {e['profile']} ({e['api']}): {e['dispatches']} dispatches, {e['shader_variants']} shader "
+                     f"variants, {e['shader_modules']} modules ({_format_bytes(e['module_bytes'])}), planned memory "
+                     f"{_format_bytes(e['device_memory_bytes'])} in {e['buffers']} buffers; {e['gemm']}")
+    return lines
+
+
 def _format_method(report: dict, verbose: bool = False) -> list[str]:
     lines = [f"instructions: {report['delegate_calls']} delegate call(s), {report['kernel_calls']} kernel call(s)",
              f"operator table: {', '.join(report['operators']) if report['operators'] else '(empty)'}"]
@@ -249,6 +272,7 @@ def _format_method(report: dict, verbose: bool = False) -> list[str]:
         lines.append(f"  GEMM precisions allowed: {', '.join(d['gemm_precisions'])} (vktrain train --precision; "
                      f"the kernels are chosen by device at load)")
         lines += _format_state(d["mutable_state"], verbose)
+        lines += _format_embedded(d)
         if d["baked_scalars"]:
             lines.append(f"  baked scalars (traced into {len(d['baked_scalars'])} et_vk call(s); constants of the "
                          f"program, so an LR schedule cannot change them):")
@@ -350,6 +374,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_quantization_arguments(export)
     export.add_argument("--batch", type=int, default=4)
     export.add_argument("--seq", type=int, default=64)
+    export.add_argument("--target", default="portable", metavar="NAME[,NAME...]",
+                        help="device profiles to plan for and embed the schedules of (built-in names, FILE.json, "
+                             "local, all, none: plan at load); default portable: this machine's Vulkan device, "
+                             "desktop-gpu, adreno-6xx (those the program's plan fits)")
     export.add_argument("--out", required=True, help="output .pte path (written atomically)")
     add_overwrite_argument(export)
     export.set_defaults(run=cmd_export)

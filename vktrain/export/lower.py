@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import copy
-from typing import Mapping, Optional
+from typing import Callable, Mapping, Optional
 
 from executorch.exir import EdgeCompileConfig, ExecutorchBackendConfig, to_edge_transform_and_lower
 from executorch.exir.passes.init_mutable_pass import InitializedMutableBufferPass
@@ -13,7 +13,7 @@ from vktrain.partitioner import VktrainPartitioner
 
 from vktrain.serialization.pte import DelegateCall, PteFile
 from .whole_program import whole_program_manager
-from vktrain.contract import TRAIN_METHOD
+from vktrain.contract import BACKEND_ID, TRAIN_METHOD
 from vktrain.errors import VktrainError
 
 # Buffer-name patterns whose initial contents must survive when left outside the delegate
@@ -109,20 +109,54 @@ def _count_delegate_calls(graph) -> int:
 
 
 def lower_to_pte(program: ExportedProgram, partitioner: VktrainPartitioner | None = None,
-                 named_data: Optional[Mapping[str, bytes]] = None) -> bytes:
+                 named_data: Optional[Mapping[str, bytes]] = None, rewrite_blobs: Optional["BlobRewriter"] = None
+                 ) -> bytes:
     """Partition, preprocess into the vktrain delegate, and serialize the whole program (method "forward")
     as .pte bytes; see lower_methods_to_pte."""
     partitioner = partitioner if partitioner is not None else VktrainPartitioner()
-    return lower_methods_to_pte({TRAIN_METHOD: program}, {TRAIN_METHOD: partitioner}, named_data)
+    return lower_methods_to_pte({TRAIN_METHOD: program}, {TRAIN_METHOD: partitioner}, named_data, rewrite_blobs)
+
+
+# (method -> its vktrain delegate blobs in graph order, the delegates' named data key -> bytes) -> the blobs to
+# write instead, same shape: how `vktrain export --target` embeds schedules (vktrain/train/targets.py).
+BlobRewriter = Callable[[dict[str, list[bytes]], Mapping[str, bytes]], dict[str, list[bytes]]]
+
+
+def _vktrain_delegates(edge, methods) -> dict[str, list]:
+    """Method -> its vktrain LoweredBackendModules, in graph order."""
+    found = {}
+    for name in methods:
+        module = edge.exported_program(name).graph_module
+        found[name] = [getattr(module, node.target) for node in module.graph.nodes if node.op == "get_attr"
+                       and getattr(getattr(module, node.target), "backend_id", None) == BACKEND_ID]
+    return found
+
+
+def _rewrite_blobs(edge, methods, rewrite: BlobRewriter) -> None:
+    """Replace the vktrain delegates' blobs by what `rewrite` makes of them, before they are emitted."""
+    delegates = _vktrain_delegates(edge, methods)
+    named = {}
+    for lowered in (lowered for group in delegates.values() for lowered in group):
+        output = lowered.named_data_store_output
+        for key, entry in (output.pte_data.items() if output is not None else ()):
+            data = output.buffers[entry.buffer_index]
+            named[key] = data if isinstance(data, bytes) else data.to_bytes()
+    rewritten = rewrite({name: [lowered.processed_bytes for lowered in group] for name, group in delegates.items()},
+                        named)
+    for name, group in delegates.items():
+        for lowered, blob in zip(group, rewritten[name], strict=True):
+            lowered._processed_bytes = blob  # executorch 1.5 has no setter; the emitter reads this
 
 
 def lower_methods_to_pte(programs: dict[str, ExportedProgram],
                          partitioners: dict[str, VktrainPartitioner] | None = None,
-                         named_data: Optional[Mapping[str, bytes]] = None) -> bytes:
+                         named_data: Optional[Mapping[str, bytes]] = None,
+                         rewrite_blobs: Optional[BlobRewriter] = None) -> bytes:
     """Partition, preprocess into the vktrain delegate, and serialize several methods (name -> program) as
     ONE .pte. Constants the methods share are stored once (the backend puts them in ExecuTorch's named
     data, keyed by content; see vktrain/backend/preprocess.py). `named_data` (key -> bytes, e.g. the
     model's tokenizer: keys in vktrain.contract) goes into the Program's named data too, one segment each.
+    `rewrite_blobs` (BlobRewriter) replaces the vktrain delegate blobs before the program is emitted.
 
     Raises LoweringError when a delegate would silently vanish: ExecuTorch removes a delegate call whose
     outputs are unused, even when the delegate updates state (e.g. an optimizer partition split off from
@@ -131,6 +165,8 @@ def lower_methods_to_pte(programs: dict[str, ExportedProgram],
     # Programs the registry takes whole skip to_edge (minutes for a 30-layer step); see whole_program.py.
     edge = whole_program_manager(programs, partitioners) or to_edge_lowered_methods(programs, partitioners)
     n_delegates = sum(_count_delegate_calls(edge.exported_program(name).graph) for name in programs)
+    if rewrite_blobs is not None:
+        _rewrite_blobs(edge, programs, rewrite_blobs)
     for key, data in (named_data or {}).items():
         edge._named_data_store.add_named_data(key, bytes(data))  # executorch has no public setter (1.5)
     buffer = edge.to_executorch(ExecutorchBackendConfig(passes=[InitializedMutableBufferPass(_STATE_PATTERNS)])).buffer

@@ -5,7 +5,9 @@ The vktrain delegate blob: graph dataclasses (graph.py), schema.fbs, and the blo
 views (strided_view.py); the model tokenizer (tokenizer.py); PEFT adapter files (peft_adapters.py); device
 profiles (device_profile.py); the schedule of a graph on a device: its Dispatch records (dispatch.py),
 the Schedule record and its bytes (schedule.py, the Schedule table of schema.fbs) and its verifier
-(verify_schedule.py). No torch, no executorch, nothing of vktrain above this floor
+(verify_schedule.py); the schedules a blob embeds per target profile and the shader modules they run
+(embedded.py, with the matching rule a runtime picks one by), and which tensors a program's other methods
+bind of the training step's (program_sharing.py). No torch, no executorch, nothing of vktrain above this floor
 (tests/test_layers.py). Names are exported lazily so that the code generator
 (`python -m vktrain.serialization.generate`) still runs when the generated code is missing or stale.
 """

@@ -39,6 +39,13 @@ Named constants (header flag NAMED_DATA): `serialize_blob(graph, named_constants
 leaves those constants' bytes to the .pte's named data (one copy for every method of the .pte); their
 record carries `named_key`, and `deserialize_blob(..., named_data=...)` resolves and checksums them.
 
+Embedded schedules (`vktrain export --target`; serialization/embedded.py): the graph flatbuffer's
+`schedules` (per target device profile: the profile as JSON, the Schedule's "VKS1" bytes, each dispatch's
+module id) and `shader_modules` (each kernel variant's SPIR-V or WGSL once, with its reflection). They are
+fields of the graph flatbuffer, so graph_crc32 covers them; a blob without them is written byte for byte as
+before, and an older reader ignores them and plans at load. `read_for_rewrite` reads a blob for
+`serialize_blob` to write it again with them (its named constants kept named).
+
 `deserialize_blob` bounds-checks every header field and every constant record, validates the graph
 (every id it references exists, constant sizes match their tensors) and returns constants as zero-copy
 memoryviews into the given buffer; `read_blob` does the same over an mmap of a file.
@@ -61,6 +68,9 @@ from vktrain.serialization.generated.vkt_blob import Bool as FbBool
 from vktrain.serialization.generated.vkt_blob import BoolList as FbBoolList
 from vktrain.serialization.generated.vkt_blob import ConstantData as FbConstantData
 from vktrain.serialization.generated.vkt_blob import Double as FbDouble
+from vktrain.serialization.generated.vkt_blob import EmbeddedSchedule as FbEmbeddedSchedule
+from vktrain.serialization.generated.vkt_blob import ShaderModule as FbShaderModule
+from vktrain.serialization.generated.vkt_blob import ShaderModuleBinding as FbShaderModuleBinding
 from vktrain.serialization.generated.vkt_blob import DoubleList as FbDoubleList
 from vktrain.serialization.generated.vkt_blob import Int as FbInt
 from vktrain.serialization.generated.vkt_blob import IntList as FbIntList
@@ -77,6 +87,9 @@ from vktrain.serialization.generated.vkt_blob import ValueList as FbValueList
 from vktrain.serialization.generated.vkt_blob import VkGraph as FbVkGraph
 from vktrain.serialization.flatbuffer_reading import CORRUPTION_ERRORS, reading, scalar_vector, union_as
 from vktrain.serialization.generated.vkt_blob.ValueKind import ValueKind
+from vktrain.serialization.generated.vkt_blob.BindingAccess import BindingAccess
+from vktrain.serialization.device_profile import DeviceProfile, DeviceProfileError
+from vktrain.serialization.embedded import CODE_KINDS, EmbeddedSchedule, ModuleBinding, ShaderModule
 
 from vktrain.serialization.blob_header import (  # noqa: F401  (re-exported: blob.X names them)
     ALIGNMENT, FLATBUFFER_IDENTIFIER, BlobFormatError, BlobHeader, _align)
@@ -303,6 +316,9 @@ def _build_flatbuffer(graph: g.VkGraph, constant_records: list[tuple[int, int, i
         FbMetadataEntry.AddValue(builder, value_offset)
         metadata.append(FbMetadataEntry.End(builder))
 
+    modules = [_build_module(builder, module) for module in graph.shader_modules]
+    schedules = [_build_embedded(builder, embedded) for embedded in graph.schedules]
+
     # A flatbuffer table cannot be open while vectors are built, so build all of them first.
     vectors = {
         "values": _table_vector(builder, values),
@@ -313,6 +329,8 @@ def _build_flatbuffer(graph: g.VkGraph, constant_records: list[tuple[int, int, i
         "constants": _table_vector(builder, constants),
         "memory_objects": _table_vector(builder, memory_objects),
         "metadata": _table_vector(builder, metadata),
+        "schedules": _table_vector(builder, schedules) if schedules else None,
+        "shader_modules": _table_vector(builder, modules) if modules else None,
     }
     FbVkGraph.Start(builder)
     FbVkGraph.AddValues(builder, vectors["values"])
@@ -323,8 +341,55 @@ def _build_flatbuffer(graph: g.VkGraph, constant_records: list[tuple[int, int, i
     FbVkGraph.AddConstants(builder, vectors["constants"])
     FbVkGraph.AddMemoryObjects(builder, vectors["memory_objects"])
     FbVkGraph.AddMetadata(builder, vectors["metadata"])
+    if schedules:  # absent, not empty, without targets: such a blob's bytes are those from before the fields
+        FbVkGraph.AddSchedules(builder, vectors["schedules"])
+        FbVkGraph.AddShaderModules(builder, vectors["shader_modules"])
     builder.Finish(FbVkGraph.End(builder), file_identifier=FLATBUFFER_IDENTIFIER)
     return bytes(builder.Output())
+
+
+# Module binding access as schema.fbs BindingAccess stores it ("rw" is READ_WRITE; DECLARED is not used here).
+_MODULE_ACCESS = {"r": BindingAccess.READ, "w": BindingAccess.WRITE, "rw": BindingAccess.READ_WRITE}
+_MODULE_ACCESS_NAMES = {code: name for name, code in _MODULE_ACCESS.items()}
+
+
+def _build_module(builder: flatbuffers.Builder, module: ShaderModule) -> int:
+    name = builder.CreateString(module.name)
+    code = builder.CreateNumpyVector(np.frombuffer(module.code, np.uint8))
+    bindings = []
+    for binding in module.bindings:
+        FbShaderModuleBinding.Start(builder)
+        FbShaderModuleBinding.AddBinding(builder, binding.binding)
+        FbShaderModuleBinding.AddAccess(builder, _MODULE_ACCESS[binding.access])
+        bindings.append(FbShaderModuleBinding.End(builder))
+    vectors = (_table_vector(builder, bindings), _numpy_vector(builder, module.spec_ids, np.uint32),
+               _table_vector(builder, [builder.CreateString(f) for f in module.features]),
+               _numpy_vector(builder, module.local_size, np.uint32),
+               _numpy_vector(builder, module.local_size_spec_ids, np.int32))
+    FbShaderModule.Start(builder)
+    FbShaderModule.AddName(builder, name)
+    FbShaderModule.AddKind(builder, CODE_KINDS.index(module.kind))
+    FbShaderModule.AddCode(builder, code)
+    FbShaderModule.AddBindings(builder, vectors[0])
+    FbShaderModule.AddPushConstantBytes(builder, module.push_constant_bytes)
+    FbShaderModule.AddPushHeader(builder, module.push_header)
+    FbShaderModule.AddSpecIds(builder, vectors[1])
+    FbShaderModule.AddFeatures(builder, vectors[2])
+    if module.local_size:
+        FbShaderModule.AddLocalSize(builder, vectors[3])
+        FbShaderModule.AddLocalSizeSpecIds(builder, vectors[4])
+    return FbShaderModule.End(builder)
+
+
+def _build_embedded(builder: flatbuffers.Builder, embedded: EmbeddedSchedule) -> int:
+    profile = builder.CreateString(embedded.profile.to_json())
+    schedule = builder.CreateNumpyVector(np.frombuffer(embedded.schedule_bytes, np.uint8))
+    modules = _numpy_vector(builder, embedded.dispatch_modules, np.uint32)
+    FbEmbeddedSchedule.Start(builder)
+    FbEmbeddedSchedule.AddProfile(builder, profile)
+    FbEmbeddedSchedule.AddSchedule(builder, schedule)
+    FbEmbeddedSchedule.AddDispatchModules(builder, modules)
+    return FbEmbeddedSchedule.End(builder)
 
 
 def _plan_blob(graph: g.VkGraph, named: dict[int, tuple[str, memoryview]]) -> _Layout:
@@ -458,7 +523,42 @@ def _read_graph(flatbuffer: memoryview, segment_area: memoryview, verify_constan
             if key in graph.metadata:
                 raise BlobFormatError(f"metadata key {key!r} appears twice")
             graph.metadata[key] = _text(entry.Value())
+    graph.shader_modules = [_read_module(root, i) for i in range(root.ShaderModulesLength())]
+    graph.schedules = [_read_embedded(root, i) for i in range(root.SchedulesLength())]
     return graph
+
+
+def _ubytes(table, field_name: str) -> bytes:
+    return bytes(getattr(table, f"{field_name}AsNumpy")().tobytes()) if getattr(table, f"{field_name}Length")() else b""
+
+
+def _read_module(root, index: int) -> ShaderModule:
+    with reading(f"VkGraph.shader_modules[{index}]", BlobFormatError):
+        table = root.ShaderModules(index)
+        kind = table.Kind()
+        if kind >= len(CODE_KINDS):
+            raise BlobFormatError(f"shader module {index} has unknown code kind {kind} (blob from a newer vktrain?)")
+        bindings = []
+        for i in range(table.BindingsLength()):
+            binding = table.Bindings(i)
+            if binding.Access() not in _MODULE_ACCESS_NAMES:
+                raise BlobFormatError(f"shader module {index} binding {i} has access {binding.Access()}; expected "
+                                      f"READ, WRITE or READ_WRITE")
+            bindings.append(ModuleBinding(binding.Binding(), _MODULE_ACCESS_NAMES[binding.Access()]))
+        return ShaderModule(_text(table.Name()), CODE_KINDS[kind], _ubytes(table, "Code"), tuple(bindings),
+                            table.PushConstantBytes(), bool(table.PushHeader()), scalar_vector(table, "SpecIds"),
+                            tuple(_text(table.Features(i)) for i in range(table.FeaturesLength())),
+                            scalar_vector(table, "LocalSize"), scalar_vector(table, "LocalSizeSpecIds"))
+
+
+def _read_embedded(root, index: int) -> EmbeddedSchedule:
+    with reading(f"VkGraph.schedules[{index}]", BlobFormatError):
+        table = root.Schedules(index)
+        try:
+            profile = DeviceProfile.from_json(_text(table.Profile()), f"embedded schedule {index}'s device profile")
+        except DeviceProfileError as exc:
+            raise BlobFormatError(str(exc)) from None
+        return EmbeddedSchedule(profile, _ubytes(table, "Schedule"), scalar_vector(table, "DispatchModules"))
 
 
 def _read_constants(root, segment_area: memoryview, verify: bool, named_data: Mapping[str, memoryview] | None) -> list:
@@ -584,6 +684,22 @@ def deserialize_blob(data: bytes | bytearray | memoryview | mmap.mmap, *, verify
     except g.GraphError as exc:
         raise BlobFormatError(f"blob holds an inconsistent graph: {exc}") from None
     return graph
+
+
+def read_for_rewrite(data: bytes | bytearray | memoryview, named_data: Mapping[str, memoryview] | None = None
+                     ) -> tuple[g.VkGraph, dict[int, tuple[str, memoryview]]]:
+    """(graph, named) of a blob, for `serialize_blob(graph, named)` to write it again with the same
+    constants left to the .pte's named data (e.g. with embedded schedules added: `vktrain export --target`)."""
+    graph = deserialize_blob(data, verify_constants=False, named_data=named_data)
+    view = memoryview(data).cast("B") if not isinstance(data, memoryview) or data.ndim != 1 else data
+    header = BlobHeader.parse(view)
+    root = FbVkGraph.VkGraph.GetRootAs(view[header.flatbuffer_offset:header.flatbuffer_offset + header.flatbuffer_size], 0)
+    named = {}
+    for i in range(root.ConstantsLength()):
+        key = _text(root.Constants(i).NamedKey())
+        if key:
+            named[i] = (key, g.stored_bytes(graph.constants[i]))
+    return graph, named
 
 
 def read_blob(path, *, verify_constants: bool = True) -> g.VkGraph:

@@ -223,6 +223,10 @@ class VkGraph:
     constants: list[ConstantData] = field(default_factory=list)  # a constant's id is its index
     memory_objects: list[MemoryObject] = field(default_factory=list)
     metadata: dict[str, str] = field(default_factory=dict)
+    # Schedules planned at export per target profile and the shader modules they run (embedded.py
+    # EmbeddedSchedule / ShaderModule); empty: the runtime plans at load. Not part of graph_digest.
+    schedules: list = field(default_factory=list)
+    shader_modules: list = field(default_factory=list)
 
     # -- building -------------------------------------------------------------------------------
     def add_value(self, value) -> int:

@@ -14,15 +14,30 @@ schedule's source, the dispatch (index and label) or buffer, what was found and 
 
 `verify_schedule` runs them all. Whether a device satisfies the schedule's requirements is
 ScheduleRequirements.unmet_by (the executor asks it once the device is known).
+
+The schedules a blob embeds (embedded.py: `vktrain export --target`) are checked by `verify_embedded`, each
+against the graph as above (its known shaders: the blob's modules), and:
+
+    check_shader_modules      every module's code is of its kind (SPIR-V words with the magic; WGSL UTF-8),
+                              declares its bindings as 0..n-1 and a workgroup size of 3 axes
+    check_schedule_modules    one module per dispatch, its id in range, the shader the dispatch names, in the code
+                              of the profile's api; the dispatch binds the module's bindings, pushes the bytes its
+                              push block takes and specializes only ids it declares
+    check_schedule_profile    within the profile it was planned for: its requirements met by that profile,
+                              workgroup sizes (the module's, as the dispatch specializes it) within its limits,
+                              group counts within its max workgroup count (or split, for a module whose push
+                              block starts with the group-offset header)
 """
 from __future__ import annotations
 
 import math
-from typing import Collection
+from typing import Collection, Sequence
 
 from vktrain.serialization import graph as g
-from vktrain.serialization.dispatch import MAX_SPLIT_DISPATCHES, PUSH_HEADER_BYTES
-from vktrain.serialization.schedule import Schedule, graph_digest
+from vktrain.serialization.device_profile import DeviceProfile
+from vktrain.serialization.dispatch import LOCAL_SIZE_SPEC_IDS, MAX_SPLIT_DISPATCHES, PUSH_HEADER_BYTES
+from vktrain.serialization.embedded import CODE_KIND_OF_API, SPIRV, EmbeddedSchedule, ShaderModule
+from vktrain.serialization.schedule import Schedule, ScheduleFormatError, deserialize_schedule, graph_digest
 from vktrain.serialization.verify import VerificationError
 
 # Vulkan's guaranteed maxPushConstantsSize: every kernel's push block fits it with the 16-byte group-offset
@@ -128,5 +143,120 @@ def verify_schedule(schedule: Schedule, graph: g.VkGraph, shader_sources: Collec
     check_schedule_dispatches(schedule, shader_sources, source)
 
 
+SPIRV_MAGIC = 0x07230203
+
+
+def check_shader_modules(modules: Sequence[ShaderModule], source: str = "blob") -> None:
+    """Each module's code is of its kind and its bindings are numbered 0..n-1."""
+    for index, module in enumerate(modules):
+        where = f"shader module {index} ({module.name!r})"
+        if module.kind == SPIRV:
+            magic = int.from_bytes(module.code[:4], "little")
+            if len(module.code) < 20 or len(module.code) % 4 or magic != SPIRV_MAGIC:
+                raise _refuse(source, check_shader_modules, f"{where}: its {len(module.code)} bytes are not SPIR-V "
+                                                            f"(a multiple of 4 bytes starting with the magic word)")
+        else:
+            try:
+                module.code.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise _refuse(source, check_shader_modules, f"{where}: its WGSL text is not UTF-8 ({exc})") from None
+        if module.local_size and (len(module.local_size) != 3 or min(module.local_size) < 1
+                                  or len(module.local_size_spec_ids) not in (0, 3)):
+            raise _refuse(source, check_shader_modules, f"{where}: workgroup size {list(module.local_size)} (spec ids "
+                                                        f"{list(module.local_size_spec_ids)}) is not 3 sizes >= 1")
+        numbers = [b.binding for b in module.bindings]
+        if numbers != list(range(len(numbers))):
+            raise _refuse(source, check_shader_modules, f"{where}: declares bindings {numbers}; expected 0..n-1")
+
+
+def check_schedule_modules(schedule: Schedule, embedded: EmbeddedSchedule, modules: Sequence[ShaderModule],
+                           source: str = "schedule") -> None:
+    """Every dispatch runs a module of the blob that is its shader, in the profile's code, and fits its
+    reflection (bindings, push bytes, specialization ids)."""
+    ids = embedded.dispatch_modules
+    if len(ids) != len(schedule.dispatches):
+        raise _refuse(source, check_schedule_modules, f"{len(ids)} dispatch module ids for {len(schedule.dispatches)} "
+                                                      f"dispatches")
+    kind = CODE_KIND_OF_API[embedded.profile.api]
+    for index, (dispatch, module_id) in enumerate(zip(schedule.dispatches, ids)):
+        where = f"dispatch {index} ({dispatch.name})"
+        if not 0 <= module_id < len(modules):
+            raise _refuse(source, check_schedule_modules, f"{where}: module id {module_id} is out of range (the blob "
+                                                          f"has {len(modules)} shader modules)")
+        module = modules[module_id]
+        if module.name != dispatch.shader or module.kind != kind:
+            raise _refuse(source, check_schedule_modules, f"{where}: runs shader {dispatch.shader!r} but module "
+                                                          f"{module_id} is {module.kind} of {module.name!r} (expected "
+                                                          f"{kind}: the profile is {embedded.profile.api})")
+        if len(dispatch.bindings) != len(module.bindings):
+            raise _refuse(source, check_schedule_modules, f"{where}: binds {len(dispatch.bindings)} buffers, its "
+                                                          f"module declares {len(module.bindings)}")
+        if len(dispatch.push_constants) != module.kernel_push_bytes and (dispatch.push_constants or
+                                                                         module.kernel_push_bytes > 0):
+            raise _refuse(source, check_schedule_modules, f"{where}: pushes {len(dispatch.push_constants)} bytes, its "
+                                                          f"module's push block takes {module.kernel_push_bytes}")
+        undeclared = [i for i, _ in dispatch.spec_constants if i not in module.spec_ids]
+        if dispatch.local_size is not None:
+            undeclared += [i for i, v in zip(LOCAL_SIZE_SPEC_IDS, dispatch.local_size)
+                           if v != 1 and i not in module.spec_ids]
+        if undeclared:
+            raise _refuse(source, check_schedule_modules, f"{where}: specializes ids {sorted(undeclared)}, which its "
+                                                          f"module does not declare ({list(module.spec_ids)})")
+
+
+def check_schedule_profile(schedule: Schedule, embedded: EmbeddedSchedule, modules: Sequence[ShaderModule],
+                           source: str = "schedule") -> None:
+    """The schedule keeps to the profile it was planned for: requirements, workgroup size and counts."""
+    profile: DeviceProfile = embedded.profile
+    unmet = schedule.requirements.unmet_by(profile)
+    if unmet:
+        raise _refuse(source, check_schedule_profile, f"relies on what its own profile {profile.name!r} lacks: "
+                                                      f"{'; '.join(unmet)}")
+    for index, (dispatch, module_id) in enumerate(zip(schedule.dispatches, embedded.dispatch_modules)):
+        where = f"dispatch {index} ({dispatch.name})"
+        local = modules[module_id].workgroup_size(dispatch) or dispatch.local_size  # as specialized
+        if local is not None and (any(v > m for v, m in zip(local, profile.max_workgroup_size))
+                                  or math.prod(local) > profile.max_workgroup_invocations):
+            raise _refuse(source, check_schedule_profile, f"{where}: local size {local} is over profile "
+                                                          f"{profile.name!r}'s {profile.max_workgroup_size} / "
+                                                          f"{profile.max_workgroup_invocations} invocations")
+        over = any(count > limit for count, limit in zip(dispatch.groups, profile.max_workgroup_count))
+        if over and not modules[module_id].push_header:
+            raise _refuse(source, check_schedule_profile, f"{where}: {dispatch.groups} work groups are over profile "
+                                                          f"{profile.name!r}'s max {profile.max_workgroup_count}, and "
+                                                          f"its module cannot be split (no group-offset header)")
+        pieces = math.prod(-(-count // limit) for count, limit in zip(dispatch.groups, profile.max_workgroup_count))
+        if pieces > MAX_SPLIT_DISPATCHES:
+            raise _refuse(source, check_schedule_profile, f"{where}: {dispatch.groups} work groups split into {pieces} "
+                                                          f"dispatches under profile {profile.name!r}, more than "
+                                                          f"{MAX_SPLIT_DISPATCHES}")
+
+
+def verify_embedded_schedule(schedule: Schedule, embedded: EmbeddedSchedule, graph: g.VkGraph,
+                             source: str = "schedule") -> None:
+    """Every check above of one schedule embedded in `graph` (`embedded`: its record; the blob's modules
+    are `graph.shader_modules`)."""
+    modules = graph.shader_modules
+    check_schedule_modules(schedule, embedded, modules, source)  # first: it names the module a dispatch lacks
+    verify_schedule(schedule, graph, {module.name.partition("@")[0] for module in modules}, source)
+    check_schedule_profile(schedule, embedded, modules, source)
+
+
+def verify_embedded(graph: g.VkGraph, source: str = "blob") -> list[Schedule]:
+    """Every check above of every schedule `graph` embeds (with the blob's shader modules); the schedules read."""
+    check_shader_modules(graph.shader_modules, source)
+    schedules = []
+    for index, embedded in enumerate(graph.schedules):
+        where = f"{source}: embedded schedule {index} (profile {embedded.profile.name!r})"
+        try:
+            schedule = deserialize_schedule(embedded.schedule_bytes)
+        except ScheduleFormatError as exc:
+            raise ScheduleFormatError(f"{where}: {exc}") from None
+        verify_embedded_schedule(schedule, embedded, graph, where)
+        schedules.append(schedule)
+    return schedules
+
+
 __all__ = ["GUARANTEED_GROUP_COUNT", "MAX_PUSH_BYTES", "check_schedule_bindings", "check_schedule_dispatches",
-           "check_schedule_graph", "verify_schedule"]
+           "check_schedule_graph", "check_schedule_modules", "check_schedule_profile", "check_shader_modules",
+           "verify_embedded", "verify_embedded_schedule", "verify_schedule"]

@@ -26,7 +26,7 @@ precision policies the program allows; `precision` picks one, and the planner se
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Mapping
 
 import numpy as np
 
@@ -40,6 +40,8 @@ from vktrain.runtime.delegate.planner import (SHARED_PREFIX, check_allocations, 
 from vktrain.runtime.device_profiles import planning_profile, profile_of
 from vktrain.contract import PRECISION_AUTO
 from vktrain.serialization.schedule import Schedule, ScheduleMismatchError, TensorPlacement
+from vktrain.serialization.device_profile import DeviceProfile
+from vktrain.serialization.embedded import ShaderModule
 from vktrain.serialization.verify_schedule import verify_schedule
 from vktrain.runtime_shaders.build import SHADER_DIR
 from vktrain.errors import VktrainError
@@ -135,12 +137,18 @@ class GraphExecutor:
     `schedule` (a Schedule from `plan_schedule`, e.g. read back with deserialize_schedule) runs that plan
     instead of planning here; it carries the precision, tensor-core emulation and binding limit, so those
     arguments stay at their defaults. `schedule` is the one this executor runs either way.
+
+    `modules` (shader name -> embedded ShaderModule) and `target_profile`: a schedule embedded in the blob
+    (vktrain/runtime/program/embedded.py) runs with the pipelines built from the blob's modules, not the local
+    SPIR-V / WGSL; `target_profile` is the profile it was planned for (its max_dispatches_per_submit bounds a
+    submit where set; the program's other methods run that profile's schedules).
     """
 
     def __init__(self, device, graph: vk.VkGraph, *, timing: bool = True, staging: bool | None = None,
                  shared: dict[str, SharedTensor] | None = None, precision: str = PRECISION_AUTO,
                  emulate_tensor_cores: bool = False, max_binding_bytes: int | None = None,
-                 schedule: Schedule | None = None, resident_bytes: int = 0, arena: "GraphExecutor | None" = None):
+                 schedule: Schedule | None = None, resident_bytes: int = 0, arena: "GraphExecutor | None" = None,
+                 modules: Mapping[str, ShaderModule] | None = None, target_profile: DeviceProfile | None = None):
         graph.validate()
         self.device = device
         self.precision = precision  # the policy asked for: the eval and accumulate methods bound to this one ask it too
@@ -151,6 +159,8 @@ class GraphExecutor:
         self.ops: list[vk.OpCall] = graph.ops
         self._buffers: dict[str, Buffer] = {}
         self.program: Program | None = None
+        self._modules = dict(modules) if modules is not None else None
+        self.target_profile = target_profile
         self._state_by_name = self._index_state()
         self._index_limits = self._find_index_limits()
         # What planning reads of the device: its own profile, or VKTRAIN_DEVICE_PROFILE's emulated on it.
@@ -187,8 +197,10 @@ class GraphExecutor:
             self._upload_constants()
             self.reset_state()  # of the state it owns: shared state keeps its contents
             # A phone profile bounds the dispatches per submit (its GPU watchdog): Program cuts the step there.
+            bound = (target_profile.max_dispatches_per_submit if target_profile is not None else 0) \
+                or self.profile.max_dispatches_per_submit
             self.program = Program(device, self.dispatches, self._buffers, timing=timing,
-                                   max_dispatches_per_submit=self.profile.max_dispatches_per_submit)
+                                   max_dispatches_per_submit=bound, modules=self._modules)
         except BaseException:
             self.close()
             raise
@@ -269,7 +281,8 @@ class GraphExecutor:
         """Refuse a schedule that fails verification against this graph (serialization/verify_schedule.py), that
         relies on what this device lacks, or that binds shared tensors this executor was not given (or at
         other offsets), naming what is wrong."""
-        verify_schedule(schedule, self.graph, shader_sources())
+        known = shader_sources() if self._modules is None else {m.name.partition("@")[0] for m in self._modules.values()}
+        verify_schedule(schedule, self.graph, known)
         missing = schedule.requirements.unmet_by(self.profile)
         if missing:
             raise ScheduleMismatchError(f"the schedule does not fit {getattr(self.device, 'name', 'this device')}: "

@@ -21,6 +21,7 @@ from vktrain.runtime.delegate.executor import GraphExecutor
 from vktrain.runtime.program.interpreter import (
     ProgramInterpreter, check_instructions_supported, check_loss_output, check_storageless_tensors, plan_input_names
 )
+from vktrain.runtime.program.embedded import executor_options, method_selection
 from vktrain.runtime.program.step_inputs import check_input_names, checked_input, step_input_specs
 from vktrain.serialization.pte import PteFile
 from vktrain.serialization.verify import (UnsupportedProgramError, check_device_memory, device_memory_bytes,
@@ -61,10 +62,12 @@ class AccumulateMethod:
                             else device_memory_limit)
         shared = {name: tensor for name, tensor in state.items() if name in names}  # adapters and grad_acc
         shared.update(training.constants_matching(self.graph))  # the frozen base: on the device once
+        selection = method_selection(self.graph, training, str(pte.source))  # the step's target
         self.executor = GraphExecutor(training.device, self.graph, timing=False, shared=shared,
                                       max_binding_bytes=training.max_binding_bytes,
                                       precision=training.precision,
-                                      resident_bytes=training.program_bytes, arena=training if reuse_activations else None)
+                                      resident_bytes=training.program_bytes, arena=training if reuse_activations else None,
+                                      **executor_options(selection))
         try:
             self._interpreter = ProgramInterpreter(pte, plan, self._run_delegate, host_memory_limit=host_memory_limit)
         except BaseException:

@@ -25,6 +25,7 @@ from vktrain.runtime.program.interpreter import (
     ProgramInterpreter, check_instructions_supported, check_loss_output, check_storageless_tensors, plan_input_names
 )
 from vktrain.serialization.verify import UnsupportedProgramError
+from vktrain.runtime.program.embedded import executor_options, method_selection
 from vktrain.runtime.program.step_inputs import check_input_names, checked_input, step_input_specs
 from vktrain.serialization.verify import check_device_memory, device_memory_bytes, load_delegate_graph, verify_plan
 from vktrain.serialization import graph as g
@@ -65,11 +66,13 @@ class EvalMethod:
                             else device_memory_limit)
         shared = {name: state[name] for name in lora}
         shared.update(training.constants_matching(self.graph))  # the frozen base: on the device once
+        selection = method_selection(self.graph, training, str(pte.source))  # the step's target
         self.executor = GraphExecutor(training.device, self.graph, timing=timing, shared=shared,
                                       max_binding_bytes=training.max_binding_bytes,
                                       precision=training.precision,
                                       resident_bytes=training.program_bytes,
-                                      arena=training if reuse_activations else None)
+                                      arena=training if reuse_activations else None,
+                                      **executor_options(selection))
         try:
             self._interpreter = ProgramInterpreter(pte, plan, self._run_delegate, host_memory_limit=host_memory_limit)
         except BaseException:

@@ -17,6 +17,10 @@ blob's graph flatbuffer and recomputes its checksum, as a writer of inconsistent
 the parser and checks behind the checksum, and a changed meaning there is reported, not a bug, until
 per-op shape re-inference (verify.check_op_shapes) is wired in.
 
+A .pte exported with --target embeds schedules and shader modules in the blob's graph flatbuffer: `load`
+verifies them (verify_schedule.py verify_embedded) and `program_meaning` includes them, so the re-signed
+family reaches their parsers and checks (`campaign(..., resigned_share=1.0)`).
+
 Schedules (vktrain/serialization/schedule.py) get the same mutations over their whole bytes
 (`schedule_campaign`): each mutant goes through deserialize_schedule and verify_schedule against its graph.
 A schedule carries no checksum yet (it is not in the .pte), so accepted-changed is expected there; what
@@ -39,7 +43,7 @@ from vktrain.serialization.verify import VerificationError
 from vktrain.serialization import BlobFormatError, BlobHeader
 from vktrain.serialization import graph as g
 from vktrain.serialization.schedule import Schedule, deserialize_schedule
-from vktrain.serialization.verify_schedule import verify_schedule
+from vktrain.serialization.verify_schedule import verify_embedded, verify_schedule
 
 ACCEPTED_UNCHANGED = "accepted-unchanged"
 ACCEPTED_CHANGED = "accepted-changed"
@@ -122,6 +126,7 @@ def program_meaning(pte: PteFile, program: VerifiedTrainingProgram) -> dict:
         "graph constants": tuple(c if isinstance(c, g.SyntheticConstant)
                                  else (getattr(c, "stored_form", None), bytes(g.stored_bytes(c)))
                                  for c in graph.constants),
+        "graph embedded schedules": tuple(graph.schedules), "graph shader modules": tuple(graph.shader_modules),
     }
 
 
@@ -144,8 +149,12 @@ def classify(exc: BaseException) -> str:
 
 
 def load(data: bytes) -> tuple[PteFile, VerifiedTrainingProgram]:
+    """What the runner reads before it allocates: the program verified, and its embedded schedules (when it
+    has them: the tables' checks and the read of every schedule, as the runner's selection does)."""
     pte = PteFile.from_bytes(data, source="<mutant.pte>")
-    return pte, verify_training_program(pte)
+    program = verify_training_program(pte)
+    verify_embedded(program.graph, "<mutant.pte>")
+    return pte, program
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -273,13 +282,14 @@ def run_one(mutant: Mutant, original_meaning: dict) -> Outcome:
 
 
 def campaign(original: bytes, count: int, seed: int = 0,
-             on_outcome: Optional[Callable[[Outcome], None]] = None) -> Counter:
+             on_outcome: Optional[Callable[[Outcome], None]] = None, resigned_share: float = 0.1) -> Counter:
     """Run `count` mutants; returns how many fell in each (family, label). Keep outcomes through
-    `on_outcome` (e.g. the bugs)."""
+    `on_outcome` (e.g. the bugs). `resigned_share`: the share of re-signed blob-graph mutants (1.0: only
+    those, which reach the parsers and checks behind the checksum: the embedded schedules' tables)."""
     pte, program = load(original)
     original_meaning = program_meaning(pte, program)
     table: Counter = Counter()
-    stream = mutants(original, seed)
+    stream = mutants(original, seed, resigned_share)
     for _ in range(count):
         outcome = run_one(next(stream), original_meaning)
         table[outcome.mutant.family == RESIGNED, outcome.label] += 1

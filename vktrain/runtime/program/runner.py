@@ -45,6 +45,7 @@ from vktrain.runtime.delegate.kernels.coopmat import PrecisionPolicyError
 from vktrain.serialization.pte import DelegateCall, PteFile
 from vktrain.runtime.runtimes import device_for
 from vktrain.serialization.verify import UnsupportedProgramError, check_device_memory, device_memory_bytes
+from vktrain.runtime.program.embedded import executor_options, step_selection
 from vktrain.runtime.program.step_inputs import StepInput, check_input_names, checked_input, step_input_specs
 from vktrain.runtime.program.interpreter import (ProgramInterpreter, VerifiedTrainingProgram, check_hparams_input,
                                                  check_instructions_supported, check_loss_output,
@@ -61,7 +62,13 @@ class TrainingRunner:
     GraphExecutor's test path). `runtime` ("vulkan" or "webgpu"; vktrain.runtime.runtimes) picks the device
     layer to open when `device` is None (default vulkan); a device given must be of it. `max_binding_bytes`:
     GraphExecutor's (a lower max storage binding size to plan for, e.g. a browser's 128 MiB). `schedule`:
-    GraphExecutor's (a Schedule planned for this program's step, run instead of planning at load)."""
+    GraphExecutor's (a Schedule planned for this program's step, run instead of planning at load).
+
+    A .pte exported with --target embeds a schedule per device profile: with none of `schedule`, `precision`,
+    `emulate_tensor_cores`, `max_binding_bytes` given, the runner runs the one the device satisfies
+    (vktrain/serialization/embedded.py's matching rule; `target` says which) with the blob's shader modules,
+    and refuses the program (NoMatchingScheduleError) when none fits; without embedded schedules, or with one
+    of those given, it plans at load."""
 
     def __init__(self, pte: PteFile, device=None, *, method: str = "forward", timing: bool = True,
                  verify_constants: bool = True, host_memory_limit: Optional[int] = None,
@@ -84,10 +91,16 @@ class TrainingRunner:
         try:
             check_device_memory(pte.source, self.graph, device_memory_bytes(device) if device_memory_limit is None
                                 else device_memory_limit)
+            # A schedule embedded at export (--target) for this device, unless the caller chose another plan.
+            chosen = schedule is None and (precision, emulate_tensor_cores, max_binding_bytes) == (PRECISION_AUTO,
+                                                                                                    False, None)
+            selection = step_selection(self.graph, device, str(pte.source)) if chosen else None
+            self.target = selection  # the embedded schedule it runs (None: planned at load, or `schedule`)
             try:
                 self.executor = GraphExecutor(device, self.graph, timing=timing, precision=precision,
                                               emulate_tensor_cores=emulate_tensor_cores,
-                                              max_binding_bytes=max_binding_bytes, schedule=schedule)
+                                              max_binding_bytes=max_binding_bytes,
+                                              **(executor_options(selection) or dict(schedule=schedule)))
             except PrecisionPolicyError as exc:
                 raise PrecisionPolicyError(f"{pte.source}: {exc}") from None
         except BaseException:
@@ -267,8 +280,11 @@ class TrainingRunner:
         return self.executor.timings()
 
     def gemm_report(self) -> str:
-        """The GEMM precision chosen at load for this device (GraphExecutor.gemm_report)."""
-        return self.executor.gemm_report()
+        """The GEMM precision chosen for this device (GraphExecutor.gemm_report) and where the schedule came from:
+        embedded at export for a profile (`target`), or planned at load."""
+        origin = (f"schedule embedded for device profile {self.target.profile.name!r}" if self.target is not None
+                  else "schedule planned at load")
+        return f"{self.executor.gemm_report()}; {origin}"
 
     # ------------------------------------------------------------------------------ lifetime
     def close(self) -> None:

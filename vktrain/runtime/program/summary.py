@@ -120,6 +120,29 @@ def summarize_blob(graph: vk.VkGraph) -> dict:
         "baked_scalars": json.loads(meta.get(METADATA_BAKED_SCALARS, "[]")),
         "gemm_precisions": list(allowed_precisions(meta)),  # docs/PRECISION.md; the device picks at load
         "metadata": {k: v for k, v in meta.items() if k not in (METADATA_REFUSALS, METADATA_BAKED_SCALARS)},
+        "embedded_schedules": [_embedded_summary(graph, embedded) for embedded in graph.schedules],
+        "shader_modules": {"count": len(graph.shader_modules),
+                           "bytes": sum(len(module.code) for module in graph.shader_modules)},
+    }
+
+
+def _embedded_summary(graph: vk.VkGraph, embedded) -> dict:
+    """One schedule embedded at export (--target): its profile, dispatches, shader variants (shader +
+    specialization), the modules it runs and their bytes, and the device memory its buffers take (those
+    another method's executor owns not counted)."""
+    schedule = embedded.schedule()
+    modules = set(embedded.dispatch_modules)
+    return {
+        "profile": embedded.profile.name, "api": embedded.profile.api,
+        "dispatches": len(schedule.dispatches),
+        "shader_variants": len({(d.shader, d.specialization()) for d in schedule.dispatches}),
+        "shader_modules": len(modules),
+        "module_bytes": sum(len(graph.shader_modules[i].code) for i in modules if i < len(graph.shader_modules)),
+        "device_memory_bytes": sum(b.size_bytes for b in schedule.buffers if b.role != "shared"),
+        "buffers": len(schedule.buffers),
+        "gemm": schedule.gemm.precision + (" on tensor cores" if schedule.gemm.tensor_cores else "")
+        + f", fp32 tuning {schedule.gemm.fp32_tuning}",
+        "tensor_core_ops": len(schedule.tensor_core_ops),
     }
 
 

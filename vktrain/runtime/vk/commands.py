@@ -138,7 +138,8 @@ class Program(ProgramBase):
     `buffers` maps the keys used in BufferBinding.buffer to Buffer objects (bindings may also hold a
     Buffer directly). `max_group_count` lowers the per-axis group-count limit below the device's
     (tests use it to force split dispatches). `timing` enables timestamp queries. `max_dispatches_per_submit`
-    (None or 0: one submit) bounds the recorded dispatches per vkQueueSubmit (module docstring).
+    (None or 0: one submit) bounds the recorded dispatches per vkQueueSubmit (module docstring). `modules`
+    (shader name -> a ShaderModule embedded in the blob) gives the SPIR-V of those shaders (else the local build).
     A device of another layer (the WebGPU Device) gets that layer's Program, named by its `program_type`.
     """
 
@@ -150,9 +151,11 @@ class Program(ProgramBase):
 
     def __init__(self, device, dispatches: Sequence[Dispatch], buffers: Mapping[Hashable, Buffer] | None = None,
                  *, timing: bool = False, max_group_count: int | Sequence[int] | None = None,
-                 timeout_s: float = DEFAULT_TIMEOUT_S, max_dispatches_per_submit: int | None = None):
+                 timeout_s: float = DEFAULT_TIMEOUT_S, max_dispatches_per_submit: int | None = None,
+                 modules: Mapping[str, Any] | None = None):
         self.device = device
         self.dispatches = tuple(dispatches)
+        self._modules = modules or {}  # shader name -> embedded ShaderModule: its SPIR-V instead of the local build
         self.timeout_s = timeout_s
         self._descriptor_pool = None
         self._command_buffers: list = []
@@ -189,7 +192,9 @@ class Program(ProgramBase):
               ) -> _Planned:
         device = self.device
         where = f"dispatch #{position} {dispatch.name!r}"
-        interface = device.pipelines.interface(dispatch.shader)
+        module = self._modules.get(dispatch.shader)
+        code = module.code if module is not None else None
+        interface = device.pipelines.interface(dispatch.shader, code)
 
         # Bindings: exactly the shader's set-0 bindings, in order 0..n-1.
         expected = interface.binding_numbers
@@ -251,7 +256,7 @@ class Program(ProgramBase):
                 f"{where}: {dispatch.groups} work groups exceed the per-axis limit {max_counts}, and shader "
                 f"{dispatch.shader!r} cannot be split because its push-constant block does not start with "
                 f"VKTRAIN_PUSH_HEADER (common.glsl); add the header or loop over the work in the shader")
-        pipeline = device.pipelines.get(dispatch.shader, specialization, push_size)
+        pipeline = device.pipelines.get(dispatch.shader, specialization, push_size, code)
         return _Planned(dispatch, pipeline, resolved, chunks, prefix)
 
     # ------------------------------------------------------------------------------- recording

@@ -74,11 +74,13 @@ class PipelineCache:
         self._pipeline_layouts: dict[tuple[tuple[int, ...], int], Any] = {}
         self._pipelines: dict[tuple[str, tuple, int], Pipeline] = {}
 
-    def shader(self, name: str) -> tuple[Any, ShaderInterface]:
-        """(VkShaderModule, reflected interface) of shader `name`, loading its SPIR-V once."""
-        if name not in self._modules:
+    def shader(self, name: str, code: bytes | None = None) -> tuple[Any, ShaderInterface]:
+        """(VkShaderModule, reflected interface) of shader `name`: its SPIR-V `code` (a module embedded in a
+        blob), else the local build, each loaded once."""
+        key = name if code is None else (name, code)
+        if key not in self._modules:
             vk = self.device.vk
-            code = load_spirv(name)
+            code = load_spirv(name) if code is None else code
             interface = reflect_spirv(code)
             not_set0 = [b for b in interface.bindings if b.set != 0]
             if not_set0:
@@ -92,11 +94,11 @@ class PipelineCache:
                 sType=vk.VK_STRUCTURE_TYPE_SHADER_MODULE_CREATE_INFO, codeSize=len(code), pCode=code)
             module = vk_call("vkCreateShaderModule", vk.vkCreateShaderModule, self.device.handle, module_info,
                              None, detail=f"shader {name!r}")
-            self._modules[name] = (module, interface)
-        return self._modules[name]
+            self._modules[key] = (module, interface)
+        return self._modules[key]
 
-    def interface(self, name: str) -> ShaderInterface:
-        return self.shader(name)[1]
+    def interface(self, name: str, code: bytes | None = None) -> ShaderInterface:
+        return self.shader(name, code)[1]
 
     def _set_layout(self, bindings: tuple[int, ...]):
         if bindings not in self._set_layouts:
@@ -124,9 +126,11 @@ class PipelineCache:
                                                   self.device.handle, info, None)
         return self._pipeline_layouts[key]
 
-    def get(self, shader: str, specialization: tuple[tuple[int, SpecValue], ...], push_size: int) -> Pipeline:
-        """The pipeline of `shader` with these (id, value) specialization constants and push bytes."""
-        key = (shader, tuple(specialization), push_size)
+    def get(self, shader: str, specialization: tuple[tuple[int, SpecValue], ...], push_size: int,
+            code: bytes | None = None) -> Pipeline:
+        """The pipeline of `shader` (its SPIR-V `code`, else the local build) with these (id, value)
+        specialization constants and push bytes."""
+        key = (shader, tuple(specialization), push_size, code)
         if key in self._pipelines:
             return self._pipelines[key]
         vk = self.device.vk
@@ -134,7 +138,7 @@ class PipelineCache:
         if push_size > limit:
             raise ScheduleError(f"shader {shader!r}: {push_size} push-constant bytes exceed the device's "
                                 f"maxPushConstantsSize of {limit}")
-        module, interface = self.shader(shader)
+        module, interface = self.shader(shader, code)
         bindings = interface.binding_numbers
         layout = self._pipeline_layout(bindings, push_size)
         data = pack_specialization(shader, interface, specialization)

@@ -51,9 +51,12 @@ class PipelineCache:
         self._layouts: dict[str, tuple[Any, Any]] = {}  # shader -> (bind-group layout, pipeline layout)
         self._pipelines: dict[tuple[str, tuple], Any] = {}
 
-    def source(self, name: str) -> str:
-        """The kernel's WGSL (WGSLKernelNotFoundError when it has none), with the feature bodies of the
-        device's `kernel_features` (the one place they are chosen)."""
+    def source(self, name: str, code: str | None = None) -> str:
+        """The kernel's WGSL: `code` (a module embedded in a blob), else the local source
+        (WGSLKernelNotFoundError when it has none) with the feature bodies of the device's `kernel_features`
+        (the one place they are chosen)."""
+        if code is not None:
+            return code
         if name not in self._sources:
             from vktrain.runtime_shaders.wgsl import wgsl_source
             self._sources[name] = wgsl_source(name, self.device.kernel_features)
@@ -71,28 +74,31 @@ class PipelineCache:
                 used.setdefault(feature, set()).add(name)
         return used
 
-    def interface(self, name: str) -> WGSLInterface:
-        if name not in self._interfaces:
-            self._interfaces[name] = reflect_wgsl(name, self.source(name))
-        return self._interfaces[name]
+    def interface(self, name: str, code: str | None = None) -> WGSLInterface:
+        key = name if code is None else (name, code)
+        if key not in self._interfaces:
+            self._interfaces[key] = reflect_wgsl(name, self.source(name, code))
+        return self._interfaces[key]
 
-    def _module(self, name: str):
-        if name not in self._modules:
+    def _module(self, name: str, code: str | None = None):
+        key = name if code is None else (name, code)
+        if key not in self._modules:
             try:
                 if self.device.runtime_checks:
-                    module = self.device.handle.create_shader_module(label=name, code=self.source(name))
+                    module = self.device.handle.create_shader_module(label=name, code=self.source(name, code))
                 else:
-                    module = create_trusted_wgsl_module(self.device.handle, name, self.source(name))
-                self._modules[name] = module
+                    module = create_trusted_wgsl_module(self.device.handle, name, self.source(name, code))
+                self._modules[key] = module
             except Exception as exc:
                 raise WebGPUError(f"wgpu rejected the WGSL of kernel {name!r}: {exc}") from exc
-        return self._modules[name]
+        return self._modules[key]
 
-    def layout(self, name: str) -> tuple[Any, Any]:
-        """(bind-group layout, pipeline layout) of kernel `name`."""
-        if name not in self._layouts:
+    def layout(self, name: str, code: str | None = None) -> tuple[Any, Any]:
+        """(bind-group layout, pipeline layout) of kernel `name` (its WGSL `code`, else the local source)."""
+        key = name if code is None else (name, code)
+        if key not in self._layouts:
             wgpu = self.device.wgpu
-            interface = self.interface(name)
+            interface = self.interface(name, code)
             entries = [{"binding": b.binding, "visibility": wgpu.ShaderStage.COMPUTE,
                         "buffer": {"type": wgpu.BufferBindingType.read_only_storage if b.readonly
                                    else wgpu.BufferBindingType.storage}} for b in interface.storage]
@@ -102,20 +108,21 @@ class PipelineCache:
             handle = self.device.handle
             group_layout = handle.create_bind_group_layout(label=name, entries=entries)
             pipeline_layout = handle.create_pipeline_layout(label=name, bind_group_layouts=[group_layout])
-            self._layouts[name] = (group_layout, pipeline_layout)
-        return self._layouts[name]
+            self._layouts[key] = (group_layout, pipeline_layout)
+        return self._layouts[key]
 
-    def get(self, shader: str, specialization: tuple[tuple[int, SpecValue], ...]):
-        """The GPUComputePipeline of `shader` with these (id, value) override constants."""
-        key = (shader, tuple(specialization))
+    def get(self, shader: str, specialization: tuple[tuple[int, SpecValue], ...], code: str | None = None):
+        """The GPUComputePipeline of `shader` (its WGSL `code`, else the local source) with these (id, value)
+        override constants."""
+        key = (shader, tuple(specialization), code)
         if key not in self._pipelines:
-            constants = override_constants(shader, self.interface(shader), key[1])
-            compute = {"module": self._module(shader), "entry_point": ENTRY_POINT}
+            constants = override_constants(shader, self.interface(shader, code), key[1])
+            compute = {"module": self._module(shader, code), "entry_point": ENTRY_POINT}
             if constants:
                 compute["constants"] = constants
             try:
                 self._pipelines[key] = self.device.handle.create_compute_pipeline(
-                    label=shader, layout=self.layout(shader)[1], compute=compute)
+                    label=shader, layout=self.layout(shader, code)[1], compute=compute)
             except Exception as exc:
                 raise WebGPUError(f"wgpu could not build the pipeline of kernel {shader!r} with constants "
                                   f"{constants}: {exc}") from exc

@@ -95,14 +95,17 @@ class Program(ProgramBase):
 
     Same signature as the Vulkan Program: `buffers` maps BufferBinding keys to Buffers,
     `max_group_count` lowers the per-axis group limit (tests force splits with it), `timing` turns on
-    per-dispatch timestamps where the adapter has them, `max_dispatches_per_submit` bounds a submit. `timeout_s` is accepted for that signature only:
+    per-dispatch timestamps where the adapter has them, `max_dispatches_per_submit` bounds a submit, `modules` (shader name -> an embedded ShaderModule) gives those kernels' WGSL. `timeout_s` is accepted for that signature only:
     WebGPU waits by mapping a buffer, which has no timeout.
     """
 
     def __init__(self, device, dispatches: Sequence[Dispatch], buffers: Mapping[Hashable, Buffer] | None = None,
                  *, timing: bool = False, max_group_count: int | Sequence[int] | None = None,
-                 timeout_s: float | None = None, max_dispatches_per_submit: int | None = None):
+                 timeout_s: float | None = None, max_dispatches_per_submit: int | None = None,
+                 modules: Mapping[str, object] | None = None):
         self.device = device
+        # shader name -> WGSL text of a module embedded in the blob (else the local source)
+        self._codes = {name: module.text for name, module in (modules or {}).items()}
         self.submit_count = 0
         self.dispatches = tuple(dispatches)
         self._alive = False
@@ -118,7 +121,7 @@ class Program(ProgramBase):
         for dispatch in self.dispatches:
             if not isinstance(dispatch, Dispatch):
                 raise ScheduleError(f"Program takes Dispatch records, got {type(dispatch).__name__}")
-        missing = missing_kernels(device, (d.shader for d in self.dispatches))
+        missing = missing_kernels(device, (d.shader for d in self.dispatches if d.shader not in self._codes))
         if missing:
             raise MissingKernelsError(missing)
         max_counts = max_group_counts(device, max_group_count)
@@ -147,7 +150,8 @@ class Program(ProgramBase):
         device = self.device
         limits = device.limits
         where = f"dispatch #{position} {dispatch.name!r}"
-        interface = device.pipelines.interface(dispatch.shader)
+        code = self._codes.get(dispatch.shader)
+        interface = device.pipelines.interface(dispatch.shader, code)
         declared = len(interface.storage)
         if len(dispatch.bindings) != declared:
             raise ScheduleError(
@@ -229,8 +233,8 @@ class Program(ProgramBase):
                 data = header + dispatch.push_constants
                 size = ceil_div(max(len(data), interface.params_struct_bytes or 0, 16), 16) * 16
                 params.append(data + bytes(size - len(data)))
-        pipeline = device.pipelines.get(dispatch.shader, specialization)
-        group_layout = device.pipelines.layout(dispatch.shader)[0]
+        pipeline = device.pipelines.get(dispatch.shader, specialization, code)
+        group_layout = device.pipelines.layout(dispatch.shader, code)[0]
         return _Planned(dispatch, pipeline, group_layout, resolved, chunks, params)
 
     # ------------------------------------------------------------------------------- preparing

@@ -7,10 +7,12 @@ from flatbuffers.compat import import_numpy
 from typing import Any
 from typing import Optional
 from vktrain.serialization.generated.vkt_blob.ConstantData import ConstantData
+from vktrain.serialization.generated.vkt_blob.EmbeddedSchedule import EmbeddedSchedule
 from vktrain.serialization.generated.vkt_blob.MemoryObject import MemoryObject
 from vktrain.serialization.generated.vkt_blob.MetadataEntry import MetadataEntry
 from vktrain.serialization.generated.vkt_blob.MutableState import MutableState
 from vktrain.serialization.generated.vkt_blob.OpCall import OpCall
+from vktrain.serialization.generated.vkt_blob.ShaderModule import ShaderModule
 from vktrain.serialization.generated.vkt_blob.Value import Value
 np = import_numpy()
 
@@ -234,8 +236,56 @@ class VkGraph(object):
         o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(18))
         return o == 0
 
+    # VkGraph
+    def Schedules(self, j: int) -> Optional[EmbeddedSchedule]:
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(20))
+        if o != 0:
+            x = self._tab.Vector(o)
+            x += flatbuffers.number_types.UOffsetTFlags.py_type(j) * 4
+            x = self._tab.Indirect(x)
+            obj = EmbeddedSchedule()
+            obj.Init(self._tab.Bytes, x)
+            return obj
+        return None
+
+    # VkGraph
+    def SchedulesLength(self) -> int:
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(20))
+        if o != 0:
+            return self._tab.VectorLen(o)
+        return 0
+
+    # VkGraph
+    def SchedulesIsNone(self) -> bool:
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(20))
+        return o == 0
+
+    # VkGraph
+    def ShaderModules(self, j: int) -> Optional[ShaderModule]:
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(22))
+        if o != 0:
+            x = self._tab.Vector(o)
+            x += flatbuffers.number_types.UOffsetTFlags.py_type(j) * 4
+            x = self._tab.Indirect(x)
+            obj = ShaderModule()
+            obj.Init(self._tab.Bytes, x)
+            return obj
+        return None
+
+    # VkGraph
+    def ShaderModulesLength(self) -> int:
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(22))
+        if o != 0:
+            return self._tab.VectorLen(o)
+        return 0
+
+    # VkGraph
+    def ShaderModulesIsNone(self) -> bool:
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(22))
+        return o == 0
+
 def VkGraphStart(builder: flatbuffers.Builder):
-    builder.StartObject(8)
+    builder.StartObject(10)
 
 def Start(builder: flatbuffers.Builder):
     VkGraphStart(builder)
@@ -335,6 +385,30 @@ def VkGraphStartMetadataVector(builder, numElems: int) -> int:
 
 def StartMetadataVector(builder, numElems: int) -> int:
     return VkGraphStartMetadataVector(builder, numElems)
+
+def VkGraphAddSchedules(builder: flatbuffers.Builder, schedules: int):
+    builder.PrependUOffsetTRelativeSlot(8, flatbuffers.number_types.UOffsetTFlags.py_type(schedules), 0)
+
+def AddSchedules(builder: flatbuffers.Builder, schedules: int):
+    VkGraphAddSchedules(builder, schedules)
+
+def VkGraphStartSchedulesVector(builder, numElems: int) -> int:
+    return builder.StartVector(4, numElems, 4)
+
+def StartSchedulesVector(builder, numElems: int) -> int:
+    return VkGraphStartSchedulesVector(builder, numElems)
+
+def VkGraphAddShaderModules(builder: flatbuffers.Builder, shaderModules: int):
+    builder.PrependUOffsetTRelativeSlot(9, flatbuffers.number_types.UOffsetTFlags.py_type(shaderModules), 0)
+
+def AddShaderModules(builder: flatbuffers.Builder, shaderModules: int):
+    VkGraphAddShaderModules(builder, shaderModules)
+
+def VkGraphStartShaderModulesVector(builder, numElems: int) -> int:
+    return builder.StartVector(4, numElems, 4)
+
+def StartShaderModulesVector(builder, numElems: int) -> int:
+    return VkGraphStartShaderModulesVector(builder, numElems)
 
 def VkGraphEnd(builder: flatbuffers.Builder) -> int:
     return builder.EndObject()

@@ -1,0 +1,58 @@
+"""Which embedded schedule a program's method runs on a device (vktrain/serialization/embedded.py: the
+schedules `vktrain export --target` put in the delegate blob, and the matching rule).
+
+    selection = step_selection(graph, device, source)        # the training step: by the matching rule
+    selection = method_selection(graph, training, source)    # eval / accumulate: the step's profile
+    GraphExecutor(device, graph, **executor_options(selection))
+
+None: the blob embeds no schedules (or the step plans at load, or an emulated profile fits none of them), and the
+executor plans at load as before.
+The tables are verified (verify_schedule.py verify_embedded) before one is chosen.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from vktrain.runtime.device_profiles import planning_profile, profile_of
+from vktrain.serialization import graph as g
+from vktrain.serialization.embedded import NoMatchingScheduleError, Selection, schedule_for_profile, select_schedule
+from vktrain.serialization.verify_schedule import verify_embedded
+
+
+def step_selection(graph: g.VkGraph, device: Any, source: str) -> Selection | None:
+    """The embedded schedule the device's planning profile satisfies (the matching rule); None without
+    embedded schedules for the device's api; NoMatchingScheduleError when none of those fits. Under an
+    emulated profile (--device-profile) that no embedded schedule fits, None: the runtime plans for the
+    emulated profile at load, as it did before schedules were embedded (emulation runs the device as if it
+    were the profile, and a .pte rarely carries that profile's schedule)."""
+    profile = planning_profile(device)
+    if not any(embedded.profile.api == profile.api for embedded in graph.schedules):
+        return None  # none for this runtime's api (e.g. Vulkan schedules on the WebGPU runtime): plan at load
+    read = verify_embedded(graph, source)
+    try:
+        return select_schedule(graph.schedules, graph.shader_modules, profile,
+                               device_name=getattr(device, "name", "this device"), source=source, read=read)
+    except NoMatchingScheduleError:
+        if profile != profile_of(device):
+            return None
+        raise
+
+
+def method_selection(graph: g.VkGraph, training: Any, source: str) -> Selection | None:
+    """Another method's schedule for the profile the training step's executor (`training`) runs; None when
+    the step plans at load (so does this method)."""
+    target = getattr(training, "target_profile", None)
+    if target is None:
+        return None
+    read = verify_embedded(graph, source)
+    return schedule_for_profile(graph.schedules, graph.shader_modules, target.name, source=source, read=read)
+
+
+def executor_options(selection: Selection | None) -> dict[str, Any]:
+    """GraphExecutor's schedule, modules and target_profile for `selection` (nothing for None)."""
+    if selection is None:
+        return {}
+    return dict(schedule=selection.schedule, modules=selection.modules, target_profile=selection.profile)
+
+
+__all__ = ["executor_options", "method_selection", "step_selection"]
