@@ -1,4 +1,5 @@
-"""Rewrite imports of modules and names that moved when the imports were made to go one way (issue 25).
+"""Rewrite imports of modules and names that moved when the imports were made to go one way and kernel planning
+moved to the AOT side (issue 25).
 
     python scripts/follow_moves.py            # rewrites vktrain/, tests/, scripts/, docs/, README.md in place
 
@@ -23,11 +24,34 @@ MODULES = {
     "vktrain.runtime.program.pte_schema": "vktrain.serialization.pte_schema",
     "vktrain.runtime.program.verify": "vktrain.serialization.verify",
     "vktrain.train.tokenizer": "vktrain.serialization.tokenizer",
+    # Kernel planning: the runtime takes a Schedule, the AOT side plans it (a package move covers its modules:
+    # vktrain.runtime.delegate.kernels.layout -> vktrain.backend.kernel_planning.kernels.layout).
+    "vktrain.runtime.delegate.planner": "vktrain.backend.kernel_planning.planner",
+    "vktrain.runtime.delegate.op_lowering": "vktrain.backend.kernel_planning.op_lowering",
+    "vktrain.runtime.delegate.lowering_context": "vktrain.backend.kernel_planning.lowering_context",
+    "vktrain.runtime.delegate.kernels": "vktrain.backend.kernel_planning.kernels",
 }
-# Names that left a module that stays: (old module, name) -> (new module, new name).
+# Names that left a module that stays (or moved): (old module, name) -> (new module, new name). A name that left
+# a moved module is listed under the module's old path and its new one (kernel_planning_names below).
 _LAYOUT = "vktrain.runtime.delegate.kernels.layout"
 _ADAPTERS = "vktrain.train.adapters"
 _RUNNER = "vktrain.runtime.program.runner"
+_PLANNER, _LOWERING, _CONTEXT = "vktrain.runtime.delegate.planner", "vktrain.runtime.delegate.op_lowering", \
+    "vktrain.runtime.delegate.lowering_context"
+_COOPMAT = "vktrain.runtime.delegate.kernels.coopmat"
+
+
+def kernel_planning_names(table: dict) -> dict:
+    """`table` with each entry of a module that moved to vktrain.backend.kernel_planning also under its new path."""
+    moved = {old: new for old, new in MODULES.items() if new.startswith("vktrain.backend.kernel_planning")}
+    out = dict(table)
+    for (module, name), target in table.items():
+        for old, new in moved.items():
+            if module == old or module.startswith(old + "."):
+                out[(new + module[len(old):], name)] = target
+    return out
+
+
 NAMES = {
     **{(_LAYOUT, n): ("vktrain.serialization.strided_view", n) for n in (
         "KernelArgumentError", "_as_int_tuple", "check_shape", "contiguous_strides", "normalize_dim", "StridedView",
@@ -56,7 +80,19 @@ NAMES = {
         "ProgramInterpreter", "VerifiedTrainingProgram", "verify_training_program", "check_hparams_input",
         "check_instructions_supported", "check_loss_output", "check_storageless_tensors", "plan_input_names",
         "CPU_KERNELS")},
+    # Facts about a Schedule the runtime checks: the ground floor (serialization/schedule_memory.py, schedule.py).
+    **{(_PLANNER, n): ("vktrain.serialization.schedule_memory", n) for n in (
+        "MEMORY_BUDGET_ADVICE", "TRANSIENT_ROLES", "allocation_refusals", "check_allocations", "check_memory_budget",
+        "memory_budget_refusal", "owned_bytes", "reused_buffers")},
+    (_PLANNER, "SHARED_PREFIX"): ("vktrain.serialization.schedule", "SHARED_PREFIX"),
+    **{(module, "GraphLoweringError"): ("vktrain.errors", "GraphLoweringError")
+       for module in (_PLANNER, _LOWERING, _CONTEXT)},
+    (_COOPMAT, "PrecisionPolicyError"): ("vktrain.errors", "PrecisionPolicyError"),
+    (_COOPMAT, "allowed_precisions"): ("vktrain.contract", "allowed_precisions"),
+    ("vktrain.runtime.vk.coopmat", "supports_shape"): ("vktrain.serialization.device_profile", "supports_shape"),
+    **{("vktrain.runtime.vk.schedule", n): ("vktrain.serialization.dispatch", n) for n in ("ceil_div", "pack_push")},
 }
+NAMES = kernel_planning_names(NAMES)
 # Names used without an import that were renamed (a module that imported the old name uses the new one).
 RENAMED = {old_name: new_name for (_, old_name), (_, new_name) in NAMES.items() if old_name != new_name}
 WHERE = ("vktrain", "tests", "scripts", "docs", "README.md")

@@ -317,7 +317,7 @@ def test_runtime_argument_names_follow_the_torch_schemas():
     them. Both must list the same arguments in the same order, for every op the runtime executes."""
     import executorch.exir.passes.dim_order_ops_registry  # noqa: F401  (registers dim_order_ops)
 
-    from vktrain.runtime.delegate.op_lowering import OP_LOWERINGS
+    from vktrain.backend.kernel_planning.op_lowering import OP_LOWERINGS
 
     for key, lowering in OP_LOWERINGS.items():
         namespace, name, overload = key.split(".")

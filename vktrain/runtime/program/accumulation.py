@@ -17,6 +17,7 @@ from typing import Any, Mapping, Optional
 import numpy as np
 
 from vktrain.contract import ACCUMULATE_METHOD, GRAD_ACC_PREFIX
+from vktrain.runtime.program.schedules import Planner, method_schedule
 from vktrain.runtime.delegate.executor import GraphExecutor
 from vktrain.runtime.program.interpreter import (
     ProgramInterpreter, check_instructions_supported, check_loss_output, check_storageless_tensors, plan_input_names
@@ -30,12 +31,13 @@ from vktrain.serialization import graph as g
 
 class AccumulateMethod:
     """The .pte's accumulate method on the device of `training` (the step's GraphExecutor), bound to its
-    state. Verified like the training step before anything is allocated. `reuse_activations=False` gives it
+    state, run by the schedule `planner` makes (schedules.py). Verified like the training step before anything
+    is allocated. `reuse_activations=False` gives it
     activation buffers of its own (tests compare the two)."""
 
     def __init__(self, pte: PteFile, training: GraphExecutor, *, verify_constants: bool = True,
                  host_memory_limit: Optional[int] = None, device_memory_limit: Optional[int] = None,
-                 reuse_activations: bool = True):
+                 reuse_activations: bool = True, planner: Optional[Planner] = None):
         if ACCUMULATE_METHOD not in pte.method_names:
             raise UnsupportedProgramError(
                 f"{pte.source} has no {ACCUMULATE_METHOD!r} method (it has {pte.method_names}): gradient "
@@ -61,9 +63,11 @@ class AccumulateMethod:
                             else device_memory_limit)
         shared = {name: tensor for name, tensor in state.items() if name in names}  # adapters and grad_acc
         shared.update(training.constants_matching(self.graph))  # the frozen base: on the device once
-        self.executor = GraphExecutor(training.device, self.graph, timing=False, shared=shared,
-                                      max_binding_bytes=training.max_binding_bytes,
-                                      resident_bytes=training.program_bytes, arena=training if reuse_activations else None)
+        obtained = method_schedule(self.graph, training.device, planner=planner, embedded=None, source=self._source,
+                                   shared=shared, max_binding_bytes=training.max_binding_bytes)
+        self.executor = GraphExecutor(training.device, self.graph, obtained.schedule, verify=obtained.verify,
+                                      timing=False, shared=shared, resident_bytes=training.program_bytes,
+                                      arena=training if reuse_activations else None)
         try:
             self._interpreter = ProgramInterpreter(pte, plan, self._run_delegate, host_memory_limit=host_memory_limit)
         except BaseException:

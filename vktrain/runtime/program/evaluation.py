@@ -19,7 +19,8 @@ from typing import Any, Mapping, Optional
 import numpy as np
 
 from vktrain.contract import EVAL_INPUTS, EVAL_METHOD, LABELS, MODEL_PREFIX, N_VALID, TOKEN_IDS
-from vktrain.runtime.delegate.executor import ExecutorInputError, GraphExecutor, SharedTensor
+from vktrain.runtime.program.schedules import Planner, method_schedule
+from vktrain.runtime.delegate.executor import ExecutorInputError, GraphExecutor
 from vktrain.serialization.pte import PteFile
 from vktrain.runtime.program.interpreter import (
     ProgramInterpreter, check_instructions_supported, check_loss_output, check_storageless_tensors, plan_input_names
@@ -32,12 +33,13 @@ from vktrain.serialization import graph as g
 
 class EvalMethod:
     """The .pte's eval method on the device of `training` (the training step's GraphExecutor), bound to
-    its state. Verified like the training step before anything is allocated. `reuse_activations=False` gives
+    its state, run by the schedule `planner` makes (schedules.py). Verified like the training step before
+    anything is allocated. `reuse_activations=False` gives
     it activation buffers of its own (tests compare the two)."""
 
     def __init__(self, pte: PteFile, training: GraphExecutor, *, timing: bool = False, verify_constants: bool = True,
                  host_memory_limit: Optional[int] = None, device_memory_limit: Optional[int] = None,
-                 reuse_activations: bool = True):
+                 reuse_activations: bool = True, planner: Optional[Planner] = None):
         if EVAL_METHOD not in pte.method_names:
             raise UnsupportedProgramError(
                 f"{pte.source} has no {EVAL_METHOD!r} method (it has {pte.method_names}): it was exported without "
@@ -65,9 +67,10 @@ class EvalMethod:
                             else device_memory_limit)
         shared = {name: state[name] for name in lora}
         shared.update(training.constants_matching(self.graph))  # the frozen base: on the device once
-        self.executor = GraphExecutor(training.device, self.graph, timing=timing, shared=shared,
-                                      max_binding_bytes=training.max_binding_bytes,
-                                      resident_bytes=training.program_bytes,
+        obtained = method_schedule(self.graph, training.device, planner=planner, embedded=None, source=self._source,
+                                   shared=shared, max_binding_bytes=training.max_binding_bytes)
+        self.executor = GraphExecutor(training.device, self.graph, obtained.schedule, verify=obtained.verify,
+                                      timing=timing, shared=shared, resident_bytes=training.program_bytes,
                                       arena=training if reuse_activations else None)
         try:
             self._interpreter = ProgramInterpreter(pte, plan, self._run_delegate, host_memory_limit=host_memory_limit)
