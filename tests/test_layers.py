@@ -300,6 +300,10 @@ def test_follow_moves_points_old_imports_at_the_new_homes(tmp_path):
                     "from vktrain.cli import _parse_model_args\n"
                     "from vktrain.runtime.program.pte import PteFile\n"
                     "from vktrain.models import load\n"
+                    "from vktrain.runtime.delegate.kernels.coopmat import GemmRoute, allowed_precisions\n"
+                    "from vktrain.runtime.delegate.kernels.layout import plan_fill, StridedView\n"
+                    "from vktrain.runtime.delegate.planner import plan_schedule, owned_bytes\n"
+                    "from vktrain.runtime.delegate.kernels import attention  # kernels/attention.py\n"
                     "overrides = _parse_model_args(items)  # vktrain/train/tokenizer.py\n")
     assert follow_moves.follow(path) and not follow_moves.follow(path)
     assert path.read_text().split("\n") == [
@@ -308,4 +312,11 @@ def test_follow_moves_points_old_imports_at_the_new_homes(tmp_path):
         "from vktrain.train.model_options import parse_model_args",
         "from vktrain.serialization.pte import PteFile",
         "from vktrain.models import load",
+        "from vktrain.backend.kernel_planning.kernels.coopmat import GemmRoute",
+        "from vktrain.contract import allowed_precisions",
+        "from vktrain.backend.kernel_planning.kernels.layout import plan_fill",
+        "from vktrain.serialization.strided_view import StridedView",
+        "from vktrain.backend.kernel_planning.planner import plan_schedule",
+        "from vktrain.serialization.schedule_memory import owned_bytes",
+        "from vktrain.backend.kernel_planning.kernels import attention  # kernels/attention.py",
         "overrides = parse_model_args(items)  # vktrain/serialization/tokenizer.py", ""]
