@@ -213,8 +213,8 @@ def _batches(batch, vocab, steps):
 HPARAMS = np.array([1e-2, 0.9, 0.999, 1e-8, 0.01], np.float32)
 
 
-def _train(path, device, batches, planner=plan_schedule, **options):
-    with TrainingRunner.from_pte(path, device, **options) as runner:
+def _train(path, device, batches, **options):
+    with TrainingRunner.from_pte(path, device, planner=plan_schedule, **options) as runner:
         ops = [op.name for op in runner.executor.ops]
         shaders = [d.shader for d in runner.executor.dispatches]
         losses = [runner.step(token_ids, labels, HPARAMS) for token_ids, labels in batches]

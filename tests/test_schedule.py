@@ -22,6 +22,7 @@ from vktrain.serialization.device_profile import NVIDIA_COOPMAT
 from vktrain.runtime.program import fuzz
 from vktrain.runtime.device_profiles import profile_of
 from vktrain.runtime.program.runner import TrainingRunner
+from vktrain.runtime.program.schedules import NoScheduleError
 from vktrain.serialization.dispatch import BufferBinding, Dispatch
 from vktrain.serialization.verify import VerificationError
 from vktrain.serialization.verify_schedule import verify_schedule
@@ -272,6 +273,24 @@ def test_the_verifier_refuses_each_broken_fact(vk_device, mlp_pte):
             GraphExecutor(vk_device, graph, bad)
 
 
+def test_the_runner_plans_nothing_itself_it_calls_the_planner_it_is_given(vk_device, mlp_pte):
+    """The runtime holds no kernel choice: without a schedule or a planner a load is refused, naming the file;
+    with a planner, the runner calls it once for the step with the device's profile and the planning options."""
+    with pytest.raises(NoScheduleError, match=rf"{mlp_pte}: no schedule for .*no planner was given"):
+        TrainingRunner.from_pte(mlp_pte, vk_device)
+    calls = []
+
+    def planner(graph, profile, **options):
+        calls.append((profile, options))
+        return plan_schedule(graph, profile, **options)
+
+    with TrainingRunner.from_pte(mlp_pte, vk_device, planner=planner, max_binding_bytes=SMALL_BINDING) as runner:
+        assert runner.executor.schedule == plan_schedule(runner.graph, profile_of(vk_device), state_guard=True,
+                                                         max_binding_bytes=SMALL_BINDING)
+    assert calls == [(profile_of(vk_device), dict(precision="auto", emulate_tensor_cores=False,
+                                                  max_binding_bytes=SMALL_BINDING, state_guard=True))]
+
+
 def test_the_state_guard_is_planned_into_the_schedule_read_back_and_verified(vk_device, mlp_pte):
     """plan_schedule(state_guard=True) plans the guard's dispatches over the step's state buffers: one backup
     range per state tensor (the runtime's names, the graph's order) and, for each, a check dispatch binding the
@@ -311,9 +330,11 @@ SCHEDULE_MUTANTS = 400
 
 def test_schedule_mutants_are_refused_cleanly_or_verified(vk_device, mlp_pte):
     """Mutated schedule bytes: every one refused by the reader or the verifier, or read as a schedule the
-    verifier accepts; none escapes as another exception."""
+    verifier accepts; none escapes as another exception. The step's schedule as the runner plans it: its state
+    guard's tables too."""
     graph = _graph(mlp_pte, vk_device)
-    original = serialize_schedule(plan_schedule(graph, profile_of(vk_device), max_binding_bytes=SMALL_BINDING))
+    original = serialize_schedule(plan_schedule(graph, profile_of(vk_device), max_binding_bytes=SMALL_BINDING,
+                                                state_guard=True))
     table = fuzz.schedule_campaign(original, graph, shader_sources(), SCHEDULE_MUTANTS, seed=0)
     print(f"\n{SCHEDULE_MUTANTS} schedule mutants: {dict(table)}")
     assert not [label for label in table if label.startswith("BUG")], table

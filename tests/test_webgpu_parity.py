@@ -74,10 +74,10 @@ def _llama_batches(count: int):
         yield token_ids, labels
 
 
-def open_webgpu_runner(path, device, planner=plan_schedule, **options) -> TrainingRunner:
+def open_webgpu_runner(path, device, **options) -> TrainingRunner:
     """The program on the WebGPU device, or a skip naming the shaders that have no WGSL kernel yet."""
     try:
-        return TrainingRunner.from_pte(path, device, **options)
+        return TrainingRunner.from_pte(path, device, planner=plan_schedule, **options)
     except MissingKernelsError as exc:
         pytest.skip(f"{path.name}: no WGSL kernel yet for {', '.join(exc.shaders)}")
 

@@ -314,7 +314,7 @@ def test_webgpu_f16_kernels_equal_vulkans_emulated_fp16_tc_bit_for_bit(f16_devic
     x = rng.standard_normal((M, K)).astype(np.float32)
     inputs = {"x": x, "w": prepack_weights(flat, K), "s": scales}
     results = [_run(device, plan_coopmat_linear_q4gsw(M=M, N=N, K=K, group_size=32, out="out", x="x", weights="w",
-                                                      scales="s", planner=plan_schedule, **options), inputs, (M, N))
+                                                      scales="s", **options), inputs, (M, N))
                for device, options in ((f16_device, wgsl), (vk_device, emulated))]
     np.testing.assert_array_equal(*results, err_msg="coopmat_linear_q4gsw")
     d_out = (rng.standard_normal((M, N)) * 1e-6).astype(np.float32)
@@ -359,7 +359,7 @@ def test_tiny_llama_trains_through_webgpu_fp16_tc_within_the_fp16_step_bound(f16
 
     path, model = tiny_llama_step
     options = dict(precision=PRECISION_FP16_TC, emulate_tensor_cores=True)
-    with TrainingRunner.from_pte(path, f16_device, **options) as runner:
+    with TrainingRunner.from_pte(path, f16_device, planner=plan_schedule, **options) as runner:
         executor = runner.executor
         report = runner.gemm_report()
         assert executor.gemm_route.wgsl and "f16 WGSL, no tensor cores" in report

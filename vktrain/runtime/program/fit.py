@@ -93,11 +93,11 @@ def _shared_with(owners: list[vk.VkGraph], graph: vk.VkGraph) -> dict[str, _Shar
     return shared
 
 
-def _delegate_fit(graph: vk.VkGraph, profile: DeviceProfile, plan_schedule: Planner) -> dict:
+def _delegate_fit(graph: vk.VkGraph, profile: DeviceProfile, planner: Planner) -> dict:
     limits = {"max_allocation_bytes": profile.max_allocation_bytes,
               "max_storage_buffer_range": profile.max_storage_buffer_range}
     try:
-        schedule = plan_schedule(graph, profile)
+        schedule = planner(graph, profile)
     except (GraphLoweringError, KernelArgumentError) as exc:  # a binding no kernel can split
         return {"fits": False, "planned": False, **limits,
                 "refusals": [{"limit": "max_storage_buffer_range", "profile_value": profile.max_storage_buffer_range,
@@ -133,7 +133,7 @@ def _graphs(pte: PteFile, data: bytes, method: str | None, source: str) -> list[
 
 
 def _method_fit(pte: PteFile, data: bytes, step: list[vk.VkGraph], profile: DeviceProfile, source: str,
-                method: str, plan_schedule: Planner) -> dict | None:
+                method: str, planner: Planner) -> dict | None:
     """The eval or accumulate method's own device memory next to the training step's (None: the .pte has
     none). Each method's intermediates reuse the step's (GraphExecutor `arena`; the methods and the step never
     run at once, so both may take the same step buffers): only the excess counts."""
@@ -142,13 +142,13 @@ def _method_fit(pte: PteFile, data: bytes, step: list[vk.VkGraph], profile: Devi
     offered = {}
     if len(step) == 1:  # the runtime's arena: the one step executor's buffers
         try:
-            offered = {b.key: b.size_bytes for b in plan_schedule(step[0], profile).buffers if b.role in TRANSIENT_ROLES}
+            offered = {b.key: b.size_bytes for b in planner(step[0], profile).buffers if b.role in TRANSIENT_ROLES}
         except (GraphLoweringError, KernelArgumentError):
             pass  # the step itself is refused (its delegate's report says why)
     owned, refusals = 0, []
     for graph in _graphs(pte, data, method, source):
         try:
-            schedule = plan_schedule(graph, profile, shared=_shared_with(step, graph))
+            schedule = planner(graph, profile, shared=_shared_with(step, graph))
         except (GraphLoweringError, KernelArgumentError) as exc:
             refusals.append({"limit": "max_storage_buffer_range", "profile_value": profile.max_storage_buffer_range,
                              "message": f"{method} method: {exc}", "change": BINDING_ADVICE})
