@@ -304,8 +304,14 @@ def test_follow_moves_points_old_imports_at_the_new_homes(tmp_path):
                     "from vktrain.runtime.delegate.kernels.layout import plan_fill, StridedView\n"
                     "from vktrain.runtime.delegate.planner import plan_schedule, owned_bytes\n"
                     "from vktrain.runtime.delegate.kernels import attention  # kernels/attention.py\n"
+                    "from vktrain.runtime.delegate import executor, op_lowering\n"
                     "overrides = _parse_model_args(items)  # vktrain/train/tokenizer.py\n")
     assert follow_moves.follow(path) and not follow_moves.follow(path)
+    calls = tmp_path / "calls.py"
+    calls.write_text("a = TrainingRunner.from_pte(path, device)\nb = TrainingRunner.from_pte(path, planner=plan)\n"
+                     "c = GraphExecutor(device, graph, precision='fp32')\nd = GraphExecutor(device, graph, schedule)\n")
+    assert [line.split(": ")[0] for line in follow_moves.calls_without_a_schedule(calls)] == [
+        f"{calls}:1", f"{calls}:3"]
     assert path.read_text().split("\n") == [
         "from vktrain.train.eval_command import adapter_state  # used below",
         "from vktrain.train.held_out import evaluate_data",
@@ -319,4 +325,6 @@ def test_follow_moves_points_old_imports_at_the_new_homes(tmp_path):
         "from vktrain.backend.kernel_planning.planner import plan_schedule",
         "from vktrain.serialization.schedule_memory import owned_bytes",
         "from vktrain.backend.kernel_planning.kernels import attention  # kernels/attention.py",
+        "from vktrain.runtime.delegate import executor",
+        "from vktrain.backend.kernel_planning import op_lowering",
         "overrides = parse_model_args(items)  # vktrain/serialization/tokenizer.py", ""]

@@ -277,7 +277,7 @@ def test_the_runner_plans_nothing_itself_it_calls_the_planner_it_is_given(vk_dev
     """The runtime holds no kernel choice: without a schedule or a planner a load is refused, naming the file;
     with a planner, the runner calls it once for the step with the device's profile and the planning options."""
     with pytest.raises(NoScheduleError, match=rf"{mlp_pte}: no schedule for .*no planner was given"):
-        TrainingRunner.from_pte(mlp_pte, vk_device)
+        TrainingRunner.from_pte(mlp_pte, vk_device, planner=None)
     calls = []
 
     def planner(graph, profile, **options):
