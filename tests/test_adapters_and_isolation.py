@@ -84,10 +84,11 @@ def test_runner_runs_a_pte_where_torch_and_executorch_cannot_be_imported(exporte
                     raise ImportError("blocked import of " + name)
         sys.meta_path.insert(0, Block())
         import numpy as np
+        from vktrain.backend.kernel_planning import plan_schedule  # kernel planning needs no torch either
         from vktrain.runtime.program.runner import TrainingRunner
         tokens = np.array({tokens.tolist()}); labels = np.array({labels.tolist()})
         hparams = np.array({HPARAMS.tolist()}, np.float32)
-        with TrainingRunner.from_pte({str(path)!r}) as runner:
+        with TrainingRunner.from_pte({str(path)!r}, planner=plan_schedule) as runner:
             losses = [runner.step(tokens, labels, hparams) for _ in range(3)]
         assert all(np.isfinite(losses)) and losses[2] < losses[0], losses
         loaded = sorted(m for m in sys.modules if m.split(".")[0] in ("torch", "executorch"))
