@@ -44,21 +44,21 @@ from bench_timing import median_cuda_ms  # noqa: E402
 
 from vktrain import quant  # noqa: E402
 from vktrain.runtime import Buffer, Device, Program  # noqa: E402
-from vktrain.runtime.delegate.kernels.coopmat import (  # noqa: E402
+from vktrain.backend.kernel_planning.kernels.coopmat import (  # noqa: E402
     absmax_scratch_nbytes,
     coopmat_supported,
     plan_coopmat_linear_q4gsw,
     plan_coopmat_linear_q4gsw_backward,
     plan_coopmat_mm,
 )
-from vktrain.runtime.delegate.kernels.coopmat_tiling import (  # noqa: E402
+from vktrain.backend.kernel_planning.kernels.coopmat_tiling import (  # noqa: E402
     KERNELS,
     TILING_BY_NAME,
     TILINGS,
     default_tiling,
 )
-from vktrain.runtime.delegate.kernels.linear import plan_linear_q4gsw, plan_scratch_nbytes, prepack_weights  # noqa: E402
-from vktrain.runtime.delegate.kernels.matmul import gemm_scratch_nbytes, plan_mm  # noqa: E402
+from vktrain.backend.kernel_planning.kernels.linear import plan_linear_q4gsw, plan_scratch_nbytes, prepack_weights  # noqa: E402
+from vktrain.backend.kernel_planning.kernels.matmul import gemm_scratch_nbytes, plan_mm  # noqa: E402
 
 GROUP_SIZE = 32
 FULL_MS = (512, 1024, 2048, 4096)

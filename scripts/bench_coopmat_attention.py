@@ -33,8 +33,8 @@ from bench_results import out_error  # noqa: E402
 from bench_timing import median_cuda_ms  # noqa: E402
 
 from vktrain.runtime import Buffer, Device, Program, run_dispatches  # noqa: E402
-from vktrain.runtime.delegate.kernels import attention, coopmat_attention  # noqa: E402
-from vktrain.runtime.delegate.kernels.coopmat import coopmat_supported  # noqa: E402
+from vktrain.backend.kernel_planning.kernels import attention, coopmat_attention  # noqa: E402
+from vktrain.backend.kernel_planning.kernels.coopmat import coopmat_supported  # noqa: E402
 
 
 def _rel_err(actual: np.ndarray, expected: np.ndarray) -> float:

@@ -39,8 +39,9 @@ TAIL_STEPS = 10
 def train(path: Path, device, precision: str, steps: int, batch_count: int) -> dict:
     """`steps` losses of the .pte at `path` trained under `precision`, with its route report."""
     from vktrain.runtime.program.runner import TrainingRunner
+    from vktrain.backend.kernel_planning import plan_schedule
 
-    with TrainingRunner.from_pte(path, device, precision=precision) as runner:
+    with TrainingRunner.from_pte(path, device, planner=plan_schedule, precision=precision) as runner:
         if BENCH_CONFIG_KEY not in runner.graph.metadata:
             raise SystemExit(f"{path}: no {BENCH_CONFIG_KEY!r} metadata; export it with scripts/bench_step.py export")
         config = BenchConfig(**json.loads(runner.graph.metadata[BENCH_CONFIG_KEY]))

@@ -131,9 +131,10 @@ def load_and_step(path: Path, batch: int, seq: int, timer: StageTimer) -> dict:
 
     from vktrain.contract import hparams_values
     from vktrain.runtime.program.runner import TrainingRunner
+    from vktrain.backend.kernel_planning import plan_schedule
 
     with timer.stage("runtime load (read + verify + upload)"):
-        runner = TrainingRunner.from_pte(path)
+        runner = TrainingRunner.from_pte(path, planner=plan_schedule)
     rng = np.random.default_rng(0)
     tokens = rng.integers(0, runner.vocab_size, (batch, seq))
     with timer.stage("first training step"):

@@ -15,7 +15,7 @@ import numpy as np
 
 from vktrain import quant
 from vktrain.runtime import Buffer
-from vktrain.runtime.delegate.kernels import KERNELS
+from vktrain.backend.kernel_planning.kernels import KERNELS
 
 @dataclass
 class Case:
@@ -50,7 +50,7 @@ SMOLLM2_SMALL_M = (1, 4, 9)  # around the GEMV thresholds (linear.GEMV_MAX_ROWS,
 
 
 def _linear_cases(preset: str, rng) -> list[Case]:
-    from vktrain.runtime.delegate.kernels.linear import prepack_weights
+    from vktrain.backend.kernel_planning.kernels.linear import prepack_weights
 
     group_size = 32
     if preset == "quick":
@@ -80,7 +80,7 @@ def _linear_cases(preset: str, rng) -> list[Case]:
 def _linear_setup(plan_name: str, plan_kwargs: dict, arrays: dict[str, np.ndarray], out_shape):
     """Vulkan setup of a linear-family case. `overrides` (tiles, split_k) come from --sweep; the
     default plan gets a split-K scratch buffer whenever it would use one."""
-    from vktrain.runtime.delegate.kernels.linear import plan_scratch_nbytes, split_k_scratch_nbytes
+    from vktrain.backend.kernel_planning.kernels.linear import plan_scratch_nbytes, split_k_scratch_nbytes
 
     def setup(device, limits, **overrides):
         buffers = {key: Buffer.from_array(device, a, name=key) for key, a in arrays.items()}
@@ -103,7 +103,7 @@ def _linear_setup(plan_name: str, plan_kwargs: dict, arrays: dict[str, np.ndarra
 
 def linear_sweep(plan_name: str, shape: dict[str, int]) -> list[dict[str, Any]]:
     """Alternative configurations --sweep times for a linear case (the default runs anyway)."""
-    from vktrain.runtime.delegate.kernels.linear import GEMV_MAX_ROWS, GemmTiles, GemvTiles, default_split_k
+    from vktrain.backend.kernel_planning.kernels.linear import GEMV_MAX_ROWS, GemmTiles, GemvTiles, default_split_k
 
     M, N, K = shape["M"], shape["N"], shape["K"]
     if plan_name != "linear_dW" and M <= GEMV_MAX_ROWS:
@@ -122,7 +122,7 @@ def linear_sweep(plan_name: str, shape: dict[str, int]) -> list[dict[str, Any]]:
 def mm_sweep(shape: dict[str, int]) -> list[dict[str, Any]]:
     """The split-K counts --sweep times for an aten.mm case besides the default plan's: unsplit, and the
     powers of two the default could pick (for the skinny LoRA products: one dispatch instead of two)."""
-    from vktrain.runtime.delegate.kernels.matmul import MAX_SPLIT_K, default_split_k
+    from vktrain.backend.kernel_planning.kernels.matmul import MAX_SPLIT_K, default_split_k
 
     default = default_split_k(1, shape["M"], shape["N"], shape["K"])
     return [dict(split_k=split) for split in (1, 2, 4, 8, 16, MAX_SPLIT_K) if split != default]
@@ -219,7 +219,7 @@ def _mm_cases(preset: str, rng) -> list[Case]:
 
         def setup_vk(device, limits, a=a, b=b, a_view=view(a_shape, a_t), b_view=view(b_shape, b_t), M=M, N=N, K=K,
                      **overrides):
-            from vktrain.runtime.delegate.kernels.matmul import gemm_scratch_nbytes, plan_gemm, split_k_scratch_nbytes
+            from vktrain.backend.kernel_planning.kernels.matmul import gemm_scratch_nbytes, plan_gemm, split_k_scratch_nbytes
 
             buffers = {"a": Buffer.from_array(device, a), "b": Buffer.from_array(device, b),
                        "out": Buffer(device, 4 * M * N)}
@@ -243,7 +243,7 @@ def _mm_cases(preset: str, rng) -> list[Case]:
 
 # ----------------------------------------------------------------------------------- other families
 def _fused_ce_cases(quick: bool, rng) -> list[Case]:
-    from vktrain.runtime.delegate.kernels.cross_entropy import fused_ce_scratch_nbytes
+    from vktrain.backend.kernel_planning.kernels.cross_entropy import fused_ce_scratch_nbytes
 
     V = 1000 if quick else 128256
     cases = []
@@ -326,9 +326,9 @@ def _elementwise_cases(quick: bool, rng) -> list[Case]:
     plan picks (vec4=1) and on the general variant (vec4=0: a thread per element, index arithmetic)."""
     from dataclasses import replace
 
-    from vktrain.runtime.delegate.kernels.elementwise import plan_binary
+    from vktrain.backend.kernel_planning.kernels.elementwise import plan_binary
     from vktrain.serialization.strided_view import StridedView
-    from vktrain.runtime.delegate.kernels.layout import elementwise_groups
+    from vktrain.backend.kernel_planning.kernels.layout import elementwise_groups
 
     cases = []
     for rows, cols in (((64, 260),) if quick else ((2048, 2048), (2048, 8192))):
@@ -397,7 +397,7 @@ def _attention_cases(quick: bool, rng) -> list[Case]:
     half of the matmuls: 2 for the forward (q k^T, P v), 5 for the backward (the algorithm's, not the
     recomputation the deterministic kernels add)."""
     from vktrain.runtime import run_dispatches
-    from vktrain.runtime.delegate.kernels.attention import causal_attention_backward_scratch_nbytes
+    from vktrain.backend.kernel_planning.kernels.attention import causal_attention_backward_scratch_nbytes
 
     B, Hq, Hkv, D = (1, 4, 2, 64) if quick else (1, 32, 8, 64)
     cases = []

@@ -18,7 +18,7 @@ linears, the rank-8 LoRA products, the tied 49152 x 576 head) instead of the def
 times every linear-family and aten.mm case once per listed device tuning (kernels/gemm_tuning.py) and
 reports, per case, each tuning's time and its relative difference from the first tuning's result.
 
-Kernels come from the registry (vktrain.runtime.delegate.kernels); families that are not importable are
+Kernels come from the registry (vktrain.backend.kernel_planning.kernels); families that are not importable are
 reported as skipped. The cases (shapes, the Vulkan and PyTorch work) are in bench_kernel_cases.py, the
 CUDA-event timing in bench_timing.py. Needs numpy, torch and the `vulkan` binding; never imports executorch.
 """
@@ -46,7 +46,7 @@ from bench_kernel_cases import (CASE_BUILDERS, PRESET_BUILDERS, TUNED_KERNELS, C
 from bench_results import out_error, write_run  # noqa: E402
 from bench_timing import median_cuda_ms  # noqa: E402
 from vktrain.runtime import Device, Program  # noqa: E402
-from vktrain.runtime.delegate.kernels import KERNELS  # noqa: E402
+from vktrain.backend.kernel_planning.kernels import KERNELS  # noqa: E402
 
 # Families registered by modules that kernels/__init__ may not import yet; imported here if present.
 _FAMILY_MODULES = ("linear", "cross_entropy", "optimizer", "requant", "attention")
@@ -149,13 +149,13 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if out_error(args.out):
         parser.error(out_error(args.out))
-    from vktrain.runtime.delegate.kernels.gemm_tuning import check_tuning
+    from vktrain.backend.kernel_planning.kernels.gemm_tuning import check_tuning
     tunings = [check_tuning(t.strip(), "--tunings") for t in args.tunings.split(",") if t.strip()]
     preset = "smollm2" if args.smollm2 else "quick" if args.quick else "full"
 
     for module in _FAMILY_MODULES:
         try:
-            importlib.import_module(f"vktrain.runtime.delegate.kernels.{module}")
+            importlib.import_module(f"vktrain.backend.kernel_planning.kernels.{module}")
         except ImportError as exc:
             print(f"note: kernel family {module!r} not importable ({exc}); its kernels are skipped")
     default_kernels = TUNED_KERNELS if args.smollm2 else list(CASE_BUILDERS)

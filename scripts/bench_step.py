@@ -413,9 +413,10 @@ def _baseline_key(graph, config: BenchConfig) -> str:
 def run_one(path: Path, device, args, torch, torch_device, torch_note: str | None,
             baseline_cache: dict[str, dict[str, np.ndarray]]) -> dict[str, Any]:
     from vktrain.runtime.program.runner import TrainingRunner
+    from vktrain.backend.kernel_planning import plan_schedule
 
     start = time.perf_counter()
-    runner = TrainingRunner.from_pte(path, device, precision=args.precision)
+    runner = TrainingRunner.from_pte(path, device, planner=plan_schedule, precision=args.precision)
     load_s = time.perf_counter() - start
     graph = runner.graph
     try:

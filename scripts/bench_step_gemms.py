@@ -34,10 +34,10 @@ from bench_results import out_error  # noqa: E402
 from vktrain import quant  # noqa: E402
 from vktrain.contract import PRECISION_FP16_TC  # noqa: E402
 from vktrain.runtime import Buffer, Device  # noqa: E402
-from vktrain.runtime.delegate.kernels import coopmat, coopmat_tiling  # noqa: E402
-from vktrain.runtime.delegate.kernels.linear import (plan_linear_q4gsw, plan_linear_q4gsw_backward,  # noqa: E402
+from vktrain.backend.kernel_planning.kernels import coopmat, coopmat_tiling  # noqa: E402
+from vktrain.backend.kernel_planning.kernels.linear import (plan_linear_q4gsw, plan_linear_q4gsw_backward,  # noqa: E402
                                                      plan_scratch_nbytes, prepack_weights)
-from vktrain.runtime.delegate.kernels.matmul import gemm_scratch_nbytes, plan_mm  # noqa: E402
+from vktrain.backend.kernel_planning.kernels.matmul import gemm_scratch_nbytes, plan_mm  # noqa: E402
 
 # (kind, output columns, reduction) of the step's GEMMs whose output at 128 tokens has fewer than
 # MIN_WORKGROUPS size tiles (top_gemms of the step measured at commit 3781412: git show

@@ -107,10 +107,11 @@ def export_command(model_name: str, shape: tuple[int, int], out_dir: Path, min_b
 
 def time_step_alone(path: Path, warmup: int, steps: int) -> dict[str, Any]:
     from vktrain.runtime.program.runner import TrainingRunner
+    from vktrain.backend.kernel_planning import plan_schedule
     from vktrain.train.data import TokenBatcher, default_dataset_path, load_tokens
 
     start = time.perf_counter()
-    runner = TrainingRunner.from_pte(path, timing=False)
+    runner = TrainingRunner.from_pte(path, planner=plan_schedule, timing=False)
     load_s = time.perf_counter() - start
     with runner:
         batch, seq = runner.batch_shape

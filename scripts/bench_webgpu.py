@@ -109,11 +109,12 @@ def bench_devices(args) -> list[tuple[str, str, dict[str, Any]]]:
 
 def run_runtime(runtime: str, device, path: Path, args, precision: str = PRECISION_FP32) -> dict[str, Any]:
     from vktrain.runtime.program.runner import TrainingRunner
+    from vktrain.backend.kernel_planning import plan_schedule
 
     start = time.perf_counter()
     try:
         # An explicit precision per run (never `auto`, which would take Vulkan's tensor cores only).
-        runner = TrainingRunner.from_pte(path, device, precision=precision)
+        runner = TrainingRunner.from_pte(path, device, planner=plan_schedule, precision=precision)
     except VktrainError as exc:  # e.g. a WGSL kernel missing, a tensor over max-storage-buffer-binding-size
         return {"error": f"{type(exc).__name__}: {exc}"}
     record: dict[str, Any] = {"load_s": time.perf_counter() - start, "precision": precision}
@@ -237,10 +238,10 @@ def run_command(args) -> int:
 def _gemm_cases(M: int, N: int, K: int, group_size: int):
     """(name, dispatches, inputs {key: array}, output shape) of each timed GEMM kernel at one shape."""
     from vktrain.quant import quantize
-    from vktrain.runtime.delegate.kernels.gemm_tuning import GPU_TUNING
-    from vktrain.runtime.delegate.kernels.linear import (plan_linear_dw, plan_linear_q4gsw,
+    from vktrain.backend.kernel_planning.kernels.gemm_tuning import GPU_TUNING
+    from vktrain.backend.kernel_planning.kernels.linear import (plan_linear_dw, plan_linear_q4gsw,
                                                          plan_linear_q4gsw_backward, prepack_weights)
-    from vktrain.runtime.delegate.kernels.matmul import plan_mm
+    from vktrain.backend.kernel_planning.kernels.matmul import plan_mm
 
     rng = np.random.default_rng(0)
     flat, scales = quantize(rng.standard_normal((N, K)).astype(np.float32), group_size)
@@ -264,9 +265,9 @@ def _fp16_tc_cases(M: int, N: int, K: int, group_size: int, options: dict):
     """(name, dispatches, inputs, output shape) of each timed fp16-tc kernel at one shape, planned with a
     route's plan_options."""
     from vktrain.quant import quantize
-    from vktrain.runtime.delegate.kernels.coopmat import (absmax_scratch_nbytes, plan_coopmat_linear_q4gsw,
+    from vktrain.backend.kernel_planning.kernels.coopmat import (absmax_scratch_nbytes, plan_coopmat_linear_q4gsw,
                                                           plan_coopmat_linear_q4gsw_backward, plan_coopmat_mm)
-    from vktrain.runtime.delegate.kernels.linear import prepack_weights
+    from vktrain.backend.kernel_planning.kernels.linear import prepack_weights
 
     rng = np.random.default_rng(0)
     flat, scales = quantize(rng.standard_normal((N, K)).astype(np.float32), group_size)
@@ -289,7 +290,7 @@ def _fp16_tc_cases(M: int, N: int, K: int, group_size: int, options: dict):
 def _fp16_tc_rows(devices, M: int, N: int, K: int, args) -> list[dict[str, Any]]:
     """The fp16-tc kernels at one shape on each runtime whose fp16-tc route takes them."""
     from vktrain.contract import PRECISIONS
-    from vktrain.runtime.delegate.kernels.coopmat import select_gemm_route
+    from vktrain.backend.kernel_planning.kernels.coopmat import select_gemm_route
 
     routes = {runtime: select_gemm_route(PRECISION_FP16_TC, PRECISIONS, device) for runtime, device in devices.items()}
     per_runtime = {runtime: _fp16_tc_cases(M, N, K, args.group_size, route.plan_options)

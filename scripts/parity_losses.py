@@ -24,6 +24,7 @@ from vktrain.lora import LoRAConfig, apply_lora  # noqa: E402
 from vktrain.models import build_model  # noqa: E402
 from vktrain.runtime import Device  # noqa: E402
 from vktrain.runtime.program.runner import TrainingRunner  # noqa: E402
+from vktrain.backend.kernel_planning import plan_schedule  # noqa: E402
 
 
 def _programs(folder: Path) -> dict:
@@ -52,7 +53,7 @@ def main(out: str) -> None:
     device = Device(validation=False)
     result = {}
     for name, (path, batches, hparams) in _programs(folder).items():
-        with TrainingRunner.from_pte(path, device) as runner:
+        with TrainingRunner.from_pte(path, device, planner=plan_schedule) as runner:
             losses = [runner.step(t.numpy(), l.numpy(), hparams) for t, l in batches(20)]
             state = runner.state_dict()
             digest = hashlib.sha256()

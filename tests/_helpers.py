@@ -25,6 +25,15 @@ def assert_import_loads_none(modules: Sequence[str], forbidden: Sequence[str], t
     subprocess.run([sys.executable, "-c", code], check=True, timeout=timeout)
 
 
+def planned(device, graph, **options):
+    """The Schedule of `graph` on `device` as the app plans it at load: the AOT side's plan_schedule for the
+    device's planning profile (vktrain/runtime/program/schedules.py), with plan_schedule's `options`."""
+    from vktrain.backend.kernel_planning import plan_schedule
+    from vktrain.runtime.device_profiles import planning_profile
+
+    return plan_schedule(graph, planning_profile(device), **options)
+
+
 def readme_snippet(section_title: str) -> str:
     """The first Python block of README.md's section `section_title` (tests run README examples as written)."""
     text = (Path(__file__).resolve().parents[1] / "README.md").read_text()

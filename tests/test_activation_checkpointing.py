@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 
+from vktrain.backend.kernel_planning import plan_schedule
 from vktrain import cli
 from vktrain.contract import METADATA_ACTIVATION_CHECKPOINTING, hparams_values
 from vktrain.export import export_accumulating_methods, export_training_step, lower_to_pte
@@ -71,7 +72,7 @@ def test_checkpointed_steps_train_bit_for_bit_as_the_plain_step(steps, vk_device
     batches[1][1][0, :7] = -100  # ignored labels change n_valid's divisor
     runs = {}
     for choice in CHOICES:
-        with TrainingRunner.from_pte(steps[choice][1], vk_device) as runner:
+        with TrainingRunner.from_pte(steps[choice][1], vk_device, planner=plan_schedule) as runner:
             losses = [runner.step(tokens, labels, HPARAMS, n_valid=float((labels >= 0).sum()))
                       for tokens, labels in batches]
             runs[choice] = losses, runner.state_dict()

@@ -20,11 +20,12 @@ import torch
 from torch import nn
 
 from vktrain.runtime import Buffer, run_dispatches
-from vktrain.runtime.delegate.kernels.layout import BindingLimit
-from vktrain.runtime.delegate.kernels.optimizer import plan_adamw
-from vktrain.runtime.delegate.op_lowering import copy_words
+from vktrain.backend.kernel_planning.kernels.layout import BindingLimit
+from vktrain.backend.kernel_planning.kernels.optimizer import plan_adamw
+from vktrain.backend.kernel_planning.op_lowering import copy_words
 from vktrain.serialization.dispatch import BufferBinding
 from vktrain.serialization.strided_view import KernelArgumentError
+from vktrain.backend.kernel_planning import plan_schedule
 
 LIMIT = BindingLimit(max_bytes=4096, alignment=256)
 NUMEL = 3 * 1024 + 61  # 3 windows of 960 elements (4096 bytes less one alignment) and 253; a 1-element tail
@@ -166,7 +167,7 @@ def _train(path, device, limit):
 
     token_ids = np.random.default_rng(7).integers(0, BIG_VOCAB, BATCH)
     labels = np.roll(token_ids, -1, axis=1)
-    with TrainingRunner.from_pte(path, device, max_binding_bytes=limit) as runner:
+    with TrainingRunner.from_pte(path, device, planner=plan_schedule, max_binding_bytes=limit) as runner:
         losses = [runner.step(token_ids, labels, HPARAMS_TRAIN)]
         state = runner.state_dict()
         losses += [runner.step(token_ids, labels, HPARAMS_TRAIN) for _ in range(2)]
@@ -219,7 +220,7 @@ class _Gram(nn.Module):
 def test_an_op_that_cannot_split_is_refused_listing_what_splits(vk_device, tmp_path):
     from vktrain.export import export_training_step, lower_to_pte
     from vktrain.lora import LoRAConfig, apply_lora
-    from vktrain.runtime.delegate.op_lowering import GraphLoweringError
+    from vktrain.errors import GraphLoweringError
     from vktrain.runtime.program.runner import TrainingRunner
 
     torch.manual_seed(0)
@@ -230,4 +231,4 @@ def test_an_op_that_cannot_split_is_refused_listing_what_splits(vk_device, tmp_p
     with pytest.raises(GraphLoweringError, match=r"aten\.bmm.* over 1179648 bytes, more than the max storage binding "
                                                  r"size of 1048576 bytes .*copies \(state updates included\) and "
                                                  r"adamw split"):
-        TrainingRunner.from_pte(path, vk_device, max_binding_bytes=MIB)
+        TrainingRunner.from_pte(path, vk_device, planner=plan_schedule, max_binding_bytes=MIB)

@@ -18,6 +18,7 @@ from vktrain.train.adapters import adapters_from_state, save_adapters
 from vktrain.runtime.program.runner import TrainingRunner
 
 from _helpers import assert_import_loads_none, export_mlp_lora_training_step
+from vktrain.backend.kernel_planning import plan_schedule
 
 BATCH, SEQ, VOCAB = 2, 8, 64
 HPARAMS = np.array([2e-2, 0.9, 0.999, 1e-8, 0.0], np.float32)
@@ -38,7 +39,7 @@ def _batch(seed):
 def test_trained_adapters_reproduce_the_loss_in_eager_pytorch(vk_device, exported, tmp_path):
     path, model = exported
     probe_tokens, probe_labels = _batch(999)
-    with TrainingRunner.from_pte(path, vk_device) as runner:
+    with TrainingRunner.from_pte(path, vk_device, planner=plan_schedule) as runner:
         for step in range(8):
             runner.step(*_batch(step), HPARAMS)
         lora = {name: runner.read_state(name) for name in runner.state_names if name.endswith((".lora_A", ".lora_B"))}
@@ -83,10 +84,11 @@ def test_runner_runs_a_pte_where_torch_and_executorch_cannot_be_imported(exporte
                     raise ImportError("blocked import of " + name)
         sys.meta_path.insert(0, Block())
         import numpy as np
+        from vktrain.backend.kernel_planning import plan_schedule  # kernel planning needs no torch either
         from vktrain.runtime.program.runner import TrainingRunner
         tokens = np.array({tokens.tolist()}); labels = np.array({labels.tolist()})
         hparams = np.array({HPARAMS.tolist()}, np.float32)
-        with TrainingRunner.from_pte({str(path)!r}) as runner:
+        with TrainingRunner.from_pte({str(path)!r}, planner=plan_schedule) as runner:
             losses = [runner.step(tokens, labels, hparams) for _ in range(3)]
         assert all(np.isfinite(losses)) and losses[2] < losses[0], losses
         loaded = sorted(m for m in sys.modules if m.split(".")[0] in ("torch", "executorch"))

@@ -31,15 +31,16 @@ import pytest
 import torch
 
 from vktrain.runtime import Buffer, run_dispatches
-from vktrain.runtime.delegate.kernels.gemm_tuning import CPU_TUNING, GPU_TUNING, runs_cpu_bodies
+from vktrain.backend.kernel_planning.kernels.gemm_tuning import CPU_TUNING, GPU_TUNING, runs_cpu_bodies
 from vktrain.quant.q8_0 import Q8_0_BLOCK_VALUES
-from vktrain.runtime.delegate.kernels.layout import BindingLimit
+from vktrain.backend.kernel_planning.kernels.layout import BindingLimit
 from vktrain.serialization.strided_view import KernelArgumentError, StridedView
-from vktrain.runtime.delegate.kernels.cross_entropy import plan_fused_ce
-from vktrain.runtime.delegate.kernels.embedding import plan_embedding
-from vktrain.runtime.delegate.kernels.matmul import plan_gemm, window_scratch_nbytes
-from vktrain.runtime.delegate.kernels.q8_0 import plan_embedding_q8_0
+from vktrain.backend.kernel_planning.kernels.cross_entropy import plan_fused_ce
+from vktrain.backend.kernel_planning.kernels.embedding import plan_embedding
+from vktrain.backend.kernel_planning.kernels.matmul import plan_gemm, window_scratch_nbytes
+from vktrain.backend.kernel_planning.kernels.q8_0 import plan_embedding_q8_0
 from vktrain.serialization.dispatch import BufferBinding
+from vktrain.backend.kernel_planning import plan_schedule
 
 SENTINEL = np.float32(-7.25)  # what the bytes of `out` outside C hold before and after
 
@@ -314,7 +315,7 @@ def _split_batches():
 def _train_and_eval(path, device, max_binding_bytes):
     from vktrain.runtime.program.runner import TrainingRunner
 
-    with TrainingRunner.from_pte(path, device, max_binding_bytes=max_binding_bytes) as runner:
+    with TrainingRunner.from_pte(path, device, planner=plan_schedule, max_binding_bytes=max_binding_bytes) as runner:
         eval_batch = next(iter(_split_batches()))
         eval_before = runner.evaluate(eval_batch[0].numpy(), eval_batch[1].numpy())
         losses = [runner.step(t.numpy(), l.numpy(), SPLIT_HPARAMS) for t, l in _split_batches()]
@@ -347,7 +348,7 @@ def test_big_vocabulary_step_trains_split_on_webgpu(webgpu_device, big_vocab_pro
 
 def test_untied_q4_head_splits_and_a_head_with_no_fitting_window_is_refused(vk_device, tmp_path):
     from _helpers import export_mlp_lora_training_step
-    from vktrain.runtime.delegate.op_lowering import GraphLoweringError
+    from vktrain.errors import GraphLoweringError
     from vktrain.runtime.program.runner import TrainingRunner
 
     path = tmp_path / "mlp.pte"
@@ -356,19 +357,19 @@ def test_untied_q4_head_splits_and_a_head_with_no_fitting_window_is_refused(vk_d
     labels = np.roll(token_ids, -1, axis=1)
     runs = []
     for limit in (None, MIB):
-        with TrainingRunner.from_pte(path, vk_device, max_binding_bytes=limit) as runner:
+        with TrainingRunner.from_pte(path, vk_device, planner=plan_schedule, max_binding_bytes=limit) as runner:
             names = [d.name for d in runner.executor.dispatches]
             runs.append(([runner.step(token_ids, labels, SPLIT_HPARAMS) for _ in range(2)], names))
     assert runs[0][0] == runs[1][0]  # rows of the logits: each sum whole
     assert any("linear_q4gsw" in n and "window" in n for n in runs[1][1])
     with pytest.raises(GraphLoweringError, match="max_binding_bytes .* must be an int >= 1048576"):
-        TrainingRunner.from_pte(path, vk_device, max_binding_bytes=MIB - 1)
+        TrainingRunner.from_pte(path, vk_device, planner=plan_schedule, max_binding_bytes=MIB - 1)
     wide = tmp_path / "wide.pte"
     export_mlp_lora_training_step(wide, (2, 8), 131072)  # head W [131072, 64]: 2 MiB of words per 32-column step
     refusal = (r"vktrain.linear_q4gsw.default.*W \[131072, 64\] \(group size 32\) in windows of 32 columns, one of "
                r"which needs a binding of 2097152 bytes, over the device's max storage binding size of 1048576")
     with pytest.raises(GraphLoweringError, match=refusal):
-        TrainingRunner.from_pte(wide, vk_device, max_binding_bytes=MIB)
+        TrainingRunner.from_pte(wide, vk_device, planner=plan_schedule, max_binding_bytes=MIB)
 
 
 def test_train_command_takes_the_limit(vk_device, big_vocab_program, tmp_path):

@@ -113,7 +113,7 @@ def test_a_malformed_model_arg_is_a_clean_error(tmp_path, capsys):
 
 
 def test_export_refuses_a_head_dim_the_attention_kernels_cannot_run(tmp_path, capsys):
-    from vktrain.runtime.delegate.kernels.attention import SUPPORTED_HEAD_DIMS
+    from vktrain.backend.kernel_planning.kernels.attention import SUPPORTED_HEAD_DIMS
 
     out = tmp_path / "x.pte"  # tiny-llama has 4 heads: dim=32 gives D=8, which `vktrain train` refused at load
     code, _, err = run_cli(capsys, "export", "--model", "tiny-llama", "--model-arg", "dim=32", "--out", out)

@@ -18,13 +18,13 @@ from test_kernels_coopmat import (BM64, FP16_SUBNORMAL_HALF_SPACING, FP16_UNIT_R
                                   _gemm_backend, _run, _scale_exponent)
 from vktrain.contract import PRECISION_FP16_TC
 from vktrain.quant import dequantize, quantize
-from vktrain.runtime.delegate.kernels.coopmat import (
+from vktrain.backend.kernel_planning.kernels.coopmat import (
     GemmRoute,
     plan_coopmat_linear_q4gsw,
     plan_coopmat_linear_q4gsw_backward,
     plan_coopmat_mm,
 )
-from vktrain.runtime.delegate.kernels.coopmat_tiling import (
+from vktrain.backend.kernel_planning.kernels.coopmat_tiling import (
     MAX_SPLIT_K,
     MIN_SPLIT_SLICE,
     MIN_WORKGROUPS,
@@ -36,8 +36,8 @@ from vktrain.runtime.delegate.kernels.coopmat_tiling import (
     split_slice_length,
 )
 from vktrain.serialization.strided_view import KernelArgumentError
-from vktrain.runtime.delegate.kernels.linear import prepack_weights
-from vktrain.runtime.vk.schedule import pack_push
+from vktrain.backend.kernel_planning.kernels.linear import prepack_weights
+from vktrain.serialization.dispatch import pack_push
 
 
 # ----------------------------------------------------------------------------------- no device needed

@@ -16,6 +16,7 @@ from vktrain.runtime.device_profiles import DEVICE_PROFILE_ENV, planning_profile
 from vktrain.serialization.device_profile import (ADRENO_6XX, ADRENO_7XX, API_WEBGPU, BUILTIN_PROFILES, LAVAPIPE,
                                                   MALI_G7X, MALI_G7XX, NVIDIA_COOPMAT, DeviceProfileError,
                                                   EmulationError, intersect, resolve_profile)
+from vktrain.backend.kernel_planning import plan_schedule
 
 PHONES = ("adreno-6xx", "adreno-7xx", "mali-g7x", "mali-g7xx")
 BATCH, SEQ, STEPS = 2, 16, 3
@@ -133,7 +134,7 @@ def _train(path, device, monkeypatch, profile, precision="fp32"):
     else:
         monkeypatch.setenv(DEVICE_PROFILE_ENV, profile)
     ids = np.random.default_rng(1).integers(0, 256, (BATCH, SEQ))
-    with TrainingRunner.from_pte(path, device, precision=precision) as runner:
+    with TrainingRunner.from_pte(path, device, planner=plan_schedule, precision=precision) as runner:
         losses = [runner.step(ids, np.roll(ids, -1, axis=1), HPARAMS) for _ in range(STEPS)]
         program = runner.executor.program  # closing the runner drops it; its counters stay readable
         return losses, runner.executor, program
@@ -339,7 +340,7 @@ def test_a_program_over_the_memory_budget_does_not_fit_and_is_refused_at_load(vk
 
 def test_eval_reuses_the_step_s_activation_memory_gives_the_same_losses_and_inspect_counts_it(
         vk_device, tiny_step, capsys, monkeypatch):
-    from vktrain.runtime.delegate.planner import TRANSIENT_ROLES
+    from vktrain.serialization.schedule_memory import TRANSIENT_ROLES
     from vktrain.runtime.program.evaluation import EvalMethod
     from vktrain.runtime.program.runner import TrainingRunner
 
@@ -351,8 +352,8 @@ def test_eval_reuses_the_step_s_activation_memory_gives_the_same_losses_and_insp
     train_ids, eval_ids = rng.integers(0, 256, (BATCH, SEQ)), rng.integers(0, 256, (BATCH, SEQ))
     runs = []
     for reuse in (False, True):
-        with TrainingRunner.from_pte(tiny_step, vk_device) as runner:
-            runner._eval = EvalMethod(runner.pte, runner.executor, reuse_activations=reuse)
+        with TrainingRunner.from_pte(tiny_step, vk_device, planner=plan_schedule) as runner:
+            runner._eval = EvalMethod(runner.pte, runner.executor, reuse_activations=reuse, planner=plan_schedule)
             losses = []
             for _ in range(STEPS):  # eval between steps: each overwrites the other's activations
                 losses.append(runner.evaluate(eval_ids, np.roll(eval_ids, -1, axis=1)))
@@ -415,7 +416,7 @@ def test_generation_counts_prefill_and_decode_against_the_budget(vk_device, tmp_
         prefill, decode = runner.prefill_method.executor, runner.decode_method.executor
         needed = prefill.owned_bytes + decode.owned_bytes
         assert 0 < decode.owned_bytes < needed == decode.program_bytes
-    from vktrain.runtime.delegate.lowering_context import GraphLoweringError
+    from vktrain.errors import GraphLoweringError
     with pytest.raises(GraphLoweringError, match=f"the program needs {needed} bytes of device memory, over the "
                                                  f"memory budget of {needed - 4} bytes"):
         load(needed - 4)

@@ -11,14 +11,15 @@ import pytest
 
 from vktrain.cli import main
 from vktrain.contract import PRECISION_FP16_TC, PRECISION_FP32, PRECISIONS
-from vktrain.runtime.delegate.kernels.coopmat import GemmRoute, select_gemm_route
-from vktrain.runtime.delegate.kernels.coopmat_tiling import (MIN_WORKGROUPS, SPLIT_TARGET_WORKGROUPS, default_split_k,
+from vktrain.backend.kernel_planning.kernels.coopmat import GemmRoute, select_gemm_route
+from vktrain.backend.kernel_planning.kernels.coopmat_tiling import (MIN_WORKGROUPS, SPLIT_TARGET_WORKGROUPS, default_split_k,
                                                              default_tiling)
-from vktrain.runtime.delegate.lowering_context import OpContext
+from vktrain.backend.kernel_planning.lowering_context import OpContext
 from vktrain.runtime.vk.coopmat import CooperativeMatrixShape
 from vktrain.serialization.device_profile import (BUILTIN_PROFILES, LAVAPIPE, NVIDIA_COOPMAT, DeviceProfile,
                                                   DeviceProfileError, builtin_profile, load_profile,
                                                   subgroup_operation_names)
+from _helpers import planned
 
 TENSOR_CORES = CooperativeMatrixShape(16, 16, 16, "float16", "float16", "float32", "float32", False, "subgroup")
 
@@ -150,9 +151,9 @@ def test_the_gemm_route_takes_its_gate_and_split_targets_from_the_profile():
 def test_with_the_h200_numbers_the_routes_split_is_the_one_the_plans_choose_themselves(emulate):
     """The lowering passes the route's split (from the profile) to the coopmat plans: with the H200's numbers,
     the profiles' today, that is the split each plan picks by itself from its scratch, dispatch for dispatch."""
-    from vktrain.runtime.delegate.kernels.coopmat import (plan_coopmat_linear_q4gsw,
+    from vktrain.backend.kernel_planning.kernels.coopmat import (plan_coopmat_linear_q4gsw,
                                                           plan_coopmat_linear_q4gsw_backward, plan_coopmat_mm)
-    from vktrain.runtime.delegate.kernels.coopmat_tiling import split_k_scratch_nbytes
+    from vktrain.backend.kernel_planning.kernels.coopmat_tiling import split_k_scratch_nbytes
 
     route = select_gemm_route(PRECISION_FP16_TC, PRECISIONS, _device(), emulate=emulate, profile=LAVAPIPE)
     common = dict(emulate=emulate, scratch="scratch", out="out")
@@ -207,7 +208,7 @@ def test_the_executor_plans_with_the_devices_profile(vk_device, local_profile):
     y = graph.add_value(vk.TensorValue(vk.DType.FLOAT32, (4,), name="y"))
     graph.inputs, graph.ops, graph.outputs = [x], [vk.OpCall("aten.relu.default", (x,), (y,))], [y]
     compile_graph(graph)
-    with GraphExecutor(vk_device, graph, timing=False) as executor:
+    with GraphExecutor(vk_device, graph, planned(vk_device, graph), timing=False) as executor:
         assert executor.profile == local_profile
         route = executor.gemm_route
         assert (route.split_min_workgroups, route.split_target_workgroups) == (

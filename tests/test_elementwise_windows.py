@@ -22,10 +22,11 @@ import pytest
 
 from vktrain.runtime import Buffer, run_dispatches
 from vktrain.serialization.dispatch import BufferBinding
-from vktrain.runtime.delegate.kernels.elementwise import plan_binary, plan_unary
-from vktrain.runtime.delegate.kernels.elementwise_windows import element_windows, operand_span
-from vktrain.runtime.delegate.kernels.layout import BindingLimit
+from vktrain.backend.kernel_planning.kernels.elementwise import plan_binary, plan_unary
+from vktrain.backend.kernel_planning.kernels.elementwise_windows import element_windows, operand_span
+from vktrain.backend.kernel_planning.kernels.layout import BindingLimit
 from vktrain.serialization.strided_view import KernelArgumentError, StridedView
+from vktrain.backend.kernel_planning import plan_schedule
 
 LIMIT = BindingLimit(4096, 256)  # 1024 floats per binding: the shapes below split into several windows
 
@@ -171,7 +172,7 @@ COPY_CASES = [
 
 
 def _copy_plan(key, kwargs, source, binding_limit):
-    from vktrain.runtime.delegate.kernels import KERNELS
+    from vktrain.backend.kernel_planning.kernels import KERNELS
 
     if source is not None:
         kwargs = dict(kwargs, self="a", self_shape=source[0], self_dtype=source[1])
@@ -213,7 +214,7 @@ def test_windowed_copies_equal_the_unsplit_copy_on_webgpu(webgpu_device):
 
 
 def _check_cat(device):
-    from vktrain.runtime.delegate.kernels import KERNELS
+    from vktrain.backend.kernel_planning.kernels import KERNELS
 
     rng = np.random.default_rng(6)
     arrays = {"x": rng.standard_normal((37, 61)).astype(np.float32),
@@ -235,7 +236,7 @@ def test_windowed_cat_writes_each_slab_on_webgpu(webgpu_device):
 
 
 def test_a_transpose_over_the_limit_is_refused_naming_its_input():
-    from vktrain.runtime.delegate.kernels import KERNELS
+    from vktrain.backend.kernel_planning.kernels import KERNELS
 
     with pytest.raises(KernelArgumentError, match=r"aten.permute_copy.default: the input \(elements .*max storage"):
         KERNELS["aten.permute_copy.default"](out="out", self="a", self_shape=(64, 48), dims=[1, 0], binding_limit=LIMIT,
@@ -271,7 +272,7 @@ def _evaluate(path, device, max_binding_bytes):
     rng = np.random.default_rng(7)
     token_ids = rng.integers(0, 20480, (2, 32))
     labels = np.roll(token_ids, -1, axis=1)
-    with TrainingRunner.from_pte(path, device, max_binding_bytes=max_binding_bytes) as runner:
+    with TrainingRunner.from_pte(path, device, planner=plan_schedule, max_binding_bytes=max_binding_bytes) as runner:
         result = runner.evaluate(token_ids, labels)
         return result, list(runner._eval.executor.dispatches)
 

@@ -14,7 +14,7 @@ import torch
 
 from _helpers import export_mlp_lora_training_step
 from vktrain.contract import EVAL_METHOD, TRAIN_METHOD
-from vktrain.runtime.delegate.planner import plan_schedule
+from vktrain.backend.kernel_planning.planner import plan_schedule
 from vktrain.runtime.program import fuzz
 from vktrain.runtime.program.fit import _shared_with
 from vktrain.runtime.program.runner import TrainingRunner
@@ -72,7 +72,7 @@ def _batches():
 
 
 def _train(path, device):
-    with TrainingRunner.from_pte(path, device, timing=False) as runner:
+    with TrainingRunner.from_pte(path, device, planner=plan_schedule, timing=False) as runner:
         losses = [runner.step(token_ids, labels, HPARAMS) for token_ids, labels in _batches()]
         eval_loss = runner.evaluate(*next(_batches()))
         origin = "schedule planned at load" if runner.target is None else \
@@ -93,7 +93,7 @@ def test_every_built_in_schedule_embedded_is_the_one_planned_at_load_byte_for_by
     embedded = {method: {e.profile.name: e.schedule_bytes for e in graph.schedules} for method, graph in graphs.items()}
     assert list(embedded[TRAIN_METHOD]) == embedder.embedded == list(embedded[EVAL_METHOD])
     for profile in BUILTIN_PROFILES.values():
-        planned_step = plan_schedule(step, profile)
+        planned_step = plan_schedule(step, profile, state_guard=True)
         planned_eval = plan_schedule(evaluation, profile, shared=_shared_with([step], evaluation))
         if profile.name in embedded[TRAIN_METHOD]:
             assert embedded[TRAIN_METHOD][profile.name] == serialize_schedule(planned_step), profile.name
@@ -157,7 +157,7 @@ def test_a_program_with_only_a_profile_lavapipe_cannot_satisfy_is_refused_naming
     with pytest.raises(NoMatchingScheduleError, match=r"embeds schedules for the device profiles nvidia-coopmat, "
                                                       r"and .* runs none of them; it lacks, per profile: "
                                                       r"nvidia-coopmat: .*cooperative matrices"):
-        TrainingRunner.from_pte(coopmat, vk_device, timing=False)
+        TrainingRunner.from_pte(coopmat, vk_device, planner=plan_schedule, timing=False)
     from vktrain import cli
 
     assert cli.main(["train", str(coopmat), "--steps", "1", "--no-progress"]) == 2
@@ -289,7 +289,7 @@ def test_an_emulated_profile_no_embedded_schedule_fits_plans_at_load(llama, vk_d
     phone (as before --target), not refused; the real device would be."""
     _, _, _, coopmat = llama
     monkeypatch.setenv("VKTRAIN_DEVICE_PROFILE", "adreno-7xx")
-    with TrainingRunner.from_pte(coopmat, vk_device, timing=False) as runner:
+    with TrainingRunner.from_pte(coopmat, vk_device, planner=plan_schedule, timing=False) as runner:
         assert runner.target is None and runner.executor.emulating
         assert np.isfinite(runner.step(*next(_batches()), HPARAMS))
 
@@ -313,7 +313,7 @@ def test_webgpu_trains_from_an_embedded_wgsl_schedule_like_planning_at_load(webg
     batches = [(rng.integers(0, 64, (2, 8)), rng.integers(0, 64, (2, 8))) for _ in range(3)]
 
     def losses(path, device=webgpu_device):
-        with TrainingRunner.from_pte(path, device, timing=False) as runner:
+        with TrainingRunner.from_pte(path, device, planner=plan_schedule, timing=False) as runner:
             return [runner.step(t, l, HPARAMS) for t, l in batches], runner.target
 
     # The embedded WGSL has no subgroup bodies (a WebGPU profile promises no subgroups): the reference is the

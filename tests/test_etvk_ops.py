@@ -23,10 +23,11 @@ from vktrain.partitioner.etvk_rewrite import EtvkMappingError, lower_etvk_calls 
 from vktrain.quant import dequantize, pack_flat, padded_k, quantize, unpack_flat  # noqa: E402
 from vktrain.quant.etvk import EtvkLayoutError, flat_from_etvk  # noqa: E402
 from vktrain.runtime.delegate.executor import GraphExecutor  # noqa: E402
-from vktrain.runtime.delegate.op_lowering import supported_ops as runtime_ops  # noqa: E402
+from vktrain.backend.kernel_planning.op_lowering import supported_ops as runtime_ops  # noqa: E402
 from vktrain.serialization.pte import PteFile  # noqa: E402
 from vktrain.runtime.program.summary import summarize_pte  # noqa: E402
 from vktrain.serialization.verify import load_delegate_graph  # noqa: E402
+from _helpers import planned
 
 et = torch.ops.et_vk
 
@@ -238,7 +239,7 @@ def test_et_vk_calls_lowered_the_standard_way_compute_upstreams_result_on_the_de
     path.write_bytes(pte)
     program = PteFile.load(path)
     _, graph = load_delegate_graph(program, program.execution_plan("forward"))
-    with GraphExecutor(vk_device, graph) as executor:
+    with GraphExecutor(vk_device, graph, planned(vk_device, graph)) as executor:
         (out,) = executor.run(x.numpy())
     expected = module(x).double().numpy()
     # fp32 dot products of K = 12 terms (+ bias): |error| <= (K + 1) eps sum |x w| + |bias| eps.

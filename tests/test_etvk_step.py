@@ -33,6 +33,7 @@ from vktrain.runtime.delegate.executor import GraphExecutor  # noqa: E402
 from vktrain.serialization.pte import PteFile  # noqa: E402
 from vktrain.runtime.program.summary import summarize_pte  # noqa: E402
 from vktrain.serialization.verify import load_delegate_graph  # noqa: E402
+from _helpers import planned
 
 
 def _eager(model: EtvkLoraLM, batches) -> tuple[list[float], dict[str, np.ndarray]]:
@@ -109,7 +110,7 @@ def test_ten_steps_on_the_device_follow_eager_pytorch_running_the_same_et_vk_ops
     path.write_bytes(pte)
     program = PteFile.load(path)
     _, graph = load_delegate_graph(program, program.execution_plan("forward"))
-    with GraphExecutor(vk_device, graph) as executor:
+    with GraphExecutor(vk_device, graph, planned(vk_device, graph)) as executor:
         assert [graph.tensor(i).name for i in graph.inputs] == ["token_ids", "labels"]
         losses = [float(executor.run(tokens.numpy(), labels.numpy())[0]) for tokens, labels in batches]
         state = {name: executor.read_state(name) for name in initial}

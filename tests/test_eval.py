@@ -26,6 +26,7 @@ from vktrain.train.adapters import adapters_from_state, save_adapters
 from vktrain.train.data import IGNORED_LABEL, TrainingData
 from vktrain.train.eval_command import adapter_state, load_adapter_state
 from vktrain.train.held_out import eval_batches, evaluate_data
+from vktrain.backend.kernel_planning import plan_schedule
 
 BATCH = (2, 16)
 VOCAB = 2048  # a large embedding, so constants dominate the .pte (the one-copy test needs them to)
@@ -96,7 +97,7 @@ def test_eval_batches_cover_every_target_once_and_pad_with_ignored_labels():
 
 def test_eval_loss_equals_eager_float64_mean_cross_entropy(model, two_method_pte):
     expected, count = _eager_mean_ce_float64(model, HELD_OUT)
-    with TrainingRunner.from_pte(two_method_pte) as runner:
+    with TrainingRunner.from_pte(two_method_pte, planner=plan_schedule) as runner:
         result = evaluate_data(runner, TrainingData(HELD_OUT))
     assert result["tokens"] == count == HELD_OUT.size - 1
     assert result["loss"] == pytest.approx(expected, rel=1e-5)
@@ -107,7 +108,7 @@ def test_max_batches_evaluates_the_first_batches_only(model, two_method_pte):
     """A quick estimate on a slow device: the first batch's targets only, checked as above."""
     first_batch_targets = BATCH[0] * BATCH[1]
     expected, count = _eager_mean_ce_float64(model, HELD_OUT[:first_batch_targets + 1])
-    with TrainingRunner.from_pte(two_method_pte) as runner:
+    with TrainingRunner.from_pte(two_method_pte, planner=plan_schedule) as runner:
         result = evaluate_data(runner, TrainingData(HELD_OUT), max_batches=1)
     assert result["tokens"] == count == first_batch_targets
     assert result["loss"] == pytest.approx(expected, rel=1e-5)
@@ -126,7 +127,7 @@ def test_eval_method_traced_on_its_own_computes_the_same_loss(model, programs, t
     path = tmp_path / "separate.pte"
     path.write_bytes(lower_methods_to_pte({TRAIN_METHOD: export_training_step(model, BATCH),
                                            EVAL_METHOD: export_eval_step(model, BATCH)}))
-    with TrainingRunner.from_pte(path) as runner:
+    with TrainingRunner.from_pte(path, planner=plan_schedule) as runner:
         assert evaluate_data(runner, TrainingData(HELD_OUT))["loss"] == pytest.approx(expected, rel=1e-5)
     joint_eval = programs[1]
     assert [s.arg.name for s in joint_eval.graph_signature.input_specs if s.kind.name == "USER_INPUT"] == \
@@ -141,7 +142,7 @@ def _train(runner, steps: int) -> None:
 
 
 def test_eval_leaves_the_optimizer_state_untouched(two_method_pte):
-    with TrainingRunner.from_pte(two_method_pte) as runner:
+    with TrainingRunner.from_pte(two_method_pte, planner=plan_schedule) as runner:
         _train(runner, 2)
         before = runner.state_dict()
         assert before["optimizer.step"] == 2.0 and any(np.any(v) for k, v in before.items() if "exp_avg_sq" in k)
@@ -156,7 +157,7 @@ def test_eval_leaves_the_optimizer_state_untouched(two_method_pte):
 def test_eval_after_training_equals_a_fresh_load_with_the_written_adapters(two_method_pte, tmp_path, capsys):
     from vktrain import cli
 
-    with TrainingRunner.from_pte(two_method_pte) as runner:
+    with TrainingRunner.from_pte(two_method_pte, planner=plan_schedule) as runner:
         untrained = evaluate_data(runner, TrainingData(HELD_OUT))["loss"]
         _train(runner, 4)
         trained = evaluate_data(runner, TrainingData(HELD_OUT))
@@ -164,7 +165,7 @@ def test_eval_after_training_equals_a_fresh_load_with_the_written_adapters(two_m
     assert trained["loss"] != untrained  # eval sees the trained adapters, no stale copy
     save_adapters(tmp_path / "adapters", adapters_from_state(lora), LORA_ALPHA)
 
-    with TrainingRunner.from_pte(two_method_pte) as fresh:
+    with TrainingRunner.from_pte(two_method_pte, planner=plan_schedule) as fresh:
         load_adapter_state(fresh, adapter_state(tmp_path / "adapters", list(fresh.lora_state()), LORA_ALPHA))
         assert evaluate_data(fresh, TrainingData(HELD_OUT)) == trained
 
@@ -178,7 +179,7 @@ def test_eval_after_training_equals_a_fresh_load_with_the_written_adapters(two_m
 
 
 def test_adapters_that_do_not_match_the_program_are_refused(two_method_pte, tmp_path):
-    with TrainingRunner.from_pte(two_method_pte) as runner:
+    with TrainingRunner.from_pte(two_method_pte, planner=plan_schedule) as runner:
         lora = runner.lora_state()
         names = list(lora)
     partial = {name: array for name, array in lora.items() if ".layers.1." not in name}
@@ -200,7 +201,7 @@ def test_two_methods_store_the_frozen_base_once(one_method_pte, two_method_pte):
     pte = PteFile.from_bytes(two)
     assert sorted(pte.method_names) == [EVAL_METHOD, TRAIN_METHOD]
     assert sum(v.nbytes for v in pte.named_data.values()) > 0.6 * constants
-    with TrainingRunner.from_pte(two_method_pte) as runner:  # and once on the device
+    with TrainingRunner.from_pte(two_method_pte, planner=plan_schedule) as runner:  # and once on the device
         runner.evaluate(*next(eval_batches(HELD_OUT, *BATCH)))
         own_constants = {k: n for k, n in runner._eval.executor.buffer_bytes.items() if k.startswith("constant")}
     embedding_bytes = VOCAB * 64 * 4
@@ -210,7 +211,7 @@ def test_two_methods_store_the_frozen_base_once(one_method_pte, two_method_pte):
 def test_a_program_without_an_eval_method_is_refused_by_name(one_method_pte, tmp_path):
     path = tmp_path / "step_only.pte"
     path.write_bytes(one_method_pte)
-    with TrainingRunner.from_pte(path) as runner, pytest.raises(UnsupportedProgramError, match="has no 'eval' method"):
+    with TrainingRunner.from_pte(path, planner=plan_schedule) as runner, pytest.raises(UnsupportedProgramError, match="has no 'eval' method"):
         runner.evaluate(*next(eval_batches(HELD_OUT, *BATCH)))
 
 
@@ -259,7 +260,7 @@ def test_train_records_the_held_out_loss_of_the_adapters_it_writes(two_method_pt
     steps = log[1:]
     assert ["eval_loss" in record for record in steps] == [False, True, True]  # step 2, and the last step
     assert loss_series(log)["held-out loss"][0] == [0, 2, 3]  # what --plot draws: step 0 included
-    with TrainingRunner.from_pte(two_method_pte) as fresh:
+    with TrainingRunner.from_pte(two_method_pte, planner=plan_schedule) as fresh:
         before = evaluate_data(fresh, TrainingData(HELD_OUT))["loss"]
         assert log[0]["eval_loss"] == before
         load_adapter_state(fresh, adapter_state(tmp_path / "adapters", list(fresh.lora_state()), LORA_ALPHA))

@@ -17,8 +17,9 @@ import vktrain.ops  # noqa: F401  (registers torch.ops.vktrain.*)
 from vktrain.quant import pack_w4x8, quantize
 from vktrain.runtime.delegate.executor import ExecutorInputError, GraphExecutor
 from vktrain.backend.passes import compile_graph
-from vktrain.runtime.delegate.op_lowering import GraphLoweringError
+from vktrain.errors import GraphLoweringError
 from vktrain.serialization import graph as vk
+from _helpers import planned
 
 F32, I64 = vk.DType.FLOAT32, vk.DType.INT64
 
@@ -100,7 +101,7 @@ def _reference_chain(x, labels, n_valid, flat, scales):
 def test_linear_ce_chain_matches_op_library(vk_device, linear_ce_case, staging):
     graph, flat, scales, ids = linear_ce_case
     rng = np.random.default_rng(0)
-    with GraphExecutor(vk_device, graph, staging=staging) as executor:
+    with GraphExecutor(vk_device, graph, planned(vk_device, graph), staging=staging) as executor:
         # The labels view is the input's buffer; logits and d_x (disjoint lifetimes, equal size) share
         # one memory object, which is allocated at its planned size.
         assert executor.storage_of(ids["labels"]) == executor.storage_of(ids["labels_2d"])
@@ -124,7 +125,7 @@ def test_input_errors_name_the_problem(vk_device, linear_ce_case):
     graph = linear_ce_case[0]
     x = np.zeros((M, K), np.float32)
     labels = np.zeros((3, 4), np.int64)
-    with GraphExecutor(vk_device, graph) as executor:
+    with GraphExecutor(vk_device, graph, planned(vk_device, graph)) as executor:
         with pytest.raises(ExecutorInputError, match=r"input 'x' has shape \[12, 60\], expected \[12, 64\]"):
             executor.run(np.zeros((M, 60), np.float32), labels, np.float32(1))
         with pytest.raises(ExecutorInputError, match=r"input 'labels' holds values in \[0, 4294967296\]"):
@@ -190,7 +191,7 @@ def test_adamw_state_updates_follow_torch_reference(vk_device, read_param_after_
     rng = np.random.default_rng(11)
     param = torch.from_numpy(initial_param.copy())
     exp_avg, exp_avg_sq = torch.zeros(NUMEL), torch.zeros(NUMEL)
-    with GraphExecutor(vk_device, graph) as executor:
+    with GraphExecutor(vk_device, graph, planned(vk_device, graph)) as executor:
         in_place = executor.storage_of(ids["new_param"]) == executor.storage_of(ids["param"])
         assert in_place is not read_param_after_update
         assert executor.storage_of(ids["new_avg"]) == executor.storage_of(ids["exp_avg"])
@@ -218,7 +219,7 @@ def test_adamw_state_updates_follow_torch_reference(vk_device, read_param_after_
 @pytest.mark.parametrize("staging", [None, True], ids=["default_path", "staging_copies"])
 def test_state_read_write_reset(vk_device, staging):
     graph, initial_param, _ = _adamw_graph(read_param_after_update=False)
-    with GraphExecutor(vk_device, graph, staging=staging) as executor:
+    with GraphExecutor(vk_device, graph, planned(vk_device, graph), staging=staging) as executor:
         assert executor.state_names == ["optimizer.step", "model.w.lora_A", "optimizer.exp_avg.w.lora_A",
                                         "optimizer.exp_avg_sq.w.lora_A"]
         np.testing.assert_array_equal(executor.read_state("model.w.lora_A"), initial_param)
@@ -294,7 +295,7 @@ def test_memory_objects_and_views_bind_the_recorded_storage(vk_device, exp_first
     shift = len(graph.ops) - 6  # op index of relu
     assert _view_ops(graph) == {shift + 1, shift + 4}
     lifetimes = _storage_lifetimes(graph)
-    with GraphExecutor(vk_device, graph) as executor:
+    with GraphExecutor(vk_device, graph, planned(vk_device, graph)) as executor:
         assert executor.storage_of(ids["a"]) == executor.storage_of(ids["v"])
         assert executor.storage_of(ids["w"]) == executor.storage_of(ids["y"])
         # Storage roots sharing a buffer are never alive at the same time.
@@ -336,7 +337,7 @@ def test_where_le_becomes_threshold_backward(vk_device):
     rng = np.random.default_rng(2)
     h = np.maximum(rng.standard_normal((3, 8)), 0).astype(np.float32)  # a ReLU output: exact zeros
     grad = rng.standard_normal((3, 8)).astype(np.float32)
-    with GraphExecutor(vk_device, graph) as executor:
+    with GraphExecutor(vk_device, graph, planned(vk_device, graph)) as executor:
         (d_h,) = executor.run(h, grad)
     expected = torch.where(torch.from_numpy(h) <= 0, torch.tensor(0.0), torch.from_numpy(grad)).numpy()
     np.testing.assert_array_equal(d_h, expected)
@@ -349,7 +350,7 @@ def test_unsupported_op_fails_at_load(vk_device):
     g.inputs, g.outputs = [x], [y]
     g.ops = [vk.OpCall("aten.sin.default", (x,), (y,))]
     with pytest.raises(GraphLoweringError, match=r"unsupported op aten.sin.default \(op 0\)"):
-        GraphExecutor(vk_device, g)
+        GraphExecutor(vk_device, g, planned(vk_device, g))
 
 
 def test_wrong_arity_fails_at_load(vk_device):
@@ -359,12 +360,12 @@ def test_wrong_arity_fails_at_load(vk_device):
     g.inputs, g.outputs = [x], [y]
     g.ops = [vk.OpCall("aten.add.Tensor", (x, x), (y,))]
     with pytest.raises(GraphLoweringError, match=r"has 2 arguments, its schema has 3 \(self, other, alpha\)"):
-        GraphExecutor(vk_device, g)
+        GraphExecutor(vk_device, g, planned(vk_device, g))
 
 
 def test_timings_label_every_dispatch(vk_device):
     graph, _ = _shared_memory_graph(exp_first=True)
-    with GraphExecutor(vk_device, graph) as executor:
+    with GraphExecutor(vk_device, graph, planned(vk_device, graph)) as executor:
         with pytest.raises(RuntimeError, match="before the first run"):
             executor.timings()
         executor.run(np.ones((4, 6), np.float32))
@@ -403,7 +404,7 @@ def test_transposes_are_views_where_readers_allow(vk_device):
     w = rng.standard_normal((4, 5)).astype(np.float32)
     assert _view_ops(graph) == {0, 2}
     assert graph.tensor(ids["t"]).view_strides == (1, 6) and graph.tensor(ids["tt"]).view_strides == ()
-    with GraphExecutor(vk_device, graph) as executor:
+    with GraphExecutor(vk_device, graph, planned(vk_device, graph)) as executor:
         assert executor.storage_of(ids["t"]) == executor.storage_of(ids["tt"]) == executor.storage_of(ids["x"])
         assert executor.storage_of(ids["u"]) != executor.storage_of(ids["x"])
         assert [d.name.split(":")[0] for d in executor.dispatches] == ["1", "3", "4", "5"]
@@ -435,7 +436,7 @@ def test_views_take_no_planned_memory(vk_device):
     _compiled(g)
     assert _view_ops(g) == {0, 3}
     x_array = np.random.default_rng(12).standard_normal((rows, dim)).astype(np.float32)
-    with GraphExecutor(vk_device, g) as executor:
+    with GraphExecutor(vk_device, g, planned(vk_device, g)) as executor:
         assert executor.storage_of(t) == executor.storage_of(weight)
         assert executor.storage_of(r) == executor.storage_of(flat) != executor.storage_of(logits)
         assert _mem_buffers(executor) == {"mem0": 4 * rows * vocab, "mem1": 4 * rows * vocab}
@@ -468,7 +469,7 @@ def test_fusion_runs_before_memory_planning(vk_device):
     rng = np.random.default_rng(4)
     x_in = rng.standard_normal((2, 8)).astype(np.float32)
     grad_in = rng.standard_normal((2, 8)).astype(np.float32)
-    with GraphExecutor(vk_device, g) as executor:
+    with GraphExecutor(vk_device, g, planned(vk_device, g)) as executor:
         assert executor.storage_of(h) != executor.storage_of(negated)
         (result,) = executor.run(x_in, grad_in)
     np.testing.assert_array_equal(result, np.where(x_in <= 0, np.float32(0), -grad_in))
@@ -493,7 +494,7 @@ def test_requantized_weights_feed_the_linear_kernel(vk_device):
     _compiled(g)
     latent_in = (rng.standard_normal((n, k)) * 4 * scales.repeat(GROUP, axis=0).T).astype(np.float32)
     x_in = rng.standard_normal((rows, k)).astype(np.float32)
-    with GraphExecutor(vk_device, g) as executor:
+    with GraphExecutor(vk_device, g, planned(vk_device, g)) as executor:
         (result,) = executor.run(latent_in, x_in)
     flat = torch.ops.vktrain.q4gsw_requant(torch.from_numpy(latent_in), torch.from_numpy(scales), GROUP)
     expected = torch.ops.vktrain.linear_q4gsw(torch.from_numpy(x_in), flat, torch.from_numpy(scales), GROUP).numpy()
@@ -534,7 +535,7 @@ def test_dtype_copies_convert_or_alias(vk_device):
     values = np.array([[0, 1, -7, 2**24 + 1, 5], [100, -2**31, 3, 2**31 - 1, 9]], np.int64)
     _compiled(g)
     assert _view_ops(g) == {1}
-    with GraphExecutor(vk_device, g) as executor:
+    with GraphExecutor(vk_device, g, planned(vk_device, g)) as executor:
         doubled_out, int32_out = executor.run(values)
     np.testing.assert_array_equal(doubled_out, values.astype(np.float32) * 2)
     assert int32_out.dtype == np.int32
@@ -560,7 +561,7 @@ def test_one_minus_tensor_built_from_full_like_becomes_rsub(vk_device):
     _compiled(g)
     assert [op.name for op in g.ops] == ["aten.sigmoid.default", "aten.rsub.Scalar"]
     x_in = np.random.default_rng(6).standard_normal((3, 4)).astype(np.float32)
-    with GraphExecutor(vk_device, g) as executor:
+    with GraphExecutor(vk_device, g, planned(vk_device, g)) as executor:
         (result,) = executor.run(x_in)
     np.testing.assert_allclose(result, 1 - torch.sigmoid(torch.from_numpy(x_in)).numpy(), rtol=1e-5, atol=1e-6)
 
@@ -573,7 +574,7 @@ def test_int64_stored_as_int64_is_refused_at_load(vk_device):
     g.inputs, g.outputs = [ids], [flat]
     g.ops = [vk.OpCall("aten.clone.default", (ids, g.add_value(vk.NullValue())), (flat,))]
     with pytest.raises(GraphLoweringError, match=r"value 0 \(ids\) is stored as int64; the GPU kernels hold int64"):
-        GraphExecutor(vk_device, g)
+        GraphExecutor(vk_device, g, planned(vk_device, g))
 
 
 def test_the_executor_binds_recorded_offsets_inside_a_memory_object(vk_device):
@@ -591,7 +592,7 @@ def test_the_executor_binds_recorded_offsets_inside_a_memory_object(vk_device):
              vk.OpCall("aten.mul.Tensor", (a, b), (y,))]
     g.outputs = [y]
     x_in = np.random.default_rng(13).standard_normal((4, 6)).astype(np.float32)
-    with GraphExecutor(vk_device, g) as executor:
+    with GraphExecutor(vk_device, g, planned(vk_device, g)) as executor:
         assert executor.buffer_bytes["mem0"] == 256 + 96
         assert executor.storage_of(a) == executor.storage_of(b) == "mem0"
         (result,) = executor.run(x_in)

@@ -16,6 +16,7 @@ import pytest
 pytest.importorskip("executorch.runtime")
 
 from vktrain.contract import hparams_values  # noqa: E402
+from vktrain.backend.kernel_planning import plan_schedule
 
 BATCH, SEQ, VOCAB, STEPS = 2, 8, 64, 5
 
@@ -82,7 +83,7 @@ def test_executorch_runtime_trains_like_the_training_runner(backend, vk_device, 
     initial_lora = {name: executor.read_state(name) for name in executor.state_names if ".lora_" in name}
 
     et_losses, runner_losses = [], []
-    with TrainingRunner.from_pte(step_pte, vk_device) as runner:
+    with TrainingRunner.from_pte(step_pte, vk_device, planner=plan_schedule) as runner:
         for token_ids, labels in _batches(STEPS):
             et_losses.append(float(method.execute(_inputs(token_ids, labels))[0]))
             runner_losses.append(runner.step(token_ids, labels, HPARAMS))
@@ -133,7 +134,7 @@ def test_readme_snippet_runs_in_a_fresh_process_and_exits_cleanly(request, vk_de
     run = subprocess.run([sys.executable, "-c", README_SNIPPET, str(step_pte), str(tmp_path / "batches.npz")],
                          capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
-    with TrainingRunner.from_pte(step_pte, vk_device) as runner:
+    with TrainingRunner.from_pte(step_pte, vk_device, planner=plan_schedule) as runner:
         expected = [runner.step(token_ids, labels, HPARAMS) for token_ids, labels in batches]
     assert [float(line) for line in run.stdout.split()] == expected
 

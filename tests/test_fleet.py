@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from _helpers import _cast_floating, relative_frobenius_error
+from vktrain.backend.kernel_planning import plan_schedule
 
 BATCH, SEQ, VOCAB = (2, 16, 64)
 LR = 1e-2
@@ -69,7 +70,7 @@ def test_freeze_lora_a_trains_lora_b_alone_as_pytorch_does(setup, vk_device):
     from vktrain.train.data import TokenBatcher
     from vktrain.train.train_loop import AdamWConfig
 
-    with TrainingRunner.from_pte(setup.ffa, vk_device) as ffa, TrainingRunner.from_pte(setup.full, vk_device) as full:
+    with TrainingRunner.from_pte(setup.ffa, vk_device, planner=plan_schedule) as ffa, TrainingRunner.from_pte(setup.full, vk_device, planner=plan_schedule) as full:
         b_names = [n for n in lora_parameter_names(setup.model) if n.endswith("lora_B")]
         assert sorted(n for n in ffa.state_names if "lora" in n and n.startswith(MODEL_PREFIX)) == \
             sorted(MODEL_PREFIX + n for n in b_names)
@@ -120,7 +121,7 @@ def _sequential_federation(program: str, shards: tuple[str, ...], vk_device, **s
     from vktrain.runtime.program.runner import TrainingRunner
 
     federation = FederationSettings(program=program, n_clients=len(shards), lr=LR, **settings)
-    with TrainingRunner.from_pte(program, vk_device) as runner:
+    with TrainingRunner.from_pte(program, vk_device, planner=plan_schedule) as runner:
         server = FederationServer(federation, runner, progress=False)
         try:
             return server.run(SequentialGrid(make_client_app(ClientSettings(program, shards)), len(shards)))
@@ -138,7 +139,7 @@ def test_two_clients_holding_the_same_data_take_the_step_one_client_takes_alone(
 
     result = _sequential_federation(setup.full, (setup.train, setup.train), vk_device, strategy="fedavg",
                                     rounds=1, local_steps=1)
-    with TrainingRunner.from_pte(setup.full, vk_device) as alone:
+    with TrainingRunner.from_pte(setup.full, vk_device, planner=plan_schedule) as alone:
         names = trained_names(alone.state_names)
         initial = {n: alone.read_state(n) for n in names}
         alone.step(*TokenBatcher(np.load(setup.train), BATCH, SEQ, seed=0).batch(0), AdamWConfig().hparams(LR))
@@ -164,9 +165,9 @@ def test_ffa_lora_sends_and_averages_lora_b_alone(setup, vk_device, tmp_path):
     fedavg = _sequential_federation(setup.full, (setup.train,) * 2, vk_device, strategy="fedavg", rounds=1,
                                     local_steps=1)
     assert ffa.arrays and all(name.endswith(".lora_B") for name in ffa.arrays)
-    with TrainingRunner.from_pte(setup.full, vk_device) as runner:
+    with TrainingRunner.from_pte(setup.full, vk_device, planner=plan_schedule) as runner:
         assert sorted(n for n in trained_names(runner.state_names) if n.endswith(".lora_B")) == sorted(ffa.arrays)
-    with TrainingRunner.from_pte(setup.ffa, vk_device) as runner:
+    with TrainingRunner.from_pte(setup.ffa, vk_device, planner=plan_schedule) as runner:
         write_adapters(runner, setup.ffa, ffa.arrays, str(tmp_path / "adapters"))
     written = load_adapters(tmp_path / "adapters")
     assert sorted(written) == sorted(n.removeprefix(MODEL_PREFIX).removesuffix(".lora_B") for n in ffa.arrays)

@@ -9,6 +9,7 @@ from contextlib import redirect_stderr
 
 import numpy as np
 import pytest
+from vktrain.backend.kernel_planning import plan_schedule
 
 NAMES = [f"model.layers.{i}.{w}" for i in range(2) for w in ("lora_A", "lora_B")]
 
@@ -203,7 +204,7 @@ def test_federate_drops_poisoned_clients_and_averages_the_others(tmp_path, vk_de
     got = load_federation_checkpoint(tmp_path / "fed").arrays
 
     updates, weights = [], []
-    with TrainingRunner.from_pte(program, vk_device) as runner:
+    with TrainingRunner.from_pte(program, vk_device, planner=plan_schedule) as runner:
         shards, _ = prepare_shards(runner, tmp_path / "train.npy", None, 5, PartitionScheme.parse("iid"), 0,
                                    tmp_path / "shards")
         names = trained_names(runner.state_names)

@@ -29,6 +29,7 @@ from vktrain.serialization.generated.vkt_blob.ValueKind import ValueKind
 from vktrain.serialization.generated.vkt_blob.VkGraph import VkGraph as FbVkGraph
 
 from _helpers import export_mlp_lora_training_step
+from vktrain.backend.kernel_planning import plan_schedule
 
 BATCH, SEQ, VOCAB = 2, 8, 64
 FUZZ_MUTANTS = 2000
@@ -354,7 +355,7 @@ def test_the_op_shape_hook_compares_inferred_outputs_with_the_declared_ones(expo
 def test_an_eight_byte_file_and_a_missing_method_are_clean_errors(tmp_path, exported):
     path = _write(tmp_path, b"\0\0\0\0ET12", "tiny.pte")
     with pytest.raises(VktrainError, match=str(path)):
-        TrainingRunner.from_pte(path)
+        TrainingRunner.from_pte(path, planner=plan_schedule)
     with pytest.raises(MissingMethodError, match="no execution plan 'backward'; it has \\['forward'\\]"):
         verify_training_program(PteFile.load(exported[0]), "backward")
     assert issubclass(MissingMethodError, PteFormatError) and issubclass(MissingMethodError, KeyError)
@@ -377,7 +378,7 @@ def test_accepted_mutants_train_exactly_like_the_original(exported, tmp_path, vk
     hparams = np.array([1e-2, 0.9, 0.999, 1e-8, 0.01], np.float32)
 
     def losses(file):
-        with TrainingRunner.from_pte(file, vk_device) as runner:
+        with TrainingRunner.from_pte(file, vk_device, planner=plan_schedule) as runner:
             return [runner.step(token_ids, labels, hparams) for _ in range(2)]
 
     reference = losses(path)

@@ -15,17 +15,17 @@ import numpy as np
 import pytest
 
 from vktrain.runtime import Buffer, Program
-from vktrain.runtime.delegate.kernels.coopmat import (
+from vktrain.backend.kernel_planning.kernels.coopmat import (
     ABSMAX_MAX_PARTIALS,
     SUBGROUP_BASIC_BIT,
     coopmat_supported,
     plan_coopmat_mm,
     takes_addend,
 )
-from vktrain.runtime.delegate.kernels.coopmat_tiling import ADDEND_TILINGS, TILING_BY_NAME
-from vktrain.runtime.delegate.kernels.gemm_tuning import CPU_TUNING, GPU_TUNING
+from vktrain.backend.kernel_planning.kernels.coopmat_tiling import ADDEND_TILINGS, TILING_BY_NAME
+from vktrain.backend.kernel_planning.kernels.gemm_tuning import CPU_TUNING, GPU_TUNING
 from vktrain.serialization.strided_view import StridedView
-from vktrain.runtime.delegate.kernels.matmul import plan_gemm, split_k_scratch_nbytes
+from vktrain.backend.kernel_planning.kernels.matmul import plan_gemm, split_k_scratch_nbytes
 from vktrain.runtime_shaders.build import all_shader_names
 
 FP16_UNIT_ROUNDOFF = 2.0 ** -11

@@ -25,6 +25,7 @@ from vktrain.lora import LoRAConfig, apply_lora
 from vktrain.models import build_model
 from vktrain.runtime.program.runner import TrainingRunner
 from vktrain.serialization import graph as vk
+from vktrain.backend.kernel_planning import plan_schedule
 
 F32 = vk.DType.FLOAT32
 MM, ADDMM, ADD, VIEW = "aten.mm.default", "aten.addmm.default", "aten.add.Tensor", "aten.view_copy.default"
@@ -213,7 +214,7 @@ HPARAMS = np.array([1e-2, 0.9, 0.999, 1e-8, 0.01], np.float32)
 
 
 def _train(path, device, batches, **options):
-    with TrainingRunner.from_pte(path, device, **options) as runner:
+    with TrainingRunner.from_pte(path, device, planner=plan_schedule, **options) as runner:
         ops = [op.name for op in runner.executor.ops]
         shaders = [d.shader for d in runner.executor.dispatches]
         losses = [runner.step(token_ids, labels, HPARAMS) for token_ids, labels in batches]
@@ -239,7 +240,7 @@ def _assert_same_bits(fused, unfused):
 
 def _no_add_reads_a_product(path, device):
     """After the pass no add reads an mm output (directly or through views) that it could have absorbed."""
-    with TrainingRunner.from_pte(path, device) as runner:
+    with TrainingRunner.from_pte(path, device, planner=plan_schedule) as runner:
         graph = runner.executor.graph
     producer = {out: op for op in graph.ops for out in op.outputs}
     readers: dict[int, int] = {}

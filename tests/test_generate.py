@@ -17,7 +17,7 @@ import torch
 import vktrain.ops  # noqa: F401  (registers torch.ops.vktrain)
 from vktrain.opdefs.decode_ops import CachePositionError
 from vktrain.runtime import Buffer, Program
-from vktrain.runtime.delegate.kernels import kv_cache
+from vktrain.backend.kernel_planning.kernels import kv_cache
 
 OPS = torch.ops.vktrain
 

@@ -17,6 +17,7 @@ from vktrain.models import build_model
 from vktrain.runtime.program.accumulation import AccumulateMethod
 from vktrain.runtime.program.runner import TrainingRunner, UnsupportedProgramError
 from vktrain.train.checkpoint import load_checkpoint
+from vktrain.backend.kernel_planning import plan_schedule
 
 MICRO = (2, 16)
 VOCAB = 256
@@ -59,10 +60,10 @@ def test_two_micro_batches_update_as_one_batch_of_both(model, ptes, vk_device):
     token_ids, labels = _batch()
     n_valid = float((labels >= 0).sum())
     tokens, targets = token_ids.numpy(), labels.numpy()
-    with TrainingRunner.from_pte(big, vk_device) as runner:
+    with TrainingRunner.from_pte(big, vk_device, planner=plan_schedule) as runner:
         loss_big = runner.step(tokens, targets, HPARAMS)
         state_big = runner.state_dict()
-    with TrainingRunner.from_pte(accumulating, vk_device) as runner:
+    with TrainingRunner.from_pte(accumulating, vk_device, planner=plan_schedule) as runner:
         b = MICRO[0]
         loss_acc = runner.accumulate(tokens[:b], targets[:b], n_valid)
         accumulated = {name: runner.read_state(name) for name in runner.state_names if name.startswith(GRAD_ACC_PREFIX)}
@@ -98,7 +99,7 @@ def test_accumulating_step_with_nothing_accumulated_is_the_plain_step(ptes, vk_d
     token_ids, labels = (array.numpy()[:MICRO[0]] for array in _batch())
     results = []
     for path in (accumulating, plain):
-        with TrainingRunner.from_pte(path, vk_device) as runner:
+        with TrainingRunner.from_pte(path, vk_device, planner=plan_schedule) as runner:
             loss = runner.step(token_ids, labels, HPARAMS)
             results.append((loss, {name: runner.read_state(name) for name in runner.state_names
                                    if not name.startswith(GRAD_ACC_PREFIX)}))
@@ -110,11 +111,11 @@ def test_accumulating_step_with_nothing_accumulated_is_the_plain_step(ptes, vk_d
 
 def test_device_memory_is_one_micro_batch_s(ptes, vk_device):
     accumulating, plain, big = ptes
-    with TrainingRunner.from_pte(plain, vk_device) as runner:
+    with TrainingRunner.from_pte(plain, vk_device, planner=plan_schedule) as runner:
         micro_bytes = runner.executor.program_bytes
-    with TrainingRunner.from_pte(big, vk_device) as runner:
+    with TrainingRunner.from_pte(big, vk_device, planner=plan_schedule) as runner:
         big_bytes = runner.executor.program_bytes
-    with TrainingRunner.from_pte(accumulating, vk_device) as runner:
+    with TrainingRunner.from_pte(accumulating, vk_device, planner=plan_schedule) as runner:
         accumulators = sum(runner.read_state(name).nbytes for name in runner.state_names
                            if name.startswith(GRAD_ACC_PREFIX))
         step_bytes = runner.executor.program_bytes
@@ -132,8 +133,9 @@ def test_accumulate_reuses_the_step_s_activation_memory_and_computes_the_same(pt
     n_valid = float((labels >= 0).sum())
     runs = []
     for reuse in (False, True):
-        with TrainingRunner.from_pte(accumulating, vk_device) as runner:
-            runner._accumulate = AccumulateMethod(runner.pte, runner.executor, reuse_activations=reuse)
+        with TrainingRunner.from_pte(accumulating, vk_device, planner=plan_schedule) as runner:
+            runner._accumulate = AccumulateMethod(runner.pte, runner.executor, reuse_activations=reuse,
+                                                  planner=plan_schedule)
             losses = []
             for _ in range(2):  # two optimizer steps: the step's activations overwritten by accumulate's between
                 losses.append(runner.accumulate(token_ids[:MICRO[0]], labels[:MICRO[0]], n_valid))
@@ -165,7 +167,7 @@ def test_accumulate_reuses_the_step_s_activation_memory_and_computes_the_same(pt
 def test_a_pte_without_the_accumulate_method_is_refused(ptes, vk_device):
     _, plain, _ = ptes
     token_ids, labels = (array.numpy()[:MICRO[0]] for array in _batch())
-    with TrainingRunner.from_pte(plain, vk_device) as runner:
+    with TrainingRunner.from_pte(plain, vk_device, planner=plan_schedule) as runner:
         with pytest.raises(UnsupportedProgramError, match="no 'accumulate' method"):
             runner.accumulate(token_ids, labels, 10.0)
 
@@ -242,7 +244,7 @@ def test_inspect_counts_the_accumulate_method_as_the_runtime_allocates_it(ptes, 
     report = json.loads(capsys.readouterr().out)
     monkeypatch.setenv(DEVICE_PROFILE_ENV, "adreno-7xx")  # the runtime plans for the same profile
     token_ids, labels = (array.numpy()[:MICRO[0]] for array in _batch())
-    with TrainingRunner.from_pte(accumulating, vk_device) as runner:
+    with TrainingRunner.from_pte(accumulating, vk_device, planner=plan_schedule) as runner:
         runner.accumulate(token_ids, labels, 10.0)
         step, method = runner.executor.owned_bytes, runner._accumulate.executor.owned_bytes
     accumulate, evaluation = report["accumulate"], report["eval"]
@@ -250,7 +252,7 @@ def test_inspect_counts_the_accumulate_method_as_the_runtime_allocates_it(ptes, 
     assert accumulate["method"] == "accumulate" and accumulate["device_memory_bytes"] == method < step
     assert report["device_memory_bytes"] == step + method + evaluation["device_memory_bytes"]
     assert cli.main(["inspect", str(accumulating), "--device-profile", "adreno-7xx"]) == 0
-    assert f"+ accumulate method " in capsys.readouterr().out
+    assert "+ accumulate method " in capsys.readouterr().out
 
 
 def test_federated_clients_accumulate_and_local_steps_count_optimizer_steps(ptes, tmp_path, capsys, vk_device):
@@ -269,7 +271,7 @@ def test_federated_clients_accumulate_and_local_steps_count_optimizer_steps(ptes
     program, shards = str(accumulating), (str(shard),) * 2
     settings = FederationSettings(program=program, strategy="fedavg", n_clients=2, rounds=1, local_steps=2,
                                   grad_accum=2, lr=LR)
-    with TrainingRunner.from_pte(accumulating, vk_device) as runner:
+    with TrainingRunner.from_pte(accumulating, vk_device, planner=plan_schedule) as runner:
         try:
             result = FederationServer(settings, runner, progress=False).run(
                 SequentialGrid(make_client_app(ClientSettings(program, shards)), 2))
@@ -277,7 +279,7 @@ def test_federated_clients_accumulate_and_local_steps_count_optimizer_steps(ptes
             close_trainers()
     batches = TokenBatcher(np.load(shard), *MICRO, seed=0)
     hparams = AdamWConfig().hparams(LR)
-    with TrainingRunner.from_pte(accumulating, vk_device) as alone:
+    with TrainingRunner.from_pte(accumulating, vk_device, planner=plan_schedule) as alone:
         names = trained_names(alone.state_names)
         initial = {name: alone.read_state(name) for name in names}
         losses = [run_accumulated_step(alone, [batches.batch(2 * j), batches.batch(2 * j + 1)], hparams)

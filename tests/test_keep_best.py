@@ -22,6 +22,7 @@ from vktrain.train.checkpoint import load_checkpoint
 from vktrain.train.data import TrainingData
 from vktrain.train.eval_command import adapter_state, load_adapter_state
 from vktrain.train.held_out import evaluate_data
+from vktrain.backend.kernel_planning import plan_schedule
 
 BATCH = (2, 16)
 LORA_ALPHA = 16.0
@@ -77,7 +78,7 @@ def test_keep_best_keeps_the_state_of_the_lowest_held_out_loss(setup, capsys):
     for module, (lora_a, lora_b) in adapters.items():
         np.testing.assert_array_equal(lora_a, best.tensors[f"model.{module}.lora_A"])
         np.testing.assert_array_equal(lora_b, best.tensors[f"model.{module}.lora_B"])
-    with TrainingRunner.from_pte(root / "step.pte") as fresh:  # the written adapters have the recorded loss
+    with TrainingRunner.from_pte(root / "step.pte", planner=plan_schedule) as fresh:  # the written adapters have the recorded loss
         load_adapter_state(fresh, adapter_state(out / "adapters", list(fresh.lora_state()), LORA_ALPHA))
         assert evaluate_data(fresh, TrainingData(held_out))["loss"] == best_loss
     assert f"best held-out loss {best_loss:.6f} at step {best_step}" in capsys.readouterr().out

@@ -25,14 +25,14 @@ import pytest
 import torch
 
 from vktrain.runtime import Buffer, run_dispatches
-from vktrain.runtime.delegate.kernels import get_kernel
-from vktrain.runtime.delegate.kernels.copies import is_alias_view
-from vktrain.runtime.delegate.kernels.elementwise import plan_binary, plan_unary
-from vktrain.runtime.delegate.kernels.embedding import plan_embedding_dense_backward
+from vktrain.backend.kernel_planning.kernels import get_kernel
+from vktrain.backend.kernel_planning.kernels.copies import is_alias_view
+from vktrain.backend.kernel_planning.kernels.elementwise import plan_binary, plan_unary
+from vktrain.backend.kernel_planning.kernels.embedding import plan_embedding_dense_backward
 from vktrain.serialization.strided_view import KernelArgumentError, StridedView
-from vktrain.runtime.delegate.kernels.layout import broadcast_shapes, coalesce_dims, plan_strided_copy
-from vktrain.runtime.delegate.kernels.gemm_tuning import CPU_TUNING, runs_cpu_bodies
-from vktrain.runtime.delegate.kernels.matmul import (
+from vktrain.backend.kernel_planning.kernels.layout import broadcast_shapes, coalesce_dims, plan_strided_copy
+from vktrain.backend.kernel_planning.kernels.gemm_tuning import CPU_TUNING, runs_cpu_bodies
+from vktrain.backend.kernel_planning.kernels.matmul import (
     CPU_LANES,
     CPU_MAX_K,
     CPU_TM_CHOICES,
@@ -50,9 +50,9 @@ from vktrain.runtime.delegate.kernels.matmul import (
     slice_length,
     split_k_scratch_nbytes,
 )
-from vktrain.runtime.delegate.op_lowering import TensorArg
-from vktrain.runtime.vk.schedule import ceil_div
-from vktrain.runtime.delegate.kernels.reduction import (
+from vktrain.backend.kernel_planning.op_lowering import TensorArg
+from vktrain.serialization.dispatch import ceil_div
+from vktrain.backend.kernel_planning.kernels.reduction import (
     STRATEGY_GROUP_PER_OUTPUT,
     STRATEGY_SPEC_ID,
     STRATEGY_THREAD_PER_OUTPUT,
@@ -163,7 +163,7 @@ PARTITIONER_EXTRA_OPS = [
 
 
 def test_every_generic_op_of_a_training_step_has_a_plan():
-    from vktrain.runtime.delegate.kernels import KERNELS
+    from vktrain.backend.kernel_planning.kernels import KERNELS
     assert [op for op in TRAINING_STEP_OPS + PARTITIONER_EXTRA_OPS if op not in KERNELS] == []
 
 
@@ -1000,7 +1000,7 @@ def test_split_k_is_not_planned_where_it_cannot_help_or_apply():
 
 
 def _lowering_context(op_name: str, args: list, out_shape, scratch_log: list):
-    from vktrain.runtime.delegate.op_lowering import OpContext
+    from vktrain.backend.kernel_planning.op_lowering import OpContext
     from vktrain.serialization.dispatch import BufferBinding
     from vktrain.serialization import graph as vk
 
@@ -1019,7 +1019,7 @@ def _tensor_arg(value_id, key, shape, view=None):
 
 
 def test_executor_lowerings_allocate_split_k_scratch_only_when_splitting():
-    from vktrain.runtime.delegate.op_lowering import OP_LOWERINGS
+    from vktrain.backend.kernel_planning.op_lowering import OP_LOWERINGS
 
     log: list = []
     # mm of a lazily transposed A (the executor's view of t_copy(A)): x [64, 1024] @ A^T [1024, 16].

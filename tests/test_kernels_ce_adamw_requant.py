@@ -26,9 +26,9 @@ import torch
 import vktrain.ops  # noqa: F401  (registers torch.ops.vktrain)
 from vktrain import quant
 from vktrain.runtime import Buffer, BufferBinding, Program
-from vktrain.runtime.delegate.kernels import cross_entropy, optimizer, requant
+from vktrain.backend.kernel_planning.kernels import cross_entropy, optimizer, requant
 from vktrain.serialization.strided_view import KernelArgumentError
-from vktrain.runtime.delegate.kernels.registry import KERNELS
+from vktrain.backend.kernel_planning.kernels.registry import KERNELS
 
 
 # ---- helpers -------------------------------------------------------------------------------------
@@ -445,7 +445,7 @@ def test_requant_split_dispatch(vk_device, buffers):
 
 def test_requant_output_feeds_linear_q4gsw(vk_device, buffers):
     """The requantized buffer is the next step's forward weight: linear_q4gsw on the GPU reads it as is."""
-    from vktrain.runtime.delegate.kernels import linear
+    from vktrain.backend.kernel_planning.kernels import linear
 
     N, K, group_size, M = 12, 20, 4, 6
     latent, scales = requant_case(N, K, group_size, seed=10)

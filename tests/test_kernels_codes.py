@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 
 from vktrain import contract
-from vktrain.runtime.delegate.kernels import elementwise, shader_codes
+from vktrain.backend.kernel_planning.kernels import elementwise, shader_codes
 
 SHADERS = shader_codes.OUTPUT.parent
 

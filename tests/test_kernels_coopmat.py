@@ -1,4 +1,4 @@
-"""Tensor-core GEMMs (vktrain/runtime/delegate/kernels/coopmat.py) and the cooperative-matrix query.
+"""Tensor-core GEMMs (vktrain/backend/kernel_planning/kernels/coopmat.py) and the cooperative-matrix query.
 
 The plan and capability checks run everywhere. The GEMM checks run in two modes: "coopmat", on a
 device whose cooperative-matrix properties list 16x16x16 fp16 x fp16 + fp32 (lavapipe has none: those
@@ -39,7 +39,7 @@ import pytest
 
 from vktrain.quant import dequantize, quantize
 from vktrain.runtime import Buffer, Program
-from vktrain.runtime.delegate.kernels.coopmat import (
+from vktrain.backend.kernel_planning.kernels.coopmat import (
     ABSMAX_MAX_PARTIALS,
     SUBGROUP_BASIC_BIT,
     _plan_absmax,
@@ -49,7 +49,7 @@ from vktrain.runtime.delegate.kernels.coopmat import (
     plan_coopmat_linear_q4gsw_backward,
     plan_coopmat_mm,
 )
-from vktrain.runtime.delegate.kernels.coopmat_tiling import (
+from vktrain.backend.kernel_planning.kernels.coopmat_tiling import (
     DEFAULT_TILINGS,
     EMULATED_DEFAULT_TILINGS,
     EMULATED_LOOP_BUDGET,
@@ -62,8 +62,9 @@ from vktrain.runtime.delegate.kernels.coopmat_tiling import (
     emulated_loop_trips,
 )
 from vktrain.serialization.strided_view import KernelArgumentError
-from vktrain.runtime.delegate.kernels.linear import prepack_weights
-from vktrain.runtime.vk.coopmat import EXTENSION_NAME, CooperativeMatrixShape, device_extensions, supports_shape
+from vktrain.backend.kernel_planning.kernels.linear import prepack_weights
+from vktrain.runtime.vk.coopmat import EXTENSION_NAME, CooperativeMatrixShape, device_extensions
+from vktrain.serialization.device_profile import supports_shape
 from vktrain.runtime_shaders.build import all_shader_names
 
 FP16_UNIT_ROUNDOFF = 2.0 ** -11

@@ -1,4 +1,4 @@
-"""Flash attention on tensor cores (vktrain/runtime/delegate/kernels/coopmat_attention.py): plans, routing,
+"""Flash attention on tensor cores (vktrain/backend/kernel_planning/kernels/coopmat_attention.py): plans, routing,
 and the kernels against float64 element by element within a bound derived from their fp16 rounding.
 
 Modes as tests/test_kernels_coopmat.py: "coopmat" on a device with 16x16x16 fp16 x fp16 + fp32
@@ -44,9 +44,9 @@ import pytest
 import torch
 
 from vktrain.contract import PRECISION_FP16_TC, PRECISION_FP32, PRECISIONS
-from vktrain.runtime.delegate.kernels import coopmat_attention
-from vktrain.runtime.delegate.kernels.coopmat import FP32_ROUTE, SUBGROUP_BASIC_BIT, coopmat_supported, select_gemm_route
-from vktrain.runtime.delegate.kernels.coopmat_attention import (
+from vktrain.backend.kernel_planning.kernels import coopmat_attention
+from vktrain.backend.kernel_planning.kernels.coopmat import FP32_ROUTE, SUBGROUP_BASIC_BIT, coopmat_supported, select_gemm_route
+from vktrain.backend.kernel_planning.kernels.coopmat_attention import (
     ROW_BLOCK_CHOICES,
     backward_absmax_scratch_nbytes,
     default_row_blocks,
@@ -60,6 +60,7 @@ from vktrain.runtime.vk.coopmat import CooperativeMatrixShape
 from vktrain.runtime_shaders.build import all_shader_names
 
 from test_kernels_transformer import OPS, attention_inputs, f64, run_plan
+from vktrain.backend.kernel_planning import plan_schedule
 
 U = 2.0 ** -11
 T = 2.0 ** -23
@@ -350,10 +351,10 @@ def test_fp16_tc_program_runs_attention_on_the_tensor_core_kernels_and_reports_t
     token_ids = torch.randint(0, model.config.vocab_size, (1, 8), generator=generator).numpy()
     labels = np.roll(token_ids, -1, axis=1)
     hparams = np.array([1e-3, 0.9, 0.999, 1e-8, 0.0], np.float32)  # lr, beta1, beta2, eps, weight decay
-    with TrainingRunner.from_pte(path, vk_device) as fp32_runner:
+    with TrainingRunner.from_pte(path, vk_device, planner=plan_schedule) as fp32_runner:
         fp32_loss = fp32_runner.step(token_ids, labels, hparams)
         assert not any(d.shader.startswith("coopmat_attention") for d in fp32_runner.executor.dispatches)
-    with TrainingRunner.from_pte(path, vk_device, precision=PRECISION_FP16_TC, emulate_tensor_cores=True) as runner:
+    with TrainingRunner.from_pte(path, vk_device, planner=plan_schedule, precision=PRECISION_FP16_TC, emulate_tensor_cores=True) as runner:
         executor = runner.executor
         attention_ops = [f"{i}:{op.name}" for i, op in enumerate(executor.ops) if "causal_attention" in op.name]
         assert len(attention_ops) == 2 * model.config.n_layers, attention_ops

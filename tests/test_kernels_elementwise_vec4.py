@@ -17,10 +17,10 @@ import numpy as np
 import pytest
 
 from vktrain.runtime import Buffer, run_dispatches
-from vktrain.runtime.delegate.kernels.elementwise import VEC4_ELEMENTS_PER_GROUP, plan_binary, plan_unary
+from vktrain.backend.kernel_planning.kernels.elementwise import VEC4_ELEMENTS_PER_GROUP, plan_binary, plan_unary
 from vktrain.serialization.strided_view import StridedView
-from vktrain.runtime.delegate.kernels.layout import elementwise_groups
-from vktrain.runtime.vk.schedule import ceil_div
+from vktrain.backend.kernel_planning.kernels.layout import elementwise_groups
+from vktrain.serialization.dispatch import ceil_div
 
 VEC4_BINARY, VEC4_UNARY = "elementwise@ARITY=2+VEC4", "elementwise@ARITY=1+VEC4"
 

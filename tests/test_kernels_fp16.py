@@ -21,7 +21,7 @@ import pytest
 
 from vktrain.quant import dequantize, quantize
 from vktrain.runtime import Buffer, Program
-from vktrain.runtime.delegate.kernels.linear import (
+from vktrain.backend.kernel_planning.kernels.linear import (
     ABSMAX_MAX_PARTIALS,
     GemmTiles,
     absmax_scratch_nbytes,
@@ -30,7 +30,7 @@ from vktrain.runtime.delegate.kernels.linear import (
     plan_scratch_nbytes,
     prepack_weights,
 )
-from vktrain.runtime.delegate.kernels.layout import BindingLimit
+from vktrain.backend.kernel_planning.kernels.layout import BindingLimit
 from vktrain.runtime_shaders.build import all_shader_names
 from vktrain.serialization.strided_view import KernelArgumentError
 
@@ -191,7 +191,7 @@ def _scale(x: np.ndarray) -> float:
 
 
 def test_fp16_mm_plans_scale_both_operands_and_refuse_what_they_cannot_read():
-    from vktrain.runtime.delegate.kernels.matmul import plan_gemm
+    from vktrain.backend.kernel_planning.kernels.matmul import plan_gemm
     from vktrain.serialization.strided_view import StridedView
 
     declared = set(all_shader_names())
@@ -219,7 +219,7 @@ MM_CASES = [(37, 132, 96, False, 1.0, 1.0, False, False), (70, 260, 64, True, 1e
 @pytest.mark.parametrize("M, N, K, transposed, scale_a, scale_b, addend, split", MM_CASES, ids=lambda v: str(v))
 def test_fp16_mm_matches_float64_within_the_bound_for_operands_of_any_scale(vk_device, M, N, K, transposed, scale_a,
                                                                            scale_b, addend, split):
-    from vktrain.runtime.delegate.kernels.matmul import gemm_scratch_nbytes, plan_gemm
+    from vktrain.backend.kernel_planning.kernels.matmul import gemm_scratch_nbytes, plan_gemm
     from vktrain.serialization.strided_view import StridedView
 
     _needs_fp16(vk_device)

@@ -1,4 +1,4 @@
-"""GPU kernels of the linear family (vktrain/runtime/delegate/kernels/linear.py) on the Vulkan device.
+"""GPU kernels of the linear family (vktrain/backend/kernel_planning/kernels/linear.py) on the Vulkan device.
 
 Each kernel is checked against two references: the op library's CPU definition
 (torch.ops.vktrain.*, fp32) and an independent float64 formula through vktrain.quant.dequantize.
@@ -25,15 +25,15 @@ torch = pytest.importorskip("torch")
 import vktrain.ops  # noqa: E402,F401  (registers torch.ops.vktrain.*)
 from vktrain.quant import dequantize, pack_flat, quantize  # noqa: E402
 from vktrain.runtime import Buffer, Program  # noqa: E402
-from vktrain.runtime.delegate.kernels import KERNELS, get_kernel, register_kernel  # noqa: E402
-from vktrain.runtime.delegate.kernels.gemm_tuning import (  # noqa: E402
+from vktrain.backend.kernel_planning.kernels import KERNELS, get_kernel, register_kernel  # noqa: E402
+from vktrain.backend.kernel_planning.kernels.gemm_tuning import (  # noqa: E402
     CPU_TUNING,
     GPU_TUNING,
     GemmTuningError,
     runs_cpu_bodies,
     select_gemm_tuning,
 )
-from vktrain.runtime.delegate.kernels.linear import (  # noqa: E402
+from vktrain.backend.kernel_planning.kernels.linear import (  # noqa: E402
     CPU_LANES,
     CPU_ROWS,
     GEMV_MAX_M,

@@ -31,10 +31,10 @@ import torch
 
 import vktrain.ops  # noqa: F401  (registers torch.ops.vktrain)
 from vktrain.runtime import Buffer, Program
-from vktrain.runtime.delegate.kernels import attention, norm, rotary, swiglu
-from vktrain.runtime.delegate.kernels.attention import AttentionTiles
+from vktrain.backend.kernel_planning.kernels import attention, norm, rotary, swiglu
+from vktrain.backend.kernel_planning.kernels.attention import AttentionTiles
 from vktrain.serialization.strided_view import KernelArgumentError
-from vktrain.runtime.delegate.kernels.registry import KERNELS
+from vktrain.backend.kernel_planning.kernels.registry import KERNELS
 
 OPS = torch.ops.vktrain
 

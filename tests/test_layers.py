@@ -1,6 +1,7 @@
 """Imports go one way: no circles between modules, no import against the layers, and a runtime that needs
-neither torch nor the AOT side. Every import counts, also those inside functions (a function-level import
-is still a dependency).
+neither torch nor the AOT side, nor holds any kernel choice (planning is the AOT side's: the runtime runs the
+Schedule it is given). Every import counts, also those inside functions (a function-level import is still a
+dependency).
 
 The layer order is this file's (the developers' guide states it; ../shared/hooks/import_check.py, the
 commit hook, applies the same rules), so the test needs nothing beside the clone.
@@ -159,6 +160,32 @@ def runtime_imports_of_the_aot_side(graph, external, floor: str = "runtime") -> 
     return found
 
 
+# Kernel planning (op lowering, the kernel families' plan functions, the planner) is the AOT side's
+# (vktrain/backend/kernel_planning): no runtime module is named after it, imports it, or builds a dispatch (a
+# Dispatch record or its push-constant bytes) the way a plan function does.
+PLANNING_PARTS = {"kernel_planning", "kernels", "planner", "op_lowering", "lowering_context"}
+DISPATCH_BUILDERS = {"Dispatch", "pack_push"}
+
+
+def planning_in_the_runtime(root: Path, graph: dict[str, set[str]]) -> list[str]:
+    """Each runtime module (RUNTIME floors) that is, imports or does kernel planning, one phrase each."""
+    found = []
+    for path in sorted((root / "vktrain").rglob("*.py")):
+        name = module_name(path, root)
+        if _top(name) not in RUNTIME or SKIPPED_PARTS & set(path.parts):
+            continue
+        if PLANNING_PARTS & set(name.split(".")):
+            found.append(f"{name} is kernel planning (the AOT side's: vktrain/backend/kernel_planning)")
+        found += [f"{name} imports {m}" for m in sorted(graph.get(name, ())) if PLANNING_PARTS & set(m.split("."))
+                  or _top(m) in AOT]
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Call):
+                called = node.func.id if isinstance(node.func, ast.Name) else getattr(node.func, "attr", None)
+                if called in DISPATCH_BUILDERS:
+                    found.append(f"{name} builds a dispatch ({called}(...), line {node.lineno})")
+    return found
+
+
 @pytest.fixture(scope="module")
 def package_graph():
     return import_graph(REPO)
@@ -183,6 +210,42 @@ def test_the_runtime_imports_neither_torch_nor_the_aot_side(package_graph):
     graph, external = package_graph
     assert "vktrain.runtime.program.runner" in graph  # the walk saw the runtime
     assert runtime_imports_of_the_aot_side(graph, external) == []
+
+
+def test_the_runtime_holds_no_kernel_planning(package_graph):
+    graph, _ = package_graph
+    assert "vktrain.backend.kernel_planning.planner" in graph and "vktrain.runtime.delegate.executor" in graph
+    assert planning_in_the_runtime(REPO, graph) == []
+
+
+def test_the_planning_check_finds_what_it_looks_for(tmp_path):
+    """A small tree with a planner module under the runtime, a runtime module importing the AOT planner, and
+    one building a dispatch and its push constants; the AOT side's planner itself is fine."""
+    files = {
+        "vktrain/__init__.py": "",
+        "vktrain/runtime/__init__.py": "",
+        "vktrain/runtime/delegate/__init__.py": "",
+        "vktrain/runtime/delegate/op_lowering.py": "",
+        "vktrain/runtime/delegate/executor.py": "def load():\n    from vktrain.backend.kernel_planning import planner\n",
+        "vktrain/runtime/guard.py": "from vktrain.serialization import dispatch as d\n"
+                                    "x = d.Dispatch('copy', 1, push_constants=d.pack_push(4))\n",
+        "vktrain/backend/__init__.py": "",
+        "vktrain/backend/kernel_planning/__init__.py": "",
+        "vktrain/backend/kernel_planning/planner.py": "from vktrain.serialization.dispatch import Dispatch\n"
+                                                      "x = Dispatch('copy', 1)\n",
+        "vktrain/serialization/__init__.py": "",
+        "vktrain/serialization/dispatch.py": "",
+    }
+    for relative, text in files.items():
+        (tmp_path / relative).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / relative).write_text(text)
+    graph, _ = import_graph(tmp_path)
+    assert planning_in_the_runtime(tmp_path, graph) == [
+        "vktrain.runtime.delegate.executor imports vktrain.backend.kernel_planning",
+        "vktrain.runtime.delegate.executor imports vktrain.backend.kernel_planning.planner",
+        "vktrain.runtime.delegate.op_lowering is kernel planning (the AOT side's: vktrain/backend/kernel_planning)",
+        "vktrain.runtime.guard builds a dispatch (Dispatch(...), line 2)",
+        "vktrain.runtime.guard builds a dispatch (pack_push(...), line 2)"]
 
 
 def test_the_ground_floor_imports_neither_torch_nor_the_aot_side(package_graph):
@@ -240,12 +303,31 @@ def test_follow_moves_points_old_imports_at_the_new_homes(tmp_path):
                     "from vktrain.cli import _parse_model_args\n"
                     "from vktrain.runtime.program.pte import PteFile\n"
                     "from vktrain.models import load\n"
+                    "from vktrain.runtime.delegate.kernels.coopmat import GemmRoute, allowed_precisions\n"
+                    "from vktrain.runtime.delegate.kernels.layout import plan_fill, StridedView\n"
+                    "from vktrain.runtime.delegate.planner import plan_schedule, owned_bytes\n"
+                    "from vktrain.runtime.delegate.kernels import attention  # kernels/attention.py\n"
+                    "from vktrain.runtime.delegate import executor, op_lowering\n"
                     "overrides = _parse_model_args(items)  # vktrain/train/tokenizer.py\n")
     assert follow_moves.follow(path) and not follow_moves.follow(path)
+    calls = tmp_path / "calls.py"
+    calls.write_text("a = TrainingRunner.from_pte(path, device)\nb = TrainingRunner.from_pte(path, planner=plan)\n"
+                     "c = GraphExecutor(device, graph, precision='fp32')\nd = GraphExecutor(device, graph, schedule)\n")
+    assert [line.split(": ")[0] for line in follow_moves.calls_without_a_schedule(calls)] == [
+        f"{calls}:1", f"{calls}:3"]
     assert path.read_text().split("\n") == [
         "from vktrain.train.eval_command import adapter_state  # used below",
         "from vktrain.train.held_out import evaluate_data",
         "from vktrain.train.model_options import parse_model_args",
         "from vktrain.serialization.pte import PteFile",
         "from vktrain.models import load",
+        "from vktrain.backend.kernel_planning.kernels.coopmat import GemmRoute",
+        "from vktrain.contract import allowed_precisions",
+        "from vktrain.backend.kernel_planning.kernels.layout import plan_fill",
+        "from vktrain.serialization.strided_view import StridedView",
+        "from vktrain.backend.kernel_planning.planner import plan_schedule",
+        "from vktrain.serialization.schedule_memory import owned_bytes",
+        "from vktrain.backend.kernel_planning.kernels import attention  # kernels/attention.py",
+        "from vktrain.runtime.delegate import executor",
+        "from vktrain.backend.kernel_planning import op_lowering",
         "overrides = parse_model_args(items)  # vktrain/serialization/tokenizer.py", ""]

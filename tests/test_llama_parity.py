@@ -26,8 +26,9 @@ import torch
 from vktrain.export import export_training_step, lower_to_pte
 from vktrain.lora import LoRAConfig, apply_lora
 from vktrain.models import build_model
-from vktrain.runtime.delegate.kernels import attention, norm
-from vktrain.runtime.delegate.op_lowering import GraphLoweringError, OpContext, TensorArg, lowering_for
+from vktrain.backend.kernel_planning.kernels import attention, norm
+from vktrain.errors import GraphLoweringError
+from vktrain.backend.kernel_planning.op_lowering import OpContext, TensorArg, lowering_for
 from vktrain.serialization.pte import PteFile
 from vktrain.runtime.program.runner import TrainingRunner
 from vktrain.serialization.dispatch import BufferBinding
@@ -36,6 +37,7 @@ from vktrain.serialization import deserialize_blob
 from vktrain.serialization import graph as vk
 
 from _helpers import assert_training_matches_reference, eager_float64_and_float32_training, runner_losses
+from vktrain.backend.kernel_planning import plan_schedule
 
 BATCH, SEQ = 2, 16
 STEPS = 20
@@ -99,7 +101,7 @@ def test_twenty_steps_match_eager_pytorch_and_replay_bitwise(vk_device, llama_pr
     reference = eager_float64_and_float32_training(model, _batches(STEPS), lr=LR, betas=BETAS, eps=EPS,
                                                    weight_decay=WEIGHT_DECAY)
     initial = {"model." + name: param.detach().numpy() for name, param in model.named_parameters()}
-    with TrainingRunner.from_pte(path, vk_device) as runner:
+    with TrainingRunner.from_pte(path, vk_device, planner=plan_schedule) as runner:
         assert runner.batch_shape == (BATCH, SEQ) and runner.vocab_size == 256
         losses = runner_losses(runner, _batches(STEPS), HPARAMS)
         lora = runner.lora_state()
@@ -112,7 +114,7 @@ def test_twenty_steps_match_eager_pytorch_and_replay_bitwise(vk_device, llama_pr
                                       reference, {n: initial["model." + n] for n in reference.state})
 
     # A second runner (fresh buffers, recorded again) reproduces every bit.
-    with TrainingRunner.from_pte(path, vk_device) as second:
+    with TrainingRunner.from_pte(path, vk_device, planner=plan_schedule) as second:
         assert runner_losses(second, _batches(STEPS), HPARAMS) == losses
         second_state = second.state_dict()
     assert second_state.keys() == final_state.keys()

@@ -19,6 +19,7 @@ from vktrain.lora import LoRAConfig, LoRAQ4Linear, apply_lora
 from vktrain.models import load
 from vktrain.models.llama import LlamaConfig
 from vktrain.quant import dequantize, quantize, unpack_flat
+from _helpers import planned
 
 VOCAB, DIM, HIDDEN, LAYERS, HEADS = 96, 64, 128, 2, 4
 SEQ = 24
@@ -474,7 +475,7 @@ def test_imported_gguf_forward_on_the_vulkan_device_matches_eager(vk_device, tmp
     pte = PteFile.from_bytes(lower_to_pte(export_forward(model, tuple(ids.shape))))
     plan = pte.execution_plan()
     graph = deserialize_blob(bytes(plan.delegates[0].data))
-    with GraphExecutor(vk_device, graph) as executor:
+    with GraphExecutor(vk_device, graph, planned(vk_device, graph)) as executor:
         interpreter = ProgramInterpreter(pte, plan, lambda index, args: executor.run(*args[:len(graph.inputs)]))
         (logits,) = interpreter.run([ids.numpy()])
     with torch.no_grad():

@@ -18,6 +18,7 @@ from vktrain.serialization.blob import BlobFormatError, named_constants
 from vktrain.serialization.generated.vkt_blob import ConstantData as FbConstantData
 from vktrain.serialization.generated.vkt_blob.ConstantEncoding import ConstantEncoding as FbConstantEncoding
 from vktrain.serialization.graph import ConstantEncoding, GraphError, NarrowConstant, narrow_losslessly
+from vktrain.backend.kernel_planning import plan_schedule
 
 Q8_0 = gguf.GGMLQuantizationType.Q8_0
 Q8_0_BLOCK_BYTES = 34  # gguf's block: a float16 scale and 32 int8 codes
@@ -363,7 +364,7 @@ def test_tiny_llama_with_a_narrow_exact_embedding_gets_a_smaller_pte_that_trains
     for data in (compact, plain):
         path = tmp_path / f"step{len(results)}.pte"
         path.write_bytes(data)
-        runner = TrainingRunner.from_pte(path, vk_device)
+        runner = TrainingRunner.from_pte(path, vk_device, planner=plan_schedule)
         losses = [runner.step(tokens, labels, hparams) for tokens, labels in batches]
         results.append((losses, runner.lora_state()))
     (compact_losses, compact_lora), (plain_losses, plain_lora) = results

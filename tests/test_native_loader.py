@@ -247,7 +247,7 @@ def _graph_of(pte: Path):
 
 def _plan(graph, **options):
     """`graph` planned on lavapipe's built-in profile: no device is opened."""
-    from vktrain.runtime.delegate.planner import plan_schedule
+    from vktrain.backend.kernel_planning.planner import plan_schedule
     from vktrain.serialization.device_profile import LAVAPIPE
 
     return plan_schedule(graph, LAVAPIPE, **options)

@@ -42,7 +42,7 @@ def spirv_dir() -> Path:
 
 def _plan(graph):
     """`graph` planned on lavapipe's built-in profile (what both runtimes then run)."""
-    from vktrain.runtime.delegate.planner import plan_schedule
+    from vktrain.backend.kernel_planning.planner import plan_schedule
     from vktrain.serialization.device_profile import LAVAPIPE
 
     return plan_schedule(graph, LAVAPIPE)

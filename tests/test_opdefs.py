@@ -11,7 +11,7 @@ import torch
 import vktrain.ops  # noqa: F401  (registers torch.ops.vktrain.*)
 from vktrain import opdefs
 from vktrain.errors import VktrainError
-from vktrain.opdefs import TensorMeta, generate, infer_outputs, op_def
+from vktrain.opdefs import TensorMeta, generate, infer_outputs
 from vktrain.opdefs.schema import Schema, SchemaError
 
 
@@ -114,7 +114,7 @@ def test_one_dtype_table_for_every_layer():
 
     from vktrain.opdefs.dtypes import BIT_CONTAINERS, DTYPES, dtype_info
     from vktrain.ops._library import torch_dtype
-    from vktrain.runtime.delegate.op_lowering import KERNEL_DTYPES
+    from vktrain.backend.kernel_planning.op_lowering import KERNEL_DTYPES
     from vktrain.serialization import graph as vk
     from vktrain.serialization.generated.vkt_blob.DataType import DataType
 

@@ -79,7 +79,7 @@ def test_registry_accepts_only_ops_the_runtime_executes():
     holds them), so a delegate never fails at load with "unsupported op"."""
     from vktrain.opdefs.runtime_ops import EXPANDED_OPS
     from vktrain.partitioner.op_registry import executed_op
-    from vktrain.runtime.delegate import op_lowering
+    from vktrain.backend.kernel_planning import op_lowering
 
     registered = set(supported_ops()) - {"getitem"} - EXPANDED_OPS
     assert registered, "the registry is empty"
@@ -92,7 +92,7 @@ def test_the_runtime_ops_data_is_what_the_runtime_executes():
     """vktrain.opdefs.runtime_ops (op support as data, what the partitioner and the verifier read without
     importing the runtime) names exactly the ops the runtime's lowering table and kernel registry execute."""
     from vktrain.opdefs.runtime_ops import EXPANDED_OPS, RUNTIME_OPS
-    from vktrain.runtime.delegate import op_lowering
+    from vktrain.backend.kernel_planning import op_lowering
 
     assert sorted(RUNTIME_OPS) == op_lowering.supported_ops()
     assert not EXPANDED_OPS & set(op_lowering.supported_ops())
@@ -317,7 +317,7 @@ def test_runtime_argument_names_follow_the_torch_schemas():
     them. Both must list the same arguments in the same order, for every op the runtime executes."""
     import executorch.exir.passes.dim_order_ops_registry  # noqa: F401  (registers dim_order_ops)
 
-    from vktrain.runtime.delegate.op_lowering import OP_LOWERINGS
+    from vktrain.backend.kernel_planning.op_lowering import OP_LOWERINGS
 
     for key, lowering in OP_LOWERINGS.items():
         namespace, name, overload = key.split(".")

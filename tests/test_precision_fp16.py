@@ -23,13 +23,14 @@ import numpy as np
 import pytest
 import torch
 
+from vktrain.backend.kernel_planning import plan_schedule
 from vktrain.contract import (METADATA_GEMM_PRECISIONS, PRECISION_AUTO, PRECISION_FP16, PRECISION_FP16_TC,
                               PRECISION_FP32, PRECISIONS)
 from vktrain.lora import LoRAConfig, apply_lora
 from vktrain.lora.layers import LoRAQ4Linear
 from vktrain.models import build_model
-from vktrain.runtime.delegate.kernels.coopmat import select_gemm_route
-from vktrain.runtime.delegate.planner import gemm_route_for, requirements_of, runs_fp16_kernel
+from vktrain.backend.kernel_planning.kernels.coopmat import select_gemm_route
+from vktrain.backend.kernel_planning.planner import gemm_route_for, requirements_of, runs_fp16_kernel
 from vktrain.runtime.device_profiles import DEVICE_PROFILE_ENV
 from vktrain.runtime.program.runner import TrainingRunner
 from vktrain.runtime.vk.coopmat import CooperativeMatrixShape
@@ -68,7 +69,7 @@ def test_fp16_runs_the_fp16_simt_kernels_where_the_device_has_shader_float16_and
 
 
 def test_fp16_on_webgpu_runs_the_f16_wgsl_kernels_where_the_adapter_has_shader_f16():
-    from vktrain.runtime.delegate.kernels.coopmat import WGSL_F16_FEATURE
+    from vktrain.backend.kernel_planning.kernels.coopmat import WGSL_F16_FEATURE
     from vktrain.runtime.webgpu.device import DEVICE_TYPE
 
     adapter = SimpleNamespace(name="test-adapter", device_type=DEVICE_TYPE, features=frozenset({WGSL_F16_FEATURE}),
@@ -190,7 +191,8 @@ def _float64_loss_and_fp16_bound(model, batch, head: bool = False) -> tuple[floa
 
 def _step(path, device, batch, precision, steps=1, every_mm=False):
     token_ids, labels = batch
-    with TrainingRunner.from_pte(path, device, precision=precision, emulate_tensor_cores=every_mm) as runner:
+    with TrainingRunner.from_pte(path, device, planner=plan_schedule, precision=precision,
+                                 emulate_tensor_cores=every_mm) as runner:
         executor = runner.executor
         losses = [runner.step(token_ids.numpy(), labels.numpy(), HPARAMS) for _ in range(steps)]
         shaders = {executor.ops[int(d.name.split(":")[0])].name: set() for d in executor.dispatches

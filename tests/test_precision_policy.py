@@ -37,14 +37,10 @@ from vktrain.contract import METADATA_GEMM_PRECISIONS, PRECISION_AUTO, PRECISION
 from vktrain.lora import LoRAConfig, apply_lora
 from vktrain.lora.layers import LoRAQ4Linear
 from vktrain.runtime.delegate.executor import GraphExecutor
-from vktrain.runtime.delegate.kernels.coopmat import (
-    GemmRoute,
-    PrecisionPolicyError,
-    allowed_precisions,
-    coopmat_supported,
-    select_gemm_route,
-)
-from vktrain.runtime.delegate.kernels.coopmat_tiling import (
+from vktrain.backend.kernel_planning.kernels.coopmat import GemmRoute, coopmat_supported, select_gemm_route
+from vktrain.errors import PrecisionPolicyError
+from vktrain.contract import allowed_precisions
+from vktrain.backend.kernel_planning.kernels.coopmat_tiling import (
     EMULATED_LOOP_BUDGET,
     MIN_WORKGROUPS,
     CoopmatTiling,
@@ -59,6 +55,8 @@ from vktrain.export import export_training_step, lower_to_pte
 from vktrain.models import build_model
 
 from _helpers import LOSS_RTOL, _cast_floating, export_mlp_lora_training_step
+from vktrain.backend.kernel_planning import plan_schedule
+from _helpers import planned
 
 BATCH, SEQ, VOCAB = 2, 8, 64
 HPARAMS = np.array([1e-2, 0.9, 0.999, 1e-8, 0.01], np.float32)
@@ -123,7 +121,7 @@ def test_auto_is_fp16_tc_where_the_device_and_the_program_allow_it_and_fp32_else
 
 def test_the_runtime_asks_for_auto_by_default():
     import inspect
-    assert inspect.signature(GraphExecutor).parameters["precision"].default == PRECISION_AUTO
+    assert inspect.signature(plan_schedule).parameters["precision"].default == PRECISION_AUTO
     assert inspect.signature(TrainingRunner).parameters["precision"].default == PRECISION_AUTO
 
 
@@ -263,11 +261,11 @@ def _float64_loss_and_fp16_bound(model, batch, head=None) -> tuple[float, float]
 def test_fp16_tc_routes_every_base_gemm_and_step_one_matches_float64_within_the_derived_bound(
         vk_device, step_program):
     path, model = step_program
-    with TrainingRunner.from_pte(path, vk_device) as fp32_runner:
+    with TrainingRunner.from_pte(path, vk_device, planner=plan_schedule) as fp32_runner:
         assert fp32_runner.executor.tensor_core_ops == []
         assert not any("coopmat" in d.shader for d in fp32_runner.executor.dispatches)
         fp32_loss = _first_loss(fp32_runner)
-    with TrainingRunner.from_pte(path, vk_device, precision=PRECISION_FP16_TC, emulate_tensor_cores=True) as runner:
+    with TrainingRunner.from_pte(path, vk_device, planner=plan_schedule, precision=PRECISION_FP16_TC, emulate_tensor_cores=True) as runner:
         base_ops = _base_gemm_ops(runner)
         # Three forward GEMMs; d_x of the head and the second layer (the first layer's input is the frozen
         # embedding's output, which needs no gradient).
@@ -301,21 +299,21 @@ def test_fp16_tc_without_tensor_cores_runs_the_fp32_kernels_bit_for_bit(vk_devic
     if coopmat_supported(vk_device.cooperative_matrix_properties):
         pytest.skip(f"{vk_device.name} has cooperative matrices: the fallback is not taken")
     path = step_program[0]
-    with TrainingRunner.from_pte(path, vk_device) as fp32_runner:
+    with TrainingRunner.from_pte(path, vk_device, planner=plan_schedule) as fp32_runner:
         fp32_loss = _first_loss(fp32_runner)
-    with TrainingRunner.from_pte(path, vk_device, precision=PRECISION_FP16_TC) as runner:
+    with TrainingRunner.from_pte(path, vk_device, planner=plan_schedule, precision=PRECISION_FP16_TC) as runner:
         assert runner.executor.tensor_core_ops == []
         assert "fp32 kernels" in runner.gemm_report() and "lists no 16x16x16" in runner.gemm_report()
         assert _first_loss(runner) == fp32_loss
 
 
 def test_a_program_not_allowing_the_policy_is_refused_at_load_by_field(vk_device, step_program):
-    with TrainingRunner.from_pte(step_program[0], vk_device) as runner:
+    with TrainingRunner.from_pte(step_program[0], vk_device, planner=plan_schedule) as runner:
         graph = copy.copy(runner.graph)
     graph.metadata = {k: v for k, v in graph.metadata.items() if k != METADATA_GEMM_PRECISIONS}
     with pytest.raises(PrecisionPolicyError, match=f"allows GEMM precision fp32 \\(blob metadata "
                                                    f"'{METADATA_GEMM_PRECISIONS}'\\), not 'fp16-tc'"):
-        GraphExecutor(vk_device, graph, precision=PRECISION_FP16_TC)
+        GraphExecutor(vk_device, graph, planned(vk_device, graph, precision=PRECISION_FP16_TC))
 
 
 def test_train_takes_the_precision_flag_and_reports_the_choice(vk_device, step_program, tmp_path, capsys):
@@ -355,7 +353,7 @@ def test_fp16_tc_runs_the_tied_lm_head_on_tensor_cores_and_step_one_matches_floa
     token_ids = torch.randint(0, vocab, (BATCH, SEQ), generator=generator)
     labels = torch.randint(0, vocab, (BATCH, SEQ), generator=generator)
     labels[1, -3:] = -1
-    with TrainingRunner.from_pte(path, vk_device, precision=PRECISION_FP16_TC, emulate_tensor_cores=True) as runner:
+    with TrainingRunner.from_pte(path, vk_device, planner=plan_schedule, precision=PRECISION_FP16_TC, emulate_tensor_cores=True) as runner:
         executor = runner.executor
         shapes = {label: [executor.graph.tensor(v).shape for v in executor.ops[int(label.split(":")[0])].args[:2]]
                   for label in executor.tensor_core_ops if label.endswith(MM)}

@@ -23,14 +23,15 @@ torch = pytest.importorskip("torch")
 import vktrain.ops  # noqa: E402,F401  (registers torch.ops.vktrain.*)
 from vktrain.quant import dequantize, pack_w4x8, quantize  # noqa: E402
 from vktrain.runtime import Buffer, run_dispatches  # noqa: E402
-from vktrain.runtime.delegate.kernels.gemm_tuning import CPU_TUNING, GPU_TUNING, runs_cpu_bodies  # noqa: E402
-from vktrain.runtime.delegate.kernels.layout import BindingLimit  # noqa: E402
+from vktrain.backend.kernel_planning.kernels.gemm_tuning import CPU_TUNING, GPU_TUNING, runs_cpu_bodies  # noqa: E402
+from vktrain.backend.kernel_planning.kernels.layout import BindingLimit  # noqa: E402
 from vktrain.serialization.strided_view import KernelArgumentError
-from vktrain.runtime.delegate.kernels.linear import (GemmPlacement, GemmTiles, gemm_push,  # noqa: E402
+from vktrain.backend.kernel_planning.kernels.linear import (GemmPlacement, GemmTiles, gemm_push,  # noqa: E402
                                                      plan_linear_q4gsw, plan_linear_q4gsw_backward, prepack_weights,
                                                      weights_nbytes)
-from vktrain.runtime.delegate.kernels.q4gsw_windows import (k_window_step, scales_byte_range,  # noqa: E402
+from vktrain.backend.kernel_planning.kernels.q4gsw_windows import (k_window_step, scales_byte_range,  # noqa: E402
                                                             words_byte_range)
+from vktrain.backend.kernel_planning import plan_schedule
 
 UNIT_ROUNDOFF = 2.0 ** -24
 LIMIT = BindingLimit(4096, 256)  # 4 KiB bindings: the shapes below split along K and M
@@ -247,7 +248,7 @@ def _train(path, device, max_binding_bytes):
     token_ids = torch.randint(0, HEAD_VOCAB, (HEAD_BATCH, HEAD_SEQ), generator=torch.Generator().manual_seed(7))
     labels = torch.roll(token_ids, -1, dims=1)
     # Training only; the eval method's unfused LoRA add over the logits splits too (tests/test_elementwise_windows.py).
-    with TrainingRunner.from_pte(path, device, max_binding_bytes=max_binding_bytes) as runner:
+    with TrainingRunner.from_pte(path, device, planner=plan_schedule, max_binding_bytes=max_binding_bytes) as runner:
         losses = [runner.step(token_ids.numpy(), labels.numpy(), HPARAMS) for _ in range(HEAD_STEPS)]
         return losses, list(runner.executor.dispatches)
 
@@ -286,7 +287,7 @@ def test_a_windowed_q4_op_takes_the_fp32_kernels_on_the_tensor_core_route(vk_dev
     export_mlp_lora_training_step(path, (2, 8), 32768)  # logits [2, 8, 32768]: 2 MiB out of linear_q4gsw
     routes = {}
     for limit in (None, MIB):
-        with TrainingRunner.from_pte(path, vk_device, precision="fp16-tc", emulate_tensor_cores=True,
+        with TrainingRunner.from_pte(path, vk_device, planner=plan_schedule, precision="fp16-tc", emulate_tensor_cores=True,
                                      max_binding_bytes=limit) as runner:
             windowed = {d.name.split(".window")[0] for d in runner.executor.dispatches
                         if "linear_q4gsw" in d.name and ".window" in d.name}

@@ -19,10 +19,11 @@ from vktrain.serialization.verify import device_buffer_requests
 from vktrain.serialization import deserialize_blob, serialize_blob
 from vktrain.serialization import graph as vk
 from vktrain.quant.q8_0 import GGUF_Q8_0_BLOCK, dequantize_q8_0, q8_0_device_arrays
-from vktrain.runtime.delegate.kernels.gemm_tuning import CPU_TUNING, GPU_TUNING, runs_cpu_bodies
+from vktrain.backend.kernel_planning.kernels.gemm_tuning import CPU_TUNING, GPU_TUNING, runs_cpu_bodies
 from vktrain.serialization.strided_view import KernelArgumentError, StridedView
-from vktrain.runtime.delegate.kernels.matmul import gemm_scratch_nbytes, plan_gemm
-from vktrain.runtime.delegate.kernels.q8_0 import plan_embedding_q8_0, plan_linear_q8_0, plan_linear_q8_0_backward
+from vktrain.backend.kernel_planning.kernels.matmul import gemm_scratch_nbytes, plan_gemm
+from vktrain.backend.kernel_planning.kernels.q8_0 import plan_embedding_q8_0, plan_linear_q8_0, plan_linear_q8_0_backward
+from vktrain.backend.kernel_planning import plan_schedule
 
 Q8_0 = gguf.GGMLQuantizationType.Q8_0
 
@@ -265,7 +266,7 @@ def test_tiny_llama_with_a_tied_q8_0_embedding_trains_as_the_float32_resident_ro
     for index, data in enumerate((q8_0, float32_resident)):
         path = tmp_path / f"step{index}.pte"
         path.write_bytes(data)
-        runner = TrainingRunner.from_pte(path, vk_device)
+        runner = TrainingRunner.from_pte(path, vk_device, planner=plan_schedule)
         # The gather kernel writes NaN rows for a bad index; the executor refuses one first, on both routes.
         assert runner.executor.index_limits["token_ids"] == vocab
         bad = batches[0][0].copy()

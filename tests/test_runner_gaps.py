@@ -35,6 +35,8 @@ from vktrain.train.eval_command import add_eval_arguments, run_eval  # noqa: E40
 from vktrain.train.merge import merged_state_dict  # noqa: E402
 from vktrain.train.data import TokenBatcher  # noqa: E402
 from vktrain.train.train_loop import TrainConfigError  # noqa: E402
+from vktrain.backend.kernel_planning import plan_schedule
+from _helpers import planned
 
 STEPS = 4
 
@@ -56,9 +58,9 @@ def test_training_runner_runs_a_step_whose_hyper_parameters_are_baked(etvk_pte, 
     batches = training_batches()[:STEPS]
     program = PteFile.load(etvk_pte)
     _, graph = load_delegate_graph(program, program.execution_plan("forward"))
-    with GraphExecutor(vk_device, graph) as executor:
+    with GraphExecutor(vk_device, graph, planned(vk_device, graph)) as executor:
         executor_losses = [float(executor.run(t.numpy(), l.numpy())[0]) for t, l in batches]
-    with TrainingRunner.from_pte(etvk_pte, vk_device) as runner:
+    with TrainingRunner.from_pte(etvk_pte, vk_device, planner=plan_schedule) as runner:
         assert not runner.takes_hparams and runner.input_names == ["token_ids", "labels"]
         with pytest.raises(ExecutorInputError, match="baked"):
             runner.step(*batches[0], np.zeros(5, np.float32))
@@ -88,7 +90,7 @@ def test_vktrain_train_runs_it_with_checkpoints_and_json_and_says_the_schedule_i
 
     batcher = TokenBatcher(np.load(data), *BATCH, shuffle=False)
     batches = [batcher.batch(position) for position in range(STEPS)]
-    with TrainingRunner.from_pte(etvk_pte, vk_device) as runner:
+    with TrainingRunner.from_pte(etvk_pte, vk_device, planner=plan_schedule) as runner:
         expected = [runner.step(t, l) for t, l in batches]
     assert [r["loss"] for r in records] == expected
     np.testing.assert_allclose(expected, _float64_losses(batches), rtol=LOSS_RTOL)

@@ -22,6 +22,8 @@ from vktrain.runtime.program.runner import TrainingRunner, UnsupportedProgramErr
 
 from _helpers import (assert_training_matches_reference, eager_float64_and_float32_training,
                       export_mlp_lora_training_step, runner_losses)
+from vktrain.backend.kernel_planning import plan_schedule
+from _helpers import planned
 
 BATCH, SEQ, VOCAB = 2, 8, 64
 STEPS = 20
@@ -50,7 +52,7 @@ def test_twenty_steps_match_eager_pytorch(vk_device, step_program):
     reference = eager_float64_and_float32_training(model, _batches(STEPS), lr=LR, betas=BETAS, eps=EPS,
                                                    weight_decay=WEIGHT_DECAY)
     initial = {name: param.detach().numpy() for name, param in model.named_parameters()}
-    with TrainingRunner.from_pte(path, vk_device) as runner:
+    with TrainingRunner.from_pte(path, vk_device, planner=plan_schedule) as runner:
         assert runner.input_names == ["token_ids", "labels", "hparams", "n_valid"]
         assert runner.batch_shape == (BATCH, SEQ) and runner.vocab_size == VOCAB
         losses = runner_losses(runner, _batches(STEPS), HPARAMS)
@@ -67,14 +69,14 @@ def test_twenty_steps_match_eager_pytorch(vk_device, step_program):
 
 def test_two_runs_are_bitwise_identical_and_checkpoints_restore(vk_device, step_program):
     path = step_program[0]
-    with TrainingRunner.from_pte(path, vk_device) as first:
+    with TrainingRunner.from_pte(path, vk_device, planner=plan_schedule) as first:
         initial = first.state_dict()
         losses_first = runner_losses(first, _batches(STEPS), HPARAMS)
         final_first = first.state_dict()
         # Restoring the initial checkpoint into the same runner reproduces the run exactly.
         first.load_state_dict(initial)
         assert runner_losses(first, _batches(STEPS), HPARAMS) == losses_first
-    with TrainingRunner.from_pte(path, vk_device) as second:
+    with TrainingRunner.from_pte(path, vk_device, planner=plan_schedule) as second:
         losses_second = runner_losses(second, _batches(STEPS), HPARAMS)
         final_second = second.state_dict()
     assert losses_first == losses_second
@@ -86,7 +88,7 @@ def test_two_runs_are_bitwise_identical_and_checkpoints_restore(vk_device, step_
 def test_n_valid_defaults_to_count_of_valid_labels(vk_device, step_program):
     path = step_program[0]
     token_ids, labels = next(_batches(1))
-    with TrainingRunner.from_pte(path, vk_device) as runner:
+    with TrainingRunner.from_pte(path, vk_device, planner=plan_schedule) as runner:
         initial = runner.state_dict()
         default = runner.step(token_ids.numpy(), labels.numpy(), HPARAMS)
         runner.load_state_dict(initial)
@@ -100,7 +102,7 @@ def test_n_valid_defaults_to_count_of_valid_labels(vk_device, step_program):
 def test_out_of_range_token_is_refused_before_the_step(vk_device, step_program):
     token_ids, labels = next(_batches(1))
     token_ids[1, 3] = VOCAB  # the embedding kernel would read a NaN row; the CPU reference raises
-    with TrainingRunner.from_pte(step_program[0], vk_device) as runner:
+    with TrainingRunner.from_pte(step_program[0], vk_device, planner=plan_schedule) as runner:
         before = runner.state_dict()
         with pytest.raises(ExecutorInputError, match=r"input 'token_ids' holds 64 at \[1, 3\], but it must be a row "
                                                      r"of the 64-row embedding"):
@@ -134,7 +136,7 @@ def test_exported_forward_runs_through_interpreter_and_executor(vk_device):
     plan = pte.execution_plan()
     graph = deserialize_blob(bytes(plan.delegates[0].data))
     token_ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=generator)
-    with GraphExecutor(vk_device, graph) as executor:
+    with GraphExecutor(vk_device, graph, planned(vk_device, graph)) as executor:
         interpreter = ProgramInterpreter(pte, plan, lambda index, args: executor.run(*args[:len(graph.inputs)]))
         (logits,) = interpreter.run([token_ids.numpy()])
     with torch.no_grad():
@@ -161,13 +163,13 @@ class _CastReshapeClone(torch.nn.Module):
 def test_unsupported_instruction_is_refused_at_load(vk_device):
     pte = PteFile.from_bytes(_cpu_program(_Sine(), (torch.zeros(3),)))
     with pytest.raises(UnsupportedProgramError, match=r"unsupported instruction aten::sin.out"):
-        TrainingRunner(pte, vk_device)
+        TrainingRunner(pte, vk_device, planner=plan_schedule)
 
 
 def test_program_without_the_delegate_is_refused(vk_device):
     pte = PteFile.from_bytes(_cpu_program(_CastReshapeClone(), (torch.zeros(2, 3, dtype=torch.int64),)))
     with pytest.raises(UnsupportedProgramError, match="expected exactly one VktrainVulkanBackend delegate"):
-        TrainingRunner(pte, vk_device)
+        TrainingRunner(pte, vk_device, planner=plan_schedule)
 
 
 def test_cpu_instructions_run_in_numpy():
@@ -184,7 +186,7 @@ def test_cpu_instructions_run_in_numpy():
 def test_example_inputs_match_the_step_signature(vk_device, step_program):
     """The exporter's example inputs run unchanged through the runner (names and dtypes agree)."""
     token_ids, labels, hparams, n_valid = example_training_inputs(BATCH, SEQ, VOCAB)
-    with TrainingRunner.from_pte(step_program[0], vk_device) as runner:
+    with TrainingRunner.from_pte(step_program[0], vk_device, planner=plan_schedule) as runner:
         loss = runner.step(token_ids.numpy(), labels.numpy(), hparams.numpy(), float(n_valid))
     assert np.isfinite(loss) and loss > 0
 
@@ -210,7 +212,7 @@ def test_other_activations_train_like_eager(vk_device, tmp_path, activation, fus
     reference = eager_float64_and_float32_training(model, _batches(STEPS), lr=LR, betas=BETAS, eps=EPS,
                                                    weight_decay=WEIGHT_DECAY)
     initial = {name: param.detach().numpy() for name, param in model.named_parameters()}
-    with TrainingRunner.from_pte(path, vk_device) as runner:
+    with TrainingRunner.from_pte(path, vk_device, planner=plan_schedule) as runner:
         losses = runner_losses(runner, _batches(STEPS), HPARAMS)
         lora = runner.lora_state()
         exp_avg = {name: runner.read_state("optimizer.exp_avg." + name) for name in reference.state}
@@ -226,7 +228,7 @@ def test_inspect_planned_memory_is_what_the_executor_allocates(vk_device, step_p
 
     path = step_program[0]
     (delegate,) = summarize_pte(path.read_bytes())["delegates"]
-    with TrainingRunner.from_pte(path, vk_device) as runner:
+    with TrainingRunner.from_pte(path, vk_device, planner=plan_schedule) as runner:
         buffers = dict(runner.executor.buffer_bytes)
     allocated = {key: size for key, size in buffers.items() if key.startswith("mem")}
     assert len(allocated) == delegate["memory"]["memory_objects"] > 0

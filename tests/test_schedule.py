@@ -16,18 +16,20 @@ import torch
 
 from _helpers import export_mlp_lora_training_step
 from vktrain.runtime.delegate.executor import GraphExecutor, shader_sources
-from vktrain.runtime.delegate.kernels.coopmat import GemmRoute
-from vktrain.runtime.delegate.planner import plan_schedule
+from vktrain.backend.kernel_planning.kernels.coopmat import GemmRoute
+from vktrain.backend.kernel_planning.planner import plan_schedule
 from vktrain.serialization.device_profile import NVIDIA_COOPMAT
 from vktrain.runtime.program import fuzz
 from vktrain.runtime.device_profiles import profile_of
 from vktrain.runtime.program.runner import TrainingRunner
+from vktrain.runtime.program.schedules import NoScheduleError
 from vktrain.serialization.dispatch import BufferBinding, Dispatch
 from vktrain.serialization.verify import VerificationError
 from vktrain.serialization.verify_schedule import verify_schedule
 from vktrain.serialization.schedule import (PlannedGemm, Schedule, ScheduleBuffer, ScheduleFormatError,
                                             ScheduleMismatchError, ScheduleRequirements, TensorPlacement,
                                             deserialize_schedule, serialize_schedule)
+from _helpers import planned
 
 HPARAMS = np.array([1e-2, 0.9, 0.999, 1e-8, 0.01], np.float32)
 STEPS = 3
@@ -57,7 +59,7 @@ def llama_pte(tmp_path_factory):
 
 
 def _graph(path, device):
-    with TrainingRunner.from_pte(path, device, timing=False) as runner:
+    with TrainingRunner.from_pte(path, device, planner=plan_schedule, timing=False) as runner:
         return runner.graph
 
 
@@ -72,7 +74,7 @@ def _batches(vocab: int, batch: int, seq: int):
 
 def _train(path, device, batches, **options):
     """(losses, every state tensor after the steps, the executor's schedule) of STEPS steps."""
-    with TrainingRunner.from_pte(path, device, timing=False, **options) as runner:
+    with TrainingRunner.from_pte(path, device, planner=plan_schedule, timing=False, **options) as runner:
         losses = [runner.step(token_ids, labels, HPARAMS) for token_ids, labels in batches]
         state = {name: runner.executor.read_state(name) for name in runner.executor.state_names}
         return losses, state, runner.executor.schedule
@@ -139,8 +141,10 @@ def test_a_schedule_read_back_trains_bit_identically(vk_device, llama_pte):
     batches = list(_batches(128, LLAMA_BATCH, LLAMA_SEQ))
     for options in ({}, dict(precision="fp16-tc", emulate_tensor_cores=True)):
         losses, state, planned_at_load = _train(llama_pte, vk_device, batches, **options)
-        schedule = deserialize_schedule(serialize_schedule(plan_schedule(graph, profile_of(vk_device), **options)))
-        assert schedule == planned_at_load
+        # The runner plans the step with its state guard (TrainingRunner.state_guard): read back with it.
+        schedule = deserialize_schedule(serialize_schedule(plan_schedule(graph, profile_of(vk_device), **options,
+                                                                         state_guard=True)))
+        assert schedule == planned_at_load and schedule.state_guard is not None
         read_back_losses, read_back_state, _ = _train(llama_pte, vk_device, batches, schedule=schedule)
         assert np.mean(losses[-1:]) < losses[0]  # it trains
         assert [float(x).hex() for x in read_back_losses] == [float(x).hex() for x in losses]
@@ -173,26 +177,26 @@ def test_a_schedule_the_device_cannot_run_is_refused(vk_device, mlp_pte, llama_p
     roomier = plan_schedule(graph, dataclasses.replace(profile, max_shared_memory_bytes=2 * shared))
     with pytest.raises(ScheduleMismatchError, match=rf"it relies on max_shared_memory_bytes {2 * shared} "
                                                     rf"\(the device has {shared}\)"):
-        GraphExecutor(vk_device, graph, schedule=roomier)
+        GraphExecutor(vk_device, graph, roomier)
     # A profile of another device: the H200's (tensor cores, 4 GiB bindings, subgroups of 32).
     with pytest.raises(ScheduleMismatchError, match="16x16x16 float16 x float16 \\+ float32 cooperative matrices"):
-        GraphExecutor(vk_device, graph, schedule=plan_schedule(graph, NVIDIA_COOPMAT, precision="fp16-tc"))
+        GraphExecutor(vk_device, graph, plan_schedule(graph, NVIDIA_COOPMAT, precision="fp16-tc"))
     fp16 = plan_schedule(graph, profile_of(vk_device), precision="fp16-tc", emulate_tensor_cores=True)
     other_subgroups = dataclasses.replace(fp16, requirements=dataclasses.replace(fp16.requirements,
                                                                                  subgroup_size=64))
     with pytest.raises(ScheduleMismatchError, match="subgroups of 64 lanes"):
-        GraphExecutor(vk_device, graph, schedule=other_subgroups)
+        GraphExecutor(vk_device, graph, other_subgroups)
     with pytest.raises(VerificationError, match="planned for another graph"):
-        GraphExecutor(vk_device, _graph(llama_pte, vk_device), schedule=fp16)
+        GraphExecutor(vk_device, _graph(llama_pte, vk_device), fp16)
     with pytest.raises(ScheduleMismatchError, match="pass none of precision"):
-        GraphExecutor(vk_device, graph, schedule=fp16, precision="fp32")
+        TrainingRunner.from_pte(mlp_pte, vk_device, schedule=fp16, precision="fp32")
     # The same schedule on the device it fits runs.
-    GraphExecutor(vk_device, graph, schedule=fp16, timing=False).close()
+    GraphExecutor(vk_device, graph, fp16, timing=False).close()
 
 
 _PLAN_WITHOUT_A_DEVICE = """
 import sys
-from vktrain.runtime.delegate.planner import plan_schedule
+from vktrain.backend.kernel_planning.planner import plan_schedule
 from vktrain.serialization import read_blob
 from vktrain.serialization.device_profile import load_profile
 from vktrain.serialization.schedule import serialize_schedule
@@ -208,7 +212,7 @@ sys.stdout.buffer.write(data)
 
 def test_the_planner_needs_no_device(vk_device, llama_pte, tmp_path):
     """A fresh interpreter with the graph and a profile file (no device opened, no device layer loaded) plans
-    the bytes the executor planned from the device it opened."""
+    the bytes planned at load from the device it opened (its planning profile) and run by the executor."""
     from vktrain.serialization import write_blob
 
     graph = _graph(llama_pte, vk_device)
@@ -218,11 +222,12 @@ def test_the_planner_needs_no_device(vk_device, llama_pte, tmp_path):
     profile_file.write_text(profile_of(vk_device).to_json())
     for precision in ("fp32", "fp16-tc"):
         emulate = precision == "fp16-tc"
-        with GraphExecutor(vk_device, graph, timing=False, precision=precision, emulate_tensor_cores=emulate) as executor:
+        schedule = planned(vk_device, graph, precision=precision, emulate_tensor_cores=emulate)
+        with GraphExecutor(vk_device, graph, schedule, timing=False) as executor:
             expected = serialize_schedule(executor.schedule)
-        planned = subprocess.run([sys.executable, "-c", _PLAN_WITHOUT_A_DEVICE, str(blob), str(profile_file), precision],
-                                 capture_output=True, check=True, timeout=300).stdout
-        assert planned == expected, precision
+        without_device = subprocess.run([sys.executable, "-c", _PLAN_WITHOUT_A_DEVICE, str(blob), str(profile_file),
+                                         precision], capture_output=True, check=True, timeout=300).stdout
+        assert without_device == expected, precision
 
 
 # --- the verifier and the fuzzer ------------------------------------------------------------------------
@@ -265,7 +270,59 @@ def test_the_verifier_refuses_each_broken_fact(vk_device, mlp_pte):
         with pytest.raises(VerificationError, match=expected):
             verify_schedule(bad, graph, sources)
         with pytest.raises(VerificationError, match=expected):  # the executor verifies what it is given
-            GraphExecutor(vk_device, graph, schedule=bad)
+            GraphExecutor(vk_device, graph, bad)
+
+
+def test_the_runner_plans_nothing_itself_it_calls_the_planner_it_is_given(vk_device, mlp_pte):
+    """The runtime holds no kernel choice: without a schedule or a planner a load is refused, naming the file;
+    with a planner, the runner calls it once for the step with the device's profile and the planning options."""
+    with pytest.raises(NoScheduleError, match=rf"{mlp_pte}: no schedule for .*no planner was given"):
+        TrainingRunner.from_pte(mlp_pte, vk_device, planner=None)
+    calls = []
+
+    def planner(graph, profile, **options):
+        calls.append((profile, options))
+        return plan_schedule(graph, profile, **options)
+
+    with TrainingRunner.from_pte(mlp_pte, vk_device, planner=planner, max_binding_bytes=SMALL_BINDING) as runner:
+        assert runner.executor.schedule == plan_schedule(runner.graph, profile_of(vk_device), state_guard=True,
+                                                         max_binding_bytes=SMALL_BINDING)
+    assert calls == [(profile_of(vk_device), dict(precision="auto", emulate_tensor_cores=False,
+                                                  max_binding_bytes=SMALL_BINDING, state_guard=True))]
+
+
+def test_the_state_guard_is_planned_into_the_schedule_read_back_and_verified(vk_device, mlp_pte):
+    """plan_schedule(state_guard=True) plans the guard's dispatches over the step's state buffers: one backup
+    range per state tensor (the runtime's names, the graph's order) and, for each, a check dispatch binding the
+    tensor where the schedule places it; the bytes read back equal and the verifier refuses a guard binding
+    outside its buffer. The runner's guard replays them (tests/test_state_guard.py, test_train_loop.py)."""
+    graph = _graph(mlp_pte, vk_device)
+    plain = plan_schedule(graph, profile_of(vk_device))
+    schedule = plan_schedule(graph, profile_of(vk_device), state_guard=True)
+    assert plain.state_guard is None and dataclasses.replace(schedule, state_guard=None) == plain
+    guard = schedule.state_guard
+    names = [graph.tensor(s.state_id).name for s in graph.mutable_state]
+    assert [t.name for t in guard.tensors] == names and len(guard.save) == len(names) + 2
+    placed = {p.value_id: p for p in schedule.placements}
+    for state, tensor, check in zip(graph.mutable_state, guard.tensors, guard.save[1:-1]):
+        where = placed[state.state_id]
+        assert check.bindings[1] == BufferBinding(where.key, where.offset, where.size_bytes, "r")
+        assert check.bindings[0] == BufferBinding("guard:slot", tensor.slot_offset, where.size_bytes, "w")
+        assert tensor.slot_offset % 256 == 0 and tensor.slot_offset + tensor.size_bytes <= guard.slot_bytes
+    back = deserialize_schedule(serialize_schedule(schedule))
+    assert back == schedule and serialize_schedule(back) == serialize_schedule(schedule)
+    sources = shader_sources()
+    verify_schedule(back, graph, sources)
+    check = guard.save[1]
+    outside = dataclasses.replace(check, bindings=(dataclasses.replace(check.bindings[0], offset=guard.slot_bytes),)
+                                  + check.bindings[1:])
+    broken = dataclasses.replace(schedule, state_guard=dataclasses.replace(guard, save=(guard.save[0], outside)
+                                                                            + guard.save[2:]))
+    with pytest.raises(VerificationError, match=r"state guard save dispatch 1 .* is outside the buffer's"):
+        verify_schedule(broken, graph, sources)
+    # A step run by a schedule planned without the guard has none: the training loop keeps host copies.
+    with TrainingRunner.from_pte(mlp_pte, vk_device, schedule=plain, timing=False) as runner:
+        assert runner.state_guard() is None
 
 
 SCHEDULE_MUTANTS = 400
@@ -273,9 +330,11 @@ SCHEDULE_MUTANTS = 400
 
 def test_schedule_mutants_are_refused_cleanly_or_verified(vk_device, mlp_pte):
     """Mutated schedule bytes: every one refused by the reader or the verifier, or read as a schedule the
-    verifier accepts; none escapes as another exception."""
+    verifier accepts; none escapes as another exception. The step's schedule as the runner plans it: its state
+    guard's tables too."""
     graph = _graph(mlp_pte, vk_device)
-    original = serialize_schedule(plan_schedule(graph, profile_of(vk_device), max_binding_bytes=SMALL_BINDING))
+    original = serialize_schedule(plan_schedule(graph, profile_of(vk_device), max_binding_bytes=SMALL_BINDING,
+                                                state_guard=True))
     table = fuzz.schedule_campaign(original, graph, shader_sources(), SCHEDULE_MUTANTS, seed=0)
     print(f"\n{SCHEDULE_MUTANTS} schedule mutants: {dict(table)}")
     assert not [label for label in table if label.startswith("BUG")], table
@@ -291,21 +350,21 @@ def test_a_schedule_binding_another_executors_state_runs_with_it(vk_device, mlp_
     graph = _graph(mlp_pte, vk_device)
     token_ids, labels = next(_batches(MLP_VOCAB, MLP_BATCH, MLP_SEQ))
     inputs = (token_ids, labels, HPARAMS, np.float32((labels >= 0).sum()))
-    with GraphExecutor(vk_device, graph, timing=False) as owner:
+    with GraphExecutor(vk_device, graph, planned(vk_device, graph), timing=False) as owner:
         shared = owner.shared_state()
         schedule = deserialize_schedule(serialize_schedule(plan_schedule(graph, profile_of(vk_device), shared=shared)))
         assert {buffer.role for buffer in schedule.buffers if buffer.key.startswith("shared:")} == {"shared"}
         outputs = []
-        for options in ({}, dict(schedule=schedule)):
+        for given in (planned(vk_device, graph, shared=shared), schedule):
             owner.reset_state()
-            with GraphExecutor(vk_device, graph, timing=False, shared=shared, **options) as borrower:
+            with GraphExecutor(vk_device, graph, given, timing=False, shared=shared) as borrower:
                 outputs.append(borrower.run(*inputs)[0])
                 outputs.append(owner.read_state("model.layers.0.lora_A"))  # the step updated the owner's state
         np.testing.assert_array_equal(outputs[2], outputs[0])
         np.testing.assert_array_equal(outputs[3], outputs[1])
         assert not np.array_equal(outputs[1], owner.initial_state("model.layers.0.lora_A"))
         with pytest.raises(ScheduleMismatchError, match="which this executor was not given"):
-            GraphExecutor(vk_device, graph, schedule=schedule)
+            GraphExecutor(vk_device, graph, schedule)
 
 
 def test_a_webgpu_schedule_read_back_trains_bit_identically_and_vulkan_ones_are_refused(vk_device, webgpu_device,
@@ -313,24 +372,26 @@ def test_a_webgpu_schedule_read_back_trains_bit_identically_and_vulkan_ones_are_
     graph = _graph(mlp_pte, vk_device)
     batches = list(_batches(MLP_VOCAB, MLP_BATCH, MLP_SEQ))
     losses, state, planned_at_load = _train(mlp_pte, webgpu_device, batches)
-    schedule = deserialize_schedule(serialize_schedule(plan_schedule(graph, profile_of(webgpu_device))))
+    schedule = deserialize_schedule(serialize_schedule(plan_schedule(graph, profile_of(webgpu_device),
+                                                                     state_guard=True)))
     assert schedule == planned_at_load and schedule.requirements.api == "webgpu"
     read_back_losses, read_back_state, _ = _train(mlp_pte, webgpu_device, batches, schedule=schedule)
     assert read_back_losses == losses
     for name, array in state.items():
         np.testing.assert_array_equal(read_back_state[name], array, err_msg=name)
     with pytest.raises(ScheduleMismatchError, match="the schedule is for the vulkan runtime, the device is webgpu"):
-        GraphExecutor(webgpu_device, graph, schedule=plan_schedule(graph, profile_of(vk_device)))
+        GraphExecutor(webgpu_device, graph, plan_schedule(graph, profile_of(vk_device)))
     with pytest.raises(ScheduleMismatchError, match="the schedule is for the webgpu runtime, the device is vulkan"):
-        GraphExecutor(vk_device, graph, schedule=schedule)
+        GraphExecutor(vk_device, graph, schedule)
 
 
 def test_the_profile_chooses_the_route_the_device_chooses(vk_device, webgpu_device, mlp_pte):
     """Planning reads the profile (planner.ProfileAsDevice): the GEMM route and fp32 tuning it gives are the
     ones select_gemm_route / select_gemm_tuning give for the opened device itself."""
-    from vktrain.runtime.delegate.kernels.coopmat import allowed_precisions, select_gemm_route
-    from vktrain.runtime.delegate.kernels.gemm_tuning import select_gemm_tuning
-    from vktrain.runtime.delegate.planner import gemm_route_for
+    from vktrain.backend.kernel_planning.kernels.coopmat import select_gemm_route
+    from vktrain.contract import allowed_precisions
+    from vktrain.backend.kernel_planning.kernels.gemm_tuning import select_gemm_tuning
+    from vktrain.backend.kernel_planning.planner import gemm_route_for
 
     graph = _graph(mlp_pte, vk_device)
     allowed = allowed_precisions(graph.metadata)

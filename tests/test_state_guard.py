@@ -1,15 +1,18 @@
-"""StateGuard (vktrain/runtime/delegate/state_guard.py) on lavapipe, through both device layers: the backup
-is the state bit for bit, the flag says whether any word is NaN/inf exactly when numpy's isfinite does, and
-restore puts the backup back. The training loop's use of it is tested in test_train_loop.py."""
+"""StateGuard (vktrain/runtime/delegate/state_guard.py) replaying the dispatches the planner gives it
+(vktrain/backend/kernel_planning/state_guard.py) on lavapipe, through both device layers: the backup is the
+state bit for bit, the flag says whether any word is NaN/inf exactly when numpy's isfinite does, and restore
+puts the backup back. The training loop's use of it is tested in test_train_loop.py."""
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
+from vktrain.backend.kernel_planning.state_guard import plan_state_guard
 from vktrain.runtime import Buffer
 from vktrain.runtime.delegate.executor import SharedTensor
 from vktrain.runtime.delegate.state_guard import StateGuard
 from vktrain.serialization import graph as vk
+from vktrain.serialization.dispatch import BufferBinding
 
 SHAPES = {"optimizer.step": ((), vk.DType.FLOAT32), "a": ((3, 70), vk.DType.FLOAT32),
           "b": ((130, 5), vk.DType.FLOAT32), "h": ((33,), vk.DType.FLOAT16), "i": ((7,), vk.DType.INT32)}
@@ -37,6 +40,14 @@ def _upload(device, arrays):
     return buffers, shared
 
 
+def _guard(device, shared, staging):
+    """The guard of `shared` (each tensor in a buffer of its own, keyed by its name) as the planner plans it."""
+    plan = plan_state_guard([(name, BufferBinding(name, s.offset, -(-s.tensor.stored_nbytes // 4) * 4),
+                              s.tensor.storage_dtype) for name, s in shared.items()])
+    return StateGuard(device, plan, {name: s.buffer for name, s in shared.items()},
+                      {name: s.tensor for name, s in shared.items()}, slots=2, staging=staging)
+
+
 def _non_finite(arrays):
     return any(array.dtype.kind == "f" and not np.isfinite(array).all() for array in arrays.values())
 
@@ -59,7 +70,7 @@ def test_backup_flag_and_restore_match_numpy(device_and_staging, poison):
         arrays[name].flat[rng.integers(arrays[name].size)] = value
     buffers, shared = _upload(device, arrays)
     try:
-        with StateGuard(device, shared, slots=2, staging=staging) as guard:
+        with _guard(device, shared, staging) as guard:
             assert guard.save(1) == _non_finite(arrays) == (poison is not None)
             for name, backup in guard.read(1).items():
                 assert backup.dtype == arrays[name].dtype

@@ -21,6 +21,8 @@ from vktrain.backend.passes import compile_graph
 from vktrain.serialization import BlobFormatError, deserialize_blob, serialize_blob
 from vktrain.serialization import graph as vk
 from vktrain.serialization.graph import GraphError, SyntheticConstant, SyntheticKind
+from vktrain.backend.kernel_planning import plan_schedule
+from _helpers import planned
 
 F32 = vk.DType.FLOAT32
 HEADER = struct.Struct("<4sIIIQQQQ")
@@ -249,7 +251,7 @@ def test_executor_generates_and_uploads_synthetic_constants(vk_device):
     rng = np.random.default_rng(0)
     x_value = rng.standard_normal((m, k)).astype(np.float32)
     id_values = np.array([0, 49, 7, 7, 31])
-    with GraphExecutor(vk_device, graph) as executor:
+    with GraphExecutor(vk_device, graph, planned(vk_device, graph)) as executor:
         y_out, rows_out = executor.run(x_value, id_values)
         table_bytes, scale_bytes, word_bytes = table_record.nbytes, scales_record.nbytes, _w4x8(21, n, k).nbytes
         assert executor.synthetic_constant_bytes == table_bytes + scale_bytes + word_bytes
@@ -349,7 +351,7 @@ def test_training_step_with_synthetic_constants_runs(vk_device, mlp_step_graphs,
     token_ids = rng.integers(0, 64, (2, 8))
     labels = rng.integers(0, 64, (2, 8))
     hparams = np.array([1e-2, 0.9, 0.999, 1e-8, 0.0], np.float32)
-    with TrainingRunner.from_pte(path, vk_device) as runner:
+    with TrainingRunner.from_pte(path, vk_device, planner=plan_schedule) as runner:
         summary = json.loads(synthetic.metadata["synthetic_constants"])
         assert runner.executor.synthetic_constant_bytes == summary["bytes"]
         losses = [runner.step(token_ids, labels, hparams) for _ in range(4)]

@@ -33,6 +33,7 @@ from vktrain.serialization.verify import load_delegate_graph  # noqa: E402
 
 from _helpers import (TrainingReference, assert_training_matches_reference, eager_lora_adamw_training,  # noqa: E402
                       readme_snippet, runner_losses)
+from vktrain.backend.kernel_planning import plan_schedule
 
 GROUP = 32
 BATCH, SEQ, VOCAB = 2, 8, 64
@@ -137,7 +138,7 @@ def test_a_torchao_model_with_lora_trains_ten_steps_like_eager(vk_device, torcha
     reference = TrainingReference(*eager_lora_adamw_training(as_q4gsw, _batches(STEPS), dtype=torch.float64, **hyper),
                                   *eager_lora_adamw_training(model, _batches(STEPS), **hyper))
     initial = {name: param.detach().numpy().copy() for name, param in model.named_parameters() if param.requires_grad}
-    with TrainingRunner.from_pte(path, vk_device) as runner:
+    with TrainingRunner.from_pte(path, vk_device, planner=plan_schedule) as runner:
         losses = runner_losses(runner, _batches(STEPS), HPARAMS)
         lora = runner.lora_state()
         exp_avg = {name: runner.read_state("optimizer.exp_avg." + name) for name in reference.state}

@@ -41,6 +41,7 @@ from vktrain.serialization.pte import DelegateCall, PteFile  # noqa: E402
 from vktrain.serialization.verify import load_delegate_graph  # noqa: E402
 
 from _helpers import LOSS_RTOL, _cast_floating  # noqa: E402
+from _helpers import planned
 
 GROUP = 32
 BATCH, SEQ, VOCAB = 2, 8, 64
@@ -133,7 +134,7 @@ def test_the_eval_method_of_a_torchao_model_runs_linear_q4gsw_on_torchaos_codes(
     _, graph = _one_delegate(program)
     _assert_torchaos_codes(graph, codes)
     n_valid = (labels >= 0).sum().to(torch.float32)
-    with GraphExecutor(vk_device, graph) as executor:
+    with GraphExecutor(vk_device, graph, planned(vk_device, graph)) as executor:
         (loss,) = executor.run(token_ids.numpy(), labels.numpy(), n_valid.numpy())
     with torch.no_grad():
         exact = _float64(model).loss(token_ids, labels, n_valid).item()  # n_valid: a count, exact in float32
@@ -150,7 +151,7 @@ def test_the_forward_of_a_torchao_model_runs_linear_q4gsw_on_torchaos_codes(torc
     assert partitioner.refusals == []
     _, graph = _one_delegate(program)
     _assert_torchaos_codes(graph, codes)
-    with GraphExecutor(vk_device, graph) as executor:
+    with GraphExecutor(vk_device, graph, planned(vk_device, graph)) as executor:
         (logits,) = executor.run(token_ids.numpy())
     reference = copy.deepcopy(model)
     for layer in lora_modules(reference).values():

@@ -39,6 +39,7 @@ from vktrain.train.train_loop import (
 )
 
 from _helpers import assert_import_loads_none
+from vktrain.backend.kernel_planning import plan_schedule
 
 # ------------------------------------------------------------------------------------------------
 # A numpy fake of TrainingRunner: a real (tiny) LoRA model with real AdamW, so the state that a
@@ -1177,7 +1178,7 @@ def test_on_the_gpu_the_loop_reads_no_state_per_step_and_undoes_non_finite_steps
 
     path, _, _ = mlp_step_program
     schedule = LRSchedule("constant", 1e-2, 20)
-    with TrainingRunner.from_pte(path, vk_device) as runner:
+    with TrainingRunner.from_pte(path, vk_device, planner=plan_schedule) as runner:
         def states_of_a_clean_run(steps):
             runner.executor.reset_state()
             train(runner, _batcher(runner), steps, schedule, progress=False)
@@ -1211,7 +1212,7 @@ def test_on_the_gpu_a_skipped_batch_is_undone_as_if_never_seen(vk_device, mlp_st
 
     path, _, _ = mlp_step_program
     schedule = LRSchedule("constant", 1e-2, 8)
-    with TrainingRunner.from_pte(path, vk_device) as runner:
+    with TrainingRunner.from_pte(path, vk_device, planner=plan_schedule) as runner:
         batches = _batcher(runner)
         reference_state = train(runner, _SkippingBatcher(batches, [3]), 8, schedule, progress=False)
         reference = ckpt.capture_state(runner)

@@ -42,6 +42,7 @@ from vktrain.train.train_loop import NonFiniteLossError, TrainConfigError
 from _helpers import (LOSS_RTOL, TrainingReference, _cast_floating, assert_training_matches_reference,
                       readme_snippet)
 from test_user_modules import HPARAMS_ARRAY, device_training
+from vktrain.backend.kernel_planning import plan_schedule
 
 STEPS = 10
 LR, BETAS, EPS, WEIGHT_DECAY = 1e-2, (0.9, 0.999), 1e-8, 0.01
@@ -117,7 +118,7 @@ def _hparams(lr: float) -> np.ndarray:
 def test_step_inputs_trains_the_readme_regressor_like_eager_adamw(regressor, vk_device):
     model, path, batches = regressor
     initial = {name: p.detach().numpy().copy() for name, p in model.named_parameters() if p.requires_grad}
-    with TrainingRunner.from_pte(path, vk_device) as runner:
+    with TrainingRunner.from_pte(path, vk_device, planner=plan_schedule) as runner:
         assert runner.input_names == ["x", "target", "hparams"] and not runner.is_token_step
         assert {n: (s.shape, str(s.dtype)) for n, s in runner.input_specs.items()} == {
             "x": ((4, 16), "float32"), "target": ((4, 8), "float32")}
@@ -137,7 +138,7 @@ def test_step_inputs_trains_the_readme_regressor_like_eager_adamw(regressor, vk_
 def test_step_inputs_refuses_bad_inputs_naming_them(regressor, vk_device):
     _, path, batches = regressor
     x, target = (t.numpy() for t in batches[0])
-    with TrainingRunner.from_pte(path, vk_device) as runner:
+    with TrainingRunner.from_pte(path, vk_device, planner=plan_schedule) as runner:
         hparams = _hparams(LR)
         cases = [
             ({"x": x}, r"takes inputs \['x', 'target'\]; missing \['target'\]"),
@@ -342,7 +343,7 @@ def test_vktrain_eval_inputs_gives_the_mean_eval_loss_before_and_after_training(
     assert run_eval(_eval_args(str(path), "--inputs", str(data), "--adapters", str(checkpoint), "--json",
                                str(tmp_path / "after.json")), vk_device) == 0
     after = json.loads((tmp_path / "after.json").read_text())
-    with TrainingRunner.from_pte(path, vk_device) as runner:
+    with TrainingRunner.from_pte(path, vk_device, planner=plan_schedule) as runner:
         for step in range(5):
             runner.step_inputs(dict(zip(("x", "target"), (t.numpy() for t in batches[step]))), _hparams(LR))
         trained = [runner.evaluate_inputs({"x": x.numpy(), "target": t.numpy()}) for x, t in batches[:DISTINCT]]

@@ -26,6 +26,7 @@ from vktrain.serialization.pte import DelegateCall, PteFile
 from vktrain.serialization.verify import load_delegate_graph
 
 from _helpers import LOSS_RTOL, TrainingReference, _cast_floating, assert_training_matches_reference, readme_snippet
+from _helpers import planned
 
 STEPS = 10
 LR, BETAS, EPS, WEIGHT_DECAY = 1e-2, (0.9, 0.999), 1e-8, 0.01
@@ -163,7 +164,7 @@ def device_training(pte_bytes: bytes, device, batches, names: list[str]):
     Returns (losses, final trainable tensors, final AdamW first moments) by parameter name."""
     pte = PteFile.from_bytes(pte_bytes, source="user_step.pte")
     _, graph = load_delegate_graph(pte, pte.execution_plan(TRAIN_METHOD))
-    with GraphExecutor(device, graph) as executor:
+    with GraphExecutor(device, graph, planned(device, graph)) as executor:
         losses = []
         for batch in batches:
             (loss,) = executor.run(*(t.numpy() for t in batch), HPARAMS_ARRAY)
@@ -215,7 +216,7 @@ def test_the_eval_method_of_a_user_module_takes_the_loss_inputs(vk_device):
     assert not evaluation.graph_signature.buffers_to_mutate
     pte = PteFile.from_bytes(lower_methods_to_pte({TRAIN_METHOD: step, "eval": evaluation}))
     _, graph = load_delegate_graph(pte, pte.execution_plan("eval"))
-    with GraphExecutor(vk_device, graph) as executor:
+    with GraphExecutor(vk_device, graph, planned(vk_device, graph)) as executor:
         (loss,) = executor.run(*(t.numpy() for t in batch))
     with torch.no_grad():
         expected = model.double().loss(*(t.double() for t in batch)).item()

@@ -20,8 +20,8 @@ import torch
 import test_kernels_transformer as transformer  # attention_gpu, attention_inputs, check_attention
 from vktrain.lora import LoRAConfig, apply_lora
 from vktrain.models import build_model
-from vktrain.runtime.delegate.kernels import attention, linear
-from vktrain.runtime.delegate.kernels.attention import AttentionTiles
+from vktrain.backend.kernel_planning.kernels import attention, linear
+from vktrain.backend.kernel_planning.kernels.attention import AttentionTiles
 from vktrain.serialization.strided_view import KernelArgumentError
 from vktrain.runtime.program.runner import TrainingRunner
 from vktrain.serialization.dispatch import ScheduleError
@@ -32,6 +32,7 @@ pytest.importorskip("wgpu", reason="the WebGPU runtime needs wgpu (pip install '
 from vktrain.runtime.webgpu import Device, WebGPUUnavailableError, reflect_wgsl  # noqa: E402
 from vktrain.runtime.webgpu.device import BROWSER_DEFAULT_LIMITS  # noqa: E402
 from vktrain.runtime_shaders.wgsl import wgsl_source  # noqa: E402
+from vktrain.backend.kernel_planning import plan_schedule
 
 STORAGE = "max-compute-workgroup-storage-size"
 INVOCATIONS = "max-compute-invocations-per-workgroup"
@@ -151,7 +152,7 @@ def _batches():
 
 
 def _train(path, device):
-    with TrainingRunner.from_pte(path, device) as runner:
+    with TrainingRunner.from_pte(path, device, planner=plan_schedule) as runner:
         dispatches = list(runner.executor.dispatches)
         return runner_losses(runner, _batches(), HPARAMS), dispatches
 

@@ -25,6 +25,7 @@ from vktrain.train.command import add_train_arguments, run_train
 
 from _helpers import (LOSS_RTOL, assert_training_matches_reference, eager_float64_and_float32_training,
                       export_mlp_lora_training_step, runner_losses)
+from vktrain.backend.kernel_planning import plan_schedule
 
 STEPS = 20
 LR, BETAS, EPS, WEIGHT_DECAY = 1e-2, (0.9, 0.999), 1e-8, 0.01
@@ -76,7 +77,7 @@ def _llama_batches(count: int):
 def open_webgpu_runner(path, device, **options) -> TrainingRunner:
     """The program on the WebGPU device, or a skip naming the shaders that have no WGSL kernel yet."""
     try:
-        return TrainingRunner.from_pte(path, device, **options)
+        return TrainingRunner.from_pte(path, device, planner=plan_schedule, **options)
     except MissingKernelsError as exc:
         pytest.skip(f"{path.name}: no WGSL kernel yet for {', '.join(exc.shaders)}")
 
@@ -98,7 +99,7 @@ def _assert_same_training(path, model, batches, vk_device, webgpu_device) -> Non
         assert runner.executor.gemm_route.fp32_tuning == "gpu"  # what the WGSL kernels implement
         losses, state, exp_avg = _train(runner, batches(STEPS), names)
         assert runner.read_state("optimizer.step") == np.float32(STEPS)
-    with TrainingRunner.from_pte(path, vk_device) as vulkan:
+    with TrainingRunner.from_pte(path, vk_device, planner=plan_schedule) as vulkan:
         vulkan_losses, _, _ = _train(vulkan, batches(STEPS), names)
     assert np.mean(losses[-5:]) < np.mean(losses[:5]) - 0.05  # it trains
     np.testing.assert_allclose(losses, vulkan_losses, rtol=RUNTIME_LOSS_RTOL,
@@ -123,7 +124,7 @@ def test_eval_method_matches_vulkan(vk_device, webgpu_device, llama_program):
             loss_sum, count = runner.evaluate(token_ids, labels)
         except MissingKernelsError as exc:  # the eval method's own dispatches
             pytest.skip(f"eval method: no WGSL kernel yet for {', '.join(exc.shaders)}")
-    with TrainingRunner.from_pte(path, vk_device) as vulkan:
+    with TrainingRunner.from_pte(path, vk_device, planner=plan_schedule) as vulkan:
         vulkan_sum, vulkan_count = vulkan.evaluate(token_ids, labels)
     assert count == vulkan_count == int((labels >= 0).sum())
     np.testing.assert_allclose(loss_sum, vulkan_sum, rtol=RUNTIME_LOSS_RTOL)
@@ -147,9 +148,9 @@ def test_train_command_runs_on_webgpu(webgpu_device, llama_program, tmp_path):
 def test_runtime_choice_is_checked(vk_device, mlp_program):
     path, _ = mlp_program
     with pytest.raises(RuntimeChoiceError, match="runtime must be one of vulkan, webgpu, got 'metal'"):
-        TrainingRunner.from_pte(path, runtime="metal")
+        TrainingRunner.from_pte(path, planner=plan_schedule, runtime="metal")
     with pytest.raises(RuntimeChoiceError, match="runtime='webgpu' but the device given is a vulkan device"):
-        TrainingRunner.from_pte(path, vk_device, runtime="webgpu")
+        TrainingRunner.from_pte(path, vk_device, planner=plan_schedule, runtime="webgpu")
     with pytest.raises(SystemExit):
         add_train_arguments(argparse.ArgumentParser()).parse_args([str(path), "--steps", "1", "--runtime", "metal"])
     # eval and generate take the flag too; without it the runner opens the default (vulkan) device.

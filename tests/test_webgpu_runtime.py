@@ -361,8 +361,8 @@ def test_workgroup_memory_and_params_layout_are_read_from_the_wgsl():
 
 # ------------------------------------------------------------------------------------ device
 def test_device_reports_gpu_tuning_and_fp16_tc_takes_f16_wgsl_not_tensor_cores(gpu, monkeypatch):
-    from vktrain.runtime.delegate.kernels.coopmat import PRECISION_FP16_TC, PRECISION_FP32, select_gemm_route
-    from vktrain.runtime.delegate.kernels.gemm_tuning import TUNING_ENV, GemmTuningError, select_gemm_tuning
+    from vktrain.backend.kernel_planning.kernels.coopmat import PRECISION_FP16_TC, PRECISION_FP32, select_gemm_route
+    from vktrain.backend.kernel_planning.kernels.gemm_tuning import TUNING_ENV, GemmTuningError, select_gemm_tuning
 
     monkeypatch.delenv(TUNING_ENV, raising=False)
     assert select_gemm_tuning(gpu) == "gpu"  # even on lavapipe, a CPU adapter

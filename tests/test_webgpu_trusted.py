@@ -22,6 +22,7 @@ from test_wgsl_kernels import _gemm_cases, run_gemm_case
 from vktrain.runtime.webgpu import shader_modules
 from vktrain.runtime.webgpu.device import RUNTIME_CHECKS_ENV
 from vktrain.runtime.webgpu.errors import WebGPUUnavailableError
+from vktrain.backend.kernel_planning import plan_schedule
 
 
 @pytest.fixture(scope="module")
@@ -104,7 +105,7 @@ def test_tiny_llama_steps_give_the_same_losses_and_state(webgpu_device, checked_
                 torch.randint(0, vocab, (LLAMA_BATCH, LLAMA_SEQ), generator=generator)) for _ in range(3)]
     runs = []
     for device in (checked_device, webgpu_device):
-        with TrainingRunner.from_pte(path, device) as runner:
+        with TrainingRunner.from_pte(path, device, planner=plan_schedule) as runner:
             losses = runner_losses(runner, batches, HPARAMS)
             state = runner.lora_state()
             moments = {name: runner.read_state("optimizer.exp_avg_sq." + name.removeprefix("model."))

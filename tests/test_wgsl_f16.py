@@ -27,16 +27,12 @@ import pytest
 
 from vktrain.contract import PRECISION_AUTO, PRECISION_FP16_TC, PRECISION_FP32, PRECISIONS
 from vktrain.quant import dequantize, quantize
-from vktrain.runtime.delegate.kernels.coopmat import (
-    WGSL_TILING,
-    GemmRoute,
-    PrecisionPolicyError,
-    plan_coopmat_linear_q4gsw,
-    plan_coopmat_linear_q4gsw_backward,
-    plan_coopmat_mm,
-    select_gemm_route,
+from vktrain.backend.kernel_planning.kernels.coopmat import (
+    WGSL_TILING, GemmRoute, plan_coopmat_linear_q4gsw, plan_coopmat_linear_q4gsw_backward, plan_coopmat_mm,
+    select_gemm_route
 )
-from vktrain.runtime.delegate.kernels.linear import prepack_weights
+from vktrain.errors import PrecisionPolicyError
+from vktrain.backend.kernel_planning.kernels.linear import prepack_weights
 from vktrain.runtime_shaders.wgsl import (
     WGSLKernelNotFoundError,
     all_wgsl_shader_names,
@@ -55,6 +51,7 @@ from test_kernels_coopmat import (
 )
 from test_precision_policy import _float64_loss_and_fp16_bound
 from test_webgpu_parity import BETAS, EPS, HPARAMS, LLAMA_BATCH, LLAMA_SEQ, LR, WEIGHT_DECAY, _llama_batches
+from vktrain.backend.kernel_planning import plan_schedule
 
 F16 = "shader-f16"
 WGSL_KERNELS = ("coopmat_linear_q4gsw", "coopmat_linear_q4gsw_backward", "coopmat_mm")
@@ -362,7 +359,7 @@ def test_tiny_llama_trains_through_webgpu_fp16_tc_within_the_fp16_step_bound(f16
 
     path, model = tiny_llama_step
     options = dict(precision=PRECISION_FP16_TC, emulate_tensor_cores=True)
-    with TrainingRunner.from_pte(path, f16_device, **options) as runner:
+    with TrainingRunner.from_pte(path, f16_device, planner=plan_schedule, **options) as runner:
         executor = runner.executor
         report = runner.gemm_report()
         assert executor.gemm_route.wgsl and "f16 WGSL, no tensor cores" in report
@@ -371,7 +368,7 @@ def test_tiny_llama_trains_through_webgpu_fp16_tc_within_the_fp16_step_bound(f16
         assert {s.split("@")[0] for s in routed} == set(WGSL_KERNELS), routed
         assert not any("COOPMAT_EMULATE" in s or "attention" in s for s in routed), routed
         losses = runner_losses(runner, _llama_batches(TRAIN_STEPS), HPARAMS)
-    with TrainingRunner.from_pte(path, f16_device) as fp32_runner:
+    with TrainingRunner.from_pte(path, f16_device, planner=plan_schedule) as fp32_runner:
         fp32_losses = runner_losses(fp32_runner, _llama_batches(TRAIN_STEPS), HPARAMS)
     eager, _, _ = eager_lora_adamw_training(model, _llama_batches(TRAIN_STEPS), lr=LR, betas=BETAS, eps=EPS,
                                             weight_decay=WEIGHT_DECAY)

@@ -35,8 +35,8 @@ import test_kernels_transformer as transformer
 import test_q8_0_weights as q8_0
 from _helpers import export_mlp_lora_training_step
 
-from vktrain.runtime.delegate.kernels import kv_cache
-from vktrain.runtime.delegate.kernels.attention import AttentionTiles
+from vktrain.backend.kernel_planning.kernels import kv_cache
+from vktrain.backend.kernel_planning.kernels.attention import AttentionTiles
 from vktrain.runtime_shaders import load_spirv, reflect_spirv
 from vktrain.runtime_shaders.build import spirv_path
 from vktrain.runtime_shaders.wgsl import (
@@ -48,6 +48,7 @@ from vktrain.runtime_shaders.wgsl import (
     missing_wgsl_kernels,
     wgsl_source,
 )
+from _helpers import planned
 
 UNIT_ROUNDOFF = 2.0 ** -24
 
@@ -222,7 +223,7 @@ def test_fused_ce_sum_stays_within_the_bound_of_its_summation_order(webgpu_devic
     similar size: dropping or repeating one term moves the sum by ~1/R of it, beyond the bound. Two
     runs of one body agree bit for bit."""
     from vktrain.runtime import Buffer, Program
-    from vktrain.runtime.delegate.kernels.cross_entropy import plan_fused_ce
+    from vktrain.backend.kernel_planning.kernels.cross_entropy import plan_fused_ce
 
     workgroup = 256
     row_loss = np.random.default_rng(R).uniform(0.5, 1.5, R).astype(np.float32)
@@ -270,7 +271,7 @@ def _dispatched_shaders(device, path) -> set[str]:
 
     pte = PteFile.load(path)
     graph = deserialize_blob(bytes(pte.execution_plan().delegates[0].data), named_data=pte.named_data)
-    with GraphExecutor(device, graph) as executor:  # builds every pipeline: a missing kernel fails here
+    with GraphExecutor(device, graph, planned(device, graph)) as executor:  # builds every pipeline: a missing kernel fails here
         if "subgroup" in device.kernel_features:  # the startup line names the feature bodies taken
             # (the device's report names every feature's bodies taken so far: shader-f16 ones, listed
             # first, when an fp16-tc test ran on this device before)
@@ -353,10 +354,10 @@ def _gemm_cases():
     """(label, dispatches, inputs, output shape) of GEMMs at the Vulkan tests' edge shapes: partial tiles,
     odd N / 4, K % 8 == 4, split-K with an empty slice, a bias, scalar and vec4 C, strided operands."""
     from vktrain.quant import quantize
-    from vktrain.runtime.delegate.kernels.linear import (GemmTiles, plan_linear_dw, plan_linear_q4gsw,
+    from vktrain.backend.kernel_planning.kernels.linear import (GemmTiles, plan_linear_dw, plan_linear_q4gsw,
                                                          plan_linear_q4gsw_backward, prepack_weights,
                                                          split_k_scratch_nbytes)
-    from vktrain.runtime.delegate.kernels.matmul import plan_addmm, plan_gemm, plan_mm
+    from vktrain.backend.kernel_planning.kernels.matmul import plan_addmm, plan_gemm, plan_mm
     from vktrain.serialization.strided_view import StridedView
 
     rng = np.random.default_rng(5)

@@ -20,6 +20,7 @@ from vktrain.partitioner import VktrainPartitioner
 from vktrain.serialization.pte import PteFile
 from vktrain.runtime.program.runner import TrainingRunner
 from vktrain.serialization.blob import deserialize_blob
+from vktrain.backend.kernel_planning import plan_schedule
 
 BATCH = (2, 8)
 STEPS = 3
@@ -46,7 +47,7 @@ def _train(pte: bytes, tmp_path, vk_device, name: str):
     path = tmp_path / name
     path.write_bytes(pte)
     rng = np.random.default_rng(7)
-    with TrainingRunner.from_pte(path, vk_device) as runner:
+    with TrainingRunner.from_pte(path, vk_device, planner=plan_schedule) as runner:
         losses = []
         for _ in range(STEPS):
             tokens = rng.integers(0, runner.vocab_size, BATCH)

@@ -292,17 +292,19 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         print(f"vktrain inspect: error: cannot read {args.file}: {e.strerror}", file=sys.stderr)
         return 2
     if args.device_profile == "all":
+        from vktrain.backend.kernel_planning import plan_schedule
         from vktrain.runtime.program.fit import fit_report, format_fit_table
         from vktrain.serialization.device_profile import BUILTIN_PROFILES
 
-        reports = [fit_report(data, profile, args.file) for profile in BUILTIN_PROFILES.values()]
+        reports = [fit_report(data, profile, args.file, planner=plan_schedule) for profile in BUILTIN_PROFILES.values()]
         print(json.dumps({"profiles": reports}, indent=2) if args.json else format_fit_table(args.file, reports))
         return 0
     if args.device_profile is not None:
+        from vktrain.backend.kernel_planning import plan_schedule
         from vktrain.runtime.program.fit import fit_report, format_fit
         from vktrain.serialization.device_profile import resolve_profile
 
-        report = fit_report(data, resolve_profile(args.device_profile), args.file)
+        report = fit_report(data, resolve_profile(args.device_profile), args.file, planner=plan_schedule)
         print(json.dumps(report, indent=2) if args.json else format_fit(args.file, report))
         return 0
     from vktrain.runtime.program.summary import summarize_pte

@@ -5,6 +5,11 @@ Torch-free on purpose: this is the one module both sides import for these facts.
 """
 from __future__ import annotations
 
+import json
+from typing import Mapping
+
+from vktrain.errors import PrecisionPolicyError
+
 # The id the vktrain backend registers with ExecuTorch and records in every .pte's delegate.
 BACKEND_ID = "VktrainVulkanBackend"
 
@@ -113,6 +118,22 @@ PRECISIONS = (PRECISION_FP32, PRECISION_FP16_TC, PRECISION_FP16)
 PRECISION_AUTO = "auto"
 PRECISION_CHOICES = (PRECISION_AUTO, *PRECISIONS)  # what a user may ask the runtime for
 
+
+def allowed_precisions(metadata: Mapping[str, str], source: str = "the program") -> tuple[str, ...]:
+    """The GEMM precision policies a blob allows (its metadata `gemm_precisions`, a JSON list). Blobs
+    written before the policy existed do not record it: they allow fp32 only."""
+    text = metadata.get(METADATA_GEMM_PRECISIONS)
+    if text is None:
+        return (PRECISION_FP32,)
+    try:
+        listed = json.loads(text)
+    except json.JSONDecodeError:
+        listed = None
+    if not isinstance(listed, list) or not listed or not all(p in PRECISIONS for p in listed):
+        raise PrecisionPolicyError(f"{source}: blob metadata {METADATA_GEMM_PRECISIONS!r} is {text!r}; expected a "
+                                   f"non-empty JSON list of {', '.join(PRECISIONS)}")
+    return tuple(listed)
+
 __all__ = ["ACCUMULATE_METHOD", "ADAMW_DEFAULTS", "ADAPTER_METADATA_KEYS", "BACKEND_ID",
            "METADATA_ACTIVATION_CHECKPOINTING", "METADATA_BAKED_SCALARS", "EVAL_INPUTS", "EVAL_METHOD", "EXP_AVG_PREFIX", "GRAD_ACC_PREFIX",
            "EVERY_LAYER", "EXP_AVG_SQ_PREFIX", "HPARAMS", "HPARAM_NAMES", "LABELS", "METADATA_BACKEND", "METADATA_BASE_MODEL",
@@ -122,4 +143,4 @@ __all__ = ["ACCUMULATE_METHOD", "ADAMW_DEFAULTS", "ADAPTER_METADATA_KEYS", "BACK
            "METADATA_SYNTHETIC_CONSTANTS", "METADATA_UNPLANNED_MEMORY_BYTES", "MODEL_PREFIX",
            "NAMED_DATA_TOKENIZER_CONFIG", "NAMED_DATA_TOKENIZER_JSON", "N_VALID", "PRECISIONS", "PRECISION_AUTO", "PRECISION_CHOICES", "PRECISION_FP16", "PRECISION_FP16_TC",
            "PRECISION_FP32", "STATE_PREFIXES", "STEP_INPUTS", "STEP_STATE", "TOKEN_IDS", "TRAIN_METHOD",
-           "checkpointing_name", "hparams_values", "layers_per_segment"]
+           "allowed_precisions", "checkpointing_name", "hparams_values", "layers_per_segment"]

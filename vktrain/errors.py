@@ -12,4 +12,14 @@ class VktrainError(Exception):
     """Bad input or an environmental failure, with a message that says what and where."""
 
 
-__all__ = ["VktrainError"]
+# Raised by kernel planning (vktrain/backend/kernel_planning) and by the runtime's load-time checks of a
+# schedule (vktrain/serialization/schedule_memory.py), so both sides name them from here.
+class GraphLoweringError(VktrainError, ValueError):
+    """A graph op cannot be lowered: unknown op, wrong arity, or arguments no kernel accepts."""
+
+
+class PrecisionPolicyError(VktrainError, ValueError):
+    """A GEMM precision policy the runtime does not know, the program does not allow, or cannot run."""
+
+
+__all__ = ["GraphLoweringError", "PrecisionPolicyError", "VktrainError"]

@@ -21,7 +21,9 @@ from typing import Any, Optional
 import numpy as np
 
 from vktrain.errors import VktrainError
+from vktrain.backend.kernel_planning import plan_schedule
 from vktrain.runtime.delegate.executor import ExecutorInputError, GraphExecutor
+from vktrain.runtime.program.schedules import method_schedule
 from vktrain.serialization.pte import NUMPY_SCALAR_TYPES, PteFormatError
 from vktrain.serialization.verify import (
     UnsupportedProgramError,
@@ -111,7 +113,8 @@ def init(blob: memoryview, named_data: Optional[tuple]):
         check_op_shapes(BLOB_SOURCE, graph, infer_from_op_definitions)
         device = _device()
         check_device_memory(BLOB_SOURCE, graph, device_memory_bytes(device))
-        executor = GraphExecutor(device, graph, timing=False)
+        obtained = method_schedule(graph, device, planner=plan_schedule, embedded=None, source=BLOB_SOURCE)
+        executor = GraphExecutor(device, graph, obtained.schedule, verify=obtained.verify, timing=False)
     except Exception as exc:
         return _report(f"{BLOB_SOURCE}: init", exc)
     _live.append(executor)

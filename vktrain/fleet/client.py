@@ -48,6 +48,7 @@ from vktrain.train.data import TokenBatcher, TrainingData, load_data
 from vktrain.train.held_out import evaluate_data
 from vktrain.serialization.tokenizer import program_tokenizer
 from vktrain.train.train_loop import AdamWConfig, describe_program, run_accumulated_step
+from vktrain.backend.kernel_planning import plan_schedule
 
 # Keys of the records in messages (FedAvg's defaults for the arrays and the config).
 ARRAYS = "arrays"
@@ -99,8 +100,8 @@ class LocalTrainer:
         choice = client_device_choice()
         self.device = Device(choice.selector)
         try:
-            self.runner = TrainingRunner.from_pte(settings.program, self.device, precision=settings.precision,
-                                                  timing=False)
+            self.runner = TrainingRunner.from_pte(settings.program, self.device, planner=plan_schedule,
+                                                  precision=settings.precision, timing=False)
         except BaseException:
             self.device.close()
             raise

@@ -32,6 +32,7 @@ from vktrain.fleet.robust import DEFAULT_MAX_NORM_RATIO, Aggregation, parse_norm
 from vktrain.train.data import DataError, TokenBatcher, default_dataset_path, load_data
 from vktrain.train.interrupts import Interrupted, StopOnSignal, signal_name
 from vktrain.train.train_loop import AdamWConfig, TrainConfigError, describe_program
+from vktrain.backend.kernel_planning import plan_schedule
 
 RAY, SEQUENTIAL = "ray", "sequential"
 ENGINES = (RAY, SEQUENTIAL)
@@ -269,7 +270,7 @@ def _run_federate(args: argparse.Namespace, server_made: list) -> int:
     from vktrain.runtime.program.runner import TrainingRunner  # opens Vulkan
 
     data = Path(args.data) if args.data else default_dataset_path()
-    with TrainingRunner.from_pte(program, precision=args.precision) as runner, \
+    with TrainingRunner.from_pte(program, planner=plan_schedule, precision=args.precision) as runner, \
             tempfile.TemporaryDirectory(prefix="vktrain-federate-") as work:
         if args.grad_accum > 1 and ACCUMULATE_METHOD not in runner.pte.method_names:
             raise TrainConfigError(f"--grad-accum {args.grad_accum}: {args.program} has no {ACCUMULATE_METHOD!r} "

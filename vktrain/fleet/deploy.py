@@ -14,6 +14,7 @@ from flwr.clientapp import ClientApp
 from flwr.serverapp import Grid, ServerApp
 
 from vktrain.fleet.client import PARTITION_ID
+from vktrain.backend.kernel_planning import plan_schedule
 
 # Run config keys of the ServerApp and their defaults (TOML values: "" stands for unset).
 RUN_CONFIG = {"program": "", "nodes": 1, "rounds": 1, "local-steps": 1, "lr": 1e-3, "fraction": 1.0,
@@ -50,7 +51,7 @@ def main(grid: Grid, context: Context) -> None:
 
     config = dict(context.run_config)
     settings = federation_settings(config)
-    with TrainingRunner.from_pte(settings.program, precision=settings.precision) as runner:
+    with TrainingRunner.from_pte(settings.program, planner=plan_schedule, precision=settings.precision) as runner:
         result = FederationServer(settings, runner).run(grid)
     summary = summarize(result.records, result.resumed_from)
     print(summary, flush=True)

@@ -21,9 +21,9 @@ from vktrain.train.model_options import add_quantization_arguments
 from vktrain.runtime.runtimes import add_runtime_argument, max_binding_bytes, with_device_profile
 from vktrain.train.outputs import Output, OutputKind, add_overwrite_argument, check_outputs, json_object
 
-# Sources whose change changes the lowered program (the cache key hashes them).
-_PROGRAM_SOURCES = ("export", "backend", "partitioner", "serialization", "opdefs", "ops", "lora", "models", "quant",
-                    "runtime/delegate")  # the partitioner accepts the ops the runtime has kernels for
+# Sources whose change changes the lowered program (the cache key hashes them; "backend" holds the kernel
+# planning, whose ops the partitioner accepts).
+_PROGRAM_SOURCES = ("export", "backend", "partitioner", "serialization", "opdefs", "ops", "lora", "models", "quant")
 
 
 # What generate writes: --json its result; --program-cache DIR programs named by their key (never replaced).

@@ -20,7 +20,9 @@ import numpy as np
 
 from vktrain.errors import VktrainError
 from vktrain.opdefs.decode_ops import CachePositionError, check_cache_positions
+from vktrain.backend.kernel_planning import plan_schedule
 from vktrain.runtime.delegate.executor import GraphExecutor, SharedTensor
+from vktrain.runtime.program.schedules import method_schedule
 from vktrain.serialization.pte import PteFile
 from vktrain.runtime.program.interpreter import ProgramInterpreter
 from vktrain.serialization.verify import (
@@ -72,8 +74,11 @@ class _Method:
         if shares_with is not None:
             shared.update(shares_with.executor.constants_matching(self.graph))
             shared.update(shares_with.executor.shared_state())
+        obtained = method_schedule(self.graph, device, planner=plan_schedule, embedded=None, source=str(pte.source),
+                                   shared=shared, max_binding_bytes=max_binding_bytes)
         # Against an emulated profile's memory budget decode counts prefill's buffers with its own.
-        self.executor = GraphExecutor(device, self.graph, timing=False, shared=shared, max_binding_bytes=max_binding_bytes,
+        self.executor = GraphExecutor(device, self.graph, obtained.schedule, verify=obtained.verify, timing=False,
+                                      shared=shared,
                                       resident_bytes=shares_with.executor.program_bytes if shares_with else 0)
         self.rows = int(self.plan.values[self.plan.inputs[self.input_names.index(TOKEN_IDS)]].sizes[1])
 
@@ -87,8 +92,9 @@ class _Method:
 
 
 class GenerationRunner:
-    """The prefill and decode methods of one .pte over one KV cache. Build with `from_pte`. `max_binding_bytes`:
-    GraphExecutor's (a lower max storage binding size to plan for)."""
+    """The prefill and decode methods of one .pte over one KV cache. Build with `from_pte`. Each method's
+    schedule is planned at load (vktrain.backend.kernel_planning.plan_schedule); `max_binding_bytes`: a lower max
+    storage binding size to plan for."""
 
     def __init__(self, pte: PteFile, device=None, *, verify_constants: bool = True, runtime: str | None = None,
                  max_binding_bytes: int | None = None):

@@ -4,7 +4,7 @@ shape function (vktrain/opdefs/core.py). Every layer reads these instead of rest
 * vktrain/ops: the torch library's functional, `.out` and fake kernels are derived from the definition;
 * vktrain/partitioner: OpFeatures take argument names from the schema and refuse what the shape
   function refuses;
-* vktrain/runtime/delegate/op_lowering.py: arguments are read by schema name, and every vktrain op is
+* vktrain/backend/kernel_planning/op_lowering.py: arguments are read by schema name, and every vktrain op is
   checked by its shape function before a kernel is planned;
 * a load-time verifier: `infer_outputs(key, args)`.
 

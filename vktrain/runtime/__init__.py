@@ -31,10 +31,10 @@ Buffer(device, nbytes, name=, staging=None): sub-allocated from a few large devi
 on unified memory, staging copies otherwise. `write(array|bytes, offset)`, `read(dtype, shape, offset)`, `zero()`,
 `destroy()`, `.size` (nbytes padded to 4), `.nbytes`.
 
-Dispatch / BufferBinding / pack_push / split_groups / plan_barriers live in `schedule.py` (pure data,
-no device needed); see its docstring for the conventions: bindings = shader's set-0 bindings in order,
-push constants must match the shader's block, split dispatches for shaders whose push block starts with
-VKTRAIN_PUSH_HEADER (common.glsl), spec ids 0-2 = local size when `local_size` is given. Barriers are
+Dispatch / BufferBinding / pack_push live in vktrain/serialization/dispatch.py, split_groups / plan_barriers
+in `vk/schedule.py` (pure data, no device needed); see its docstring for the conventions: bindings = shader's
+set-0 bindings in order, push constants must match the shader's block, split dispatches for shaders whose push
+block starts with VKTRAIN_PUSH_HEADER (common.glsl), spec ids 0-2 = local size when `local_size` is given. Barriers are
 inserted only between dependent dispatches (by buffer byte ranges and read/write access, taken from
 the shader's readonly/writeonly qualifiers unless BufferBinding.access says otherwise).
 
@@ -73,7 +73,7 @@ _EXPORTS = {
     "Buffer": ".vk.memory", "find_memory_type": ".vk.memory",
     "PUSH_HEADER_BYTES": "vktrain.serialization.dispatch", "BufferBinding": "vktrain.serialization.dispatch",
     "Dispatch": "vktrain.serialization.dispatch",
-    "ResolvedAccess": ".vk.schedule", "ceil_div": ".vk.schedule", "pack_push": ".vk.schedule",
+    "ResolvedAccess": ".vk.schedule", "ceil_div": "vktrain.serialization.dispatch", "pack_push": "vktrain.serialization.dispatch",
     "plan_barriers": ".vk.schedule", "split_groups": ".vk.schedule",
 }
 

@@ -1,8 +1,9 @@
 """The DeviceProfile (vktrain/serialization/device_profile.py) of a device this process opened, built from
 what the device layer queried: a Vulkan Device (vk/device.py) or a WebGPU Device (webgpu/device.py).
 
-The executor plans with it (kernels/coopmat.py `select_gemm_route(profile=)`, OpContext.profile), and
-`vktrain devices` prints it. `planning_profile(device)` is what the executor plans with: the device's own, or,
+The program layer hands it to the caller's planner (vktrain/runtime/program/schedules.py; the AOT side's
+kernel planning reads nothing else of the device), the executor checks a schedule's requirements against it,
+and `vktrain devices` prints it. `planning_profile(device)` is the profile planned for: the device's own, or,
 with VKTRAIN_DEVICE_PROFILE=NAME|FILE.json (`--device-profile` of train, eval and generate sets it), that
 profile emulated on the device (serialization/device_profile.py `intersect`). The tuning fields are the record's defaults (measured on the H200): a device
 of its own is not measured here; a Vulkan device whose name names a vendor of VENDOR_GEMM_TUNING (Adreno, Mali)
@@ -14,8 +15,8 @@ import os
 from typing import Any, Mapping, Optional
 
 from vktrain.serialization.device_profile import (API_VULKAN, API_WEBGPU, COMPONENT_TYPES, DEVICE_TYPES, SCOPES,
-                                                  CoopmatShape, DeviceProfile, intersect, resolve_profile,
-                                                  subgroup_operation_names, vendor_gemm_tuning)
+                                                  WEBGPU_DEVICE_TYPE, CoopmatShape, DeviceProfile, intersect,
+                                                  resolve_profile, subgroup_operation_names, vendor_gemm_tuning)
 
 DEVICE_PROFILE_ENV = "VKTRAIN_DEVICE_PROFILE"
 
@@ -91,8 +92,6 @@ def _webgpu_profile(device: Any) -> DeviceProfile:
 
 def profile_of(device: Any) -> DeviceProfile:
     """The DeviceProfile of an opened vktrain Device (Vulkan or WebGPU)."""
-    from vktrain.runtime.webgpu.device import DEVICE_TYPE as WEBGPU_DEVICE_TYPE
-
     if getattr(device, "device_type", None) == WEBGPU_DEVICE_TYPE:
         return _webgpu_profile(device)
     return _vulkan_profile(device)

@@ -1,6 +1,6 @@
 """DeviceProfile: everything kernel planning reads about a device, as data.
 
-The planners (vktrain/runtime/delegate: op lowering, kernels/*.py, coopmat tiling, split-K, binding
+The planners (vktrain/backend/kernel_planning: op lowering, kernels/*.py, coopmat tiling, split-K, binding
 windows) are a function of the graph, the precision policy, the binding limit and this record. It lives on
 the ground floor so that the AOT side can plan for a named target at export (issue 25) and the runtime can
 build the same record from the device it opened (vktrain/runtime/device_profiles.py: `profile_of`).
@@ -51,6 +51,10 @@ SUBGROUP_OPERATIONS = ("basic", "vote", "arithmetic", "ballot", "shuffle", "shuf
 COMPONENT_TYPES = ("float16", "float32", "float64", "bfloat16", "int8", "int16", "int32", "int64",
                    "uint8", "uint16", "uint32", "uint64")
 SCOPES = ("subgroup", "workgroup", "device", "queue_family")
+COOPMAT_EXTENSION = "VK_KHR_cooperative_matrix"
+# What a WebGPU Device reports as its device_type (vktrain/runtime/webgpu/device.py): not "cpu", whatever the
+# adapter, since the WGSL kernels have the GPU-tuning bodies only. Planning reads it of a WebGPU profile too.
+WEBGPU_DEVICE_TYPE = "webgpu"
 
 # Tuning measured on the H200 (132 SMs). A GEMM takes the tensor cores unsplit when its output has at least
 # MIN_WORKGROUPS 64 x 128 tiles (about one per SM), and a smaller one when split-K gives it that many
@@ -79,6 +83,16 @@ class CoopmatShape:
     c_type: str
     result_type: str
     scope: str = "subgroup"
+
+
+def supports_shape(properties: tuple, *, m: int, n: int, k: int, input_type: str = "float16",
+                   accumulator_type: str = "float32") -> bool:
+    """Whether cooperative-matrix `properties` (CoopmatShape, or a Vulkan Device's own records with the same
+    fields) list subgroup-scope m x n x k products of `input_type` A and B accumulating in `accumulator_type`
+    (the combination the coopmat kernels are written for)."""
+    return any(p.m == m and p.n == n and p.k == k and p.a_type == p.b_type == input_type
+               and p.c_type == p.result_type == accumulator_type and p.scope == "subgroup"
+               for p in properties)
 
 
 @dataclass(frozen=True)

@@ -1,10 +1,11 @@
 """The dispatch records of a host schedule: `Dispatch` (one compute dispatch) and `BufferBinding` (one
-storage-buffer binding of it). Pure data on the ground floor: the planner (vktrain/runtime/delegate) makes
+storage-buffer binding of it). Pure data on the ground floor: the planner (vktrain/backend/kernel_planning) makes
 them, the schedule format (schedule.py beside this) stores them, and the device layers
 (vktrain/runtime/vk/commands.py, vktrain/runtime/webgpu/program.py) record them. The conventions every
 shader and every Dispatch follow are in vktrain/runtime/vk/schedule.py's docstring."""
 from __future__ import annotations
 
+import struct
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
@@ -150,3 +151,32 @@ class Dispatch:
         if self.local_size is not None:
             spec.update(zip(LOCAL_SIZE_SPEC_IDS, self.local_size))
         return tuple(sorted(spec.items()))
+
+
+def pack_push(*values: int | float) -> bytes:
+    """Pack scalars as consecutive 32-bit push-constant fields: int -> int32/uint32, float -> float32.
+
+    Matches a GLSL block of scalar fields (uint/int/float) declared in the same order after
+    VKTRAIN_PUSH_HEADER. Vector fields have their own std430 alignment; pack those by hand.
+    """
+    out = bytearray()
+    for value in values:
+        if isinstance(value, bool):
+            out += struct.pack("<I", int(value))
+        elif isinstance(value, int):
+            if 0 <= value < 2**32:
+                out += struct.pack("<I", value)
+            elif -(2**31) <= value < 0:
+                out += struct.pack("<i", value)
+            else:
+                raise ScheduleError(f"push constant {value} does not fit in 32 bits")
+        elif isinstance(value, float):
+            out += struct.pack("<f", value)
+        else:
+            raise ScheduleError(f"push constants must be int, float or bool, got {type(value).__name__}")
+    return bytes(out)
+
+
+def ceil_div(numerator: int, denominator: int) -> int:
+    """Groups needed to cover `numerator` items with `denominator` per group."""
+    return -(-numerator // denominator)

@@ -31,7 +31,7 @@ from typing import Sequence
 from vktrain.errors import VktrainError
 from vktrain.serialization.device_profile import API_VULKAN, API_WEBGPU, DeviceProfile
 from vktrain.serialization.dispatch import PUSH_HEADER_BYTES, Dispatch
-from vktrain.serialization.schedule import Schedule, deserialize_schedule, serialize_schedule
+from vktrain.serialization.schedule import Schedule, deserialize_schedule, module_dispatches, serialize_schedule
 
 SPIRV, WGSL = "spirv", "wgsl"
 CODE_KINDS = (SPIRV, WGSL)  # in the order of schema.fbs ShaderCodeKind
@@ -120,8 +120,10 @@ class Selection:
 
 def modules_by_name(embedded: EmbeddedSchedule, schedule: Schedule, modules: Sequence[ShaderModule]
                     ) -> dict[str, ShaderModule]:
-    """Shader name -> module of every dispatch of `schedule` (the verifier checked the names agree)."""
-    return {dispatch.shader: modules[index] for dispatch, index in zip(schedule.dispatches, embedded.dispatch_modules)}
+    """Shader name -> module of every dispatch of `schedule`, its state guard's included (the verifier checked the
+    names agree)."""
+    return {dispatch.shader: modules[index]
+            for dispatch, index in zip(module_dispatches(schedule), embedded.dispatch_modules)}
 
 
 # ---- building ----------------------------------------------------------------------------------------------
@@ -136,7 +138,7 @@ def embed_schedules(planned: Sequence[tuple[DeviceProfile, Schedule]], module_fo
     embedded = []
     for profile, schedule in planned:
         ids = []
-        for dispatch in schedule.dispatches:
+        for dispatch in module_dispatches(schedule):  # the state guard's too: every pipeline from the blob
             module = module_for(dispatch.shader, profile)
             if module not in index_of:
                 index_of[module] = len(modules)
@@ -158,7 +160,7 @@ def unmet_needs(schedule: Schedule, modules: Sequence[ShaderModule], embedded: E
     if largest is not None and largest.size_bytes > device.max_allocation_bytes:
         missing.append(f"allocations of {largest.size_bytes} bytes (buffer {largest.key!r}; the device's max "
                        f"allocation size is {device.max_allocation_bytes})")
-    bindings = max((len(d.bindings) for d in schedule.dispatches), default=0)
+    bindings = max((len(d.bindings) for d in module_dispatches(schedule)), default=0)
     if bindings > device.max_storage_buffers_per_stage:
         missing.append(f"{bindings} storage buffers per dispatch (the device binds "
                        f"{device.max_storage_buffers_per_stage})")
@@ -166,7 +168,7 @@ def unmet_needs(schedule: Schedule, modules: Sequence[ShaderModule], embedded: E
         push = max((modules[i].push_constant_bytes for i in set(embedded.dispatch_modules)), default=0)
         if push > device.max_push_constants_bytes:
             missing.append(f"{push} bytes of push constants (the device takes {device.max_push_constants_bytes})")
-    for dispatch, module_id in zip(schedule.dispatches, embedded.dispatch_modules):
+    for dispatch, module_id in zip(module_dispatches(schedule), embedded.dispatch_modules):
         local = modules[module_id].workgroup_size(dispatch) or dispatch.local_size
         if local is not None and (any(v > m for v, m in zip(local, device.max_workgroup_size))
                                   or math.prod(local) > device.max_workgroup_invocations):

@@ -4,9 +4,11 @@
 A Schedule is everything a runtime needs to run the graph without choosing a kernel: the buffer table
 (key, bytes, role), where each tensor value lives (placements), the Dispatch list (shader variant, spec
 constants, local size, bindings as (buffer, offset, size, access), push-constant bytes, group counts,
-label), the GEMM route the planner took and which ops it sent to the tensor cores, and what it relies on
-from the device (`ScheduleRequirements`: a device with less is refused, naming what it lacks). It is
-planned by vktrain/runtime/delegate/planner.py and run by GraphExecutor(..., schedule=...).
+label), the GEMM route the planner took and which ops it sent to the tensor cores, what it relies on
+from the device (`ScheduleRequirements`: a device with less is refused, naming what it lacks), and, for a
+training step, the state guard's dispatches (`StateGuardPlan`: backups of the state and a NaN/inf check). It
+is planned by vktrain/backend/kernel_planning (the AOT side) and run by GraphExecutor(device, graph, schedule)
+and vktrain/runtime/delegate/state_guard.py, which choose nothing.
 
 The bytes are deterministic (the same Schedule always serialises to the same bytes) and
 deserialize_schedule(serialize_schedule(s)) == s. Format changes: add fields at the end of a table with a
@@ -22,6 +24,7 @@ import flatbuffers
 import numpy as np
 
 from vktrain.errors import VktrainError
+from vktrain.contract import PRECISION_FP16
 from vktrain.serialization import graph as g
 from vktrain.serialization.device_profile import API_VULKAN, API_WEBGPU, DeviceProfile
 from vktrain.serialization.dispatch import BufferBinding, Dispatch, ScheduleError
@@ -32,13 +35,22 @@ from vktrain.serialization.generated.vkt_blob import ScheduleBinding as FbBindin
 from vktrain.serialization.generated.vkt_blob import ScheduleBuffer as FbBuffer
 from vktrain.serialization.generated.vkt_blob import ScheduleDispatch as FbDispatch
 from vktrain.serialization.generated.vkt_blob import ScheduleRequirements as FbRequirements
+from vktrain.serialization.generated.vkt_blob import GuardedTensor as FbGuardedTensor
 from vktrain.serialization.generated.vkt_blob import SpecConstant as FbSpecConstant
+from vktrain.serialization.generated.vkt_blob import StateGuardPlan as FbStateGuardPlan
 from vktrain.serialization.generated.vkt_blob import TensorPlacement as FbPlacement
 from vktrain.serialization.generated.vkt_blob.BindingAccess import BindingAccess
 from vktrain.serialization.generated.vkt_blob.BufferRole import BufferRole
 from vktrain.serialization.generated.vkt_blob.SpecKind import SpecKind
 
 SCHEDULE_IDENTIFIER = b"VKS1"
+# The key prefix of a buffer another executor of the program owns ("shared:<tensor name>", role "shared").
+SHARED_PREFIX = "shared:"
+# The state guard's own buffers (StateGuardPlan): a backup slot, the per-tensor flags, the one result word.
+# In the bytes, the guard's bindings name them by the indices just past the buffer table, in this order.
+GUARD_SLOT, GUARD_FLAGS, GUARD_RESULT = "guard:slot", "guard:flags", "guard:result"
+GUARD_KEYS = (GUARD_SLOT, GUARD_FLAGS, GUARD_RESULT)
+GUARD_RESULT_BYTES = 4
 SCHEDULE_FORMAT_VERSION = 1
 
 # The buffer roles, lower-case, in the order of the schema's BufferRole values (the index is the stored value).
@@ -147,6 +159,59 @@ class PlannedGemm:
     fp32_tuning: str
     wgsl: bool
 
+    @property
+    def fp16_simt(self) -> bool:
+        """The fp16 policy on the fp32 kernels' FP16 variants (no tensor cores): kernels/coopmat.py GemmRoute."""
+        return self.precision == PRECISION_FP16 and not self.tensor_cores
+
+    @property
+    def fp16_kernels(self) -> str:
+        """Where this route's fp16-input GEMMs run, for the reports."""
+        if self.fp16_simt:
+            return "FP16 SIMT kernels"
+        return "f16 WGSL kernels" if self.wgsl else "tensor cores"
+
+    def describe(self) -> str:
+        """The route in a sentence (train's startup line: GraphExecutor.gemm_report)."""
+        kernels = f"{self.fp16_kernels} (fp16 inputs, fp32 accumulation)" if self.tensor_cores else "fp32 kernels"
+        if self.fp16_simt:
+            kernels = "the 4-bit base GEMMs and the large mm on the FP16 SIMT kernels (fp16 operands, fp32 " \
+                      "products and sums), every other GEMM on the fp32 kernels"
+        return (f"GEMM precision {self.precision}: {kernels}; {self.reason}; "
+                f"fp32 kernels in their {self.fp32_tuning} tuning")
+
+
+@dataclass(frozen=True)
+class GuardedTensor:
+    """A state tensor the state guard backs up: its state name, and its `size_bytes` at `slot_offset` of a slot."""
+
+    name: str
+    slot_offset: int
+    size_bytes: int
+
+
+@dataclass(frozen=True)
+class StateGuardPlan:
+    """The state guard's dispatches (vktrain/backend/kernel_planning/state_guard.py plans them): `save` copies
+    every state tensor into a backup slot (GUARD_SLOT, `slot_bytes`), flags NaN/inf per tensor (GUARD_FLAGS,
+    `flags_bytes`) and folds the flags into the word of GUARD_RESULT; `restore` copies a slot back into the
+    state. `tensors` in the graph's mutable-state order. The bindings name the schedule's buffers and GUARD_KEYS."""
+
+    tensors: tuple[GuardedTensor, ...]
+    slot_bytes: int
+    flags_bytes: int
+    save: tuple[Dispatch, ...]
+    restore: tuple[Dispatch, ...]
+
+    def __post_init__(self) -> None:
+        for name in ("tensors", "save", "restore"):
+            object.__setattr__(self, name, tuple(getattr(self, name)))
+
+    @property
+    def buffer_sizes(self) -> dict[str, int]:
+        """The guard's own buffers, key -> bytes."""
+        return {GUARD_SLOT: self.slot_bytes, GUARD_FLAGS: self.flags_bytes, GUARD_RESULT: GUARD_RESULT_BYTES}
+
 
 @dataclass(frozen=True)
 class Schedule:
@@ -155,7 +220,8 @@ class Schedule:
     `buffers` in the order a runtime allocates them; `placements` sorted by value id; `dispatches` in
     execution order, every binding naming a buffer of the table by key; `max_binding_bytes` the binding
     size the caller asked to plan for (0: the device's); `tensor_core_ops` the labels of the graph ops
-    lowered to the route's fp16-input kernels: tensor cores, f16 WGSL, or the fp16 policy's FP16 variants."""
+    lowered to the route's fp16-input kernels: tensor cores, f16 WGSL, or the fp16 policy's FP16 variants;
+    `state_guard` the state guard's dispatches (None: not planned)."""
 
     graph_digest: str
     requirements: ScheduleRequirements
@@ -165,6 +231,7 @@ class Schedule:
     dispatches: tuple[Dispatch, ...]
     tensor_core_ops: tuple[str, ...] = ()
     max_binding_bytes: int = 0
+    state_guard: StateGuardPlan | None = None
 
     def __post_init__(self) -> None:
         for name in ("buffers", "placements", "dispatches", "tensor_core_ops"):
@@ -177,9 +244,10 @@ class Schedule:
             if placement.key not in known:
                 raise ScheduleError(f"value {placement.value_id} is placed in buffer {placement.key!r}, which is not "
                                     f"in the buffer table")
-        for dispatch in self.dispatches:
+        guard = () if self.state_guard is None else self.state_guard.save + self.state_guard.restore
+        for dispatch, names in [(d, known) for d in self.dispatches] + [(d, known | set(GUARD_KEYS)) for d in guard]:
             for index, binding in enumerate(dispatch.bindings):
-                if binding.buffer not in known:
+                if binding.buffer not in names:
                     raise ScheduleError(f"{dispatch.name}: binding {index} names buffer {binding.buffer!r}, which is "
                                         f"not in the buffer table")
 
@@ -297,6 +365,35 @@ def _build_gemm(builder: flatbuffers.Builder, gemm: PlannedGemm) -> int:
     return FbPlannedGemm.End(builder)
 
 
+def _build_guard(builder: flatbuffers.Builder, guard: StateGuardPlan, index_of: dict[str, int]) -> int:
+    index_of = {**index_of, **{key: len(index_of) + i for i, key in enumerate(GUARD_KEYS)}}
+    tensors = []
+    for tensor in guard.tensors:
+        name = builder.CreateString(tensor.name)
+        FbGuardedTensor.Start(builder)
+        FbGuardedTensor.AddName(builder, name)
+        FbGuardedTensor.AddSlotOffset(builder, tensor.slot_offset)
+        FbGuardedTensor.AddSizeBytes(builder, tensor.size_bytes)
+        tensors.append(FbGuardedTensor.End(builder))
+    save = [_build_dispatch(builder, dispatch, index_of) for dispatch in guard.save]
+    restore = [_build_dispatch(builder, dispatch, index_of) for dispatch in guard.restore]
+    vectors = (_tables(builder, tensors), _tables(builder, save), _tables(builder, restore))
+    FbStateGuardPlan.Start(builder)
+    FbStateGuardPlan.AddTensors(builder, vectors[0])
+    FbStateGuardPlan.AddSlotBytes(builder, guard.slot_bytes)
+    FbStateGuardPlan.AddFlagsBytes(builder, guard.flags_bytes)
+    FbStateGuardPlan.AddSave(builder, vectors[1])
+    FbStateGuardPlan.AddRestore(builder, vectors[2])
+    return FbStateGuardPlan.End(builder)
+
+
+def module_dispatches(schedule: "Schedule") -> tuple[Dispatch, ...]:
+    """Every dispatch a runtime builds a pipeline for, in the order an embedded schedule's module ids follow
+    (serialization/embedded.py): the step's, then the state guard's save and restore dispatches."""
+    guard = schedule.state_guard
+    return tuple(schedule.dispatches) + ((tuple(guard.save) + tuple(guard.restore)) if guard is not None else ())
+
+
 def serialize_schedule(schedule: Schedule) -> bytes:
     """The schedule's flatbuffer (root table Schedule, identifier "VKS1"); the same schedule always gives the
     same bytes."""
@@ -321,6 +418,7 @@ def serialize_schedule(schedule: Schedule) -> bytes:
     dispatches = [_build_dispatch(builder, dispatch, index_of) for dispatch in schedule.dispatches]
     digest = builder.CreateString(schedule.graph_digest)
     requirements, gemm = _build_requirements(builder, schedule.requirements), _build_gemm(builder, schedule.gemm)
+    guard = None if schedule.state_guard is None else _build_guard(builder, schedule.state_guard, index_of)
     vectors = (_tables(builder, buffers), _tables(builder, placements), _tables(builder, dispatches),
                _strings(builder, schedule.tensor_core_ops))
     FbSchedule.Start(builder)
@@ -333,6 +431,8 @@ def serialize_schedule(schedule: Schedule) -> bytes:
     FbSchedule.AddPlacements(builder, vectors[1])
     FbSchedule.AddDispatches(builder, vectors[2])
     FbSchedule.AddTensorCoreOps(builder, vectors[3])
+    if guard is not None:
+        FbSchedule.AddStateGuard(builder, guard)
     builder.Finish(FbSchedule.End(builder), file_identifier=SCHEDULE_IDENTIFIER)
     return bytes(builder.Output())
 
@@ -386,6 +486,23 @@ def _read_dispatch(table, keys: list[str], index: int) -> Dispatch:
         raise ScheduleFormatError(f"{where}: {exc}") from None
 
 
+def _read_guard(table, keys: list[str]) -> StateGuardPlan:
+    keys = keys + list(GUARD_KEYS)
+    tensors = []
+    for i in range(table.TensorsLength()):
+        with reading(f"Schedule.state_guard.tensors[{i}]", ScheduleFormatError):
+            entry = table.Tensors(i)
+            tensors.append(GuardedTensor(_text(entry.Name()), entry.SlotOffset(), entry.SizeBytes()))
+    lists = {}
+    for name in ("Save", "Restore"):
+        dispatches = []
+        for i in range(getattr(table, f"{name}Length")()):
+            with reading(f"Schedule.state_guard.{name.lower()}[{i}]", ScheduleFormatError):
+                dispatches.append(_read_dispatch(getattr(table, name)(i), keys, i))
+        lists[name] = tuple(dispatches)
+    return StateGuardPlan(tuple(tensors), table.SlotBytes(), table.FlagsBytes(), lists["Save"], lists["Restore"])
+
+
 def _read(root) -> Schedule:
     version = root.FormatVersion()
     if version != SCHEDULE_FORMAT_VERSION:
@@ -426,10 +543,14 @@ def _read(root) -> Schedule:
                            bool(table.Emulate()), table.SubgroupSize(), table.MinWorkgroups(),
                            table.SplitMinWorkgroups(), table.SplitTargetWorkgroups(), _text(table.Fp32Tuning()),
                            bool(table.Wgsl()))
+    guard = None
+    with reading("Schedule.state_guard", ScheduleFormatError):
+        if root.StateGuard() is not None:
+            guard = _read_guard(root.StateGuard(), keys)
     with reading("Schedule", ScheduleFormatError):
         try:
             return Schedule(_text(root.GraphDigest()), requirements, gemm, tuple(buffers), tuple(placements),
-                            tuple(dispatches), _texts(root, "TensorCoreOps"), root.MaxBindingBytes())
+                            tuple(dispatches), _texts(root, "TensorCoreOps"), root.MaxBindingBytes(), guard)
         except ScheduleError as exc:
             raise ScheduleFormatError(str(exc)) from None
 
@@ -449,6 +570,7 @@ def placements_sorted(placements: Iterable[TensorPlacement]) -> tuple[TensorPlac
     return tuple(sorted(placements, key=lambda placement: placement.value_id))
 
 
-__all__ = ["API_VULKAN", "API_WEBGPU", "PlannedGemm", "ROLES", "SCHEDULE_FORMAT_VERSION", "Schedule",
-           "ScheduleBuffer", "ScheduleFormatError", "ScheduleMismatchError", "ScheduleRequirements",
+__all__ = ["module_dispatches", "API_VULKAN", "API_WEBGPU", "GUARD_FLAGS", "GUARD_KEYS", "GUARD_RESULT", "GUARD_RESULT_BYTES", "GUARD_SLOT",
+           "GuardedTensor", "PlannedGemm", "ROLES", "SCHEDULE_FORMAT_VERSION", "SHARED_PREFIX", "Schedule",
+           "ScheduleBuffer", "StateGuardPlan", "ScheduleFormatError", "ScheduleMismatchError", "ScheduleRequirements",
            "TensorPlacement", "deserialize_schedule", "graph_digest", "serialize_schedule"]

@@ -2,7 +2,7 @@
 
 permute / transpose / expand / slice / select / unsqueeze / squeeze are pure metadata on a view (no data
 moves). The backend decides which ops become views (vktrain/backend/passes/views.py) and records them in
-the delegate blob; the runtime's kernels read them (vktrain/runtime/delegate/kernels/layout.py). Both
+the delegate blob; the kernel planners read them (vktrain/backend/kernel_planning/kernels/layout.py). Both
 stand on this one definition, so it lives on the ground floor with the blob format. Pure Python.
 """
 from __future__ import annotations

@@ -11,6 +11,9 @@ schedule's source, the dispatch (index and label) or buffer, what was found and 
     check_schedule_dispatches a known shader source, push bytes within what Vulkan guarantees, a local size
                               within the planned workgroup limits, group counts that split into at most
                               MAX_SPLIT_DISPATCHES dispatches on any device
+    check_schedule_guard      the state guard's (if planned): its tensors inside a backup slot, its dispatches
+                              as above, their bindings inside their buffers (the guard's own included) at
+                              aligned offsets; the device layer checks them against its binding limit
 
 `verify_schedule` runs them all. Whether a device satisfies the schedule's requirements is
 ScheduleRequirements.unmet_by (the executor asks it once the device is known).
@@ -36,8 +39,10 @@ from typing import Collection, Sequence
 from vktrain.serialization import graph as g
 from vktrain.serialization.device_profile import DeviceProfile
 from vktrain.serialization.dispatch import LOCAL_SIZE_SPEC_IDS, MAX_SPLIT_DISPATCHES, PUSH_HEADER_BYTES
+from vktrain.serialization.dispatch import BufferBinding, Dispatch
 from vktrain.serialization.embedded import CODE_KIND_OF_API, SPIRV, EmbeddedSchedule, ShaderModule
-from vktrain.serialization.schedule import Schedule, ScheduleFormatError, deserialize_schedule, graph_digest
+from vktrain.serialization.schedule import (Schedule, ScheduleFormatError, deserialize_schedule, graph_digest,
+                                            module_dispatches)
 from vktrain.serialization.verify import VerificationError
 
 # Vulkan's guaranteed maxPushConstantsSize: every kernel's push block fits it with the 16-byte group-offset
@@ -83,6 +88,20 @@ def check_schedule_graph(schedule: Schedule, graph: g.VkGraph, source: str = "sc
         raise _refuse(source, check_schedule_graph, f"tensor values {missing[:10]} of the graph have no placement")
 
 
+def _check_binding(where: str, binding: BufferBinding, sizes: dict[str, int], alignment: int, limit: int | None,
+                   check, source: str) -> None:
+    size = sizes[binding.buffer] - binding.offset if binding.size is None else binding.size
+    if binding.offset % alignment:
+        raise _refuse(source, check, f"{where}: offset {binding.offset} is not a multiple of the planned alignment "
+                                     f"{alignment}")
+    if size <= 0 or binding.offset + size > sizes[binding.buffer]:
+        raise _refuse(source, check, f"{where}: range [{binding.offset}, {binding.offset + size}) is outside the "
+                                     f"buffer's {sizes[binding.buffer]} bytes")
+    if limit is not None and size > limit:
+        raise _refuse(source, check, f"{where}: binds {size} bytes, more than the planned max storage binding size "
+                                     f"{limit}")
+
+
 def check_schedule_bindings(schedule: Schedule, source: str = "schedule") -> None:
     """Every binding inside its buffer, aligned as planned, within the planned binding size."""
     sizes = {buffer.key: buffer.size_bytes for buffer in schedule.buffers}
@@ -93,46 +112,61 @@ def check_schedule_bindings(schedule: Schedule, source: str = "schedule") -> Non
                                                        f"power of two")
     for index, dispatch in enumerate(schedule.dispatches):
         for slot, binding in enumerate(dispatch.bindings):
-            where = f"dispatch {index} ({dispatch.name}) binding {slot} (buffer {binding.buffer!r})"
-            size = sizes[binding.buffer] - binding.offset if binding.size is None else binding.size
-            if binding.offset % alignment:
-                raise _refuse(source, check_schedule_bindings, f"{where}: offset {binding.offset} is not a multiple "
-                                                               f"of the planned alignment {alignment}")
-            if size <= 0 or binding.offset + size > sizes[binding.buffer]:
-                raise _refuse(source, check_schedule_bindings,
-                              f"{where}: range [{binding.offset}, {binding.offset + size}) is outside the buffer's "
-                              f"{sizes[binding.buffer]} bytes")
-            if size > limit:
-                raise _refuse(source, check_schedule_bindings, f"{where}: binds {size} bytes, more than the planned "
-                                                               f"max storage binding size {limit}")
+            _check_binding(f"dispatch {index} ({dispatch.name}) binding {slot} (buffer {binding.buffer!r})", binding,
+                           sizes, alignment, limit, check_schedule_bindings, source)
 
 
 def check_schedule_dispatches(schedule: Schedule, shader_sources: Collection[str], source: str = "schedule") -> None:
     """Known shaders (`shader_sources`: the base names of the kernels this runtime has), push bytes, local size
     and group counts within what the device guarantees or the schedule requires."""
-    needs = schedule.requirements
     for index, dispatch in enumerate(schedule.dispatches):
-        where = f"dispatch {index} ({dispatch.name})"
-        base = dispatch.shader.partition("@")[0]
-        if base not in shader_sources:
-            raise _refuse(source, check_schedule_dispatches, f"{where}: shader {dispatch.shader!r} has no kernel source "
-                                                             f"here ({len(shader_sources)} known)")
-        if len(dispatch.push_constants) > MAX_PUSH_BYTES:
-            raise _refuse(source, check_schedule_dispatches, f"{where}: pushes {len(dispatch.push_constants)} bytes, "
-                                                             f"more than the {MAX_PUSH_BYTES} every device takes")
-        if dispatch.local_size is not None:
-            invocations = math.prod(dispatch.local_size)
-            if invocations > needs.max_workgroup_invocations or \
-                    dispatch.local_size[0] > needs.max_workgroup_size_x:
-                raise _refuse(source, check_schedule_dispatches,
-                              f"{where}: local size {dispatch.local_size} is over the planned workgroup limits "
-                              f"({needs.max_workgroup_invocations} invocations, "
-                              f"{needs.max_workgroup_size_x} in x)")
-        pieces = math.prod(-(-count // GUARANTEED_GROUP_COUNT) for count in dispatch.groups)
-        if pieces > MAX_SPLIT_DISPATCHES:
-            raise _refuse(source, check_schedule_dispatches, f"{where}: {dispatch.groups} work groups would be split "
-                                                             f"into {pieces} dispatches, more than "
-                                                             f"{MAX_SPLIT_DISPATCHES}")
+        _check_dispatch(f"dispatch {index} ({dispatch.name})", dispatch, schedule, shader_sources,
+                        check_schedule_dispatches, source)
+
+
+def _check_dispatch(where: str, dispatch: Dispatch, schedule: Schedule, shader_sources: Collection[str], check,
+                    source: str) -> None:
+    needs = schedule.requirements
+    base = dispatch.shader.partition("@")[0]
+    if base not in shader_sources:
+        raise _refuse(source, check, f"{where}: shader {dispatch.shader!r} has no kernel source here "
+                                     f"({len(shader_sources)} known)")
+    if len(dispatch.push_constants) > MAX_PUSH_BYTES:
+        raise _refuse(source, check, f"{where}: pushes {len(dispatch.push_constants)} bytes, more than the "
+                                     f"{MAX_PUSH_BYTES} every device takes")
+    if dispatch.local_size is not None:
+        invocations = math.prod(dispatch.local_size)
+        if invocations > needs.max_workgroup_invocations or dispatch.local_size[0] > needs.max_workgroup_size_x:
+            raise _refuse(source, check, f"{where}: local size {dispatch.local_size} is over the planned workgroup "
+                                         f"limits ({needs.max_workgroup_invocations} invocations, "
+                                         f"{needs.max_workgroup_size_x} in x)")
+    pieces = math.prod(-(-count // GUARANTEED_GROUP_COUNT) for count in dispatch.groups)
+    if pieces > MAX_SPLIT_DISPATCHES:
+        raise _refuse(source, check, f"{where}: {dispatch.groups} work groups would be split into {pieces} "
+                                     f"dispatches, more than {MAX_SPLIT_DISPATCHES}")
+
+
+def check_schedule_guard(schedule: Schedule, shader_sources: Collection[str], source: str = "schedule") -> None:
+    """The state guard's tensors inside a slot, its dispatches and their bindings (module docstring). Its
+    bindings hold whole state tensors: the device layer refuses one over its own binding limit (the runtime
+    then keeps no guard), not this check."""
+    guard = schedule.state_guard
+    if guard is None:
+        return
+    for index, tensor in enumerate(guard.tensors):
+        if tensor.size_bytes <= 0 or tensor.slot_offset + tensor.size_bytes > guard.slot_bytes:
+            raise _refuse(source, check_schedule_guard,
+                          f"state guard tensor {index} ({tensor.name!r}) at [{tensor.slot_offset}, "
+                          f"{tensor.slot_offset + tensor.size_bytes}) is outside the slot's {guard.slot_bytes} bytes")
+    sizes = {buffer.key: buffer.size_bytes for buffer in schedule.buffers} | guard.buffer_sizes
+    alignment = schedule.requirements.min_storage_buffer_offset_alignment
+    for part, dispatches in (("save", guard.save), ("restore", guard.restore)):
+        for index, dispatch in enumerate(dispatches):
+            where = f"state guard {part} dispatch {index} ({dispatch.name})"
+            _check_dispatch(where, dispatch, schedule, shader_sources, check_schedule_guard, source)
+            for slot, binding in enumerate(dispatch.bindings):
+                _check_binding(f"{where} binding {slot} (buffer {binding.buffer!r})", binding, sizes, alignment, None,
+                               check_schedule_guard, source)
 
 
 def verify_schedule(schedule: Schedule, graph: g.VkGraph, shader_sources: Collection[str],
@@ -141,6 +175,7 @@ def verify_schedule(schedule: Schedule, graph: g.VkGraph, shader_sources: Collec
     check_schedule_graph(schedule, graph, source)
     check_schedule_bindings(schedule, source)
     check_schedule_dispatches(schedule, shader_sources, source)
+    check_schedule_guard(schedule, shader_sources, source)
 
 
 SPIRV_MAGIC = 0x07230203
@@ -174,11 +209,12 @@ def check_schedule_modules(schedule: Schedule, embedded: EmbeddedSchedule, modul
     """Every dispatch runs a module of the blob that is its shader, in the profile's code, and fits its
     reflection (bindings, push bytes, specialization ids)."""
     ids = embedded.dispatch_modules
-    if len(ids) != len(schedule.dispatches):
-        raise _refuse(source, check_schedule_modules, f"{len(ids)} dispatch module ids for {len(schedule.dispatches)} "
+    dispatches = module_dispatches(schedule)
+    if len(ids) != len(dispatches):
+        raise _refuse(source, check_schedule_modules, f"{len(ids)} dispatch module ids for {len(dispatches)} "
                                                       f"dispatches")
     kind = CODE_KIND_OF_API[embedded.profile.api]
-    for index, (dispatch, module_id) in enumerate(zip(schedule.dispatches, ids)):
+    for index, (dispatch, module_id) in enumerate(zip(dispatches, ids)):
         where = f"dispatch {index} ({dispatch.name})"
         if not 0 <= module_id < len(modules):
             raise _refuse(source, check_schedule_modules, f"{where}: module id {module_id} is out of range (the blob "
@@ -212,7 +248,7 @@ def check_schedule_profile(schedule: Schedule, embedded: EmbeddedSchedule, modul
     if unmet:
         raise _refuse(source, check_schedule_profile, f"relies on what its own profile {profile.name!r} lacks: "
                                                       f"{'; '.join(unmet)}")
-    for index, (dispatch, module_id) in enumerate(zip(schedule.dispatches, embedded.dispatch_modules)):
+    for index, (dispatch, module_id) in enumerate(zip(module_dispatches(schedule), embedded.dispatch_modules)):
         where = f"dispatch {index} ({dispatch.name})"
         local = modules[module_id].workgroup_size(dispatch) or dispatch.local_size  # as specialized
         if local is not None and (any(v > m for v, m in zip(local, profile.max_workgroup_size))
@@ -258,5 +294,5 @@ def verify_embedded(graph: g.VkGraph, source: str = "blob") -> list[Schedule]:
 
 
 __all__ = ["GUARANTEED_GROUP_COUNT", "MAX_PUSH_BYTES", "check_schedule_bindings", "check_schedule_dispatches",
-           "check_schedule_graph", "check_schedule_modules", "check_schedule_profile", "check_shader_modules",
-           "verify_embedded", "verify_embedded_schedule", "verify_schedule"]
+           "check_schedule_graph", "check_schedule_guard", "check_schedule_modules", "check_schedule_profile",
+           "check_shader_modules", "verify_embedded", "verify_embedded_schedule", "verify_schedule"]

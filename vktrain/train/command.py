@@ -57,6 +57,7 @@ from vktrain.train.train_loop import (
     takes_hparams,
     train,
 )
+from vktrain.backend.kernel_planning import plan_schedule
 
 # Flag -> argparse dest of every hyper-parameter the program's hparams input (or the schedule) takes.
 HYPERPARAMETER_FLAGS = {"--lr": "lr", "--schedule": "schedule", "--warmup": "warmup", "--min-lr-ratio": "min_lr_ratio",
@@ -311,8 +312,9 @@ def _run_train(args: argparse.Namespace, device, stop: StopOnSignal) -> int:
                               f"it came from")
 
     # timing=False: no GPU timestamps (train reads none; on a GPU they cost time per dispatch).
-    runner = TrainingRunner.from_pte(program_path, device, precision=args.precision, timing=False,
-                                     runtime=getattr(args, "runtime", None), max_binding_bytes=max_binding_bytes(args))
+    runner = TrainingRunner.from_pte(program_path, device, planner=plan_schedule, precision=args.precision,
+                                     timing=False, runtime=getattr(args, "runtime", None),
+                                     max_binding_bytes=max_binding_bytes(args))
     own_device = getattr(runner, "device", None) if device is None else None  # a caller's device: its messages
     try:
         with runner:

@@ -36,6 +36,7 @@ from vktrain.serialization.tokenizer import program_tokenizer
 from vktrain.train.held_out import check_max_batches, evaluate_data
 from vktrain.train.outputs import Output, OutputKind, add_overwrite_argument, check_outputs, json_object
 from vktrain.train.train_loop import TrainConfigError, describe_program, is_token_step
+from vktrain.backend.kernel_planning import plan_schedule
 
 
 EVAL_RESULT = OutputKind("vktrain eval's JSON result", json_object("loss"))  # what --json writes
@@ -122,8 +123,8 @@ def run_eval(args: argparse.Namespace, device=None) -> int:
     check_outputs([Output("--json", args.json, EVAL_RESULT)], overwrite=args.overwrite,
                   inputs=[("the program", args.program), ("--data", args.data), ("--inputs", args.inputs),
                           ("--adapters", args.adapters)])
-    runner = TrainingRunner.from_pte(program_path, device, runtime=getattr(args, "runtime", None),
-                                     max_binding_bytes=max_binding_bytes(args),
+    runner = TrainingRunner.from_pte(program_path, device, planner=plan_schedule,
+                                     runtime=getattr(args, "runtime", None), max_binding_bytes=max_binding_bytes(args),
                                      precision=getattr(args, "precision", PRECISION_AUTO))
     own_device = runner.device if device is None else None  # a caller's device keeps its messages
     try:

@@ -36,7 +36,7 @@ DEFAULT_TARGET = PORTABLE
 # with the required limits: 16 KiB shared memory, 128 invocations, 256-byte offsets, 128 MiB bindings).
 PORTABLE_PROFILES = ("desktop-gpu", "adreno-6xx")
 
-Planner = Callable[..., Schedule]  # plan_schedule(graph, profile, *, shared=...)
+Planner = Callable[..., Schedule]  # plan_schedule(graph, profile, *, shared=..., state_guard=...)
 
 
 class TargetError(VktrainError, ValueError):
@@ -137,7 +137,8 @@ def plan_target(graphs: Mapping[str, Sequence[g.VkGraph]], profile: DeviceProfil
             if method != TRAIN_METHOD and len(step) == 1:  # what the runtime binds (program_sharing.py)
                 shared = shared_from(step[0], planned[TRAIN_METHOD][0], graph)
             try:
-                schedule = plan(graph, profile, shared=shared)
+                # The step's with its state guard (the runtime's runner plans it so at load too).
+                schedule = plan(graph, profile, shared=shared, state_guard=method == TRAIN_METHOD)
                 (embedded,), modules = embed_schedules([(profile, schedule)], _module_for, serialize=False)
                 check_shader_modules(modules, f"delegate {index}")
                 verify_embedded_schedule(schedule, embedded, dataclasses.replace(graph, shader_modules=modules),
@@ -155,7 +156,7 @@ class TargetEmbedder:
 
     def __init__(self, targets: Sequence[Target], plan: Planner | None = None):
         if plan is None:
-            from vktrain.runtime.delegate.planner import plan_schedule as plan
+            from vktrain.backend.kernel_planning.planner import plan_schedule as plan
         self.targets, self.plan = list(targets), plan
         self.embedded: list[str] = []
         self.left_out: list[str] = []

@@ -2,14 +2,15 @@
 per call.
 
 The AOT backend (vktrain/backend/passes) made every storage decision and recorded it per tensor
-(CONTRACTS.md "Delegate graph conventions"); the planner (planner.py) turns the graph and the device's
-target into a Schedule (vktrain/serialization/schedule.py: the buffer table, the tensor placements, the
-Dispatch list); this executor carries the schedule out and decides nothing.
+(CONTRACTS.md "Delegate graph conventions"); kernel planning (vktrain/backend/kernel_planning, the AOT side)
+turns the graph and a device profile into a Schedule (vktrain/serialization/schedule.py: the buffer table,
+the tensor placements, the Dispatch list); this executor carries the schedule out and decides nothing. It
+is given the schedule (the program layer obtains it: vktrain/runtime/program/schedules.py).
 
 Load time (everything that can fail fails here, never at step time):
-  1. the schedule: planned here from the device (`plan_schedule`: an op without a kernel is a
-     GraphLoweringError "unsupported op <name>"), or given (`schedule=`) and checked: planned for this
-     graph, relying on nothing the device lacks (ScheduleMismatchError names what it lacks);
+  1. the schedule, checked: verified against this graph (serialization/verify_schedule.py; not one the
+     caller's planner just made, `verify=False`), relying on nothing the device lacks (ScheduleMismatchError
+     names what it lacks), binding the shared tensors it was given;
   2. storage: one Buffer per entry of its buffer table; constants uploaded once, converted to their stored
      dtype (W_4X8 weights stay packed; a synthetic constant, benchmark blobs only, is generated here from
      its seed, then uploaded the same way); mutable state set to its initial value;
@@ -20,8 +21,8 @@ inputs checked against the embedding / logits they index), replay, read the outp
 back to their graph dtype).
 
 GEMM precision (docs/PRECISION.md): the one device decision, made by the planner. The blob lists the
-precision policies the program allows; `precision` picks one, and the planner selects the GemmRoute
-(kernels/coopmat.py) its op lowerings follow on this device; `gemm_report()` says what was chosen.
+precision policies the program allows; the planner's `precision` picks one and selects the GEMM route its op
+lowerings follow on the device; the schedule records it (PlannedGemm) and `gemm_report()` says what it is.
 """
 from __future__ import annotations
 
@@ -34,12 +35,11 @@ from vktrain.serialization import graph as vk
 
 from vktrain.runtime.vk.commands import Program
 from vktrain.runtime.vk.memory import Buffer
-from vktrain.runtime.delegate.lowering_context import GraphLoweringError
-from vktrain.runtime.delegate.planner import (SHARED_PREFIX, check_allocations, check_memory_budget, gemm_route_of,
-                                              owned_bytes, plan_schedule, reused_buffers, TRANSIENT_ROLES)
+from vktrain.errors import GraphLoweringError
+from vktrain.serialization.schedule_memory import (TRANSIENT_ROLES, check_allocations, check_memory_budget, owned_bytes,
+                                                   reused_buffers)
 from vktrain.runtime.device_profiles import planning_profile, profile_of
-from vktrain.contract import PRECISION_AUTO
-from vktrain.serialization.schedule import Schedule, ScheduleMismatchError, TensorPlacement
+from vktrain.serialization.schedule import SHARED_PREFIX, Schedule, ScheduleMismatchError, TensorPlacement
 from vktrain.serialization.device_profile import DeviceProfile
 from vktrain.serialization.embedded import ShaderModule
 from vktrain.serialization.verify_schedule import verify_schedule
@@ -105,38 +105,38 @@ class SharedTensor:
 
 
 class GraphExecutor:
-    """Runs one VkGraph on `device`. See the module docstring for what happens at load and per call.
+    """Runs one VkGraph on `device` by its `schedule` (a Schedule planned for this graph: the program layer's
+    vktrain/runtime/program/schedules.py `method_schedule`, or vktrain.backend.kernel_planning.plan_schedule,
+    or one read back with deserialize_schedule). See the module docstring for what happens at load and per
+    call.
 
     `run(*inputs)` takes arrays in `input_names` order and returns the outputs (numpy, graph dtypes).
     `read_state(name)` / `write_state(name, array)` / `reset_state()` access the mutable state by the
     names the exporter recorded (parameter / buffer FQNs); `timings()` gives (label, seconds) per
     dispatch of the last call. `staging=True` forces staging copies for every host access (the path a
-    discrete GPU takes; tests use it on unified devices). `precision` is the GEMM precision policy
-    (vktrain.contract.PRECISION_CHOICES; auto: fp16-tc where the device has tensor cores); `emulate_tensor_cores` (tests) runs fp16-tc's coopmat kernels
-    emulated on a device without tensor cores.
+    discrete GPU takes; tests use it on unified devices). The schedule carries the GEMM precision, the
+    tensor-core emulation and the binding limit it was planned with. `verify=False` skips the structural
+    verifier for a schedule the caller's planner just made for this graph in this process (the program layer's
+    MethodSchedule says which); the requirement and shared-tensor checks run for every schedule.
 
     `shared` (name -> SharedTensor, e.g. another executor's `shared_state()`): a constant or state tensor
     of this graph with one of these names binds that buffer (same shape and stored dtype, checked) instead
     of storage of its own; this executor never uploads, resets or frees it. That is how the methods of
     one program share their weights and state on the device (eval reads the training step's adapters;
-    generation's decode reads prefill's KV caches).
-
-    `max_binding_bytes` lowers the max storage binding size the kernels plan for below the device's (a user
-    checking that a program fits a browser's 128 MiB: --max-binding-mib).
-    Tensors over it are split across dispatches where the kernel can (kernels/matmul.py, embedding.py,
-    q8_0.py, cross_entropy.py); any other binding over it is refused at load, naming the tensor.
+    generation's decode reads prefill's KV caches). The schedule must have been planned with the same
+    `shared` (its "shared:<name>" buffers, at the offsets given here: checked).
 
     `arena`: another executor of the program that never runs while this one does (the accumulate method's
     executor: the training step's): this one's intermediate and scratch buffers reuse that one's
-    (planner.reused_buffers) where they fit, so the two hold one set of activations; only the excess is
+    (serialization/schedule_memory.py reused_buffers) where they fit, so the two hold one set of activations; only the excess is
     allocated (and counted in owned_bytes).
 
     `resident_bytes`: the device memory the program's other executors already hold (eval's executor: the
     training step's), counted with this one's own buffers against an emulated profile's memory budget.
 
-    `schedule` (a Schedule from `plan_schedule`, e.g. read back with deserialize_schedule) runs that plan
-    instead of planning here; it carries the precision, tensor-core emulation and binding limit, so those
-    arguments stay at their defaults. `schedule` is the one this executor runs either way.
+    `schedule`: the Schedule this executor runs (the program layer obtains it: embedded in the blob, or from
+    the caller's planner; vktrain.runtime.program.schedules.method_schedule); `verify=False` skips its
+    verification (a schedule the caller's planner just made for this graph).
 
     `modules` (shader name -> embedded ShaderModule) and `target_profile`: a schedule embedded in the blob
     (vktrain/runtime/program/embedded.py) runs with the pipelines built from the blob's modules, not the local
@@ -144,14 +144,15 @@ class GraphExecutor:
     submit where set; the program's other methods run that profile's schedules).
     """
 
-    def __init__(self, device, graph: vk.VkGraph, *, timing: bool = True, staging: bool | None = None,
-                 shared: dict[str, SharedTensor] | None = None, precision: str = PRECISION_AUTO,
-                 emulate_tensor_cores: bool = False, max_binding_bytes: int | None = None,
-                 schedule: Schedule | None = None, resident_bytes: int = 0, arena: "GraphExecutor | None" = None,
+    def __init__(self, device, graph: vk.VkGraph, schedule: Schedule, *, timing: bool = True,
+                 staging: bool | None = None, shared: dict[str, SharedTensor] | None = None, resident_bytes: int = 0,
+                 arena: "GraphExecutor | None" = None, verify: bool = True,
                  modules: Mapping[str, ShaderModule] | None = None, target_profile: DeviceProfile | None = None):
+        if not isinstance(schedule, Schedule):
+            raise TypeError(f"a GraphExecutor runs a Schedule planned for its graph (the program layer obtains it: "
+                            f"vktrain.runtime.program.schedules.method_schedule), got {type(schedule).__name__}")
         graph.validate()
         self.device = device
-        self.precision = precision  # the policy asked for: the eval and accumulate methods bound to this one ask it too
         self._staging = staging  # Buffer's access path: None = direct on unified memory, else staging
         self._shared = dict(shared or {})
         self._borrowed: set[str] = set()  # buffer keys of shared tensors: another executor owns them
@@ -160,21 +161,14 @@ class GraphExecutor:
         self._buffers: dict[str, Buffer] = {}
         self.program: Program | None = None
         self._modules = dict(modules) if modules is not None else None
+        self.modules = self._modules  # the state guard builds its pipelines from the same modules
         self.target_profile = target_profile
         self._state_by_name = self._index_state()
         self._index_limits = self._find_index_limits()
-        # What planning reads of the device: its own profile, or VKTRAIN_DEVICE_PROFILE's emulated on it.
+        # What the schedule must fit: the device's own profile, or VKTRAIN_DEVICE_PROFILE's emulated on it.
         self.profile = planning_profile(device)
         self.emulating = self.profile != profile_of(device)
-        if schedule is None:
-            schedule = plan_schedule(graph, self.profile, precision=precision, max_binding_bytes=max_binding_bytes,
-                                     emulate_tensor_cores=emulate_tensor_cores, shared=self._shared)
-        else:
-            if (precision, emulate_tensor_cores, max_binding_bytes) != (PRECISION_AUTO, False, None):
-                raise ScheduleMismatchError("a GraphExecutor given a schedule takes its precision, tensor-core "
-                                            "emulation and binding limit from it; pass none of precision, "
-                                            "emulate_tensor_cores, max_binding_bytes")
-            self._check_schedule(schedule)
+        self._check_schedule(schedule, verify)
         # Buffer key -> the arena's Buffer it reuses (one the arena owns, holding only transient values).
         offered = arena.transient_buffers() if arena is not None else {}
         self._reused = {key: offered[theirs] for key, theirs in
@@ -187,7 +181,7 @@ class GraphExecutor:
         self.owned_bytes = owned_bytes(schedule) - reused_bytes
         self.program_bytes = self.owned_bytes + resident_bytes
         self.schedule = schedule
-        self.gemm_route = gemm_route_of(schedule)
+        self.gemm_route = schedule.gemm  # the GEMM route it was planned with (PlannedGemm)
         self.max_binding_bytes = schedule.max_binding_bytes or None
         self.tensor_core_ops: list[str] = list(schedule.tensor_core_ops)  # labels of the ops on the coopmat kernels
         self.dispatches = list(schedule.dispatches)
@@ -277,12 +271,14 @@ class GraphExecutor:
                                              f"({allowed})")
 
     # ------------------------------------------------------------------------------ storage
-    def _check_schedule(self, schedule: Schedule) -> None:
-        """Refuse a schedule that fails verification against this graph (serialization/verify_schedule.py), that
-        relies on what this device lacks, or that binds shared tensors this executor was not given (or at
-        other offsets), naming what is wrong."""
-        known = shader_sources() if self._modules is None else {m.name.partition("@")[0] for m in self._modules.values()}
-        verify_schedule(schedule, self.graph, known)
+    def _check_schedule(self, schedule: Schedule, verify: bool) -> None:
+        """Refuse a schedule that fails verification against this graph (serialization/verify_schedule.py; where
+        `verify`), that relies on what this device lacks, or that binds shared tensors this executor was not
+        given (or at other offsets), naming what is wrong."""
+        if verify:
+            known = shader_sources() if self._modules is None else {m.name.partition("@")[0]
+                                                                    for m in self._modules.values()}
+            verify_schedule(schedule, self.graph, known)
         missing = schedule.requirements.unmet_by(self.profile)
         if missing:
             raise ScheduleMismatchError(f"the schedule does not fit {getattr(self.device, 'name', 'this device')}: "
@@ -452,6 +448,12 @@ class GraphExecutor:
         scratch), by key: for an executor that never runs at the same time to reuse (`arena`)."""
         return {b.key: self._buffers[b.key] for b in self.schedule.buffers
                 if b.role in TRANSIENT_ROLES and b.key not in self._borrowed}
+
+    def bound_buffers(self) -> dict[str, Buffer]:
+        """Every buffer the schedule's bindings name, by key: its own, and those it binds of another executor
+        (what the state guard's dispatches bind: StateGuard.for_executor)."""
+        self._check_open()
+        return dict(self._buffers)
 
     def shared_state(self) -> dict[str, SharedTensor]:
         """Every mutable state tensor by name, for another executor of the same program to bind (`shared`)."""

@@ -17,11 +17,12 @@ from typing import Any, Mapping, Optional
 import numpy as np
 
 from vktrain.contract import ACCUMULATE_METHOD, GRAD_ACC_PREFIX
+from vktrain.runtime.program.schedules import Planner, bound_planning_options, method_schedule
 from vktrain.runtime.delegate.executor import GraphExecutor
 from vktrain.runtime.program.interpreter import (
     ProgramInterpreter, check_instructions_supported, check_loss_output, check_storageless_tensors, plan_input_names
 )
-from vktrain.runtime.program.embedded import executor_options, method_selection
+from vktrain.runtime.program.embedded import method_selection, module_options
 from vktrain.runtime.program.step_inputs import check_input_names, checked_input, step_input_specs
 from vktrain.serialization.pte import PteFile
 from vktrain.serialization.verify import (UnsupportedProgramError, check_device_memory, device_memory_bytes,
@@ -31,12 +32,13 @@ from vktrain.serialization import graph as g
 
 class AccumulateMethod:
     """The .pte's accumulate method on the device of `training` (the step's GraphExecutor), bound to its
-    state. Verified like the training step before anything is allocated. `reuse_activations=False` gives it
+    state, run by the schedule `planner` makes (schedules.py). Verified like the training step before anything
+    is allocated. `reuse_activations=False` gives it
     activation buffers of its own (tests compare the two)."""
 
     def __init__(self, pte: PteFile, training: GraphExecutor, *, verify_constants: bool = True,
                  host_memory_limit: Optional[int] = None, device_memory_limit: Optional[int] = None,
-                 reuse_activations: bool = True):
+                 reuse_activations: bool = True, planner: Optional[Planner] = None):
         if ACCUMULATE_METHOD not in pte.method_names:
             raise UnsupportedProgramError(
                 f"{pte.source} has no {ACCUMULATE_METHOD!r} method (it has {pte.method_names}): gradient "
@@ -63,11 +65,12 @@ class AccumulateMethod:
         shared = {name: tensor for name, tensor in state.items() if name in names}  # adapters and grad_acc
         shared.update(training.constants_matching(self.graph))  # the frozen base: on the device once
         selection = method_selection(self.graph, training, str(pte.source))  # the step's target
-        self.executor = GraphExecutor(training.device, self.graph, timing=False, shared=shared,
-                                      max_binding_bytes=training.max_binding_bytes,
-                                      precision=training.precision,
-                                      resident_bytes=training.program_bytes, arena=training if reuse_activations else None,
-                                      **executor_options(selection))
+        obtained = method_schedule(self.graph, training.device, planner=planner,
+                                   embedded=selection.schedule if selection else None, source=self._source,
+                                   shared=shared, **bound_planning_options(training))
+        self.executor = GraphExecutor(training.device, self.graph, obtained.schedule, verify=obtained.verify,
+                                      timing=False, shared=shared, resident_bytes=training.program_bytes,
+                                      arena=training if reuse_activations else None, **module_options(selection))
         try:
             self._interpreter = ProgramInterpreter(pte, plan, self._run_delegate, host_memory_limit=host_memory_limit)
         except BaseException:

@@ -3,7 +3,8 @@ schedules `vktrain export --target` put in the delegate blob, and the matching r
 
     selection = step_selection(graph, device, source)        # the training step: by the matching rule
     selection = method_selection(graph, training, source)    # eval / accumulate: the step's profile
-    GraphExecutor(device, graph, **executor_options(selection))
+    obtained = method_schedule(graph, device, embedded=selection.schedule if selection else None, ...)
+    GraphExecutor(device, graph, obtained.schedule, **module_options(selection))
 
 None: the blob embeds no schedules (or the step plans at load, or an emulated profile fits none of them), and the
 executor plans at load as before.
@@ -48,11 +49,12 @@ def method_selection(graph: g.VkGraph, training: Any, source: str) -> Selection 
     return schedule_for_profile(graph.schedules, graph.shader_modules, target.name, source=source, read=read)
 
 
-def executor_options(selection: Selection | None) -> dict[str, Any]:
-    """GraphExecutor's schedule, modules and target_profile for `selection` (nothing for None)."""
+def module_options(selection: Selection | None) -> dict[str, Any]:
+    """GraphExecutor's modules and target_profile for `selection` (nothing for None); its schedule goes through
+    schedules.method_schedule's `embedded`."""
     if selection is None:
         return {}
-    return dict(schedule=selection.schedule, modules=selection.modules, target_profile=selection.profile)
+    return dict(modules=selection.modules, target_profile=selection.profile)
 
 
-__all__ = ["executor_options", "method_selection", "step_selection"]
+__all__ = ["module_options", "method_selection", "step_selection"]

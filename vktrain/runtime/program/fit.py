@@ -1,6 +1,7 @@
 """Whether a .pte's program fits a device profile, planned with no device (`vktrain inspect STEP.pte
---device-profile NAME`): the planner (runtime/delegate/planner.py) is a function of the graph and the profile,
-so the dispatches, the buffers and every binding are known before a device is opened.
+--device-profile NAME`): the planner the caller gives (vktrain.backend.kernel_planning.plan_schedule, a
+function of the graph and the profile) makes each schedule, so the dispatches, the buffers and every binding
+are known before a device is opened.
 
 The report, per vktrain delegate of the main method (the training step's, else the only one): the dispatches
 (and the submits a replay takes under the profile's max_dispatches_per_submit, split dispatches counted as
@@ -24,15 +25,16 @@ from dataclasses import dataclass
 import numpy as np
 
 from vktrain.contract import ACCUMULATE_METHOD, BACKEND_ID, EVAL_METHOD, TRAIN_METHOD
-from vktrain.runtime.delegate.lowering_context import GraphLoweringError
-from vktrain.runtime.delegate.planner import (MEMORY_BUDGET_ADVICE, TRANSIENT_ROLES, memory_budget_refusal, owned_bytes,
-                                              plan_schedule, reused_buffers)
+from vktrain.errors import GraphLoweringError
+from vktrain.runtime.program.schedules import Planner
 from vktrain.runtime.program.summary import read_pte
 from vktrain.runtime.vk.schedule import plan_submits, split_groups
 from vktrain.serialization import deserialize_blob
 from vktrain.serialization import graph as vk
 from vktrain.serialization.device_profile import DeviceProfile
 from vktrain.serialization.pte import PteFile
+from vktrain.serialization.schedule_memory import (MEMORY_BUDGET_ADVICE, TRANSIENT_ROLES, memory_budget_refusal,
+                                                   owned_bytes, reused_buffers)
 from vktrain.serialization.strided_view import KernelArgumentError
 
 # What to change, by what a buffer holds (ScheduleBuffer.role): activations scale with batch x seq, the
@@ -91,11 +93,11 @@ def _shared_with(owners: list[vk.VkGraph], graph: vk.VkGraph) -> dict[str, _Shar
     return shared
 
 
-def _delegate_fit(graph: vk.VkGraph, profile: DeviceProfile) -> dict:
+def _delegate_fit(graph: vk.VkGraph, profile: DeviceProfile, planner: Planner) -> dict:
     limits = {"max_allocation_bytes": profile.max_allocation_bytes,
               "max_storage_buffer_range": profile.max_storage_buffer_range}
     try:
-        schedule = plan_schedule(graph, profile)
+        schedule = planner(graph, profile)
     except (GraphLoweringError, KernelArgumentError) as exc:  # a binding no kernel can split
         return {"fits": False, "planned": False, **limits,
                 "refusals": [{"limit": "max_storage_buffer_range", "profile_value": profile.max_storage_buffer_range,
@@ -131,7 +133,7 @@ def _graphs(pte: PteFile, data: bytes, method: str | None, source: str) -> list[
 
 
 def _method_fit(pte: PteFile, data: bytes, step: list[vk.VkGraph], profile: DeviceProfile, source: str,
-                method: str) -> dict | None:
+                method: str, planner: Planner) -> dict | None:
     """The eval or accumulate method's own device memory next to the training step's (None: the .pte has
     none). Each method's intermediates reuse the step's (GraphExecutor `arena`; the methods and the step never
     run at once, so both may take the same step buffers): only the excess counts."""
@@ -140,13 +142,13 @@ def _method_fit(pte: PteFile, data: bytes, step: list[vk.VkGraph], profile: Devi
     offered = {}
     if len(step) == 1:  # the runtime's arena: the one step executor's buffers
         try:
-            offered = {b.key: b.size_bytes for b in plan_schedule(step[0], profile).buffers if b.role in TRANSIENT_ROLES}
+            offered = {b.key: b.size_bytes for b in planner(step[0], profile).buffers if b.role in TRANSIENT_ROLES}
         except (GraphLoweringError, KernelArgumentError):
             pass  # the step itself is refused (its delegate's report says why)
     owned, refusals = 0, []
     for graph in _graphs(pte, data, method, source):
         try:
-            schedule = plan_schedule(graph, profile, shared=_shared_with(step, graph))
+            schedule = planner(graph, profile, shared=_shared_with(step, graph))
         except (GraphLoweringError, KernelArgumentError) as exc:
             refusals.append({"limit": "max_storage_buffer_range", "profile_value": profile.max_storage_buffer_range,
                              "message": f"{method} method: {exc}", "change": BINDING_ADVICE})
@@ -157,13 +159,13 @@ def _method_fit(pte: PteFile, data: bytes, step: list[vk.VkGraph], profile: Devi
     return {"method": method, "device_memory_bytes": owned, "refusals": refusals}
 
 
-def fit_report(data: bytes, profile: DeviceProfile, source: str = "<bytes>") -> dict:
-    """Whether the .pte's main method (with its eval method's memory) fits `profile` (module docstring);
-    JSON-ready."""
+def fit_report(data: bytes, profile: DeviceProfile, source: str = "<bytes>", *, planner: Planner) -> dict:
+    """Whether the .pte's main method (with its eval method's memory) fits `profile` (module docstring), each
+    schedule made by `planner` (schedules.py `Planner`); JSON-ready."""
     pte = PteFile.from_bytes(data, source)
     graphs = _graphs(pte, data, None, source)
-    delegates = [_delegate_fit(graph, profile) for graph in graphs]
-    methods = {method: _method_fit(pte, data, graphs, profile, source, method)
+    delegates = [_delegate_fit(graph, profile, planner) for graph in graphs]
+    methods = {method: _method_fit(pte, data, graphs, profile, source, method, planner)
                for method in (EVAL_METHOD, ACCUMULATE_METHOD)}
     step_bytes = sum(d.get("device_memory_bytes", 0) for d in delegates)
     total = step_bytes + sum(m["device_memory_bytes"] for m in methods.values() if m)

@@ -1,7 +1,7 @@
 """Run an exported training-step .pte: the vktrain delegate on Vulkan, the rest of the program in numpy.
 
-    runner = TrainingRunner.from_pte("step.pte")           # device=None opens Device() (VKTRAIN_DEVICE)
-    runner = TrainingRunner.from_pte("step.pte", runtime="webgpu")   # the WebGPU device layer instead
+    runner = TrainingRunner.from_pte("step.pte", planner=plan_schedule)   # device=None opens Device() (VKTRAIN_DEVICE)
+    runner = TrainingRunner.from_pte("step.pte", planner=plan_schedule, runtime="webgpu")   # the WebGPU device layer
     loss = runner.step(token_ids, labels, hparams)         # int64 [B, S], int64 [B, S], float32 [5]
     runner.accumulate(token_ids, labels, n_valid)          # a --grad-accum .pte: gradient into grad_acc
     loss = runner.step_inputs({"x": x, "target": y}, hparams)   # any module's step, inputs by name
@@ -15,6 +15,10 @@ views are free), a DelegateCall passes the delegate its inputs then its outputs,
 the delegate run in numpy. Only the instructions the built-in models can leave outside the delegate
 are implemented (`CPU_KERNELS`: dtype / dim-order copies, clones, views); a program with any other
 instruction is refused at load with "unsupported instruction <op>".
+
+Each method's delegate runs a Schedule the runner obtains (schedules.py `method_schedule`): one given
+(`schedule=`), else one the caller's `planner` makes for the device (the app passes
+vktrain.backend.kernel_planning.plan_schedule; the runtime plans nothing itself), else the load is refused.
 
 Loading verifies everything first (vktrain/serialization/verify.py, `verify_training_program`): the
 plan's tensors and arenas, the delegate blob's integrity and its I/O against the plan, and what the
@@ -40,12 +44,13 @@ import numpy as np
 
 from vktrain.contract import BACKEND_ID, HPARAMS, LABELS, MODEL_PREFIX, N_VALID, PRECISION_AUTO, STEP_INPUTS, TOKEN_IDS
 from vktrain.runtime.delegate.executor import ExecutorInputError, GraphExecutor
-from vktrain.serialization.schedule import Schedule
-from vktrain.runtime.delegate.kernels.coopmat import PrecisionPolicyError
-from vktrain.serialization.pte import DelegateCall, PteFile
+from vktrain.runtime.program.schedules import Planner, method_schedule
+from vktrain.serialization.schedule import Schedule, ScheduleMismatchError
+from vktrain.errors import PrecisionPolicyError
+from vktrain.serialization.pte import PteFile
 from vktrain.runtime.runtimes import device_for
 from vktrain.serialization.verify import UnsupportedProgramError, check_device_memory, device_memory_bytes
-from vktrain.runtime.program.embedded import executor_options, step_selection
+from vktrain.runtime.program.embedded import module_options, step_selection
 from vktrain.runtime.program.step_inputs import StepInput, check_input_names, checked_input, step_input_specs
 from vktrain.runtime.program.interpreter import (ProgramInterpreter, VerifiedTrainingProgram, check_hparams_input,
                                                  check_instructions_supported, check_loss_output,
@@ -58,23 +63,32 @@ class TrainingRunner:
 
     `verify_constants=False` skips hashing the delegate's constants at load (the graph checksum and every
     other check still run); the memory limits default to this machine's RAM and the device's largest
-    memory heap. `precision` is the GEMM precision policy (docs/PRECISION.md; `emulate_tensor_cores`:
-    GraphExecutor's test path). `runtime` ("vulkan" or "webgpu"; vktrain.runtime.runtimes) picks the device
-    layer to open when `device` is None (default vulkan); a device given must be of it. `max_binding_bytes`:
-    GraphExecutor's (a lower max storage binding size to plan for, e.g. a browser's 128 MiB). `schedule`:
-    GraphExecutor's (a Schedule planned for this program's step, run instead of planning at load).
+    memory heap. `planner` (schedules.py `Planner`: plan(graph, profile, **options) -> Schedule, e.g.
+    vktrain.backend.kernel_planning.plan_schedule) makes each method's schedule for the device, with these
+    planning options: `precision`, the GEMM precision policy (docs/PRECISION.md; `emulate_tensor_cores`: the
+    planner's test path), and `max_binding_bytes` (a lower max storage binding size to plan for, e.g. a
+    browser's 128 MiB); the step's with state_guard=True too (the guard's dispatches: `state_guard()`); the
+    eval and accumulate methods' with `shared` (the step's buffers they bind) and the step's options.
+    `schedule`: a Schedule planned for this program's step, run as it is (the planning options then stay at
+    their defaults). `runtime` ("vulkan" or "webgpu"; vktrain.runtime.runtimes) picks the
+    device layer to open when `device` is None (default vulkan); a device given must be of it.
 
     A .pte exported with --target embeds a schedule per device profile: with none of `schedule`, `precision`,
     `emulate_tensor_cores`, `max_binding_bytes` given, the runner runs the one the device satisfies
     (vktrain/serialization/embedded.py's matching rule; `target` says which) with the blob's shader modules,
     and refuses the program (NoMatchingScheduleError) when none fits; without embedded schedules, or with one
-    of those given, it plans at load."""
+    of those given, the planner plans at load."""
 
-    def __init__(self, pte: PteFile, device=None, *, method: str = "forward", timing: bool = True,
-                 verify_constants: bool = True, host_memory_limit: Optional[int] = None,
+    def __init__(self, pte: PteFile, device=None, *, planner: Optional[Planner] = None, method: str = "forward",
+                 timing: bool = True, verify_constants: bool = True, host_memory_limit: Optional[int] = None,
                  device_memory_limit: Optional[int] = None, precision: str = PRECISION_AUTO,
                  emulate_tensor_cores: bool = False, runtime: Optional[str] = None,
                  max_binding_bytes: Optional[int] = None, schedule: Optional[Schedule] = None):
+        if schedule is not None and (precision, emulate_tensor_cores, max_binding_bytes) != (PRECISION_AUTO, False,
+                                                                                              None):
+            raise ScheduleMismatchError("a TrainingRunner given a schedule takes its precision, tensor-core "
+                                        "emulation and binding limit from it; pass none of precision, "
+                                        "emulate_tensor_cores, max_binding_bytes")
         self.pte = pte
         program = verify_training_program(pte, method, verify_constants=verify_constants,
                                           host_memory_limit=host_memory_limit)
@@ -84,7 +98,7 @@ class TrainingRunner:
         self._eval = None  # the eval method, loaded by the first evaluate()
         self._accumulate = None  # the accumulate method, loaded by the first accumulate()
         self._eval_options = dict(verify_constants=verify_constants, host_memory_limit=host_memory_limit,
-                                  device_memory_limit=device_memory_limit)
+                                  device_memory_limit=device_memory_limit, planner=planner)
 
         device, self._owns_device = device_for(device, runtime)
         self.device = device
@@ -97,12 +111,14 @@ class TrainingRunner:
             selection = step_selection(self.graph, device, str(pte.source)) if chosen else None
             self.target = selection  # the embedded schedule it runs (None: planned at load, or `schedule`)
             try:
-                self.executor = GraphExecutor(device, self.graph, timing=timing, precision=precision,
-                                              emulate_tensor_cores=emulate_tensor_cores,
-                                              max_binding_bytes=max_binding_bytes,
-                                              **(executor_options(selection) or dict(schedule=schedule)))
+                obtained = method_schedule(self.graph, device, planner=planner, schedule=schedule,
+                                           embedded=selection.schedule if selection else None, source=str(pte.source),
+                                           precision=precision, emulate_tensor_cores=emulate_tensor_cores,
+                                           max_binding_bytes=max_binding_bytes, state_guard=True)
             except PrecisionPolicyError as exc:
                 raise PrecisionPolicyError(f"{pte.source}: {exc}") from None
+            self.executor = GraphExecutor(device, self.graph, obtained.schedule, verify=obtained.verify, timing=timing,
+                                          **module_options(selection))
         except BaseException:
             if self._owns_device:
                 device.close()
@@ -247,14 +263,14 @@ class TrainingRunner:
         return sum(shared.tensor.stored_nbytes for shared in self.executor.shared_state().values())
 
     def state_guard(self, slots: int = 2):
-        """Device backups of the state and its NaN/inf check (vktrain.runtime.delegate.state_guard), or
-        None where a state tensor cannot be bound whole on this device. The caller closes it before the
-        runner."""
+        """Device backups of the state and its NaN/inf check (vktrain.runtime.delegate.state_guard), as the
+        step's schedule plans them; None where it plans none or a state tensor cannot be bound whole on this
+        device. The caller closes it before the runner."""
         from vktrain.runtime.delegate.state_guard import StateGuard
         from vktrain.runtime.vk.errors import BindingRangeError
 
         try:
-            return StateGuard(self.device, self.executor.shared_state(), slots=slots)
+            return StateGuard.for_executor(self.executor, slots=slots)
         except BindingRangeError:
             return None
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 from vktrain.contract import (BACKEND_ID, METADATA_BAKED_SCALARS, METADATA_REFUSALS, METADATA_STATE_BYTES,
                               METADATA_UNPLANNED_MEMORY_BYTES, TRAIN_METHOD)
-from vktrain.runtime.delegate.kernels.coopmat import allowed_precisions
+from vktrain.contract import allowed_precisions
 from vktrain.serialization.pte import PteFile, PteFormatError
 from vktrain.serialization.pte_objects import DelegateCall, KernelCall
 from vktrain.serialization.verify import device_buffer_requests

@@ -4,7 +4,8 @@ the list of matrix shapes and component types it supports (vkGetPhysicalDeviceCo
 Device creation (device.py) calls `query_cooperative_matrix` before vkCreateDevice: where the extension and
 its `cooperativeMatrix` feature exist, it returns the feature struct to chain into VkDeviceCreateInfo and
 the extension name to enable; `Device.cooperative_matrix_properties` then holds the property list (empty
-where the device has none, e.g. lavapipe). Kernels pick tensor-core paths with `supports_shape`.
+where the device has none, e.g. lavapipe). Planning picks tensor-core paths with
+vktrain/serialization/device_profile.py `supports_shape`.
 """
 from __future__ import annotations
 
@@ -12,8 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from vktrain.runtime.vk.errors import VulkanError, vk_call
-
-EXTENSION_NAME = "VK_KHR_cooperative_matrix"
+from vktrain.serialization.device_profile import COOPMAT_EXTENSION as EXTENSION_NAME
 
 # VkComponentTypeKHR values (the Vulkan spec's enum; the KHR values equal the older NV ones).
 COMPONENT_TYPE_NAMES = {
@@ -47,15 +47,6 @@ class CooperativeMatrixShape:
 
 def _component_name(value: int) -> str:
     return COMPONENT_TYPE_NAMES.get(int(value), f"unknown({int(value)})")
-
-
-def supports_shape(properties: tuple[CooperativeMatrixShape, ...], *, m: int, n: int, k: int,
-                   input_type: str = "float16", accumulator_type: str = "float32") -> bool:
-    """Whether `properties` list subgroup-scope m x n x k products of `input_type` A and B accumulating
-    in `accumulator_type` (the combination the coopmat kernels are written for)."""
-    return any(p.m == m and p.n == n and p.k == k and p.a_type == p.b_type == input_type
-               and p.c_type == p.result_type == accumulator_type and p.scope == "subgroup"
-               for p in properties)
 
 
 def device_extensions(vk: Any, physical_device: Any) -> set[str]:

@@ -24,14 +24,13 @@ Conventions every shader and every Dispatch follow (see also vktrain/runtime_sha
 from __future__ import annotations
 
 import itertools
-import struct
 from dataclasses import dataclass
 from typing import Any, Hashable, Iterable, Mapping, Sequence
 
 from vktrain.runtime.vk.errors import BindingRangeError
 # The Dispatch records are data on the ground floor (serialization/dispatch.py); this module splits and
 # orders them for Vulkan.
-from vktrain.serialization.dispatch import MAX_SPLIT_DISPATCHES, BufferBinding, ScheduleError
+from vktrain.serialization.dispatch import MAX_SPLIT_DISPATCHES, BufferBinding, ScheduleError, ceil_div
 
 
 def resolve_binding(where: str, index: int, binding: BufferBinding, buffers: Mapping[Hashable, Any], device: Any,
@@ -64,35 +63,6 @@ def resolve_binding(where: str, index: int, binding: BufferBinding, buffers: Map
         raise BindingRangeError(f"{where}: binding {index} ({key!r}) range [{offset}, {offset + size}) is outside "
                                 f"the buffer's {buffer.size} bytes")
     return buffer, offset, size
-
-
-def pack_push(*values: int | float) -> bytes:
-    """Pack scalars as consecutive 32-bit push-constant fields: int -> int32/uint32, float -> float32.
-
-    Matches a GLSL block of scalar fields (uint/int/float) declared in the same order after
-    VKTRAIN_PUSH_HEADER. Vector fields have their own std430 alignment; pack those by hand.
-    """
-    out = bytearray()
-    for value in values:
-        if isinstance(value, bool):
-            out += struct.pack("<I", int(value))
-        elif isinstance(value, int):
-            if 0 <= value < 2**32:
-                out += struct.pack("<I", value)
-            elif -(2**31) <= value < 0:
-                out += struct.pack("<i", value)
-            else:
-                raise ScheduleError(f"push constant {value} does not fit in 32 bits")
-        elif isinstance(value, float):
-            out += struct.pack("<f", value)
-        else:
-            raise ScheduleError(f"push constants must be int, float or bool, got {type(value).__name__}")
-    return bytes(out)
-
-
-def ceil_div(numerator: int, denominator: int) -> int:
-    """Groups needed to cover `numerator` items with `denominator` per group."""
-    return -(-numerator // denominator)
 
 
 def split_groups(groups: Sequence[int], max_counts: Sequence[int]

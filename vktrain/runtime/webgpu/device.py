@@ -44,6 +44,7 @@ from typing import Any
 
 import numpy as np
 
+from vktrain.serialization.device_profile import WEBGPU_DEVICE_TYPE
 from vktrain.runtime.vk.device import DEVICE_ENV, PhysicalDeviceInfo, ValidationMessage, select_physical_device
 from vktrain.runtime.webgpu.errors import INSTALL_HINT, WebGPUError, WebGPUUnavailableError
 from vktrain.runtime.webgpu.features import INSIDE_PASS_FEATURE
@@ -51,7 +52,7 @@ from vktrain.runtime.webgpu.features import INSIDE_PASS_FEATURE
 # wgpu's adapter types as VkPhysicalDeviceType numbers, so selection ranks them as the Vulkan runtime does.
 _ADAPTER_TYPES = {"DiscreteGPU": 2, "IntegratedGPU": 1, "VirtualGPU": 3, "CPU": 4}
 OPTIONAL_FEATURES = ("timestamp-query", INSIDE_PASS_FEATURE, "shader-f16", "subgroup")
-DEVICE_TYPE = "webgpu"  # not "cpu", whatever the adapter: WGSL kernels have the GPU-tuning bodies only
+DEVICE_TYPE = WEBGPU_DEVICE_TYPE  # not "cpu", whatever the adapter: WGSL kernels have the GPU-tuning bodies only
 
 # The adapter limits the device asks for, and the least vktrain's kernels need of each.
 _REQUIRED_LIMITS = {

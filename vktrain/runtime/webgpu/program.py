@@ -42,9 +42,9 @@ from vktrain.runtime.device_objects import ProgramBase
 from vktrain.runtime.vk.commands import max_group_counts, run_dispatches  # noqa: F401  (re-exported)
 from vktrain.runtime.vk.errors import BindingRangeError, format_bytes
 from vktrain.serialization.dispatch import ScheduleError
-from vktrain.serialization.dispatch import LOCAL_SIZE_SPEC_IDS, PUSH_HEADER_BYTES, Dispatch
-from vktrain.runtime.vk.schedule import (ResolvedAccess, ceil_div, plan_barriers, plan_submits, resolve_binding,
-                                         split_groups, timestamp_spans)
+from vktrain.serialization.dispatch import LOCAL_SIZE_SPEC_IDS, PUSH_HEADER_BYTES, Dispatch, ceil_div
+from vktrain.runtime.vk.schedule import (ResolvedAccess, plan_barriers, plan_submits, resolve_binding, split_groups,
+                                         timestamp_spans)
 from vktrain.runtime.webgpu.features import INSIDE_PASS_FEATURE, UNIFORM_SLOT_ALIGNMENT
 from vktrain.runtime.webgpu.errors import MissingKernelsError, WebGPUError
 from vktrain.runtime.webgpu.memory import Buffer

@@ -10,6 +10,7 @@ from vktrain.serialization.generated.vkt_blob.PlannedGemm import PlannedGemm
 from vktrain.serialization.generated.vkt_blob.ScheduleBuffer import ScheduleBuffer
 from vktrain.serialization.generated.vkt_blob.ScheduleDispatch import ScheduleDispatch
 from vktrain.serialization.generated.vkt_blob.ScheduleRequirements import ScheduleRequirements
+from vktrain.serialization.generated.vkt_blob.StateGuardPlan import StateGuardPlan
 from vktrain.serialization.generated.vkt_blob.TensorPlacement import TensorPlacement
 np = import_numpy()
 
@@ -168,8 +169,18 @@ class Schedule(object):
         o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(20))
         return o == 0
 
+    # Schedule
+    def StateGuard(self) -> Optional[StateGuardPlan]:
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(22))
+        if o != 0:
+            x = self._tab.Indirect(o + self._tab.Pos)
+            obj = StateGuardPlan()
+            obj.Init(self._tab.Bytes, x)
+            return obj
+        return None
+
 def ScheduleStart(builder: flatbuffers.Builder):
-    builder.StartObject(9)
+    builder.StartObject(10)
 
 def Start(builder: flatbuffers.Builder):
     ScheduleStart(builder)
@@ -251,6 +262,12 @@ def ScheduleStartTensorCoreOpsVector(builder, numElems: int) -> int:
 
 def StartTensorCoreOpsVector(builder, numElems: int) -> int:
     return ScheduleStartTensorCoreOpsVector(builder, numElems)
+
+def ScheduleAddStateGuard(builder: flatbuffers.Builder, stateGuard: int):
+    builder.PrependUOffsetTRelativeSlot(9, flatbuffers.number_types.UOffsetTFlags.py_type(stateGuard), 0)
+
+def AddStateGuard(builder: flatbuffers.Builder, stateGuard: int):
+    ScheduleAddStateGuard(builder, stateGuard)
 
 def ScheduleEnd(builder: flatbuffers.Builder) -> int:
     return builder.EndObject()

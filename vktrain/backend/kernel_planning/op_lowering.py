@@ -1,0 +1,547 @@
+"""The op-lowering table: one delegate-blob op (name, argument value ids, output value ids) -> Dispatches.
+
+The blob stores every op as `OpCall(name, args, outputs)` with arguments positional in schema order,
+defaults filled in (vktrain/backend/preprocess.py). Kernel families register plan functions with
+differing calling conventions (vktrain/backend/kernel_planning/kernels); this table adapts each graph op to its
+family's plan call:
+
+Every op's argument names, order and outputs are its definition's (vktrain/opdefs; aten schemas
+generated from torch), and kernels are registered under the op's key (`vktrain.rms_norm.default`).
+
+* By default an op uses the shared keyword convention (`_keyword_lowering`; the aten families of
+  kernels/layout.py, swiglu): every schema argument under its schema name, tensors as a buffer binding
+  plus `<name>_shape` / `<name>_dtype`, the outputs under their names (`out` for a single unnamed one).
+* vktrain ops (linear_q4gsw, linear_q4gsw_backward, linear_dW, fused_ce, adamw, q4gsw_requant, and the
+  transformer ops rms_norm, rope, causal_attention with their backwards) have shape-explicit plan
+  functions. Each call is first checked by the op definition's shape function (the same rule
+  the partitioner and the torch fake kernels apply) and its outputs compared with what it returns;
+  a small adapter per op then derives M / N / K / R / V (or B / S / H / D) from the shapes, allocates
+  op-owned scratch (fused_ce's row losses, attention backward's `delta`) and passes the device's
+  limits (shared memory, workgroup invocations; `OpContext.limits`) to the plans that size tiles or
+  workgroups by them.
+* aten.empty / empty_permuted need no GPU work: their contents are undefined (`kernel=None`).
+* transposes (permute_copy, t_copy, transpose_copy), aten.mm and aten.addmm read strided views: a
+  transpose the backend made a view (vktrain/backend/passes/views.py) costs nothing, and the GEMM reads
+  it in place through its operand strides.
+  mm / bmm / addmm allocate a split-K scratch when the GEMM plan would split (skinny output, long
+  reduction: kernels/matmul.py `gemm_scratch_nbytes`), and nothing otherwise.
+
+* `OpContext.gemm`, the GemmRoute chosen at load (kernels/coopmat.py), may send linear_q4gsw (without
+  bias), linear_q4gsw_backward, mm and addmm (with an addend of the output's shape), and causal_attention
+  (and its backward: kernels/coopmat_attention.py) to their tensor-core kernels; every other op keeps its
+  fp32 kernel, and so does a linear q4gsw op with a binding over the limit (the fp32 kernels split it into
+  windows, kernels/linear.py; the coopmat ones have no windows).
+
+The executor (executor.py) hands each lowering an OpContext of `TensorArg`s (lowering_context.py) whose bindings and views are the storage
+the backend recorded in the blob, so view and in-place decisions never leak into this table.
+"""
+from __future__ import annotations
+
+import inspect
+from typing import Any, Callable, Optional, Sequence
+
+from vktrain.opdefs import OP_DEFS, Refusal, TensorMeta, op_def
+from vktrain.quant import padded_k, w4x8_num_words
+from vktrain.serialization import graph as vk
+
+# Importing the kernels package imports every family, so KERNELS is complete.
+from vktrain.backend.kernel_planning.kernels import (KERNELS, attention, coopmat, coopmat_attention, copies,
+                                             cross_entropy, layout, linear, matmul, norm)
+from vktrain.backend.kernel_planning.lowering_context import KERNEL_DTYPES, OpContext, OpLowering, TensorArg
+from vktrain.errors import GraphLoweringError
+from vktrain.serialization.dispatch import BufferBinding, Dispatch
+from vktrain.serialization.strided_view import TRANSPOSE_OPS, StridedView, transposed_view
+
+
+# ------------------------------------------------------------------------------------------------
+# aten ops: the shared keyword convention
+# ------------------------------------------------------------------------------------------------
+
+def _keyword_lowering(key: str) -> Callable[[OpContext], list[Dispatch]]:
+    """The shared keyword convention: the plan registered under `key` gets every schema argument under
+    its name (tensors as binding + `<name>_shape` + `<name>_dtype`, tensor lists as bindings +
+    `<name>_shapes` + `<name>_dtype`) and every output binding under its output name (`out` for a single
+    unnamed one), after the op definition's checks."""
+    schema = op_def(key).schema
+    names, output_names = schema.arg_names, schema.output_names
+
+    def lower(ctx: OpContext) -> list[Dispatch]:
+        _check_definition(ctx)
+        kwargs: dict[str, Any] = {}
+        for name, value in zip(names, ctx.args):
+            if isinstance(value, TensorArg):
+                kwargs[name] = value.binding
+                kwargs[f"{name}_shape"] = value.shape
+                kwargs[f"{name}_dtype"] = value.dtype
+            elif isinstance(value, list):  # a tensor list (aten.cat's `tensors`)
+                if not value:
+                    raise ctx.fail(f"argument {name!r} is an empty tensor list")
+                dtypes = {t.dtype for t in value}
+                if len(dtypes) != 1:
+                    raise ctx.fail(f"tensor list {name!r} mixes dtypes {sorted(dtypes)}")
+                kwargs[name] = [t.binding for t in value]
+                kwargs[f"{name}_shapes"] = [t.shape for t in value]
+                kwargs[f"{name}_dtype"] = dtypes.pop()
+            else:
+                kwargs[name] = value
+        kwargs.update((name, output.binding) for name, output in zip(output_names, ctx.outputs))
+        if "binding_limit" in inspect.signature(KERNELS[key]).parameters:  # it can split a tensor over the limit
+            kwargs["binding_limit"] = ctx.binding_limit
+        try:
+            return KERNELS[key](label=ctx.label, **kwargs)
+        except (ValueError, TypeError) as exc:
+            raise ctx.fail(f"the kernel refused it: {exc}") from exc
+
+    return lower
+
+
+# ------------------------------------------------------------------------------------------------
+# vktrain ops: shape-explicit plan functions
+# ------------------------------------------------------------------------------------------------
+
+def _meta(value: Any) -> Any:
+    if isinstance(value, TensorArg):
+        return TensorMeta(value.shape, value.dtype)
+    if isinstance(value, list):
+        return [_meta(v) for v in value]
+    return value
+
+
+def _check_definition(ctx: OpContext, logical: dict[int, TensorMeta] | None = None) -> None:
+    """Refuse what the op's definition refuses (or no kernel's dtype), and outputs other than it infers.
+    `logical`: argument position -> the tensor the definition describes, for arguments stored prepacked."""
+    definition = op_def(ctx.op.name)
+    metas = [_meta(a) for a in ctx.args]
+    for position, meta in (logical or {}).items():
+        metas[position] = meta
+    for name, meta in zip(definition.schema.arg_names, metas):
+        if isinstance(meta, TensorMeta) and meta.dtype not in KERNEL_DTYPES:
+            raise ctx.fail(f"{name} has dtype {meta.dtype}; the GPU kernels take {', '.join(sorted(KERNEL_DTYPES))}")
+    try:
+        expected = definition.infer(definition.bind(metas))
+    except Refusal as exc:
+        raise ctx.fail(str(exc)) from None
+    for position, (output, meta) in enumerate(zip(ctx.outputs, expected or ())):
+        if output.layout != vk.Layout.PLAIN:
+            continue  # stored prepacked (q4gsw_requant's W_4X8 words): not the graph's logical tensor
+        if (output.shape, output.dtype) != (meta.shape, meta.dtype):
+            raise ctx.fail(f"output {position} is {output.dtype} {list(output.shape)}, the op's definition gives "
+                           f"{meta.dtype} {list(meta.shape)}")
+
+
+def _check_q4gsw_call(ctx: OpContext) -> None:
+    """The definition's checks of a linear q4gsw op, whose weights (argument 1) the blob stores as W_4X8
+    words: the definition describes them as the flat uint8 [N, Kp/2] codes those words hold."""
+    weights, scales, group_size = ctx.tensor(1, "weights"), ctx.tensor(2, "scales"), ctx.args[3]
+    if weights.layout != vk.Layout.Q4GSW_W4X8:
+        raise ctx.fail(f"weights (value {weights.value_id}) have layout {weights.layout.name}; the GPU kernels read "
+                       f"Q4GSW_W4X8 words (the backend prepacks constant q4gsw weights)")
+    logical = {}
+    if len(scales.shape) == 2 and isinstance(group_size, int) and group_size > 0:
+        n, k = _q4gsw_dims(scales, group_size)
+        words = w4x8_num_words(n, k) if n % 4 == 0 and k % 4 == 0 else None
+        if words is not None and weights.binding.size != 4 * words:
+            raise ctx.fail(f"weights hold {weights.binding.size} bytes of W_4X8 words, expected {4 * words} for "
+                           f"N={n}, K={k} (scales {list(scales.shape)}, group_size={group_size})")
+        logical[1] = TensorMeta((n, padded_k(k) // 2), "uint8")
+    _check_definition(ctx, logical)
+
+
+def _q4gsw_dims(scales: TensorArg, group_size: int) -> tuple[int, int]:
+    """(N, K) from scales [G, N] and group_size (CONTRACTS.md: K = G * group_size)."""
+    groups, n = scales.shape
+    return n, groups * group_size
+
+
+def _call(ctx: OpContext, plan: Optional[Callable[..., list[Dispatch]]] = None, **kwargs: Any) -> list[Dispatch]:
+    """`plan`, by default the kernel registered under the op's key."""
+    name = ctx.op.name if plan is None else plan.__name__
+    try:
+        return (plan or KERNELS[ctx.op.name])(label=ctx.label, **kwargs)
+    except (ValueError, TypeError) as exc:
+        raise ctx.fail(f"the {name} kernel refused it: {exc}") from exc
+
+
+def _over_binding_limit(ctx: OpContext, tensors: Sequence[TensorArg]) -> bool:
+    """Whether a binding of one of `tensors` would be over the device's max storage binding size."""
+    return layout.exceeds(ctx.binding_limit, [t.binding.size for t in tensors])
+
+
+def _profile_tiles(ctx: OpContext) -> Optional[linear.GemmTiles]:
+    """The device profile's tiles for the linear family's tiled body (DeviceProfile.gemm_tiles, the vendor
+    table), None for the kernels' default choice."""
+    tiles = ctx.profile.gemm_tiles if ctx.profile is not None else ()
+    return linear.GemmTiles(*tiles) if tiles else None
+
+
+def _split_k_args(ctx: OpContext, plan: str, m: int, n: int, k: int, group_size: int = 0,
+                  windowed: bool = False, fp16: bool = False) -> dict:
+    """Scratch for the linear family's deterministic split-K (used when the output has too few tiles to
+    fill the GPU, e.g. M = 128 tokens; never by an op cut into windows over the binding limit), the
+    device's shared memory and tiles for the tile choice, and `fp16` (the FP16 variant, fp16 policy)."""
+    tiles = _profile_tiles(ctx)
+    nbytes = 0 if windowed else linear.plan_scratch_nbytes(plan, M=m, N=n, K=k, group_size=group_size,
+                                                           tuning=ctx.gemm.fp32_tuning, fp16=fp16, gemm_tiles=tiles)
+    extra = {"shared_memory_bytes": ctx.shared_memory_bytes, "tuning": ctx.gemm.fp32_tuning}
+    extra.update({"gemm_tiles": tiles} if tiles is not None else {}, **({"fp16": True} if fp16 else {}))
+    if nbytes:
+        extra["scratch"] = ctx.scratch(nbytes, "split_k")
+    return extra
+
+
+def _coopmat_split_k_args(ctx: OpContext, kernel: str, m: int, n: int, reduction: int) -> dict:
+    """A coopmat kernel's split-K (kernels/coopmat_tiling.py: small outputs, long reductions) on this route,
+    whose targets are the device profile's: the slices and their scratch, if it splits."""
+    split_k = ctx.gemm.default_split_k(kernel, m, n, reduction)
+    if split_k == 1:
+        return {}
+    return {"split_k": split_k, "scratch": ctx.scratch(4 * split_k * m * n, "split_k")}
+
+
+def _lower_linear_q4gsw(ctx: OpContext) -> list[Dispatch]:
+    _check_q4gsw_call(ctx)
+    x, weights, scales = ctx.tensor(0, "x"), ctx.tensor(1, "weights"), ctx.tensor(2, "scales")
+    group_size, bias = ctx.args[3], ctx.args[4]
+    n, k = _q4gsw_dims(scales, group_size)
+    m = x.numel // k
+    gemm = dict(M=m, N=n, K=k, group_size=group_size, out=ctx.outputs[0].binding, x=x.binding,
+                weights=weights.binding, scales=scales.binding)
+    over = _over_binding_limit(ctx, [x, weights, scales, ctx.outputs[0]] + ([] if bias is None else [bias]))
+    # The coopmat kernel has no bias epilogue, and no windows: an op over the limit takes the fp32 kernels.
+    if bias is None and not over and ctx.gemm.takes_tensor_cores(m, n, k):
+        return _call(ctx, coopmat.plan_coopmat_linear_q4gsw, **gemm, **ctx.gemm.plan_options,
+                     **_coopmat_split_k_args(ctx, "coopmat_linear_q4gsw", m, n, k))
+    # fp16: the FP16 variant of the tiled body; no windows (an op over the limit keeps the fp32 kernels).
+    return _call(ctx, **gemm, bias=None if bias is None else bias.binding, binding_limit=ctx.binding_limit,
+                 **_split_k_args(ctx, "linear_q4gsw", m, n, k, group_size, over, fp16=ctx.gemm.fp16_simt and not over))
+
+
+def _lower_linear_q4gsw_backward(ctx: OpContext) -> list[Dispatch]:
+    _check_q4gsw_call(ctx)
+    d_out, weights, scales = ctx.tensor(0, "d_out"), ctx.tensor(1, "weights"), ctx.tensor(2, "scales")
+    group_size = ctx.args[3]
+    n, k = _q4gsw_dims(scales, group_size)
+    m = d_out.numel // n
+    gemm = dict(M=m, N=n, K=k, group_size=group_size, out=ctx.outputs[0].binding, d_out=d_out.binding,
+                weights=weights.binding, scales=scales.binding)
+    over = _over_binding_limit(ctx, [d_out, weights, scales, ctx.outputs[0]])
+    if not over and ctx.gemm.takes_tensor_cores(m, k, n):
+        return _call(ctx, coopmat.plan_coopmat_linear_q4gsw_backward, **gemm, **ctx.gemm.plan_options,
+                     absmax=ctx.scratch(coopmat.absmax_scratch_nbytes(m * n), "absmax"),
+                     **_coopmat_split_k_args(ctx, "coopmat_linear_q4gsw_backward", m, k, n))
+    if ctx.gemm.fp16_simt and not over:
+        return _call(ctx, **gemm, binding_limit=ctx.binding_limit,
+                     absmax=ctx.scratch(linear.absmax_scratch_nbytes(m * n), "absmax"),
+                     **_split_k_args(ctx, "linear_q4gsw_backward", m, n, k, group_size, fp16=True))
+    return _call(ctx, **gemm, binding_limit=ctx.binding_limit,
+                 **_split_k_args(ctx, "linear_q4gsw_backward", m, n, k, group_size, over))
+
+
+def _lower_linear_dw(ctx: OpContext) -> list[Dispatch]:
+    _check_definition(ctx)
+    d_out, x = ctx.tensor(0, "d_out"), ctx.tensor(1, "x")
+    n, k = d_out.shape[-1], x.shape[-1]
+    m = d_out.numel // n if n else 0
+    return _call(ctx, M=m, N=n, K=k, out=ctx.outputs[0].binding, d_out=d_out.binding, x=x.binding,
+                 **_split_k_args(ctx, "linear_dW", m, n, k))
+
+
+def _lower_fused_ce(ctx: OpContext) -> list[Dispatch]:
+    _check_definition(ctx)
+    logits, labels, n_valid = ctx.tensor(0, "logits"), ctx.tensor(1, "labels"), ctx.tensor(2, "n_valid")
+    loss, dlogits = ctx.outputs
+    rows, vocab = logits.shape
+    row_loss = ctx.scratch(cross_entropy.fused_ce_scratch_nbytes(rows), "row_loss")
+    return _call(ctx, R=rows, V=vocab, logits=logits.binding, labels=labels.binding, n_valid=n_valid.binding,
+                 loss=loss.binding, dlogits=dlogits.binding, row_loss=row_loss, binding_limit=ctx.binding_limit)
+
+
+def _lower_adamw(ctx: OpContext) -> list[Dispatch]:
+    """The GPU kernel updates (param, exp_avg, exp_avg_sq) in place. Where the blob stores an output in
+    its input's storage (the backend's in-place pass) the kernel runs on it directly; otherwise the input
+    is first copied into the output, which the kernel then updates."""
+    _check_definition(ctx)
+    names = ("param", "exp_avg", "exp_avg_sq")
+    sources = [ctx.tensor(i, name) for i, name in enumerate(names)]
+    grad, hparams, step = ctx.tensor(3, "grad"), ctx.tensor(4, "hparams"), ctx.tensor(5, "step")
+    numel = sources[0].numel
+    dispatches: list[Dispatch] = []
+    for source, target, name in zip(sources, ctx.outputs, names):
+        if target.storage != source.storage:
+            dispatches += copy_words(target.binding, source.binding, source.binding.size,
+                                     label=f"{ctx.label}.copy_{name}", binding_limit=ctx.binding_limit)
+    if numel == 0:
+        return dispatches
+    return dispatches + _call(ctx, numel=numel, param=ctx.outputs[0].binding,
+                              exp_avg=ctx.outputs[1].binding, exp_avg_sq=ctx.outputs[2].binding,
+                              grad=grad.binding, hparams=hparams.binding, step=step.binding,
+                              binding_limit=ctx.binding_limit)
+
+
+def _lower_q4gsw_requant(ctx: OpContext) -> list[Dispatch]:
+    _check_definition(ctx)
+    latent, scales = ctx.tensor(0, "latent"), ctx.tensor(1, "scales")
+    group_size = ctx.args[2]
+    n, k = _q4gsw_dims(scales, group_size)
+    return _call(ctx, N=n, K=k, group_size=group_size, out=ctx.outputs[0].binding,
+                 latent=latent.binding, scales=scales.binding)
+
+
+# ------------------------------------------------------------------------------------------------
+# Transformer ops (CONTRACTS.md "Transformer ops"): activations [B, S, H, D], fp32, contiguous
+# ------------------------------------------------------------------------------------------------
+
+def _norm_workgroup_size(ctx: OpContext) -> int:
+    """rms_norm's default workgroup, lowered to the largest power of two the device allows."""
+    size = norm.DEFAULT_WORKGROUP_SIZE
+    while size > ctx.max_workgroup_size:
+        size //= 2
+    return size
+
+
+def _lower_rms_norm(ctx: OpContext) -> list[Dispatch]:
+    _check_definition(ctx)
+    x, weight = ctx.tensor(0, "x"), ctx.tensor(1, "weight")
+    y, rstd = ctx.outputs
+    return _call(ctx, rows=x.numel // x.shape[-1], dim=x.shape[-1], x=x.binding, weight=weight.binding,
+                 y=y.binding, rstd=rstd.binding, eps=ctx.real(2, "eps"), workgroup_size=_norm_workgroup_size(ctx))
+
+
+def _lower_rms_norm_backward(ctx: OpContext) -> list[Dispatch]:
+    _check_definition(ctx)
+    d_y, x, weight, rstd = (ctx.tensor(i, name) for i, name in enumerate(("d_y", "x", "weight", "rstd")))
+    return _call(ctx, rows=x.numel // x.shape[-1], dim=x.shape[-1], d_y=d_y.binding, x=x.binding,
+                 weight=weight.binding, rstd=rstd.binding, d_x=ctx.outputs[0].binding,
+                 workgroup_size=_norm_workgroup_size(ctx))
+
+
+def _lower_rope(ctx: OpContext) -> list[Dispatch]:
+    _check_definition(ctx)
+    x, cos, sin = ctx.tensor(0, "x"), ctx.tensor(1, "cos"), ctx.tensor(2, "sin")
+    batch, seq, heads, head_dim = x.shape
+    return _call(ctx, B=batch, S=seq, H=heads, D=head_dim, x=x.binding, cos=cos.binding, sin=sin.binding,
+                 out=ctx.outputs[0].binding)
+
+
+def _attention_dims(q: TensorArg, k: TensorArg) -> dict[str, int]:
+    """B, S, Hq, Hkv, D of q [B, S, Hq, D] and k = v [B, S, Hkv, D]."""
+    batch, seq, q_heads, head_dim = q.shape
+    return dict(B=batch, S=seq, Hq=q_heads, Hkv=k.shape[2], D=head_dim)
+
+
+def _lower_causal_attention(ctx: OpContext) -> list[Dispatch]:
+    _check_definition(ctx)
+    q, k, v = ctx.tensor(0, "q"), ctx.tensor(1, "k"), ctx.tensor(2, "v")
+    out, lse = ctx.outputs
+    dims, shared = _attention_dims(q, k), ctx.shared_memory_bytes
+    args = dict(**dims, q=q.binding, k=k.binding, v=v.binding, out=out.binding, lse=lse.binding,
+                scale=ctx.real(3, "scale"), shared_memory_bytes=shared)
+    if coopmat_attention.takes_tensor_cores(ctx.gemm, **dims, shared_memory_bytes=shared, backward=False):
+        return _call(ctx, coopmat_attention.plan_coopmat_causal_attention, **args, **ctx.gemm.plan_options)
+    return _call(ctx, **args, max_workgroup_size=ctx.max_workgroup_size)
+
+
+def _lower_causal_attention_backward(ctx: OpContext) -> list[Dispatch]:
+    _check_definition(ctx)
+    names = ("d_out", "q", "k", "v", "out", "lse")
+    d_out, q, k, v, out, lse = (ctx.tensor(i, name) for i, name in enumerate(names))
+    dims = _attention_dims(q, k)
+    try:
+        delta_nbytes = attention.causal_attention_backward_scratch_nbytes(dims["B"], dims["S"], dims["Hq"])
+    except ValueError as exc:
+        raise ctx.fail(f"the causal_attention_backward kernel refused it: {exc}") from exc
+    delta = ctx.scratch(delta_nbytes, "delta")
+    d_q, d_k, d_v = ctx.outputs
+    args = dict(**dims, d_out=d_out.binding, q=q.binding, k=k.binding, v=v.binding, out=out.binding,
+                lse=lse.binding, d_q=d_q.binding, d_k=d_k.binding, d_v=d_v.binding, delta=delta,
+                scale=ctx.real(6, "scale"), shared_memory_bytes=ctx.shared_memory_bytes)
+    if coopmat_attention.takes_tensor_cores(ctx.gemm, **dims, shared_memory_bytes=ctx.shared_memory_bytes,
+                                            backward=True):
+        absmax = ctx.scratch(coopmat_attention.backward_absmax_scratch_nbytes(**dims), "absmax")
+        return _call(ctx, coopmat_attention.plan_coopmat_causal_attention_backward, **args, absmax=absmax,
+                     **ctx.gemm.plan_options)
+    return _call(ctx, **args, max_workgroup_size=ctx.max_workgroup_size)
+
+
+# ------------------------------------------------------------------------------------------------
+# Uninitialised tensors: no GPU work
+# ------------------------------------------------------------------------------------------------
+
+def _lower_empty(ctx: OpContext) -> list[Dispatch]:
+    """aten.empty / empty_permuted: the output's buffer already exists and its contents are undefined by
+    definition, so nothing runs (decomposed SiLU backwards build a `full_like` shaped after one). Only the
+    contiguous physical layout exists on the GPU."""
+    if ctx.op.name == EMPTY_PERMUTED:
+        layout_order = ctx.args[1]
+        if layout_order is None or tuple(layout_order) != tuple(range(len(ctx.outputs[0].shape))):
+            raise ctx.fail(f"physical_layout {layout_order} is not the contiguous order; only contiguous tensors "
+                           f"live on the GPU")
+    else:
+        memory_format = ctx.args[-1]
+        if memory_format not in (None, "contiguous_format", "preserve_format"):
+            raise ctx.fail(f"memory_format {memory_format!r} is not supported; only contiguous tensors live on "
+                           f"the GPU")
+    return []
+
+
+EMPTY_PERMUTED = "aten.empty_permuted.default"
+EMPTY = "aten.empty.memory_format"
+
+
+def copy_words(out: BufferBinding, source: BufferBinding, nbytes: int, *, label: str,
+               binding_limit: layout.BindingLimit | None = None) -> list[Dispatch]:
+    """A flat copy of `nbytes` (a multiple of 4) from `source` to `out`; copy.comp moves 32-bit words,
+    so one kernel copies every 4-byte dtype. Over `binding_limit` it runs in windows (copies.plan_copy)."""
+    if nbytes % 4:
+        raise GraphLoweringError(f"{label}: cannot copy {nbytes} bytes, the copy kernel moves 32-bit words")
+    return copies.plan_copy(out, source, StridedView.contiguous((nbytes // 4,)), label=label,
+                            binding_limit=binding_limit)
+
+
+def _lower_transpose(ctx: OpContext) -> list[Dispatch]:
+    """A materialised transpose: one strided copy, reading the input through its own view (so a chain
+    of transposes costs one copy at most)."""
+    source = ctx.tensor(0, "self")
+    try:
+        view = transposed_view(ctx.op.name, ctx.args[1:], source.strided)
+        return copies.plan_copy(ctx.outputs[0].binding, source.binding, view, label=ctx.label,
+                                binding_limit=ctx.binding_limit)
+    except (ValueError, TypeError) as exc:
+        raise ctx.fail(f"the copy kernel refused it: {exc}") from exc
+
+
+def _split_k_scratch(ctx: OpContext, batch: int, m: int, n: int, k: int, *tensors: TensorArg) -> BufferBinding | None:
+    """The split-K scratch the default GEMM plan of [batch, m, k] @ [batch, k, n] uses, or None when it would
+    not split (kernels/matmul.py: skinny outputs, long reductions; `tensors` over the binding limit: windows)."""
+    nbytes = matmul.gemm_scratch_nbytes(batch, m, n, k, ctx.gemm.fp32_tuning, ctx.binding_limit,
+                                        [tensor.binding.size for tensor in tensors])
+    return ctx.scratch(nbytes, "split_k") if nbytes else None
+
+
+def _float_matrices(ctx: OpContext, positions: Sequence[tuple[int, str]]) -> list[TensorArg]:
+    """The GEMM operands, after the op definition's rank and shape checks; the GEMM kernels are fp32."""
+    _check_definition(ctx)
+    tensors = [ctx.tensor(position, name) for position, name in positions]
+    for tensor, (_, name) in zip(tensors, positions):
+        if tensor.dtype != "float32":
+            raise ctx.fail(f"{name} must be float32, got {tensor.dtype}")
+    return tensors
+
+
+def _lower_gemm(ctx: OpContext) -> list[Dispatch]:
+    """aten.mm / aten.addmm through the GEMM's strided operands (a lazily transposed input costs nothing);
+    on the tensor cores where the route takes the product (an addmm's bias only as coopmat_mm's addend)
+    and every operand fits one binding (coopmat binds whole operands), else through plan_gemm, which
+    cuts operands over the binding limit into windows."""
+    if ctx.op.name == "aten.addmm.default":
+        bias, a, b = _float_matrices(ctx, ((0, "self"), (1, "mat1"), (2, "mat2")))
+        beta, alpha = ctx.real(3, "beta"), ctx.real(4, "alpha")
+    else:
+        (a, b), bias, beta, alpha = _float_matrices(ctx, ((0, "self"), (1, "mat2"))), None, 1.0, 1.0
+    out = ctx.outputs[0]
+    operands = (a, b, out) + ((bias,) if bias is not None else ())
+    over = layout.exceeds(ctx.binding_limit, [t.binding.size for t in operands])
+    b_transposed = None if over else ctx.gemm.dense_b_transposed(a.strided, b.strided)
+    if b_transposed is not None and (bias is None or coopmat.takes_addend(bias.strided, out.shape, beta, alpha)):
+        return _call(ctx, coopmat.plan_coopmat_mm, M=a.shape[0], N=b.shape[1], K=a.shape[1], out=out.binding,
+                     a=a.binding, b=b.binding, b_transposed=b_transposed, addend=bias and bias.binding,
+                     absmax=ctx.scratch(coopmat.absmax_scratch_nbytes(a.numel, b.numel), "absmax"),
+                     **ctx.gemm.plan_options, **_coopmat_split_k_args(
+                         ctx, "coopmat_mm_b_transposed" if b_transposed else "coopmat_mm", a.shape[0], b.shape[1],
+                         a.shape[1]))
+    # fp16: matmul.comp's FP16 variant where the route's size gate takes the product and it reads both operands
+    # in place from their bindings' start (each one's absmax pass reads its first numel elements).
+    if not over and ctx.gemm.fp16_takes_mm(a.shape[0], b.shape[1]) and matmul.fp16_reads_in_place(a.strided, b.strided):
+        m, n, k = a.shape[0], b.shape[1], a.shape[1]
+        nbytes = matmul.gemm_scratch_nbytes(1, m, n, k)  # the shared-memory body's split (GPU tuning)
+        return _call(ctx, matmul.plan_gemm, out=out.binding, a=a.binding, a_view=a.strided, b=b.binding,
+                     b_view=b.strided, bias=bias and bias.binding, bias_view=bias and bias.strided, alpha=alpha,
+                     beta=beta, scratch=ctx.scratch(nbytes, "split_k") if nbytes else None, fp16=True,
+                     absmax=ctx.scratch(linear.absmax_scratch_nbytes(a.numel, b.numel), "absmax"))
+    try:
+        scratch = _split_k_scratch(ctx, 1, a.shape[0], b.shape[1], a.shape[1], *operands)
+        return matmul.plan_gemm(out.binding, a.binding, a.strided, b.binding, b.strided, bias=bias and bias.binding,
+                                bias_view=bias and bias.strided, alpha=alpha, beta=beta, scratch=scratch,
+                                tuning=ctx.gemm.fp32_tuning, binding_limit=ctx.binding_limit, label=ctx.label)
+    except (ValueError, TypeError) as exc:
+        raise ctx.fail(f"the matmul kernel refused it: {exc}") from exc
+
+
+def _lower_bmm(ctx: OpContext) -> list[Dispatch]:
+    a, b = _float_matrices(ctx, ((0, "self"), (1, "mat2")))
+    scratch = _split_k_scratch(ctx, a.shape[0], a.shape[1], b.shape[2], a.shape[2])
+    return _call(ctx, self=a.binding, self_shape=a.shape, self_dtype=a.dtype, mat2=b.binding,
+                 mat2_shape=b.shape, mat2_dtype=b.dtype, out=ctx.outputs[0].binding, scratch=scratch,
+                 tuning=ctx.gemm.fp32_tuning)
+
+
+def _lower_linear_q8_0(ctx: OpContext) -> list[Dispatch]:
+    """linear_q8_0 (x @ W^T) and its backward (d_out @ W) of a Q8_0 matrix W [N, K] (kernels/q8_0.py), with
+    the GEMM tuning and split-K scratch aten.mm gets."""
+    _check_definition(ctx)
+    name = op_def(ctx.op.name).schema.arg_names[0]  # x or d_out
+    rows_input, codes, scales = ctx.tensor(0, name), ctx.tensor(1, "codes"), ctx.tensor(2, "scales")
+    inner, columns = rows_input.shape[-1], ctx.outputs[0].shape[-1]
+    scratch = _split_k_scratch(ctx, 1, rows_input.numel // inner if inner else 0, columns, inner, rows_input, codes,
+                               scales, ctx.outputs[0])
+    return _call(ctx, **{name: rows_input.binding, f"{name}_shape": rows_input.shape}, codes=codes.binding,
+                 codes_shape=codes.shape, scales=scales.binding, scales_shape=scales.shape, out=ctx.outputs[0].binding,
+                 scratch=scratch, tuning=ctx.gemm.fp32_tuning, binding_limit=ctx.binding_limit)
+
+
+# vktrain ops whose plans take derived sizes (M / N / K, B / S / H / D) instead of the keyword convention.
+_VKTRAIN_LOWERINGS = {
+    "vktrain.linear_q4gsw.default": _lower_linear_q4gsw,
+    "vktrain.linear_q4gsw_backward.default": _lower_linear_q4gsw_backward,
+    "vktrain.linear_dW.default": _lower_linear_dw,
+    "vktrain.fused_ce.default": _lower_fused_ce,
+    "vktrain.adamw.default": _lower_adamw,
+    "vktrain.q4gsw_requant.default": _lower_q4gsw_requant,
+    "vktrain.rms_norm.default": _lower_rms_norm,
+    "vktrain.rms_norm_backward.default": _lower_rms_norm_backward,
+    "vktrain.rope.default": _lower_rope,
+    "vktrain.causal_attention.default": _lower_causal_attention,
+    "vktrain.causal_attention_backward.default": _lower_causal_attention_backward,
+    "vktrain.linear_q8_0.default": _lower_linear_q8_0,
+    "vktrain.linear_q8_0_backward.default": _lower_linear_q8_0,
+}
+# Ops whose lowering is not the shared keyword convention (every other defined op uses it).
+_CUSTOM_LOWERINGS = {
+    **_VKTRAIN_LOWERINGS,
+    **{key: _lower_transpose for key in TRANSPOSE_OPS},
+    "aten.mm.default": _lower_gemm, "aten.bmm.default": _lower_bmm, "aten.addmm.default": _lower_gemm,
+}
+
+OP_LOWERINGS: dict[str, OpLowering] = {
+    **{key: OpLowering(key, _CUSTOM_LOWERINGS.get(key) or _keyword_lowering(key)) for key in OP_DEFS},
+    EMPTY: OpLowering(EMPTY, _lower_empty, needs_kernel=False),
+    EMPTY_PERMUTED: OpLowering(EMPTY_PERMUTED, _lower_empty, needs_kernel=False),
+}
+
+
+def _executable(lowering: OpLowering) -> bool:
+    return not lowering.needs_kernel or lowering.key in KERNELS
+
+
+def supported_ops() -> list[str]:
+    """Graph op names this runtime can execute (a lowering exists and the kernel it needs is registered);
+    vktrain.opdefs.runtime_ops.RUNTIME_OPS says the same as data (tests/test_partitioner.py)."""
+    return sorted(name for name, lowering in OP_LOWERINGS.items() if _executable(lowering))
+
+
+def lowering_for(op: vk.OpCall, index: int) -> OpLowering:
+    """The lowering of `op`, or GraphLoweringError("unsupported op <name>") naming what exists."""
+    lowering = OP_LOWERINGS.get(op.name)
+    if lowering is None or not _executable(lowering):
+        raise GraphLoweringError(f"unsupported op {op.name} (op {index}): no Vulkan kernel implements it; "
+                                 f"supported ops: {', '.join(supported_ops())}")
+    if len(op.args) != len(lowering.arg_names):
+        raise GraphLoweringError(
+            f"op {index} ({op.name}) has {len(op.args)} arguments, its schema has {len(lowering.arg_names)} "
+            f"({', '.join(lowering.arg_names)})")
+    if len(op.outputs) != lowering.num_outputs:
+        raise GraphLoweringError(f"op {index} ({op.name}) has {len(op.outputs)} outputs, expected "
+                                 f"{lowering.num_outputs}")
+    return lowering
+
+

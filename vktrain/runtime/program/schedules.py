@@ -1,0 +1,68 @@
+"""Where a method's Schedule comes from at load. The runtime plans nothing: it runs a schedule it is given,
+one the program carries, or one the caller's planner makes for this device.
+
+    obtained = method_schedule(graph, device, planner=plan_schedule, source="step.pte", precision="auto")
+    executor = GraphExecutor(device, graph, obtained.schedule, verify=obtained.verify)
+
+In this order: `schedule`, the caller's own (run as it is); `embedded`, the program's schedule for this device
+(none is read yet: `vktrain export --target` will store them); else `planner(graph, profile, **options)`, with
+`profile` the device's planning profile (vktrain/runtime/device_profiles.py `planning_profile`: its own, or
+VKTRAIN_DEVICE_PROFILE's emulated on it). With none of them the load is refused (NoScheduleError). The app
+passes vktrain.backend.kernel_planning.plan_schedule as the planner; its options are plan_schedule's
+(precision, emulate_tensor_cores, max_binding_bytes, shared, state_guard).
+
+A schedule given or carried is verified at load (GraphExecutor's `verify`: serialization/verify_schedule.py);
+one the planner just made for this graph and device is not (`verify` False), as when the executor planned
+itself: it is the planner's output in this process, not bytes from a file.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, NamedTuple, Optional
+
+from vktrain.contract import PRECISION_AUTO
+from vktrain.errors import VktrainError
+from vktrain.runtime.device_profiles import planning_profile
+from vktrain.serialization import graph as vk
+from vktrain.serialization.schedule import Schedule
+
+# plan(graph, profile, **options) -> Schedule: vktrain.backend.kernel_planning.plan_schedule, or any function
+# of the same signature.
+Planner = Callable[..., Schedule]
+
+
+class NoScheduleError(VktrainError, ValueError):
+    """A method to load with no schedule for the device: none given or carried, and no planner to make one."""
+
+
+class MethodSchedule(NamedTuple):
+    """A method's schedule, and whether the executor verifies it (GraphExecutor's `verify`)."""
+
+    schedule: Schedule
+    verify: bool
+
+
+def method_schedule(graph: vk.VkGraph, device: Any, *, planner: Optional[Planner] = None,
+                    schedule: Optional[Schedule] = None, embedded: Optional[Schedule] = None,
+                    source: str = "the program", **options: Any) -> MethodSchedule:
+    """The Schedule `graph` (one delegate of a method of `source`) runs with on `device` (module docstring)."""
+    if schedule is not None:
+        return MethodSchedule(schedule, True)
+    if embedded is not None:
+        return MethodSchedule(embedded, True)
+    if planner is None:
+        raise NoScheduleError(f"{source}: no schedule for {getattr(device, 'name', 'this device')}: the program "
+                              f"carries none and no planner was given (pass planner="
+                              f"vktrain.backend.kernel_planning.plan_schedule to plan one at load)")
+    return MethodSchedule(planner(graph, planning_profile(device), **options), False)
+
+
+def bound_planning_options(training: Any) -> dict[str, Any]:
+    """The planning options of a method bound to the training step's executor `training` (eval, accumulate):
+    the step's GEMM precision policy and binding limit, so the methods share one route. A route that emulated
+    tensor cores (the planner's test path) leaves the bound methods at `auto`."""
+    route = training.gemm_route
+    precision = PRECISION_AUTO if route.emulate else route.precision
+    return dict(precision=precision, max_binding_bytes=training.max_binding_bytes)
+
+
+__all__ = ["MethodSchedule", "NoScheduleError", "Planner", "bound_planning_options", "method_schedule"]
