@@ -30,6 +30,7 @@ import sys
 import warnings
 from pathlib import Path
 
+from vktrain.contract import PACKINGS
 from vktrain.errors import VktrainError
 # main() repeats vktrain/__init__'s silencing (idempotent) in case a library reset the filters.
 from vktrain.import_noise import silence_known_import_noise as _silence_known_import_noise
@@ -94,6 +95,9 @@ def cmd_export(args: argparse.Namespace) -> int:
         raise UsageError(f"--freeze-lora-a freezes lora_A in a training step; --program is {args.program}")
     if args.grad_accum and args.program != "train-step":
         raise UsageError(f"--grad-accum accumulates a training step's gradients; --program is {args.program}")
+    packing = None if args.packing == "none" else args.packing
+    if packing and args.program != "train-step":
+        raise UsageError(f"--packing {args.packing} packs a training step's documents; --program is {args.program}")
     check_outputs([Output("--out", args.out, PTE)], overwrite=args.overwrite,  # before minutes of export
                   inputs=[("--model", args.model), ("--calibration-data", args.calibration_data)])
     import torch
@@ -133,9 +137,9 @@ def cmd_export(args: argparse.Namespace) -> int:
 
     batch_shape = (args.batch, args.seq)
     if args.program == "train-step":  # with its eval method (`vktrain eval`), sharing the frozen base
-        methods = export_accumulating_methods(model, batch_shape, freeze_lora_a=args.freeze_lora_a) \
+        methods = export_accumulating_methods(model, batch_shape, freeze_lora_a=args.freeze_lora_a, packing=packing) \
             if args.grad_accum else dict(zip((TRAIN_METHOD, EVAL_METHOD), export_training_and_eval_steps(
-                model, batch_shape, freeze_lora_a=args.freeze_lora_a)))
+                model, batch_shape, freeze_lora_a=args.freeze_lora_a, packing=packing)))
     else:
         methods = {TRAIN_METHOD: export_forward(model, batch_shape, with_adapters=args.program == "forward")}
     partitioner = VktrainPartitioner(compile_specs=adapter_metadata_specs(model, args.model, loaded))
@@ -312,6 +316,11 @@ def build_parser() -> argparse.ArgumentParser:
                         help="also export an 'accumulate' method, so that vktrain train --grad-accum N can take N "
                              "micro-batches per optimizer step (the step gains one float32 gradient buffer per "
                              "LoRA tensor)")
+    export.add_argument("--packing", choices=PACKINGS, default="none",
+                        help="documents: the step takes each token's position in its document, so a window packing "
+                             "several documents (or chats) attends within each and restarts rope positions at each "
+                             "start: the loss the documents have one by one; vktrain train feeds the boundaries of "
+                             "its --data (default none: a window attends across them)")
     export.add_argument("--lora-alpha", type=float, default=16.0)
     export.add_argument("--seed", type=int, default=0,
                         help="seeds the LoRA init and a built-in model's random weights (default 0): exports of one "

@@ -20,6 +20,13 @@ TRAIN_METHOD, EVAL_METHOD = "forward", "eval"
 ACCUMULATE_METHOD = "accumulate"  # a --grad-accum export's: forward + backward into optimizer.grad_acc.*
 EVAL_INPUTS = (TOKEN_IDS, LABELS, N_VALID)
 
+# Packed documents (`vktrain export --packing documents`): the step and its eval method take one more input,
+# positions int64 [B, S], each token's position in its document (0 at a document's first token, then 1, 2,
+# ... up to the next start), so attention stays within each document and rope restarts at each start.
+POSITIONS = "positions"
+PACKING_DOCUMENTS = "documents"
+PACKINGS = ("none", PACKING_DOCUMENTS)  # what `vktrain export --packing` takes; none: windows as they are
+
 # The hparams tensor adamw reads, in this order; the defaults are torch.optim.AdamW's.
 HPARAM_NAMES = ("lr", "beta1", "beta2", "eps", "weight_decay")
 ADAMW_DEFAULTS = {"beta1": 0.9, "beta2": 0.999, "eps": 1e-8, "weight_decay": 1e-2}
@@ -92,5 +99,5 @@ __all__ = ["ACCUMULATE_METHOD", "ADAMW_DEFAULTS", "ADAPTER_METADATA_KEYS", "BACK
            "METADATA_PLANNED_MEMORY_BYTES", "METADATA_REFUSALS", "METADATA_SOURCE_MODEL", "METADATA_STATE_BYTES",
            "METADATA_SYNTHETIC_CONSTANTS", "METADATA_UNPLANNED_MEMORY_BYTES", "MODEL_PREFIX",
            "NAMED_DATA_TOKENIZER_CONFIG", "NAMED_DATA_TOKENIZER_JSON", "N_VALID", "PRECISIONS", "PRECISION_AUTO", "PRECISION_CHOICES", "PRECISION_FP16_TC",
-           "PRECISION_FP32", "STATE_PREFIXES", "STEP_INPUTS", "STEP_STATE", "TOKEN_IDS", "TRAIN_METHOD",
+           "PRECISION_FP32", "PACKINGS", "PACKING_DOCUMENTS", "POSITIONS", "STATE_PREFIXES", "STEP_INPUTS", "STEP_STATE", "TOKEN_IDS", "TRAIN_METHOD",
            "hparams_values"]

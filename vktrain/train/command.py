@@ -407,11 +407,16 @@ def _training_batches(args, runner, data_path: Path, seed: int):
                                f"not token_ids and labels): give its input arrays with --inputs DATA.npz")
     info = describe_program(runner)
     data = load_data(data_path, info.vocab_size, program_tokenizer(runner, args.program))
+    # A step exported with --packing documents gets the documents' boundaries (a token file has none: the
+    # runner then gives it each window as one document).
+    documents = data.starts if getattr(runner, "takes_positions", False) else None
     batches = TokenBatcher(data.tokens, info.batch_size, info.seq_len, seed=seed, shuffle=not args.no_shuffle,
-                           source=str(data_path), labels=data.labels)
+                           source=str(data_path), labels=data.labels, documents=documents)
     return batches, info, (f"{args.program}: batch {info.batch_size} x {info.seq_len}, vocabulary {info.vocab_size}; "
                            f"{data_path}: {data.tokens.size} tokens ({data.trained_tokens} trained), "
-                           f"{batches.batches_per_epoch:.1f} batches per epoch")
+                           f"{batches.batches_per_epoch:.1f} batches per epoch"
+                           + ("" if documents is None else f"; {len(documents)} packed document(s), attention "
+                              f"within each"))
 
 
 def _check_grad_accum(args, runner) -> None:

@@ -251,11 +251,16 @@ def _vocab_from_graph(graph) -> Optional[int]:
 
 
 def run_step(runner: StepRunner, batch: Union[tuple, Mapping[str, np.ndarray]], hparams) -> float:
-    """One step on a batch of either source: a TokenBatcher's (tokens, labels) or an ArrayBatches' inputs."""
+    """One step on a batch of either source: a TokenBatcher's (tokens, labels[, positions]) or an
+    ArrayBatches' inputs."""
     if isinstance(batch, Mapping):
         return float(runner.step_inputs(batch, hparams))
-    tokens, labels = batch
-    return float(runner.step(tokens, labels, hparams))
+    return float(runner.step(*batch[:2], hparams, **_documents(batch)))
+
+
+def _documents(batch: tuple) -> dict:
+    """The positions keyword of a packed-documents batch (tokens, labels, positions); {} for (tokens, labels)."""
+    return {"positions": batch[2]} if len(batch) > 2 else {}
 
 
 def run_accumulated_step(runner: StepRunner, batches: list[tuple], hparams) -> float:
@@ -263,10 +268,9 @@ def run_accumulated_step(runner: StepRunner, batches: list[tuple], hparams) -> f
     program's accumulators (runner.accumulate), the last one's step applies AdamW to the sum. Every call
     divides by n_valid summed over all of them, so the update and the summed loss are those of one batch of
     all of them."""
-    n_valid = float(sum(np.count_nonzero(np.asarray(labels) >= 0) for _, labels in batches))
-    loss = sum(float(runner.accumulate(tokens, labels, n_valid)) for tokens, labels in batches[:-1])
-    tokens, labels = batches[-1]
-    return loss + float(runner.step(tokens, labels, hparams, n_valid=n_valid))
+    n_valid = float(sum(np.count_nonzero(np.asarray(batch[1]) >= 0) for batch in batches))
+    loss = sum(float(runner.accumulate(*batch[:2], n_valid, **_documents(batch))) for batch in batches[:-1])
+    return loss + float(runner.step(*batches[-1][:2], hparams, n_valid=n_valid, **_documents(batches[-1])))
 
 
 def run_config(schedule: LRSchedule, optimizer: AdamWConfig, batches: Union[TokenBatcher, "ArrayBatches"],
