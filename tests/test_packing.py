@@ -202,3 +202,26 @@ def test_export_and_train_packed_documents_from_the_command_line(tmp_path):
                  "--json", str(out)]) == 0
     losses = [record["loss"] for record in json.loads(out.read_text())]
     assert len(losses) == 12 and np.mean(losses[-3:]) < np.mean(losses[:3])
+
+
+def test_held_out_batches_of_packed_documents():
+    """prepare_eval_batches(documents=True): every row's positions count from its start or its document's,
+    a document's first token is no target, and without documents the batches are what they always were."""
+    from vktrain.train.data import TrainingData
+    from vktrain.train.held_out import prepare_eval_batches
+
+    rng = np.random.default_rng(8)
+    starts = np.array([0, 3, 4, 15, 22])
+    data = TrainingData(rng.integers(0, 50, 30), None, starts)
+    plain = prepare_eval_batches(data, (2, 8))
+    packed = prepare_eval_batches(data, (2, 8), documents=True)
+    assert len(plain) == len(packed) == 2 and all(len(batch) == 2 for batch in plain)
+    for index, ((tokens, labels), (packed_tokens, packed_labels, positions)) in enumerate(zip(plain, packed)):
+        np.testing.assert_array_equal(tokens, packed_tokens)
+        for b in range(2):
+            first = (index * 2 + b) * 8
+            for s in range(8):
+                offset = first + s
+                assert positions[b, s] == offset - max(starts[starts <= offset].max(), first)
+                masked = offset + 1 in starts and labels[b, s] >= 0
+                assert packed_labels[b, s] == (IGNORED_LABEL if masked else labels[b, s])

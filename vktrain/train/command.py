@@ -379,7 +379,8 @@ def _held_out_evaluation(args, runner, info, start: int):
     from vktrain.train.held_out import evaluate_batches, prepare_eval_batches
 
     held_out = load_data(args.eval_data, info.vocab_size, program_tokenizer(runner, args.program))
-    batches = prepare_eval_batches(held_out, runner.batch_shape, args.eval_batches)  # once: the data is fixed
+    batches = prepare_eval_batches(held_out, runner.batch_shape, args.eval_batches,  # once: the data is fixed
+                                   getattr(runner, "takes_positions", False))
     before = evaluate_batches(runner, batches)
     print(f"eval before training: loss {before['loss']:.6f} over {before['tokens']} tokens ({args.eval_data})")
 

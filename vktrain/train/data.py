@@ -336,6 +336,22 @@ def epoch_order(n_windows: int, seed: int, epoch: int) -> np.ndarray:
     return np.argsort(keys, kind="stable")
 
 
+def document_labels(tokens: np.ndarray, labels: Optional[np.ndarray], starts: np.ndarray) -> np.ndarray:
+    """The label stream of packed documents: `labels` (or the tokens, each its own label) with a document's
+    first token no target (-100): nothing of its own document precedes it."""
+    labels = (tokens if labels is None else labels).astype(np.int64)  # a copy
+    labels[starts] = IGNORED_LABEL
+    return labels
+
+
+def document_positions(starts: np.ndarray, offsets: np.ndarray) -> np.ndarray:
+    """int64 positions of the tokens at stream `offsets` [B, S] (each row consecutive) in packed documents
+    starting at `starts`: the distance from the start of the token's document or of its row, whichever is
+    later (offsets past the stream go on counting in the last document)."""
+    document_start = starts[np.searchsorted(starts, offsets, side="right") - 1]
+    return offsets - np.maximum(document_start, offsets[:, :1])
+
+
 class TokenBatcher:
     """Deterministic (tokens, labels) int64 [B, S] batches addressed by position (module docstring).
 
@@ -365,9 +381,7 @@ class TokenBatcher:
                     self.documents[0] != 0 or np.any(np.diff(self.documents) <= 0)
                     or self.documents[-1] >= tokens.size)):
                 raise DataError(f"{source}: document starts must ascend from 0 within the {tokens.size} tokens")
-            # A document's first token is no target: nothing of its own document precedes it.
-            labels = (tokens if labels is None else labels).astype(np.int64)
-            labels[self.documents] = IGNORED_LABEL
+            labels = document_labels(tokens, labels, self.documents)
         self.tokens = tokens  # kept in its own dtype (a memory map stays one); batches are int64
         self.labels = labels
         self.batch_size = batch_size
@@ -440,13 +454,7 @@ class TokenBatcher:
         batch = np.ascontiguousarray(rows[:, :-1]), np.ascontiguousarray(labels[:, 1:])
         if self.documents is None:
             return batch
-        return batch + (self.document_positions(offsets[:, :-1]),)
-
-    def document_positions(self, offsets: np.ndarray) -> np.ndarray:
-        """int64 positions of the tokens at stream `offsets` [B, S] (each row consecutive): the distance from
-        the start of the token's document or of its row, whichever is later."""
-        document_start = self.documents[np.searchsorted(self.documents, offsets, side="right") - 1]
-        return offsets - np.maximum(document_start, offsets[:, :1])
+        return batch + (document_positions(self.documents, offsets[:, :-1]),)
 
     def batches(self, start: int = 0) -> Iterator[tuple[np.ndarray, np.ndarray]]:
         """Batches start, start + 1, ... (endless)."""
@@ -456,6 +464,6 @@ class TokenBatcher:
             position += 1
 
 
-__all__ = ["BYTE_VOCAB_SIZE", "DataError", "IGNORED_LABEL", "JSONL_SUFFIX", "TOKEN_TEXT_SUFFIX", "TokenBatcher",
+__all__ = ["BYTE_VOCAB_SIZE", "DataError", "IGNORED_LABEL", "document_labels", "document_positions", "JSONL_SUFFIX", "TOKEN_TEXT_SUFFIX", "TokenBatcher",
            "TrainingData", "check_byte_level_fits", "check_vocab", "default_dataset_path", "epoch_order",
            "is_byte_level", "is_token_file", "load_data", "load_tokens"]
