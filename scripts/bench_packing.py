@@ -63,7 +63,7 @@ def padded_batches(data, batch: int, seq: int):
     labels_stream = data.labels if data.labels is not None else data.tokens
     for start, chat_end in zip(bounds[:-1], bounds[1:]):
         end = min(chat_end, start + seq + 1)
-        truncated += chat_end > end
+        truncated += int(chat_end > end)
         tokens = np.zeros(seq + 1, np.int64)
         labels = np.full(seq + 1, -100, np.int64)
         tokens[:end - start] = data.tokens[start:end]
@@ -71,7 +71,7 @@ def padded_batches(data, batch: int, seq: int):
         rows.append((tokens[:-1], labels[1:]))
     batches = [(np.stack([r[0] for r in rows[i:i + batch]]), np.stack([r[1] for r in rows[i:i + batch]]))
                for i in range(0, len(rows) - batch + 1, batch)]
-    return batches, truncated, len(rows)
+    return batches, int(truncated), len(rows)
 
 
 def timed(runner, batches, steps: int, warmup: int, hparams) -> dict:
