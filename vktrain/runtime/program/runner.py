@@ -210,11 +210,16 @@ class TrainingRunner:
         of the optimizer step, the step's own included (its loss and gradient divide by it), which the last
         micro-batch's step() gets too: then the update is that of one batch of all of them. Needs a .pte
         exported with gradient accumulation (AccumulateMethod, loaded on first use)."""
+        return self.accumulate_inputs(self.token_inputs(token_ids, labels, n_valid, positions))
+
+    def accumulate_inputs(self, inputs: Mapping[str, Any]) -> float:
+        """The accumulate method (forward + backward into optimizer.grad_acc, no update) on named inputs,
+        the step's own but hparams (any module's step, e.g. DPO's pairs); returns its loss."""
         if self._accumulate is None:
             from vktrain.runtime.program.accumulation import AccumulateMethod
 
             self._accumulate = AccumulateMethod(self.pte, self.executor, **self._eval_options)
-        return self._accumulate.accumulate(self.token_inputs(token_ids, labels, n_valid, positions))
+        return self._accumulate.accumulate(inputs)
 
     def evaluate(self, token_ids: Any, labels: Any, positions: Any = None) -> tuple[float, int]:
         """(loss summed over the labels >= 0, their count) of one batch, by the .pte's eval method on the
