@@ -22,9 +22,9 @@ import numpy as np
 import pytest
 import torch
 
-from vktrain.contract import ACCUMULATE_METHOD, EVAL_METHOD, TRAIN_METHOD
+from vktrain.contract import ACCUMULATE_METHOD, DPO_INPUTS, EVAL_METHOD, TRAIN_METHOD
 from vktrain.export import lower_methods_to_pte
-from vktrain.export.dpo import DPO_INPUTS, example_dpo_inputs, negative_log_sigmoid, with_dpo_loss
+from vktrain.export.dpo import example_dpo_inputs, negative_log_sigmoid, with_dpo_loss
 from vktrain.export.training import export_accumulating_methods
 from vktrain.lora import LoRAConfig, apply_lora
 from vktrain.models import load

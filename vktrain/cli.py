@@ -30,7 +30,7 @@ import sys
 import warnings
 from pathlib import Path
 
-from vktrain.contract import PACKINGS
+from vktrain.contract import OBJECTIVES, PACKINGS
 from vktrain.errors import VktrainError
 # main() repeats vktrain/__init__'s silencing (idempotent) in case a library reset the filters.
 from vktrain.import_noise import silence_known_import_noise as _silence_known_import_noise
@@ -98,6 +98,13 @@ def cmd_export(args: argparse.Namespace) -> int:
     packing = None if args.packing == "none" else args.packing
     if packing and args.program != "train-step":
         raise UsageError(f"--packing {args.packing} packs a training step's documents; --program is {args.program}")
+    dpo = args.objective == "dpo"
+    if args.beta is not None and not dpo:
+        raise UsageError(f"--beta is DPO's; --objective is {args.objective}")
+    if dpo and (args.program != "train-step" or packing or args.batch != 1):
+        raise UsageError("--objective dpo exports a training step (--program train-step) of one preference pair a "
+                         "call: --batch 1 (N pairs a step: --grad-accum here, vktrain train --grad-accum N), no "
+                         f"--packing; got --program {args.program} --batch {args.batch} --packing {args.packing}")
     check_outputs([Output("--out", args.out, PTE)], overwrite=args.overwrite,  # before minutes of export
                   inputs=[("--model", args.model), ("--calibration-data", args.calibration_data)])
     import torch
@@ -136,7 +143,15 @@ def cmd_export(args: argparse.Namespace) -> int:
     from vktrain.partitioner import VktrainPartitioner
 
     batch_shape = (args.batch, args.seq)
-    if args.program == "train-step":  # with its eval method (`vktrain eval`), sharing the frozen base
+    if dpo:
+        from vktrain.export.dpo import DEFAULT_BETA, example_dpo_inputs, with_dpo_loss
+
+        dpo_model = with_dpo_loss(model, DEFAULT_BETA if args.beta is None else args.beta)
+        inputs = example_dpo_inputs(args.seq, model.vocab_size)
+        methods = export_accumulating_methods(dpo_model, example_inputs=inputs, freeze_lora_a=args.freeze_lora_a) \
+            if args.grad_accum else dict(zip((TRAIN_METHOD, EVAL_METHOD), export_training_and_eval_steps(
+                dpo_model, example_inputs=inputs, freeze_lora_a=args.freeze_lora_a)))
+    elif args.program == "train-step":  # with its eval method (`vktrain eval`), sharing the frozen base
         methods = export_accumulating_methods(model, batch_shape, freeze_lora_a=args.freeze_lora_a, packing=packing) \
             if args.grad_accum else dict(zip((TRAIN_METHOD, EVAL_METHOD), export_training_and_eval_steps(
                 model, batch_shape, freeze_lora_a=args.freeze_lora_a, packing=packing)))
@@ -321,6 +336,11 @@ def build_parser() -> argparse.ArgumentParser:
                              "several documents (or chats) attends within each and restarts rope positions at each "
                              "start: the loss the documents have one by one; vktrain train feeds the boundaries of "
                              "its --data (default none: a window attends across them)")
+    export.add_argument("--objective", choices=OBJECTIVES, default="lm",
+                        help="dpo: the step trains on preference pairs (vktrain train --data pairs.jsonl, TRL's "
+                             "{prompt, chosen, rejected}) with DPO's loss, the frozen base as the reference; one "
+                             "pair a call (--batch 1), so N pairs a step is --grad-accum (default lm)")
+    export.add_argument("--beta", type=float, default=None, help="DPO's beta (default 0.1; --objective dpo)")
     export.add_argument("--lora-alpha", type=float, default=16.0)
     export.add_argument("--seed", type=int, default=0,
                         help="seeds the LoRA init and a built-in model's random weights (default 0): exports of one "

@@ -12,7 +12,7 @@ sum needs the rows apart, and the backend has no backward for slicing a batch (s
 over one row's tokens with n_valid 1 is the row's summed negative log-probability, its backward the
 gradient the step needs.
 
-Program inputs (DPO_INPUTS): chosen_ids, chosen_labels, rejected_ids, rejected_labels int64 [1, S],
+Program inputs (contract.DPO_INPUTS, the loss's parameters): chosen_ids, chosen_labels, rejected_ids, rejected_labels int64 [1, S],
 n_pairs float32 [], then hparams; output the loss. beta is baked (export --beta).
 """
 from __future__ import annotations
@@ -26,9 +26,6 @@ from torch import nn
 
 from vktrain.lora import lora_modules
 
-CHOSEN_IDS, CHOSEN_LABELS, REJECTED_IDS, REJECTED_LABELS, N_PAIRS = (
-    "chosen_ids", "chosen_labels", "rejected_ids", "rejected_labels", "n_pairs")
-DPO_INPUTS = (CHOSEN_IDS, CHOSEN_LABELS, REJECTED_IDS, REJECTED_LABELS, N_PAIRS)
 DEFAULT_BETA = 0.1
 
 
@@ -82,11 +79,12 @@ def with_dpo_loss(model: nn.Module, beta: float = DEFAULT_BETA) -> nn.Module:
 
 
 def example_dpo_inputs(seq_len: int, vocab_size: int) -> tuple[torch.Tensor, ...]:
-    """DPO_INPUTS' example tensors: one pair of [1, S] rows, n_pairs 1."""
+    """contract.DPO_INPUTS' example tensors (the loss's parameters, in that order): one pair of [1, S]
+    rows, n_pairs 1."""
     generator = torch.Generator().manual_seed(0)
     ids = [torch.randint(0, vocab_size, (1, seq_len), generator=generator) for _ in range(4)]
     return ids[0], ids[1], ids[2], ids[3], torch.ones((), dtype=torch.float32)
 
 
-__all__ = ["DEFAULT_BETA", "DPO_INPUTS", "completion_logp", "example_dpo_inputs", "negative_log_sigmoid",
+__all__ = ["DEFAULT_BETA", "completion_logp", "example_dpo_inputs", "negative_log_sigmoid",
            "with_dpo_loss"]

@@ -19,6 +19,9 @@ Refused, naming the row (file:line, or file[index] in a .json array) and what wa
 not an object with exactly the keys prompt / chosen / rejected of one kind (all text or all messages), an
 empty prompt or completion (one with no assistant message), a prompt that leaves no room in the window
 for one completion token, token ids outside the vocabulary, a file with no pair.
+
+`vktrain train --data pairs.jsonl` on a step exported with `--objective dpo` trains on pair_batches: one
+pair a step, in file order, cycled.
 """
 from __future__ import annotations
 
@@ -29,7 +32,9 @@ from typing import TYPE_CHECKING, Optional
 
 import numpy as np
 
+from vktrain.contract import CHOSEN_IDS, CHOSEN_LABELS, N_PAIRS, REJECTED_IDS, REJECTED_LABELS
 from vktrain.train.data import IGNORED_LABEL, JSON_SUFFIX, DataError, PathLike, check_vocab
+from vktrain.train.input_data import ArrayBatches
 
 if TYPE_CHECKING:
     from vktrain.serialization.tokenizer import ModelTokenizer
@@ -183,4 +188,12 @@ def load_pairs(path: PathLike, tokenizer: Optional["ModelTokenizer"], seq_len: i
     return pairs
 
 
-__all__ = ["COMPLETIONS", "PAIR_KEYS", "PreferencePairs", "load_pairs"]
+def pair_batches(pairs: PreferencePairs, specs, source: str):
+    """The ArrayBatches of a DPO step (contract.DPO_INPUTS): pair t of the file (cycled) at step t, n_pairs 1."""
+    arrays = {CHOSEN_IDS: pairs.chosen_tokens, CHOSEN_LABELS: pairs.chosen_labels, REJECTED_IDS: pairs.rejected_tokens,
+              REJECTED_LABELS: pairs.rejected_labels}
+    stacked = {name: array[:, None, :] for name, array in arrays.items()}  # [N, 1, S]: one pair a batch
+    return ArrayBatches({**stacked, N_PAIRS: np.float32(1.0)}, specs, source)
+
+
+__all__ = ["COMPLETIONS", "PAIR_KEYS", "PreferencePairs", "load_pairs", "pair_batches"]
