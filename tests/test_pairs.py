@@ -116,9 +116,9 @@ def test_files_without_pairs_or_tokenizer_are_refused(tmp_path, tokenizers):
 
 
 def test_dpo_from_the_command_line(tmp_path, bpe):  # noqa: F811
-    """`vktrain export --objective dpo` of a GGUF carrying a tokenizer, then `vktrain train --data pairs.jsonl`:
-    one pair a step, the loss log 2 at the first step (the adapters start as the base: the policy is the
-    reference), then away from it; a DPO export with --batch 2 is refused (exit 2)."""
+    """`vktrain export --objective dpo --grad-accum` of a GGUF carrying a tokenizer, then `vktrain train --data
+    pairs.jsonl --grad-accum 2`: two pairs a step, the loss log 2 at the first step (the adapters start as the
+    base: the policy is the reference), then away from it; a DPO export with --batch 2 is refused (exit 2)."""
     from test_tokenizer_data import _write_gguf
     from vktrain.cli import main
 
@@ -128,11 +128,11 @@ def test_dpo_from_the_command_line(tmp_path, bpe):  # noqa: F811
     common = ["export", "--model", str(model), "--lora-rank", "4", "--seq", "64", "--objective", "dpo",
               "--beta", "0.5", "--calibration-data", "none"]
     assert main(common + ["--batch", "2", "--out", str(pte)]) == 2
-    assert main(common + ["--batch", "1", "--out", str(pte)]) == 0
+    assert main(common + ["--batch", "1", "--grad-accum", "--out", str(pte)]) == 0
     pairs = _write(tmp_path, [{"prompt": "hi", "chosen": " ok", "rejected": " no"},
                               {"prompt": PROMPT, "chosen": CHOSEN, "rejected": REJECTED}])
     records = tmp_path / "records.json"
     assert main(["train", str(pte), "--data", str(pairs), "--steps", "4", "--lr", "5e-2", "--no-progress",
-                 "--json", str(records)]) == 0
+                 "--grad-accum", "2", "--json", str(records)]) == 0
     losses = [record["loss"] for record in json.loads(records.read_text())]
     assert len(losses) == 4 and losses[0] == pytest.approx(np.log(2), rel=1e-6) and losses[2] != losses[0]

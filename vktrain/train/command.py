@@ -404,15 +404,16 @@ def _training_batches(args, runner, data_path: Path, seed: int):
         inputs = ", ".join(f"{name} {spec.describe()}" for name, spec in runner.input_specs.items())
         return batches, None, (f"{args.program}: inputs {inputs}; {data_path}: {batches.n_batches} batch(es), "
                                f"cycled")
-    if set(runner.input_specs) == set(DPO_INPUTS):  # vktrain export --objective dpo: preference pairs
+    if set(getattr(runner, "input_specs", ())) == set(DPO_INPUTS):  # vktrain export --objective dpo: pairs
         from vktrain.train.pairs import load_pairs, pair_batches
 
         seq_len = runner.input_specs[CHOSEN_IDS].shape[1]
         limits = runner.executor.index_limits
         vocab = min(limits[name] for name in (CHOSEN_IDS, REJECTED_IDS) if name in limits)
         pairs = load_pairs(data_path, program_tokenizer(runner, args.program), seq_len, vocab)
-        return pair_batches(pairs, runner.input_specs, str(data_path)), None, (
-            f"{args.program}: DPO, one preference pair a step of {seq_len} tokens a side; {data_path}: {len(pairs)} "
+        return pair_batches(pairs, runner.input_specs, str(data_path), args.grad_accum), None, (
+            f"{args.program}: DPO, {args.grad_accum} preference pair(s) a step, {seq_len} tokens a side; "
+            f"{data_path}: {len(pairs)} "
             f"pair(s), cycled in file order" + (f" ({pairs.truncated} completion(s) cut at the window)"
                                                if pairs.truncated else ""))
     if not is_token_step(runner):

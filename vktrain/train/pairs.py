@@ -20,8 +20,8 @@ not an object with exactly the keys prompt / chosen / rejected of one kind (all 
 empty prompt or completion (one with no assistant message), a prompt that leaves no room in the window
 for one completion token, token ids outside the vocabulary, a file with no pair.
 
-`vktrain train --data pairs.jsonl` on a step exported with `--objective dpo` trains on pair_batches: one
-pair a step, in file order, cycled.
+`vktrain train --data pairs.jsonl [--grad-accum N]` on a step exported with `--objective dpo` trains on
+pair_batches: N pairs a step (the accumulate method N - 1 times, then the step), in file order, cycled.
 """
 from __future__ import annotations
 
@@ -188,12 +188,15 @@ def load_pairs(path: PathLike, tokenizer: Optional["ModelTokenizer"], seq_len: i
     return pairs
 
 
-def pair_batches(pairs: PreferencePairs, specs, source: str):
-    """The ArrayBatches of a DPO step (contract.DPO_INPUTS): pair t of the file (cycled) at step t, n_pairs 1."""
+def pair_batches(pairs: PreferencePairs, specs, source: str, pairs_per_step: int = 1) -> ArrayBatches:
+    """The ArrayBatches of a DPO step (contract.DPO_INPUTS): pair t of the file (cycled) at batch position t,
+    n_pairs = pairs_per_step (the loss's divisor: train's grad_accum runs that many positions a step)."""
     arrays = {CHOSEN_IDS: pairs.chosen_tokens, CHOSEN_LABELS: pairs.chosen_labels, REJECTED_IDS: pairs.rejected_tokens,
               REJECTED_LABELS: pairs.rejected_labels}
     stacked = {name: array[:, None, :] for name, array in arrays.items()}  # [N, 1, S]: one pair a batch
-    return ArrayBatches({**stacked, N_PAIRS: np.float32(1.0)}, specs, source)
+    batches = ArrayBatches({**stacked, N_PAIRS: np.float32(pairs_per_step)}, specs, source)
+    batches.accumulates = True
+    return batches
 
 
 __all__ = ["COMPLETIONS", "PAIR_KEYS", "PreferencePairs", "load_pairs", "pair_batches"]

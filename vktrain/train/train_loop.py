@@ -267,7 +267,11 @@ def run_accumulated_step(runner: StepRunner, batches: list[tuple], hparams) -> f
     """One optimizer step over several token micro-batches: each but the last adds its gradient into the
     program's accumulators (runner.accumulate), the last one's step applies AdamW to the sum. Every call
     divides by n_valid summed over all of them, so the update and the summed loss are those of one batch of
-    all of them."""
+    all of them. Named batches (DPO's pairs) carry their divisor themselves: the accumulate method, then the
+    step."""
+    if isinstance(batches[0], Mapping):
+        loss = sum(float(runner.accumulate_inputs(batch)) for batch in batches[:-1])
+        return loss + float(runner.step_inputs(batches[-1], hparams))
     n_valid = float(sum(np.count_nonzero(np.asarray(batch[1]) >= 0) for batch in batches))
     loss = sum(float(runner.accumulate(*batch[:2], n_valid, **_documents(batch))) for batch in batches[:-1])
     return loss + float(runner.step(*batches[-1][:2], hparams, n_valid=n_valid, **_documents(batches[-1])))
@@ -321,9 +325,9 @@ def train(runner: StepRunner, batches: Union[TokenBatcher, "ArrayBatches"], step
         raise TrainConfigError(f"checkpoint_every must be >= 0, got {checkpoint_every}")
     if grad_accum < 1:
         raise TrainConfigError(f"grad_accum must be >= 1 (micro-batches per optimizer step), got {grad_accum}")
-    if grad_accum > 1 and not isinstance(batches, TokenBatcher):
-        raise TrainConfigError("gradient accumulation takes token batches (a token model's step); "
-                               "this run's batches are named input arrays")
+    if grad_accum > 1 and not (isinstance(batches, TokenBatcher) or getattr(batches, "accumulates", False)):
+        raise TrainConfigError("gradient accumulation takes token batches (a token model's step) or preference "
+                               "pairs; this run's batches are named input arrays")
     if checkpoint_every and checkpoint_path is None:
         raise TrainConfigError("checkpoint_every needs a checkpoint path")
     if on_nonfinite not in ON_NONFINITE:
