@@ -14,18 +14,20 @@ refusals of malformed positions; `vktrain export --packing documents` + `vktrain
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 
 import numpy as np
 import pytest
 import torch
 
-from vktrain.export import export_training_and_eval_steps, lower_methods_to_pte
+from vktrain.export import export_training_and_eval_steps, export_training_step, lower_methods_to_pte, lower_to_pte
 from vktrain.contract import EVAL_METHOD, TRAIN_METHOD
 from vktrain.lora import LoRAConfig, apply_lora
-from vktrain.models import load
+from vktrain.models import build_model, load
 from vktrain.partitioner import VktrainPartitioner
-from vktrain.runtime.delegate.executor import ExecutorInputError
+from vktrain.runtime.delegate.executor import ExecutorInputError, GraphExecutor
+from vktrain.runtime.delegate.op_lowering import GraphLoweringError, lowering_for
 from vktrain.runtime.program.runner import TrainingRunner
 from vktrain.train.data import IGNORED_LABEL, TokenBatcher
 
@@ -225,3 +227,33 @@ def test_held_out_batches_of_packed_documents():
                 assert positions[b, s] == offset - max(starts[starts <= offset].max(), first)
                 masked = offset + 1 in starts and labels[b, s] >= 0
                 assert packed_labels[b, s] == (IGNORED_LABEL if masked else labels[b, s])
+
+
+def test_blobs_from_before_positions_still_load(vk_device, tmp_path):
+    """A delegate written before causal_attention(_backward) took positions has one argument fewer per call:
+    it plans and runs as a blob with positions None does (same bits), and a call missing a required
+    argument is still refused."""
+    model = build_model("tiny-llama", n_layers=1)
+    apply_lora(model, LoRAConfig(rank=2))
+    path = tmp_path / "step.pte"
+    path.write_bytes(lower_to_pte(export_training_step(model, (1, 8))))
+    with TrainingRunner.from_pte(path, vk_device, timing=False) as runner:
+        graph = runner.graph
+        attention = {"vktrain.causal_attention.default": 4, "vktrain.causal_attention_backward.default": 7}
+        shortened = [dataclasses.replace(op, args=op.args[:attention[op.name]]) if op.name in attention else op
+                     for op in graph.ops]
+        assert sum(op.name in attention for op in graph.ops) == 2
+        old = dataclasses.replace(graph, ops=shortened)
+        rng = np.random.default_rng(0)
+        inputs = {"token_ids": rng.integers(0, 256, (1, 8)), "labels": rng.integers(0, 256, (1, 8)),
+                  "n_valid": np.float32(8), "hparams": np.array([1e-3, 0.9, 0.999, 1e-8, 0.0], np.float32)}
+        arrays = [inputs[name] for name in runner.executor.input_names]
+        outputs = []
+        for candidate in (graph, old):
+            with GraphExecutor(vk_device, candidate, timing=False) as executor:
+                outputs.append(executor.run(*arrays))
+        for new, before in zip(*outputs):
+            np.testing.assert_array_equal(new, before)
+        op = next(op for op in graph.ops if op.name in attention)
+        with pytest.raises(GraphLoweringError, match="has 3 arguments, its schema has 5"):
+            lowering_for(dataclasses.replace(op, args=op.args[:3]), 0)

@@ -518,7 +518,10 @@ def lowering_for(op: vk.OpCall, index: int) -> OpLowering:
     if lowering is None or not _executable(lowering):
         raise GraphLoweringError(f"unsupported op {op.name} (op {index}): no Vulkan kernel implements it; "
                                  f"supported ops: {', '.join(supported_ops())}")
-    if len(op.args) != len(lowering.arg_names):
+    # A blob written before an optional argument joined the schema (causal_attention's positions) has fewer:
+    # the missing ones take their default, None.
+    omitted = lowering.definition.schema.arguments[len(op.args):]
+    if len(op.args) > len(lowering.arg_names) or any(argument.default != "None" for argument in omitted):
         raise GraphLoweringError(
             f"op {index} ({op.name}) has {len(op.args)} arguments, its schema has {len(lowering.arg_names)} "
             f"({', '.join(lowering.arg_names)})")
