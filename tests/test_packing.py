@@ -35,7 +35,8 @@ from _helpers import DELTA_REL_FROB, LOSS_RTOL, relative_frobenius_error
 
 peft = pytest.importorskip("peft")
 transformers = pytest.importorskip("transformers")
-from test_peft_parity import ALPHA, RANK, VOCAB, _hf_checkpoint, peft_lora_state, peft_model  # noqa: E402
+from test_peft_parity import ALPHA, RANK, _hf_checkpoint, peft_lora_state, peft_model  # noqa: E402
+from test_webgpu_parity import RUNTIME_LOSS_RTOL  # noqa: E402
 
 BATCH, SEQ, STEPS = 2, 24, 4
 
@@ -257,3 +258,23 @@ def test_blobs_from_before_positions_still_load(vk_device, tmp_path):
         op = next(op for op in graph.ops if op.name in attention)
         with pytest.raises(GraphLoweringError, match="has 3 arguments, its schema has 5"):
             lowering_for(dataclasses.replace(op, args=op.args[:3]), 0)
+
+
+def test_packed_step_on_webgpu_equals_vulkan(vk_device, webgpu_device, tmp_path):
+    """The packed step through the WebGPU runtime (the WGSL DOCUMENTS kernels, per-token rope) gives the
+    Vulkan runtime's first loss bit for bit on lavapipe (the same kernels' arithmetic before any update) and
+    the next within test_webgpu_parity's RUNTIME_LOSS_RTOL (WGSL's AdamW rounds its bias corrections
+    otherwise)."""
+    model = build_model("tiny-llama", n_layers=1)
+    apply_lora(model, LoRAConfig(rank=2))
+    step, evaluation = export_training_and_eval_steps(model, (BATCH, SEQ), packing="documents")
+    path = tmp_path / "packed.pte"
+    path.write_bytes(lower_methods_to_pte({TRAIN_METHOD: step, EVAL_METHOD: evaluation},
+                                          {TRAIN_METHOD: VktrainPartitioner()}))
+    hparams = np.array([1e-3, 0.9, 0.999, 1e-8, 0.0], np.float32)
+    losses = []
+    for device in (vk_device, webgpu_device):
+        with TrainingRunner.from_pte(path, device) as runner:
+            losses.append([runner.step(t, l, hparams, positions=p) for t, l, p, _ in list(_packed_batches())[:2]])
+    assert losses[0][0] == losses[1][0]
+    np.testing.assert_allclose(losses[1], losses[0], rtol=RUNTIME_LOSS_RTOL)

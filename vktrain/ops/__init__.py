@@ -21,9 +21,9 @@ Transformer ops (Llama family, vktrain/ops/transformer.py; listed in TRANSFORMER
     rms_norm(Tensor x, Tensor weight, float eps) -> (Tensor y, Tensor rstd)
     rms_norm_backward(Tensor d_y, Tensor x, Tensor weight, Tensor rstd) -> Tensor
     rope(Tensor x, Tensor cos, Tensor sin) -> Tensor
-    causal_attention(Tensor q, Tensor k, Tensor v, float scale) -> (Tensor out, Tensor lse)
-    causal_attention_backward(Tensor d_out, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, float scale)
-        -> (Tensor d_q, Tensor d_k, Tensor d_v)
+    causal_attention(Tensor q, Tensor k, Tensor v, float scale, Tensor? positions=None) -> (Tensor out, Tensor lse)
+    causal_attention_backward(Tensor d_out, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, float scale,
+                              Tensor? positions=None) -> (Tensor d_q, Tensor d_k, Tensor d_v)
     swiglu(Tensor gate, Tensor up) -> Tensor
     swiglu_backward(Tensor d_h, Tensor gate, Tensor up) -> (Tensor d_gate, Tensor d_up)
 
