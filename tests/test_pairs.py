@@ -115,7 +115,7 @@ def test_files_without_pairs_or_tokenizer_are_refused(tmp_path, tokenizers):
         load_pairs(_write(tmp_path, [{"prompt": "p", "chosen": "c", "rejected": "r"}]), ours, SEQ, 10)
 
 
-def test_dpo_from_the_command_line(tmp_path, bpe):  # noqa: F811
+def test_dpo_from_the_command_line(tmp_path, bpe, capsys):  # noqa: F811
     """`vktrain export --objective dpo --grad-accum` of a GGUF carrying a tokenizer, then `vktrain train --data
     pairs.jsonl --grad-accum 2`: two pairs a step, the loss log 2 at the first step (the adapters start as the
     base: the policy is the reference), then away from it; a DPO export with --batch 2 is refused (exit 2)."""
@@ -128,6 +128,9 @@ def test_dpo_from_the_command_line(tmp_path, bpe):  # noqa: F811
     common = ["export", "--model", str(model), "--lora-rank", "4", "--seq", "64", "--objective", "dpo",
               "--beta", "0.5", "--calibration-data", "none"]
     assert main(common + ["--batch", "2", "--out", str(pte)]) == 2
+    assert "--objective dpo exports a training step" in capsys.readouterr().err
+    assert main(common[:-4] + ["--beta", "0", "--calibration-data", "none", "--batch", "1", "--out", str(pte)]) == 2
+    assert "--beta must be a finite number > 0" in capsys.readouterr().err
     assert main(common + ["--batch", "1", "--grad-accum", "--out", str(pte)]) == 0
     pairs = _write(tmp_path, [{"prompt": "hi", "chosen": " ok", "rejected": " no"},
                               {"prompt": PROMPT, "chosen": CHOSEN, "rejected": REJECTED}])

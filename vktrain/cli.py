@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import re
 import signal
@@ -101,6 +102,8 @@ def cmd_export(args: argparse.Namespace) -> int:
     dpo = args.objective == "dpo"
     if args.beta is not None and not dpo:
         raise UsageError(f"--beta is DPO's; --objective is {args.objective}")
+    if args.beta is not None and not (math.isfinite(args.beta) and args.beta > 0):
+        raise UsageError(f"--beta must be a finite number > 0 (DPO's scale of the log-ratio margin), got {args.beta}")
     if dpo and (args.program != "train-step" or packing or args.batch != 1):
         raise UsageError("--objective dpo exports a training step (--program train-step) of one preference pair a "
                          "call: --batch 1 (N pairs a step: --grad-accum here, vktrain train --grad-accum N), no "
