@@ -377,6 +377,9 @@ def _held_out_evaluation(args, runner, info, start: int):
     training."""
     if args.eval_data is None:
         return None, None
+    if info is None:  # a DPO step's pairs (--inputs arrays are refused with --eval-data up front)
+        raise TrainConfigError(f"--eval-data is token data for a token model's step; {args.program} trains on "
+                               f"preference pairs, whose held-out evaluation vktrain train does not run yet")
     from vktrain.train.held_out import evaluate_batches, prepare_eval_batches
 
     held_out = load_data(args.eval_data, info.vocab_size, program_tokenizer(runner, args.program))
