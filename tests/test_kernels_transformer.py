@@ -47,8 +47,9 @@ def run_plan(device, plan, inputs, outputs, *, replays=1, max_group_count=None):
     a kernel fails to write is caught. Returns {key: array}, or a list of them with replays > 1."""
     buffers = {}
     try:
-        for key, array in inputs.items():
-            buffers[key] = Buffer.from_array(device, np.ascontiguousarray(array, dtype=np.float32), name=key)
+        for key, array in inputs.items():  # integer arrays (document positions) as int32, the rest fp32
+            dtype = np.int32 if np.asarray(array).dtype.kind in "iu" else np.float32
+            buffers[key] = Buffer.from_array(device, np.ascontiguousarray(array, dtype=dtype), name=key)
         for key, shape in outputs.items():
             buffers[key] = Buffer(device, 4 * max(1, math.prod(shape)), name=key)
         results = []
@@ -297,20 +298,21 @@ def test_swiglu_plan_refuses_what_it_cannot_run():
 # ---- causal attention ----------------------------------------------------------------------------
 
 def attention_gpu(device, q, k, v, scale, d_out=None, *, tiles=None, dq_tiles=None, dkv_tiles=None,
-                  replays=1, max_group_count=None):
+                  replays=1, max_group_count=None, positions=None):
     """(out, lse) from the forward kernel and, with d_out, (d_q, d_k, d_v) from the backward kernels fed
-    with the GPU's own out and lse (as in a training step)."""
+    with the GPU's own out and lse (as in a training step); `positions` int [B, S]: packed documents."""
     B, S, Hq, D = q.shape
     Hkv = k.shape[2]
     dims = dict(B=B, S=S, Hq=Hq, Hkv=Hkv, D=D)
+    documents = {} if positions is None else {"positions": "positions"}
     plan = attention.plan_causal_attention(**dims, q="q", k="k", v="v", out="out", lse="lse", scale=scale,
-                                           tiles=tiles)
-    inputs = {"q": q, "k": k, "v": v}
+                                           tiles=tiles, **documents)
+    inputs = {"q": q, "k": k, "v": v, **({} if positions is None else {"positions": positions})}
     outputs = {"out": q.shape, "lse": (B, Hq, S)}
     if d_out is not None:
         plan += attention.plan_causal_attention_backward(
             **dims, d_out="d_out", q="q", k="k", v="v", out="out", lse="lse", d_q="d_q", d_k="d_k", d_v="d_v",
-            delta="delta", scale=scale, dq_tiles=dq_tiles, dkv_tiles=dkv_tiles)
+            delta="delta", scale=scale, dq_tiles=dq_tiles, dkv_tiles=dkv_tiles, **documents)
         inputs["d_out"] = d_out
         outputs.update(d_q=q.shape, d_k=k.shape, d_v=v.shape,
                        delta=(attention.causal_attention_backward_scratch_nbytes(B, S, Hq) // 4,))
@@ -500,3 +502,100 @@ def test_attention_plans_refuse_unsupported_problems():
     backward = dict(base, d_out="g", d_q="a", d_k="b", d_v="c", delta="t")
     with pytest.raises(KernelArgumentError, match="backward_dkv tiles"):
         attention.plan_causal_attention_backward(**backward, dkv_tiles=AttentionTiles(8, 8, 3))
+
+
+# ---- packed documents: causal attention within each document, per-token rope tables ---------------------
+
+def document_positions(lengths_per_row):
+    """int32 [B, S] positions of rows packed with documents of the given lengths (each row's sum is S)."""
+    return np.array([np.concatenate([np.arange(n) for n in lengths]) for lengths in lengths_per_row], np.int32)
+
+
+def per_document_definition(q, k, v, d_out, scale, lengths_per_row):
+    """float64 (out, lse, d_q, d_k, d_v) of packed rows computed one document at a time with the plain causal
+    definition (attention_definition on each document's slice alone, autograd): what a packed batch must
+    equal, independent of the masks' formula."""
+    results = {name: np.zeros(shape) for name, shape in (("out", q.shape), ("d_q", q.shape), ("d_k", k.shape),
+                                                         ("d_v", v.shape))}
+    results["lse"] = np.zeros((q.shape[0], q.shape[2], q.shape[1]))
+    for b, lengths in enumerate(lengths_per_row):
+        start = 0
+        for n in lengths:
+            part = slice(start, start + n)
+            leaves = [f64(a[b:b + 1, part]).requires_grad_() for a in (q, k, v)]
+            out, lse = attention_definition(*leaves, scale)
+            grads = torch.autograd.grad(out, leaves, f64(d_out[b:b + 1, part]))
+            results["out"][b, part], results["lse"][b, :, part] = out[0].detach(), lse[0].detach()
+            for name, grad in zip(("d_q", "d_k", "d_v"), grads):
+                results[name][b, part] = grad[0]
+            start += n
+    return results
+
+
+# (B, S, Hq, Hkv, D, documents per row, tiles): documents crossing tile boundaries, one-token documents,
+# a document as long as the row, rows of different layouts; tiles small enough that whole key tiles are
+# skipped (forward, DQ) and query tiles cut short (DKV).
+DOCUMENT_CASES = [
+    (2, 19, 4, 2, 16, [[5, 1, 9, 4], [19]], AttentionTiles(4, 4, 4)),
+    (1, 37, 4, 1, 64, [[1, 1, 12, 8, 15]], AttentionTiles(8, 8, 4)),
+    (2, 24, 2, 2, 32, [[8, 8, 8], [3, 17, 1, 3]], None),
+]
+
+
+@pytest.mark.parametrize("B,S,Hq,Hkv,D,lengths,tiles", DOCUMENT_CASES)
+def test_document_masked_attention_equals_each_document_alone(vk_device, B, S, Hq, Hkv, D, lengths, tiles):
+    """With positions, every document of a packed row gets the outputs and gradients it has alone (float64
+    definition per document), and no gradient flows between documents (d_k / d_v of a document's keys
+    come from its own queries only). Tolerances as the causal cases' (module docstring)."""
+    q, k, v, d_out = attention_inputs(B, S, Hq, Hkv, D, seed=S * 7 + D)
+    scale = 1 / math.sqrt(D)
+    positions = document_positions(lengths)
+    got = attention_gpu(vk_device, q, k, v, scale, d_out, tiles=tiles, dq_tiles=tiles, dkv_tiles=tiles,
+                        positions=positions)
+    ref = per_document_definition(q, k, v, d_out, scale, lengths)
+    # The op library's CPU reference with the same positions agrees with the per-document definition.
+    ref_out, ref_lse = OPS.causal_attention(f64(q), f64(k), f64(v), scale, torch.from_numpy(positions))
+    assert norm_rel_error(ref_out, ref["out"]) <= 1e-12 and norm_rel_error(ref_lse, ref["lse"]) <= 1e-12
+    for name in ("out", "lse", "d_q", "d_k", "d_v"):
+        assert_finite_and_shaped(got[name], torch.from_numpy(ref[name]), name)
+        # 2e-6: the gradients' own norms, as test_causal_attention_matches_the_definition (one-token
+        # documents have d_q = d_k = 0 exactly: an exact cancellation, absolute error ~1e-7 there).
+        assert norm_rel_error(got[name], ref[name]) <= (1e-6 if name in ("out", "lse", "d_v") else 2e-6), name
+    # Not the plain causal result: the masks change something (the test would pass vacuously otherwise).
+    plain, _ = OPS.causal_attention(f64(q), f64(k), f64(v), scale)
+    if any(len(row) > 1 for row in lengths):
+        assert norm_rel_error(got["out"], plain) > 1e-3
+
+
+def test_document_positions_of_one_document_give_the_causal_result(vk_device):
+    """positions 0..S-1 (each row one document) hide nothing: the DOCUMENTS kernels give the plain
+    kernels' bits."""
+    B, S, Hq, Hkv, D = 2, 21, 4, 2, 16
+    q, k, v, d_out = attention_inputs(B, S, Hq, Hkv, D, seed=5)
+    tiles = AttentionTiles(8, 8, 4)
+    plain = attention_gpu(vk_device, q, k, v, 0.25, d_out, tiles=tiles, dq_tiles=tiles, dkv_tiles=tiles)
+    packed = attention_gpu(vk_device, q, k, v, 0.25, d_out, tiles=tiles, dq_tiles=tiles, dkv_tiles=tiles,
+                           positions=document_positions([[S], [S]]))
+    for name in ("out", "lse", "d_q", "d_k", "d_v"):
+        np.testing.assert_array_equal(packed[name], plain[name], err_msg=name)
+
+
+def test_rope_per_token_tables(vk_device):
+    """cos/sin [B, S, D/2] (each token's own angles: positions restarting at each document) rotate token
+    (b, s) by row b * S + s of the tables, forward and backward (float64 definition)."""
+    B, S, H, D = 2, 11, 3, 16
+    rng = np.random.default_rng(4)
+    x = rng.standard_normal((B, S, H, D)).astype(np.float32)
+    positions = document_positions([[4, 7], [11]])
+    table_cos, table_sin = rope_tables(S, D)
+    cos, sin = table_cos[positions], table_sin[positions]  # [B, S, D/2]
+    forward = rotary.plan_rope(B=B, S=S, H=H, D=D, x="x", cos="cos", sin="sin", out="y", per_token=True)
+    backward = rotary.plan_rope(B=B, S=S, H=H, D=D, x="y", cos="cos", sin="sin", out="x_back", negate_sin=True,
+                                per_token=True)
+    got = run_plan(vk_device, forward + backward, {"x": x, "cos": cos, "sin": sin}, {"y": x.shape, "x_back": x.shape})
+    c, s = f64(cos)[:, :, None, :], f64(sin)[:, :, None, :]
+    x1, x2 = f64(x)[..., : D // 2], f64(x)[..., D // 2:]
+    y_def = torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1)
+    assert max_rel_error(got["y"], y_def) <= 1e-6
+    assert max_rel_error(got["y"], OPS.rope(f64(x), f64(cos), f64(sin))) <= 1e-6
+    assert max_rel_error(got["x_back"], x) <= 2e-6  # the inverse rotation gives x back

@@ -178,7 +178,7 @@ def test_attention_lowerings_pass_the_device_limits():
     out, lse = _tensor("out", q.shape), _tensor("lse", (B_, HQ, S_))
     common = dict(B=B_, S=S_, Hq=HQ, Hkv=HKV, D=D_, q=q.binding, k=k.binding, v=v.binding, out=out.binding,
                   lse=lse.binding, scale=0.25, label="0:vktrain.causal_attention.default")
-    context, lowering, _ = _context("vktrain.causal_attention.default", [q, k, v, 0.25], [out, lse], _Limits())
+    context, lowering, _ = _context("vktrain.causal_attention.default", [q, k, v, 0.25, None], [out, lse], _Limits())
     small = attention.plan_causal_attention(**common, shared_memory_bytes=16384, max_workgroup_size=64)
     default = attention.plan_causal_attention(**common)
     assert small != default  # the limits matter at this shape, so the comparison below can fail
@@ -187,7 +187,7 @@ def test_attention_lowerings_pass_the_device_limits():
     d_out, d_q, d_k, d_v = _tensor("d_out", q.shape), _tensor("d_q", q.shape), _tensor("d_k", k.shape), \
         _tensor("d_v", v.shape)
     context, lowering, scratch = _context("vktrain.causal_attention_backward.default",
-                                          [d_out, q, k, v, out, lse, 0.25], [d_q, d_k, d_v], _Limits())
+                                          [d_out, q, k, v, out, lse, 0.25, None], [d_q, d_k, d_v], _Limits())
     dispatches = lowering.lower(context)
     assert scratch == {"delta": attention.causal_attention_backward_scratch_nbytes(B_, S_, HQ)}
     expected = attention.plan_causal_attention_backward(
@@ -214,14 +214,14 @@ def test_rms_norm_workgroup_fits_the_device():
 
 @pytest.mark.parametrize("name, args, outputs, message", [
     ("vktrain.rope.default", [_tensor("x", (1, 8, 2, 16)), _tensor("cos", (16, 8)), _tensor("sin", (16, 8))],
-     [_tensor("o", (1, 8, 2, 16))], r"cos must have shape \[S, D/2\] = \[8, 8\] for x \[B, S, H, D\] = \[1, 8, 2, 16\], got \(16, 8\)"),
+     [_tensor("o", (1, 8, 2, 16))], r"cos must have shape \[S, D/2\] = \[8, 8\] or \[B, S, D/2\] = \[1, 8, 8\] for x \[B, S, H, D\] = \[1, 8, 2, 16\], got \(16, 8\)"),
     ("vktrain.rope.default", [_tensor("x", (8, 2, 16)), _tensor("cos", (8, 8)), _tensor("sin", (8, 8))],
      [_tensor("o", (8, 2, 16))], r"x must be 4-D \[B, S, H, D\] \(batch, sequence, heads, head dim\), got shape \(8, 2, 16\)"),
     ("vktrain.causal_attention.default",
-     [_tensor("q", (1, 8, 4, 16)), _tensor("k", (2, 8, 2, 16)), _tensor("v", (2, 8, 2, 16)), 0.25],
+     [_tensor("q", (1, 8, 4, 16)), _tensor("k", (2, 8, 2, 16)), _tensor("v", (2, 8, 2, 16)), 0.25, None],
      [_tensor("o", (1, 8, 4, 16)), _tensor("l", (1, 4, 8))], r"k and v must have shape \[B, S, Hkv, D\] with B, S, D of q \(1, 8, 4, 16\), got \(2, 8, 2, 16\)"),
     ("vktrain.causal_attention.default",
-     [_tensor("q", (1, 8, 3, 16)), _tensor("k", (1, 8, 2, 16)), _tensor("v", (1, 8, 2, 16)), 0.25],
+     [_tensor("q", (1, 8, 3, 16)), _tensor("k", (1, 8, 2, 16)), _tensor("v", (1, 8, 2, 16)), 0.25, None],
      [_tensor("o", (1, 8, 3, 16)), _tensor("l", (1, 3, 8))], r"multiple of the number of kv heads .* got Hq=3 \(q \(1, 8, 3, 16\)\) and Hkv=2"),
     ("vktrain.rms_norm.default", [_tensor("x", (4, 64)), _tensor("w", (32,)), 1e-5],
      [_tensor("y", (4, 64)), _tensor("r", (4, 1))], r"weight must have shape \[D\] = \[64\] to match x \(4, 64\), got \(32,\)"),

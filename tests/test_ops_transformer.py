@@ -267,6 +267,24 @@ def test_gradcheck_causal_attention_gqa():
     assert torch.autograd.gradcheck(lambda a, b, c: ops.causal_attention(a, b, c, 0.8)[0], (q, k, v))
 
 
+def test_gradcheck_causal_attention_with_documents():
+    """Packed documents: the registered autograd (through causal_attention_backward with the positions)
+    is the float64 finite-difference gradient, and no gradient crosses a document boundary."""
+    q, k, v = (randn(2, 7, heads, 4, seed=60 + heads, dtype=torch.float64).requires_grad_() for heads in (4, 2, 2))
+    positions = torch.tensor([[0, 1, 2, 0, 1, 0, 1], [0, 1, 2, 3, 4, 5, 6]])
+    assert torch.autograd.gradcheck(lambda a, b, c: ops.causal_attention(a, b, c, 0.8, positions)[0], (q, k, v))
+    out, _ = ops.causal_attention(q, k, v, 0.8, positions)
+    d_k, d_v = torch.autograd.grad(out[0, :3].sum(), (k, v))  # the first document's outputs of row 0
+    assert d_k[0, 3:].abs().max() == 0 and d_v[0, 3:].abs().max() == 0 and d_v[0, :3].abs().max() > 0
+    assert d_v[1].abs().max() == 0
+
+
+def test_causal_attention_refuses_positions_of_another_shape():
+    q, k, v = randn(2, 3, 4, 8, seed=34), randn(2, 3, 2, 8, seed=35), randn(2, 3, 2, 8, seed=36)
+    with pytest.raises(Exception, match=r"positions must have shape \[B, S\] = \[2, 3\]"):
+        ops.causal_attention(q, k, v, 0.5, torch.zeros(3, 2, dtype=torch.int64))
+
+
 def test_gradcheck_swiglu():
     gate = randn(3, 7, seed=30, dtype=torch.float64, scale=3.0).requires_grad_(True)
     up = randn(3, 7, seed=31, dtype=torch.float64).requires_grad_(True)

@@ -64,10 +64,10 @@ def _batches():
         yield token_ids, labels
 
 
-def _peft_reference(directory, vk_model, dtype):
+def peft_model(directory, vk_model, dtype):
     """transformers' LlamaForCausalLM from the same checkpoint, frozen linears replaced by vktrain's
-    dequantized q4gsw weights, PEFT LoRA (all-linear) initialised with vktrain's A/B, torch AdamW.
-    Returns (per-step losses, trained PEFT LoRA tensors by vktrain parameter name, the PEFT model)."""
+    dequantized q4gsw weights, PEFT LoRA (all-linear) initialised with vktrain's A/B. Returns (the PEFT
+    model, its LoRA layers by vktrain module path, torch AdamW over them)."""
     model = transformers.LlamaForCausalLM.from_pretrained(directory, attn_implementation="eager").to(dtype)
     adapters = lora_modules(vk_model)
     with torch.no_grad():
@@ -85,6 +85,22 @@ def _peft_reference(directory, vk_model, dtype):
     trainable = [p for p in model.parameters() if p.requires_grad]
     assert len(trainable) == 2 * len(adapters)
     optimizer = torch.optim.AdamW(trainable, lr=LR, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY)
+    return model, peft_layers, optimizer
+
+
+def peft_lora_state(peft_layers) -> dict[str, np.ndarray]:
+    """The PEFT LoRA tensors by vktrain parameter name, float64."""
+    state = {}
+    for path, layer in peft_layers.items():
+        state[f"{path}.lora_A"] = layer.lora_A["default"].weight.detach().double().numpy()
+        state[f"{path}.lora_B"] = layer.lora_B["default"].weight.detach().double().numpy()
+    return state
+
+
+def _peft_reference(directory, vk_model, dtype):
+    """peft_model trained on _batches() with torch AdamW. Returns (per-step losses, trained PEFT LoRA
+    tensors by vktrain parameter name)."""
+    model, peft_layers, optimizer = peft_model(directory, vk_model, dtype)
     losses = []
     for token_ids, labels in _batches():
         optimizer.zero_grad()
@@ -93,11 +109,7 @@ def _peft_reference(directory, vk_model, dtype):
         loss.backward()
         optimizer.step()
         losses.append(loss.item())
-    state = {}
-    for path, layer in peft_layers.items():
-        state[f"{path}.lora_A"] = layer.lora_A["default"].weight.detach().double().numpy()
-        state[f"{path}.lora_B"] = layer.lora_B["default"].weight.detach().double().numpy()
-    return losses, state
+    return losses, peft_lora_state(peft_layers)
 
 
 @pytest.fixture(scope="module")

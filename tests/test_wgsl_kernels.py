@@ -505,6 +505,24 @@ def test_wgsl_attention_equals_the_glsl_attention_bit_for_bit(vk_device, webgpu_
         np.testing.assert_array_equal(webgpu[name].view(np.uint32), value.view(np.uint32), err_msg=name)
 
 
+test_document_masked_attention_equals_each_document_alone = on_webgpu(
+    transformer.test_document_masked_attention_equals_each_document_alone)
+test_rope_per_token_tables = on_webgpu(transformer.test_rope_per_token_tables)
+
+
+@pytest.mark.parametrize("B,S,Hq,Hkv,D,lengths,tiles", transformer.DOCUMENT_CASES)
+def test_wgsl_document_attention_equals_the_glsl_bit_for_bit(vk_device, webgpu_device, B, S, Hq, Hkv, D, lengths,
+                                                              tiles):
+    """The DOCUMENTS variants mask and skip tiles as the GLSL ones do: the same bits on lavapipe."""
+    q, k, v, d_out = transformer.attention_inputs(B, S, Hq, Hkv, D, seed=S + D)
+    kwargs = dict(tiles=tiles, dq_tiles=tiles, dkv_tiles=tiles, positions=transformer.document_positions(lengths))
+    vulkan = transformer.attention_gpu(vk_device, q, k, v, 1 / math.sqrt(D), d_out, **kwargs)
+    webgpu = transformer.attention_gpu(webgpu_device, q, k, v, 1 / math.sqrt(D), d_out, **kwargs)
+    for name, value in vulkan.items():
+        assert np.isfinite(value).all(), name
+        np.testing.assert_array_equal(webgpu[name].view(np.uint32), value.view(np.uint32), err_msg=name)
+
+
 @pytest.mark.parametrize("B,L,Hq,Hkv,C,D,positions", [
     (1, 1, 4, 2, 200, 32, [150]),  # several 64-key tiles
     (2, 3, 6, 2, 70, 72, [69, 0, 64]),  # two dims per thread, ragged tiles

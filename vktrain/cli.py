@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import re
 import signal
@@ -31,6 +32,7 @@ import warnings
 from pathlib import Path
 
 from vktrain.contract import EVERY_LAYER, METADATA_ACTIVATION_CHECKPOINTING, checkpointing_name, layers_per_segment
+from vktrain.contract import OBJECTIVES, PACKINGS
 from vktrain.errors import VktrainError
 # main() repeats vktrain/__init__'s silencing (idempotent) in case a library reset the filters.
 from vktrain.import_noise import silence_known_import_noise as _silence_known_import_noise
@@ -106,6 +108,18 @@ def cmd_export(args: argparse.Namespace) -> int:
     if args.activation_checkpointing is not None and args.program != "train-step":
         raise UsageError(f"--activation-checkpointing recomputes activations in a training step's backward; "
                          f"--program is {args.program}")
+    packing = None if args.packing == "none" else args.packing
+    if packing and args.program != "train-step":
+        raise UsageError(f"--packing {args.packing} packs a training step's documents; --program is {args.program}")
+    dpo = args.objective == "dpo"
+    if args.beta is not None and not dpo:
+        raise UsageError(f"--beta is DPO's; --objective is {args.objective}")
+    if args.beta is not None and not (math.isfinite(args.beta) and args.beta > 0):
+        raise UsageError(f"--beta must be a finite number > 0 (DPO's scale of the log-ratio margin), got {args.beta}")
+    if dpo and (args.program != "train-step" or packing or args.batch != 1):
+        raise UsageError("--objective dpo exports a training step (--program train-step) of one preference pair a "
+                         "call: --batch 1 (N pairs a step: --grad-accum here, vktrain train --grad-accum N), no "
+                         f"--packing; got --program {args.program} --batch {args.batch} --packing {args.packing}")
     check_outputs([Output("--out", args.out, PTE)], overwrite=args.overwrite,  # before minutes of export
                   inputs=[("--model", args.model), ("--calibration-data", args.calibration_data)])
     from vktrain.train.targets import TargetEmbedder, resolve_targets
@@ -150,9 +164,18 @@ def cmd_export(args: argparse.Namespace) -> int:
     batch_shape = (args.batch, args.seq)
     step_options = dict(freeze_lora_a=args.freeze_lora_a, activation_checkpointing=args.activation_checkpointing)
     try:
-        if args.program == "train-step":  # with its eval method (`vktrain eval`), sharing the frozen base
-            methods = export_accumulating_methods(model, batch_shape, **step_options) if args.grad_accum else dict(
-                zip((TRAIN_METHOD, EVAL_METHOD), export_training_and_eval_steps(model, batch_shape, **step_options)))
+        if dpo:
+            from vktrain.export.dpo import DEFAULT_BETA, example_dpo_inputs, with_dpo_loss
+
+            dpo_model = with_dpo_loss(model, DEFAULT_BETA if args.beta is None else args.beta)
+            inputs = example_dpo_inputs(args.seq, model.vocab_size)
+            methods = export_accumulating_methods(dpo_model, example_inputs=inputs, **step_options) \
+                if args.grad_accum else dict(zip((TRAIN_METHOD, EVAL_METHOD), export_training_and_eval_steps(
+                    dpo_model, example_inputs=inputs, **step_options)))
+        elif args.program == "train-step":  # with its eval method (`vktrain eval`), sharing the frozen base
+            methods = export_accumulating_methods(model, batch_shape, packing=packing, **step_options) \
+                if args.grad_accum else dict(zip((TRAIN_METHOD, EVAL_METHOD), export_training_and_eval_steps(
+                    model, batch_shape, packing=packing, **step_options)))
         else:
             methods = {TRAIN_METHOD: export_forward(model, batch_shape, with_adapters=args.program == "forward")}
     except CheckpointingError as e:  # refused before the trace
@@ -366,6 +389,16 @@ def build_parser() -> argparse.ArgumentParser:
                         help="keep only the decoder layers' inputs and recompute their forward inside the backward, "
                              "one layer at a time (every-layer) or in segments of N layers: less device memory "
                              "(vktrain inspect's planned GPU memory), more time per step; the same losses")
+    export.add_argument("--packing", choices=PACKINGS, default="none",
+                        help="documents: the step takes each token's position in its document, so a window packing "
+                             "several documents (or chats) attends within each and restarts rope positions at each "
+                             "start: the loss the documents have one by one; vktrain train feeds the boundaries of "
+                             "its --data (default none: a window attends across them)")
+    export.add_argument("--objective", choices=OBJECTIVES, default="lm",
+                        help="dpo: the step trains on preference pairs (vktrain train --data pairs.jsonl, TRL's "
+                             "{prompt, chosen, rejected}) with DPO's loss, the frozen base as the reference; one "
+                             "pair a call (--batch 1), so N pairs a step is --grad-accum (default lm)")
+    export.add_argument("--beta", type=float, default=None, help="DPO's beta (default 0.1; --objective dpo)")
     export.add_argument("--lora-alpha", type=float, default=16.0)
     export.add_argument("--seed", type=int, default=0,
                         help="seeds the LoRA init and a built-in model's random weights (default 0): exports of one "

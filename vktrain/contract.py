@@ -25,6 +25,21 @@ TRAIN_METHOD, EVAL_METHOD = "forward", "eval"
 ACCUMULATE_METHOD = "accumulate"  # a --grad-accum export's: forward + backward into optimizer.grad_acc.*
 EVAL_INPUTS = (TOKEN_IDS, LABELS, N_VALID)
 
+# Packed documents (`vktrain export --packing documents`): the step and its eval method take one more input,
+# positions int64 [B, S], each token's position in its document (0 at a document's first token, then 1, 2,
+# ... up to the next start), so attention stays within each document and rope restarts at each start.
+POSITIONS = "positions"
+PACKING_DOCUMENTS = "documents"
+PACKINGS = ("none", PACKING_DOCUMENTS)  # what `vktrain export --packing` takes; none: windows as they are
+
+# Preference tuning (`vktrain export --objective dpo`, vktrain/export/dpo.py): the step takes one pair a call,
+# token ids and labels int64 [1, S] per side (labels -100 but on the completion), and n_pairs float32 [] (the
+# pairs of the optimizer step, which the loss divides by); beta is baked.
+CHOSEN_IDS, CHOSEN_LABELS, REJECTED_IDS, REJECTED_LABELS, N_PAIRS = (
+    "chosen_ids", "chosen_labels", "rejected_ids", "rejected_labels", "n_pairs")
+DPO_INPUTS = (CHOSEN_IDS, CHOSEN_LABELS, REJECTED_IDS, REJECTED_LABELS, N_PAIRS)
+OBJECTIVES = ("lm", "dpo")  # `vktrain export --objective`: next-token cross-entropy, or DPO over pairs
+
 # The hparams tensor adamw reads, in this order; the defaults are torch.optim.AdamW's.
 HPARAM_NAMES = ("lr", "beta1", "beta2", "eps", "weight_decay")
 ADAMW_DEFAULTS = {"beta1": 0.9, "beta2": 0.999, "eps": 1e-8, "weight_decay": 1e-2}
@@ -142,5 +157,6 @@ __all__ = ["ACCUMULATE_METHOD", "ADAMW_DEFAULTS", "ADAPTER_METADATA_KEYS", "BACK
            "METADATA_PLANNED_MEMORY_BYTES", "METADATA_REFUSALS", "METADATA_SOURCE_MODEL", "METADATA_STATE_BYTES",
            "METADATA_SYNTHETIC_CONSTANTS", "METADATA_UNPLANNED_MEMORY_BYTES", "MODEL_PREFIX",
            "NAMED_DATA_TOKENIZER_CONFIG", "NAMED_DATA_TOKENIZER_JSON", "N_VALID", "PRECISIONS", "PRECISION_AUTO", "PRECISION_CHOICES", "PRECISION_FP16", "PRECISION_FP16_TC",
-           "PRECISION_FP32", "STATE_PREFIXES", "STEP_INPUTS", "STEP_STATE", "TOKEN_IDS", "TRAIN_METHOD",
+           "PRECISION_FP32", "CHOSEN_IDS", "CHOSEN_LABELS", "DPO_INPUTS", "N_PAIRS", "OBJECTIVES", "REJECTED_IDS",
+           "REJECTED_LABELS", "PACKINGS", "PACKING_DOCUMENTS", "POSITIONS", "STATE_PREFIXES", "STEP_INPUTS", "STEP_STATE", "TOKEN_IDS", "TRAIN_METHOD",
            "allowed_precisions", "checkpointing_name", "hparams_values", "layers_per_segment"]

@@ -10,7 +10,8 @@ Program signature (every value a runtime input; nothing about the optimizer is b
              token models contract.STEP_INPUTS: token_ids int64 [B, S], labels int64 [B, S] (< 0 =
              ignored), hparams, n_valid float32 [] (the loss divisor: the number of labels >= 0 in the
              batch, or in the whole accumulated batch; the caller computes it, which keeps integer
-             reductions out of the GPU graph and lets gradient accumulation pick its divisor)
+             reductions out of the GPU graph and lets gradient accumulation pick its divisor); with
+             packing="documents" the loss takes a last input, contract.POSITIONS int64 [B, S]
     output   loss float32 []
     state    (mutable buffers, updated in place every step)
              model.<path> of each trainable parameter      (the LoRA adapters: model.<layer>.lora_A / lora_B)
@@ -47,8 +48,8 @@ import vktrain.ops  # noqa: F401  (registers torch.ops.vktrain.*)
 from vktrain.contract import (EXP_AVG_PREFIX, EXP_AVG_SQ_PREFIX, METADATA_ACTIVATION_CHECKPOINTING,
                               METADATA_BASE_MODEL, METADATA_LORA_ALPHA, METADATA_LORA_LAYERS, METADATA_LORA_RANK,
                               METADATA_LORA_TARGET_MODULES, METADATA_MODEL_CONFIG, METADATA_MODEL_FAMILY,
-                              METADATA_SOURCE_MODEL, MODEL_PREFIX, STEP_STATE as STEP_BUFFER, checkpointing_name,
-                              layers_per_segment)
+                              METADATA_SOURCE_MODEL, MODEL_PREFIX, PACKING_DOCUMENTS, PACKINGS, POSITIONS,
+                              STEP_STATE as STEP_BUFFER, checkpointing_name, layers_per_segment)
 from vktrain.errors import VktrainError
 from vktrain.lora import LoRAQ4Linear, lora_modules, lora_parameter_names, replace_torchao_linears
 from vktrain.partitioner.op_registry import PRESERVED_OPS, first_refusal
@@ -113,6 +114,18 @@ def loss_module(model: nn.Module, example_inputs: tuple[torch.Tensor, ...]) -> n
     return type("_LossModule", (_LossModule,), {"forward": forward})(model)
 
 
+def example_positions(batch_size: int, seq_len: int) -> torch.Tensor:
+    """contract.POSITIONS int64 [B, S] of rows that are one document each (0 .. S-1)."""
+    return torch.arange(seq_len, dtype=torch.int64).expand(batch_size, seq_len).contiguous()
+
+
+def check_packing(packing: Optional[str]) -> bool:
+    """Whether `packing` asks for packed documents (contract.PACKINGS; None is "none")."""
+    if packing is not None and packing not in PACKINGS:
+        raise StepExportError(f"packing must be one of {list(PACKINGS)}, got {packing!r}")
+    return packing == PACKING_DOCUMENTS
+
+
 def example_training_inputs(batch_size: int, seq_len: int, vocab_size: int = 256,
                             seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(token_ids, labels, hparams, n_valid) of the shapes and dtypes the step program takes."""
@@ -173,15 +186,17 @@ def check_batch_shape(batch_shape) -> tuple[int, int]:
 
 def export_training_step(model: nn.Module, batch_shape: Optional[tuple[int, int]] = None, *,
                          example_inputs: Optional[tuple[torch.Tensor, ...]] = None,
-                         activation_checkpointing: str | int | None = None) -> ExportedProgram:
+                         activation_checkpointing: str | int | None = None,
+                         packing: Optional[str] = None) -> ExportedProgram:
     """Export one training step of `model`: a token model (LoRA adapters inserted) for token batches of
     `batch_shape`, or any module for its loss over `example_inputs` (one of the two).
     `activation_checkpointing`: "every-layer" or N, the backward recomputes the decoder layers' forward in
-    segments of 1 or N layers instead of keeping their activations (vktrain/export/recompute.py).
+    segments of 1 or N layers instead of keeping their activations (vktrain/export/recompute.py). `packing`
+    "documents": the token model's step takes contract.POSITIONS too (packed documents).
 
     The model is not modified (it is deep-copied). See the module docstring for the program's signature.
     """
-    joint, trainable = _joint_program(model, _loss_inputs(model, batch_shape, example_inputs),
+    joint, trainable = _joint_program(model, _loss_inputs(model, batch_shape, example_inputs, packing),
                                       activation_checkpointing)
     program = training_step_program(joint, trainable)
     drop_unused_constant_inputs(program)
@@ -190,16 +205,16 @@ def export_training_step(model: nn.Module, batch_shape: Optional[tuple[int, int]
 
 def export_training_and_eval_steps(model: nn.Module, batch_shape: Optional[tuple[int, int]] = None, *,
                                    example_inputs: Optional[tuple[torch.Tensor, ...]] = None,
-                                   freeze_lora_a: bool = False, activation_checkpointing: str | int | None = None
-                                   ) -> tuple[ExportedProgram, ExportedProgram]:
+                                   freeze_lora_a: bool = False, activation_checkpointing: str | int | None = None,
+                                   packing: Optional[str] = None) -> tuple[ExportedProgram, ExportedProgram]:
     """(the training step, its eval method) from ONE trace: the eval program is the joint graph's forward
     (vktrain/export/eval.py's signature; the loss's inputs for any module; export_eval_step traces it
     anew), which saves an export of the model's forward (half a minute for a 30-layer model).
     `freeze_lora_a`: only the lora_B tensors train (FFA-LoRA); the lora_A tensors stay frozen constants,
-    so their gradient GEMMs are not exported. `activation_checkpointing`: see export_training_step."""
+    so their gradient GEMMs are not exported. `activation_checkpointing`, `packing`: see export_training_step."""
     if freeze_lora_a:
         model = _with_lora_a_frozen(model)
-    joint, trainable = _joint_program(model, _loss_inputs(model, batch_shape, example_inputs),
+    joint, trainable = _joint_program(model, _loss_inputs(model, batch_shape, example_inputs, packing),
                                       activation_checkpointing)
     evaluation = eval_program_from_joint(joint)
     program = training_step_program(joint, trainable)
@@ -211,7 +226,8 @@ def export_training_and_eval_steps(model: nn.Module, batch_shape: Optional[tuple
 def export_accumulating_methods(model: nn.Module, batch_shape: Optional[tuple[int, int]] = None, *,
                                 example_inputs: Optional[tuple[torch.Tensor, ...]] = None,
                                 freeze_lora_a: bool = False,
-                                activation_checkpointing: str | int | None = None) -> dict[str, ExportedProgram]:
+                                activation_checkpointing: str | int | None = None,
+                                packing: Optional[str] = None) -> dict[str, ExportedProgram]:
     """The methods of a gradient-accumulating .pte, from ONE trace: contract.TRAIN_METHOD, the step whose
     AdamW reads gradient + optimizer.grad_acc.<path> and then zeroes grad_acc; contract.ACCUMULATE_METHOD,
     forward + backward adding the gradient into grad_acc (the same inputs as the eval method, no hparams);
@@ -222,7 +238,7 @@ def export_accumulating_methods(model: nn.Module, batch_shape: Optional[tuple[in
 
     if freeze_lora_a:
         model = _with_lora_a_frozen(model)
-    joint, trainable = _joint_program(model, _loss_inputs(model, batch_shape, example_inputs),
+    joint, trainable = _joint_program(model, _loss_inputs(model, batch_shape, example_inputs, packing),
                                       activation_checkpointing)
     methods = {EVAL_METHOD: eval_program_from_joint(joint), ACCUMULATE_METHOD: accumulate_program(joint, trainable)}
     methods[TRAIN_METHOD] = training_step_program(joint, trainable, grad_accum=True)
@@ -241,18 +257,29 @@ def _with_lora_a_frozen(model: nn.Module) -> nn.Module:
 
 
 def _loss_inputs(model: nn.Module, batch_shape: Optional[tuple[int, int]],
-                 example_inputs: Optional[tuple[torch.Tensor, ...]]) -> tuple[torch.Tensor, ...]:
+                 example_inputs: Optional[tuple[torch.Tensor, ...]], packing: Optional[str] = None
+                 ) -> tuple[torch.Tensor, ...]:
     """The loss's example inputs: `example_inputs` as given, or a token model's (token_ids, labels,
-    n_valid) for `batch_shape`. A token model trains LoRA adapters (its .pte describes PEFT adapters)."""
+    n_valid[, positions]) for `batch_shape`. A token model trains LoRA adapters (its .pte describes PEFT
+    adapters)."""
     if (batch_shape is None) == (example_inputs is None):
         raise StepExportError("give the step's batch_shape (a token model) or its example_inputs (any module), "
                               "exactly one of the two")
+    documents = check_packing(packing)
     if example_inputs is not None:
+        if documents:
+            raise StepExportError("packing applies to a token model's step (batch_shape); a module's own loss "
+                                  "takes whatever inputs its example_inputs give it")
         return tuple(example_inputs)
     batch_size, seq_len = check_batch_shape(batch_shape)
     if not lora_parameter_names(model):
         raise StepExportError("the model has no LoRA adapters: call vktrain.lora.apply_lora first (nothing to train)")
     token_ids, labels, _, n_valid = example_training_inputs(batch_size, seq_len, getattr(model, "vocab_size", 256))
+    if documents:
+        if POSITIONS not in inspect.signature(_loss_function(model)).parameters:
+            raise StepExportError(f"packing {PACKING_DOCUMENTS!r}: {type(model).__name__}'s loss takes no "
+                                  f"{POSITIONS!r} input (the Llama family's does)")
+        return token_ids, labels, n_valid, example_positions(batch_size, seq_len)
     return token_ids, labels, n_valid
 
 

@@ -253,10 +253,11 @@ class LlamaAttention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         return torch.ops.vktrain.rope(q, cos, sin), torch.ops.vktrain.rope(k, cos, sin), v
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                positions: torch.Tensor | None = None) -> torch.Tensor:
         batch, seq_len, _ = x.shape
         q, k, v = self.project_qkv(x, cos, sin)
-        out, _ = torch.ops.vktrain.causal_attention(q, k, v, self.scale)
+        out, _ = torch.ops.vktrain.causal_attention(q, k, v, self.scale, positions)
         return self.o_proj(out.reshape(batch, seq_len, self.n_heads * self.head_dim))
 
 
@@ -279,8 +280,9 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = LlamaRMSNorm(config.dim, config.norm_eps)
         self.mlp = LlamaMLP(config)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin)
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                positions: torch.Tensor | None = None) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, positions)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -329,27 +331,35 @@ class LlamaForCausalLM(nn.Module):
             raise ValueError(f"sequence length {token_ids.shape[1]} exceeds max_seq_len={self.config.max_seq_len} "
                              f"(the rope tables' length); build the model with a larger max_seq_len")
 
-    def hidden_states(self, token_ids: torch.Tensor) -> torch.Tensor:
-        """The final-norm output [B, S, dim] (the lm_head's input)."""
+    def hidden_states(self, token_ids: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """The final-norm output [B, S, dim] (the lm_head's input). `positions` int [B, S] (packed
+        documents): each token's position in its document (0 at a document's first token); attention
+        then stays within each document and rope rotates by these positions, so every document computes
+        what it computes alone."""
         self._check_token_ids(token_ids)
         seq_len = token_ids.shape[1]
-        cos, sin = self.rope_cos[:seq_len], self.rope_sin[:seq_len]
+        if positions is None:
+            cos, sin = self.rope_cos[:seq_len], self.rope_sin[:seq_len]
+        else:  # [B, S, D/2]: each token's own row of the tables
+            cos, sin = (torch.nn.functional.embedding(positions, table) for table in (self.rope_cos, self.rope_sin))
         h = self.model.embed_tokens(token_ids)
         for layer in self.model.layers:
-            h = layer(h, cos, sin)
+            h = layer(h, cos, sin, positions)
         return self.model.norm(h)
 
-    def forward(self, token_ids: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(self.hidden_states(token_ids))
+    def forward(self, token_ids: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        return self.lm_head(self.hidden_states(token_ids, positions))
 
     def get_output_embeddings(self) -> nn.Module:
         """The output head (transformers' name for it): LoRA's default "all-linear" targets leave it out."""
         return self.lm_head
 
-    def loss(self, token_ids: torch.Tensor, labels: torch.Tensor, n_valid: torch.Tensor) -> torch.Tensor:
+    def loss(self, token_ids: torch.Tensor, labels: torch.Tensor, n_valid: torch.Tensor,
+             positions: torch.Tensor | None = None) -> torch.Tensor:
         """Cross-entropy summed over labels >= 0 and divided by the runtime input n_valid (float32 []).
-        labels[b, s] is the target for position s (the caller shifts them)."""
-        logits = self.forward(token_ids)
+        labels[b, s] is the target for position s (the caller shifts them); `positions`: packed documents
+        (hidden_states)."""
+        logits = self.forward(token_ids, positions)
         loss, _ = torch.ops.vktrain.fused_ce(logits.reshape(-1, self.vocab_size), labels.reshape(-1), n_valid)
         return loss
 

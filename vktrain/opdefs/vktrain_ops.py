@@ -199,14 +199,20 @@ def _rms_norm_backward(call: Call) -> tuple[TensorMeta, ...]:
 
 def _rope(call: Call) -> tuple[TensorMeta, ...]:
     x = rank(call, "x", 4, "[B, S, H, D] (batch, sequence, heads, head dim)")
-    _, seq_len, _, head_dim = x.shape
+    batch, seq_len, _, head_dim = x.shape
     if head_dim % 2 != 0:
         raise Refusal(f"x's head dim D must be even (rope rotates the pairs (i, i + D/2)), got D={head_dim}")
+    # [S, D/2]: one angle per position, shared by the batch rows; [B, S, D/2]: per token (packed documents,
+    # whose positions restart at each document start).
+    shapes = ((seq_len, head_dim // 2), (batch, seq_len, head_dim // 2))
     for name in ("cos", "sin"):
         same_dtype(call, name, "x")
-        if call.tensor(name).shape != (seq_len, head_dim // 2):
-            raise Refusal(f"{name} must have shape [S, D/2] = [{seq_len}, {head_dim // 2}] for x [B, S, H, D] = "
-                          f"{list(x.shape)}, got {call.tensor(name).shape}")
+        if call.tensor(name).shape not in shapes:
+            raise Refusal(f"{name} must have shape [S, D/2] = [{seq_len}, {head_dim // 2}] or [B, S, D/2] = "
+                          f"[{batch}, {seq_len}, {head_dim // 2}] for x [B, S, H, D] = {list(x.shape)}, got "
+                          f"{call.tensor(name).shape}")
+    if call.tensor("cos").shape != call.tensor("sin").shape:
+        raise Refusal(f"cos {call.tensor('cos').shape} and sin {call.tensor('sin').shape} must have one shape")
     return (x,)
 
 
@@ -231,6 +237,10 @@ def _attention_inputs(call: Call) -> tuple[int, int, int, int]:
         raise Refusal(f"the number of query heads must be a multiple of the number of kv heads (grouped-query "
                       f"attention), got Hq={q_heads} (q {q.shape}) and Hkv={kv_heads} (k {k.shape})")
     call.real("scale", "the factor applied to q k^T, usually 1/sqrt(D)")
+    positions = call.optional_tensor("positions")
+    if positions is not None and positions.shape != (batch, seq_len):
+        raise Refusal(f"positions must have shape [B, S] = {[batch, seq_len]} (each token's position in its "
+                      f"document), got {positions.shape}")
     return batch, seq_len, q_heads, kv_heads
 
 
@@ -294,11 +304,13 @@ VKTRAIN_OPS = (
     _define("rms_norm_backward(Tensor d_y, Tensor x, Tensor weight, Tensor rstd) -> Tensor", _rms_norm_backward,
             x=FLOAT, weight=FLOAT, d_y=FLOAT, rstd=FLOAT),
     _define("rope(Tensor x, Tensor cos, Tensor sin) -> Tensor", _rope, x=FLOAT, cos=FLOAT, sin=FLOAT),
-    _define("causal_attention(Tensor q, Tensor k, Tensor v, float scale) -> (Tensor out, Tensor lse)",
-            _causal_attention, q=FLOAT, k=FLOAT, v=FLOAT),
+    # positions (packed documents): query i sees keys j with i - positions[i] <= j <= i, its own document.
+    _define("causal_attention(Tensor q, Tensor k, Tensor v, float scale, Tensor? positions=None) -> "
+            "(Tensor out, Tensor lse)", _causal_attention, q=FLOAT, k=FLOAT, v=FLOAT, positions=INDEX),
     _define("causal_attention_backward(Tensor d_out, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
-            "float scale) -> (Tensor d_q, Tensor d_k, Tensor d_v)", _causal_attention_backward,
-            q=FLOAT, k=FLOAT, v=FLOAT, d_out=FLOAT, out=FLOAT, lse=FLOAT),
+            "float scale, Tensor? positions=None) -> (Tensor d_q, Tensor d_k, Tensor d_v)",
+            _causal_attention_backward, q=FLOAT, k=FLOAT, v=FLOAT, d_out=FLOAT, out=FLOAT, lse=FLOAT,
+            positions=INDEX),
     _define("swiglu(Tensor gate, Tensor up) -> Tensor", _swiglu, gate=FLOAT, up=FLOAT),
     _define("swiglu_backward(Tensor d_h, Tensor gate, Tensor up) -> (Tensor d_gate, Tensor d_up)", _swiglu_backward,
             gate=FLOAT, up=FLOAT, d_h=FLOAT),

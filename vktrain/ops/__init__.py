@@ -21,9 +21,9 @@ Transformer ops (Llama family, vktrain/ops/transformer.py; listed in TRANSFORMER
     rms_norm(Tensor x, Tensor weight, float eps) -> (Tensor y, Tensor rstd)
     rms_norm_backward(Tensor d_y, Tensor x, Tensor weight, Tensor rstd) -> Tensor
     rope(Tensor x, Tensor cos, Tensor sin) -> Tensor
-    causal_attention(Tensor q, Tensor k, Tensor v, float scale) -> (Tensor out, Tensor lse)
-    causal_attention_backward(Tensor d_out, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, float scale)
-        -> (Tensor d_q, Tensor d_k, Tensor d_v)
+    causal_attention(Tensor q, Tensor k, Tensor v, float scale, Tensor? positions=None) -> (Tensor out, Tensor lse)
+    causal_attention_backward(Tensor d_out, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, float scale,
+                              Tensor? positions=None) -> (Tensor d_q, Tensor d_k, Tensor d_v)
     swiglu(Tensor gate, Tensor up) -> Tensor
     swiglu_backward(Tensor d_h, Tensor gate, Tensor up) -> (Tensor d_gate, Tensor d_up)
 
@@ -101,21 +101,24 @@ def rms_norm_backward(d_y: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
 
 
 def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotary embedding of x [B, S, H, D] with tables cos/sin [S, D/2], pairing (i, i + D/2) ("rotate half")."""
+    """Rotary embedding of x [B, S, H, D] with tables cos/sin [S, D/2] (or [B, S, D/2], per token), pairing
+    (i, i + D/2) ("rotate half")."""
     return torch.ops.vktrain.rope(x, cos, sin)
 
 
-def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                     scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """(out [B, S, Hq, D], lse [B, Hq, S]) of causal softmax(scale * q k^T) v; k/v [B, S, Hkv, D] (GQA)."""
-    return torch.ops.vktrain.causal_attention(q, k, v, scale)
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                     positions: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out [B, S, Hq, D], lse [B, Hq, S]) of causal softmax(scale * q k^T) v; k/v [B, S, Hkv, D] (GQA).
+    `positions` [B, S] (packed documents): each token's position in its document; query i then sees
+    keys i - positions[i] .. i only."""
+    return torch.ops.vktrain.causal_attention(q, k, v, scale, positions)
 
 
 def causal_attention_backward(d_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                              out: torch.Tensor, lse: torch.Tensor,
-                              scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                              out: torch.Tensor, lse: torch.Tensor, scale: float,
+                              positions: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(d_q, d_k, d_v) of causal_attention, rebuilding the probabilities from lse (flash-attention style)."""
-    return torch.ops.vktrain.causal_attention_backward(d_out, q, k, v, out, lse, scale)
+    return torch.ops.vktrain.causal_attention_backward(d_out, q, k, v, out, lse, scale, positions)
 
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:

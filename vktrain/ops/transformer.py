@@ -2,9 +2,13 @@
 
     rms_norm(x[..., D], weight[D], eps) -> (y = x * rstd * weight, rstd = 1/sqrt(mean(x^2) + eps) [..., 1])
     rms_norm_backward(d_y, x, weight, rstd) -> d_x
-    rope(x[B, S, H, D], cos[S, D/2], sin[S, D/2]) -> "rotate half" rotation of the pairs (i, i + D/2)
-    causal_attention(q[B, S, Hq, D], k[B, S, Hkv, D], v[B, S, Hkv, D], scale) -> (out[B, S, Hq, D], lse[B, Hq, S])
-    causal_attention_backward(d_out, q, k, v, out, lse, scale) -> (d_q, d_k, d_v)
+    rope(x[B, S, H, D], cos[S, D/2] or [B, S, D/2], sin alike) -> "rotate half" rotation of the pairs (i, i + D/2)
+    causal_attention(q[B, S, Hq, D], k[B, S, Hkv, D], v[B, S, Hkv, D], scale, positions[B, S] or None)
+        -> (out[B, S, Hq, D], lse[B, Hq, S])
+    causal_attention_backward(d_out, q, k, v, out, lse, scale, positions) -> (d_q, d_k, d_v)
+
+Packed documents: with `positions` (each token's position in its document, 0 at a document's first
+token), query i attends to keys j with i - positions[i] <= j <= i only, its own document's past.
     swiglu(gate, up) -> silu(gate) * up
     swiglu_backward(d_h, gate, up) -> (d_gate, d_up)
 
@@ -74,8 +78,9 @@ define_op("rms_norm_backward", _rms_norm_backward_cpu)
 def _rope_cpu(x, cos, sin):
     half = x.shape[-1] // 2
     x1, x2 = x[..., :half], x[..., half:]
-    # [S, D/2] -> [S, 1, D/2]: one angle per position and frequency, shared by every batch row and head.
-    cos, sin = cos[:, None, :], sin[:, None, :]
+    # [S, D/2] -> [S, 1, D/2]: one angle per position and frequency, shared by every batch row and head
+    # ([B, S, D/2] -> [B, S, 1, D/2]: per token).
+    cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 
 
@@ -112,17 +117,26 @@ def _heads_first(x, repeats):
     return x.repeat_interleave(repeats, dim=1) if repeats > 1 else x
 
 
-def _masked_scores(q_heads_first, k_heads_first, scale):
-    """scale * q k^T [B, Hq, S, S] with -inf above the diagonal (key position > query position)."""
+def hidden_keys(seq_len, positions=None, device=None):
+    """bool [S, S] (or [B, 1, S, S] with positions [B, S]): True where query i may not see key j, i.e.
+    j > i, or (packed documents) j < i - positions[i], before the query's document starts."""
+    index = torch.arange(seq_len, device=device)
+    future = index[None, :] > index[:, None]
+    if positions is None:
+        return future
+    start = index[None, :] - positions.to(device=device, dtype=index.dtype)  # [B, S]: each query's first key
+    return (future[None] | (index[None, None, :] < start[:, :, None]))[:, None]
+
+
+def _masked_scores(q_heads_first, k_heads_first, scale, positions=None):
+    """scale * q k^T [B, Hq, S, S] with -inf where the key is hidden from the query (hidden_keys)."""
     scores = scale * torch.matmul(q_heads_first, k_heads_first.transpose(-1, -2))
-    seq_len = scores.shape[-1]
-    future = torch.ones(seq_len, seq_len, dtype=torch.bool, device=scores.device).triu(diagonal=1)
-    return scores.masked_fill(future, float("-inf"))
+    return scores.masked_fill(hidden_keys(scores.shape[-1], positions, scores.device), float("-inf"))
 
 
-def _causal_attention_cpu(q, k, v, scale):
+def _causal_attention_cpu(q, k, v, scale, positions=None):
     group = q.shape[2] // k.shape[2]
-    scores = _masked_scores(_heads_first(q, 1), _heads_first(k, group), scale)
+    scores = _masked_scores(_heads_first(q, 1), _heads_first(k, group), scale, positions)
     lse = torch.logsumexp(scores, dim=-1)  # the diagonal is never masked, so lse is finite
     probs = torch.exp(scores - lse[..., None])
     out = torch.matmul(probs, _heads_first(v, group))  # [B, Hq, S, D]
@@ -133,18 +147,18 @@ define_op("causal_attention", _causal_attention_cpu)
 
 
 def _causal_attention_setup_context(ctx, inputs, output):
-    q, k, v, scale = inputs
+    q, k, v, scale, positions = inputs
     out, lse = output
     ctx.mark_non_differentiable(lse)
-    ctx.save_for_backward(q, k, v, out, lse)
+    ctx.save_for_backward(q, k, v, out, lse, positions)
     ctx.scale = scale
 
 
 def _causal_attention_autograd_backward(ctx, grad_out, grad_lse):
-    q, k, v, out, lse = ctx.saved_tensors
-    d_q, d_k, d_v = torch.ops.vktrain.causal_attention_backward(grad_out, q, k, v, out, lse, ctx.scale)
+    q, k, v, out, lse, positions = ctx.saved_tensors
+    d_q, d_k, d_v = torch.ops.vktrain.causal_attention_backward(grad_out, q, k, v, out, lse, ctx.scale, positions)
     needs = ctx.needs_input_grad
-    return (d_q if needs[0] else None), (d_k if needs[1] else None), (d_v if needs[2] else None), None
+    return (d_q if needs[0] else None), (d_k if needs[1] else None), (d_v if needs[2] else None), None, None
 
 
 torch.library.register_autograd(
@@ -161,14 +175,14 @@ def _sum_query_groups(grad_heads_first, kv_heads):
     return grouped.permute(0, 2, 1, 3).contiguous()
 
 
-def _causal_attention_backward_cpu(d_out, q, k, v, out, lse, scale):
+def _causal_attention_backward_cpu(d_out, q, k, v, out, lse, scale, positions=None):
     q_heads, kv_heads = q.shape[2], k.shape[2]
     group = q_heads // kv_heads
     q_h, k_h, v_h = _heads_first(q, 1), _heads_first(k, group), _heads_first(v, group)
     d_out_h, out_h = _heads_first(d_out, 1), _heads_first(out, 1)
     # Flash-attention backward: the probabilities are rebuilt from lse rather than stored, and
     # softmax's Jacobian is applied through delta = rowsum(d_out * out) = rowsum(P * dP).
-    probs = torch.exp(_masked_scores(q_h, k_h, scale) - lse[..., None])
+    probs = torch.exp(_masked_scores(q_h, k_h, scale, positions) - lse[..., None])
     d_v_h = torch.matmul(probs.transpose(-1, -2), d_out_h)
     d_probs = torch.matmul(d_out_h, v_h.transpose(-1, -2))
     delta = (d_out_h * out_h).sum(dim=-1, keepdim=True)

@@ -19,7 +19,12 @@
 // Thread (row r, lane t) of a workgroup: the scores of row r against streamed rows t, t + TPR, ...; and
 // the output vec4 chunks t, t + TPR, ... of row r (interleaved, so shared reads are conflict-free).
 // Tiles are vec4 arrays with rows padded by one vec4 (see attention_fwd.comp).
-// vktrain-variants: DQ, DKV
+//
+// DOCUMENTS (packed documents, as attention_fwd.comp): positions [B, S] int32 after the outputs (binding 7
+// for DQ, 8 for DKV); P_ij = 0 unless i - positions[i] <= j. DQ skips the key tiles before its first
+// query's document; DKV stops at the first query tile whose first query's document starts after the
+// tile's last key (document starts never decrease along a row).
+// vktrain-variants: DQ, DKV, DQ+DOCUMENTS, DKV+DOCUMENTS
 #extension GL_GOOGLE_include_directive : require
 #include "common.glsl"
 #include "attention_common.glsl"
@@ -46,9 +51,15 @@ layout(std430, set = 0, binding = 4) readonly buffer LseBuf { float lse[]; };   
 layout(std430, set = 0, binding = 5) readonly buffer DeltaBuf { float delta[]; };// [B, Hq, S]
 #if defined(DQ)
 layout(std430, set = 0, binding = 6) writeonly buffer DQBuf { vec4 d_q[]; };     // [B, S, Hq, D]
+#if defined(DOCUMENTS)
+layout(std430, set = 0, binding = 7) readonly buffer PosBuf { int positions[]; };  // [B, S]
+#endif
 #elif defined(DKV)
 layout(std430, set = 0, binding = 6) writeonly buffer DKBuf { vec4 d_k[]; };     // [B, S, Hkv, D]
 layout(std430, set = 0, binding = 7) writeonly buffer DVBuf { vec4 d_v[]; };     // [B, S, Hkv, D]
+#if defined(DOCUMENTS)
+layout(std430, set = 0, binding = 8) readonly buffer PosBuf { int positions[]; };  // [B, S]
+#endif
 #else
 #error "compile attention_bwd with -DDQ or -DDKV"
 #endif
@@ -81,6 +92,13 @@ void main() {
   const uint lane = gl_LocalInvocationID.x % TPR;
   const uint query = q_start + row;
   const uint q_end = min(q_start + ROWS, pc.S);  // keys [0, q_end) are visible to the tile
+#if defined(DOCUMENTS)
+  const uint first_key = query < pc.S ? document_start(positions, b, query) : query;
+  const uint k_begin = (document_start(positions, b, q_start) / COLS) * COLS;  // uniform
+#else
+  const uint first_key = 0u;
+  const uint k_begin = 0u;
+#endif
 
   LOAD_TILE(q_tile, q, ROWS, q_start, b, head, pc.Hq)
   LOAD_TILE(do_tile, d_out, ROWS, q_start, b, head, pc.Hq)
@@ -92,7 +110,7 @@ void main() {
   vec4 dq[CHUNKS_PER_THREAD];
   for (uint i = 0u; i < CHUNKS_PER_THREAD; ++i) dq[i] = vec4(0.0);
 
-  for (uint k_start = 0u; k_start < q_end; k_start += COLS) {
+  for (uint k_start = k_begin; k_start < q_end; k_start += COLS) {
     barrier();  // the previous K/V/dS tiles are consumed
     LOAD_TILE(k_tile, k, COLS, k_start, b, kv_head, pc.Hkv)
     LOAD_TILE(v_tile, v, COLS, k_start, b, kv_head, pc.Hkv)
@@ -118,7 +136,7 @@ void main() {
       const uint col = lane + TPR * j;
       const uint key = k_start + col;
       float ds = 0.0;
-      if (valid_query && key <= query) {  // key <= query < S: inside the sequence
+      if (valid_query && key <= query && key >= first_key) {  // key <= query < S: inside the sequence
         const float p = exp(dot_qk[j] * pc.scale - row_lse);
         ds = p * (dot_dov[j] - row_delta);
       }
@@ -175,6 +193,11 @@ void main() {
   for (uint g = 0u; g < group_heads; ++g) {
     const uint head = kv_head * group_heads + g;
     for (uint q_start = first_q_start; q_start < pc.S; q_start += COLS) {
+#if defined(DOCUMENTS)
+      // Uniform: this and every later query tile start their documents after the key tile's last key,
+      // so they see none of its keys.
+      if (document_start(positions, b, q_start) >= k_start + ROWS) break;
+#endif
       barrier();  // the previous Q/dO/P/dS tiles are consumed
       LOAD_TILE(q_tile, q, COLS, q_start, b, head, pc.Hq)
       LOAD_TILE(do_tile, d_out, COLS, q_start, b, head, pc.Hq)
@@ -207,7 +230,11 @@ void main() {
         const uint query = q_start + col;
         float p = 0.0;
         float ds = 0.0;
-        if (valid_key && key <= query && query < pc.S) {
+        if (valid_key && key <= query && query < pc.S
+#if defined(DOCUMENTS)
+            && key >= document_start(positions, b, query)  // within the query's document
+#endif
+        ) {
           p = exp(dot_qk[j] * pc.scale - lse_tile[col]);
           ds = p * (dot_dov[j] - delta_tile[col]);
         }

@@ -17,4 +17,9 @@
     tile[tile_row * STRIDE + col4] = value;                                                    \
   }
 
+// The first key query `query` of batch row `b` may see with packed documents: its document's first token,
+// query - positions[b, query], clamped to [0, query] (a bad position cannot reach outside the row).
+#define document_start(positions, b, query) \
+  ((query) - uint(clamp(positions[(b) * pc.S + (query)], 0, int(query))))
+
 #endif

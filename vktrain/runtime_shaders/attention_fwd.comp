@@ -18,7 +18,12 @@
 // second shared array. Tiles are vec4 arrays (a quarter of the shared-memory loads of floats) whose rows
 // are padded by one vec4, so the threads of a row, which read different K rows at the same column, hit
 // different banks.
-// vktrain-variants: -
+//
+// DOCUMENTS (packed documents): positions [B, S] (int32, binding 5) holds each token's position in its
+// document, so query i sees keys first_key(i) = i - positions[i] .. i only (document_start in
+// attention_common.glsl). Document starts never decrease along a row (the runner checks its positions),
+// so the tile's first query has the earliest start: key tiles wholly before it are skipped.
+// vktrain-variants: -, DOCUMENTS
 #extension GL_GOOGLE_include_directive : require
 #include "common.glsl"
 #include "attention_common.glsl"
@@ -45,6 +50,9 @@ layout(std430, set = 0, binding = 1) readonly buffer KBuf { vec4 k[]; };       /
 layout(std430, set = 0, binding = 2) readonly buffer VBuf { vec4 v[]; };       // [B, S, Hkv, D]
 layout(std430, set = 0, binding = 3) writeonly buffer OutBuf { vec4 out_[]; };  // [B, S, Hq, D]
 layout(std430, set = 0, binding = 4) writeonly buffer LseBuf { float lse[]; };  // [B, Hq, S]
+#if defined(DOCUMENTS)
+layout(std430, set = 0, binding = 5) readonly buffer PosBuf { int positions[]; };  // [B, S]
+#endif
 
 layout(push_constant, std430) uniform Push {
   VKTRAIN_PUSH_HEADER;
@@ -73,6 +81,14 @@ void main() {
   const uint query = q_start + row;
   // Causal: the tile's last query sees keys [0, q_end); uniform over the workgroup.
   const uint q_end = min(q_start + BQ, pc.S);
+#if defined(DOCUMENTS)
+  const uint first_key = query < pc.S ? document_start(positions, b, query) : query;
+  // Uniform: every thread reads the tile's first query's start (q_start < S always).
+  const uint k_begin = (document_start(positions, b, q_start) / BK) * BK;
+#else
+  const uint first_key = 0u;
+  const uint k_begin = 0u;
+#endif
 
   LOAD_TILE(q_tile, q, BQ, q_start, b, head, pc.Hq)
 
@@ -81,7 +97,7 @@ void main() {
   float m = MASKED;   // running max of the row's scores
   float l = 0.0;      // running sum of exp(score - m)
 
-  for (uint k_start = 0u; k_start < q_end; k_start += BK) {
+  for (uint k_start = k_begin; k_start < q_end; k_start += BK) {
     barrier();  // every thread is done with the previous K/V/score tiles
     LOAD_TILE(k_tile, k, BK, k_start, b, kv_head, pc.Hkv)
     LOAD_TILE(v_tile, v, BK, k_start, b, kv_head, pc.Hkv)
@@ -98,14 +114,16 @@ void main() {
     for (uint j = 0u; j < KEYS_PER_THREAD; ++j) {
       const uint col = lane + TPR * j;
       const uint key = k_start + col;
-      // Masked: in the future of the query or past the sequence.
-      s_tile[row * SCORE_STRIDE + col] = (key <= query && key < pc.S) ? dot_qk[j] * pc.scale : MASKED;
+      // Masked: in the future of the query, past the sequence, or before the query's document.
+      s_tile[row * SCORE_STRIDE + col] = (key <= query && key < pc.S && key >= first_key) ? dot_qk[j] * pc.scale
+                                                                                           : MASKED;
     }
     barrier();
 
     float tile_max = MASKED;
     for (uint c = 0u; c < BK; ++c) tile_max = max(tile_max, s_tile[row * SCORE_STRIDE + c]);
-    // Every row sees key 0 in the first tile; a later tile wholly past a row's diagonal adds nothing.
+    // Every row sees its first key in the first tile holding it; a tile wholly outside a row's keys adds
+    // nothing.
     if (tile_max != MASKED) {
       const float m_new = max(m, tile_max);
       const float correction = exp(m - m_new);  // 0 on the row's first keys (m = MASKED)
@@ -121,7 +139,7 @@ void main() {
   }
 
   if (query < pc.S) {
-    // Every query sees at least key 0, so l >= 1.
+    // Every query sees at least itself, so l >= 1.
     const uint out_base = ((b * pc.S + query) * pc.Hq + head) * D4;
     for (uint i = 0u; i < CHUNKS_PER_THREAD; ++i) out_[out_base + lane + TPR * i] = o[i] / l;
     if (lane == 0u) lse[(b * pc.Hq + head) * pc.S + query] = m + log(l);

@@ -1,6 +1,7 @@
 #version 450
 // Rotary position embedding, Llama/HF "rotate half" pairing (host module: vktrain/runtime/delegate/kernels/rotary.py):
-//   x [B, S, H, D], cos/sin [S, D/2]; for i < D/2, with x1 = x[i], x2 = x[i + D/2]:
+//   x [B, S, H, D], cos/sin [S, D/2] (or [B, S, D/2]: per token, packed documents); for i < D/2, with
+//   x1 = x[i], x2 = x[i + D/2]:
 //   out[i] = x1 * cos - x2 * sin,   out[i + D/2] = x2 * cos + x1 * sin
 // NEGATE_SIN (spec constant 3) uses -sin: the backward, rope(d_y, cos, -sin), the inverse rotation,
 // without a negated copy of the table.
@@ -20,7 +21,7 @@ layout(std430, set = 0, binding = 3) writeonly buffer OutBuf { vec4 out_[]; };//
 layout(push_constant, std430) uniform Push {
   VKTRAIN_PUSH_HEADER;
   uint quads;        // B * S * H * D / 8: threads with work
-  uint S;
+  uint table_rows;   // rows of cos/sin: S, or B * S for per-token tables
   uint H;
   uint half_quads;   // D / 8: vec4s per half row
 } pc;
@@ -30,7 +31,7 @@ void main() {
   if (t >= pc.quads) return;
   const uint row = t / pc.half_quads;      // (b * S + s) * H + h
   const uint quad = t % pc.half_quads;
-  const uint position = (row / pc.H) % pc.S;
+  const uint position = (row / pc.H) % pc.table_rows;  // the table row of token b * S + s
   const uint first = row * 2u * pc.half_quads + quad;
   const uint second = first + pc.half_quads;
   const uint table = position * pc.half_quads + quad;

@@ -39,6 +39,7 @@ from vktrain.train.checkpoint import (
     sha256_file,
 )
 from vktrain.train.best import BestKeeper, add_best_arguments, check_best_arguments
+from vktrain.contract import CHOSEN_IDS, DPO_INPUTS, REJECTED_IDS
 from vktrain.train.data import TokenBatcher, default_dataset_path, load_data
 from vktrain.train.interrupts import Interrupted, StopOnSignal, resume_command, signal_name
 from vktrain.train.lr_schedule import SCHEDULES, LRSchedule
@@ -379,10 +380,14 @@ def _held_out_evaluation(args, runner, info, start: int):
     training."""
     if args.eval_data is None:
         return None, None
+    if info is None:  # a DPO step's pairs (--inputs arrays are refused with --eval-data up front)
+        raise TrainConfigError(f"--eval-data is token data for a token model's step; {args.program} trains on "
+                               f"preference pairs, whose held-out evaluation vktrain train does not run yet")
     from vktrain.train.held_out import evaluate_batches, prepare_eval_batches
 
     held_out = load_data(args.eval_data, info.vocab_size, program_tokenizer(runner, args.program))
-    batches = prepare_eval_batches(held_out, runner.batch_shape, args.eval_batches)  # once: the data is fixed
+    batches = prepare_eval_batches(held_out, runner.batch_shape, args.eval_batches,  # once: the data is fixed
+                                   getattr(runner, "takes_positions", False))
     before = evaluate_batches(runner, batches)
     print(f"eval before training: loss {before['loss']:.6f} over {before['tokens']} tokens ({args.eval_data})")
 
@@ -405,16 +410,33 @@ def _training_batches(args, runner, data_path: Path, seed: int):
         inputs = ", ".join(f"{name} {spec.describe()}" for name, spec in runner.input_specs.items())
         return batches, None, (f"{args.program}: inputs {inputs}; {data_path}: {batches.n_batches} batch(es), "
                                f"cycled")
+    if set(getattr(runner, "input_specs", ())) == set(DPO_INPUTS):  # vktrain export --objective dpo: pairs
+        from vktrain.train.pairs import load_pairs, pair_batches
+
+        seq_len = runner.input_specs[CHOSEN_IDS].shape[1]
+        limits = runner.executor.index_limits
+        vocab = min(limits[name] for name in (CHOSEN_IDS, REJECTED_IDS) if name in limits)
+        pairs = load_pairs(data_path, program_tokenizer(runner, args.program), seq_len, vocab)
+        return pair_batches(pairs, runner.input_specs, str(data_path), args.grad_accum), None, (
+            f"{args.program}: DPO, {args.grad_accum} preference pair(s) a step, {seq_len} tokens a side; "
+            f"{data_path}: {len(pairs)} "
+            f"pair(s), cycled in file order" + (f" ({pairs.truncated} completion(s) cut at the window)"
+                                               if pairs.truncated else ""))
     if not is_token_step(runner):
         raise TrainConfigError(f"{args.program} is not a token model's step (its inputs are {runner.input_names}, "
                                f"not token_ids and labels): give its input arrays with --inputs DATA.npz")
     info = describe_program(runner)
     data = load_data(data_path, info.vocab_size, program_tokenizer(runner, args.program))
+    # A step exported with --packing documents gets the documents' boundaries (a token file has none: the
+    # runner then gives it each window as one document).
+    documents = data.starts if getattr(runner, "takes_positions", False) else None
     batches = TokenBatcher(data.tokens, info.batch_size, info.seq_len, seed=seed, shuffle=not args.no_shuffle,
-                           source=str(data_path), labels=data.labels)
+                           source=str(data_path), labels=data.labels, documents=documents)
     return batches, info, (f"{args.program}: batch {info.batch_size} x {info.seq_len}, vocabulary {info.vocab_size}; "
                            f"{data_path}: {data.tokens.size} tokens ({data.trained_tokens} trained), "
-                           f"{batches.batches_per_epoch:.1f} batches per epoch")
+                           f"{batches.batches_per_epoch:.1f} batches per epoch"
+                           + ("" if documents is None else f"; {len(documents)} packed document(s), attention "
+                              f"within each"))
 
 
 def _check_grad_accum(args, runner) -> None:

@@ -24,6 +24,12 @@ W = (len - 1) // S windows and a tail shorter than a window is never used. A win
 so every label is a real target, or with a label stream its label at that position (windows whose
 every label is -100 train nothing and are left out).
 
+Packed documents (a step exported with `--packing documents`; `TokenBatcher(documents=starts)`, the
+stream's document start offsets, TrainingData.starts): a batch is (tokens, labels, positions), positions[b, s]
+the token's position in its document counted from the window's start or the document's, whichever is
+later, so a row's documents (and the part of a document a window holds) each compute what they compute
+alone; a document's first token is no target (its label is -100: nothing of its own document precedes it).
+
 Batch p (p = 0, 1, 2, ..., the "data position") takes windows p*B .. p*B + B - 1 of an endless
 sequence of epochs; each epoch visits all W windows once, in an order that depends only on (seed, epoch)
 (a splitmix64 hash sort, independent of numpy's RNG streams, so the order is the same on every
@@ -144,9 +150,12 @@ def load_tokens(path: PathLike) -> np.ndarray:
 
 @dataclass(frozen=True)
 class TrainingData:
-    """A packed token stream [N] and, when some tokens are not targets, its label stream [N] (id or -100)."""
+    """A packed token stream [N] and, when some tokens are not targets, its label stream [N] (id or -100);
+    `starts`: the offsets where its documents and conversations start, ascending from 0 (None for token
+    files, which carry no boundaries)."""
     tokens: np.ndarray
     labels: Optional[np.ndarray] = None
+    starts: Optional[np.ndarray] = None
 
     @property
     def trained_tokens(self) -> int:
@@ -160,9 +169,11 @@ class _Packer:
         self.tokenizer, self.source = tokenizer, source
         self.tokens: list[int] = []
         self.labels: list[int] = []
+        self.starts: list[int] = []
         self.masked = False
 
     def document(self, text: str, where: str) -> None:
+        self.starts.append(len(self.tokens))
         eos = self.tokenizer.eos_token_id
         if eos is None:
             raise DataError(f"{where}: the tokenizer ({self.tokenizer.source}) has no EOS token to end documents with")
@@ -181,6 +192,7 @@ class _Packer:
             raise DataError(f"{where}: {exc}") from None
         if not any(trained):
             raise DataError(f"{where}: the conversation has no assistant message (nothing would be trained)")
+        self.starts.append(len(self.tokens))
         self.tokens += ids
         self.labels += [i if t else IGNORED_LABEL for i, t in zip(ids, trained)]
         self.masked = True
@@ -189,7 +201,8 @@ class _Packer:
         if not self.tokens:
             raise DataError(f"{self.source}: no documents or conversations in the file")
         tokens = np.array(self.tokens, dtype=np.int64)
-        return TrainingData(tokens, np.array(self.labels, dtype=np.int64) if self.masked else None)
+        return TrainingData(tokens, np.array(self.labels, dtype=np.int64) if self.masked else None,
+                            np.array(self.starts, dtype=np.int64))
 
 
 def _check_messages(messages, where: str) -> list:
@@ -215,9 +228,10 @@ class _BytePacker(_Packer):
     UTF-8 bytes followed by a newline, as the lines of a text file are read; chats need a chat template."""
 
     def __init__(self, source: str) -> None:
-        self.source, self.tokens, self.labels, self.masked = source, [], [], False
+        self.source, self.tokens, self.labels, self.starts, self.masked = source, [], [], [], False
 
     def document(self, text: str, where: str) -> None:
+        self.starts.append(len(self.tokens))
         ids = list((text + "\n").encode("utf-8"))
         self.tokens += ids
         self.labels += ids
@@ -322,14 +336,32 @@ def epoch_order(n_windows: int, seed: int, epoch: int) -> np.ndarray:
     return np.argsort(keys, kind="stable")
 
 
+def document_labels(tokens: np.ndarray, labels: Optional[np.ndarray], starts: np.ndarray) -> np.ndarray:
+    """The label stream of packed documents: `labels` (or the tokens, each its own label) with a document's
+    first token no target (-100): nothing of its own document precedes it."""
+    labels = (tokens if labels is None else labels).astype(np.int64)  # a copy
+    labels[starts] = IGNORED_LABEL
+    return labels
+
+
+def document_positions(starts: np.ndarray, offsets: np.ndarray) -> np.ndarray:
+    """int64 positions of the tokens at stream `offsets` [B, S] (each row consecutive) in packed documents
+    starting at `starts`: the distance from the start of the token's document or of its row, whichever is
+    later (offsets past the stream go on counting in the last document)."""
+    document_start = starts[np.searchsorted(starts, offsets, side="right") - 1]
+    return offsets - np.maximum(document_start, offsets[:, :1])
+
+
 class TokenBatcher:
     """Deterministic (tokens, labels) int64 [B, S] batches addressed by position (module docstring).
 
     `labels`: None (every next token is a target) or a stream as long as `tokens` holding each token's
-    label (its id, or -100 where it is not a target); a window whose labels are all -100 is left out."""
+    label (its id, or -100 where it is not a target); a window whose labels are all -100 is left out.
+    `documents`: the document start offsets (packed documents: batches are (tokens, labels, positions))."""
 
     def __init__(self, tokens: np.ndarray, batch_size: int, seq_len: int, *, seed: int = 0, shuffle: bool = True,
-                 source: str = "data", labels: Optional[np.ndarray] = None) -> None:
+                 source: str = "data", labels: Optional[np.ndarray] = None,
+                 documents: Optional[np.ndarray] = None) -> None:
         if batch_size <= 0 or seq_len <= 0:
             raise DataError(f"batch size and sequence length must be positive, got {batch_size} x {seq_len}")
         tokens = np.asarray(tokens)
@@ -342,6 +374,14 @@ class TokenBatcher:
                                 f"{list(tokens.shape)}, got {labels.dtype}{list(labels.shape)}")
         if not 0 <= seed < 2**32:
             raise DataError(f"the data seed must be in [0, 2**32), got {seed}")
+        self.documents = None
+        if documents is not None:
+            self.documents = np.asarray(documents, dtype=np.int64)
+            if self.documents.ndim != 1 or (self.documents.size and (
+                    self.documents[0] != 0 or np.any(np.diff(self.documents) <= 0)
+                    or self.documents[-1] >= tokens.size)):
+                raise DataError(f"{source}: document starts must ascend from 0 within the {tokens.size} tokens")
+            labels = document_labels(tokens, labels, self.documents)
         self.tokens = tokens  # kept in its own dtype (a memory map stays one); batches are int64
         self.labels = labels
         self.batch_size = batch_size
@@ -369,13 +409,16 @@ class TokenBatcher:
 
     def config(self) -> dict:
         """What decides the batches beyond the token stream (run_config records it in checkpoints)."""
-        return {"batch_size": self.batch_size, "seq_len": self.seq_len, "shuffle": self.shuffle}
+        config = {"batch_size": self.batch_size, "seq_len": self.seq_len, "shuffle": self.shuffle}
+        return config if self.documents is None else {**config, "packing": "documents"}
 
     @functools.cached_property
     def fingerprint(self) -> str:
         """sha256 of the token stream and the batching parameters: what a checkpoint's data must match."""
         digest = hashlib.sha256()
         digest.update(f"vktrain-batcher:B={self.batch_size}:S={self.seq_len}:shuffle={int(self.shuffle)}:".encode())
+        if self.documents is not None:  # a stream without documents keeps the fingerprint it always had
+            digest.update(b":documents:" + self.documents.astype("<i8").tobytes())
         for start in range(0, self.tokens.size, _CHUNK):  # as int64, so the storage dtype does not matter
             digest.update(self.tokens[start:start + _CHUNK].astype("<i8").tobytes())
         if self.labels is not None:  # a stream with no label stream keeps the fingerprint it always had
@@ -401,13 +444,17 @@ class TokenBatcher:
             indices[row] = self._windows[self._order(epoch)[within]]
         return indices
 
-    def batch(self, position: int) -> tuple[np.ndarray, np.ndarray]:
-        """(tokens, labels), both int64 [B, S], of batch number `position` (0-based)."""
+    def batch(self, position: int) -> tuple[np.ndarray, ...]:
+        """(tokens, labels), both int64 [B, S], of batch number `position` (0-based); with documents,
+        (tokens, labels, positions) (module docstring)."""
         starts = self.window_indices(position) * self.seq_len
-        positions = starts[:, None] + np.arange(self.seq_len + 1)[None, :]
-        rows = self.tokens[positions].astype(np.int64)
-        labels = rows if self.labels is None else self.labels[positions].astype(np.int64)
-        return np.ascontiguousarray(rows[:, :-1]), np.ascontiguousarray(labels[:, 1:])
+        offsets = starts[:, None] + np.arange(self.seq_len + 1)[None, :]
+        rows = self.tokens[offsets].astype(np.int64)
+        labels = rows if self.labels is None else self.labels[offsets].astype(np.int64)
+        batch = np.ascontiguousarray(rows[:, :-1]), np.ascontiguousarray(labels[:, 1:])
+        if self.documents is None:
+            return batch
+        return batch + (document_positions(self.documents, offsets[:, :-1]),)
 
     def batches(self, start: int = 0) -> Iterator[tuple[np.ndarray, np.ndarray]]:
         """Batches start, start + 1, ... (endless)."""
@@ -417,6 +464,6 @@ class TokenBatcher:
             position += 1
 
 
-__all__ = ["BYTE_VOCAB_SIZE", "DataError", "IGNORED_LABEL", "JSONL_SUFFIX", "TOKEN_TEXT_SUFFIX", "TokenBatcher",
+__all__ = ["BYTE_VOCAB_SIZE", "DataError", "IGNORED_LABEL", "document_labels", "document_positions", "JSONL_SUFFIX", "TOKEN_TEXT_SUFFIX", "TokenBatcher",
            "TrainingData", "check_byte_level_fits", "check_vocab", "default_dataset_path", "epoch_order",
            "is_byte_level", "is_token_file", "load_data", "load_tokens"]

@@ -32,6 +32,9 @@ class ArrayBatches:
     def __init__(self, arrays: Mapping[str, np.ndarray], specs: Mapping[str, StepInput], source: str = "inputs"):
         self.source = source
         self.seed = 0  # nothing is shuffled; kept for checkpoints, which record a data seed
+        # Whether consecutive batches may be accumulated into one optimizer step (train's grad_accum): only
+        # when the batches divide their loss by the step's total themselves (DPO's pairs: n_pairs).
+        self.accumulates = False
         missing = [name for name in specs if name not in arrays]
         unknown = [name for name in arrays if name not in specs]
         if missing or unknown:

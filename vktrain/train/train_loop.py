@@ -251,22 +251,30 @@ def _vocab_from_graph(graph) -> Optional[int]:
 
 
 def run_step(runner: StepRunner, batch: Union[tuple, Mapping[str, np.ndarray]], hparams) -> float:
-    """One step on a batch of either source: a TokenBatcher's (tokens, labels) or an ArrayBatches' inputs."""
+    """One step on a batch of either source: a TokenBatcher's (tokens, labels[, positions]) or an
+    ArrayBatches' inputs."""
     if isinstance(batch, Mapping):
         return float(runner.step_inputs(batch, hparams))
-    tokens, labels = batch
-    return float(runner.step(tokens, labels, hparams))
+    return float(runner.step(*batch[:2], hparams, **_documents(batch)))
+
+
+def _documents(batch: tuple) -> dict:
+    """The positions keyword of a packed-documents batch (tokens, labels, positions); {} for (tokens, labels)."""
+    return {"positions": batch[2]} if len(batch) > 2 else {}
 
 
 def run_accumulated_step(runner: StepRunner, batches: list[tuple], hparams) -> float:
     """One optimizer step over several token micro-batches: each but the last adds its gradient into the
     program's accumulators (runner.accumulate), the last one's step applies AdamW to the sum. Every call
     divides by n_valid summed over all of them, so the update and the summed loss are those of one batch of
-    all of them."""
-    n_valid = float(sum(np.count_nonzero(np.asarray(labels) >= 0) for _, labels in batches))
-    loss = sum(float(runner.accumulate(tokens, labels, n_valid)) for tokens, labels in batches[:-1])
-    tokens, labels = batches[-1]
-    return loss + float(runner.step(tokens, labels, hparams, n_valid=n_valid))
+    all of them. Named batches (DPO's pairs) carry their divisor themselves: the accumulate method, then the
+    step."""
+    if isinstance(batches[0], Mapping):
+        loss = sum(float(runner.accumulate_inputs(batch)) for batch in batches[:-1])
+        return loss + float(runner.step_inputs(batches[-1], hparams))
+    n_valid = float(sum(np.count_nonzero(np.asarray(batch[1]) >= 0) for batch in batches))
+    loss = sum(float(runner.accumulate(*batch[:2], n_valid, **_documents(batch))) for batch in batches[:-1])
+    return loss + float(runner.step(*batches[-1][:2], hparams, n_valid=n_valid, **_documents(batches[-1])))
 
 
 def run_config(schedule: LRSchedule, optimizer: AdamWConfig, batches: Union[TokenBatcher, "ArrayBatches"],
@@ -317,9 +325,9 @@ def train(runner: StepRunner, batches: Union[TokenBatcher, "ArrayBatches"], step
         raise TrainConfigError(f"checkpoint_every must be >= 0, got {checkpoint_every}")
     if grad_accum < 1:
         raise TrainConfigError(f"grad_accum must be >= 1 (micro-batches per optimizer step), got {grad_accum}")
-    if grad_accum > 1 and not isinstance(batches, TokenBatcher):
-        raise TrainConfigError("gradient accumulation takes token batches (a token model's step); "
-                               "this run's batches are named input arrays")
+    if grad_accum > 1 and not (isinstance(batches, TokenBatcher) or getattr(batches, "accumulates", False)):
+        raise TrainConfigError("gradient accumulation takes token batches (a token model's step) or preference "
+                               "pairs; this run's batches are named input arrays")
     if checkpoint_every and checkpoint_path is None:
         raise TrainConfigError("checkpoint_every needs a checkpoint path")
     if on_nonfinite not in ON_NONFINITE:

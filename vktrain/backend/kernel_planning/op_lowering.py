@@ -320,7 +320,7 @@ def _lower_rope(ctx: OpContext) -> list[Dispatch]:
     x, cos, sin = ctx.tensor(0, "x"), ctx.tensor(1, "cos"), ctx.tensor(2, "sin")
     batch, seq, heads, head_dim = x.shape
     return _call(ctx, B=batch, S=seq, H=heads, D=head_dim, x=x.binding, cos=cos.binding, sin=sin.binding,
-                 out=ctx.outputs[0].binding)
+                 out=ctx.outputs[0].binding, per_token=len(cos.shape) == 3)
 
 
 def _attention_dims(q: TensorArg, k: TensorArg) -> dict[str, int]:
@@ -336,6 +336,9 @@ def _lower_causal_attention(ctx: OpContext) -> list[Dispatch]:
     dims, shared = _attention_dims(q, k), ctx.shared_memory_bytes
     args = dict(**dims, q=q.binding, k=k.binding, v=v.binding, out=out.binding, lse=lse.binding,
                 scale=ctx.real(3, "scale"), shared_memory_bytes=shared)
+    if ctx.args[4] is not None:  # packed documents: the fp32 kernels' DOCUMENTS variant (no tensor-core one)
+        return _call(ctx, **args, positions=ctx.tensor(4, "positions").binding,
+                     max_workgroup_size=ctx.max_workgroup_size)
     if coopmat_attention.takes_tensor_cores(ctx.gemm, **dims, shared_memory_bytes=shared, backward=False):
         return _call(ctx, coopmat_attention.plan_coopmat_causal_attention, **args, **ctx.gemm.plan_options)
     return _call(ctx, **args, max_workgroup_size=ctx.max_workgroup_size)
@@ -355,6 +358,9 @@ def _lower_causal_attention_backward(ctx: OpContext) -> list[Dispatch]:
     args = dict(**dims, d_out=d_out.binding, q=q.binding, k=k.binding, v=v.binding, out=out.binding,
                 lse=lse.binding, d_q=d_q.binding, d_k=d_k.binding, d_v=d_v.binding, delta=delta,
                 scale=ctx.real(6, "scale"), shared_memory_bytes=ctx.shared_memory_bytes)
+    if ctx.args[7] is not None:  # packed documents: as the forward
+        return _call(ctx, **args, positions=ctx.tensor(7, "positions").binding,
+                     max_workgroup_size=ctx.max_workgroup_size)
     if coopmat_attention.takes_tensor_cores(ctx.gemm, **dims, shared_memory_bytes=ctx.shared_memory_bytes,
                                             backward=True):
         absmax = ctx.scratch(coopmat_attention.backward_absmax_scratch_nbytes(**dims), "absmax")
@@ -535,7 +541,10 @@ def lowering_for(op: vk.OpCall, index: int) -> OpLowering:
     if lowering is None or not _executable(lowering):
         raise GraphLoweringError(f"unsupported op {op.name} (op {index}): no Vulkan kernel implements it; "
                                  f"supported ops: {', '.join(supported_ops())}")
-    if len(op.args) != len(lowering.arg_names):
+    # A blob written before an optional argument joined the schema (causal_attention's positions) has fewer:
+    # the missing ones take their default, None.
+    omitted = lowering.definition.schema.arguments[len(op.args):]
+    if len(op.args) > len(lowering.arg_names) or any(argument.default != "None" for argument in omitted):
         raise GraphLoweringError(
             f"op {index} ({op.name}) has {len(op.args)} arguments, its schema has {len(lowering.arg_names)} "
             f"({', '.join(lowering.arg_names)})")

@@ -324,6 +324,7 @@ class _Planner:
                 continue  # the output is its source's bytes: nothing to move
             label = f"{index}:{op.name}"
             args = [self._decode(arg, index, op) for arg in op.args]
+            args += [None] * (len(lowering.arg_names) - len(args))  # trailing optional arguments a blob predates
             outputs = [self._tensor_arg(out) for out in op.outputs]
             context = OpContext(index, op, args, outputs, label, self._scratch(index), None, self.route,
                                 binding_limit_of(self.profile), self.profile)

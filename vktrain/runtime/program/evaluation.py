@@ -18,7 +18,7 @@ from typing import Any, Mapping, Optional
 
 import numpy as np
 
-from vktrain.contract import EVAL_INPUTS, EVAL_METHOD, LABELS, MODEL_PREFIX, N_VALID, TOKEN_IDS
+from vktrain.contract import EVAL_INPUTS, EVAL_METHOD, LABELS, MODEL_PREFIX, N_VALID, POSITIONS, TOKEN_IDS
 from vktrain.runtime.program.schedules import Planner, bound_planning_options, method_schedule
 from vktrain.runtime.delegate.executor import ExecutorInputError, GraphExecutor
 from vktrain.serialization.pte import PteFile
@@ -27,7 +27,7 @@ from vktrain.runtime.program.interpreter import (
 )
 from vktrain.serialization.verify import UnsupportedProgramError
 from vktrain.runtime.program.embedded import method_selection, module_options
-from vktrain.runtime.program.step_inputs import check_input_names, checked_input, step_input_specs
+from vktrain.runtime.program.step_inputs import check_input_names, checked_input, document_inputs, step_input_specs
 from vktrain.serialization.verify import check_device_memory, device_memory_bytes, load_delegate_graph, verify_plan
 from vktrain.serialization import graph as g
 
@@ -84,17 +84,20 @@ class EvalMethod:
     def _run_delegate(self, index: int, args: list) -> list[np.ndarray]:
         return self.executor.run(*args[:len(self.graph.inputs)])
 
-    def loss_sum(self, token_ids: Any, labels: Any) -> tuple[float, int]:
+    def loss_sum(self, token_ids: Any, labels: Any, positions: Any = None) -> tuple[float, int]:
         """(cross-entropy summed over the labels >= 0, how many there are) of one batch of the exported
-        shape. The method divides by its n_valid input; it gets 1, so the sum comes back."""
-        if sorted(self._input_names) != sorted(EVAL_INPUTS):
+        shape. The method divides by its n_valid input; it gets 1, so the sum comes back. `positions`:
+        packed documents, for a method exported with them (step_inputs.document_inputs)."""
+        takes_positions = POSITIONS in self._input_names
+        if sorted(self._input_names) != sorted(EVAL_INPUTS + ((POSITIONS,) if takes_positions else ())):
             raise ExecutorInputError(f"{self._source}: the {EVAL_METHOD!r} method takes {self._input_names}, not a "
                                      f"token model's {list(EVAL_INPUTS)}: call loss()")
         labels = np.asarray(labels)
         if labels.dtype.kind not in "iu":
             raise ExecutorInputError(f"labels must be integers, got {labels.dtype}")
         count = int(np.count_nonzero(labels >= 0))
-        return self.loss({TOKEN_IDS: token_ids, LABELS: labels, N_VALID: np.float32(1.0)}), count
+        return self.loss({TOKEN_IDS: token_ids, LABELS: labels, N_VALID: np.float32(1.0),
+                          **document_inputs(takes_positions, positions, np.shape(token_ids), self._source)}), count
 
     def loss(self, inputs: Mapping[str, Any]) -> float:
         """The method's loss on one batch of named inputs (exactly `input_specs`' names, each of the

@@ -42,7 +42,8 @@ from typing import Any, Mapping, Optional, Sequence, Union
 
 import numpy as np
 
-from vktrain.contract import BACKEND_ID, HPARAMS, LABELS, MODEL_PREFIX, N_VALID, PRECISION_AUTO, STEP_INPUTS, TOKEN_IDS
+from vktrain.contract import (BACKEND_ID, HPARAMS, LABELS, MODEL_PREFIX, N_VALID, POSITIONS, PRECISION_AUTO, STEP_INPUTS,
+                              TOKEN_IDS)
 from vktrain.runtime.delegate.executor import ExecutorInputError, GraphExecutor
 from vktrain.runtime.program.schedules import Planner, method_schedule
 from vktrain.serialization.schedule import Schedule, ScheduleMismatchError
@@ -51,7 +52,8 @@ from vktrain.serialization.pte import PteFile
 from vktrain.runtime.runtimes import device_for
 from vktrain.serialization.verify import UnsupportedProgramError, check_device_memory, device_memory_bytes
 from vktrain.runtime.program.embedded import module_options, step_selection
-from vktrain.runtime.program.step_inputs import StepInput, check_input_names, checked_input, step_input_specs
+from vktrain.runtime.program.step_inputs import (StepInput, check_input_names, checked_input, document_inputs,
+                                                step_input_specs)
 from vktrain.runtime.program.interpreter import (ProgramInterpreter, VerifiedTrainingProgram, check_hparams_input,
                                                  check_instructions_supported, check_loss_output,
                                                  check_storageless_tensors, plan_input_names,
@@ -166,10 +168,23 @@ class TrainingRunner:
 
     @property
     def is_token_step(self) -> bool:
-        """True for the token models' step: inputs token_ids, labels (and hparams, n_valid), which
-        `step()` takes; any other step runs through `step_inputs()`."""
+        """True for the token models' step: inputs token_ids, labels (and hparams, n_valid; positions when
+        exported with packed documents), which `step()` takes; any other step runs through `step_inputs()`."""
         names = set(self._input_names)
-        return {TOKEN_IDS, LABELS} <= names <= set(STEP_INPUTS)
+        return {TOKEN_IDS, LABELS} <= names <= set(STEP_INPUTS) | {POSITIONS}
+
+    @property
+    def takes_positions(self) -> bool:
+        """Whether the step was exported with packed documents (`vktrain export --packing documents`): it takes
+        each token's position in its document, and attention stays within documents."""
+        return POSITIONS in self._input_names
+
+    def token_inputs(self, token_ids: Any, labels: Any, n_valid: float, positions: Any = None) -> dict[str, Any]:
+        """The named inputs of a token batch (hparams aside). `positions` [B, S] (packed documents) only for a
+        step that takes them (checked: check_document_positions); such a step without them gets each row as
+        one document."""
+        return {TOKEN_IDS: token_ids, LABELS: labels, N_VALID: np.float32(n_valid),
+                **document_inputs(self.takes_positions, positions, np.shape(token_ids), str(self.pte.source))}
 
     def step_inputs(self, inputs: Union[Mapping[str, Any], Sequence[Any]], hparams: Any = None) -> float:
         """One training step on the GPU of any exported step program. Returns the loss.
@@ -198,12 +213,14 @@ class TrainingRunner:
         (loss,) = self._interpreter.run([by_name[name] for name in self._input_names])
         return float(np.asarray(loss).reshape(()))
 
-    def step(self, token_ids: Any, labels: Any, hparams: Any = None, n_valid: Optional[float] = None) -> float:
+    def step(self, token_ids: Any, labels: Any, hparams: Any = None, n_valid: Optional[float] = None,
+             positions: Any = None) -> float:
         """One training step on the GPU: forward, backward, AdamW on every LoRA tensor. Returns the loss.
 
         token_ids / labels int [B, S] (labels < 0 are ignored), hparams float32 [5] = [lr, beta1, beta2,
         eps, weight_decay] (None, and only None, for a program whose hyper-parameters are baked);
-        n_valid defaults to the number of labels >= 0. The token models' case of step_inputs().
+        n_valid defaults to the number of labels >= 0; positions: packed documents (token_inputs). The
+        token models' case of step_inputs().
         """
         if not self.is_token_step:
             raise ExecutorInputError(f"{self.pte.source}: step() takes a token model's token_ids and labels; this "
@@ -213,25 +230,31 @@ class TrainingRunner:
             raise ExecutorInputError(f"labels must be integers, got {labels.dtype}")
         if n_valid is None:
             n_valid = float(np.count_nonzero(labels >= 0))
-        by_name = {TOKEN_IDS: token_ids, LABELS: labels, N_VALID: np.float32(n_valid)}
+        by_name = self.token_inputs(token_ids, labels, n_valid, positions)
         return self.step_inputs({name: by_name[name] for name in self.input_specs}, hparams)
 
-    def accumulate(self, token_ids: Any, labels: Any, n_valid: float) -> float:
+    def accumulate(self, token_ids: Any, labels: Any, n_valid: float, positions: Any = None) -> float:
         """Forward + backward of one micro-batch, its gradient added into the step's optimizer.grad_acc
         state (no update); returns its loss. `n_valid`: the number of labels >= 0 over ALL the micro-batches
         of the optimizer step, the step's own included (its loss and gradient divide by it), which the last
         micro-batch's step() gets too: then the update is that of one batch of all of them. Needs a .pte
         exported with gradient accumulation (AccumulateMethod, loaded on first use)."""
+        return self.accumulate_inputs(self.token_inputs(token_ids, labels, n_valid, positions))
+
+    def accumulate_inputs(self, inputs: Mapping[str, Any]) -> float:
+        """The accumulate method (forward + backward into optimizer.grad_acc, no update) on named inputs,
+        the step's own but hparams (any module's step, e.g. DPO's pairs); returns its loss."""
         if self._accumulate is None:
             from vktrain.runtime.program.accumulation import AccumulateMethod
 
             self._accumulate = AccumulateMethod(self.pte, self.executor, **self._eval_options)
-        return self._accumulate.accumulate({TOKEN_IDS: token_ids, LABELS: labels, N_VALID: np.float32(n_valid)})
+        return self._accumulate.accumulate(inputs)
 
-    def evaluate(self, token_ids: Any, labels: Any) -> tuple[float, int]:
+    def evaluate(self, token_ids: Any, labels: Any, positions: Any = None) -> tuple[float, int]:
         """(loss summed over the labels >= 0, their count) of one batch, by the .pte's eval method on the
-        current adapters; no state changes. The eval method is loaded on first use (EvalMethod)."""
-        return self.eval_method().loss_sum(token_ids, labels)
+        current adapters; no state changes. The eval method is loaded on first use (EvalMethod).
+        `positions`: packed documents (token_inputs)."""
+        return self.eval_method().loss_sum(token_ids, labels, positions)
 
     def evaluate_inputs(self, inputs: Mapping[str, Any]) -> float:
         """The .pte's eval method's loss on one batch of named inputs (`eval_method().input_specs`), on the

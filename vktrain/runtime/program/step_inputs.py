@@ -16,6 +16,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
+from vktrain.contract import POSITIONS
 from vktrain.runtime.delegate.executor import ExecutorInputError
 from vktrain.serialization.pte import NUMPY_SCALAR_TYPES, ExecutionPlan, Tensor
 
@@ -76,4 +77,40 @@ def check_input_names(specs: Mapping[str, StepInput], given: Mapping[str, Any], 
         raise ExecutorInputError(f"{where}: the step takes inputs {list(specs)}; {', '.join(parts)}")
 
 
-__all__ = ["StepInput", "check_input_names", "checked_input", "converts_exactly", "step_input_specs"]
+def check_document_positions(positions: Any, shape: tuple[int, ...], where: str) -> np.ndarray:
+    """contract.POSITIONS of a packed-documents step as int64 [B, S], or ExecutorInputError naming the first
+    bad entry: each row starts a document (positions[b, 0] == 0) and every later entry starts the next
+    one (0) or goes on with its document (positions[b, s - 1] + 1). The kernels' masks rely on it."""
+    found = np.asarray(positions)
+    if found.shape != tuple(shape) or found.dtype.kind not in "iu":
+        raise ExecutorInputError(f"{where}: positions must be integers shaped like token_ids {list(shape)} (each "
+                                 f"token's position in its document), got {found.dtype}{list(found.shape)}")
+    found = found.astype(np.int64)
+    previous = np.concatenate([np.full((found.shape[0], 1), -1), found[:, :-1]], axis=1)
+    bad = np.argwhere((found != 0) & (found != previous + 1))
+    if bad.size:
+        b, s = (int(i) for i in bad[0])
+        raise ExecutorInputError(f"{where}: positions[{b}, {s}] is {int(found[b, s])}; a position is 0 (a document "
+                                 f"starts) or the previous one + 1"
+                                 + (f" ({int(previous[b, s])} + 1)" if s else " (a row starts with a document)"))
+    return found
+
+
+def one_document_per_row(shape: tuple[int, ...]) -> np.ndarray:
+    """Positions 0 .. S-1 of every row: each row one document (what a packed step computes unpacked)."""
+    return np.ascontiguousarray(np.broadcast_to(np.arange(shape[1], dtype=np.int64), tuple(shape)))
+
+
+def document_inputs(takes_positions: bool, positions: Any, shape: tuple[int, ...], where: str) -> dict[str, Any]:
+    """{POSITIONS: ...} of a token batch of `shape` for a method that takes them (the given positions,
+    checked, or one document per row when None), {} for one that does not (which refuses positions)."""
+    if takes_positions:
+        return {POSITIONS: one_document_per_row(shape) if positions is None
+                else check_document_positions(positions, shape, where)}
+    if positions is not None:
+        raise ExecutorInputError(f"{where}: the program takes no document positions (export it with --packing "
+                                 f"documents to train on packed documents)")
+    return {}
+
+
+__all__ = ["StepInput", "check_document_positions", "document_inputs", "one_document_per_row", "check_input_names", "checked_input", "converts_exactly", "step_input_specs"]

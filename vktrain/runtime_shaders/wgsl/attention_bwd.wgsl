@@ -11,7 +11,11 @@
 // Registers as in attention_fwd.wgsl: the per-thread arrays (Scores, Chunks) are indexed by constants
 // only, each entry guarded by its count, the loops over the head dim and the streamed rows take
 // STEPS_PER_TRIP explicit steps a trip, and every entry adds its terms in the GLSL's order.
-// vktrain-variants: DQ, DKV
+// DOCUMENTS (packed documents, as attention_fwd.wgsl): positions [B, S] i32 after the outputs (binding 7
+// for DQ, 8 for DKV); P_ij = 0 unless document_start(i) <= j. DQ skips the key tiles before its first
+// query's document; DKV stops at the first query tile whose first query's document starts after the key
+// tile's last key.
+// vktrain-variants: DQ, DKV, DQ+DOCUMENTS, DKV+DOCUMENTS
 
 @id(0) override WG: u32 = 64u;    // ROWS * TPR
 @id(3) override D: u32 = 64u;     // head dim, a multiple of 4 TPR
@@ -52,11 +56,30 @@ struct Params {
 @group(0) @binding(5) var<storage, read> delta: array<f32>;        // [B, Hq, S]
 #if DQ
 @group(0) @binding(6) var<storage, read_write> d_q: array<vec4<f32>>;  // [B, S, Hq, D]
+#if DOCUMENTS
+@group(0) @binding(7) var<storage, read> positions: array<i32>;        // [B, S]
+@group(0) @binding(8) var<uniform> params: Params;
+#else
 @group(0) @binding(7) var<uniform> params: Params;
+#endif
 #else
 @group(0) @binding(6) var<storage, read_write> d_k: array<vec4<f32>>;  // [B, S, Hkv, D]
 @group(0) @binding(7) var<storage, read_write> d_v: array<vec4<f32>>;  // [B, S, Hkv, D]
+#if DOCUMENTS
+@group(0) @binding(8) var<storage, read> positions: array<i32>;        // [B, S]
+@group(0) @binding(9) var<uniform> params: Params;
+#else
 @group(0) @binding(8) var<uniform> params: Params;
+#endif
+#endif
+
+#if DOCUMENTS
+// The first key query `query` (< S) of batch row b sees: its document's first token, clamped to the row.
+fn document_start(b: u32, query: u32) -> u32 {
+    return query - u32(clamp(positions[b * params.S + query], 0, i32(query)));
+}
+#else
+fn document_start(b: u32, query: u32) -> u32 { return 0u; }
 #endif
 
 fn source_index(seq: u32, b: u32, head: u32, heads: u32, col4: u32) -> u32 {
@@ -116,12 +139,13 @@ struct Row {
     valid: bool,  // the query is inside the sequence
     lse: f32,
     delta: f32,
+    first_key: u32,  // its document's first token (0 without documents)
 }
 
 // dS of query row.query against key `key` into ds_tile[at]; 0 where masked.
 fn store_ds(at: u32, key: u32, row: Row, dot_qk: f32, dot_dov: f32) {
     var ds = 0.0;
-    if (row.valid && key <= row.query) {  // key <= query < S: inside the sequence
+    if (row.valid && key <= row.query && key >= row.first_key) {  // key <= query < S: inside the sequence
         let p = exp(dot_qk * params.scale - row.lse);
         ds = p * (dot_dov - row.delta);
     }
@@ -229,11 +253,16 @@ fn main(@builtin(workgroup_id) workgroup: vec3<u32>, @builtin(local_invocation_i
     }
     let valid_query = query < params.S;
     let stat_index = (b * params.Hq + head) * params.S + min(query, params.S - 1u);
+    var first_key = query;
+    if (valid_query) {
+        first_key = document_start(b, query);
+    }
     let stats = Row(query, valid_query, select(0.0, lse[stat_index], valid_query),
-                    select(0.0, delta[stat_index], valid_query));
+                    select(0.0, delta[stat_index], valid_query), first_key);
+    let k_begin = document_start(b, q_start) / COLS * COLS;  // uniform: the tile's earliest document start
 
     var dq = Chunks();
-    for (var k_start = 0u; k_start < q_end; k_start += COLS) {
+    for (var k_start = k_begin; k_start < q_end; k_start += COLS) {
         workgroupBarrier();  // the previous K / V / dS tiles are consumed
         for (var idx = tid; idx < COLS * d4s; idx += WG) {
             let seq = k_start + idx / d4s;
@@ -268,6 +297,7 @@ var<workgroup> p_tile: array<f32, ROWS * (COLS + 1u)>;
 var<workgroup> ds_tile: array<f32, ROWS * (COLS + 1u)>;
 var<workgroup> lse_tile: array<f32, COLS>;
 var<workgroup> delta_tile: array<f32, COLS>;
+var<private> b_row: u32;  // the workgroup's batch row (store_p_ds reads its queries' document starts)
 
 // One d4 step of the thread's dots against query rows at + j TPR rows.
 fn score_step(dots: ptr<function, Dots>, k_value: vec4<f32>, v_value: vec4<f32>, at: u32) {
@@ -312,7 +342,7 @@ fn store_p_ds(at: u32, col: u32, q_start: u32, key: u32, valid_key: bool, dot_qk
     let query = q_start + col;
     var p = 0.0;
     var ds = 0.0;
-    if (valid_key && key <= query && query < params.S) {
+    if (valid_key && key <= query && query < params.S && key >= document_start(b_row, query)) {
         p = exp(dot_qk * params.scale - lse_tile[col]);
         ds = p * (dot_dov - delta_tile[col]);
     }
@@ -458,6 +488,7 @@ fn main(@builtin(workgroup_id) workgroup: vec3<u32>, @builtin(local_invocation_i
     let kv_head = group.y;
     let b = group.z;
     let group_heads = params.Hq / params.Hkv;
+    b_row = b;
     let row = tid / TPR;
     let lane = tid % TPR;
     let key = k_start + row;
@@ -483,6 +514,11 @@ fn main(@builtin(workgroup_id) workgroup: vec3<u32>, @builtin(local_invocation_i
     for (var g = 0u; g < group_heads; g++) {
         let head = kv_head * group_heads + g;
         for (var q_start = first_q_start; q_start < params.S; q_start += COLS) {
+            // Uniform: this and every later query tile start their documents after the key tile's last
+            // key, so they see none of its keys (never true without documents).
+            if (document_start(b, q_start) >= k_start + ROWS) {
+                break;
+            }
             workgroupBarrier();  // the previous Q / dO / P / dS tiles are consumed
             for (var idx = tid; idx < COLS * d4s; idx += WG) {
                 let seq = q_start + idx / d4s;

@@ -14,6 +14,11 @@
 // entry adds its terms in the GLSL's order (scores: d4 ascending; outputs: keys ascending after each
 // tile's rescale), so the results are the GLSL's wherever the two compilers contract alike
 // (bit-identical on lavapipe).
+//
+// DOCUMENTS (packed documents): positions [B, S] (i32, binding 5) holds each token's position in its
+// document; query i sees keys document_start(i) = i - positions[i] .. i only, and the key tiles before the
+// tile's first query's document are skipped (document starts never decrease along a row).
+// vktrain-variants: -, DOCUMENTS
 
 @id(0) override WG: u32 = 64u;   // BQ * TPR
 @id(3) override D: u32 = 64u;    // head dim, a multiple of 4 TPR
@@ -47,7 +52,19 @@ struct Params {
 @group(0) @binding(2) var<storage, read> v: array<vec4<f32>>;
 @group(0) @binding(3) var<storage, read_write> out_: array<vec4<f32>>;
 @group(0) @binding(4) var<storage, read_write> lse: array<f32>;
+#if DOCUMENTS
+@group(0) @binding(5) var<storage, read> positions: array<i32>;  // [B, S]
+@group(0) @binding(6) var<uniform> params: Params;
+
+// The first key query `query` (< S) of batch row b sees: its document's first token, clamped to the row.
+fn document_start(b: u32, query: u32) -> u32 {
+    return query - u32(clamp(positions[b * params.S + query], 0, i32(query)));
+}
+#else
 @group(0) @binding(5) var<uniform> params: Params;
+
+fn document_start(b: u32, query: u32) -> u32 { return 0u; }
+#endif
 
 // Tiles [row * (D / 4 + 1) + d4]: rows padded by one vec4 (as the GLSL); scores [row * (BK + 1) + col].
 var<workgroup> q_tile: array<vec4<f32>, BQ * (D / 4u + 1u)>;
@@ -77,20 +94,20 @@ fn score_step(scores: ptr<function, Scores>, q_value: vec4<f32>, at: u32) {
 }
 
 // The scores of the thread's keys (k_start + lane + TPR j) for query `query`, masked, into s_tile.
-fn store_score(at: u32, key: u32, query: u32, score: f32) {
-    // Masked: in the future of the query or past the sequence.
-    s_tile[at] = select(MASKED, score * params.scale, key <= query && key < params.S);
+fn store_score(at: u32, key: u32, query: u32, first_key: u32, score: f32) {
+    // Masked: in the future of the query, past the sequence, or before the query's document.
+    s_tile[at] = select(MASKED, score * params.scale, key <= query && key < params.S && key >= first_key);
 }
 
-fn store_scores(scores: Scores, at: u32, key: u32, query: u32) {
-    store_score(at, key, query, scores[0]);
-    if (key_count() > 1u) { store_score(at + TPR, key + TPR, query, scores[1]); }
-    if (key_count() > 2u) { store_score(at + 2u * TPR, key + 2u * TPR, query, scores[2]); }
-    if (key_count() > 3u) { store_score(at + 3u * TPR, key + 3u * TPR, query, scores[3]); }
-    if (key_count() > 4u) { store_score(at + 4u * TPR, key + 4u * TPR, query, scores[4]); }
-    if (key_count() > 5u) { store_score(at + 5u * TPR, key + 5u * TPR, query, scores[5]); }
-    if (key_count() > 6u) { store_score(at + 6u * TPR, key + 6u * TPR, query, scores[6]); }
-    if (key_count() > 7u) { store_score(at + 7u * TPR, key + 7u * TPR, query, scores[7]); }
+fn store_scores(scores: Scores, at: u32, key: u32, query: u32, first_key: u32) {
+    store_score(at, key, query, first_key, scores[0]);
+    if (key_count() > 1u) { store_score(at + TPR, key + TPR, query, first_key, scores[1]); }
+    if (key_count() > 2u) { store_score(at + 2u * TPR, key + 2u * TPR, query, first_key, scores[2]); }
+    if (key_count() > 3u) { store_score(at + 3u * TPR, key + 3u * TPR, query, first_key, scores[3]); }
+    if (key_count() > 4u) { store_score(at + 4u * TPR, key + 4u * TPR, query, first_key, scores[4]); }
+    if (key_count() > 5u) { store_score(at + 5u * TPR, key + 5u * TPR, query, first_key, scores[5]); }
+    if (key_count() > 6u) { store_score(at + 6u * TPR, key + 6u * TPR, query, first_key, scores[6]); }
+    if (key_count() > 7u) { store_score(at + 7u * TPR, key + 7u * TPR, query, first_key, scores[7]); }
 }
 
 fn rescale(o: ptr<function, Chunks>, correction: f32) {
@@ -198,6 +215,11 @@ fn main(@builtin(workgroup_id) workgroup: vec3<u32>, @builtin(local_invocation_i
     let lane = tid % TPR;
     let query = q_start + row;
     let q_end = min(q_start + BQ, params.S);  // keys [0, q_end) are visible to the tile
+    var first_key = query;  // a row past the sequence stores nothing
+    if (query < params.S) {
+        first_key = document_start(b, query);
+    }
+    let k_begin = document_start(b, q_start) / BK * BK;  // uniform: the tile's earliest document start
 
     for (var idx = tid; idx < BQ * d4s; idx += WG) {
         let seq = q_start + idx / d4s;
@@ -211,7 +233,7 @@ fn main(@builtin(workgroup_id) workgroup: vec3<u32>, @builtin(local_invocation_i
     var o = Chunks();
     var m = MASKED;  // running max of the row's scores
     var l = 0.0;     // running sum of exp(score - m)
-    for (var k_start = 0u; k_start < q_end; k_start += BK) {
+    for (var k_start = k_begin; k_start < q_end; k_start += BK) {
         workgroupBarrier();  // every thread is done with the previous tiles
         for (var idx = tid; idx < BK * d4s; idx += WG) {
             let seq = k_start + idx / d4s;
@@ -228,11 +250,11 @@ fn main(@builtin(workgroup_id) workgroup: vec3<u32>, @builtin(local_invocation_i
         workgroupBarrier();
 
         let scores = score_tile(row * stride, lane * stride);
-        store_scores(scores, row * score_stride + lane, k_start + lane, query);
+        store_scores(scores, row * score_stride + lane, k_start + lane, query, first_key);
         workgroupBarrier();
 
         let largest = tile_max(row * score_stride);
-        // Every row sees key 0 in the first tile; a later tile wholly past its diagonal adds nothing.
+        // A tile wholly outside a row's keys adds nothing.
         if (largest != MASKED) {
             let m_new = max(m, largest);
             let correction = exp(m - m_new);  // 0 on the row's first keys (m = MASKED)
@@ -244,7 +266,7 @@ fn main(@builtin(workgroup_id) workgroup: vec3<u32>, @builtin(local_invocation_i
     }
 
     if (query < params.S) {
-        // Every query sees at least key 0, so l >= 1.
+        // Every query sees at least itself, so l >= 1.
         store_output(o, l, source_index(query, b, head, params.Hq, lane));
         if (lane == 0u) {
             lse[(b * params.Hq + head) * params.S + query] = m + log(l);

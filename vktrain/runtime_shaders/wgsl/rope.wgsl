@@ -1,5 +1,6 @@
 // Rotary position embedding, "rotate half" pairing (GLSL reference: ../rope.comp; host module:
-// kernels/rotary.py): x [B, S, H, D], cos/sin [S, D/2]; for i < D/2, x1 = x[i], x2 = x[i + D/2]:
+// kernels/rotary.py): x [B, S, H, D], cos/sin [S, D/2] (or [B, S, D/2]: per token, packed documents); for
+// i < D/2, x1 = x[i], x2 = x[i + D/2]:
 //   out[i] = x1 cos - x2 sin,  out[i + D/2] = x2 cos + x1 sin
 // NEGATE_SIN (id 3) uses -sin (the backward). One thread per 4 consecutive pairs (D % 8 == 0).
 
@@ -9,7 +10,7 @@
 struct Params {
     vktrain_group_offset: vec4<u32>,
     quads: u32,       // B * S * H * D / 8: threads with work
-    S: u32,
+    table_rows: u32,  // rows of cos/sin: S, or B * S for per-token tables
     H: u32,
     half_quads: u32,  // D / 8: vec4s per half row
 }
@@ -28,7 +29,7 @@ fn main(@builtin(workgroup_id) workgroup: vec3<u32>, @builtin(local_invocation_i
     }
     let row = t / params.half_quads;  // (b * S + s) * H + h
     let quad = t % params.half_quads;
-    let position = (row / params.H) % params.S;
+    let position = (row / params.H) % params.table_rows;  // the table row of token b * S + s
     let first = row * 2u * params.half_quads + quad;
     let second = first + params.half_quads;
     let table = position * params.half_quads + quad;

@@ -10,6 +10,10 @@ SUPPORTED_HEAD_DIMS (16, 32, 64, 128), fp32, contiguous tensors.
 
 No [heads, S, S] tensor ever exists: scores live as tiles in shared memory.
 
+Packed documents: with `positions` (int32 [B, S], each token's position in its document) the kernels'
+DOCUMENTS variants hide from query i the keys before i - positions[i] (its document's first token) and
+skip the key tiles (query tiles for DKV) that no row of a tile can see; same dispatches otherwise.
+
 Forward, one dispatch (vktrain/runtime_shaders/attention_fwd.comp): a workgroup per (tile of
 `tiles.rows` queries, query head, batch); key/value tiles of `tiles.cols` rows stream through shared
 memory up to the causal diagonal with an online softmax per query row. Writes out and lse.
@@ -212,6 +216,13 @@ def _spec(D: int, tiles: AttentionTiles) -> dict[int, int]:
             THREADS_PER_ROW_SPEC_ID: tiles.threads_per_row}
 
 
+def _with_documents(shader: str, positions: Any) -> tuple[str, tuple]:
+    """The shader's DOCUMENTS variant and the positions binding it adds, or the plain one and no binding."""
+    if positions is None:
+        return shader, ()
+    return (f"{shader}+DOCUMENTS" if "@" in shader else f"{shader}@DOCUMENTS"), (binding(positions, "r"),)
+
+
 def causal_attention_backward_scratch_nbytes(B: int, S: int, Hq: int) -> int:
     """Bytes of the `delta` scratch buffer the backward needs: fp32 [B, Hq, S]."""
     check_positive_ints("causal_attention_backward", B=B, S=S, Hq=Hq)
@@ -231,7 +242,7 @@ def plan_backward_delta(*, B: int, S: int, Hq: int, D: int, d_out: Any, out: Any
 
 @register_kernel("vktrain.causal_attention.default")
 def plan_causal_attention(*, B: int, S: int, Hq: int, Hkv: int, D: int, q: Any, k: Any, v: Any, out: Any,
-                          lse: Any, scale: float, tiles: AttentionTiles | None = None,
+                          lse: Any, scale: float, positions: Any = None, tiles: AttentionTiles | None = None,
                           shared_memory_bytes: int = DEFAULT_SHARED_MEMORY_BYTES,
                           max_workgroup_size: int = DEFAULT_MAX_WORKGROUP_SIZE,
                           label: str = "causal_attention") -> list[Dispatch]:
@@ -240,15 +251,18 @@ def plan_causal_attention(*, B: int, S: int, Hq: int, Hkv: int, D: int, q: Any, 
     Buffers (keys of the Program's buffer mapping, Buffer objects or BufferBindings; 16-byte aligned):
       q    fp32 [B, S, Hq, D]     k, v  fp32 [B, S, Hkv, D]
       out  fp32 [B, S, Hq, D] (written)    lse  fp32 [B, Hq, S] (written)
+      positions  int32 [B, S] or None: packed documents (module docstring)
     `tiles` overrides the default tiling (default_tiles("forward", D, S=S, ...)); `shared_memory_bytes` and
     `max_workgroup_size` are the device's limits the default must respect.
     """
     op = "causal_attention"
     check_problem(op, B, S, Hq, Hkv, D, scale)
     tiles = _resolve_tiles(op, "forward", tiles, D, S, Hq * B, shared_memory_bytes, max_workgroup_size)
+    shader, documents = _with_documents("attention_fwd", positions)
     return [Dispatch(
-        "attention_fwd", groups=(ceil_div(S, tiles.rows), Hq, B),
-        bindings=(binding(q, "r"), binding(k, "r"), binding(v, "r"), binding(out, "w"), binding(lse, "w")),
+        shader, groups=(ceil_div(S, tiles.rows), Hq, B),
+        bindings=(binding(q, "r"), binding(k, "r"), binding(v, "r"), binding(out, "w"), binding(lse, "w"))
+        + documents,
         push_constants=pack_push(S, Hq, Hkv, float(scale)), spec_constants=_spec(D, tiles),
         local_size=(tiles.workgroup_size, 1, 1), label=label)]
 
@@ -256,7 +270,7 @@ def plan_causal_attention(*, B: int, S: int, Hq: int, Hkv: int, D: int, q: Any, 
 @register_kernel("vktrain.causal_attention_backward.default")
 def plan_causal_attention_backward(*, B: int, S: int, Hq: int, Hkv: int, D: int, d_out: Any, q: Any, k: Any,
                                    v: Any, out: Any, lse: Any, d_q: Any, d_k: Any, d_v: Any, delta: Any,
-                                   scale: float, dq_tiles: AttentionTiles | None = None,
+                                   scale: float, positions: Any = None, dq_tiles: AttentionTiles | None = None,
                                    dkv_tiles: AttentionTiles | None = None,
                                    shared_memory_bytes: int = DEFAULT_SHARED_MEMORY_BYTES,
                                    max_workgroup_size: int = DEFAULT_MAX_WORKGROUP_SIZE,
@@ -265,7 +279,8 @@ def plan_causal_attention_backward(*, B: int, S: int, Hq: int, Hkv: int, D: int,
 
     Buffers: d_out, q, out fp32 [B, S, Hq, D]; k, v fp32 [B, S, Hkv, D]; lse fp32 [B, Hq, S] (the
     forward's); d_q fp32 [B, S, Hq, D], d_k, d_v fp32 [B, S, Hkv, D] (written, not overlapping the
-    inputs); delta: scratch of `causal_attention_backward_scratch_nbytes(B, S, Hq)` bytes, overwritten.
+    inputs); delta: scratch of `causal_attention_backward_scratch_nbytes(B, S, Hq)` bytes, overwritten;
+    positions: int32 [B, S] or None, the forward's.
     `dq_tiles` / `dkv_tiles` override the tilings of the two main passes (rows = queries for DQ, keys
     for DKV).
     """
@@ -277,14 +292,16 @@ def plan_causal_attention_backward(*, B: int, S: int, Hq: int, Hkv: int, D: int,
     push = pack_push(S, Hq, Hkv, float(scale))
     inputs = (binding(d_out, "r"), binding(q, "r"), binding(k, "r"), binding(v, "r"), binding(lse, "r"),
               binding(delta, "r"))
+    dq_shader, documents = _with_documents("attention_bwd@DQ", positions)
+    dkv_shader, _ = _with_documents("attention_bwd@DKV", positions)
     return [
         plan_backward_delta(B=B, S=S, Hq=Hq, D=D, d_out=d_out, out=out, delta=delta, label=label),
-        Dispatch("attention_bwd@DQ", groups=(ceil_div(S, dq_tiles.rows), Hq, B),
-                 bindings=inputs + (binding(d_q, "w"),), push_constants=push,
+        Dispatch(dq_shader, groups=(ceil_div(S, dq_tiles.rows), Hq, B),
+                 bindings=inputs + (binding(d_q, "w"),) + documents, push_constants=push,
                  spec_constants=_spec(D, dq_tiles), local_size=(dq_tiles.workgroup_size, 1, 1),
                  label=f"{label}.dq"),
-        Dispatch("attention_bwd@DKV", groups=(ceil_div(S, dkv_tiles.rows), Hkv, B),
-                 bindings=inputs + (binding(d_k, "w"), binding(d_v, "w")), push_constants=push,
+        Dispatch(dkv_shader, groups=(ceil_div(S, dkv_tiles.rows), Hkv, B),
+                 bindings=inputs + (binding(d_k, "w"), binding(d_v, "w")) + documents, push_constants=push,
                  spec_constants=_spec(D, dkv_tiles), local_size=(dkv_tiles.workgroup_size, 1, 1),
                  label=f"{label}.dkv"),
     ]

@@ -1,6 +1,7 @@
 """The rotary family: rope (Llama/HF "rotate half" rotary position embedding).
 
-Semantics (docs/CONTRACTS.md): x [B, S, H, D], cos/sin [S, D/2]; for i < D/2
+Semantics (docs/CONTRACTS.md): x [B, S, H, D], cos/sin [S, D/2] or, per token (packed documents, whose
+positions restart at each document), [B, S, D/2]; for i < D/2
     y[i] = x[i] * cos - x[i + D/2] * sin,   y[i + D/2] = x[i + D/2] * cos + x[i] * sin
 The backward is rope(d_y, cos, -sin). The graph may pass a negated table to the plain kernel, or a
 runner may call this plan with `negate_sin=True` on the forward's table (a specialization constant of
@@ -25,11 +26,12 @@ NEGATE_SIN_SPEC_ID = 3
 
 @register_kernel("vktrain.rope.default")
 def plan_rope(*, B: int, S: int, H: int, D: int, x: Any, cos: Any, sin: Any, out: Any,
-              negate_sin: bool = False, workgroup_size: int = DEFAULT_WORKGROUP_SIZE,
+              negate_sin: bool = False, per_token: bool = False, workgroup_size: int = DEFAULT_WORKGROUP_SIZE,
               label: str = "rope") -> list[Dispatch]:
     """Dispatches computing out = rope(x, cos, -sin if negate_sin else sin).
 
-    Buffers: x fp32 [B, S, H, D] contiguous; cos, sin fp32 [S, D/2]; out fp32 [B, S, H, D] (written).
+    Buffers: x fp32 [B, S, H, D] contiguous; cos, sin fp32 [S, D/2], or [B, S, D/2] with `per_token`;
+    out fp32 [B, S, H, D] (written).
     """
     check_positive_ints("rope", B=B, S=S, H=H, D=D, workgroup_size=workgroup_size)
     if D % 8:
@@ -45,5 +47,5 @@ def plan_rope(*, B: int, S: int, H: int, D: int, x: Any, cos: Any, sin: Any, out
     return [Dispatch(
         "rope", groups=(ceil_div(quads, workgroup_size), 1, 1),
         bindings=(binding(x, "r"), binding(cos, "r"), binding(sin, "r"), binding(out, "w")),
-        push_constants=pack_push(quads, S, H, D // 8), spec_constants={NEGATE_SIN_SPEC_ID: negate_sin},
+        push_constants=pack_push(quads, B * S if per_token else S, H, D // 8), spec_constants={NEGATE_SIN_SPEC_ID: negate_sin},
         local_size=(workgroup_size, 1, 1), label=label)]
