@@ -11,7 +11,7 @@ so the copies stay on the device. `save(slot)` replays one recorded Program: a f
 flags, then per state tensor one state_guard.comp dispatch (copy its words into the slot, OR a flag when
 a word is NaN/inf), then state_guard@ANY folding the flags into one word the host reads. Every tensor has
 its own 256-byte-aligned range in the slot and in the flags buffer, so the copies run without barriers
-between them. `restore(slot)` replays the slot -> state copies (copy.comp). Nothing is read to the host
+between them. `restore(slot)` replays the slot -> state copies (copy.slang). Nothing is read to the host
 but that word, except by `read`.
 """
 from __future__ import annotations
