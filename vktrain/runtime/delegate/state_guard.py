@@ -8,7 +8,7 @@
 The training loop keeps the last states good to resume from (vktrain/train/train_loop.py); reading every
 state tensor to the host each step costs more than the step on a GPU (58 MB for SmolLM2-135M at rank 16),
 so the copies stay on the device. `save(slot)` replays one recorded Program: a fill zeroing the per-tensor
-flags, then per state tensor one state_guard.comp dispatch (copy its words into the slot, OR a flag when
+flags, then per state tensor one state_guard.slang dispatch (copy its words into the slot, OR a flag when
 a word is NaN/inf), then state_guard@ANY folding the flags into one word the host reads. Every tensor has
 its own 256-byte-aligned range in the slot and in the flags buffer, so the copies run without barriers
 between them. `restore(slot)` replays the slot -> state copies (copy.slang). Nothing is read to the host
