@@ -1,6 +1,6 @@
 """The KV-cache family of generation: kv_cache_update and cached_attention (vktrain/opdefs/decode_ops.py).
 
-kv_cache_update: two dispatches of kv_cache_update.comp, the cache copied into the output, then the
+kv_cache_update: two dispatches of kv_cache_update.slang, the cache copied into the output, then the
 new rows scattered to their positions (the barrier between them comes from the buffers' hazards).
 cached_attention: one work group per (batch, query row, query head), cached_attention.comp.
 Positions are int32 on the GPU (int64 index tensors are stored as int32); the host checks them
