@@ -15,7 +15,7 @@ def test_codes_glsl_is_up_to_date():
 
 
 def test_shaders_use_the_generated_names_not_numbers():
-    source = (SHADERS / "elementwise.comp").read_text()
+    source = (SHADERS / "elementwise.slang").read_text()
     assert '#include "codes.glsl"' in source
     assert re.findall(r"case\s+\d+u?\s*:", source) == []  # every case label is a generated EW_* name
     labels = set(re.findall(r"case\s+(EW_\w+)\s*:", source))

@@ -33,7 +33,7 @@ from vktrain.serialization.dispatch import BufferBinding, Dispatch
 from vktrain.runtime.vk.schedule import ceil_div, pack_push
 from vktrain.serialization.strided_view import MAX_ELEMENTS, KernelArgumentError, StridedView
 
-# copy.slang / elementwise.comp: MAX_RANK and WORKGROUP_SIZE.
+# copy.slang / elementwise.slang: MAX_RANK and WORKGROUP_SIZE.
 MAX_STRIDED_RANK = 6
 WORKGROUP_SIZE = 64
 # The device limits the plans size workgroups by (OpContext.limits), as errors name them.
