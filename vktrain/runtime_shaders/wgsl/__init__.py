@@ -52,7 +52,7 @@ has no preprocessor):
 Where WGSL differs from the GLSL, the kernels keep the GLSL's results by other means:
   * no `precise`: adamw's bias corrections 1 - beta^t come from log1p / expm1 series instead of
     float-float products; reduce's Kahan compensation reads the sum through an opaque zero (the
-    header's w word) that no optimizer can fold;
+    header's w word) that no optimizer can fold (both Slang kernels now, for both targets);
   * no specialization-sized per-thread arrays: those have constant maximum sizes (attention) or live in
     workgroup memory (the GEMV partial sums); workgroup arrays take override-sized lengths. A kernel
     states what its constant sizes need of the overrides in `// vktrain-requires: EXPR -- WHY` lines
