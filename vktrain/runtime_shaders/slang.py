@@ -17,8 +17,9 @@ silently:
   * WGSL: WGSL's `@workgroup_size` cannot name an override in slangc's output (E55205), so the kernel
     writes the default literal there on WGSL (VKTRAIN_LOCAL_SIZE in common.slangh) and the literal is
     replaced by the `@id(0..2)` override that carries it; slangc's `_0` suffix is taken off
-    `vktrain_group_offset` (the split-dispatch header the reflection looks for); the source's
-    `// vktrain-requires:` lines are copied in front (the WebGPU runtime reads them from the WGSL).
+    `vktrain_group_offset` (the split-dispatch header the reflection looks for) and off the overrides
+    (the names `// vktrain-requires:` lines use); those lines are copied in front (the WebGPU runtime
+    reads them from the WGSL); `enable subgroups;` is dropped (wgpu 0.32 rejects it, see wgsl/__init__.py).
 """
 from __future__ import annotations
 
@@ -158,6 +159,7 @@ def fit_spirv(code: bytes) -> bytes:
 
 _WORKGROUP_SIZE = re.compile(r"@workgroup_size\(\s*([^,)]+?)\s*,\s*([^,)]+?)\s*,\s*([^,)]+?)\s*\)")
 # slangc writes `@id(0) override WG_0 : u32 = u32(64);`; a literal `64u` is taken too.
+_OVERRIDE_NAME = re.compile(r"@id\(\d+\)\s*override\s+(\w+)")
 _OVERRIDE = re.compile(r"@id\((\d+)\)\s*override\s+(\w+)\s*:\s*\w+\s*=\s*(?:\w+\()?\s*(\d+)u?\s*\)?\s*;")
 
 
@@ -179,6 +181,13 @@ def fit_wgsl(text: str, source_text: str, origin: str) -> str:
             axes.append(literal)
     text = _WORKGROUP_SIZE.sub(f"@workgroup_size({', '.join(axes)})", text, count=1)
     text = re.sub(r"\bvktrain_group_offset_\d+\b", "vktrain_group_offset", text)
+    # Overrides under their source names, which `// vktrain-requires:` lines use (`WG`, not `WG_0`).
+    for name in _OVERRIDE_NAME.findall(text):
+        source_name = re.sub(r"_\d+$", "", name)
+        if source_name != name and not re.search(rf"\b{source_name}\b", text):
+            text = re.sub(rf"\b{name}\b", source_name, text)
+    # wgpu 0.32 (naga 29) rejects `enable subgroups;` and takes the built-ins on a device with the feature.
+    text = re.sub(r"^enable subgroups;\n", "", text, flags=re.MULTILINE)
     requires = "".join(line + "\n" for line in _REQUIRES_LINE.findall(source_text))
     return f"// Generated from {origin} by slangc (vktrain/runtime_shaders/slang.py); do not edit.\n{requires}{text}"
 
