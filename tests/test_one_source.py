@@ -28,8 +28,6 @@ GLSL_KERNELS_NOT_YET_PORTED = {
     # Reads the number of workgroups (a grid-stride loop), which slangc 2026.14 cannot emit for WGSL
     # (WorkgroupCount() is SPIR-V/GLSL only; no SV_ semantic maps to @builtin(num_workgroups)).
     "test_scale": "num_workgroups on WGSL",
-    # Not ported yet.
-    **dict.fromkeys(("fused_ce", "fused_ce_sum"), "not ported yet"),
 }
 
 
