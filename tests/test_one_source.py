@@ -24,7 +24,7 @@ GLSL_KERNELS_NOT_YET_PORTED = {
     **dict.fromkeys(("linear_dw", "linear_q4gsw", "linear_q4gsw_backward", "linear_q4gsw_gemv",
                      "linear_splitk_reduce", "matmul", "q4gsw_requant"), "GEMM family, reworked elsewhere"),
     # Attention (per-thread arrays sized by specialization constants; WGSL twins use workgroup memory).
-    **dict.fromkeys(("attention_bwd", "attention_fwd", "cached_attention"), "not ported yet"),
+    **dict.fromkeys(("attention_bwd", "attention_fwd"), "not ported yet"),
     # Reads the number of workgroups (a grid-stride loop), which slangc 2026.14 cannot emit for WGSL
     # (WorkgroupCount() is SPIR-V/GLSL only; no SV_ semantic maps to @builtin(num_workgroups)).
     "test_scale": "num_workgroups on WGSL",
