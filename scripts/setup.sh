@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Idempotent setup: Vulkan loader + lavapipe + validation layers (Debian), g++ and Python's C headers (for
 # vktrain.executorch_backend, which builds its trampoline on first import), then .venv with vktrain[test],
-# then the native runtime (native/: cmake, the Vulkan headers, flatbuffers) into build/native.
+# then the kernels (SPIR-V, and WGSL from the Slang sources), then the native runtime (native/: cmake, the Vulkan headers, flatbuffers) into build/native.
 # Quiet when there is nothing to do.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -54,6 +54,14 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
     exit 1
   fi
   echo "$want" > "$stamp"
+fi
+
+# The kernels: SPIR-V of every source, and the WGSL generated from the *.slang ones (cached by content hash,
+# so a second run builds nothing).
+if ! .venv/bin/python -m vktrain.runtime_shaders.build >.venv/shader-build.log 2>&1; then
+  tail -40 .venv/shader-build.log >&2
+  echo "setup: building the kernels (python -m vktrain.runtime_shaders.build) failed (full log: .venv/shader-build.log)" >&2
+  exit 1
 fi
 
 # The native runtime (native/, CMake): cmake rebuilds only what changed since the last build.

@@ -1153,9 +1153,9 @@ def test_unsupported_inputs_are_refused_with_a_reason(key, kwargs, message):
 
 
 def test_strided_copy_rank_limit_is_explained():
-    # 7 dims that cannot merge (every other dim transposed) exceed copy.comp's 6.
+    # 7 dims that cannot merge (every other dim transposed) exceed copy.slang's 6.
     view = StridedView.contiguous((2,) * 8).permute((1, 0, 3, 2, 5, 4, 7, 6))
-    with pytest.raises(KernelArgumentError, match="copy.comp supports at most 6"):
+    with pytest.raises(KernelArgumentError, match="copy.slang supports at most 6"):
         plan_strided_copy("out", "x", view)
 
 

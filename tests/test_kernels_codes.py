@@ -15,13 +15,13 @@ def test_codes_glsl_is_up_to_date():
 
 
 def test_shaders_use_the_generated_names_not_numbers():
-    source = (SHADERS / "elementwise.comp").read_text()
+    source = (SHADERS / "elementwise.slang").read_text()
     assert '#include "codes.glsl"' in source
     assert re.findall(r"case\s+\d+u?\s*:", source) == []  # every case label is a generated EW_* name
     labels = set(re.findall(r"case\s+(EW_\w+)\s*:", source))
     assert labels == ({f"EW_UNARY_{n.upper()}" for n in elementwise.UNARY_OPS}
                       | {f"EW_BINARY_{n.upper()}" for n in elementwise.BINARY_OPS})
-    adamw = (SHADERS / "adamw.comp").read_text()
+    adamw = (SHADERS / "adamw.slang").read_text()
     assert re.findall(r"hparams\[\d+\]", adamw) == []
     assert {f"HPARAM_{n.upper()}" for n in contract.HPARAM_NAMES} <= set(re.findall(r"hparams\[(\w+)\]", adamw))
 

@@ -1,4 +1,4 @@
-"""elementwise.comp's VEC4 variants (kernels/elementwise.py): same-shape contiguous operands read and
+"""elementwise.slang's VEC4 variants (kernels/elementwise.py): same-shape contiguous operands read and
 written as vec4s, VEC4_ELEMENTS_PER_GROUP elements per workgroup.
 
 The variant must give exactly the general variant's bits (the same per-element functions, only the

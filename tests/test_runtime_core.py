@@ -291,7 +291,7 @@ def test_split_dispatch_in_three_dimensions(vk_device, buffers):
         program.replay()
     np.testing.assert_array_equal(counts.read(np.uint32), np.ones(total, np.uint32))
     np.testing.assert_array_equal(ids.read(np.uint32), np.arange(total, dtype=np.uint32))
-    assert local == (2, 2, 2)  # test_grid.comp's fixed local size, which `size` above assumes
+    assert local == (2, 2, 2)  # test_grid.slang's fixed local size, which `size` above assumes
 
 
 def test_plan_submits_counts_split_chunks_one_by_one():

@@ -12,7 +12,7 @@ Feature variants: the session's `webgpu_device` takes every WGSL feature body it
 the subgroup reductions of rms_norm, fused_ce, fused_ce_sum), so the wrapped tests check those; the
 kernels with feature bodies are checked once more on `webgpu_defaults_device` (kernel_features=(): the
 browser-valid defaults). The Vulkan tests' tolerances for these kernels hold for any summation order
-of their sums (see their docstrings and subgroup_reduce.inc.wgsl); the sum of fused_ce_sum is also
+of their sums (see their docstrings and subgroup_reduce.slangh); the sum of fused_ce_sum is also
 checked against the bound of the subgroup order itself.
 
 Besides: every WGSL kernel declares exactly the interface of the GLSL shader it mirrors (bindings and
@@ -180,9 +180,10 @@ def test_lookup_refuses_what_it_cannot_serve():
 
 
 def test_variants_select_lines_and_define_values():
+    # fused_ce's WGSL is generated from fused_ce.slang (slangc, with the variant's defines).
     plain, vec4 = wgsl_source("fused_ce"), wgsl_source("fused_ce@VEC4+IN_PLACE")
-    assert "alias Value = f32;" in plain and "alias Value = vec4<f32>;" not in plain
-    assert "alias Value = vec4<f32>;" in vec4 and "@binding(5)" not in vec4  # IN_PLACE: one binding fewer
+    assert "array<f32>;" in plain and "array<vec4<f32>>" not in plain and "@binding(5)" in plain
+    assert "array<vec4<f32>>" in vec4 and "@binding(5)" not in vec4  # IN_PLACE: one binding fewer
     tiles = wgsl_source("matmul@HAS_BIAS=1+TILE_M=16+TILE_N=64")
     assert tiles.startswith("const TILE_M = 16;\nconst TILE_N = 64;\n") and "const TILE_M = 64;" not in tiles
     assert "const TILE_M = 64;" in wgsl_source("matmul@HAS_BIAS=0")

@@ -43,9 +43,10 @@ Program(device, dispatches, buffers, timing=False, max_group_count=None, max_dis
 `submit_count`, `destroy()`. `run_dispatches(...)` runs a
 list once.
 
-Shaders: `vktrain/runtime_shaders/*.comp`, compiled by `python -m vktrain.runtime_shaders.build` into
-the git-ignored `vktrain/runtime_shaders/spirv/` cache (ship it to machines without a compiler; list
-the variants a source needs in its `// vktrain-variants:` line so the build includes them).
+Shaders: `vktrain/runtime_shaders/*.slang` and `*.comp`, compiled by `python -m vktrain.runtime_shaders.build`
+into the git-ignored `vktrain/runtime_shaders/spirv/` cache (and the Slang ones to WGSL in `wgsl/generated/`;
+ship both to machines without a compiler; list the variants a source needs in its `// vktrain-variants:`
+line so the build includes them).
 
 Errors (errors.py): VulkanError (call, result, result_name) for any failing Vulkan call;
 VulkanUnavailableError (no loader/device; says what to install); DeviceSelectionError;

@@ -1,5 +1,5 @@
 #version 450
-// Causal self-attention backward, flash-style (host module: vktrain/runtime/delegate/kernels/attention.py).
+// Causal self-attention backward, flash-style (host module: vktrain/backend/kernel_planning/kernels/attention.py).
 // Inputs as in attention_fwd.comp plus d_out [B, S, Hq, D], lse [B, Hq, S] from the forward and
 // delta [B, Hq, S] = rowsum(d_out * out) from attention_bwd_delta.comp. With P recomputed from lse:
 //   P_ij  = exp(scale * q_i . k_j - lse_i)   (j <= i, else 0)

@@ -1,4 +1,4 @@
-// Shared by attention_fwd.comp and attention_bwd.comp (host module: vktrain/runtime/delegate/kernels/attention.py).
+// Shared by attention_fwd.comp and attention_bwd.comp (host module: vktrain/backend/kernel_planning/kernels/attention.py).
 #ifndef VKTRAIN_ATTENTION_COMMON_GLSL
 #define VKTRAIN_ATTENTION_COMMON_GLSL
 

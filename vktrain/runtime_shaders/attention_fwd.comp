@@ -1,5 +1,5 @@
 #version 450
-// Causal self-attention forward, flash-style (host module: vktrain/runtime/delegate/kernels/attention.py).
+// Causal self-attention forward, flash-style (host module: vktrain/backend/kernel_planning/kernels/attention.py).
 //   q [B, S, Hq, D], k/v [B, S, Hkv, D] (as they leave the projections, no permute), GQA: query head h
 //   reads kv head h / (Hq / Hkv).
 //   out[b, i, h] = sum_{j <= i} softmax_j(scale * q_i . k_j) v_j        [B, S, Hq, D]

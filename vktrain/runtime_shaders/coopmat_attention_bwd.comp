@@ -1,6 +1,6 @@
 #version 450
 // Causal self-attention backward on tensor cores (host module:
-// vktrain/runtime/delegate/kernels/coopmat_attention.py), the two passes of attention_bwd.comp with the
+// vktrain/backend/kernel_planning/kernels/coopmat_attention.py), the two passes of attention_bwd.comp with the
 // same inputs and outputs (delta = rowsum(d_out * out) from attention_bwd_delta.comp):
 //   P_ij  = exp(scale * q_i . k_j - lse_i)   (j <= i, else 0)
 //   dS_ij = P_ij * (d_out_i . v_j - delta_i)

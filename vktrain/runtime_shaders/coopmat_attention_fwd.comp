@@ -1,6 +1,6 @@
 #version 450
 // Causal self-attention forward on tensor cores (host module:
-// vktrain/runtime/delegate/kernels/coopmat_attention.py), the semantics, buffers and push constants of
+// vktrain/backend/kernel_planning/kernels/coopmat_attention.py), the semantics, buffers and push constants of
 // attention_fwd.comp:
 //   out[b, i, h] = sum_{j <= i} softmax_j(scale * q_i . k_j) v_j        [B, S, Hq, D]
 //   lse[b, h, i] = log sum_{j <= i} exp(scale * q_i . k_j)               [B, Hq, S]

@@ -1,5 +1,5 @@
 #version 450
-// Dense fp32 tiled GEMM (host module: vktrain/runtime/delegate/kernels/matmul.py).
+// Dense fp32 tiled GEMM (host module: vktrain/backend/kernel_planning/kernels/matmul.py).
 //
 // C[b, m, n] = alpha * sum_k A[b, m, k] * B[b, k, n]  (+ beta * bias[b, m, n] when HAS_BIAS)
 //

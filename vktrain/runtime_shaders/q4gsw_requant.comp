@@ -1,5 +1,5 @@
 #version 450
-// Straight-through re-quantization (host module: vktrain/runtime/delegate/kernels/requant.py) of a latent
+// Straight-through re-quantization (host module: vktrain/backend/kernel_planning/kernels/requant.py) of a latent
 // weight [N, K] with fixed group scales [G, N], written directly in the W_4X8 layout
 // (docs/spec/w4x8.md) that linear_q4gsw reads in the next step:
 //   q = clamp(roundEven(latent[n, k] / scales[k / gs, n]), -8, 7), code = q + 8

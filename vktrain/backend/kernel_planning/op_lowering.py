@@ -396,7 +396,7 @@ EMPTY = "aten.empty.memory_format"
 
 def copy_words(out: BufferBinding, source: BufferBinding, nbytes: int, *, label: str,
                binding_limit: layout.BindingLimit | None = None) -> list[Dispatch]:
-    """A flat copy of `nbytes` (a multiple of 4) from `source` to `out`; copy.comp moves 32-bit words,
+    """A flat copy of `nbytes` (a multiple of 4) from `source` to `out`; copy.slang moves 32-bit words,
     so one kernel copies every 4-byte dtype. Over `binding_limit` it runs in windows (copies.plan_copy)."""
     if nbytes % 4:
         raise GraphLoweringError(f"{label}: cannot copy {nbytes} bytes, the copy kernel moves 32-bit words")

@@ -43,7 +43,7 @@ from vktrain.serialization.schedule import SHARED_PREFIX, Schedule, ScheduleMism
 from vktrain.serialization.device_profile import DeviceProfile
 from vktrain.serialization.embedded import ShaderModule
 from vktrain.serialization.verify_schedule import verify_schedule
-from vktrain.runtime_shaders.build import SHADER_DIR
+from vktrain.runtime_shaders.build import source_names
 from vktrain.errors import VktrainError
 
 _INT32_MIN, _INT32_MAX = -(2**31), 2**31 - 1
@@ -60,7 +60,7 @@ EMBEDDING_INDEX_ARG = {"aten.embedding.default": 1, "vktrain.embedding_q8_0.defa
 
 def shader_sources() -> frozenset[str]:
     """The kernel sources this runtime has (the base names a Dispatch's shader may have)."""
-    return frozenset(path.stem for path in SHADER_DIR.glob("*.comp"))
+    return frozenset(source_names())
 
 
 class ExecutorInputError(VktrainError, ValueError):

@@ -9,8 +9,10 @@ The training loop keeps the last states good to resume from (vktrain/train/train
 state tensor to the host each step costs more than the step on a GPU (58 MB for SmolLM2-135M at rank 16),
 so the copies stay on the device. The dispatches are the schedule's (serialization/schedule.py
 StateGuardPlan, planned by vktrain/backend/kernel_planning/state_guard.py): `save(slot)` replays the plan's save
-list with the slot's buffer bound to its backup-slot key, `restore(slot)` its restore list. The guard allocates
-the slots, the flags and the result word; nothing is read to the host but that word, except by `read`.
+list (a fill zeroing the per-tensor flags, per state tensor one state_guard.slang dispatch copying its words
+into the slot and flagging NaN/inf, then state_guard@ANY folding the flags into one word) with the slot's
+buffer bound to its backup-slot key, `restore(slot)` its restore list (copy.slang). The guard allocates the
+slots, the flags and the result word; nothing is read to the host but that word, except by `read`.
 """
 from __future__ import annotations
 

@@ -1,4 +1,11 @@
-"""WGSL kernels for the WebGPU runtime: one `<shader>.wgsl` per GLSL `<shader>.comp`, looked up by Dispatch name.
+"""WGSL kernels for the WebGPU runtime, looked up by Dispatch name: generated from `../<shader>.slang` (the
+kernel's one source, compiled by slangc at build time: ../slang.py), or hand-written as `<shader>.wgsl`
+here for each kernel still in GLSL (`../<shader>.comp`; docs/ONE_SOURCE.md lists them).
+
+Everything below is the contract both kinds meet; the directives (`// vktrain-variants:`, `#if`, ...)
+are those of the hand-written sources. A Slang kernel lists its variants in the same
+`// vktrain-variants:` line of its .slang, its feature bodies in `// vktrain-features:` (selected by the
+same defines, passed to slangc) and its `// vktrain-requires:` lines there too.
 
 `wgsl_source("matmul@HAS_BIAS=0+VEC4_C")` returns the WGSL module text for a Dispatch.shader string. The
 kernels follow the contract of the GLSL ones they mirror (vktrain/runtime_shaders/*.comp, as the GPU GEMM
@@ -45,7 +52,7 @@ has no preprocessor):
 Where WGSL differs from the GLSL, the kernels keep the GLSL's results by other means:
   * no `precise`: adamw's bias corrections 1 - beta^t come from log1p / expm1 series instead of
     float-float products; reduce's Kahan compensation reads the sum through an opaque zero (the
-    header's w word) that no optimizer can fold;
+    header's w word) that no optimizer can fold (both Slang kernels now, for both targets);
   * no specialization-sized per-thread arrays: those have constant maximum sizes (attention) or live in
     workgroup memory (the GEMV partial sums); workgroup arrays take override-sized lengths. A kernel
     states what its constant sizes need of the overrides in `// vktrain-requires: EXPR -- WHY` lines
@@ -62,6 +69,7 @@ import re
 from pathlib import Path
 
 from vktrain.errors import VktrainError
+from vktrain.runtime_shaders import build
 from vktrain.runtime_shaders.build import parse_shader_name
 
 WGSL_DIR = Path(__file__).resolve().parent
@@ -92,12 +100,22 @@ class WGSLSourceError(VktrainError, ValueError):
     """A WGSL source's directives are malformed (a bug in the source, reported with file and line)."""
 
 
+def _is_slang(base: str) -> bool:
+    return build.source_path(base).suffix == ".slang"
+
+
 def _source_path(base: str) -> Path:
-    return WGSL_DIR / f"{base}.wgsl"
+    """The text whose directives describe `base`'s WGSL: its .slang source, else its hand-written .wgsl."""
+    return build.source_path(base) if _is_slang(base) else WGSL_DIR / f"{base}.wgsl"
+
+
+def slang_kernel_names() -> list[str]:
+    """The base names whose WGSL is generated from a .slang source."""
+    return [base for base in build.source_names() if _is_slang(base)]
 
 
 def declared_wgsl_variants(base: str) -> list[str]:
-    """The shader names `base.wgsl` serves (its `// vktrain-variants:` lines; just `base` without one)."""
+    """The shader names `base`'s WGSL serves (its `// vktrain-variants:` lines; just `base` without one)."""
     text = _source_path(base).read_text()
     lines = _VARIANTS.findall(text)
     if not lines:
@@ -111,7 +129,7 @@ def _listed_features(base: str, pattern: re.Pattern, directive: str) -> frozense
                       for token in re.split(r"[\s,]+", line.strip()) if token)
     unknown = sorted(names - FEATURE_DEFINES.keys())
     if unknown:
-        raise WGSLSourceError(f"{base}.wgsl: `// {directive}:` names {unknown}; known: {sorted(FEATURE_DEFINES)}")
+        raise WGSLSourceError(f"{_source_path(base).name}: `// {directive}:` names {unknown}; known: {sorted(FEATURE_DEFINES)}")
     return names
 
 
@@ -128,9 +146,10 @@ def declared_wgsl_features(base: str) -> frozenset[str]:
 def all_wgsl_shader_names(features=frozenset()) -> list[str]:
     """Every shader name some WGSL source serves on a device with these kernel `features` (default: none,
     the browser-valid kernels)."""
-    return [name for path in sorted(WGSL_DIR.glob("*.wgsl")) if not path.name.endswith(FRAGMENT_SUFFIX)
-            and required_wgsl_features(path.stem) <= frozenset(features)
-            for name in declared_wgsl_variants(path.stem)]
+    bases = sorted({path.stem for path in WGSL_DIR.glob("*.wgsl") if not path.name.endswith(FRAGMENT_SUFFIX)}
+                   | set(slang_kernel_names()))
+    return [name for base in bases if required_wgsl_features(base) <= frozenset(features)
+            for name in declared_wgsl_variants(base)]
 
 
 def missing_wgsl_kernels(shader_names, features=frozenset()) -> list[str]:
@@ -172,9 +191,12 @@ def wgsl_source(shader_name: str, features=frozenset()) -> str:
         raise WGSLKernelNotFoundError(shader_name, f"{path.name} needs the device features {lacking} (it has no "
                                                    f"body without them); the kernel features given: "
                                                    f"{sorted(features)}")
+    feature_defines = tuple(FEATURE_DEFINES[feature]
+                            for feature in sorted(declared_wgsl_features(variant.base) & frozenset(features)))
+    if _is_slang(variant.base):
+        return build.load_generated_wgsl(shader_name, feature_defines)
     defines = {key: ("1" if value is None else value) for key, value in variant.defines}
-    for feature in sorted(declared_wgsl_features(variant.base) & frozenset(features)):
-        defines[FEATURE_DEFINES[feature]] = "1"
+    defines.update((define, "1") for define in feature_defines)
     return _preprocess(path, path.read_text(), defines)
 
 
@@ -255,5 +277,6 @@ def _included_lines(quoted: str, defines: dict[str, str], where: str) -> list[st
 
 
 __all__ = ["FEATURE_DEFINES", "WGSL_DIR", "WGSLKernelNotFoundError", "WGSLSourceError", "all_wgsl_shader_names",
+           "slang_kernel_names",
            "declared_wgsl_features", "declared_wgsl_variants", "missing_wgsl_kernels", "required_wgsl_features",
            "wgsl_source"]

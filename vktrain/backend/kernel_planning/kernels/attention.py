@@ -18,7 +18,7 @@ Forward, one dispatch (vktrain/runtime_shaders/attention_fwd.comp): a workgroup 
 `tiles.rows` queries, query head, batch); key/value tiles of `tiles.cols` rows stream through shared
 memory up to the causal diagonal with an online softmax per query row. Writes out and lse.
 
-Backward, three dispatches (attention_bwd_delta.comp, attention_bwd.comp @DQ and @DKV):
+Backward, three dispatches (attention_bwd_delta.slang, attention_bwd.comp @DQ and @DKV):
   delta  delta[b, h, i] = rowsum(d_out * out), one thread per row: the only extra memory the backward
          needs, `causal_attention_backward_scratch_nbytes(B, S, Hq)` = 4 * B * Hq * S bytes.
   DQ     a workgroup per (query tile, query head, batch) streams the key tiles up to the diagonal,
@@ -231,7 +231,7 @@ def causal_attention_backward_scratch_nbytes(B: int, S: int, Hq: int) -> int:
 
 def plan_backward_delta(*, B: int, S: int, Hq: int, D: int, d_out: Any, out: Any, delta: Any,
                         label: str) -> Dispatch:
-    """The backward's pre-pass (attention_bwd_delta.comp): delta = rowsum(d_out * out) [B, Hq, S], shared
+    """The backward's pre-pass (attention_bwd_delta.slang): delta = rowsum(d_out * out) [B, Hq, S], shared
     by these kernels and the tensor-core ones (kernels/coopmat_attention.py)."""
     rows = B * S * Hq
     return Dispatch("attention_bwd_delta", groups=(ceil_div(rows, DELTA_WORKGROUP_SIZE), 1, 1),

@@ -6,7 +6,7 @@ cooperative matrices, fp16 inputs and fp32 accumulators (shaders coopmat_attenti
 coopmat_attention_bwd.comp, body coopmat_attention.glsl):
   forward   S = Q K^T and O += P V on tensor cores; masks, the online softmax and its rescaling in fp32
             through shared memory. One dispatch.
-  backward  the fp32 kernels' delta pre-pass (attention_bwd_delta.comp), coopmat_absmax over d_out and v
+  backward  the fp32 kernels' delta pre-pass (attention_bwd_delta.slang), coopmat_absmax over d_out and v
             (the operand scales, below), then the DQ and DKV passes: S = Q K^T and dP = dO V^T on
             tensor cores, P and dS in fp32, dQ += dS K, dK += dS^T Q, dV += P^T dO on tensor cores.
             Deterministic like the fp32 kernels (each output written by one subgroup, no atomics).

@@ -1,4 +1,4 @@
-"""Elementwise fp32 ops with N-d broadcasting: one kernel (elementwise.comp) for every unary/binary op.
+"""Elementwise fp32 ops with N-d broadcasting: one kernel (elementwise.slang) for every unary/binary op.
 
 The op is a specialization constant of `elementwise@ARITY=1` / `elementwise@ARITY=2`, so every op
 shares two SPIR-V modules. Inputs are read through `StridedView`s (broadcast dims have stride 0, so no
@@ -44,7 +44,7 @@ from vktrain.backend.kernel_planning.kernels.elementwise_windows import (needs_w
 from vktrain.backend.kernel_planning.kernels.registry import register_kernel
 
 OP_SPEC_ID = 3
-VEC4_ELEMENTS_PER_GROUP = 256 * 4 * 4  # elementwise.comp's VEC4 WORKGROUP_SIZE x VEC4_PER_THREAD x 4
+VEC4_ELEMENTS_PER_GROUP = 256 * 4 * 4  # elementwise.slang's VEC4 WORKGROUP_SIZE x VEC4_PER_THREAD x 4
 
 # The shader reads these codes from runtime_shaders/codes.glsl, generated from this table
 # (python -m vktrain.backend.kernel_planning.kernels.shader_codes; a test fails when it is stale).
@@ -103,7 +103,7 @@ def _merged(out_shape: tuple[int, ...], views: Sequence[StridedView], label: str
     if len(sizes) > MAX_STRIDED_RANK:
         raise KernelArgumentError(
             f"{label}: output shape {out_shape} with the inputs' strides needs {len(sizes)} dims after "
-            f"merging contiguous ones; elementwise.comp supports at most {MAX_STRIDED_RANK}")
+            f"merging contiguous ones; elementwise.slang supports at most {MAX_STRIDED_RANK}")
     return sizes, strides
 
 

@@ -1,4 +1,4 @@
-"""Embedding lookup and its deterministic dense backward (embedding.comp).
+"""Embedding lookup and its deterministic dense backward (embedding.slang).
 
 Indices are int32 on the GPU: the runner converts int64 index tensors before upload (values must fit
 in int32, which every vocabulary does). Weight and gradients are fp32, contiguous.
@@ -31,7 +31,7 @@ from vktrain.backend.kernel_planning.kernels.layout import BindingLimit, binding
 from vktrain.backend.kernel_planning.kernels.registry import register_kernel
 
 WORKGROUP_SIZE = 64
-# embedding.comp BACKWARD: columns of a vocabulary row one work group accumulates (64 threads x 4).
+# embedding.slang BACKWARD: columns of a vocabulary row one work group accumulates (64 threads x 4).
 BACKWARD_COLUMNS_PER_GROUP = 256
 INT32_MAX = 2**31 - 1
 

@@ -1,8 +1,8 @@
 """The KV-cache family of generation: kv_cache_update and cached_attention (vktrain/opdefs/decode_ops.py).
 
-kv_cache_update: two dispatches of kv_cache_update.comp, the cache copied into the output, then the
+kv_cache_update: two dispatches of kv_cache_update.slang, the cache copied into the output, then the
 new rows scattered to their positions (the barrier between them comes from the buffers' hazards).
-cached_attention: one work group per (batch, query row, query head), cached_attention.comp.
+cached_attention: one work group per (batch, query row, query head), cached_attention.slang.
 Positions are int32 on the GPU (int64 index tensors are stored as int32); the host checks them
 against the cache length before a program runs (check_cache_positions), kernels skip what lies outside.
 """
@@ -18,7 +18,7 @@ from vktrain.serialization.dispatch import Dispatch
 from vktrain.serialization.dispatch import pack_push
 
 _POSITION_DTYPES = ("int32", "int64")
-# cached_attention.comp: TILE threads per work group, each owning at most MAX_DIMS_PER_THREAD output dims.
+# cached_attention.slang: TILE threads per work group, each owning at most MAX_DIMS_PER_THREAD output dims.
 ATTENTION_TILE = 64
 ATTENTION_MAX_HEAD_DIM = ATTENTION_TILE * 4
 

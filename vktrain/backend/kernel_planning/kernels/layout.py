@@ -4,7 +4,7 @@ A `StridedView` (vktrain/serialization/strided_view.py) says how a kernel reads 
 buffer: sizes, element strides and an element offset. permute / transpose / expand / slice / select /
 unsqueeze / squeeze are pure metadata on a view (no GPU work); a kernel either reads the view in place (elementwise, reduction and GEMM
 kernels take input strides) or `plan_strided_copy` materialises it into a contiguous tensor with
-`copy.comp`. The elementwise, reduction and matmul families import their stride helpers from here.
+`copy.slang`. The elementwise, reduction and matmul families import their stride helpers from here.
 
 Dtypes on the GPU: fp32 and int32 (32-bit words; the runner converts int64 index tensors to int32
 before upload). A copy moves raw words, so one kernel serves both; `_to_copy` also converts between
@@ -33,7 +33,7 @@ from vktrain.serialization.dispatch import BufferBinding, Dispatch
 from vktrain.serialization.dispatch import ceil_div, pack_push
 from vktrain.serialization.strided_view import MAX_ELEMENTS, KernelArgumentError, StridedView
 
-# copy.comp / elementwise.comp: MAX_RANK and WORKGROUP_SIZE.
+# copy.slang / elementwise.slang: MAX_RANK and WORKGROUP_SIZE.
 MAX_STRIDED_RANK = 6
 WORKGROUP_SIZE = 64
 # The device limits the plans size workgroups by (OpContext.limits), as errors name them.
@@ -42,7 +42,7 @@ SHARED_MEMORY_LIMIT = "shared memory per workgroup (Vulkan maxComputeSharedMemor
 WORKGROUP_SIZE_LIMIT = "workgroup limit (Vulkan maxComputeWorkGroupInvocations / maxComputeWorkGroupSize[0], " \
                        "WebGPU max-compute-invocations-per-workgroup / max-compute-workgroup-size-x)"
 
-# copy.comp CONVERT specialization constant (id 3).
+# copy.slang CONVERT specialization constant (id 3).
 COPY_CONVERT_SPEC_ID = 3
 CONVERT_NONE = 0
 CONVERT_INT32_TO_FP32 = 1
@@ -183,7 +183,7 @@ def plan_strided_copy(out: Any, source: Any, source_view: StridedView, *,
     if len(sizes) > MAX_STRIDED_RANK:
         raise KernelArgumentError(
             f"{label}: the copy of sizes {source_view.sizes} needs {len(sizes)} dims after merging "
-            f"contiguous ones; copy.comp supports at most {MAX_STRIDED_RANK}")
+            f"contiguous ones; copy.slang supports at most {MAX_STRIDED_RANK}")
     push = copy_push(source_view.numel, sizes, (source_view.offset, out_view.offset), (in_strides, out_strides))
     return [Dispatch(
         "copy", elementwise_groups(source_view.numel),
@@ -193,7 +193,7 @@ def plan_strided_copy(out: Any, source: Any, source_view: StridedView, *,
 
 def copy_push(numel: int, sizes: Sequence[int], offsets: tuple[int, int], strides: tuple[Sequence[int], Sequence[int]],
               window_start: int = 0) -> bytes:
-    """copy.comp's push block: `numel` elements of merged `sizes` from flat index `window_start` on (a window
+    """copy.slang's push block: `numel` elements of merged `sizes` from flat index `window_start` on (a window
     of a copy split over bindings, kernels/copies.py), (input, output) element offsets and strides."""
     return pack_push(numel, len(sizes), *offsets,
                      *padded_innermost_first(sizes, MAX_STRIDED_RANK, 1),

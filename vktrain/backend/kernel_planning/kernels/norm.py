@@ -6,7 +6,7 @@ leading dims):
     d_x  = rstd * (weight * d_y) - x * rstd^3 * mean(x * weight * d_y)
 The norm weight is frozen (LoRA training), so the backward computes d_x only.
 
-One dispatch each (vktrain/runtime_shaders/rms_norm.comp, `@BACKWARD` for the gradient): one workgroup
+One dispatch each (vktrain/runtime_shaders/rms_norm.slang, `@BACKWARD` for the gradient): one workgroup
 per row, threads striding over the row, partial sums added by a shared-memory tree in a fixed order, so
 replays are bitwise identical. `@VEC4` moves vec4s and serves dim % 4 == 0 (Llama's 2048, 4096); the
 plain kernel any dim. The backward reads the forward's `rstd` instead of recomputing it.
@@ -29,7 +29,7 @@ DEFAULT_WORKGROUP_SIZE = 256
 
 
 def _shader(op: str, dim: int, vec4: bool | None, backward: bool) -> str:
-    """The rms_norm.comp variant: vec4 by default whenever dim % 4 == 0."""
+    """The rms_norm.slang variant: vec4 by default whenever dim % 4 == 0."""
     vec4 = use_vec4(op, vec4, dim, "dim", why="16-byte aligned rows")
     return shader_variant("rms_norm", VEC4=vec4, BACKWARD=backward)
 

@@ -6,16 +6,16 @@ Update (torch.optim.AdamW, docs/spec/training-ops.md):
 `hparams` (fp32 [5] = [lr, beta1, beta2, eps, weight_decay]) and `step` (fp32 scalar t, 1 on the first
 update, a whole number < 2^24) are device buffers the host rewrites before every replay, so one
 recorded Program serves every step, learning-rate schedules included. The shader computes the bias
-corrections 1 - beta^t in float-float arithmetic, so they keep full fp32 accuracy where a plain pow()
-would lose ~3 digits to cancellation (beta2 = 0.999, small t).
+corrections 1 - beta^t as -expm1(t log1p(beta - 1)) by series, so they keep full fp32 accuracy (a few
+ulp) where a plain pow() would lose ~3 digits to cancellation (beta2 = 0.999, small t).
 
 The op library's `adamw` is functional (returns new tensors); on the GPU the update is in place:
 param, exp_avg and exp_avg_sq are read and overwritten.
 
-Dispatches (vktrain/runtime_shaders/adamw.comp): `adamw@VEC4` updates the first numel // 4 vec4s, and
+Dispatches (vktrain/runtime_shaders/adamw.slang): `adamw@VEC4` updates the first numel // 4 vec4s, and
 when numel % 4 != 0 the scalar `adamw` updates the 1-3 trailing elements (same whole-buffer bindings,
 element offset in the push constants). Every workgroup first computes the step's scalars (the
-float-float bias corrections, a few microseconds of serial arithmetic), so the grid is capped at
+bias corrections, a few microseconds of serial arithmetic), so the grid is capped at
 `max_groups` workgroups whose threads stride over the tensor instead of one thread per vec4.
 
 Over a BindingLimit (a phone's max storage binding size, --max-binding-mib) the update runs in windows of

@@ -1,7 +1,7 @@
 """The Q8_0 weight family: a frozen matrix W [N, K] held on the device as int8 codes [N, K] and float32
 scales [N * K / 32] (vktrain.quant.q8_0, docs/spec/q8_0.md), read without ever being widened to float32.
 
-    embedding_q8_0(codes, scales, indices)    out = W[indices]       embedding_q8_0.comp
+    embedding_q8_0(codes, scales, indices)    out = W[indices]       embedding_q8_0.slang
     linear_q8_0(x, codes, scales)             out = x @ W^T          matmul.comp, B_Q8_0 variants
     linear_q8_0_backward(d_out, codes, scales) out = d_out @ W       matmul.comp, B_Q8_0 variants
 
@@ -26,8 +26,8 @@ from vktrain.backend.kernel_planning.kernels.layout import BindingLimit, binding
 from vktrain.backend.kernel_planning.kernels.matmul import plan_gemm
 from vktrain.backend.kernel_planning.kernels.registry import register_kernel
 
-WORKGROUP_SIZE = 64  # embedding_q8_0.comp
-COLUMNS_PER_INVOCATION = 4  # embedding_q8_0.comp writes one vec4 of one row (one word of codes)
+WORKGROUP_SIZE = 64  # embedding_q8_0.slang
+COLUMNS_PER_INVOCATION = 4  # embedding_q8_0.slang writes one vec4 of one row (one word of codes)
 INDEX_DTYPES = ("int32", "int64")  # int64 indices are int32 on the GPU (the runner converts them)
 
 

@@ -1,4 +1,4 @@
-"""Sum / mean / amax over any set of dims (reduce.comp): a general strided reduction, no permute needed.
+"""Sum / mean / amax over any set of dims (reduce.slang): a general strided reduction, no permute needed.
 
 The input view's dims split into kept dims (the output's index space) and reduced dims; each side is
 merged into at most MAX_REDUCE_RANK (4) dims (adjacent dims contiguous with each other merge), so any
@@ -103,7 +103,7 @@ def plan_reduce(op: str, out: Any, source: Any, view: StridedView, dims: Sequenc
         if len(merged) > MAX_REDUCE_RANK:
             raise KernelArgumentError(
                 f"{label}: the {side} dims of input {view.sizes} over dims {list(dims)} need {len(merged)} "
-                f"dims after merging; reduce.comp supports at most {MAX_REDUCE_RANK} per side")
+                f"dims after merging; reduce.slang supports at most {MAX_REDUCE_RANK} per side")
     if red_numel == 0 and op == "amax":
         raise KernelArgumentError(
             f"{label}: amax over dims {list(dims)} of {view.sizes} reduces zero elements (torch raises too)")

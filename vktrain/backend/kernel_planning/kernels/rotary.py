@@ -5,9 +5,9 @@ positions restart at each document), [B, S, D/2]; for i < D/2
     y[i] = x[i] * cos - x[i + D/2] * sin,   y[i + D/2] = x[i + D/2] * cos + x[i] * sin
 The backward is rope(d_y, cos, -sin). The graph may pass a negated table to the plain kernel, or a
 runner may call this plan with `negate_sin=True` on the forward's table (a specialization constant of
-rope.comp; no negated copy is needed).
+rope.slang; no negated copy is needed).
 
-One dispatch (vktrain/runtime_shaders/rope.comp): one thread per 4 consecutive (i, i + D/2) pairs, vec4
+One dispatch (vktrain/runtime_shaders/rope.slang): one thread per 4 consecutive (i, i + D/2) pairs, vec4
 loads and stores, so D must be a multiple of 8. The output must not overlap x.
 """
 from __future__ import annotations

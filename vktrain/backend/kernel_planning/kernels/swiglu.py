@@ -3,7 +3,7 @@
 Semantics (docs/CONTRACTS.md), sig = sigmoid(gate):
     h      = silu(gate) * up = gate * sig * up
     d_gate = d_h * up * sig * (1 + gate * (1 - sig))        d_up = d_h * gate * sig
-One dispatch each (vktrain/runtime_shaders/swiglu.comp): vec4 elements when numel % 4 == 0 (`@VEC4`),
+One dispatch each (vktrain/runtime_shaders/swiglu.slang): vec4 elements when numel % 4 == 0 (`@VEC4`),
 single floats otherwise. Outputs must not overlap the inputs. The plans take the shared keyword
 convention (op_lowering.py `_keyword_lowering`), so the runtime needs no adapter for these ops.
 """
