@@ -24,6 +24,7 @@ BENCHMARKS = {
     "federate": ("bench_federate.py run", True), "kernels": ("bench_kernels.py [--smollm2]", True),
     "packing": ("bench_packing.py run", True),
     "q8_0_embedding": ("by hand: bench/README.md", True), "quant_quality": ("quant_quality.py", True),
+    "recipe": ("bench_recipe.py score", True),
     "step": ("bench_step.py run", True), "train": ("bench_train.py run", True),
     "webgpu": ("bench_webgpu.py run", True),
 }

@@ -46,9 +46,11 @@ took
 
 cat <<EOF
 == done: out/$model.loss.png (loss plot), out/$model.adapters (PEFT), out/$model.lora.gguf (llama.cpp --lora)
-For a longer run on a GPU (the same commands; a larger batch and sequence, every chat several times):
+For a longer run on a GPU (the same commands; a larger batch and sequence, every chat ~16 times; step 100 of a
+measured 600-step run on an H100 had 37.5% exact match on the 48 held-out chats, README "Quick start"):
   $vk export --model $model --lora-rank 16 --lora-alpha 32 --batch 16 --seq 256 --out out/$model.big.pte
   $vk train out/$model.big.pte --data $data/unit_conversions.train.jsonl --eval-data $data/unit_conversions.heldout.jsonl \\
-      --steps 600 --lr 1e-3 --warmup 20 --eval-every 100 --keep-best --plot out/$model.big.loss.png \\
-      --out-adapters out/$model.big.adapters   # --keep-best: the adapters of the lowest held-out loss
+      --steps 100 --lr 1e-3 --warmup 20 --eval-every 25 --checkpoint out/$model.big.ckpt.safetensors \\
+      --checkpoint-every 25 --keep-checkpoints 4 --plot out/$model.big.loss.png --out-adapters out/$model.big.adapters
+  $vk eval out/$model.big.pte --data $data/unit_conversions.heldout.jsonl --generate --adapters out/$model.big.adapters
 EOF
