@@ -99,6 +99,16 @@ def test_verifier_entry_point_returns_the_reason(key, args, fragment):
     assert isinstance(reason, str) and reason.startswith(key) and fragment in reason, reason
 
 
+def test_a_blob_written_before_a_trailing_optional_argument_binds_its_default():
+    """causal_attention gained `positions` (packed documents) after .pte files were written: their calls list 4
+    values; the fifth takes the schema's default (None), and a missing required argument is still refused."""
+    q = TensorMeta((1, 2, 8, 16), "float32")
+    old = infer_outputs("vktrain.causal_attention.default", [q, q, q, 0.25])
+    assert old == infer_outputs("vktrain.causal_attention.default", [q, q, q, 0.25, None]), old
+    reason = infer_outputs("vktrain.causal_attention.default", [q, q, q])
+    assert isinstance(reason, str) and "takes 5 arguments" in reason and "got 3" in reason, reason
+
+
 def test_verifier_entry_point_returns_outputs():
     assert infer_outputs("aten.mm.default", [TensorMeta((2, 3), "float32"), TensorMeta((3, 5), "float32")]) == (
         TensorMeta((2, 5), "float32"),)

@@ -86,9 +86,12 @@ class OpDef:
         """A Call from positional values in schema order (the blob's convention)."""
         values = tuple(values)
         names = self.schema.arg_names
-        if len(values) != len(names):
+        # A blob written before a trailing optional argument existed (causal_attention's `positions`) lists
+        # fewer values: the missing ones take their schema defaults, as torch would.
+        missing = self.schema.arguments[len(values):]
+        if len(values) > len(names) or any(arg.default is None for arg in missing):
             raise Refusal(f"{self.key} takes {len(names)} arguments ({', '.join(names)}), got {len(values)}")
-        return Call(self.key, dict(zip(names, values)))
+        return Call(self.key, {**dict(zip(names, values)), **{arg.name: arg.default_value for arg in missing}})
 
     def infer(self, call: Call) -> tuple[TensorMeta, ...] | None:
         """The outputs of `call` (None: this definition has no shape rule); raises Refusal."""
