@@ -4,6 +4,12 @@ step, the server's aggregation time, and the global model under a fraction of By
 
     python scripts/bench_fleet_scale.py run STEP.pte --clients 1000 --fraction 0.05 --rounds 3 --local-steps 4 \\
         --byzantine 0.1 --out bench/results/fleet_scale_<machine>_<model>.json     # + the .png beside it
+    python scripts/bench_fleet_scale.py plot bench/results/fleet_scale_<machine>_<model>.json   # the .png again
+
+On the GPU machine (the lead's run): SmolLM2-135M's step with synthetic constants from
+`scripts/bench_federate.py export` (bench/step_smollm2-135m_1x64.pte), with the wheels that script's
+docstring lists (flwr's Message API; no Ray needed), then `run` as above with --out
+bench/results/fleet_scale_h200_<model>.json (model smollm2-135m).
 
 What runs: vktrain's ServerApp (FederationServer: Flower's strategy loop, screening, aggregation, the
 global held-out loss) and ClientApp on the SEQUENTIAL engine (vktrain/fleet/sequential.py): every
@@ -31,6 +37,7 @@ into the clients' shards; --eval-batches bounds the global held-out loss's cost.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import platform
 import sys
@@ -125,14 +132,21 @@ def scale_summary(run: dict, batch: int, seq: int, local_steps: int, baseline_tp
             "eval_seconds": [r["seconds"] - r["seconds_before_eval"] for r in trained]}
 
 
-def aggregation_costs(shapes: dict[str, tuple], counts: list[int], aggregations: list[str], seed: int) -> list[dict]:
-    """Screening and each aggregator on n synthetic float32 updates of the program's adapter shapes."""
+def aggregation_costs(shapes: dict[str, tuple], counts: list[int], aggregations: list[str], seed: int,
+                      memory_gib: float) -> list[dict]:
+    """Screening and each aggregator on n synthetic float32 updates of the program's adapter shapes; a count
+    whose updates alone would pass `memory_gib` (the median stacks them all, and copies) is skipped."""
     from vktrain.fleet.robust import DEFAULT_MAX_NORM_RATIO, Aggregation, screen_updates
 
     rng = np.random.default_rng(seed)
     global_arrays = {name: rng.standard_normal(shape).astype(np.float32) for name, shape in shapes.items()}
+    parameters = sum(a.size for a in global_arrays.values())
     rows = []
     for n in counts:
+        if n * parameters * 4 > memory_gib * 2**30:
+            rows.append({"clients": n, "skipped": f"{n} x {parameters} float32 updates exceed --aggregation-memory-gib "
+                                                  f"{memory_gib:g}"})
+            continue
         updates = {p: ({name: a + 1e-3 * rng.standard_normal(a.shape).astype(np.float32)
                         for name, a in global_arrays.items()}, 100.0 + p, 1.0) for p in range(n)}
         started = time.perf_counter()
@@ -172,7 +186,7 @@ def plot(report: dict, path: Path) -> None:
     middle.set(ylabel="trained tokens/s", title=f"{report['clients']} clients, fraction {report['fraction']:g}: "
                                                 f"{summary['ratio_to_one_process']:.2f} of one process")
     for text in report["aggregation_args"]:
-        rows = [r for r in report["aggregation"] if r["aggregation"] == text]
+        rows = [r for r in report["aggregation"] if r.get("aggregation") == text]
         right.plot([r["clients"] for r in rows], [r["screen_seconds"] + r["combine_seconds"] for r in rows], "-o",
                    label=text)
     right.set(xscale="log", yscale="log", xlabel="updates aggregated", ylabel="seconds (screen + combine)",
@@ -247,7 +261,8 @@ def run(args: argparse.Namespace) -> int:
             "baseline": base,
             "scale": {"summary": summary, "run": clean},
             "aggregation_args": args.aggregations,
-            "aggregation": aggregation_costs(shapes, args.aggregation_counts, args.aggregations, args.seed),
+            "aggregation": aggregation_costs(shapes, args.aggregation_counts, args.aggregations, args.seed,
+                                             args.aggregation_memory_gib),
             "byzantine_fraction": args.byzantine, "attack": args.attack, "byzantine_clients": attackers,
             "byzantine": byzantine,
         }
@@ -255,8 +270,12 @@ def run(args: argparse.Namespace) -> int:
         device.close()
     if args.out:
         write_run(args.out, report)
-        plot(report, args.out.with_suffix(".png"))
-        print(f"wrote {args.out} and {args.out.with_suffix('.png')}", file=sys.stderr)
+        print(f"wrote {args.out}", file=sys.stderr)
+        try:
+            plot(report, args.out.with_suffix(".png"))
+            print(f"wrote {args.out.with_suffix('.png')}", file=sys.stderr)
+        except ImportError as exc:  # the GPU machine may lack matplotlib: plot the JSON here afterwards
+            print(f"no plot ({exc}): python scripts/bench_fleet_scale.py plot {args.out}", file=sys.stderr)
     return 0
 
 
@@ -280,11 +299,16 @@ def main(argv: list[str] | None = None) -> int:
     running.add_argument("--attack", choices=CORRUPTIONS, default="norm")
     running.add_argument("--aggregations", nargs="+", default=["mean", "median", "trimmed-mean:0.2"])
     running.add_argument("--aggregation-counts", type=int, nargs="+", default=[50, 200, 1000])
+    running.add_argument("--aggregation-memory-gib", type=float, default=16.0,
+                         help="skip aggregation counts whose updates exceed this (default 16)")
     running.add_argument("--out", type=Path, help="bench/results/fleet_scale_<machine>_<model>.json (+ .png)")
     running.set_defaults(run=run)
+    plotting = commands.add_parser("plot", help="draw the .png of a results JSON (beside it)")
+    plotting.add_argument("json", type=Path)
+    plotting.set_defaults(run=lambda a: plot(json.loads(a.json.read_text()), a.json.with_suffix(".png")) or 0)
     args = parser.parse_args(argv)
     from bench_results import out_error
-    if out_error(args.out):
+    if out_error(getattr(args, "out", None)):
         parser.error(out_error(args.out))
     return args.run(args)
 
