@@ -251,3 +251,56 @@ def test_ray_simulation_survives_a_killed_node_and_a_killed_server_resumes_exact
     for module, (lora_a, lora_b) in load_adapters(tmp_path / "adapters").items():  # PEFT files of round 3
         assert np.array_equal(lora_a, expected.arrays[f"model.{module}.lora_A"])
         assert np.array_equal(lora_b, expected.arrays[f"model.{module}.lora_B"])
+
+
+def test_clients_feed_a_packed_documents_step_its_positions_as_vktrain_train_does(vk_device, tmp_path, monkeypatch):
+    """A step exported with --packing documents, federated over 2 sequential clients holding the same JSONL
+    shard (FedAvg of identical updates is the update): the global adapters are, bit for bit, those of
+    `vktrain train`'s batches (TokenBatcher with the documents' starts, train_loop.run_step) for 2 steps, and
+    the clients' loss is theirs. Premise: the same windows without positions compute another loss. The
+    server's global held-out loss is `vktrain eval`'s, from batches it made once for every round."""
+    import vktrain.train.held_out as held_out
+    from vktrain.cli import main
+    from vktrain.fleet.client import optimizer_state_names, trained_names
+    from vktrain.runtime.program.runner import TrainingRunner
+    from vktrain.serialization.tokenizer import program_tokenizer
+    from vktrain.train.data import TokenBatcher, load_data
+    from vktrain.train.train_loop import AdamWConfig, run_step
+
+    program = tmp_path / "packed.pte"
+    assert main(["export", "--model", "tiny-llama", "--model-arg", "dim=32", "--model-arg", "n_layers=1",
+                 "--model-arg", "hidden=64", "--model-arg", "n_heads=2", "--model-arg", "n_kv_heads=1",
+                 "--lora-rank", "2", "--batch", "2", "--seq", "16", "--packing", "documents", "--out",
+                 str(program)]) == 0
+    shard = tmp_path / "docs.jsonl"  # documents of 2-9 bytes: every 16-token window holds several
+    shard.write_text("".join(json.dumps({"text": "ab" * (i % 4) + f"{i % 7}"}) + "\n" for i in range(60)))
+    prepared = []
+    prepare = held_out.prepare_eval_batches
+    monkeypatch.setattr(held_out, "prepare_eval_batches", lambda *a, **k: prepared.append(a) or prepare(*a, **k))
+    result = _sequential_federation(str(program), (str(shard),) * 2, vk_device, strategy="fedavg", rounds=2,
+                                    local_steps=1, eval_data=str(shard))
+    monkeypatch.undo()
+    assert len(prepared) == 1  # three global losses (rounds 0, 1, 2), one set of batches
+    with TrainingRunner.from_pte(program, vk_device, planner=plan_schedule) as alone:
+        assert alone.takes_positions
+        assert result.records[0]["global_eval_loss"] == held_out.evaluate_data(alone, data := load_data(
+            shard, alone.vocab_size, program_tokenizer(alone, str(program))))["loss"]
+        batches = TokenBatcher(data.tokens, 2, 16, labels=data.labels, seed=0, documents=data.starts)
+        token_ids, labels, positions = batches.batch(0)
+        assert positions.max() < 15 and (positions == 0).sum() > 2  # several documents a row
+        with_positions = alone.evaluate(token_ids, labels, positions=positions)
+        plain_tokens, plain_labels = TokenBatcher(data.tokens, 2, 16, labels=data.labels, seed=0).batch(0)
+        as_one_document = alone.evaluate(plain_tokens, plain_labels)
+        assert abs(with_positions[0] / with_positions[1] - as_one_document[0] / as_one_document[1]) > 1e-2
+        losses = []
+        for i in range(2):  # round r's one local step reads batch r - 1, from fresh AdamW state
+            for name in optimizer_state_names(alone.state_names):
+                alone.write_state(name, np.zeros_like(alone.read_state(name)))
+            losses.append(run_step(alone, batches.batch(i), AdamWConfig().hparams(LR)))
+        names = trained_names(alone.state_names)
+        assert sorted(result.arrays) == sorted(names)
+        for name in names:
+            assert np.array_equal(result.arrays[name], alone.read_state(name)), name
+        assert result.records[2]["global_eval_loss"] == held_out.evaluate_data(alone, data)["loss"]
+    for record, loss in zip(result.records[1:], losses):
+        assert record["client_train_loss"] == {"0": loss, "1": loss}

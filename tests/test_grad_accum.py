@@ -257,11 +257,16 @@ def test_inspect_counts_the_accumulate_method_as_the_runtime_allocates_it(ptes, 
 
 def test_federated_clients_accumulate_and_local_steps_count_optimizer_steps(ptes, tmp_path, capsys, vk_device):
     """Two clients holding the same shard, 2 local steps of --grad-accum 2: FedAvg of identical updates is
-    one runner's two accumulated steps over the shard's batches 0-1 and 2-3, bit for bit."""
+    one runner's two accumulated steps over the shard's batches 0-1 and 2-3, bit for bit. The settings are
+    those `vktrain fleet server ... --grad-accum 2` hands its ServerApp (its run config, read back as
+    the deployment reads it), run on the sequential Grid; federate and fleet server refuse a program
+    without the accumulate method."""
     from vktrain import cli
     from vktrain.fleet.client import ClientSettings, close_trainers, make_client_app, trained_names
+    from vktrain.fleet.deploy import federation_settings
+    from vktrain.fleet.deployment import _run_config
     from vktrain.fleet.sequential import SequentialGrid
-    from vktrain.fleet.server import FederationServer, FederationSettings
+    from vktrain.fleet.server import FederationServer
     from vktrain.train.data import TokenBatcher
     from vktrain.train.train_loop import AdamWConfig, run_accumulated_step
 
@@ -269,8 +274,10 @@ def test_federated_clients_accumulate_and_local_steps_count_optimizer_steps(ptes
     shard = tmp_path / "shard.npy"
     np.save(shard, np.random.default_rng(5).integers(0, VOCAB, 8 * MICRO[0] * MICRO[1] + 1))
     program, shards = str(accumulating), (str(shard),) * 2
-    settings = FederationSettings(program=program, strategy="fedavg", n_clients=2, rounds=1, local_steps=2,
-                                  grad_accum=2, lr=LR)
+    server_args = ["fleet", "server", program, "--nodes", "2", "--rounds", "1", "--local-steps", "2", "--lr", str(LR),
+                   "--certificates", str(tmp_path), "--allowed-keys", str(tmp_path)]
+    settings = federation_settings(_run_config(cli.build_parser().parse_args([*server_args, "--grad-accum", "2"])))
+    assert settings.grad_accum == 2 and settings.train_config()["grad-accum"] == 2
     with TrainingRunner.from_pte(accumulating, vk_device, planner=plan_schedule) as runner:
         try:
             result = FederationServer(settings, runner, progress=False).run(
@@ -297,3 +304,7 @@ def test_federated_clients_accumulate_and_local_steps_count_optimizer_steps(ptes
     assert cli.main(["federate", str(accumulating), "--clients", "1", "--rounds", "1", "--local-steps", "1",
                      "--grad-accum", "0", "--data", str(shard)]) == 2
     assert "--grad-accum must be >= 1, got 0" in capsys.readouterr().err
+    server_args[2] = str(plain)  # refused before the SuperLink starts (no certificates are even looked at)
+    assert cli.main([*server_args, "--grad-accum", "2"]) == 2
+    err = capsys.readouterr().err
+    assert "--grad-accum 2" in err and "no 'accumulate' method" in err

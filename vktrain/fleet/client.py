@@ -47,7 +47,7 @@ from vktrain.fleet.gpus import client_device_choice
 from vktrain.train.data import TokenBatcher, TrainingData, load_data
 from vktrain.train.held_out import evaluate_data
 from vktrain.serialization.tokenizer import program_tokenizer
-from vktrain.train.train_loop import AdamWConfig, describe_program, run_accumulated_step
+from vktrain.train.train_loop import AdamWConfig, describe_program, run_accumulated_step, run_step
 from vktrain.backend.kernel_planning import plan_schedule
 
 # Keys of the records in messages (FedAvg's defaults for the arrays and the config).
@@ -125,8 +125,11 @@ class LocalTrainer:
     def batcher(self, partition: int) -> TokenBatcher:
         path = self.settings.train_shards[partition]
         data = self.data(path)
+        # A step exported with --packing documents gets the shard's document boundaries, as `vktrain train`
+        # gives them (a token shard has none: each window is then one document).
+        documents = data.starts if self.runner.takes_positions else None
         return TokenBatcher(data.tokens, self.info.batch_size, self.info.seq_len, labels=data.labels,
-                            seed=self.settings.seed, source=path)
+                            seed=self.settings.seed, source=path, documents=documents)
 
     def load_global(self, arrays: dict[str, np.ndarray]) -> None:
         """The global adapters in, AdamW state reset (module docstring)."""
@@ -153,9 +156,8 @@ class LocalTrainer:
             if j == 1 and injected and injected not in CORRUPTIONS:
                 fail_mid_round(injected, partition, server_round)
             first = ((server_round - 1) * steps + j) * accumulate
-            if accumulate == 1:
-                token_ids, labels = batches.batch(first)
-                losses.append(self.runner.step(token_ids, labels, hparams))
+            if accumulate == 1:  # (tokens, labels[, positions]): train_loop's step, as `vktrain train` takes it
+                losses.append(run_step(self.runner, batches.batch(first), hparams))
             else:
                 micro = [batches.batch(first + k) for k in range(accumulate)]
                 losses.append(run_accumulated_step(self.runner, micro, hparams))

@@ -102,6 +102,13 @@ def add_federate_arguments(parser: argparse.ArgumentParser) -> argparse.Argument
     return parser
 
 
+def check_grad_accum(grad_accum: int, method_names: list[str], program: str) -> None:
+    """--grad-accum N > 1 needs the program's accumulate method (`federate` and `fleet server`)."""
+    if grad_accum > 1 and ACCUMULATE_METHOD not in method_names:
+        raise TrainConfigError(f"--grad-accum {grad_accum}: {program} has no {ACCUMULATE_METHOD!r} method; export "
+                               f"it with vktrain export --grad-accum")
+
+
 def _failures(items: list[str]) -> frozenset:
     from vktrain.fleet.faults import parse_failures
 
@@ -272,9 +279,7 @@ def _run_federate(args: argparse.Namespace, server_made: list) -> int:
     data = Path(args.data) if args.data else default_dataset_path()
     with TrainingRunner.from_pte(program, planner=plan_schedule, precision=args.precision) as runner, \
             tempfile.TemporaryDirectory(prefix="vktrain-federate-") as work:
-        if args.grad_accum > 1 and ACCUMULATE_METHOD not in runner.pte.method_names:
-            raise TrainConfigError(f"--grad-accum {args.grad_accum}: {args.program} has no {ACCUMULATE_METHOD!r} "
-                                   f"method; export it with vktrain export --grad-accum")
+        check_grad_accum(args.grad_accum, runner.pte.method_names, args.program)
         if args.out_adapters:
             program_adapter_record(runner, args.program)  # refused now, not after the rounds
         train_shards, held_out_shards = prepare_shards(runner, data, Path(args.eval_data) if args.eval_data else None,
@@ -386,5 +391,5 @@ def summarize(records: list[dict], resumed_from: int | None = None) -> str:
     return text + f"; {failed} client failure(s) or dropped update(s) tolerated"
 
 
-__all__ = ["ENGINES", "add_federate_arguments", "check_arguments", "prepare_shards", "run_federate",
+__all__ = ["ENGINES", "add_federate_arguments", "check_arguments", "check_grad_accum", "prepare_shards", "run_federate",
            "summarize", "write_adapters"]

@@ -17,7 +17,7 @@ from vktrain.fleet.client import PARTITION_ID
 from vktrain.backend.kernel_planning import plan_schedule
 
 # Run config keys of the ServerApp and their defaults (TOML values: "" stands for unset).
-RUN_CONFIG = {"program": "", "nodes": 1, "rounds": 1, "local-steps": 1, "lr": 1e-3, "fraction": 1.0,
+RUN_CONFIG = {"program": "", "nodes": 1, "rounds": 1, "local-steps": 1, "grad-accum": 1, "lr": 1e-3, "fraction": 1.0,
               "strategy": "fedavg", "seed": 0, "eval-data": "", "eval-batches": 0, "json": "", "checkpoint": "",
               "resume": False, "aggregation": "mean", "max-update-norm-ratio": "10", "min-clients": 1,
               "timeout": 3600.0, "precision": "auto", "outcome": ""}
@@ -33,7 +33,7 @@ def federation_settings(config: dict):
     c = {**RUN_CONFIG, **config}
     return FederationSettings(
         program=str(c["program"]), strategy=str(c["strategy"]), n_clients=int(c["nodes"]), rounds=int(c["rounds"]),
-        local_steps=int(c["local-steps"]), fraction=float(c["fraction"]), lr=float(c["lr"]), seed=int(c["seed"]),
+        local_steps=int(c["local-steps"]), grad_accum=int(c["grad-accum"]), fraction=float(c["fraction"]), lr=float(c["lr"]), seed=int(c["seed"]),
         partition="nodes", eval_data=str(c["eval-data"]) or None, eval_batches=int(c["eval-batches"]) or None,
         checkpoint_dir=str(c["checkpoint"]) or None, resume=bool(c["resume"]), json_path=str(c["json"]) or None,
         precision=str(c["precision"]), timeout=float(c["timeout"]), engine="deployment",

@@ -139,6 +139,9 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--nodes", type=int, required=True, metavar="N", help="nodes taking part (partition ids 0..N-1)")
     parser.add_argument("--rounds", type=int, required=True, metavar="R")
     parser.add_argument("--local-steps", type=int, required=True, metavar="K")
+    parser.add_argument("--grad-accum", type=int, default=1, metavar="N",
+                        help="micro-batches per local AdamW step, accumulated on each node's device (default 1; the "
+                             "program needs the accumulate method: vktrain export --grad-accum)")
     parser.add_argument("--fraction", type=float, default=1.0, metavar="F")
     parser.add_argument("--strategy", choices=STRATEGIES, default=FEDAVG)
     parser.add_argument("--lr", type=float, default=1e-3)
@@ -178,14 +181,14 @@ def _run_config(args: argparse.Namespace) -> dict:
     Aggregation.parse(args.aggregation)
     parse_norm_ratio(args.max_update_norm_ratio)
     for flag, value in (("--nodes", args.nodes), ("--rounds", args.rounds), ("--local-steps", args.local_steps),
-                        ("--min-clients", args.min_clients)):
+                        ("--grad-accum", args.grad_accum), ("--min-clients", args.min_clients)):
         if value < 1:
             raise DeploymentError(f"{flag} must be >= 1, got {value}")
     if args.resume and not args.checkpoint:
         raise DeploymentError("--resume needs --checkpoint DIR")
     absolute = lambda path: str(Path(path).absolute()) if path else ""  # noqa: E731 (the ServerApp runs elsewhere)
     return {"program": absolute(args.program), "nodes": args.nodes, "rounds": args.rounds,
-            "local-steps": args.local_steps, "lr": float(args.lr), "fraction": float(args.fraction),
+            "local-steps": args.local_steps, "grad-accum": args.grad_accum, "lr": float(args.lr), "fraction": float(args.fraction),
             "strategy": args.strategy, "seed": args.seed, "eval-data": absolute(args.eval_data),
             "eval-batches": args.eval_batches, "json": absolute(args.json), "checkpoint": absolute(args.checkpoint),
             "resume": bool(args.resume), "aggregation": args.aggregation,
@@ -256,6 +259,11 @@ def run_server(args: argparse.Namespace) -> int:
     run_config = _run_config(args)
     host, port = _host_port(args.address, "--address")
     _existing(args.program, "STEP.pte")
+    if args.grad_accum > 1:  # refused here, not by the ServerApp after the SuperLink and the nodes are up
+        from vktrain.fleet.command import check_grad_accum
+        from vktrain.serialization.pte import PteFile
+
+        check_grad_accum(args.grad_accum, PteFile.load(args.program).method_names, args.program)
     check_outputs([Output("--checkpoint", args.checkpoint, FEDERATION_CHECKPOINT,  # federate's outputs, its rules
                           continues=args.checkpoint if args.resume else None),
                    Output("--json", args.json, ROUND_RECORDS)],

@@ -96,14 +96,15 @@ def nvidia_gpus() -> tuple[list[NvidiaGpu] | None, str]:
     return (gpus, "nvidia-smi") if gpus is not None else (None, "")
 
 
-def ray_gpu_ids() -> list[str]:
-    """The GPU ids Ray assigned this process (empty outside a Ray worker, or with no GPU reserved)."""
+def ray_gpu_ids() -> list[str] | None:
+    """The GPU ids Ray assigned this process (empty with no GPU reserved); None outside a Ray worker (the
+    sequential engine, a fleet node)."""
     try:
         import ray
     except ImportError:
-        return []
+        return None
     if not ray.is_initialized():
-        return []
+        return None
     return [str(i) for i in ray.get_runtime_context().get_accelerator_ids().get("GPU", [])]
 
 
@@ -114,7 +115,10 @@ def client_device_choice(environ: Mapping[str, str] | None = None, ray_ids: Sequ
     explicit = (os.environ if environ is None else environ).get(DEVICE_ENV, "").strip()
     if explicit:
         return DeviceChoice(None, f"{DEVICE_ENV}={explicit} (explicit; wins over Ray's GPU assignment)")
-    ids = list(ray_gpu_ids() if ray_ids is None else ray_ids)
+    ids = ray_gpu_ids() if ray_ids is None else list(ray_ids)
+    if ids is None:  # no Ray here to assign a GPU: saying "Ray assigned none" would mislead
+        return DeviceChoice(None, "not a Ray worker (--engine sequential, or a fleet node): vktrain's default "
+                                  "ranking (discrete first)")
     if not ids:
         return DeviceChoice(None, "no GPU assigned by Ray: vktrain's default ranking (discrete first)")
     first = ids[0]

@@ -146,13 +146,18 @@ class FederationServer:
         self.result = FederationResult()
         self.stopped = False  # set when the command was interrupted: no round is recorded or saved after it
 
-    def _held_out(self, runner):
-        from vktrain.train.data import load_data
+    def _held_out_batches(self, runner) -> Optional[list]:
+        """The held-out batches of the global loss, made once for every round (None without --eval-data);
+        with positions for a packed-documents step, as `vktrain train --eval-data` makes them."""
         from vktrain.serialization.tokenizer import program_tokenizer
+        from vktrain.train.data import load_data
+        from vktrain.train.held_out import prepare_eval_batches
 
-        if self.settings.eval_data is None:
+        s = self.settings
+        if s.eval_data is None:
             return None
-        return load_data(self.settings.eval_data, runner.vocab_size, program_tokenizer(runner, self.settings.program))
+        data = load_data(s.eval_data, runner.vocab_size, program_tokenizer(runner, s.program))
+        return prepare_eval_batches(data, runner.batch_shape, s.eval_batches, runner.takes_positions)
 
     def _check_program(self, trained: list[str]) -> None:
         trains_a = any(name.endswith(".lora_A") for name in trained)
@@ -163,13 +168,13 @@ class FederationServer:
             raise FederationError(f"{self.settings.program} trains no LoRA tensor")
 
     def run(self, grid: Grid) -> FederationResult:
-        from vktrain.train.held_out import evaluate_data
+        from vktrain.train.held_out import evaluate_batches
 
         s, runner = self.settings, self.runner
         program_sha256 = sha256_file(s.program)
         trained = trained_names(runner.state_names)
         self._check_program(trained)
-        held_out = self._held_out(runner)
+        held_out = self._held_out_batches(runner)
         arrays = {name: runner.read_state(name) for name in trained}
         done = 0
         if s.resume:
@@ -187,7 +192,7 @@ class FederationServer:
                 return None
             for name, array in adapters.items():
                 runner.write_state(name, array)
-            return evaluate_data(runner, held_out, s.eval_batches)["loss"]
+            return evaluate_batches(runner, held_out)["loss"]
 
         strategy = FleetFedAvg(n_clients=s.n_clients, fraction_train=s.fraction,
                                fraction_evaluate=s.fraction_evaluate, seed=s.seed, round_offset=done,
