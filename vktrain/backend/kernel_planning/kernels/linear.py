@@ -90,7 +90,9 @@ TARGET_WORKGROUPS = H200_FP32_TARGET_WORKGROUPS
 MIN_SPLIT_SLICE = 256
 MAX_SPLIT_K = 32
 
-REDUCE_WORKGROUP_SIZE = 256
+# 128: Vulkan's guaranteed maximum, so every device profile runs it; each output is its own sum over the
+# slices, so the size changes no result.
+REDUCE_WORKGROUP_SIZE = 128
 
 # The FP16 variant's shared memory besides its (half-size) tiles: coopmat_scale.glsl's two maxima.
 FP16_SCALE_SHARED_BYTES = 8
@@ -266,6 +268,16 @@ def default_gemm_tiles(rows: int, cols: int, can_split: bool = False, op: str = 
     return GemmTiles(8, 16, bk)  # 128 x 64
 
 
+DEFAULT_GEMM_THREADS = 256  # default_gemm_tiles' 16 x 16
+
+
+def narrow_gemm_tiles(op: str, max_workgroup_size: int) -> GemmTiles:
+    """Tiles for a device allowing fewer than DEFAULT_GEMM_THREADS invocations: 16 threads wide, as many rows
+    of threads as it allows (64 x 128 outputs at Vulkan's guaranteed 128), the op's default bk. Tiles change
+    which thread computes an output, not its sum."""
+    return GemmTiles(16, max(1, min(16, max_workgroup_size // 16)), DEFAULT_BK.get(op, 16))
+
+
 def default_split_k(rows: int, cols: int, reduction: int, tiles: GemmTiles) -> int:
     """Reduction slices per tile: enough for TARGET_WORKGROUPS workgroups, each slice >= MIN_SPLIT_SLICE."""
     tile_count = ceil_div(rows, tiles.bm) * ceil_div(cols, tiles.bn)
@@ -380,7 +392,7 @@ def plan_splitk_reduce(*, out: Any, scratch: Any, count4: int, row_vec4s: int, s
 
 
 # coopmat_absmax.comp (the per-tensor operand scales of the coopmat kernels and of the fp16 d_x here):
-# workgroups of 256 threads, each reading at least 4 vec4 of its tensor; at most ABSMAX_MAX_PARTIALS
+# workgroups of 128 threads (Vulkan's guaranteed maximum), each reading at least 8 vec4 of its tensor; at most ABSMAX_MAX_PARTIALS
 # workgroups (hence partial maxima) per tensor, which every GEMM workgroup reduces.
 _ABSMAX_VECS_PER_GROUP = 256 * 4
 ABSMAX_MAX_PARTIALS = 256
