@@ -65,3 +65,22 @@ def test_each_built_in_profile_s_plan_passes_the_verifier_under_that_profile(gra
         assert largest <= profile.max_workgroup_invocations, (method, profile.name, largest)
         if profile.max_workgroup_invocations == 128:  # the phones and desktop-gpu: Vulkan's floor, used fully
             assert largest == 128, (method, profile.name, largest)
+
+
+def test_a_plan_made_at_load_is_verified_when_the_profile_is_emulated(vk_device, monkeypatch):
+    """The device enforces its own limits, not an emulated profile's: a plan for VKTRAIN_DEVICE_PROFILE is
+    verified at load (GraphExecutor's `verify`), one for the device's own profile is not (it is this process's)."""
+    from vktrain.runtime.device_profiles import DEVICE_PROFILE_ENV
+    from vktrain.runtime.program.schedules import method_schedule
+
+    seen = []
+
+    def planner(graph, profile, **options):
+        seen.append(profile.name)
+        return "schedule"
+
+    monkeypatch.delenv(DEVICE_PROFILE_ENV, raising=False)
+    assert method_schedule(None, vk_device, planner=planner).verify is False
+    monkeypatch.setenv(DEVICE_PROFILE_ENV, "mali-g7x")
+    assert method_schedule(None, vk_device, planner=planner) == ("schedule", True)
+    assert "mali-g7x (emulated on" in seen[-1]

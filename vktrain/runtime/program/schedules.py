@@ -13,7 +13,10 @@ passes vktrain.backend.kernel_planning.plan_schedule as the planner; its options
 
 A schedule given or carried is verified at load (GraphExecutor's `verify`: serialization/verify_schedule.py);
 one the planner just made for this graph and device is not (`verify` False), as when the executor planned
-itself: it is the planner's output in this process, not bytes from a file.
+itself: it is the planner's output in this process, not bytes from a file -- except under an emulated profile
+(VKTRAIN_DEVICE_PROFILE), whose limits the device does not enforce: that plan is verified against them (its
+local sizes within the profile's workgroup limits, its bindings within its binding size), so a plan that would
+fail on the real phone fails here too.
 """
 from __future__ import annotations
 
@@ -21,7 +24,7 @@ from typing import Any, Callable, NamedTuple, Optional
 
 from vktrain.contract import PRECISION_AUTO
 from vktrain.errors import VktrainError
-from vktrain.runtime.device_profiles import planning_profile
+from vktrain.runtime.device_profiles import emulated_profile_spec, planning_profile
 from vktrain.serialization import graph as vk
 from vktrain.serialization.schedule import Schedule
 
@@ -53,7 +56,7 @@ def method_schedule(graph: vk.VkGraph, device: Any, *, planner: Optional[Planner
         raise NoScheduleError(f"{source}: no schedule for {getattr(device, 'name', 'this device')}: the program "
                               f"carries none and no planner was given (pass planner="
                               f"vktrain.backend.kernel_planning.plan_schedule to plan one at load)")
-    return MethodSchedule(planner(graph, planning_profile(device), **options), False)
+    return MethodSchedule(planner(graph, planning_profile(device), **options), emulated_profile_spec() is not None)
 
 
 def bound_planning_options(training: Any) -> dict[str, Any]:
