@@ -84,3 +84,41 @@ def test_a_plan_made_at_load_is_verified_when_the_profile_is_emulated(vk_device,
     monkeypatch.setenv(DEVICE_PROFILE_ENV, "mali-g7x")
     assert method_schedule(None, vk_device, planner=planner) == ("schedule", True)
     assert "mali-g7x (emulated on" in seen[-1]
+
+
+def test_the_generation_program_plans_within_every_profile(tmp_path):
+    """`vktrain generate`'s program (prefill and decode, M = 1: the GEMV kernels), each method planned for every
+    built-in profile, passes the verifier under it."""
+    from vktrain.cli import main
+
+    cache = tmp_path / "cache"
+    assert main(["generate", "--model", "tiny-llama", "--model-arg", "n_layers=1", "--model-arg", "dim=256",
+                 "--model-arg", "hidden=768", "--prompt-ids", "1,2", "--max-new-tokens", "1",
+                 "--program-cache", str(cache)]) == 0
+    (path,) = cache.rglob("*.pte")
+    pte = PteFile.load(path)
+    graphs = {method: deserialize_blob(pte.execution_plan(method).delegates[0].data, named_data=pte.named_data)
+              for method in pte.method_names}
+    shaders = set()
+    for profile in BUILTIN_PROFILES.values():
+        for method, graph in graphs.items():
+            schedule = plan_schedule(graph, profile)
+            (embedded,), modules = embed_schedules([(profile, schedule)], _module_for, serialize=False)
+            verify_embedded_schedule(schedule, embedded, dataclasses.replace(graph, shader_modules=modules),
+                                     f"{method} for {profile.name}")
+            shaders |= {d.shader for d in schedule.dispatches}
+    assert any(name.startswith("linear_q4gsw_gemv") for name in shaders)
+
+
+def test_the_default_gemv_tiles_keep_to_the_workgroup_limit():
+    """Decode GEMVs of SmolLM2 (K = 1536 forward; d_x over N = 1536 and 576) and Llama-3.2-1B (8192 x 2048,
+    d_x of 2048 x 8192) take 256 threads by default, 128 where the profile allows 128."""
+    from vktrain.backend.kernel_planning.kernels.linear import default_gemv_tiles
+
+    for reduction4, outputs, backward in ((1536 // 4, 576 // 8, False), (1536 // 8, 576 // 4, True),
+                                          (576 // 8, 1536 // 4, True), (2048 // 4, 8192 // 8, False),
+                                          (8192 // 8, 2048 // 4, True)):
+        wide = default_gemv_tiles(1, reduction4, outputs, backward)
+        narrow = default_gemv_tiles(1, reduction4, outputs, backward, shared_memory_bytes=16384,
+                                    max_workgroup_size=128)
+        assert wide.wg_x * wide.wg_y == 256 and narrow.wg_x * narrow.wg_y == 128, (wide, narrow)

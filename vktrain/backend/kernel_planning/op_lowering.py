@@ -221,6 +221,7 @@ def _lower_linear_q4gsw(ctx: OpContext) -> list[Dispatch]:
                      **_coopmat_split_k_args(ctx, "coopmat_linear_q4gsw", m, n, k))
     # fp16: the FP16 variant of the tiled body; no windows (an op over the limit keeps the fp32 kernels).
     return _call(ctx, **gemm, bias=None if bias is None else bias.binding, binding_limit=ctx.binding_limit,
+                 max_workgroup_size=ctx.max_workgroup_size,
                  **_split_k_args(ctx, "linear_q4gsw", m, n, k, group_size, over, fp16=ctx.gemm.fp16_simt and not over))
 
 
@@ -238,10 +239,10 @@ def _lower_linear_q4gsw_backward(ctx: OpContext) -> list[Dispatch]:
                      absmax=ctx.scratch(coopmat.absmax_scratch_nbytes(m * n), "absmax"),
                      **_coopmat_split_k_args(ctx, "coopmat_linear_q4gsw_backward", m, k, n))
     if ctx.gemm.fp16_simt and not over:
-        return _call(ctx, **gemm, binding_limit=ctx.binding_limit,
+        return _call(ctx, **gemm, binding_limit=ctx.binding_limit, max_workgroup_size=ctx.max_workgroup_size,
                      absmax=ctx.scratch(linear.absmax_scratch_nbytes(m * n), "absmax"),
                      **_split_k_args(ctx, "linear_q4gsw_backward", m, n, k, group_size, fp16=True))
-    return _call(ctx, **gemm, binding_limit=ctx.binding_limit,
+    return _call(ctx, **gemm, binding_limit=ctx.binding_limit, max_workgroup_size=ctx.max_workgroup_size,
                  **_split_k_args(ctx, "linear_q4gsw_backward", m, n, k, group_size, over))
 
 
