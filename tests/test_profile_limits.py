@@ -122,3 +122,49 @@ def test_the_default_gemv_tiles_keep_to_the_workgroup_limit():
         narrow = default_gemv_tiles(1, reduction4, outputs, backward, shared_memory_bytes=16384,
                                     max_workgroup_size=128)
         assert wide.wg_x * wide.wg_y == 256 and narrow.wg_x * narrow.wg_y == 128, (wide, narrow)
+
+
+@pytest.mark.parametrize("M, N, K, bias, vec4", [(70, 99, 300, True, False), (130, 96, 2048, False, True)],
+                         ids=["addmm-edges", "mm-split-k-vec4"])
+def test_the_128_thread_matmul_tile_gives_the_64x64_tile_s_bits(vk_device, M, N, K, bias, vec4):
+    """matmul.comp at 32 x 64 (128 threads, a profile with Vulkan's 128 invocations) against 64 x 64 (256):
+    the same split over K (scratch given: the 64 x 64 tile's choice) and every output bit for bit, partial tiles
+    at the M and N edges and a bias included."""
+    import numpy as np
+
+    from vktrain.backend.kernel_planning.kernels.matmul import gemm_scratch_nbytes, plan_gemm
+    from vktrain.runtime import Buffer, Program
+    from vktrain.serialization.strided_view import StridedView
+
+    rng = np.random.default_rng(M + N + K)
+    arrays = {"a": rng.standard_normal((M, K)).astype(np.float32),
+              "b": (rng.standard_normal((K, N)) * 0.1).astype(np.float32),
+              "d": rng.standard_normal((M, N)).astype(np.float32)}
+    scratch = gemm_scratch_nbytes(1, M, N, K)
+    arrays["scratch"] = np.full(max(1, scratch // 4), np.nan, np.float32)
+
+    def plan(max_workgroup_size):
+        extra = dict(bias="d", bias_view=StridedView.contiguous((M, N)), beta=0.5) if bias else {}
+        return plan_gemm("out", "a", StridedView.contiguous((M, K)), "b", StridedView.contiguous((K, N)),
+                         scratch="scratch" if scratch else None, max_workgroup_size=max_workgroup_size, **extra)
+
+    def run(dispatches):
+        buffers = {key: Buffer.from_array(vk_device, value, name=key) for key, value in arrays.items()}
+        buffers["out"] = Buffer.from_array(vk_device, np.full((M, N), np.nan, np.float32), name="out")
+        try:
+            with Program(vk_device, dispatches, buffers) as program:
+                program.replay()
+            return buffers["out"].read(np.float32, (M, N))
+        finally:
+            for buffer in buffers.values():
+                buffer.destroy()
+
+    wide, narrow = plan(None), plan(128)
+    assert "TILE_M=32+TILE_N=64" in narrow[0].shader and "TILE_M" not in wide[0].shader
+    assert ("VEC4_C" in narrow[0].shader) == vec4 and len(wide) == len(narrow) == (2 if scratch else 1)
+    assert narrow[0].groups == (wide[0].groups[0], -(-M // 32), wide[0].groups[2])
+    assert [d.label for d in narrow] == [d.label for d in wide]  # split over K alike (.splitN, .reduce)
+    assert (scratch > 0) == vec4  # the second case splits K
+    expected, got = run(wide), run(narrow)
+    assert np.isfinite(expected).all()
+    assert np.array_equal(got.view(np.uint32), expected.view(np.uint32))
