@@ -67,23 +67,39 @@ def test_each_built_in_profile_s_plan_passes_the_verifier_under_that_profile(gra
             assert largest == 128, (method, profile.name, largest)
 
 
-def test_a_plan_made_at_load_is_verified_when_the_profile_is_emulated(vk_device, monkeypatch):
+def test_a_plan_made_at_load_is_verified_when_the_profile_is_emulated(vk_device, monkeypatch, tmp_path):
     """The device enforces its own limits, not an emulated profile's: a plan for VKTRAIN_DEVICE_PROFILE is
-    verified at load (GraphExecutor's `verify`), one for the device's own profile is not (it is this process's)."""
+    checked against the profile at load (each kernel's workgroup size as its SPIR-V declares it) and verified
+    by the executor (`verify`); a plan for the device's own profile is not. A planner ignoring the emulated
+    limits (lavapipe's 256-lane workgroups under mali-g7x's 128) is refused naming the dispatch."""
+    from _helpers import export_mlp_lora_training_step
     from vktrain.runtime.device_profiles import DEVICE_PROFILE_ENV
     from vktrain.runtime.program.schedules import method_schedule
+    from vktrain.serialization.verify import VerificationError
 
+    export_mlp_lora_training_step(tmp_path / "mlp.pte", (2, 8), 64)
+    pte = PteFile.load(tmp_path / "mlp.pte")
+    graph = deserialize_blob(pte.execution_plan(TRAIN_METHOD).delegates[0].data, named_data=pte.named_data)
     seen = []
 
     def planner(graph, profile, **options):
         seen.append(profile.name)
-        return "schedule"
+        return plan_schedule(graph, profile, **options)
 
     monkeypatch.delenv(DEVICE_PROFILE_ENV, raising=False)
-    assert method_schedule(None, vk_device, planner=planner).verify is False
+    assert method_schedule(graph, vk_device, planner=planner).verify is False
     monkeypatch.setenv(DEVICE_PROFILE_ENV, "mali-g7x")
-    assert method_schedule(None, vk_device, planner=planner) == ("schedule", True)
+    assert method_schedule(graph, vk_device, planner=planner).verify is True
     assert "mali-g7x (emulated on" in seen[-1]
+
+    def unlimited(graph, profile, **options):  # the kernels as before this check: 256 lanes, the profile's record
+        wide = dataclasses.replace(profile, max_workgroup_invocations=1024, max_workgroup_size=(1024, 1024, 64))
+        return dataclasses.replace(plan_schedule(graph, wide, **options),
+                                   requirements=plan_schedule(graph, profile, **options).requirements)
+
+    with pytest.raises(VerificationError, match=r"mlp.pte: dispatch \d+ \(.*\): local size \(256, 1, 1\) is over "
+                                                r"profile 'mali-g7x \(emulated on"):
+        method_schedule(graph, vk_device, planner=unlimited, source="mlp.pte")
 
 
 def test_the_generation_program_plans_within_every_profile(tmp_path):
