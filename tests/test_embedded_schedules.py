@@ -84,28 +84,27 @@ def _train(path, device):
 
 def test_every_built_in_schedule_embedded_is_the_one_planned_at_load_byte_for_byte(llama):
     """For every built-in profile: export's plan of each method equals planning the graphs read back from the
-    .pte, the eval method with the step's buffers it binds found independently (fit.py's reading); the
-    profiles whose plan keeps to their limits are embedded with exactly those bytes, the others left out
-    naming the limit (today: 256-invocation workgroups over the Vulkan 1.1 floor's 128)."""
+    .pte, the eval method with the step's buffers it binds found independently (fit.py's reading), and every
+    built-in is embedded with exactly those bytes (each plan keeps to its profile's limits, the Vulkan 1.1
+    floor's 128 invocations included: the verifier checked each at export and checks them again here)."""
     _, everything, embedder, _ = llama
     graphs = _graphs(everything)
     step, evaluation = graphs[TRAIN_METHOD], graphs[EVAL_METHOD]
     embedded = {method: {e.profile.name: e.schedule_bytes for e in graph.schedules} for method, graph in graphs.items()}
-    assert list(embedded[TRAIN_METHOD]) == embedder.embedded == list(embedded[EVAL_METHOD])
+    assert list(embedded[TRAIN_METHOD]) == embedder.embedded == list(embedded[EVAL_METHOD]) == list(BUILTIN_PROFILES)
+    assert embedder.left_out == []
     for profile in BUILTIN_PROFILES.values():
         planned_step = plan_schedule(step, profile, state_guard=True)
         planned_eval = plan_schedule(evaluation, profile, shared=_shared_with([step], evaluation))
-        if profile.name in embedded[TRAIN_METHOD]:
-            assert embedded[TRAIN_METHOD][profile.name] == serialize_schedule(planned_step), profile.name
-            assert embedded[EVAL_METHOD][profile.name] == serialize_schedule(planned_eval), profile.name
-        else:
-            assert any(reason.startswith(f"--target {profile.name}:") and "workgroup limits" in reason
-                       for reason in embedder.left_out), (profile.name, embedder.left_out)
-    assert {"lavapipe", "nvidia-coopmat"} <= set(embedder.embedded)
-    # The modules' workgroup sizes are reflected: elementwise fixes 256 lanes, the split-K reduce takes ids 0-2.
+        assert embedded[TRAIN_METHOD][profile.name] == serialize_schedule(planned_step), profile.name
+        assert embedded[EVAL_METHOD][profile.name] == serialize_schedule(planned_eval), profile.name
+    for graph in graphs.values():
+        verify_embedded(graph, "all.pte")
+    # The modules' workgroup sizes are reflected: elementwise's VEC4 lanes and the split-K reduce's are
+    # specialized (id 0), 256 lanes unless a profile allows fewer.
     modules = {m.name: m for m in step.shader_modules}
     assert (modules["elementwise@ARITY=1+VEC4"].local_size, modules["elementwise@ARITY=1+VEC4"].local_size_spec_ids) \
-        == ((256, 1, 1), (-1, -1, -1))
+        == ((256, 1, 1), (0, -1, -1))
     # One copy of each module however many profiles and dispatches run it.
     for graph in graphs.values():
         keys = [(m.name, m.kind, m.code) for m in graph.shader_modules]
@@ -196,9 +195,14 @@ def test_targets_are_resolved_by_name_and_a_bad_one_is_refused():
 
 
 def test_a_named_target_whose_plan_breaks_its_limits_is_refused(tmp_path):
-    with pytest.raises(TargetError, match=r"--target desktop-gpu: the .forward. method cannot be planned for this "
-                                          r"profile: delegate 0: .* workgroup limits"):
-        export_mlp_lora_training_step(tmp_path / "x.pte", (2, 8), 64, target="desktop-gpu")
+    """A profile below the Vulkan floor (32 invocations per workgroup): kernels with a fixed workgroup of 64
+    (the copies, the reductions) cannot keep to it, and export refuses the target naming it."""
+    tiny = tmp_path / "tiny-workgroups.json"
+    tiny.write_text(dataclasses.replace(LAVAPIPE, name="tiny-workgroups", max_workgroup_invocations=32,
+                                        max_workgroup_size=(32, 32, 32)).to_json())
+    with pytest.raises(TargetError, match=r"--target tiny-workgroups: the .forward. method cannot be planned for this "
+                                          r"profile: .*(workgroup limits|32 invocations|device's 32)"):
+        export_mlp_lora_training_step(tmp_path / "x.pte", (2, 8), 64, target=str(tiny))
 
 
 @pytest.fixture(scope="module")

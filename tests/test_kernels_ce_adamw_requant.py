@@ -139,7 +139,8 @@ def ce_rows_float64(logits, labels, n_valid):
 CE_SHAPES = [(6, 5000, 256, None, False), (6, 5000, 256, False, False), (4, 1024, 256, None, False),
              (4, 256, 256, False, False), (3, 7, 256, None, False), (2, 4, 256, None, False),
              (300, 33, 64, None, False), (5, 1000, 32, None, False),
-             (6, 5000, 256, None, True), (7, 999, 128, None, True)]
+             (6, 5000, 256, None, True), (7, 999, 128, None, True),
+             (6, 5000, 128, None, False)]  # the phone profiles' 128 lanes (op_lowering: _reduction_workgroup_size)
 
 
 @pytest.mark.parametrize("R,V,workgroup_size,vec4,in_place", CE_SHAPES)

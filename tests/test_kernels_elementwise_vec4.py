@@ -27,7 +27,8 @@ VEC4_BINARY, VEC4_UNARY = "elementwise@ARITY=2+VEC4", "elementwise@ARITY=1+VEC4"
 
 def _as_general(dispatch, numel):
     """The same dispatch on the general variant (its push constants already describe the operands)."""
-    return replace(dispatch, shader=dispatch.shader.removesuffix("+VEC4"), groups=elementwise_groups(numel))
+    return replace(dispatch, shader=dispatch.shader.removesuffix("+VEC4"), groups=elementwise_groups(numel),
+                   local_size=None)
 
 
 def _run(device, dispatches, arrays, numel, **options):
@@ -88,6 +89,21 @@ def _check_binary_is_general_bits(device, op, s0, s1, numel, offset, **options):
 @pytest.mark.parametrize("op, s0, s1", BINARY_CASES)
 def test_vec4_binary_ops_give_the_general_variants_bits(vk_device, op, s0, s1, numel):
     _check_binary_is_general_bits(vk_device, op, s0, s1, numel, offset=8)
+
+
+def test_vec4_at_the_vulkan_floor_of_128_lanes_gives_the_same_bits(vk_device):
+    """A profile allowing 128 invocations (the phones): the VEC4 body runs 128 lanes, twice the workgroups,
+    and every output element its 256-lane bits (each is computed alone)."""
+    numel = LENGTHS[2]
+    a, b = _operands(numel, 8, seed=5)
+    view = StridedView.contiguous((numel,), offset=8)
+    (wide,) = plan_binary("silu_backward", "out", "a", view, "b", view)
+    (narrow,) = plan_binary("silu_backward", "out", "a", view, "b", view, max_workgroup_size=128)
+    assert (wide.local_size, narrow.local_size) == ((256, 1, 1), (128, 1, 1))
+    assert narrow.groups[0] == 2 * wide.groups[0] == 6
+    got = _run(vk_device, [narrow], {"a": a, "b": b}, numel)
+    expected = _run(vk_device, [wide], {"a": a, "b": b}, numel)
+    assert np.array_equal(got.view(np.uint32), expected.view(np.uint32))
 
 
 @pytest.mark.parametrize("op, s0, s1", UNARY_CASES)

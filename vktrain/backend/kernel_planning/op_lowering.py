@@ -85,8 +85,11 @@ def _keyword_lowering(key: str) -> Callable[[OpContext], list[Dispatch]]:
             else:
                 kwargs[name] = value
         kwargs.update((name, output.binding) for name, output in zip(output_names, ctx.outputs))
-        if "binding_limit" in inspect.signature(KERNELS[key]).parameters:  # it can split a tensor over the limit
+        parameters = inspect.signature(KERNELS[key]).parameters
+        if "binding_limit" in parameters:  # it can split a tensor over the limit
             kwargs["binding_limit"] = ctx.binding_limit
+        if "max_workgroup_size" in parameters:  # it sizes its workgroups by the device's limit
+            kwargs["max_workgroup_size"] = ctx.max_workgroup_size
         try:
             return KERNELS[key](label=ctx.label, **kwargs)
         except (ValueError, TypeError) as exc:
@@ -167,11 +170,16 @@ def _over_binding_limit(ctx: OpContext, tensors: Sequence[TensorArg]) -> bool:
     return layout.exceeds(ctx.binding_limit, [t.binding.size for t in tensors])
 
 
-def _profile_tiles(ctx: OpContext) -> Optional[linear.GemmTiles]:
+def _profile_tiles(ctx: OpContext, op: str) -> Optional[linear.GemmTiles]:
     """The device profile's tiles for the linear family's tiled body (DeviceProfile.gemm_tiles, the vendor
-    table), None for the kernels' default choice."""
+    table); on a profile without them allowing fewer invocations than the default tiles' 256, tiles within
+    its limit (linear.narrow_gemm_tiles); else None, the kernels' default choice."""
     tiles = ctx.profile.gemm_tiles if ctx.profile is not None else ()
-    return linear.GemmTiles(*tiles) if tiles else None
+    if tiles:
+        return linear.GemmTiles(*tiles)
+    if ctx.profile is not None and ctx.max_workgroup_size < linear.DEFAULT_GEMM_THREADS:
+        return linear.narrow_gemm_tiles(op, ctx.max_workgroup_size)
+    return None
 
 
 def _split_k_args(ctx: OpContext, plan: str, m: int, n: int, k: int, group_size: int = 0,
@@ -179,7 +187,7 @@ def _split_k_args(ctx: OpContext, plan: str, m: int, n: int, k: int, group_size:
     """Scratch for the linear family's deterministic split-K (used when the output has too few tiles to
     fill the GPU, e.g. M = 128 tokens; never by an op cut into windows over the binding limit), the
     device's shared memory and tiles for the tile choice, and `fp16` (the FP16 variant, fp16 policy)."""
-    tiles = _profile_tiles(ctx)
+    tiles = _profile_tiles(ctx, plan)
     nbytes = 0 if windowed else linear.plan_scratch_nbytes(plan, M=m, N=n, K=k, group_size=group_size,
                                                            tuning=ctx.gemm.fp32_tuning, fp16=fp16, gemm_tiles=tiles)
     extra = {"shared_memory_bytes": ctx.shared_memory_bytes, "tuning": ctx.gemm.fp32_tuning}
@@ -213,6 +221,7 @@ def _lower_linear_q4gsw(ctx: OpContext) -> list[Dispatch]:
                      **_coopmat_split_k_args(ctx, "coopmat_linear_q4gsw", m, n, k))
     # fp16: the FP16 variant of the tiled body; no windows (an op over the limit keeps the fp32 kernels).
     return _call(ctx, **gemm, bias=None if bias is None else bias.binding, binding_limit=ctx.binding_limit,
+                 max_workgroup_size=ctx.max_workgroup_size,
                  **_split_k_args(ctx, "linear_q4gsw", m, n, k, group_size, over, fp16=ctx.gemm.fp16_simt and not over))
 
 
@@ -230,10 +239,10 @@ def _lower_linear_q4gsw_backward(ctx: OpContext) -> list[Dispatch]:
                      absmax=ctx.scratch(coopmat.absmax_scratch_nbytes(m * n), "absmax"),
                      **_coopmat_split_k_args(ctx, "coopmat_linear_q4gsw_backward", m, k, n))
     if ctx.gemm.fp16_simt and not over:
-        return _call(ctx, **gemm, binding_limit=ctx.binding_limit,
+        return _call(ctx, **gemm, binding_limit=ctx.binding_limit, max_workgroup_size=ctx.max_workgroup_size,
                      absmax=ctx.scratch(linear.absmax_scratch_nbytes(m * n), "absmax"),
                      **_split_k_args(ctx, "linear_q4gsw_backward", m, n, k, group_size, fp16=True))
-    return _call(ctx, **gemm, binding_limit=ctx.binding_limit,
+    return _call(ctx, **gemm, binding_limit=ctx.binding_limit, max_workgroup_size=ctx.max_workgroup_size,
                  **_split_k_args(ctx, "linear_q4gsw_backward", m, n, k, group_size, over))
 
 
@@ -253,7 +262,8 @@ def _lower_fused_ce(ctx: OpContext) -> list[Dispatch]:
     rows, vocab = logits.shape
     row_loss = ctx.scratch(cross_entropy.fused_ce_scratch_nbytes(rows), "row_loss")
     return _call(ctx, R=rows, V=vocab, logits=logits.binding, labels=labels.binding, n_valid=n_valid.binding,
-                 loss=loss.binding, dlogits=dlogits.binding, row_loss=row_loss, binding_limit=ctx.binding_limit)
+                 loss=loss.binding, dlogits=dlogits.binding, row_loss=row_loss, binding_limit=ctx.binding_limit,
+                 workgroup_size=_reduction_workgroup_size(ctx, cross_entropy.DEFAULT_WORKGROUP_SIZE))
 
 
 def _lower_adamw(ctx: OpContext) -> list[Dispatch]:
@@ -291,12 +301,11 @@ def _lower_q4gsw_requant(ctx: OpContext) -> list[Dispatch]:
 # Transformer ops (CONTRACTS.md "Transformer ops"): activations [B, S, H, D], fp32, contiguous
 # ------------------------------------------------------------------------------------------------
 
-def _norm_workgroup_size(ctx: OpContext) -> int:
-    """rms_norm's default workgroup, lowered to the largest power of two the device allows."""
-    size = norm.DEFAULT_WORKGROUP_SIZE
-    while size > ctx.max_workgroup_size:
-        size //= 2
-    return size
+def _reduction_workgroup_size(ctx: OpContext, default: int) -> int:
+    """A shared-memory tree's default workgroup (rms_norm, fused_ce), lowered to the largest power of two the
+    device allows. A smaller tree adds in another order: the same bits only while each thread holds one value
+    of a row (fused_ce: V <= 4 x 128 on the 128-invocation profiles), else within fp32 summation's bound."""
+    return layout.fitted_workgroup(default, ctx.max_workgroup_size)
 
 
 def _lower_rms_norm(ctx: OpContext) -> list[Dispatch]:
@@ -304,7 +313,7 @@ def _lower_rms_norm(ctx: OpContext) -> list[Dispatch]:
     x, weight = ctx.tensor(0, "x"), ctx.tensor(1, "weight")
     y, rstd = ctx.outputs
     return _call(ctx, rows=x.numel // x.shape[-1], dim=x.shape[-1], x=x.binding, weight=weight.binding,
-                 y=y.binding, rstd=rstd.binding, eps=ctx.real(2, "eps"), workgroup_size=_norm_workgroup_size(ctx))
+                 y=y.binding, rstd=rstd.binding, eps=ctx.real(2, "eps"), workgroup_size=_reduction_workgroup_size(ctx, norm.DEFAULT_WORKGROUP_SIZE))
 
 
 def _lower_rms_norm_backward(ctx: OpContext) -> list[Dispatch]:
@@ -312,7 +321,7 @@ def _lower_rms_norm_backward(ctx: OpContext) -> list[Dispatch]:
     d_y, x, weight, rstd = (ctx.tensor(i, name) for i, name in enumerate(("d_y", "x", "weight", "rstd")))
     return _call(ctx, rows=x.numel // x.shape[-1], dim=x.shape[-1], d_y=d_y.binding, x=x.binding,
                  weight=weight.binding, rstd=rstd.binding, d_x=ctx.outputs[0].binding,
-                 workgroup_size=_norm_workgroup_size(ctx))
+                 workgroup_size=_reduction_workgroup_size(ctx, norm.DEFAULT_WORKGROUP_SIZE))
 
 
 def _lower_rope(ctx: OpContext) -> list[Dispatch]:
@@ -463,12 +472,14 @@ def _lower_gemm(ctx: OpContext) -> list[Dispatch]:
         return _call(ctx, matmul.plan_gemm, out=out.binding, a=a.binding, a_view=a.strided, b=b.binding,
                      b_view=b.strided, bias=bias and bias.binding, bias_view=bias and bias.strided, alpha=alpha,
                      beta=beta, scratch=ctx.scratch(nbytes, "split_k") if nbytes else None, fp16=True,
-                     absmax=ctx.scratch(linear.absmax_scratch_nbytes(a.numel, b.numel), "absmax"))
+                     absmax=ctx.scratch(linear.absmax_scratch_nbytes(a.numel, b.numel), "absmax"),
+                     max_workgroup_size=ctx.max_workgroup_size)
     try:
         scratch = _split_k_scratch(ctx, 1, a.shape[0], b.shape[1], a.shape[1], *operands)
         return matmul.plan_gemm(out.binding, a.binding, a.strided, b.binding, b.strided, bias=bias and bias.binding,
                                 bias_view=bias and bias.strided, alpha=alpha, beta=beta, scratch=scratch,
-                                tuning=ctx.gemm.fp32_tuning, binding_limit=ctx.binding_limit, label=ctx.label)
+                                tuning=ctx.gemm.fp32_tuning, binding_limit=ctx.binding_limit,
+                                max_workgroup_size=ctx.max_workgroup_size, label=ctx.label)
     except (ValueError, TypeError) as exc:
         raise ctx.fail(f"the matmul kernel refused it: {exc}") from exc
 
@@ -478,7 +489,7 @@ def _lower_bmm(ctx: OpContext) -> list[Dispatch]:
     scratch = _split_k_scratch(ctx, a.shape[0], a.shape[1], b.shape[2], a.shape[2])
     return _call(ctx, self=a.binding, self_shape=a.shape, self_dtype=a.dtype, mat2=b.binding,
                  mat2_shape=b.shape, mat2_dtype=b.dtype, out=ctx.outputs[0].binding, scratch=scratch,
-                 tuning=ctx.gemm.fp32_tuning)
+                 tuning=ctx.gemm.fp32_tuning, max_workgroup_size=ctx.max_workgroup_size)
 
 
 def _lower_linear_q8_0(ctx: OpContext) -> list[Dispatch]:
@@ -492,7 +503,8 @@ def _lower_linear_q8_0(ctx: OpContext) -> list[Dispatch]:
                                scales, ctx.outputs[0])
     return _call(ctx, **{name: rows_input.binding, f"{name}_shape": rows_input.shape}, codes=codes.binding,
                  codes_shape=codes.shape, scales=scales.binding, scales_shape=scales.shape, out=ctx.outputs[0].binding,
-                 scratch=scratch, tuning=ctx.gemm.fp32_tuning, binding_limit=ctx.binding_limit)
+                 scratch=scratch, tuning=ctx.gemm.fp32_tuning, binding_limit=ctx.binding_limit,
+                 max_workgroup_size=ctx.max_workgroup_size)
 
 
 # vktrain ops whose plans take derived sizes (M / N / K, B / S / H / D) instead of the keyword convention.

@@ -13,15 +13,20 @@ passes vktrain.backend.kernel_planning.plan_schedule as the planner; its options
 
 A schedule given or carried is verified at load (GraphExecutor's `verify`: serialization/verify_schedule.py);
 one the planner just made for this graph and device is not (`verify` False), as when the executor planned
-itself: it is the planner's output in this process, not bytes from a file.
+itself: it is the planner's output in this process, not bytes from a file -- except under an emulated profile
+(VKTRAIN_DEVICE_PROFILE), whose limits the device does not enforce: that plan is verified against them as an
+embedded one is (`verify`; and check_schedule_profile with each kernel's workgroup size as its SPIR-V declares
+and the dispatch specializes it), so a plan that would fail on the real phone fails here too.
 """
 from __future__ import annotations
 
 from typing import Any, Callable, NamedTuple, Optional
 
+from vktrain.serialization.device_profile import API_VULKAN, DeviceProfile
+
 from vktrain.contract import PRECISION_AUTO
 from vktrain.errors import VktrainError
-from vktrain.runtime.device_profiles import planning_profile
+from vktrain.runtime.device_profiles import emulated_profile_spec, planning_profile
 from vktrain.serialization import graph as vk
 from vktrain.serialization.schedule import Schedule
 
@@ -53,7 +58,32 @@ def method_schedule(graph: vk.VkGraph, device: Any, *, planner: Optional[Planner
         raise NoScheduleError(f"{source}: no schedule for {getattr(device, 'name', 'this device')}: the program "
                               f"carries none and no planner was given (pass planner="
                               f"vktrain.backend.kernel_planning.plan_schedule to plan one at load)")
-    return MethodSchedule(planner(graph, planning_profile(device), **options), False)
+    profile = planning_profile(device)
+    planned = planner(graph, profile, **options)
+    emulated = emulated_profile_spec() is not None
+    if emulated:
+        check_within_profile(planned, profile, source)
+    return MethodSchedule(planned, emulated)
+
+
+class _SpirvModules(NamedTuple):
+    """What shader_module reads of a profile, for the SPIR-V module (the workgroup size is the WGSL's too)."""
+
+    api: str = API_VULKAN
+    float16: bool = False
+
+
+def check_within_profile(schedule: Schedule, profile: DeviceProfile, source: str) -> None:
+    """Every dispatch of `schedule` within `profile`'s workgroup limits and counts, each kernel's workgroup size
+    read from its SPIR-V as the dispatch specializes it (verify_schedule.check_schedule_profile); VerificationError
+    naming the dispatch otherwise."""
+    from vktrain.runtime_shaders.modules import shader_module
+    from vktrain.serialization.embedded import embed_schedules
+    from vktrain.serialization.verify_schedule import check_schedule_profile
+
+    (embedded,), modules = embed_schedules([(profile, schedule)], lambda name, _: shader_module(name, _SpirvModules()),
+                                           serialize=False)
+    check_schedule_profile(schedule, embedded, modules, source)
 
 
 def bound_planning_options(training: Any) -> dict[str, Any]:
@@ -65,4 +95,5 @@ def bound_planning_options(training: Any) -> dict[str, Any]:
     return dict(precision=precision, max_binding_bytes=training.max_binding_bytes)
 
 
-__all__ = ["MethodSchedule", "NoScheduleError", "Planner", "bound_planning_options", "method_schedule"]
+__all__ = ["MethodSchedule", "NoScheduleError", "Planner", "bound_planning_options", "check_within_profile",
+           "method_schedule"]

@@ -65,6 +65,15 @@ def check_power_of_two_workgroup(op: str, workgroup_size: Any) -> None:
             f"got {workgroup_size!r}")
 
 
+def fitted_workgroup(preferred: int, max_workgroup_size: int | None) -> int:
+    """`preferred` invocations (a power of two), halved until a device allowing `max_workgroup_size` per
+    workgroup (None: no limit given) runs it: the workgroup a plan picks within a device profile's limits."""
+    size = preferred
+    while max_workgroup_size is not None and size > max_workgroup_size and size > 1:
+        size //= 2
+    return size
+
+
 def use_vec4(op: str, vec4: bool | None, length: int, length_name: str, why: str = "") -> bool:
     """Whether a plan takes its kernel's @VEC4 variant: by default whenever `length` (the extent the
     kernel moves in vec4s) is a multiple of 4, the only case that variant serves. `why` explains the

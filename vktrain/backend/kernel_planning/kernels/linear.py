@@ -90,7 +90,9 @@ TARGET_WORKGROUPS = H200_FP32_TARGET_WORKGROUPS
 MIN_SPLIT_SLICE = 256
 MAX_SPLIT_K = 32
 
-REDUCE_WORKGROUP_SIZE = 256
+# 128: Vulkan's guaranteed maximum, so every device profile runs it; each output is its own sum over the
+# slices, so the size changes no result.
+REDUCE_WORKGROUP_SIZE = 128
 
 # The FP16 variant's shared memory besides its (half-size) tiles: coopmat_scale.glsl's two maxima.
 FP16_SCALE_SHARED_BYTES = 8
@@ -266,6 +268,16 @@ def default_gemm_tiles(rows: int, cols: int, can_split: bool = False, op: str = 
     return GemmTiles(8, 16, bk)  # 128 x 64
 
 
+DEFAULT_GEMM_THREADS = 256  # default_gemm_tiles' 16 x 16
+
+
+def narrow_gemm_tiles(op: str, max_workgroup_size: int) -> GemmTiles:
+    """Tiles for a device allowing fewer than DEFAULT_GEMM_THREADS invocations: 16 threads wide, as many rows
+    of threads as it allows (64 x 128 outputs at Vulkan's guaranteed 128), the op's default bk. Tiles change
+    which thread computes an output, not its sum."""
+    return GemmTiles(16, max(1, min(16, max_workgroup_size // 16)), DEFAULT_BK.get(op, 16))
+
+
 def default_split_k(rows: int, cols: int, reduction: int, tiles: GemmTiles) -> int:
     """Reduction slices per tile: enough for TARGET_WORKGROUPS workgroups, each slice >= MIN_SPLIT_SLICE."""
     tile_count = ceil_div(rows, tiles.bm) * ceil_div(cols, tiles.bn)
@@ -276,7 +288,8 @@ def default_split_k(rows: int, cols: int, reduction: int, tiles: GemmTiles) -> i
 
 
 def default_gemv_tiles(rows: int, reduction4: int, outputs: int, backward: bool,
-                       shared_memory_bytes: int = DEFAULT_SHARED_MEMORY_BYTES) -> GemvTiles:
+                       shared_memory_bytes: int = DEFAULT_SHARED_MEMORY_BYTES,
+                       max_workgroup_size: int | None = None) -> GemvTiles:
     """A configuration that offers ~TARGET_WORKGROUPS workgroups of <= 256 threads, each thread reading a
     few 16-byte blocks. Forward: `outputs` = N8 output blocks along x, `reduction4` = K4 slices along
     y. Backward: `outputs` = K4 output columns along y, `reduction4` = N8 blocks along x (a subgroup
@@ -290,8 +303,11 @@ def default_gemv_tiles(rows: int, reduction4: int, outputs: int, backward: bool,
         columns = min(_next_pow2(outputs), max(2, min(4, _prev_pow2(max(1, outputs // TARGET_WORKGROUPS)))))
         slices = max(1, min(256 // columns, _next_pow2(ceil_div(reduction4, 4))))  # ~4 blocks per thread
         tiles = GemvTiles(wg_x=columns, wg_y=slices, rows=rows)
-    # Partial sums take 32 bytes per thread and row: halve the workgroup until they fit.
-    while tiles.shared_bytes > shared_memory_bytes and tiles.wg_x * tiles.wg_y > 1:
+    # Partial sums take 32 bytes per thread and row: halve the workgroup until they fit, and until the device
+    # runs it (`max_workgroup_size`: 128 on the phone profiles; fewer slices of K, summed in another order).
+    while (tiles.shared_bytes > shared_memory_bytes or (max_workgroup_size is not None and
+                                                        tiles.wg_x * tiles.wg_y > max_workgroup_size)) \
+            and tiles.wg_x * tiles.wg_y > 1:
         if tiles.wg_y > 1:
             tiles = GemvTiles(tiles.wg_x, tiles.wg_y // 2, rows)
         else:
@@ -380,7 +396,7 @@ def plan_splitk_reduce(*, out: Any, scratch: Any, count4: int, row_vec4s: int, s
 
 
 # coopmat_absmax.comp (the per-tensor operand scales of the coopmat kernels and of the fp16 d_x here):
-# workgroups of 256 threads, each reading at least 4 vec4 of its tensor; at most ABSMAX_MAX_PARTIALS
+# workgroups of 128 threads (Vulkan's guaranteed maximum), each reading at least 8 vec4 of its tensor; at most ABSMAX_MAX_PARTIALS
 # workgroups (hence partial maxima) per tensor, which every GEMM workgroup reduces.
 _ABSMAX_VECS_PER_GROUP = 256 * 4
 ABSMAX_MAX_PARTIALS = 256
@@ -449,7 +465,8 @@ def plan_linear_q4gsw(*, M: int, N: int, K: int, group_size: int, out: Any, x: A
                       split_k: int | None = None, scratch: Any = None,
                       shared_memory_bytes: int = DEFAULT_SHARED_MEMORY_BYTES, tuning: str = GPU_TUNING,
                       binding_limit: BindingLimit | None = None, fp16: bool = False,
-                      gemm_tiles: GemmTiles | None = None, label: str = "linear_q4gsw") -> list[Dispatch]:
+                      gemm_tiles: GemmTiles | None = None, max_workgroup_size: int | None = None,
+                      label: str = "linear_q4gsw") -> list[Dispatch]:
     """y[M, N] = x[M, K] @ deq(W).T (+ bias[N]).
 
     Buffers: out fp32 [M, N]; x fp32 [M, K]; weights W_4X8 uint32 (`prepack_weights`); scales fp32
@@ -460,7 +477,8 @@ def plan_linear_q4gsw(*, M: int, N: int, K: int, group_size: int, out: Any, x: A
     `binding_limit`: bindings over it are cut into windows (module docstring, "Bindings over the limit").
     `fp16` (the fp16 GEMM precision policy): the tiled body's FP16 variant at every M (module docstring,
     "fp16"). `gemm_tiles`: the device's tiles for the tiled body (DeviceProfile.gemm_tiles; None: the
-    default_gemm_tiles choice).
+    default_gemm_tiles choice), windows over the binding limit included. `max_workgroup_size`: the device's
+    invocations per workgroup, which the default GEMV tiles keep to.
     """
     op = "linear_q4gsw"
     _check_q4gsw(op, M, N, K, group_size)
@@ -474,13 +492,13 @@ def plan_linear_q4gsw(*, M: int, N: int, K: int, group_size: int, out: Any, x: A
                           fp16=True, gemm_tiles=gemm_tiles)
     if exceeds(binding_limit, sizes):
         return _plan_windows(op, M, N, K, group_size, out=out, source=x, weights=weights, scales=scales, bias=bias,
-                             tiles=tiles, split_k=split_k, shared_memory_bytes=shared_memory_bytes, tuning=tuning,
-                             limit=binding_limit, label=label)
+                             tiles=tiles or gemm_tiles, split_k=split_k, shared_memory_bytes=shared_memory_bytes,
+                             tuning=tuning, limit=binding_limit, label=label)
     if _takes_cpu_body(op, N, K, group_size, tiles, split_k, tuning):
         return _cpu_gemm_plan("linear_q4gsw", M, N, out=out, inputs=inputs, push=push, bias=bias, label=label)
     if tiles is None and M <= GEMV_MAX_M and split_k in (None, 1):
         tiles = default_gemv_tiles(min(M, GEMV_MAX_ROWS), K // 4, ceil_div(N // 4, 2), backward=False,
-                                   shared_memory_bytes=shared_memory_bytes)
+                                   shared_memory_bytes=shared_memory_bytes, max_workgroup_size=max_workgroup_size)
     if isinstance(tiles, GemvTiles):
         _check_gemv_args(op, tiles, split_k, shared_memory_bytes)
         bindings = [binding(out, "w"), *inputs] + ([binding(bias, "r")] if bias is not None else [])
@@ -500,13 +518,13 @@ def plan_linear_q4gsw_backward(*, M: int, N: int, K: int, group_size: int, out: 
                                split_k: int | None = None, scratch: Any = None,
                                shared_memory_bytes: int = DEFAULT_SHARED_MEMORY_BYTES, tuning: str = GPU_TUNING,
                                binding_limit: BindingLimit | None = None, fp16: bool = False, absmax: Any = None,
-                               gemm_tiles: GemmTiles | None = None,
+                               gemm_tiles: GemmTiles | None = None, max_workgroup_size: int | None = None,
                                label: str = "linear_q4gsw_backward") -> list[Dispatch]:
     """d_x[M, K] = d_out[M, N] @ deq(W).
 
     Buffers: out fp32 [M, K]; d_out fp32 [M, N]; weights W_4X8 uint32; scales fp32 [G, N]; scratch
-    (optional) for split-K. `tiles`, `split_k`, `tuning`, `binding_limit` and `gemm_tiles` as in
-    plan_linear_q4gsw. `fp16`: the FP16 variant, d_out scaled per tensor first (a coopmat_absmax dispatch
+    (optional) for split-K. `tiles`, `split_k`, `tuning`, `binding_limit`, `gemm_tiles` and `max_workgroup_size`
+    as in plan_linear_q4gsw. `fp16`: the FP16 variant, d_out scaled per tensor first (a coopmat_absmax dispatch
     into `absmax`, absmax_scratch_nbytes(M * N) bytes of scratch; module docstring, "fp16").
     """
     op = "linear_q4gsw_backward"
@@ -525,8 +543,8 @@ def plan_linear_q4gsw_backward(*, M: int, N: int, K: int, group_size: int, out: 
                             label=label, fp16=True, gemm_tiles=gemm_tiles)]
     if over:
         return _plan_windows(op, M, N, K, group_size, out=out, source=d_out, weights=weights, scales=scales,
-                             bias=None, tiles=tiles, split_k=split_k, shared_memory_bytes=shared_memory_bytes,
-                             tuning=tuning, limit=binding_limit, label=label)
+                             bias=None, tiles=tiles or gemm_tiles, split_k=split_k,
+                             shared_memory_bytes=shared_memory_bytes, tuning=tuning, limit=binding_limit, label=label)
     push = gemm_push(M, N, K, group_size, M, K, N)
     inputs = [binding(d_out, "r"), binding(weights, "r"), binding(scales, "r")]
     if _takes_cpu_body(op, N, K, group_size, tiles, split_k, tuning):
@@ -534,7 +552,7 @@ def plan_linear_q4gsw_backward(*, M: int, N: int, K: int, group_size: int, out: 
                               label=label)
     if tiles is None and M <= GEMV_MAX_M and split_k in (None, 1):
         tiles = default_gemv_tiles(min(M, GEMV_MAX_ROWS), ceil_div(N // 4, 2), K // 4, backward=True,
-                                   shared_memory_bytes=shared_memory_bytes)
+                                   shared_memory_bytes=shared_memory_bytes, max_workgroup_size=max_workgroup_size)
     if isinstance(tiles, GemvTiles):
         _check_gemv_args(op, tiles, split_k, shared_memory_bytes)
         return [Dispatch("linear_q4gsw_gemv@BACKWARD",

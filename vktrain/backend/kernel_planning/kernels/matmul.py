@@ -10,6 +10,8 @@ splits a head's logits over vocabulary windows whose weights fit a storage bindi
 
 Tiling: 64 x 64 output tiles (256 threads), or 64 x 16 / 16 x 64 (64 threads) when the output's
 N / M is <= 16 (the LoRA products of rank 16: a 64-wide tile would leave 3/4 of its threads idle);
+32 x 64 (128 threads) for a 64 x 64 tile on a device allowing fewer than 256 invocations (`max_workgroup_size`:
+the Vulkan-required 128 of the phone profiles), with the same bits;
 4 x 4 outputs per thread, K steps of 16, partial tiles at the edges masked. When N % 4 == 0 a
 thread's 4 columns are adjacent and each of its output rows is one vec4 store (the VEC4_C variant).
 A grid over the device limit (batch > 65535, huge M) is split by the runtime.
@@ -74,7 +76,11 @@ from vktrain.backend.kernel_planning.kernels.registry import register_kernel
 TILE_K = 16
 MICRO_TILE = 4  # outputs per thread along M and along N
 # (TILE_M, TILE_N) the shader is built for (matmul.comp's vktrain-variants).
-GEMM_TILES = ((64, 64), (64, 16), (16, 64))
+GEMM_TILES = ((64, 64), (64, 16), (16, 64), (32, 64))
+# A tile over a device's workgroup limit and the 128-thread tile the plan runs in its place: every output is
+# one thread's sum over k in order whatever the tile, so the bits are the same (the split over K is the
+# 64 x 64 tile's, see plan_gemm).
+NARROW_TILES = {(64, 64): (32, 64)}
 SKINNY_DIM = 16  # an output dim up to this takes the 16-wide tile along it
 A_M_FASTEST_SPEC_ID = 3
 B_K_FASTEST_SPEC_ID = 4
@@ -116,6 +122,16 @@ def default_gemm_tile(M: int, N: int) -> tuple[int, int]:
     if M <= SKINNY_DIM:
         return (16, 64)
     return (64, 64)
+
+
+def fitted_tile(tile: tuple[int, int], max_workgroup_size: int | None) -> tuple[int, int]:
+    """`tile`, or its NARROW_TILES replacement on a device allowing fewer threads per workgroup."""
+    if max_workgroup_size is not None and _tile_threads(tile) > max_workgroup_size:
+        tile = NARROW_TILES.get(tile, tile)
+    if max_workgroup_size is not None and _tile_threads(tile) > max_workgroup_size:
+        raise KernelArgumentError(f"the GEMM tile {tile} needs {_tile_threads(tile)} invocations per workgroup, more "
+                                  f"than the device's {max_workgroup_size}")
+    return tile
 
 
 def _check_tile(tile: Any, label: str) -> tuple[int, int]:
@@ -239,7 +255,7 @@ def plan_gemm(out: Any, a: Any, a_view: StridedView, b: Any, b_view: StridedView
               scratch: Any = None, split_k: int | None = None, tile: tuple[int, int] | None = None,
               tuning: str = GPU_TUNING, b_scales: Any = None, c_offset: int = 0, c_row_stride: int | None = None,
               binding_limit: BindingLimit | None = None, fp16: bool = False, absmax: Any = None,
-              label: str = "gemm") -> list[Dispatch]:
+              max_workgroup_size: int | None = None, label: str = "gemm") -> list[Dispatch]:
     """out [batch, M, N] (or [M, N] when both operands are 2-D) = alpha * A @ B (+ beta * bias).
 
     Operand views have rank 2 ([M, K] / [K, N]) or 3 ([batch, M, K] / [batch, K, N]); a 2-D operand
@@ -255,6 +271,8 @@ def plan_gemm(out: Any, a: Any, a_view: StridedView, b: Any, b_view: StridedView
     "Bindings over the limit"); with windows of the reduction, `scratch` must hold
     window_scratch_nbytes(M, N, binding_limit) bytes.
     `fp16`, `absmax`: the FP16 variant (module docstring, "fp16"; fp16_reads_in_place says which operands).
+    `max_workgroup_size`: the device's invocations per workgroup (None: 256 or more); a tile over it runs as its
+    NARROW_TILES replacement, split over K as the tile it replaces.
     """
     if fp16:
         _check_fp16(a_view, b_view, b_scales, absmax, label)
@@ -265,7 +283,7 @@ def plan_gemm(out: Any, a: Any, a_view: StridedView, b: Any, b_view: StridedView
         if fp16:
             raise KernelArgumentError(f"{label}: fp16 has no windows; an operand over the binding limit keeps fp32")
         return _plan_gemm_windows(out, a, a_view, b, b_view, bias, bias_view, alpha, beta, scratch, tile, tuning,
-                                  b_scales, binding_limit, label)
+                                  b_scales, binding_limit, max_workgroup_size, label)
     A = _as_batched(a_view, f"{label}: A")
     B = _as_batched(b_view, f"{label}: B")
     batch_a, M, K = A.sizes
@@ -290,6 +308,7 @@ def plan_gemm(out: Any, a: Any, a_view: StridedView, b: Any, b_view: StridedView
     if split_k is None:
         split_k = default_split_k(batch, M, N, K, tile) if scratch is not None and not cpu_body and not strided_c else 1
     split_k = _check_split_k(split_k, label)
+    tile = fitted_tile(tile, max_workgroup_size)  # after split-K's choice: the narrow tile splits K alike
     if split_k > 1 and strided_c:
         raise KernelArgumentError(f"{label}: split_k={split_k} needs a contiguous C (c_offset 0, c_row_stride N), "
                                   f"got c_offset={c_offset}, c_row_stride={c_row_stride}")
@@ -397,7 +416,8 @@ def _check_fp16(a_view: StridedView, b_view: StridedView, b_scales: Any, absmax:
 
 def _plan_gemm_windows(out: Any, a: Any, a_view: StridedView, b: Any, b_view: StridedView, bias: Any,
                        bias_view: StridedView | None, alpha: float, beta: float, scratch: BufferBinding | None,
-                       tile: Any, tuning: str, b_scales: Any, limit: BindingLimit, label: str) -> list[Dispatch]:
+                       tile: Any, tuning: str, b_scales: Any, limit: BindingLimit, max_workgroup_size: int | None,
+                       label: str) -> list[Dispatch]:
     """plan_gemm over windows that each fit `limit` (module docstring, "Bindings over the limit")."""
     if a_view.rank != 2 or b_view.rank != 2 or (bias_view is not None and bias_view.rank > 2):
         raise limit.refusal(label, f"a batched GEMM ({a_view.sizes} @ {b_view.sizes}) over the limit", 0)
@@ -440,7 +460,8 @@ def _plan_gemm_windows(out: Any, a: Any, a_view: StridedView, b: Any, b_view: St
                 dispatches += plan_gemm(
                     target, a_bound, a_window, b_bound, b_window, bias=window_bias, bias_view=window_bias_view,
                     alpha=alpha, beta=window_beta, tile=tile, tuning=tuning, b_scales=scales_bound,
-                    c_offset=view.offset, c_row_stride=view.strides[0], label=f"{label}.window{len(dispatches)}")
+                    c_offset=view.offset, c_row_stride=view.strides[0], max_workgroup_size=max_workgroup_size,
+                    label=f"{label}.window{len(dispatches)}")
                 previous = (target, view)
     return dispatches
 
@@ -464,32 +485,37 @@ def _number(value: Any, what: str) -> float:
 @register_kernel("aten.mm.default")
 def plan_mm(*, out: Any, self: Any, self_shape: Sequence[int], mat2: Any, mat2_shape: Sequence[int],
             self_dtype: Any = "float32", mat2_dtype: Any = "float32", scratch: Any = None,
-            tuning: str = GPU_TUNING, label: str = "aten.mm.default") -> list[Dispatch]:
+            tuning: str = GPU_TUNING, max_workgroup_size: int | None = None,
+            label: str = "aten.mm.default") -> list[Dispatch]:
     """aten.mm: out [M, N] = self [M, K] @ mat2 [K, N]. `scratch` (gemm_scratch_nbytes(1, M, N, K)
     bytes) enables split-K; `tuning` as in plan_gemm."""
     a = _matrix(self_shape, self_dtype, 2, "aten.mm self")
     b = _matrix(mat2_shape, mat2_dtype, 2, "aten.mm mat2")
-    return plan_gemm(out, self, a, mat2, b, scratch=scratch, tuning=tuning, label=label)
+    return plan_gemm(out, self, a, mat2, b, scratch=scratch, tuning=tuning, max_workgroup_size=max_workgroup_size,
+                     label=label)
 
 
 @register_kernel("aten.bmm.default")
 def plan_bmm(*, out: Any, self: Any, self_shape: Sequence[int], mat2: Any, mat2_shape: Sequence[int],
              self_dtype: Any = "float32", mat2_dtype: Any = "float32", scratch: Any = None,
-             tuning: str = GPU_TUNING, label: str = "aten.bmm.default") -> list[Dispatch]:
+             tuning: str = GPU_TUNING, max_workgroup_size: int | None = None,
+             label: str = "aten.bmm.default") -> list[Dispatch]:
     """aten.bmm: out [B, M, N] = self [B, M, K] @ mat2 [B, K, N] (equal batch sizes, like torch).
     `scratch` (gemm_scratch_nbytes(B, M, N, K) bytes) enables split-K; `tuning` as in plan_gemm."""
     a = _matrix(self_shape, self_dtype, 3, "aten.bmm self")
     b = _matrix(mat2_shape, mat2_dtype, 3, "aten.bmm mat2")
     if a.sizes[0] != b.sizes[0]:
         raise KernelArgumentError(f"aten.bmm: batch sizes differ: self {a.sizes} vs mat2 {b.sizes}")
-    return plan_gemm(out, self, a, mat2, b, scratch=scratch, tuning=tuning, label=label)
+    return plan_gemm(out, self, a, mat2, b, scratch=scratch, tuning=tuning, max_workgroup_size=max_workgroup_size,
+                     label=label)
 
 
 @register_kernel("aten.addmm.default")
 def plan_addmm(*, out: Any, self: Any, self_shape: Sequence[int], mat1: Any, mat1_shape: Sequence[int],
                mat2: Any, mat2_shape: Sequence[int], beta: float = 1, alpha: float = 1,
                self_dtype: Any = "float32", mat1_dtype: Any = "float32", mat2_dtype: Any = "float32",
-               scratch: Any = None, tuning: str = GPU_TUNING, label: str = "aten.addmm.default") -> list[Dispatch]:
+               scratch: Any = None, tuning: str = GPU_TUNING, max_workgroup_size: int | None = None,
+               label: str = "aten.addmm.default") -> list[Dispatch]:
     """aten.addmm: out [M, N] = beta * self + alpha * mat1 [M, K] @ mat2 [K, N]; self broadcasts to
     [M, N] ([N], [1, N], [M, 1], scalar...). beta == 0 ignores self entirely (NaN included).
     `scratch` (gemm_scratch_nbytes(1, M, N, K) bytes) enables split-K; `tuning` as in plan_gemm."""
@@ -500,14 +526,15 @@ def plan_addmm(*, out: Any, self: Any, self_shape: Sequence[int], mat1: Any, mat
     a = _matrix(mat1_shape, mat1_dtype, 2, "aten.addmm mat1")
     b = _matrix(mat2_shape, mat2_dtype, 2, "aten.addmm mat2")
     return plan_gemm(out, mat1, a, mat2, b, bias=self, bias_view=bias, alpha=_number(alpha, "aten.addmm alpha"),
-                     beta=_number(beta, "aten.addmm beta"), scratch=scratch, tuning=tuning, label=label)
+                     beta=_number(beta, "aten.addmm beta"), scratch=scratch, tuning=tuning,
+                     max_workgroup_size=max_workgroup_size, label=label)
 
 
 @register_kernel("aten.baddbmm.default")
 def plan_baddbmm(*, out: Any, self: Any, self_shape: Sequence[int], batch1: Any, batch1_shape: Sequence[int],
                  batch2: Any, batch2_shape: Sequence[int], beta: float = 1, alpha: float = 1,
                  self_dtype: Any = "float32", batch1_dtype: Any = "float32", batch2_dtype: Any = "float32",
-                 label: str = "aten.baddbmm.default") -> list[Dispatch]:
+                 max_workgroup_size: int | None = None, label: str = "aten.baddbmm.default") -> list[Dispatch]:
     """aten.baddbmm: out [B, M, N] = beta * self + alpha * batch1 @ batch2; self broadcasts."""
     check_dtype(self_dtype, "aten.baddbmm self")
     bias = StridedView.contiguous(check_shape(self_shape, "aten.baddbmm self"))
@@ -517,14 +544,14 @@ def plan_baddbmm(*, out: Any, self: Any, self_shape: Sequence[int], batch1: Any,
         raise KernelArgumentError(f"aten.baddbmm: batch sizes differ: batch1 {a.sizes} vs batch2 {b.sizes}")
     return plan_gemm(out, batch1, a, batch2, b, bias=self, bias_view=bias,
                      alpha=_number(alpha, "aten.baddbmm alpha"), beta=_number(beta, "aten.baddbmm beta"),
-                     label=label)
+                     max_workgroup_size=max_workgroup_size, label=label)
 
 
 @register_kernel("aten.linear.default")
 def plan_linear(*, out: Any, input: Any, input_shape: Sequence[int], weight: Any, weight_shape: Sequence[int],
                 bias: Any = None, bias_shape: Sequence[int] | None = None, input_dtype: Any = "float32",
                 weight_dtype: Any = "float32", bias_dtype: Any = "float32",
-                label: str = "aten.linear.default") -> list[Dispatch]:
+                max_workgroup_size: int | None = None, label: str = "aten.linear.default") -> list[Dispatch]:
     """aten.linear: out [..., N] = input [..., K] @ weight[N, K].T (+ bias [N]). The transpose is a
     stride swap read in place, never materialised."""
     check_dtype(input_dtype, "aten.linear input")
@@ -539,9 +566,10 @@ def plan_linear(*, out: Any, input: Any, input_shape: Sequence[int], weight: Any
     rows = StridedView.contiguous(input_shape).numel // k if k else 0
     a = StridedView.contiguous((rows, k))
     if bias is None:
-        return plan_gemm(out, input, a, weight, w.transpose(0, 1), label=label)
+        return plan_gemm(out, input, a, weight, w.transpose(0, 1), max_workgroup_size=max_workgroup_size, label=label)
     check_dtype(bias_dtype, "aten.linear bias")
     bias_view = StridedView.contiguous(check_shape(bias_shape if bias_shape is not None else (), "aten.linear bias"))
     if bias_view.sizes != (n,):
         raise KernelArgumentError(f"aten.linear: bias must have shape ({n},), got {bias_view.sizes}")
-    return plan_gemm(out, input, a, weight, w.transpose(0, 1), bias=bias, bias_view=bias_view, label=label)
+    return plan_gemm(out, input, a, weight, w.transpose(0, 1), bias=bias, bias_view=bias_view,
+                     max_workgroup_size=max_workgroup_size, label=label)

@@ -89,7 +89,7 @@ def plan_embedding_q8_0(*, out: Any, codes: Any, codes_shape: Sequence[int], sca
 
 def _plan_head_gemm(out: Any, rows_input: Any, input_shape: Sequence[int], codes: Any, codes_shape: Sequence[int],
                     scales: Any, scales_shape: Sequence[int], transposed: bool, scratch: Any, tuning: str,
-                    binding_limit: BindingLimit | None, label: str) -> list[Dispatch]:
+                    binding_limit: BindingLimit | None, max_workgroup_size: int | None, label: str) -> list[Dispatch]:
     n, k = _weight(codes_shape, scales_shape, label)
     input_shape = check_shape(input_shape, f"{label} input")
     inner = k if transposed else n
@@ -100,19 +100,21 @@ def _plan_head_gemm(out: Any, rows_input: Any, input_shape: Sequence[int], codes
     w = StridedView.contiguous((n, k))
     return plan_gemm(out, rows_input, StridedView.contiguous((rows, inner)), codes,
                      w.transpose(0, 1) if transposed else w, b_scales=scales, scratch=scratch, tuning=tuning,
-                     binding_limit=binding_limit, label=label)
+                     binding_limit=binding_limit, max_workgroup_size=max_workgroup_size, label=label)
 
 
 @register_kernel("vktrain.linear_q8_0.default")
 def plan_linear_q8_0(*, out: Any, x: Any, x_shape: Sequence[int], codes: Any, codes_shape: Sequence[int], scales: Any,
                      scales_shape: Sequence[int], x_dtype: Any = "float32", codes_dtype: Any = "int8",
                      scales_dtype: Any = "float32", scratch: Any = None, tuning: str = GPU_TUNING,
-                     binding_limit: BindingLimit | None = None, label: str = "linear_q8_0") -> list[Dispatch]:
-    """out [..., N] = x [..., K] @ W^T. `scratch`, `tuning` and `binding_limit` as in plan_gemm."""
+                     binding_limit: BindingLimit | None = None, max_workgroup_size: int | None = None,
+                     label: str = "linear_q8_0") -> list[Dispatch]:
+    """out [..., N] = x [..., K] @ W^T. `scratch`, `tuning`, `binding_limit` and `max_workgroup_size` as
+    in plan_gemm."""
     _check_dtypes(label, codes_dtype, scales_dtype)
     check_dtype(x_dtype, f"{label} x")
     return _plan_head_gemm(out, x, x_shape, codes, codes_shape, scales, scales_shape, True, scratch, tuning,
-                           binding_limit, label)
+                           binding_limit, max_workgroup_size, label)
 
 
 @register_kernel("vktrain.linear_q8_0_backward.default")
@@ -120,12 +122,14 @@ def plan_linear_q8_0_backward(*, out: Any, d_out: Any, d_out_shape: Sequence[int
                               codes_shape: Sequence[int], scales: Any, scales_shape: Sequence[int],
                               d_out_dtype: Any = "float32", codes_dtype: Any = "int8", scales_dtype: Any = "float32",
                               scratch: Any = None, tuning: str = GPU_TUNING, binding_limit: BindingLimit | None = None,
+                              max_workgroup_size: int | None = None,
                               label: str = "linear_q8_0_backward") -> list[Dispatch]:
-    """out [..., K] = d_out [..., N] @ W. `scratch`, `tuning` and `binding_limit` as in plan_gemm."""
+    """out [..., K] = d_out [..., N] @ W. `scratch`, `tuning`, `binding_limit` and `max_workgroup_size` as
+    in plan_gemm."""
     _check_dtypes(label, codes_dtype, scales_dtype)
     check_dtype(d_out_dtype, f"{label} d_out")
     return _plan_head_gemm(out, d_out, d_out_shape, codes, codes_shape, scales, scales_shape, False, scratch, tuning,
-                           binding_limit, label)
+                           binding_limit, max_workgroup_size, label)
 
 
 __all__ = ["plan_embedding_q8_0", "plan_linear_q8_0", "plan_linear_q8_0_backward"]
