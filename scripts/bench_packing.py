@@ -5,7 +5,7 @@
                                                               #   bench/packing_documents_4x512.pte (--packing
                                                               #   documents) and bench/packing_none_4x512.pte
     python3 scripts/bench_packing.py run bench/packing_documents_4x512.pte bench/packing_none_4x512.pte \
-        --steps 20 --out bench/results/packing_h200_smollm2-135m.json  # on the GPU machine
+        --steps 20 --out bench/results/packing_<machine>_smollm2-135m.json  # on the GPU machine
 
 run: the bundled unit-conversion chats (vktrain/data/unit_conversions.train.jsonl), tokenized with the .pte's
 tokenizer and chat template, trained two ways on one device:
