@@ -1,9 +1,14 @@
 // vktrain-native-train: `vktrain train`'s loop on the native runtime (issue 26's first trainer; the final
-// vktrain-train grows from it). Per step t (1-based): lr = the schedule's lr(t) in double, the program gets it
-// as float32; hparams = float32 [lr, beta1, beta2, eps, weight_decay]; batch t - 1 of the TokenBatcher;
+// vktrain-train grows from it). Per step t (1-based): lr = the LR schedule's lr(t) in double, the program gets
+// it as float32; hparams = float32 [lr, beta1, beta2, eps, weight_decay]; batch t - 1 of the TokenBatcher;
 // n_valid = the count of labels >= 0; one replay of the recorded step; a progress line.
 //
-//   vktrain-native-train STEP.pte --schedule S.vks --spirv-dir D --data TOKENS.npy --steps N --lr X [--json OUT]
+// The dispatch schedule and the SPIR-V come from the .pte: the blob's embedded schedule for this device
+// (`vktrain export --target`; chosen by embedded.py's matching rule, src/embedded.h), or, explicitly, from a
+// schedule file and a SPIR-V directory (--schedule-file S.vks --spirv-dir D).
+//
+//   vktrain-native-train STEP.pte --data TOKENS.npy --steps N --lr X [--schedule cosine|constant] [--json OUT]
+//                        [--schedule-file S.vks --spirv-dir D]
 //                        [--state-out DIR]   (after the last step: every state tensor as DIR/<name>.npy)
 //                        [--staging]         (host access through staging copies: a discrete GPU's path, anywhere)
 //
@@ -21,6 +26,7 @@
 #include <string>
 #include <vector>
 
+#include "embedded.h"
 #include "interpreter.h"
 #include "npy.h"
 #include "pte.h"
@@ -35,8 +41,8 @@ using namespace vktrain;
 namespace {
 
 const char* const kUsage =
-    "usage: vktrain-native-train STEP.pte --schedule S.vks --spirv-dir DIR --data TOKENS.npy --steps N --lr X\n"
-    "                            [--lr-schedule constant|cosine] [--warmup W] [--min-lr-ratio R] [--beta1 B1]\n"
+    "usage: vktrain-native-train STEP.pte --data TOKENS.npy --steps N --lr X [--schedule-file S.vks --spirv-dir DIR]\n"
+    "                            [--schedule constant|cosine] [--warmup W] [--min-lr-ratio R] [--beta1 B1]\n"
     "                            [--beta2 B2] [--eps E] [--weight-decay WD] [--seed S] [--no-shuffle] [--json OUT]\n"
     "                            [--state-out DIR] [--device INDEX|NAME] [--staging]\n";
 
@@ -87,13 +93,13 @@ HostTensor make(int dtype, std::vector<int64_t> shape, const void* data, size_t 
 }
 
 int train(int argc, char** argv) {
-  std::string pte, schedule, spirv_dir, data, json, device, state_out;
+  std::string pte, schedule_file, spirv_dir, data, json, device, state_out;
   int64_t steps = 0, seed = 0;
   bool have_lr = false, shuffle = true, staging = false;
   LRSchedule lr;
   double beta1 = 0.9, beta2 = 0.999, eps = 1e-8, weight_decay = 1e-2;  // contract.py ADAMW_DEFAULTS
-  std::map<std::string, std::string*> texts = {{"--schedule", &schedule}, {"--spirv-dir", &spirv_dir},
-                                               {"--data", &data}, {"--json", &json}, {"--lr-schedule", &lr.kind},
+  std::map<std::string, std::string*> texts = {{"--schedule-file", &schedule_file}, {"--spirv-dir", &spirv_dir},
+                                               {"--data", &data}, {"--json", &json}, {"--schedule", &lr.kind},
                                                {"--device", &device}, {"--state-out", &state_out}};
   std::map<std::string, double*> reals = {{"--lr", &lr.base_lr}, {"--min-lr-ratio", &lr.min_lr_ratio}, {"--beta1", &beta1},
                                           {"--beta2", &beta2}, {"--eps", &eps}, {"--weight-decay", &weight_decay}};
@@ -120,9 +126,11 @@ int train(int argc, char** argv) {
     }
   }
   if (pte.empty()) usage_error("the training step STEP.pte is required");
-  for (const auto& [flag, value] : {std::make_pair("--schedule", &schedule), std::make_pair("--spirv-dir", &spirv_dir),
-                                    std::make_pair("--data", &data)})
-    if (value->empty()) usage_error(std::string(flag) + " is required");
+  if (data.empty()) usage_error("--data is required");
+  if (schedule_file.empty() != spirv_dir.empty())
+    usage_error(std::string(schedule_file.empty() ? "--spirv-dir" : "--schedule-file") + " needs " +
+                (schedule_file.empty() ? "--schedule-file S.vks" : "--spirv-dir DIR") +
+                " too (or neither: the .pte's embedded schedule)");
   if (steps <= 0) usage_error("--steps N is required and must be positive, got " + num(steps));
   if (!have_lr) usage_error("--lr is required");
   if (seed < 0 || seed >= (int64_t(1) << 32)) usage_error("--seed must be in [0, 2**32), got " + num(seed));
@@ -131,9 +139,23 @@ int train(int argc, char** argv) {
   if (!unusable.empty()) usage_error(unusable);
 
   std::unique_ptr<Program> program = Program::load(pte);
-  std::unique_ptr<StepSource> source = files_step_source(schedule, spirv_dir);
   Device gpu(device);
   gpu.force_staging(staging);
+  std::unique_ptr<StepSource> source;
+  std::string origin;
+  if (!schedule_file.empty()) {
+    source = files_step_source(schedule_file, spirv_dir);
+    origin = schedule_file;
+  } else {
+    const Method& method = program->main_method();
+    if (method.embedded.empty())
+      refuse(ErrorCode::kUnsupported, pte + " embeds no dispatch schedules (exported without --target): export it "
+                                            "with vktrain export --target NAME, or give --schedule-file S.vks and "
+                                            "--spirv-dir DIR");
+    size_t chosen = select_schedule(method.embedded, method.graph->shader_modules, device_profile_of(gpu), gpu.name(), pte);
+    origin = "the embedded schedule for profile '" + method.embedded[chosen].profile.name + "'";
+    source = embedded_step_source(*method.graph, method.embedded[chosen]);
+  }
   StepInterpreter step(*program, *source, gpu);
 
   std::vector<std::string> names = step.input_names();
@@ -162,8 +184,8 @@ int train(int argc, char** argv) {
       refuse(ErrorCode::kVerification, data + ": token id " + num(tokens[i]) + " at position " + num(i) +
                                            " is outside the model's vocabulary [0, " + num(vocab) + ")");
   TokenBatcher batches(std::move(tokens), uint64_t(ids.shape[0]), uint64_t(ids.shape[1]), uint32_t(seed), shuffle, data);
-  std::printf("vktrain-native-train: %s on %s: %llu dispatches, %llu barriers, %.1f MiB of buffers; batch %lld x %lld, "
-              "%llu windows\n", pte.c_str(), gpu.name().c_str(), (unsigned long long)step.recorded_dispatches(),
+  std::printf("vktrain-native-train: %s (%s) on %s: %llu dispatches, %llu barriers, %.1f MiB of buffers; batch %lld x %lld, "
+              "%llu windows\n", pte.c_str(), origin.c_str(), gpu.name().c_str(), (unsigned long long)step.recorded_dispatches(),
               (unsigned long long)step.barrier_count(), step.allocated_bytes() / 1048576.0, (long long)ids.shape[0],
               (long long)ids.shape[1], (unsigned long long)batches.n_windows());
   std::fflush(stdout);
