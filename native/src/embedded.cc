@@ -77,7 +77,7 @@ uint64_t product(const std::vector<int64_t>& v) {
 }
 
 [[noreturn]] void refuse_verify(const std::string& source, const std::string& check, const std::string& message) {
-  refuse(ErrorCode::kVerification, source + ": " + message + " [" + check + "]");
+  refuse(ErrorCode::kVerification, (source.empty() ? "" : source + ": ") + message + " [" + check + "]");
 }
 
 // --- device profiles -------------------------------------------------------------------------------------
@@ -472,16 +472,17 @@ std::vector<EmbeddedSchedule> verify_embedded(const Graph& graph, const std::str
   std::vector<EmbeddedSchedule> out;
   if (graph.schedules.empty() && graph.shader_modules.empty()) return out;
   // blob.py _read_embedded reads every profile before anything is verified.
+  const std::string prefix = source.empty() ? "" : source + ": ";
   std::vector<DeviceProfile> profiles;
   for (size_t index = 0; index < graph.schedules.size(); ++index)
-    profiles.push_back(DeviceProfile::from_json(graph.schedules[index].profile_json, source + ": embedded schedule " +
+    profiles.push_back(DeviceProfile::from_json(graph.schedules[index].profile_json, prefix + "embedded schedule " +
                                                 num(index) + "'s device profile", ErrorCode::kBlobFormat));
   check_shader_modules(graph.shader_modules, source);
   std::vector<std::string> sources;  // the kernels a dispatch may name: the blob's modules'
   for (const auto& m : graph.shader_modules) sources.push_back(m.name.substr(0, m.name.find('@')));
   for (size_t index = 0; index < graph.schedules.size(); ++index) {
     const EmbeddedScheduleRecord& r = graph.schedules[index];
-    const std::string where = source + ": embedded schedule " + num(index) + " (profile '" + profiles[index].name + "')";
+    const std::string where = prefix + "embedded schedule " + num(index) + " (profile '" + profiles[index].name + "')";
     EmbeddedSchedule e{profiles[index], Schedule::parse(r.schedule, where), r.dispatch_modules};
     check_schedule_modules(e, graph.shader_modules, where);
     verify_schedule(e.schedule, &graph, &sources);

@@ -64,7 +64,7 @@ struct EmbeddedSchedule {
 
 // verify_schedule.py verify_embedded: the modules' code and reflection, then per schedule its VKS1 bytes read,
 // its dispatches against their modules, the schedule's own checks (shader names: the blob's modules) and its
-// profile. `source` starts every message. Returns the schedules in the blob's order.
+// profile. `source` starts every message ("": none). Returns the schedules in the blob's order.
 std::vector<EmbeddedSchedule> verify_embedded(const Graph& graph, const std::string& source);
 
 // embedded.py select_schedule: the index of the schedule a device of `device` profile runs; LoadError
