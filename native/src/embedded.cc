@@ -1,6 +1,7 @@
 #include "embedded.h"
 
 #include <algorithm>
+#include <cctype>
 #include <set>
 #include <tuple>
 
