@@ -148,6 +148,64 @@ def test_the_pte_alone_trains_like_vktrain_train_bit_for_bit(trainer, llama, tmp
         assert mine["lr"] == other["lr"]
 
 
+def test_a_checkpoint_of_either_runtime_resumes_exactly_in_the_other(trainer, llama, tmp_path):
+    """`--checkpoint` / `--resume` in vktrain train's safetensors format: 10 steps by one runtime, the next 10 by
+    the other from its checkpoint, give the uninterrupted native run's 20 losses bit for bit, both ways; the two
+    final checkpoints hold the same state and the same run."""
+    import sys
+
+    from vktrain.train.checkpoint import load_checkpoint
+
+    pte, _, tokens = llama
+    hyper = ["--lr", 3e-3, "--schedule", "constant", "--warmup", 4, "--seed", 5, "--beta2", 0.99]
+    env = dict(os.environ, VKTRAIN_VALIDATION="1", PYTHONPATH=str(REPO))
+
+    def python(*args):
+        result = subprocess.run([sys.executable, "-m", "vktrain.cli", "train", str(pte), "--data", str(tokens),
+                                 "--no-progress", *map(str, args), *map(str, hyper)],
+                                capture_output=True, text=True, timeout=300, env=env)
+        assert result.returncode == 0, result.stderr
+        assert "warning" not in result.stderr, result.stderr  # the native checkpoint records the same run
+        return result
+
+    def native(*args):
+        result = _run(trainer, pte, "--data", tokens, *args, *hyper)
+        assert result.returncode == 0, result.stderr
+        return result
+
+    native("--steps", STEPS, "--json", tmp_path / "whole.json")
+    whole = [r["loss_bits"] for r in json.loads((tmp_path / "whole.json").read_text())]
+    half = STEPS // 2
+    native("--steps", half, "--checkpoint", tmp_path / "native.safetensors", "--checkpoint-every", 4)
+    python("--steps", STEPS, "--resume", tmp_path / "native.safetensors", "--checkpoint", tmp_path / "p2.safetensors",
+           "--json", tmp_path / "python_resumed.json")
+    python("--steps", half, "--checkpoint", tmp_path / "python.safetensors")
+    native("--steps", STEPS, "--resume", tmp_path / "python.safetensors", "--checkpoint", tmp_path / "n2.safetensors",
+           "--json", tmp_path / "native_resumed.json")
+
+    python_resumed = json.loads((tmp_path / "python_resumed.json").read_text())
+    assert [f"0x{np.float32(r['loss']).view(np.uint32):08x}" for r in python_resumed] == whole
+    assert [r["loss_bits"] for r in json.loads((tmp_path / "native_resumed.json").read_text())] == whole
+    by_python, by_native = load_checkpoint(tmp_path / "p2.safetensors"), load_checkpoint(tmp_path / "n2.safetensors")
+    assert by_python.step == by_native.step == STEPS and by_python.data_position == by_native.data_position == STEPS
+    assert (by_python.config, by_python.data_sha256, by_python.program_sha256, by_python.data_seed) == (
+        by_native.config, by_native.data_sha256, by_native.program_sha256, by_native.data_seed)
+    assert [r["loss"] for r in by_python.records] == [r["loss"] for r in by_native.records]
+    assert sorted(by_python.tensors) == sorted(by_native.tensors)
+    for name, tensor in by_python.tensors.items():
+        assert tensor.dtype == by_native.tensors[name].dtype and tensor.tobytes() == by_native.tensors[name].tobytes()
+
+    # Refusals: a corrupted checkpoint, and an existing file a new run would replace.
+    corrupt = tmp_path / "corrupt.safetensors"
+    data = bytearray((tmp_path / "n2.safetensors").read_bytes())
+    data[-3] ^= 0x40
+    corrupt.write_bytes(bytes(data))
+    result = _run(trainer, pte, "--data", tokens, "--steps", STEPS + 1, "--resume", corrupt, *hyper)
+    assert result.returncode == 2 and "does not match its checksum" in result.stderr, result.stderr
+    result = _run(trainer, pte, "--data", tokens, "--steps", 2, "--checkpoint", tmp_path / "n2.safetensors", *hyper)
+    assert result.returncode == 2 and "exists; continue it with --resume" in result.stderr, result.stderr
+
+
 def test_a_pte_without_a_schedule_for_this_device_is_refused_naming_what_it_lacks(trainer, tmp_path):
     tokens = tmp_path / "tokens.npy"
     np.save(tokens, np.arange(200) % 64)
@@ -265,8 +323,14 @@ def test_the_trainer_runs_clean_under_the_sanitizers(spirv_dir, llama, tmp_path)
     for binary in (sanitized, plain):
         out = tmp_path / binary.parent.name
         result = _run(binary, pte, "--schedule-file", vks, "--spirv-dir", spirv_dir, "--data", tokens, "--steps", 2,
-                      "--lr", 1e-3, "--json", f"{out}.json", "--state-out", out, "--staging")
+                      "--lr", 1e-3, "--json", f"{out}.json", "--state-out", out, "--staging",
+                      "--checkpoint", f"{out}.safetensors", "--checkpoint-every", 1)
         assert "Sanitizer" not in result.stderr and "runtime error" not in result.stderr, result.stderr[-3000:]
         assert result.returncode == 0, result.stderr[-3000:]
         losses.append([r["loss_bits"] for r in json.loads(Path(f"{out}.json").read_text())])
     assert losses[0] == losses[1]
+    # A checkpoint read back and resumed (the embedded schedule this time) under the sanitizers too.
+    resumed = _run(sanitized, pte, "--data", tokens, "--steps", 3, "--lr", 1e-3,
+                   "--resume", tmp_path / f"{sanitized.parent.name}.safetensors")
+    assert "Sanitizer" not in resumed.stderr and "runtime error" not in resumed.stderr, resumed.stderr[-3000:]
+    assert resumed.returncode == 0 and "step 3/3" in resumed.stdout, resumed.stderr[-3000:]
