@@ -2,8 +2,8 @@
 
 Its inspector reads a tiny-llama training step + eval .pte and reports what `vktrain inspect --json`
 (vktrain/runtime/program/summary.py) reports: two independent readers of the same bytes. Then 2,000
-mutants of the project's fuzzer (vktrain.runtime.program.fuzz) go through the loader built with
-AddressSanitizer + UBSan, in one process: each is loaded or refused with a documented code and a
+mutants of the project's fuzzer (vktrain.runtime.program.fuzz) of a .pte with an embedded schedule go through
+the loader built with AddressSanitizer + UBSan, in one process: each is loaded or refused with a documented code and a
 message, with no sanitizer report and no hang; every mutant it loads, the Python loader loads too.
 
 Its schedule reader (--schedule, native/src/schedule_*.cc) against vktrain/serialization/schedule.py and
@@ -125,6 +125,14 @@ def mlp_pte(tmp_path_factory) -> Path:
     return path
 
 
+@pytest.fixture(scope="module")
+def mlp_embedded_pte(tmp_path_factory) -> Path:
+    """The mlp step with its lavapipe schedule and shader modules embedded (`vktrain export --target lavapipe`)."""
+    path = tmp_path_factory.mktemp("native") / "mlp_lavapipe.pte"
+    export_mlp_lora_training_step(path, (2, 8), 64, target="lavapipe")
+    return path
+
+
 def test_a_negative_scalar_type_is_refused_not_divided_by(sanitized_inspector, mlp_pte, tmp_path):
     """A fuzzer finding (seed 4): ScalarType is an int8, so a hostile file may hold -1, which had no element
     size; the arena check divided by it. Located with the flatc-generated accessors, independently."""
@@ -187,8 +195,10 @@ def test_a_vector_referenced_again_and_again_is_refused_before_memory_runs_out(s
             "again: over twice its size copied)") in result.stderr
 
 
-def test_fuzz_mutants_are_refused_cleanly_under_sanitizers(sanitized_inspector, mlp_pte, tmp_path):
-    original = mlp_pte.read_bytes()
+def test_fuzz_mutants_are_refused_cleanly_under_sanitizers(sanitized_inspector, mlp_embedded_pte, tmp_path):
+    """The mutants of a .pte whose blob embeds a schedule and its shader modules: they reach the embedded
+    tables' checks too (native/src/embedded.cc verify_embedded)."""
+    original = mlp_embedded_pte.read_bytes()
     corpus = tmp_path / "mutants"
     corpus.mkdir()
     mutants = {}
@@ -211,14 +221,18 @@ def test_fuzz_mutants_are_refused_cleanly_under_sanitizers(sanitized_inspector, 
         assert code == 0 or (code in REFUSAL_CODES and message.startswith(str(corpus / name) + ":")), (name, code, message)
     # The mutants reach every layer: the .pte reader, the blob reader, both checksums, the plan checks.
     assert {11, 12, 13, 14} <= {code for code, _ in outcomes.values()}
+    embedded = [message for code, message in outcomes.values() if code and "blob: embedded schedule 0" in message]
+    assert len(embedded) >= 5, embedded
 
-    # What the native loader accepts, the Python loader accepts too, but for what only Python checks yet:
-    # each op's outputs re-inferred from the op definitions (a re-signed graph, whose checksum was recomputed).
+    # What the native loader accepts, the Python loader accepts too, but for what only Python checks yet
+    # (in a re-signed graph, whose checksum was recomputed): each op's outputs re-inferred from the op
+    # definitions, and an embedded schedule's graph digest (the sha256 of Python reprs; schedule_verify.cc).
     for name, (code, _) in outcomes.items():
         if code == 0 and name != "original.pte":
             outcome = fuzz.run_one(mutants[name], fuzz.program_meaning(*fuzz.load(original)))
             assert not outcome.label.startswith("refused") or (
-                outcome.label == "refused: verify.check_op_shapes" and mutants[name].family == fuzz.RESIGNED), (
+                mutants[name].family == fuzz.RESIGNED and (outcome.label == "refused: verify.check_op_shapes" or
+                                                           "planned for another graph" in outcome.detail)), (
                 name, mutants[name].description, outcome.label, outcome.detail)
 
 

@@ -50,18 +50,21 @@ def _plan(graph):
 
 @pytest.fixture(scope="module")
 def llama(tmp_path_factory):
-    """tiny-llama's training step (.pte), its schedule (.vks) and a token file (int32, as a user may save it)."""
+    """tiny-llama's training step (.pte, with its schedule for lavapipe embedded: `vktrain export --target
+    lavapipe`), the same schedule as a file (.vks) and a token file (int32, as a user may save it)."""
     from vktrain.export import export_training_step, lower_to_pte
     from vktrain.lora import LoRAConfig, apply_lora
     from vktrain.models import build_model
     from vktrain.runtime.program import fuzz
     from vktrain.serialization.schedule import serialize_schedule
+    from vktrain.train.targets import TargetEmbedder, resolve_targets
 
     folder = tmp_path_factory.mktemp("native_train")
     model = build_model("tiny-llama")
     apply_lora(model, LoRAConfig(rank=4, alpha=8.0, targets="*_proj", group_size=32, seed=0))
     pte = folder / "tiny_llama.pte"
-    pte.write_bytes(lower_to_pte(export_training_step(model, (2, 16))))
+    pte.write_bytes(lower_to_pte(export_training_step(model, (2, 16)),
+                                 rewrite_blobs=TargetEmbedder(resolve_targets("lavapipe"))))
     schedule = _plan(fuzz.load(pte.read_bytes())[1].graph)
     vks = folder / "tiny_llama.vks"
     vks.write_bytes(serialize_schedule(schedule))
@@ -86,7 +89,7 @@ def test_twenty_steps_give_the_python_runtimes_losses_and_state_bit_for_bit(trai
     # Warmup then cosine, non-default AdamW and data seed: every hyper-parameter path is exercised.
     hyper = dict(lr=3e-3, warmup=4, beta1=0.85, beta2=0.99, eps=1e-6, weight_decay=0.05, seed=7)
     native_json, native_state = tmp_path / "native.json", tmp_path / "state"
-    result = _run(trainer, pte, "--schedule", vks, "--spirv-dir", spirv_dir, "--data", tokens, "--steps", STEPS,
+    result = _run(trainer, pte, "--schedule-file", vks, "--spirv-dir", spirv_dir, "--data", tokens, "--steps", STEPS,
                   "--json", native_json, "--state-out", native_state, *[x for k, v in hyper.items() for x in (f"--{k.replace('_', '-')}", v)])
     assert result.returncode == 0, result.stderr
     progress = [line for line in result.stdout.splitlines() if line.startswith("step ")]
@@ -121,9 +124,112 @@ def test_twenty_steps_give_the_python_runtimes_losses_and_state_bit_for_bit(trai
         assert ours.tobytes() == theirs.tobytes(), name
 
 
+def test_the_pte_alone_trains_like_vktrain_train_bit_for_bit(trainer, llama, tmp_path):
+    """No Python-made files: the schedule and the SPIR-V come from the .pte's blob (its lavapipe schedule,
+    chosen by the matching rule), and 20 steps give `vktrain train`'s losses and learning rates, bit for bit."""
+    import sys
+
+    pte, _, tokens = llama
+    hyper = ["--lr", 2e-3, "--schedule", "cosine", "--warmup", 3, "--min-lr-ratio", 0.1, "--beta1", 0.8,
+             "--weight-decay", 0.02, "--seed", 5]
+    native_json, python_json = tmp_path / "native.json", tmp_path / "python.json"
+    native = _run(trainer, pte, "--data", tokens, "--steps", STEPS, "--json", native_json, *hyper)
+    assert native.returncode == 0, native.stderr
+    assert "(the embedded schedule for profile 'lavapipe')" in native.stdout, native.stdout
+    env = dict(os.environ, VKTRAIN_VALIDATION="1", PYTHONPATH=str(REPO))
+    python = subprocess.run([sys.executable, "-m", "vktrain.cli", "train", str(pte), "--data", str(tokens), "--steps",
+                             str(STEPS), "--json", str(python_json), "--no-progress", *map(str, hyper)],
+                            capture_output=True, text=True, timeout=300, env=env)
+    assert python.returncode == 0, python.stderr
+    ours, theirs = json.loads(native_json.read_text()), json.loads(python_json.read_text())
+    assert [r["step"] for r in ours] == [r["step"] for r in theirs] == list(range(1, STEPS + 1))
+    for mine, other in zip(ours, theirs):
+        assert mine["loss_bits"] == f"0x{np.float32(other['loss']).view(np.uint32):08x}", (mine, other)
+        assert mine["lr"] == other["lr"]
+
+
+def test_a_checkpoint_of_either_runtime_resumes_exactly_in_the_other(trainer, llama, tmp_path):
+    """`--checkpoint` / `--resume` in vktrain train's safetensors format: 10 steps by one runtime, the next 10 by
+    the other from its checkpoint, give the uninterrupted native run's 20 losses bit for bit, both ways; the two
+    final checkpoints hold the same state and the same run."""
+    import sys
+
+    from vktrain.train.checkpoint import load_checkpoint
+
+    pte, _, tokens = llama
+    hyper = ["--lr", 3e-3, "--schedule", "constant", "--warmup", 4, "--seed", 5, "--beta2", 0.99]
+    env = dict(os.environ, VKTRAIN_VALIDATION="1", PYTHONPATH=str(REPO))
+
+    def python(*args):
+        result = subprocess.run([sys.executable, "-m", "vktrain.cli", "train", str(pte), "--data", str(tokens),
+                                 "--no-progress", *map(str, args), *map(str, hyper)],
+                                capture_output=True, text=True, timeout=300, env=env)
+        assert result.returncode == 0, result.stderr
+        assert "warning" not in result.stderr, result.stderr  # the native checkpoint records the same run
+        return result
+
+    def native(*args):
+        result = _run(trainer, pte, "--data", tokens, *args, *hyper)
+        assert result.returncode == 0, result.stderr
+        return result
+
+    native("--steps", STEPS, "--json", tmp_path / "whole.json")
+    whole = [r["loss_bits"] for r in json.loads((tmp_path / "whole.json").read_text())]
+    half = STEPS // 2
+    native("--steps", half, "--checkpoint", tmp_path / "native.safetensors", "--checkpoint-every", 4)
+    python("--steps", STEPS, "--resume", tmp_path / "native.safetensors", "--checkpoint", tmp_path / "p2.safetensors",
+           "--json", tmp_path / "python_resumed.json")
+    python("--steps", half, "--checkpoint", tmp_path / "python.safetensors")
+    native("--steps", STEPS, "--resume", tmp_path / "python.safetensors", "--checkpoint", tmp_path / "n2.safetensors",
+           "--json", tmp_path / "native_resumed.json")
+
+    python_resumed = json.loads((tmp_path / "python_resumed.json").read_text())
+    assert [f"0x{np.float32(r['loss']).view(np.uint32):08x}" for r in python_resumed] == whole
+    assert [r["loss_bits"] for r in json.loads((tmp_path / "native_resumed.json").read_text())] == whole
+    by_python, by_native = load_checkpoint(tmp_path / "p2.safetensors"), load_checkpoint(tmp_path / "n2.safetensors")
+    assert by_python.step == by_native.step == STEPS and by_python.data_position == by_native.data_position == STEPS
+    assert (by_python.config, by_python.data_sha256, by_python.program_sha256, by_python.data_seed) == (
+        by_native.config, by_native.data_sha256, by_native.program_sha256, by_native.data_seed)
+    assert [r["loss"] for r in by_python.records] == [r["loss"] for r in by_native.records]
+    assert sorted(by_python.tensors) == sorted(by_native.tensors)
+    for name, tensor in by_python.tensors.items():
+        assert tensor.dtype == by_native.tensors[name].dtype and tensor.tobytes() == by_native.tensors[name].tobytes()
+
+    # Refusals: a corrupted checkpoint, and an existing file a new run would replace.
+    corrupt = tmp_path / "corrupt.safetensors"
+    data = bytearray((tmp_path / "n2.safetensors").read_bytes())
+    data[-3] ^= 0x40
+    corrupt.write_bytes(bytes(data))
+    result = _run(trainer, pte, "--data", tokens, "--steps", STEPS + 1, "--resume", corrupt, *hyper)
+    assert result.returncode == 2 and "does not match its checksum" in result.stderr, result.stderr
+    result = _run(trainer, pte, "--data", tokens, "--steps", 2, "--checkpoint", tmp_path / "n2.safetensors", *hyper)
+    assert result.returncode == 2 and "exists; continue it with --resume" in result.stderr, result.stderr
+
+
+def test_a_pte_without_a_schedule_for_this_device_is_refused_naming_what_it_lacks(trainer, tmp_path):
+    tokens = tmp_path / "tokens.npy"
+    np.save(tokens, np.arange(200) % 64)
+    plain, tensor_cores = tmp_path / "plain.pte", tmp_path / "coopmat.pte"
+    export_mlp_lora_training_step(plain, (2, 8), 64)
+    export_mlp_lora_training_step(tensor_cores, (2, 8), 64, target="nvidia-coopmat")
+    args = ["--data", tokens, "--steps", 1, "--lr", 1e-3]
+
+    result = _run(trainer, plain, *args)
+    assert result.returncode == 2, result.stderr
+    assert f"error: {plain} embeds no dispatch schedules (exported without --target)" in result.stderr
+    result = _run(trainer, tensor_cores, *args)
+    assert result.returncode == 2, result.stderr
+    assert f"error: {tensor_cores} embeds schedules for the device profiles nvidia-coopmat, and " in result.stderr
+    assert "nvidia-coopmat: " in result.stderr and "16x16x16 float16 x float16 + float32 cooperative matrices" in result.stderr
+    half = _run(trainer, tensor_cores, "--schedule-file", tmp_path / "s.vks", *args)
+    assert half.returncode == 2 and "--schedule-file needs --spirv-dir DIR too" in half.stderr, half.stderr
+    lr = _run(trainer, tensor_cores, *args, "--schedule", "linear")
+    assert lr.returncode == 2 and "--schedule must be constant or cosine, got 'linear'" in lr.stderr, lr.stderr
+
+
 def test_bad_input_exits_2_naming_what_is_wrong(trainer, spirv_dir, llama, tmp_path):
     pte, vks, tokens = llama
-    common = ["--schedule", vks, "--spirv-dir", spirv_dir, "--data", tokens, "--steps", 2, "--lr", 1e-3]
+    common = ["--schedule-file", vks, "--spirv-dir", spirv_dir, "--data", tokens, "--steps", 2, "--lr", 1e-3]
 
     missing = _run(trainer, pte, *common[:-2])
     assert missing.returncode == 2 and "error: --lr is required" in missing.stderr, missing.stderr
@@ -141,7 +247,7 @@ def test_bad_input_exits_2_naming_what_is_wrong(trainer, spirv_dir, llama, tmp_p
     result = _run(trainer, pte, *common[:4], "--data", not_npy, *common[6:])
     assert result.returncode == 2 and f"{not_npy}: not a .npy file" in result.stderr, result.stderr
 
-    absent = _run(trainer, pte, "--schedule", tmp_path / "absent.vks", *common[2:])
+    absent = _run(trainer, pte, "--schedule-file", tmp_path / "absent.vks", *common[2:])
     assert absent.returncode == 2 and "absent.vks" in absent.stderr, absent.stderr
 
     empty = tmp_path / "no_spirv"
@@ -184,7 +290,7 @@ def test_dispatches_their_shaders_do_not_take_are_refused_at_load_like_the_pytho
     for number, (what, bad, message) in enumerate(_bad_dispatches(_plan(graph))):
         path = tmp_path / f"bad{number}.vks"
         path.write_bytes(serialize_schedule(bad))
-        result = _run(trainer, pte, "--schedule", path, "--spirv-dir", spirv_dir, "--data", tokens, "--steps", 1,
+        result = _run(trainer, pte, "--schedule-file", path, "--spirv-dir", spirv_dir, "--data", tokens, "--steps", 1,
                       "--lr", 1e-3)
         assert result.returncode == 2, (what, result.stdout, result.stderr)
         assert f"error: {path}: dispatch #" in result.stderr and message in result.stderr, (what, result.stderr)
@@ -199,7 +305,7 @@ def test_staging_copies_give_the_same_training(trainer, spirv_dir, llama, tmp_pa
     runs = {}
     for mode in ("mapped", "staging"):
         out = tmp_path / mode
-        result = _run(trainer, pte, "--schedule", vks, "--spirv-dir", spirv_dir, "--data", tokens, "--steps", 3,
+        result = _run(trainer, pte, "--schedule-file", vks, "--spirv-dir", spirv_dir, "--data", tokens, "--steps", 3,
                       "--lr", 1e-3, "--json", f"{out}.json", "--state-out", out,
                       *(["--staging"] if mode == "staging" else []))
         assert result.returncode == 0, result.stderr
@@ -216,9 +322,15 @@ def test_the_trainer_runs_clean_under_the_sanitizers(spirv_dir, llama, tmp_path)
     losses = []
     for binary in (sanitized, plain):
         out = tmp_path / binary.parent.name
-        result = _run(binary, pte, "--schedule", vks, "--spirv-dir", spirv_dir, "--data", tokens, "--steps", 2,
-                      "--lr", 1e-3, "--json", f"{out}.json", "--state-out", out, "--staging")
+        result = _run(binary, pte, "--schedule-file", vks, "--spirv-dir", spirv_dir, "--data", tokens, "--steps", 2,
+                      "--lr", 1e-3, "--json", f"{out}.json", "--state-out", out, "--staging",
+                      "--checkpoint", f"{out}.safetensors", "--checkpoint-every", 1)
         assert "Sanitizer" not in result.stderr and "runtime error" not in result.stderr, result.stderr[-3000:]
         assert result.returncode == 0, result.stderr[-3000:]
         losses.append([r["loss_bits"] for r in json.loads(Path(f"{out}.json").read_text())])
     assert losses[0] == losses[1]
+    # A checkpoint read back and resumed (the embedded schedule this time) under the sanitizers too.
+    resumed = _run(sanitized, pte, "--data", tokens, "--steps", 3, "--lr", 1e-3,
+                   "--resume", tmp_path / f"{sanitized.parent.name}.safetensors")
+    assert "Sanitizer" not in resumed.stderr and "runtime error" not in resumed.stderr, resumed.stderr[-3000:]
+    assert resumed.returncode == 0 and "step 3/3" in resumed.stdout, resumed.stderr[-3000:]

@@ -364,6 +364,40 @@ Graph read_blob(Bytes blob, const NamedData* named_data, bool verify_constants) 
       graph.metadata.emplace_back(std::move(key), std::move(value));
     }
   }
+  if (root->shader_modules())
+    for (flatbuffers::uoffset_t i = 0; i < root->shader_modules()->size(); ++i) {
+      const auto* m = root->shader_modules()->Get(i);
+      const std::string field = "VkGraph.shader_modules[" + num(i) + "]";
+      ShaderModuleRecord r;
+      r.name = text_of(m->name(), field + ".name");
+      r.kind = int(m->kind());
+      if (r.kind != kSpirv && r.kind != kWgsl) bad(field + " has unknown code kind " + num(r.kind));
+      if (m->code()) r.code = {m->code()->data(), m->code()->size()};
+      if (m->bindings())
+        for (const auto* b : *m->bindings()) {
+          if (int(b->access()) > int(vkt_blob::BindingAccess::READ_WRITE))
+            bad(field + " binding " + num(b->binding()) + " has unknown access " + num(int(b->access())));
+          r.bindings.emplace_back(b->binding(), int(b->access()));
+        }
+      r.push_constant_bytes = m->push_constant_bytes();
+      r.push_header = m->push_header();
+      r.spec_ids = vec<uint32_t>(m->spec_ids());
+      if (m->features())
+        for (flatbuffers::uoffset_t k = 0; k < m->features()->size(); ++k)
+          r.features.push_back(text_of(m->features()->Get(k), field + ".features"));
+      r.local_size = vec<uint32_t>(m->local_size());
+      r.local_size_spec_ids = vec<int32_t>(m->local_size_spec_ids());
+      graph.shader_modules.push_back(std::move(r));
+    }
+  if (root->schedules())
+    for (flatbuffers::uoffset_t i = 0; i < root->schedules()->size(); ++i) {
+      const auto* e = root->schedules()->Get(i);
+      EmbeddedScheduleRecord r;
+      r.profile_json = text_of(e->profile(), "VkGraph.schedules[" + num(i) + "].profile");
+      if (e->schedule()) r.schedule = {e->schedule()->data(), e->schedule()->size()};
+      r.dispatch_modules = vec<uint32_t>(e->dispatch_modules());
+      graph.schedules.push_back(std::move(r));
+    }
   bool any_synthetic = false;
   for (const auto& c : graph.constants) any_synthetic |= c.synthetic;
   if (any_synthetic && h.version < kSyntheticVersion)

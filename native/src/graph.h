@@ -74,6 +74,28 @@ struct MemoryObject {
   uint64_t size_bytes;
 };
 
+// schema.fbs ShaderModule and EmbeddedSchedule as read (serialization/embedded.py); the byte spans point into the
+// mapped .pte. Their contents are checked by verify_embedded (embedded.h), not by the blob reader.
+enum ShaderCodeKind : int { kSpirv = 0, kWgsl = 1 };
+struct ShaderModuleRecord {
+  std::string name;
+  int kind = kSpirv;
+  Bytes code;
+  std::vector<std::pair<uint32_t, int>> bindings;  // binding number, BindingAccess
+  uint32_t push_constant_bytes = 0;
+  bool push_header = false;
+  std::vector<uint32_t> spec_ids;
+  std::vector<std::string> features;
+  std::vector<uint32_t> local_size;
+  std::vector<int32_t> local_size_spec_ids;
+  int64_t kernel_push_bytes() const { return int64_t(push_constant_bytes) - (push_header ? 16 : 0); }  // the Dispatch part
+};
+struct EmbeddedScheduleRecord {
+  std::string profile_json;
+  Bytes schedule;
+  std::vector<uint32_t> dispatch_modules;
+};
+
 struct Graph {
   int format_version = 0;
   bool checksummed = false;
@@ -84,6 +106,8 @@ struct Graph {
   std::vector<Constant> constants;
   std::vector<MemoryObject> memory_objects;
   std::vector<std::pair<std::string, std::string>> metadata;
+  std::vector<EmbeddedScheduleRecord> schedules;
+  std::vector<ShaderModuleRecord> shader_modules;
   const std::string* metadata_value(const std::string& key) const;
 };
 

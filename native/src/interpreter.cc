@@ -224,6 +224,12 @@ HostTensor StepInterpreter::read_state(const std::string& name) const {
   refuse(ErrorCode::kVerification, "no mutable state named '" + name + "'");
 }
 
+void StepInterpreter::write_state(const std::string& name, const HostTensor& value) {
+  for (const auto& [n, s] : plan_.states)
+    if (n == name) return write_value(s.state_id, value, "state '" + name + "'");
+  refuse(ErrorCode::kVerification, "no mutable state named '" + name + "'");
+}
+
 std::vector<HostTensor> StepInterpreter::run(const std::vector<HostTensor>& inputs) {
   auto names = input_names();
   if (inputs.size() != names.size())

@@ -49,6 +49,7 @@ class StepInterpreter {
   // is a LoadError kVerification naming it and what was expected (shape, dtype, range).
   std::vector<HostTensor> run(const std::vector<HostTensor>& inputs);
   HostTensor read_state(const std::string& name) const;
+  void write_state(const std::string& name, const HostTensor& value);  // shape and dtype must match
   void reset_state();
   uint64_t recorded_dispatches() const { return recorded_dispatches_; }
   uint64_t barrier_count() const;

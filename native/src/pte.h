@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "blob.h"
+#include "embedded.h"
 #include "file_map.h"
 #include "graph.h"
 
@@ -62,6 +63,7 @@ struct Method {
   int delegate_index = -1;
   std::vector<int32_t> delegate_args;
   std::unique_ptr<Graph> graph;
+  std::vector<EmbeddedSchedule> embedded;  // the blob's schedules, read and verified (empty: plan-at-load blob)
   std::vector<uint64_t> arena_needs;
 };
 

@@ -51,6 +51,17 @@ struct ScheduleRequirements {
   std::vector<uint32_t> cooperative_matrix;
 };
 
+// schema.fbs StateGuardPlan (backend/kernel_planning/state_guard.py): its dispatches bind the schedule's buffers
+// and, at indices buffers.size() + 0, 1, 2, the guard's slot, flags and result word. Read and verified; this
+// runtime does not replay it yet (it trains the same bits without it: the guard only backs up and checks).
+struct GuardedTensor { std::string name; uint64_t slot_offset = 0, size_bytes = 0; };
+struct StateGuardPlan {
+  bool present = false;
+  std::vector<GuardedTensor> tensors;
+  uint64_t slot_bytes = 0, flags_bytes = 0;
+  std::vector<ScheduleDispatch> save, restore;
+};
+
 struct Schedule {
   std::string source;  // the file as named, the start of every message
   uint32_t format_version = 0;
@@ -63,14 +74,23 @@ struct Schedule {
   std::vector<SchedulePlacement> placements;
   std::vector<ScheduleDispatch> dispatches;
   std::vector<std::string> tensor_core_ops;
+  StateGuardPlan state_guard;
 
+  // schedule.py module_dispatches: the step's dispatches, then the guard's save and restore (the order of an
+  // embedded schedule's dispatch_modules).
+  std::vector<const ScheduleDispatch*> module_dispatches() const;
+
+  // Reads the VKS1 bytes `data` (an embedded schedule's), `source` starting every message.
+  static Schedule parse(Bytes data, const std::string& source);
   // Reads `path` (schedule.py deserialize_schedule's checks); LoadError kScheduleFormat / kIo / kLimit.
   static Schedule load(const std::string& path);
 };
 
 // verify_schedule.py, LoadError kVerification "SOURCE: ..." naming the dispatch or buffer. `graph` (nullptr:
 // none given) runs check_schedule_graph's placement checks; the graph digest is not compared (see schedule.cc).
-void verify_schedule(const Schedule& schedule, const Graph* graph);
+// `shader_sources`: the kernel names a dispatch may run (nullptr: this build's runtime_shaders; an embedded
+// schedule's: its blob's module names, as verify_embedded passes them).
+void verify_schedule(const Schedule& schedule, const Graph* graph, const std::vector<std::string>* shader_sources = nullptr);
 
 std::string schedule_summary_text(const Schedule& schedule);
 std::string schedule_summary_json(const Schedule& schedule);

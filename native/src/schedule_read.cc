@@ -136,9 +136,24 @@ const char* buffer_role_name(int role) {
   return role >= 0 && role < kNumBufferRoles ? names[role] : nullptr;
 }
 
+std::vector<const ScheduleDispatch*> Schedule::module_dispatches() const {
+  std::vector<const ScheduleDispatch*> out;
+  for (const auto* list : {&dispatches, &state_guard.save, &state_guard.restore})
+    for (const auto& d : *list) out.push_back(&d);
+  return out;
+}
+
 Schedule Schedule::load(const std::string& path) {
   FileMap map(path);
-  Bytes data = map.bytes();
+  return parse(map.bytes(), path);
+}
+
+Schedule Schedule::parse(Bytes unaligned, const std::string& path) {
+  // An embedded schedule sits anywhere in its blob's byte vector: read an 8-aligned copy (the generated
+  // readers load scalars in place).
+  std::vector<uint64_t> aligned((unaligned.size + 7) / 8);
+  if (unaligned.size) std::memcpy(aligned.data(), unaligned.data, unaligned.size);
+  Bytes data{reinterpret_cast<const uint8_t*>(aligned.data()), unaligned.size};
   Reader r(path);
   if (data.size < 8 || std::memcmp(data.data + 4, "VKS1", 4) != 0)
     r.bad("not a vktrain schedule: " + num(data.size) + " bytes without the VKS1 identifier");
@@ -195,6 +210,22 @@ Schedule Schedule::load(const std::string& path) {
   s.graph_digest = r.text(root->graph_digest(), "Schedule.graph_digest");
   s.tensor_core_ops = r.texts(root->tensor_core_ops(), "Schedule.tensor_core_ops");
   s.max_binding_bytes = root->max_binding_bytes();
+  if (const auto* guard = root->state_guard()) {
+    // The guard's bindings may name the three guard buffers just past the table (schedule.py GUARD_KEYS).
+    StateGuardPlan& g = s.state_guard;
+    g.present = true;
+    g.slot_bytes = guard->slot_bytes();
+    g.flags_bytes = guard->flags_bytes();
+    if (guard->tensors())
+      for (flatbuffers::uoffset_t i = 0; i < guard->tensors()->size(); ++i) {
+        const auto* t = guard->tensors()->Get(i);
+        g.tensors.push_back({r.text(t->name(), "Schedule.state_guard.tensors[].name"), t->slot_offset(), t->size_bytes()});
+      }
+    for (auto [list, out] : {std::make_pair(guard->save(), &g.save), std::make_pair(guard->restore(), &g.restore)})
+      if (list)
+        for (flatbuffers::uoffset_t i = 0; i < list->size(); ++i)
+          out->push_back(r.dispatch(list->Get(i), s.buffers.size() + 3, i));
+  }
   std::map<std::string, int> seen;
   std::vector<std::string> twice;
   for (const auto& b : s.buffers)

@@ -75,68 +75,113 @@ void check_graph(const Schedule& s, const Graph& g) {
   if (!missing.empty()) refuse_at(s, "tensor values " + list(missing) + " of the graph have no placement");
 }
 
+// verify_schedule.py _check_binding; `sizes` by buffer index (the guard's three after the table), `limit` 0: none.
+void check_binding(const Schedule& s, const std::string& where, const ScheduleBinding& binding,
+                   const std::vector<uint64_t>& sizes, uint64_t alignment, uint64_t limit) {
+  const uint64_t buffer_size = sizes[binding.buffer];
+  // size: as planned, else the rest of the buffer (negative past its end: Python's ints, here __int128)
+  __int128 size = binding.size_bytes ? __int128(binding.size_bytes) : __int128(buffer_size) - binding.offset;
+  if (binding.offset % alignment)
+    refuse_at(s, where + ": offset " + num(binding.offset) + " is not a multiple of the planned alignment " +
+                 num(alignment));
+  if (size <= 0 || binding.offset + size > __int128(buffer_size)) {
+    std::string end = size > 0 ? sum(binding.offset, uint64_t(size)) : num(buffer_size);
+    refuse_at(s, where + ": range [" + num(binding.offset) + ", " + end + ") is outside the buffer's " +
+                 num(buffer_size) + " bytes");
+  }
+  if (limit && uint64_t(size) > limit)
+    refuse_at(s, where + ": binds " + num(uint64_t(size)) + " bytes, more than the planned max storage binding "
+                 "size " + num(limit));
+}
+
+std::vector<uint64_t> buffer_sizes(const Schedule& s) {
+  std::vector<uint64_t> sizes;
+  for (const auto& b : s.buffers) sizes.push_back(b.size_bytes);
+  return sizes;
+}
+
+std::string buffer_key(const Schedule& s, uint32_t index) {  // schedule.py GUARD_KEYS past the table
+  static const char* const guard_keys[] = {"guard:slot", "guard:flags", "guard:result"};
+  return index < s.buffers.size() ? s.buffers[index].key : guard_keys[index - s.buffers.size()];
+}
+
 void check_bindings(const Schedule& s) {
   const uint64_t alignment = s.requirements.min_storage_buffer_offset_alignment;
-  const uint64_t limit = s.requirements.max_storage_buffer_range;
   if (alignment < 1 || (alignment & (alignment - 1)))
     refuse_at(s, "min_storage_buffer_offset_alignment " + num(alignment) + " is not a power of two");
+  const std::vector<uint64_t> sizes = buffer_sizes(s);
   for (size_t index = 0; index < s.dispatches.size(); ++index) {
     const ScheduleDispatch& d = s.dispatches[index];
-    for (size_t slot = 0; slot < d.bindings.size(); ++slot) {
-      const ScheduleBinding& binding = d.bindings[slot];
-      const ScheduleBuffer& buffer = s.buffers[binding.buffer];
-      const std::string where = "dispatch " + num(index) + " (" + d.name() + ") binding " + num(slot) + " (buffer " +
-                                quoted(buffer.key) + ")";
-      // size: as planned, else the rest of the buffer (negative past its end: Python's ints, here __int128)
-      __int128 size = binding.size_bytes ? __int128(binding.size_bytes) : __int128(buffer.size_bytes) - binding.offset;
-      if (binding.offset % alignment)
-        refuse_at(s, where + ": offset " + num(binding.offset) + " is not a multiple of the planned alignment " +
-                     num(alignment));
-      if (size <= 0 || binding.offset + size > __int128(buffer.size_bytes)) {
-        std::string end = size > 0 ? sum(binding.offset, uint64_t(size)) : num(buffer.size_bytes);
-        refuse_at(s, where + ": range [" + num(binding.offset) + ", " + end + ") is outside the buffer's " +
-                     num(buffer.size_bytes) + " bytes");
-      }
-      if (uint64_t(size) > limit)
-        refuse_at(s, where + ": binds " + num(uint64_t(size)) + " bytes, more than the planned max storage binding "
-                     "size " + num(limit));
-    }
+    for (size_t slot = 0; slot < d.bindings.size(); ++slot)
+      check_binding(s, "dispatch " + num(index) + " (" + d.name() + ") binding " + num(slot) + " (buffer " +
+                       quoted(buffer_key(s, d.bindings[slot].buffer)) + ")",
+                    d.bindings[slot], sizes, alignment, s.requirements.max_storage_buffer_range);
   }
 }
 
-void check_dispatches(const Schedule& s) {
+// verify_schedule.py _check_dispatch.
+void check_dispatch(const Schedule& s, const std::string& where, const ScheduleDispatch& d,
+                    const std::vector<std::string>* sources) {
   const auto& needs = s.requirements;
-  for (size_t index = 0; index < s.dispatches.size(); ++index) {
-    const ScheduleDispatch& d = s.dispatches[index];
-    const std::string where = "dispatch " + num(index) + " (" + d.name() + ")";
-    if (!is_known_shader(d.shader.substr(0, d.shader.find('@'))))
-      refuse_at(s, where + ": shader " + quoted(d.shader) + " has no kernel source here (" + num(kKnownShaderCount) +
-                   " known)");
-    if (d.push_bytes > kMaxPushBytes)
-      refuse_at(s, where + ": pushes " + num(d.push_bytes) + " bytes, more than the " + num(kMaxPushBytes) +
-                   " every device takes");
-    if (!d.local_size.empty()) {
-      unsigned __int128 invocations = 1;
-      for (uint32_t v : d.local_size) invocations *= v;  // at most 2^96: no overflow
-      if (invocations > needs.max_workgroup_invocations || d.local_size[0] > needs.max_workgroup_size_x)
-        refuse_at(s, where + ": local size " + tuple3(d.local_size) + " is over the planned workgroup limits (" +
-                     num(needs.max_workgroup_invocations) + " invocations, " + num(needs.max_workgroup_size_x) +
-                     " in x)");
-    }
-    unsigned __int128 pieces = 1;
-    for (uint32_t count : d.groups) pieces *= (count + kGuaranteedGroupCount - 1) / kGuaranteedGroupCount;
-    if (pieces > kMaxSplitDispatches)
-      refuse_at(s, where + ": " + tuple3({d.groups.begin(), d.groups.end()}) + " work groups would be split into " +
-                   sum(uint64_t(pieces), 0) + " dispatches, more than " + num(kMaxSplitDispatches));
+  const std::string base = d.shader.substr(0, d.shader.find('@'));
+  if (sources ? std::find(sources->begin(), sources->end(), base) == sources->end() : !is_known_shader(base))
+    refuse_at(s, where + ": shader " + quoted(d.shader) + " has no kernel source here (" +
+                 num(sources ? std::set<std::string>(sources->begin(), sources->end()).size() : kKnownShaderCount) +
+                 " known)");
+  if (d.push_bytes > kMaxPushBytes)
+    refuse_at(s, where + ": pushes " + num(d.push_bytes) + " bytes, more than the " + num(kMaxPushBytes) +
+                 " every device takes");
+  if (!d.local_size.empty()) {
+    unsigned __int128 invocations = 1;
+    for (uint32_t v : d.local_size) invocations *= v;  // at most 2^96: no overflow
+    if (invocations > needs.max_workgroup_invocations || d.local_size[0] > needs.max_workgroup_size_x)
+      refuse_at(s, where + ": local size " + tuple3(d.local_size) + " is over the planned workgroup limits (" +
+                   num(needs.max_workgroup_invocations) + " invocations, " + num(needs.max_workgroup_size_x) +
+                   " in x)");
   }
+  unsigned __int128 pieces = 1;
+  for (uint32_t count : d.groups) pieces *= (count + kGuaranteedGroupCount - 1) / kGuaranteedGroupCount;
+  if (pieces > kMaxSplitDispatches)
+    refuse_at(s, where + ": " + tuple3({d.groups.begin(), d.groups.end()}) + " work groups would be split into " +
+                 sum(uint64_t(pieces), 0) + " dispatches, more than " + num(kMaxSplitDispatches));
+}
+
+void check_dispatches(const Schedule& s, const std::vector<std::string>* sources) {
+  for (size_t index = 0; index < s.dispatches.size(); ++index)
+    check_dispatch(s, "dispatch " + num(index) + " (" + s.dispatches[index].name() + ")", s.dispatches[index], sources);
+}
+
+// verify_schedule.py check_schedule_guard: the guard's tensors inside a slot, its dispatches and their bindings
+// (no binding-range limit: the device layer refuses a state tensor over its own).
+void check_guard(const Schedule& s, const std::vector<std::string>* sources) {
+  const StateGuardPlan& guard = s.state_guard;
+  if (!guard.present) return;
+  for (size_t index = 0; index < guard.tensors.size(); ++index) {
+    const GuardedTensor& t = guard.tensors[index];
+    if (t.size_bytes == 0 || __int128(t.slot_offset) + t.size_bytes > __int128(guard.slot_bytes))
+      refuse_at(s, "state guard tensor " + num(index) + " (" + quoted(t.name) + ") at [" + num(t.slot_offset) + ", " +
+                   sum(t.slot_offset, t.size_bytes) + ") is outside the slot's " + num(guard.slot_bytes) + " bytes");
+  }
+  std::vector<uint64_t> sizes = buffer_sizes(s);
+  sizes.insert(sizes.end(), {guard.slot_bytes, guard.flags_bytes, 4});
+  for (auto [part, list] : {std::make_pair("save", &guard.save), std::make_pair("restore", &guard.restore)})
+    for (size_t index = 0; index < list->size(); ++index) {
+      const ScheduleDispatch& d = (*list)[index];
+      const std::string where = std::string("state guard ") + part + " dispatch " + num(index) + " (" + d.name() + ")";
+      check_dispatch(s, where, d, sources);
+      for (size_t slot = 0; slot < d.bindings.size(); ++slot)
+        check_binding(s, where + " binding " + num(slot) + " (buffer " + quoted(buffer_key(s, d.bindings[slot].buffer)) +
+                         ")", d.bindings[slot], sizes, s.requirements.min_storage_buffer_offset_alignment, 0);
+    }
 }
 
 }  // namespace
 
-void verify_schedule(const Schedule& schedule, const Graph* graph) {
+void verify_schedule(const Schedule& schedule, const Graph* graph, const std::vector<std::string>* shader_sources) {
   if (graph) check_graph(schedule, *graph);
   check_bindings(schedule);
-  check_dispatches(schedule);
+  check_dispatches(schedule, shader_sources);
+  check_guard(schedule, shader_sources);
 }
 
 }  // namespace vktrain

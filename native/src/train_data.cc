@@ -68,7 +68,7 @@ double LRSchedule::lr(int64_t step) const {  // lr_schedule.py LRSchedule.lr, in
 
 std::string LRSchedule::check() const {
   float lr32 = float(base_lr);
-  if (kind != "constant" && kind != "cosine") return "the learning-rate schedule must be constant or cosine, got '" + kind + "'";
+  if (kind != "constant" && kind != "cosine") return "--schedule must be constant or cosine, got '" + kind + "'";
   if (!(std::isfinite(lr32) && lr32 > 0)) return "the learning rate must be a positive finite float32, got " + real(base_lr);
   if (total_steps <= 0) return "the number of steps must be positive, got " + num(total_steps);
   if (warmup_steps < 0) return "warmup steps must be >= 0, got " + num(warmup_steps);

@@ -180,6 +180,7 @@ void Program::verify(const Limits& limits) {
     m.delegate_args = call->args;
     try {
       m.graph.reset(new Graph(read_blob(m.delegate_data[size_t(call->index)], &named_data_)));
+      m.embedded = verify_embedded(*m.graph, "");  // the catch below names the blob
     } catch (const LoadError& e) {
       refuse(e.code(), source_ + ": " + plan + " delegate " + num(call->index) + " blob: " + e.what());
     }

@@ -163,9 +163,12 @@ void Device::choose(const std::string& selector) {
   api_version_ = std::min(api_version_, properties_.apiVersion);
   if (api_version_ < VK_API_VERSION_1_1) refuse(ErrorCode::kDevice, name_ + " supports only Vulkan 1.0; vktrain needs 1.1");
   VkPhysicalDeviceSubgroupProperties subgroup{VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_SUBGROUP_PROPERTIES};
+  VkPhysicalDeviceMaintenance3Properties maintenance3{VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_MAINTENANCE_3_PROPERTIES};
+  subgroup.pNext = &maintenance3;
   VkPhysicalDeviceProperties2 p2{VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_PROPERTIES_2};
   p2.pNext = &subgroup;
   vkGetPhysicalDeviceProperties2(physical_, &p2);
+  max_allocation_bytes_ = maintenance3.maxMemoryAllocationSize;
   subgroup_size_ = subgroup.subgroupSize;
   subgroup_operations_ = (subgroup.supportedStages & VK_SHADER_STAGE_COMPUTE_BIT) ? subgroup.supportedOperations : 0;
   vkGetPhysicalDeviceMemoryProperties(physical_, &memory_);
@@ -184,6 +187,16 @@ void Device::choose(const std::string& selector) {
     if (fam[i].queueFlags & VK_QUEUE_COMPUTE_BIT) family = int(i);
   if (family < 0) refuse(ErrorCode::kDevice, name_ + " has no compute queue");
   queue_family_ = uint32_t(family);
+}
+
+std::string Device::device_type() const {
+  switch (properties_.deviceType) {
+    case VK_PHYSICAL_DEVICE_TYPE_CPU: return "cpu";
+    case VK_PHYSICAL_DEVICE_TYPE_DISCRETE_GPU: return "discrete";
+    case VK_PHYSICAL_DEVICE_TYPE_INTEGRATED_GPU: return "integrated";
+    case VK_PHYSICAL_DEVICE_TYPE_VIRTUAL_GPU: return "virtual";
+    default: return "other";
+  }
 }
 
 void Device::create_device() {

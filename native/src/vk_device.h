@@ -34,6 +34,9 @@ class Device {
   VkCommandPool command_pool() const { return pool_; }
   const VkPhysicalDeviceLimits& limits() const { return properties_.limits; }
   const std::string& name() const { return name_; }
+  // VkPhysicalDeviceType as device_profile.py DEVICE_TYPES names it ("cpu", "discrete", ...).
+  std::string device_type() const;
+  uint64_t max_allocation_bytes() const { return max_allocation_bytes_; }  // maxMemoryAllocationSize
   uint32_t subgroup_size() const { return subgroup_size_; }
   uint32_t subgroup_operations() const { return subgroup_operations_; }  // VkSubgroupFeatureFlags in compute
   bool has_feature(const std::string& name) const { return features_.count(name) > 0; }
@@ -66,6 +69,7 @@ class Device {
   VkDevice device_ = VK_NULL_HANDLE;
   VkQueue queue_ = VK_NULL_HANDLE;
   VkCommandPool pool_ = VK_NULL_HANDLE;
+  uint64_t max_allocation_bytes_ = 0;
   uint32_t queue_family_ = 0, api_version_ = 0, subgroup_size_ = 0, subgroup_operations_ = 0;
   VkPhysicalDeviceProperties properties_{};
   VkPhysicalDeviceMemoryProperties memory_{};
