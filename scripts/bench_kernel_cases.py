@@ -80,7 +80,8 @@ def _linear_cases(preset: str, rng) -> list[Case]:
 def _linear_setup(plan_name: str, plan_kwargs: dict, arrays: dict[str, np.ndarray], out_shape):
     """Vulkan setup of a linear-family case. `overrides` (tiles, split_k) come from --sweep; the
     default plan gets a split-K scratch buffer whenever it would use one."""
-    from vktrain.backend.kernel_planning.kernels.linear import plan_scratch_nbytes, split_k_scratch_nbytes
+    from vktrain.backend.kernel_planning.kernels.gemm_passes import split_k_scratch_nbytes
+    from vktrain.backend.kernel_planning.kernels.linear import plan_scratch_nbytes
 
     def setup(device, limits, **overrides):
         buffers = {key: Buffer.from_array(device, a, name=key) for key, a in arrays.items()}

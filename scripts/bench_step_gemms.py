@@ -34,7 +34,7 @@ from bench_results import out_error  # noqa: E402
 from vktrain import quant  # noqa: E402
 from vktrain.contract import PRECISION_FP16_TC  # noqa: E402
 from vktrain.runtime import Buffer, Device  # noqa: E402
-from vktrain.backend.kernel_planning.kernels import coopmat, coopmat_tiling  # noqa: E402
+from vktrain.backend.kernel_planning.kernels import coopmat, coopmat_tiling, gemm_passes  # noqa: E402
 from vktrain.backend.kernel_planning.kernels.linear import (plan_linear_q4gsw, plan_linear_q4gsw_backward,  # noqa: E402
                                                      plan_scratch_nbytes, prepack_weights)
 from vktrain.backend.kernel_planning.kernels.matmul import gemm_scratch_nbytes, plan_mm  # noqa: E402
@@ -69,7 +69,7 @@ def bench_case(device, kind: str, M: int, N: int, K: int, args, rng) -> dict:
         reference = a[:CHECK_ROWS] @ (deq.T if kind == "linear_q4gsw" else deq)
     buffers = {key: Buffer.from_array(device, value, name=key) for key, value in arrays.items()}
     buffers["out"] = Buffer(device, 4 * M * N, name="out")
-    buffers["absmax"] = Buffer(device, coopmat.absmax_scratch_nbytes(M * K, K * N), name="absmax")
+    buffers["absmax"] = Buffer(device, gemm_passes.absmax_scratch_nbytes(M * K, K * N), name="absmax")
     simt_scratch = (gemm_scratch_nbytes(1, M, N, K) if kind == "mm" else
                     plan_scratch_nbytes(kind, M=M, N=N if kind == "linear_q4gsw" else K,
                                         K=K if kind == "linear_q4gsw" else N, group_size=GROUP_SIZE))

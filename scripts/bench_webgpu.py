@@ -265,8 +265,9 @@ def _fp16_tc_cases(M: int, N: int, K: int, group_size: int, options: dict):
     """(name, dispatches, inputs, output shape) of each timed fp16-tc kernel at one shape, planned with a
     route's plan_options."""
     from vktrain.quant import quantize
-    from vktrain.backend.kernel_planning.kernels.coopmat import (absmax_scratch_nbytes, plan_coopmat_linear_q4gsw,
-                                                          plan_coopmat_linear_q4gsw_backward, plan_coopmat_mm)
+    from vktrain.backend.kernel_planning.kernels.coopmat import (plan_coopmat_linear_q4gsw,
+                                                                 plan_coopmat_linear_q4gsw_backward, plan_coopmat_mm)
+    from vktrain.backend.kernel_planning.kernels.gemm_passes import absmax_scratch_nbytes
     from vktrain.backend.kernel_planning.kernels.linear import prepack_weights
 
     rng = np.random.default_rng(0)

@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 
 from vktrain.runtime import Buffer, Program
+from vktrain.backend.kernel_planning.kernels.gemm_passes import ABSMAX_MAX_PARTIALS
 from vktrain.backend.kernel_planning.kernels.coopmat import (
-    ABSMAX_MAX_PARTIALS,
     SUBGROUP_BASIC_BIT,
     coopmat_supported,
     plan_coopmat_mm,

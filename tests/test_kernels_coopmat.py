@@ -39,11 +39,10 @@ import pytest
 
 from vktrain.quant import dequantize, quantize
 from vktrain.runtime import Buffer, Program
+from vktrain.backend.kernel_planning.kernels.gemm_passes import ABSMAX_MAX_PARTIALS, absmax_partials
 from vktrain.backend.kernel_planning.kernels.coopmat import (
-    ABSMAX_MAX_PARTIALS,
     SUBGROUP_BASIC_BIT,
     _plan_absmax,
-    absmax_partials,
     coopmat_supported,
     plan_coopmat_linear_q4gsw,
     plan_coopmat_linear_q4gsw_backward,

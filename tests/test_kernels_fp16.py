@@ -21,10 +21,9 @@ import pytest
 
 from vktrain.quant import dequantize, quantize
 from vktrain.runtime import Buffer, Program
+from vktrain.backend.kernel_planning.kernels.gemm_passes import ABSMAX_MAX_PARTIALS, absmax_scratch_nbytes
 from vktrain.backend.kernel_planning.kernels.linear import (
-    ABSMAX_MAX_PARTIALS,
     GemmTiles,
-    absmax_scratch_nbytes,
     plan_linear_q4gsw,
     plan_linear_q4gsw_backward,
     plan_scratch_nbytes,

@@ -46,7 +46,7 @@ from vktrain.serialization import graph as vk
 
 # Importing the kernels package imports every family, so KERNELS is complete.
 from vktrain.backend.kernel_planning.kernels import (KERNELS, attention, coopmat, coopmat_attention, copies,
-                                             cross_entropy, layout, linear, matmul, norm)
+                                             cross_entropy, gemm_passes, layout, linear, matmul, norm)
 from vktrain.backend.kernel_planning.lowering_context import KERNEL_DTYPES, OpContext, OpLowering, TensorArg
 from vktrain.errors import GraphLoweringError
 from vktrain.serialization.dispatch import BufferBinding, Dispatch
@@ -236,11 +236,11 @@ def _lower_linear_q4gsw_backward(ctx: OpContext) -> list[Dispatch]:
     over = _over_binding_limit(ctx, [d_out, weights, scales, ctx.outputs[0]])
     if not over and ctx.gemm.takes_tensor_cores(m, k, n):
         return _call(ctx, coopmat.plan_coopmat_linear_q4gsw_backward, **gemm, **ctx.gemm.plan_options,
-                     absmax=ctx.scratch(coopmat.absmax_scratch_nbytes(m * n), "absmax"),
+                     absmax=ctx.scratch(gemm_passes.absmax_scratch_nbytes(m * n), "absmax"),
                      **_coopmat_split_k_args(ctx, "coopmat_linear_q4gsw_backward", m, k, n))
     if ctx.gemm.fp16_simt and not over:
         return _call(ctx, **gemm, binding_limit=ctx.binding_limit, max_workgroup_size=ctx.max_workgroup_size,
-                     absmax=ctx.scratch(linear.absmax_scratch_nbytes(m * n), "absmax"),
+                     absmax=ctx.scratch(gemm_passes.absmax_scratch_nbytes(m * n), "absmax"),
                      **_split_k_args(ctx, "linear_q4gsw_backward", m, n, k, group_size, fp16=True))
     return _call(ctx, **gemm, binding_limit=ctx.binding_limit, max_workgroup_size=ctx.max_workgroup_size,
                  **_split_k_args(ctx, "linear_q4gsw_backward", m, n, k, group_size, over))
@@ -460,7 +460,7 @@ def _lower_gemm(ctx: OpContext) -> list[Dispatch]:
     if b_transposed is not None and (bias is None or coopmat.takes_addend(bias.strided, out.shape, beta, alpha)):
         return _call(ctx, coopmat.plan_coopmat_mm, M=a.shape[0], N=b.shape[1], K=a.shape[1], out=out.binding,
                      a=a.binding, b=b.binding, b_transposed=b_transposed, addend=bias and bias.binding,
-                     absmax=ctx.scratch(coopmat.absmax_scratch_nbytes(a.numel, b.numel), "absmax"),
+                     absmax=ctx.scratch(gemm_passes.absmax_scratch_nbytes(a.numel, b.numel), "absmax"),
                      **ctx.gemm.plan_options, **_coopmat_split_k_args(
                          ctx, "coopmat_mm_b_transposed" if b_transposed else "coopmat_mm", a.shape[0], b.shape[1],
                          a.shape[1]))
@@ -472,7 +472,7 @@ def _lower_gemm(ctx: OpContext) -> list[Dispatch]:
         return _call(ctx, matmul.plan_gemm, out=out.binding, a=a.binding, a_view=a.strided, b=b.binding,
                      b_view=b.strided, bias=bias and bias.binding, bias_view=bias and bias.strided, alpha=alpha,
                      beta=beta, scratch=ctx.scratch(nbytes, "split_k") if nbytes else None, fp16=True,
-                     absmax=ctx.scratch(linear.absmax_scratch_nbytes(a.numel, b.numel), "absmax"),
+                     absmax=ctx.scratch(gemm_passes.absmax_scratch_nbytes(a.numel, b.numel), "absmax"),
                      max_workgroup_size=ctx.max_workgroup_size)
     try:
         scratch = _split_k_scratch(ctx, 1, a.shape[0], b.shape[1], a.shape[1], *operands)

@@ -69,9 +69,7 @@ from vktrain.backend.kernel_planning.kernels.coopmat_tiling import (
     workgroups,
 )
 from vktrain.backend.kernel_planning.kernels.gemm_tuning import GPU_TUNING
-from vktrain.backend.kernel_planning.kernels.linear import (  # noqa: F401 (absmax_*: part of this module's API)
-    ABSMAX_MAX_PARTIALS, absmax_partials, absmax_scratch_nbytes, plan_absmax as _plan_absmax, plan_splitk_reduce
-)
+from vktrain.backend.kernel_planning.kernels.gemm_passes import absmax_partials, plan_absmax as _plan_absmax, plan_splitk_reduce
 from vktrain.serialization.strided_view import MAX_ELEMENTS, KernelArgumentError, StridedView
 from vktrain.backend.kernel_planning.kernels.layout import binding
 from vktrain.serialization.dispatch import Dispatch

@@ -33,7 +33,8 @@ from __future__ import annotations
 from typing import Any
 
 from vktrain.backend.kernel_planning.kernels.attention import check_problem, plan_backward_delta
-from vktrain.backend.kernel_planning.kernels.coopmat import DEFAULT_SUBGROUP_SIZE, GemmRoute, _plan_absmax, absmax_partials
+from vktrain.backend.kernel_planning.kernels.coopmat import DEFAULT_SUBGROUP_SIZE, GemmRoute
+from vktrain.backend.kernel_planning.kernels.gemm_passes import absmax_partials, plan_absmax as _plan_absmax
 from vktrain.backend.kernel_planning.kernels.coopmat_tiling import EMULATED_LOOP_BUDGET
 from vktrain.serialization.strided_view import KernelArgumentError
 from vktrain.backend.kernel_planning.kernels.layout import binding

@@ -71,6 +71,8 @@ from vktrain.serialization.strided_view import MAX_ELEMENTS, KernelArgumentError
 from vktrain.backend.kernel_planning.kernels.layout import (
     SHARED_MEMORY_LIMIT, BindingLimit, binding, exceeds, shader_variant, sub_binding
 )
+from vktrain.backend.kernel_planning.kernels.gemm_passes import (absmax_partials, absmax_scratch_nbytes, plan_absmax,
+                                                                plan_splitk_reduce, split_k_scratch_nbytes)
 from vktrain.backend.kernel_planning.kernels.registry import register_kernel
 
 # M up to GEMV_MAX_M takes the GEMV kernels, each workgroup serving up to GEMV_MAX_ROWS rows (one pass
@@ -89,10 +91,6 @@ TARGET_WORKGROUPS = H200_FP32_TARGET_WORKGROUPS
 # Split-K never cuts the reduction into slices shorter than this (each slice amortizes its tile loads).
 MIN_SPLIT_SLICE = 256
 MAX_SPLIT_K = 32
-
-# 128: Vulkan's guaranteed maximum, so every device profile runs it; each output is its own sum over the
-# slices, so the size changes no result.
-REDUCE_WORKGROUP_SIZE = 128
 
 # The FP16 variant's shared memory besides its (half-size) tiles: coopmat_scale.glsl's two maxima.
 FP16_SCALE_SHARED_BYTES = 8
@@ -315,11 +313,6 @@ def default_gemv_tiles(rows: int, reduction4: int, outputs: int, backward: bool,
     return tiles
 
 
-def split_k_scratch_nbytes(rows: int, cols: int, split_k: int) -> int:
-    """Bytes of scratch a GEMM producing [rows, cols] needs with `split_k` slices (0 when not split)."""
-    return 0 if split_k <= 1 else 4 * split_k * rows * cols
-
-
 def plan_scratch_nbytes(op: str, *, M: int, N: int, K: int, group_size: int = 0, tuning: str = GPU_TUNING,
                         fp16: bool = False, gemm_tiles: GemmTiles | None = None) -> int:
     """Bytes of scratch the default plan of `op` uses when given one (0: it would not split).
@@ -380,46 +373,6 @@ def _gemm_plan(op: str, shader: str, rows: int, cols: int, red: int, *, out: Any
     reduce = plan_splitk_reduce(out=out, scratch=scratch, count4=rows * cols // 4, row_vec4s=cols // 4,
                                 split_k=split_k, bias=bias, label=f"{label}.reduce")
     return [gemm, reduce]
-
-
-def plan_splitk_reduce(*, out: Any, scratch: Any, count4: int, row_vec4s: int, split_k: int, bias: Any = None,
-                       label: str) -> Dispatch:
-    """The second pass of a split-K GEMM (linear_splitk_reduce.comp, shared by the linear family and
-    aten mm/bmm/addmm): out[e] = sum of scratch[s, e] over s = 0 .. split_k-1 in index order
-    (+ bias[e % row_vec4s]), over the `count4` vec4s of the output. `row_vec4s` is the vec4s of one
-    output row, the bias length / 4 (only read with a bias; must be >= 1)."""
-    bindings = [binding(out, "w"), binding(scratch, "r")] + ([binding(bias, "r")] if bias is not None else [])
-    return Dispatch(shader_variant("linear_splitk_reduce", HAS_BIAS=bias is not None),
-                    groups=(ceil_div(count4, REDUCE_WORKGROUP_SIZE), 1, 1), bindings=bindings,
-                    push_constants=pack_push(count4, row_vec4s, split_k),
-                    local_size=(REDUCE_WORKGROUP_SIZE, 1, 1), label=label)
-
-
-# coopmat_absmax.comp (the per-tensor operand scales of the coopmat kernels and of the fp16 d_x here):
-# workgroups of 128 threads (Vulkan's guaranteed maximum), each reading at least 8 vec4 of its tensor; at most ABSMAX_MAX_PARTIALS
-# workgroups (hence partial maxima) per tensor, which every GEMM workgroup reduces.
-_ABSMAX_VECS_PER_GROUP = 256 * 4
-ABSMAX_MAX_PARTIALS = 256
-
-
-def absmax_partials(numel: int) -> int:
-    """How many partial maxima coopmat_absmax writes for a tensor of numel floats."""
-    return max(1, min(ceil_div(numel // 4, _ABSMAX_VECS_PER_GROUP), ABSMAX_MAX_PARTIALS))
-
-
-def absmax_scratch_nbytes(*numels: int) -> int:
-    """Scratch the operand scales of a GEMM take: the partial maxima of each scaled operand."""
-    return 4 * sum(absmax_partials(n) for n in numels)
-
-
-def plan_absmax(absmax: Any, tensors: list[tuple[Any, int]], label: str) -> Dispatch:
-    """One coopmat_absmax dispatch writing the partial maxima of |x| of one or two (x, numel) tensors
-    into absmax, those of the first tensor first (numel % 4 == 0)."""
-    (x0, numel0), (x1, numel1) = tensors[0], (tensors[1] if len(tensors) > 1 else (tensors[0][0], 0))
-    groups0, groups1 = absmax_partials(numel0), absmax_partials(numel1) if numel1 else 0
-    return Dispatch("coopmat_absmax", groups=(groups0 + groups1, 1, 1),
-                    bindings=[binding(absmax, "w"), binding(x0, "r"), binding(x1, "r")],
-                    push_constants=pack_push(numel0, numel1, groups0, groups1), label=label)
 
 
 def _takes_cpu_body(op: str, N: int, K: int, group_size: int, tiles: Any, split_k: int | None,

@@ -69,8 +69,8 @@ from vktrain.serialization.strided_view import MAX_ELEMENTS, KernelArgumentError
 from vktrain.backend.kernel_planning.kernels.layout import BindingLimit, binding, sub_binding, check_dtype, check_view_fits
 from vktrain.backend.kernel_planning.kernels.gemm_windows import (bindings_fit, gemm_windows, q8_0_window, window_scratch_nbytes,
                                                            window_view)
-from vktrain.backend.kernel_planning.kernels.linear import absmax_partials, plan_absmax, plan_splitk_reduce
-from vktrain.backend.kernel_planning.kernels.linear import split_k_scratch_nbytes as linear_split_k_scratch_nbytes
+from vktrain.backend.kernel_planning.kernels.gemm_passes import absmax_partials, plan_absmax, plan_splitk_reduce
+from vktrain.backend.kernel_planning.kernels.gemm_passes import split_k_scratch_nbytes as linear_split_k_scratch_nbytes
 from vktrain.backend.kernel_planning.kernels.registry import register_kernel
 
 TILE_K = 16
