@@ -68,9 +68,6 @@ from vktrain.serialization.generated.vkt_blob import Bool as FbBool
 from vktrain.serialization.generated.vkt_blob import BoolList as FbBoolList
 from vktrain.serialization.generated.vkt_blob import ConstantData as FbConstantData
 from vktrain.serialization.generated.vkt_blob import Double as FbDouble
-from vktrain.serialization.generated.vkt_blob import EmbeddedSchedule as FbEmbeddedSchedule
-from vktrain.serialization.generated.vkt_blob import ShaderModule as FbShaderModule
-from vktrain.serialization.generated.vkt_blob import ShaderModuleBinding as FbShaderModuleBinding
 from vktrain.serialization.generated.vkt_blob import DoubleList as FbDoubleList
 from vktrain.serialization.generated.vkt_blob import Int as FbInt
 from vktrain.serialization.generated.vkt_blob import IntList as FbIntList
@@ -85,11 +82,11 @@ from vktrain.serialization.generated.vkt_blob import Tensor as FbTensor
 from vktrain.serialization.generated.vkt_blob import Value as FbValue
 from vktrain.serialization.generated.vkt_blob import ValueList as FbValueList
 from vktrain.serialization.generated.vkt_blob import VkGraph as FbVkGraph
-from vktrain.serialization.flatbuffer_reading import CORRUPTION_ERRORS, reading, scalar_vector, union_as
+from vktrain.serialization.blob_embedded import (build_embedded_schedule, build_shader_module, read_embedded_schedule,
+                                                 read_shader_module)
+from vktrain.serialization.flatbuffer_building import numpy_vector, table_vector
+from vktrain.serialization.flatbuffer_reading import CORRUPTION_ERRORS, reading, scalar_vector, text, union_as
 from vktrain.serialization.generated.vkt_blob.ValueKind import ValueKind
-from vktrain.serialization.generated.vkt_blob.BindingAccess import BindingAccess
-from vktrain.serialization.device_profile import DeviceProfile, DeviceProfileError
-from vktrain.serialization.embedded import CODE_KINDS, EmbeddedSchedule, ModuleBinding, ShaderModule
 
 from vktrain.serialization.blob_header import (  # noqa: F401  (re-exported: blob.X names them)
     ALIGNMENT, FLATBUFFER_IDENTIFIER, BlobFormatError, BlobHeader, _align)
@@ -165,10 +162,6 @@ def _plan_segments(constants: list, named: dict[int, tuple[str, memoryview]]
     return records, segments, end
 
 
-def _numpy_vector(builder: flatbuffers.Builder, items, dtype) -> int:
-    return builder.CreateNumpyVector(np.asarray(items, dtype=dtype).reshape(-1))
-
-
 # The list values, written and read the same way: graph type -> (flatbuffer element dtype, generated
 # module (the builder functions), its table class (the reader), union kind).
 _LIST_VALUES = {
@@ -179,19 +172,12 @@ _LIST_VALUES = {
 }
 
 
-def _table_vector(builder: flatbuffers.Builder, offsets: list[int]) -> int:
-    builder.StartVector(4, len(offsets), 4)
-    for offset in reversed(offsets):
-        builder.PrependUOffsetTRelative(offset)
-    return builder.EndVector()
-
-
 def _build_value(builder: flatbuffers.Builder, value) -> int:
     """Build one `Value` table (the union wrapper) and return its offset."""
     if isinstance(value, g.TensorValue):
         name = builder.CreateString(value.name) if value.name else None
-        shape = _numpy_vector(builder, value.shape, np.int64)
-        view_strides = _numpy_vector(builder, value.view_strides, np.int64) if value.view_strides else None
+        shape = numpy_vector(builder, value.shape, np.int64)
+        view_strides = numpy_vector(builder, value.view_strides, np.int64) if value.view_strides else None
         FbTensor.Start(builder)
         FbTensor.AddDtype(builder, int(value.dtype))
         FbTensor.AddShape(builder, shape)
@@ -231,7 +217,7 @@ def _build_value(builder: flatbuffers.Builder, value) -> int:
         kind, payload = ValueKind.String, FbString.End(builder)
     elif type(value) in _LIST_VALUES:
         dtype, module, _, kind = _LIST_VALUES[type(value)]
-        items = _numpy_vector(builder, value.items, dtype)
+        items = numpy_vector(builder, value.items, dtype)
         module.Start(builder)
         module.AddItems(builder, items)
         payload = module.End(builder)
@@ -244,8 +230,8 @@ def _build_value(builder: flatbuffers.Builder, value) -> int:
 
 
 def _build_synthetic(builder: flatbuffers.Builder, synthetic: g.SyntheticConstant) -> int:
-    shape = _numpy_vector(builder, synthetic.shape, np.int64)
-    q4gsw_shape = _numpy_vector(builder, synthetic.q4gsw_shape, np.int64) if synthetic.q4gsw_shape else None
+    shape = numpy_vector(builder, synthetic.shape, np.int64)
+    q4gsw_shape = numpy_vector(builder, synthetic.q4gsw_shape, np.int64) if synthetic.q4gsw_shape else None
     FbSyntheticConstant.Start(builder)
     FbSyntheticConstant.AddKind(builder, int(synthetic.kind))
     FbSyntheticConstant.AddSeed(builder, int(synthetic.seed))
@@ -266,8 +252,8 @@ def _build_flatbuffer(graph: g.VkGraph, constant_records: list[tuple[int, int, i
     ops = []
     for op in graph.ops:
         name = builder.CreateSharedString(op.name)
-        args = _numpy_vector(builder, op.args, np.int32)
-        outputs = _numpy_vector(builder, op.outputs, np.int32)
+        args = numpy_vector(builder, op.args, np.int32)
+        outputs = numpy_vector(builder, op.outputs, np.int32)
         FbOpCall.Start(builder)
         FbOpCall.AddName(builder, name)
         FbOpCall.AddArgs(builder, args)
@@ -316,21 +302,21 @@ def _build_flatbuffer(graph: g.VkGraph, constant_records: list[tuple[int, int, i
         FbMetadataEntry.AddValue(builder, value_offset)
         metadata.append(FbMetadataEntry.End(builder))
 
-    modules = [_build_module(builder, module) for module in graph.shader_modules]
-    schedules = [_build_embedded(builder, embedded) for embedded in graph.schedules]
+    modules = [build_shader_module(builder, module) for module in graph.shader_modules]
+    schedules = [build_embedded_schedule(builder, embedded) for embedded in graph.schedules]
 
     # A flatbuffer table cannot be open while vectors are built, so build all of them first.
     vectors = {
-        "values": _table_vector(builder, values),
-        "chain": _table_vector(builder, ops),
-        "input_ids": _numpy_vector(builder, graph.inputs, np.int32),
-        "output_ids": _numpy_vector(builder, graph.outputs, np.int32),
-        "mutable_state": _table_vector(builder, states),
-        "constants": _table_vector(builder, constants),
-        "memory_objects": _table_vector(builder, memory_objects),
-        "metadata": _table_vector(builder, metadata),
-        "schedules": _table_vector(builder, schedules) if schedules else None,
-        "shader_modules": _table_vector(builder, modules) if modules else None,
+        "values": table_vector(builder, values),
+        "chain": table_vector(builder, ops),
+        "input_ids": numpy_vector(builder, graph.inputs, np.int32),
+        "output_ids": numpy_vector(builder, graph.outputs, np.int32),
+        "mutable_state": table_vector(builder, states),
+        "constants": table_vector(builder, constants),
+        "memory_objects": table_vector(builder, memory_objects),
+        "metadata": table_vector(builder, metadata),
+        "schedules": table_vector(builder, schedules) if schedules else None,
+        "shader_modules": table_vector(builder, modules) if modules else None,
     }
     FbVkGraph.Start(builder)
     FbVkGraph.AddValues(builder, vectors["values"])
@@ -346,50 +332,6 @@ def _build_flatbuffer(graph: g.VkGraph, constant_records: list[tuple[int, int, i
         FbVkGraph.AddShaderModules(builder, vectors["shader_modules"])
     builder.Finish(FbVkGraph.End(builder), file_identifier=FLATBUFFER_IDENTIFIER)
     return bytes(builder.Output())
-
-
-# Module binding access as schema.fbs BindingAccess stores it ("rw" is READ_WRITE; DECLARED is not used here).
-_MODULE_ACCESS = {"r": BindingAccess.READ, "w": BindingAccess.WRITE, "rw": BindingAccess.READ_WRITE}
-_MODULE_ACCESS_NAMES = {code: name for name, code in _MODULE_ACCESS.items()}
-
-
-def _build_module(builder: flatbuffers.Builder, module: ShaderModule) -> int:
-    name = builder.CreateString(module.name)
-    code = builder.CreateNumpyVector(np.frombuffer(module.code, np.uint8))
-    bindings = []
-    for binding in module.bindings:
-        FbShaderModuleBinding.Start(builder)
-        FbShaderModuleBinding.AddBinding(builder, binding.binding)
-        FbShaderModuleBinding.AddAccess(builder, _MODULE_ACCESS[binding.access])
-        bindings.append(FbShaderModuleBinding.End(builder))
-    vectors = (_table_vector(builder, bindings), _numpy_vector(builder, module.spec_ids, np.uint32),
-               _table_vector(builder, [builder.CreateString(f) for f in module.features]),
-               _numpy_vector(builder, module.local_size, np.uint32),
-               _numpy_vector(builder, module.local_size_spec_ids, np.int32))
-    FbShaderModule.Start(builder)
-    FbShaderModule.AddName(builder, name)
-    FbShaderModule.AddKind(builder, CODE_KINDS.index(module.kind))
-    FbShaderModule.AddCode(builder, code)
-    FbShaderModule.AddBindings(builder, vectors[0])
-    FbShaderModule.AddPushConstantBytes(builder, module.push_constant_bytes)
-    FbShaderModule.AddPushHeader(builder, module.push_header)
-    FbShaderModule.AddSpecIds(builder, vectors[1])
-    FbShaderModule.AddFeatures(builder, vectors[2])
-    if module.local_size:
-        FbShaderModule.AddLocalSize(builder, vectors[3])
-        FbShaderModule.AddLocalSizeSpecIds(builder, vectors[4])
-    return FbShaderModule.End(builder)
-
-
-def _build_embedded(builder: flatbuffers.Builder, embedded: EmbeddedSchedule) -> int:
-    profile = builder.CreateString(embedded.profile.to_json())
-    schedule = builder.CreateNumpyVector(np.frombuffer(embedded.schedule_bytes, np.uint8))
-    modules = _numpy_vector(builder, embedded.dispatch_modules, np.uint32)
-    FbEmbeddedSchedule.Start(builder)
-    FbEmbeddedSchedule.AddProfile(builder, profile)
-    FbEmbeddedSchedule.AddSchedule(builder, schedule)
-    FbEmbeddedSchedule.AddDispatchModules(builder, modules)
-    return FbEmbeddedSchedule.End(builder)
 
 
 def _plan_blob(graph: g.VkGraph, named: dict[int, tuple[str, memoryview]]) -> _Layout:
@@ -448,10 +390,6 @@ def write_blob(graph: g.VkGraph, fileobj: BinaryIO, named: dict[int, tuple[str, 
 # Reading
 # ---------------------------------------------------------------------------------------------------
 
-def _text(raw) -> str:
-    return "" if raw is None else bytes(raw).decode("utf-8")
-
-
 def _read_value(fb_value, value_id: int):
     kind = fb_value.ValueType()
     table = fb_value.Value()
@@ -461,7 +399,7 @@ def _read_value(fb_value, value_id: int):
         t = union_as(table, FbTensor.Tensor)
         try:
             return g.TensorValue(t.Dtype(), scalar_vector(t, "Shape"), t.Layout(), t.ConstantId(), t.MemObjId(),
-                                 _text(t.Name()), mem_offset=t.MemOffset(), storage_of=t.StorageOf(),
+                                 text(t.Name()), mem_offset=t.MemOffset(), storage_of=t.StorageOf(),
                                  is_view=bool(t.IsView()),
                                  view_strides=scalar_vector(t, "ViewStrides"), view_offset=t.ViewOffset(),
                                  stored_dtype=t.StoredDtype())
@@ -476,7 +414,7 @@ def _read_value(fb_value, value_id: int):
     if kind == ValueKind.Bool:
         return g.BoolValue(bool(union_as(table, FbBool.Bool).Value()))
     if kind == ValueKind.String:
-        return g.StringValue(_text(union_as(table, FbString.String).Value()))
+        return g.StringValue(text(union_as(table, FbString.String).Value()))
     for value_type, (_, _, table_class, list_kind) in _LIST_VALUES.items():
         if kind == list_kind:
             return value_type(scalar_vector(union_as(table, table_class), "Items"))
@@ -504,7 +442,7 @@ def _read_graph(flatbuffer: memoryview, segment_area: memoryview, verify_constan
     for i in range(root.ChainLength()):
         with reading(f"VkGraph.chain[{i}]", BlobFormatError):
             op = root.Chain(i)
-            graph.ops.append(g.OpCall(_text(op.Name()), scalar_vector(op, "Args"), scalar_vector(op, "Outputs")))
+            graph.ops.append(g.OpCall(text(op.Name()), scalar_vector(op, "Args"), scalar_vector(op, "Outputs")))
     with reading("VkGraph.input_ids / output_ids", BlobFormatError):
         graph.inputs = list(scalar_vector(root, "InputIds"))
         graph.outputs = list(scalar_vector(root, "OutputIds"))
@@ -519,46 +457,13 @@ def _read_graph(flatbuffer: memoryview, segment_area: memoryview, verify_constan
     for i in range(root.MetadataLength()):
         with reading(f"VkGraph.metadata[{i}]", BlobFormatError):
             entry = root.Metadata(i)
-            key = _text(entry.Key())
+            key = text(entry.Key())
             if key in graph.metadata:
                 raise BlobFormatError(f"metadata key {key!r} appears twice")
-            graph.metadata[key] = _text(entry.Value())
-    graph.shader_modules = [_read_module(root, i) for i in range(root.ShaderModulesLength())]
-    graph.schedules = [_read_embedded(root, i) for i in range(root.SchedulesLength())]
+            graph.metadata[key] = text(entry.Value())
+    graph.shader_modules = [read_shader_module(root, i) for i in range(root.ShaderModulesLength())]
+    graph.schedules = [read_embedded_schedule(root, i) for i in range(root.SchedulesLength())]
     return graph
-
-
-def _ubytes(table, field_name: str) -> bytes:
-    return bytes(getattr(table, f"{field_name}AsNumpy")().tobytes()) if getattr(table, f"{field_name}Length")() else b""
-
-
-def _read_module(root, index: int) -> ShaderModule:
-    with reading(f"VkGraph.shader_modules[{index}]", BlobFormatError):
-        table = root.ShaderModules(index)
-        kind = table.Kind()
-        if kind >= len(CODE_KINDS):
-            raise BlobFormatError(f"shader module {index} has unknown code kind {kind} (blob from a newer vktrain?)")
-        bindings = []
-        for i in range(table.BindingsLength()):
-            binding = table.Bindings(i)
-            if binding.Access() not in _MODULE_ACCESS_NAMES:
-                raise BlobFormatError(f"shader module {index} binding {i} has access {binding.Access()}; expected "
-                                      f"READ, WRITE or READ_WRITE")
-            bindings.append(ModuleBinding(binding.Binding(), _MODULE_ACCESS_NAMES[binding.Access()]))
-        return ShaderModule(_text(table.Name()), CODE_KINDS[kind], _ubytes(table, "Code"), tuple(bindings),
-                            table.PushConstantBytes(), bool(table.PushHeader()), scalar_vector(table, "SpecIds"),
-                            tuple(_text(table.Features(i)) for i in range(table.FeaturesLength())),
-                            scalar_vector(table, "LocalSize"), scalar_vector(table, "LocalSizeSpecIds"))
-
-
-def _read_embedded(root, index: int) -> EmbeddedSchedule:
-    with reading(f"VkGraph.schedules[{index}]", BlobFormatError):
-        table = root.Schedules(index)
-        try:
-            profile = DeviceProfile.from_json(_text(table.Profile()), f"embedded schedule {index}'s device profile")
-        except DeviceProfileError as exc:
-            raise BlobFormatError(str(exc)) from None
-        return EmbeddedSchedule(profile, _ubytes(table, "Schedule"), scalar_vector(table, "DispatchModules"))
 
 
 def _read_constants(root, segment_area: memoryview, verify: bool, named_data: Mapping[str, memoryview] | None) -> list:
@@ -568,7 +473,7 @@ def _read_constants(root, segment_area: memoryview, verify: bool, named_data: Ma
         with reading(f"VkGraph.constants[{i}]", BlobFormatError):
             record = root.Constants(i)
             offset, length, crc32 = record.Offset(), record.Length(), record.Crc32()
-            synthetic, named_key = record.Synthetic(), _text(record.NamedKey())
+            synthetic, named_key = record.Synthetic(), text(record.NamedKey())
             stored_dtype, encoding = record.StoredDtype(), record.StoredEncoding()
         if synthetic is not None:
             if stored_dtype is not None or encoding != g.ConstantEncoding.ELEMENTS:
@@ -630,7 +535,7 @@ def _constant_reader(root, constant_id: int) -> str:
         if fb_value.ValueType() == ValueKind.Tensor:
             tensor = union_as(fb_value.Value(), FbTensor.Tensor)
             if tensor.ConstantId() == constant_id:
-                return f"tensor value {value_id} ({_text(tensor.Name()) or 'unnamed'})"
+                return f"tensor value {value_id} ({text(tensor.Name()) or 'unnamed'})"
     return "no tensor: a state's initial value, or unused"
 
 
@@ -696,7 +601,7 @@ def read_for_rewrite(data: bytes | bytearray | memoryview, named_data: Mapping[s
     root = FbVkGraph.VkGraph.GetRootAs(view[header.flatbuffer_offset:header.flatbuffer_offset + header.flatbuffer_size], 0)
     named = {}
     for i in range(root.ConstantsLength()):
-        key = _text(root.Constants(i).NamedKey())
+        key = text(root.Constants(i).NamedKey())
         if key:
             named[i] = (key, g.stored_bytes(graph.constants[i]))
     return graph, named

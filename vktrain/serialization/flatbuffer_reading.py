@@ -37,3 +37,8 @@ def union_as(holder, table_class):
     table = table_class()
     table.Init(holder.Bytes, holder.Pos)
     return table
+
+
+def text(raw) -> str:
+    """A flatbuffer string field as str ("" where absent)."""
+    return "" if raw is None else bytes(raw).decode("utf-8")

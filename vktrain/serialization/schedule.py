@@ -28,7 +28,8 @@ from vktrain.contract import PRECISION_FP16
 from vktrain.serialization import graph as g
 from vktrain.serialization.device_profile import API_VULKAN, API_WEBGPU, DeviceProfile
 from vktrain.serialization.dispatch import BufferBinding, Dispatch, ScheduleError
-from vktrain.serialization.flatbuffer_reading import reading, scalar_vector
+from vktrain.serialization.flatbuffer_building import numpy_vector, table_vector
+from vktrain.serialization.flatbuffer_reading import reading, scalar_vector, text as _text
 from vktrain.serialization.generated.vkt_blob import PlannedGemm as FbPlannedGemm
 from vktrain.serialization.generated.vkt_blob import Schedule as FbSchedule
 from vktrain.serialization.generated.vkt_blob import ScheduleBinding as FbBinding
@@ -275,19 +276,10 @@ def graph_digest(graph: g.VkGraph) -> str:
 # Writing
 # ---------------------------------------------------------------------------------------------------
 
-def _vector(builder: flatbuffers.Builder, items: Iterable, dtype) -> int:
-    return builder.CreateNumpyVector(np.asarray(list(items), dtype=dtype).reshape(-1))
-
-
-def _tables(builder: flatbuffers.Builder, offsets: list[int]) -> int:
-    builder.StartVector(4, len(offsets), 4)
-    for offset in reversed(offsets):
-        builder.PrependUOffsetTRelative(offset)
-    return builder.EndVector()
 
 
 def _strings(builder: flatbuffers.Builder, texts: Iterable[str]) -> int:
-    return _tables(builder, [builder.CreateString(text) for text in texts])
+    return table_vector(builder, [builder.CreateString(text) for text in texts])
 
 
 def _build_spec(builder: flatbuffers.Builder, spec_id: int, value: Any) -> int:
@@ -317,9 +309,9 @@ def _build_dispatch(builder: flatbuffers.Builder, dispatch: Dispatch, index_of: 
         FbBinding.AddAccess(builder, _ACCESS[binding.access])
         bindings.append(FbBinding.End(builder))
     specs = [_build_spec(builder, spec_id, value) for spec_id, value in dispatch.spec_constants]
-    vectors = (_vector(builder, dispatch.groups, np.uint32), _tables(builder, bindings),
-               _vector(builder, dispatch.push_constants, np.uint8), _tables(builder, specs),
-               _vector(builder, dispatch.local_size or (), np.uint32))
+    vectors = (numpy_vector(builder, dispatch.groups, np.uint32), table_vector(builder, bindings),
+               numpy_vector(builder, dispatch.push_constants, np.uint8), table_vector(builder, specs),
+               numpy_vector(builder, dispatch.local_size or (), np.uint32))
     FbDispatch.Start(builder)
     FbDispatch.AddShader(builder, shader)
     FbDispatch.AddGroups(builder, vectors[0])
@@ -333,7 +325,7 @@ def _build_dispatch(builder: flatbuffers.Builder, dispatch: Dispatch, index_of: 
 
 def _build_requirements(builder: flatbuffers.Builder, needs: ScheduleRequirements) -> int:
     api, operations = builder.CreateString(needs.api), _strings(builder, needs.subgroup_operations)
-    coopmat = _vector(builder, needs.cooperative_matrix, np.uint32)
+    coopmat = numpy_vector(builder, needs.cooperative_matrix, np.uint32)
     FbRequirements.Start(builder)
     FbRequirements.AddApi(builder, api)
     FbRequirements.AddMaxStorageBufferRange(builder, needs.max_storage_buffer_range)
@@ -377,7 +369,7 @@ def _build_guard(builder: flatbuffers.Builder, guard: StateGuardPlan, index_of: 
         tensors.append(FbGuardedTensor.End(builder))
     save = [_build_dispatch(builder, dispatch, index_of) for dispatch in guard.save]
     restore = [_build_dispatch(builder, dispatch, index_of) for dispatch in guard.restore]
-    vectors = (_tables(builder, tensors), _tables(builder, save), _tables(builder, restore))
+    vectors = (table_vector(builder, tensors), table_vector(builder, save), table_vector(builder, restore))
     FbStateGuardPlan.Start(builder)
     FbStateGuardPlan.AddTensors(builder, vectors[0])
     FbStateGuardPlan.AddSlotBytes(builder, guard.slot_bytes)
@@ -419,7 +411,7 @@ def serialize_schedule(schedule: Schedule) -> bytes:
     digest = builder.CreateString(schedule.graph_digest)
     requirements, gemm = _build_requirements(builder, schedule.requirements), _build_gemm(builder, schedule.gemm)
     guard = None if schedule.state_guard is None else _build_guard(builder, schedule.state_guard, index_of)
-    vectors = (_tables(builder, buffers), _tables(builder, placements), _tables(builder, dispatches),
+    vectors = (table_vector(builder, buffers), table_vector(builder, placements), table_vector(builder, dispatches),
                _strings(builder, schedule.tensor_core_ops))
     FbSchedule.Start(builder)
     FbSchedule.AddFormatVersion(builder, SCHEDULE_FORMAT_VERSION)
@@ -440,10 +432,6 @@ def serialize_schedule(schedule: Schedule) -> bytes:
 # ---------------------------------------------------------------------------------------------------
 # Reading
 # ---------------------------------------------------------------------------------------------------
-
-def _text(raw) -> str:
-    return "" if raw is None else bytes(raw).decode("utf-8")
-
 
 def _texts(table, field: str) -> tuple[str, ...]:
     return tuple(_text(getattr(table, field)(i)) for i in range(getattr(table, f"{field}Length")()))
