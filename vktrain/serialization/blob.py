@@ -64,24 +64,14 @@ import flatbuffers
 import numpy as np
 
 from vktrain.serialization import graph as g
-from vktrain.serialization.generated.vkt_blob import Bool as FbBool
-from vktrain.serialization.generated.vkt_blob import BoolList as FbBoolList
 from vktrain.serialization.generated.vkt_blob import ConstantData as FbConstantData
-from vktrain.serialization.generated.vkt_blob import Double as FbDouble
-from vktrain.serialization.generated.vkt_blob import DoubleList as FbDoubleList
-from vktrain.serialization.generated.vkt_blob import Int as FbInt
-from vktrain.serialization.generated.vkt_blob import IntList as FbIntList
 from vktrain.serialization.generated.vkt_blob import MemoryObject as FbMemoryObject
 from vktrain.serialization.generated.vkt_blob import MetadataEntry as FbMetadataEntry
 from vktrain.serialization.generated.vkt_blob import MutableState as FbMutableState
-from vktrain.serialization.generated.vkt_blob import Null as FbNull
 from vktrain.serialization.generated.vkt_blob import OpCall as FbOpCall
-from vktrain.serialization.generated.vkt_blob import String as FbString
-from vktrain.serialization.generated.vkt_blob import SyntheticConstant as FbSyntheticConstant
 from vktrain.serialization.generated.vkt_blob import Tensor as FbTensor
-from vktrain.serialization.generated.vkt_blob import Value as FbValue
-from vktrain.serialization.generated.vkt_blob import ValueList as FbValueList
 from vktrain.serialization.generated.vkt_blob import VkGraph as FbVkGraph
+from vktrain.serialization.blob_values import build_synthetic, build_value, read_synthetic, read_value
 from vktrain.serialization.blob_embedded import (build_embedded_schedule, build_shader_module, read_embedded_schedule,
                                                  read_shader_module)
 from vktrain.serialization.flatbuffer_building import numpy_vector, table_vector
@@ -162,92 +152,9 @@ def _plan_segments(constants: list, named: dict[int, tuple[str, memoryview]]
     return records, segments, end
 
 
-# The list values, written and read the same way: graph type -> (flatbuffer element dtype, generated
-# module (the builder functions), its table class (the reader), union kind).
-_LIST_VALUES = {
-    g.IntListValue: (np.int64, FbIntList, FbIntList.IntList, ValueKind.IntList),
-    g.DoubleListValue: (np.float64, FbDoubleList, FbDoubleList.DoubleList, ValueKind.DoubleList),
-    g.BoolListValue: (np.bool_, FbBoolList, FbBoolList.BoolList, ValueKind.BoolList),
-    g.ValueListValue: (np.int32, FbValueList, FbValueList.ValueList, ValueKind.ValueList),
-}
-
-
-def _build_value(builder: flatbuffers.Builder, value) -> int:
-    """Build one `Value` table (the union wrapper) and return its offset."""
-    if isinstance(value, g.TensorValue):
-        name = builder.CreateString(value.name) if value.name else None
-        shape = numpy_vector(builder, value.shape, np.int64)
-        view_strides = numpy_vector(builder, value.view_strides, np.int64) if value.view_strides else None
-        FbTensor.Start(builder)
-        FbTensor.AddDtype(builder, int(value.dtype))
-        FbTensor.AddShape(builder, shape)
-        FbTensor.AddLayout(builder, int(value.layout))
-        FbTensor.AddConstantId(builder, value.constant_id)
-        FbTensor.AddMemObjId(builder, value.mem_obj_id)
-        if name is not None:
-            FbTensor.AddName(builder, name)
-        FbTensor.AddMemOffset(builder, value.mem_offset)
-        FbTensor.AddStorageOf(builder, value.storage_of)
-        FbTensor.AddIsView(builder, value.is_view)
-        if view_strides is not None:
-            FbTensor.AddViewStrides(builder, view_strides)
-        FbTensor.AddViewOffset(builder, value.view_offset)
-        if value.stored_dtype is not None:
-            FbTensor.AddStoredDtype(builder, int(value.stored_dtype))
-        kind, payload = ValueKind.Tensor, FbTensor.End(builder)
-    elif isinstance(value, g.NullValue):
-        FbNull.Start(builder)
-        kind, payload = ValueKind.Null, FbNull.End(builder)
-    elif isinstance(value, g.IntValue):
-        FbInt.Start(builder)
-        FbInt.AddValue(builder, int(value.value))
-        kind, payload = ValueKind.Int, FbInt.End(builder)
-    elif isinstance(value, g.DoubleValue):
-        FbDouble.Start(builder)
-        FbDouble.AddValue(builder, float(value.value))
-        kind, payload = ValueKind.Double, FbDouble.End(builder)
-    elif isinstance(value, g.BoolValue):
-        FbBool.Start(builder)
-        FbBool.AddValue(builder, bool(value.value))
-        kind, payload = ValueKind.Bool, FbBool.End(builder)
-    elif isinstance(value, g.StringValue):
-        text = builder.CreateString(value.value)
-        FbString.Start(builder)
-        FbString.AddValue(builder, text)
-        kind, payload = ValueKind.String, FbString.End(builder)
-    elif type(value) in _LIST_VALUES:
-        dtype, module, _, kind = _LIST_VALUES[type(value)]
-        items = numpy_vector(builder, value.items, dtype)
-        module.Start(builder)
-        module.AddItems(builder, items)
-        payload = module.End(builder)
-    else:  # validate() refuses this earlier; kept so a new value type cannot be silently dropped
-        raise g.GraphError(f"cannot serialise value of type {type(value).__name__}")
-    FbValue.Start(builder)
-    FbValue.AddValueType(builder, kind)
-    FbValue.AddValue(builder, payload)
-    return FbValue.End(builder)
-
-
-def _build_synthetic(builder: flatbuffers.Builder, synthetic: g.SyntheticConstant) -> int:
-    shape = numpy_vector(builder, synthetic.shape, np.int64)
-    q4gsw_shape = numpy_vector(builder, synthetic.q4gsw_shape, np.int64) if synthetic.q4gsw_shape else None
-    FbSyntheticConstant.Start(builder)
-    FbSyntheticConstant.AddKind(builder, int(synthetic.kind))
-    FbSyntheticConstant.AddSeed(builder, int(synthetic.seed))
-    FbSyntheticConstant.AddDtype(builder, int(synthetic.dtype))
-    FbSyntheticConstant.AddShape(builder, shape)
-    FbSyntheticConstant.AddStd(builder, synthetic.std)
-    FbSyntheticConstant.AddValue(builder, synthetic.value)
-    FbSyntheticConstant.AddLayout(builder, int(synthetic.layout))
-    if q4gsw_shape is not None:
-        FbSyntheticConstant.AddQ4gswShape(builder, q4gsw_shape)
-    return FbSyntheticConstant.End(builder)
-
-
 def _build_flatbuffer(graph: g.VkGraph, constant_records: list[tuple[int, int, int, str | None]]) -> bytes:
     builder = flatbuffers.Builder(4096)
-    values = [_build_value(builder, value) for value in graph.values]
+    values = [build_value(builder, value) for value in graph.values]
 
     ops = []
     for op in graph.ops:
@@ -270,7 +177,7 @@ def _build_flatbuffer(graph: g.VkGraph, constant_records: list[tuple[int, int, i
 
     constants = []
     for (offset, length, crc32, named_key), data in zip(constant_records, graph.constants):
-        synthetic = _build_synthetic(builder, data) if isinstance(data, g.SyntheticConstant) else None
+        synthetic = build_synthetic(builder, data) if isinstance(data, g.SyntheticConstant) else None
         key = builder.CreateString(named_key) if named_key is not None else None
         FbConstantData.Start(builder)
         FbConstantData.AddOffset(builder, offset)
@@ -390,45 +297,6 @@ def write_blob(graph: g.VkGraph, fileobj: BinaryIO, named: dict[int, tuple[str, 
 # Reading
 # ---------------------------------------------------------------------------------------------------
 
-def _read_value(fb_value, value_id: int):
-    kind = fb_value.ValueType()
-    table = fb_value.Value()
-    if table is None:
-        raise BlobFormatError(f"value {value_id} has no payload (union type {kind})")
-    if kind == ValueKind.Tensor:
-        t = union_as(table, FbTensor.Tensor)
-        try:
-            return g.TensorValue(t.Dtype(), scalar_vector(t, "Shape"), t.Layout(), t.ConstantId(), t.MemObjId(),
-                                 text(t.Name()), mem_offset=t.MemOffset(), storage_of=t.StorageOf(),
-                                 is_view=bool(t.IsView()),
-                                 view_strides=scalar_vector(t, "ViewStrides"), view_offset=t.ViewOffset(),
-                                 stored_dtype=t.StoredDtype())
-        except g.GraphError as exc:
-            raise BlobFormatError(f"value {value_id}: {exc}") from None
-    if kind == ValueKind.Null:
-        return g.NullValue()
-    if kind == ValueKind.Int:
-        return g.IntValue(union_as(table, FbInt.Int).Value())
-    if kind == ValueKind.Double:
-        return g.DoubleValue(union_as(table, FbDouble.Double).Value())
-    if kind == ValueKind.Bool:
-        return g.BoolValue(bool(union_as(table, FbBool.Bool).Value()))
-    if kind == ValueKind.String:
-        return g.StringValue(text(union_as(table, FbString.String).Value()))
-    for value_type, (_, _, table_class, list_kind) in _LIST_VALUES.items():
-        if kind == list_kind:
-            return value_type(scalar_vector(union_as(table, table_class), "Items"))
-    raise BlobFormatError(f"value {value_id} has unknown union type {kind} (blob from a newer vktrain?)")
-
-
-def _read_synthetic(table, constant_id: int) -> g.SyntheticConstant:
-    try:
-        return g.SyntheticConstant(table.Kind(), table.Seed(), table.Dtype(), scalar_vector(table, "Shape"),
-                                   table.Std(), table.Value(), table.Layout(), scalar_vector(table, "Q4gswShape"))
-    except g.GraphError as exc:
-        raise BlobFormatError(f"constant {constant_id}: {exc}") from None
-
-
 def _read_graph(flatbuffer: memoryview, segment_area: memoryview, verify_constants: bool,
                 named_data: Mapping[str, memoryview] | None) -> g.VkGraph:
     """The graph; with `verify_constants`, each constant's crc32 is checked as soon as its record is read,
@@ -438,7 +306,7 @@ def _read_graph(flatbuffer: memoryview, segment_area: memoryview, verify_constan
     graph.constants = _read_constants(root, segment_area, verify_constants, named_data)
     for i in range(root.ValuesLength()):
         with reading(f"VkGraph.values[{i}]", BlobFormatError):
-            graph.values.append(_read_value(root.Values(i), i))
+            graph.values.append(read_value(root.Values(i), i))
     for i in range(root.ChainLength()):
         with reading(f"VkGraph.chain[{i}]", BlobFormatError):
             op = root.Chain(i)
@@ -483,7 +351,7 @@ def _read_constants(root, segment_area: memoryview, verify: bool, named_data: Ma
                 raise BlobFormatError(f"constant {i} is synthetic but also has segment bytes "
                                       f"(offset {offset}, length {length}; expected 0, 0)")
             with reading(f"VkGraph.constants[{i}].synthetic", BlobFormatError):
-                constants.append(_read_synthetic(synthetic, i))
+                constants.append(read_synthetic(synthetic, i))
             continue
         if named_key:
             data = _named_constant(i, named_key, offset, length, named_data)
