@@ -17,12 +17,11 @@ from typing import Any, Mapping, Optional
 import numpy as np
 
 from vktrain.contract import ACCUMULATE_METHOD, GRAD_ACC_PREFIX
-from vktrain.runtime.program.schedules import Planner, bound_planning_options, method_schedule
+from vktrain.runtime.program.schedules import Planner, bound_executor
 from vktrain.runtime.delegate.executor import GraphExecutor
 from vktrain.runtime.program.interpreter import (
     ProgramInterpreter, check_instructions_supported, check_loss_output, check_storageless_tensors, plan_input_names
 )
-from vktrain.runtime.program.embedded import method_selection, module_options
 from vktrain.runtime.program.step_inputs import check_input_names, checked_input, step_input_specs
 from vktrain.serialization.pte import PteFile
 from vktrain.serialization.verify import (UnsupportedProgramError, check_device_memory, device_memory_bytes,
@@ -64,13 +63,8 @@ class AccumulateMethod:
                             else device_memory_limit)
         shared = {name: tensor for name, tensor in state.items() if name in names}  # adapters and grad_acc
         shared.update(training.constants_matching(self.graph))  # the frozen base: on the device once
-        selection = method_selection(self.graph, training, str(pte.source))  # the step's target
-        obtained = method_schedule(self.graph, training.device, planner=planner,
-                                   embedded=selection.schedule if selection else None, source=self._source,
-                                   shared=shared, **bound_planning_options(training))
-        self.executor = GraphExecutor(training.device, self.graph, obtained.schedule, verify=obtained.verify,
-                                      timing=False, shared=shared, resident_bytes=training.program_bytes,
-                                      arena=training if reuse_activations else None, **module_options(selection))
+        self.executor = bound_executor(self.graph, training, shared, planner=planner, source=self._source,
+                                       timing=False, reuse_activations=reuse_activations)
         try:
             self._interpreter = ProgramInterpreter(pte, plan, self._run_delegate, host_memory_limit=host_memory_limit)
         except BaseException:

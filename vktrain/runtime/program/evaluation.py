@@ -19,14 +19,13 @@ from typing import Any, Mapping, Optional
 import numpy as np
 
 from vktrain.contract import EVAL_INPUTS, EVAL_METHOD, LABELS, MODEL_PREFIX, N_VALID, POSITIONS, TOKEN_IDS
-from vktrain.runtime.program.schedules import Planner, bound_planning_options, method_schedule
+from vktrain.runtime.program.schedules import Planner, bound_executor
 from vktrain.runtime.delegate.executor import ExecutorInputError, GraphExecutor
 from vktrain.serialization.pte import PteFile
 from vktrain.runtime.program.interpreter import (
     ProgramInterpreter, check_instructions_supported, check_loss_output, check_storageless_tensors, plan_input_names
 )
 from vktrain.serialization.verify import UnsupportedProgramError
-from vktrain.runtime.program.embedded import method_selection, module_options
 from vktrain.runtime.program.step_inputs import check_input_names, checked_input, document_inputs, step_input_specs
 from vktrain.serialization.verify import check_device_memory, device_memory_bytes, load_delegate_graph, verify_plan
 from vktrain.serialization import graph as g
@@ -68,13 +67,8 @@ class EvalMethod:
                             else device_memory_limit)
         shared = {name: state[name] for name in lora}
         shared.update(training.constants_matching(self.graph))  # the frozen base: on the device once
-        selection = method_selection(self.graph, training, str(pte.source))  # the step's target
-        obtained = method_schedule(self.graph, training.device, planner=planner,
-                                   embedded=selection.schedule if selection else None, source=self._source,
-                                   shared=shared, **bound_planning_options(training))
-        self.executor = GraphExecutor(training.device, self.graph, obtained.schedule, verify=obtained.verify,
-                                      timing=timing, shared=shared, resident_bytes=training.program_bytes,
-                                      arena=training if reuse_activations else None, **module_options(selection))
+        self.executor = bound_executor(self.graph, training, shared, planner=planner, source=self._source,
+                                       timing=timing, reuse_activations=reuse_activations)
         try:
             self._interpreter = ProgramInterpreter(pte, plan, self._run_delegate, host_memory_limit=host_memory_limit)
         except BaseException:

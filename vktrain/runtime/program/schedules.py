@@ -27,6 +27,8 @@ from vktrain.serialization.device_profile import API_VULKAN, DeviceProfile
 from vktrain.contract import PRECISION_AUTO
 from vktrain.errors import VktrainError
 from vktrain.runtime.device_profiles import emulated_profile_spec, planning_profile
+from vktrain.runtime.delegate.executor import GraphExecutor
+from vktrain.runtime.program.embedded import method_selection, module_options
 from vktrain.serialization import graph as vk
 from vktrain.serialization.schedule import Schedule
 
@@ -93,6 +95,20 @@ def bound_planning_options(training: Any) -> dict[str, Any]:
     route = training.gemm_route
     precision = PRECISION_AUTO if route.emulate else route.precision
     return dict(precision=precision, max_binding_bytes=training.max_binding_bytes)
+
+
+def bound_executor(graph: vk.VkGraph, training: Any, shared: dict, *, planner: Optional[Planner], source: str,
+                   timing: bool, reuse_activations: bool):
+    """The GraphExecutor of a method bound to the training step's executor `training` (eval, accumulate): it
+    binds `shared` (the step's state and frozen constants), runs the schedule embedded for the step's profile
+    or the planner's with the step's options, and reuses the step's activation buffers when asked."""
+    selection = method_selection(graph, training, source)  # the step's target
+    obtained = method_schedule(graph, training.device, planner=planner,
+                               embedded=selection.schedule if selection else None, source=source,
+                               shared=shared, **bound_planning_options(training))
+    return GraphExecutor(training.device, graph, obtained.schedule, verify=obtained.verify, timing=timing,
+                         shared=shared, resident_bytes=training.program_bytes,
+                         arena=training if reuse_activations else None, **module_options(selection))
 
 
 __all__ = ["MethodSchedule", "NoScheduleError", "Planner", "bound_planning_options", "check_within_profile",
