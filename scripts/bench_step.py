@@ -188,8 +188,9 @@ def build_bench_model(preset: str, seed: int = 0, **overrides):
 
 
 def export_configs(preset: str, shapes: list[tuple[int, int]], out_dir: Path, min_bytes: int,
-                   prefix: str = "step", **overrides) -> list[dict[str, Any]]:
-    """Export and lower one training step per (batch, seq); write <out_dir>/<prefix>_<B>x<S>.pte."""
+                   prefix: str = "step", target: str = "none", **overrides) -> list[dict[str, Any]]:
+    """Export and lower one training step per (batch, seq); write <out_dir>/<prefix>_<B>x<S>.pte, with the
+    schedules of `target` embedded (`vktrain export --target`; default none: the runtime plans at load)."""
     from tqdm import tqdm
 
     from vktrain.backend import metadata_spec, synthetic_constants_spec
@@ -197,6 +198,7 @@ def export_configs(preset: str, shapes: list[tuple[int, int]], out_dir: Path, mi
     from vktrain.partitioner import VktrainPartitioner
     from vktrain.serialization.pte import PteFile
     from vktrain.serialization import deserialize_blob
+    from vktrain.train.targets import TargetEmbedder, resolve_targets
 
     out_dir.mkdir(parents=True, exist_ok=True)
     written = []
@@ -219,7 +221,8 @@ def export_configs(preset: str, shapes: list[tuple[int, int]], out_dir: Path, mi
             progress.set_postfix_str(f"{config.label}: lowering")
             start = time.perf_counter()
             specs = synthetic_constants_spec(min_bytes) + [metadata_spec(BENCH_CONFIG_KEY, json.dumps(asdict(config)))]
-            data = lower_to_pte(program, VktrainPartitioner(compile_specs=specs))
+            embedder = TargetEmbedder(resolve_targets(target)) if target != "none" else None
+            data = lower_to_pte(program, VktrainPartitioner(compile_specs=specs), rewrite_blobs=embedder)
             lower_s = time.perf_counter() - start
             del program
             path = out_dir / f"{prefix}_{config.label}.pte"
@@ -548,6 +551,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="constants of at least this many bytes become synthetic (default: "
                              f"{FULL_SYNTHETIC_MIN_BYTES}, quick {QUICK_SYNTHETIC_MIN_BYTES})")
     export.add_argument("--out", type=Path, default=None, help="also write what was exported as JSON")
+    export.add_argument("--target", default="none",
+                        help="device profiles whose schedules are embedded (`vktrain export --target`); default "
+                             "none: the runtime plans at load")
+    export.add_argument("--prefix", default="step", help="file names <prefix>_<B>x<S>.pte (default step)")
 
     run = commands.add_parser("run", help="time the exported steps on Vulkan and in PyTorch eager")
     run.add_argument("pte", nargs="+", help=".pte files written by `export`")
@@ -588,10 +595,12 @@ def main(argv: list[str] | None = None) -> int:
         model = QUICK_PRESET if quick else args.model
         default_shapes = QUICK_SHAPES if quick else DERIVED_MODELS.get(model, (None, None, FULL_SHAPES))[2]
         prefix = "step_quick" if quick else ("step" if model == FULL_PRESET else f"step_{model}")
+        if args.prefix != "step":
+            prefix = args.prefix
         written = export_configs(model, args.shapes or list(default_shapes), args.out_dir,
                                  args.min_bytes if args.min_bytes is not None else
                                  (QUICK_SYNTHETIC_MIN_BYTES if quick else FULL_SYNTHETIC_MIN_BYTES),
-                                 prefix=prefix, **(QUICK_OVERRIDES if quick else {}))
+                                 prefix=prefix, target=args.target, **(QUICK_OVERRIDES if quick else {}))
         if args.out:
             args.out.write_text(json.dumps(written, indent=1))
         return 0
