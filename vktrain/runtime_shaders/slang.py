@@ -19,7 +19,10 @@ silently:
     replaced by the `@id(0..2)` override that carries it; slangc's `_0` suffix is taken off
     `vktrain_group_offset` (the split-dispatch header the reflection looks for) and off the overrides
     (the names `// vktrain-requires:` lines use); those lines are copied in front (the WebGPU runtime
-    reads them from the WGSL); `enable subgroups;` is dropped (wgpu 0.32 rejects it, see wgsl/__init__.py).
+    reads them from the WGSL); `enable subgroups;` is dropped (wgpu 0.32 rejects it, see wgsl/__init__.py);
+    workgroup arrays sized by VKTRAIN_SPEC_SIZE (common.slangh), a literal in slangc's WGSL (its WGSL back
+    end fails on override-sized arrays, E99999), get their size expression over the overrides back
+    (read from a `slangc -E` pass), with the override declarations moved first (naga 29 needs them there).
 """
 from __future__ import annotations
 
