@@ -45,6 +45,8 @@ from vktrain.backend.kernel_planning.kernels import attention  # noqa: E402
 
 SPIRV_DIR = ROOT / "bench" / "attention_spirv"
 SHADERS = ("attention_fwd", "attention_bwd@DQ", "attention_bwd@DKV")
+# Slang on main too: both sets carry this tree's build, so the run needs no SPIR-V cache.
+SHARED_SHADERS = ("attention_bwd_delta",)
 SETS = ("glsl", "slang")
 MODELS = {"smollm2-135m": (9, 3), "llama-3.2-1b": (32, 8)}
 SHAPES = ((4, 512), (1, 2048))
@@ -84,8 +86,11 @@ def build_spirv(glsl_ref: str) -> dict:
         out = SPIRV_DIR / "slang" / _file_name(shader)
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_bytes(build.load_spirv(shader))
+    for shader in SHARED_SHADERS:
+        for kind in SETS:
+            (SPIRV_DIR / kind / _file_name(shader)).write_bytes(build.load_spirv(shader))
     for kind in SETS:
-        for shader in SHADERS:
+        for shader in SHADERS + SHARED_SHADERS:
             code = (SPIRV_DIR / kind / _file_name(shader)).read_bytes()
             manifest["files"][f"{kind}/{_file_name(shader)}"] = hashlib.sha256(code).hexdigest()
     (SPIRV_DIR / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
@@ -98,7 +103,7 @@ def load_modules() -> dict[str, dict[str, SimpleNamespace]]:
     modules = {}
     for kind in SETS:
         modules[kind] = {}
-        for shader in SHADERS:
+        for shader in SHADERS + SHARED_SHADERS:
             code = (SPIRV_DIR / kind / _file_name(shader)).read_bytes()
             if hashlib.sha256(code).hexdigest() != manifest["files"][f"{kind}/{_file_name(shader)}"]:
                 raise SystemExit(f"{SPIRV_DIR / kind / _file_name(shader)} is not the file the manifest names; "
