@@ -18,6 +18,7 @@ from typing import Any, Callable, Hashable
 RESULTS_DIR = Path(__file__).resolve().parents[1] / "bench" / "results"
 # benchmark -> (the script that writes it, whether its name carries a model: the script takes one)
 BENCHMARKS = {
+    "attention_kernels": ("bench_attention_kernels.py", False),
     "coopmat": ("bench_coopmat.py", False), "coopmat_attention": ("bench_coopmat_attention.py", False),
     "step_gemms": ("bench_step_gemms.py", False),
     "drift": ("bench_drift.py", True), "export": ("bench_export.py", True),

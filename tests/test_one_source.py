@@ -23,9 +23,6 @@ GLSL_KERNELS_NOT_YET_PORTED = {
     # The fp32 GEMM family (register tiles, split-k): being reworked by the fp16 GEMM work.
     **dict.fromkeys(("linear_dw", "linear_q4gsw", "linear_q4gsw_backward", "linear_q4gsw_gemv",
                      "linear_splitk_reduce", "matmul", "q4gsw_requant"), "GEMM family, reworked elsewhere"),
-    # Attention: the GLSL sizes per-thread arrays by specialization constants, the WGSL by constant maxima
-    # (register-resident, tuned on the H200); one form for both needs a GPU timing first.
-    **dict.fromkeys(("attention_bwd", "attention_fwd"), "not ported yet"),
     # Reads the number of workgroups (a grid-stride loop), which slangc 2026.14 cannot emit for WGSL
     # (WorkgroupCount() is SPIR-V/GLSL only; no SV_ semantic maps to @builtin(num_workgroups)).
     "test_scale": "num_workgroups on WGSL",

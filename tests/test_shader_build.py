@@ -220,3 +220,31 @@ void main() { data[0] = params.scale; }
 """)
     with pytest.raises(ScheduleError, match=r"uniform blocks at bindings \[0\]; vktrain binds storage buffers only"):
         Program(vk_device, [Dispatch("ubo_only", 1, ["a", "b"])], {})
+
+
+# slangc's WGSL of a kernel with `groupshared float4 tile[VKTRAIN_SPEC_SIZE(BQ * (D / 4u + 1u), 272)];`
+# (a literal size, the override declared after the array) and what its `slangc -E` pass shows of it.
+_SIZED_WGSL = """@id(3) override D_0 : u32 = u32(64);
+var<workgroup> tile_0 : array<vec4<f32>, i32(272)>;
+@id(4) override BQ_0 : u32 = u32(16);
+@compute @workgroup_size(64, 1, 1) fn main() { tile_0[0] = vec4<f32>(f32(BQ_0 + D_0)); }
+"""
+_SIZED_PREPROCESSED = ("groupshared float4 tile [ VKTRAIN_SPEC_SIZE ( BQ * ( D / 4u + 1u ) , {literal} ) ] ; "
+                       "void main ( ) {{ }}")
+
+
+def test_spec_sized_workgroup_arrays_get_their_override_expression_in_wgsl():
+    from vktrain.runtime_shaders import slang
+
+    text = slang.fit_wgsl(_SIZED_WGSL, "", "k.slang", _SIZED_PREPROCESSED.format(literal=272))
+    assert "var<workgroup> tile_0 : array<vec4<f32>, BQ * (D / 4u + 1u)>;" in text
+    # Every override is declared before the array (naga 29 panics building the pipeline otherwise).
+    assert max(text.index("override BQ"), text.index("override D")) < text.index("var<workgroup>")
+    # A literal that is not the expression at the defaults (16 * 17) is refused, not silently kept.
+    with pytest.raises(slang.SlangToolError, match=r"literal must be the expression at the overrides' defaults \(272\)"):
+        slang.fit_wgsl(_SIZED_WGSL.replace("i32(272)", "i32(270)"), "", "k.slang",
+                       _SIZED_PREPROCESSED.format(literal=270))
+    # An expression over something that is not an override cannot be a WGSL workgroup size.
+    with pytest.raises(slang.SlangToolError, match=r"only overrides.*\['STRIDE'\]"):
+        slang.fit_wgsl(_SIZED_WGSL, "", "k.slang", _SIZED_PREPROCESSED.format(literal=272).replace(
+            "( D / 4u + 1u )", "STRIDE"))

@@ -96,13 +96,13 @@ def test_wgsl_attention_requirements_are_read_from_the_kernels():
     fits = {ids["D"]: 128, ids["BQ"]: 4, ids["BK"]: 32, ids["TPR"]: 4}  # both arrays exactly full
     assert forward.unmet_requirements(fits) == []
     too_wide = forward.unmet_requirements({**fits, ids["D"]: 256})
-    assert len(too_wide) == 1 and too_wide[0].startswith("D / 4u / TPR <= MAX_CHUNKS (output vec4s per thread")
+    assert len(too_wide) == 1 and too_wide[0].startswith("D / 4u / TPR <= 8u (output vec4s per thread")
     assert too_wide[0].endswith("is false: 16 vs 8")
     too_long = forward.unmet_requirements({**fits, ids["BK"]: 64})
-    assert len(too_long) == 1 and "BK / TPR <= MAX_KEYS" in too_long[0] and too_long[0].endswith("16 vs 8")
+    assert len(too_long) == 1 and "BK / TPR <= 8u" in too_long[0] and too_long[0].endswith("16 vs 8")
     assert "cannot be evaluated" in forward.unmet_requirements({})[0]  # a missing override is not a pass
     backward = reflect_wgsl("attention_bwd@DQ", wgsl_source("attention_bwd@DQ"))
-    assert [e for e, _ in backward.requirements] == ["D / 4u / TPR <= MAX_CHUNKS", "COLS / TPR <= MAX_COLS"]
+    assert [e for e, _ in backward.requirements] == ["D / 4u / TPR <= 8u", "COLS / TPR <= 8u"]
 
 
 @pytest.mark.parametrize("pass_name", ["forward", "dq", "dkv"])
@@ -113,9 +113,9 @@ def test_attention_tiles_beyond_the_wgsl_arrays_are_refused_at_load(webgpu_devic
     q, k, v, d_out = transformer.attention_inputs(B, S, Hq, Hkv, D, seed=5)
     wide = AttentionTiles(4, 64, 1)
     tiles = {"forward": {"tiles": wide}, "dq": {"dq_tiles": wide}, "dkv": {"dkv_tiles": wide}}[pass_name]
-    kernel, requirement = {"forward": ("attention_fwd", "BK / TPR <= MAX_KEYS"),
-                           "dq": ("attention_bwd@DQ", "COLS / TPR <= MAX_COLS"),
-                           "dkv": ("attention_bwd@DKV", "COLS / TPR <= MAX_COLS")}[pass_name]
+    kernel, requirement = {"forward": ("attention_fwd", "BK / TPR <= 8u"),
+                           "dq": ("attention_bwd@DQ", "COLS / TPR <= 8u"),
+                           "dkv": ("attention_bwd@DKV", "COLS / TPR <= 8u")}[pass_name]
     with pytest.raises(ScheduleError, match=f"WGSL kernel '{kernel}' cannot run .*{requirement} .*64 vs 8"):
         transformer.attention_gpu(webgpu_device, q, k, v, 0.25, d_out, **tiles)
 

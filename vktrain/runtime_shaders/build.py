@@ -264,7 +264,9 @@ def compile_wgsl(name: str, extra_defines: tuple[str, ...] = ()) -> str:
         code = slang.run_slangc(variant.source_path, slang.SLANGC_WGSL_FLAGS,
                                 _define_flags(variant) + [f"-D{d}" for d in extra_defines], SHADER_DIR,
                                 f"compiling {name} to WGSL")
-        return slang.fit_wgsl(code.decode(), variant.source_path.read_text(), variant.source_path.name)
+        sizes = slang.preprocessed(variant.source_path, _define_flags(variant) + [f"-D{d}" for d in extra_defines],
+                                   SHADER_DIR, f"preprocessing {name} for WGSL")
+        return slang.fit_wgsl(code.decode(), variant.source_path.read_text(), variant.source_path.name, sizes)
     except slang.SlangToolError as exc:
         raise ShaderBuildError(str(exc)) from None
 

@@ -19,7 +19,10 @@ silently:
     replaced by the `@id(0..2)` override that carries it; slangc's `_0` suffix is taken off
     `vktrain_group_offset` (the split-dispatch header the reflection looks for) and off the overrides
     (the names `// vktrain-requires:` lines use); those lines are copied in front (the WebGPU runtime
-    reads them from the WGSL); `enable subgroups;` is dropped (wgpu 0.32 rejects it, see wgsl/__init__.py).
+    reads them from the WGSL); `enable subgroups;` is dropped (wgpu 0.32 rejects it, see wgsl/__init__.py);
+    workgroup arrays sized by VKTRAIN_SPEC_SIZE (common.slangh), a literal in slangc's WGSL (its WGSL back
+    end fails on override-sized arrays, E99999), get their size expression over the overrides back
+    (read from a `slangc -E` pass), with the override declarations moved first (naga 29 needs them there).
 """
 from __future__ import annotations
 
@@ -160,11 +163,31 @@ def fit_spirv(code: bytes) -> bytes:
 _WORKGROUP_SIZE = re.compile(r"@workgroup_size\(\s*([^,)]+?)\s*,\s*([^,)]+?)\s*,\s*([^,)]+?)\s*\)")
 # slangc writes `@id(0) override WG_0 : u32 = u32(64);`; a literal `64u` is taken too.
 _OVERRIDE_NAME = re.compile(r"@id\(\d+\)\s*override\s+(\w+)")
+# `groupshared T name[VKTRAIN_SPEC_SIZE(EXPR, LITERAL)];` in a preprocessed .slang source (slangc -E spaces
+# every token).
+_SPEC_SIZED_ARRAY = re.compile(r"groupshared\s+\w+\s+(\w+)\s*\[\s*VKTRAIN_SPEC_SIZE\s*\((.+?),\s*(\d+)\s*\)\s*\]\s*;")
 _OVERRIDE = re.compile(r"@id\((\d+)\)\s*override\s+(\w+)\s*:\s*\w+\s*=\s*(?:\w+\()?\s*(\d+)u?\s*\)?\s*;")
 
 
-def fit_wgsl(text: str, source_text: str, origin: str) -> str:
-    """slangc's WGSL fitted to the WebGPU contract (module docstring); `origin` names it in the header."""
+def preprocessed(source: Path, defines: list[str], include_dir: Path, what: str) -> str:
+    """The WGSL build's preprocessed `source` (slangc -E) with VKTRAIN_SPEC_SIZE left unexpanded, for
+    fit_wgsl to read the size expressions of this variant's workgroup arrays; "" when it has none."""
+    if "VKTRAIN_SPEC_SIZE" not in source.read_text():
+        return ""
+    slangc = find_slangc()
+    if slangc is None:
+        raise SlangToolError("slangc not found (install the pip package slangtorch, as scripts/setup.sh does, or "
+                             "set VKTRAIN_SLANGC)")
+    result = subprocess.run([str(slangc), str(source), "-E", "-DVKTRAIN_WGSL", "-DVKTRAIN_SPEC_SIZE_KEEP",
+                             f"-I{include_dir}", *defines], capture_output=True, text=True)
+    if result.returncode != 0:
+        raise SlangToolError(f"{what}: slangc -E failed (exit {result.returncode}):\n{result.stderr.strip()}")
+    return result.stdout
+
+
+def fit_wgsl(text: str, source_text: str, origin: str, preprocessed_text: str = "") -> str:
+    """slangc's WGSL fitted to the WebGPU contract (module docstring); `origin` names it in the header,
+    `preprocessed_text` (preprocessed()) gives the sizes of VKTRAIN_SPEC_SIZE arrays."""
     overrides = {int(i): (name, int(default)) for i, name, default in _OVERRIDE.findall(text)}
     sizes = _WORKGROUP_SIZE.findall(text)
     if len(sizes) != 1:
@@ -186,10 +209,45 @@ def fit_wgsl(text: str, source_text: str, origin: str) -> str:
         source_name = re.sub(r"_\d+$", "", name)
         if source_name != name and not re.search(rf"\b{source_name}\b", text):
             text = re.sub(rf"\b{name}\b", source_name, text)
+    text = _override_sized_arrays(text, preprocessed_text, origin,
+                                  {re.sub(r"_\d+$", "", name): default for name, default in overrides.values()})
     # wgpu 0.32 (naga 29) rejects `enable subgroups;` and takes the built-ins on a device with the feature.
     text = re.sub(r"^enable subgroups;\n", "", text, flags=re.MULTILINE)
     requires = "".join(line + "\n" for line in _REQUIRES_LINE.findall(source_text))
     return f"// Generated from {origin} by slangc (vktrain/runtime_shaders/slang.py); do not edit.\n{requires}{text}"
+
+
+def _override_sized_arrays(text: str, preprocessed_text: str, origin: str, defaults: dict[str, int]) -> str:
+    """The workgroup arrays the variant sizes with VKTRAIN_SPEC_SIZE(EXPR, LITERAL) (common.slangh), sized
+    by EXPR over the overrides instead of slangc's LITERAL; LITERAL must be EXPR at the defaults."""
+    sized = False
+    for name, expression, literal in _SPEC_SIZED_ARRAY.findall(preprocessed_text):
+        expression = re.sub(r"\(\s+", "(", re.sub(r"\s+\)", ")", " ".join(expression.split())))
+        declaration = re.compile(rf"(var<workgroup>\s+{name}(?:_\d+)?\s*:\s*array<.+?,\s*)(?:i32|u32)?\(?\s*"
+                                 rf"(\d+)u?\s*\)?(>\s*;)")
+        found = declaration.search(text)
+        if found is None:
+            raise SlangToolError(f"{origin}: slangc's WGSL has no workgroup array {name} with literal size {literal}")
+        names = set(re.findall(r"(?<!\w)[A-Za-z_]\w*", expression))
+        missing = sorted(n for n in names if n not in defaults or not re.search(rf"\boverride\s+{n}\b", text))
+        if missing or re.search(r"[^\w\s+*/()-]", expression):
+            raise SlangToolError(f"{origin}: VKTRAIN_SPEC_SIZE({expression}, {literal}) of {name}: the size may use "
+                                 f"only overrides, literals, + - * / and parentheses (not overrides here: {missing})")
+        at_defaults = re.sub(r"(?<!\w)[A-Za-z_]\w*", lambda m: str(defaults[m.group()]), expression)
+        at_defaults = re.sub(r"(\d+)u\b", r"\1", at_defaults).replace("/", "//")
+        value = eval(at_defaults, {"__builtins__": {}})  # digits and operators only (checked above)
+        if value != int(literal) or int(found.group(2)) != int(literal):
+            raise SlangToolError(f"{origin}: {name} is VKTRAIN_SPEC_SIZE({expression}, {literal}): the literal must "
+                                 f"be the expression at the overrides' defaults ({value}); slangc wrote "
+                                 f"{found.group(2)}")
+        text = text[:found.start()] + found.group(1) + expression + found.group(3) + text[found.end():]
+        sized = True
+    if sized:
+        # naga 29 panics (pipeline_constants.rs, "unreachable") building a pipeline whose override-sized
+        # array precedes an override's declaration; their initializers are literals, so all go first.
+        declarations = re.findall(r"^@id\(\d+\)\s*override\s[^;\n]*;\n", text, flags=re.MULTILINE)
+        text = "".join(declarations) + re.sub(r"^@id\(\d+\)\s*override\s[^;\n]*;\n", "", text, flags=re.MULTILINE)
+    return text
 
 
 def wgsl_cache_path(stem: str, key: str) -> Path:

@@ -14,11 +14,11 @@ Packed documents: with `positions` (int32 [B, S], each token's position in its d
 DOCUMENTS variants hide from query i the keys before i - positions[i] (its document's first token) and
 skip the key tiles (query tiles for DKV) that no row of a tile can see; same dispatches otherwise.
 
-Forward, one dispatch (vktrain/runtime_shaders/attention_fwd.comp): a workgroup per (tile of
+Forward, one dispatch (vktrain/runtime_shaders/attention_fwd.slang): a workgroup per (tile of
 `tiles.rows` queries, query head, batch); key/value tiles of `tiles.cols` rows stream through shared
 memory up to the causal diagonal with an online softmax per query row. Writes out and lse.
 
-Backward, three dispatches (attention_bwd_delta.slang, attention_bwd.comp @DQ and @DKV):
+Backward, three dispatches (attention_bwd_delta.slang, attention_bwd.slang @DQ and @DKV):
   delta  delta[b, h, i] = rowsum(d_out * out), one thread per row: the only extra memory the backward
          needs, `causal_attention_backward_scratch_nbytes(B, S, Hq)` = 4 * B * Hq * S bytes.
   DQ     a workgroup per (query tile, query head, batch) streams the key tiles up to the diagonal,
@@ -37,7 +37,7 @@ workgroup (`shared_memory_nbytes`): [rows or cols, D] fp32 tiles (rows padded by
 two [rows, cols] score tiles (rows padded by a float); e.g. at D = 64, 32 KiB and a long sequence:
 forward 32x32 tiles, 29.6 KiB; DQ and DKV 32x16, 27.6 and 29.9 KiB (shorter sequences get shorter row
 tiles, see default_tiles). Registers: D / threads_per_row accumulators per output per thread (16 with
-the default threads per row; DKV keeps two outputs). The WGSL kernels (WebGPU) keep those per-thread
+the default threads per row; DKV keeps two outputs). On WebGPU the kernels keep those per-thread
 arrays in registers, 8 entries indexed by constants: tiles with D / 4 / threads_per_row or
 cols / threads_per_row above 8 are refused when the WebGPU Program is built (their `vktrain-requires:`
 lines); the defaults reach at most 4 and 8.
@@ -69,7 +69,7 @@ DELTA_WORKGROUP_SIZE = 64
 TARGET_WORKGROUPS = H200_FP32_TARGET_WORKGROUPS
 MIN_FALLBACK_WORKGROUP_SIZE = 32
 
-# attention_fwd.comp / attention_bwd.comp specialization constants.
+# attention_fwd.slang / attention_bwd.slang specialization constants.
 HEAD_DIM_SPEC_ID = 3
 ROWS_SPEC_ID = 4
 COLS_SPEC_ID = 5
