@@ -38,6 +38,7 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import re
 import statistics
 import sys
 import tempfile
@@ -65,7 +66,7 @@ def parse_shape(text: str) -> tuple[int, int]:
 # ===================================================================================================
 
 def export_command(model_name: str, shape: tuple[int, int], out_dir: Path, min_bytes: int | None,
-                   activation_checkpointing: str | None = None, **overrides) -> Path:
+                   activation_checkpointing: str | None = None, target: str | None = None, **overrides) -> Path:
     from dataclasses import asdict
 
     import bench_step
@@ -74,7 +75,9 @@ def export_command(model_name: str, shape: tuple[int, int], out_dir: Path, min_b
     from vktrain.export import export_training_and_eval_steps, lower_methods_to_pte
     from vktrain.export.training import activation_checkpointing_spec
     from vktrain.partitioner import VktrainPartitioner
+    from vktrain.train.targets import TargetEmbedder, resolve_targets
 
+    embedder = TargetEmbedder(resolve_targets(target)) if target not in (None, "none") else None
     quick = model_name == bench_step.QUICK_PRESET
     min_bytes = min_bytes if min_bytes is not None else (
         bench_step.QUICK_SYNTHETIC_MIN_BYTES if quick else bench_step.FULL_SYNTHETIC_MIN_BYTES)
@@ -91,9 +94,12 @@ def export_command(model_name: str, shape: tuple[int, int], out_dir: Path, min_b
                                                                  json.dumps(asdict(config)))]
     if activation_checkpointing is not None:
         specs.append(activation_checkpointing_spec(activation_checkpointing))
-    data = lower_methods_to_pte(methods, {name: VktrainPartitioner(compile_specs=specs) for name in methods})
+    data = lower_methods_to_pte(methods, {name: VktrainPartitioner(compile_specs=specs) for name in methods},
+                                rewrite_blobs=embedder)
     out_dir.mkdir(parents=True, exist_ok=True)
     suffix = "" if activation_checkpointing is None else f"_ckpt-{activation_checkpointing}"
+    if embedder:  # a local profile is named after the device ("llvmpipe (LLVM 15.0.6, 256 bits)")
+        suffix += "_target-" + re.sub(r"[^A-Za-z0-9.]+", "-", "-".join(embedder.embedded)).strip("-")
     path = out_dir / f"train_{model_name}_{config.label}{suffix}.pte"
     path.write_bytes(data)
     print(f"wrote {path}: {len(data) / 2**20:.1f} MiB (train + eval), export + lowering "
@@ -290,6 +296,9 @@ def main(argv: list[str] | None = None) -> int:
     export.add_argument("--min-bytes", type=int, default=None, help="constants this big become synthetic")
     export.add_argument("--activation-checkpointing", metavar="every-layer|N", default=None,
                         help="as `vktrain export` takes it (the file name gets _ckpt-<value>)")
+    export.add_argument("--target", metavar="NAME[,NAME...]", default=None,
+                        help="embed schedules for these device profiles, as `vktrain export --target` does (default: "
+                             "none, planned at load; the file name gets _target-<profiles>), e.g. nvidia-coopmat")
     run = sub.add_parser("run", help="time the step alone and `vktrain train` on each .pte")
     for p in (run, parser):
         p.add_argument("--steps", type=int, default=30, help="steps of the `vktrain train` run")
@@ -310,7 +319,8 @@ def main(argv: list[str] | None = None) -> int:
     if out_error(getattr(args, "out", None)):
         parser.error(out_error(args.out))
     if args.command == "export":
-        export_command(args.model, args.shape, args.out_dir, args.min_bytes, args.activation_checkpointing)
+        export_command(args.model, args.shape, args.out_dir, args.min_bytes, args.activation_checkpointing,
+                       args.target)
         return 0
     if args.command == "run":
         return run_command(args)
