@@ -23,8 +23,11 @@ run, per .pte, on one device:
   * the command: `vktrain train PTE --data CORPUS --steps N --eval-data CORPUS --eval-every E --eval-batches B
     --checkpoint C --checkpoint-every K --json J` run in this process (vktrain.cli.main), timed as a whole
     (program load included) and its loop alone (the `train` call: every step, the evals every E steps and
-    the checkpoints every K, the last one included), and the median of the `seconds` its JSON records
-    (CORPUS: the default corpus's bytes as a .npy of token ids, which any vocabulary accepts), and the
+    the checkpoints every K, the last one included), the time before the loop (`before_loop_s`: arguments,
+    data, the program's load, the eval before training) and in it the load (`load_s`: TrainingRunner's and the
+    eval method's, phases `program_load` and `eval_load`; per-phase detail: scripts/bench_load.py), and the
+    median of the `seconds` its JSON records (CORPUS: the default corpus's bytes as a .npy of token ids, which
+    any vocabulary accepts), and the
     phases (PHASES: the state's read to the host, the checkpoint write on its thread and its parts --
     serialisation, checksums, atomic write, fsync --, the loop's waits for it, the JSON log, each eval,
     its batches and batch preparation, the eval method's load), each timed on the thread that runs it.
@@ -153,6 +156,7 @@ PHASES = [
     ("vktrain.train.eval_command", "", "evaluate_batches", "evals"),
     ("vktrain.train.eval_command", "", "evaluate_data", "evals"),  # an older checkout's (batches made per eval)
     ("vktrain.train.eval_command", "", "prepare_eval_batches", "eval_prep"),
+    ("vktrain.runtime.program.runner", "TrainingRunner", "__init__", "program_load"),  # the step's load
     ("vktrain.runtime.program.evaluation", "EvalMethod", "__init__", "eval_load"),
     ("vktrain.runtime.program.evaluation", "EvalMethod", "loss_sum", "eval_batch"),
     ("vktrain.runtime.program.runner", "TrainingRunner", "step_inputs", "program_step"),
@@ -222,6 +226,7 @@ def time_command(path: Path, setting: tuple[int, int, int], args, workdir: Path)
     records = [r for r in json.loads(json_path.read_text()) if r.get("step", 0) > 0]
     step_s = sum(r["seconds"] for r in records)
     loop_start, loop_s = spent.pop("loop")[0]
+    before_loop_s = loop_start - start  # the command's start: arguments, data, the program's load, the first eval
     phases = {key: {"calls": len(values), "total_s": sum(v for _, v in values), "max_s": max(v for _, v in values)}
               for key, values in sorted(spent.items())}
     # The loop's seconds outside its records' steps, on the loop's thread (the writer's phases run beside);
@@ -232,7 +237,9 @@ def time_command(path: Path, setting: tuple[int, int, int], args, workdir: Path)
     on_loop["rest"] = loop_s - step_s - sum(on_loop.values())
     return {"argv": argv[2:], "setting": {"steps": steps, "eval_every": eval_every,
                                           "checkpoint_every": checkpoint_every, "eval_batches": args.eval_batches},
-            "command_s": command_s, "loop_s": loop_s, "steps_s": step_s, "outside_steps_s": loop_s - step_s,
+            "command_s": command_s, "loop_s": loop_s, "steps_s": step_s, "before_loop_s": before_loop_s,
+            "after_loop_s": command_s - before_loop_s - loop_s,
+            "load_s": sum(spent.get(key, [(0, 0.0)])[0][1] for key in ("program_load", "eval_load")), "outside_steps_s": loop_s - step_s,
             "outside_steps_on_loop_thread": on_loop, "phases": phases,
             "checkpoint_s": [v for _, v in spent.get("checkpoint_write", [])],  # each call
             "eval_s": [v for _, v in spent.get("evals", [])],
@@ -274,7 +281,8 @@ def run_command(args) -> int:
                       f"({step['tokens_per_s']:.0f} tokens/s); loop {train['loop_s']:.2f} s "
                       f"({train['loop_tokens_per_s']:.0f} tokens/s, {ratio:.3f}x the step alone; steps "
                       f"{train['steps_s']:.2f} s, outside them {train['outside_steps_s']:.2f} s), command "
-                      f"{train['command_s']:.1f} s, record median {train['record_seconds_median_ms']:.1f} ms\n"
+                      f"{train['command_s']:.1f} s (before the loop {train['before_loop_s']:.1f} s, of which the "
+                      f"step's and eval method's load {train['load_s']:.1f} s), record median {train['record_seconds_median_ms']:.1f} ms\n"
                       f"  phases: {phases}", flush=True)
             results.append({"pte": path.name, "step_alone": step, "runs": runs})
     summary = {"meta": meta, "results": results}

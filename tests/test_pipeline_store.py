@@ -29,8 +29,8 @@ def _axpy_on_a_new_device(alpha: float, x: np.ndarray, y: np.ndarray):
     try:
         report = device.pipelines.store_report()
         bx, by = Buffer.from_array(device, x), Buffer.from_array(device, y)
-        dispatch = Dispatch("test_axpy", groups=len(x) // LOCAL, bindings=["x", "y"], push_constants=pack_push(len(x), alpha),
-                            spec_constants={3: 2.0}, local_size=(LOCAL, 1, 1))
+        dispatch = Dispatch("test_axpy", groups=len(x) // LOCAL, bindings=["x", "y"],
+                            push_constants=pack_push(len(x), alpha), spec_constants={3: 2.0}, local_size=(LOCAL, 1, 1))
         run_dispatches(device, [dispatch], {"x": bx, "y": by})
         out = by.read(np.float32, y.shape)
         created = device.pipelines.created

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import struct
 from contextlib import contextmanager
-from typing import Iterator
+from typing import Any, Iterator, Sequence
 
 from vktrain.errors import VktrainError
 
@@ -29,6 +29,26 @@ def scalar_vector(table, field_name: str) -> tuple:
     if getattr(table, f"{field_name}Length")() == 0:
         return ()
     return tuple(getattr(table, f"{field_name}AsNumpy")().tolist())
+
+
+_SOFFSET, _VOFFSET = struct.Struct("<i"), struct.Struct("<H")
+# Scalar formats of a table's fields, by schema type (the generated accessors' flags).
+UINT8, INT32, UINT32, UINT64 = struct.Struct("<B"), struct.Struct("<i"), struct.Struct("<I"), struct.Struct("<Q")
+
+
+def table_scalars(table, layout: Sequence[tuple[struct.Struct, Any]]) -> list:
+    """The first scalar fields of a generated `table` in slot order, `layout` giving each one's (format, default)
+    as its schema declares them: what its accessors return, read with one vtable lookup and no accessor calls
+    (a schedule holds tens of thousands of bindings and placements; their accessors were most of its read)."""
+    buf, pos = table._tab.Bytes, table._tab.Pos
+    vtable = pos - _SOFFSET.unpack_from(buf, pos)[0]
+    size = _VOFFSET.unpack_from(buf, vtable)[0]
+    values = []
+    for slot, (form, default) in enumerate(layout):
+        entry = 4 + 2 * slot
+        offset = _VOFFSET.unpack_from(buf, vtable + entry)[0] if entry < size else 0
+        values.append(form.unpack_from(buf, pos + offset)[0] if offset else default)
+    return values
 
 
 def union_as(holder, table_class):
