@@ -2,7 +2,7 @@
 """Where a program's load goes: `vktrain train`'s TrainingRunner.from_pte and its eval method's load, per phase.
 
     python3 scripts/bench_load.py bench/train_smollm2-135m_4x512.pte --out load.json    # any machine with Vulkan
-    python3 scripts/bench_load.py bench/*.pte --repeat 3 --out bench/results/load_<machine>_<model>.json
+    python3 scripts/bench_load.py bench/*.pte --repeat 3 --label after --out bench/results/load_<machine>_<model>.json
 
 Per .pte, `--repeat` loads in this process, each on a Device of its own (what one `vktrain train` opens), all
 with one on-disk pipeline cache that starts empty (a temporary VKTRAIN_PIPELINE_CACHE folder unless
@@ -20,7 +20,6 @@ its bytes instead. Stdlib + numpy + the vulkan binding: runs on the GPU machine 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import sys
@@ -30,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO_ROOT))
+sys.path.append(str(REPO_ROOT))  # after PYTHONPATH: PYTHONPATH=OLD_CHECKOUT times that checkout's load (before)
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 # (module, class or "", function, phase). A function missing in the checkout (an older one) is skipped.
@@ -160,6 +159,7 @@ def main(argv: list[str] | None = None) -> int:
         os.environ["VKTRAIN_PIPELINE_CACHE"] = args.pipeline_cache if args.pipeline_cache is not None else tmp
         clock = PhaseClock()
         undo = patch_phases(clock)
+        from vktrain.errors import VktrainError
         from vktrain.runtime import Device
 
         with Device(validation=False) as device:
@@ -172,7 +172,12 @@ def main(argv: list[str] | None = None) -> int:
             for path in args.pte:
                 loads = []
                 for index in range(args.repeat):
-                    load = load_once(path, clock)
+                    try:
+                        load = load_once(path, clock)
+                    except VktrainError as exc:  # e.g. no embedded schedule this device runs: said, not fatal
+                        print(f"{path.name}: {exc}", flush=True)
+                        loads.append({"error": str(exc)})
+                        break
                     loads.append(load)
                     top = sorted(load["step_phases"].items(), key=lambda kv: -kv[1])[:6]
                     line = f"{path.name} load {index + 1}: step {load['step_s']:.2f} s (" + ", ".join(
@@ -181,14 +186,15 @@ def main(argv: list[str] | None = None) -> int:
                         top = sorted(load["eval_phases"].items(), key=lambda kv: -kv[1])[:6]
                         line += f"; eval {load['eval_s']:.2f} s (" + ", ".join(f"{k} {v:.2f}" for k, v in top) + ")"
                     print(line + f"; schedule: {load['target'] or 'planned at load'}", flush=True)
-                results.append({"pte": path.name, "loads": loads})
+                results.append({"pte": path.name, "label": args.label, "loads": loads})
         finally:
             for owner, name, function in reversed(undo):
                 setattr(owner, name, function)
     summary = {"meta": meta, "results": results}
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(summary, indent=1))
+    if args.out:  # merged into the file's earlier calls: a call replaces the (label, .pte) entries it measured
+        from bench_results import write_run
+
+        write_run(args.out, summary, key=lambda entry: (entry.get("label"), entry.get("pte")))
         print(f"wrote {args.out}")
     return 0
 
