@@ -13,7 +13,9 @@ embedded at export where the .pte carries one for the device, else planned at lo
 has one, its eval method (TrainingRunner.eval_method(), as the first held-out evaluation loads it).
 
 Phases (PHASES) are seconds spent in a function minus those of the phases it calls (nested phases do not
-count twice), so the phases of one load add up to its wall time; `other` is what no phase covers.
+count twice), so the phases of one load add up to its wall time; `other` is what no phase covers. `*_cpu_s`:
+the process's CPU seconds (every thread's: the driver's compiler threads too), steadier than wall time on a
+shared machine.
 A synthetic constant (benchmark .pte files) is generated at load (`synthetic_generation`); a real .pte reads
 its bytes instead. Stdlib + numpy + the vulkan binding: runs on the GPU machine without executorch.
 """
@@ -120,17 +122,17 @@ def load_once(path: Path, clock: PhaseClock) -> dict[str, Any]:
     from vktrain.runtime.program.runner import TrainingRunner
 
     clock.take()
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     runner = TrainingRunner.from_pte(path, planner=plan_schedule, timing=False)
-    step_s = time.perf_counter() - start
+    step_s, step_cpu_s = time.perf_counter() - start, time.process_time() - cpu
     step = clock.take()
     try:
-        result = {"step_s": step_s, "step_phases": step, "target": runner.target.profile.name
+        result = {"step_s": step_s, "step_cpu_s": step_cpu_s, "step_phases": step, "target": runner.target.profile.name
                   if runner.target is not None else None, "pipelines": len(runner.device.pipelines)}
         if EVAL_METHOD in runner.pte.method_names:
-            start = time.perf_counter()
+            start, cpu = time.perf_counter(), time.process_time()
             runner.eval_method()
-            result["eval_s"] = time.perf_counter() - start
+            result["eval_s"], result["eval_cpu_s"] = time.perf_counter() - start, time.process_time() - cpu
             result["eval_phases"] = clock.take()
         result["pipeline_store"] = getattr(runner.device.pipelines, "store_report", lambda: None)()
     finally:
@@ -180,11 +182,12 @@ def main(argv: list[str] | None = None) -> int:
                         break
                     loads.append(load)
                     top = sorted(load["step_phases"].items(), key=lambda kv: -kv[1])[:6]
-                    line = f"{path.name} load {index + 1}: step {load['step_s']:.2f} s (" + ", ".join(
-                        f"{k} {v:.2f}" for k, v in top) + ")"
+                    line = (f"{path.name} load {index + 1}: step {load['step_s']:.2f} s, CPU {load['step_cpu_s']:.2f} s ("
+                            + ", ".join(f"{k} {v:.2f}" for k, v in top) + ")")
                     if "eval_s" in load:
                         top = sorted(load["eval_phases"].items(), key=lambda kv: -kv[1])[:6]
-                        line += f"; eval {load['eval_s']:.2f} s (" + ", ".join(f"{k} {v:.2f}" for k, v in top) + ")"
+                        line += f"; eval {load['eval_s']:.2f} s, CPU {load['eval_cpu_s']:.2f} s (" + ", ".join(
+                            f"{k} {v:.2f}" for k, v in top) + ")"
                     print(line + f"; schedule: {load['target'] or 'planned at load'}", flush=True)
                 results.append({"pte": path.name, "label": args.label, "loads": loads})
         finally:
