@@ -6,6 +6,8 @@
     python3 scripts/bench_train.py run bench/train_*.pte --out train.json      # on the GPU machine
     # bench/results keeps one file per model: train_<machine>_<model>.json (bench/README.md)
     python scripts/bench_train.py --quick                                       # tiny-llama, lavapipe (CI-sized)
+    python scripts/bench_train.py export --model smollm2-135m --shape 4x512 --target nvidia-coopmat
+                                                     # schedules embedded at export: ..._target-nvidia-coopmat.pte
 
 Activation checkpointing's cost: ms/step with and without (the step alone's `ms_per_step`, same device):
     python scripts/bench_train.py export --model smollm2-135m --shape 4x512   # and --model llama-3.2-1b

@@ -80,12 +80,13 @@ class PipelineCache:
         self._pipelines: dict[tuple[str, tuple, int], Pipeline] = {}
         self.created = 0  # pipelines created (not found in this object) since the device opened
         self.store = _store_of(device)
-        self._vk_cache = self._create_vk_cache()
+        # Off (VKTRAIN_PIPELINE_CACHE=0): no VkPipelineCache at all, pipelines created as without one.
+        self._vk_cache = self._create_vk_cache() if self.store is not None else None
 
     def _create_vk_cache(self):
         """The device's VkPipelineCache, seeded from the store's file where it holds a valid one."""
         vk = self.device.vk
-        payload = self.store.read() if self.store is not None else None
+        payload = self.store.read()
         seed = vk.ffi.new("char[]", payload) if payload else None
         info = vk.VkPipelineCacheCreateInfo(sType=vk.VK_STRUCTURE_TYPE_PIPELINE_CACHE_CREATE_INFO, flags=0,
                                             initialDataSize=len(payload) if payload else 0, pInitialData=seed)
@@ -115,7 +116,7 @@ class PipelineCache:
             return False
         try:
             payload = self.cache_data()
-        except VulkanError:
+        except Exception:  # noqa: BLE001 -- a cache left unwritten costs the next load its compile time; never a close
             return False
         return self.store.write(payload)
 
