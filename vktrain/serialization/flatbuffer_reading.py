@@ -33,18 +33,23 @@ def scalar_vector(table, field_name: str) -> tuple:
 
 _SOFFSET, _VOFFSET = struct.Struct("<i"), struct.Struct("<H")
 # Scalar formats of a table's fields, by schema type (the generated accessors' flags).
-UINT8, INT32, UINT32, UINT64 = struct.Struct("<B"), struct.Struct("<i"), struct.Struct("<I"), struct.Struct("<Q")
+UINT8, INT32, UINT32 = struct.Struct("<B"), struct.Struct("<i"), struct.Struct("<I")
+INT64, UINT64 = struct.Struct("<q"), struct.Struct("<Q")
 
 
-def table_scalars(table, layout: Sequence[tuple[struct.Struct, Any]]) -> list:
-    """The first scalar fields of a generated `table` in slot order, `layout` giving each one's (format, default)
-    as its schema declares them: what its accessors return, read with one vtable lookup and no accessor calls
-    (a schedule holds tens of thousands of bindings and placements; their accessors were most of its read)."""
+def table_scalars(table, layout: Sequence[tuple[struct.Struct, Any] | None]) -> list:
+    """The scalar fields of a generated `table`, `layout` giving per slot (in schema order, from the first) its
+    (format, default) as the schema declares them, or None for a slot not read here (a vector, a string): what
+    its accessors return, read with one vtable lookup and no accessor calls (a schedule holds tens of thousands
+    of bindings and placements, a graph thousands of tensors; their accessors were most of the read)."""
     buf, pos = table._tab.Bytes, table._tab.Pos
     vtable = pos - _SOFFSET.unpack_from(buf, pos)[0]
     size = _VOFFSET.unpack_from(buf, vtable)[0]
     values = []
-    for slot, (form, default) in enumerate(layout):
+    for slot, field in enumerate(layout):
+        if field is None:
+            continue
+        form, default = field
         entry = 4 + 2 * slot
         offset = _VOFFSET.unpack_from(buf, vtable + entry)[0] if entry < size else 0
         values.append(form.unpack_from(buf, pos + offset)[0] if offset else default)
