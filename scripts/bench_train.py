@@ -6,6 +6,8 @@
     python3 scripts/bench_train.py run bench/train_*.pte --out train.json      # on the GPU machine
     # bench/results keeps one file per model: train_<machine>_<model>.json (bench/README.md)
     python scripts/bench_train.py --quick                                       # tiny-llama, lavapipe (CI-sized)
+    python scripts/bench_train.py export --model smollm2-135m --shape 4x512 --target nvidia-coopmat
+                                                     # schedules embedded at export: ..._target-nvidia-coopmat.pte
 
 Activation checkpointing's cost: ms/step with and without (the step alone's `ms_per_step`, same device):
     python scripts/bench_train.py export --model smollm2-135m --shape 4x512   # and --model llama-3.2-1b
@@ -23,8 +25,11 @@ run, per .pte, on one device:
   * the command: `vktrain train PTE --data CORPUS --steps N --eval-data CORPUS --eval-every E --eval-batches B
     --checkpoint C --checkpoint-every K --json J` run in this process (vktrain.cli.main), timed as a whole
     (program load included) and its loop alone (the `train` call: every step, the evals every E steps and
-    the checkpoints every K, the last one included), and the median of the `seconds` its JSON records
-    (CORPUS: the default corpus's bytes as a .npy of token ids, which any vocabulary accepts), and the
+    the checkpoints every K, the last one included), the time before the loop (`before_loop_s`: arguments,
+    data, the program's load, the eval before training) and in it the load (`load_s`: TrainingRunner's and the
+    eval method's, phases `program_load` and `eval_load`; per-phase detail: scripts/bench_load.py), and the
+    median of the `seconds` its JSON records (CORPUS: the default corpus's bytes as a .npy of token ids, which
+    any vocabulary accepts), and the
     phases (PHASES: the state's read to the host, the checkpoint write on its thread and its parts --
     serialisation, checksums, atomic write, fsync --, the loop's waits for it, the JSON log, each eval,
     its batches and batch preparation, the eval method's load), each timed on the thread that runs it.
@@ -38,6 +43,7 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import re
 import statistics
 import sys
 import tempfile
@@ -65,7 +71,7 @@ def parse_shape(text: str) -> tuple[int, int]:
 # ===================================================================================================
 
 def export_command(model_name: str, shape: tuple[int, int], out_dir: Path, min_bytes: int | None,
-                   activation_checkpointing: str | None = None, **overrides) -> Path:
+                   activation_checkpointing: str | None = None, target: str | None = None, **overrides) -> Path:
     from dataclasses import asdict
 
     import bench_step
@@ -74,7 +80,9 @@ def export_command(model_name: str, shape: tuple[int, int], out_dir: Path, min_b
     from vktrain.export import export_training_and_eval_steps, lower_methods_to_pte
     from vktrain.export.training import activation_checkpointing_spec
     from vktrain.partitioner import VktrainPartitioner
+    from vktrain.train.targets import TargetEmbedder, resolve_targets
 
+    embedder = TargetEmbedder(resolve_targets(target)) if target not in (None, "none") else None
     quick = model_name == bench_step.QUICK_PRESET
     min_bytes = min_bytes if min_bytes is not None else (
         bench_step.QUICK_SYNTHETIC_MIN_BYTES if quick else bench_step.FULL_SYNTHETIC_MIN_BYTES)
@@ -91,9 +99,12 @@ def export_command(model_name: str, shape: tuple[int, int], out_dir: Path, min_b
                                                                  json.dumps(asdict(config)))]
     if activation_checkpointing is not None:
         specs.append(activation_checkpointing_spec(activation_checkpointing))
-    data = lower_methods_to_pte(methods, {name: VktrainPartitioner(compile_specs=specs) for name in methods})
+    data = lower_methods_to_pte(methods, {name: VktrainPartitioner(compile_specs=specs) for name in methods},
+                                rewrite_blobs=embedder)
     out_dir.mkdir(parents=True, exist_ok=True)
     suffix = "" if activation_checkpointing is None else f"_ckpt-{activation_checkpointing}"
+    if embedder:  # a local profile is named after the device ("llvmpipe (LLVM 15.0.6, 256 bits)")
+        suffix += "_target-" + re.sub(r"[^A-Za-z0-9.]+", "-", "-".join(embedder.embedded)).strip("-")
     path = out_dir / f"train_{model_name}_{config.label}{suffix}.pte"
     path.write_bytes(data)
     print(f"wrote {path}: {len(data) / 2**20:.1f} MiB (train + eval), export + lowering "
@@ -147,6 +158,7 @@ PHASES = [
     ("vktrain.train.eval_command", "", "evaluate_batches", "evals"),
     ("vktrain.train.eval_command", "", "evaluate_data", "evals"),  # an older checkout's (batches made per eval)
     ("vktrain.train.eval_command", "", "prepare_eval_batches", "eval_prep"),
+    ("vktrain.runtime.program.runner", "TrainingRunner", "__init__", "program_load"),  # the step's load
     ("vktrain.runtime.program.evaluation", "EvalMethod", "__init__", "eval_load"),
     ("vktrain.runtime.program.evaluation", "EvalMethod", "loss_sum", "eval_batch"),
     ("vktrain.runtime.program.runner", "TrainingRunner", "step_inputs", "program_step"),
@@ -216,6 +228,7 @@ def time_command(path: Path, setting: tuple[int, int, int], args, workdir: Path)
     records = [r for r in json.loads(json_path.read_text()) if r.get("step", 0) > 0]
     step_s = sum(r["seconds"] for r in records)
     loop_start, loop_s = spent.pop("loop")[0]
+    before_loop_s = loop_start - start  # the command's start: arguments, data, the program's load, the first eval
     phases = {key: {"calls": len(values), "total_s": sum(v for _, v in values), "max_s": max(v for _, v in values)}
               for key, values in sorted(spent.items())}
     # The loop's seconds outside its records' steps, on the loop's thread (the writer's phases run beside);
@@ -226,7 +239,9 @@ def time_command(path: Path, setting: tuple[int, int, int], args, workdir: Path)
     on_loop["rest"] = loop_s - step_s - sum(on_loop.values())
     return {"argv": argv[2:], "setting": {"steps": steps, "eval_every": eval_every,
                                           "checkpoint_every": checkpoint_every, "eval_batches": args.eval_batches},
-            "command_s": command_s, "loop_s": loop_s, "steps_s": step_s, "outside_steps_s": loop_s - step_s,
+            "command_s": command_s, "loop_s": loop_s, "steps_s": step_s, "before_loop_s": before_loop_s,
+            "after_loop_s": command_s - before_loop_s - loop_s,
+            "load_s": sum(spent.get(key, [(0, 0.0)])[0][1] for key in ("program_load", "eval_load")), "outside_steps_s": loop_s - step_s,
             "outside_steps_on_loop_thread": on_loop, "phases": phases,
             "checkpoint_s": [v for _, v in spent.get("checkpoint_write", [])],  # each call
             "eval_s": [v for _, v in spent.get("evals", [])],
@@ -268,7 +283,8 @@ def run_command(args) -> int:
                       f"({step['tokens_per_s']:.0f} tokens/s); loop {train['loop_s']:.2f} s "
                       f"({train['loop_tokens_per_s']:.0f} tokens/s, {ratio:.3f}x the step alone; steps "
                       f"{train['steps_s']:.2f} s, outside them {train['outside_steps_s']:.2f} s), command "
-                      f"{train['command_s']:.1f} s, record median {train['record_seconds_median_ms']:.1f} ms\n"
+                      f"{train['command_s']:.1f} s (before the loop {train['before_loop_s']:.1f} s, of which the "
+                      f"step's and eval method's load {train['load_s']:.1f} s), record median {train['record_seconds_median_ms']:.1f} ms\n"
                       f"  phases: {phases}", flush=True)
             results.append({"pte": path.name, "step_alone": step, "runs": runs})
     summary = {"meta": meta, "results": results}
@@ -290,6 +306,9 @@ def main(argv: list[str] | None = None) -> int:
     export.add_argument("--min-bytes", type=int, default=None, help="constants this big become synthetic")
     export.add_argument("--activation-checkpointing", metavar="every-layer|N", default=None,
                         help="as `vktrain export` takes it (the file name gets _ckpt-<value>)")
+    export.add_argument("--target", metavar="NAME[,NAME...]", default=None,
+                        help="embed schedules for these device profiles, as `vktrain export --target` does (default: "
+                             "none, planned at load; the file name gets _target-<profiles>), e.g. nvidia-coopmat")
     run = sub.add_parser("run", help="time the step alone and `vktrain train` on each .pte")
     for p in (run, parser):
         p.add_argument("--steps", type=int, default=30, help="steps of the `vktrain train` run")
@@ -310,7 +329,8 @@ def main(argv: list[str] | None = None) -> int:
     if out_error(getattr(args, "out", None)):
         parser.error(out_error(args.out))
     if args.command == "export":
-        export_command(args.model, args.shape, args.out_dir, args.min_bytes, args.activation_checkpointing)
+        export_command(args.model, args.shape, args.out_dir, args.min_bytes, args.activation_checkpointing,
+                       args.target)
         return 0
     if args.command == "run":
         return run_command(args)

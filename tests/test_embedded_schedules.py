@@ -150,6 +150,31 @@ def test_lavapipe_trains_from_the_embedded_schedule_bit_identically_to_planning_
         assert a.dispatches == b.dispatches and a.buffers == b.buffers and a.placements == b.placements
 
 
+def test_an_embedded_schedule_is_verified_once_at_load(llama, vk_device, monkeypatch):
+    """Each embedded schedule goes through verify_schedule once, as it is read (verify_embedded), not again in
+    the executor that runs it (it is the load's costliest check after reading the schedule); the eval method reads
+    and checks only the schedule of the step's profile, not every profile's."""
+    import vktrain.runtime.delegate.executor as executor
+    import vktrain.serialization.verify_schedule as verify_schedule
+
+    _, everything, _, _ = llama
+    calls = []
+    original = verify_schedule.verify_schedule
+
+    def counted(*args, **kwargs):
+        calls.append(args[0])
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(verify_schedule, "verify_schedule", counted)
+    monkeypatch.setattr(executor, "verify_schedule", counted)
+    with TrainingRunner.from_pte(everything, vk_device, planner=plan_schedule, timing=False) as runner:
+        runner.eval_method()
+        assert runner.target is not None
+    graphs = _graphs(everything)
+    assert len(graphs[TRAIN_METHOD].schedules) == len(BUILTIN_PROFILES) > 1
+    assert len(calls) == len(graphs[TRAIN_METHOD].schedules) + 1
+
+
 def test_a_program_with_only_a_profile_lavapipe_cannot_satisfy_is_refused_naming_what_it_lacks(llama, vk_device,
                                                                                                 capsys):
     _, _, _, coopmat = llama

@@ -269,3 +269,37 @@ def test_train_records_the_held_out_loss_of_the_adapters_it_writes(two_method_pt
 
     code = cli.main(["train", str(two_method_pte), "--steps", "1", "--eval-every", "2"])
     assert code == 2 and "--eval-every needs --eval-data" in capsys.readouterr().err
+
+
+def test_the_eval_method_binds_the_steps_synthetic_constants_without_generating_them(programs, tmp_path, monkeypatch):
+    """A benchmark .pte's eval method finds the step's frozen base by the synthetic records (graph.same_stored_bytes):
+    its load generates only the constants it uploads itself, not both copies of every shared one to compare them
+    (which made the 1B's eval load 8 s on an H100)."""
+    from vktrain.backend import synthetic_constants_spec
+    from vktrain.partitioner import VktrainPartitioner
+    from vktrain.serialization.synthetic import SyntheticConstant
+
+    path = tmp_path / "synthetic.pte"
+    step, evaluation = programs
+    specs = synthetic_constants_spec(min_bytes=1024, seed=5)
+    path.write_bytes(lower_methods_to_pte({TRAIN_METHOD: step, EVAL_METHOD: evaluation},
+                                          {name: VktrainPartitioner(compile_specs=specs)
+                                           for name in (TRAIN_METHOD, EVAL_METHOD)}))
+    generated = []
+    materialize = SyntheticConstant.materialize
+    monkeypatch.setattr(SyntheticConstant, "materialize", lambda self: generated.append(self) or materialize(self))
+    with TrainingRunner.from_pte(path, planner=plan_schedule) as runner:
+        generated.clear()
+        method = runner.eval_method()
+        loaded = len(generated)
+        executor = method.executor
+        own = {executor.storage_of(v) for v, value in enumerate(method.graph.values)
+               if isinstance(value, vk.TensorValue) and value.constant_id >= 0
+               and method.graph.is_synthetic(value.constant_id) and executor.storage_of(v) in executor.buffer_bytes}
+        shared = [name for name in runner.executor.constants_matching(method.graph)
+                  if method.graph.is_synthetic(next(v.constant_id for v in method.graph.values
+                                                    if isinstance(v, vk.TensorValue) and v.name == name))]
+        assert len(shared) >= 4  # the embedding, the head and the q4 linears' codes and scales
+        assert loaded <= len(own), (loaded, len(own))
+        loss, count = runner.evaluate(*next(eval_batches(HELD_OUT, *BATCH)))
+        assert np.isfinite(loss) and count > 0

@@ -136,6 +136,28 @@ def test_planning_twice_gives_the_same_bytes_which_read_back_equal(vk_device, ll
         assert bool(back.tensor_core_ops) == bool(options)
 
 
+def test_bindings_and_placements_read_fast_equal_the_generated_accessors(vk_device, llama_pte):
+    """schedule.py reads ScheduleBinding and TensorPlacement through table_scalars (one vtable lookup per table);
+    field for field it gives what the flatc-generated accessors give, absent (default) fields included."""
+    from vktrain.serialization.flatbuffer_reading import table_scalars
+    from vktrain.serialization.generated.vkt_blob import Schedule as FbSchedule
+    from vktrain.serialization.schedule import _BINDING_FIELDS, _PLACEMENT_FIELDS
+
+    data = serialize_schedule(plan_schedule(_graph(llama_pte, vk_device), profile_of(vk_device), state_guard=True))
+    root = FbSchedule.Schedule.GetRootAs(data, 0)
+    placements = [root.Placements(i) for i in range(root.PlacementsLength())]
+    assert placements and any(p.Offset() == 0 for p in placements)  # absent: the default
+    for table in placements:
+        assert table_scalars(table, _PLACEMENT_FIELDS) == [table.ValueId(), table.Buffer(), table.Offset(),
+                                                           table.SizeBytes()]
+    bindings = [root.Dispatches(i).Bindings(j) for i in range(root.DispatchesLength())
+                for j in range(root.Dispatches(i).BindingsLength())]
+    assert len({b.Access() for b in bindings}) > 1 and any(b.Offset() == 0 for b in bindings)
+    for table in bindings:
+        assert table_scalars(table, _BINDING_FIELDS) == [table.Buffer(), table.Offset(), table.SizeBytes(),
+                                                         table.Access()]
+
+
 def test_a_schedule_read_back_trains_bit_identically(vk_device, llama_pte):
     graph = _graph(llama_pte, vk_device)
     batches = list(_batches(128, LLAMA_BATCH, LLAMA_SEQ))

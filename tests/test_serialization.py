@@ -163,6 +163,29 @@ def test_round_trip_preserves_every_field():
     _assert_graphs_equal(parsed, graph)
 
 
+def test_tensor_scalars_read_fast_equal_the_generated_accessors():
+    """blob_values.read_value reads a Tensor's scalar fields through table_scalars (one vtable lookup); tensor for
+    tensor it gives what the flatc-generated accessors give, absent (default) and optional fields included."""
+    from vktrain.serialization.blob_header import BlobHeader
+    from vktrain.serialization.blob_values import _TENSOR_SCALARS
+    from vktrain.serialization.flatbuffer_reading import table_scalars, union_as
+    from vktrain.serialization.generated.vkt_blob import Tensor as FbTensor
+    from vktrain.serialization.generated.vkt_blob import VkGraph as FbVkGraph
+
+    graph, _ = _rich_graph()
+    blob = serialize_blob(graph)
+    header = BlobHeader.parse(memoryview(blob))
+    start = header.flatbuffer_offset
+    root = FbVkGraph.VkGraph.GetRootAs(blob[start:start + header.flatbuffer_size], 0)
+    tensors = [union_as(root.Values(i).Value(), FbTensor.Tensor) for i in range(root.ValuesLength())
+               if root.Values(i).ValueType() == ValueKind.Tensor]
+    assert {t.StoredDtype() for t in tensors} == {None, DType.INT32} and {t.IsView() for t in tensors} == {True, False}
+    for t in tensors:
+        assert table_scalars(t, _TENSOR_SCALARS) == [t.Dtype(), t.Layout(), t.ConstantId(), t.MemObjId(),
+                                                     t.MemOffset(), t.StorageOf(), t.IsView(), t.ViewOffset(),
+                                                     t.StoredDtype()]
+
+
 def test_constants_come_back_as_zero_copy_views_with_their_values():
     graph, ref = _rich_graph()
     blob = serialize_blob(graph)

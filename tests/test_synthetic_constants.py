@@ -359,3 +359,25 @@ def test_training_step_with_synthetic_constants_runs(vk_device, mlp_step_graphs,
     # repeated must then be learned.
     assert abs(losses[0] - np.log(64)) < 0.1
     assert losses[-1] < losses[0]
+
+
+def test_same_stored_bytes_decides_by_the_record_where_it_settles_the_bytes(monkeypatch):
+    """graph.same_stored_bytes: equal records, and FILLs differing only in their seed, are equal without being
+    generated; other synthetic pairs, and stored bytes, are compared by their bytes (np.array_equal)."""
+    from vktrain.serialization.graph import SyntheticConstant, SyntheticKind, same_stored_bytes
+
+    normal = SyntheticConstant(SyntheticKind.NORMAL, 7, vk.DType.FLOAT32, (4, 8), std=0.02)
+    fill = SyntheticConstant(SyntheticKind.FILL, 1, vk.DType.FLOAT32, (8,), value=1.0)
+    refill = SyntheticConstant(SyntheticKind.FILL, 2, vk.DType.FLOAT32, (8,), value=1.0)
+    generate = SyntheticConstant.materialize
+    monkeypatch.setattr(SyntheticConstant, "materialize", lambda self: pytest.fail("generated"))
+    assert same_stored_bytes(normal, SyntheticConstant(SyntheticKind.NORMAL, 7, vk.DType.FLOAT32, (4, 8), std=0.02))
+    assert same_stored_bytes(fill, refill)
+    monkeypatch.setattr(SyntheticConstant, "materialize", generate)
+    assert not same_stored_bytes(normal, SyntheticConstant(SyntheticKind.NORMAL, 8, vk.DType.FLOAT32, (4, 8), std=0.02))
+    assert not same_stored_bytes(fill, SyntheticConstant(SyntheticKind.FILL, 1, vk.DType.FLOAT32, (8,), value=2.0))
+    assert same_stored_bytes(fill, np.ones(8, np.float32).tobytes())  # generated, then compared
+    data = np.arange(32, dtype=np.float32).tobytes()
+    view = memoryview(data)
+    assert same_stored_bytes(view[:64], view[:64]) and same_stored_bytes(view, bytes(data))
+    assert not same_stored_bytes(view, data[:-4] + b"\0\0\0\1") and not same_stored_bytes(view, data[:-4])

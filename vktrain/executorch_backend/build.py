@@ -18,23 +18,19 @@ from pathlib import Path
 
 from vktrain.contract import BACKEND_ID
 from vktrain.errors import VktrainError
+# vktrain's cache folder, one rule for every cache (the pipeline cache's too): $VKTRAIN_CACHE_DIR, else
+# $XDG_CACHE_HOME/vktrain, else ~/.cache/vktrain.
+from vktrain.runtime.vk.pipeline_store import CACHE_DIR_ENV as CACHE_ENV, cache_dir
 
 SOURCE = Path(__file__).with_name("trampoline.cpp")
 BRIDGE_MODULE = "vktrain.executorch_backend.bridge"
 COMPILER_ENV = "VKTRAIN_CXX"
-CACHE_ENV = "VKTRAIN_CACHE_DIR"
 # The definitions the wheel's CMake config (share/cmake/executorch-config.cmake) asks consumers for.
 EXECUTORCH_DEFINITIONS = ("C10_USING_CUSTOM_GENERATED_MACROS", "ET_EVENT_TRACER_ENABLED")
 
 
 class TrampolineBuildError(VktrainError):
     """The trampoline cannot be built: no compiler, no headers, or the compiler failed."""
-
-
-def cache_dir() -> Path:
-    if os.environ.get(CACHE_ENV):
-        return Path(os.environ[CACHE_ENV])
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "vktrain"
 
 
 def executorch_paths() -> tuple[list[Path], Path, str]:

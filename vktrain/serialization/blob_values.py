@@ -8,7 +8,8 @@ import numpy as np
 from vktrain.serialization import graph as g
 from vktrain.serialization.blob_header import BlobFormatError
 from vktrain.serialization.flatbuffer_building import numpy_vector
-from vktrain.serialization.flatbuffer_reading import scalar_vector, text, union_as
+from vktrain.serialization.flatbuffer_reading import (INT32, INT64, UINT8, UINT64, scalar_vector, table_scalars, text,
+                                                      union_as)
 from vktrain.serialization.generated.vkt_blob import Bool as FbBool
 from vktrain.serialization.generated.vkt_blob import BoolList as FbBoolList
 from vktrain.serialization.generated.vkt_blob import Double as FbDouble
@@ -106,6 +107,13 @@ def build_synthetic(builder: flatbuffers.Builder, synthetic: g.SyntheticConstant
     return FbSyntheticConstant.End(builder)
 
 
+# schema.fbs Tensor's slots: dtype, shape (vector), layout, constant_id, mem_obj_id, name (string), mem_offset,
+# storage_of, is_view, view_strides (vector), view_offset, stored_dtype (optional: None when absent); the scalars
+# read by table_scalars with their schema defaults (tests/test_serialization.py checks them against the accessors).
+_TENSOR_SCALARS = ((UINT8, 0), None, (UINT8, 0), (INT32, -1), (INT32, -1), None, (UINT64, 0), (INT32, -1), (UINT8, 0),
+                   None, (INT64, 0), (UINT8, None))
+
+
 def read_value(fb_value, value_id: int):
     kind = fb_value.ValueType()
     table = fb_value.Value()
@@ -113,12 +121,13 @@ def read_value(fb_value, value_id: int):
         raise BlobFormatError(f"value {value_id} has no payload (union type {kind})")
     if kind == ValueKind.Tensor:
         t = union_as(table, FbTensor.Tensor)
+        dtype, layout, constant_id, mem_obj_id, mem_offset, storage_of, is_view, view_offset, stored_dtype = \
+            table_scalars(t, _TENSOR_SCALARS)
         try:
-            return g.TensorValue(t.Dtype(), scalar_vector(t, "Shape"), t.Layout(), t.ConstantId(), t.MemObjId(),
-                                 text(t.Name()), mem_offset=t.MemOffset(), storage_of=t.StorageOf(),
-                                 is_view=bool(t.IsView()),
-                                 view_strides=scalar_vector(t, "ViewStrides"), view_offset=t.ViewOffset(),
-                                 stored_dtype=t.StoredDtype())
+            return g.TensorValue(dtype, scalar_vector(t, "Shape"), layout, constant_id, mem_obj_id, text(t.Name()),
+                                 mem_offset=mem_offset, storage_of=storage_of, is_view=bool(is_view),
+                                 view_strides=scalar_vector(t, "ViewStrides"), view_offset=view_offset,
+                                 stored_dtype=stored_dtype)
         except g.GraphError as exc:
             raise BlobFormatError(f"value {value_id}: {exc}") from None
     if kind == ValueKind.Null:

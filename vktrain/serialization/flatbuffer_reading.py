@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import struct
 from contextlib import contextmanager
-from typing import Iterator
+from typing import Any, Iterator, Sequence
 
 from vktrain.errors import VktrainError
 
@@ -29,6 +29,31 @@ def scalar_vector(table, field_name: str) -> tuple:
     if getattr(table, f"{field_name}Length")() == 0:
         return ()
     return tuple(getattr(table, f"{field_name}AsNumpy")().tolist())
+
+
+_SOFFSET, _VOFFSET = struct.Struct("<i"), struct.Struct("<H")
+# Scalar formats of a table's fields, by schema type (the generated accessors' flags).
+UINT8, INT32, UINT32 = struct.Struct("<B"), struct.Struct("<i"), struct.Struct("<I")
+INT64, UINT64 = struct.Struct("<q"), struct.Struct("<Q")
+
+
+def table_scalars(table, layout: Sequence[tuple[struct.Struct, Any] | None]) -> list:
+    """The scalar fields of a generated `table`, `layout` giving per slot (in schema order, from the first) its
+    (format, default) as the schema declares them, or None for a slot not read here (a vector, a string): what
+    its accessors return, read with one vtable lookup and no accessor calls (a schedule holds tens of thousands
+    of bindings and placements, a graph thousands of tensors; their accessors were most of the read)."""
+    buf, pos = table._tab.Bytes, table._tab.Pos
+    vtable = pos - _SOFFSET.unpack_from(buf, pos)[0]
+    size = _VOFFSET.unpack_from(buf, vtable)[0]
+    values = []
+    for slot, field in enumerate(layout):
+        if field is None:
+            continue
+        form, default = field
+        entry = 4 + 2 * slot
+        offset = _VOFFSET.unpack_from(buf, vtable + entry)[0] if entry < size else 0
+        values.append(form.unpack_from(buf, pos + offset)[0] if offset else default)
+    return values
 
 
 def union_as(holder, table_class):

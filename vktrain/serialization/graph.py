@@ -188,6 +188,33 @@ def stored_bytes(data: ConstantData) -> memoryview:
     return data.stored_bytes if isinstance(data, NarrowConstant) else constant_bytes(data)
 
 
+def same_stored_bytes(a: ConstantData, b: ConstantData) -> bool:
+    """Whether two constants store the same bytes (stored_bytes equal): how a method's constant is found to be
+    another method's (the frozen base the eval method binds: program_sharing.py, GraphExecutor.constants_matching).
+    Decided without generating synthetic constants where their records settle it (the recipe is exact: equal
+    records, or FILLs of one value, dtype and shape, give equal bytes) and without reading two views of the same
+    memory (the .pte's named data both methods refer to)."""
+    if a is b:
+        return True
+    if isinstance(a, SyntheticConstant) and isinstance(b, SyntheticConstant) and \
+            _synthetic_content(a) == _synthetic_content(b):
+        return True
+    mine, other = np.frombuffer(stored_bytes(a), np.uint8), np.frombuffer(stored_bytes(b), np.uint8)
+    if mine.size != other.size:
+        return False
+    if mine.size and mine.__array_interface__["data"][0] == other.__array_interface__["data"][0]:
+        return True
+    return bool(np.array_equal(mine, other))
+
+
+def _synthetic_content(constant: SyntheticConstant) -> tuple:
+    """What a synthetic constant's bytes depend on: the whole record, but a FILL's seed (it draws nothing)."""
+    fields = tuple(getattr(constant, name) for name in constant.__dataclass_fields__)
+    if constant.kind == SyntheticKind.FILL:
+        return tuple(value for name, value in zip(constant.__dataclass_fields__, fields) if name != "seed")
+    return fields
+
+
 def constant_bytes(data: ConstantData) -> memoryview:
     """A flat byte view of one constant (no copy unless a numpy array is not C-contiguous).
 

@@ -11,8 +11,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import numpy as np
-
 from vktrain.serialization import graph as g
 from vktrain.serialization.schedule import Schedule
 
@@ -49,8 +47,7 @@ def shared_from(owner: g.VkGraph, owner_schedule: Schedule, graph: g.VkGraph) ->
         if (mine.shape, mine.dtype, mine.layout, mine.storage_dtype) != \
                 (value.shape, value.dtype, value.layout, value.storage_dtype):
             continue
-        if np.array_equal(np.frombuffer(g.stored_bytes(graph.constants[value.constant_id]), np.uint8),
-                          np.frombuffer(g.stored_bytes(owner.constants[mine.constant_id]), np.uint8)):
+        if g.same_stored_bytes(graph.constants[value.constant_id], owner.constants[mine.constant_id]):
             shared[value.name] = SharedRecord(offsets[value_id], mine)
     return shared
 

@@ -29,7 +29,8 @@ from vktrain.serialization import graph as g
 from vktrain.serialization.device_profile import API_VULKAN, API_WEBGPU, DeviceProfile
 from vktrain.serialization.dispatch import BufferBinding, Dispatch, ScheduleError
 from vktrain.serialization.flatbuffer_building import numpy_vector, table_vector
-from vktrain.serialization.flatbuffer_reading import reading, scalar_vector, text as _text
+from vktrain.serialization.flatbuffer_reading import (INT32, UINT8, UINT32, UINT64, reading, scalar_vector,
+                                                      table_scalars, text as _text)
 from vktrain.serialization.generated.vkt_blob import PlannedGemm as FbPlannedGemm
 from vktrain.serialization.generated.vkt_blob import Schedule as FbSchedule
 from vktrain.serialization.generated.vkt_blob import ScheduleBinding as FbBinding
@@ -454,16 +455,22 @@ def _read_spec(table) -> tuple[int, Any]:
     raise ScheduleFormatError(f"spec constant {table.Id()} has unknown kind {kind}")
 
 
+# schema.fbs ScheduleBinding (buffer: uint32, offset: uint64, size_bytes: uint64, access: BindingAccess ubyte) and
+# TensorPlacement (value_id: int32, buffer: uint32, offset: uint64, size_bytes: uint64), in slot order, all 0 by
+# default: read by table_scalars (tests/test_schedule.py checks them against the generated accessors).
+_BINDING_FIELDS = ((UINT32, 0), (UINT64, 0), (UINT64, 0), (UINT8, 0))
+_PLACEMENT_FIELDS = ((INT32, 0), (UINT32, 0), (UINT64, 0), (UINT64, 0))
+
+
 def _read_dispatch(table, keys: list[str], index: int) -> Dispatch:
     where = f"dispatch {index}"
     bindings = []
     for i in range(table.BindingsLength()):
-        binding = table.Bindings(i)
-        access = binding.Access()
+        buffer, offset, size_bytes, access = table_scalars(table.Bindings(i), _BINDING_FIELDS)
         if access not in _ACCESS_NAMES:
             raise ScheduleFormatError(f"{where} binding {i} has unknown access {access}")
-        bindings.append(BufferBinding(_buffer_key(keys, binding.Buffer(), f"{where} binding {i}"), binding.Offset(),
-                                      binding.SizeBytes() or None, _ACCESS_NAMES[access]))
+        bindings.append(BufferBinding(_buffer_key(keys, buffer, f"{where} binding {i}"), offset, size_bytes or None,
+                                      _ACCESS_NAMES[access]))
     specs = tuple(_read_spec(table.SpecConstants(i)) for i in range(table.SpecConstantsLength()))
     local_size = scalar_vector(table, "LocalSize") or None
     push = bytes(table.PushConstantsAsNumpy().tobytes()) if table.PushConstantsLength() else b""
@@ -507,9 +514,9 @@ def _read(root) -> Schedule:
     placements = []
     for i in range(root.PlacementsLength()):
         with reading(f"Schedule.placements[{i}]", ScheduleFormatError):
-            table = root.Placements(i)
-            placements.append(TensorPlacement(table.ValueId(), _buffer_key(keys, table.Buffer(), f"placement {i}"),
-                                              table.Offset(), table.SizeBytes()))
+            value_id, buffer, offset, size_bytes = table_scalars(root.Placements(i), _PLACEMENT_FIELDS)
+            placements.append(TensorPlacement(value_id, _buffer_key(keys, buffer, f"placement {i}"), offset,
+                                              size_bytes))
     dispatches = []
     for i in range(root.DispatchesLength()):
         with reading(f"Schedule.dispatches[{i}]", ScheduleFormatError):

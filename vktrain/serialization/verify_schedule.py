@@ -278,11 +278,16 @@ def verify_embedded_schedule(schedule: Schedule, embedded: EmbeddedSchedule, gra
     check_schedule_profile(schedule, embedded, modules, source)
 
 
-def verify_embedded(graph: g.VkGraph, source: str = "blob") -> list[Schedule]:
-    """Every check above of every schedule `graph` embeds (with the blob's shader modules); the schedules read."""
+def verify_embedded(graph: g.VkGraph, source: str = "blob", only: int | None = None) -> list[Schedule | None]:
+    """Every check above of every schedule `graph` embeds (with the blob's shader modules); the schedules read.
+    `only`: the index of the one schedule to read and check (the others come back None): a method that runs the
+    schedule of a profile already chosen (the training step's) reads no other."""
     check_shader_modules(graph.shader_modules, source)
-    schedules = []
+    schedules: list[Schedule | None] = []
     for index, embedded in enumerate(graph.schedules):
+        if only is not None and index != only:
+            schedules.append(None)
+            continue
         where = f"{source}: embedded schedule {index} (profile {embedded.profile.name!r})"
         try:
             schedule = deserialize_schedule(embedded.schedule_bytes)

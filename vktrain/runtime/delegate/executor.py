@@ -437,9 +437,7 @@ class GraphExecutor:
                 continue
             if owner.tensor.storage_dtype != value.storage_dtype:
                 continue
-            mine = np.frombuffer(vk.stored_bytes(graph.constants[value.constant_id]), np.uint8)
-            other = np.frombuffer(vk.stored_bytes(self.graph.constants[owner.tensor.constant_id]), np.uint8)
-            if np.array_equal(mine, other):
+            if vk.same_stored_bytes(graph.constants[value.constant_id], self.graph.constants[owner.tensor.constant_id]):
                 same[value.name] = owner
         return same
 

@@ -8,7 +8,8 @@ schedules `vktrain export --target` put in the delegate blob, and the matching r
 
 None: the blob embeds no schedules (or the step plans at load, or an emulated profile fits none of them), and the
 executor plans at load as before.
-The tables are verified (verify_schedule.py verify_embedded) before one is chosen.
+The tables are verified (verify_schedule.py verify_embedded) before one is chosen: all of them for the training step
+(the matching rule reads every one), the one of the step's profile for its other methods (they read no other).
 """
 from __future__ import annotations
 
@@ -45,7 +46,10 @@ def method_selection(graph: g.VkGraph, training: Any, source: str) -> Selection 
     target = getattr(training, "target_profile", None)
     if target is None:
         return None
-    read = verify_embedded(graph, source)
+    index = next((i for i, embedded in enumerate(graph.schedules) if embedded.profile.name == target.name), None)
+    if index is None:  # schedule_for_profile refuses it, naming the profiles there are
+        return schedule_for_profile(graph.schedules, graph.shader_modules, target.name, source=source, read=[])
+    read = verify_embedded(graph, source, only=index)  # the step's profile's schedule, not every profile's
     return schedule_for_profile(graph.schedules, graph.shader_modules, target.name, source=source, read=read)
 
 

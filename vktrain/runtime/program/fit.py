@@ -22,7 +22,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import numpy as np
 
 from vktrain.contract import ACCUMULATE_METHOD, BACKEND_ID, EVAL_METHOD, TRAIN_METHOD
 from vktrain.errors import GraphLoweringError
@@ -87,8 +86,7 @@ def _shared_with(owners: list[vk.VkGraph], graph: vk.VkGraph) -> dict[str, _Shar
         if (tensor.shape, tensor.dtype, tensor.layout, tensor.storage_dtype) != \
                 (value.shape, value.dtype, value.layout, value.storage_dtype):
             continue
-        if np.array_equal(np.frombuffer(vk.stored_bytes(graph.constants[value.constant_id]), np.uint8),
-                          np.frombuffer(vk.stored_bytes(owner.constants[tensor.constant_id]), np.uint8)):
+        if vk.same_stored_bytes(graph.constants[value.constant_id], owner.constants[tensor.constant_id]):
             shared[value.name] = _Shared(0, tensor)
     return shared
 

@@ -5,14 +5,16 @@ one the program carries, or one the caller's planner makes for this device.
     executor = GraphExecutor(device, graph, obtained.schedule, verify=obtained.verify)
 
 In this order: `schedule`, the caller's own (run as it is); `embedded`, the program's schedule for this device
-(none is read yet: `vktrain export --target` will store them); else `planner(graph, profile, **options)`, with
+(`vktrain export --target` stores them; vktrain/runtime/program/embedded.py selects one); else `planner(graph, profile, **options)`, with
 `profile` the device's planning profile (vktrain/runtime/device_profiles.py `planning_profile`: its own, or
 VKTRAIN_DEVICE_PROFILE's emulated on it). With none of them the load is refused (NoScheduleError). The app
 passes vktrain.backend.kernel_planning.plan_schedule as the planner; its options are plan_schedule's
 (precision, emulate_tensor_cores, max_binding_bytes, shared, state_guard).
 
-A schedule given or carried is verified at load (GraphExecutor's `verify`: serialization/verify_schedule.py);
-one the planner just made for this graph and device is not (`verify` False), as when the executor planned
+A schedule given is verified at load (GraphExecutor's `verify`: serialization/verify_schedule.py); one carried
+(`embedded`: a Selection's, which vktrain/runtime/program/embedded.py read through verify_embedded, every check
+of verify_schedule against this graph and the blob's modules included) is not verified a second time; one the
+planner just made for this graph and device is not (`verify` False), as when the executor planned
 itself: it is the planner's output in this process, not bytes from a file -- except under an emulated profile
 (VKTRAIN_DEVICE_PROFILE), whose limits the device does not enforce: that plan is verified against them as an
 embedded one is (`verify`; and check_schedule_profile with each kernel's workgroup size as its SPIR-V declares
@@ -55,7 +57,7 @@ def method_schedule(graph: vk.VkGraph, device: Any, *, planner: Optional[Planner
     if schedule is not None:
         return MethodSchedule(schedule, True)
     if embedded is not None:
-        return MethodSchedule(embedded, True)
+        return MethodSchedule(embedded, False)  # verified as it was read (verify_embedded)
     if planner is None:
         raise NoScheduleError(f"{source}: no schedule for {getattr(device, 'name', 'this device')}: the program "
                               f"carries none and no planner was given (pass planner="

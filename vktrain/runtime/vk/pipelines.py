@@ -3,6 +3,10 @@
 The descriptor-set layout of a pipeline is the shader's own (reflected) list of storage buffers in set
 0, so a Dispatch must bind exactly those; the push-constant range is exactly the bytes pushed. Shader
 modules, set layouts and pipeline layouts are shared between pipelines that agree on them.
+
+Pipelines are created through one VkPipelineCache per Device, seeded from the on-disk cache of this device and
+driver (pipeline_store.py; VKTRAIN_PIPELINE_CACHE=0: none) and written back when the device closes, if this run
+created pipelines: a later run's load takes the driver's compiled pipelines from it instead of compiling.
 """
 from __future__ import annotations
 
@@ -13,7 +17,8 @@ from typing import Any
 from vktrain.runtime_shaders import ShaderInterface, load_spirv, reflect_spirv
 
 from vktrain.serialization.dispatch import ScheduleError
-from vktrain.runtime.vk.errors import vk_call
+from vktrain.runtime.vk.errors import VulkanError, vk_call
+from vktrain.runtime.vk.pipeline_store import DeviceKey, PipelineStore, pipeline_cache_folder
 from vktrain.serialization.dispatch import SpecValue
 
 _SPEC_FORMATS = {"uint": "<I", "int": "<i", "bool": "<I", "float": "<f"}
@@ -73,6 +78,53 @@ class PipelineCache:
         self._set_layouts: dict[tuple[int, ...], Any] = {}
         self._pipeline_layouts: dict[tuple[tuple[int, ...], int], Any] = {}
         self._pipelines: dict[tuple[str, tuple, int], Pipeline] = {}
+        self.created = 0  # pipelines created (not found in this object) since the device opened
+        self.store = _store_of(device)
+        # Off (VKTRAIN_PIPELINE_CACHE=0): no VkPipelineCache at all, pipelines created as without one.
+        self._vk_cache = self._create_vk_cache() if self.store is not None else None
+
+    def _create_vk_cache(self):
+        """The device's VkPipelineCache, seeded from the store's file where it holds a valid one."""
+        vk = self.device.vk
+        payload = self.store.read()
+        seed = vk.ffi.new("char[]", payload) if payload else None
+        info = vk.VkPipelineCacheCreateInfo(sType=vk.VK_STRUCTURE_TYPE_PIPELINE_CACHE_CREATE_INFO, flags=0,
+                                            initialDataSize=len(payload) if payload else 0, pInitialData=seed)
+        try:
+            return vk_call("vkCreatePipelineCache", vk.vkCreatePipelineCache, self.device.handle, info, None)
+        except VulkanError:
+            if payload is None:
+                raise
+            self.store.status = "ignored: the driver refused it"  # checked here, refused there: start empty
+            info = vk.VkPipelineCacheCreateInfo(sType=vk.VK_STRUCTURE_TYPE_PIPELINE_CACHE_CREATE_INFO, flags=0,
+                                                initialDataSize=0, pInitialData=None)
+            return vk_call("vkCreatePipelineCache", vk.vkCreatePipelineCache, self.device.handle, info, None)
+
+    def cache_data(self) -> bytes:
+        """What vkGetPipelineCacheData returns for the device's VkPipelineCache now."""
+        vk = self.device.vk
+        size = vk.ffi.new("size_t*")
+        # The binding wraps no vkGetPipelineCacheData: the C function, called twice (size, then data).
+        vk_call("vkGetPipelineCacheData", _checked(vk), self.device.handle, self._vk_cache, size, vk.ffi.NULL)
+        data = vk.ffi.new("char[]", size[0])
+        vk_call("vkGetPipelineCacheData", _checked(vk), self.device.handle, self._vk_cache, size, data)
+        return bytes(vk.ffi.buffer(data, size[0]))
+
+    def save(self) -> bool:
+        """Write the pipelines back to the store when this run created any; True when written."""
+        if self.store is None or not self.created or self._vk_cache is None:
+            return False
+        try:
+            payload = self.cache_data()
+        except Exception:  # noqa: BLE001 -- a cache left unwritten costs the next load its compile time; never a close
+            return False
+        return self.store.write(payload)
+
+    def store_report(self) -> dict | None:
+        """The on-disk cache: its file, what reading it found, pipelines created (None: turned off)."""
+        if self.store is None:
+            return None
+        return {"path": str(self.store.path), "read": self.store.status, "created": self.created}
 
     def shader(self, name: str, code: bytes | None = None) -> tuple[Any, ShaderInterface]:
         """(VkShaderModule, reflected interface) of shader `name`: its SPIR-V `code` (a module embedded in a
@@ -155,8 +207,9 @@ class PipelineCache:
             basePipelineIndex=-1)
         create_infos = [create_info]
         handles = vk_call("vkCreateComputePipelines", vk.vkCreateComputePipelines, self.device.handle,
-                          None, 1, create_infos, None, detail=f"shader {shader!r}")
+                          self._vk_cache, 1, create_infos, None, detail=f"shader {shader!r}")
         handle = handles[0]
+        self.created += 1
         pipeline = Pipeline(shader, interface, handle, layout, self._set_layout(bindings), push_size)
         self._pipelines[key] = pipeline
         return pipeline
@@ -169,6 +222,10 @@ class PipelineCache:
         device = self.device._device
         if device is None:
             return
+        self.save()
+        if self._vk_cache is not None:
+            vk.vkDestroyPipelineCache(device, self._vk_cache, None)
+            self._vk_cache = None
         for pipeline in self._pipelines.values():
             vk.vkDestroyPipeline(device, pipeline.handle, None)
         for layout in self._pipeline_layouts.values():
@@ -181,3 +238,25 @@ class PipelineCache:
         self._pipeline_layouts.clear()
         self._set_layouts.clear()
         self._modules.clear()
+
+
+def _store_of(device) -> PipelineStore | None:
+    """The on-disk cache of `device`'s pipelines, None when turned off (VKTRAIN_PIPELINE_CACHE=0)."""
+    folder = pipeline_cache_folder()
+    if folder is None:
+        return None
+    vk = device.vk
+    props = vk.vkGetPhysicalDeviceProperties(device.physical_device)
+    key = DeviceKey(int(props.vendorID), int(props.deviceID), int(props.driverVersion),
+                    bytes(vk.ffi.buffer(props.pipelineCacheUUID)))
+    return PipelineStore(folder, key)
+
+
+def _checked(vk):
+    """vkGetPipelineCacheData as a call vk_call can check (it raises on a VkResult other than success)."""
+    def call(*args):
+        result = vk.lib.vkGetPipelineCacheData(*args)
+        if result != vk.VK_SUCCESS:
+            raise vk.exception_codes[result]
+        return result
+    return call
