@@ -1,4 +1,4 @@
-"""vktrain-native-train (native/: the C++ schedule interpreter on the native Vulkan layer) against the Python
+"""vktrain-train (native/: the C++ schedule interpreter on the native Vulkan layer, driven through the C API) against the Python
 runtime: tiny-llama trained 20 steps by each, from the same .pte, the same planned schedule, the same batches
 and hyper-parameters (float32 on both sides), must give the same loss at every step and the same state after
 the last, bit for bit. The Python
@@ -30,7 +30,7 @@ STEPS = 20
 
 @pytest.fixture(scope="module")
 def trainer() -> Path:
-    return build_native() / "vktrain-native-train"
+    return build_native() / "vktrain-train"
 
 
 @pytest.fixture(scope="module")
@@ -92,8 +92,8 @@ def test_twenty_steps_give_the_python_runtimes_losses_and_state_bit_for_bit(trai
     result = _run(trainer, pte, "--schedule-file", vks, "--spirv-dir", spirv_dir, "--data", tokens, "--steps", STEPS,
                   "--json", native_json, "--state-out", native_state, *[x for k, v in hyper.items() for x in (f"--{k.replace('_', '-')}", v)])
     assert result.returncode == 0, result.stderr
-    progress = [line for line in result.stdout.splitlines() if line.startswith("step ")]
-    assert [line.split()[1] for line in progress] == [f"{t}/{STEPS}" for t in range(1, STEPS + 1)]
+    progress = [line for line in result.stdout.splitlines() if line.startswith("step ")]  # --log-every 1
+    assert [line.split()[1] for line in progress] == [str(t) for t in range(1, STEPS + 1)]
 
     with TrainingRunner.from_pte(pte, vk_device, schedule=deserialize_schedule(vks.read_bytes())) as runner:
         batches = TokenBatcher(load_tokens(tokens), 2, 16, seed=hyper["seed"])
@@ -126,19 +126,33 @@ def test_twenty_steps_give_the_python_runtimes_losses_and_state_bit_for_bit(trai
 
 def test_the_pte_alone_trains_like_vktrain_train_bit_for_bit(trainer, llama, tmp_path):
     """No Python-made files: the schedule and the SPIR-V come from the .pte's blob (its lavapipe schedule,
-    chosen by the matching rule), and 20 steps give `vktrain train`'s losses and learning rates, bit for bit."""
+    chosen by the matching rule), and 20 steps give `vktrain train`'s losses and learning rates, bit for bit;
+    the native trainer reads the tokens from a *.tokens.txt file (the same ids as vktrain train's .npy, by
+    vktrain's own reader), logs every --log-every steps, and its --out-adapters directory is vktrain train's
+    byte for byte."""
     import sys
 
+    from vktrain.train.data import load_tokens
+
     pte, _, tokens = llama
+    ids = np.load(tokens)
+    text = tmp_path / "corpus.tokens.txt"  # spacing and spellings Python's int() takes: +7, 007, 1_0
+    words = [("+" if i % 7 == 0 else "") + (f"{v:03d}" if i % 5 == 0 else "_".join(str(v)) if i % 11 == 0 and v > 9 else str(v))
+             for i, v in enumerate(ids.tolist())]
+    text.write_text("".join(w + ("\n" if i % 13 == 12 else "\t " if i % 3 == 0 else " ") for i, w in enumerate(words)))
+    assert np.array_equal(load_tokens(text), ids)
     hyper = ["--lr", 2e-3, "--schedule", "cosine", "--warmup", 3, "--min-lr-ratio", 0.1, "--beta1", 0.8,
-             "--weight-decay", 0.02, "--seed", 5]
+             "--weight-decay", 0.02, "--seed", 5, "--lora-alpha", 8, "--base-model", "hf/tiny-llama-\u00fc\U0001f600"]
     native_json, python_json = tmp_path / "native.json", tmp_path / "python.json"
-    native = _run(trainer, pte, "--data", tokens, "--steps", STEPS, "--json", native_json, *hyper)
+    native = _run(trainer, pte, "--data", text, "--steps", STEPS, "--json", native_json, "--log-every", 5,
+                  "--out-adapters", tmp_path / "native_adapters", *hyper)
     assert native.returncode == 0, native.stderr
     assert "(the embedded schedule for profile 'lavapipe')" in native.stdout, native.stdout
-    env = dict(os.environ, VKTRAIN_VALIDATION="1", PYTHONPATH=str(REPO))
+    assert [line.split()[1] for line in native.stdout.splitlines() if line.startswith("step ")] == ["5", "10", "15", "20"]
+    env = dict(os.environ, VKTRAIN_VALIDATION="1", PYTHONPATH=str(REPO), PYTHONUTF8="1")
     python = subprocess.run([sys.executable, "-m", "vktrain.cli", "train", str(pte), "--data", str(tokens), "--steps",
-                             str(STEPS), "--json", str(python_json), "--no-progress", *map(str, hyper)],
+                             str(STEPS), "--json", str(python_json), "--no-progress", "--out-adapters",
+                             str(tmp_path / "python_adapters"), *map(str, hyper)],
                             capture_output=True, text=True, timeout=300, env=env)
     assert python.returncode == 0, python.stderr
     ours, theirs = json.loads(native_json.read_text()), json.loads(python_json.read_text())
@@ -146,6 +160,11 @@ def test_the_pte_alone_trains_like_vktrain_train_bit_for_bit(trainer, llama, tmp
     for mine, other in zip(ours, theirs):
         assert mine["loss_bits"] == f"0x{np.float32(other['loss']).view(np.uint32):08x}", (mine, other)
         assert mine["lr"] == other["lr"]
+    for name in ("adapter_model.safetensors", "adapter_config.json"):
+        native_file, python_file = tmp_path / "native_adapters" / name, tmp_path / "python_adapters" / name
+        assert native_file.read_bytes() == python_file.read_bytes(), name
+    assert json.loads((tmp_path / "native_adapters" / "adapter_config.json").read_text())["base_model_name_or_path"] == (
+        "hf/tiny-llama-\u00fc\U0001f600")
 
 
 def test_a_checkpoint_of_either_runtime_resumes_exactly_in_the_other(trainer, llama, tmp_path):
@@ -242,10 +261,18 @@ def test_bad_input_exits_2_naming_what_is_wrong(trainer, spirv_dir, llama, tmp_p
     assert result.returncode == 2, result.stderr
     assert f"{out_of_vocab}: token id 300 at position 2 is outside the model's vocabulary [0, 256)" in result.stderr
 
-    not_npy = tmp_path / "tokens.txt"
+    text = tmp_path / "tokens.txt"  # text, not token ids: it needs the model's tokenizer
+    text.write_text("1 2 3")
+    result = _run(trainer, pte, *common[:4], "--data", text, *common[6:])
+    assert result.returncode == 2 and f"{text}: the native trainer reads token ids" in result.stderr, result.stderr
+    not_npy = tmp_path / "tokens.npy"
     not_npy.write_text("1 2 3")
     result = _run(trainer, pte, *common[:4], "--data", not_npy, *common[6:])
     assert result.returncode == 2 and f"{not_npy}: not a .npy file" in result.stderr, result.stderr
+    words = tmp_path / "bad.tokens.txt"
+    words.write_text("1 2 x3 4")
+    result = _run(trainer, pte, *common[:4], "--data", words, *common[6:])
+    assert result.returncode == 2 and f"{words}: .tokens.txt files hold whitespace-separated integers; word 2 is 'x3'" in result.stderr, result.stderr
 
     absent = _run(trainer, pte, "--schedule-file", tmp_path / "absent.vks", *common[2:])
     assert absent.returncode == 2 and "absent.vks" in absent.stderr, absent.stderr
@@ -318,7 +345,7 @@ def test_the_trainer_runs_clean_under_the_sanitizers(spirv_dir, llama, tmp_path)
     """The whole trainer (load, plan, Vulkan objects, staging copies, replays, state read-back) built with
     AddressSanitizer + UBSan (LeakSanitizer on) trains 2 steps with no report, the same bits as the plain build."""
     pte, vks, tokens = llama
-    sanitized, plain = build_native("--sanitize") / "vktrain-native-train", build_native() / "vktrain-native-train"
+    sanitized, plain = build_native("--sanitize") / "vktrain-train", build_native() / "vktrain-train"
     losses = []
     for binary in (sanitized, plain):
         out = tmp_path / binary.parent.name
@@ -333,4 +360,4 @@ def test_the_trainer_runs_clean_under_the_sanitizers(spirv_dir, llama, tmp_path)
     resumed = _run(sanitized, pte, "--data", tokens, "--steps", 3, "--lr", 1e-3,
                    "--resume", tmp_path / f"{sanitized.parent.name}.safetensors")
     assert "Sanitizer" not in resumed.stderr and "runtime error" not in resumed.stderr, resumed.stderr[-3000:]
-    assert resumed.returncode == 0 and "step 3/3" in resumed.stdout, resumed.stderr[-3000:]
+    assert resumed.returncode == 0 and "step      3  loss" in resumed.stdout, resumed.stderr[-3000:]
