@@ -16,6 +16,7 @@ import dataclasses
 import json
 import os
 import re
+import resource
 import subprocess
 from pathlib import Path
 
@@ -333,17 +334,25 @@ def test_staging_copies_give_the_same_training(trainer, spirv_dir, llama, tmp_pa
     for mode in ("mapped", "staging"):
         out = tmp_path / mode
         result = _run(trainer, pte, "--schedule-file", vks, "--spirv-dir", spirv_dir, "--data", tokens, "--steps", 3,
-                      "--lr", 1e-3, "--json", f"{out}.json", "--state-out", out,
+                      "--lr", 1e-3, "--json", f"{out}.json", "--state-out", out, "--summary-json", f"{out}.summary.json",
                       *(["--staging"] if mode == "staging" else []))
         assert result.returncode == 0, result.stderr
         runs[mode] = ([r["loss_bits"] for r in json.loads(Path(f"{out}.json").read_text())],
                       {p.name: p.read_bytes() for p in out.glob("*.npy")})
+        # --summary-json: the run, and the trainer's peak RSS, which the kernel's count of its children's bounds.
+        summary = json.loads(Path(f"{out}.summary.json").read_text())
+        records = json.loads(Path(f"{out}.json").read_text())
+        assert (summary["steps"], summary["last_step"], summary["pte_bytes"]) == (3, 3, pte.stat().st_size)
+        assert summary["final_loss"] == records[-1]["loss"] and summary["schedule"] == str(vks)
+        children_peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024
+        assert summary["buffer_bytes"] < summary["peak_rss_bytes"] <= children_peak
     assert runs["staging"] == runs["mapped"] and len(runs["mapped"][1]) > 100
 
 
 def test_the_trainer_runs_clean_under_the_sanitizers(spirv_dir, llama, tmp_path):
-    """The whole trainer (load, plan, Vulkan objects, staging copies, replays, state read-back) built with
-    AddressSanitizer + UBSan (LeakSanitizer on) trains 2 steps with no report, the same bits as the plain build."""
+    """The whole trainer (load, plan, Vulkan objects, staging copies, replays, state read-back, the C API, the
+    adapter writer) built with AddressSanitizer + UBSan (LeakSanitizer on) trains 2 steps with no report, the
+    same bits as the plain build."""
     pte, vks, tokens = llama
     sanitized, plain = build_native("--sanitize") / "vktrain-train", build_native() / "vktrain-train"
     losses = []
@@ -351,11 +360,14 @@ def test_the_trainer_runs_clean_under_the_sanitizers(spirv_dir, llama, tmp_path)
         out = tmp_path / binary.parent.name
         result = _run(binary, pte, "--schedule-file", vks, "--spirv-dir", spirv_dir, "--data", tokens, "--steps", 2,
                       "--lr", 1e-3, "--json", f"{out}.json", "--state-out", out, "--staging",
-                      "--checkpoint", f"{out}.safetensors", "--checkpoint-every", 1)
+                      "--checkpoint", f"{out}.safetensors", "--checkpoint-every", 1,
+                      "--out-adapters", f"{out}.adapters", "--lora-alpha", 8)
         assert "Sanitizer" not in result.stderr and "runtime error" not in result.stderr, result.stderr[-3000:]
         assert result.returncode == 0, result.stderr[-3000:]
         losses.append([r["loss_bits"] for r in json.loads(Path(f"{out}.json").read_text())])
     assert losses[0] == losses[1]
+    adapters = [(tmp_path / f"{b.parent.name}.adapters" / "adapter_model.safetensors").read_bytes() for b in (sanitized, plain)]
+    assert adapters[0] == adapters[1]
     # A checkpoint read back and resumed (the embedded schedule this time) under the sanitizers too.
     resumed = _run(sanitized, pte, "--data", tokens, "--steps", 3, "--lr", 1e-3,
                    "--resume", tmp_path / f"{sanitized.parent.name}.safetensors")

@@ -6,7 +6,7 @@
 // labels >= 0. (vktrain-native-train, its first name, is a link to it.)
 //
 //   vktrain-train STEP.pte --data TOKENS.npy|FILE.tokens.txt --steps N --lr X [--schedule cosine|constant]
-//                 [--warmup W] [--weight-decay WD] ... [--json OUT] [--log-every N] [--no-progress]
+//                 [--warmup W] [--weight-decay WD] ... [--json OUT] [--summary-json OUT] [--log-every N] [--no-progress]
 //                 [--checkpoint CK --checkpoint-every K] [--resume CK] [--out-adapters DIR [--lora-alpha A]
 //                 [--base-model NAME]] [--state-out DIR] [--schedule-file S.vks --spirv-dir D] [--staging]
 //
@@ -38,7 +38,7 @@ const char* const kName = "vktrain-train";
 const char* const kUsage =
     "usage: vktrain-train STEP.pte --data TOKENS.npy|FILE.tokens.txt --steps N --lr X [--schedule constant|cosine]\n"
     "                     [--warmup W] [--min-lr-ratio R] [--beta1 B1] [--beta2 B2] [--eps E] [--weight-decay WD]\n"
-    "                     [--seed S] [--no-shuffle] [--json OUT] [--log-every N] [--no-progress]\n"
+    "                     [--seed S] [--no-shuffle] [--json OUT] [--summary-json OUT] [--log-every N] [--no-progress]\n"
     "                     [--checkpoint CK.safetensors] [--checkpoint-every K] [--resume CK.safetensors]\n"
     "                     [--out-adapters DIR] [--lora-alpha A] [--base-model NAME] [--state-out DIR]\n"
     "                     [--device INDEX|NAME] [--staging] [--schedule-file S.vks --spirv-dir DIR]\n";
@@ -79,15 +79,15 @@ std::string record_json(const vktrain_step_result& r) {
          ", \"loss_bits\": \"" + hex8(bits) + "\", \"lr\": " + real(r.lr) + ", \"seconds\": " + real(r.seconds) + "}";
 }
 
-// The peak resident set of this process so far (getrusage: KiB on Linux), in MiB.
-double peak_rss_mib() {
+// The peak resident set of this process so far, in bytes (getrusage's ru_maxrss is KiB on Linux).
+uint64_t peak_rss_bytes() {
   struct rusage usage {};
   getrusage(RUSAGE_SELF, &usage);
-  return double(usage.ru_maxrss) / 1024.0;
+  return uint64_t(usage.ru_maxrss) * 1024;
 }
 
 struct Args {
-  std::string pte, schedule_file, spirv_dir, data, json, device, state_out, checkpoint, resume, out_adapters,
+  std::string pte, schedule_file, spirv_dir, data, json, summary_json, device, state_out, checkpoint, resume, out_adapters,
       base_model;
   int64_t steps = 0, seed = 0, checkpoint_every = 0, log_every = 1;
   double lora_alpha = 0;
@@ -100,7 +100,7 @@ Args parse(int argc, char** argv) {
   Args a;
   vktrain_run_config_init(&a.run);
   std::map<std::string, std::string*> texts = {
-      {"--schedule-file", &a.schedule_file}, {"--spirv-dir", &a.spirv_dir}, {"--data", &a.data}, {"--json", &a.json},
+      {"--schedule-file", &a.schedule_file}, {"--spirv-dir", &a.spirv_dir}, {"--data", &a.data}, {"--json", &a.json}, {"--summary-json", &a.summary_json},
       {"--schedule", &a.schedule}, {"--device", &a.device}, {"--state-out", &a.state_out},
       {"--checkpoint", &a.checkpoint}, {"--resume", &a.resume}, {"--out-adapters", &a.out_adapters},
       {"--base-model", &a.base_model}};
@@ -260,8 +260,23 @@ int train(Args& a) {
     check(vktrain_save_adapters(session, a.out_adapters.c_str(), &adapters), session);
     std::printf("%s: wrote the adapters to %s\n", kName, a.out_adapters.c_str());
   }
+  const uint64_t peak = peak_rss_bytes();
   std::printf("%s: %lld steps, %.1f ms/step, peak RSS %.1f MiB\n", kName, (long long)done,
-              done ? 1e3 * seconds / double(done) : 0.0, peak_rss_mib());
+              done ? 1e3 * seconds / double(done) : 0.0, peak / 1048576.0);
+  if (!a.summary_json.empty()) {
+    struct stat st {};
+    stat(a.pte.c_str(), &st);
+    vktrain_step_result last{};
+    check(vktrain_get_info(session, &info), session);
+    if (info.step) check(vktrain_get_record(session, info.step, &last), session);
+    write_file_atomically(a.summary_json, "{\n  \"steps\": " + num(done) + ",\n  \"last_step\": " + num(info.step) +
+                          ",\n  \"final_loss\": " + (info.step ? real(last.loss) : "null") + ",\n  \"ms_per_step\": " +
+                          real(done ? 1e3 * seconds / double(done) : 0.0) + ",\n  \"peak_rss_bytes\": " + num(peak) +
+                          ",\n  \"pte_bytes\": " + num(uint64_t(st.st_size)) + ",\n  \"buffer_bytes\": " +
+                          num(info.buffer_bytes) + ",\n  \"dispatches\": " + num(info.dispatches) + ",\n  \"barriers\": " +
+                          num(info.barriers) + ",\n  \"device\": " + json_quote(info.device_name) + ",\n  \"schedule\": " +
+                          json_quote(info.schedule) + "\n}\n", "--summary-json");
+  }
   return 0;
 }
 
