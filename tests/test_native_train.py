@@ -226,6 +226,29 @@ def test_a_checkpoint_of_either_runtime_resumes_exactly_in_the_other(trainer, ll
     assert result.returncode == 2 and "exists; continue it with --resume" in result.stderr, result.stderr
 
 
+def test_a_non_finite_loss_stops_the_run_as_vktrain_train_stops_it(trainer, llama, tmp_path):
+    """An absurd learning rate makes step 2's loss NaN: both trainers exit 1 naming the step, their --json logs
+    hold step 1 alone, and the native checkpoint written after step 1 stays the last good one."""
+    import sys
+
+    from vktrain.train.checkpoint import load_checkpoint
+
+    pte, _, tokens = llama
+    hyper = ["--data", tokens, "--steps", 4, "--lr", 1e30, "--schedule", "constant"]
+    native = _run(trainer, pte, *hyper, "--json", tmp_path / "native.json", "--checkpoint", tmp_path / "ck.safetensors",
+                  "--checkpoint-every", 1)
+    assert native.returncode == 1, native.stderr
+    assert "the loss became nan at step 2 (lr 1e+30); training stopped" in native.stderr, native.stderr
+    env = dict(os.environ, VKTRAIN_VALIDATION="1", PYTHONPATH=str(REPO))
+    python = subprocess.run([sys.executable, "-m", "vktrain.cli", "train", str(pte), *map(str, hyper), "--no-progress",
+                             "--json", str(tmp_path / "python.json")], capture_output=True, text=True, timeout=300, env=env)
+    assert python.returncode == 1 and "the loss became nan at step 2" in python.stderr, python.stderr
+    ours, theirs = json.loads((tmp_path / "native.json").read_text()), json.loads((tmp_path / "python.json").read_text())
+    assert [r["step"] for r in ours] == [r["step"] for r in theirs] == [1]
+    assert ours[0]["loss_bits"] == f"0x{np.float32(theirs[0]['loss']).view(np.uint32):08x}"
+    assert load_checkpoint(tmp_path / "ck.safetensors").step == 1
+
+
 def test_a_pte_without_a_schedule_for_this_device_is_refused_naming_what_it_lacks(trainer, tmp_path):
     tokens = tmp_path / "tokens.npy"
     np.save(tokens, np.arange(200) % 64)

@@ -211,8 +211,7 @@ int train(Args& a) {
   for (int64_t t = info.step + 1; t <= a.steps; ++t) {
     vktrain_step_result r;
     vktrain_status s = vktrain_train_step(session, &r);
-    if (s == VKTRAIN_DIVERGED) {
-      records += (records.empty() ? "" : ",\n") + record_json(r);
+    if (s == VKTRAIN_DIVERGED) {  // not recorded (vktrain train's --json lists the steps that trained)
       if (a.progress) std::fputs("\n", stderr);
       std::fprintf(stderr, "%s: %s; training stopped%s\n", kName, vktrain_last_error(session),
                    a.checkpoint.empty() ? "" : ("; the last checkpoint is " + a.checkpoint).c_str());
