@@ -6,7 +6,8 @@
  * (token_ids then labels, [batch * seq] int64 each), made by the Python TokenBatcher. It prints one line per
  * result for the test to compare with the Python runtime (`vktrain train`):
  *   run T LOSS_BITS LR      a run (vktrain_start_run + vktrain_train_step) from the path
- *   manual T LOSS_BITS      the same steps from the .pte's bytes, batches and float32 hparams given by the caller
+ *   manual T LOSS_BITS      the same steps from the .pte's bytes (device 0, staging copies), batches and float32
+ *                           hparams given by the caller
  *   state NAME DTYPE NBYTES OFFSET   the run's final state, in OUT_DIR/state.bin at OFFSET
  * and writes OUT_DIR/checkpoint.safetensors and OUT_DIR/adapters/. What it checks itself (exit 1 naming it):
  * the manual session ends in the run's state bit for bit; a fresh session given that state by
@@ -89,6 +90,7 @@ int main(int argc, char** argv) {
   vktrain_step_result result, next;
   vktrain_hparams hparams;
   vktrain_adapter_options adapter_options;
+  vktrain_open_options options;
   size_t token_bytes, batch_bytes, pte_bytes, state_bytes, other_bytes, i, n, at;
   int64_t *tokens, *batches, t, steps;
   unsigned char *state, *other;
@@ -121,6 +123,7 @@ int main(int argc, char** argv) {
   must(vktrain_get_info(run, &info), run, "vktrain_get_info");
   printf("info %s %lld %lld %lld %llu\n", info.device_name, (long long)info.batch_size, (long long)info.seq_len,
          (long long)info.vocab_size, (unsigned long long)info.n_windows);
+  CHECK(info.lora_alpha == 6.0 && info.step == 0, "info: lora_alpha %g, step %lld", info.lora_alpha, (long long)info.step);
   n = (size_t)(info.batch_size * info.seq_len);
   CHECK(batch_bytes == (size_t)steps * 2 * n * 8, "BATCHES holds %zu bytes", batch_bytes);
   for (t = 1; t <= steps; ++t) {
@@ -134,8 +137,7 @@ int main(int argc, char** argv) {
   snprintf(path, sizeof path, "%s/checkpoint.safetensors", argv[5]);
   must(vktrain_save_checkpoint(run, path), run, "vktrain_save_checkpoint");
   snprintf(path, sizeof path, "%s/adapters", argv[5]);
-  vktrain_adapter_options_init(&adapter_options);
-  adapter_options.lora_alpha = 8.0;
+  vktrain_adapter_options_init(&adapter_options);  /* lora_alpha 0, base_model NULL: as the .pte records them */
   must(vktrain_save_adapters(run, path, &adapter_options), run, "vktrain_save_adapters");
   state = all_state(run, &state_bytes);
   snprintf(path, sizeof path, "%s/state.bin", argv[5]);
@@ -149,7 +151,10 @@ int main(int argc, char** argv) {
 
   /* The same steps from the .pte's bytes, inputs by name (labels first) and through vktrain_step_tokens. */
   pte = read_file(argv[1], &pte_bytes);
-  must(vktrain_open_bytes(pte, pte_bytes, "tiny.pte", NULL, &manual), NULL, "vktrain_open_bytes");
+  vktrain_open_options_init(&options);  /* device 0 (the test's only one), host access through staging copies */
+  options.device_index = 0;
+  options.staging = 1;
+  must(vktrain_open_bytes(pte, pte_bytes, "tiny.pte", &options, &manual), NULL, "vktrain_open_bytes");
   free(pte);
   for (t = 1; t <= steps; ++t) {
     const int64_t* ids = batches + (size_t)(t - 1) * 2 * n;

@@ -27,16 +27,20 @@ HYPER = ["--lr", 3e-3, "--schedule", "cosine", "--warmup", 2, "--min-lr-ratio", 
 
 
 def export_tiny_llama(folder: Path) -> tuple[Path, Path]:
-    """tiny-llama's training step with its lavapipe schedule embedded, and a token file."""
+    """tiny-llama's training step with its lavapipe schedule embedded and its adapters recorded in the blob's
+    metadata as `vktrain export` records them (lora_alpha, target modules, layers, base model), and a token file."""
     from vktrain.export import export_training_step, lower_to_pte
+    from vktrain.export.training import adapter_metadata_specs
     from vktrain.lora import LoRAConfig, apply_lora
     from vktrain.models import build_model
+    from vktrain.partitioner import VktrainPartitioner
     from vktrain.train.targets import TargetEmbedder, resolve_targets
 
     model = build_model("tiny-llama")
-    apply_lora(model, LoRAConfig(rank=4, alpha=8.0, targets="*_proj", group_size=32, seed=0))
+    apply_lora(model, LoRAConfig(rank=4, alpha=6.0, targets="*_proj", group_size=32, seed=0))
     pte = folder / "tiny_llama.pte"
     pte.write_bytes(lower_to_pte(export_training_step(model, (2, 16)),
+                                 VktrainPartitioner(compile_specs=adapter_metadata_specs(model, "tiny-llama")),
                                  rewrite_blobs=TargetEmbedder(resolve_targets("lavapipe"))))
     tokens = folder / "tokens.npy"
     np.save(tokens, np.random.default_rng(3).integers(0, 256, size=1500).astype(np.int32))
@@ -80,7 +84,7 @@ def test_a_c_program_trains_like_vktrain_train_bit_for_bit(c_program, tmp_path):
     python = subprocess.run([sys.executable, "-m", "vktrain.cli", "train", str(pte), "--data", str(tokens), "--steps",
                              str(STEPS), "--json", str(python_dir / "records.json"), "--checkpoint",
                              str(python_dir / "checkpoint.safetensors"), "--out-adapters", str(python_dir / "adapters"),
-                             "--lora-alpha", "8", "--no-progress", *map(str, HYPER)],
+                             "--no-progress", *map(str, HYPER)],
                             capture_output=True, text=True, timeout=300, env=env)
     assert python.returncode == 0, python.stderr
     records = json.loads((python_dir / "records.json").read_text())
@@ -106,9 +110,12 @@ def test_a_c_program_trains_like_vktrain_train_bit_for_bit(c_program, tmp_path):
     assert [(r["step"], r["loss"], r["lr"]) for r in ours.records] == [(r["step"], r["loss"], r["lr"]) for r in theirs.records]
     for name, tensor in theirs.tensors.items():
         assert ours.tensors[name].dtype == tensor.dtype and ours.tensors[name].tobytes() == tensor.tobytes(), name
-    # The PEFT adapter directory: vktrain train --out-adapters's files, byte for byte.
+    # The PEFT adapter directory: vktrain train --out-adapters's files, byte for byte (alpha, target modules and
+    # base model as the .pte records them).
     for name in ("adapter_model.safetensors", "adapter_config.json"):
         assert (native_dir / "adapters" / name).read_bytes() == (python_dir / "adapters" / name).read_bytes(), name
+    config = json.loads((native_dir / "adapters" / "adapter_config.json").read_text())
+    assert config["lora_alpha"] == 6.0 and config["r"] == 4 and config["base_model_name_or_path"] == "tiny-llama"
 
 
 def test_the_trainer_and_the_library_link_no_python():
