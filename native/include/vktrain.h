@@ -125,8 +125,9 @@ typedef struct vktrain_input {
   size_t nbytes;       /* the input's whole size */
 } vktrain_input;
 
-/* One optimizer step on named inputs. "hparams" is taken from `hparams` and "n_valid" is the count of labels
- * >= 0 unless given among `inputs`; every other input must be given. *loss: the step's loss. */
+/* One optimizer step on named inputs. "hparams" is taken from `hparams` (NULL only for a program without that
+ * input: its hyper-parameters baked in) and "n_valid" is the count of labels >= 0 unless given among `inputs`;
+ * every other input must be given. *loss: the step's loss. */
 VKTRAIN_API vktrain_status vktrain_step(vktrain_session* session, const vktrain_input* inputs, size_t count,
                                         const vktrain_hparams* hparams, float* loss);
 /* One step of a token program: token_ids and labels int64 [batch * seq] (labels < 0 train nothing). */

@@ -2,6 +2,7 @@
 // turns an exception into a status code and a message kept on the handle. Nothing else is decided here.
 #include "vktrain.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <new>
@@ -216,9 +217,11 @@ void vktrain_hparams_init(vktrain_hparams* h) {
 vktrain_status vktrain_step(vktrain_session* s, const vktrain_input* inputs, size_t count, const vktrain_hparams* hparams,
                             float* loss) {
   vktrain_status status = call(s, [&](vktrain::Session& session) {
-    need(hparams, "hparams");
     need(loss, "loss");
     if (count) need(inputs, "inputs");
+    if (!hparams && std::count(s->input_names.begin(), s->input_names.end(), "hparams"))
+      argument("hparams is NULL; the program takes them (its hyper-parameters are not baked in)");
+    const vktrain_hparams none{};
     std::map<std::string, HostTensor> given;
     for (size_t i = 0; i < count; ++i) {
       size_t at = find(s->input_names, inputs[i].name, "input");
@@ -226,8 +229,9 @@ vktrain_status vktrain_step(vktrain_session* s, const vktrain_input* inputs, siz
       given[inputs[i].name] = host_tensor(*s->inputs[at], "input '" + s->input_names[at] + "'", inputs[i].dtype,
                                           inputs[i].data, inputs[i].nbytes);
     }
-    const float h[5] = {hparams->lr, hparams->beta1, hparams->beta2, hparams->eps, hparams->weight_decay};
-    *loss = session.step(std::move(given), h, double(hparams->lr));
+    const vktrain_hparams& p = hparams ? *hparams : none;
+    const float h[5] = {p.lr, p.beta1, p.beta2, p.eps, p.weight_decay};
+    *loss = session.step(std::move(given), h, double(p.lr));
   });
   if (status == VKTRAIN_OK && !std::isfinite(*loss)) {
     s->error = "the loss is " + std::string(std::isnan(*loss) ? "NaN" : "infinite") + " (step not recorded)";

@@ -117,9 +117,17 @@ float Session::step(std::map<std::string, HostTensor> given, const float hparams
 }
 
 void Session::start_run(std::vector<int64_t> tokens, const RunSettings& settings) {
-  if (!batch_ || !seq_ || !std::count(inputs_.begin(), inputs_.end(), "labels"))
-    refuse(ErrorCode::kUnsupported, program_->source() + " is not a token step (token_ids [batch, seq] and labels): "
-                                                         "give its inputs by name to vktrain_step");
+  const std::string& pte = program_->source();
+  for (const auto& n : inputs_)
+    if (n != "token_ids" && n != "labels" && n != "hparams" && n != "n_valid")
+      refuse(ErrorCode::kUnsupported, pte + ": input '" + n + "' is not one of a token model's step (token_ids, labels, "
+                                            "hparams, n_valid); a run feeds token steps (give other inputs to vktrain_step)");
+  if (!batch_ || !seq_ || !std::count(inputs_.begin(), inputs_.end(), "labels") ||
+      !std::count(inputs_.begin(), inputs_.end(), "hparams")) {
+    std::string all;
+    for (const auto& n : inputs_) all += (all.empty() ? "" : ", ") + n;
+    refuse(ErrorCode::kUnsupported, pte + ": a token step takes token_ids [batch, seq], labels and hparams; its inputs are " + all);
+  }
   std::string unusable = settings.lr.check();
   if (!unusable.empty()) bad_call(unusable);
   for (double v : settings.adamw)
