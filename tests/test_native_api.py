@@ -47,35 +47,54 @@ def export_tiny_llama(folder: Path) -> tuple[Path, Path]:
     return pte, tokens
 
 
-@pytest.fixture(scope="module")
-def c_program(tmp_path_factory) -> Path:
-    """native_c_api_check.c compiled and linked against libvktrain.so (C99, warnings as errors)."""
+def compile_c_program(out: Path, build: Path, *flags: str) -> Path:
+    """native_c_api_check.c compiled and linked against `build`'s libvktrain.so (C99, warnings as errors)."""
     compiler = shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
         pytest.skip("no C compiler")
-    build = build_native()
-    out = tmp_path_factory.mktemp("c_api") / "native_c_api_check"
-    subprocess.run([compiler, "-std=c99", "-Wall", "-Wextra", "-Werror", "-pedantic", f"-I{REPO / 'native' / 'include'}",
-                    str(REPO / "tests" / "native_c_api_check.c"), f"-L{build}", "-lvktrain", "-lm",
-                    f"-Wl,-rpath,{build}", "-o", str(out)], check=True, capture_output=True, text=True, timeout=300)
+    subprocess.run([compiler, "-std=c99", "-Wall", "-Wextra", "-Werror", "-pedantic", *flags,
+                    f"-I{REPO / 'native' / 'include'}", str(REPO / "tests" / "native_c_api_check.c"), f"-L{build}",
+                    "-lvktrain", "-lm", f"-Wl,-rpath,{build}", "-o", str(out)],
+                   check=True, capture_output=True, text=True, timeout=300)
     return out
 
 
-def test_a_c_program_trains_like_vktrain_train_bit_for_bit(c_program, tmp_path):
-    from vktrain.train.checkpoint import load_checkpoint
+@pytest.fixture(scope="module")
+def c_program(tmp_path_factory) -> Path:
+    return compile_c_program(tmp_path_factory.mktemp("c_api") / "native_c_api_check", build_native())
+
+
+@pytest.fixture(scope="module")
+def c_inputs(tmp_path_factory) -> tuple[Path, Path, Path, Path]:
+    """(.pte, tokens.npy, tokens.i64, batches.i64): the C program's inputs (vktrain train's first STEPS batches of
+    the stream, by the Python TokenBatcher)."""
     from vktrain.train.data import TokenBatcher, load_tokens
 
-    pte, tokens = export_tiny_llama(tmp_path)
+    folder = tmp_path_factory.mktemp("c_api_inputs")
+    pte, tokens = export_tiny_llama(folder)
     stream = load_tokens(tokens)
-    (tmp_path / "tokens.i64").write_bytes(np.asarray(stream, dtype="<i8").tobytes())
+    (folder / "tokens.i64").write_bytes(np.asarray(stream, dtype="<i8").tobytes())
     batcher = TokenBatcher(stream, 2, 16, seed=7)
-    (tmp_path / "batches.i64").write_bytes(b"".join(np.asarray(part, dtype="<i8").tobytes()
-                                                     for p in range(STEPS) for part in batcher.batch(p)[:2]))
+    (folder / "batches.i64").write_bytes(b"".join(np.asarray(part, dtype="<i8").tobytes()
+                                                   for p in range(STEPS) for part in batcher.batch(p)[:2]))
+    return pte, tokens, folder / "tokens.i64", folder / "batches.i64"
+
+
+def run_c_program(program: Path, inputs, out: Path) -> subprocess.CompletedProcess:
+    pte, _, stream, batches = inputs
+    out.mkdir()
+    env = dict(os.environ, VKTRAIN_VALIDATION="1")
+    return subprocess.run([str(program), str(pte), str(stream), str(batches), str(STEPS), str(out)],
+                          capture_output=True, text=True, timeout=600, env=env)
+
+
+def test_a_c_program_trains_like_vktrain_train_bit_for_bit(c_program, c_inputs, tmp_path):
+    from vktrain.train.checkpoint import load_checkpoint
+
+    pte, tokens = c_inputs[:2]
     native_dir = tmp_path / "native"
-    native_dir.mkdir()
+    result = run_c_program(c_program, c_inputs, native_dir)
     env = dict(os.environ, VKTRAIN_VALIDATION="1", PYTHONPATH=str(REPO))
-    result = subprocess.run([str(c_program), str(pte), str(tmp_path / "tokens.i64"), str(tmp_path / "batches.i64"),
-                             str(STEPS), str(native_dir)], capture_output=True, text=True, timeout=300, env=env)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
     lines = [line.split() for line in result.stdout.splitlines()]
     assert ["failures", "0"] in lines
@@ -134,3 +153,18 @@ def test_the_trainer_and_the_library_link_no_python():
     header = (REPO / "native" / "include" / "vktrain.h").read_text()
     assert names and all(name.startswith("vktrain_") and f"{name}(" in header for name in names), names
     assert "vktrain_open" in names and "vktrain_save_adapters" in names
+
+
+def test_the_c_program_runs_clean_under_the_sanitizers(c_program, c_inputs, tmp_path):
+    """The same C program on the AddressSanitizer + UBSan build of libvktrain.so (LeakSanitizer on): its own
+    checks pass (bytes open, named inputs, state written and read, checkpoint resume, refusals) with no
+    report, and its losses are the plain build's."""
+    sanitized = compile_c_program(tmp_path / "native_c_api_check_asan", build_native("--sanitize"),
+                                  "-fsanitize=address,undefined", "-fno-sanitize-recover=all")
+    results = [run_c_program(program, c_inputs, tmp_path / name) for name, program in (("asan", sanitized), ("plain", c_program))]
+    for result in results:
+        assert "Sanitizer" not in result.stderr and "runtime error" not in result.stderr, result.stderr[-3000:]
+        assert result.returncode == 0 and "failures 0" in result.stdout, result.stdout[-2000:] + result.stderr[-3000:]
+    losses = [[line for line in result.stdout.splitlines() if line.split()[0] in ("run", "manual", "resumed")]
+              for result in results]
+    assert losses[0] == losses[1] and len(losses[0]) == 2 * STEPS + 1
