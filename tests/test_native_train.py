@@ -249,6 +249,36 @@ def test_a_non_finite_loss_stops_the_run_as_vktrain_train_stops_it(trainer, llam
     assert load_checkpoint(tmp_path / "ck.safetensors").step == 1
 
 
+def test_a_progress_line_on_a_terminal_and_log_lines_every_n_steps(trainer, llama, tmp_path):
+    """stderr a terminal: one progress line rewritten in place (train t/N, loss, lr, ms/step); --log-every 0
+    prints no step lines; --no-progress, or stderr not a terminal, no progress line."""
+    import pty
+
+    pte, _, tokens = llama
+    args = [str(trainer), str(pte), "--data", str(tokens), "--steps", "2", "--lr", "1e-3", "--log-every", "0"]
+    for extra, shown in (([], True), (["--no-progress"], False)):
+        parent, child = pty.openpty()
+        result = subprocess.run(args + extra, stdout=subprocess.PIPE, stderr=child, text=True, timeout=300,
+                                env=dict(os.environ, VKTRAIN_VALIDATION="1"))
+        os.close(child)
+        terminal = b""
+        while True:
+            try:
+                chunk = os.read(parent, 65536)
+            except OSError:
+                break
+            if not chunk:
+                break
+            terminal += chunk
+        os.close(parent)
+        assert result.returncode == 0, terminal.decode(errors="replace")
+        assert not [line for line in result.stdout.splitlines() if line.startswith("step ")], result.stdout
+        assert (b"\rtrain 2/2  loss " in terminal) == shown and (b"\rtrain 1/2  loss " in terminal) == shown, terminal
+    piped = _run(trainer, pte, "--data", tokens, "--steps", 2, "--lr", 1e-3)
+    assert "train 1/2" not in piped.stderr and [line.split()[1] for line in piped.stdout.splitlines()
+                                                if line.startswith("step ")] == ["1", "2"]
+
+
 def test_a_pte_without_a_schedule_for_this_device_is_refused_naming_what_it_lacks(trainer, tmp_path):
     tokens = tmp_path / "tokens.npy"
     np.save(tokens, np.arange(200) % 64)
