@@ -66,6 +66,6 @@ fi
 
 # The native runtime (native/, CMake): cmake rebuilds only what changed since the last build.
 NATIVE_PYTHON="$root/.venv/bin/python" scripts/native_build.sh || { echo "setup: building the native runtime (native/) failed" >&2; exit 1; }
-# The native trainer on the venv's PATH (README "Native runtime"; `vktrain-train` is the name it takes once it
-# takes what `vktrain train` takes).
-ln -sf "$root/build/native/vktrain-native-train" .venv/bin/vktrain-native-train
+# The native trainer on the venv's PATH (README "Native runtime"); vktrain-native-train is its first name, kept.
+ln -sf "$root/build/native/vktrain-train" .venv/bin/vktrain-train
+ln -sf "$root/build/native/vktrain-train" .venv/bin/vktrain-native-train

@@ -1,4 +1,4 @@
-"""vktrain-native-train (native/: the C++ schedule interpreter on the native Vulkan layer) against the Python
+"""vktrain-train (native/: the C++ schedule interpreter on the native Vulkan layer, driven through the C API) against the Python
 runtime: tiny-llama trained 20 steps by each, from the same .pte, the same planned schedule, the same batches
 and hyper-parameters (float32 on both sides), must give the same loss at every step and the same state after
 the last, bit for bit. The Python
@@ -16,6 +16,7 @@ import dataclasses
 import json
 import os
 import re
+import resource
 import subprocess
 from pathlib import Path
 
@@ -30,7 +31,7 @@ STEPS = 20
 
 @pytest.fixture(scope="module")
 def trainer() -> Path:
-    return build_native() / "vktrain-native-train"
+    return build_native() / "vktrain-train"
 
 
 @pytest.fixture(scope="module")
@@ -92,8 +93,8 @@ def test_twenty_steps_give_the_python_runtimes_losses_and_state_bit_for_bit(trai
     result = _run(trainer, pte, "--schedule-file", vks, "--spirv-dir", spirv_dir, "--data", tokens, "--steps", STEPS,
                   "--json", native_json, "--state-out", native_state, *[x for k, v in hyper.items() for x in (f"--{k.replace('_', '-')}", v)])
     assert result.returncode == 0, result.stderr
-    progress = [line for line in result.stdout.splitlines() if line.startswith("step ")]
-    assert [line.split()[1] for line in progress] == [f"{t}/{STEPS}" for t in range(1, STEPS + 1)]
+    progress = [line for line in result.stdout.splitlines() if line.startswith("step ")]  # --log-every 1
+    assert [line.split()[1] for line in progress] == [str(t) for t in range(1, STEPS + 1)]
 
     with TrainingRunner.from_pte(pte, vk_device, schedule=deserialize_schedule(vks.read_bytes())) as runner:
         batches = TokenBatcher(load_tokens(tokens), 2, 16, seed=hyper["seed"])
@@ -126,19 +127,33 @@ def test_twenty_steps_give_the_python_runtimes_losses_and_state_bit_for_bit(trai
 
 def test_the_pte_alone_trains_like_vktrain_train_bit_for_bit(trainer, llama, tmp_path):
     """No Python-made files: the schedule and the SPIR-V come from the .pte's blob (its lavapipe schedule,
-    chosen by the matching rule), and 20 steps give `vktrain train`'s losses and learning rates, bit for bit."""
+    chosen by the matching rule), and 20 steps give `vktrain train`'s losses and learning rates, bit for bit;
+    the native trainer reads the tokens from a *.tokens.txt file (the same ids as vktrain train's .npy, by
+    vktrain's own reader), logs every --log-every steps, and its --out-adapters directory is vktrain train's
+    byte for byte."""
     import sys
 
+    from vktrain.train.data import load_tokens
+
     pte, _, tokens = llama
+    ids = np.load(tokens)
+    text = tmp_path / "corpus.tokens.txt"  # spacing and spellings Python's int() takes: +7, 007, 1_0
+    words = [("+" if i % 7 == 0 else "") + (f"{v:03d}" if i % 5 == 0 else "_".join(str(v)) if i % 11 == 0 and v > 9 else str(v))
+             for i, v in enumerate(ids.tolist())]
+    text.write_text("".join(w + ("\n" if i % 13 == 12 else "\t " if i % 3 == 0 else " ") for i, w in enumerate(words)))
+    assert np.array_equal(load_tokens(text), ids)
     hyper = ["--lr", 2e-3, "--schedule", "cosine", "--warmup", 3, "--min-lr-ratio", 0.1, "--beta1", 0.8,
-             "--weight-decay", 0.02, "--seed", 5]
+             "--weight-decay", 0.02, "--seed", 5, "--lora-alpha", 8, "--base-model", "hf/tiny-llama-\u00fc\U0001f600"]
     native_json, python_json = tmp_path / "native.json", tmp_path / "python.json"
-    native = _run(trainer, pte, "--data", tokens, "--steps", STEPS, "--json", native_json, *hyper)
+    native = _run(trainer, pte, "--data", text, "--steps", STEPS, "--json", native_json, "--log-every", 5,
+                  "--out-adapters", tmp_path / "native_adapters", *hyper)
     assert native.returncode == 0, native.stderr
     assert "(the embedded schedule for profile 'lavapipe')" in native.stdout, native.stdout
-    env = dict(os.environ, VKTRAIN_VALIDATION="1", PYTHONPATH=str(REPO))
+    assert [line.split()[1] for line in native.stdout.splitlines() if line.startswith("step ")] == ["5", "10", "15", "20"]
+    env = dict(os.environ, VKTRAIN_VALIDATION="1", PYTHONPATH=str(REPO), PYTHONUTF8="1")
     python = subprocess.run([sys.executable, "-m", "vktrain.cli", "train", str(pte), "--data", str(tokens), "--steps",
-                             str(STEPS), "--json", str(python_json), "--no-progress", *map(str, hyper)],
+                             str(STEPS), "--json", str(python_json), "--no-progress", "--out-adapters",
+                             str(tmp_path / "python_adapters"), *map(str, hyper)],
                             capture_output=True, text=True, timeout=300, env=env)
     assert python.returncode == 0, python.stderr
     ours, theirs = json.loads(native_json.read_text()), json.loads(python_json.read_text())
@@ -146,6 +161,11 @@ def test_the_pte_alone_trains_like_vktrain_train_bit_for_bit(trainer, llama, tmp
     for mine, other in zip(ours, theirs):
         assert mine["loss_bits"] == f"0x{np.float32(other['loss']).view(np.uint32):08x}", (mine, other)
         assert mine["lr"] == other["lr"]
+    for name in ("adapter_model.safetensors", "adapter_config.json"):
+        native_file, python_file = tmp_path / "native_adapters" / name, tmp_path / "python_adapters" / name
+        assert native_file.read_bytes() == python_file.read_bytes(), name
+    assert json.loads((tmp_path / "native_adapters" / "adapter_config.json").read_text())["base_model_name_or_path"] == (
+        "hf/tiny-llama-\u00fc\U0001f600")
 
 
 def test_a_checkpoint_of_either_runtime_resumes_exactly_in_the_other(trainer, llama, tmp_path):
@@ -206,6 +226,59 @@ def test_a_checkpoint_of_either_runtime_resumes_exactly_in_the_other(trainer, ll
     assert result.returncode == 2 and "exists; continue it with --resume" in result.stderr, result.stderr
 
 
+def test_a_non_finite_loss_stops_the_run_as_vktrain_train_stops_it(trainer, llama, tmp_path):
+    """An absurd learning rate makes step 2's loss NaN: both trainers exit 1 naming the step, their --json logs
+    hold step 1 alone, and the native checkpoint written after step 1 stays the last good one."""
+    import sys
+
+    from vktrain.train.checkpoint import load_checkpoint
+
+    pte, _, tokens = llama
+    hyper = ["--data", tokens, "--steps", 4, "--lr", 1e30, "--schedule", "constant"]
+    native = _run(trainer, pte, *hyper, "--json", tmp_path / "native.json", "--checkpoint", tmp_path / "ck.safetensors",
+                  "--checkpoint-every", 1)
+    assert native.returncode == 1, native.stderr
+    assert "the loss became nan at step 2 (lr 1e+30); training stopped" in native.stderr, native.stderr
+    env = dict(os.environ, VKTRAIN_VALIDATION="1", PYTHONPATH=str(REPO))
+    python = subprocess.run([sys.executable, "-m", "vktrain.cli", "train", str(pte), *map(str, hyper), "--no-progress",
+                             "--json", str(tmp_path / "python.json")], capture_output=True, text=True, timeout=300, env=env)
+    assert python.returncode == 1 and "the loss became nan at step 2" in python.stderr, python.stderr
+    ours, theirs = json.loads((tmp_path / "native.json").read_text()), json.loads((tmp_path / "python.json").read_text())
+    assert [r["step"] for r in ours] == [r["step"] for r in theirs] == [1]
+    assert ours[0]["loss_bits"] == f"0x{np.float32(theirs[0]['loss']).view(np.uint32):08x}"
+    assert load_checkpoint(tmp_path / "ck.safetensors").step == 1
+
+
+def test_a_progress_line_on_a_terminal_and_log_lines_every_n_steps(trainer, llama, tmp_path):
+    """stderr a terminal: one progress line rewritten in place (train t/N, loss, lr, ms/step); --log-every 0
+    prints no step lines; --no-progress, or stderr not a terminal, no progress line."""
+    import pty
+
+    pte, _, tokens = llama
+    args = [str(trainer), str(pte), "--data", str(tokens), "--steps", "2", "--lr", "1e-3", "--log-every", "0"]
+    for extra, shown in (([], True), (["--no-progress"], False)):
+        parent, child = pty.openpty()
+        result = subprocess.run(args + extra, stdout=subprocess.PIPE, stderr=child, text=True, timeout=300,
+                                env=dict(os.environ, VKTRAIN_VALIDATION="1"))
+        os.close(child)
+        terminal = b""
+        while True:
+            try:
+                chunk = os.read(parent, 65536)
+            except OSError:
+                break
+            if not chunk:
+                break
+            terminal += chunk
+        os.close(parent)
+        assert result.returncode == 0, terminal.decode(errors="replace")
+        assert not [line for line in result.stdout.splitlines() if line.startswith("step ")], result.stdout
+        assert (b"\rtrain 2/2  loss " in terminal) == shown and (b"\rtrain 1/2  loss " in terminal) == shown, terminal
+    piped = _run(trainer, pte, "--data", tokens, "--steps", 2, "--lr", 1e-3)
+    assert "train 1/2" not in piped.stderr and [line.split()[1] for line in piped.stdout.splitlines()
+                                                if line.startswith("step ")] == ["1", "2"]
+
+
 def test_a_pte_without_a_schedule_for_this_device_is_refused_naming_what_it_lacks(trainer, tmp_path):
     tokens = tmp_path / "tokens.npy"
     np.save(tokens, np.arange(200) % 64)
@@ -242,10 +315,18 @@ def test_bad_input_exits_2_naming_what_is_wrong(trainer, spirv_dir, llama, tmp_p
     assert result.returncode == 2, result.stderr
     assert f"{out_of_vocab}: token id 300 at position 2 is outside the model's vocabulary [0, 256)" in result.stderr
 
-    not_npy = tmp_path / "tokens.txt"
+    text = tmp_path / "tokens.txt"  # text, not token ids: it needs the model's tokenizer
+    text.write_text("1 2 3")
+    result = _run(trainer, pte, *common[:4], "--data", text, *common[6:])
+    assert result.returncode == 2 and f"{text}: the native trainer reads token ids" in result.stderr, result.stderr
+    not_npy = tmp_path / "tokens.npy"
     not_npy.write_text("1 2 3")
     result = _run(trainer, pte, *common[:4], "--data", not_npy, *common[6:])
     assert result.returncode == 2 and f"{not_npy}: not a .npy file" in result.stderr, result.stderr
+    words = tmp_path / "bad.tokens.txt"
+    words.write_text("1 2 x3 4")
+    result = _run(trainer, pte, *common[:4], "--data", words, *common[6:])
+    assert result.returncode == 2 and f"{words}: .tokens.txt files hold whitespace-separated integers; word 2 is 'x3'" in result.stderr, result.stderr
 
     absent = _run(trainer, pte, "--schedule-file", tmp_path / "absent.vks", *common[2:])
     assert absent.returncode == 2 and "absent.vks" in absent.stderr, absent.stderr
@@ -306,31 +387,42 @@ def test_staging_copies_give_the_same_training(trainer, spirv_dir, llama, tmp_pa
     for mode in ("mapped", "staging"):
         out = tmp_path / mode
         result = _run(trainer, pte, "--schedule-file", vks, "--spirv-dir", spirv_dir, "--data", tokens, "--steps", 3,
-                      "--lr", 1e-3, "--json", f"{out}.json", "--state-out", out,
+                      "--lr", 1e-3, "--json", f"{out}.json", "--state-out", out, "--summary-json", f"{out}.summary.json",
                       *(["--staging"] if mode == "staging" else []))
         assert result.returncode == 0, result.stderr
         runs[mode] = ([r["loss_bits"] for r in json.loads(Path(f"{out}.json").read_text())],
                       {p.name: p.read_bytes() for p in out.glob("*.npy")})
+        # --summary-json: the run, and the trainer's peak RSS, which the kernel's count of its children's bounds.
+        summary = json.loads(Path(f"{out}.summary.json").read_text())
+        records = json.loads(Path(f"{out}.json").read_text())
+        assert (summary["steps"], summary["last_step"], summary["pte_bytes"]) == (3, 3, pte.stat().st_size)
+        assert summary["final_loss"] == records[-1]["loss"] and summary["schedule"] == str(vks)
+        children_peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024
+        assert summary["buffer_bytes"] < summary["peak_rss_bytes"] <= children_peak
     assert runs["staging"] == runs["mapped"] and len(runs["mapped"][1]) > 100
 
 
 def test_the_trainer_runs_clean_under_the_sanitizers(spirv_dir, llama, tmp_path):
-    """The whole trainer (load, plan, Vulkan objects, staging copies, replays, state read-back) built with
-    AddressSanitizer + UBSan (LeakSanitizer on) trains 2 steps with no report, the same bits as the plain build."""
+    """The whole trainer (load, plan, Vulkan objects, staging copies, replays, state read-back, the C API, the
+    adapter writer) built with AddressSanitizer + UBSan (LeakSanitizer on) trains 2 steps with no report, the
+    same bits as the plain build."""
     pte, vks, tokens = llama
-    sanitized, plain = build_native("--sanitize") / "vktrain-native-train", build_native() / "vktrain-native-train"
+    sanitized, plain = build_native("--sanitize") / "vktrain-train", build_native() / "vktrain-train"
     losses = []
     for binary in (sanitized, plain):
         out = tmp_path / binary.parent.name
         result = _run(binary, pte, "--schedule-file", vks, "--spirv-dir", spirv_dir, "--data", tokens, "--steps", 2,
                       "--lr", 1e-3, "--json", f"{out}.json", "--state-out", out, "--staging",
-                      "--checkpoint", f"{out}.safetensors", "--checkpoint-every", 1)
+                      "--checkpoint", f"{out}.safetensors", "--checkpoint-every", 1,
+                      "--out-adapters", f"{out}.adapters", "--lora-alpha", 8)
         assert "Sanitizer" not in result.stderr and "runtime error" not in result.stderr, result.stderr[-3000:]
         assert result.returncode == 0, result.stderr[-3000:]
         losses.append([r["loss_bits"] for r in json.loads(Path(f"{out}.json").read_text())])
     assert losses[0] == losses[1]
+    adapters = [(tmp_path / f"{b.parent.name}.adapters" / "adapter_model.safetensors").read_bytes() for b in (sanitized, plain)]
+    assert adapters[0] == adapters[1]
     # A checkpoint read back and resumed (the embedded schedule this time) under the sanitizers too.
     resumed = _run(sanitized, pte, "--data", tokens, "--steps", 3, "--lr", 1e-3,
                    "--resume", tmp_path / f"{sanitized.parent.name}.safetensors")
     assert "Sanitizer" not in resumed.stderr and "runtime error" not in resumed.stderr, resumed.stderr[-3000:]
-    assert resumed.returncode == 0 and "step 3/3" in resumed.stdout, resumed.stderr[-3000:]
+    assert resumed.returncode == 0 and "step      3  loss" in resumed.stdout, resumed.stderr[-3000:]

@@ -10,6 +10,7 @@
 
 #include "file_map.h"
 #include "json.h"
+#include "safetensors.h"
 #include "status.h"
 #include "text.h"
 
@@ -121,8 +122,12 @@ int64_t metadata_int(const std::map<std::string, std::string>& m, const std::str
 
 std::string sha256_file(const std::string& path) {
   FileMap map(path);
+  return sha256_bytes(map.bytes().data, map.bytes().size);
+}
+
+std::string sha256_bytes(const uint8_t* data, size_t size) {
   Sha256 h;
-  h.update(map.bytes().data, map.bytes().size);
+  h.update(data, size);
   return h.hex();
 }
 
@@ -167,38 +172,9 @@ void save_checkpoint(const std::string& path, const Checkpoint& c) {
       {"format", "vktrain-checkpoint"}, {"version", "2"}, {"step", num(c.step)},
       {"data_position", num(c.data_position)}, {"program_sha256", c.program_sha256}, {"data_sha256", c.data_sha256},
       {"data_seed", num(c.data_seed)}, {"config", c.config_json}, {"records", records}, {"checksums", checksums}};
-  std::string header = "{\"__metadata__\":{";
-  bool first = true;
-  for (const auto& [k, v] : metadata) {
-    header += std::string(first ? "" : ",") + json_quote(k) + ":" + json_quote(v);
-    first = false;
-  }
-  header += "}";
-  uint64_t offset = 0;
-  for (const auto& [name, t] : c.tensors) {
-    header += "," + json_quote(name) + ":{\"dtype\":\"" + names_of(t.dtype).safetensors + "\",\"shape\":" +
-              shape_list(t.shape) + ",\"data_offsets\":[" + num(offset) + "," + num(offset + t.data.size()) + "]}";
-    offset += t.data.size();
-  }
-  header += "}";
-  while (header.size() % 8) header += ' ';
-  const std::string tmp = path + ".tmp" + std::to_string(getpid());
-  {
-    std::ofstream out(tmp, std::ios::binary | std::ios::trunc);
-    uint8_t length[8];
-    for (int i = 0; i < 8; ++i) length[i] = uint8_t(uint64_t(header.size()) >> (8 * i));
-    out.write(reinterpret_cast<const char*>(length), 8);
-    out << header;
-    for (const auto& [name, t] : c.tensors) out.write(reinterpret_cast<const char*>(t.data.data()), std::streamsize(t.data.size()));
-    out.flush();
-    if (!out) { std::remove(tmp.c_str()); refuse(ErrorCode::kIo, "--checkpoint " + path + ": cannot write " + tmp); }
-  }
-  int fd = ::open(tmp.c_str(), O_RDONLY);
-  if (fd >= 0) { ::fsync(fd); ::close(fd); }
-  if (std::rename(tmp.c_str(), path.c_str()) != 0) {
-    std::remove(tmp.c_str());
-    refuse(ErrorCode::kIo, "--checkpoint " + path + ": cannot rename " + tmp + " over it: " + std::strerror(errno));
-  }
+  std::vector<std::pair<std::string, const HostTensor*>> tensors;
+  for (const auto& [name, t] : c.tensors) tensors.emplace_back(name, &t);
+  write_file_atomically(path, safetensors_bytes(metadata, tensors), "--checkpoint");
 }
 
 Checkpoint load_checkpoint(const std::string& path) {

@@ -15,6 +15,7 @@
 namespace vktrain {
 
 std::string sha256_file(const std::string& path);
+std::string sha256_bytes(const uint8_t* data, size_t size);
 // TokenBatcher.fingerprint: sha256 of the batching parameters and the tokens as little-endian int64.
 std::string batcher_fingerprint(const std::vector<int64_t>& tokens, int64_t batch, int64_t seq, bool shuffle);
 

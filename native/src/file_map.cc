@@ -1,6 +1,7 @@
 #include "file_map.h"
 
 #include <cerrno>
+#include <cstdlib>
 #include <cstring>
 #include <fcntl.h>
 #include <sys/mman.h>
@@ -34,8 +35,18 @@ FileMap::FileMap(const std::string& path) {
   }
 }
 
+FileMap::FileMap(const void* data, size_t size, const std::string& name) {
+  if (!data || size == 0) refuse(ErrorCode::kPteFormat, name + ": no bytes, not a .pte");
+  data_ = std::aligned_alloc(64, (size + 63) / 64 * 64);  // aligned as a mapping would be, for the readers
+  if (!data_) refuse(ErrorCode::kLimit, name + ": cannot allocate " + std::to_string(size) + " bytes for a copy");
+  std::memcpy(data_, data, size);
+  size_ = size;
+  owned_ = true;
+}
+
 FileMap::~FileMap() {
-  if (data_) ::munmap(data_, size_);
+  if (data_ && owned_) std::free(data_);
+  else if (data_) ::munmap(data_, size_);
 }
 
 }  // namespace vktrain

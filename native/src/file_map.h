@@ -20,6 +20,8 @@ inline uint64_t le64(const uint8_t* p) { return uint64_t(le32(p)) | uint64_t(le3
 class FileMap {
  public:
   explicit FileMap(const std::string& path);  // LoadError(kIo) naming the path
+  // A copy of `size` bytes in memory (a .pte handed over as bytes: an app's asset); `name` names it in errors.
+  FileMap(const void* data, size_t size, const std::string& name);
   ~FileMap();
   FileMap(const FileMap&) = delete;
   FileMap& operator=(const FileMap&) = delete;
@@ -28,6 +30,7 @@ class FileMap {
  private:
   void* data_ = nullptr;
   size_t size_ = 0;
+  bool owned_ = false;  // a copy (freed), not a mapping (unmapped)
 };
 
 }  // namespace vktrain

@@ -42,6 +42,8 @@ class StepInterpreter {
   std::vector<std::string> input_names() const { return plan_.input_names(); }
   const TensorValue& input(size_t index) const { return plan_.tensor(plan_.graph->inputs.at(index)); }
   std::vector<std::string> state_names() const;
+  // The graph tensor (dtype, shape) of state_names()[index].
+  const TensorValue& state_value(size_t index) const { return plan_.tensor(plan_.states.at(index).second.state_id); }
   // Exclusive upper bound of an input used as an index (embedding rows, logits classes); 0: not an index.
   int64_t index_bound(const std::string& input_name) const;
 

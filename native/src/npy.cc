@@ -9,6 +9,7 @@
 
 #include "file_map.h"
 #include "graph.h"
+#include "safetensors.h"
 #include "status.h"
 #include "text.h"
 
@@ -78,22 +79,12 @@ void save_npy(const std::string& path, int dtype, const std::vector<int64_t>& sh
   std::string header = std::string("{'descr': '") + descr[dtype] + "', 'fortran_order': False, 'shape': (" + dims + "), }";
   header.append(63 - (10 + header.size()) % 64, ' ');  // the data starts at a multiple of 64
   header += '\n';
-  const std::string tmp = path + ".tmp" + std::to_string(getpid());
-  {
-    std::ofstream out(tmp, std::ios::binary | std::ios::trunc);
-    uint16_t len = uint16_t(header.size());
-    out.write("\x93NUMPY\x01\x00", 8);
-    out.put(char(len & 0xFF));
-    out.put(char(len >> 8));
-    out << header;
-    out.write(reinterpret_cast<const char*>(data.data()), std::streamsize(data.size()));
-    out.flush();
-    if (!out) refuse(ErrorCode::kIo, path + ": cannot write " + tmp);
-  }
-  if (std::rename(tmp.c_str(), path.c_str()) != 0) {
-    std::remove(tmp.c_str());
-    refuse(ErrorCode::kIo, path + ": cannot rename " + tmp + " over it: " + std::strerror(errno));
-  }
+  std::string bytes("\x93NUMPY\x01\x00", 8);
+  bytes += char(header.size() & 0xFF);
+  bytes += char(header.size() >> 8);
+  bytes += header;
+  bytes.append(reinterpret_cast<const char*>(data.data()), data.size());
+  write_file_atomically(path, bytes, "");
 }
 
 }  // namespace vktrain

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <memory>
 #include <set>
 #include <unistd.h>
 
@@ -53,10 +54,18 @@ const Method& Program::main_method() const {
 }
 
 std::unique_ptr<Program> Program::load(const std::string& path, const Limits& limits) {
+  return load_from(std::make_unique<FileMap>(path), path, limits);  // its errors name the path
+}
+
+std::unique_ptr<Program> Program::load_bytes(const void* data, size_t size, const std::string& name, const Limits& limits) {
+  return load_from(std::make_unique<FileMap>(data, size, name), name, limits);
+}
+
+std::unique_ptr<Program> Program::load_from(std::unique_ptr<FileMap> map, const std::string& path, const Limits& limits) {
   std::unique_ptr<Program> p(new Program());
   p->source_ = path;
+  p->map_ = std::move(map);
   try {
-    p->map_.reset(new FileMap(path));
     p->parse(p->map_->bytes());
     p->verify(limits);
   } catch (const LoadError& e) {

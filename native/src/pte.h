@@ -75,14 +75,19 @@ class Program {
  public:
   // Reads and verifies `path`; throws LoadError naming the file and what is wrong.
   static std::unique_ptr<Program> load(const std::string& path, const Limits& limits = {});
+  // The same from a copy of `size` bytes (a .pte held in memory); `name` stands for the path in messages.
+  static std::unique_ptr<Program> load_bytes(const void* data, size_t size, const std::string& name,
+                                             const Limits& limits = {});
 
   const std::string& source() const { return source_; }
   uint64_t file_bytes() const { return map_->bytes().size; }
+  Bytes bytes() const { return map_->bytes(); }  // the whole file (its sha256 identifies the program)
   const std::vector<Method>& methods() const { return methods_; }
   const Method& main_method() const;  // the only one, else the training step
   const NamedData& named_data() const { return named_data_; }
 
  private:
+  static std::unique_ptr<Program> load_from(std::unique_ptr<FileMap> map, const std::string& name, const Limits& limits);
   void parse(Bytes file);
   void verify(const Limits& limits);
   Bytes segment(uint32_t index) const;

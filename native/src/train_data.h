@@ -19,6 +19,7 @@ class TokenBatcher {
   // (tokens, labels), both int64 [B * S] in C order, of batch number `position`.
   void batch(uint64_t position, std::vector<int64_t>* tokens, std::vector<int64_t>* labels);
   uint64_t n_windows() const { return n_windows_; }
+  void reseed(uint32_t seed) { seed_ = seed; cached_epoch_ = -1; }  // a resumed run's data order
 
  private:
   std::vector<int64_t> tokens_;

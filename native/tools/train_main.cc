@@ -1,57 +1,50 @@
-// vktrain-native-train: `vktrain train`'s loop on the native runtime (issue 26's first trainer; the final
-// vktrain-train grows from it). Per step t (1-based): lr = the LR schedule's lr(t) in double, the program gets
-// it as float32; hparams = float32 [lr, beta1, beta2, eps, weight_decay]; batch t - 1 of the TokenBatcher;
-// n_valid = the count of labels >= 0; one replay of the recorded step; a progress line.
+// vktrain-train: `vktrain train`'s loop with no Python, on the C API (native/include/vktrain.h): the session
+// opens the .pte (its embedded schedule for this device, or --schedule-file S.vks --spirv-dir D), starts the run
+// on the token file (vktrain train's batches, LR schedule and AdamW), steps, writes checkpoints, and at the end
+// the PEFT adapter directory. Per step t (1-based): lr = the schedule's lr(t) in double, the program gets it as
+// float32; hparams = float32 [lr, beta1, beta2, eps, weight_decay]; batch t - 1; n_valid = the count of
+// labels >= 0. (vktrain-native-train, its first name, is a link to it.)
 //
-// The dispatch schedule and the SPIR-V come from the .pte: the blob's embedded schedule for this device
-// (`vktrain export --target`; chosen by embedded.py's matching rule, src/embedded.h), or, explicitly, from a
-// schedule file and a SPIR-V directory (--schedule-file S.vks --spirv-dir D).
-//
-//   vktrain-native-train STEP.pte --data TOKENS.npy --steps N --lr X [--schedule cosine|constant] [--json OUT]
-//                        [--schedule-file S.vks --spirv-dir D]
-//                        [--state-out DIR]   (after the last step: every state tensor as DIR/<name>.npy)
-//                        [--staging]         (host access through staging copies: a discrete GPU's path, anywhere)
-//                        [--checkpoint CK --checkpoint-every K] [--resume CK]  (vktrain train's checkpoint file,
-//                                            src/checkpoint.h: a checkpoint of either trainer resumes in the other)
+//   vktrain-train STEP.pte --data TOKENS.npy|FILE.tokens.txt --steps N --lr X [--schedule cosine|constant]
+//                 [--warmup W] [--weight-decay WD] ... [--json OUT] [--summary-json OUT] [--log-every N] [--no-progress]
+//                 [--checkpoint CK --checkpoint-every K] [--resume CK] [--out-adapters DIR [--lora-alpha A]
+//                 [--base-model NAME]] [--state-out DIR] [--schedule-file S.vks --spirv-dir D] [--staging]
 //
 // Exit codes (the project's): 0 ok, 1 diverged (a non-finite loss), 2 bad input or a device that cannot run
-// the program ("vktrain-native-train: error: ..."), 70 internal.
+// the program ("vktrain-train: error: ..."), 70 internal.
+#include <sys/resource.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
-#include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <cstring>
-#include <fstream>
 #include <map>
 #include <string>
 #include <vector>
 
-#include "checkpoint.h"
-#include "embedded.h"
-#include "interpreter.h"
 #include "npy.h"
-#include "pte.h"
+#include "safetensors.h"
 #include "status.h"
-#include "step_source.h"
 #include "text.h"
-#include "train_data.h"
-#include "vk_device.h"
+#include "token_file.h"
+#include "vktrain.h"
 
 using namespace vktrain;
 
 namespace {
 
+const char* const kName = "vktrain-train";
 const char* const kUsage =
-    "usage: vktrain-native-train STEP.pte --data TOKENS.npy --steps N --lr X [--schedule-file S.vks --spirv-dir DIR]\n"
-    "                            [--schedule constant|cosine] [--warmup W] [--min-lr-ratio R] [--beta1 B1]\n"
-    "                            [--beta2 B2] [--eps E] [--weight-decay WD] [--seed S] [--no-shuffle] [--json OUT]\n"
-    "                            [--state-out DIR] [--device INDEX|NAME] [--staging]\n"
-    "                            [--checkpoint CK.safetensors] [--checkpoint-every K] [--resume CK.safetensors]\n";
+    "usage: vktrain-train STEP.pte --data TOKENS.npy|FILE.tokens.txt --steps N --lr X [--schedule constant|cosine]\n"
+    "                     [--warmup W] [--min-lr-ratio R] [--beta1 B1] [--beta2 B2] [--eps E] [--weight-decay WD]\n"
+    "                     [--seed S] [--no-shuffle] [--json OUT] [--summary-json OUT] [--log-every N] [--no-progress]\n"
+    "                     [--checkpoint CK.safetensors] [--checkpoint-every K] [--resume CK.safetensors]\n"
+    "                     [--out-adapters DIR] [--lora-alpha A] [--base-model NAME] [--state-out DIR]\n"
+    "                     [--device INDEX|NAME] [--staging] [--schedule-file S.vks --spirv-dir DIR]\n";
 
 [[noreturn]] void usage_error(const std::string& message) {
-  std::fprintf(stderr, "%svktrain-native-train: error: %s\n", kUsage, message.c_str());
+  std::fprintf(stderr, "%s%s: error: %s\n", kUsage, kName, message.c_str());
   std::exit(2);
 }
 
@@ -69,253 +62,237 @@ int64_t parse_int(const std::string& flag, const std::string& text) {
   return v;
 }
 
-std::string float_bits(float f) {
+// A failed API call: its message and status, as the trainer's error and exit code.
+struct ApiError {
+  vktrain_status status;
+  std::string message;
+};
+
+void check(vktrain_status status, const vktrain_session* session) {
+  if (status != VKTRAIN_OK) throw ApiError{status, vktrain_last_error(session)};
+}
+
+std::string record_json(const vktrain_step_result& r) {
   uint32_t bits;
-  std::memcpy(&bits, &f, 4);
-  return hex8(bits);
+  std::memcpy(&bits, &r.loss, 4);
+  return "  {\"step\": " + num(r.step) + ", \"loss\": " + (std::isfinite(r.loss) ? real(r.loss) : "null") +
+         ", \"loss_bits\": \"" + hex8(bits) + "\", \"lr\": " + real(r.lr) + ", \"seconds\": " + real(r.seconds) + "}";
 }
 
-// The JSON log, written whole to a temporary file and renamed over OUT (a reader never sees half of it).
-void write_json(const std::string& path, const std::string& text) {
-  const std::string tmp = path + ".tmp" + std::to_string(getpid());
-  {
-    std::ofstream out(tmp, std::ios::binary | std::ios::trunc);
-    out << text;
-    out.flush();
-    if (!out) refuse(ErrorCode::kIo, "--json " + path + ": cannot write " + tmp);
-  }
-  if (std::rename(tmp.c_str(), path.c_str()) != 0) {
-    std::remove(tmp.c_str());
-    refuse(ErrorCode::kIo, "--json " + path + ": cannot rename " + tmp + " over it: " + std::strerror(errno));
-  }
+// The peak resident set of this process so far, in bytes (getrusage's ru_maxrss is KiB on Linux).
+uint64_t peak_rss_bytes() {
+  struct rusage usage {};
+  getrusage(RUSAGE_SELF, &usage);
+  return uint64_t(usage.ru_maxrss) * 1024;
 }
 
-HostTensor make(int dtype, std::vector<int64_t> shape, const void* data, size_t bytes) {
-  HostTensor t{dtype, std::move(shape), std::vector<uint8_t>(bytes)};
-  std::memcpy(t.data.data(), data, bytes);
-  return t;
-}
+struct Args {
+  std::string pte, schedule_file, spirv_dir, data, json, summary_json, device, state_out, checkpoint, resume, out_adapters,
+      base_model;
+  int64_t steps = 0, seed = 0, checkpoint_every = 0, log_every = 1;
+  double lora_alpha = 0;
+  bool have_lr = false, shuffle = true, staging = false, progress = true, have_base_model = false;
+  vktrain_run_config run;
+  std::string schedule = "cosine";
+};
 
-int train(int argc, char** argv) {
-  std::string pte, schedule_file, spirv_dir, data, json, device, state_out, checkpoint_path, resume;
-  int64_t checkpoint_every = 0;
-  int64_t steps = 0, seed = 0;
-  bool have_lr = false, shuffle = true, staging = false;
-  LRSchedule lr;
-  double beta1 = 0.9, beta2 = 0.999, eps = 1e-8, weight_decay = 1e-2;  // contract.py ADAMW_DEFAULTS
-  std::map<std::string, std::string*> texts = {{"--schedule-file", &schedule_file}, {"--spirv-dir", &spirv_dir},
-                                               {"--data", &data}, {"--json", &json}, {"--schedule", &lr.kind},
-                                               {"--device", &device}, {"--state-out", &state_out},
-                                               {"--checkpoint", &checkpoint_path}, {"--resume", &resume}};
-  std::map<std::string, double*> reals = {{"--lr", &lr.base_lr}, {"--min-lr-ratio", &lr.min_lr_ratio}, {"--beta1", &beta1},
-                                          {"--beta2", &beta2}, {"--eps", &eps}, {"--weight-decay", &weight_decay}};
-  std::map<std::string, int64_t*> ints = {{"--steps", &steps}, {"--warmup", &lr.warmup_steps}, {"--seed", &seed},
-                                          {"--checkpoint-every", &checkpoint_every}};
+Args parse(int argc, char** argv) {
+  Args a;
+  vktrain_run_config_init(&a.run);
+  std::map<std::string, std::string*> texts = {
+      {"--schedule-file", &a.schedule_file}, {"--spirv-dir", &a.spirv_dir}, {"--data", &a.data}, {"--json", &a.json}, {"--summary-json", &a.summary_json},
+      {"--schedule", &a.schedule}, {"--device", &a.device}, {"--state-out", &a.state_out},
+      {"--checkpoint", &a.checkpoint}, {"--resume", &a.resume}, {"--out-adapters", &a.out_adapters},
+      {"--base-model", &a.base_model}};
+  std::map<std::string, double*> reals = {{"--lr", &a.run.lr}, {"--min-lr-ratio", &a.run.min_lr_ratio},
+                                          {"--beta1", &a.run.beta1}, {"--beta2", &a.run.beta2}, {"--eps", &a.run.eps},
+                                          {"--weight-decay", &a.run.weight_decay}, {"--lora-alpha", &a.lora_alpha}};
+  std::map<std::string, int64_t*> ints = {{"--steps", &a.steps}, {"--warmup", &a.run.warmup_steps}, {"--seed", &a.seed},
+                                          {"--checkpoint-every", &a.checkpoint_every}, {"--log-every", &a.log_every}};
   for (int i = 1; i < argc; ++i) {
     std::string arg = argv[i];
-    if (arg == "-h" || arg == "--help") { std::fputs(kUsage, stdout); return 0; }
-    if (arg == "--no-shuffle") { shuffle = false; continue; }
-    if (arg == "--staging") { staging = true; continue; }
-    bool known = texts.count(arg) || reals.count(arg) || ints.count(arg);
-    if (known) {
+    if (arg == "-h" || arg == "--help") { std::fputs(kUsage, stdout); std::exit(0); }
+    if (arg == "--no-shuffle") { a.shuffle = false; continue; }
+    if (arg == "--staging") { a.staging = true; continue; }
+    if (arg == "--no-progress") { a.progress = false; continue; }
+    if (texts.count(arg) || reals.count(arg) || ints.count(arg)) {
       if (i + 1 >= argc) usage_error(arg + " takes a value");
       std::string value = argv[++i];
       if (texts.count(arg)) *texts[arg] = value;
       else if (reals.count(arg)) *reals[arg] = parse_real(arg, value);
       else *ints[arg] = parse_int(arg, value);
-      have_lr = have_lr || arg == "--lr";
+      a.have_lr = a.have_lr || arg == "--lr";
+      a.have_base_model = a.have_base_model || arg == "--base-model";
     } else if (!arg.empty() && arg[0] == '-') {
       usage_error("unknown option " + arg);
-    } else if (pte.empty()) {
-      pte = arg;
+    } else if (a.pte.empty()) {
+      a.pte = arg;
     } else {
       usage_error("one STEP.pte, got a second: " + arg);
     }
   }
-  if (pte.empty()) usage_error("the training step STEP.pte is required");
-  if (data.empty()) usage_error("--data is required");
-  if (schedule_file.empty() != spirv_dir.empty())
-    usage_error(std::string(schedule_file.empty() ? "--spirv-dir" : "--schedule-file") + " needs " +
-                (schedule_file.empty() ? "--schedule-file S.vks" : "--spirv-dir DIR") +
+  if (a.pte.empty()) usage_error("the training step STEP.pte is required");
+  if (a.data.empty()) usage_error("--data is required");
+  if (a.schedule_file.empty() != a.spirv_dir.empty())
+    usage_error(std::string(a.schedule_file.empty() ? "--spirv-dir" : "--schedule-file") + " needs " +
+                (a.schedule_file.empty() ? "--schedule-file S.vks" : "--spirv-dir DIR") +
                 " too (or neither: the .pte's embedded schedule)");
-  if (steps <= 0) usage_error("--steps N is required and must be positive, got " + num(steps));
-  if (!have_lr) usage_error("--lr is required");
-  if (checkpoint_every < 0) usage_error("--checkpoint-every K must be >= 1, got " + num(checkpoint_every));
-  if (checkpoint_path.empty()) checkpoint_path = resume;  // vktrain train's default: continue the resumed file
-  if (!checkpoint_path.empty() && checkpoint_path != resume && access(checkpoint_path.c_str(), F_OK) == 0)
-    usage_error("--checkpoint " + checkpoint_path + " exists; continue it with --resume " + checkpoint_path +
+  if (a.steps <= 0) usage_error("--steps N is required and must be positive, got " + num(a.steps));
+  if (!a.have_lr) usage_error("--lr is required");
+  if (a.checkpoint_every < 0) usage_error("--checkpoint-every K must be >= 1, got " + num(a.checkpoint_every));
+  if (a.log_every < 0) usage_error("--log-every must be >= 0, got " + num(a.log_every));
+  if (a.lora_alpha < 0 || !std::isfinite(a.lora_alpha)) usage_error("--lora-alpha must be a positive number, got " + real(a.lora_alpha));
+  if (a.checkpoint.empty()) a.checkpoint = a.resume;  // vktrain train's default: continue the resumed file
+  if (!a.checkpoint.empty() && a.checkpoint != a.resume && access(a.checkpoint.c_str(), F_OK) == 0)
+    usage_error("--checkpoint " + a.checkpoint + " exists; continue it with --resume " + a.checkpoint +
                 " or choose another file (a run never replaces another's checkpoint)");
-  if (seed < 0 || seed >= (int64_t(1) << 32)) usage_error("--seed must be in [0, 2**32), got " + num(seed));
-  lr.total_steps = steps;
-  std::string unusable = lr.check();
-  if (!unusable.empty()) usage_error(unusable);
+  struct stat st;
+  if (!a.out_adapters.empty() && stat(a.out_adapters.c_str(), &st) == 0 && !S_ISDIR(st.st_mode))
+    usage_error("--out-adapters " + a.out_adapters + " exists and is not a directory (a PEFT adapter directory goes there)");
+  if (a.seed < 0 || a.seed >= (int64_t(1) << 32)) usage_error("--seed must be in [0, 2**32), got " + num(a.seed));
+  if (a.schedule != "constant" && a.schedule != "cosine")
+    usage_error("--schedule must be constant or cosine, got '" + a.schedule + "'");
+  a.run.schedule = a.schedule.c_str();
+  a.run.total_steps = a.steps;
+  a.run.seed = uint32_t(a.seed);
+  a.run.shuffle = a.shuffle;
+  a.run.data_name = a.data.c_str();
+  a.progress = a.progress && isatty(STDERR_FILENO);  // a bar only on a terminal: a log gets the --log-every lines
+  return a;
+}
 
-  std::unique_ptr<Program> program = Program::load(pte);
-  Device gpu(device);
-  gpu.force_staging(staging);
-  std::unique_ptr<StepSource> source;
-  std::string origin;
-  if (!schedule_file.empty()) {
-    source = files_step_source(schedule_file, spirv_dir);
-    origin = schedule_file;
-  } else {
-    const Method& method = program->main_method();
-    if (method.embedded.empty())
-      refuse(ErrorCode::kUnsupported, pte + " embeds no dispatch schedules (exported without --target): export it "
-                                            "with vktrain export --target NAME, or give --schedule-file S.vks and "
-                                            "--spirv-dir DIR");
-    size_t chosen = select_schedule(method.embedded, method.graph->shader_modules, device_profile_of(gpu), gpu.name(), pte);
-    origin = "the embedded schedule for profile '" + method.embedded[chosen].profile.name + "'";
-    source = embedded_step_source(*method.graph, method.embedded[chosen]);
-  }
-  StepInterpreter step(*program, *source, gpu);
+int train(Args& a) {
+  double lr;
+  if (vktrain_schedule_lr(&a.run, 1, &lr) != VKTRAIN_OK) usage_error(vktrain_last_error(nullptr));
+  std::vector<int64_t> tokens = load_token_file(a.data);
 
-  std::vector<std::string> names = step.input_names();
-  std::map<std::string, size_t> index;
-  for (size_t i = 0; i < names.size(); ++i) index[names[i]] = i;
-  for (const auto& n : names)
-    if (n != "token_ids" && n != "labels" && n != "hparams" && n != "n_valid")
-      refuse(ErrorCode::kUnsupported, pte + ": input '" + n + "' is not one of a token model's step (token_ids, labels, "
-                                            "hparams, n_valid); this trainer runs token steps");
-  if (!index.count("token_ids") || !index.count("labels") || !index.count("hparams")) {
-    std::string all;
-    for (const auto& n : names) all += (all.empty() ? "" : ", ") + n;
-    refuse(ErrorCode::kUnsupported, pte + ": a token step takes token_ids, labels and hparams; its inputs are " + all);
+  vktrain_open_options options;
+  vktrain_open_options_init(&options);
+  options.device_name = a.device.empty() ? nullptr : a.device.c_str();
+  options.staging = a.staging;
+  options.schedule_file = a.schedule_file.empty() ? nullptr : a.schedule_file.c_str();
+  options.spirv_dir = a.spirv_dir.empty() ? nullptr : a.spirv_dir.c_str();
+  vktrain_session* session = nullptr;
+  check(vktrain_open(a.pte.c_str(), &options, &session), nullptr);
+  struct Closer { vktrain_session* s; ~Closer() { vktrain_close(s); } } closer{session};
+  vktrain_session_info info;
+  check(vktrain_get_info(session, &info), session);
+  if (!info.batch_size || !info.seq_len)
+    throw ApiError{VKTRAIN_ERROR_UNSUPPORTED, a.pte + ": this trainer runs token steps (token_ids [batch, seq], labels, "
+                                                      "hparams, n_valid)"};
+  if (!a.out_adapters.empty() && a.lora_alpha == 0 && info.lora_alpha == 0)
+    throw ApiError{VKTRAIN_ERROR_VERIFICATION, "--out-adapters: " + a.pte + " does not record the LoRA alpha it was "
+                   "exported with; pass --lora-alpha (the value given to vktrain export --lora-alpha, default 16)"};
+  check(vktrain_start_run(session, tokens.data(), tokens.size(), &a.run), session);
+  tokens = std::vector<int64_t>();  // the session holds its copy
+  if (!a.resume.empty()) {
+    check(vktrain_load_checkpoint(session, a.resume.c_str()), session);
+    check(vktrain_get_info(session, &info), session);
+    if (info.step > a.steps)
+      throw ApiError{VKTRAIN_ERROR_VERIFICATION, "the run is already at step " + num(info.step) + "; asked to train up "
+                     "to step " + num(a.steps) + ", which is behind it"};
   }
-  const TensorValue& ids = step.input(index["token_ids"]);
-  if (ids.shape.size() != 2) refuse(ErrorCode::kUnsupported, pte + ": token_ids must be [batch, seq]");
-  const TensorValue& hp = step.input(index["hparams"]);
-  if (hp.dtype != kFloat32 || hp.shape != std::vector<int64_t>{5})
-    refuse(ErrorCode::kUnsupported, pte + ": hparams must be float32 [5] = [lr, beta1, beta2, eps, weight_decay]");
-  int64_t vocab = std::min(step.index_bound("token_ids") ? step.index_bound("token_ids") : INT64_MAX,
-                           step.index_bound("labels") ? step.index_bound("labels") : INT64_MAX);
-
-  std::vector<int64_t> tokens = load_npy_tokens(data);
-  for (size_t i = 0; i < tokens.size(); ++i)
-    if (tokens[i] < 0 || tokens[i] >= vocab)
-      refuse(ErrorCode::kVerification, data + ": token id " + num(tokens[i]) + " at position " + num(i) +
-                                           " is outside the model's vocabulary [0, " + num(vocab) + ")");
-  const double adamw[4] = {beta1, beta2, eps, weight_decay};
-  std::string program_sha256, fingerprint;
-  if (!checkpoint_path.empty()) {
-    program_sha256 = sha256_file(pte);
-    fingerprint = batcher_fingerprint(tokens, ids.shape[0], ids.shape[1], shuffle);
-  }
-  std::vector<CheckpointRecord> history;  // every step's record since step 1 (a resumed run's included)
-  int64_t first_done = 0;  // steps a resumed checkpoint holds
-  if (!resume.empty()) {
-    // checkpoint.py restore_state's checks, then the state written; the run continues at step + 1.
-    Checkpoint c = load_checkpoint(resume);
-    if (c.program_sha256 != program_sha256)
-      refuse(ErrorCode::kVerification, resume + " was written for a different program (.pte sha256 " +
-                                           c.program_sha256.substr(0, 16) + "...), this program's sha256 is " +
-                                           program_sha256.substr(0, 16) + "...; a checkpoint resumes only onto the .pte it came from");
-    if (c.data_sha256 != fingerprint)
-      refuse(ErrorCode::kVerification, resume + " was trained on other data or batching (data fingerprint " +
-                                           c.data_sha256.substr(0, 16) + "..., " + data + " gives " +
-                                           fingerprint.substr(0, 16) + "...); resume with the same --data and --no-shuffle setting");
-    if (c.step > steps)
-      usage_error("the run is already at step " + num(c.step) + "; asked to train up to step " + num(steps) +
-                  ", which is behind it");
-    std::vector<std::string> state = step.state_names();
-    for (const auto& name : state)
-      if (!c.tensors.count(name)) refuse(ErrorCode::kVerification, resume + " does not hold state '" + name + "'");
-    if (c.tensors.size() != state.size())
-      refuse(ErrorCode::kVerification, resume + " holds tensors that are not the program's state");
-    for (const auto& name : state) {
-      HostTensor now = step.read_state(name);
-      if (now.dtype != c.tensors[name].dtype || now.shape != c.tensors[name].shape)
-        refuse(ErrorCode::kVerification, resume + ": state '" + name + "' has another dtype or shape than the program's");
-    }
-    auto counter = c.tensors.find("optimizer.step");
-    if (counter != c.tensors.end() && counter->second.dtype == kFloat32 && counter->second.item<float>() != float(c.step))
-      refuse(ErrorCode::kVerification, resume + ": the optimizer's step counter disagrees with its recorded step " + num(c.step));
-    for (const auto& name : state) step.write_state(name, c.tensors[name]);
-    seed = c.data_seed;  // a resumed run keeps its data order
-    first_done = c.step;
-    history = c.records;
-  }
-  auto save = [&](int64_t done) {
-    Checkpoint c;
-    c.step = c.data_position = done;
-    c.data_seed = seed;
-    c.program_sha256 = program_sha256;
-    c.data_sha256 = fingerprint;
-    c.config_json = run_config_json(lr, adamw, ids.shape[0], ids.shape[1], shuffle);
-    c.records = history;
-    for (const auto& name : step.state_names()) c.tensors[name] = step.read_state(name);
-    save_checkpoint(checkpoint_path, c);
-  };
-  TokenBatcher batches(std::move(tokens), uint64_t(ids.shape[0]), uint64_t(ids.shape[1]), uint32_t(seed), shuffle, data);
-  std::printf("vktrain-native-train: %s (%s) on %s: %llu dispatches, %llu barriers, %.1f MiB of buffers; batch %lld x %lld, "
-              "%llu windows\n", pte.c_str(), origin.c_str(), gpu.name().c_str(), (unsigned long long)step.recorded_dispatches(),
-              (unsigned long long)step.barrier_count(), step.allocated_bytes() / 1048576.0, (long long)ids.shape[0],
-              (long long)ids.shape[1], (unsigned long long)batches.n_windows());
+  check(vktrain_get_info(session, &info), session);
+  std::printf("%s: %s (%s) on %s: %llu dispatches, %llu barriers, %.1f MiB of buffers; batch %lld x %lld, "
+              "%llu windows\n", kName, a.pte.c_str(), info.schedule, info.device_name, (unsigned long long)info.dispatches,
+              (unsigned long long)info.barriers, info.buffer_bytes / 1048576.0, (long long)info.batch_size,
+              (long long)info.seq_len, (unsigned long long)info.n_windows);
   std::fflush(stdout);
 
   std::string records;
-  for (const auto& r : history)
-    records += std::string(records.empty() ? "" : ",\n") + "  {\"step\": " + num(r.step) + ", \"loss\": " +
-               real(r.loss) + ", \"loss_bits\": \"" + float_bits(float(r.loss)) + "\", \"lr\": " + real(r.lr) +
-               ", \"seconds\": " + real(r.seconds) + "}";
-  int status = 0;
-  std::vector<int64_t> batch_tokens, batch_labels;
-  for (int64_t t = first_done + 1; t <= steps; ++t) {
-    auto start = std::chrono::steady_clock::now();
-    double rate = lr.lr(t);
-    float hparams[5] = {float(rate), float(beta1), float(beta2), float(eps), float(weight_decay)};
-    batches.batch(uint64_t(t - 1), &batch_tokens, &batch_labels);
-    float n_valid = 0;
-    for (int64_t l : batch_labels) n_valid += l >= 0 ? 1.0f : 0.0f;
-    std::vector<HostTensor> inputs(names.size());
-    inputs[index["token_ids"]] = make(kInt64, ids.shape, batch_tokens.data(), batch_tokens.size() * 8);
-    inputs[index["labels"]] = make(kInt64, step.input(index["labels"]).shape, batch_labels.data(), batch_labels.size() * 8);
-    inputs[index["hparams"]] = make(kFloat32, {5}, hparams, sizeof hparams);
-    if (index.count("n_valid")) inputs[index["n_valid"]] = make(kFloat32, {}, &n_valid, 4);
-    std::vector<HostTensor> outputs = step.run(inputs);
-    if (outputs.empty() || outputs[0].dtype != kFloat32 || outputs[0].numel() != 1)
-      refuse(ErrorCode::kUnsupported, pte + ": the step's first output is not a float32 loss");
-    float loss = outputs[0].item<float>();
-    double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-    std::printf("step %lld/%lld  loss %.6f  lr %.6g  %.1f ms\n", (long long)t, (long long)steps, loss, rate, seconds * 1e3);
-    std::fflush(stdout);
-    records += std::string(records.empty() ? "" : ",\n") + "  {\"step\": " + num(t) + ", \"loss\": " +
-               (std::isfinite(loss) ? real(loss) : "null") + ", \"loss_bits\": \"" + float_bits(loss) + "\", \"lr\": " +
-               real(rate) + ", \"seconds\": " + real(seconds) + "}";
-    if (!std::isfinite(loss)) {
-      std::fprintf(stderr, "vktrain-native-train: the loss became %f at step %lld (lr %.6g); training stopped\n", loss,
-                   (long long)t, rate);
-      status = 1;
-      break;  // the last checkpoint written stays the last good one
-    }
-    history.push_back({t, double(loss), rate, seconds});
-    if (!checkpoint_path.empty() && ((checkpoint_every && t % checkpoint_every == 0) || t == steps)) save(t);
+  for (int64_t t = 1; t <= info.step; ++t) {  // a resumed run's log starts with its checkpoint's steps
+    vktrain_step_result r;
+    check(vktrain_get_record(session, t, &r), session);
+    records += (records.empty() ? "" : ",\n") + record_json(r);
   }
-  if (!json.empty()) write_json(json, "[\n" + records + "\n]\n");
-  if (!state_out.empty() && status == 0) {
+  int status = 0;
+  double seconds = 0;
+  int64_t done = 0;
+  for (int64_t t = info.step + 1; t <= a.steps; ++t) {
+    vktrain_step_result r;
+    vktrain_status s = vktrain_train_step(session, &r);
+    if (s == VKTRAIN_DIVERGED) {  // not recorded (vktrain train's --json lists the steps that trained)
+      if (a.progress) std::fputs("\n", stderr);
+      std::fprintf(stderr, "%s: %s; training stopped%s\n", kName, vktrain_last_error(session),
+                   a.checkpoint.empty() ? "" : ("; the last checkpoint is " + a.checkpoint).c_str());
+      status = 1;  // the last checkpoint written stays the last good one
+      break;
+    }
+    check(s, session);
+    records += (records.empty() ? "" : ",\n") + record_json(r);
+    seconds += r.seconds;
+    ++done;
+    if (a.progress)
+      std::fprintf(stderr, "\rtrain %lld/%lld  loss %.4f  lr %.3g  %.1f ms/step ", (long long)t, (long long)a.steps,
+                   r.loss, r.lr, 1e3 * seconds / double(done));
+    if (a.log_every && (t % a.log_every == 0 || t == a.steps)) {  // train_loop's line
+      if (a.progress) std::fputs("\r\033[K", stderr);
+      std::printf("step %6lld  loss %.6f  lr %.4g\n", (long long)t, r.loss, r.lr);
+      std::fflush(stdout);
+    }
+    if (!a.checkpoint.empty() && ((a.checkpoint_every && t % a.checkpoint_every == 0) || t == a.steps))
+      check(vktrain_save_checkpoint(session, a.checkpoint.c_str()), session);
+  }
+  if (a.progress && status == 0) std::fputs("\n", stderr);
+  if (!a.json.empty()) write_file_atomically(a.json, "[\n" + records + "\n]\n", "--json");
+  if (status != 0) return status;
+  if (!a.state_out.empty()) {
     struct stat st;
-    if (stat(state_out.c_str(), &st) != 0 && mkdir(state_out.c_str(), 0777) != 0)
-      refuse(ErrorCode::kIo, "--state-out " + state_out + ": cannot create it: " + std::strerror(errno));
-    for (const std::string& name : step.state_names()) {
+    if (stat(a.state_out.c_str(), &st) != 0 && mkdir(a.state_out.c_str(), 0777) != 0)
+      refuse(ErrorCode::kIo, "--state-out " + a.state_out + ": cannot create it: " + std::strerror(errno));
+    for (size_t i = 0; i < vktrain_state_count(session); ++i) {
+      vktrain_tensor_info t;
+      check(vktrain_state_info(session, i, &t), session);
+      const std::string name = t.name;
       if (name.find('/') != std::string::npos || name.empty() || name[0] == '.')
         refuse(ErrorCode::kUnsupported, "--state-out: state '" + name + "' is no file name");
-      HostTensor t = step.read_state(name);
-      save_npy(state_out + "/" + name + ".npy", t.dtype, t.shape, t.data);
+      std::vector<uint8_t> data(t.nbytes);
+      check(vktrain_read_state(session, t.name, data.data(), data.size()), session);
+      save_npy(a.state_out + "/" + name + ".npy", int(t.dtype), std::vector<int64_t>(t.shape, t.shape + t.ndim), data);
     }
   }
-  return status;
+  if (!a.out_adapters.empty()) {
+    vktrain_adapter_options adapters;
+    vktrain_adapter_options_init(&adapters);
+    adapters.lora_alpha = a.lora_alpha;
+    adapters.base_model = a.have_base_model ? a.base_model.c_str() : nullptr;
+    check(vktrain_save_adapters(session, a.out_adapters.c_str(), &adapters), session);
+    std::printf("%s: wrote the adapters to %s\n", kName, a.out_adapters.c_str());
+  }
+  const uint64_t peak = peak_rss_bytes();
+  std::printf("%s: %lld steps, %.1f ms/step, peak RSS %.1f MiB\n", kName, (long long)done,
+              done ? 1e3 * seconds / double(done) : 0.0, peak / 1048576.0);
+  if (!a.summary_json.empty()) {
+    struct stat st {};
+    stat(a.pte.c_str(), &st);
+    vktrain_step_result last{};
+    check(vktrain_get_info(session, &info), session);
+    if (info.step) check(vktrain_get_record(session, info.step, &last), session);
+    write_file_atomically(a.summary_json, "{\n  \"steps\": " + num(done) + ",\n  \"last_step\": " + num(info.step) +
+                          ",\n  \"final_loss\": " + (info.step ? real(last.loss) : "null") + ",\n  \"ms_per_step\": " +
+                          real(done ? 1e3 * seconds / double(done) : 0.0) + ",\n  \"peak_rss_bytes\": " + num(peak) +
+                          ",\n  \"pte_bytes\": " + num(uint64_t(st.st_size)) + ",\n  \"buffer_bytes\": " +
+                          num(info.buffer_bytes) + ",\n  \"dispatches\": " + num(info.dispatches) + ",\n  \"barriers\": " +
+                          num(info.barriers) + ",\n  \"device\": " + json_quote(info.device_name) + ",\n  \"schedule\": " +
+                          json_quote(info.schedule) + "\n}\n", "--summary-json");
+  }
+  return 0;
 }
 
 }  // namespace
 
 int main(int argc, char** argv) {
   try {
-    return train(argc, argv);
+    Args args = parse(argc, argv);
+    return train(args);
+  } catch (const ApiError& e) {
+    std::fprintf(stderr, "%s: error: %s\n", kName, e.message.c_str());
+    return e.status == VKTRAIN_ERROR_INTERNAL ? 70 : 2;
   } catch (const LoadError& e) {
-    std::fprintf(stderr, "vktrain-native-train: error: %s\n", e.what());
+    std::fprintf(stderr, "%s: error: %s\n", kName, e.what());
     return e.code() == ErrorCode::kInternal ? 70 : 2;
   } catch (const std::exception& e) {
-    std::fprintf(stderr, "vktrain-native-train: internal error: %s\n", e.what());
+    std::fprintf(stderr, "%s: internal error: %s\n", kName, e.what());
     return 70;
   }
 }
