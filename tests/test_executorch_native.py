@@ -198,3 +198,21 @@ def test_cpp_program_on_executorch_program_method_api(native_build, llama_pte, b
     assert losses == [np.float32(loss) for loss in reference["losses"]]
     (eval_line,) = [line for line in lines if line.startswith("eval ")]
     assert np.float32(eval_line.split()[-1]) == np.float32(reference["eval_after"])
+
+
+@pytest.mark.parametrize("env, expected", [
+    ({"VKTRAIN_EXECUTORCH_BACKEND_LIBRARY": "/nonexistent/libvktrain_executorch_backend.so"},
+     r"\$VKTRAIN_EXECUTORCH_BACKEND_LIBRARY names /nonexistent/libvktrain_executorch_backend.so, which is not there: "
+     r"build it with scripts/native_build.sh .* VKTRAIN_EXECUTORCH_BACKEND=python"),
+    ({"VKTRAIN_EXECUTORCH_BACKEND": "cuda"}, r"\$VKTRAIN_EXECUTORCH_BACKEND is 'cuda'; expected one of native, python"),
+], ids=["no-library", "unknown-implementation"])
+def test_import_refuses_clearly(env, expected):
+    import re
+
+    full = dict(os.environ, **env)
+    if "VKTRAIN_EXECUTORCH_BACKEND" not in env:
+        full.pop("VKTRAIN_EXECUTORCH_BACKEND", None)
+    run = subprocess.run([sys.executable, "-c", "import vktrain.executorch_backend"], capture_output=True, text=True,
+                         timeout=300, env=full)
+    assert run.returncode != 0
+    assert re.search(expected, run.stderr), run.stderr[-2000:]

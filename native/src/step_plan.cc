@@ -231,6 +231,9 @@ constexpr const char* kSharedPrefix = "shared:";  // schedule.py SHARED_PREFIX
 uint64_t bind_shared(StepPlan& plan, const ScheduleBuffer& b, const SharedTensors& shared) {
   const std::string prefix = kSharedPrefix;
   const std::string name = b.key.compare(0, prefix.size(), prefix) == 0 ? b.key.substr(prefix.size()) : "";
+  if (name.empty())
+    refuse(ErrorCode::kVerification, plan.schedule->source + ": buffer '" + b.key + "' has the role shared, but its key "
+                                         "names no tensor (expected " + prefix + "<tensor name>)");
   auto it = shared.find(name);
   if (it == shared.end())
     refuse(ErrorCode::kUnsupported, plan.schedule->source + ": buffer '" + b.key + "' binds tensor '" + name + "' of another "
