@@ -216,3 +216,31 @@ def test_import_refuses_clearly(env, expected):
                          timeout=300, env=full)
     assert run.returncode != 0
     assert re.search(expected, run.stderr), run.stderr[-2000:]
+
+
+README_SNIPPET = """
+import sys
+import numpy as np, torch
+import vktrain.executorch_backend          # loads the native backend into this process
+from executorch.runtime import Runtime
+program = Runtime.get().load_program(sys.argv[1])
+method = program.load_method("forward")
+batches = np.load(sys.argv[2])
+token_ids, labels, hparams = (torch.from_numpy(batches[k][0]) for k in ("token_ids", "labels", "hparams"))
+n_valid = torch.tensor(float((labels >= 0).sum()))
+loss = method.execute([token_ids, labels, hparams, n_valid])[0]
+evaluation = program.load_method("eval")
+loss_sum = evaluation.execute([token_ids, labels, torch.tensor(1.0)])[0]
+print(repr(float(loss)), repr(float(loss_sum)))
+"""
+
+
+def test_readme_snippet_runs_and_exits_with_its_methods_alive(native_build, llama_pte, batches, reference, tmp_path):
+    """The README's lines, the methods never deleted: ExecuTorch destroys them (or not) at exit without a crash."""
+    np.savez(tmp_path / "batches.npz", token_ids=batches[0][0][None], labels=batches[0][1][None], hparams=HPARAMS[None])
+    run = subprocess.run([sys.executable, "-c", README_SNIPPET, str(llama_pte), str(tmp_path / "batches.npz")],
+                         capture_output=True, text=True, timeout=300, env=_env())
+    assert run.returncode == 0, run.stderr[-3000:]
+    loss, loss_sum = map(float, run.stdout.split())
+    assert loss == reference["losses"][0]
+    assert np.isfinite(loss_sum) and loss_sum != reference["eval_before"]  # evaluated after the step
