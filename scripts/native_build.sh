@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Build the native runtime (native/, CMake) into a git-ignored folder; cmake rebuilds only what changed.
 #
-#   scripts/native_build.sh                   build/native: libvktrain_native.a, libvktrain.so, vktrain-native-inspect, vktrain-train
+#   scripts/native_build.sh                   build/native: libvktrain_native.a, libvktrain.so, vktrain-native-inspect, vktrain-train;
+#                                             with the executorch wheel's C++ runtime (include/, lib/libexecutorch.so):
+#                                             libvktrain_executorch_backend.so and vktrain-executorch-train (native/executorch)
 #   scripts/native_build.sh --sanitize        build/native-asan: the same with AddressSanitizer + UBSan
 #   scripts/native_build.sh --cross aarch64   build/native-aarch64: cross-built (scripts/native_cross_build.sh)
 #

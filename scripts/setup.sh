@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Idempotent setup: Vulkan loader + lavapipe + validation layers (Debian), g++ and Python's C headers (for
-# vktrain.executorch_backend, which builds its trampoline on first import), then .venv with vktrain[test],
-# then the kernels (SPIR-V, and WGSL from the Slang sources), then the native runtime (native/: cmake, the Vulkan headers, flatbuffers) into build/native.
+# vktrain.executorch_backend's Python fallback, which builds its trampoline on first import), then .venv with
+# vktrain[test], then the kernels (SPIR-V, and WGSL from the Slang sources), then the native runtime (native/: cmake,
+# the Vulkan headers, flatbuffers) into build/native, with the native ExecuTorch backend (libvktrain_executorch_backend.so).
 # Quiet when there is nothing to do.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"

@@ -1,6 +1,8 @@
 """The stock ExecuTorch runtime (the executorch wheel's `executorch.runtime`) runs vktrain .pte files
-through vktrain.executorch_backend's trampoline: the same training as vktrain's TrainingRunner, bad
-blobs refused with a non-Ok error instead of a crash, a missing compiler reported clearly.
+through vktrain.executorch_backend's Python fallback (VKTRAIN_EXECUTORCH_BACKEND=python: the trampoline into
+the Python runtime; the native backend is tests/test_executorch_native.py's): the same training as vktrain's
+TrainingRunner, bad blobs refused with a non-Ok error instead of a crash, a missing compiler reported clearly.
+A .pte without embedded schedules, as here, is what the fallback is kept for: it plans at load.
 
 Parity is exact (==): both paths build the same GraphExecutor from the same blob and run the same
 kernels on the same device with the same inputs; only the host side around the delegate differs
@@ -24,7 +26,12 @@ BATCH, SEQ, VOCAB, STEPS = 2, 8, 64, 5
 @pytest.fixture(scope="module")
 def backend(vk_device):
     """The trampoline, loaded (built on first use), its delegates running on the session's device."""
+    import os
+
+    os.environ["VKTRAIN_EXECUTORCH_BACKEND"] = "python"  # read once, at the import that registers the backend
     import vktrain.executorch_backend as backend
+
+    assert backend.IMPLEMENTATION == "python", "another test registered the native backend in this process"
 
     backend.use_device(vk_device)
     yield backend
@@ -107,7 +114,7 @@ def test_executorch_runtime_trains_like_the_training_runner(backend, vk_device, 
 README_SNIPPET = """
 import sys
 import numpy as np, torch
-import vktrain.executorch_backend          # builds (once, cached) and loads the trampoline
+import vktrain.executorch_backend          # VKTRAIN_EXECUTORCH_BACKEND=python: builds (once) and loads the trampoline
 from executorch.runtime import Runtime
 program = Runtime.get().load_program(sys.argv[1])
 method = program.load_method("forward")
@@ -120,6 +127,7 @@ for token_ids, labels, hparams, n_valid in zip(batches["token_ids"], batches["la
 
 def test_readme_snippet_runs_in_a_fresh_process_and_exits_cleanly(request, vk_device, step_pte, tmp_path):
     """No use_device: the first init opens its own Device; the delegate is destroyed at exit without a crash."""
+    import os
     import subprocess
     import sys
 
@@ -132,7 +140,8 @@ def test_readme_snippet_runs_in_a_fresh_process_and_exits_cleanly(request, vk_de
     np.savez(tmp_path / "batches.npz", token_ids=[t for t, _ in batches], labels=[l for _, l in batches],
              hparams=[HPARAMS] * 2, n_valid=n_valid)
     run = subprocess.run([sys.executable, "-c", README_SNIPPET, str(step_pte), str(tmp_path / "batches.npz")],
-                         capture_output=True, text=True, timeout=600)
+                         capture_output=True, text=True, timeout=600,
+                         env=dict(os.environ, VKTRAIN_EXECUTORCH_BACKEND="python"))
     assert run.returncode == 0, run.stderr[-3000:]
     with TrainingRunner.from_pte(step_pte, vk_device, planner=plan_schedule) as runner:
         expected = [runner.step(token_ids, labels, HPARAMS) for token_ids, labels in batches]

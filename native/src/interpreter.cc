@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <map>
 #include <set>
 
 #include "constant_data.h"
@@ -80,14 +81,34 @@ DeviceCaps caps_of(const Device& device) {
 
 StepInterpreter::StepInterpreter(const Program& program, const StepSource& source, Device& device)
     : plan_(plan_step(program, source, caps_of(device))), device_(device) {
+  load(program.source(), nullptr);
+}
+
+StepInterpreter::StepInterpreter(const Graph& graph, const std::string& where, const StepSource& source, Device& device,
+                                 const StepInterpreter* owner)
+    : plan_(plan_graph_step(graph, where, source, caps_of(device), owner ? owner->shared_tensors() : SharedTensors{})),
+      device_(device) {
+  if (owner && &owner->device_ != &device) refuse(ErrorCode::kInternal, where + ": bound to an interpreter on another device");
+  load(where, owner);
+}
+
+void StepInterpreter::load(const std::string& what, const StepInterpreter* owner) {
   try {
-    for (size_t i = 0; i < plan_.schedule->buffers.size(); ++i)
+    for (size_t i = 0; i < plan_.schedule->buffers.size(); ++i) {
+      auto borrowed = plan_.borrowed.find(uint32_t(i));
+      if (borrowed != plan_.borrowed.end()) {
+        buffers_.push_back(nullptr);
+        bound_.push_back(owner->bound_.at(borrowed->second));
+        continue;
+      }
       buffers_.push_back(std::make_unique<Buffer>(device_, plan_.buffer_sizes[i], plan_.schedule->buffers[i].key));
+      bound_.push_back(buffers_.back().get());
+    }
     upload_constants();
     reset_state();
     pipelines_ = std::make_unique<PipelineCache>(device_);
     record();
-    device_.check_validation("while loading " + program.source());
+    device_.check_validation("while loading " + what);
   } catch (...) {
     release();
     throw;
@@ -106,6 +127,7 @@ void StepInterpreter::release() {
   command_buffer_ = VK_NULL_HANDLE;
   descriptor_pool_ = VK_NULL_HANDLE;
   pipelines_.reset();
+  bound_.clear();
   buffers_.clear();
 }
 
@@ -114,14 +136,16 @@ void StepInterpreter::upload_constants() {
   std::set<uint32_t> uploaded;
   for (const auto& [value_id, placement] : plan_.placements) {
     const Value& v = plan_.graph->values.at(value_id);
-    if (v.kind != kValueTensor || v.tensor.constant_id < 0 || uploaded.count(placement.buffer)) continue;
+    if (v.kind != kValueTensor || v.tensor.constant_id < 0 || uploaded.count(placement.buffer) ||
+        plan_.borrowed.count(placement.buffer))  // the owner's: uploaded by it (and the state, trained)
+      continue;
     const TensorValue& t = v.tensor;
     const std::string what = "constant " + (t.name.empty() ? num(value_id) : t.name);
     std::vector<uint8_t> bytes = constant_bytes(plan_.graph->constants.at(t.constant_id), what);
     if (bytes.size() < t.nbytes())
       refuse(ErrorCode::kVerification, what + " has " + num(bytes.size()) + " bytes, its tensor reads " + num(t.nbytes()));
     std::vector<uint8_t> stored = to_stored(bytes.data(), t.numel, t, what);
-    buffers_[placement.buffer]->write(placement.offset, stored.data(), stored.size());
+    bound_[placement.buffer]->write(placement.offset, stored.data(), stored.size());
     uploaded.insert(placement.buffer);
   }
 }
@@ -129,6 +153,7 @@ void StepInterpreter::upload_constants() {
 void StepInterpreter::reset_state() {
   // executor.py reset_state / initial_state: zeros, or the initial constant's values.
   for (const auto& [name, s] : plan_.states) {
+    if (plan_.borrowed.count(plan_.placements.at(s.state_id).buffer)) continue;  // the owner's state
     const TensorValue& t = plan_.tensor(s.state_id);
     HostTensor initial{t.dtype, t.shape, std::vector<uint8_t>(t.nbytes(), 0)};
     if (s.initial_constant_id >= 0) {
@@ -170,7 +195,7 @@ void StepInterpreter::write_value(int32_t value_id, const HostTensor& array, con
                     (limit.has_low ? "[" + num(limit.low) + ", " + num(limit.bound) + ")" : "< " + num(limit.bound)) + ")");
     }
   }
-  buffers_[it->second.buffer]->write(it->second.offset, stored.data(), stored.size());
+  bound_[it->second.buffer]->write(it->second.offset, stored.data(), stored.size());
 }
 
 HostTensor StepInterpreter::read_value(int32_t value_id) const {
@@ -178,10 +203,10 @@ HostTensor StepInterpreter::read_value(int32_t value_id) const {
   const Placement& p = plan_.placements.at(value_id);
   HostTensor out{t.dtype, t.shape, std::vector<uint8_t>(t.nbytes())};
   if (t.storage_dtype() == t.dtype) {
-    buffers_[p.buffer]->read(p.offset, out.data.data(), out.data.size());
+    bound_[p.buffer]->read(p.offset, out.data.data(), out.data.size());
   } else {  // int32 on the device -> int64
     std::vector<int32_t> stored(t.numel);
-    buffers_[p.buffer]->read(p.offset, stored.data(), stored.size() * 4);
+    bound_[p.buffer]->read(p.offset, stored.data(), stored.size() * 4);
     for (uint64_t i = 0; i < t.numel; ++i) {
       int64_t v = stored[i];
       std::memcpy(&out.data[8 * i], &v, 8);
@@ -214,8 +239,30 @@ uint64_t StepInterpreter::barrier_count() const {
 
 uint64_t StepInterpreter::allocated_bytes() const {
   uint64_t total = 0;
-  for (const auto& b : buffers_) total += b->size();
+  for (const auto& b : buffers_)
+    if (b) total += b->size();
   return total;
+}
+
+SharedTensors StepInterpreter::shared_tensors() const {
+  SharedTensors shared;
+  for (const auto& [name, s] : plan_.states) {
+    const Placement& p = plan_.placements.at(s.state_id);
+    shared[name] = {p.buffer, p.offset, plan_.buffer_sizes.at(p.buffer), &plan_.tensor(s.state_id), nullptr};
+  }
+  std::map<std::string, int> seen;  // a name two constants carry is left out (executor.py shared_constants)
+  for (const auto& [value_id, p] : plan_.placements) {
+    const TensorValue& t = plan_.tensor(value_id);
+    if (t.constant_id >= 0 && !t.name.empty() && t.storage_of < 0 && !plan_.borrowed.count(p.buffer)) ++seen[t.name];
+  }
+  for (const auto& [value_id, p] : plan_.placements) {
+    const TensorValue& t = plan_.tensor(value_id);
+    if (t.constant_id < 0 || t.name.empty() || t.storage_of >= 0 || plan_.borrowed.count(p.buffer) || seen[t.name] != 1 ||
+        shared.count(t.name))
+      continue;
+    shared[t.name] = {p.buffer, p.offset, plan_.buffer_sizes.at(p.buffer), &t, &plan_.graph->constants.at(t.constant_id)};
+  }
+  return shared;
 }
 
 HostTensor StepInterpreter::read_state(const std::string& name) const {
@@ -268,7 +315,7 @@ void StepInterpreter::record() {
   vk_check(vkAllocateDescriptorSets(dev, &alloc, sets.data()), "vkAllocateDescriptorSets");
   for (size_t i = 0; i < plan_.dispatches.size(); ++i) {
     std::vector<VkDescriptorBufferInfo> infos;
-    for (const auto& b : plan_.dispatches[i].bindings) infos.push_back({buffers_[b.buffer]->handle(), b.offset, b.range});
+    for (const auto& b : plan_.dispatches[i].bindings) infos.push_back({bound_[b.buffer]->handle(), b.offset, b.range});
     std::vector<VkWriteDescriptorSet> writes;
     for (uint32_t b = 0; b < infos.size(); ++b) {
       VkWriteDescriptorSet w{VK_STRUCTURE_TYPE_WRITE_DESCRIPTOR_SET};

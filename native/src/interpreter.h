@@ -35,6 +35,12 @@ class StepInterpreter {
  public:
   // `program` and `source` must outlive the interpreter (constants and the schedule are read in place).
   StepInterpreter(const Program& program, const StepSource& source, Device& device);
+  // A delegate graph alone, the program around it checked by its caller (an ExecuTorch backend: step_plan.h
+  // plan_graph_step). `owner`: the interpreter whose tensors this one binds where its schedule marks them shared (an
+  // eval method's, bound to the training step's state and frozen constants); it must outlive this one. `graph` and
+  // `source` must outlive the interpreter.
+  StepInterpreter(const Graph& graph, const std::string& where, const StepSource& source, Device& device,
+                  const StepInterpreter* owner = nullptr);
   ~StepInterpreter();
   StepInterpreter(const StepInterpreter&) = delete;
   StepInterpreter& operator=(const StepInterpreter&) = delete;
@@ -56,8 +62,12 @@ class StepInterpreter {
   uint64_t recorded_dispatches() const { return recorded_dispatches_; }
   uint64_t barrier_count() const;
   uint64_t allocated_bytes() const;
+  // What another interpreter of the program may bind (executor.py shared_state + shared_constants): every mutable
+  // state tensor by name, then every named constant this interpreter uploaded once under its name.
+  SharedTensors shared_tensors() const;
 
  private:
+  void load(const std::string& what, const StepInterpreter* owner);
   void release();
   void upload_constants();
   void record();
@@ -66,7 +76,8 @@ class StepInterpreter {
 
   StepPlan plan_;
   Device& device_;
-  std::vector<std::unique_ptr<Buffer>> buffers_;
+  std::vector<std::unique_ptr<Buffer>> buffers_;  // the ones this interpreter allocated (null: bound, the owner's)
+  std::vector<Buffer*> bound_;                     // every buffer of the schedule's table, by index
   std::unique_ptr<PipelineCache> pipelines_;
   VkDescriptorPool descriptor_pool_ = VK_NULL_HANDLE;
   VkCommandBuffer command_buffer_ = VK_NULL_HANDLE;

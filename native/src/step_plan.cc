@@ -223,6 +223,60 @@ PlannedDispatch plan_dispatch(StepPlan& plan, const StepSource& source, const De
 
 }  // namespace
 
+namespace {
+
+constexpr const char* kSharedPrefix = "shared:";  // schedule.py SHARED_PREFIX
+
+// The owner's tensor a shared buffer entry names; its size in this plan is the owner's buffer's.
+uint64_t bind_shared(StepPlan& plan, const ScheduleBuffer& b, const SharedTensors& shared) {
+  const std::string prefix = kSharedPrefix;
+  const std::string name = b.key.compare(0, prefix.size(), prefix) == 0 ? b.key.substr(prefix.size()) : "";
+  if (name.empty())
+    refuse(ErrorCode::kVerification, plan.schedule->source + ": buffer '" + b.key + "' has the role shared, but its key "
+                                         "names no tensor (expected " + prefix + "<tensor name>)");
+  auto it = shared.find(name);
+  if (it == shared.end())
+    refuse(ErrorCode::kUnsupported, plan.schedule->source + ": buffer '" + b.key + "' binds tensor '" + name + "' of another "
+           "method's executor (the training step's), which " + (shared.empty() ? "no training step gives this method"
+                                                                          : "the training step bound to this method does not hold"));
+  if (b.size_bytes > it->second.buffer_bytes)
+    refuse(ErrorCode::kVerification, plan.schedule->source + ": shared buffer '" + b.key + "' has " + num(b.size_bytes) +
+                                         " bytes, the training step's buffer holding it " + num(it->second.buffer_bytes));
+  plan.borrowed[uint32_t(plan.buffer_sizes.size())] = it->second.buffer;
+  return it->second.buffer_bytes;
+}
+
+// executor.py _check_schedule and planner.py _shared_key: a tensor placed in a shared buffer is the owner's, at its offset.
+void check_shared_placements(const StepPlan& plan, const SharedTensors& shared) {
+  const std::string prefix = kSharedPrefix;
+  for (const auto& [value_id, p] : plan.placements) {
+    if (!plan.borrowed.count(p.buffer)) continue;
+    const std::string& key = plan.schedule->buffers.at(p.buffer).key;
+    const SharedTensor& owner = shared.at(key.substr(prefix.size()));
+    const TensorValue& mine = plan.tensor(value_id);
+    if (mine.storage_of >= 0) continue;  // a view into it: bounds checked with every binding
+    const std::string what = plan.where + ": tensor '" + key.substr(prefix.size()) + "'";
+    if (p.offset != owner.offset)
+      refuse(ErrorCode::kVerification, what + " is bound at byte " + num(p.offset) + ", the training step holds it at byte " + num(owner.offset));
+    if (mine.shape != owner.tensor->shape || mine.storage_dtype() != owner.tensor->storage_dtype() ||
+        mine.layout != owner.tensor->layout)
+      refuse(ErrorCode::kVerification, what + " is " + data_type_name(mine.storage_dtype()) + list(mine.shape) +
+                                           " here and " + data_type_name(owner.tensor->storage_dtype()) +
+                                           list(owner.tensor->shape) + " (or another layout) in the training step");
+    if (owner.constant != nullptr) {  // the frozen base: the same bytes, else this is another program's method
+      if (mine.constant_id < 0)
+        refuse(ErrorCode::kVerification, what + " is no constant here but a constant in the training step");
+      const Constant& c = plan.graph->constants.at(mine.constant_id);
+      if (c.data.size != owner.constant->data.size || c.stored_form != owner.constant->stored_form ||
+          (c.data.size && std::memcmp(c.data.data, owner.constant->data.data, c.data.size) != 0))
+        refuse(ErrorCode::kVerification, what + " holds other bytes than the training step's constant of that name: the "
+                                                "method is not of the program whose training step it would bind");
+    }
+  }
+}
+
+}  // namespace
+
 DeviceCaps lavapipe_caps() {
   DeviceCaps c;
   c.name = "llvmpipe (the sanitizer runs' reference caps)";
@@ -256,29 +310,37 @@ const TensorValue& StepPlan::tensor(int32_t value_id) const {
 }
 
 StepPlan plan_step(const Program& program, const StepSource& source, const DeviceCaps& caps) {
-  StepPlan plan;
   const Method& method = program.main_method();
-  plan.graph = method.graph.get();
-  plan.schedule = &source.schedule();
-  plan.where = program.source() + ": method '" + method.name + "'";
-  const Schedule& schedule = *plan.schedule;
-  const Graph& graph = *plan.graph;
+  const std::string where = program.source() + ": method '" + method.name + "'";
+  const Graph& graph = *method.graph;
   for (size_t i = 0; i < method.instructions.size(); ++i)
     if (method.instructions[i].kind != kDelegateCall)
-      refuse(ErrorCode::kUnsupported, plan.where + ": instruction " + num(i) + " runs outside the delegate; the native "
-                                                   "runtime runs plans that are one vktrain delegate call");
+      refuse(ErrorCode::kUnsupported, where + ": instruction " + num(i) + " runs outside the delegate; the native "
+                                              "runtime runs plans that are one vktrain delegate call");
   size_t n_inputs = graph.inputs.size();
   if (method.inputs.size() != n_inputs || method.delegate_args.size() < n_inputs ||
       !std::equal(method.inputs.begin(), method.inputs.end(), method.delegate_args.begin()))
-    refuse(ErrorCode::kUnsupported, plan.where + ": the plan's inputs are not the delegate's inputs in order");
+    refuse(ErrorCode::kUnsupported, where + ": the plan's inputs are not the delegate's inputs in order");
+  return plan_graph_step(graph, where, source, caps);
+}
+
+StepPlan plan_graph_step(const Graph& graph, const std::string& where, const StepSource& source, const DeviceCaps& caps,
+                         const SharedTensors& shared) {
+  StepPlan plan;
+  plan.graph = &graph;
+  plan.schedule = &source.schedule();
+  plan.where = where;
+  const Schedule& schedule = *plan.schedule;
+  size_t n_inputs = graph.inputs.size();
   verify_schedule(schedule, &graph);
   check_requirements(schedule, caps);
 
   uint64_t total = 0;
   for (const auto& b : schedule.buffers) {
-    if (b.role == kRoleShared)  // another executor's tensor: this step runs alone
-      refuse(ErrorCode::kUnsupported, schedule.source + ": buffer '" + b.key + "' is shared with another method's "
-                                                        "executor; the native runtime runs one training step");
+    if (b.role == kRoleShared) {  // another interpreter's tensor: bound, not allocated
+      plan.buffer_sizes.push_back(bind_shared(plan, b, shared));
+      continue;
+    }
     if (b.size_bytes == 0) refuse(ErrorCode::kVerification, schedule.source + ": buffer '" + b.key + "' has 0 bytes");
     if (b.size_bytes > caps.memory_bytes || caps.memory_bytes - b.size_bytes < total)
       refuse(ErrorCode::kLimit, schedule.source + ": the buffer table needs more than the " + num(caps.memory_bytes) +
@@ -287,6 +349,7 @@ StepPlan plan_step(const Program& program, const StepSource& source, const Devic
     plan.buffer_sizes.push_back((b.size_bytes + 3) / 4 * 4);  // device_objects.py check_buffer_size: whole words
   }
   for (const auto& p : schedule.placements) plan.placements[p.value_id] = {p.buffer, p.offset};
+  check_shared_placements(plan, shared);
   // Every value the host writes or reads lies inside its buffer.
   auto check_host_range = [&](int32_t value_id, const std::string& what) {
     auto it = plan.placements.find(value_id);

@@ -54,8 +54,20 @@ struct PlannedDispatch {
   bool barrier = false;  // a compute -> compute barrier precedes it
 };
 
+// A tensor another interpreter of the program holds (the training step's state or a frozen constant), for a method
+// whose schedule binds it (buffer "shared:<name>", schedule.py SHARED_PREFIX: an eval method reads the trained adapters
+// and the step's copy of the base). `constant`: the owner's constant record (null for state).
+struct SharedTensor {
+  uint32_t buffer = 0;         // the owner's buffer index
+  uint64_t offset = 0, buffer_bytes = 0;
+  const TensorValue* tensor = nullptr;
+  const Constant* constant = nullptr;
+};
+using SharedTensors = std::map<std::string, SharedTensor>;
+
 struct StepPlan {
   std::string where;  // "PTE: method 'forward'"
+  std::map<uint32_t, uint32_t> borrowed;  // buffer index -> the owner's buffer index (shared buffers)
   const Graph* graph = nullptr;
   const Schedule* schedule = nullptr;
   std::vector<uint64_t> buffer_sizes;  // rounded up to whole words, as Buffer allocates them
@@ -71,5 +83,12 @@ struct StepPlan {
 // LoadError naming the file and what is wrong: kUnsupported (a plan outside the delegate, a requirement the
 // device lacks), kVerification (a range outside its buffer), kShaderModule (a dispatch its shader does not take).
 StepPlan plan_step(const Program& program, const StepSource& source, const DeviceCaps& caps);
+
+// plan_step for a delegate graph alone, the program around it checked by its caller (ExecuTorch's runtime, for an
+// ExecuTorch backend); `where` starts every message. Buffers the schedule marks shared bind `shared`'s tensors:
+// each must be there, of the same shape, dtype and layout, at the offset the schedule places it, and a constant
+// must hold the same bytes; LoadError kUnsupported / kVerification otherwise.
+StepPlan plan_graph_step(const Graph& graph, const std::string& where, const StepSource& source, const DeviceCaps& caps,
+                         const SharedTensors& shared = {});
 
 }  // namespace vktrain
