@@ -28,12 +28,19 @@ def _spawn(args: list[str], log: Path, tag: str) -> subprocess.Popen:
         return subprocess.Popen(args, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
 
 
+def _stat(entry: Path) -> list[str]:
+    try:
+        return (entry / "stat").read_text().rsplit(")", 1)[1].split()  # state, ppid, pgrp, ...
+    except OSError:
+        return []
+
+
 def _tagged(tag: str) -> list[str]:
     """The live processes (not zombies) whose environment carries `tag`: "pid command line" each."""
     found = []
     for entry in Path("/proc").iterdir():
         try:
-            if not entry.name.isdigit() or (entry / "stat").read_text().rsplit(")", 1)[1].split()[0] == "Z":
+            if not entry.name.isdigit() or _stat(entry)[:1] in ([], ["Z"]):
                 continue
             if f"{TAG}={tag}".encode() in (entry / "environ").read_bytes().split(b"\0"):
                 command = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
@@ -149,3 +156,27 @@ def test_a_server_whose_serverapp_fails_exits_1(tmp_path, capsys):
                  "--address", f"127.0.0.1:{_free_port()}", "--workdir", str(tmp_path / "work")]) == 1
     assert "the federation did not complete" in capsys.readouterr().err
     assert not (tmp_path / "work" / "outcome.json").exists()
+
+
+def test_a_supernode_hung_after_giving_up_is_killed_with_what_it_started():
+    """Flower 1.42's SuperNode never exits after "Giving up reconnection" in its message loop (its main
+    thread ends, its Runtime API thread does not): a process doing the same, with a child of its own (as
+    its SuperExec), is killed and its whole process group stopped."""
+    from vktrain.fleet.supernode import HUNG_SECONDS, SuperNode
+
+    script = ("import subprocess, sys, threading\n"
+              "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)'])\n"
+              "print('WARNING: Giving up reconnection after 9.10 seconds and 5 tries.', flush=True)\n"
+              "threading.Thread(target=threading.Event().wait).start()\n"
+              "raise ConnectionRefusedError(111, 'Connection refused')\n")
+    node = SuperNode([sys.executable, "-c", script], dict(os.environ))
+    group, started = node.process.pid, time.monotonic()
+    while not node.hung():
+        assert not node.exited() and time.monotonic() - started < 60
+        time.sleep(0.2)
+    assert time.monotonic() - started > HUNG_SECONDS and not node.exited()  # it would stay forever
+    assert node.stop() is None and node.process.returncode == -signal.SIGKILL
+    members = [entry.name for entry in Path("/proc").iterdir() if entry.name.isdigit()
+               and (stat := _stat(entry))[2:3] == [str(group)] and stat[0] != "Z"]
+    assert not members, members  # its child, in its group, stopped too
+
