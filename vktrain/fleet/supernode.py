@@ -5,9 +5,10 @@ Flower 1.42's SuperNode has two ways of ending that need a hand:
   - after "Giving up reconnection" from its message loop (a SuperLink gone for --max-wait-time), its main
     thread ends but its Runtime API thread does not: the process never exits. It is killed HUNG_SECONDS
     after that line.
-  - its SuperExec polls for the SuperNode's pid and, once it is gone, interrupts itself: while it is still
-    importing that prints a KeyboardInterrupt traceback. The group is sent SIGTERM while the exited SuperNode
-    is not yet reaped (its pid still exists), so the SuperExec ends by the signal instead.
+  - its SuperExec polls for the SuperNode's pid and, once it is gone, interrupts itself (SIGINT): while it is
+    importing, or handling another signal, that prints a KeyboardInterrupt traceback. The rest of the group
+    is sent SIGTERM, and has ended, before the exited SuperNode is reaped (its pid exists until then), so
+    the SuperExec ends by that one signal.
 Its output is passed on, line by line, to this process's stderr.
 """
 from __future__ import annotations
@@ -22,7 +23,7 @@ from contextlib import contextmanager
 from typing import Iterator, Optional
 
 GIVE_UP_LINE = "Giving up reconnection"  # Flower's retry invoker, when it stops retrying
-HUNG_SECONDS = 5.0
+HUNG_SECONDS = 15.0  # a SuperNode refused at start exits within a second or two of that line
 STOP_GRACE_SECONDS = 10.0
 POLL_SECONDS = 0.2
 
@@ -36,12 +37,20 @@ class SuperNode:
         self._forwarder.start()
 
     def _forward(self) -> None:
+        out = getattr(sys.stderr, "buffer", None)  # bytes as they came: no encoding to fail
         for raw in self.process.stdout:
-            line = raw.decode("utf-8", errors="replace")
-            if GIVE_UP_LINE in line:
+            if GIVE_UP_LINE.encode() in raw:
                 self.gave_up_at = time.monotonic()
-            sys.stderr.write(line)
-            sys.stderr.flush()
+            try:
+                if out is not None:
+                    sys.stderr.flush()
+                    out.write(raw)
+                    out.flush()
+                else:
+                    sys.stderr.write(raw.decode("utf-8", errors="replace"))
+                    sys.stderr.flush()
+            except (OSError, ValueError, UnicodeError):
+                pass  # stderr gone: keep reading, a SuperNode blocked on a full pipe would stall
 
     def exited(self) -> bool:
         """Whether the SuperNode process has ended (it is not reaped: its group can still be signalled)."""
@@ -53,25 +62,25 @@ class SuperNode:
         return self.gave_up_at is not None and time.monotonic() - self.gave_up_at > HUNG_SECONDS
 
     def stop(self) -> Optional[int]:
-        """End the SuperNode (SIGTERM to its group; SIGKILL to a hung one, whose SIGTERM handler only prints a
-        traceback) and then the rest of its group (SIGTERM, SIGKILL after STOP_GRACE_SECONDS); its exit code
-        (negative: the signal that ended it), None if it was stopped here."""
+        """End the SuperNode and its group: SIGTERM to all (a hung SuperNode is killed first: its SIGTERM
+        handler only prints a traceback), SIGKILL to what is left after STOP_GRACE_SECONDS; reap it. Its exit
+        code (negative: the signal that ended it), None if it was stopped here."""
         with _signals_held():
             stopped_here = not self.exited()
-            if stopped_here:
-                if self.hung():
-                    self.process.kill()
-                else:
-                    self._signal_group(signal.SIGTERM)
-                if not self._wait_exited(STOP_GRACE_SECONDS):
-                    self.process.kill()
-            self._signal_group(signal.SIGTERM)  # before the reap below: see the module docstring
-            self.process.wait()
+            if stopped_here and self.hung():
+                self.process.kill()
+                self._wait_exited(STOP_GRACE_SECONDS)
+            self._signal_group(signal.SIGTERM)  # one each: a second one, mid-exit, makes Flower print a traceback
+            if not self._wait_exited(STOP_GRACE_SECONDS):
+                self.process.kill()
+            # the rest of the group ends before the SuperNode is reaped (see the module docstring)
             deadline = time.monotonic() + STOP_GRACE_SECONDS
             while self._signal_group(0) and time.monotonic() < deadline:
                 time.sleep(POLL_SECONDS)
-            if self._signal_group(signal.SIGKILL):
+            if self._signal_group(0):
+                self._signal_group(signal.SIGKILL)
                 time.sleep(POLL_SECONDS)
+            self.process.wait()
             self._forwarder.join(timeout=2.0)
             self.process.stdout.close()
         return None if stopped_here else self.process.returncode
