@@ -158,11 +158,14 @@ def test_a_server_whose_serverapp_fails_exits_1(tmp_path, capsys):
     assert not (tmp_path / "work" / "outcome.json").exists()
 
 
-def test_a_supernode_hung_after_giving_up_is_killed_with_what_it_started():
+def test_a_supernode_hung_after_giving_up_is_killed_with_what_it_started(monkeypatch):
     """Flower 1.42's SuperNode never exits after "Giving up reconnection" in its message loop (its main
     thread ends, its Runtime API thread does not): a process doing the same, with a child of its own (as
     its SuperExec), is killed and its whole process group stopped."""
-    from vktrain.fleet.supernode import HUNG_SECONDS, SuperNode
+    from vktrain.fleet import supernode
+    from vktrain.fleet.supernode import SuperNode
+
+    monkeypatch.setattr(supernode, "HUNG_SECONDS", 2.0)  # 15 s in use
 
     script = ("import subprocess, sys, threading\n"
               "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)'])\n"
@@ -174,7 +177,7 @@ def test_a_supernode_hung_after_giving_up_is_killed_with_what_it_started():
     while not node.hung():
         assert not node.exited() and time.monotonic() - started < 60
         time.sleep(0.2)
-    assert time.monotonic() - started > HUNG_SECONDS and not node.exited()  # it would stay forever
+    assert time.monotonic() - started > supernode.HUNG_SECONDS and not node.exited()  # it would stay forever
     assert node.stop() is None and node.process.returncode == -signal.SIGKILL
     members = [entry.name for entry in Path("/proc").iterdir() if entry.name.isdigit()
                and (stat := _stat(entry))[2:3] == [str(group)] and stat[0] != "Z"]
