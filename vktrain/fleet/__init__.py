@@ -13,6 +13,8 @@ their adapters (`vktrain federate`).
   command.py     the `vktrain federate` command
   deploy.py      the ServerApp and ClientApp on Flower's deployment engine (run config / node config)
   deployment.py  `vktrain fleet certs|server|node`: SuperLink and SuperNodes with TLS and node authentication
+  supernode.py   a node's flower-supernode in its own process group: output watched, stopped with all it started
+  node_progress.py  what a node's ClientApp has answered: whether a train message is still due to it
 """
 import os
 

@@ -4,7 +4,8 @@ vktrain/fleet/deployment.py starts the processes).
 The SuperLink runs `server_app` in a `flwr-serverapp` process with the run config of `vktrain fleet server`
 (the options of `federate`, below); each SuperNode runs `client_app` in a `flwr-clientapp` process per
 message, with its node config: `program` (the node's copy of the training step), `data` (its own data
-file), `partition-id` (its index: the server samples and orders clients by it). The apps are the
+file), `partition-id` (its index: the server samples and orders clients by it), `progress` (a folder where
+the ClientApp records each message it answered: vktrain/fleet/node_progress.py). The apps are the
 simulation's: FederationServer (screening, aggregation, checkpoints, records) and make_client_app.
 """
 from __future__ import annotations
@@ -13,7 +14,8 @@ from flwr.app import Context, Message
 from flwr.clientapp import ClientApp
 from flwr.serverapp import Grid, ServerApp
 
-from vktrain.fleet.client import PARTITION_ID
+from vktrain.fleet.client import CONFIG, PARTITION_ID
+from vktrain.fleet.node_progress import PROGRESS_KEY, train_due_after, write_progress
 from vktrain.backend.kernel_planning import plan_schedule
 
 # Run config keys of the ServerApp and their defaults (TOML values: "" stands for unset).
@@ -76,14 +78,24 @@ def _node_app(context: Context) -> ClientApp:
     return _APPS[key]
 
 
+def _answer(message: Message, context: Context, server_round: int) -> Message:
+    try:
+        return _node_app(context)(message, context)
+    finally:  # answered or failed, this round's message has come: `vktrain fleet node` learns what is still due
+        if context.node_config.get(PROGRESS_KEY):
+            config, partition = {**RUN_CONFIG, **context.run_config}, int(context.node_config[PARTITION_ID])
+            write_progress(str(context.node_config[PROGRESS_KEY]), message.metadata.run_id, server_round,
+                           int(config["rounds"]), last=not train_due_after(partition, server_round, config))
+
+
 @client_app.query()
 def query(message: Message, context: Context) -> Message:
-    return _node_app(context)(message, context)
+    return _answer(message, context, 0)  # the start-up query, before round 1
 
 
 @client_app.train()
 def train(message: Message, context: Context) -> Message:
-    return _node_app(context)(message, context)
+    return _answer(message, context, int(message.content[CONFIG]["server-round"]))
 
 
 __all__ = ["RUN_CONFIG", "client_app", "federation_settings", "server_app"]

@@ -11,7 +11,9 @@ refused and the SuperLink's log says so).
                               with `flwr run` and the federate options as its run config, and stops the
                               SuperLink when the run ends; its log is WORKDIR/superlink.log
   fleet node STEP.pte ...     runs flower-supernode with the node's private key and the CA certificate;
-                              its ClientApp trains the node's program on its --data
+                              its ClientApp trains the node's program on its --data; it ends (exit 0) when
+                              the server has gone after the node's last round, stopping flower-supernode
+                              and every process it started (vktrain/fleet/supernode.py)
 
 Flower's processes are this Python's console scripts (flower-superlink, flower-supernode, flwr), found
 next to sys.executable.
@@ -33,6 +35,8 @@ from vktrain.train.outputs import add_overwrite_argument
 
 SERVER_START_SECONDS = 90
 NODE_RETRY_SECONDS = 3.0
+SERVER_PROBE_SECONDS = 1.0  # once the node's last round is done: is the SuperLink still there?
+SERVER_GONE_PROBES = 2      # refused connections in a row that mean it has gone
 
 
 class DeploymentError(VktrainError, RuntimeError):
@@ -331,7 +335,8 @@ def add_node_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--root-certificates", required=True, metavar="ca.crt",
                         help="the CA certificate the server's TLS certificate is checked against")
     parser.add_argument("--max-wait-time", type=float, metavar="S",
-                        help="give up after S seconds without taking part (refused, or no server; default: never)")
+                        help="give up (exit 1) after S seconds without a message from the server: refused, no "
+                             "server, or the server gone before this node's last round (default: never)")
     parser.add_argument("--seed", type=int, default=0, help="the data order's seed (the server's --seed)")
     parser.add_argument("--precision", choices=PRECISION_CHOICES, default=PRECISION_AUTO)
 
@@ -342,36 +347,81 @@ def _free_port() -> int:
         return probe.getsockname()[1]
 
 
+def _reachable(host: str, port: int) -> bool:
+    try:
+        with socket.create_connection((host, port), timeout=2.0):
+            return True
+    except OSError:
+        return False
+
+
 def run_node(args: argparse.Namespace) -> int:
-    _host_port(args.server, "--server")
+    from vktrain.fleet.node_progress import PROGRESS_KEY
+
+    server = _host_port(args.server, "--server")
     program, data = _existing(args.program, "STEP.pte"), _existing(args.data, "--data")
     key, ca = _existing(args.key, "--key"), _existing(args.root_certificates, "--root-certificates")
     if args.partition_id < 0:
         raise DeploymentError(f"--partition-id must be >= 0, got {args.partition_id}")
-    node_config = " ".join(f"{k}={json.dumps(v) if isinstance(v, str) else v}" for k, v in (
-        ("partition-id", args.partition_id), ("program", str(program)), ("data", str(data)), ("seed", args.seed),
-        ("precision", args.precision)))
-    command = [_tool("flower-supernode"), "--superlink", args.server, "--root-certificates", str(ca),
-               "--auth-supernode-private-key", str(key), "--node-config", node_config,
-               "--host", "127.0.0.1", "--port", str(_free_port())]  # its local ClientApp API
-    # flower-supernode exits when the SuperLink refuses it (its key not registered yet: a node may start before
-    # the server has registered the keys; or its node still marked online after a crash, until its heartbeat
-    # expires) or is gone: start it again until --max-wait-time is spent (a node that reconnects).
-    deadline = None if args.max_wait_time is None else time.monotonic() + args.max_wait_time
+    with tempfile.TemporaryDirectory(prefix="vktrain-fleet-node-") as progress:
+        node_config = " ".join(f"{k}={json.dumps(v) if isinstance(v, str) else v}" for k, v in (
+            ("partition-id", args.partition_id), ("program", str(program)), ("data", str(data)), ("seed", args.seed),
+            ("precision", args.precision), (PROGRESS_KEY, progress)))
+        command = [_tool("flower-supernode"), "--superlink", args.server, "--root-certificates", str(ca),
+                   "--auth-supernode-private-key", str(key), "--node-config", node_config,
+                   "--host", "127.0.0.1", "--port", str(_free_port())]  # its local ClientApp API
+        return _supervise(command, server, progress, args.max_wait_time)
+
+
+def _supervise(command: list[str], server: tuple[str, int], progress: str, max_wait: float | None) -> int:
+    """Run flower-supernode until the federation has ended for this node (0), or --max-wait-time has passed
+    without taking part (1).
+
+    flower-supernode exits when the SuperLink refuses it (its key not registered yet: a node may start before
+    the server has registered the keys; or its node still marked online after a crash, until its heartbeat
+    expires) or is gone: it is started again until --max-wait-time is spent (a node that reconnects); every
+    message the node answers starts that wait again. Once the ClientApp has answered the last train message
+    due to this node (vktrain/fleet/node_progress.py), the SuperLink going away is the federation's end: the
+    SuperNode is stopped (it would retry for --max-wait-time, then hang: vktrain/fleet/supernode.py)."""
+    from vktrain.fleet.node_progress import read_progress
+    from vktrain.fleet.supernode import POLL_SECONDS, SuperNode
+
+    deadline = None if max_wait is None else time.monotonic() + max_wait
+    seen = None  # the ClientApp's last progress record
     while True:
         remaining = None if deadline is None else deadline - time.monotonic()
-        attempt = command + ([] if remaining is None else ["--max-wait-time", f"{max(remaining, 1.0):.1f}"])
-        done = subprocess.run(attempt, env=_environment())
-        if done.returncode == 0:
+        node = SuperNode(command + ([] if remaining is None else ["--max-wait-time", f"{max(remaining, 1.0):.1f}"]),
+                         _environment())
+        gone, next_probe = 0, 0.0
+        try:
+            while not (node.exited() or node.hung() or gone >= SERVER_GONE_PROBES):
+                time.sleep(POLL_SECONDS)
+                record, now = read_progress(progress), time.monotonic()
+                if record != seen:
+                    seen, deadline = record, None if max_wait is None else now + max_wait
+                if seen and seen["last"] and now >= next_probe:
+                    gone, next_probe = 0 if _reachable(*server) else gone + 1, now + SERVER_PROBE_SECONDS
+        finally:
+            code = node.stop()
+        if seen and seen["last"]:
+            print(f"vktrain fleet node: the federation ended (this node's last round, {seen['round']} of "
+                  f"{seen['rounds']}, is done and the server has gone); flower-supernode stopped", flush=True)
             return 0
+        if code == 0:
+            return 0
+        ended = "gave up reconnecting (stopped)" if code is None else f"ended with exit code {code}"
         if deadline is not None and time.monotonic() + NODE_RETRY_SECONDS >= deadline:
             break
-        print(f"vktrain fleet node: flower-supernode ended with exit code {done.returncode}; starting it again in "
-              f"{NODE_RETRY_SECONDS:g} s", file=sys.stderr, flush=True)
+        print(f"vktrain fleet node: flower-supernode {ended}; starting it again in {NODE_RETRY_SECONDS:g} s",
+              file=sys.stderr, flush=True)
         time.sleep(NODE_RETRY_SECONDS)
-    print(f"vktrain fleet node: error: flower-supernode ended with exit code {done.returncode} for "
-          f"{args.max_wait_time:g} s (not allowed by the server, no TLS connection, or no server; its log above "
-          f"says which)", file=sys.stderr)
+    if seen:
+        print(f"vktrain fleet node: error: the server went away after round {seen['round']} of {seen['rounds']} "
+              f"(rounds are still due to this node) and did not take this node back within {max_wait:g} s",
+              file=sys.stderr)
+    else:
+        print(f"vktrain fleet node: error: flower-supernode {ended} for {max_wait:g} s (not allowed by the server, "
+              f"no TLS connection, or no server; its log above says which)", file=sys.stderr)
     return 1
 
 
