@@ -21,8 +21,8 @@ GLSL_KERNELS_NOT_YET_PORTED = {
     **dict.fromkeys(("coopmat_absmax", "coopmat_attention_bwd", "coopmat_attention_fwd", "coopmat_linear_q4gsw",
                      "coopmat_linear_q4gsw_backward", "coopmat_mm"), "cooperative matrices"),
     # The fp32 GEMM family (register tiles, split-k): being reworked by the fp16 GEMM work.
-    **dict.fromkeys(("linear_dw", "linear_q4gsw", "linear_q4gsw_backward", "linear_splitk_reduce", "matmul",
-                     "q4gsw_requant"), "GEMM family, reworked elsewhere"),
+    **dict.fromkeys(("linear_dw", "linear_q4gsw", "linear_q4gsw_backward", "matmul"),
+                    "GEMM family, reworked elsewhere"),
     # Attention: the GLSL sizes per-thread arrays by specialization constants, the WGSL by constant maxima
     # (register-resident, tuned on the H200); one form for both needs a GPU timing first.
     **dict.fromkeys(("attention_bwd", "attention_fwd"), "not ported yet"),
