@@ -2,7 +2,7 @@
 
 A small output over a long reduction (M = 128 tokens: the base's d_x and down projection, the tied head's
 d_h) is cut into slices of whole BK steps, each slice's partial product written to scratch and the
-slices added in order by linear_splitk_reduce.comp. The plan checks need no device. The GEMM checks run
+slices added in order by linear_splitk_reduce.slang. The plan checks need no device. The GEMM checks run
 "emulated" on lavapipe (and "coopmat" on a device with the tensor cores) against float64 with the fp16
 bound of tests/test_kernels_coopmat.py, its fp32-accumulation term widened by the split_k - 1 additions of
 the reduce; a slice read twice or skipped moves an output by whole terms |a_k b_k| and fails it. The

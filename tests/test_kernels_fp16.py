@@ -1,4 +1,4 @@
-"""The fp16 GEMM policy's kernels: linear_q4gsw@FP16 and linear_q4gsw_backward@FP16 (linear_gemm.glsl), against
+"""The fp16 GEMM policy's kernels: linear_q4gsw@FP16 and linear_q4gsw_backward@FP16 (linear_gemm.slangh), against
 float64, within the bound docs/PRECISION.md ("The fp16 policy") derives.
 
 Bound (element by element). An output is sum_k a_k b_k. The FP16 variant rounds a_k (x, or d_out times the

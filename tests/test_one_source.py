@@ -20,9 +20,7 @@ GLSL_KERNELS_NOT_YET_PORTED = {
     # need a second, plain body; and the GEMM/coopmat family is being reworked (fp16 policy) meanwhile.
     **dict.fromkeys(("coopmat_absmax", "coopmat_attention_bwd", "coopmat_attention_fwd", "coopmat_linear_q4gsw",
                      "coopmat_linear_q4gsw_backward", "coopmat_mm"), "cooperative matrices"),
-    # The fp32 GEMM family (register tiles, split-k): being reworked by the fp16 GEMM work.
-    **dict.fromkeys(("linear_dw", "linear_q4gsw", "linear_q4gsw_backward", "linear_q4gsw_gemv",
-                     "linear_splitk_reduce", "matmul", "q4gsw_requant"), "GEMM family, reworked elsewhere"),
+    "matmul": "GEMM family, reworked elsewhere",
     # Reads the number of workgroups (a grid-stride loop), which slangc 2026.14 cannot emit for WGSL
     # (WorkgroupCount() is SPIR-V/GLSL only; no SV_ semantic maps to @builtin(num_workgroups)).
     "test_scale": "num_workgroups on WGSL",
@@ -136,3 +134,25 @@ def test_slangc_errors_name_the_kernel(slang_dir):
     (slang_dir / "demo.slang").write_text(KERNEL.replace("DEFAULT_WG", "32").replace("src[i]", "nowhere[i]"))
     with pytest.raises(build.ShaderBuildError, match=r"compiling demo: slangc failed .*\n.*undefined identifier"):
         build.compile_shader("demo")
+
+
+@needs_slangc
+def test_spirv_only_variants_build_to_spirv_and_webgpu_refuses_them(slang_dir):
+    """A `// vktrain-spirv-variants:` line declares variants for Vulkan only (the linear GEMMs' 64-bit CPU bodies,
+    fp16 tiles): built to SPIR-V, never to WGSL (which has no 64-bit integers), fresh without WGSL, and refused by the WebGPU lookup, which names the variants it serves."""
+    from vktrain.runtime_shaders.wgsl import WGSLKernelNotFoundError, wgsl_source
+
+    wide = KERNEL.replace("DEFAULT_WG", "32").replace(
+        "// vktrain-variants: -, TWICE", "// vktrain-variants: -, TWICE\n// vktrain-spirv-variants: WIDE")
+    wide = wide.replace("#ifdef TWICE", "#ifdef WIDE\n  dst[i] = float(uint64_t(src[i]) << 33u);\n#elif defined(TWICE)")
+    (slang_dir / "demo.slang").write_text(wide)
+    assert build.all_shader_names() == ["demo", "demo@TWICE", "demo@WIDE"]
+    built, failures = build.build_all()
+    assert failures == [] and sorted(built) == ["demo", "demo@TWICE", "demo@WIDE"]
+    assert build.is_fresh("demo@WIDE") and not build.generated_wgsl_path("demo@WIDE").exists()
+    int64_capability = struct.pack("<2I", 2 << 16 | 17, 11)  # OpCapability Int64
+    assert int64_capability in build.load_spirv("demo@WIDE") and int64_capability not in build.load_spirv("demo")
+    assert not build.has_wgsl("demo@WIDE") and build.has_wgsl("demo@TWICE")
+    with pytest.raises(WGSLKernelNotFoundError, match=r"demo\.slang serves only demo, demo@TWICE$"):
+        wgsl_source("demo@WIDE")
+    assert wgsl_source("demo@TWICE") == build.load_generated_wgsl("demo@TWICE")

@@ -169,7 +169,7 @@ def test_lookup_refuses_what_it_cannot_serve():
         wgsl_source("no_such_kernel")
     assert missing.value.shader == "no_such_kernel"
     # The GLSL has register-tile CPU variants; WebGPU runs the GPU tuning only.
-    with pytest.raises(WGSLKernelNotFoundError, match=r"linear_q4gsw.wgsl serves only linear_q4gsw, "
+    with pytest.raises(WGSLKernelNotFoundError, match=r"linear_q4gsw\.slang serves only linear_q4gsw, "
                                                       r"linear_q4gsw@HAS_BIAS"):
         wgsl_source("linear_q4gsw@CPU_REGISTER_TILES")
     with pytest.raises(WGSLKernelNotFoundError, match="bad define"):

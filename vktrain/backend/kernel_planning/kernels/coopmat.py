@@ -31,7 +31,7 @@ length (0 unsplit).
 Split-K: a small output over a long reduction (128 tokens: the base GEMMs, the head's d_h over the
 vocabulary) would leave most of the GPU idle. Given a `scratch` (`split_k_scratch_nbytes`), each plan
 cuts the reduction into `default_split_k` slices of whole BK steps (grid z), each slice's partial
-product into scratch [slices, M, N], and linear_splitk_reduce.comp (the SIMT kernels' reduce) adds them
+product into scratch [slices, M, N], and linear_splitk_reduce.slang (the SIMT kernels' reduce) adds them
 in a fixed order (bitwise reproducible, no atomics), then an addmm's addend (one fp32 rounding).
 
 Selection (docs/PRECISION.md): the program's blob lists the GEMM precision policies it allows

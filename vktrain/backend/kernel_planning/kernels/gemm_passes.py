@@ -1,5 +1,5 @@
 """The two small passes around the GEMMs of the linear family and aten mm/bmm/addmm: the split-K reduce
-(linear_splitk_reduce.comp: the second pass of a GEMM whose reduction was split into slices) and the
+(linear_splitk_reduce.slang: the second pass of a GEMM whose reduction was split into slices) and the
 operand-scale pass (coopmat_absmax.comp: the per-tensor maxima the tensor-core and FP16 kernels scale
 their fp16 operands by)."""
 from __future__ import annotations
@@ -23,7 +23,7 @@ def split_k_scratch_nbytes(rows: int, cols: int, split_k: int) -> int:
 
 def plan_splitk_reduce(*, out: Any, scratch: Any, count4: int, row_vec4s: int, split_k: int, bias: Any = None,
                        label: str) -> Dispatch:
-    """The second pass of a split-K GEMM (linear_splitk_reduce.comp, shared by the linear family and
+    """The second pass of a split-K GEMM (linear_splitk_reduce.slang, shared by the linear family and
     aten mm/bmm/addmm): out[e] = sum of scratch[s, e] over s = 0 .. split_k-1 in index order
     (+ bias[e % row_vec4s]), over the `count4` vec4s of the output. `row_vec4s` is the vec4s of one
     output row, the bias length / 4 (only read with a bias; must be >= 1)."""

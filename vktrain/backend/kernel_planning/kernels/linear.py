@@ -7,14 +7,14 @@ dimensions flattened into M by the caller; `weights` is the W_4X8 prepacked buff
 docs/spec/w4x8.md.
 
 Kernels (vktrain/runtime_shaders):
-  linear_q4gsw(@HAS_BIAS)         tiled GEMM  y  = x @ deq(W).T (+ bias)   (body: linear_gemm.glsl)
+  linear_q4gsw(@HAS_BIAS)         tiled GEMM  y  = x @ deq(W).T (+ bias)   (body: linear_gemm.slangh)
   linear_q4gsw_backward           tiled GEMM  dx = d_out @ deq(W)
   linear_dw                       tiled GEMM  dW = d_out.T @ x
   linear_q4gsw_gemv(@HAS_BIAS)    M <= GEMV_MAX_M forward, one pass over W per GEMV_MAX_ROWS rows
   linear_q4gsw_gemv@BACKWARD      M <= GEMV_MAX_M backward
   linear_splitk_reduce(@HAS_BIAS) second pass of a split-K GEMM
   linear_q4gsw@CPU_REGISTER_TILES(+HAS_BIAS), linear_q4gsw_backward@CPU_REGISTER_TILES
-                                  the register-tile bodies (linear_gemm_cpu.glsl) for every M on a CPU device
+                                  the register-tile bodies (linear_gemm_cpu.slangh) for every M on a CPU device
 Push constants (after the runtime's group-offset header): M, N, K, group_size and a GemmPlacement
 (`gemm_push`) for the GEMMs; M, N, K for the GEMVs, which take the group size as specialization constant 4
 (a constant divisor).
@@ -48,7 +48,7 @@ or GemvTiles is refused).
 
 fp16 (the `fp16` GEMM precision policy, docs/PRECISION.md). `fp16=True` runs linear_q4gsw@FP16(+HAS_BIAS) /
 linear_q4gsw_backward@FP16 at every M: the tiled body with fp16 shared tiles, fp32 products and sums
-(linear_gemm.glsl), split-K as the fp32 body; never the GEMV, the register-tile bodies or windows (an op
+(linear_gemm.slangh), split-K as the fp32 body; never the GEMV, the register-tile bodies or windows (an op
 over the binding limit keeps the fp32 kernels). d_x first runs coopmat_absmax over d_out (`plan_absmax`),
 whose partial maxima give the power-of-two scale d_out is rounded under.
 """
@@ -96,7 +96,7 @@ MAX_SPLIT_K = 32
 FP16_SCALE_SHARED_BYTES = 8
 
 # The register-tile bodies (CPU_TUNING): a workgroup of CPU_LANES invocations = the 8 fp32 lanes of a
-# 256-bit CPU vector (lavapipe on AVX2), each owning CPU_ROWS rows (linear_gemm_cpu.glsl's default) x 4
+# 256-bit CPU vector (lavapipe on AVX2), each owning CPU_ROWS rows (linear_gemm_cpu.slangh's default) x 4
 # columns of the output.
 CPU_LANES = 8
 CPU_ROWS = 8
@@ -179,7 +179,7 @@ CONTIGUOUS = GemmPlacement()
 
 def gemm_push(M: int, N: int, K: int, group_size: int, rows: int, cols: int, red: int,
               placement: GemmPlacement = CONTIGUOUS, label: str = "linear") -> bytes:
-    """The push constants of the GEMMs (linear_gemm.glsl's block after the header), for an output
+    """The push constants of the GEMMs (linear_gemm.slangh's block after the header), for an output
     [rows, cols] over a reduction of `red`."""
     a_row_stride = red if placement.a_row_stride is None else placement.a_row_stride
     c_row_stride = cols if placement.c_row_stride is None else placement.c_row_stride
@@ -390,7 +390,7 @@ def _takes_cpu_body(op: str, N: int, K: int, group_size: int, tiles: Any, split_
 
 def _cpu_gemm_plan(shader: str, rows: int, cols: int, *, out: Any, inputs: list, push: bytes, bias: Any,
                    label: str, accumulate: bool = False) -> list[Dispatch]:
-    """The register-tile body (linear_gemm_cpu.glsl) over C [rows, cols]: lanes along the column quads."""
+    """The register-tile body (linear_gemm_cpu.slangh) over C [rows, cols]: lanes along the column quads."""
     bindings = [binding(out, "rw" if accumulate else "w"), *inputs] + ([binding(bias, "r")] if bias is not None else [])
     name = shader_variant(shader, CPU_REGISTER_TILES=True, ACCUMULATE=accumulate, HAS_BIAS=bias is not None)
     return [Dispatch(name, groups=(ceil_div(cols // 4, CPU_LANES), ceil_div(rows, CPU_ROWS), 1), bindings=bindings,

@@ -21,7 +21,7 @@ gradients reducing over tokens) would leave most of a large GPU idle while a few
 over K. Given a `scratch` buffer (`gemm_scratch_nbytes` bytes), the plan cuts K into slices of at
 least MIN_SPLIT_SLICE so that about TARGET_THREADS threads run, writes each slice's partial product
 into scratch [slices, batch, M, N], and adds the slices in a fixed order with a second dispatch
-(linear_splitk_reduce.comp, shared with the linear family): bitwise reproducible, no atomics. A bias
+(linear_splitk_reduce.slang, shared with the linear family): bitwise reproducible, no atomics. A bias
 of the output's own shape (contiguous, beta = 1: the addend the gemm_epilogue pass folds into addmm) is
 added by the reduction after the slices, so the result is the bits of the mm followed by the add; any
 other bias is added by slice 0. Without scratch the plan never splits.
