@@ -26,9 +26,6 @@ GLSL_KERNELS_NOT_YET_PORTED = {
     # Attention: the GLSL sizes per-thread arrays by specialization constants, the WGSL by constant maxima
     # (register-resident, tuned on the H200); one form for both needs a GPU timing first.
     **dict.fromkeys(("attention_bwd", "attention_fwd"), "not ported yet"),
-    # Reads the number of workgroups (a grid-stride loop), which slangc 2026.14 cannot emit for WGSL
-    # (WorkgroupCount() is SPIR-V/GLSL only; no SV_ semantic maps to @builtin(num_workgroups)).
-    "test_scale": "num_workgroups on WGSL",
 }
 
 
