@@ -22,7 +22,7 @@ GLSL_KERNELS_NOT_YET_PORTED = {
                      "coopmat_linear_q4gsw_backward", "coopmat_mm"), "cooperative matrices"),
     # The fp32 GEMM family (register tiles, split-k): being reworked by the fp16 GEMM work.
     **dict.fromkeys(("linear_dw", "linear_q4gsw", "linear_q4gsw_backward", "linear_q4gsw_gemv",
-                     "linear_splitk_reduce", "matmul", "q4gsw_requant"), "GEMM family, reworked elsewhere"),
+                     "linear_splitk_reduce", "q4gsw_requant"), "GEMM family, reworked elsewhere"),
     # Attention: the GLSL sizes per-thread arrays by specialization constants, the WGSL by constant maxima
     # (register-resident, tuned on the H200); one form for both needs a GPU timing first.
     **dict.fromkeys(("attention_bwd", "attention_fwd"), "not ported yet"),
@@ -136,3 +136,20 @@ def test_slangc_errors_name_the_kernel(slang_dir):
     (slang_dir / "demo.slang").write_text(KERNEL.replace("DEFAULT_WG", "32").replace("src[i]", "nowhere[i]"))
     with pytest.raises(build.ShaderBuildError, match=r"compiling demo: slangc failed .*\n.*undefined identifier"):
         build.compile_shader("demo")
+
+
+@needs_slangc
+def test_spirv_only_variants_build_no_wgsl_and_webgpu_does_not_serve_them(slang_dir):
+    from vktrain.runtime_shaders.wgsl import WGSLKernelNotFoundError, declared_wgsl_variants, wgsl_source
+
+    (slang_dir / "demo.slang").write_text(KERNEL.replace("DEFAULT_WG", "32").replace(
+        "// vktrain-variants: -, TWICE", "// vktrain-variants: -\n// vktrain-spirv-variants: TWICE"))
+    assert build.all_shader_names() == ["demo", "demo@TWICE"]
+    assert build.is_spirv_only("demo@TWICE") and not build.is_spirv_only("demo")
+    built, failures = build.build_all()
+    assert failures == [] and sorted(built) == ["demo", "demo@TWICE"]
+    assert build.spirv_path("demo@TWICE").is_file() and not build.generated_wgsl_path("demo@TWICE").is_file()
+    assert build.is_fresh("demo@TWICE") and build.generated_wgsl_path("demo").is_file()
+    assert declared_wgsl_variants("demo") == ["demo"]
+    with pytest.raises(WGSLKernelNotFoundError, match=r"demo.slang serves only demo"):
+        wgsl_source("demo@TWICE")

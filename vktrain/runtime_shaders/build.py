@@ -12,7 +12,9 @@ Shader names and variants: "linear_q4gsw" is linear_q4gsw.comp compiled as is; "
 the same source with `-DGEMV`; "name@A+B=4" defines A and B=4. A source lists the variants the build
 compiles ahead of time in a comment line `// vktrain-variants: GEMV, A+B=4` (the token `-` stands for
 the plain source); without that line only the plain source is built. Any variant name still builds on
-demand where a compiler exists.
+demand where a compiler exists. A Slang kernel lists the variants only Vulkan runs (no WGSL is generated
+for them and the WebGPU runtime does not serve them, e.g. matmul's CPU register tiles) in
+`// vktrain-spirv-variants:` lines instead.
 
 Cache: `spirv/<name>.<hash>.spv` (and `wgsl/generated/<name>.<hash>.wgsl`), the hash covering the source,
 every file it #includes, the defines and the compiler flags, so an edit to common.glsl invalidates every
@@ -45,6 +47,7 @@ _DEFINE_VALUE = re.compile(r"^[A-Za-z0-9_]+$")  # keeps cache file names parseab
 _INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"', re.MULTILINE)
 SOURCE_SUFFIXES = (".slang", ".comp")  # a kernel's source: Slang (both targets) or GLSL (SPIR-V only)
 _VARIANTS = re.compile(r"^\s*//\s*vktrain-variants:(.*)$", re.MULTILINE)
+_SPIRV_VARIANTS = re.compile(r"^\s*//\s*vktrain-spirv-variants:(.*)$", re.MULTILINE)
 
 
 class ShaderBuildError(VktrainError, RuntimeError):
@@ -286,20 +289,27 @@ def load_generated_wgsl(name: str, extra_defines: tuple[str, ...] = ()) -> str:
     return text
 
 
-def declared_variants(base: str) -> list[str]:
-    """Shader names the build compiles for source `base` (see the module docstring)."""
-    text = source_path(base).read_text()
-    lines = _VARIANTS.findall(text)
-    if not lines:
-        return [base]
-    names = []
-    for line in lines:
-        for token in re.split(r"[\s,]+", line.strip()):
-            if token:
-                names.append(base if token == "-" else f"{base}@{token}")
+def _listed_variants(base: str, pattern: re.Pattern) -> list[str]:
+    names = [base if token == "-" else f"{base}@{token}"
+             for line in pattern.findall(source_path(base).read_text())
+             for token in re.split(r"[\s,]+", line.strip()) if token]
     for name in names:
         parse_shader_name(name)  # reject malformed declarations loudly
     return names
+
+
+def declared_variants(base: str) -> list[str]:
+    """Shader names the build compiles for source `base` (see the module docstring)."""
+    names = _listed_variants(base, _VARIANTS)
+    return (names or [base]) + _listed_variants(base, _SPIRV_VARIANTS)
+
+
+def is_spirv_only(name: str) -> bool:
+    """Whether shader `name` is one of its source's `// vktrain-spirv-variants:` (no WGSL is generated for it)."""
+    variant = parse_shader_name(name)
+    wanted = sorted(variant.defines, key=lambda d: d[0])
+    return any(sorted(parse_shader_name(listed).defines, key=lambda d: d[0]) == wanted
+               for listed in _listed_variants(variant.base, _SPIRV_VARIANTS))
 
 
 def all_shader_names() -> list[str]:
@@ -329,8 +339,9 @@ def prune_stale() -> list[Path]:
 
 
 def is_fresh(name: str) -> bool:
-    """Whether every build output of shader `name` (SPIR-V; WGSL for a Slang one) is cached for its sources."""
-    return spirv_path(name).is_file() and (not parse_shader_name(name).is_slang
+    """Whether every build output of shader `name` (SPIR-V; WGSL for a Slang one not SPIR-V only) is cached for
+    its sources."""
+    return spirv_path(name).is_file() and (not parse_shader_name(name).is_slang or is_spirv_only(name)
                                            or generated_wgsl_path(name).is_file())
 
 
@@ -345,7 +356,7 @@ def build_all(names: list[str] | None = None, *, force: bool = False, jobs: int 
     def one(name: str) -> None:
         try:
             compile_shader(name)
-            if parse_shader_name(name).is_slang:
+            if parse_shader_name(name).is_slang and not is_spirv_only(name):
                 slang.write_atomically(generated_wgsl_path(name), compile_wgsl(name).encode())
             built.append(name)
         except (ShaderBuildError, ShaderNotFoundError, ValueError) as exc:
