@@ -18,7 +18,7 @@ from vktrain.runtime_shaders.wgsl import WGSL_DIR
 GLSL_KERNELS_NOT_YET_PORTED = {
     # Cooperative-matrix (tensor-core) kernels: Slang's CoopMat has no WGSL lowering, so each would still
     # need a second, plain body; and the GEMM/coopmat family is being reworked (fp16 policy) meanwhile.
-    **dict.fromkeys(("coopmat_absmax", "coopmat_attention_bwd", "coopmat_attention_fwd", "coopmat_linear_q4gsw",
+    **dict.fromkeys(("coopmat_attention_bwd", "coopmat_attention_fwd", "coopmat_linear_q4gsw",
                      "coopmat_linear_q4gsw_backward", "coopmat_mm"), "cooperative matrices"),
     # The fp32 GEMM family (register tiles, split-k): being reworked by the fp16 GEMM work.
     **dict.fromkeys(("linear_dw", "linear_q4gsw", "linear_q4gsw_backward", "linear_q4gsw_gemv",
