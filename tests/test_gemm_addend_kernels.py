@@ -1,7 +1,7 @@
 """GEMM kernels with an addend (aten.addmm(p, a, b) with beta = alpha = 1, what the gemm_epilogue pass
 writes for add(p, mm(a, b))): each must give the bits of the mm's own output followed by an fp32 add.
 
-* matmul.comp: the shared-memory body (GPU tuning), unsplit and split-K (the reduction adds the addend
+* matmul.slang: the shared-memory body (GPU tuning), unsplit and split-K (the reduction adds the addend
   after the slices), and the CPU register-tile body.
 * coopmat_mm's ADDEND variant (kernels/coopmat.py), run as COOPMAT_EMULATE on devices without tensor
   cores (lavapipe) and for real where the device has them: bit for bit the plain coopmat_mm plus the
@@ -62,7 +62,7 @@ def _bits(x):
     return np.ascontiguousarray(x, np.float32).view(np.uint32)
 
 
-# ----------------------------------------------------------------------------------- matmul.comp
+# ----------------------------------------------------------------------------------- matmul.slang
 def _plan_fp32(a, b, d=None, **options):
     views = StridedView.contiguous(a.shape), StridedView.contiguous(b.shape)
     bias = dict(bias="d", bias_view=StridedView.contiguous(d.shape)) if d is not None else {}

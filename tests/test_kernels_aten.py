@@ -744,7 +744,7 @@ def _split_of(dispatches) -> int:
 # ----------------------------------------------------------------------------------------- GEMM, CPU tuning
 @pytest.fixture
 def cpu_bodies(vk_device):
-    """The device, when it can run matmul.comp's register-tile body (CPU_TUNING; lavapipe can)."""
+    """The device, when it can run matmul.slang's register-tile body (CPU_TUNING; lavapipe can)."""
     if not runs_cpu_bodies(vk_device):
         pytest.skip(f"{vk_device.name} cannot run the CPU bodies ({CPU_LANES}-lane subgroups, shuffles, int64)")
     return vk_device

@@ -183,7 +183,7 @@ def test_fp16_d_x_keeps_fp16_precision_for_gradients_of_any_scale(vk_device, M, 
                          f"linear_q4gsw_backward@FP16 {M}x{out_features}x{in_features} d_out*{gradient_scale:g}", slices)
 
 
-# ----------------------------------------------------------------------------------- matmul.comp's FP16 variant
+# ----------------------------------------------------------------------------------- matmul.slang's FP16 variant
 def _scale(x: np.ndarray) -> float:
     """The kernels' operand scale 2^e: max |x| * 2^e in [2^14, 2^15)."""
     return 2.0 ** (14 - int(np.floor(np.log2(np.abs(x).max()))))

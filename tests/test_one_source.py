@@ -16,14 +16,10 @@ from vktrain.runtime_shaders.wgsl import WGSL_DIR
 # Porting one to .slang means deleting both hand-written files and its entry here (the test below fails
 # until both are gone, and fails on an entry whose kernel is ported).
 GLSL_KERNELS_NOT_YET_PORTED = {
-    # Cooperative-matrix (tensor-core) kernels: Slang's CoopMat has no WGSL lowering, so each would still
-    # need a second, plain body; and the GEMM/coopmat family is being reworked (fp16 policy) meanwhile.
-    **dict.fromkeys(("coopmat_absmax", "coopmat_attention_bwd", "coopmat_attention_fwd", "coopmat_linear_q4gsw",
+    # Cooperative-matrix (tensor-core) kernels: not ported yet (Slang's CoopMat covers the GEMM body's fragment
+    # operations on SPIR-V, with one storage-class fix; each still needs a plain WGSL body: docs/ONE_SOURCE.md).
+    **dict.fromkeys(("coopmat_attention_bwd", "coopmat_attention_fwd", "coopmat_linear_q4gsw",
                      "coopmat_linear_q4gsw_backward", "coopmat_mm"), "cooperative matrices"),
-    "matmul": "GEMM family, reworked elsewhere",
-    # Reads the number of workgroups (a grid-stride loop), which slangc 2026.14 cannot emit for WGSL
-    # (WorkgroupCount() is SPIR-V/GLSL only; no SV_ semantic maps to @builtin(num_workgroups)).
-    "test_scale": "num_workgroups on WGSL",
 }
 
 

@@ -143,7 +143,7 @@ def test_the_default_gemv_tiles_keep_to_the_workgroup_limit():
 @pytest.mark.parametrize("M, N, K, bias, vec4", [(70, 99, 300, True, False), (130, 96, 2048, False, True)],
                          ids=["addmm-edges", "mm-split-k-vec4"])
 def test_the_128_thread_matmul_tile_gives_the_64x64_tile_s_bits(vk_device, M, N, K, bias, vec4):
-    """matmul.comp at 32 x 64 (128 threads, a profile with Vulkan's 128 invocations) against 64 x 64 (256):
+    """matmul.slang at 32 x 64 (128 threads, a profile with Vulkan's 128 invocations) against 64 x 64 (256):
     the same split over K (scratch given: the 64 x 64 tile's choice) and every output bit for bit, partial tiles
     at the M and N edges and a bias included."""
     import numpy as np

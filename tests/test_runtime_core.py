@@ -344,10 +344,10 @@ def test_bounded_submits_run_a_dependent_split_chain_like_one_submit(vk_device, 
 
 
 def test_shader_without_group_offset_header_is_not_split(vk_device, buffers):
-    data = buffers(np.ones(100, np.float32))
-    grid_stride = Dispatch("test_scale", groups=4, bindings=["d"], push_constants=pack_push(100, 2.0))
+    data = buffers(np.ones(300, np.float32))  # 300 > 4 groups * 32: the grid-stride loop takes 3 trips
+    grid_stride = Dispatch("test_scale", groups=4, bindings=["d"], push_constants=pack_push(300, 2.0, 4))
     run_dispatches(vk_device, [grid_stride], {"d": data})
-    np.testing.assert_array_equal(data.read(np.float32), np.full(100, 2.0, np.float32))
+    np.testing.assert_array_equal(data.read(np.float32), np.full(300, 2.0, np.float32))
     with pytest.raises(ScheduleError, match="cannot be split.*VKTRAIN_PUSH_HEADER"):
         Program(vk_device, [grid_stride], {"d": data}, max_group_count=3)
 
@@ -500,7 +500,7 @@ def test_dispatch_mismatches_are_clear_errors(vk_device, buffers):
         (Dispatch("test_axpy", 1, ["x", "y"], pack_push(64, 1.0), {7: 1}), r"no specialization constant with id 7"),
         (Dispatch("test_axpy", 1, ["x", "y"], pack_push(64, 1.0), {3: True}), r"spec constant 3 is float, got True"),
         (Dispatch("test_axpy", 1, ["x", "y"], pack_push(64, 1.0), {3: 2}), None),  # int into float: allowed
-        (Dispatch("test_scale", 1, ["x"], pack_push(64, 1.0), local_size=(64, 1, 1)), r"does not take its local size"),
+        (Dispatch("test_scale", 1, ["x"], pack_push(64, 1.0, 1), local_size=(64, 1, 1)), r"does not take its local size"),
         (Dispatch("test_axpy", 1, ["x", "y"], pack_push(64, 1.0), local_size=(4096, 1, 1)), r"exceeds the device"),
         (Dispatch("test_axpy", 1, [BufferBinding("x", offset=2), "y"], pack_push(64, 1.0)),
          r"offset 2 is not a multiple of the device's minStorageBufferOffsetAlignment"),

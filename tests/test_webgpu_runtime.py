@@ -1,7 +1,7 @@
 """The WebGPU device layer on a real adapter (lavapipe through wgpu's Vulkan backend here).
 
 References are numpy/float64; the kernels are the WGSL versions of the runtime's test kernels
-(vktrain/runtime_shaders/wgsl/test_axpy.wgsl, test_grid.wgsl, test_scale.wgsl). The Buffer and
+(vktrain/runtime_shaders/test_axpy.slang, test_grid.slang, test_scale.slang). The Buffer and
 Program used are vktrain.runtime's, the same names the Vulkan tests use: the device picks the layer.
 """
 from __future__ import annotations
@@ -185,10 +185,10 @@ def test_shader_without_header_runs_but_is_never_split(gpu, buffers):
     n = 1000
     data = np.arange(n, dtype=np.float32)
     buffer = buffers(data)
-    run_dispatches(gpu, [Dispatch("test_scale", groups=3, bindings=[buffer], push_constants=pack_push(n, 0.5))])
+    run_dispatches(gpu, [Dispatch("test_scale", groups=3, bindings=[buffer], push_constants=pack_push(n, 0.5, 3))])
     np.testing.assert_array_equal(buffer.read(np.float32), data * 0.5)
     with pytest.raises(ScheduleError, match="test_scale.*cannot be split.*vktrain_group_offset"):
-        Program(gpu, [Dispatch("test_scale", groups=9, bindings=[buffer], push_constants=pack_push(n, 0.5))],
+        Program(gpu, [Dispatch("test_scale", groups=9, bindings=[buffer], push_constants=pack_push(n, 0.5, 9))],
                 max_group_count=4)
 
 

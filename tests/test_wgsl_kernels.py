@@ -179,16 +179,24 @@ def test_lookup_refuses_what_it_cannot_serve():
     assert missing_wgsl_kernels(["fused_ce@IN_PLACE+VEC4", "nope", "copy", "nope"]) == ["nope"]
 
 
-def test_variants_select_lines_and_define_values():
+def test_variants_select_lines_and_define_values(tmp_path, monkeypatch):
     # fused_ce's WGSL is generated from fused_ce.slang (slangc, with the variant's defines).
     plain, vec4 = wgsl_source("fused_ce"), wgsl_source("fused_ce@VEC4+IN_PLACE")
     assert "array<f32>;" in plain and "array<vec4<f32>>" not in plain and "@binding(5)" in plain
     assert "array<vec4<f32>>" in vec4 and "@binding(5)" not in vec4  # IN_PLACE: one binding fewer
-    tiles = wgsl_source("matmul@HAS_BIAS=1+TILE_M=16+TILE_N=64")
-    assert tiles.startswith("const TILE_M = 16;\nconst TILE_N = 64;\n") and "const TILE_M = 64;" not in tiles
-    assert "const TILE_M = 64;" in wgsl_source("matmul@HAS_BIAS=0")
     assert not any(line.lstrip().startswith("#") for name in all_wgsl_shader_names()
                    for line in wgsl_source(name).splitlines())
+    # A hand-written source: defines read as values become consts, `#if !NAME` declares the defaults.
+    from vktrain.runtime_shaders import wgsl
+
+    monkeypatch.setattr(wgsl, "WGSL_DIR", tmp_path)
+    (tmp_path / "tiled.wgsl").write_text("// vktrain-variants: HAS_BIAS=0, HAS_BIAS=1+TILE_M=16\n#if !TILE_M\n"
+                                         "const TILE_M = 64;\n#endif\n#if HAS_BIAS\nbias\n#endif\nx = TILE_M;\n")
+    tiles = wgsl_source("tiled@HAS_BIAS=1+TILE_M=16")
+    assert tiles.startswith("const TILE_M = 16;\n") and "const TILE_M = 64;" not in tiles
+    assert "\nbias\n" in tiles and "HAS_BIAS =" not in tiles  # a define only `#if` reads declares nothing
+    untiled = wgsl_source("tiled@HAS_BIAS=0")
+    assert "const TILE_M = 64;" in untiled and "bias" not in untiled
 
 
 def test_feature_bodies_are_chosen_by_the_device_and_reported(webgpu_device, webgpu_defaults_device):

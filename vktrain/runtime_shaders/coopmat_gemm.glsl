@@ -4,7 +4,7 @@
 // COOPMAT_B_Q4GSW_T (B = deq(W), the base's d_x), COOPMAT_B_ROW_MAJOR or COOPMAT_B_TRANSPOSED.
 //
 // A_SCALE: A is multiplied by the power of two 2^e that puts its largest magnitude (binding 4: the
-// pc.a_partials per-workgroup maxima of |A| from coopmat_absmax.comp, as float bits) in [2^14, 2^15) before the fp16 rounding, and the
+// pc.a_partials per-workgroup maxima of |A| from coopmat_absmax.slang, as float bits) in [2^14, 2^15) before the fp16 rounding, and the
 // accumulators by 2^-e before they are stored: both exact, so the result is that of A with fp16's full
 // precision wherever |a| > max|A| * 2^-29 (gradients, whose scale follows the loss divisor).
 // AB_SCALE (the dense B operands only): both A and B scaled so, each by its own power of two (binding 3:

@@ -3,7 +3,7 @@
 // memory, rounded to fp16 while staged in shared memory, fp32 accumulation (body: coopmat_gemm.glsl).
 // Either operand may be a gradient (aten.mm in a training step: the LM head's d_h reads d_logits, whose
 // values follow the loss divisor), so both are scaled per tensor before their fp16 rounding (AB_SCALE:
-// binding 3 holds the partial maxima of |A| and |B| from coopmat_absmax.comp).
+// binding 3 holds the partial maxima of |A| and |B| from coopmat_absmax.slang).
 // Bindings: 0 C fp32 [M, N], 1 A fp32 [M, K], 2 B fp32 [K, N] (B_TRANSPOSED: [N, K]), 3 partial maxima;
 // ADDEND: 4 D fp32 [M, N], C = A @ B + D (aten.addmm with beta = alpha = 1, added after the unscaling).
 // Variants: every tiling of kernels/coopmat_tiling.py TILINGS; with ADDEND those of ADDEND_TILINGS.

@@ -464,7 +464,7 @@ def _lower_gemm(ctx: OpContext) -> list[Dispatch]:
                      **ctx.gemm.plan_options, **_coopmat_split_k_args(
                          ctx, "coopmat_mm_b_transposed" if b_transposed else "coopmat_mm", a.shape[0], b.shape[1],
                          a.shape[1]))
-    # fp16: matmul.comp's FP16 variant where the route's size gate takes the product and it reads both operands
+    # fp16: matmul.slang's FP16 variant where the route's size gate takes the product and it reads both operands
     # in place from their bindings' start (each one's absmax pass reads its first numel elements).
     if not over and ctx.gemm.fp16_takes_mm(a.shape[0], b.shape[1]) and matmul.fp16_reads_in_place(a.strided, b.strided):
         m, n, k = a.shape[0], b.shape[1], a.shape[1]

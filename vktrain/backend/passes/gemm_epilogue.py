@@ -13,7 +13,7 @@ constant or state, or an earlier op's output). It becomes
 
 (no view of p when it is [M, N] already; without views the addmm writes y). Why the result is the
 same bits: fp32 addition is commutative and 1 * x is exact, so addmm's epilogue `acc + p` rounds
-once, exactly as add(p, q) did; the kernels keep it so: matmul.comp adds the bias after the product
+once, exactly as add(p, q) did; the kernels keep it so: matmul.slang adds the bias after the product
 (and a split-K GEMM after summing its slices, kernels/matmul.py), coopmat_mm's ADDEND variant after
 unscaling its accumulators. Nothing else is re-associated: an add whose operands are both sums
 stays an add.

@@ -117,7 +117,7 @@ class GemmRoute:
         return self.precision == PRECISION_FP16 and not self.tensor_cores
 
     def fp16_takes_mm(self, M: int, N: int) -> bool:
-        """Whether an aten.mm / addmm with an M x N output runs matmul.comp's FP16 variant on this route: the
+        """Whether an aten.mm / addmm with an M x N output runs matmul.slang's FP16 variant on this route: the
         fp16 policy's size gate, fp16-tc's (at least min_workgroups 64 x 128 tiles, so that the operands'
         absmax pass pays; 1 on the test path), on operands it reads in place (matmul.fp16_reads_in_place)."""
         return self.fp16_simt and ceil_div(M, SIZE_TILE_M) * ceil_div(N, SIZE_TILE_N) >= self.min_workgroups

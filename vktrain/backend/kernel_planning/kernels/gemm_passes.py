@@ -1,6 +1,6 @@
 """The two small passes around the GEMMs of the linear family and aten mm/bmm/addmm: the split-K reduce
 (linear_splitk_reduce.slang: the second pass of a GEMM whose reduction was split into slices) and the
-operand-scale pass (coopmat_absmax.comp: the per-tensor maxima the tensor-core and FP16 kernels scale
+operand-scale pass (coopmat_absmax.slang: the per-tensor maxima the tensor-core and FP16 kernels scale
 their fp16 operands by)."""
 from __future__ import annotations
 
@@ -34,7 +34,7 @@ def plan_splitk_reduce(*, out: Any, scratch: Any, count4: int, row_vec4s: int, s
                     local_size=(REDUCE_WORKGROUP_SIZE, 1, 1), label=label)
 
 
-# coopmat_absmax.comp (the per-tensor operand scales of the coopmat kernels and of the fp16 d_x here):
+# coopmat_absmax.slang (the per-tensor operand scales of the coopmat kernels and of the fp16 d_x here):
 # workgroups of 128 threads (Vulkan's guaranteed maximum), each reading at least 8 vec4 of its tensor; at most ABSMAX_MAX_PARTIALS
 # workgroups (hence partial maxima) per tensor, which every GEMM workgroup reduces.
 _ABSMAX_VECS_PER_GROUP = 256 * 4

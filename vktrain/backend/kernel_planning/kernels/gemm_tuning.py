@@ -1,4 +1,4 @@
-"""Which tuning of the fp32 GEMM kernels (the linear family, matmul.comp) a device runs, chosen once at load.
+"""Which tuning of the fp32 GEMM kernels (the linear family, matmul.slang) a device runs, chosen once at load.
 
 GPU_TUNING: shared-memory tiles of 64-256 threads and barriers, tuned on large GPUs (bench/results: H200).
 CPU_TUNING: register-tile variants for CPU Vulkan implementations (VkPhysicalDeviceType CPU: lavapipe /

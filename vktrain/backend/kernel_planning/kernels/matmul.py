@@ -1,4 +1,4 @@
-"""Dense fp32 GEMM for mm / bmm / addmm / baddbmm (matmul.comp), transposes expressed as strides.
+"""Dense fp32 GEMM for mm / bmm / addmm / baddbmm (matmul.slang), transposes expressed as strides.
 
 `plan_gemm` computes C[b] = alpha * A[b] @ B[b] (+ beta * bias[b]) for views A [batch, M, K] and
 B [batch, K, N] with any element strides (a transposed operand is a view whose last two strides are
@@ -27,13 +27,13 @@ added by the reduction after the slices, so the result is the bits of the mm fol
 other bias is added by slice 0. Without scratch the plan never splits.
 
 Device tuning (kernels/gemm_tuning.py). With `tuning=CPU_TUNING` (the executor's choice on a CPU
-Vulkan implementation) a GEMM whose tile is not forced runs matmul.comp's CPU_REGISTER_TILES variant
-(body matmul_cpu.glsl): workgroups of CPU_LANES invocations along N, each owning CPU_TM x CPU_TN outputs
+Vulkan implementation) a GEMM whose tile is not forced runs matmul.slang's CPU_REGISTER_TILES variant
+(body matmul_cpu.slangh): workgroups of CPU_LANES invocations along N, each owning CPU_TM x CPU_TN outputs
 in registers (CPU_TM by `cpu_tile_rows`), no shared memory, no barrier; the default plan then never
 splits K (explicit `split_k` still works: the body reads the same slices).
 
 Q8_0 B (`b_scales`, kernels/q8_0.py): B's storage is a frozen Q8_0 matrix, int8 codes (`b`) and float32
-scales, dequantized as each element loads (matmul.comp's B_Q8_0 variants): the same tiles,
+scales, dequantized as each element loads (matmul.slang's B_Q8_0 variants): the same tiles,
 bodies and products as reading the float32 matrix they hold.
 
 Bindings over the limit (`binding_limit`): a GEMM one of whose bindings would span more is cut into
@@ -47,7 +47,7 @@ one (over-limit) binding. Each output is then w in-order partial sums added in o
 roundings per chain, |error| <= gamma_(K + w - 1) * sum_k |a_k b_k| (gamma_n = n u / (1 - n u), u = 2^-24),
 the unsplit bound's form. Q8_0 windows start at a block with an aligned scale binding.
 
-fp16 (the `fp16` GEMM precision policy, docs/PRECISION.md): `fp16=True` runs matmul.comp's FP16 variants
+fp16 (the `fp16` GEMM precision policy, docs/PRECISION.md): `fp16=True` runs matmul.slang's FP16 variants
 (the shared-memory body at every tuning, fp16 tiles, fp32 products and sums), A and B each scaled by a power
 of two from their largest magnitudes (a coopmat_absmax dispatch into `absmax` first,
 absmax_scratch_nbytes(M * K, K * N) bytes): 2-D operands only, each read in place from its whole binding
@@ -75,7 +75,7 @@ from vktrain.backend.kernel_planning.kernels.registry import register_kernel
 
 TILE_K = 16
 MICRO_TILE = 4  # outputs per thread along M and along N
-# (TILE_M, TILE_N) the shader is built for (matmul.comp's vktrain-variants).
+# (TILE_M, TILE_N) the shader is built for (matmul.slang's vktrain-variants).
 GEMM_TILES = ((64, 64), (64, 16), (16, 64), (32, 64))
 # A tile over a device's workgroup limit and the 128-thread tile the plan runs in its place: every output is
 # one thread's sum over k in order whatever the tile, so the bits are the same (the split over K is the
@@ -84,7 +84,7 @@ NARROW_TILES = {(64, 64): (32, 64)}
 SKINNY_DIM = 16  # an output dim up to this takes the 16-wide tile along it
 A_M_FASTEST_SPEC_ID = 3
 B_K_FASTEST_SPEC_ID = 4
-B_N_PAIRS_SPEC_ID = 5  # the CPU body's B_PAIRS direction (matmul_cpu.glsl)
+B_N_PAIRS_SPEC_ID = 5  # the CPU body's B_PAIRS direction (matmul_cpu.slangh)
 
 # Split-K targets: threads for a large GPU (512 workgroups of 256 = ~4 per SM of a 132-SM H200; the
 # 64-thread skinny tiles get 4x as many workgroups); slices no shorter than MIN_SPLIT_SLICE (8 K
@@ -94,7 +94,7 @@ TARGET_THREADS = 512 * 256
 MIN_SPLIT_SLICE = 128
 MAX_SPLIT_K = 32
 
-# The CPU_REGISTER_TILES body (matmul_cpu.glsl): a workgroup of CPU_LANES invocations (one subgroup: the
+# The CPU_REGISTER_TILES body (matmul_cpu.slangh): a workgroup of CPU_LANES invocations (one subgroup: the
 # 8 fp32 lanes of a 256-bit CPU vector), each owning CPU_TM rows x CPU_TN adjacent columns of C. CPU_TM
 # is the largest of CPU_TM_CHOICES not above M (the first when M is smaller; rows past M are computed
 # and dropped): each element of B a lane loads feeds CPU_TM products, and on lavapipe 64 rows ran the
@@ -221,7 +221,7 @@ def gemm_scratch_nbytes(batch: int, M: int, N: int, K: int, tuning: str = GPU_TU
 
 
 def gemm_shader_name(tile: tuple[int, int], has_bias: bool, vec4_rows: bool) -> str:
-    """The matmul.comp variant: `vec4_rows` (N % 4 == 0, so every output row starts 16-byte aligned)
+    """The matmul.slang variant: `vec4_rows` (N % 4 == 0, so every output row starts 16-byte aligned)
     gives each thread 4 adjacent columns, stored as one vec4."""
     name = f"matmul@HAS_BIAS={int(has_bias)}"
     if tile != (64, 64):

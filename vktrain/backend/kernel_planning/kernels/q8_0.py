@@ -2,8 +2,8 @@
 scales [N * K / 32] (vktrain.quant.q8_0, docs/spec/q8_0.md), read without ever being widened to float32.
 
     embedding_q8_0(codes, scales, indices)    out = W[indices]       embedding_q8_0.slang
-    linear_q8_0(x, codes, scales)             out = x @ W^T          matmul.comp, B_Q8_0 variants
-    linear_q8_0_backward(d_out, codes, scales) out = d_out @ W       matmul.comp, B_Q8_0 variants
+    linear_q8_0(x, codes, scales)             out = x @ W^T          matmul.slang, B_Q8_0 variants
+    linear_q8_0_backward(d_out, codes, scales) out = d_out @ W       matmul.slang, B_Q8_0 variants
 
 A tied embedding (SmolLM2) is read by all three: the lookup, the head's logits and, backward, the head's
 d_h (W is frozen: no dW). The GEMMs are plan_gemm (kernels/matmul.py) with B = W^T or W as a strided view
