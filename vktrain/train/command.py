@@ -39,7 +39,7 @@ from vktrain.train.checkpoint import (
     sha256_file,
 )
 from vktrain.train.best import BestKeeper, add_best_arguments, check_best_arguments
-from vktrain.contract import CHOSEN_IDS, DPO_INPUTS, REJECTED_IDS
+from vktrain.train.pairs import OBJECTIVE_NAMES, load_program_pairs, preference_objective
 from vktrain.train.data import TokenBatcher, default_dataset_path, load_data
 from vktrain.train.interrupts import Interrupted, StopOnSignal, resume_command, signal_name
 from vktrain.train.lr_schedule import SCHEDULES, LRSchedule
@@ -380,7 +380,7 @@ def _held_out_evaluation(args, runner, info, start: int):
     training."""
     if args.eval_data is None:
         return None, None
-    if info is None:  # a DPO step's pairs (--inputs arrays are refused with --eval-data up front)
+    if info is None:  # a preference step's pairs (--inputs arrays are refused with --eval-data up front)
         raise TrainConfigError(f"--eval-data is token data for a token model's step; {args.program} trains on "
                                f"preference pairs, whose held-out evaluation vktrain train does not run yet")
     from vktrain.train.held_out import evaluate_batches, prepare_eval_batches
@@ -410,15 +410,14 @@ def _training_batches(args, runner, data_path: Path, seed: int):
         inputs = ", ".join(f"{name} {spec.describe()}" for name, spec in runner.input_specs.items())
         return batches, None, (f"{args.program}: inputs {inputs}; {data_path}: {batches.n_batches} batch(es), "
                                f"cycled")
-    if set(getattr(runner, "input_specs", ())) == set(DPO_INPUTS):  # vktrain export --objective dpo: pairs
-        from vktrain.train.pairs import load_pairs, pair_batches
+    objective = preference_objective(runner)
+    if objective is not None:  # vktrain export --objective dpo|simpo: pairs
+        from vktrain.train.pairs import pair_batches
 
-        seq_len = runner.input_specs[CHOSEN_IDS].shape[1]
-        limits = runner.executor.index_limits
-        vocab = min(limits[name] for name in (CHOSEN_IDS, REJECTED_IDS) if name in limits)
-        pairs = load_pairs(data_path, program_tokenizer(runner, args.program), seq_len, vocab)
+        pairs, seq_len = load_program_pairs(runner, data_path, args.program)
         return pair_batches(pairs, runner.input_specs, str(data_path), args.grad_accum), None, (
-            f"{args.program}: DPO, {args.grad_accum} preference pair(s) a step, {seq_len} tokens a side; "
+            f"{args.program}: {OBJECTIVE_NAMES[objective]}, {args.grad_accum} preference pair(s) a step, {seq_len} "
+            f"tokens a side; "
             f"{data_path}: {len(pairs)} "
             f"pair(s), cycled in file order" + (f" ({pairs.truncated} completion(s) cut at the window)"
                                                if pairs.truncated else ""))
