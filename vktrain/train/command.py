@@ -387,7 +387,9 @@ def _held_out_evaluation(args, runner, info, start: int):
         return None, None
     if info is None:  # a preference step's pairs (--inputs arrays are refused with --eval-data up front)
         raise TrainConfigError(f"--eval-data is token data for a token model's step; {args.program} trains on "
-                               f"preference pairs, whose held-out evaluation vktrain train does not run yet")
+                               f"preference pairs, whose held-out evaluation vktrain train does not run yet (vktrain eval "
+                               f"{args.program} --data PAIRS.jsonl [--adapters ...] reports their loss and reward "
+                               f"accuracy)")
     from vktrain.train.held_out import evaluate_batches, prepare_eval_batches
 
     held_out = load_data(args.eval_data, info.vocab_size, program_tokenizer(runner, args.program))
