@@ -32,7 +32,7 @@ import warnings
 from pathlib import Path
 
 from vktrain.contract import EVERY_LAYER, METADATA_ACTIVATION_CHECKPOINTING, checkpointing_name, layers_per_segment
-from vktrain.contract import OBJECTIVES, PACKINGS
+from vktrain.contract import METADATA_OBJECTIVE, OBJECTIVE_DPO, OBJECTIVE_SIMPO, OBJECTIVES, PACKINGS
 from vktrain.errors import VktrainError
 # main() repeats vktrain/__init__'s silencing (idempotent) in case a library reset the filters.
 from vktrain.import_noise import silence_known_import_noise as _silence_known_import_noise
@@ -96,6 +96,22 @@ def _checkpointing_value(text: str) -> str:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
+def _preference_step(args: argparse.Namespace, model):
+    """(the model with --objective's loss, its example inputs, its settings for the blob) of dpo / simpo."""
+    if args.objective == OBJECTIVE_DPO:
+        from vktrain.export.dpo import DEFAULT_BETA, example_dpo_inputs, with_dpo_loss
+
+        beta = DEFAULT_BETA if args.beta is None else args.beta
+        return (with_dpo_loss(model, beta), example_dpo_inputs(args.seq, model.vocab_size),
+                {"objective": OBJECTIVE_DPO, "beta": beta})
+    from vktrain.export.simpo import DEFAULT_BETA, DEFAULT_GAMMA_BETA_RATIO, example_simpo_inputs, with_simpo_loss
+
+    beta = DEFAULT_BETA if args.beta is None else args.beta
+    ratio = DEFAULT_GAMMA_BETA_RATIO if args.gamma_beta_ratio is None else args.gamma_beta_ratio
+    return (with_simpo_loss(model, beta, ratio), example_simpo_inputs(args.seq, model.vocab_size),
+            {"objective": OBJECTIVE_SIMPO, "beta": beta, "gamma": beta * ratio})
+
+
 def cmd_export(args: argparse.Namespace) -> int:
     from vktrain.lora import LoRAConfig, apply_lora
     from vktrain.models import open_model
@@ -111,15 +127,22 @@ def cmd_export(args: argparse.Namespace) -> int:
     packing = None if args.packing == "none" else args.packing
     if packing and args.program != "train-step":
         raise UsageError(f"--packing {args.packing} packs a training step's documents; --program is {args.program}")
-    dpo = args.objective == "dpo"
-    if args.beta is not None and not dpo:
-        raise UsageError(f"--beta is DPO's; --objective is {args.objective}")
+    preference = args.objective != "lm"  # dpo or simpo: a step over preference pairs
+    if args.beta is not None and not preference:
+        raise UsageError(f"--beta is DPO's and SimPO's; --objective is {args.objective}")
     if args.beta is not None and not (math.isfinite(args.beta) and args.beta > 0):
-        raise UsageError(f"--beta must be a finite number > 0 (DPO's scale of the log-ratio margin), got {args.beta}")
-    if dpo and (args.program != "train-step" or packing or args.batch != 1):
-        raise UsageError("--objective dpo exports a training step (--program train-step) of one preference pair a "
-                         "call: --batch 1 (N pairs a step: --grad-accum here, vktrain train --grad-accum N), no "
-                         f"--packing; got --program {args.program} --batch {args.batch} --packing {args.packing}")
+        raise UsageError(f"--beta must be a finite number > 0 ({args.objective}'s scale of the reward margin), got "
+                         f"{args.beta}")
+    if args.gamma_beta_ratio is not None and args.objective != OBJECTIVE_SIMPO:
+        raise UsageError(f"--gamma-beta-ratio is SimPO's target margin over beta; --objective is {args.objective}")
+    if args.gamma_beta_ratio is not None and not (math.isfinite(args.gamma_beta_ratio) and args.gamma_beta_ratio >= 0):
+        raise UsageError(f"--gamma-beta-ratio must be a finite number >= 0 (SimPO's margin gamma = beta x ratio), got "
+                         f"{args.gamma_beta_ratio}")
+    if preference and (args.program != "train-step" or packing or args.batch != 1):
+        raise UsageError(f"--objective {args.objective} exports a training step (--program train-step) of one "
+                         f"preference pair a call: --batch 1 (N pairs a step: --grad-accum here, vktrain train "
+                         f"--grad-accum N), no --packing; got --program {args.program} --batch {args.batch} "
+                         f"--packing {args.packing}")
     check_outputs([Output("--out", args.out, PTE)], overwrite=args.overwrite,  # before minutes of export
                   inputs=[("--model", args.model), ("--calibration-data", args.calibration_data)])
     from vktrain.train.targets import TargetEmbedder, resolve_targets
@@ -163,15 +186,13 @@ def cmd_export(args: argparse.Namespace) -> int:
 
     batch_shape = (args.batch, args.seq)
     step_options = dict(freeze_lora_a=args.freeze_lora_a, activation_checkpointing=args.activation_checkpointing)
+    objective_settings = None  # a preference step's, recorded in the blob (contract.METADATA_OBJECTIVE)
     try:
-        if dpo:
-            from vktrain.export.dpo import DEFAULT_BETA, example_dpo_inputs, with_dpo_loss
-
-            dpo_model = with_dpo_loss(model, DEFAULT_BETA if args.beta is None else args.beta)
-            inputs = example_dpo_inputs(args.seq, model.vocab_size)
-            methods = export_accumulating_methods(dpo_model, example_inputs=inputs, **step_options) \
+        if preference:
+            preference_model, inputs, objective_settings = _preference_step(args, model)
+            methods = export_accumulating_methods(preference_model, example_inputs=inputs, **step_options) \
                 if args.grad_accum else dict(zip((TRAIN_METHOD, EVAL_METHOD), export_training_and_eval_steps(
-                    dpo_model, example_inputs=inputs, **step_options)))
+                    preference_model, example_inputs=inputs, **step_options)))
         elif args.program == "train-step":  # with its eval method (`vktrain eval`), sharing the frozen base
             methods = export_accumulating_methods(model, batch_shape, packing=packing, **step_options) \
                 if args.grad_accum else dict(zip((TRAIN_METHOD, EVAL_METHOD), export_training_and_eval_steps(
@@ -183,6 +204,10 @@ def cmd_export(args: argparse.Namespace) -> int:
     specs = adapter_metadata_specs(model, args.model, loaded)
     if args.activation_checkpointing is not None:
         specs.append(activation_checkpointing_spec(args.activation_checkpointing))
+    if objective_settings is not None:
+        from vktrain.backend.preprocess import metadata_spec
+
+        specs.append(metadata_spec(METADATA_OBJECTIVE, json.dumps(objective_settings)))
     partitioner = VktrainPartitioner(compile_specs=specs)
     embedder = TargetEmbedder(targets) if targets else None
     pte = lower_methods_to_pte(methods, {TRAIN_METHOD: partitioner},
@@ -396,9 +421,13 @@ def build_parser() -> argparse.ArgumentParser:
                              "its --data (default none: a window attends across them)")
     export.add_argument("--objective", choices=OBJECTIVES, default="lm",
                         help="dpo: the step trains on preference pairs (vktrain train --data pairs.jsonl, TRL's "
-                             "{prompt, chosen, rejected}) with DPO's loss, the frozen base as the reference; one "
-                             "pair a call (--batch 1), so N pairs a step is --grad-accum (default lm)")
-    export.add_argument("--beta", type=float, default=None, help="DPO's beta (default 0.1; --objective dpo)")
+                             "{prompt, chosen, rejected}) with DPO's loss, the frozen base as the reference; simpo: "
+                             "SimPO's loss (length-normalised log-probabilities, no reference); one pair a call "
+                             "(--batch 1), so N pairs a step is --grad-accum (default lm)")
+    export.add_argument("--beta", type=float, default=None,
+                        help="the reward scale beta: DPO's (default 0.1) or SimPO's (default 2.0)")
+    export.add_argument("--gamma-beta-ratio", type=float, default=None,
+                        help="SimPO's target reward margin gamma over beta (default 0.5: gamma = beta / 2)")
     export.add_argument("--lora-alpha", type=float, default=16.0)
     export.add_argument("--seed", type=int, default=0,
                         help="seeds the LoRA init and a built-in model's random weights (default 0): exports of one "

@@ -29,11 +29,14 @@ from vktrain.lora import lora_modules
 DEFAULT_BETA = 0.1
 
 
-def completion_logp(model: nn.Module, token_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """The summed log-probability [] of the targets (labels >= 0) of one row [1, S] under `model`."""
+def completion_logp(model: nn.Module, token_ids: torch.Tensor, labels: torch.Tensor,
+                    divisor: torch.Tensor | None = None) -> torch.Tensor:
+    """The summed log-probability [] of the targets (labels >= 0) of one row [1, S] under `model`, divided
+    by `divisor` (float32 [], e.g. the number of targets: the mean) when given."""
     logits = model.forward(token_ids)
-    loss, _ = torch.ops.vktrain.fused_ce(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1),
-                                         torch.ones((), dtype=torch.float32))
+    if divisor is None:
+        divisor = torch.ones((), dtype=torch.float32)
+    loss, _ = torch.ops.vktrain.fused_ce(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), divisor)
     return -loss
 
 

@@ -1,8 +1,9 @@
-"""`vktrain train --keep-best` and `--early-stopping N`: the adapters of the lowest held-out loss, not the
-last, and a run that stops once the held-out loss stops improving (torch-free).
+"""`vktrain train --keep-best [loss|accuracy]` and `--early-stopping N`: the adapters of the lowest held-out
+loss (or of the highest held-out exact-match accuracy, with --eval-generate), not the last, and a run that
+stops once that measure stops improving (torch-free).
 
 Candidates are the held-out evaluations after steps (every --eval-every steps and after the last step),
-compared by their eval_loss; the first of equal losses is kept. The comparison reads the run's records,
+compared by their eval_loss (or eval_accuracy); the first of equal values is kept. The comparison reads the run's records,
 so a resumed run goes on from its checkpoint's evaluations. A new best is written at once, atomically,
 as a complete checkpoint next to --checkpoint (<stem>.best<suffix>: `--resume` takes it), and its
 adapters become what --out-adapters / --out-gguf-adapter write at the end. `--early-stopping N` ends the
@@ -21,19 +22,23 @@ from tqdm import tqdm
 
 from vktrain.train.checkpoint import (Checkpoint, capture_state, load_checkpoint, remove_stale_temp_files,
                                      save_checkpoint)
+from vktrain.train.held_out_accuracy import EVAL_ACCURACY
 from vktrain.train.train_loop import TrainConfigError
 
 EVAL_LOSS = "eval_loss"
+# --keep-best's value -> (the record key compared, whether higher is better, how it is named)
+METRICS = {"loss": (EVAL_LOSS, False, "held-out loss"), "accuracy": (EVAL_ACCURACY, True, "held-out accuracy")}
 
 
 def add_best_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--keep-best", action="store_true",
-                        help="with --eval-data and --eval-every: keep the state of the lowest held-out loss as "
+    parser.add_argument("--keep-best", nargs="?", const="loss", default=None, choices=tuple(METRICS),
+                        help="with --eval-data and --eval-every: keep the state of the lowest held-out loss (or, "
+                             "`--keep-best accuracy` with --eval-generate, of the highest exact-match accuracy) as "
                              "CHECKPOINT's <stem>.best<suffix> (written at each new best) and write its adapters "
                              "as --out-adapters / --out-gguf-adapter instead of the last step's")
     parser.add_argument("--early-stopping", type=int, metavar="N",
                         help="with --eval-data and --eval-every: stop after N held-out evaluations in a row "
-                             "without a lower loss")
+                             "without a better one (by --keep-best's measure: the loss by default)")
 
 
 def best_checkpoint_path(checkpoint: str) -> Path:
@@ -51,6 +56,9 @@ def check_best_arguments(args: argparse.Namespace) -> None:
             raise TrainConfigError(f"{flag} compares held-out losses: it needs --eval-data FILE and --eval-every N "
                                    f"(got {'--eval-data' if args.eval_data else 'no --eval-data'}, --eval-every "
                                    f"{args.eval_every})")
+    if args.keep_best == "accuracy" and not getattr(args, "eval_generate", False):
+        raise TrainConfigError("--keep-best accuracy compares the held-out exact-match accuracy: it needs "
+                               "--eval-generate (and --eval-data FILE of chats)")
     if args.early_stopping is not None and args.early_stopping < 1:
         raise TrainConfigError(f"--early-stopping must be >= 1 evaluation, got {args.early_stopping}")
     if args.keep_best and not (args.checkpoint or args.resume or args.out_adapters or args.out_gguf_adapter):
@@ -58,12 +66,15 @@ def check_best_arguments(args: argparse.Namespace) -> None:
                                "--out-adapters DIR / --out-gguf-adapter FILE (written from the best state)")
 
 
-def best_so_far(records: list[dict]) -> Optional[tuple[int, float, int]]:
-    """(step, eval loss, evaluations after it) of the lowest eval loss among `records`; None before any."""
-    evaluated = [(record["step"], record[EVAL_LOSS]) for record in records if EVAL_LOSS in record]
+def best_so_far(records: list[dict], metric: str = "loss") -> Optional[tuple[int, float, int]]:
+    """(step, value, evaluations after it) of the best evaluation among `records` by `metric` (METRICS:
+    the lowest eval loss, or the highest eval accuracy; the first of equals); None before any."""
+    key, higher, _ = METRICS[metric]
+    evaluated = [(record["step"], record[key]) for record in records if key in record]
     if not evaluated:
         return None
-    index = min(range(len(evaluated)), key=lambda i: evaluated[i][1])
+    sign = -1.0 if higher else 1.0
+    index = min(range(len(evaluated)), key=lambda i: sign * evaluated[i][1])
     return evaluated[index][0], evaluated[index][1], len(evaluated) - 1 - index
 
 
@@ -72,7 +83,9 @@ class BestKeeper:
 
     def __init__(self, args: argparse.Namespace, runner, state, program_sha256: str,
                  make_checkpoint: Callable[[list[dict], dict], Checkpoint]):
-        self.keep, self.patience = args.keep_best, args.early_stopping
+        self.keep, self.patience = args.keep_best is not None, args.early_stopping
+        self.metric = args.keep_best or "loss"
+        self.key, _, self.what = METRICS[self.metric]
         checkpoint = args.checkpoint or args.resume
         self.path = best_checkpoint_path(checkpoint) if self.keep and checkpoint else None
         if self.path is not None:
@@ -87,7 +100,7 @@ class BestKeeper:
                 config: dict) -> Optional["BestKeeper"]:
         """The keeper of a `vktrain train` run (None without --keep-best and --early-stopping); `config`:
         run_config of the run, recorded in the best checkpoint as in the others."""
-        if not (args.keep_best or args.early_stopping is not None):
+        if not (args.keep_best is not None or args.early_stopping is not None):
             return None
 
         def make_checkpoint(records: list[dict], tensors: dict) -> Checkpoint:
@@ -99,23 +112,24 @@ class BestKeeper:
     def wrap(self, evaluate: Callable[[int], dict]) -> Callable[[int], dict]:
         def after_step(step: int) -> dict:
             result = evaluate(step)
-            if EVAL_LOSS in result:
+            if self.key in result:
                 self._evaluated(step, result)
             return result
         return after_step
 
     def _evaluated(self, step: int, result: dict) -> None:
         records = self.state.records[:-1] + [{**self.state.records[-1], **result}]  # this step's, evaluated
-        best_step, loss, since = best_so_far(records)
-        if best_step == step and math.isfinite(loss) and self.keep:
+        best_step, value, since = best_so_far(records, self.metric)
+        if best_step == step and math.isfinite(value) and self.keep:
             self.best_state = capture_state(self.runner)
             if self.path is not None:
                 save_checkpoint(self.path, self.make_checkpoint(records, self.best_state))
-            tqdm.write(f"step {step:6d}  new best held-out loss {loss:.6f}"
+            tqdm.write(f"step {step:6d}  new best {self.what} {value:.6f}"
                        + (f": {self.path}" if self.path is not None else ""), file=sys.stdout)  # under the bar
         if self.patience is not None and since >= self.patience:
-            self.stopped = (f"early stopping after step {step}: {since} held-out evaluation(s) without a loss below "
-                            f"step {best_step}'s {loss:.6f} (--early-stopping {self.patience})")
+            better = "a loss below" if self.metric == "loss" else "an accuracy above"
+            self.stopped = (f"early stopping after step {step}: {since} held-out evaluation(s) without {better} "
+                            f"step {best_step}'s {value:.6f} (--early-stopping {self.patience})")
 
     def should_stop(self) -> bool:
         return self.stopped is not None
@@ -127,13 +141,13 @@ class BestKeeper:
         if self.keep and self.best_state is None and self.path is not None and self.path.is_file():
             saved = load_checkpoint(self.path)  # a best of the run this one resumed
             if (saved.program_sha256 == self.program_sha256
-                    and (best_so_far(self.state.records) or (None,))[0] == saved.step):
+                    and (best_so_far(self.state.records, self.metric) or (None,))[0] == saved.step):
                 self.best_state = saved.tensors
         if self.best_state is not None:
             for name, array in self.best_state.items():
                 self.runner.write_state(name, array)
-            best_step, loss, _ = best_so_far(self.state.records)
-            print(f"best held-out loss {loss:.6f} at step {best_step}: its adapters are the ones written"
+            best_step, value, _ = best_so_far(self.state.records, self.metric)
+            print(f"best {self.what} {value:.6f} at step {best_step}: its adapters are the ones written"
                   + (f"; its checkpoint: {self.path}" if self.path is not None else ""))
 
 

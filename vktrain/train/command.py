@@ -39,7 +39,9 @@ from vktrain.train.checkpoint import (
     sha256_file,
 )
 from vktrain.train.best import BestKeeper, add_best_arguments, check_best_arguments
-from vktrain.contract import CHOSEN_IDS, DPO_INPUTS, REJECTED_IDS
+from vktrain.train.held_out_accuracy import (accuracy_evaluation, add_accuracy_arguments, check_accuracy_arguments,
+                                             describe_accuracy)
+from vktrain.train.pairs import OBJECTIVE_NAMES, load_program_pairs, preference_objective
 from vktrain.train.data import TokenBatcher, default_dataset_path, load_data
 from vktrain.train.interrupts import Interrupted, StopOnSignal, resume_command, signal_name
 from vktrain.train.lr_schedule import SCHEDULES, LRSchedule
@@ -66,7 +68,8 @@ HYPERPARAMETER_FLAGS = {"--lr": "lr", "--schedule": "schedule", "--warmup": "war
 HYPERPARAMETER_DEFAULTS = {"lr": 1e-3, "schedule": "cosine", "warmup": 0, "min_lr_ratio": 0.0, **ADAMW_DEFAULTS}
 # Flag -> argparse dest of the settings of token data, which a step trained on --inputs arrays has none of.
 TOKEN_DATA_FLAGS = {"--data": "data", "--seed": "seed", "--no-shuffle": "no_shuffle", "--eval-data": "eval_data",
-                    "--eval-every": "eval_every", "--eval-batches": "eval_batches"}
+                    "--eval-every": "eval_every", "--eval-batches": "eval_batches",
+                    "--eval-generate": "eval_generate"}
 
 
 class ValidationErrorsReported(VktrainError):
@@ -147,6 +150,7 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     parser.add_argument("--log-every", type=int, default=1, metavar="N",
                         help="print step, loss and lr every N steps (default 1; 0: only the summary)")
     add_overwrite_argument(parser)
+    add_accuracy_arguments(parser)  # --eval-generate (vktrain/train/held_out_accuracy.py)
     add_best_arguments(parser)  # --keep-best, --early-stopping (vktrain/train/best.py)
     return parser
 
@@ -215,6 +219,7 @@ def check_arguments(args: argparse.Namespace) -> tuple[LRSchedule, AdamWConfig]:
     from vktrain.train.held_out import check_max_batches
 
     check_max_batches("--eval-batches", args.eval_batches)
+    check_accuracy_arguments(args)
     check_best_arguments(args)
     if args.plot and importlib.util.find_spec("matplotlib") is None:
         raise TrainConfigError("--plot needs matplotlib (pip install matplotlib)")
@@ -380,24 +385,30 @@ def _held_out_evaluation(args, runner, info, start: int):
     training."""
     if args.eval_data is None:
         return None, None
-    if info is None:  # a DPO step's pairs (--inputs arrays are refused with --eval-data up front)
+    if info is None:  # a preference step's pairs (--inputs arrays are refused with --eval-data up front)
         raise TrainConfigError(f"--eval-data is token data for a token model's step; {args.program} trains on "
-                               f"preference pairs, whose held-out evaluation vktrain train does not run yet")
+                               f"preference pairs, whose held-out evaluation vktrain train does not run yet (vktrain eval "
+                               f"{args.program} --data PAIRS.jsonl [--adapters ...] reports their loss and reward "
+                               f"accuracy)")
     from vktrain.train.held_out import evaluate_batches, prepare_eval_batches
 
     held_out = load_data(args.eval_data, info.vocab_size, program_tokenizer(runner, args.program))
     batches = prepare_eval_batches(held_out, runner.batch_shape, args.eval_batches,  # once: the data is fixed
                                    getattr(runner, "takes_positions", False))
+    accuracy = accuracy_evaluation(args, runner)  # --eval-generate: the task accuracy too
     before = evaluate_batches(runner, batches)
-    print(f"eval before training: loss {before['loss']:.6f} over {before['tokens']} tokens ({args.eval_data})")
+    first = {"step": start, "eval_loss": before["loss"], **(accuracy() if accuracy else {})}
+    print(f"eval before training: loss {before['loss']:.6f} over {before['tokens']} tokens ({args.eval_data})"
+          + (f"; {describe_accuracy(first)}" if accuracy else ""))
 
     def after_step(step: int) -> dict:
         if not ((args.eval_every and step % args.eval_every == 0) or step == args.steps):
             return {}
-        loss = evaluate_batches(runner, batches)["loss"]
-        tqdm.write(f"step {step:6d}  eval loss {loss:.6f}", file=sys.stdout)
-        return {"eval_loss": loss}
-    return after_step, {"step": start, "eval_loss": before["loss"]}
+        record = {"eval_loss": evaluate_batches(runner, batches)["loss"], **(accuracy() if accuracy else {})}
+        tqdm.write(f"step {step:6d}  eval loss {record['eval_loss']:.6f}"
+                   + (f", {describe_accuracy(record)}" if accuracy else ""), file=sys.stdout)
+        return record
+    return after_step, first
 
 
 def _training_batches(args, runner, data_path: Path, seed: int):
@@ -410,15 +421,14 @@ def _training_batches(args, runner, data_path: Path, seed: int):
         inputs = ", ".join(f"{name} {spec.describe()}" for name, spec in runner.input_specs.items())
         return batches, None, (f"{args.program}: inputs {inputs}; {data_path}: {batches.n_batches} batch(es), "
                                f"cycled")
-    if set(getattr(runner, "input_specs", ())) == set(DPO_INPUTS):  # vktrain export --objective dpo: pairs
-        from vktrain.train.pairs import load_pairs, pair_batches
+    objective = preference_objective(runner)
+    if objective is not None:  # vktrain export --objective dpo|simpo: pairs
+        from vktrain.train.pairs import pair_batches
 
-        seq_len = runner.input_specs[CHOSEN_IDS].shape[1]
-        limits = runner.executor.index_limits
-        vocab = min(limits[name] for name in (CHOSEN_IDS, REJECTED_IDS) if name in limits)
-        pairs = load_pairs(data_path, program_tokenizer(runner, args.program), seq_len, vocab)
+        pairs, seq_len = load_program_pairs(runner, data_path, args.program)
         return pair_batches(pairs, runner.input_specs, str(data_path), args.grad_accum), None, (
-            f"{args.program}: DPO, {args.grad_accum} preference pair(s) a step, {seq_len} tokens a side; "
+            f"{args.program}: {OBJECTIVE_NAMES[objective]}, {args.grad_accum} preference pair(s) a step, {seq_len} "
+            f"tokens a side; "
             f"{data_path}: {len(pairs)} "
             f"pair(s), cycled in file order" + (f" ({pairs.truncated} completion(s) cut at the window)"
                                                if pairs.truncated else ""))

@@ -13,6 +13,11 @@ module's loss defines its own reduction within a batch). This needs the eval met
 (vktrain.export.export_training_and_eval_steps); a .pte without one is refused, saying so. `--adapters`
 is then a vktrain checkpoint (its model.* tensors: everything the step trained).
 
+A preference step (`vktrain export --objective dpo|simpo`) is evaluated on `--data PAIRS.jsonl`: the mean
+preference loss over the pairs and the reward accuracy, the fraction of pairs whose chosen completion's
+implicit reward beats the rejected one's (vktrain/train/preference_eval.py); --max-batches N: the first N
+pairs.
+
 `--generate` measures task accuracy instead of the loss: greedy answers to the held-out chats of --data
 by the model the .pte holds with the adapters given (vktrain/generate/task_accuracy.py; it exports a
 prefill/decode program on the host, so this path imports torch).
@@ -34,6 +39,7 @@ from vktrain.train.checkpoint import atomic_write_json, load_checkpoint
 from vktrain.train.data import load_data
 from vktrain.serialization.tokenizer import program_tokenizer
 from vktrain.train.held_out import check_max_batches, evaluate_data
+from vktrain.train.pairs import OBJECTIVE_NAMES, preference_objective
 from vktrain.train.outputs import Output, OutputKind, add_overwrite_argument, check_outputs, json_object
 from vktrain.train.train_loop import TrainConfigError, describe_program, is_token_step
 from vktrain.backend.kernel_planning import plan_schedule
@@ -45,7 +51,8 @@ EVAL_RESULT = OutputKind("vktrain eval's JSON result", json_object("loss"))  # w
 def add_eval_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("program", metavar="STEP.pte", help="training-step program with its eval method (vktrain export)")
     parser.add_argument("--data", metavar="FILE",
-                        help="held-out token data, in any format `vktrain train --data` reads (a token model's step)")
+                        help="held-out token data, in any format `vktrain train --data` reads (a token model's step), "
+                             "or preference pairs (a DPO / SimPO step: loss and reward accuracy)")
     parser.add_argument("--inputs", metavar="DATA.npz",
                         help="held-out input arrays of a step of any module, as `vktrain train --inputs` reads them "
                              "(named as the eval method's inputs); the loss is the mean over their batches")
@@ -133,6 +140,8 @@ def run_eval(args: argparse.Namespace, device=None) -> int:
                 result = _evaluate_generation(args, runner, data_path)
             elif args.inputs is not None:
                 result = _evaluate_inputs(args, runner, data_path)
+            elif preference_objective(runner) is not None:
+                result = _evaluate_pairs(args, runner, data_path)
             elif not is_token_step(runner):
                 raise TrainConfigError(f"{args.program} is not a token model's step (its inputs are "
                                        f"{runner.input_names}): evaluate it on its input arrays with --inputs "
@@ -150,6 +159,9 @@ def run_eval(args: argparse.Namespace, device=None) -> int:
               f"greedy, at most {result['max_new_tokens']} new tokens")
     elif args.inputs is not None:
         print(f"eval {data_path}: loss {result['loss']:.6f} (mean over {result['batches']} batches)")
+    elif "reward_accuracy" in result:
+        print(f"eval {data_path}: {OBJECTIVE_NAMES[result['objective']]} loss {result['loss']:.6f}, reward accuracy "
+              f"{result['reward_accuracy']:.1%} of {result['pairs']} pair(s) ({result['ties']} tied)")
     else:
         print(f"eval {data_path}: loss {result['loss']:.6f}, perplexity {result['perplexity']:.4f} over "
               f"{result['tokens']} tokens")
@@ -228,6 +240,21 @@ def _evaluate_tokens(args: argparse.Namespace, runner, data_path: Path) -> dict:
 def _load_given_adapters(args: argparse.Namespace, runner) -> None:
     """Write --adapters (when given) into a token model's step, checked against the program's."""
     if args.adapters:
-        alpha = describe_program(runner).metadata.get(METADATA_LORA_ALPHA)
+        alpha = _metadata(runner).get(METADATA_LORA_ALPHA)
         load_adapter_state(runner, adapter_state(Path(args.adapters), list(runner.lora_state()),
                                                  None if alpha is None else float(alpha), runner_frozen_lora(runner)))
+
+
+def _metadata(runner) -> dict:
+    return dict(getattr(getattr(runner, "graph", None), "metadata", {}) or {})
+
+
+def _evaluate_pairs(args: argparse.Namespace, runner, data_path: Path) -> dict:
+    """A preference step's held-out loss and reward accuracy on --data's pairs (vktrain/train/preference_eval.py)."""
+    from vktrain.train.pairs import load_program_pairs
+    from vktrain.train.preference_eval import evaluate_pairs, objective_settings
+
+    settings = objective_settings(_metadata(runner), args.program)
+    pairs, _ = load_program_pairs(runner, data_path, args.program)
+    _load_given_adapters(args, runner)
+    return evaluate_pairs(runner, pairs, settings, args.max_batches)

@@ -1,11 +1,11 @@
-"""Preference pairs for DPO, in TRL's preference format with an explicit prompt, read into fixed windows.
+"""Preference pairs for DPO and SimPO, in TRL's preference format with an explicit prompt, read into fixed windows.
 
 A pairs file holds one JSON object per line (*.jsonl) or one JSON array of them (*.json), each either
     {"prompt": "text", "chosen": "text", "rejected": "text"}                       (standard)
     {"prompt": [messages], "chosen": [messages], "rejected": [messages]}           (conversational)
 with messages as in chat data ({"role", "content"}); a conversational completion holds the assistant turn(s)
 that follow the prompt. TRL's implicit-prompt rows ({"chosen", "rejected"} only) are refused: the prompt
-must be given apart, since DPO compares the log-probabilities of the completions alone.
+must be given apart, since DPO and SimPO compare the log-probabilities of the completions alone.
 
 Tokens (the model's tokenizer, as `vktrain train --data` reads documents and chats): a standard row is
 the prompt encoded as a document's text is (with the tokenizer's BOS where it adds one), then the
@@ -20,7 +20,7 @@ not an object with exactly the keys prompt / chosen / rejected of one kind (all 
 empty prompt or completion (one with no assistant message), a prompt that leaves no room in the window
 for one completion token, token ids outside the vocabulary, a file with no pair.
 
-`vktrain train --data pairs.jsonl [--grad-accum N]` on a step exported with `--objective dpo` trains on
+`vktrain train --data pairs.jsonl [--grad-accum N]` on a step exported with `--objective dpo|simpo` trains on
 pair_batches: N pairs a step (the accumulate method N - 1 times, then the step), in file order, cycled.
 """
 from __future__ import annotations
@@ -32,7 +32,8 @@ from typing import TYPE_CHECKING, Optional
 
 import numpy as np
 
-from vktrain.contract import CHOSEN_IDS, CHOSEN_LABELS, N_PAIRS, REJECTED_IDS, REJECTED_LABELS
+from vktrain.contract import (CHOSEN_IDS, CHOSEN_LABELS, CHOSEN_LENGTH, N_PAIRS, OBJECTIVE_DPO, OBJECTIVE_SIMPO,
+                              PREFERENCE_INPUTS, REJECTED_IDS, REJECTED_LABELS, REJECTED_LENGTH)
 from vktrain.train.data import IGNORED_LABEL, JSON_SUFFIX, DataError, PathLike, check_vocab
 from vktrain.train.input_data import ArrayBatches
 
@@ -189,14 +190,39 @@ def load_pairs(path: PathLike, tokenizer: Optional["ModelTokenizer"], seq_len: i
 
 
 def pair_batches(pairs: PreferencePairs, specs, source: str, pairs_per_step: int = 1) -> ArrayBatches:
-    """The ArrayBatches of a DPO step (contract.DPO_INPUTS): pair t of the file (cycled) at batch position t,
-    n_pairs = pairs_per_step (the loss's divisor: train's grad_accum runs that many positions a step)."""
+    """The ArrayBatches of a preference step (contract.PREFERENCE_INPUTS): pair t of the file (cycled) at
+    batch position t, n_pairs = pairs_per_step (the loss's divisor: train's grad_accum runs that many
+    positions a step); a SimPO step's completion lengths too (the number of each side's targets)."""
     arrays = {CHOSEN_IDS: pairs.chosen_tokens, CHOSEN_LABELS: pairs.chosen_labels, REJECTED_IDS: pairs.rejected_tokens,
               REJECTED_LABELS: pairs.rejected_labels}
     stacked = {name: array[:, None, :] for name, array in arrays.items()}  # [N, 1, S]: one pair a batch
+    if CHOSEN_LENGTH in specs:
+        stacked[CHOSEN_LENGTH] = (pairs.chosen_labels >= 0).sum(axis=1).astype(np.float32)  # [N]
+        stacked[REJECTED_LENGTH] = (pairs.rejected_labels >= 0).sum(axis=1).astype(np.float32)
     batches = ArrayBatches({**stacked, N_PAIRS: np.float32(pairs_per_step)}, specs, source)
     batches.accumulates = True
     return batches
 
 
-__all__ = ["COMPLETIONS", "PAIR_KEYS", "PreferencePairs", "load_pairs", "pair_batches"]
+OBJECTIVE_NAMES = {OBJECTIVE_DPO: "DPO", OBJECTIVE_SIMPO: "SimPO"}
+
+
+def preference_objective(runner) -> Optional[str]:
+    """contract's OBJECTIVE_DPO / OBJECTIVE_SIMPO when the step takes that objective's pair inputs, else None."""
+    names = set(getattr(runner, "input_specs", ()))
+    return next((objective for objective, inputs in PREFERENCE_INPUTS.items() if names == set(inputs)), None)
+
+
+def load_program_pairs(runner, path: PathLike, program: str) -> tuple[PreferencePairs, int]:
+    """(the pairs of `path` in the windows of `runner`'s preference step, its window length), tokenized with
+    the tokenizer the .pte carries and checked against its vocabulary."""
+    from vktrain.serialization.tokenizer import program_tokenizer
+
+    seq_len = runner.input_specs[CHOSEN_IDS].shape[1]
+    limits = runner.executor.index_limits
+    vocab = min(limits[name] for name in (CHOSEN_IDS, REJECTED_IDS) if name in limits)
+    return load_pairs(path, program_tokenizer(runner, program), seq_len, vocab), seq_len
+
+
+__all__ = ["COMPLETIONS", "OBJECTIVE_NAMES", "PAIR_KEYS", "PreferencePairs", "load_pairs", "load_program_pairs",
+           "pair_batches", "preference_objective"]
