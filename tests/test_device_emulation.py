@@ -423,3 +423,34 @@ def test_generation_counts_prefill_and_decode_against_the_budget(vk_device, tmp_
                                                  f"memory budget of {needed - 4} bytes"):
         load(needed - 4)
     load(needed).close()
+
+
+# ---------------------------------------------------------------------------------------------- embedded schedules
+def test_a_step_exported_for_each_class_runs_its_embedded_schedule_under_that_profile(vk_device, tmp_path,
+                                                                                      monkeypatch):
+    """`vktrain export --target P` then `--device-profile P`: the schedule embedded for P is the one that runs
+    (every class promises the 8 storage buffers per dispatch the kernels bind; with the Vulkan-required 4 no
+    embedded schedule fitted its own profile and the runtime silently planned at load), with the losses of P
+    planned at load."""
+    from vktrain.contract import EVAL_METHOD, TRAIN_METHOD
+    from vktrain.export import export_training_and_eval_steps, lower_methods_to_pte
+    from vktrain.lora import LoRAConfig, apply_lora
+    from vktrain.models import build_model
+    from vktrain.runtime.program.runner import TrainingRunner
+    from vktrain.train.targets import Target, TargetEmbedder
+
+    model = build_model("tiny-llama", n_layers=1)
+    apply_lora(model, LoRAConfig(rank=4, alpha=8.0, targets="*_proj", group_size=32, seed=0))
+    methods = dict(zip((TRAIN_METHOD, EVAL_METHOD), export_training_and_eval_steps(model, (BATCH, SEQ))))
+    ids = np.random.default_rng(2).integers(0, 256, (BATCH, SEQ + 1))
+    for profile in (ADRENO_6XX, LAPTOP_PROFILES[0]):
+        path = tmp_path / f"{profile.name}.pte"
+        path.write_bytes(lower_methods_to_pte(methods, rewrite_blobs=TargetEmbedder([Target(profile)])))
+        monkeypatch.setenv(DEVICE_PROFILE_ENV, profile.name)
+        runs = []
+        for precision in ("auto", "fp16"):  # auto: the embedded schedule; fp16 given: planned at load
+            with TrainingRunner.from_pte(path, vk_device, planner=plan_schedule, precision=precision) as runner:
+                runs.append(([runner.step(ids[:, :-1], ids[:, 1:], HPARAMS) for _ in range(2)], runner.target))
+        (embedded, target), (planned, none) = runs
+        assert target is not None and target.profile.name == profile.name and none is None
+        assert embedded == planned

@@ -359,6 +359,12 @@ DESKTOP_GPU = DeviceProfile(
            "(gpuweb issue 2832's gpuinfo.org query), subgroups of 32, the Vulkan 1.1 required limits otherwise")
 
 
+# The kernels bind up to 8 storage buffers per dispatch (attention_bwd@DKV 8, adamw 6: the Vulkan-required 4
+# holds none of them), and so does the WGSL runtime under WebGPU's default maxStorageBuffersPerShaderStage of 8,
+# a limit every WebGPU adapter must offer (WebGPU spec, "Limits"); Chrome's WebGPU runs on Android's Adreno and
+# Mali GPUs (Chrome 121) and on Apple, Intel and AMD laptop GPUs. The phone and laptop classes promise those 8.
+_WEBGPU_STORAGE_BUFFERS_PER_STAGE = 8
+
 # Phone GPUs reset a context whose job runs past a watchdog of a few seconds (Android kgsl on Adreno, Mali's
 # job timeout; reports: SaschaWillems/Vulkan issue 445, device lost running compute on Mali-G71/G72; llama.cpp
 # issue 21724, a job timeout from the command batch size on an AMD APU). No vendor documents a dispatch count and
@@ -440,8 +446,11 @@ def _phone(name: str, vendor: str, subgroup_size: int, shared: int, source: str)
                          subgroup_operations=("basic",), float16=True, int64=False, cooperative_matrix=(),
                          max_dispatches_per_submit=PHONE_MAX_DISPATCHES_PER_SUBMIT,
                          memory_budget_bytes=PHONE_MEMORY_BUDGET_BYTES, prefers_fp16=tuning.prefers_fp16,
-                         gemm_tiles=tuning.gemm_tiles, **dict(_VK_REQUIRED, max_shared_memory_bytes=shared),
-                         source=f"{source}; GEMM tuning: {tuning.source}")
+                         gemm_tiles=tuning.gemm_tiles,
+                         **dict(_VK_REQUIRED, max_shared_memory_bytes=shared,
+                                max_storage_buffers_per_stage=_WEBGPU_STORAGE_BUFFERS_PER_STAGE),
+                         source=f"{source}; 8 storage buffers per stage (WebGPU's default limit); GEMM tuning: "
+                                f"{tuning.source}")
 
 
 ADRENO_6XX = _phone("adreno-6xx", "adreno", 64, 16384, "phone class Adreno 6xx: waves of 64 fibers (Qualcomm Adreno GPU "
@@ -476,7 +485,7 @@ LAPTOP_MAX_DISPATCHES_PER_SUBMIT = PHONE_MAX_DISPATCHES_PER_SUBMIT
 # memory (Metal feature set tables); Intel's and AMD's drivers report up to 64 KiB, of which the profile
 # promises the 32 KiB gpuinfo.org shows for every device but Adreno 610 / 612 (gpuweb issue 2832).
 _LAPTOP_LIMITS = dict(_VK_REQUIRED, max_shared_memory_bytes=_GPUINFO_SHARED, max_workgroup_invocations=1024,
-                      max_workgroup_size=(1024, 1024, 64))
+                      max_workgroup_size=(1024, 1024, 64), max_storage_buffers_per_stage=_WEBGPU_STORAGE_BUFFERS_PER_STAGE)
 
 
 def _laptop(name: str, vendor: str, subgroup_size: int, source: str) -> DeviceProfile:
@@ -492,7 +501,8 @@ def _laptop(name: str, vendor: str, subgroup_size: int, source: str) -> DevicePr
                          max_dispatches_per_submit=LAPTOP_MAX_DISPATCHES_PER_SUBMIT,
                          memory_budget_bytes=LAPTOP_MEMORY_BUDGET_BYTES, prefers_fp16=tuning.prefers_fp16,
                          gemm_tiles=tuning.gemm_tiles, **_LAPTOP_LIMITS,
-                         source=f"{source}; not queried on such a device; GEMM tuning: {tuning.source}")
+                         source=f"{source}; 8 storage buffers per stage (WebGPU's default limit); not queried on "
+                                f"such a device; GEMM tuning: {tuning.source}")
 
 
 APPLE_MOLTENVK = _laptop("apple-moltenvk", "apple", 32, "laptop class Apple M1-M3 through MoltenVK: SIMD-groups of "
