@@ -25,7 +25,7 @@ BENCHMARKS = {
     "federate": ("bench_federate.py run", True), "load": ("bench_load.py", True),
     "fleet_scale": ("bench_fleet_scale.py run", True), "long_context": ("bench_long_context.py export|run", True),
     "kernels": ("bench_kernels.py [--smollm2]", True),
-    "packing": ("bench_packing.py run", True),
+    "packing": ("bench_packing.py run", True), "phone_profiles": ("bench_phone_profiles.py run", True),
     "q8_0_embedding": ("by hand: bench/README.md", True), "quant_quality": ("quant_quality.py", True),
     "recipe": ("bench_recipe.py score", True),
     "step": ("bench_step.py run", True), "train": ("bench_train.py run", True),

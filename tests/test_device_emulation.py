@@ -13,12 +13,14 @@ import pytest
 
 from vktrain.cli import main
 from vktrain.runtime.device_profiles import DEVICE_PROFILE_ENV, planning_profile, profile_of
-from vktrain.serialization.device_profile import (ADRENO_6XX, ADRENO_7XX, API_WEBGPU, BUILTIN_PROFILES, LAVAPIPE,
-                                                  MALI_G7X, MALI_G7XX, NVIDIA_COOPMAT, DeviceProfileError,
-                                                  EmulationError, intersect, resolve_profile)
+from vktrain.serialization.device_profile import (ADRENO_6XX, ADRENO_7XX, API_WEBGPU, BUILTIN_PROFILES,
+                                                  LAPTOP_PROFILES, LAVAPIPE, MALI_G7X, NVIDIA_COOPMAT, PHONE_PROFILES,
+                                                  DeviceProfileError, EmulationError, intersect, resolve_profile)
 from vktrain.backend.kernel_planning import plan_schedule
 
-PHONES = ("adreno-6xx", "adreno-7xx", "mali-g7x", "mali-g7xx")
+# Every built-in device class a program is planned down to: the phones and the laptops' integrated GPUs.
+CLASSES = PHONE_PROFILES + LAPTOP_PROFILES
+PHONES = tuple(p.name for p in CLASSES)
 BATCH, SEQ, STEPS = 2, 16, 3
 HPARAMS = np.array([1e-2, 0.9, 0.999, 1e-8, 0.01], np.float32)
 # A device with more of everything than every phone profile, and subgroups of 64 (an Adreno's).
@@ -28,7 +30,7 @@ BIG = dataclasses.replace(LAVAPIPE, name="big", subgroup_size=64, max_shared_mem
 
 
 # ---------------------------------------------------------------------------------------------- intersect
-@pytest.mark.parametrize("target", [ADRENO_6XX, ADRENO_7XX, MALI_G7X, MALI_G7XX], ids=lambda p: p.name)
+@pytest.mark.parametrize("target", CLASSES, ids=lambda p: p.name)
 def test_intersect_takes_every_limit_and_feature_of_the_target(target):
     got = intersect(BIG, target)
     kept = {"name", "source", "api", "subgroup_size", "subgroup_operations"}
@@ -36,9 +38,9 @@ def test_intersect_takes_every_limit_and_feature_of_the_target(target):
         if field.name not in kept:
             assert getattr(got, field.name) == getattr(target, field.name), field.name
     assert got.api == BIG.api and target.name in got.name and BIG.name in got.name and target.source in got.source
-    if target.subgroup_size == BIG.subgroup_size:  # adreno: 64 lanes on both
+    if target.subgroup_size == BIG.subgroup_size:  # adreno, amd: 64 lanes on both
         assert (got.subgroup_size, got.subgroup_operations) == (64, target.subgroup_operations)
-    else:  # mali: 16 lanes the device cannot give: no size promised, the kernels' portable path
+    else:  # mali's 16, apple's and intel's 32 lanes the device cannot give: no size promised, the portable path
         assert (got.subgroup_size, got.subgroup_operations) == (0, ())
 
 
@@ -421,3 +423,34 @@ def test_generation_counts_prefill_and_decode_against_the_budget(vk_device, tmp_
                                                  f"memory budget of {needed - 4} bytes"):
         load(needed - 4)
     load(needed).close()
+
+
+# ---------------------------------------------------------------------------------------------- embedded schedules
+def test_a_step_exported_for_each_class_runs_its_embedded_schedule_under_that_profile(vk_device, tmp_path,
+                                                                                      monkeypatch):
+    """`vktrain export --target P` then `--device-profile P`: the schedule embedded for P is the one that runs
+    (every class promises the 8 storage buffers per dispatch the kernels bind; with the Vulkan-required 4 no
+    embedded schedule fitted its own profile and the runtime silently planned at load), with the losses of P
+    planned at load."""
+    from vktrain.contract import EVAL_METHOD, TRAIN_METHOD
+    from vktrain.export import export_training_and_eval_steps, lower_methods_to_pte
+    from vktrain.lora import LoRAConfig, apply_lora
+    from vktrain.models import build_model
+    from vktrain.runtime.program.runner import TrainingRunner
+    from vktrain.train.targets import Target, TargetEmbedder
+
+    model = build_model("tiny-llama", n_layers=1)
+    apply_lora(model, LoRAConfig(rank=4, alpha=8.0, targets="*_proj", group_size=32, seed=0))
+    methods = dict(zip((TRAIN_METHOD, EVAL_METHOD), export_training_and_eval_steps(model, (BATCH, SEQ))))
+    ids = np.random.default_rng(2).integers(0, 256, (BATCH, SEQ + 1))
+    for profile in (ADRENO_6XX, LAPTOP_PROFILES[0]):
+        path = tmp_path / f"{profile.name}.pte"
+        path.write_bytes(lower_methods_to_pte(methods, rewrite_blobs=TargetEmbedder([Target(profile)])))
+        monkeypatch.setenv(DEVICE_PROFILE_ENV, profile.name)
+        runs = []
+        for precision in ("auto", "fp16"):  # auto: the embedded schedule; fp16 given: planned at load
+            with TrainingRunner.from_pte(path, vk_device, planner=plan_schedule, precision=precision) as runner:
+                runs.append(([runner.step(ids[:, :-1], ids[:, 1:], HPARAMS) for _ in range(2)], runner.target))
+        (embedded, target), (planned, none) = runs
+        assert target is not None and target.profile.name == profile.name and none is None
+        assert embedded == planned

@@ -34,9 +34,11 @@ from vktrain.backend.kernel_planning.planner import gemm_route_for, requirements
 from vktrain.runtime.device_profiles import DEVICE_PROFILE_ENV
 from vktrain.runtime.program.runner import TrainingRunner
 from vktrain.runtime.vk.coopmat import CooperativeMatrixShape
-from vktrain.serialization.device_profile import (ADRENO_6XX, ADRENO_7XX, BUILTIN_PROFILES, DESKTOP_GPU, LAVAPIPE,
-                                                  MALI_G7X, MALI_G7XX, NVIDIA_COOPMAT, VENDOR_GEMM_TUNING,
-                                                  DeviceProfile, DeviceProfileError, vendor_gemm_tuning)
+from vktrain.serialization.device_profile import (ADRENO_6XX, ADRENO_7XX, AMD_INTEGRATED, APPLE_MOLTENVK,
+                                                  BUILTIN_PROFILES, DESKTOP_GPU, INTEL_INTEGRATED, LAVAPIPE, MALI_G7X,
+                                                  MALI_G7XX, NVIDIA_COOPMAT, VENDOR_GEMM_TUNING, DeviceProfile,
+                                                  DeviceProfileError, vendor_gemm_tuning)
+from vktrain.backend.kernel_planning.kernels.linear import DEFAULT_GEMM_THREADS, GemmTiles
 
 from _helpers import LOSS_RTOL, _cast_floating
 from test_kernels_fp16 import fp16_gemm_bound
@@ -100,19 +102,27 @@ def test_auto_picks_fp16_only_where_the_profile_prefers_it_and_no_tensor_cores_r
     assert route.fp16_simt and requirements_of(MALI_G7XX, route).float16
 
 
-def test_the_vendor_table_gives_the_phone_profiles_their_tuning_with_sources():
-    for profile, vendor in ((ADRENO_6XX, "adreno"), (ADRENO_7XX, "adreno"), (MALI_G7X, "mali"), (MALI_G7XX, "mali")):
+def test_the_vendor_table_gives_the_phone_and_laptop_profiles_their_tuning_with_sources():
+    for profile, vendor in ((ADRENO_6XX, "adreno"), (ADRENO_7XX, "adreno"), (MALI_G7X, "mali"), (MALI_G7XX, "mali"),
+                            (APPLE_MOLTENVK, "apple"), (INTEL_INTEGRATED, "intel"), (AMD_INTEGRATED, "amd")):
         row = VENDOR_GEMM_TUNING[vendor]
         assert (profile.prefers_fp16, profile.gemm_tiles) == (True, row.gemm_tiles)
         assert row.source in profile.source
-        threads_x, threads_y, bk = profile.gemm_tiles
-        assert threads_x * threads_y <= profile.max_workgroup_invocations
-        assert 2 * bk * 8 * (threads_x + threads_y) <= profile.max_shared_memory_bytes  # the FP16 tiles
+        # The tiles the plan takes: the row's, or (empty) the default 16 x 16 threads at the op's bk (<= 16).
+        tiles = GemmTiles(*profile.gemm_tiles) if profile.gemm_tiles else GemmTiles(16, 16, 16)
+        assert profile.gemm_tiles or profile.max_workgroup_invocations >= DEFAULT_GEMM_THREADS
+        assert tiles.threads_x * tiles.threads_y <= profile.max_workgroup_invocations
+        assert tiles.shared_bytes <= profile.max_shared_memory_bytes  # fp32 tiles (fp16: half of it)
     for profile in (LAVAPIPE, NVIDIA_COOPMAT, DESKTOP_GPU):
         assert (profile.prefers_fp16, profile.gemm_tiles) == (False, ())
     assert vendor_gemm_tuning("Adreno (TM) 740") is VENDOR_GEMM_TUNING["adreno"]
     assert vendor_gemm_tuning("Mali-G715") is VENDOR_GEMM_TUNING["mali"]
+    assert vendor_gemm_tuning("Apple M1") is VENDOR_GEMM_TUNING["apple"]
+    assert vendor_gemm_tuning("Intel(R) Iris(R) Xe Graphics (TGL GT2)") is VENDOR_GEMM_TUNING["intel"]
+    assert vendor_gemm_tuning("AMD Radeon 780M (RADV GFX1103_R1)") is VENDOR_GEMM_TUNING["amd"]
+    assert vendor_gemm_tuning("Radeon RX Vega") is VENDOR_GEMM_TUNING["amd"]
     assert vendor_gemm_tuning("NVIDIA H200") is None
+    assert vendor_gemm_tuning("llvmpipe (LLVM 15.0.6, 256 bits)") is None
 
 
 def test_profile_files_carry_the_tuning_older_files_load_and_bad_tiles_are_refused_by_field():

@@ -5,9 +5,10 @@ The program layer hands it to the caller's planner (vktrain/runtime/program/sche
 kernel planning reads nothing else of the device), the executor checks a schedule's requirements against it,
 and `vktrain devices` prints it. `planning_profile(device)` is the profile planned for: the device's own, or,
 with VKTRAIN_DEVICE_PROFILE=NAME|FILE.json (`--device-profile` of train, eval and generate sets it), that
-profile emulated on the device (serialization/device_profile.py `intersect`). The tuning fields are the record's defaults (measured on the H200): a device
-of its own is not measured here; a Vulkan device whose name names a vendor of VENDOR_GEMM_TUNING (Adreno, Mali)
-takes that row's prefers_fp16 and tiles.
+profile emulated on the device (serialization/device_profile.py `intersect`). The tuning fields are the
+record's defaults (measured on the H200): a device of its own is not measured here; a Vulkan device whose name
+names a vendor of VENDOR_GEMM_TUNING (Adreno, Mali, Apple, Intel, AMD / Radeon) takes that row's prefers_fp16
+and tiles.
 """
 from __future__ import annotations
 

@@ -17,6 +17,11 @@ Built-in profiles (BUILTIN_PROFILES), each with its source:
                    for the class, and the Vulkan 1.1 required limits for the rest: conservative, so a plan for
                    the class fits every member; a queried device's own profile (`vktrain devices`) is tighter.
                    Each carries a 4 GB phone's memory budget (PHONE_MEMORY_BUDGET_BYTES, a conservative choice).
+  apple-moltenvk, intel-integrated, amd-integrated
+                   laptop classes (LAPTOP_PROFILES): the subgroup width and workgroup size the vendor documents and
+                   its Vulkan drivers report, 32 KiB of shared memory (the floor gpuinfo.org shows), the Vulkan 1.1
+                   required limits otherwise; an 8 GB laptop's memory budget (LAPTOP_MEMORY_BUDGET_BYTES). None of
+                   the three was queried on such a device.
 A profile file (`vktrain devices --json`, `DeviceProfile.to_json`) holds every field below; reading one
 refuses unknown and missing fields by name (`DeviceProfile.from_json`, `load_profile`), except the fields
 added after the format was first written (OPTIONAL_FIELDS), which take their default when absent so that older
@@ -354,6 +359,12 @@ DESKTOP_GPU = DeviceProfile(
            "(gpuweb issue 2832's gpuinfo.org query), subgroups of 32, the Vulkan 1.1 required limits otherwise")
 
 
+# The kernels bind up to 8 storage buffers per dispatch (attention_bwd@DKV 8, adamw 6: the Vulkan-required 4
+# holds none of them), and so does the WGSL runtime under WebGPU's default maxStorageBuffersPerShaderStage of 8,
+# a limit every WebGPU adapter must offer (WebGPU spec, "Limits"); Chrome's WebGPU runs on Android's Adreno and
+# Mali GPUs (Chrome 121) and on Apple, Intel and AMD laptop GPUs. The phone and laptop classes promise those 8.
+_WEBGPU_STORAGE_BUFFERS_PER_STAGE = 8
+
 # Phone GPUs reset a context whose job runs past a watchdog of a few seconds (Android kgsl on Adreno, Mali's
 # job timeout; reports: SaschaWillems/Vulkan issue 445, device lost running compute on Mali-G71/G72; llama.cpp
 # issue 21724, a job timeout from the command batch size on an AMD APU). No vendor documents a dispatch count and
@@ -398,13 +409,30 @@ VENDOR_GEMM_TUNING: dict[str, VendorGemmTuning] = {
     "mali": VendorGemmTuning(True, (8, 8, 8), "Android reduced-precision guide; ExecuTorch PR 19287 (Mali-G715 "
                                               "fp16 packed math); tiles: Arm Mali best practices (64-thread "
                                               "workgroups), bk 8"),
+    # The laptop classes keep the default 16 x 16-thread tiles (256 threads: 8 SIMD-groups of 32 on Apple, 4
+    # waves of 64 on AMD, a multiple of Intel's SIMD8-32; within the 1024 invocations their drivers report;
+    # 16 KiB of fp32 tiles, within the profiles' 32 KiB): no vendor publishes a GEMM tile for them.
+    # Apple GPUs: 16-bit registers and ALUs, fewer registers and half the bandwidth per operand ("use half
+    # wherever possible", WWDC 2016 session 606, Advanced Metal Shader Optimization).
+    "apple": VendorGemmTuning(True, (), "WWDC 2016 session 606 (Advanced Metal Shader Optimization: use half); "
+                                        "tiles: the default 16 x 16 threads"),
+    # Intel Gen11 / Xe-LP EUs run fp16 at twice the fp32 rate (Intel Gen11 and Xe-LP architecture briefs).
+    "intel": VendorGemmTuning(True, (), "Intel Gen11 / Xe-LP architecture briefs (fp16 at twice the fp32 rate); "
+                                        "tiles: the default 16 x 16 threads"),
+    # AMD GCN5 (Vega) and RDNA: packed fp16 math (v_pk_fma_f16) at twice the fp32 rate (AMD RDNA whitepaper;
+    # the RDNA ISA reference). Matched by "amd" or "radeon" in the device name.
+    "amd": VendorGemmTuning(True, (), "AMD RDNA whitepaper and ISA (packed fp16 at twice the fp32 rate); tiles: "
+                                      "the default 16 x 16 threads"),
 }
+# Device-name words that name a vendor of VENDOR_GEMM_TUNING besides its key (RADV's "AMD Radeon ..." has both).
+_VENDOR_ALIASES = {"radeon": "amd"}
 
 
 def vendor_gemm_tuning(device_name: str) -> VendorGemmTuning | None:
     """The VENDOR_GEMM_TUNING row of a queried device, by its name ("Adreno (TM) 740", "Mali-G715"), or None."""
     lowered = device_name.lower()
-    return next((row for vendor, row in VENDOR_GEMM_TUNING.items() if vendor in lowered), None)
+    words = {**{vendor: vendor for vendor in VENDOR_GEMM_TUNING}, **_VENDOR_ALIASES}
+    return next((VENDOR_GEMM_TUNING[vendor] for word, vendor in words.items() if word in lowered), None)
 
 
 def _phone(name: str, vendor: str, subgroup_size: int, shared: int, source: str) -> DeviceProfile:
@@ -418,8 +446,11 @@ def _phone(name: str, vendor: str, subgroup_size: int, shared: int, source: str)
                          subgroup_operations=("basic",), float16=True, int64=False, cooperative_matrix=(),
                          max_dispatches_per_submit=PHONE_MAX_DISPATCHES_PER_SUBMIT,
                          memory_budget_bytes=PHONE_MEMORY_BUDGET_BYTES, prefers_fp16=tuning.prefers_fp16,
-                         gemm_tiles=tuning.gemm_tiles, **dict(_VK_REQUIRED, max_shared_memory_bytes=shared),
-                         source=f"{source}; GEMM tuning: {tuning.source}")
+                         gemm_tiles=tuning.gemm_tiles,
+                         **dict(_VK_REQUIRED, max_shared_memory_bytes=shared,
+                                max_storage_buffers_per_stage=_WEBGPU_STORAGE_BUFFERS_PER_STAGE),
+                         source=f"{source}; 8 storage buffers per stage (WebGPU's default limit); GEMM tuning: "
+                                f"{tuning.source}")
 
 
 ADRENO_6XX = _phone("adreno-6xx", "adreno", 64, 16384, "phone class Adreno 6xx: waves of 64 fibers (Qualcomm Adreno GPU "
@@ -435,8 +466,62 @@ MALI_G7XX = _phone("mali-g7xx", "mali", 16, _GPUINFO_SHARED, "phone class Mali-G
                    "(Arm Mali GPU best practices), 32 KiB shared memory (gpuweb issue 2832's gpuinfo.org query), "
                    "the Vulkan 1.1 required limits otherwise")
 
-BUILTIN_PROFILES: dict[str, DeviceProfile] = {p.name: p for p in (LAVAPIPE, NVIDIA_COOPMAT, DESKTOP_GPU, ADRENO_6XX,
-                                                                   ADRENO_7XX, MALI_G7X, MALI_G7XX)}
+
+# An integrated laptop GPU shares the laptop's RAM with the OS and every app, as a phone's does: macOS gives
+# Metal a working set below the RAM (MTLDevice.recommendedMaxWorkingSetSize), Windows lets an integrated GPU
+# share at most half of it (WDDM's shared system memory), Linux's amdgpu / i915 take it from system RAM. An
+# 8 GB laptop (the smallest Apple-silicon Mac; common Windows ones) leaves one app a few GB: 2 GiB is a
+# conservative choice, not a measurement.
+LAPTOP_MEMORY_BUDGET_BYTES = 2 << 30
+# A laptop's compositor shares the GPU, and a long submission trips a watchdog here too: Windows resets a GPU
+# whose packet runs past 2 s (TDR, TdrDelay's default), Metal aborts a command buffer that starves the display
+# (kIOGPUCommandBufferCallbackErrorImpactingInteractivity), llama.cpp issue 21724 is a job timeout on an AMD
+# APU. The phones' dispatch bound, the same conservative choice.
+LAPTOP_MAX_DISPATCHES_PER_SUBMIT = PHONE_MAX_DISPATCHES_PER_SUBMIT
+# What the three laptop vendors' Vulkan drivers report alike (gpuinfo.org's reports for Apple M1-M3 through
+# MoltenVK, Intel UHD / Iris Xe through ANV and Intel's Windows driver, AMD Radeon 680M / 780M through RADV and
+# AMD's driver; not queried on such a device here): 1024 invocations per workgroup, 1024 x 1024 x 64 of them
+# at most (z: Vulkan's required 64, which is below every report). Shared memory: Apple's 32 KiB of threadgroup
+# memory (Metal feature set tables); Intel's and AMD's drivers report up to 64 KiB, of which the profile
+# promises the 32 KiB gpuinfo.org shows for every device but Adreno 610 / 612 (gpuweb issue 2832).
+_LAPTOP_LIMITS = dict(_VK_REQUIRED, max_shared_memory_bytes=_GPUINFO_SHARED, max_workgroup_invocations=1024,
+                      max_workgroup_size=(1024, 1024, 64), max_storage_buffers_per_stage=_WEBGPU_STORAGE_BUFFERS_PER_STAGE)
+
+
+def _laptop(name: str, vendor: str, subgroup_size: int, source: str) -> DeviceProfile:
+    """A laptop class with an integrated GPU: the subgroup width its drivers report, _LAPTOP_LIMITS and the
+    Vulkan 1.1 required limits for the rest (their drivers report larger binding ranges and allocations;
+    the required ones hold for every member and keep the profile emulable on lavapipe); fp16 yes, int64 and
+    subgroup operations beyond basic not assumed (no kernel needs them off the CPU bodies); bounded submits
+    (LAPTOP_MAX_DISPATCHES_PER_SUBMIT); an 8 GB laptop's budget (LAPTOP_MEMORY_BUDGET_BYTES); the vendor's row
+    of VENDOR_GEMM_TUNING."""
+    tuning = VENDOR_GEMM_TUNING[vendor]
+    return DeviceProfile(name=name, api=API_VULKAN, device_type="integrated", subgroup_size=subgroup_size,
+                         subgroup_operations=("basic",), float16=True, int64=False, cooperative_matrix=(),
+                         max_dispatches_per_submit=LAPTOP_MAX_DISPATCHES_PER_SUBMIT,
+                         memory_budget_bytes=LAPTOP_MEMORY_BUDGET_BYTES, prefers_fp16=tuning.prefers_fp16,
+                         gemm_tiles=tuning.gemm_tiles, **_LAPTOP_LIMITS,
+                         source=f"{source}; 8 storage buffers per stage (WebGPU's default limit); not queried on "
+                                f"such a device; GEMM tuning: {tuning.source}")
+
+
+APPLE_MOLTENVK = _laptop("apple-moltenvk", "apple", 32, "laptop class Apple M1-M3 through MoltenVK: SIMD-groups of "
+                         "32 threads (Metal's threadExecutionWidth), 32 KiB threadgroup memory and 1024 threads per "
+                         "threadgroup (Metal feature set tables), the Vulkan 1.1 required limits otherwise")
+INTEL_INTEGRATED = _laptop("intel-integrated", "intel", 32, "laptop class Intel UHD / Iris Xe (Gen9-Gen12 "
+                           "integrated): subgroupSize 32 as ANV and Intel's Windows driver report it (the compiler "
+                           "may run a shader at SIMD8 or 16: no subgroup operation assumed), 1024 invocations "
+                           "(gpuinfo.org), 32 KiB shared memory (gpuweb issue 2832's floor; the drivers report "
+                           "64 KiB), the Vulkan 1.1 required limits otherwise")
+AMD_INTEGRATED = _laptop("amd-integrated", "amd", 64, "laptop class AMD Radeon integrated (Vega / RDNA2 / RDNA3 "
+                         "APUs, e.g. 680M / 780M): waves of 64 as RADV and AMD's driver report subgroupSize, 1024 "
+                         "invocations (gpuinfo.org), 32 KiB shared memory (gpuweb issue 2832's floor; the drivers "
+                         "report up to 64 KiB), the Vulkan 1.1 required limits otherwise")
+
+PHONE_PROFILES = (ADRENO_6XX, ADRENO_7XX, MALI_G7X, MALI_G7XX)
+LAPTOP_PROFILES = (APPLE_MOLTENVK, INTEL_INTEGRATED, AMD_INTEGRATED)
+BUILTIN_PROFILES: dict[str, DeviceProfile] = {p.name: p for p in (LAVAPIPE, NVIDIA_COOPMAT, DESKTOP_GPU, *PHONE_PROFILES,
+                                                                   *LAPTOP_PROFILES)}
 
 
 def builtin_profile(name: str) -> DeviceProfile:
