@@ -275,6 +275,9 @@ def _a_fixed_workgroup_size_over_the_profile(graph):
     (_a_fixed_workgroup_size_over_the_profile, "check_schedule_profile"),
     (lambda g: g.schedules.__setitem__(0, dataclasses.replace(g.schedules[0], profile=dataclasses.replace(
         g.schedules[0].profile, subgroup_size=16))), "check_schedule_profile"),
+    # A profile promising fewer storage buffers per stage than a dispatch binds (AdamW binds 6).
+    (lambda g: g.schedules.__setitem__(0, dataclasses.replace(g.schedules[0], profile=dataclasses.replace(
+        g.schedules[0].profile, max_storage_buffers_per_stage=4))), "check_schedule_profile"),
 ])
 def test_the_verifier_refuses_inconsistent_embedded_tables(mlp_embedded, edit, check):
     graph = _edited(mlp_embedded, edit)

@@ -346,6 +346,12 @@ NVIDIA_COOPMAT = DeviceProfile(
     source="NVIDIA H200, driver 580.159.04, Vulkan 1.4.312 (../shared/device/NOTES.md); limits NOTES.md does not "
            "record are NVIDIA's Linux driver values (gpuinfo.org; llama.cpp issue 15256), not queried on the H200")
 
+# The kernels bind up to 8 storage buffers per dispatch (attention_bwd@DKV 8, adamw 6: the Vulkan-required 4
+# holds none of them), and so does the WGSL runtime under WebGPU's default maxStorageBuffersPerShaderStage of 8,
+# a limit every WebGPU adapter must offer (WebGPU spec, "Limits"); Chrome's WebGPU runs on Android's Adreno and
+# Mali GPUs (Chrome 121) and on Apple, Intel and AMD laptop GPUs. The desktop, phone and laptop classes promise those 8.
+_WEBGPU_STORAGE_BUFFERS_PER_STAGE = 8
+
 # Only 2 device names on gpuinfo.org (Adreno 610 / 612) report less than 32 KiB of shared memory (its query in
 # github.com/gpuweb/gpuweb/issues/2832), so 32 KiB holds for every class below but Adreno 6xx.
 _GPUINFO_SHARED = 32768
@@ -354,16 +360,13 @@ DESKTOP_GPU = DeviceProfile(
     name="desktop-gpu", api=API_VULKAN, device_type="discrete",
     # AMD RDNA wave32 and NVIDIA warps are 32; Intel runs SIMD8-32, so no subgroup operation is assumed
     subgroup_size=32, subgroup_operations=("basic",), float16=True, int64=True, cooperative_matrix=(),
-    **dict(_VK_REQUIRED, max_shared_memory_bytes=_GPUINFO_SHARED),
+    **dict(_VK_REQUIRED, max_shared_memory_bytes=_GPUINFO_SHARED,
+           max_storage_buffers_per_stage=_WEBGPU_STORAGE_BUFFERS_PER_STAGE),
     source="a desktop GPU without cooperative matrices (AMD, Intel, older NVIDIA): 32 KiB of shared memory "
-           "(gpuweb issue 2832's gpuinfo.org query), subgroups of 32, the Vulkan 1.1 required limits otherwise")
+           "(gpuweb issue 2832's gpuinfo.org query), subgroups of 32, 8 storage buffers per stage (WebGPU's "
+           "default limit), the Vulkan 1.1 required limits otherwise")
 
 
-# The kernels bind up to 8 storage buffers per dispatch (attention_bwd@DKV 8, adamw 6: the Vulkan-required 4
-# holds none of them), and so does the WGSL runtime under WebGPU's default maxStorageBuffersPerShaderStage of 8,
-# a limit every WebGPU adapter must offer (WebGPU spec, "Limits"); Chrome's WebGPU runs on Android's Adreno and
-# Mali GPUs (Chrome 121) and on Apple, Intel and AMD laptop GPUs. The phone and laptop classes promise those 8.
-_WEBGPU_STORAGE_BUFFERS_PER_STAGE = 8
 
 # Phone GPUs reset a context whose job runs past a watchdog of a few seconds (Android kgsl on Adreno, Mali's
 # job timeout; reports: SaschaWillems/Vulkan issue 445, device lost running compute on Mali-G71/G72; llama.cpp

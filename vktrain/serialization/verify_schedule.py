@@ -250,6 +250,10 @@ def check_schedule_profile(schedule: Schedule, embedded: EmbeddedSchedule, modul
                                                       f"{'; '.join(unmet)}")
     for index, (dispatch, module_id) in enumerate(zip(module_dispatches(schedule), embedded.dispatch_modules)):
         where = f"dispatch {index} ({dispatch.name})"
+        if len(dispatch.bindings) > profile.max_storage_buffers_per_stage:
+            raise _refuse(source, check_schedule_profile, f"{where}: binds {len(dispatch.bindings)} storage buffers, "
+                                                          f"over profile {profile.name!r}'s "
+                                                          f"{profile.max_storage_buffers_per_stage} per stage")
         local = modules[module_id].workgroup_size(dispatch) or dispatch.local_size  # as specialized
         if local is not None and (any(v > m for v, m in zip(local, profile.max_workgroup_size))
                                   or math.prod(local) > profile.max_workgroup_invocations):
