@@ -115,6 +115,9 @@ def federation(program: str, device, shards: list[str], eval_data: str, args, ag
 def scale_summary(run: dict, batch: int, seq: int, local_steps: int, baseline_tps: float,
                   baseline_sps: float) -> dict:
     trained = [r for r in run["rounds"] if r["round"] > 0]
+    if not trained:  # the federation stopped before its first round ended: say why instead of dividing by 0
+        raise SystemExit(f"bench_fleet_scale: no round completed (diverged: {run.get('diverged')!r}; "
+                         f"round records: {run['rounds']!r})")
     seconds = sum(r["seconds"] for r in trained)
     client_steps = sum(len(r["client_train_loss"]) for r in trained) * local_steps
     tokens = client_steps * batch * seq

@@ -26,7 +26,7 @@ BENCHMARKS = {
     "fleet_scale": ("bench_fleet_scale.py run", True), "long_context": ("bench_long_context.py export|run", True),
     "kernels": ("bench_kernels.py [--smollm2]", True),
     "packing": ("bench_packing.py run", True), "phone_profiles": ("bench_phone_profiles.py run", True),
-    "q8_0_embedding": ("by hand: bench/README.md", True), "quant_quality": ("quant_quality.py", True),
+    "q8_0_embedding": ("by hand: bench/README.md", True), "gpu_parity": ("by hand: bench/README.md", True), "quant_quality": ("quant_quality.py", True),
     "recipe": ("bench_recipe.py score", True),
     "step": ("bench_step.py run", True), "train": ("bench_train.py run", True),
     "webgpu": ("bench_webgpu.py run", True),

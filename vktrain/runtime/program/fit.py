@@ -38,7 +38,8 @@ from vktrain.serialization.strided_view import KernelArgumentError
 
 # What to change, by what a buffer holds (ScheduleBuffer.role): activations scale with batch x seq, the
 # adapters and their AdamW moments with the rank, the frozen weights with the model alone.
-ACTIVATIONS_ADVICE = "export with a smaller --batch or --seq (activations scale with batch x seq)"
+ACTIVATIONS_ADVICE = ("export with --activation-checkpointing every-layer (the decoder layers' activations are "
+                      "recomputed in the backward) or a smaller --batch or --seq (activations scale with batch x seq)")
 ADVICE = {
     "input": ACTIVATIONS_ADVICE, "output": ACTIVATIONS_ADVICE, "intermediate": ACTIVATIONS_ADVICE,
     "scratch": ACTIVATIONS_ADVICE, "shared": ACTIVATIONS_ADVICE,
