@@ -304,3 +304,38 @@ def test_clients_feed_a_packed_documents_step_its_positions_as_vktrain_train_doe
         assert result.records[2]["global_eval_loss"] == held_out.evaluate_data(alone, data)["loss"]
     for record, loss in zip(result.records[1:], losses):
         assert record["client_train_loss"] == {"0": loss, "1": loss}
+
+
+@pytest.mark.parametrize("staging", [False, True])
+def test_batched_state_writes_and_reads_equal_tensor_by_tensor_ones(setup, vk_device, staging):
+    """runner.write_states / read_states (one transfer per client: vktrain/fleet/client.py) store and return
+    the bits write_state / read_state do, through the staging copies a discrete GPU takes and without."""
+    from vktrain.runtime.program.runner import TrainingRunner
+    from vktrain.runtime.delegate.executor import ExecutorInputError
+
+    with TrainingRunner.from_pte(setup.full, vk_device, planner=plan_schedule) as runner:
+        for buffer in runner.executor._buffers.values():
+            buffer.staging = staging  # forced staging still copies on a unified device (vk/memory.py)
+        names = runner.state_names
+        rng = np.random.default_rng(3)
+        first = {name: rng.standard_normal((state := runner.read_state(name)).shape).astype(state.dtype) for name in names}
+        second = {name: rng.standard_normal(array.shape).astype(array.dtype) for name, array in first.items()}
+        for name, array in first.items():
+            runner.write_state(name, array)
+        batched = runner.read_states(names)
+        assert list(batched) == names
+        for name in names:
+            assert batched[name].dtype == runner.read_state(name).dtype
+            assert batched[name].tobytes() == runner.read_state(name).tobytes() == first[name].tobytes(), name
+        runner.write_states(second)
+        for name in names:
+            assert runner.read_state(name).tobytes() == second[name].tobytes(), name
+        bad = {**first, names[-1]: np.zeros((3, 3), np.float32)}
+        with pytest.raises(ExecutorInputError, match=names[-1]):
+            runner.write_states(bad)  # checked before anything is written
+        assert all(runner.read_state(name).tobytes() == second[name].tobytes() for name in names)
+        half = len(names) // 2  # the rest zeroed on the device, as a client's AdamW moments are
+        runner.write_states({name: first[name] for name in names[:half]}, zeroed=names[half:])
+        for name in names:
+            expected = first[name] if name in names[:half] else np.zeros_like(first[name])
+            assert runner.read_state(name).tobytes() == expected.tobytes(), name

@@ -435,3 +435,34 @@ def test_allocation_counts_are_available_without_vulkan():
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=root, timeout=120)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "5"  # two 3 MiB buffers per 8 MiB block
+
+
+@pytest.mark.parametrize("staging", [False, True])
+def test_batched_pieces_write_and_read_the_bytes_one_call_each_would(vk_device, staging):
+    # Odd sizes and offsets, two pieces in one buffer, a direct buffer among staging ones, an empty piece.
+    rng = np.random.default_rng(7)
+    a, b = Buffer(vk_device, 64, staging=staging), Buffer(vk_device, 40, staging=False)
+    a_alone, b_alone = Buffer(vk_device, 64, staging=staging), Buffer(vk_device, 40, staging=False)
+    for buffer in (a, b, a_alone, b_alone):
+        buffer.zero()
+    data = [rng.integers(0, 256, n, dtype=np.uint8) for n in (5, 17, 0, 12)]
+    places = [(a, a_alone, 3), (a, a_alone, 40), (b, b_alone, 0), (b, b_alone, 25)]
+    for (_, alone, offset), array in zip(places, data):
+        alone.write(array, offset)
+    Buffer.write_pieces([(buffer, array, offset) for (buffer, _, offset), array in zip(places, data)])
+    for buffer, alone in ((a, a_alone), (b, b_alone)):
+        assert np.array_equal(buffer.read(), alone.read())
+    pieces = [(buffer, array.size, offset) for (buffer, _, offset), array in zip(places, data)]
+    for got, (buffer, nbytes, offset) in zip(Buffer.read_pieces(pieces), pieces):
+        assert got.dtype == np.uint8 and np.array_equal(got, buffer.read(np.uint8, (nbytes,), offset))
+    # Zeros: filled on the device where 4-byte aligned (a's 8 at 48), uploaded where not (b's 3 at 1).
+    Buffer.write_pieces([], zeros=[(a, 8, 48), (b, 3, 1)])
+    a_alone.write(np.zeros(8, np.uint8), 48)
+    b_alone.write(np.zeros(3, np.uint8), 1)
+    for buffer, alone in ((a, a_alone), (b, b_alone)):
+        assert np.array_equal(buffer.read(), alone.read())
+    assert not a.read(np.uint8, (8,), 48).any() and a.read(np.uint8, (5,), 40).any()
+    with pytest.raises(BufferUsageError, match="run past"):
+        Buffer.write_pieces([(a, data[0], 62)])
+    for buffer in (a, b, a_alone, b_alone):
+        buffer.destroy()

@@ -50,6 +50,20 @@ class BufferBase:
             buffer.write(data)
         return buffer
 
+    @classmethod
+    def write_pieces(cls, pieces: list, zeros: list = ()) -> None:
+        """Write each (buffer, array, offset) of `pieces` and zero bytes over each (buffer, nbytes, offset) of
+        `zeros` (a layer overrides this to batch the transfers)."""
+        for buffer, nbytes, offset in zeros:
+            buffer.write(np.zeros(nbytes, np.uint8), offset)
+        for buffer, array, offset in pieces:
+            buffer.write(array, offset)
+
+    @classmethod
+    def read_pieces(cls, pieces: list) -> list:
+        """The bytes (uint8 arrays) of each (buffer, nbytes, offset) of `pieces` (a layer may batch them)."""
+        return [buffer.read(np.uint8, (nbytes,), offset) for buffer, nbytes, offset in pieces]
+
     def _check_alive(self) -> None:
         if not self.alive:
             raise BufferUsageError(f"buffer {self.name!r} was destroyed")

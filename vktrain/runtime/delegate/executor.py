@@ -27,7 +27,7 @@ lowerings follow on the device; the schedule records it (PlannedGemm) and `gemm_
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 
@@ -385,6 +385,46 @@ class GraphExecutor:
         """Overwrite mutable state `name` (restoring a checkpoint); shape must match, dtype must be compatible."""
         self._check_open()
         self._write_state(name, array)
+
+    def read_states(self, names: list[str]) -> dict[str, np.ndarray]:
+        """read_state of each of `names`, bit for bit, in one transfer (Buffer.read_pieces)."""
+        self._check_open()
+        ids = [self._state(name).state_id for name in names]
+        tensors = [self.graph.tensor(value_id) for value_id in ids]
+        placements = [self._tensors[value_id] for value_id in ids]
+        pieces = [(self._buffers[p.key], t.stored_nbytes, p.offset)
+                  for t, p in zip(tensors, placements)]
+        raws = type(pieces[0][0]).read_pieces(pieces) if pieces else []
+        return {name: raw.view(t.storage_dtype.numpy_dtype).reshape(t.shape).astype(t.dtype.numpy_dtype, copy=False)
+                for name, t, raw in zip(names, tensors, raws)}
+
+    def write_states(self, arrays: Mapping[str, Any], zeroed: Sequence[str] = ()) -> None:
+        """write_state of each (name, array) of `arrays`, bit for bit, and all-zero bytes (0.0) into each state
+        of `zeroed`, in one transfer (Buffer.write_pieces: zeros filled on the device); every array is checked
+        before any is written."""
+        self._check_open()
+        both = sorted(set(zeroed) & set(arrays))
+        if both:
+            raise ExecutorInputError(f"states {both[:3]} are both written and zeroed; give each one or the other")
+        zeros = []
+        for name in zeroed:
+            state = self._state(name)
+            placement = self._tensors[state.state_id]
+            zeros.append((self._buffers[placement.key], self.graph.tensor(state.state_id).stored_nbytes,
+                          placement.offset))
+        pieces = []
+        for name, array in arrays.items():
+            state = self._state(name)
+            tensor = self.graph.tensor(state.state_id)
+            array = np.asarray(array)
+            if array.shape != tensor.shape:
+                raise ExecutorInputError(f"state {name!r} has shape {list(tensor.shape)}, got an array of shape "
+                                         f"{list(array.shape)}")
+            placement = self._tensors[state.state_id]
+            pieces.append((self._buffers[placement.key], _to_stored_array(array, tensor, f"state {name!r}"),
+                           placement.offset))
+        if pieces or zeros:
+            type((pieces or zeros)[0][0]).write_pieces(pieces, zeros)
 
     def _write_state(self, name: str, array: Any) -> None:
         state = self._state(name)

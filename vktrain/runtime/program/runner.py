@@ -280,6 +280,14 @@ class TrainingRunner:
     def write_state(self, name: str, array: Any) -> None:
         self.executor.write_state(name, array)
 
+    def read_states(self, names: list[str]) -> dict[str, np.ndarray]:
+        """read_state of each of `names` in one device transfer."""
+        return self.executor.read_states(names)
+
+    def write_states(self, arrays: Mapping[str, Any], zeroed: Sequence[str] = ()) -> None:
+        """write_state of each (name, array), and zeros into each state of `zeroed`, in one device transfer."""
+        self.executor.write_states(arrays, zeroed)
+
     @property
     def state_nbytes(self) -> int:
         """Bytes of all mutable state as stored on the device (what a device backup of it takes)."""
