@@ -175,7 +175,7 @@ class FederationServer:
         trained = trained_names(runner.state_names)
         self._check_program(trained)
         held_out = self._held_out_batches(runner)
-        arrays = {name: runner.read_state(name) for name in trained}
+        arrays = runner.read_states(trained)
         done = 0
         if s.resume:
             checkpoint = load_federation_checkpoint(s.checkpoint_dir)
@@ -190,8 +190,7 @@ class FederationServer:
         def global_loss(adapters: dict[str, np.ndarray]) -> Optional[float]:
             if held_out is None:
                 return None
-            for name, array in adapters.items():
-                runner.write_state(name, array)
+            runner.write_states(adapters)  # one transfer (vktrain/fleet/client.py)
             return evaluate_batches(runner, held_out)["loss"]
 
         strategy = FleetFedAvg(n_clients=s.n_clients, fraction_train=s.fraction,

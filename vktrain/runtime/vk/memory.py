@@ -417,14 +417,14 @@ class Buffer(BufferBase):
         and zero bytes over each (buffer, nbytes, offset) of `zeros`: the staging ones packed into one upload
         buffer and copied by one submit (a client's 1,260 state tensors were 1,260 buffer creations, submits
         and waits), the zeros filled on the device where Vulkan's 4-byte alignment allows (not uploaded)."""
-        staged, fills = [], []
+        staged, fills, pieces = [], [], list(pieces)
         for buffer, nbytes, offset in zeros:
             buffer._check_alive()
             buffer._check_range("zero", offset, nbytes)
             if buffer.staging and offset % 4 == 0 and nbytes % 4 == 0:
                 fills.append((buffer._raw.handle, offset, nbytes))
             else:
-                pieces = [*pieces, (buffer, np.zeros(nbytes, np.uint8), offset)]
+                pieces.append((buffer, np.zeros(nbytes, np.uint8), offset))
         for buffer, data, offset in pieces:
             buffer._check_alive()
             array = as_bytes_array(data)
