@@ -414,26 +414,24 @@ class GraphExecutor:
                           placement.offset))
         pieces = []
         for name, array in arrays.items():
-            state = self._state(name)
-            tensor = self.graph.tensor(state.state_id)
-            array = np.asarray(array)
-            if array.shape != tensor.shape:
-                raise ExecutorInputError(f"state {name!r} has shape {list(tensor.shape)}, got an array of shape "
-                                         f"{list(array.shape)}")
-            placement = self._tensors[state.state_id]
-            pieces.append((self._buffers[placement.key], _to_stored_array(array, tensor, f"state {name!r}"),
-                           placement.offset))
+            state_id, stored = self._stored_state(name, array)
+            placement = self._tensors[state_id]
+            pieces.append((self._buffers[placement.key], stored, placement.offset))
         if pieces or zeros:
             type((pieces or zeros)[0][0]).write_pieces(pieces, zeros)
 
-    def _write_state(self, name: str, array: Any) -> None:
+    def _stored_state(self, name: str, array: Any) -> tuple[int, np.ndarray]:
+        """State `name`'s tensor id and `array` in its stored form, refused if the shape differs."""
         state = self._state(name)
         tensor = self.graph.tensor(state.state_id)
         array = np.asarray(array)
         if array.shape != tensor.shape:
             raise ExecutorInputError(f"state {name!r} has shape {list(tensor.shape)}, got an array of shape "
                                      f"{list(array.shape)}")
-        self._write(state.state_id, _to_stored_array(array, tensor, f"state {name!r}"))
+        return state.state_id, _to_stored_array(array, tensor, f"state {name!r}")
+
+    def _write_state(self, name: str, array: Any) -> None:
+        self._write(*self._stored_state(name, array))
 
     def initial_state(self, name: str) -> np.ndarray:
         """The value state `name` had when the graph was exported (zeros unless it has an initial constant)."""

@@ -569,17 +569,6 @@ def _record_copies(vk, cb, copies: list, fills: list = ()) -> None:
 
 
 def _record_copy(vk, cb, src, src_offset: int, dst, dst_offset: int, nbytes: int) -> None:
-    # Earlier device work on either buffer must finish before the copy; the copy's result must be
-    # visible to later shaders and to the host.
-    record_memory_barrier(
-        vk, cb,
-        vk.VK_PIPELINE_STAGE_COMPUTE_SHADER_BIT | vk.VK_PIPELINE_STAGE_TRANSFER_BIT,
-        vk.VK_ACCESS_SHADER_READ_BIT | vk.VK_ACCESS_SHADER_WRITE_BIT | vk.VK_ACCESS_TRANSFER_WRITE_BIT,
-        vk.VK_PIPELINE_STAGE_TRANSFER_BIT,
-        vk.VK_ACCESS_TRANSFER_READ_BIT | vk.VK_ACCESS_TRANSFER_WRITE_BIT)
-    region = vk.VkBufferCopy(srcOffset=src_offset, dstOffset=dst_offset, size=nbytes)
-    regions = [region]
-    vk.vkCmdCopyBuffer(cb, src, dst, 1, regions)
-    record_memory_barrier(vk, cb, vk.VK_PIPELINE_STAGE_TRANSFER_BIT, vk.VK_ACCESS_TRANSFER_WRITE_BIT,
-                          vk.VK_PIPELINE_STAGE_COMPUTE_SHADER_BIT | vk.VK_PIPELINE_STAGE_HOST_BIT,
-                          vk.VK_ACCESS_SHADER_READ_BIT | vk.VK_ACCESS_SHADER_WRITE_BIT | vk.VK_ACCESS_HOST_READ_BIT)
+    """One copy, fenced as _record_copies fences a batch: earlier device work on either buffer finishes before
+    it, its result is visible to later shaders and to the host."""
+    _record_copies(vk, cb, [(src, src_offset, dst, dst_offset, nbytes)])
