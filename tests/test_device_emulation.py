@@ -15,7 +15,8 @@ from vktrain.cli import main
 from vktrain.runtime.device_profiles import DEVICE_PROFILE_ENV, planning_profile, profile_of
 from vktrain.serialization.device_profile import (ADRENO_6XX, ADRENO_7XX, API_WEBGPU, BUILTIN_PROFILES,
                                                   LAPTOP_PROFILES, LAVAPIPE, MALI_G7X, NVIDIA_COOPMAT, PHONE_PROFILES,
-                                                  DeviceProfileError, EmulationError, intersect, resolve_profile)
+                                                  DeviceProfileError, resolve_profile)
+from vktrain.serialization.profile_emulation import EmulationError, intersect
 from vktrain.backend.kernel_planning import plan_schedule
 
 # Every built-in device class a program is planned down to: the phones and the laptops' integrated GPUs.

@@ -5,7 +5,7 @@ The program layer hands it to the caller's planner (vktrain/runtime/program/sche
 kernel planning reads nothing else of the device), the executor checks a schedule's requirements against it,
 and `vktrain devices` prints it. `planning_profile(device)` is the profile planned for: the device's own, or,
 with VKTRAIN_DEVICE_PROFILE=NAME|FILE.json (`--device-profile` of train, eval and generate sets it), that
-profile emulated on the device (serialization/device_profile.py `intersect`). The tuning fields are the
+profile emulated on the device (serialization/profile_emulation.py `intersect`). The tuning fields are the
 record's defaults (measured on the H200): a device of its own is not measured here; a Vulkan device whose name
 names a vendor of VENDOR_GEMM_TUNING (Adreno, Mali, Apple, Intel, AMD / Radeon) takes that row's prefers_fp16
 and tiles.
@@ -16,8 +16,9 @@ import os
 from typing import Any, Mapping, Optional
 
 from vktrain.serialization.device_profile import (API_VULKAN, API_WEBGPU, COMPONENT_TYPES, DEVICE_TYPES, SCOPES,
-                                                  WEBGPU_DEVICE_TYPE, CoopmatShape, DeviceProfile, intersect,
+                                                  WEBGPU_DEVICE_TYPE, CoopmatShape, DeviceProfile,
                                                   resolve_profile, subgroup_operation_names, vendor_gemm_tuning)
+from vktrain.serialization.profile_emulation import intersect
 
 DEVICE_PROFILE_ENV = "VKTRAIN_DEVICE_PROFILE"
 

@@ -12,7 +12,8 @@ from __future__ import annotations
 import argparse
 import json
 
-from vktrain.serialization.device_profile import BUILTIN_PROFILES, DeviceProfile, EmulationError, intersect, load_profile
+from vktrain.serialization.device_profile import BUILTIN_PROFILES, DeviceProfile, load_profile
+from vktrain.serialization.profile_emulation import EmulationError, intersect
 
 
 def add_devices_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
