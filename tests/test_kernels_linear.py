@@ -33,12 +33,12 @@ from vktrain.backend.kernel_planning.kernels.gemm_tuning import (  # noqa: E402
     runs_cpu_bodies,
     select_gemm_tuning,
 )
+from vktrain.backend.kernel_planning.kernels.linear_tiles import MIN_SPLIT_SLICE  # noqa: E402
 from vktrain.backend.kernel_planning.kernels.linear import (  # noqa: E402
     CPU_LANES,
     CPU_ROWS,
     GEMV_MAX_M,
     GEMV_MAX_ROWS,
-    MIN_SPLIT_SLICE,
     GemmTiles,
     GemvTiles,
     plan_linear_dw,

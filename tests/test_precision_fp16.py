@@ -38,7 +38,7 @@ from vktrain.serialization.device_profile import (ADRENO_6XX, ADRENO_7XX, AMD_IN
                                                   BUILTIN_PROFILES, DESKTOP_GPU, INTEL_INTEGRATED, LAVAPIPE, MALI_G7X,
                                                   MALI_G7XX, NVIDIA_COOPMAT, VENDOR_GEMM_TUNING, DeviceProfile,
                                                   DeviceProfileError, vendor_gemm_tuning)
-from vktrain.backend.kernel_planning.kernels.linear import DEFAULT_GEMM_THREADS, GemmTiles
+from vktrain.backend.kernel_planning.kernels.linear_tiles import DEFAULT_GEMM_THREADS, GemmTiles
 
 from _helpers import LOSS_RTOL, _cast_floating
 from test_kernels_fp16 import fp16_gemm_bound

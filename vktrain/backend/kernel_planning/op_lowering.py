@@ -46,7 +46,8 @@ from vktrain.serialization import graph as vk
 
 # Importing the kernels package imports every family, so KERNELS is complete.
 from vktrain.backend.kernel_planning.kernels import (KERNELS, attention, coopmat, coopmat_attention, copies,
-                                             cross_entropy, gemm_passes, layout, linear, matmul, norm)
+                                             cross_entropy, gemm_passes, layout, linear, linear_tiles, matmul,
+                                             norm)
 from vktrain.backend.kernel_planning.lowering_context import KERNEL_DTYPES, OpContext, OpLowering, TensorArg
 from vktrain.errors import GraphLoweringError
 from vktrain.serialization.dispatch import BufferBinding, Dispatch
@@ -173,12 +174,12 @@ def _over_binding_limit(ctx: OpContext, tensors: Sequence[TensorArg]) -> bool:
 def _profile_tiles(ctx: OpContext, op: str) -> Optional[linear.GemmTiles]:
     """The device profile's tiles for the linear family's tiled body (DeviceProfile.gemm_tiles, the vendor
     table); on a profile without them allowing fewer invocations than the default tiles' 256, tiles within
-    its limit (linear.narrow_gemm_tiles); else None, the kernels' default choice."""
+    its limit (linear_tiles.narrow_gemm_tiles); else None, the kernels' default choice."""
     tiles = ctx.profile.gemm_tiles if ctx.profile is not None else ()
     if tiles:
         return linear.GemmTiles(*tiles)
-    if ctx.profile is not None and ctx.max_workgroup_size < linear.DEFAULT_GEMM_THREADS:
-        return linear.narrow_gemm_tiles(op, ctx.max_workgroup_size)
+    if ctx.profile is not None and ctx.max_workgroup_size < linear_tiles.DEFAULT_GEMM_THREADS:
+        return linear_tiles.narrow_gemm_tiles(op, ctx.max_workgroup_size)
     return None
 
 
