@@ -53,9 +53,15 @@ def build_native(*flags: str) -> Path:
     the script's reason, only where the toolchain it needs is not installed (scripts/setup.sh installs it)."""
     import pytest
 
+    import fcntl
+
     env = dict(os.environ, NATIVE_PYTHON=sys.executable)
-    result = subprocess.run([str(REPO / "scripts" / "native_build.sh"), *flags], cwd=REPO, env=env,
-                            capture_output=True, text=True, timeout=900)
+    (REPO / "build").mkdir(exist_ok=True)
+    # Test workers (pytest-xdist) build one at a time: two cmake runs in one build folder corrupt it.
+    with open(REPO / "build" / ".native-build.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        result = subprocess.run([str(REPO / "scripts" / "native_build.sh"), *flags], cwd=REPO, env=env,
+                                capture_output=True, text=True, timeout=900)
     if result.returncode != 0 and "native build: missing" in result.stderr:
         pytest.skip(f"the native build is absent: {result.stderr.strip()}")
     assert result.returncode == 0, f"scripts/native_build.sh {' '.join(flags)} failed:\n{result.stderr}"
