@@ -53,7 +53,7 @@ sys.path.insert(0, str(REPO_ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # its PyTorch and report halves, when imported by path
 
 from vktrain import quant  # noqa: E402
-from vktrain.contract import PRECISION_FP32, PRECISIONS  # noqa: E402
+from vktrain.contract import PRECISION_CHOICES, PRECISION_FP32  # noqa: E402
 
 from bench_step_report import plot, print_report  # noqa: E402
 from bench_results import out_error, runs, write_run  # noqa: E402
@@ -419,7 +419,7 @@ def run_one(path: Path, device, args, torch, torch_device, torch_note: str | Non
     from vktrain.backend.kernel_planning import plan_schedule
 
     start = time.perf_counter()
-    runner = TrainingRunner.from_pte(path, device, planner=plan_schedule, precision=args.precision)
+    runner = TrainingRunner.from_pte(path, device, planner=plan_schedule, precision=args.precision)  # gemm_route says which schedule
     load_s = time.perf_counter() - start
     graph = runner.graph
     try:
@@ -571,9 +571,10 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--torch-variants", type=parse_torch_variants, default=None,
                      help=f"comma-separated PyTorch baselines out of {','.join(TORCH_VARIANTS)} (default: all "
                           f"on CUDA; fp32 on the CPU, where TF32 does not exist and compilation is slow)")
-    run.add_argument("--precision", choices=PRECISIONS, default=PRECISION_FP32,
+    run.add_argument("--precision", choices=PRECISION_CHOICES, default=PRECISION_FP32,
                      help="vktrain's GEMM precision policy (docs/PRECISION.md); fp16-tc: tensor cores where the "
-                          "device has them")
+                          "device has them; auto: a schedule embedded for this device (`export --target`) if the "
+                          ".pte has one, else the runtime's choice (an explicit policy always plans at load)")
     run.add_argument("--no-plot", action="store_true")
     run.add_argument("--load-only", action="store_true",
                      help="only load each .pte (generate constants, build pipelines, record): checks that "
