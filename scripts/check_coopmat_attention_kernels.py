@@ -139,14 +139,16 @@ def _median_ms(program, replays: int, warmup: int) -> float:
 
 
 def run_case(device, modules, model: str, B: int, S: int, rounds: int, replays: int, warmup: int, rng,
-             check_reference: bool) -> dict:
+             check_reference: bool, emulate: bool = False) -> dict:
+    """One shape: both sets' outputs compared bit for bit (and with float64), both timed. `emulate` (the
+    COOPMAT_EMULATE variants, a lavapipe smoke run of this script with sets that hold them)."""
     Hq, Hkv = MODELS[model]
     dims = dict(B=B, S=S, Hq=Hq, Hkv=Hkv, D=D)
     scale = 1.0 / math.sqrt(D)
     arrays = {"q": rng.standard_normal((B, S, Hq, D)), "k": rng.standard_normal((B, S, Hkv, D)),
               "v": rng.standard_normal((B, S, Hkv, D)), "d_out": rng.standard_normal((B, S, Hq, D))}
     arrays = {n: a.astype(np.float32) for n, a in arrays.items()}
-    options = dict(shared_memory_bytes=device.limits.max_compute_shared_memory_size, emulate=False,
+    options = dict(shared_memory_bytes=device.limits.max_compute_shared_memory_size, emulate=emulate,
                    subgroup_size=device.subgroup_size)
     names = dict(q="q", k="k", v="v", out="out", lse="lse")
     forward = coopmat_attention.plan_coopmat_causal_attention(**dims, **names, scale=scale, **options)
