@@ -159,7 +159,7 @@ def test_plans_refuse_what_the_kernels_cannot_run_by_name():
 
 # ----------------------------------------------------------------------------------- the bound
 def _scale_exponent(largest: float) -> int:
-    """The kernels' operand-scale exponent (coopmat_attention.glsl scale_exponent)."""
+    """The kernels' operand-scale exponent (coopmat_scale.slangh scale_exponent)."""
     if largest == 0.0 or not math.isfinite(largest):
         return 0
     return max(-60, min(60, 14 - math.floor(math.log2(largest))))

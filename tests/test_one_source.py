@@ -18,8 +18,7 @@ from vktrain.runtime_shaders.wgsl import WGSL_DIR
 GLSL_KERNELS_NOT_YET_PORTED = {
     # Cooperative-matrix (tensor-core) kernels: not ported yet (Slang's CoopMat covers the GEMM body's fragment
     # operations on SPIR-V, with one storage-class fix; each still needs a plain WGSL body: docs/ONE_SOURCE.md).
-    **dict.fromkeys(("coopmat_attention_bwd", "coopmat_attention_fwd", "coopmat_linear_q4gsw",
-                     "coopmat_linear_q4gsw_backward", "coopmat_mm"), "cooperative matrices"),
+    **dict.fromkeys(("coopmat_linear_q4gsw", "coopmat_linear_q4gsw_backward", "coopmat_mm"), "cooperative matrices"),
 }
 
 
@@ -152,3 +151,25 @@ def test_spirv_only_variants_build_to_spirv_and_webgpu_refuses_them(slang_dir):
     with pytest.raises(WGSLKernelNotFoundError, match=r"demo\.slang serves only demo, demo@TWICE$"):
         wgsl_source("demo@WIDE")
     assert wgsl_source("demo@TWICE") == build.load_generated_wgsl("demo@TWICE")
+
+
+@needs_slangc
+def test_a_kernel_with_only_spirv_variants_has_no_wgsl_at_all(slang_dir):
+    """A Slang kernel whose only variant line is `// vktrain-spirv-variants:` (the tensor-core attention, which
+    WebGPU never dispatches) builds to SPIR-V only, its on-demand variants too; the WebGPU lookup serves none
+    of its names (not even the plain one) and says why."""
+    from vktrain.runtime_shaders.wgsl import WGSLKernelNotFoundError, all_wgsl_shader_names, wgsl_source
+
+    only = KERNEL.replace("DEFAULT_WG", "32").replace("// vktrain-variants: -, TWICE", "// vktrain-spirv-variants: -")
+    # 64-bit integers: slangc's WGSL has none, so any attempt to build this kernel's WGSL fails.
+    only = only.replace("#ifdef TWICE", "#ifdef TWICE\n  dst[i] = float(uint64_t(src[i]) << 33u);\n#elif 0")
+    (slang_dir / "demo.slang").write_text(only)
+    built, failures = build.build_all()
+    assert failures == [] and built == ["demo"]
+    assert build.spirv_only("demo") and build.is_fresh("demo") and not build.generated_wgsl_path("demo").exists()
+    assert not build.has_wgsl("demo") and not build.has_wgsl("demo@TWICE")
+    assert build.load_spirv("demo@TWICE")  # built on demand, SPIR-V only
+    assert not any(name.startswith("demo") for name in all_wgsl_shader_names())
+    for name in ("demo", "demo@TWICE"):
+        with pytest.raises(WGSLKernelNotFoundError, match=r"demo\.slang is built to SPIR-V only"):
+            wgsl_source(name)

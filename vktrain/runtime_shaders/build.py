@@ -14,7 +14,8 @@ compiles ahead of time in a comment line `// vktrain-variants: GEMV, A+B=4` (the
 the plain source); without that line only the plain source is built. Any variant name still builds on
 demand where a compiler exists. A Slang kernel's variants for Vulkan only (a CPU body reading 64-bit words,
 fp16 tiles: what WebGPU never dispatches) go in a `// vktrain-spirv-variants: ...` line instead: built to
-SPIR-V, not to WGSL (the WebGPU runtime serves only the `vktrain-variants` ones: wgsl/__init__.py).
+SPIR-V, not to WGSL (the WebGPU runtime serves only the `vktrain-variants` ones: wgsl/__init__.py); a
+kernel with only that line has no WGSL at all (`spirv_only`).
 
 Cache: `spirv/<name>.<hash>.spv` (and `wgsl/generated/<name>.<hash>.wgsl`), the hash covering the source,
 every file it #includes, the defines and the compiler flags, so an edit to common.glsl invalidates every
@@ -333,10 +334,19 @@ def prune_stale() -> list[Path]:
     return stale
 
 
+def spirv_only(base: str) -> bool:
+    """Whether Slang kernel `base` has no WGSL at all: a `// vktrain-spirv-variants:` line and no
+    `// vktrain-variants:` one (the tensor-core attention, which WebGPU never dispatches)."""
+    text = source_path(base).read_text()
+    return bool(_SPIRV_VARIANTS.search(text)) and not _VARIANTS.search(text)
+
+
 def has_wgsl(name: str) -> bool:
-    """Whether the build generates WGSL for shader `name`: a Slang one not declared for SPIR-V only."""
+    """Whether the build generates WGSL for shader `name`: a Slang one not declared for SPIR-V only (nor of a
+    kernel that is SPIR-V only, whose on-demand variants get none either)."""
     variant = parse_shader_name(name)
-    return variant.is_slang and name not in _declared(variant.base, _SPIRV_VARIANTS)
+    return (variant.is_slang and not spirv_only(variant.base)
+            and name not in _declared(variant.base, _SPIRV_VARIANTS))
 
 
 def is_fresh(name: str) -> bool:

@@ -115,7 +115,10 @@ def slang_kernel_names() -> list[str]:
 
 
 def declared_wgsl_variants(base: str) -> list[str]:
-    """The shader names `base`'s WGSL serves (its `// vktrain-variants:` lines; just `base` without one)."""
+    """The shader names `base`'s WGSL serves (its `// vktrain-variants:` lines; just `base` without one; none for
+    a Slang kernel built to SPIR-V only, build.spirv_only)."""
+    if _is_slang(base) and build.spirv_only(base):
+        return []
     text = _source_path(base).read_text()
     lines = _VARIANTS.findall(text)
     if not lines:
@@ -185,7 +188,8 @@ def wgsl_source(shader_name: str, features=frozenset()) -> str:
     served = declared_wgsl_variants(variant.base)
     wanted = _define_key(variant.base, variant.defines)
     if wanted not in {_canonical(name) for name in served}:
-        raise WGSLKernelNotFoundError(shader_name, f"{path.name} serves only {', '.join(served)}")
+        raise WGSLKernelNotFoundError(shader_name, f"{path.name} serves only {', '.join(served)}" if served else
+                                      f"{path.name} is built to SPIR-V only (no WGSL)")
     lacking = sorted(required_wgsl_features(variant.base) - frozenset(features))
     if lacking:
         raise WGSLKernelNotFoundError(shader_name, f"{path.name} needs the device features {lacking} (it has no "

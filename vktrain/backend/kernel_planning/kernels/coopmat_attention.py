@@ -2,8 +2,8 @@
 
 The same op contract as kernels/attention.py (its docstring: q [B, S, Hq, D], k / v [B, S, Hkv, D],
 out, lse [B, Hq, S], GQA, the backward's delta scratch and outputs), computed with 16x16x16
-cooperative matrices, fp16 inputs and fp32 accumulators (shaders coopmat_attention_fwd.comp,
-coopmat_attention_bwd.comp, body coopmat_attention.glsl):
+cooperative matrices, fp16 inputs and fp32 accumulators (shaders coopmat_attention_fwd.slang,
+coopmat_attention_bwd.slang, body coopmat_attention.slangh; SPIR-V only):
   forward   S = Q K^T and O += P V on tensor cores; masks, the online softmax and its rescaling in fp32
             through shared memory. One dispatch.
   backward  the fp32 kernels' delta pre-pass (attention_bwd_delta.slang), coopmat_absmax over d_out and v
