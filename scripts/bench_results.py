@@ -20,6 +20,7 @@ RESULTS_DIR = Path(__file__).resolve().parents[1] / "bench" / "results"
 BENCHMARKS = {
     "attention_kernels": ("bench_attention_kernels.py", False),
     "coopmat": ("bench_coopmat.py", False), "coopmat_attention": ("bench_coopmat_attention.py", False),
+    "coopmat_attention_check": ("check_coopmat_attention_kernels.py", False),
     "step_gemms": ("bench_step_gemms.py", False),
     "drift": ("bench_drift.py", True), "export": ("bench_export.py", True),
     "federate": ("bench_federate.py run", True), "load": ("bench_load.py", True),
