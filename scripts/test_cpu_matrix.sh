@@ -11,12 +11,17 @@ export VKTRAIN_VALIDATION="${VKTRAIN_VALIDATION:-1}"
 .venv/bin/python -m vktrain.runtime_shaders.build >/dev/null
 tests=(tests/test_runner_parity.py tests/test_llama_parity.py tests/test_export.py tests/test_llama.py
        tests/test_adapters_and_isolation.py)
+# The files spread over the CPU's cores as in scripts/test.sh.
+workers="${VKTRAIN_TEST_WORKERS:-$(nproc)}"
+[ "$workers" -gt 4 ] && workers=4
+parallel=()
+if [ "$workers" -gt 1 ]; then parallel=(-n "$workers" --dist loadfile); fi
 failed=()
 for isa in default avx2; do
   for width in 128 256; do
     echo "== ATEN_CPU_CAPABILITY=$isa LP_NATIVE_VECTOR_WIDTH=$width"
     if ! ATEN_CPU_CAPABILITY=$isa LP_NATIVE_VECTOR_WIDTH=$width \
-         .venv/bin/python -m pytest -q -p no:cacheprovider -W ignore "${tests[@]}" "$@" | tail -n 3; then
+         .venv/bin/python -m pytest -q -p no:cacheprovider -W ignore "${parallel[@]}" "${tests[@]}" "$@" | tail -n 3; then
       failed+=("ATEN_CPU_CAPABILITY=$isa LP_NATIVE_VECTOR_WIDTH=$width")
     fi
   done
