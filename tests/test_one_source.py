@@ -16,10 +16,8 @@ from vktrain.runtime_shaders.wgsl import WGSL_DIR
 # Porting one to .slang means deleting both hand-written files and its entry here (the test below fails
 # until both are gone, and fails on an entry whose kernel is ported).
 GLSL_KERNELS_NOT_YET_PORTED = {
-    # Cooperative-matrix (tensor-core) kernels: not ported yet (Slang's CoopMat covers the GEMM body's fragment
-    # operations on SPIR-V, with one storage-class fix; each still needs a plain WGSL body: docs/ONE_SOURCE.md).
-    **dict.fromkeys(("coopmat_attention_bwd", "coopmat_attention_fwd", "coopmat_linear_q4gsw",
-                     "coopmat_linear_q4gsw_backward", "coopmat_mm"), "cooperative matrices"),
+    # Cooperative-matrix attention: not ported yet (the GEMMs are: coopmat_gemm.slangh, docs/ONE_SOURCE.md).
+    **dict.fromkeys(("coopmat_attention_bwd", "coopmat_attention_fwd"), "cooperative matrices"),
 }
 
 
@@ -152,3 +150,16 @@ def test_spirv_only_variants_build_to_spirv_and_webgpu_refuses_them(slang_dir):
     with pytest.raises(WGSLKernelNotFoundError, match=r"demo\.slang serves only demo, demo@TWICE$"):
         wgsl_source("demo@WIDE")
     assert wgsl_source("demo@TWICE") == build.load_generated_wgsl("demo@TWICE")
+
+
+@needs_slangc
+def test_a_kernel_may_name_a_newer_spirv_profile(slang_dir):
+    """`// vktrain-spirv-profile: spirv_1_4` (the cooperative-matrix kernels: slangc puts buffers in the
+    StorageBuffer class only from 1.4) builds that SPIR-V version, validated for Vulkan 1.2; others stay 1.3;
+    an unknown profile is refused naming the kernel."""
+    assert struct.unpack("<I", build.load_spirv("demo")[4:8])[0] == 0x00010300
+    (slang_dir / "demo.slang").write_text("// vktrain-spirv-profile: spirv_1_4\n" + KERNEL.replace("DEFAULT_WG", "32"))
+    assert struct.unpack("<I", build.load_spirv("demo")[4:8])[0] == 0x00010400
+    (slang_dir / "demo.slang").write_text("// vktrain-spirv-profile: spirv_9\n" + KERNEL.replace("DEFAULT_WG", "32"))
+    with pytest.raises(build.ShaderBuildError, match=r"demo.slang: `// vktrain-spirv-profile:` must .*'spirv_9'"):
+        build.compile_shader("demo")

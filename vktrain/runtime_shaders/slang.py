@@ -12,7 +12,7 @@ silently:
     rewritten to glslang's encoding (`LocalSize` literals plus a `WorkgroupSize` built-in
     OpSpecConstantComposite), valid from Vulkan 1.0. Also: `-O0` (slangc's optimizer needs a
     libslang-glslang the wheel lacks; the drivers optimize anyway), `-profile spirv_1_3` (our Vulkan 1.1
-    target), and Slang's `OpSource Slang` dropped (the validation layer rejects its source-language
+    target; a kernel's `// vktrain-spirv-profile:` line may name spirv_1_4, checked against Vulkan 1.2), and Slang's `OpSource Slang` dropped (the validation layer rejects its source-language
     operand 11).
   * WGSL: WGSL's `@workgroup_size` cannot name an override in slangc's output (E55205), so the kernel
     writes the default literal there on WGSL (VKTRAIN_LOCAL_SIZE in common.slangh) and the literal is
@@ -38,6 +38,13 @@ from pathlib import Path
 
 SLANGC_SPIRV_FLAGS = ("-target", "spirv", "-profile", "spirv_1_3", "-emit-spirv-directly", "-O0",
                       "-stage", "compute", "-entry", "main")
+# A kernel may name a newer SPIR-V in a `// vktrain-spirv-profile: PROFILE` line of its .slang source: the
+# cooperative-matrix kernels, whose loads and stores through buffers spirv-val accepts only in the
+# StorageBuffer storage class, which slangc uses from spirv_1_4 (with spirv_1_3 it writes Uniform +
+# BufferBlock; docs/ONE_SOURCE.md). Each profile with the Vulkan version spirv-val checks it against.
+SPIRV_PROFILES = {"spirv_1_3": "vulkan1.1", "spirv_1_4": "vulkan1.2"}
+DEFAULT_SPIRV_PROFILE = "spirv_1_3"
+_SPIRV_PROFILE_LINE = re.compile(r"^\s*//\s*vktrain-spirv-profile:(.*)$", re.MULTILINE)
 SLANGC_WGSL_FLAGS = ("-target", "wgsl", "-stage", "compute", "-entry", "main", "-DVKTRAIN_WGSL")
 WGSL_CACHE_DIR = Path(__file__).resolve().parent / "wgsl" / "generated"
 _REQUIRES_LINE = re.compile(r"^\s*//\s*vktrain-requires:.*$", re.MULTILINE)
@@ -45,6 +52,22 @@ _REQUIRES_LINE = re.compile(r"^\s*//\s*vktrain-requires:.*$", re.MULTILINE)
 
 class SlangToolError(RuntimeError):
     """slangc is missing or rejected a kernel, or its output broke an expectation of the fitting steps."""
+
+
+def spirv_profile(source: Path) -> str:
+    """The SPIR-V profile of kernel `source`: its `// vktrain-spirv-profile:` line, else DEFAULT_SPIRV_PROFILE."""
+    named = [line.strip() for line in _SPIRV_PROFILE_LINE.findall(source.read_text())]
+    if len(named) > 1 or (named and named[0] not in SPIRV_PROFILES):
+        raise SlangToolError(f"{source.name}: `// vktrain-spirv-profile:` must appear at most once and name one of "
+                             f"{sorted(SPIRV_PROFILES)}; found {named}")
+    return named[0] if named else DEFAULT_SPIRV_PROFILE
+
+
+def spirv_flags(profile: str) -> tuple[str, ...]:
+    """slangc's SPIR-V flags for `profile` (SLANGC_SPIRV_FLAGS with its -profile replaced)."""
+    flags = list(SLANGC_SPIRV_FLAGS)
+    flags[flags.index("-profile") + 1] = profile
+    return tuple(flags)
 
 
 def find_slangc() -> Path | None:
