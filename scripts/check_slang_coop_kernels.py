@@ -46,22 +46,25 @@ CHECK_ROWS = 8
 MODELS = {"SmolLM2-135M": (576, 1536, 192, 49152), "Llama-3.2-1B": (2048, 8192, 512, 128256)}
 
 
-def cases() -> list[tuple[str, str, int, int, int]]:
+def cases(tokens: int = TOKENS) -> list[tuple[str, str, int, int, int]]:
     """(label, kind, M, N, K): output [M, N], reduction K, in the kernels' terms."""
     rows = []
     for model, (hidden, inter, kv, vocab) in MODELS.items():
         for out_f, in_f in dict.fromkeys([(hidden, hidden), (kv, hidden), (inter, hidden), (hidden, inter)]):
-            rows.append((f"{model} q4 {out_f}x{in_f}", "q4", TOKENS, out_f, in_f))
-            rows.append((f"{model} q4_dx {out_f}x{in_f}", "q4_dx", TOKENS, in_f, out_f))
-        rows.append((f"{model} head logits", "mm_bt", TOKENS, vocab, hidden))
-        rows.append((f"{model} head d_h", "mm", TOKENS, hidden, vocab))
-        rows.append((f"{model} lora y+x_a@B^T", "mm_bt_add", TOKENS, hidden, 16))
-        rows.append((f"{model} lora d_A", "mm", 16, hidden, TOKENS))
+            rows.append((f"{model} q4 {out_f}x{in_f}", "q4", tokens, out_f, in_f))
+            rows.append((f"{model} q4_dx {out_f}x{in_f}", "q4_dx", tokens, in_f, out_f))
+        rows.append((f"{model} head logits", "mm_bt", tokens, vocab, hidden))
+        rows.append((f"{model} head d_h", "mm", tokens, hidden, vocab))
+        rows.append((f"{model} lora y+x_a@B^T", "mm_bt_add", tokens, hidden, 16))
+        rows.append((f"{model} lora d_A", "mm", 16, hidden, tokens))
     return rows
 
 
+EMULATE = {"on": False}  # --emulate: the COOPMAT_EMULATE variants (a smoke run on a device without tensor cores)
+
+
 def plan(kind: str, M: int, N: int, K: int, subgroup_size: int, scratch: bool):
-    extra = dict(subgroup_size=subgroup_size, scratch="scratch" if scratch else None)
+    extra = dict(subgroup_size=subgroup_size, scratch="scratch" if scratch else None, emulate=EMULATE["on"])
     if kind == "q4":
         return coopmat.plan_coopmat_linear_q4gsw(M=M, N=N, K=K, group_size=GROUP_SIZE, out="out", x="a",
                                                  weights="w", scales="s", **extra)
@@ -77,7 +80,7 @@ def scratch_nbytes(kind: str, M: int, N: int, K: int) -> int:
     kernel = {"q4": "coopmat_linear_q4gsw", "q4_dx": "coopmat_linear_q4gsw_backward", "mm": "coopmat_mm",
               "mm_bt": "coopmat_mm_b_transposed",
               "mm_bt_add": "coopmat_mm_b_transposed"}[kind]
-    return coopmat_tiling.split_k_scratch_nbytes(kernel, M, N, K)
+    return coopmat_tiling.split_k_scratch_nbytes(kernel, M, N, K, emulate=EMULATE["on"])
 
 
 def inputs(kind: str, M: int, N: int, K: int, rng) -> tuple[dict, np.ndarray]:
@@ -99,13 +102,13 @@ def inputs(kind: str, M: int, N: int, K: int, rng) -> tuple[dict, np.ndarray]:
     return {"a": a, "b": b, "d": d}, reference + d[:CHECK_ROWS]
 
 
-def load_modules(shaders: set[str]) -> dict[str, dict[str, SimpleNamespace]]:
+def load_modules(shaders: set[str], glsl_dir: Path, slang_dir: Path) -> dict[str, dict[str, SimpleNamespace]]:
     """old / new: shader name -> an embedded-module stand-in (Program reads `.code`)."""
     modules = {"old": {}, "new": {}}
     for shader in shaders:
         stem = f"{parse_shader_name(shader).file_stem}.spv"
         ported = shader.startswith(("coopmat_mm", "coopmat_linear_q4gsw"))
-        for side, folder in (("old", GLSL_DIR if ported else SLANG_DIR), ("new", SLANG_DIR)):
+        for side, folder in (("old", glsl_dir if ported else slang_dir), ("new", slang_dir)):
             path = folder / stem
             if not path.is_file():
                 raise SystemExit(f"{path} missing: run --save-spirv SIDE where the shaders are built")
@@ -153,20 +156,19 @@ def run_case(device, modules, case, args, rng) -> dict:
             "rel_error": error, "old_ms": old_ms, "new_ms": new_ms, "new_over_old_time": new_ms / old_ms}
 
 
-def save_spirv(side: str, subgroup_size: int) -> None:
-    """Copy the locally built SPIR-V of every shader the cases dispatch into the side's folder."""
+def save_spirv(side: str, selected, subgroup_size: int, folder: Path) -> None:
+    """Copy the locally built SPIR-V of every shader the `selected` cases dispatch into the side's folder."""
     from vktrain.runtime_shaders.build import load_spirv
 
-    folder = GLSL_DIR if side == "old" else SLANG_DIR
     folder.mkdir(parents=True, exist_ok=True)
-    for shader in sorted(all_shaders(subgroup_size)):
+    for shader in sorted(all_shaders(selected, subgroup_size)):
         if side == "old" and not shader.startswith(("coopmat_mm", "coopmat_linear_q4gsw")):
             continue
         (folder / f"{parse_shader_name(shader).file_stem}.spv").write_bytes(load_spirv(shader))
 
 
-def all_shaders(subgroup_size: int) -> set[str]:
-    return {d.shader for _, kind, M, N, K in cases()
+def all_shaders(selected, subgroup_size: int) -> set[str]:
+    return {d.shader for _, kind, M, N, K in selected
             for d in plan(kind, M, N, K, subgroup_size, bool(scratch_nbytes(kind, M, N, K)))}
 
 
@@ -180,12 +182,19 @@ def main(argv=None) -> int:
     parser.add_argument("--list-shaders", action="store_true")
     parser.add_argument("--save-spirv", choices=("old", "new"), help="copy the local build into the side's folder")
     parser.add_argument("--only", default="", help="run only the cases whose label contains this")
+    parser.add_argument("--tokens", type=int, default=TOKENS, help="M of the cases (smoke runs)")
+    parser.add_argument("--emulate", action="store_true", help="the COOPMAT_EMULATE variants (lavapipe smoke run)")
+    parser.add_argument("--glsl-dir", type=Path, default=GLSL_DIR)
+    parser.add_argument("--slang-dir", type=Path, default=SLANG_DIR)
     args = parser.parse_args(argv)
+    EMULATE["on"] = args.emulate
+    selected = [c for c in cases(args.tokens) if args.only in c[0]]
     if args.list_shaders:
-        print("\n".join(sorted(all_shaders(args.subgroup_size))))
+        print("\n".join(sorted(all_shaders(selected, args.subgroup_size))))
         return 0
     if args.save_spirv:
-        save_spirv(args.save_spirv, args.subgroup_size)
+        save_spirv(args.save_spirv, selected, args.subgroup_size,
+                   args.glsl_dir if args.save_spirv == "old" else args.slang_dir)
         return 0
     if args.out is None:
         parser.error("--out is required")
@@ -195,9 +204,7 @@ def main(argv=None) -> int:
     rng = np.random.default_rng(0)
     with Device(validation=False) as device:
         results["device"] = device.name
-        selected = [c for c in cases() if args.only in c[0]]
-        modules = load_modules({d.shader for _, kind, M, N, K in selected
-                                for d in plan(kind, M, N, K, device.subgroup_size, bool(scratch_nbytes(kind, M, N, K)))})
+        modules = load_modules(all_shaders(selected, device.subgroup_size), args.glsl_dir, args.slang_dir)
         for case in selected:
             row = run_case(device, modules, case, args, rng)
             failed |= not row["same_bits"] or not row["finite"] or not row["rel_error"] < 3e-3
