@@ -163,3 +163,22 @@ def test_a_kernel_may_name_a_newer_spirv_profile(slang_dir):
     (slang_dir / "demo.slang").write_text("// vktrain-spirv-profile: spirv_9\n" + KERNEL.replace("DEFAULT_WG", "32"))
     with pytest.raises(build.ShaderBuildError, match=r"demo.slang: `// vktrain-spirv-profile:` must .*'spirv_9'"):
         build.compile_shader("demo")
+
+
+def test_cooperative_matrix_kernels_access_workgroup_memory_non_private():
+    """slangc's cooperative-matrix SPIR-V uses the Vulkan memory model, where a private access (slangc's
+    default) to shared memory is not ordered by the workgroup barriers: the build marks every Workgroup load
+    and store NonPrivatePointer with MakePointerVisible / MakePointerAvailable, as glslang does (slang.py)."""
+    code = build.load_spirv("coopmat_mm@AB_SCALE+BM=64+ADDEND")
+    words = struct.unpack(f"<{len(code) // 4}I", code)
+    instructions, position = [], 5
+    while position < len(words):
+        instructions.append(words[position:position + (words[position] >> 16)])
+        position += words[position] >> 16
+    assert words[1] == 0x00010400 and any(i[0] & 0xFFFF == 14 and i[2] == 3 for i in instructions)  # Vulkan model
+    loads = [i for i in instructions if i[0] & 0xFFFF == 4457]  # OpCooperativeMatrixLoadKHR
+    stores = [i for i in instructions if i[0] & 0xFFFF == 4458]
+    workgroup_loads = [i for i in loads if len(i) > 6 and i[6] & 0x20]  # NonPrivatePointer
+    assert len(workgroup_loads) == 2 and all(i[6] & 0x10 for i in workgroup_loads)  # the A and B fragments
+    assert len(loads) == 3 and len(stores) == 2  # + the addend block from its buffer; the output and the edge
+    assert sum(1 for i in stores if i[5] & 0x28 == 0x28) == 1  # the edge block, MakePointerAvailable
