@@ -13,7 +13,9 @@ silently:
     OpSpecConstantComposite), valid from Vulkan 1.0. Also: `-O0` (slangc's optimizer needs a
     libslang-glslang the wheel lacks; the drivers optimize anyway), `-profile spirv_1_3` (our Vulkan 1.1
     target; a kernel's `// vktrain-spirv-profile:` line may name spirv_1_4, checked against Vulkan 1.2), and Slang's `OpSource Slang` dropped (the validation layer rejects its source-language
-    operand 11).
+    operand 11). Under the Vulkan memory model (slangc's choice for cooperative matrices) Workgroup loads
+    and stores are marked NonPrivatePointer + MakePointerVisible / MakePointerAvailable, as glslang marks
+    GLSL's coherent shared variables (slangc leaves them private, unordered by the barriers).
   * WGSL: WGSL's `@workgroup_size` cannot name an override in slangc's output (E55205), so the kernel
     writes the default literal there on WGSL (VKTRAIN_LOCAL_SIZE in common.slangh) and the literal is
     replaced by the `@id(0..2)` override that carries it; slangc's `_0` suffix is taken off
