@@ -1,4 +1,4 @@
-// Per-tensor operand scales of the tensor-core kernels (coopmat_gemm.slangh's A_SCALE / AB_SCALE,
+// Per-tensor operand scales of the tensor-core kernels (coopmat_gemm.glsl's A_SCALE / AB_SCALE,
 // coopmat_attention_bwd.comp): an operand is multiplied by the power of two 2^e that puts its largest
 // magnitude in [2^14, 2^15) before its fp16 rounding, and the result by the inverse (both exact).
 // coopmat_absmax.slang wrote the per-workgroup maxima of |x| (as float bits: non-negative floats order
