@@ -1,4 +1,4 @@
-"""Split-K on the tensor-core GEMMs (kernels/coopmat.py, coopmat_gemm.glsl's pc.k_slice).
+"""Split-K on the tensor-core GEMMs (kernels/coopmat.py, coopmat_gemm.slangh's pc.k_slice).
 
 A small output over a long reduction (M = 128 tokens: the base's d_x and down projection, the tied head's
 d_h) is cut into slices of whole BK steps, each slice's partial product written to scratch and the

@@ -1,6 +1,5 @@
 """One kernel source (docs/ONE_SOURCE.md): each kernel is written once, as `<name>.slang`, and its SPIR-V and
-WGSL are generated from it; only the kernels of GLSL_KERNELS_NOT_YET_PORTED may still be hand-written
-twice (a GLSL `.comp` plus a hand-written WGSL twin). Also: slangc's output fitted to the runtimes'
+WGSL are generated from it. Also: slangc's output fitted to the runtimes'
 contracts (slang.py), checked on a private kernel.
 """
 from __future__ import annotations
@@ -12,29 +11,14 @@ import pytest
 from vktrain.runtime_shaders import build, reflect_spirv, slang
 from vktrain.runtime_shaders.wgsl import WGSL_DIR
 
-# The kernels still written twice (GLSL .comp + hand-written wgsl/<name>.wgsl, or GLSL only), each with why.
-# Porting one to .slang means deleting both hand-written files and its entry here (the test below fails
-# until both are gone, and fails on an entry whose kernel is ported).
-GLSL_KERNELS_NOT_YET_PORTED = {
-    # Cooperative-matrix (tensor-core) kernels: not ported yet (Slang's CoopMat covers the GEMM body's fragment
-    # operations on SPIR-V, with one storage-class fix; each still needs a plain WGSL body: docs/ONE_SOURCE.md).
-    **dict.fromkeys(("coopmat_linear_q4gsw", "coopmat_linear_q4gsw_backward", "coopmat_mm"), "cooperative matrices"),
-}
-
-
 def test_every_kernel_has_one_source():
+    """Every kernel is a `<name>.slang`: no GLSL `.comp` and no hand-written WGSL kernel is left (the last five,
+    the tensor-core ones, were ported on 2026-12-06); a new kernel is written in Slang (docs/ONE_SOURCE.md)."""
     sources = build.source_names()
     slang_kernels = {path.stem for path in build.SHADER_DIR.glob("*.slang")}
-    glsl_kernels = {path.stem for path in build.SHADER_DIR.glob("*.comp")}
-    hand_wgsl = {path.stem for path in WGSL_DIR.glob("*.wgsl") if not path.name.endswith(".inc.wgsl")}
-    assert sorted(slang_kernels & glsl_kernels) == [], "a .slang kernel whose GLSL .comp is still there"
-    assert sorted(slang_kernels & hand_wgsl) == [], "a .slang kernel whose hand-written WGSL is still there"
-    assert sorted(glsl_kernels - GLSL_KERNELS_NOT_YET_PORTED.keys()) == [], \
-        "GLSL kernels not in GLSL_KERNELS_NOT_YET_PORTED: write new kernels in Slang (docs/ONE_SOURCE.md)"
-    assert sorted(GLSL_KERNELS_NOT_YET_PORTED.keys() - glsl_kernels) == [], \
-        "GLSL_KERNELS_NOT_YET_PORTED lists kernels that have no .comp any more: take them off the list"
-    assert sorted(hand_wgsl - glsl_kernels) == [], "a hand-written WGSL kernel with no GLSL twin"
-    assert set(sources) == slang_kernels | glsl_kernels and slang_kernels  # swiglu and after it
+    assert sorted(path.name for path in build.SHADER_DIR.glob("*.comp")) == [], "write kernels in Slang"
+    assert sorted(path.name for path in WGSL_DIR.glob("*.wgsl")) == [], "WGSL is generated from the .slang"
+    assert set(sources) == slang_kernels and "swiglu" in slang_kernels
 
 
 needs_slangc = pytest.mark.skipif(slang.find_slangc() is None, reason="slangc not installed (pip package slangtorch)")
@@ -173,3 +157,35 @@ def test_a_kernel_with_only_spirv_variants_has_no_wgsl_at_all(slang_dir):
     for name in ("demo", "demo@TWICE"):
         with pytest.raises(WGSLKernelNotFoundError, match=r"demo\.slang is built to SPIR-V only"):
             wgsl_source(name)
+
+
+@needs_slangc
+def test_a_kernel_may_name_a_newer_spirv_profile(slang_dir):
+    """`// vktrain-spirv-profile: spirv_1_4` (the cooperative-matrix kernels: slangc puts buffers in the
+    StorageBuffer class only from 1.4) builds that SPIR-V version, validated for Vulkan 1.2; others stay 1.3;
+    an unknown profile is refused naming the kernel."""
+    assert struct.unpack("<I", build.load_spirv("demo")[4:8])[0] == 0x00010300
+    (slang_dir / "demo.slang").write_text("// vktrain-spirv-profile: spirv_1_4\n" + KERNEL.replace("DEFAULT_WG", "32"))
+    assert struct.unpack("<I", build.load_spirv("demo")[4:8])[0] == 0x00010400
+    (slang_dir / "demo.slang").write_text("// vktrain-spirv-profile: spirv_9\n" + KERNEL.replace("DEFAULT_WG", "32"))
+    with pytest.raises(build.ShaderBuildError, match=r"demo.slang: `// vktrain-spirv-profile:` must .*'spirv_9'"):
+        build.compile_shader("demo")
+
+
+def test_cooperative_matrix_kernels_access_workgroup_memory_non_private():
+    """slangc's cooperative-matrix SPIR-V uses the Vulkan memory model, where a private access (slangc's
+    default) to shared memory is not ordered by the workgroup barriers: the build marks every Workgroup load
+    and store NonPrivatePointer with MakePointerVisible / MakePointerAvailable, as glslang does (slang.py)."""
+    code = build.load_spirv("coopmat_mm@AB_SCALE+BM=64+ADDEND")
+    words = struct.unpack(f"<{len(code) // 4}I", code)
+    instructions, position = [], 5
+    while position < len(words):
+        instructions.append(words[position:position + (words[position] >> 16)])
+        position += words[position] >> 16
+    assert words[1] == 0x00010400 and any(i[0] & 0xFFFF == 14 and i[2] == 3 for i in instructions)  # Vulkan model
+    loads = [i for i in instructions if i[0] & 0xFFFF == 4457]  # OpCooperativeMatrixLoadKHR
+    stores = [i for i in instructions if i[0] & 0xFFFF == 4458]
+    workgroup_loads = [i for i in loads if len(i) > 6 and i[6] & 0x20]  # NonPrivatePointer
+    assert len(workgroup_loads) == 2 and all(i[6] & 0x10 for i in workgroup_loads)  # the A and B fragments
+    assert len(loads) == 3 and len(stores) == 2  # + the addend block from its buffer; the output and the edge
+    assert sum(1 for i in stores if i[5] & 0x28 == 0x28) == 1  # the edge block, MakePointerAvailable

@@ -1,4 +1,4 @@
-"""fp16-tc on WebGPU: the f16 WGSL bodies of the coopmat Dispatches (vktrain/runtime_shaders/wgsl/coopmat_*.wgsl)
+"""fp16-tc on WebGPU: the f16 WGSL bodies of the coopmat Dispatches (generated from vktrain/runtime_shaders/coopmat_*.slang, body coopmat_gemm_wgsl.slangh)
 and the route that takes them (kernels/coopmat.py, _select_webgpu_route).
 
 Kernels: every f16 WGSL body against float64 on the edge-shape sets of tests/test_kernels_coopmat.py,
@@ -121,7 +121,7 @@ def test_the_route_plans_served_variants_that_fit_browser_limits(f16_device):
             assert dispatch.groups[:2] == (-(-(288 if "backward" in dispatch.shader else 260) // WGSL_TILING.tile_n),
                                            -(-70 // WGSL_TILING.tile_m))
     source = wgsl_source("coopmat_mm@AB_SCALE+BM=64", {F16})
-    assert "@workgroup_size(THREADS_X, THREADS_Y, 1)" in source and "const THREADS_X = 16u;" in source
+    assert "@workgroup_size(16, 16, 1)" in source  # generated from coopmat_gemm_wgsl.slangh's THREADS_X, THREADS_Y
     assert 16 * 16 <= BROWSER_DEFAULT_LIMITS["max-compute-invocations-per-workgroup"]
 
 

@@ -112,11 +112,14 @@ def on_webgpu(vulkan_test, device: str = "webgpu_device"):
 # ---- the lookup and the kernels' interfaces ---------------------------------------------------------
 
 def _names_and_features():
-    """(shader name, feature set) of every default kernel and every feature body."""
+    """(shader name, feature set) of every default kernel and every feature body, and of the kernels that exist
+    only with a feature (the f16 GEMMs of fp16-tc: shader-f16)."""
     cases = []
     for name in all_wgsl_shader_names():
         cases.append((name, ()))
         cases += [(name, (feature,)) for feature in sorted(declared_wgsl_features(name.partition("@")[0]))]
+    default = set(all_wgsl_shader_names())
+    cases += [(name, ("shader-f16",)) for name in all_wgsl_shader_names({"shader-f16"}) if name not in default]
     return cases
 
 

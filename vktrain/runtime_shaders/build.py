@@ -220,16 +220,19 @@ def compile_shader(name: str) -> Path:
         out = Path(tmp) / "shader.spv"
         if variant.is_slang:
             try:
-                code = slang.run_slangc(variant.source_path, slang.SLANGC_SPIRV_FLAGS, defines, SHADER_DIR,
+                profile = slang.spirv_profile(variant.source_path)
+                code = slang.run_slangc(variant.source_path, slang.spirv_flags(profile), defines, SHADER_DIR,
                                         f"compiling {name}")
                 out.write_bytes(slang.fit_spirv(code))
             except slang.SlangToolError as exc:
                 raise ShaderBuildError(str(exc)) from None
+            target_env = slang.SPIRV_PROFILES[profile]
         else:
             _run_tool("glslangValidator",
                       [*GLSLANG_FLAGS, f"-I{SHADER_DIR}", *defines, "-o", str(out), str(variant.source_path)],
                       f"compiling {name}")
-        _run_tool("spirv-val", [*SPIRV_VAL_FLAGS, str(out)], f"validating {name}")
+            target_env = TARGET_ENV
+        _run_tool("spirv-val", ["--target-env", target_env, str(out)], f"validating {name}")
         # Write next to the target, then rename: concurrent builders never see a partial file.
         staged = target.with_suffix(f".{os.getpid()}.tmp")
         shutil.copyfile(out, staged)

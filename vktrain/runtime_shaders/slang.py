@@ -12,8 +12,10 @@ silently:
     rewritten to glslang's encoding (`LocalSize` literals plus a `WorkgroupSize` built-in
     OpSpecConstantComposite), valid from Vulkan 1.0. Also: `-O0` (slangc's optimizer needs a
     libslang-glslang the wheel lacks; the drivers optimize anyway), `-profile spirv_1_3` (our Vulkan 1.1
-    target), and Slang's `OpSource Slang` dropped (the validation layer rejects its source-language
-    operand 11).
+    target; a kernel's `// vktrain-spirv-profile:` line may name spirv_1_4, checked against Vulkan 1.2), and Slang's `OpSource Slang` dropped (the validation layer rejects its source-language
+    operand 11). Under the Vulkan memory model (slangc's choice for cooperative matrices) Workgroup loads
+    and stores are marked NonPrivatePointer + MakePointerVisible / MakePointerAvailable, as glslang marks
+    GLSL's coherent shared variables (slangc leaves them private, unordered by the barriers).
   * WGSL: WGSL's `@workgroup_size` cannot name an override in slangc's output (E55205), so the kernel
     writes the default literal there on WGSL (VKTRAIN_LOCAL_SIZE in common.slangh) and the literal is
     replaced by the `@id(0..2)` override that carries it; slangc's `_0` suffix is taken off
@@ -38,6 +40,13 @@ from pathlib import Path
 
 SLANGC_SPIRV_FLAGS = ("-target", "spirv", "-profile", "spirv_1_3", "-emit-spirv-directly", "-O0",
                       "-stage", "compute", "-entry", "main")
+# A kernel may name a newer SPIR-V in a `// vktrain-spirv-profile: PROFILE` line of its .slang source: the
+# cooperative-matrix kernels, whose loads and stores through buffers spirv-val accepts only in the
+# StorageBuffer storage class, which slangc uses from spirv_1_4 (with spirv_1_3 it writes Uniform +
+# BufferBlock; docs/ONE_SOURCE.md). Each profile with the Vulkan version spirv-val checks it against.
+SPIRV_PROFILES = {"spirv_1_3": "vulkan1.1", "spirv_1_4": "vulkan1.2"}
+DEFAULT_SPIRV_PROFILE = "spirv_1_3"
+_SPIRV_PROFILE_LINE = re.compile(r"^\s*//\s*vktrain-spirv-profile:(.*)$", re.MULTILINE)
 SLANGC_WGSL_FLAGS = ("-target", "wgsl", "-stage", "compute", "-entry", "main", "-DVKTRAIN_WGSL")
 WGSL_CACHE_DIR = Path(__file__).resolve().parent / "wgsl" / "generated"
 _REQUIRES_LINE = re.compile(r"^\s*//\s*vktrain-requires:.*$", re.MULTILINE)
@@ -45,6 +54,22 @@ _REQUIRES_LINE = re.compile(r"^\s*//\s*vktrain-requires:.*$", re.MULTILINE)
 
 class SlangToolError(RuntimeError):
     """slangc is missing or rejected a kernel, or its output broke an expectation of the fitting steps."""
+
+
+def spirv_profile(source: Path) -> str:
+    """The SPIR-V profile of kernel `source`: its `// vktrain-spirv-profile:` line, else DEFAULT_SPIRV_PROFILE."""
+    named = [line.strip() for line in _SPIRV_PROFILE_LINE.findall(source.read_text())]
+    if len(named) > 1 or (named and named[0] not in SPIRV_PROFILES):
+        raise SlangToolError(f"{source.name}: `// vktrain-spirv-profile:` must appear at most once and name one of "
+                             f"{sorted(SPIRV_PROFILES)}; found {named}")
+    return named[0] if named else DEFAULT_SPIRV_PROFILE
+
+
+def spirv_flags(profile: str) -> tuple[str, ...]:
+    """slangc's SPIR-V flags for `profile` (SLANGC_SPIRV_FLAGS with its -profile replaced)."""
+    flags = list(SLANGC_SPIRV_FLAGS)
+    flags[flags.index("-profile") + 1] = profile
+    return tuple(flags)
 
 
 def find_slangc() -> Path | None:
@@ -105,6 +130,7 @@ def fit_spirv(code: bytes) -> bytes:
         position += count
     instructions = [i for i in instructions
                     if i[0] & 0xFFFF not in (_OP_SOURCE_CONTINUED, _OP_SOURCE, _OP_SOURCE_EXTENSION)]
+    bound = header[3] = _workgroup_accesses_non_private(instructions, bound)
 
     def opcode(instruction):
         return instruction[0] & 0xFFFF
@@ -156,6 +182,54 @@ def fit_spirv(code: bytes) -> bytes:
     instructions[last_annotation + 1:last_annotation + 1] = decorations
     header[3] = bound
     return struct.pack(f"<{5 + sum(map(len, instructions))}I", *header, *(w for i in instructions for w in i))
+
+
+_OP_MEMORY_MODEL, _OP_TYPE_POINTER, _OP_VARIABLE, _OP_FUNCTION_PARAMETER = 14, 32, 59, 55
+_OP_LOAD, _OP_STORE, _OP_COPY_OBJECT, _OP_SELECT, _OP_PHI = 61, 62, 83, 169, 245
+_OP_ACCESS_CHAINS = (65, 66, 67)
+_OP_COOPMAT_LOAD, _OP_COOPMAT_STORE = 4457, 4458
+_MEMORY_MODEL_VULKAN, _STORAGE_WORKGROUP, _SCOPE_WORKGROUP = 3, 4, 2
+_ALIGNED, _MAKE_AVAILABLE, _MAKE_VISIBLE, _NON_PRIVATE = 0x2, 0x8, 0x10, 0x20
+
+
+def _workgroup_accesses_non_private(instructions: list[list[int]], bound: int) -> int:
+    """Under the Vulkan memory model (slangc picks it for cooperative matrices), make every load and store
+    of Workgroup memory NonPrivatePointer with MakePointerVisible / MakePointerAvailable at workgroup scope,
+    what glslang writes for GLSL's (implicitly coherent) shared variables: slangc writes them private, which
+    the model lets a compiler reorder across the barriers that order them between invocations. Edits
+    `instructions` in place; returns the new id bound."""
+    def opcode(instruction):
+        return instruction[0] & 0xFFFF
+
+    if not any(opcode(i) == _OP_MEMORY_MODEL and i[2] == _MEMORY_MODEL_VULKAN for i in instructions):
+        return bound
+    pointer_types = {i[1] for i in instructions if opcode(i) == _OP_TYPE_POINTER and i[2] == _STORAGE_WORKGROUP}
+    pointers = {i[2] for i in instructions if opcode(i) in (_OP_VARIABLE, _OP_FUNCTION_PARAMETER, _OP_COPY_OBJECT,
+                                                            _OP_SELECT, _OP_PHI, *_OP_ACCESS_CHAINS)
+                and len(i) > 2 and i[1] in pointer_types}
+    uint = next((i[1] for i in instructions if opcode(i) == _OP_TYPE_INT and i[2:4] == [32, 0]), None)
+    scope = next((i[2] for i in instructions if opcode(i) == _OP_CONSTANT and i[1] == uint and i[3:] == [2]), None)
+    if uint is None:
+        raise SlangToolError("SPIR-V from slangc: no 32-bit uint type for the memory scope constant")
+    if scope is None:
+        scope, bound = bound, bound + 1
+        first_function = next(n for n, i in enumerate(instructions) if opcode(i) == _OP_FUNCTION)
+        instructions.insert(first_function, _instruction(_OP_CONSTANT, uint, scope, _SCOPE_WORKGROUP))
+    # (opcode, index of the pointer operand, index of the memory-operand mask, the flag the access takes)
+    accesses = {_OP_LOAD: (3, 4, _MAKE_VISIBLE), _OP_STORE: (1, 3, _MAKE_AVAILABLE),
+                _OP_COOPMAT_LOAD: (3, 6, _MAKE_VISIBLE), _OP_COOPMAT_STORE: (1, 5, _MAKE_AVAILABLE)}
+    for n, instruction in enumerate(instructions):
+        found = accesses.get(opcode(instruction))
+        if found is None or instruction[found[0]] not in pointers:
+            continue
+        pointer_at, mask_at, flag = found
+        fixed, mask = instruction[1:mask_at], (instruction[mask_at] if len(instruction) > mask_at else 0)
+        if mask & ~_ALIGNED or len(fixed) != mask_at - 1:
+            raise SlangToolError(f"SPIR-V from slangc: a Workgroup access (opcode {opcode(instruction)}) with memory "
+                                 f"operands {mask:#x} or a missing stride; expected at most Aligned")
+        aligned = instruction[mask_at + 1:mask_at + 2] if mask & _ALIGNED else []
+        instructions[n] = _instruction(opcode(instruction), *fixed, mask | flag | _NON_PRIVATE, *aligned, scope)
+    return bound
 
 
 # ---- WGSL ------------------------------------------------------------------------------------------

@@ -82,7 +82,7 @@ FEATURE_DEFINES = {"subgroup": "SUBGROUPS", "shader-f16": "F16"}
 CODES_GLSL = WGSL_DIR.parent / "codes.glsl"
 _GLSL_DEFINE = re.compile(r"^#define ([A-Za-z_][A-Za-z0-9_]*) ([0-9]+u?)$", re.MULTILINE)
 _COMMENT = re.compile(r"//[^\n]*")
-# Shared bodies included by kernels (`#include "coopmat_gemm.inc.wgsl"`), not kernels themselves.
+# Shared bodies included by kernels (`#include "NAME.inc.wgsl"`), not kernels themselves.
 FRAGMENT_SUFFIX = ".inc.wgsl"
 _CONDITION = re.compile(r"^(!?)([A-Za-z_][A-Za-z0-9_]*)(?:\s*(==|!=)\s*([A-Za-z0-9_]+))?$")
 
@@ -198,7 +198,10 @@ def wgsl_source(shader_name: str, features=frozenset()) -> str:
     feature_defines = tuple(FEATURE_DEFINES[feature]
                             for feature in sorted(declared_wgsl_features(variant.base) & frozenset(features)))
     if _is_slang(variant.base):
-        return build.load_generated_wgsl(shader_name, feature_defines)
+        # A required feature selects no body (there is no other): its WGSL is the cached default build.
+        optional = declared_wgsl_features(variant.base) - required_wgsl_features(variant.base)
+        return build.load_generated_wgsl(shader_name, tuple(FEATURE_DEFINES[feature] for feature
+                                                            in sorted(optional & frozenset(features))))
     defines = {key: ("1" if value is None else value) for key, value in variant.defines}
     defines.update((define, "1") for define in feature_defines)
     return _preprocess(path, path.read_text(), defines)

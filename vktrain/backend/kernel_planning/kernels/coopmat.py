@@ -5,8 +5,8 @@ fp16 while they are staged in shared memory; the 4-bit base is dequantized from 
 (docs/spec/w4x8.md) straight into fp16 tiles. Each output element is therefore
 sum_k fp16(a_k) * fp16(b_k) accumulated in fp32, not the fp32 result of the SIMT kernels: callers
 choose these kernels where that precision is acceptable (tests/test_kernels_coopmat.py states the
-bound). Shaders: vktrain/runtime_shaders/coopmat_{linear_q4gsw,linear_q4gsw_backward,mm,absmax}.comp,
-body coopmat_gemm.glsl.
+bound). Shaders: vktrain/runtime_shaders/coopmat_{linear_q4gsw,linear_q4gsw_backward,mm,absmax}.slang,
+body coopmat_gemm.slangh (WebGPU: coopmat_gemm_wgsl.slangh).
 
 Kernels (alternative plans of vktrain.linear_q4gsw(_backward).default and aten.mm.default, so not in the
 one-plan-per-op registry; the op lowering takes them where this program's GemmRoute says so):

@@ -1,5 +1,5 @@
 """The coopmat GEMM kernels' tilings and split-K policy (kernels/coopmat.py plans them): CoopmatTiling
-(one variant of coopmat_gemm.glsl's body), the variants built ahead of time, the default tiling per kernel
+(one variant of coopmat_gemm.slangh's body), the variants built ahead of time, the default tiling per kernel
 and shape from the H200 sweep, the size rule's constants, and how many slices a small output's reduction
 is cut into. Torch-free facts of shapes only: no device, no dispatch."""
 from __future__ import annotations
@@ -40,7 +40,7 @@ SHARED_MEMORY_BYTES = 48 * 1024
 
 @dataclass(frozen=True)
 class CoopmatTiling:
-    """One tiling variant of coopmat_gemm.glsl: a tile_m x tile_n workgroup tile of C, computed by
+    """One tiling variant of coopmat_gemm.slangh: a tile_m x tile_n workgroup tile of C, computed by
     subgroups_m x subgroups_n subgroups of (tile_m / subgroups_m) x (tile_n / subgroups_n) each; the
     reduction advances `bk` per step through `stages` shared buffers (2: one barrier per step, the next
     step fetched before this one's products); `prefetch` (one stage only) issues the next step's global
@@ -83,7 +83,7 @@ class CoopmatTiling:
 
     @property
     def shared_bytes(self) -> int:
-        """Shared memory of the shader (coopmat_gemm.glsl's arrays), the larger of its two B layouts:
+        """Shared memory of the shader (coopmat_gemm.slangh's arrays), the larger of its two B layouts:
         fp16 tiles with a 16-byte row skew per stage, the 16 x 16 fp32 edge block of each subgroup, the
         two operand maxima."""
         a_tile = self.tile_m * (self.bk + 8)
@@ -154,7 +154,7 @@ ADDEND_TILINGS = tuple(dict.fromkeys(
 
 
 def emulated_loop_trips(tiling: CoopmatTiling, reduction: int, subgroup_size: int) -> int:
-    """Loop iterations one invocation of an emulated coopmat GEMM runs (coopmat_gemm.glsl with
+    """Loop iterations one invocation of an emulated coopmat GEMM runs (coopmat_gemm.slangh with
     COOPMAT_EMULATE): per BK step its own trip plus 16 per emulated multiply-add, (BK / 16) x the
     subgroup's 16 x 16 accumulators of them; then the edge stores, at most one loop of
     256 / subgroup_size trips per accumulator."""
