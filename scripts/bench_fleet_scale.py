@@ -82,7 +82,7 @@ def federation(program: str, device, shards: list[str], eval_data: str, args, ag
     """One sequential federation; its records, wall seconds and the clients' seconds."""
     from vktrain.backend.kernel_planning import plan_schedule
     from vktrain.errors import VktrainError
-    from vktrain.fleet.client import ClientSettings, close_trainers, make_client_app
+    from vktrain.fleet.client import ClientSettings, close_trainers, local_trainer, make_client_app
     from vktrain.fleet.sequential import SequentialGrid
     from vktrain.fleet.server import FederationServer, FederationSettings
     from vktrain.runtime.program.runner import TrainingRunner
@@ -99,12 +99,14 @@ def federation(program: str, device, shards: list[str], eval_data: str, args, ag
     with TrainingRunner.from_pte(program, device, planner=plan_schedule, precision=args.precision) as runner:
         server = FederationServer(settings, runner, progress=False)
         grid = SequentialGrid(make_client_app(client_settings), len(shards))
+        trainer = local_trainer(client_settings)  # the one the clients of this process use (loaded before the clock)
         started = time.perf_counter()
         try:
             server.run(grid)
         except VktrainError as exc:  # e.g. a poisoned global model whose held-out loss is not finite
             outcome["diverged"] = str(exc)
         finally:
+            outcome["client_phase_seconds"], outcome["client_messages"] = dict(trainer.seconds), trainer.served
             close_trainers()
         outcome["wall_seconds"] = time.perf_counter() - started  # includes round 0's held-out loss
         outcome["client_seconds"] = grid.client_seconds
@@ -114,6 +116,8 @@ def federation(program: str, device, shards: list[str], eval_data: str, args, ag
 
 def scale_summary(run: dict, batch: int, seq: int, local_steps: int, baseline_tps: float,
                   baseline_sps: float) -> dict:
+    from vktrain.fleet.client import PHASES
+
     trained = [r for r in run["rounds"] if r["round"] > 0]
     if not trained:  # the federation stopped before its first round ended: say why instead of dividing by 0
         raise SystemExit(f"bench_fleet_scale: no round completed (diverged: {run.get('diverged')!r}; "
@@ -123,6 +127,11 @@ def scale_summary(run: dict, batch: int, seq: int, local_steps: int, baseline_tp
     tokens = client_steps * batch * seq
     train_seconds = sum(r["seconds_before_eval"] for r in trained)  # the rounds without the held-out loss
     served = sum(len(r["sampled"]) for r in trained)
+    phases = {phase: run["client_phase_seconds"][phase] / run["client_messages"] for phase in PHASES}
+    split = {"swap_in": phases["swap_in"], "train": phases["train"], "swap_out": phases["swap_out"],
+             "serialize": phases["receive"] + phases["send"],
+             "aggregate": sum(r.get("aggregate_seconds") or 0.0 for r in trained) / served}
+    split["rest"] = train_seconds / served - sum(split.values())  # Flower's messages, sampling, the ClientApp's call
     return {"rounds": len(trained), "round_seconds": seconds, "rounds_per_second": len(trained) / seconds,
             "client_steps": client_steps, "client_steps_per_second": client_steps / seconds,
             "tokens_per_second": tokens / seconds,
@@ -131,7 +140,14 @@ def scale_summary(run: dict, batch: int, seq: int, local_steps: int, baseline_tp
             "clients_seconds": run["client_seconds"],
             # what serving a client costs beyond its steps at the baseline's speed (state in and out, messages)
             "per_client_overhead_seconds": (run["client_seconds"] - client_steps / baseline_sps) / served,
+            # where a served client's share of the rounds (without the held-out eval) goes: its state written in
+            # (adapters, AdamW moments zeroed), its local steps (`train_at_baseline`: those steps at the baseline's
+            # speed), the adapters read back, the client's decoding + encoding of the arrays, the server's
+            # reading, screening and combining of its reply, and the rest
+            "per_client_seconds": {**split, "train_at_baseline": local_steps / baseline_sps, "client_phases": phases},
             "aggregate_seconds": [r.get("aggregate_seconds") for r in trained],
+            "screen_seconds": [r.get("screen_seconds") for r in trained],  # of aggregate_seconds: replies read, screened
+            "combine_seconds": [r.get("combine_seconds") for r in trained],
             "eval_seconds": [r["seconds"] - r["seconds_before_eval"] for r in trained]}
 
 
