@@ -23,14 +23,20 @@ Measured, written to --out (and plotted beside it):
   baseline     one TrainingRunner stepping the same program on the same data, alone: tokens/s
   scale        the clean federation: rounds/s, client steps/s, tokens/s and its ratio to the baseline (the
                issue's target: >= 0.5 on the H200 with SmolLM2 1x64), per round the clients' own seconds,
-               `aggregate_seconds` (the strategy's screening + combining), the held-out eval and the rest
+               `aggregate_seconds` (the strategy's screening + combining), the held-out eval and the rest;
+               `per_client_seconds`: a served client's share of the rounds split into swap_in (adapters
+               written, AdamW moments zeroed), train (its local steps; train_at_baseline: the same steps at
+               the baseline's speed), swap_out (adapters read back), serialize (the client decoding and
+               encoding the arrays), aggregate (the server reading, screening and combining its reply) and
+               rest (Flower's messages, sampling)
   aggregation  screen_updates + each aggregator on n synthetic updates shaped like the program's adapters
                (numpy only, no device): what a server pays at n = 50 .. 1000 clients a round
   byzantine    the same federation with a fraction --byzantine of the clients (drawn by the seed) replying
                a poisoned update every round they are sampled (--attack: faults.py's norm = 1e6-norm update,
                nan, shape), for each aggregator with the norm screen on (--max-update-norm-ratio 10) and
                off (inf): the final global held-out loss against the clean run's, updates dropped. A run
-               whose global model stops being finite is recorded as diverged with the error.
+               whose global model stops being finite is recorded as diverged with the error. Not run with
+               --byzantine 0 (a speed measurement: the clean federation alone).
 The data is a learnable synthetic stream (next token = token + 1 mod the vocabulary, 10% noise), split iid
 into the clients' shards; --eval-batches bounds the global held-out loss's cost.
 """
@@ -250,12 +256,13 @@ def run(args: argparse.Namespace) -> int:
             summary = scale_summary(clean, batch, seq, args.local_steps, base["tokens_per_second"],
                                     base["steps_per_second"])
             print(f"clean federation: {summary['rounds_per_second']:.3f} rounds/s, {summary['tokens_per_second']:.0f} "
-                  f"tokens/s ({summary['ratio_to_one_process']:.2f} of one process without the eval)",
-                  file=sys.stderr, flush=True)
+                  f"tokens/s ({summary['ratio_to_one_process']:.2f} of one process without the eval); a client: "
+                  + ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in summary["per_client_seconds"].items()
+                              if isinstance(v, float)), file=sys.stderr, flush=True)
             attackers = sorted(int(c) for c in np.random.default_rng([args.seed, 1]).choice(
                 args.clients, size=int(round(args.byzantine * args.clients)), replace=False))
             byzantine = []
-            for text in args.aggregations:
+            for text in args.aggregations if attackers else ():
                 for ratio in (10.0, None):
                     outcome = federation(program, device, shards, eval_data, args, text, ratio, attackers)
                     final = outcome["rounds"][-1] if outcome["rounds"] else {}

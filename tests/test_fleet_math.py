@@ -217,6 +217,9 @@ def test_adapters_travel_as_flowers_own_arrays_and_are_read_without_a_copy():
             assert received.tobytes() == reference.tobytes()
     view = to_numpy(to_array(matrix))
     assert not view.flags.writeable and np.shares_memory(view, np.frombuffer(view.base, np.uint8))
+    sent = to_array(matrix)
+    inflated = Array.inflate(sent.deflate(), sent.children)  # as a Ray worker or a SuperNode receives it
+    assert not to_numpy(inflated).flags.writeable and to_numpy(inflated).tobytes() == matrix.tobytes()
     assert to_numpy(Array(np.asfortranarray(matrix))).flags.writeable  # np.load's copy
     truncated = to_array(matrix)
     truncated.data = truncated.data[:-4]
