@@ -225,6 +225,12 @@ def test_adapters_travel_as_flowers_own_arrays_and_are_read_without_a_copy():
     truncated.data = truncated.data[:-4]
     with pytest.raises(ValueError):
         to_numpy(truncated)  # np.load's error, as before
+    for field, claim in (("shape", (-1, 96)), ("shape", ("x",)), ("dtype", "float64"), ("dtype", "no-such-type")):
+        lying = to_array(matrix)
+        setattr(lying, field, claim)  # a peer's metadata np.load never reads: the header decides, as before
+        assert to_numpy(lying).tobytes() == matrix.tobytes(), (field, claim)
+    pairs = np.zeros(3, dtype=[("a", "<f4"), ("b", "<i4")])
+    assert to_array(pairs) == Array(pairs) and to_numpy(Array(pairs)).tobytes() == pairs.tobytes()
 
 
 def test_freeze_lora_a_is_refused_for_programs_without_a_training_step(tmp_path, capsys):

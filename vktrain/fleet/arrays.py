@@ -12,17 +12,21 @@ from __future__ import annotations
 
 import math
 from io import BytesIO
+from typing import Optional
 
 import numpy as np
 from flwr.app import Array, ArrayRecord
 from flwr.common.constant import SType
 
+# Structured and string dtypes share a `dtype.str` across layouts: their headers are not cached.
+_PLAIN_KINDS = "biufc"
 _MAX_HEADER_BYTES = 1 << 16  # a .npy 1.0 header's length field is 16 bits
 _HEADERS: dict[tuple[str, tuple[int, ...]], bytes] = {}
 
 
 def npy_header(dtype: np.dtype, shape: tuple[int, ...]) -> bytes:
-    """The header np.save writes before a C-ordered array of `dtype` and `shape`."""
+    """The header np.save writes before a C-ordered array of `dtype` (a plain number type: `_PLAIN_KINDS`)
+    and `shape`."""
     key = (dtype.str, shape)
     header = _HEADERS.get(key)
     if header is None:
@@ -36,31 +40,38 @@ def npy_header(dtype: np.dtype, shape: tuple[int, ...]) -> bytes:
 def to_array(array: np.ndarray) -> Array:
     """`flwr.app.Array(array)`, equal field for field, without np.save's per-call header."""
     array = np.ascontiguousarray(array)
-    if array.dtype.hasobject:
-        return Array(array)  # Flower refuses it (no pickling), as it always did
+    if array.dtype.kind not in _PLAIN_KINDS:
+        return Array(array)  # Flower's own (an object array it refuses, as it always did)
     shape = tuple(int(n) for n in array.shape)
     data = b"".join((npy_header(array.dtype, shape), array.reshape(-1).view(np.uint8)))
     return Array(dtype=str(array.dtype), shape=shape, stype=SType.NUMPY, data=data)
 
 
+def _view(array: Array) -> Optional[np.ndarray]:
+    """The Array's data as a read-only view where it is np.save's bytes of its dtype and shape, else None."""
+    try:
+        dtype = np.dtype(array.dtype)
+        shape = tuple(int(n) for n in array.shape)
+    except (TypeError, ValueError):
+        return None  # not a dtype or shape this can check: np.load reads the header itself
+    if array.stype != SType.NUMPY or dtype.kind not in _PLAIN_KINDS or min(shape, default=0) < 0:
+        return None
+    data = array.data
+    header_length = len(data) - dtype.itemsize * math.prod(shape)
+    # The length first: a claimed shape the data cannot hold never gets a header made for it.
+    if not 0 < header_length <= _MAX_HEADER_BYTES:
+        return None
+    header = npy_header(dtype, shape)
+    if len(header) != header_length or data[:header_length] != header:
+        return None
+    return np.frombuffer(data, dtype, offset=header_length).reshape(shape)
+
+
 def to_numpy(array: Array) -> np.ndarray:
     """`array.numpy()`'s values: a read-only view of the Array's data where its header is the one np.save
-    writes for its dtype and shape, else np.load's copy."""
-    if array.stype == SType.NUMPY:
-        try:
-            dtype = np.dtype(array.dtype)
-        except TypeError:
-            dtype = None
-        if dtype is not None and not dtype.hasobject:
-            shape = tuple(int(n) for n in array.shape)
-            data = array.data
-            header_length = len(data) - dtype.itemsize * math.prod(shape)
-            # The length first: a claimed shape the data cannot hold never gets a header made for it.
-            if 0 < header_length <= _MAX_HEADER_BYTES:
-                header = npy_header(dtype, shape)
-                if len(header) == header_length and data[:header_length] == header:
-                    return np.frombuffer(data, dtype, offset=header_length).reshape(shape)
-    return array.numpy()
+    writes for its dtype and shape, else np.load's copy (and its errors)."""
+    view = _view(array)
+    return array.numpy() if view is None else view
 
 
 def to_array_record(arrays: dict[str, np.ndarray]) -> ArrayRecord:
