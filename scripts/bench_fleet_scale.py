@@ -23,14 +23,20 @@ Measured, written to --out (and plotted beside it):
   baseline     one TrainingRunner stepping the same program on the same data, alone: tokens/s
   scale        the clean federation: rounds/s, client steps/s, tokens/s and its ratio to the baseline (the
                issue's target: >= 0.5 on the H200 with SmolLM2 1x64), per round the clients' own seconds,
-               `aggregate_seconds` (the strategy's screening + combining), the held-out eval and the rest
+               `aggregate_seconds` (the strategy's screening + combining), the held-out eval and the rest;
+               `per_client_seconds`: a served client's share of the rounds split into swap_in (adapters
+               written, AdamW moments zeroed), train (its local steps; train_at_baseline: the same steps at
+               the baseline's speed), swap_out (adapters read back), serialize (the client decoding and
+               encoding the arrays), aggregate (the server reading, screening and combining its reply) and
+               rest (Flower's messages, sampling)
   aggregation  screen_updates + each aggregator on n synthetic updates shaped like the program's adapters
                (numpy only, no device): what a server pays at n = 50 .. 1000 clients a round
   byzantine    the same federation with a fraction --byzantine of the clients (drawn by the seed) replying
                a poisoned update every round they are sampled (--attack: faults.py's norm = 1e6-norm update,
                nan, shape), for each aggregator with the norm screen on (--max-update-norm-ratio 10) and
                off (inf): the final global held-out loss against the clean run's, updates dropped. A run
-               whose global model stops being finite is recorded as diverged with the error.
+               whose global model stops being finite is recorded as diverged with the error. Not run with
+               --byzantine 0 (a speed measurement: the clean federation alone).
 The data is a learnable synthetic stream (next token = token + 1 mod the vocabulary, 10% noise), split iid
 into the clients' shards; --eval-batches bounds the global held-out loss's cost.
 """
@@ -82,7 +88,7 @@ def federation(program: str, device, shards: list[str], eval_data: str, args, ag
     """One sequential federation; its records, wall seconds and the clients' seconds."""
     from vktrain.backend.kernel_planning import plan_schedule
     from vktrain.errors import VktrainError
-    from vktrain.fleet.client import ClientSettings, close_trainers, make_client_app
+    from vktrain.fleet.client import ClientSettings, close_trainers, local_trainer, make_client_app
     from vktrain.fleet.sequential import SequentialGrid
     from vktrain.fleet.server import FederationServer, FederationSettings
     from vktrain.runtime.program.runner import TrainingRunner
@@ -99,12 +105,14 @@ def federation(program: str, device, shards: list[str], eval_data: str, args, ag
     with TrainingRunner.from_pte(program, device, planner=plan_schedule, precision=args.precision) as runner:
         server = FederationServer(settings, runner, progress=False)
         grid = SequentialGrid(make_client_app(client_settings), len(shards))
+        trainer = local_trainer(client_settings)  # the one the clients of this process use (loaded before the clock)
         started = time.perf_counter()
         try:
             server.run(grid)
         except VktrainError as exc:  # e.g. a poisoned global model whose held-out loss is not finite
             outcome["diverged"] = str(exc)
         finally:
+            outcome["client_phase_seconds"], outcome["client_messages"] = dict(trainer.seconds), trainer.served
             close_trainers()
         outcome["wall_seconds"] = time.perf_counter() - started  # includes round 0's held-out loss
         outcome["client_seconds"] = grid.client_seconds
@@ -114,6 +122,8 @@ def federation(program: str, device, shards: list[str], eval_data: str, args, ag
 
 def scale_summary(run: dict, batch: int, seq: int, local_steps: int, baseline_tps: float,
                   baseline_sps: float) -> dict:
+    from vktrain.fleet.client import PHASES
+
     trained = [r for r in run["rounds"] if r["round"] > 0]
     if not trained:  # the federation stopped before its first round ended: say why instead of dividing by 0
         raise SystemExit(f"bench_fleet_scale: no round completed (diverged: {run.get('diverged')!r}; "
@@ -123,6 +133,11 @@ def scale_summary(run: dict, batch: int, seq: int, local_steps: int, baseline_tp
     tokens = client_steps * batch * seq
     train_seconds = sum(r["seconds_before_eval"] for r in trained)  # the rounds without the held-out loss
     served = sum(len(r["sampled"]) for r in trained)
+    phases = {phase: run["client_phase_seconds"][phase] / run["client_messages"] for phase in PHASES}
+    split = {"swap_in": phases["swap_in"], "train": phases["train"], "swap_out": phases["swap_out"],
+             "serialize": phases["receive"] + phases["send"],
+             "aggregate": sum(r.get("aggregate_seconds") or 0.0 for r in trained) / served}
+    split["rest"] = train_seconds / served - sum(split.values())  # Flower's messages, sampling, the ClientApp's call
     return {"rounds": len(trained), "round_seconds": seconds, "rounds_per_second": len(trained) / seconds,
             "client_steps": client_steps, "client_steps_per_second": client_steps / seconds,
             "tokens_per_second": tokens / seconds,
@@ -131,7 +146,14 @@ def scale_summary(run: dict, batch: int, seq: int, local_steps: int, baseline_tp
             "clients_seconds": run["client_seconds"],
             # what serving a client costs beyond its steps at the baseline's speed (state in and out, messages)
             "per_client_overhead_seconds": (run["client_seconds"] - client_steps / baseline_sps) / served,
+            # where a served client's share of the rounds (without the held-out eval) goes: its state written in
+            # (adapters, AdamW moments zeroed), its local steps (`train_at_baseline`: those steps at the baseline's
+            # speed), the adapters read back, the client's decoding + encoding of the arrays, the server's
+            # reading, screening and combining of its reply, and the rest
+            "per_client_seconds": {**split, "train_at_baseline": local_steps / baseline_sps, "client_phases": phases},
             "aggregate_seconds": [r.get("aggregate_seconds") for r in trained],
+            "screen_seconds": [r.get("screen_seconds") for r in trained],  # of aggregate_seconds: replies read, screened
+            "combine_seconds": [r.get("combine_seconds") for r in trained],
             "eval_seconds": [r["seconds"] - r["seconds_before_eval"] for r in trained]}
 
 
@@ -234,12 +256,13 @@ def run(args: argparse.Namespace) -> int:
             summary = scale_summary(clean, batch, seq, args.local_steps, base["tokens_per_second"],
                                     base["steps_per_second"])
             print(f"clean federation: {summary['rounds_per_second']:.3f} rounds/s, {summary['tokens_per_second']:.0f} "
-                  f"tokens/s ({summary['ratio_to_one_process']:.2f} of one process without the eval)",
-                  file=sys.stderr, flush=True)
+                  f"tokens/s ({summary['ratio_to_one_process']:.2f} of one process without the eval); a client: "
+                  + ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in summary["per_client_seconds"].items()
+                              if isinstance(v, float)), file=sys.stderr, flush=True)
             attackers = sorted(int(c) for c in np.random.default_rng([args.seed, 1]).choice(
                 args.clients, size=int(round(args.byzantine * args.clients)), replace=False))
             byzantine = []
-            for text in args.aggregations:
+            for text in args.aggregations if attackers else ():
                 for ratio in (10.0, None):
                     outcome = federation(program, device, shards, eval_data, args, text, ratio, attackers)
                     final = outcome["rounds"][-1] if outcome["rounds"] else {}

@@ -90,7 +90,8 @@ def _replies(strategy, arrays_by_partition, examples, failed=()):
     """Reply messages as Flower's simulation would deliver them (node ids mapped to partitions)."""
     from flwr.app import ConfigRecord, Error, Message, MessageType, MetricRecord, RecordDict
 
-    from vktrain.fleet.client import ARRAYS, CLIENT, METRICS, NUM_EXAMPLES, PARTITION_ID, to_array_record
+    from vktrain.fleet.arrays import to_array_record
+    from vktrain.fleet.client import ARRAYS, CLIENT, METRICS, NUM_EXAMPLES, PARTITION_ID
 
     replies = []
     for partition in list(arrays_by_partition) + list(failed):
@@ -117,7 +118,7 @@ def test_aggregation_is_the_example_weighted_mean_of_what_the_clients_train(stra
     recorded; the result does not depend on the order the replies arrive in."""
     from flwr.app import ConfigRecord
 
-    from vktrain.fleet.client import from_array_record, to_array_record
+    from vktrain.fleet.arrays import from_array_record, to_array_record
     from vktrain.fleet.sequential import SequentialGrid
     from vktrain.fleet.strategy import FleetFedAvg
 
@@ -191,6 +192,45 @@ def test_clients_exchange_the_lora_tensors_not_their_adamw_moments():
     assert trained_names(state) == ["model.a.lora_A", "model.a.lora_B"]
     assert sorted(optimizer_state_names(state)) == sorted(state[2:])
     assert trained_names(["model.a.lora_B", "optimizer.exp_avg.a.lora_B"]) == ["model.a.lora_B"]  # FFA-LoRA
+
+
+def test_adapters_travel_as_flowers_own_arrays_and_are_read_without_a_copy():
+    """to_array makes Flower's Array(ndarray) field for field (the .npy bytes np.save writes) for every dtype,
+    shape and layout; to_numpy gives array.numpy()'s values, as a read-only view of the message's bytes where
+    the header is np.save's, and through np.load where it is not (Fortran order, big-endian)."""
+    from flwr.app import Array
+
+    from vktrain.fleet.arrays import to_array, to_numpy
+
+    rng = np.random.default_rng(0)
+    matrix = rng.standard_normal((8, 12)).astype(np.float32)
+    cases = [matrix, matrix[:, ::3], matrix.astype(np.float16), np.arange(5, dtype=np.int64), np.full((), 2.5, np.float32),
+             np.zeros((0, 3), np.float32), matrix.astype(">f4"), np.asfortranarray(matrix)]
+    for array in cases:
+        sent = to_array(array)
+        assert sent == Array(np.ascontiguousarray(array)), (array.dtype, array.shape)
+        flowers = Array(array)  # a peer's: Fortran order stays in the header
+        for message in (sent, flowers):
+            received = to_numpy(message)
+            reference = message.numpy()
+            assert received.dtype == reference.dtype and received.shape == reference.shape
+            assert received.tobytes() == reference.tobytes()
+    view = to_numpy(to_array(matrix))
+    assert not view.flags.writeable and np.shares_memory(view, np.frombuffer(view.base, np.uint8))
+    sent = to_array(matrix)
+    inflated = Array.inflate(sent.deflate(), sent.children)  # as a Ray worker or a SuperNode receives it
+    assert not to_numpy(inflated).flags.writeable and to_numpy(inflated).tobytes() == matrix.tobytes()
+    assert to_numpy(Array(np.asfortranarray(matrix))).flags.writeable  # np.load's copy
+    truncated = to_array(matrix)
+    truncated.data = truncated.data[:-4]
+    with pytest.raises(ValueError):
+        to_numpy(truncated)  # np.load's error, as before
+    for field, claim in (("shape", (-1, 96)), ("shape", ("x",)), ("dtype", "float64"), ("dtype", "no-such-type")):
+        lying = to_array(matrix)
+        setattr(lying, field, claim)  # a peer's metadata np.load never reads: the header decides, as before
+        assert to_numpy(lying).tobytes() == matrix.tobytes(), (field, claim)
+    pairs = np.zeros(3, dtype=[("a", "<f4"), ("b", "<i4")])
+    assert to_array(pairs) == Array(pairs) and to_numpy(Array(pairs)).tobytes() == pairs.tobytes()
 
 
 def test_freeze_lora_a_is_refused_for_programs_without_a_training_step(tmp_path, capsys):

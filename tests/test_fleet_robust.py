@@ -17,7 +17,7 @@ NAMES = [f"model.layers.{i}.{w}" for i in range(2) for w in ("lora_A", "lora_B")
 def _strategy(n_clients, **options):
     from flwr.app import ConfigRecord
 
-    from vktrain.fleet.client import to_array_record
+    from vktrain.fleet.arrays import to_array_record
     from vktrain.fleet.sequential import SequentialGrid
     from vktrain.fleet.strategy import FleetFedAvg
 
@@ -32,7 +32,8 @@ def _strategy(n_clients, **options):
 def _reply(strategy, partition, arrays, examples, loss=1.0, claimed=None):
     from flwr.app import ConfigRecord, Message, MessageType, MetricRecord, RecordDict
 
-    from vktrain.fleet.client import ARRAYS, CLIENT, METRICS, NUM_EXAMPLES, PARTITION_ID, to_array_record
+    from vktrain.fleet.arrays import to_array_record
+    from vktrain.fleet.client import ARRAYS, CLIENT, METRICS, NUM_EXAMPLES, PARTITION_ID
 
     instruction = Message(RecordDict(), strategy.node_of_partition[partition], MessageType.TRAIN)
     instruction.metadata.__dict__["_message_id"] = f"m{partition}"
@@ -50,7 +51,7 @@ def _good_updates(global_arrays, partitions, seed=0):
 
 
 def _aggregate(strategy, replies):
-    from vktrain.fleet.client import from_array_record
+    from vktrain.fleet.arrays import from_array_record
 
     log = io.StringIO()
     strategy.log = log
@@ -116,6 +117,27 @@ def test_the_norm_bound_uses_the_lower_median_and_can_be_lifted():
     _, record, _ = _aggregate(tight, [_reply(tight, p, a, 1) for p, a in three.items()])
     norms = record["update_norms"]
     assert set(record["dropped"]) == {max(norms, key=norms.get)}  # above the median of three: dropped
+
+
+def test_the_mean_has_the_bits_of_the_float64_stack_it_no_longer_builds():
+    """Aggregation('mean').combine sums without stacking the updates: bit for bit the previous
+    `(stack * w).sum(axis=0) / w.sum()` over the float64 stack, for 9 clients (numpy sums a one-element
+    tensor's stack pairwise past 8) with fractional weights, signed zeros and subnormals; float64 updates,
+    so no rounding to float32 hides a different order of the sums."""
+    from vktrain.fleet.robust import Aggregation
+
+    rng = np.random.default_rng(5)
+    shapes = {"a": (6, 4), "one": (1,), "scalar": (), "column": (5, 1), "row": (1, 7)}
+    updates = [{n: rng.standard_normal(s) * 10.0 ** rng.integers(-4, 4) for n, s in shapes.items()} for _ in range(9)]
+    for update in updates:
+        update["a"].reshape(-1)[:3] = [0.0, -0.0, 1e-310]
+    weights = list(rng.random(9) * 1000)
+    result = Aggregation.parse("mean").combine(updates, weights)
+    w = np.asarray(weights, dtype=np.float64)
+    for name, shape in shapes.items():
+        stack = np.stack([u[name] for u in updates]).astype(np.float64)
+        previous = (stack * w.reshape((-1,) + (1,) * len(shape))).sum(axis=0) / w.sum()
+        assert result[name].dtype == np.float64 and result[name].tobytes() == previous.tobytes(), name
 
 
 @pytest.mark.parametrize("text, n_cut", [("median", None), ("trimmed-mean", 1), ("trimmed-mean:0.4", 2),

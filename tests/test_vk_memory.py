@@ -254,6 +254,34 @@ def test_downloads_reuse_one_staging_buffer_and_large_ones_free_theirs(small_blo
     assert len(created) == 2 and device.memory_stats().buffers == live
 
 
+def test_batched_uploads_reuse_one_staging_buffer_and_large_ones_free_theirs(small_block_device, monkeypatch):
+    """write_pieces (a federation client's adapters, every client) makes its upload buffer once per device."""
+    from vktrain.runtime.vk import memory
+
+    device = small_block_device
+    buffers = [Buffer(device, 4 * n, staging=True) for n in (10, 20_000, 300)]
+    created = []
+    real_init = memory._RawBuffer.__init__
+
+    def counted_init(raw, *args, **kwargs):
+        created.append(args[-1])  # what it is for
+        real_init(raw, *args, **kwargs)
+
+    monkeypatch.setattr(memory._RawBuffer, "__init__", counted_init)
+    live = device.memory_stats().buffers
+    for round_ in range(3):
+        data = [np.arange(b.nbytes // 4, dtype=np.float32) * (round_ + 1) for b in buffers]
+        Buffer.write_pieces([(b, d, 0) for b, d in zip(buffers, data)])
+        for buffer, expected in zip(buffers, data):
+            np.testing.assert_array_equal(buffer.read(np.float32), expected)
+    uploads = [what for what in created if "upload" in what]
+    assert len(uploads) == 1 and device.memory_stats().buffers == live + 2  # the upload and the download one
+    monkeypatch.setattr(memory, "STAGING_REUSE_LIMIT", 1024)  # above it an upload gets its own, freed at once
+    Buffer.write_pieces([(buffers[1], np.ones(20_000, np.float32), 0)])
+    np.testing.assert_array_equal(buffers[1].read(np.float32), np.ones(20_000, np.float32))
+    assert len([what for what in created if "upload" in what]) == 2 and device.memory_stats().buffers == live + 2
+
+
 def test_allocation_count_limit_applies_to_blocks_not_buffers(small_block_device, monkeypatch):
     device = small_block_device
     first = Buffer(device, 1024, name="first")

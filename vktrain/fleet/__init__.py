@@ -2,6 +2,7 @@
 their adapters (`vktrain federate`).
 
   client.py      the ClientApp around TrainingRunner (torch-free, like vktrain/train)
+  arrays.py      adapters in Flower's ArrayRecords: Flower's .npy bytes, made and read without np.save/np.load
   strategy.py    FedAvg (FedIT: lora_A and lora_B) / FFA-LoRA (lora_B only) with seeded sampling
   robust.py      every update screened (names, shapes, finite, norm vs the round's median); mean, median,
                  trimmed mean

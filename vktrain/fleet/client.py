@@ -37,11 +37,12 @@ import time
 from dataclasses import dataclass, field
 
 import numpy as np
-from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
+from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
 from vktrain.contract import EXP_AVG_PREFIX, EXP_AVG_SQ_PREFIX, MODEL_PREFIX, PRECISION_AUTO, STEP_STATE
 from vktrain.errors import VktrainError
+from vktrain.fleet.arrays import from_array_record, to_array_record
 from vktrain.fleet.faults import CORRUPTIONS, ClientFailure, corrupt, fail_mid_round, failure_of
 from vktrain.fleet.gpus import client_device_choice
 from vktrain.train.data import TokenBatcher, TrainingData, load_data
@@ -58,6 +59,9 @@ CLIENT = "client"
 PARTITION_ID = "partition-id"  # Flower's node_config key in simulation, echoed in replies
 NUM_EXAMPLES = "num-examples"
 LORA_SUFFIXES = (".lora_A", ".lora_B")
+# Where a train message's time goes in its process (LocalTrainer.seconds): the global adapters decoded from
+# the message, written in (AdamW state zeroed), the local steps, the trained adapters read back, encoded.
+PHASES = ("receive", "swap_in", "train", "swap_out", "send")
 
 
 @dataclass(frozen=True)
@@ -79,14 +83,6 @@ def trained_names(state_names: list[str]) -> list[str]:
 
 def optimizer_state_names(state_names: list[str]) -> list[str]:
     return [name for name in state_names if name == STEP_STATE or name.startswith((EXP_AVG_PREFIX, EXP_AVG_SQ_PREFIX))]
-
-
-def to_array_record(arrays: dict[str, np.ndarray]) -> ArrayRecord:
-    return ArrayRecord({name: Array(np.ascontiguousarray(array)) for name, array in arrays.items()})
-
-
-def from_array_record(record: ArrayRecord) -> dict[str, np.ndarray]:
-    return {name: array.numpy() for name, array in record.items()}
 
 
 class LocalTrainer:
@@ -111,6 +107,14 @@ class LocalTrainer:
         self.trained = trained_names(self.runner.state_names)
         self.optimizer_state = optimizer_state_names(self.runner.state_names)  # zeroed for each client
         self._data: dict[str, TrainingData] = {}
+        self.seconds = dict.fromkeys(PHASES, 0.0)  # summed over the train messages served (PHASES)
+        self.served = 0  # train messages served
+
+    def timed(self, phase: str, started: float) -> float:
+        """Adds the time since `started` to `phase`; returns now (the next phase's start)."""
+        now = time.perf_counter()
+        self.seconds[phase] += now - started
+        return now
 
     def close(self) -> None:
         self.runner.close()
@@ -147,6 +151,7 @@ class LocalTrainer:
         optimizer = AdamWConfig(float(config["beta1"]), float(config["beta2"]), float(config["eps"]),
                                 float(config["weight-decay"]))
         hparams = optimizer.hparams(float(config["lr"]))
+        started = time.perf_counter()
         batches = self.batcher(partition)
         losses = []
         injected = failure_of(self.settings.failures, partition, server_round)
@@ -161,7 +166,9 @@ class LocalTrainer:
                 losses.append(run_accumulated_step(self.runner, micro, hparams))
         if not np.all(np.isfinite(losses)):
             raise VktrainError(f"client {partition}: non-finite local loss in round {server_round}: {losses}")
+        started = self.timed("train", started)
         arrays = self.runner.read_states(self.trained)
+        self.timed("swap_out", started)
         if injected in CORRUPTIONS:
             arrays = corrupt(injected, arrays, self.global_arrays)
         examples = self.data(self.settings.train_shards[partition]).trained_tokens
@@ -209,9 +216,17 @@ def make_client_app(settings: ClientSettings) -> ClientApp:
         partition = partition_of(context)
         config = message.content[CONFIG]
         trainer = local_trainer(settings)
-        trainer.load_global(from_array_record(message.content[ARRAYS]))
+        phase = time.perf_counter()
+        arrays = from_array_record(message.content[ARRAYS])
+        phase = trainer.timed("receive", phase)
+        trainer.load_global(arrays)
+        trainer.timed("swap_in", phase)
         arrays, metrics = trainer.train(partition, int(config["server-round"]), config)
-        content = RecordDict({ARRAYS: to_array_record(arrays), METRICS: MetricRecord(metrics),
+        phase = time.perf_counter()
+        record = to_array_record(arrays)
+        trainer.timed("send", phase)
+        trainer.served += 1
+        content = RecordDict({ARRAYS: record, METRICS: MetricRecord(metrics),
                               CLIENT: ConfigRecord({PARTITION_ID: partition, "pid": os.getpid(),
                                                     "device": trainer.device.info.describe(), "started": started,
                                                     "finished": time.time()})})
@@ -232,4 +247,4 @@ def make_client_app(settings: ClientSettings) -> ClientApp:
 
 
 __all__ = ["ARRAYS", "CLIENT", "CONFIG", "ClientFailure", "ClientSettings", "LocalTrainer", "METRICS", "NUM_EXAMPLES",
-           "PARTITION_ID", "close_trainers", "from_array_record", "make_client_app", "to_array_record", "trained_names"]
+           "PARTITION_ID", "PHASES", "close_trainers", "make_client_app", "trained_names"]

@@ -356,9 +356,13 @@ def _federate(args, runner, program: Path, scheme: PartitionScheme, train_shards
 # What Flower and Ray print although nothing is wrong (shown with --verbose): Flower's deprecation notice
 # for run_simulation and its note that federated evaluation is off at --fraction-evaluate 0 (WARNING
 # records); its two colour-coded tracebacks of a failed client, a failure the round tolerates and prints
-# with its reason; Ray's tip about a future default for accelerator variables.
+# with its reason, and the traceback of a killed client's Ray actor (ActorUnavailableError when Ray sees the
+# socket close before the death; the line naming the actor stays); Ray's tip about a future default for
+# accelerator variables.
 RAY_NOISE_WARNING = r"Tip: In future versions of Ray"
-_CLIENT_FAILURE_LOG = re.compile(r"An exception was raised when processing a message by|ClientAppException")
+_CLIENT_FAILURE_LOG = re.compile(r"An exception was raised when processing a message by|ClientAppException"
+                                 r"|^Traceback \(most recent call last\):.*\bray\.exceptions\.Actor(Unavailable|Died)Error",
+                                 re.DOTALL)
 
 
 class _DropClientFailureTracebacks(logging.Filter):

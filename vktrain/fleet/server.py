@@ -28,7 +28,8 @@ from vktrain.contract import PRECISION_AUTO
 from vktrain.errors import VktrainError
 from vktrain.fleet.checkpoint import (FederationCheckpoint, check_resumable, load_federation_checkpoint,
                                       save_federation_checkpoint)
-from vktrain.fleet.client import CLIENT, PARTITION_ID, from_array_record, to_array_record, trained_names
+from vktrain.fleet.arrays import from_array_record, to_array_record
+from vktrain.fleet.client import CLIENT, PARTITION_ID, trained_names
 from vktrain.fleet import FFA
 from vktrain.fleet.robust import DEFAULT_MAX_NORM_RATIO, MEAN, Aggregation
 from vktrain.fleet.strategy import FleetFedAvg

@@ -32,8 +32,8 @@ from flwr.serverapp import Grid
 from flwr.serverapp.strategy import FedAvg
 
 from vktrain.fleet import FEDAVG, FFA, STRATEGIES
-from vktrain.fleet.client import (ARRAYS, CLIENT, METRICS, NUM_EXAMPLES, PARTITION_ID, from_array_record,
-                                  to_array_record)
+from vktrain.fleet.arrays import from_array_record, to_array_record
+from vktrain.fleet.client import ARRAYS, CLIENT, METRICS, NUM_EXAMPLES, PARTITION_ID
 from vktrain.fleet.robust import DEFAULT_MAX_NORM_RATIO, Aggregation, screen_updates
 
 _TRAIN, _EVALUATE = 0, 1  # sampling streams
@@ -168,6 +168,7 @@ class FleetFedAvg(FedAvg):
                 continue
             by_partition[partition] = message
         screened = screen_updates(updates, self._global, self.max_norm_ratio)
+        record["screen_seconds"] = time.perf_counter() - aggregating  # the replies read and screened
         for partition, reason in screened.dropped.items():
             self._drop(record, by_partition[partition], partition, reason)
         record["update_norms"] = {str(p): norm for p, norm in screened.norms.items()}
@@ -198,6 +199,7 @@ class FleetFedAvg(FedAvg):
         contents = [message.content for message in accepted]
         aggregated = to_array_record(arrays), self.train_metrics_aggr_fn(contents, self.weighted_by_key)
         record["aggregate_seconds"] = time.perf_counter() - aggregating  # screening + combining, the server's share
+        record["combine_seconds"] = record["aggregate_seconds"] - record["screen_seconds"]
         return aggregated
 
     def configure_evaluate(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,

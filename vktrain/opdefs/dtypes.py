@@ -7,6 +7,7 @@ next to the op library (vktrain/ops/_library.py `torch_dtype`).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
 
@@ -28,7 +29,7 @@ class DTypeInfo:
         """schema.fbs `DataType` value."""
         return getattr(DataType, self.name.upper())
 
-    @property
+    @cached_property  # asked per tensor per transfer (a federation client writes ~1,260 state tensors)
     def numpy(self) -> np.dtype:
         """numpy's dtype of the elements (for bfloat16: the uint16 holding its bits, BIT_CONTAINERS)."""
         return np.dtype(BIT_CONTAINERS.get(self.name, self.name)).newbyteorder("<")

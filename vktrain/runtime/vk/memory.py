@@ -254,9 +254,10 @@ class _RawBuffer:
 # into cached memory (a DMA at PCIe speed); a few words (a loss, a flag) are read directly.
 DIRECT_UNCACHED_READ_BYTES = 4096
 
-# Downloads up to this size go through one host-visible buffer per device, kept between reads (reading a
-# state tensor by tensor made and freed one per tensor); a larger one (a whole state, once per checkpoint)
-# gets its own, so the device holds no large copy.
+# Downloads and batched uploads up to this size go through one host-visible buffer per device and
+# direction, kept between transfers (reading a state tensor by tensor made and freed one per tensor; a
+# federation uploads each client's adapters); a larger one (a whole state, once per checkpoint) gets its
+# own, so the device holds no large copy.
 STAGING_REUSE_LIMIT = 64 << 20
 
 
@@ -267,27 +268,37 @@ def _download_buffer(device, nbytes: int, what: str) -> _RawBuffer:
                       vk.VK_MEMORY_PROPERTY_HOST_CACHED_BIT, what)
 
 
-class _DownloadStaging:
-    """The device's reused download buffer (Buffer.read), grown to a power of two as reads need; freed
-    with the device (a registered child)."""
+def _upload_buffer(device, nbytes: int, what: str) -> _RawBuffer:
+    vk = device.vk
+    return _RawBuffer(device, nbytes, vk.VK_BUFFER_USAGE_TRANSFER_SRC_BIT,
+                      vk.VK_MEMORY_PROPERTY_HOST_VISIBLE_BIT | vk.VK_MEMORY_PROPERTY_HOST_COHERENT_BIT, 0, what)
 
-    def __init__(self, device) -> None:
-        self.device, self.raw = device, None
+
+class _ReusedStaging:
+    """One of the device's two reused staging buffers, downloads (Buffer.read, read_pieces) and uploads
+    (write_pieces: a federation writes each client's ~10 MB of adapters), grown to a power of two as
+    transfers need; freed with the device (a registered child). Transfers wait for their copy, so one
+    buffer per direction serves them all."""
+
+    def __init__(self, device, upload: bool) -> None:
+        self.device, self.upload, self.raw = device, upload, None
         device._register(self)
 
     @classmethod
-    def of(cls, device) -> "_DownloadStaging":
-        staging = getattr(device, "_download_staging", None)
+    def of(cls, device, upload: bool = False) -> "_ReusedStaging":
+        attribute = "_upload_staging" if upload else "_download_staging"
+        staging = getattr(device, attribute, None)
         if staging is None:
-            staging = device._download_staging = cls(device)
+            staging = cls(device, upload)
+            setattr(device, attribute, staging)
         return staging
 
     def buffer(self, nbytes: int) -> _RawBuffer:
         if self.raw is None or self.raw.size < nbytes:
             self.destroy_buffer()
-            size = 1 << max(16, (nbytes - 1).bit_length())
-            self.raw = _download_buffer(self.device, min(size, max(nbytes, STAGING_REUSE_LIMIT)),
-                                        "the reused staging download buffer")
+            size = min(1 << max(16, (nbytes - 1).bit_length()), max(nbytes, STAGING_REUSE_LIMIT))
+            make = _upload_buffer if self.upload else _download_buffer
+            self.raw = make(self.device, size, f"the reused staging {'upload' if self.upload else 'download'} buffer")
         return self.raw
 
     def destroy_buffer(self) -> None:
@@ -298,7 +309,7 @@ class _DownloadStaging:
     def destroy(self) -> None:
         self.destroy_buffer()
         self.device._unregister(self)
-        self.device._download_staging = None
+        setattr(self.device, "_upload_staging" if self.upload else "_download_staging", None)
 
 
 def buffer_memory_flags(vk, staging: bool) -> tuple[int, int]:
@@ -400,7 +411,7 @@ class Buffer(BufferBase):
         else:
             vk = self.device.vk
             reused = nbytes <= STAGING_REUSE_LIMIT
-            staging = (_DownloadStaging.of(self.device).buffer(nbytes) if reused
+            staging = (_ReusedStaging.of(self.device).buffer(nbytes) if reused
                        else _download_buffer(self.device, nbytes, f"staging download for {self.name!r}"))
             try:
                 self.device.one_shot(lambda cb: _record_copy(vk, cb, self._raw.handle, offset, staging.handle,
@@ -443,9 +454,9 @@ class Buffer(BufferBase):
             device.one_shot(lambda cb: _record_copies(vk, cb, [], fills))
             return
         total = sum(array.nbytes for _, array, _ in staged)
-        upload = _RawBuffer(device, total, vk.VK_BUFFER_USAGE_TRANSFER_SRC_BIT,
-                            vk.VK_MEMORY_PROPERTY_HOST_VISIBLE_BIT | vk.VK_MEMORY_PROPERTY_HOST_COHERENT_BIT,
-                            0, f"staging upload for {len(staged)} writes")
+        reused = total <= STAGING_REUSE_LIMIT
+        upload = (_ReusedStaging.of(device, upload=True).buffer(total) if reused
+                  else _upload_buffer(device, total, f"staging upload for {len(staged)} writes"))
         try:
             copies, at = [], 0
             for buffer, array, offset in staged:
@@ -454,7 +465,8 @@ class Buffer(BufferBase):
                 at += array.nbytes
             device.one_shot(lambda cb: _record_copies(vk, cb, copies, fills))
         finally:
-            upload.destroy()
+            if not reused:
+                upload.destroy()
 
     @classmethod
     def read_pieces(cls, pieces: list) -> list:
@@ -477,7 +489,7 @@ class Buffer(BufferBase):
         vk = device.vk
         total = sum(nbytes for _, _, nbytes, _ in staged)
         reused = total <= STAGING_REUSE_LIMIT
-        download = (_DownloadStaging.of(device).buffer(total) if reused
+        download = (_ReusedStaging.of(device).buffer(total) if reused
                     else _download_buffer(device, total, f"staging download for {len(staged)} reads"))
         try:
             copies, at = [], 0
