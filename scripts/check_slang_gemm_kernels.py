@@ -2,13 +2,16 @@
 """GPU check of the Slang ports of matmul (its GPU-tuning shared-memory body and FP16 variants) and
 coopmat_absmax (docs/ONE_SOURCE.md): each case runs from the Slang SPIR-V (`new`) and from the GLSL SPIR-V
 they replaced (`old`), both precompiled into --spirv DIR/{old,new}/<cache stem>.spv (the GPU machine has no
-shader compiler), against a float64 numpy reference, and times both (median of Vulkan timestamps).
+shader compiler), against a float64 numpy reference, and times both (median of Vulkan timestamps). The
+SPIR-V reaches each Program as embedded modules, so its pipelines are keyed by the side's bytes (a Device
+caches a pipeline by shader name alone when no code is given: swapping `load_spirv` between the sides ran
+the first side's kernels twice); every case checks the pipelines each side used were made from its bytes.
 
     python3 scripts/check_slang_gemm_kernels.py --spirv bench/gpu_check/slang_gemm --out result.json
     python3 scripts/check_slang_gemm_kernels.py --list-shaders          # the shader names the cases dispatch
 
 Per case and side: `rel_error` (||C - C64|| / ||C64||; fp32 < 1e-4, fp16 < 3e-3), `seconds`, and whether
-old and new wrote the same bits. Exit 1 when a check fails. Needs numpy and the `vulkan` binding only.
+old and new wrote the same bits. Exit 1 when a check fails (exit 70 when the self-check does). Needs numpy and the `vulkan` binding only.
 """
 from __future__ import annotations
 
@@ -18,6 +21,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 
@@ -63,7 +67,41 @@ def inputs(case):
     return arrays, expected
 
 
-def run(device, case, replays):
+class SelfCheckError(RuntimeError):
+    """The comparison itself is wrong (a side ran other SPIR-V than its own): its results mean nothing."""
+
+
+def load_modules(shaders, folder: Path) -> dict[str, dict[str, SimpleNamespace]]:
+    """old / new: shader name -> an embedded-module stand-in (Program reads `.code`) of DIR/<side>/<stem>.spv."""
+    modules = {"old": {}, "new": {}}
+    for side in modules:
+        for shader in sorted(shaders):
+            path = folder / side / f"{parse_shader_name(shader).file_stem}.spv"
+            if not path.is_file():
+                raise SystemExit(f"{path} missing: --spirv must hold every shader of --list-shaders")
+            modules[side][shader] = SimpleNamespace(code=path.read_bytes())
+    ported = [s for s in shaders if s.startswith(("matmul", "coopmat_absmax"))]
+    same = [s for s in ported if modules["old"][s].code == modules["new"][s].code]
+    if not ported or same:
+        raise SelfCheckError(f"old and new SPIR-V are the same bytes for {same or 'every shader'}: nothing to compare")
+    return modules
+
+
+def log_pipelines(device) -> list:
+    """Record (shader, code, pipeline) of every pipeline a Program of `device` asks for from now on."""
+    log, get = [], device.pipelines.get
+
+    def logged(shader, specialization, push_size, code=None):
+        pipeline = get(shader, specialization, push_size, code)
+        log.append((shader, code, pipeline))
+        return pipeline
+
+    device.pipelines.get = logged
+    return log
+
+
+def run(device, case, replays, modules, log):
+    """Run `case` with `modules` (one side's); return (out, error, seconds, shaders, {shader: pipeline})."""
     from vktrain.runtime import Buffer, Program
 
     dispatches, scratch = plan(case)
@@ -74,8 +112,13 @@ def run(device, case, replays):
         buffers["scratch"] = Buffer.from_array(device, np.zeros(scratch // 4, np.float32), name="scratch")
     if case[6]:
         buffers["absmax"] = Buffer.from_array(device, np.zeros(absmax_scratch_nbytes(case[1] * case[3], case[3] * case[2]) // 4, np.uint32), name="absmax")
+    log.clear()
     try:
-        with Program(device, dispatches, buffers, timing=True) as program:
+        with Program(device, dispatches, buffers, timing=True, modules=modules) as program:
+            used = {shader: pipeline for shader, _, pipeline in log}
+            wrong = sorted({shader for shader, code, _ in log if code is None or code != modules[shader].code})
+            if wrong or set(used) != {d.shader for d in dispatches}:
+                raise SelfCheckError(f"{case[0]}: pipelines not made from this side's SPIR-V: {wrong or sorted(used)}")
             program.replay()
             out = buffers["out"].read(np.float32, expected.shape)
             samples = []
@@ -88,7 +131,7 @@ def run(device, case, replays):
         for buffer in buffers.values():
             buffer.destroy()
     error = float(np.linalg.norm(out - expected) / np.linalg.norm(expected)) if np.isfinite(out).all() else float("inf")
-    return out, error, statistics.median(samples), [d.shader for d in dispatches]
+    return out, error, statistics.median(samples), [d.shader for d in dispatches], used
 
 
 def main(argv=None) -> int:
@@ -106,29 +149,25 @@ def main(argv=None) -> int:
     if args.spirv is None or args.out is None:
         parser.error("--spirv and --out are required (or --list-shaders)")
     from vktrain.runtime import Device
-    from vktrain.runtime.vk import pipelines
 
-    side = {"name": "new"}
-
-    def load(name):
-        path = args.spirv / side["name"] / f"{parse_shader_name(name).file_stem}.spv"
-        if not path.is_file():
-            raise FileNotFoundError(f"{path} missing: --spirv must hold every shader of --list-shaders")
-        return path.read_bytes()
-
-    pipelines.load_spirv = load
+    modules = load_modules({d.shader for case in cases for d in plan(case)[0]}, args.spirv)
     results, failed = {"device": None, "cases": []}, False
     device = Device()
     results["device"] = str(getattr(device, "name", device))
+    log = log_pipelines(device)
     for case in cases:
         row = {"case": case[0], "M": case[1], "N": case[2], "K": case[3], "fp16": case[6]}
-        outs = {}
+        outs, used = {}, {}
         for name in ("old", "new"):
-            side["name"] = name
-            outs[name], error, seconds, shaders = run(device, case, args.replays)
+            outs[name], error, seconds, shaders, used[name] = run(device, case, args.replays, modules[name], log)
             row[name] = {"rel_error": error, "seconds": seconds}
             row["shaders"] = shaders
             failed |= not error < (3e-3 if case[6] else 1e-4)
+        # Where the sides' bytes differ, so must their pipelines (the bug this script once had: one pipeline).
+        shared = [s for s in used["old"] if modules["old"][s].code != modules["new"][s].code
+                  and used["old"][s] is used["new"][s]]
+        if shared:
+            raise SelfCheckError(f"{case[0]}: old and new ran the same pipeline of {shared}")
         row["same_bits"] = outs["old"].tobytes() == outs["new"].tobytes()
         row["new_over_old_time"] = row["new"]["seconds"] / row["old"]["seconds"]
         results["cases"].append(row)
@@ -139,4 +178,8 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except SelfCheckError as exc:
+        print(f"check_slang_gemm_kernels: self-check failed: {exc}", file=sys.stderr)
+        sys.exit(70)
