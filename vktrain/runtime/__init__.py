@@ -34,7 +34,7 @@ on unified memory, staging copies otherwise. `write(array|bytes, offset)`, `read
 Dispatch / BufferBinding / pack_push live in vktrain/serialization/dispatch.py, split_groups / plan_barriers
 in `vk/schedule.py` (pure data, no device needed); see its docstring for the conventions: bindings = shader's
 set-0 bindings in order, push constants must match the shader's block, split dispatches for shaders whose push
-block starts with VKTRAIN_PUSH_HEADER (common.glsl), spec ids 0-2 = local size when `local_size` is given. Barriers are
+block starts with the group-offset header (`uint4 vktrain_group_offset`, common.slangh), spec ids 0-2 = local size when `local_size` is given. Barriers are
 inserted only between dependent dispatches (by buffer byte ranges and read/write access, taken from
 the shader's readonly/writeonly qualifiers unless BufferBinding.access says otherwise).
 
@@ -43,8 +43,8 @@ Program(device, dispatches, buffers, timing=False, max_group_count=None, max_dis
 `submit_count`, `destroy()`. `run_dispatches(...)` runs a
 list once.
 
-Shaders: `vktrain/runtime_shaders/*.slang` and `*.comp`, compiled by `python -m vktrain.runtime_shaders.build`
-into the git-ignored `vktrain/runtime_shaders/spirv/` cache (and the Slang ones to WGSL in `wgsl/generated/`;
+Shaders: `vktrain/runtime_shaders/*.slang`, compiled by `python -m vktrain.runtime_shaders.build`
+into the git-ignored `vktrain/runtime_shaders/spirv/` cache (and to WGSL in `wgsl/generated/`;
 ship both to machines without a compiler; list the variants a source needs in its `// vktrain-variants:`
 line so the build includes them).
 

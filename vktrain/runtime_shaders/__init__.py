@@ -1,9 +1,8 @@
 """vktrain's compute kernels and their build: Slang sources (`*.slang`, compiled to SPIR-V and WGSL by
-slangc, slang.py) and the GLSL ones not yet ported (`*.comp`, to SPIR-V); see build.py for names,
-variants and the cache, docs/ONE_SOURCE.md for the Slang route.
+slangc, slang.py); see build.py for names, variants and the cache, docs/ONE_SOURCE.md for the Slang route.
 
 The runtime asks for shaders by name only: `load_spirv("test_axpy")`, `load_spirv("linear_q4gsw@GEMV")`.
-`common.glsl` (GLSL) and `common.slangh` (Slang) hold the conventions every shader may include
+`common.slangh` holds the conventions every shader may include
 (push-constant header with the group offset of split dispatches, local size from specialization
 constants). `reflect_spirv` reads what the
 runtime needs to check a dispatch against a shader (bindings, push-constant block, spec constants).

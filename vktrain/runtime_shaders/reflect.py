@@ -2,7 +2,7 @@
 
 The runtime uses it to check a Dispatch against its shader before recording (number of storage-buffer
 bindings, push-constant block size) and to know whether the shader opted into split dispatches (its
-push block starts with `vktrain_group_offset`, the VKTRAIN_PUSH_HEADER of common.glsl). It reads only
+push block starts with `vktrain_group_offset`, the group-offset header of common.slangh). It reads only
 the instructions it needs; a shader whose names were stripped reflects as having no header.
 """
 from __future__ import annotations

@@ -96,8 +96,8 @@ class Dispatch:
     "linear_q4gsw@GEMV") over `groups` work groups (x, y, z; an int means (x, 1, 1)).
 
     `bindings` are BufferBinding (a bare buffer key is shorthand for BufferBinding(key)).
-    `push_constants` are the kernel's push bytes (after the 16-byte header in shaders that declare
-    VKTRAIN_PUSH_HEADER), a multiple of 4; see pack_push.
+    `push_constants` are the kernel's push bytes (after the 16-byte group-offset header in shaders
+    that start their push block with it), a multiple of 4; see pack_push.
     `spec_constants` map constant_id -> int/float/bool (32-bit each); stored as sorted pairs.
     `local_size`, when set, specializes ids 0-2. `label` names the dispatch in timings and errors.
     """
@@ -156,8 +156,8 @@ class Dispatch:
 def pack_push(*values: int | float) -> bytes:
     """Pack scalars as consecutive 32-bit push-constant fields: int -> int32/uint32, float -> float32.
 
-    Matches a GLSL block of scalar fields (uint/int/float) declared in the same order after
-    VKTRAIN_PUSH_HEADER. Vector fields have their own std430 alignment; pack those by hand.
+    Matches a push struct of scalar fields (uint/int/float) declared in the same order after
+    the group-offset header. Vector fields have their own std430 alignment; pack those by hand.
     """
     out = bytearray()
     for value in values:

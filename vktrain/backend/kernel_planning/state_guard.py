@@ -2,10 +2,10 @@
 device backups of the mutable state and a NaN/inf check, which vktrain/runtime/delegate/state_guard.py replays.
 
 `save` (into the backup slot GUARD_SLOT): a fill zeroing the per-tensor flags, then per state tensor one
-state_guard.comp dispatch (copy its words into the slot, OR a flag when a word is NaN/inf), then
+state_guard.slang dispatch (copy its words into the slot, OR a flag when a word is NaN/inf), then
 state_guard@ANY folding the flags into the one word of GUARD_RESULT the host reads. Every tensor has its own
 256-byte-aligned range in the slot and in the flags buffer, so the copies run without barriers between them.
-`restore`: the slot -> state copies (copy.comp). The bindings name the schedule's state buffers and the guard's
+`restore`: the slot -> state copies (copy.slang). The bindings name the schedule's state buffers and the guard's
 three keys (serialization/schedule.py GUARD_KEYS); the runtime binds GUARD_SLOT to each slot's buffer in turn.
 """
 from __future__ import annotations
@@ -20,7 +20,7 @@ from vktrain.serialization.strided_view import StridedView
 
 ALIGN = 256  # >= every device's minStorageBufferOffsetAlignment (the Vulkan spec caps it at 256)
 FLAG_STRIDE_WORDS = ALIGN // 4
-# state_guard.comp's check modes, by the tensor's stored dtype.
+# state_guard.slang's check modes, by the tensor's stored dtype.
 CHECK_NONE, CHECK_FP32, CHECK_FP16 = 0, 1, 2
 _CHECKS = {vk.DType.FLOAT32: CHECK_FP32, vk.DType.FLOAT16: CHECK_FP16}
 

@@ -255,7 +255,8 @@ class Program(ProgramBase):
             raise ScheduleError(
                 f"{where}: {dispatch.groups} work groups exceed the per-axis limit {max_counts}, and shader "
                 f"{dispatch.shader!r} cannot be split because its push-constant block does not start with "
-                f"VKTRAIN_PUSH_HEADER (common.glsl); add the header or loop over the work in the shader")
+                f"the group-offset header (`uint4 vktrain_group_offset`, common.slangh); add the header or loop "
+                f"over the work in the shader")
         pipeline = device.pipelines.get(dispatch.shader, specialization, push_size, code)
         return _Planned(dispatch, pipeline, resolved, chunks, prefix)
 

@@ -4,18 +4,18 @@ A kernel family turns shapes into a list of `Dispatch`; `vktrain.runtime.vk.comm
 list once into a command buffer and replays it. Nothing here touches Vulkan, so schedules can be built,
 compared and tested without a device.
 
-Conventions every shader and every Dispatch follow (see also vktrain/runtime_shaders/common.glsl):
+Conventions every shader and every Dispatch follow (see also vktrain/runtime_shaders/common.slangh):
 
 * Buffers: binding i of a Dispatch is `binding = i` of descriptor set 0; the Dispatch binds exactly the
   buffers the shader declares. A binding names a buffer by a key (any hashable: str, int) resolved
   against the mapping given to `Program`, or by a `Buffer` object directly, with a byte offset and size.
 * Push constants: `Dispatch.push_constants` are the kernel's bytes and must match the shader's block.
 * Split dispatches (opt-in per shader): a shader whose push-constant block starts with
-  `VKTRAIN_PUSH_HEADER` (a `uvec4 vktrain_group_offset`, 16 bytes) may be dispatched with more groups
+  the group-offset header (a `uint4 vktrain_group_offset`, 16 bytes) may be dispatched with more groups
   than maxComputeWorkGroupCount allows on an axis. The runtime records several dispatches and writes
   each one's first group into the header (0 when unsplit); the shader computes its global group as
-  `gl_WorkGroupID + vktrain_group_offset.xyz` (VKTRAIN_GLOBAL_GROUP_ID / VKTRAIN_GLOBAL_INVOCATION_ID).
-  For such shaders `push_constants` are the bytes AFTER the header (it starts at offset 16 in GLSL).
+  `SV_GroupID + vktrain_group_offset.xyz` (common.slangh's VKTRAIN_GLOBAL_GROUP_ID).
+  For such shaders `push_constants` are the bytes AFTER the header (they start at offset 16).
   A shader without the header is never split; a dispatch over the limit is then refused with a reason.
 * Specialization constants: ids 0, 1, 2 are the local size x, y, z when `Dispatch.local_size` is set
   (the shader declares `VKTRAIN_LOCAL_SIZE_FROM_SPEC;` or local_size_*_id = 0/1/2); a shader's other

@@ -1,6 +1,6 @@
 """WGSL kernels for the WebGPU runtime, looked up by Dispatch name: generated from `../<shader>.slang` (the
 kernel's one source, compiled by slangc at build time: ../slang.py), or hand-written as `<shader>.wgsl`
-here for each kernel still in GLSL (`../<shader>.comp`; docs/ONE_SOURCE.md lists them).
+here (none is left: tests/test_one_source.py; the machinery for them remains).
 
 Everything below is the contract both kinds meet; the directives (`// vktrain-variants:`, `#if`, ...)
 are those of the hand-written sources. A Slang kernel lists its variants in the same
@@ -8,8 +8,8 @@ are those of the hand-written sources. A Slang kernel lists its variants in the 
 same defines, passed to slangc) and its `// vktrain-requires:` lines there too.
 
 `wgsl_source("matmul@HAS_BIAS=0+VEC4_C")` returns the WGSL module text for a Dispatch.shader string. The
-kernels follow the contract of the GLSL ones they mirror (vktrain/runtime_shaders/*.comp, as the GPU GEMM
-tuning dispatches them), translated to what WebGPU has:
+kernels follow the contract of their SPIR-V (vktrain/runtime_shaders/*.slang, as the GPU GEMM tuning
+dispatches them), translated to what WebGPU has:
   * entry point `main`; Dispatch binding i is `@group(0) @binding(i)`, a `var<storage, read>` where the
     GLSL buffer is readonly and `var<storage, read_write>` otherwise, in the GLSL's order;
   * the push block comes from a uniform buffer at `@binding(B)`, B = the number of storage bindings, a
@@ -101,7 +101,7 @@ class WGSLSourceError(VktrainError, ValueError):
 
 
 def _is_slang(base: str) -> bool:
-    return build.source_path(base).suffix == ".slang"
+    return build.source_path(base).is_file()
 
 
 def _source_path(base: str) -> Path:

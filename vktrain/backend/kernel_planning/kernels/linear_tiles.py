@@ -26,7 +26,7 @@ TARGET_WORKGROUPS = H200_FP32_TARGET_WORKGROUPS
 MIN_SPLIT_SLICE = 256
 MAX_SPLIT_K = 32
 
-# The FP16 variant's shared memory besides its (half-size) tiles: coopmat_scale.glsl's two maxima.
+# The FP16 variant's shared memory besides its (half-size) tiles: coopmat_scale.slangh's two maxima.
 FP16_SCALE_SHARED_BYTES = 8
 
 # The register-tile bodies (CPU_TUNING): a workgroup of CPU_LANES invocations = the 8 fp32 lanes of a
