@@ -11,6 +11,34 @@ namespace vktrain {
 namespace {
 
 constexpr const char* kValidationLayer = "VK_LAYER_KHRONOS_validation";
+
+// VK_KHR_cooperative_matrix (vulkan_core.h from header 1.3.255 on; older headers, Debian 12's among them, lack
+// it): the structs and entry point device creation uses, laid out as the spec defines them.
+constexpr const char* kCoopmatExtension = "VK_KHR_cooperative_matrix";
+constexpr VkStructureType kCoopmatFeaturesType = VkStructureType(1000506000);
+constexpr VkStructureType kCoopmatPropertiesType = VkStructureType(1000506001);
+struct CoopmatFeaturesKHR {
+  VkStructureType sType;
+  void* pNext;
+  VkBool32 cooperativeMatrix, cooperativeMatrixRobustBufferAccess;
+};
+struct CoopmatPropertiesKHR {
+  VkStructureType sType;
+  void* pNext;
+  uint32_t MSize, NSize, KSize;
+  int32_t AType, BType, CType, ResultType;  // VkComponentTypeKHR
+  VkBool32 saturatingAccumulation;
+  int32_t scope;  // VkScopeKHR
+};
+using CoopmatPropertiesFn = VkResult(VKAPI_PTR*)(VkPhysicalDevice, uint32_t*, CoopmatPropertiesKHR*);
+
+bool has_device_extension(VkPhysicalDevice physical, const char* name) {
+  uint32_t count = 0;
+  vkEnumerateDeviceExtensionProperties(physical, nullptr, &count, nullptr);
+  std::vector<VkExtensionProperties> found(count);
+  if (count) vkEnumerateDeviceExtensionProperties(physical, nullptr, &count, found.data());
+  return std::any_of(found.begin(), found.end(), [&](const VkExtensionProperties& e) { return std::strcmp(e.extensionName, name) == 0; });
+}
 // device.py _TYPE_RANK: discrete > integrated > virtual > cpu > other.
 int type_rank(VkPhysicalDeviceType t) {
   switch (t) {
@@ -187,6 +215,7 @@ void Device::choose(const std::string& selector) {
     if (fam[i].queueFlags & VK_QUEUE_COMPUTE_BIT) family = int(i);
   if (family < 0) refuse(ErrorCode::kDevice, name_ + " has no compute queue");
   queue_family_ = uint32_t(family);
+  timestamp_bits_ = properties_.limits.timestampPeriod > 0 ? fam[family].timestampValidBits : 0;
 }
 
 std::string Device::device_type() const {
@@ -239,6 +268,34 @@ void Device::create_device() {
     VKT_OPTIONAL(have12, want12, vulkanMemoryModelDeviceScope)
   }
 #undef VKT_OPTIONAL
+  // coopmat.py query_cooperative_matrix: VK_KHR_cooperative_matrix where the device lists it, its feature is on and
+  // the features its shaders also need (float16 arithmetic, the Vulkan memory model) are enabled.
+  std::vector<const char*> extensions;
+  CoopmatFeaturesKHR coopmat{kCoopmatFeaturesType, nullptr, VK_FALSE, VK_FALSE};
+  if (v12 && has_feature("shaderFloat16") && has_feature("vulkanMemoryModel") &&
+      has_device_extension(physical_, kCoopmatExtension)) {
+    CoopmatFeaturesKHR have{kCoopmatFeaturesType, nullptr, VK_FALSE, VK_FALSE};
+    VkPhysicalDeviceFeatures2 query{VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_FEATURES_2};
+    query.pNext = &have;
+    vkGetPhysicalDeviceFeatures2(physical_, &query);
+    auto list = reinterpret_cast<CoopmatPropertiesFn>(
+        vkGetInstanceProcAddr(instance_, "vkGetPhysicalDeviceCooperativeMatrixPropertiesKHR"));
+    if (have.cooperativeMatrix && list) {
+      uint32_t count = 0;
+      vk_check(list(physical_, &count, nullptr), "vkGetPhysicalDeviceCooperativeMatrixPropertiesKHR");
+      std::vector<CoopmatPropertiesKHR> entries(count, CoopmatPropertiesKHR{kCoopmatPropertiesType, nullptr, 0, 0, 0, 0, 0, 0, 0, 0, 0});
+      VkResult listed = count ? list(physical_, &count, entries.data()) : VK_SUCCESS;
+      if (listed != VK_INCOMPLETE) vk_check(listed, "vkGetPhysicalDeviceCooperativeMatrixPropertiesKHR");
+      entries.resize(std::min<size_t>(count, entries.size()));
+      for (const auto& e : entries)
+        coopmat_.push_back({e.MSize, e.NSize, e.KSize, e.AType, e.BType, e.CType, e.ResultType, e.scope,
+                            e.saturatingAccumulation != VK_FALSE});
+      coopmat.cooperativeMatrix = VK_TRUE;
+      want12.pNext = &coopmat;
+      extensions.push_back(kCoopmatExtension);
+      features_.insert("cooperativeMatrix");
+    }
+  }
   float priority = 1.0f;
   VkDeviceQueueCreateInfo queue{VK_STRUCTURE_TYPE_DEVICE_QUEUE_CREATE_INFO};
   queue.queueFamilyIndex = queue_family_;
@@ -248,6 +305,8 @@ void Device::create_device() {
   info.pNext = &want2;
   info.queueCreateInfoCount = 1;
   info.pQueueCreateInfos = &queue;
+  info.enabledExtensionCount = uint32_t(extensions.size());
+  info.ppEnabledExtensionNames = extensions.empty() ? nullptr : extensions.data();
   vk_check(vkCreateDevice(physical_, &info, nullptr, &device_), "vkCreateDevice", name_);
   vkGetDeviceQueue(device_, queue_family_, 0, &queue_);
   VkCommandPoolCreateInfo pool{VK_STRUCTURE_TYPE_COMMAND_POOL_CREATE_INFO};
