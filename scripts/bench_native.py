@@ -251,7 +251,8 @@ def stage_command(args) -> int:
     needed = subprocess.run(["ldd", str(target)], capture_output=True, text=True).stdout
     print(needed.strip())
     allowed = ("linux-vdso", "libvulkan.so", "libstdc++.so", "libm.so", "libgcc_s.so", "libc.so", "ld-linux")
-    extra = [line.split()[0] for line in needed.splitlines() if line.strip() and not line.strip().startswith(allowed)]
+    extra = [line.split()[0] for line in needed.splitlines()
+             if line.strip() and not Path(line.split()[0]).name.startswith(allowed)]
     if extra:
         print(f"bench_native stage: error: vktrain-train needs {extra}, which the GPU machine may lack", file=sys.stderr)
         return 1

@@ -90,6 +90,8 @@ void stream_constant(const Constant& c, uint64_t nbytes, const std::string& what
 std::vector<uint8_t> constant_bytes(const Constant& c, const std::string& what) {
   const uint64_t total = c.synthetic ? c.nbytes : !c.narrow ? c.data.size
                          : (c.stored_form == "gguf_q8_0" ? c.data.size / 34 * 32 : c.data.size / 2) * 4;
+  if (total > (uint64_t(4) << 30))  // one vector: small constants only (uploads stream); a hostile size stops here
+    refuse(ErrorCode::kLimit, what + " has " + num(total) + " bytes, more than the 4 GiB read whole on the host");
   std::vector<uint8_t> out;
   out.reserve(total);
   stream_constant(c, total, what, [&](const uint8_t* p, uint64_t n) { out.insert(out.end(), p, p + n); });

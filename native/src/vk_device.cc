@@ -200,11 +200,18 @@ void Device::choose(const std::string& selector) {
   subgroup_size_ = subgroup.subgroupSize;
   subgroup_operations_ = (subgroup.supportedStages & VK_SHADER_STAGE_COMPUTE_BIT) ? subgroup.supportedOperations : 0;
   vkGetPhysicalDeviceMemoryProperties(physical_, &memory_);
+  // device.py unified_memory: the largest device-local heap is host-visible through a coherent type (lavapipe,
+  // integrated GPUs, resizable BAR), not merely some small BAR window of a discrete GPU's.
+  uint32_t largest = UINT32_MAX;
+  for (uint32_t h = 0; h < memory_.memoryHeapCount; ++h)
+    if ((memory_.memoryHeaps[h].flags & VK_MEMORY_HEAP_DEVICE_LOCAL_BIT) &&
+        (largest == UINT32_MAX || memory_.memoryHeaps[h].size > memory_.memoryHeaps[largest].size))
+      largest = h;
   for (uint32_t i = 0; i < memory_.memoryTypeCount; ++i) {
     VkMemoryPropertyFlags f = memory_.memoryTypes[i].propertyFlags;
     const VkMemoryPropertyFlags all = VK_MEMORY_PROPERTY_DEVICE_LOCAL_BIT | VK_MEMORY_PROPERTY_HOST_VISIBLE_BIT |
                                       VK_MEMORY_PROPERTY_HOST_COHERENT_BIT;
-    if ((f & all) == all) unified_ = true;
+    if ((f & all) == all && memory_.memoryTypes[i].heapIndex == largest) unified_ = true;
   }
   uint32_t families = 0;
   vkGetPhysicalDeviceQueueFamilyProperties(physical_, &families, nullptr);
@@ -317,17 +324,22 @@ void Device::create_device() {
 
 uint32_t Device::memory_type(uint32_t type_bits, VkMemoryPropertyFlags required, VkMemoryPropertyFlags preferred,
                              const std::string& what) const {
-  int fallback = -1;
+  // Every required flag; then the preferred ones; then the larger heap (a discrete GPU's small BAR window of
+  // device-local, host-visible memory loses to its main heap).
+  int best = -1;
+  auto rank = [&](uint32_t i) {
+    return std::make_pair((memory_.memoryTypes[i].propertyFlags & preferred) == preferred,
+                          memory_.memoryHeaps[memory_.memoryTypes[i].heapIndex].size);
+  };
   for (uint32_t i = 0; i < memory_.memoryTypeCount; ++i) {
     if (!(type_bits & (1u << i))) continue;
     VkMemoryPropertyFlags f = memory_.memoryTypes[i].propertyFlags;
     if ((f & required) != required) continue;
-    if ((f & preferred) == preferred) return i;
-    if (fallback < 0) fallback = int(i);
+    if (best < 0 || rank(i) > rank(uint32_t(best))) best = int(i);
   }
-  if (fallback < 0)
+  if (best < 0)
     refuse(ErrorCode::kDevice, what + ": " + name_ + " has no memory type with property flags " + hex(required));
-  return uint32_t(fallback);
+  return uint32_t(best);
 }
 
 uint64_t Device::largest_heap_bytes() const {
