@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstddef>
 #include <cstring>
 #include <new>
 #include <string>
@@ -86,9 +87,10 @@ template <typename T> void deliver(T* out, T full, size_t first_version_bytes, c
   full.size = size;
   std::memcpy(static_cast<void*>(out), &full, size);
 }
-// The first version's sizes (VKTRAIN_API_VERSION 2): every field there is today.
-constexpr size_t kTensorInfoV2 = sizeof(vktrain_tensor_info), kSessionInfoV2 = sizeof(vktrain_session_info),
-                 kStepResultV2 = sizeof(vktrain_step_result);
+// The first version's sizes (VKTRAIN_API_VERSION 2), through its last fields: fields appended later leave them be.
+constexpr size_t kTensorInfoV2 = offsetof(vktrain_tensor_info, nbytes) + sizeof(uint64_t),
+                 kSessionInfoV2 = offsetof(vktrain_session_info, lora_alpha) + sizeof(double),
+                 kStepResultV2 = offsetof(vktrain_step_result, gpu_seconds) + sizeof(double);
 
 void fill_info(const vktrain::TensorValue& t, const std::string& name, vktrain_tensor_info* out) {
   vktrain_tensor_info info{};
