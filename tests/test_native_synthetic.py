@@ -35,7 +35,7 @@ def synthetic_pte(tmp_path_factory) -> Path:
     from vktrain.partitioner import VktrainPartitioner
     from vktrain.train.targets import TargetEmbedder, resolve_targets
 
-    model = build_model("mlp-lora", dim=256, hidden=64, vocab_size=260, n_layers=1, activation="relu")
+    model = build_model("mlp-lora", dim=128, hidden=64, vocab_size=260, n_layers=1, activation="relu")
     apply_lora(model, LoRAConfig(rank=4, alpha=8.0, targets="*", group_size=32, seed=0))
     path = tmp_path_factory.mktemp("native_synthetic") / "synthetic.pte"
     path.write_bytes(lower_to_pte(export_training_step(model, (2, 16)),
@@ -112,7 +112,7 @@ def test_every_kind_is_generated_as_the_python_runtime_generates_it(native, synt
     graph = fuzz.load(synthetic_pte.read_bytes())[1].graph
     kinds = {graph.constants[c].kind for c in graph.synthetic_constant_ids}
     assert kinds == {SyntheticKind.NORMAL, SyntheticKind.RANDOM_BITS, SyntheticKind.FILL}
-    assert expected["model.embed.weight"].size == 260 * 256
+    assert expected["model.embed.weight"].size == 260 * 128
     for name, theirs in expected.items():
         out = tmp_path / f"{name}.npy"
         result = subprocess.run([str(native / "vktrain-native-inspect"), str(synthetic_pte), "--constant", name,
