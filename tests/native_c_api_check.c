@@ -12,7 +12,8 @@
  * and writes OUT_DIR/checkpoint.safetensors and OUT_DIR/adapters/. What it checks itself (exit 1 naming it):
  * the manual session ends in the run's state bit for bit; a fresh session given that state by
  * vktrain_write_state takes the manual session's next step, and one resumed from the checkpoint the run's; bad calls are refused
- * with their status and a message naming what is wrong. */
+ * with their status and a message naming what is wrong; an output struct's size is honoured: a larger (unknown) one, an
+ * unset one and one below the first version's are refused with nothing written, and no more than its bytes are written. */
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -67,7 +68,7 @@ static unsigned bits(float f) {
 static unsigned char* all_state(vktrain_session* s, size_t* size) {
   size_t i, total = 0, at = 0;
   unsigned char* out;
-  vktrain_tensor_info info;
+  VKTRAIN_OUTPUT(vktrain_tensor_info, info);
   for (i = 0; i < vktrain_state_count(s); ++i) {
     must(vktrain_state_info(s, i, &info), s, "vktrain_state_info");
     total += (size_t)info.nbytes;
@@ -84,10 +85,11 @@ static unsigned char* all_state(vktrain_session* s, size_t* size) {
 
 int main(int argc, char** argv) {
   vktrain_session *run, *manual, *written, *resumed, *none = NULL;
-  vktrain_session_info info;
-  vktrain_tensor_info tensor;
+  VKTRAIN_OUTPUT(vktrain_session_info, info);
+  VKTRAIN_OUTPUT(vktrain_tensor_info, tensor);
   vktrain_run_config config;
-  vktrain_step_result result, next;
+  VKTRAIN_OUTPUT(vktrain_step_result, result);
+  VKTRAIN_OUTPUT(vktrain_step_result, next);
   vktrain_hparams hparams;
   vktrain_adapter_options adapter_options;
   vktrain_open_options options;
@@ -234,6 +236,36 @@ int main(int argc, char** argv) {
     status = vktrain_step(run, &only_labels, 1, &hparams, &loss);
     CHECK(status == VKTRAIN_ERROR_VERIFICATION && strstr(vktrain_last_error(run), "'token_ids' is not given"),
           "missing input: %s %s", vktrain_status_name(status), vktrain_last_error(run));
+  }
+  {
+    /* Output structs: a size larger than the library's (a newer header), unset or below the first version's is
+     * refused, nothing written; a call writes no byte past the size the caller declares. */
+    unsigned char bytes[sizeof(vktrain_step_result) + 16];
+    vktrain_step_result* r = (vktrain_step_result*)bytes;
+    vktrain_session_info before = info;
+    memset(bytes, 0xAB, sizeof bytes);
+    r->size = (uint32_t)sizeof(vktrain_step_result) + 8;
+    status = vktrain_get_record(run, 1, r);
+    CHECK(status == VKTRAIN_ERROR_ARGUMENT && strstr(vktrain_last_error(run), "newer than the library") && bytes[8] == 0xAB,
+          "a larger result struct: %s %s", vktrain_status_name(status), vktrain_last_error(run));
+    info.size = 0;
+    status = vktrain_get_info(run, &info);
+    CHECK(status == VKTRAIN_ERROR_ARGUMENT && strstr(vktrain_last_error(run), "info->size is 0") &&
+          info.device_name == before.device_name, "an unset info size: %s %s", vktrain_status_name(status), vktrain_last_error(run));
+    info.size = sizeof info;
+    tensor.size = (uint32_t)sizeof tensor - 1;
+    status = vktrain_state_info(run, 0, &tensor);
+    CHECK(status == VKTRAIN_ERROR_ARGUMENT, "a tensor info smaller than the first version's: %s", vktrain_status_name(status));
+    tensor.size = sizeof tensor;
+    status = vktrain_train_step(run, r);  /* refused before the step runs: the run stays where it was */
+    CHECK(status == VKTRAIN_ERROR_ARGUMENT, "a train step into a larger struct: %s", vktrain_status_name(status));
+    must(vktrain_get_info(run, &info), run, "vktrain_get_info");
+    CHECK(info.step == steps + 1, "a refused train step still stepped: step %lld", (long long)info.step);
+    memset(bytes, 0xAB, sizeof bytes);
+    r->size = (uint32_t)sizeof(vktrain_step_result);
+    must(vktrain_get_record(run, 1, r), run, "vktrain_get_record");
+    CHECK(r->step == 1 && bits(r->loss) == bits(run_losses[1]) && r->gpu_seconds >= 0 && bytes[sizeof(vktrain_step_result)] == 0xAB,
+          "record 1 through a sized struct");
   }
   snprintf(path, sizeof path, "%s/absent.pte", argv[5]);
   status = vktrain_open(path, NULL, &none);

@@ -161,6 +161,7 @@ def test_the_pte_alone_trains_like_vktrain_train_bit_for_bit(trainer, llama, tmp
     for mine, other in zip(ours, theirs):
         assert mine["loss_bits"] == f"0x{np.float32(other['loss']).view(np.uint32):08x}", (mine, other)
         assert mine["lr"] == other["lr"]
+        assert 0 < mine["gpu_seconds"] <= mine["seconds"], mine  # timestamps around the step's commands
     for name in ("adapter_model.safetensors", "adapter_config.json"):
         native_file, python_file = tmp_path / "native_adapters" / name, tmp_path / "python_adapters" / name
         assert native_file.read_bytes() == python_file.read_bytes(), name
@@ -294,6 +295,12 @@ def test_a_pte_without_a_schedule_for_this_device_is_refused_naming_what_it_lack
     assert result.returncode == 2, result.stderr
     assert f"error: {tensor_cores} embeds schedules for the device profiles nvidia-coopmat, and " in result.stderr
     assert "nvidia-coopmat: " in result.stderr and "16x16x16 float16 x float16 + float32 cooperative matrices" in result.stderr
+    # --schedule-profile: the schedule embedded for that profile, refused when absent or unmet (the same words).
+    absent = _run(trainer, tensor_cores, *args, "--schedule-profile", "desktop-gpu")
+    assert absent.returncode == 2, absent.stderr
+    assert "has no embedded schedule for profile 'desktop-gpu' (it has nvidia-coopmat)" in absent.stderr
+    unmet = _run(trainer, tensor_cores, *args, "--schedule-profile", "nvidia-coopmat")
+    assert unmet.returncode == 2 and "float16 + float32 cooperative matrices" in unmet.stderr, unmet.stderr
     half = _run(trainer, tensor_cores, "--schedule-file", tmp_path / "s.vks", *args)
     assert half.returncode == 2 and "--schedule-file needs --spirv-dir DIR too" in half.stderr, half.stderr
     lr = _run(trainer, tensor_cores, *args, "--schedule", "linear")
@@ -354,6 +361,27 @@ def _bad_dispatches(schedule):
            f"storage buffers but the Dispatch binds {len(first.bindings) - 1}")
     yield ("a specialization constant the shader lacks", with_dispatch(spec_constants=((97, 1),)),
            "has no specialization constant with id 97")
+
+
+def test_a_shader_needing_what_the_device_lacks_never_reaches_the_driver(trainer, spirv_dir, llama, tmp_path):
+    """A module whose SPIR-V declares the cooperative-matrix capability (a tensor-core GEMM put in adamw's place,
+    as a hostile or mismatched shader cache could) is refused before vkCreateShaderModule on a device without
+    VK_KHR_cooperative_matrix, naming the shader and the feature (the driver, or the validation layer, would
+    otherwise meet it)."""
+    pte, vks, tokens = llama
+    cache = tmp_path / "spirv"
+    cache.mkdir()
+    tensor_core = next(spirv_dir.glob("coopmat_mm.*.spv")).read_bytes()
+    for file in spirv_dir.glob("*.spv"):
+        target = cache / file.name
+        if file.name.startswith("adamw."):
+            target.write_bytes(tensor_core)
+        else:
+            target.symlink_to(file)
+    result = _run(trainer, pte, "--schedule-file", vks, "--spirv-dir", cache, "--data", tokens, "--steps", 1, "--lr", 1e-3)
+    assert result.returncode == 2, result.stderr
+    assert "shader 'adamw" in result.stderr and "needs the cooperativeMatrix feature (VK_KHR_cooperative_matrix" in result.stderr, (
+        result.stderr)
 
 
 def test_dispatches_their_shaders_do_not_take_are_refused_at_load_like_the_python_runtime(

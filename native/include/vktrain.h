@@ -16,7 +16,12 @@
  * and why: the file, the input, the name). A session is used by one thread at a time; different sessions are
  * independent. Strings and tensor shapes the API returns stay valid until vktrain_close.
  * Option structs carry their own size (set by their _init function): always call it first, so a program
- * compiled against this header keeps working when later versions append fields. */
+ * compiled against this header keeps working when later versions append fields.
+ * Output structs (vktrain_session_info, vktrain_tensor_info, vktrain_step_result) carry one too: set `size` to
+ * sizeof the struct before the call (VKTRAIN_OUTPUT(type, name) declares one so). The library fills that many
+ * bytes: a program built against an older header (a smaller size) gets the fields it knows; a size larger than
+ * this library's struct (a newer header than the library) or smaller than the first version's is refused with
+ * VKTRAIN_ERROR_ARGUMENT, nothing written past what the caller declared. */
 #ifndef VKTRAIN_H_
 #define VKTRAIN_H_
 
@@ -33,7 +38,17 @@ extern "C" {
 #define VKTRAIN_API
 #endif
 
-#define VKTRAIN_API_VERSION 1
+/* 2: output structs start with `size`; vktrain_step_result.gpu_seconds. */
+#define VKTRAIN_API_VERSION 2
+
+/* Declares an output struct with its size set: VKTRAIN_OUTPUT(vktrain_step_result, r); vktrain_train_step(s, &r); */
+#ifdef __cplusplus
+#define VKTRAIN_OUTPUT(type, name) \
+  type name{};                     \
+  name.size = sizeof(type)
+#else
+#define VKTRAIN_OUTPUT(type, name) type name = {.size = sizeof(type)}
+#endif
 
 typedef struct vktrain_session vktrain_session; /* opaque */
 
@@ -74,6 +89,8 @@ typedef struct vktrain_open_options {
   int32_t staging;           /* nonzero: host access through staging copies (a discrete GPU's path) everywhere */
   const char* schedule_file; /* non-NULL (with spirv_dir): a dispatch schedule file instead of the embedded one */
   const char* spirv_dir;
+  const char* schedule_profile; /* non-NULL: the schedule embedded for this device profile (`vktrain export --target`),
+                                   refused where the device does not satisfy it; NULL: the matching rule's choice */
 } vktrain_open_options;
 VKTRAIN_API void vktrain_open_options_init(vktrain_open_options* options);
 
@@ -88,6 +105,7 @@ VKTRAIN_API void vktrain_close(vktrain_session* session); /* NULL is ignored */
 
 /* ---- what the program is -------------------------------------------------------------------------- */
 typedef struct vktrain_tensor_info {
+  uint32_t size;        /* sizeof(vktrain_tensor_info), set by the caller */
   const char* name;
   vktrain_dtype dtype;
   size_t ndim;
@@ -96,6 +114,7 @@ typedef struct vktrain_tensor_info {
 } vktrain_tensor_info;
 
 typedef struct vktrain_session_info {
+  uint32_t size;               /* sizeof(vktrain_session_info), set by the caller */
   const char* program;         /* the .pte as given */
   const char* device_name;
   const char* schedule;        /* where the dispatch schedule came from */
@@ -159,10 +178,13 @@ VKTRAIN_API vktrain_status vktrain_start_run(vktrain_session* session, const int
                                              const vktrain_run_config* config);
 
 typedef struct vktrain_step_result {
-  int64_t step;   /* 1-based */
+  uint32_t size;      /* sizeof(vktrain_step_result), set by the caller */
+  int64_t step;       /* 1-based */
   float loss;
-  double lr;      /* the schedule's (the program got it as float32) */
-  double seconds; /* wall time of the step */
+  double lr;          /* the schedule's (the program got it as float32) */
+  double seconds;     /* wall time of the step (inputs written, the GPU's work, outputs read) */
+  double gpu_seconds; /* the GPU's time for the step's commands (timestamps); 0 where the queue has none, and for
+                         steps restored from a checkpoint */
 } vktrain_step_result;
 /* The run's next step: its batch, its learning rate, one optimizer step. VKTRAIN_DIVERGED when the loss is not
  * finite (nothing is recorded; the last checkpoint is the last good state). */

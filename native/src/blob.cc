@@ -162,6 +162,7 @@ void check_synthetic(const vkt_blob::SyntheticConstant* s, int constant_id, Cons
   out->synthetic_dtype = dtype;
   out->synthetic_shape = shape;
   out->stored_form = "synthetic";
+  out->synthetic_record = {kind, s->seed(), dtype, shape, s->std(), s->value(), layout, q4, out->nbytes};
 }
 
 std::string constant_reader(const Graph& graph, const vkt_blob::VkGraph* root, int constant_id) {

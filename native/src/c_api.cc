@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstddef>
 #include <cstring>
 #include <new>
 #include <string>
@@ -74,12 +75,41 @@ uint32_t option_bytes(uint32_t size, size_t full, const char* what) {  // how mu
   return uint32_t(std::min<size_t>(size, full));
 }
 
-void fill_info(const vktrain::TensorValue& t, const std::string& name, vktrain_tensor_info* info) {
-  info->name = name.c_str();
-  info->dtype = vktrain_dtype(t.dtype);
-  info->ndim = t.shape.size();
-  info->shape = t.shape.data();
-  info->nbytes = t.nbytes();
+// An output struct: `full` copied into the caller's `out` up to the size it declares (vktrain.h: a smaller, older
+// struct gets its fields; a larger, unknown one or one below the first version's is refused, nothing written).
+template <typename T> void deliver(T* out, T full, size_t first_version_bytes, const char* what) {
+  need(out, what);
+  const uint32_t size = out->size;
+  if (size < first_version_bytes || size > sizeof(T))
+    argument(std::string(what) + "->size is " + std::to_string(size) + "; set it to sizeof the struct (this library's is " +
+             std::to_string(sizeof(T)) + (size > sizeof(T) ? " bytes: the caller's header is newer than the library)"
+                                                           : " bytes; VKTRAIN_OUTPUT declares one so)"));
+  full.size = size;
+  std::memcpy(static_cast<void*>(out), &full, size);
+}
+// The first version's sizes (VKTRAIN_API_VERSION 2), through its last fields: fields appended later leave them be.
+constexpr size_t kTensorInfoV2 = offsetof(vktrain_tensor_info, nbytes) + sizeof(uint64_t),
+                 kSessionInfoV2 = offsetof(vktrain_session_info, lora_alpha) + sizeof(double),
+                 kStepResultV2 = offsetof(vktrain_step_result, gpu_seconds) + sizeof(double);
+
+void fill_info(const vktrain::TensorValue& t, const std::string& name, vktrain_tensor_info* out) {
+  vktrain_tensor_info info{};
+  info.name = name.c_str();
+  info.dtype = vktrain_dtype(t.dtype);
+  info.ndim = t.shape.size();
+  info.shape = t.shape.data();
+  info.nbytes = t.nbytes();
+  deliver(out, info, kTensorInfoV2, "info");
+}
+
+vktrain_step_result step_result(const vktrain::CheckpointRecord& r, double gpu_seconds) {
+  vktrain_step_result out{};
+  out.step = r.step;
+  out.loss = float(r.loss);
+  out.lr = r.lr;
+  out.seconds = r.seconds;
+  out.gpu_seconds = gpu_seconds;
+  return out;
 }
 
 size_t find(const std::vector<std::string>& names, const char* name, const char* what) {
@@ -116,6 +146,7 @@ vktrain_status open_session(std::unique_ptr<vktrain::Program> (*load)(const void
     so.staging = o.staging != 0;
     so.schedule_file = o.schedule_file ? o.schedule_file : "";
     so.spirv_dir = o.spirv_dir ? o.spirv_dir : "";
+    so.schedule_profile = o.schedule_profile ? o.schedule_profile : "";
     auto handle = std::make_unique<vktrain_session>();
     handle->session = std::make_unique<vktrain::Session>(load(data, size, name), so);
     const vktrain::StepInterpreter& step = handle->session->interpreter();
@@ -181,22 +212,24 @@ vktrain_status vktrain_open_bytes(const void* data, size_t size, const char* nam
 
 void vktrain_close(vktrain_session* session) { delete session; }
 
-vktrain_status vktrain_get_info(vktrain_session* s, vktrain_session_info* info) {
+vktrain_status vktrain_get_info(vktrain_session* s, vktrain_session_info* out) {
   return call(s, [&](vktrain::Session& session) {
-    need(info, "info");
+    need(out, "info");
     const vktrain::StepInterpreter& step = session.interpreter();
-    info->program = s->program.c_str();
-    info->device_name = session.device_name().c_str();
-    info->schedule = session.origin().c_str();
-    info->dispatches = step.recorded_dispatches();
-    info->barriers = step.barrier_count();
-    info->buffer_bytes = step.allocated_bytes();
-    info->batch_size = session.batch_size();
-    info->seq_len = session.seq_len();
-    info->vocab_size = session.vocab_size();
-    info->step = session.steps_done();
-    info->n_windows = session.n_windows();
-    info->lora_alpha = vktrain::recorded_lora_alpha(*session.program().main_method().graph, s->program);
+    vktrain_session_info info{};
+    info.program = s->program.c_str();
+    info.device_name = session.device_name().c_str();
+    info.schedule = session.origin().c_str();
+    info.dispatches = step.recorded_dispatches();
+    info.barriers = step.barrier_count();
+    info.buffer_bytes = step.allocated_bytes();
+    info.batch_size = session.batch_size();
+    info.seq_len = session.seq_len();
+    info.vocab_size = session.vocab_size();
+    info.step = session.steps_done();
+    info.n_windows = session.n_windows();
+    info.lora_alpha = vktrain::recorded_lora_alpha(*session.program().main_method().graph, s->program);
+    deliver(out, info, kSessionInfoV2, "info");
   });
 }
 
@@ -316,8 +349,9 @@ vktrain_status vktrain_train_step(vktrain_session* s, vktrain_step_result* resul
   vktrain::CheckpointRecord r;
   vktrain_status status = call(s, [&](vktrain::Session& session) {
     need(result, "result");
+    if (result->size < kStepResultV2 || result->size > sizeof *result) deliver(result, vktrain_step_result{}, kStepResultV2, "result");
     r = session.train_step();
-    *result = vktrain_step_result{r.step, float(r.loss), r.lr, r.seconds};
+    deliver(result, step_result(r, session.gpu_seconds(r.step)), kStepResultV2, "result");
   });
   if (status == VKTRAIN_OK && !std::isfinite(r.loss)) {
     s->error = "the loss became " + std::string(std::isnan(r.loss) ? "nan" : "inf") + " at step " + std::to_string(r.step) +
@@ -333,7 +367,7 @@ vktrain_status vktrain_get_record(vktrain_session* s, int64_t step, vktrain_step
     if (step < 1 || step > session.steps_done())
       argument("step " + std::to_string(step) + " is not one of the run's steps 1.." + std::to_string(session.steps_done()));
     const vktrain::CheckpointRecord& r = session.records()[size_t(step - 1)];
-    *result = vktrain_step_result{r.step, float(r.loss), r.lr, r.seconds};
+    deliver(result, step_result(r, session.gpu_seconds(step)), kStepResultV2, "result");
   });
 }
 

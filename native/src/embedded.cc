@@ -422,6 +422,23 @@ DeviceProfile device_profile_of(const Device& device) {
   p.max_allocation_bytes = int64_t(device.max_allocation_bytes());
   p.max_push_constants_bytes = l.maxPushConstantsSize;
   p.max_storage_buffers_per_stage = l.maxPerStageDescriptorStorageBuffers;
+  // device_profiles.py _coopmat_shapes: the combinations whose types and scope the profile vocabulary names.
+  auto component = [](int32_t value) -> std::string {  // coopmat.py COMPONENT_TYPE_NAMES (VkComponentTypeKHR)
+    static const char* const names[] = {"float16", "float32", "float64", "int8", "int16", "int32",
+                                        "int64", "uint8", "uint16", "uint32", "uint64"};
+    if (value >= 0 && value <= 10) return names[value];
+    return value == 1000141000 ? "bfloat16" : "";
+  };
+  auto scope = [](int32_t value) -> std::string {  // coopmat.py SCOPE_NAMES (VkScopeKHR)
+    return value == 1 ? "device" : value == 2 ? "workgroup" : value == 3 ? "subgroup" : value == 5 ? "queue_family" : "";
+  };
+  for (const CoopmatProperty& c : device.cooperative_matrix()) {
+    CoopmatShape s{int64_t(c.m), int64_t(c.n), int64_t(c.k), component(c.a_type), component(c.b_type),
+                   component(c.c_type), component(c.result_type), scope(c.scope)};
+    if (among(kComponentTypes, s.a_type) && among(kComponentTypes, s.b_type) && among(kComponentTypes, s.c_type) &&
+        among(kComponentTypes, s.result_type) && among(kScopes, s.scope))
+      p.cooperative_matrix.push_back(s);
+  }
   // device_profile.py VENDOR_GEMM_TUNING (by name), its tiles only where the device runs them.
   std::string lowered = p.name;
   std::transform(lowered.begin(), lowered.end(), lowered.begin(), [](unsigned char c) { return char(std::tolower(c)); });
@@ -494,14 +511,21 @@ std::vector<EmbeddedSchedule> verify_embedded(const Graph& graph, const std::str
 }
 
 size_t select_schedule(const std::vector<EmbeddedSchedule>& schedules, const std::vector<ShaderModuleRecord>& modules,
-                       const DeviceProfile& device, const std::string& device_name, const std::string& source) {
+                       const DeviceProfile& device, const std::string& device_name, const std::string& source,
+                       const std::string& only_profile) {
   using Key = std::tuple<bool, bool, bool, uint64_t, uint64_t, uint64_t>;
   bool found = false;
   Key best{};
   size_t chosen = 0;
   std::vector<std::string> refusals, names;
+  for (const auto& e : schedules) names.push_back(e.profile.name);
+  if (!only_profile.empty() && !among(names, only_profile))
+    refuse(ErrorCode::kUnsupported, source + " has no embedded schedule for profile '" + only_profile + "' (it has " +
+                                        joined(names, ", ") + ")");
+  names.clear();
   for (size_t index = 0; index < schedules.size(); ++index) {
     const EmbeddedSchedule& e = schedules[index];
+    if (!only_profile.empty() && e.profile.name != only_profile) continue;
     names.push_back(e.profile.name);
     std::vector<std::string> missing = unmet_needs(e, modules, device);
     if (!missing.empty()) {

@@ -48,8 +48,8 @@ struct DeviceProfile {
   bool same_planning_fields(const DeviceProfile& other) const;
 };
 
-// runtime/device_profiles.py _vulkan_profile of an opened device. This runtime enables no cooperative-matrix
-// extension, so its profile lists no shapes (a schedule that needs them is refused: "... cooperative matrices").
+// runtime/device_profiles.py _vulkan_profile of an opened device: its cooperative-matrix shapes where the device
+// enabled VK_KHR_cooperative_matrix (else none, and a schedule that needs them is refused: "... cooperative matrices").
 DeviceProfile device_profile_of(const Device& device);
 
 // ScheduleRequirements.unmet_by: what `profile` lacks of the schedule's requirements, one phrase each.
@@ -69,8 +69,10 @@ std::vector<EmbeddedSchedule> verify_embedded(const Graph& graph, const std::str
 
 // embedded.py select_schedule: the index of the schedule a device of `device` profile runs; LoadError
 // kUnsupported naming every profile and what the device lacks for it when none fits. Requires a non-empty list.
+// `only_profile` non-empty: the schedule embedded for that profile, refused when there is none or it does not fit.
 size_t select_schedule(const std::vector<EmbeddedSchedule>& schedules, const std::vector<ShaderModuleRecord>& modules,
-                       const DeviceProfile& device, const std::string& device_name, const std::string& source);
+                       const DeviceProfile& device, const std::string& device_name, const std::string& source,
+                       const std::string& only_profile = "");
 
 // The step source of a blob's embedded schedule `chosen` (its SPIR-V modules by shader name). `graph` must outlive it.
 std::unique_ptr<StepSource> embedded_step_source(const Graph& graph, EmbeddedSchedule chosen);

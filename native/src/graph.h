@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "file_map.h"
+#include "synthetic.h"
 
 namespace vktrain {
 
@@ -61,6 +62,7 @@ struct Constant {
   bool synthetic = false;
   int synthetic_dtype = 0;  // synthetic only: what it is generated as
   std::vector<int64_t> synthetic_shape;
+  SyntheticRecord synthetic_record;  // synthetic only: how it is generated (synthetic.h)
   bool narrow = false;        // stored_dtype or stored_encoding set: widened to float32 on load
   std::string stored_form;    // "as read", "bfloat16", "float16", "gguf_q8_0", "synthetic"
   uint64_t nbytes = 0;        // bytes as its tensors read them

@@ -76,6 +76,15 @@ DeviceCaps caps_of(const Device& device) {
   c.float16 = device.has_feature("shaderFloat16");
   c.int64 = device.has_feature("shaderInt64");
   c.memory_bytes = device.largest_heap_bytes();
+  c.api_version = device.api_version();
+  for (const char* f : {"shaderInt64", "shaderInt16", "shaderFloat64", "robustBufferAccess", "storageBuffer16BitAccess",
+                        "uniformAndStorageBuffer16BitAccess", "storageBuffer8BitAccess", "uniformAndStorageBuffer8BitAccess",
+                        "shaderFloat16", "shaderInt8", "bufferDeviceAddress", "scalarBlockLayout", "vulkanMemoryModel",
+                        "vulkanMemoryModelDeviceScope", "cooperativeMatrix"})
+    if (device.has_feature(f)) c.features.insert(f);
+  for (const CoopmatProperty& p : device.cooperative_matrix())  // float16 (0) x float16 + float32 (1) -> float32, subgroup (3)
+    if (p.a_type == 0 && p.b_type == 0 && p.c_type == 1 && p.result_type == 1 && p.scope == 3)
+      c.coopmat_f16.push_back({int64_t(p.m), int64_t(p.n), int64_t(p.k)});
   return c;
 }
 
@@ -121,6 +130,8 @@ void StepInterpreter::release() {
   VkDevice d = device_.handle();
   if (d) vkDeviceWaitIdle(d);
   if (fence_) vkDestroyFence(d, fence_, nullptr);
+  if (timestamps_) vkDestroyQueryPool(d, timestamps_, nullptr);
+  timestamps_ = VK_NULL_HANDLE;
   if (command_buffer_) vkFreeCommandBuffers(d, device_.command_pool(), 1, &command_buffer_);
   if (descriptor_pool_) vkDestroyDescriptorPool(d, descriptor_pool_, nullptr);
   fence_ = VK_NULL_HANDLE;
@@ -141,11 +152,20 @@ void StepInterpreter::upload_constants() {
       continue;
     const TensorValue& t = v.tensor;
     const std::string what = "constant " + (t.name.empty() ? num(value_id) : t.name);
-    std::vector<uint8_t> bytes = constant_bytes(plan_.graph->constants.at(t.constant_id), what);
-    if (bytes.size() < t.nbytes())
-      refuse(ErrorCode::kVerification, what + " has " + num(bytes.size()) + " bytes, its tensor reads " + num(t.nbytes()));
-    std::vector<uint8_t> stored = to_stored(bytes.data(), t.numel, t, what);
-    bound_[placement.buffer]->write(placement.offset, stored.data(), stored.size());
+    // A piece at a time (stream_constant): the host holds one piece of a constant, never all of it.
+    const size_t element = size_t(data_type_size(t.dtype));
+    uint64_t offset = placement.offset;
+    Buffer& buffer = *bound_[placement.buffer];
+    stream_constant(plan_.graph->constants.at(t.constant_id), t.nbytes(), what, [&](const uint8_t* p, uint64_t n) {
+      if (t.storage_dtype() == t.dtype) {
+        buffer.write(offset, p, n);
+        offset += n;
+      } else {
+        std::vector<uint8_t> stored = to_stored(p, n / element, t, what);
+        buffer.write(offset, stored.data(), stored.size());
+        offset += stored.size();
+      }
+    });
     uploaded.insert(placement.buffer);
   }
 }
@@ -284,6 +304,14 @@ std::vector<HostTensor> StepInterpreter::run(const std::vector<HostTensor>& inpu
   for (size_t i = 0; i < inputs.size(); ++i) write_value(plan_.graph->inputs[i], inputs[i], "input '" + names[i] + "'");
   device_.submit_and_wait(command_buffer_, fence_);
   device_.check_validation("while running the step");
+  if (timestamps_) {
+    uint64_t ticks[2] = {0, 0};
+    vk_check(vkGetQueryPoolResults(device_.handle(), timestamps_, 0, 2, sizeof ticks, ticks, 8,
+                                   VK_QUERY_RESULT_64_BIT | VK_QUERY_RESULT_WAIT_BIT), "vkGetQueryPoolResults");
+    const uint32_t bits = device_.timestamp_valid_bits();
+    const uint64_t mask = bits >= 64 ? ~uint64_t(0) : (uint64_t(1) << bits) - 1;
+    last_gpu_seconds_ = double((ticks[1] - ticks[0]) & mask) * device_.timestamp_period_ns() * 1e-9;
+  }
   std::vector<HostTensor> outputs;
   for (int32_t id : plan_.graph->outputs) outputs.push_back(read_value(id));
   return outputs;
@@ -329,9 +357,19 @@ void StepInterpreter::record() {
     if (!writes.empty()) vkUpdateDescriptorSets(dev, uint32_t(writes.size()), writes.data(), 0, nullptr);
   }
 
+  if (device_.timestamp_valid_bits()) {
+    VkQueryPoolCreateInfo query{VK_STRUCTURE_TYPE_QUERY_POOL_CREATE_INFO};
+    query.queryType = VK_QUERY_TYPE_TIMESTAMP;
+    query.queryCount = 2;
+    vk_check(vkCreateQueryPool(dev, &query, nullptr, &timestamps_), "vkCreateQueryPool");
+  }
   command_buffer_ = allocate_command_buffer(device_);
   begin_command_buffer(command_buffer_);
   VkCommandBuffer cb = command_buffer_;
+  if (timestamps_) {
+    vkCmdResetQueryPool(cb, timestamps_, 0, 2);
+    vkCmdWriteTimestamp(cb, VK_PIPELINE_STAGE_TOP_OF_PIPE_BIT, timestamps_, 0);
+  }
   const VkAccessFlags compute_rw = VK_ACCESS_SHADER_READ_BIT | VK_ACCESS_SHADER_WRITE_BIT;
   // Host writes, staging copies and the previous replay must be visible to this one.
   memory_barrier(cb, VK_PIPELINE_STAGE_HOST_BIT | VK_PIPELINE_STAGE_TRANSFER_BIT | VK_PIPELINE_STAGE_COMPUTE_SHADER_BIT,
@@ -366,6 +404,7 @@ void StepInterpreter::record() {
   memory_barrier(cb, VK_PIPELINE_STAGE_COMPUTE_SHADER_BIT, VK_ACCESS_SHADER_WRITE_BIT,
                  VK_PIPELINE_STAGE_HOST_BIT | VK_PIPELINE_STAGE_TRANSFER_BIT,
                  VK_ACCESS_HOST_READ_BIT | VK_ACCESS_TRANSFER_READ_BIT | VK_ACCESS_TRANSFER_WRITE_BIT);
+  if (timestamps_) vkCmdWriteTimestamp(cb, VK_PIPELINE_STAGE_BOTTOM_OF_PIPE_BIT, timestamps_, 1);
   vk_check(vkEndCommandBuffer(cb), "vkEndCommandBuffer");
   fence_ = create_fence(device_);
 }

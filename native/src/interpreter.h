@@ -60,6 +60,8 @@ class StepInterpreter {
   void write_state(const std::string& name, const HostTensor& value);  // shape and dtype must match
   void reset_state();
   uint64_t recorded_dispatches() const { return recorded_dispatches_; }
+  // The GPU's time for the last run's commands, from timestamps around them; 0 where the queue has none.
+  double last_gpu_seconds() const { return last_gpu_seconds_; }
   uint64_t barrier_count() const;
   uint64_t allocated_bytes() const;
   // What another interpreter of the program may bind (executor.py shared_state + shared_constants): every mutable
@@ -82,6 +84,8 @@ class StepInterpreter {
   VkDescriptorPool descriptor_pool_ = VK_NULL_HANDLE;
   VkCommandBuffer command_buffer_ = VK_NULL_HANDLE;
   VkFence fence_ = VK_NULL_HANDLE;
+  VkQueryPool timestamps_ = VK_NULL_HANDLE;  // 2 queries: before and after the step's commands
+  double last_gpu_seconds_ = 0;
   uint64_t recorded_dispatches_ = 0;
 };
 

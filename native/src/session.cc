@@ -28,6 +28,8 @@ Session::Session(std::unique_ptr<Program> program, const SessionOptions& options
     refuse(ErrorCode::kVerification, std::string(options.schedule_file.empty() ? "spirv_dir" : "schedule_file") +
                                          " is given without " + (options.schedule_file.empty() ? "schedule_file" : "spirv_dir") +
                                          ": give both, or neither (the .pte's embedded schedule)");
+  if (!options.schedule_file.empty() && !options.schedule_profile.empty())
+    refuse(ErrorCode::kVerification, "schedule_profile picks an embedded schedule; it does not go with schedule_file");
   device_ = std::make_unique<Device>(options.device);
   device_->force_staging(options.staging);
   if (!options.schedule_file.empty()) {
@@ -40,7 +42,7 @@ Session::Session(std::unique_ptr<Program> program, const SessionOptions& options
                                             "with vktrain export --target NAME, or give --schedule-file S.vks and "
                                             "--spirv-dir DIR");
     size_t chosen = select_schedule(method.embedded, method.graph->shader_modules, device_profile_of(*device_),
-                                    device_->name(), pte);
+                                    device_->name(), pte, options.schedule_profile);
     origin_ = "the embedded schedule for profile '" + method.embedded[chosen].profile.name + "'";
     source_ = embedded_step_source(*method.graph, method.embedded[chosen]);
   }
@@ -112,7 +114,11 @@ float Session::step(std::map<std::string, HostTensor> given, const float hparams
     refuse(ErrorCode::kUnsupported, program_->source() + ": the step's first output is not a float32 loss");
   float loss = outputs[0].item<float>();
   double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-  if (std::isfinite(loss)) records_.push_back({steps_done() + 1, double(loss), lr_recorded, seconds});
+  if (std::isfinite(loss)) {
+    gpu_seconds_.resize(records_.size());
+    gpu_seconds_.push_back(step_->last_gpu_seconds());
+    records_.push_back({steps_done() + 1, double(loss), lr_recorded, seconds});
+  }
   return loss;
 }
 
@@ -196,6 +202,7 @@ void Session::load_checkpoint(const std::string& resume) {
     refuse(ErrorCode::kVerification, resume + ": the optimizer's step counter disagrees with its recorded step " + num(c.step));
   for (const auto& name : state) step_->write_state(name, c.tensors[name]);
   records_ = c.records;
+  gpu_seconds_.assign(records_.size(), 0.0);  // not recorded in a checkpoint
   run_.seed = uint32_t(c.data_seed);  // a resumed run keeps its data order
   if (batcher_) batcher_->reseed(run_.seed);
 }

@@ -24,6 +24,7 @@ struct SessionOptions {
   std::string device;  // Device's selector: an index or a name substring; "": $VKTRAIN_DEVICE, else the best
   bool staging = false;
   std::string schedule_file, spirv_dir;  // both or neither (neither: the .pte's embedded schedule)
+  std::string schedule_profile;          // non-empty: the embedded schedule for this profile (else the matching rule's)
 };
 
 struct RunSettings {  // what vktrain train's run_config records, and the batch order
@@ -50,6 +51,10 @@ class Session {
   int64_t vocab_size() const { return vocab_; }
   int64_t steps_done() const { return int64_t(records_.size()); }
   const std::vector<CheckpointRecord>& records() const { return records_; }
+  // The GPU's time for step `step`'s commands (timestamps); 0 without timestamps or for a restored step.
+  double gpu_seconds(int64_t step) const {
+    return step >= 1 && size_t(step) <= gpu_seconds_.size() ? gpu_seconds_[size_t(step - 1)] : 0.0;
+  }
   uint64_t n_windows() const { return batcher_ ? batcher_->n_windows() : 0; }
 
   // One optimizer step on named inputs (hparams and n_valid filled in unless given); the loss. A non-finite
@@ -76,6 +81,7 @@ class Session {
   std::vector<std::string> inputs_;
   int64_t batch_ = 0, seq_ = 0, vocab_ = 0;
   std::vector<CheckpointRecord> records_;
+  std::vector<double> gpu_seconds_;  // per record
   std::string sha256_;
   // The run (start_run).
   RunSettings run_;

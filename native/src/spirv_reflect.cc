@@ -12,7 +12,7 @@ namespace {
 
 constexpr uint32_t kMagic = 0x07230203;
 enum Op : uint32_t {
-  kOpName = 5, kOpMemberName = 6, kOpTypeBool = 20, kOpTypeInt = 21, kOpTypeFloat = 22, kOpTypeVector = 23,
+  kOpName = 5, kOpCapability = 17, kOpMemberName = 6, kOpTypeBool = 20, kOpTypeInt = 21, kOpTypeFloat = 22, kOpTypeVector = 23,
   kOpTypeMatrix = 24, kOpTypeArray = 28, kOpTypeRuntimeArray = 29, kOpTypeStruct = 30, kOpTypePointer = 32,
   kOpConstant = 43, kOpSpecConstantTrue = 48, kOpSpecConstantFalse = 49, kOpSpecConstant = 50, kOpVariable = 59,
   kOpDecorate = 71, kOpMemberDecorate = 72,
@@ -53,6 +53,7 @@ ShaderInterface reflect_spirv(const std::vector<uint32_t>& words, const std::str
   std::vector<std::array<uint32_t, 3>> variables;  // (pointer type, id, storage class)
   std::map<uint32_t, int64_t> spec_constants;       // result id -> result type (-1: boolean)
 
+  std::vector<uint32_t> capabilities;
   size_t position = 5;
   while (position < words.size()) {
     uint32_t count = words[position] >> 16, opcode = words[position] & 0xFFFF;
@@ -66,6 +67,7 @@ ShaderInterface reflect_spirv(const std::vector<uint32_t>& words, const std::str
                      " operands, needs " + num(k));
     };
     switch (opcode) {
+      case kOpCapability: need(1); capabilities.push_back(o[0]); break;
       case kOpMemberName: need(2); member_names[{o[0], o[1]}] = literal_string(o + 2, n - 2); break;
       case kOpDecorate: need(2); decorations[o[0]][o[1]] = Operands(o + 2, o + n); break;
       case kOpMemberDecorate: need(3); member_decorations[{o[0], o[1]}][o[2]] = Operands(o + 3, o + n); break;
@@ -152,6 +154,8 @@ ShaderInterface reflect_spirv(const std::vector<uint32_t>& words, const std::str
   };
 
   ShaderInterface out;
+  out.spirv_version = words[1];
+  out.capabilities = capabilities;
   for (const auto& v : variables) {
     uint32_t pointer_type = v[0], variable = v[1], storage_class = v[2];
     if (storage_class == kStorageBuffer || storage_class == kUniform) {

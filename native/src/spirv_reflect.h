@@ -23,6 +23,8 @@ struct ShaderInterface {
   int64_t push_constant_size = 0;       // 0: no block; -1: not computable
   bool has_group_offset_header = false;
   std::map<uint32_t, SpecType> spec_types;
+  uint32_t spirv_version = 0;          // the header's word 1 (0x00010300: SPIR-V 1.3)
+  std::vector<uint32_t> capabilities;  // OpCapability operands, in order
 };
 
 // LoadError kShaderModule naming `source` (the file) when `words` is not SPIR-V or is malformed.

@@ -99,8 +99,48 @@ uint32_t spec_word(const std::string& where, uint32_t id, SpecKind kind, int64_t
   }
 }
 
+// What a shader's SPIR-V declares that the device must have enabled (the Vulkan spec's SPIR-V environment
+// appendix): every capability vktrain's kernels use, mapped to its feature; any other capability is refused, so
+// a module the device was not set up for never reaches the driver.
+void check_shader_needs(const std::string& where, const std::string& shader, const ShaderInterface& interface,
+                        const DeviceCaps& caps) {
+  auto lacks = [&](const std::string& what) {
+    refuse(ErrorCode::kUnsupported, where + ": shader '" + shader + "' needs " + what + ", which " + caps.name + " lacks (or "
+                                        "the runtime did not enable); export it for a --target this device satisfies");
+  };
+  // SPIR-V 1.4 and 1.5 modules need Vulkan 1.2, SPIR-V 1.6 needs Vulkan 1.3 (1.0-1.3 run on Vulkan 1.1).
+  const uint32_t minor = (interface.spirv_version >> 8) & 0xFF, major = interface.spirv_version >> 16;
+  const uint32_t vulkan_minor = (caps.api_version >> 12) & 0x3FF;
+  if (major != 1 || minor > 6) lacks("SPIR-V version " + num(major) + "." + num(minor) + " (no Vulkan version takes it)");
+  const uint32_t needs_minor = minor >= 6 ? 3 : minor >= 4 ? 2 : 1;
+  if (vulkan_minor < needs_minor)
+    lacks("SPIR-V 1." + num(minor) + " modules (Vulkan 1." + num(needs_minor) + "; the device runs 1." + num(vulkan_minor) + ")");
+  for (uint32_t capability : interface.capabilities) {
+    static const std::map<uint32_t, const char*> kFeatureOf = {
+        {9, "shaderFloat16"}, {10, "shaderFloat64"}, {11, "shaderInt64"}, {22, "shaderInt16"}, {39, "shaderInt8"},
+        {4433, "storageBuffer16BitAccess"}, {4434, "uniformAndStorageBuffer16BitAccess"},
+        {4448, "storageBuffer8BitAccess"}, {4449, "uniformAndStorageBuffer8BitAccess"},
+        {5345, "vulkanMemoryModel"}, {5346, "vulkanMemoryModelDeviceScope"}, {5347, "bufferDeviceAddress"},
+        {6022, "cooperativeMatrix"}};
+    if (capability == 1) continue;  // Shader
+    if (capability >= 61 && capability <= 68) {  // GroupNonUniform..Quad: VkSubgroupFeatureFlagBits in that order
+      uint32_t bit = capability - 61;
+      if (!(caps.subgroup_operations >> bit & 1)) lacks(std::string("subgroup operation ") + kSubgroupOperations[bit] + " in compute shaders");
+      continue;
+    }
+    auto feature = kFeatureOf.find(capability);
+    if (feature == kFeatureOf.end())
+      refuse(ErrorCode::kUnsupported, where + ": shader '" + shader + "' declares SPIR-V capability " + num(capability) +
+                                          ", which vktrain's runtime does not enable");
+    if (!caps.features.count(feature->second))
+      lacks(std::string("the ") + feature->second + " feature" +
+            (capability == 6022 ? " (VK_KHR_cooperative_matrix, tensor cores)" : ""));
+  }
+}
+
 // The bytes a constant widens to (constant_data.cc), without widening it.
 uint64_t widened_size(const Constant& c) {
+  if (c.synthetic) return c.nbytes;  // generated as its tensors read it (graph_validate.cc checked they match)
   if (!c.narrow) return c.data.size;
   if (c.stored_form == "gguf_q8_0") return c.data.size / 34 * 32 * 4;
   return c.data.size / 2 * 4;
@@ -132,7 +172,17 @@ void check_requirements(const Schedule& schedule, const DeviceCaps& caps) {
   }
   if (q.float16 && !caps.float16) missing.push_back("float16");
   if (q.int64 && !caps.int64) missing.push_back("int64");
-  if (!q.cooperative_matrix.empty()) missing.push_back("cooperative matrices (the native runtime does not enable them yet)");
+  if (!q.cooperative_matrix.empty()) {
+    bool have = q.cooperative_matrix.size() == 3 &&
+                std::any_of(caps.coopmat_f16.begin(), caps.coopmat_f16.end(), [&](const std::array<int64_t, 3>& s) {
+                  return uint64_t(s[0]) == q.cooperative_matrix[0] && uint64_t(s[1]) == q.cooperative_matrix[1] &&
+                         uint64_t(s[2]) == q.cooperative_matrix[2];
+                });
+    if (!have)
+      missing.push_back(list(std::vector<int64_t>(q.cooperative_matrix.begin(), q.cooperative_matrix.end())) +
+                        " float16 x float16 + float32 cooperative matrices (VK_KHR_cooperative_matrix" +
+                        (caps.features.count("cooperativeMatrix") ? " has no such shape here)" : " is not enabled on this device)"));
+  }
   if (missing.empty()) return;
   std::string all;
   for (const auto& m : missing) all += (all.empty() ? "" : "; ") + m;
@@ -158,6 +208,7 @@ PlannedDispatch plan_dispatch(StepPlan& plan, const StepSource& source, const De
       if (b.uniform) refuse(ErrorCode::kShaderModule, where + ": shader '" + d.shader + "' declares a uniform block at binding " + num(b.binding) + "; vktrain binds storage buffers only");
       if (b.binding != k) refuse(ErrorCode::kShaderModule, where + ": shader '" + d.shader + "' does not number its bindings 0..n-1");
     }
+    check_shader_needs(where, d.shader, interface, caps);
     found = plan.modules.emplace(d.shader, ShaderModuleCode{std::move(code), std::move(interface)}).first;
   }
   const ShaderInterface& interface = found->second.interface;
@@ -291,6 +342,10 @@ DeviceCaps lavapipe_caps() {
   c.subgroup_operations = 0xFF;
   c.float16 = c.int64 = true;
   c.memory_bytes = uint64_t(2) << 30;
+  c.api_version = (1u << 22) | (3u << 12);  // Vulkan 1.3
+  c.features = {"bufferDeviceAddress", "scalarBlockLayout", "shaderFloat16", "shaderFloat64", "shaderInt16", "shaderInt64",
+                "shaderInt8", "storageBuffer16BitAccess", "storageBuffer8BitAccess", "uniformAndStorageBuffer16BitAccess",
+                "uniformAndStorageBuffer8BitAccess", "vulkanMemoryModel", "vulkanMemoryModelDeviceScope"};
   return c;
 }
 
@@ -366,9 +421,6 @@ StepPlan plan_graph_step(const Graph& graph, const std::string& where, const Ste
     if (v.kind != kValueTensor || v.tensor.constant_id < 0) continue;
     const std::string what = "constant " + (v.tensor.name.empty() ? num(value_id) : v.tensor.name);
     const Constant& c = graph.constants.at(v.tensor.constant_id);
-    if (c.synthetic)
-      refuse(ErrorCode::kUnsupported, plan.where + ": " + what + " is a synthetic constant (a benchmark blob's, generated "
-                                                             "at load by the Python runtime); the native runtime runs stored constants");
     if (widened_size(c) < v.tensor.nbytes())
       refuse(ErrorCode::kVerification, plan.where + ": " + what + " holds " + num(widened_size(c)) + " bytes, its tensor reads " + num(v.tensor.nbytes()));
     check_host_range(value_id, what);

@@ -10,6 +10,7 @@
 #include <array>
 #include <cstdint>
 #include <map>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -31,6 +32,9 @@ struct DeviceCaps {
   uint32_t subgroup_size = 0, subgroup_operations = 0;  // VkSubgroupFeatureFlags usable in compute shaders
   bool float16 = false, int64 = false;
   uint64_t memory_bytes = 0;  // the largest device-local heap: what all buffers together may take
+  uint32_t api_version = 0;   // the Vulkan version the device was opened with (VK_MAKE_API_VERSION)
+  std::set<std::string> features;  // Device::has_feature's names ("shaderFloat16", "cooperativeMatrix", ...)
+  std::vector<std::array<int64_t, 3>> coopmat_f16;  // M, N, K of its float16 x float16 + float32 -> float32 subgroup shapes
 };
 
 // lavapipe's (llvmpipe, 256-bit) caps: the reference device of the sanitizer runs, which open no device.

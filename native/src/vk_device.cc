@@ -11,6 +11,34 @@ namespace vktrain {
 namespace {
 
 constexpr const char* kValidationLayer = "VK_LAYER_KHRONOS_validation";
+
+// VK_KHR_cooperative_matrix (vulkan_core.h from header 1.3.255 on; older headers, Debian 12's among them, lack
+// it): the structs and entry point device creation uses, laid out as the spec defines them.
+constexpr const char* kCoopmatExtension = "VK_KHR_cooperative_matrix";
+constexpr VkStructureType kCoopmatFeaturesType = VkStructureType(1000506000);
+constexpr VkStructureType kCoopmatPropertiesType = VkStructureType(1000506001);
+struct CoopmatFeaturesKHR {
+  VkStructureType sType;
+  void* pNext;
+  VkBool32 cooperativeMatrix, cooperativeMatrixRobustBufferAccess;
+};
+struct CoopmatPropertiesKHR {
+  VkStructureType sType;
+  void* pNext;
+  uint32_t MSize, NSize, KSize;
+  int32_t AType, BType, CType, ResultType;  // VkComponentTypeKHR
+  VkBool32 saturatingAccumulation;
+  int32_t scope;  // VkScopeKHR
+};
+using CoopmatPropertiesFn = VkResult(VKAPI_PTR*)(VkPhysicalDevice, uint32_t*, CoopmatPropertiesKHR*);
+
+bool has_device_extension(VkPhysicalDevice physical, const char* name) {
+  uint32_t count = 0;
+  vkEnumerateDeviceExtensionProperties(physical, nullptr, &count, nullptr);
+  std::vector<VkExtensionProperties> found(count);
+  if (count) vkEnumerateDeviceExtensionProperties(physical, nullptr, &count, found.data());
+  return std::any_of(found.begin(), found.end(), [&](const VkExtensionProperties& e) { return std::strcmp(e.extensionName, name) == 0; });
+}
 // device.py _TYPE_RANK: discrete > integrated > virtual > cpu > other.
 int type_rank(VkPhysicalDeviceType t) {
   switch (t) {
@@ -172,11 +200,18 @@ void Device::choose(const std::string& selector) {
   subgroup_size_ = subgroup.subgroupSize;
   subgroup_operations_ = (subgroup.supportedStages & VK_SHADER_STAGE_COMPUTE_BIT) ? subgroup.supportedOperations : 0;
   vkGetPhysicalDeviceMemoryProperties(physical_, &memory_);
+  // device.py unified_memory: the largest device-local heap is host-visible through a coherent type (lavapipe,
+  // integrated GPUs, resizable BAR), not merely some small BAR window of a discrete GPU's.
+  uint32_t largest = UINT32_MAX;
+  for (uint32_t h = 0; h < memory_.memoryHeapCount; ++h)
+    if ((memory_.memoryHeaps[h].flags & VK_MEMORY_HEAP_DEVICE_LOCAL_BIT) &&
+        (largest == UINT32_MAX || memory_.memoryHeaps[h].size > memory_.memoryHeaps[largest].size))
+      largest = h;
   for (uint32_t i = 0; i < memory_.memoryTypeCount; ++i) {
     VkMemoryPropertyFlags f = memory_.memoryTypes[i].propertyFlags;
     const VkMemoryPropertyFlags all = VK_MEMORY_PROPERTY_DEVICE_LOCAL_BIT | VK_MEMORY_PROPERTY_HOST_VISIBLE_BIT |
                                       VK_MEMORY_PROPERTY_HOST_COHERENT_BIT;
-    if ((f & all) == all) unified_ = true;
+    if ((f & all) == all && memory_.memoryTypes[i].heapIndex == largest) unified_ = true;
   }
   uint32_t families = 0;
   vkGetPhysicalDeviceQueueFamilyProperties(physical_, &families, nullptr);
@@ -187,6 +222,7 @@ void Device::choose(const std::string& selector) {
     if (fam[i].queueFlags & VK_QUEUE_COMPUTE_BIT) family = int(i);
   if (family < 0) refuse(ErrorCode::kDevice, name_ + " has no compute queue");
   queue_family_ = uint32_t(family);
+  timestamp_bits_ = properties_.limits.timestampPeriod > 0 ? fam[family].timestampValidBits : 0;
 }
 
 std::string Device::device_type() const {
@@ -239,6 +275,34 @@ void Device::create_device() {
     VKT_OPTIONAL(have12, want12, vulkanMemoryModelDeviceScope)
   }
 #undef VKT_OPTIONAL
+  // coopmat.py query_cooperative_matrix: VK_KHR_cooperative_matrix where the device lists it, its feature is on and
+  // the features its shaders also need (float16 arithmetic, the Vulkan memory model) are enabled.
+  std::vector<const char*> extensions;
+  CoopmatFeaturesKHR coopmat{kCoopmatFeaturesType, nullptr, VK_FALSE, VK_FALSE};
+  if (v12 && has_feature("shaderFloat16") && has_feature("vulkanMemoryModel") &&
+      has_device_extension(physical_, kCoopmatExtension)) {
+    CoopmatFeaturesKHR have{kCoopmatFeaturesType, nullptr, VK_FALSE, VK_FALSE};
+    VkPhysicalDeviceFeatures2 query{VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_FEATURES_2};
+    query.pNext = &have;
+    vkGetPhysicalDeviceFeatures2(physical_, &query);
+    auto list = reinterpret_cast<CoopmatPropertiesFn>(
+        vkGetInstanceProcAddr(instance_, "vkGetPhysicalDeviceCooperativeMatrixPropertiesKHR"));
+    if (have.cooperativeMatrix && list) {
+      uint32_t count = 0;
+      vk_check(list(physical_, &count, nullptr), "vkGetPhysicalDeviceCooperativeMatrixPropertiesKHR");
+      std::vector<CoopmatPropertiesKHR> entries(count, CoopmatPropertiesKHR{kCoopmatPropertiesType, nullptr, 0, 0, 0, 0, 0, 0, 0, 0, 0});
+      VkResult listed = count ? list(physical_, &count, entries.data()) : VK_SUCCESS;
+      if (listed != VK_INCOMPLETE) vk_check(listed, "vkGetPhysicalDeviceCooperativeMatrixPropertiesKHR");
+      entries.resize(std::min<size_t>(count, entries.size()));
+      for (const auto& e : entries)
+        coopmat_.push_back({e.MSize, e.NSize, e.KSize, e.AType, e.BType, e.CType, e.ResultType, e.scope,
+                            e.saturatingAccumulation != VK_FALSE});
+      coopmat.cooperativeMatrix = VK_TRUE;
+      want12.pNext = &coopmat;
+      extensions.push_back(kCoopmatExtension);
+      features_.insert("cooperativeMatrix");
+    }
+  }
   float priority = 1.0f;
   VkDeviceQueueCreateInfo queue{VK_STRUCTURE_TYPE_DEVICE_QUEUE_CREATE_INFO};
   queue.queueFamilyIndex = queue_family_;
@@ -248,6 +312,8 @@ void Device::create_device() {
   info.pNext = &want2;
   info.queueCreateInfoCount = 1;
   info.pQueueCreateInfos = &queue;
+  info.enabledExtensionCount = uint32_t(extensions.size());
+  info.ppEnabledExtensionNames = extensions.empty() ? nullptr : extensions.data();
   vk_check(vkCreateDevice(physical_, &info, nullptr, &device_), "vkCreateDevice", name_);
   vkGetDeviceQueue(device_, queue_family_, 0, &queue_);
   VkCommandPoolCreateInfo pool{VK_STRUCTURE_TYPE_COMMAND_POOL_CREATE_INFO};
@@ -258,17 +324,22 @@ void Device::create_device() {
 
 uint32_t Device::memory_type(uint32_t type_bits, VkMemoryPropertyFlags required, VkMemoryPropertyFlags preferred,
                              const std::string& what) const {
-  int fallback = -1;
+  // Every required flag; then the preferred ones; then the larger heap (a discrete GPU's small BAR window of
+  // device-local, host-visible memory loses to its main heap).
+  int best = -1;
+  auto rank = [&](uint32_t i) {
+    return std::make_pair((memory_.memoryTypes[i].propertyFlags & preferred) == preferred,
+                          memory_.memoryHeaps[memory_.memoryTypes[i].heapIndex].size);
+  };
   for (uint32_t i = 0; i < memory_.memoryTypeCount; ++i) {
     if (!(type_bits & (1u << i))) continue;
     VkMemoryPropertyFlags f = memory_.memoryTypes[i].propertyFlags;
     if ((f & required) != required) continue;
-    if ((f & preferred) == preferred) return i;
-    if (fallback < 0) fallback = int(i);
+    if (best < 0 || rank(i) > rank(uint32_t(best))) best = int(i);
   }
-  if (fallback < 0)
+  if (best < 0)
     refuse(ErrorCode::kDevice, what + ": " + name_ + " has no memory type with property flags " + hex(required));
-  return uint32_t(fallback);
+  return uint32_t(best);
 }
 
 uint64_t Device::largest_heap_bytes() const {

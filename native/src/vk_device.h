@@ -21,6 +21,14 @@ namespace vktrain {
 
 void vk_check(VkResult result, const char* call, const std::string& detail = "");
 
+// One entry of vkGetPhysicalDeviceCooperativeMatrixPropertiesKHR: A (M x K) * B (K x N) + C -> result (M x N), the
+// component types as VkComponentTypeKHR values, the scope as VkScopeKHR (coopmat.py CooperativeMatrixShape).
+struct CoopmatProperty {
+  uint32_t m = 0, n = 0, k = 0;
+  int32_t a_type = 0, b_type = 0, c_type = 0, result_type = 0, scope = 0;
+  bool saturating_accumulation = false;
+};
+
 class Device {
  public:
   // `selector`: a device index or a name substring; empty: $VKTRAIN_DEVICE, else the best by type.
@@ -39,7 +47,16 @@ class Device {
   uint64_t max_allocation_bytes() const { return max_allocation_bytes_; }  // maxMemoryAllocationSize
   uint32_t subgroup_size() const { return subgroup_size_; }
   uint32_t subgroup_operations() const { return subgroup_operations_; }  // VkSubgroupFeatureFlags in compute
+  // The optional features enabled (device.py Device.features: "shaderFloat16", ...; "cooperativeMatrix" with
+  // VK_KHR_cooperative_matrix enabled).
   bool has_feature(const std::string& name) const { return features_.count(name) > 0; }
+  uint32_t api_version() const { return api_version_; }
+  // VK_KHR_cooperative_matrix's shapes where it is enabled (device.py: wherever the device has it, shaderFloat16
+  // and vulkanMemoryModel, which its shaders need too); empty elsewhere (lavapipe).
+  const std::vector<CoopmatProperty>& cooperative_matrix() const { return coopmat_; }
+  // Timestamps on the compute queue: valid bits (0: none) and nanoseconds per tick.
+  uint32_t timestamp_valid_bits() const { return timestamp_bits_; }
+  double timestamp_period_ns() const { return properties_.limits.timestampPeriod; }
   bool unified_memory() const { return unified_; }
   // Host access through staging copies even on unified memory (the discrete-GPU path, to test it anywhere).
   void force_staging(bool on) { force_staging_ = on; }
@@ -70,7 +87,8 @@ class Device {
   VkQueue queue_ = VK_NULL_HANDLE;
   VkCommandPool pool_ = VK_NULL_HANDLE;
   uint64_t max_allocation_bytes_ = 0;
-  uint32_t queue_family_ = 0, api_version_ = 0, subgroup_size_ = 0, subgroup_operations_ = 0;
+  uint32_t queue_family_ = 0, api_version_ = 0, subgroup_size_ = 0, subgroup_operations_ = 0, timestamp_bits_ = 0;
+  std::vector<CoopmatProperty> coopmat_;
   VkPhysicalDeviceProperties properties_{};
   VkPhysicalDeviceMemoryProperties memory_{};
   std::set<std::string> features_;

@@ -4,6 +4,9 @@
 //   vktrain-native-inspect --schedule VKS [--pte PTE] [--json]
 //                                         read and verify a dispatch schedule (with --pte: its placements
 //                                         against that program's graph); exit 0, or 2 refused
+//   vktrain-native-inspect PTE --constant NAME --out FILE.npy
+//                                         the values of the constant tensor NAME of the training step, as the
+//                                         runtime uploads them (narrow ones widened, synthetic ones generated)
 //   vktrain-native-inspect --devices      the Vulkan devices and their limits
 //   vktrain-native-inspect --fuzz-dir DIR every file in DIR, one line each: "NAME<TAB>CODE<TAB>MESSAGE"
 //                                         (CODE 0 = loaded, 10..19 = refused: src/status.h); exit 0
@@ -20,7 +23,9 @@
 #include <string>
 #include <vector>
 
+#include "constant_data.h"
 #include "devices.h"
+#include "npy.h"
 #include "pte.h"
 #include "schedule.h"
 #include "status.h"
@@ -34,7 +39,7 @@ constexpr const char* kProg = "vktrain-native-inspect";
 constexpr int kExitBadInput = 2, kExitInternal = 70;
 
 int usage(const char* why) {
-  std::fprintf(stderr, "usage: %s PTE [--json] | --schedule VKS [--pte PTE] [--json] | --devices | --fuzz-dir DIR | "
+  std::fprintf(stderr, "usage: %s PTE [--json] | PTE --constant NAME --out FILE.npy | --schedule VKS [--pte PTE] [--json] | --devices | --fuzz-dir DIR | "
                "--schedule-fuzz-dir DIR [--pte PTE [--spirv-dir SPV]]\n%s: error: %s\n", kProg, kProg, why);
   return kExitBadInput;
 }
@@ -100,6 +105,21 @@ int fuzz_dir(const std::string& dir, bool schedules, const vktrain::Program* pro
   return worst;
 }
 
+// The constant tensor `name` of the training step's graph, written as .npy (its dtype and shape).
+int dump_constant(const vktrain::Program& program, const std::string& name, const std::string& out) {
+  const vktrain::Graph& graph = *program.main_method().graph;
+  for (const auto& v : graph.values) {
+    if (v.kind != vktrain::kValueTensor || v.tensor.constant_id < 0 || v.tensor.name != name || v.tensor.is_view) continue;
+    std::vector<uint8_t> bytes = vktrain::constant_bytes(graph.constants.at(v.tensor.constant_id), "constant " + name);
+    if (bytes.size() < v.tensor.nbytes())
+      vktrain::refuse(vktrain::ErrorCode::kVerification, "constant " + name + " holds fewer bytes than its tensor reads");
+    bytes.resize(v.tensor.nbytes());
+    vktrain::save_npy(out, v.tensor.dtype, v.tensor.shape, bytes);
+    return 0;
+  }
+  vktrain::refuse(vktrain::ErrorCode::kVerification, program.source() + ": no constant tensor named '" + name + "'");
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -111,12 +131,14 @@ int main(int argc, char** argv) {
     }
     if (args.size() == 2 && args[0] == "--fuzz-dir") return fuzz_dir(args[1], false, nullptr, "");
     bool json = false;
-    std::string path, schedule, schedule_fuzz, pte, spirv_dir;
+    std::string path, schedule, schedule_fuzz, pte, spirv_dir, constant, out;
     for (size_t i = 0; i < args.size(); ++i) {
       const std::string& a = args[i];
-      if (a == "--schedule" || a == "--pte" || a == "--schedule-fuzz-dir" || a == "--spirv-dir") {
-        if (i + 1 == args.size()) return usage((a + " takes a file").c_str());
-        (a == "--schedule" ? schedule : a == "--pte" ? pte : a == "--spirv-dir" ? spirv_dir : schedule_fuzz) = args[++i];
+      if (a == "--schedule" || a == "--pte" || a == "--schedule-fuzz-dir" || a == "--spirv-dir" || a == "--constant" ||
+          a == "--out") {
+        if (i + 1 == args.size()) return usage((a + " takes a value").c_str());
+        (a == "--schedule" ? schedule : a == "--pte" ? pte : a == "--spirv-dir" ? spirv_dir : a == "--constant" ? constant
+         : a == "--out" ? out : schedule_fuzz) = args[++i];
         continue;
       }
       if (a == "--json") json = true;
@@ -155,6 +177,8 @@ int main(int argc, char** argv) {
       std::fprintf(stderr, "%s: error: %s\n", kProg, result.second.c_str());
       return result.first == kExitInternal ? kExitInternal : kExitBadInput;
     }
+    if (constant.empty() != out.empty()) return usage("--constant NAME and --out FILE.npy go together");
+    if (!constant.empty()) return dump_constant(*program, constant, out);
     std::fputs((json ? vktrain::summary_json(*program) : vktrain::summary_text(*program)).c_str(), stdout);
     return 0;
   } catch (const vktrain::LoadError& e) {

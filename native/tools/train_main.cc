@@ -9,6 +9,7 @@
 //                 [--warmup W] [--weight-decay WD] ... [--json OUT] [--summary-json OUT] [--log-every N] [--no-progress]
 //                 [--checkpoint CK --checkpoint-every K] [--resume CK] [--out-adapters DIR [--lora-alpha A]
 //                 [--base-model NAME]] [--state-out DIR] [--schedule-file S.vks --spirv-dir D] [--staging]
+//                 [--schedule-profile NAME]   (the schedule embedded for that profile, not the matching rule's)
 //
 // Exit codes (the project's): 0 ok, 1 diverged (a non-finite loss), 2 bad input or a device that cannot run
 // the program ("vktrain-train: error: ..."), 70 internal.
@@ -16,6 +17,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <cstring>
@@ -41,7 +43,8 @@ const char* const kUsage =
     "                     [--seed S] [--no-shuffle] [--json OUT] [--summary-json OUT] [--log-every N] [--no-progress]\n"
     "                     [--checkpoint CK.safetensors] [--checkpoint-every K] [--resume CK.safetensors]\n"
     "                     [--out-adapters DIR] [--lora-alpha A] [--base-model NAME] [--state-out DIR]\n"
-    "                     [--device INDEX|NAME] [--staging] [--schedule-file S.vks --spirv-dir DIR]\n";
+    "                     [--device INDEX|NAME] [--staging] [--schedule-file S.vks --spirv-dir DIR]\n"
+    "                     [--schedule-profile NAME]\n";
 
 [[noreturn]] void usage_error(const std::string& message) {
   std::fprintf(stderr, "%s%s: error: %s\n", kUsage, kName, message.c_str());
@@ -76,7 +79,13 @@ std::string record_json(const vktrain_step_result& r) {
   uint32_t bits;
   std::memcpy(&bits, &r.loss, 4);
   return "  {\"step\": " + num(r.step) + ", \"loss\": " + (std::isfinite(r.loss) ? real(r.loss) : "null") +
-         ", \"loss_bits\": \"" + hex8(bits) + "\", \"lr\": " + real(r.lr) + ", \"seconds\": " + real(r.seconds) + "}";
+         ", \"loss_bits\": \"" + hex8(bits) + "\", \"lr\": " + real(r.lr) + ", \"seconds\": " + real(r.seconds) +
+         ", \"gpu_seconds\": " + real(r.gpu_seconds) + "}";
+}
+
+double median(std::vector<double> v) {  // of a non-empty list: the middle one, or the mean of the middle two
+  std::sort(v.begin(), v.end());
+  return v.size() % 2 ? v[v.size() / 2] : 0.5 * (v[v.size() / 2 - 1] + v[v.size() / 2]);
 }
 
 // The peak resident set of this process so far, in bytes (getrusage's ru_maxrss is KiB on Linux).
@@ -87,7 +96,7 @@ uint64_t peak_rss_bytes() {
 }
 
 struct Args {
-  std::string pte, schedule_file, spirv_dir, data, json, summary_json, device, state_out, checkpoint, resume, out_adapters,
+  std::string pte, schedule_file, spirv_dir, schedule_profile, data, json, summary_json, device, state_out, checkpoint, resume, out_adapters,
       base_model;
   int64_t steps = 0, seed = 0, checkpoint_every = 0, log_every = 1;
   double lora_alpha = 0;
@@ -100,7 +109,7 @@ Args parse(int argc, char** argv) {
   Args a;
   vktrain_run_config_init(&a.run);
   std::map<std::string, std::string*> texts = {
-      {"--schedule-file", &a.schedule_file}, {"--spirv-dir", &a.spirv_dir}, {"--data", &a.data}, {"--json", &a.json}, {"--summary-json", &a.summary_json},
+      {"--schedule-file", &a.schedule_file}, {"--schedule-profile", &a.schedule_profile}, {"--spirv-dir", &a.spirv_dir}, {"--data", &a.data}, {"--json", &a.json}, {"--summary-json", &a.summary_json},
       {"--schedule", &a.schedule}, {"--device", &a.device}, {"--state-out", &a.state_out},
       {"--checkpoint", &a.checkpoint}, {"--resume", &a.resume}, {"--out-adapters", &a.out_adapters},
       {"--base-model", &a.base_model}};
@@ -137,6 +146,8 @@ Args parse(int argc, char** argv) {
     usage_error(std::string(a.schedule_file.empty() ? "--spirv-dir" : "--schedule-file") + " needs " +
                 (a.schedule_file.empty() ? "--schedule-file S.vks" : "--spirv-dir DIR") +
                 " too (or neither: the .pte's embedded schedule)");
+  if (!a.schedule_profile.empty() && !a.schedule_file.empty())
+    usage_error("--schedule-profile picks a schedule embedded in the .pte; it does not go with --schedule-file");
   if (a.steps <= 0) usage_error("--steps N is required and must be positive, got " + num(a.steps));
   if (!a.have_lr) usage_error("--lr is required");
   if (a.checkpoint_every < 0) usage_error("--checkpoint-every K must be >= 1, got " + num(a.checkpoint_every));
@@ -172,10 +183,11 @@ int train(Args& a) {
   options.staging = a.staging;
   options.schedule_file = a.schedule_file.empty() ? nullptr : a.schedule_file.c_str();
   options.spirv_dir = a.spirv_dir.empty() ? nullptr : a.spirv_dir.c_str();
+  options.schedule_profile = a.schedule_profile.empty() ? nullptr : a.schedule_profile.c_str();
   vktrain_session* session = nullptr;
   check(vktrain_open(a.pte.c_str(), &options, &session), nullptr);
   struct Closer { vktrain_session* s; ~Closer() { vktrain_close(s); } } closer{session};
-  vktrain_session_info info;
+  VKTRAIN_OUTPUT(vktrain_session_info, info);
   check(vktrain_get_info(session, &info), session);
   if (!info.batch_size || !info.seq_len)
     throw ApiError{VKTRAIN_ERROR_UNSUPPORTED, a.pte + ": this trainer runs token steps (token_ids [batch, seq], labels, "
@@ -201,15 +213,16 @@ int train(Args& a) {
 
   std::string records;
   for (int64_t t = 1; t <= info.step; ++t) {  // a resumed run's log starts with its checkpoint's steps
-    vktrain_step_result r;
+    VKTRAIN_OUTPUT(vktrain_step_result, r);
     check(vktrain_get_record(session, t, &r), session);
     records += (records.empty() ? "" : ",\n") + record_json(r);
   }
   int status = 0;
   double seconds = 0;
   int64_t done = 0;
+  std::vector<double> walls, hosts;  // per step trained here: wall seconds, and wall minus the GPU's (host time)
   for (int64_t t = info.step + 1; t <= a.steps; ++t) {
-    vktrain_step_result r;
+    VKTRAIN_OUTPUT(vktrain_step_result, r);
     vktrain_status s = vktrain_train_step(session, &r);
     if (s == VKTRAIN_DIVERGED) {  // not recorded (vktrain train's --json lists the steps that trained)
       if (a.progress) std::fputs("\n", stderr);
@@ -221,6 +234,8 @@ int train(Args& a) {
     check(s, session);
     records += (records.empty() ? "" : ",\n") + record_json(r);
     seconds += r.seconds;
+    walls.push_back(r.seconds);
+    if (r.gpu_seconds > 0) hosts.push_back(r.seconds - r.gpu_seconds);
     ++done;
     if (a.progress)
       std::fprintf(stderr, "\rtrain %lld/%lld  loss %.4f  lr %.3g  %.1f ms/step ", (long long)t, (long long)a.steps,
@@ -241,7 +256,7 @@ int train(Args& a) {
     if (stat(a.state_out.c_str(), &st) != 0 && mkdir(a.state_out.c_str(), 0777) != 0)
       refuse(ErrorCode::kIo, "--state-out " + a.state_out + ": cannot create it: " + std::strerror(errno));
     for (size_t i = 0; i < vktrain_state_count(session); ++i) {
-      vktrain_tensor_info t;
+      VKTRAIN_OUTPUT(vktrain_tensor_info, t);
       check(vktrain_state_info(session, i, &t), session);
       const std::string name = t.name;
       if (name.find('/') != std::string::npos || name.empty() || name[0] == '.')
@@ -265,12 +280,14 @@ int train(Args& a) {
   if (!a.summary_json.empty()) {
     struct stat st {};
     stat(a.pte.c_str(), &st);
-    vktrain_step_result last{};
+    VKTRAIN_OUTPUT(vktrain_step_result, last);
     check(vktrain_get_info(session, &info), session);
     if (info.step) check(vktrain_get_record(session, info.step, &last), session);
     write_file_atomically(a.summary_json, "{\n  \"steps\": " + num(done) + ",\n  \"last_step\": " + num(info.step) +
                           ",\n  \"final_loss\": " + (info.step ? real(last.loss) : "null") + ",\n  \"ms_per_step\": " +
-                          real(done ? 1e3 * seconds / double(done) : 0.0) + ",\n  \"peak_rss_bytes\": " + num(peak) +
+                          real(done ? 1e3 * seconds / double(done) : 0.0) + ",\n  \"ms_per_step_median\": " +
+                          (walls.empty() ? "null" : real(1e3 * median(walls))) + ",\n  \"host_ms_per_step_median\": " +
+                          (hosts.empty() ? "null" : real(1e3 * median(hosts))) + ",\n  \"peak_rss_bytes\": " + num(peak) +
                           ",\n  \"pte_bytes\": " + num(uint64_t(st.st_size)) + ",\n  \"buffer_bytes\": " +
                           num(info.buffer_bytes) + ",\n  \"dispatches\": " + num(info.dispatches) + ",\n  \"barriers\": " +
                           num(info.barriers) + ",\n  \"device\": " + json_quote(info.device_name) + ",\n  \"schedule\": " +
