@@ -9,7 +9,7 @@
 export (torch + executorch): the step of scripts/bench_step.py (SmolLM2-135M's or Llama-3.2-1B's shapes,
 q4gsw bases, LoRA rank 16 on q/k/v/o/gate/up/down, synthetic constants: a .pte of a few MiB) for each
 --seqs at batch 1 (or --batch B: files _<B>x<S>), without and with `--activation-checkpointing every-layer`
-(the `_ckpt` files), and with --grad-accum also with the accumulate method (`_accum`), the rope
+(the `_ckpt` files), the rope
 tables as long as the longest sequence. For each it reads the lowered blob's memory plan: the planned
 bytes (what `vktrain inspect` prints), the largest planned tensors, and every tensor with two dimensions
 of S (an attention score matrix would be [.., S, S]); the table is written as JSON to
@@ -86,8 +86,8 @@ def group_by_shape(values) -> list[dict]:
 
 def export_command(args) -> int:
     from vktrain.backend import metadata_spec, synthetic_constants_spec
-    from vktrain.contract import METADATA_ACTIVATION_CHECKPOINTING, TRAIN_METHOD
-    from vktrain.export import export_accumulating_methods, export_training_step, lower_methods_to_pte, lower_to_pte
+    from vktrain.contract import METADATA_ACTIVATION_CHECKPOINTING
+    from vktrain.export import export_training_step, lower_to_pte
     from vktrain.partitioner import VktrainPartitioner
     from vktrain.serialization import deserialize_blob
     from vktrain.serialization.pte import PteFile
@@ -96,33 +96,24 @@ def export_command(args) -> int:
     model = bench_step.build_bench_model(args.model, max_seq_len=max(args.seqs))
     fields = {k: (asdict(v) if hasattr(v, "__dataclass_fields__") else v) for k, v in asdict(model.config).items()}
     rows = []
-    variants = [(None, False), (CHECKPOINTING, False)] + ([(None, True)] if args.grad_accum else [])
     for seq in args.seqs:
-        for checkpointing, accumulating in variants:
+        for checkpointing in (None, CHECKPOINTING):
             config = bench_step.BenchConfig(args.model, fields, args.batch, seq, bench_step.LORA_RANK,
                                             bench_step.LORA_ALPHA,
                                             list(bench_step.LORA_TARGETS), bench_step.GROUP_SIZE, args.min_bytes)
             start = time.perf_counter()
+            program = export_training_step(model, (args.batch, seq), activation_checkpointing=checkpointing)
             specs = synthetic_constants_spec(args.min_bytes) + [
                 metadata_spec(bench_step.BENCH_CONFIG_KEY, json.dumps(asdict(config)))]
             if checkpointing:
                 specs.append(metadata_spec(METADATA_ACTIVATION_CHECKPOINTING, checkpointing))
-            if accumulating:  # the step plus its accumulate and eval methods, as `vktrain export --grad-accum`
-                methods = export_accumulating_methods(model, (args.batch, seq))
-                data = lower_methods_to_pte(methods, {TRAIN_METHOD: VktrainPartitioner(compile_specs=specs)})
-                del methods
-            else:
-                program = export_training_step(model, (args.batch, seq), activation_checkpointing=checkpointing)
-                data = lower_to_pte(program, VktrainPartitioner(compile_specs=specs))
-                del program
-            suffix = "_ckpt" if checkpointing else "_accum" if accumulating else ""
-            path = args.out_dir / f"{BENCHMARK}_{args.model}_{args.batch}x{seq}{suffix}.pte"
+            data = lower_to_pte(program, VktrainPartitioner(compile_specs=specs))
+            del program
+            path = args.out_dir / f"{BENCHMARK}_{args.model}_{args.batch}x{seq}{'_ckpt' if checkpointing else ''}.pte"
             path.write_bytes(data)
-            pte = PteFile.load(path)
-            graph = deserialize_blob(pte.execution_plan("forward").delegates[0].data, named_data=pte.named_data)
+            graph = deserialize_blob(PteFile.load(path).execution_plan("forward").delegates[0].data)
             row = {"pte": str(path.relative_to(REPO_ROOT) if path.is_relative_to(REPO_ROOT) else path),
                    "seq": seq, "batch": args.batch, "activation_checkpointing": checkpointing or "none",
-                   "grad_accum": accumulating,
                    "pte_bytes": len(data), "export_s": round(time.perf_counter() - start, 1),
                    **plan_report(graph, seq)}
             rows.append(row)
@@ -132,7 +123,7 @@ def export_command(args) -> int:
             if len(data) > PTE_LIMIT_BYTES:
                 print(f"WARNING: {path} is over {PTE_LIMIT_BYTES / 2**20:.0f} MiB", file=sys.stderr)
     for checkpointing in ("none", CHECKPOINTING):  # O(S): planned bytes per token, seq to seq
-        series = [r for r in rows if r["activation_checkpointing"] == checkpointing and not r["grad_accum"]]
+        series = [r for r in rows if r["activation_checkpointing"] == checkpointing]
         print(f"{checkpointing}: planned bytes per token " + ", ".join(
             f"{r['batch']}x{r['seq']}: {r['planned_bytes'] / (r['batch'] * r['seq']) / 2**20:.2f} MiB" for r in series))
     out = args.out or RESULTS_DIR / result_name(BENCHMARK, "cpu", args.model)
@@ -183,8 +174,6 @@ def main(argv: list[str] | None = None) -> int:
     export.add_argument("--seqs", type=_seqs, default=list(DEFAULT_SEQS))
     export.add_argument("--batch", type=int, default=1, help="the steps' batch (default 1; 4 with --seqs 512: "
                         "the 4 x 512 shape of activation checkpointing's step-time goal)")
-    export.add_argument("--grad-accum", action="store_true", help="also the step exported with its accumulate "
-                        "method (`vktrain export --grad-accum`; files _<B>x<S>_accum): its device memory")
     export.add_argument("--out-dir", type=Path, default=REPO_ROOT / "bench")
     export.add_argument("--min-bytes", type=int, default=bench_step.FULL_SYNTHETIC_MIN_BYTES)
     export.add_argument("--out", type=Path, default=None, help="the planned-memory JSON (default: "
