@@ -30,7 +30,7 @@ from vktrain.lora import lora_modules
 from .dpo import completion_logp, negative_log_sigmoid
 from .simpo import example_simpo_inputs
 
-DEFAULT_LAMBDA = 0.1  # TRL's ORPOConfig.beta; the paper's experiments use 0.1 to 0.25
+DEFAULT_LAMBDA = 0.1  # TRL's ORPOConfig.beta default
 
 # lp is clamped to at most this before log1mexp: a completion the model predicts with certainty rounds its
 # float32 mean log-probability to 0, where log(1 - p) is -inf. Below it (p < 1 - 1e-6) the loss is ORPO's.
@@ -38,9 +38,10 @@ _LOG_P_CEILING = -1e-6
 
 
 def log1mexp(x: torch.Tensor) -> torch.Tensor:
-    """log(1 - exp(x)) for x < 0, in ops the backend runs with their backwards: log(-expm1(x)), accurate
-    to float32's relative precision of expm1 as x nears 0 (the textbook log1p(-exp(x)) needs a branch
-    where; below x = -ln 2 both are equally accurate in absolute terms, which is what the loss adds)."""
+    """log(1 - exp(x)) for x < 0, in ops the backend runs with their backwards: log(-expm1(x)), relatively
+    accurate as x nears 0, where log1p(-exp(x)) loses every digit; below x = -ln 2 it is accurate in
+    absolute terms (the usual formula switches to log1p(-exp(x)) there, which needs a branch the backend
+    lacks: a where), which is what the loss needs, since it adds the value to others of order one."""
     return torch.log(-torch.expm1(x))
 
 
