@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Long context: one LoRA training step at batch 1 and seq 512 / 2048 / 4096, its planned device memory
+"""Long context: one LoRA training step at batch 1 (--batch) and seq 512 / 2048 / 4096, its planned device memory
 (O(S): no S x S attention buffer) and its speed against PyTorch bf16 SDPA eager of the same shape.
 
     python scripts/bench_long_context.py export --model smollm2-135m   # here: bench/long_context_<model>_1x<S>[_ckpt].pte
@@ -8,7 +8,8 @@
 
 export (torch + executorch): the step of scripts/bench_step.py (SmolLM2-135M's or Llama-3.2-1B's shapes,
 q4gsw bases, LoRA rank 16 on q/k/v/o/gate/up/down, synthetic constants: a .pte of a few MiB) for each
---seqs at batch 1, without and with `--activation-checkpointing every-layer` (the `_ckpt` files), the rope
+--seqs at batch 1 (or --batch B: files _<B>x<S>), without and with `--activation-checkpointing every-layer`
+(the `_ckpt` files), the rope
 tables as long as the longest sequence. For each it reads the lowered blob's memory plan: the planned
 bytes (what `vktrain inspect` prints), the largest planned tensors, and every tensor with two dimensions
 of S (an attention score matrix would be [.., S, S]); the table is written as JSON to
@@ -97,21 +98,22 @@ def export_command(args) -> int:
     rows = []
     for seq in args.seqs:
         for checkpointing in (None, CHECKPOINTING):
-            config = bench_step.BenchConfig(args.model, fields, 1, seq, bench_step.LORA_RANK, bench_step.LORA_ALPHA,
+            config = bench_step.BenchConfig(args.model, fields, args.batch, seq, bench_step.LORA_RANK,
+                                            bench_step.LORA_ALPHA,
                                             list(bench_step.LORA_TARGETS), bench_step.GROUP_SIZE, args.min_bytes)
             start = time.perf_counter()
-            program = export_training_step(model, (1, seq), activation_checkpointing=checkpointing)
+            program = export_training_step(model, (args.batch, seq), activation_checkpointing=checkpointing)
             specs = synthetic_constants_spec(args.min_bytes) + [
                 metadata_spec(bench_step.BENCH_CONFIG_KEY, json.dumps(asdict(config)))]
             if checkpointing:
                 specs.append(metadata_spec(METADATA_ACTIVATION_CHECKPOINTING, checkpointing))
             data = lower_to_pte(program, VktrainPartitioner(compile_specs=specs))
             del program
-            path = args.out_dir / f"{BENCHMARK}_{args.model}_1x{seq}{'_ckpt' if checkpointing else ''}.pte"
+            path = args.out_dir / f"{BENCHMARK}_{args.model}_{args.batch}x{seq}{'_ckpt' if checkpointing else ''}.pte"
             path.write_bytes(data)
             graph = deserialize_blob(PteFile.load(path).execution_plan("forward").delegates[0].data)
             row = {"pte": str(path.relative_to(REPO_ROOT) if path.is_relative_to(REPO_ROOT) else path),
-                   "seq": seq, "batch": 1, "activation_checkpointing": checkpointing or "none",
+                   "seq": seq, "batch": args.batch, "activation_checkpointing": checkpointing or "none",
                    "pte_bytes": len(data), "export_s": round(time.perf_counter() - start, 1),
                    **plan_report(graph, seq)}
             rows.append(row)
@@ -123,7 +125,7 @@ def export_command(args) -> int:
     for checkpointing in ("none", CHECKPOINTING):  # O(S): planned bytes per token, seq to seq
         series = [r for r in rows if r["activation_checkpointing"] == checkpointing]
         print(f"{checkpointing}: planned bytes per token " + ", ".join(
-            f"S={r['seq']}: {r['planned_bytes'] / r['seq'] / 2**20:.2f} MiB" for r in series))
+            f"{r['batch']}x{r['seq']}: {r['planned_bytes'] / (r['batch'] * r['seq']) / 2**20:.2f} MiB" for r in series))
     out = args.out or RESULTS_DIR / result_name(BENCHMARK, "cpu", args.model)
     out.write_text(json.dumps({"meta": {"model": args.model, "what": "planned device memory of the lowered step "
                                         "(host-side memory plan; no device)",
@@ -170,6 +172,8 @@ def main(argv: list[str] | None = None) -> int:
     export = commands.add_parser("export", help="export the steps and their memory plans (needs executorch)")
     export.add_argument("--model", choices=MODELS, default="smollm2-135m")
     export.add_argument("--seqs", type=_seqs, default=list(DEFAULT_SEQS))
+    export.add_argument("--batch", type=int, default=1, help="the steps' batch (default 1; 4 with --seqs 512: "
+                        "the 4 x 512 shape of activation checkpointing's step-time goal)")
     export.add_argument("--out-dir", type=Path, default=REPO_ROOT / "bench")
     export.add_argument("--min-bytes", type=int, default=bench_step.FULL_SYNTHETIC_MIN_BYTES)
     export.add_argument("--out", type=Path, default=None, help="the planned-memory JSON (default: "

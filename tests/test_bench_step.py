@@ -33,6 +33,17 @@ def bench():
         sys.modules.pop(spec.name, None)
 
 
+# What torchao and torch print on import although nothing is wrong (vktrain/import_noise.py silences it): its
+# unloadable CUDA extensions (torchao/_C_mxfp8.so, _C_cutlass...) and pytree deprecation notices.
+IMPORT_NOISE_MARKS = ("Failed to load", "torchao/_C", "pytree", "LeafSpec")
+
+
+def _assert_no_import_noise(result: subprocess.CompletedProcess) -> None:
+    noisy = [line for line in (result.stdout + result.stderr).splitlines()
+             if any(mark in line for mark in IMPORT_NOISE_MARKS)]
+    assert noisy == [], noisy
+
+
 def test_quick_export_and_run_end_to_end(tmp_path):
     from vktrain.serialization.pte import PteFile, Tensor
     from vktrain.runtime_shaders.build import all_shader_names
@@ -41,6 +52,7 @@ def test_quick_export_and_run_end_to_end(tmp_path):
     result = subprocess.run([sys.executable, str(SCRIPT), "--quick", "--out-dir", str(tmp_path),
                              "--torch-variants", "fp32,bf16"], env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    _assert_no_import_noise(result)
     summary = json.loads((tmp_path / "step_quick.json").read_text())
     records = summary["results"]
     assert [r["config"] for r in records] == ["1x16", "2x32"]
@@ -101,6 +113,7 @@ def test_quick_export_and_run_end_to_end(tmp_path):
     drift = subprocess.run([sys.executable, str(SCRIPT.parent / "bench_drift.py"), records[0]["pte"], "--steps", "3",
                             "--out", str(drift_json)], env=env, capture_output=True, text=True, timeout=600)
     assert drift.returncode == 0, drift.stdout[-3000:] + drift.stderr[-3000:]
+    _assert_no_import_noise(drift)
     drift_summary = json.loads(drift_json.read_text())
     fp32_run, tc_run = drift_summary["runs"]
     assert fp32_run["precision"] == "fp32" and tc_run["precision"] == "fp16-tc" and len(tc_run["losses"]) == 3

@@ -155,7 +155,7 @@ TRAINING_STEP_OPS = [
 # tensors on the GPU and are not implemented).
 PARTITIONER_EXTRA_OPS = [
     "aten.linear.default", "aten.alias_copy.default", "dim_order_ops._to_dim_order_copy.default",
-    "aten.pow.Tensor_Tensor", "aten.tanh.default", "aten.erf.default", "aten.log.default",
+    "aten.pow.Tensor_Tensor", "aten.tanh.default", "aten.erf.default", "aten.log.default", "aten.expm1.default",
     "aten.reciprocal.default", "aten.abs.default", "aten.tanh_backward.default", "aten.amax.default",
     "aten.full_like.default", "aten.zeros_like.default", "aten.ones_like.default", "aten.full.default",
     "aten.scalar_tensor.default",
@@ -230,6 +230,7 @@ UNARY_CASES = [
     ("aten.sigmoid.default", {}, torch.sigmoid, None),
     ("aten.silu.default", {}, torch.nn.functional.silu, None),
     ("aten.exp.default", {}, torch.exp, None),
+    ("aten.expm1.default", {}, torch.expm1, None),
     ("aten.rsqrt.default", {}, torch.rsqrt, np.abs),
     ("aten.sqrt.default", {}, torch.sqrt, np.abs),
     ("aten.mul.Scalar", {"other": -1.75}, lambda t: t * -1.75, None),
@@ -261,7 +262,7 @@ SPECIAL_VALUE_OPS = {
     "aten.silu.default": torch.nn.functional.silu, "aten.exp.default": torch.exp, "aten.rsqrt.default": torch.rsqrt,
     "aten.sqrt.default": torch.sqrt, "aten.tanh.default": torch.tanh, "aten.erf.default": torch.erf,
     "aten.log.default": torch.log, "aten.reciprocal.default": torch.reciprocal, "aten.abs.default": torch.abs,
-    "aten.gelu.default": torch.nn.functional.gelu,
+    "aten.gelu.default": torch.nn.functional.gelu, "aten.expm1.default": torch.expm1,
 }
 
 
@@ -301,6 +302,12 @@ def test_tanh_erf_log_keep_relative_accuracy_where_textbook_formulas_cancel(vk_d
     x = np.concatenate([near_one, special])
     got = _run_aten(vk_device, "aten.log.default", {"self": x}, x.shape)
     _assert_elementwise_close(got, torch.log(_f64(x)))
+    # expm1 near 0, where exp(x) - 1 keeps no digit (ORPO's log(1 - p) = log(-expm1(log p)) as p nears 1),
+    # and around the switch to exp(x) - 1 at |x| = 0.5.
+    small = np.array([1e-30, -1e-20, 2**-24, -1e-7, 3e-4, -0.01, 0.2, -0.3, 0.4999, -0.4999, 0.5, -0.5, 0.51,
+                      -0.51, -1.0, 2.0, -20.0], np.float32)
+    got = _run_aten(vk_device, "aten.expm1.default", {"self": small}, small.shape)
+    _assert_elementwise_close(got, torch.expm1(_f64(small)))
 
 
 @pytest.mark.parametrize("exponent", [2.0, 3.0, 0.5, -0.5, -1.0, 0.0, 1.0, 1.7, 4.0, -3.0])

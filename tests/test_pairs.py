@@ -160,7 +160,9 @@ def test_simpo_and_its_preference_eval_from_the_command_line(tmp_path, bpe, caps
                            (["--objective", "simpo", "--gamma-beta-ratio", "-1"],
                             "--gamma-beta-ratio must be a finite number >= 0"),
                            (["--objective", "dpo", "--gamma-beta-ratio", "0.5"], "--gamma-beta-ratio is SimPO's"),
-                           (["--beta", "2"], "--beta is DPO's and SimPO's; --objective is lm")):
+                           (["--objective", "orpo", "--gamma-beta-ratio", "0.5"], "--gamma-beta-ratio is SimPO's"),
+                           (["--objective", "orpo", "--beta", "-0.1"], "--beta must be a finite number > 0"),
+                           (["--beta", "2"], "--beta is DPO's, SimPO's and ORPO's; --objective is lm")):
         assert main(common + flags) == 2
         assert message in capsys.readouterr().err
     assert main(common + ["--objective", "simpo", "--beta", "2.0", "--gamma-beta-ratio", "0.25", "--grad-accum"]) == 0
@@ -176,5 +178,34 @@ def test_simpo_and_its_preference_eval_from_the_command_line(tmp_path, bpe, caps
     losses = [record["loss"] for record in json.loads(records.read_text())]
     first, last = json.loads(before.read_text()), json.loads(after.read_text())
     assert first["objective"] == "simpo" and first["pairs"] == 2 and first["ties"] == 0
+    assert first["loss"] == pytest.approx(losses[0], rel=1e-5)
+    assert last["reward_accuracy"] == 1.0 and last["loss"] < first["loss"] / 2, (first, last)
+
+
+def test_orpo_and_its_preference_eval_from_the_command_line(tmp_path, bpe, capsys):  # noqa: F811
+    """`vktrain export --objective orpo --beta L --grad-accum` records ORPO (its inputs are SimPO's), `vktrain
+    train` names it, and `vktrain eval --data pairs.jsonl` before and after: the first step's loss (two pairs,
+    each divided by n_pairs 2) is the eval's mean; training on the pairs lowers the loss and wins both."""
+    from test_tokenizer_data import _write_gguf
+    from vktrain.cli import main
+
+    model = tmp_path / "tiny.gguf"
+    _write_gguf(model, bpe, "smollm", True, with_tensors=True)
+    pte = tmp_path / "orpo.pte"
+    assert main(["export", "--model", str(model), "--lora-rank", "4", "--seq", "64", "--calibration-data", "none",
+                 "--batch", "1", "--out", str(pte), "--objective", "orpo", "--beta", "0.5", "--grad-accum"]) == 0
+    pairs = _write(tmp_path, [{"prompt": "hi", "chosen": " ok", "rejected": " no thanks"},
+                              {"prompt": PROMPT, "chosen": CHOSEN, "rejected": REJECTED}])
+    before, after, records = tmp_path / "before.json", tmp_path / "after.json", tmp_path / "records.json"
+    assert main(["eval", str(pte), "--data", str(pairs), "--json", str(before)]) == 0
+    assert "ORPO loss" in capsys.readouterr().out
+    assert main(["train", str(pte), "--data", str(pairs), "--steps", "6", "--lr", "5e-2", "--no-progress",
+                 "--grad-accum", "2", "--json", str(records), "--out-adapters", str(tmp_path / "adapters")]) == 0
+    assert "ORPO, 2 preference pair(s) a step" in capsys.readouterr().err
+    assert main(["eval", str(pte), "--data", str(pairs), "--adapters", str(tmp_path / "adapters"),
+                 "--json", str(after)]) == 0
+    losses = [record["loss"] for record in json.loads(records.read_text())]
+    first, last = json.loads(before.read_text()), json.loads(after.read_text())
+    assert first["objective"] == "orpo" and first["pairs"] == 2 and first["ties"] == 0
     assert first["loss"] == pytest.approx(losses[0], rel=1e-5)
     assert last["reward_accuracy"] == 1.0 and last["loss"] < first["loss"] / 2, (first, last)

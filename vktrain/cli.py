@@ -32,7 +32,7 @@ import warnings
 from pathlib import Path
 
 from vktrain.contract import EVERY_LAYER, METADATA_ACTIVATION_CHECKPOINTING, checkpointing_name, layers_per_segment
-from vktrain.contract import METADATA_OBJECTIVE, OBJECTIVE_DPO, OBJECTIVE_SIMPO, OBJECTIVES, PACKINGS
+from vktrain.contract import METADATA_OBJECTIVE, OBJECTIVE_DPO, OBJECTIVE_ORPO, OBJECTIVE_SIMPO, OBJECTIVES, PACKINGS
 from vktrain.errors import VktrainError
 # main() repeats vktrain/__init__'s silencing (idempotent) in case a library reset the filters.
 from vktrain.import_noise import silence_known_import_noise as _silence_known_import_noise
@@ -97,13 +97,19 @@ def _checkpointing_value(text: str) -> str:
 
 
 def _preference_step(args: argparse.Namespace, model):
-    """(the model with --objective's loss, its example inputs, its settings for the blob) of dpo / simpo."""
+    """(the model with --objective's loss, its example inputs, its settings for the blob) of dpo / simpo / orpo."""
     if args.objective == OBJECTIVE_DPO:
         from vktrain.export.dpo import DEFAULT_BETA, example_dpo_inputs, with_dpo_loss
 
         beta = DEFAULT_BETA if args.beta is None else args.beta
         return (with_dpo_loss(model, beta), example_dpo_inputs(args.seq, model.vocab_size),
                 {"objective": OBJECTIVE_DPO, "beta": beta})
+    if args.objective == OBJECTIVE_ORPO:
+        from vktrain.export.orpo import DEFAULT_LAMBDA, example_orpo_inputs, with_orpo_loss
+
+        lambda_ = DEFAULT_LAMBDA if args.beta is None else args.beta
+        return (with_orpo_loss(model, lambda_), example_orpo_inputs(args.seq, model.vocab_size),
+                {"objective": OBJECTIVE_ORPO, "beta": lambda_})
     from vktrain.export.simpo import DEFAULT_BETA, DEFAULT_GAMMA_BETA_RATIO, example_simpo_inputs, with_simpo_loss
 
     beta = DEFAULT_BETA if args.beta is None else args.beta
@@ -127,9 +133,9 @@ def cmd_export(args: argparse.Namespace) -> int:
     packing = None if args.packing == "none" else args.packing
     if packing and args.program != "train-step":
         raise UsageError(f"--packing {args.packing} packs a training step's documents; --program is {args.program}")
-    preference = args.objective != "lm"  # dpo or simpo: a step over preference pairs
+    preference = args.objective != "lm"  # dpo, simpo or orpo: a step over preference pairs
     if args.beta is not None and not preference:
-        raise UsageError(f"--beta is DPO's and SimPO's; --objective is {args.objective}")
+        raise UsageError(f"--beta is DPO's, SimPO's and ORPO's; --objective is {args.objective}")
     if args.beta is not None and not (math.isfinite(args.beta) and args.beta > 0):
         raise UsageError(f"--beta must be a finite number > 0 ({args.objective}'s scale of the reward margin), got "
                          f"{args.beta}")
@@ -422,10 +428,12 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("--objective", choices=OBJECTIVES, default="lm",
                         help="dpo: the step trains on preference pairs (vktrain train --data pairs.jsonl, TRL's "
                              "{prompt, chosen, rejected}) with DPO's loss, the frozen base as the reference; simpo: "
-                             "SimPO's loss (length-normalised log-probabilities, no reference); one pair a call "
-                             "(--batch 1), so N pairs a step is --grad-accum (default lm)")
+                             "SimPO's loss (length-normalised log-probabilities, no reference); orpo: ORPO's (the "
+                             "chosen completion's NLL plus lambda times the odds-ratio loss, no reference); one pair "
+                             "a call (--batch 1), so N pairs a step is --grad-accum (default lm)")
     export.add_argument("--beta", type=float, default=None,
-                        help="the reward scale beta: DPO's (default 0.1) or SimPO's (default 2.0)")
+                        help="the reward scale beta: DPO's (default 0.1) or SimPO's (default 2.0); ORPO's lambda, "
+                             "the odds-ratio term's weight (TRL's beta; default 0.1)")
     export.add_argument("--gamma-beta-ratio", type=float, default=None,
                         help="SimPO's target reward margin gamma over beta (default 0.5: gamma = beta / 2)")
     export.add_argument("--lora-alpha", type=float, default=16.0)

@@ -42,11 +42,14 @@ DPO_INPUTS = (CHOSEN_IDS, CHOSEN_LABELS, REJECTED_IDS, REJECTED_LABELS, N_PAIRS)
 # (its number of targets, labels >= 0) as float32 []: the caller counts them (no integer reductions on the GPU).
 CHOSEN_LENGTH, REJECTED_LENGTH = "chosen_length", "rejected_length"
 SIMPO_INPUTS = DPO_INPUTS + (CHOSEN_LENGTH, REJECTED_LENGTH)
-OBJECTIVE_DPO, OBJECTIVE_SIMPO = "dpo", "simpo"
-PREFERENCE_INPUTS = {OBJECTIVE_DPO: DPO_INPUTS, OBJECTIVE_SIMPO: SIMPO_INPUTS}
+OBJECTIVE_DPO, OBJECTIVE_SIMPO, OBJECTIVE_ORPO = "dpo", "simpo", "orpo"
+# ORPO (`--objective orpo`, vktrain/export/orpo.py) takes SimPO's inputs: its odds are of the length-normalised
+# probability too. The two steps differ only in their blob metadata (below).
+PREFERENCE_INPUTS = {OBJECTIVE_DPO: DPO_INPUTS, OBJECTIVE_SIMPO: SIMPO_INPUTS, OBJECTIVE_ORPO: SIMPO_INPUTS}
 OBJECTIVES = ("lm", *PREFERENCE_INPUTS)  # `vktrain export --objective`: next-token cross-entropy, or preferences
-# A preference step's objective and its baked settings, JSON: {"objective": "dpo", "beta": b} or {"objective":
-# "simpo", "beta": b, "gamma": g}; `vktrain eval` reads it to tell which pairs the model prefers rightly.
+# A preference step's objective and its baked settings, JSON: {"objective": "dpo"|"orpo", "beta": b} or
+# {"objective": "simpo", "beta": b, "gamma": g} (ORPO's beta is its lambda, as TRL names it); `vktrain eval`
+# reads it to tell which pairs the model prefers rightly, `vktrain train` to name the objective.
 METADATA_OBJECTIVE = "objective"
 
 # The hparams tensor adamw reads, in this order; the defaults are torch.optim.AdamW's.
@@ -167,7 +170,8 @@ __all__ = ["ACCUMULATE_METHOD", "ADAMW_DEFAULTS", "ADAPTER_METADATA_KEYS", "BACK
            "METADATA_SYNTHETIC_CONSTANTS", "METADATA_UNPLANNED_MEMORY_BYTES", "MODEL_PREFIX",
            "NAMED_DATA_TOKENIZER_CONFIG", "NAMED_DATA_TOKENIZER_JSON", "N_VALID", "PRECISIONS", "PRECISION_AUTO", "PRECISION_CHOICES", "PRECISION_FP16", "PRECISION_FP16_TC",
            "PRECISION_FP32", "CHOSEN_IDS", "CHOSEN_LABELS", "CHOSEN_LENGTH", "DPO_INPUTS", "METADATA_OBJECTIVE", "N_PAIRS",
-           "OBJECTIVES", "OBJECTIVE_DPO", "OBJECTIVE_SIMPO", "PREFERENCE_INPUTS", "REJECTED_LENGTH", "SIMPO_INPUTS",
+           "OBJECTIVES", "OBJECTIVE_DPO", "OBJECTIVE_ORPO", "OBJECTIVE_SIMPO", "PREFERENCE_INPUTS", "REJECTED_LENGTH",
+           "SIMPO_INPUTS",
            "REJECTED_IDS",
            "REJECTED_LABELS", "PACKINGS", "PACKING_DOCUMENTS", "POSITIONS", "STATE_PREFIXES", "STEP_INPUTS", "STEP_STATE", "TOKEN_IDS", "TRAIN_METHOD",
            "allowed_precisions", "checkpointing_name", "hparams_values", "layers_per_segment"]

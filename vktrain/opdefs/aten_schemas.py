@@ -44,6 +44,8 @@ ATEN_SCHEMAS = {
         'exp(Tensor self) -> Tensor',
     'aten.expand_copy.default':
         'expand_copy(Tensor self, SymInt[] size, *, bool implicit=False) -> Tensor',
+    'aten.expm1.default':
+        'expm1(Tensor self) -> Tensor',
     'aten.full.default':
         'full(SymInt[] size, Scalar fill_value, *, ScalarType? dtype=None, Layout? layout=None, Device? device=None, bool? pin_memory=None) -> Tensor',
     'aten.full_like.default':

@@ -23,7 +23,7 @@ ATEN_OP_KEYS = (
     "aten.alias_copy.default", "aten.amax.default", "aten.baddbmm.default", "aten.bmm.default",
     "aten.cat.default", "aten.clone.default", "aten.div.Scalar", "aten.div.Tensor", "aten.embedding.default",
     "aten.embedding_dense_backward.default", "aten.empty.memory_format", "aten.empty_permuted.default",
-    "aten.erf.default", "aten.exp.default", "aten.expand_copy.default", "aten.full.default",
+    "aten.erf.default", "aten.exp.default", "aten.expand_copy.default", "aten.expm1.default", "aten.full.default",
     "aten.full_like.default", "aten.gelu.default", "aten.gelu_backward.default", "aten.linear.default",
     "aten.log.default", "aten.maximum.default", "aten.mean.dim", "aten.minimum.default", "aten.mm.default",
     "aten.mul.Scalar", "aten.mul.Tensor", "aten.neg.default", "aten.ones_like.default",

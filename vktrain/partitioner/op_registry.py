@@ -403,7 +403,7 @@ def _binary(key: str) -> OpFeatures:
 @register_op("aten.add.Scalar", "aten.sub.Scalar", "aten.mul.Scalar", "aten.div.Scalar", "aten.pow.Tensor_Scalar",
              "aten.rsub.Scalar",
              "aten.relu.default", "aten.gelu.default", "aten.silu.default", "aten.sigmoid.default", "aten.tanh.default",
-             "aten.exp.default", "aten.erf.default", "aten.neg.default", "aten.sqrt.default",
+             "aten.exp.default", "aten.expm1.default", "aten.erf.default", "aten.neg.default", "aten.sqrt.default",
              "aten.rsqrt.default", "aten.log.default", "aten.reciprocal.default", "aten.abs.default",
              "aten.gelu_backward.default", "aten.threshold_backward.default", "aten.sigmoid_backward.default",
              "aten.tanh_backward.default", "aten.silu_backward.default")

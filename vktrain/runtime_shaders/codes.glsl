@@ -20,6 +20,7 @@
 #define EW_UNARY_LOG 17u
 #define EW_UNARY_RECIPROCAL 18u
 #define EW_UNARY_ABS 19u
+#define EW_UNARY_EXPM1 20u
 #define EW_BINARY_ADD 0u
 #define EW_BINARY_SUB 1u
 #define EW_BINARY_MUL 2u

@@ -422,7 +422,7 @@ def _training_batches(args, runner, data_path: Path, seed: int):
         return batches, None, (f"{args.program}: inputs {inputs}; {data_path}: {batches.n_batches} batch(es), "
                                f"cycled")
     objective = preference_objective(runner)
-    if objective is not None:  # vktrain export --objective dpo|simpo: pairs
+    if objective is not None:  # vktrain export --objective dpo|simpo|orpo: pairs
         from vktrain.train.pairs import pair_batches
 
         pairs, seq_len = load_program_pairs(runner, data_path, args.program)

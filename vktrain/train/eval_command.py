@@ -13,7 +13,7 @@ module's loss defines its own reduction within a batch). This needs the eval met
 (vktrain.export.export_training_and_eval_steps); a .pte without one is refused, saying so. `--adapters`
 is then a vktrain checkpoint (its model.* tensors: everything the step trained).
 
-A preference step (`vktrain export --objective dpo|simpo`) is evaluated on `--data PAIRS.jsonl`: the mean
+A preference step (`vktrain export --objective dpo|simpo|orpo`) is evaluated on `--data PAIRS.jsonl`: the mean
 preference loss over the pairs and the reward accuracy, the fraction of pairs whose chosen completion's
 implicit reward beats the rejected one's (vktrain/train/preference_eval.py); --max-batches N: the first N
 pairs.

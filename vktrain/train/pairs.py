@@ -1,11 +1,12 @@
-"""Preference pairs for DPO and SimPO, in TRL's preference format with an explicit prompt, read into fixed windows.
+"""Preference pairs for DPO, SimPO and ORPO, in TRL's preference format with an explicit prompt, read into fixed
+windows.
 
 A pairs file holds one JSON object per line (*.jsonl) or one JSON array of them (*.json), each either
     {"prompt": "text", "chosen": "text", "rejected": "text"}                       (standard)
     {"prompt": [messages], "chosen": [messages], "rejected": [messages]}           (conversational)
 with messages as in chat data ({"role", "content"}); a conversational completion holds the assistant turn(s)
 that follow the prompt. TRL's implicit-prompt rows ({"chosen", "rejected"} only) are refused: the prompt
-must be given apart, since DPO and SimPO compare the log-probabilities of the completions alone.
+must be given apart, since DPO, SimPO and ORPO compare the log-probabilities of the completions alone.
 
 Tokens (the model's tokenizer, as `vktrain train --data` reads documents and chats): a standard row is
 the prompt encoded as a document's text is (with the tokenizer's BOS where it adds one), then the
@@ -20,7 +21,7 @@ not an object with exactly the keys prompt / chosen / rejected of one kind (all 
 empty prompt or completion (one with no assistant message), a prompt that leaves no room in the window
 for one completion token, token ids outside the vocabulary, a file with no pair.
 
-`vktrain train --data pairs.jsonl [--grad-accum N]` on a step exported with `--objective dpo|simpo` trains on
+`vktrain train --data pairs.jsonl [--grad-accum N]` on a step exported with `--objective dpo|simpo|orpo` trains on
 pair_batches: N pairs a step (the accumulate method N - 1 times, then the step), in file order, cycled.
 """
 from __future__ import annotations
@@ -32,8 +33,9 @@ from typing import TYPE_CHECKING, Optional
 
 import numpy as np
 
-from vktrain.contract import (CHOSEN_IDS, CHOSEN_LABELS, CHOSEN_LENGTH, N_PAIRS, OBJECTIVE_DPO, OBJECTIVE_SIMPO,
-                              PREFERENCE_INPUTS, REJECTED_IDS, REJECTED_LABELS, REJECTED_LENGTH)
+from vktrain.contract import (CHOSEN_IDS, CHOSEN_LABELS, CHOSEN_LENGTH, METADATA_OBJECTIVE, N_PAIRS, OBJECTIVE_DPO,
+                              OBJECTIVE_ORPO, OBJECTIVE_SIMPO, PREFERENCE_INPUTS, REJECTED_IDS, REJECTED_LABELS,
+                              REJECTED_LENGTH)
 from vktrain.train.data import IGNORED_LABEL, JSON_SUFFIX, DataError, PathLike, check_vocab
 from vktrain.train.input_data import ArrayBatches
 
@@ -192,7 +194,7 @@ def load_pairs(path: PathLike, tokenizer: Optional["ModelTokenizer"], seq_len: i
 def pair_batches(pairs: PreferencePairs, specs, source: str, pairs_per_step: int = 1) -> ArrayBatches:
     """The ArrayBatches of a preference step (contract.PREFERENCE_INPUTS): pair t of the file (cycled) at
     batch position t, n_pairs = pairs_per_step (the loss's divisor: train's grad_accum runs that many
-    positions a step); a SimPO step's completion lengths too (the number of each side's targets)."""
+    positions a step); a SimPO or ORPO step's completion lengths too (the number of each side's targets)."""
     arrays = {CHOSEN_IDS: pairs.chosen_tokens, CHOSEN_LABELS: pairs.chosen_labels, REJECTED_IDS: pairs.rejected_tokens,
               REJECTED_LABELS: pairs.rejected_labels}
     stacked = {name: array[:, None, :] for name, array in arrays.items()}  # [N, 1, S]: one pair a batch
@@ -204,13 +206,23 @@ def pair_batches(pairs: PreferencePairs, specs, source: str, pairs_per_step: int
     return batches
 
 
-OBJECTIVE_NAMES = {OBJECTIVE_DPO: "DPO", OBJECTIVE_SIMPO: "SimPO"}
+OBJECTIVE_NAMES = {OBJECTIVE_DPO: "DPO", OBJECTIVE_SIMPO: "SimPO", OBJECTIVE_ORPO: "ORPO"}
 
 
 def preference_objective(runner) -> Optional[str]:
-    """contract's OBJECTIVE_DPO / OBJECTIVE_SIMPO when the step takes that objective's pair inputs, else None."""
+    """contract's OBJECTIVE_DPO / _SIMPO / _ORPO when the step takes that objective's pair inputs, else None;
+    SimPO and ORPO, whose inputs are alike, told apart by the objective the blob records."""
     names = set(getattr(runner, "input_specs", ()))
-    return next((objective for objective, inputs in PREFERENCE_INPUTS.items() if names == set(inputs)), None)
+    matching = [objective for objective, inputs in PREFERENCE_INPUTS.items() if names == set(inputs)]
+    if len(matching) > 1:
+        metadata = getattr(getattr(runner, "graph", None), "metadata", None) or {}
+        try:
+            recorded = json.loads(metadata.get(METADATA_OBJECTIVE, "{}")).get("objective")
+        except (ValueError, AttributeError):
+            recorded = None
+        if recorded in matching:
+            return recorded
+    return matching[0] if matching else None
 
 
 def load_program_pairs(runner, path: PathLike, program: str) -> tuple[PreferencePairs, int]:

@@ -1,24 +1,30 @@
-"""Held-out evaluation of a preference step (`vktrain eval DPO_OR_SIMPO.pte --data pairs.jsonl`, torch-free):
+"""Held-out evaluation of a preference step (`vktrain eval PREF.pte --data pairs.jsonl`, torch-free):
 the mean preference loss over the pairs and the reward accuracy, the fraction of pairs whose chosen
 completion's implicit reward beats the rejected one's (TRL's rewards/accuracies).
 
-Each pair goes through the .pte's eval method alone (n_pairs 1), which returns its loss
-L = -log sigmoid(z) = softplus(-z), z the objective's logit:
+Each pair goes through the .pte's eval method alone (n_pairs 1), which returns its loss.
+DPO's and SimPO's are L = -log sigmoid(z) = softplus(-z), z the objective's logit:
     DPO    z = beta ((pi_c - ref_c) - (pi_r - ref_r)),  rewards beta (pi - ref)         margin = z
     SimPO  z = beta (pi_c / |y_c| - pi_r / |y_r|) - gamma,  rewards beta pi / |y|      margin = z + gamma
 so the reward margin (chosen's reward minus rejected's) is z + gamma (gamma 0 for DPO), and L is monotone
 in z (the eval method has one output, the loss): a pair is won when the margin is > 0, i.e. when
 L < softplus(gamma). The float32 loss carries a few units of rounding in its
 last place, so a loss within TIE_RTOL of softplus(gamma) is a tie (no preference either way; DPO's pairs
-all tie before training, when the adapters are still the base): counted apart, and not won. The objective
-and its beta / gamma are the blob's metadata (contract.METADATA_OBJECTIVE), written by `vktrain export`.
+all tie before training, when the adapters are still the base): counted apart, and not won.
+ORPO's loss, -lp_c + lambda softplus(-log_odds) (lp = pi / |y|, rewards lambda lp as TRL's), is not a function
+of the margin alone, so each pair also goes through the eval method against itself twice: a completion
+paired with itself has log_odds 0, loss L_xx = -lp_x + lambda log 2, so the margin lambda (lp_c - lp_r) is
+lambda (L_rr - L_cc), won when L_rr - L_cc > TIE_RTOL max(|L_cc|, |L_rr|) (three calls a pair).
+The objective and its beta / gamma are the blob's metadata (contract.METADATA_OBJECTIVE), written by
+`vktrain export`.
 """
 from __future__ import annotations
 
 import json
 import math
 
-from vktrain.contract import METADATA_OBJECTIVE, N_PAIRS, OBJECTIVE_SIMPO, PREFERENCE_INPUTS
+from vktrain.contract import (CHOSEN_IDS, CHOSEN_LABELS, CHOSEN_LENGTH, METADATA_OBJECTIVE, N_PAIRS, OBJECTIVE_ORPO,
+                              OBJECTIVE_SIMPO, PREFERENCE_INPUTS, REJECTED_IDS, REJECTED_LABELS, REJECTED_LENGTH)
 from vktrain.train.pairs import PreferencePairs, pair_batches
 from vktrain.train.train_loop import TrainConfigError
 
@@ -32,11 +38,12 @@ def objective_settings(metadata: dict, program: str) -> dict:
     text = metadata.get(METADATA_OBJECTIVE)
     if text is None:
         raise TrainConfigError(f"{program} does not record its preference objective (blob metadata "
-                               f"{METADATA_OBJECTIVE!r}): export it again with vktrain export --objective dpo|simpo")
+                               f"{METADATA_OBJECTIVE!r}): export it again with vktrain export --objective "
+                               f"dpo|simpo|orpo")
     settings = json.loads(text)
     if settings.get("objective") not in PREFERENCE_INPUTS or not isinstance(settings.get("beta"), (int, float)):
         raise TrainConfigError(f"{program}: blob metadata {METADATA_OBJECTIVE!r} is {text!r}; expected "
-                               f'{{"objective": "dpo"|"simpo", "beta": number[, "gamma": number]}}')
+                               f'{{"objective": "dpo"|"simpo"|"orpo", "beta": number[, "gamma": number]}}')
     return settings
 
 
@@ -57,12 +64,32 @@ def evaluate_pairs(runner, pairs: PreferencePairs, settings: dict, max_pairs: in
             raise TrainConfigError(f"the preference loss of pair {position + 1} is {loss} (not finite): the adapters "
                                    f"or the pairs are broken")
         losses.append(loss)
-        if abs(loss - threshold) <= TIE_RTOL * threshold:
+        if settings["objective"] == OBJECTIVE_ORPO:
+            margin, scale = _orpo_margin(runner, inputs)
+        else:
+            margin, scale = threshold - loss, threshold
+        if abs(margin) <= TIE_RTOL * scale:
             ties += 1
-        elif loss < threshold:
+        elif margin > 0:
             won += 1
     return {"loss": math.fsum(losses) / count, "reward_accuracy": won / count, "ties": ties, "pairs": count,
             "objective": settings["objective"]}
+
+
+# The inputs of each side of a pair, chosen's then rejected's, position for position.
+_SIDES = ((CHOSEN_IDS, CHOSEN_LABELS, CHOSEN_LENGTH), (REJECTED_IDS, REJECTED_LABELS, REJECTED_LENGTH))
+
+
+def _orpo_margin(runner, inputs: dict) -> tuple[float, float]:
+    """(L_rr - L_cc, max(|L_cc|, |L_rr|)) of an ORPO pair: each side's loss against itself (module docstring)."""
+    losses = []
+    for source in _SIDES:  # the chosen completion in both places, then the rejected one
+        paired = dict(inputs)
+        for target in _SIDES:
+            paired.update({name: inputs[taken] for name, taken in zip(target, source)})
+        losses.append(runner.evaluate_inputs(paired))
+    chosen, rejected = losses
+    return rejected - chosen, max(abs(chosen), abs(rejected))
 
 
 __all__ = ["TIE_RTOL", "evaluate_pairs", "objective_settings"]

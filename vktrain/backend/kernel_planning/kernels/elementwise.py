@@ -20,8 +20,8 @@ per-element arithmetic, so the same bits; aligned windows of same-shape runs kee
 Numerics (fp32; tests compare against torch eager in float64, 1e-5 relative):
 * gelu uses erfc, so it keeps full relative accuracy for x << 0 where 1 + erf(x) cancels; the tanh
   approximation is computed as x * sigmoid(2u), which does not cancel either.
-* tanh, erf and log are evaluated with series where the usual formulas cancel (tanh and erf near 0,
-  log near 1), so they keep 1e-5 relative accuracy everywhere, not just an absolute one.
+* tanh, erf, log and expm1 are evaluated with series where the usual formulas cancel (tanh, erf and
+  expm1 near 0, log near 1), so they keep 1e-5 relative accuracy everywhere, not just an absolute one.
 * exp, sigmoid, silu use a Cody-Waite range reduction (exp(a) = 2^n exp(r)), so their error does not
   grow with |a| the way a driver's exp2(a * log2 e) does.
 * pow.Tensor_Scalar has exact forms for the exponents 0, 1, 2, 3, 0.5, -0.5, -1 (RMSNorm's x**2 is
@@ -71,6 +71,7 @@ UNARY_OPS = {
     "log": 17,
     "reciprocal": 18,
     "abs": 19,
+    "expm1": 20,
 }
 BINARY_OPS = {
     "add": 0,                  # a + s0 * b
@@ -225,6 +226,7 @@ plan_relu = _unary_plan("aten.relu.default", "relu", "out = max(self, 0) (NaN pr
 plan_sigmoid = _unary_plan("aten.sigmoid.default", "sigmoid", "out = 1 / (1 + exp(-self))")
 plan_silu = _unary_plan("aten.silu.default", "silu", "out = self * sigmoid(self)")
 plan_exp = _unary_plan("aten.exp.default", "exp", "out = exp(self)")
+plan_expm1 = _unary_plan("aten.expm1.default", "expm1", "out = exp(self) - 1, relatively accurate near 0")
 plan_rsqrt = _unary_plan("aten.rsqrt.default", "rsqrt", "out = 1 / sqrt(self)")
 plan_sqrt = _unary_plan("aten.sqrt.default", "sqrt", "out = sqrt(self)")
 plan_tanh = _unary_plan("aten.tanh.default", "tanh", "out = tanh(self), relatively accurate near 0")
