@@ -11,7 +11,7 @@ both give the same losses, per model and per embedded schedule (fp32 `desktop-gp
     bash scripts/native_build.sh && python scripts/bench_native.py stage     # the trainer, stripped, its ldd checked
     # the GPU machine (numpy, the vulkan binding; no executorch, no compiler), carrying build/bench_native:
     python3 scripts/bench_native.py run build/bench_native/*.pte --machine h100
-    python scripts/bench_native.py plot bench/results/native_h100_*.json      # again here, if it drew none there
+    python scripts/bench_native.py plot bench/results/native_<machine>_<model>.json      # again here, if it drew none there
 
 run: per .pte (its model from the blob's bench_config) and per schedule it embeds, first the Python runtime
 (TrainingRunner; the desktop-gpu schedule through VKTRAIN_DEVICE_PROFILE=desktop-gpu, since the matching rule takes
