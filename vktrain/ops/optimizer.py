@@ -16,13 +16,11 @@ import math
 
 import torch
 
-from vktrain.contract import HPARAM_NAMES
-
 from ._library import define_op
 
 
 def _read_hparams(hparams, step):
-    lr, beta1, beta2, eps, weight_decay = (float(v) for v in hparams.tolist())  # HPARAM_NAMES order
+    lr, beta1, beta2, eps, weight_decay = (float(v) for v in hparams.tolist())  # vktrain.contract.HPARAM_NAMES order
     t = float(step)
     problems = []
     if not (math.isfinite(lr) and lr >= 0):

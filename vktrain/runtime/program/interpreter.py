@@ -29,7 +29,7 @@ from vktrain.serialization.pte import (
     Tensor,
 )
 from vktrain.serialization.verify import (
-    UnsupportedProgramError, VerificationError, check_device_memory, load_delegate_graph, verify_plan
+    UnsupportedProgramError, VerificationError, load_delegate_graph, verify_plan
 )
 from vktrain.runtime.program.step_inputs import step_input_specs
 from vktrain.serialization import graph as g
