@@ -245,6 +245,23 @@ def test_a_plan_input_left_out_of_the_memory_plan_is_refused(exported):
     assert caught.value.check == "check_storageless_tensors"
 
 
+def test_a_delegate_input_that_no_plan_input_writes_is_refused(exported, tmp_path):
+    """scripts/fuzz_pte.py --seed 11's escape (byte 176 of this file = 0: the vtable entry of
+    ExecutionPlan.inputs): a plan without inputs loaded, and its delegate would have read arena bytes
+    nothing writes. One entry dropped (the vector's length 4 -> 3) is refused the same way."""
+    _, data = exported
+    plan = _plan(data)
+    no_inputs = _edit(data, _vtable_entry_position(plan, 10), "<H", 0)
+    with pytest.raises(VerificationError, match=rf"{_write(tmp_path, no_inputs)}: plan 'forward': delegate input 0 "
+                                                r"\(token_ids\) is plan value 0, which nothing writes before the call: "
+                                                r"not one of the plan's inputs \[\], not a constant") as caught:
+        verify_training_program(PteFile.load(tmp_path / "edited.pte"))
+    assert caught.value.check == "check_delegate_inputs_written"
+    three = _edit(data, _vector_position(plan, 10, 0, 4) - 4, "<I", 3)
+    with pytest.raises(VerificationError, match=r"delegate input 3 \(n_valid\) is plan value 3, .* inputs \[0, 1, 2\]"):
+        fuzz.load(three)
+
+
 def test_delegate_arguments_are_checked_against_the_graph_inputs(exported):
     _, data = exported
     tensor = _plan_tensor(data, 0)  # token_ids, LONG[2, 8]
