@@ -262,6 +262,31 @@ def test_a_delegate_input_that_no_plan_input_writes_is_refused(exported, tmp_pat
         fuzz.load(three)
 
 
+def test_the_fuzzer_verifies_the_eval_method_as_its_first_use_would(tmp_path):
+    """TrainingRunner loads a .pte's eval method on first use (EvalMethod); the fuzzer loads it as that would,
+    and counts it in a program's meaning, so a mutant of the eval plan alone is judged, not taken for
+    accepted-unchanged (here the eval plan's inputs vector one shorter, located with the flatc accessors)."""
+    from vktrain.contract import EVAL_METHOD, TRAIN_METHOD
+    from vktrain.export import export_training_and_eval_steps, lower_methods_to_pte
+    from vktrain.lora import LoRAConfig, apply_lora
+    from vktrain.models import build_model
+
+    model = build_model("mlp-lora", dim=32, hidden=64, vocab_size=VOCAB, n_layers=1, activation="relu")
+    apply_lora(model, LoRAConfig(rank=4, alpha=8.0, targets="*", group_size=32, seed=0))
+    step, evaluation = export_training_and_eval_steps(model, (BATCH, SEQ))
+    data = lower_methods_to_pte({TRAIN_METHOD: step, EVAL_METHOD: evaluation})
+    pte, program = fuzz.load(data)
+    meaning = fuzz.program_meaning(pte, program)
+    assert meaning["eval graph ops"] and meaning["eval graph ops"] != meaning["graph ops"]
+    program_table = FbProgram.GetRootAs(data, 0)
+    plan = next(program_table.ExecutionPlan(i) for i in range(program_table.ExecutionPlanLength())
+                if program_table.ExecutionPlan(i).Name() == EVAL_METHOD.encode())
+    edited = _edit(data, _vector_position(plan, 10, 0, 4) - 4, "<I", plan.InputsLength() - 1)
+    outcome = fuzz.run_one(fuzz.Mutant(edited, "word-rewrite", "pte program", "eval inputs one less"), meaning)
+    assert outcome.label == "refused: verify.check_delegate_inputs_written", outcome
+    assert f"plan 'eval': delegate input {plan.InputsLength() - 1}" in outcome.detail
+
+
 def test_delegate_arguments_are_checked_against_the_graph_inputs(exported):
     _, data = exported
     tensor = _plan_tensor(data, 0)  # token_ids, LONG[2, 8]
