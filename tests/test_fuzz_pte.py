@@ -265,7 +265,8 @@ def test_a_delegate_input_that_no_plan_input_writes_is_refused(exported, tmp_pat
 def test_the_fuzzer_verifies_the_eval_method_as_its_first_use_would(tmp_path):
     """TrainingRunner loads a .pte's eval method on first use (EvalMethod); the fuzzer loads it as that would,
     and counts it in a program's meaning, so a mutant of the eval plan alone is judged, not taken for
-    accepted-unchanged (here the eval plan's inputs vector one shorter, located with the flatc accessors)."""
+    accepted-unchanged (here the eval plan's inputs vector one shorter, and its name changed, located with the
+    flatc accessors)."""
     from vktrain.contract import EVAL_METHOD, TRAIN_METHOD
     from vktrain.export import export_training_and_eval_steps, lower_methods_to_pte
     from vktrain.lora import LoRAConfig, apply_lora
@@ -285,6 +286,10 @@ def test_the_fuzzer_verifies_the_eval_method_as_its_first_use_would(tmp_path):
     outcome = fuzz.run_one(fuzz.Mutant(edited, "word-rewrite", "pte program", "eval inputs one less"), meaning)
     assert outcome.label == "refused: verify.check_delegate_inputs_written", outcome
     assert f"plan 'eval': delegate input {plan.InputsLength() - 1}" in outcome.detail
+    renamed = bytearray(data)
+    renamed[_vector_position(plan, 4, 3, 1)] = ord("x")  # ExecutionPlan.name "eval" -> "evax"
+    outcome = fuzz.run_one(fuzz.Mutant(bytes(renamed), "byte-rewrite", "pte program", "eval renamed"), meaning)
+    assert outcome.label == "refused: UnsupportedProgramError" and "has no 'eval' method" in outcome.detail, outcome
 
 
 def test_delegate_arguments_are_checked_against_the_graph_inputs(exported):
