@@ -366,7 +366,12 @@ def test_the_loaders_re_infer_every_op_from_the_op_definitions(exported):
     with pytest.raises(VerificationError, match=rf"delegate op {index} \(aten.mm.default\) declares outputs "
                                                 rf"FLOAT32\[.*\]; its inputs give FLOAT32\[.*\]"):
         check_op_shapes(pte.source, dataclasses.replace(graph, values=tuple(values)), infer_from_op_definitions)
+    int_list = next(i for i, value in enumerate(graph.values) if isinstance(value, g.IntListValue))
     ops = list(graph.ops)
+    ops[index] = dataclasses.replace(op, outputs=(int_list,))  # fuzz seed 11: was a GraphError naming no file
+    with pytest.raises(VerificationError, match=rf"{pte.source}: delegate op {index} \(aten.mm.default\) outputs "
+                                                rf"values \[{int_list}\], IntListValue; its definition gives tensors"):
+        check_op_shapes(pte.source, dataclasses.replace(graph, ops=tuple(ops)), infer_from_op_definitions)
     ops[index] = dataclasses.replace(op, name="aten.no_such_op.default")
     with pytest.raises(VerificationError, match=r"aten.no_such_op.default\): vktrain's runtime has no kernel"):
         check_op_shapes(pte.source, dataclasses.replace(graph, ops=tuple(ops)), infer_from_op_definitions)

@@ -283,7 +283,10 @@ def check_op_shapes(source: str, graph: g.VkGraph, infer: Optional[OpShapeInfere
             continue
         if isinstance(inferred, str):
             raise _refuse(source, check_op_shapes, f"delegate op {index} ({op.name}): {inferred}")
-        outputs = [graph.tensor(o) for o in op.outputs]
+        outputs = [graph.values[o] for o in op.outputs]
+        if not all(isinstance(output, g.TensorValue) for output in outputs):
+            raise _refuse(source, check_op_shapes, f"delegate op {index} ({op.name}) outputs values {list(op.outputs)}, "
+                          f"{', '.join(type(output).__name__ for output in outputs)}; its definition gives tensors")
         inferred = [(dtype, tuple(shape)) for dtype, shape in inferred]
         if len(inferred) != len(outputs):
             raise _refuse(source, check_op_shapes, f"delegate op {index} ({op.name}) has {len(outputs)} outputs; "
