@@ -155,6 +155,27 @@ def test_a_negative_scalar_type_is_refused_not_divided_by(sanitized_inspector, m
             "[check_tensor_records]") in result.stderr
 
 
+def test_control_bytes_quoted_from_the_file_are_escaped_in_messages(inspector, mlp_pte, tmp_path):
+    """A fuzzer finding (seed 5): a message quotes names from the file, which may hold a NUL (it cut the
+    message short) or a newline (it split --fuzz-dir's one line per file); they print as \\xNN, as Python's
+    repr shows them. Here the plan's name "forward" -> "for\\x00\\nrd", located with the flatc accessors."""
+    from vktrain.serialization.pte_schema.executorch_flatbuffer.Program import Program as FbProgram
+
+    data = bytearray(mlp_pte.read_bytes())
+    plan = FbProgram.GetRootAs(bytes(data), 0).ExecutionPlan(0)
+    name = plan._tab.Vector(plan._tab.Offset(4))  # ExecutionPlan.name's bytes
+    data[name + 3:name + 5] = b"\0\n"
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    (corpus / "renamed.pte").write_bytes(bytes(data))
+    expected = "no execution plan 'forward' (a training step); it has ['for\\x00\\x0ard']"
+    single = _run(inspector, corpus / "renamed.pte")
+    assert single.returncode == 2, single.stderr
+    assert single.stderr == f"vktrain-native-inspect: error: {corpus / 'renamed.pte'}: {expected}\n", single.stderr
+    listing = _run(inspector, "--fuzz-dir", corpus)
+    assert listing.stdout == f"renamed.pte\t11\t{corpus / 'renamed.pte'}: {expected}\n", listing.stdout
+
+
 def test_a_vector_referenced_again_and_again_is_refused_before_memory_runs_out(sanitized_inspector, tmp_path):
     """A Program whose 64 values all point at one Tensor with a 1M-entry `sizes` vector: a 4 MB file that
     would make the reader copy 256 MB (or terabytes, with more references). The copy budget refuses it."""
