@@ -245,6 +245,53 @@ def test_a_plan_input_left_out_of_the_memory_plan_is_refused(exported):
     assert caught.value.check == "check_storageless_tensors"
 
 
+def test_a_delegate_input_that_no_plan_input_writes_is_refused(exported, tmp_path):
+    """scripts/fuzz_pte.py --seed 11's escape (byte 176 of this file = 0: the vtable entry of
+    ExecutionPlan.inputs): a plan without inputs loaded, and its delegate would have read arena bytes
+    nothing writes. One entry dropped (the vector's length 4 -> 3) is refused the same way."""
+    _, data = exported
+    plan = _plan(data)
+    no_inputs = _edit(data, _vtable_entry_position(plan, 10), "<H", 0)
+    with pytest.raises(VerificationError, match=rf"{_write(tmp_path, no_inputs)}: plan 'forward': delegate input 0 "
+                                                r"\(token_ids\) is plan value 0, which nothing writes before the call: "
+                                                r"not one of the plan's inputs \[\], not a constant") as caught:
+        verify_training_program(PteFile.load(tmp_path / "edited.pte"))
+    assert caught.value.check == "check_delegate_inputs_written"
+    three = _edit(data, _vector_position(plan, 10, 0, 4) - 4, "<I", 3)
+    with pytest.raises(VerificationError, match=r"delegate input 3 \(n_valid\) is plan value 3, .* inputs \[0, 1, 2\]"):
+        fuzz.load(three)
+
+
+def test_the_fuzzer_verifies_the_eval_method_as_its_first_use_would(tmp_path):
+    """TrainingRunner loads a .pte's eval method on first use (EvalMethod); the fuzzer loads it as that would,
+    and counts it in a program's meaning, so a mutant of the eval plan alone is judged, not taken for
+    accepted-unchanged (here the eval plan's inputs vector one shorter, and its name changed, located with the
+    flatc accessors)."""
+    from vktrain.contract import EVAL_METHOD, TRAIN_METHOD
+    from vktrain.export import export_training_and_eval_steps, lower_methods_to_pte
+    from vktrain.lora import LoRAConfig, apply_lora
+    from vktrain.models import build_model
+
+    model = build_model("mlp-lora", dim=32, hidden=64, vocab_size=VOCAB, n_layers=1, activation="relu")
+    apply_lora(model, LoRAConfig(rank=4, alpha=8.0, targets="*", group_size=32, seed=0))
+    step, evaluation = export_training_and_eval_steps(model, (BATCH, SEQ))
+    data = lower_methods_to_pte({TRAIN_METHOD: step, EVAL_METHOD: evaluation})
+    pte, program = fuzz.load(data)
+    meaning = fuzz.program_meaning(pte, program)
+    assert meaning["eval graph ops"] and meaning["eval graph ops"] != meaning["graph ops"]
+    program_table = FbProgram.GetRootAs(data, 0)
+    plan = next(program_table.ExecutionPlan(i) for i in range(program_table.ExecutionPlanLength())
+                if program_table.ExecutionPlan(i).Name() == EVAL_METHOD.encode())
+    edited = _edit(data, _vector_position(plan, 10, 0, 4) - 4, "<I", plan.InputsLength() - 1)
+    outcome = fuzz.run_one(fuzz.Mutant(edited, "word-rewrite", "pte program", "eval inputs one less"), meaning)
+    assert outcome.label == "refused: verify.check_delegate_inputs_written", outcome
+    assert f"plan 'eval': delegate input {plan.InputsLength() - 1}" in outcome.detail
+    renamed = bytearray(data)
+    renamed[_vector_position(plan, 4, 3, 1)] = ord("x")  # ExecutionPlan.name "eval" -> "evax"
+    outcome = fuzz.run_one(fuzz.Mutant(bytes(renamed), "byte-rewrite", "pte program", "eval renamed"), meaning)
+    assert outcome.label == "refused: UnsupportedProgramError" and "has no 'eval' method" in outcome.detail, outcome
+
+
 def test_delegate_arguments_are_checked_against_the_graph_inputs(exported):
     _, data = exported
     tensor = _plan_tensor(data, 0)  # token_ids, LONG[2, 8]
@@ -319,7 +366,12 @@ def test_the_loaders_re_infer_every_op_from_the_op_definitions(exported):
     with pytest.raises(VerificationError, match=rf"delegate op {index} \(aten.mm.default\) declares outputs "
                                                 rf"FLOAT32\[.*\]; its inputs give FLOAT32\[.*\]"):
         check_op_shapes(pte.source, dataclasses.replace(graph, values=tuple(values)), infer_from_op_definitions)
+    int_list = next(i for i, value in enumerate(graph.values) if isinstance(value, g.IntListValue))
     ops = list(graph.ops)
+    ops[index] = dataclasses.replace(op, outputs=(int_list,))  # fuzz seed 11: was a GraphError naming no file
+    with pytest.raises(VerificationError, match=rf"{pte.source}: delegate op {index} \(aten.mm.default\) outputs "
+                                                rf"values \[{int_list}\], IntListValue; its definition gives tensors"):
+        check_op_shapes(pte.source, dataclasses.replace(graph, ops=tuple(ops)), infer_from_op_definitions)
     ops[index] = dataclasses.replace(op, name="aten.no_such_op.default")
     with pytest.raises(VerificationError, match=r"aten.no_such_op.default\): vktrain's runtime has no kernel"):
         check_op_shapes(pte.source, dataclasses.replace(graph, ops=tuple(ops)), infer_from_op_definitions)

@@ -4,7 +4,8 @@ Its inspector reads a tiny-llama training step + eval .pte and reports what `vkt
 (vktrain/runtime/program/summary.py) reports: two independent readers of the same bytes. Then 2,000
 mutants of the project's fuzzer (vktrain.runtime.program.fuzz) of a .pte with an embedded schedule go through
 the loader built with AddressSanitizer + UBSan, in one process: each is loaded or refused with a documented code and a
-message, with no sanitizer report and no hang; every mutant it loads, the Python loader loads too.
+message, with no sanitizer report and no hang; every mutant it loads, the Python loader loads too (and a plan
+whose delegate reads inputs nothing writes, fuzz seed 11's escape, is refused by both).
 
 Its schedule reader (--schedule, native/src/schedule_*.cc) against vktrain/serialization/schedule.py and
 verify_schedule.py: the same summary of a planned tiny-llama schedule, the same refusals of hand-made bad
@@ -21,6 +22,7 @@ import pytest
 
 from vktrain.runtime.program import fuzz
 from vktrain.runtime.program.summary import summarize_pte
+from vktrain.serialization.verify import VerificationError
 
 from _helpers import build_native, export_mlp_lora_training_step
 
@@ -153,6 +155,27 @@ def test_a_negative_scalar_type_is_refused_not_divided_by(sanitized_inspector, m
             "[check_tensor_records]") in result.stderr
 
 
+def test_control_bytes_quoted_from_the_file_are_escaped_in_messages(inspector, mlp_pte, tmp_path):
+    """A fuzzer finding (seed 5): a message quotes names from the file, which may hold a NUL (it cut the
+    message short) or a newline (it split --fuzz-dir's one line per file); they print as \\xNN, as Python's
+    repr shows them. Here the plan's name "forward" -> "for\\x00\\nrd", located with the flatc accessors."""
+    from vktrain.serialization.pte_schema.executorch_flatbuffer.Program import Program as FbProgram
+
+    data = bytearray(mlp_pte.read_bytes())
+    plan = FbProgram.GetRootAs(bytes(data), 0).ExecutionPlan(0)
+    name = plan._tab.Vector(plan._tab.Offset(4))  # ExecutionPlan.name's bytes
+    data[name + 3:name + 5] = b"\0\n"
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    (corpus / "renamed.pte").write_bytes(bytes(data))
+    expected = "no execution plan 'forward' (a training step); it has ['for\\x00\\x0ard']"
+    single = _run(inspector, corpus / "renamed.pte")
+    assert single.returncode == 2, single.stderr
+    assert single.stderr == f"vktrain-native-inspect: error: {corpus / 'renamed.pte'}: {expected}\n", single.stderr
+    listing = _run(inspector, "--fuzz-dir", corpus)
+    assert listing.stdout == f"renamed.pte\t11\t{corpus / 'renamed.pte'}: {expected}\n", listing.stdout
+
+
 def test_a_vector_referenced_again_and_again_is_refused_before_memory_runs_out(sanitized_inspector, tmp_path):
     """A Program whose 64 values all point at one Tensor with a 1M-entry `sizes` vector: a 4 MB file that
     would make the reader copy 256 MB (or terabytes, with more references). The copy budget refuses it."""
@@ -195,6 +218,25 @@ def test_a_vector_referenced_again_and_again_is_refused_before_memory_runs_out(s
             "again: over twice its size copied)") in result.stderr
 
 
+def _plan_inputs_dropped(data: bytes) -> dict[str, bytes]:
+    """Edits of ExecutionPlan.inputs, located with the flatc-generated accessors: its vtable entry zeroed
+    (the plan has no inputs) and its length one less (the last input left out)."""
+    import struct
+
+    from vktrain.serialization.pte_schema.executorch_flatbuffer.Program import Program as FbProgram
+
+    plan = FbProgram.GetRootAs(data, 0).ExecutionPlan(0)
+    vtable_entry = plan._tab.Pos - struct.unpack_from("<i", data, plan._tab.Pos)[0] + 10  # slot of `inputs`
+    length = plan._tab.Vector(plan._tab.Offset(10)) - 4
+    edits = {}
+    for name, position, code, value in (("no-inputs.pte", vtable_entry, "<H", 0),
+                                        ("one-input-less.pte", length, "<I", plan.InputsLength() - 1)):
+        edited = bytearray(data)
+        struct.pack_into(code, edited, position, value)
+        edits[name] = bytes(edited)
+    return edits
+
+
 def test_fuzz_mutants_are_refused_cleanly_under_sanitizers(sanitized_inspector, mlp_embedded_pte, tmp_path):
     """The mutants of a .pte whose blob embeds a schedule and its shader modules: they reach the embedded
     tables' checks too (native/src/embedded.cc verify_embedded)."""
@@ -207,6 +249,9 @@ def test_fuzz_mutants_are_refused_cleanly_under_sanitizers(sanitized_inspector, 
         (corpus / name).write_bytes(mutant.data)
         mutants[name] = mutant
     (corpus / "original.pte").write_bytes(original)
+    unfed = _plan_inputs_dropped(original)  # the family of fuzz seed 11's escape, drawn here every run
+    for name, data in unfed.items():
+        (corpus / name).write_bytes(data)
 
     result = _run(sanitized_inspector, "--fuzz-dir", corpus, timeout=120)
     assert "Sanitizer" not in result.stderr and "runtime error" not in result.stderr, result.stderr[-3000:]
@@ -215,8 +260,12 @@ def test_fuzz_mutants_are_refused_cleanly_under_sanitizers(sanitized_inspector, 
     for line in result.stdout.splitlines():
         name, code, message = line.split("\t", 2)
         outcomes[name] = (int(code), message)
-    assert set(outcomes) == set(mutants) | {"original.pte"}
+    assert set(outcomes) == set(mutants) | {"original.pte"} | set(unfed)
     assert outcomes["original.pte"] == (0, "ok")
+    for name, data in unfed.items():
+        assert outcomes[name][0] == 14 and outcomes[name][1].endswith("[check_delegate_inputs_written]"), outcomes[name]
+        with pytest.raises(VerificationError, match="which nothing writes before the call"):
+            fuzz.load(data)
     for name, (code, message) in outcomes.items():
         assert code == 0 or (code in REFUSAL_CODES and message.startswith(str(corpus / name) + ":")), (name, code, message)
     # The mutants reach every layer: the .pte reader, the blob reader, both checksums, the plan checks.

@@ -25,9 +25,27 @@ enum class ErrorCode : int {
 
 const char* error_code_name(ErrorCode code);
 
+// `message` with each control byte as \xNN (what Python's repr shows): names quoted from a hostile file
+// may hold NULs (which would cut what() short), newlines (one message per line in --fuzz-dir) or escapes.
+inline std::string printable(const std::string& message) {
+  static const char kHex[] = "0123456789abcdef";
+  std::string out;
+  out.reserve(message.size());
+  for (unsigned char c : message) {
+    if (c >= 0x20 && c != 0x7f) {
+      out += char(c);
+    } else {
+      out += "\\x";
+      out += kHex[c >> 4];
+      out += kHex[c & 15];
+    }
+  }
+  return out;
+}
+
 class LoadError : public std::runtime_error {
  public:
-  LoadError(ErrorCode code, const std::string& message) : std::runtime_error(message), code_(code) {}
+  LoadError(ErrorCode code, const std::string& message) : std::runtime_error(printable(message)), code_(code) {}
   ErrorCode code() const { return code_; }
 
  private:

@@ -204,6 +204,23 @@ void Program::verify(const Limits& limits) {
       if (scalar_type_of(want.tensor.dtype) != have.tensor.scalar_type || sizes != want.tensor.shape)
         refuse_check(source_, "check_delegate_io", where + ", " + describe(have.tensor) + "; the delegate graph declares " + want_text);
     }
+    // check_delegate_inputs_written: each delegate input is a plan input, a constant or an earlier instruction's output
+    // (a kernel's last argument, a move's destination); anything else is arena bytes nothing wrote
+    std::set<int32_t> written(m.inputs.begin(), m.inputs.end());
+    for (const Instruction& ins : m.instructions) {
+      if (&ins == call) break;
+      if ((ins.kind == kKernelCall || ins.kind == kMoveCall) && !ins.args.empty()) written.insert(ins.args.back());
+    }
+    for (size_t k = 0; k < g.inputs.size(); ++k) {
+      const PlanTensor& t = m.values[size_t(call->args[k])].tensor;
+      if (written.count(call->args[k]) || (!t.planned && t.data_buffer_idx != 0)) continue;
+      const std::string& name = g.values[size_t(g.inputs[k])].tensor.name;
+      std::string inputs;
+      for (size_t i = 0; i < m.inputs.size(); ++i) inputs += (i ? ", " : "") + num(m.inputs[i]);
+      refuse_check(source_, "check_delegate_inputs_written", plan + ": delegate input " + num(k) + " (" +
+                   (name.empty() ? "unnamed" : name) + ") is plan value " + num(call->args[k]) + ", which nothing writes " +
+                   "before the call: not one of the plan's inputs [" + inputs + "], not a constant, not an earlier instruction's output");
+    }
     // check_loss_output: the method returns one value, a float32 [] the delegate computes
     if (m.outputs.size() != 1)
       refuse(ErrorCode::kUnsupported, source_ + ": a training step returns the loss only; " + plan + " has " + num(m.outputs.size()) + " outputs");

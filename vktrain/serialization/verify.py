@@ -6,7 +6,8 @@ PteFormatError, so a VktrainError) naming the file, the field, what was found an
 
     verify_plan(pte, plan, limits)              host side: tensor records, arenas, aliasing
     load_delegate_graph(pte, plan, ...)         the one vktrain delegate: its blob (integrity, format),
-                                                its call's arguments against the graph's I/O, op shapes
+                                                its call's arguments against the graph's I/O (each
+                                                input written before the call), op shapes
     check_device_memory(source, graph, limit)   once the device is known: what the graph will allocate
 
 What the .pte itself says is never trusted for sizes: an arena is allocated with what its tensors
@@ -29,6 +30,7 @@ from vktrain.serialization.pte import (
     DelegateCall,
     ExecutionPlan,
     KernelCall,
+    MoveCall,
     PteFile,
     PteFormatError,
     Tensor,
@@ -241,6 +243,29 @@ def check_delegate_io(pte: PteFile, plan: ExecutionPlan, call: DelegateCall, gra
                           f"the delegate graph declares {want_text}")
 
 
+def check_delegate_inputs_written(pte: PteFile, plan: ExecutionPlan, call: DelegateCall, graph: g.VkGraph) -> None:
+    """Each delegate input holds data when the call runs: a plan input (the caller writes it), a constant
+    (its bytes are in the file) or what an earlier instruction writes (a kernel's out, its last argument
+    in ExecuTorch's out-variant convention; a move's destination). Anything else is arena memory nothing
+    wrote: a plan whose inputs vector lost entries would load and train on zeros."""
+    written = set(plan.inputs)
+    for instruction in plan.instructions:
+        if isinstance(instruction, DelegateCall):
+            break
+        if isinstance(instruction, KernelCall) and instruction.args:
+            written.add(instruction.args[-1])
+        elif isinstance(instruction, MoveCall):
+            written.add(instruction.move_to)
+    for position, (arg, value_id) in enumerate(zip(call.args, graph.inputs)):
+        value = plan.values[arg]  # check_delegate_io: a tensor
+        if arg in written or (value.allocation_info is None and value.data_buffer_idx != 0):
+            continue
+        raise _refuse(pte.source, check_delegate_inputs_written,
+                      f"plan {plan.name!r}: delegate input {position} ({graph.tensor(value_id).name or 'unnamed'}) is "
+                      f"plan value {arg}, which nothing writes before the call: not one of the plan's inputs "
+                      f"{list(plan.inputs)}, not a constant, not an earlier instruction's output")
+
+
 # What an op's outputs must be, given its inputs: op name, argument values, graph -> one (dtype, shape)
 # per output, or None when the rules do not know the op. Provided by the torch-free op definitions.
 OpShapeInference = Callable[[str, Sequence[g.Value], g.VkGraph], Optional[Sequence[tuple[g.DType, tuple[int, ...]]]]]
@@ -258,7 +283,10 @@ def check_op_shapes(source: str, graph: g.VkGraph, infer: Optional[OpShapeInfere
             continue
         if isinstance(inferred, str):
             raise _refuse(source, check_op_shapes, f"delegate op {index} ({op.name}): {inferred}")
-        outputs = [graph.tensor(o) for o in op.outputs]
+        outputs = [graph.values[o] for o in op.outputs]
+        if not all(isinstance(output, g.TensorValue) for output in outputs):
+            raise _refuse(source, check_op_shapes, f"delegate op {index} ({op.name}) outputs values {list(op.outputs)}, "
+                          f"{', '.join(type(output).__name__ for output in outputs)}; its definition gives tensors")
         inferred = [(dtype, tuple(shape)) for dtype, shape in inferred]
         if len(inferred) != len(outputs):
             raise _refuse(source, check_op_shapes, f"delegate op {index} ({op.name}) has {len(outputs)} outputs; "
@@ -312,6 +340,7 @@ def load_delegate_graph(pte: PteFile, plan: ExecutionPlan, *, verify_constants: 
     except BlobFormatError as exc:
         raise BlobFormatError(f"{pte.source}: plan {plan.name!r} delegate {call.delegate_index} blob: {exc}") from None
     check_delegate_io(pte, plan, call, graph)
+    check_delegate_inputs_written(pte, plan, call, graph)
     check_op_shapes(pte.source, graph, infer_op_shapes)
     return call, graph
 
@@ -344,7 +373,7 @@ def check_device_memory(source: str, graph: g.VkGraph, limit: int) -> None:
 
 __all__ = [
     "OpShapeInference", "UnsupportedProgramError", "VerificationError", "arena_needs", "check_arenas",
-    "check_constant_tensors", "check_delegate_io", "check_device_memory", "check_op_shapes",
+    "check_constant_tensors", "check_delegate_inputs_written", "check_delegate_io", "check_device_memory", "check_op_shapes",
     "check_planned_storage_disjoint", "check_single_delegate_call", "check_tensor_records",
     "device_buffer_requests", "device_memory_bytes", "host_memory_bytes", "load_delegate_graph", "verify_plan",
 ]

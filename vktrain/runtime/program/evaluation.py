@@ -23,12 +23,32 @@ from vktrain.runtime.program.schedules import Planner, bound_executor
 from vktrain.runtime.delegate.executor import ExecutorInputError, GraphExecutor
 from vktrain.serialization.pte import PteFile
 from vktrain.runtime.program.interpreter import (
-    ProgramInterpreter, check_instructions_supported, check_loss_output, check_storageless_tensors, plan_input_names
+    ProgramInterpreter, VerifiedTrainingProgram, check_instructions_supported, check_loss_output,
+    check_storageless_tensors, plan_input_names
 )
 from vktrain.serialization.verify import UnsupportedProgramError
 from vktrain.runtime.program.step_inputs import check_input_names, checked_input, document_inputs, step_input_specs
 from vktrain.serialization.verify import check_device_memory, device_memory_bytes, load_delegate_graph, verify_plan
 from vktrain.serialization import graph as g
+
+
+def verify_eval_method(pte: PteFile, *, verify_constants: bool = True,
+                       host_memory_limit: Optional[int] = None) -> VerifiedTrainingProgram:
+    """Every host-side check of the .pte's eval method (EvalMethod's, before it allocates; the fuzzer's)."""
+    if EVAL_METHOD not in pte.method_names:
+        raise UnsupportedProgramError(
+            f"{pte.source} has no {EVAL_METHOD!r} method (it has {pte.method_names}): it was exported without "
+            f"one; export the step and its eval method together (vktrain export does; for a module of your "
+            f"own, export_training_and_eval_steps)")
+    plan = pte.execution_plan(EVAL_METHOD)
+    check_instructions_supported(pte, plan, has_delegate=True)
+    check_storageless_tensors(pte, plan)
+    verify_plan(pte, plan, host_memory_limit)
+    call, graph = load_delegate_graph(pte, plan, verify_constants=verify_constants)
+    check_loss_output(pte, plan, call, graph)
+    # Any names: a user module's eval method takes its loss's inputs (the token models' EVAL_INPUTS).
+    names = plan_input_names(pte, plan, call, graph, accepted=None, required=(), what="an eval method")
+    return VerifiedTrainingProgram(plan, graph, names)
 
 
 class EvalMethod:
@@ -40,20 +60,8 @@ class EvalMethod:
     def __init__(self, pte: PteFile, training: GraphExecutor, *, timing: bool = False, verify_constants: bool = True,
                  host_memory_limit: Optional[int] = None, device_memory_limit: Optional[int] = None,
                  reuse_activations: bool = True, planner: Optional[Planner] = None):
-        if EVAL_METHOD not in pte.method_names:
-            raise UnsupportedProgramError(
-                f"{pte.source} has no {EVAL_METHOD!r} method (it has {pte.method_names}): it was exported without "
-                f"one; export the step and its eval method together (vktrain export does; for a module of your "
-                f"own, export_training_and_eval_steps)")
-        plan = pte.execution_plan(EVAL_METHOD)
-        check_instructions_supported(pte, plan, has_delegate=True)
-        check_storageless_tensors(pte, plan)
-        verify_plan(pte, plan, host_memory_limit)
-        call, self.graph = load_delegate_graph(pte, plan, verify_constants=verify_constants)
-        check_loss_output(pte, plan, call, self.graph)
-        # Any names: a user module's eval method takes its loss's inputs (the token models' EVAL_INPUTS).
-        self._input_names = plan_input_names(pte, plan, call, self.graph, accepted=None, required=(),
-                                             what="an eval method")
+        verified = verify_eval_method(pte, verify_constants=verify_constants, host_memory_limit=host_memory_limit)
+        plan, self.graph, self._input_names = verified.plan, verified.graph, verified.input_names
         self.input_specs = step_input_specs(plan, self._input_names)
         self._source = str(pte.source)
         state = training.shared_state()

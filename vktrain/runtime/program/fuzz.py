@@ -38,6 +38,8 @@ from typing import Callable, Iterator, Optional
 
 from vktrain.errors import VktrainError
 from vktrain.serialization.pte import DelegateCall, KernelCall, PteFile, PteFormatError, Tensor
+from vktrain.contract import EVAL_METHOD
+from vktrain.runtime.program.evaluation import verify_eval_method
 from vktrain.runtime.program.interpreter import VerifiedTrainingProgram, verify_training_program
 from vktrain.serialization.verify import VerificationError
 from vktrain.serialization import BlobFormatError, BlobHeader
@@ -106,6 +108,19 @@ def _resolve_inputs(instruction, input_names: dict[int, str]):
 
 
 def program_meaning(pte: PteFile, program: VerifiedTrainingProgram) -> dict:
+    """`method_meaning` of the training step and, when the file has one, of its eval method (keys prefixed
+    "eval "): a mutant that changes only the eval method changes what `TrainingRunner.evaluate` computes."""
+    meaning = method_meaning(pte, program)
+    if EVAL_METHOD in pte.method_names:
+        evaluation = verify_eval_method(pte, verify_constants=False)  # `load` verified it, constants included
+        meaning.update({f"eval {key}": value for key, value in method_meaning(pte, evaluation).items()})
+    return meaning
+
+
+_EVAL_KEY = "eval graph ops"  # in a program's meaning when it has an eval method
+
+
+def method_meaning(pte: PteFile, program: VerifiedTrainingProgram) -> dict:
     """Everything the interpreter and the executor read: the plan's values (tensor records and constant
     bytes, scalars), inputs, outputs, instructions and the operators they call; the delegate graph and its
     constant bytes. Left out, because nothing at run time reads them: requires_grad, chain-level I/O
@@ -148,12 +163,16 @@ def classify(exc: BaseException) -> str:
     return f"BUG: {type(exc).__name__}"
 
 
-def load(data: bytes) -> tuple[PteFile, VerifiedTrainingProgram]:
+def load(data: bytes, eval_method: Optional[bool] = None) -> tuple[PteFile, VerifiedTrainingProgram]:
     """What the runner reads before it allocates: the program verified, and its embedded schedules (when it
-    has them: the tables' checks and the read of every schedule, as the runner's selection does)."""
+    has them: the tables' checks and the read of every schedule, as the runner's selection does); and the
+    eval method, as EvalMethod checks it when TrainingRunner.evaluate first uses it. `eval_method`: True,
+    the file must have one (a mutant of a file that had one); None, when it has one."""
     pte = PteFile.from_bytes(data, source="<mutant.pte>")
     program = verify_training_program(pte)
     verify_embedded(program.graph, "<mutant.pte>")
+    if eval_method or (eval_method is None and EVAL_METHOD in pte.method_names):
+        verify_embedded(verify_eval_method(pte).graph, "<mutant.pte>")
     return pte, program
 
 
@@ -271,11 +290,11 @@ def mutants(original: bytes, seed: int, resigned_share: float = 0.1) -> Iterator
 
 def run_one(mutant: Mutant, original_meaning: dict) -> Outcome:
     try:
-        pte, program = load(mutant.data)
+        pte, program = load(mutant.data, eval_method=_EVAL_KEY in original_meaning)
         meaning = program_meaning(pte, program)
     except Exception as exc:  # the point: every exception is classified, none escapes
         return Outcome(mutant, classify(exc), f"{type(exc).__name__}: {exc}"[:300])
-    changed = [key for key in original_meaning if meaning[key] != original_meaning[key]]
+    changed = [key for key in {**original_meaning, **meaning} if meaning.get(key) != original_meaning.get(key)]
     if not changed:
         return Outcome(mutant, ACCEPTED_UNCHANGED, "")
     return Outcome(mutant, ACCEPTED_CHANGED, f"loaded, but its {', '.join(changed)} differ from the original's")
@@ -344,5 +363,5 @@ def format_table(table: Counter) -> str:
 
 
 __all__ = ["ACCEPTED_CHANGED", "ACCEPTED_UNCHANGED", "MUTATORS", "Mutant", "Outcome", "RESIGNED", "campaign",
-           "classify", "file_regions", "format_table", "load", "mutants", "program_meaning", "run_one",
+           "classify", "file_regions", "format_table", "load", "method_meaning", "mutants", "program_meaning", "run_one",
            "run_schedule_one", "schedule_campaign", "schedule_mutants"]
