@@ -22,6 +22,7 @@ out of memory, disk full), printed as one line `vktrain <cmd>: error: <message>`
 from __future__ import annotations
 
 import argparse
+import difflib
 import json
 import math
 import os
@@ -395,8 +396,49 @@ def show_defaults(parser: argparse.ArgumentParser) -> None:
         action.help = f"{help_text} (default: %(default)s)".lstrip()
 
 
+class CommandParser(argparse.ArgumentParser):
+    """argparse's parser, but an option whose value is optional and one of fixed choices (`--keep-best
+    [loss|accuracy]`) takes the next word only when it is one of them (or a near miss of one, refused as an
+    invalid choice): `--keep-best step.pte` keeps the best by loss and step.pte is the program, where argparse
+    alone reads step.pte as --keep-best's value and refuses it. `--keep-best=accuracy` is always the value.
+    Each (sub)command's parser applies this to its own options (the subcommands' parsers are of this class)."""
+
+    def parse_known_args(self, args=None, namespace=None):
+        args = list(sys.argv[1:] if args is None else args)
+        return super().parse_known_args(self._values_apart(args), namespace)
+
+    def _values_apart(self, args: list[str]) -> list[str]:
+        """`args` with each such option that a word other than its choices follows written `--option=CONST`."""
+        out = []
+        for i, word in enumerate(args):
+            if word == "--":
+                return out + args[i:]
+            action = self._optional_choice(word)
+            following = args[i + 1] if i + 1 < len(args) else None
+            if (action is not None and following is not None and not following.startswith("-")
+                    and following not in action.choices and not _near_miss(following, action.choices)):
+                word = f"{word}={action.const}"
+            out.append(word)
+        return out
+
+    def _optional_choice(self, word: str):
+        """The option `word` names (in full or, as argparse allows, by a unique prefix) if its value is an
+        optional one of fixed choices; else None."""
+        if not word.startswith("--") or "=" in word:
+            return None
+        actions = {self._option_string_actions[word]} if word in self._option_string_actions else \
+            {a for flag, a in self._option_string_actions.items() if self.allow_abbrev and flag.startswith(word)}
+        action = actions.pop() if len(actions) == 1 else None
+        return action if action is not None and action.nargs == argparse.OPTIONAL and action.choices else None
+
+
+def _near_miss(word: str, choices) -> bool:
+    """A misspelt choice (`acuracy`), not a path or another argument: it is refused as an invalid choice."""
+    return not set("./\\") & set(word) and bool(difflib.get_close_matches(word, list(choices), n=1, cutoff=0.6))
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="vktrain", description="LoRA training through a frozen q4gsw base on Vulkan")
+    parser = CommandParser(prog="vktrain", description="LoRA training through a frozen q4gsw base on Vulkan")
     parser.add_argument("--version", action="version", version=f"vktrain {version()}")
     sub = parser.add_subparsers(dest="command", required=True)
 
