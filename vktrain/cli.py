@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import functools
 import json
 import math
 import os
@@ -34,6 +35,7 @@ from pathlib import Path
 
 from vktrain.contract import EVERY_LAYER, METADATA_ACTIVATION_CHECKPOINTING, checkpointing_name, layers_per_segment
 from vktrain.contract import METADATA_OBJECTIVE, OBJECTIVE_DPO, OBJECTIVE_ORPO, OBJECTIVE_SIMPO, OBJECTIVES, PACKINGS
+from vktrain.contract import PRECISION_AUTO, PRECISION_CHOICES
 from vktrain.errors import VktrainError
 # main() repeats vktrain/__init__'s silencing (idempotent) in case a library reset the filters.
 from vktrain.import_noise import silence_known_import_noise as _silence_known_import_noise
@@ -340,26 +342,36 @@ def _format_method(report: dict, verbose: bool = False) -> list[str]:
     return lines
 
 
+def _planner(precision: str):
+    """plan_schedule at the GEMM precision policy `precision`, as `vktrain train --precision` plans."""
+    from vktrain.backend.kernel_planning import plan_schedule
+
+    return functools.partial(plan_schedule, precision=precision)
+
+
 def cmd_inspect(args: argparse.Namespace) -> int:
     try:
         data = Path(args.file).read_bytes()
     except OSError as e:
         print(f"vktrain inspect: error: cannot read {args.file}: {e.strerror}", file=sys.stderr)
         return 2
+    if args.device_profile is None and args.precision != PRECISION_AUTO:
+        print(f"vktrain inspect: error: --precision {args.precision} plans the program for a device profile: it "
+              f"needs --device-profile NAME|FILE.json|all", file=sys.stderr)
+        return 2
+    planner = _planner(args.precision)
     if args.device_profile == "all":
-        from vktrain.backend.kernel_planning import plan_schedule
         from vktrain.runtime.program.fit import fit_report, format_fit_table
         from vktrain.serialization.device_profile import BUILTIN_PROFILES
 
-        reports = [fit_report(data, profile, args.file, planner=plan_schedule) for profile in BUILTIN_PROFILES.values()]
+        reports = [fit_report(data, profile, args.file, planner=planner) for profile in BUILTIN_PROFILES.values()]
         print(json.dumps({"profiles": reports}, indent=2) if args.json else format_fit_table(args.file, reports))
         return 0
     if args.device_profile is not None:
-        from vktrain.backend.kernel_planning import plan_schedule
         from vktrain.runtime.program.fit import fit_report, format_fit
         from vktrain.serialization.device_profile import resolve_profile
 
-        report = fit_report(data, resolve_profile(args.device_profile), args.file, planner=plan_schedule)
+        report = fit_report(data, resolve_profile(args.device_profile), args.file, planner=planner)
         print(json.dumps(report, indent=2) if args.json else format_fit(args.file, report))
         return 0
     from vktrain.runtime.program.summary import summarize_pte
@@ -507,6 +519,10 @@ def build_parser() -> argparse.ArgumentParser:
                               "device, and say whether it fits: dispatches, shader variants, device memory against "
                               "the profile's memory budget, largest allocation and binding against its limits, "
                               "the refusals and what to change")
+    inspect.add_argument("--precision", choices=PRECISION_CHOICES, default=PRECISION_AUTO,
+                         help="with --device-profile: plan the GEMMs at this precision policy, as `vktrain train "
+                              "--precision` does (default auto: the profile's pick, fp16 on phones); the dispatches "
+                              "counted are that precision's")
     inspect.set_defaults(run=cmd_inspect)
 
     from vktrain.train.command import add_train_arguments, run_train  # torch-free
