@@ -112,3 +112,25 @@ def test_inspect_summarises_the_state_by_kind_and_lists_it_with_verbose(tmp_path
     assert cli.main(["inspect", str(pte), "--verbose"]) == 0
     listed = capsys.readouterr().out
     assert all(f"    {name} " in listed for name in nbytes)
+
+
+@pytest.mark.parametrize("words, keep_best", [
+    (["--keep-best", "step.pte"], "loss"),  # argparse alone read step.pte as --keep-best's value and refused it
+    (["--keep-b", "step.pte"], "loss"),  # an abbreviation argparse accepts
+    (["--keep-best", "loss", "step.pte"], "loss"),
+    (["--keep-best", "accuracy", "step.pte"], "accuracy"),
+    (["--keep-best=accuracy", "step.pte"], "accuracy"),
+    (["step.pte", "--keep-best"], "loss"),
+    (["step.pte"], None),
+])
+def test_keep_best_takes_the_next_word_only_when_it_is_loss_or_accuracy(words, keep_best):
+    args = cli.build_parser().parse_args(["train", *words, "--steps", "3"])
+    assert (args.program, args.keep_best, args.steps) == ("step.pte", keep_best, 3)
+
+
+def test_a_misspelt_keep_best_value_is_refused_naming_the_choices(capsys):
+    with pytest.raises(SystemExit) as exited:
+        cli.build_parser().parse_args(["train", "--keep-best", "acuracy", "step.pte", "--steps", "3"])
+    assert exited.value.code == 2
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        "vktrain train: error: argument --keep-best: invalid choice: 'acuracy' (choose from 'loss', 'accuracy')")

@@ -223,6 +223,35 @@ def test_train_command_takes_the_profile(vk_device, tiny_step, tmp_path, monkeyp
 
 
 # ---------------------------------------------------------------------------------------------- fit report
+def test_inspect_counts_the_dispatches_and_submits_the_runtime_records_at_the_same_precision(
+        vk_device, tiny_step, monkeypatch, capsys):
+    """`inspect --device-profile P --precision X` plans what `train --device-profile P --precision X` records.
+    auto picks fp16 on a phone, whose GEMMs take dispatches fp32's do not: an fp32 run beside an auto inspect
+    counted fewer (132 vs 137 on a SmolLM2-shaped layer)."""
+    from vktrain.runtime.program.runner import TrainingRunner
+
+    counted = {}
+    for precision in ("fp32", "auto"):
+        monkeypatch.setenv(DEVICE_PROFILE_ENV, "adreno-6xx")
+        with TrainingRunner.from_pte(tiny_step, vk_device, planner=plan_schedule, precision=precision) as runner:
+            executor = runner.executor
+            used = (len(executor.dispatches), executor.program.recorded_dispatch_count,
+                    executor.program.submits_per_replay, executor.gemm_route.precision)
+        monkeypatch.delenv(DEVICE_PROFILE_ENV)
+        assert main(["inspect", str(tiny_step), "--device-profile", "adreno-6xx", "--precision", precision,
+                     "--json"]) == 0
+        (d,) = json.loads(capsys.readouterr().out)["delegates"]
+        assert (d["dispatches"], d["recorded_dispatches"], d["submits"], d["gemm_precision"]) == used, precision
+        counted[precision] = used
+    assert counted["auto"][3] == "fp16" and counted["auto"][1] > counted["fp32"][1]
+    assert main(["inspect", str(tiny_step), "--device-profile", "adreno-6xx"]) == 0  # the default: auto
+    assert f"dispatches: {counted['auto'][0]} (GEMMs fp16, as vktrain train --precision plans them" \
+        in capsys.readouterr().out
+    assert main(["inspect", str(tiny_step), "--precision", "fp32"]) == 2
+    assert "vktrain inspect: error: --precision fp32 plans the program for a device profile: it needs " \
+           "--device-profile" in capsys.readouterr().err
+
+
 def test_inspect_reports_the_fit_of_a_profile_with_no_device(tiny_step, tmp_path, capsys):
     assert main(["inspect", str(tiny_step), "--device-profile", "adreno-6xx", "--json"]) == 0
     report = json.loads(capsys.readouterr().out)

@@ -22,6 +22,8 @@ out of memory, disk full), printed as one line `vktrain <cmd>: error: <message>`
 from __future__ import annotations
 
 import argparse
+import difflib
+import functools
 import json
 import math
 import os
@@ -33,6 +35,7 @@ from pathlib import Path
 
 from vktrain.contract import EVERY_LAYER, METADATA_ACTIVATION_CHECKPOINTING, checkpointing_name, layers_per_segment
 from vktrain.contract import METADATA_OBJECTIVE, OBJECTIVE_DPO, OBJECTIVE_ORPO, OBJECTIVE_SIMPO, OBJECTIVES, PACKINGS
+from vktrain.contract import PRECISION_AUTO, PRECISION_CHOICES
 from vktrain.errors import VktrainError
 # main() repeats vktrain/__init__'s silencing (idempotent) in case a library reset the filters.
 from vktrain.import_noise import silence_known_import_noise as _silence_known_import_noise
@@ -339,26 +342,36 @@ def _format_method(report: dict, verbose: bool = False) -> list[str]:
     return lines
 
 
+def _planner(precision: str):
+    """plan_schedule at the GEMM precision policy `precision`, as `vktrain train --precision` plans."""
+    from vktrain.backend.kernel_planning import plan_schedule
+
+    return functools.partial(plan_schedule, precision=precision)
+
+
 def cmd_inspect(args: argparse.Namespace) -> int:
     try:
         data = Path(args.file).read_bytes()
     except OSError as e:
         print(f"vktrain inspect: error: cannot read {args.file}: {e.strerror}", file=sys.stderr)
         return 2
+    if args.device_profile is None and args.precision != PRECISION_AUTO:
+        print(f"vktrain inspect: error: --precision {args.precision} plans the program for a device profile: it "
+              f"needs --device-profile NAME|FILE.json|all", file=sys.stderr)
+        return 2
+    planner = _planner(args.precision)
     if args.device_profile == "all":
-        from vktrain.backend.kernel_planning import plan_schedule
         from vktrain.runtime.program.fit import fit_report, format_fit_table
         from vktrain.serialization.device_profile import BUILTIN_PROFILES
 
-        reports = [fit_report(data, profile, args.file, planner=plan_schedule) for profile in BUILTIN_PROFILES.values()]
+        reports = [fit_report(data, profile, args.file, planner=planner) for profile in BUILTIN_PROFILES.values()]
         print(json.dumps({"profiles": reports}, indent=2) if args.json else format_fit_table(args.file, reports))
         return 0
     if args.device_profile is not None:
-        from vktrain.backend.kernel_planning import plan_schedule
         from vktrain.runtime.program.fit import fit_report, format_fit
         from vktrain.serialization.device_profile import resolve_profile
 
-        report = fit_report(data, resolve_profile(args.device_profile), args.file, planner=plan_schedule)
+        report = fit_report(data, resolve_profile(args.device_profile), args.file, planner=planner)
         print(json.dumps(report, indent=2) if args.json else format_fit(args.file, report))
         return 0
     from vktrain.runtime.program.summary import summarize_pte
@@ -395,8 +408,49 @@ def show_defaults(parser: argparse.ArgumentParser) -> None:
         action.help = f"{help_text} (default: %(default)s)".lstrip()
 
 
+class CommandParser(argparse.ArgumentParser):
+    """argparse's parser, but an option whose value is optional and one of fixed choices (`--keep-best
+    [loss|accuracy]`) takes the next word only when it is one of them (or a near miss of one, refused as an
+    invalid choice): `--keep-best step.pte` keeps the best by loss and step.pte is the program, where argparse
+    alone reads step.pte as --keep-best's value and refuses it. `--keep-best=accuracy` is always the value.
+    Each (sub)command's parser applies this to its own options (the subcommands' parsers are of this class)."""
+
+    def parse_known_args(self, args=None, namespace=None):
+        args = list(sys.argv[1:] if args is None else args)
+        return super().parse_known_args(self._values_apart(args), namespace)
+
+    def _values_apart(self, args: list[str]) -> list[str]:
+        """`args` with each such option that a word other than its choices follows written `--option=CONST`."""
+        out = []
+        for i, word in enumerate(args):
+            if word == "--":
+                return out + args[i:]
+            action = self._optional_choice(word)
+            following = args[i + 1] if i + 1 < len(args) else None
+            if (action is not None and following is not None and not following.startswith("-")
+                    and following not in action.choices and not _near_miss(following, action.choices)):
+                word = f"{word}={action.const}"
+            out.append(word)
+        return out
+
+    def _optional_choice(self, word: str):
+        """The option `word` names (in full or, as argparse allows, by a unique prefix) if its value is an
+        optional one of fixed choices; else None."""
+        if not word.startswith("--") or "=" in word:
+            return None
+        actions = {self._option_string_actions[word]} if word in self._option_string_actions else \
+            {a for flag, a in self._option_string_actions.items() if self.allow_abbrev and flag.startswith(word)}
+        action = actions.pop() if len(actions) == 1 else None
+        return action if action is not None and action.nargs == argparse.OPTIONAL and action.choices else None
+
+
+def _near_miss(word: str, choices) -> bool:
+    """A misspelt choice (`acuracy`), not a path or another argument: it is refused as an invalid choice."""
+    return not set("./\\") & set(word) and bool(difflib.get_close_matches(word, list(choices), n=1, cutoff=0.6))
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="vktrain", description="LoRA training through a frozen q4gsw base on Vulkan")
+    parser = CommandParser(prog="vktrain", description="LoRA training through a frozen q4gsw base on Vulkan")
     parser.add_argument("--version", action="version", version=f"vktrain {version()}")
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -465,6 +519,10 @@ def build_parser() -> argparse.ArgumentParser:
                               "device, and say whether it fits: dispatches, shader variants, device memory against "
                               "the profile's memory budget, largest allocation and binding against its limits, "
                               "the refusals and what to change")
+    inspect.add_argument("--precision", choices=PRECISION_CHOICES, default=PRECISION_AUTO,
+                         help="with --device-profile: plan the GEMMs at this precision policy, as `vktrain train "
+                              "--precision` does (default auto: the profile's pick, fp16 on phones); the dispatches "
+                              "counted are that precision's")
     inspect.set_defaults(run=cmd_inspect)
 
     from vktrain.train.command import add_train_arguments, run_train  # torch-free

@@ -1,4 +1,4 @@
-"""`vktrain train --keep-best [loss|accuracy]` and `--early-stopping N`: the adapters of the lowest held-out
+"""`vktrain train --keep-best[=loss|accuracy]` and `--early-stopping N`: the adapters of the lowest held-out
 loss (or of the highest held-out exact-match accuracy, with --eval-generate), not the last, and a run that
 stops once that measure stops improving (torch-free).
 
@@ -33,7 +33,9 @@ METRICS = {"loss": (EVAL_LOSS, False, "held-out loss"), "accuracy": (EVAL_ACCURA
 def add_best_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--keep-best", nargs="?", const="loss", default=None, choices=tuple(METRICS),
                         help="with --eval-data and --eval-every: keep the state of the lowest held-out loss (or, "
-                             "`--keep-best accuracy` with --eval-generate, of the highest exact-match accuracy) as "
+                             "`--keep-best accuracy` with --eval-generate, of the highest exact-match accuracy; the "
+                             "word after --keep-best is its value only if it is loss or accuracy, so `--keep-best "
+                             "step.pte` is --keep-best=loss and the program) as "
                              "CHECKPOINT's <stem>.best<suffix> (written at each new best) and write its adapters "
                              "as --out-adapters / --out-gguf-adapter instead of the last step's")
     parser.add_argument("--early-stopping", type=int, metavar="N",

@@ -6,6 +6,8 @@ are known before a device is opened.
 The report, per vktrain delegate of the main method (the training step's, else the only one): the dispatches
 (and the submits a replay takes under the profile's max_dispatches_per_submit, split dispatches counted as
 recorded under its max workgroup count),
+the GEMM precision they were planned at (the planner's precision policy on the profile: fp16 adds dispatches
+fp32 has none of, so a run records the same dispatches when it runs at the same precision),
 the planned device memory (every buffer of the schedule: constants, state, activations, scratch), the largest
 allocation against the profile's max allocation size, the largest binding against its max storage binding
 size, the shader variants (distinct shader + specialization constants), and the refusals, each with the
@@ -122,6 +124,8 @@ def _delegate_fit(graph: vk.VkGraph, profile: DeviceProfile, planner: Planner) -
         if buffers else None,
         "largest_binding": {"dispatch": largest_binding[1], "bytes": largest_binding[0]},
         "gemm_tuning": schedule.gemm.fp32_tuning,
+        # The GEMM precision planned (the planner's `precision` policy on this profile): it changes the dispatches.
+        "gemm_precision": schedule.gemm.precision + (" on tensor cores" if schedule.gemm.tensor_cores else ""),
         "refusals": refusals,
     }
 
@@ -198,7 +202,8 @@ def format_fit(path: str, report: dict) -> str:
         if d["planned"]:
             alloc, binding = d["largest_allocation"], d["largest_binding"]
             bound = d["max_dispatches_per_submit"]
-            lines += [f"    dispatches: {d['dispatches']} (fp32 GEMM tuning {d['gemm_tuning']})",
+            lines += [f"    dispatches: {d['dispatches']} (GEMMs {d['gemm_precision']}, as vktrain train --precision "
+                      f"plans them here; fp32 GEMM tuning {d['gemm_tuning']})",
                       f"    submits per step: {d['submits']} ("
                       + (f"at most {bound} of its {d['recorded_dispatches']} recorded dispatches each)" if bound
                          else f"unbounded: {d['recorded_dispatches']} recorded dispatches)"),
