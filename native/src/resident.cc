@@ -1,7 +1,9 @@
 #include "resident.h"
 
 #include <fcntl.h>
-#include <sys/sysmacros.h>
+#if defined(__linux__)
+#include <sys/sysmacros.h>  // major, minor (sys/types.h has them elsewhere; no /proc/self/smaps there: known = false)
+#endif
 #include <unistd.h>
 
 #include <algorithm>
