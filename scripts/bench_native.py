@@ -20,10 +20,15 @@ the tensor-core one where the device has tensor cores; the runner's chosen profi
 steps, then --steps timed. Wall time per step is the runtime's own (runner.step; the trainer's per-step record);
 the GPU's time comes from timestamps: the native trainer writes two around the step's command buffer, the Python
 runtime one pair per dispatch (their sum: gaps between dispatches count as host time there, so its host time is an
-upper bound). Peak RSS: vktrain-train's getrusage maximum; "beyond the mapped constants" subtracts the .pte's size
-(the file is mapped; synthetic constants are generated in 16 MiB pieces, never whole). Goals (issue 26): host time
-< 0.2 ms/step, RSS beyond the mapped constants < 100 MB. Writes bench/results/native_<machine>_<model>.json and a
-plot beside it (matplotlib, where installed).
+upper bound). Memory: peak RSS is vktrain-train's getrusage maximum (a high-water mark of the whole resident set).
+Its parts are sampled from /proc/self/smaps after loading, after the run starts, after the last step and at the end:
+the .pte's resident file pages (the file is mapped; synthetic constants are generated in 16 MiB pieces, never
+whole), the resident pages of device memory mapped into the process (vkMapMemory's ranges, /dev/nvidia* and
+/dev/dri/* mappings: on a GPU whose device-local memory is host-visible, resizable BAR, and on lavapipe, the
+constants written through the mapping count in RSS), and host RSS = the rest; `host_rss_mb` is the largest host
+part of the samples (taken at those points, not a high-water mark). Goals (issue 26): host time < 0.2 ms/step,
+host RSS (beyond the mapped constants and device memory) < 100 MB. Writes bench/results/native_<machine>_<model>.json
+and a plot beside it (matplotlib, where installed).
 """
 from __future__ import annotations
 
@@ -130,9 +135,15 @@ def run_native(trainer: Path, pte: Path, profile: str, tokens: Path, warmup: int
     wall = [r["seconds"] for r in steps_done]
     gpu = [r["gpu_seconds"] for r in steps_done if r["gpu_seconds"] > 0]
     pte_bytes = pte.stat().st_size
+    memory = {"host_rss_mb": None, "pte_resident_mb": None, "device_resident_mb": None, "host_rss_at": None,
+              "rss_samples": info.get("rss_samples", [])}
+    if info.get("host_rss_bytes") is not None:  # null where the trainer could not read /proc/self/smaps
+        memory.update(host_rss_mb=info["host_rss_bytes"] / 1e6, pte_resident_mb=info["pte_resident_bytes"] / 1e6,
+                      device_resident_mb=info["device_resident_bytes"] / 1e6, host_rss_at=info["host_rss_at"])
     return dict(summarize(wall, gpu), device=info["device"], schedule=info["schedule"], process_s=total_s,
                 losses=[r["loss"] for r in json.loads(records.read_text())], peak_rss_mb=info["peak_rss_bytes"] / 1e6,
-                pte_mb=pte_bytes / 1e6, rss_beyond_mapped_mb=(info["peak_rss_bytes"] - pte_bytes) / 1e6,
+                pte_mb=pte_bytes / 1e6, rss_beyond_mapped_mb=(info["peak_rss_bytes"] - pte_bytes) / 1e6, **memory,
+                host_rss_goal_met=None if memory["host_rss_mb"] is None else memory["host_rss_mb"] < GOAL_RSS_MB,
                 buffer_mb=info["buffer_bytes"] / 1e6, dispatches=info["dispatches"], barriers=info["barriers"],
                 gpu_timing="timestamps around the step's command buffer", stdout=result.stdout.strip()[-400:])
 
@@ -163,7 +174,7 @@ def run_command(args) -> int:
         model, batch, seq = model_name(config, pte), config["batch"], config["seq"]
         report = {"model": model, "pte": pte.name, "batch": batch, "seq": seq, "machine": args.machine,
                   "host": platform.node(), "warmup": args.warmup, "steps": args.steps, "lr": LR, "adamw": ADAMW,
-                  "goals": {"host_ms_per_step": GOAL_HOST_MS, "rss_beyond_mapped_mb": GOAL_RSS_MB}, "runs": {}}
+                  "goals": {"host_ms_per_step": GOAL_HOST_MS, "host_rss_mb": GOAL_RSS_MB}, "runs": {}}
         with tempfile.TemporaryDirectory() as folder:
             tokens = token_file(Path(folder), config["model"]["vocab_size"], batch * seq * (args.warmup + args.steps + 2) + 1)
             for profile in (p for p in args.profiles if p in config["profiles"]):
@@ -194,10 +205,20 @@ def print_entry(model: str, profile: str, entry: dict) -> None:
             print(f"  {side:6s} skipped: {r['skipped']}")
             continue
         host = f"{r['host_ms_per_step']:.3f}" if r["host_ms_per_step"] is not None else "n/a"
-        rss = f", peak RSS {r['peak_rss_mb']:.0f} MB ({r['rss_beyond_mapped_mb']:.0f} beyond the mapped .pte)" if side == "native" else ""
-        print(f"  {side:6s} {r['ms_per_step']:.2f} ms/step, host {host} ms/step{rss}")
+        print(f"  {side:6s} {r['ms_per_step']:.2f} ms/step, host {host} ms/step")
+        if side == "native":
+            print(f"         peak RSS {r['peak_rss_mb']:.0f} MB ({r['rss_beyond_mapped_mb']:.0f} beyond the .pte's size); "
+                  + memory_line(r))
     if "losses_bit_identical" in entry:
         print(f"  losses bit-identical: {entry['losses_bit_identical']} (max rel diff {entry['max_rel_loss_diff']:.2e})")
+
+
+def memory_line(r: dict) -> str:
+    if r.get("host_rss_mb") is None:
+        return "host RSS unknown (no /proc/self/smaps)"
+    verdict = "met" if r["host_rss_mb"] < GOAL_RSS_MB else "missed"
+    return (f"host RSS {r['host_rss_mb']:.1f} MB at {r['host_rss_at']} (goal < {GOAL_RSS_MB:.0f} MB: {verdict}), "
+            f"besides {r['pte_resident_mb']:.1f} MB of the .pte and {r['device_resident_mb']:.1f} MB of device memory resident")
 
 
 def plot(paths: list[Path]) -> None:

@@ -427,7 +427,34 @@ def test_staging_copies_give_the_same_training(trainer, spirv_dir, llama, tmp_pa
         assert summary["final_loss"] == records[-1]["loss"] and summary["schedule"] == str(vks)
         children_peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024
         assert summary["buffer_bytes"] < summary["peak_rss_bytes"] <= children_peak
+        _check_rss_parts(summary, pte, mapped=mode == "mapped")
     assert runs["staging"] == runs["mapped"] and len(runs["mapped"][1]) > 100
+
+
+def _check_rss_parts(summary: dict, pte: Path, mapped: bool) -> None:
+    """--summary-json's split of the resident set (sampled from /proc/self/smaps) into the .pte's file pages, device
+    memory mapped into the process and host memory: the parts add up to each sample, no part is negative, the .pte
+    part is at most the file's pages, and with mapped buffers (lavapipe: host-visible, zeroed through the mapping at
+    creation, alive at every sample) the device part holds at least every buffer's bytes."""
+    page = os.sysconf("SC_PAGESIZE")
+    # A sample's total is a page-table walk; getrusage's peak is the kernel's RSS counters, which may trail the
+    # page tables by a batch of pages per thread (64 before Linux 6.2; since then the per-CPU counters' batch,
+    # max(32, 2 * CPUs), per CPU): the slack is that many pages for every thread or CPU lavapipe may run.
+    tasks = 4 * (os.cpu_count() or 1) + 8
+    slack = max(64, 2 * (os.cpu_count() or 1)) * page * tasks
+    samples = summary["rss_samples"]
+    assert [s["at"] for s in samples] == ["opened", "run started", "last step", "end"]
+    for s in samples:
+        parts = (s["host_rss_bytes"], s["pte_resident_bytes"], s["device_resident_bytes"])
+        assert all(0 <= x <= s["rss_bytes"] for x in parts), s
+        assert sum(parts) == s["rss_bytes"] <= summary["peak_rss_bytes"] + slack, (s, summary["peak_rss_bytes"], slack)
+        assert s["pte_resident_bytes"] <= -(-pte.stat().st_size // page) * page, s
+        if mapped:
+            assert s["device_resident_bytes"] >= summary["buffer_bytes"], (s, summary["buffer_bytes"])
+    worst = max(samples, key=lambda s: s["host_rss_bytes"])
+    assert (summary["host_rss_bytes"], summary["host_rss_at"]) == (worst["host_rss_bytes"], worst["at"])
+    assert (summary["pte_resident_bytes"], summary["device_resident_bytes"]) == (
+        worst["pte_resident_bytes"], worst["device_resident_bytes"])
 
 
 def test_the_trainer_runs_clean_under_the_sanitizers(spirv_dir, llama, tmp_path):

@@ -4,6 +4,7 @@
 #include <cstdlib>
 #include <cstring>
 
+#include "resident.h"
 #include "status.h"
 #include "text.h"
 
@@ -393,6 +394,7 @@ Buffer::Buffer(Device& device, uint64_t size, const std::string& name, Kind kind
       void* p = nullptr;
       vk_check(vkMapMemory(d, memory_, 0, VK_WHOLE_SIZE, 0, &p), "vkMapMemory", "buffer '" + name + "'");
       mapped_ = static_cast<uint8_t*>(p);
+      note_device_mapping(mapped_, alloc.allocationSize);  // its resident pages are device memory, not the host's
       std::memset(mapped_, 0, size_);  // contents are defined from the start (the Python runtime's are whatever)
     } else {
       submit_once(device, [&](VkCommandBuffer cb) { vkCmdFillBuffer(cb, buffer_, 0, VK_WHOLE_SIZE, 0); });
@@ -407,7 +409,10 @@ Buffer::~Buffer() { release(); }
 
 void Buffer::release() {
   VkDevice d = device_.handle();
-  if (mapped_) vkUnmapMemory(d, memory_);
+  if (mapped_) {
+    forget_device_mapping(mapped_);
+    vkUnmapMemory(d, memory_);
+  }
   if (buffer_) vkDestroyBuffer(d, buffer_, nullptr);
   if (memory_) vkFreeMemory(d, memory_, nullptr);
   mapped_ = nullptr;

@@ -26,6 +26,7 @@
 #include <vector>
 
 #include "npy.h"
+#include "resident.h"
 #include "safetensors.h"
 #include "status.h"
 #include "text.h"
@@ -93,6 +94,42 @@ uint64_t peak_rss_bytes() {
   struct rusage usage {};
   getrusage(RUSAGE_SELF, &usage);
   return uint64_t(usage.ru_maxrss) * 1024;
+}
+
+// The resident set at one point of the run, split into the .pte's mapped pages, device memory mapped into the
+// process, and the rest: host memory. VmHWM/ru_maxrss is a high-water mark of the total only, so the split is
+// sampled where the total peaks (after loading, after the last step) and the largest host part reported.
+struct RssSample {
+  std::string at;
+  ResidentBytes bytes;
+};
+
+RssSample sample_rss(const std::string& at, const std::string& pte) {
+  struct stat st {};
+  if (stat(pte.c_str(), &st) != 0) return {at, {}};
+  return {at, resident_bytes(st.st_dev, st.st_ino)};
+}
+
+const RssSample* most_host(const std::vector<RssSample>& samples) {  // null where none could be taken
+  const RssSample* worst = nullptr;
+  for (const RssSample& s : samples)
+    if (s.bytes.known && (!worst || s.bytes.host() > worst->bytes.host())) worst = &s;
+  return worst;
+}
+
+std::string rss_json(const std::vector<RssSample>& samples) {
+  const RssSample* worst = most_host(samples);
+  std::string list;
+  for (const RssSample& s : samples) {
+    if (!s.bytes.known) continue;
+    list += std::string(list.empty() ? "" : ",\n") + "    {\"at\": " + json_quote(s.at) + ", \"rss_bytes\": " +
+            num(s.bytes.total) + ", \"pte_resident_bytes\": " + num(s.bytes.file) + ", \"device_resident_bytes\": " +
+            num(s.bytes.device) + ", \"host_rss_bytes\": " + num(s.bytes.host()) + "}";
+  }
+  if (!worst) return ",\n  \"host_rss_bytes\": null,\n  \"rss_samples\": []";
+  return ",\n  \"host_rss_bytes\": " + num(worst->bytes.host()) + ",\n  \"host_rss_at\": " + json_quote(worst->at) +
+         ",\n  \"pte_resident_bytes\": " + num(worst->bytes.file) + ",\n  \"device_resident_bytes\": " +
+         num(worst->bytes.device) + ",\n  \"rss_samples\": [\n" + list + "\n  ]";
 }
 
 struct Args {
@@ -187,6 +224,7 @@ int train(Args& a) {
   vktrain_session* session = nullptr;
   check(vktrain_open(a.pte.c_str(), &options, &session), nullptr);
   struct Closer { vktrain_session* s; ~Closer() { vktrain_close(s); } } closer{session};
+  std::vector<RssSample> rss{sample_rss("opened", a.pte)};
   VKTRAIN_OUTPUT(vktrain_session_info, info);
   check(vktrain_get_info(session, &info), session);
   if (!info.batch_size || !info.seq_len)
@@ -197,6 +235,7 @@ int train(Args& a) {
                    "exported with; pass --lora-alpha (the value given to vktrain export --lora-alpha, default 16)"};
   check(vktrain_start_run(session, tokens.data(), tokens.size(), &a.run), session);
   tokens = std::vector<int64_t>();  // the session holds its copy
+  rss.push_back(sample_rss("run started", a.pte));
   if (!a.resume.empty()) {
     check(vktrain_load_checkpoint(session, a.resume.c_str()), session);
     check(vktrain_get_info(session, &info), session);
@@ -249,6 +288,7 @@ int train(Args& a) {
       check(vktrain_save_checkpoint(session, a.checkpoint.c_str()), session);
   }
   if (a.progress && status == 0) std::fputs("\n", stderr);
+  rss.push_back(sample_rss("last step", a.pte));
   if (!a.json.empty()) write_file_atomically(a.json, "[\n" + records + "\n]\n", "--json");
   if (status != 0) return status;
   if (!a.state_out.empty()) {
@@ -274,9 +314,15 @@ int train(Args& a) {
     check(vktrain_save_adapters(session, a.out_adapters.c_str(), &adapters), session);
     std::printf("%s: wrote the adapters to %s\n", kName, a.out_adapters.c_str());
   }
+  rss.push_back(sample_rss("end", a.pte));
   const uint64_t peak = peak_rss_bytes();
-  std::printf("%s: %lld steps, %.1f ms/step, peak RSS %.1f MiB\n", kName, (long long)done,
+  std::printf("%s: %lld steps, %.1f ms/step, peak RSS %.1f MiB", kName, (long long)done,
               done ? 1e3 * seconds / double(done) : 0.0, peak / 1048576.0);
+  if (const RssSample* worst = most_host(rss))
+    std::printf(" (host memory at most %.1f MiB, at %s; then %.1f MiB of the .pte and %.1f MiB of device memory "
+                "were resident)", worst->bytes.host() / 1048576.0, worst->at.c_str(), worst->bytes.file / 1048576.0,
+                worst->bytes.device / 1048576.0);
+  std::printf("\n");
   if (!a.summary_json.empty()) {
     struct stat st {};
     stat(a.pte.c_str(), &st);
@@ -287,7 +333,7 @@ int train(Args& a) {
                           ",\n  \"final_loss\": " + (info.step ? real(last.loss) : "null") + ",\n  \"ms_per_step\": " +
                           real(done ? 1e3 * seconds / double(done) : 0.0) + ",\n  \"ms_per_step_median\": " +
                           (walls.empty() ? "null" : real(1e3 * median(walls))) + ",\n  \"host_ms_per_step_median\": " +
-                          (hosts.empty() ? "null" : real(1e3 * median(hosts))) + ",\n  \"peak_rss_bytes\": " + num(peak) +
+                          (hosts.empty() ? "null" : real(1e3 * median(hosts))) + ",\n  \"peak_rss_bytes\": " + num(peak) + rss_json(rss) +
                           ",\n  \"pte_bytes\": " + num(uint64_t(st.st_size)) + ",\n  \"buffer_bytes\": " +
                           num(info.buffer_bytes) + ",\n  \"dispatches\": " + num(info.dispatches) + ",\n  \"barriers\": " +
                           num(info.barriers) + ",\n  \"device\": " + json_quote(info.device_name) + ",\n  \"schedule\": " +
