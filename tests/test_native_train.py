@@ -364,18 +364,21 @@ def _bad_dispatches(schedule):
 
 
 def test_a_shader_needing_what_the_device_lacks_never_reaches_the_driver(trainer, spirv_dir, llama, tmp_path):
-    """A module whose SPIR-V declares the cooperative-matrix capability (a tensor-core GEMM put in adamw's place,
-    as a hostile or mismatched shader cache could) is refused before vkCreateShaderModule on a device without
-    VK_KHR_cooperative_matrix, naming the shader and the feature (the driver, or the validation layer, would
-    otherwise meet it)."""
+    """A module whose SPIR-V declares the cooperative-matrix capability (adamw's own module with an `OpCapability
+    CooperativeMatrixKHR` added: its interface unchanged, as a hostile or mismatched shader cache could serve it)
+    is refused before vkCreateShaderModule on a device without VK_KHR_cooperative_matrix, naming the shader and
+    the feature (the driver, or the validation layer, would otherwise meet it)."""
+    import struct
+
     pte, vks, tokens = llama
     cache = tmp_path / "spirv"
     cache.mkdir()
-    tensor_core = next(spirv_dir.glob("coopmat_mm.*.spv")).read_bytes()
+    capability = struct.pack("<II", (2 << 16) | 17, 6022)  # OpCapability CooperativeMatrixKHR
     for file in spirv_dir.glob("*.spv"):
         target = cache / file.name
         if file.name.startswith("adamw."):
-            target.write_bytes(tensor_core)
+            code = file.read_bytes()
+            target.write_bytes(code[:20] + capability + code[20:])  # after the 5-word header: capabilities come first
         else:
             target.symlink_to(file)
     result = _run(trainer, pte, "--schedule-file", vks, "--spirv-dir", cache, "--data", tokens, "--steps", 1, "--lr", 1e-3)
