@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from vktrain import cli
+from vktrain import cli, inspect_command
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -104,10 +104,10 @@ def test_inspect_summarises_the_state_by_kind_and_lists_it_with_verbose(tmp_path
 
     assert cli.main(["inspect", str(pte)]) == 0
     summary = capsys.readouterr().out
-    assert f"mutable state: {len(state)} tensor(s), {cli._format_bytes(sum(nbytes.values()))} (each one: --verbose)" \
+    assert f"mutable state: {len(state)} tensor(s), {inspect_command.format_bytes(sum(nbytes.values()))} (each one: --verbose)" \
         in summary
     for kind, names in kinds.items():
-        assert f"    {kind}: {len(names)} tensor(s), {cli._format_bytes(sum(nbytes[n] for n in names))}" in summary
+        assert f"    {kind}: {len(names)} tensor(s), {inspect_command.format_bytes(sum(nbytes[n] for n in names))}" in summary
     assert not any(name in summary for name in nbytes if "lora" in name)
     assert cli.main(["inspect", str(pte), "--verbose"]) == 0
     listed = capsys.readouterr().out

@@ -29,7 +29,7 @@ LAYER = {
     # 1, runtime side (never imports the AOT side, nor the AOT side it)
     "runtime": 1, "native": 1,
     # 2, the app
-    "train": 2, "fleet": 2, "generate": 2, "executorch_backend": 2, "cli": 2,
+    "train": 2, "fleet": 2, "generate": 2, "executorch_backend": 2, "cli": 2, "inspect_command": 2,
 }
 AOT = {name for name in ("ops", "models", "lora", "export", "partitioner", "backend")}
 RUNTIME = {"runtime", "native"}
