@@ -19,13 +19,10 @@ import numpy as np
 from vktrain.contract import ACCUMULATE_METHOD, GRAD_ACC_PREFIX
 from vktrain.runtime.program.schedules import Planner, bound_executor
 from vktrain.runtime.delegate.executor import GraphExecutor
-from vktrain.runtime.program.interpreter import (
-    ProgramInterpreter, check_instructions_supported, check_loss_output, check_storageless_tensors, plan_input_names
-)
+from vktrain.runtime.program.interpreter import ProgramInterpreter, verify_method
 from vktrain.runtime.program.step_inputs import check_input_names, checked_input, step_input_specs
 from vktrain.serialization.pte import PteFile
-from vktrain.serialization.verify import (UnsupportedProgramError, check_device_memory, device_memory_bytes,
-                                          load_delegate_graph, verify_plan)
+from vktrain.serialization.verify import UnsupportedProgramError, check_device_memory, device_memory_bytes
 from vktrain.serialization import graph as g
 
 
@@ -42,14 +39,9 @@ class AccumulateMethod:
             raise UnsupportedProgramError(
                 f"{pte.source} has no {ACCUMULATE_METHOD!r} method (it has {pte.method_names}): gradient "
                 f"accumulation needs a .pte exported with it (vktrain export --grad-accum)")
-        plan = pte.execution_plan(ACCUMULATE_METHOD)
-        check_instructions_supported(pte, plan, has_delegate=True)
-        check_storageless_tensors(pte, plan)
-        verify_plan(pte, plan, host_memory_limit)
-        call, self.graph = load_delegate_graph(pte, plan, verify_constants=verify_constants)
-        check_loss_output(pte, plan, call, self.graph)
-        self._input_names = plan_input_names(pte, plan, call, self.graph, accepted=None, required=(),
-                                             what="an accumulate method")
+        verified = verify_method(pte, ACCUMULATE_METHOD, what="an accumulate method",
+                                 verify_constants=verify_constants, host_memory_limit=host_memory_limit)
+        plan, self.graph, self._input_names = verified.plan, verified.graph, verified.input_names
         self.input_specs = step_input_specs(plan, self._input_names)
         self._source = str(pte.source)
         state = training.shared_state()

@@ -22,13 +22,10 @@ from vktrain.contract import EVAL_INPUTS, EVAL_METHOD, LABELS, MODEL_PREFIX, N_V
 from vktrain.runtime.program.schedules import Planner, bound_executor
 from vktrain.runtime.delegate.executor import ExecutorInputError, GraphExecutor
 from vktrain.serialization.pte import PteFile
-from vktrain.runtime.program.interpreter import (
-    ProgramInterpreter, VerifiedTrainingProgram, check_instructions_supported, check_loss_output,
-    check_storageless_tensors, plan_input_names
-)
+from vktrain.runtime.program.interpreter import ProgramInterpreter, VerifiedTrainingProgram, verify_method
 from vktrain.serialization.verify import UnsupportedProgramError
 from vktrain.runtime.program.step_inputs import check_input_names, checked_input, document_inputs, step_input_specs
-from vktrain.serialization.verify import check_device_memory, device_memory_bytes, load_delegate_graph, verify_plan
+from vktrain.serialization.verify import check_device_memory, device_memory_bytes
 from vktrain.serialization import graph as g
 
 
@@ -40,15 +37,8 @@ def verify_eval_method(pte: PteFile, *, verify_constants: bool = True,
             f"{pte.source} has no {EVAL_METHOD!r} method (it has {pte.method_names}): it was exported without "
             f"one; export the step and its eval method together (vktrain export does; for a module of your "
             f"own, export_training_and_eval_steps)")
-    plan = pte.execution_plan(EVAL_METHOD)
-    check_instructions_supported(pte, plan, has_delegate=True)
-    check_storageless_tensors(pte, plan)
-    verify_plan(pte, plan, host_memory_limit)
-    call, graph = load_delegate_graph(pte, plan, verify_constants=verify_constants)
-    check_loss_output(pte, plan, call, graph)
-    # Any names: a user module's eval method takes its loss's inputs (the token models' EVAL_INPUTS).
-    names = plan_input_names(pte, plan, call, graph, accepted=None, required=(), what="an eval method")
-    return VerifiedTrainingProgram(plan, graph, names)
+    return verify_method(pte, EVAL_METHOD, what="an eval method", verify_constants=verify_constants,
+                         host_memory_limit=host_memory_limit)
 
 
 class EvalMethod:

@@ -211,21 +211,30 @@ class VerifiedTrainingProgram:
     input_names: list[str]  # name of each plan input: the delegate graph input it feeds
 
 
-def verify_training_program(pte: PteFile, method: str = "forward", *, verify_constants: bool = True,
-                            host_memory_limit: Optional[int] = None) -> VerifiedTrainingProgram:
-    """Every check a training step's .pte must pass before the runner allocates anything (see verify.py);
-    the device's memory is checked once the device is open (check_device_memory)."""
+def verify_method(pte: PteFile, method: str, *, what: str, verify_constants: bool = True,
+                  host_memory_limit: Optional[int] = None) -> VerifiedTrainingProgram:
+    """Every host-side check of one of the .pte's methods that computes a loss (the training step, its eval and
+    accumulate methods) before anything is allocated (see verify.py); its inputs may take any names (a user
+    module's method takes its loss's inputs). `what` names the method in errors ("an eval method")."""
     plan = pte.execution_plan(method)
     check_instructions_supported(pte, plan, has_delegate=True)
     check_storageless_tensors(pte, plan)
     verify_plan(pte, plan, host_memory_limit)
     call, graph = load_delegate_graph(pte, plan, verify_constants=verify_constants)
     check_loss_output(pte, plan, call, graph)
-    # Any names (a user module's step takes its loss's inputs); hparams is optional: without it the
-    # program's hyper-parameters are baked (TrainingRunner.takes_hparams).
-    names = plan_input_names(pte, plan, call, graph, accepted=None, required=())
-    check_hparams_input(pte, plan, names)
+    names = plan_input_names(pte, plan, call, graph, accepted=None, required=(), what=what)
     return VerifiedTrainingProgram(plan, graph, names)
+
+
+def verify_training_program(pte: PteFile, method: str = "forward", *, verify_constants: bool = True,
+                            host_memory_limit: Optional[int] = None) -> VerifiedTrainingProgram:
+    """Every check a training step's .pte must pass before the runner allocates anything (verify_method);
+    the device's memory is checked once the device is open (check_device_memory). hparams is optional: without
+    it the program's hyper-parameters are baked (TrainingRunner.takes_hparams)."""
+    program = verify_method(pte, method, what="a training step", verify_constants=verify_constants,
+                            host_memory_limit=host_memory_limit)
+    check_hparams_input(pte, program.plan, program.input_names)
+    return program
 
 
 def check_hparams_input(pte: PteFile, plan: ExecutionPlan, names: list[str]) -> None:
