@@ -41,7 +41,9 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
 
+from bench_attention_kernels import _rel_err, reference  # noqa: E402  (float64 attention, the fp32 kernels' check)
 from vktrain.backend.kernel_planning.kernels import attention, coopmat_attention  # noqa: E402
 from vktrain.backend.kernel_planning.kernels.coopmat import coopmat_supported  # noqa: E402
 from vktrain.runtime import Buffer, Device, Program  # noqa: E402
@@ -93,39 +95,6 @@ def load_modules(kind: str) -> dict[str, SimpleNamespace]:
             raise SystemExit(f"{directory / entry['file']} is not the file its manifest names")
         modules[shader] = SimpleNamespace(code=code)
     return modules
-
-
-def reference(q, k, v, d_out, scale: float) -> dict[str, np.ndarray]:
-    """float64 causal attention forward and backward, head by head, in vktrain's layouts."""
-    B, S, Hq, _ = q.shape
-    group = Hq // k.shape[2]
-    q, k, v, d_out = (a.astype(np.float64) for a in (q, k, v, d_out))
-    out, d_q = np.zeros_like(q), np.zeros_like(q)
-    d_k, d_v = np.zeros_like(k), np.zeros_like(v)
-    lse = np.zeros((B, Hq, S))
-    future = np.triu(np.ones((S, S), bool), 1)
-    for b in range(B):
-        for h in range(Hq):
-            kv = h // group
-            scores = scale * (q[b, :, h] @ k[b, :, kv].T)
-            scores[future] = -np.inf
-            row_max = scores.max(axis=1, keepdims=True)
-            p = np.exp(scores - row_max)
-            total = p.sum(axis=1, keepdims=True)
-            lse[b, h] = (row_max + np.log(total))[:, 0]
-            p /= total
-            out[b, :, h] = p @ v[b, :, kv]
-            d_p = d_out[b, :, h] @ v[b, :, kv].T
-            d_s = p * (d_p - (d_out[b, :, h] * out[b, :, h]).sum(axis=1, keepdims=True))
-            d_q[b, :, h] = scale * d_s @ k[b, :, kv]
-            d_k[b, :, kv] += scale * d_s.T @ q[b, :, h]
-            d_v[b, :, kv] += p.T @ d_out[b, :, h]
-    return {"out": out, "lse": lse, "d_q": d_q, "d_k": d_k, "d_v": d_v}
-
-
-def _rel_err(actual: np.ndarray, expected: np.ndarray) -> float:
-    actual, expected = np.asarray(actual, np.float64).ravel(), np.asarray(expected, np.float64).ravel()
-    return float(np.linalg.norm(actual - expected) / max(np.linalg.norm(expected), 1e-300))
 
 
 def _median_ms(program, replays: int, warmup: int) -> float:
