@@ -45,7 +45,6 @@ from bench_timing import median_cuda_ms  # noqa: E402
 from vktrain import quant  # noqa: E402
 from vktrain.runtime import Buffer, Device, Program  # noqa: E402
 from vktrain.backend.kernel_planning.kernels.coopmat import (  # noqa: E402
-    absmax_scratch_nbytes,
     coopmat_supported,
     plan_coopmat_linear_q4gsw,
     plan_coopmat_linear_q4gsw_backward,
@@ -57,6 +56,7 @@ from vktrain.backend.kernel_planning.kernels.coopmat_tiling import (  # noqa: E4
     TILINGS,
     default_tiling,
 )
+from vktrain.backend.kernel_planning.kernels.gemm_passes import absmax_scratch_nbytes  # noqa: E402
 from vktrain.backend.kernel_planning.kernels.linear import plan_linear_q4gsw, plan_scratch_nbytes, prepack_weights  # noqa: E402
 from vktrain.backend.kernel_planning.kernels.matmul import gemm_scratch_nbytes, plan_mm  # noqa: E402
 
