@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import platform
 import statistics
 import sys
@@ -55,6 +54,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # its PyTorch and repo
 from vktrain import quant  # noqa: E402
 from vktrain.contract import PRECISION_CHOICES, PRECISION_FP32  # noqa: E402
 
+from bench_step_gemm_rates import add_rates, add_torch_rates, gemm_shapes  # noqa: E402
 from bench_step_report import plot, print_report  # noqa: E402
 from bench_results import out_error, runs, write_run  # noqa: E402
 from bench_step_torch import TORCH_VARIANTS, load_torch, time_torch  # noqa: E402
@@ -274,37 +274,6 @@ def _top(totals: dict[str, list[float]], steps: int, limit: int) -> list[dict[st
     return sorted(rows, key=lambda r: -r["ms"])[:limit]
 
 
-# The GEMM ops whose time `top_gemms` splits by shape (M x N x K of the product each computes).
-GEMM_OPS = ("aten.mm.default", "vktrain.linear_q4gsw.default", "vktrain.linear_q4gsw_backward.default",
-            "vktrain.linear_dW.default")
-
-
-def gemm_shapes(executor) -> dict[int, str]:
-    """Op index -> "op MxNxK (operand layout)" for the GEMM ops of an executor's graph: the key under which
-    `top_gemms` adds up their dispatches (split-K reductions and absmax passes included)."""
-    from vktrain.serialization import graph as vk
-
-    graph = executor.graph
-    shapes = {}
-    for index, op in enumerate(executor.ops):
-        if op.name not in GEMM_OPS:
-            continue
-        tensors = [graph.tensor(v) for v in op.args[:3] if isinstance(graph.values[v], vk.TensorValue)]
-        out = list(graph.tensor(op.outputs[0]).shape)
-        rows = math.prod(out[:-1])
-        if op.name == "aten.mm.default":
-            a, b = tensors[0], tensors[1]
-            layout = "".join("T" if t.view_strides else "N" for t in (a, b))  # T: a strided (transposed) view
-            shapes[index] = f"mm {a.shape[0]}x{b.shape[1]}x{a.shape[1]} {layout}"
-        elif op.name == "vktrain.linear_dW.default":
-            d_out, x = tensors[0], tensors[1]
-            shapes[index] = f"linear_dW {d_out.shape[-1]}x{x.shape[-1]}x{math.prod(d_out.shape[:-1])}"
-        else:
-            first = tensors[0]
-            shapes[index] = f"{op.name.split('.')[1]} {rows}x{out[-1]}x{first.shape[-1]}"
-    return shapes
-
-
 def time_vulkan(runner, config: BenchConfig, batches, warmup: int, steps: int, top: int) -> dict[str, Any]:
     """Warm up, then time `steps` steps: wall clock per step and GPU timestamps by op kind, shader and
     GEMM shape."""
@@ -343,7 +312,7 @@ def time_vulkan(runner, config: BenchConfig, batches, warmup: int, steps: int, t
         "dispatches_per_step": len(shaders),
         "top_ops": _top(by_op, steps, top) if by_op else [],
         "top_shaders": _top(by_shader, steps, top) if by_shader else [],
-        "top_gemms": _top(by_gemm, steps, top) if by_gemm else [],
+        "top_gemms": add_rates(_top(by_gemm, steps, top), shapes) if by_gemm else [],
         "losses": losses,
     }
 
@@ -468,6 +437,8 @@ def run_one(path: Path, device, args, torch, torch_device, torch_note: str | Non
     finally:
         runner.close()  # frees the Vulkan buffers before the baseline allocates its own
 
+    if arrays is not None and torch_device.type == "cuda":
+        add_torch_rates(torch, record["vk"]["top_gemms"])
     if arrays is not None:
         variants = record["torch_variants"] = {}
         vk_losses = record["vk"]["losses"]

@@ -46,6 +46,14 @@ def print_report(records: list[dict[str, Any]], top: int) -> None:
               f"GPU total {r['vk']['gpu_ms_per_step']:.2f} ms, wall {r['vk']['ms_per_step']:.2f} ms)")
         for op in ops:
             print(f"  {op['name']:48s} {op['dispatches']:5d} x {op['ms']:9.3f} ms {100 * op['share']:5.1f} %")
+        gemms = r["vk"].get("top_gemms") or []
+        if gemms:
+            print(f"{r['config']}: GEMMs by shape (M x N x K; TFLOP/s with their absmax and split-K passes; torch's "
+                  f"fp16 matmul at the same shape where measured)")
+        for gemm in gemms:
+            torch_rate = gemm.get("torch_float16_tflops")
+            print(f"  {gemm['name']:40s} {gemm['count']:4d} x {gemm['ms']:8.3f} ms {_fmt(gemm['tflops'], '7.1f')} TFLOP/s"
+                  + (f"  torch fp16 {torch_rate:6.1f} ({100 * gemm['of_torch_fp16']:.0f} %)" if torch_rate else ""))
 
 
 def plot(records: list[dict[str, Any]], meta: dict[str, Any], path: Path) -> str:
