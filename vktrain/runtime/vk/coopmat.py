@@ -82,21 +82,49 @@ def _properties(vk: Any, instance: Any, physical_device: Any) -> tuple[Cooperati
         for e in (entries[i] for i in range(count[0])))
 
 
+# VK_NV_cooperative_matrix2 (workgroup scope, flexible dimensions, tensor addressing, decode in the load):
+# the Python binding (vulkan 1.3.275) predates it, so its feature struct is written as raw words:
+# VkPhysicalDeviceCooperativeMatrix2FeaturesNV {sType, pNext, 7 x VkBool32} (48 bytes on a 64-bit host).
+NV_COOPMAT2_EXTENSION = "VK_NV_cooperative_matrix2"
+NV_COOPMAT2_FEATURES_STYPE = 1000593000  # VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_COOPERATIVE_MATRIX_2_FEATURES_NV
+NV_COOPMAT2_FEATURES = ("cooperativeMatrixWorkgroupScope", "cooperativeMatrixFlexibleDimensions",
+                        "cooperativeMatrixReductions", "cooperativeMatrixConversions",
+                        "cooperativeMatrixPerElementOperations", "cooperativeMatrixTensorAddressing",
+                        "cooperativeMatrixBlockLoads")
+_FEATURE_WORD = 4  # the first VkBool32 after sType (4 bytes), padding (4) and pNext (8)
+
+
+def _nv_coopmat2_struct(vk: Any, values: tuple[int, ...] = (0,) * len(NV_COOPMAT2_FEATURES)) -> Any:
+    words = vk.ffi.new("uint32_t[12]")
+    words[0] = NV_COOPMAT2_FEATURES_STYPE
+    for index, value in enumerate(values):
+        words[_FEATURE_WORD + index] = value
+    return words
+
+
 @dataclass
 class CooperativeMatrixSupport:
     """What device creation needs: the feature struct to chain (keep it alive until vkCreateDevice
-    returns), the extension to enable, and the supported shapes."""
+    returns), the extensions to enable, and the supported shapes. `nv_coopmat2`: the VK_NV_cooperative_matrix2
+    features enabled (empty where the device lacks the extension); its raw struct hangs off feature_struct."""
 
     feature_struct: Any
     extension: str
     properties: tuple[CooperativeMatrixShape, ...]
+    nv_coopmat2: frozenset = frozenset()
+    nv_coopmat2_struct: Any = None
+
+    @property
+    def extensions(self) -> list[str]:
+        return [self.extension] + ([NV_COOPMAT2_EXTENSION] if self.nv_coopmat2 else [])
 
 
-def query_cooperative_matrix(vk: Any, instance: Any, physical_device: Any, api_version: int
-                             ) -> CooperativeMatrixSupport | None:
+def query_cooperative_matrix(vk: Any, instance: Any, physical_device: Any, api_version: int, *,
+                             nv_coopmat2: bool = False) -> CooperativeMatrixSupport | None:
     """The device's cooperative-matrix support, or None where it has no usable VK_KHR_cooperative_matrix
     (extension absent, feature off, or a Vulkan 1.1 device without the 1.2 feature structs the
-    kernels' fp16 arithmetic and memory model need)."""
+    kernels' fp16 arithmetic and memory model need). `nv_coopmat2`: also enable every VK_NV_cooperative_matrix2
+    feature the device has (no product kernel uses them yet: scripts/probe_coopmat2.py asks)."""
     if api_version < vk.VK_MAKE_VERSION(1, 2, 0) or EXTENSION_NAME not in device_extensions(vk, physical_device):
         return None
     supported = vk.VkPhysicalDeviceCooperativeMatrixFeaturesKHR(
@@ -108,4 +136,15 @@ def query_cooperative_matrix(vk: Any, instance: Any, physical_device: Any, api_v
         return None
     wanted = vk.VkPhysicalDeviceCooperativeMatrixFeaturesKHR(
         sType=vk.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_COOPERATIVE_MATRIX_FEATURES_KHR, cooperativeMatrix=1)
-    return CooperativeMatrixSupport(wanted, EXTENSION_NAME, _properties(vk, instance, physical_device))
+    support = CooperativeMatrixSupport(wanted, EXTENSION_NAME, _properties(vk, instance, physical_device))
+    if nv_coopmat2 and NV_COOPMAT2_EXTENSION in device_extensions(vk, physical_device):
+        query = _nv_coopmat2_struct(vk)
+        features2 = vk.VkPhysicalDeviceFeatures2(sType=vk.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_FEATURES_2,
+                                                 pNext=vk.ffi.cast("void*", query))
+        vk.vkGetPhysicalDeviceFeatures2(physical_device, features2)
+        values = tuple(int(query[_FEATURE_WORD + i]) for i in range(len(NV_COOPMAT2_FEATURES)))
+        if any(values):
+            support.nv_coopmat2 = frozenset(n for n, v in zip(NV_COOPMAT2_FEATURES, values) if v)
+            support.nv_coopmat2_struct = _nv_coopmat2_struct(vk, values)
+            wanted.pNext = vk.ffi.cast("void*", support.nv_coopmat2_struct)
+    return support

@@ -196,11 +196,13 @@ class Device:
     `selector`: index or name substring of the physical device (default: env VKTRAIN_DEVICE, else the
     best by type). `validation`: enable the Khronos validation layer (default: env VKTRAIN_VALIDATION).
     `memory_block_bytes`: the size of the shared device-memory blocks buffers are placed in.
-    Use as a context manager or call `close()`.
+    `nv_cooperative_matrix2`: also enable VK_NV_cooperative_matrix2's features where the device has them
+    (`nv_cooperative_matrix2` then names them; no product kernel needs them yet). Use as a context manager or call `close()`.
     """
 
     def __init__(self, selector: str | int | None = None, *, validation: bool | None = None,
-                 app_name: str = "vktrain", memory_block_bytes: int = DEFAULT_BLOCK_BYTES):
+                 app_name: str = "vktrain", memory_block_bytes: int = DEFAULT_BLOCK_BYTES,
+                 nv_cooperative_matrix2: bool = False):
         self.vk = vk = load_vulkan()
         self._closed = False
         self._children: dict[int, Any] = {}
@@ -213,6 +215,7 @@ class Device:
         self._collector = _ValidationCollector()
         self._collector_handle = vk.ffi.new_handle(self._collector)
         self.memory = DeviceMemory(self, memory_block_bytes)
+        self._want_nv_coopmat2 = nv_cooperative_matrix2  # enable VK_NV_cooperative_matrix2 where present (probes)
         if validation is None:
             validation = _env_flag(VALIDATION_ENV)
         if selector is None:
@@ -387,13 +390,15 @@ class Device:
         self.features = frozenset(enabled)
         # VK_KHR_cooperative_matrix where present (its shaders also need fp16 and the Vulkan memory
         # model); the supported shapes stay in cooperative_matrix_properties (empty: none).
-        coopmat = query_cooperative_matrix(vk, self._instance, self.physical_device, self.api_version)
+        coopmat = query_cooperative_matrix(vk, self._instance, self.physical_device, self.api_version,
+                                           nv_coopmat2=self._want_nv_coopmat2)
         if coopmat is not None and {"shaderFloat16", "vulkanMemoryModel"} <= enabled:
             want12.pNext = vk.ffi.addressof(coopmat.feature_struct)
         else:
             coopmat = None
-        extensions = [coopmat.extension] if coopmat is not None else []
+        extensions = coopmat.extensions if coopmat is not None else []
         self.cooperative_matrix_properties = coopmat.properties if coopmat is not None else ()
+        self.nv_cooperative_matrix2 = coopmat.nv_coopmat2 if coopmat is not None else frozenset()
 
         priorities = [1.0]
         queue_info = vk.VkDeviceQueueCreateInfo(
