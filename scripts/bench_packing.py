@@ -50,8 +50,9 @@ def export(args) -> None:
     batch, seq = args.shape
     for packing in ("documents", "none"):
         out = Path(args.out_dir) / f"packing_{packing}_{batch}x{seq}.pte"
-        code = main(["export", "--model", args.model, "--lora-rank", "16", "--batch", str(batch), "--seq", str(seq),
-                     "--packing", packing, "--calibration-data", "none", "--out", str(out), "--overwrite"])
+        code = main(["export", "--model", args.model, "--lora-rank", "16", "--lora-alpha", str(args.lora_alpha),
+                     "--batch", str(batch), "--seq", str(seq), "--packing", packing, "--calibration-data", "none",
+                     "--out", str(out), "--overwrite"])
         if code:
             sys.exit(code)
 
@@ -93,7 +94,7 @@ def _positions(batch) -> dict:
     return {"positions": batch[2]} if len(batch) > 2 else {}
 
 
-def run(args) -> None:
+def run(args) -> dict:
     from vktrain.runtime.program.runner import TrainingRunner
     from vktrain.backend.kernel_planning import plan_schedule
     from vktrain.serialization.tokenizer import program_tokenizer
@@ -126,6 +127,7 @@ def run(args) -> None:
     print(text)
     if args.out:
         Path(args.out).write_text(text + "\n")
+    return results
 
 
 def main() -> None:
@@ -135,6 +137,7 @@ def main() -> None:
     exporting.add_argument("--model", default=MODEL)
     exporting.add_argument("--shape", type=parse_shape, default=(4, 512))
     exporting.add_argument("--out-dir", default=str(REPO_ROOT / "bench"))
+    exporting.add_argument("--lora-alpha", type=float, default=16.0)
     running = commands.add_parser("run", help="time both on this machine's device")
     running.add_argument("packed", help="the .pte exported with --packing documents")
     running.add_argument("padded", help="the .pte exported without (--packing none)")

@@ -25,6 +25,7 @@ BENCHMARKS = {
     "step_gemms": ("bench_step_gemms.py", False), "coopmat2_probe": ("probe_coopmat2.py run", False),
     "coopmat_a16_probe": ("by hand: bench/README.md", False),
     "drift": ("bench_drift.py", True), "export": ("bench_export.py", True),
+    "features": ("bench_features.py run", True),
     "federate": ("bench_federate.py run", True), "load": ("bench_load.py", True),
     "fleet_scale": ("bench_fleet_scale.py run", True), "long_context": ("bench_long_context.py export|run", True),
     "kernels": ("bench_kernels.py [--smollm2]", True), "native": ("bench_native.py run", True),

@@ -26,18 +26,24 @@ def wrong_by_ten(answer: str) -> str:
     return answer[:match.start()] + text + answer[match.end():]
 
 
+def conversion_pairs(chats: Path, limit: int | None = None) -> list[dict]:
+    """The pairs of the first `limit` chats of a chat .jsonl (module docstring)."""
+    rows = []
+    for line in chats.read_text(encoding="utf-8").splitlines()[:limit]:
+        messages = json.loads(line)["messages"]
+        answer = messages[-1]["content"]
+        rows.append({"prompt": messages[:-1], "chosen": [messages[-1]],
+                     "rejected": [{"role": "assistant", "content": wrong_by_ten(answer)}]})
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("chats", type=Path)
     parser.add_argument("out", type=Path)
     parser.add_argument("--limit", type=int, default=None)
     args = parser.parse_args()
-    rows = []
-    for line in args.chats.read_text(encoding="utf-8").splitlines()[:args.limit]:
-        messages = json.loads(line)["messages"]
-        answer = messages[-1]["content"]
-        rows.append({"prompt": messages[:-1], "chosen": [messages[-1]],
-                     "rejected": [{"role": "assistant", "content": wrong_by_ten(answer)}]})
+    rows = conversion_pairs(args.chats, args.limit)
     args.out.write_text("".join(json.dumps(row) + "\n" for row in rows), encoding="utf-8")
     print(f"wrote {args.out}: {len(rows)} pairs")
 

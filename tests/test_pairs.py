@@ -138,8 +138,6 @@ def test_dpo_from_the_command_line(tmp_path, bpe, capsys):  # noqa: F811
     assert main(["train", str(pte), "--data", str(pairs), "--steps", "4", "--lr", "5e-2", "--no-progress",
                  "--grad-accum", "2", "--json", str(records)]) == 0
     losses = [record["loss"] for record in json.loads(records.read_text())]
-    assert main(["train", str(pte), "--data", str(pairs), "--steps", "1", "--eval-data", str(pairs)]) == 2
-    assert "whose held-out evaluation vktrain train does not run yet" in capsys.readouterr().err
     assert len(losses) == 4 and losses[0] == pytest.approx(np.log(2), rel=1e-6) and losses[2] != losses[0]
 
 

@@ -1,12 +1,13 @@
 """`vktrain train --keep-best[=loss|accuracy]` and `--early-stopping N`: the adapters of the lowest held-out
-loss (or of the highest held-out exact-match accuracy, with --eval-generate), not the last, and a run that
-stops once that measure stops improving (torch-free).
+loss (or of the highest held-out exact-match accuracy, with --eval-generate; of a preference step, the highest
+reward accuracy on its held-out pairs), not the last, and a run that stops once that measure stops improving
+(torch-free).
 
 Candidates are the held-out evaluations after steps (every --eval-every steps and after the last step),
-compared by their eval_loss (or eval_accuracy); the first of equal values is kept. The comparison reads the run's records,
-so a resumed run goes on from its checkpoint's evaluations. A new best is written at once, atomically,
-as a complete checkpoint next to --checkpoint (<stem>.best<suffix>: `--resume` takes it), and its
-adapters become what --out-adapters / --out-gguf-adapter write at the end. `--early-stopping N` ends the
+compared by their eval_loss (or eval_accuracy, eval_reward_accuracy); the first of equal values is kept. The
+comparison reads the run's records, so a resumed run goes on from its checkpoint's evaluations. A new best is
+written at once, atomically, as a complete checkpoint next to --checkpoint (<stem>.best<suffix>: `--resume`
+takes it), and its adapters become what --out-adapters / --out-gguf-adapter write at the end. `--early-stopping N` ends the
 run after N evaluations in a row without a new best, saying so (the last state is checkpointed as usual).
 """
 from __future__ import annotations
@@ -23,17 +24,22 @@ from tqdm import tqdm
 from vktrain.train.checkpoint import (Checkpoint, capture_state, load_checkpoint, remove_stale_temp_files,
                                      save_checkpoint)
 from vktrain.train.held_out_accuracy import EVAL_ACCURACY
+from vktrain.train.preference_eval import EVAL_REWARD_ACCURACY
 from vktrain.train.train_loop import TrainConfigError
 
 EVAL_LOSS = "eval_loss"
-# --keep-best's value -> (the record key compared, whether higher is better, how it is named)
-METRICS = {"loss": (EVAL_LOSS, False, "held-out loss"), "accuracy": (EVAL_ACCURACY, True, "held-out accuracy")}
+# The measure compared (best_metric: --keep-best's value, and the step's kind) -> (the record key compared,
+# whether higher is better, how it is named)
+METRICS = {"loss": (EVAL_LOSS, False, "held-out loss"), "accuracy": (EVAL_ACCURACY, True, "held-out accuracy"),
+           "reward_accuracy": (EVAL_REWARD_ACCURACY, True, "held-out reward accuracy")}
+KEEP_BEST_CHOICES = ("loss", "accuracy")
 
 
 def add_best_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--keep-best", nargs="?", const="loss", default=None, choices=tuple(METRICS),
+    parser.add_argument("--keep-best", nargs="?", const="loss", default=None, choices=KEEP_BEST_CHOICES,
                         help="with --eval-data and --eval-every: keep the state of the lowest held-out loss (or, "
-                             "`--keep-best accuracy` with --eval-generate, of the highest exact-match accuracy; the "
+                             "`--keep-best accuracy` with --eval-generate, of the highest exact-match accuracy, or on a "
+                             "preference step of the highest reward accuracy; the "
                              "word after --keep-best is its value only if it is loss or accuracy, so `--keep-best "
                              "step.pte` is --keep-best=loss and the program) as "
                              "CHECKPOINT's <stem>.best<suffix> (written at each new best) and write its adapters "
@@ -58,14 +64,25 @@ def check_best_arguments(args: argparse.Namespace) -> None:
             raise TrainConfigError(f"{flag} compares held-out losses: it needs --eval-data FILE and --eval-every N "
                                    f"(got {'--eval-data' if args.eval_data else 'no --eval-data'}, --eval-every "
                                    f"{args.eval_every})")
-    if args.keep_best == "accuracy" and not getattr(args, "eval_generate", False):
-        raise TrainConfigError("--keep-best accuracy compares the held-out exact-match accuracy: it needs "
-                               "--eval-generate (and --eval-data FILE of chats)")
     if args.early_stopping is not None and args.early_stopping < 1:
         raise TrainConfigError(f"--early-stopping must be >= 1 evaluation, got {args.early_stopping}")
     if args.keep_best and not (args.checkpoint or args.resume or args.out_adapters or args.out_gguf_adapter):
         raise TrainConfigError("--keep-best needs --checkpoint PATH (the best state is kept next to it) or "
                                "--out-adapters DIR / --out-gguf-adapter FILE (written from the best state)")
+
+
+def best_metric(args: argparse.Namespace, preference: bool) -> str:
+    """The METRICS entry --keep-best compares: the loss, or with `--keep-best accuracy` the exact-match accuracy
+    (--eval-generate) or, on a preference step (`preference`), the reward accuracy of its held-out pairs."""
+    if args.keep_best != "accuracy":
+        return "loss"
+    if preference:
+        return "reward_accuracy"
+    if not getattr(args, "eval_generate", False):
+        raise TrainConfigError("--keep-best accuracy compares the held-out exact-match accuracy: it needs "
+                               "--eval-generate (and --eval-data FILE of chats); on a preference step (vktrain export "
+                               "--objective dpo|simpo|orpo) it compares the reward accuracy of the --eval-data pairs")
+    return "accuracy"
 
 
 def best_so_far(records: list[dict], metric: str = "loss") -> Optional[tuple[int, float, int]]:
@@ -84,9 +101,9 @@ class BestKeeper:
     """The after_step hook (wrapping the held-out evaluation's) and the stop test of `train`."""
 
     def __init__(self, args: argparse.Namespace, runner, state, program_sha256: str,
-                 make_checkpoint: Callable[[list[dict], dict], Checkpoint]):
+                 make_checkpoint: Callable[[list[dict], dict], Checkpoint], metric: str = "loss"):
         self.keep, self.patience = args.keep_best is not None, args.early_stopping
-        self.metric = args.keep_best or "loss"
+        self.metric = metric
         self.key, _, self.what = METRICS[self.metric]
         checkpoint = args.checkpoint or args.resume
         self.path = best_checkpoint_path(checkpoint) if self.keep and checkpoint else None
@@ -99,9 +116,9 @@ class BestKeeper:
 
     @classmethod
     def for_run(cls, args: argparse.Namespace, runner, state, program_sha256: str, batches,
-                config: dict) -> Optional["BestKeeper"]:
+                config: dict, metric: str = "loss") -> Optional["BestKeeper"]:
         """The keeper of a `vktrain train` run (None without --keep-best and --early-stopping); `config`:
-        run_config of the run, recorded in the best checkpoint as in the others."""
+        run_config of the run, recorded in the best checkpoint as in the others; `metric`: best_metric's."""
         if not (args.keep_best is not None or args.early_stopping is not None):
             return None
 
@@ -109,7 +126,7 @@ class BestKeeper:
             return Checkpoint(records[-1]["step"], state.data_position, program_sha256, batches.fingerprint,
                               batches.seed, tensors, records, config, source=str(best_checkpoint_path(
                                   args.checkpoint or args.resume)))
-        return cls(args, runner, state, program_sha256, make_checkpoint)
+        return cls(args, runner, state, program_sha256, make_checkpoint, metric)
 
     def wrap(self, evaluate: Callable[[int], dict]) -> Callable[[int], dict]:
         def after_step(step: int) -> dict:
@@ -153,4 +170,5 @@ class BestKeeper:
                   + (f"; its checkpoint: {self.path}" if self.path is not None else ""))
 
 
-__all__ = ["BestKeeper", "add_best_arguments", "best_checkpoint_path", "best_so_far", "check_best_arguments"]
+__all__ = ["BestKeeper", "add_best_arguments", "best_checkpoint_path", "best_metric", "best_so_far",
+           "check_best_arguments"]

@@ -38,7 +38,7 @@ from vktrain.train.checkpoint import (
     restore_state,
     sha256_file,
 )
-from vktrain.train.best import BestKeeper, add_best_arguments, check_best_arguments
+from vktrain.train.best import BestKeeper, add_best_arguments, best_metric, check_best_arguments
 from vktrain.train.held_out_accuracy import (accuracy_evaluation, add_accuracy_arguments, check_accuracy_arguments,
                                              describe_accuracy)
 from vktrain.train.pairs import OBJECTIVE_NAMES, load_program_pairs, preference_objective
@@ -142,11 +142,14 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     parser.add_argument("--plot", metavar="FILE.png", help="write the loss curve of the whole run as a PNG")
     parser.add_argument("--eval-data", metavar="FILE",
                         help="held-out token data: its loss (the .pte's eval method) is printed before training, "
-                             "every --eval-every steps and after the last step, and recorded as eval_loss in --json")
+                             "every --eval-every steps and after the last step, and recorded as eval_loss in --json; "
+                             "for a preference step (dpo / simpo / orpo), held-out pairs: their mean preference loss "
+                             "(eval_loss) and reward accuracy (eval_reward_accuracy), as vktrain eval reports them")
     parser.add_argument("--eval-every", type=int, default=0, metavar="N",
                         help="with --eval-data: evaluate every N steps (default 0: only before and after training)")
     parser.add_argument("--eval-batches", type=int, metavar="N",
-                        help="with --eval-data: evaluate only its first N batches (default: all of it)")
+                        help="with --eval-data: evaluate only its first N batches (a preference step: its first N "
+                             "pairs; default: all of it)")
     parser.add_argument("--log-every", type=int, default=1, metavar="N",
                         help="print step, loss and lr every N steps (default 1; 0: only the summary)")
     add_overwrite_argument(parser)
@@ -382,14 +385,12 @@ def _held_out_evaluation(args, runner, info, start: int):
     """`train`'s after_step for --eval-data (None without it): the held-out loss at the --eval-every steps
     and the last one; and the record of the loss before training ({"step": start, "eval_loss"}, for the
     JSON log and the plot). Evaluates once right away, so a program without an eval method fails before
-    training."""
+    training. A preference step (`info` None: --inputs arrays are refused with --eval-data up front)
+    evaluates held-out pairs instead (_held_out_pairs_evaluation)."""
     if args.eval_data is None:
         return None, None
-    if info is None:  # a preference step's pairs (--inputs arrays are refused with --eval-data up front)
-        raise TrainConfigError(f"--eval-data is token data for a token model's step; {args.program} trains on "
-                               f"preference pairs, whose held-out evaluation vktrain train does not run yet (vktrain eval "
-                               f"{args.program} --data PAIRS.jsonl [--adapters ...] reports their loss and reward "
-                               f"accuracy)")
+    if info is None:
+        return _held_out_pairs_evaluation(args, runner, start)
     from vktrain.train.held_out import evaluate_batches, prepare_eval_batches
 
     held_out = load_data(args.eval_data, info.vocab_size, program_tokenizer(runner, args.program))
@@ -402,13 +403,46 @@ def _held_out_evaluation(args, runner, info, start: int):
           + (f"; {describe_accuracy(first)}" if accuracy else ""))
 
     def after_step(step: int) -> dict:
-        if not ((args.eval_every and step % args.eval_every == 0) or step == args.steps):
+        if not _evaluation_due(args, step):
             return {}
         record = {"eval_loss": evaluate_batches(runner, batches)["loss"], **(accuracy() if accuracy else {})}
         tqdm.write(f"step {step:6d}  eval loss {record['eval_loss']:.6f}"
                    + (f", {describe_accuracy(record)}" if accuracy else ""), file=sys.stdout)
         return record
     return after_step, first
+
+
+def _evaluation_due(args, step: int) -> bool:
+    """A held-out evaluation follows every --eval-every-th step and the last one."""
+    return bool(args.eval_every and step % args.eval_every == 0) or step == args.steps
+
+
+def _held_out_pairs_evaluation(args, runner, start: int):
+    """_held_out_evaluation of a preference step: the mean preference loss (eval_loss) and the reward accuracy
+    (eval_reward_accuracy) of --eval-data's pairs (the first --eval-batches), as `vktrain eval` computes them
+    (vktrain/train/preference_eval.py)."""
+    from vktrain.train.preference_eval import EVAL_REWARD_ACCURACY, evaluate_pairs, held_out_pairs
+
+    if args.eval_generate:
+        raise TrainConfigError(f"--eval-generate decodes answers to held-out chats; {args.program} is a preference "
+                               f"step, whose --eval-data holds pairs (their loss and reward accuracy are recorded)")
+    pairs, settings = held_out_pairs(runner, args.eval_data, args.program)  # once, refused before training
+
+    def evaluate() -> tuple[dict, str]:
+        result = evaluate_pairs(runner, pairs, settings, args.eval_batches)
+        return ({"eval_loss": result["loss"], EVAL_REWARD_ACCURACY: result["reward_accuracy"]},
+                f"{OBJECTIVE_NAMES[result['objective']]} loss {result['loss']:.6f}, reward accuracy "
+                f"{result['reward_accuracy']:.1%} of {result['pairs']} pair(s) ({result['ties']} tied)")
+    record, described = evaluate()
+    print(f"eval before training: {described} ({args.eval_data})")
+
+    def after_step(step: int) -> dict:
+        if not _evaluation_due(args, step):
+            return {}
+        record, described = evaluate()
+        tqdm.write(f"step {step:6d}  eval {described}", file=sys.stdout)
+        return record
+    return after_step, {"step": start, **record}
 
 
 def _training_batches(args, runner, data_path: Path, seed: int):
@@ -476,6 +510,7 @@ def _train_loaded(args, runner, schedule, optimizer, resume, seed, data_path, pr
         check_gguf_adapter_program(recorded, args.program)
     batches, info, described = _training_batches(args, runner, data_path, seed)
     _check_grad_accum(args, runner)
+    metric = best_metric(args, preference_objective(runner) is not None)  # --keep-best's measure
     state = TrainState()
     if resume is not None:
         if resume.data_sha256 != batches.fingerprint:
@@ -498,7 +533,7 @@ def _train_loaded(args, runner, schedule, optimizer, resume, seed, data_path, pr
     # The loss before a fresh run leads its JSON log as step 0; a resumed run's log is its checkpoint's steps.
     before = evaluated if start == 0 else None
     keeper = BestKeeper.for_run(args, runner, state, program_sha256, batches,
-                                run_config(schedule, optimizer, batches, args.grad_accum))
+                                run_config(schedule, optimizer, batches, args.grad_accum), metric)
     if keeper is not None:
         after_step = keeper.wrap(after_step)
 

@@ -251,10 +251,8 @@ def _metadata(runner) -> dict:
 
 def _evaluate_pairs(args: argparse.Namespace, runner, data_path: Path) -> dict:
     """A preference step's held-out loss and reward accuracy on --data's pairs (vktrain/train/preference_eval.py)."""
-    from vktrain.train.pairs import load_program_pairs
-    from vktrain.train.preference_eval import evaluate_pairs, objective_settings
+    from vktrain.train.preference_eval import evaluate_pairs, held_out_pairs
 
-    settings = objective_settings(_metadata(runner), args.program)
-    pairs, _ = load_program_pairs(runner, data_path, args.program)
+    pairs, settings = held_out_pairs(runner, data_path, args.program)
     _load_given_adapters(args, runner)
     return evaluate_pairs(runner, pairs, settings, args.max_batches)

@@ -17,6 +17,10 @@ paired with itself has log_odds 0, loss L_xx = -lp_x + lambda log 2, so the marg
 lambda (L_rr - L_cc), won when L_rr - L_cc > TIE_RTOL max(|L_cc|, |L_rr|) (three calls a pair).
 The objective and its beta / gamma are the blob's metadata (contract.METADATA_OBJECTIVE), written by
 `vktrain export`.
+
+`vktrain eval PREF.pte --data PAIRS` and `vktrain train PREF.pte --eval-data PAIRS` read the pairs with
+held_out_pairs and evaluate them with evaluate_pairs; train records the loss as eval_loss and the reward
+accuracy as eval_reward_accuracy (EVAL_REWARD_ACCURACY), which `--keep-best accuracy` compares.
 """
 from __future__ import annotations
 
@@ -25,12 +29,13 @@ import math
 
 from vktrain.contract import (CHOSEN_IDS, CHOSEN_LABELS, CHOSEN_LENGTH, METADATA_OBJECTIVE, N_PAIRS, OBJECTIVE_ORPO,
                               OBJECTIVE_SIMPO, PREFERENCE_INPUTS, REJECTED_IDS, REJECTED_LABELS, REJECTED_LENGTH)
-from vktrain.train.pairs import PreferencePairs, pair_batches
+from vktrain.train.pairs import PreferencePairs, load_program_pairs, pair_batches
 from vktrain.train.train_loop import TrainConfigError
 
 # float32 rounds a loss near softplus(gamma) to 2^-24 relative; its computation (log, sigmoid, a
 # subtraction) adds a few such units. Margins this close to 0 are no preference.
 TIE_RTOL = 1e-6
+EVAL_REWARD_ACCURACY = "eval_reward_accuracy"  # vktrain train's record of the held-out reward accuracy
 
 
 def objective_settings(metadata: dict, program: str) -> dict:
@@ -45,6 +50,14 @@ def objective_settings(metadata: dict, program: str) -> dict:
         raise TrainConfigError(f"{program}: blob metadata {METADATA_OBJECTIVE!r} is {text!r}; expected "
                                f'{{"objective": "dpo"|"simpo"|"orpo", "beta": number[, "gamma": number]}}')
     return settings
+
+
+def held_out_pairs(runner, path, program: str) -> tuple[PreferencePairs, dict]:
+    """(the pairs of `path` in the windows of `runner`'s preference step, its objective_settings): what
+    evaluate_pairs takes. Bad rows are refused naming the row (vktrain/train/pairs.py)."""
+    settings = objective_settings(dict(getattr(getattr(runner, "graph", None), "metadata", {}) or {}), program)
+    pairs, _ = load_program_pairs(runner, path, program)
+    return pairs, settings
 
 
 def evaluate_pairs(runner, pairs: PreferencePairs, settings: dict, max_pairs: int | None = None) -> dict:
@@ -92,4 +105,4 @@ def _orpo_margin(runner, inputs: dict) -> tuple[float, float]:
     return rejected - chosen, max(abs(chosen), abs(rejected))
 
 
-__all__ = ["TIE_RTOL", "evaluate_pairs", "objective_settings"]
+__all__ = ["EVAL_REWARD_ACCURACY", "TIE_RTOL", "evaluate_pairs", "held_out_pairs", "objective_settings"]
