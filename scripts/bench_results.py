@@ -22,7 +22,7 @@ BENCHMARKS = {
     "coopmat": ("bench_coopmat.py", False), "coopmat_attention": ("bench_coopmat_attention.py", False),
     "coopmat_attention_check": ("check_coopmat_attention_kernels.py", False),
     "coopmat_gemm_check": ("check_slang_coop_kernels.py", False), "matmul_check": ("check_slang_gemm_kernels.py", False),
-    "step_gemms": ("bench_step_gemms.py", False),
+    "step_gemms": ("bench_step_gemms.py", False), "lora_gemms": ("bench_lora_gemms.py", False),
     "drift": ("bench_drift.py", True), "export": ("bench_export.py", True),
     "federate": ("bench_federate.py run", True), "load": ("bench_load.py", True),
     "fleet_scale": ("bench_fleet_scale.py run", True), "long_context": ("bench_long_context.py export|run", True),

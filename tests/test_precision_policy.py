@@ -33,8 +33,8 @@ import numpy as np
 import pytest
 import torch
 
-from vktrain.contract import (METADATA_GEMM_PRECISIONS, PRECISION_AUTO, PRECISION_FP16, PRECISION_FP16_TC, PRECISION_FP32,
-                              PRECISIONS)
+from vktrain.contract import (METADATA_GEMM_PRECISIONS, PRECISION_AUTO, PRECISION_FP16, PRECISION_FP16_TC,
+                              PRECISION_FP32, PRECISIONS)
 from vktrain.lora import LoRAConfig, apply_lora
 from vktrain.lora.layers import LoRAQ4Linear
 from vktrain.runtime.delegate.executor import GraphExecutor
