@@ -39,10 +39,11 @@ CHUNK = {ROWS: 128, COLUMNS: 64}
 # hundred outputs, nothing to stream).
 MIN_REDUCTION = 128
 # Split-K targets: about TARGET_WORKGROUPS workgroups (two per SM of a 132-SM H100 / H200 at the kernel's
-# ~100 registers per thread), slices of at least MIN_SPLIT_SLICE (each thread two chunks or more, so that
-# the partials written and re-read stay a few % of X's bytes), at most MAX_SPLIT_K.
+# ~100 registers per thread), slices of at least MIN_SPLIT_SLICE (one rows chunk, two COLUMNS chunks: the
+# k / v gradients at 2048 tokens, 8 workgroups of 64 columns, still reach 128; the partials written and
+# re-read stay <= 1/8 of X's bytes at 16 outputs per 128-long slice), at most MAX_SPLIT_K.
 TARGET_WORKGROUPS = 256
-MIN_SPLIT_SLICE = 256
+MIN_SPLIT_SLICE = 128
 MAX_SPLIT_K = 32
 # lavapipe ends an invocation after 65535 loop trips (all loops together): the chunk loop is the only loop
 # left after unrolling, so a slice may run at most MAX_CHUNKS chunks (half the limit, as the coopmat
