@@ -199,3 +199,42 @@ def test_the_lora_gemm_benchmark_smoke_run_plans_old_and_new_without_torch(tmp_p
     assert records["dB = d_y^T @ xa"]["new"]["shaders"][0] == "matmul_thin@COLUMNS"
     assert records["xa = x @ A^T"]["new"]["shaders"][0] == "matmul_thin"
     assert all(r[plan]["rel_err"] < 1e-4 for r in records.values() for plan in ("old", "new"))
+
+
+def test_a_lora_training_run_on_the_gpu_tuning_takes_the_thin_kernels_and_follows_float64(vk_device, tmp_path,
+                                                                                          monkeypatch):
+    """The executor on the GPU tuning (VKTRAIN_GEMM_TUNING=gpu; lavapipe would pick its CPU bodies): at 128 tokens
+    and width 128 every LoRA product of mlp-lora is thin (x @ A^T, d_y @ B in rows, the weight gradients in
+    COLUMNS), and the run follows the float64 eager reference within the package's training bounds
+    (tests/_helpers.py)."""
+    import torch
+
+    from _helpers import (assert_training_matches_reference, eager_float64_and_float32_training,
+                          export_mlp_lora_training_step, runner_losses)
+    from vktrain.backend.kernel_planning import plan_schedule
+    from vktrain.backend.kernel_planning.kernels.gemm_tuning import TUNING_ENV
+    from vktrain.runtime.program.runner import TrainingRunner
+
+    batch, seq, vocab, steps = 2, 64, 64, 4
+    hyper = dict(lr=1e-2, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
+    hparams = np.array([hyper["lr"], *hyper["betas"], hyper["eps"], hyper["weight_decay"]], np.float32)
+    path = tmp_path / "mlp.pte"
+    model = export_mlp_lora_training_step(path, (batch, seq), vocab, dim=128, hidden=128)
+
+    def batches():
+        generator = torch.Generator().manual_seed(7)
+        for _ in range(steps):
+            token_ids = torch.randint(0, vocab, (batch, seq), generator=generator)
+            yield token_ids, (3 * token_ids + 1) % vocab
+
+    reference = eager_float64_and_float32_training(model, batches(), **hyper)
+    initial = {name: param.detach().numpy() for name, param in model.named_parameters()}
+    monkeypatch.setenv(TUNING_ENV, "gpu")
+    with TrainingRunner.from_pte(path, vk_device, planner=plan_schedule) as runner:
+        shaders = {d.shader for d in runner.executor.dispatches}
+        assert {"matmul_thin", "matmul_thin@COLUMNS"} <= shaders, sorted(shaders)
+        losses = runner_losses(runner, batches(), hparams)
+        lora = runner.lora_state()
+        exp_avg = {name: runner.read_state("optimizer.exp_avg." + name) for name in reference.state}
+    assert_training_matches_reference(losses, {n: lora["model." + n] for n in reference.state}, exp_avg,
+                                      reference, {n: initial[n] for n in reference.state})
