@@ -27,10 +27,10 @@ added by the reduction after the slices, so the result is the bits of the mm fol
 other bias is added by slice 0. Without scratch the plan never splits.
 
 Thin GEMMs (kernels/matmul_thin.py): on the GPU tuning a 2-D mm (or addmm with an addend of the output's
-shape, beta = alpha = 1) with an output side of at most
-16 beside a longer one, over a reduction of at least 128 (the LoRA products x @ A^T, d_y @ B, d_y^T @ u,
-d_u^T @ x), runs matmul_thin.slang where its large operand has an aligned contiguous axis: read once in vec4,
-split over K with its own targets (the same reduce pass), the same fp32 bound.
+shape, beta = alpha = 1) with an output side of at most 16 beside a longer one, over a reduction of at least
+128 (the LoRA products x @ A^T, d_y @ B, d_y^T @ u, d_u^T @ x), runs matmul_thin.slang where its large
+operand has an aligned contiguous axis: read once in vec4, split over K with its own targets (the same
+reduce pass), the same fp32 bound. A forced `tile` or `split_k` keeps the tiles.
 
 Device tuning (kernels/gemm_tuning.py). With `tuning=CPU_TUNING` (the executor's choice on a CPU
 Vulkan implementation) a GEMM whose tile is not forced runs matmul.slang's CPU_REGISTER_TILES variant
@@ -423,8 +423,8 @@ def _thin_plan(out: Any, a: Any, A: StridedView, b: Any, B: StridedView, bias: A
     if layout is None:
         return None
     split_k = matmul_thin.default_split_k(layout) if scratch is not None else 1
-    too_small = isinstance(scratch, BufferBinding) and scratch.size is not None
-    if too_small and scratch.size < 4 * split_k * layout.P * layout.R:
+    sized = isinstance(scratch, BufferBinding) and scratch.size is not None
+    if sized and scratch.size < 4 * split_k * layout.P * layout.R:
         split_k = 1  # a scratch sized for another plan's split
     if not matmul_thin.runs_within_lavapipe_loops(layout, split_k):
         return None
