@@ -44,6 +44,7 @@ from bench_timing import median_cuda_ms  # noqa: E402
 
 from vktrain import quant  # noqa: E402
 from vktrain.runtime import Buffer, Device, Program  # noqa: E402
+from vktrain.backend.kernel_planning.kernels.gemm_passes import absmax_scratch_nbytes  # noqa: E402
 from vktrain.backend.kernel_planning.kernels.coopmat import (  # noqa: E402
     coopmat_supported,
     plan_coopmat_linear_q4gsw,

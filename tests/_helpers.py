@@ -68,15 +68,16 @@ def build_native(*flags: str) -> Path:
     return REPO / "build" / ("native-asan" if flags else "native")
 
 
-def export_mlp_lora_training_step(path: Path, batch_shape: tuple[int, int], vocab_size: int, target: str | None = None):
-    """Export the small `mlp-lora` model (2 layers, LoRA rank 4 on every linear) as a training-step .pte
-    at `path`; returns the LoRA model it was exported from. `target`: embed the schedules of these device
-    profiles (vktrain export --target's syntax)."""
+def export_mlp_lora_training_step(path: Path, batch_shape: tuple[int, int], vocab_size: int, target: str | None = None,
+                                  dim: int = 32, hidden: int = 64):
+    """Export the small `mlp-lora` model (2 layers of `dim` -> `hidden`, LoRA rank 4 on every linear) as a
+    training-step .pte at `path`; returns the LoRA model it was exported from. `target`: embed the schedules
+    of these device profiles (vktrain export --target's syntax)."""
     from vktrain.export import export_training_step, lower_to_pte
     from vktrain.lora import LoRAConfig, apply_lora
     from vktrain.models import build_model
 
-    model = build_model("mlp-lora", dim=32, hidden=64, vocab_size=vocab_size, n_layers=2, activation="relu")
+    model = build_model("mlp-lora", dim=dim, hidden=hidden, vocab_size=vocab_size, n_layers=2, activation="relu")
     apply_lora(model, LoRAConfig(rank=4, alpha=8.0, targets="*", group_size=32, seed=0))
     rewrite = None
     if target is not None:

@@ -883,10 +883,11 @@ def test_split_k_skinny_lora_products_match_torch(vk_device, rng, name, M, K, N,
     a_view = a_view.transpose(0, 1) if a_transposed else a_view
     b_view = b_view.transpose(0, 1) if b_transposed else b_view
     nbytes = gemm_scratch_nbytes(1, M, N, K)
-    dispatches = plan_gemm("out", "a", a_view, "b", b_view, scratch="scratch")
+    # The tiles' plan (the default one on the GPU tuning is matmul_thin's: tests/test_matmul_thin.py).
+    dispatches = plan_gemm("out", "a", a_view, "b", b_view, scratch="scratch", tile=default_gemm_tile(M, N))
     split = _split_of(dispatches)
     assert split == default_split_k(1, M, N, K) > 1
-    assert nbytes == split_k_scratch_nbytes(1, M, N, split) == 4 * split * M * N
+    assert nbytes >= split_k_scratch_nbytes(1, M, N, split) == 4 * split * M * N
     assert "TILE_M=" in dispatches[0].shader, "a skinny output takes a 16-wide tile"
     got = _run_gemm(vk_device, dispatches, {"a": a_stored, "b": b_stored}, (M, N), nbytes)
     a_ref = _f64(a_stored).T if a_transposed else _f64(a_stored)

@@ -33,7 +33,8 @@ import numpy as np
 import pytest
 import torch
 
-from vktrain.contract import METADATA_GEMM_PRECISIONS, PRECISION_AUTO, PRECISION_FP16_TC, PRECISION_FP32, PRECISIONS
+from vktrain.contract import (METADATA_GEMM_PRECISIONS, PRECISION_AUTO, PRECISION_FP16, PRECISION_FP16_TC,
+                              PRECISION_FP32, PRECISIONS)
 from vktrain.lora import LoRAConfig, apply_lora
 from vktrain.lora.layers import LoRAQ4Linear
 from vktrain.runtime.delegate.executor import GraphExecutor
@@ -43,6 +44,7 @@ from vktrain.contract import allowed_precisions
 from vktrain.backend.kernel_planning.kernels.coopmat_tiling import (
     EMULATED_LOOP_BUDGET,
     MIN_WORKGROUPS,
+    STARVED_REDUCTION,
     CoopmatTiling,
     emulated_loop_trips,
 )
@@ -153,8 +155,12 @@ def test_mm_takes_the_tensor_cores_for_large_row_major_or_transposed_weight_oper
     # The tied LM head of SmolLM2 at 4 x 512 tokens: logits = h @ W^T, and d_h = d_logits @ W.
     assert route.dense_b_transposed(_matrix(2048, 576), _transposed(576, 49152)) is True
     assert route.dense_b_transposed(_matrix(2048, 49152), _matrix(49152, 576)) is False
-    # The LoRA B product (K = rank 16) of a 2048-wide projection: a large output.
-    assert route.dense_b_transposed(_matrix(2048, 16), _transposed(16, 2048)) is True
+    # The LoRA B product (K = rank 16) of a 2048-wide projection: a large output over a starved reduction keeps
+    # the fp32 kernels (STARVED_REDUCTION); a reduction one vec4 longer takes the tensor cores.
+    assert route.dense_b_transposed(_matrix(2048, 16), _transposed(16, 2048)) is None
+    assert route.dense_b_transposed(_matrix(2048, STARVED_REDUCTION), _transposed(STARVED_REDUCTION, 2048)) is None
+    longer = STARVED_REDUCTION + 4
+    assert route.dense_b_transposed(_matrix(2048, longer), _transposed(longer, 2048)) is True
     # Skinny outputs (x @ A^T of rank 16) keep the fp32 split-K kernels; d_h at 128 tokens (a small output
     # over the vocabulary) takes the tensor cores split over K (kernels/coopmat_tiling.py default_split_k).
     assert route.dense_b_transposed(_matrix(2048, 2048), _transposed(2048, 16)) is None
@@ -178,7 +184,8 @@ def test_mm_keeps_the_fp32_kernel_on_the_fp32_policy_and_without_tensor_cores():
 
 def test_emulated_route_keeps_reductions_past_lavapipe_loop_budget_on_the_fp32_kernels():
     route = select_gemm_route(PRECISION_FP16_TC, PRECISIONS, _device(subgroup_size=8), emulate=True)
-    assert route.dense_b_transposed(_matrix(16, 64), _matrix(64, 8)) is False  # emulated: any size
+    assert route.dense_b_transposed(_matrix(16, 68), _matrix(68, 8)) is False  # emulated: any size
+    assert route.dense_b_transposed(_matrix(16, 64), _matrix(64, 8)) is None  # but not a starved reduction
     too_long = 32
     while emulated_loop_trips(CoopmatTiling(tile_m=64), too_long, 8) <= EMULATED_LOOP_BUDGET:
         too_long += 32
@@ -187,11 +194,49 @@ def test_emulated_route_keeps_reductions_past_lavapipe_loop_budget_on_the_fp32_k
     assert not route.takes_tensor_cores(16, 64, too_long) and route.takes_tensor_cores(16, 64, too_long - 32)
 
 
+def _lowered_addmm(route: GemmRoute, M: int, N: int, K: int) -> list:
+    """The dispatches the op lowering plans on `route` for the LoRA B product with its folded add:
+    addmm(base [M, N], u [M, K], B^T [K, N]) with B [N, K] row-major."""
+    from vktrain.backend.kernel_planning.lowering_context import OpContext, TensorArg
+    from vktrain.backend.kernel_planning.op_lowering import OP_LOWERINGS
+    from vktrain.serialization import graph as vk
+    from vktrain.serialization.dispatch import BufferBinding
+
+    def tensor(value_id, key, shape, view=None):
+        return TensorArg(value_id, BufferBinding(key, 0, 4 * shape[0] * shape[1]), shape, "float32", view=view)
+
+    args = [tensor(0, "base", (M, N)), tensor(1, "u", (M, K)), tensor(2, "b", (K, N), _transposed(K, N)), 1.0, 1.0]
+    op = vk.OpCall(ADDMM, (0, 1, 2, 3, 4), (99,))
+    context = OpContext(0, op, args, [tensor(99, "out", (M, N))], f"0:{ADDMM}",
+                        lambda nbytes, purpose: BufferBinding(f"scratch.{purpose}", 0, nbytes), gemm=route)
+    return OP_LOWERINGS[ADDMM].lower(context)
+
+
+@pytest.mark.parametrize("precision", [PRECISION_FP16_TC, PRECISION_FP16])
+def test_a_starved_reduction_keeps_the_fp32_kernel_without_an_absmax_pass(precision):
+    """The emulated (test-path) routes take every GEMM whatever its size, but not a reduction of at most
+    STARVED_REDUCTION (the LoRA rank): that addmm plans the fp32 kernel alone; a longer one still takes the
+    tensor cores (fp16-tc) or the FP16 variant (fp16), each after its absmax pass."""
+    route = select_gemm_route(precision, PRECISIONS, _device(subgroup_size=8), emulate=True)
+    for K in (16, STARVED_REDUCTION):  # the fp32 kernel with the bias epilogue (no device limits: its 32 x 64 tile)
+        shaders = [d.shader for d in _lowered_addmm(route, 64, 128, K)]
+        assert shaders == ["matmul@HAS_BIAS=1+TILE_M=32+TILE_N=64+VEC4_C"], (K, shaders)
+    longer = [d.shader for d in _lowered_addmm(route, 64, 128, STARVED_REDUCTION + 4)]
+    assert longer[0] == "coopmat_absmax" and len(longer) == 2, longer
+    if precision == PRECISION_FP16_TC:
+        assert longer[1].startswith("coopmat_mm@") and "+ADDEND+COOPMAT_EMULATE" in longer[1], longer
+    else:
+        assert longer[1] == "matmul@HAS_BIAS=1+TILE_M=32+TILE_N=64+VEC4_C+FP16", longer
+
+
 # ----------------------------------------------------------------------------------- the training step
 @pytest.fixture(scope="module")
 def step_program(tmp_path_factory):
     path = tmp_path_factory.mktemp("pte") / "mlp_lora_step.pte"
-    return path, export_mlp_lora_training_step(path, (BATCH, SEQ), VOCAB)
+    # Reductions of the base GEMMs past STARVED_REDUCTION (kernels/coopmat_tiling.py: 96, 128 and the head's
+    # d_x over a vocabulary of 2 * VOCAB), so that the emulated route sends them to the tensor cores (a
+    # reduction of 64 or less keeps the fp32 kernels on every route). The batches' tokens stay below VOCAB.
+    return path, export_mlp_lora_training_step(path, (BATCH, SEQ), 2 * VOCAB, dim=96, hidden=128)
 
 
 def _batch():

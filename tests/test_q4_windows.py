@@ -284,7 +284,9 @@ def test_a_windowed_q4_op_takes_the_fp32_kernels_on_the_tensor_core_route(vk_dev
     from vktrain.runtime.program.runner import TrainingRunner
 
     path = tmp_path / "mlp.pte"
-    export_mlp_lora_training_step(path, (2, 8), 32768)  # logits [2, 8, 32768]: 2 MiB out of linear_q4gsw
+    # logits [2, 8, 32768]: 2 MiB out of linear_q4gsw; reductions past STARVED_REDUCTION (64), so that the route
+    # takes every base GEMM to the tensor cores (kernels/coopmat_tiling.py).
+    export_mlp_lora_training_step(path, (2, 8), 32768, dim=96, hidden=128)
     routes = {}
     for limit in (None, MIB):
         with TrainingRunner.from_pte(path, vk_device, planner=plan_schedule, precision="fp16-tc", emulate_tensor_cores=True,

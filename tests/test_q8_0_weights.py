@@ -21,7 +21,7 @@ from vktrain.serialization import graph as vk
 from vktrain.quant.q8_0 import GGUF_Q8_0_BLOCK, dequantize_q8_0, q8_0_device_arrays
 from vktrain.backend.kernel_planning.kernels.gemm_tuning import CPU_TUNING, GPU_TUNING, runs_cpu_bodies
 from vktrain.serialization.strided_view import KernelArgumentError, StridedView
-from vktrain.backend.kernel_planning.kernels.matmul import gemm_scratch_nbytes, plan_gemm
+from vktrain.backend.kernel_planning.kernels.matmul import default_gemm_tile, gemm_scratch_nbytes, plan_gemm
 from vktrain.backend.kernel_planning.kernels.q8_0 import plan_embedding_q8_0, plan_linear_q8_0, plan_linear_q8_0_backward
 from vktrain.backend.kernel_planning import plan_schedule
 
@@ -141,8 +141,10 @@ def test_the_head_backward_splits_a_long_vocabulary_reduction_like_the_float32_g
                                          scratch="scratch")
     assert len(backward) == 2 and backward[1].shader == "linear_splitk_reduce"
     got = _run(vk_device, backward, arrays, (rows, k))
+    # The float32 matrix through the same tiles (the default plan of this thin shape would be matmul_thin's,
+    # which Q8_0 matrices do not take).
     fp32 = plan_gemm("out", "d", StridedView.contiguous(d_out.shape), "w", StridedView.contiguous((n, k)),
-                     scratch="scratch")
+                     scratch="scratch", tile=default_gemm_tile(rows, k))
     expected = _run(vk_device, fp32, {"d": d_out, "w": values, "scratch": arrays["scratch"]}, (rows, k))
     np.testing.assert_array_equal(_bits(got), _bits(expected))
 

@@ -32,6 +32,7 @@ import test_kernels_aten as aten
 import test_kernels_ce_adamw_requant as ce_adamw
 import test_kernels_linear as linear
 import test_kernels_transformer as transformer
+import test_matmul_thin as thin
 import test_q8_0_weights as q8_0
 from _helpers import export_mlp_lora_training_step
 
@@ -359,6 +360,10 @@ test_addmm_broadcast_bias_alpha_beta = on_webgpu(aten.test_addmm_broadcast_bias_
 test_addmm_beta_zero_ignores_nan_bias = on_webgpu(aten.test_addmm_beta_zero_ignores_nan_bias)
 test_gemm_transposes_and_batch_broadcast_as_strides = on_webgpu(aten.test_gemm_transposes_and_batch_broadcast_as_strides)
 test_baddbmm_and_split_batch_grid = on_webgpu(aten.test_baddbmm_and_split_batch_grid)
+test_thin_gemm_matches_float64_within_the_fp32_bound_unsplit_and_split = on_webgpu(
+    thin.test_thin_gemm_matches_float64_within_the_fp32_bound_unsplit_and_split)
+test_thin_addmm_is_the_mm_followed_by_the_add_bit_for_bit = on_webgpu(
+    thin.test_thin_addmm_is_the_mm_followed_by_the_add_bit_for_bit)
 
 # ---- kernels: the 4-bit linear family (test_kernels_linear.py) ----------------------------------------
 
@@ -406,6 +411,22 @@ def _gemm_cases():
         cases.append((f"mm transposed {M}x{N}x{K}",
                       plan_gemm("out", "a_t", StridedView((M, K), (1, M)), "b_t", StridedView((K, N), (1, K))),
                       {"a_t": a_t, "b_t": b_t}, (M, N)))
+    # matmul_thin (the thin LoRA products on the GPU tuning): both layouts, the thin side either side, split
+    # with an empty slice, an addend unsplit and split (tests/test_matmul_thin.py).
+    from vktrain.backend.kernel_planning.kernels.matmul_thin import plan_thin_gemm, thin_layout
+    for M, K, N, a_t, b_t in ((70, 260, 16, False, True), (200, 301, 12, True, False), (16, 300, 72, True, False),
+                              (5, 520, 36, False, True)):
+        a, b = rng.standard_normal((M, K)).astype(np.float32), rng.standard_normal((K, N)).astype(np.float32)
+        views = (StridedView((M, K), (1, M)) if a_t else StridedView.contiguous((M, K)),
+                 StridedView((K, N), (1, K)) if b_t else StridedView.contiguous((K, N)))
+        stored = {"a": np.ascontiguousarray(a.T) if a_t else a, "b": np.ascontiguousarray(b.T) if b_t else b,
+                  "d": rng.standard_normal((M, N)).astype(np.float32), "scratch": np.zeros(4 * M * N * 8, np.float32)}
+        layout = thin_layout(*views)
+        for split_k in (1, 5):
+            for addend in (None, "d"):
+                cases.append((f"matmul_thin {M}x{N}x{K} split {split_k} addend {addend}",
+                              plan_thin_gemm("out", "a", "b", layout, addend=addend, scratch="scratch", split_k=split_k),
+                              stored, (M, N)))
     return cases
 
 

@@ -467,7 +467,8 @@ def _lower_gemm(ctx: OpContext) -> list[Dispatch]:
                          a.shape[1]))
     # fp16: matmul.slang's FP16 variant where the route's size gate takes the product and it reads both operands
     # in place from their bindings' start (each one's absmax pass reads its first numel elements).
-    if not over and ctx.gemm.fp16_takes_mm(a.shape[0], b.shape[1]) and matmul.fp16_reads_in_place(a.strided, b.strided):
+    if (not over and ctx.gemm.fp16_takes_mm(a.shape[0], b.shape[1], a.shape[1])
+            and matmul.fp16_reads_in_place(a.strided, b.strided)):
         m, n, k = a.shape[0], b.shape[1], a.shape[1]
         nbytes = matmul.gemm_scratch_nbytes(1, m, n, k)  # the shared-memory body's split (GPU tuning)
         return _call(ctx, matmul.plan_gemm, out=out.binding, a=a.binding, a_view=a.strided, b=b.binding,

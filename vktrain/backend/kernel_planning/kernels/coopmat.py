@@ -61,6 +61,7 @@ from vktrain.backend.kernel_planning.kernels.coopmat_tiling import (
     SIZE_TILE_M,
     SIZE_TILE_N,
     SPLIT_TARGET_WORKGROUPS,
+    STARVED_REDUCTION,
     CoopmatTiling,
     default_split_k,
     default_tiling,
@@ -116,11 +117,14 @@ class GemmRoute:
         kernels/linear.py, kernels/matmul.py)."""
         return self.precision == PRECISION_FP16 and not self.tensor_cores
 
-    def fp16_takes_mm(self, M: int, N: int) -> bool:
-        """Whether an aten.mm / addmm with an M x N output runs matmul.slang's FP16 variant on this route: the
-        fp16 policy's size gate, fp16-tc's (at least min_workgroups 64 x 128 tiles, so that the operands'
-        absmax pass pays; 1 on the test path), on operands it reads in place (matmul.fp16_reads_in_place)."""
-        return self.fp16_simt and ceil_div(M, SIZE_TILE_M) * ceil_div(N, SIZE_TILE_N) >= self.min_workgroups
+    def fp16_takes_mm(self, M: int, N: int, reduction: int) -> bool:
+        """Whether an aten.mm / addmm with an M x N output over `reduction` runs matmul.slang's FP16 variant on
+        this route: the fp16 policy's size gate, fp16-tc's (at least min_workgroups 64 x 128 tiles, so that the
+        operands' absmax pass pays; 1 on the test path) and a reduction longer than STARVED_REDUCTION (a shorter
+        one is bandwidth-bound: the fp32 kernel reads the same bytes without the absmax pass), on operands it
+        reads in place (matmul.fp16_reads_in_place)."""
+        return (self.fp16_simt and reduction > STARVED_REDUCTION
+                and ceil_div(M, SIZE_TILE_M) * ceil_div(N, SIZE_TILE_N) >= self.min_workgroups)
 
     @property
     def splits_reduction(self) -> bool:
@@ -132,8 +136,9 @@ class GemmRoute:
         """Whether an M x N output goes to the coopmat kernels: enough tiles to pay (see MIN_WORKGROUPS),
         or, given its `reduction`, enough workgroups once split over K (see SPLIT_TARGET_WORKGROUPS).
         Emulated, also whether the emulated kernel can run its `reduction` on this device (lavapipe's
-        loop budget): longer ones keep the fp32 kernels."""
-        if not self.tensor_cores:
+        loop budget): longer ones keep the fp32 kernels. A reduction of at most STARVED_REDUCTION (a LoRA
+        rank) keeps the fp32 kernels on every route, the test path's included (coopmat_tiling.py says why)."""
+        if not self.tensor_cores or (reduction is not None and reduction <= STARVED_REDUCTION):
             return False
         # One tiling table for every kernel's small outputs (DEFAULT_TILINGS' rows agree there).
         tiling = default_tiling("coopmat_mm", M, N, reduction or 0, emulate=self.emulate)
@@ -200,8 +205,8 @@ def select_gemm_route(precision: str, allowed: tuple[str, ...], device: Any, *,
     the program allows it and the device has the tensor-core kernels (or `emulate`), else fp16 where the
     program allows it, the device has shaderFloat16 and `profile` prefers it (DeviceProfile.prefers_fp16:
     the vendor table, serialization/device_profile.py), else fp32. fp16 runs the 4-bit base GEMMs and the
-    large mm (`GemmRoute.fp16_takes_mm`; every mm with `emulate`) on the fp32 kernels' FP16 variants where the
-    device has shaderFloat16, else the fp32 route saying why. A route
+    large mm (`GemmRoute.fp16_takes_mm`; with `emulate` every mm of a reduction past STARVED_REDUCTION) on
+    the fp32 kernels' FP16 variants where the device has shaderFloat16, else the fp32 route saying why. A route
     takes its size gate and split-K targets from `profile` (the device's DeviceProfile; default: the H200's
     numbers)."""
     route = _select_gemm_route(precision, allowed, device, emulate=emulate,
@@ -240,7 +245,7 @@ def _select_gemm_route(precision: str, allowed: tuple[str, ...], device: Any, *,
             return GemmRoute(PRECISION_FP32, False, f"fp16 asked, but {device.name} lacks shaderFloat16, so the fp32 "
                                                     f"kernels run")
         reason = f"{device.name} has shaderFloat16; no tensor cores used"
-        if emulate:  # the test path: every mm the variant reads, whatever its size (fp16_takes_mm)
+        if emulate:  # the test path: every mm the variant reads, whatever its output size (fp16_takes_mm)
             return GemmRoute(PRECISION_FP16, False, reason + "; every mm (test path)", min_workgroups=1)
         return GemmRoute(PRECISION_FP16, False, reason)
     assert precision == PRECISION_FP16_TC

@@ -25,6 +25,12 @@ SPLIT_TARGET_WORKGROUPS = H200_SPLIT_K_TARGET_WORKGROUPS
 MIN_SPLIT_SLICE = 256
 MAX_SPLIT_K = 16
 SPLIT_MIN_SIDE = 64
+# A GEMM whose reduction is at most STARVED_REDUCTION long (a LoRA rank: xa @ B^T, dxa @ A) keeps the fp32
+# SIMT kernels whatever its output: it is bandwidth-bound (two reads of the operands, one write of the output
+# per 2 * K flops), and on the tensor cores it would pay an absmax pass over both operands, their fp16
+# rounding and a BK-deep reduction step that is mostly zero padding (H200 step profile, issue 30: the
+# rank-16 ADDEND GEMMs and their absmax passes took 12 of the step's 101 ms).
+STARVED_REDUCTION = 64
 # lavapipe (llvmpipe's LP_MAX_TGSI_LOOP_ITERATIONS) gives each invocation 65535 loop iterations over all
 # its loops together and silently cuts them short past that: the outputs it has not stored stay
 # unwritten (the NaN seen before). The emulated variants' plans refuse a shape whose loop nest

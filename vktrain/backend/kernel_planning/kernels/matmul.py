@@ -26,6 +26,12 @@ of the output's own shape (contiguous, beta = 1: the addend the gemm_epilogue pa
 added by the reduction after the slices, so the result is the bits of the mm followed by the add; any
 other bias is added by slice 0. Without scratch the plan never splits.
 
+Thin GEMMs (kernels/matmul_thin.py): on the GPU tuning a 2-D mm (or addmm with an addend of the output's
+shape, beta = alpha = 1) with an output side of at most 16 beside a longer one, over a reduction of at least
+128 (the LoRA products x @ A^T, d_y @ B, d_y^T @ u, d_u^T @ x), runs matmul_thin.slang where its large
+operand has an aligned contiguous axis: read once in vec4, split over K with its own targets (the same
+reduce pass), the same fp32 bound. A forced `tile` or `split_k` keeps the tiles.
+
 Device tuning (kernels/gemm_tuning.py). With `tuning=CPU_TUNING` (the executor's choice on a CPU
 Vulkan implementation) a GEMM whose tile is not forced runs matmul.slang's CPU_REGISTER_TILES variant
 (body matmul_cpu.slangh): workgroups of CPU_LANES invocations along N, each owning CPU_TM x CPU_TN outputs
@@ -72,6 +78,7 @@ from vktrain.backend.kernel_planning.kernels.gemm_windows import (bindings_fit, 
 from vktrain.backend.kernel_planning.kernels.gemm_passes import absmax_partials, plan_absmax, plan_splitk_reduce
 from vktrain.backend.kernel_planning.kernels.gemm_passes import split_k_scratch_nbytes as linear_split_k_scratch_nbytes
 from vktrain.backend.kernel_planning.kernels.registry import register_kernel
+from vktrain.backend.kernel_planning.kernels import matmul_thin
 
 TILE_K = 16
 MICRO_TILE = 4  # outputs per thread along M and along N
@@ -217,7 +224,8 @@ def gemm_scratch_nbytes(batch: int, M: int, N: int, K: int, tuning: str = GPU_TU
             raise KernelArgumentError(f"gemm_scratch_nbytes: {name} must be an int >= 0, got {value!r}")
     if _takes_cpu_body(K, None, tuning, "gemm_scratch_nbytes"):
         return 0
-    return split_k_scratch_nbytes(batch, M, N, default_split_k(batch, M, N, K))
+    thin = matmul_thin.thin_scratch_nbytes(M, N, K) if batch == 1 and tuning == GPU_TUNING else 0
+    return max(thin, split_k_scratch_nbytes(batch, M, N, default_split_k(batch, M, N, K)))
 
 
 def gemm_shader_name(tile: tuple[int, int], has_bias: bool, vec4_rows: bool) -> str:
@@ -304,6 +312,10 @@ def plan_gemm(out: Any, a: Any, a_view: StridedView, b: Any, b_view: StridedView
     c_row_stride = _check_c_placement(c_offset, c_row_stride, batch, M, N, label)
     strided_c = c_offset != 0 or c_row_stride != N
     cpu_body = not fp16 and _takes_cpu_body(K, tile, tuning, label)
+    if batch * M * N and split_k is None and tile is None and not (fp16 or strided_c or b_scales is not None):
+        thin = _thin_plan(out, a, A, b, B, bias, bias_view, alpha, beta, scratch, tuning, max_workgroup_size, label)
+        if thin is not None:
+            return thin
     tile = default_gemm_tile(M, N) if tile is None else _check_tile(tile, label)
     if split_k is None:
         split_k = default_split_k(batch, M, N, K, tile) if scratch is not None and not cpu_body and not strided_c else 1
@@ -391,6 +403,32 @@ def plan_gemm(out: Any, a: Any, a_view: StridedView, b: Any, b_view: StridedView
     reduce = plan_splitk_reduce(out=out, scratch=scratch, count4=count4, row_vec4s=max(1, N // 4),
                                 split_k=split_k, label=f"{label}.reduce")
     return [*scales, gemm, reduce]
+
+
+def _thin_plan(out: Any, a: Any, A: StridedView, b: Any, B: StridedView, bias: Any, bias_view: StridedView | None,
+               alpha: float, beta: float, scratch: Any, tuning: str, max_workgroup_size: int | None,
+               label: str) -> list[Dispatch] | None:
+    """matmul_thin's plan of a 2-D mm (or addmm with an addend of the output's shape, beta = alpha = 1) on the
+    GPU tuning where it takes the shape (a thin output over a long reduction, matmul_thin.thin_layout) within
+    lavapipe's loop budget; None: plan_gemm's tiles."""
+    M, N = A.sizes[1], B.sizes[2]
+    if (bias is None) != (bias_view is None):
+        return None  # plan_gemm refuses it
+    addend = bias_view is None or (bias_view.sizes in ((M, N), (1, M, N)) and bias_view.is_contiguous
+                                   and bias_view.offset == 0 and float(beta) == 1.0)
+    if (not addend or float(alpha) != 1.0 or A.sizes[0] != 1 or tuning != GPU_TUNING
+            or (max_workgroup_size is not None and max_workgroup_size < matmul_thin.THREADS)):
+        return None
+    layout = matmul_thin.thin_layout(A, B)
+    if layout is None:
+        return None
+    split_k = matmul_thin.default_split_k(layout) if scratch is not None else 1
+    sized = isinstance(scratch, BufferBinding) and scratch.size is not None
+    if sized and scratch.size < 4 * split_k * layout.P * layout.R:
+        split_k = 1  # a scratch sized for another plan's split
+    if not matmul_thin.runs_within_lavapipe_loops(layout, split_k):
+        return None
+    return matmul_thin.plan_thin_gemm(out, a, b, layout, addend=bias, scratch=scratch, split_k=split_k, label=label)
 
 
 def fp16_reads_in_place(a_view: StridedView, b_view: StridedView) -> bool:
