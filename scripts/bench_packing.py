@@ -52,7 +52,7 @@ def export(args) -> None:
         out = Path(args.out_dir) / f"packing_{packing}_{batch}x{seq}.pte"
         code = main(["export", "--model", args.model, "--lora-rank", "16", "--lora-alpha", str(args.lora_alpha),
                      "--batch", str(batch), "--seq", str(seq), "--packing", packing, "--calibration-data", "none",
-                     "--out", str(out), "--overwrite"])
+                     "--target", "none", "--out", str(out), "--overwrite"])  # planned at load on the GPU machine
         if code:
             sys.exit(code)
 
