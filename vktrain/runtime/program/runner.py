@@ -244,11 +244,17 @@ class TrainingRunner:
     def accumulate_inputs(self, inputs: Mapping[str, Any]) -> float:
         """The accumulate method (forward + backward into optimizer.grad_acc, no update) on named inputs,
         the step's own but hparams (any module's step, e.g. DPO's pairs); returns its loss."""
+        return self.accumulate_method().accumulate(inputs)
+
+    def accumulate_method(self):
+        """The .pte's accumulate method bound to this step's state (an AccumulateMethod), loaded on first use:
+        verified, planned and its pipelines built (seconds for a real model, so `vktrain train --grad-accum`
+        asks for it at load rather than in its first step)."""
         if self._accumulate is None:
             from vktrain.runtime.program.accumulation import AccumulateMethod
 
             self._accumulate = AccumulateMethod(self.pte, self.executor, **self._eval_options)
-        return self._accumulate.accumulate(inputs)
+        return self._accumulate
 
     def evaluate(self, token_ids: Any, labels: Any, positions: Any = None) -> tuple[float, int]:
         """(loss summed over the labels >= 0, their count) of one batch, by the .pte's eval method on the
