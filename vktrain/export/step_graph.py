@@ -201,7 +201,6 @@ class _StepBuilder:
         no optimizer state, no hparams; returns the loss."""
         loss_inputs = self._joint_state()
         loss, grads = self._gradients()
-        model_state = list(self.state_specs)
         anchor = loss_inputs[0] if loss_inputs else next(n for n in self.graph.nodes if n.op != "placeholder")
         self._new_grad_acc_state(anchor)
         output = self.graph.output_node()

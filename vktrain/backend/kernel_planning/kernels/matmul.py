@@ -313,7 +313,8 @@ def plan_gemm(out: Any, a: Any, a_view: StridedView, b: Any, b_view: StridedView
     strided_c = c_offset != 0 or c_row_stride != N
     cpu_body = not fp16 and _takes_cpu_body(K, tile, tuning, label)
     if batch * M * N and split_k is None and tile is None and not (fp16 or strided_c or b_scales is not None):
-        thin = _thin_plan(out, a, A, b, B, bias, bias_view, alpha, beta, scratch, tuning, max_workgroup_size, label)
+        thin = matmul_thin.plan_if_thin(out, a, A, b, B, bias, bias_view, alpha, beta, scratch, tuning,
+                                        max_workgroup_size, label)
         if thin is not None:
             return thin
     tile = default_gemm_tile(M, N) if tile is None else _check_tile(tile, label)
@@ -403,32 +404,6 @@ def plan_gemm(out: Any, a: Any, a_view: StridedView, b: Any, b_view: StridedView
     reduce = plan_splitk_reduce(out=out, scratch=scratch, count4=count4, row_vec4s=max(1, N // 4),
                                 split_k=split_k, label=f"{label}.reduce")
     return [*scales, gemm, reduce]
-
-
-def _thin_plan(out: Any, a: Any, A: StridedView, b: Any, B: StridedView, bias: Any, bias_view: StridedView | None,
-               alpha: float, beta: float, scratch: Any, tuning: str, max_workgroup_size: int | None,
-               label: str) -> list[Dispatch] | None:
-    """matmul_thin's plan of a 2-D mm (or addmm with an addend of the output's shape, beta = alpha = 1) on the
-    GPU tuning where it takes the shape (a thin output over a long reduction, matmul_thin.thin_layout) within
-    lavapipe's loop budget; None: plan_gemm's tiles."""
-    M, N = A.sizes[1], B.sizes[2]
-    if (bias is None) != (bias_view is None):
-        return None  # plan_gemm refuses it
-    addend = bias_view is None or (bias_view.sizes in ((M, N), (1, M, N)) and bias_view.is_contiguous
-                                   and bias_view.offset == 0 and float(beta) == 1.0)
-    if (not addend or float(alpha) != 1.0 or A.sizes[0] != 1 or tuning != GPU_TUNING
-            or (max_workgroup_size is not None and max_workgroup_size < matmul_thin.THREADS)):
-        return None
-    layout = matmul_thin.thin_layout(A, B)
-    if layout is None:
-        return None
-    split_k = matmul_thin.default_split_k(layout) if scratch is not None else 1
-    sized = isinstance(scratch, BufferBinding) and scratch.size is not None
-    if sized and scratch.size < 4 * split_k * layout.P * layout.R:
-        split_k = 1  # a scratch sized for another plan's split
-    if not matmul_thin.runs_within_lavapipe_loops(layout, split_k):
-        return None
-    return matmul_thin.plan_thin_gemm(out, a, b, layout, addend=bias, scratch=scratch, split_k=split_k, label=label)
 
 
 def fp16_reads_in_place(a_view: StridedView, b_view: StridedView) -> bool:

@@ -23,9 +23,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from vktrain.serialization.dispatch import Dispatch, ceil_div, pack_push
+from vktrain.serialization.dispatch import BufferBinding, Dispatch, ceil_div, pack_push
 from vktrain.serialization.strided_view import MAX_ELEMENTS, KernelArgumentError, StridedView
 from vktrain.backend.kernel_planning.kernels.gemm_passes import plan_splitk_reduce
+from vktrain.backend.kernel_planning.kernels.gemm_tuning import GPU_TUNING
 from vktrain.backend.kernel_planning.kernels.layout import binding
 
 THIN_R = 16  # the shader's THIN_R: the thin output side it holds in registers
@@ -192,3 +193,29 @@ def plan_thin_gemm(out: Any, a: Any, b: Any, layout: ThinLayout, *, addend: Any 
     # With an addend, the reduce's bias[e % row_vec4s] over one "row" of the whole output: addend[e].
     return [gemm, plan_splitk_reduce(out=out, scratch=scratch, count4=outputs // 4, row_vec4s=outputs // 4,
                                      split_k=split_k, bias=addend, label=f"{label}.reduce")]
+
+
+def plan_if_thin(out: Any, a: Any, A: StridedView, b: Any, B: StridedView, bias: Any, bias_view: StridedView | None,
+                 alpha: float, beta: float, scratch: Any, tuning: str, max_workgroup_size: int | None,
+                 label: str) -> list[Dispatch] | None:
+    """This kernel's plan of a 2-D mm (or addmm with an addend of the output's shape, beta = alpha = 1) on the
+    GPU tuning where it takes the shape (a thin output over a long reduction, thin_layout) within
+    lavapipe's loop budget; None: plan_gemm's tiles (kernels/matmul.py asks first)."""
+    M, N = A.sizes[1], B.sizes[2]
+    if (bias is None) != (bias_view is None):
+        return None  # plan_gemm refuses it
+    addend = bias_view is None or (bias_view.sizes in ((M, N), (1, M, N)) and bias_view.is_contiguous
+                                   and bias_view.offset == 0 and float(beta) == 1.0)
+    if (not addend or float(alpha) != 1.0 or A.sizes[0] != 1 or tuning != GPU_TUNING
+            or (max_workgroup_size is not None and max_workgroup_size < THREADS)):
+        return None
+    layout = thin_layout(A, B)
+    if layout is None:
+        return None
+    split_k = default_split_k(layout) if scratch is not None else 1
+    sized = isinstance(scratch, BufferBinding) and scratch.size is not None
+    if sized and scratch.size < 4 * split_k * layout.P * layout.R:
+        split_k = 1  # a scratch sized for another plan's split
+    if not runs_within_lavapipe_loops(layout, split_k):
+        return None
+    return plan_thin_gemm(out, a, b, layout, addend=bias, scratch=scratch, split_k=split_k, label=label)
