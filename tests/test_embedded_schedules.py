@@ -207,7 +207,8 @@ def test_the_matching_rule_takes_the_schedule_the_device_satisfies(llama):
 
 def test_targets_are_resolved_by_name_and_a_bad_one_is_refused():
     local = lambda: dataclasses.replace(LAVAPIPE, name="here")  # noqa: E731
-    assert [t.profile.name for t in resolve_targets("portable", local)] == ["here", "desktop-gpu", "adreno-6xx"]
+    assert [t.profile.name for t in resolve_targets("portable", local)] == ["here", "nvidia-coopmat", "desktop-gpu",
+                                                                             "adreno-6xx"]
     assert [t.optional for t in resolve_targets("lavapipe,all", local)][:2] == [False, True]
     assert resolve_targets("none", local) == []
     with pytest.raises(TargetError, match="device profile 'nope' is neither a built-in profile .* or local, portable, "

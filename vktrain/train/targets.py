@@ -4,8 +4,8 @@ and embed the schedules, with the shader modules they run, in the delegate blobs
 
 Targets: built-in profile names, profile files (FILE.json, `vktrain devices --json`), `local` (the profile of
 this machine's Vulkan device, the one `vktrain train` would open: VKTRAIN_DEVICE picks it), `all` (every
-built-in), `portable` (the default: `local` when a Vulkan device opens here, then desktop-gpu, then
-adreno-6xx, whose schedule asks only the Vulkan 1.1 required limits and so fits any conformant Vulkan
+built-in), `portable` (the default: `local` when a Vulkan device opens here, then nvidia-coopmat, desktop-gpu
+and adreno-6xx, whose schedule asks only the Vulkan 1.1 required limits and so fits any conformant Vulkan
 device), `none` (no schedules: the runtime plans at load, as .pte files from before --target).
 
 Each method's blob gets its own schedule per target: the training step's planned alone, its eval and
@@ -32,9 +32,12 @@ from vktrain.serialization.verify_schedule import check_shader_modules, verify_e
 
 ALL, PORTABLE, NONE, LOCAL = "all", "portable", "none", "local"
 DEFAULT_TARGET = PORTABLE
-# After the local device's own: a desktop GPU without tensor cores, then the Vulkan 1.1 floor (adreno-6xx plans
-# with the required limits: 16 KiB shared memory, 128 invocations, 256-byte offsets, 128 MiB bindings).
-PORTABLE_PROFILES = ("desktop-gpu", "adreno-6xx")
+# After the local device's own: NVIDIA's tensor cores (a GPU with them prefers that schedule, serialization/
+# embedded.py `_preference`: on an H100 the Llama-3.2-1B step at 4 x 512 ran 102 ms there against 383 ms on the
+# fp32 kernels desktop-gpu's schedule runs, bench/results/step_h100_llama-3.2-1b.json), a desktop GPU without
+# them, then the Vulkan 1.1 floor (adreno-6xx plans with the required limits: 16 KiB shared memory, 128
+# invocations, 256-byte offsets, 128 MiB bindings).
+PORTABLE_PROFILES = ("nvidia-coopmat", "desktop-gpu", "adreno-6xx")
 
 Planner = Callable[..., Schedule]  # plan_schedule(graph, profile, *, shared=..., state_guard=...)
 
