@@ -205,6 +205,26 @@ def test_the_matching_rule_takes_the_schedule_the_device_satisfies(llama):
         select_schedule(graph.schedules, graph.shader_modules, small)
 
 
+def test_a_device_with_tensor_cores_is_told_when_no_embedded_schedule_uses_them(llama):
+    """The startup line's hint (runner.gemm_report): a device listing cooperative matrices, and a .pte whose
+    schedules are all for profiles without them (desktop-gpu alone, the old default's pick on an H100), is told
+    how to get them; not when a coopmat schedule is embedded, nor on a device without them, nor without schedules."""
+    from types import SimpleNamespace
+
+    from vktrain.runtime.program.embedded import unused_tensor_cores_hint
+
+    _, everything, _, _ = llama
+    graph = _graphs(everything)[TRAIN_METHOD]
+    without = SimpleNamespace(schedules=[e for e in graph.schedules if not e.profile.cooperative_matrix])
+    assert without.schedules and len(without.schedules) < len(graph.schedules)
+    tensor_cores = SimpleNamespace(cooperative_matrix_properties=NVIDIA_COOPMAT.cooperative_matrix)
+    hint = unused_tensor_cores_hint(without, tensor_cores)
+    assert "--precision fp16-tc" in hint and "--target portable" in hint
+    assert unused_tensor_cores_hint(graph, tensor_cores) == ""
+    assert unused_tensor_cores_hint(without, SimpleNamespace(cooperative_matrix_properties=())) == ""
+    assert unused_tensor_cores_hint(SimpleNamespace(schedules=[]), tensor_cores) == ""
+
+
 def test_targets_are_resolved_by_name_and_a_bad_one_is_refused():
     local = lambda: dataclasses.replace(LAVAPIPE, name="here")  # noqa: E731
     assert [t.profile.name for t in resolve_targets("portable", local)] == ["here", "nvidia-coopmat", "desktop-gpu",

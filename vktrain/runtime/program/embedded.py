@@ -53,6 +53,18 @@ def method_selection(graph: g.VkGraph, training: Any, source: str) -> Selection 
     return schedule_for_profile(graph.schedules, graph.shader_modules, target.name, source=source, read=read)
 
 
+def unused_tensor_cores_hint(graph: g.VkGraph, device: Any) -> str:
+    """What to say when the device lists cooperative matrices (tensor cores) but no schedule the blob embeds uses
+    them (a .pte exported for desktop-gpu alone runs the fp32 kernels there: 3.7x slower for the Llama-3.2-1B step
+    at 4 x 512 on an H100); "" otherwise."""
+    if not graph.schedules or not getattr(device, "cooperative_matrix_properties", ()):
+        return ""
+    if any(embedded.profile.cooperative_matrix for embedded in graph.schedules):
+        return ""
+    return ("this device has cooperative matrices (tensor cores), which no schedule in the .pte uses: "
+            "`--precision fp16-tc` plans them at load, or export again with the default --target portable")
+
+
 def module_options(selection: Selection | None) -> dict[str, Any]:
     """GraphExecutor's modules and target_profile for `selection` (nothing for None); its schedule goes through
     schedules.method_schedule's `embedded`."""

@@ -51,7 +51,7 @@ from vktrain.errors import PrecisionPolicyError
 from vktrain.serialization.pte import PteFile
 from vktrain.runtime.runtimes import device_for
 from vktrain.serialization.verify import UnsupportedProgramError, check_device_memory, device_memory_bytes
-from vktrain.runtime.program.embedded import module_options, step_selection
+from vktrain.runtime.program.embedded import module_options, step_selection, unused_tensor_cores_hint
 from vktrain.runtime.program.step_inputs import (StepInput, check_input_names, checked_input, document_inputs,
                                                 step_input_specs)
 from vktrain.runtime.program.interpreter import (ProgramInterpreter, VerifiedTrainingProgram, check_hparams_input,
@@ -337,7 +337,8 @@ class TrainingRunner:
         embedded at export for a profile (`target`), or planned at load."""
         origin = (f"schedule embedded for device profile {self.target.profile.name!r}" if self.target is not None
                   else "schedule planned at load")
-        return f"{self.executor.gemm_report()}; {origin}"
+        hint = unused_tensor_cores_hint(self.graph, self.device) if self.target is not None else ""
+        return f"{self.executor.gemm_report()}; {origin}" + (f"; {hint}" if hint else "")
 
     # ------------------------------------------------------------------------------ lifetime
     def close(self) -> None:
