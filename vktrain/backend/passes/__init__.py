@@ -19,6 +19,8 @@ decision ahead of time, in this order (`PASSES`), before the one memory planning
 6. views.decide_views: byte-preserving ops and lazy transposes produce views of their source's storage.
 7. in_place.update_state_in_place: adamw outputs use their state's storage when nothing reads the old
    value later (needs the views: a view of the state is such a reader).
+   ce_in_place.write_ce_gradient_in_place: fused_ce's dlogits takes its logits' storage when nothing reads
+   the logits later (one [R, V] tensor instead of two; the kernel's in-place variant runs).
 8. constant_storage.narrow_float_constants: float32 constants whose values are all exactly GGUF Q8_0
    blocks, bfloat16 or float16 numbers are stored in the blob in the smallest of those forms
    (ConstantData.stored_encoding / stored_dtype), widened bit for bit when read.
@@ -37,6 +39,7 @@ from __future__ import annotations
 from vktrain.serialization import graph as vk
 
 from ..memory_planning import MemoryPlan, plan_graph_memory
+from .ce_in_place import write_ce_gradient_in_place
 from .constant_storage import narrow_float_constants
 from .fusion import fuse_patterns
 from .gemm_epilogue import fuse_gemm_epilogues
@@ -48,7 +51,7 @@ from .storage_dtype import downcast_int64_storage
 from .views import decide_views
 
 PASSES = (expand_lora_linears, fuse_patterns, fuse_gemm_epilogues, downcast_int64_storage, type_prepacked_outputs,
-          decide_views, update_state_in_place, narrow_float_constants, hold_q8_0_weights)
+          decide_views, update_state_in_place, write_ce_gradient_in_place, narrow_float_constants, hold_q8_0_weights)
 
 
 def compile_graph(graph: vk.VkGraph) -> MemoryPlan:
