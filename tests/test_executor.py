@@ -84,7 +84,7 @@ def linear_ce_case():
         vk.OpCall("vktrain.linear_dW.default", (dlogits, x), (d_w,)),
     ]
     g.outputs = [loss, d_x, d_w]
-    return _compiled(g), flat, scales, dict(labels=labels, labels_2d=labels_2d, logits=logits, d_x=d_x)
+    return _compiled(g), flat, scales, dict(labels=labels, labels_2d=labels_2d, logits=logits, dlogits=dlogits, d_x=d_x)
 
 
 def _reference_chain(x, labels, n_valid, flat, scales):
@@ -102,10 +102,10 @@ def test_linear_ce_chain_matches_op_library(vk_device, linear_ce_case, staging):
     graph, flat, scales, ids = linear_ce_case
     rng = np.random.default_rng(0)
     with GraphExecutor(vk_device, graph, planned(vk_device, graph), staging=staging) as executor:
-        # The labels view is the input's buffer; logits and d_x (disjoint lifetimes, equal size) share
-        # one memory object, which is allocated at its planned size.
+        # The labels view is the input's buffer; the cross-entropy gradient overwrites its logits (one memory
+        # object, passes/ce_in_place.py), which are allocated at their planned size.
         assert executor.storage_of(ids["labels"]) == executor.storage_of(ids["labels_2d"])
-        assert executor.storage_of(ids["logits"]) == executor.storage_of(ids["d_x"])
+        assert executor.storage_of(ids["logits"]) == executor.storage_of(ids["dlogits"])
         assert executor.storage_of(ids["logits"]).startswith("mem")
         assert _mem_buffers(executor) == {f"mem{m.id}": m.size_bytes for m in graph.memory_objects}
         assert not any(d.name.startswith("0:") for d in executor.dispatches)
