@@ -54,3 +54,12 @@ def storage_root(graph: vk.VkGraph, value_id: int) -> int:
     """The value whose storage `value_id` uses (itself unless it is a view or an in-place output)."""
     tensor = graph.values[value_id]
     return tensor.storage_of if isinstance(tensor, vk.TensorValue) and tensor.storage_of >= 0 else value_id
+
+
+def storage_sharers(graph: vk.VkGraph) -> dict[int, list[int]]:
+    """Storage root -> the tensors using its storage (views and in-place outputs), in value order."""
+    sharing: dict[int, list[int]] = {}
+    for value_id, value in enumerate(graph.values):
+        if isinstance(value, vk.TensorValue) and value.storage_of >= 0:
+            sharing.setdefault(value.storage_of, []).append(value_id)
+    return sharing

@@ -14,7 +14,7 @@ from dataclasses import replace
 
 from vktrain.serialization import graph as vk
 
-from ..lifetimes import analyze_uses, storage_root
+from ..lifetimes import analyze_uses, storage_root, storage_sharers
 
 FUSED_CE = "vktrain.fused_ce.default"
 
@@ -23,10 +23,7 @@ def write_ce_gradient_in_place(graph: vk.VkGraph) -> None:
     uses = analyze_uses(graph)
     states = {s.state_id for s in graph.mutable_state} | {s.update_id for s in graph.mutable_state}
     outside = set(graph.inputs) | set(graph.outputs) | states
-    sharing: dict[int, list[int]] = {}  # storage root -> the tensors using its storage
-    for value_id, value in enumerate(graph.values):
-        if isinstance(value, vk.TensorValue) and value.storage_of >= 0:
-            sharing.setdefault(value.storage_of, []).append(value_id)
+    sharing = storage_sharers(graph)
     for index, op in enumerate(graph.ops):
         if op.name != FUSED_CE or len(op.outputs) != 2:
             continue

@@ -9,7 +9,7 @@ from dataclasses import replace
 
 from vktrain.serialization import graph as vk
 
-from ..lifetimes import analyze_uses, storage_root
+from ..lifetimes import analyze_uses, storage_root, storage_sharers
 
 ADAMW = "vktrain.adamw.default"
 
@@ -17,10 +17,7 @@ ADAMW = "vktrain.adamw.default"
 def update_state_in_place(graph: vk.VkGraph) -> None:
     uses = analyze_uses(graph)
     update_of = {s.state_id: s.update_id for s in graph.mutable_state}
-    sharing: dict[int, list[int]] = {}  # storage root -> the tensors using its storage
-    for value_id, value in enumerate(graph.values):
-        if isinstance(value, vk.TensorValue) and value.storage_of >= 0:
-            sharing.setdefault(value.storage_of, []).append(value_id)
+    sharing = storage_sharers(graph)
     for index, op in enumerate(graph.ops):
         if op.name != ADAMW or len(op.args) != 6 or len(op.outputs) != 3:
             continue
