@@ -228,12 +228,10 @@ def test_reads_of_uncached_mapped_memory_go_through_a_staging_copy(small_block_d
     assert len(copies) == 2  # a few words are read directly
 
 
-def test_downloads_reuse_one_staging_buffer_and_large_ones_free_theirs(small_block_device, monkeypatch):
+def _count_raw_buffers(monkeypatch) -> list:
+    """The list every raw Vulkan buffer created from now on appends what it is for to."""
     from vktrain.runtime.vk import memory
 
-    device = small_block_device
-    data = [np.arange(n, dtype=np.float32) - 7 for n in (10, 20_000, 300)]
-    buffers = [Buffer.from_array(device, d, staging=True) for d in data]
     created = []
     real_init = memory._RawBuffer.__init__
 
@@ -242,6 +240,16 @@ def test_downloads_reuse_one_staging_buffer_and_large_ones_free_theirs(small_blo
         real_init(raw, *args, **kwargs)
 
     monkeypatch.setattr(memory._RawBuffer, "__init__", counted_init)
+    return created
+
+
+def test_downloads_reuse_one_staging_buffer_and_large_ones_free_theirs(small_block_device, monkeypatch):
+    from vktrain.runtime.vk import memory
+
+    device = small_block_device
+    data = [np.arange(n, dtype=np.float32) - 7 for n in (10, 20_000, 300)]
+    buffers = [Buffer.from_array(device, d, staging=True) for d in data]
+    created = _count_raw_buffers(monkeypatch)
     buffers[1].read(np.float32)  # the largest first: the download buffer is made once, for it
     live = device.memory_stats().buffers  # the inputs and the one download buffer
     for _ in range(3):
@@ -260,14 +268,7 @@ def test_batched_uploads_reuse_one_staging_buffer_and_large_ones_free_theirs(sma
 
     device = small_block_device
     buffers = [Buffer(device, 4 * n, staging=True) for n in (10, 20_000, 300)]
-    created = []
-    real_init = memory._RawBuffer.__init__
-
-    def counted_init(raw, *args, **kwargs):
-        created.append(args[-1])  # what it is for
-        real_init(raw, *args, **kwargs)
-
-    monkeypatch.setattr(memory._RawBuffer, "__init__", counted_init)
+    created = _count_raw_buffers(monkeypatch)
     live = device.memory_stats().buffers
     for round_ in range(3):
         data = [np.arange(b.nbytes // 4, dtype=np.float32) * (round_ + 1) for b in buffers]
