@@ -47,16 +47,19 @@ from typing import Any
 
 import numpy as np
 
+STARTED = time.monotonic()  # the budget and the elapsed time printed at the end count from here
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # its PyTorch and report halves, when imported by path
 
 from vktrain import quant  # noqa: E402
-from vktrain.contract import PRECISION_CHOICES, PRECISION_FP32  # noqa: E402
+from vktrain.contract import PRECISION_CHOICES, PRECISION_FP32, PRECISIONS  # noqa: E402
 
 from bench_step_gemm_rates import add_rates, add_torch_rates, gemm_shapes  # noqa: E402
-from bench_step_report import plot, print_report  # noqa: E402
-from bench_results import out_error, runs, write_run  # noqa: E402
+from bench_step_report import print_report  # noqa: E402
+from bench_step_table import Clock, output_paths, plot_table, print_table, table_rows  # noqa: E402
+from bench_results import MACHINES, out_error, runs, write_run  # noqa: E402
 from bench_step_torch import TORCH_VARIANTS, load_torch, time_torch  # noqa: E402
 
 FULL_PRESET, QUICK_PRESET = "llama-3.2-1b", "tiny-llama"
@@ -382,119 +385,199 @@ def _baseline_key(graph, config: BenchConfig) -> str:
                        config.group_size, records])
 
 
-def run_one(path: Path, device, args, torch, torch_device, torch_note: str | None,
-            baseline_cache: dict[str, dict[str, np.ndarray]]) -> dict[str, Any]:
+def _bench_config(graph, path: Path) -> BenchConfig:
+    if BENCH_CONFIG_KEY not in graph.metadata:
+        raise SystemExit(f"{path}: the blob has no {BENCH_CONFIG_KEY!r} metadata; export it with "
+                         f"scripts/bench_step.py export")
+    return BenchConfig(**json.loads(graph.metadata[BENCH_CONFIG_KEY]))
+
+
+def read_config(path: Path) -> BenchConfig:
+    """What `export` stored in the .pte, read without loading it (its model names its results file)."""
+    from vktrain.serialization import deserialize_blob
+    from vktrain.serialization.pte import PteFile
+
+    return _bench_config(deserialize_blob(PteFile.load(path).execution_plan("forward").delegates[0].data), path)
+
+
+def _vk_record(path: Path, runner, config: BenchConfig, precision: str, load_s: float, device) -> dict[str, Any]:
+    """The loaded step's description: shape, GEMM route, constants and device memory."""
+    graph = runner.graph
+    buffers = runner.executor.buffer_bytes
+    record: dict[str, Any] = {
+        "pte": str(path), "config": config.label, "batch": config.batch, "seq": config.seq,
+        "tokens_per_step": config.tokens, "preset": config.preset, "load_s": load_s,
+        "graph_ops": len(graph.ops), "precision": precision, "gemm_route": runner.gemm_report(),
+        "synthetic_constants": json.loads(graph.metadata.get("synthetic_constants", "{}")),
+        "synthetic_constant_bytes": runner.executor.synthetic_constant_bytes,
+        "vk_memory": {
+            "device_buffers_bytes": sum(buffers.values()),
+            "planned_bytes": int(graph.metadata.get("planned_memory_bytes", 0)),
+            "unplanned_bytes": int(graph.metadata.get("unplanned_memory_bytes", 0)),
+            "state_bytes": int(graph.metadata.get("state_bytes", 0)),
+            "buffers": len(buffers),
+            "device_memory": asdict(device.memory_stats()),
+        },
+        "shaders": sorted({d.shader for d in runner.executor.dispatches}),
+    }
+    print(f"{path.name}: {config.preset} {config.label} {precision}, loaded in {load_s:.1f} s "
+          f"({record['synthetic_constant_bytes'] / 2**30:.2f} GiB generated), "
+          f"{len(runner.executor.dispatches)} dispatches per step; {device.memory_stats().describe()}\n"
+          f"  {record['gemm_route']}", flush=True)
+    return record
+
+
+def _cpu_baseline_note(torch_device, args, config: BenchConfig) -> str | None:
+    if torch_device.type == "cpu" and args.torch_device != "cpu" and _parameter_count(config) > CPU_BASELINE_MAX_PARAMS:
+        return (f"no CUDA; a CPU baseline of {_parameter_count(config) / 1e9:.1f}B parameters is "
+                f"skipped (pass --torch-device cpu to force it)")
+    return None
+
+
+def run_pte(path: Path, device, args, torch, torch_device, torch_note: str | None,
+            baseline_cache: dict[str, dict[str, np.ndarray]], clock: Clock) -> list[dict[str, Any]]:
+    """One .pte: each of args.precisions loaded (a load each) and timed, then each PyTorch variant once, in the
+    first precision's record (its losses compared with the fp32 record's where this call has one). A phase
+    the budget skips leaves no record (an earlier call's stays in the results file)."""
     from vktrain.runtime.program.runner import TrainingRunner
     from vktrain.backend.kernel_planning import plan_schedule
 
-    start = time.perf_counter()
-    runner = TrainingRunner.from_pte(path, device, planner=plan_schedule, precision=args.precision)  # gemm_route says which schedule
-    load_s = time.perf_counter() - start
-    graph = runner.graph
-    try:
-        if BENCH_CONFIG_KEY not in graph.metadata:
-            raise SystemExit(f"{path}: the blob has no {BENCH_CONFIG_KEY!r} metadata; export it with "
-                             f"scripts/bench_step.py export")
-        config = BenchConfig(**json.loads(graph.metadata[BENCH_CONFIG_KEY]))
-        buffers = runner.executor.buffer_bytes
-        record: dict[str, Any] = {
-            "pte": str(path), "config": config.label, "batch": config.batch, "seq": config.seq,
-            "tokens_per_step": config.tokens, "preset": config.preset, "load_s": load_s,
-            "graph_ops": len(graph.ops), "precision": args.precision, "gemm_route": runner.gemm_report(),
-            "synthetic_constants": json.loads(graph.metadata.get("synthetic_constants", "{}")),
-            "synthetic_constant_bytes": runner.executor.synthetic_constant_bytes,
-            "vk_memory": {
-                "device_buffers_bytes": sum(buffers.values()),
-                "planned_bytes": int(graph.metadata.get("planned_memory_bytes", 0)),
-                "unplanned_bytes": int(graph.metadata.get("unplanned_memory_bytes", 0)),
-                "state_bytes": int(graph.metadata.get("state_bytes", 0)),
-                "buffers": len(buffers),
-                "device_memory": asdict(device.memory_stats()),
-            },
-        }
-        vocab = runner.vocab_size
-        batches = [make_batch(config, vocab, seed) for seed in range(args.batches)]
-        print(f"{path.name}: {config.preset} {config.label}, loaded in {load_s:.1f} s "
-              f"({record['synthetic_constant_bytes'] / 2**30:.2f} GiB generated), "
-              f"{len(runner.executor.dispatches)} dispatches per step; {device.memory_stats().describe()}\n"
-              f"  {record['gemm_route']}", flush=True)
-        record["shaders"] = sorted({d.shader for d in runner.executor.dispatches})
-        if args.load_only:
-            return record
-        record["vk"] = time_vulkan(runner, config, batches, args.warmup, args.steps, args.top)
-        arrays = None
-        if torch is not None:
-            if torch_device.type == "cpu" and args.torch_device != "cpu" and \
-                    _parameter_count(config) > CPU_BASELINE_MAX_PARAMS:
-                torch_note = (f"no CUDA; a CPU baseline of {_parameter_count(config) / 1e9:.1f}B parameters is "
-                              f"skipped (pass --torch-device cpu to force it)")
-            else:
-                key = _baseline_key(graph, config)
+    records: list[dict[str, Any]] = []
+    arrays, batches, config = None, None, None
+    for precision in args.precisions:
+        if not clock.begin(path.name, f"load {precision}"):
+            continue
+        start = time.perf_counter()
+        runner = TrainingRunner.from_pte(path, device, planner=plan_schedule, precision=precision)  # gemm_route says which schedule
+        load_s = time.perf_counter() - start
+        clock.end()
+        try:
+            config = _bench_config(runner.graph, path)
+            record = _vk_record(path, runner, config, precision, load_s, device)
+            batches = [make_batch(config, runner.vocab_size, seed) for seed in range(args.batches)]
+            if args.load_only:
+                records.append(record)
+                continue
+            if not clock.begin(path.name, f"vk {precision}"):
+                continue
+            record["vk"] = time_vulkan(runner, config, batches, args.warmup, args.steps, args.top)
+            clock.end()
+            records.append(record)
+            if torch is not None and arrays is None and not _cpu_baseline_note(torch_device, args, config) \
+                    and clock.begin(path.name, "PyTorch weights"):
+                key = _baseline_key(runner.graph, config)
                 if key not in baseline_cache:
                     baseline_cache.clear()  # one model's arrays at a time
-                    baseline_cache[key] = baseline_arrays(graph, runner.executor, config)
+                    baseline_cache[key] = baseline_arrays(runner.graph, runner.executor, config)
                 arrays = baseline_cache[key]
-    finally:
-        runner.close()  # frees the Vulkan buffers before the baseline allocates its own
+                clock.end()
+        finally:
+            runner.close()  # frees the Vulkan buffers before the next load or the baseline allocates its own
+    if not records or args.load_only:
+        return records
 
-    if arrays is not None and torch_device.type == "cuda":
-        add_torch_rates(torch, record["vk"]["top_gemms"])
-    if arrays is not None:
-        variants = record["torch_variants"] = {}
-        vk_losses = record["vk"]["losses"]
-        for variant in args.torch_variants:
-            try:
-                result = time_torch(torch, torch_device, config, arrays, batches, args.warmup, args.steps, variant,
-                                    hparams=HPARAMS)
-            except Exception as exc:  # e.g. torch.compile without a working toolchain: keep the other variants
-                variants[variant] = {"error": f"{type(exc).__name__}: {str(exc)[:2000]}"}
-                print(f"PyTorch {variant} failed: {variants[variant]['error'][:300]}", flush=True)
-                continue
-            variants[variant] = result
-            result["over_vk"] = result["ms_per_step"] / record["vk"]["ms_per_step"]
-            result["max_rel_loss_diff"] = max(abs(a - b) / max(abs(b), 1e-12)
-                                              for a, b in zip(vk_losses, result["losses"]))
-        del arrays
-        if "ms_per_step" in variants.get("fp32", {}):  # the reference the losses must match
-            record["torch"] = variants["fp32"]
-            record["torch_over_vk"] = variants["fp32"]["over_vk"]
-            record["max_rel_loss_diff"] = variants["fp32"]["max_rel_loss_diff"]
-    else:
-        record["torch_skipped"] = torch_note or "no baseline"
-    return record
+    record = records[0]
+    if torch is None or _cpu_baseline_note(torch_device, args, config):
+        record["torch_skipped"] = (torch_note if torch is None else _cpu_baseline_note(torch_device, args, config)) \
+            or "no baseline"
+        return records
+    if torch_device.type == "cuda" and clock.begin(path.name, "PyTorch GEMM rates"):
+        for each in records:
+            add_torch_rates(torch, each["vk"]["top_gemms"])
+        clock.end()
+    reference = next((r for r in records if r["precision"] == PRECISION_FP32), record)
+    record["torch_losses_against"] = f"vk {reference['precision']}"
+    variants = record["torch_variants"] = {}
+    for variant in args.torch_variants:
+        if arrays is None or not clock.begin(path.name, f"PyTorch {variant}"):
+            record.setdefault("torch_skipped_variants", []).append(variant)
+            continue
+        try:
+            result = time_torch(torch, torch_device, config, arrays, batches, args.warmup, args.steps, variant,
+                                hparams=HPARAMS)
+        except Exception as exc:  # e.g. torch.compile without a working toolchain: keep the other variants
+            variants[variant] = {"error": f"{type(exc).__name__}: {str(exc)[:2000]}"}
+            print(f"PyTorch {variant} failed: {variants[variant]['error'][:300]}", flush=True)
+            continue
+        finally:
+            clock.end()
+        variants[variant] = result
+        result["over_vk"] = result["ms_per_step"] / record["vk"]["ms_per_step"]
+        result["max_rel_loss_diff"] = max(abs(a - b) / max(abs(b), 1e-12)
+                                          for a, b in zip(reference["vk"]["losses"], result["losses"]))
+    if "ms_per_step" in variants.get("fp32", {}):  # the reference the losses must match
+        record["torch"] = variants["fp32"]
+        record["torch_over_vk"] = variants["fp32"]["over_vk"]
+        record["max_rel_loss_diff"] = variants["fp32"]["max_rel_loss_diff"]
+    return records
+
+
+def run_one(path: Path, device, args, torch, torch_device, torch_note: str | None,
+            baseline_cache: dict[str, dict[str, np.ndarray]]) -> dict[str, Any]:
+    """One .pte at args.precision, with no budget (scripts/bench_long_context.py)."""
+    options = argparse.Namespace(**{**vars(args), "precisions": [args.precision]})
+    return run_pte(path, device, options, torch, torch_device, torch_note, baseline_cache,
+                   Clock(None, time.monotonic()))[0]
 
 
 def run_command(args) -> int:
     from vktrain.runtime import Device
 
+    clock = Clock(args.budget_s, STARTED)
+    configs = {path: read_config(path) for path in args.pte}
+    models = list(dict.fromkeys(config.preset for config in configs.values()))
+    outputs = output_paths(args.out_dir, args.machine, args.out, models)
+    if isinstance(outputs, str):
+        print(f"bench_step.py run: error: {outputs}", file=sys.stderr)
+        return 2
+    out_files, table_file = outputs
     torch, torch_device, torch_note = None, None, "--no-torch"
     if not args.no_torch:
         torch, torch_device, torch_note = load_torch(args.torch_device)
-    records = []
+    by_model: dict[str, list[dict[str, Any]]] = {model: [] for model in models}
+    merged: dict[str, list[dict[str, Any]]] = {}  # each results file's records after this call's write
     baseline_cache: dict[str, dict[str, np.ndarray]] = {}
     with Device(validation=False) as device:
         meta = {"vk_device": device.name, "vk_device_type": device.device_type,
                 "torch": None if torch is None else torch.__version__,
                 "torch_device": None if torch_device is None else str(torch_device),
                 "host": platform.node(), "python": platform.python_version(), "warmup": args.warmup,
-                "steps": args.steps, "hparams": list(HPARAMS),
-                "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                "steps": args.steps, "hparams": list(HPARAMS), "precisions": args.precisions,
+                "budget_s": args.budget_s, "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                 "note": "synthetic constants: weights are random, results measure speed only"}
         if torch_device is not None and torch_device.type == "cuda":
             meta["torch_device_name"] = torch.cuda.get_device_name(torch_device)
         print(f"Vulkan: {device.name} ({device.device_type}); PyTorch: "
               f"{meta.get('torch_device_name', meta['torch_device']) or torch_note}", flush=True)
         for path in args.pte:
-            records.append(run_one(Path(path), device, args, torch, torch_device, torch_note, baseline_cache))
-    if not args.load_only:
+            model = configs[path].preset
+            by_model[model] += run_pte(path, device, args, torch, torch_device, torch_note, baseline_cache, clock)
+            if model in out_files and by_model[model]:  # written after each .pte: a cut run keeps what finished
+                ptes = {p.name for p, c in configs.items() if c.preset == model}
+                summary = {"meta": {**meta, **clock.of(ptes)}, "results": by_model[model]}
+                # This call's shapes at its precisions replace theirs; the file's others stay.
+                written = write_run(out_files[model], summary, key=lambda r: (r["config"], r.get("precision")))
+                merged[model] = [r for call in runs(written) for r in call["results"]]
+                print(f"wrote {out_files[model]}", flush=True)
+    records = [r for model in models for r in by_model[model]]
+    if clock.skipped:
+        print(f"\nbudget: {len(clock.skipped)} phases skipped after {args.budget_s:g} s: "
+              + "; ".join(f"{s['pte']} {s['phase']}" for s in clock.skipped))
+    if not args.load_only and records:
         print_report(records, args.top)
-    summary = {"meta": meta, "results": records}
-    if args.out:
-        # One file per machine and model: this call's shapes (at its precision) replace theirs, others stay.
-        merged = write_run(args.out, summary, key=lambda r: (r["config"], r.get("precision")))
-        print(f"wrote {args.out}")
-        if not args.load_only and not args.no_plot:
-            print(plot([r for call in runs(merged) for r in call["results"]], meta, args.out.with_suffix(".png")))
+        print_table(table_rows(records), PRECISIONS)
+        if not args.no_plot:
+            for model, model_records in merged.items():
+                print(plot_table(table_rows(model_records), meta, out_files[model].with_suffix(".png"), PRECISIONS))
+        if table_file is not None and merged:
+            rows = [row for model in models if model in merged for row in table_rows(merged[model])]
+            table = write_run(table_file, {"meta": {**meta, "from": [out_files[m].name for m in merged]},
+                                           "results": rows}, key=lambda row: (row["model"], row["shape"]))
+            print(f"wrote {table_file}")
+            if not args.no_plot:
+                print(plot_table([row for call in runs(table) for row in call["results"]], meta,
+                                 table_file.with_suffix(".png"), PRECISIONS))
+    print(f"elapsed {clock.elapsed():.0f} s" + (f" (budget {args.budget_s:g} s)" if args.budget_s is not None else ""))
     return 0
 
 
@@ -534,18 +617,28 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--batches", type=int, default=2, help="distinct random batches, cycled")
     run.add_argument("--top", type=int, default=15, help="op kinds listed")
     run.add_argument("--out", type=Path, default=None,
-                     help="JSON results (and a .png plot next to it); an existing file keeps its other shapes "
-                          "(bench/results/step_<machine>_<model>.json: bench/README.md)")
+                     help="JSON results of one model (and a .png plot next to it); an existing file keeps its other "
+                          "shapes (bench/results/step_<machine>_<model>.json: bench/README.md)")
+    run.add_argument("--out-dir", type=Path, default=None,
+                     help="with --machine: each model's results to DIR/step_<machine>_<model>.json (merged like "
+                          "--out) with its plot, and the whole table to DIR/step_table_<machine>.json and .png")
+    run.add_argument("--machine", choices=MACHINES, default=None, help="the machine word of --out-dir's file names")
+    run.add_argument("--budget-s", type=float, default=None,
+                     help="start no new phase (a load, a precision's timing, a PyTorch variant) after this many "
+                          "seconds from the start; what is skipped is printed and written under meta.skipped")
     run.add_argument("--torch-device", choices=("cuda", "cpu"), default=None,
                      help="baseline device (default: cuda when available, else cpu for small models)")
     run.add_argument("--no-torch", action="store_true", help="skip the PyTorch baseline")
     run.add_argument("--torch-variants", type=parse_torch_variants, default=None,
                      help=f"comma-separated PyTorch baselines out of {','.join(TORCH_VARIANTS)} (default: all "
                           f"on CUDA; fp32 on the CPU, where TF32 does not exist and compilation is slow)")
-    run.add_argument("--precision", choices=PRECISION_CHOICES, default=PRECISION_FP32,
-                     help="vktrain's GEMM precision policy (docs/PRECISION.md); fp16-tc: tensor cores where the "
-                          "device has them; auto: a schedule embedded for this device (`export --target`) if the "
-                          ".pte has one, else the runtime's choice (an explicit policy always plans at load)")
+    run.add_argument("--precision", choices=PRECISION_CHOICES, default=None,
+                     help="vktrain's GEMM precision policy (docs/PRECISION.md; default fp32); fp16-tc: tensor cores "
+                          "where the device has them; auto: a schedule embedded for this device (`export --target`) "
+                          "if the .pte has one, else the runtime's choice (an explicit policy always plans at load)")
+    run.add_argument("--precisions", type=parse_precisions, default=None,
+                     help="several policies, e.g. fp16-tc,fp32: each .pte is loaded and timed once per policy, the "
+                          "PyTorch variants run once per .pte (in the first policy's record)")
     run.add_argument("--no-plot", action="store_true")
     run.add_argument("--load-only", action="store_true",
                      help="only load each .pte (generate constants, build pipelines, record): checks that "
@@ -580,6 +673,16 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--steps and --batches must be positive, --warmup >= 0")
     if out_error(args.out):
         parser.error(out_error(args.out))
+    if args.out is not None and args.out_dir is not None:
+        parser.error("give --out (one model's file) or --out-dir with --machine (a file per model), not both")
+    if args.precision is not None and args.precisions is not None:
+        parser.error("give --precision or --precisions, not both")
+    missing = [path for path in args.pte if not Path(path).is_file()]
+    if missing:
+        parser.error(f"no such .pte file: {', '.join(missing)}")
+    args.pte = [Path(path) for path in args.pte]
+    args.precisions = args.precisions or [args.precision or PRECISION_FP32]
+    args.precision = args.precisions[0]
     if args.torch_variants is None:
         cuda = not args.no_torch and args.torch_device != "cpu" and _cuda_available()
         args.torch_variants = list(TORCH_VARIANTS) if cuda else ["fp32"]
@@ -593,6 +696,17 @@ def parse_torch_variants(text: str) -> list[str]:
     if unknown or not names:
         raise argparse.ArgumentTypeError(f"--torch-variants {text!r}: unknown {unknown or 'empty list'}; choose "
                                          f"from {','.join(TORCH_VARIANTS)}")
+    return names
+
+
+def parse_precisions(text: str) -> list[str]:
+    """"fp16-tc,fp32" -> ["fp16-tc", "fp32"]; unknown or repeated policies are refused by name."""
+    names = [name.strip() for name in text.split(",") if name.strip()]
+    unknown = [name for name in names if name not in PRECISION_CHOICES]
+    if unknown or not names or len(set(names)) < len(names):
+        why = f"unknown {unknown}" if unknown else "empty or repeated"
+        raise argparse.ArgumentTypeError(f"--precisions {text!r}: {why}; choose from {','.join(PRECISION_CHOICES)}, "
+                                         f"each once")
     return names
 
 
