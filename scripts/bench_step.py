@@ -485,6 +485,8 @@ def run_pte(path: Path, device, args, torch, torch_device, torch_note: str | Non
         for each in records:
             add_torch_rates(torch, each["vk"]["top_gemms"])
         clock.end()
+    for other in records[1:]:
+        other["torch_baseline_in"] = record["precision"]  # the record of this .pte that holds it
     reference = next((r for r in records if r["precision"] == PRECISION_FP32), record)
     record["torch_losses_against"] = f"vk {reference['precision']}"
     variants = record["torch_variants"] = {}
