@@ -434,16 +434,26 @@ def _cpu_baseline_note(torch_device, args, config: BenchConfig) -> str | None:
     return None
 
 
-def run_pte(path: Path, device, args, torch, torch_device, torch_note: str | None,
-            baseline_cache: dict[str, dict[str, np.ndarray]], clock: Clock) -> list[dict[str, Any]]:
-    """One .pte: each of args.precisions loaded (a load each) and timed, then each PyTorch variant once, in the
-    first precision's record (its losses compared with the fp32 record's where this call has one). A phase
-    the budget skips leaves no record (an earlier call's stays in the results file)."""
+@dataclass
+class PteRun:
+    """One .pte's records (one per precision timed; the PyTorch variants go in the first) and what its
+    variants need: the batches both sides take and the eager baseline's weights."""
+
+    path: Path
+    records: list[dict[str, Any]]
+    config: BenchConfig | None = None
+    batches: list | None = None
+    arrays: dict[str, np.ndarray] | None = None
+
+
+def time_vk(path: Path, device, args, torch, torch_device, baseline_cache: dict[str, dict[str, np.ndarray]],
+            clock: Clock) -> PteRun:
+    """Each of args.precisions loaded (a load each) and timed; the baseline's weights read from the first load
+    when a PyTorch baseline will run. A phase the budget skips leaves no record (an earlier call's stays)."""
     from vktrain.runtime.program.runner import TrainingRunner
     from vktrain.backend.kernel_planning import plan_schedule
 
-    records: list[dict[str, Any]] = []
-    arrays, batches, config = None, None, None
+    run = PteRun(path, [])
     for precision in args.precisions:
         if not clock.begin(path.name, f"load {precision}"):
             continue
@@ -452,74 +462,90 @@ def run_pte(path: Path, device, args, torch, torch_device, torch_note: str | Non
         load_s = time.perf_counter() - start
         clock.end()
         try:
-            config = _bench_config(runner.graph, path)
+            run.config = config = _bench_config(runner.graph, path)
             record = _vk_record(path, runner, config, precision, load_s, device)
-            batches = [make_batch(config, runner.vocab_size, seed) for seed in range(args.batches)]
+            run.batches = [make_batch(config, runner.vocab_size, seed) for seed in range(args.batches)]
             if args.load_only:
-                records.append(record)
+                run.records.append(record)
                 continue
             if not clock.begin(path.name, f"vk {precision}"):
                 continue
-            record["vk"] = time_vulkan(runner, config, batches, args.warmup, args.steps, args.top)
+            record["vk"] = time_vulkan(runner, config, run.batches, args.warmup, args.steps, args.top)
             clock.end()
-            records.append(record)
-            if torch is not None and arrays is None and not _cpu_baseline_note(torch_device, args, config) \
+            run.records.append(record)
+            if torch is not None and run.arrays is None and not _cpu_baseline_note(torch_device, args, config) \
                     and clock.begin(path.name, "PyTorch weights"):
                 key = _baseline_key(runner.graph, config)
                 if key not in baseline_cache:
-                    baseline_cache.clear()  # one model's arrays at a time
+                    baseline_cache.clear()  # one model's arrays at a time (a PteRun keeps its own)
                     baseline_cache[key] = baseline_arrays(runner.graph, runner.executor, config)
-                arrays = baseline_cache[key]
+                run.arrays = baseline_cache[key]
                 clock.end()
         finally:
             runner.close()  # frees the Vulkan buffers before the next load or the baseline allocates its own
-    if not records or args.load_only:
-        return records
+    return run
 
-    record = records[0]
-    if torch is None or _cpu_baseline_note(torch_device, args, config):
-        record["torch_skipped"] = (torch_note if torch is None else _cpu_baseline_note(torch_device, args, config)) \
-            or "no baseline"
-        return records
-    if torch_device.type == "cuda" and clock.begin(path.name, "PyTorch GEMM rates"):
-        for each in records:
+
+def start_torch(run: PteRun, args, torch, torch_device, torch_note: str | None, clock: Clock) -> bool:
+    """Whether run's PyTorch variants can be timed (else the first record says why not); where they can, each
+    precision's GEMMs are rated against torch's matmul (CUDA) and the records say where the baseline is."""
+    if not run.records or args.load_only:
+        return False
+    record = run.records[0]
+    note = torch_note if torch is None else _cpu_baseline_note(torch_device, args, run.config)
+    if note or torch is None:
+        record["torch_skipped"] = note or "no baseline"
+        return False
+    if torch_device.type == "cuda" and clock.begin(run.path.name, "PyTorch GEMM rates"):
+        for each in run.records:
             add_torch_rates(torch, each["vk"]["top_gemms"])
         clock.end()
-    for other in records[1:]:
+    for other in run.records[1:]:
         other["torch_baseline_in"] = record["precision"]  # the record of this .pte that holds it
-    reference = next((r for r in records if r["precision"] == PRECISION_FP32), record)
+    reference = next((r for r in run.records if r["precision"] == PRECISION_FP32), record)
     record["torch_losses_against"] = f"vk {reference['precision']}"
-    variants = record["torch_variants"] = {}
-    for variant in args.torch_variants:
-        if arrays is None or not clock.begin(path.name, f"PyTorch {variant}"):
+    record["torch_variants"] = {}
+    return True
+
+
+def time_torch_variants(run: PteRun, variants: list[str], torch, torch_device, args, clock: Clock) -> None:
+    """Each of `variants` once, into the first record's torch_variants (fp32's also as `torch`, the losses
+    compared with vktrain's fp32 losses where this call timed them); a skipped one is listed."""
+    record = run.records[0]
+    reference = next((r for r in run.records if r["precision"] == PRECISION_FP32), record)
+    results = record["torch_variants"]
+    for variant in variants:
+        if run.arrays is None or not clock.begin(run.path.name, f"PyTorch {variant}"):
             record.setdefault("torch_skipped_variants", []).append(variant)
             continue
         try:
-            result = time_torch(torch, torch_device, config, arrays, batches, args.warmup, args.steps, variant,
-                                hparams=HPARAMS)
+            result = time_torch(torch, torch_device, run.config, run.arrays, run.batches, args.warmup, args.steps,
+                                variant, hparams=HPARAMS)
         except Exception as exc:  # e.g. torch.compile without a working toolchain: keep the other variants
-            variants[variant] = {"error": f"{type(exc).__name__}: {str(exc)[:2000]}"}
-            print(f"PyTorch {variant} failed: {variants[variant]['error'][:300]}", flush=True)
+            results[variant] = {"error": f"{type(exc).__name__}: {str(exc)[:2000]}"}
+            print(f"PyTorch {variant} failed: {results[variant]['error'][:300]}", flush=True)
             continue
         finally:
             clock.end()
-        variants[variant] = result
+        results[variant] = result
         result["over_vk"] = result["ms_per_step"] / record["vk"]["ms_per_step"]
         result["max_rel_loss_diff"] = max(abs(a - b) / max(abs(b), 1e-12)
                                           for a, b in zip(reference["vk"]["losses"], result["losses"]))
-    if "ms_per_step" in variants.get("fp32", {}):  # the reference the losses must match
-        record["torch"] = variants["fp32"]
-        record["torch_over_vk"] = variants["fp32"]["over_vk"]
-        record["max_rel_loss_diff"] = variants["fp32"]["max_rel_loss_diff"]
-    return records
+        if variant == "fp32":  # the reference the losses must match
+            record["torch"] = result
+            record["torch_over_vk"] = result["over_vk"]
+            record["max_rel_loss_diff"] = result["max_rel_loss_diff"]
 
 
 def run_one(path: Path, device, args, torch, torch_device, torch_note: str | None,
             baseline_cache: dict[str, dict[str, np.ndarray]]) -> dict[str, Any]:
-    """One .pte at args.precision, with no budget (scripts/bench_long_context.py)."""
+    """One .pte at args.precision with args.torch_variants, no budget (scripts/bench_long_context.py)."""
     options = argparse.Namespace(**{**vars(args), "precisions": [args.precision]})
-    return run_pte(path, device, options, torch, torch_device, torch_note, baseline_cache,
-                   Clock(None, time.monotonic()))[0]
+    clock = Clock(None, time.monotonic())
+    run = time_vk(path, device, options, torch, torch_device, baseline_cache, clock)
+    if start_torch(run, options, torch, torch_device, torch_note, clock):
+        time_torch_variants(run, options.torch_variants, torch, torch_device, options, clock)
+    return run.records[0]
 
 
 def run_command(args) -> int:
@@ -537,8 +563,36 @@ def run_command(args) -> int:
     if not args.no_torch:
         torch, torch_device, torch_note = load_torch(args.torch_device)
     by_model: dict[str, list[dict[str, Any]]] = {model: [] for model in models}
-    merged: dict[str, list[dict[str, Any]]] = {}  # each results file's records after this call's write
+    merged: dict[str, list[dict[str, Any]]] = {}  # each results file's records after this call's last write
     baseline_cache: dict[str, dict[str, np.ndarray]] = {}
+
+    def save(model: str) -> None:
+        """The model's file, its plot and the whole table, after each .pte: a cut run keeps what finished."""
+        if model not in out_files or not by_model[model]:
+            return
+        ptes = {p.name for p, c in configs.items() if c.preset == model}
+        summary = {"meta": {**meta, **clock.of(ptes)}, "results": by_model[model]}
+        # This call's shapes at its precisions replace theirs; the file's others stay.
+        written = write_run(out_files[model], summary, key=lambda r: (r["config"], r.get("precision")))
+        merged[model] = [r for call in runs(written) for r in call["results"]]
+        print(f"wrote {out_files[model]}", flush=True)
+        if args.load_only:
+            return
+        if not args.no_plot:
+            print(plot_table(table_rows(merged[model]), meta, out_files[model].with_suffix(".png"), PRECISIONS))
+        if table_file is not None:
+            rows = [row for m in models if m in merged for row in table_rows(merged[m])]
+            table = write_run(table_file, {"meta": {**meta, "from": [out_files[m].name for m in merged]},
+                                           "results": rows}, key=lambda row: (row["model"], row["shape"]))
+            print(f"wrote {table_file}", flush=True)
+            if not args.no_plot:
+                print(plot_table([row for call in runs(table) for row in call["results"]], meta,
+                                 table_file.with_suffix(".png"), PRECISIONS))
+
+    # torch.compile's cold compilation takes minutes a shape: the compiled variants run after every .pte's
+    # other phases, so a budget cuts them first.
+    compiled = [v for v in args.torch_variants if TORCH_VARIANTS[v][2]]
+    eager = [v for v in args.torch_variants if v not in compiled]
     with Device(validation=False) as device:
         meta = {"vk_device": device.name, "vk_device_type": device.device_type,
                 "torch": None if torch is None else torch.__version__,
@@ -551,16 +605,18 @@ def run_command(args) -> int:
             meta["torch_device_name"] = torch.cuda.get_device_name(torch_device)
         print(f"Vulkan: {device.name} ({device.device_type}); PyTorch: "
               f"{meta.get('torch_device_name', meta['torch_device']) or torch_note}", flush=True)
+        pending = []
         for path in args.pte:
-            model = configs[path].preset
-            by_model[model] += run_pte(path, device, args, torch, torch_device, torch_note, baseline_cache, clock)
-            if model in out_files and by_model[model]:  # written after each .pte: a cut run keeps what finished
-                ptes = {p.name for p, c in configs.items() if c.preset == model}
-                summary = {"meta": {**meta, **clock.of(ptes)}, "results": by_model[model]}
-                # This call's shapes at its precisions replace theirs; the file's others stay.
-                written = write_run(out_files[model], summary, key=lambda r: (r["config"], r.get("precision")))
-                merged[model] = [r for call in runs(written) for r in call["results"]]
-                print(f"wrote {out_files[model]}", flush=True)
+            run = time_vk(path, device, args, torch, torch_device, baseline_cache, clock)
+            if start_torch(run, args, torch, torch_device, torch_note, clock):
+                time_torch_variants(run, eager, torch, torch_device, args, clock)
+                pending.append(run)
+            by_model[configs[path].preset] += run.records
+            save(configs[path].preset)
+        for run in pending if compiled else []:
+            time_torch_variants(run, compiled, torch, torch_device, args, clock)
+            run.arrays = None
+            save(configs[run.path].preset)
     records = [r for model in models for r in by_model[model]]
     if clock.skipped:
         print(f"\nbudget: {len(clock.skipped)} phases skipped after {args.budget_s:g} s: "
@@ -568,17 +624,6 @@ def run_command(args) -> int:
     if not args.load_only and records:
         print_report(records, args.top)
         print_table(table_rows(records), PRECISIONS)
-        if not args.no_plot:
-            for model, model_records in merged.items():
-                print(plot_table(table_rows(model_records), meta, out_files[model].with_suffix(".png"), PRECISIONS))
-        if table_file is not None and merged:
-            rows = [row for model in models if model in merged for row in table_rows(merged[model])]
-            table = write_run(table_file, {"meta": {**meta, "from": [out_files[m].name for m in merged]},
-                                           "results": rows}, key=lambda row: (row["model"], row["shape"]))
-            print(f"wrote {table_file}")
-            if not args.no_plot:
-                print(plot_table([row for call in runs(table) for row in call["results"]], meta,
-                                 table_file.with_suffix(".png"), PRECISIONS))
     print(f"elapsed {clock.elapsed():.0f} s" + (f" (budget {args.budget_s:g} s)" if args.budget_s is not None else ""))
     return 0
 

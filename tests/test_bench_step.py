@@ -328,3 +328,20 @@ def test_precisions_parse_or_are_refused(bench, two_models, capsys):
         with pytest.raises(SystemExit) as exit_info:
             bench.main(["run", str(two_models[0]), *flags])
         assert exit_info.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_compiled_pytorch_variants_run_after_every_pte(bench, two_models, tmp_path, monkeypatch):
+    """torch.compile's cold compilation takes minutes a shape on the GPU machine: the compiled variants wait until
+    every .pte's other phases are done, so a budget cuts them first. (bf16 stands in for a compiled variant
+    here: compiling on the CPU takes too long for a test; only the ordering reads the flag.)"""
+    monkeypatch.setattr(bench, "TORCH_VARIANTS", {**bench.TORCH_VARIANTS, "bf16": (False, True, True)})
+    assert bench.main(["run", *map(str, two_models), "--torch-variants", "fp32,bf16", "--steps", "1", "--warmup",
+                       "0", "--out-dir", str(tmp_path), "--machine", "lavapipe", "--no-plot"]) == 0
+    phases = sorted((p for f in tmp_path.glob("step_lavapipe_*.json") for p in json.loads(f.read_text())["meta"]["phases"]),
+                    key=lambda p: p["at_s"])
+    assert [(p["pte"], p["phase"]) for p in phases] == [
+        *((path.name, phase) for path in two_models for phase in ("load fp32", "vk fp32", "PyTorch weights",
+                                                                  "PyTorch fp32")),
+        *((path.name, "PyTorch bf16") for path in two_models)]
+    for f in tmp_path.glob("step_lavapipe_*.json"):
+        assert list(json.loads(f.read_text())["results"][0]["torch_variants"]) == ["fp32", "bf16"]
