@@ -58,8 +58,8 @@ from vktrain.contract import PRECISION_CHOICES, PRECISION_FP32, PRECISIONS  # no
 
 from bench_step_gemm_rates import add_rates, add_torch_rates, gemm_shapes  # noqa: E402
 from bench_step_report import print_report  # noqa: E402
-from bench_step_table import Clock, output_paths, plot_table, print_table, table_rows  # noqa: E402
-from bench_results import MACHINES, out_error, runs, write_run  # noqa: E402
+from bench_step_table import Clock, ResultFiles, output_paths, print_table, table_rows  # noqa: E402
+from bench_results import MACHINES, out_error  # noqa: E402
 from bench_step_torch import TORCH_VARIANTS, load_torch, time_torch  # noqa: E402
 
 FULL_PRESET, QUICK_PRESET = "llama-3.2-1b", "tiny-llama"
@@ -558,36 +558,16 @@ def run_command(args) -> int:
     if isinstance(outputs, str):
         print(f"bench_step.py run: error: {outputs}", file=sys.stderr)
         return 2
-    out_files, table_file = outputs
+    files = ResultFiles(*outputs, draw=not args.no_plot, precision_order=PRECISIONS)
     torch, torch_device, torch_note = None, None, "--no-torch"
     if not args.no_torch:
         torch, torch_device, torch_note = load_torch(args.torch_device)
     by_model: dict[str, list[dict[str, Any]]] = {model: [] for model in models}
-    merged: dict[str, list[dict[str, Any]]] = {}  # each results file's records after this call's last write
     baseline_cache: dict[str, dict[str, np.ndarray]] = {}
 
-    def save(model: str) -> None:
-        """The model's file, its plot and the whole table, after each .pte: a cut run keeps what finished."""
-        if model not in out_files or not by_model[model]:
-            return
+    def save(model: str) -> None:  # after each .pte: a cut run keeps what finished
         ptes = {p.name for p, c in configs.items() if c.preset == model}
-        summary = {"meta": {**meta, **clock.of(ptes)}, "results": by_model[model]}
-        # This call's shapes at its precisions replace theirs; the file's others stay.
-        written = write_run(out_files[model], summary, key=lambda r: (r["config"], r.get("precision")))
-        merged[model] = [r for call in runs(written) for r in call["results"]]
-        print(f"wrote {out_files[model]}", flush=True)
-        if args.load_only:
-            return
-        if not args.no_plot:
-            print(plot_table(table_rows(merged[model]), meta, out_files[model].with_suffix(".png"), PRECISIONS))
-        if table_file is not None:
-            rows = [row for m in models if m in merged for row in table_rows(merged[m])]
-            table = write_run(table_file, {"meta": {**meta, "from": [out_files[m].name for m in merged]},
-                                           "results": rows}, key=lambda row: (row["model"], row["shape"]))
-            print(f"wrote {table_file}", flush=True)
-            if not args.no_plot:
-                print(plot_table([row for call in runs(table) for row in call["results"]], meta,
-                                 table_file.with_suffix(".png"), PRECISIONS))
+        files.save(model, {**meta, **clock.of(ptes)}, by_model[model], args.load_only)
 
     # torch.compile's cold compilation takes minutes a shape: the compiled variants run after every .pte's
     # other phases, so a budget cuts them first.

@@ -15,7 +15,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from bench_results import result_name
+from bench_results import result_name, runs, write_run
 from bench_step_torch import TORCH_VARIANTS
 
 BENCHMARK, TABLE_BENCHMARK = "step", "step_table"
@@ -78,6 +78,37 @@ def output_paths(out_dir: Path | None, machine: str | None, out: Path | None, mo
         return (f"--out {out} holds one model's records, and these .pte files are of {', '.join(models)}: "
                 f"pass --out-dir DIR --machine MACHINE (one file per model)")
     return ({models[0]: out} if out is not None else {}), None
+
+
+class ResultFiles:
+    """Each model's results file (this call's records merged in: its shapes at its precisions replace theirs,
+    the file's others stay) with its plot, and the whole table's file and plot: rows of every model written
+    in this call, from the merged files, merged by (model, shape) into the table's earlier rows."""
+
+    def __init__(self, files: dict[str, Path], table: Path | None, draw: bool, precision_order):
+        self.files, self.table, self.draw, self.precision_order = files, table, draw, precision_order
+        self.merged: dict[str, list[dict[str, Any]]] = {}  # model -> its file's records after the last write
+
+    def save(self, model: str, meta: dict[str, Any], records: list[dict[str, Any]], load_only: bool) -> None:
+        if model not in self.files or not records:  # nothing measured: an earlier call's records stay
+            return
+        written = write_run(self.files[model], {"meta": meta, "results": records},
+                            key=lambda r: (r["config"], r.get("precision")))
+        self.merged[model] = [r for call in runs(written) for r in call["results"]]
+        print(f"wrote {self.files[model]}", flush=True)
+        if load_only:
+            return
+        self._plot(table_rows(self.merged[model]), meta, self.files[model])
+        if self.table is not None:
+            rows = [row for records in self.merged.values() for row in table_rows(records)]
+            table = write_run(self.table, {"meta": {**meta, "from": [self.files[m].name for m in self.merged]},
+                                           "results": rows}, key=lambda row: (row["model"], row["shape"]))
+            print(f"wrote {self.table}", flush=True)
+            self._plot([row for call in runs(table) for row in call["results"]], meta, self.table)
+
+    def _plot(self, rows: list[dict[str, Any]], meta: dict[str, Any], path: Path) -> None:
+        if self.draw:
+            print(plot_table(rows, meta, path.with_suffix(".png"), self.precision_order), flush=True)
 
 
 def table_rows(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
