@@ -55,6 +55,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # its PyTorch and repo
 
 from vktrain import quant  # noqa: E402
 from vktrain.contract import PRECISION_CHOICES, PRECISION_FP32, PRECISIONS  # noqa: E402
+from vktrain.train.interrupts import Interrupted, StopOnSignal  # noqa: E402
 
 from bench_step_gemm_rates import add_rates, add_torch_rates, gemm_shapes  # noqa: E402
 from bench_step_report import print_report  # noqa: E402
@@ -446,14 +447,15 @@ class PteRun:
     arrays: dict[str, np.ndarray] | None = None
 
 
-def time_vk(path: Path, device, args, torch, torch_device, baseline_cache: dict[str, dict[str, np.ndarray]],
-            clock: Clock) -> PteRun:
-    """Each of args.precisions loaded (a load each) and timed; the baseline's weights read from the first load
-    when a PyTorch baseline will run. A phase the budget skips leaves no record (an earlier call's stays)."""
+def time_vk(run: PteRun, device, args, torch, torch_device, baseline_cache: dict[str, dict[str, np.ndarray]],
+            clock: Clock) -> None:
+    """Each of args.precisions loaded (a load each) and timed, into run.records; the baseline's weights read
+    from the first load when a PyTorch baseline will run. A phase the budget skips leaves no record (an
+    earlier call's stays in the results file)."""
     from vktrain.runtime.program.runner import TrainingRunner
     from vktrain.backend.kernel_planning import plan_schedule
 
-    run = PteRun(path, [])
+    path = run.path
     for precision in args.precisions:
         if not clock.begin(path.name, f"load {precision}"):
             continue
@@ -471,8 +473,8 @@ def time_vk(path: Path, device, args, torch, torch_device, baseline_cache: dict[
             if not clock.begin(path.name, f"vk {precision}"):
                 continue
             record["vk"] = time_vulkan(runner, config, run.batches, args.warmup, args.steps, args.top)
-            clock.end()
             run.records.append(record)
+            clock.end()
             if torch is not None and run.arrays is None and not _cpu_baseline_note(torch_device, args, config) \
                     and clock.begin(path.name, "PyTorch weights"):
                 key = _baseline_key(runner.graph, config)
@@ -483,7 +485,6 @@ def time_vk(path: Path, device, args, torch, torch_device, baseline_cache: dict[
                 clock.end()
         finally:
             runner.close()  # frees the Vulkan buffers before the next load or the baseline allocates its own
-    return run
 
 
 def start_torch(run: PteRun, args, torch, torch_device, torch_note: str | None, clock: Clock) -> bool:
@@ -522,19 +523,17 @@ def time_torch_variants(run: PteRun, variants: list[str], torch, torch_device, a
             result = time_torch(torch, torch_device, run.config, run.arrays, run.batches, args.warmup, args.steps,
                                 variant, hparams=HPARAMS)
         except Exception as exc:  # e.g. torch.compile without a working toolchain: keep the other variants
-            results[variant] = {"error": f"{type(exc).__name__}: {str(exc)[:2000]}"}
-            print(f"PyTorch {variant} failed: {results[variant]['error'][:300]}", flush=True)
-            continue
-        finally:
-            clock.end()
+            result = {"error": f"{type(exc).__name__}: {str(exc)[:2000]}"}
+            print(f"PyTorch {variant} failed: {result['error'][:300]}", flush=True)
+        else:
+            result["over_vk"] = result["ms_per_step"] / record["vk"]["ms_per_step"]
+            result["max_rel_loss_diff"] = max(abs(a - b) / max(abs(b), 1e-12)
+                                              for a, b in zip(reference["vk"]["losses"], result["losses"]))
+            if variant == "fp32":  # the reference the losses must match
+                record.update(torch=result, torch_over_vk=result["over_vk"],
+                              max_rel_loss_diff=result["max_rel_loss_diff"])
         results[variant] = result
-        result["over_vk"] = result["ms_per_step"] / record["vk"]["ms_per_step"]
-        result["max_rel_loss_diff"] = max(abs(a - b) / max(abs(b), 1e-12)
-                                          for a, b in zip(reference["vk"]["losses"], result["losses"]))
-        if variant == "fp32":  # the reference the losses must match
-            record["torch"] = result
-            record["torch_over_vk"] = result["over_vk"]
-            record["max_rel_loss_diff"] = result["max_rel_loss_diff"]
+        clock.end()  # after the result is kept: a signal from here on loses nothing
 
 
 def run_one(path: Path, device, args, torch, torch_device, torch_note: str | None,
@@ -542,7 +541,8 @@ def run_one(path: Path, device, args, torch, torch_device, torch_note: str | Non
     """One .pte at args.precision with args.torch_variants, no budget (scripts/bench_long_context.py)."""
     options = argparse.Namespace(**{**vars(args), "precisions": [args.precision]})
     clock = Clock(None, time.monotonic())
-    run = time_vk(path, device, options, torch, torch_device, baseline_cache, clock)
+    run = PteRun(path, [])
+    time_vk(run, device, options, torch, torch_device, baseline_cache, clock)
     if start_torch(run, options, torch, torch_device, torch_note, clock):
         time_torch_variants(run, options.torch_variants, torch, torch_device, options, clock)
     return run.records[0]
@@ -562,50 +562,60 @@ def run_command(args) -> int:
     torch, torch_device, torch_note = None, None, "--no-torch"
     if not args.no_torch:
         torch, torch_device, torch_note = load_torch(args.torch_device)
-    by_model: dict[str, list[dict[str, Any]]] = {model: [] for model in models}
+    pte_runs: list[PteRun] = []  # in the order they started: a stopped call still saves what they finished
     baseline_cache: dict[str, dict[str, np.ndarray]] = {}
+
+    def records_of(model: str) -> list[dict[str, Any]]:
+        return [r for run in pte_runs if configs[run.path].preset == model for r in run.records]
 
     def save(model: str) -> None:  # after each .pte: a cut run keeps what finished
         ptes = {p.name for p, c in configs.items() if c.preset == model}
-        files.save(model, {**meta, **clock.of(ptes)}, by_model[model], args.load_only)
+        files.save(model, {**meta, **clock.of(ptes)}, records_of(model), args.load_only)
 
     # torch.compile's cold compilation takes minutes a shape: the compiled variants run after every .pte's
     # other phases, so a budget cuts them first.
     compiled = [v for v in args.torch_variants if TORCH_VARIANTS[v][2]]
     eager = [v for v in args.torch_variants if v not in compiled]
-    with Device(validation=False) as device:
-        meta = {"vk_device": device.name, "vk_device_type": device.device_type,
-                "torch": None if torch is None else torch.__version__,
-                "torch_device": None if torch_device is None else str(torch_device),
-                "host": platform.node(), "python": platform.python_version(), "warmup": args.warmup,
-                "steps": args.steps, "hparams": list(HPARAMS), "precisions": args.precisions,
-                "budget_s": args.budget_s, "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-                "note": "synthetic constants: weights are random, results measure speed only"}
-        if torch_device is not None and torch_device.type == "cuda":
-            meta["torch_device_name"] = torch.cuda.get_device_name(torch_device)
-        print(f"Vulkan: {device.name} ({device.device_type}); PyTorch: "
-              f"{meta.get('torch_device_name', meta['torch_device']) or torch_note}", flush=True)
-        pending = []
-        for path in args.pte:
-            run = time_vk(path, device, args, torch, torch_device, baseline_cache, clock)
-            if start_torch(run, args, torch, torch_device, torch_note, clock):
-                time_torch_variants(run, eager, torch, torch_device, args, clock)
-                pending.append(run)
-            by_model[configs[path].preset] += run.records
-            save(configs[path].preset)
-        for run in pending if compiled else []:
-            time_torch_variants(run, compiled, torch, torch_device, args, clock)
-            run.arrays = None
-            save(configs[run.path].preset)
-    records = [r for model in models for r in by_model[model]]
+    exit_code = 0
+    try:
+        with StopOnSignal("bench_step.py run"), Device(validation=False) as device:
+            meta = {"vk_device": device.name, "vk_device_type": device.device_type,
+                    "torch": None if torch is None else torch.__version__,
+                    "torch_device": None if torch_device is None else str(torch_device),
+                    "host": platform.node(), "python": platform.python_version(), "warmup": args.warmup,
+                    "steps": args.steps, "hparams": list(HPARAMS), "precisions": args.precisions,
+                    "budget_s": args.budget_s, "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                    "note": "synthetic constants: weights are random, results measure speed only"}
+            if torch_device is not None and torch_device.type == "cuda":
+                meta["torch_device_name"] = torch.cuda.get_device_name(torch_device)
+            print(f"Vulkan: {device.name} ({device.device_type}); PyTorch: "
+                  f"{meta.get('torch_device_name', meta['torch_device']) or torch_note}", flush=True)
+            pending = []
+            for path in args.pte:
+                pte_runs.append(run := PteRun(path, []))
+                time_vk(run, device, args, torch, torch_device, baseline_cache, clock)
+                if start_torch(run, args, torch, torch_device, torch_note, clock):
+                    time_torch_variants(run, eager, torch, torch_device, args, clock)
+                    pending.append(run)
+                save(configs[path].preset)
+            for run in pending if compiled else []:
+                time_torch_variants(run, compiled, torch, torch_device, args, clock)
+                run.arrays = None
+                save(configs[run.path].preset)
+    except Interrupted as stop:  # SIGTERM (a device call's time limit) or Ctrl-C: the phase in flight is lost
+        clock.cut(stop.args[0])
+        for model in models:
+            save(model)
+        exit_code = stop.exit_code
+    records = [r for model in models for r in records_of(model)]
     if clock.skipped:
-        print(f"\nbudget: {len(clock.skipped)} phases skipped after {args.budget_s:g} s: "
-              + "; ".join(f"{s['pte']} {s['phase']}" for s in clock.skipped))
+        print(f"\nnot run ({len(clock.skipped)} phases; budget {args.budget_s} s): "
+              + "; ".join(f"{s['pte']} {s['phase']}" + (" (stopped)" if "cut_at_s" in s else "") for s in clock.skipped))
     if not args.load_only and records:
         print_report(records, args.top)
         print_table(table_rows(records), PRECISIONS)
     print(f"elapsed {clock.elapsed():.0f} s" + (f" (budget {args.budget_s:g} s)" if args.budget_s is not None else ""))
-    return 0
+    return exit_code
 
 
 # ===================================================================================================

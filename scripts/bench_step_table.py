@@ -56,6 +56,13 @@ class Clock:
         self.phases.append(phase)
         self._say(f"{phase['pte']}: {phase['phase']} done in {phase['s']:.1f} s")
 
+    def cut(self, why: str) -> None:
+        """The phase in flight was stopped (by a signal): it is listed with the skipped ones."""
+        if self._open is not None:
+            phase, self._open = self._open, None
+            self.skipped.append({"pte": phase["pte"], "phase": phase["phase"], "cut_at_s": round(self.elapsed(), 2)})
+            self._say(f"{phase['pte']}: {phase['phase']} stopped by {why}")
+
     def of(self, ptes: set[str]) -> dict[str, list]:
         """The phases and skips of these .pte files (by name), for their model's results file."""
         return {"phases": [p for p in self.phases if p["pte"] in ptes],
@@ -161,7 +168,7 @@ def print_table(rows: list[dict[str, Any]], precision_order) -> None:
         print(f"{row['model']:14s} {row['shape']:>7s} "
               + " ".join(cell(row["vk"].get(p), ".2f", width) for p in precisions) + " "
               + " ".join(cell(row["torch"].get(v), ".2f", width) for v in variants)
-              + f" {cell(row.get('torch_over_vk'), '.2f', 8)}x"
+              + f" {cell(row.get('torch_over_vk'), '.2f', 8)}{'x' if 'torch_over_vk' in row else ' '}"
               + f" {cell(row['vk_gib'].get(compared.get('vk')), '.2f', 7)}"
               + f" {cell(row['torch_peak_gib'].get(compared.get('torch')), '.2f', 9)}")
 
