@@ -3,7 +3,9 @@
 
     python scripts/bench_step.py export                      # here (needs executorch): bench/step_1x128.pte,
                                                              #   bench/step_4x512.pte
-    python scripts/bench_step.py run bench/step_*.pte --out bench/results/step_h200_llama-3.2-1b.json  # GPU machine
+    python scripts/bench_step.py export --model smollm2-135m # bench/step_smollm2-135m_{1x512,4x512}.pte
+    python3 scripts/bench_step.py run bench/step_*.pte --precisions fp16-tc,fp32 \
+        --out-dir bench/results --machine h200 --budget-s 540  # GPU machine: the whole table, one call
     python scripts/bench_step.py --quick                     # tiny-llama shapes, export + run (lavapipe, CI)
 
 export: builds Llama-3.2-1B (hidden 2048, 16 layers, 32/8 heads, MLP 8192, vocab 128256, tied
@@ -16,9 +18,10 @@ trained model. The base weights are random codes from the start (no fp32 weights
 quantized): the graph, shapes and dtypes are exactly those of build_llama + apply_lora. Each .pte must
 stay under 64 MiB (what travels to the GPU machine); the 1B ones are ~21 MiB (the LoRA init is real).
 
-run: loads each .pte with TrainingRunner, warms up, times steps (wall clock per step, tokens/s, GPU
-timestamps aggregated by op kind), reports device memory (the executor's buffers and the blob's planned
-memory), then the same step in PyTorch eager (scripts/bench_step_torch.py): a Llama written with standard ops (q4gsw bases
+run: loads each .pte with TrainingRunner once per precision policy (`--precisions`), warms up, times steps
+(wall clock per step, tokens/s, GPU timestamps aggregated by op kind and GEMM shape), reports device memory (the
+executor's buffers and the blob's planned memory), then, once per .pte, in the first policy's record, the same
+step in PyTorch eager (scripts/bench_step_torch.py): a Llama written with standard ops (q4gsw bases
 dequantized on the GPU every step from the same packed codes and scales, LoRA adapters, RMSNorm, rope,
 SDPA with GQA by repeat_interleave, SwiGLU, F.cross_entropy), fused AdamW on the LoRA tensors, timed
 with CUDA events, in each of the precisions a user of the GPU would pick (`--torch-variants`, written
@@ -27,10 +30,14 @@ bf16 autocast (`bf16`) and bf16 autocast with the loss compiled by torch.compile
 compilation happens in the warm-up steps and is reported as `first_step_s`). Both sides start from the
 same weights (the synthetic constants, the exported LoRA init), take the same batches and
 hyper-parameters, so their losses must agree: the report gives the largest relative loss difference
-of fp32 (and of each variant, which for bf16 measures bf16's own drift). Needs numpy, vulkan, flatbuffers; torch and
+of fp32 (and of each variant, which for bf16 measures bf16's own drift), against vktrain's fp32 losses
+where the call timed fp32. Needs numpy, vulkan, flatbuffers; torch and
 matplotlib are optional (no baseline / no plot without them). `run --load-only` only loads each .pte
 (generates the constants, builds every pipeline, records the step): with no shader compiler around, it
-proves the prebuilt SPIR-V cache holds every shader the step needs.
+proves the prebuilt SPIR-V cache holds every shader the step needs. The .pte files may be of several models:
+`--out-dir DIR --machine M` writes each model's records to DIR/step_M_<model>.json and the whole table to
+DIR/step_table_M.json (bench_step_table.py: phases, budget, files, table); the compiled PyTorch variants run
+after every .pte's other phases, and `--budget-s` starts no phase past it.
 """
 from __future__ import annotations
 
@@ -558,7 +565,8 @@ def run_command(args) -> int:
     if isinstance(outputs, str):
         print(f"bench_step.py run: error: {outputs}", file=sys.stderr)
         return 2
-    files = ResultFiles(*outputs, draw=not args.no_plot, precision_order=PRECISIONS)
+    files = ResultFiles(*outputs, {(c.preset, c.label) for c in configs.values()}, args.precisions,
+                        draw=not args.no_plot, precision_order=PRECISIONS)
     torch, torch_device, torch_note = None, None, "--no-torch"
     if not args.no_torch:
         torch, torch_device, torch_note = load_torch(args.torch_device)

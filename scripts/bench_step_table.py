@@ -89,12 +89,19 @@ def output_paths(out_dir: Path | None, machine: str | None, out: Path | None, mo
 
 class ResultFiles:
     """Each model's results file (this call's records merged in: its shapes at its precisions replace theirs,
-    the file's others stay) with its plot, and the whole table's file and plot: rows of every model written
-    in this call, from the merged files, merged by (model, shape) into the table's earlier rows."""
+    the file's others stay) with its plot, and the whole table's file and plot, merged by (model, shape) into
+    the table's earlier rows. Plots and rows show the call's shapes x precisions, from the merged files: where
+    a budget skipped a phase, an earlier call's measurement of it stands in."""
 
-    def __init__(self, files: dict[str, Path], table: Path | None, draw: bool, precision_order):
-        self.files, self.table, self.draw, self.precision_order = files, table, draw, precision_order
+    def __init__(self, files: dict[str, Path], table: Path | None, shapes: set[tuple[str, str]],
+                 precisions: list[str], draw: bool, precision_order):
+        self.files, self.table, self.shapes, self.precisions = files, table, shapes, precisions
+        self.draw, self.precision_order = draw, precision_order
         self.merged: dict[str, list[dict[str, Any]]] = {}  # model -> its file's records after the last write
+
+    def rows(self, model: str) -> list[dict[str, Any]]:
+        return table_rows([r for r in self.merged[model] if (model, r["config"]) in self.shapes
+                           and r.get("precision", "fp32") in self.precisions])
 
     def save(self, model: str, meta: dict[str, Any], records: list[dict[str, Any]], load_only: bool) -> None:
         if model not in self.files or not records:  # nothing measured: an earlier call's records stay
@@ -105,9 +112,9 @@ class ResultFiles:
         print(f"wrote {self.files[model]}", flush=True)
         if load_only:
             return
-        self._plot(table_rows(self.merged[model]), meta, self.files[model])
+        self._plot(self.rows(model), meta, self.files[model])
         if self.table is not None:
-            rows = [row for records in self.merged.values() for row in table_rows(records)]
+            rows = [row for m in self.merged for row in self.rows(m)]
             table = write_run(self.table, {"meta": {**meta, "from": [self.files[m].name for m in self.merged]},
                                            "results": rows}, key=lambda row: (row["model"], row["shape"]))
             print(f"wrote {self.table}", flush=True)

@@ -229,21 +229,28 @@ def _run(*args):
 def test_one_call_times_every_model_and_precision_with_pytorch_once_per_shape(bench, two_models, tmp_path):
     import bench_results
 
-    out = tmp_path / "results"
-    result = _run(*two_models, "--precisions", "fp16-tc,fp32", "--torch-variants", "fp32", "--steps", "2",
-                  "--warmup", "1", "--out-dir", out, "--machine", "lavapipe")
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    # A file per model (and its plot), and the whole table's, all named by bench/results' rule.
     def name(benchmark, model=None, suffix=".json"):
         return bench_results.result_name(benchmark, "lavapipe", model, suffix)
 
+    # An earlier call's record of a shape and precision this call does not time: kept in the model's file,
+    # left out of the table of this call's shapes x precisions.
+    out = tmp_path / "results"
+    earlier = {"meta": {}, "results": [{"config": "2x8", "precision": "fp16", "preset": "tiny-llama", "vk": {
+        "ms_per_step": 1.0}, "vk_memory": {"device_buffers_bytes": 1}}]}
+    out.mkdir()
+    (out / name("step", "tiny-llama")).write_text(json.dumps(earlier))
+    result = _run(*two_models, "--precisions", "fp16-tc,fp32", "--torch-variants", "fp32", "--steps", "2",
+                  "--warmup", "1", "--out-dir", out, "--machine", "lavapipe")
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert json.loads((out / name("step", "tiny-llama")).read_text())["runs"][0] == earlier
+    # A file per model (and its plot), and the whole table's, all named by bench/results' rule.
     assert sorted(p.name for p in out.iterdir()) == sorted(
         name(benchmark, model, suffix) for benchmark, model in (("step", "tiny-llama"), ("step", "smollm2-135m"),
                                                                ("step_table", None)) for suffix in (".json", ".png"))
     rows = json.loads((out / name("step_table")).read_text())["results"]
     assert [(row["model"], row["shape"]) for row in rows] == [("tiny-llama", "1x16"), ("smollm2-135m", "1x16")]
     for path, model, row in zip(two_models, ("tiny-llama", "smollm2-135m"), rows):
-        summary = json.loads((out / name("step", model)).read_text())
+        summary = bench_results.runs(json.loads((out / name("step", model)).read_text()))[-1]
         tc, fp32 = records = summary["results"]
         assert [(r["pte"], r["preset"], r["config"], r["precision"]) for r in records] == [
             (str(path), model, "1x16", "fp16-tc"), (str(path), model, "1x16", "fp32")]
