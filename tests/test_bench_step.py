@@ -383,3 +383,39 @@ def test_sigterm_keeps_what_finished_and_prints_the_table(two_models, tmp_path):
         assert len(cut) == 1 and cut[0]["pte"] == two_models[0].name
     assert "vk fp16-tc" in stdout[stdout.rindex("model "):] and "elapsed" in stdout
     assert not list(out.glob("*smollm2-135m*"))  # the second .pte never started
+
+
+def test_each_shape_is_compiled_for_itself(bench, two_models):
+    """In one call torch.compile meets several shapes of the same loss code; each is compiled static, as in a
+    process of its own (dynamo would otherwise mark the second shape's sizes dynamic). Recorded through a
+    backend that keeps the graph inputs' sizes, on the CPU."""
+    import re
+    from dataclasses import replace
+
+    import bench_step_torch
+    from vktrain.backend.kernel_planning import plan_schedule
+    from vktrain.runtime.program.runner import TrainingRunner
+
+    sizes = []
+
+    def recording_backend(gm, example_inputs):
+        values = [node.meta["example_value"] for node in gm.graph.nodes if node.op == "placeholder"]
+        sizes.append([str(getattr(value, "shape", value)) for value in values])  # a tensor's sizes, or a SymInt
+        return gm.forward
+
+    class RecordingTorch:  # torch, with torch.compile going through recording_backend
+        def __getattr__(self, name):
+            return getattr(torch, name)
+
+        def compile(self, fn):
+            return torch.compile(fn, backend=recording_backend)
+
+    with TrainingRunner.from_pte(two_models[0], planner=plan_schedule) as runner:
+        config = bench.read_config(two_models[0])
+        arrays = bench.baseline_arrays(runner.graph, runner.executor, config)
+        vocab = runner.vocab_size
+    for shape in (config, replace(config, batch=2, seq=8)):
+        bench_step_torch.time_torch(RecordingTorch(), torch.device("cpu"), shape, arrays,
+                                    [bench.make_batch(shape, vocab, 0)], 0, 1, "bf16_compile", hparams=bench.HPARAMS)
+    assert any("[1, 16]" in size for size in sizes[0]) and any("[2, 8]" in size for size in sizes[-1])
+    assert not [size for graph in sizes for size in graph if re.search(r"\bs\d+", size)]  # no symbolic size
