@@ -719,12 +719,12 @@ def main(argv: list[str] | None = None) -> int:
     if out_error(args.out):
         parser.error(out_error(args.out))
     if args.out is not None and args.out_dir is not None:
-        parser.error("give --out (one model's file) or --out-dir with --machine (a file per model), not both")
+        run.error("give --out (one model's file) or --out-dir with --machine (a file per model), not both")
     if args.precision is not None and args.precisions is not None:
-        parser.error("give --precision or --precisions, not both")
+        run.error("give --precision or --precisions, not both")
     missing = [path for path in args.pte if not Path(path).is_file()]
     if missing:
-        parser.error(f"no such .pte file: {', '.join(missing)}")
+        run.error(f"no such .pte file: {', '.join(missing)}")
     args.pte = [Path(path) for path in args.pte]
     args.precisions = args.precisions or [args.precision or PRECISION_FP32]
     args.precision = args.precisions[0]
