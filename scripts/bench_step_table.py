@@ -181,8 +181,8 @@ def print_table(rows: list[dict[str, Any]], precision_order) -> None:
 
 
 def plot_table(rows: list[dict[str, Any]], meta: dict[str, Any], path: Path, precision_order) -> str:
-    """Two panels of grouped bars per model x shape: ms/step (vktrain per precision, each PyTorch variant)
-    and GiB (vktrain's device buffers, PyTorch's peak)."""
+    """Two panels, one above the other, of grouped bars per model x shape: ms/step (vktrain per precision,
+    each PyTorch variant) and GiB (vktrain's device buffers, PyTorch's peak)."""
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -196,7 +196,7 @@ def plot_table(rows: list[dict[str, Any]], meta: dict[str, Any], path: Path, pre
     series += [(f"PyTorch {v}", "torch", "torch_peak_gib", v) for v in variants]
     x = np.arange(len(rows))
     width = 0.8 / max(len(series), 1)
-    fig, axes = plt.subplots(1, 2, figsize=(4 + 1.6 * len(rows) * max(len(series), 1) / 3, 4.2))
+    fig, axes = plt.subplots(2, 1, sharex=True, figsize=(max(6.0, 1.5 + 0.45 * len(rows) * len(series)), 7.5))
     for ax, (index_key, unit, fmt) in zip(axes, ((1, "ms / training step (lower is faster)", "%.0f"),
                                                  (2, "GiB (vktrain: device buffers; PyTorch: peak)", "%.1f"))):
         for index, entry in enumerate(series):
