@@ -617,7 +617,8 @@ def run_command(args) -> int:
         exit_code = stop.exit_code
     records = [r for model in models for r in records_of(model)]
     if clock.skipped:
-        print(f"\nnot run ({len(clock.skipped)} phases; budget {args.budget_s} s): "
+        budget = f"; budget {args.budget_s:g} s" if args.budget_s is not None else ""
+        print(f"\nnot run ({len(clock.skipped)} phases{budget}): "
               + "; ".join(f"{s['pte']} {s['phase']}" + (" (stopped)" if "cut_at_s" in s else "") for s in clock.skipped))
     if not args.load_only and records:
         print_report(records, args.top)

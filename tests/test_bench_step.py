@@ -286,7 +286,7 @@ def test_a_spent_budget_skips_every_phase_and_says_so(two_models, tmp_path):
     skipped = [line.split("] ", 1)[1] for line in result.stdout.splitlines() if "skipped (budget 0 s spent)" in line]
     assert skipped == [f"{path.name}: load {p} skipped (budget 0 s spent)" for path in two_models
                        for p in ("fp16-tc", "fp32")]
-    assert "not run (4 phases; budget 0.0 s)" in result.stdout and "elapsed" in result.stdout
+    assert "not run (4 phases; budget 0 s)" in result.stdout and "elapsed" in result.stdout
     assert not out.exists()  # nothing measured: no file replaces an earlier call's
 
 
