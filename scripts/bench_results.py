@@ -34,7 +34,7 @@ BENCHMARKS = {
     "packing": ("bench_packing.py run", True), "phone_profiles": ("bench_phone_profiles.py run", True),
     "q8_0_embedding": ("by hand: bench/README.md", True), "gpu_parity": ("by hand: bench/README.md", True), "quant_quality": ("quant_quality.py", True),
     "recipe": ("bench_recipe.py score", True),
-    "step": ("bench_step.py run", True), "train": ("bench_train.py run", True),
+    "step": ("bench_step.py run", True), "step_table": ("bench_step.py run --out-dir", False), "train": ("bench_train.py run", True),
     "webgpu": ("bench_webgpu.py run", True),
 }
 MACHINES = ("h200", "h100", "lavapipe", "cpu")

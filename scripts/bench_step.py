@@ -3,7 +3,9 @@
 
     python scripts/bench_step.py export                      # here (needs executorch): bench/step_1x128.pte,
                                                              #   bench/step_4x512.pte
-    python scripts/bench_step.py run bench/step_*.pte --out bench/results/step_h200_llama-3.2-1b.json  # GPU machine
+    python scripts/bench_step.py export --model smollm2-135m # bench/step_smollm2-135m_{1x512,4x512}.pte
+    python3 scripts/bench_step.py run bench/step_*.pte --precisions fp16-tc,fp32 \
+        --out-dir bench/results --machine h200 --budget-s 540  # GPU machine: the whole table, one call
     python scripts/bench_step.py --quick                     # tiny-llama shapes, export + run (lavapipe, CI)
 
 export: builds Llama-3.2-1B (hidden 2048, 16 layers, 32/8 heads, MLP 8192, vocab 128256, tied
@@ -16,9 +18,10 @@ trained model. The base weights are random codes from the start (no fp32 weights
 quantized): the graph, shapes and dtypes are exactly those of build_llama + apply_lora. Each .pte must
 stay under 64 MiB (what travels to the GPU machine); the 1B ones are ~21 MiB (the LoRA init is real).
 
-run: loads each .pte with TrainingRunner, warms up, times steps (wall clock per step, tokens/s, GPU
-timestamps aggregated by op kind), reports device memory (the executor's buffers and the blob's planned
-memory), then the same step in PyTorch eager (scripts/bench_step_torch.py): a Llama written with standard ops (q4gsw bases
+run: loads each .pte with TrainingRunner once per precision policy (`--precisions`), warms up, times steps
+(wall clock per step, tokens/s, GPU timestamps aggregated by op kind and GEMM shape), reports device memory (the
+executor's buffers and the blob's planned memory), then, once per .pte, in the first policy's record, the same
+step in PyTorch eager (scripts/bench_step_torch.py): a Llama written with standard ops (q4gsw bases
 dequantized on the GPU every step from the same packed codes and scales, LoRA adapters, RMSNorm, rope,
 SDPA with GQA by repeat_interleave, SwiGLU, F.cross_entropy), fused AdamW on the LoRA tensors, timed
 with CUDA events, in each of the precisions a user of the GPU would pick (`--torch-variants`, written
@@ -27,10 +30,14 @@ bf16 autocast (`bf16`) and bf16 autocast with the loss compiled by torch.compile
 compilation happens in the warm-up steps and is reported as `first_step_s`). Both sides start from the
 same weights (the synthetic constants, the exported LoRA init), take the same batches and
 hyper-parameters, so their losses must agree: the report gives the largest relative loss difference
-of fp32 (and of each variant, which for bf16 measures bf16's own drift). Needs numpy, vulkan, flatbuffers; torch and
+of fp32 (and of each variant, which for bf16 measures bf16's own drift), against vktrain's fp32 losses
+where the call timed fp32. Needs numpy, vulkan, flatbuffers; torch and
 matplotlib are optional (no baseline / no plot without them). `run --load-only` only loads each .pte
 (generates the constants, builds every pipeline, records the step): with no shader compiler around, it
-proves the prebuilt SPIR-V cache holds every shader the step needs.
+proves the prebuilt SPIR-V cache holds every shader the step needs. The .pte files may be of several models:
+`--out-dir DIR --machine M` writes each model's records to DIR/step_M_<model>.json and the whole table to
+DIR/step_table_M.json (bench_step_table.py: phases, budget, files, table); the compiled PyTorch variants run
+after every .pte's other phases, and `--budget-s` starts no phase past it.
 """
 from __future__ import annotations
 
@@ -47,16 +54,20 @@ from typing import Any
 
 import numpy as np
 
+STARTED = time.monotonic()  # the budget and the elapsed time printed at the end count from here
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # its PyTorch and report halves, when imported by path
 
 from vktrain import quant  # noqa: E402
-from vktrain.contract import PRECISION_CHOICES, PRECISION_FP32  # noqa: E402
+from vktrain.contract import PRECISION_CHOICES, PRECISION_FP32, PRECISIONS  # noqa: E402
+from vktrain.train.interrupts import Interrupted, StopOnSignal  # noqa: E402
 
 from bench_step_gemm_rates import add_rates, add_torch_rates, gemm_shapes  # noqa: E402
-from bench_step_report import plot, print_report  # noqa: E402
-from bench_results import out_error, runs, write_run  # noqa: E402
+from bench_step_report import print_report  # noqa: E402
+from bench_step_table import Clock, ResultFiles, output_paths, print_table, table_rows  # noqa: E402
+from bench_results import MACHINES, out_error  # noqa: E402
 from bench_step_torch import TORCH_VARIANTS, load_torch, time_torch  # noqa: E402
 
 FULL_PRESET, QUICK_PRESET = "llama-3.2-1b", "tiny-llama"
@@ -382,120 +393,238 @@ def _baseline_key(graph, config: BenchConfig) -> str:
                        config.group_size, records])
 
 
-def run_one(path: Path, device, args, torch, torch_device, torch_note: str | None,
-            baseline_cache: dict[str, dict[str, np.ndarray]]) -> dict[str, Any]:
+def _bench_config(graph, path: Path) -> BenchConfig:
+    if BENCH_CONFIG_KEY not in graph.metadata:
+        raise SystemExit(f"{path}: the blob has no {BENCH_CONFIG_KEY!r} metadata; export it with "
+                         f"scripts/bench_step.py export")
+    return BenchConfig(**json.loads(graph.metadata[BENCH_CONFIG_KEY]))
+
+
+def read_config(path: Path) -> BenchConfig:
+    """What `export` stored in the .pte, read without loading it (its model names its results file)."""
+    from vktrain.serialization import deserialize_blob
+    from vktrain.serialization.pte import PteFile
+
+    return _bench_config(deserialize_blob(PteFile.load(path).execution_plan("forward").delegates[0].data), path)
+
+
+def _vk_record(path: Path, runner, config: BenchConfig, precision: str, load_s: float, device) -> dict[str, Any]:
+    """The loaded step's description: shape, GEMM route, constants and device memory."""
+    graph = runner.graph
+    buffers = runner.executor.buffer_bytes
+    record: dict[str, Any] = {
+        "pte": str(path), "config": config.label, "batch": config.batch, "seq": config.seq,
+        "tokens_per_step": config.tokens, "preset": config.preset, "load_s": load_s,
+        "graph_ops": len(graph.ops), "precision": precision, "gemm_route": runner.gemm_report(),
+        "synthetic_constants": json.loads(graph.metadata.get("synthetic_constants", "{}")),
+        "synthetic_constant_bytes": runner.executor.synthetic_constant_bytes,
+        "vk_memory": {
+            "device_buffers_bytes": sum(buffers.values()),
+            "planned_bytes": int(graph.metadata.get("planned_memory_bytes", 0)),
+            "unplanned_bytes": int(graph.metadata.get("unplanned_memory_bytes", 0)),
+            "state_bytes": int(graph.metadata.get("state_bytes", 0)),
+            "buffers": len(buffers),
+            "device_memory": asdict(device.memory_stats()),
+        },
+        "shaders": sorted({d.shader for d in runner.executor.dispatches}),
+    }
+    print(f"{path.name}: {config.preset} {config.label} {precision}, loaded in {load_s:.1f} s "
+          f"({record['synthetic_constant_bytes'] / 2**30:.2f} GiB generated), "
+          f"{len(runner.executor.dispatches)} dispatches per step; {device.memory_stats().describe()}\n"
+          f"  {record['gemm_route']}", flush=True)
+    return record
+
+
+def _cpu_baseline_note(torch_device, args, config: BenchConfig) -> str | None:
+    if torch_device.type == "cpu" and args.torch_device != "cpu" and _parameter_count(config) > CPU_BASELINE_MAX_PARAMS:
+        return (f"no CUDA; a CPU baseline of {_parameter_count(config) / 1e9:.1f}B parameters is "
+                f"skipped (pass --torch-device cpu to force it)")
+    return None
+
+
+@dataclass
+class PteRun:
+    """One .pte's records (one per precision timed; the PyTorch variants go in the first) and what its
+    variants need: the batches both sides take and the eager baseline's weights."""
+
+    path: Path
+    records: list[dict[str, Any]]
+    config: BenchConfig | None = None
+    batches: list | None = None
+    arrays: dict[str, np.ndarray] | None = None
+
+
+def time_vk(run: PteRun, device, args, torch, torch_device, baseline_cache: dict[str, dict[str, np.ndarray]],
+            clock: Clock) -> None:
+    """Each of args.precisions loaded (a load each) and timed, into run.records; the baseline's weights read
+    from the first load when a PyTorch baseline will run. A phase the budget skips leaves no record (an
+    earlier call's stays in the results file)."""
     from vktrain.runtime.program.runner import TrainingRunner
     from vktrain.backend.kernel_planning import plan_schedule
 
-    start = time.perf_counter()
-    runner = TrainingRunner.from_pte(path, device, planner=plan_schedule, precision=args.precision)  # gemm_route says which schedule
-    load_s = time.perf_counter() - start
-    graph = runner.graph
-    try:
-        if BENCH_CONFIG_KEY not in graph.metadata:
-            raise SystemExit(f"{path}: the blob has no {BENCH_CONFIG_KEY!r} metadata; export it with "
-                             f"scripts/bench_step.py export")
-        config = BenchConfig(**json.loads(graph.metadata[BENCH_CONFIG_KEY]))
-        buffers = runner.executor.buffer_bytes
-        record: dict[str, Any] = {
-            "pte": str(path), "config": config.label, "batch": config.batch, "seq": config.seq,
-            "tokens_per_step": config.tokens, "preset": config.preset, "load_s": load_s,
-            "graph_ops": len(graph.ops), "precision": args.precision, "gemm_route": runner.gemm_report(),
-            "synthetic_constants": json.loads(graph.metadata.get("synthetic_constants", "{}")),
-            "synthetic_constant_bytes": runner.executor.synthetic_constant_bytes,
-            "vk_memory": {
-                "device_buffers_bytes": sum(buffers.values()),
-                "planned_bytes": int(graph.metadata.get("planned_memory_bytes", 0)),
-                "unplanned_bytes": int(graph.metadata.get("unplanned_memory_bytes", 0)),
-                "state_bytes": int(graph.metadata.get("state_bytes", 0)),
-                "buffers": len(buffers),
-                "device_memory": asdict(device.memory_stats()),
-            },
-        }
-        vocab = runner.vocab_size
-        batches = [make_batch(config, vocab, seed) for seed in range(args.batches)]
-        print(f"{path.name}: {config.preset} {config.label}, loaded in {load_s:.1f} s "
-              f"({record['synthetic_constant_bytes'] / 2**30:.2f} GiB generated), "
-              f"{len(runner.executor.dispatches)} dispatches per step; {device.memory_stats().describe()}\n"
-              f"  {record['gemm_route']}", flush=True)
-        record["shaders"] = sorted({d.shader for d in runner.executor.dispatches})
-        if args.load_only:
-            return record
-        record["vk"] = time_vulkan(runner, config, batches, args.warmup, args.steps, args.top)
-        arrays = None
-        if torch is not None:
-            if torch_device.type == "cpu" and args.torch_device != "cpu" and \
-                    _parameter_count(config) > CPU_BASELINE_MAX_PARAMS:
-                torch_note = (f"no CUDA; a CPU baseline of {_parameter_count(config) / 1e9:.1f}B parameters is "
-                              f"skipped (pass --torch-device cpu to force it)")
-            else:
-                key = _baseline_key(graph, config)
-                if key not in baseline_cache:
-                    baseline_cache.clear()  # one model's arrays at a time
-                    baseline_cache[key] = baseline_arrays(graph, runner.executor, config)
-                arrays = baseline_cache[key]
-    finally:
-        runner.close()  # frees the Vulkan buffers before the baseline allocates its own
-
-    if arrays is not None and torch_device.type == "cuda":
-        add_torch_rates(torch, record["vk"]["top_gemms"])
-    if arrays is not None:
-        variants = record["torch_variants"] = {}
-        vk_losses = record["vk"]["losses"]
-        for variant in args.torch_variants:
-            try:
-                result = time_torch(torch, torch_device, config, arrays, batches, args.warmup, args.steps, variant,
-                                    hparams=HPARAMS)
-            except Exception as exc:  # e.g. torch.compile without a working toolchain: keep the other variants
-                variants[variant] = {"error": f"{type(exc).__name__}: {str(exc)[:2000]}"}
-                print(f"PyTorch {variant} failed: {variants[variant]['error'][:300]}", flush=True)
+    path = run.path
+    for precision in args.precisions:
+        if not clock.begin(path.name, f"load {precision}"):
+            continue
+        start = time.perf_counter()
+        runner = TrainingRunner.from_pte(path, device, planner=plan_schedule, precision=precision)  # gemm_route says which schedule
+        load_s = time.perf_counter() - start
+        clock.end()
+        try:
+            run.config = config = _bench_config(runner.graph, path)
+            record = _vk_record(path, runner, config, precision, load_s, device)
+            run.batches = [make_batch(config, runner.vocab_size, seed) for seed in range(args.batches)]
+            if args.load_only:
+                run.records.append(record)
                 continue
-            variants[variant] = result
+            if not clock.begin(path.name, f"vk {precision}"):
+                continue
+            record["vk"] = time_vulkan(runner, config, run.batches, args.warmup, args.steps, args.top)
+            run.records.append(record)
+            clock.end()
+            if torch is not None and run.arrays is None and not _cpu_baseline_note(torch_device, args, config) \
+                    and clock.begin(path.name, "PyTorch weights"):
+                key = _baseline_key(runner.graph, config)
+                if key not in baseline_cache:
+                    baseline_cache.clear()  # one model's arrays at a time (a PteRun keeps its own)
+                    baseline_cache[key] = baseline_arrays(runner.graph, runner.executor, config)
+                run.arrays = baseline_cache[key]
+                clock.end()
+        finally:
+            runner.close()  # frees the Vulkan buffers before the next load or the baseline allocates its own
+
+
+def start_torch(run: PteRun, args, torch, torch_device, torch_note: str | None, clock: Clock) -> bool:
+    """Whether run's PyTorch variants can be timed (else the first record says why not); where they can, each
+    precision's GEMMs are rated against torch's matmul (CUDA) and the records say where the baseline is."""
+    if not run.records or args.load_only:
+        return False
+    record = run.records[0]
+    note = torch_note if torch is None else _cpu_baseline_note(torch_device, args, run.config)
+    if note or torch is None:
+        record["torch_skipped"] = note or "no baseline"
+        return False
+    if torch_device.type == "cuda" and clock.begin(run.path.name, "PyTorch GEMM rates"):
+        for each in run.records:
+            add_torch_rates(torch, each["vk"]["top_gemms"])
+        clock.end()
+    for other in run.records[1:]:
+        other["torch_baseline_in"] = record["precision"]  # the record of this .pte that holds it
+    reference = next((r for r in run.records if r["precision"] == PRECISION_FP32), record)
+    record["torch_losses_against"] = f"vk {reference['precision']}"
+    record["torch_variants"] = {}
+    return True
+
+
+def time_torch_variants(run: PteRun, variants: list[str], torch, torch_device, args, clock: Clock) -> None:
+    """Each of `variants` once, into the first record's torch_variants (fp32's also as `torch`, the losses
+    compared with vktrain's fp32 losses where this call timed them); a skipped one is listed."""
+    record = run.records[0]
+    reference = next((r for r in run.records if r["precision"] == PRECISION_FP32), record)
+    results = record["torch_variants"]
+    for variant in variants:
+        if run.arrays is None or not clock.begin(run.path.name, f"PyTorch {variant}"):
+            record.setdefault("torch_skipped_variants", []).append(variant)
+            continue
+        try:
+            result = time_torch(torch, torch_device, run.config, run.arrays, run.batches, args.warmup, args.steps,
+                                variant, hparams=HPARAMS)
+        except Exception as exc:  # e.g. torch.compile without a working toolchain: keep the other variants
+            result = {"error": f"{type(exc).__name__}: {str(exc)[:2000]}"}
+            print(f"PyTorch {variant} failed: {result['error'][:300]}", flush=True)
+        else:
             result["over_vk"] = result["ms_per_step"] / record["vk"]["ms_per_step"]
             result["max_rel_loss_diff"] = max(abs(a - b) / max(abs(b), 1e-12)
-                                              for a, b in zip(vk_losses, result["losses"]))
-        del arrays
-        if "ms_per_step" in variants.get("fp32", {}):  # the reference the losses must match
-            record["torch"] = variants["fp32"]
-            record["torch_over_vk"] = variants["fp32"]["over_vk"]
-            record["max_rel_loss_diff"] = variants["fp32"]["max_rel_loss_diff"]
-    else:
-        record["torch_skipped"] = torch_note or "no baseline"
-    return record
+                                              for a, b in zip(reference["vk"]["losses"], result["losses"]))
+            if variant == "fp32":  # the reference the losses must match
+                record.update(torch=result, torch_over_vk=result["over_vk"],
+                              max_rel_loss_diff=result["max_rel_loss_diff"])
+        results[variant] = result
+        clock.end()  # after the result is kept: a signal from here on loses nothing
+
+
+def run_one(path: Path, device, args, torch, torch_device, torch_note: str | None,
+            baseline_cache: dict[str, dict[str, np.ndarray]]) -> dict[str, Any]:
+    """One .pte at args.precision with args.torch_variants, no budget (scripts/bench_long_context.py)."""
+    options = argparse.Namespace(**{**vars(args), "precisions": [args.precision]})
+    clock = Clock(None, time.monotonic())
+    run = PteRun(path, [])
+    time_vk(run, device, options, torch, torch_device, baseline_cache, clock)
+    if start_torch(run, options, torch, torch_device, torch_note, clock):
+        time_torch_variants(run, options.torch_variants, torch, torch_device, options, clock)
+    return run.records[0]
 
 
 def run_command(args) -> int:
     from vktrain.runtime import Device
 
+    clock = Clock(args.budget_s, STARTED)
+    configs = {path: read_config(path) for path in args.pte}
+    models = list(dict.fromkeys(config.preset for config in configs.values()))
+    outputs = output_paths(args.out_dir, args.machine, args.out, models)
+    if isinstance(outputs, str):
+        print(f"bench_step.py run: error: {outputs}", file=sys.stderr)
+        return 2
+    files = ResultFiles(*outputs, {(c.preset, c.label) for c in configs.values()}, args.precisions,
+                        draw=not args.no_plot, precision_order=PRECISIONS)
     torch, torch_device, torch_note = None, None, "--no-torch"
     if not args.no_torch:
         torch, torch_device, torch_note = load_torch(args.torch_device)
-    records = []
+    pte_runs: list[PteRun] = []  # in the order they started: a stopped call still saves what they finished
     baseline_cache: dict[str, dict[str, np.ndarray]] = {}
-    with Device(validation=False) as device:
-        meta = {"vk_device": device.name, "vk_device_type": device.device_type,
-                "torch": None if torch is None else torch.__version__,
-                "torch_device": None if torch_device is None else str(torch_device),
-                "host": platform.node(), "python": platform.python_version(), "warmup": args.warmup,
-                "steps": args.steps, "hparams": list(HPARAMS),
-                "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-                "note": "synthetic constants: weights are random, results measure speed only"}
-        if torch_device is not None and torch_device.type == "cuda":
-            meta["torch_device_name"] = torch.cuda.get_device_name(torch_device)
-        print(f"Vulkan: {device.name} ({device.device_type}); PyTorch: "
-              f"{meta.get('torch_device_name', meta['torch_device']) or torch_note}", flush=True)
-        for path in args.pte:
-            records.append(run_one(Path(path), device, args, torch, torch_device, torch_note, baseline_cache))
-    if not args.load_only:
+
+    def records_of(model: str) -> list[dict[str, Any]]:
+        return [r for run in pte_runs if configs[run.path].preset == model for r in run.records]
+
+    def save(model: str) -> None:  # after each .pte: a cut run keeps what finished
+        ptes = {p.name for p, c in configs.items() if c.preset == model}
+        files.save(model, {**meta, **clock.of(ptes)}, records_of(model), args.load_only)
+
+    # torch.compile's cold compilation takes minutes a shape: the compiled variants run after every .pte's
+    # other phases, so a budget cuts them first.
+    compiled = [v for v in args.torch_variants if TORCH_VARIANTS[v][2]]
+    eager = [v for v in args.torch_variants if v not in compiled]
+    exit_code = 0
+    try:
+        with StopOnSignal("bench_step.py run"), Device(validation=False) as device:
+            meta = {"vk_device": device.name, "vk_device_type": device.device_type,
+                    "torch": None if torch is None else torch.__version__,
+                    "torch_device": None if torch_device is None else str(torch_device),
+                    "host": platform.node(), "python": platform.python_version(), "warmup": args.warmup,
+                    "steps": args.steps, "hparams": list(HPARAMS), "precisions": args.precisions,
+                    "budget_s": args.budget_s, "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                    "note": "synthetic constants: weights are random, results measure speed only"}
+            if torch_device is not None and torch_device.type == "cuda":
+                meta["torch_device_name"] = torch.cuda.get_device_name(torch_device)
+            print(f"Vulkan: {device.name} ({device.device_type}); PyTorch: "
+                  f"{meta.get('torch_device_name', meta['torch_device']) or torch_note}", flush=True)
+            pending = []
+            for path in args.pte:
+                pte_runs.append(run := PteRun(path, []))
+                time_vk(run, device, args, torch, torch_device, baseline_cache, clock)
+                if start_torch(run, args, torch, torch_device, torch_note, clock):
+                    time_torch_variants(run, eager, torch, torch_device, args, clock)
+                    pending.append(run)
+                save(configs[path].preset)
+            for run in pending if compiled else []:
+                time_torch_variants(run, compiled, torch, torch_device, args, clock)
+                run.arrays = None
+                save(configs[run.path].preset)
+    except Interrupted as stop:  # SIGTERM (a device call's time limit) or Ctrl-C: the phase in flight is lost
+        clock.cut(stop.args[0])
+        for model in models:
+            save(model)
+        exit_code = stop.exit_code
+    records = [r for model in models for r in records_of(model)]
+    if clock.skipped:
+        budget = f"; budget {args.budget_s:g} s" if args.budget_s is not None else ""
+        print(f"\nnot run ({len(clock.skipped)} phases{budget}): "
+              + "; ".join(f"{s['pte']} {s['phase']}" + (" (stopped)" if "cut_at_s" in s else "") for s in clock.skipped))
+    if not args.load_only and records:
         print_report(records, args.top)
-    summary = {"meta": meta, "results": records}
-    if args.out:
-        # One file per machine and model: this call's shapes (at its precision) replace theirs, others stay.
-        merged = write_run(args.out, summary, key=lambda r: (r["config"], r.get("precision")))
-        print(f"wrote {args.out}")
-        if not args.load_only and not args.no_plot:
-            print(plot([r for call in runs(merged) for r in call["results"]], meta, args.out.with_suffix(".png")))
-    return 0
+        print_table(table_rows(records), PRECISIONS)
+    print(f"elapsed {clock.elapsed():.0f} s" + (f" (budget {args.budget_s:g} s)" if args.budget_s is not None else ""))
+    return exit_code
 
 
 # ===================================================================================================
@@ -534,18 +663,28 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--batches", type=int, default=2, help="distinct random batches, cycled")
     run.add_argument("--top", type=int, default=15, help="op kinds listed")
     run.add_argument("--out", type=Path, default=None,
-                     help="JSON results (and a .png plot next to it); an existing file keeps its other shapes "
-                          "(bench/results/step_<machine>_<model>.json: bench/README.md)")
+                     help="JSON results of one model (and a .png plot next to it); an existing file keeps its other "
+                          "shapes (bench/results/step_<machine>_<model>.json: bench/README.md)")
+    run.add_argument("--out-dir", type=Path, default=None,
+                     help="with --machine: each model's results to DIR/step_<machine>_<model>.json (merged like "
+                          "--out) with its plot, and the whole table to DIR/step_table_<machine>.json and .png")
+    run.add_argument("--machine", choices=MACHINES, default=None, help="the machine word of --out-dir's file names")
+    run.add_argument("--budget-s", type=float, default=None,
+                     help="start no new phase (a load, a precision's timing, a PyTorch variant) after this many "
+                          "seconds from the start; what is skipped is printed and written under meta.skipped")
     run.add_argument("--torch-device", choices=("cuda", "cpu"), default=None,
                      help="baseline device (default: cuda when available, else cpu for small models)")
     run.add_argument("--no-torch", action="store_true", help="skip the PyTorch baseline")
     run.add_argument("--torch-variants", type=parse_torch_variants, default=None,
                      help=f"comma-separated PyTorch baselines out of {','.join(TORCH_VARIANTS)} (default: all "
                           f"on CUDA; fp32 on the CPU, where TF32 does not exist and compilation is slow)")
-    run.add_argument("--precision", choices=PRECISION_CHOICES, default=PRECISION_FP32,
-                     help="vktrain's GEMM precision policy (docs/PRECISION.md); fp16-tc: tensor cores where the "
-                          "device has them; auto: a schedule embedded for this device (`export --target`) if the "
-                          ".pte has one, else the runtime's choice (an explicit policy always plans at load)")
+    run.add_argument("--precision", choices=PRECISION_CHOICES, default=None,
+                     help="vktrain's GEMM precision policy (docs/PRECISION.md; default fp32); fp16-tc: tensor cores "
+                          "where the device has them; auto: a schedule embedded for this device (`export --target`) "
+                          "if the .pte has one, else the runtime's choice (an explicit policy always plans at load)")
+    run.add_argument("--precisions", type=parse_precisions, default=None,
+                     help="several policies, e.g. fp16-tc,fp32: each .pte is loaded and timed once per policy, the "
+                          "PyTorch variants run once per .pte (in the first policy's record)")
     run.add_argument("--no-plot", action="store_true")
     run.add_argument("--load-only", action="store_true",
                      help="only load each .pte (generate constants, build pipelines, record): checks that "
@@ -580,6 +719,16 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--steps and --batches must be positive, --warmup >= 0")
     if out_error(args.out):
         parser.error(out_error(args.out))
+    if args.out is not None and args.out_dir is not None:
+        run.error("give --out (one model's file) or --out-dir with --machine (a file per model), not both")
+    if args.precision is not None and args.precisions is not None:
+        run.error("give --precision or --precisions, not both")
+    missing = [path for path in args.pte if not Path(path).is_file()]
+    if missing:
+        run.error(f"no such .pte file: {', '.join(missing)}")
+    args.pte = [Path(path) for path in args.pte]
+    args.precisions = args.precisions or [args.precision or PRECISION_FP32]
+    args.precision = args.precisions[0]
     if args.torch_variants is None:
         cuda = not args.no_torch and args.torch_device != "cpu" and _cuda_available()
         args.torch_variants = list(TORCH_VARIANTS) if cuda else ["fp32"]
@@ -593,6 +742,17 @@ def parse_torch_variants(text: str) -> list[str]:
     if unknown or not names:
         raise argparse.ArgumentTypeError(f"--torch-variants {text!r}: unknown {unknown or 'empty list'}; choose "
                                          f"from {','.join(TORCH_VARIANTS)}")
+    return names
+
+
+def parse_precisions(text: str) -> list[str]:
+    """"fp16-tc,fp32" -> ["fp16-tc", "fp32"]; unknown or repeated policies are refused by name."""
+    names = [name.strip() for name in text.split(",") if name.strip()]
+    unknown = [name for name in names if name not in PRECISION_CHOICES]
+    if unknown or not names or len(set(names)) < len(names):
+        why = f"unknown {unknown}" if unknown else "empty or repeated"
+        raise argparse.ArgumentTypeError(f"--precisions {text!r}: {why}; choose from {','.join(PRECISION_CHOICES)}, "
+                                         f"each once")
     return names
 
 

@@ -125,6 +125,10 @@ def time_torch(torch, device, config, arrays, batches, warmup: int, steps: int,
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = tf32
+    if compile_loss:
+        # Each shape compiled for itself, as in a process of its own: when the same code is recompiled for new
+        # sizes (the call's previous shape or model), dynamo otherwise marks them dynamic.
+        torch._dynamo.reset()
     try:
         result = _time_torch_steps(torch, device, config, EagerLlamaLoRA(
             torch, device, config, arrays, hparams=hparams, autocast_bf16=autocast_bf16, compile_loss=compile_loss),
@@ -134,6 +138,7 @@ def time_torch(torch, device, config, arrays, batches, warmup: int, steps: int,
     result["variant"] = variant
     if cuda:
         result["peak_memory_bytes"] = int(torch.cuda.max_memory_allocated(device))
+        torch.cuda.empty_cache()  # the model is gone: its cached blocks go back before vktrain's next load
     return result
 
 

@@ -99,6 +99,9 @@ def test_versions_shapes_unknown_words_and_models_where_none_belongs_are_outside
 def test_the_rule_names_a_benchmark_machine_and_model():
     assert bench_results.result_name("step", "h200", "llama-3.2-1b") == "step_h200_llama-3.2-1b.json"
     assert bench_results.result_name("coopmat_attention", "h200") == "coopmat_attention_h200.json"
+    # The whole step table of both models (bench_step.py run --out-dir) takes no model.
+    assert bench_results.result_name("step_table", "h100", suffix=".png") == "step_table_h100.png"
+    assert not bench_results.is_result_name("step_table_h100_llama-3.2-1b.json")
     assert bench_results.out_error(RESULTS / "step_h200_smollm2-135m.json") is None
     assert bench_results.out_error(Path("/tmp/step_h200_fp16tc_s5.json")) is None  # outside bench/results
     for args in (("step", "h200", "llama-3.2-1b-fp16tc"), ("step", "h200"), ("coopmat", "h200", "llama-3.2-1b")):
