@@ -22,15 +22,18 @@ def split_k_scratch_nbytes(rows: int, cols: int, split_k: int) -> int:
 
 
 def plan_splitk_reduce(*, out: Any, scratch: Any, count4: int, row_vec4s: int, split_k: int, bias: Any = None,
-                       label: str) -> Dispatch:
+                       scale: float | None = None, label: str) -> Dispatch:
     """The second pass of a split-K GEMM (linear_splitk_reduce.slang, shared by the linear family and
     aten mm/bmm/addmm): out[e] = sum of scratch[s, e] over s = 0 .. split_k-1 in index order
-    (+ bias[e % row_vec4s]), over the `count4` vec4s of the output. `row_vec4s` is the vec4s of one
-    output row, the bias length / 4 (only read with a bias; must be >= 1)."""
+    (+ bias[e % row_vec4s]; or, given `scale`, that sum times fp32(scale): vktrain.mm_scaled, whose slices
+    are unscaled), over the `count4` vec4s of the output. `row_vec4s` is the vec4s of one output row, the
+    bias length / 4 (only read with a bias; must be >= 1)."""
+    if bias is not None and scale is not None:
+        raise ValueError(f"{label}: the split-K reduce takes a bias or a scale, not both")
     bindings = [binding(out, "w"), binding(scratch, "r")] + ([binding(bias, "r")] if bias is not None else [])
-    return Dispatch(shader_variant("linear_splitk_reduce", HAS_BIAS=bias is not None),
-                    groups=(ceil_div(count4, REDUCE_WORKGROUP_SIZE), 1, 1), bindings=bindings,
-                    push_constants=pack_push(count4, row_vec4s, split_k),
+    name = shader_variant("linear_splitk_reduce", HAS_BIAS=bias is not None, SCALE=scale is not None)
+    return Dispatch(name, groups=(ceil_div(count4, REDUCE_WORKGROUP_SIZE), 1, 1), bindings=bindings,
+                    push_constants=pack_push(count4, row_vec4s, split_k, *([float(scale)] if scale is not None else [])),
                     local_size=(REDUCE_WORKGROUP_SIZE, 1, 1), label=label)
 
 
