@@ -20,6 +20,7 @@ import vktrain.backend.passes as backend_passes
 from vktrain.backend.kernel_planning import plan_schedule
 from vktrain.backend.kernel_planning.kernels.elementwise import plan_unary
 from vktrain.backend.kernel_planning.kernels.gemm_tuning import CPU_TUNING, TUNING_ENV
+from vktrain.backend.kernel_planning.kernels.layout import BindingLimit
 from vktrain.backend.kernel_planning.kernels.matmul import gemm_scratch_nbytes, plan_gemm, plan_mm_scaled
 from vktrain.backend.kernel_planning.kernels.matmul_thin import thin_layout
 from vktrain.backend.passes import PASSES, compile_graph
@@ -197,7 +198,6 @@ KERNEL_CASES = [
      True),
     ("tiles forced split", 70, 256, 16, False, True, dict(scratch="scratch", split_k=3),
      "matmul@HAS_BIAS=0+TILE_M=64+TILE_N=16+VEC4_C", True),
-    ("cpu body", 70, 256, 16, False, True, dict(tuning=CPU_TUNING), "matmul@HAS_BIAS=0+CPU_REGISTER_TILES", False),
 ]
 
 
@@ -205,6 +205,17 @@ KERNEL_CASES = [
                          ids=[c[0] for c in KERNEL_CASES])
 def test_a_scaled_gemm_is_the_mm_followed_by_the_mul_bit_for_bit(vk_device, name, M, K, N, a_t, b_t, options,
                                                                  shader, split):
+    """The GPU tuning's bodies (tests/test_wgsl_kernels.py runs this on WebGPU too)."""
+    _check_scaled_gemm(vk_device, name, M, K, N, a_t, b_t, options, shader, split)
+
+
+def test_the_cpu_body_scales_as_the_mm_followed_by_the_mul_bit_for_bit(vk_device):
+    """The CPU tuning's register tiles (Vulkan only): alpha * acc, never split."""
+    _check_scaled_gemm(vk_device, "cpu body", 70, 256, 16, False, True, dict(tuning=CPU_TUNING),
+                       "matmul@HAS_BIAS=0+CPU_REGISTER_TILES", False)
+
+
+def _check_scaled_gemm(vk_device, name, M, K, N, a_t, b_t, options, shader, split):
     rng = np.random.default_rng(K)
     a, b = rng.standard_normal((M, K)).astype(np.float32), rng.standard_normal((K, N)).astype(np.float32)
     a_view = StridedView((M, K), (1, M)) if a_t else StridedView.contiguous((M, K))
@@ -231,6 +242,8 @@ def test_the_scaled_plans_refuse_what_they_cannot_scale_exactly():
         plan_gemm("out", "a", a, "b", b, bias="p", bias_view=StridedView.contiguous((64, 16)), scale=THIRD)
     with pytest.raises(KernelArgumentError, match="no bias and alpha 1"):
         plan_gemm("out", "a", a, "b", b, alpha=2.0, scale=THIRD)
+    with pytest.raises(KernelArgumentError, match="a scaled GEMM has no windows"):
+        plan_gemm("out", "a", a, "b", b, scale=THIRD, binding_limit=BindingLimit(32 * 1024))  # a: 64 KiB
     with pytest.raises(KernelArgumentError, match="scale must be a real number"):
         plan_mm_scaled(out="out", self="a", self_shape=(64, 256), mat2="b", mat2_shape=(256, 16), scale="x")
 
@@ -321,9 +334,45 @@ def test_the_step_is_bit_identical_with_fused_scales_on_the_gpu_tuning(vk_device
 def test_the_step_is_bit_identical_with_fused_scales_on_the_emulated_tensor_cores(vk_device, mlp_programs):
     """The emulated fp16-tc route (a test path taking every mm of a long enough reduction): coopmat_mm cannot scale
     its sum, so the scaled product goes to scratch and the unfused program's mul follows."""
+    if vk_device.subgroup_size < 8:  # the emulated coopmat plans need >= 8 lanes
+        pytest.skip(f"{vk_device.name} has subgroups of {vk_device.subgroup_size} lanes (LP_NATIVE_VECTOR_WIDTH=128); "
+                    f"the emulated coopmat kernels need 8")
     (fused, unfused), vocab = mlp_programs
     batches = _batches((2, 32), vocab, steps=2)
     options = dict(precision=PRECISION_FP16_TC, emulate_tensor_cores=True)
     shaders, in_scratch = _assert_same_bits(_train(fused, vk_device, batches, **options),
                                             _train(unfused, vk_device, batches, **options))
     assert in_scratch > 0 and any(s.startswith("coopmat_mm") for s in shaders)
+
+
+def _scaled_product_graph(fused: bool):
+    """y [80, 12] = mul(mm(a [80, 4096], b [4096, 12]), 1/3), the pair or (fused) the pass's mm_scaled, compiled."""
+    g = _Builder()
+    a, b = g.input((80, 4096), "a"), g.input((4096, 12), "b")
+    g.graph.outputs = [g.op(MUL, (g.mm(a, b), g.number(THIRD)), (80, 12), "y")]
+    passes = PASSES if fused else tuple(p for p in PASSES if p is not fuse_gemm_scales)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(backend_passes, "PASSES", passes)
+        compile_graph(g.graph)
+    return g.graph
+
+
+def test_a_scaled_product_over_the_binding_limit_is_the_mm_in_windows_then_the_mul(vk_device):
+    """`a` (1.25 MiB) over a 1 MiB binding limit: the GEMM runs in windows, which cannot scale a whole sum, so
+    mm_scaled's lowering plans aten.mm's windows into op scratch and the unfused program's mul after them."""
+    from _helpers import planned
+    from vktrain.runtime.delegate.executor import GraphExecutor
+
+    rng = np.random.default_rng(3)
+    inputs = rng.standard_normal((80, 4096)).astype(np.float32), rng.standard_normal((4096, 12)).astype(np.float32)
+    results = {}
+    for fused in (True, False):
+        graph = _scaled_product_graph(fused)
+        assert [op.name for op in graph.ops] == ([MM_SCALED] if fused else [MM, MUL])
+        with GraphExecutor(vk_device, graph, planned(vk_device, graph, max_binding_bytes=1 << 20)) as executor:
+            labels = [d.label for d in executor.dispatches]
+            (results[fused],) = executor.run(*inputs)
+        assert sum(".window" in label for label in labels) > 1, labels
+        if fused:
+            assert labels[-1].endswith(".scale"), labels
+    np.testing.assert_array_equal(results[True].view(np.uint32), results[False].view(np.uint32))
