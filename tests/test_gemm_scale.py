@@ -22,7 +22,6 @@ from vktrain.backend.kernel_planning.kernels.elementwise import plan_unary
 from vktrain.backend.kernel_planning.kernels.gemm_tuning import CPU_TUNING, TUNING_ENV
 from vktrain.backend.kernel_planning.kernels.layout import BindingLimit
 from vktrain.backend.kernel_planning.kernels.matmul import gemm_scratch_nbytes, plan_gemm, plan_mm_scaled
-from vktrain.backend.kernel_planning.kernels.matmul_thin import thin_layout
 from vktrain.backend.passes import PASSES, compile_graph
 from vktrain.backend.passes.gemm_scale import MM_SCALED, fuse_gemm_scales
 from vktrain.contract import PRECISION_FP16_TC
@@ -376,3 +375,27 @@ def test_a_scaled_product_over_the_binding_limit_is_the_mm_in_windows_then_the_m
         if fused:
             assert labels[-1].endswith(".scale"), labels
     np.testing.assert_array_equal(results[True].view(np.uint32), results[False].view(np.uint32))
+
+
+def test_the_gpu_check_script_runs_without_torch_and_finds_the_pair_and_the_fused_gemm_equal(tmp_path, vk_device):
+    """scripts/check_gemm_scale.py (the GPU check of this change) at lavapipe sizes: numpy and the vulkan binding
+    only; the split and the unsplit thin product, one dispatch fewer each, bit-identical."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parent.parent / "scripts" / "check_gemm_scale.py"
+    out = tmp_path / "scale.json"
+    code = (f"import runpy, sys; sys.argv = [{str(script)!r}, '--tokens', '64', '--sites', '256:128', "
+            f"'--replays', '1', '--warmup', '0', '--out', {str(out)!r}]\n"
+            "try:\n    runpy.run_path(sys.argv[0], run_name='__main__')\nexcept SystemExit as exit:\n"
+            "    assert not exit.code, exit.code\nassert 'torch' not in sys.modules, 'the GPU script imported torch'\n")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    report = json.loads(out.read_text())
+    records = {r["product"]: r for r in report["results"]}
+    assert records["h = x @ A^T"]["fused"]["shaders"] == ["matmul_thin", "linear_splitk_reduce@SCALE"]  # K = 256
+    assert records["d_h = d_y @ B"]["fused"]["shaders"] == ["matmul_thin@SCALE"]  # K = 128: unsplit
+    assert all(r["bit_identical"] and r["pair"]["dispatches"] - r["fused"]["dispatches"] == 1 for r in records.values())
+    assert report["totals"]["64"]["all_bit_identical"]

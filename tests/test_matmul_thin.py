@@ -209,8 +209,8 @@ def test_a_lora_training_run_on_the_gpu_tuning_takes_the_thin_kernels_and_follow
                                                                                           monkeypatch):
     """The executor on the GPU tuning (VKTRAIN_GEMM_TUNING=gpu; lavapipe would pick its CPU bodies): at 128 tokens
     and width 128 every LoRA product of mlp-lora is thin (x @ A^T, d_y @ B in rows, times the LoRA scaling: the
-    SCALE variant of the gemm_scale pass's mm_scaled; the weight gradients in COLUMNS), and the run follows the float64 eager reference within the package's training bounds
-    (tests/_helpers.py)."""
+    SCALE variant of the gemm_scale pass's mm_scaled; the weight gradients in COLUMNS), and the run follows the
+    float64 eager reference within the package's training bounds (tests/_helpers.py)."""
     import torch
 
     from _helpers import (assert_training_matches_reference, eager_float64_and_float32_training,

@@ -57,8 +57,8 @@ from .storage_dtype import downcast_int64_storage
 from .views import decide_views
 
 PASSES = (expand_lora_linears, fuse_patterns, fuse_gemm_epilogues, fuse_gemm_scales, downcast_int64_storage,
-          type_prepacked_outputs, decide_views, update_state_in_place, write_ce_gradient_in_place, narrow_float_constants,
-          hold_q8_0_weights)
+          type_prepacked_outputs, decide_views, update_state_in_place, write_ce_gradient_in_place,
+          narrow_float_constants, hold_q8_0_weights)
 
 
 def compile_graph(graph: vk.VkGraph) -> MemoryPlan:

@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 from vktrain.serialization.dispatch import Dispatch, ceil_div, pack_push
+from vktrain.serialization.strided_view import KernelArgumentError
 from vktrain.backend.kernel_planning.kernels.layout import binding, shader_variant
 
 # 128: Vulkan's guaranteed maximum, so every device profile runs it; each output is its own sum over the
@@ -29,11 +30,11 @@ def plan_splitk_reduce(*, out: Any, scratch: Any, count4: int, row_vec4s: int, s
     are unscaled), over the `count4` vec4s of the output. `row_vec4s` is the vec4s of one output row, the
     bias length / 4 (only read with a bias; must be >= 1)."""
     if bias is not None and scale is not None:
-        raise ValueError(f"{label}: the split-K reduce takes a bias or a scale, not both")
+        raise KernelArgumentError(f"{label}: the split-K reduce takes a bias or a scale, not both")
     bindings = [binding(out, "w"), binding(scratch, "r")] + ([binding(bias, "r")] if bias is not None else [])
     name = shader_variant("linear_splitk_reduce", HAS_BIAS=bias is not None, SCALE=scale is not None)
     return Dispatch(name, groups=(ceil_div(count4, REDUCE_WORKGROUP_SIZE), 1, 1), bindings=bindings,
-                    push_constants=pack_push(count4, row_vec4s, split_k, *([float(scale)] if scale is not None else [])),
+                    push_constants=pack_push(count4, row_vec4s, split_k, *(() if scale is None else (float(scale),))),
                     local_size=(REDUCE_WORKGROUP_SIZE, 1, 1), label=label)
 
 
