@@ -6,8 +6,9 @@ mul.Scalar) and what must not (the product read twice, a tensor scale, a view th
 weight, a scale fp32 cannot hold). Kernel level, on lavapipe: plan_gemm's scale is the mm followed by the
 elementwise mul bit for bit on every fp32 body (thin unsplit / split in both layouts, tiles unsplit / split, the
 CPU body). Program level: the LoRA training step exported with and without the pass gives bit-identical losses
-and state on the CPU tuning, on the GPU tuning (matmul_thin's SCALE store and the SCALE reduce of a split) and
-on the emulated fp16-tc route (coopmat_mm: the product into scratch, then the mul), one dispatch fewer per mul.
+and state on the CPU tuning, on the GPU tuning (matmul_thin's SCALE store and the SCALE reduce of a split), on
+the fp16 policy's FP16 variants and on the emulated fp16-tc route (coopmat_mm: the product into scratch, then
+the mul), one dispatch fewer per mul; a product over the binding limit (windows: into scratch, then the mul) too.
 The scales are not powers of two (a LoRA scaling of 1/3): scaling a slice of a split sum would change bits.
 """
 from __future__ import annotations
@@ -24,7 +25,7 @@ from vktrain.backend.kernel_planning.kernels.layout import BindingLimit
 from vktrain.backend.kernel_planning.kernels.matmul import gemm_scratch_nbytes, plan_gemm, plan_mm_scaled
 from vktrain.backend.passes import PASSES, compile_graph
 from vktrain.backend.passes.gemm_scale import MM_SCALED, fuse_gemm_scales
-from vktrain.contract import PRECISION_FP16_TC
+from vktrain.contract import PRECISION_FP16, PRECISION_FP16_TC
 from vktrain.export import export_training_step, lower_to_pte
 from vktrain.lora import LoRAConfig, apply_lora
 from vktrain.models import build_model
@@ -342,6 +343,18 @@ def test_the_step_is_bit_identical_with_fused_scales_on_the_emulated_tensor_core
     shaders, in_scratch = _assert_same_bits(_train(fused, vk_device, batches, **options),
                                             _train(unfused, vk_device, batches, **options))
     assert in_scratch > 0 and any(s.startswith("coopmat_mm") for s in shaders)
+
+
+def test_the_step_is_bit_identical_with_fused_scales_on_the_fp16_variants(vk_device, mlp_programs):
+    """The fp16 policy's test path (every mm past STARVED_REDUCTION on matmul.slang's FP16 variants): the scale is
+    their alpha unsplit (after the exact unscaling of the sum) and the SCALE reduce's split."""
+    (fused, unfused), vocab = mlp_programs
+    batches = _batches((2, 32), vocab, steps=2)
+    options = dict(precision=PRECISION_FP16, emulate_tensor_cores=True)
+    shaders, in_scratch = _assert_same_bits(_train(fused, vk_device, batches, **options),
+                                            _train(unfused, vk_device, batches, **options))
+    assert in_scratch == 0 and any(s.endswith("+FP16") for s in shaders)
+    assert "linear_splitk_reduce@SCALE" in shaders
 
 
 def _scaled_product_graph(fused: bool):
