@@ -122,10 +122,10 @@ def main(argv: list[str] | None = None) -> int:
         totals[str(T)] = {f"{label}_{key}_per_step": sum(r[label][key] * count for r, count in step)
                           for label in ("pair", "fused") for key in ("ms", "dispatches")}
         totals[str(T)]["all_bit_identical"] = all(r["bit_identical"] for r, _ in step)
-        print(f"T={T}: the step's scaled LoRA products ({LAYERS} layers): pair {totals[str(T)]['pair_ms_per_step']:.3f} "
-              f"ms in {totals[str(T)]['pair_dispatches_per_step']} dispatches, fused "
-              f"{totals[str(T)]['fused_ms_per_step']:.3f} ms in {totals[str(T)]['fused_dispatches_per_step']}; all bit "
-              f"identical: {totals[str(T)]['all_bit_identical']}", flush=True)
+        total = totals[str(T)]
+        print(f"T={T}: the step's scaled LoRA products ({LAYERS} layers): pair {total['pair_ms_per_step']:.3f} ms in "
+              f"{total['pair_dispatches_per_step']} dispatches, fused {total['fused_ms_per_step']:.3f} ms in "
+              f"{total['fused_dispatches_per_step']}; all bit identical: {total['all_bit_identical']}", flush=True)
     if args.out:
         args.out.write_text(json.dumps({"meta": meta, "results": results, "totals": totals}, indent=1) + "\n")
     return 0 if all(r["bit_identical"] and r["finite"] for r in results) else 1
