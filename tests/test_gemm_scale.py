@@ -7,8 +7,8 @@ weight, a scale fp32 cannot hold). Kernel level, on lavapipe: plan_gemm's scale 
 elementwise mul bit for bit on every fp32 body (thin unsplit / split in both layouts, tiles unsplit / split, the
 CPU body). Program level: the LoRA training step exported with and without the pass gives bit-identical losses
 and state on the CPU tuning, on the GPU tuning (matmul_thin's SCALE store and the SCALE reduce of a split), on
-the fp16 policy's FP16 variants and on the emulated fp16-tc route (coopmat_mm: the product into scratch, then
-the mul), one dispatch fewer per mul; a product over the binding limit (windows: into scratch, then the mul) too.
+the fp16 policy's FP16 variants and on the emulated fp16-tc route (coopmat_mm: the product, then the scale in
+place), one dispatch fewer per mul; a product over the binding limit (windows, then the scale in place) too.
 The scales are not powers of two (a LoRA scaling of 1/3): scaling a slice of a split sum would change bits.
 """
 from __future__ import annotations
@@ -20,6 +20,7 @@ import torch
 import vktrain.backend.passes as backend_passes
 from vktrain.backend.kernel_planning import plan_schedule
 from vktrain.backend.kernel_planning.kernels.elementwise import plan_unary
+from vktrain.backend.kernel_planning.kernels.gemm_passes import plan_scale_in_place
 from vktrain.backend.kernel_planning.kernels.gemm_tuning import CPU_TUNING, TUNING_ENV
 from vktrain.backend.kernel_planning.kernels.layout import BindingLimit
 from vktrain.backend.kernel_planning.kernels.matmul import gemm_scratch_nbytes, plan_gemm, plan_mm_scaled
@@ -236,6 +237,26 @@ def _check_scaled_gemm(vk_device, name, M, K, N, a_t, b_t, options, shader, spli
     np.testing.assert_array_equal(got.view(np.uint32), expected.view(np.uint32), err_msg=name)
 
 
+@pytest.mark.parametrize("numel", [37, 4096 + 3])
+def test_the_in_place_scale_is_the_elementwise_mul_bit_for_bit(vk_device, numel):
+    """plan_scale_in_place (a product coopmat_mm or GEMM windows wrote): any size, one binding read and written
+    (tests/test_wgsl_kernels.py runs this on WebGPU too, which refuses a buffer bound twice)."""
+    values = (np.random.default_rng(numel).standard_normal(numel) * 1e3).astype(np.float32)
+    values[:4] = [0.0, -0.0, np.inf, 1e-40]  # a signed zero, an infinity, a subnormal
+    buffers = {"product": Buffer.from_array(vk_device, values), "out": Buffer.from_array(vk_device, values * 0)}
+    try:
+        run_dispatches(vk_device, plan_unary("mul_scalar", "out", "product", StridedView.contiguous((numel,)),
+                                             scalar0=THIRD), buffers)
+        expected = buffers["out"].read(np.float32, (numel,))
+        run_dispatches(vk_device, [plan_scale_in_place(out="product", numel=numel, scale=THIRD, label="scale")],
+                       buffers)
+        got = buffers["product"].read(np.float32, (numel,))
+    finally:
+        for buffer in buffers.values():
+            buffer.destroy()
+    np.testing.assert_array_equal(got.view(np.uint32), expected.view(np.uint32))
+
+
 def test_the_scaled_plans_refuse_what_they_cannot_scale_exactly():
     a, b = StridedView.contiguous((64, 256)), StridedView.contiguous((256, 16))
     with pytest.raises(KernelArgumentError, match="no bias and alpha 1"):
@@ -287,7 +308,8 @@ def _train(path, device, batches, **options):
 
 def _assert_same_bits(fused, unfused):
     """The same losses and state; one dispatch fewer per fused mul but those whose product a kernel that
-    cannot scale computes (op_lowering's scratch product, then its `.scale` mul). Returns the shaders."""
+    cannot scale computes (op_lowering's `_scaled_product`: the mm, then its `.scale` in place). Returns the
+    shaders and the count of those."""
     (ops, dispatches, losses, state), (ops_u, dispatches_u, losses_u, state_u) = fused, unfused
     assert losses == losses_u, (losses, losses_u)
     assert state.keys() == state_u.keys()
@@ -296,11 +318,11 @@ def _assert_same_bits(fused, unfused):
     scaled = ops.count(MM_SCALED)
     assert scaled > 0 and ops_u.count(MM_SCALED) == 0
     assert ops_u.count(MUL) - ops.count(MUL) == scaled and ops_u.count(MM) - ops.count(MM) == scaled
-    in_scratch = sum(label.endswith(".scale") for _, label in dispatches)
-    assert len(dispatches_u) - len(dispatches) == scaled - in_scratch, "one dispatch fewer per mul, nothing else"
-    print(f"{scaled} muls fused ({in_scratch} through scratch): {len(dispatches)} dispatches per step instead of "
+    in_place = sum(label.endswith(".scale") for _, label in dispatches)
+    assert len(dispatches_u) - len(dispatches) == scaled - in_place, "one dispatch fewer per mul, nothing else"
+    print(f"{scaled} muls fused ({in_place} scaled in place): {len(dispatches)} dispatches per step instead of "
           f"{len(dispatches_u)}; losses {losses}")
-    return [shader for shader, _ in dispatches], in_scratch
+    return [shader for shader, _ in dispatches], in_place
 
 
 @pytest.fixture(scope="module")
@@ -317,8 +339,8 @@ def mlp_programs(tmp_path_factory):
 def test_the_step_is_bit_identical_with_fused_scales_on_the_cpu_tuning(vk_device, mlp_programs):
     (fused, unfused), vocab = mlp_programs
     batches = _batches((2, 32), vocab, steps=3)
-    _, in_scratch = _assert_same_bits(_train(fused, vk_device, batches), _train(unfused, vk_device, batches))
-    assert in_scratch == 0
+    _, in_place = _assert_same_bits(_train(fused, vk_device, batches), _train(unfused, vk_device, batches))
+    assert in_place == 0
 
 
 def test_the_step_is_bit_identical_with_fused_scales_on_the_gpu_tuning(vk_device, mlp_programs, monkeypatch):
@@ -326,23 +348,24 @@ def test_the_step_is_bit_identical_with_fused_scales_on_the_gpu_tuning(vk_device
     (fused, unfused), vocab = mlp_programs
     batches = _batches((2, 32), vocab, steps=3)
     monkeypatch.setenv(TUNING_ENV, "gpu")
-    shaders, in_scratch = _assert_same_bits(_train(fused, vk_device, batches), _train(unfused, vk_device, batches))
-    assert in_scratch == 0
+    shaders, in_place = _assert_same_bits(_train(fused, vk_device, batches), _train(unfused, vk_device, batches))
+    assert in_place == 0
     assert {"matmul_thin@SCALE", "linear_splitk_reduce@SCALE"} <= set(shaders), sorted(set(shaders))
 
 
 def test_the_step_is_bit_identical_with_fused_scales_on_the_emulated_tensor_cores(vk_device, mlp_programs):
     """The emulated fp16-tc route (a test path taking every mm of a long enough reduction): coopmat_mm cannot scale
-    its sum, so the scaled product goes to scratch and the unfused program's mul follows."""
+    its sum, so it writes the product and the scale follows in place (linear_splitk_reduce@SCALE+IN_PLACE)."""
     if vk_device.subgroup_size < 8:  # the emulated coopmat plans need >= 8 lanes
         pytest.skip(f"{vk_device.name} has subgroups of {vk_device.subgroup_size} lanes (LP_NATIVE_VECTOR_WIDTH=128); "
                     f"the emulated coopmat kernels need 8")
     (fused, unfused), vocab = mlp_programs
     batches = _batches((2, 32), vocab, steps=2)
     options = dict(precision=PRECISION_FP16_TC, emulate_tensor_cores=True)
-    shaders, in_scratch = _assert_same_bits(_train(fused, vk_device, batches, **options),
+    shaders, in_place = _assert_same_bits(_train(fused, vk_device, batches, **options),
                                             _train(unfused, vk_device, batches, **options))
-    assert in_scratch > 0 and any(s.startswith("coopmat_mm") for s in shaders)
+    assert in_place > 0 and any(s.startswith("coopmat_mm") for s in shaders)
+    assert "linear_splitk_reduce@SCALE+IN_PLACE" in shaders
 
 
 def test_the_step_is_bit_identical_with_fused_scales_on_the_fp16_variants(vk_device, mlp_programs):
@@ -351,9 +374,9 @@ def test_the_step_is_bit_identical_with_fused_scales_on_the_fp16_variants(vk_dev
     (fused, unfused), vocab = mlp_programs
     batches = _batches((2, 32), vocab, steps=2)
     options = dict(precision=PRECISION_FP16, emulate_tensor_cores=True)
-    shaders, in_scratch = _assert_same_bits(_train(fused, vk_device, batches, **options),
+    shaders, in_place = _assert_same_bits(_train(fused, vk_device, batches, **options),
                                             _train(unfused, vk_device, batches, **options))
-    assert in_scratch == 0 and any(s.endswith("+FP16") for s in shaders)
+    assert in_place == 0 and any(s.endswith("+FP16") for s in shaders)
     assert "linear_splitk_reduce@SCALE" in shaders
 
 
@@ -371,7 +394,7 @@ def _scaled_product_graph(fused: bool):
 
 def test_a_scaled_product_over_the_binding_limit_is_the_mm_in_windows_then_the_mul(vk_device):
     """`a` (1.25 MiB) over a 1 MiB binding limit: the GEMM runs in windows, which cannot scale a whole sum, so
-    mm_scaled's lowering plans aten.mm's windows into op scratch and the unfused program's mul after them."""
+    mm_scaled's lowering plans aten.mm's windows and the scale in place after them."""
     from _helpers import planned
     from vktrain.runtime.delegate.executor import GraphExecutor
 

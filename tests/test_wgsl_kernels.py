@@ -367,6 +367,8 @@ test_thin_addmm_is_the_mm_followed_by_the_add_bit_for_bit = on_webgpu(
     thin.test_thin_addmm_is_the_mm_followed_by_the_add_bit_for_bit)
 test_a_scaled_gemm_is_the_mm_followed_by_the_mul_bit_for_bit = on_webgpu(
     gemm_scale.test_a_scaled_gemm_is_the_mm_followed_by_the_mul_bit_for_bit)
+test_the_in_place_scale_is_the_elementwise_mul_bit_for_bit = on_webgpu(
+    gemm_scale.test_the_in_place_scale_is_the_elementwise_mul_bit_for_bit)
 
 # ---- kernels: the 4-bit linear family (test_kernels_linear.py) ----------------------------------------
 

@@ -47,8 +47,8 @@ from vktrain.serialization import graph as vk
 
 # Importing the kernels package imports every family, so KERNELS is complete.
 from vktrain.backend.kernel_planning.kernels import (KERNELS, attention, coopmat, coopmat_attention, copies,
-                                             cross_entropy, elementwise, gemm_passes, layout, linear,
-                                             linear_tiles, matmul, norm)
+                                             cross_entropy, gemm_passes, layout, linear, linear_tiles, matmul,
+                                             norm)
 from vktrain.backend.kernel_planning.lowering_context import KERNEL_DTYPES, OpContext, OpLowering, TensorArg
 from vktrain.errors import GraphLoweringError
 from vktrain.serialization.dispatch import BufferBinding, Dispatch
@@ -454,7 +454,7 @@ def _lower_gemm(ctx: OpContext) -> list[Dispatch]:
     addend) and every operand fits one binding (coopmat binds whole operands), else through plan_gemm, which
     cuts operands over the binding limit into windows. mm_scaled's scale is the fp32 kernels' epilogue
     (plan_gemm's `scale`); where the product takes coopmat_mm or windows, neither of which scales a whole sum,
-    the mm writes op scratch and the elementwise mul the unfused program ran writes the output."""
+    the mm writes the output and a second dispatch multiplies it in place (`_scaled_product`)."""
     scale = None
     if ctx.op.name == "aten.addmm.default":
         bias, a, b = _float_matrices(ctx, ((0, "self"), (1, "mat1"), (2, "mat2")))
@@ -497,19 +497,13 @@ def _lower_gemm(ctx: OpContext) -> list[Dispatch]:
 
 
 def _scaled_product(ctx: OpContext, out: TensorArg, scale: float) -> list[Dispatch]:
-    """mm_scaled as the pair it replaced: aten.mm's plan of the same operands (on this route) into op scratch
-    ("product"), then elementwise mul_scalar of it into the output (in scratch rather than in place: WebGPU
-    refuses a buffer bound both for reading and for writing in one dispatch)."""
-    product = ctx.scratch(4 * out.numel, "product")
-    as_mm = vk.OpCall("aten.mm.default", ctx.op.args[:2], ctx.op.outputs)
-    mm_ctx = dataclasses.replace(ctx, op=as_mm, args=ctx.args[:2],
-                                 outputs=[dataclasses.replace(out, binding=product)])
-    try:
-        return _lower_gemm(mm_ctx) + elementwise.plan_unary(
-            "mul_scalar", out.binding, product, StridedView.contiguous(out.shape), scalar0=scale,
-            label=f"{ctx.label}.scale", binding_limit=ctx.binding_limit, max_workgroup_size=ctx.max_workgroup_size)
-    except (ValueError, TypeError) as exc:
-        raise ctx.fail(f"the elementwise kernel refused its scale: {exc}") from exc
+    """mm_scaled as the pair it replaced: aten.mm's plan of the same operands on this route into the output, then
+    the multiply by the scale in place (gemm_passes.plan_scale_in_place: the fp32 multiply of the elementwise
+    mul, binding the output once, as WebGPU requires), as many dispatches as the pair."""
+    as_mm = dataclasses.replace(ctx, op=vk.OpCall("aten.mm.default", ctx.op.args[:2], ctx.op.outputs),
+                                args=ctx.args[:2])
+    return _lower_gemm(as_mm) + [gemm_passes.plan_scale_in_place(out=out.binding, numel=out.numel, scale=scale,
+                                                                 label=f"{ctx.label}.scale")]
 
 
 def _lower_bmm(ctx: OpContext) -> list[Dispatch]:

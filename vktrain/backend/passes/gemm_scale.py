@@ -18,8 +18,9 @@ by the GEMM; a kernel that multiplies its finished fp32 sum by fp32(s) makes exa
 whichever dispatch does it. So the kernels multiply only after the whole sum exists: matmul_thin.slang's and
 matmul.slang's store when unsplit (matmul's alpha), linear_splitk_reduce.slang after adding the slices in order
 when split; never a partial slice (the product of a scaled slice sum is another rounding). Kernels that
-cannot (coopmat_mm, windows over the binding limit) write the product to scratch and run the mul the unfused
-program ran (op_lowering.py). Nothing is contracted: the multiply follows the last add.
+cannot (coopmat_mm, windows over the binding limit) write the product into the output and a second dispatch
+multiplies it there by the same fp32(s), as the unfused mul did (op_lowering.py). Nothing is contracted: the
+multiply follows the last add.
 
 Left alone: a product read by anything else (the unscaled values are needed), a view that is not shape-only
 (permute, expand, slice: the mul would see another layout), a tensor scale other than a 0-d constant, an mm

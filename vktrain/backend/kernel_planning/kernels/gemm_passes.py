@@ -1,6 +1,6 @@
-"""The two small passes around the GEMMs of the linear family and aten mm/bmm/addmm: the split-K reduce
-(linear_splitk_reduce.slang: the second pass of a GEMM whose reduction was split into slices) and the
-operand-scale pass (coopmat_absmax.slang: the per-tensor maxima the tensor-core and FP16 kernels scale
+"""The small passes around the GEMMs of the linear family and aten mm/bmm/addmm: the split-K reduce
+(linear_splitk_reduce.slang: the second pass of a GEMM whose reduction was split into slices), the in-place
+scale of a vktrain.mm_scaled product (its SCALE+IN_PLACE variant) and the operand-scale pass (coopmat_absmax.slang: the per-tensor maxima the tensor-core and FP16 kernels scale
 their fp16 operands by)."""
 from __future__ import annotations
 
@@ -38,6 +38,15 @@ def plan_splitk_reduce(*, out: Any, scratch: Any, count4: int, row_vec4s: int, s
                     local_size=(REDUCE_WORKGROUP_SIZE, 1, 1), label=label)
 
 
+def plan_scale_in_place(*, out: Any, numel: int, scale: float, label: str) -> Dispatch:
+    """out[e] = out[e] * fp32(scale) over the `numel` floats of `out`, in place (linear_splitk_reduce.slang's
+    SCALE+IN_PLACE): vktrain.mm_scaled's scale after a product kernel that cannot scale its whole sum wrote the
+    product into the output (coopmat_mm, GEMM windows); the same fp32 multiply as the elementwise mul_scalar."""
+    return Dispatch("linear_splitk_reduce@SCALE+IN_PLACE", groups=(ceil_div(numel, REDUCE_WORKGROUP_SIZE), 1, 1),
+                    bindings=[binding(out, "rw")], push_constants=pack_push(numel, 0, 1, float(scale)),
+                    local_size=(REDUCE_WORKGROUP_SIZE, 1, 1), label=label)
+
+
 # coopmat_absmax.slang (the per-tensor operand scales of the coopmat kernels and of the fp16 d_x here):
 # workgroups of 128 threads (Vulkan's guaranteed maximum), each reading at least 8 vec4 of its tensor; at most ABSMAX_MAX_PARTIALS
 # workgroups (hence partial maxima) per tensor, which every GEMM workgroup reduces.
@@ -66,4 +75,4 @@ def plan_absmax(absmax: Any, tensors: list[tuple[Any, int]], label: str) -> Disp
 
 
 __all__ = ["ABSMAX_MAX_PARTIALS", "REDUCE_WORKGROUP_SIZE", "absmax_partials", "absmax_scratch_nbytes", "plan_absmax",
-           "plan_splitk_reduce", "split_k_scratch_nbytes"]
+           "plan_scale_in_place", "plan_splitk_reduce", "split_k_scratch_nbytes"]

@@ -29,8 +29,8 @@ other bias is added by slice 0. Without scratch the plan never splits.
 Scale (`scale`: vktrain.mm_scaled, the gemm_scale pass's fold of aten.mul(mm, s)): out = fl(fl(A @ B) * s),
 the sum rounded first, then one fp32 multiply by fp32(s), the bits of the mm followed by the mul. Unsplit the
 kernel's alpha is s (alpha * acc after the whole sum); split, the slices keep alpha = 1 and the reduce
-multiplies the sum of the slices. No bias, alpha 1, no windows (op_lowering plans those as the mm into
-scratch and the mul).
+multiplies the sum of the slices. No bias, alpha 1, no windows (op_lowering plans those as the mm, then
+gemm_passes.plan_scale_in_place).
 
 Thin GEMMs (kernels/matmul_thin.py): on the GPU tuning a 2-D mm (or addmm with an addend of the output's
 shape, beta = alpha = 1) with an output side of at most 16 beside a longer one, over a reduction of at least
