@@ -1,7 +1,7 @@
 """The small passes around the GEMMs of the linear family and aten mm/bmm/addmm: the split-K reduce
 (linear_splitk_reduce.slang: the second pass of a GEMM whose reduction was split into slices), the in-place
-scale of a vktrain.mm_scaled product (its SCALE+IN_PLACE variant) and the operand-scale pass (coopmat_absmax.slang: the per-tensor maxima the tensor-core and FP16 kernels scale
-their fp16 operands by)."""
+scale of a vktrain.mm_scaled product (its SCALE+IN_PLACE variant) and the operand-scale pass
+(coopmat_absmax.slang: the per-tensor maxima the tensor-core and FP16 kernels scale their fp16 operands by)."""
 from __future__ import annotations
 
 from typing import Any
