@@ -28,6 +28,6 @@ def _mm_scaled(call: Call) -> tuple[TensorMeta, ...]:
 
 MM_SCALED = OpDef(Schema.parse(NAMESPACE, "mm_scaled(Tensor self, Tensor mat2, float scale) -> Tensor"), _mm_scaled,
                   {"self": _FLOAT, "mat2": _FLOAT})
-GEMM_OPS = (MM_SCALED,)
+SCALED_MM_OPS = (MM_SCALED,)
 
-__all__ = ["GEMM_OPS", "MM_SCALED"]
+__all__ = ["SCALED_MM_OPS", "MM_SCALED"]
