@@ -144,8 +144,11 @@ def test_other_activations_lower_into_one_delegate(activation, fused_op, absent_
 
 def test_op_chain_is_the_edge_graph(step_graph, model):
     names = [op.name for op in step_graph.ops]
-    assert set(names) <= set(supported_ops())
+    # What the partitioner delegates, plus the ops the backend's passes write (gemm_scale: the LoRA scaling).
+    assert set(names) <= set(supported_ops()) | {"vktrain.mm_scaled.default"}
     n_lora = len(lora_modules(model))
+    # Each adapter's scaling, forward (h * s) and backward (d_h * s), is its GEMM's: no aten.mul is left.
+    assert names.count("vktrain.mm_scaled.default") == 2 * n_lora and "aten.mul.Tensor" not in names
     assert names.count("vktrain.linear_q4gsw.default") == n_lora
     assert names.count("vktrain.adamw.default") == 2 * n_lora
     assert names.count("vktrain.fused_ce.default") == 1
@@ -373,6 +376,8 @@ class _BlobInterpreter:
                 out = (np.asarray(a[3] * a[0] + a[4] * (a[1] @ a[2]), np.float32),)
             elif name == "aten.mul.Tensor":
                 out = (np.asarray(a[0] * a[1], np.float32),)
+            elif name == "vktrain.mm_scaled.default":  # the product rounded to fp32, then the fp32 multiply
+                out = (np.asarray(a[0] @ a[1], np.float32) * np.float32(a[2]),)
             elif name == "aten.add.Tensor":
                 out = (np.asarray(a[0] + a[2] * a[1], np.float32),)
             elif name == "aten.relu.default":

@@ -341,7 +341,7 @@ def test_the_blob_records_the_final_storage():
 
 def test_passes_are_the_documented_order():
     assert [p.__name__ for p in PASSES] == ["expand_lora_linears", "fuse_patterns", "fuse_gemm_epilogues",
-                                            "downcast_int64_storage",
+                                            "fuse_gemm_scales", "downcast_int64_storage",
                                             "type_prepacked_outputs", "decide_views", "update_state_in_place",
                                             "write_ce_gradient_in_place", "narrow_float_constants",
                                             "hold_q8_0_weights"]

@@ -208,9 +208,9 @@ def test_the_lora_gemm_benchmark_smoke_run_plans_old_and_new_without_torch(tmp_p
 def test_a_lora_training_run_on_the_gpu_tuning_takes_the_thin_kernels_and_follows_float64(vk_device, tmp_path,
                                                                                           monkeypatch):
     """The executor on the GPU tuning (VKTRAIN_GEMM_TUNING=gpu; lavapipe would pick its CPU bodies): at 128 tokens
-    and width 128 every LoRA product of mlp-lora is thin (x @ A^T, d_y @ B in rows, the weight gradients in
-    COLUMNS), and the run follows the float64 eager reference within the package's training bounds
-    (tests/_helpers.py)."""
+    and width 128 every LoRA product of mlp-lora is thin (x @ A^T, d_y @ B in rows, times the LoRA scaling: the
+    SCALE variant of the gemm_scale pass's mm_scaled; the weight gradients in COLUMNS), and the run follows the
+    float64 eager reference within the package's training bounds (tests/_helpers.py)."""
     import torch
 
     from _helpers import (assert_training_matches_reference, eager_float64_and_float32_training,
@@ -236,7 +236,7 @@ def test_a_lora_training_run_on_the_gpu_tuning_takes_the_thin_kernels_and_follow
     monkeypatch.setenv(TUNING_ENV, "gpu")
     with TrainingRunner.from_pte(path, vk_device, planner=plan_schedule) as runner:
         shaders = {d.shader for d in runner.executor.dispatches}
-        assert {"matmul_thin", "matmul_thin@COLUMNS"} <= shaders, sorted(shaders)
+        assert {"matmul_thin@SCALE", "matmul_thin@COLUMNS"} <= shaders, sorted(shaders)
         losses = runner_losses(runner, batches(), hparams)
         lora = runner.lora_state()
         exp_avg = {name: runner.read_state("optimizer.exp_avg." + name) for name in reference.state}

@@ -253,7 +253,7 @@ def _first_loss(runner) -> float:
 
 
 BASE_GEMMS = ("vktrain.linear_q4gsw.default", "vktrain.linear_q4gsw_backward.default")
-MM, ADDMM = "aten.mm.default", "aten.addmm.default"
+MM, ADDMM, MM_SCALED = "aten.mm.default", "aten.addmm.default", "vktrain.mm_scaled.default"
 
 
 def _base_gemm_ops(runner) -> list[str]:
@@ -317,8 +317,9 @@ def test_fp16_tc_routes_every_base_gemm_and_step_one_matches_float64_within_the_
         assert len(base_ops) == 5 and set(base_ops) <= set(runner.executor.tensor_core_ops)
         routed_mm = [label for label in runner.executor.tensor_core_ops if label not in base_ops]
         # Every other routed op is a mm: at least the two forward LoRA products of each of the three modules
-        # (u @ B^T as the addmm the LoRA add was folded into, backend/passes/gemm_epilogue.py).
-        assert all(label.endswith((MM, ADDMM)) for label in routed_mm) and len(routed_mm) >= 6, routed_mm
+        # (u @ B^T as the addmm the LoRA add was folded into, backend/passes/gemm_epilogue.py; x @ A^T * scaling as
+        # the mm_scaled of backend/passes/gemm_scale.py, its product on coopmat_mm, then the mul).
+        assert all(label.endswith((MM, ADDMM, MM_SCALED)) for label in routed_mm) and len(routed_mm) >= 6, routed_mm
         gemm_shaders = {d.shader for d in runner.executor.dispatches
                         if d.name in runner.executor.tensor_core_ops and d.shader.startswith("coopmat_")
                         and d.shader != "coopmat_absmax"}

@@ -32,6 +32,7 @@ import test_kernels_aten as aten
 import test_kernels_ce_adamw_requant as ce_adamw
 import test_kernels_linear as linear
 import test_kernels_transformer as transformer
+import test_gemm_scale as gemm_scale
 import test_matmul_thin as thin
 import test_q8_0_weights as q8_0
 from _helpers import export_mlp_lora_training_step
@@ -364,6 +365,10 @@ test_thin_gemm_matches_float64_within_the_fp32_bound_unsplit_and_split = on_webg
     thin.test_thin_gemm_matches_float64_within_the_fp32_bound_unsplit_and_split)
 test_thin_addmm_is_the_mm_followed_by_the_add_bit_for_bit = on_webgpu(
     thin.test_thin_addmm_is_the_mm_followed_by_the_add_bit_for_bit)
+test_a_scaled_gemm_is_the_mm_followed_by_the_mul_bit_for_bit = on_webgpu(
+    gemm_scale.test_a_scaled_gemm_is_the_mm_followed_by_the_mul_bit_for_bit)
+test_the_in_place_scale_is_the_elementwise_mul_bit_for_bit = on_webgpu(
+    gemm_scale.test_the_in_place_scale_is_the_elementwise_mul_bit_for_bit)
 
 # ---- kernels: the 4-bit linear family (test_kernels_linear.py) ----------------------------------------
 
@@ -403,6 +408,13 @@ def _gemm_cases():
         bias = rng.standard_normal(N).astype(np.float32)
         cases.append((f"mm {M}x{N}x{K}", plan_mm(out="out", self="a", self_shape=(M, K), mat2="b", mat2_shape=(K, N)),
                       {"a": a, "b": b}, (M, N)))
+        # vktrain.mm_scaled on the tiles: alpha unsplit, the SCALE reduce after forced slices.
+        scratch = {"scratch": np.zeros(3 * M * N, np.float32)}
+        for split_k in (None, 3) if (M * N) % 4 == 0 else (None,):  # the reduce adds vec4s
+            cases.append((f"mm_scaled {M}x{N}x{K} split {split_k}",
+                          plan_gemm("out", "a", StridedView.contiguous((M, K)), "b", StridedView.contiguous((K, N)),
+                                    scale=1 / 3, split_k=split_k, scratch="scratch" if split_k else None),
+                          {"a": a, "b": b, **scratch}, (M, N)))
         cases.append((f"addmm {M}x{N}x{K}", plan_addmm(out="out", self="bias", self_shape=(N,), mat1="a",
                                                       mat1_shape=(M, K), mat2="b", mat2_shape=(K, N), beta=0.5,
                                                       alpha=1.5), {"a": a, "b": b, "bias": bias}, (M, N)))
@@ -427,6 +439,10 @@ def _gemm_cases():
                 cases.append((f"matmul_thin {M}x{N}x{K} split {split_k} addend {addend}",
                               plan_thin_gemm("out", "a", "b", layout, addend=addend, scratch="scratch", split_k=split_k),
                               stored, (M, N)))
+            # vktrain.mm_scaled (the gemm_scale pass): the SCALE store unsplit, the SCALE reduce split.
+            cases.append((f"matmul_thin {M}x{N}x{K} split {split_k} scaled",
+                          plan_thin_gemm("out", "a", "b", layout, scale=1 / 3, scratch="scratch", split_k=split_k),
+                          stored, (M, N)))
     return cases
 
 

@@ -18,11 +18,12 @@ from vktrain.errors import VktrainError
 from vktrain.opdefs.aten import ATEN_OPS
 from vktrain.opdefs.core import Call, DtypeRefusal, OpDef, Refusal, TensorMeta
 from vktrain.opdefs.decode_ops import DECODE_OPS
+from vktrain.opdefs.gemm_ops import SCALED_MM_OPS
 from vktrain.opdefs.q8_0_ops import Q8_0_OPS
 from vktrain.opdefs.schema import Argument, Return, Schema, SchemaError
 from vktrain.opdefs.vktrain_ops import VKTRAIN_OPS
 
-OP_DEFS: dict[str, OpDef] = {op.key: op for op in VKTRAIN_OPS + DECODE_OPS + Q8_0_OPS + ATEN_OPS}
+OP_DEFS: dict[str, OpDef] = {op.key: op for op in VKTRAIN_OPS + DECODE_OPS + Q8_0_OPS + SCALED_MM_OPS + ATEN_OPS}
 
 
 class UnknownOpError(VktrainError, KeyError):

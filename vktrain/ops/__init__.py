@@ -35,7 +35,8 @@ import torch
 
 from vktrain import contract
 
-from . import cross_entropy, decode, linear, lora_linear, optimizer, q8_0, transformer  # noqa: F401  (registers the ops)
+from . import (cross_entropy, decode, gemm, linear, lora_linear, optimizer, q8_0,  # noqa: F401  (registers the ops)
+               transformer)
 from ._library import NAMESPACE
 from .linear import dequantize_q4gsw, quantize_q4gsw
 

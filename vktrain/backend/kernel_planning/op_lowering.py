@@ -37,6 +37,7 @@ the backend recorded in the blob, so view and in-place decisions never leak into
 """
 from __future__ import annotations
 
+import dataclasses
 import inspect
 from typing import Any, Callable, Optional, Sequence
 
@@ -444,20 +445,29 @@ def _float_matrices(ctx: OpContext, positions: Sequence[tuple[int, str]]) -> lis
     return tensors
 
 
+MM_SCALED = "vktrain.mm_scaled.default"
+
+
 def _lower_gemm(ctx: OpContext) -> list[Dispatch]:
-    """aten.mm / aten.addmm through the GEMM's strided operands (a lazily transposed input costs nothing);
-    on the tensor cores where the route takes the product (an addmm's bias only as coopmat_mm's addend)
-    and every operand fits one binding (coopmat binds whole operands), else through plan_gemm, which
-    cuts operands over the binding limit into windows."""
+    """aten.mm / aten.addmm / vktrain.mm_scaled through the GEMM's strided operands (a lazily transposed input
+    costs nothing); on the tensor cores where the route takes the product (an addmm's bias only as coopmat_mm's
+    addend) and every operand fits one binding (coopmat binds whole operands), else through plan_gemm, which
+    cuts operands over the binding limit into windows. mm_scaled's scale is the fp32 kernels' epilogue
+    (plan_gemm's `scale`); where the product takes coopmat_mm or windows, neither of which scales a whole sum,
+    the mm writes the output and a second dispatch multiplies it in place (`_scaled_product`)."""
+    scale = None
     if ctx.op.name == "aten.addmm.default":
         bias, a, b = _float_matrices(ctx, ((0, "self"), (1, "mat1"), (2, "mat2")))
         beta, alpha = ctx.real(3, "beta"), ctx.real(4, "alpha")
     else:
         (a, b), bias, beta, alpha = _float_matrices(ctx, ((0, "self"), (1, "mat2"))), None, 1.0, 1.0
+        scale = ctx.real(2, "scale") if ctx.op.name == MM_SCALED else None
     out = ctx.outputs[0]
     operands = (a, b, out) + ((bias,) if bias is not None else ())
     over = layout.exceeds(ctx.binding_limit, [t.binding.size for t in operands])
     b_transposed = None if over else ctx.gemm.dense_b_transposed(a.strided, b.strided)
+    if scale is not None and (over or b_transposed is not None):
+        return _scaled_product(ctx, out, scale)
     if b_transposed is not None and (bias is None or coopmat.takes_addend(bias.strided, out.shape, beta, alpha)):
         return _call(ctx, coopmat.plan_coopmat_mm, M=a.shape[0], N=b.shape[1], K=a.shape[1], out=out.binding,
                      a=a.binding, b=b.binding, b_transposed=b_transposed, addend=bias and bias.binding,
@@ -475,15 +485,25 @@ def _lower_gemm(ctx: OpContext) -> list[Dispatch]:
                      b_view=b.strided, bias=bias and bias.binding, bias_view=bias and bias.strided, alpha=alpha,
                      beta=beta, scratch=ctx.scratch(nbytes, "split_k") if nbytes else None, fp16=True,
                      absmax=ctx.scratch(gemm_passes.absmax_scratch_nbytes(a.numel, b.numel), "absmax"),
-                     max_workgroup_size=ctx.max_workgroup_size)
+                     max_workgroup_size=ctx.max_workgroup_size, scale=scale)
     try:
         scratch = _split_k_scratch(ctx, 1, a.shape[0], b.shape[1], a.shape[1], *operands)
         return matmul.plan_gemm(out.binding, a.binding, a.strided, b.binding, b.strided, bias=bias and bias.binding,
                                 bias_view=bias and bias.strided, alpha=alpha, beta=beta, scratch=scratch,
                                 tuning=ctx.gemm.fp32_tuning, binding_limit=ctx.binding_limit,
-                                max_workgroup_size=ctx.max_workgroup_size, label=ctx.label)
+                                max_workgroup_size=ctx.max_workgroup_size, scale=scale, label=ctx.label)
     except (ValueError, TypeError) as exc:
         raise ctx.fail(f"the matmul kernel refused it: {exc}") from exc
+
+
+def _scaled_product(ctx: OpContext, out: TensorArg, scale: float) -> list[Dispatch]:
+    """mm_scaled as the pair it replaced: aten.mm's plan of the same operands on this route into the output, then
+    the multiply by the scale in place (gemm_passes.plan_scale_in_place: the fp32 multiply of the elementwise
+    mul, binding the output once, as WebGPU requires), as many dispatches as the pair."""
+    as_mm = dataclasses.replace(ctx, op=vk.OpCall("aten.mm.default", ctx.op.args[:2], ctx.op.outputs),
+                                args=ctx.args[:2])
+    return _lower_gemm(as_mm) + [gemm_passes.plan_scale_in_place(out=out.binding, numel=out.numel, scale=scale,
+                                                                 label=f"{ctx.label}.scale")]
 
 
 def _lower_bmm(ctx: OpContext) -> list[Dispatch]:
@@ -530,6 +550,7 @@ _CUSTOM_LOWERINGS = {
     **_VKTRAIN_LOWERINGS,
     **{key: _lower_transpose for key in TRANSPOSE_OPS},
     "aten.mm.default": _lower_gemm, "aten.bmm.default": _lower_bmm, "aten.addmm.default": _lower_gemm,
+    MM_SCALED: _lower_gemm,
 }
 
 OP_LOWERINGS: dict[str, OpLowering] = {

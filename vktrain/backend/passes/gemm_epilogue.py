@@ -62,7 +62,7 @@ class _Fusion:
         return {self.add, self.mm, *self.views} | ({self.hoist} if self.hoist is not None else set())
 
 
-def _fp32_tensor(graph: vk.VkGraph, value_id: int) -> vk.TensorValue | None:
+def fp32_tensor(graph: vk.VkGraph, value_id: int) -> vk.TensorValue | None:
     value = graph.values[value_id]
     if isinstance(value, vk.TensorValue) and value.dtype == vk.DType.FLOAT32 and value.layout == vk.Layout.PLAIN:
         return value
@@ -73,13 +73,13 @@ def _read_only_by(uses: GraphUses, value_id: int, reader: int) -> bool:
     return uses.readers.get(value_id, []) == [reader]
 
 
-def _product_chain(graph: vk.VkGraph, uses: GraphUses, q: int, add: int) -> tuple[int, tuple[int, ...]] | None:
+def product_chain(graph: vk.VkGraph, uses: GraphUses, q: int, consumer: int) -> tuple[int, tuple[int, ...]] | None:
     """(mm index, view indices) when q is an mm's output through shape-only views, each value of the
-    chain read only by the next op (q by the add); else None."""
+    chain read only by the next op (q by op `consumer`); else None. (The gemm_scale pass's pattern too.)"""
     views: list[int] = []
-    value, reader = q, add
+    value, reader = q, consumer
     while True:
-        if not _read_only_by(uses, value, reader) or _fp32_tensor(graph, value) is None:
+        if not _read_only_by(uses, value, reader) or fp32_tensor(graph, value) is None:
             return None
         index = uses.producer.get(value)
         if index is None:
@@ -93,7 +93,7 @@ def _product_chain(graph: vk.VkGraph, uses: GraphUses, q: int, add: int) -> tupl
         value, reader = op.args[0], index
 
 
-def _reads_a_constant(graph: vk.VkGraph, uses: GraphUses, value_id: int) -> bool:
+def reads_a_constant(graph: vk.VkGraph, uses: GraphUses, value_id: int) -> bool:
     """Whether value_id is a constant tensor or made from one by single-input ops (views, transposes)."""
     while True:
         value = graph.values[value_id]
@@ -122,18 +122,18 @@ def _fusion_of(graph: vk.VkGraph, uses: GraphUses, index: int) -> _Fusion | None
     alpha = graph.values[op.args[2]]
     if not isinstance(alpha, (vk.IntValue, vk.DoubleValue)) or decode_scalar(alpha) != 1:
         return None
-    out = _fp32_tensor(graph, op.outputs[0])
+    out = fp32_tensor(graph, op.outputs[0])
     if out is None:
         return None
     for q, p in ((op.args[1], op.args[0]), (op.args[0], op.args[1])):
-        addend, product = _fp32_tensor(graph, p), _fp32_tensor(graph, q)
+        addend, product = fp32_tensor(graph, p), fp32_tensor(graph, q)
         if addend is None or product is None or not addend.shape == product.shape == out.shape:
             continue
-        chain = _product_chain(graph, uses, q, index)
+        chain = product_chain(graph, uses, q, index)
         if chain is None:
             continue
         mm, views = chain
-        if _reads_a_constant(graph, uses, graph.ops[mm].args[1]):
+        if reads_a_constant(graph, uses, graph.ops[mm].args[1]):
             continue
         written = uses.producer.get(p, -1)
         if written < mm:

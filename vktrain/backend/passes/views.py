@@ -24,7 +24,8 @@ from vktrain.serialization import graph as vk
 from ..lifetimes import GraphUses, analyze_uses, storage_root
 
 # Ops whose lowering reads any StridedView of its tensor inputs (the TensorArg's view).
-VIEW_ACCEPTING_OPS = frozenset(TRANSPOSE_OPS + ("aten.mm.default", "aten.addmm.default"))
+VIEW_ACCEPTING_OPS = frozenset(TRANSPOSE_OPS + ("aten.mm.default", "aten.addmm.default",
+                                               "vktrain.mm_scaled.default"))
 SHAPE_ONLY_VIEWS = frozenset({
     "aten.view_copy.default", "aten.unsqueeze_copy.default", "aten.squeeze_copy.dims", "aten.squeeze_copy.dim",
     "aten.squeeze_copy.default", "aten.alias_copy.default",

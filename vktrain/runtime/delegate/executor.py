@@ -50,6 +50,7 @@ _INT32_MIN, _INT32_MAX = -(2**31), 2**31 - 1
 # The ops whose products a GEMM kernel computes (those a GemmRoute may move to the tensor cores).
 GEMM_OPS = frozenset({"vktrain.linear_q4gsw.default", "vktrain.linear_q4gsw_backward.default",
                       "vktrain.linear_dW.default", "aten.mm.default", "aten.bmm.default", "aten.addmm.default",
+                      "vktrain.mm_scaled.default",
                       "vktrain.causal_attention.default", "vktrain.causal_attention_backward.default"})
 
 

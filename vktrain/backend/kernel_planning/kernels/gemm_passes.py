@@ -1,12 +1,13 @@
-"""The two small passes around the GEMMs of the linear family and aten mm/bmm/addmm: the split-K reduce
-(linear_splitk_reduce.slang: the second pass of a GEMM whose reduction was split into slices) and the
-operand-scale pass (coopmat_absmax.slang: the per-tensor maxima the tensor-core and FP16 kernels scale
-their fp16 operands by)."""
+"""The small passes around the GEMMs of the linear family and aten mm/bmm/addmm: the split-K reduce
+(linear_splitk_reduce.slang: the second pass of a GEMM whose reduction was split into slices), the in-place
+scale of a vktrain.mm_scaled product (its SCALE+IN_PLACE variant) and the operand-scale pass
+(coopmat_absmax.slang: the per-tensor maxima the tensor-core and FP16 kernels scale their fp16 operands by)."""
 from __future__ import annotations
 
 from typing import Any
 
 from vktrain.serialization.dispatch import Dispatch, ceil_div, pack_push
+from vktrain.serialization.strided_view import KernelArgumentError
 from vktrain.backend.kernel_planning.kernels.layout import binding, shader_variant
 
 # 128: Vulkan's guaranteed maximum, so every device profile runs it; each output is its own sum over the
@@ -22,15 +23,27 @@ def split_k_scratch_nbytes(rows: int, cols: int, split_k: int) -> int:
 
 
 def plan_splitk_reduce(*, out: Any, scratch: Any, count4: int, row_vec4s: int, split_k: int, bias: Any = None,
-                       label: str) -> Dispatch:
+                       scale: float | None = None, label: str) -> Dispatch:
     """The second pass of a split-K GEMM (linear_splitk_reduce.slang, shared by the linear family and
     aten mm/bmm/addmm): out[e] = sum of scratch[s, e] over s = 0 .. split_k-1 in index order
-    (+ bias[e % row_vec4s]), over the `count4` vec4s of the output. `row_vec4s` is the vec4s of one
-    output row, the bias length / 4 (only read with a bias; must be >= 1)."""
+    (+ bias[e % row_vec4s]; or, given `scale`, that sum times fp32(scale): vktrain.mm_scaled, whose slices
+    are unscaled), over the `count4` vec4s of the output. `row_vec4s` is the vec4s of one output row, the
+    bias length / 4 (only read with a bias; must be >= 1)."""
+    if bias is not None and scale is not None:
+        raise KernelArgumentError(f"{label}: the split-K reduce takes a bias or a scale, not both")
     bindings = [binding(out, "w"), binding(scratch, "r")] + ([binding(bias, "r")] if bias is not None else [])
-    return Dispatch(shader_variant("linear_splitk_reduce", HAS_BIAS=bias is not None),
-                    groups=(ceil_div(count4, REDUCE_WORKGROUP_SIZE), 1, 1), bindings=bindings,
-                    push_constants=pack_push(count4, row_vec4s, split_k),
+    name = shader_variant("linear_splitk_reduce", HAS_BIAS=bias is not None, SCALE=scale is not None)
+    return Dispatch(name, groups=(ceil_div(count4, REDUCE_WORKGROUP_SIZE), 1, 1), bindings=bindings,
+                    push_constants=pack_push(count4, row_vec4s, split_k, *(() if scale is None else (float(scale),))),
+                    local_size=(REDUCE_WORKGROUP_SIZE, 1, 1), label=label)
+
+
+def plan_scale_in_place(*, out: Any, numel: int, scale: float, label: str) -> Dispatch:
+    """out[e] = out[e] * fp32(scale) over the `numel` floats of `out`, in place (linear_splitk_reduce.slang's
+    SCALE+IN_PLACE): vktrain.mm_scaled's scale after a product kernel that cannot scale its whole sum wrote the
+    product into the output (coopmat_mm, GEMM windows); the same fp32 multiply as the elementwise mul_scalar."""
+    return Dispatch("linear_splitk_reduce@SCALE+IN_PLACE", groups=(ceil_div(numel, REDUCE_WORKGROUP_SIZE), 1, 1),
+                    bindings=[binding(out, "rw")], push_constants=pack_push(numel, 0, 1, float(scale)),
                     local_size=(REDUCE_WORKGROUP_SIZE, 1, 1), label=label)
 
 
@@ -62,4 +75,4 @@ def plan_absmax(absmax: Any, tensors: list[tuple[Any, int]], label: str) -> Disp
 
 
 __all__ = ["ABSMAX_MAX_PARTIALS", "REDUCE_WORKGROUP_SIZE", "absmax_partials", "absmax_scratch_nbytes", "plan_absmax",
-           "plan_splitk_reduce", "split_k_scratch_nbytes"]
+           "plan_scale_in_place", "plan_splitk_reduce", "split_k_scratch_nbytes"]

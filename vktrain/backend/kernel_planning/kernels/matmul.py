@@ -26,6 +26,12 @@ of the output's own shape (contiguous, beta = 1: the addend the gemm_epilogue pa
 added by the reduction after the slices, so the result is the bits of the mm followed by the add; any
 other bias is added by slice 0. Without scratch the plan never splits.
 
+Scale (`scale`: vktrain.mm_scaled, the gemm_scale pass's fold of aten.mul(mm, s)): out = fl(fl(A @ B) * s),
+the sum rounded first, then one fp32 multiply by fp32(s), the bits of the mm followed by the mul. Unsplit the
+kernel's alpha is s (alpha * acc after the whole sum); split, the slices keep alpha = 1 and the reduce
+multiplies the sum of the slices. No bias, alpha 1, no windows (op_lowering plans those as the mm, then
+gemm_passes.plan_scale_in_place).
+
 Thin GEMMs (kernels/matmul_thin.py): on the GPU tuning a 2-D mm (or addmm with an addend of the output's
 shape, beta = alpha = 1) with an output side of at most 16 beside a longer one, over a reduction of at least
 128 (the LoRA products x @ A^T, d_y @ B, d_y^T @ u, d_u^T @ x), runs matmul_thin.slang where its large
@@ -263,8 +269,9 @@ def plan_gemm(out: Any, a: Any, a_view: StridedView, b: Any, b_view: StridedView
               scratch: Any = None, split_k: int | None = None, tile: tuple[int, int] | None = None,
               tuning: str = GPU_TUNING, b_scales: Any = None, c_offset: int = 0, c_row_stride: int | None = None,
               binding_limit: BindingLimit | None = None, fp16: bool = False, absmax: Any = None,
-              max_workgroup_size: int | None = None, label: str = "gemm") -> list[Dispatch]:
-    """out [batch, M, N] (or [M, N] when both operands are 2-D) = alpha * A @ B (+ beta * bias).
+              max_workgroup_size: int | None = None, scale: float | None = None, label: str = "gemm") -> list[Dispatch]:
+    """out [batch, M, N] (or [M, N] when both operands are 2-D) = alpha * A @ B (+ beta * bias), or
+    (A @ B) * scale (module docstring, "Scale").
 
     Operand views have rank 2 ([M, K] / [K, N]) or 3 ([batch, M, K] / [batch, K, N]); a 2-D operand
     or a batch of 1 broadcasts over the other's batch. The bias view must broadcast to the output.
@@ -284,12 +291,17 @@ def plan_gemm(out: Any, a: Any, a_view: StridedView, b: Any, b_view: StridedView
     """
     if fp16:
         _check_fp16(a_view, b_view, b_scales, absmax, label)
+    if scale is not None:
+        scale = _scale_alone(scale, bias, alpha, label)
     if binding_limit is not None and not bindings_fit(a_view, b_view, bias_view, b_scales is not None, c_row_stride,
                                                          c_offset, binding_limit):
         if scratch is not None and not isinstance(scratch, BufferBinding):
             scratch = BufferBinding(scratch)
         if fp16:
             raise KernelArgumentError(f"{label}: fp16 has no windows; an operand over the binding limit keeps fp32")
+        if scale is not None:
+            raise KernelArgumentError(f"{label}: a scaled GEMM has no windows (the K windows' partials would be "
+                                      f"scaled); plan the mm and multiply its product")
         return _plan_gemm_windows(out, a, a_view, b, b_view, bias, bias_view, alpha, beta, scratch, tile, tuning,
                                   b_scales, binding_limit, max_workgroup_size, label)
     A = _as_batched(a_view, f"{label}: A")
@@ -314,7 +326,7 @@ def plan_gemm(out: Any, a: Any, a_view: StridedView, b: Any, b_view: StridedView
     cpu_body = not fp16 and _takes_cpu_body(K, tile, tuning, label)
     if batch * M * N and split_k is None and tile is None and not (fp16 or strided_c or b_scales is not None):
         thin = matmul_thin.plan_if_thin(out, a, A, b, B, bias, bias_view, alpha, beta, scratch, tuning,
-                                        max_workgroup_size, label)
+                                        max_workgroup_size, label, scale=scale)
         if thin is not None:
             return thin
     tile = default_gemm_tile(M, N) if tile is None else _check_tile(tile, label)
@@ -366,7 +378,7 @@ def plan_gemm(out: Any, a: Any, a_view: StridedView, b: Any, b_view: StridedView
         A.offset, A.strides[0], A.strides[1], A.strides[2],
         B.offset, B.strides[0], B.strides[1], B.strides[2],
         bias_offset, *bias_strides,
-        float(alpha), float(beta),
+        float(scale if scale is not None and split_k == 1 else alpha), float(beta),
         batch, k_slice, c_offset, c_row_stride,
         *((absmax_partials(M * K), absmax_partials(K * N)) if fp16 else ()))
     spec = {
@@ -400,10 +412,23 @@ def plan_gemm(out: Any, a: Any, a_view: StridedView, b: Any, b_view: StridedView
     if reduce_adds_bias:  # bias[e % row_vec4s] with one "row" of the whole output: bias[e]
         return [*scales, gemm, plan_splitk_reduce(out=out, scratch=scratch, count4=count4, row_vec4s=count4,
                                                   split_k=split_k, bias=bias, label=f"{label}.reduce")]
+    if scale is not None:  # the slices' sum, then the scale
+        return [*scales, gemm, plan_splitk_reduce(out=out, scratch=scratch, count4=count4, row_vec4s=count4,
+                                                  split_k=split_k, scale=scale, label=f"{label}.reduce")]
     # Slice 0 of the GEMM already added any bias, so the reduce has none (and never reads row_vec4s).
     reduce = plan_splitk_reduce(out=out, scratch=scratch, count4=count4, row_vec4s=max(1, N // 4),
                                 split_k=split_k, label=f"{label}.reduce")
     return [*scales, gemm, reduce]
+
+
+def _scale_alone(scale: Any, bias: Any, alpha: Any, label: str) -> float:
+    """`scale` as a float, after checking that nothing else scales or adds (module docstring, "Scale")."""
+    if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
+        raise KernelArgumentError(f"{label}: scale must be a real number, got {scale!r}")
+    if bias is not None or float(alpha) != 1.0:
+        raise KernelArgumentError(f"{label}: scale multiplies a plain product: no bias and alpha 1 (got "
+                                  f"{'a bias' if bias is not None else 'no bias'}, alpha {alpha})")
+    return float(scale)
 
 
 def fp16_reads_in_place(a_view: StridedView, b_view: StridedView) -> bool:
@@ -506,6 +531,20 @@ def plan_mm(*, out: Any, self: Any, self_shape: Sequence[int], mat2: Any, mat2_s
     b = _matrix(mat2_shape, mat2_dtype, 2, "aten.mm mat2")
     return plan_gemm(out, self, a, mat2, b, scratch=scratch, tuning=tuning, max_workgroup_size=max_workgroup_size,
                      label=label)
+
+
+@register_kernel("vktrain.mm_scaled.default")
+def plan_mm_scaled(*, out: Any, self: Any, self_shape: Sequence[int], mat2: Any, mat2_shape: Sequence[int],
+                   scale: float, self_dtype: Any = "float32", mat2_dtype: Any = "float32", scratch: Any = None,
+                   tuning: str = GPU_TUNING, max_workgroup_size: int | None = None,
+                   label: str = "vktrain.mm_scaled.default") -> list[Dispatch]:
+    """vktrain.mm_scaled: out [M, N] = (self [M, K] @ mat2 [K, N]) * scale, the product rounded first (module
+    docstring, "Scale"). `scratch` (gemm_scratch_nbytes(1, M, N, K) bytes) enables split-K; `tuning` as in
+    plan_gemm."""
+    a = _matrix(self_shape, self_dtype, 2, "vktrain.mm_scaled self")
+    b = _matrix(mat2_shape, mat2_dtype, 2, "vktrain.mm_scaled mat2")
+    return plan_gemm(out, self, a, mat2, b, scale=_number(scale, "vktrain.mm_scaled scale"), scratch=scratch,
+                     tuning=tuning, max_workgroup_size=max_workgroup_size, label=label)
 
 
 @register_kernel("aten.bmm.default")

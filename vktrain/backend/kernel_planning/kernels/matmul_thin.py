@@ -7,9 +7,11 @@ COLUMNS). `thin_layout` maps the views of aten.mm's A [M, K] @ B [K, N] onto the
 out(p, r) = sum_k X(p, k) S(k, r): the thin side (N, else M, through out^T) is r, the other operand X, and
 X's contiguous axis picks the layout; None where the kernel does not apply (matmul.py keeps its tiles).
 
-matmul.plan_gemm takes it on the GPU tuning for a 2-D mm, or an addmm whose addend has the output's shape
-(beta = alpha = 1, what the gemm_epilogue pass folds: `addend`); the CPU tuning keeps its register-tile
-body (faster on lavapipe, which runs these kernels' barriers as separate functions).
+matmul.plan_gemm takes it on the GPU tuning for a 2-D mm, an addmm whose addend has the output's shape
+(beta = alpha = 1, what the gemm_epilogue pass folds: `addend`), or a vktrain.mm_scaled (the mm times a
+scalar, what the gemm_scale pass folds: `scale`, multiplied into the whole sum, never into a slice); the CPU
+tuning keeps its register-tile body (faster on lavapipe, which runs these kernels' barriers as separate
+functions).
 
 Split-K as matmul's: with a scratch (`thin_scratch_nbytes`), a reduction is cut into slices of whole chunks
 until about TARGET_WORKGROUPS run, each slice's partial output into scratch [slices, M, N] and
@@ -74,9 +76,10 @@ class ThinLayout:
     c_p_stride: int
     c_r_stride: int
 
-    def shader(self, addend: bool = False) -> str:
+    def shader(self, addend: bool = False, scale: bool = False) -> str:
         """The matmul_thin.slang variant (in its `vktrain-variants:` order)."""
-        defines = (["COLUMNS"] if self.mode == COLUMNS else []) + (["ADDEND"] if addend else [])
+        defines = (["COLUMNS"] if self.mode == COLUMNS else []) + (["ADDEND"] if addend else []) \
+            + (["SCALE"] if scale else [])
         return "matmul_thin" + ("@" + "+".join(defines) if defines else "")
 
     @property
@@ -156,13 +159,16 @@ def thin_scratch_nbytes(M: int, N: int, K: int) -> int:
     return 0 if max(splits) == 1 else 4 * max(splits) * M * N
 
 
-def plan_thin_gemm(out: Any, a: Any, b: Any, layout: ThinLayout, *, addend: Any = None, scratch: Any = None,
-                   split_k: int | None = None, label: str = "matmul_thin") -> list[Dispatch]:
+def plan_thin_gemm(out: Any, a: Any, b: Any, layout: ThinLayout, *, addend: Any = None, scale: float | None = None,
+                   scratch: Any = None, split_k: int | None = None, label: str = "matmul_thin") -> list[Dispatch]:
     """out [M, N] (row-major) = A @ B (+ addend, row-major [M, N]: aten.addmm with beta = alpha = 1, added once
-    the sum is whole, the bits of the mm followed by the add) through `layout` (thin_layout of the views of
-    buffers `a`, `b`). `scratch` (at least 4 * split_k * M * N bytes: thin_scratch_nbytes for the default split)
-    lets the plan split the reduction (`split_k` forces the count; slices past K are empty and add zeros);
-    the reduce of the slices then adds the addend."""
+    the sum is whole, the bits of the mm followed by the add; or * scale: vktrain.mm_scaled, the sum multiplied
+    by fp32(scale) once it is whole, the bits of the mm followed by aten.mul) through `layout` (thin_layout of
+    the views of buffers `a`, `b`). `scratch` (at least 4 * split_k * M * N bytes: thin_scratch_nbytes for the
+    default split) lets the plan split the reduction (`split_k` forces the count; slices past K are empty and
+    add zeros); the reduce of the slices then adds the addend or multiplies by the scale."""
+    if addend is not None and scale is not None:
+        raise KernelArgumentError(f"{label}: an addend and a scale together (the kernel has one epilogue)")
     if split_k is None:
         split_k = default_split_k(layout) if scratch is not None else 1
     if isinstance(split_k, bool) or not isinstance(split_k, int) or split_k < 1:
@@ -179,28 +185,30 @@ def plan_thin_gemm(out: Any, a: Any, b: Any, layout: ThinLayout, *, addend: Any 
                                   f"limit); split the reduction or use matmul's tiles")
     k_slice = slice_length(layout, split_k) if split_k > 1 else layout.K
     operands = {"a": a, "b": b}
+    fused = addend is not None and split_k == 1
+    scaled = scale is not None and split_k == 1  # split: the slices stay unscaled, the reduce scales their sum
     push = pack_push(layout.P, layout.R, layout.K, layout.x_offset, layout.x_stride, layout.s_offset,
                      layout.s_k_stride, layout.s_r_stride, int(layout.s_r_stride == 1), layout.c_p_stride,
-                     layout.c_r_stride, k_slice, outputs)
+                     layout.c_r_stride, k_slice, outputs, *([float(scale)] if scaled else []))
     target = out if split_k == 1 else scratch
     bindings = [binding(target, "w"), binding(operands[layout.x], "r"), binding(operands[layout.s], "r")]
-    fused = addend is not None and split_k == 1
-    gemm = Dispatch(layout.shader(addend=fused), groups=(layout.workgroups, 1, split_k),
+    gemm = Dispatch(layout.shader(addend=fused, scale=scaled), groups=(layout.workgroups, 1, split_k),
                     bindings=tuple(bindings + ([binding(addend, "r")] if fused else [])),
                     push_constants=push, label=label if split_k == 1 else f"{label}.split{split_k}")
     if split_k == 1:
         return [gemm]
     # With an addend, the reduce's bias[e % row_vec4s] over one "row" of the whole output: addend[e].
     return [gemm, plan_splitk_reduce(out=out, scratch=scratch, count4=outputs // 4, row_vec4s=outputs // 4,
-                                     split_k=split_k, bias=addend, label=f"{label}.reduce")]
+                                     split_k=split_k, bias=addend, scale=scale, label=f"{label}.reduce")]
 
 
 def plan_if_thin(out: Any, a: Any, A: StridedView, b: Any, B: StridedView, bias: Any, bias_view: StridedView | None,
                  alpha: float, beta: float, scratch: Any, tuning: str, max_workgroup_size: int | None,
-                 label: str) -> list[Dispatch] | None:
-    """This kernel's plan of a 2-D mm (or addmm with an addend of the output's shape, beta = alpha = 1) on the
-    GPU tuning where it takes the shape (a thin output over a long reduction, thin_layout) within
-    lavapipe's loop budget; None: plan_gemm's tiles (kernels/matmul.py asks first)."""
+                 label: str, scale: float | None = None) -> list[Dispatch] | None:
+    """This kernel's plan of a 2-D mm (or addmm with an addend of the output's shape, beta = alpha = 1; or an mm
+    times `scale`, without a bias) on the GPU tuning where it takes the shape (a thin output over a long
+    reduction, thin_layout) within lavapipe's loop budget; None: plan_gemm's tiles (kernels/matmul.py asks
+    first)."""
     M, N = A.sizes[1], B.sizes[2]
     if (bias is None) != (bias_view is None):
         return None  # plan_gemm refuses it
@@ -218,4 +226,4 @@ def plan_if_thin(out: Any, a: Any, A: StridedView, b: Any, B: StridedView, bias:
         split_k = 1  # a scratch sized for another plan's split
     if not runs_within_lavapipe_loops(layout, split_k):
         return None
-    return plan_thin_gemm(out, a, b, layout, addend=bias, scratch=scratch, split_k=split_k, label=label)
+    return plan_thin_gemm(out, a, b, layout, addend=bias, scale=scale, scratch=scratch, split_k=split_k, label=label)
