@@ -45,7 +45,8 @@ class Clock:
             self.skipped.append({"pte": pte, "phase": phase})
             self._say(f"{pte}: {phase} skipped (budget {self.budget_s:g} s spent)")
             return False
-        self._open = {"pte": pte, "phase": phase, "at_s": self.elapsed()}
+        # n: the call's phase order (at_s, rounded to 10 ms, can tie between quick phases)
+        self._open = {"pte": pte, "phase": phase, "n": len(self.phases), "at_s": self.elapsed()}
         self._say(f"{pte}: {phase}")
         return True
 

@@ -345,7 +345,7 @@ def test_compiled_pytorch_variants_run_after_every_pte(bench, two_models, tmp_pa
     assert bench.main(["run", *map(str, two_models), "--torch-variants", "fp32,bf16", "--steps", "1", "--warmup",
                        "0", "--out-dir", str(tmp_path), "--machine", "lavapipe", "--no-plot"]) == 0
     files = [f for f in tmp_path.glob("*.json") if not f.name.startswith("step_table")]
-    phases = sorted((p for f in files for p in json.loads(f.read_text())["meta"]["phases"]), key=lambda p: p["at_s"])
+    phases = sorted((p for f in files for p in json.loads(f.read_text())["meta"]["phases"]), key=lambda p: p["n"])
     assert [(p["pte"], p["phase"]) for p in phases] == [
         *((path.name, phase) for path in two_models for phase in ("load fp32", "vk fp32", "PyTorch weights",
                                                                   "PyTorch fp32")),
