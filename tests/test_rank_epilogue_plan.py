@@ -16,7 +16,9 @@ import pytest
 import torch
 
 from vktrain.backend.kernel_planning import plan_schedule
-from vktrain.backend.kernel_planning.lowering_context import OpContext, TensorArg
+from vktrain.backend.kernel_planning.kernels.coopmat import GemmRoute, RankEpilogue
+from vktrain.backend.kernel_planning.lowering_context import OpContext, RankProduct, TensorArg
+from vktrain.backend.kernel_planning.op_lowering import _rank_args
 from vktrain.backend.kernel_planning.rank_epilogue import rank_epilogue_pairs, rank_product
 from vktrain.backend.passes import compile_graph
 from vktrain.backend.passes.gemm_epilogue import fuse_gemm_epilogues
@@ -166,3 +168,22 @@ def test_an_output_sharing_bytes_with_what_the_fused_dispatch_reads_stays_unfuse
     assert rank_product(*_contexts("y"), plan) is not None
     transposed = StridedView.contiguous((16, 4)).transpose(0, 1)  # B^T as the forward reads it
     assert rank_product(*_contexts("y", transposed), plan).epilogue.bt_view == transposed
+
+
+def test_the_base_plan_takes_the_product_only_unsplit_in_a_prebuilt_tiling():
+    """On the tensor cores (H200 gates): the Llama-sized base GEMMs take it, a 128-token one (split-K) does not, nor
+    does the WebGPU route's f16 body; the emulated route takes it at any size within lavapipe's loop budget."""
+    product = RankProduct(BufferBinding("y"), RankEpilogue("hs", StridedView.contiguous((2048, 16)), "bt",
+                                                           StridedView.contiguous((16, 2048))))
+
+    def takes(route, m, n, reduction, kernel="coopmat_linear_q4gsw"):
+        base, _ = _contexts("y")
+        base.gemm, base.rank_product = route, product
+        return _rank_args(base, kernel, m, n, reduction) == {"out": product.out, "rank_epilogue": product.epilogue}
+
+    gpu = GemmRoute(PRECISION_FP16_TC, True, "test")
+    assert takes(gpu, 2048, 2048, 2048) and takes(gpu, 2048, 2048, 8192, "coopmat_linear_q4gsw_backward")
+    assert gpu.default_split_k("coopmat_linear_q4gsw", 128, 2048, 8192) > 1 and not takes(gpu, 128, 2048, 8192)
+    assert not takes(GemmRoute(PRECISION_FP16_TC, True, "test", wgsl=True), 2048, 2048, 2048)
+    emulated = GemmRoute(PRECISION_FP16_TC, True, "test", emulate=True, subgroup_size=8, min_workgroups=1)
+    assert takes(emulated, 70, 132, 64) and not takes(emulated, 70, 132, 1 << 16)
