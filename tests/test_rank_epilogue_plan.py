@@ -4,7 +4,8 @@ Pass level: the gemm_epilogue pass moves the forward's base GEMM next to the add
 product (the backward's already moves there), so only views lie between the two. Program level, on lavapipe: a
 tiny-llama LoRA training step (rank 16) on the emulated tensor-core route planned with and without the rank
 epilogues gives bit-identical losses and state over several steps, with one dispatch fewer per fused pair and
-every fused dispatch a base GEMM's RANK_EPILOGUE variant; on the routes without tensor cores the plan is the
+every fused dispatch a base GEMM's RANK_EPILOGUE variant, also for a program exported as before that move (the
+adapter's chain between the forward's pairs: the fused dispatch runs in the addmm's place); on the routes without tensor cores the plan is the
 same dispatch for dispatch with the switch on or off.
 """
 from __future__ import annotations
@@ -21,6 +22,7 @@ from vktrain.backend.kernel_planning.lowering_context import OpContext, RankProd
 from vktrain.backend.kernel_planning.op_lowering import _rank_args
 from vktrain.backend.kernel_planning.rank_epilogue import rank_epilogue_pairs, rank_product
 from vktrain.backend.passes import compile_graph
+from vktrain.backend.passes import gemm_epilogue
 from vktrain.backend.passes.gemm_epilogue import fuse_gemm_epilogues
 from vktrain.contract import PRECISION_FP16, PRECISION_FP16_TC, PRECISION_FP32
 from vktrain.export import export_training_step, lower_to_pte
@@ -29,6 +31,8 @@ from vktrain.models import build_model
 from vktrain.runtime.program.runner import TrainingRunner
 from vktrain.serialization import graph as vk
 from vktrain.serialization.dispatch import BufferBinding, Dispatch
+from vktrain.serialization.pte import PteFile
+from vktrain.serialization.verify import load_delegate_graph
 from vktrain.serialization.strided_view import StridedView
 
 from _helpers import planned
@@ -64,19 +68,25 @@ def test_the_forward_base_gemm_moves_next_to_its_addmm():
     fuse_gemm_epilogues(g)
     assert [op.name for op in g.ops] == ["aten.neg.default", LINEAR_Q4GSW, "aten.view_copy.default",
                                          "aten.addmm.default", "aten.view_copy.default"]
-    assert rank_epilogue_pairs(g) == {}  # the addend's view is an op until the view pass decides its storage
     compile_graph(g)
     assert rank_epilogue_pairs(g) == {1: 3}
 
 
 @pytest.fixture(scope="module")
 def tiny_llama_step(tmp_path_factory):
+    """The tiny-llama LoRA step's .pte, and one exported as before the forward's base GEMM moved next to its
+    addmm (its adapter's chain between them: the fused dispatch then runs in the addmm's place)."""
     model = build_model("tiny-llama")
     torch.manual_seed(0)
     apply_lora(model, LoRAConfig(rank=16, alpha=32, seed=0))
-    path = tmp_path_factory.mktemp("rank_epilogue") / "step.pte"
-    path.write_bytes(lower_to_pte(export_training_step(model, (2, 8))))
-    return path, model.vocab_size
+    program = export_training_step(model, (2, 8))
+    folder = tmp_path_factory.mktemp("rank_epilogue")
+    path, unmoved = folder / "step.pte", folder / "step_unmoved.pte"
+    path.write_bytes(lower_to_pte(program))
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(gemm_epilogue, "BASE_GEMMS", ("vktrain.linear_q4gsw_backward.default",))
+        unmoved.write_bytes(lower_to_pte(program))
+    return {"moved": path, "unmoved": unmoved}, model.vocab_size
 
 
 def _batches(vocab, steps):
@@ -99,11 +109,18 @@ def _train(path, device, batches, rank_epilogues, **options):
     return shaders, losses, state
 
 
-def test_emulated_tensor_core_step_is_bit_identical_with_rank_epilogues(vk_device, tiny_llama_step):
+@pytest.mark.parametrize("export", ["moved", "unmoved"])
+def test_emulated_tensor_core_step_is_bit_identical_with_rank_epilogues(vk_device, tiny_llama_step, export):
     if vk_device.subgroup_size < 8:
         pytest.skip(f"{vk_device.name} has subgroups of {vk_device.subgroup_size} lanes; the emulated coopmat "
                     f"kernels need 8 or more (LP_NATIVE_VECTOR_WIDTH=128 gives 4)")
-    path, vocab = tiny_llama_step
+    paths, vocab = tiny_llama_step
+    path = paths[export]
+    pte = PteFile.load(path)
+    _, graph = load_delegate_graph(pte, pte.execution_plan("forward"))
+    dispatching = [any(not graph.tensor(v).is_view for v in graph.ops[k].outputs)
+                   for i, j in rank_epilogue_pairs(graph).items() for k in range(i + 1, j)]
+    assert any(dispatching) == (export == "unmoved")
     batches = _batches(vocab, steps=3)
     options = dict(precision=PRECISION_FP16_TC, emulate_tensor_cores=True)
     shaders, losses, state = _train(path, vk_device, batches, True, **options)
@@ -118,12 +135,14 @@ def test_emulated_tensor_core_step_is_bit_identical_with_rank_epilogues(vk_devic
     # Each fused pair is one dispatch fewer: the addmm's, nothing else.
     addmm = sum(s.startswith("matmul@HAS_BIAS=1") for s in shaders_u)
     assert len(shaders_u) - len(shaders) == len(fused) == addmm - sum(s.startswith("matmul@HAS_BIAS=1") for s in shaders)
-    print(f"{len(fused)} of {addmm} addmm dispatches fused; losses {losses}")
+    forward = sum(s.startswith("coopmat_linear_q4gsw@") for s in fused)
+    assert forward and len(fused) > forward  # both directions, in either export
+    print(f"{export}: {len(fused)} of {addmm} addmm dispatches fused ({forward} forward); losses {losses}")
 
 
 @pytest.mark.parametrize("precision", [PRECISION_FP32, PRECISION_FP16])
 def test_routes_without_tensor_cores_plan_the_same_dispatches(vk_device, tiny_llama_step, precision):
-    path, _ = tiny_llama_step
+    path = tiny_llama_step[0]["moved"]
     with TrainingRunner.from_pte(path, vk_device, planner=plan_schedule) as runner:
         graph = runner.executor.graph
     assert rank_epilogue_pairs(graph), "the step has base GEMM + addmm pairs to fuse"

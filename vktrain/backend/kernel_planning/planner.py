@@ -13,8 +13,8 @@ op-lowering table (op_lowering.py):
      memory object; a tensor with `storage_of` binds that tensor's buffer (a view reads it through its
      recorded strides); a constant or state tensor named in `shared` binds the other executor's buffer;
   2. dispatches: every op through its lowering, except ops whose outputs are all views (they move no
-     data) and addmm ops whose rank-r product a 4-bit base GEMM adds in its tensor-core epilogue
-     (rank_epilogue.py); state updates not stored in their state are copied at the end of the step; op-owned
+     data); a 4-bit base GEMM that adds an addmm's rank-r product in its tensor-core epilogue runs in the
+     addmm's place (rank_epilogue.py); state updates not stored in their state are copied at the end of the step; op-owned
      scratch lives in one buffer;
   3. what the result relies on from the device (ScheduleRequirements), and the GEMM route it took;
   4. with `state_guard` (a training step), the state guard's dispatches (state_guard.py) over the state's
@@ -332,25 +332,27 @@ class _Planner:
         addmm adding a rank-r product to its output are one dispatch where they can be (rank_epilogue.py)."""
         dispatches: list[Dispatch] = []
         pairs = rank_epilogue_pairs(self.graph) if rank_epilogues and self.route.tensor_cores else {}
-        absorbed: set[int] = set()  # addmm ops whose product a base GEMM's epilogue adds
+        fused_at: dict[int, tuple[OpContext, list[Dispatch]]] = {}  # addmm index -> its base GEMM's fused plan
         for index, (op, lowering) in enumerate(zip(self.graph.ops, lowerings)):
             if op.outputs and all(self.graph.tensor(out).is_view for out in op.outputs):
                 continue  # the output is its source's bytes: nothing to move
-            if index in absorbed:
-                continue
-            context = self._context(index, lowering)
-            try:
-                planned = None
-                if index in pairs:  # tried on contexts of their own (each lowering takes its scratch once)
-                    addmm = pairs[index]
-                    planned = fused_plan(self._context(index, lowering), lowering.lower,
-                                         self._context(addmm, lowerings[addmm]), lowerings[addmm].lower)
-                    absorbed |= {addmm} if planned is not None else set()
-                planned = planned if planned is not None else lowering.lower(context)
-            except Exception as exc:  # a kernel's binding refusal: say which profile's limit it is
-                if "max storage binding size" in str(exc) and exc.args and isinstance(exc.args[0], str):
-                    exc.args = (f"{exc.args[0]} (device profile {self.profile.name!r})", *exc.args[1:])
-                raise
+            if index in fused_at:  # the base GEMM adding this addmm's product runs here, where hs and Bt exist
+                context, planned = fused_at.pop(index)
+            else:
+                context = self._context(index, lowering)
+                try:
+                    if index in pairs:  # tried on contexts of their own (each lowering takes its scratch once)
+                        addmm = pairs[index]
+                        fused = fused_plan(self._context(index, lowering), lowering.lower,
+                                           self._context(addmm, lowerings[addmm]), lowerings[addmm].lower)
+                        if fused is not None:
+                            fused_at[addmm] = (context, fused)
+                            continue
+                    planned = lowering.lower(context)
+                except Exception as exc:  # a kernel's binding refusal: say which profile's limit it is
+                    if "max storage binding size" in str(exc) and exc.args and isinstance(exc.args[0], str):
+                        exc.args = (f"{exc.args[0]} (device profile {self.profile.name!r})", *exc.args[1:])
+                    raise
             self._check_binding_sizes(context, planned)
             if any(runs_fp16_kernel(d.shader) for d in planned):
                 self.tensor_core_ops.append(context.label)

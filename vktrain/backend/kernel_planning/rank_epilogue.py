@@ -7,7 +7,8 @@ gradient as
     forward   base = linear_q4gsw(base_x, W);        y   = addmm(view(base), hs, B^T)     (hs [M, r])
     backward  d_base_x = linear_q4gsw_backward(d_out, W);  d_x = addmm(view(d_base_x), d_hs, A)
 
-with only views (no dispatch) between the two ops. Where the route runs the base GEMM on the tensor-core kernels
+(passes/gemm_epilogue.py moves both base GEMMs next to their addmm: only views, no dispatch, between them; a
+program exported before that has the forward's adapter chain between them). Where the route runs the base GEMM on the tensor-core kernels
 (kernels/coopmat.py) and the addmm on matmul.slang (a rank of at most STARVED_REDUCTION), the planner plans the
 pair as the base kernel's RANK_EPILOGUE variant writing y: the rank term is summed in fp32 exactly as that addmm
 dispatch sums it (its body's step form, RankEpilogue.fma) and added to the base value with one rounding, so the
@@ -23,11 +24,15 @@ every target (fp32, fp16 SIMT, WebGPU), and on those the base output would have 
 reads it: a scratch buffer always allocated (as large as the largest base output), or in place in y (matmul.slang
 reads each addend element only in the invocation writing it, but WebGPU forbids a binding both read and written).
 Planning the pair here leaves every other route's plan as it was. The cost: the memory plan still holds the base
-output, unwritten on the tensor-core route, alive only between the two ops (no saved activation). The fused
-dispatch runs at the base op's place, with the addmm's output: it reads the base op's inputs, which the memory
-plan may have let the addmm's output reuse once the base op is done (the first layer's d_out, last read by its
-base backward), so a pair whose output overlaps anything the fused dispatch reads stays unfused. (On main's
-Llama-3.2-1B 4 x 512 step: 1 of its 63 backward pairs.) Only an addmm whose addend is the base output itself
+output, unwritten on the tensor-core route, alive only between the two ops (no saved activation).
+
+Where the fused dispatch runs: in the addmm's place, where hs and Bt exist, writing the addmm's output and
+reading the base GEMM's inputs, which must then still hold their values: nothing but views lies between the two
+ops, or each input is alive at the addmm in the memory plan (a constant, graph input or state, or read there or
+later: the forward's x, which the backward reads again). Even adjacent, the memory plan may have let the addmm's
+output reuse an input's bytes once the base GEMM was done (the first layer's d_out, last read by its base
+backward), so a pair whose output overlaps anything the fused dispatch reads stays unfused (on main's
+Llama-3.2-1B 4 x 512 step: 1 of its 63 backward pairs). Only an addmm whose addend is the base output itself
 pairs: where autograd adds an adapter's product to a running sum of gradients (q, k, v read one x), the addend
 is that sum, and the addmm stays (the order of the sum, and so its bits, are autograd's).
 """
@@ -49,10 +54,27 @@ RANK_VARIANT = "RANK_EPILOGUE"  # the fused dispatch's define
 
 def rank_epilogue_pairs(graph: vk.VkGraph) -> dict[int, int]:
     """Base GEMM op index -> the addmm's, for every aten.addmm whose addend (argument 0) uses the storage of a
-    4-bit base GEMM's output that nothing but the addmm and the views between them reads, with only views
-    (ops whose outputs are views: no dispatch) between the two."""
+    4-bit base GEMM's output that nothing but the addmm and views read, where the base GEMM's inputs still hold
+    their values when the addmm runs (the fused dispatch runs there): only views (no dispatch) lie between the
+    two, or each input is alive there in the memory plan."""
     uses = analyze_uses(graph)
     sharing = storage_sharers(graph)
+    kept = set(graph.inputs) | {s.state_id for s in graph.mutable_state}  # storage no plan reuses
+
+    def readers_of(root: int) -> set[int]:
+        return {reader for value in [root, *sharing.get(root, [])] for reader in uses.readers.get(value, ())}
+
+    def intact_at(value_id: int, index: int) -> bool:
+        value = graph.values[value_id]
+        if not isinstance(value, vk.TensorValue):
+            return True
+        root = storage_root(graph, value_id)
+        return value.constant_id >= 0 or root in kept or max(readers_of(root), default=-1) >= index
+
+    def moves_nothing(index: int) -> bool:  # every output a view: no dispatch
+        outputs = graph.ops[index].outputs
+        return bool(outputs) and all(graph.tensor(v).is_view for v in outputs)
+
     pairs: dict[int, int] = {}
     for index, op in enumerate(graph.ops):
         if op.name != ADDMM or not op.args:
@@ -61,11 +83,12 @@ def rank_epilogue_pairs(graph: vk.VkGraph) -> dict[int, int]:
         base = uses.producer.get(root)
         if base is None or graph.ops[base].name not in BASE_GEMMS or graph.ops[base].outputs != (root,):
             continue
-        between = graph.ops[base + 1:index]
-        if not all(out_op.outputs and all(graph.tensor(v).is_view for v in out_op.outputs) for out_op in between):
+        readers = readers_of(root)
+        if index not in readers or not all(base < reader <= index and (reader == index or moves_nothing(reader))
+                                           for reader in readers):
             continue
-        readers = {reader for value in [root, *sharing.get(root, [])] for reader in uses.readers.get(value, ())}
-        if readers and all(base < reader <= index for reader in readers) and index in readers:
+        adjacent = all(moves_nothing(between) for between in range(base + 1, index))
+        if adjacent or all(intact_at(arg, index) for arg in graph.ops[base].args):
             pairs[base] = index
     return pairs
 
