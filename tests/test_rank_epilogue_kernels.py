@@ -187,3 +187,28 @@ def test_the_default_tilings_rank_variants_are_prebuilt():
             defines = ["A_SCALE"] if kernel.endswith("backward") else []
             variant = f"{kernel}@" + "+".join(defines + tiling.defines + ["RANK_EPILOGUE"])
             assert variant in built, variant
+
+
+def test_the_gpu_check_smoke_run_finds_the_fused_pairs_bit_identical(tmp_path, vk_device):
+    """scripts/bench_rank_epilogue.py (the GPU check of this kernel) at lavapipe sizes: it runs without torch
+    (numpy and the vulkan binding only), fuses both directions of each site and finds them bit-identical."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    _emulated(vk_device)
+    script = Path(__file__).resolve().parent.parent / "scripts" / "bench_rank_epilogue.py"
+    out = tmp_path / "rank_epilogue.json"
+    code = (f"import runpy, sys; sys.argv = [{str(script)!r}, '--emulate', '--tokens', '64', '--sites', '256:128', "
+            f"'--replays', '1', '--warmup', '0', '--out', {str(out)!r}]\n"
+            "try:\n    runpy.run_path(sys.argv[0], run_name='__main__')\nexcept SystemExit as exit:\n"
+            "    assert not exit.code, exit.code\nassert 'torch' not in sys.modules, 'the GPU script imported torch'\n")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    data = json.loads(out.read_text())
+    assert [r["direction"] for r in data["results"]] == ["forward", "backward"]
+    for record in data["results"]:
+        assert record["fused"] and record["bit_identical"] and record["rel_err"] < 1e-2, record
+        assert len(record["fused_shaders"]) == len(record["base_shaders"]) and "RANK_EPILOGUE" in record["fused_shaders"][-1]
+    assert data["totals"]["all_bit_identical"] and data["totals"]["fused_pairs_per_step"] == 2 * 16
