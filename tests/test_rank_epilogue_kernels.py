@@ -39,13 +39,19 @@ GROUP = 32
 M, N_FWD, K_FWD = 70, 132, 64
 
 
-def _emulated(device) -> dict:
+# The emulated route's 64-row tiles, and the GPU default tilings that fit lavapipe's 32 KiB (the forward's at
+# fewer than 256 128 x 128 tiles, the input gradient's above): their subgroup tiles and edges differ.
+FORWARD_TILINGS = [CoopmatTiling(tile_m=64), TILING_BY_NAME["bm64+bn64+bk64"]]
+BACKWARD_TILINGS = [CoopmatTiling(tile_m=64), TILING_BY_NAME["bm128"]]
+
+
+def _emulated(device, tiling=FORWARD_TILINGS[0]) -> dict:
     if "shaderFloat16" not in device.features or not device.subgroup_operations & SUBGROUP_BASIC_BIT:
         pytest.skip(f"{device.name} lacks shaderFloat16 or basic subgroup operations in compute shaders")
     if device.subgroup_size < 8:
         pytest.skip(f"{device.name} has subgroups of {device.subgroup_size} lanes; the emulated coopmat kernels "
                     f"need 8 or more (LP_NATIVE_VECTOR_WIDTH=128 gives 4)")
-    return dict(emulate=True, subgroup_size=device.subgroup_size, tiling=CoopmatTiling(tile_m=64))
+    return dict(emulate=True, subgroup_size=device.subgroup_size, tiling=tiling)
 
 
 def _run(device, dispatches, inputs: dict, outputs: dict) -> dict:
@@ -87,10 +93,12 @@ def _base_bound(a64, b64, K):
     return magnitude, absolute
 
 
-@pytest.mark.parametrize("tuning", [GPU_TUNING, CPU_TUNING])
-@pytest.mark.parametrize("r", [16, 8])
-def test_forward_rank_epilogue_is_the_unfused_pair_bit_for_bit(vk_device, tuning, r):
-    backend = _emulated(vk_device)
+@pytest.mark.parametrize("tuning, r, tiling", [(GPU_TUNING, 16, FORWARD_TILINGS[0]), (CPU_TUNING, 16, FORWARD_TILINGS[0]),
+                                              (GPU_TUNING, 8, FORWARD_TILINGS[0]), (CPU_TUNING, 8, FORWARD_TILINGS[0]),
+                                              (GPU_TUNING, 16, FORWARD_TILINGS[1])],
+                         ids=["gpu-r16", "cpu-r16", "gpu-r8", "cpu-r8", "gpu-r16-bm64+bn64+bk64"])
+def test_forward_rank_epilogue_is_the_unfused_pair_bit_for_bit(vk_device, tuning, r, tiling):
+    backend = _emulated(vk_device, tiling)
     rng = np.random.default_rng(r)
     flat, scales = quantize(rng.standard_normal((N_FWD, K_FWD)).astype(np.float32), GROUP)
     x = rng.standard_normal((M, K_FWD)).astype(np.float32)
@@ -118,11 +126,12 @@ def test_forward_rank_epilogue_is_the_unfused_pair_bit_for_bit(vk_device, tuning
                   f"forward r={r} {tuning}")
 
 
-@pytest.mark.parametrize("tuning", [GPU_TUNING, CPU_TUNING])
-def test_input_gradient_rank_epilogue_is_the_unfused_pair_bit_for_bit(vk_device, tuning):
+@pytest.mark.parametrize("tuning, tiling", [(GPU_TUNING, BACKWARD_TILINGS[0]), (CPU_TUNING, BACKWARD_TILINGS[0]),
+                                           (GPU_TUNING, BACKWARD_TILINGS[1])], ids=["gpu", "cpu", "gpu-bm128"])
+def test_input_gradient_rank_epilogue_is_the_unfused_pair_bit_for_bit(vk_device, tuning, tiling):
     """d_x[M, K] = d_out[M, N] @ deq(W) + d_hs @ A, A [r, K] row-major; d_out tiny (scaled by 2^e before its
     fp16 rounding and the base unscaled before the rank term is added)."""
-    backend = _emulated(vk_device)
+    backend = _emulated(vk_device, tiling)
     rng = np.random.default_rng(7)
     n, k, r = 96, 160, 16  # the GEMM's reduction n, its output columns k
     flat, scales = quantize(rng.standard_normal((n, k)).astype(np.float32), GROUP)
