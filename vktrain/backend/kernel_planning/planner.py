@@ -14,8 +14,8 @@ op-lowering table (op_lowering.py):
      recorded strides); a constant or state tensor named in `shared` binds the other executor's buffer;
   2. dispatches: every op through its lowering, except ops whose outputs are all views (they move no
      data); a 4-bit base GEMM that adds an addmm's rank-r product in its tensor-core epilogue runs in the
-     addmm's place (rank_epilogue.py); state updates not stored in their state are copied at the end of the step; op-owned
-     scratch lives in one buffer;
+     addmm's place (rank_epilogue.py); state updates not stored in their state are copied at the end of
+     the step; op-owned scratch lives in one buffer;
   3. what the result relies on from the device (ScheduleRequirements), and the GEMM route it took;
   4. with `state_guard` (a training step), the state guard's dispatches (state_guard.py) over the state's
      buffers.

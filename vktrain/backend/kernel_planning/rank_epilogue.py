@@ -40,6 +40,7 @@ from __future__ import annotations
 
 from typing import Callable, Optional
 
+from vktrain.opdefs.runtime_ops import BASE_GEMMS
 from vktrain.serialization import graph as vk
 from vktrain.serialization.dispatch import BufferBinding, Dispatch
 
@@ -48,7 +49,6 @@ from .kernels.coopmat import RankEpilogue
 from .lowering_context import OpContext, RankProduct, TensorArg
 
 ADDMM = "aten.addmm.default"
-BASE_GEMMS = ("vktrain.linear_q4gsw.default", "vktrain.linear_q4gsw_backward.default")
 RANK_VARIANT = "RANK_EPILOGUE"  # the fused dispatch's define
 
 

@@ -42,6 +42,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from vktrain.opdefs.runtime_ops import BASE_GEMMS
 from vktrain.serialization import graph as vk
 from vktrain.serialization.graph import decode_scalar
 
@@ -50,8 +51,6 @@ from .views import SHAPE_ONLY_VIEWS
 
 MM = "aten.mm.default"
 ADDMM = "aten.addmm.default"
-# 4-bit base GEMMs: one writing an addend before its mm moves next to it (module docstring).
-BASE_GEMMS = ("vktrain.linear_q4gsw.default", "vktrain.linear_q4gsw_backward.default")
 ADD = "aten.add.Tensor"
 VIEW = "aten.view_copy.default"
 
