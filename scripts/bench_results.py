@@ -25,7 +25,7 @@ BENCHMARKS = {
     "step_gemms": ("bench_step_gemms.py", False), "coopmat2_probe": ("probe_coopmat2.py run", False),
     "coopmat_a16_probe": ("by hand: bench/README.md", False), "lora_gemms": ("bench_lora_gemms.py", False),
     "pipeline_stats": ("probe_pipeline_stats.cc: by hand, bench/README.md", False),
-    "stage_chunk_probe": ("by hand: bench/README.md", False),
+    "stage_chunk_probe": ("by hand: bench/README.md", False), "rank_epilogue": ("bench_rank_epilogue.py", False),
     "drift": ("bench_drift.py", True), "export": ("bench_export.py", True),
     "features": ("bench_features.py run", True),
     "federate": ("bench_federate.py run", True), "load": ("bench_load.py", True),

@@ -15,6 +15,9 @@ LORA_LINEAR_BACKWARD = "vktrain.lora_linear_q4gsw_backward.default"
 EXPANDED_OPS = frozenset({LORA_LINEAR, LORA_LINEAR_BACKWARD})
 
 RUNTIME_OPS = frozenset(OP_DEFS) - EXPANDED_OPS
+# The 4-bit base GEMMs of a LoRA linear (its forward and its input gradient), whose outputs the backend's
+# gemm_epilogue pass and the planner's rank epilogue pair with the addmm adding the adapter's product.
+BASE_GEMMS = frozenset({"vktrain.linear_q4gsw.default", "vktrain.linear_q4gsw_backward.default"})
 
 
 def runtime_ops() -> list[str]:

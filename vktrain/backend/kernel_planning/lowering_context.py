@@ -58,6 +58,14 @@ class TensorArg:
         return self.binding.buffer
 
 
+@dataclass(frozen=True)
+class RankProduct:
+    """An addmm's rank-r product that a 4-bit base GEMM adds in its epilogue (rank_epilogue.py): the base
+    kernel then writes `out`, the addmm's output, instead of its own."""
+    out: BufferBinding
+    epilogue: coopmat.RankEpilogue
+
+
 @dataclass
 class OpContext:
     """One op, decoded: `args` in schema order (TensorArg, None, int, float, bool, str, tuple of
@@ -78,6 +86,8 @@ class OpContext:
     # The device's DeviceProfile (vktrain/runtime/device_profiles.py): what planning reads of the device;
     # None: `limits` (or the Vulkan-guaranteed minimums) instead.
     profile: Optional[DeviceProfile] = None
+    # A 4-bit base GEMM's offer to add an addmm's product in its epilogue, taken only by its tensor-core plan.
+    rank_product: Optional[RankProduct] = None
 
     def fail(self, message: str) -> GraphLoweringError:
         return GraphLoweringError(f"op {self.index} ({self.op.name}): {message}")

@@ -30,7 +30,9 @@ generated from torch), and kernels are registered under the op's key (`vktrain.r
   bias), linear_q4gsw_backward, mm and addmm (with an addend of the output's shape), and causal_attention
   (and its backward: kernels/coopmat_attention.py) to their tensor-core kernels; every other op keeps its
   fp32 kernel, and so does a linear q4gsw op with a binding over the limit (the fp32 kernels split it into
-  windows, kernels/linear.py; the coopmat ones have no windows).
+  windows, kernels/linear.py; the coopmat ones have no windows). A q4gsw op's tensor-core plan may take an
+  addmm's rank-r product into its epilogue (`OpContext.rank_product`, offered by the planner:
+  rank_epilogue.py).
 
 The executor (executor.py) hands each lowering an OpContext of `TensorArg`s (lowering_context.py) whose bindings and views are the storage
 the backend recorded in the blob, so view and in-place decisions never leak into this table.
@@ -46,9 +48,9 @@ from vktrain.quant import padded_k, w4x8_num_words
 from vktrain.serialization import graph as vk
 
 # Importing the kernels package imports every family, so KERNELS is complete.
-from vktrain.backend.kernel_planning.kernels import (KERNELS, attention, coopmat, coopmat_attention, copies,
-                                             cross_entropy, gemm_passes, layout, linear, linear_tiles, matmul,
-                                             norm)
+from vktrain.backend.kernel_planning.kernels import (KERNELS, attention, coopmat, coopmat_attention, coopmat_tiling,
+                                             copies, cross_entropy, gemm_passes, layout, linear, linear_tiles,
+                                             matmul, norm)
 from vktrain.backend.kernel_planning.lowering_context import KERNEL_DTYPES, OpContext, OpLowering, TensorArg
 from vktrain.errors import GraphLoweringError
 from vktrain.serialization.dispatch import BufferBinding, Dispatch
@@ -208,6 +210,24 @@ def _coopmat_split_k_args(ctx: OpContext, kernel: str, m: int, n: int, reduction
     return {"split_k": split_k, "scratch": ctx.scratch(4 * split_k * m * n, "split_k")}
 
 
+def _rank_args(ctx: OpContext, kernel: str, m: int, n: int, reduction: int) -> dict:
+    """The coopmat plan's arguments that add `ctx.rank_product` in its epilogue (the output is then the
+    product's; rank_epilogue.py), or {} where this plan cannot: it would split the reduction, its tiling's
+    variant is not prebuilt (the emulated route builds them on demand), or the emulated loops would run past
+    lavapipe's budget."""
+    product = ctx.rank_product
+    if product is None or ctx.gemm.wgsl or ctx.gemm.default_split_k(kernel, m, n, reduction) != 1:
+        return {}
+    tiling = coopmat_tiling.default_tiling(kernel, m, n, reduction, emulate=ctx.gemm.emulate)
+    if ctx.gemm.emulate:
+        trips = coopmat_tiling.emulated_loop_trips(tiling, reduction, ctx.gemm.subgroup_size, product.epilogue.rank)
+        if trips > coopmat_tiling.EMULATED_LOOP_BUDGET:
+            return {}
+    elif tiling.name not in coopmat_tiling.RANK_TILINGS[kernel]:
+        return {}
+    return {"out": product.out, "rank_epilogue": product.epilogue}
+
+
 def _lower_linear_q4gsw(ctx: OpContext) -> list[Dispatch]:
     _check_q4gsw_call(ctx)
     x, weights, scales = ctx.tensor(0, "x"), ctx.tensor(1, "weights"), ctx.tensor(2, "scales")
@@ -219,8 +239,9 @@ def _lower_linear_q4gsw(ctx: OpContext) -> list[Dispatch]:
     over = _over_binding_limit(ctx, [x, weights, scales, ctx.outputs[0]] + ([] if bias is None else [bias]))
     # The coopmat kernel has no bias epilogue, and no windows: an op over the limit takes the fp32 kernels.
     if bias is None and not over and ctx.gemm.takes_tensor_cores(m, n, k):
-        return _call(ctx, coopmat.plan_coopmat_linear_q4gsw, **gemm, **ctx.gemm.plan_options,
-                     **_coopmat_split_k_args(ctx, "coopmat_linear_q4gsw", m, n, k))
+        rank = _rank_args(ctx, "coopmat_linear_q4gsw", m, n, k)
+        return _call(ctx, coopmat.plan_coopmat_linear_q4gsw, **{**gemm, **rank}, **ctx.gemm.plan_options,
+                     **({} if rank else _coopmat_split_k_args(ctx, "coopmat_linear_q4gsw", m, n, k)))
     # fp16: the FP16 variant of the tiled body; no windows (an op over the limit keeps the fp32 kernels).
     return _call(ctx, **gemm, bias=None if bias is None else bias.binding, binding_limit=ctx.binding_limit,
                  max_workgroup_size=ctx.max_workgroup_size,
@@ -237,9 +258,10 @@ def _lower_linear_q4gsw_backward(ctx: OpContext) -> list[Dispatch]:
                 weights=weights.binding, scales=scales.binding)
     over = _over_binding_limit(ctx, [d_out, weights, scales, ctx.outputs[0]])
     if not over and ctx.gemm.takes_tensor_cores(m, k, n):
-        return _call(ctx, coopmat.plan_coopmat_linear_q4gsw_backward, **gemm, **ctx.gemm.plan_options,
+        rank = _rank_args(ctx, "coopmat_linear_q4gsw_backward", m, k, n)
+        return _call(ctx, coopmat.plan_coopmat_linear_q4gsw_backward, **{**gemm, **rank}, **ctx.gemm.plan_options,
                      absmax=ctx.scratch(gemm_passes.absmax_scratch_nbytes(m * n), "absmax"),
-                     **_coopmat_split_k_args(ctx, "coopmat_linear_q4gsw_backward", m, k, n))
+                     **({} if rank else _coopmat_split_k_args(ctx, "coopmat_linear_q4gsw_backward", m, k, n)))
     if ctx.gemm.fp16_simt and not over:
         return _call(ctx, **gemm, binding_limit=ctx.binding_limit, max_workgroup_size=ctx.max_workgroup_size,
                      absmax=ctx.scratch(gemm_passes.absmax_scratch_nbytes(m * n), "absmax"),

@@ -13,8 +13,9 @@ op-lowering table (op_lowering.py):
      memory object; a tensor with `storage_of` binds that tensor's buffer (a view reads it through its
      recorded strides); a constant or state tensor named in `shared` binds the other executor's buffer;
   2. dispatches: every op through its lowering, except ops whose outputs are all views (they move no
-     data); state updates not stored in their state are copied at the end of the step; op-owned scratch
-     lives in one buffer;
+     data); a 4-bit base GEMM that adds an addmm's rank-r product in its tensor-core epilogue runs in the
+     addmm's place (rank_epilogue.py); state updates not stored in their state are copied at the end of
+     the step; op-owned scratch lives in one buffer;
   3. what the result relies on from the device (ScheduleRequirements), and the GEMM route it took;
   4. with `state_guard` (a training step), the state guard's dispatches (state_guard.py) over the state's
      buffers.
@@ -34,6 +35,7 @@ from vktrain.serialization.strided_view import StridedView
 from vktrain.errors import GraphLoweringError
 from vktrain.backend.kernel_planning.lowering_context import OpContext, TensorArg
 from vktrain.backend.kernel_planning.op_lowering import copy_words, lowering_for
+from vktrain.backend.kernel_planning.rank_epilogue import fused_plan, rank_epilogue_pairs
 from vktrain.backend.kernel_planning.state_guard import plan_state_guard
 from vktrain.backend.kernel_planning.kernels.coopmat import FRAGMENT, GemmRoute, WGSL_F16_FEATURE, select_gemm_route
 from vktrain.contract import allowed_precisions
@@ -317,26 +319,43 @@ class _Planner:
                     f"(state updates included) and adamw split; see README "
                     f"'Picking a runtime')")
 
-    def plan_dispatches(self, lowerings: list) -> list[Dispatch]:
+    def _context(self, index: int, lowering) -> OpContext:
+        op = self.graph.ops[index]
+        args = [self._decode(arg, index, op) for arg in op.args]
+        args += [None] * (len(lowering.arg_names) - len(args))  # trailing optional arguments a blob predates
+        outputs = [self._tensor_arg(out) for out in op.outputs]
+        return OpContext(index, op, args, outputs, f"{index}:{op.name}", self._scratch(index), None, self.route,
+                         binding_limit_of(self.profile), self.profile)
+
+    def plan_dispatches(self, lowerings: list, rank_epilogues: bool = True) -> list[Dispatch]:
+        """Every op's dispatches, in order; with `rank_epilogues`, a 4-bit base GEMM on the tensor cores and the
+        addmm adding a rank-r product to its output are one dispatch where they can be (rank_epilogue.py)."""
         dispatches: list[Dispatch] = []
+        pairs = rank_epilogue_pairs(self.graph) if rank_epilogues and self.route.tensor_cores else {}
+        fused_at: dict[int, tuple[OpContext, list[Dispatch]]] = {}  # addmm index -> its base GEMM's fused plan
         for index, (op, lowering) in enumerate(zip(self.graph.ops, lowerings)):
             if op.outputs and all(self.graph.tensor(out).is_view for out in op.outputs):
                 continue  # the output is its source's bytes: nothing to move
-            label = f"{index}:{op.name}"
-            args = [self._decode(arg, index, op) for arg in op.args]
-            args += [None] * (len(lowering.arg_names) - len(args))  # trailing optional arguments a blob predates
-            outputs = [self._tensor_arg(out) for out in op.outputs]
-            context = OpContext(index, op, args, outputs, label, self._scratch(index), None, self.route,
-                                binding_limit_of(self.profile), self.profile)
-            try:
-                planned = lowering.lower(context)
-            except Exception as exc:  # a kernel's binding refusal: say which profile's limit it is
-                if "max storage binding size" in str(exc) and exc.args and isinstance(exc.args[0], str):
-                    exc.args = (f"{exc.args[0]} (device profile {self.profile.name!r})", *exc.args[1:])
-                raise
+            if index in fused_at:  # the base GEMM adding this addmm's product runs here, where hs and Bt exist
+                context, planned = fused_at.pop(index)
+            else:
+                context = self._context(index, lowering)
+                try:
+                    if index in pairs:  # tried on contexts of their own (each lowering takes its scratch once)
+                        addmm = pairs[index]
+                        fused = fused_plan(self._context(index, lowering), lowering.lower,
+                                           self._context(addmm, lowerings[addmm]), lowerings[addmm].lower)
+                        if fused is not None:
+                            fused_at[addmm] = (context, fused)
+                            continue
+                    planned = lowering.lower(context)
+                except Exception as exc:  # a kernel's binding refusal: say which profile's limit it is
+                    if "max storage binding size" in str(exc) and exc.args and isinstance(exc.args[0], str):
+                        exc.args = (f"{exc.args[0]} (device profile {self.profile.name!r})", *exc.args[1:])
+                    raise
             self._check_binding_sizes(context, planned)
             if any(runs_fp16_kernel(d.shader) for d in planned):
-                self.tensor_core_ops.append(label)
+                self.tensor_core_ops.append(context.label)
             dispatches += planned
         for state in self.graph.mutable_state:
             if self.tensors[state.update_id].key == self.tensors[state.state_id].key:
@@ -357,13 +376,16 @@ class _Planner:
 
 def plan_schedule(graph: vk.VkGraph, profile: DeviceProfile, *, precision: str = PRECISION_AUTO,
                   max_binding_bytes: int | None = None, emulate_tensor_cores: bool = False,
-                  shared: Mapping[str, Any] | None = None, state_guard: bool = False) -> Schedule:
+                  shared: Mapping[str, Any] | None = None, state_guard: bool = False,
+                  rank_epilogues: bool = True) -> Schedule:
     """The Schedule of `graph` on a device with `profile` (see the module docstring). `precision`: the GEMM
     precision policy (vktrain.contract.PRECISION_CHOICES); `emulate_tensor_cores` (tests): fp16-tc's coopmat
     kernels emulated on a device without tensor cores; `max_binding_bytes`: a max storage binding size to
     plan for below the profile's; `shared`: name -> SharedTensor (only its `offset` and `tensor` are read)
     for the constant and state tensors another executor of the program owns; `state_guard`: plan the state
-    guard's dispatches too (a training step's, where the graph has mutable state)."""
+    guard's dispatches too (a training step's, where the graph has mutable state); `rank_epilogues` (default on;
+    off: tests comparing the two): a LoRA linear's base GEMM on the tensor cores adds its adapter's up-product
+    in its epilogue (rank_epilogue.py)."""
     if not isinstance(profile, DeviceProfile):
         raise TypeError(f"plan_schedule plans for a DeviceProfile (vktrain.runtime.device_profiles.profile_of(device) "
                         f"for an opened device), got {type(profile).__name__}")
@@ -373,7 +395,7 @@ def plan_schedule(graph: vk.VkGraph, profile: DeviceProfile, *, precision: str =
     lowerings = [lowering_for(op, index) for index, op in enumerate(graph.ops)]
     planner = _Planner(graph, limited, route, dict(shared or {}))
     planner.place_tensors()
-    dispatches = planner.plan_dispatches(lowerings)
+    dispatches = planner.plan_dispatches(lowerings, rank_epilogues)
     placements = tuple(TensorPlacement(value_id, t.key, t.offset, t.nbytes)
                        for value_id, t in sorted(planner.tensors.items()))
     guard = None

@@ -10,7 +10,9 @@ decision ahead of time, in this order (`PASSES`), before the one memory planning
 3. gemm_epilogue.fuse_gemm_epilogues: add(p, mm(a, b)) (through shape-only views, the product read only by
    the add, p existing before the mm, alpha 1) becomes addmm(p, a, b): the add is the GEMM's epilogue,
    rounded exactly as before. An op writing p after the mm from values that exist before it moves ahead
-   of the mm (a LoRA linear's base d_x before its adapter's d_x). After fusion's dead-op sweep, before
+   of the mm (a LoRA linear's base d_x before its adapter's d_x), and a 4-bit base GEMM writing p before
+   it moves down to it (the forward's base), so that the planner can add the product in the base GEMM's
+   tensor-core epilogue (kernel_planning/rank_epilogue.py). After fusion's dead-op sweep, before
    the storage passes (the views of p and the addmm's lazily transposed operands are theirs to decide).
 4. gemm_scale.fuse_gemm_scales: mul(mm(a, b), s) (through shape-only views, the product read only by the mul,
    s a number or a 0-d constant) becomes vktrain.mm_scaled(a, b, s): the GEMM multiplies its finished sum by

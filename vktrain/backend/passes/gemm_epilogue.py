@@ -25,7 +25,13 @@ This is what lets a LoRA linear's input gradient absorb the base's: the lora_lin
 (passes/lora_linear.py) writes d_x = view(mm(d_hs, A)) and then d_base_x =
 linear_q4gsw_backward(d_out, W), which reads only d_out (written before the whole backward chain)
 and frozen weights, and autograd adds the two; the base backward now runs first, and its d_x is the
-LoRA mm's addend. An add whose p depends on anything written at or after the mm is left alone.
+LoRA mm's addend. An add whose p depends on anything written at or after the mm is left alone. The
+forward's base, y = add(linear_q4gsw(base_x, W), view(mm(hs, B^T))), is written before its adapter's chain:
+an op writing p before the mm moves to just before it too when it is a 4-bit base GEMM (linear_q4gsw or
+its backward) whose p nothing else reads, so that both directions' base GEMM and addmm are adjacent (only
+views between): where the base runs on the tensor cores, the planner then adds the addmm's product in the
+base GEMM's epilogue (kernel_planning/rank_epilogue.py). Moving it later is as safe (nothing reads p
+before the add) and moves no bits.
 
 An mm whose second operand is a constant (or a view of one) is left alone too: a frozen weight read
 only through aten.mm may later be held as Q8_0 (passes/q8_0_weights.py), which rewrites exactly those
@@ -36,6 +42,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from vktrain.opdefs.runtime_ops import BASE_GEMMS
 from vktrain.serialization import graph as vk
 from vktrain.serialization.graph import decode_scalar
 
@@ -55,7 +62,7 @@ class _Fusion:
     mm: int
     views: tuple[int, ...]   # the view ops from the mm's output to q, in order
     addend: int              # p
-    hoist: int | None        # the op writing p, to move before the mm (None: p exists already)
+    hoist: int | None        # the op writing p, to move just before the mm (None: p stays where it is)
 
     @property
     def ops(self) -> set[int]:
@@ -137,7 +144,9 @@ def _fusion_of(graph: vk.VkGraph, uses: GraphUses, index: int) -> _Fusion | None
             continue
         written = uses.producer.get(p, -1)
         if written < mm:
-            return _Fusion(index, mm, views, p, None)
+            sink = (written >= 0 and graph.ops[written].name in BASE_GEMMS and len(graph.ops[written].outputs) == 1
+                    and _read_only_by(uses, p, index))
+            return _Fusion(index, mm, views, p, written if sink else None)
         if _exists_before(graph, uses, written, mm):
             return _Fusion(index, mm, views, p, written)
     return None

@@ -18,6 +18,10 @@ one-plan-per-op registry; the op lowering takes them where this program's GemmRo
                          unscaled accumulators (the ADDEND variant)
   coopmat_linear_q4gsw_backward   d_x[M, K] = d_out[M, N] @ deq(W), d_out scaled per tensor by a power of
                          two before its fp16 rounding (max |d_out| from coopmat_absmax, the first dispatch)
+  either q4gsw kernel with a `RankEpilogue` (RANK_EPILOGUE): C = base GEMM + hs[M, r] @ Bt[r, N], the rank
+                         term summed in fp32 as matmul.slang sums aten.addmm's product (so the bits of the
+                         base GEMM followed by that addmm: a LoRA linear's up-product in one dispatch;
+                         the planner's rank_epilogue.py decides where)
 
 They need a device whose `cooperative_matrix_properties` list 16x16x16 fp16 x fp16 + fp32 at subgroup
 scope (`coopmat_supported`). Tiling (coopmat_tiling.py): a `CoopmatTiling` names one variant of the
@@ -62,6 +66,7 @@ from vktrain.backend.kernel_planning.kernels.coopmat_tiling import (
     SIZE_TILE_N,
     SPLIT_TARGET_WORKGROUPS,
     STARVED_REDUCTION,
+    RANK_TILINGS,
     CoopmatTiling,
     default_split_k,
     default_tiling,
@@ -330,20 +335,21 @@ def _check_range(op: str, M: int, N: int, K: int) -> None:
 
 
 def _variant(shader: str, tiling: CoopmatTiling, *, emulate: bool, subgroup_size: int,
-             defines: tuple[str, ...] = (), addend: bool = False) -> str:
+             defines: tuple[str, ...] = (), addend: bool = False, rank: bool = False) -> str:
     """Shader name with its defines in the order the sources' `vktrain-variants:` lines use: the
-    kernel's own `defines` (operand scale, B layout), the tiling's, ADDEND, then emulation and subgroup
-    size."""
-    names = list(defines) + tiling.defines + (["ADDEND"] if addend else []) \
+    kernel's own `defines` (operand scale, B layout), the tiling's, ADDEND or RANK_EPILOGUE, then emulation
+    and subgroup size."""
+    names = list(defines) + tiling.defines + (["ADDEND"] if addend else []) + (["RANK_EPILOGUE"] if rank else []) \
         + (["COOPMAT_EMULATE"] if emulate else []) \
         + ([f"SUBGROUP_SIZE={subgroup_size}"] if subgroup_size != DEFAULT_SUBGROUP_SIZE else [])
     return shader + ("@" + "+".join(names) if names else "")
 
 
 def _geometry(op: str, kernel: str, M: int, N: int, tiling: CoopmatTiling | None, subgroup_size: int, *,
-              emulate: bool, reduction: int, scratch: Any, split_k: int | None) -> tuple[CoopmatTiling, int]:
+              emulate: bool, reduction: int, scratch: Any, split_k: int | None,
+              rank: int = 0) -> tuple[CoopmatTiling, int]:
     """The plan's tiling (default: `default_tiling`) and number of reduction slices (default with a
-    scratch: `default_split_k`, else 1), checked."""
+    scratch: `default_split_k`, else 1), checked; `rank`: that of a RankEpilogue (unsplit only)."""
     if tiling is None:
         tiling = default_tiling(kernel, M, N, reduction, emulate=emulate)
     if not isinstance(tiling, CoopmatTiling):
@@ -358,6 +364,8 @@ def _geometry(op: str, kernel: str, M: int, N: int, tiling: CoopmatTiling | None
         split_k = default_split_k(tiling, M, N, reduction) if scratch is not None else 1
     if isinstance(split_k, bool) or not isinstance(split_k, int) or split_k < 1:
         raise KernelArgumentError(f"{op}: split_k must be an int >= 1, got {split_k!r}")
+    if rank and split_k != 1:
+        raise KernelArgumentError(f"{op}: a rank epilogue runs in an unsplit GEMM, got split_k={split_k}")
     if split_k > 1 and scratch is None:
         raise KernelArgumentError(f"{op}: split_k={split_k} needs a scratch buffer of {4 * split_k * M * N} bytes "
                                   f"(the slices' partial products of [{M}, {N}])")
@@ -365,21 +373,27 @@ def _geometry(op: str, kernel: str, M: int, N: int, tiling: CoopmatTiling | None
         raise KernelArgumentError(f"{op}: split_k={split_k} over a [{M}, {N}] output exceeds {MAX_ELEMENTS} "
                                   f"scratch elements (32-bit indices); use a smaller split_k")
     reduction = split_slice_length(tiling, reduction, split_k) if split_k > 1 else reduction
-    if emulate and emulated_loop_trips(tiling, reduction, subgroup_size) > EMULATED_LOOP_BUDGET:
+    if emulate and emulated_loop_trips(tiling, reduction, subgroup_size, rank) > EMULATED_LOOP_BUDGET:
         raise KernelArgumentError(
             f"{op}: the emulated variant with tiling {tiling.name} over a reduction of {reduction} runs "
-            f"{emulated_loop_trips(tiling, reduction, subgroup_size)} loop iterations per invocation, more than the "
+            f"{emulated_loop_trips(tiling, reduction, subgroup_size, rank)} loop iterations per invocation, more than the "
             f"{EMULATED_LOOP_BUDGET} budgeted within lavapipe's limit of {LAVAPIPE_LOOP_LIMIT} (past it lavapipe cuts "
             f"loops short); use a tiling with fewer accumulators per subgroup or a shorter reduction")
     return tiling, split_k
 
 
 def _gemm_dispatches(shader: str, tiling: CoopmatTiling, split_k: int, *, M: int, N: int, reduction: int,
-                     out: Any, scratch: Any, inputs: list, push: tuple, addend: Any, label: str) -> list[Dispatch]:
+                     out: Any, scratch: Any, inputs: list, push: tuple, addend: Any, label: str,
+                     rank: "RankEpilogue | None" = None) -> list[Dispatch]:
     """The GEMM dispatch of a coopmat plan over an M x N output (`inputs`: its bindings after the output;
     `push`: its push constants before the slice length), and with split_k > 1 the reduce of its slices
-    (which adds `addend`, whose shader then has no ADDEND)."""
+    (which adds `addend`, whose shader then has no ADDEND). `rank` (unsplit): its bindings after `inputs`,
+    its push constants after the slice length, its step form as specialization constant 3."""
     groups = (ceil_div(N, tiling.tile_n), ceil_div(M, tiling.tile_m), split_k)
+    if rank is not None:
+        return [Dispatch(shader, groups=groups, bindings=[binding(out, "w"), *inputs, *rank.bindings],
+                         push_constants=pack_push(*push, 0, *rank.push), spec_constants={RANK_FMA_SPEC_ID: rank.fma},
+                         label=label)]
     if split_k == 1:
         return [Dispatch(shader, groups=groups, bindings=[binding(out, "w"), *inputs],
                          push_constants=pack_push(*push, 0), label=label)]
@@ -391,10 +405,69 @@ def _gemm_dispatches(shader: str, tiling: CoopmatTiling, split_k: int, *, M: int
                                else max(1, N // 4), split_k=split_k, bias=addend, label=f"{label}.reduce")]
 
 
+RANK_FMA_SPEC_ID = 3  # coopmat_gemm.slangh's RANK_FMA
+
+
+@dataclass(frozen=True)
+class RankEpilogue:
+    """A rank-r product added in a q4gsw kernel's epilogue (RANK_EPILOGUE, coopmat_gemm.slangh): the output
+    becomes base + hs @ Bt, the rank term summed in fp32 exactly as matmul.slang's addmm(base, hs, Bt) (beta =
+    alpha = 1) sums its product, so the dispatch computes the bits of the base GEMM followed by that addmm.
+    `hs` [M, r] fp32 read as vec4 rows (`hs_view`: row-major, r, its row stride and offset multiples of 4),
+    `bt` [r, N] fp32 through any strides (`bt_view`: a LoRA B^T is a transposed view of B [N, r], A [r, K]
+    row-major); `fma`: the addmm's matmul body forms each step as fma(h, b, s) (its CPU body) rather than
+    s + h * b (its GPU body)."""
+
+    hs: Any
+    hs_view: StridedView
+    bt: Any
+    bt_view: StridedView
+    fma: bool = False
+
+    @property
+    def rank(self) -> int:
+        return self.hs_view.sizes[1]
+
+    def problems(self, M: int, N: int) -> list[str]:
+        """What the kernel could not read of this epilogue for an M x N output; [] if nothing."""
+        found = []
+        (rows, r), bt = self.hs_view.sizes, self.bt_view
+        if self.hs_view.rank != 2 or bt.rank != 2 or rows != M or bt.sizes != (r, N) or r < 1:
+            found.append(f"hs {self.hs_view.sizes} and Bt {bt.sizes} are not [{M}, r] and [r, {N}]")
+        elif (self.hs_view.strides[1] != 1 or r % 4 or self.hs_view.strides[0] % 4 or self.hs_view.offset % 4
+              or self.hs_view.strides[0] < r):
+            found.append(f"hs {self.hs_view} is not read as vec4 rows (row-major, rank, row stride and offset "
+                         f"multiples of 4)")
+        elif max(self.hs_view.extent(), bt.extent()) > MAX_ELEMENTS:
+            found.append("hs or Bt reaches past 32-bit indices")
+        return found
+
+    @property
+    def bindings(self) -> list:
+        return [binding(self.hs, "r"), binding(self.bt, "r")]
+
+    @property
+    def push(self) -> tuple[int, ...]:
+        """The push constants after the GEMM's (coopmat_gemm.slangh Params under RANK_EPILOGUE)."""
+        return (self.rank, self.hs_view.offset, self.hs_view.strides[0], self.bt_view.offset, *self.bt_view.strides)
+
+
+def _check_rank(op: str, rank: RankEpilogue | None, M: int, N: int) -> int:
+    """The epilogue's rank (0 without one), checked."""
+    if rank is None:
+        return 0
+    if not isinstance(rank, RankEpilogue):
+        raise KernelArgumentError(f"{op}: rank_epilogue must be a RankEpilogue, got {rank!r}")
+    problems = rank.problems(M, N)
+    if problems:
+        raise KernelArgumentError(f"{op}: rank epilogue: {'; '.join(problems)}")
+    return rank.rank
+
+
 def plan_coopmat_linear_q4gsw(*, M: int, N: int, K: int, group_size: int, out: Any, x: Any, weights: Any,
                               scales: Any, scratch: Any = None, split_k: int | None = None,
                               tiling: CoopmatTiling | None = None, emulate: bool = False,
-                              subgroup_size: int = DEFAULT_SUBGROUP_SIZE,
+                              subgroup_size: int = DEFAULT_SUBGROUP_SIZE, rank_epilogue: RankEpilogue | None = None,
                               label: str = "coopmat_linear_q4gsw") -> list[Dispatch]:
     """y[M, N] = x[M, K] @ deq(W).T on tensor cores (fp16 inputs, fp32 accumulation).
 
@@ -403,7 +476,8 @@ def plan_coopmat_linear_q4gsw(*, M: int, N: int, K: int, group_size: int, out: A
     must be the device's (Device.subgroup_size). `emulate` runs the same kernel with the
     cooperative-matrix operations done by plain arithmetic (any device; for tests, see the shader).
     `scratch` (split_k_scratch_nbytes bytes, or 4 * split_k * M * N for an explicit `split_k`) lets the
-    plan split the reduction (module docstring); `split_k` forces the number of slices.
+    plan split the reduction (module docstring); `split_k` forces the number of slices. `rank_epilogue`:
+    y = x @ deq(W).T + hs @ Bt (RankEpilogue), unsplit (a scratch is then not used).
     """
     op = "coopmat_linear_q4gsw"
     _check_positive(op, M=M, N=N, K=K, group_size=group_size)
@@ -412,12 +486,13 @@ def plan_coopmat_linear_q4gsw(*, M: int, N: int, K: int, group_size: int, out: A
     except ValueError as exc:
         raise KernelArgumentError(f"{op}: {exc}") from None
     _check_range(op, M, N, K)
-    tiling, split_k = _geometry(op, op, M, N, tiling, subgroup_size, emulate=emulate, reduction=K, scratch=scratch,
-                                split_k=split_k)
-    shader = _variant(op, tiling, emulate=emulate, subgroup_size=subgroup_size)
+    rank = _check_rank(op, rank_epilogue, M, N)
+    tiling, split_k = _geometry(op, op, M, N, tiling, subgroup_size, emulate=emulate, reduction=K,
+                                scratch=None if rank else scratch, split_k=split_k, rank=rank)
+    shader = _variant(op, tiling, emulate=emulate, subgroup_size=subgroup_size, rank=bool(rank))
     return _gemm_dispatches(shader, tiling, split_k, M=M, N=N, reduction=K, out=out, scratch=scratch,
                             inputs=[binding(x, "r"), binding(weights, "r"), binding(scales, "r")],
-                            push=(M, N, K, group_size, 0, 0), addend=None, label=label)
+                            push=(M, N, K, group_size, 0, 0), addend=None, label=label, rank=rank_epilogue)
 
 
 def takes_addend(bias: StridedView, out_shape: tuple[int, ...], beta: float, alpha: float) -> bool:
@@ -469,6 +544,7 @@ def plan_coopmat_linear_q4gsw_backward(*, M: int, N: int, K: int, group_size: in
                                        split_k: int | None = None, tiling: CoopmatTiling | None = None,
                                        emulate: bool = False,
                                        subgroup_size: int = DEFAULT_SUBGROUP_SIZE,
+                                       rank_epilogue: RankEpilogue | None = None,
                                        label: str = "coopmat_linear_q4gsw_backward") -> list[Dispatch]:
     """d_x[M, K] = d_out[M, N] @ deq(W) on tensor cores (fp16 inputs, fp32 accumulation).
 
@@ -477,7 +553,8 @@ def plan_coopmat_linear_q4gsw_backward(*, M: int, N: int, K: int, group_size: in
     both exact). Dispatches: the partial maxima of |d_out| (into absmax, absmax_scratch_nbytes(M * N) of
     scratch), the GEMM (and, split, the reduce of its slices).
     Buffers, `tiling`, `scratch`, `split_k` as plan_coopmat_linear_q4gsw's (out fp32 [M, K], d_out fp32
-    [M, N]; the reduction runs along N); tiles along K.
+    [M, N]; the reduction runs along N); tiles along K. `rank_epilogue`: d_x = d_out @ deq(W) + hs @ Bt
+    (RankEpilogue, Bt [r, K]; added after the unscaling), unsplit.
     """
     op = "coopmat_linear_q4gsw_backward"
     _check_positive(op, M=M, N=N, K=K, group_size=group_size)
@@ -486,11 +563,14 @@ def plan_coopmat_linear_q4gsw_backward(*, M: int, N: int, K: int, group_size: in
     except ValueError as exc:
         raise KernelArgumentError(f"{op}: {exc}") from None
     _check_range(op, M, N, K)
-    tiling, split_k = _geometry(op, op, M, K, tiling, subgroup_size, emulate=emulate, reduction=N, scratch=scratch,
-                                split_k=split_k)
-    shader = _variant(op, tiling, emulate=emulate, subgroup_size=subgroup_size, defines=("A_SCALE",))
+    rank = _check_rank(op, rank_epilogue, M, K)
+    tiling, split_k = _geometry(op, op, M, K, tiling, subgroup_size, emulate=emulate, reduction=N,
+                                scratch=None if rank else scratch, split_k=split_k, rank=rank)
+    shader = _variant(op, tiling, emulate=emulate, subgroup_size=subgroup_size, defines=("A_SCALE",),
+                      rank=bool(rank))
     return [_plan_absmax(absmax, [(d_out, M * N)], f"{label}.absmax"),
             *_gemm_dispatches(shader, tiling, split_k, M=M, N=K, reduction=N, out=out, scratch=scratch,
                               inputs=[binding(d_out, "r"), binding(weights, "r"), binding(scales, "r"),
                                       binding(absmax, "r")],
-                              push=(M, K, N, group_size, absmax_partials(M * N), 0), addend=None, label=label)]
+                              push=(M, K, N, group_size, absmax_partials(M * N), 0), addend=None, label=label,
+                              rank=rank_epilogue)]

@@ -158,15 +158,24 @@ ADDEND_TILINGS = tuple(dict.fromkeys(
     [name for kernel in ("coopmat_mm", "coopmat_mm_b_transposed") for *_, name in DEFAULT_TILINGS[kernel]]
     + [name for *_, name in EMULATED_DEFAULT_TILINGS] + ["bm128+prefetch", "bm64+prefetch"]))
 
+# The q4gsw kernels' RANK_EPILOGUE variant (a LoRA up-product added in the base GEMM's epilogue) is built ahead
+# of time for their default tilings only (the emulated ones build on demand where a compiler is).
+RANK_KERNELS = ("coopmat_linear_q4gsw", "coopmat_linear_q4gsw_backward")
+RANK_TILINGS = {kernel: tuple(dict.fromkeys(name for *_, name in DEFAULT_TILINGS[kernel])) for kernel in RANK_KERNELS}
 
-def emulated_loop_trips(tiling: CoopmatTiling, reduction: int, subgroup_size: int) -> int:
+
+def emulated_loop_trips(tiling: CoopmatTiling, reduction: int, subgroup_size: int, rank: int = 0) -> int:
     """Loop iterations one invocation of an emulated coopmat GEMM runs (coopmat_gemm.slangh with
     COOPMAT_EMULATE): per BK step its own trip plus 16 per emulated multiply-add, (BK / 16) x the
     subgroup's 16 x 16 accumulators of them; then the edge stores, at most one loop of
-    256 / subgroup_size trips per accumulator."""
+    256 / subgroup_size trips per accumulator, or with a `rank` epilogue (RANK_EPILOGUE) its loop of
+    rank / 4 trips per column a lane owns in each accumulator."""
     per_step = 1 + (tiling.bk // FRAGMENT[2]) * tiling.fragments * FRAGMENT[2]
-    return (ceil_div(reduction, tiling.bk) * per_step
-            + tiling.fragments * ceil_div(FRAGMENT[0] * FRAGMENT[1], subgroup_size))
+    if rank:
+        stores = tiling.fragments * max(1, FRAGMENT[1] // subgroup_size) * ceil_div(rank, 4)
+    else:
+        stores = tiling.fragments * ceil_div(FRAGMENT[0] * FRAGMENT[1], subgroup_size)
+    return ceil_div(reduction, tiling.bk) * per_step + stores
 
 
 def default_tiling(kernel: str, M: int, N: int, reduction: int, *, emulate: bool = False) -> CoopmatTiling:
