@@ -468,16 +468,16 @@ def time_vk(run: PteRun, device, args, torch, torch_device, baseline_cache: dict
         if not clock.begin(path.name, f"load {precision}"):
             continue
         start = time.perf_counter()
-        planner = plan_schedule if getattr(args, "rank_epilogues", True) else \
-            functools.partial(plan_schedule, rank_epilogues=False)
+        planner = functools.partial(plan_schedule, rank_epilogues=True) if getattr(args, "rank_epilogues", False) \
+            else plan_schedule
         runner = TrainingRunner.from_pte(path, device, planner=planner, precision=precision)  # gemm_route says which schedule
         load_s = time.perf_counter() - start
         clock.end()
         try:
             run.config = config = _bench_config(runner.graph, path)
             record = _vk_record(path, runner, config, precision, load_s, device)
-            if not getattr(args, "rank_epilogues", True):
-                record["rank_epilogues"] = False
+            if getattr(args, "rank_epilogues", False):
+                record["rank_epilogues"] = True
             run.batches = [make_batch(config, runner.vocab_size, seed) for seed in range(args.batches)]
             if args.load_only:
                 run.records.append(record)
@@ -691,9 +691,9 @@ def main(argv: list[str] | None = None) -> int:
                      help="several policies, e.g. fp16-tc,fp32: each .pte is loaded and timed once per policy, the "
                           "PyTorch variants run once per .pte (in the first policy's record)")
     run.add_argument("--no-plot", action="store_true")
-    run.add_argument("--no-rank-epilogues", dest="rank_epilogues", action="store_false",
-                     help="plan the LoRA up-products as their own addmm dispatches, not in the base GEMMs' "
-                          "epilogues (the A/B of kernel_planning/rank_epilogue.py); records say so")
+    run.add_argument("--rank-epilogues", action="store_true",
+                     help="plan each LoRA up-product in its base GEMM's epilogue on the tensor cores (off by default: "
+                          "measured slower, kernel_planning/rank_epilogue.py); records say so")
     run.add_argument("--load-only", action="store_true",
                      help="only load each .pte (generate constants, build pipelines, record): checks that "
                           "every shader the step needs is available, without running it")

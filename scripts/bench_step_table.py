@@ -108,7 +108,7 @@ class ResultFiles:
         if model not in self.files or not records:  # nothing measured: an earlier call's records stay
             return
         written = write_run(self.files[model], {"meta": meta, "results": records},
-                            key=lambda r: (r["config"], r.get("precision"), r.get("rank_epilogues", True)))
+                            key=lambda r: (r["config"], r.get("precision"), r.get("rank_epilogues", False)))
         self.merged[model] = [r for call in runs(written) for r in call["results"]]
         print(f"wrote {self.files[model]}", flush=True)
         if load_only:

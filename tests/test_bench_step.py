@@ -301,8 +301,8 @@ def test_the_clock_starts_no_phase_past_the_budget(bench):
     now[0] = 12.0
     clock.end()
     assert not clock.begin("b.pte", "PyTorch bf16")
-    assert clock.phases == [{"pte": "a.pte", "phase": "load fp32", "at_s": 1.0, "s": 3.0},
-                            {"pte": "b.pte", "phase": "vk fp32", "at_s": 9.0, "s": 3.0}]
+    assert clock.phases == [{"pte": "a.pte", "phase": "load fp32", "n": 0, "at_s": 1.0, "s": 3.0},
+                            {"pte": "b.pte", "phase": "vk fp32", "n": 1, "at_s": 9.0, "s": 3.0}]
     assert clock.of({"b.pte"}) == {"phases": clock.phases[1:], "skipped": [{"pte": "b.pte", "phase": "PyTorch bf16"}]}
     assert bench.Clock(None, 0.0, now=lambda: 1e9).begin("c.pte", "load fp32")  # no budget: never skips
 

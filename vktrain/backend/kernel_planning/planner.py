@@ -327,7 +327,7 @@ class _Planner:
         return OpContext(index, op, args, outputs, f"{index}:{op.name}", self._scratch(index), None, self.route,
                          binding_limit_of(self.profile), self.profile)
 
-    def plan_dispatches(self, lowerings: list, rank_epilogues: bool = True) -> list[Dispatch]:
+    def plan_dispatches(self, lowerings: list, rank_epilogues: bool = False) -> list[Dispatch]:
         """Every op's dispatches, in order; with `rank_epilogues`, a 4-bit base GEMM on the tensor cores and the
         addmm adding a rank-r product to its output are one dispatch where they can be (rank_epilogue.py)."""
         dispatches: list[Dispatch] = []
@@ -377,15 +377,15 @@ class _Planner:
 def plan_schedule(graph: vk.VkGraph, profile: DeviceProfile, *, precision: str = PRECISION_AUTO,
                   max_binding_bytes: int | None = None, emulate_tensor_cores: bool = False,
                   shared: Mapping[str, Any] | None = None, state_guard: bool = False,
-                  rank_epilogues: bool = True) -> Schedule:
+                  rank_epilogues: bool = False) -> Schedule:
     """The Schedule of `graph` on a device with `profile` (see the module docstring). `precision`: the GEMM
     precision policy (vktrain.contract.PRECISION_CHOICES); `emulate_tensor_cores` (tests): fp16-tc's coopmat
     kernels emulated on a device without tensor cores; `max_binding_bytes`: a max storage binding size to
     plan for below the profile's; `shared`: name -> SharedTensor (only its `offset` and `tensor` are read)
     for the constant and state tensors another executor of the program owns; `state_guard`: plan the state
-    guard's dispatches too (a training step's, where the graph has mutable state); `rank_epilogues` (default on;
-    off: tests comparing the two): a LoRA linear's base GEMM on the tensor cores adds its adapter's up-product
-    in its epilogue (rank_epilogue.py)."""
+    guard's dispatches too (a training step's, where the graph has mutable state); `rank_epilogues` (default off:
+    measured slower, rank_epilogue.py): a LoRA linear's base GEMM on the tensor cores adds its adapter's
+    up-product in its epilogue."""
     if not isinstance(profile, DeviceProfile):
         raise TypeError(f"plan_schedule plans for a DeviceProfile (vktrain.runtime.device_profiles.profile_of(device) "
                         f"for an opened device), got {type(profile).__name__}")
