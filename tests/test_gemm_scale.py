@@ -308,7 +308,7 @@ def _train(path, device, batches, **options):
 
 def _assert_same_bits(fused, unfused):
     """The same losses and state; one dispatch fewer per fused mul but those whose product a kernel that
-    cannot scale computes (op_lowering's `_scaled_product`: the mm, then its `.scale` in place). Returns the
+    cannot scale computes (gemm_lowering's `_scaled_product`: the mm, then its `.scale` in place). Returns the
     shaders and the count of those."""
     (ops, dispatches, losses, state), (ops_u, dispatches_u, losses_u, state_u) = fused, unfused
     assert losses == losses_u, (losses, losses_u)

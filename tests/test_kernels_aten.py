@@ -32,15 +32,10 @@ from vktrain.backend.kernel_planning.kernels.embedding import plan_embedding_den
 from vktrain.serialization.strided_view import KernelArgumentError, StridedView
 from vktrain.backend.kernel_planning.kernels.layout import broadcast_shapes, coalesce_dims, plan_strided_copy
 from vktrain.backend.kernel_planning.kernels.gemm_tuning import CPU_TUNING, runs_cpu_bodies
+from vktrain.backend.kernel_planning.kernels.matmul_cpu import (
+    B_N_PAIRS_SPEC_ID, CPU_LANES, CPU_MAX_K, CPU_TM_CHOICES, CPU_TN, cpu_gemm_variant, cpu_tile_rows)
 from vktrain.backend.kernel_planning.kernels.matmul import (
-    CPU_LANES,
-    CPU_MAX_K,
-    CPU_TM_CHOICES,
-    CPU_TN,
-    B_N_PAIRS_SPEC_ID,
     MAX_SPLIT_K,
-    cpu_gemm_variant,
-    cpu_tile_rows,
     MIN_SPLIT_SLICE,
     TARGET_THREADS,
     default_gemm_tile,

@@ -124,7 +124,7 @@ def test_one_dtype_table_for_every_layer():
 
     from vktrain.opdefs.dtypes import BIT_CONTAINERS, DTYPES, dtype_info
     from vktrain.ops._library import torch_dtype
-    from vktrain.backend.kernel_planning.op_lowering import KERNEL_DTYPES
+    from vktrain.backend.kernel_planning.lowering_context import KERNEL_DTYPES
     from vktrain.serialization import graph as vk
     from vktrain.serialization.generated.vkt_blob.DataType import DataType
 

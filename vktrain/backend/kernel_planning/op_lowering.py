@@ -20,11 +20,10 @@ generated from torch), and kernels are registered under the op's key (`vktrain.r
   limits (shared memory, workgroup invocations; `OpContext.limits`) to the plans that size tiles or
   workgroups by them.
 * aten.empty / empty_permuted need no GPU work: their contents are undefined (`kernel=None`).
-* transposes (permute_copy, t_copy, transpose_copy), aten.mm and aten.addmm read strided views: a
-  transpose the backend made a view (vktrain/backend/passes/views.py) costs nothing, and the GEMM reads
-  it in place through its operand strides.
-  mm / bmm / addmm allocate a split-K scratch when the GEMM plan would split (skinny output, long
-  reduction: kernels/matmul.py `gemm_scratch_nbytes`), and nothing otherwise.
+* transposes (permute_copy, t_copy, transpose_copy) read strided views: a transpose the backend made a
+  view (vktrain/backend/passes/views.py) costs nothing.
+* the GEMM ops (mm, addmm, vktrain.mm_scaled, bmm, the Q8_0 linears) are gemm_lowering.py's; the checks and
+  the plan call every lowering shares are lowering_checks.py's.
 
 * `OpContext.gemm`, the GemmRoute chosen at load (kernels/coopmat.py), may send linear_q4gsw (without
   bias), linear_q4gsw_backward, mm and addmm (with an addend of the output's shape), and causal_attention
@@ -39,19 +38,20 @@ the backend recorded in the blob, so view and in-place decisions never leak into
 """
 from __future__ import annotations
 
-import dataclasses
 import inspect
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Optional
 
-from vktrain.opdefs import OP_DEFS, Refusal, TensorMeta, op_def
+from vktrain.opdefs import OP_DEFS, TensorMeta, op_def
 from vktrain.quant import padded_k, w4x8_num_words
 from vktrain.serialization import graph as vk
 
 # Importing the kernels package imports every family, so KERNELS is complete.
 from vktrain.backend.kernel_planning.kernels import (KERNELS, attention, coopmat, coopmat_attention, coopmat_tiling,
                                              copies, cross_entropy, gemm_passes, layout, linear, linear_tiles,
-                                             matmul, norm)
-from vktrain.backend.kernel_planning.lowering_context import KERNEL_DTYPES, OpContext, OpLowering, TensorArg
+                                             norm)
+from vktrain.backend.kernel_planning.gemm_lowering import GEMM_LOWERINGS, coopmat_split_k_args
+from vktrain.backend.kernel_planning.lowering_checks import call_plan, check_definition, over_binding_limit
+from vktrain.backend.kernel_planning.lowering_context import OpContext, OpLowering, TensorArg
 from vktrain.errors import GraphLoweringError
 from vktrain.serialization.dispatch import BufferBinding, Dispatch
 from vktrain.serialization.strided_view import TRANSPOSE_OPS, StridedView, transposed_view
@@ -70,7 +70,7 @@ def _keyword_lowering(key: str) -> Callable[[OpContext], list[Dispatch]]:
     names, output_names = schema.arg_names, schema.output_names
 
     def lower(ctx: OpContext) -> list[Dispatch]:
-        _check_definition(ctx)
+        check_definition(ctx)
         kwargs: dict[str, Any] = {}
         for name, value in zip(names, ctx.args):
             if isinstance(value, TensorArg):
@@ -106,36 +106,6 @@ def _keyword_lowering(key: str) -> Callable[[OpContext], list[Dispatch]]:
 # vktrain ops: shape-explicit plan functions
 # ------------------------------------------------------------------------------------------------
 
-def _meta(value: Any) -> Any:
-    if isinstance(value, TensorArg):
-        return TensorMeta(value.shape, value.dtype)
-    if isinstance(value, list):
-        return [_meta(v) for v in value]
-    return value
-
-
-def _check_definition(ctx: OpContext, logical: dict[int, TensorMeta] | None = None) -> None:
-    """Refuse what the op's definition refuses (or no kernel's dtype), and outputs other than it infers.
-    `logical`: argument position -> the tensor the definition describes, for arguments stored prepacked."""
-    definition = op_def(ctx.op.name)
-    metas = [_meta(a) for a in ctx.args]
-    for position, meta in (logical or {}).items():
-        metas[position] = meta
-    for name, meta in zip(definition.schema.arg_names, metas):
-        if isinstance(meta, TensorMeta) and meta.dtype not in KERNEL_DTYPES:
-            raise ctx.fail(f"{name} has dtype {meta.dtype}; the GPU kernels take {', '.join(sorted(KERNEL_DTYPES))}")
-    try:
-        expected = definition.infer(definition.bind(metas))
-    except Refusal as exc:
-        raise ctx.fail(str(exc)) from None
-    for position, (output, meta) in enumerate(zip(ctx.outputs, expected or ())):
-        if output.layout != vk.Layout.PLAIN:
-            continue  # stored prepacked (q4gsw_requant's W_4X8 words): not the graph's logical tensor
-        if (output.shape, output.dtype) != (meta.shape, meta.dtype):
-            raise ctx.fail(f"output {position} is {output.dtype} {list(output.shape)}, the op's definition gives "
-                           f"{meta.dtype} {list(meta.shape)}")
-
-
 def _check_q4gsw_call(ctx: OpContext) -> None:
     """The definition's checks of a linear q4gsw op, whose weights (argument 1) the blob stores as W_4X8
     words: the definition describes them as the flat uint8 [N, Kp/2] codes those words hold."""
@@ -151,27 +121,13 @@ def _check_q4gsw_call(ctx: OpContext) -> None:
             raise ctx.fail(f"weights hold {weights.binding.size} bytes of W_4X8 words, expected {4 * words} for "
                            f"N={n}, K={k} (scales {list(scales.shape)}, group_size={group_size})")
         logical[1] = TensorMeta((n, padded_k(k) // 2), "uint8")
-    _check_definition(ctx, logical)
+    check_definition(ctx, logical)
 
 
 def _q4gsw_dims(scales: TensorArg, group_size: int) -> tuple[int, int]:
     """(N, K) from scales [G, N] and group_size (CONTRACTS.md: K = G * group_size)."""
     groups, n = scales.shape
     return n, groups * group_size
-
-
-def _call(ctx: OpContext, plan: Optional[Callable[..., list[Dispatch]]] = None, **kwargs: Any) -> list[Dispatch]:
-    """`plan`, by default the kernel registered under the op's key."""
-    name = ctx.op.name if plan is None else plan.__name__
-    try:
-        return (plan or KERNELS[ctx.op.name])(label=ctx.label, **kwargs)
-    except (ValueError, TypeError) as exc:
-        raise ctx.fail(f"the {name} kernel refused it: {exc}") from exc
-
-
-def _over_binding_limit(ctx: OpContext, tensors: Sequence[TensorArg]) -> bool:
-    """Whether a binding of one of `tensors` would be over the device's max storage binding size."""
-    return layout.exceeds(ctx.binding_limit, [t.binding.size for t in tensors])
 
 
 def _profile_tiles(ctx: OpContext, op: str) -> Optional[linear.GemmTiles]:
@@ -201,15 +157,6 @@ def _split_k_args(ctx: OpContext, plan: str, m: int, n: int, k: int, group_size:
     return extra
 
 
-def _coopmat_split_k_args(ctx: OpContext, kernel: str, m: int, n: int, reduction: int) -> dict:
-    """A coopmat kernel's split-K (kernels/coopmat_tiling.py: small outputs, long reductions) on this route,
-    whose targets are the device profile's: the slices and their scratch, if it splits."""
-    split_k = ctx.gemm.default_split_k(kernel, m, n, reduction)
-    if split_k == 1:
-        return {}
-    return {"split_k": split_k, "scratch": ctx.scratch(4 * split_k * m * n, "split_k")}
-
-
 def _rank_args(ctx: OpContext, kernel: str, m: int, n: int, reduction: int) -> dict:
     """The coopmat plan's arguments that add `ctx.rank_product` in its epilogue (the output is then the
     product's; rank_epilogue.py), or {} where this plan cannot: it would split the reduction, its tiling's
@@ -236,14 +183,14 @@ def _lower_linear_q4gsw(ctx: OpContext) -> list[Dispatch]:
     m = x.numel // k
     gemm = dict(M=m, N=n, K=k, group_size=group_size, out=ctx.outputs[0].binding, x=x.binding,
                 weights=weights.binding, scales=scales.binding)
-    over = _over_binding_limit(ctx, [x, weights, scales, ctx.outputs[0]] + ([] if bias is None else [bias]))
+    over = over_binding_limit(ctx, [x, weights, scales, ctx.outputs[0]] + ([] if bias is None else [bias]))
     # The coopmat kernel has no bias epilogue, and no windows: an op over the limit takes the fp32 kernels.
     if bias is None and not over and ctx.gemm.takes_tensor_cores(m, n, k):
         rank = _rank_args(ctx, "coopmat_linear_q4gsw", m, n, k)
-        return _call(ctx, coopmat.plan_coopmat_linear_q4gsw, **{**gemm, **rank}, **ctx.gemm.plan_options,
-                     **({} if rank else _coopmat_split_k_args(ctx, "coopmat_linear_q4gsw", m, n, k)))
+        return call_plan(ctx, coopmat.plan_coopmat_linear_q4gsw, **{**gemm, **rank}, **ctx.gemm.plan_options,
+                     **({} if rank else coopmat_split_k_args(ctx, "coopmat_linear_q4gsw", m, n, k)))
     # fp16: the FP16 variant of the tiled body; no windows (an op over the limit keeps the fp32 kernels).
-    return _call(ctx, **gemm, bias=None if bias is None else bias.binding, binding_limit=ctx.binding_limit,
+    return call_plan(ctx, **gemm, bias=None if bias is None else bias.binding, binding_limit=ctx.binding_limit,
                  max_workgroup_size=ctx.max_workgroup_size,
                  **_split_k_args(ctx, "linear_q4gsw", m, n, k, group_size, over, fp16=ctx.gemm.fp16_simt and not over))
 
@@ -256,36 +203,36 @@ def _lower_linear_q4gsw_backward(ctx: OpContext) -> list[Dispatch]:
     m = d_out.numel // n
     gemm = dict(M=m, N=n, K=k, group_size=group_size, out=ctx.outputs[0].binding, d_out=d_out.binding,
                 weights=weights.binding, scales=scales.binding)
-    over = _over_binding_limit(ctx, [d_out, weights, scales, ctx.outputs[0]])
+    over = over_binding_limit(ctx, [d_out, weights, scales, ctx.outputs[0]])
     if not over and ctx.gemm.takes_tensor_cores(m, k, n):
         rank = _rank_args(ctx, "coopmat_linear_q4gsw_backward", m, k, n)
-        return _call(ctx, coopmat.plan_coopmat_linear_q4gsw_backward, **{**gemm, **rank}, **ctx.gemm.plan_options,
+        return call_plan(ctx, coopmat.plan_coopmat_linear_q4gsw_backward, **{**gemm, **rank}, **ctx.gemm.plan_options,
                      absmax=ctx.scratch(gemm_passes.absmax_scratch_nbytes(m * n), "absmax"),
-                     **({} if rank else _coopmat_split_k_args(ctx, "coopmat_linear_q4gsw_backward", m, k, n)))
+                     **({} if rank else coopmat_split_k_args(ctx, "coopmat_linear_q4gsw_backward", m, k, n)))
     if ctx.gemm.fp16_simt and not over:
-        return _call(ctx, **gemm, binding_limit=ctx.binding_limit, max_workgroup_size=ctx.max_workgroup_size,
+        return call_plan(ctx, **gemm, binding_limit=ctx.binding_limit, max_workgroup_size=ctx.max_workgroup_size,
                      absmax=ctx.scratch(gemm_passes.absmax_scratch_nbytes(m * n), "absmax"),
                      **_split_k_args(ctx, "linear_q4gsw_backward", m, n, k, group_size, fp16=True))
-    return _call(ctx, **gemm, binding_limit=ctx.binding_limit, max_workgroup_size=ctx.max_workgroup_size,
+    return call_plan(ctx, **gemm, binding_limit=ctx.binding_limit, max_workgroup_size=ctx.max_workgroup_size,
                  **_split_k_args(ctx, "linear_q4gsw_backward", m, n, k, group_size, over))
 
 
 def _lower_linear_dw(ctx: OpContext) -> list[Dispatch]:
-    _check_definition(ctx)
+    check_definition(ctx)
     d_out, x = ctx.tensor(0, "d_out"), ctx.tensor(1, "x")
     n, k = d_out.shape[-1], x.shape[-1]
     m = d_out.numel // n if n else 0
-    return _call(ctx, M=m, N=n, K=k, out=ctx.outputs[0].binding, d_out=d_out.binding, x=x.binding,
+    return call_plan(ctx, M=m, N=n, K=k, out=ctx.outputs[0].binding, d_out=d_out.binding, x=x.binding,
                  **_split_k_args(ctx, "linear_dW", m, n, k))
 
 
 def _lower_fused_ce(ctx: OpContext) -> list[Dispatch]:
-    _check_definition(ctx)
+    check_definition(ctx)
     logits, labels, n_valid = ctx.tensor(0, "logits"), ctx.tensor(1, "labels"), ctx.tensor(2, "n_valid")
     loss, dlogits = ctx.outputs
     rows, vocab = logits.shape
     row_loss = ctx.scratch(cross_entropy.fused_ce_scratch_nbytes(rows), "row_loss")
-    return _call(ctx, R=rows, V=vocab, logits=logits.binding, labels=labels.binding, n_valid=n_valid.binding,
+    return call_plan(ctx, R=rows, V=vocab, logits=logits.binding, labels=labels.binding, n_valid=n_valid.binding,
                  loss=loss.binding, dlogits=dlogits.binding, row_loss=row_loss, binding_limit=ctx.binding_limit,
                  workgroup_size=_reduction_workgroup_size(ctx, cross_entropy.DEFAULT_WORKGROUP_SIZE))
 
@@ -294,7 +241,7 @@ def _lower_adamw(ctx: OpContext) -> list[Dispatch]:
     """The GPU kernel updates (param, exp_avg, exp_avg_sq) in place. Where the blob stores an output in
     its input's storage (the backend's in-place pass) the kernel runs on it directly; otherwise the input
     is first copied into the output, which the kernel then updates."""
-    _check_definition(ctx)
+    check_definition(ctx)
     names = ("param", "exp_avg", "exp_avg_sq")
     sources = [ctx.tensor(i, name) for i, name in enumerate(names)]
     grad, hparams, step = ctx.tensor(3, "grad"), ctx.tensor(4, "hparams"), ctx.tensor(5, "step")
@@ -306,18 +253,18 @@ def _lower_adamw(ctx: OpContext) -> list[Dispatch]:
                                      label=f"{ctx.label}.copy_{name}", binding_limit=ctx.binding_limit)
     if numel == 0:
         return dispatches
-    return dispatches + _call(ctx, numel=numel, param=ctx.outputs[0].binding,
+    return dispatches + call_plan(ctx, numel=numel, param=ctx.outputs[0].binding,
                               exp_avg=ctx.outputs[1].binding, exp_avg_sq=ctx.outputs[2].binding,
                               grad=grad.binding, hparams=hparams.binding, step=step.binding,
                               binding_limit=ctx.binding_limit)
 
 
 def _lower_q4gsw_requant(ctx: OpContext) -> list[Dispatch]:
-    _check_definition(ctx)
+    check_definition(ctx)
     latent, scales = ctx.tensor(0, "latent"), ctx.tensor(1, "scales")
     group_size = ctx.args[2]
     n, k = _q4gsw_dims(scales, group_size)
-    return _call(ctx, N=n, K=k, group_size=group_size, out=ctx.outputs[0].binding,
+    return call_plan(ctx, N=n, K=k, group_size=group_size, out=ctx.outputs[0].binding,
                  latent=latent.binding, scales=scales.binding)
 
 
@@ -333,26 +280,26 @@ def _reduction_workgroup_size(ctx: OpContext, default: int) -> int:
 
 
 def _lower_rms_norm(ctx: OpContext) -> list[Dispatch]:
-    _check_definition(ctx)
+    check_definition(ctx)
     x, weight = ctx.tensor(0, "x"), ctx.tensor(1, "weight")
     y, rstd = ctx.outputs
-    return _call(ctx, rows=x.numel // x.shape[-1], dim=x.shape[-1], x=x.binding, weight=weight.binding,
+    return call_plan(ctx, rows=x.numel // x.shape[-1], dim=x.shape[-1], x=x.binding, weight=weight.binding,
                  y=y.binding, rstd=rstd.binding, eps=ctx.real(2, "eps"), workgroup_size=_reduction_workgroup_size(ctx, norm.DEFAULT_WORKGROUP_SIZE))
 
 
 def _lower_rms_norm_backward(ctx: OpContext) -> list[Dispatch]:
-    _check_definition(ctx)
+    check_definition(ctx)
     d_y, x, weight, rstd = (ctx.tensor(i, name) for i, name in enumerate(("d_y", "x", "weight", "rstd")))
-    return _call(ctx, rows=x.numel // x.shape[-1], dim=x.shape[-1], d_y=d_y.binding, x=x.binding,
+    return call_plan(ctx, rows=x.numel // x.shape[-1], dim=x.shape[-1], d_y=d_y.binding, x=x.binding,
                  weight=weight.binding, rstd=rstd.binding, d_x=ctx.outputs[0].binding,
                  workgroup_size=_reduction_workgroup_size(ctx, norm.DEFAULT_WORKGROUP_SIZE))
 
 
 def _lower_rope(ctx: OpContext) -> list[Dispatch]:
-    _check_definition(ctx)
+    check_definition(ctx)
     x, cos, sin = ctx.tensor(0, "x"), ctx.tensor(1, "cos"), ctx.tensor(2, "sin")
     batch, seq, heads, head_dim = x.shape
-    return _call(ctx, B=batch, S=seq, H=heads, D=head_dim, x=x.binding, cos=cos.binding, sin=sin.binding,
+    return call_plan(ctx, B=batch, S=seq, H=heads, D=head_dim, x=x.binding, cos=cos.binding, sin=sin.binding,
                  out=ctx.outputs[0].binding, per_token=len(cos.shape) == 3)
 
 
@@ -363,22 +310,22 @@ def _attention_dims(q: TensorArg, k: TensorArg) -> dict[str, int]:
 
 
 def _lower_causal_attention(ctx: OpContext) -> list[Dispatch]:
-    _check_definition(ctx)
+    check_definition(ctx)
     q, k, v = ctx.tensor(0, "q"), ctx.tensor(1, "k"), ctx.tensor(2, "v")
     out, lse = ctx.outputs
     dims, shared = _attention_dims(q, k), ctx.shared_memory_bytes
     args = dict(**dims, q=q.binding, k=k.binding, v=v.binding, out=out.binding, lse=lse.binding,
                 scale=ctx.real(3, "scale"), shared_memory_bytes=shared)
     if ctx.args[4] is not None:  # packed documents: the fp32 kernels' DOCUMENTS variant (no tensor-core one)
-        return _call(ctx, **args, positions=ctx.tensor(4, "positions").binding,
+        return call_plan(ctx, **args, positions=ctx.tensor(4, "positions").binding,
                      max_workgroup_size=ctx.max_workgroup_size)
     if coopmat_attention.takes_tensor_cores(ctx.gemm, **dims, shared_memory_bytes=shared, backward=False):
-        return _call(ctx, coopmat_attention.plan_coopmat_causal_attention, **args, **ctx.gemm.plan_options)
-    return _call(ctx, **args, max_workgroup_size=ctx.max_workgroup_size)
+        return call_plan(ctx, coopmat_attention.plan_coopmat_causal_attention, **args, **ctx.gemm.plan_options)
+    return call_plan(ctx, **args, max_workgroup_size=ctx.max_workgroup_size)
 
 
 def _lower_causal_attention_backward(ctx: OpContext) -> list[Dispatch]:
-    _check_definition(ctx)
+    check_definition(ctx)
     names = ("d_out", "q", "k", "v", "out", "lse")
     d_out, q, k, v, out, lse = (ctx.tensor(i, name) for i, name in enumerate(names))
     dims = _attention_dims(q, k)
@@ -392,14 +339,14 @@ def _lower_causal_attention_backward(ctx: OpContext) -> list[Dispatch]:
                 lse=lse.binding, d_q=d_q.binding, d_k=d_k.binding, d_v=d_v.binding, delta=delta,
                 scale=ctx.real(6, "scale"), shared_memory_bytes=ctx.shared_memory_bytes)
     if ctx.args[7] is not None:  # packed documents: as the forward
-        return _call(ctx, **args, positions=ctx.tensor(7, "positions").binding,
+        return call_plan(ctx, **args, positions=ctx.tensor(7, "positions").binding,
                      max_workgroup_size=ctx.max_workgroup_size)
     if coopmat_attention.takes_tensor_cores(ctx.gemm, **dims, shared_memory_bytes=ctx.shared_memory_bytes,
                                             backward=True):
         absmax = ctx.scratch(coopmat_attention.backward_absmax_scratch_nbytes(**dims), "absmax")
-        return _call(ctx, coopmat_attention.plan_coopmat_causal_attention_backward, **args, absmax=absmax,
+        return call_plan(ctx, coopmat_attention.plan_coopmat_causal_attention_backward, **args, absmax=absmax,
                      **ctx.gemm.plan_options)
-    return _call(ctx, **args, max_workgroup_size=ctx.max_workgroup_size)
+    return call_plan(ctx, **args, max_workgroup_size=ctx.max_workgroup_size)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -449,108 +396,6 @@ def _lower_transpose(ctx: OpContext) -> list[Dispatch]:
         raise ctx.fail(f"the copy kernel refused it: {exc}") from exc
 
 
-def _split_k_scratch(ctx: OpContext, batch: int, m: int, n: int, k: int, *tensors: TensorArg) -> BufferBinding | None:
-    """The split-K scratch the default GEMM plan of [batch, m, k] @ [batch, k, n] uses, or None when it would
-    not split (kernels/matmul.py: skinny outputs, long reductions; `tensors` over the binding limit: windows)."""
-    nbytes = matmul.gemm_scratch_nbytes(batch, m, n, k, ctx.gemm.fp32_tuning, ctx.binding_limit,
-                                        [tensor.binding.size for tensor in tensors])
-    return ctx.scratch(nbytes, "split_k") if nbytes else None
-
-
-def _float_matrices(ctx: OpContext, positions: Sequence[tuple[int, str]]) -> list[TensorArg]:
-    """The GEMM operands, after the op definition's rank and shape checks; the GEMM kernels are fp32."""
-    _check_definition(ctx)
-    tensors = [ctx.tensor(position, name) for position, name in positions]
-    for tensor, (_, name) in zip(tensors, positions):
-        if tensor.dtype != "float32":
-            raise ctx.fail(f"{name} must be float32, got {tensor.dtype}")
-    return tensors
-
-
-MM_SCALED = "vktrain.mm_scaled.default"
-
-
-def _lower_gemm(ctx: OpContext) -> list[Dispatch]:
-    """aten.mm / aten.addmm / vktrain.mm_scaled through the GEMM's strided operands (a lazily transposed input
-    costs nothing); on the tensor cores where the route takes the product (an addmm's bias only as coopmat_mm's
-    addend) and every operand fits one binding (coopmat binds whole operands), else through plan_gemm, which
-    cuts operands over the binding limit into windows. mm_scaled's scale is the fp32 kernels' epilogue
-    (plan_gemm's `scale`); where the product takes coopmat_mm or windows, neither of which scales a whole sum,
-    the mm writes the output and a second dispatch multiplies it in place (`_scaled_product`)."""
-    scale = None
-    if ctx.op.name == "aten.addmm.default":
-        bias, a, b = _float_matrices(ctx, ((0, "self"), (1, "mat1"), (2, "mat2")))
-        beta, alpha = ctx.real(3, "beta"), ctx.real(4, "alpha")
-    else:
-        (a, b), bias, beta, alpha = _float_matrices(ctx, ((0, "self"), (1, "mat2"))), None, 1.0, 1.0
-        scale = ctx.real(2, "scale") if ctx.op.name == MM_SCALED else None
-    out = ctx.outputs[0]
-    operands = (a, b, out) + ((bias,) if bias is not None else ())
-    over = layout.exceeds(ctx.binding_limit, [t.binding.size for t in operands])
-    b_transposed = None if over else ctx.gemm.dense_b_transposed(a.strided, b.strided)
-    if scale is not None and (over or b_transposed is not None):
-        return _scaled_product(ctx, out, scale)
-    if b_transposed is not None and (bias is None or coopmat.takes_addend(bias.strided, out.shape, beta, alpha)):
-        return _call(ctx, coopmat.plan_coopmat_mm, M=a.shape[0], N=b.shape[1], K=a.shape[1], out=out.binding,
-                     a=a.binding, b=b.binding, b_transposed=b_transposed, addend=bias and bias.binding,
-                     absmax=ctx.scratch(gemm_passes.absmax_scratch_nbytes(a.numel, b.numel), "absmax"),
-                     **ctx.gemm.plan_options, **_coopmat_split_k_args(
-                         ctx, "coopmat_mm_b_transposed" if b_transposed else "coopmat_mm", a.shape[0], b.shape[1],
-                         a.shape[1]))
-    # fp16: matmul.slang's FP16 variant where the route's size gate takes the product and it reads both operands
-    # in place from their bindings' start (each one's absmax pass reads its first numel elements).
-    if (not over and ctx.gemm.fp16_takes_mm(a.shape[0], b.shape[1], a.shape[1])
-            and matmul.fp16_reads_in_place(a.strided, b.strided)):
-        m, n, k = a.shape[0], b.shape[1], a.shape[1]
-        nbytes = matmul.gemm_scratch_nbytes(1, m, n, k)  # the shared-memory body's split (GPU tuning)
-        return _call(ctx, matmul.plan_gemm, out=out.binding, a=a.binding, a_view=a.strided, b=b.binding,
-                     b_view=b.strided, bias=bias and bias.binding, bias_view=bias and bias.strided, alpha=alpha,
-                     beta=beta, scratch=ctx.scratch(nbytes, "split_k") if nbytes else None, fp16=True,
-                     absmax=ctx.scratch(gemm_passes.absmax_scratch_nbytes(a.numel, b.numel), "absmax"),
-                     max_workgroup_size=ctx.max_workgroup_size, scale=scale)
-    try:
-        scratch = _split_k_scratch(ctx, 1, a.shape[0], b.shape[1], a.shape[1], *operands)
-        return matmul.plan_gemm(out.binding, a.binding, a.strided, b.binding, b.strided, bias=bias and bias.binding,
-                                bias_view=bias and bias.strided, alpha=alpha, beta=beta, scratch=scratch,
-                                tuning=ctx.gemm.fp32_tuning, binding_limit=ctx.binding_limit,
-                                max_workgroup_size=ctx.max_workgroup_size, scale=scale, label=ctx.label)
-    except (ValueError, TypeError) as exc:
-        raise ctx.fail(f"the matmul kernel refused it: {exc}") from exc
-
-
-def _scaled_product(ctx: OpContext, out: TensorArg, scale: float) -> list[Dispatch]:
-    """mm_scaled as the pair it replaced: aten.mm's plan of the same operands on this route into the output, then
-    the multiply by the scale in place (gemm_passes.plan_scale_in_place: the fp32 multiply of the elementwise
-    mul, binding the output once, as WebGPU requires), as many dispatches as the pair."""
-    as_mm = dataclasses.replace(ctx, op=vk.OpCall("aten.mm.default", ctx.op.args[:2], ctx.op.outputs),
-                                args=ctx.args[:2])
-    return _lower_gemm(as_mm) + [gemm_passes.plan_scale_in_place(out=out.binding, numel=out.numel, scale=scale,
-                                                                 label=f"{ctx.label}.scale")]
-
-
-def _lower_bmm(ctx: OpContext) -> list[Dispatch]:
-    a, b = _float_matrices(ctx, ((0, "self"), (1, "mat2")))
-    scratch = _split_k_scratch(ctx, a.shape[0], a.shape[1], b.shape[2], a.shape[2])
-    return _call(ctx, self=a.binding, self_shape=a.shape, self_dtype=a.dtype, mat2=b.binding,
-                 mat2_shape=b.shape, mat2_dtype=b.dtype, out=ctx.outputs[0].binding, scratch=scratch,
-                 tuning=ctx.gemm.fp32_tuning, max_workgroup_size=ctx.max_workgroup_size)
-
-
-def _lower_linear_q8_0(ctx: OpContext) -> list[Dispatch]:
-    """linear_q8_0 (x @ W^T) and its backward (d_out @ W) of a Q8_0 matrix W [N, K] (kernels/q8_0.py), with
-    the GEMM tuning and split-K scratch aten.mm gets."""
-    _check_definition(ctx)
-    name = op_def(ctx.op.name).schema.arg_names[0]  # x or d_out
-    rows_input, codes, scales = ctx.tensor(0, name), ctx.tensor(1, "codes"), ctx.tensor(2, "scales")
-    inner, columns = rows_input.shape[-1], ctx.outputs[0].shape[-1]
-    scratch = _split_k_scratch(ctx, 1, rows_input.numel // inner if inner else 0, columns, inner, rows_input, codes,
-                               scales, ctx.outputs[0])
-    return _call(ctx, **{name: rows_input.binding, f"{name}_shape": rows_input.shape}, codes=codes.binding,
-                 codes_shape=codes.shape, scales=scales.binding, scales_shape=scales.shape, out=ctx.outputs[0].binding,
-                 scratch=scratch, tuning=ctx.gemm.fp32_tuning, binding_limit=ctx.binding_limit,
-                 max_workgroup_size=ctx.max_workgroup_size)
-
-
 # vktrain ops whose plans take derived sizes (M / N / K, B / S / H / D) instead of the keyword convention.
 _VKTRAIN_LOWERINGS = {
     "vktrain.linear_q4gsw.default": _lower_linear_q4gsw,
@@ -564,15 +409,12 @@ _VKTRAIN_LOWERINGS = {
     "vktrain.rope.default": _lower_rope,
     "vktrain.causal_attention.default": _lower_causal_attention,
     "vktrain.causal_attention_backward.default": _lower_causal_attention_backward,
-    "vktrain.linear_q8_0.default": _lower_linear_q8_0,
-    "vktrain.linear_q8_0_backward.default": _lower_linear_q8_0,
 }
 # Ops whose lowering is not the shared keyword convention (every other defined op uses it).
 _CUSTOM_LOWERINGS = {
     **_VKTRAIN_LOWERINGS,
     **{key: _lower_transpose for key in TRANSPOSE_OPS},
-    "aten.mm.default": _lower_gemm, "aten.bmm.default": _lower_bmm, "aten.addmm.default": _lower_gemm,
-    MM_SCALED: _lower_gemm,
+    **GEMM_LOWERINGS,
 }
 
 OP_LOWERINGS: dict[str, OpLowering] = {

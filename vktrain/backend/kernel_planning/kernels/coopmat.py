@@ -66,7 +66,6 @@ from vktrain.backend.kernel_planning.kernels.coopmat_tiling import (
     SIZE_TILE_N,
     SPLIT_TARGET_WORKGROUPS,
     STARVED_REDUCTION,
-    RANK_TILINGS,
     CoopmatTiling,
     default_split_k,
     default_tiling,

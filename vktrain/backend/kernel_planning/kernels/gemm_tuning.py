@@ -30,7 +30,7 @@ TUNING_ENV = "VKTRAIN_GEMM_TUNING"
 
 # Vulkan's VkPhysicalDeviceType names as vktrain's Device reports them (Device.device_type).
 CPU_DEVICE_TYPE = "cpu"
-# What the CPU bodies need (linear_tiles.CPU_LANES = matmul.CPU_LANES invocations per workgroup).
+# What the CPU bodies need (linear_tiles.CPU_LANES = matmul_cpu.CPU_LANES invocations per workgroup).
 CPU_SUBGROUP_SIZE = 8
 SUBGROUP_SHUFFLE_BIT = 0x10  # VK_SUBGROUP_FEATURE_SHUFFLE_BIT
 

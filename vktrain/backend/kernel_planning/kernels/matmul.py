@@ -40,7 +40,7 @@ reduce pass), the same fp32 bound. A forced `tile` or `split_k` keeps the tiles.
 
 Device tuning (kernels/gemm_tuning.py). With `tuning=CPU_TUNING` (the executor's choice on a CPU
 Vulkan implementation) a GEMM whose tile is not forced runs matmul.slang's CPU_REGISTER_TILES variant
-(body matmul_cpu.slangh): workgroups of CPU_LANES invocations along N, each owning CPU_TM x CPU_TN outputs
+(body matmul_cpu.slangh, its variant choice kernels/matmul_cpu.py): workgroups of CPU_LANES invocations along N, each owning CPU_TM x CPU_TN outputs
 in registers (CPU_TM by `cpu_tile_rows`), no shared memory, no barrier; the default plan then never
 splits K (explicit `split_k` still works: the body reads the same slices).
 
@@ -75,7 +75,7 @@ from typing import Any, Sequence
 
 from vktrain.serialization.dispatch import BufferBinding, Dispatch
 from vktrain.serialization.dispatch import ceil_div, pack_push
-from vktrain.backend.kernel_planning.kernels.gemm_tuning import CPU_TUNING, GPU_TUNING, check_tuning
+from vktrain.backend.kernel_planning.kernels.gemm_tuning import GPU_TUNING
 from vktrain.backend.kernel_planning.kernels import layout
 from vktrain.serialization.strided_view import MAX_ELEMENTS, KernelArgumentError, StridedView, check_shape
 from vktrain.backend.kernel_planning.kernels.layout import BindingLimit, binding, sub_binding, check_dtype, check_view_fits
@@ -85,6 +85,8 @@ from vktrain.backend.kernel_planning.kernels.gemm_passes import absmax_partials,
 from vktrain.backend.kernel_planning.kernels.gemm_passes import split_k_scratch_nbytes as linear_split_k_scratch_nbytes
 from vktrain.backend.kernel_planning.kernels.registry import register_kernel
 from vktrain.backend.kernel_planning.kernels import matmul_thin
+from vktrain.backend.kernel_planning.kernels.matmul_cpu import (CPU_LANES, CPU_TN, cpu_gemm_variant, cpu_tile_rows,
+                                                                takes_cpu_body)
 
 TILE_K = 16
 MICRO_TILE = 4  # outputs per thread along M and along N
@@ -97,7 +99,6 @@ NARROW_TILES = {(64, 64): (32, 64)}
 SKINNY_DIM = 16  # an output dim up to this takes the 16-wide tile along it
 A_M_FASTEST_SPEC_ID = 3
 B_K_FASTEST_SPEC_ID = 4
-B_N_PAIRS_SPEC_ID = 5  # the CPU body's B_PAIRS direction (matmul_cpu.slangh)
 
 # Split-K targets: threads for a large GPU (512 workgroups of 256 = ~4 per SM of a 132-SM H200; the
 # 64-thread skinny tiles get 4x as many workgroups); slices no shorter than MIN_SPLIT_SLICE (8 K
@@ -106,18 +107,6 @@ B_N_PAIRS_SPEC_ID = 5  # the CPU body's B_PAIRS direction (matmul_cpu.slangh)
 TARGET_THREADS = 512 * 256
 MIN_SPLIT_SLICE = 128
 MAX_SPLIT_K = 32
-
-# The CPU_REGISTER_TILES body (matmul_cpu.slangh): a workgroup of CPU_LANES invocations (one subgroup: the
-# 8 fp32 lanes of a 256-bit CPU vector), each owning CPU_TM rows x CPU_TN adjacent columns of C. CPU_TM
-# is the largest of CPU_TM_CHOICES not above M (the first when M is smaller; rows past M are computed
-# and dropped): each element of B a lane loads feeds CPU_TM products, and on lavapipe 64 rows ran the
-# 64-token head and LoRA products 1.2-1.7x faster than 16. Its loop over K advances 2 * CPU_LANES steps
-# at a time and lavapipe ends an invocation after 65535 trips of one loop, so a longer reduction keeps
-# the shared-memory body.
-CPU_LANES = 8
-CPU_TM_CHOICES = (16, 32, 64)  # 16: the shader's default, the others its CPU_TM=... variants
-CPU_TN = 2
-CPU_MAX_K = 2 * CPU_LANES * 65535
 
 
 def _as_batched(view: StridedView, what: str) -> StridedView:
@@ -188,36 +177,6 @@ def split_k_scratch_nbytes(batch: int, M: int, N: int, split_k: int) -> int:
     return linear_split_k_scratch_nbytes(batch * M, N, split_k)
 
 
-def _takes_cpu_body(K: int, tile: Any, tuning: str, label: str) -> bool:
-    """Whether a GEMM takes the CPU_REGISTER_TILES body: CPU_TUNING, no forced tile, K within its loop."""
-    return check_tuning(tuning, f"{label}: tuning") == CPU_TUNING and tile is None and K <= CPU_MAX_K
-
-
-def _pairs(view: StridedView, contiguous_dim: int, length: int) -> bool:
-    """Whether the CPU body may load `view` two floats at a time along `contiguous_dim`: stride 1 there,
-    every other stride and the offset even (so each pair is 8-byte aligned), an even `length` along it."""
-    others = [stride for dim, stride in enumerate(view.strides) if dim != contiguous_dim]
-    return view.strides[contiguous_dim] == 1 and length % 2 == 0 and all(x % 2 == 0 for x in [view.offset, *others])
-
-
-def cpu_tile_rows(M: int) -> int:
-    """CPU_TM for an output of M rows: the largest of CPU_TM_CHOICES not above M, else the smallest."""
-    return max([tm for tm in CPU_TM_CHOICES if tm <= M], default=CPU_TM_CHOICES[0])
-
-
-def cpu_gemm_variant(A: StridedView, B: StridedView, has_bias: bool) -> tuple[str, dict[int, bool]]:
-    """The CPU body's shader and specialization constants for batched views A [b, M, K], B [b, K, N]:
-    64-bit pair loads of A along k, of B along n or else along k, wherever they are aligned, and
-    cpu_tile_rows(M) rows per invocation."""
-    M, K, N = A.sizes[1], A.sizes[2], B.sizes[2]
-    b_n_pairs = _pairs(B, 2, N)
-    a_pairs, b_pairs = _pairs(A, 2, K), b_n_pairs or _pairs(B, 1, K)
-    tm = cpu_tile_rows(M)
-    name = f"matmul@HAS_BIAS={int(has_bias)}+CPU_REGISTER_TILES" + ("+A_PAIRS" if a_pairs else "") \
-        + ("+B_PAIRS" if b_pairs else "") + ("" if tm == CPU_TM_CHOICES[0] else f"+CPU_TM={tm}")
-    return name, ({B_N_PAIRS_SPEC_ID: b_n_pairs} if b_pairs else {})
-
-
 def gemm_scratch_nbytes(batch: int, M: int, N: int, K: int, tuning: str = GPU_TUNING,
                         binding_limit: BindingLimit | None = None, binding_sizes: Sequence[int] = ()) -> int:
     """Bytes of scratch the default plan of a [batch, M, K] @ [batch, K, N] GEMM uses when given one
@@ -228,7 +187,7 @@ def gemm_scratch_nbytes(batch: int, M: int, N: int, K: int, tuning: str = GPU_TU
     for name, value in (("batch", batch), ("M", M), ("N", N), ("K", K)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
             raise KernelArgumentError(f"gemm_scratch_nbytes: {name} must be an int >= 0, got {value!r}")
-    if _takes_cpu_body(K, None, tuning, "gemm_scratch_nbytes"):
+    if takes_cpu_body(K, None, tuning, "gemm_scratch_nbytes"):
         return 0
     thin = matmul_thin.thin_scratch_nbytes(M, N, K) if batch == 1 and tuning == GPU_TUNING else 0
     return max(thin, split_k_scratch_nbytes(batch, M, N, default_split_k(batch, M, N, K)))
@@ -323,7 +282,7 @@ def plan_gemm(out: Any, a: Any, a_view: StridedView, b: Any, b_view: StridedView
             f"{label}: the output [{batch}, {M}, {N}] has more than {MAX_ELEMENTS} elements (32-bit indices)")
     c_row_stride = _check_c_placement(c_offset, c_row_stride, batch, M, N, label)
     strided_c = c_offset != 0 or c_row_stride != N
-    cpu_body = not fp16 and _takes_cpu_body(K, tile, tuning, label)
+    cpu_body = not fp16 and takes_cpu_body(K, tile, tuning, label)
     if batch * M * N and split_k is None and tile is None and not (fp16 or strided_c or b_scales is not None):
         thin = matmul_thin.plan_if_thin(out, a, A, b, B, bias, bias_view, alpha, beta, scratch, tuning,
                                         max_workgroup_size, label, scale=scale)
