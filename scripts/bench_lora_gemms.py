@@ -149,7 +149,7 @@ def bench_site(device, T: int, d_in: int, d_out: int, args, rng) -> list[dict]:
     return records
 
 
-def _parse_sites(text: str) -> list[tuple[int, int]]:
+def parse_sites(text: str) -> list[tuple[int, int]]:
     try:
         sites = [tuple(int(v) for v in item.split(":")) for item in text.split(",") if item]
     except ValueError:
@@ -160,10 +160,18 @@ def _parse_sites(text: str) -> list[tuple[int, int]]:
     return sites
 
 
+def parse_tokens(parser: argparse.ArgumentParser, text: str) -> list[int]:
+    """--tokens' comma-separated T values (a parser error otherwise)."""
+    try:
+        return [int(t) for t in text.split(",") if t]
+    except ValueError:
+        parser.error(f"--tokens takes integers separated by commas, got {text!r}")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tokens", default="2048,128", help="T values, comma-separated (default 2048,128)")
-    parser.add_argument("--sites", type=_parse_sites, default=list(SITES),
+    parser.add_argument("--sites", type=parse_sites, default=list(SITES),
                         help="in:out pairs (default: Llama-3.2-1B's)")
     parser.add_argument("--rank", type=int, default=16)
     parser.add_argument("--replays", type=int, default=20)
@@ -173,10 +181,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if out_error(args.out):
         parser.error(out_error(args.out))
-    try:
-        tokens = [int(t) for t in args.tokens.split(",") if t]
-    except ValueError:
-        parser.error(f"--tokens takes integers separated by commas, got {args.tokens!r}")
+    tokens = parse_tokens(parser, args.tokens)
     rng = np.random.default_rng(0)
     results = []
     with Device(validation=False) as device:

@@ -32,6 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_coopmat import rel_err, time_program  # noqa: E402
+from bench_lora_gemms import LAYERS, SITES, parse_sites  # noqa: E402
 from bench_results import out_error  # noqa: E402
 from vktrain import quant  # noqa: E402
 from vktrain.backend.kernel_planning.kernels import coopmat, gemm_passes, matmul  # noqa: E402
@@ -43,8 +44,6 @@ from vktrain.runtime import Buffer, Device  # noqa: E402
 from vktrain.runtime.device_profiles import profile_of  # noqa: E402
 from vktrain.serialization.strided_view import StridedView  # noqa: E402
 
-LAYERS = 16
-SITES = {(2048, 2048): 2, (2048, 512): 2, (2048, 8192): 2, (8192, 2048): 1}  # (in, out) -> sites per layer
 GROUP_SIZE = 32
 CHECK_ROWS = 32
 
@@ -138,21 +137,10 @@ def bench_site(device, route, tuning: str, T: int, d_in: int, d_out: int, args, 
     return records
 
 
-def _parse_sites(text: str) -> list[tuple[int, int]]:
-    try:
-        sites = [tuple(int(v) for v in item.split(":")) for item in text.split(",") if item]
-    except ValueError:
-        sites = []
-    if not sites or any(len(site) != 2 or min(site) < 1 for site in sites):
-        raise argparse.ArgumentTypeError(f"--sites takes in:out pairs separated by commas (e.g. 2048:512), "
-                                         f"got {text!r}")
-    return sites
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tokens", type=int, default=2048, help="T, the step's tokens (default 2048: 4 x 512)")
-    parser.add_argument("--sites", type=_parse_sites, default=list(SITES), help="in:out pairs (default: Llama-3.2-1B's)")
+    parser.add_argument("--sites", type=parse_sites, default=list(SITES), help="in:out pairs (default: Llama-3.2-1B's)")
     parser.add_argument("--rank", type=int, default=16)
     parser.add_argument("--replays", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=3)

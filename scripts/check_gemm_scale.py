@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_coopmat import time_program  # noqa: E402
-from bench_lora_gemms import LAYERS, SITES, _parse_sites  # noqa: E402
+from bench_lora_gemms import LAYERS, SITES, parse_sites, parse_tokens  # noqa: E402
 from bench_results import out_error  # noqa: E402
 from vktrain.runtime import Buffer, Device  # noqa: E402
 from vktrain.backend.kernel_planning.kernels import matmul  # noqa: E402
@@ -95,7 +95,7 @@ def check_site(device, T: int, d_in: int, d_out: int, args, rng) -> list[dict]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tokens", default="2048", help="T values, comma-separated (default 2048: 4 x 512)")
-    parser.add_argument("--sites", type=_parse_sites, default=list(SITES),
+    parser.add_argument("--sites", type=parse_sites, default=list(SITES),
                         help="in:out pairs (default: Llama-3.2-1B's)")
     parser.add_argument("--rank", type=int, default=16)
     parser.add_argument("--replays", type=int, default=20)
@@ -104,10 +104,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if out_error(args.out):
         parser.error(out_error(args.out))
-    try:
-        tokens = [int(t) for t in args.tokens.split(",") if t]
-    except ValueError:
-        parser.error(f"--tokens takes integers separated by commas, got {args.tokens!r}")
+    tokens = parse_tokens(parser, args.tokens)
     rng = np.random.default_rng(0)
     results = []
     with Device(validation=False) as device:

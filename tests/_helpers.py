@@ -200,3 +200,48 @@ def assert_training_matches_reference(losses: Sequence[float], state: dict[str, 
         assert worst[0][1] <= DELTA_REL_FROB, (
             f"{label}: relative Frobenius error vs the float64 reference above {DELTA_REL_FROB}: "
             + ", ".join(f"{name} {error:.2e}" for name, error in worst))
+
+
+def ptes_with_and_without(graph_pass, model, batch_shape: tuple[int, int], folder: Path) -> tuple[Path, Path]:
+    """The model's training step lowered twice, every backend pass the same but `graph_pass` left out of the
+    second (a pass's bit-identity tests): (with, without)."""
+    import pytest
+    import vktrain.backend.passes as backend_passes
+    from vktrain.export import export_training_step, lower_to_pte
+
+    program = export_training_step(model, batch_shape)
+    paths = {}
+    for fused in (True, False):
+        passes = backend_passes.PASSES if fused else tuple(p for p in backend_passes.PASSES if p is not graph_pass)
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(backend_passes, "PASSES", passes)
+            paths[fused] = folder / f"step_{'fused' if fused else 'unfused'}.pte"
+            paths[fused].write_bytes(lower_to_pte(program))
+    return paths[True], paths[False]
+
+
+def next_token_batches(batch_shape: tuple[int, int], vocab: int, steps: int, seed: int) -> list:
+    """`steps` random (token_ids, labels) batches, labels the next token (-1 past the end)."""
+    import torch
+
+    generator = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(steps):
+        token_ids = torch.randint(0, vocab, batch_shape, generator=generator)
+        labels = torch.roll(token_ids, -1, dims=1)
+        labels[:, -1] = -1
+        out.append((token_ids.numpy(), labels.numpy()))
+    return out
+
+
+def train_recorded(path: Path, device, batches: Iterable, hparams: np.ndarray, planner=None, **options):
+    """Train `batches` from the .pte planned at load: (op names, (shader, label) per dispatch, losses, state)."""
+    from vktrain.backend.kernel_planning import plan_schedule
+    from vktrain.runtime.program.runner import TrainingRunner
+
+    with TrainingRunner.from_pte(path, device, planner=planner or plan_schedule, **options) as runner:
+        ops = [op.name for op in runner.executor.ops]
+        dispatches = [(d.shader, d.label) for d in runner.executor.dispatches]
+        losses = [runner.step(token_ids, labels, hparams) for token_ids, labels in batches]
+        state = {name: np.array(array, copy=True) for name, array in runner.state_dict().items()}
+    return ops, dispatches, losses, state

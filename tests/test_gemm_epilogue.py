@@ -15,17 +15,17 @@ import numpy as np
 import pytest
 import torch
 
-import vktrain.backend.passes as backend_passes
-from vktrain.backend.passes import PASSES, compile_graph
+from vktrain.backend.passes import compile_graph
 from vktrain.backend.passes.gemm_epilogue import fuse_gemm_epilogues
 from vktrain.backend.passes.views import SHAPE_ONLY_VIEWS
 from vktrain.contract import PRECISION_FP16_TC
-from vktrain.export import export_training_step, lower_to_pte
 from vktrain.lora import LoRAConfig, apply_lora
 from vktrain.models import build_model
 from vktrain.runtime.program.runner import TrainingRunner
 from vktrain.serialization import graph as vk
 from vktrain.backend.kernel_planning import plan_schedule
+
+from _helpers import next_token_batches, ptes_with_and_without, train_recorded
 
 F32 = vk.DType.FLOAT32
 MM, ADDMM, ADD, VIEW = "aten.mm.default", "aten.addmm.default", "aten.add.Tensor", "aten.view_copy.default"
@@ -186,44 +186,12 @@ def test_a_sum_of_two_products_fuses_one_and_keeps_the_other_an_operand():
 
 
 # ----------------------------------------------------------------------------------- the training step
-def _programs(model, batch, tmp_path):
-    """The step's .pte with and without the pass (every other pass the same)."""
-    program = export_training_step(model, batch)
-    paths = {}
-    for fused in (True, False):
-        passes = PASSES if fused else tuple(p for p in PASSES if p is not fuse_gemm_epilogues)
-        with pytest.MonkeyPatch.context() as patch:
-            patch.setattr(backend_passes, "PASSES", passes)
-            paths[fused] = tmp_path / f"step_{'fused' if fused else 'unfused'}.pte"
-            paths[fused].write_bytes(lower_to_pte(program))
-    return paths[True], paths[False]
-
-
-def _batches(batch, vocab, steps):
-    generator = torch.Generator().manual_seed(5)
-    out = []
-    for _ in range(steps):
-        token_ids = torch.randint(0, vocab, batch, generator=generator)
-        labels = torch.roll(token_ids, -1, dims=1)
-        labels[:, -1] = -1
-        out.append((token_ids.numpy(), labels.numpy()))
-    return out
-
-
 HPARAMS = np.array([1e-2, 0.9, 0.999, 1e-8, 0.01], np.float32)
 
 
-def _train(path, device, batches, **options):
-    with TrainingRunner.from_pte(path, device, planner=plan_schedule, **options) as runner:
-        ops = [op.name for op in runner.executor.ops]
-        shaders = [d.shader for d in runner.executor.dispatches]
-        losses = [runner.step(token_ids, labels, HPARAMS) for token_ids, labels in batches]
-        state = {name: np.array(array, copy=True) for name, array in runner.state_dict().items()}
-    return ops, shaders, losses, state
-
-
 def _assert_same_bits(fused, unfused):
-    (ops, shaders, losses, state), (ops_u, shaders_u, losses_u, state_u) = fused, unfused
+    (ops, dispatches, losses, state), (ops_u, dispatches_u, losses_u, state_u) = fused, unfused
+    shaders, shaders_u = [s for s, _ in dispatches], [s for s, _ in dispatches_u]
     assert losses == losses_u, (losses, losses_u)
     assert state.keys() == state_u.keys()
     for name in state:
@@ -266,23 +234,26 @@ def tiny_llama_programs(tmp_path_factory):
     # over enough to take the tensor cores (coopmat_mm's ADDEND variant) on the fp16-tc route; at a rank of
     # 64 or less they keep matmul.slang's bias epilogue.
     apply_lora(model, LoRAConfig(rank=68, alpha=136, seed=0))
-    return _programs(model, (2, 8), tmp_path_factory.mktemp("tiny_llama")), model.vocab_size
+    return ptes_with_and_without(fuse_gemm_epilogues, model, (2, 8), tmp_path_factory.mktemp("tiny_llama")), model.vocab_size
 
 
 def test_tiny_llama_step_is_bit_identical_with_fused_epilogues(vk_device, tiny_llama_programs):
     (fused, unfused), vocab = tiny_llama_programs
-    batches = _batches((2, 8), vocab, steps=3)
-    _assert_same_bits(_train(fused, vk_device, batches), _train(unfused, vk_device, batches))
+    batches = next_token_batches((2, 8), vocab, 3, seed=5)
+    _assert_same_bits(train_recorded(fused, vk_device, batches, HPARAMS), train_recorded(unfused, vk_device, batches, HPARAMS))
     _no_add_reads_a_product(fused, vk_device)
 
 
 def test_tiny_llama_fp16_tc_step_is_bit_identical_with_the_coopmat_addend(vk_device, tiny_llama_programs):
     """Emulated tensor cores: every routed mm runs coopmat_mm, the fused ones its ADDEND variant."""
+    if vk_device.subgroup_size < 8:
+        pytest.skip(f"{vk_device.name} has subgroups of {vk_device.subgroup_size} lanes; the emulated coopmat "
+                    f"kernels need 8 or more (LP_NATIVE_VECTOR_WIDTH=128 gives 4)")
     (fused, unfused), vocab = tiny_llama_programs
-    batches = _batches((2, 8), vocab, steps=2)
+    batches = next_token_batches((2, 8), vocab, 2, seed=5)
     options = dict(precision=PRECISION_FP16_TC, emulate_tensor_cores=True)
-    shaders = _assert_same_bits(_train(fused, vk_device, batches, **options),
-                                _train(unfused, vk_device, batches, **options))
+    shaders = _assert_same_bits(train_recorded(fused, vk_device, batches, HPARAMS, **options),
+                                train_recorded(unfused, vk_device, batches, HPARAMS, **options))
     assert any(s.startswith("coopmat_mm@") and "ADDEND" in s for s in shaders), sorted(set(shaders))
 
 
@@ -291,6 +262,6 @@ def test_a_llama_sized_lora_mlp_step_is_bit_identical_with_fused_epilogues(vk_de
     vocab = 64
     model = build_model("mlp-lora", dim=2048, hidden=2048, vocab_size=vocab, n_layers=1, activation="relu")
     apply_lora(model, LoRAConfig(rank=16, alpha=32.0, targets="*", group_size=32, seed=0))
-    fused, unfused = _programs(model, (2, 32), tmp_path)
-    batches = _batches((2, 32), vocab, steps=3)
-    _assert_same_bits(_train(fused, vk_device, batches), _train(unfused, vk_device, batches))
+    fused, unfused = ptes_with_and_without(fuse_gemm_epilogues, model, (2, 32), tmp_path)
+    batches = next_token_batches((2, 32), vocab, 3, seed=5)
+    _assert_same_bits(train_recorded(fused, vk_device, batches, HPARAMS), train_recorded(unfused, vk_device, batches, HPARAMS))

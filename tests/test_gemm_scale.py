@@ -15,10 +15,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-import torch
 
 import vktrain.backend.passes as backend_passes
-from vktrain.backend.kernel_planning import plan_schedule
 from vktrain.backend.kernel_planning.kernels.elementwise import plan_unary
 from vktrain.backend.kernel_planning.kernels.gemm_passes import plan_scale_in_place
 from vktrain.backend.kernel_planning.kernels.gemm_tuning import CPU_TUNING, TUNING_ENV
@@ -27,13 +25,13 @@ from vktrain.backend.kernel_planning.kernels.matmul import gemm_scratch_nbytes, 
 from vktrain.backend.passes import PASSES, compile_graph
 from vktrain.backend.passes.gemm_scale import MM_SCALED, fuse_gemm_scales
 from vktrain.contract import PRECISION_FP16, PRECISION_FP16_TC
-from vktrain.export import export_training_step, lower_to_pte
 from vktrain.lora import LoRAConfig, apply_lora
 from vktrain.models import build_model
 from vktrain.runtime import Buffer, run_dispatches
-from vktrain.runtime.program.runner import TrainingRunner
 from vktrain.serialization import graph as vk
 from vktrain.serialization.strided_view import KernelArgumentError, StridedView
+
+from _helpers import next_token_batches, planned, ptes_with_and_without, train_recorded
 
 F32 = vk.DType.FLOAT32
 MM, VIEW, MUL = "aten.mm.default", "aten.view_copy.default", "aten.mul.Tensor"
@@ -273,39 +271,6 @@ def test_the_scaled_plans_refuse_what_they_cannot_scale_exactly():
 HPARAMS = np.array([1e-2, 0.9, 0.999, 1e-8, 0.01], np.float32)
 
 
-def _programs(model, batch, tmp_path):
-    """The step's .pte with and without the pass (every other pass the same)."""
-    program = export_training_step(model, batch)
-    paths = {}
-    for fused in (True, False):
-        passes = PASSES if fused else tuple(p for p in PASSES if p is not fuse_gemm_scales)
-        with pytest.MonkeyPatch.context() as patch:
-            patch.setattr(backend_passes, "PASSES", passes)
-            paths[fused] = tmp_path / f"step_{'fused' if fused else 'unfused'}.pte"
-            paths[fused].write_bytes(lower_to_pte(program))
-    return paths[True], paths[False]
-
-
-def _batches(batch, vocab, steps):
-    generator = torch.Generator().manual_seed(5)
-    out = []
-    for _ in range(steps):
-        token_ids = torch.randint(0, vocab, batch, generator=generator)
-        labels = torch.roll(token_ids, -1, dims=1)
-        labels[:, -1] = -1
-        out.append((token_ids.numpy(), labels.numpy()))
-    return out
-
-
-def _train(path, device, batches, **options):
-    with TrainingRunner.from_pte(path, device, planner=plan_schedule, **options) as runner:
-        ops = [op.name for op in runner.executor.ops]
-        shaders = [(d.shader, d.label) for d in runner.executor.dispatches]
-        losses = [runner.step(token_ids, labels, HPARAMS) for token_ids, labels in batches]
-        state = {name: np.array(array, copy=True) for name, array in runner.state_dict().items()}
-    return ops, shaders, losses, state
-
-
 def _assert_same_bits(fused, unfused):
     """The same losses and state; one dispatch fewer per fused mul but those whose product a kernel that
     cannot scale computes (gemm_lowering's `_scaled_product`: the mm, then its `.scale` in place). Returns the
@@ -333,22 +298,22 @@ def mlp_programs(tmp_path_factory):
     vocab = 64
     model = build_model("mlp-lora", dim=256, hidden=128, vocab_size=vocab, n_layers=2, activation="relu")
     apply_lora(model, LoRAConfig(rank=12, alpha=4.0, targets="*", group_size=32, seed=0))
-    return _programs(model, (2, 32), tmp_path_factory.mktemp("mlp")), vocab
+    return ptes_with_and_without(fuse_gemm_scales, model, (2, 32), tmp_path_factory.mktemp("mlp")), vocab
 
 
 def test_the_step_is_bit_identical_with_fused_scales_on_the_cpu_tuning(vk_device, mlp_programs):
     (fused, unfused), vocab = mlp_programs
-    batches = _batches((2, 32), vocab, steps=3)
-    _, in_place = _assert_same_bits(_train(fused, vk_device, batches), _train(unfused, vk_device, batches))
+    batches = next_token_batches((2, 32), vocab, 3, seed=5)
+    _, in_place = _assert_same_bits(train_recorded(fused, vk_device, batches, HPARAMS), train_recorded(unfused, vk_device, batches, HPARAMS))
     assert in_place == 0
 
 
 def test_the_step_is_bit_identical_with_fused_scales_on_the_gpu_tuning(vk_device, mlp_programs, monkeypatch):
     """matmul_thin's SCALE store unsplit, the SCALE reduce after a split, and the tiles' alpha."""
     (fused, unfused), vocab = mlp_programs
-    batches = _batches((2, 32), vocab, steps=3)
+    batches = next_token_batches((2, 32), vocab, 3, seed=5)
     monkeypatch.setenv(TUNING_ENV, "gpu")
-    shaders, in_place = _assert_same_bits(_train(fused, vk_device, batches), _train(unfused, vk_device, batches))
+    shaders, in_place = _assert_same_bits(train_recorded(fused, vk_device, batches, HPARAMS), train_recorded(unfused, vk_device, batches, HPARAMS))
     assert in_place == 0
     assert {"matmul_thin@SCALE", "linear_splitk_reduce@SCALE"} <= set(shaders), sorted(set(shaders))
 
@@ -360,10 +325,10 @@ def test_the_step_is_bit_identical_with_fused_scales_on_the_emulated_tensor_core
         pytest.skip(f"{vk_device.name} has subgroups of {vk_device.subgroup_size} lanes (LP_NATIVE_VECTOR_WIDTH=128); "
                     f"the emulated coopmat kernels need 8")
     (fused, unfused), vocab = mlp_programs
-    batches = _batches((2, 32), vocab, steps=2)
+    batches = next_token_batches((2, 32), vocab, 2, seed=5)
     options = dict(precision=PRECISION_FP16_TC, emulate_tensor_cores=True)
-    shaders, in_place = _assert_same_bits(_train(fused, vk_device, batches, **options),
-                                            _train(unfused, vk_device, batches, **options))
+    shaders, in_place = _assert_same_bits(train_recorded(fused, vk_device, batches, HPARAMS, **options),
+                                            train_recorded(unfused, vk_device, batches, HPARAMS, **options))
     assert in_place > 0 and any(s.startswith("coopmat_mm") for s in shaders)
     assert "linear_splitk_reduce@SCALE+IN_PLACE" in shaders
 
@@ -372,10 +337,10 @@ def test_the_step_is_bit_identical_with_fused_scales_on_the_fp16_variants(vk_dev
     """The fp16 policy's test path (every mm past STARVED_REDUCTION on matmul.slang's FP16 variants): the scale is
     their alpha unsplit (after the exact unscaling of the sum) and the SCALE reduce's split."""
     (fused, unfused), vocab = mlp_programs
-    batches = _batches((2, 32), vocab, steps=2)
+    batches = next_token_batches((2, 32), vocab, 2, seed=5)
     options = dict(precision=PRECISION_FP16, emulate_tensor_cores=True)
-    shaders, in_place = _assert_same_bits(_train(fused, vk_device, batches, **options),
-                                            _train(unfused, vk_device, batches, **options))
+    shaders, in_place = _assert_same_bits(train_recorded(fused, vk_device, batches, HPARAMS, **options),
+                                            train_recorded(unfused, vk_device, batches, HPARAMS, **options))
     assert in_place == 0 and any(s.endswith("+FP16") for s in shaders)
     assert "linear_splitk_reduce@SCALE" in shaders
 
@@ -395,7 +360,6 @@ def _scaled_product_graph(fused: bool):
 def test_a_scaled_product_over_the_binding_limit_is_the_mm_in_windows_then_the_mul(vk_device):
     """`a` (1.25 MiB) over a 1 MiB binding limit: the GEMM runs in windows, which cannot scale a whole sum, so
     mm_scaled's lowering plans aten.mm's windows and the scale in place after them."""
-    from _helpers import planned
     from vktrain.runtime.delegate.executor import GraphExecutor
 
     rng = np.random.default_rng(3)

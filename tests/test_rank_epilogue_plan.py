@@ -35,7 +35,7 @@ from vktrain.serialization.pte import PteFile
 from vktrain.serialization.verify import load_delegate_graph
 from vktrain.serialization.strided_view import StridedView
 
-from _helpers import planned
+from _helpers import next_token_batches, planned, train_recorded
 
 F32 = vk.DType.FLOAT32
 LINEAR_Q4GSW = "vktrain.linear_q4gsw.default"
@@ -89,26 +89,6 @@ def tiny_llama_step(tmp_path_factory):
     return {"moved": path, "unmoved": unmoved}, model.vocab_size
 
 
-def _batches(vocab, steps):
-    generator = torch.Generator().manual_seed(3)
-    batches = []
-    for _ in range(steps):
-        token_ids = torch.randint(0, vocab, (2, 8), generator=generator)
-        labels = torch.roll(token_ids, -1, dims=1)
-        labels[:, -1] = -1
-        batches.append((token_ids.numpy(), labels.numpy()))
-    return batches
-
-
-def _train(path, device, batches, rank_epilogues, **options):
-    planner = functools.partial(plan_schedule, rank_epilogues=rank_epilogues)
-    with TrainingRunner.from_pte(path, device, planner=planner, **options) as runner:
-        shaders = [d.shader for d in runner.executor.dispatches]
-        losses = [runner.step(token_ids, labels, HPARAMS) for token_ids, labels in batches]
-        state = {name: np.array(array, copy=True) for name, array in runner.state_dict().items()}
-    return shaders, losses, state
-
-
 @pytest.mark.parametrize("export", ["moved", "unmoved"])
 def test_emulated_tensor_core_step_is_bit_identical_with_rank_epilogues(vk_device, tiny_llama_step, export):
     if vk_device.subgroup_size < 8:
@@ -121,10 +101,12 @@ def test_emulated_tensor_core_step_is_bit_identical_with_rank_epilogues(vk_devic
     dispatching = [any(not graph.tensor(v).is_view for v in graph.ops[k].outputs)
                    for i, j in rank_epilogue_pairs(graph).items() for k in range(i + 1, j)]
     assert any(dispatching) == (export == "unmoved")
-    batches = _batches(vocab, steps=3)
+    batches = next_token_batches((2, 8), vocab, 3, seed=3)
     options = dict(precision=PRECISION_FP16_TC, emulate_tensor_cores=True)
-    shaders, losses, state = _train(path, vk_device, batches, True, **options)
-    shaders_u, losses_u, state_u = _train(path, vk_device, batches, False, **options)
+    (_, dispatches, losses, state), (_, dispatches_u, losses_u, state_u) = (
+        train_recorded(path, vk_device, batches, HPARAMS, functools.partial(plan_schedule, rank_epilogues=flag),
+                       **options) for flag in (True, False))
+    shaders, shaders_u = [s for s, _ in dispatches], [s for s, _ in dispatches_u]
     assert losses == losses_u, (losses, losses_u)
     assert state.keys() == state_u.keys()
     for name in state:
